@@ -1,0 +1,326 @@
+"""Public entry points: ``token_ring_attn``, ``ring_attn``, ``sequence_parallel_attn`` and the
+``SequenceParallelAttention`` module.
+
+This module owns input validation (once, at the boundary), the cross-rank agreement check,
+and the autograd wiring; the work itself is the schedule (``tokenring.schedule``) executed by
+``tokenring.runtime``.
+
+Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.comm import Communicator
+from tokenring.kernels import BlockKernel, select_kernel
+from tokenring.layout import Layout, validate_seq_local
+from tokenring.runtime import run_backward, run_forward
+from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
+
+__all__ = [
+    "SequenceParallelAttention",
+    "get_communicator",
+    "ring_attn",
+    "sequence_parallel_attn",
+    "token_ring_attn",
+]
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(_DTYPES)}
+_COMMUNICATORS: dict[Any, Communicator] = {}  # cache: one per process group, built on first use
+
+GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
+
+
+def get_communicator(group: GroupLike = None) -> Communicator:
+    """The communicator for ``group``: a ProcessGroup, a 1-D DeviceMesh, a Communicator (used
+    as is) or None (the default group). Built once per group and reused.
+
+    Raises:
+        ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
+    """
+    if isinstance(group, Communicator):
+        return group
+    mesh_cls = _device_mesh_class()
+    if mesh_cls is not None and isinstance(group, mesh_cls):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group must be a 1-D DeviceMesh; got a mesh with ndim={group.ndim} "
+                "(pass mesh[dim_name] for the sequence-parallel dimension)"
+            )
+        group = group.get_group()
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "
+            f"got {type(group).__name__}"
+        )
+    key = group if group is not None else "default"
+    comm = _COMMUNICATORS.get(key)
+    if comm is None:
+        comm = Communicator(group)
+        _COMMUNICATORS[key] = comm
+    return comm
+
+
+def _device_mesh_class() -> type | None:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - very old torch
+        return None
+    return DeviceMesh
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(
+    strategy: Strategy,
+    pass_: Pass,
+    layout: Layout,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    last_block_splits: int,
+) -> Schedule:
+    return build_schedule(
+        strategy,
+        pass_,
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=seq_local,
+        last_block_splits=last_block_splits,
+    )
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dims (batch, seq_local, heads, head_dim); got shape "
+                f"{tuple(x.shape)}"
+            )
+        if x.dtype not in _DTYPES:
+            raise ValueError(
+                f"{name}.dtype must be one of float64, float32, bfloat16, float16; got {x.dtype}"
+            )
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype must equal q.dtype ({q.dtype}); got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}.device must equal q.device ({q.device}); got {x.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, s, hq, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(
+            f"k must have shape (batch={b}, seq_local={s}, heads_kv, head_dim={d}) to match q; "
+            f"got {tuple(k.shape)}"
+        )
+    hkv = k.shape[2]
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"heads_kv must divide heads_q; got heads_q={hq}, heads_kv={hkv}")
+    if b < 1 or d < 1:
+        raise ValueError(f"batch and head_dim must be >= 1; got shape {tuple(q.shape)}")
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
+
+
+def _check_ranks_agree(comm: Communicator, signature: list[int], names: list[str], device: torch.device) -> None:
+    """Fail on every rank, naming the difference, when ranks called with different arguments."""
+    if comm.world_size == 1:
+        return
+    mine = torch.tensor(signature, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(comm.world_size)]
+    dist.all_gather(gathered, mine, group=comm.group)
+    rows = [g.tolist() for g in gathered]
+    for r, row in enumerate(rows):
+        if row != rows[0]:
+            diffs = [
+                f"{name}: rank 0 has {a}, rank {r} has {b}"
+                for name, a, b in zip(names, rows[0], row, strict=True)
+                if a != b
+            ]
+            raise ValueError("ranks called attention with different arguments: " + "; ".join(diffs))
+
+
+class _SequenceParallelAttnFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fwd: Schedule,
+        bwd: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = run_forward(fwd, comm, kernel, q, k, v, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bwd, ctx.comm, ctx.kernel, ctx.scale = bwd, comm, kernel, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = run_backward(
+            ctx.bwd, ctx.comm, ctx.kernel, dout.contiguous(), q, k, v, out, lse, scale=ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def sequence_parallel_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    strategy: Strategy | str = Strategy.TOKEN_RING,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    return_lse: bool = False,
+    kernel: str | BlockKernel | None = None,
+    last_block_splits: int = 2,
+    check_ranks: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a sequence sharded across the ranks of ``group``.
+
+    Every rank passes its own shard; the result is this rank's shard of the output of full
+    attention over the global sequence.
+
+    Args:
+        q: ``(B, s, Hq, D)`` this rank's queries.
+        k, v: ``(B, s, Hkv, D)``; Hkv divides Hq (GQA/MQA; K/V heads are never repeated on
+            the wire).
+        strategy: ``"token_ring"`` (pass-Q, partials return on the other direction) or
+            ``"ring"`` (pass-KV).
+        causal: causal mask over *global* positions (see ``tokenring.layout``).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        group: ProcessGroup, 1-D DeviceMesh, Communicator, or None (default group).
+        layout: how the caller sharded the sequence: ``"contiguous"`` or ``"zigzag"``.
+        return_lse: also return lse ``(B, Hq, s)`` (float32; float64 for float64 inputs).
+            lse carries no gradient.
+        kernel: block kernel name or instance; None picks one for the device and dtype.
+        last_block_splits: TokenRing returns its last block in this many slices.
+        check_ranks: all-gather a small signature first and raise a ValueError naming the
+            difference if ranks disagree on shapes, dtype or options (one tiny collective).
+
+    Returns:
+        out ``(B, s, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError: mismatched shapes, dtypes or devices; Hkv not dividing Hq; a seq_local the
+            layout cannot split; unknown strategy, layout or kernel; ranks that disagree.
+    """
+    strategy = Strategy.parse(strategy)
+    layout = Layout.parse(layout)
+    _validate(q, k, v, softmax_scale)
+    validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
+    if last_block_splits < 1:
+        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    comm = get_communicator(group)
+    block_kernel = select_kernel(q.device, q.dtype, kernel)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if check_ranks:
+        names = ["batch", "seq_local", "heads_q", "heads_kv", "head_dim", "dtype", "causal",
+                 "layout", "strategy", "scale_bits"]  # fmt: skip
+        signature = [
+            *q.shape[:3], k.shape[2], q.shape[3], _DTYPE_CODES[q.dtype], int(causal),
+            list(Layout).index(layout), list(Strategy).index(strategy),
+            int.from_bytes(struct.pack("<d", scale), "little", signed=True),
+        ]  # fmt: skip
+        _check_ranks_agree(comm, signature, names, q.device)
+    key = (strategy, layout, causal, comm.world_size, q.shape[1], last_block_splits)
+    fwd = _schedule(strategy, Pass.FORWARD, *key[1:])
+    bwd = _schedule(strategy, Pass.BACKWARD, *key[1:])
+    out, lse = _SequenceParallelAttnFn.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), fwd, bwd, comm, block_kernel, scale
+    )
+    return (out, lse) if return_lse else out
+
+
+def token_ring_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    return_lse: bool = False,
+    **options: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """TokenRing attention (pass-Q); see :func:`sequence_parallel_attn` for every argument."""
+    return sequence_parallel_attn(
+        q, k, v, strategy=Strategy.TOKEN_RING, causal=causal, softmax_scale=softmax_scale,
+        group=group, layout=layout, return_lse=return_lse, **options,
+    )  # fmt: skip
+
+
+def ring_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    return_lse: bool = False,
+    **options: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention (pass-KV); see :func:`sequence_parallel_attn` for every argument."""
+    return sequence_parallel_attn(
+        q, k, v, strategy=Strategy.RING, causal=causal, softmax_scale=softmax_scale,
+        group=group, layout=layout, return_lse=return_lse, **options,
+    )  # fmt: skip
+
+
+class SequenceParallelAttention(torch.nn.Module):
+    """``nn.Module`` wrapper: ``forward(q, k, v) -> out`` with the options fixed at build time.
+
+    Args: as :func:`sequence_parallel_attn` (strategy, causal, softmax_scale, group, layout,
+    kernel, last_block_splits, check_ranks).
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: Strategy | str = Strategy.TOKEN_RING,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        group: GroupLike = None,
+        layout: Layout | str = Layout.CONTIGUOUS,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.strategy = Strategy.parse(strategy)
+        self.layout = Layout.parse(layout)
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.group = group
+        self.options = options
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = sequence_parallel_attn(
+            q, k, v, strategy=self.strategy, causal=self.causal,
+            softmax_scale=self.softmax_scale, group=self.group, layout=self.layout,
+            **self.options,
+        )  # fmt: skip
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"strategy={self.strategy.value}, causal={self.causal}, layout={self.layout.value}"

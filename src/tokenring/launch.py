@@ -1,0 +1,306 @@
+"""Spawning a gloo (or NCCL) process group on one machine, with deadlines and root causes.
+
+This module owns the worker processes of tests, the demo and the benchmark: each rank is a
+fresh Python subprocess (so it can also be started inside a network
+namespace), rendezvous goes through a FileStore in a private temp dir (no fixed ports), every
+process group gets a timeout, and an outer deadline kills every worker. When a rank fails, the
+others are ended at once and the error names the rank that failed *first* with its own
+traceback, not the "connection closed" of its peers.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["LaunchError", "launch", "init_distributed"]
+
+
+class LaunchError(RuntimeError):
+    """A launched rank failed or the deadline passed; the message names the root cause."""
+
+    def __init__(self, message: str, *, failed_rank: int | None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+        self.remote_traceback = remote_traceback
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Spec:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    world_size: int
+    backend: str
+    store_path: str
+    result_dir: str
+    pg_timeout_s: float
+    threads: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    log_path: str
+
+
+@dataclass(slots=True)
+class _Outcome:
+    ok: bool
+    value: Any = None
+    error: str = ""
+    failed_at_s: float = field(default=0.0)
+
+
+def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
+    """Initialise the default process group from the launcher's environment (torchrun).
+
+    Uses NCCL when CUDA is available, gloo otherwise, unless ``backend`` is given; sets
+    the CUDA device from LOCAL_RANK. Always with a timeout.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0; got {timeout_s}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int,
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 30.0,
+    backend: str = "gloo",
+    threads_per_rank: int | None = None,
+    wrap_command: Callable[[int, list[str]], list[str]] | None = None,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
+    register_pid: Callable[[int], None] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes joined in a process group.
+
+    ``fn`` must be importable by reference (a module-level function). Inside it,
+    ``torch.distributed`` is initialised (``dist.get_rank()`` is the rank).
+
+    Args:
+        timeout_s: outer deadline for the whole run; every worker is killed past it.
+        pg_timeout_s: timeout of the process group (each collective or P2P wait).
+        threads_per_rank: torch intra-op threads per rank; default cpu_count // world_size.
+        wrap_command: turns a worker's argv into the argv to start (e.g. ``ip netns exec``).
+        rank_env: extra environment per rank (e.g. GLOO_SOCKET_IFNAME).
+        register_pid: called with each worker's PID (e.g. so a lab can end it on tear-down).
+
+    Returns:
+        Each rank's return value, in rank order.
+
+    Raises:
+        ValueError: world_size < 1 or timeouts <= 0.
+        LaunchError: a rank raised or died (message: the first failing rank's traceback), or
+            the deadline passed (message: which ranks had not finished, and their log tails).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if timeout_s <= 0 or pg_timeout_s <= 0:
+        raise ValueError(f"timeout_s and pg_timeout_s must be > 0; got {timeout_s}, {pg_timeout_s}")
+    if getattr(fn, "__module__", None) == "__main__":
+        raise ValueError(
+            f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
+            "(move it into a module)"
+        )
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
+    try:
+        spec = _Spec(
+            fn=fn, args=args, kwargs=kwargs, world_size=world_size, backend=backend,
+            store_path=os.path.join(workdir, "store"), result_dir=workdir,
+            pg_timeout_s=pg_timeout_s, threads=threads,
+        )  # fmt: skip
+        spec_path = os.path.join(workdir, "spec.pkl")
+        with open(spec_path, "wb") as f:
+            pickle.dump(spec, f)
+        ranks = _start(spec_path, workdir, world_size, wrap_command, rank_env, register_pid)
+        try:
+            return _collect(ranks, workdir, timeout_s)
+        finally:
+            _end(ranks)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start(
+    spec_path: str,
+    workdir: str,
+    world_size: int,
+    wrap_command: Callable[[int, list[str]], list[str]] | None,
+    rank_env: Callable[[int], dict[str, str]] | None,
+    register_pid: Callable[[int], None] | None,
+) -> list[_Rank]:
+    base_env = dict(os.environ)
+    base_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in base_env:
+        base_env["GLOO_SOCKET_IFNAME"] = "lo"
+    ranks: list[_Rank] = []
+    for rank in range(world_size):
+        argv = [sys.executable, "-c", _WORKER_CODE, spec_path, str(rank)]
+        if wrap_command is not None:
+            argv = wrap_command(rank, argv)
+        env = dict(base_env)
+        if rank_env is not None:
+            env.update(rank_env(rank))
+        log_path = os.path.join(workdir, f"rank{rank}.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        if register_pid is not None:
+            register_pid(proc.pid)
+        ranks.append(_Rank(rank=rank, proc=proc, log_path=log_path))
+    return ranks
+
+
+def _read_outcome(workdir: str, rank: int) -> _Outcome | None:
+    path = os.path.join(workdir, f"result{rank}.pkl")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        outcome: _Outcome = pickle.load(f)
+    return outcome
+
+
+def _tail(path: str, num_chars: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    return data[-num_chars:].decode(errors="replace")
+
+
+def _collect(ranks: list[_Rank], workdir: str, timeout_s: float) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    first_failure: tuple[float, int, str] | None = None
+    grace_until: float | None = None
+    while True:
+        now = time.monotonic()
+        running = [r for r in ranks if r.proc.poll() is None]
+        for r in ranks:
+            if r.proc.poll() is None:
+                continue
+            outcome = _read_outcome(workdir, r.rank)
+            if outcome is not None and not outcome.ok:
+                candidate = (outcome.failed_at_s, r.rank, outcome.error)
+            elif outcome is None:
+                code = r.proc.returncode
+                candidate = (
+                    time.time(),
+                    r.rank,
+                    f"rank {r.rank} exited with code {code} without a result; log tail:\n"
+                    + _tail(r.log_path),
+                )
+            else:
+                continue
+            if first_failure is None or candidate[0] < first_failure[0]:
+                first_failure = candidate
+            if grace_until is None:
+                # Give peers a moment to report their own errors (to pick the earliest), then
+                # end them: they would otherwise sit in a P2P wait until their timeout.
+                grace_until = now + 1.0
+        if first_failure is not None and (not running or (grace_until and now > grace_until)):
+            _end(ranks)
+            _, rank, error = first_failure
+            raise LaunchError(
+                f"rank {rank} failed first (root cause below); the other ranks were ended.\n"
+                f"--- rank {rank} ---\n{error}",
+                failed_rank=rank,
+                remote_traceback=error,
+            )
+        if not running:
+            break
+        if now > deadline:
+            _end(ranks)
+            stuck = [r.rank for r in running]
+            tails = "\n".join(f"--- rank {r.rank} log tail ---\n{_tail(r.log_path)}" for r in running)
+            raise LaunchError(
+                f"deadline of {timeout_s:.0f} s passed; ranks {stuck} had not finished and were "
+                f"killed\n{tails}",
+                failed_rank=None,
+            )
+        time.sleep(0.02)
+    results = []
+    for r in ranks:
+        outcome = _read_outcome(workdir, r.rank)
+        assert outcome is not None and outcome.ok
+        results.append(outcome.value)
+    return results
+
+
+def _end(ranks: Sequence[_Rank]) -> None:
+    """Kill every still-running worker (its own session: children too), by PID."""
+    for r in ranks:
+        if r.proc.poll() is None:
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                r.proc.kill()
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _worker(spec_path: str, rank: int) -> int:
+    with open(spec_path, "rb") as f:
+        spec: _Spec = pickle.load(f)
+    result_path = os.path.join(spec.result_dir, f"result{rank}.pkl")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(spec.threads)
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        dist.init_process_group(
+            backend=spec.backend,
+            store=store,
+            rank=rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.pg_timeout_s),
+        )
+        try:
+            value = spec.fn(*spec.args, **spec.kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        outcome = _Outcome(ok=True, value=value)
+    except BaseException:
+        outcome = _Outcome(
+            ok=False, error=f"rank {rank}: {traceback.format_exc()}", failed_at_s=time.time()
+        )
+    tmp = result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(tmp, result_path)
+    return 0 if outcome.ok else 1
+
+
+_WORKER_CODE = "import sys; from tokenring.launch import _worker; sys.exit(_worker(sys.argv[1], int(sys.argv[2])))"

@@ -1,0 +1,450 @@
+"""Per-step schedules of every strategy, as plain data.
+
+This module owns *what happens*: at each step, which Q shard meets which K/V shard on which
+rank (and which rows of them), and which rows of which payload travel from whom to whom. The
+runtime (``tokenring.runtime``) executes a :class:`Schedule`; the byte counts in tests and the
+cost model read the very same object. Nothing here touches tensors or process groups.
+
+Legend: B batch, s local seq, Hq query heads, Hkv key/value heads, D head dim, P world size,
+c = s // 2 (zigzag chunk). Rows are half-open ``(start, stop)`` ranges of an owner's local
+shard.
+
+Note [TokenRing step table]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Q blocks travel "down" the ring (rank r sends to r-1); K/V never move. At step t rank r holds
+the Q of owner o = (r + t) mod P, computes it against its own K/V, and sends the partial
+(out, lse) straight back to o -- the "up" direction, a different process group. P = 4::
+
+    step t:        0        1        2        3
+    rank 0 holds:  Q0       Q1       Q2       Q3
+    rank 1 holds:  Q1       Q2       Q3       Q0
+    rank 2 holds:  Q2       Q3       Q0       Q1
+    rank 3 holds:  Q3       Q0       Q1       Q2
+    returns:       -        o<-r+1   o<-r+2   o<-r+3   (sent after the block is computed)
+
+Q for step t+1 is posted at the start of step t, so it flies while step t computes; the partial
+of step t flies while step t+1 computes. The partial of the last step cannot overlap with
+anything, so the last block is computed in ``last_block_splits`` row slices, each returned as
+soon as it is done: only the last slice's return is exposed.
+
+Note [Causal blocks per layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+For the Q shard of owner o and the K/V shard of owner j (c = s/2):
+
+    layout       case      q rows      kv rows     mask
+    any          o == j    [0, s)      [0, s)      causal (positions increase inside a shard)
+    contiguous   j < o     [0, s)      [0, s)      full
+    contiguous   j > o     -           -           empty: nothing computed, nothing sent
+    zigzag       j < o     [0, s)      [0, c)      full  (both q chunks are after kv chunk j)
+    zigzag       j > o     [c, s)      [0, s)      full  (only q chunk 2P-1-o is after kv)
+    non-causal   any       [0, s)      [0, s)      full
+
+Zigzag gives every rank half a block of work at every step but the first. Because Q travels
+down the ring, the owner o's Q first visits ranks o-1, ..., 0 (j < o: all rows needed) and then
+P-1, ..., o+1 (j > o: only rows [c, s)). The rows a rank forwards are the union of what every
+rank still ahead of it needs, so they only ever shrink: after the wrap TokenRing sends half of
+Q and gets half a partial back. Ring (pass-KV) uses the same mechanism for K/V, moving down as
+well: K/V first visit j-1..0 (needs [0, s)), then P-1..j+1 (needs [0, c)).
+
+Note [Backward]
+~~~~~~~~~~~~~~~
+TokenRing: K/V and their gradient accumulators stay home. (q, dout, lse, delta) travel exactly
+like q in the forward; each rank adds dK, dV of its own K/V from every visiting Q; partial dQ
+goes back to its owner like ``out``. Ring: K/V travel like the forward, with their fp32 dK/dV
+accumulators one step behind on the return process group (same direction). After the last step
+the accumulator makes one more hop, home to its owner.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tokenring.layout import Layout, validate_seq_local
+
+__all__ = [
+    "Dims",
+    "Flow",
+    "Pass",
+    "Payload",
+    "Piece",
+    "Schedule",
+    "Segment",
+    "Strategy",
+    "StepPlan",
+    "Transfer",
+    "block_pieces",
+    "build_schedule",
+    "piece_flops",
+]
+
+Rows = tuple[int, int]
+
+
+class Strategy(enum.Enum):
+    """Which sequence-parallel algorithm moves which tensors."""
+
+    TOKEN_RING = "token_ring"
+    RING = "ring"
+
+    @classmethod
+    def parse(cls, value: Strategy | str) -> Strategy:
+        if isinstance(value, Strategy):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            options = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"strategy must be one of {options}; got {value!r}") from None
+
+
+class Pass(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Flow(enum.Enum):
+    """Each flow runs on its own process group so both directions of a link carry traffic."""
+
+    TRAVEL = "travel"  # blocks moving down the ring: q, kv, (q, dout, lse, delta)
+    RETURN = "return"  # partials going home or accumulators following: out, dq, dkv
+
+
+class Payload(enum.Enum):
+    Q = "q"  # q rows: Hq * D elements
+    KV = "kv"  # k and v rows: 2 * Hkv * D elements
+    OUT = "out"  # partial out rows (Hq * D) + their lse (Hq, accumulation dtype)
+    Q_GRAD = "q_grad"  # q and dout rows (2 * Hq * D) + lse and delta (2 * Hq, accumulation dtype)
+    DQ = "dq"  # partial dq rows: Hq * D elements
+    DKV = "dkv"  # dk and dv accumulators: 2 * Hkv * D, accumulation dtype
+
+    @property
+    def flow(self) -> Flow:
+        if self in (Payload.Q, Payload.KV, Payload.Q_GRAD):
+            return Flow.TRAVEL
+        return Flow.RETURN
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dims:
+    """Sizes that turn rows into bytes and FLOPs."""
+
+    batch: int
+    """B."""
+    heads_q: int
+    """Hq."""
+    heads_kv: int
+    """Hkv; divides Hq."""
+    head_dim: int
+    """D."""
+    elem_bytes: int
+    """Bytes per element of q/k/v (2 for bf16/fp16, 4 for fp32, 8 for fp64)."""
+    acc_bytes: int = 4
+    """Bytes per element of the accumulation dtype (fp32, or fp64 for fp64 inputs)."""
+
+    def row_bytes(self, payload: Payload) -> int:
+        """Bytes of one sequence row of ``payload`` (all batch entries)."""
+        b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
+        per_row = {
+            Payload.Q: hq * d * self.elem_bytes,
+            Payload.KV: 2 * hkv * d * self.elem_bytes,
+            Payload.OUT: hq * d * self.elem_bytes + hq * self.acc_bytes,
+            Payload.Q_GRAD: 2 * hq * d * self.elem_bytes + 2 * hq * self.acc_bytes,
+            Payload.DQ: hq * d * self.elem_bytes,
+            Payload.DKV: 2 * hkv * d * self.acc_bytes,
+        }[payload]
+        return b * per_row
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One kernel call: q rows of the q owner against kv rows of the kv owner."""
+
+    q_rows: Rows
+    kv_rows: Rows
+    causal: bool  # top-left causal mask; only on a shard against itself (equal positions)
+
+    @property
+    def num_q(self) -> int:
+        return self.q_rows[1] - self.q_rows[0]
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv_rows[1] - self.kv_rows[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Pieces over the same q rows, merged into one partial (the unit that is returned)."""
+
+    q_rows: Rows
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """``rows`` of ``owner``'s shard of ``payload`` going from ``src`` to ``dst``.
+
+    Posted by the sender at step ``step`` after ``after_segments`` of its compute segments of
+    that step (0: at the start of the step, overlapping the whole step's compute). The receiver
+    posts its receive at the start of the same step.
+    """
+
+    payload: Payload
+    src: int
+    dst: int
+    owner: int
+    rows: Rows
+    step: int
+    after_segments: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    def num_bytes(self, dims: Dims) -> int:
+        return self.num_rows * dims.row_bytes(self.payload)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one rank computes at one step."""
+
+    rank: int
+    step: int
+    q_owner: int
+    kv_owner: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def pieces(self) -> Iterator[Piece]:
+        for segment in self.segments:
+            yield from segment.pieces
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The whole plan of one attention pass of one strategy on ``world_size`` ranks."""
+
+    strategy: Strategy
+    pass_: Pass
+    layout: Layout
+    causal: bool
+    world_size: int
+    seq_local: int
+    steps: tuple[tuple[StepPlan, ...], ...]  # [rank][step]
+    transfers: tuple[Transfer, ...]
+    _sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
+    _recvs: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        sends: dict[tuple[int, int], list[Transfer]] = {}
+        recvs: dict[tuple[int, int], list[Transfer]] = {}
+        for tr in self.transfers:
+            sends.setdefault((tr.src, tr.step), []).append(tr)
+            recvs.setdefault((tr.dst, tr.step), []).append(tr)
+        self._sends.update({k: tuple(v) for k, v in sends.items()})
+        self._recvs.update({k: tuple(v) for k, v in recvs.items()})
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps[0])
+
+    def sends(self, rank: int, step: int) -> tuple[Transfer, ...]:
+        """Transfers ``rank`` posts during ``step``."""
+        return self._sends.get((rank, step), ())
+
+    def recvs(self, rank: int, step: int) -> tuple[Transfer, ...]:
+        """Transfers ``rank`` receives, posted at the start of ``step``."""
+        return self._recvs.get((rank, step), ())
+
+    def bytes_sent(self, dims: Dims) -> dict[tuple[int, int], int]:
+        """Total bytes per directed pair ``(src, dst)`` over the pass."""
+        total: dict[tuple[int, int], int] = {}
+        for tr in self.transfers:
+            key = (tr.src, tr.dst)
+            total[key] = total.get(key, 0) + tr.num_bytes(dims)
+        return total
+
+
+def block_pieces(
+    *, layout: Layout, causal: bool, world_size: int, seq_local: int, q_owner: int, kv_owner: int
+) -> tuple[Piece, ...]:
+    """The kernel calls for the Q shard of ``q_owner`` against the K/V shard of ``kv_owner``.
+
+    See Note [Causal blocks per layout].
+    """
+    s = seq_local
+    whole = (0, s)
+    if not causal:
+        return (Piece(whole, whole, False),)
+    if q_owner == kv_owner:
+        return (Piece(whole, whole, True),)
+    if layout is Layout.CONTIGUOUS:
+        return (Piece(whole, whole, False),) if kv_owner < q_owner else ()
+    c = s // 2
+    if kv_owner < q_owner:
+        return (Piece(whole, (0, c), False),)
+    return (Piece((c, s), whole, False),)
+
+
+def _union(rows: list[Rows]) -> Rows | None:
+    """Smallest range covering ``rows`` (None when empty)."""
+    rows = [r for r in rows if r[1] > r[0]]
+    if not rows:
+        return None
+    return (min(r[0] for r in rows), max(r[1] for r in rows))
+
+
+def _split_rows(rows: Rows, parts: int) -> list[Rows]:
+    start, stop = rows
+    n = stop - start
+    parts = max(1, min(parts, n))
+    bounds = [start + (n * i) // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def _segments(pieces: tuple[Piece, ...], splits: int) -> tuple[Segment, ...]:
+    """One segment for the block, or ``splits`` row slices of a single full piece."""
+    if not pieces:
+        return ()
+    if splits > 1 and len(pieces) == 1 and not pieces[0].causal:
+        piece = pieces[0]
+        return tuple(
+            Segment(rows, (Piece(rows, piece.kv_rows, False),))
+            for rows in _split_rows(piece.q_rows, splits)
+        )
+    q_rows = _union([p.q_rows for p in pieces])
+    assert q_rows is not None
+    assert all(p.q_rows == q_rows for p in pieces), "pieces of a segment share their q rows"
+    return (Segment(q_rows, pieces),)
+
+
+def build_schedule(
+    strategy: Strategy | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    last_block_splits: int = 2,
+) -> Schedule:
+    """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
+
+    Args:
+        strategy: ``Strategy.TOKEN_RING`` (pass-Q) or ``Strategy.RING`` (pass-KV).
+        pass_: forward or backward.
+        layout: how the sequence is sharded (see ``tokenring.layout``).
+        causal: causal mask over global positions.
+        world_size: P >= 1.
+        seq_local: s, tokens per rank.
+        last_block_splits: TokenRing computes its last block in this many row slices and
+            returns each as soon as it is done (see Note [TokenRing step table]).
+
+    Raises:
+        ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
+            cannot split, or last_block_splits < 1.
+    """
+    strategy = Strategy.parse(strategy)
+    pass_ = Pass(pass_)
+    layout = Layout.parse(layout)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    validate_seq_local(seq_local, layout)
+    if last_block_splits < 1:
+        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    p, s = world_size, seq_local
+
+    def pieces(q_owner: int, kv_owner: int) -> tuple[Piece, ...]:
+        return block_pieces(
+            layout=layout,
+            causal=causal,
+            world_size=p,
+            seq_local=s,
+            q_owner=q_owner,
+            kv_owner=kv_owner,
+        )
+
+    steps: list[list[StepPlan]] = []
+    transfers: list[Transfer] = []
+    for r in range(p):
+        row: list[StepPlan] = []
+        for t in range(p):
+            visitor = (r + t) % p  # the owner whose block travels to r at step t
+            if strategy is Strategy.TOKEN_RING:
+                q_owner, kv_owner = visitor, r
+            else:
+                q_owner, kv_owner = r, visitor
+            splits = last_block_splits if (strategy is Strategy.TOKEN_RING and t == p - 1) else 1
+            row.append(
+                StepPlan(r, t, q_owner, kv_owner, _segments(pieces(q_owner, kv_owner), splits))
+            )
+        steps.append(row)
+
+    travel = {
+        (Strategy.TOKEN_RING, Pass.FORWARD): Payload.Q,
+        (Strategy.TOKEN_RING, Pass.BACKWARD): Payload.Q_GRAD,
+        (Strategy.RING, Pass.FORWARD): Payload.KV,
+        (Strategy.RING, Pass.BACKWARD): Payload.KV,
+    }[(strategy, pass_)]
+    for r in range(p):
+        for t in range(p - 1):
+            # Rank r holds the visitor's block at step t and forwards to r-1 whatever rows the
+            # ranks ahead (r-1 at t+1, r-2 at t+2, ...) still need. Rows only shrink.
+            visitor = (r + t) % p
+            needed: list[Rows] = []
+            for ahead in range(1, p - t):
+                plan = steps[(r - ahead) % p][t + ahead]
+                for piece in plan.pieces:
+                    needed.append(piece.q_rows if travel is not Payload.KV else piece.kv_rows)
+            rows = _union(needed)
+            if rows is not None:
+                transfers.append(Transfer(travel, r, (r - 1) % p, visitor, rows, t, 0))
+
+    if strategy is Strategy.TOKEN_RING:
+        ret = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
+        for r in range(p):
+            for t in range(1, p):
+                plan = steps[r][t]
+                for k, segment in enumerate(plan.segments):
+                    transfers.append(
+                        Transfer(ret, r, plan.q_owner, plan.q_owner, segment.q_rows, t, k + 1)
+                    )
+    elif pass_ is Pass.BACKWARD and p > 1:
+        for r in range(p):
+            for t in range(p):
+                plan = steps[r][t]
+                transfers.append(
+                    Transfer(
+                        Payload.DKV,
+                        r,
+                        (r - 1) % p,
+                        plan.kv_owner,
+                        (0, s),
+                        t,
+                        max(1, len(plan.segments)),  # after compute, even an empty one
+                    )
+                )
+    return Schedule(
+        strategy=strategy,
+        pass_=pass_,
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=s,
+        steps=tuple(tuple(row) for row in steps),
+        transfers=tuple(transfers),
+    )
+
+
+def piece_flops(piece: Piece, dims: Dims, pass_: Pass) -> float:
+    """Matmul FLOPs of one piece: 4*B*Hq*sq*sk*D forward (QK^T and PV), 2.5x that backward.
+
+    A causal piece counts only the unmasked (i >= j) entries.
+    """
+    sq, sk = piece.num_q, piece.num_kv
+    pairs = sq * (sq + 1) / 2 if piece.causal else sq * sk
+    forward = 4.0 * dims.batch * dims.heads_q * dims.head_dim * pairs
+    return forward if pass_ is Pass.FORWARD else 2.5 * forward

@@ -1,0 +1,94 @@
+"""Test oracle: full attention in float64 on one process, and index code for the layouts.
+
+Written independently of ``tokenring.layout`` and ``tokenring.schedule`` on purpose: the
+positions of each rank are spelled out from the layout's definition, not imported.
+
+Legend: B batch, S global seq, s local seq, H heads, D head dim, P world size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def owned_positions(layout: str, rank: int, world_size: int, seq_global: int) -> list[int]:
+    """Global positions of rank's shard, in local order, straight from the definitions."""
+    if layout == "contiguous":
+        s = seq_global // world_size
+        return list(range(rank * s, rank * s + s))
+    assert layout == "zigzag"
+    c = seq_global // (2 * world_size)
+    late = 2 * world_size - 1 - rank
+    return list(range(rank * c, rank * c + c)) + list(range(late * c, late * c + c))
+
+
+def full_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 attention over the whole sequence.
+
+    Args:
+        q: ``(B, S, Hq, D)``; k, v: ``(B, S, Hkv, D)``.
+
+    Returns:
+        out ``(B, S, Hq, D)`` and lse ``(B, Hq, S)``, float64.
+    """
+    groups = q.shape[2] // k.shape[2]
+    qh = q.double().permute(0, 2, 1, 3)
+    kh = k.double().permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
+    vh = v.double().permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
+    scores = qh @ kh.transpose(-1, -2) * scale  # (B, Hq, S, S)
+    if causal:
+        n = scores.shape[-1]
+        i = torch.arange(n).view(-1, 1)
+        j = torch.arange(n).view(1, -1)
+        scores = scores.masked_fill(j > i, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ vh
+    return out.permute(0, 2, 1, 3), lse
+
+
+def make_inputs(
+    *, seed: int, batch: int, seq_global: int, heads_q: int, heads_kv: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded global q, k, v and an upstream gradient, float64, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq_global, heads_q, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, seq_global, heads_kv, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, seq_global, heads_kv, head_dim, generator=gen, dtype=torch.float64)
+    dout = torch.randn(batch, seq_global, heads_q, head_dim, generator=gen, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def oracle_with_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool,
+    scale: float, dtype: torch.dtype = torch.float64,
+) -> dict[str, torch.Tensor]:
+    """Out, lse and dq, dk, dv of full attention; inputs rounded to ``dtype`` first, math in
+    float64 (so the oracle sees exactly the values the ranks see)."""
+    leaves = [x.detach().to(dtype).double().clone().requires_grad_(True) for x in (q, k, v)]
+    out, lse = full_attention(*leaves, causal=causal, scale=scale)
+    out.backward(dout.to(dtype).double())
+    return {
+        "out": out.detach(), "lse": lse.detach(),
+        "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad,
+    }  # fmt: skip
+
+
+def same_dtype_attention_error(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, reference: dict[str, torch.Tensor],
+    *, causal: bool, scale: float, dtype: torch.dtype,
+) -> dict[str, float]:
+    """Max abs error against the fp64 oracle of plain single-process attention in ``dtype``
+    (PyTorch SDPA, math on the CPU), for out and each gradient: the yardstick of the
+    tolerance rule for bf16/fp16."""
+    groups = q.shape[2] // k.shape[2]
+    leaves = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
+    qh = leaves[0].transpose(1, 2)
+    kh = leaves[1].transpose(1, 2).repeat_interleave(groups, dim=1)
+    vh = leaves[2].transpose(1, 2).repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    out = out.transpose(1, 2)
+    out.backward(dout.to(dtype))
+    got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    return {name: (got[name].double() - reference[name]).abs().max().item() for name in got}
