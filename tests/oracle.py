@@ -61,8 +61,14 @@ def make_inputs(
 
 
 def oracle_with_grads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool,
-    scale: float, dtype: torch.dtype = torch.float64,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    dtype: torch.dtype = torch.float64,
 ) -> dict[str, torch.Tensor]:
     """Out, lse and dq, dk, dv of full attention; inputs rounded to ``dtype`` first, math in
     float64 (so the oracle sees exactly the values the ranks see)."""
@@ -76,8 +82,15 @@ def oracle_with_grads(
 
 
 def same_dtype_attention_error(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, reference: dict[str, torch.Tensor],
-    *, causal: bool, scale: float, dtype: torch.dtype,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    reference: dict[str, torch.Tensor],
+    *,
+    causal: bool,
+    scale: float,
+    dtype: torch.dtype,
 ) -> dict[str, float]:
     """Max abs error against the fp64 oracle of plain single-process attention in ``dtype``
     (PyTorch SDPA, math on the CPU), for out and each gradient: the yardstick of the
@@ -87,8 +100,106 @@ def same_dtype_attention_error(
     qh = leaves[0].transpose(1, 2)
     kh = leaves[1].transpose(1, 2).repeat_interleave(groups, dim=1)
     vh = leaves[2].transpose(1, 2).repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, is_causal=causal, scale=scale
+    )
     out = out.transpose(1, 2)
     out.backward(dout.to(dtype))
     got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     return {name: (got[name].double() - reference[name]).abs().max().item() for name in got}
+
+
+# -- traffic -------------------------------------------------------------------------------
+# Expected bytes per directed pair, derived from the layouts' positions and the strategies'
+# definitions (Q or K/V travel "down": rank r -> r-1; partials go straight to their owner),
+# not from tokenring.schedule.
+
+
+def _needed_q_rows(
+    layout: str, causal: bool, p: int, s: int, q_owner: int, kv_owner: int
+) -> set[int]:
+    """Local rows of q_owner's Q that see at least one key of kv_owner."""
+    seq = s * p
+    qpos = owned_positions(layout, q_owner, p, seq)
+    kpos = owned_positions(layout, kv_owner, p, seq)
+    if not causal:
+        return set(range(s))
+    return {i for i, pos in enumerate(qpos) if min(kpos) <= pos}
+
+
+def _needed_kv_rows(
+    layout: str, causal: bool, p: int, s: int, q_owner: int, kv_owner: int
+) -> set[int]:
+    """Local rows of kv_owner's K/V seen by at least one query of q_owner."""
+    seq = s * p
+    qpos = owned_positions(layout, q_owner, p, seq)
+    kpos = owned_positions(layout, kv_owner, p, seq)
+    if not causal:
+        return set(range(s))
+    return {j for j, pos in enumerate(kpos) if pos <= max(qpos)}
+
+
+def expected_bytes(
+    *,
+    strategy: str,
+    backward: bool,
+    layout: str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    elem_bytes: int,
+    acc_bytes: int,
+) -> dict[tuple[str, int, int], int]:
+    """Bytes per ``(flow, src, dst)`` of one pass.
+
+    A travelling block of ``owner`` visits ranks owner-1, owner-2, ... (mod P); the hop into a
+    rank carries the rows still needed there or further along the route. A row counts once
+    (a set), so sending a covering range wider than the union shows up as a difference.
+    """
+    p, s = world_size, seq_local
+    q_row = batch * heads_q * head_dim * elem_bytes
+    kv_row = 2 * batch * heads_kv * head_dim * elem_bytes
+    per_head = batch * heads_q * acc_bytes
+    total: dict[tuple[str, int, int], int] = {}
+
+    def add(flow: str, src: int, dst: int, num: int) -> None:
+        if num:
+            total[(flow, src, dst)] = total.get((flow, src, dst), 0) + num
+
+    for owner in range(p):
+        route = [(owner - h) % p for h in range(p)]  # route[0] is the owner itself
+        for h in range(1, p):
+            ahead = route[h:]
+            if strategy == "token_ring":
+                rows = set().union(*(_needed_q_rows(layout, causal, p, s, owner, r) for r in ahead))
+                row_bytes = (2 * q_row + 2 * per_head) if backward else q_row
+            else:
+                rows = set().union(
+                    *(_needed_kv_rows(layout, causal, p, s, r, owner) for r in ahead)
+                )
+                row_bytes = kv_row
+            add("travel", route[h - 1], route[h], len(rows) * row_bytes)
+        if strategy == "token_ring":
+            for r in range(p):
+                if r != owner:
+                    rows = _needed_q_rows(layout, causal, p, s, owner, r)
+                    add("return", r, owner, len(rows) * (q_row if backward else q_row + per_head))
+        elif backward and p > 1:
+            # The fp32 dK/dV accumulator of every owner follows its K/V one hop per step and
+            # makes one final hop home: P hops of all s rows.
+            dkv_row = 2 * batch * heads_kv * head_dim * acc_bytes
+            for h in range(p):
+                add("return", route[h], route[(h + 1) % p], s * dkv_row)
+    return total
+
+
+def covered_pairs(
+    layout: str, causal: bool, world_size: int, seq_local: int
+) -> list[tuple[int, int]]:
+    """Every (query position, key position) pair full attention must compute."""
+    seq = world_size * seq_local
+    return [(i, j) for i in range(seq) for j in range(seq) if not causal or j <= i]

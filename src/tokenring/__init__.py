@@ -12,8 +12,8 @@ from tokenring.api import (
     token_ring_attn,
 )
 from tokenring.comm import Communicator
-from tokenring.layout import Layout, global_positions, shard, unshard
 from tokenring.launch import init_distributed, launch
+from tokenring.layout import Layout, global_positions, shard, unshard
 from tokenring.schedule import Strategy
 
 __all__ = [

@@ -39,9 +39,14 @@ _COMMUNICATORS: dict[Any, Communicator] = {}  # cache: one per process group, bu
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
 
 
-def get_communicator(group: GroupLike = None) -> Communicator:
+def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None) -> Communicator:
     """The communicator for ``group``: a ProcessGroup, a 1-D DeviceMesh, a Communicator (used
     as is) or None (the default group). Built once per group and reused.
+
+    Args:
+        timeout_s: per-transfer timeout when the communicator is built here (default 300 s);
+            ``tokenring.init_distributed`` and ``tokenring.launch`` build the default group's
+            communicator with their process-group timeout.
 
     Raises:
         ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
@@ -50,12 +55,13 @@ def get_communicator(group: GroupLike = None) -> Communicator:
         return group
     mesh_cls = _device_mesh_class()
     if mesh_cls is not None and isinstance(group, mesh_cls):
-        if group.ndim != 1:
+        mesh: Any = group
+        if mesh.ndim != 1:
             raise ValueError(
-                f"group must be a 1-D DeviceMesh; got a mesh with ndim={group.ndim} "
+                f"group must be a 1-D DeviceMesh; got a mesh with ndim={mesh.ndim} "
                 "(pass mesh[dim_name] for the sequence-parallel dimension)"
             )
-        group = group.get_group()
+        group = mesh.get_group()
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(
             "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "
@@ -64,7 +70,7 @@ def get_communicator(group: GroupLike = None) -> Communicator:
     key = group if group is not None else "default"
     comm = _COMMUNICATORS.get(key)
     if comm is None:
-        comm = Communicator(group)
+        comm = Communicator(group, timeout_s=timeout_s if timeout_s is not None else 300.0)
         _COMMUNICATORS[key] = comm
     return comm
 
@@ -98,7 +104,9 @@ def _schedule(
     )
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None) -> None:
+def _validate(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None
+) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
@@ -117,7 +125,9 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
         if x.device != q.device:
             raise ValueError(f"{name}.device must equal q.device ({q.device}); got {x.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     b, s, hq, d = q.shape
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
         raise ValueError(
@@ -133,7 +143,9 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
-def _check_ranks_agree(comm: Communicator, signature: list[int], names: list[str], device: torch.device) -> None:
+def _check_ranks_agree(
+    comm: Communicator, signature: list[int], names: list[str], device: torch.device
+) -> None:
     """Fail on every rank, naming the difference, when ranks called with different arguments."""
     if comm.world_size == 1:
         return
@@ -153,7 +165,7 @@ def _check_ranks_agree(comm: Communicator, signature: list[int], names: list[str
 
 class _SequenceParallelAttnFn(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,

@@ -186,12 +186,19 @@ class Communicator:
                 if flow is Flow.RETURN and not separate_return_group:
                     self._groups[flow] = self._groups[Flow.TRAVEL]
                     continue
-                made = dist.new_group(
-                    ranks=ranks,
-                    timeout=self.timeout,
-                    use_local_synchronization=True,
-                    group_desc=f"tokenring_{flow.value}",
-                )
+                try:
+                    made = dist.new_group(
+                        ranks=ranks,
+                        timeout=self.timeout,
+                        use_local_synchronization=True,
+                        group_desc=f"tokenring_{flow.value}",
+                    )
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"rank {self.rank}: creating the {flow.value!r} process group over ranks "
+                        f"{ranks} failed; a peer did not join in time (it failed, is slow, or "
+                        f"did not call attention with this group): {exc}"
+                    ) from exc
                 assert made is not None
                 self._groups[flow] = made
         self.counter = TrafficCounter()

@@ -10,6 +10,7 @@ traceback, not the "connection closed" of its peers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -24,13 +25,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["LaunchError", "launch", "init_distributed"]
+__all__ = ["LaunchError", "init_distributed", "launch"]
 
 
 class LaunchError(RuntimeError):
     """A launched rank failed or the deadline passed; the message names the root cause."""
 
-    def __init__(self, message: str, *, failed_rank: int | None, remote_traceback: str = "") -> None:
+    def __init__(
+        self, message: str, *, failed_rank: int | None, remote_traceback: str = ""
+    ) -> None:
         super().__init__(message)
         self.failed_rank = failed_rank
         self.remote_traceback = remote_traceback
@@ -68,7 +71,8 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
     """Initialise the default process group from the launcher's environment (torchrun).
 
     Uses NCCL when CUDA is available, gloo otherwise, unless ``backend`` is given; sets
-    the CUDA device from LOCAL_RANK. Always with a timeout.
+    the CUDA device from LOCAL_RANK. Always with a timeout, which the default group's
+    communicator inherits.
     """
     import torch
     import torch.distributed as dist
@@ -82,6 +86,9 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    from tokenring.api import get_communicator
+
+    get_communicator(None, timeout_s=timeout_s)  # attention on the default group inherits it
 
 
 def launch(
@@ -239,7 +246,9 @@ def _collect(ranks: list[_Rank], workdir: str, timeout_s: float) -> list[Any]:
         if now > deadline:
             _end(ranks)
             stuck = [r.rank for r in running]
-            tails = "\n".join(f"--- rank {r.rank} log tail ---\n{_tail(r.log_path)}" for r in running)
+            tails = "\n".join(
+                f"--- rank {r.rank} log tail ---\n{_tail(r.log_path)}" for r in running
+            )
             raise LaunchError(
                 f"deadline of {timeout_s:.0f} s passed; ranks {stuck} had not finished and were "
                 f"killed\n{tails}",
@@ -263,10 +272,8 @@ def _end(ranks: Sequence[_Rank]) -> None:
             except (ProcessLookupError, PermissionError):
                 r.proc.kill()
     for r in ranks:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             r.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _worker(spec_path: str, rank: int) -> int:
@@ -279,6 +286,7 @@ def _worker(spec_path: str, rank: int) -> int:
 
         torch.set_num_threads(spec.threads)
         store = dist.FileStore(spec.store_path, spec.world_size)
+        store.set_timeout(timedelta(seconds=spec.pg_timeout_s))  # group creation waits too
         dist.init_process_group(
             backend=spec.backend,
             store=store,
@@ -286,7 +294,11 @@ def _worker(spec_path: str, rank: int) -> int:
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.pg_timeout_s),
         )
+        from tokenring.api import get_communicator
+
         try:
+            if spec.world_size > 1:
+                get_communicator(None, timeout_s=spec.pg_timeout_s)
             value = spec.fn(*spec.args, **spec.kwargs)
         finally:
             if dist.is_initialized():
@@ -303,4 +315,7 @@ def _worker(spec_path: str, rank: int) -> int:
     return 0 if outcome.ok else 1
 
 
-_WORKER_CODE = "import sys; from tokenring.launch import _worker; sys.exit(_worker(sys.argv[1], int(sys.argv[2])))"
+_WORKER_CODE = (
+    "import sys; from tokenring.launch import _worker; "
+    "sys.exit(_worker(sys.argv[1], int(sys.argv[2])))"
+)

@@ -120,7 +120,9 @@ def shard(
     return x.index_select(seq_dim, index).contiguous()
 
 
-def unshard(shards: Sequence[torch.Tensor], *, layout: Layout | str, seq_dim: int = 1) -> torch.Tensor:
+def unshard(
+    shards: Sequence[torch.Tensor], *, layout: Layout | str, seq_dim: int = 1
+) -> torch.Tensor:
     """Inverse of :func:`shard`: put every rank's shard back in global order.
 
     Args:

@@ -37,17 +37,18 @@ class Shapes:
     def fields(self, payload: Payload, n: int) -> list[FieldSpec]:
         """The tensors making up ``n`` rows of ``payload``, in message order."""
         b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
-        q_rows = ((b, n, hq, d), self.dtype)
-        kv_rows = ((b, n, hkv, d), self.dtype)
-        per_head = ((b, hq, n), self.acc_dtype)
-        return {
+        q_rows: FieldSpec = ((b, n, hq, d), self.dtype)
+        kv_rows: FieldSpec = ((b, n, hkv, d), self.dtype)
+        per_head: FieldSpec = ((b, hq, n), self.acc_dtype)
+        table: dict[Payload, list[FieldSpec]] = {
             Payload.Q: [q_rows],
             Payload.KV: [kv_rows, kv_rows],
             Payload.OUT: [q_rows, per_head],
             Payload.Q_GRAD: [q_rows, q_rows, per_head, per_head],
             Payload.DQ: [q_rows],
             Payload.DKV: [((b, n, hkv, d), self.acc_dtype)] * 2,
-        }[payload]
+        }
+        return table[payload]
 
 
 @dataclass(slots=True)
@@ -76,7 +77,9 @@ class _SlotPoster:
         self.rank = comm.rank
         self.pending: dict[Transfer, PendingRecv] = {}
 
-    def post(self, step: int, after: int, provide: Callable[[Transfer], Sequence[torch.Tensor]]) -> None:
+    def post(
+        self, step: int, after: int, provide: Callable[[Transfer], Sequence[torch.Tensor]]
+    ) -> None:
         recvs = [
             (tr, self.shapes.fields(tr.payload, tr.num_rows))
             for tr in self.sched.recvs(self.rank, step)
@@ -108,9 +111,7 @@ class _SlotPoster:
 
     def take(self, payload: Payload, step: int | None = None) -> list[PendingRecv]:
         keys = [
-            tr
-            for tr in self.pending
-            if tr.payload is payload and (step is None or tr.step == step)
+            tr for tr in self.pending if tr.payload is payload and (step is None or tr.step == step)
         ]
         keys.sort(key=lambda tr: (tr.step, tr.after_segments))
         return [self.pending.pop(tr) for tr in keys]

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The project's test command: installs what it needs, then lint, types and the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# torch is the one required dependency; take the CPU build (2.13.0 is on disk on the project's
+# CI machines) only when no torch is installed, so a GPU build already present is kept.
+python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -e ".[test]"
+ruff check src tests
+ruff format --check src tests
+mypy
+python -m pytest -q "$@"

@@ -1,0 +1,878 @@
+"""Cost model: hardware descriptions, and what every strategy costs on them.
+
+This module owns the *price list*: how fast a device computes attention, how its links, ports
+and NICs are wired (``Topology``), which physical resources a transfer between two ranks loads
+(:func:`route`), and what each step of a strategy costs -- FLOPs per rank and bytes per
+directed pair, read from the very :class:`~tokenring.schedule.Schedule` the runtime executes
+(:func:`step_costs`), so model and code cannot drift apart. For world sizes where building the
+schedule object is too slow, :func:`schedule_arrays` gives the same numbers per (rank, step)
+as closed forms on tensors; tests check them against ``build_schedule`` entry by entry.
+:func:`steady_step` is the back-of-envelope balance of one steady step in closed form.
+Timing a whole call is the simulator's job (``tokenring.simulate``).
+
+Legend: B batch, s local seq (rows per rank), c = s // 2 (zigzag chunk), Hq query heads,
+Hkv key/value heads, D head dim, P world size, e bytes per element, a bytes per accumulator
+element (4; 8 for float64), t step, r rank, o q owner, j kv owner.
+
+Note [Topologies]
+~~~~~~~~~~~~~~~~~
+A transfer from ``src`` to ``dst`` is a *flow*. It loads a set of directed resources, each
+with a bandwidth shared by the flows on it, and it never goes faster than the interconnect's
+``link_bandwidth_bytes_per_s`` (what one flow between two devices reaches)::
+
+    topology  resources of src -> dst                         latency
+    MESH      link (src, dst)                                 1 x latency_s
+    RING      every hop (a, a+-1) on the shortest way round    hops x latency_s
+              (ties go towards src + 1, as in tokenring.netlab)
+    SWITCH    port out of src, port in of dst                 1 x latency_s
+
+``port_bandwidth_bytes_per_s`` (one port per device and direction, shared by all its flows:
+a PCIe x16 slot, an NVSwitch port) is required for SWITCH and optional for MESH and RING,
+where it adds the device's ports to every flow. A multi-node machine (``devices_per_node``
+and ``inter``) is islands of the intra topology; a flow between islands loads the NIC out of
+src and the NIC into dst (``inter``: a non-blocking fabric, one NIC per device) instead.
+That is the whole network model; how flows share a resource is the simulator's Note.
+
+Note [Bytes per step]
+~~~~~~~~~~~~~~~~~~~~~
+Per row (x B) the payloads weigh (``Dims.row_bytes``)::
+
+    payload   flow     bytes per row            strategy / pass
+    q         travel   Hq*D*e                   TokenRing forward
+    q_grad    travel   2*Hq*D*e + 2*Hq*a        TokenRing backward (q, dout, lse, delta)
+    out       return   Hq*D*e + Hq*a            TokenRing forward (partial out + lse)
+    dq        return   Hq*D*e                   TokenRing backward
+    kv        travel   2*Hkv*D*e                Ring forward and backward
+    dkv       return   2*Hkv*D*a                Ring backward (same direction as kv)
+
+so on the busiest direction of a steady step TokenRing forward moves Hq*D*e + Hq*a bytes per
+row where Ring moves 2*Hkv*D*e: about Hq / (2*Hkv) times Ring's bytes (half for MHA, twice for
+Llama-3-8B's 32/8). Travel transfers posted at the start of step t overlap step t's compute;
+returns posted after a segment overlap the rest of that step and the next one; what is posted
+after the last segment of the last step overlaps nothing (:func:`exposed_transfers`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tokenring.layout import Layout, validate_seq_local
+from tokenring.netlab import Topology
+from tokenring.schedule import (
+    Dims,
+    Flow,
+    Pass,
+    Payload,
+    Schedule,
+    Strategy,
+    Transfer,
+    piece_flops,
+)
+
+__all__ = [
+    "DTYPE_BYTES",
+    "PRESETS",
+    "AttentionShape",
+    "Hardware",
+    "Interconnect",
+    "Resource",
+    "ResourceKind",
+    "Route",
+    "ScheduleArrays",
+    "SteadyStep",
+    "StepCost",
+    "Topology",
+    "exposed_transfers",
+    "measured",
+    "merge_bytes",
+    "preset",
+    "resource_bytes",
+    "route",
+    "schedule_arrays",
+    "steady_step",
+    "step_costs",
+]
+
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+"""Bytes per element of the input dtypes the library supports."""
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}; got {dtype!r}")
+    return name
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:  # also rejects NaN
+        raise ValueError(f"{name} must be > 0; got {value}")
+
+
+# -- shapes ------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionShape:
+    """The attention layer being modelled (per rank shapes follow from P and the layout)."""
+
+    batch: int = 1
+    """B."""
+    heads_q: int
+    """Hq."""
+    heads_kv: int
+    """Hkv; divides Hq."""
+    head_dim: int
+    """D."""
+    dtype: str = "bfloat16"
+    """Input dtype name: float16, bfloat16, float32 or float64."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.heads_q % self.heads_kv != 0:
+            raise ValueError(
+                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
+                f"heads_kv={self.heads_kv}"
+            )
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+
+    @property
+    def dims(self) -> Dims:
+        """The schedule's byte/FLOP sizes for this shape."""
+        elem = DTYPE_BYTES[self.dtype]
+        return Dims(
+            batch=self.batch,
+            heads_q=self.heads_q,
+            heads_kv=self.heads_kv,
+            head_dim=self.head_dim,
+            elem_bytes=elem,
+            acc_bytes=8 if self.dtype == "float64" else 4,
+        )
+
+
+# -- hardware ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interconnect:
+    """How the devices of one island (or the islands) are wired; see Note [Topologies]."""
+
+    topology: Topology
+    """MESH, RING or SWITCH."""
+    link_bandwidth_bytes_per_s: float
+    """Per direction: a direct link (MESH, each RING hop), or the most one flow between two
+    devices reaches through the fabric (SWITCH)."""
+    port_bandwidth_bytes_per_s: float | None = None
+    """Per device and direction, shared by all of its flows (switch port, PCIe slot, NIC).
+    Required for SWITCH; on MESH/RING None means no limit beyond the links."""
+    latency_s: float = 0.0
+    """Per message and hop: the time before the first byte arrives."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "topology", Topology.parse(self.topology))
+        _positive("link_bandwidth_bytes_per_s", self.link_bandwidth_bytes_per_s)
+        if self.port_bandwidth_bytes_per_s is not None:
+            _positive("port_bandwidth_bytes_per_s", self.port_bandwidth_bytes_per_s)
+        elif self.topology is Topology.SWITCH:
+            raise ValueError(
+                "port_bandwidth_bytes_per_s must be given for topology 'switch' (each device's "
+                "port is what its flows share); got None"
+            )
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency_s must be finite and >= 0; got {self.latency_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """A machine: what one device computes and how the devices are connected."""
+
+    name: str
+    """Preset name or a label such as ``measured``."""
+    interconnect: Interconnect
+    """Inside an island (the whole machine when ``devices_per_node`` is None)."""
+    forward_flops_per_s: float
+    """Achieved FLOP/s of the block attention kernel, forward (matmul FLOPs as counted by
+    ``tokenring.schedule.piece_flops``)."""
+    backward_flops_per_s: float
+    """Achieved FLOP/s of the block attention kernel, backward."""
+    memory_bandwidth_bytes_per_s: float
+    """Achieved device memory bandwidth, for merges and accumulations (memory-bound)."""
+    dtypes: tuple[str, ...] = ("float16", "bfloat16")
+    """Input dtypes the FLOP/s figures hold for; others raise instead of guessing."""
+    devices_per_node: int | None = None
+    """Devices per island; None: one island of any size."""
+    inter: Interconnect | None = None
+    """Between islands (SWITCH: one NIC per device). Given exactly when devices_per_node is."""
+
+    def __post_init__(self) -> None:
+        _positive("forward_flops_per_s", self.forward_flops_per_s)
+        _positive("backward_flops_per_s", self.backward_flops_per_s)
+        _positive("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        if not self.dtypes:
+            raise ValueError("dtypes must name at least one dtype; got ()")
+        object.__setattr__(self, "dtypes", tuple(_dtype_name(d) for d in self.dtypes))
+        if (self.devices_per_node is None) != (self.inter is None):
+            raise ValueError(
+                "devices_per_node and inter must be given together; got "
+                f"devices_per_node={self.devices_per_node}, inter={self.inter}"
+            )
+        if self.devices_per_node is not None and self.inter is not None:
+            if self.devices_per_node < 1:
+                raise ValueError(f"devices_per_node must be >= 1; got {self.devices_per_node}")
+            if self.inter.topology is not Topology.SWITCH:
+                raise ValueError(
+                    "inter.topology must be 'switch' (one NIC per device into a non-blocking "
+                    f"fabric); got {self.inter.topology.value!r}"
+                )
+            if self.interconnect.topology is Topology.RING:
+                raise ValueError(
+                    "interconnect.topology 'ring' inside islands is not modelled; use 'mesh' "
+                    "or 'switch' with devices_per_node"
+                )
+
+    def flops_per_s(self, pass_: Pass | str, dtype: str | torch.dtype) -> float:
+        """Achieved attention FLOP/s for ``pass_`` with inputs of ``dtype``.
+
+        Raises:
+            ValueError: ``dtype`` is not one this description has figures for.
+        """
+        name = _dtype_name(dtype)
+        if name not in self.dtypes:
+            raise ValueError(
+                f"hardware {self.name!r} has attention FLOP/s for {', '.join(self.dtypes)}; got "
+                f"dtype {name!r} (calibrate for it or describe it with measured(...))"
+            )
+        return (
+            self.forward_flops_per_s if Pass(pass_) is Pass.FORWARD else (self.backward_flops_per_s)
+        )
+
+
+_GB = 1e9
+_TFLOPS = 1e12
+
+# Sources and assumptions. Peaks are vendor datasheet numbers (dense, no sparsity); "achieved"
+# is what a fused attention kernel reaches at D = 128 on long blocks, as a fraction of peak.
+PRESETS: dict[str, Hardware] = {
+    # 4x NVIDIA A10 (24 GB, 150 W) on PCIe 4.0 x16, no NVLink: the seeds' box.
+    # Compute: 125 TFLOP/s fp16/bf16 tensor peak (A10 datasheet). FlashAttention-2 reaches
+    # ~50-73% of peak forward on Ampere; the A10's 150 W cap lowers sustained clocks, so we take
+    # 55% forward and 45% backward (FA2's backward runs ~20% below its forward).
+    # Links: every GPU has one x16 slot (31.5 GB/s raw per direction) into the host bridge, so
+    # this is a SWITCH. The two bandwidths are NOT independent figures: they are read off the
+    # seeds' own timings (see Note [A10 reproduction] in tests/test_costmodel.py): one P2P flow
+    # moved 98.3 MB in 7.6 ms (12.9 GB/s) and 49.2 MB in 3.5 ms (14.0 GB/s) -> 13.5 GB/s per
+    # flow; two flows leaving one GPU moved 99.1 MB in 4.6 ms -> ~22 GB/s per port, ~70% of
+    # the slot's raw rate, plausible for GPU P2P through a CPU root complex.
+    # Memory: 600 GB/s GDDR6 peak, 80% achieved. Latency: ~10 us per NCCL P2P message on PCIe.
+    "a10-pcie": Hardware(
+        name="a10-pcie",
+        interconnect=Interconnect(
+            topology=Topology.SWITCH,
+            link_bandwidth_bytes_per_s=13.5 * _GB,
+            port_bandwidth_bytes_per_s=22.0 * _GB,
+            latency_s=10e-6,
+        ),
+        forward_flops_per_s=0.55 * 125 * _TFLOPS,
+        backward_flops_per_s=0.45 * 125 * _TFLOPS,
+        memory_bandwidth_bytes_per_s=0.8 * 600 * _GB,
+    ),
+    # 8x A100 SXM4 80 GB behind NVSwitch (DGX/HGX A100). 312 TFLOP/s fp16 peak; FA2 reports
+    # ~220 TFLOP/s forward and ~180 backward at D = 128 (FlashAttention-2 paper, A100).
+    # NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction per GPU; NCCL reaches ~240 GB/s
+    # (nccl-tests bus bandwidth on DGX A100), and one flow can use the whole port.
+    # HBM2e 2039 GB/s, 85% achieved. ~8 us per NCCL message over NVLink.
+    "a100-nvswitch": Hardware(
+        name="a100-nvswitch",
+        interconnect=Interconnect(
+            topology=Topology.SWITCH,
+            link_bandwidth_bytes_per_s=240 * _GB,
+            port_bandwidth_bytes_per_s=240 * _GB,
+            latency_s=8e-6,
+        ),
+        forward_flops_per_s=220 * _TFLOPS,
+        backward_flops_per_s=180 * _TFLOPS,
+        memory_bandwidth_bytes_per_s=0.85 * 2039 * _GB,
+    ),
+    # 8x H100 SXM5 behind NVSwitch (DGX/HGX H100). 989 TFLOP/s fp16 dense peak; FA2 reaches
+    # ~350 TFLOP/s forward, FA3/cuDNN ~600-750; we take 500 forward, 400 backward.
+    # NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction; NCCL reaches ~370 GB/s.
+    # HBM3 3.35 TB/s, 85% achieved.
+    "h100-nvswitch": Hardware(
+        name="h100-nvswitch",
+        interconnect=Interconnect(
+            topology=Topology.SWITCH,
+            link_bandwidth_bytes_per_s=370 * _GB,
+            port_bandwidth_bytes_per_s=370 * _GB,
+            latency_s=8e-6,
+        ),
+        forward_flops_per_s=500 * _TFLOPS,
+        backward_flops_per_s=400 * _TFLOPS,
+        memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
+    ),
+    # 8x H200: the H100's compute and NVLink 4, with HBM3e at 4.8 TB/s (85% achieved).
+    "h200-nvswitch": Hardware(
+        name="h200-nvswitch",
+        interconnect=Interconnect(
+            topology=Topology.SWITCH,
+            link_bandwidth_bytes_per_s=370 * _GB,
+            port_bandwidth_bytes_per_s=370 * _GB,
+            latency_s=8e-6,
+        ),
+        forward_flops_per_s=500 * _TFLOPS,
+        backward_flops_per_s=400 * _TFLOPS,
+        memory_bandwidth_bytes_per_s=0.85 * 4800 * _GB,
+    ),
+    # 8x Ascend 910B in one Atlas 800T A2 box: HCCS full mesh, 7 links per NPU of 56 GB/s
+    # both directions together (392 GB/s per NPU) -> 28 GB/s per direction per link, 85%
+    # achieved. fp16 peak ~350 TFLOP/s (figures for 910B variants range ~280-400); the fused
+    # attention operator at ~50% -> 175 forward, 140 backward. HBM2e 1.6 TB/s, 80% achieved.
+    "ascend910b-hccs": Hardware(
+        name="ascend910b-hccs",
+        interconnect=Interconnect(
+            topology=Topology.MESH,
+            link_bandwidth_bytes_per_s=0.85 * 28 * _GB,
+            latency_s=10e-6,
+        ),
+        forward_flops_per_s=175 * _TFLOPS,
+        backward_flops_per_s=140 * _TFLOPS,
+        memory_bandwidth_bytes_per_s=0.8 * 1600 * _GB,
+    ),
+    # Islands of 8 H100 (NVSwitch inside, as h100-nvswitch) joined by 400 Gb/s NDR InfiniBand,
+    # one NIC per GPU (rail-optimised, non-blocking fat tree): 50 GB/s per direction, ~90%
+    # achieved by NCCL; ~12 us per message across the fabric.
+    "h100-ib-islands": Hardware(
+        name="h100-ib-islands",
+        interconnect=Interconnect(
+            topology=Topology.SWITCH,
+            link_bandwidth_bytes_per_s=370 * _GB,
+            port_bandwidth_bytes_per_s=370 * _GB,
+            latency_s=8e-6,
+        ),
+        forward_flops_per_s=500 * _TFLOPS,
+        backward_flops_per_s=400 * _TFLOPS,
+        memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
+        devices_per_node=8,
+        inter=Interconnect(
+            topology=Topology.SWITCH,
+            link_bandwidth_bytes_per_s=45 * _GB,
+            port_bandwidth_bytes_per_s=45 * _GB,
+            latency_s=12e-6,
+        ),
+    ),
+}
+
+
+def preset(name: str) -> Hardware:
+    """The hardware preset called ``name`` (see ``PRESETS``).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"hardware must be one of {sorted(PRESETS)}; got {name!r}")
+    return PRESETS[name]
+
+
+def measured(
+    *,
+    forward_flops_per_s: float,
+    backward_flops_per_s: float,
+    link_bandwidth_bytes_per_s: float,
+    memory_bandwidth_bytes_per_s: float,
+    dtype: str | torch.dtype,
+    topology: Topology | str = Topology.MESH,
+    port_bandwidth_bytes_per_s: float | None = None,
+    latency_s: float = 0.0,
+    name: str = "measured",
+) -> Hardware:
+    """A hardware description from calibration numbers (``tokenring.planner.calibrate``).
+
+    Args:
+        dtype: the input dtype the FLOP/s were measured with (the only one they hold for).
+        Others: see :class:`Hardware` and :class:`Interconnect`.
+
+    Raises:
+        ValueError: a non-positive rate, or SWITCH without a port bandwidth.
+    """
+    return Hardware(
+        name=name,
+        interconnect=Interconnect(
+            topology=Topology.parse(topology),
+            link_bandwidth_bytes_per_s=link_bandwidth_bytes_per_s,
+            port_bandwidth_bytes_per_s=port_bandwidth_bytes_per_s,
+            latency_s=latency_s,
+        ),
+        forward_flops_per_s=forward_flops_per_s,
+        backward_flops_per_s=backward_flops_per_s,
+        memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s,
+        dtypes=(_dtype_name(dtype),),
+    )
+
+
+# -- routing -----------------------------------------------------------------------------------
+class ResourceKind(enum.Enum):
+    """A directed, shared piece of the network."""
+
+    LINK = "link"  # (a, b): a direct link or one ring hop, a -> b
+    PORT_OUT = "port_out"  # (r,): what device r sends into the fabric
+    PORT_IN = "port_in"  # (r,): what device r receives from the fabric
+    NIC_OUT = "nic_out"  # (r,): device r's NIC towards other islands
+    NIC_IN = "nic_in"  # (r,): device r's NIC from other islands
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """One directed resource; ``ends`` is ``(a, b)`` for a link, ``(r,)`` for a port or NIC."""
+
+    kind: ResourceKind
+    ends: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{'->'.join(map(str, self.ends))}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Route:
+    """What one flow from ``src`` to ``dst`` loads and how fast it can go at best."""
+
+    resources: tuple[tuple[Resource, float], ...]
+    """Each resource with its bandwidth in bytes/s (shared by every flow on it)."""
+    flow_cap_bytes_per_s: float
+    """The most this flow reaches alone (the interconnect's link bandwidth)."""
+    latency_s: float
+    """Time before the first byte arrives (latency per hop x hops)."""
+    hops: int
+    """Links crossed (1 except on RING)."""
+
+
+def ring_path(src: int, dst: int, world_size: int) -> list[int]:
+    """Ranks from ``src`` to ``dst`` along the shortest way round a ring (ties: src + 1)."""
+    if src == dst:
+        return [src]
+    forward = (dst - src) % world_size
+    step = 1 if forward <= world_size - forward else -1
+    hops = forward if step == 1 else world_size - forward
+    return [(src + step * i) % world_size for i in range(hops + 1)]
+
+
+def route(hardware: Hardware, src: int, dst: int, world_size: int) -> Route:
+    """The resources a transfer from ``src`` to ``dst`` loads; see Note [Topologies].
+
+    Raises:
+        ValueError: src or dst outside [0, world_size), or src == dst.
+    """
+    for name, rank in (("src", src), ("dst", dst)):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{name} must be in [0, {world_size}); got {rank}")
+    if src == dst:
+        raise ValueError(f"src and dst must differ; got {src} -> {dst}")
+    dpn = hardware.devices_per_node
+    if dpn is not None and hardware.inter is not None and src // dpn != dst // dpn:
+        nic = hardware.inter
+        assert nic.port_bandwidth_bytes_per_s is not None
+        return Route(
+            resources=(
+                (Resource(ResourceKind.NIC_OUT, (src,)), nic.port_bandwidth_bytes_per_s),
+                (Resource(ResourceKind.NIC_IN, (dst,)), nic.port_bandwidth_bytes_per_s),
+            ),
+            flow_cap_bytes_per_s=nic.link_bandwidth_bytes_per_s,
+            latency_s=nic.latency_s,
+            hops=1,
+        )
+    net = hardware.interconnect
+    link = net.link_bandwidth_bytes_per_s
+    resources: list[tuple[Resource, float]] = []
+    if net.topology is Topology.RING:
+        path = ring_path(src, dst, world_size)
+        for a, b in itertools.pairwise(path):
+            resources.append((Resource(ResourceKind.LINK, (a, b)), link))
+    elif net.topology is Topology.MESH:
+        resources.append((Resource(ResourceKind.LINK, (src, dst)), link))
+    hops = len(resources) if resources else 1
+    if net.port_bandwidth_bytes_per_s is not None:
+        port = net.port_bandwidth_bytes_per_s
+        resources.append((Resource(ResourceKind.PORT_OUT, (src,)), port))
+        resources.append((Resource(ResourceKind.PORT_IN, (dst,)), port))
+    return Route(
+        resources=tuple(resources),
+        flow_cap_bytes_per_s=link,
+        latency_s=net.latency_s * hops,
+        hops=hops,
+    )
+
+
+# -- costs read from the schedule --------------------------------------------------------------
+def merge_bytes(num_rows: int, dims: Dims) -> int:
+    """Device memory traffic of merging a partial of ``num_rows`` rows into the accumulators.
+
+    ``tokenring.merge.merge_into`` scales the fp32 accumulator (read + write), adds the part
+    (read the part, read + write the accumulator again) and updates lse (a few passes over
+    Hq accumulators per row): D * (4*a + e) + 6*a bytes per row and head.
+    """
+    d, e, a = dims.head_dim, dims.elem_bytes, dims.acc_bytes
+    return num_rows * dims.batch * dims.heads_q * (d * (4 * a + e) + 6 * a)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCost:
+    """What one step of a schedule costs, for every rank; see Note [Bytes per step]."""
+
+    step: int
+    """t."""
+    flops: tuple[float, ...]
+    """Matmul FLOPs each rank computes at this step, indexed by rank."""
+    pair_bytes: dict[tuple[int, int], int]
+    """Bytes posted at this step per directed pair (src, dst) of endpoints."""
+    travel_bytes: tuple[int, ...]
+    """Per rank: bytes of the travel flow it posts at the start of the step (overlaps this
+    step's compute)."""
+    return_bytes: tuple[int, ...]
+    """Per rank: bytes of return-flow transfers it posts during the step (after segments)."""
+
+
+def step_costs(schedule: Schedule, dims: Dims) -> tuple[StepCost, ...]:
+    """FLOPs per rank and bytes per directed pair of every step, read from ``schedule``."""
+    p = schedule.world_size
+    costs = []
+    for t in range(schedule.num_steps):
+        flops = tuple(
+            sum(piece_flops(piece, dims, schedule.pass_) for piece in schedule.steps[r][t].pieces)
+            for r in range(p)
+        )
+        pair: dict[tuple[int, int], int] = {}
+        travel = [0] * p
+        ret = [0] * p
+        for r in range(p):
+            for tr in schedule.sends(r, t):
+                n = tr.num_bytes(dims)
+                pair[(tr.src, tr.dst)] = pair.get((tr.src, tr.dst), 0) + n
+                if tr.payload.flow is Flow.TRAVEL:
+                    travel[r] += n
+                else:
+                    ret[r] += n
+        costs.append(
+            StepCost(
+                step=t,
+                flops=flops,
+                pair_bytes=pair,
+                travel_bytes=tuple(travel),
+                return_bytes=tuple(ret),
+            )
+        )
+    return tuple(costs)
+
+
+def resource_bytes(schedule: Schedule, dims: Dims, hardware: Hardware) -> dict[Resource, int]:
+    """Total bytes each physical resource carries over the pass (relays count on every hop)."""
+    load: dict[Resource, int] = {}
+    for tr in schedule.transfers:
+        n = tr.num_bytes(dims)
+        for res, _ in route(hardware, tr.src, tr.dst, schedule.world_size).resources:
+            load[res] = load.get(res, 0) + n
+    return load
+
+
+def exposed_transfers(schedule: Schedule) -> tuple[Transfer, ...]:
+    """Transfers posted after their sender's last compute of the pass: nothing overlaps them.
+
+    TokenRing: the return of the last slice of the last block; Ring backward: the dK/dV
+    accumulator's hop home.
+    """
+    last = schedule.num_steps - 1
+    out = []
+    for r in range(schedule.world_size):
+        num_segments = len(schedule.steps[r][last].segments)
+        for tr in schedule.sends(r, last):
+            if tr.after_segments >= max(1, num_segments):
+                out.append(tr)
+    return tuple(out)
+
+
+# -- the same numbers as closed forms ----------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleArrays:
+    """A schedule's sizes as ``(P, P)`` int64/float64 tensors indexed ``[rank, step]``.
+
+    Closed forms of ``build_schedule`` for world sizes where the Schedule object is too big to
+    build (it is O(P^3) to derive); tests compare them with the schedule entry by entry.
+    """
+
+    strategy: Strategy
+    """Which strategy."""
+    pass_: Pass
+    """Which pass."""
+    world_size: int
+    """P."""
+    seq_local: int
+    """s."""
+    q_owner: torch.Tensor
+    """o of the block computed at [r, t]."""
+    kv_owner: torch.Tensor
+    """j of the block computed at [r, t]."""
+    q_rows: torch.Tensor
+    """Rows of the q block computed at [r, t] (0: nothing computed)."""
+    kv_rows: torch.Tensor
+    """Rows of the kv block computed at [r, t]."""
+    diagonal: torch.Tensor
+    """bool: the block is a shard against itself (causal mask, q_rows*(q_rows+1)/2 pairs)."""
+    pairs: torch.Tensor
+    """float64: score entries computed (FLOPs = pairs * 4*B*Hq*D, x2.5 backward)."""
+    slices: torch.Tensor
+    """(P, P, K) int64: rows of each compute segment (K = last_block_splits; 0-padded)."""
+    travel_rows: torch.Tensor
+    """Rows of the travel transfer rank r posts at step t to r - 1 (0: none)."""
+    travel_payload: Payload
+    """What travels."""
+    return_payload: Payload | None
+    """What returns after each segment (OUT/DQ to the q owner for TokenRing; DKV to r - 1
+    for Ring backward; None for Ring forward)."""
+    dkv_rows: torch.Tensor
+    """Rows of the dK/dV accumulator rank r sends to r - 1 after step t (Ring backward)."""
+
+    def return_rows(self) -> torch.Tensor:
+        """(P, P, K): rows of the return posted after each segment (TokenRing, t >= 1)."""
+        if self.strategy is not Strategy.TOKEN_RING:
+            return torch.zeros_like(self.slices)
+        mine = self.q_owner == torch.arange(self.world_size).unsqueeze(1)
+        return torch.where(mine.unsqueeze(-1), 0, self.slices)
+
+
+def _split_sizes(rows: torch.Tensor, parts: int) -> torch.Tensor:
+    """(..., parts) sizes of ``rows`` split like ``schedule._split_rows`` (0 for empty)."""
+    n = rows.unsqueeze(-1)
+    k = torch.clamp(torch.minimum(n, torch.full_like(n, parts)), min=1)
+    i = torch.arange(parts + 1)
+    bounds = (n * i.clamp(max=k)) // k  # bounds[i] = n*i//k for i <= k, then n
+    sizes = bounds[..., 1:] - bounds[..., :-1]
+    return sizes
+
+
+def schedule_arrays(
+    strategy: Strategy | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    last_block_splits: int = 2,
+) -> ScheduleArrays:
+    """Closed forms of ``build_schedule(...)`` (same arguments) per rank and step.
+
+    Derivation, for the travel rows (Note [Causal blocks per layout] in tokenring.schedule):
+    the block of owner o held at step t by rank o - t visits kv owners (TokenRing) or q owners
+    (Ring) o-t-1, ..., 0, P-1, ..., o+1 at the steps ahead. One of them is below o iff
+    o >= t + 1 and one is above o iff o < P - 1, which decides whether the whole block or
+    one chunk (or nothing) is forwarded.
+
+    Raises:
+        ValueError: as ``build_schedule``.
+    """
+    strategy = Strategy.parse(strategy)
+    pass_ = Pass(pass_)
+    layout = Layout.parse(layout)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    validate_seq_local(seq_local, layout)
+    if last_block_splits < 1:
+        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    p, s, c = world_size, seq_local, seq_local // 2
+    rank = torch.arange(p).unsqueeze(1)  # (P, 1)
+    step = torch.arange(p).unsqueeze(0)  # (1, P)
+    visitor = (rank + step) % p  # owner of the block that travelled to r by step t
+    if strategy is Strategy.TOKEN_RING:
+        q_owner, kv_owner = visitor, rank.expand(p, p)
+    else:
+        q_owner, kv_owner = rank.expand(p, p), visitor
+    diagonal = q_owner == kv_owner
+    full = torch.full((p, p), s, dtype=torch.long)
+    if not causal:
+        q_rows, kv_rows = full, full.clone()
+        diagonal = torch.zeros_like(diagonal)
+    elif layout is Layout.CONTIGUOUS:
+        seen = (kv_owner < q_owner) | diagonal
+        q_rows = torch.where(seen, s, 0)
+        kv_rows = q_rows.clone()
+    else:
+        below = kv_owner < q_owner  # j < o: q whole, kv [0, c); j > o: q [c, s), kv whole
+        q_rows = torch.where(diagonal | below, s, s - c)
+        kv_rows = torch.where(diagonal | ~below, s, c)
+    pairs = torch.where(
+        diagonal,
+        q_rows.double() * (q_rows.double() + 1) / 2,
+        q_rows.double() * kv_rows.double(),
+    )
+    # Segments: one per non-empty block; TokenRing splits a single full (non-diagonal) piece
+    # of its last step into last_block_splits row slices.
+    k = last_block_splits
+    slices = torch.zeros((p, p, k), dtype=torch.long)
+    slices[..., 0] = q_rows
+    if strategy is Strategy.TOKEN_RING and k > 1:
+        split = ~diagonal[:, p - 1] & (q_rows[:, p - 1] > 0)
+        sizes = _split_sizes(q_rows[:, p - 1], k)
+        slices[:, p - 1] = torch.where(split.unsqueeze(-1), sizes, slices[:, p - 1])
+    # Travel: what the ranks ahead still need (see the docstring).
+    any_below = visitor >= step + 1
+    any_above = visitor < p - 1
+    if not causal:
+        travel = full.clone()
+    elif layout is Layout.CONTIGUOUS:
+        # TokenRing: kv j < o needs all q rows; Ring: q owner above j needs all kv rows.
+        needs = any_below if strategy is Strategy.TOKEN_RING else any_above
+        travel = torch.where(needs, s, 0)
+    elif strategy is Strategy.TOKEN_RING:
+        travel = torch.where(any_below, s, s - c)  # j < o: q [0, s); only j > o: q [c, s)
+    else:
+        travel = torch.where(any_below, s, c)  # a q owner below j needs kv [0, s); else [0, c)
+    travel = torch.where(step < p - 1, travel, 0)
+    travel_payload = {
+        (Strategy.TOKEN_RING, Pass.FORWARD): Payload.Q,
+        (Strategy.TOKEN_RING, Pass.BACKWARD): Payload.Q_GRAD,
+        (Strategy.RING, Pass.FORWARD): Payload.KV,
+        (Strategy.RING, Pass.BACKWARD): Payload.KV,
+    }[(strategy, pass_)]
+    return_payload: Payload | None
+    if strategy is Strategy.TOKEN_RING:
+        return_payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
+    else:
+        return_payload = Payload.DKV if pass_ is Pass.BACKWARD else None
+    ring_backward = strategy is Strategy.RING and pass_ is Pass.BACKWARD and p > 1
+    dkv_rows = full.clone() if ring_backward else torch.zeros((p, p), dtype=torch.long)
+    return ScheduleArrays(
+        strategy=strategy,
+        pass_=pass_,
+        world_size=p,
+        seq_local=s,
+        q_owner=q_owner.contiguous(),
+        kv_owner=kv_owner.contiguous(),
+        q_rows=q_rows,
+        kv_rows=kv_rows,
+        diagonal=diagonal,
+        pairs=pairs,
+        slices=slices,
+        travel_rows=travel,
+        travel_payload=travel_payload,
+        return_payload=return_payload,
+        dkv_rows=dkv_rows,
+    )
+
+
+# -- closed-form steady state ------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SteadyStep:
+    """The balance of one steady step (1 <= t <= P-2, worst rank) in closed form."""
+
+    compute_s: float
+    """Kernel time of the step on the busiest rank."""
+    comm_s: float
+    """Bytes on the busiest resource during the step / its bandwidth, plus latency."""
+    busiest: str
+    """Which resource that is: ``link``, ``port`` or ``ring hops``."""
+    travel_bytes: int
+    """Bytes of the travel block forwarded at this step (worst rank)."""
+    return_bytes: int
+    """Bytes returning during this step (worst rank): TokenRing's partial of the previous
+    step, Ring backward's dK/dV accumulator."""
+
+    @property
+    def step_s(self) -> float:
+        """max(compute, comm): the step time when everything overlaps."""
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def comm_bound(self) -> bool:
+        """Whether the links, not the kernel, set the pace."""
+        return self.comm_s > self.compute_s
+
+
+def steady_step(
+    strategy: Strategy | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    shape: AttentionShape,
+    hardware: Hardware,
+    step: int | None = None,
+) -> SteadyStep:
+    """Closed-form compute and communication time of step ``step`` (default: the middle one).
+
+    Worst rank: every block row count is the largest any rank has at a steady step (s rows of
+    the travel block, s rows returned; zigzag computes s*c score entries, contiguous causal
+    s*s on the busiest rank). Flows during step t: the travel block of step t, and the return
+    posted at the end of step t-1 (TokenRing: to the owner at distance t-1; Ring backward:
+    the accumulator to r-1, on the same link as K/V). Per topology::
+
+        MESH    max over links: travel and return use different links unless they share dst
+        SWITCH  the sender's port carries both: (travel + return) / port, each <= link
+        RING    a return at distance d crosses h = min(d, P-d) hops; each hop of that
+                direction carries h returns (plus the travel block if it goes r -> r-1)
+
+    Raises:
+        ValueError: world_size < 2 (no steady step), or step outside [1, P-1].
+    """
+    strategy = Strategy.parse(strategy)
+    pass_ = Pass(pass_)
+    layout = Layout.parse(layout)
+    p, s = world_size, seq_local
+    if p < 2:
+        raise ValueError(f"world_size must be >= 2 for a steady step; got {p}")
+    validate_seq_local(s, layout)
+    t = step if step is not None else min(p - 1, max(1, p // 2))
+    if not 1 <= t <= p - 1:
+        raise ValueError(f"step must be in [1, {p - 1}]; got {t}")
+    dims = shape.dims
+    pairs = s * (s // 2) if causal and layout is Layout.ZIGZAG else s * s
+    flops = 4.0 * dims.batch * dims.heads_q * dims.head_dim * pairs
+    if pass_ is Pass.BACKWARD:
+        flops *= 2.5
+    compute_s = flops / hardware.flops_per_s(pass_, shape.dtype)
+
+    travel_payload = {
+        (Strategy.TOKEN_RING, Pass.FORWARD): Payload.Q,
+        (Strategy.TOKEN_RING, Pass.BACKWARD): Payload.Q_GRAD,
+        (Strategy.RING, Pass.FORWARD): Payload.KV,
+        (Strategy.RING, Pass.BACKWARD): Payload.KV,
+    }[(strategy, pass_)]
+    travel = s * dims.row_bytes(travel_payload) if t <= p - 2 else 0
+    if strategy is Strategy.TOKEN_RING:
+        ret_payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
+        ret = s * dims.row_bytes(ret_payload) if t >= 2 else 0
+        distance = t - 1
+    else:
+        ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD else 0
+        distance = p - 1  # the accumulator goes to r - 1, like K/V
+
+    net = hardware.interconnect
+    if hardware.devices_per_node is not None:
+        raise NotImplementedError("steady_step models one island; simulate islands instead")
+    link, lat = net.link_bandwidth_bytes_per_s, net.latency_s
+    same_link = distance % p == p - 1  # the return goes to r - 1, like the travel block
+    if net.topology is Topology.RING and ret and not same_link:
+        hops = min(distance, p - distance)
+        down = distance > p - distance  # the return goes r -> r-1 -> ..., like travel
+        hop_load = hops * ret + (travel if down else 0)
+        comm_s, busiest = hop_load / link + hops * lat, "ring hops"
+        comm_s = max(comm_s, travel / link + lat)
+    elif same_link:
+        comm_s, busiest = (travel + ret) / link + lat, "link"
+    else:
+        comm_s, busiest = max(travel, ret) / link + lat, "link"
+    if net.port_bandwidth_bytes_per_s is not None:
+        port_s = (travel + ret) / net.port_bandwidth_bytes_per_s + lat
+        if port_s > comm_s:
+            comm_s, busiest = port_s, "port"
+    if travel == 0 and ret == 0:
+        comm_s = 0.0
+    return SteadyStep(
+        compute_s=compute_s,
+        comm_s=comm_s,
+        busiest=busiest,
+        travel_bytes=travel,
+        return_bytes=ret,
+    )

@@ -1,0 +1,161 @@
+"""TokenRing and Ring on real gloo process groups, against the float64 oracle.
+
+One launch per (strategy, world size); the parameter grid (layout, causal, heads, dtype) is
+looped inside the ranks. Each rank compares its shard of out, lse and the gradients of q, k, v
+with full attention computed in float64 from the same seeded global tensors, and its counted
+bytes per link with the formula in ``oracle.expected_bytes``.
+
+Tolerances (../shared/STYLE.md): float64 within 1e-10; float32 with ``assert_close``
+defaults; bf16/fp16 within twice the error of plain single-process attention in that dtype
+plus one rounding step at the tensor's magnitude.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+from oracle import (
+    expected_bytes,
+    make_inputs,
+    oracle_with_grads,
+    owned_positions,
+    same_dtype_attention_error,
+)
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}  # fmt: skip
+HEADS = [(4, 4), (6, 2), (4, 1)]  # MHA, GQA (groups of 3), MQA
+
+
+def _traffic(comm: tokenring.Communicator) -> dict[tuple[str, int, int], int]:
+    me = comm.rank
+    return {(flow, me, peer): n for (flow, peer), n in comm.counter.sent_bytes.items()}
+
+
+def _check_config(
+    strategy: str, layout: str, causal: bool, heads: tuple[int, int], dtype_name: str
+) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[dtype_name]
+    seq_local = 5 if layout == "contiguous" else 6  # odd where the layout allows it
+    seq = seq_local * world
+    hq, hkv = heads
+    q, k, v, dout = make_inputs(seed=zlib.crc32(repr((layout, causal, heads)).encode()), batch=2,
+                                seq_global=seq, heads_q=hq, heads_kv=hkv, head_dim=8)  # fmt: skip
+    scale = 8**-0.5
+    ref = oracle_with_grads(q, k, v, dout, causal=causal, scale=scale, dtype=dtype)
+    idx = torch.tensor(owned_positions(layout, rank, world, seq))
+    local = [x[:, idx].to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
+    comm = tokenring.get_communicator()
+    comm.counter.reset()
+    out, lse = tokenring.sequence_parallel_attn(*local, strategy=strategy, causal=causal,
+                                                layout=layout, return_lse=True)  # fmt: skip
+    fwd_bytes = _traffic(comm)
+    comm.counter.reset()
+    out.backward(dout[:, idx].to(dtype))
+    bwd_bytes = _traffic(comm)
+    got = {
+        "out": out.detach(),
+        "lse": lse,
+        "dq": local[0].grad,
+        "dk": local[1].grad,
+        "dv": local[2].grad,
+    }
+    want = {"out": ref["out"][:, idx], "lse": ref["lse"][:, :, idx], "dq": ref["dq"][:, idx],
+            "dk": ref["dk"][:, idx], "dv": ref["dv"][:, idx]}  # fmt: skip
+    errors = {name: (got[name].double() - want[name]).abs().max().item() for name in got}
+    failures = []
+    for name in got:
+        if got[name].dtype != (lse.dtype if name == "lse" else dtype):
+            failures.append(f"{name} has dtype {got[name].dtype}")
+    if dtype == torch.float64:
+        failures += [f"{n}: {e:.3g} > 1e-10" for n, e in errors.items() if e > 1e-10]
+    elif dtype == torch.float32:
+        for name in got:
+            try:
+                torch.testing.assert_close(
+                    got[name], want[name].to(got[name].dtype)
+                )  # fp32 defaults
+            except AssertionError as exc:
+                failures.append(f"{name}: {str(exc).splitlines()[0]} (max {errors[name]:.3g})")
+    else:
+        plain = same_dtype_attention_error(
+            q, k, v, dout, ref, causal=causal, scale=scale, dtype=dtype
+        )
+        eps = torch.finfo(dtype).eps
+        for name in ("out", "dq", "dk", "dv"):
+            bound = 2 * plain[name] + eps * want[name].abs().max().item()
+            if errors[name] > bound:
+                failures.append(
+                    f"{name}: {errors[name]:.3g} > bound {bound:.3g} (plain {plain[name]:.3g})"
+                )
+        # lse is computed and merged in float32 from the rounded inputs.
+        try:
+            torch.testing.assert_close(lse, want["lse"].float())  # float32 defaults
+        except AssertionError as exc:
+            failures.append(f"lse: {str(exc).splitlines()[0]} (max {errors['lse']:.3g})")
+    dims = {"batch": 2, "heads_q": hq, "heads_kv": hkv, "head_dim": 8,
+            "elem_bytes": torch.empty((), dtype=dtype).element_size(),
+            "acc_bytes": 8 if dtype == torch.float64 else 4}  # fmt: skip
+    for backward, counted in ((False, fwd_bytes), (True, bwd_bytes)):
+        formula = expected_bytes(strategy=strategy, backward=backward, layout=layout, causal=causal,
+                                 world_size=world, seq_local=seq_local, **dims)  # fmt: skip
+        mine = {key: n for key, n in formula.items() if key[1] == rank}
+        if counted != mine:
+            failures.append(
+                f"{'backward' if backward else 'forward'} bytes {counted} != formula {mine}"
+            )
+    return {
+        "config": (strategy, layout, causal, heads, dtype_name),
+        "errors": errors,
+        "failures": failures,
+    }
+
+
+def _grid(strategy: str) -> list[dict[str, Any]]:
+    results = []
+    for layout, causal, heads, dtype_name in itertools.product(
+        ("contiguous", "zigzag"), (False, True), HEADS, DTYPES
+    ):
+        results.append(_check_config(strategy, layout, causal, heads, dtype_name))
+    return results
+
+
+def _determinism(strategy: str) -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = make_inputs(
+        seed=7, batch=1, seq_global=8 * world, heads_q=4, heads_kv=2, head_dim=8
+    )
+    idx = torch.tensor(owned_positions("zigzag", rank, world, 8 * world))
+    runs = []
+    for _ in range(2):
+        local = [x[:, idx].float().requires_grad_(True) for x in (q, k, v)]
+        out = tokenring.sequence_parallel_attn(
+            *local, strategy=strategy, causal=True, layout="zigzag"
+        )
+        out.backward(dout[:, idx].float())
+        runs.append([out.detach(), *(x.grad for x in local)])
+    return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def run_grid(strategy: str) -> list[list[dict[str, Any]] | bool]:
+    return [_grid(strategy), _determinism(strategy)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", ["token_ring", "ring"])
+def test_matches_oracle_and_traffic_formula(strategy: str, world_size: int) -> None:
+    per_rank = tokenring.launch(run_grid, strategy, world_size=world_size, timeout_s=240)
+    failures = []
+    for rank, (grid, deterministic) in enumerate(per_rank):
+        assert deterministic, f"rank {rank}: two identical calls differ bitwise"
+        for row in grid:
+            failures += [f"rank {rank} {row['config']}: {f}" for f in row["failures"]]
+    assert not failures, "\n".join(failures)

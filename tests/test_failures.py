@@ -1,0 +1,138 @@
+"""Bad input raises a ValueError naming the argument; failed or mismatched ranks never hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+from tokenring.launch import LaunchError
+
+
+def _qkv(b=1, s=4, hq=4, hkv=2, d=8, dtype=torch.float32):
+    return (torch.randn(b, s, hq, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype),
+            torch.randn(b, s, hkv, d, dtype=dtype))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda q, k, v: (q.double(), k, v), r"k.dtype must equal q.dtype"),
+        (lambda q, k, v: (q, k, v[:, :, :1]), r"k and v must have the same shape"),
+        (lambda q, k, v: (q, k[:, :3], v[:, :3]), r"k must have shape \(batch=1, seq_local=4"),
+        (lambda q, k, v: (q[..., :4], k, v), r"k must have shape .*head_dim=4"),
+        (
+            lambda q, k, v: (q[:, :, :3], k, v),
+            r"heads_kv must divide heads_q; got heads_q=3, heads_kv=2",
+        ),
+        (lambda q, k, v: (q[0], k, v), r"q must have 4 dims"),
+        (lambda q, k, v: (q.int(), k.int(), v.int()), r"q.dtype must be one of"),
+        (lambda q, k, v: (q, k.to("meta"), v.to("meta")), r"k.device must equal q.device"),
+    ],
+)
+def test_bad_tensors(single_rank_group: None, change, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tokenring.token_ring_attn(*change(*_qkv()))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"layout": "spiral"}, "layout must be one of 'contiguous', 'zigzag'; got 'spiral'"),
+        ({"strategy": "teleport"}, "strategy must be one of"),
+        ({"softmax_scale": -1.0}, "softmax_scale must be a finite number > 0"),
+        ({"kernel": "warp_drive"}, "kernel must be one of"),
+        ({"last_block_splits": 0}, "last_block_splits must be >= 1; got 0"),
+        ({"group": "everyone"}, "group must be a ProcessGroup"),
+    ],
+)
+def test_bad_options(single_rank_group: None, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tokenring.sequence_parallel_attn(*_qkv(), **kwargs)
+
+
+def test_zigzag_needs_even_local_length(single_rank_group: None) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"q.shape\[1\] \(seq_local\) must be even for layout 'zigzag' "
+        r"\(two chunks per rank\); got 5",
+    ):
+        tokenring.ring_attn(*_qkv(s=5), causal=True, layout="zigzag")
+
+
+def test_module_wrapper_and_one_rank_equals_sdpa(single_rank_group: None) -> None:
+    q, k, v = _qkv(hkv=4)
+    module = tokenring.SequenceParallelAttention(strategy="ring", causal=True)
+    out = module(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    assert "strategy=ring" in repr(module)
+
+
+# -- multi-rank failures (functions run inside launched ranks) -------------------------------
+
+
+def mismatched_seq_local() -> None:
+    rank = dist.get_rank()
+    q, k, v = _qkv(s=6 if rank == 1 else 4)
+    tokenring.token_ring_attn(q, k, v)
+
+
+def one_rank_raises() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom: rank 1 broke before attention")
+    tokenring.token_ring_attn(*_qkv(), check_ranks=False)
+
+
+def one_rank_too_slow(where: str) -> None:
+    if where == "groups":  # a fresh communicator: building it waits for every member
+        group = dist.new_group(ranks=[0, 1])
+        if dist.get_rank() == 1:
+            time.sleep(30)
+        comm = tokenring.Communicator(group, timeout_s=3)
+        tokenring.token_ring_attn(*_qkv(), check_ranks=False, group=comm)
+        return
+    if dist.get_rank() == 1:
+        time.sleep(30)
+    tokenring.token_ring_attn(*_qkv(), check_ranks=False)
+
+
+def test_mismatched_ranks_fail_with_the_difference() -> None:
+    with pytest.raises(LaunchError, match="seq_local: rank 0 has 4, rank 1 has 6"):
+        tokenring.launch(mismatched_seq_local, world_size=3, timeout_s=60)
+
+
+def test_failed_rank_is_the_reported_root_cause_and_nobody_hangs() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        tokenring.launch(one_rank_raises, world_size=3, timeout_s=60, pg_timeout_s=60)
+    assert info.value.failed_rank == 1
+    assert "boom: rank 1 broke before attention" in str(info.value)
+    # Ranks 0 and 2 sit in a P2P wait with a 60 s timeout; the launcher must end them at once.
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("p2p", "rank 0: receive of 'q' rows (0, 4) of owner 1 from rank 1 at step 0 failed"),
+        ("groups", "rank 0: creating the 'travel' process group over ranks [0, 1] failed"),
+    ],
+)
+def test_slow_peer_times_out_with_a_message_naming_the_cause(where: str, expected: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        tokenring.launch(one_rank_too_slow, where, world_size=2, timeout_s=60, pg_timeout_s=3)
+    assert info.value.failed_rank == 0
+    assert expected in str(info.value)
+    assert time.monotonic() - start < 25  # the 3 s timeout fired; rank 1 still sleeping was ended
+
+
+def test_launch_rejects_main_module_functions_and_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1; got 0"):
+        tokenring.launch(one_rank_raises, world_size=0)

@@ -1,0 +1,113 @@
+"""Schedules as plain data: coverage of the attention matrix and bytes per link."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from oracle import covered_pairs, expected_bytes, owned_positions
+from tokenring.schedule import Dims, Pass, Strategy, build_schedule
+
+CASES = [
+    (strategy, layout, causal, p)
+    for strategy in ("token_ring", "ring")
+    for layout in ("contiguous", "zigzag")
+    for causal in (False, True)
+    for p in (1, 2, 3, 4, 5)
+]
+
+
+@pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), CASES)
+def test_every_needed_pair_computed_exactly_once(
+    strategy: str, layout: str, causal: bool, world_size: int
+) -> None:
+    seq_local = 6
+    seq = world_size * seq_local
+    sched = build_schedule(strategy, "forward", layout=layout, causal=causal,
+                           world_size=world_size, seq_local=seq_local)  # fmt: skip
+    computed = []
+    for rank, step in itertools.product(range(world_size), range(world_size)):
+        plan = sched.steps[rank][step]
+        qpos = owned_positions(layout, plan.q_owner, world_size, seq)
+        kpos = owned_positions(layout, plan.kv_owner, world_size, seq)
+        for piece in plan.pieces:
+            for i in range(*piece.q_rows):
+                for j in range(*piece.kv_rows):
+                    if piece.causal and j > i:
+                        continue
+                    computed.append((qpos[i], kpos[j]))
+    assert sorted(computed) == covered_pairs(layout, causal, world_size, seq_local)
+
+
+@pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), CASES)
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (8, 2)])
+def test_bytes_per_link_match_formula(
+    strategy: str,
+    layout: str,
+    causal: bool,
+    world_size: int,
+    backward: bool,
+    heads_q: int,
+    heads_kv: int,
+) -> None:
+    dims = Dims(batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4)
+    sched = build_schedule(strategy, Pass.BACKWARD if backward else Pass.FORWARD, layout=layout,
+                           causal=causal, world_size=world_size, seq_local=6)  # fmt: skip
+    got: dict[tuple[str, int, int], int] = {}
+    for tr in sched.transfers:
+        key = (tr.payload.flow.value, tr.src, tr.dst)
+        got[key] = got.get(key, 0) + tr.num_bytes(dims)
+    want = expected_bytes(strategy=strategy, backward=backward, layout=layout, causal=causal,
+                          world_size=world_size, seq_local=6, batch=2, heads_q=heads_q,
+                          heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4)  # fmt: skip
+    assert got == want
+
+
+def test_token_ring_zigzag_sends_half_q_after_the_wrap() -> None:
+    """The paper's optimisation, spelled out: P = 4, s = 8, c = 4, Q travels down."""
+    sched = build_schedule(Strategy.TOKEN_RING, "forward", layout="zigzag", causal=True,
+                           world_size=4, seq_local=8)  # fmt: skip
+    q_rows = {(tr.src, tr.owner): tr.rows for tr in sched.transfers if tr.payload.value == "q"}
+    # Q1's route is rank 0, 3, 2. Rank 0's keys precede both of Q1's chunks: all 8 rows go.
+    assert q_rows[(1, 1)] == (0, 8)
+    # Past the wrap, ranks 3 and 2 hold keys only Q1's late chunk (rows 4..8) can see.
+    assert q_rows[(0, 1)] == (4, 8)
+    assert q_rows[(3, 1)] == (4, 8)
+    # Q0's whole route (3, 2, 1) is past the wrap: half from the first hop on.
+    assert q_rows[(0, 0)] == (4, 8)
+    ret_rows = {(tr.src, tr.dst): tr.rows for tr in sched.transfers if tr.payload.value == "out"}
+    assert (3, 0) in ret_rows and ret_rows[(3, 0)] == (4, 8)  # rank 3 > 0 sees Q0's late chunk only
+
+
+def test_last_block_split_and_slots() -> None:
+    sched = build_schedule("token_ring", "forward", layout="contiguous", causal=False,
+                           world_size=3, seq_local=7, last_block_splits=3)  # fmt: skip
+    last = [
+        tr for tr in sched.transfers if tr.payload.value == "out" and tr.step == 2 and tr.src == 0
+    ]
+    assert [tr.rows for tr in last] == [(0, 2), (2, 4), (4, 7)]
+    assert [tr.after_segments for tr in last] == [1, 2, 3]
+    for tr in sched.transfers:
+        if tr.payload.flow.value == "travel":
+            assert tr.after_segments == 0  # posted before the step's compute: overlaps it
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"seq_local": 5, "layout": "zigzag"}, "even"),
+        ({"last_block_splits": 0}, "last_block_splits"),
+        ({"layout": "spiral"}, "layout"),
+    ],
+)
+def test_bad_schedule_arguments(kwargs: dict, match: str) -> None:
+    args = {"layout": "contiguous", "causal": True, "world_size": 2, "seq_local": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        build_schedule("token_ring", "forward", **args)
+    with pytest.raises(ValueError, match="strategy"):
+        build_schedule(
+            "teleport", "forward", layout="contiguous", causal=True, world_size=2, seq_local=4
+        )
