@@ -76,9 +76,12 @@ def oracle_with_grads(
     out, lse = full_attention(*leaves, causal=causal, scale=scale)
     out.backward(dout.to(dtype).double())
     return {
-        "out": out.detach(), "lse": lse.detach(),
-        "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad,
-    }  # fmt: skip
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": leaves[0].grad,
+        "dk": leaves[1].grad,
+        "dv": leaves[2].grad,
+    }
 
 
 def same_dtype_attention_error(

@@ -29,8 +29,12 @@ from oracle import (
     same_dtype_attention_error,
 )
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}  # fmt: skip
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 HEADS = [(4, 4), (6, 2), (4, 1)]  # MHA, GQA (groups of 3), MQA
 
 
@@ -47,16 +51,23 @@ def _check_config(
     seq_local = 5 if layout == "contiguous" else 6  # odd where the layout allows it
     seq = seq_local * world
     hq, hkv = heads
-    q, k, v, dout = make_inputs(seed=zlib.crc32(repr((layout, causal, heads)).encode()), batch=2,
-                                seq_global=seq, heads_q=hq, heads_kv=hkv, head_dim=8)  # fmt: skip
+    q, k, v, dout = make_inputs(
+        seed=zlib.crc32(repr((layout, causal, heads)).encode()),
+        batch=2,
+        seq_global=seq,
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=8,
+    )
     scale = 8**-0.5
     ref = oracle_with_grads(q, k, v, dout, causal=causal, scale=scale, dtype=dtype)
     idx = torch.tensor(owned_positions(layout, rank, world, seq))
     local = [x[:, idx].to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
     comm = tokenring.get_communicator()
     comm.counter.reset()
-    out, lse = tokenring.sequence_parallel_attn(*local, strategy=strategy, causal=causal,
-                                                layout=layout, return_lse=True)  # fmt: skip
+    out, lse = tokenring.sequence_parallel_attn(
+        *local, strategy=strategy, causal=causal, layout=layout, return_lse=True
+    )
     fwd_bytes = _traffic(comm)
     comm.counter.reset()
     out.backward(dout[:, idx].to(dtype))
@@ -68,8 +79,13 @@ def _check_config(
         "dk": local[1].grad,
         "dv": local[2].grad,
     }
-    want = {"out": ref["out"][:, idx], "lse": ref["lse"][:, :, idx], "dq": ref["dq"][:, idx],
-            "dk": ref["dk"][:, idx], "dv": ref["dv"][:, idx]}  # fmt: skip
+    want = {
+        "out": ref["out"][:, idx],
+        "lse": ref["lse"][:, :, idx],
+        "dq": ref["dq"][:, idx],
+        "dk": ref["dk"][:, idx],
+        "dv": ref["dv"][:, idx],
+    }
     errors = {name: (got[name].double() - want[name]).abs().max().item() for name in got}
     failures = []
     for name in got:
@@ -101,12 +117,24 @@ def _check_config(
             torch.testing.assert_close(lse, want["lse"].float())  # float32 defaults
         except AssertionError as exc:
             failures.append(f"lse: {str(exc).splitlines()[0]} (max {errors['lse']:.3g})")
-    dims = {"batch": 2, "heads_q": hq, "heads_kv": hkv, "head_dim": 8,
-            "elem_bytes": torch.empty((), dtype=dtype).element_size(),
-            "acc_bytes": 8 if dtype == torch.float64 else 4}  # fmt: skip
+    dims = {
+        "batch": 2,
+        "heads_q": hq,
+        "heads_kv": hkv,
+        "head_dim": 8,
+        "elem_bytes": torch.empty((), dtype=dtype).element_size(),
+        "acc_bytes": 8 if dtype == torch.float64 else 4,
+    }
     for backward, counted in ((False, fwd_bytes), (True, bwd_bytes)):
-        formula = expected_bytes(strategy=strategy, backward=backward, layout=layout, causal=causal,
-                                 world_size=world, seq_local=seq_local, **dims)  # fmt: skip
+        formula = expected_bytes(
+            strategy=strategy,
+            backward=backward,
+            layout=layout,
+            causal=causal,
+            world_size=world,
+            seq_local=seq_local,
+            **dims,
+        )
         mine = {key: n for key, n in formula.items() if key[1] == rank}
         if counted != mine:
             failures.append(

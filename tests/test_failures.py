@@ -13,8 +13,11 @@ from tokenring.launch import LaunchError
 
 
 def _qkv(b=1, s=4, hq=4, hkv=2, d=8, dtype=torch.float32):
-    return (torch.randn(b, s, hq, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype),
-            torch.randn(b, s, hkv, d, dtype=dtype))  # fmt: skip
+    return (
+        torch.randn(b, s, hq, d, dtype=dtype),
+        torch.randn(b, s, hkv, d, dtype=dtype),
+        torch.randn(b, s, hkv, d, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,9 @@ def test_positions_and_round_trip(layout: str, world_size: int) -> None:
     shards = []
     for rank in range(world_size):
         expected = owned_positions(layout, rank, world_size, seq)
-        got = global_positions(rank=rank, world_size=world_size, seq_local=seq // world_size,
-                               layout=layout)  # fmt: skip
+        got = global_positions(
+            rank=rank, world_size=world_size, seq_local=seq // world_size, layout=layout
+        )
         assert got.tolist() == expected
         part = shard(x, rank=rank, world_size=world_size, layout=layout)
         assert torch.equal(part, x[:, expected])

@@ -24,8 +24,14 @@ def test_every_needed_pair_computed_exactly_once(
 ) -> None:
     seq_local = 6
     seq = world_size * seq_local
-    sched = build_schedule(strategy, "forward", layout=layout, causal=causal,
-                           world_size=world_size, seq_local=seq_local)  # fmt: skip
+    sched = build_schedule(
+        strategy,
+        "forward",
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=seq_local,
+    )
     computed = []
     for rank, step in itertools.product(range(world_size), range(world_size)):
         plan = sched.steps[rank][step]
@@ -53,22 +59,40 @@ def test_bytes_per_link_match_formula(
     heads_kv: int,
 ) -> None:
     dims = Dims(batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4)
-    sched = build_schedule(strategy, Pass.BACKWARD if backward else Pass.FORWARD, layout=layout,
-                           causal=causal, world_size=world_size, seq_local=6)  # fmt: skip
+    sched = build_schedule(
+        strategy,
+        Pass.BACKWARD if backward else Pass.FORWARD,
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=6,
+    )
     got: dict[tuple[str, int, int], int] = {}
     for tr in sched.transfers:
         key = (tr.payload.flow.value, tr.src, tr.dst)
         got[key] = got.get(key, 0) + tr.num_bytes(dims)
-    want = expected_bytes(strategy=strategy, backward=backward, layout=layout, causal=causal,
-                          world_size=world_size, seq_local=6, batch=2, heads_q=heads_q,
-                          heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4)  # fmt: skip
+    want = expected_bytes(
+        strategy=strategy,
+        backward=backward,
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=6,
+        batch=2,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=8,
+        elem_bytes=2,
+        acc_bytes=4,
+    )
     assert got == want
 
 
 def test_token_ring_zigzag_sends_half_q_after_the_wrap() -> None:
     """The paper's optimisation, spelled out: P = 4, s = 8, c = 4, Q travels down."""
-    sched = build_schedule(Strategy.TOKEN_RING, "forward", layout="zigzag", causal=True,
-                           world_size=4, seq_local=8)  # fmt: skip
+    sched = build_schedule(
+        Strategy.TOKEN_RING, "forward", layout="zigzag", causal=True, world_size=4, seq_local=8
+    )
     q_rows = {(tr.src, tr.owner): tr.rows for tr in sched.transfers if tr.payload.value == "q"}
     # Q1's route is rank 0, 3, 2. Rank 0's keys precede both of Q1's chunks: all 8 rows go.
     assert q_rows[(1, 1)] == (0, 8)
@@ -82,8 +106,15 @@ def test_token_ring_zigzag_sends_half_q_after_the_wrap() -> None:
 
 
 def test_last_block_split_and_slots() -> None:
-    sched = build_schedule("token_ring", "forward", layout="contiguous", causal=False,
-                           world_size=3, seq_local=7, last_block_splits=3)  # fmt: skip
+    sched = build_schedule(
+        "token_ring",
+        "forward",
+        layout="contiguous",
+        causal=False,
+        world_size=3,
+        seq_local=7,
+        last_block_splits=3,
+    )
     last = [
         tr for tr in sched.transfers if tr.payload.value == "out" and tr.step == 2 and tr.src == 0
     ]

@@ -10,7 +10,7 @@ __all__ = ["make_table", "print_table", "progress"]
 
 def _rich() -> Any:
     try:
-        import rich  # noqa: F401
+        import rich
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "the tokenring command line needs rich: pip install 'tokenring[cli]'"
@@ -33,7 +33,7 @@ def print_table(table: Any) -> None:
     _rich()
     from rich.console import Console
 
-    Console(width=160).print(table)
+    Console(width=max(Console().width, 200)).print(table)
 
 
 def progress(total: int, description: str) -> Any:
@@ -41,7 +41,12 @@ def progress(total: int, description: str) -> Any:
     _rich()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), transient=True)  # fmt: skip
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        transient=True,
+    )
     bar.add_task(description, total=total)
     return bar

@@ -245,13 +245,28 @@ def sequence_parallel_attn(
     block_kernel = select_kernel(q.device, q.dtype, kernel)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if check_ranks:
-        names = ["batch", "seq_local", "heads_q", "heads_kv", "head_dim", "dtype", "causal",
-                 "layout", "strategy", "scale_bits"]  # fmt: skip
+        names = [
+            "batch",
+            "seq_local",
+            "heads_q",
+            "heads_kv",
+            "head_dim",
+            "dtype",
+            "causal",
+            "layout",
+            "strategy",
+            "scale_bits",
+        ]
         signature = [
-            *q.shape[:3], k.shape[2], q.shape[3], _DTYPE_CODES[q.dtype], int(causal),
-            list(Layout).index(layout), list(Strategy).index(strategy),
+            *q.shape[:3],
+            k.shape[2],
+            q.shape[3],
+            _DTYPE_CODES[q.dtype],
+            int(causal),
+            list(Layout).index(layout),
+            list(Strategy).index(strategy),
             int.from_bytes(struct.pack("<d", scale), "little", signed=True),
-        ]  # fmt: skip
+        ]
         _check_ranks_agree(comm, signature, names, q.device)
     key = (strategy, layout, causal, comm.world_size, q.shape[1], last_block_splits)
     fwd = _schedule(strategy, Pass.FORWARD, *key[1:])
@@ -276,9 +291,17 @@ def token_ring_attn(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TokenRing attention (pass-Q); see :func:`sequence_parallel_attn` for every argument."""
     return sequence_parallel_attn(
-        q, k, v, strategy=Strategy.TOKEN_RING, causal=causal, softmax_scale=softmax_scale,
-        group=group, layout=layout, return_lse=return_lse, **options,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        strategy=Strategy.TOKEN_RING,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        group=group,
+        layout=layout,
+        return_lse=return_lse,
+        **options,
+    )
 
 
 def ring_attn(
@@ -295,9 +318,17 @@ def ring_attn(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ring attention (pass-KV); see :func:`sequence_parallel_attn` for every argument."""
     return sequence_parallel_attn(
-        q, k, v, strategy=Strategy.RING, causal=causal, softmax_scale=softmax_scale,
-        group=group, layout=layout, return_lse=return_lse, **options,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        strategy=Strategy.RING,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        group=group,
+        layout=layout,
+        return_lse=return_lse,
+        **options,
+    )
 
 
 class SequenceParallelAttention(torch.nn.Module):
@@ -327,10 +358,16 @@ class SequenceParallelAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = sequence_parallel_attn(
-            q, k, v, strategy=self.strategy, causal=self.causal,
-            softmax_scale=self.softmax_scale, group=self.group, layout=self.layout,
+            q,
+            k,
+            v,
+            strategy=self.strategy,
+            causal=self.causal,
+            softmax_scale=self.softmax_scale,
+            group=self.group,
+            layout=self.layout,
             **self.options,
-        )  # fmt: skip
+        )
         assert isinstance(out, torch.Tensor)
         return out
 

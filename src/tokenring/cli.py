@@ -17,6 +17,7 @@ __all__ = ["main"]
 # command name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tokenring.demo", "check every strategy against the oracle on CPU ranks and time it"),
+    "bench": ("tokenring.bench", "every strategy side by side: verified, timed, against its bound"),
 }
 
 

@@ -255,14 +255,27 @@ class CudaSdpaKernel(BlockKernel):
         if q.dtype == torch.float32:
             r = _named(
                 ops._scaled_dot_product_efficient_attention.default,
-                _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, scale=scale,
-            )  # fmt: skip
+                _bhsd(q),
+                _bhsd(k),
+                _bhsd(v),
+                None,
+                True,
+                0.0,
+                causal,
+                scale=scale,
+            )
             out = r["output"]
         else:
             r = _named(
                 ops._scaled_dot_product_flash_attention.default,
-                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale,
-            )  # fmt: skip
+                _bhsd(q),
+                _bhsd(k),
+                _bhsd(v),
+                0.0,
+                causal,
+                False,
+                scale=scale,
+            )
             out = r["output"]
         lse = r["logsumexp"][..., :sq].float()  # efficient attention pads rows
         return _bhsd(out), lse

@@ -102,6 +102,7 @@ def launch(
     wrap_command: Callable[[int, list[str]], list[str]] | None = None,
     rank_env: Callable[[int], dict[str, str]] | None = None,
     register_pid: Callable[[int], None] | None = None,
+    poll: Callable[[], None] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes joined in a process group.
@@ -116,6 +117,7 @@ def launch(
         wrap_command: turns a worker's argv into the argv to start (e.g. ``ip netns exec``).
         rank_env: extra environment per rank (e.g. GLOO_SOCKET_IFNAME).
         register_pid: called with each worker's PID (e.g. so a lab can end it on tear-down).
+        poll: called about every 20 ms while waiting (e.g. to update a progress bar).
 
     Returns:
         Each rank's return value, in rank order.
@@ -138,16 +140,22 @@ def launch(
     workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
     try:
         spec = _Spec(
-            fn=fn, args=args, kwargs=kwargs, world_size=world_size, backend=backend,
-            store_path=os.path.join(workdir, "store"), result_dir=workdir,
-            pg_timeout_s=pg_timeout_s, threads=threads,
-        )  # fmt: skip
+            fn=fn,
+            args=args,
+            kwargs=kwargs,
+            world_size=world_size,
+            backend=backend,
+            store_path=os.path.join(workdir, "store"),
+            result_dir=workdir,
+            pg_timeout_s=pg_timeout_s,
+            threads=threads,
+        )
         spec_path = os.path.join(workdir, "spec.pkl")
         with open(spec_path, "wb") as f:
             pickle.dump(spec, f)
         ranks = _start(spec_path, workdir, world_size, wrap_command, rank_env, register_pid)
         try:
-            return _collect(ranks, workdir, timeout_s)
+            return _collect(ranks, workdir, timeout_s, poll)
         finally:
             _end(ranks)
     finally:
@@ -203,7 +211,9 @@ def _tail(path: str, num_chars: int = 3000) -> str:
     return data[-num_chars:].decode(errors="replace")
 
 
-def _collect(ranks: list[_Rank], workdir: str, timeout_s: float) -> list[Any]:
+def _collect(
+    ranks: list[_Rank], workdir: str, timeout_s: float, poll: Callable[[], None] | None
+) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     first_failure: tuple[float, int, str] | None = None
     grace_until: float | None = None
@@ -254,6 +264,8 @@ def _collect(ranks: list[_Rank], workdir: str, timeout_s: float) -> list[Any]:
                 f"killed\n{tails}",
                 failed_rank=None,
             )
+        if poll is not None:
+            poll()
         time.sleep(0.02)
     results = []
     for r in ranks:

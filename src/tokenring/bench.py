@@ -1,0 +1,778 @@
+"""``tokenring bench``: every strategy side by side, verified, against its bound.
+
+Spawns ``--world-size`` ranks (gloo on CPU; or runs under torchrun with the launcher's ranks,
+NCCL on CUDA), optionally inside the emulated-interconnect lab (``--link``), and for each model
+shape, causality, strategy and pass (forward, forward+backward) measures:
+
+- ms per call (median, p10, p90 over iterations; max over ranks), ms per steady step;
+- bytes sent per rank on each flow (travel: q/kv/(q, dout, lse, delta) down the ring; return:
+  partials home, or dK/dV accumulators), and the achieved rate of each flow;
+- overlap efficiency: time in block kernels / wall time of the call;
+- % of the bound: the call can be no faster than
+  ``max(compute-only time, busiest directed link's bytes / link bandwidth) + exposed``,
+  where compute-only time is the same per-rank kernel calls run without communication,
+  link bandwidth is a P2P probe in both directions at once in the same run, and ``exposed`` is
+  the transfer the strategy cannot overlap (TokenRing's last returned slice; Ring's final dK/dV
+  hop home in the backward);
+- max error against full attention in float64 (every row is verified; a wrong row fails the
+  command and is shown as WRONG).
+
+Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.api import get_communicator, sequence_parallel_attn
+from tokenring.comm import Communicator, Event, FieldSpec, Timeline
+from tokenring.kernels import BlockKernel, select_kernel
+from tokenring.layout import Layout, shard
+from tokenring.schedule import Dims, Pass, Schedule, Strategy, build_schedule
+
+__all__ = ["BenchConfig", "ModelShape", "add_arguments", "run", "run_rank"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """The attention layer being benchmarked."""
+
+    name: str
+    """Label in the table."""
+    heads_q: int
+    """Query heads."""
+    heads_kv: int
+    """Key/value heads (divides heads_q)."""
+    head_dim: int
+    """Head dimension."""
+
+    def __post_init__(self) -> None:
+        if self.heads_q < 1 or self.heads_kv < 1 or self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
+                f"heads_kv={self.heads_kv}"
+            )
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1; got {self.head_dim}")
+
+
+# Llama2-7B has 32 heads of 128 and Llama3-8B 32 query / 8 kv heads of 128; the defaults keep
+# their head ratios at a size two CPU cores run in about a minute.
+DEFAULT_MODELS = (
+    ModelShape(name="mha-8/8", heads_q=8, heads_kv=8, head_dim=64),
+    ModelShape(name="gqa-8/2", heads_q=8, heads_kv=2, head_dim=64),
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """Everything one benchmark run measures; the same object is sent to every rank."""
+
+    batch: int = 1
+    """B."""
+    seq: int = 2048
+    """S, global sequence length."""
+    models: tuple[ModelShape, ...] = DEFAULT_MODELS
+    """Attention shapes to run."""
+    dtype: str = "float32"
+    """Input dtype name."""
+    strategies: tuple[Strategy, ...] = tuple(Strategy)
+    """Strategies to compare."""
+    causal: tuple[bool, ...] = (True, False)
+    """Causal settings to run."""
+    layout: Layout | None = None
+    """None: zigzag for causal rows, contiguous for non-causal rows."""
+    passes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    """What one timed call does."""
+    warmup: int = 1
+    """Untimed calls per row."""
+    iters: int = 5
+    """Timed calls per row."""
+    probe_bytes: int = 4 << 20
+    """Message size of the link-bandwidth probe."""
+    timeline_rows: bool = True
+    """Keep the per-rank timeline of the last call of each row (for --plot)."""
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1; got {self.batch}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+        if self.warmup < 0 or self.iters < 1:
+            raise ValueError(f"warmup must be >= 0 and iters >= 1; got {self.warmup}, {self.iters}")
+        for p in self.passes:
+            if p not in ("fwd", "fwd+bwd"):
+                raise ValueError(f"passes must be 'fwd' or 'fwd+bwd'; got {p!r}")
+        if not self.models or not self.strategies or not self.causal or not self.passes:
+            raise ValueError("models, strategies, causal and passes must each be non-empty")
+
+    def layout_for(self, causal: bool) -> Layout:
+        if self.layout is not None:
+            return self.layout
+        return Layout.ZIGZAG if causal else Layout.CONTIGUOUS
+
+    def check_world(self, world_size: int) -> None:
+        for causal in self.causal:
+            parts = world_size * (2 if self.layout_for(causal) is Layout.ZIGZAG else 1)
+            if self.seq % parts:
+                raise ValueError(
+                    f"seq must be divisible by {parts} (layout {self.layout_for(causal).value}, "
+                    f"world size {world_size}); got {self.seq}"
+                )
+
+
+@dataclass(slots=True)
+class RankRow:
+    """One rank's measurements of one row."""
+
+    model: str
+    causal: bool
+    strategy: str
+    pass_: str
+    layout: str
+    call_s: list[float]
+    step_fwd_s: float | None
+    step_bwd_s: float | None
+    compute_s: float
+    compute_only_s: float
+    sent_bytes: dict[str, int]  # per flow
+    link_bytes: dict[int, int]  # per destination peer, all flows
+    exposed_bytes: int
+    max_error: float
+    events: list[Event] = field(default_factory=list)
+
+
+# -- the rank side -----------------------------------------------------------------------------
+
+
+def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -> float:
+    """Bytes/s per direction with both directions of each ring link busy (min over ranks)."""
+    if comm.world_size == 1:
+        return float("inf")
+    from tokenring.schedule import Payload, Transfer
+
+    down = (comm.rank - 1) % comm.world_size
+    up = (comm.rank + 1) % comm.world_size
+    payload = torch.ones(num_bytes, dtype=torch.uint8, device=device)
+    spec: list[FieldSpec] = [((num_bytes,), torch.uint8)]
+    times = []
+    for i in range(4):
+        send_down = Transfer(Payload.Q, comm.rank, down, comm.rank, (0, 1), i, 0)
+        recv_up = Transfer(Payload.Q, up, comm.rank, up, (0, 1), i, 0)
+        send_up = Transfer(Payload.OUT, comm.rank, up, comm.rank, (0, 1), i, 1)
+        recv_down = Transfer(Payload.OUT, down, comm.rank, down, (0, 1), i, 1)
+        dist.barrier(group=comm.group)
+        start = time.perf_counter()
+        pending = comm.exchange(
+            [(send_down, [payload]), (send_up, [payload])],
+            [(recv_up, spec), (recv_down, spec)],
+            device=device,
+        )
+        for rec in pending.values():
+            rec.wait()
+        comm.wait_sends()
+        if i > 0:  # the first round fills the token bucket and warms the sockets
+            times.append(time.perf_counter() - start)
+    comm.counter.reset()
+    rate = torch.tensor([num_bytes / statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=comm.group)
+    return float(rate.item())
+
+
+def _compute_only(
+    fwd: Schedule,
+    bwd: Schedule,
+    kernel: BlockKernel,
+    rank: int,
+    pass_: str,
+    tensors: tuple[torch.Tensor, ...],
+    scale: float,
+) -> float:
+    """Seconds this rank spends in the same kernel calls as the real run, with no P2P."""
+    q, k, v, dout = tensors
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    delta = torch.zeros_like(lse)
+    start = time.perf_counter()
+    for plan in fwd.steps[rank]:
+        for piece in plan.pieces:
+            (a, b), (c, d) = piece.q_rows, piece.kv_rows
+            kernel.forward(q[:, a:b], k[:, c:d], v[:, c:d], causal=piece.causal, scale=scale)
+    if pass_ == "fwd+bwd":
+        for plan in bwd.steps[rank]:
+            for piece in plan.pieces:
+                (a, b), (c, d) = piece.q_rows, piece.kv_rows
+                kernel.backward(
+                    dout[:, a:b],
+                    q[:, a:b],
+                    k[:, c:d],
+                    v[:, c:d],
+                    lse[:, :, a:b],
+                    delta[:, :, a:b],
+                    causal=piece.causal,
+                    scale=scale,
+                )
+    return time.perf_counter() - start
+
+
+def _steady_step(events: list[Event], label: str, num_steps: int) -> float | None:
+    starts: dict[int, float] = {}
+    for ev in events:
+        if ev.kind == "compute" and ev.label == label:
+            starts[ev.step] = min(starts.get(ev.step, ev.start_s), ev.start_s)
+    diffs = [
+        starts[t + 1] - starts[t] for t in range(num_steps - 1) if t in starts and t + 1 in starts
+    ]
+    if not diffs:
+        return None
+    middle = diffs[1:] if len(diffs) > 2 else diffs  # step 0 is local; skip it when we can
+    return statistics.median(middle)
+
+
+def _oracle(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> list[torch.Tensor]:
+    """Full attention in float64 with gradients: [out, dq, dk, dv], global (B, S, H, D)."""
+    groups = q.shape[2] // k.shape[2]
+    leaves = [x.detach().double().clone().requires_grad_(True) for x in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0].transpose(1, 2),
+        leaves[1].transpose(1, 2).repeat_interleave(groups, 1),
+        leaves[2].transpose(1, 2).repeat_interleave(groups, 1),
+        is_causal=causal,
+        scale=scale,
+    ).transpose(1, 2)
+    out.backward(dout.double())
+    grads = [x.grad for x in leaves]
+    assert all(g is not None for g in grads)
+    return [out.detach(), *(g for g in grads if g is not None)]
+
+
+def _exposed_bytes(sched: Schedule, dims: Dims, rank: int) -> int:
+    """Bytes of the transfers posted after the rank's last compute that end the pass."""
+    last_step = sched.num_steps - 1
+    tail = [tr for tr in sched.sends(rank, last_step) if tr.payload.flow.value == "return"]
+    if not tail:
+        return 0
+    last = max(tail, key=lambda tr: tr.after_segments)
+    return last.num_bytes(dims)
+
+
+def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str, Any]:
+    """Run the whole benchmark on this rank (inside an initialised process group)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config.check_world(world)
+    backend = str(dist.get_backend())
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    comm = get_communicator()
+    bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
+    dtype = _DTYPES[config.dtype]
+    rows: list[RankRow] = []
+    for model in config.models:
+        gen = torch.Generator().manual_seed(1234)
+        shapes = [
+            (config.batch, config.seq, h, model.head_dim)
+            for h in (model.heads_q, model.heads_kv, model.heads_kv, model.heads_q)
+        ]
+        q, k, v, dout = (torch.randn(*shape, generator=gen).to(dtype) for shape in shapes)
+        scale = model.head_dim**-0.5
+        for causal in config.causal:
+            layout = config.layout_for(causal)
+            reference = [
+                shard(x, rank=rank, world_size=world, layout=layout)
+                for x in _oracle(q, k, v, dout, causal, scale)
+            ]
+            local = [
+                shard(x, rank=rank, world_size=world, layout=layout).to(device)
+                for x in (q, k, v, dout)
+            ]
+            dims = Dims(
+                batch=config.batch,
+                heads_q=model.heads_q,
+                heads_kv=model.heads_kv,
+                head_dim=model.head_dim,
+                elem_bytes=local[0].element_size(),
+                acc_bytes=8 if dtype == torch.float64 else 4,
+            )
+            for strategy in config.strategies:
+                scheds = [
+                    build_schedule(
+                        strategy,
+                        p,
+                        layout=layout,
+                        causal=causal,
+                        world_size=world,
+                        seq_local=local[0].shape[1],
+                    )
+                    for p in (Pass.FORWARD, Pass.BACKWARD)
+                ]
+                for pass_ in config.passes:
+                    rows.append(
+                        _measure_row(
+                            config,
+                            comm,
+                            model,
+                            causal,
+                            layout,
+                            strategy,
+                            pass_,
+                            local,
+                            reference,
+                            scheds,
+                            dims,
+                            scale,
+                        )
+                    )
+                    if progress_path is not None and rank == 0:
+                        with open(progress_path, "a") as f:
+                            f.write("row\n")
+    return {
+        "rank": rank,
+        "bandwidth_bytes_per_s": bandwidth,
+        "rows": rows,
+        "backend": backend,
+        "device": str(device),
+    }
+
+
+def _measure_row(
+    config: BenchConfig,
+    comm: Communicator,
+    model: ModelShape,
+    causal: bool,
+    layout: Layout,
+    strategy: Strategy,
+    pass_: str,
+    local: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    scheds: list[Schedule],
+    dims: Dims,
+    scale: float,
+) -> RankRow:
+    q, k, v, dout = local
+    backward = pass_ == "fwd+bwd"
+    times: list[float] = []
+    timeline = Timeline()
+    out: torch.Tensor | None = None
+    inputs: list[torch.Tensor] = []
+    for i in range(config.warmup + config.iters):
+        inputs = [x.detach().clone().requires_grad_(backward) for x in (q, k, v)]
+        last = i == config.warmup + config.iters - 1
+        comm.counter.reset()
+        timeline.clear()
+        comm.timeline = timeline if last else None
+        dist.barrier(group=comm.group)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = sequence_parallel_attn(*inputs, strategy=strategy, causal=causal, layout=layout)
+        assert isinstance(result, torch.Tensor)
+        out = result
+        if backward:
+            out.backward(dout)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        comm.timeline = None
+        if i >= config.warmup:
+            times.append(elapsed)
+    assert out is not None
+    for ev in timeline.events:  # align this rank's events at its own call start
+        ev.start_s -= start
+        ev.end_s -= start
+    got = [out.detach()]
+    if backward:
+        got += [x.grad for x in inputs if x.grad is not None]
+        assert len(got) == 4, "every input must have a gradient"
+    max_error = max(
+        (g.double().cpu() - r).abs().max().item() for g, r in zip(got, reference, strict=False)
+    )
+    sent = {flow: 0 for flow in ("travel", "return")}
+    link: dict[int, int] = {}
+    for (flow, peer), num in comm.counter.sent_bytes.items():
+        sent[flow] += num
+        link[peer] = link.get(peer, 0) + num
+    kernel = select_kernel(q.device, q.dtype)
+    compute_only = min(
+        _compute_only(scheds[0], scheds[1], kernel, comm.rank, pass_, (q, k, v, dout), scale)
+        for _ in range(2)
+    )
+    exposed = _exposed_bytes(scheds[1] if backward else scheds[0], dims, comm.rank)
+    num_steps = scheds[0].num_steps
+    return RankRow(
+        model=model.name,
+        causal=causal,
+        strategy=strategy.value,
+        pass_=pass_,
+        layout=layout.value,
+        call_s=times,
+        step_fwd_s=_steady_step(timeline.events, "attn", num_steps),
+        step_bwd_s=_steady_step(timeline.events, "attn_bwd", num_steps) if backward else None,
+        compute_s=sum(ev.end_s - ev.start_s for ev in timeline.events if ev.kind == "compute"),
+        compute_only_s=compute_only,
+        sent_bytes=sent,
+        link_bytes=link,
+        exposed_bytes=exposed,
+        max_error=max_error,
+        events=list(timeline.events) if config.timeline_rows else [],
+    )
+
+
+# -- aggregation (parent side) -------------------------------------------------------------------
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[str, Any]]:
+    """One dict per row: max over ranks of each rank's statistic, the bound and its %."""
+    bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
+    results = []
+    for index, first in enumerate(per_rank[0]["rows"]):
+        rows: list[RankRow] = [r["rows"][index] for r in per_rank]
+        median_s = max(statistics.median(r.call_s) for r in rows)
+        busiest_link = max((max(r.link_bytes.values(), default=0) for r in rows), default=0)
+        compute_only = max(r.compute_only_s for r in rows)
+        comm_s = busiest_link / bandwidth if bandwidth != float("inf") else 0.0
+        exposed_s = (
+            max(r.exposed_bytes for r in rows) / bandwidth if bandwidth != float("inf") else 0.0
+        )
+        bound_s = max(compute_only, comm_s) + exposed_s
+        steps_fwd = [r.step_fwd_s for r in rows if r.step_fwd_s is not None]
+        steps_bwd = [r.step_bwd_s for r in rows if r.step_bwd_s is not None]
+        tol = _TOLERANCE[config.dtype]
+        error = max(r.max_error for r in rows)
+        results.append(
+            {
+                "model": first.model,
+                "causal": first.causal,
+                "layout": first.layout,
+                "strategy": first.strategy,
+                "pass": first.pass_,
+                "ms_median": 1e3 * median_s,
+                "ms_p10": 1e3 * max(_percentile(r.call_s, 10) for r in rows),
+                "ms_p90": 1e3 * max(_percentile(r.call_s, 90) for r in rows),
+                "ms_max": 1e3 * max(max(r.call_s) for r in rows),
+                "ms_step_fwd": 1e3 * max(steps_fwd) if steps_fwd else None,
+                "ms_step_bwd": 1e3 * max(steps_bwd) if steps_bwd else None,
+                "travel_bytes_per_rank": max(r.sent_bytes["travel"] for r in rows),
+                "return_bytes_per_rank": max(r.sent_bytes["return"] for r in rows),
+                "busiest_link_bytes": busiest_link,
+                "travel_MBps": max(r.sent_bytes["travel"] for r in rows) / median_s / 1e6,
+                "return_MBps": max(r.sent_bytes["return"] for r in rows) / median_s / 1e6,
+                "overlap_efficiency": min(r.compute_s / statistics.median(r.call_s) for r in rows),
+                "ms_compute_only": 1e3 * compute_only,
+                "ms_bound": 1e3 * bound_s,
+                "pct_of_bound": 100 * bound_s / median_s,
+                "max_error": error,
+                "tolerance": tol,
+                "verified": error <= tol,
+            }
+        )
+    return results
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+
+
+def _parse_rate(text: str) -> float:
+    """'100mbit', '1gbit', '400M', '2.5e8' -> bits per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "g": 1e9, "m": 1e6, "k": 1e3, "bit": 1.0}
+    lowered = text.strip().lower()
+    suffix = next((u for u in units if lowered.endswith(u)), "")
+    number, scale = lowered[: len(lowered) - len(suffix)], units.get(suffix, 1.0)
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--link must be a rate like 100mbit or 1gbit; got {text!r}"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--link must be > 0; got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)"
+    )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=2048, help="global sequence length")
+    parser.add_argument("--heads", type=int, help="query heads (with --kv-heads: one custom model)")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    parser.add_argument(
+        "--strategies",
+        default=",".join(s.value for s in Strategy),
+        help="comma-separated strategies",
+    )
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument(
+        "--layout",
+        choices=["auto", "contiguous", "zigzag"],
+        default="auto",
+        help="auto: zigzag when causal, contiguous otherwise",
+    )
+    parser.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
+    parser.add_argument("--topology", default="mesh", choices=["mesh", "ring", "switch"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object per row")
+    parser.add_argument("--out", help="also append the JSON rows to this JSONL file")
+    parser.add_argument("--plot", help="write a timeline PNG here")
+    parser.add_argument(
+        "--timeout", type=float, default=1800, help="seconds before ranks are killed"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if (args.heads is None) != (args.kv_heads is None):
+        raise SystemExit("--heads and --kv-heads go together")
+    models: tuple[ModelShape, ...] = DEFAULT_MODELS
+    if args.heads is not None:
+        models = (
+            ModelShape(
+                name=f"{args.heads}:{args.kv_heads}x{args.head_dim}",
+                heads_q=args.heads,
+                heads_kv=args.kv_heads,
+                head_dim=args.head_dim,
+            ),
+        )
+    elif args.head_dim != 64:
+        models = tuple(
+            ModelShape(name=m.name, heads_q=m.heads_q, heads_kv=m.heads_kv, head_dim=args.head_dim)
+            for m in DEFAULT_MODELS
+        )
+    causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
+    return BenchConfig(
+        batch=args.batch,
+        seq=args.seq,
+        models=models,
+        dtype=args.dtype,
+        strategies=tuple(Strategy.parse(s) for s in args.strategies.split(",") if s),
+        causal=causal,
+        layout=None if args.layout == "auto" else Layout.parse(args.layout),
+        passes=tuple(p for p in args.passes.split(",") if p),
+        warmup=args.warmup,
+        iters=args.iters,
+        timeline_rows=args.plot is not None,
+    )
+
+
+def _git_sha() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _launch_all(config: BenchConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tokenring._console import progress
+    from tokenring.launch import launch
+
+    num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
+    with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
+        progress_path = os.path.join(tmp, "progress")
+        bar = progress(num_rows, f"bench: {num_rows} rows on {args.world_size} ranks")
+
+        def poll() -> None:
+            try:
+                with open(progress_path) as f:
+                    done = sum(1 for _ in f)
+            except OSError:
+                done = 0
+            bar.update(bar.task_ids[0], completed=done)
+
+        kwargs: dict[str, Any] = {
+            "world_size": args.world_size,
+            "timeout_s": args.timeout,
+            "pg_timeout_s": max(60.0, args.timeout / 4),
+            "poll": poll,
+        }
+        with bar:
+            if args.link is None:
+                return launch(run_rank, config, progress_path, **kwargs)
+            from tokenring.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
+
+            reason = lab_unavailable_reason()
+            if reason is not None:
+                raise SystemExit(f"--link needs the emulated-interconnect lab: {reason}")
+            lab_config = LabConfig(
+                world_size=args.world_size,
+                rate_bits_per_s=args.link,
+                topology=Topology.parse(args.topology),
+            )
+            with Lab(lab_config) as lab:
+                args._lab = lab.describe()
+                return launch(
+                    run_rank,
+                    config,
+                    progress_path,
+                    wrap_command=lab.wrap_command,
+                    rank_env=lab.env,
+                    register_pid=lab.register_pid,
+                    **kwargs,
+                )
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    args._lab = None
+    if _under_torchrun():
+        from tokenring.launch import init_distributed
+
+        init_distributed(timeout_s=args.timeout)
+        mine = run_rank(config)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        args.world_size = dist.get_world_size()
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        config.check_world(args.world_size)
+        per_rank = _launch_all(config, args)
+    rows = aggregate(per_rank, config)
+    settings = {
+        "world_size": args.world_size,
+        "batch": config.batch,
+        "seq": config.seq,
+        "dtype": config.dtype,
+        "backend": per_rank[0]["backend"],
+        "device": per_rank[0]["device"],
+        "torch": torch.__version__,
+        "git_sha": _git_sha(),
+        "lab": args._lab,
+        "link_probe_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
+        "warmup": config.warmup,
+        "iters": config.iters,
+    }
+    models = {m.name: asdict(m) for m in config.models}
+    records = [{**settings, **row, "shape": models[row["model"]]} for row in rows]
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    if args.json:
+        for rec in records:
+            print(json.dumps(rec))
+    else:
+        _print_table(rows, settings)
+    if args.plot:
+        from tokenring.plot import plot_timelines
+
+        plot_timelines(per_rank, config, args.plot, title=_title(settings))
+    failed = [r for r in rows if not r["verified"]]
+    if failed:
+        print(f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance; see max_error")
+        return 1
+    return 0
+
+
+def _title(settings: dict[str, Any]) -> str:
+    lab = settings["lab"]
+    link = (
+        f"{lab['topology']} {lab['rate_bits_per_s'] / 1e6:g} Mbit/s" if lab else "no link emulation"
+    )
+    return (
+        f"P={settings['world_size']} {settings['backend']} {settings['device']} "
+        f"S={settings['seq']} B={settings['batch']} {settings['dtype']}, {link}, "
+        f"probe {settings['link_probe_bytes_per_s'] / 1e6:.0f} MB/s per direction"
+    )
+
+
+def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+    from tokenring._console import make_table, print_table
+
+    table = make_table(
+        "tokenring bench: " + _title(settings),
+        [
+            "model",
+            "causal",
+            "strategy",
+            "pass",
+            "ms/call",
+            "p10-p90",
+            "ms/step fwd",
+            "ms/step bwd",
+            "MB out travel",
+            "MB out return",
+            "MB/s travel",
+            "MB/s return",
+            "overlap",
+            "% bound",
+            "max err",
+            "check",
+        ],
+    )
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    for r in rows:
+        table.add_row(
+            r["model"],
+            "yes" if r["causal"] else "no",
+            r["strategy"],
+            r["pass"],
+            ms(r["ms_median"]),
+            f"{r['ms_p10']:.0f}-{r['ms_p90']:.0f}",
+            ms(r["ms_step_fwd"]),
+            ms(r["ms_step_bwd"]),
+            f"{r['travel_bytes_per_rank'] / 1e6:.2f}",
+            f"{r['return_bytes_per_rank'] / 1e6:.2f}",
+            f"{r['travel_MBps']:.1f}",
+            f"{r['return_MBps']:.1f}",
+            f"{r['overlap_efficiency']:.2f}",
+            f"{r['pct_of_bound']:.0f}%",
+            f"{r['max_error']:.1e}",
+            "ok" if r["verified"] else "[bold red]WRONG[/]",
+        )
+    print_table(table)
