@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status instead of exiting."""
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else sys.argv[1:])
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(argv)
+    args.argv = argv  # so results can record the command that produced them
     status: int = args._module.run(args)
     return status
 

@@ -1,0 +1,125 @@
+"""``tokenring bench`` and ``tokenring demo`` in-process on a tiny shape with 2 ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenring.cli import main
+from tokenring.netlab import lab_unavailable_reason
+
+TINY = [
+    "--world-size",
+    "2",
+    "--seq",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--warmup",
+    "0",
+    "--iters",
+    "2",
+]
+
+
+def test_bench_json_rows_cover_the_grid(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    plot = tmp_path / "timeline.png"
+    md = tmp_path / "table.md"
+    status = main(["bench", *TINY, "--json", "--plot", str(plot), "--markdown", str(md)])
+    assert status == 0
+    rows = [
+        json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
+    ]
+    # 2 strategies x 2 causal settings x 2 passes, every row verified against float64
+    assert len(rows) == 8
+    assert {(r["strategy"], r["causal"], r["pass"]) for r in rows} == {
+        (s, c, p) for s in ("token_ring", "ring") for c in (True, False) for p in ("fwd", "fwd+bwd")
+    }
+    for row in rows:
+        assert row["verified"] and row["max_error"] <= row["tolerance"]
+        assert row["world_size"] == 2 and row["torch"] and row["git_sha"]
+        assert row["ms_p10"] <= row["ms_median"] <= row["ms_p90"] <= row["ms_max"]
+        assert row["pct_of_bound"] > 0
+        assert row["layout"] == ("zigzag" if row["causal"] else "contiguous")
+    ring_fwd = next(r for r in rows if r["strategy"] == "ring" and r["pass"] == "fwd")
+    assert ring_fwd["return_bytes_per_rank"] == 0 < ring_fwd["travel_bytes_per_rank"]
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    text = md.read_text()
+    assert "Reproduce with" in text and text.count("\n| ") == 1 + len(rows)
+
+
+def test_bench_table_and_failed_verification_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", *TINY, "--causal", "yes", "--passes", "fwd", "--tolerance", "0"])
+    out = capsys.readouterr().out
+    assert status == 1  # float32 can never match float64 exactly: every row is flagged
+    assert "WRONG" in out and "VERIFICATION FAILED for 2 row(s)" in out
+    assert "token_ring" in out and "% bound" in out
+
+
+def test_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "demo",
+                "--world-size",
+                "2",
+                "--seq",
+                "32",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+                "--head-dim",
+                "8",
+                "--iters",
+                "1",
+            ]
+        )
+        == 0
+    )
+    assert "token_ring" in capsys.readouterr().out
+
+
+@pytest.mark.lab
+@pytest.mark.skipif(lab_unavailable_reason() is not None, reason=str(lab_unavailable_reason()))
+def test_bench_in_the_lab_moves_the_counted_bytes_at_the_link_rate(capsys) -> None:
+    """Ring forward, 2 ranks, 40 Mbit/s: the call takes about its bytes / rate (wide margin)."""
+    status = main(
+        [
+            "bench",
+            *TINY[:2],
+            "--seq",
+            "2048",
+            "--heads",
+            "8",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "32",
+            "--causal",
+            "no",
+            "--passes",
+            "fwd",
+            "--strategies",
+            "ring",
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--link",
+            "40mbit",
+            "--json",
+        ]
+    )
+    assert status == 0
+    (row,) = [
+        json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
+    ]
+    assert row["lab"]["topology"] == "mesh"
+    wire_s = row["busiest_link_bytes"] * 8 / 40e6
+    assert 0.8 * wire_s <= row["ms_median"] / 1e3 <= 2.0 * wire_s + 0.5
