@@ -173,30 +173,47 @@ def expected_bytes(
         if num:
             total[(flow, src, dst)] = total.get((flow, src, dst), 0) + num
 
+    if strategy == "bidir_ring":
+        # Two rings on disjoint halves: kv heads [0, H/2) go down and [H/2, H) go up; with a
+        # single kv head, rows [0, s/2) go down and [s/2, s) go up.
+        if heads_kv >= 2:
+            half = heads_kv // 2
+            lanes = [(-1, half, set(range(s))), (+1, heads_kv - half, set(range(s)))]
+        else:
+            lanes = [(-1, 1, set(range(s // 2))), (+1, 1, set(range(s // 2, s)))]
+    else:
+        lanes = [(-1, heads_kv, set(range(s)))]
     for owner in range(p):
-        route = [(owner - h) % p for h in range(p)]  # route[0] is the owner itself
-        for h in range(1, p):
-            ahead = route[h:]
-            if strategy == "token_ring":
-                rows = set().union(*(_needed_q_rows(layout, causal, p, s, owner, r) for r in ahead))
-                row_bytes = (2 * q_row + 2 * per_head) if backward else q_row
-            else:
-                rows = set().union(
-                    *(_needed_kv_rows(layout, causal, p, s, r, owner) for r in ahead)
-                )
-                row_bytes = kv_row
-            add("travel", route[h - 1], route[h], len(rows) * row_bytes)
+        for direction, lane_heads, lane_rows in lanes:
+            lane_kv_row = kv_row * lane_heads // heads_kv
+            route = [(owner + direction * h) % p for h in range(p)]  # route[0]: the owner
+            for h in range(1, p):
+                ahead = route[h:]
+                if strategy == "token_ring":
+                    rows = set().union(
+                        *(_needed_q_rows(layout, causal, p, s, owner, r) for r in ahead)
+                    )
+                    row_bytes = (2 * q_row + 2 * per_head) if backward else q_row
+                else:
+                    rows = set().union(
+                        *(
+                            _needed_kv_rows(layout, causal, p, s, r, owner) & lane_rows
+                            for r in ahead
+                        )
+                    )
+                    row_bytes = lane_kv_row
+                add("travel", route[h - 1], route[h], len(rows) * row_bytes)
+            if strategy != "token_ring" and backward:
+                # The fp32 dK/dV accumulator is created by the first rank the block visits and
+                # follows it; the last visitor sends it home: P-1 hops of the lane's rows.
+                dkv_row = 2 * batch * lane_heads * head_dim * acc_bytes
+                for h in range(1, p):
+                    add("return", route[h], route[(h + 1) % p], len(lane_rows) * dkv_row)
         if strategy == "token_ring":
             for r in range(p):
                 if r != owner:
                     rows = _needed_q_rows(layout, causal, p, s, owner, r)
                     add("return", r, owner, len(rows) * (q_row if backward else q_row + per_head))
-        elif backward and p > 1:
-            # The fp32 dK/dV accumulator of every owner follows its K/V one hop per step and
-            # makes one final hop home: P hops of all s rows.
-            dkv_row = 2 * batch * heads_kv * head_dim * acc_bytes
-            for h in range(p):
-                add("return", route[h], route[(h + 1) % p], s * dkv_row)
     return total
 
 

@@ -11,7 +11,7 @@ from tokenring.schedule import Dims, Pass, Strategy, build_schedule
 
 CASES = [
     (strategy, layout, causal, p)
-    for strategy in ("token_ring", "ring")
+    for strategy in ("token_ring", "ring", "bidir_ring")
     for layout in ("contiguous", "zigzag")
     for causal in (False, True)
     for p in (1, 2, 3, 4, 5)
@@ -19,9 +19,11 @@ CASES = [
 
 
 @pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), CASES)
+@pytest.mark.parametrize("heads_kv", [1, 3])
 def test_every_needed_pair_computed_exactly_once(
-    strategy: str, layout: str, causal: bool, world_size: int
+    strategy: str, layout: str, causal: bool, world_size: int, heads_kv: int
 ) -> None:
+    """Each (query position, key position, kv head) the mask allows, exactly once."""
     seq_local = 6
     seq = world_size * seq_local
     sched = build_schedule(
@@ -31,24 +33,31 @@ def test_every_needed_pair_computed_exactly_once(
         causal=causal,
         world_size=world_size,
         seq_local=seq_local,
+        heads_kv=heads_kv,
     )
     computed = []
     for rank, step in itertools.product(range(world_size), range(world_size)):
         plan = sched.steps[rank][step]
         qpos = owned_positions(layout, plan.q_owner, world_size, seq)
-        kpos = owned_positions(layout, plan.kv_owner, world_size, seq)
         for piece in plan.pieces:
+            kpos = owned_positions(layout, plan.kv_owners[piece.lane], world_size, seq)
+            heads = range(*(piece.heads or (0, heads_kv)))
             for i in range(*piece.q_rows):
                 for j in range(*piece.kv_rows):
                     if piece.causal and j > i:
                         continue
-                    computed.append((qpos[i], kpos[j]))
-    assert sorted(computed) == covered_pairs(layout, causal, world_size, seq_local)
+                    computed += [(qpos[i], kpos[j], h) for h in heads]
+    want = [
+        (i, j, h)
+        for i, j in covered_pairs(layout, causal, world_size, seq_local)
+        for h in range(heads_kv)
+    ]
+    assert sorted(computed) == sorted(want)
 
 
 @pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), CASES)
 @pytest.mark.parametrize("backward", [False, True])
-@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (8, 2)])
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (8, 2), (6, 3), (4, 1)])
 def test_bytes_per_link_match_formula(
     strategy: str,
     layout: str,
@@ -66,6 +75,7 @@ def test_bytes_per_link_match_formula(
         causal=causal,
         world_size=world_size,
         seq_local=6,
+        heads_kv=heads_kv,
     )
     got: dict[tuple[str, int, int], int] = {}
     for tr in sched.transfers:

@@ -6,6 +6,7 @@ and Ring attention (pass-KV), forward and backward, on CPU (gloo) and GPU (NCCL)
 
 from tokenring.api import (
     SequenceParallelAttention,
+    bidir_ring_attn,
     get_communicator,
     ring_attn,
     sequence_parallel_attn,
@@ -21,6 +22,7 @@ __all__ = [
     "Layout",
     "SequenceParallelAttention",
     "Strategy",
+    "bidir_ring_attn",
     "get_communicator",
     "global_positions",
     "init_distributed",

@@ -26,6 +26,7 @@ from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
 
 __all__ = [
     "SequenceParallelAttention",
+    "bidir_ring_attn",
     "get_communicator",
     "ring_attn",
     "sequence_parallel_attn",
@@ -92,6 +93,7 @@ def _schedule(
     world_size: int,
     seq_local: int,
     last_block_splits: int,
+    heads_kv: int,
 ) -> Schedule:
     return build_schedule(
         strategy,
@@ -101,6 +103,7 @@ def _schedule(
         world_size=world_size,
         seq_local=seq_local,
         last_block_splits=last_block_splits,
+        heads_kv=heads_kv,
     )
 
 
@@ -215,8 +218,8 @@ def sequence_parallel_attn(
         q: ``(B, s, Hq, D)`` this rank's queries.
         k, v: ``(B, s, Hkv, D)``; Hkv divides Hq (GQA/MQA; K/V heads are never repeated on
             the wire).
-        strategy: ``"token_ring"`` (pass-Q, partials return on the other direction) or
-            ``"ring"`` (pass-KV).
+        strategy: ``"token_ring"`` (pass-Q, partials return on the other direction),
+            ``"ring"`` (pass-KV) or ``"bidir_ring"`` (pass-KV on two counter-rotating rings).
         causal: causal mask over *global* positions (see ``tokenring.layout``).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         group: ProcessGroup, 1-D DeviceMesh, Communicator, or None (default group).
@@ -268,7 +271,7 @@ def sequence_parallel_attn(
             int.from_bytes(struct.pack("<d", scale), "little", signed=True),
         ]
         _check_ranks_agree(comm, signature, names, q.device)
-    key = (strategy, layout, causal, comm.world_size, q.shape[1], last_block_splits)
+    key = (strategy, layout, causal, comm.world_size, q.shape[1], last_block_splits, k.shape[2])
     fwd = _schedule(strategy, Pass.FORWARD, *key[1:])
     bwd = _schedule(strategy, Pass.BACKWARD, *key[1:])
     out, lse = _SequenceParallelAttnFn.apply(
@@ -322,6 +325,35 @@ def ring_attn(
         k,
         v,
         strategy=Strategy.RING,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        group=group,
+        layout=layout,
+        return_lse=return_lse,
+        **options,
+    )
+
+
+def bidir_ring_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    return_lse: bool = False,
+    **options: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Bidirectional Ring attention: pass-KV on two counter-rotating rings, each carrying half
+    of the kv heads (with one kv head: half of the K/V rows), so both directions of every link
+    carry K/V and there is no exposed return. See :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(
+        q,
+        k,
+        v,
+        strategy=Strategy.BIDIR_RING,
         causal=causal,
         softmax_scale=softmax_scale,
         group=group,

@@ -1,8 +1,10 @@
 """Executes a :class:`~tokenring.schedule.Schedule` on one rank: kernels, merges and P2P.
 
 The schedule says what to compute and what to send in which slot; this module only moves
-tensors accordingly. Every strategy shares the slot machinery (:class:`_SlotPoster`); the four
-loops below differ in what travels and where results accumulate.
+tensors accordingly. Every strategy shares the slot machinery (:class:`_SlotPoster`). Pass-Q
+(TokenRing) keeps K/V home and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
+home and moves one block per lane (``Schedule.lanes``), each lane carrying some kv heads or
+some kv rows.
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size, n rows
 of a transfer.
@@ -19,7 +21,7 @@ import torch
 from tokenring.comm import Communicator, Event, FieldSpec, PendingRecv
 from tokenring.kernels import BlockKernel
 from tokenring.merge import merge_into
-from tokenring.schedule import Flow, Payload, Schedule, Strategy, Transfer
+from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Strategy, Transfer
 
 __all__ = ["Shapes", "run_backward", "run_forward"]
 
@@ -34,9 +36,15 @@ class Shapes:
     acc_dtype: torch.dtype
     device: torch.device
 
-    def fields(self, payload: Payload, n: int) -> list[FieldSpec]:
-        """The tensors making up ``n`` rows of ``payload``, in message order."""
+    def fields(self, tr: Transfer) -> list[FieldSpec]:
+        """The tensors making up the message of ``tr``, in order."""
+        payload, n = tr.payload, tr.num_rows
         b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
+        if tr.heads is not None:
+            if payload.heads_kind == "kv":
+                hkv = tr.heads[1] - tr.heads[0]
+            else:
+                hq = tr.heads[1] - tr.heads[0]
         q_rows: FieldSpec = ((b, n, hq, d), self.dtype)
         kv_rows: FieldSpec = ((b, n, hkv, d), self.dtype)
         per_head: FieldSpec = ((b, hq, n), self.acc_dtype)
@@ -81,7 +89,7 @@ class _SlotPoster:
         self, step: int, after: int, provide: Callable[[Transfer], Sequence[torch.Tensor]]
     ) -> None:
         recvs = [
-            (tr, self.shapes.fields(tr.payload, tr.num_rows))
+            (tr, self.shapes.fields(tr))
             for tr in self.sched.recvs(self.rank, step)
             if tr.after_segments == after
         ]
@@ -102,23 +110,26 @@ class _SlotPoster:
         for after in range(done + 1, last + 1):
             self.post(step, after, provide)
 
-    def travel_in(self, step: int) -> PendingRecv | None:
-        """The travelling block arriving for ``step + 1`` (posted at ``step``)."""
-        for tr in self.sched.recvs(self.rank, step):
-            if tr.payload.flow is Flow.TRAVEL:
-                return self.pending.pop(tr)
-        return None
+    def travel_in(self, step: int) -> dict[int, PendingRecv]:
+        """The travelling blocks arriving for ``step + 1`` (posted at ``step``), by lane."""
+        return {
+            tr.lane: self.pending.pop(tr)
+            for tr in self.sched.recvs(self.rank, step)
+            if tr.payload.flow is Flow.TRAVEL
+        }
 
-    def take(self, payload: Payload, step: int | None = None) -> list[PendingRecv]:
+    def take(
+        self, payload: Payload, step: int | None = None, lane: int | None = None
+    ) -> list[PendingRecv]:
         keys = [
-            tr for tr in self.pending if tr.payload is payload and (step is None or tr.step == step)
+            tr
+            for tr in self.pending
+            if tr.payload is payload
+            and (step is None or tr.step == step)
+            and (lane is None or tr.lane == lane)
         ]
         keys.sort(key=lambda tr: (tr.step, tr.after_segments))
         return [self.pending.pop(tr) for tr in keys]
-
-
-def _no_send(tr: Transfer) -> Sequence[torch.Tensor]:
-    raise AssertionError(f"unexpected send {tr}")
 
 
 def _timed(comm: Communicator, step: int, label: str) -> Callable[[], None]:
@@ -154,6 +165,31 @@ def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
     )
 
 
+def _q_heads(piece: Piece, groups: int) -> slice:
+    """The query heads of a piece (its kv heads are already the lane's block)."""
+    if piece.heads is None:
+        return slice(None)
+    return slice(piece.heads[0] * groups, piece.heads[1] * groups)
+
+
+def _lane_shape(lane: Lane, k: torch.Tensor) -> tuple[int, ...]:
+    """Shape of a lane's dK (or dV) accumulator: the lane's rows and kv heads of ``k``."""
+    b, s, hkv, d = k.shape
+    rows = lane.kv_rows or (0, s)
+    heads = lane.kv_heads or (0, hkv)
+    return (b, rows[1] - rows[0], heads[1] - heads[0], d)
+
+
+def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dict[int, _Held]:
+    """Each lane's block at step 0: the local shard restricted to the lane's heads and rows."""
+    held = {}
+    for index, lane in enumerate(sched.lanes):
+        rows = lane.kv_rows or (0, tensors[0].shape[1])
+        heads = slice(*lane.kv_heads) if lane.kv_heads else slice(None)
+        held[index] = _Held(rank, rows, [x[:, rows[0] : rows[1], heads] for x in tensors])
+    return held
+
+
 def run_forward(
     sched: Schedule,
     comm: Communicator,
@@ -173,20 +209,21 @@ def run_forward(
         out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the accumulation dtype.
     """
     rank, s = comm.rank, q.shape[1]
+    groups = q.shape[2] // k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     shapes = Shapes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, acc, q.device)
     poster = _SlotPoster(sched, comm, shapes)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
     lse_acc = torch.full((q.shape[0], q.shape[2], s), float("-inf"), dtype=acc, device=q.device)
     pass_q = sched.strategy is Strategy.TOKEN_RING
-    held = _Held(rank, (0, s), [q] if pass_q else [k, v])
+    held = {0: _Held(rank, (0, s), [q])} if pass_q else _lane_blocks(sched, rank, [k, v])
     partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def provide(tr: Transfer) -> Sequence[torch.Tensor]:
         if tr.payload is Payload.OUT:
             return partials.pop(tr)
-        assert tr.owner == held.owner
-        return held.slice(tr.rows)
+        assert tr.owner == held[tr.lane].owner
+        return held[tr.lane].slice(tr.rows)
 
     for step in range(sched.num_steps):
         plan = sched.steps[rank][step]
@@ -196,24 +233,28 @@ def run_forward(
             parts = []
             for piece in segment.pieces:
                 (a, b), (c, d) = piece.q_rows, piece.kv_rows
+                qh = _q_heads(piece, groups)
                 if pass_q:
-                    q_p, k_p, v_p = held.rows_of(0, piece.q_rows), k[:, c:d], v[:, c:d]
+                    q_p, k_p, v_p = held[0].rows_of(0, piece.q_rows), k[:, c:d], v[:, c:d]
+                elif step == 0:  # the local block, every head
+                    q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
                 else:
-                    q_p = q[:, a:b]
-                    k_p, v_p = held.rows_of(0, piece.kv_rows), held.rows_of(1, piece.kv_rows)
-                parts.append(kernel.forward(q_p, k_p, v_p, causal=piece.causal, scale=scale))
-            part = _merge_parts(parts, segment.q_rows)
+                    block = held[piece.lane]
+                    q_p = q[:, a:b, qh]
+                    k_p, v_p = block.rows_of(0, piece.kv_rows), block.rows_of(1, piece.kv_rows)
+                part = kernel.forward(q_p, k_p, v_p, causal=piece.causal, scale=scale)
+                if plan.q_owner == rank:  # merge straight into this rank's accumulators
+                    merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
+                else:
+                    parts.append(part)
+            if parts:
+                partials[_return_of(sched, rank, step, index)] = _merge_parts(parts, segment.q_rows)
             done()
-            if plan.q_owner == rank:
-                merge_into(out_acc, lse_acc, segment.q_rows, *part)
-            else:
-                partials[_return_of(sched, rank, step, index)] = part
             poster.post(step, index + 1, provide)
         poster.post_rest(step, len(plan.segments), provide)
-        incoming = poster.travel_in(step)
-        if incoming is not None:
+        for lane, incoming in poster.travel_in(step).items():
             tr = incoming.transfer
-            held = _Held(tr.owner, tr.rows, incoming.wait())
+            held[lane] = _Held(tr.owner, tr.rows, incoming.wait())
     for rec in poster.take(Payload.OUT):
         part_out, part_lse = rec.wait()
         done = _timed(comm, rec.transfer.step, "merge")
@@ -245,92 +286,103 @@ def run_backward(
         dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in the inputs' dtypes.
     """
     rank, s = comm.rank, q.shape[1]
+    groups = q.shape[2] // k.shape[2]
     acc = lse.dtype
     shapes = Shapes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, acc, q.device)
     poster = _SlotPoster(sched, comm, shapes)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
+    dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
+    dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
     pass_q = sched.strategy is Strategy.TOKEN_RING
     if pass_q:
-        held = _Held(rank, (0, s), [q, dout, lse, delta])
-        dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
-        dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+        held = {0: _Held(rank, (0, s), [q, dout, lse, delta])}
     else:
-        held = _Held(rank, (0, s), [k, v])
+        held = _lane_blocks(sched, rank, [k, v])
     returns: dict[Transfer, list[torch.Tensor]] = {}
-    dkv_home: list[torch.Tensor] | None = None
 
     def provide(tr: Transfer) -> Sequence[torch.Tensor]:
         if tr.payload in (Payload.DQ, Payload.DKV):
             return returns.pop(tr)
-        assert tr.owner == held.owner
-        return held.slice(tr.rows)
+        assert tr.owner == held[tr.lane].owner
+        return held[tr.lane].slice(tr.rows)
 
     for step in range(sched.num_steps):
         plan = sched.steps[rank][step]
         num_segments = len(plan.segments)
         poster.post(step, 0, provide)
-        if not pass_q:
-            dk_step = torch.zeros(k.shape, dtype=acc, device=k.device)  # kv of plan.kv_owner
-            dv_step = torch.zeros(v.shape, dtype=acc, device=v.device)
+        # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows).
+        lane_grads: dict[int, list[torch.Tensor]] = {}
+        if not pass_q and step > 0:
+            for index, lane_def in enumerate(sched.lanes):
+                shape = _lane_shape(lane_def, k)
+                lane_grads[index] = [torch.zeros(shape, dtype=acc, device=k.device) for _ in "kv"]
         for index, segment in enumerate(plan.segments):
             done = _timed(comm, step, "attn_bwd")
             dq_seg: torch.Tensor | None = None
             for piece in segment.pieces:
                 (a, b), (c, d) = piece.q_rows, piece.kv_rows
+                qh = _q_heads(piece, groups)
                 if pass_q:
-                    q_p, do_p, lse_p, delta_p = held.slice(piece.q_rows)
+                    q_p, do_p, lse_p, delta_p = held[0].slice(piece.q_rows)
                     k_p, v_p = k[:, c:d], v[:, c:d]
                 else:
-                    q_p, do_p = q[:, a:b], dout[:, a:b]
-                    lse_p, delta_p = lse[:, :, a:b], delta[:, :, a:b]
-                    k_p, v_p = held.rows_of(0, piece.kv_rows), held.rows_of(1, piece.kv_rows)
+                    q_p, do_p = q[:, a:b, qh], dout[:, a:b, qh]
+                    lse_p, delta_p = lse[:, qh, a:b], delta[:, qh, a:b]
+                    if step == 0:
+                        k_p, v_p = k[:, c:d], v[:, c:d]
+                    else:
+                        block = held[piece.lane]
+                        k_p = block.rows_of(0, piece.kv_rows)
+                        v_p = block.rows_of(1, piece.kv_rows)
                 dq_p, dk_p, dv_p = kernel.backward(
                     do_p, q_p, k_p, v_p, lse_p, delta_p, causal=piece.causal, scale=scale
                 )
-                dq_seg = dq_p.to(acc) if dq_seg is None else dq_seg + dq_p.to(acc)
-                dk_dst, dv_dst = (dk_acc, dv_acc) if pass_q else (dk_step, dv_step)
-                dk_dst[:, c:d] += dk_p
-                dv_dst[:, c:d] += dv_p
+                if pass_q or step == 0:
+                    dk_acc[:, c:d] += dk_p
+                    dv_acc[:, c:d] += dv_p
+                else:
+                    row0 = (sched.lanes[piece.lane].kv_rows or (0, s))[0]
+                    dk_lane, dv_lane = lane_grads[piece.lane]
+                    dk_lane[:, c - row0 : d - row0] += dk_p
+                    dv_lane[:, c - row0 : d - row0] += dv_p
+                if plan.q_owner == rank:
+                    dq_acc[:, a:b, qh] += dq_p
+                else:
+                    dq_seg = dq_p.to(acc) if dq_seg is None else dq_seg + dq_p.to(acc)
             done()
-            assert dq_seg is not None
-            if plan.q_owner == rank:
-                dq_acc[:, segment.q_rows[0] : segment.q_rows[1]] += dq_seg
-            else:
+            if dq_seg is not None:
                 returns[_return_of(sched, rank, step, index)] = [dq_seg.to(q.dtype)]
             if index + 1 < num_segments:
                 poster.post(step, index + 1, provide)
-        if not pass_q:
-            # The accumulator of this kv owner arrives from rank+1 one step behind the kv; add
-            # this step's share and pass it on (or keep it: P == 1).
-            if step > 0:
-                for rec in poster.take(Payload.DKV, step - 1):
-                    dk_in, dv_in = rec.wait()
-                    dk_step += dk_in
-                    dv_step += dv_in
-            outgoing = [tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV]
-            if outgoing:
-                returns[outgoing[0]] = [dk_step, dv_step]
-            else:
-                dkv_home = [dk_step, dv_step]
+        # Pass-KV: add the accumulator that followed each block (from step 2 on: the first
+        # visitor created it) and pass it on; see Note [Backward] in tokenring.schedule.
+        for lane, grads in lane_grads.items():
+            if step > 1:
+                (rec,) = poster.take(Payload.DKV, step - 1, lane)
+                for grad, arrived in zip(grads, rec.wait(), strict=True):
+                    grad += arrived
+            (outgoing,) = [
+                tr
+                for tr in sched.sends(rank, step)
+                if tr.payload is Payload.DKV and tr.lane == lane
+            ]
+            returns[outgoing] = grads
         if num_segments > 0:
             poster.post(step, num_segments, provide)
         poster.post_rest(step, num_segments, provide)
-        incoming = poster.travel_in(step)
-        if incoming is not None:
+        for lane, incoming in poster.travel_in(step).items():
             tr = incoming.transfer
-            held = _Held(tr.owner, tr.rows, incoming.wait())
-    if pass_q:
-        for rec in poster.take(Payload.DQ):
-            (dq_part,) = rec.wait()
-            start, stop = rec.transfer.rows
-            dq_acc[:, start:stop] += dq_part
-    else:
-        final = poster.take(Payload.DKV)
-        if final:
-            assert len(final) == 1
-            dkv_home = final[0].wait()
-        assert dkv_home is not None
-        dk_acc, dv_acc = dkv_home
+            held[lane] = _Held(tr.owner, tr.rows, incoming.wait())
+    for rec in poster.take(Payload.DQ):
+        (dq_part,) = rec.wait()
+        start, stop = rec.transfer.rows
+        dq_acc[:, start:stop] += dq_part
+    for rec in poster.take(Payload.DKV):  # each lane's accumulator, home at last
+        tr = rec.transfer
+        heads = slice(*tr.heads) if tr.heads else slice(None)
+        dk_home, dv_home = rec.wait()
+        dk_acc[:, tr.rows[0] : tr.rows[1], heads] += dk_home
+        dv_acc[:, tr.rows[0] : tr.rows[1], heads] += dv_home
     comm.wait_sends()
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

@@ -50,9 +50,25 @@ Note [Backward]
 ~~~~~~~~~~~~~~~
 TokenRing: K/V and their gradient accumulators stay home. (q, dout, lse, delta) travel exactly
 like q in the forward; each rank adds dK, dV of its own K/V from every visiting Q; partial dQ
-goes back to its owner like ``out``. Ring: K/V travel like the forward, with their fp32 dK/dV
-accumulators one step behind on the return process group (same direction). After the last step
-the accumulator makes one more hop, home to its owner.
+goes back to its owner like ``out``. Pass-KV (Ring, bidirectional Ring): K/V travel like the
+forward. The local block's dK/dV (step 0) stays home. The fp32 accumulator of a travelling
+block is created by the first rank it visits (step 1), follows the block one step behind on
+the return process group (same direction), and the last visitor (step P-1) sends it home:
+P-1 hops of the lane's rows per block.
+
+Note [Bidirectional ring]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+``Strategy.BIDIR_RING`` is pass-KV on two *lanes*, each a complete ring over a disjoint part
+of K/V, turning opposite ways so both directions of every link carry K/V::
+
+    Hkv >= 2: lane 0 carries kv heads [0, Hkv/2) down (r -> r-1),
+              lane 1 carries kv heads [Hkv/2, Hkv) up (r -> r+1); queries follow their group.
+    Hkv == 1: lane 0 carries K/V rows [0, s/2) down, lane 1 rows [s/2, s) up (zigzag: the
+              early and the late chunk), and both lanes' partials merge by lse.
+
+At step t rank r holds lane 0's block of owner (r + t) mod P and lane 1's of (r - t) mod P.
+The local block (step 0) is computed once, on every head and row. Per step each direction
+carries half of Ring's K/V bytes, and nothing is left to return at the end, unlike TokenRing.
 """
 
 from __future__ import annotations
@@ -66,6 +82,7 @@ from tokenring.layout import Layout, validate_seq_local
 __all__ = [
     "Dims",
     "Flow",
+    "Lane",
     "Pass",
     "Payload",
     "Piece",
@@ -87,6 +104,7 @@ class Strategy(enum.Enum):
 
     TOKEN_RING = "token_ring"
     RING = "ring"
+    BIDIR_RING = "bidir_ring"
 
     @classmethod
     def parse(cls, value: Strategy | str) -> Strategy:
@@ -120,6 +138,11 @@ class Payload(enum.Enum):
     DKV = "dkv"  # dk and dv accumulators: 2 * Hkv * D, accumulation dtype
 
     @property
+    def heads_kind(self) -> str:
+        """Whose heads a row of this payload carries: ``"q"`` or ``"kv"``."""
+        return "kv" if self in (Payload.KV, Payload.DKV) else "q"
+
+    @property
     def flow(self) -> Flow:
         if self in (Payload.Q, Payload.KV, Payload.Q_GRAD):
             return Flow.TRAVEL
@@ -143,9 +166,19 @@ class Dims:
     acc_bytes: int = 4
     """Bytes per element of the accumulation dtype (fp32, or fp64 for fp64 inputs)."""
 
-    def row_bytes(self, payload: Payload) -> int:
-        """Bytes of one sequence row of ``payload`` (all batch entries)."""
+    def row_bytes(self, payload: Payload, num_heads: int | None = None) -> int:
+        """Bytes of one sequence row of ``payload`` (all batch entries).
+
+        Args:
+            num_heads: carry only this many heads of the payload's kind (query heads for
+                q/out/q_grad/dq, key/value heads for kv/dkv); None: all of them.
+        """
         b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
+        if num_heads is not None:
+            if payload.heads_kind == "kv":
+                hkv = num_heads
+            else:
+                hq = num_heads
         per_row = {
             Payload.Q: hq * d * self.elem_bytes,
             Payload.KV: 2 * hkv * d * self.elem_bytes,
@@ -164,6 +197,8 @@ class Piece:
     q_rows: Rows
     kv_rows: Rows
     causal: bool  # top-left causal mask; only on a shard against itself (equal positions)
+    lane: int = 0  # which travelling block the kv rows come from (see Lane)
+    heads: Rows | None = None  # kv heads computed (query heads: the same range x group); all
 
     @property
     def num_q(self) -> int:
@@ -198,13 +233,29 @@ class Transfer:
     rows: Rows
     step: int
     after_segments: int
+    heads: Rows | None = None  # heads of the payload's kind carried (None: all)
+    lane: int = 0
 
     @property
     def num_rows(self) -> int:
         return self.rows[1] - self.rows[0]
 
     def num_bytes(self, dims: Dims) -> int:
-        return self.num_rows * dims.row_bytes(self.payload)
+        num_heads = None if self.heads is None else self.heads[1] - self.heads[0]
+        return self.num_rows * dims.row_bytes(self.payload, num_heads)
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One travelling block stream: its direction round the ring and what part it carries."""
+
+    direction: int  # -1: rank r sends to r-1 ("down"); +1: to r+1 ("up")
+    kv_heads: Rows | None = None  # kv heads it carries (None: all)
+    kv_rows: Rows | None = None  # rows of the K/V shard it carries (None: all)
+
+    def visitor(self, rank: int, step: int, world_size: int) -> int:
+        """The owner of the block this lane holds on ``rank`` at ``step``."""
+        return (rank - self.direction * step) % world_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +265,13 @@ class StepPlan:
     rank: int
     step: int
     q_owner: int
-    kv_owner: int
+    kv_owners: tuple[int, ...]  # per lane: whose K/V that lane's block holds at this step
     segments: tuple[Segment, ...]
+
+    @property
+    def kv_owner(self) -> int:
+        """The kv owner of lane 0 (the only lane of TokenRing and Ring)."""
+        return self.kv_owners[0]
 
     @property
     def pieces(self) -> Iterator[Piece]:
@@ -233,6 +289,7 @@ class Schedule:
     causal: bool
     world_size: int
     seq_local: int
+    lanes: tuple[Lane, ...]
     steps: tuple[tuple[StepPlan, ...], ...]  # [rank][step]
     transfers: tuple[Transfer, ...]
     _sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
@@ -330,6 +387,7 @@ def build_schedule(
     world_size: int,
     seq_local: int,
     last_block_splits: int = 2,
+    heads_kv: int | None = None,
 ) -> Schedule:
     """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
 
@@ -342,6 +400,7 @@ def build_schedule(
         seq_local: s, tokens per rank.
         last_block_splits: TokenRing computes its last block in this many row slices and
             returns each as soon as it is done (see Note [TokenRing step table]).
+        heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes.
 
     Raises:
         ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
@@ -356,6 +415,7 @@ def build_schedule(
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     p, s = world_size, seq_local
+    lanes = _lanes(strategy, layout, s, heads_kv)
 
     def pieces(q_owner: int, kv_owner: int) -> tuple[Piece, ...]:
         return block_pieces(
@@ -368,41 +428,55 @@ def build_schedule(
         )
 
     steps: list[list[StepPlan]] = []
-    transfers: list[Transfer] = []
     for r in range(p):
         row: list[StepPlan] = []
         for t in range(p):
-            visitor = (r + t) % p  # the owner whose block travels to r at step t
+            kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
             if strategy is Strategy.TOKEN_RING:
-                q_owner, kv_owner = visitor, r
-            else:
-                q_owner, kv_owner = r, visitor
-            splits = last_block_splits if (strategy is Strategy.TOKEN_RING and t == p - 1) else 1
-            row.append(
-                StepPlan(r, t, q_owner, kv_owner, _segments(pieces(q_owner, kv_owner), splits))
-            )
+                q_owner = kv_owners[0]
+                segments = _segments(pieces(q_owner, r), last_block_splits if t == p - 1 else 1)
+                row.append(StepPlan(r, t, q_owner, (r,), segments))
+                continue
+            block: list[Piece] = []
+            for index, lane in enumerate(lanes):
+                if t == 0 and index > 0:
+                    break  # the local block is computed once, by lane 0, on every head and row
+                for piece in pieces(r, kv_owners[index]):
+                    block += _lane_pieces(piece, index, lane, whole_block=t == 0)
+            row.append(StepPlan(r, t, r, kv_owners, _by_q_rows(block)))
         steps.append(row)
 
     travel = {
         (Strategy.TOKEN_RING, Pass.FORWARD): Payload.Q,
         (Strategy.TOKEN_RING, Pass.BACKWARD): Payload.Q_GRAD,
-        (Strategy.RING, Pass.FORWARD): Payload.KV,
-        (Strategy.RING, Pass.BACKWARD): Payload.KV,
-    }[(strategy, pass_)]
-    for r in range(p):
-        for t in range(p - 1):
-            # Rank r holds the visitor's block at step t and forwards to r-1 whatever rows the
-            # ranks ahead (r-1 at t+1, r-2 at t+2, ...) still need. Rows only shrink.
-            visitor = (r + t) % p
-            needed: list[Rows] = []
-            for ahead in range(1, p - t):
-                plan = steps[(r - ahead) % p][t + ahead]
-                for piece in plan.pieces:
-                    needed.append(piece.q_rows if travel is not Payload.KV else piece.kv_rows)
-            rows = _union(needed)
-            if rows is not None:
-                transfers.append(Transfer(travel, r, (r - 1) % p, visitor, rows, t, 0))
-
+    }.get((strategy, pass_), Payload.KV)
+    transfers: list[Transfer] = []
+    for index, lane in enumerate(lanes):
+        for r in range(p):
+            for t in range(p - 1):
+                # Rank r holds the visitor's block at step t and forwards to the next rank of
+                # the lane whatever rows the ranks ahead still need. Rows only shrink.
+                needed: list[Rows] = []
+                for ahead in range(1, p - t):
+                    plan = steps[(r + lane.direction * ahead) % p][t + ahead]
+                    for piece in plan.pieces:
+                        if piece.lane == index:
+                            needed.append(piece.kv_rows if travel is Payload.KV else piece.q_rows)
+                rows = _union(needed)
+                if rows is not None:
+                    transfers.append(
+                        Transfer(
+                            travel,
+                            r,
+                            (r + lane.direction) % p,
+                            lane.visitor(r, t, p),
+                            rows,
+                            t,
+                            0,
+                            lane.kv_heads,
+                            index,
+                        )
+                    )
     if strategy is Strategy.TOKEN_RING:
         ret = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
         for r in range(p):
@@ -412,21 +486,26 @@ def build_schedule(
                     transfers.append(
                         Transfer(ret, r, plan.q_owner, plan.q_owner, segment.q_rows, t, k + 1)
                     )
-    elif pass_ is Pass.BACKWARD and p > 1:
-        for r in range(p):
-            for t in range(p):
-                plan = steps[r][t]
-                transfers.append(
-                    Transfer(
-                        Payload.DKV,
-                        r,
-                        (r - 1) % p,
-                        plan.kv_owner,
-                        (0, s),
-                        t,
-                        max(1, len(plan.segments)),  # after compute, even an empty one
+    elif pass_ is Pass.BACKWARD:
+        # See Note [Backward]: the accumulator of a K/V block is created by the first rank it
+        # visits (step 1), follows the block, and the last visitor sends it home.
+        for index, lane in enumerate(lanes):
+            for r in range(p):
+                for t in range(1, p):
+                    plan = steps[r][t]
+                    transfers.append(
+                        Transfer(
+                            Payload.DKV,
+                            r,
+                            (r + lane.direction) % p,
+                            plan.kv_owners[index],
+                            lane.kv_rows or (0, s),
+                            t,
+                            max(1, len(plan.segments)),
+                            lane.kv_heads,
+                            index,
+                        )
                     )
-                )
     return Schedule(
         strategy=strategy,
         pass_=pass_,
@@ -434,9 +513,53 @@ def build_schedule(
         causal=causal,
         world_size=p,
         seq_local=s,
+        lanes=lanes,
         steps=tuple(tuple(row) for row in steps),
         transfers=tuple(transfers),
     )
+
+
+def _lanes(
+    strategy: Strategy, layout: Layout, seq_local: int, heads_kv: int | None
+) -> tuple[Lane, ...]:
+    """See Note [Bidirectional ring]."""
+    if strategy is not Strategy.BIDIR_RING:
+        return (Lane(-1),)
+    if heads_kv is None or heads_kv < 1:
+        raise ValueError(f"heads_kv must be given (>= 1) for strategy 'bidir_ring'; got {heads_kv}")
+    if heads_kv >= 2:
+        half = heads_kv // 2
+        return (Lane(-1, kv_heads=(0, half)), Lane(+1, kv_heads=(half, heads_kv)))
+    if seq_local < 2:
+        raise ValueError(
+            f"seq_local must be >= 2 for strategy 'bidir_ring' with one kv head (the two rings "
+            f"carry halves of the K/V rows); got {seq_local}"
+        )
+    half = seq_local // 2  # zigzag: exactly the early and the late chunk
+    return (Lane(-1, kv_rows=(0, half)), Lane(+1, kv_rows=(half, seq_local)))
+
+
+def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> list[Piece]:
+    """The part of ``piece`` a lane computes: its kv heads, or its kv rows (split a causal
+    diagonal into the full and causal parts the row range leaves)."""
+    if whole_block:
+        return [piece]
+    if lane.kv_rows is None:
+        return [Piece(piece.q_rows, piece.kv_rows, piece.causal, index, lane.kv_heads)]
+    lo = max(piece.kv_rows[0], lane.kv_rows[0])
+    hi = min(piece.kv_rows[1], lane.kv_rows[1])
+    if lo >= hi:
+        return []
+    assert not piece.causal, "only the local block (step 0) is causal, and lane 0 owns it"
+    return [Piece(piece.q_rows, (lo, hi), False, index, lane.kv_heads)]
+
+
+def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
+    """Group pieces with equal q rows into segments (merged into one partial each)."""
+    groups: dict[Rows, list[Piece]] = {}
+    for piece in block:
+        groups.setdefault(piece.q_rows, []).append(piece)
+    return tuple(Segment(rows, tuple(group)) for rows, group in groups.items())
 
 
 def piece_flops(piece: Piece, dims: Dims, pass_: Pass) -> float:
