@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from oracle import covered_pairs, expected_bytes, owned_positions
-from tokenring.schedule import Dims, Pass, Strategy, build_schedule
+from tokenring.schedule import Dims, Pass, Piece, Strategy, build_schedule, piece_flops
 
 CASES = [
     (strategy, layout, causal, p)
@@ -152,3 +152,13 @@ def test_bad_schedule_arguments(kwargs: dict, match: str) -> None:
         build_schedule(
             "teleport", "forward", layout="contiguous", causal=True, world_size=2, seq_local=4
         )
+
+
+def test_piece_flops_counts_only_the_lane_heads() -> None:
+    dims = Dims(batch=1, heads_q=8, heads_kv=2, head_dim=4, elem_bytes=2)
+    whole = Piece((0, 3), (0, 5), False)
+    lane = Piece((0, 3), (0, 5), False, 1, (1, 2))  # one of two kv heads: half the query heads
+    assert piece_flops(whole, dims, Pass.FORWARD) == 4 * 8 * 4 * 3 * 5
+    assert piece_flops(lane, dims, Pass.FORWARD) == 4 * 4 * 4 * 3 * 5
+    diagonal = Piece((0, 3), (0, 3), True)
+    assert piece_flops(diagonal, dims, Pass.BACKWARD) == 2.5 * 4 * 8 * 4 * (1 + 2 + 3)

@@ -18,6 +18,7 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tokenring.demo", "check every strategy against the oracle on CPU ranks and time it"),
     "bench": ("tokenring.bench", "every strategy side by side: verified, timed, against its bound"),
+    "simulate": ("tokenring.simulate", "predict every strategy's time on a described machine"),
 }
 
 
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        command = sub.add_parser(name, help=help_text, description=module.__doc__)
+        summary = (module.__doc__ or help_text).split("\n\n")[0]  # the Notes stay in the code
+        command = sub.add_parser(name, help=help_text, description=summary)
         module.add_arguments(command)
         command.set_defaults(_module=module)
     return parser

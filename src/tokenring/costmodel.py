@@ -24,13 +24,14 @@ with a bandwidth shared by the flows on it, and it never goes faster than the in
     MESH      link (src, dst)                                 1 x latency_s
     RING      every hop (a, a+-1) on the shortest way round    hops x latency_s
               (ties go towards src + 1, as in tokenring.netlab)
-    SWITCH    port out of src, port in of dst                 1 x latency_s
+    SWITCH    the pair's path (src, dst) at link bandwidth,   1 x latency_s
+              port out of src, port in of dst
 
 ``port_bandwidth_bytes_per_s`` (one port per device and direction, shared by all its flows:
 a PCIe x16 slot, an NVSwitch port) is required for SWITCH and optional for MESH and RING,
 where it adds the device's ports to every flow. A multi-node machine (``devices_per_node``
-and ``inter``) is islands of the intra topology; a flow between islands loads the NIC out of
-src and the NIC into dst (``inter``: a non-blocking fabric, one NIC per device) instead.
+and ``inter``) is islands of the intra topology; a flow between islands is routed by
+``inter`` instead (a non-blocking SWITCH fabric whose ports are one NIC per device).
 That is the whole network model; how flows share a resource is the simulator's Note.
 
 Note [Bytes per step]
@@ -92,6 +93,7 @@ __all__ = [
     "merge_bytes",
     "preset",
     "resource_bytes",
+    "ring_path",
     "route",
     "schedule_arrays",
     "steady_step",
@@ -425,10 +427,12 @@ class ResourceKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Resource:
-    """One directed resource; ``ends`` is ``(a, b)`` for a link, ``(r,)`` for a port or NIC."""
+    """One directed, shared piece of the network (a dict key; positional like ``Piece``)."""
 
     kind: ResourceKind
+    """Link, port or NIC, and which way."""
     ends: tuple[int, ...]
+    """``(a, b)`` for a link from a to b, ``(r,)`` for device r's port or NIC."""
 
     def __str__(self) -> str:
         return f"{self.kind.value}{'->'.join(map(str, self.ends))}"
@@ -441,7 +445,7 @@ class Route:
     resources: tuple[tuple[Resource, float], ...]
     """Each resource with its bandwidth in bytes/s (shared by every flow on it)."""
     flow_cap_bytes_per_s: float
-    """The most this flow reaches alone (the interconnect's link bandwidth)."""
+    """The most this flow reaches alone: the smallest bandwidth on its route."""
     latency_s: float
     """Time before the first byte arrives (latency per hop x hops)."""
     hops: int
@@ -470,35 +474,27 @@ def route(hardware: Hardware, src: int, dst: int, world_size: int) -> Route:
     if src == dst:
         raise ValueError(f"src and dst must differ; got {src} -> {dst}")
     dpn = hardware.devices_per_node
-    if dpn is not None and hardware.inter is not None and src // dpn != dst // dpn:
-        nic = hardware.inter
-        assert nic.port_bandwidth_bytes_per_s is not None
-        return Route(
-            resources=(
-                (Resource(ResourceKind.NIC_OUT, (src,)), nic.port_bandwidth_bytes_per_s),
-                (Resource(ResourceKind.NIC_IN, (dst,)), nic.port_bandwidth_bytes_per_s),
-            ),
-            flow_cap_bytes_per_s=nic.link_bandwidth_bytes_per_s,
-            latency_s=nic.latency_s,
-            hops=1,
-        )
     net = hardware.interconnect
+    out_kind, in_kind = ResourceKind.PORT_OUT, ResourceKind.PORT_IN
+    if dpn is not None and hardware.inter is not None and src // dpn != dst // dpn:
+        net = hardware.inter
+        out_kind, in_kind = ResourceKind.NIC_OUT, ResourceKind.NIC_IN
     link = net.link_bandwidth_bytes_per_s
     resources: list[tuple[Resource, float]] = []
     if net.topology is Topology.RING:
         path = ring_path(src, dst, world_size)
         for a, b in itertools.pairwise(path):
             resources.append((Resource(ResourceKind.LINK, (a, b)), link))
-    elif net.topology is Topology.MESH:
+    else:  # MESH: the direct link; SWITCH: the pair's path through the fabric
         resources.append((Resource(ResourceKind.LINK, (src, dst)), link))
-    hops = len(resources) if resources else 1
     if net.port_bandwidth_bytes_per_s is not None:
         port = net.port_bandwidth_bytes_per_s
-        resources.append((Resource(ResourceKind.PORT_OUT, (src,)), port))
-        resources.append((Resource(ResourceKind.PORT_IN, (dst,)), port))
+        resources.append((Resource(out_kind, (src,)), port))
+        resources.append((Resource(in_kind, (dst,)), port))
+    hops = len(resources) - (2 if net.port_bandwidth_bytes_per_s is not None else 0)
     return Route(
         resources=tuple(resources),
-        flow_cap_bytes_per_s=link,
+        flow_cap_bytes_per_s=min(cap for _, cap in resources),
         latency_s=net.latency_s * hops,
         hops=hops,
     )
@@ -565,10 +561,18 @@ def step_costs(schedule: Schedule, dims: Dims) -> tuple[StepCost, ...]:
     return tuple(costs)
 
 
-def resource_bytes(schedule: Schedule, dims: Dims, hardware: Hardware) -> dict[Resource, int]:
-    """Total bytes each physical resource carries over the pass (relays count on every hop)."""
+def resource_bytes(
+    schedule: Schedule, dims: Dims, hardware: Hardware, *, step: int | None = None
+) -> dict[Resource, int]:
+    """Bytes each physical resource carries (relayed flows count on every hop they cross).
+
+    Args:
+        step: only the transfers posted at this step; None: the whole pass.
+    """
     load: dict[Resource, int] = {}
     for tr in schedule.transfers:
+        if step is not None and tr.step != step:
+            continue
         n = tr.num_bytes(dims)
         for res, _ in route(hardware, tr.src, tr.dst, schedule.world_size).resources:
             load[res] = load.get(res, 0) + n
@@ -670,10 +674,12 @@ def schedule_arrays(
 
     Raises:
         ValueError: as ``build_schedule``.
+        NotImplementedError: a strategy other than TokenRing and Ring.
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
     layout = Layout.parse(layout)
+    _closed_form_strategy(strategy)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     validate_seq_local(seq_local, layout)
@@ -739,8 +745,12 @@ def schedule_arrays(
         return_payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
     else:
         return_payload = Payload.DKV if pass_ is Pass.BACKWARD else None
-    ring_backward = strategy is Strategy.RING and pass_ is Pass.BACKWARD and p > 1
-    dkv_rows = full.clone() if ring_backward else torch.zeros((p, p), dtype=torch.long)
+    # Ring backward: the accumulator of a K/V block starts at its first visitor (step 1) and
+    # moves on after every step, the last visitor sending it home.
+    ring_backward = strategy is Strategy.RING and pass_ is Pass.BACKWARD
+    dkv_rows = (
+        torch.where(step >= 1, full, 0) if ring_backward else torch.zeros((p, p), dtype=torch.long)
+    )
     return ScheduleArrays(
         strategy=strategy,
         pass_=pass_,
@@ -760,6 +770,14 @@ def schedule_arrays(
     )
 
 
+def _closed_form_strategy(strategy: Strategy) -> None:
+    if strategy not in (Strategy.TOKEN_RING, Strategy.RING):
+        raise NotImplementedError(
+            f"closed forms cover 'token_ring' and 'ring'; got strategy {strategy.value!r} "
+            "(read its costs from build_schedule with step_costs instead)"
+        )
+
+
 # -- closed-form steady state ------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SteadyStep:
@@ -767,8 +785,10 @@ class SteadyStep:
 
     compute_s: float
     """Kernel time of the step on the busiest rank."""
-    comm_s: float
-    """Bytes on the busiest resource during the step / its bandwidth, plus latency."""
+    wire_s: float
+    """Bytes on the busiest resource during the step / its bandwidth."""
+    latency_s: float
+    """Latency of the step's longest path (hops x latency on a ring)."""
     busiest: str
     """Which resource that is: ``link``, ``port`` or ``ring hops``."""
     travel_bytes: int
@@ -776,6 +796,11 @@ class SteadyStep:
     return_bytes: int
     """Bytes returning during this step (worst rank): TokenRing's partial of the previous
     step, Ring backward's dK/dV accumulator."""
+
+    @property
+    def comm_s(self) -> float:
+        """Wire time plus latency."""
+        return self.wire_s + self.latency_s
 
     @property
     def step_s(self) -> float:
@@ -805,8 +830,8 @@ def steady_step(
     Worst rank: every block row count is the largest any rank has at a steady step (s rows of
     the travel block, s rows returned; zigzag computes s*c score entries, contiguous causal
     s*s on the busiest rank). Flows during step t: the travel block of step t, and the return
-    posted at the end of step t-1 (TokenRing: to the owner at distance t-1; Ring backward:
-    the accumulator to r-1, on the same link as K/V). Per topology::
+    posted at the end of step t-1 >= 1 (TokenRing: to the owner at distance t-1; Ring
+    backward: the accumulator to r-1, on the same link as K/V). Per topology::
 
         MESH    max over links: travel and return use different links unless they share dst
         SWITCH  the sender's port carries both: (travel + return) / port, each <= link
@@ -815,10 +840,12 @@ def steady_step(
 
     Raises:
         ValueError: world_size < 2 (no steady step), or step outside [1, P-1].
+        NotImplementedError: a strategy without closed forms.
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
     layout = Layout.parse(layout)
+    _closed_form_strategy(strategy)
     p, s = world_size, seq_local
     if p < 2:
         raise ValueError(f"world_size must be >= 2 for a steady step; got {p}")
@@ -845,7 +872,7 @@ def steady_step(
         ret = s * dims.row_bytes(ret_payload) if t >= 2 else 0
         distance = t - 1
     else:
-        ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD else 0
+        ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD and t >= 2 else 0
         distance = p - 1  # the accumulator goes to r - 1, like K/V
 
     net = hardware.interconnect
@@ -853,25 +880,26 @@ def steady_step(
         raise NotImplementedError("steady_step models one island; simulate islands instead")
     link, lat = net.link_bandwidth_bytes_per_s, net.latency_s
     same_link = distance % p == p - 1  # the return goes to r - 1, like the travel block
+    hops = 1
     if net.topology is Topology.RING and ret and not same_link:
         hops = min(distance, p - distance)
         down = distance > p - distance  # the return goes r -> r-1 -> ..., like travel
-        hop_load = hops * ret + (travel if down else 0)
-        comm_s, busiest = hop_load / link + hops * lat, "ring hops"
-        comm_s = max(comm_s, travel / link + lat)
+        wire_s, busiest = (hops * ret + (travel if down else 0)) / link, "ring hops"
+        if travel / link > wire_s:
+            wire_s, busiest = travel / link, "link"
     elif same_link:
-        comm_s, busiest = (travel + ret) / link + lat, "link"
+        wire_s, busiest = (travel + ret) / link, "link"
     else:
-        comm_s, busiest = max(travel, ret) / link + lat, "link"
+        wire_s, busiest = max(travel, ret) / link, "link"
     if net.port_bandwidth_bytes_per_s is not None:
-        port_s = (travel + ret) / net.port_bandwidth_bytes_per_s + lat
-        if port_s > comm_s:
-            comm_s, busiest = port_s, "port"
-    if travel == 0 and ret == 0:
-        comm_s = 0.0
+        port_s = (travel + ret) / net.port_bandwidth_bytes_per_s
+        if port_s > wire_s:
+            wire_s, busiest = port_s, "port"
+    latency_s = lat * hops if travel or ret else 0.0
     return SteadyStep(
         compute_s=compute_s,
-        comm_s=comm_s,
+        wire_s=wire_s,
+        latency_s=latency_s,
         busiest=busiest,
         travel_bytes=travel,
         return_bytes=ret,

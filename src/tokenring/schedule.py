@@ -565,9 +565,13 @@ def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
 def piece_flops(piece: Piece, dims: Dims, pass_: Pass) -> float:
     """Matmul FLOPs of one piece: 4*B*Hq*sq*sk*D forward (QK^T and PV), 2.5x that backward.
 
-    A causal piece counts only the unmasked (i >= j) entries.
+    A causal piece counts only the unmasked (i >= j) entries; a piece on a subset of heads
+    counts only those heads.
     """
     sq, sk = piece.num_q, piece.num_kv
     pairs = sq * (sq + 1) / 2 if piece.causal else sq * sk
-    forward = 4.0 * dims.batch * dims.heads_q * dims.head_dim * pairs
+    heads_q = dims.heads_q
+    if piece.heads is not None:  # a lane's kv heads and the query heads of their groups
+        heads_q = (piece.heads[1] - piece.heads[0]) * (dims.heads_q // dims.heads_kv)
+    forward = 4.0 * dims.batch * heads_q * dims.head_dim * pairs
     return forward if pass_ is Pass.FORWARD else 2.5 * forward

@@ -1,0 +1,562 @@
+"""Choosing a strategy: ``strategy="auto"``, ``explain(...)`` and calibration.
+
+This module owns the *decision*: it predicts every implemented strategy (and layout) with the
+simulator (``tokenring.simulate``) on a hardware description (``tokenring.costmodel``), picks
+the fastest, says why, and measures the local machine (:func:`calibrate`) so that the
+description can come from the run itself. The decision is a pure function of its inputs;
+:func:`calibrate` agrees its measurements across ranks before returning, so every rank decides
+from identical numbers and picks the same strategy.
+
+Legend: B batch, s local seq, Hq query heads, Hkv key/value heads, D head dim, P world size.
+
+Note [Choosing]
+~~~~~~~~~~~~~~~
+For every candidate (strategy, layout) the simulator predicts the forward pass, and the
+backward pass too when training; the pick is the smallest predicted total. Ties (within a
+relative 1e-9) go to the earlier candidate in a fixed order -- ``Strategy`` then ``Layout``
+in declaration order -- so equal inputs give equal picks on every rank and every run. Where
+the links set the pace, the busiest direction carries per row and step::
+
+    TokenRing   Hq*D*e + Hq*4   (partial out + lse; q alone is Hq*D*e)
+    Ring        2*Hkv*D*e       (k and v)
+
+so TokenRing wins comm-bound MHA (ratio ~1/2) and Ring wins comm-bound GQA with
+Hq/Hkv > 2 (Llama-3-8B 32/8: ratio ~2); compute-bound shapes tie on kernel time, and the
+rest (exposed last return, merges, rendezvous waits) decides.
+
+Note [Calibration probe]
+~~~~~~~~~~~~~~~~~~~~~~~~
+All ranks run the same probe through the caller's ``Communicator`` (both of its process
+groups)::
+
+    probe       every rank sends                      measures
+    kernel      (local) block forward and backward     FLOP/s per pass
+    merge       (local) merge_into of a block          memory bandwidth, as the model prices it
+    one-way     probe_bytes to r-1 (travel group)      link bandwidth per direction
+    two-way     to r-1 (travel) and r+1 (return)       whether flows share a device port
+    ping        a few bytes to r-1                     latency
+
+then one ``all_reduce(MAX)`` over (-rates, +latency) gives every rank the slowest rank's
+numbers. Two-way flows at under 3/4 of the one-way rate mean a shared port (SWITCH, port =
+2 x two-way rate); otherwise MESH. A RING looks like a MESH to neighbour probes: pass
+``topology="ring"`` when you know it is one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.comm import Communicator
+from tokenring.costmodel import AttentionShape, Hardware, Topology, measured, merge_bytes
+from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.layout import Layout
+from tokenring.merge import merge_into
+from tokenring.schedule import Dims, Pass, Payload, Piece, Strategy, Transfer, piece_flops
+from tokenring.simulate import simulate
+
+__all__ = [
+    "Plan",
+    "Prediction",
+    "calibrate",
+    "calibrated",
+    "choose_strategy",
+    "explain",
+]
+
+_log = logging.getLogger(__name__)
+_TIE = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    """The predicted time of one candidate."""
+
+    strategy: Strategy
+    """Which strategy."""
+    layout: Layout
+    """Which layout."""
+    forward_s: float
+    """Forward pass."""
+    backward_s: float
+    """Backward pass (0 when not training)."""
+    bound_by: str
+    """``compute`` or ``comm (<busiest resource>)`` for the forward pass."""
+    mode: str
+    """Simulator engine: ``event`` or ``vectorised``."""
+
+    @property
+    def total_s(self) -> float:
+        """Forward plus backward."""
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The planner's comparison as data (what ``explain`` returns)."""
+
+    pick: Strategy
+    """The fastest strategy for ``layout``."""
+    layout: Layout
+    """The layout the pick is for (the caller's, or the fastest when none was given)."""
+    predictions: tuple[Prediction, ...]
+    """Every candidate, in the fixed candidate order."""
+    skipped: tuple[tuple[Strategy, str], ...]
+    """Candidates the simulator cannot predict here, with the reason (not silently dropped:
+    also in ``as_dict`` and the log)."""
+    reason: str
+    """One sentence: times, ratio and what bounds the loser."""
+    hardware: str
+    """Name of the hardware description used."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data."""
+        return {
+            "pick": self.pick.value,
+            "layout": self.layout.value,
+            "reason": self.reason,
+            "hardware": self.hardware,
+            "skipped": [{"strategy": s.value, "reason": why} for s, why in self.skipped],
+            "predictions": [
+                {
+                    "strategy": p.strategy.value,
+                    "layout": p.layout.value,
+                    "forward_s": p.forward_s,
+                    "backward_s": p.backward_s,
+                    "total_s": p.total_s,
+                    "bound_by": p.bound_by,
+                    "mode": p.mode,
+                }
+                for p in self.predictions
+            ],
+        }
+
+
+def _validate(
+    world_size: int, seq_local: int, heads_q: int, heads_kv: int, head_dim: int, batch: int
+) -> None:
+    for name, value in (
+        ("world_size", world_size),
+        ("seq_local", seq_local),
+        ("heads_q", heads_q),
+        ("heads_kv", heads_kv),
+        ("head_dim", head_dim),
+        ("batch", batch),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; got {value}")
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    world_size: int,
+    seq_local: int,
+    shape: AttentionShape,
+    causal: bool,
+    layouts: tuple[Layout, ...],
+    training: bool,
+    hardware: Hardware,
+    strategies: tuple[Strategy, ...],
+    last_block_splits: int,
+    mode: str,
+) -> Plan:
+    predictions = []
+    skipped: list[tuple[Strategy, str]] = []
+    for strategy in strategies:
+        for layout in layouts:
+            try:
+                call = simulate(
+                    strategy,
+                    passes="both" if training else "forward",
+                    layout=layout,
+                    causal=causal,
+                    world_size=world_size,
+                    seq_local=seq_local,
+                    shape=shape,
+                    hardware=hardware,
+                    last_block_splits=last_block_splits,
+                    mode=mode,
+                )
+            except NotImplementedError as exc:  # e.g. no closed forms at this world size
+                if layout is layouts[0]:
+                    skipped.append((strategy, str(exc)))
+                continue
+            fwd = call.passes[0]
+            predictions.append(
+                Prediction(
+                    strategy=strategy,
+                    layout=layout,
+                    forward_s=fwd.call_s,
+                    backward_s=call.passes[1].call_s if training else 0.0,
+                    bound_by="compute"
+                    if fwd.compute_s >= fwd.busiest_s
+                    else f"comm ({fwd.busiest_resource})",
+                    mode=fwd.mode,
+                )
+            )
+    if not predictions:
+        reasons = "; ".join(reason for _, reason in skipped)
+        raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
+    best = predictions[0]
+    for cand in predictions[1:]:
+        if cand.total_s < best.total_s * (1 - _TIE):
+            best = cand
+    others = [p for p in predictions if p is not best and p.layout is best.layout]
+    if others:
+        runner = min(others, key=lambda p: p.total_s)
+        ratio = runner.total_s / best.total_s if best.total_s > 0 else 1.0
+        dims = shape.dims
+        tr_row = dims.row_bytes(Payload.OUT)
+        ring_row = dims.row_bytes(Payload.KV)
+        reason = (
+            f"{best.strategy.value} ({best.layout.value}) predicted {1e3 * best.total_s:.4g} ms"
+            f" vs {runner.strategy.value} {1e3 * runner.total_s:.4g} ms ({ratio:.2f}x) on "
+            f"{hardware.name}, P={world_size}, s={seq_local}; {runner.strategy.value} is bound "
+            f"by {runner.bound_by}; busiest-direction bytes per row: token_ring {tr_row}, "
+            f"ring {ring_row} (Hq/(2*Hkv) = {shape.heads_q / (2 * shape.heads_kv):.2f})"
+        )
+    else:
+        reason = (
+            f"{best.strategy.value} ({best.layout.value}) is the only candidate: "
+            f"{1e3 * best.total_s:.4g} ms on {hardware.name}"
+        )
+    plan = Plan(
+        pick=best.strategy,
+        layout=best.layout,
+        predictions=tuple(predictions),
+        skipped=tuple(skipped),
+        reason=reason,
+        hardware=hardware.name,
+    )
+    _log.info("tokenring planner: %s", reason)
+    for strategy, why in skipped:
+        _log.info("tokenring planner: %s not predicted: %s", strategy.value, why)
+    return plan
+
+
+def explain(
+    *,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    causal: bool,
+    hardware: Hardware,
+    layout: Layout | str | None = None,
+    training: bool = False,
+    batch: int = 1,
+    strategies: Sequence[Strategy | str] | None = None,
+    last_block_splits: int = 2,
+    mode: str = "auto",
+) -> Plan:
+    """Predict every candidate strategy (and layout) and pick the fastest; see Note [Choosing].
+
+    Args:
+        world_size, seq_local, heads_q, heads_kv, head_dim, dtype, causal, batch: the call.
+        hardware: a preset (``tokenring.costmodel.PRESETS``), ``measured(...)`` or the result
+            of :func:`calibrate`.
+        layout: the caller's layout; None compares every layout ``seq_local`` allows.
+        training: also predict the backward pass (the pick minimises forward + backward).
+        strategies: candidates (default: every ``Strategy``), kept in ``Strategy`` order.
+        last_block_splits: as ``sequence_parallel_attn``.
+        mode: simulator engine (``auto``, ``event``, ``vectorised``).
+
+    Returns:
+        A :class:`Plan`: the pick, every prediction and the reason. Logged once at INFO per
+        distinct input.
+
+    Raises:
+        ValueError: non-positive sizes, heads_kv not dividing heads_q, an unknown strategy or
+            layout, a seq_local the layout cannot split, or a dtype the hardware has no
+            FLOP/s for.
+    """
+    _validate(world_size, seq_local, heads_q, heads_kv, head_dim, batch)
+    shape = AttentionShape(
+        batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=str(dtype)
+    )
+    hardware.flops_per_s("forward", shape.dtype)  # fail early on an unsupported dtype
+    if layout is None:
+        layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
+    else:
+        layouts = (Layout.parse(layout),)
+    chosen = {Strategy.parse(s) for s in strategies} if strategies is not None else set(Strategy)
+    if not chosen:
+        raise ValueError("strategies must name at least one strategy; got none")
+    ordered = tuple(s for s in Strategy if s in chosen)
+    return _plan(
+        world_size,
+        seq_local,
+        shape,
+        causal,
+        layouts,
+        training,
+        hardware,
+        ordered,
+        last_block_splits,
+        mode,
+    )
+
+
+def choose_strategy(
+    *,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    causal: bool,
+    layout: Layout | str,
+    training: bool,
+    hardware: Hardware,
+    batch: int = 1,
+    last_block_splits: int = 2,
+) -> Strategy:
+    """The strategy ``strategy="auto"`` runs: :func:`explain`'s pick for the caller's layout.
+
+    Deterministic: identical arguments give the identical strategy on every rank (pass the
+    same ``hardware`` everywhere, e.g. from :func:`calibrate`, which agrees across ranks).
+
+    Raises:
+        ValueError: as :func:`explain`.
+    """
+    return explain(
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        causal=causal,
+        hardware=hardware,
+        layout=layout,
+        training=training,
+        batch=batch,
+        last_block_splits=last_block_splits,
+    ).pick
+
+
+# -- calibration -------------------------------------------------------------------------------
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    _synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _probe(
+    comm: Communicator, num_bytes: int, device: torch.device, *, two_way: bool, repeats: int
+) -> float:
+    """Median seconds for every rank to move ``num_bytes`` to r-1 (and r+1 when two_way)."""
+    r, p = comm.rank, comm.world_size
+    down, up = (r - 1) % p, (r + 1) % p
+    payload = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+    fields: list[tuple[tuple[int, ...], torch.dtype]] = [((num_bytes,), torch.uint8)]
+
+    def transfer(kind: Payload, src: int, dst: int) -> Transfer:
+        return Transfer(kind, src, dst, src, (0, num_bytes), 0, 0)
+
+    sends = [(transfer(Payload.Q, r, down), [payload])]
+    recvs = [(transfer(Payload.Q, up, r), fields)]
+    if two_way:
+        sends.append((transfer(Payload.OUT, r, up), [payload]))
+        recvs.append((transfer(Payload.OUT, down, r), fields))
+
+    def once() -> None:
+        pending = comm.exchange(sends, recvs, device=device)
+        for rec in pending.values():
+            rec.wait()
+        comm.wait_sends()
+
+    once()  # warm-up: connections, buffers
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=comm.group)
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate(
+    comm: Communicator,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    heads_q: int = 8,
+    heads_kv: int | None = None,
+    head_dim: int = 64,
+    block_rows: int = 1024,
+    probe_bytes: int = 8 << 20,
+    repeats: int = 3,
+    topology: Topology | str | None = None,
+    kernel: str | BlockKernel | None = None,
+) -> Hardware:
+    """Measure this machine and return it as a ``measured`` hardware description.
+
+    Every rank must call it (it runs collectives); every rank gets the same numbers: the
+    slowest rank's rates and the largest latency. See Note [Calibration probe].
+
+    Args:
+        comm: the communicator the strategies will use (its ranks form the ring).
+        dtype: input dtype the FLOP/s are measured for (the description holds only for it).
+        device: where tensors live; default CUDA's current device for NCCL, else CPU.
+        heads_q, heads_kv, head_dim, block_rows: the representative block (one non-causal
+            piece of block_rows x block_rows); heads_kv defaults to heads_q.
+        probe_bytes: bytes per P2P probe message; above ~1 MiB so bandwidth, not latency,
+            dominates.
+        repeats: timed repetitions (median) of every measurement.
+        topology: skip the guess (Note [Calibration probe]) and use this one.
+        kernel: block kernel, as ``sequence_parallel_attn``'s ``kernel``.
+
+    Raises:
+        ValueError: non-positive sizes or repeats, heads_kv not dividing heads_q.
+    """
+    heads_kv = heads_q if heads_kv is None else heads_kv
+    for name, value in (
+        ("heads_q", heads_q),
+        ("heads_kv", heads_kv),
+        ("head_dim", head_dim),
+        ("block_rows", block_rows),
+        ("probe_bytes", probe_bytes),
+        ("repeats", repeats),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1; got {value}")
+    if heads_q % heads_kv:
+        raise ValueError(
+            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
+        )
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if comm.backend == "nccl"
+            else torch.device("cpu")
+        )
+    device = torch.device(device)
+    block = select_kernel(device, dtype, kernel)
+    acc = accumulation_dtype(dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    n = block_rows
+    q, dout = rand(1, n, heads_q, head_dim), rand(1, n, heads_q, head_dim)
+    k, v = rand(1, n, heads_kv, head_dim), rand(1, n, heads_kv, head_dim)
+    scale = head_dim**-0.5
+    out, lse = block.forward(q, k, v, causal=False, scale=scale)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
+    dims = Dims(
+        batch=1,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        elem_bytes=q.element_size(),
+        acc_bytes=torch.empty((), dtype=acc).element_size(),
+    )
+    piece = Piece((0, n), (0, n), False)
+    fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
+    bwd_s = _median_time(
+        lambda: block.backward(dout, q, k, v, lse, delta, causal=False, scale=scale),
+        device,
+        repeats,
+    )
+    out_acc = torch.zeros(q.shape, dtype=acc, device=device)  # (B, n, Hq, D)
+    lse_acc = torch.full(lse.shape, float("-inf"), dtype=acc, device=device)  # (B, Hq, n)
+    merge_s = _median_time(lambda: merge_into(out_acc, lse_acc, (0, n), out, lse), device, repeats)
+    local = [
+        piece_flops(piece, dims, Pass.FORWARD) / fwd_s,
+        piece_flops(piece, dims, Pass.BACKWARD) / bwd_s,
+        merge_bytes(n, dims) / merge_s,
+    ]
+    link = two_way = latency = float("inf")
+    if comm.world_size > 1:
+        saved_counter = _snapshot(comm)
+        timeline, comm.timeline = comm.timeline, None
+        try:
+            link = probe_bytes / _probe(comm, probe_bytes, device, two_way=False, repeats=repeats)
+            two_way = probe_bytes / _probe(comm, probe_bytes, device, two_way=True, repeats=repeats)
+            latency = _probe(comm, 8, device, two_way=False, repeats=repeats)
+        finally:
+            comm.timeline = timeline
+            _restore(comm, saved_counter)
+    # Agree: the slowest rank's rates and the largest latency, identical on every rank.
+    values = [-x for x in (*local, link, two_way)] + [latency if comm.world_size > 1 else 0.0]
+    agreed = torch.tensor(values, dtype=torch.float64, device=device)
+    if comm.world_size > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
+    fwd, bwd, mem, link, two_way, latency = (float(x) for x in agreed.cpu())
+    fwd, bwd, mem, link, two_way = -fwd, -bwd, -mem, -link, -two_way
+    port: float | None = None
+    if topology is not None:
+        topo = Topology.parse(topology)
+        if topo is Topology.SWITCH:
+            port = 2 * two_way if comm.world_size > 1 else link
+    elif comm.world_size > 1 and two_way < 0.75 * link:
+        topo, port = Topology.SWITCH, 2 * two_way
+    else:
+        topo = Topology.MESH
+    return measured(
+        forward_flops_per_s=fwd,
+        backward_flops_per_s=bwd,
+        link_bandwidth_bytes_per_s=link,
+        memory_bandwidth_bytes_per_s=mem,
+        dtype=dtype,
+        topology=topo,
+        port_bandwidth_bytes_per_s=port,
+        latency_s=max(latency, 0.0),
+    )
+
+
+def _snapshot(comm: Communicator) -> tuple[dict[Any, int], dict[Any, int], int, int]:
+    c = comm.counter
+    return dict(c.sent_bytes), dict(c.recv_bytes), c.sent_messages, c.recv_messages
+
+
+def _restore(comm: Communicator, saved: tuple[dict[Any, int], dict[Any, int], int, int]) -> None:
+    """Put the traffic counter back: the probe's bytes are not the caller's traffic."""
+    c = comm.counter
+    c.sent_bytes.clear()
+    c.sent_bytes.update(saved[0])
+    c.recv_bytes.clear()
+    c.recv_bytes.update(saved[1])
+    c.sent_messages, c.recv_messages = saved[2], saved[3]
+
+
+_CALIBRATED: weakref.WeakKeyDictionary[Communicator, dict[Any, Hardware]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def calibrated(comm: Communicator, **kwargs: Any) -> Hardware:
+    """:func:`calibrate` once per communicator and arguments, then the cached result.
+
+    Collective on first use for given arguments: every rank must call it with the same ones.
+    """
+    key = tuple(sorted((name, str(value)) for name, value in kwargs.items()))
+    per_comm = _CALIBRATED.setdefault(comm, {})
+    if key not in per_comm:
+        per_comm[key] = calibrate(comm, **kwargs)
+    return per_comm[key]

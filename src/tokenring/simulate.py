@@ -1,0 +1,1526 @@
+"""Predict a call of every strategy on a described machine: ``tokenring simulate``.
+
+This module owns the *clock*: given a schedule (``tokenring.schedule``) and a hardware
+description (``tokenring.costmodel``), it plays one attention pass the way the runtime
+(``tokenring.runtime``) executes it -- segment by segment, slot by slot, with flows sharing
+links and ports -- and returns per-rank timelines (``tokenring.comm.Event``, the bench's
+format, so the same plotting code draws both), the call time, per-step times, bytes per flow
+and the % of the bound. Two engines: an event-driven one for P <= 64 and a vectorised one
+(closed forms per rank and step, ``costmodel.schedule_arrays``) for larger P; the output says
+which ran. The CLI command ``tokenring simulate`` lives at the bottom.
+
+Legend: B batch, S global seq, s local seq, Hq query heads, Hkv key/value heads, D head dim,
+P world size, t step, r rank, F achieved FLOP/s.
+
+Note [Rank program]
+~~~~~~~~~~~~~~~~~~~
+Each rank runs the runtime's loop as a list of actions (``_program``), built from the
+schedule alone, one line per branch of ``tokenring.runtime``::
+
+    action        forward                             backward
+    (prologue)    -                                   delta = rowsum(dout * out)
+    step t        mark the step start                 same
+    post (t, 0)   travel sends + their receives       same
+    compute k     segment k: sum of piece FLOPs / F   same, backward FLOP/s
+    merge         own partial into the accumulator    own dq into the accumulator
+    post (t, k)   returns after segment k             returns after segments 1..n-1
+    dkv           -                                   wait for each dK/dV accumulator of step
+                                                      t-1, add this step's share, then post
+                                                      (t, n): it moves on
+    post rest     slots of the step it has no compute for
+    wait travel   every travelling block for step t+1 must have arrived
+    end           wait and merge every return (step, after order); add the accumulators
+                  that came home; wait for its own sends
+
+A transfer starts when both ends have posted its slot (a P2P send cannot progress before the
+matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
+Merges and accumulations are memory-bound: their bytes (``costmodel.merge_bytes``) over the
+device's memory bandwidth.
+
+Note [Sharing bandwidth]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Max-min fair sharing is the textbook model but needs a progressive-filling pass over every
+flow after every event. We use *bottleneck equal share* instead: a flow's rate is the smallest
+``bandwidth / flows on it`` over the resources it loads. A rate then only depends on the
+counts on its own resources, so an event updates just the flows that share a resource with
+the one that started or ended. It never exceeds max-min (max-min gives every flow at least
+its equal share on its bottleneck) and equals it whenever the flows on a resource are alike,
+which is the common case here: every rank posts the same kind of transfer in the same slot.
+Where it differs (a half block beside a whole one) the short flow ends first and the long
+one then speeds up, so only the overlap is priced pessimistically.
+
+Note [Vectorised engine]
+~~~~~~~~~~~~~~~~~~~~~~~~
+For P > 64 the event engine's O(P^2) transfers get slow; the vectorised engine walks the P
+steps once with tensors over ranks, from the closed forms of ``costmodel.schedule_arrays``
+(TokenRing and Ring; tests check them against the schedule entry by entry). Flows are
+grouped in *windows*: window t holds what flies during step t (travel of t, returns posted at
+the end of t-1, dK/dV of t-1, and on the last step the returns of its earlier slices). Window
+loads do not depend on timing, so all windows are priced at once; each flow gets
+
+    duration = latency + max over its resources of min(load, flows_on_it * bytes) / bandwidth
+
+(the equal-share finish time if the window's flows all started together: exact for the
+largest and the smallest flow on a resource). Ring hops are loaded with range sums and read
+with range maxima (a sparse table), so a return crossing P/2 hops costs O(log P), not O(P).
+Then, per step, rank r starts step t+1 at max(its compute and posts of step t, arrival of its
+travel input). Flows that outlast their window are caught by a drain bound: a resource with
+work L_w in window w is busy until at least max_w (start_w + sum_{v >= w} L_v), and the call
+cannot end before that. What this leaves out are the rendezvous waits that ripple from rank to
+rank when returns outlast a step, so the engine errs on the fast side: against the event
+engine at P = 8 it agrees within 1% when compute-bound and is up to ~11% faster when links
+are ~2.4x slower than compute (tests/test_costmodel.py), ~17% with slow NICs between islands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenring.comm import Event
+from tokenring.costmodel import (
+    PRESETS,
+    AttentionShape,
+    Hardware,
+    Resource,
+    ResourceKind,
+    ScheduleArrays,
+    exposed_transfers,
+    merge_bytes,
+    route,
+    schedule_arrays,
+)
+from tokenring.layout import Layout, validate_seq_local
+from tokenring.netlab import Topology
+from tokenring.schedule import (
+    Dims,
+    Flow,
+    Pass,
+    Payload,
+    Schedule,
+    Strategy,
+    build_schedule,
+    piece_flops,
+)
+
+__all__ = [
+    "EVENT_MAX_WORLD_SIZE",
+    "MODELS",
+    "VECTORISED_STRATEGIES",
+    "CallResult",
+    "ModelPreset",
+    "PassResult",
+    "add_arguments",
+    "run",
+    "simulate",
+    "simulate_pass",
+    "simulate_schedule",
+]
+
+EVENT_MAX_WORLD_SIZE = 64
+"""mode="auto" runs the event engine up to this world size and the vectorised one above."""
+
+VECTORISED_STRATEGIES = (Strategy.TOKEN_RING, Strategy.RING)
+"""Strategies with closed forms (``costmodel.schedule_arrays``); the event engine runs any."""
+
+
+# -- results -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PassResult:
+    """The prediction of one pass (forward or backward) of one strategy."""
+
+    strategy: Strategy
+    """Which strategy."""
+    pass_: Pass
+    """Forward or backward."""
+    layout: Layout
+    """Sequence layout."""
+    causal: bool
+    """Causal mask."""
+    world_size: int
+    """P."""
+    seq_local: int
+    """s."""
+    mode: str
+    """Engine that produced it: ``event`` or ``vectorised`` (Note [Vectorised engine])."""
+    call_s: float
+    """Time of the pass: the last rank's end (its returns merged, its sends done)."""
+    step_s: tuple[float, ...]
+    """Per step: the longest any rank spent from that step's start to the next one's."""
+    compute_s: float
+    """Compute-only time: the block kernels of the busiest rank, no merges, no communication."""
+    merge_s: float
+    """Memory-bound work of the busiest rank: merges, accumulations, the backward's delta."""
+    busiest_resource: str
+    """The resource carrying the most bytes relative to its bandwidth (e.g. ``link3->2``)."""
+    busiest_bytes: int
+    """Bytes that resource carries over the pass, less the exposed transfers (counted in
+    ``exposed_s``)."""
+    busiest_s: float
+    """Those bytes / its bandwidth."""
+    exposed_s: float
+    """Transfers nothing can overlap (posted after the sender's last compute), at full rate."""
+    travel_bytes: int
+    """Bytes the busiest rank sends on the travel flow over the pass."""
+    return_bytes: int
+    """Bytes the busiest rank sends on the return flow over the pass."""
+    timeline: tuple[tuple[Event, ...], ...] | None
+    """Per rank, compute/merge/send events in seconds from the call's start; None when the
+    vectorised engine ran."""
+
+    @property
+    def bound_s(self) -> float:
+        """max(compute-only, busiest resource) + exposed transfers."""
+        return max(self.compute_s, self.busiest_s) + self.exposed_s
+
+    @property
+    def percent_of_bound(self) -> float:
+        """100 * bound / call time (100: the call runs at its bound)."""
+        return 100.0 * self.bound_s / self.call_s if self.call_s > 0 else 100.0
+
+    @property
+    def steady_step_s(self) -> float:
+        """A representative steady step: the median over steps 1..P-2 (all steps if P < 3)."""
+        steps = list(self.step_s[1:-1]) or list(self.step_s)
+        steps.sort()
+        return steps[len(steps) // 2] if steps else 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallResult:
+    """One call: the forward pass, the backward pass, or both one after the other."""
+
+    strategy: Strategy
+    """Which strategy."""
+    passes: tuple[PassResult, ...]
+    """In execution order."""
+
+    @property
+    def call_s(self) -> float:
+        """Sum over passes."""
+        return sum(p.call_s for p in self.passes)
+
+    @property
+    def bound_s(self) -> float:
+        """Sum of the passes' bounds."""
+        return sum(p.bound_s for p in self.passes)
+
+    @property
+    def percent_of_bound(self) -> float:
+        """100 * bound / call time."""
+        return 100.0 * self.bound_s / self.call_s if self.call_s > 0 else 100.0
+
+
+# -- shared helpers ----------------------------------------------------------------------------
+def _delta_bytes(seq_local: int, dims: Dims) -> int:
+    """Backward prologue: delta = rowsum(dout * out): read dout and out, write delta."""
+    return (
+        seq_local
+        * dims.batch
+        * dims.heads_q
+        * (2 * dims.head_dim * dims.elem_bytes + dims.acc_bytes)
+    )
+
+
+def _add_bytes(num_rows: int, heads: int, dims: Dims, *, pairs: int = 1) -> int:
+    """``acc += part`` over num_rows rows of ``pairs`` tensors of ``heads`` heads: read both,
+    write one, in the accumulation dtype."""
+    return num_rows * dims.batch * heads * dims.head_dim * pairs * 3 * dims.acc_bytes
+
+
+# -- event engine ------------------------------------------------------------------------------
+_STEP, _POST, _COMPUTE, _MERGE, _WAIT, _WAIT_SENDS = range(6)
+_RESUME, _FLOW_DONE, _ARRIVE = range(3)
+
+
+class _EventEngine:
+    """See Note [Rank program] and Note [Sharing bandwidth]."""
+
+    def __init__(self, sched: Schedule, dims: Dims, hardware: Hardware, flops_per_s: float) -> None:
+        self.sched, self.dims, self.hw, self.flops_per_s = sched, dims, hardware, flops_per_s
+        p = sched.world_size
+        self.mem = hardware.memory_bandwidth_bytes_per_s
+        self.transfers = list(sched.transfers)
+        self.fid = {tr: i for i, tr in enumerate(self.transfers)}
+        # Flows: static data per transfer.
+        self.res_index: dict[Resource, int] = {}
+        self.res_cap: list[float] = []
+        self.flow_res: list[list[int]] = []
+        self.flow_lat: list[float] = []
+        self.flow_bytes: list[float] = []
+        routes: dict[tuple[int, int], tuple[list[int], float]] = {}
+        for tr in self.transfers:
+            key = (tr.src, tr.dst)
+            if key not in routes:
+                rt = route(hardware, tr.src, tr.dst, p)
+                ids = []
+                for res, cap in rt.resources:
+                    if res not in self.res_index:
+                        self.res_index[res] = len(self.res_cap)
+                        self.res_cap.append(cap)
+                    ids.append(self.res_index[res])
+                routes[key] = (ids, rt.latency_s)
+            ids, lat = routes[key]
+            self.flow_res.append(ids)
+            self.flow_lat.append(lat)
+            self.flow_bytes.append(float(tr.num_bytes(dims)))
+        # Slots: which transfers each rank sends / receives in slot (step, after).
+        self.slot_sends: dict[tuple[int, int, int], list[int]] = {}
+        self.slot_recvs: dict[tuple[int, int, int], list[int]] = {}
+        self.step_sends: dict[tuple[int, int], list[int]] = {}
+        self.step_recvs: dict[tuple[int, int], list[int]] = {}
+        for i, tr in enumerate(self.transfers):
+            self.slot_sends.setdefault((tr.src, tr.step, tr.after_segments), []).append(i)
+            self.slot_recvs.setdefault((tr.dst, tr.step, tr.after_segments), []).append(i)
+            self.step_sends.setdefault((tr.src, tr.step), []).append(i)
+            self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
+        self.programs = [self._program(r) for r in range(p)]
+
+    def busiest(self) -> tuple[str, int, float]:
+        """(name, bytes, seconds) of the resource with the most bytes / bandwidth, counting
+        the transfers that can overlap compute (the exposed ones are priced separately)."""
+        load = [0.0] * len(self.res_cap)
+        exposed = {self.fid[tr] for tr in exposed_transfers(self.sched)}
+        for i, (ids, num) in enumerate(zip(self.flow_res, self.flow_bytes, strict=True)):
+            if i in exposed:
+                continue
+            for index in ids:
+                load[index] += num
+        best = ("none", 0, 0.0)
+        for resource, index in sorted(self.res_index.items(), key=lambda kv: kv[1]):
+            seconds = load[index] / self.res_cap[index]
+            if seconds > best[2]:
+                best = (str(resource), int(load[index]), seconds)
+        return best
+
+    # Note [Rank program], one branch of tokenring.runtime per line.
+    def _program(self, r: int) -> list[tuple[Any, ...]]:
+        sched, dims = self.sched, self.dims
+        p, pass_ = sched.world_size, sched.pass_
+        forward = pass_ is Pass.FORWARD
+        label = "attn" if forward else "attn_bwd"
+        mem = self.mem
+
+        def recvs(step: int, *payloads: Payload) -> list[int]:
+            found = [
+                i
+                for i in self.step_recvs.get((r, step), ())
+                if self.transfers[i].payload in payloads
+            ]
+            return sorted(
+                found, key=lambda i: (self.transfers[i].after_segments, self.transfers[i].lane)
+            )
+
+        def dkv_add(i: int) -> tuple[Any, ...]:
+            tr = self.transfers[i]
+            heads = dims.heads_kv if tr.heads is None else tr.heads[1] - tr.heads[0]
+            return (_MERGE, _add_bytes(tr.num_rows, heads, dims, pairs=2) / mem, tr.step, "dkv_add")
+
+        prog: list[tuple[Any, ...]] = []
+        if not forward:
+            prog.append((_MERGE, _delta_bytes(sched.seq_local, dims) / mem, 0, "delta"))
+        for t in range(p):
+            plan = sched.steps[r][t]
+            num_segments = len(plan.segments)
+            prog.append((_STEP, t))
+            prog.append((_POST, t, 0))
+            for k, segment in enumerate(plan.segments):
+                flops = sum(piece_flops(pc, dims, pass_) for pc in segment.pieces)
+                prog.append((_COMPUTE, flops / self.flops_per_s, t, label))
+                rows = segment.q_rows[1] - segment.q_rows[0]
+                if plan.q_owner == r:
+                    own = (
+                        merge_bytes(rows, dims) if forward else _add_bytes(rows, dims.heads_q, dims)
+                    )
+                    prog.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
+                if forward or k + 1 < num_segments:
+                    prog.append((_POST, t, k + 1))
+            if not forward and t > 0:
+                for i in recvs(t - 1, Payload.DKV):  # the accumulator arrives one step behind
+                    prog.append((_WAIT, i))
+                    prog.append(dkv_add(i))
+            if not forward and num_segments > 0:
+                prog.append((_POST, t, num_segments))
+            mine = [
+                self.transfers[i]
+                for i in (*self.step_sends.get((r, t), ()), *self.step_recvs.get((r, t), ()))
+            ]
+            last = max((tr.after_segments for tr in mine), default=0)
+            for after in range(num_segments + 1, last + 1):
+                prog.append((_POST, t, after))
+            travel = [
+                i
+                for i in self.step_recvs.get((r, t), ())
+                if self.transfers[i].payload.flow is Flow.TRAVEL
+            ]
+            for i in travel:
+                prog.append((_WAIT, i))
+        prog.append((_STEP, p))
+        finals = [i for t in range(p) for i in recvs(t, Payload.OUT, Payload.DQ)]
+        finals.sort(key=lambda i: (self.transfers[i].step, self.transfers[i].after_segments))
+        for i in finals:
+            tr = self.transfers[i]
+            prog.append((_WAIT, i))
+            if tr.payload is Payload.OUT:
+                prog.append((_MERGE, merge_bytes(tr.num_rows, dims) / mem, tr.step, "merge"))
+            else:
+                add = _add_bytes(tr.num_rows, dims.heads_q, dims)
+                prog.append((_MERGE, add / mem, tr.step, "dq_add"))
+        for i in recvs(p - 1, Payload.DKV):  # the accumulators home, after the last step
+            prog.append((_WAIT, i))
+            prog.append(dkv_add(i))
+        prog.append((_WAIT_SENDS,))
+        return prog
+
+    def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
+        p = self.sched.world_size
+        n = len(self.transfers)
+        sender_ready: list[float | None] = [None] * n
+        receiver_ready: list[float | None] = [None] * n
+        started: list[float | None] = [None] * n
+        arrival: list[float | None] = [None] * n
+        remaining = list(self.flow_bytes)
+        rate = [0.0] * n
+        last = [0.0] * n
+        version = [0] * n
+        active: list[set[int]] = [set() for _ in self.res_cap]
+        pc = [0] * p
+        waiting: dict[int, int] = {}  # flow -> rank blocked on its arrival
+        sends_left = [0] * p
+        for tr in self.transfers:
+            sends_left[tr.src] += 1
+        waiting_sends: set[int] = set()
+        finish = [math.nan] * p
+        step_start: list[list[float]] = [[math.nan] * (p + 1) for _ in range(p)]
+        events: list[list[Event]] = [[] for _ in range(p)]
+        heap: list[tuple[float, int, int, int, int]] = []
+        seq = 0
+        dirty: set[int] = set()
+        fresh: list[int] = []
+
+        def push(time_s: float, kind: int, a: int, b: int = 0) -> None:
+            nonlocal seq
+            heapq.heappush(heap, (time_s, seq, kind, a, b))
+            seq += 1
+
+        def maybe_start(i: int, now: float) -> None:
+            if sender_ready[i] is None or receiver_ready[i] is None:
+                return
+            started[i] = now
+            last[i] = now
+            for res in self.flow_res[i]:
+                active[res].add(i)
+                dirty.add(res)
+            fresh.append(i)
+
+        def post(r: int, t: int, after: int, now: float) -> None:
+            for i in self.slot_sends.get((r, t, after), ()):
+                sender_ready[i] = now
+                maybe_start(i, now)
+            for i in self.slot_recvs.get((r, t, after), ()):
+                receiver_ready[i] = now
+                maybe_start(i, now)
+
+        def advance(r: int, now: float) -> None:
+            prog = self.programs[r]
+            while pc[r] < len(prog):
+                action = prog[pc[r]]
+                kind = action[0]
+                if kind == _STEP:
+                    step_start[r][action[1]] = now
+                elif kind == _POST:
+                    post(r, action[1], action[2], now)
+                elif kind in (_COMPUTE, _MERGE):
+                    duration = action[1]
+                    if duration > 0:
+                        label = action[3]
+                        ev_kind = "compute" if kind == _COMPUTE else "merge"
+                        events[r].append(Event(ev_kind, label, action[2], now, now + duration))
+                        pc[r] += 1
+                        push(now + duration, _RESUME, r)
+                        return
+                elif kind == _WAIT:
+                    if arrival[action[1]] is None:
+                        waiting[action[1]] = r
+                        return
+                elif kind == _WAIT_SENDS and sends_left[r] > 0:
+                    waiting_sends.add(r)
+                    return
+                pc[r] += 1
+            finish[r] = now
+
+        def arrive(i: int, now: float) -> None:
+            arrival[i] = now
+            tr = self.transfers[i]
+            start = started[i]
+            assert start is not None
+            num = int(self.flow_bytes[i])
+            events[tr.src].append(Event("send", tr.payload.value, tr.step, start, now, tr.dst, num))
+            events[tr.dst].append(Event("recv", tr.payload.value, tr.step, start, now, tr.src, num))
+            sends_left[tr.src] -= 1
+            if tr.src in waiting_sends and sends_left[tr.src] == 0:
+                waiting_sends.discard(tr.src)
+                pc[tr.src] += 1
+                advance(tr.src, now)
+            r = waiting.pop(i, None)
+            if r is not None:
+                pc[r] += 1
+                advance(r, now)
+
+        for r in range(p):
+            advance(r, 0.0)
+        now = 0.0
+        while True:
+            # Rates of flows whose resources changed (Note [Sharing bandwidth]).
+            touched = set(fresh)
+            for res in dirty:
+                touched.update(active[res])
+            dirty.clear()
+            fresh.clear()
+            for i in sorted(touched):  # all still moving bytes: finished flows left `active`
+                remaining[i] -= rate[i] * (now - last[i])
+                last[i] = now
+                rate[i] = min(self.res_cap[res] / len(active[res]) for res in self.flow_res[i])
+                version[i] += 1
+                push(now + max(remaining[i], 0.0) / rate[i], _FLOW_DONE, i, version[i])
+            if not heap:
+                break
+            now = heap[0][0]
+            horizon = now + 1e-12 + 1e-9 * now  # batch events this close (symmetric ranks)
+            while heap and heap[0][0] <= horizon:
+                _, _, kind, a, b = heapq.heappop(heap)
+                if kind == _RESUME:
+                    advance(a, now)
+                elif kind == _FLOW_DONE:
+                    if b != version[a]:
+                        continue
+                    remaining[a] = 0.0
+                    for res in self.flow_res[a]:
+                        active[res].discard(a)
+                        dirty.add(res)
+                    if self.flow_lat[a] > 0:
+                        push(now + self.flow_lat[a], _ARRIVE, a)
+                    else:
+                        arrive(a, now)
+                else:
+                    arrive(a, now)
+        stuck = [r for r in range(p) if math.isnan(finish[r])]
+        assert not stuck, f"simulation deadlocked on ranks {stuck}"
+        return finish, step_start, events
+
+
+def _simulate_event(
+    sched: Schedule, dims: Dims, hardware: Hardware, flops_per_s: float
+) -> tuple[
+    float, tuple[float, ...], tuple[tuple[Event, ...], ...], float, float, tuple[str, int, float]
+]:
+    engine = _EventEngine(sched, dims, hardware, flops_per_s)
+    finish, step_start, events = engine.run()
+    p = sched.world_size
+    steps = tuple(max(step_start[r][t + 1] - step_start[r][t] for r in range(p)) for t in range(p))
+    kernels, merges = (
+        max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind == kind) for evs in events)
+        for kind in ("compute", "merge")
+    )
+    timeline = tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
+    return max(finish), steps, timeline, kernels, merges, engine.busiest()
+
+
+# -- vectorised engine -------------------------------------------------------------------------
+class _Network:
+    """Prices flows laid out as ``(W, P, G)`` tensors: window, sending rank, slot.
+
+    See Note [Vectorised engine]. Resources follow ``costmodel.route``: the pair (src, dst)
+    (MESH link / SWITCH path / inter-island path), ports or NICs out of src and into dst, and
+    RING hops (range sums and range maxima over the hops a flow crosses).
+    """
+
+    def __init__(self, hardware: Hardware, world_size: int) -> None:
+        self.hw, self.p = hardware, world_size
+        net = hardware.interconnect
+        p = world_size
+        self.ring = net.topology is Topology.RING
+        self.link = net.link_bandwidth_bytes_per_s
+        self.port = net.port_bandwidth_bytes_per_s
+        self.lat = net.latency_s
+        self.dpn = hardware.devices_per_node
+        self.inter = hardware.inter
+        f64 = torch.float64
+        self.pair_totals = torch.zeros(p * p, dtype=f64)
+        self.port_totals = torch.zeros(2, p, dtype=f64)  # [out, in]
+        self.nic_totals = torch.zeros(2, p, dtype=f64)
+        self.hop_totals = torch.zeros(2, p, dtype=f64)  # [up, down] per origin rank
+        # Per window, seconds of work each (W, P)-shaped resource family gets: for drain().
+        self.window_work: list[tuple[int, torch.Tensor]] = []
+
+    def price(
+        self, x: torch.Tensor, dst: torch.Tensor, *, first_window: int, count: bool = True
+    ) -> torch.Tensor:
+        """Per flow: latency + its equal-share finish time among the flows of its window.
+
+        Args:
+            x: ``(W, P, G)`` bytes (0: no flow); ``[w, r, g]`` is sent by rank r.
+            dst: ``(W, P, G)`` receiving ranks.
+            first_window: the step window ``x[0]`` belongs to.
+            count: add the bytes to the pass totals (False for exposed transfers, which the
+                bound counts separately).
+        """
+        f64 = torch.float64
+        w_count, p, _ = x.shape
+        src = torch.arange(p).view(1, p, 1).expand_as(dst)
+        win = torch.arange(w_count).view(w_count, 1, 1).expand_as(dst)
+        active = x > 0
+        xa = torch.where(active, x, 0.0)
+        n = active.to(f64)
+        inter = torch.zeros_like(active)
+        lat = torch.full(x.shape, self.lat, dtype=f64)
+        if self.dpn is not None and self.inter is not None:
+            inter = (src // self.dpn) != (dst // self.dpn)
+            lat = torch.where(inter, self.inter.latency_s, lat)
+        worst = torch.zeros(x.shape, dtype=f64)
+        # (W, P) seconds of work per resource family: link to r-1, port out, port in, NIC out,
+        # NIC in, ring hop up, ring hop down (the families used in more than one window).
+        work = torch.zeros(w_count, 7, p, dtype=f64)
+
+        # The pair's own link/path: flows of one window with the same (src, dst) share it.
+        if not self.ring or self.inter is not None:
+            pair_cap = torch.full(x.shape, math.inf if self.ring else self.link, dtype=f64)
+            if self.inter is not None:
+                pair_cap = torch.where(inter, self.inter.link_bandwidth_bytes_per_s, pair_cap)
+            pair_load = torch.zeros(x.shape, dtype=f64)
+            pair_n = torch.zeros(x.shape, dtype=f64)
+            for g in range(x.shape[2]):  # G is a handful of slots
+                same = dst == dst[:, :, g : g + 1]
+                pair_load += torch.where(same, xa[:, :, g : g + 1], 0.0)
+                pair_n += torch.where(same, n[:, :, g : g + 1], 0.0)
+            worst = torch.maximum(worst, torch.minimum(pair_load, pair_n * xa) / pair_cap)
+            # the link to r-1 is the only pair used in more than one window
+            work[:, 0] = torch.where(dst == (src - 1) % p, xa / pair_cap, 0.0).sum(-1)
+            if count:
+                self.pair_totals.index_add_(0, (src * p + dst).reshape(-1), xa.reshape(-1))
+
+        # Ports (intra) and NICs (inter): what src sends and dst receives.
+        kinds: list[tuple[torch.Tensor, float, torch.Tensor, int]] = []
+        if self.port is not None:
+            kinds.append((~inter, self.port, self.port_totals, 1))
+        if self.inter is not None and self.inter.port_bandwidth_bytes_per_s is not None:
+            kinds.append((inter, self.inter.port_bandwidth_bytes_per_s, self.nic_totals, 3))
+        for mask, cap, totals, family in kinds:
+            xm, nm = xa * mask, n * mask
+            out_load, out_n = xm.sum(-1), nm.sum(-1)  # (W, P) by src
+            in_load = torch.zeros(w_count, p, dtype=f64).index_put_((win, dst), xm, accumulate=True)
+            in_n = torch.zeros(w_count, p, dtype=f64).index_put_((win, dst), nm, accumulate=True)
+            out_share = torch.minimum(out_load.unsqueeze(-1), out_n.unsqueeze(-1) * xa) / cap
+            in_share = torch.minimum(in_load[win, dst], in_n[win, dst] * xa) / cap
+            worst = torch.maximum(worst, torch.where(mask, torch.maximum(out_share, in_share), 0.0))
+            work[:, family], work[:, family + 1] = out_load / cap, in_load / cap
+            if count:
+                totals[0] += out_load.sum(0)
+                totals[1] += in_load.sum(0)
+
+        hops = torch.ones(x.shape, dtype=torch.long)
+        if self.ring:
+            forward = (dst - src) % p
+            up = forward <= p - forward
+            hops = torch.where(up, forward, p - forward)
+            first = torch.where(up, src, (src - hops + 1) % p)  # origin of the first hop
+            for direction, mask in ((0, up), (1, ~up)):
+                sel = mask & active & (hops > 0) & ~inter
+                if not bool(sel.any()):
+                    continue
+                wi, st, h, xs = win[sel], first[sel], hops[sel], xa[sel]
+                load = _range_add(w_count, p, wi, st, h, xs)  # (W, P) per hop origin
+                flows = _range_add(w_count, p, wi, st, h, torch.ones_like(xs))
+                work[:, 5 + direction] = load / self.link
+                if count:
+                    self.hop_totals[direction] += load.sum(0)
+                max_load = _range_max(torch.cat([load, load], 1), wi, st, h)
+                max_flows = _range_max(torch.cat([flows, flows], 1), wi, st, h)
+                worst[sel] = torch.maximum(
+                    worst[sel], torch.minimum(max_load, max_flows * xs) / self.link
+                )
+            hops = hops.clamp(min=1)
+        self.window_work.append((first_window, work))
+        return torch.where(active, worst + lat * hops, 0.0)
+
+    def drain(self, window_start: torch.Tensor) -> float:
+        """When the busiest resource can have carried everything: a resource that gets work
+        L_w in window w (starting at T_w) is busy until at least max_w (T_w + sum_{v>=w} L_v).
+        This catches flows that outlast their window (Note [Vectorised engine])."""
+        work = torch.zeros(window_start.numel(), 7, self.p, dtype=torch.float64)
+        for first, part in self.window_work:
+            work[first : first + part.shape[0]] += part
+        work = work[:, work.sum((0, 2)) > 0]  # the families this topology has
+        suffix = work.sum(0, keepdim=True) - work.cumsum(0) + work  # (W, K, P): from w on
+        busy = torch.where(suffix > 0, window_start.view(-1, 1, 1) + suffix, 0.0)
+        return float(busy.max())
+
+    def busiest(self) -> tuple[str, float, float]:
+        """(name, bytes, seconds) of the resource with the largest bytes / bandwidth."""
+        p = self.p
+        candidates: list[tuple[str, float, float]] = []
+        if not self.ring or self.inter is not None:
+            caps = torch.full((p, p), math.inf if self.ring else self.link, dtype=torch.float64)
+            if self.inter is not None and self.dpn is not None:
+                node = torch.arange(p) // self.dpn
+                across = node.unsqueeze(1) != node.unsqueeze(0)
+                caps = torch.where(across, self.inter.link_bandwidth_bytes_per_s, caps)
+            seconds = self.pair_totals / caps.reshape(-1)
+            i = int(torch.argmax(seconds))
+            name = str(Resource(ResourceKind.LINK, divmod(i, p)))
+            candidates.append((name, float(self.pair_totals[i]), float(seconds[i])))
+        tables = []
+        if self.port is not None:
+            tables.append(
+                (self.port_totals, self.port, (ResourceKind.PORT_OUT, ResourceKind.PORT_IN))
+            )
+        if self.inter is not None and self.inter.port_bandwidth_bytes_per_s is not None:
+            tables.append(
+                (
+                    self.nic_totals,
+                    self.inter.port_bandwidth_bytes_per_s,
+                    (ResourceKind.NIC_OUT, ResourceKind.NIC_IN),
+                )
+            )
+        for totals, cap, kinds in tables:
+            i = int(torch.argmax(totals.reshape(-1)))
+            side, rank = divmod(i, p)
+            num = float(totals.reshape(-1)[i])
+            candidates.append((str(Resource(kinds[side], (rank,))), num, num / cap))
+        if self.ring:
+            i = int(torch.argmax(self.hop_totals.reshape(-1)))
+            direction, origin = divmod(i, p)
+            num = float(self.hop_totals.reshape(-1)[i])
+            step = 1 if direction == 0 else -1
+            name = str(Resource(ResourceKind.LINK, (origin, (origin + step) % p)))
+            candidates.append((name, num, num / self.link))
+        return max(candidates, key=lambda c: c[2], default=("none", 0.0, 0.0))
+
+
+def _range_add(
+    num_windows: int,
+    size: int,
+    window: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    value: torch.Tensor,
+) -> torch.Tensor:
+    """(W, size): per window, the sum of ``value`` over circular ranges [start, start+length)."""
+    diff = torch.zeros(num_windows, 2 * size + 1, dtype=torch.float64)
+    diff.index_put_((window, start), value, accumulate=True)
+    diff.index_put_((window, start + length), -value, accumulate=True)
+    cum = torch.cumsum(diff, 1)
+    return cum[:, :size] + cum[:, size : 2 * size]
+
+
+def _range_max(
+    values: torch.Tensor, window: torch.Tensor, start: torch.Tensor, length: torch.Tensor
+) -> torch.Tensor:
+    """max(values[window, start : start + length]) per query (length >= 1): a sparse table."""
+    out = torch.empty(start.shape, dtype=torch.float64)
+    level = torch.floor(torch.log2(length.double())).long()
+    table = values
+    for k in range(int(level.max()) + 1):
+        if k > 0:
+            span = 1 << (k - 1)
+            table = torch.maximum(table[:, :-span], table[:, span:])
+        sel = level == k
+        if bool(sel.any()):
+            wi, st, ln = window[sel], start[sel], length[sel]
+            out[sel] = torch.maximum(table[wi, st], table[wi, st + ln - (1 << k)])
+    return out
+
+
+def _simulate_vectorised(
+    strategy: Strategy,
+    pass_: Pass,
+    *,
+    layout: Layout,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    dims: Dims,
+    hardware: Hardware,
+    flops_per_s: float,
+    last_block_splits: int,
+) -> tuple[float, tuple[float, ...], float, float, _Network, float, ScheduleArrays]:
+    p, s = world_size, seq_local
+    arr = schedule_arrays(
+        strategy,
+        pass_,
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=s,
+        last_block_splits=last_block_splits,
+    )
+    mem = hardware.memory_bandwidth_bytes_per_s
+    forward = pass_ is Pass.FORWARD
+    pass_q = strategy is Strategy.TOKEN_RING
+    ring_bwd = strategy is Strategy.RING and not forward and p > 1
+    per_pair = 4.0 * dims.batch * dims.heads_q * dims.head_dim * (1.0 if forward else 2.5)
+    kernel = arr.pairs * per_pair / flops_per_s  # (P, P) [rank, step]
+    ranks = torch.arange(p)
+    down = (ranks - 1) % p
+    own = arr.q_owner == ranks.unsqueeze(1)
+    row_merge = (merge_bytes(1, dims) if forward else _add_bytes(1, dims.heads_q, dims)) / mem
+    memory = torch.where(own, arr.q_rows.double() * row_merge, 0.0)
+    prologue = 0.0 if forward else _delta_bytes(s, dims) / mem
+    dkv_add = _add_bytes(s, dims.heads_kv, dims, pairs=2) / mem
+    if ring_bwd:  # the accumulator of step t-1 arrives from r+1 and gets this step's share
+        memory[:, 1:] += torch.where(arr.dkv_rows[:, :-1].roll(-1, 0) > 0, dkv_add, 0.0)
+    comp = kernel + memory
+    travel_row = dims.row_bytes(arr.travel_payload)
+    ret_rows = arr.return_rows()  # (P, P, K) [rank, step, slice]
+    ret_row = dims.row_bytes(arr.return_payload) if arr.return_payload is not None else 0
+    num_slices = arr.slices.shape[-1]
+    net = _Network(hardware, p)
+
+    # Phase 1: every flow of every window, priced at once (loads do not depend on timing).
+    # Slots: travel of step t; TokenRing's return of step t-1; Ring's dK/dV of step t-1. The
+    # last window (t = P-1) also carries the last step's slices but the last one.
+    slots = ["travel"] + (["return"] if pass_q else []) + (["dkv"] if ring_bwd else [])
+    col = {name: g for g, name in enumerate(slots)}
+    num_extra = max(0, num_slices - 1) if pass_q and p > 1 else 0
+    x = torch.zeros(p, p, len(slots) + num_extra, dtype=torch.float64)  # [window, rank, slot]
+    dst = down.view(1, p, 1).repeat(p, 1, len(slots) + num_extra)
+    if p > 1:
+        x[: p - 1, :, 0] = arr.travel_rows[:, : p - 1].T.double() * travel_row
+    if pass_q and p > 2:
+        x[2:, :, col["return"]] = ret_rows[:, 1 : p - 1].sum(-1).T.double() * ret_row
+        dst[2:, :, col["return"]] = arr.q_owner[:, 1 : p - 1].T
+    if ring_bwd:
+        x[1:, :, col["dkv"]] = arr.dkv_rows[:, : p - 1].T.double() * ret_row
+    if num_extra:
+        x[p - 1, :, len(slots) :] = ret_rows[:, p - 1, :num_extra].double() * ret_row
+        dst[p - 1, :, len(slots) :] = arr.q_owner[:, p - 1].unsqueeze(1)
+    dur = torch.zeros_like(x)
+    main = slice(0, len(slots))
+    if p > 1:
+        dur[: p - 1, :, main] = net.price(
+            x[: p - 1, :, main], dst[: p - 1, :, main], first_window=0
+        )
+    dur[p - 1 :] = net.price(x[p - 1 :], dst[p - 1 :], first_window=p - 1)
+    window_start = torch.zeros(p + 1, dtype=torch.float64)
+
+    # Phase 2: the per-rank recurrence over steps (Note [Vectorised engine]).
+    zeros = torch.zeros(p, dtype=torch.float64)
+    start = zeros + prologue
+    steps: list[float] = []
+    prev_post = start.clone()  # when step t-1's returns were posted
+    ret_arrival_max = zeros.clone()  # per owner
+    send_done = zeros.clone()
+    loop_end = start
+    for t in range(p):
+        window_start[t] = start.min()
+        compute_end = start + comp[:, t]
+        post = compute_end
+        if ring_bwd and t >= 1:
+            has = x[t, :, col["dkv"]] > 0
+            arrive = torch.maximum(prev_post, prev_post[down]) + dur[t, :, col["dkv"]]
+            send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+            dkv_arrival = zeros.clone()
+            dkv_arrival[down] = torch.where(has, arrive + dkv_add, 0.0)
+            post = torch.maximum(compute_end, dkv_arrival)
+        if pass_q and t >= 2:
+            owner = dst[t, :, col["return"]]
+            has = x[t, :, col["return"]] > 0
+            arrive = torch.maximum(prev_post, prev_post[owner]) + dur[t, :, col["return"]]
+            send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+            ret_arrival_max = ret_arrival_max.scatter_reduce(
+                0, owner, torch.where(has, arrive, 0.0), "amax"
+            )
+        if num_extra and t == p - 1:
+            owner = arr.q_owner[:, t]
+            frac = torch.where(
+                arr.q_rows[:, t].unsqueeze(1) > 0,
+                arr.slices[:, t].double() / arr.q_rows[:, t].clamp(min=1).unsqueeze(1).double(),
+                0.0,
+            )
+            ends = start.unsqueeze(1) + torch.cumsum(comp[:, t].unsqueeze(1) * frac, 1)
+            for k in range(num_extra):
+                has = x[t, :, len(slots) + k] > 0
+                arrive = torch.maximum(ends[:, k], ends[owner, k]) + dur[t, :, len(slots) + k]
+                send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+                ret_arrival_max = ret_arrival_max.scatter_reduce(
+                    0, owner, torch.where(has, arrive, 0.0), "amax"
+                )
+        prev_post = post
+        if t < p - 1:
+            has = x[t, :, 0] > 0
+            arrive = torch.maximum(start, start[down]) + dur[t, :, 0]
+            send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+            travel_arrival = zeros.clone()
+            travel_arrival[down] = torch.where(has, arrive, 0.0)
+            nxt = torch.maximum(post, travel_arrival)
+            steps.append(float((nxt - start).max()))
+            start = nxt
+        else:
+            steps.append(float((post - start).max()))
+            loop_end = post
+    # Exposed tail: the last return slice (TokenRing), the accumulator home (Ring backward).
+    end = loop_end
+    exposed = 0.0
+    tail_x = torch.zeros(1, p, 2, dtype=torch.float64)
+    tail_dst = torch.zeros(1, p, 2, dtype=torch.long)
+    if pass_q and p > 1:
+        tail_x[0, :, 0] = ret_rows[:, p - 1, -1].double() * ret_row
+        tail_dst[0, :, 0] = arr.q_owner[:, p - 1]
+    if ring_bwd:
+        tail_x[0, :, 1] = arr.dkv_rows[:, p - 1].double() * ret_row
+        tail_dst[0, :, 1] = down
+    window_start[p] = loop_end.min()
+    tail = net.price(tail_x, tail_dst, first_window=p, count=False)
+    for g in range(2):
+        has = tail_x[0, :, g] > 0
+        if not bool(has.any()):
+            continue
+        arrive = torch.maximum(loop_end, loop_end[tail_dst[0, :, g]]) + tail[0, :, g]
+        exposed = max(exposed, float(tail[0, :, g].max()))
+        send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+        received = zeros.scatter_reduce(0, tail_dst[0, :, g], torch.where(has, arrive, 0.0), "amax")
+        if g == 1:  # the accumulator home is added to the rank's own share
+            received = torch.where(received > 0, received + dkv_add, 0.0)
+            home = zeros.index_add(0, tail_dst[0, :, g], has.double())
+            memory[:, p - 1] += home * dkv_add
+        end = torch.maximum(end, received)
+    merges = zeros
+    if pass_q:
+        received_rows = zeros.index_add(
+            0, arr.q_owner.reshape(-1), ret_rows.sum(-1).reshape(-1).double()
+        )
+        merges = received_rows * row_merge
+        last_merge = ret_rows[:, p - 1, -1].double().max() * row_merge
+        end = torch.maximum(loop_end + merges, torch.maximum(end, ret_arrival_max) + last_merge)
+    end = torch.maximum(end, send_done)
+    # Flows that outlast their window pile up on a resource: the call cannot end before the
+    # busiest one drains (plus the merge of what arrives last).
+    drained = net.drain(window_start) + (float(last_merge) if pass_q else 0.0)
+    if ring_bwd:
+        drained += dkv_add
+    end = torch.maximum(end, torch.full_like(end, drained))
+    compute_only = float(kernel.sum(1).max())
+    merge_only = float((memory.sum(1) + prologue + merges).max())
+    return float(end.max()), tuple(steps), compute_only, merge_only, net, exposed, arr
+
+
+# -- public entry points -----------------------------------------------------------------------
+def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardware) -> PassResult:
+    """Predict one pass of any schedule with the event engine (Note [Rank program]).
+
+    For schedules built elsewhere than ``build_schedule`` (e.g. the collective strategies):
+    anything expressed as steps, segments and slot-posted transfers runs as is.
+
+    Raises:
+        ValueError: a dtype the hardware has no FLOP/s for.
+    """
+    dims = shape.dims
+    p = sched.world_size
+    flops_per_s = hardware.flops_per_s(sched.pass_, shape.dtype)
+    call_s, steps, timeline, compute_s, merge_s, busiest = _simulate_event(
+        sched, dims, hardware, flops_per_s
+    )
+    busiest_name, busiest_bytes, busiest_s = busiest
+    exposed_s = 0.0
+    for tr in exposed_transfers(sched):
+        rt = route(hardware, tr.src, tr.dst, p)
+        exposed_s = max(exposed_s, tr.num_bytes(dims) / rt.flow_cap_bytes_per_s + rt.latency_s)
+    sent: dict[Flow, list[int]] = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
+    for tr in sched.transfers:
+        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
+    return PassResult(
+        strategy=sched.strategy,
+        pass_=sched.pass_,
+        layout=sched.layout,
+        causal=sched.causal,
+        world_size=p,
+        seq_local=sched.seq_local,
+        mode="event",
+        call_s=call_s,
+        step_s=steps,
+        compute_s=compute_s,
+        merge_s=merge_s,
+        busiest_resource=busiest_name,
+        busiest_bytes=busiest_bytes,
+        busiest_s=busiest_s,
+        exposed_s=exposed_s,
+        travel_bytes=max(sent[Flow.TRAVEL]),
+        return_bytes=max(sent[Flow.RETURN]),
+        timeline=timeline,
+    )
+
+
+def simulate_pass(
+    strategy: Strategy | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    shape: AttentionShape,
+    hardware: Hardware,
+    last_block_splits: int = 2,
+    mode: str = "auto",
+) -> PassResult:
+    """Predict one pass of one strategy.
+
+    Args:
+        strategy, pass_, layout, causal, world_size, seq_local, last_block_splits: as
+            ``tokenring.schedule.build_schedule``.
+        shape: batch, heads, head dim and dtype.
+        hardware: the machine (``tokenring.costmodel.PRESETS`` or ``measured(...)``).
+        mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
+
+    Raises:
+        ValueError: unknown strategy/layout/mode, a seq_local the layout cannot split, or a
+            dtype the hardware has no FLOP/s for.
+        NotImplementedError: mode "vectorised" (or "auto" above EVENT_MAX_WORLD_SIZE ranks)
+            for a strategy without closed forms (see VECTORISED_STRATEGIES).
+    """
+    strategy = Strategy.parse(strategy)
+    pass_ = Pass(pass_)
+    layout = Layout.parse(layout)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    validate_seq_local(seq_local, layout)
+    if mode not in ("auto", "event", "vectorised"):
+        raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
+    if mode == "auto":
+        mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
+    if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
+        raise NotImplementedError(
+            f"the vectorised engine has closed forms for "
+            f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
+            f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
+        )
+    dims = shape.dims
+    flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
+    if mode == "event":
+        sched = build_schedule(
+            strategy,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_local=seq_local,
+            last_block_splits=last_block_splits,
+            heads_kv=shape.heads_kv,
+        )
+        return simulate_schedule(sched, shape=shape, hardware=hardware)
+    call_s, steps, compute_s, merge_s, net, exposed_s, arr = _simulate_vectorised(
+        strategy,
+        pass_,
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=seq_local,
+        dims=dims,
+        hardware=hardware,
+        flops_per_s=flops_per_s,
+        last_block_splits=last_block_splits,
+    )
+    travel_sent = int(arr.travel_rows.sum(1).max()) * dims.row_bytes(arr.travel_payload)
+    ret_rows = arr.return_rows().sum(-1) + arr.dkv_rows
+    ret_payload = arr.return_payload
+    return_sent = int(ret_rows.sum(1).max()) * (dims.row_bytes(ret_payload) if ret_payload else 0)
+    busiest_name, busiest_num, busiest_s = net.busiest()
+    return PassResult(
+        strategy=strategy,
+        pass_=pass_,
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=seq_local,
+        mode=mode,
+        call_s=call_s,
+        step_s=steps,
+        compute_s=compute_s,
+        merge_s=merge_s,
+        busiest_resource=busiest_name,
+        busiest_bytes=int(busiest_num),
+        busiest_s=busiest_s,
+        exposed_s=exposed_s,
+        travel_bytes=travel_sent,
+        return_bytes=return_sent,
+        timeline=None,
+    )
+
+
+_PASSES = {
+    "forward": (Pass.FORWARD,),
+    "backward": (Pass.BACKWARD,),
+    "both": (Pass.FORWARD, Pass.BACKWARD),
+}
+
+
+def simulate(
+    strategy: Strategy | str,
+    *,
+    passes: str = "forward",
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    shape: AttentionShape,
+    hardware: Hardware,
+    last_block_splits: int = 2,
+    mode: str = "auto",
+) -> CallResult:
+    """Predict a call: ``passes`` is ``forward``, ``backward`` or ``both`` (training).
+
+    See :func:`simulate_pass` for the other arguments and errors.
+    """
+    if passes not in _PASSES:
+        raise ValueError(f"passes must be one of {sorted(_PASSES)}; got {passes!r}")
+    strategy = Strategy.parse(strategy)
+    return CallResult(
+        strategy=strategy,
+        passes=tuple(
+            simulate_pass(
+                strategy,
+                pass_,
+                layout=layout,
+                causal=causal,
+                world_size=world_size,
+                seq_local=seq_local,
+                shape=shape,
+                hardware=hardware,
+                last_block_splits=last_block_splits,
+                mode=mode,
+            )
+            for pass_ in _PASSES[passes]
+        ),
+    )
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelPreset:
+    """The attention layer of a known model."""
+
+    heads_q: int
+    """Query heads."""
+    heads_kv: int
+    """Key/value heads."""
+    head_dim: int
+    """Head dimension."""
+    causal: bool
+    """Causal LM (True) or a bidirectional DiT (False)."""
+
+    def __post_init__(self) -> None:
+        if min(self.heads_q, self.heads_kv, self.head_dim) < 1 or self.heads_q % self.heads_kv:
+            raise ValueError(
+                "heads_q, heads_kv, head_dim must be >= 1 and heads_kv must divide heads_q; "
+                f"got {self.heads_q}/{self.heads_kv}, head_dim {self.head_dim}"
+            )
+
+
+MODELS: dict[str, ModelPreset] = {
+    "llama2-7b": ModelPreset(heads_q=32, heads_kv=32, head_dim=128, causal=True),
+    "llama3-8b": ModelPreset(heads_q=32, heads_kv=8, head_dim=128, causal=True),
+    "llama3-70b": ModelPreset(heads_q=64, heads_kv=8, head_dim=128, causal=True),
+    "flux-dit": ModelPreset(heads_q=24, heads_kv=24, head_dim=128, causal=False),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tokenring simulate``."""
+    add = parser.add_argument
+    add(
+        "--model",
+        choices=sorted(MODELS),
+        default="llama2-7b",
+        help="attention shape preset (default: llama2-7b)",
+    )
+    add(
+        "--seq",
+        type=int,
+        nargs="+",
+        default=[131072],
+        help="global sequence length(s) S in tokens (default: 131072)",
+    )
+    add("--world-size", type=int, nargs="+", default=[8], help="ranks P (default: 8)")
+    add(
+        "--hardware",
+        choices=sorted(PRESETS),
+        default="h100-nvswitch",
+        help="machine preset (default: h100-nvswitch)",
+    )
+    add(
+        "--strategies",
+        nargs="+",
+        default=[s.value for s in Strategy],
+        choices=[s.value for s in Strategy],
+        help="strategies to predict (default: all)",
+    )
+    add(
+        "--dtype",
+        default="bfloat16",
+        choices=["float16", "bfloat16"],
+        help="input dtype; the presets' FLOP/s are for 16-bit inputs (default: bfloat16)",
+    )
+    add(
+        "--pass",
+        dest="passes",
+        choices=sorted(_PASSES),
+        default="forward",
+        help="forward, backward, or both = training (default: forward)",
+    )
+    add(
+        "--layout",
+        choices=["auto", *(m.value for m in Layout)],
+        default="auto",
+        help="auto: zigzag for causal models, contiguous otherwise",
+    )
+    add("--batch", type=int, default=1, help="batch size B (default: 1)")
+    add("--splits", type=int, default=2, help="TokenRing last_block_splits (default: 2)")
+    add(
+        "--mode",
+        choices=["auto", "event", "vectorised"],
+        default="auto",
+        help=f"simulator engine; auto: event up to {EVENT_MAX_WORLD_SIZE} ranks, else vectorised",
+    )
+    add("--json", action="store_true", help="print one JSON object per row instead of a table")
+    add(
+        "--plot",
+        metavar="PATH",
+        help="PNG of time per call vs sequence length (or world size) per strategy",
+    )
+    add(
+        "--timeline",
+        metavar="PATH",
+        help="PNG of the simulated per-rank timelines (first P and S; event engine)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Config:
+    """The CLI's arguments, validated."""
+
+    model: str
+    """Key of MODELS."""
+    hardware: Hardware
+    """The machine."""
+    shape: AttentionShape
+    """Per-rank shape."""
+    layout: Layout
+    """Sequence layout."""
+    causal: bool
+    """From the model."""
+    points: tuple[tuple[int, int, int], ...]
+    """(world_size, seq, requested seq): seq is the request rounded down to a multiple the
+    layout can split over world_size (the table says when it differs)."""
+
+    def __post_init__(self) -> None:
+        for world_size, seq, requested in self.points:
+            if world_size < 1:
+                raise ValueError(f"--world-size must be >= 1; got {world_size}")
+            if seq < 1:
+                parts = world_size * (2 if self.layout is Layout.ZIGZAG else 1)
+                raise ValueError(
+                    f"--seq must be at least {parts} for layout '{self.layout.value}' with "
+                    f"world size {world_size}; got {requested}"
+                )
+
+
+def _config(args: argparse.Namespace) -> _Config:
+    model = MODELS[args.model]
+    layout = Layout.parse(
+        args.layout if args.layout != "auto" else ("zigzag" if model.causal else "contiguous")
+    )
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1; got {args.batch}")
+    if args.splits < 1:
+        raise ValueError(f"--splits must be >= 1; got {args.splits}")
+    points: list[tuple[int, int, int]] = []
+    for world_size in args.world_size:
+        parts = max(1, world_size) * (2 if layout is Layout.ZIGZAG else 1)
+        points.extend((world_size, seq // parts * parts, seq) for seq in args.seq)
+    return _Config(
+        model=args.model,
+        hardware=PRESETS[args.hardware],
+        shape=AttentionShape(
+            batch=args.batch,
+            heads_q=model.heads_q,
+            heads_kv=model.heads_kv,
+            head_dim=model.head_dim,
+            dtype=args.dtype,
+        ),
+        layout=layout,
+        causal=model.causal,
+        points=tuple(points),
+    )
+
+
+def _row(
+    cfg: _Config, args: argparse.Namespace, seq: int, requested: int, result: CallResult
+) -> dict[str, Any]:
+    first = result.passes[0]
+    return {
+        "strategy": result.strategy.value,
+        "model": cfg.model,
+        "hardware": cfg.hardware.name,
+        "world_size": first.world_size,
+        "seq": seq,
+        "seq_requested": requested,
+        "layout": cfg.layout.value,
+        "causal": cfg.causal,
+        "dtype": cfg.shape.dtype,
+        "batch": cfg.shape.batch,
+        "pass": args.passes,
+        "mode": first.mode,
+        "call_ms": 1e3 * result.call_s,
+        "steady_step_ms": 1e3 * first.steady_step_s,
+        "compute_only_ms": 1e3 * sum(p.compute_s for p in result.passes),
+        "merge_ms": 1e3 * sum(p.merge_s for p in result.passes),
+        "busiest_resource": first.busiest_resource,
+        "busiest_gb": sum(p.busiest_bytes for p in result.passes) / 1e9,
+        "exposed_ms": 1e3 * sum(p.exposed_s for p in result.passes),
+        "travel_gb_per_rank": sum(p.travel_bytes for p in result.passes) / 1e9,
+        "return_gb_per_rank": sum(p.return_bytes for p in result.passes) / 1e9,
+        "bound_ms": 1e3 * result.bound_s,
+        "percent_of_bound": result.percent_of_bound,
+        "bound_by": "compute"
+        if first.compute_s >= first.busiest_s
+        else f"comm ({first.busiest_resource})",
+        "step_ms": [1e3 * x for x in first.step_s],
+        "transfer_ms": _transfer_ms(first),
+    }
+
+
+def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
+    """Per payload, per step: the longest transfer of that step (start to arrival), in ms."""
+    if result.timeline is None:
+        return None
+    longest: dict[str, list[float]] = {}
+    for events in result.timeline:
+        for ev in events:
+            if ev.kind == "send":
+                steps = longest.setdefault(ev.label, [0.0] * result.world_size)
+                steps[ev.step] = max(steps[ev.step], 1e3 * (ev.end_s - ev.start_s))
+    return longest
+
+
+def _rich() -> Any:
+    try:
+        import rich.console
+        import rich.progress
+        import rich.table
+    except ImportError as exc:
+        raise ImportError(
+            "tokenring simulate prints its table with rich: pip install 'tokenring[cli]'"
+        ) from exc
+    return rich
+
+
+def _predict(
+    cfg: _Config, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[CallResult], list[str]]:
+    """Rows, results, and one note per (strategy, point) the simulator cannot predict."""
+    jobs = [(p, s, r, name) for p, s, r in cfg.points for name in args.strategies]
+    rows: list[dict[str, Any]] = []
+    results: list[CallResult] = []
+    notes: list[str] = []
+
+    def one(world_size: int, seq: int, requested: int, name: str) -> None:
+        try:
+            result = simulate(
+                name,
+                passes=args.passes,
+                layout=cfg.layout,
+                causal=cfg.causal,
+                world_size=world_size,
+                seq_local=seq // world_size,
+                shape=cfg.shape,
+                hardware=cfg.hardware,
+                last_block_splits=args.splits,
+                mode=args.mode,
+            )
+        except NotImplementedError as exc:
+            notes.append(f"{name} at P={world_size} not predicted: {exc}")
+            return
+        results.append(result)
+        rows.append(_row(cfg, args, seq, requested, result))
+
+    if args.json:
+        for job in jobs:
+            one(*job)
+        return rows, results, notes
+    rich = _rich()
+    columns = (
+        rich.progress.TextColumn("{task.description}"),
+        rich.progress.BarColumn(),
+        rich.progress.MofNCompleteColumn(),
+        rich.progress.TimeElapsedColumn(),
+    )
+    with rich.progress.Progress(*columns, transient=True) as progress:
+        task = progress.add_task("simulating", total=len(jobs))
+        for job in jobs:
+            progress.update(task, description=f"P={job[0]} S={job[1]} {job[3]}")
+            one(*job)
+            progress.advance(task)
+    return rows, results, notes
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    rich = _rich()
+    first = rows[0]
+    engines = ", ".join(sorted({r["mode"] for r in rows}))
+    table = rich.table.Table(
+        title=(
+            f"{first['model']} on {first['hardware']}: {first['dtype']}, {first['layout']}, "
+            f"causal={first['causal']}, pass={first['pass']}, engine={engines}"
+        )
+    )
+    columns = [
+        ("strategy", "strategy", "{}"),
+        ("P", "world_size", "{}"),
+        ("S (tokens)", "seq", "{}"),
+        ("call (ms)", "call_ms", "{:.4g}"),
+        ("steady step (ms)", "steady_step_ms", "{:.4g}"),
+        ("compute only (ms)", "compute_only_ms", "{:.4g}"),
+        ("merges (ms)", "merge_ms", "{:.3g}"),
+        ("travel / return (GB/rank)", "gb", "{}"),
+        ("bound (ms)", "bound_ms", "{:.4g}"),
+        ("% of bound", "percent_of_bound", "{:.1f}"),
+        ("bound by", "bound_by", "{}"),
+    ]
+    for title, _, _ in columns:
+        table.add_column(title, justify="left" if title in ("strategy", "bound by") else "right")
+    for row in rows:
+        gb = f"{row['travel_gb_per_rank']:.3g} / {row['return_gb_per_rank']:.3g}"
+        table.add_row(*(fmt.format(gb if key == "gb" else row[key]) for _, key, fmt in columns))
+    console = rich.console.Console()
+    if not console.is_terminal:
+        console = rich.console.Console(width=max(console.width, 150))
+    console.print(table)
+    rounded = sorted({(r["seq_requested"], r["seq"], r["world_size"]) for r in rows})
+    for requested, seq, world_size in rounded:
+        if requested != seq:
+            console.print(
+                f"S={requested} rounded down to {seq}, a multiple the layout "
+                f"'{first['layout']}' splits over {world_size} ranks"
+            )
+    if any(r["mode"] == "vectorised" for r in rows):
+        console.print(
+            f"engine 'vectorised': closed forms per rank and step (P > {EVENT_MAX_WORLD_SIZE} "
+            "or --mode vectorised), no per-event timeline"
+        )
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(
+            "tokenring simulate draws with matplotlib: pip install 'tokenring[plot]'"
+        ) from exc
+    return plt
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    plt = _pyplot()
+    x_key = "world_size" if len({r["world_size"] for r in rows}) > 1 else "seq"
+    fixed = "seq" if x_key == "world_size" else "world_size"
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["strategy"], row[fixed]), []).append(row)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, fixed_value), group in sorted(groups.items()):
+        group.sort(key=lambda r: r[x_key])
+        label = f"{name} ({'S' if fixed == 'seq' else 'P'}={fixed_value})"
+        ax.plot([r[x_key] for r in group], [r["call_ms"] for r in group], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size P" if x_key == "world_size" else "sequence length S (tokens)")
+    ax.set_ylabel(f"predicted ms per call (pass: {rows[0]['pass']})")
+    ax.set_title(f"{rows[0]['model']} on {rows[0]['hardware']} ({rows[0]['layout']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_timelines(results: list[CallResult], path: str) -> None:
+    from tokenring.plot import COLOURS, draw_timeline_lanes
+
+    plt = _pyplot()
+    first = results[0].passes[0]
+    panels = [
+        res_pass
+        for res in results
+        for res_pass in res.passes
+        if (res_pass.world_size, res_pass.seq_local) == (first.world_size, first.seq_local)
+    ]
+    if any(p.timeline is None for p in panels):
+        raise ValueError(
+            f"--timeline needs the event engine (world size <= {EVENT_MAX_WORLD_SIZE} and "
+            "--mode auto or event)"
+        )
+    lanes_per_panel = first.world_size * 4
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(13, 1.5 + 0.25 * lanes_per_panel * len(panels)),
+        squeeze=False,
+        sharex=True,
+    )
+    for ax, res_pass in zip(axes[:, 0], panels, strict=True):
+        assert res_pass.timeline is not None
+        title = (
+            f"{res_pass.strategy.value} {res_pass.pass_.value} (simulated): "
+            f"{1e3 * res_pass.call_s:.3f} ms, {res_pass.percent_of_bound:.0f}% of bound"
+        )
+        draw_timeline_lanes(ax, [list(evs) for evs in res_pass.timeline], title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    fig.legend(
+        handles, list(COLOURS), loc="upper center", ncol=len(COLOURS), fontsize=7, frameon=False
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tokenring simulate``; returns the exit status.
+
+    Raises:
+        ValueError: bad sizes (sequence lengths are rounded down to what the layout splits).
+        ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
+        NotImplementedError: no requested strategy can be predicted at these world sizes.
+    """
+    cfg = _config(args)
+    if not args.json:
+        _rich()  # fail before any work when the table cannot be printed
+    if args.plot or args.timeline:
+        _pyplot()
+    rows, results, notes = _predict(cfg, args)
+    for note in notes:  # never drop a strategy silently
+        print(note, file=sys.stderr if args.json else sys.stdout)
+    if not rows:
+        raise NotImplementedError("no strategy could be predicted: " + "; ".join(notes))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    else:
+        _print_table(rows)
+    if args.plot:
+        _plot(rows, args.plot)
+    if args.timeline:
+        _plot_timelines(results, args.timeline)
+    for path in (args.plot, args.timeline):
+        if path and not args.json:
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,622 @@
+"""Tests for tokenring.costmodel and tokenring.simulate: pure tables, no process groups.
+
+Expected numbers are derived here from first principles (bytes per row written out from the
+payload definitions, positions from tests/oracle.py, hop counts from the ring's geometry),
+never read back from the code under test.
+
+Note [A10 reproduction]
+~~~~~~~~~~~~~~~~~~~~~~~
+The seeds' experiment: 4x A10 on PCIe, Llama-2-7B attention (32 heads, D = 128), fp16,
+S = 24000 (s = 6000 per rank), causal zigzag, forward. They report (Nsight durations):
+Ring ~7.6 ms per step (comm-bound), TokenRing ~3.5 ms per step where only Q moves and ~4.6 ms
+where Q and the partial out move together. What the numbers imply, from the bytes alone:
+
+    transfer          bytes (one rank, one step)              reported   implied rate
+    Ring K+V          2 * 6000 * 32*128 * 2     = 98.3 MB     7.6 ms     12.9 GB/s per flow
+    TokenRing Q       6000 * 32*128 * 2         = 49.2 MB     3.5 ms     14.0 GB/s per flow
+    Q + out at once   49.2 MB + 6000*(32*128*2 + 32*4)
+                      = 49.2 + 49.9 = 99.1 MB out of one GPU  4.6 ms     21.5 GB/s per GPU
+
+One P2P flow reaches ~13-14 GB/s, two flows leaving one GPU ~21.5 GB/s together: a PCIe 4.0
+x16 slot per GPU (31.5 GB/s raw per direction; ~25 GB/s for pinned host copies, less for
+GPU-to-GPU writes through a CPU root complex) shared by its flows, i.e. a SWITCH. The preset
+``a10-pcie`` therefore uses 13.5 GB/s per flow and 22 GB/s per port. These two constants are
+read off the seeds' timings (stated, not hidden): what this test checks is that with them the
+schedule's own byte counts, the port model and the event simulation reproduce all three
+timings at once (Ring moves twice TokenRing's bytes on one flow; Q alone is link-limited; Q
+and out share the port). Compute is independent of the timings: 125 TFLOP/s fp16 dense peak
+(A10 datasheet) at 55% for a FlashAttention-2-class forward (FA2 reaches ~50-73% on Ampere;
+the A10's 150 W cap keeps it at the low end), so a zigzag step (6000 x 3000 score entries,
+4*32*128 FLOPs each = 0.295 TFLOP) takes ~4.3 ms: Ring's 7.6 ms steps are comm-bound, as
+reported, and TokenRing's steps run near the compute time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from oracle import owned_positions
+from tokenring.cli import main
+from tokenring.comm import Event
+from tokenring.costmodel import (
+    PRESETS,
+    AttentionShape,
+    Hardware,
+    Interconnect,
+    Resource,
+    ResourceKind,
+    Topology,
+    exposed_transfers,
+    measured,
+    preset,
+    resource_bytes,
+    ring_path,
+    route,
+    schedule_arrays,
+    steady_step,
+    step_costs,
+)
+from tokenring.netlab import _ring_next_hop
+from tokenring.schedule import Flow, Pass, Payload, Strategy, build_schedule
+from tokenring.simulate import VECTORISED_STRATEGIES, simulate_pass
+
+MHA = AttentionShape(heads_q=4, heads_kv=4, head_dim=8, dtype="float16")
+GQA = AttentionShape(heads_q=8, heads_kv=2, head_dim=8, dtype="bfloat16")
+REL = 0.15  # the issue's tolerance for the A10 reproduction
+CLOSED = VECTORISED_STRATEGIES  # TokenRing and Ring: the strategies with closed forms
+
+
+def _hardware(topology: Topology, *, link: float, port: float | None = None) -> Hardware:
+    """A small made-up machine: slow links so that communication matters."""
+    return Hardware(
+        name=f"test-{topology.value}",
+        interconnect=Interconnect(
+            topology=topology,
+            link_bandwidth_bytes_per_s=link,
+            port_bandwidth_bytes_per_s=port,
+            latency_s=2e-6,
+        ),
+        forward_flops_per_s=1e12,
+        backward_flops_per_s=0.8e12,
+        memory_bandwidth_bytes_per_s=1e11,
+    )
+
+
+# -- bytes and FLOPs read from the schedule vs closed forms derived here ------------------------
+def test_mha_noncausal_bytes_per_step_match_the_payload_definitions() -> None:
+    """TokenRing forward: Q one way (Hq*D*e per row), out + fp32 lse the other way
+    (Hq*D*e + Hq*4); backward: q, dout (+ fp32 lse, delta) one way, dq the other. Ring: K and V
+    (2*Hkv*D*e) one way, and in the backward fp32 dK, dV (2*Hkv*D*4) on the same link."""
+    p, s = 4, 10
+    shape = AttentionShape(batch=3, heads_q=6, heads_kv=6, head_dim=16, dtype="bfloat16")
+    b, hq, hkv, d, e = 3, 6, 6, 16, 2
+    want = {
+        (Strategy.TOKEN_RING, Pass.FORWARD): (b * s * hq * d * e, b * s * (hq * d * e + hq * 4)),
+        (Strategy.TOKEN_RING, Pass.BACKWARD): (
+            b * s * (2 * hq * d * e + 2 * hq * 4),
+            b * s * hq * d * e,
+        ),
+        (Strategy.RING, Pass.FORWARD): (b * s * 2 * hkv * d * e, 0),
+        (Strategy.RING, Pass.BACKWARD): (b * s * 2 * hkv * d * e, b * s * 2 * hkv * d * 4),
+    }
+    for (strategy, pass_), (travel, ret) in want.items():
+        sched = build_schedule(
+            strategy, pass_, layout="contiguous", causal=False, world_size=p, seq_local=s
+        )
+        for cost in step_costs(sched, shape.dims):
+            t = cost.step
+            for r in range(p):
+                assert cost.travel_bytes[r] == (travel if t < p - 1 else 0), (strategy, pass_, t)
+                # TokenRing returns from step 1; Ring's accumulator starts at the block's first
+                # visitor (step 1) and moves on after every step
+                returns_now = t >= 1 and (strategy is Strategy.TOKEN_RING or pass_ is Pass.BACKWARD)
+                assert cost.return_bytes[r] == (ret if returns_now else 0), (strategy, pass_, t)
+                # travel goes to r - 1; a TokenRing return to the owner r + t
+                if cost.travel_bytes[r]:
+                    assert cost.pair_bytes[(r, (r - 1) % p)] >= travel
+                if strategy is Strategy.TOKEN_RING and t >= 1:
+                    assert cost.pair_bytes[(r, (r + t) % p)] >= ret
+
+
+def test_busiest_direction_ratio_is_hq_over_two_hkv() -> None:
+    """Steady non-causal step: TokenRing's return / Ring's K+V = (Hq*D*e + 4*Hq)/(2*Hkv*D*e)."""
+    p, s = 6, 32
+    for hq, hkv in ((32, 32), (32, 8), (64, 8)):
+        shape = AttentionShape(heads_q=hq, heads_kv=hkv, head_dim=128, dtype="bfloat16")
+        got = {}
+        for strategy in CLOSED:
+            sched = build_schedule(
+                strategy, "forward", layout="contiguous", causal=False, world_size=p, seq_local=s
+            )
+            cost = step_costs(sched, shape.dims)[2]
+            got[strategy] = max(cost.pair_bytes.values())
+        want = (hq * 128 * 2 + 4 * hq) / (2 * hkv * 128 * 2)
+        assert got[Strategy.TOKEN_RING] / got[Strategy.RING] == pytest.approx(want)
+
+
+def test_zigzag_travel_rows_match_positions_from_the_oracle() -> None:
+    """The rows a rank forwards are those some rank still ahead needs: Q row i of owner o is
+    needed by kv owner j iff some key of j is at or before i's global position (TokenRing);
+    K/V row i of owner j is needed by q owner o iff some query of o is at or after it (Ring).
+    Positions come from tests/oracle.py, not from tokenring.layout."""
+    dims = MHA.dims
+    for p, s in ((2, 4), (3, 6), (4, 8), (5, 6)):
+        pos = [owned_positions("zigzag", r, p, p * s) for r in range(p)]
+        for strategy in CLOSED:
+            sched = build_schedule(
+                strategy, "forward", layout="zigzag", causal=True, world_size=p, seq_local=s
+            )
+            arrays = schedule_arrays(
+                strategy, "forward", layout="zigzag", causal=True, world_size=p, seq_local=s
+            )
+            for r, t in itertools.product(range(p), range(p - 1)):
+                owner = (r + t) % p
+                needed: set[int] = set()
+                for ahead in range(1, p - t):
+                    other = (r - ahead) % p  # the rank holding this block at step t + ahead
+                    for i in range(s):
+                        if strategy is Strategy.TOKEN_RING:
+                            needs = pos[owner][i] >= min(pos[other])
+                        else:
+                            needs = max(pos[other]) >= pos[owner][i]
+                        if needs:
+                            needed.add(i)
+                (tr,) = [x for x in sched.sends(r, t) if x.payload.flow is Flow.TRAVEL]
+                assert set(range(*tr.rows)) == needed, (strategy, p, r, t)
+                assert int(arrays.travel_rows[r, t]) == len(needed)
+                row = dims.row_bytes(tr.payload)
+                assert step_costs(sched, dims)[t].travel_bytes[r] == len(needed) * row
+
+
+def test_schedule_arrays_equal_the_schedule() -> None:
+    """The closed forms behind the vectorised engine, entry by entry against build_schedule."""
+    for strategy, pass_, layout, causal, p, s, splits in itertools.product(
+        CLOSED, Pass, ("contiguous", "zigzag"), (False, True), range(1, 6), (6, 7), (1, 3)
+    ):
+        if layout == "zigzag" and s % 2:
+            continue
+        kw: dict[str, Any] = dict(layout=layout, causal=causal, world_size=p, seq_local=s)
+        sched = build_schedule(strategy, pass_, last_block_splits=splits, **kw)
+        arr = schedule_arrays(strategy, pass_, last_block_splits=splits, **kw)
+        returned = arr.return_rows()
+        for r, t in itertools.product(range(p), range(p)):
+            plan = sched.steps[r][t]
+            pairs = sum(
+                pc.num_q * (pc.num_q + 1) / 2 if pc.causal else pc.num_q * pc.num_kv
+                for pc in plan.pieces
+            )
+            assert float(arr.pairs[r, t]) == pairs
+            assert (int(arr.q_owner[r, t]), int(arr.kv_owner[r, t])) == (
+                plan.q_owner,
+                plan.kv_owner,
+            )
+            segments = [seg.q_rows[1] - seg.q_rows[0] for seg in plan.segments]
+            assert arr.slices[r, t].tolist() == segments + [0] * (splits - len(segments))
+            sends = sched.sends(r, t)
+            travel = [x.num_rows for x in sends if x.payload.flow is Flow.TRAVEL]
+            assert int(arr.travel_rows[r, t]) == sum(travel)
+            rets = sorted(
+                (x for x in sends if x.payload in (Payload.OUT, Payload.DQ)),
+                key=lambda x: x.after_segments,
+            )
+            rows = [x.num_rows for x in rets]
+            assert returned[r, t].tolist() == rows + [0] * (splits - len(rows))
+            dkv = [x.num_rows for x in sends if x.payload is Payload.DKV]
+            assert int(arr.dkv_rows[r, t]) == sum(dkv)
+
+
+# -- topology ----------------------------------------------------------------------------------
+def test_ring_paths_follow_the_lab_routing() -> None:
+    """Shortest way round, ties towards src + 1: the same first hop as tokenring.netlab."""
+    assert ring_path(0, 3, 6) == [0, 1, 2, 3]  # tie: 3 hops either way
+    assert ring_path(0, 4, 6) == [0, 5, 4]
+    assert ring_path(2, 1, 5) == [2, 1]
+    for p in (3, 4, 5, 6, 8):
+        for src, dst in itertools.permutations(range(p), 2):
+            path = ring_path(src, dst, p)
+            assert path[1] == _ring_next_hop(src, dst, p)
+            assert len(path) - 1 == min((dst - src) % p, (src - dst) % p)
+
+
+@pytest.mark.parametrize("p", [5, 6])
+def test_ring_relays_load_every_hop(p: int) -> None:
+    """Non-causal TokenRing forward on a ring: the return of step t travels t hops up (t <= P-t)
+    or P-t hops down, so every up hop carries sum_{t <= P-t} t returns and every down hop
+    carries the P-1 Q blocks plus sum_{t > P-t} (P-t) returns."""
+    s = 6
+    dims = MHA.dims
+    q = s * 4 * 8 * 2
+    out = s * (4 * 8 * 2 + 4 * 4)
+    sched = build_schedule(
+        "token_ring", "forward", layout="contiguous", causal=False, world_size=p, seq_local=s
+    )
+    load = resource_bytes(sched, dims, _hardware(Topology.RING, link=1e9))
+    up = sum(t for t in range(1, p) if t <= p - t) * out
+    down = (p - 1) * q + sum(p - t for t in range(1, p) if t > p - t) * out
+    for a in range(p):
+        assert load[Resource(ResourceKind.LINK, (a, (a + 1) % p))] == up
+        assert load[Resource(ResourceKind.LINK, (a, (a - 1) % p))] == down
+    assert len(load) == 2 * p  # only neighbour links exist
+    mesh = resource_bytes(sched, dims, _hardware(Topology.MESH, link=1e9))
+    assert sum(mesh.values()) == (p - 1) * p * (q + out)  # each byte crosses one link
+
+
+def test_route_per_topology() -> None:
+    switch = _hardware(Topology.SWITCH, link=10e9, port=15e9)
+    rt = route(switch, 0, 2, 4)
+    kinds = {res.kind: cap for res, cap in rt.resources}
+    assert kinds == {
+        ResourceKind.LINK: 10e9,
+        ResourceKind.PORT_OUT: 15e9,
+        ResourceKind.PORT_IN: 15e9,
+    }
+    assert rt.flow_cap_bytes_per_s == 10e9 and rt.hops == 1 and rt.latency_s == 2e-6
+    ring = route(_hardware(Topology.RING, link=10e9), 0, 2, 5)
+    assert ring.hops == 2 and ring.latency_s == pytest.approx(4e-6)
+    islands = PRESETS["h100-ib-islands"]
+    inside, across = route(islands, 0, 7, 16), route(islands, 7, 8, 16)
+    assert {r.kind for r, _ in inside.resources} == {
+        ResourceKind.LINK,
+        ResourceKind.PORT_OUT,
+        ResourceKind.PORT_IN,
+    }
+    assert {r.kind for r, _ in across.resources} == {
+        ResourceKind.LINK,
+        ResourceKind.NIC_OUT,
+        ResourceKind.NIC_IN,
+    }
+    assert across.flow_cap_bytes_per_s < inside.flow_cap_bytes_per_s
+    with pytest.raises(ValueError, match="src and dst must differ"):
+        route(switch, 1, 1, 4)
+
+
+def test_descriptions_validate() -> None:
+    with pytest.raises(ValueError, match="port_bandwidth_bytes_per_s must be given"):
+        Interconnect(topology="switch", link_bandwidth_bytes_per_s=1e9)
+    with pytest.raises(ValueError, match="link_bandwidth_bytes_per_s must be > 0; got 0"):
+        Interconnect(topology="mesh", link_bandwidth_bytes_per_s=0)
+    with pytest.raises(ValueError, match="topology must be one of"):
+        Interconnect(topology="torus", link_bandwidth_bytes_per_s=1e9)
+    with pytest.raises(ValueError, match="heads_kv must divide heads_q"):
+        AttentionShape(heads_q=6, heads_kv=4, head_dim=8)
+    with pytest.raises(ValueError, match="hardware must be one of"):
+        preset("tpu")
+    hw = measured(
+        forward_flops_per_s=1e12,
+        backward_flops_per_s=1e12,
+        link_bandwidth_bytes_per_s=1e9,
+        memory_bandwidth_bytes_per_s=1e10,
+        dtype=torch.float32,
+    )
+    assert hw.flops_per_s("forward", "float32") == 1e12
+    with pytest.raises(ValueError, match="has attention FLOP/s for float32; got dtype 'float16'"):
+        hw.flops_per_s("forward", torch.float16)
+    with pytest.raises(ValueError, match="devices_per_node and inter must be given together"):
+        dataclasses.replace(hw, devices_per_node=4)
+    for name, hardware in PRESETS.items():
+        assert hardware.name == name
+        assert hash(hardware) == hash(preset(name))  # frozen and hashable: usable as a cache key
+
+
+# -- closed-form steady step vs the schedule ---------------------------------------------------
+@pytest.mark.parametrize("topology", list(Topology))
+def test_steady_step_matches_the_schedule_window(topology: Topology) -> None:
+    """Non-causal (every block whole): the busiest resource during step t carries the travel
+    block of step t and what returns after step t-1; steady_step's formula must equal that
+    load, read from the schedule's transfers and costmodel.route."""
+    hw = _hardware(topology, link=1e9, port=1.5e9 if topology is Topology.SWITCH else None)
+    s = 16
+    for shape, p, strategy, pass_ in itertools.product((MHA, GQA), (5, 6), CLOSED, Pass):
+        sched = build_schedule(
+            strategy, pass_, layout="contiguous", causal=False, world_size=p, seq_local=s
+        )
+        for t in range(1, p - 1):
+            load: dict[Resource, float] = {}
+            for tr in sched.transfers:
+                flying = tr.step == t and tr.payload.flow is Flow.TRAVEL
+                flying = flying or (tr.step == t - 1 and tr.payload.flow is Flow.RETURN)
+                if flying:
+                    for res, cap in route(hw, tr.src, tr.dst, p).resources:
+                        load[res] = load.get(res, 0.0) + tr.num_bytes(shape.dims) / cap
+            step = steady_step(
+                strategy,
+                pass_,
+                layout="contiguous",
+                causal=False,
+                world_size=p,
+                seq_local=s,
+                shape=shape,
+                hardware=hw,
+                step=t,
+            )
+            assert step.wire_s == pytest.approx(max(load.values()), rel=1e-12), (
+                topology,
+                strategy,
+                pass_,
+                p,
+                t,
+            )
+            returning = strategy is Strategy.TOKEN_RING and t >= 2
+            hops = len(ring_path(0, t - 1, p)) - 1 if returning else 1
+            if topology is Topology.RING:
+                assert step.latency_s == pytest.approx(hops * hw.interconnect.latency_s)
+
+
+# -- the simulator -----------------------------------------------------------------------------
+def _check_timeline(result_events: tuple[tuple[Event, ...], ...], p: int) -> None:
+    for rank, events in enumerate(result_events):
+        busy = sorted(
+            (ev for ev in events if ev.kind in ("compute", "merge")),
+            key=lambda ev: ev.start_s,
+        )
+        for a, b in itertools.pairwise(busy):
+            assert a.end_s <= b.start_s + 1e-12, f"rank {rank} computes two things at once"
+        starts: dict[int, Event] = {}
+        for ev in busy:
+            if ev.kind == "compute":
+                starts.setdefault(ev.step, ev)
+        for ev in events:
+            assert 0 <= ev.start_s <= ev.end_s
+            if ev.kind != "send":
+                continue
+            first = starts.get(ev.step)
+            if first is None:
+                continue
+            if ev.label in ("q", "kv", "q_grad"):  # slot (t, 0): not before the step starts
+                assert ev.start_s >= first.start_s - 1e-12
+            else:  # returns: only after the sender's first segment of that step
+                assert ev.start_s >= first.end_s - 1e-12
+        for ev in events:
+            # the travel block of step t must have arrived before step t+1 computes
+            if ev.kind == "recv" and ev.label in ("q", "kv", "q_grad"):
+                nxt = starts.get(ev.step + 1)
+                if nxt is not None:
+                    assert nxt.start_s >= ev.end_s - 1e-12
+    assert len(result_events) == p
+
+
+@pytest.mark.parametrize("topology", list(Topology))
+def test_event_timeline_is_consistent(topology: Topology) -> None:
+    """Every strategy the schedule knows (the event engine reads nothing else)."""
+    hw = _hardware(topology, link=2e9, port=3e9 if topology is Topology.SWITCH else None)
+    for strategy, pass_, (layout, causal) in itertools.product(
+        Strategy, Pass, (("zigzag", True), ("contiguous", False), ("contiguous", True))
+    ):
+        res = simulate_pass(
+            strategy,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=4,
+            seq_local=256,
+            shape=MHA,
+            hardware=hw,
+            mode="event",
+        )
+        assert res.timeline is not None
+        _check_timeline(res.timeline, 4)
+        last_end = max(ev.end_s for evs in res.timeline for ev in evs)
+        assert res.call_s == pytest.approx(last_end)
+        assert res.call_s >= res.compute_s
+        assert 0 < res.percent_of_bound <= 100 + 1e-9
+        assert len(res.step_s) == 4
+        sends = sum(1 for evs in res.timeline for ev in evs if ev.kind == "send")
+        sched = build_schedule(
+            strategy,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=4,
+            seq_local=256,
+            heads_kv=MHA.heads_kv,
+        )
+        assert sends == len(sched.transfers)
+
+
+@pytest.mark.parametrize("topology", list(Topology))
+def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> None:
+    """P = 8, comm-bound (links 1 GB/s: comm up to 2.4x compute) and compute-bound, MHA and
+    GQA: the same compute, merges, busiest resource and bytes exactly, and the call time
+    within 12%. The vectorised engine leaves out the rendezvous waits that ripple from rank
+    to rank when returns outlast a step, so it may only err on the fast side."""
+    for link, shape, strategy, pass_, (layout, causal) in itertools.product(
+        (1e9, 1e11), (MHA, GQA), CLOSED, Pass, (("zigzag", True), ("contiguous", False))
+    ):
+        hw = _hardware(
+            topology, link=link, port=1.5 * link if topology is Topology.SWITCH else None
+        )
+        got = {
+            mode: simulate_pass(
+                strategy,
+                pass_,
+                layout=layout,
+                causal=causal,
+                world_size=8,
+                seq_local=512,
+                shape=shape,
+                hardware=hw,
+                mode=mode,
+            )
+            for mode in ("event", "vectorised")
+        }
+        event, vec = got["event"], got["vectorised"]
+        assert vec.call_s == pytest.approx(event.call_s, rel=0.12), (link, strategy, pass_)
+        assert vec.call_s <= event.call_s * 1.01, (link, strategy, pass_)
+        if link > 1e10:  # compute-bound: the engines agree closely
+            assert vec.call_s == pytest.approx(event.call_s, rel=0.01), (strategy, pass_)
+        assert vec.compute_s == pytest.approx(event.compute_s, rel=1e-9)
+        assert vec.merge_s == pytest.approx(event.merge_s, rel=1e-9)
+        assert vec.busiest_s == pytest.approx(event.busiest_s, rel=1e-9)
+        assert vec.exposed_s == pytest.approx(event.exposed_s, rel=1e-9)
+        assert (vec.travel_bytes, vec.return_bytes) == (event.travel_bytes, event.return_bytes)
+        assert vec.timeline is None
+
+
+def test_exposed_transfers_are_the_last_slice_and_the_accumulator_home() -> None:
+    tr = build_schedule(
+        "token_ring",
+        "forward",
+        layout="contiguous",
+        causal=False,
+        world_size=4,
+        seq_local=8,
+        last_block_splits=2,
+    )
+    exposed = exposed_transfers(tr)
+    assert {(x.payload, x.step, x.after_segments, x.rows) for x in exposed} == {
+        (Payload.OUT, 3, 2, (4, 8))
+    }
+    assert {(x.src, x.dst) for x in exposed} == {(r, (r + 3) % 4) for r in range(4)}
+    ring = build_schedule(
+        "ring", "backward", layout="contiguous", causal=False, world_size=4, seq_local=8
+    )
+    assert {(x.payload, x.src, x.dst, x.owner) for x in exposed_transfers(ring)} == {
+        (Payload.DKV, r, (r - 1) % 4, (r - 1) % 4) for r in range(4)
+    }
+
+
+def test_a10_reproduction() -> None:
+    """The seeds' 4x A10 experiment, from the a10-pcie preset; see Note [A10 reproduction].
+
+    Paper: Ring ~7.6 ms per step (comm-bound); TokenRing ~3.5 ms per Q-only transfer and
+    ~4.6 ms with Q and out moving together. Required: within 15%.
+    """
+    hw = PRESETS["a10-pcie"]
+    assert hw.interconnect.topology is Topology.SWITCH
+    shape = AttentionShape(heads_q=32, heads_kv=32, head_dim=128, dtype="float16")
+    kw: dict[str, Any] = dict(
+        layout="zigzag", causal=True, world_size=4, seq_local=24000 // 4, shape=shape
+    )
+    ring = simulate_pass("ring", "forward", hardware=hw, mode="event", **kw)
+    token = simulate_pass("token_ring", "forward", hardware=hw, mode="event", **kw)
+    assert ring.timeline is not None and token.timeline is not None
+
+    # Ring: steady steps are set by the K/V transfer (98.3 MB), not by the 4.3 ms of compute.
+    kv_bytes = 2 * 6000 * 32 * 128 * 2
+    compute_step_s = 6000 * 3000 * 4 * 32 * 128 / (0.55 * 125e12)
+    for t in (0, 1, 2):
+        assert ring.step_s[t] == pytest.approx(7.6e-3, rel=REL)
+        assert ring.step_s[t] > compute_step_s  # comm-bound
+    kv = [ev for evs in ring.timeline for ev in evs if ev.kind == "send" and ev.label == "kv"]
+    assert max(ev.num_bytes for ev in kv) == kv_bytes
+
+    q_bytes = 6000 * 32 * 128 * 2
+    sends = [ev for evs in token.timeline for ev in evs if ev.kind == "send"]
+
+    def q_at(step: int) -> float:
+        return max(ev.end_s - ev.start_s for ev in sends if ev.label == "q" and ev.step == step)
+
+    # Step 0: only Q moves (no partial exists yet).
+    assert not [ev for ev in sends if ev.label == "out" and ev.start_s < q_at(0)]
+    assert q_at(0) == pytest.approx(3.5e-3, rel=REL)
+    assert max(ev.num_bytes for ev in sends if ev.label == "q") == q_bytes
+    # Step 2: Q of step 2 and the partial of step 1 leave each GPU together.
+    outs = [ev for ev in sends if ev.label == "out" and ev.step == 1]
+    q2 = [ev for ev in sends if ev.label == "q" and ev.step == 2]
+    assert any(abs(o.start_s - q.start_s) < 1e-9 for o in outs for q in q2)
+    assert q_at(2) == pytest.approx(4.6e-3, rel=REL)
+    assert token.step_s[2] == pytest.approx(4.6e-3, rel=REL)
+    # TokenRing's call beats Ring's on this comm-bound box.
+    assert token.call_s < ring.call_s
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+def test_simulate_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "simulate",
+        "--hardware",
+        "a10-pcie",
+        "--dtype",
+        "float16",
+        "--seq",
+        "24000",
+        "--world-size",
+        "4",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for word in ("token_ring", "ring", "call (ms)", "% of bound", "a10-pcie", "engine=event"):
+        assert word in out
+
+
+def test_simulate_cli_json_plot_and_rounding(
+    capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    plot = f"{tmp_path}/curve.png"
+    timeline = f"{tmp_path}/timeline.png"
+    argv = [
+        "simulate",
+        "--model",
+        "flux-dit",
+        "--seq",
+        "4000",
+        "4100",
+        "--world-size",
+        "4",
+        "--pass",
+        "both",
+        "--json",
+        "--plot",
+        plot,
+        "--timeline",
+        timeline,
+        "--strategies",
+        "token_ring",
+        "ring",
+    ]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 4 and {r["strategy"] for r in rows} == {"token_ring", "ring"}
+    assert {(r["seq_requested"], r["seq"]) for r in rows} == {(4000, 4000), (4100, 4100)}
+    assert all(r["causal"] is False and r["layout"] == "contiguous" for r in rows)
+    for path in (plot, timeline):
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    argv = ["simulate", "--seq", "1001", "--world-size", "4", "--json", "--strategies", "ring"]
+    assert main(argv) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (row["seq_requested"], row["seq"]) == (1001, 1000)  # zigzag over 4 ranks: 8 | S
+
+
+def test_simulate_cli_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="--world-size must be >= 1; got 0"):
+        main(["simulate", "--world-size", "0", "--json"])
+    with pytest.raises(ValueError, match="--seq must be at least 16"):
+        main(["simulate", "--world-size", "8", "--seq", "10", "--json"])
+
+
+def test_1024_ranks_and_10m_tokens_take_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    """CPU seconds on one thread (wall time on a shared 2-core box says little)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.process_time()
+        argv = [
+            "simulate",
+            "--world-size",
+            "1024",
+            "--seq",
+            "10000000",
+            "--model",
+            "llama3-8b",
+            "--json",
+            "--strategies",
+            "token_ring",
+            "ring",
+        ]
+        assert main(argv) == 0
+        cpu_s = time.process_time() - start
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["mode"] for r in rows] == ["vectorised", "vectorised"]
+    assert all(math.isfinite(r["call_ms"]) and r["call_ms"] > 0 for r in rows)
+    assert cpu_s < 10, f"1024 ranks x 10M tokens took {cpu_s:.1f} CPU s"
