@@ -385,10 +385,24 @@ def _check_timeline(result_events: tuple[tuple[Event, ...], ...], p: int) -> Non
 
 @pytest.mark.parametrize("topology", list(Topology))
 def test_event_timeline_is_consistent(topology: Topology) -> None:
-    """Every strategy the schedule knows (the event engine reads nothing else)."""
+    """Every ring strategy the schedule knows (the event engine reads nothing else); the
+    collective ones are refused, not mispredicted."""
     hw = _hardware(topology, link=2e9, port=3e9 if topology is Topology.SWITCH else None)
+    for collective in (s for s in Strategy if s.is_collective):
+        with pytest.raises(NotImplementedError, match="not modelled yet"):
+            simulate_pass(
+                collective,
+                Pass.FORWARD,
+                layout="zigzag",
+                causal=True,
+                world_size=4,
+                seq_local=256,
+                shape=MHA,
+                hardware=hw,
+            )
+    rings = [s for s in Strategy if not s.is_collective]
     for strategy, pass_, (layout, causal) in itertools.product(
-        Strategy, Pass, (("zigzag", True), ("contiguous", False), ("contiguous", True))
+        rings, Pass, (("zigzag", True), ("contiguous", False), ("contiguous", True))
     ):
         res = simulate_pass(
             strategy,

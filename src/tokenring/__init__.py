@@ -6,15 +6,19 @@ and Ring attention (pass-KV), forward and backward, on CPU (gloo) and GPU (NCCL)
 
 from tokenring.api import (
     SequenceParallelAttention,
+    allgather_kv_attn,
     bidir_ring_attn,
     get_communicator,
+    resolve_strategy,
     ring_attn,
     sequence_parallel_attn,
     token_ring_attn,
+    ulysses_attn,
 )
 from tokenring.comm import Communicator
 from tokenring.launch import init_distributed, launch
 from tokenring.layout import Layout, global_positions, shard, unshard
+from tokenring.planner import explain
 from tokenring.schedule import Strategy
 
 __all__ = [
@@ -22,15 +26,19 @@ __all__ = [
     "Layout",
     "SequenceParallelAttention",
     "Strategy",
+    "allgather_kv_attn",
     "bidir_ring_attn",
+    "explain",
     "get_communicator",
     "global_positions",
     "init_distributed",
     "launch",
+    "resolve_strategy",
     "ring_attn",
     "sequence_parallel_attn",
     "shard",
     "token_ring_attn",
+    "ulysses_attn",
     "unshard",
 ]
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.comm import Communicator
+from tokenring.costmodel import Hardware
 from tokenring.kernels import BlockKernel, select_kernel
 from tokenring.layout import Layout, validate_seq_local
 from tokenring.runtime import run_backward, run_forward
@@ -26,11 +27,14 @@ from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
 
 __all__ = [
     "SequenceParallelAttention",
+    "allgather_kv_attn",
     "bidir_ring_attn",
     "get_communicator",
+    "resolve_strategy",
     "ring_attn",
     "sequence_parallel_attn",
     "token_ring_attn",
+    "ulysses_attn",
 ]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -104,6 +108,50 @@ def _schedule(
         seq_local=seq_local,
         last_block_splits=last_block_splits,
         heads_kv=heads_kv,
+    )
+
+
+def resolve_strategy(
+    strategy: Strategy | str,
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    layout: Layout,
+    comm: Communicator,
+    hardware: Hardware | str | None = None,
+    last_block_splits: int = 2,
+) -> Strategy:
+    """The strategy a call runs: ``strategy`` itself, or for ``"auto"`` the planner's pick.
+
+    The pick is a pure function of the call's shape and the hardware description; with
+    ``hardware=None`` the description is measured once per process group and agreed across
+    ranks, so every rank picks the same strategy. The planner logs its choice and the
+    predicted time of each alternative once, at INFO (logger ``tokenring.planner``).
+    """
+    if strategy != "auto":
+        return Strategy.parse(strategy)
+    from tokenring import planner
+    from tokenring.costmodel import preset
+
+    if isinstance(hardware, str):
+        hardware = preset(hardware)
+    elif hardware is None:
+        hardware = planner.calibrated(comm, dtype=q.dtype, device=q.device)
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return planner.choose_strategy(
+        world_size=comm.world_size,
+        seq_local=q.shape[1],
+        heads_q=q.shape[2],
+        heads_kv=k.shape[2],
+        head_dim=q.shape[3],
+        dtype=q.dtype,
+        causal=causal,
+        layout=layout,
+        training=training,
+        hardware=hardware,
+        batch=q.shape[0],
+        last_block_splits=last_block_splits,
     )
 
 
@@ -208,6 +256,7 @@ def sequence_parallel_attn(
     kernel: str | BlockKernel | None = None,
     last_block_splits: int = 2,
     check_ranks: bool = True,
+    hardware: Hardware | str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence sharded across the ranks of ``group``.
 
@@ -219,7 +268,9 @@ def sequence_parallel_attn(
         k, v: ``(B, s, Hkv, D)``; Hkv divides Hq (GQA/MQA; K/V heads are never repeated on
             the wire).
         strategy: ``"token_ring"`` (pass-Q, partials return on the other direction),
-            ``"ring"`` (pass-KV) or ``"bidir_ring"`` (pass-KV on two counter-rotating rings).
+            ``"ring"`` (pass-KV), ``"bidir_ring"`` (pass-KV on two counter-rotating rings),
+            ``"ulysses"`` (all-to-all over heads), ``"allgather_kv"`` (all-gathered K/V),
+            or ``"auto"``: the fastest by the cost model (see :func:`resolve_strategy`).
         causal: causal mask over *global* positions (see ``tokenring.layout``).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         group: ProcessGroup, 1-D DeviceMesh, Communicator, or None (default group).
@@ -230,6 +281,9 @@ def sequence_parallel_attn(
         last_block_splits: TokenRing returns its last block in this many slices.
         check_ranks: all-gather a small signature first and raise a ValueError naming the
             difference if ranks disagree on shapes, dtype or options (one tiny collective).
+        hardware: for ``strategy="auto"``: a ``tokenring.costmodel.Hardware``, a preset name
+            (``tokenring.costmodel.PRESETS``), or None to measure this machine once per
+            process group (``tokenring.planner.calibrated``; collective, a few seconds on CPU).
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
@@ -238,13 +292,22 @@ def sequence_parallel_attn(
         ValueError: mismatched shapes, dtypes or devices; Hkv not dividing Hq; a seq_local the
             layout cannot split; unknown strategy, layout or kernel; ranks that disagree.
     """
-    strategy = Strategy.parse(strategy)
     layout = Layout.parse(layout)
     _validate(q, k, v, softmax_scale)
     validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     comm = get_communicator(group)
+    strategy = resolve_strategy(
+        strategy,
+        q=q,
+        k=k,
+        causal=causal,
+        layout=layout,
+        comm=comm,
+        hardware=hardware,
+        last_block_splits=last_block_splits,
+    )
     block_kernel = select_kernel(q.device, q.dtype, kernel)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if check_ranks:
@@ -271,6 +334,21 @@ def sequence_parallel_attn(
             int.from_bytes(struct.pack("<d", scale), "little", signed=True),
         ]
         _check_ranks_agree(comm, signature, names, q.device)
+    if strategy.is_collective:
+        from tokenring.collective import run_collective
+
+        out, lse = run_collective(
+            strategy.value,
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            layout=layout,
+            comm=comm,
+            kernel=block_kernel,
+        )
+        return (out, lse) if return_lse else out
     key = (strategy, layout, causal, comm.world_size, q.shape[1], last_block_splits, k.shape[2])
     fwd = _schedule(strategy, Pass.FORWARD, *key[1:])
     bwd = _schedule(strategy, Pass.BACKWARD, *key[1:])
@@ -354,6 +432,65 @@ def bidir_ring_attn(
         k,
         v,
         strategy=Strategy.BIDIR_RING,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        group=group,
+        layout=layout,
+        return_lse=return_lse,
+        **options,
+    )
+
+
+def ulysses_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    return_lse: bool = False,
+    **options: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ulysses (DeepSpeed-Ulysses) attention: all-to-all from sequence to head shards, local
+    attention over the whole sequence, all-to-all back. Heads that do not divide the world
+    size are split unevenly (ceil/floor shares in rank order). See
+    :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(
+        q,
+        k,
+        v,
+        strategy=Strategy.ULYSSES,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        group=group,
+        layout=layout,
+        return_lse=return_lse,
+        **options,
+    )
+
+
+def allgather_kv_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    return_lse: bool = False,
+    **options: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """All-gather K/V attention (Llama-3 style): K/V are all-gathered while the local block
+    computes, queries stay local; the backward reduce-scatters dK/dV. See
+    :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(
+        q,
+        k,
+        v,
+        strategy=Strategy.ALLGATHER_KV,
         causal=causal,
         softmax_scale=softmax_scale,
         group=group,

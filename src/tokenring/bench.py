@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -37,9 +38,9 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.comm import Communicator, Event, FieldSpec, Timeline
-from tokenring.kernels import BlockKernel, select_kernel
+from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.layout import Layout, shard
-from tokenring.schedule import Dims, Pass, Schedule, Strategy, build_schedule
+from tokenring.schedule import Dims, Pass, Piece, Schedule, Strategy, build_schedule, piece_flops
 
 __all__ = ["BenchConfig", "ModelShape", "add_arguments", "run", "run_rank"]
 
@@ -89,7 +90,7 @@ class BenchConfig:
 
     batch: int = 1
     """B."""
-    seq: int = 2048
+    seq: int = 1024
     """S, global sequence length."""
     models: tuple[ModelShape, ...] = DEFAULT_MODELS
     """Attention shapes to run."""
@@ -155,7 +156,11 @@ class RankRow:
     step_fwd_s: float | None
     step_bwd_s: float | None
     compute_s: float
-    compute_only_s: float
+    compute_only_s: float  # forward + backward kernels, no P2P
+    compute_fwd_s: float
+    compute_bwd_s: float
+    flops_fwd: float
+    flops_bwd: float
     sent_bytes: dict[str, int]  # per flow
     link_bytes: dict[int, int]  # per destination peer, all flows
     exposed_bytes: dict[int, int]  # per destination peer
@@ -208,32 +213,69 @@ def _compute_only(
     pass_: str,
     tensors: tuple[torch.Tensor, ...],
     scale: float,
-) -> float:
-    """Seconds this rank spends in the same kernel calls as the real run, with no P2P."""
+    dims: Dims,
+) -> tuple[float, float, float, float]:
+    """This rank's kernel calls of the real run with no P2P: (forward s, backward s, forward
+    FLOPs, backward FLOPs); the backward is 0 for a forward-only row."""
     q, k, v, dout = tensors
-    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
-    lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    groups = q.shape[2] // k.shape[2]
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=accumulation_dtype(q.dtype))
     delta = torch.zeros_like(lse)
+
+    def heads(piece: Piece) -> tuple[slice, slice]:
+        if piece.heads is None:
+            return slice(None), slice(None)
+        a, b = piece.heads
+        return slice(a * groups, b * groups), slice(a, b)
+
     start = time.perf_counter()
     for plan in fwd.steps[rank]:
         for piece in plan.pieces:
-            (a, b), (c, d) = piece.q_rows, piece.kv_rows
-            kernel.forward(q[:, a:b], k[:, c:d], v[:, c:d], causal=piece.causal, scale=scale)
-    if pass_ == "fwd+bwd":
-        for plan in bwd.steps[rank]:
-            for piece in plan.pieces:
-                (a, b), (c, d) = piece.q_rows, piece.kv_rows
-                kernel.backward(
-                    dout[:, a:b],
-                    q[:, a:b],
-                    k[:, c:d],
-                    v[:, c:d],
-                    lse[:, :, a:b],
-                    delta[:, :, a:b],
-                    causal=piece.causal,
-                    scale=scale,
-                )
-    return time.perf_counter() - start
+            (a, b), (c, d), (qh, kh) = piece.q_rows, piece.kv_rows, heads(piece)
+            kernel.forward(
+                q[:, a:b, qh], k[:, c:d, kh], v[:, c:d, kh], causal=piece.causal, scale=scale
+            )
+    forward_s = time.perf_counter() - start
+    forward_flops = sum(
+        piece_flops(pc, dims, Pass.FORWARD) for pl in fwd.steps[rank] for pc in pl.pieces
+    )
+    if pass_ != "fwd+bwd":
+        return forward_s, 0.0, forward_flops, 0.0
+    start = time.perf_counter()
+    for plan in bwd.steps[rank]:
+        for piece in plan.pieces:
+            (a, b), (c, d), (qh, kh) = piece.q_rows, piece.kv_rows, heads(piece)
+            kernel.backward(
+                dout[:, a:b, qh],
+                q[:, a:b, qh],
+                k[:, c:d, kh],
+                v[:, c:d, kh],
+                lse[:, qh, a:b],
+                delta[:, qh, a:b],
+                causal=piece.causal,
+                scale=scale,
+            )
+    backward_s = time.perf_counter() - start
+    backward_flops = sum(
+        piece_flops(pc, dims, Pass.BACKWARD) for pl in bwd.steps[rank] for pc in pl.pieces
+    )
+    return forward_s, backward_s, forward_flops, backward_flops
+
+
+def _probe_memory_bandwidth(comm: Communicator, device: torch.device) -> float:
+    """Bytes/s of a large copy (read + write), min over ranks: what merges run at."""
+    src = torch.ones(8 << 20, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    rate = torch.tensor(
+        [2 * src.numel() * src.element_size() / statistics.median(times)], dtype=torch.float64
+    )
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=comm.group)
+    return float(rate.item())
 
 
 def _steady_step(events: list[Event], label: str, num_steps: int) -> float | None:
@@ -297,6 +339,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     )
     comm = get_communicator()
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
+    memory_bandwidth = _probe_memory_bandwidth(comm, device)
     dtype = _DTYPES[config.dtype]
     rows: list[RankRow] = []
     for model in config.models:
@@ -334,6 +377,8 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                         causal=causal,
                         world_size=world,
                         seq_local=local[0].shape[1],
+                        heads_kv=model.heads_kv,
+                        heads_q=model.heads_q,
                     )
                     for p in (Pass.FORWARD, Pass.BACKWARD)
                 ]
@@ -360,6 +405,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     return {
         "rank": rank,
         "bandwidth_bytes_per_s": bandwidth,
+        "memory_bytes_per_s": memory_bandwidth,
         "rows": rows,
         "backend": backend,
         "device": str(device),
@@ -424,10 +470,17 @@ def _measure_row(
         sent[flow] += num
         link[peer] = link.get(peer, 0) + num
     kernel = select_kernel(q.device, q.dtype)
-    compute_only = min(
-        _compute_only(scheds[0], scheds[1], kernel, comm.rank, pass_, (q, k, v, dout), scale)
-        for _ in range(2)
-    )
+    compute = (math.nan, math.nan, 0.0, 0.0)  # collectives: not modelled (see add_predictions)
+    if not strategy.is_collective:
+        compute = min(
+            (
+                _compute_only(
+                    scheds[0], scheds[1], kernel, comm.rank, pass_, (q, k, v, dout), scale, dims
+                )
+                for _ in range(2)
+            ),
+            key=lambda c: c[0] + c[1],
+        )
     exposed = _exposed_bytes(scheds[1] if backward else scheds[0], dims, comm.rank)
     num_steps = scheds[0].num_steps
     return RankRow(
@@ -440,7 +493,11 @@ def _measure_row(
         step_fwd_s=_steady_step(timeline.events, "attn", num_steps),
         step_bwd_s=_steady_step(timeline.events, "attn_bwd", num_steps) if backward else None,
         compute_s=sum(ev.end_s - ev.start_s for ev in timeline.events if ev.kind == "compute"),
-        compute_only_s=compute_only,
+        compute_only_s=compute[0] + compute[1],
+        compute_fwd_s=compute[0],
+        compute_bwd_s=compute[1],
+        flops_fwd=compute[2],
+        flops_bwd=compute[3],
         sent_bytes=sent,
         link_bytes=link,
         exposed_bytes=exposed,
@@ -476,7 +533,8 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
         finite = bandwidth != float("inf")
         comm_s = overlappable / bandwidth if finite else 0.0
         exposed_s = exposed / bandwidth if finite else 0.0
-        bound_s = max(compute_only, comm_s) + exposed_s
+        modelled = not math.isnan(compute_only)  # collectives: no compute-only run yet
+        bound_s = max(compute_only, comm_s) + exposed_s if modelled else math.nan
         steps_fwd = [r.step_fwd_s for r in rows if r.step_fwd_s is not None]
         steps_bwd = [r.step_bwd_s for r in rows if r.step_bwd_s is not None]
         tol = config.tolerance if config.tolerance is not None else _TOLERANCE[config.dtype]
@@ -500,15 +558,115 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "travel_MBps": max(r.sent_bytes["travel"] for r in rows) / median_s / 1e6,
                 "return_MBps": max(r.sent_bytes["return"] for r in rows) / median_s / 1e6,
                 "overlap_efficiency": min(r.compute_s / statistics.median(r.call_s) for r in rows),
-                "ms_compute_only": 1e3 * compute_only,
-                "ms_bound": 1e3 * bound_s,
-                "pct_of_bound": 100 * bound_s / median_s,
+                "ms_compute_only": 1e3 * compute_only if modelled else None,
+                "ms_bound": 1e3 * bound_s if modelled else None,
+                "pct_of_bound": 100 * bound_s / median_s if modelled else None,
                 "max_error": error,
                 "tolerance": tol,
                 "verified": error <= tol,
             }
         )
     return results
+
+
+def add_predictions(
+    rows: list[dict[str, Any]],
+    per_rank: list[dict[str, Any]],
+    config: BenchConfig,
+    *,
+    world_size: int,
+    topology: str = "mesh",
+) -> list[dict[str, Any]]:
+    """Add the simulator's prediction to each row and the planner's pick to each group.
+
+    Note [Calibrating the model from the run]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Per (model, causal, pass) group, one ``measured`` hardware description from this run's
+    own probes: forward and backward FLOP/s = the group's kernel FLOPs / its compute-only
+    seconds (every rank, every strategy), link bandwidth = the two-way P2P probe, memory
+    bandwidth = a large copy, topology = the lab's. The simulator then predicts each row
+    (``model_ms``, ``model_step_fwd_ms``) and the planner picks among the group's strategies;
+    ``planner_hit`` is true when the pick measured within 5% of the group's fastest.
+    """
+    from tokenring.costmodel import AttentionShape, measured
+    from tokenring.planner import explain
+    from tokenring.simulate import simulate
+
+    bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
+    memory = min(r["memory_bytes_per_s"] for r in per_rank)
+    shapes = {m.name: m for m in config.models}
+    groups: dict[tuple[str, bool, str], list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault((row["model"], row["causal"], row["pass"]), []).append(index)
+    for (model_name, causal, pass_), all_indices in groups.items():
+        indices = [i for i in all_indices if not Strategy.parse(rows[i]["strategy"]).is_collective]
+        if not indices:
+            continue
+        rank_rows = [r["rows"][i] for r in per_rank for i in indices]
+        fwd_rate = sum(r.flops_fwd for r in rank_rows) / sum(r.compute_fwd_s for r in rank_rows)
+        bwd_time = sum(r.compute_bwd_s for r in rank_rows)
+        bwd_rate = sum(r.flops_bwd for r in rank_rows) / bwd_time if bwd_time > 0 else fwd_rate
+        hardware = measured(
+            forward_flops_per_s=fwd_rate,
+            backward_flops_per_s=bwd_rate,
+            link_bandwidth_bytes_per_s=bandwidth if bandwidth != float("inf") else 1e15,
+            memory_bandwidth_bytes_per_s=memory,
+            dtype=config.dtype,
+            topology=topology,
+            port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
+        )
+        model = shapes[model_name]
+        shape = AttentionShape(
+            batch=config.batch,
+            heads_q=model.heads_q,
+            heads_kv=model.heads_kv,
+            head_dim=model.head_dim,
+            dtype=config.dtype,
+        )
+        layout = rows[indices[0]]["layout"]
+        common = {
+            "layout": layout,
+            "causal": causal,
+            "world_size": world_size,
+            "seq_local": config.seq // world_size,
+            "shape": shape,
+            "hardware": hardware,
+        }
+        for i in indices:
+            result = simulate(
+                rows[i]["strategy"], passes="both" if pass_ == "fwd+bwd" else "forward", **common
+            )
+            rows[i]["model_ms"] = 1e3 * result.call_s
+            rows[i]["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+            rows[i]["model_error_pct"] = 100 * (rows[i]["ms_median"] / rows[i]["model_ms"] - 1)
+        plan = explain(
+            world_size=world_size,
+            seq_local=config.seq // world_size,
+            heads_q=model.heads_q,
+            heads_kv=model.heads_kv,
+            head_dim=model.head_dim,
+            dtype=config.dtype,
+            causal=causal,
+            hardware=hardware,
+            layout=layout,
+            training=pass_ == "fwd+bwd",
+            batch=config.batch,
+            strategies=[rows[i]["strategy"] for i in indices],
+        )
+        fastest = min(rows[i]["ms_median"] for i in indices)
+        picked = next(
+            rows[i]["ms_median"] for i in indices if rows[i]["strategy"] == plan.pick.value
+        )
+        for i in all_indices:
+            rows[i]["planner_pick"] = plan.pick.value
+            rows[i]["planner_hit"] = picked <= 1.05 * fastest
+            rows[i]["calibration"] = {
+                "forward_flops_per_s": fwd_rate,
+                "backward_flops_per_s": bwd_rate,
+                "link_bytes_per_s": bandwidth,
+                "memory_bytes_per_s": memory,
+            }
+    return rows
 
 
 # -- CLI -----------------------------------------------------------------------------------------
@@ -536,7 +694,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)"
     )
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=2048, help="global sequence length")
+    parser.add_argument("--seq", type=int, default=1024, help="global sequence length")
     parser.add_argument("--heads", type=int, help="query heads (with --kv-heads: one custom model)")
     parser.add_argument("--kv-heads", type=int, help="key/value heads")
     parser.add_argument("--head-dim", type=int, default=64)
@@ -695,6 +853,14 @@ def run(args: argparse.Namespace) -> int:
         config.check_world(args.world_size)
         per_rank = _launch_all(config, args)
     rows = aggregate(per_rank, config)
+    lab = args._lab
+    add_predictions(
+        rows,
+        per_rank,
+        config,
+        world_size=args.world_size,
+        topology=lab["topology"] if lab else "mesh",
+    )
     settings = {
         "world_size": args.world_size,
         "batch": config.batch,
@@ -765,6 +931,8 @@ def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
             "MB/s return",
             "overlap",
             "% bound",
+            "model ms",
+            "vs model",
             "max err",
             "check",
         ],
@@ -788,21 +956,69 @@ def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
             f"{r['travel_MBps']:.1f}",
             f"{r['return_MBps']:.1f}",
             f"{r['overlap_efficiency']:.2f}",
-            f"{r['pct_of_bound']:.0f}%",
+            "-" if r["pct_of_bound"] is None else f"{r['pct_of_bound']:.0f}%",
+            ms(r.get("model_ms")),
+            f"{r['model_error_pct']:+.0f}%" if "model_error_pct" in r else "-",
             f"{r['max_error']:.1e}",
             "ok" if r["verified"] else "[bold red]WRONG[/]",
         )
     print_table(table)
+    for line in _planner_lines(rows):
+        print(line)
+
+
+def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (model, causal, pass) group: the planner's pick against the fastest."""
+    lines = []
+    seen: set[tuple[str, bool, str]] = set()
+    for r in rows:
+        key = (r["model"], r["causal"], r["pass"])
+        if "planner_pick" not in r or key in seen:
+            continue
+        seen.add(key)
+        group = [g for g in rows if (g["model"], g["causal"], g["pass"]) == key]
+        fastest = min((g for g in group if "model_ms" in g), key=lambda g: g["ms_median"])
+        overall = min(group, key=lambda g: g["ms_median"])
+        unmodelled = (
+            f" (unmodelled {overall['strategy']} was faster: {overall['ms_median']:.1f} ms)"
+            if overall is not fastest
+            else ""
+        )
+        lines.append(
+            f"auto ({r['model']}, causal={r['causal']}, {r['pass']}): picks {r['planner_pick']}; "
+            f"measured fastest {fastest['strategy']} ({fastest['ms_median']:.1f} ms){unmodelled}; "
+            f"{'hit' if r['planner_hit'] else 'MISS'}"
+        )
+    if seen:
+        hits = sum(1 for line in lines if line.endswith("hit"))
+        lines.append(
+            f"planner hit rate: {hits}/{len(lines)} (pick within 5% of the fastest strategy the "
+            "cost model covers)"
+        )
+    return lines
 
 
 _MD_COLUMNS = [
-    ("model", "model"), ("causal", "causal"), ("strategy", "strategy"), ("pass", "pass"),
-    ("ms_median", "ms/call"), ("ms_p10", "p10"), ("ms_p90", "p90"),
-    ("ms_step_fwd", "ms/step fwd"), ("ms_step_bwd", "ms/step bwd"),
-    ("busiest_link_bytes", "busiest link MB"), ("overlap_efficiency", "overlap"),
-    ("ms_compute_only", "compute-only ms"), ("ms_bound", "bound ms"),
-    ("pct_of_bound", "% of bound"), ("max_error", "max err"),
-]  # fmt: skip
+    ("model", "model"),
+    ("causal", "causal"),
+    ("strategy", "strategy"),
+    ("pass", "pass"),
+    ("ms_median", "ms/call"),
+    ("ms_p10", "p10"),
+    ("ms_p90", "p90"),
+    ("ms_step_fwd", "ms/step fwd"),
+    ("ms_step_bwd", "ms/step bwd"),
+    ("busiest_link_bytes", "busiest link MB"),
+    ("overlap_efficiency", "overlap"),
+    ("ms_compute_only", "compute-only ms"),
+    ("ms_bound", "bound ms"),
+    ("pct_of_bound", "% of bound"),
+    ("model_step_fwd_ms", "model ms/step fwd"),
+    ("model_ms", "model ms"),
+    ("model_error_pct", "vs model %"),
+    ("planner_pick", "auto picks"),
+    ("max_error", "max err"),
+]
 
 
 def _write_markdown(
@@ -833,6 +1049,7 @@ def _write_markdown(
         "|" + "---|" * len(_MD_COLUMNS),
     ]
     for row in rows:
-        lines.append("| " + " | ".join(cell(k, row[k]) for k, _ in _MD_COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(k, row.get(k)) for k, _ in _MD_COLUMNS) + " |")
+    lines += ["", *_planner_lines(rows)]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

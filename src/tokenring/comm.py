@@ -1,8 +1,10 @@
 """The communicator: every byte a strategy moves goes through one of these.
 
-It owns two process groups over the same ranks, one per flow (``Flow.TRAVEL``: blocks moving
-down the ring; ``Flow.RETURN``: partials going home), so that both directions of a link carry
-traffic at once on gloo (separate sockets) and NCCL (separate communicators and streams). It
+It owns a process group over the same ranks for each *channel*: a flow (``Flow.TRAVEL``:
+blocks moving round the ring; ``Flow.RETURN``: partials going home, or accumulators following)
+of a lane (the bidirectional ring has two, turning opposite ways). So both directions of a
+link carry traffic at once on gloo (separate sockets) and NCCL (separate communicators and
+streams). It
 packs each :class:`~tokenring.schedule.Transfer` into one message, posts batched P2P with the
 receives first, counts messages and bytes per flow and peer, and optionally records a timeline.
 
@@ -31,6 +33,19 @@ from tokenring.schedule import Flow, Transfer
 __all__ = ["Communicator", "Event", "PendingRecv", "Timeline", "TrafficCounter"]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
+
+# (flow, lane): each gets its own process group. Lane 0 is the only lane of TokenRing and Ring;
+# the bidirectional ring's lane 1 turns the other way round the ring.
+CHANNELS: tuple[tuple[Flow, int], ...] = (
+    (Flow.TRAVEL, 0),
+    (Flow.RETURN, 0),
+    (Flow.TRAVEL, 1),
+    (Flow.RETURN, 1),
+)
+
+
+def _channel(tr: Transfer) -> tuple[Flow, int]:
+    return (tr.payload.flow, tr.lane)
 
 
 @dataclass(slots=True)
@@ -150,8 +165,9 @@ class Communicator:
         group: the sequence-parallel process group (its ranks, in group-rank order, form the
             ring). ``None``: the default group.
         timeout_s: how long any single transfer may take before the call fails.
-        separate_return_group: give the return flow its own process group (default). With
-            False both flows share ``group`` (for experiments on the gloo ordering effect).
+        separate_groups: give each channel (flow x lane) its own process group (default).
+            With False everything shares ``group`` (for experiments on the gloo ordering
+            effect: both directions of a pair then share one socket).
 
     Group ranks are used everywhere (``Transfer.src``/``dst``), never global ranks.
     """
@@ -161,7 +177,7 @@ class Communicator:
         group: dist.ProcessGroup | None = None,
         *,
         timeout_s: float = 300.0,
-        separate_return_group: bool = True,
+        separate_groups: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -178,29 +194,29 @@ class Communicator:
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = str(dist.get_backend(base))
         ranks = dist.get_process_group_ranks(base)
-        self._groups: dict[Flow, dist.ProcessGroup] = {Flow.TRAVEL: base, Flow.RETURN: base}
-        if self.world_size > 1:
-            # Two fresh groups, so both flows get their own sockets/streams; only members take
-            # part in creating them (use_local_synchronization).
-            for flow in (Flow.TRAVEL, Flow.RETURN):
-                if flow is Flow.RETURN and not separate_return_group:
-                    self._groups[flow] = self._groups[Flow.TRAVEL]
-                    continue
-                try:
-                    made = dist.new_group(
-                        ranks=ranks,
-                        timeout=self.timeout,
-                        use_local_synchronization=True,
-                        group_desc=f"tokenring_{flow.value}",
-                    )
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"rank {self.rank}: creating the {flow.value!r} process group over ranks "
-                        f"{ranks} failed; a peer did not join in time (it failed, is slow, or "
-                        f"did not call attention with this group): {exc}"
-                    ) from exc
-                assert made is not None
-                self._groups[flow] = made
+        self._groups: dict[tuple[Flow, int], dist.ProcessGroup] = {}
+        for channel in CHANNELS:
+            if self.world_size == 1 or not separate_groups:
+                self._groups[channel] = base
+                continue
+            # A fresh group per channel, so each flow of each lane gets its own sockets
+            # (gloo) or communicator and stream (NCCL); only members take part in creating it.
+            flow, lane = channel
+            try:
+                made = dist.new_group(
+                    ranks=ranks,
+                    timeout=self.timeout,
+                    use_local_synchronization=True,
+                    group_desc=f"tokenring_{flow.value}_{lane}",
+                )
+            except Exception as exc:
+                raise RuntimeError(
+                    f"rank {self.rank}: creating the {flow.value!r} process group of lane {lane} "
+                    f"over ranks {ranks} failed; a peer did not join in time (it failed, is "
+                    f"slow, or did not call attention with this group): {exc}"
+                ) from exc
+            assert made is not None
+            self._groups[channel] = made
         self.counter = TrafficCounter()
         self.timeline: Timeline | None = None
         self._pending_sends: list[tuple[Any, Transfer]] = []
@@ -224,11 +240,12 @@ class Communicator:
             The pending receives by transfer.
         """
         pending: dict[Transfer, PendingRecv] = {}
-        for flow in (Flow.TRAVEL, Flow.RETURN):
-            group = self._groups[flow]
+        for channel in CHANNELS:
+            flow = channel[0]
+            group = self._groups[channel]
             ops: list[dist.P2POp] = []
             for tr, fields in recvs:
-                if tr.payload.flow is not flow:
+                if _channel(tr) != channel:
                     continue
                 buffer = torch.empty(_num_bytes(fields), dtype=torch.uint8, device=device)
                 rec = PendingRecv(self, tr, buffer, fields)
@@ -237,7 +254,7 @@ class Communicator:
                 self.counter.add(sent=False, flow=flow, peer=tr.src, num_bytes=buffer.numel())
             send_transfers: list[Transfer] = []
             for tr, tensors in sends:
-                if tr.payload.flow is not flow:
+                if _channel(tr) != channel:
                     continue
                 buffer = _pack(tensors)
                 ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=tr.dst))
@@ -252,7 +269,7 @@ class Communicator:
                 continue
             works = dist.batch_isend_irecv(ops)
             num_recv = len(ops) - len(send_transfers)
-            recv_list = [rec for rec in pending.values() if rec.transfer.payload.flow is flow]
+            recv_list = [rec for rec in pending.values() if _channel(rec.transfer) == channel]
             if len(works) == len(ops):
                 for rec, work in zip(recv_list, works[:num_recv], strict=True):
                     rec._work = work

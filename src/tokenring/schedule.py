@@ -105,6 +105,13 @@ class Strategy(enum.Enum):
     TOKEN_RING = "token_ring"
     RING = "ring"
     BIDIR_RING = "bidir_ring"
+    ULYSSES = "ulysses"
+    ALLGATHER_KV = "allgather_kv"
+
+    @property
+    def is_collective(self) -> bool:
+        """Moves everything with collectives (all-to-all, all-gather), not round a ring."""
+        return self in (Strategy.ULYSSES, Strategy.ALLGATHER_KV)
 
     @classmethod
     def parse(cls, value: Strategy | str) -> Strategy:
@@ -388,6 +395,7 @@ def build_schedule(
     seq_local: int,
     last_block_splits: int = 2,
     heads_kv: int | None = None,
+    heads_q: int | None = None,
 ) -> Schedule:
     """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
 
@@ -400,7 +408,10 @@ def build_schedule(
         seq_local: s, tokens per rank.
         last_block_splits: TokenRing computes its last block in this many row slices and
             returns each as soon as it is done (see Note [TokenRing step table]).
-        heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes.
+        heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes
+            and by the collective strategies.
+        heads_q: number of query heads; needed by the collective strategies (Ulysses splits
+            them over the ranks). Their schedules come from ``tokenring.collective``.
 
     Raises:
         ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
@@ -414,6 +425,24 @@ def build_schedule(
     validate_seq_local(seq_local, layout)
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    if strategy.is_collective:
+        if heads_q is None or heads_kv is None:
+            raise ValueError(
+                f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
+                f"{heads_q}, {heads_kv}"
+            )
+        from tokenring.collective import build_collective_schedule
+
+        return build_collective_schedule(
+            strategy.value,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_local=seq_local,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+        )
     p, s = world_size, seq_local
     lanes = _lanes(strategy, layout, s, heads_kv)
 

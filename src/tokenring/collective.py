@@ -1,0 +1,931 @@
+"""Collective strategies: Ulysses (all-to-all sequence <-> heads) and all-gather K/V.
+
+This module owns both strategies end to end: their pure schedules
+(:func:`build_collective_schedule`, plain data the cost model reads like the ring schedules),
+their runtime on ``torch.distributed`` collectives over ``comm.group``, and their autograd
+wiring (:func:`run_collective`, called by the public API after validation). Every message is
+counted in ``comm.counter`` per flow and destination, and the schedule's transfers add up to
+the same bytes.
+
+Legend: B batch, S global seq (P * s), s local seq, c = s // 2 (zigzag chunk), Hq query heads,
+Hkv key/value heads, g = Hq // Hkv (query heads per kv head), D head dim, P world size,
+nq / nkv heads of one Ulysses rank, e bytes per element, a bytes per accumulator element (4; 8
+for float64).
+
+Note [Ulysses]
+~~~~~~~~~~~~~~
+Two all-to-alls turn a sequence shard of every head into every row of a head shard and back.
+P = 2, Hq = 4 (rows in layout order, h = query heads)::
+
+              input              all-to-all 1          kernel            all-to-all 2
+    rank 0:   rows_0 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h0,1  ->  rows_0 x h0..3
+    rank 1:   rows_1 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h2,3  ->  rows_1 x h0..3
+
+The gathered rows arrive in rank order, which is layout order. Causal attention needs global
+order: zigzag with P = 2 arrives as chunks c0 c3 c1 c2, so the rows are permuted to
+c0 c1 c2 c3 before the kernel (then the mask is the plain top-left causal mask) and back after
+it. Non-causal attention does not care about the order of keys and maps a permutation of the
+queries to the same permutation of the outputs, so it skips both permutations.
+
+Forward: travel q rows of the destination's heads plus the K/V heads they use; return out of
+my heads for the destination's rows plus their lse (lse is returned like the ring strategies,
+so out and lse always travel together). Backward: out and lse of the gathered rows are kept
+from the forward, with q, k, v as gathered, so only dout travels in and dq, dk, dv return.
+dK/dV return in the accumulation dtype (as the Ring strategy's accumulators do) because a kv
+head can be used by several ranks and its gradient is a sum; see Note [Ulysses head split].
+
+Note [Ulysses head split]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Heads are never padded and Hq % P != 0 is never refused: rank j gets a contiguous share of
+ceil(Hq / P) query heads if j < Hq % P, else floor(Hq / P), in rank order (with Hq < P the
+last ranks get none and only relay). A rank receives exactly the kv heads its query heads use,
+h // g for each of its heads h, a contiguous range; a kv head used by several ranks is sent to
+each of them once, and in the backward its dK/dV partials from those ranks are summed on the
+way home (every rank owns the rows of every head). Hq = 6, Hkv = 3 (g = 2), P = 4::
+
+    rank   q heads   kv heads   note
+    0      0 1       0
+    1      2 3       1
+    2      4         2          kv head 2 goes to ranks 2 and 3; both dK/dV partials
+    3      5         2          of it are summed by the owner of each row
+
+The kernel maps local query head i to local kv head i // (nq // nkv). When a share does not
+line up with the groups (Hq = 6, Hkv = 3, P = 2: rank 0 has q heads 0 1 2 using kv heads
+0 0 1), K/V are repeated locally to one head per query head, never on the wire, and their
+gradients are summed back per kv head before they return.
+
+Note [All-gather K/V]
+~~~~~~~~~~~~~~~~~~~~~
+Every rank gathers all K/V and attends with its own Q; nothing returns in the forward::
+
+    pass       rank r, in order                                           overlaps
+    forward    post all-gather of (K_r, V_r)                  (travel)
+               segment 0: Q_r x KV_r (diagonal: causal mask)              the all-gather
+               wait; segments 1..: Q_r x KV_j, j != r
+               merge every partial in fp32 by lse (tokenring.merge)
+    backward   segments of Q_r x KV_j, j != r: dQ_r, dKV[j] += ...
+               post all-to-all: dKV[j] to j, accumulation dtype (return)
+               last segment: Q_r x KV_r: dQ_r, dKV_r += ...              the all-to-all
+               wait; dKV_r += what every other rank sent
+
+Which rows of Q_r meet which rows of KV_j is Note [Causal blocks per layout] of
+``tokenring.schedule`` (contiguous causal: j > r is empty; zigzag causal: j < r meets kv rows
+[0, c), j > r only q rows [c, s)). The pieces against different owners that share q rows form
+one segment and run as one kernel call over their concatenated kv rows. The gathered K/V are
+kept for the backward (P * s rows of K/V per rank: the memory the forward needed anyway), so
+the backward moves only dK/dV, all s rows of every owner, dense like the all-gather.
+
+Note [Collective schedules]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+:func:`build_collective_schedule` returns a ``tokenring.schedule.Schedule`` with one step.
+``steps[r][0]`` is what rank r computes, with ``q_owner = kv_owner = r``, and its rows are:
+
+    strategy       q rows                        kv rows
+    ulysses        gathered sequence, global     gathered sequence, global order, [0, S),
+                   order, [0, S)                 one piece per rank on its own head share
+    allgather_kv   r's own local rows [0, s)     the gathered K/V in rank order: row i of
+                                                 owner j is j * s + i
+
+Pieces of a Ulysses rank cover only its head share, so the FLOPs of rank r are
+``piece_flops(piece, replace(dims, heads_q=ulysses_heads(...)[r].num_q), pass_)``.
+``transfers`` lists every point-to-point message of the collectives, all at step 0
+(``after_segments``: 0 for travel, the segments computed before it is posted for a return),
+with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B):
+
+    strategy       pass       payload       flow     r -> j (j != r), bytes per row
+    ulysses        forward    q             travel   nq_j*D*e           (q of j's heads)
+                              kv            travel   2*nkv_j*D*e        (k, v j needs)
+                              out           return   nq_r*D*e + nq_r*a  (out + lse)
+    ulysses        backward   q (= dout)    travel   nq_j*D*e
+                              dq            return   nq_r*D*e
+                              dkv           return   2*nkv_r*D*a
+    allgather_kv   forward    kv            travel   2*Hkv*D*e
+    allgather_kv   backward   dkv           return   2*Hkv*D*a
+
+with s rows each. dout has no payload kind of its own: it is listed as ``Payload.Q``, which
+weighs the same (Hq*D*e per row) and travels the same way (:data:`DOUT`).
+
+Note [gloo collectives]
+~~~~~~~~~~~~~~~~~~~~~~~
+On gloo in torch 2.13 ``all_to_all_single`` (uneven splits, async) and
+``all_gather_into_tensor`` (async, bf16 and fp16 too) are native. ``reduce_scatter_tensor``
+runs but is emulated as an all-reduce followed by a local chunk (pytorch PR 118911): twice a
+reduce-scatter's traffic, and every rank receives every sum. So the backward's reduce-scatter
+of all-gather K/V is an ``all_to_all_single`` of each owner's dK/dV block followed by a local
+sum: P - 1 blocks out per rank, the volume of a real reduce-scatter, on every backend. Messages
+are packed as bytes so that one message carries tensors of two dtypes (out and lse). Counted
+bytes are the point-to-point bytes of the collective's definition (what rank r's data for rank
+j weighs), not the backend's internal routing (a ring all-gather forwards blocks of others).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.comm import Communicator, Event
+from tokenring.kernels import BlockKernel, accumulation_dtype
+from tokenring.layout import Layout, global_positions, validate_seq_local
+from tokenring.merge import merge_into
+from tokenring.schedule import (
+    Flow,
+    Pass,
+    Payload,
+    Piece,
+    Schedule,
+    Segment,
+    StepPlan,
+    Strategy,
+    Transfer,
+    block_pieces,
+)
+
+__all__ = [
+    "DOUT",
+    "CollectiveStrategy",
+    "HeadShare",
+    "build_collective_schedule",
+    "run_collective",
+    "ulysses_heads",
+]
+
+Rows = tuple[int, int]
+FieldSpec = tuple[tuple[int, ...], torch.dtype]
+
+DOUT = Payload.Q
+"""Payload kind of dout rows in schedules: the bytes (Hq*D*e per row) and flow (travel) of q."""
+
+
+class CollectiveStrategy(enum.Enum):
+    """The strategies this module runs."""
+
+    ULYSSES = "ulysses"
+    ALLGATHER_KV = "allgather_kv"
+
+    @classmethod
+    def parse(cls, value: CollectiveStrategy | enum.Enum | str) -> CollectiveStrategy:
+        """Accept a member, any enum member with a matching value, or the value itself."""
+        if isinstance(value, CollectiveStrategy):
+            return value
+        raw = value.value if isinstance(value, enum.Enum) else value
+        try:
+            return cls(raw)
+        except ValueError:
+            options = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"strategy_name must be one of {options}; got {raw!r}") from None
+
+
+def _schedule_tag(strategy: CollectiveStrategy) -> Strategy:
+    """The ``Schedule.strategy`` of a collective schedule: the registry's member."""
+    return Strategy(strategy.value)
+
+
+# -- head shares ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShare:
+    """The heads one Ulysses rank attends over: half-open ranges of global head indices."""
+
+    q: Rows
+    kv: Rows
+
+    @property
+    def num_q(self) -> int:
+        return self.q[1] - self.q[0]
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv[1] - self.kv[0]
+
+
+def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[HeadShare, ...]:
+    """Each rank's query heads and the kv heads they use; see Note [Ulysses head split].
+
+    Raises:
+        ValueError: world_size < 1, heads < 1, or heads_kv not dividing heads_q.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"heads_kv must be >= 1 and divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
+        )
+    groups = heads_q // heads_kv
+    base, extra = divmod(heads_q, world_size)
+    shares = []
+    start = 0
+    for rank in range(world_size):
+        stop = start + base + (1 if rank < extra else 0)
+        kv = (start // groups, (stop - 1) // groups + 1) if stop > start else (0, 0)
+        shares.append(HeadShare((start, stop), kv))
+        start = stop
+    return tuple(shares)
+
+
+# -- schedules -----------------------------------------------------------------------------
+
+
+def build_collective_schedule(
+    strategy_name: CollectiveStrategy | enum.Enum | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+) -> Schedule:
+    """The schedule of one pass of Ulysses or all-gather K/V. Pure: no tensors, no groups.
+
+    See Note [Collective schedules] for the row conventions and payloads.
+
+    Args:
+        strategy_name: ``"ulysses"`` or ``"allgather_kv"``.
+        pass_: forward or backward.
+        layout: how the sequence is sharded (see ``tokenring.layout``).
+        causal: causal mask over global positions.
+        world_size: P >= 1.
+        seq_local: s, tokens per rank.
+        heads_q, heads_kv: Hq and Hkv (Hkv divides Hq); Ulysses splits heads by them.
+
+    Raises:
+        ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local the layout
+            cannot split; heads < 1 or heads_kv not dividing heads_q.
+    """
+    strategy = CollectiveStrategy.parse(strategy_name)
+    return _build(
+        strategy,
+        Pass(pass_),
+        Layout.parse(layout),
+        bool(causal),
+        world_size,
+        seq_local,
+        heads_q,
+        heads_kv,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _build(
+    strategy: CollectiveStrategy,
+    pass_: Pass,
+    layout: Layout,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+) -> Schedule:
+    validate_seq_local(seq_local, layout)
+    shares = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
+    p, s = world_size, seq_local
+    forward = pass_ is Pass.FORWARD
+    steps: list[tuple[StepPlan, ...]] = []
+    transfers: list[Transfer] = []
+    for r in range(p):
+        if strategy is CollectiveStrategy.ULYSSES:
+            whole = (0, p * s)
+            segments: tuple[Segment, ...] = ()
+            if shares[r].num_q > 0:
+                segments = (Segment(whole, (Piece(whole, whole, causal),)),)
+            for j in range(p):
+                if j == r:
+                    continue
+                mine, theirs = shares[r], shares[j]
+                if forward:
+                    travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
+                    back = [(Payload.OUT, mine.q)]
+                else:
+                    travel = [(DOUT, theirs.q)]
+                    back = [(Payload.DQ, mine.q), (Payload.DKV, mine.kv)]
+                for payload, heads in travel:
+                    if heads[1] > heads[0]:
+                        transfers.append(Transfer(payload, r, j, r, (0, s), 0, 0, heads))
+                for payload, heads in back:
+                    if heads[1] > heads[0]:
+                        transfers.append(
+                            Transfer(payload, r, j, j, (0, s), 0, len(segments), heads)
+                        )
+        else:
+            local, remote = _allgather_segments(layout, causal, p, s, r)
+            segments = (local, *remote) if forward else (*remote, local)
+            for j in range(p):
+                if j == r:
+                    continue
+                if forward:
+                    transfers.append(Transfer(Payload.KV, r, j, r, (0, s), 0, 0))
+                else:
+                    transfers.append(Transfer(Payload.DKV, r, j, j, (0, s), 0, len(remote)))
+        steps.append((StepPlan(r, 0, r, (r,), segments),))
+    return Schedule(
+        strategy=_schedule_tag(strategy),
+        pass_=pass_,
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=s,
+        lanes=(),  # no block travels a ring: the collectives move everything at once
+        steps=tuple(steps),
+        transfers=tuple(transfers),
+    )
+
+
+def _allgather_segments(
+    layout: Layout, causal: bool, p: int, s: int, rank: int
+) -> tuple[Segment, tuple[Segment, ...]]:
+    """The local segment and the remote ones (grouped by q rows) of one all-gather K/V rank."""
+    local_pieces = block_pieces(
+        layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=rank
+    )
+    (local_piece,) = local_pieces
+    local = Segment(
+        local_piece.q_rows,
+        (Piece(local_piece.q_rows, _shift(local_piece.kv_rows, rank * s), local_piece.causal),),
+    )
+    by_rows: dict[Rows, list[Piece]] = {}
+    for j in range(p):
+        if j == rank:
+            continue
+        for piece in block_pieces(
+            layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=j
+        ):
+            assert not piece.causal, "only the diagonal block has a causal mask"
+            by_rows.setdefault(piece.q_rows, []).append(
+                Piece(piece.q_rows, _shift(piece.kv_rows, j * s), False)
+            )
+    remote = tuple(Segment(rows, tuple(pieces)) for rows, pieces in by_rows.items())
+    return local, remote
+
+
+def _shift(rows: Rows, offset: int) -> Rows:
+    return (rows[0] + offset, rows[1] + offset)
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A tensor of any dtype as a flat uint8 tensor (a view when it is contiguous)."""
+    return x.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _num_bytes(fields: Sequence[FieldSpec]) -> int:
+    return sum(
+        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for shape, dtype in fields
+    )
+
+
+def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    offset = 0
+    for shape, dtype in fields:
+        num = _num_bytes([(shape, dtype)])
+        chunk = buffer[offset : offset + num]
+        if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+            chunk = chunk.clone()  # a field after an odd-sized one: realign before the view
+        out.append(chunk.view(dtype).view(shape))
+        offset += num
+    assert offset == buffer.numel(), "received message size differs from its fields"
+    return out
+
+
+class _PendingCollective:
+    """A posted collective; ``wait()`` fails with this rank's view instead of hanging."""
+
+    def __init__(self, comm: Communicator, work: Any, label: str) -> None:
+        self._comm, self._work, self._label = comm, work, label
+        self._posted_s = time.perf_counter()
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        comm = self._comm
+        try:
+            self._work.wait(comm.timeout)
+        except Exception as exc:
+            raise RuntimeError(
+                f"rank {comm.rank}: the {self._label!r} collective over {comm.world_size} "
+                f"ranks failed (a peer failed, called with other arguments, or was slower "
+                f"than {comm.timeout.total_seconds():.0f} s): {exc}"
+            ) from exc
+        self._work = None
+        if comm.timeline is not None:
+            comm.timeline.events.append(
+                Event("recv", self._label, 0, self._posted_s, time.perf_counter())
+            )
+
+
+def _count(comm: Communicator, flow: Flow, label: str, peer: int, sent: int, recv: int) -> None:
+    if sent:
+        comm.counter.add(sent=True, flow=flow, peer=peer, num_bytes=sent)
+        if comm.timeline is not None:
+            now = time.perf_counter()
+            comm.timeline.events.append(Event("send", label, 0, now, now, peer, sent))
+    if recv:
+        comm.counter.add(sent=False, flow=flow, peer=peer, num_bytes=recv)
+
+
+class _AllToAll:
+    """One all-to-all of packed messages; this rank's own message never leaves it."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        sends: Sequence[Sequence[torch.Tensor]],
+        recv_fields: Sequence[Sequence[FieldSpec]],
+        *,
+        flow: Flow,
+        label: str,
+        device: torch.device,
+    ) -> None:
+        rank, p = comm.rank, comm.world_size
+        self._own = list(sends[rank])
+        self._fields = recv_fields
+        self._rank = rank
+        flat = [[_as_bytes(x) for x in sends[j]] if j != rank else [] for j in range(p)]
+        send_sizes = [sum(x.numel() for x in parts) for parts in flat]
+        packed = [x for parts in flat for x in parts]
+        send = torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8, device=device)
+        recv_sizes = [_num_bytes(recv_fields[j]) if j != rank else 0 for j in range(p)]
+        for j in range(p):
+            if j != rank:
+                _count(comm, flow, label, j, send_sizes[j], recv_sizes[j])
+        self._recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        self._recv_sizes = recv_sizes
+        work = None
+        if p > 1:  # every rank takes part, even one with nothing to send or receive
+            work = dist.all_to_all_single(
+                self._recv,
+                send,
+                recv_sizes,
+                send_sizes,
+                group=comm.group,
+                async_op=True,
+            )
+        self._pending = _PendingCollective(comm, work, label)
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        """The tensors from every source rank, in rank order (this rank's: its own sends)."""
+        self._pending.wait()
+        parts: list[list[torch.Tensor]] = []
+        offset = 0
+        for j, size in enumerate(self._recv_sizes):
+            if j == self._rank:
+                parts.append(self._own)
+            else:
+                parts.append(_unpack(self._recv[offset : offset + size], self._fields[j]))
+            offset += size
+        return parts
+
+
+def _timed(comm: Communicator, label: str) -> Callable[[], None]:
+    start = time.perf_counter()
+
+    def done() -> None:
+        if comm.timeline is not None:
+            comm.timeline.events.append(Event("compute", label, 0, start, time.perf_counter()))
+
+    return done
+
+
+# -- Ulysses -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _UlyssesPlan:
+    """What one rank needs to run Ulysses: head shares, row order, local kv head map."""
+
+    shares: tuple[HeadShare, ...]
+    to_global: torch.Tensor | None  # gathered row index of each global position; None: as is
+    to_layout: torch.Tensor | None  # global position of each gathered row
+    kv_map: torch.Tensor | None  # local kv head of each local q head; None: kernel's own GQA
+
+    @staticmethod
+    def make(
+        comm: Communicator,
+        layout: Layout,
+        causal: bool,
+        shape_q: torch.Size,
+        heads_kv: int,
+        device: torch.device,
+    ) -> _UlyssesPlan:
+        p, s, hq = comm.world_size, shape_q[1], shape_q[2]
+        shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=heads_kv)
+        to_global = to_layout = None
+        if causal and layout is not Layout.CONTIGUOUS and p > 1:
+            positions = torch.cat(
+                [
+                    global_positions(rank=j, world_size=p, seq_local=s, layout=layout)
+                    for j in range(p)
+                ]
+            ).to(device)  # (S,) global position of each gathered row
+            to_layout = positions
+            to_global = torch.argsort(positions)
+        mine = shares[comm.rank]
+        groups = hq // heads_kv
+        local = [(h // groups) - mine.kv[0] for h in range(*mine.q)]
+        kv_map = None
+        if mine.num_q > 0:
+            per = mine.num_q // mine.num_kv
+            native = mine.num_q % mine.num_kv == 0 and local == [
+                i // per for i in range(mine.num_q)
+            ]
+            if not native:
+                kv_map = torch.tensor(local, dtype=torch.long, device=device)
+        return _UlyssesPlan(shares, to_global, to_layout, kv_map)
+
+    def global_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x if self.to_global is None else x.index_select(dim, self.to_global)
+
+    def layout_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x if self.to_layout is None else x.index_select(dim, self.to_layout)
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, nkv, D) -> the kv head of every local q head where the kernel needs it."""
+        return x if self.kv_map is None else x.index_select(2, self.kv_map)
+
+    def reduce_kv(self, dx: torch.Tensor, num_kv: int, acc: torch.dtype) -> torch.Tensor:
+        """Gradient of :meth:`expand_kv`: (B, S, nq or nkv, D) -> (B, S, nkv, D) in ``acc``."""
+        if self.kv_map is None:
+            return dx.to(acc)
+        shape = (dx.shape[0], dx.shape[1], num_kv, dx.shape[3])
+        return torch.zeros(shape, dtype=acc, device=dx.device).index_add_(
+            2, self.kv_map, dx.to(acc)
+        )
+
+
+def _heads(x: torch.Tensor, heads: Rows) -> torch.Tensor:
+    return x[:, :, heads[0] : heads[1]]
+
+
+def _ulysses_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: _UlyssesPlan,
+    comm: Communicator,
+    kernel: BlockKernel,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Returns out (B, s, Hq, D), lse (B, Hq, s) and the tensors the backward keeps."""
+    b, s, _, d = q.shape
+    p, rank = comm.world_size, comm.rank
+    acc = accumulation_dtype(q.dtype)
+    mine = plan.shares[rank]
+    nq, nkv = mine.num_q, mine.num_kv
+    sends = [[_heads(q, sh.q), _heads(k, sh.kv), _heads(v, sh.kv)] for sh in plan.shares]
+    mine_fields: list[FieldSpec] = [
+        ((b, s, nq, d), q.dtype),
+        ((b, s, nkv, d), k.dtype),
+        ((b, s, nkv, d), v.dtype),
+    ]
+    parts = _AllToAll(
+        comm, sends, [mine_fields] * p, flow=Flow.TRAVEL, label="qkv", device=q.device
+    ).wait()
+    qg, kg, vg = (
+        plan.global_order(torch.cat([part[i] for part in parts], dim=1)) for i in range(3)
+    )  # (B, S, nq, D), (B, S, nkv, D) x 2
+    done = _timed(comm, "attn")
+    if nq > 0:
+        out_g, lse_g = kernel.forward(
+            qg, plan.expand_kv(kg), plan.expand_kv(vg), causal=causal, scale=scale
+        )  # (B, S, nq, D), (B, nq, S)
+    else:
+        out_g = qg.new_empty(qg.shape)
+        lse_g = torch.empty((b, 0, p * s), dtype=acc, device=q.device)
+    done()
+    out_l, lse_l = plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)
+    sends = [[out_l[:, i * s : (i + 1) * s], lse_l[:, :, i * s : (i + 1) * s]] for i in range(p)]
+    fields = [[((b, s, sh.num_q, d), q.dtype), ((b, sh.num_q, s), acc)] for sh in plan.shares]
+    parts = _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="out", device=q.device).wait()
+    out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): shares in head order
+    lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
+    return out, lse, [qg, kg, vg, out_g, lse_g]
+
+
+def _ulysses_backward(
+    dout: torch.Tensor,
+    saved: Sequence[torch.Tensor],
+    plan: _UlyssesPlan,
+    comm: Communicator,
+    kernel: BlockKernel,
+    *,
+    heads_kv: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qg, kg, vg, out_g, lse_g = saved
+    b, s, _, d = dout.shape
+    p, rank = comm.world_size, comm.rank
+    acc = lse_g.dtype
+    mine = plan.shares[rank]
+    nq, nkv = mine.num_q, mine.num_kv
+    sends = [[_heads(dout, sh.q)] for sh in plan.shares]
+    fields: list[list[FieldSpec]] = [[((b, s, nq, d), dout.dtype)]] * p
+    parts = _AllToAll(comm, sends, fields, flow=Flow.TRAVEL, label="dout", device=dout.device)
+    dout_g = plan.global_order(torch.cat([part[0] for part in parts.wait()], dim=1))
+    done = _timed(comm, "attn_bwd")
+    if nq > 0:
+        delta = (dout_g.to(acc) * out_g.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B,nq,S)
+        dq_g, dk_x, dv_x = kernel.backward(
+            dout_g,
+            qg,
+            plan.expand_kv(kg),
+            plan.expand_kv(vg),
+            lse_g,
+            delta,
+            causal=causal,
+            scale=scale,
+        )
+        dk_g = plan.reduce_kv(dk_x, nkv, acc)  # (B, S, nkv, D)
+        dv_g = plan.reduce_kv(dv_x, nkv, acc)
+    else:
+        dq_g = qg.new_zeros(qg.shape)
+        dk_g = torch.zeros(kg.shape, dtype=acc, device=kg.device)
+        dv_g = torch.zeros(vg.shape, dtype=acc, device=vg.device)
+    done()
+    dq_l, dk_l, dv_l = (plan.layout_order(x) for x in (dq_g, dk_g, dv_g))
+    sends = [[x[:, i * s : (i + 1) * s] for x in (dq_l, dk_l, dv_l)] for i in range(p)]
+    fields = [
+        [
+            ((b, s, sh.num_q, d), dout.dtype),
+            ((b, s, sh.num_kv, d), acc),
+            ((b, s, sh.num_kv, d), acc),
+        ]
+        for sh in plan.shares
+    ]
+    back = _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="dqkv", device=dout.device)
+    dk = torch.zeros((b, s, heads_kv, d), dtype=acc, device=dout.device)
+    dv = torch.zeros_like(dk)
+    dq_parts = []
+    for sh, (dq_part, dk_part, dv_part) in zip(plan.shares, back.wait(), strict=True):
+        dq_parts.append(dq_part)
+        _heads(dk, sh.kv).add_(dk_part)  # a kv head used by several ranks sums here
+        _heads(dv, sh.kv).add_(dv_part)
+    dq = torch.cat(dq_parts, dim=2)  # (B, s, Hq, D)
+    return dq, dk, dv
+
+
+# -- all-gather K/V ------------------------------------------------------------------------
+
+
+def _segment_kv(segment: Segment, device: torch.device) -> torch.Tensor:
+    """Gathered kv row indices of a segment's pieces, concatenated in piece order."""
+    return torch.cat([torch.arange(*piece.kv_rows, device=device) for piece in segment.pieces])
+
+
+def _allgather_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sched: Schedule,
+    comm: Communicator,
+    kernel: BlockKernel,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns out (B, s, Hq, D), lse (B, Hq, s) and the gathered K/V (2, B, P*s, Hkv, D)."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    p, rank = comm.world_size, comm.rank
+    acc = accumulation_dtype(q.dtype)
+    kv = torch.stack([k, v])  # (2, B, s, Hkv, D)
+    gathered = kv
+    work = None
+    if p > 1:
+        gathered = torch.empty((p * 2, b, s, hkv, d), dtype=k.dtype, device=k.device)
+        num_bytes = kv.numel() * kv.element_size()
+        for j in range(p):
+            if j != rank:
+                _count(comm, Flow.TRAVEL, "kv", j, num_bytes, num_bytes)
+        work = dist.all_gather_into_tensor(gathered, kv, group=comm.group, async_op=True)
+    pending = _PendingCollective(comm, work, "kv")
+    plan = sched.steps[rank][0]
+    local, *remote = plan.segments
+    out_acc = torch.zeros((b, s, hq, d), dtype=acc, device=q.device)
+    lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+    (piece,) = local.pieces
+    (a, e), (c, f) = piece.q_rows, _shift(piece.kv_rows, -rank * s)
+    done = _timed(comm, "attn")
+    part = kernel.forward(q[:, a:e], k[:, c:f], v[:, c:f], causal=piece.causal, scale=scale)
+    merge_into(out_acc, lse_acc, piece.q_rows, *part)
+    done()
+    pending.wait()
+    kv_all = gathered.view(p, 2, b, s, hkv, d).permute(1, 2, 0, 3, 4, 5)
+    kv_all = kv_all.reshape(2, b, p * s, hkv, d)  # rows in rank order: owner j at j*s
+    for segment in remote:
+        done = _timed(comm, "attn")
+        idx = _segment_kv(segment, q.device)
+        (a, e) = segment.q_rows
+        part = kernel.forward(
+            q[:, a:e],
+            kv_all[0].index_select(1, idx),
+            kv_all[1].index_select(1, idx),
+            causal=False,
+            scale=scale,
+        )
+        merge_into(out_acc, lse_acc, segment.q_rows, *part)
+        done()
+    return out_acc.to(q.dtype), lse_acc, kv_all
+
+
+def _allgather_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_all: torch.Tensor,
+    sched: Schedule,
+    comm: Communicator,
+    kernel: BlockKernel,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, b, total, hkv, d = kv_all.shape
+    p, rank, s = comm.world_size, comm.rank, q.shape[1]
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
+    dkv_all = torch.zeros((2, b, total, hkv, d), dtype=acc, device=q.device)  # (2, B, P*s, ...)
+    post_after = {tr.after_segments for tr in sched.sends(rank, 0)}
+    assert len(post_after) <= 1, "the dK/dV all-to-all is posted once"
+    mine = (rank * s, (rank + 1) * s)
+    back: _AllToAll | None = None
+
+    def post() -> _AllToAll:
+        sends = [[dkv_all[:, :, j * s : (j + 1) * s]] for j in range(p)]
+        fields: list[list[FieldSpec]] = [[((2, b, s, hkv, d), acc)]] * p
+        return _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="dkv", device=q.device)
+
+    segments = sched.steps[rank][0].segments
+    for index, segment in enumerate(segments):
+        if index in post_after:
+            back = post()
+        done = _timed(comm, "attn_bwd")
+        idx = _segment_kv(segment, q.device)
+        (a, e) = segment.q_rows
+        causal = any(piece.causal for piece in segment.pieces)
+        assert not causal or len(segment.pieces) == 1
+        dq_p, dk_p, dv_p = kernel.backward(
+            dout[:, a:e],
+            q[:, a:e],
+            kv_all[0].index_select(1, idx),
+            kv_all[1].index_select(1, idx),
+            lse[:, :, a:e],
+            delta[:, :, a:e],
+            causal=causal,
+            scale=scale,
+        )
+        dq[:, a:e] += dq_p
+        dkv_all[0].index_add_(1, idx, dk_p.to(acc))
+        dkv_all[1].index_add_(1, idx, dv_p.to(acc))
+        if back is not None:  # posted already: only this rank's own rows may change now
+            assert all(
+                mine[0] <= piece.kv_rows[0] <= piece.kv_rows[1] <= mine[1]
+                for piece in segment.pieces
+            )
+        done()
+    dkv = dkv_all[:, :, mine[0] : mine[1]].clone()  # (2, B, s, Hkv, D)
+    if back is not None:
+        for j, (part,) in enumerate(back.wait()):
+            if j != rank:
+                dkv += part
+    return dq, dkv[0], dkv[1]
+
+
+# -- autograd ------------------------------------------------------------------------------
+
+
+class _UlyssesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: Layout,
+        comm: Communicator,
+        kernel: BlockKernel,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device)
+        out, lse, saved = _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.comm, ctx.kernel = plan, comm, kernel
+        ctx.heads_kv, ctx.causal, ctx.scale = k.shape[2], causal, scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        dq, dk, dv = _ulysses_backward(
+            dout.contiguous(),
+            ctx.saved_tensors,
+            ctx.plan,
+            ctx.comm,
+            ctx.kernel,
+            heads_kv=ctx.heads_kv,
+            causal=ctx.causal,
+            scale=ctx.scale,
+        )
+        dq_dtype, dk_dtype, dv_dtype = ctx.dtypes
+        return dq.to(dq_dtype), dk.to(dk_dtype), dv.to(dv_dtype), None, None, None, None, None
+
+
+class _AllGatherKVFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: Layout,
+        comm: Communicator,
+        kernel: BlockKernel,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
+        fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
+        out, lse, kv_all = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale)
+        ctx.save_for_backward(q, out, lse, kv_all)
+        ctx.bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
+        ctx.comm, ctx.kernel, ctx.scale = comm, kernel, scale
+        ctx.dtypes = (k.dtype, v.dtype)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        q, out, lse, kv_all = ctx.saved_tensors
+        dq, dk, dv = _allgather_backward(
+            dout.contiguous(), q, out, lse, kv_all, ctx.bwd, ctx.comm, ctx.kernel, scale=ctx.scale
+        )
+        dk_dtype, dv_dtype = ctx.dtypes
+        return dq.to(q.dtype), dk.to(dk_dtype), dv.to(dv_dtype), None, None, None, None, None
+
+
+def run_collective(
+    strategy_name: CollectiveStrategy | enum.Enum | str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    layout: Layout | str,
+    comm: Communicator,
+    kernel: BlockKernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ulysses or all-gather K/V attention over this rank's shard, differentiable in q, k, v.
+
+    The caller has validated the inputs (``tokenring.api``): same dtype and device, Hkv
+    dividing Hq, a seq_local the layout can split, the same arguments on every rank.
+
+    Args:
+        strategy_name: ``"ulysses"`` (Note [Ulysses]) or ``"allgather_kv"``
+            (Note [All-gather K/V]).
+        q: ``(B, s, Hq, D)`` this rank's queries.
+        k, v: ``(B, s, Hkv, D)``.
+        causal: causal mask over global positions.
+        scale: softmax scale.
+        layout: how the sequence is sharded.
+        comm: the communicator of the group; collectives run on ``comm.group`` and every
+            message is counted in ``comm.counter``.
+        kernel: the block kernel.
+
+    Returns:
+        out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the accumulation dtype
+        (float32; float64 for float64 inputs), which carries no gradient.
+
+    Raises:
+        ValueError: an unknown ``strategy_name`` or layout.
+        RuntimeError: a collective failed or outlasted ``comm.timeout`` (names this rank).
+    """
+    strategy = CollectiveStrategy.parse(strategy_name)
+    fn = _UlyssesFn if strategy is CollectiveStrategy.ULYSSES else _AllGatherKVFn
+    out, lse = fn.apply(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        Layout.parse(layout),
+        comm,
+        kernel,
+        causal,
+        scale,
+    )
+    return out, lse

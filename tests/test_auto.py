@@ -1,0 +1,83 @@
+"""``strategy="auto"``: the same pick on every rank, and the answer of the strategy it picked."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import tokenring
+from oracle import make_inputs, oracle_with_grads, owned_positions
+
+
+def auto_on_ranks(hardware: object) -> tuple[str, float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = make_inputs(
+        seed=5, batch=1, seq_global=8 * world, heads_q=4, heads_kv=4, head_dim=8
+    )
+    idx = torch.tensor(owned_positions("zigzag", rank, world, 8 * world))
+    local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
+    comm = tokenring.get_communicator()
+    pick = tokenring.resolve_strategy(
+        "auto",
+        q=local[0],
+        k=local[1],
+        causal=True,
+        layout=tokenring.Layout.ZIGZAG,
+        comm=comm,
+        hardware=hardware,
+    )
+    out = tokenring.sequence_parallel_attn(
+        *local, strategy="auto", causal=True, layout="zigzag", hardware=hardware
+    )
+    out.backward(dout[:, idx])
+    ref = oracle_with_grads(q, k, v, dout, causal=True, scale=8**-0.5)
+    error = max(
+        (out.detach() - ref["out"][:, idx]).abs().max().item(),
+        (local[0].grad - ref["dq"][:, idx]).abs().max().item(),
+    )
+    return pick.value, error
+
+
+def test_auto_picks_the_same_strategy_on_every_rank_and_is_exact() -> None:
+    from tokenring.costmodel import measured
+
+    described = measured(
+        forward_flops_per_s=1e10,
+        backward_flops_per_s=1e10,
+        link_bandwidth_bytes_per_s=1e7,
+        memory_bandwidth_bytes_per_s=1e10,
+        dtype="float64",
+    )
+    for hardware in (described, None):  # a description, and this machine measured (collective)
+        results = tokenring.launch(auto_on_ranks, hardware, world_size=3, timeout_s=120)
+        picks = {pick for pick, _ in results}
+        assert len(picks) == 1, f"ranks disagree: {results}"
+        assert picks <= {s.value for s in tokenring.Strategy}
+        assert max(error for _, error in results) < 1e-10
+
+
+def test_auto_follows_the_byte_ratio_on_a_comm_bound_mesh() -> None:
+    """MHA: TokenRing's busiest direction carries about half of Ring's bytes; 32/8 GQA: twice.
+    On a slow mesh the planner must not pick Ring for MHA nor TokenRing for GQA."""
+    from tokenring.costmodel import measured
+
+    slow_mesh = measured(
+        forward_flops_per_s=1e15,
+        backward_flops_per_s=1e15,
+        link_bandwidth_bytes_per_s=1e9,
+        memory_bandwidth_bytes_per_s=1e12,
+        dtype="bfloat16",
+    )
+    common = {
+        "world_size": 4,
+        "seq_local": 4096,
+        "head_dim": 128,
+        "dtype": "bfloat16",
+        "causal": True,
+        "layout": "zigzag",
+        "training": False,
+        "hardware": slow_mesh,
+        "strategies": ["token_ring", "ring"],
+    }
+    assert tokenring.explain(heads_q=32, heads_kv=32, **common).pick.value == "token_ring"
+    assert tokenring.explain(heads_q=32, heads_kv=8, **common).pick.value == "ring"
