@@ -124,7 +124,10 @@ def test_failed_rank_is_the_reported_root_cause_and_nobody_hangs() -> None:
     ("where", "expected"),
     [
         ("p2p", "rank 0: receive of 'q' rows (0, 4) of owner 1 from rank 1 at step 0 failed"),
-        ("groups", "rank 0: creating the 'travel' process group of lane 0 over ranks [0, 1] failed"),
+        (
+            "groups",
+            "rank 0: creating the 'travel' process group of lane 0 over ranks [0, 1] failed",
+        ),
     ],
 )
 def test_slow_peer_times_out_with_a_message_naming_the_cause(where: str, expected: str) -> None:
