@@ -126,3 +126,45 @@ def test_bench_in_the_lab_moves_the_counted_bytes_at_the_link_rate(capsys) -> No
     assert row["lab"]["topology"] == "mesh"
     wire_s = row["busiest_link_bytes"] * 8 / 40e6
     assert 0.8 * wire_s <= row["ms_median"] / 1e3 <= 2.0 * wire_s + 0.5
+
+
+def test_bench_under_torchrun_uses_the_launchers_ranks() -> None:
+    """``torchrun ... -m tokenring bench``: no spawning of its own; rank 0 prints the rows."""
+    import subprocess
+    import sys
+
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tokenring",
+        "bench",
+        "--seq",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--causal",
+        "yes",
+        "--passes",
+        "fwd",
+        "--strategies",
+        "token_ring,ring",
+        "--json",
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["strategy"] for r in rows] == ["token_ring", "ring"]
+    assert all(r["world_size"] == 2 and r["backend"] == "gloo" and r["verified"] for r in rows)

@@ -142,3 +142,32 @@ def test_slow_peer_times_out_with_a_message_naming_the_cause(where: str, expecte
 def test_launch_rejects_main_module_functions_and_bad_sizes() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1; got 0"):
         tokenring.launch(one_rank_raises, world_size=0)
+
+
+def device_mesh_groups() -> tuple[float, str]:
+    """A 1-D DeviceMesh works as the group; a 2-D one is refused with the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4 * world, 2, 8, dtype=torch.float64) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    part = tokenring.shard
+    local = [part(x, rank=rank, world_size=world, layout="zigzag") for x in (q, k, v)]
+    out = tokenring.token_ring_attn(*local, causal=True, layout="zigzag", group=mesh)
+    error = (out - part(ref, rank=rank, world_size=world, layout="zigzag")).abs().max().item()
+    mesh_2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "sp"))
+    try:
+        tokenring.ring_attn(*local, group=mesh_2d)
+    except ValueError as exc:
+        return error, str(exc)
+    return error, "no error"
+
+
+def test_device_mesh_as_group() -> None:
+    for error, message in tokenring.launch(device_mesh_groups, world_size=4, timeout_s=90):
+        assert error < 1e-12
+        assert "group must be a 1-D DeviceMesh; got a mesh with ndim=2" in message

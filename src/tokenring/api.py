@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -358,146 +359,66 @@ def sequence_parallel_attn(
     return (out, lse) if return_lse else out
 
 
-def token_ring_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: GroupLike = None,
-    layout: Layout | str = Layout.CONTIGUOUS,
-    return_lse: bool = False,
-    **options: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """TokenRing attention (pass-Q); see :func:`sequence_parallel_attn` for every argument."""
-    return sequence_parallel_attn(
-        q,
-        k,
-        v,
-        strategy=Strategy.TOKEN_RING,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        group=group,
-        layout=layout,
-        return_lse=return_lse,
-        **options,
-    )
+def _strategy_attn(strategy: Strategy, name: str, summary: str) -> Callable[..., Any]:
+    """The public function of one strategy: :func:`sequence_parallel_attn` with it fixed."""
+
+    def attn(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        group: GroupLike = None,
+        layout: Layout | str = Layout.CONTIGUOUS,
+        return_lse: bool = False,
+        **options: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return sequence_parallel_attn(
+            q,
+            k,
+            v,
+            strategy=strategy,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            group=group,
+            layout=layout,
+            return_lse=return_lse,
+            **options,
+        )
+
+    attn.__name__ = attn.__qualname__ = name
+    attn.__doc__ = f"{summary}\n\nSee :func:`sequence_parallel_attn` for every argument."
+    return attn
 
 
-def ring_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: GroupLike = None,
-    layout: Layout | str = Layout.CONTIGUOUS,
-    return_lse: bool = False,
-    **options: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention (pass-KV); see :func:`sequence_parallel_attn` for every argument."""
-    return sequence_parallel_attn(
-        q,
-        k,
-        v,
-        strategy=Strategy.RING,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        group=group,
-        layout=layout,
-        return_lse=return_lse,
-        **options,
-    )
-
-
-def bidir_ring_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: GroupLike = None,
-    layout: Layout | str = Layout.CONTIGUOUS,
-    return_lse: bool = False,
-    **options: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Bidirectional Ring attention: pass-KV on two counter-rotating rings, each carrying half
-    of the kv heads (with one kv head: half of the K/V rows), so both directions of every link
-    carry K/V and there is no exposed return. See :func:`sequence_parallel_attn`."""
-    return sequence_parallel_attn(
-        q,
-        k,
-        v,
-        strategy=Strategy.BIDIR_RING,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        group=group,
-        layout=layout,
-        return_lse=return_lse,
-        **options,
-    )
-
-
-def ulysses_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: GroupLike = None,
-    layout: Layout | str = Layout.CONTIGUOUS,
-    return_lse: bool = False,
-    **options: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ulysses (DeepSpeed-Ulysses) attention: all-to-all from sequence to head shards, local
-    attention over the whole sequence, all-to-all back. Heads that do not divide the world
-    size are split unevenly (ceil/floor shares in rank order). See
-    :func:`sequence_parallel_attn`."""
-    return sequence_parallel_attn(
-        q,
-        k,
-        v,
-        strategy=Strategy.ULYSSES,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        group=group,
-        layout=layout,
-        return_lse=return_lse,
-        **options,
-    )
-
-
-def allgather_kv_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: GroupLike = None,
-    layout: Layout | str = Layout.CONTIGUOUS,
-    return_lse: bool = False,
-    **options: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """All-gather K/V attention (Llama-3 style): K/V are all-gathered while the local block
-    computes, queries stay local; the backward reduce-scatters dK/dV. See
-    :func:`sequence_parallel_attn`."""
-    return sequence_parallel_attn(
-        q,
-        k,
-        v,
-        strategy=Strategy.ALLGATHER_KV,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        group=group,
-        layout=layout,
-        return_lse=return_lse,
-        **options,
-    )
+token_ring_attn = _strategy_attn(
+    Strategy.TOKEN_RING,
+    "token_ring_attn",
+    "TokenRing attention (pass-Q): Q blocks travel the ring, partial (out, lse) return straight "
+    "to their owner on the other direction.",
+)
+ring_attn = _strategy_attn(Strategy.RING, "ring_attn", "Ring attention (pass-KV).")
+bidir_ring_attn = _strategy_attn(
+    Strategy.BIDIR_RING,
+    "bidir_ring_attn",
+    "Bidirectional Ring attention: pass-KV on two counter-rotating rings, each carrying half of "
+    "the kv heads (with one kv head: half of the K/V rows), so both directions of every link "
+    "carry K/V and there is no exposed return.",
+)
+ulysses_attn = _strategy_attn(
+    Strategy.ULYSSES,
+    "ulysses_attn",
+    "Ulysses attention: all-to-all from sequence to head shards, local attention over the whole "
+    "sequence, all-to-all back; heads that do not divide the world size are split unevenly "
+    "(ceil/floor shares in rank order).",
+)
+allgather_kv_attn = _strategy_attn(
+    Strategy.ALLGATHER_KV,
+    "allgather_kv_attn",
+    "All-gather K/V attention (Llama-3 style): K/V are all-gathered while the local block "
+    "computes, queries stay local; the backward reduce-scatters dK/dV.",
+)
 
 
 class SequenceParallelAttention(torch.nn.Module):
