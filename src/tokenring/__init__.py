@@ -16,6 +16,7 @@ from tokenring.api import (
     ulysses_attn,
 )
 from tokenring.comm import Communicator
+from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_shard
 from tokenring.launch import init_distributed, launch
 from tokenring.layout import Layout, global_positions, shard, unshard
 from tokenring.planner import explain
@@ -23,6 +24,7 @@ from tokenring.schedule import Strategy
 
 __all__ = [
     "Communicator",
+    "HybridMesh",
     "Layout",
     "SequenceParallelAttention",
     "Strategy",
@@ -31,6 +33,9 @@ __all__ = [
     "explain",
     "get_communicator",
     "global_positions",
+    "hybrid_attn",
+    "hybrid_mesh",
+    "hybrid_shard",
     "init_distributed",
     "launch",
     "resolve_strategy",
