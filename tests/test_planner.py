@@ -127,7 +127,7 @@ def test_explain_errors_and_skips() -> None:
     assert {Strategy.TOKEN_RING, Strategy.RING} <= predicted
     assert predicted | {s for s, _ in plan.skipped} == set(Strategy)
     for strategy, why in plan.skipped:
-        expected = "not modelled yet" if strategy.is_collective else "vectorised engine"
+        expected = "not validated" if strategy.is_collective else "vectorised engine"
         assert expected in why, (strategy, why)
 
 

@@ -599,6 +599,7 @@ def add_predictions(
     for index, row in enumerate(rows):
         groups.setdefault((row["model"], row["causal"], row["pass"]), []).append(index)
     for (model_name, causal, pass_), all_indices in groups.items():
+        # Calibrate from the ring strategies' compute-only runs (the collectives have none yet).
         indices = [i for i in all_indices if not Strategy.parse(rows[i]["strategy"]).is_collective]
         if not indices:
             continue
@@ -632,7 +633,7 @@ def add_predictions(
             "shape": shape,
             "hardware": hardware,
         }
-        for i in indices:
+        for i in all_indices:
             result = simulate(
                 rows[i]["strategy"], passes="both" if pass_ == "fwd+bwd" else "forward", **common
             )

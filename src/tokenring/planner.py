@@ -74,6 +74,16 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+# Note [Collective strategies are not picked yet]: the simulator predicts Ulysses and
+# all-gather K/V from their schedules, which list the messages of each collective's
+# definition. On the lab, gloo's all-gather is ring-routed (every link carries P-1 blocks) and
+# both collectives measured 1.6-2.9x slower than predicted (benchmarks/results/README.md), so
+# a pick would follow a wrong number. Until the schedules carry the backends' routing, `auto`
+# chooses among the ring strategies only and lists these as skipped with this reason.
+_UNVALIDATED = (
+    "not validated: the simulator's prediction for collective strategies disagrees with "
+    "measurements (the backends route all-gathers over a ring), so auto does not pick it yet"
+)
 _TIE = 1e-9
 
 
@@ -172,6 +182,9 @@ def _plan(
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
     for strategy in strategies:
+        if strategy.is_collective:
+            skipped.append((strategy, _UNVALIDATED))
+            continue
         for layout in layouts:
             try:
                 call = simulate(

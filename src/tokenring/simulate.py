@@ -79,7 +79,7 @@ import heapq
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -281,7 +281,10 @@ class _EventEngine:
             self.slot_recvs.setdefault((tr.dst, tr.step, tr.after_segments), []).append(i)
             self.step_sends.setdefault((tr.src, tr.step), []).append(i)
             self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
-        self.programs = [self._program(r) for r in range(p)]
+        self.programs = [
+            self._collective_program(r) if sched.strategy.is_collective else self._program(r)
+            for r in range(p)
+        ]
 
     def busiest(self) -> tuple[str, int, float]:
         """(name, bytes, seconds) of the resource with the most bytes / bandwidth, counting
@@ -379,6 +382,48 @@ class _EventEngine:
         prog.append((_WAIT_SENDS,))
         return prog
 
+    # Note [Collective rank program]: one step. A segment that reads other ranks' data (every
+    # Ulysses segment; all-gather K/V's remote blocks) first waits for all of the step's
+    # travel receives, as the all-to-all / all-gather must land before that kernel runs; a
+    # rank's own block (all-gather K/V's local segment) overlaps them. Returns are posted in
+    # their slots and awaited at the end. Ulysses ranks compute over their head share only.
+    def _collective_program(self, r: int) -> list[tuple[Any, ...]]:
+        from tokenring.collective import ulysses_heads
+
+        sched, dims = self.sched, self.dims
+        forward = sched.pass_ is Pass.FORWARD
+        label = "attn" if forward else "attn_bwd"
+        if sched.strategy is Strategy.ULYSSES:
+            share = ulysses_heads(
+                world_size=sched.world_size, heads_q=dims.heads_q, heads_kv=dims.heads_kv
+            )[r]
+            dims = replace(dims, heads_q=share.num_q)
+        own = (r * sched.seq_local, (r + 1) * sched.seq_local)
+        travel = [
+            i
+            for i in self.step_recvs.get((r, 0), ())
+            if self.transfers[i].payload.flow is Flow.TRAVEL
+        ]
+        prog: list[tuple[Any, ...]] = [(_STEP, 0), (_POST, 0, 0)]
+        waited = False
+        plan = sched.steps[r][0]
+        for k, segment in enumerate(plan.segments):
+            local = sched.strategy is Strategy.ALLGATHER_KV and all(
+                own[0] <= pc.kv_rows[0] and pc.kv_rows[1] <= own[1] for pc in segment.pieces
+            )
+            if not local and not waited:
+                prog += [(_WAIT, i) for i in travel]
+                waited = True
+            flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+            prog.append((_COMPUTE, flops / self.flops_per_s, 0, label))
+            prog.append((_POST, 0, k + 1))
+        if not waited:
+            prog += [(_WAIT, i) for i in travel]
+        returns = [i for i in self.step_recvs.get((r, 0), ()) if i not in travel]
+        prog += [(_WAIT, i) for i in returns]
+        prog += [(_STEP, 1), (_WAIT_SENDS,)]
+        return prog
+
     def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
         p = self.sched.world_size
         n = len(self.transfers)
@@ -398,7 +443,8 @@ class _EventEngine:
             sends_left[tr.src] += 1
         waiting_sends: set[int] = set()
         finish = [math.nan] * p
-        step_start: list[list[float]] = [[math.nan] * (p + 1) for _ in range(p)]
+        num_steps = self.sched.num_steps
+        step_start: list[list[float]] = [[math.nan] * (num_steps + 1) for _ in range(p)]
         events: list[list[Event]] = [[] for _ in range(p)]
         heap: list[tuple[float, int, int, int, int]] = []
         seq = 0
@@ -524,7 +570,10 @@ def _simulate_event(
     engine = _EventEngine(sched, dims, hardware, flops_per_s)
     finish, step_start, events = engine.run()
     p = sched.world_size
-    steps = tuple(max(step_start[r][t + 1] - step_start[r][t] for r in range(p)) for t in range(p))
+    steps = tuple(
+        max(step_start[r][t + 1] - step_start[r][t] for r in range(p))
+        for t in range(sched.num_steps)
+    )
     kernels, merges = (
         max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind == kind) for evs in events)
         for kind in ("compute", "merge")
@@ -993,14 +1042,6 @@ def simulate_pass(
     validate_seq_local(seq_local, layout)
     if mode not in ("auto", "event", "vectorised"):
         raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
-    if strategy.is_collective:
-        # Their schedules list every message, but the rank program here overlaps a step's
-        # travel with its compute, while all-to-all inputs must land before the kernel runs,
-        # and Ulysses' head shares are not Piece.heads ranges: a prediction would be wrong.
-        raise NotImplementedError(
-            f"strategy {strategy.value!r} is not modelled yet: the simulator covers the ring "
-            "strategies (token_ring, ring, bidir_ring)"
-        )
     if mode == "auto":
         mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
     if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
@@ -1021,6 +1062,7 @@ def simulate_pass(
             seq_local=seq_local,
             last_block_splits=last_block_splits,
             heads_kv=shape.heads_kv,
+            heads_q=shape.heads_q,
         )
         return simulate_schedule(sched, shape=shape, hardware=hardware)
     call_s, steps, compute_s, merge_s, net, exposed_s, arr = _simulate_vectorised(
