@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import tokenring
-from oracle import make_inputs, oracle_with_grads, owned_positions, same_dtype_attention_error
+from oracle import make_inputs, oracle_with_grads, owned_positions, tolerance_failures
 from tokenring.hybrid import hybrid_attn, hybrid_mesh, hybrid_positions
 
 
@@ -66,24 +66,26 @@ def run_hybrid(outer: int, inner: int) -> list[str]:
             return_lse=True,
         )
         out.backward(dout[:, idx].to(dtype))
-        got = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
-        want = {n: ref[n][:, idx] for n in got}
-        errors = {n: (got[n].double() - want[n]).abs().max().item() for n in got}
-        errors["lse"] = (lse.double() - ref["lse"][:, :, idx]).abs().max().item()
-        if dtype == torch.float64:
-            bounds = dict.fromkeys(errors, 1e-10)
-        else:
-            plain = same_dtype_attention_error(
-                q, k, v, dout, ref, causal=causal, scale=8**-0.5, dtype=dtype
-            )
-            eps = torch.finfo(dtype).eps
-            bounds = {n: 2 * plain[n] + eps * want[n].abs().max().item() for n in got}
-            bounds["lse"] = 1e-3
+        got = {
+            "out": out.detach(),
+            "lse": lse,
+            "dq": local[0].grad,
+            "dk": local[1].grad,
+            "dv": local[2].grad,
+        }
+        want = {n: ref[n][:, :, idx] if n == "lse" else ref[n][:, idx] for n in got}
         config = f"{strategy} causal={causal} heads={hq}/{hkv} {dtype}"
         failures += [
-            f"{config} {n}: {errors[n]:.3g} > {bounds[n]:.3g}"
-            for n in errors
-            if errors[n] > bounds[n]
+            f"{config} {f}"
+            for f in tolerance_failures(
+                got,
+                want,
+                dtype=dtype,
+                inputs=(q, k, v, dout),
+                reference=ref,
+                causal=causal,
+                scale=8**-0.5,
+            )
         ]
     return failures
 
