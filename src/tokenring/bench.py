@@ -844,11 +844,18 @@ def run(args: argparse.Namespace) -> int:
         from tokenring.launch import init_distributed
 
         init_distributed(timeout_s=args.timeout)
-        mine = run_rank(config)
-        per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, mine)
-        args.world_size = dist.get_world_size()
-        if dist.get_rank() != 0:
+        try:
+            mine = run_rank(config)
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)
+            args.world_size = dist.get_world_size()
+            rank = dist.get_rank()
+            dist.barrier()
+        finally:
+            # Tear the groups down on every rank before any exits: a rank leaving with live
+            # gloo threads while a peer still talks aborts ("terminate called ...").
+            dist.destroy_process_group()
+        if rank != 0:
             return 0
     else:
         config.check_world(args.world_size)
