@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import torch
 
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
 
 def owned_positions(layout: str, rank: int, world_size: int, seq_global: int) -> list[int]:
     """Global positions of rank's shard, in local order, straight from the definitions."""

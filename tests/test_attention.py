@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import (
+    DTYPES,
     expected_bytes,
     make_inputs,
     oracle_with_grads,
@@ -29,12 +30,6 @@ from oracle import (
     tolerance_failures,
 )
 
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 HEADS = [(4, 4), (6, 2), (4, 1)]  # MHA, GQA (groups of 3), MQA
 
 

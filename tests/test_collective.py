@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import (
+    DTYPES,
     covered_pairs,
     make_inputs,
     oracle_with_grads,
@@ -35,12 +36,6 @@ from tokenring.kernels import select_kernel
 from tokenring.layout import Layout
 from tokenring.schedule import Dims
 
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 # MHA, GQA (groups of 3), MQA, 3 kv heads (uneven on 2 and 4 ranks), fewer q heads than ranks.
 HEADS = [(4, 4), (6, 2), (4, 1), (6, 3), (2, 1)]
 STRATEGIES = ("ulysses", "allgather_kv")

@@ -58,7 +58,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -257,6 +257,23 @@ _TFLOPS = 1e12
 
 # Sources and assumptions. Peaks are vendor datasheet numbers (dense, no sparsity); "achieved"
 # is what a fused attention kernel reaches at D = 128 on long blocks, as a fraction of peak.
+# 8x H100 SXM5 behind NVSwitch (DGX/HGX H100). 989 TFLOP/s fp16 dense peak; FA2 reaches
+# ~350 TFLOP/s forward, FA3/cuDNN ~600-750; we take 500 forward, 400 backward.
+# NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction; NCCL reaches ~370 GB/s.
+# HBM3 3.35 TB/s, 85% achieved.
+_H100_NVSWITCH = Hardware(
+    name="h100-nvswitch",
+    interconnect=Interconnect(
+        topology=Topology.SWITCH,
+        link_bandwidth_bytes_per_s=370 * _GB,
+        port_bandwidth_bytes_per_s=370 * _GB,
+        latency_s=8e-6,
+    ),
+    forward_flops_per_s=500 * _TFLOPS,
+    backward_flops_per_s=400 * _TFLOPS,
+    memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
+)
+
 PRESETS: dict[str, Hardware] = {
     # 4x NVIDIA A10 (24 GB, 150 W) on PCIe 4.0 x16, no NVLink: the seeds' box.
     # Compute: 125 TFLOP/s fp16/bf16 tensor peak (A10 datasheet). FlashAttention-2 reaches
@@ -298,34 +315,10 @@ PRESETS: dict[str, Hardware] = {
         backward_flops_per_s=180 * _TFLOPS,
         memory_bandwidth_bytes_per_s=0.85 * 2039 * _GB,
     ),
-    # 8x H100 SXM5 behind NVSwitch (DGX/HGX H100). 989 TFLOP/s fp16 dense peak; FA2 reaches
-    # ~350 TFLOP/s forward, FA3/cuDNN ~600-750; we take 500 forward, 400 backward.
-    # NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction; NCCL reaches ~370 GB/s.
-    # HBM3 3.35 TB/s, 85% achieved.
-    "h100-nvswitch": Hardware(
-        name="h100-nvswitch",
-        interconnect=Interconnect(
-            topology=Topology.SWITCH,
-            link_bandwidth_bytes_per_s=370 * _GB,
-            port_bandwidth_bytes_per_s=370 * _GB,
-            latency_s=8e-6,
-        ),
-        forward_flops_per_s=500 * _TFLOPS,
-        backward_flops_per_s=400 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
-    ),
+    "h100-nvswitch": _H100_NVSWITCH,
     # 8x H200: the H100's compute and NVLink 4, with HBM3e at 4.8 TB/s (85% achieved).
-    "h200-nvswitch": Hardware(
-        name="h200-nvswitch",
-        interconnect=Interconnect(
-            topology=Topology.SWITCH,
-            link_bandwidth_bytes_per_s=370 * _GB,
-            port_bandwidth_bytes_per_s=370 * _GB,
-            latency_s=8e-6,
-        ),
-        forward_flops_per_s=500 * _TFLOPS,
-        backward_flops_per_s=400 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.85 * 4800 * _GB,
+    "h200-nvswitch": replace(
+        _H100_NVSWITCH, name="h200-nvswitch", memory_bandwidth_bytes_per_s=0.85 * 4800 * _GB
     ),
     # 8x Ascend 910B in one Atlas 800T A2 box: HCCS full mesh, 7 links per NPU of 56 GB/s
     # both directions together (392 GB/s per NPU) -> 28 GB/s per direction per link, 85%

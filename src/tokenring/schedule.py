@@ -323,14 +323,6 @@ class Schedule:
         """Transfers ``rank`` receives, posted at the start of ``step``."""
         return self._recvs.get((rank, step), ())
 
-    def bytes_sent(self, dims: Dims) -> dict[tuple[int, int], int]:
-        """Total bytes per directed pair ``(src, dst)`` over the pass."""
-        total: dict[tuple[int, int], int] = {}
-        for tr in self.transfers:
-            key = (tr.src, tr.dst)
-            total[key] = total.get(key, 0) + tr.num_bytes(dims)
-        return total
-
 
 def block_pieces(
     *, layout: Layout, causal: bool, world_size: int, seq_local: int, q_owner: int, kv_owner: int
