@@ -8,6 +8,8 @@ Legend: B batch, S global seq, s local seq, H heads, D head dim, P world size.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 DTYPES = {
@@ -29,13 +31,74 @@ def owned_positions(layout: str, rank: int, world_size: int, seq_global: int) ->
     return list(range(rank * c, rank * c + c)) + list(range(late * c, late * c + c))
 
 
+def sharded_positions(
+    layout: str, rank: int, world_size: int, seq_len: int, cu_seqlens: list[int] | None = None
+) -> list[int]:
+    """Global positions of rank's tokens for any length and packed documents, from the
+    definitions: near-equal pieces with the longer ones first; contiguous: P pieces of the
+    whole sequence; zigzag: 2P pieces of every document, rank r taking piece r and piece
+    2P-1-r of each, all early pieces (document order) before all late ones."""
+
+    def pieces(start: int, length: int, count: int) -> list[list[int]]:
+        out, at = [], start
+        for i in range(count):
+            n = length // count + (1 if i < length % count else 0)
+            out.append(list(range(at, at + n)))
+            at += n
+        return out
+
+    if layout == "contiguous":
+        return pieces(0, seq_len, world_size)[rank]
+    assert layout == "zigzag"
+    bounds = cu_seqlens if cu_seqlens is not None else [0, seq_len]
+    early: list[int] = []
+    late: list[int] = []
+    for a, b in itertools.pairwise(bounds):
+        doc = pieces(a, b - a, 2 * world_size)
+        early += doc[rank]
+        late += doc[2 * world_size - 1 - rank]
+    return early + late
+
+
+def visible_mask(
+    seq_len: int,
+    *,
+    causal: bool,
+    cu_seqlens: list[int] | None = None,
+    window: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """(S, S) bool, True where query i may see key j: same document, j <= i when causal,
+    i - left <= j <= i + right for a window (-1: unbounded), flash-attention's convention."""
+    i = torch.arange(seq_len).view(-1, 1)
+    j = torch.arange(seq_len).view(1, -1)
+    doc = torch.zeros(seq_len, dtype=torch.int64)
+    for boundary in (cu_seqlens or [0, seq_len])[1:-1]:
+        doc[boundary:] += 1
+    ok = doc.view(-1, 1) == doc.view(1, -1)
+    if causal:
+        ok &= j <= i
+    left, right = window
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
 def full_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 attention over the whole sequence.
 
     Args:
         q: ``(B, S, Hq, D)``; k, v: ``(B, S, Hkv, D)``.
+        mask: optional ``(S, S)`` bool from :func:`visible_mask` (replaces ``causal``).
 
     Returns:
         out ``(B, S, Hq, D)`` and lse ``(B, Hq, S)``, float64.
@@ -45,7 +108,9 @@ def full_attention(
     kh = k.double().permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
     vh = v.double().permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)
     scores = qh @ kh.transpose(-1, -2) * scale  # (B, Hq, S, S)
-    if causal:
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif causal:
         n = scores.shape[-1]
         i = torch.arange(n).view(-1, 1)
         j = torch.arange(n).view(1, -1)
@@ -76,11 +141,12 @@ def oracle_with_grads(
     causal: bool,
     scale: float,
     dtype: torch.dtype = torch.float64,
+    mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Out, lse and dq, dk, dv of full attention; inputs rounded to ``dtype`` first, math in
     float64 (so the oracle sees exactly the values the ranks see)."""
     leaves = [x.detach().to(dtype).double().clone().requires_grad_(True) for x in (q, k, v)]
-    out, lse = full_attention(*leaves, causal=causal, scale=scale)
+    out, lse = full_attention(*leaves, causal=causal, scale=scale, mask=mask)
     out.backward(dout.to(dtype).double())
     return {
         "out": out.detach(),
@@ -101,6 +167,7 @@ def same_dtype_attention_error(
     causal: bool,
     scale: float,
     dtype: torch.dtype,
+    mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Max abs error against the fp64 oracle of plain single-process attention in ``dtype``
     (PyTorch SDPA, math on the CPU), for out and each gradient: the yardstick of the
@@ -111,7 +178,7 @@ def same_dtype_attention_error(
     kh = leaves[1].transpose(1, 2).repeat_interleave(groups, dim=1)
     vh = leaves[2].transpose(1, 2).repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        qh, kh, vh, is_causal=causal, scale=scale
+        qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None, scale=scale
     )
     out = out.transpose(1, 2)
     out.backward(dout.to(dtype))
@@ -125,28 +192,44 @@ def same_dtype_attention_error(
 # not from tokenring.schedule.
 
 
-def _needed_q_rows(
-    layout: str, causal: bool, p: int, s: int, q_owner: int, kv_owner: int
-) -> set[int]:
-    """Local rows of q_owner's Q that see at least one key of kv_owner."""
-    seq = s * p
-    qpos = owned_positions(layout, q_owner, p, seq)
-    kpos = owned_positions(layout, kv_owner, p, seq)
-    if not causal:
-        return set(range(s))
-    return {i for i, pos in enumerate(qpos) if min(kpos) <= pos}
+def padded_rows(
+    layout: str, rank: int, world_size: int, seq_len: int, cu_seqlens: list[int] | None = None
+) -> tuple[list[int], int]:
+    """Row of rank's padded buffer for each of its tokens (in ``sharded_positions`` order),
+    and the buffer size, from the definitions: contiguous pieces fill rows from 0 in a buffer
+    of ceil(S / P) rows; zigzag reserves ceil(L / 2P) rows per document of length L, early
+    pieces from row 0 and late pieces from the middle, documents in order."""
+    p = world_size
+    if layout == "contiguous":
+        n = len(sharded_positions(layout, rank, p, seq_len, cu_seqlens))
+        return list(range(n)), max(1, -(-seq_len // p))
+    bounds = cu_seqlens if cu_seqlens is not None else [0, seq_len]
+    lengths = [b - a for a, b in itertools.pairwise(bounds) if b > a]
+    widths = [-(-n // (2 * p)) for n in lengths]
+    half = sum(widths)
+    early, late = [], []
+    for d, n in enumerate(lengths):
+        offset = sum(widths[:d])
+        count = [n // (2 * p) + (1 if i < n % (2 * p) else 0) for i in range(2 * p)]
+        early += [offset + i for i in range(count[rank])]
+        late += [half + offset + i for i in range(count[2 * p - 1 - rank])]
+    return early + late, max(2 * half, 2)
 
 
-def _needed_kv_rows(
-    layout: str, causal: bool, p: int, s: int, q_owner: int, kv_owner: int
+def _needed_rows(
+    visible: torch.Tensor, rows: dict[int, list[int]], pos: dict[int, list[int]], a: int, b: int
 ) -> set[int]:
-    """Local rows of kv_owner's K/V seen by at least one query of q_owner."""
-    seq = s * p
-    qpos = owned_positions(layout, q_owner, p, seq)
-    kpos = owned_positions(layout, kv_owner, p, seq)
-    if not causal:
-        return set(range(s))
-    return {j for j, pos in enumerate(kpos) if pos <= max(qpos)}
+    """Rows of rank a's tokens that see (a as queries) or are seen by (a as keys, pass the
+    transposed mask) at least one token of rank b."""
+    if not pos[a] or not pos[b]:
+        return set()
+    block = visible[pos[a]][:, pos[b]]
+    return {rows[a][i] for i in range(len(pos[a])) if bool(block[i].any())}
+
+
+def _cover(rows: set[int]) -> int:
+    """Rows in the single range covering ``rows`` (what one message sends)."""
+    return max(rows) - min(rows) + 1 if rows else 0
 
 
 def expected_bytes(
@@ -156,21 +239,34 @@ def expected_bytes(
     layout: str,
     causal: bool,
     world_size: int,
-    seq_local: int,
+    seq_local: int | None = None,
     batch: int,
     heads_q: int,
     heads_kv: int,
     head_dim: int,
     elem_bytes: int,
     acc_bytes: int,
+    seq_len: int | None = None,
+    cu_seqlens: list[int] | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> dict[tuple[str, int, int], int]:
     """Bytes per ``(flow, src, dst)`` of one pass.
 
-    A travelling block of ``owner`` visits ranks owner-1, owner-2, ... (mod P); the hop into a
-    rank carries the rows still needed there or further along the route. A row counts once
-    (a set), so sending a covering range wider than the union shows up as a difference.
+    A travelling block of ``owner`` visits ranks owner-1, owner-2, ... (mod P) (Ring on the
+    contiguous causal layout: owner+1, owner+2, ...); the hop into a
+    rank carries the range of rows covering those still needed there or further along the
+    route (rows of the padded buffer, ``padded_rows``). Partials go straight to their owner,
+    covering the rows that saw something. Pass-KV's dK/dV accumulator of a block is created by
+    the first visitor that computes with it, follows the block to the last one that does,
+    which sends it straight home.
     """
-    p, s = world_size, seq_local
+    p = world_size
+    seq = seq_len if seq_len is not None else p * (seq_local or 0)
+    visible = visible_mask(seq, causal=causal, cu_seqlens=cu_seqlens, window=window)
+    pos = {r: sharded_positions(layout, r, p, seq, cu_seqlens) for r in range(p)}
+    rows = {}
+    for r in range(p):
+        rows[r], s = padded_rows(layout, r, p, seq, cu_seqlens)
     q_row = batch * heads_q * head_dim * elem_bytes
     kv_row = 2 * batch * heads_kv * head_dim * elem_bytes
     per_head = batch * heads_q * acc_bytes
@@ -180,14 +276,24 @@ def expected_bytes(
         if num:
             total[(flow, src, dst)] = total.get((flow, src, dst), 0) + num
 
+    def q_needed(owner: int, r: int) -> set[int]:
+        return _needed_rows(visible, rows, pos, owner, r)
+
+    def kv_needed(q_owner: int, owner: int) -> set[int]:
+        return _needed_rows(visible.T, rows, pos, owner, q_owner)
+
     if strategy == "bidir_ring":
         # Two rings on disjoint halves: kv heads [0, H/2) go down and [H/2, H) go up; with a
-        # single kv head, rows [0, s/2) go down and [s/2, s) go up.
+        # single kv head, rows [0, s/2) go down and [s/2, s) go up (one ring when s = 1).
         if heads_kv >= 2:
             half = heads_kv // 2
             lanes = [(-1, half, set(range(s))), (+1, heads_kv - half, set(range(s)))]
-        else:
+        elif s >= 2:
             lanes = [(-1, 1, set(range(s // 2))), (+1, 1, set(range(s // 2, s)))]
+        else:
+            lanes = [(-1, 1, set(range(s)))]
+    elif strategy == "ring" and causal and layout == "contiguous":
+        lanes = [(+1, heads_kv, set(range(s)))]  # only higher ranks see a shard's keys
     else:
         lanes = [(-1, heads_kv, set(range(s)))]
     for owner in range(p):
@@ -197,30 +303,28 @@ def expected_bytes(
             for h in range(1, p):
                 ahead = route[h:]
                 if strategy == "token_ring":
-                    rows = set().union(
-                        *(_needed_q_rows(layout, causal, p, s, owner, r) for r in ahead)
-                    )
+                    need = set().union(*(q_needed(owner, r) for r in ahead))
                     row_bytes = (2 * q_row + 2 * per_head) if backward else q_row
                 else:
-                    rows = set().union(
-                        *(
-                            _needed_kv_rows(layout, causal, p, s, r, owner) & lane_rows
-                            for r in ahead
-                        )
-                    )
+                    need = set().union(*(kv_needed(r, owner) & lane_rows for r in ahead))
                     row_bytes = lane_kv_row
-                add("travel", route[h - 1], route[h], len(rows) * row_bytes)
+                add("travel", route[h - 1], route[h], _cover(need) * row_bytes)
             if strategy != "token_ring" and backward:
-                # The fp32 dK/dV accumulator is created by the first rank the block visits and
-                # follows it; the last visitor sends it home: P-1 hops of the lane's rows.
                 dkv_row = 2 * batch * lane_heads * head_dim * acc_bytes
-                for h in range(1, p):
-                    add("return", route[h], route[(h + 1) % p], len(lane_rows) * dkv_row)
+                lane_bytes = _cover(lane_rows) * dkv_row
+                computing = [h for h in range(1, p) if kv_needed(route[h], owner) & lane_rows]
+                if computing:
+                    first, last = computing[0], computing[-1]
+                    for h in range(first, last):
+                        add("return", route[h], route[h + 1], lane_bytes)
+                    add("return", route[last], owner, lane_bytes)
         if strategy == "token_ring":
             for r in range(p):
                 if r != owner:
-                    rows = _needed_q_rows(layout, causal, p, s, owner, r)
-                    add("return", r, owner, len(rows) * (q_row if backward else q_row + per_head))
+                    need = q_needed(owner, r)
+                    add(
+                        "return", r, owner, _cover(need) * (q_row if backward else q_row + per_head)
+                    )
     return total
 
 
@@ -244,6 +348,7 @@ def plain_lse_error(
     causal: bool,
     scale: float,
     dtype: torch.dtype,
+    mask: torch.Tensor | None = None,
 ) -> float:
     """Max abs lse error of one block-kernel call over the whole sequence in ``dtype`` on one
     process: the yardstick for lse (SDPA does not return it). The CPU flash kernel's lse of
@@ -252,8 +357,20 @@ def plain_lse_error(
     from tokenring.kernels import select_kernel
 
     kernel = select_kernel(q.device, dtype)
-    _, lse = kernel.forward(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal, scale=scale)
+    _, lse = kernel.forward(
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        causal=causal and mask is None,
+        scale=scale,
+        mask=mask,
+    )
     return (lse.double() - want_lse).abs().max().item()
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    """Largest magnitude in ``x``; 0 for an empty tensor (a rank may hold no token)."""
+    return x.abs().max().item() if x.numel() else 0.0
 
 
 def tolerance_failures(
@@ -265,6 +382,7 @@ def tolerance_failures(
     reference: dict[str, torch.Tensor],
     causal: bool,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> list[str]:
     """Check out, lse and dq, dk, dv of one rank against the float64 oracle.
 
@@ -275,9 +393,10 @@ def tolerance_failures(
     Args:
         got / want: this rank's tensors and the oracle's rows, by name.
         inputs: the global (q, k, v, dout) in float64; reference: ``oracle_with_grads`` of them.
+        mask: the (S, S) ``visible_mask`` the reference was computed with, if any.
     """
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    errors = {name: (got[name].double() - want[name]).abs().max().item() for name in got}
+    errors = {name: _max_abs(got[name].double() - want[name]) for name in got}
     failures = [
         f"{name} has dtype {got[name].dtype}"
         for name in got
@@ -294,14 +413,14 @@ def tolerance_failures(
         return failures
     q, k, v, dout = inputs
     plain = same_dtype_attention_error(
-        q, k, v, dout, reference, causal=causal, scale=scale, dtype=dtype
+        q, k, v, dout, reference, causal=causal, scale=scale, dtype=dtype, mask=mask
     )
     plain["lse"] = plain_lse_error(
-        q, k, v, reference["lse"], causal=causal, scale=scale, dtype=dtype
+        q, k, v, reference["lse"], causal=causal, scale=scale, dtype=dtype, mask=mask
     )
     for name in got:
         eps = torch.finfo(torch.float32 if name == "lse" else dtype).eps
-        bound = 2 * plain[name] + eps * want[name].abs().max().item()
+        bound = 2 * plain[name] + eps * _max_abs(want[name])
         if errors[name] > bound:
             failures.append(
                 f"{name}: {errors[name]:.3g} > bound {bound:.3g} (plain {plain[name]:.3g})"

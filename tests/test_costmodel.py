@@ -183,6 +183,12 @@ def test_schedule_arrays_equal_the_schedule() -> None:
     ):
         if layout == "zigzag" and s % 2:
             continue
+        if strategy is Strategy.RING and layout == "contiguous" and causal:
+            with pytest.raises(NotImplementedError, match="travel up"):
+                schedule_arrays(
+                    strategy, pass_, layout=layout, causal=causal, world_size=p, seq_local=s
+                )
+            continue
         kw: dict[str, Any] = dict(layout=layout, causal=causal, world_size=p, seq_local=s)
         sched = build_schedule(strategy, pass_, last_block_splits=splits, **kw)
         arr = schedule_arrays(strategy, pass_, last_block_splits=splits, **kw)

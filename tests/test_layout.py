@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import owned_positions
-from tokenring import Layout, global_positions, shard, unshard
+from oracle import owned_positions, sharded_positions
+from tokenring import Layout, global_positions, position_ids, shard, unshard
+from tokenring.layout import make_sharding
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -54,8 +55,65 @@ def test_bad_layout_arguments(kwargs: dict, match: str) -> None:
         global_positions(**kwargs)
 
 
-def test_shard_rejects_indivisible_length() -> None:
-    with pytest.raises(ValueError, match="divisible by 4"):
-        shard(torch.zeros(1, 6, 2), rank=0, world_size=2, layout=Layout.ZIGZAG)
-    with pytest.raises(ValueError, match="shape"):
-        unshard([torch.zeros(1, 2, 2), torch.zeros(1, 4, 2)], layout="contiguous")
+CASES = [  # (seq_len, cu_seqlens): any length, with and without packed documents
+    (1, None),
+    (7, None),
+    (13, None),
+    (24, None),
+    (1001, None),
+    (24, [0, 24]),
+    (30, [0, 5, 17, 30]),
+    (23, [0, 1, 2, 20, 23]),
+    (40, [0, 0, 16, 16, 40]),  # empty documents
+]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(("seq_len", "cu_seqlens"), CASES)
+def test_any_length_and_documents(
+    layout: str, world_size: int, seq_len: int, cu_seqlens: list[int] | None
+) -> None:
+    x = torch.arange(2 * seq_len).view(2, seq_len, 1)
+    sharding = make_sharding(
+        layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+    )
+    shards = []
+    for rank in range(world_size):
+        expected = sharded_positions(layout, rank, world_size, seq_len, cu_seqlens)
+        got = global_positions(
+            rank=rank, world_size=world_size, seq_len=seq_len, layout=layout, cu_seqlens=cu_seqlens
+        )
+        assert got.tolist() == expected
+        part = shard(x, rank=rank, world_size=world_size, layout=layout, cu_seqlens=cu_seqlens)
+        assert torch.equal(part, x[:, expected])
+        shards.append(part)
+        # RoPE positions restart at every document
+        starts = cu_seqlens or [0, seq_len]
+        doc_start = [max(b for b in starts if b <= p) for p in expected]
+        rope = position_ids(
+            rank=rank, world_size=world_size, seq_len=seq_len, layout=layout, cu_seqlens=cu_seqlens
+        )
+        assert rope.tolist() == [p - b for p, b in zip(expected, doc_start, strict=True)]
+        # the padded buffer: every token at its row, every other row -1, same size on all ranks
+        padded = sharding.padded_positions(rank)
+        assert padded.shape == (sharding.seq_local,)
+        assert padded[padded >= 0].tolist() == expected
+    assert torch.equal(unshard(shards, layout=layout, cu_seqlens=cu_seqlens), x)
+    # padding stays small: at most one row per chunk of the layout (per document for zigzag)
+    chunks = world_size if layout == "contiguous" else 2 * world_size
+    docs = 1 if layout == "contiguous" else len([d for d in (cu_seqlens or [0, 1])[1:]]) or 1
+    per_rank_tokens = max(1, -(-seq_len // chunks)) * (1 if layout == "contiguous" else 2)
+    assert sharding.seq_local <= per_rank_tokens + 2 * docs
+
+
+def test_unshard_rejects_bad_shards() -> None:
+    with pytest.raises(ValueError, match="only dim 1"):
+        unshard([torch.zeros(1, 2, 2), torch.zeros(1, 2, 3)], layout="contiguous")
+    with pytest.raises(ValueError, match=r"shards\[0\].shape\[1\] must be 2"):
+        unshard([torch.zeros(1, 1, 2), torch.zeros(1, 3, 2)], layout="contiguous")
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        shard(torch.zeros(1, 6, 2), rank=0, world_size=2, layout="zigzag", cu_seqlens=[1, 6])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        shard(torch.zeros(1, 6, 2), rank=0, world_size=2, layout="zigzag", cu_seqlens=[0, 4, 3, 6])
+    assert shard(torch.zeros(1, 6, 2), rank=0, world_size=4, layout=Layout.ZIGZAG).shape[1] == 1

@@ -6,7 +6,14 @@ import itertools
 
 import pytest
 
-from oracle import covered_pairs, expected_bytes, owned_positions
+from oracle import (
+    covered_pairs,
+    expected_bytes,
+    owned_positions,
+    padded_rows,
+    sharded_positions,
+    visible_mask,
+)
 from tokenring.schedule import Dims, Pass, Piece, Strategy, build_schedule, piece_flops
 
 CASES = [
@@ -96,6 +103,148 @@ def test_bytes_per_link_match_formula(
         acc_bytes=4,
     )
     assert got == want
+
+
+MASKED = [  # (seq_len, cu_seqlens, window): any length, packed documents, sliding windows
+    (1, None, (-1, -1)),
+    (7, None, (-1, -1)),
+    (13, [0, 5, 13], (-1, -1)),
+    (24, None, (3, 2)),
+    (30, [0, 4, 4, 17, 30], (5, 5)),
+    (23, [0, 1, 2, 20, 23], (2, 0)),
+    (40, None, (4, 0)),
+]
+MASKED_CASES = [
+    (strategy, layout, p, case)
+    for strategy in ("token_ring", "ring", "bidir_ring")
+    for layout in ("contiguous", "zigzag")
+    for p in (1, 2, 3, 4)
+    for case in MASKED
+]
+
+
+def _window(case: tuple, causal: bool) -> tuple[int, int]:
+    left, right = case[2]
+    return (left, 0 if causal else right)
+
+
+@pytest.mark.parametrize(("strategy", "layout", "world_size", "case"), MASKED_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_masked_pairs_computed_exactly_once(
+    strategy: str, layout: str, world_size: int, case: tuple, causal: bool
+) -> None:
+    """Documents, windows and padding: every visible (query, key, kv head) exactly once; no
+    piece touches a padding row; an unmasked piece holds only visible pairs."""
+    seq_len, cu_seqlens, _ = case
+    window = _window(case, causal)
+    heads_kv = 2
+    sched = build_schedule(
+        strategy,
+        "forward",
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
+        window_size=window,
+        heads_kv=heads_kv,
+    )
+    visible = visible_mask(seq_len, causal=causal, cu_seqlens=cu_seqlens, window=window)
+    position_of = []
+    for r in range(world_size):
+        rows, size = padded_rows(layout, r, world_size, seq_len, cu_seqlens)
+        assert size == sched.seq_local
+        pos = sharded_positions(layout, r, world_size, seq_len, cu_seqlens)
+        position_of.append(dict(zip(rows, pos, strict=True)))
+    computed = []
+    for rank, step in itertools.product(range(world_size), range(world_size)):
+        plan = sched.steps[rank][step]
+        for piece in plan.pieces:
+            qpos = position_of[plan.q_owner]
+            kpos = position_of[plan.kv_owners[piece.lane]]
+            heads = range(*(piece.heads or (0, heads_kv)))
+            for i in range(*piece.q_rows):
+                for j in range(*piece.kv_rows):
+                    if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
+                        continue
+                    seen = bool(visible[qpos[i], kpos[j]])  # KeyError: a padding row
+                    if not piece.masked:
+                        assert seen, (piece, qpos[i], kpos[j])
+                    if seen:
+                        computed += [(qpos[i], kpos[j], h) for h in heads]
+    want = [(i, j, h) for i, j in visible.nonzero().tolist() for h in range(heads_kv)]
+    assert sorted(computed) == sorted(want)
+
+
+@pytest.mark.parametrize(("strategy", "layout", "world_size", "case"), MASKED_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (4, 1)])
+def test_masked_bytes_per_link_match_formula(
+    strategy: str,
+    layout: str,
+    world_size: int,
+    case: tuple,
+    causal: bool,
+    heads_q: int,
+    heads_kv: int,
+) -> None:
+    """Blocks nobody sees are neither computed nor sent: bytes per link, forward and
+    backward, equal the formula derived from the oracle's visibility."""
+    seq_len, cu_seqlens, _ = case
+    window = _window(case, causal)
+    dims = Dims(batch=1, heads_q=heads_q, heads_kv=heads_kv, head_dim=4, elem_bytes=2, acc_bytes=4)
+    for backward in (False, True):
+        sched = build_schedule(
+            strategy,
+            Pass.BACKWARD if backward else Pass.FORWARD,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_len=seq_len,
+            cu_seqlens=cu_seqlens,
+            window_size=window,
+            heads_kv=heads_kv,
+        )
+        got: dict[tuple[str, int, int], int] = {}
+        for tr in sched.transfers:
+            key = (tr.payload.flow.value, tr.src, tr.dst)
+            got[key] = got.get(key, 0) + tr.num_bytes(dims)
+        want = expected_bytes(
+            strategy=strategy,
+            backward=backward,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_len=seq_len,
+            cu_seqlens=cu_seqlens,
+            window=window,
+            batch=1,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=4,
+            elem_bytes=2,
+            acc_bytes=4,
+        )
+        assert got == want, backward
+
+
+def test_window_skips_far_steps_entirely() -> None:
+    """Contiguous causal, window 3 < s = 8: only the neighbour's keys are in reach, so steps
+    2 and 3 of a 4-rank ring neither compute nor send anything."""
+    for strategy in ("token_ring", "ring"):
+        sched = build_schedule(
+            strategy,
+            "forward",
+            layout="contiguous",
+            causal=True,
+            world_size=4,
+            seq_len=32,
+            window_size=(3, 0),
+        )
+        for step in (2, 3):
+            assert all(not sched.steps[r][step].segments for r in range(4))
+            assert all(not sched.sends(r, step) for r in range(4))
+        assert any(sched.steps[r][1].segments for r in range(4))
 
 
 def test_token_ring_zigzag_sends_half_q_after_the_wrap() -> None:

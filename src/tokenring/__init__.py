@@ -18,7 +18,15 @@ from tokenring.api import (
 from tokenring.comm import Communicator
 from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_shard
 from tokenring.launch import init_distributed, launch
-from tokenring.layout import Layout, global_positions, shard, unshard
+from tokenring.layout import (
+    Layout,
+    Sharding,
+    global_positions,
+    make_sharding,
+    position_ids,
+    shard,
+    unshard,
+)
 from tokenring.planner import explain
 from tokenring.schedule import Strategy
 
@@ -27,6 +35,7 @@ __all__ = [
     "HybridMesh",
     "Layout",
     "SequenceParallelAttention",
+    "Sharding",
     "Strategy",
     "allgather_kv_attn",
     "bidir_ring_attn",
@@ -38,6 +47,8 @@ __all__ = [
     "hybrid_shard",
     "init_distributed",
     "launch",
+    "make_sharding",
+    "position_ids",
     "resolve_strategy",
     "ring_attn",
     "sequence_parallel_attn",

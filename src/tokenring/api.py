@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from tokenring.comm import Communicator
 from tokenring.costmodel import Hardware
 from tokenring.kernels import BlockKernel, select_kernel
-from tokenring.layout import Layout, validate_seq_local
+from tokenring.layout import Layout, make_sharding, validate_seq_local
+from tokenring.masks import MaskSpec, normalize_window
 from tokenring.runtime import run_backward, run_forward
 from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
 
@@ -96,7 +98,9 @@ def _schedule(
     layout: Layout,
     causal: bool,
     world_size: int,
-    seq_local: int,
+    seq_len: int,
+    cu_seqlens: tuple[int, ...],
+    window: tuple[int, int],
     last_block_splits: int,
     heads_kv: int,
 ) -> Schedule:
@@ -106,7 +110,9 @@ def _schedule(
         layout=layout,
         causal=causal,
         world_size=world_size,
-        seq_local=seq_local,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
+        window_size=window,
         last_block_splits=last_block_splits,
         heads_kv=heads_kv,
     )
@@ -258,6 +264,9 @@ def sequence_parallel_attn(
     last_block_splits: int = 2,
     check_ranks: bool = True,
     hardware: Hardware | str | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    window_size: Sequence[int] | int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence sharded across the ranks of ``group``.
 
@@ -285,20 +294,56 @@ def sequence_parallel_attn(
         hardware: for ``strategy="auto"``: a ``tokenring.costmodel.Hardware``, a preset name
             (``tokenring.costmodel.PRESETS``), or None to measure this machine once per
             process group (``tokenring.planner.calibrated``; collective, a few seconds on CPU).
+        seq_len: the global length S when the shards are uneven (any S: each rank passes the
+            ``s_r`` tokens ``tokenring.shard`` gives it, and the library pads internally).
+            None: every rank holds the same s and S = P * s.
+        cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence (the same for
+            every batch row; list or 1-D integer tensor): attention never crosses them. Shard
+            with ``tokenring.shard(..., cu_seqlens=...)``: with the zigzag layout every
+            document is zigzagged on its own. Ring strategies only.
+        window_size: sliding window ``(left, right)`` as in flash-attention (-1: unbounded;
+            an int w means (w, w)); with ``causal`` right is 0. Ring steps outside every
+            window are skipped (no compute, no transfer); the contiguous layout suits windows
+            (every query does the same work). Ring strategies only.
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices; Hkv not dividing Hq; a seq_local the
-            layout cannot split; unknown strategy, layout or kernel; ranks that disagree.
+            layout cannot split (pass seq_len); a local length that does not match seq_len;
+            bad cu_seqlens or window_size; unknown strategy, layout or kernel; ranks that
+            disagree.
+        NotImplementedError: documents, windows or uneven shards with Ulysses or all-gather.
     """
     layout = Layout.parse(layout)
     _validate(q, k, v, softmax_scale)
-    validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     comm = get_communicator(group)
+    if seq_len is None:
+        if layout is Layout.ZIGZAG and q.shape[1] % 2:
+            raise ValueError(
+                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
+                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
+            )
+        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
+        seq_len = q.shape[1] * comm.world_size
+    elif not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
+    sharding = make_sharding(
+        layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+    )
+    window = normalize_window(window_size, causal=causal)
+    mask = MaskSpec(causal, window, sharding.cu_seqlens if sharding.num_docs > 1 else None)
+    expected = sharding.local_len(comm.rank)
+    if q.shape[1] != expected:
+        raise ValueError(
+            f"q.shape[1] must be {expected} on rank {comm.rank}: its share of seq_len={seq_len} "
+            f"under layout '{layout.value}'"
+            + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
+            + f" (see tokenring.shard); got {q.shape[1]}"
+        )
     strategy = resolve_strategy(
         strategy,
         q=q,
@@ -314,7 +359,7 @@ def sequence_parallel_attn(
     if check_ranks:
         names = [
             "batch",
-            "seq_local",
+            "seq_len",
             "heads_q",
             "heads_kv",
             "head_dim",
@@ -323,9 +368,14 @@ def sequence_parallel_attn(
             "layout",
             "strategy",
             "scale_bits",
+            "window_left",
+            "window_right",
+            "cu_seqlens_crc32",
         ]
         signature = [
-            *q.shape[:3],
+            q.shape[0],
+            seq_len,
+            q.shape[2],
             k.shape[2],
             q.shape[3],
             _DTYPE_CODES[q.dtype],
@@ -333,9 +383,16 @@ def sequence_parallel_attn(
             list(Layout).index(layout),
             list(Strategy).index(strategy),
             int.from_bytes(struct.pack("<d", scale), "little", signed=True),
+            *window,
+            zlib.crc32(struct.pack(f"<{len(sharding.cu_seqlens)}q", *sharding.cu_seqlens)),
         ]
         _check_ranks_agree(comm, signature, names, q.device)
     if strategy.is_collective:
+        if sharding.padded or not mask.plain:
+            raise NotImplementedError(
+                f"strategy {strategy.value!r} supports neither cu_seqlens, window_size nor "
+                "uneven shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
+            )
         from tokenring.collective import run_collective
 
         out, lse = run_collective(
@@ -350,13 +407,34 @@ def sequence_parallel_attn(
             kernel=block_kernel,
         )
         return (out, lse) if return_lse else out
-    key = (strategy, layout, causal, comm.world_size, q.shape[1], last_block_splits, k.shape[2])
-    fwd = _schedule(strategy, Pass.FORWARD, *key[1:])
-    bwd = _schedule(strategy, Pass.BACKWARD, *key[1:])
+    key = (
+        layout,
+        causal,
+        comm.world_size,
+        seq_len,
+        sharding.cu_seqlens,
+        window,
+        last_block_splits,
+        k.shape[2],
+    )
+    fwd = _schedule(strategy, Pass.FORWARD, *key)
+    bwd = _schedule(strategy, Pass.BACKWARD, *key)
+    rows = None
+    if sharding.padded:  # scatter the tokens into the common padded buffer (differentiable)
+        rows = sharding.padded_rows(comm.rank).to(q.device)
+        q, k, v = (_pad_rows(x, rows, sharding.seq_local) for x in (q, k, v))
     out, lse = _SequenceParallelAttnFn.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), fwd, bwd, comm, block_kernel, scale
     )
+    if rows is not None:
+        out, lse = out.index_select(1, rows), lse.index_select(2, rows)
     return (out, lse) if return_lse else out
+
+
+def _pad_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``x`` (B, s_r, H, D) placed at ``rows`` of a zero (B, num_rows, H, D) buffer."""
+    buffer = x.new_zeros((x.shape[0], num_rows, *x.shape[2:]))
+    return buffer.index_copy(1, rows, x)
 
 
 def _strategy_attn(strategy: Strategy, name: str, summary: str) -> Callable[..., Any]:

@@ -673,6 +673,11 @@ def schedule_arrays(
     pass_ = Pass(pass_)
     layout = Layout.parse(layout)
     _closed_form_strategy(strategy)
+    if strategy is Strategy.RING and causal and layout is Layout.CONTIGUOUS:
+        raise NotImplementedError(
+            "closed forms do not cover Ring on the contiguous causal layout (its K/V travel "
+            "up the ring there); read its costs from build_schedule with step_costs instead"
+        )
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     validate_seq_local(seq_local, layout)

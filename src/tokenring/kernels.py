@@ -57,7 +57,14 @@ class BlockKernel(abc.ABC):
 
     @abc.abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block attention.
 
@@ -66,6 +73,9 @@ class BlockKernel(abc.ABC):
             k, v: ``(B, sk, Hkv, D)``.
             causal: top-left causal mask (row i sees keys 0..i); only used with sq == sk.
             scale: softmax scale.
+            mask: optional bool ``(sq, sk)``, True where the query row may see the key (the
+                same for every batch row and head); not combined with ``causal``. A row that
+                sees no key gets out 0 and lse -inf.
 
         Returns:
             out ``(B, sq, Hq, D)`` in q's dtype, lse ``(B, Hq, sq)`` in the accumulation dtype.
@@ -83,13 +93,16 @@ class BlockKernel(abc.ABC):
         *,
         causal: bool,
         scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of one block given the global ``lse`` and ``delta`` of the q rows.
 
         Args:
             dout: ``(B, sq, Hq, D)``.
             q: ``(B, sq, Hq, D)``; k, v: ``(B, sk, Hkv, D)``.
-            lse, delta: ``(B, Hq, sq)``, accumulation dtype.
+            lse, delta: ``(B, Hq, sq)``, accumulation dtype (lse -inf: a row that sees no key
+                anywhere; its gradients are 0).
+            mask: as in :meth:`forward`.
 
         Returns:
             dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``, in q's dtype.
@@ -110,7 +123,12 @@ class ReferenceKernel(BlockKernel):
         return dtype.is_floating_point
 
     def _scores(
-        self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        causal: bool,
+        scale: float,
+        visible: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = accumulation_dtype(q.dtype)
         groups = q.shape[2] // k.shape[2]
@@ -121,14 +139,23 @@ class ReferenceKernel(BlockKernel):
             sq, sk = scores.shape[-2:]
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(mask, float("-inf"))
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
         return qh, kh, scores
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         acc = accumulation_dtype(q.dtype)
         groups = q.shape[2] // k.shape[2]
-        _, _, scores = self._scores(q, k, causal, scale)
+        _, _, scores = self._scores(q, k, causal, scale, _check_mask(mask, q, k, causal))
         lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, sq)
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
         vh = _bhsd(v).to(acc).repeat_interleave(groups, dim=1)  # (B, Hq, sk, D)
@@ -146,11 +173,12 @@ class ReferenceKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = accumulation_dtype(q.dtype)
         b, sk, hkv, d = k.shape
         groups = q.shape[2] // hkv
-        qh, kh, scores = self._scores(q, k, causal, scale)
+        qh, kh, scores = self._scores(q, k, causal, scale, _check_mask(mask, q, k, causal))
         probs = torch.exp(scores - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)  # (B, Hq, sq, sk)
         doh = _bhsd(dout).to(acc)  # (B, Hq, sq, D)
         vh = _bhsd(v).to(acc).repeat_interleave(groups, dim=1)  # (B, Hq, sk, D)
@@ -192,12 +220,33 @@ class CpuFlashKernel(BlockKernel):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._fwd is not None
-        result = _named(self._fwd.default, _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale)
+        visible = _check_mask(mask, q, k, causal)
+        bias = None if visible is None else _additive(visible, q.dtype)
+        result = _named(
+            self._fwd.default,
+            _bhsd(q),
+            _bhsd(k),
+            _bhsd(v),
+            0.0,
+            causal,
+            attn_mask=bias,
+            scale=scale,
+        )
         out, lse = result["output"], result["logsumexp"]  # (B, Hq, sq, D), (B, Hq, sq)
-        return _bhsd(out), lse.to(accumulation_dtype(q.dtype))
+        lse = lse.to(accumulation_dtype(q.dtype))
+        if visible is not None:  # the op reports lse 0 for a row that sees no key
+            lse = lse.masked_fill(~visible.any(-1), float("-inf"))
+        return _bhsd(out), lse
 
     def backward(
         self,
@@ -210,10 +259,16 @@ class CpuFlashKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert self._bwd is not None
+        visible = _check_mask(mask, q, k, causal)
+        bias = None if visible is None else _additive(visible, q.dtype)
         out = _stand_in_out(dout, delta)
         lse_op = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        # A row with lse -inf sees no key anywhere: every score is masked, so any finite lse
+        # gives P = 0 there (and -inf would give exp(-inf + inf) = NaN).
+        lse_op = lse_op.masked_fill(lse_op == float("-inf"), 0.0)
         result = _named(
             self._bwd.default,
             _bhsd(dout),
@@ -224,6 +279,7 @@ class CpuFlashKernel(BlockKernel):
             lse_op.contiguous(),
             0.0,
             causal,
+            attn_mask=bias,
             scale=scale,
         )
         return _bhsd(result["grad_query"]), _bhsd(result["grad_key"]), _bhsd(result["grad_value"])
@@ -247,8 +303,19 @@ class CudaSdpaKernel(BlockKernel):
         return x if groups == 1 else x.repeat_interleave(groups, dim=2)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if mask is not None:
+            # SDPA's flash op takes no mask; masked pieces (document / window edges) use the
+            # reference math until a masked fused path is validated on a GPU.
+            return ReferenceKernel().forward(q, k, v, causal=causal, scale=scale, mask=mask)
         hq, sq = q.shape[2], q.shape[1]
         k, v = self._expand(k, hq), self._expand(v, hq)
         ops = torch.ops.aten
@@ -291,11 +358,35 @@ class CudaSdpaKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The fused CUDA backward ops need side outputs of their own forward (philox state,
         # cumulative lengths) for this exact block; until that path is validated on a GPU the
         # backward uses the reference formulas (exact, materialises (B, Hq, sq, sk) in fp32).
-        return ReferenceKernel().backward(dout, q, k, v, lse, delta, causal=causal, scale=scale)
+        return ReferenceKernel().backward(
+            dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask
+        )
+
+
+def _check_mask(
+    mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, causal: bool
+) -> torch.Tensor | None:
+    """The bool ``(sq, sk)`` mask on q's device, checked (an internal contract: the runtime
+    builds masks from positions)."""
+    if mask is None:
+        return None
+    assert not causal, "a block gets either the causal flag or an explicit mask"
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (q.shape[1], k.shape[1]), (
+        f"mask must be bool {(q.shape[1], k.shape[1])}; got {mask.dtype} {tuple(mask.shape)}"
+    )
+    return mask.to(q.device)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where visible, -inf elsewhere, in ``dtype`` (the fused CPU op wants q's dtype)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, float("-inf")
+    )
 
 
 def _named(op: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

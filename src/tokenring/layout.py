@@ -21,16 +21,48 @@ P = 3, 2P = 6 chunks of c tokens::
 Local row i of rank r sits at global position ``chunk_start + (i mod c)``; positions inside a
 shard are increasing, so a causal mask over one rank's own shard is the plain top-left causal
 mask.
+
+Note [Documents and padding]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Any global length S works, and so do packed documents (``cu_seqlens``). The sequence (zigzag:
+every document on its own) is cut into near-equal pieces, longer ones first; every rank keeps
+its pieces in a padded local buffer of ``seq_local`` rows, the same size on every rank, so the
+ring's blocks line up. A :class:`Sharding` lists each rank's *runs* (consecutive tokens of one
+document in consecutive rows); rows outside every run are padding, never computed and never
+seen. Zigzag with documents d0 (10 tokens) and d1 (4 tokens), P = 2, 4 pieces per document
+(d0: 3 3 2 2, d1: 1 1 1 1), padded piece sizes 3 and 1::
+
+    rank 0 rows:  d0[0:3] d1[0:1] | d0[8:10] pad d1[3:4]     early pieces, then late pieces
+    rank 1 rows:  d0[3:6] d1[1:2] | d0[6:8]  pad d1[2:3]
+
+Every rank gets piece r and piece 2P-1-r of every document, so causal work stays balanced per
+document; the early pieces of all documents come first, so the rows a late query block needs
+stay one range. The attention functions take each rank's tokens (``s_r`` rows, the caller's
+length) and scatter them into the buffer themselves.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "global_positions", "shard", "unshard", "validate_seq_local"]
+__all__ = [
+    "Layout",
+    "Run",
+    "Sharding",
+    "global_positions",
+    "make_sharding",
+    "normalize_cu_seqlens",
+    "position_ids",
+    "shard",
+    "unshard",
+    "validate_seq_local",
+]
 
 
 class Layout(enum.Enum):
@@ -69,86 +101,318 @@ def _validate_world(rank: int, world_size: int) -> None:
 
 
 def global_positions(
-    *, rank: int, world_size: int, seq_local: int, layout: Layout | str
+    *,
+    rank: int,
+    world_size: int,
+    layout: Layout | str,
+    seq_local: int | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Global token positions held by ``rank``, in local order.
 
-    Use these as RoPE ``position_ids`` on each rank.
+    Give ``seq_local`` (every rank holds that many tokens, S = P * s) or ``seq_len`` (any
+    global length; shards may differ by a few tokens, see :class:`Sharding`). With
+    ``cu_seqlens`` the zigzag is per document (Note [Documents and padding]). For RoPE use
+    :func:`position_ids`, which restarts at every document.
 
     Returns:
-        int64 tensor of shape ``(seq_local,)``.
+        int64 tensor of shape ``(s_r,)``, this rank's number of tokens.
     """
-    layout = Layout.parse(layout)
+    return make_sharding(
+        layout=layout,
+        world_size=world_size,
+        seq_len=_seq_len_of(world_size, seq_local, seq_len, Layout.parse(layout)),
+        cu_seqlens=cu_seqlens,
+    ).positions(_checked_rank(rank, world_size))
+
+
+def position_ids(
+    *,
+    rank: int,
+    world_size: int,
+    layout: Layout | str,
+    seq_len: int,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Position of each of ``rank``'s tokens inside its document (RoPE ``position_ids``).
+
+    Without ``cu_seqlens`` this equals :func:`global_positions`.
+
+    Returns:
+        int64 tensor of shape ``(s_r,)``.
+    """
+    sharding = make_sharding(
+        layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+    )
+    return sharding.doc_positions(_checked_rank(rank, world_size))
+
+
+def _checked_rank(rank: int, world_size: int) -> int:
     _validate_world(rank, world_size)
-    validate_seq_local(seq_local, layout)
-    if layout is Layout.CONTIGUOUS:
-        return torch.arange(rank * seq_local, (rank + 1) * seq_local)
-    chunk = seq_local // 2
-    first = torch.arange(rank * chunk, (rank + 1) * chunk)
-    last_chunk = 2 * world_size - 1 - rank
-    second = torch.arange(last_chunk * chunk, (last_chunk + 1) * chunk)
-    return torch.cat([first, second])
+    return rank
 
 
-def _seq_local_of(seq_len: int, world_size: int, layout: Layout) -> int:
-    parts = world_size * (2 if layout is Layout.ZIGZAG else 1)
-    if seq_len % parts != 0:
+def _seq_len_of(world_size: int, seq_local: int | None, seq_len: int | None, layout: Layout) -> int:
+    if (seq_local is None) == (seq_len is None):
         raise ValueError(
-            f"sequence length must be divisible by {parts} for layout '{layout.value}' "
-            f"with world_size {world_size}; got {seq_len}"
+            f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
+            f"seq_len={seq_len}"
         )
-    return seq_len // world_size
+    if seq_local is not None:
+        validate_seq_local(seq_local, layout)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1; got {world_size}")
+        return seq_local * world_size
+    assert seq_len is not None
+    return seq_len
 
 
 def shard(
-    x: torch.Tensor, *, rank: int, world_size: int, layout: Layout | str, seq_dim: int = 1
+    x: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    layout: Layout | str,
+    seq_dim: int = 1,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Take ``rank``'s shard of a global tensor along ``seq_dim``.
+
+    Any global length works: shards differ by at most a few tokens when the layout's chunk
+    count does not divide it (the attention functions then need ``seq_len=``). With
+    ``cu_seqlens`` (document boundaries of a packed sequence) and the zigzag layout, every
+    document is zigzagged on its own.
 
     Args:
         x: global tensor, e.g. ``(B, S, H, D)`` with ``seq_dim=1``.
 
     Returns:
-        ``(B, s, H, D)`` (the same shape with ``S`` replaced by ``s = S // P``), contiguous.
+        ``(B, s_r, H, D)`` (``S`` replaced by this rank's length), contiguous.
     """
-    layout = Layout.parse(layout)
-    _validate_world(rank, world_size)
-    seq_local = _seq_local_of(x.shape[seq_dim], world_size, layout)
-    index = global_positions(
-        rank=rank, world_size=world_size, seq_local=seq_local, layout=layout
-    ).to(x.device)
+    sharding = make_sharding(
+        layout=layout, world_size=world_size, seq_len=x.shape[seq_dim], cu_seqlens=cu_seqlens
+    )
+    index = sharding.positions(_checked_rank(rank, world_size)).to(x.device)
     return x.index_select(seq_dim, index).contiguous()
 
 
 def unshard(
-    shards: Sequence[torch.Tensor], *, layout: Layout | str, seq_dim: int = 1
+    shards: Sequence[torch.Tensor],
+    *,
+    layout: Layout | str,
+    seq_dim: int = 1,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`shard`: put every rank's shard back in global order.
 
     Args:
-        shards: one ``(B, s, H, D)`` tensor per rank, in rank order.
+        shards: one ``(B, s_r, H, D)`` tensor per rank, in rank order.
+        cu_seqlens: the document boundaries given to :func:`shard`, if any.
 
     Returns:
         ``(B, S, H, D)``.
     """
-    layout = Layout.parse(layout)
     world_size = len(shards)
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank; got an empty sequence")
-    seq_local = shards[0].shape[seq_dim]
-    for r, s in enumerate(shards):
-        if s.shape != shards[0].shape:
+    for r, x in enumerate(shards):
+        expected = list(shards[0].shape)
+        expected[seq_dim] = x.shape[seq_dim]
+        if list(x.shape) != expected:
             raise ValueError(
-                f"shards[{r}] has shape {tuple(s.shape)}; expected {tuple(shards[0].shape)}"
+                f"shards[{r}] has shape {tuple(x.shape)}; expected {tuple(expected)} (only "
+                f"dim {seq_dim} may differ between ranks)"
             )
-    validate_seq_local(seq_local, layout, name=f"shards[*].shape[{seq_dim}]")
+    seq_len = sum(x.shape[seq_dim] for x in shards)
+    sharding = make_sharding(
+        layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+    )
+    for r, x in enumerate(shards):
+        if x.shape[seq_dim] != sharding.local_len(r):
+            raise ValueError(
+                f"shards[{r}].shape[{seq_dim}] must be {sharding.local_len(r)} for a global "
+                f"length of {seq_len} under layout '{sharding.layout.value}'; got "
+                f"{x.shape[seq_dim]}"
+            )
     stacked = torch.cat(list(shards), dim=seq_dim)
-    positions = torch.cat(
-        [
-            global_positions(rank=r, world_size=world_size, seq_local=seq_local, layout=layout)
-            for r in range(world_size)
-        ]
-    ).to(stacked.device)
+    positions = torch.cat([sharding.positions(r) for r in range(world_size)]).to(stacked.device)
     inverse = torch.empty_like(positions)
     inverse[positions] = torch.arange(positions.numel(), device=positions.device)
     return stacked.index_select(seq_dim, inverse)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Consecutive global tokens of one document held in consecutive local rows."""
+
+    local_start: int
+    """First local row (in the padded local buffer)."""
+    length: int
+    """Number of tokens (>= 0)."""
+    global_start: int
+    """Global position of the first token."""
+    doc: int
+    """Index of the document (0 without documents)."""
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        return (self.local_start, self.local_start + self.length)
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """Where every global token lives: per rank, runs of tokens in a padded local buffer of
+    ``seq_local`` rows (the same on every rank). Pure data; build with :func:`make_sharding`.
+
+    See Note [Documents and padding].
+    """
+
+    layout: Layout
+    world_size: int
+    seq_len: int
+    """S, the caller's global length."""
+    cu_seqlens: tuple[int, ...]
+    """Document boundaries ``(0, ..., S)``; ``(0, S)`` without documents."""
+    seq_local: int
+    """Rows per rank after padding."""
+    runs: tuple[tuple[Run, ...], ...]
+    """Per rank, its runs in local order."""
+
+    def local_len(self, rank: int) -> int:
+        """Tokens rank ``rank`` holds (its caller-visible local length)."""
+        return sum(run.length for run in self.runs[rank])
+
+    @property
+    def padded(self) -> bool:
+        """Whether some local row holds no token."""
+        return any(self.local_len(r) != self.seq_local for r in range(self.world_size))
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global position of each token of ``rank`` in local order: ``(s_r,)`` int64."""
+        return _cat(
+            [torch.arange(r.global_start, r.global_start + r.length) for r in self.runs[rank]]
+        )
+
+    def doc_positions(self, rank: int) -> torch.Tensor:
+        """Position inside its document of each token of ``rank``: ``(s_r,)`` int64."""
+        starts = self.cu_seqlens
+        return _cat(
+            [
+                torch.arange(r.global_start, r.global_start + r.length) - starts[r.doc]
+                for r in self.runs[rank]
+            ]
+        )
+
+    def padded_rows(self, rank: int) -> torch.Tensor:
+        """Row of the padded local buffer of each token of ``rank``: ``(s_r,)`` int64."""
+        return _cat(
+            [torch.arange(r.local_start, r.local_start + r.length) for r in self.runs[rank]]
+        )
+
+    def padded_positions(self, rank: int) -> torch.Tensor:
+        """Global position held by each row of the padded buffer, -1 for padding:
+        ``(seq_local,)`` int64."""
+        out = torch.full((self.seq_local,), -1, dtype=torch.int64)
+        out[self.padded_rows(rank)] = self.positions(rank)
+        return out
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _split(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` near-equal consecutive ranges of ``range(length)`` (earlier ones longer)."""
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + length // parts + (1 if i < length % parts else 0))
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def normalize_cu_seqlens(
+    cu_seqlens: Sequence[int] | torch.Tensor | None, seq_len: int, *, name: str = "cu_seqlens"
+) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple ``(0, ..., seq_len)``; ValueError naming what is wrong."""
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0; got {seq_len}")
+    if cu_seqlens is None:
+        return (0, seq_len)
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor; got dtype {cu_seqlens.dtype}, shape "
+                f"{tuple(cu_seqlens.shape)}"
+            )
+        values = tuple(int(x) for x in cu_seqlens.tolist())
+    else:
+        values = tuple(int(x) for x in cu_seqlens)
+    if len(values) < 2 or values[0] != 0 or values[-1] != seq_len:
+        raise ValueError(
+            f"{name} must start at 0 and end at the global length {seq_len}; got {list(values)}"
+        )
+    if any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError(f"{name} must be non-decreasing; got {list(values)}")
+    # empty documents change nothing; drop them so equal packings give equal shardings
+    return (0, *sorted(set(values[1:]) - {0})) if seq_len > 0 else (0, 0)
+
+
+def make_sharding(
+    *,
+    layout: Layout | str,
+    world_size: int,
+    seq_len: int,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+) -> Sharding:
+    """The :class:`Sharding` of a global sequence of ``seq_len`` tokens.
+
+    Raises:
+        ValueError: world_size < 1, seq_len < 0, or malformed cu_seqlens.
+    """
+    layout = Layout.parse(layout)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    return _make_sharding(layout, world_size, seq_len, normalize_cu_seqlens(cu_seqlens, seq_len))
+
+
+@functools.lru_cache(maxsize=256)
+def _make_sharding(
+    layout: Layout, world_size: int, seq_len: int, cu_seqlens: tuple[int, ...]
+) -> Sharding:
+    p = world_size
+    docs = list(itertools.pairwise(cu_seqlens))
+    runs: list[list[Run]] = [[] for _ in range(p)]
+    if layout is Layout.CONTIGUOUS:
+        width = -(-seq_len // p) if seq_len else 0
+        for r, (lo, hi) in enumerate(_split(seq_len, p)):
+            for d, (a, b) in enumerate(docs):  # cut the rank's range at document boundaries
+                start, stop = max(lo, a), min(hi, b)
+                if start < stop:
+                    runs[r].append(Run(start - lo, stop - start, start, d))
+        seq_local = max(width, 1)
+    else:
+        widths = [-(-(b - a) // (2 * p)) for a, b in docs]  # padded chunk size per document
+        half = sum(widths)
+        offset = 0
+        for d, ((a, b), width) in enumerate(zip(docs, widths, strict=True)):
+            chunks = _split(b - a, 2 * p)
+            for r in range(p):
+                for base, chunk in ((0, r), (half, 2 * p - 1 - r)):
+                    lo, hi = chunks[chunk]
+                    if hi > lo:
+                        runs[r].append(Run(base + offset, hi - lo, a + lo, d))
+            offset += width
+        runs = [sorted(rank_runs, key=lambda run: run.local_start) for rank_runs in runs]
+        seq_local = max(2 * half, 2)
+    return Sharding(
+        layout=layout,
+        world_size=p,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
+        seq_local=seq_local,
+        runs=tuple(tuple(rank_runs) for rank_runs in runs),
+    )

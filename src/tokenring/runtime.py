@@ -119,7 +119,11 @@ class _SlotPoster:
         }
 
     def take(
-        self, payload: Payload, step: int | None = None, lane: int | None = None
+        self,
+        payload: Payload,
+        step: int | None = None,
+        lane: int | None = None,
+        owner: int | None = None,
     ) -> list[PendingRecv]:
         keys = [
             tr
@@ -127,6 +131,7 @@ class _SlotPoster:
             if tr.payload is payload
             and (step is None or tr.step == step)
             and (lane is None or tr.lane == lane)
+            and (owner is None or tr.owner == owner)
         ]
         keys.sort(key=lambda tr: (tr.step, tr.after_segments))
         return [self.pending.pop(tr) for tr in keys]
@@ -143,17 +148,40 @@ def _timed(comm: Communicator, step: int, label: str) -> Callable[[], None]:
 
 
 def _merge_parts(
-    parts: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, int]
+    parts: list[tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]], rows: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One partial (out, lse) from the pieces of a segment, merged in the accumulation dtype."""
-    if len(parts) == 1:
-        return parts[0]
-    out0, lse0 = parts[0]
-    out = torch.zeros(out0.shape, dtype=lse0.dtype, device=out0.device)  # (B, n, Hq, D)
-    lse = torch.full(lse0.shape, float("-inf"), dtype=lse0.dtype, device=out0.device)
-    for part_out, part_lse in parts:
-        merge_into(out, lse, (0, rows[1] - rows[0]), part_out, part_lse)
+    """One partial (out, lse) over the segment's ``rows`` from its pieces (each over its own q
+    rows inside them), merged in the accumulation dtype; rows no piece covers get lse -inf."""
+    if len(parts) == 1 and parts[0][0] == rows:
+        return parts[0][1]
+    out0, lse0 = parts[0][1]
+    n = rows[1] - rows[0]
+    out = torch.zeros((out0.shape[0], n, *out0.shape[2:]), dtype=lse0.dtype, device=out0.device)
+    lse = torch.full(
+        (lse0.shape[0], lse0.shape[1], n), float("-inf"), dtype=lse0.dtype, device=out0.device
+    )  # (B, Hq, n)
+    for (start, stop), (part_out, part_lse) in parts:
+        merge_into(out, lse, (start - rows[0], stop - rows[0]), part_out, part_lse)
     return out.to(out0.dtype), lse
+
+
+class _Masks:
+    """Explicit masks of a schedule's masked pieces, from the owners' padded positions."""
+
+    def __init__(self, sched: Schedule, device: torch.device) -> None:
+        self.sched, self.device = sched, device
+        self.positions: dict[int, torch.Tensor] = {}
+
+    def __call__(self, piece: Piece, q_owner: int, kv_owner: int) -> torch.Tensor | None:
+        if not piece.masked:
+            return None
+        assert self.sched.sharding is not None and self.sched.mask is not None
+        for owner in (q_owner, kv_owner):
+            if owner not in self.positions:
+                self.positions[owner] = self.sched.sharding.padded_positions(owner).to(self.device)
+        q_pos = self.positions[q_owner][piece.q_rows[0] : piece.q_rows[1]]
+        kv_pos = self.positions[kv_owner][piece.kv_rows[0] : piece.kv_rows[1]]
+        return self.sched.mask.visible(q_pos, kv_pos)  # (sq, sk)
 
 
 def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
@@ -218,6 +246,7 @@ def run_forward(
     pass_q = sched.strategy is Strategy.TOKEN_RING
     held = {0: _Held(rank, (0, s), [q])} if pass_q else _lane_blocks(sched, rank, [k, v])
     partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
+    masks = _Masks(sched, q.device)
 
     def provide(tr: Transfer) -> Sequence[torch.Tensor]:
         if tr.payload is Payload.OUT:
@@ -236,17 +265,21 @@ def run_forward(
                 qh = _q_heads(piece, groups)
                 if pass_q:
                     q_p, k_p, v_p = held[0].rows_of(0, piece.q_rows), k[:, c:d], v[:, c:d]
+                    kv_owner = rank
                 elif step == 0:  # the local block, every head
                     q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
+                    kv_owner = rank
                 else:
                     block = held[piece.lane]
                     q_p = q[:, a:b, qh]
                     k_p, v_p = block.rows_of(0, piece.kv_rows), block.rows_of(1, piece.kv_rows)
-                part = kernel.forward(q_p, k_p, v_p, causal=piece.causal, scale=scale)
+                    kv_owner = block.owner
+                mask = masks(piece, plan.q_owner, kv_owner)
+                part = kernel.forward(q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask)
                 if plan.q_owner == rank:  # merge straight into this rank's accumulators
                     merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
                 else:
-                    parts.append(part)
+                    parts.append((piece.q_rows, part))
             if parts:
                 partials[_return_of(sched, rank, step, index)] = _merge_parts(parts, segment.q_rows)
             done()
@@ -300,6 +333,7 @@ def run_backward(
     else:
         held = _lane_blocks(sched, rank, [k, v])
     returns: dict[Transfer, list[torch.Tensor]] = {}
+    masks = _Masks(sched, q.device)
 
     def provide(tr: Transfer) -> Sequence[torch.Tensor]:
         if tr.payload in (Payload.DQ, Payload.DKV):
@@ -311,12 +345,13 @@ def run_backward(
         plan = sched.steps[rank][step]
         num_segments = len(plan.segments)
         poster.post(step, 0, provide)
-        # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows).
+        # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows),
+        # for the lanes whose block this rank computes with (and so passes an accumulator on).
+        outgoing = {tr.lane: tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
         lane_grads: dict[int, list[torch.Tensor]] = {}
-        if not pass_q and step > 0:
-            for index, lane_def in enumerate(sched.lanes):
-                shape = _lane_shape(lane_def, k)
-                lane_grads[index] = [torch.zeros(shape, dtype=acc, device=k.device) for _ in "kv"]
+        for index in outgoing:
+            shape = _lane_shape(sched.lanes[index], k)
+            lane_grads[index] = [torch.zeros(shape, dtype=acc, device=k.device) for _ in "kv"]
         for index, segment in enumerate(plan.segments):
             done = _timed(comm, step, "attn_bwd")
             dq_seg: torch.Tensor | None = None
@@ -326,17 +361,21 @@ def run_backward(
                 if pass_q:
                     q_p, do_p, lse_p, delta_p = held[0].slice(piece.q_rows)
                     k_p, v_p = k[:, c:d], v[:, c:d]
+                    kv_owner = rank
                 else:
                     q_p, do_p = q[:, a:b, qh], dout[:, a:b, qh]
                     lse_p, delta_p = lse[:, qh, a:b], delta[:, qh, a:b]
                     if step == 0:
                         k_p, v_p = k[:, c:d], v[:, c:d]
+                        kv_owner = rank
                     else:
                         block = held[piece.lane]
                         k_p = block.rows_of(0, piece.kv_rows)
                         v_p = block.rows_of(1, piece.kv_rows)
+                        kv_owner = block.owner
+                mask = masks(piece, plan.q_owner, kv_owner)
                 dq_p, dk_p, dv_p = kernel.backward(
-                    do_p, q_p, k_p, v_p, lse_p, delta_p, causal=piece.causal, scale=scale
+                    do_p, q_p, k_p, v_p, lse_p, delta_p, causal=piece.causal, scale=scale, mask=mask
                 )
                 if pass_q or step == 0:
                     dk_acc[:, c:d] += dk_p
@@ -349,7 +388,14 @@ def run_backward(
                 if plan.q_owner == rank:
                     dq_acc[:, a:b, qh] += dq_p
                 else:
-                    dq_seg = dq_p.to(acc) if dq_seg is None else dq_seg + dq_p.to(acc)
+                    if dq_seg is None:
+                        rows = segment.q_rows
+                        dq_seg = torch.zeros(
+                            (q.shape[0], rows[1] - rows[0], *q.shape[2:]),
+                            dtype=acc,
+                            device=q.device,
+                        )  # (B, n, Hq, D)
+                    dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]] += dq_p
             done()
             if dq_seg is not None:
                 returns[_return_of(sched, rank, step, index)] = [dq_seg.to(q.dtype)]
@@ -358,16 +404,10 @@ def run_backward(
         # Pass-KV: add the accumulator that followed each block (from step 2 on: the first
         # visitor created it) and pass it on; see Note [Backward] in tokenring.schedule.
         for lane, grads in lane_grads.items():
-            if step > 1:
-                (rec,) = poster.take(Payload.DKV, step - 1, lane)
+            for rec in poster.take(Payload.DKV, step - 1, lane, owner=plan.kv_owners[lane]):
                 for grad, arrived in zip(grads, rec.wait(), strict=True):
                     grad += arrived
-            (outgoing,) = [
-                tr
-                for tr in sched.sends(rank, step)
-                if tr.payload is Payload.DKV and tr.lane == lane
-            ]
-            returns[outgoing] = grads
+            returns[outgoing[lane]] = grads
         if num_segments > 0:
             poster.post(step, num_segments, provide)
         poster.post_rest(step, num_segments, provide)

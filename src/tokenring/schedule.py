@@ -44,7 +44,12 @@ down the ring, the owner o's Q first visits ranks o-1, ..., 0 (j < o: all rows n
 P-1, ..., o+1 (j > o: only rows [c, s)). The rows a rank forwards are the union of what every
 rank still ahead of it needs, so they only ever shrink: after the wrap TokenRing sends half of
 Q and gets half a partial back. Ring (pass-KV) uses the same mechanism for K/V, moving down as
-well: K/V first visit j-1..0 (needs [0, s)), then P-1..j+1 (needs [0, c)).
+well: K/V first visit j-1..0 (needs [0, s)), then P-1..j+1 (needs [0, c)). On the contiguous
+causal layout only ranks above j see j's keys, so there Ring's K/V move up (j+1, j+2, ...).
+
+With documents, windows or padding (Note [Mask classes] in ``tokenring.masks``) a block is
+one piece per visible pair of runs instead; a block nobody sees has no piece, and rows nobody
+ahead needs are not sent, so a short window ends the ring after the steps it reaches.
 
 Note [Backward]
 ~~~~~~~~~~~~~~~
@@ -52,9 +57,10 @@ TokenRing: K/V and their gradient accumulators stay home. (q, dout, lse, delta) 
 like q in the forward; each rank adds dK, dV of its own K/V from every visiting Q; partial dQ
 goes back to its owner like ``out``. Pass-KV (Ring, bidirectional Ring): K/V travel like the
 forward. The local block's dK/dV (step 0) stays home. The fp32 accumulator of a travelling
-block is created by the first rank it visits (step 1), follows the block one step behind on
-the return process group (same direction), and the last visitor (step P-1) sends it home:
-P-1 hops of the lane's rows per block.
+block is created by the first visitor that computes with it, follows the block one step
+behind on the return process group (same direction), and the last visitor that computes
+with it sends it straight home: P-1 hops of the lane's rows per block when every visitor
+computes (the last hop is then the ring's own link home), fewer under a window.
 
 Note [Bidirectional ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -74,10 +80,12 @@ carries half of Ring's K/V bytes, and nothing is left to return at the end, unli
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from tokenring.layout import Layout, validate_seq_local
+from tokenring.layout import Layout, Sharding, make_sharding, validate_seq_local
+from tokenring.masks import MaskKind, MaskSpec, normalize_window
 
 __all__ = [
     "Dims",
@@ -107,6 +115,7 @@ class Strategy(enum.Enum):
     BIDIR_RING = "bidir_ring"
     ULYSSES = "ulysses"
     ALLGATHER_KV = "allgather_kv"
+    HYBRID = "hybrid"  # 2-D mesh, inner all-to-all + outer ring strategy: tokenring.hybrid
 
     @property
     def is_collective(self) -> bool:
@@ -203,9 +212,10 @@ class Piece:
 
     q_rows: Rows
     kv_rows: Rows
-    causal: bool  # top-left causal mask; only on a shard against itself (equal positions)
+    causal: bool  # top-left causal mask; only on a run against itself (equal positions)
     lane: int = 0  # which travelling block the kv rows come from (see Lane)
     heads: Rows | None = None  # kv heads computed (query heads: the same range x group); all
+    masked: bool = False  # explicit mask from the rows' positions (Note [Mask classes])
 
     @property
     def num_q(self) -> int:
@@ -218,7 +228,8 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Pieces over the same q rows, merged into one partial (the unit that is returned)."""
+    """Pieces over q rows inside ``q_rows``, merged into one partial over ``q_rows`` (the unit
+    that is returned); rows no piece covers get lse -inf."""
 
     q_rows: Rows
     pieces: tuple[Piece, ...]
@@ -299,6 +310,8 @@ class Schedule:
     lanes: tuple[Lane, ...]
     steps: tuple[tuple[StepPlan, ...], ...]  # [rank][step]
     transfers: tuple[Transfer, ...]
+    sharding: Sharding | None = None  # where tokens and padding live; None: no padding
+    mask: MaskSpec | None = None  # None: plain (``causal`` only)
     _sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
     _recvs: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
 
@@ -327,22 +340,81 @@ class Schedule:
 def block_pieces(
     *, layout: Layout, causal: bool, world_size: int, seq_local: int, q_owner: int, kv_owner: int
 ) -> tuple[Piece, ...]:
-    """The kernel calls for the Q shard of ``q_owner`` against the K/V shard of ``kv_owner``.
+    """The kernel calls for the Q shard of ``q_owner`` against the K/V shard of ``kv_owner``
+    when every rank holds ``seq_local`` tokens and only ``causal`` masks.
 
     See Note [Causal blocks per layout].
     """
-    s = seq_local
-    whole = (0, s)
-    if not causal:
-        return (Piece(whole, whole, False),)
-    if q_owner == kv_owner:
-        return (Piece(whole, whole, True),)
-    if layout is Layout.CONTIGUOUS:
-        return (Piece(whole, whole, False),) if kv_owner < q_owner else ()
-    c = s // 2
-    if kv_owner < q_owner:
-        return (Piece(whole, (0, c), False),)
-    return (Piece((c, s), whole, False),)
+    sharding = make_sharding(layout=layout, world_size=world_size, seq_len=seq_local * world_size)
+    return sharded_block_pieces(sharding, MaskSpec(causal), q_owner, kv_owner)
+
+
+def sharded_block_pieces(
+    sharding: Sharding, mask: MaskSpec, q_owner: int, kv_owner: int
+) -> tuple[Piece, ...]:
+    """The kernel calls for the Q rows of ``q_owner`` against the K/V rows of ``kv_owner``:
+    one piece per visible pair of runs (Note [Mask classes]), full pieces that tile a larger
+    rectangle merged into one.
+
+    A rank's own block under a plain causal mask, without padding, is one causal piece over
+    the whole shard: positions increase along its rows (Note [Causal blocks per layout]).
+    """
+    q_runs, kv_runs = sharding.runs[q_owner], sharding.runs[kv_owner]
+    n = sharding.local_len(q_owner)
+    if (
+        q_owner == kv_owner
+        and mask.causal
+        and mask.plain
+        and n == sharding.seq_local
+        and all(a.global_start < b.global_start for a, b in itertools.pairwise(q_runs))
+    ):
+        return (Piece((0, n), (0, n), True),)
+    full: list[tuple[Rows, Rows]] = []
+    other: list[Piece] = []
+    for q_whole in q_runs:
+        for kv_whole in kv_runs:
+            trimmed = mask.trim(q_whole, kv_whole)
+            if trimmed is None:
+                continue
+            q_run, kv_run = trimmed
+            kind = mask.classify(q_run, kv_run)
+            if kind is MaskKind.FULL:
+                full.append((q_run.rows, kv_run.rows))
+            elif kind is not MaskKind.EMPTY:
+                other.append(
+                    Piece(
+                        q_run.rows,
+                        kv_run.rows,
+                        kind is MaskKind.CAUSAL,
+                        masked=kind is MaskKind.MASKED,
+                    )
+                )
+    merged = [Piece(q_rows, kv_rows, False) for q_rows, kv_rows in _merge_rectangles(full)]
+    return tuple(sorted(merged + other, key=lambda p: (p.q_rows, p.kv_rows)))
+
+
+def _merge_rectangles(rects: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]:
+    """Merge (q rows, kv rows) rectangles that share one side and touch on the other, until
+    none do. The union is unchanged; only the number of kernel calls drops."""
+    rects = sorted(rects)
+    changed = True
+    while changed:
+        changed = False
+        for i, (qa, ka) in enumerate(rects):
+            for j in range(i + 1, len(rects)):
+                qb, kb = rects[j]
+                joined = None
+                if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
+                    joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
+                elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
+                    joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
+                if joined is not None:
+                    rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
+                    changed = True
+                    break
+            if changed:
+                break
+    return rects
 
 
 def _union(rows: list[Rows]) -> Rows | None:
@@ -365,7 +437,7 @@ def _segments(pieces: tuple[Piece, ...], splits: int) -> tuple[Segment, ...]:
     """One segment for the block, or ``splits`` row slices of a single full piece."""
     if not pieces:
         return ()
-    if splits > 1 and len(pieces) == 1 and not pieces[0].causal:
+    if splits > 1 and len(pieces) == 1 and not pieces[0].causal and not pieces[0].masked:
         piece = pieces[0]
         return tuple(
             Segment(rows, (Piece(rows, piece.kv_rows, False),))
@@ -373,7 +445,6 @@ def _segments(pieces: tuple[Piece, ...], splits: int) -> tuple[Segment, ...]:
         )
     q_rows = _union([p.q_rows for p in pieces])
     assert q_rows is not None
-    assert all(p.q_rows == q_rows for p in pieces), "pieces of a segment share their q rows"
     return (Segment(q_rows, pieces),)
 
 
@@ -384,10 +455,13 @@ def build_schedule(
     layout: Layout | str,
     causal: bool,
     world_size: int,
-    seq_local: int,
+    seq_local: int | None = None,
     last_block_splits: int = 2,
     heads_kv: int | None = None,
     heads_q: int | None = None,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+    window_size: Sequence[int] | int | None = None,
 ) -> Schedule:
     """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
 
@@ -397,7 +471,14 @@ def build_schedule(
         layout: how the sequence is sharded (see ``tokenring.layout``).
         causal: causal mask over global positions.
         world_size: P >= 1.
-        seq_local: s, tokens per rank.
+        seq_local: s, tokens per rank when every rank holds the same number (S = P * s).
+        seq_len: instead of ``seq_local``: the global length S, any S >= 0 (the shards are
+            padded to a common size; see Note [Documents and padding] in tokenring.layout).
+        cu_seqlens: document boundaries of a packed sequence (0, ..., S); attention never
+            crosses them, and with the zigzag layout every document is zigzagged on its own.
+        window_size: flash-attention's sliding window ``(left, right)`` (-1: unbounded).
+            Blocks outside every window are not computed, and rows nobody ahead needs are
+            not sent, so ring steps beyond the window cost nothing.
         last_block_splits: TokenRing computes its last block in this many row slices and
             returns each as soon as it is done (see Note [TokenRing step table]).
         heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes
@@ -407,14 +488,32 @@ def build_schedule(
 
     Raises:
         ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
-            cannot split, or last_block_splits < 1.
+            cannot split, both or neither of seq_local and seq_len, bad cu_seqlens or
+            window_size, or last_block_splits < 1.
+        NotImplementedError: documents, windows or padding with a collective strategy.
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
     layout = Layout.parse(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
-    validate_seq_local(seq_local, layout)
+    if (seq_local is None) == (seq_len is None):
+        raise ValueError(
+            f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
+            f"seq_len={seq_len}"
+        )
+    if seq_local is not None:
+        validate_seq_local(seq_local, layout)
+        seq_len = seq_local * world_size
+    assert seq_len is not None
+    sharding = make_sharding(
+        layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+    )
+    mask = MaskSpec(
+        causal,
+        normalize_window(window_size, causal=causal),
+        sharding.cu_seqlens if sharding.num_docs > 1 else None,
+    )
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     if strategy.is_collective:
@@ -422,6 +521,11 @@ def build_schedule(
             raise ValueError(
                 f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
                 f"{heads_q}, {heads_kv}"
+            )
+        if sharding.padded or not mask.plain:
+            raise NotImplementedError(
+                f"strategy {strategy.value!r} supports neither documents, windows nor padded "
+                "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
             )
         from tokenring.collective import build_collective_schedule
 
@@ -431,22 +535,19 @@ def build_schedule(
             layout=layout,
             causal=causal,
             world_size=world_size,
-            seq_local=seq_local,
+            seq_local=sharding.seq_local,
             heads_q=heads_q,
             heads_kv=heads_kv,
         )
-    p, s = world_size, seq_local
-    lanes = _lanes(strategy, layout, s, heads_kv)
+    p, s = world_size, sharding.seq_local
+    lanes = _lanes(strategy, layout, s, heads_kv, causal)
+    cache: dict[tuple[int, int], tuple[Piece, ...]] = {}
 
     def pieces(q_owner: int, kv_owner: int) -> tuple[Piece, ...]:
-        return block_pieces(
-            layout=layout,
-            causal=causal,
-            world_size=p,
-            seq_local=s,
-            q_owner=q_owner,
-            kv_owner=kv_owner,
-        )
+        key = (q_owner, kv_owner)
+        if key not in cache:
+            cache[key] = sharded_block_pieces(sharding, mask, q_owner, kv_owner)
+        return cache[key]
 
     steps: list[list[StepPlan]] = []
     for r in range(p):
@@ -508,18 +609,27 @@ def build_schedule(
                         Transfer(ret, r, plan.q_owner, plan.q_owner, segment.q_rows, t, k + 1)
                     )
     elif pass_ is Pass.BACKWARD:
-        # See Note [Backward]: the accumulator of a K/V block is created by the first rank it
-        # visits (step 1), follows the block, and the last visitor sends it home.
+        # See Note [Backward]: the accumulator of a K/V block is created by the first rank
+        # that computes with it, follows the block, and the last one sends it home.
         for index, lane in enumerate(lanes):
-            for r in range(p):
-                for t in range(1, p):
-                    plan = steps[r][t]
+            for owner in range(p):
+                holders = [(owner + lane.direction * t) % p for t in range(p)]
+                computing = [
+                    t
+                    for t in range(1, p)
+                    if any(piece.lane == index for piece in steps[holders[t]][t].pieces)
+                ]
+                if not computing:
+                    continue
+                last = computing[-1]
+                for t in range(computing[0], last + 1):
+                    plan = steps[holders[t]][t]
                     transfers.append(
                         Transfer(
                             Payload.DKV,
-                            r,
-                            (r + lane.direction) % p,
-                            plan.kv_owners[index],
+                            holders[t],
+                            holders[t + 1] if t < last else owner,
+                            owner,
                             lane.kv_rows or (0, s),
                             t,
                             max(1, len(plan.segments)),
@@ -537,25 +647,27 @@ def build_schedule(
         lanes=lanes,
         steps=tuple(tuple(row) for row in steps),
         transfers=tuple(transfers),
+        sharding=sharding,
+        mask=mask,
     )
 
 
 def _lanes(
-    strategy: Strategy, layout: Layout, seq_local: int, heads_kv: int | None
+    strategy: Strategy, layout: Layout, seq_local: int, heads_kv: int | None, causal: bool
 ) -> tuple[Lane, ...]:
-    """See Note [Bidirectional ring]."""
+    """See Note [Bidirectional ring]. Ring's K/V travel down (like TokenRing's Q) except on
+    the contiguous causal layout, where only higher ranks see a shard's keys: there they
+    travel up, so a sliding window's ring ends after the neighbours it reaches."""
     if strategy is not Strategy.BIDIR_RING:
-        return (Lane(-1),)
+        up = strategy is Strategy.RING and causal and layout is Layout.CONTIGUOUS
+        return (Lane(+1 if up else -1),)
     if heads_kv is None or heads_kv < 1:
         raise ValueError(f"heads_kv must be given (>= 1) for strategy 'bidir_ring'; got {heads_kv}")
     if heads_kv >= 2:
         half = heads_kv // 2
         return (Lane(-1, kv_heads=(0, half)), Lane(+1, kv_heads=(half, heads_kv)))
     if seq_local < 2:
-        raise ValueError(
-            f"seq_local must be >= 2 for strategy 'bidir_ring' with one kv head (the two rings "
-            f"carry halves of the K/V rows); got {seq_local}"
-        )
+        return (Lane(-1),)  # one kv head and one row per rank: nothing to split, one ring
     half = seq_local // 2  # zigzag: exactly the early and the late chunk
     return (Lane(-1, kv_rows=(0, half)), Lane(+1, kv_rows=(half, seq_local)))
 
@@ -566,13 +678,15 @@ def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> 
     if whole_block:
         return [piece]
     if lane.kv_rows is None:
-        return [Piece(piece.q_rows, piece.kv_rows, piece.causal, index, lane.kv_heads)]
+        return [
+            Piece(piece.q_rows, piece.kv_rows, piece.causal, index, lane.kv_heads, piece.masked)
+        ]
     lo = max(piece.kv_rows[0], lane.kv_rows[0])
     hi = min(piece.kv_rows[1], lane.kv_rows[1])
     if lo >= hi:
         return []
     assert not piece.causal, "only the local block (step 0) is causal, and lane 0 owns it"
-    return [Piece(piece.q_rows, (lo, hi), False, index, lane.kv_heads)]
+    return [Piece(piece.q_rows, (lo, hi), False, index, lane.kv_heads, piece.masked)]
 
 
 def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:

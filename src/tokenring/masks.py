@@ -1,0 +1,151 @@
+"""Which (query, key) pairs may see each other, and how a block of them is computed.
+
+This module owns the attention mask as plain data (:class:`MaskSpec`: causal, a sliding
+window, packed documents) and its classification of runs of tokens (``tokenring.layout.Run``)
+into kernel calls: skipped, full, top-left causal, or an explicit mask built from positions.
+The schedule reads the classification, so a block nobody can see is neither computed nor sent.
+
+Legend: S global seq, sq / sk rows of a query / key run, P world size.
+
+Note [Mask classes]
+~~~~~~~~~~~~~~~~~~~
+Query i may see key j (global positions) when both are in the same document and
+``i - left <= j <= i + right`` (flash-attention's ``window_size=(left, right)``; -1 means
+unbounded; ``causal`` forces right = 0). For a query run [qa, qb) against a key run [ka, kb)
+of the same document::
+
+    EMPTY   kb - 1 < qa - left   or  ka > qb - 1 + right   no pair visible: skipped
+    FULL    ka >= qb - 1 - left  and kb - 1 <= qa + right  every pair visible: no mask
+    CAUSAL  same run, right = 0, left >= its length - 1     the kernels' top-left causal flag
+    MASKED  anything else                                   bool mask from the positions
+
+Runs of different documents are EMPTY. Before classifying, both runs are trimmed to the
+queries that see some key and the keys that some query sees (:meth:`MaskSpec.trim`), so a
+window's edge costs neither compute nor bytes for rows that see nothing. Padding rows belong
+to no run, so they are never computed and never seen (Note [Documents and padding] in
+``tokenring.layout``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenring.layout import Run
+
+__all__ = ["MaskKind", "MaskSpec", "normalize_window"]
+
+
+class MaskKind(enum.Enum):
+    """How a (query run, key run) pair is computed; see Note [Mask classes]."""
+
+    EMPTY = "empty"
+    FULL = "full"
+    CAUSAL = "causal"
+    MASKED = "masked"
+
+
+def normalize_window(window_size: Sequence[int] | int | None, *, causal: bool) -> tuple[int, int]:
+    """flash-attention's ``window_size=(left, right)`` (-1: unbounded) as a checked tuple;
+    an int ``w`` means ``(w, w)`` (``(w, 0)`` when causal). ``causal`` forces right to 0."""
+    if window_size is None:
+        window = (-1, -1)
+    elif isinstance(window_size, int):
+        window = (window_size, window_size)
+    else:
+        window = tuple(int(x) for x in window_size)  # type: ignore[assignment]
+    if len(window) != 2 or any(x < -1 for x in window):
+        raise ValueError(
+            f"window_size must be (left, right) with each >= 0, or -1 for unbounded; got "
+            f"{window_size!r}"
+        )
+    left, right = window
+    return (left, 0) if causal else (left, right)
+
+
+@dataclass(frozen=True, slots=True)
+class MaskSpec:
+    """The attention mask over global positions. Pure data, hashable."""
+
+    causal: bool
+    """Key j visible only from queries i >= j."""
+    window: tuple[int, int] = (-1, -1)
+    """(left, right): key j visible from queries i with i - left <= j <= i + right (-1:
+    unbounded). Normalised by :func:`normalize_window` (right = 0 when causal)."""
+    cu_seqlens: tuple[int, ...] | None = None
+    """Document boundaries (0, ..., S); None: one document."""
+
+    @property
+    def _left(self) -> float:
+        return float("inf") if self.window[0] < 0 else self.window[0]
+
+    @property
+    def _right(self) -> float:
+        if self.causal:
+            return 0
+        return float("inf") if self.window[1] < 0 else self.window[1]
+
+    @property
+    def plain(self) -> bool:
+        """No window and no documents: only ``causal`` matters."""
+        unbounded = self.window[0] < 0 and (self.causal or self.window[1] < 0)
+        return unbounded and (
+            self.cu_seqlens is None or len(self.cu_seqlens) <= 2
+        )
+
+    def classify(self, q_run: Run, kv_run: Run) -> MaskKind:
+        """See Note [Mask classes]."""
+        if q_run.length == 0 or kv_run.length == 0 or q_run.doc != kv_run.doc:
+            return MaskKind.EMPTY
+        qa, qb = q_run.global_start, q_run.global_start + q_run.length
+        ka, kb = kv_run.global_start, kv_run.global_start + kv_run.length
+        left, right = self._left, self._right
+        if kb - 1 < qa - left or ka > qb - 1 + right:
+            return MaskKind.EMPTY
+        if ka >= qb - 1 - left and kb - 1 <= qa + right:
+            return MaskKind.FULL
+        if (qa, qb) == (ka, kb) and right == 0 and left >= qb - qa - 1:
+            return MaskKind.CAUSAL
+        return MaskKind.MASKED
+
+    def trim(self, q_run: Run, kv_run: Run) -> tuple[Run, Run] | None:
+        """The parts of two runs that see something of each other: the queries with at least
+        one visible key and the keys seen by at least one query (each one range, since the
+        visible band of a window is one range per row), or None when nothing is visible."""
+        if q_run.length == 0 or kv_run.length == 0 or q_run.doc != kv_run.doc:
+            return None
+        qa, qb = q_run.global_start, q_run.global_start + q_run.length
+        ka, kb = kv_run.global_start, kv_run.global_start + kv_run.length
+        left, right = self._left, self._right
+        q_lo, q_hi = max(qa, ka - right), min(qb - 1, kb - 1 + left)
+        k_lo, k_hi = max(ka, qa - left), min(kb - 1, qb - 1 + right)
+        if q_lo > q_hi or k_lo > k_hi:
+            return None
+        return _sub_run(q_run, int(q_lo), int(q_hi) + 1), _sub_run(kv_run, int(k_lo), int(k_hi) + 1)
+
+    def visible(self, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+        """``(sq, sk)`` bool: which keys each query sees. Positions -1 (padding) see nothing
+        and are seen by nothing."""
+        i = q_positions.view(-1, 1)
+        j = kv_positions.view(1, -1)
+        ok = (i >= 0) & (j >= 0)
+        if self.causal:
+            ok &= j <= i
+        if self.window[0] >= 0:
+            ok &= j >= i - self.window[0]
+        if not self.causal and self.window[1] >= 0:
+            ok &= j <= i + self.window[1]
+        if self.cu_seqlens is not None and len(self.cu_seqlens) > 2:
+            bounds = torch.tensor(self.cu_seqlens[1:-1], dtype=torch.int64, device=i.device)
+            doc_q = torch.bucketize(i, bounds, right=True)
+            doc_k = torch.bucketize(j, bounds, right=True)
+            ok &= doc_q == doc_k
+        return ok
+
+
+def _sub_run(run: Run, start: int, stop: int) -> Run:
+    """The tokens [start, stop) (global positions) of ``run``."""
+    return Run(run.local_start + start - run.global_start, stop - start, start, run.doc)
