@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 # torch is the one required dependency; take the CPU build (2.13.0 is on disk on the project's
 # CI machines) only when no torch is installed, so a GPU build already present is kept.
 python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e ".[test]"
+python -m pip install --quiet -e ".[test,hf]"
 ruff check src tests
 ruff format --check src tests
 mypy

@@ -92,9 +92,7 @@ class MaskSpec:
     def plain(self) -> bool:
         """No window and no documents: only ``causal`` matters."""
         unbounded = self.window[0] < 0 and (self.causal or self.window[1] < 0)
-        return unbounded and (
-            self.cu_seqlens is None or len(self.cu_seqlens) <= 2
-        )
+        return unbounded and (self.cu_seqlens is None or len(self.cu_seqlens) <= 2)
 
     def classify(self, q_run: Run, kv_run: Run) -> MaskKind:
         """See Note [Mask classes]."""
