@@ -15,8 +15,11 @@ from tokenring.api import (
     token_ring_attn,
     ulysses_attn,
 )
+from tokenring.cached_schedule import CachedStrategy, explain_cached
 from tokenring.comm import Communicator
 from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_shard
+from tokenring.inference import cached_attn
+from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
 from tokenring.launch import init_distributed, launch
 from tokenring.layout import (
     Layout,
@@ -31,15 +34,20 @@ from tokenring.planner import explain
 from tokenring.schedule import Strategy
 
 __all__ = [
+    "CachedStrategy",
     "Communicator",
+    "DistributedKVCache",
     "HybridMesh",
+    "KVCacheBudgetError",
     "Layout",
     "SequenceParallelAttention",
     "Sharding",
     "Strategy",
     "allgather_kv_attn",
     "bidir_ring_attn",
+    "cached_attn",
     "explain",
+    "explain_cached",
     "get_communicator",
     "global_positions",
     "hybrid_attn",

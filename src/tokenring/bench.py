@@ -691,6 +691,9 @@ def _parse_rate(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tokenring.bench_inference import add_arguments as add_inference_arguments
+
+    add_inference_arguments(parser)  # --mode decode|prefill-cached and their options
     parser.add_argument(
         "--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)"
     )
@@ -838,6 +841,10 @@ def _under_torchrun() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "mode", "attention") != "attention":
+        from tokenring.bench_inference import run as run_inference
+
+        return run_inference(args)
     config = config_from_args(args)
     args._lab = None
     if _under_torchrun():

@@ -1,0 +1,627 @@
+"""``tokenring bench --mode decode|prefill-cached``: attention against a sharded KV cache.
+
+Spawns ``--world-size`` ranks (or runs under torchrun), fills a ``DistributedKVCache`` with C
+cached tokens per sequence, appends T new ones, and times the attention of the new tokens
+(``tokenring.inference``) with every cached strategy (pass_q, pass_kv, direct, tree), for each
+model shape, C and T. Per row:
+
+- ms per call (median, p10, p90 over iterations; max over ranks of each rank's statistic):
+  per decode step (T new tokens per sequence) in ``decode`` mode, per chunk in
+  ``prefill-cached`` mode;
+- bytes each rank sent on each flow (travel: Q or K/V; return: partials), the busiest rank's,
+  and whether every rank's counts equal its plan's;
+- the round model's prediction (``cached_schedule.predict_cached``) on this run's own
+  calibration (``inference.calibrated_inference``), and the strategy ``"auto"`` picks;
+- max error against attention in float64 (every row verified).
+
+One layer, forward only. Legend: B sequences, C cached and T new tokens per sequence, Hq / Hkv
+heads, D head dim, P world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.cached_schedule import (
+    CachedShards,
+    CachedStrategy,
+    build_cached_plan,
+    choose_cached_strategy,
+    pass_q_threshold,
+    predict_cached,
+)
+from tokenring.schedule import Dims, Flow
+
+__all__ = ["InferenceBenchConfig", "add_arguments", "run", "run_rank"]
+
+MODES = ("decode", "prefill-cached")
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+DEFAULT_MODELS = (("mha-8/8", 8, 8, 64), ("gqa-8/2", 8, 2, 64))
+"""(name, Hq, Hkv, D): the ratios of Llama-2 (MHA) and Llama-3 (GQA) at CPU size."""
+_DEFAULT_NEW = {"decode": "1,16,128", "prefill-cached": "256,1024,4096"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InferenceBenchConfig:
+    """Everything one inference benchmark run measures; the same object goes to every rank."""
+
+    mode: str
+    """``decode`` or ``prefill-cached`` (labels; both time the same call)."""
+    batch: int = 1
+    """B."""
+    cached: tuple[int, ...] = (4096,)
+    """C values."""
+    new: tuple[int, ...] = (1,)
+    """T values."""
+    models: tuple[tuple[str, int, int, int], ...] = DEFAULT_MODELS
+    """(name, Hq, Hkv, D) per model."""
+    dtype: str = "float32"
+    """Input dtype name."""
+    strategies: tuple[CachedStrategy, ...] = tuple(CachedStrategy)
+    """Strategies to compare."""
+    block_size: int = 64
+    """Cache placement block."""
+    warmup: int = 2
+    """Untimed calls per row."""
+    iters: int = 10
+    """Timed calls per row."""
+    tolerance: float | None = None
+    """Max abs error against float64; None: by dtype."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
+        if self.batch < 1 or self.block_size < 1:
+            raise ValueError(
+                f"batch and block_size must be >= 1; got {self.batch}, {self.block_size}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+        if any(c < 0 for c in self.cached) or any(t < 1 for t in self.new):
+            raise ValueError(f"cached must be >= 0 and new >= 1; got {self.cached}, {self.new}")
+        if not (self.cached and self.new and self.models and self.strategies):
+            raise ValueError("cached, new, models and strategies must each be non-empty")
+        if self.warmup < 0 or self.iters < 1:
+            raise ValueError(f"warmup must be >= 0 and iters >= 1; got {self.warmup}, {self.iters}")
+        for name, hq, hkv, d in self.models:
+            if hq < 1 or hkv < 1 or hq % hkv or d < 1:
+                raise ValueError(f"model {name}: heads_kv must divide heads_q; got {hq}/{hkv}")
+
+
+def _oracle_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Float64 causal attention of the queries at ``positions`` of one sequence (global
+    ``q`` ``(S, Hq, D)``, ``k``/``v`` ``(S, Hkv, D)``): ``(len(positions), Hq, D)``."""
+    groups = q.shape[1] // k.shape[1]
+    qh = q[positions].double().transpose(0, 1)  # (Hq, t, D)
+    kh = k.double().repeat_interleave(groups, dim=1).transpose(0, 1)  # (Hq, S, D)
+    vh = v.double().repeat_interleave(groups, dim=1).transpose(0, 1)
+    scores = qh @ kh.transpose(-1, -2) * scale  # (Hq, t, S)
+    keys = torch.arange(k.shape[0])
+    scores = scores.masked_fill(keys.view(1, 1, -1) > positions.view(1, -1, 1), -math.inf)
+    return (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
+
+
+def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
+    """Run the whole inference benchmark on this rank (inside an initialised process group)."""
+    from tokenring.api import get_communicator
+    from tokenring.inference import attend_cached, calibrated_inference
+    from tokenring.kernels import select_kernel
+    from tokenring.kvcache import DistributedKVCache
+
+    comm = get_communicator()
+    rank = comm.rank
+    backend = str(dist.get_backend())
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    dtype = _DTYPES[config.dtype]
+    hardware, call_s = calibrated_inference(comm, dtype=dtype, device=device)
+    kernel = select_kernel(device, dtype)
+    rows = []
+    for name, hq, hkv, d in config.models:
+        scale = d**-0.5
+        for cached in config.cached:
+            for new in config.new:
+                gen = torch.Generator().manual_seed(1234)
+                total = cached + new
+                seqs = [
+                    (
+                        torch.randn(total, hq, d, generator=gen, dtype=torch.float64).to(dtype),
+                        torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
+                        torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
+                    )
+                    for _ in range(config.batch)
+                ]
+                cache = DistributedKVCache(
+                    num_layers=1,
+                    batch=config.batch,
+                    heads_kv=hkv,
+                    head_dim=d,
+                    dtype=dtype,
+                    device=device,
+                    block_size=config.block_size,
+                    group=comm,
+                    zigzag_first_prefill=False,
+                )
+                step = None
+                for count in ([cached] * config.batch, [new] * config.batch):
+                    if not any(count):
+                        continue
+                    step = cache.begin_step(count)
+                    mine = step.new_positions[rank]
+                    k = torch.cat([s[1][p] for s, p in zip(seqs, mine, strict=True)])
+                    v = torch.cat([s[2][p] for s, p in zip(seqs, mine, strict=True)])
+                    cache.append(0, k.to(device), v.to(device))
+                assert step is not None
+                mine = step.new_positions[rank]
+                q = torch.cat([s[0][p] for s, p in zip(seqs, mine, strict=True)]).to(device)
+                want = torch.cat(
+                    [
+                        _oracle_rows(s[0], s[1], s[2], p, scale)
+                        for s, p in zip(seqs, mine, strict=True)
+                    ]
+                )
+                shards = CachedShards.from_step(step)
+                shape: dict[str, Any] = {
+                    "heads_q": hq,
+                    "heads_kv": hkv,
+                    "head_dim": d,
+                    "dtype": config.dtype,
+                }
+                pick = choose_cached_strategy(
+                    shards, **shape, hardware=hardware, kernel_call_s=call_s
+                ).pick
+                for strategy in config.strategies:
+                    plan = build_cached_plan(strategy, shards)
+                    predicted = predict_cached(
+                        plan, shards, **shape, hardware=hardware, kernel_call_s=call_s
+                    )
+                    times = []
+                    out = q
+                    for i in range(config.warmup + config.iters):
+                        comm.counter.reset()
+                        dist.barrier(group=comm.group)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        out, _ = attend_cached(
+                            q, cache=cache, layer=0, strategy=strategy, kernel=kernel
+                        )
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        if i >= config.warmup:
+                            times.append(time.perf_counter() - start)
+                    sent = {f.value: 0 for f in Flow}
+                    for (flow, _peer), num in comm.counter.sent_bytes.items():
+                        sent[flow] += num
+                    dims = Dims(
+                        batch=1,
+                        heads_q=hq,
+                        heads_kv=hkv,
+                        head_dim=d,
+                        elem_bytes=q.element_size(),
+                        acc_bytes=8 if dtype == torch.float64 else 4,
+                    )
+                    planned: dict[tuple[str, int], int] = {}
+                    for tr in plan.transfers:
+                        if tr.src == rank:
+                            key = (tr.payload.flow.value, tr.dst)
+                            planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
+                    error = (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0
+                    rows.append(
+                        {
+                            "model": name,
+                            "heads_q": hq,
+                            "heads_kv": hkv,
+                            "head_dim": d,
+                            "cached": cached,
+                            "new": new,
+                            "strategy": strategy.value,
+                            "call_s": times,
+                            "sent_bytes": sent,
+                            "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
+                            "bytes_match_plan": planned == dict(comm.counter.sent_bytes),
+                            "max_error": error,
+                            "model_s": predicted.total_s,
+                            "model_travel_bytes": predicted.travel_bytes,
+                            "model_return_bytes": predicted.return_bytes,
+                            "model_bound_by": predicted.bound_by,
+                            "pick": pick.value,
+                        }
+                    )
+                    if progress_path is not None and rank == 0:
+                        with open(progress_path, "a") as f:
+                            f.write("row\n")
+    return {
+        "rank": rank,
+        "rows": rows,
+        "backend": backend,
+        "device": str(device),
+        "calibration": {
+            "forward_flops_per_s": hardware.forward_flops_per_s,
+            "link_bytes_per_s": hardware.interconnect.link_bandwidth_bytes_per_s,
+            "latency_s": hardware.interconnect.latency_s,
+            "memory_bytes_per_s": hardware.memory_bandwidth_bytes_per_s,
+            "topology": hardware.interconnect.topology.value,
+            "kernel_call_s": call_s,
+        },
+    }
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))]
+
+
+def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> list[dict[str, Any]]:
+    """One dict per row: the max over ranks of each rank's statistic."""
+    tolerance = config.tolerance if config.tolerance is not None else _TOLERANCE[config.dtype]
+    results = []
+    for index, first in enumerate(per_rank[0]["rows"]):
+        rows = [r["rows"][index] for r in per_rank]
+        median_s = max(statistics.median(r["call_s"]) for r in rows)
+        elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+        threshold = pass_q_threshold(
+            heads_q=first["heads_q"],
+            heads_kv=first["heads_kv"],
+            head_dim=first["head_dim"],
+            elem_bytes=elem,
+            acc_bytes=8 if config.dtype == "float64" else 4,
+        )
+        error = max(r["max_error"] for r in rows)
+        results.append(
+            {
+                "mode": config.mode,
+                "model": first["model"],
+                "batch": config.batch,
+                "cached": first["cached"],
+                "new": first["new"],
+                "new_fraction": first["new"] / (first["new"] + first["cached"]),
+                "pass_q_threshold": threshold,
+                "strategy": first["strategy"],
+                "ms_median": 1e3 * median_s,
+                "ms_p10": 1e3 * max(_percentile(r["call_s"], 10) for r in rows),
+                "ms_p90": 1e3 * max(_percentile(r["call_s"], 90) for r in rows),
+                "travel_bytes_per_rank": max(r["sent_bytes"]["travel"] for r in rows),
+                "return_bytes_per_rank": max(r["sent_bytes"]["return"] for r in rows),
+                "busiest_pair_bytes": max(r["pair_bytes"] for r in rows),
+                "bytes_match_plan": all(r["bytes_match_plan"] for r in rows),
+                "model_ms": 1e3 * first["model_s"],
+                "model_error_pct": 100 * (median_s / first["model_s"] - 1)
+                if first["model_s"] > 0
+                else None,
+                "model_travel_bytes": first["model_travel_bytes"],
+                "model_return_bytes": first["model_return_bytes"],
+                "model_bound_by": first["model_bound_by"],
+                "auto_pick": first["pick"],
+                "max_error": error,
+                "tolerance": tolerance,
+                "verified": error <= tolerance,
+            }
+        )
+    # The measured fastest of each (model, C, T) group, to score the pick.
+    for row in results:
+        group = [
+            r
+            for r in results
+            if (r["model"], r["cached"], r["new"]) == (row["model"], row["cached"], row["new"])
+        ]
+        fastest = min(group, key=lambda r: r["ms_median"])
+        picked = next((r for r in group if r["strategy"] == row["auto_pick"]), None)
+        row["fastest"] = fastest["strategy"]
+        row["pick_within_10pct"] = (
+            picked is not None and picked["ms_median"] <= 1.1 * fastest["ms_median"]
+        )
+    return results
+
+
+# -- CLI (hooked into tokenring bench) -----------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The inference options of ``tokenring bench`` (``--mode`` selects them)."""
+    parser.add_argument(
+        "--mode",
+        default="attention",
+        choices=["attention", *MODES],
+        help="attention: the training strategies (default); decode / prefill-cached: "
+        "attention of new tokens against a sharded KV cache",
+    )
+    parser.add_argument(
+        "--cached", default="4096", help="[decode|prefill-cached] cached tokens per sequence"
+    )
+    parser.add_argument(
+        "--new",
+        help="[decode|prefill-cached] new tokens per sequence per call (default: decode "
+        f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})",
+    )
+    parser.add_argument(
+        "--cached-strategies",
+        default=",".join(s.value for s in CachedStrategy),
+        help="[decode|prefill-cached] strategies to compare",
+    )
+    parser.add_argument("--block-size", type=int, default=64, help="[decode|prefill-cached]")
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise SystemExit(f"{name} must be comma-separated integers; got {text!r}") from None
+
+
+def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
+    if (args.heads is None) != (args.kv_heads is None):
+        raise SystemExit("--heads and --kv-heads go together")
+    models: tuple[tuple[str, int, int, int], ...] = DEFAULT_MODELS
+    if args.heads is not None:
+        models = (
+            (
+                f"{args.heads}:{args.kv_heads}x{args.head_dim}",
+                args.heads,
+                args.kv_heads,
+                args.head_dim,
+            ),
+        )
+    elif args.head_dim != 64:
+        models = tuple((m[0], m[1], m[2], args.head_dim) for m in models)
+    return InferenceBenchConfig(
+        mode=args.mode,
+        batch=args.batch,
+        cached=_ints(args.cached, "--cached"),
+        new=_ints(args.new or _DEFAULT_NEW[args.mode], "--new"),
+        models=models,
+        dtype=args.dtype,
+        strategies=tuple(CachedStrategy.parse(s) for s in args.cached_strategies.split(",") if s),
+        block_size=args.block_size,
+        warmup=max(args.warmup, 1),
+        iters=args.iters,
+        tolerance=args.tolerance,
+    )
+
+
+def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]:
+    from tokenring._console import progress
+    from tokenring.launch import launch
+
+    num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
+    with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
+        progress_path = os.path.join(tmp, "progress")
+        bar = progress(num_rows, f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks")
+
+        def poll() -> None:
+            try:
+                with open(progress_path) as f:
+                    done = sum(1 for _ in f)
+            except OSError:
+                done = 0
+            bar.update(bar.task_ids[0], completed=done)
+
+        kwargs: dict[str, Any] = {
+            "world_size": args.world_size,
+            "timeout_s": args.timeout,
+            "pg_timeout_s": max(60.0, args.timeout / 4),
+            "poll": poll,
+        }
+        with bar:
+            if args.link is None:
+                return launch(run_rank, config, progress_path, **kwargs)
+            from tokenring.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
+
+            reason = lab_unavailable_reason()
+            if reason is not None:
+                raise SystemExit(f"--link needs the emulated-interconnect lab: {reason}")
+            lab_config = LabConfig(
+                world_size=args.world_size,
+                rate_bits_per_s=args.link,
+                topology=Topology.parse(args.topology),
+            )
+            with Lab(lab_config) as lab:
+                args._lab = lab.describe()
+                return launch(
+                    run_rank,
+                    config,
+                    progress_path,
+                    wrap_command=lab.wrap_command,
+                    rank_env=lab.env,
+                    register_pid=lab.register_pid,
+                    **kwargs,
+                )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tokenring bench --mode decode|prefill-cached``."""
+    from tokenring.bench import _git_sha, _under_torchrun
+
+    config = config_from_args(args)
+    args._lab = None
+    if _under_torchrun():
+        from tokenring.launch import init_distributed
+
+        init_distributed(timeout_s=args.timeout)
+        try:
+            mine = run_rank(config)
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)
+            args.world_size = dist.get_world_size()
+            rank = dist.get_rank()
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    else:
+        per_rank = _launch(config, args)
+    rows = aggregate(per_rank, config)
+    lab = args._lab
+    settings = {
+        "world_size": args.world_size,
+        "dtype": config.dtype,
+        "block_size": config.block_size,
+        "backend": per_rank[0]["backend"],
+        "device": per_rank[0]["device"],
+        "torch": torch.__version__,
+        "git_sha": _git_sha(),
+        "lab": lab,
+        "calibration": per_rank[0]["calibration"],
+        "warmup": config.warmup,
+        "iters": config.iters,
+    }
+    records = [{**settings, **row} for row in rows]
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    if args.json:
+        for rec in records:
+            print(json.dumps(rec))
+    else:
+        _print_table(rows, settings, config)
+    if args.markdown:
+        _write_markdown(args.markdown, rows, settings, config, getattr(args, "argv", None))
+    failed = [r for r in rows if not (r["verified"] and r["bytes_match_plan"])]
+    if failed:
+        print(
+            f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance or bytes "
+            "different from the plan"
+        )
+        return 1
+    return 0
+
+
+def _title(settings: dict[str, Any], config: InferenceBenchConfig) -> str:
+    lab = settings["lab"]
+    link = (
+        f"{lab['topology']} {lab['rate_bits_per_s'] / 1e6:g} Mbit/s" if lab else "no link emulation"
+    )
+    cal = settings["calibration"]
+    return (
+        f"{config.mode}: P={settings['world_size']} {settings['backend']} {settings['device']} "
+        f"B={config.batch} {settings['dtype']} bs={settings['block_size']}, {link}; calibrated "
+        f"{cal['link_bytes_per_s'] / 1e6:.0f} MB/s, {1e6 * cal['latency_s']:.0f} us latency, "
+        f"{cal['forward_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+        f"{1e6 * cal['kernel_call_s']:.0f} us per kernel call"
+    )
+
+
+_COLUMNS = [
+    ("model", "model"),
+    ("cached", "C"),
+    ("new", "T"),
+    ("new_fraction", "T/(T+C)"),
+    ("pass_q_threshold", "pass-Q below"),
+    ("strategy", "strategy"),
+    ("ms_median", "ms/call"),
+    ("ms_p10", "p10"),
+    ("ms_p90", "p90"),
+    ("travel_bytes_per_rank", "MB travel/rank"),
+    ("return_bytes_per_rank", "MB return/rank"),
+    ("model_ms", "model ms"),
+    ("model_error_pct", "vs model %"),
+    ("auto_pick", "auto picks"),
+    ("fastest", "fastest"),
+    ("max_error", "max err"),
+]
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("bytes_per_rank"):
+        return f"{value / 1e6:.3f}"
+    if key == "max_error":
+        return f"{value:.1e}"
+    if key in ("new_fraction", "pass_q_threshold"):
+        return f"{value:.3f}"
+    if key == "model_error_pct":
+        return f"{value:+.0f}"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _print_table(
+    rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
+) -> None:
+    from tokenring._console import make_table, print_table
+
+    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
+    table = make_table(
+        "tokenring bench " + _title(settings, config),
+        [unit if key == "ms_median" else title for key, title in _COLUMNS] + ["check"],
+    )
+    for r in rows:
+        ok = r["verified"] and r["bytes_match_plan"]
+        table.add_row(
+            *(_cell(key, r.get(key)) for key, _ in _COLUMNS),
+            "ok" if ok else "[bold red]WRONG[/]",
+        )
+    print_table(table)
+    for line in _pick_lines(rows):
+        print(line)
+
+
+def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    seen: set[tuple[str, int, int]] = set()
+    for r in rows:
+        key = (r["model"], r["cached"], r["new"])
+        if key in seen:
+            continue
+        seen.add(key)
+        lines.append(
+            f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; "
+            f"measured fastest {r['fastest']}; "
+            f"{'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
+        )
+    return lines
+
+
+def _write_markdown(
+    path: str,
+    rows: list[dict[str, Any]],
+    settings: dict[str, Any],
+    config: InferenceBenchConfig,
+    argv: list[str] | None,
+) -> None:
+    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
+    lines = [f"# {_title(settings, config)}", ""]
+    if argv:
+        lines += ["Reproduce with:", "", "```", "tokenring " + " ".join(argv), "```", ""]
+    lines += [
+        f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
+        f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
+        "median. One attention layer, forward; bytes are what the busiest rank sent on each "
+        "flow (equal to the plan's on every rank in every row).",
+        "",
+        "| " + " | ".join(unit if k == "ms_median" else t for k, t in _COLUMNS) + " |",
+        "|" + "---|" * len(_COLUMNS),
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(k, row.get(k)) for k, _ in _COLUMNS) + " |")
+    lines += ["", *_pick_lines(rows)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")

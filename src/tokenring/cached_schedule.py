@@ -1,0 +1,683 @@
+"""Schedules of attention against a sharded KV cache, their costs, and the choice among them.
+
+This module owns *what happens* when T new tokens per sequence attend to a cache sharded over
+the ranks (``tokenring.kvcache``): which rank computes which new queries against which shard
+in which round, and which transfers carry what, as plain data (:class:`CachedPlan`). The
+runtime (``tokenring.inference``) executes the plan; :func:`predict_cached` prices the very
+same plan on a ``tokenring.costmodel.Hardware`` (routing and latency from
+``costmodel.route``, merges from ``costmodel.merge_bytes``), and :func:`choose_cached_strategy`
+picks the cheapest. Nothing here touches process groups.
+
+Legend: B sequences, T new tokens and C cached tokens of a sequence, P world size, Hq / Hkv
+query / key-value heads, D head dim, e bytes per element, a bytes per accumulator element
+(4; 8 for float64), o the owner of a block of new queries, j the holder of a K/V shard, r a
+rank, t a round. A rank's new queries of all sequences form one *Q block* (packed rows); its
+cached K/V of all sequences form one *K/V shard*.
+
+Note [Cached strategies]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Every new token is owned by the rank that caches it (``kvcache`` Note [Placement]), so K/V
+never move to be appended; only attention moves data::
+
+    strategy  what moves                                           rounds
+    pass_q    Q blocks down the ring (r -> r-1) while each rank     P
+              attends the visiting block to its shard; partials
+              (out, lse) go straight back to the owner (TokenRing)
+    pass_kv   K/V shards down the ring; each rank attends its own    P
+              Q block to the visiting shard (Ring)
+    direct    each Q block straight to every rank (one round),      2
+              each partial straight back to its owner
+    tree      each Q block down a binomial tree rooted at its       2 ceil(log2 P) + 1
+              owner; partials merged (by lse) on the way back up
+
+Blocks nobody needs are not sent: a Q block goes on only while a rank ahead has a key it can
+see, and a rank computes (and returns) only a block with a visible key. ``direct`` and
+``tree`` are pass-Q too; they trade the ring's P - 1 hops for one round (``direct``: the
+owner's link carries P - 1 copies) or log P rounds (``tree``: one copy per link and round),
+which is what decode (T of 1 to a few) needs.
+
+Binomial tree of owner o, P = 6 (3 levels, rounds 0-6), rel = (r - o) mod P::
+
+    broadcast  round 0: rel 0 -> 1      round 1: 0 -> 2, 1 -> 3     round 2: 0 -> 4, 1 -> 5
+    compute    round 0: rel 0           round 1: 1    round 2: 2, 3    round 3: 4, 5
+    reduce     round 4: 4 -> 0, 5 -> 1  round 5: 2 -> 0, 3 -> 1     round 6: 1 -> 0
+
+In broadcast round k a rank sends every block it holds with rel < 2^k to r + 2^k, so all
+owners' trees use the same pair in a round and share one message; the reduce mirrors it.
+Rank r computes its own block in round 0 and the blocks that arrived in round k - 1 in round
+k, overlapping the next hop.
+
+Note [Round model]
+~~~~~~~~~~~~~~~~~~
+:func:`predict_cached` prices a plan round by round, as the runtime posts it (slot (t, 0) at
+the start of round t, slot (t, k) after the k-th compute of round t)::
+
+    window t   = transfers posted in (t, 0) and in (t-1, k >= 1) (returns of round t-1)
+    round t    = max(max over ranks of compute + merges in round t, wire(window t))
+    tail       = wire(returns posted in the last round) + merges left to the end
+    wire(W)    = max over resources of bytes / bandwidth + largest latency in W
+    compute    = max(FLOPs / F, bytes read and written / memory bandwidth) + calls x overhead
+
+``wire`` routes every transfer with ``costmodel.route`` (links, ports, NICs of the topology).
+It is a bulk-synchronous bound: a round waits for its slowest rank, and the returns of a
+``direct`` round are all priced in the tail although they overlap the later computes.
+
+Note [Pass-Q or pass-KV]
+~~~~~~~~~~~~~~~~~~~~~~~~
+In a steady ring round with the new tokens and the cache spread evenly, a rank sends::
+
+    pass_q    Q (T/P rows x Hq*D*e) on one direction, a partial (T/P rows x (Hq*D*e + Hq*a))
+              on the other: busiest direction T/P * Hq * (D*e + a)
+    pass_kv   its shard ((T+C)/P rows x 2*Hkv*D*e)
+
+so pass-Q moves fewer bytes on its busiest direction exactly when::
+
+    T / (T + C)  <  2 * Hkv * D * e / (Hq * (D*e + a))  =  pass_q_threshold(...)
+
+which is Meta's context-parallel inference criterion (T/(T+P) < 2 * Hkv / Hq, with their P
+our C) with the lse that rides along each partial. MHA: about 2, so pass-Q always (for C >=
+0); Llama-3 GQA 32/8: about 1/2. Where the kernel is slower than the links neither matters
+and the exposed tail (pass-Q's last return) decides; :func:`choose_cached_strategy` compares
+the whole round model, not just this ratio.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenring.costmodel import DTYPE_BYTES, Hardware, merge_bytes, preset, route
+from tokenring.kvcache import CacheStep, place_new_tokens
+from tokenring.schedule import Dims, Flow, Payload, Transfer
+
+__all__ = [
+    "CachedChoice",
+    "CachedPlan",
+    "CachedPrediction",
+    "CachedShards",
+    "CachedStrategy",
+    "CachedTransfer",
+    "build_cached_plan",
+    "choose_cached_strategy",
+    "explain_cached",
+    "pass_q_threshold",
+    "predict_cached",
+    "uniform_shards",
+]
+
+
+class CachedStrategy(enum.Enum):
+    """How new queries meet the cache; see Note [Cached strategies]."""
+
+    PASS_Q = "pass_q"
+    PASS_KV = "pass_kv"
+    DIRECT = "direct"
+    TREE = "tree"
+
+    @classmethod
+    def parse(cls, value: CachedStrategy | str) -> CachedStrategy:
+        if isinstance(value, CachedStrategy):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            options = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(
+                f"strategy must be one of {options} or 'auto'; got {value!r}"
+            ) from None
+
+
+# -- who holds what ----------------------------------------------------------------------------
+class CachedShards:
+    """New query positions and cached key positions of every rank: the input of every plan.
+
+    Args:
+        q_positions: ``[rank][sequence]`` increasing positions of the new tokens a rank owns.
+        kv_positions: ``[rank][sequence]`` increasing positions a rank caches (new included).
+    """
+
+    def __init__(
+        self,
+        q_positions: Sequence[Sequence[torch.Tensor]],
+        kv_positions: Sequence[Sequence[torch.Tensor]],
+    ) -> None:
+        self.world_size = len(q_positions)
+        self.num_seqs = len(q_positions[0]) if q_positions else 0
+        if len(kv_positions) != self.world_size or any(
+            len(x) != self.num_seqs for x in (*q_positions, *kv_positions)
+        ):
+            raise ValueError("q_positions and kv_positions must both be [rank][sequence]")
+        self.q_positions = tuple(tuple(x) for x in q_positions)
+        self.kv_positions = tuple(tuple(x) for x in kv_positions)
+        self.q_seq_rows = tuple(tuple(len(x) for x in row) for row in self.q_positions)
+        self.kv_seq_rows = tuple(tuple(len(x) for x in row) for row in self.kv_positions)
+        self.q_rows = tuple(sum(row) for row in self.q_seq_rows)
+        """Rows of each rank's Q block."""
+        self.kv_rows = tuple(sum(row) for row in self.kv_seq_rows)
+        """Rows of each rank's K/V shard."""
+        self._splits: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+
+    def split(self, q_owner: int, kv_owner: int) -> tuple[tuple[int, int], ...]:
+        """Per sequence ``(n_full, n_stop)``: keys ``[0, n_full)`` of the shard are visible to
+        every new query of the block, ``[n_full, n_stop)`` to some (masked), the rest to none.
+        """
+        key = (q_owner, kv_owner)
+        if key not in self._splits:
+            parts = []
+            for qpos, kpos in zip(
+                self.q_positions[q_owner], self.kv_positions[kv_owner], strict=True
+            ):
+                if len(qpos) == 0 or len(kpos) == 0:
+                    parts.append((0, 0))
+                    continue
+                bounds = torch.searchsorted(kpos, torch.stack([qpos[0], qpos[-1]]), right=True)
+                parts.append((int(bounds[0]), int(bounds[1])))
+            self._splits[key] = tuple(parts)
+        return self._splits[key]
+
+    def needs(self, q_owner: int, kv_owner: int) -> bool:
+        """Whether any new query of ``q_owner`` sees a key of ``kv_owner``'s shard."""
+        return any(stop > 0 for _, stop in self.split(q_owner, kv_owner))
+
+    @classmethod
+    def from_step(cls, step: CacheStep) -> CachedShards:
+        """The shards of a ``tokenring.kvcache.CacheStep``."""
+        return cls(step.new_positions, step.kv_positions)
+
+
+def uniform_shards(
+    *, world_size: int, batch: int, cached: int, new: int, block_size: int = 64
+) -> CachedShards:
+    """The shards of B sequences that each hold ``cached`` tokens and add ``new``, placed
+    block-cyclically as ``DistributedKVCache`` places them (for planning without a cache).
+
+    Raises:
+        ValueError: a size below 0 (1 for world_size, batch, block_size).
+    """
+    for name, value, low in (
+        ("world_size", world_size, 1),
+        ("batch", batch, 1),
+        ("cached", cached, 0),
+        ("new", new, 0),
+        ("block_size", block_size, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}; got {value}")
+    old = place_new_tokens(
+        cached=[0] * batch,
+        new=[cached] * batch,
+        world_size=world_size,
+        block_size=block_size,
+        zigzag=False,
+    )
+    fresh = place_new_tokens(
+        cached=[cached] * batch,
+        new=[new] * batch,
+        world_size=world_size,
+        block_size=block_size,
+        zigzag=False,
+    )
+    kv = [
+        [torch.cat([a, b]) for a, b in zip(old_r, new_r, strict=True)]
+        for old_r, new_r in zip(old, fresh, strict=True)
+    ]
+    return CachedShards(fresh, kv)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CachedTransfer(Transfer):
+    """A transfer carrying the blocks of ``owners`` (ascending), packed one after another;
+    ``rows`` spans their total rows. ``step`` is the round."""
+
+    owners: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachedPlan:
+    """Who computes what in which round and what moves, for one strategy."""
+
+    strategy: CachedStrategy
+    """Which strategy."""
+    world_size: int
+    """P."""
+    num_rounds: int
+    """Rounds (slots ``(t, k)`` are posted in round order)."""
+    computes: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
+    """``[rank][round]``: ``(q_owner, kv_owner)`` of each kernel block, in order."""
+    transfers: tuple[CachedTransfer, ...]
+    """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
+
+
+def _transfer(
+    payload: Payload,
+    src: int,
+    dst: int,
+    owners: Sequence[int],
+    num_rows: int,
+    round_: int,
+    after: int,
+) -> CachedTransfer:
+    owners = tuple(sorted(owners))
+    return CachedTransfer(payload, src, dst, owners[0], (0, num_rows), round_, after, owners=owners)
+
+
+def _tree_depth(world_size: int) -> int:
+    return max(0, math.ceil(math.log2(world_size))) if world_size > 1 else 0
+
+
+def _subtree(rel: int, level: int, world_size: int) -> range:
+    """Relative ranks below (and including) node ``rel`` that joined the tree in round
+    ``level``: rel + m * 2^(level+1) (see Note [Cached strategies])."""
+    return range(rel, world_size, 2 ** (level + 1))
+
+
+def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> CachedPlan:
+    """The plan of ``strategy`` for ``shards``; see Note [Cached strategies].
+
+    Raises:
+        ValueError: unknown strategy.
+    """
+    strategy = CachedStrategy.parse(strategy)
+    p = shards.world_size
+    needs = [[shards.needs(o, j) for j in range(p)] for o in range(p)]
+    q_rows, kv_rows = shards.q_rows, shards.kv_rows
+    transfers: list[CachedTransfer] = []
+    computes: list[list[tuple[tuple[int, int], ...]]]
+
+    if strategy in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
+        pass_q = strategy is CachedStrategy.PASS_Q
+        num_rounds = p
+        computes = [[() for _ in range(p)] for _ in range(p)]
+        for r in range(p):
+            for t in range(p):
+                held = (r + t) % p  # the owner of the travelling block rank r holds in round t
+                pair = (held, r) if pass_q else (r, held)
+                if needs[pair[0]][pair[1]]:
+                    computes[r][t] = (pair,)
+                    if pass_q and held != r:
+                        transfers.append(
+                            _transfer(Payload.OUT, r, held, [held], q_rows[held], t, 1)
+                        )
+                if t == p - 1:
+                    continue
+                # The block of `held` sits on rank held - t; the ranks ahead are held - s.
+                ahead = [(held - s) % p for s in range(t + 1, p)]
+                wanted = any(needs[held][x] if pass_q else needs[x][held] for x in ahead)
+                rows = q_rows[held] if pass_q else kv_rows[held]
+                if wanted and rows:
+                    payload = Payload.Q if pass_q else Payload.KV
+                    transfers.append(_transfer(payload, r, (r - 1) % p, [held], rows, t, 0))
+    elif strategy is CachedStrategy.DIRECT:
+        num_rounds = 2 if p > 1 else 1
+        computes = [[((r, r),) if needs[r][r] else ()] for r in range(p)]
+        for o in range(p):
+            for j in range(p):
+                if j != o and needs[o][j]:
+                    transfers.append(_transfer(Payload.Q, o, j, [o], q_rows[o], 0, 0))
+        if p > 1:
+            for r in range(p):
+                order = [(r + s) % p for s in range(1, p)]
+                mine = tuple((o, r) for o in order if needs[o][r])
+                computes[r].append(mine)
+                for k, (o, _) in enumerate(mine):
+                    transfers.append(_transfer(Payload.OUT, r, o, [o], q_rows[o], 1, k + 1))
+    else:  # TREE
+        depth = _tree_depth(p)
+        num_rounds = 2 * depth + 1
+        computes = [[() for _ in range(num_rounds)] for _ in range(p)]
+
+        def subtree_needs(o: int, rel: int, level: int) -> bool:
+            return any(needs[o][(o + x) % p] for x in _subtree(rel, level, p))
+
+        for r in range(p):
+            if needs[r][r]:
+                computes[r][0] = ((r, r),)
+            for k in range(depth):
+                step = 2**k
+                # Broadcast round k: blocks with rel < 2^k go to r + 2^k.
+                sent = [
+                    o
+                    for o in range(p)
+                    if (r - o) % p < step
+                    and (r - o) % p + step < p
+                    and q_rows[o] > 0
+                    and subtree_needs(o, (r - o) % p + step, k)
+                ]
+                if sent:
+                    rows = sum(q_rows[o] for o in sent)
+                    transfers.append(_transfer(Payload.Q, r, (r + step) % p, sent, rows, k, 0))
+                # Computed in round k + 1: the blocks received in round k.
+                got = [
+                    o
+                    for o in range(p)
+                    if step <= (r - o) % p < 2 * step
+                    and q_rows[o] > 0
+                    and subtree_needs(o, (r - o) % p, k)
+                ]
+                computes[r][k + 1] = tuple((o, r) for o in got if needs[o][r])
+                # Reduce: level k runs in round depth + 1 + (depth - 1 - k); ranks that joined
+                # in broadcast round k send their merged partials back to r - 2^k.
+                if got:
+                    rows = sum(q_rows[o] for o in got)
+                    reduce_round = 2 * depth - k
+                    transfers.append(
+                        _transfer(Payload.OUT, r, (r - step) % p, got, rows, reduce_round, 0)
+                    )
+    return CachedPlan(
+        strategy=strategy,
+        world_size=p,
+        num_rounds=num_rounds,
+        computes=tuple(tuple(row) for row in computes),
+        transfers=tuple(transfers),
+    )
+
+
+# -- costs ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachedPrediction:
+    """The round model's price of one plan (Note [Round model])."""
+
+    strategy: CachedStrategy
+    """Which strategy."""
+    total_s: float
+    """Predicted time of the call."""
+    rounds_s: tuple[float, ...]
+    """Each round's time."""
+    tail_s: float
+    """After the last round: returns still flying and merges left to the end."""
+    compute_s: float
+    """Sum over rounds of the busiest rank's kernel and merge time."""
+    wire_s: float
+    """Sum over windows of their wire time."""
+    travel_bytes: int
+    """Most bytes one rank sends on the travel flow (Q or K/V)."""
+    return_bytes: int
+    """Most bytes one rank sends on the return flow (partials)."""
+    busiest_pair_bytes: int
+    """Most bytes on one directed pair of ranks."""
+    num_messages: int
+    """Transfers in the plan."""
+
+    @property
+    def bound_by(self) -> str:
+        """``compute`` or ``comm``: which side of the max the rounds mostly took."""
+        return "compute" if self.compute_s >= self.wire_s else "comm"
+
+
+def _dims(heads_q: int, heads_kv: int, head_dim: int, dtype: str | torch.dtype) -> Dims:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}; got {dtype!r}")
+    for label, value in (("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim)):
+        if value < 1:
+            raise ValueError(f"{label} must be >= 1; got {value}")
+    if heads_q % heads_kv:
+        raise ValueError(
+            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
+        )
+    return Dims(
+        batch=1,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        elem_bytes=DTYPE_BYTES[name],
+        acc_bytes=8 if name == "float64" else 4,
+    )
+
+
+def _block_cost_s(
+    shards: CachedShards,
+    q_owner: int,
+    kv_owner: int,
+    dims: Dims,
+    hardware: Hardware,
+    dtype: str,
+    kernel_call_s: float = 0.0,
+) -> float:
+    """Kernel time of one (q block, K/V shard) pair: the roofline of its FLOPs (every
+    computed score, masked or not) and bytes, plus a fixed cost per kernel call."""
+    hq, hkv, d, e = dims.heads_q, dims.heads_kv, dims.head_dim, dims.elem_bytes
+    flops = 0.0
+    num_bytes = 0.0
+    calls = 0
+    for t, (full, stop) in zip(
+        shards.q_seq_rows[q_owner], shards.split(q_owner, kv_owner), strict=True
+    ):
+        if stop == 0 or t == 0:
+            continue
+        flops += 4.0 * hq * d * t * stop
+        num_bytes += stop * 2 * hkv * d * e + 2 * t * hq * d * e
+        calls += (full > 0) + (stop > full)
+    if calls == 0:
+        return 0.0
+    return (
+        max(
+            flops / hardware.flops_per_s("forward", dtype),
+            num_bytes / hardware.memory_bandwidth_bytes_per_s,
+        )
+        + calls * kernel_call_s
+    )
+
+
+def _wire_s(transfers: Sequence[CachedTransfer], dims: Dims, hardware: Hardware, p: int) -> float:
+    if not transfers:
+        return 0.0
+    load: dict[object, float] = {}
+    cap: dict[object, float] = {}
+    latency = 0.0
+    for tr in transfers:
+        rt = route(hardware, tr.src, tr.dst, p)
+        latency = max(latency, rt.latency_s)
+        for res, bandwidth in rt.resources:
+            load[res] = load.get(res, 0.0) + tr.num_bytes(dims)
+            cap[res] = bandwidth
+    return max(load[res] / cap[res] for res in load) + latency
+
+
+def predict_cached(
+    plan: CachedPlan,
+    shards: CachedShards,
+    *,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    hardware: Hardware,
+    kernel_call_s: float = 0.0,
+) -> CachedPrediction:
+    """Price ``plan`` with the round model (Note [Round model]).
+
+    Args:
+        kernel_call_s: fixed cost of one kernel call (launch, Python); 0 for large blocks.
+
+    Raises:
+        ValueError: bad head counts, an unknown dtype, or one the hardware has no FLOP/s for.
+    """
+    dims = _dims(heads_q, heads_kv, head_dim, dtype)
+    name = str(dtype).removeprefix("torch.")
+    hardware.flops_per_s("forward", name)
+    p, rounds = plan.world_size, plan.num_rounds
+    mem = hardware.memory_bandwidth_bytes_per_s
+    tree = plan.strategy is CachedStrategy.TREE
+    busy = [[0.0] * rounds for _ in range(p)]  # compute + merges per rank and round
+    final = [0.0] * p  # merges left to the end
+    for r in range(p):
+        for t in range(rounds):
+            for o, j in plan.computes[r][t]:
+                busy[r][t] += _block_cost_s(shards, o, j, dims, hardware, name, kernel_call_s)
+                if o == r or tree:
+                    busy[r][t] += merge_bytes(shards.q_rows[o], dims) / mem
+    for tr in plan.transfers:
+        if tr.payload is not Payload.OUT:
+            continue
+        cost = merge_bytes(tr.num_rows, dims) / mem
+        if tree and tr.step + 1 < rounds:
+            busy[tr.dst][tr.step + 1] += cost
+        else:
+            final[tr.dst] += cost
+    rounds_s = []
+    compute_s = wire_s = 0.0
+    for t in range(rounds):
+        window = [
+            tr
+            for tr in plan.transfers
+            if (tr.step == t and tr.after_segments == 0)
+            or (tr.step == t - 1 and tr.after_segments >= 1)
+        ]
+        wire = _wire_s(window, dims, hardware, p)
+        work = max(busy[r][t] for r in range(p))
+        compute_s += work
+        wire_s += wire
+        rounds_s.append(max(work, wire))
+    last = [tr for tr in plan.transfers if tr.step == rounds - 1 and tr.after_segments >= 1]
+    tail_s = _wire_s(last, dims, hardware, p) + max(final)
+    sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
+    pair: dict[tuple[int, int], int] = {}
+    for tr in plan.transfers:
+        n = tr.num_bytes(dims)
+        sent[tr.payload.flow][tr.src] += n
+        pair[(tr.src, tr.dst)] = pair.get((tr.src, tr.dst), 0) + n
+    return CachedPrediction(
+        strategy=plan.strategy,
+        total_s=sum(rounds_s) + tail_s,
+        rounds_s=tuple(rounds_s),
+        tail_s=tail_s,
+        compute_s=compute_s,
+        wire_s=wire_s,
+        travel_bytes=max(sent[Flow.TRAVEL]),
+        return_bytes=max(sent[Flow.RETURN]),
+        busiest_pair_bytes=max(pair.values(), default=0),
+        num_messages=len(plan.transfers),
+    )
+
+
+# -- the decision --------------------------------------------------------------------------------
+def pass_q_threshold(
+    *, heads_q: int, heads_kv: int, head_dim: int, elem_bytes: int, acc_bytes: int = 4
+) -> float:
+    """The new-token fraction T/(T+C) below which pass-Q's busiest direction carries fewer
+    bytes than pass-KV's; see Note [Pass-Q or pass-KV].
+
+    Returns:
+        ``2 * Hkv * D * e / (Hq * (D * e + a))``.
+    """
+    return 2 * heads_kv * head_dim * elem_bytes / (heads_q * (head_dim * elem_bytes + acc_bytes))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachedChoice:
+    """What :func:`choose_cached_strategy` returns."""
+
+    pick: CachedStrategy
+    """The fastest predicted strategy."""
+    predictions: tuple[CachedPrediction, ...]
+    """Every candidate, in ``CachedStrategy`` order."""
+    reason: str
+    """One sentence: the times, the bytes and the threshold."""
+
+
+def choose_cached_strategy(
+    shards: CachedShards,
+    *,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    hardware: Hardware,
+    candidates: Sequence[CachedStrategy | str] | None = None,
+    kernel_call_s: float = 0.0,
+) -> CachedChoice:
+    """Predict every candidate plan (Note [Round model]) and pick the fastest.
+
+    Deterministic: ties (within a relative 1e-9) go to the earlier strategy in
+    ``CachedStrategy`` order, so every rank picks the same from the same inputs.
+
+    Raises:
+        ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
+    """
+    chosen = (
+        {CachedStrategy.parse(c) for c in candidates}
+        if candidates is not None
+        else set(CachedStrategy)
+    )
+    if not chosen:
+        raise ValueError("candidates must name at least one strategy; got none")
+    predictions = tuple(
+        predict_cached(
+            build_cached_plan(s, shards),
+            shards,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+            hardware=hardware,
+            kernel_call_s=kernel_call_s,
+        )
+        for s in CachedStrategy
+        if s in chosen
+    )
+    best = predictions[0]
+    for cand in predictions[1:]:
+        if cand.total_s < best.total_s * (1 - 1e-9):
+            best = cand
+    dims = _dims(heads_q, heads_kv, head_dim, dtype)
+    new = sum(shards.q_rows)
+    total = sum(shards.kv_rows)
+    fraction = new / total if total else 1.0
+    threshold = pass_q_threshold(
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        elem_bytes=dims.elem_bytes,
+        acc_bytes=dims.acc_bytes,
+    )
+    times = ", ".join(f"{p.strategy.value} {1e3 * p.total_s:.3g} ms" for p in predictions)
+    reason = (
+        f"{best.strategy.value} predicted fastest on {hardware.name} ({times}); new-token "
+        f"fraction T/(T+C) = {fraction:.3f} vs pass-Q threshold {threshold:.3f} "
+        f"(2*Hkv*D*e / (Hq*(D*e+a))); {best.strategy.value} is {best.bound_by}-bound"
+    )
+    return CachedChoice(pick=best.strategy, predictions=predictions, reason=reason)
+
+
+def explain_cached(
+    *,
+    world_size: int,
+    cached: int,
+    new: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    hardware: Hardware | str,
+    batch: int = 1,
+    dtype: str | torch.dtype = "bfloat16",
+    block_size: int = 64,
+    candidates: Sequence[CachedStrategy | str] | None = None,
+    kernel_call_s: float = 0.0,
+) -> CachedChoice:
+    """The pick for B sequences of ``cached`` tokens each adding ``new`` (block-cyclic, as the
+    cache places them) on ``hardware`` (a ``Hardware`` or a preset name).
+
+    Raises:
+        ValueError: as :func:`uniform_shards` and :func:`choose_cached_strategy`, or an
+            unknown preset.
+    """
+    hw = preset(hardware) if isinstance(hardware, str) else hardware
+    shards = uniform_shards(
+        world_size=world_size, batch=batch, cached=cached, new=new, block_size=block_size
+    )
+    return choose_cached_strategy(
+        shards,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        hardware=hw,
+        candidates=candidates,
+        kernel_call_s=kernel_call_s,
+    )

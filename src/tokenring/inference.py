@@ -1,0 +1,563 @@
+"""Attention of new tokens against the sharded KV cache: prefill with a cache, and decode.
+
+This module owns the inference call :func:`cached_attn` and the runtime of the cached
+schedules (``tokenring.cached_schedule``): it appends the new K/V to the cache
+(``tokenring.kvcache``), picks a strategy, and executes its plan with the communicator, so
+every byte is counted. The first prefill in the zigzag layout runs the ordinary training-style
+path (``sequence_parallel_attn``, TokenRing for pass-Q and Ring for pass-KV).
+
+Legend: B sequences, n packed new rows of this rank, Hq / Hkv heads, D head dim, P world
+size, o the owner of a Q block, j the holder of a K/V shard. New tokens are *packed*: this
+rank's rows of sequence 0, then of sequence 1, ... (``CacheStep.seq_rows``), so q is
+``(n, Hq, D)`` and lse ``(Hq, n)``, flash-attention's varlen convention.
+
+Note [Cached attention call]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+::
+
+    1. append   this rank's new K/V go into its own shard (their owner caches them)
+    2. choose   "auto": the round model (cached_schedule.choose_cached_strategy) on the given
+                or calibrated hardware, once per step (every layer reuses it)
+    3. run      zigzag first prefill + pass_q / pass_kv: sequence_parallel_attn
+                (token_ring / ring, causal, zigzag); otherwise the plan, slot by slot
+
+A Q block against a shard is computed per sequence in at most two kernel calls: the keys every
+query sees (positions up to the block's first query) without a mask, and the keys between the
+first and the last query with a position mask; keys after the last query are skipped. The two
+partials merge by lse, so a mask never grows with the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.cached_schedule import (
+    CachedPlan,
+    CachedShards,
+    CachedStrategy,
+    CachedTransfer,
+    build_cached_plan,
+    choose_cached_strategy,
+)
+from tokenring.comm import Communicator, FieldSpec, PendingRecv
+from tokenring.costmodel import Hardware, preset
+from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.merge import merge_into
+from tokenring.schedule import Payload, Strategy
+
+__all__ = [
+    "attend_cached",
+    "cached_attn",
+    "calibrated_inference",
+    "resolve_cached_strategy",
+    "run_cached_plan",
+]
+
+
+# -- the runtime ---------------------------------------------------------------------------------
+class _PlanRunner:
+    """Executes one rank's part of a :class:`CachedPlan` (see Note [Slots] in tokenring.comm:
+    slot (t, 0) at the start of round t, slot (t, k) after the k-th compute of the round)."""
+
+    def __init__(
+        self,
+        plan: CachedPlan,
+        shards: CachedShards,
+        comm: Communicator,
+        kernel: BlockKernel,
+        q: torch.Tensor,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        scale: float,
+    ) -> None:
+        self.plan, self.shards, self.comm = plan, shards, comm
+        self.kernel, self.scale = kernel, scale
+        self.rank = comm.rank
+        self.dtype, self.device = q.dtype, q.device
+        self.acc = accumulation_dtype(q.dtype)
+        self.heads_q, self.head_dim = q.shape[1], q.shape[2]
+        self.heads_kv = kv[0][0].shape[1] if kv else 1
+        self.q_blocks: dict[int, torch.Tensor] = {self.rank: q}  # owner -> (n_o, Hq, D)
+        self.kv_blocks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {self.rank: list(kv)}
+        self.kv_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # holder -> (k, v)
+        self.partial: tuple[torch.Tensor, torch.Tensor] | None = None  # the last one computed
+        self.accs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # owner -> (1,n,H,D),(1,H,n)
+        self.pending: dict[CachedTransfer, PendingRecv] = {}
+        self.block_recv: dict[tuple[Payload, int], CachedTransfer] = {}
+        me = self.rank
+        self.slot_sends: dict[tuple[int, int], list[CachedTransfer]] = {}
+        self.slot_recvs: dict[tuple[int, int], list[CachedTransfer]] = {}
+        for tr in plan.transfers:
+            if tr.src == me:
+                self.slot_sends.setdefault((tr.step, tr.after_segments), []).append(tr)
+            if tr.dst == me:
+                self.slot_recvs.setdefault((tr.step, tr.after_segments), []).append(tr)
+
+    # -- messages ------------------------------------------------------------------------------
+    def _fields(self, tr: CachedTransfer) -> list[FieldSpec]:
+        n, hq, hkv, d = tr.num_rows, self.heads_q, self.heads_kv, self.head_dim
+        if tr.payload is Payload.Q:
+            return [((n, hq, d), self.dtype)]
+        if tr.payload is Payload.KV:
+            return [((n, hkv, d), self.dtype)] * 2
+        return [((n, hq, d), self.dtype), ((hq, n), self.acc)]
+
+    def _provide(self, tr: CachedTransfer) -> list[torch.Tensor]:
+        if tr.payload is Payload.Q:  # forwarded blocks must have arrived first
+            blocks = [self._q_block(o) for o in tr.owners]
+            return [blocks[0] if len(blocks) == 1 else torch.cat(blocks)]
+        if tr.payload is Payload.KV:
+            (j,) = tr.owners
+            if j not in self.kv_packed:
+                pairs = self._kv_block(j)
+                self.kv_packed[j] = (
+                    torch.cat([k for k, _ in pairs]),
+                    torch.cat([v for _, v in pairs]),
+                )
+            return list(self.kv_packed[j])
+        if self.plan.strategy is not CachedStrategy.TREE:
+            assert self.partial is not None
+            return list(self.partial)
+        outs = [self.accs[o][0][0].to(self.dtype) for o in tr.owners]
+        lses = [self.accs[o][1][0] for o in tr.owners]
+        return [torch.cat(outs), torch.cat(lses, dim=1)]
+
+    def _post(self, slot: tuple[int, int]) -> None:
+        sends = [(tr, self._provide(tr)) for tr in self.slot_sends.get(slot, ())]
+        recvs = [(tr, self._fields(tr)) for tr in self.slot_recvs.get(slot, ())]
+        if not sends and not recvs:
+            return
+        posted = self.comm.exchange(sends, recvs, device=self.device)
+        for tr, rec in posted.items():
+            assert isinstance(tr, CachedTransfer)
+            self.pending[tr] = rec
+            if tr.payload is not Payload.OUT:
+                for o in tr.owners:
+                    self.block_recv[(tr.payload, o)] = tr
+
+    def _split_rows(self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+        return list(torch.split(tensor, list(sizes), dim=dim))
+
+    def _q_block(self, owner: int) -> torch.Tensor:
+        if owner not in self.q_blocks:
+            tr = self.block_recv[(Payload.Q, owner)]
+            (packed,) = self.pending.pop(tr).wait()
+            sizes = [self.shards.q_rows[o] for o in tr.owners]
+            for o, block in zip(tr.owners, self._split_rows(packed, sizes), strict=True):
+                self.q_blocks[o] = block
+        return self.q_blocks[owner]
+
+    def _kv_block(self, holder: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if holder not in self.kv_blocks:
+            tr = self.block_recv[(Payload.KV, holder)]
+            k, v = self.pending.pop(tr).wait()
+            self.kv_packed[holder] = (k, v)
+            sizes = self.shards.kv_seq_rows[holder]
+            self.kv_blocks[holder] = list(
+                zip(self._split_rows(k, sizes), self._split_rows(v, sizes), strict=True)
+            )
+        return self.kv_blocks[holder]
+
+    # -- compute and merge ---------------------------------------------------------------------
+    def _acc(self, owner: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if owner not in self.accs:
+            n = self.shards.q_rows[owner]
+            out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
+            lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
+            self.accs[owner] = (out, lse)
+        return self.accs[owner]
+
+    def _compute(self, q_owner: int, kv_holder: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partial of ``q_owner``'s block against ``kv_holder``'s shard, in the
+        accumulation dtype: ``(1, n_o, Hq, D)`` and ``(1, Hq, n_o)``; see Note [Cached
+        attention call]."""
+        q = self._q_block(q_owner)
+        kv = self._kv_block(kv_holder)
+        n = q.shape[0]
+        out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
+        lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
+        splits = self.shards.split(q_owner, kv_holder)
+        qpos_all = self.shards.q_positions[q_owner]
+        kpos_all = self.shards.kv_positions[kv_holder]
+        start = 0
+        for b, (full, stop) in enumerate(splits):
+            t = self.shards.q_seq_rows[q_owner][b]
+            rows = (start, start + t)
+            start += t
+            if t == 0 or stop == 0:
+                continue
+            qb = q[rows[0] : rows[1]].unsqueeze(0)  # (1, t, Hq, D)
+            kb, vb = kv[b]
+            pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if full > 0:
+                pieces.append(
+                    self.kernel.forward(
+                        qb,
+                        kb[:full].unsqueeze(0),
+                        vb[:full].unsqueeze(0),
+                        causal=False,
+                        scale=self.scale,
+                    )
+                )
+            if stop > full:
+                qpos = qpos_all[b]
+                kpos = kpos_all[b][full:stop]
+                mask = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)).to(self.device)  # (t, stop-full)
+                pieces.append(
+                    self.kernel.forward(
+                        qb,
+                        kb[full:stop].unsqueeze(0),
+                        vb[full:stop].unsqueeze(0),
+                        causal=False,
+                        scale=self.scale,
+                        mask=mask,
+                    )
+                )
+            if len(pieces) == 1:
+                out[:, rows[0] : rows[1]] = pieces[0][0]
+                lse[:, :, rows[0] : rows[1]] = pieces[0][1]
+            else:
+                for part_out, part_lse in pieces:
+                    merge_into(out, lse, rows, part_out, part_lse)
+        return out, lse
+
+    def _merge_received(self, before_round: int | None) -> None:
+        """Wait for and merge the partials posted before ``before_round`` (None: all)."""
+        ready = sorted(
+            (
+                tr
+                for tr in self.pending
+                if tr.payload is Payload.OUT and (before_round is None or tr.step < before_round)
+            ),
+            key=lambda tr: (tr.step, tr.after_segments, tr.src),
+        )
+        for tr in ready:
+            out, lse = self.pending.pop(tr).wait()
+            sizes = [self.shards.q_rows[o] for o in tr.owners]
+            outs = self._split_rows(out, sizes)
+            lses = self._split_rows(lse, sizes, dim=1)
+            for o, part_out, part_lse in zip(tr.owners, outs, lses, strict=True):
+                acc_out, acc_lse = self._acc(o)
+                rows = (0, part_out.shape[0])
+                merge_into(acc_out, acc_lse, rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        plan, me = self.plan, self.rank
+        tree = plan.strategy is CachedStrategy.TREE
+        self._acc(me)
+        for t in range(plan.num_rounds):
+            if tree and t > 0:
+                self._merge_received(before_round=t)  # a subtree's partials before going up
+            self._post((t, 0))
+            blocks = plan.computes[me][t]
+            for k, (o, j) in enumerate(blocks):
+                out, lse = self._compute(o, j)
+                if o == me or tree:
+                    acc_out, acc_lse = self._acc(o)
+                    merge_into(acc_out, acc_lse, (0, out.shape[1]), out, lse)
+                else:
+                    self.partial = (out[0].to(self.dtype), lse[0])
+                self._post((t, k + 1))
+            mine = [a for (s, a) in (*self.slot_sends, *self.slot_recvs) if s == t]
+            for after in range(len(blocks) + 1, max(mine, default=0) + 1):
+                self._post((t, after))
+        self._merge_received(before_round=None)
+        assert not self.pending, "every receive of the plan must have been consumed"
+        self.comm.wait_sends()
+        out, lse = self.accs[me]
+        return out[0].to(self.dtype), lse[0]
+
+
+def run_cached_plan(
+    plan: CachedPlan,
+    shards: CachedShards,
+    comm: Communicator,
+    kernel: BlockKernel,
+    q: torch.Tensor,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Execute this rank's part of ``plan``.
+
+    Args:
+        q: ``(n, Hq, D)`` this rank's packed new queries (``shards.q_rows[rank]`` rows).
+        kv: per sequence, this rank's cached ``(k, v)``, each ``(n_b, Hkv, D)`` in the order of
+            ``shards.kv_positions[rank][b]``.
+
+    Returns:
+        out ``(n, Hq, D)`` in q's dtype and lse ``(Hq, n)`` in the accumulation dtype (-inf and
+        out 0 for a query that sees no key).
+    """
+    return _PlanRunner(plan, shards, comm, kernel, q, kv, scale).run()
+
+
+# -- choosing ------------------------------------------------------------------------------------
+_CALIBRATED: weakref.WeakKeyDictionary[Communicator, dict[Any, tuple[Hardware, float]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def calibrated_inference(
+    comm: Communicator, *, dtype: torch.dtype, device: torch.device
+) -> tuple[Hardware, float]:
+    """This machine as a hardware description (``planner.calibrated``) and the time of one
+    small kernel call (the fixed cost decode pays per block), agreed across ranks (the
+    slowest), measured once per communicator and dtype. Collective on first use."""
+    from tokenring import planner
+
+    key = (dtype, str(device))
+    per_comm = _CALIBRATED.setdefault(comm, {})
+    if key not in per_comm:
+        hardware = planner.calibrated(comm, dtype=dtype, device=device)
+        kernel = select_kernel(device, dtype)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 1, 8, 64, generator=gen).to(device=device, dtype=dtype)
+        k = torch.randn(1, 16, 8, 64, generator=gen).to(device=device, dtype=dtype)
+        times = []
+        for i in range(11):
+            start = time.perf_counter()
+            kernel.forward(q, k, k, causal=False, scale=0.125)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times.append(time.perf_counter() - start)
+        call_s = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+        if comm.world_size > 1:
+            dist.all_reduce(call_s, op=dist.ReduceOp.MAX, group=comm.group)
+        per_comm[key] = (hardware, float(call_s.item()))
+    return per_comm[key]
+
+
+def resolve_cached_strategy(
+    strategy: CachedStrategy | str,
+    *,
+    step: CacheStep,
+    comm: Communicator,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    hardware: Hardware | str | None = None,
+) -> CachedStrategy:
+    """``strategy`` itself, or for ``"auto"`` the cheapest by the round model (Note [Round
+    model] in tokenring.cached_schedule) on ``hardware`` (a ``Hardware``, a preset name, or
+    None: this machine, calibrated once per communicator). A zigzag first prefill chooses
+    between pass_q and pass_kv with the training planner (``tokenring.planner.explain``), as
+    it runs on the ordinary path. Collective when it calibrates."""
+    if strategy != "auto":
+        return CachedStrategy.parse(strategy)
+    call_s = 0.0
+    if isinstance(hardware, str):
+        hardware = preset(hardware)
+    elif hardware is None:
+        hardware, call_s = calibrated_inference(comm, dtype=dtype, device=device)
+    if step.zigzag:
+        from tokenring.planner import explain
+
+        plan = explain(
+            world_size=step.world_size,
+            seq_local=step.num_rows(comm.rank) // len(step.new),
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+            causal=True,
+            hardware=hardware,
+            layout="zigzag",
+            batch=len(step.new),
+            strategies=("token_ring", "ring"),
+        )
+        return CachedStrategy.PASS_Q if plan.pick is Strategy.TOKEN_RING else CachedStrategy.PASS_KV
+    return choose_cached_strategy(
+        CachedShards.from_step(step),
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        hardware=hardware,
+        kernel_call_s=call_s,
+    ).pick
+
+
+# -- the public call -----------------------------------------------------------------------------
+def _validate(
+    q: torch.Tensor, cache: DistributedKVCache, layer: int, softmax_scale: float | None
+) -> CacheStep:
+    if not isinstance(cache, DistributedKVCache):
+        raise ValueError(f"cache must be a DistributedKVCache; got {type(cache).__name__}")
+    if cache.comm is None:
+        raise ValueError(
+            "cache must be built with a process group (group=...) to run attention; got one "
+            "built with rank= and world_size= only"
+        )
+    step = cache.step
+    if step is None:
+        raise ValueError("no cache step has begun; call cache.begin_step(new) first")
+    if not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
+        raise ValueError(f"layer must be an int in [0, {cache.num_layers}); got {layer!r}")
+    if cache.appended(layer):
+        raise ValueError(
+            f"layer {layer} has already run attention in step {step.index}; call "
+            "cache.begin_step for the next tokens"
+        )
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must be a (rows, heads_q, head_dim) tensor; got {shape}")
+    n = step.num_rows(cache.rank)
+    if q.shape[0] != n or q.shape[2] != cache.head_dim:
+        raise ValueError(
+            f"q must have shape (rows={n}, heads_q, head_dim={cache.head_dim}) (this rank's "
+            f"new rows of step {step.index}); got {tuple(q.shape)}"
+        )
+    if q.shape[1] < 1 or q.shape[1] % cache.heads_kv:
+        raise ValueError(
+            f"heads_kv must divide heads_q; got heads_q={q.shape[1]}, heads_kv={cache.heads_kv}"
+        )
+    if q.dtype != cache.dtype or q.device != cache.device:
+        raise ValueError(
+            f"q must be {cache.dtype} on {cache.device} like the cache; got {q.dtype} on {q.device}"
+        )
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
+    return step
+
+
+def cached_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cache: DistributedKVCache,
+    layer: int,
+    strategy: CachedStrategy | str = "auto",
+    softmax_scale: float | None = None,
+    hardware: Hardware | str | None = None,
+    kernel: str | BlockKernel | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of this step's new tokens against everything cached before them and
+    themselves, with the K/V sharded over the cache's ranks; see Note [Cached attention call].
+
+    Call it once per layer and step, on every rank of the cache's group, after
+    ``cache.begin_step(new)``. Prefill with a cache (T new tokens per sequence on top of C
+    cached), the first prefill (C = 0) and decode (T of 1 to a few) are the same call.
+
+    Args:
+        q: ``(n, Hq, D)`` this rank's packed new queries (``cache.step.seq_rows(rank)`` rows of
+            each sequence, in position order; positions from ``cache.step.positions(rank)``).
+        k, v: ``(n, Hkv, D)`` their keys and values (appended to the cache here).
+        cache: the cache; its group runs the attention.
+        layer: which layer's cache.
+        strategy: ``"pass_q"``, ``"pass_kv"``, ``"direct"``, ``"tree"`` (Note [Cached
+            strategies] in tokenring.cached_schedule) or ``"auto"``. Every rank must pass
+            the same.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        hardware: for ``"auto"``: a ``Hardware``, a preset name, or None to calibrate this
+            machine once per group (collective, a few seconds on CPU).
+        kernel: block kernel name or instance; None picks one for the device and dtype.
+        return_lse: also return lse ``(Hq, n)`` (float32; float64 for float64 inputs).
+
+    Returns:
+        out ``(n, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError: no step begun, a layer out of range or already run this step, shapes,
+            dtype or device that do not match the cache and the step, an unknown strategy or
+            kernel, a bad softmax_scale.
+    """
+    _validate(q, cache, layer, softmax_scale)
+    strategy = (
+        strategy if strategy == "auto" else CachedStrategy.parse(strategy)
+    )  # fail before appending
+    block_kernel = select_kernel(q.device, q.dtype, kernel)
+    cache.append(layer, k, v)
+    out, lse = attend_cached(
+        q,
+        cache=cache,
+        layer=layer,
+        strategy=strategy,
+        softmax_scale=softmax_scale,
+        hardware=hardware,
+        kernel=block_kernel,
+    )
+    return (out, lse) if return_lse else out
+
+
+def attend_cached(
+    q: torch.Tensor,
+    *,
+    cache: DistributedKVCache,
+    layer: int,
+    strategy: CachedStrategy | str,
+    softmax_scale: float | None = None,
+    hardware: Hardware | str | None = None,
+    kernel: BlockKernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention half of :func:`cached_attn`, with this step's K/V already appended for
+    ``layer`` (the benchmark repeats it on one cache). Returns ``(out, lse)``."""
+    step = cache.step
+    comm = cache.comm
+    assert step is not None and comm is not None and cache.appended(layer)
+    heads_q, head_dim = q.shape[1], q.shape[2]
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    key = (
+        "strategy",
+        str(strategy),
+        hardware if not isinstance(hardware, Hardware) else id(hardware),
+    )
+    if key not in cache.memo:
+        cache.memo[key] = resolve_cached_strategy(
+            strategy,
+            step=step,
+            comm=comm,
+            heads_q=heads_q,
+            heads_kv=cache.heads_kv,
+            head_dim=head_dim,
+            dtype=q.dtype,
+            device=q.device,
+            hardware=hardware,
+        )
+    chosen: CachedStrategy = cache.memo[key]
+    me = comm.rank
+    if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
+        from tokenring.api import sequence_parallel_attn
+
+        b = len(step.new)
+        rows = step.num_rows(me) // b
+        keys = [cache.shard(layer, s) for s in range(b)]
+        k4 = torch.stack([kk for kk, _ in keys])  # (B, s, Hkv, D)
+        v4 = torch.stack([vv for _, vv in keys])
+        result = sequence_parallel_attn(
+            q.reshape(b, rows, heads_q, head_dim),
+            k4,
+            v4,
+            strategy=Strategy.TOKEN_RING if chosen is CachedStrategy.PASS_Q else Strategy.RING,
+            causal=True,
+            softmax_scale=scale,
+            group=comm,
+            layout="zigzag",
+            return_lse=True,
+            kernel=kernel,
+            check_ranks=False,
+        )
+        out4, lse4 = result
+        return out4.reshape(b * rows, heads_q, head_dim), lse4.permute(1, 0, 2).reshape(
+            heads_q, b * rows
+        )
+    plan_key = ("plan", chosen)
+    if plan_key not in cache.memo:
+        shards = CachedShards.from_step(step)
+        cache.memo[plan_key] = (build_cached_plan(chosen, shards), shards)
+    plan, shards = cache.memo[plan_key]
+    kv = [cache.shard(layer, s) for s in range(len(step.new))]
+    return run_cached_plan(plan, shards, comm, kernel, q, kv, scale=scale)

@@ -1,0 +1,524 @@
+"""The distributed KV cache: per layer, the K/V of a batch of sequences sharded over the ranks.
+
+This module owns *where cached tokens live* and how much memory they take. Every rank keeps
+the K/V of its own tokens (``(n, Hkv, D)`` per layer and sequence) and a replicated record of
+which global positions every rank holds, so each rank can derive the whole placement, every
+message size and every mask without asking the others. Attention over the cache is
+``tokenring.inference``; the schedules it runs and their costs are ``tokenring.cached_schedule``.
+
+Legend: B sequences in the batch, T new tokens of a sequence in a step, C cached tokens of a
+sequence before it, P world size, bs block size, L layers, Hkv key/value heads, D head dim,
+e bytes per element, n rows a rank holds.
+
+Note [Placement]
+~~~~~~~~~~~~~~~~
+A step appends T_b new tokens to each sequence b. Their owner (the rank that computes them,
+holds their Q and caches their K/V, so the append moves nothing) is decided once per step,
+identically on every rank, from the positions alone::
+
+    first prefill   every C_b = 0, every T_b = T, T % 2P == 0: the zigzag layout of the
+                    ordinary attention path (rank r owns chunks r and 2P-1-r of 2P)
+    otherwise       block-cyclic: position p of sequence b goes to rank (p // bs + b) mod P
+
+Block-cyclic keeps every rank within one block of the others for each sequence however long
+it grows (positions [a, a+m) put floor or ceil of m/bs blocks on each rank, and the zigzag
+prefix is exactly even), so no rank fills first; the ``+ b`` offset starts the sequences of a
+batch on different ranks, so a batch of short sequences is spread too. P = 3, bs = 4, b = 0::
+
+    position:  0-3  4-7  8-11  12-15  16-19  ...
+    rank:       0    1    2     0      1     ...
+
+Note [Memory accounting]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A rank stores each (layer, sequence) shard of n rows in one tensor per K and V whose capacity
+is n rounded up to a whole block: growing by one block at a time copies the shard once per bs
+appended rows, which a decode step (reading all n rows) amortises to 1/bs extra traffic. So the
+reserved bytes of rank r are exactly::
+
+    reserved(r) = L * sum_b roundup(n_rb, bs) * 2 * Hkv * D * e
+
+which every rank computes for every rank from the replicated positions. ``begin_step`` checks
+it for the positions after the step against ``budget_bytes`` before anything is allocated or
+sent, so all ranks raise the same :class:`KVCacheBudgetError` at the same step (no rank waits
+for a peer that gave up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.comm import Communicator
+
+__all__ = ["CacheStep", "DistributedKVCache", "KVCacheBudgetError", "place_new_tokens"]
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+class KVCacheBudgetError(RuntimeError):
+    """A step would make a rank's cache exceed its ``budget_bytes``; raised on every rank."""
+
+    def __init__(self, message: str, *, rank: int, budget_bytes: int, need_bytes: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.budget_bytes = budget_bytes
+        self.need_bytes = need_bytes
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def place_new_tokens(
+    *,
+    cached: Sequence[int],
+    new: Sequence[int],
+    world_size: int,
+    block_size: int,
+    zigzag: bool,
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """The global positions of the new tokens each rank owns; see Note [Placement].
+
+    Args:
+        cached: C_b per sequence.
+        new: T_b per sequence.
+        zigzag: use the first-prefill zigzag layout (the caller checked that it applies).
+
+    Returns:
+        ``[rank][sequence]`` int64 tensors of increasing positions.
+    """
+    p = world_size
+    placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
+    for b, (c, t) in enumerate(zip(cached, new, strict=True)):
+        if zigzag:
+            chunk = t // (2 * p)
+            for r in range(p):
+                late = 2 * p - 1 - r
+                placed[r].append(
+                    torch.cat(
+                        [
+                            torch.arange(r * chunk, (r + 1) * chunk),
+                            torch.arange(late * chunk, (late + 1) * chunk),
+                        ]
+                    )
+                )
+            continue
+        pos = torch.arange(c, c + t, dtype=torch.int64)
+        owner = (pos // block_size + b) % p
+        for r in range(p):
+            placed[r].append(pos[owner == r])
+    return tuple(tuple(row) for row in placed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheStep:
+    """Where the new tokens of one step go and what every rank holds after it.
+
+    Identical on every rank. New tokens are passed to attention *packed*: this rank's rows of
+    sequence 0, then of sequence 1, ... (``seq_rows(rank)`` of each), each in position order.
+    """
+
+    index: int
+    """Steps begun before this one."""
+    world_size: int
+    """P."""
+    zigzag: bool
+    """The first prefill in the zigzag layout (the ordinary attention path)."""
+    cached: tuple[int, ...]
+    """C_b: tokens of each sequence cached before the step."""
+    new: tuple[int, ...]
+    """T_b: new tokens of each sequence."""
+    new_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: global positions of the new tokens the rank owns."""
+    kv_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: every position the rank caches after the step (new included)."""
+
+    def seq_rows(self, rank: int) -> tuple[int, ...]:
+        """How many new tokens of each sequence ``rank`` owns."""
+        return tuple(len(x) for x in self.new_positions[rank])
+
+    def num_rows(self, rank: int) -> int:
+        """Packed new rows of ``rank``: the first dimension of its q, k, v."""
+        return sum(self.seq_rows(rank))
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """``(n,)`` packed global positions of ``rank``'s new rows (for RoPE, token lookup)."""
+        parts = self.new_positions[rank]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+class _Growable:
+    """Rows appended to a tensor whose capacity grows in whole blocks (Note [Memory accounting])."""
+
+    def __init__(
+        self, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device, block: int
+    ) -> None:
+        self.data = torch.empty((0, *tail), dtype=dtype, device=device)
+        self.size = 0
+        self.block = block
+
+    def extend(self, rows: torch.Tensor) -> None:
+        n = rows.shape[0]
+        if self.size + n > self.data.shape[0]:
+            grown = torch.empty(
+                (_round_up(self.size + n, self.block), *self.data.shape[1:]),
+                dtype=self.data.dtype,
+                device=self.data.device,
+            )
+            grown[: self.size] = self.data[: self.size]
+            self.data = grown
+        self.data[self.size : self.size + n] = rows
+        self.size += n
+
+    def view(self) -> torch.Tensor:
+        return self.data[: self.size]
+
+
+class DistributedKVCache:
+    """K/V of a batch of B sequences for every layer, sharded over the ranks of a group.
+
+    Use it in steps: ``begin_step(new)`` places the new tokens of every sequence (Note
+    [Placement]) and checks the memory budget; then, for each layer, attention
+    (``tokenring.inference.cached_attn``) appends this rank's new K/V and attends to every
+    rank's shard.
+
+    Args:
+        num_layers: L.
+        batch: B, the number of sequences (fixed for the cache's life).
+        heads_kv, head_dim: Hkv, D.
+        dtype, device: of the stored K/V (and of the q, k, v given to attention).
+        block_size: bs, tokens per placement block and allocation unit.
+        budget_bytes: the most K/V bytes one rank may reserve (all layers); None: no limit.
+        group: ProcessGroup, 1-D DeviceMesh, Communicator or None (default group); attention
+            runs on its communicator.
+        rank, world_size: give both instead of a group to use the cache's bookkeeping without
+            a process group (tests, planning); attention then cannot run.
+        zigzag_first_prefill: place a first prefill of equal lengths in the zigzag layout so
+            that it runs on the ordinary attention path.
+
+    Raises:
+        ValueError: a size below 1, an unsupported dtype, rank outside [0, world_size), or
+            only one of rank / world_size.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch: int,
+        heads_kv: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        block_size: int = 64,
+        budget_bytes: int | None = None,
+        group: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        zigzag_first_prefill: bool = True,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch", batch),
+            ("heads_kv", heads_kv),
+            ("head_dim", head_dim),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be one of float64, float32, bfloat16, float16; got {dtype}"
+            )
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes}")
+        if (rank is None) != (world_size is None):
+            raise ValueError(
+                f"rank and world_size must be given together; got rank={rank}, "
+                f"world_size={world_size}"
+            )
+        self.comm: Communicator | None = None
+        if world_size is None:
+            from tokenring.api import get_communicator
+
+            self.comm = get_communicator(group)
+            rank, world_size = self.comm.rank, self.comm.world_size
+        assert rank is not None and world_size is not None
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+        self.rank, self.world_size = rank, world_size
+        self.num_layers, self.batch = num_layers, batch
+        self.heads_kv, self.head_dim = heads_kv, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.zigzag_first_prefill = zigzag_first_prefill
+        self._lengths = [0] * batch
+        self._num_steps = 0
+        self._step: CacheStep | None = None
+        # Replicated: [sequence][rank] positions held. Local: [layer][sequence] K and V.
+        self._positions = [
+            [_Growable((), torch.int64, torch.device("cpu"), block_size) for _ in range(world_size)]
+            for _ in range(batch)
+        ]
+        tail = (heads_kv, head_dim)
+        self._keys = [
+            [_Growable(tail, dtype, self.device, block_size) for _ in range(batch)]
+            for _ in range(num_layers)
+        ]
+        self._values = [
+            [_Growable(tail, dtype, self.device, block_size) for _ in range(batch)]
+            for _ in range(num_layers)
+        ]
+        # Per layer: whether it has appended the current step's K/V.
+        self._appended = [True] * num_layers
+        self.memo: dict[Any, Any] = {}
+        """Per-step results that every layer reuses (plans, the strategy pick); cleared by
+        each ``begin_step``."""
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Tokens of each sequence in the cache (including the current step's)."""
+        return tuple(self._lengths)
+
+    @property
+    def step(self) -> CacheStep | None:
+        """The step begun last (None before the first)."""
+        return self._step
+
+    @property
+    def token_bytes(self) -> int:
+        """K and V bytes of one token in one layer: 2 * Hkv * D * e."""
+        return 2 * self.heads_kv * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def tokens_held(self) -> list[list[int]]:
+        """``[rank][sequence]``: tokens each rank holds (replicated knowledge)."""
+        return [
+            [self._positions[b][r].size for b in range(self.batch)] for r in range(self.world_size)
+        ]
+
+    def reserved_bytes(self, rank: int | None = None) -> int:
+        """Bytes ``rank`` (default: this one) reserves for K/V; see Note [Memory accounting]."""
+        r = self.rank if rank is None else rank
+        held = [self._positions[b][r].size for b in range(self.batch)]
+        return self._reserve(held)
+
+    def used_bytes(self, rank: int | None = None) -> int:
+        """Bytes of the K/V rows ``rank`` (default: this one) actually holds, all layers."""
+        r = self.rank if rank is None else rank
+        held = sum(self._positions[b][r].size for b in range(self.batch))
+        return self.num_layers * held * self.token_bytes
+
+    def allocated_bytes(self) -> int:
+        """Bytes of this rank's K/V tensors as allocated (equals ``reserved_bytes()`` once
+        every layer has appended the current step)."""
+        return sum(
+            buf.data.numel() * buf.data.element_size()
+            for store in (self._keys, self._values)
+            for layer in store
+            for buf in layer
+        )
+
+    def _reserve(self, held: Sequence[int]) -> int:
+        tokens = sum(_round_up(n, self.block_size) for n in held)
+        return self.num_layers * tokens * self.token_bytes
+
+    # -- steps -----------------------------------------------------------------------------------
+    def _placement(
+        self, new: Sequence[int]
+    ) -> tuple[tuple[int, ...], bool, tuple[tuple[torch.Tensor, ...], ...]]:
+        new = tuple(new)
+        if len(new) != self.batch or any(not isinstance(t, int) or t < 0 for t in new):
+            raise ValueError(
+                f"new must be {self.batch} ints >= 0 (new tokens per sequence); got {new!r}"
+            )
+        p = self.world_size
+        zigzag = (
+            self.zigzag_first_prefill
+            and all(n == 0 for n in self._lengths)
+            and len(set(new)) == 1
+            and new[0] > 0
+            and new[0] % (2 * p) == 0
+        )
+        placed = place_new_tokens(
+            cached=self._lengths,
+            new=new,
+            world_size=p,
+            block_size=self.block_size,
+            zigzag=zigzag,
+        )
+        return new, zigzag, placed
+
+    def plan_step(self, new: Sequence[int]) -> CacheStep:
+        """Where ``new`` tokens per sequence would go, without changing the cache.
+
+        Raises:
+            ValueError: ``new`` is not B ints >= 0.
+        """
+        new, zigzag, placed = self._placement(new)
+        kv_positions = tuple(
+            tuple(
+                torch.cat([self._positions[b][r].view(), placed[r][b]]) for b in range(self.batch)
+            )
+            for r in range(self.world_size)
+        )
+        return CacheStep(
+            index=self._num_steps,
+            world_size=self.world_size,
+            zigzag=zigzag,
+            cached=tuple(self._lengths),
+            new=new,
+            new_positions=placed,
+            kv_positions=kv_positions,
+        )
+
+    def begin_step(self, new: Sequence[int], *, check_ranks: bool = True) -> CacheStep:
+        """Place ``new`` tokens per sequence, check the budget and make this the current step.
+
+        Every rank must call it with the same ``new``. After it, attention of each layer
+        appends its K/V (``tokenring.inference.cached_attn``).
+
+        Args:
+            new: T_b per sequence (0 for a sequence that does not advance).
+            check_ranks: all-gather ``new`` first and raise if the ranks disagree (one tiny
+                collective; only with a process group).
+
+        Returns:
+            The step: positions per rank, packed-row counts (``CacheStep``).
+
+        Raises:
+            ValueError: ``new`` is not B ints >= 0, or ranks passed different ``new``.
+            RuntimeError: a layer has not appended the previous step's K/V.
+            KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
+                rank; the cache is unchanged).
+        """
+        new, zigzag, placed = self._placement(new)
+        missing = [layer for layer, done in enumerate(self._appended) if not done]
+        if missing:
+            raise RuntimeError(
+                f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
+                "every layer must run attention (or append) once per step"
+            )
+        if check_ranks and self.comm is not None and self.world_size > 1:
+            self._check_ranks_agree(new)
+        if self.budget_bytes is not None:
+            held = [
+                [self._positions[b][r].size + len(placed[r][b]) for b in range(self.batch)]
+                for r in range(self.world_size)
+            ]
+            self._check_budget(held, new)
+        cached = tuple(self._lengths)
+        for b in range(self.batch):
+            for r in range(self.world_size):
+                self._positions[b][r].extend(placed[r][b])
+            self._lengths[b] += new[b]
+        # Views, not copies: later appends write past their end or into a new buffer.
+        kv_positions = tuple(
+            tuple(self._positions[b][r].view() for b in range(self.batch))
+            for r in range(self.world_size)
+        )
+        step = CacheStep(
+            index=self._num_steps,
+            world_size=self.world_size,
+            zigzag=zigzag,
+            cached=cached,
+            new=new,
+            new_positions=placed,
+            kv_positions=kv_positions,
+        )
+        self._num_steps += 1
+        self._step = step
+        self._appended = [False] * self.num_layers
+        self.memo.clear()
+        return step
+
+    def _check_ranks_agree(self, new: tuple[int, ...]) -> None:
+        assert self.comm is not None
+        mine = torch.tensor(new, dtype=torch.int64)
+        if self.comm.backend == "nccl":
+            mine = mine.to(self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.comm.group)
+        for r, row in enumerate(gathered):
+            if not torch.equal(row.cpu(), mine.cpu()):
+                raise ValueError(
+                    f"ranks began a cache step with different new-token counts: rank "
+                    f"{self.rank} has {list(new)}, rank {r} has {row.tolist()}"
+                )
+
+    def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
+        """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""
+        assert self.budget_bytes is not None
+        need = [self._reserve(row) for row in held]
+        over = [r for r in range(self.world_size) if need[r] > self.budget_bytes]
+        if not over:
+            return
+        r = over[0]
+        others = f" (also over: ranks {over[1:]})" if len(over) > 1 else ""
+        raise KVCacheBudgetError(
+            f"KV cache budget exceeded at step {self._num_steps}: rank {r} would need "
+            f"{need[r]} bytes ({sum(held[r])} cached tokens in blocks of {self.block_size}, "
+            f"x {self.num_layers} layers x {self.token_bytes} bytes per token) but its budget "
+            f"is {self.budget_bytes} bytes{others}; new tokens per sequence {list(new)}, "
+            f"cached {self._lengths}. Raise budget_bytes, add ranks or shorten the context.",
+            rank=r,
+            budget_bytes=self.budget_bytes,
+            need_bytes=need[r],
+        )
+
+    # -- storage ---------------------------------------------------------------------------------
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this rank's new K/V rows of the current step for ``layer``.
+
+        Args:
+            k, v: ``(n, Hkv, D)`` packed rows (``CacheStep.num_rows(rank)``), sequence by
+                sequence.
+
+        Raises:
+            ValueError: no step begun, a layer outside [0, L), the layer already appended this
+                step, or k/v of the wrong shape, dtype or device.
+        """
+        step = self._step
+        if step is None:
+            raise ValueError("no cache step has begun; call cache.begin_step(new) first")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer}")
+        if self._appended[layer]:
+            raise ValueError(
+                f"layer {layer} has already appended the K/V of step {step.index}; call "
+                "begin_step for the next tokens"
+            )
+        want = (step.num_rows(self.rank), self.heads_kv, self.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"{name} must have shape (rows={want[0]}, heads_kv={want[1]}, "
+                    f"head_dim={want[2]}) (this rank's new rows of step {step.index}); "
+                    f"got {shape}"
+                )
+            if x.dtype != self.dtype or x.device != self.device:
+                raise ValueError(
+                    f"{name} must be {self.dtype} on {self.device} like the cache; got "
+                    f"{x.dtype} on {x.device}"
+                )
+        start = 0
+        for b, n in enumerate(step.seq_rows(self.rank)):
+            self._keys[layer][b].extend(k[start : start + n])
+            self._values[layer][b].extend(v[start : start + n])
+            start += n
+        self._appended[layer] = True
+
+    def appended(self, layer: int) -> bool:
+        """Whether ``layer`` has appended the current step's K/V."""
+        return self._appended[layer]
+
+    def shard(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's cached ``(k, v)`` of ``seq`` in ``layer``: ``(n, Hkv, D)`` views, rows in
+        the order of ``step.kv_positions[rank][seq]``."""
+        return self._keys[layer][seq].view(), self._values[layer][seq].view()

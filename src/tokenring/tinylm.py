@@ -1,0 +1,303 @@
+"""A tiny causal language model and greedy generation, on one process or over the KV cache.
+
+This module owns the end-to-end check of inference: :func:`generate` decodes greedily with
+the K/V sharded over the ranks (``tokenring.kvcache``, ``tokenring.inference``) and must
+return exactly the tokens of :func:`generate_reference`, the same model on one process with
+plain causal attention over the whole sequence, recomputed every step (no cache at all).
+
+The model is Llama-shaped and small: token embedding, then per layer RMS norm, q/k/v
+projections with rotary position embedding (RoPE, half-split), GQA attention, output
+projection, RMS norm and a SiLU MLP, each with a residual; a final norm and the LM head.
+Weights are drawn from a seeded generator, so every rank builds the same model.
+
+Legend: n packed tokens of this rank, E model dim, V vocabulary, Hq / Hkv heads, D head dim,
+L layers, B sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.cached_schedule import CachedStrategy
+from tokenring.costmodel import Hardware
+from tokenring.kvcache import DistributedKVCache
+
+__all__ = ["Generation", "TinyCausalLM", "TinyLMConfig", "generate", "generate_reference"]
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(layer, q (n, Hq, D), k (n, Hkv, D), v (n, Hkv, D)) -> out (n, Hq, D)``: causal
+attention of the n tokens (after RoPE) against everything before them and themselves."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinyLMConfig:
+    """Sizes of the tiny model."""
+
+    vocab_size: int = 96
+    """V."""
+    dim: int = 64
+    """E."""
+    num_layers: int = 2
+    """L."""
+    heads_q: int = 4
+    """Hq."""
+    heads_kv: int = 2
+    """Hkv; divides Hq."""
+    head_dim: int = 16
+    """D; even (RoPE rotates pairs)."""
+    mlp_dim: int = 128
+    """Hidden width of the MLP."""
+    rope_base: float = 10000.0
+    """RoPE frequency base."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "heads_q", "heads_kv", "mlp_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
+                f"heads_kv={self.heads_kv}"
+            )
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be even and >= 2 for RoPE; got {self.head_dim}")
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class TinyCausalLM(torch.nn.Module):
+    """The tiny model; ``forward`` takes any tokens with their global positions and an
+    attention function, so one process and many ranks run the same code around attention.
+
+    Args:
+        config: sizes.
+        seed: weights are drawn from ``torch.Generator().manual_seed(seed)``.
+        dtype, device: of the weights and activations.
+    """
+
+    def __init__(
+        self,
+        config: TinyLMConfig,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        gen = torch.Generator().manual_seed(seed)
+        c = config
+
+        def weight(rows: int, cols: int) -> torch.nn.Parameter:
+            w = torch.randn(rows, cols, generator=gen, dtype=torch.float64) / rows**0.5
+            return torch.nn.Parameter(w.to(device=device, dtype=dtype), requires_grad=False)
+
+        self.embed = torch.nn.Parameter(
+            torch.randn(c.vocab_size, c.dim, generator=gen, dtype=torch.float64).to(
+                device=device, dtype=dtype
+            ),
+            requires_grad=False,
+        )
+        self.layers = [
+            {
+                "wq": weight(c.dim, c.heads_q * c.head_dim),
+                "wk": weight(c.dim, c.heads_kv * c.head_dim),
+                "wv": weight(c.dim, c.heads_kv * c.head_dim),
+                "wo": weight(c.heads_q * c.head_dim, c.dim),
+                "w1": weight(c.dim, c.mlp_dim),
+                "w2": weight(c.mlp_dim, c.dim),
+            }
+            for _ in range(c.num_layers)
+        ]
+        for index, layer in enumerate(self.layers):
+            for name, param in layer.items():
+                self.register_parameter(f"layer{index}_{name}", param)
+        self.lm_head = weight(c.dim, c.vocab_size)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``(n, H, D)`` by its positions ``(n,)`` (angles in float64)."""
+        half = x.shape[-1] // 2
+        freqs = self.config.rope_base ** (-torch.arange(half, dtype=torch.float64) / half)  # (D/2,)
+        angles = positions.to(torch.float64).unsqueeze(1) * freqs  # (n, D/2)
+        cos = angles.cos().to(x.dtype).unsqueeze(1).to(x.device)  # (n, 1, D/2)
+        sin = angles.sin().to(x.dtype).unsqueeze(1).to(x.device)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` ``(n,)`` at global ``positions`` ``(n,)``: ``(n, V)``."""
+        c = self.config
+        n = tokens.shape[0]
+        x = self.embed[tokens]  # (n, E)
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x)
+            q = self._rope((h @ layer["wq"]).view(n, c.heads_q, c.head_dim), positions)
+            k = self._rope((h @ layer["wk"]).view(n, c.heads_kv, c.head_dim), positions)
+            v = (h @ layer["wv"]).view(n, c.heads_kv, c.head_dim)
+            a = attend(index, q, k, v)  # (n, Hq, D)
+            x = x + a.reshape(n, c.heads_q * c.head_dim) @ layer["wo"]
+            x = x + torch.nn.functional.silu(_rms_norm(x) @ layer["w1"]) @ layer["w2"]
+        return _rms_norm(x) @ self.lm_head  # (n, V)
+
+
+def _full_causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention of a whole sequence (one process)."""
+    groups = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0),
+        v.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+    )  # (1, Hq, n, D)
+    return out[0].transpose(0, 1)
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(f"prompts must be one or more non-empty token lists; got {prompts!r}")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt tokens must be in [0, {vocab_size}); got {bad[:5]}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+
+
+@torch.no_grad()
+def generate_reference(
+    model: TinyCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuation of each prompt on one process, recomputing the whole sequence with
+    plain causal attention at every step (the oracle of :func:`generate`).
+
+    Returns:
+        ``max_new_tokens`` new tokens per prompt.
+    """
+    _check_prompts(prompts, model.config.vocab_size, max_new_tokens)
+    device = model.embed.device
+    results = []
+    for prompt in prompts:
+        tokens = list(prompt)
+        for _ in range(max_new_tokens):
+            ids = torch.tensor(tokens, device=device)
+            logits = model(ids, torch.arange(len(tokens)), _full_causal)
+            tokens.append(int(logits[-1].argmax()))
+        results.append(tokens[len(prompt) :])
+    return results
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Generation:
+    """What :func:`generate` returns."""
+
+    tokens: list[list[int]]
+    """The new tokens of each sequence (the same on every rank)."""
+    cache: DistributedKVCache
+    """The cache after the last step (its lengths, per-rank tokens and bytes)."""
+    strategies: list[str]
+    """The attention strategy of each step (``" (zigzag)"``: on the ordinary path)."""
+
+
+@torch.no_grad()
+def generate(
+    model: TinyCausalLM,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    group: Any = None,
+    block_size: int = 16,
+    budget_bytes: int | None = None,
+    strategy: CachedStrategy | str = "auto",
+    hardware: Hardware | str | None = None,
+) -> Generation:
+    """Greedy decoding with the K/V cache sharded over the ranks of ``group``.
+
+    Every rank calls it with the same model and prompts. Step 0 prefills every prompt (the
+    first prefill; zigzag on the ordinary path when the prompts have equal lengths that
+    2 x world size divides), each later step decodes one token per sequence. A rank runs the
+    model on the tokens it owns (``kvcache`` Note [Placement]); the owner of a sequence's last
+    token picks the next one and an all-reduce of B integers tells every rank.
+
+    Args:
+        block_size, budget_bytes: of the ``DistributedKVCache``.
+        strategy, hardware: of ``cached_attn`` (``"auto"``: the cost model's pick per step).
+
+    Returns:
+        The new tokens per prompt and the cache.
+
+    Raises:
+        ValueError: empty prompts, tokens outside the vocabulary, max_new_tokens < 1.
+        KVCacheBudgetError: a rank would exceed ``budget_bytes``.
+    """
+    from tokenring.api import get_communicator
+    from tokenring.inference import cached_attn, resolve_cached_strategy
+
+    c = model.config
+    _check_prompts(prompts, c.vocab_size, max_new_tokens)
+    comm = get_communicator(group)
+    device = model.embed.device
+    cache = DistributedKVCache(
+        num_layers=c.num_layers,
+        batch=len(prompts),
+        heads_kv=c.heads_kv,
+        head_dim=c.head_dim,
+        dtype=model.embed.dtype,
+        device=device,
+        block_size=block_size,
+        budget_bytes=budget_bytes,
+        group=comm,
+    )
+    me = comm.rank
+    seqs = [list(p) for p in prompts]
+    new = [len(p) for p in prompts]
+    used: list[str] = []
+    chosen: CachedStrategy  # set at the start of every step; attend reads it when called
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = cached_attn(q, k, v, cache=cache, layer=layer, strategy=chosen)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    for _ in range(max_new_tokens):
+        step = cache.begin_step(new)
+        chosen = resolve_cached_strategy(  # once per step; every layer runs the same
+            strategy,
+            step=step,
+            comm=comm,
+            heads_q=c.heads_q,
+            heads_kv=c.heads_kv,
+            head_dim=c.head_dim,
+            dtype=model.embed.dtype,
+            device=device,
+            hardware=hardware,
+        )
+        used.append(chosen.value + (" (zigzag)" if step.zigzag else ""))
+        mine = step.new_positions[me]
+        ids = torch.tensor(
+            [seqs[b][p] for b in range(len(seqs)) for p in mine[b].tolist()],
+            dtype=torch.int64,
+            device=device,
+        )
+        logits = model(ids, step.positions(me), attend)  # (n, V)
+        picks = torch.zeros(len(seqs), dtype=torch.int64, device=device)
+        offset = 0
+        for b, pos in enumerate(mine):
+            offset += len(pos)
+            if len(pos) and int(pos[-1]) == len(seqs[b]) - 1:  # this rank owns the last token
+                picks[b] = int(logits[offset - 1].argmax()) + 1
+        if comm.world_size > 1:
+            dist.all_reduce(picks, group=comm.group)
+        for b in range(len(seqs)):
+            seqs[b].append(int(picks[b]) - 1)
+        new = [1] * len(seqs)
+    tokens = [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
+    return Generation(tokens=tokens, cache=cache, strategies=used)
