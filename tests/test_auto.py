@@ -56,6 +56,29 @@ def test_auto_picks_the_same_strategy_on_every_rank_and_is_exact() -> None:
         assert max(error for _, error in results) < 1e-10
 
 
+def test_auto_can_pick_and_run_a_collective_on_gloo() -> None:
+    """Latency-bound (1 ms per message; links and kernels fast), 3 ranks, training, gloo's
+    routing (measured, so the collectives are candidates). Messages one after the other on the
+    critical path: all-gather K/V 2 ring hops forward + 1 all-to-all backward = 3; Ulysses
+    2 + 2 = 4; every ring strategy P-1 = 2 steps each way plus at least one message that
+    waits for the last step (TokenRing's last return, Ring's dK/dV home) = 5 or more. So auto
+    must pick all-gather K/V, on every rank, and its answer must be exact."""
+    from tokenring.costmodel import measured
+
+    latency_bound = measured(
+        forward_flops_per_s=1e12,
+        backward_flops_per_s=1e12,
+        link_bandwidth_bytes_per_s=1e10,
+        memory_bandwidth_bytes_per_s=1e12,
+        latency_s=1e-3,
+        dtype="float64",
+        collectives="gloo",
+    )
+    results = tokenring.launch(auto_on_ranks, latency_bound, world_size=3, timeout_s=120)
+    assert {pick for pick, _ in results} == {"allgather_kv"}
+    assert max(error for _, error in results) < 1e-10
+
+
 def test_auto_follows_the_byte_ratio_on_a_comm_bound_mesh() -> None:
     """MHA: TokenRing's busiest direction carries about half of Ring's bytes; 32/8 GQA: twice.
     On a slow mesh the planner must not pick Ring for MHA nor TokenRing for GQA."""

@@ -36,7 +36,8 @@ def test_bench_json_rows_cover_the_grid(capsys: pytest.CaptureFixture[str], tmp_
     rows = [
         json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
     ]
-    # every strategy x 2 causal settings x 2 passes, every row verified against float64
+    # every strategy (the hybrid as 1 x 2 on 2 ranks) x 2 causal settings x 2 passes, every
+    # row verified against float64 and predicted by the model
     strategies = [s.value for s in Strategy]
     assert len(rows) == 4 * len(strategies)
     assert {(r["strategy"], r["causal"], r["pass"]) for r in rows} == {
@@ -46,14 +47,17 @@ def test_bench_json_rows_cover_the_grid(capsys: pytest.CaptureFixture[str], tmp_
         assert row["verified"] and row["max_error"] <= row["tolerance"]
         assert row["world_size"] == 2 and row["torch"] and row["git_sha"]
         assert row["ms_p10"] <= row["ms_median"] <= row["ms_p90"] <= row["ms_max"]
-        if row["strategy"] in ("token_ring", "ring", "bidir_ring"):  # the ones the model covers
-            assert row["pct_of_bound"] > 0 and row["model_ms"] > 0 and row["planner_pick"]
+        assert row["model_ms"] > 0 and row["planner_pick"] in strategies
+        if row["strategy"] in ("token_ring", "ring", "bidir_ring"):  # with compute-only runs
+            assert row["pct_of_bound"] > 0
+        assert row["hybrid"] == ("1x2 token_ring" if row["strategy"] == "hybrid" else None)
         assert row["layout"] == ("zigzag" if row["causal"] else "contiguous")
     ring_fwd = next(r for r in rows if r["strategy"] == "ring" and r["pass"] == "fwd")
     assert ring_fwd["return_bytes_per_rank"] == 0 < ring_fwd["travel_bytes_per_rank"]
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
     text = md.read_text()
     assert "Reproduce with" in text and text.count("\n| ") == 1 + len(rows)
+    assert "| hybrid 1x2 token_ring |" in text
 
 
 def test_bench_table_and_failed_verification_exit(capsys: pytest.CaptureFixture[str]) -> None:

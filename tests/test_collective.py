@@ -2,10 +2,11 @@
 
 Pure tests (milliseconds): the head split, every needed (query, key) pair computed exactly once,
 and the schedules' bytes per (flow, src, dst) against a closed form written here from the
-algorithms' definitions. Distributed tests: one launch per (strategy, world size), the grid
-looped inside the ranks; each rank checks out, lse and dq, dk, dv of its shard against full
-attention in float64 (tests/oracle.py), and its counted bytes against both the closed form and
-the schedule's transfers.
+algorithms' definitions, for both routings (every pair directly; gloo's ring all-gather).
+Distributed tests: one launch per (strategy, world size), the grid looped inside the ranks;
+each rank checks out, lse and dq, dk, dv of its shard against full attention in float64
+(tests/oracle.py), and its counted bytes against both the closed form (gloo routing: these
+ranks run gloo) and the schedule's transfers.
 
 Tolerances (../shared/STYLE.md): float64 within 1e-10; float32 with ``assert_close``
 defaults; bf16/fp16 within twice the error of plain single-process attention in that dtype
@@ -65,6 +66,7 @@ def expected_collective_bytes(
     head_dim: int,
     elem_bytes: int,
     acc_bytes: int,
+    routing: str = "direct",
 ) -> dict[tuple[str, int, int], int]:
     """Bytes per ``(flow, src, dst)`` of one pass.
 
@@ -72,7 +74,9 @@ def expected_collective_bytes(
     heads those use (travel), then out of r's heads with their lse (return); backward, dout of
     j's heads (travel), then dq of r's heads and dk, dv of r's kv heads in the accumulation
     dtype (return). All-gather K/V: k and v of all kv heads to every other rank (travel);
-    backward, dk and dv of the destination's rows in the accumulation dtype (return).
+    backward, dk and dv of the destination's rows in the accumulation dtype (return). gloo's
+    all-gather (routing "gloo", P > 2) is a ring instead: each rank sends its own block and
+    the P-2 it receives from r-1 on to r+1, so r -> r+1 carries P-1 blocks.
     """
     p, s, d = world_size, seq_local, head_dim
     q_heads = _q_heads(heads_q, p)
@@ -96,6 +100,9 @@ def expected_collective_bytes(
         elif strategy == "ulysses":
             add("travel", r, j, nq_j * d * elem_bytes)
             add("return", r, j, nq_r * d * elem_bytes + 2 * nkv_r * d * acc_bytes)
+        elif not backward and routing == "gloo" and p > 2:
+            if j == (r + 1) % p:
+                add("travel", r, j, (p - 1) * 2 * heads_kv * d * elem_bytes)
         elif not backward:
             add("travel", r, j, 2 * heads_kv * d * elem_bytes)
         else:
@@ -104,7 +111,14 @@ def expected_collective_bytes(
 
 
 def schedule_bytes(
-    strategy: str, backward: bool, layout: str, causal: bool, p: int, s: int, dims: Dims
+    strategy: str,
+    backward: bool,
+    layout: str,
+    causal: bool,
+    p: int,
+    s: int,
+    dims: Dims,
+    routing: str = "direct",
 ) -> dict[tuple[str, int, int], int]:
     sched = build_collective_schedule(
         strategy,
@@ -115,6 +129,7 @@ def schedule_bytes(
         seq_local=s,
         heads_q=dims.heads_q,
         heads_kv=dims.heads_kv,
+        routing=routing,
     )
     total: dict[tuple[str, int, int], int] = {}
     for tr in sched.transfers:
@@ -199,6 +214,7 @@ def test_every_needed_pair_computed_exactly_once(
 @pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), PURE_CASES)
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize(("heads_q", "heads_kv"), [*HEADS, (32, 8)])
+@pytest.mark.parametrize("routing", ["direct", "gloo"])
 def test_schedule_bytes_match_closed_form(
     strategy: str,
     layout: str,
@@ -207,9 +223,10 @@ def test_schedule_bytes_match_closed_form(
     backward: bool,
     heads_q: int,
     heads_kv: int,
+    routing: str,
 ) -> None:
     dims = Dims(batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=16, elem_bytes=2, acc_bytes=4)
-    got = schedule_bytes(strategy, backward, layout, causal, world_size, 6, dims)
+    got = schedule_bytes(strategy, backward, layout, causal, world_size, 6, dims, routing)
     want = expected_collective_bytes(
         strategy=strategy,
         backward=backward,
@@ -221,8 +238,58 @@ def test_schedule_bytes_match_closed_form(
         head_dim=16,
         elem_bytes=2,
         acc_bytes=4,
+        routing=routing,
     )
     assert got == want
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 5])
+def test_gloo_all_gather_delivers_every_block_once_round_the_ring(world_size: int) -> None:
+    """Each rank must end with every other owner's K/V: exactly one transfer of each (owner,
+    destination) pair, always from the ring predecessor, and a rank forwards only blocks it
+    already holds (its own, or one that reached it earlier in the ring)."""
+    p = world_size
+    sched = build_collective_schedule(
+        "allgather_kv",
+        "forward",
+        layout="zigzag",
+        causal=True,
+        world_size=p,
+        seq_local=4,
+        heads_q=2,
+        heads_kv=2,
+        routing="gloo",
+    )
+    got = sorted((tr.owner, tr.dst) for tr in sched.transfers)
+    assert got == sorted((o, j) for o in range(p) for j in range(p) if j != o)
+    for tr in sched.transfers:
+        assert tr.dst == (tr.src + 1) % p
+        assert (tr.src - tr.owner) % p <= p - 2  # held: own block or one from upstream
+    assert sched.half_duplex_steps == frozenset()  # one direction per pair: no turns to take
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_all_to_alls_take_turns_only_on_gloo(strategy: str) -> None:
+    """gloo's all-to-all (every Ulysses pass; all-gather K/V's dK/dV return) serialises a
+    pair's two directions; its all-gather does not use both; DIRECT never does."""
+    for routing, pass_ in itertools.product(("direct", "gloo"), ("forward", "backward")):
+        sched = build_collective_schedule(
+            strategy,
+            pass_,
+            layout="contiguous",
+            causal=False,
+            world_size=4,
+            seq_local=4,
+            heads_q=4,
+            heads_kv=4,
+            routing=routing,
+        )
+        all_to_all = strategy == "ulysses" or pass_ == "backward"
+        want = {0} if routing == "gloo" and all_to_all else set()
+        assert sched.half_duplex_steps == want, (routing, pass_)
+        pairs = {(tr.src, tr.dst) for tr in sched.transfers}
+        if want:  # both directions of every pair are in that step
+            assert all((b, a) in pairs for a, b in pairs)
 
 
 def test_bad_arguments_raise_naming_them() -> None:
@@ -340,8 +407,11 @@ def _check_config(
             head_dim=HEAD_DIM,
             elem_bytes=dims.elem_bytes,
             acc_bytes=dims.acc_bytes,
+            routing="gloo",  # these ranks run gloo
         )
-        planned = schedule_bytes(strategy, backward, layout, causal, world, seq_local, dims)
+        planned = schedule_bytes(
+            strategy, backward, layout, causal, world, seq_local, dims, routing="gloo"
+        )
         mine_sent = {(f, peer): n for (f, src, peer), n in closed.items() if src == rank}
         mine_recv = {(f, src): n for (f, src, dst), n in closed.items() if dst == rank}
         planned_sent = {(f, peer): n for (f, src, peer), n in planned.items() if src == rank}

@@ -64,9 +64,10 @@ from tokenring.costmodel import (
     steady_step,
     step_costs,
 )
+from tokenring.hybrid import HybridSpec
 from tokenring.netlab import _ring_next_hop
 from tokenring.schedule import Flow, Pass, Payload, Strategy, build_schedule
-from tokenring.simulate import VECTORISED_STRATEGIES, simulate_pass
+from tokenring.simulate import VECTORISED_STRATEGIES, simulate, simulate_pass, strategy_schedule
 
 MHA = AttentionShape(heads_q=4, heads_kv=4, head_dim=8, dtype="float16")
 GQA = AttentionShape(heads_q=8, heads_kv=2, head_dim=8, dtype="bfloat16")
@@ -409,13 +410,35 @@ def _check_collective_timeline(timeline: tuple[tuple[Event, ...], ...], strategy
                     assert ev.start_s >= computes[0].end_s - 1e-12
 
 
+def _check_hybrid_timeline(timeline: tuple[tuple[Event, ...], ...], last_step: int) -> None:
+    """The inner all-to-all lands before the ring computes; the one back leaves after."""
+    for events in timeline:
+        computes = [ev for ev in events if ev.kind == "compute"]
+        first_in = max(
+            (ev.end_s for ev in events if ev.kind == "recv" and ev.step == 0), default=0.0
+        )
+        assert all(ev.start_s >= first_in - 1e-12 for ev in computes)
+        done = max((ev.end_s for ev in events if ev.kind in ("compute", "merge")), default=0.0)
+        for ev in events:
+            if ev.kind == "send" and ev.step == last_step:
+                assert ev.start_s >= done - 1e-12
+
+
 @pytest.mark.parametrize("topology", list(Topology))
 def test_event_timeline_is_consistent(topology: Topology) -> None:
-    """Every strategy the schedule knows (the event engine reads nothing else)."""
+    """Every strategy of the registry (the event engine reads nothing but the schedule); the
+    collectives with both routings, the hybrid as 2 x 2 around TokenRing."""
     hw = _hardware(topology, link=2e9, port=3e9 if topology is Topology.SWITCH else None)
-    for strategy, pass_, (layout, causal) in itertools.product(
-        Strategy, Pass, (("zigzag", True), ("contiguous", False), ("contiguous", True))
+    hybrid = HybridSpec(inner=2, outer_strategy="token_ring")
+    for strategy, pass_, (layout, causal), routing in itertools.product(
+        Strategy,
+        Pass,
+        (("zigzag", True), ("contiguous", False), ("contiguous", True)),
+        ("direct", "gloo"),
     ):
+        if routing == "gloo" and not (strategy.is_collective or strategy is Strategy.HYBRID):
+            continue  # the routing is the collectives'
+        machine = dataclasses.replace(hw, collectives=routing)
         res = simulate_pass(
             strategy,
             pass_,
@@ -424,21 +447,25 @@ def test_event_timeline_is_consistent(topology: Topology) -> None:
             world_size=4,
             seq_local=256,
             shape=MHA,
-            hardware=hw,
+            hardware=machine,
             mode="event",
+            hybrid=hybrid,
         )
         assert res.timeline is not None
+        num_steps = {Strategy.ULYSSES: 1, Strategy.ALLGATHER_KV: 1, Strategy.HYBRID: 2 + 2}
         if strategy.is_collective:
             _check_collective_timeline(res.timeline, strategy)
+        elif strategy is Strategy.HYBRID:
+            _check_hybrid_timeline(res.timeline, num_steps[strategy] - 1)
         else:
             _check_timeline(res.timeline, 4)
         last_end = max(ev.end_s for evs in res.timeline for ev in evs)
         assert res.call_s == pytest.approx(last_end)
         assert res.call_s >= res.compute_s
         assert 0 < res.percent_of_bound <= 100 + 1e-9
-        assert len(res.step_s) == (1 if strategy.is_collective else 4)
+        assert len(res.step_s) == num_steps.get(strategy, 4)
         sends = sum(1 for evs in res.timeline for ev in evs if ev.kind == "send")
-        sched = build_schedule(
+        sched = strategy_schedule(
             strategy,
             pass_,
             layout=layout,
@@ -447,6 +474,8 @@ def test_event_timeline_is_consistent(topology: Topology) -> None:
             seq_local=256,
             heads_kv=MHA.heads_kv,
             heads_q=MHA.heads_q,
+            routing=routing,
+            hybrid=hybrid,
         )
         assert sends == len(sched.transfers)
 
@@ -650,3 +679,189 @@ def test_1024_ranks_and_10m_tokens_take_seconds(capsys: pytest.CaptureFixture[st
     assert [r["mode"] for r in rows] == ["vectorised", "vectorised"]
     assert all(math.isfinite(r["call_ms"]) and r["call_ms"] > 0 for r in rows)
     assert cpu_s < 10, f"1024 ranks x 10M tokens took {cpu_s:.1f} CPU s"
+
+
+# -- collective routing and the hybrid -----------------------------------------------------------
+def _wire_only(
+    topology: Topology, routing: str, *, link: float = 1e9, latency_s: float = 0.0
+) -> Hardware:
+    """Kernels and memory so fast that a call costs its transfers alone."""
+    return Hardware(
+        name="wire-only",
+        interconnect=Interconnect(
+            topology=topology,
+            link_bandwidth_bytes_per_s=link,
+            port_bandwidth_bytes_per_s=link if topology is Topology.SWITCH else None,
+            latency_s=latency_s,
+        ),
+        forward_flops_per_s=1e21,
+        backward_flops_per_s=1e21,
+        memory_bandwidth_bytes_per_s=1e21,
+        collectives=routing,
+    )
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_collectives_cost_their_routing_on_a_mesh(world_size: int) -> None:
+    """On a full mesh with nothing but wire time (X = one rank's block for one peer, B the
+    link rate, L the latency), from the algorithms as measured in the lab (Note [Collective
+    routing]): all-gather K/V forward, every pair at once: X/B + L; gloo's ring forwards
+    block after block to r+1: (P-1) (X/B + L). Ulysses forward, two all-to-alls one after the
+    other (in: q + k + v of the peer's heads; out: out + lse of mine), every pair at once:
+    (X_in + X_out)/B + 2 L; gloo, whose pairs take turns: 2 (X_in + X_out)/B + 2 L."""
+    p, s, link, lat = world_size, 64, 1e9, 3e-6
+    hq, hkv, d, e, a = 12, 6, 8, 2, 4  # 12 heads split evenly over 3 and 4 ranks
+    nq, nkv = hq // p, hkv // p if hkv % p == 0 else None
+    shape = AttentionShape(heads_q=hq, heads_kv=hkv, head_dim=d, dtype="float16")
+    x_kv = s * 2 * hkv * d * e
+    groups = hq // hkv
+    kv_per_rank = len({h // groups for h in range(nq)}) if nkv is None else nkv
+    x_in = s * (nq + 2 * kv_per_rank) * d * e
+    x_out = s * nq * (d * e + a)
+    want = {
+        ("allgather_kv", "direct"): x_kv / link + lat,
+        ("allgather_kv", "gloo"): (p - 1) * (x_kv / link + lat),
+        ("ulysses", "direct"): (x_in + x_out) / link + 2 * lat,
+        ("ulysses", "gloo"): 2 * (x_in + x_out) / link + 2 * lat,
+    }
+    for (strategy, routing), seconds in want.items():
+        res = simulate_pass(
+            strategy,
+            "forward",
+            layout="contiguous",
+            causal=False,
+            world_size=p,
+            seq_local=s,
+            shape=shape,
+            hardware=_wire_only(Topology.MESH, routing, link=link, latency_s=lat),
+        )
+        assert res.call_s == pytest.approx(seconds, rel=1e-6), (strategy, routing)
+
+
+def test_gloo_all_to_all_pairs_share_one_resource() -> None:
+    """What the simulator prices is what resource_bytes reports: a pair's PAIR resource
+    carries both directions of the Ulysses all-to-all, at the link's bandwidth."""
+    hw = _wire_only(Topology.MESH, "gloo")
+    sched = strategy_schedule(
+        "ulysses",
+        "forward",
+        layout="contiguous",
+        causal=False,
+        world_size=4,
+        seq_local=16,
+        heads_q=MHA.heads_q,
+        heads_kv=MHA.heads_kv,
+        routing="gloo",
+    )
+    load = resource_bytes(sched, MHA.dims, hw)
+    for a_rank, b_rank in itertools.combinations(range(4), 2):
+        both = sum(
+            tr.num_bytes(MHA.dims) for tr in sched.transfers if {tr.src, tr.dst} == {a_rank, b_rank}
+        )
+        assert load[Resource(ResourceKind.PAIR, (a_rank, b_rank))] == both
+    rt = route(hw, 2, 1, 4, take_turns=True)
+    assert (Resource(ResourceKind.PAIR, (1, 2)), 1e9) in rt.resources and rt.hops == 1
+
+
+@pytest.mark.parametrize("outer_strategy", ["token_ring", "ring", "bidir_ring"])
+def test_hybrid_with_one_rank_per_island_is_its_outer_strategy(outer_strategy: str) -> None:
+    """inner = 1: no all-to-all, the outer strategy on every rank: the same prediction
+    (through a different schedule builder and rank program)."""
+    for pass_, (layout, causal) in itertools.product(
+        ("forward", "backward"), (("zigzag", True), ("contiguous", False))
+    ):
+        kw: dict[str, Any] = dict(
+            layout=layout,
+            causal=causal,
+            world_size=4,
+            seq_local=64,
+            shape=GQA,
+            hardware=PRESETS["a10-pcie"],
+        )
+        plain = simulate_pass(outer_strategy, pass_, **kw)
+        hybrid = simulate_pass(
+            "hybrid", pass_, hybrid=HybridSpec(inner=1, outer_strategy=outer_strategy), **kw
+        )
+        assert hybrid.call_s == pytest.approx(plain.call_s, rel=1e-9), (pass_, layout)
+
+
+def test_hybrid_flops_are_full_attention_once() -> None:
+    """Summed over ranks and steps: 4 B Hq D x (causal pairs S (S + 1) / 2, or S^2), x2.5
+    backward, whatever the factorisation."""
+    p, s = 4, 16
+    seq = p * s
+    dims = AttentionShape(heads_q=8, heads_kv=4, head_dim=8).dims
+    for (inner, outer_strategy), pass_, causal in itertools.product(
+        ((2, "token_ring"), (4, "ring"), (2, "bidir_ring")), Pass, (True, False)
+    ):
+        sched = strategy_schedule(
+            "hybrid",
+            pass_,
+            layout="zigzag" if causal else "contiguous",
+            causal=causal,
+            world_size=p,
+            seq_local=s,
+            heads_q=dims.heads_q,
+            heads_kv=dims.heads_kv,
+            hybrid=HybridSpec(inner=inner, outer_strategy=outer_strategy),
+        )
+        total = sum(sum(c.flops) for c in step_costs(sched, dims))
+        pairs = seq * (seq + 1) / 2 if causal else seq * seq
+        per_pair = 4 * dims.batch * dims.heads_q * dims.head_dim
+        assert total == pytest.approx(per_pair * pairs * (1 if pass_ is Pass.FORWARD else 2.5))
+
+
+def test_hybrid_on_islands_keeps_all_to_alls_inside_and_the_ring_across() -> None:
+    """h100-ib-islands, 16 ranks as 2 x 8 (inner = the island): the all-to-alls load only
+    NVSwitch ports, the outer ring only the InfiniBand NICs."""
+    hw = PRESETS["h100-ib-islands"]
+    sched = strategy_schedule(
+        "hybrid",
+        "forward",
+        layout="zigzag",
+        causal=True,
+        world_size=16,
+        seq_local=128,
+        heads_q=32,
+        heads_kv=8,
+        hybrid=HybridSpec(inner=8, outer_strategy="token_ring"),
+    )
+    dims = AttentionShape(heads_q=32, heads_kv=8, head_dim=128).dims
+    inner_kinds = {ResourceKind.LINK, ResourceKind.PORT_OUT, ResourceKind.PORT_IN}
+    outer_kinds = {ResourceKind.LINK, ResourceKind.NIC_OUT, ResourceKind.NIC_IN}
+    for step in range(sched.num_steps):
+        kinds = {res.kind for res in resource_bytes(sched, dims, hw, step=step)}
+        if step in (0, sched.num_steps - 1):
+            assert kinds == inner_kinds, step
+        elif kinds:
+            assert kinds == outer_kinds, step
+    result = simulate(
+        "hybrid",
+        passes="both",
+        layout="zigzag",
+        causal=True,
+        world_size=16,
+        seq_local=128,
+        shape=AttentionShape(heads_q=32, heads_kv=8, head_dim=128),
+        hardware=hw,
+        hybrid=HybridSpec(inner=8, outer_strategy="token_ring"),
+    )
+    assert result.call_s > 0 and len(result.passes[0].step_s) == 2 + 2
+
+
+def test_simulate_cli_predicts_the_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
+    """The islands preset gives the hybrid its inner size (8); a machine without islands
+    needs --hybrid-inner; a factorisation that does not fit a world size is a note."""
+    argv = ["simulate", "--hardware", "h100-ib-islands", "--model", "llama3-8b", "--json"]
+    argv += ["--world-size", "16", "12", "--seq", "65536", "--strategies", "ring", "hybrid"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["strategy"], r["world_size"]) for r in rows] == [
+        ("ring", 16),
+        ("hybrid 2x8 token_ring", 16),
+        ("ring", 12),
+    ]
+    assert "hybrid at P=12 not predicted" in err
+    with pytest.raises(ValueError, match="--hybrid-inner must be given"):
+        main(["simulate", "--strategies", "hybrid", "--json"])

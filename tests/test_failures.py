@@ -46,6 +46,7 @@ def test_bad_tensors(single_rank_group: None, change, match: str) -> None:
     [
         ({"layout": "spiral"}, "layout must be one of 'contiguous', 'zigzag'; got 'spiral'"),
         ({"strategy": "teleport"}, "strategy must be one of"),
+        ({"strategy": "hybrid"}, r"runs on a 2-D mesh, not one group: call tokenring.hybrid_attn"),
         ({"softmax_scale": -1.0}, "softmax_scale must be a finite number > 0"),
         ({"kernel": "warp_drive"}, "kernel must be one of"),
         ({"last_block_splits": 0}, "last_block_splits must be >= 1; got 0"),
@@ -60,10 +61,24 @@ def test_bad_options(single_rank_group: None, kwargs: dict, match: str) -> None:
 def test_zigzag_needs_even_local_length(single_rank_group: None) -> None:
     with pytest.raises(
         ValueError,
-        match=r"q.shape\[1\] \(seq_local\) must be even for layout 'zigzag' "
-        r"\(two chunks per rank\); got 5",
+        match=r"q.shape\[1\] \(seq_local\) must be even for layout 'zigzag' when every rank "
+        r"holds the same number of tokens; got 5 \(pass seq_len= for any length\)",
     ):
         tokenring.ring_attn(*_qkv(s=5), causal=True, layout="zigzag")
+    # with seq_len the same shard is fine: on one rank, 5 tokens are the whole sequence
+    out = tokenring.ring_attn(*_qkv(s=5), causal=True, layout="zigzag", seq_len=5)
+    assert out.shape[1] == 5
+
+
+def test_shard_length_must_match_seq_len(single_rank_group: None) -> None:
+    with pytest.raises(ValueError, match=r"q.shape\[1\] must be 6 on rank 0: its share of "):
+        tokenring.ring_attn(*_qkv(s=5), causal=True, layout="zigzag", seq_len=6)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        tokenring.ring_attn(*_qkv(s=6), layout="zigzag", seq_len=6, cu_seqlens=[1, 6])
+    with pytest.raises(ValueError, match="window_size must be"):
+        tokenring.ring_attn(*_qkv(s=6), layout="zigzag", window_size=(-2, 0))
+    with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
+        tokenring.ring_attn(*_qkv(s=6), layout="zigzag", seq_len=-1)
 
 
 def test_module_wrapper_and_one_rank_equals_sdpa(single_rank_group: None) -> None:

@@ -341,7 +341,7 @@ def test_llama_two_ranks_matches_one_process() -> None:
 def test_register_names_every_strategy_and_auto() -> None:
     names = hf.register()
     assert set(names) == {"tokenring", "tokenring_auto"} | {
-        f"tokenring_{s.value}" for s in tokenring.Strategy
+        f"tokenring_{s.value}" for s in tokenring.Strategy if s is not tokenring.Strategy.HYBRID
     }
     for name in names:  # transformers accepts each one
         model = AutoModelForCausalLM.from_config(model_config("gqa"), attn_implementation=name)

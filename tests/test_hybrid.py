@@ -2,7 +2,9 @@
 
 World size 4 as 2 x 2, 1 x 4 and 4 x 1; positions of each rank are spelled out here from the
 layout definition (outer shard in the oracle's positions, consecutive slices inside), not
-taken from tokenring.hybrid.
+taken from tokenring.hybrid. The registry's schedule (``build_hybrid_schedule``) is checked
+for covering every needed (query, key, head) exactly once, for the inner all-to-alls' bytes
+against a closed form, and against the bytes the ranks count.
 """
 
 from __future__ import annotations
@@ -15,8 +17,21 @@ import torch
 import torch.distributed as dist
 
 import tokenring
-from oracle import make_inputs, oracle_with_grads, owned_positions, tolerance_failures
-from tokenring.hybrid import hybrid_attn, hybrid_mesh, hybrid_positions
+from oracle import (
+    covered_pairs,
+    make_inputs,
+    oracle_with_grads,
+    owned_positions,
+    tolerance_failures,
+)
+from tokenring.hybrid import (
+    HybridSpec,
+    build_hybrid_schedule,
+    hybrid_attn,
+    hybrid_mesh,
+    hybrid_positions,
+)
+from tokenring.schedule import Dims
 
 
 def _positions(
@@ -97,34 +112,158 @@ def test_hybrid_matches_oracle(outer: int, inner: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-def inner_traffic() -> dict[str, int]:
+# -- the registry's schedule (pure) -----------------------------------------------------------
+
+SPECS = [(2, 2), (1, 4), (4, 1)]  # outer x inner on 4 ranks
+
+
+@pytest.mark.parametrize(("outer", "inner"), SPECS)
+@pytest.mark.parametrize("outer_strategy", ["token_ring", "ring", "bidir_ring"])
+@pytest.mark.parametrize(("causal", "layout"), [(True, "zigzag"), (False, "contiguous")])
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+def test_schedule_computes_every_needed_pair_once(
+    outer: int, inner: int, outer_strategy: str, causal: bool, layout: str, pass_: str
+) -> None:
+    """Rows of the ring steps are rows of the outer shard (inner * s of them), whose positions
+    come from the oracle's layout definition; heads from each piece's kv head range."""
+    hq, hkv, s = 4, 4, 4
+    p, seq = outer * inner, outer * inner * s
+    sched = build_hybrid_schedule(
+        pass_,
+        spec=HybridSpec(inner=inner, outer_strategy=outer_strategy),
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=s,
+        heads_q=hq,
+        heads_kv=hkv,
+    )
+    computed: dict[int, list[tuple[int, int]]] = {h: [] for h in range(hq)}
+    for g in range(p):
+        for plan in sched.steps[g]:
+            qpos = owned_positions(layout, plan.q_owner // inner, outer, seq)
+            for piece in plan.pieces:
+                assert piece.heads is not None, "every piece names its heads"
+                kpos = owned_positions(layout, plan.kv_owners[piece.lane] // inner, outer, seq)
+                for i, j in itertools.product(range(*piece.q_rows), range(*piece.kv_rows)):
+                    if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
+                        continue
+                    for h in range(*piece.heads):  # kv heads; MHA: the same query heads
+                        computed[h].append((qpos[i], kpos[j]))
+    want = covered_pairs(layout, causal, p, s)
+    for h in range(hq):
+        assert sorted(computed[h]) == want, f"head {h}"
+    assert sched.num_steps == outer + 2
+
+
+def _inner_bytes(*, forward: bool, s: int, nq: int, nkv: int, dims: Dims) -> tuple[int, int]:
+    """Bytes one rank sends each inner peer in the first and the last all-to-all: forward,
+    q of the peer's nq heads and k, v of its nkv heads, then out and lse of my nq heads;
+    backward, dout of the peer's heads, then dq, dk, dv of mine (all in the input dtype)."""
+    b, d, e, a = dims.batch, dims.head_dim, dims.elem_bytes, dims.acc_bytes
+    if forward:
+        return b * s * (nq + 2 * nkv) * d * e, b * s * nq * (d * e + a)
+    return b * s * nq * d * e, b * s * (nq + 2 * nkv) * d * e
+
+
+@pytest.mark.parametrize(("outer", "inner"), SPECS)
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+def test_inner_all_to_all_bytes_match_closed_form(outer: int, inner: int, pass_: str) -> None:
+    hq, hkv, s = 8, 4, 6
+    dims = Dims(batch=2, heads_q=hq, heads_kv=hkv, head_dim=16, elem_bytes=2, acc_bytes=4)
+    sched = build_hybrid_schedule(
+        pass_,
+        spec=HybridSpec(inner=inner, outer_strategy="ring"),
+        layout="zigzag",
+        causal=True,
+        world_size=outer * inner,
+        seq_local=s,
+        heads_q=hq,
+        heads_kv=hkv,
+        routing="gloo",
+    )
+    last = sched.num_steps - 1
+    first_b, last_b = _inner_bytes(
+        forward=pass_ == "forward", s=s, nq=hq // inner, nkv=hkv // inner, dims=dims
+    )
+    for step, per_pair in ((0, first_b), (last, last_b)):
+        got: dict[tuple[int, int], int] = {}
+        for tr in sched.transfers:
+            if tr.step == step:
+                got[(tr.src, tr.dst)] = got.get((tr.src, tr.dst), 0) + tr.num_bytes(dims)
+        want = {
+            (g, (g // inner) * inner + j): per_pair
+            for g in range(outer * inner)
+            for j in range(inner)
+            if j != g % inner
+        }
+        assert got == want, step
+    # gloo: both all-to-alls take turns per pair, the outer ring's P2P does not
+    assert sched.half_duplex_steps == ({0, last} if inner > 1 else set())
+
+
+# -- real ranks ----------------------------------------------------------------------------
+
+
+def hybrid_traffic() -> dict[str, Any]:
+    """Bytes sent per global peer on the inner and the outer group (forward, backward)."""
     mesh = hybrid_mesh(2, 2)
     q = torch.randn(1, 4, 4, 8, requires_grad=True)
     kv = torch.randn(1, 4, 2, 8, requires_grad=True)
-    comm = tokenring.get_communicator(mesh.inner)
-    comm.counter.reset()
+    comms = [
+        (tokenring.get_communicator(g), dist.get_process_group_ranks(g))
+        for g in (mesh.inner, mesh.outer)
+    ]
+
+    def sent() -> dict[int, int]:
+        per_peer: dict[int, int] = {}
+        for comm, ranks in comms:
+            for (_, peer), num in comm.counter.sent_bytes.items():
+                per_peer[ranks[peer]] = per_peer.get(ranks[peer], 0) + num
+            comm.counter.reset()
+        return per_peer
+
+    sent()
     out = hybrid_attn(q, kv, kv, mesh=mesh, layout="zigzag", causal=True)
-    fwd = comm.counter.total_sent()
-    comm.counter.reset()
+    fwd = sent()
     out.sum().backward()
+    bwd = sent()
     uneven = torch.randn(1, 4, 3, 8)
     try:
         hybrid_attn(uneven, uneven, uneven, mesh=mesh)
         refused = "no error"
     except NotImplementedError as exc:
         refused = str(exc)
-    return {"fwd": fwd, "bwd": comm.counter.total_sent(), "refused": refused}
+    return {"fwd": fwd, "bwd": bwd, "refused": refused}
 
 
-def test_inner_all_to_all_moves_the_formula_bytes() -> None:
-    """To its one inner peer a rank sends half of its q, k, v heads and gets back half of the
-    output heads' rows: s * D * 4 B * (Hq + 2 Hkv) / 2 in, s * D * 4 * Hq / 2 out; the backward
-    moves the same amounts the other way."""
-    s, d, hq, hkv = 4, 8, 4, 2
-    forward = s * d * 4 * (hq + 2 * hkv) // 2 + s * d * 4 * hq // 2
-    for traffic in tokenring.launch(inner_traffic, world_size=4, timeout_s=120):
-        assert "q heads must be divisible by the inner size 2" in traffic.pop("refused")
-        assert traffic == {"fwd": forward, "bwd": forward}
+def test_counted_bytes_match_the_schedule_and_the_formula() -> None:
+    """2 x 2, s = 4, Hq = 4, Hkv = 2, D = 8, float32: to its inner peer a rank sends the
+    closed form of ``_inner_bytes`` per all-to-all; every byte counted on either group
+    (mapped to global ranks) is a transfer of the registry's schedule, and vice versa."""
+    s, hq, hkv = 4, 4, 2
+    dims = Dims(batch=1, heads_q=hq, heads_kv=hkv, head_dim=8, elem_bytes=4, acc_bytes=4)
+    per_rank = tokenring.launch(hybrid_traffic, world_size=4, timeout_s=120)
+    for rank, traffic in enumerate(per_rank):
+        assert "q heads must be divisible by the inner size 2" in traffic["refused"]
+        for name, pass_ in (("fwd", "forward"), ("bwd", "backward")):
+            sched = build_hybrid_schedule(
+                pass_,
+                spec=HybridSpec(inner=2, outer_strategy="token_ring"),
+                layout="zigzag",
+                causal=True,
+                world_size=4,
+                seq_local=s,
+                heads_q=hq,
+                heads_kv=hkv,
+            )
+            planned: dict[int, int] = {}
+            for tr in sched.transfers:
+                if tr.src == rank:
+                    planned[tr.dst] = planned.get(tr.dst, 0) + tr.num_bytes(dims)
+            assert traffic[name] == planned, (rank, name)
+            first, last = _inner_bytes(forward=name == "fwd", s=s, nq=2, nkv=1, dims=dims)
+            assert traffic[name][rank ^ 1] == first + last  # the inner peer only gets these
 
 
 def test_hybrid_refuses_collective_outer_axis(single_rank_group: None) -> None:

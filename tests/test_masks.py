@@ -3,8 +3,9 @@
 One launch per (strategy, world size); the grid (length, documents, window, layout, causal,
 heads, dtype) is looped inside the ranks. Every rank checks its tokens' out, lse and dq, dk,
 dv against float64 full attention under ``oracle.visible_mask``, and its counted bytes per
-link against ``oracle.expected_bytes``: blocks no window or document reaches are neither
-computed nor sent. Shards come from ``oracle.sharded_positions``, not from tokenring.layout.
+link against ``oracle.expected_bytes`` (ring strategies): blocks no window or document
+reaches are neither computed nor sent. Ulysses and all-gather K/V run the same cases under
+explicit masks. Shards come from ``oracle.sharded_positions``, not from tokenring.layout.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def _check(
         scale=scale,
         mask=mask,
     )
+    if strategy in ("ulysses", "allgather_kv"):
+        return [f"{(case, layout, causal, heads, dtype)}: {f}" for f in failures]
     for backward, sent in zip((False, True), counted, strict=True):
         formula = expected_bytes(
             strategy=strategy,
@@ -153,6 +156,8 @@ def run_grid(strategy: str, dtypes: list[str], full: bool) -> list[str]:
         ("token_ring", 3, ["float64"], False),
         ("ring", 2, ["float64"], False),
         ("bidir_ring", 3, ["float64"], False),
+        ("ulysses", 4, ["float64", "bfloat16"], False),
+        ("allgather_kv", 3, ["float64", "float32"], False),
     ],
 )
 def test_documents_windows_any_length(
@@ -161,5 +166,22 @@ def test_documents_windows_any_length(
     per_rank = tokenring.launch(
         run_grid, strategy, dtypes, full, world_size=world_size, timeout_s=300
     )
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not failures, "\n".join(failures[:20])
+
+
+def run_long_odd(strategies: list[str]) -> list[str]:
+    """S = 1001 (no layout divides it) with every strategy, float32, forward and backward."""
+    failures = []
+    for strategy, (layout, causal) in itertools.product(
+        strategies, (("zigzag", True), ("contiguous", False))
+    ):
+        failures += _check(strategy, (1001, None, (-1, -1)), layout, causal, (2, 1), torch.float32)
+    return failures
+
+
+def test_odd_length_1001_every_strategy() -> None:
+    strategies = ["token_ring", "ring", "bidir_ring", "ulysses", "allgather_kv"]
+    per_rank = tokenring.launch(run_long_odd, strategies, world_size=4, timeout_s=300)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not failures, "\n".join(failures[:20])

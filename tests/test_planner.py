@@ -7,6 +7,7 @@ Hq*D*e + 4*Hq bytes per row where Ring moves 2*Hkv*D*e.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from tokenring.comm import Communicator
-from tokenring.costmodel import PRESETS, Hardware, Interconnect, Topology
+from tokenring.costmodel import PRESETS, CollectiveRouting, Hardware, Interconnect, Topology
+from tokenring.hybrid import HybridSpec
 from tokenring.launch import launch
 from tokenring.planner import _plan, calibrate, choose_strategy, explain
 from tokenring.schedule import Strategy
@@ -127,8 +129,54 @@ def test_explain_errors_and_skips() -> None:
     assert {Strategy.TOKEN_RING, Strategy.RING} <= predicted
     assert predicted | {s for s, _ in plan.skipped} == set(Strategy)
     for strategy, why in plan.skipped:
-        expected = "not validated" if strategy.is_collective else "vectorised engine"
+        expected = "vectorised engine"
+        if strategy.is_collective:  # MESH is NCCL-like (DIRECT): not measured
+            expected = "not validated"
+        elif strategy is Strategy.HYBRID:  # no factorisation given
+            expected = "needs a 2-D mesh"
         assert expected in why, (strategy, why)
+
+
+def test_collectives_are_candidates_where_their_routing_was_measured() -> None:
+    """A comm-bound full mesh of 8 ranks, MHA 32/32 (per rank and link, in units of
+    s*H*D*e / B): Ulysses' two all-to-alls move 3/8 (q, k, v of a peer's 4 heads) and ~1/8
+    (out + lse of mine) per pair, twice that where a pair's directions take turns (gloo):
+    ~1. Any ring strategy must bring K/V (or Q) of the 7 others past each rank, at least half
+    a shard each under zigzag, over at most 2 incoming links: >= 7/4. So with gloo's routing
+    (measured on the lab) the planner picks Ulysses; with DIRECT (NCCL, not measured here) it
+    does not consider the collectives at all."""
+    common: dict[str, Any] = dict(CALL, heads_q=32, heads_kv=32, layout="zigzag")
+    gloo = dataclasses.replace(MESH, collectives=CollectiveRouting.GLOO)
+    gloo = dataclasses.replace(gloo, forward_flops_per_s=1e18, backward_flops_per_s=1e18)
+    plan = explain(hardware=gloo, **common)
+    assert plan.pick is Strategy.ULYSSES, plan.reason
+    assert {p.strategy for p in plan.predictions} >= {Strategy.ULYSSES, Strategy.ALLGATHER_KV}
+    assert choose_strategy(hardware=gloo, training=False, **common) is Strategy.ULYSSES
+    direct = dataclasses.replace(gloo, collectives=CollectiveRouting.DIRECT)
+    plan = explain(hardware=direct, **common)
+    assert plan.pick is not Strategy.ULYSSES
+    skipped = dict(plan.skipped)
+    assert "not validated" in skipped[Strategy.ULYSSES]
+    assert "not validated" in skipped[Strategy.ALLGATHER_KV]
+
+
+def test_hybrid_is_explained_with_a_spec_and_never_auto_picked() -> None:
+    """inner = 1 is the outer strategy on every rank: the same prediction, and the tie goes
+    to the earlier strategy (Ring). auto cannot run the hybrid (one group, no mesh)."""
+    kw: dict[str, Any] = dict(heads_q=32, heads_kv=8, hardware=MESH, layout="zigzag", **CALL)
+    plan = explain(
+        strategies=["hybrid", "ring"], hybrid=HybridSpec(inner=1, outer_strategy="ring"), **kw
+    )
+    totals = {p.strategy: p.total_s for p in plan.predictions}
+    assert totals[Strategy.HYBRID] == pytest.approx(totals[Strategy.RING], rel=1e-9)
+    assert plan.pick is Strategy.RING
+    hybrid = next(p for p in plan.as_dict()["predictions"] if p["strategy"] == "hybrid")
+    assert hybrid["hybrid"] == "8x1 ring"
+    assert choose_strategy(training=False, **kw) is not Strategy.HYBRID
+    with pytest.raises(ValueError, match="strategies must name at least one strategy"):
+        choose_strategy(training=False, strategies=["hybrid"], **kw)
+    with pytest.raises(ValueError, match="inner size must divide the world size"):
+        explain(strategies=["hybrid"], hybrid=HybridSpec(inner=3), **kw)
 
 
 def _calibrate_worker() -> dict[str, Any]:

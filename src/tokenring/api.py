@@ -300,11 +300,12 @@ def sequence_parallel_attn(
         cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence (the same for
             every batch row; list or 1-D integer tensor): attention never crosses them. Shard
             with ``tokenring.shard(..., cu_seqlens=...)``: with the zigzag layout every
-            document is zigzagged on its own. Ring strategies only.
+            document is zigzagged on its own. The ring strategies skip the blocks no document
+            or window reaches; Ulysses and all-gather K/V compute them under an explicit mask.
         window_size: sliding window ``(left, right)`` as in flash-attention (-1: unbounded;
             an int w means (w, w)); with ``causal`` right is 0. Ring steps outside every
             window are skipped (no compute, no transfer); the contiguous layout suits windows
-            (every query does the same work). Ring strategies only.
+            (every query does the same work).
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
@@ -314,13 +315,13 @@ def sequence_parallel_attn(
             layout cannot split (pass seq_len); a local length that does not match seq_len;
             bad cu_seqlens or window_size; unknown strategy, layout or kernel; ranks that
             disagree.
-        NotImplementedError: documents, windows or uneven shards with Ulysses or all-gather.
     """
     layout = Layout.parse(layout)
     _validate(q, k, v, softmax_scale)
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     comm = get_communicator(group)
+    seq_len_given = seq_len is not None
     if seq_len is None:
         if layout is Layout.ZIGZAG and q.shape[1] % 2:
             raise ValueError(
@@ -354,12 +355,19 @@ def sequence_parallel_attn(
         hardware=hardware,
         last_block_splits=last_block_splits,
     )
+    if strategy is Strategy.HYBRID:
+        raise ValueError(
+            "strategy 'hybrid' runs on a 2-D mesh, not one group: call "
+            "tokenring.hybrid_attn(q, k, v, mesh=tokenring.hybrid_mesh(outer, inner), "
+            "outer_strategy=...) instead"
+        )
     block_kernel = select_kernel(q.device, q.dtype, kernel)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if check_ranks:
         names = [
             "batch",
-            "seq_len",
+            "seq_len" if seq_len_given else "seq_local",
+            "seq_len given",
             "heads_q",
             "heads_kv",
             "head_dim",
@@ -374,7 +382,8 @@ def sequence_parallel_attn(
         ]
         signature = [
             q.shape[0],
-            seq_len,
+            seq_len if seq_len_given else q.shape[1],
+            int(seq_len_given),
             q.shape[2],
             k.shape[2],
             q.shape[3],
@@ -384,15 +393,16 @@ def sequence_parallel_attn(
             list(Strategy).index(strategy),
             int.from_bytes(struct.pack("<d", scale), "little", signed=True),
             *window,
-            zlib.crc32(struct.pack(f"<{len(sharding.cu_seqlens)}q", *sharding.cu_seqlens)),
+            zlib.crc32(struct.pack(f"<{len(sharding.cu_seqlens)}q", *sharding.cu_seqlens))
+            if sharding.num_docs > 1
+            else 0,
         ]
         _check_ranks_agree(comm, signature, names, q.device)
+    rows = None
+    if sharding.padded:  # scatter the tokens into the common padded buffer (differentiable)
+        rows = sharding.padded_rows(comm.rank).to(q.device)
+        q, k, v = (_pad_rows(x, rows, sharding.seq_local) for x in (q, k, v))
     if strategy.is_collective:
-        if sharding.padded or not mask.plain:
-            raise NotImplementedError(
-                f"strategy {strategy.value!r} supports neither cu_seqlens, window_size nor "
-                "uneven shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
-            )
         from tokenring.collective import run_collective
 
         out, lse = run_collective(
@@ -405,27 +415,25 @@ def sequence_parallel_attn(
             layout=layout,
             comm=comm,
             kernel=block_kernel,
+            sharding=sharding,
+            mask=mask,
         )
-        return (out, lse) if return_lse else out
-    key = (
-        layout,
-        causal,
-        comm.world_size,
-        seq_len,
-        sharding.cu_seqlens,
-        window,
-        last_block_splits,
-        k.shape[2],
-    )
-    fwd = _schedule(strategy, Pass.FORWARD, *key)
-    bwd = _schedule(strategy, Pass.BACKWARD, *key)
-    rows = None
-    if sharding.padded:  # scatter the tokens into the common padded buffer (differentiable)
-        rows = sharding.padded_rows(comm.rank).to(q.device)
-        q, k, v = (_pad_rows(x, rows, sharding.seq_local) for x in (q, k, v))
-    out, lse = _SequenceParallelAttnFn.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), fwd, bwd, comm, block_kernel, scale
-    )
+    else:
+        key = (
+            layout,
+            causal,
+            comm.world_size,
+            seq_len,
+            sharding.cu_seqlens,
+            window,
+            last_block_splits,
+            k.shape[2],
+        )
+        fwd = _schedule(strategy, Pass.FORWARD, *key)
+        bwd = _schedule(strategy, Pass.BACKWARD, *key)
+        out, lse = _SequenceParallelAttnFn.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), fwd, bwd, comm, block_kernel, scale
+        )
     if rows is not None:
         out, lse = out.index_select(1, rows), lse.index_select(2, rows)
     return (out, lse) if return_lse else out

@@ -17,12 +17,17 @@ shape, causality, strategy and pass (forward, forward+backward) measures:
 - max error against full attention in float64 (every row is verified; a wrong row fails the
   command and is shown as WRONG).
 
+The hybrid (``Strategy.HYBRID``) runs as ``hybrid_attn`` on a ``P / inner x inner`` mesh
+(``--hybrid-inner``, ``--hybrid-outer``), on hybrid-layout shards; its bytes are counted on the
+inner and outer groups' communicators and reported per global peer.
+
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P world size.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,9 +43,12 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.comm import Communicator, Event, FieldSpec, Timeline
+from tokenring.costmodel import CollectiveRouting
+from tokenring.hybrid import HybridMesh, HybridSpec, hybrid_attn, hybrid_mesh, hybrid_shard
 from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.layout import Layout, shard
-from tokenring.schedule import Dims, Pass, Piece, Schedule, Strategy, build_schedule, piece_flops
+from tokenring.schedule import Dims, Pass, Piece, Schedule, Strategy, piece_flops
+from tokenring.simulate import strategy_schedule
 
 __all__ = ["BenchConfig", "ModelShape", "add_arguments", "run", "run_rank"]
 
@@ -84,6 +92,10 @@ DEFAULT_MODELS = (
 )
 
 
+DEFAULT_HYBRID = HybridSpec(inner=2, outer_strategy=Strategy.TOKEN_RING)
+"""The hybrid rows' default: islands of 2 ranks, TokenRing across them (2x2 on 4 ranks)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BenchConfig:
     """Everything one benchmark run measures; the same object is sent to every rank."""
@@ -96,8 +108,10 @@ class BenchConfig:
     """Attention shapes to run."""
     dtype: str = "float32"
     """Input dtype name."""
-    strategies: tuple[Strategy, ...] = tuple(Strategy)
+    strategies: tuple[Strategy, ...] = tuple(s for s in Strategy if s is not Strategy.HYBRID)
     """Strategies to compare."""
+    hybrid: HybridSpec = DEFAULT_HYBRID
+    """Factorisation and outer strategy of the hybrid rows (when ``strategies`` has it)."""
     causal: tuple[bool, ...] = (True, False)
     """Causal settings to run."""
     layout: Layout | None = None
@@ -134,6 +148,11 @@ class BenchConfig:
         return Layout.ZIGZAG if causal else Layout.CONTIGUOUS
 
     def check_world(self, world_size: int) -> None:
+        if Strategy.HYBRID in self.strategies:
+            for model in self.models:
+                self.hybrid.check(
+                    world_size=world_size, heads_q=model.heads_q, heads_kv=model.heads_kv
+                )
         for causal in self.causal:
             parts = world_size * (2 if self.layout_for(causal) is Layout.ZIGZAG else 1)
             if self.seq % parts:
@@ -262,6 +281,41 @@ def _compute_only(
     return forward_s, backward_s, forward_flops, backward_flops
 
 
+def _compute_operands(
+    strategy: Strategy, scheds: list[Schedule], rank: int, dims: Dims, local: list[torch.Tensor]
+) -> tuple[tuple[torch.Tensor, ...], Dims]:
+    """What a strategy's own kernel calls read, for its compute-only run, and the sizes their
+    FLOPs count with. The ring strategies: the rank's shards. The others: random tensors of
+    the shapes their pieces index -- Ulysses the whole sequence on the rank's head share (K/V
+    repeated to one head per query head: the same FLOPs), all-gather K/V the gathered K/V,
+    the hybrid the outer shard on all heads (each piece names its heads)."""
+    if not strategy.is_collective and strategy is not Strategy.HYBRID:
+        return tuple(local), dims
+    pieces = [pc for sched in scheds for plan in sched.steps[rank] for pc in plan.pieces]
+    q_len = max((pc.q_rows[1] for pc in pieces), default=1)
+    kv_len = max((pc.kv_rows[1] for pc in pieces), default=1)
+    heads_q, heads_kv = dims.heads_q, dims.heads_kv
+    if strategy is Strategy.ULYSSES:
+        from tokenring.collective import ulysses_heads
+
+        share = ulysses_heads(world_size=scheds[0].world_size, heads_q=heads_q, heads_kv=heads_kv)
+        heads_q = heads_kv = share[rank].num_q
+        dims = dataclasses.replace(dims, heads_q=heads_q, heads_kv=heads_kv)
+    q = local[0]
+    gen = torch.Generator().manual_seed(rank)
+
+    def make(rows: int, heads: int) -> torch.Tensor:
+        x = torch.randn(q.shape[0], rows, heads, q.shape[3], generator=gen)
+        return x.to(device=q.device, dtype=q.dtype)
+
+    return (
+        make(q_len, heads_q),
+        make(kv_len, heads_kv),
+        make(kv_len, heads_kv),
+        make(q_len, heads_q),
+    ), dims
+
+
 def _probe_memory_bandwidth(comm: Communicator, device: torch.device) -> float:
     """Bytes/s of a large copy (read + write), min over ranks: what merges run at."""
     src = torch.ones(8 << 20, device=device)
@@ -338,6 +392,10 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
         else torch.device("cpu")
     )
     comm = get_communicator()
+    mesh = None
+    if Strategy.HYBRID in config.strategies:
+        inner = config.hybrid.inner
+        mesh = hybrid_mesh(world // inner, inner, device_type=device.type)
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
     dtype = _DTYPES[config.dtype]
@@ -352,9 +410,9 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
         scale = model.head_dim**-0.5
         for causal in config.causal:
             layout = config.layout_for(causal)
+            reference_global = _oracle(q, k, v, dout, causal, scale)
             reference = [
-                shard(x, rank=rank, world_size=world, layout=layout)
-                for x in _oracle(q, k, v, dout, causal, scale)
+                shard(x, rank=rank, world_size=world, layout=layout) for x in reference_global
             ]
             local = [
                 shard(x, rank=rank, world_size=world, layout=layout).to(device)
@@ -370,7 +428,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
             )
             for strategy in config.strategies:
                 scheds = [
-                    build_schedule(
+                    strategy_schedule(
                         strategy,
                         p,
                         layout=layout,
@@ -379,9 +437,17 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                         seq_local=local[0].shape[1],
                         heads_kv=model.heads_kv,
                         heads_q=model.heads_q,
+                        routing=CollectiveRouting.for_backend(backend),
+                        hybrid=config.hybrid,
                     )
                     for p in (Pass.FORWARD, Pass.BACKWARD)
                 ]
+                mine, want = local, reference
+                if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
+                    mine, want = _hybrid_shards(
+                        config.hybrid, rank, world, layout, (q, k, v, dout), reference_global
+                    )
+                    mine = [x.to(device) for x in mine]
                 for pass_ in config.passes:
                     rows.append(
                         _measure_row(
@@ -392,11 +458,12 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                             layout,
                             strategy,
                             pass_,
-                            local,
-                            reference,
+                            mine,
+                            want,
                             scheds,
                             dims,
                             scale,
+                            mesh,
                         )
                     )
                     if progress_path is not None and rank == 0:
@@ -412,6 +479,37 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     }
 
 
+def _hybrid_shards(
+    spec: HybridSpec,
+    rank: int,
+    world: int,
+    layout: Layout,
+    inputs: tuple[torch.Tensor, ...],
+    reference: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's hybrid-layout shards of the global inputs and of the float64 reference."""
+    outer_rank, inner_rank = divmod(rank, spec.inner)
+    where: dict[str, Any] = {
+        "outer_rank": outer_rank,
+        "inner_rank": inner_rank,
+        "outer": world // spec.inner,
+        "inner": spec.inner,
+        "layout": layout,
+    }
+    return (
+        [hybrid_shard(x, **where) for x in inputs],
+        [hybrid_shard(x, **where) for x in reference],
+    )
+
+
+def _hybrid_comms(mesh: HybridMesh) -> list[tuple[Communicator, list[int]]]:
+    """The hybrid's communicators, each with the global rank of every group rank."""
+    return [
+        (get_communicator(group), dist.get_process_group_ranks(group))
+        for group in (mesh.inner, mesh.outer)
+    ]
+
+
 def _measure_row(
     config: BenchConfig,
     comm: Communicator,
@@ -425,9 +523,16 @@ def _measure_row(
     scheds: list[Schedule],
     dims: Dims,
     scale: float,
+    mesh: HybridMesh | None = None,
 ) -> RankRow:
     q, k, v, dout = local
     backward = pass_ == "fwd+bwd"
+    # Whose counters and timeline to read: the hybrid's inner and outer groups, mapped back to
+    # global ranks; otherwise the default group's (group rank = global rank).
+    counted = [(comm, list(range(comm.world_size)))]
+    if strategy is Strategy.HYBRID:
+        assert mesh is not None
+        counted = _hybrid_comms(mesh)
     times: list[float] = []
     timeline = Timeline()
     out: torch.Tensor | None = None
@@ -435,14 +540,27 @@ def _measure_row(
     for i in range(config.warmup + config.iters):
         inputs = [x.detach().clone().requires_grad_(backward) for x in (q, k, v)]
         last = i == config.warmup + config.iters - 1
-        comm.counter.reset()
         timeline.clear()
-        comm.timeline = timeline if last else None
+        for c, _ in counted:
+            c.counter.reset()
+            c.timeline = timeline if last else None
         dist.barrier(group=comm.group)
         if q.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = sequence_parallel_attn(*inputs, strategy=strategy, causal=causal, layout=layout)
+        if strategy is Strategy.HYBRID:
+            assert mesh is not None
+            result = hybrid_attn(
+                *inputs,
+                mesh=mesh,
+                outer_strategy=config.hybrid.outer_strategy,
+                causal=causal,
+                layout=layout,
+            )
+        else:
+            result = sequence_parallel_attn(
+                *inputs, strategy=strategy, causal=causal, layout=layout
+            )
         assert isinstance(result, torch.Tensor)
         out = result
         if backward:
@@ -450,7 +568,8 @@ def _measure_row(
         if q.is_cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        comm.timeline = None
+        for c, _ in counted:
+            c.timeline = None
         if i >= config.warmup:
             times.append(elapsed)
     assert out is not None
@@ -466,21 +585,21 @@ def _measure_row(
     )
     sent = {flow: 0 for flow in ("travel", "return")}
     link: dict[int, int] = {}
-    for (flow, peer), num in comm.counter.sent_bytes.items():
-        sent[flow] += num
-        link[peer] = link.get(peer, 0) + num
+    for c, global_rank in counted:
+        for (flow, peer), num in c.counter.sent_bytes.items():
+            sent[flow] += num
+            link[global_rank[peer]] = link.get(global_rank[peer], 0) + num
     kernel = select_kernel(q.device, q.dtype)
-    compute = (math.nan, math.nan, 0.0, 0.0)  # collectives: not modelled (see add_predictions)
-    if not strategy.is_collective:
-        compute = min(
-            (
-                _compute_only(
-                    scheds[0], scheds[1], kernel, comm.rank, pass_, (q, k, v, dout), scale, dims
-                )
-                for _ in range(2)
-            ),
-            key=lambda c: c[0] + c[1],
-        )
+    operands, flop_dims = _compute_operands(strategy, scheds, comm.rank, dims, local)
+    compute = min(
+        (
+            _compute_only(
+                scheds[0], scheds[1], kernel, comm.rank, pass_, operands, scale, flop_dims
+            )
+            for _ in range(2)
+        ),
+        key=lambda c: c[0] + c[1],
+    )
     exposed = _exposed_bytes(scheds[1] if backward else scheds[0], dims, comm.rank)
     num_steps = scheds[0].num_steps
     return RankRow(
@@ -545,6 +664,11 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "causal": first.causal,
                 "layout": first.layout,
                 "strategy": first.strategy,
+                "hybrid": (
+                    config.hybrid.label(len(per_rank))
+                    if first.strategy == Strategy.HYBRID.value
+                    else None
+                ),
                 "pass": first.pass_,
                 "ms_median": 1e3 * median_s,
                 "ms_p10": 1e3 * max(_percentile(r.call_s, 10) for r in rows),
@@ -584,9 +708,15 @@ def add_predictions(
     Per (model, causal, pass) group, one ``measured`` hardware description from this run's
     own probes: forward and backward FLOP/s = the group's kernel FLOPs / its compute-only
     seconds (every rank, every strategy), link bandwidth = the two-way P2P probe, memory
-    bandwidth = a large copy, topology = the lab's. The simulator then predicts each row
-    (``model_ms``, ``model_step_fwd_ms``) and the planner picks among the group's strategies;
-    ``planner_hit`` is true when the pick measured within 5% of the group's fastest.
+    bandwidth = a large copy, topology = the lab's, collective routing = the backend's. The
+    planner picks among the group's strategies with it; ``planner_hit`` is true when the pick
+    measured within 5% of the group's fastest. The simulator predicts each row
+    (``model_ms``, ``model_step_fwd_ms``) with the same description but that strategy's own
+    kernel FLOP/s (``kernel_flops_per_s``): on CPU a kernel's rate depends on its block
+    shapes (a causal diagonal block runs at about half the rate of a full one; Ulysses' one
+    S x S call faster than a ring's s x s/2 blocks), which one rate per pass cannot hold, so
+    ``model_ms`` checks the schedule and the network, and the planner's hit rate what one
+    rate costs.
     """
     from tokenring.costmodel import AttentionShape, measured
     from tokenring.planner import explain
@@ -598,15 +728,13 @@ def add_predictions(
     groups: dict[tuple[str, bool, str], list[int]] = {}
     for index, row in enumerate(rows):
         groups.setdefault((row["model"], row["causal"], row["pass"]), []).append(index)
+    routing = CollectiveRouting.for_backend(per_rank[0]["backend"])
     for (model_name, causal, pass_), all_indices in groups.items():
-        # Calibrate from the ring strategies' compute-only runs (the collectives have none yet).
-        indices = [i for i in all_indices if not Strategy.parse(rows[i]["strategy"]).is_collective]
+        # Calibrate from the ring strategies' compute-only runs (the others have none).
+        indices = [i for i in all_indices if rows[i]["ms_compute_only"] is not None]
         if not indices:
             continue
-        rank_rows = [r["rows"][i] for r in per_rank for i in indices]
-        fwd_rate = sum(r.flops_fwd for r in rank_rows) / sum(r.compute_fwd_s for r in rank_rows)
-        bwd_time = sum(r.compute_bwd_s for r in rank_rows)
-        bwd_rate = sum(r.flops_bwd for r in rank_rows) / bwd_time if bwd_time > 0 else fwd_rate
+        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
         hardware = measured(
             forward_flops_per_s=fwd_rate,
             backward_flops_per_s=bwd_rate,
@@ -615,6 +743,7 @@ def add_predictions(
             dtype=config.dtype,
             topology=topology,
             port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
+            collectives=routing,
         )
         model = shapes[model_name]
         shape = AttentionShape(
@@ -634,8 +763,17 @@ def add_predictions(
             "hardware": hardware,
         }
         for i in all_indices:
+            own_fwd, own_bwd = _kernel_rates([r["rows"][i] for r in per_rank])
             result = simulate(
-                rows[i]["strategy"], passes="both" if pass_ == "fwd+bwd" else "forward", **common
+                rows[i]["strategy"],
+                passes="both" if pass_ == "fwd+bwd" else "forward",
+                hybrid=config.hybrid,
+                **{
+                    **common,
+                    "hardware": dataclasses.replace(
+                        hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+                    ),
+                },
             )
             rows[i]["model_ms"] = 1e3 * result.call_s
             rows[i]["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
@@ -652,15 +790,21 @@ def add_predictions(
             layout=layout,
             training=pass_ == "fwd+bwd",
             batch=config.batch,
-            strategies=[rows[i]["strategy"] for i in indices],
+            strategies=[rows[i]["strategy"] for i in all_indices],
+            hybrid=config.hybrid,
         )
-        fastest = min(rows[i]["ms_median"] for i in indices)
+        candidates = {p.strategy.value for p in plan.predictions}  # what the planner covers
+        fastest = min(
+            rows[i]["ms_median"] for i in all_indices if rows[i]["strategy"] in candidates
+        )
         picked = next(
-            rows[i]["ms_median"] for i in indices if rows[i]["strategy"] == plan.pick.value
+            rows[i]["ms_median"] for i in all_indices if rows[i]["strategy"] == plan.pick.value
         )
         for i in all_indices:
             rows[i]["planner_pick"] = plan.pick.value
+            rows[i]["planner_candidate"] = rows[i]["strategy"] in candidates
             rows[i]["planner_hit"] = picked <= 1.05 * fastest
+            rows[i]["kernel_flops_per_s"] = _kernel_rates([r["rows"][i] for r in per_rank])
             rows[i]["calibration"] = {
                 "forward_flops_per_s": fwd_rate,
                 "backward_flops_per_s": bwd_rate,
@@ -668,6 +812,14 @@ def add_predictions(
                 "memory_bytes_per_s": memory,
             }
     return rows
+
+
+def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of compute-only runs: their FLOPs over their seconds."""
+    fwd_rate = sum(r.flops_fwd for r in rank_rows) / sum(r.compute_fwd_s for r in rank_rows)
+    bwd_time = sum(r.compute_bwd_s for r in rank_rows)
+    bwd_rate = sum(r.flops_bwd for r in rank_rows) / bwd_time if bwd_time > 0 else fwd_rate
+    return fwd_rate, bwd_rate
 
 
 # -- CLI -----------------------------------------------------------------------------------------
@@ -705,8 +857,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     parser.add_argument(
         "--strategies",
-        default=",".join(s.value for s in Strategy),
-        help="comma-separated strategies",
+        help="comma-separated strategies (default: all; the hybrid where --hybrid-inner fits)",
+    )
+    parser.add_argument(
+        "--hybrid-inner",
+        type=int,
+        default=2,
+        help="ranks per island of the hybrid rows (divides the world size and heads; default 2)",
+    )
+    parser.add_argument(
+        "--hybrid-outer",
+        default=Strategy.TOKEN_RING.value,
+        choices=[Strategy.TOKEN_RING.value, Strategy.RING.value, Strategy.BIDIR_RING.value],
+        help="ring strategy across the hybrid's islands (default token_ring)",
     )
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument(
@@ -753,12 +916,25 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             for m in DEFAULT_MODELS
         )
     causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
+    hybrid = HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer)
+    if args.strategies is not None:
+        strategies = tuple(Strategy.parse(s) for s in args.strategies.split(",") if s)
+    else:  # all of them; the hybrid only where its factorisation fits, and then said so
+        strategies = tuple(Strategy)
+        world = int(os.environ.get("WORLD_SIZE", args.world_size))
+        try:
+            for model in models:
+                hybrid.check(world_size=world, heads_q=model.heads_q, heads_kv=model.heads_kv)
+        except ValueError as exc:
+            print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
+            strategies = strategies[:-1]
     return BenchConfig(
         batch=args.batch,
         seq=args.seq,
         models=models,
         dtype=args.dtype,
-        strategies=tuple(Strategy.parse(s) for s in args.strategies.split(",") if s),
+        strategies=strategies,
+        hybrid=hybrid,
         causal=causal,
         layout=None if args.layout == "auto" else Layout.parse(args.layout),
         passes=tuple(p for p in args.passes.split(",") if p),
@@ -960,7 +1136,7 @@ def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
         table.add_row(
             r["model"],
             "yes" if r["causal"] else "no",
-            r["strategy"],
+            _strategy_label(r),
             r["pass"],
             ms(r["ms_median"]),
             f"{r['ms_p10']:.0f}-{r['ms_p90']:.0f}",
@@ -982,6 +1158,11 @@ def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
         print(line)
 
 
+def _strategy_label(row: dict[str, Any]) -> str:
+    """The strategy's name, with the hybrid's factorisation (e.g. ``hybrid 2x2 token_ring``)."""
+    return f"{row['strategy']} {row['hybrid']}" if row.get("hybrid") else row["strategy"]
+
+
 def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
     """One line per (model, causal, pass) group: the planner's pick against the fastest."""
     lines = []
@@ -992,10 +1173,11 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
             continue
         seen.add(key)
         group = [g for g in rows if (g["model"], g["causal"], g["pass"]) == key]
-        fastest = min((g for g in group if "model_ms" in g), key=lambda g: g["ms_median"])
+        covered = [g for g in group if g.get("planner_candidate", "model_ms" in g)]
+        fastest = min(covered, key=lambda g: g["ms_median"])
         overall = min(group, key=lambda g: g["ms_median"])
         unmodelled = (
-            f" (unmodelled {overall['strategy']} was faster: {overall['ms_median']:.1f} ms)"
+            f" (non-candidate {overall['strategy']} was faster: {overall['ms_median']:.1f} ms)"
             if overall is not fastest
             else ""
         )
@@ -1007,8 +1189,8 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
     if seen:
         hits = sum(1 for line in lines if line.endswith("hit"))
         lines.append(
-            f"planner hit rate: {hits}/{len(lines)} (pick within 5% of the fastest strategy the "
-            "cost model covers)"
+            f"planner hit rate: {hits}/{len(lines)} (pick within 5% of the fastest of the "
+            "planner's candidates)"
         )
     return lines
 
@@ -1064,7 +1246,8 @@ def _write_markdown(
         "|" + "---|" * len(_MD_COLUMNS),
     ]
     for row in rows:
-        lines.append("| " + " | ".join(cell(k, row.get(k)) for k, _ in _MD_COLUMNS) + " |")
+        labelled = {**row, "strategy": _strategy_label(row)}
+        lines.append("| " + " | ".join(cell(k, labelled.get(k)) for k, _ in _MD_COLUMNS) + " |")
     lines += ["", *_planner_lines(rows)]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -1,11 +1,12 @@
 """Collective strategies: Ulysses (all-to-all sequence <-> heads) and all-gather K/V.
 
 This module owns both strategies end to end: their pure schedules
-(:func:`build_collective_schedule`, plain data the cost model reads like the ring schedules),
-their runtime on ``torch.distributed`` collectives over ``comm.group``, and their autograd
-wiring (:func:`run_collective`, called by the public API after validation). Every message is
-counted in ``comm.counter`` per flow and destination, and the schedule's transfers add up to
-the same bytes.
+(:func:`build_collective_schedule`, plain data the cost model reads like the ring schedules,
+routed the way the backend's collectives route; Note [Collective routing]), their runtime on
+``torch.distributed`` collectives over ``comm.group``, and their autograd wiring
+(:func:`run_collective`, called by the public API after validation). Every message is
+counted in ``comm.counter`` per flow and destination as the backend puts it on the wire, and
+the schedule's transfers add up to the same bytes.
 
 Legend: B batch, S global seq (P * s), s local seq, c = s // 2 (zigzag chunk), Hq query heads,
 Hkv key/value heads, g = Hq // Hkv (query heads per kv head), D head dim, P world size,
@@ -99,11 +100,46 @@ with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B)
     ulysses        backward   q (= dout)    travel   nq_j*D*e
                               dq            return   nq_r*D*e
                               dkv           return   2*nkv_r*D*a
-    allgather_kv   forward    kv            travel   2*Hkv*D*e
+    allgather_kv   forward    kv            travel   2*Hkv*D*e          (DIRECT routing)
     allgather_kv   backward   dkv           return   2*Hkv*D*a
 
 with s rows each. dout has no payload kind of its own: it is listed as ``Payload.Q``, which
-weighs the same (Hq*D*e per row) and travels the same way (:data:`DOUT`).
+weighs the same (Hq*D*e per row) and travels the same way (:data:`DOUT`). With GLOO routing
+the all-gather is listed as gloo runs it: rank r sends P-1 transfers of 2*Hkv*D*e per row to
+r+1 (owners r, r-1, ..., r-P+2: its own block, then each block it received from r-1).
+
+Note [Collective routing]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A schedule lists what goes on the wire, so it follows the backend's algorithms
+(``costmodel.CollectiveRouting``: from ``comm.backend`` at run time, from
+``Hardware.collectives`` in the cost model)::
+
+    routing   all-gather (K/V forward)               all-to-all (Ulysses; dK/dV backward)
+    DIRECT    r -> j for every j != r, all at once   r -> j for every j != r, all at once,
+                                                     both directions of a pair together
+    GLOO      round the ring: r sends P-1 blocks     r -> j for every j != r, but the two
+              to r+1 and receives P-1 from r-1       directions of each pair take turns
+
+The steps whose transfers take turns are ``half_duplex_steps`` of the schedule; the cost model
+gives each such pair one resource shared by both directions (``ResourceKind.PAIR``).
+Measured on the lab (full mesh, 100 Mbit/s per directed link, X = 2 MiB per pair, X/B = 168 ms;
+median of 6 in units of X/B; benchmarks/results/gloo_collectives.md)::
+
+    P    P2P, receives first   all_to_all_single (equal / uneven)   all_gather_into_tensor
+    2    1.00                  1.96 / 1.96                          1.47 (1.0-1.5: a race)
+    3    1.00                  1.95 / 1.94                          2.01
+    4    1.01                  1.96 / 1.95                          3.03
+
+gloo's all-gather sends only to r+1; its all-to-all posts each send before the matching
+receive, and the peer's "ready to receive" notice then queues behind the data going the other
+way (../shared/netlab-notes.md, pitfall 1), so a pair's two directions run one after the
+other (now and then a call wins the race and runs at 1.0). At P = 2 the all-gather's ring is
+one pair used both ways; it is modelled as DIRECT there. NCCL on NVSwitch is DIRECT: its ring
+all-gather loads every port with the same P-1 blocks as direct sends, and one flow can use a
+whole port, so on a switch the two price alike. (NCCL on PCIe or a switchless mesh routes
+all-gathers over a ring too; not modelled, and not measured: the planner does not pick the
+collectives under DIRECT yet.) The simulator forwards each ring block once it has arrived
+(P-1 latencies, as gloo's pipeline pays them).
 
 Note [gloo collectives]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -114,8 +150,8 @@ reduce-scatter's traffic, and every rank receives every sum. So the backward's r
 of all-gather K/V is an ``all_to_all_single`` of each owner's dK/dV block followed by a local
 sum: P - 1 blocks out per rank, the volume of a real reduce-scatter, on every backend. Messages
 are packed as bytes so that one message carries tensors of two dtypes (out and lse). Counted
-bytes are the point-to-point bytes of the collective's definition (what rank r's data for rank
-j weighs), not the backend's internal routing (a ring all-gather forwards blocks of others).
+bytes follow the routing (Note [Collective routing]): on gloo the all-gather counts P-1 blocks
+to r+1 and from r-1, as its ring puts them on the wire.
 """
 
 from __future__ import annotations
@@ -131,8 +167,10 @@ import torch
 import torch.distributed as dist
 
 from tokenring.comm import Communicator, Event
+from tokenring.costmodel import CollectiveRouting
 from tokenring.kernels import BlockKernel, accumulation_dtype
-from tokenring.layout import Layout, global_positions, validate_seq_local
+from tokenring.layout import Layout, Sharding, global_positions, validate_seq_local
+from tokenring.masks import MaskSpec
 from tokenring.merge import merge_into
 from tokenring.schedule import (
     Flow,
@@ -149,6 +187,7 @@ from tokenring.schedule import (
 
 __all__ = [
     "DOUT",
+    "CollectiveSchedule",
     "CollectiveStrategy",
     "HeadShare",
     "build_collective_schedule",
@@ -233,6 +272,17 @@ def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[Head
 # -- schedules -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class CollectiveSchedule(Schedule):
+    """A ``Schedule`` routed as a backend's collectives route (Note [Collective routing])."""
+
+    routing: CollectiveRouting = CollectiveRouting.DIRECT
+    """The backend routing the transfers follow."""
+    half_duplex_steps: frozenset[int] = frozenset()
+    """Steps whose transfers are a backend all-to-all in which the two directions of each pair
+    take turns (GLOO); the cost model shares one resource per pair between them."""
+
+
 def build_collective_schedule(
     strategy_name: CollectiveStrategy | enum.Enum | str,
     pass_: Pass | str,
@@ -243,10 +293,12 @@ def build_collective_schedule(
     seq_local: int,
     heads_q: int,
     heads_kv: int,
-) -> Schedule:
+    routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
+) -> CollectiveSchedule:
     """The schedule of one pass of Ulysses or all-gather K/V. Pure: no tensors, no groups.
 
-    See Note [Collective schedules] for the row conventions and payloads.
+    See Note [Collective schedules] for the row conventions and payloads, and Note
+    [Collective routing] for ``routing``.
 
     Args:
         strategy_name: ``"ulysses"`` or ``"allgather_kv"``.
@@ -256,10 +308,11 @@ def build_collective_schedule(
         world_size: P >= 1.
         seq_local: s, tokens per rank.
         heads_q, heads_kv: Hq and Hkv (Hkv divides Hq); Ulysses splits heads by them.
+        routing: how the backend routes its collectives (``CollectiveRouting`` or its value).
 
     Raises:
-        ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local the layout
-            cannot split; heads < 1 or heads_kv not dividing heads_q.
+        ValueError: unknown strategy, pass, layout or routing; world_size < 1; a seq_local
+            the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
     """
     strategy = CollectiveStrategy.parse(strategy_name)
     return _build(
@@ -271,6 +324,7 @@ def build_collective_schedule(
         seq_local,
         heads_q,
         heads_kv,
+        CollectiveRouting.parse(routing),
     )
 
 
@@ -284,7 +338,8 @@ def _build(
     seq_local: int,
     heads_q: int,
     heads_kv: int,
-) -> Schedule:
+    routing: CollectiveRouting = CollectiveRouting.DIRECT,
+) -> CollectiveSchedule:
     validate_seq_local(seq_local, layout)
     shares = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     p, s = world_size, seq_local
@@ -318,15 +373,21 @@ def _build(
         else:
             local, remote = _allgather_segments(layout, causal, p, s, r)
             segments = (local, *remote) if forward else (*remote, local)
+            if forward and _ring_allgather(routing, p):  # its own block, then what r-1 sent
+                for k in range(p - 1):
+                    transfers.append(
+                        Transfer(Payload.KV, r, (r + 1) % p, (r - k) % p, (0, s), 0, 0)
+                    )
             for j in range(p):
                 if j == r:
                     continue
-                if forward:
-                    transfers.append(Transfer(Payload.KV, r, j, r, (0, s), 0, 0))
-                else:
+                if not forward:
                     transfers.append(Transfer(Payload.DKV, r, j, j, (0, s), 0, len(remote)))
+                elif not _ring_allgather(routing, p):
+                    transfers.append(Transfer(Payload.KV, r, j, r, (0, s), 0, 0))
         steps.append((StepPlan(r, 0, r, (r,), segments),))
-    return Schedule(
+    all_to_all = strategy is CollectiveStrategy.ULYSSES or not forward
+    return CollectiveSchedule(
         strategy=_schedule_tag(strategy),
         pass_=pass_,
         layout=layout,
@@ -336,7 +397,16 @@ def _build(
         lanes=(),  # no block travels a ring: the collectives move everything at once
         steps=tuple(steps),
         transfers=tuple(transfers),
+        routing=routing,
+        half_duplex_steps=frozenset(
+            {0} if all_to_all and routing is CollectiveRouting.GLOO else ()
+        ),
     )
+
+
+def _ring_allgather(routing: CollectiveRouting, world_size: int) -> bool:
+    """Whether the all-gather is listed as ring hops (Note [Collective routing])."""
+    return routing is CollectiveRouting.GLOO and world_size > 2
 
 
 def _allgather_segments(
@@ -509,6 +579,7 @@ class _UlyssesPlan:
     to_global: torch.Tensor | None  # gathered row index of each global position; None: as is
     to_layout: torch.Tensor | None  # global position of each gathered row
     kv_map: torch.Tensor | None  # local kv head of each local q head; None: kernel's own GQA
+    visible: torch.Tensor | None = None  # (S, S) explicit mask over the gathered rows
 
     @staticmethod
     def make(
@@ -518,11 +589,15 @@ class _UlyssesPlan:
         shape_q: torch.Size,
         heads_kv: int,
         device: torch.device,
+        masking: _Masking | None = None,
     ) -> _UlyssesPlan:
         p, s, hq = comm.world_size, shape_q[1], shape_q[2]
         shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=heads_kv)
         to_global = to_layout = None
-        if causal and layout is not Layout.CONTIGUOUS and p > 1:
+        visible = None
+        if masking is not None:  # rows stay in rank order; the mask says who sees whom
+            visible = masking.block(masking.all_positions, masking.all_positions)
+        elif causal and layout is not Layout.CONTIGUOUS and p > 1:
             positions = torch.cat(
                 [
                     global_positions(rank=j, world_size=p, seq_local=s, layout=layout)
@@ -542,7 +617,7 @@ class _UlyssesPlan:
             ]
             if not native:
                 kv_map = torch.tensor(local, dtype=torch.long, device=device)
-        return _UlyssesPlan(shares, to_global, to_layout, kv_map)
+        return _UlyssesPlan(shares, to_global, to_layout, kv_map, visible)
 
     def global_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         return x if self.to_global is None else x.index_select(dim, self.to_global)
@@ -600,7 +675,12 @@ def _ulysses_forward(
     done = _timed(comm, "attn")
     if nq > 0:
         out_g, lse_g = kernel.forward(
-            qg, plan.expand_kv(kg), plan.expand_kv(vg), causal=causal, scale=scale
+            qg,
+            plan.expand_kv(kg),
+            plan.expand_kv(vg),
+            causal=causal and plan.visible is None,
+            scale=scale,
+            mask=plan.visible,
         )  # (B, S, nq, D), (B, nq, S)
     else:
         out_g = qg.new_empty(qg.shape)
@@ -646,8 +726,9 @@ def _ulysses_backward(
             plan.expand_kv(vg),
             lse_g,
             delta,
-            causal=causal,
+            causal=causal and plan.visible is None,
             scale=scale,
+            mask=plan.visible,
         )
         dk_g = plan.reduce_kv(dk_x, nkv, acc)  # (B, S, nkv, D)
         dv_g = plan.reduce_kv(dv_x, nkv, acc)
@@ -695,6 +776,7 @@ def _allgather_forward(
     kernel: BlockKernel,
     *,
     scale: float,
+    masking: _Masking | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns out (B, s, Hq, D), lse (B, Hq, s) and the gathered K/V (2, B, P*s, Hkv, D)."""
     b, s, hq, d = q.shape
@@ -707,9 +789,14 @@ def _allgather_forward(
     if p > 1:
         gathered = torch.empty((p * 2, b, s, hkv, d), dtype=k.dtype, device=k.device)
         num_bytes = kv.numel() * kv.element_size()
-        for j in range(p):
-            if j != rank:
-                _count(comm, Flow.TRAVEL, "kv", j, num_bytes, num_bytes)
+        if _ring_allgather(CollectiveRouting.for_backend(comm.backend), p):
+            # gloo forwards round the ring: P-1 blocks to r+1, P-1 from r-1
+            _count(comm, Flow.TRAVEL, "kv", (rank + 1) % p, (p - 1) * num_bytes, 0)
+            _count(comm, Flow.TRAVEL, "kv", (rank - 1) % p, 0, (p - 1) * num_bytes)
+        else:
+            for j in range(p):
+                if j != rank:
+                    _count(comm, Flow.TRAVEL, "kv", j, num_bytes, num_bytes)
         work = dist.all_gather_into_tensor(gathered, kv, group=comm.group, async_op=True)
     pending = _PendingCollective(comm, work, "kv")
     plan = sched.steps[rank][0]
@@ -719,7 +806,15 @@ def _allgather_forward(
     (piece,) = local.pieces
     (a, e), (c, f) = piece.q_rows, _shift(piece.kv_rows, -rank * s)
     done = _timed(comm, "attn")
-    part = kernel.forward(q[:, a:e], k[:, c:f], v[:, c:f], causal=piece.causal, scale=scale)
+    mask = None if masking is None else masking.rows(rank, (a, e), _shift((c, f), rank * s))
+    part = kernel.forward(
+        q[:, a:e],
+        k[:, c:f],
+        v[:, c:f],
+        causal=piece.causal and mask is None,
+        scale=scale,
+        mask=mask,
+    )
     merge_into(out_acc, lse_acc, piece.q_rows, *part)
     done()
     pending.wait()
@@ -729,12 +824,14 @@ def _allgather_forward(
         done = _timed(comm, "attn")
         idx = _segment_kv(segment, q.device)
         (a, e) = segment.q_rows
+        mask = None if masking is None else masking.gathered(rank, (a, e), idx)
         part = kernel.forward(
             q[:, a:e],
             kv_all[0].index_select(1, idx),
             kv_all[1].index_select(1, idx),
             causal=False,
             scale=scale,
+            mask=mask,
         )
         merge_into(out_acc, lse_acc, segment.q_rows, *part)
         done()
@@ -752,6 +849,7 @@ def _allgather_backward(
     kernel: BlockKernel,
     *,
     scale: float,
+    masking: _Masking | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, b, total, hkv, d = kv_all.shape
     p, rank, s = comm.world_size, comm.rank, q.shape[1]
@@ -778,6 +876,8 @@ def _allgather_backward(
         (a, e) = segment.q_rows
         causal = any(piece.causal for piece in segment.pieces)
         assert not causal or len(segment.pieces) == 1
+        mask = None if masking is None else masking.gathered(rank, (a, e), idx)
+        causal = causal and mask is None
         dq_p, dk_p, dv_p = kernel.backward(
             dout[:, a:e],
             q[:, a:e],
@@ -787,6 +887,7 @@ def _allgather_backward(
             delta[:, :, a:e],
             causal=causal,
             scale=scale,
+            mask=mask,
         )
         dq[:, a:e] += dq_p
         dkv_all[0].index_add_(1, idx, dk_p.to(acc))
@@ -820,8 +921,9 @@ class _UlyssesFn(torch.autograd.Function):
         kernel: BlockKernel,
         causal: bool,
         scale: float,
+        masking: _Masking | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device)
+        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
         out, lse, saved = _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.comm, ctx.kernel = plan, comm, kernel
@@ -843,7 +945,8 @@ class _UlyssesFn(torch.autograd.Function):
             scale=ctx.scale,
         )
         dq_dtype, dk_dtype, dv_dtype = ctx.dtypes
-        return dq.to(dq_dtype), dk.to(dk_dtype), dv.to(dv_dtype), None, None, None, None, None
+        grads = (dq.to(dq_dtype), dk.to(dk_dtype), dv.to(dv_dtype))
+        return (*grads, None, None, None, None, None, None)
 
 
 class _AllGatherKVFn(torch.autograd.Function):
@@ -858,13 +961,17 @@ class _AllGatherKVFn(torch.autograd.Function):
         kernel: BlockKernel,
         causal: bool,
         scale: float,
+        masking: _Masking | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
+        routing = CollectiveRouting.for_backend(comm.backend)
+        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
         fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
-        out, lse, kv_all = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale)
+        out, lse, kv_all = _allgather_forward(
+            q, k, v, fwd, comm, kernel, scale=scale, masking=masking
+        )
         ctx.save_for_backward(q, out, lse, kv_all)
         ctx.bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
-        ctx.comm, ctx.kernel, ctx.scale = comm, kernel, scale
+        ctx.comm, ctx.kernel, ctx.scale, ctx.masking = comm, kernel, scale, masking
         ctx.dtypes = (k.dtype, v.dtype)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -873,10 +980,20 @@ class _AllGatherKVFn(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
         q, out, lse, kv_all = ctx.saved_tensors
         dq, dk, dv = _allgather_backward(
-            dout.contiguous(), q, out, lse, kv_all, ctx.bwd, ctx.comm, ctx.kernel, scale=ctx.scale
+            dout.contiguous(),
+            q,
+            out,
+            lse,
+            kv_all,
+            ctx.bwd,
+            ctx.comm,
+            ctx.kernel,
+            scale=ctx.scale,
+            masking=ctx.masking,
         )
         dk_dtype, dv_dtype = ctx.dtypes
-        return dq.to(q.dtype), dk.to(dk_dtype), dv.to(dv_dtype), None, None, None, None, None
+        grads = (dq.to(q.dtype), dk.to(dk_dtype), dv.to(dv_dtype))
+        return (*grads, None, None, None, None, None, None)
 
 
 def run_collective(
@@ -890,6 +1007,8 @@ def run_collective(
     layout: Layout | str,
     comm: Communicator,
     kernel: BlockKernel,
+    sharding: Sharding | None = None,
+    mask: MaskSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ulysses or all-gather K/V attention over this rank's shard, differentiable in q, k, v.
 
@@ -907,6 +1026,9 @@ def run_collective(
         comm: the communicator of the group; collectives run on ``comm.group`` and every
             message is counted in ``comm.counter``.
         kernel: the block kernel.
+        sharding, mask: with padding, documents or a window (not ``mask.plain``): q, k, v are
+            the padded buffers of ``sharding`` and every kernel call gets the explicit mask
+            of its rows' positions (Note [Collectives with masks]).
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the accumulation dtype
@@ -918,6 +1040,9 @@ def run_collective(
     """
     strategy = CollectiveStrategy.parse(strategy_name)
     fn = _UlyssesFn if strategy is CollectiveStrategy.ULYSSES else _AllGatherKVFn
+    masking = None
+    if sharding is not None and mask is not None and (sharding.padded or not mask.plain):
+        masking = _Masking(sharding, mask, comm.world_size, q.device)
     out, lse = fn.apply(
         q.contiguous(),
         k.contiguous(),
@@ -927,5 +1052,42 @@ def run_collective(
         kernel,
         causal,
         scale,
+        masking,
     )
     return out, lse
+
+
+class _Masking:
+    """Explicit masks for the collectives from the padded positions of every rank.
+
+    Note [Collectives with masks]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    With padding, documents or a window the collectives keep their plain schedules, built for
+    the padded ``seq_local``: their blocks stay supersets of what is visible, because padding
+    and documents keep the order of the layout's chunks and windows and documents only remove
+    pairs. Each kernel call gets the explicit mask of its rows' global positions (padding
+    rows see nothing and are seen by nothing). They move the same bytes as without a mask
+    and skip no block; Ulysses materialises one (S, S) mask per call. The ring strategies
+    skip what nobody sees (Note [Mask classes] in tokenring.masks).
+    """
+
+    def __init__(
+        self, sharding: Sharding, spec: MaskSpec, world_size: int, device: torch.device
+    ) -> None:
+        self.spec = spec
+        self.seq_local = sharding.seq_local
+        self.positions = [sharding.padded_positions(r).to(device) for r in range(world_size)]
+        self.all_positions = torch.cat(self.positions)  # (P*s,) rows in rank order
+
+    def block(self, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+        return self.spec.visible(q_positions, kv_positions)  # (sq, sk)
+
+    def rows(self, rank: int, q_rows: Rows, kv_rows: Rows) -> torch.Tensor:
+        """Mask of ``rank``'s q rows against rows ``kv_rows`` of the gathered sequence."""
+        q_pos = self.positions[rank][q_rows[0] : q_rows[1]]
+        return self.block(q_pos, self.all_positions[kv_rows[0] : kv_rows[1]])
+
+    def gathered(self, rank: int, q_rows: Rows, index: torch.Tensor) -> torch.Tensor:
+        """Mask of ``rank``'s q rows against the gathered rows ``index``."""
+        q_pos = self.positions[rank][q_rows[0] : q_rows[1]]
+        return self.block(q_pos, self.all_positions.index_select(0, index))

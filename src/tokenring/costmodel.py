@@ -32,7 +32,10 @@ a PCIe x16 slot, an NVSwitch port) is required for SWITCH and optional for MESH 
 where it adds the device's ports to every flow. A multi-node machine (``devices_per_node``
 and ``inter``) is islands of the intra topology; a flow between islands is routed by
 ``inter`` instead (a non-blocking SWITCH fabric whose ports are one NIC per device).
-That is the whole network model; how flows share a resource is the simulator's Note.
+A transfer of a backend all-to-all whose two directions of a pair take turns (gloo; Note
+[Collective routing] in ``tokenring.collective``) also loads the pair's PAIR resource, shared
+by both directions at the link bandwidth. That is the whole network model; how flows share a
+resource is the simulator's Note.
 
 Note [Bytes per step]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -79,6 +82,7 @@ __all__ = [
     "DTYPE_BYTES",
     "PRESETS",
     "AttentionShape",
+    "CollectiveRouting",
     "Hardware",
     "Interconnect",
     "Resource",
@@ -98,6 +102,7 @@ __all__ = [
     "schedule_arrays",
     "steady_step",
     "step_costs",
+    "transfer_route",
 ]
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -158,6 +163,33 @@ class AttentionShape:
 
 
 # -- hardware ----------------------------------------------------------------------------------
+class CollectiveRouting(enum.Enum):
+    """How a backend's collectives move bytes; see Note [Collective routing] in
+    ``tokenring.collective``."""
+
+    DIRECT = "direct"
+    """Every pair exchanges directly, both directions at once (NCCL on NVSwitch)."""
+    GLOO = "gloo"
+    """All-gathers round a ring (P-1 blocks over each link r -> r+1); in an all-to-all the
+    two directions of each pair take turns (gloo)."""
+
+    @classmethod
+    def for_backend(cls, backend: str) -> CollectiveRouting:
+        """The routing of a ``torch.distributed`` backend name: gloo's, else DIRECT."""
+        return cls.GLOO if str(backend).lower() == "gloo" else cls.DIRECT
+
+    @classmethod
+    def parse(cls, value: CollectiveRouting | str) -> CollectiveRouting:
+        """Accept a member or its value; raise ValueError naming the options."""
+        if isinstance(value, CollectiveRouting):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            options = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"collectives must be one of {options}; got {value!r}") from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Interconnect:
     """How the devices of one island (or the islands) are wired; see Note [Topologies]."""
@@ -208,8 +240,12 @@ class Hardware:
     """Devices per island; None: one island of any size."""
     inter: Interconnect | None = None
     """Between islands (SWITCH: one NIC per device). Given exactly when devices_per_node is."""
+    collectives: CollectiveRouting = CollectiveRouting.DIRECT
+    """How the collective library routes all-gathers and all-to-alls (the GPU presets: NCCL,
+    DIRECT; a CPU machine measured with gloo: GLOO)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
         _positive("forward_flops_per_s", self.forward_flops_per_s)
         _positive("backward_flops_per_s", self.backward_flops_per_s)
         _positive("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
@@ -382,6 +418,7 @@ def measured(
     port_bandwidth_bytes_per_s: float | None = None,
     latency_s: float = 0.0,
     name: str = "measured",
+    collectives: CollectiveRouting | str = CollectiveRouting.DIRECT,
 ) -> Hardware:
     """A hardware description from calibration numbers (``tokenring.planner.calibrate``).
 
@@ -404,6 +441,7 @@ def measured(
         backward_flops_per_s=backward_flops_per_s,
         memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s,
         dtypes=(_dtype_name(dtype),),
+        collectives=CollectiveRouting.parse(collectives),
     )
 
 
@@ -416,6 +454,7 @@ class ResourceKind(enum.Enum):
     PORT_IN = "port_in"  # (r,): what device r receives from the fabric
     NIC_OUT = "nic_out"  # (r,): device r's NIC towards other islands
     NIC_IN = "nic_in"  # (r,): device r's NIC from other islands
+    PAIR = "pair"  # (a, b), a < b: both directions of a pair that take turns (gloo all-to-all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,7 +467,8 @@ class Resource:
     """``(a, b)`` for a link from a to b, ``(r,)`` for device r's port or NIC."""
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{'->'.join(map(str, self.ends))}"
+        joint = "<->" if self.kind is ResourceKind.PAIR else "->"
+        return f"{self.kind.value}{joint.join(map(str, self.ends))}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -455,8 +495,14 @@ def ring_path(src: int, dst: int, world_size: int) -> list[int]:
     return [(src + step * i) % world_size for i in range(hops + 1)]
 
 
-def route(hardware: Hardware, src: int, dst: int, world_size: int) -> Route:
+def route(
+    hardware: Hardware, src: int, dst: int, world_size: int, *, take_turns: bool = False
+) -> Route:
     """The resources a transfer from ``src`` to ``dst`` loads; see Note [Topologies].
+
+    Args:
+        take_turns: the transfer is part of an all-to-all whose two directions of a pair take
+            turns: it also loads the pair's PAIR resource at the link bandwidth.
 
     Raises:
         ValueError: src or dst outside [0, world_size), or src == dst.
@@ -480,17 +526,27 @@ def route(hardware: Hardware, src: int, dst: int, world_size: int) -> Route:
             resources.append((Resource(ResourceKind.LINK, (a, b)), link))
     else:  # MESH: the direct link; SWITCH: the pair's path through the fabric
         resources.append((Resource(ResourceKind.LINK, (src, dst)), link))
+    hops = len(resources)
     if net.port_bandwidth_bytes_per_s is not None:
         port = net.port_bandwidth_bytes_per_s
         resources.append((Resource(out_kind, (src,)), port))
         resources.append((Resource(in_kind, (dst,)), port))
-    hops = len(resources) - (2 if net.port_bandwidth_bytes_per_s is not None else 0)
+    if take_turns:
+        resources.append((Resource(ResourceKind.PAIR, (min(src, dst), max(src, dst))), link))
     return Route(
         resources=tuple(resources),
         flow_cap_bytes_per_s=min(cap for _, cap in resources),
         latency_s=net.latency_s * hops,
         hops=hops,
     )
+
+
+def transfer_route(hardware: Hardware, schedule: Schedule, tr: Transfer) -> Route:
+    """:func:`route` of one transfer of ``schedule``: with the PAIR resource when the transfer
+    belongs to a step whose all-to-all takes turns per pair (``half_duplex_steps`` of the
+    collective and hybrid schedules; Note [Collective routing] in ``tokenring.collective``)."""
+    turns = tr.step in getattr(schedule, "half_duplex_steps", ())
+    return route(hardware, tr.src, tr.dst, schedule.world_size, take_turns=turns)
 
 
 # -- costs read from the schedule --------------------------------------------------------------
@@ -567,7 +623,7 @@ def resource_bytes(
         if step is not None and tr.step != step:
             continue
         n = tr.num_bytes(dims)
-        for res, _ in route(hardware, tr.src, tr.dst, schedule.world_size).resources:
+        for res, _ in transfer_route(hardware, schedule, tr).resources:
             load[res] = load.get(res, 0) + n
     return load
 

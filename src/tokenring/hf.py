@@ -63,7 +63,8 @@ down to the attention function."""
 ATTN_IMPLEMENTATIONS: Mapping[str, str] = MappingProxyType(
     {
         "tokenring": Strategy.TOKEN_RING.value,
-        **{f"tokenring_{s.value}": s.value for s in Strategy},
+        # the hybrid needs a 2-D mesh (tokenring.hybrid_attn), not one group
+        **{f"tokenring_{s.value}": s.value for s in Strategy if s is not Strategy.HYBRID},
         "tokenring_auto": "auto",
     }
 )

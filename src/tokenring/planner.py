@@ -24,6 +24,18 @@ so TokenRing wins comm-bound MHA (ratio ~1/2) and Ring wins comm-bound GQA with
 Hq/Hkv > 2 (Llama-3-8B 32/8: ratio ~2); compute-bound shapes tie on kernel time, and the
 rest (exposed last return, merges, rendezvous waits) decides.
 
+Note [Which candidates]
+~~~~~~~~~~~~~~~~~~~~~~~
+- Ulysses and all-gather K/V are candidates where the model of their collectives has been
+  checked against measurements: ``Hardware.collectives`` GLOO (the lab: Ulysses within
+  -8..+16%, all-gather K/V +6..+22%; benchmarks/results/README.md). With DIRECT (NCCL) the
+  prediction has not been measured, so they are listed as skipped with that reason and
+  ``auto`` does not pick them.
+- The hybrid needs its factorisation (``hybrid=HybridSpec(...)``) and a 2-D mesh to run
+  (``tokenring.hybrid_attn``): :func:`explain` predicts it when given a spec, and
+  :func:`choose_strategy` (what ``strategy="auto"`` runs through ``sequence_parallel_attn``,
+  which takes one group) never picks it.
+
 Note [Calibration probe]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 All ranks run the same probe through the caller's ``Communicator`` (both of its process
@@ -51,18 +63,28 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from tokenring.comm import Communicator
-from tokenring.costmodel import AttentionShape, Hardware, Topology, measured, merge_bytes
+from tokenring.costmodel import (
+    AttentionShape,
+    CollectiveRouting,
+    Hardware,
+    Topology,
+    measured,
+    merge_bytes,
+)
 from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.layout import Layout
 from tokenring.merge import merge_into
 from tokenring.schedule import Dims, Pass, Payload, Piece, Strategy, Transfer, piece_flops
 from tokenring.simulate import simulate
+
+if TYPE_CHECKING:
+    from tokenring.hybrid import HybridSpec
 
 __all__ = [
     "Plan",
@@ -74,15 +96,15 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-# Note [Collective strategies are not picked yet]: the simulator predicts Ulysses and
-# all-gather K/V from their schedules, which list the messages of each collective's
-# definition. On the lab, gloo's all-gather is ring-routed (every link carries P-1 blocks) and
-# both collectives measured 1.6-2.9x slower than predicted (benchmarks/results/README.md), so
-# a pick would follow a wrong number. Until the schedules carry the backends' routing, `auto`
-# chooses among the ring strategies only and lists these as skipped with this reason.
+# Note [Which candidates]: the collective routings whose predictions were measured.
+_VALIDATED_ROUTINGS = frozenset({CollectiveRouting.GLOO})
 _UNVALIDATED = (
-    "not validated: the simulator's prediction for collective strategies disagrees with "
-    "measurements (the backends route all-gathers over a ring), so auto does not pick it yet"
+    "not validated: the model of the {routing!r} collective routing has not been checked "
+    "against measurements (only 'gloo' has, on the lab), so auto does not pick it"
+)
+_NO_SPEC = (
+    "needs a 2-D mesh and its factorisation: pass hybrid=HybridSpec(inner=..., "
+    "outer_strategy=...) to explain, and run it with tokenring.hybrid_attn"
 )
 _TIE = 1e-9
 
@@ -103,6 +125,8 @@ class Prediction:
     """``compute`` or ``comm (<busiest resource>)`` for the forward pass."""
     mode: str
     """Simulator engine: ``event`` or ``vectorised``."""
+    hybrid: HybridSpec | None = None
+    """The factorisation, for ``Strategy.HYBRID``."""
 
     @property
     def total_s(self) -> float:
@@ -127,6 +151,8 @@ class Plan:
     """One sentence: times, ratio and what bounds the loser."""
     hardware: str
     """Name of the hardware description used."""
+    world_size: int = 0
+    """P of the call."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able data."""
@@ -145,6 +171,7 @@ class Plan:
                     "total_s": p.total_s,
                     "bound_by": p.bound_by,
                     "mode": p.mode,
+                    "hybrid": p.hybrid.label(self.world_size) if p.hybrid else None,
                 }
                 for p in self.predictions
             ],
@@ -178,12 +205,16 @@ def _plan(
     strategies: tuple[Strategy, ...],
     last_block_splits: int,
     mode: str,
+    hybrid: HybridSpec | None,
 ) -> Plan:
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
     for strategy in strategies:
-        if strategy.is_collective:
-            skipped.append((strategy, _UNVALIDATED))
+        if strategy.is_collective and hardware.collectives not in _VALIDATED_ROUTINGS:
+            skipped.append((strategy, _UNVALIDATED.format(routing=hardware.collectives.value)))
+            continue
+        if strategy is Strategy.HYBRID and hybrid is None:
+            skipped.append((strategy, _NO_SPEC))
             continue
         for layout in layouts:
             try:
@@ -198,6 +229,7 @@ def _plan(
                     hardware=hardware,
                     last_block_splits=last_block_splits,
                     mode=mode,
+                    hybrid=hybrid if strategy is Strategy.HYBRID else None,
                 )
             except NotImplementedError as exc:  # e.g. no closed forms at this world size
                 if layout is layouts[0]:
@@ -214,6 +246,7 @@ def _plan(
                     if fwd.compute_s >= fwd.busiest_s
                     else f"comm ({fwd.busiest_resource})",
                     mode=fwd.mode,
+                    hybrid=hybrid if strategy is Strategy.HYBRID else None,
                 )
             )
     if not predictions:
@@ -249,6 +282,7 @@ def _plan(
         skipped=tuple(skipped),
         reason=reason,
         hardware=hardware.name,
+        world_size=world_size,
     )
     _log.info("tokenring planner: %s", reason)
     for strategy, why in skipped:
@@ -272,8 +306,10 @@ def explain(
     strategies: Sequence[Strategy | str] | None = None,
     last_block_splits: int = 2,
     mode: str = "auto",
+    hybrid: HybridSpec | None = None,
 ) -> Plan:
-    """Predict every candidate strategy (and layout) and pick the fastest; see Note [Choosing].
+    """Predict every candidate strategy (and layout) and pick the fastest; see Note [Choosing]
+    and Note [Which candidates].
 
     Args:
         world_size, seq_local, heads_q, heads_kv, head_dim, dtype, causal, batch: the call.
@@ -284,6 +320,8 @@ def explain(
         strategies: candidates (default: every ``Strategy``), kept in ``Strategy`` order.
         last_block_splits: as ``sequence_parallel_attn``.
         mode: simulator engine (``auto``, ``event``, ``vectorised``).
+        hybrid: the factorisation to predict ``Strategy.HYBRID`` with; None lists the hybrid
+            as skipped.
 
     Returns:
         A :class:`Plan`: the pick, every prediction and the reason. Logged once at INFO per
@@ -291,8 +329,8 @@ def explain(
 
     Raises:
         ValueError: non-positive sizes, heads_kv not dividing heads_q, an unknown strategy or
-            layout, a seq_local the layout cannot split, or a dtype the hardware has no
-            FLOP/s for.
+            layout, a seq_local the layout cannot split, a dtype the hardware has no FLOP/s
+            for, or a ``hybrid`` that does not fit the world size and heads.
     """
     _validate(world_size, seq_local, heads_q, heads_kv, head_dim, batch)
     shape = AttentionShape(
@@ -307,6 +345,8 @@ def explain(
     if not chosen:
         raise ValueError("strategies must name at least one strategy; got none")
     ordered = tuple(s for s in Strategy if s in chosen)
+    if hybrid is not None and Strategy.HYBRID in chosen:
+        hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     return _plan(
         world_size,
         seq_local,
@@ -318,6 +358,7 @@ def explain(
         ordered,
         last_block_splits,
         mode,
+        hybrid,
     )
 
 
@@ -335,14 +376,20 @@ def choose_strategy(
     hardware: Hardware,
     batch: int = 1,
     last_block_splits: int = 2,
+    strategies: Sequence[Strategy | str] | None = None,
 ) -> Strategy:
     """The strategy ``strategy="auto"`` runs: :func:`explain`'s pick for the caller's layout.
 
     Deterministic: identical arguments give the identical strategy on every rank (pass the
     same ``hardware`` everywhere, e.g. from :func:`calibrate`, which agrees across ranks).
+    Never the hybrid (Note [Which candidates]).
+
+    Args:
+        strategies: the candidates (default: every strategy); e.g. only the ring strategies
+            for a call the collectives do not support.
 
     Raises:
-        ValueError: as :func:`explain`.
+        ValueError: as :func:`explain`; candidates that leave nothing to pick.
     """
     return explain(
         world_size=world_size,
@@ -357,6 +404,9 @@ def choose_strategy(
         training=training,
         batch=batch,
         last_block_splits=last_block_splits,
+        strategies=[
+            s for s in (strategies or Strategy) if Strategy.parse(s) is not Strategy.HYBRID
+        ],
     ).pick
 
 
@@ -523,6 +573,7 @@ def calibrate(
     fwd, bwd, mem, link, two_way, latency = (float(x) for x in agreed.cpu())
     fwd, bwd, mem, link, two_way = -fwd, -bwd, -mem, -link, -two_way
     port: float | None = None
+    routing = CollectiveRouting.for_backend(comm.backend)
     if topology is not None:
         topo = Topology.parse(topology)
         if topo is Topology.SWITCH:
@@ -540,6 +591,7 @@ def calibrate(
         topology=topo,
         port_bandwidth_bytes_per_s=port,
         latency_s=max(latency, 0.0),
+        collectives=routing,
     )
 
 

@@ -14,7 +14,7 @@ P world size, t step, r rank, F achieved FLOP/s.
 
 Note [Rank program]
 ~~~~~~~~~~~~~~~~~~~
-Each rank runs the runtime's loop as a list of actions (``_program``), built from the
+Each rank runs the runtime's loop as a list of actions (``_ring_program``), built from the
 schedule alone, one line per branch of ``tokenring.runtime``::
 
     action        forward                             backward
@@ -80,7 +80,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,14 +88,15 @@ from tokenring.comm import Event
 from tokenring.costmodel import (
     PRESETS,
     AttentionShape,
+    CollectiveRouting,
     Hardware,
     Resource,
     ResourceKind,
     ScheduleArrays,
     exposed_transfers,
     merge_bytes,
-    route,
     schedule_arrays,
+    transfer_route,
 )
 from tokenring.layout import Layout, validate_seq_local
 from tokenring.netlab import Topology
@@ -110,6 +111,9 @@ from tokenring.schedule import (
     piece_flops,
 )
 
+if TYPE_CHECKING:
+    from tokenring.hybrid import HybridSpec
+
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",
     "MODELS",
@@ -122,6 +126,7 @@ __all__ = [
     "simulate",
     "simulate_pass",
     "simulate_schedule",
+    "strategy_schedule",
 ]
 
 EVENT_MAX_WORLD_SIZE = 64
@@ -255,11 +260,12 @@ class _EventEngine:
         self.flow_res: list[list[int]] = []
         self.flow_lat: list[float] = []
         self.flow_bytes: list[float] = []
-        routes: dict[tuple[int, int], tuple[list[int], float]] = {}
+        routes: dict[tuple[int, int, bool], tuple[list[int], float]] = {}
+        turns: frozenset[int] = getattr(sched, "half_duplex_steps", frozenset())
         for tr in self.transfers:
-            key = (tr.src, tr.dst)
+            key = (tr.src, tr.dst, tr.step in turns)
             if key not in routes:
-                rt = route(hardware, tr.src, tr.dst, p)
+                rt = transfer_route(hardware, sched, tr)
                 ids = []
                 for res, cap in rt.resources:
                     if res not in self.res_index:
@@ -281,10 +287,28 @@ class _EventEngine:
             self.slot_recvs.setdefault((tr.dst, tr.step, tr.after_segments), []).append(i)
             self.step_sends.setdefault((tr.src, tr.step), []).append(i)
             self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
-        self.programs = [
-            self._collective_program(r) if sched.strategy.is_collective else self._program(r)
-            for r in range(p)
-        ]
+        # Relays (a ring all-gather forwarding a block it received): a collective's travel
+        # transfer of a block its sender does not own leaves once that block has arrived.
+        self.relays: dict[int, list[int]] = {}
+        if sched.strategy.is_collective:
+            incoming = {
+                (tr.dst, tr.owner, tr.payload): i
+                for i, tr in enumerate(self.transfers)
+                if tr.payload.flow is Flow.TRAVEL
+            }
+            for i, tr in enumerate(self.transfers):
+                if tr.payload.flow is Flow.TRAVEL and tr.owner != tr.src:
+                    self.relays.setdefault(incoming[(tr.src, tr.owner, tr.payload)], []).append(i)
+        self.relayed = {i for later in self.relays.values() for i in later}
+        if sched.strategy is Strategy.HYBRID:
+            self.programs = [self._hybrid_program(r) for r in range(p)]
+        elif sched.strategy.is_collective:
+            self.programs = [self._collective_program(r) for r in range(p)]
+        else:
+            self.programs = [
+                [*self._ring_program(r, 0, sched.num_steps, dims, sched.seq_local), (_WAIT_SENDS,)]
+                for r in range(p)
+            ]
 
     def busiest(self) -> tuple[str, int, float]:
         """(name, bytes, seconds) of the resource with the most bytes / bandwidth, counting
@@ -303,10 +327,15 @@ class _EventEngine:
                 best = (str(resource), int(load[index]), seconds)
         return best
 
-    # Note [Rank program], one branch of tokenring.runtime per line.
-    def _program(self, r: int) -> list[tuple[Any, ...]]:
-        sched, dims = self.sched, self.dims
-        p, pass_ = sched.world_size, sched.pass_
+    # Note [Rank program], one branch of tokenring.runtime per line: steps first .. first+num-1
+    # of the schedule run the ring runtime (``dims`` and ``seq_local`` of that ring: the
+    # hybrid's outer ring has fewer heads and longer shards than the schedule's P ranks).
+    def _ring_program(
+        self, r: int, first: int, num: int, dims: Dims, seq_local: int
+    ) -> list[tuple[Any, ...]]:
+        sched = self.sched
+        pass_ = sched.pass_
+        end = first + num
         forward = pass_ is Pass.FORWARD
         label = "attn" if forward else "attn_bwd"
         mem = self.mem
@@ -328,8 +357,8 @@ class _EventEngine:
 
         prog: list[tuple[Any, ...]] = []
         if not forward:
-            prog.append((_MERGE, _delta_bytes(sched.seq_local, dims) / mem, 0, "delta"))
-        for t in range(p):
+            prog.append((_MERGE, _delta_bytes(seq_local, dims) / mem, first, "delta"))
+        for t in range(first, end):
             plan = sched.steps[r][t]
             num_segments = len(plan.segments)
             prog.append((_STEP, t))
@@ -345,7 +374,7 @@ class _EventEngine:
                     prog.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
                 if forward or k + 1 < num_segments:
                     prog.append((_POST, t, k + 1))
-            if not forward and t > 0:
+            if not forward and t > first:
                 for i in recvs(t - 1, Payload.DKV):  # the accumulator arrives one step behind
                     prog.append((_WAIT, i))
                     prog.append(dkv_add(i))
@@ -365,8 +394,8 @@ class _EventEngine:
             ]
             for i in travel:
                 prog.append((_WAIT, i))
-        prog.append((_STEP, p))
-        finals = [i for t in range(p) for i in recvs(t, Payload.OUT, Payload.DQ)]
+        prog.append((_STEP, end))
+        finals = [i for t in range(first, end) for i in recvs(t, Payload.OUT, Payload.DQ)]
         finals.sort(key=lambda i: (self.transfers[i].step, self.transfers[i].after_segments))
         for i in finals:
             tr = self.transfers[i]
@@ -376,11 +405,34 @@ class _EventEngine:
             else:
                 add = _add_bytes(tr.num_rows, dims.heads_q, dims)
                 prog.append((_MERGE, add / mem, tr.step, "dq_add"))
-        for i in recvs(p - 1, Payload.DKV):  # the accumulators home, after the last step
+        for i in recvs(end - 1, Payload.DKV):  # the accumulators home, after the last step
             prog.append((_WAIT, i))
             prog.append(dkv_add(i))
-        prog.append((_WAIT_SENDS,))
         return prog
+
+    # Note [Hybrid rank program]: the inner all-to-all (step 0: post, wait for every receive),
+    # the outer ring's program on steps 1..n with the per-rank heads and the outer shard's
+    # length, then the all-to-all back (step n+1); see Note [Hybrid schedule] in
+    # tokenring.hybrid. The all-to-alls are blocking calls in the runtime: nothing overlaps them.
+    def _hybrid_program(self, r: int) -> list[tuple[Any, ...]]:
+        sched = self.sched
+        inner = getattr(sched, "inner", 1)
+        n = sched.num_steps - 2
+        ring_dims = replace(
+            self.dims, heads_q=self.dims.heads_q // inner, heads_kv=self.dims.heads_kv // inner
+        )
+
+        def all_to_all(t: int) -> list[tuple[Any, ...]]:
+            waits = [(_WAIT, i) for i in self.step_recvs.get((r, t), ())]
+            return [(_STEP, t), (_POST, t, 0), *waits]
+
+        return [
+            *all_to_all(0),
+            *self._ring_program(r, 1, n, ring_dims, inner * sched.seq_local),
+            *all_to_all(n + 1),
+            (_STEP, n + 2),
+            (_WAIT_SENDS,),
+        ]
 
     # Note [Collective rank program]: one step. A segment that reads other ranks' data (every
     # Ulysses segment; all-gather K/V's remote blocks) first waits for all of the step's
@@ -468,6 +520,8 @@ class _EventEngine:
 
         def post(r: int, t: int, after: int, now: float) -> None:
             for i in self.slot_sends.get((r, t, after), ()):
+                if i in self.relayed:
+                    continue  # ready when the block it forwards arrives (see __init__)
                 sender_ready[i] = now
                 maybe_start(i, now)
             for i in self.slot_recvs.get((r, t, after), ()):
@@ -510,6 +564,9 @@ class _EventEngine:
             num = int(self.flow_bytes[i])
             events[tr.src].append(Event("send", tr.payload.value, tr.step, start, now, tr.dst, num))
             events[tr.dst].append(Event("recv", tr.payload.value, tr.step, start, now, tr.src, num))
+            for later in self.relays.get(i, ()):
+                sender_ready[later] = now
+                maybe_start(later, now)
             sends_left[tr.src] -= 1
             if tr.src in waiting_sends and sends_left[tr.src] == 0:
                 waiting_sends.discard(tr.src)
@@ -979,7 +1036,7 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     busiest_name, busiest_bytes, busiest_s = busiest
     exposed_s = 0.0
     for tr in exposed_transfers(sched):
-        rt = route(hardware, tr.src, tr.dst, p)
+        rt = transfer_route(hardware, sched, tr)
         exposed_s = max(exposed_s, tr.num_bytes(dims) / rt.flow_cap_bytes_per_s + rt.latency_s)
     sent: dict[Flow, list[int]] = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
     for tr in sched.transfers:
@@ -1018,6 +1075,7 @@ def simulate_pass(
     hardware: Hardware,
     last_block_splits: int = 2,
     mode: str = "auto",
+    hybrid: HybridSpec | None = None,
 ) -> PassResult:
     """Predict one pass of one strategy.
 
@@ -1025,12 +1083,14 @@ def simulate_pass(
         strategy, pass_, layout, causal, world_size, seq_local, last_block_splits: as
             ``tokenring.schedule.build_schedule``.
         shape: batch, heads, head dim and dtype.
-        hardware: the machine (``tokenring.costmodel.PRESETS`` or ``measured(...)``).
+        hardware: the machine (``tokenring.costmodel.PRESETS`` or ``measured(...)``); the
+            collective strategies and the hybrid follow its ``collectives`` routing.
         mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
+        hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
 
     Raises:
-        ValueError: unknown strategy/layout/mode, a seq_local the layout cannot split, or a
-            dtype the hardware has no FLOP/s for.
+        ValueError: unknown strategy/layout/mode, a seq_local the layout cannot split, a
+            dtype the hardware has no FLOP/s for, or a hybrid without (a fitting) ``hybrid``.
         NotImplementedError: mode "vectorised" (or "auto" above EVENT_MAX_WORLD_SIZE ranks)
             for a strategy without closed forms (see VECTORISED_STRATEGIES).
     """
@@ -1053,18 +1113,23 @@ def simulate_pass(
     dims = shape.dims
     flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
     if mode == "event":
-        sched = build_schedule(
-            strategy,
-            pass_,
-            layout=layout,
-            causal=causal,
-            world_size=world_size,
-            seq_local=seq_local,
-            last_block_splits=last_block_splits,
-            heads_kv=shape.heads_kv,
-            heads_q=shape.heads_q,
+        return simulate_schedule(
+            strategy_schedule(
+                strategy,
+                pass_,
+                layout=layout,
+                causal=causal,
+                world_size=world_size,
+                seq_local=seq_local,
+                heads_q=shape.heads_q,
+                heads_kv=shape.heads_kv,
+                routing=hardware.collectives,
+                last_block_splits=last_block_splits,
+                hybrid=hybrid,
+            ),
+            shape=shape,
+            hardware=hardware,
         )
-        return simulate_schedule(sched, shape=shape, hardware=hardware)
     call_s, steps, compute_s, merge_s, net, exposed_s, arr = _simulate_vectorised(
         strategy,
         pass_,
@@ -1104,6 +1169,55 @@ def simulate_pass(
     )
 
 
+def strategy_schedule(
+    strategy: Strategy | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
+    last_block_splits: int = 2,
+    hybrid: HybridSpec | None = None,
+) -> Schedule:
+    """The schedule of one pass of any registered strategy: ``build_schedule`` for the ring
+    strategies, the collectives and the hybrid routed as ``routing`` says (Note [Collective
+    routing] in ``tokenring.collective``). What the event engine plays and bench reads.
+
+    Raises:
+        ValueError: as the builders; a hybrid without ``hybrid``.
+    """
+    strategy = Strategy.parse(strategy)
+    pass_ = Pass(pass_)
+    common: dict[str, Any] = dict(
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+    )
+    if strategy is Strategy.HYBRID:
+        from tokenring.hybrid import build_hybrid_schedule
+
+        if hybrid is None:
+            raise ValueError(
+                "hybrid must give the inner size and outer strategy for strategy 'hybrid' "
+                "(a tokenring.hybrid.HybridSpec); got None"
+            )
+        return build_hybrid_schedule(
+            pass_, spec=hybrid, last_block_splits=last_block_splits, routing=routing, **common
+        )
+    if strategy.is_collective:
+        from tokenring.collective import build_collective_schedule
+
+        return build_collective_schedule(strategy.value, pass_, routing=routing, **common)
+    return build_schedule(strategy, pass_, last_block_splits=last_block_splits, **common)
+
+
 _PASSES = {
     "forward": (Pass.FORWARD,),
     "backward": (Pass.BACKWARD,),
@@ -1123,6 +1237,7 @@ def simulate(
     hardware: Hardware,
     last_block_splits: int = 2,
     mode: str = "auto",
+    hybrid: HybridSpec | None = None,
 ) -> CallResult:
     """Predict a call: ``passes`` is ``forward``, ``backward`` or ``both`` (training).
 
@@ -1145,6 +1260,7 @@ def simulate(
                 hardware=hardware,
                 last_block_splits=last_block_splits,
                 mode=mode,
+                hybrid=hybrid,
             )
             for pass_ in _PASSES[passes]
         ),
@@ -1207,9 +1323,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--strategies",
         nargs="+",
-        default=[s.value for s in Strategy if not s.is_collective],
+        default=[s.value for s in Strategy if not s.is_collective and s is not Strategy.HYBRID],
         choices=[s.value for s in Strategy],
-        help="strategies to predict (default: all)",
+        help="strategies to predict (default: the ring strategies)",
+    )
+    add(
+        "--hybrid-inner",
+        type=int,
+        help="ranks per island of the hybrid (default: the hardware's devices per node)",
+    )
+    add(
+        "--hybrid-outer",
+        default=Strategy.TOKEN_RING.value,
+        choices=[Strategy.TOKEN_RING.value, Strategy.RING.value, Strategy.BIDIR_RING.value],
+        help="ring strategy across the hybrid's islands (default: token_ring)",
     )
     add(
         "--dtype",
@@ -1268,6 +1395,8 @@ class _Config:
     points: tuple[tuple[int, int, int], ...]
     """(world_size, seq, requested seq): seq is the request rounded down to a multiple the
     layout can split over world_size (the table says when it differs)."""
+    hybrid: HybridSpec | None = None
+    """The hybrid's factorisation when it is requested."""
 
     def __post_init__(self) -> None:
         for world_size, seq, requested in self.points:
@@ -1294,7 +1423,20 @@ def _config(args: argparse.Namespace) -> _Config:
     for world_size in args.world_size:
         parts = max(1, world_size) * (2 if layout is Layout.ZIGZAG else 1)
         points.extend((world_size, seq // parts * parts, seq) for seq in args.seq)
+    hybrid = None
+    if Strategy.HYBRID.value in args.strategies:
+        from tokenring.hybrid import HybridSpec
+
+        hardware = PRESETS[args.hardware]
+        inner = args.hybrid_inner or hardware.devices_per_node
+        if inner is None:
+            raise ValueError(
+                f"--hybrid-inner must be given for the hybrid on {args.hardware!r} (it has no "
+                "islands to default to)"
+            )
+        hybrid = HybridSpec(inner=inner, outer_strategy=args.hybrid_outer)
     return _Config(
+        hybrid=hybrid,
         model=args.model,
         hardware=PRESETS[args.hardware],
         shape=AttentionShape(
@@ -1314,8 +1456,11 @@ def _row(
     cfg: _Config, args: argparse.Namespace, seq: int, requested: int, result: CallResult
 ) -> dict[str, Any]:
     first = result.passes[0]
+    hybrid = None
+    if result.strategy is Strategy.HYBRID and cfg.hybrid is not None:
+        hybrid = cfg.hybrid.label(first.world_size)
     return {
-        "strategy": result.strategy.value,
+        "strategy": result.strategy.value if hybrid is None else f"hybrid {hybrid}",
         "model": cfg.model,
         "hardware": cfg.hardware.name,
         "world_size": first.world_size,
@@ -1382,6 +1527,13 @@ def _predict(
 
     def one(world_size: int, seq: int, requested: int, name: str) -> None:
         try:
+            if name == Strategy.HYBRID.value:
+                assert cfg.hybrid is not None
+                cfg.hybrid.check(
+                    world_size=world_size,
+                    heads_q=cfg.shape.heads_q,
+                    heads_kv=cfg.shape.heads_kv,
+                )
             result = simulate(
                 name,
                 passes=args.passes,
@@ -1393,8 +1545,11 @@ def _predict(
                 hardware=cfg.hardware,
                 last_block_splits=args.splits,
                 mode=args.mode,
+                hybrid=cfg.hybrid,
             )
-        except NotImplementedError as exc:
+        except (NotImplementedError, ValueError) as exc:
+            if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
+                raise
             notes.append(f"{name} at P={world_size} not predicted: {exc}")
             return
         results.append(result)
