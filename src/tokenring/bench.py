@@ -962,13 +962,23 @@ def _git_sha() -> str:
 
 
 def _launch_all(config: BenchConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
+    title = f"bench: {num_rows} rows on {args.world_size} ranks"
+    return launch_with_progress(run_rank, config, num_rows=num_rows, title=title, args=args)
+
+
+def launch_with_progress(
+    fn: Any, config: Any, *, num_rows: int, title: str, args: argparse.Namespace
+) -> list[Any]:
+    """Spawn ``args.world_size`` ranks running ``fn(config, progress_path)`` (each finished
+    row appends a line to the progress file) behind a progress bar, inside the emulated lab
+    when ``args.link`` is set (then ``args._lab`` describes it). Returns every rank's value."""
     from tokenring._console import progress
     from tokenring.launch import launch
 
-    num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
     with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
         progress_path = os.path.join(tmp, "progress")
-        bar = progress(num_rows, f"bench: {num_rows} rows on {args.world_size} ranks")
+        bar = progress(num_rows, title)
 
         def poll() -> None:
             try:
@@ -986,7 +996,7 @@ def _launch_all(config: BenchConfig, args: argparse.Namespace) -> list[dict[str,
         }
         with bar:
             if args.link is None:
-                return launch(run_rank, config, progress_path, **kwargs)
+                return launch(fn, config, progress_path, **kwargs)
             from tokenring.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
 
             reason = lab_unavailable_reason()
@@ -1000,7 +1010,7 @@ def _launch_all(config: BenchConfig, args: argparse.Namespace) -> list[dict[str,
             with Lab(lab_config) as lab:
                 args._lab = lab.describe()
                 return launch(
-                    run_rank,
+                    fn,
                     config,
                     progress_path,
                     wrap_command=lab.wrap_command,

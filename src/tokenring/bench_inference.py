@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -404,52 +402,11 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
 
 
 def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]:
-    from tokenring._console import progress
-    from tokenring.launch import launch
+    from tokenring.bench import launch_with_progress
 
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
-    with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
-        progress_path = os.path.join(tmp, "progress")
-        bar = progress(num_rows, f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks")
-
-        def poll() -> None:
-            try:
-                with open(progress_path) as f:
-                    done = sum(1 for _ in f)
-            except OSError:
-                done = 0
-            bar.update(bar.task_ids[0], completed=done)
-
-        kwargs: dict[str, Any] = {
-            "world_size": args.world_size,
-            "timeout_s": args.timeout,
-            "pg_timeout_s": max(60.0, args.timeout / 4),
-            "poll": poll,
-        }
-        with bar:
-            if args.link is None:
-                return launch(run_rank, config, progress_path, **kwargs)
-            from tokenring.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
-
-            reason = lab_unavailable_reason()
-            if reason is not None:
-                raise SystemExit(f"--link needs the emulated-interconnect lab: {reason}")
-            lab_config = LabConfig(
-                world_size=args.world_size,
-                rate_bits_per_s=args.link,
-                topology=Topology.parse(args.topology),
-            )
-            with Lab(lab_config) as lab:
-                args._lab = lab.describe()
-                return launch(
-                    run_rank,
-                    config,
-                    progress_path,
-                    wrap_command=lab.wrap_command,
-                    rank_env=lab.env,
-                    register_pid=lab.register_pid,
-                    **kwargs,
-                )
+    title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
+    return launch_with_progress(run_rank, config, num_rows=num_rows, title=title, args=args)
 
 
 def run(args: argparse.Namespace) -> int:
