@@ -21,7 +21,10 @@ of the same document::
 
 Runs of different documents are EMPTY. Before classifying, both runs are trimmed to the
 queries that see some key and the keys that some query sees (:meth:`MaskSpec.trim`), so a
-window's edge costs neither compute nor bytes for rows that see nothing. Padding rows belong
+window's edge costs neither compute nor bytes for rows that see nothing. Under a window the
+query runs are first cut into tiles about as long as the band is wide, so each piece's key
+rows follow the band (a whole diagonal block under a short window would compute s^2 pairs for
+s * w visible ones). Padding rows belong
 to no run, so they are never computed and never seen (Note [Documents and padding] in
 ``tokenring.layout``).
 """
@@ -93,6 +96,15 @@ class MaskSpec:
         """No window and no documents: only ``causal`` matters."""
         unbounded = self.window[0] < 0 and (self.causal or self.window[1] < 0)
         return unbounded and (self.cu_seqlens is None or len(self.cu_seqlens) <= 2)
+
+    def band_tile(self) -> int | None:
+        """Query rows per piece under a window: about the band's width (at least 32 rows, so
+        kernel calls stay large), so a piece computes at most about twice the pairs it needs
+        (Note [Mask classes]); None without a window."""
+        width = self._left + self._right + 1
+        if width == float("inf"):
+            return None
+        return max(32, int(width))
 
     def classify(self, q_run: Run, kv_run: Run) -> MaskKind:
         """See Note [Mask classes]."""

@@ -84,7 +84,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from tokenring.layout import Layout, Sharding, make_sharding, validate_seq_local
+from tokenring.layout import Layout, Run, Sharding, make_sharding, validate_seq_local
 from tokenring.masks import MaskKind, MaskSpec, normalize_window
 
 __all__ = [
@@ -371,6 +371,9 @@ def sharded_block_pieces(
         return (Piece((0, n), (0, n), True),)
     full: list[tuple[Rows, Rows]] = []
     other: list[Piece] = []
+    tile = mask.band_tile()
+    if tile is not None:  # a window: cut query runs so each piece's kv rows follow the band
+        q_runs = tuple(part for run in q_runs for part in _tiles(run, tile))
     for q_whole in q_runs:
         for kv_whole in kv_runs:
             trimmed = mask.trim(q_whole, kv_whole)
@@ -391,6 +394,14 @@ def sharded_block_pieces(
                 )
     merged = [Piece(q_rows, kv_rows, False) for q_rows, kv_rows in _merge_rectangles(full)]
     return tuple(sorted(merged + other, key=lambda p: (p.q_rows, p.kv_rows)))
+
+
+def _tiles(run: Run, tile: int) -> list[Run]:
+    """``run`` cut into consecutive runs of at most ``tile`` tokens."""
+    return [
+        Run(run.local_start + i, min(tile, run.length - i), run.global_start + i, run.doc)
+        for i in range(0, run.length, tile)
+    ]
 
 
 def _merge_rectangles(rects: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]:
