@@ -21,14 +21,10 @@ DTYPES = {
 
 
 def owned_positions(layout: str, rank: int, world_size: int, seq_global: int) -> list[int]:
-    """Global positions of rank's shard, in local order, straight from the definitions."""
-    if layout == "contiguous":
-        s = seq_global // world_size
-        return list(range(rank * s, rank * s + s))
-    assert layout == "zigzag"
-    c = seq_global // (2 * world_size)
-    late = 2 * world_size - 1 - rank
-    return list(range(rank * c, rank * c + c)) + list(range(late * c, late * c + c))
+    """Global positions of rank's shard, in local order (equal shards: the layout's chunk
+    count divides ``seq_global``)."""
+    assert seq_global % (world_size * (2 if layout == "zigzag" else 1)) == 0
+    return sharded_positions(layout, rank, world_size, seq_global)
 
 
 def sharded_positions(

@@ -14,7 +14,15 @@ from oracle import (
     sharded_positions,
     visible_mask,
 )
-from tokenring.schedule import Dims, Pass, Piece, Strategy, build_schedule, piece_flops
+from tokenring.schedule import (
+    Dims,
+    Pass,
+    Piece,
+    Schedule,
+    Strategy,
+    build_schedule,
+    piece_flops,
+)
 
 CASES = [
     (strategy, layout, causal, p)
@@ -23,6 +31,15 @@ CASES = [
     for causal in (False, True)
     for p in (1, 2, 3, 4, 5)
 ]
+
+
+def _bytes_per_link(sched: Schedule, dims: Dims) -> dict[tuple[str, int, int], int]:
+    """The schedule's bytes per (flow, src, dst)."""
+    got: dict[tuple[str, int, int], int] = {}
+    for tr in sched.transfers:
+        key = (tr.payload.flow.value, tr.src, tr.dst)
+        got[key] = got.get(key, 0) + tr.num_bytes(dims)
+    return got
 
 
 @pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), CASES)
@@ -84,10 +101,7 @@ def test_bytes_per_link_match_formula(
         seq_local=6,
         heads_kv=heads_kv,
     )
-    got: dict[tuple[str, int, int], int] = {}
-    for tr in sched.transfers:
-        key = (tr.payload.flow.value, tr.src, tr.dst)
-        got[key] = got.get(key, 0) + tr.num_bytes(dims)
+    got = _bytes_per_link(sched, dims)
     want = expected_bytes(
         strategy=strategy,
         backward=backward,
@@ -205,10 +219,7 @@ def test_masked_bytes_per_link_match_formula(
             window_size=window,
             heads_kv=heads_kv,
         )
-        got: dict[tuple[str, int, int], int] = {}
-        for tr in sched.transfers:
-            key = (tr.payload.flow.value, tr.src, tr.dst)
-            got[key] = got.get(key, 0) + tr.num_bytes(dims)
+        got = _bytes_per_link(sched, dims)
         want = expected_bytes(
             strategy=strategy,
             backward=backward,

@@ -1026,33 +1026,47 @@ def _under_torchrun() -> bool:
     )
 
 
+def collect_per_rank(
+    fn: Any, config: Any, args: argparse.Namespace, launch_all: Any
+) -> list[Any] | None:
+    """Every rank's ``fn(config)``: under torchrun this process is one rank (the results are
+    gathered, and only rank 0 gets them; the others get None), else ``launch_all()`` spawns
+    the ranks. Sets ``args._lab`` (None unless the launch ran in the lab)."""
+    args._lab = None
+    if not _under_torchrun():
+        result: list[Any] = launch_all()
+        return result
+    from tokenring.launch import init_distributed
+
+    init_distributed(timeout_s=args.timeout)
+    try:
+        mine = fn(config)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        args.world_size = dist.get_world_size()
+        rank = dist.get_rank()
+        dist.barrier()
+    finally:
+        # Tear the groups down on every rank before any exits: a rank leaving with live
+        # gloo threads while a peer still talks aborts ("terminate called ...").
+        dist.destroy_process_group()
+    return per_rank if rank == 0 else None
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "mode", "attention") != "attention":
         from tokenring.bench_inference import run as run_inference
 
         return run_inference(args)
     config = config_from_args(args)
-    args._lab = None
-    if _under_torchrun():
-        from tokenring.launch import init_distributed
 
-        init_distributed(timeout_s=args.timeout)
-        try:
-            mine = run_rank(config)
-            per_rank: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, mine)
-            args.world_size = dist.get_world_size()
-            rank = dist.get_rank()
-            dist.barrier()
-        finally:
-            # Tear the groups down on every rank before any exits: a rank leaving with live
-            # gloo threads while a peer still talks aborts ("terminate called ...").
-            dist.destroy_process_group()
-        if rank != 0:
-            return 0
-    else:
+    def launch_all() -> list[Any]:
         config.check_world(args.world_size)
-        per_rank = _launch_all(config, args)
+        return _launch_all(config, args)
+
+    per_rank = collect_per_rank(run_rank, config, args, launch_all)
+    if per_rank is None:
+        return 0
     rows = aggregate(per_rank, config)
     lab = args._lab
     add_predictions(

@@ -411,27 +411,12 @@ def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode decode|prefill-cached``."""
-    from tokenring.bench import _git_sha, _under_torchrun
+    from tokenring.bench import _git_sha, collect_per_rank
 
     config = config_from_args(args)
-    args._lab = None
-    if _under_torchrun():
-        from tokenring.launch import init_distributed
-
-        init_distributed(timeout_s=args.timeout)
-        try:
-            mine = run_rank(config)
-            per_rank: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, mine)
-            args.world_size = dist.get_world_size()
-            rank = dist.get_rank()
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        if rank != 0:
-            return 0
-    else:
-        per_rank = _launch(config, args)
+    per_rank = collect_per_rank(run_rank, config, args, lambda: _launch(config, args))
+    if per_rank is None:
+        return 0
     rows = aggregate(per_rank, config)
     lab = args._lab
     settings = {

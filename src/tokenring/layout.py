@@ -55,6 +55,7 @@ __all__ = [
     "Layout",
     "Run",
     "Sharding",
+    "global_length",
     "global_positions",
     "make_sharding",
     "normalize_cu_seqlens",
@@ -122,7 +123,7 @@ def global_positions(
     return make_sharding(
         layout=layout,
         world_size=world_size,
-        seq_len=_seq_len_of(world_size, seq_local, seq_len, Layout.parse(layout)),
+        seq_len=global_length(world_size, seq_local, seq_len, Layout.parse(layout)),
         cu_seqlens=cu_seqlens,
     ).positions(_checked_rank(rank, world_size))
 
@@ -153,7 +154,11 @@ def _checked_rank(rank: int, world_size: int) -> int:
     return rank
 
 
-def _seq_len_of(world_size: int, seq_local: int | None, seq_len: int | None, layout: Layout) -> int:
+def global_length(
+    world_size: int, seq_local: int | None, seq_len: int | None, layout: Layout
+) -> int:
+    """S from exactly one of ``seq_local`` (equal shards: S = P * s, checked against the
+    layout) and ``seq_len``; ValueError otherwise."""
     if (seq_local is None) == (seq_len is None):
         raise ValueError(
             f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "

@@ -84,7 +84,13 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from tokenring.layout import Layout, Run, Sharding, make_sharding, validate_seq_local
+from tokenring.layout import (
+    Layout,
+    Run,
+    Sharding,
+    global_length,
+    make_sharding,
+)
 from tokenring.masks import MaskKind, MaskSpec, normalize_window
 
 __all__ = [
@@ -508,17 +514,11 @@ def build_schedule(
     layout = Layout.parse(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
-    if (seq_local is None) == (seq_len is None):
-        raise ValueError(
-            f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
-            f"seq_len={seq_len}"
-        )
-    if seq_local is not None:
-        validate_seq_local(seq_local, layout)
-        seq_len = seq_local * world_size
-    assert seq_len is not None
     sharding = make_sharding(
-        layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+        layout=layout,
+        world_size=world_size,
+        seq_len=global_length(world_size, seq_local, seq_len, layout),
+        cu_seqlens=cu_seqlens,
     )
     mask = MaskSpec(
         causal,
