@@ -15,6 +15,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from tokenring.comm import Communicator
 from tokenring.costmodel import Hardware
 from tokenring.kernels import BlockKernel, select_kernel
-from tokenring.layout import Layout, make_sharding, validate_seq_local
+from tokenring.layout import Layout, Sharding, make_sharding, validate_seq_local
 from tokenring.masks import MaskSpec, normalize_window
 from tokenring.runtime import run_backward, run_forward
 from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_DTYPE_CODES = {dtype: i for i, dtype in enumerate(_DTYPES)}
 _COMMUNICATORS: dict[Any, Communicator] = {}  # cache: one per process group, built on first use
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
@@ -201,24 +201,132 @@ def _validate(
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
-def _check_ranks_agree(
-    comm: Communicator, signature: list[int], names: list[str], device: torch.device
-) -> None:
-    """Fail on every rank, naming the difference, when ranks called with different arguments."""
-    if comm.world_size == 1:
-        return
-    mine = torch.tensor(signature, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(comm.world_size)]
-    dist.all_gather(gathered, mine, group=comm.group)
-    rows = [g.tolist() for g in gathered]
-    for r, row in enumerate(rows):
-        if row != rows[0]:
-            diffs = [
-                f"{name}: rank 0 has {a}, rank {r} has {b}"
-                for name, a, b in zip(names, rows[0], row, strict=True)
-                if a != b
-            ]
-            raise ValueError("ranks called attention with different arguments: " + "; ".join(diffs))
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Call:
+    """One rank's validated attention call: everything the schedule and the kernels need."""
+
+    layout: Layout
+    sharding: Sharding
+    window: tuple[int, int]
+    mask: MaskSpec
+    kernel: BlockKernel
+    scale: float
+    signature: dict[str, Any]  # what every rank must agree on (Note [Rank agreement])
+
+
+def _prepare_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    comm: Communicator,
+    strategy: Strategy | str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: Layout | str,
+    kernel: str | BlockKernel | None,
+    last_block_splits: int,
+    hardware: Hardware | str | None,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+    window_size: Sequence[int] | int | None,
+) -> _Call:
+    """Validate one rank's arguments (raising ValueError naming the argument) and build the
+    signature the ranks compare; pure: no communication."""
+    layout = Layout.parse(layout)
+    _validate(q, k, v, softmax_scale)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
+        raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
+    if last_block_splits < 1:
+        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    requested = "auto" if strategy == "auto" else Strategy.parse(strategy).value
+    if requested == Strategy.HYBRID.value:
+        raise ValueError(
+            "strategy 'hybrid' runs on a 2-D mesh, not one group: call "
+            "tokenring.hybrid_attn(q, k, v, mesh=tokenring.hybrid_mesh(outer, inner), "
+            "outer_strategy=...) instead"
+        )
+    if hardware is not None and requested != "auto":
+        raise ValueError(
+            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
+            f"strategy={requested!r}"
+        )
+    seq_len_given = seq_len is not None
+    if seq_len is None:
+        if layout is Layout.ZIGZAG and q.shape[1] % 2:
+            raise ValueError(
+                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
+                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
+            )
+        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
+        seq_len = q.shape[1] * comm.world_size
+    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
+    sharding = make_sharding(
+        layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+    )
+    window = normalize_window(window_size, causal=causal)
+    mask = MaskSpec(causal, window, sharding.cu_seqlens if sharding.num_docs > 1 else None)
+    expected = sharding.local_len(comm.rank)
+    if q.shape[1] != expected:
+        raise ValueError(
+            f"q.shape[1] must be {expected} on rank {comm.rank}: its share of seq_len={seq_len} "
+            f"under layout '{layout.value}'"
+            + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
+            + f" (see tokenring.shard); got {q.shape[1]}"
+        )
+    block_kernel = select_kernel(q.device, q.dtype, kernel)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    bounds = sharding.cu_seqlens
+    signature: dict[str, Any] = {
+        "batch": q.shape[0],
+        ("seq_len" if seq_len_given else "seq_local"): seq_len if seq_len_given else q.shape[1],
+        "seq_len given": seq_len_given,
+        "heads_q": q.shape[2],
+        "heads_kv": k.shape[2],
+        "head_dim": q.shape[3],
+        "dtype": str(q.dtype),
+        "device type": q.device.type,
+        "causal": causal,
+        "layout": layout.value,
+        "strategy": requested,
+        "hardware": None if hardware is None else repr(hardware),
+        "softmax_scale": float(scale).hex(),
+        "window_size": list(window),
+        "cu_seqlens": [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))],
+        "last_block_splits": last_block_splits,
+        "kernel": block_kernel.name,
+        "needs grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
+    }
+    return _Call(
+        layout=layout,
+        sharding=sharding,
+        window=window,
+        mask=mask,
+        kernel=block_kernel,
+        scale=scale,
+        signature=signature,
+    )
+
+
+# Note [Rank agreement]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Every argument that changes the schedule, the message sizes or the numbers is in the
+# signature of a call (``_prepare_call``); a rank whose arguments fail validation sends the
+# reason instead. The ranks exchange these before any collective or transfer of the call, so:
+#
+#   rank 0: valid, sig A     rank 1: invalid: "q.shape[1] must be 6 ..."     rank 2: valid, sig A
+#      -> rank 1 raises its own ValueError; ranks 0 and 2 raise "rank 1 cannot run ...: ..."
+#   rank 0: sig A            rank 1: sig A'  (last_block_splits 4 vs 2)
+#      -> every rank raises "ranks disagree on this attention call: last_block_splits: ..."
+#   rank 2 frozen or dead before the call
+#      -> ranks 0 and 1 raise within the communicator's timeout, naming rank 2
+#
+# ``Communicator.agree`` exchanges them point-to-point over the communicator's control group
+# (CPU, gloo), bounded by the communicator's timeout, never the process group's. Behind it the
+# message headers (Note [Message header] in tokenring.comm) catch what check_ranks=False lets by.
 
 
 class _SequenceParallelAttnFn(torch.autograd.Function):
@@ -316,35 +424,38 @@ def sequence_parallel_attn(
             bad cu_seqlens or window_size; unknown strategy, layout or kernel; ranks that
             disagree.
     """
-    layout = Layout.parse(layout)
-    _validate(q, k, v, softmax_scale)
-    if last_block_splits < 1:
-        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    if not isinstance(check_ranks, bool):
+        raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
     comm = get_communicator(group)
-    seq_len_given = seq_len is not None
-    if seq_len is None:
-        if layout is Layout.ZIGZAG and q.shape[1] % 2:
-            raise ValueError(
-                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
-                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
-            )
-        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
-        seq_len = q.shape[1] * comm.world_size
-    elif not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
-    sharding = make_sharding(
-        layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-    )
-    window = normalize_window(window_size, causal=causal)
-    mask = MaskSpec(causal, window, sharding.cu_seqlens if sharding.num_docs > 1 else None)
-    expected = sharding.local_len(comm.rank)
-    if q.shape[1] != expected:
-        raise ValueError(
-            f"q.shape[1] must be {expected} on rank {comm.rank}: its share of seq_len={seq_len} "
-            f"under layout '{layout.value}'"
-            + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
-            + f" (see tokenring.shard); got {q.shape[1]}"
+    call: _Call | None = None
+    problem: Exception | None = None
+    try:
+        call = _prepare_call(
+            q,
+            k,
+            v,
+            comm=comm,
+            strategy=strategy,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            layout=layout,
+            kernel=kernel,
+            last_block_splits=last_block_splits,
+            hardware=hardware,
+            seq_len=seq_len,
+            cu_seqlens=cu_seqlens,
+            window_size=window_size,
         )
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    if check_ranks:
+        comm.agree(None if call is None else call.signature, problem, what="attention call")
+    elif problem is not None:
+        raise problem
+    assert call is not None
+    layout, sharding, window, mask = call.layout, call.sharding, call.window, call.mask
+    block_kernel, scale = call.kernel, call.scale
+    seq_len = sharding.seq_len
     strategy = resolve_strategy(
         strategy,
         q=q,
@@ -355,49 +466,6 @@ def sequence_parallel_attn(
         hardware=hardware,
         last_block_splits=last_block_splits,
     )
-    if strategy is Strategy.HYBRID:
-        raise ValueError(
-            "strategy 'hybrid' runs on a 2-D mesh, not one group: call "
-            "tokenring.hybrid_attn(q, k, v, mesh=tokenring.hybrid_mesh(outer, inner), "
-            "outer_strategy=...) instead"
-        )
-    block_kernel = select_kernel(q.device, q.dtype, kernel)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    if check_ranks:
-        names = [
-            "batch",
-            "seq_len" if seq_len_given else "seq_local",
-            "seq_len given",
-            "heads_q",
-            "heads_kv",
-            "head_dim",
-            "dtype",
-            "causal",
-            "layout",
-            "strategy",
-            "scale_bits",
-            "window_left",
-            "window_right",
-            "cu_seqlens_crc32",
-        ]
-        signature = [
-            q.shape[0],
-            seq_len if seq_len_given else q.shape[1],
-            int(seq_len_given),
-            q.shape[2],
-            k.shape[2],
-            q.shape[3],
-            _DTYPE_CODES[q.dtype],
-            int(causal),
-            list(Layout).index(layout),
-            list(Strategy).index(strategy),
-            int.from_bytes(struct.pack("<d", scale), "little", signed=True),
-            *window,
-            zlib.crc32(struct.pack(f"<{len(sharding.cu_seqlens)}q", *sharding.cu_seqlens))
-            if sharding.num_docs > 1
-            else 0,
-        ]
-        _check_ranks_agree(comm, signature, names, q.device)
     rows = None
     if sharding.padded:  # scatter the tokens into the common padded buffer (differentiable)
         rows = sharding.padded_rows(comm.rank).to(q.device)
@@ -525,7 +593,7 @@ class SequenceParallelAttention(torch.nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
-        self.strategy = Strategy.parse(strategy)
+        self.strategy: Strategy | str = "auto" if strategy == "auto" else Strategy.parse(strategy)
         self.layout = Layout.parse(layout)
         self.causal = causal
         self.softmax_scale = softmax_scale
@@ -548,4 +616,5 @@ class SequenceParallelAttention(torch.nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"strategy={self.strategy.value}, causal={self.causal}, layout={self.layout.value}"
+        name = self.strategy if isinstance(self.strategy, str) else self.strategy.value
+        return f"strategy={name}, causal={self.causal}, layout={self.layout.value}"

@@ -19,7 +19,10 @@ each batch: see netlab-notes, "gloo serialises the two directions...").
 
 from __future__ import annotations
 
+import functools
+import json
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,7 +33,14 @@ import torch.distributed as dist
 
 from tokenring.schedule import Flow, Transfer
 
-__all__ = ["Communicator", "Event", "PendingRecv", "Timeline", "TrafficCounter"]
+__all__ = [
+    "HEADER_NUM_BYTES",
+    "Communicator",
+    "Event",
+    "PendingRecv",
+    "Timeline",
+    "TrafficCounter",
+]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
 
@@ -99,20 +109,49 @@ class TrafficCounter:
         self.recv_messages = 0
 
 
-def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors of any dtypes into one uint8 buffer."""
+# Note [Message header]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Every message starts with HEADER_NUM_BYTES: four int64 (magic, payload bytes, the transfer's
+# id, the sender's rank). gloo completes a receive whose message is *shorter* than the posted
+# buffer and leaves the rest of the buffer as it was, so without a header a peer that built a
+# different schedule would hand us stale memory as data. The receiver zeroes the header slot
+# before posting and checks all four fields on arrival: a different byte count, another
+# transfer or no header at all raise, naming the transfer, both sizes and the peer. The
+# header travels but is not counted: the counter holds payload bytes, as the schedule does.
+_MAGIC = 0x746F6B656E72696E  # "tokenrin"
+HEADER_NUM_BYTES = 32
+AGREE_FRAME_NUM_BYTES = 4096  # one message of Communicator.all_gather_bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _transfer_id(tr: Transfer) -> int:
+    """A stable 31-bit id of a transfer: what travels, whose rows, which step and lane."""
+    key = f"{tr.payload.value}|{tr.owner}|{tr.rows}|{tr.step}|{tr.lane}|{tr.heads}"
+    key += f"|{tr.src}|{tr.dst}"
+    return zlib.crc32(key.encode()) & 0x7FFFFFFF
+
+
+def _header(tr: Transfer, num_bytes: int, device: torch.device) -> torch.Tensor:
+    fields = [_MAGIC, num_bytes, _transfer_id(tr), tr.src]
+    return torch.tensor(fields, dtype=torch.int64, device=device).view(torch.uint8)
+
+
+def _pack(tr: Transfer, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 message: the header, then the tensors (any dtypes) back to back."""
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    return flat[0] if len(flat) == 1 else torch.cat(flat)
+    num_bytes = sum(f.numel() for f in flat)
+    return torch.cat([_header(tr, num_bytes, flat[0].device), *flat])
 
 
 def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
+    """The tensors of a received message (views of ``buffer`` after its header)."""
     out: list[torch.Tensor] = []
-    offset = 0
+    offset = HEADER_NUM_BYTES
     for shape, dtype in fields:
         num = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         out.append(buffer[offset : offset + num].view(dtype).view(shape))
         offset += num
-    assert offset == buffer.numel(), "received message size differs from the fields"
+    assert offset == buffer.numel(), "receive buffer size differs from the fields"
     return out
 
 
@@ -121,6 +160,31 @@ def _num_bytes(fields: Sequence[FieldSpec]) -> int:
         torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         for shape, dtype in fields
     )
+
+
+def _check_header(rank: int, tr: Transfer, header: list[int], expected_bytes: int) -> None:
+    """Raise unless ``header`` (as received) announces ``tr`` with ``expected_bytes``."""
+    magic, num_bytes, transfer_id, sender = header
+    what = (
+        f"rank {rank}: receive of {tr.payload.value!r} rows {tr.rows} of owner {tr.owner} "
+        f"from rank {tr.src} at step {tr.step}"
+    )
+    if magic != _MAGIC:
+        raise RuntimeError(
+            f"{what} completed without a message header (expected {expected_bytes} payload "
+            "bytes; the peer sent a shorter or foreign message: its schedule differs from "
+            "this rank's, e.g. an option that only some ranks passed with check_ranks=False)"
+        )
+    if num_bytes != expected_bytes:
+        raise RuntimeError(
+            f"{what}: the message carries {num_bytes} payload bytes, this rank expected "
+            f"{expected_bytes} (the ranks built different schedules or shapes)"
+        )
+    if transfer_id != _transfer_id(tr) or sender != tr.src:
+        raise RuntimeError(
+            f"{what}: rank {sender} sent a different transfer of the same size (the ranks "
+            "built different schedules)"
+        )
 
 
 class PendingRecv:
@@ -140,6 +204,12 @@ class PendingRecv:
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
             self._comm._wait(self._work, self.transfer, "receive")
+            header = self._buffer[:HEADER_NUM_BYTES].view(torch.int64)
+            expected = self._buffer.numel() - HEADER_NUM_BYTES
+            if self._buffer.device.type == "cpu":
+                _check_header(self._comm.rank, self.transfer, header.tolist(), expected)
+            else:  # checked in wait_sends, once per call: no host sync inside the step loop
+                self._comm._unchecked.append((self.transfer, header, expected))
             self._result = _unpack(self._buffer, self._fields)
             timeline = self._comm.timeline
             if timeline is not None:
@@ -152,7 +222,7 @@ class PendingRecv:
                         self._posted_s,
                         time.perf_counter(),
                         tr.src,
-                        self._buffer.numel(),
+                        expected,
                     )
                 )
         return self._result
@@ -202,24 +272,161 @@ class Communicator:
             # A fresh group per channel, so each flow of each lane gets its own sockets
             # (gloo) or communicator and stream (NCCL); only members take part in creating it.
             flow, lane = channel
-            try:
-                made = dist.new_group(
-                    ranks=ranks,
-                    timeout=self.timeout,
-                    use_local_synchronization=True,
-                    group_desc=f"tokenring_{flow.value}_{lane}",
+            self._groups[channel] = self._new_group(
+                ranks, f"{flow.value}_{lane}", f"the {flow.value!r} process group of lane {lane}"
+            )
+        # Small host-side agreements (the ranks' call signatures) go over a gloo group of their
+        # own: CPU tensors, so no device sync on CUDA, and never queued behind our transfers.
+        self._control: dist.ProcessGroup | None = None
+        if self.world_size > 1:
+            if self.backend == "gloo" and not separate_groups:
+                self._control = base
+            else:
+                self._control = self._new_group(
+                    ranks, "control", "the control (gloo) group", backend="gloo"
                 )
-            except Exception as exc:
-                raise RuntimeError(
-                    f"rank {self.rank}: creating the {flow.value!r} process group of lane {lane} "
-                    f"over ranks {ranks} failed; a peer did not join in time (it failed, is "
-                    f"slow, or did not call attention with this group): {exc}"
-                ) from exc
-            assert made is not None
-            self._groups[channel] = made
         self.counter = TrafficCounter()
         self.timeline: Timeline | None = None
         self._pending_sends: list[tuple[Any, Transfer]] = []
+        self._unchecked: list[tuple[Transfer, torch.Tensor, int]] = []
+        self._broken: str | None = None
+
+    def _new_group(
+        self, ranks: list[int], name: str, what: str, backend: str | None = None
+    ) -> dist.ProcessGroup:
+        try:
+            made = dist.new_group(
+                ranks=ranks,
+                timeout=self.timeout,
+                backend=backend,
+                use_local_synchronization=True,
+                group_desc=f"tokenring_{name}",
+            )
+        except Exception as exc:
+            raise RuntimeError(
+                f"rank {self.rank}: creating {what} over ranks {ranks} failed; a peer did not "
+                "join in time (it failed, is slow, or did not call attention with this "
+                f"group): {exc}"
+            ) from exc
+        assert made is not None
+        return made
+
+    # -- agreement ---------------------------------------------------------------------------
+    def all_gather_bytes(self, data: bytes, *, what: str) -> list[bytes]:
+        """Every rank's ``data``, in group-rank order, within this communicator's timeout.
+
+        Point-to-point over the control group (one message per peer, receives posted first),
+        so a peer that does not arrive is named: ``RuntimeError`` lists the ranks that were
+        not heard from within the timeout and those whose connection closed (they died).
+
+        Args:
+            data: at most ``AGREE_FRAME_NUM_BYTES - 8`` bytes.
+            what: what the ranks agree on, for the error message.
+        """
+        if len(data) > AGREE_FRAME_NUM_BYTES - 8:
+            raise ValueError(
+                f"data for {what} must be at most {AGREE_FRAME_NUM_BYTES - 8} bytes; "
+                f"got {len(data)}"
+            )
+        if self.world_size == 1:
+            return [data]
+        if self._broken is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: this communicator failed earlier and cannot be used for "
+                f"{what}: {self._broken}"
+            )
+        mine = torch.zeros(AGREE_FRAME_NUM_BYTES, dtype=torch.uint8)
+        mine[:8].view(torch.int64)[0] = len(data)
+        mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        frames = {r: torch.zeros(AGREE_FRAME_NUM_BYTES, dtype=torch.uint8) for r in peers}
+        ops = [dist.P2POp(dist.irecv, frames[r], group=self._control, group_peer=r) for r in peers]
+        ops += [dist.P2POp(dist.isend, mine, group=self._control, group_peer=r) for r in peers]
+        works = dist.batch_isend_irecv(ops)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        silent: list[int] = []
+        closed: list[tuple[int, str]] = []
+        for r, work in zip(peers, works[: len(peers)], strict=True):
+            remaining_s = max(deadline - time.monotonic(), 0.01)
+            try:
+                work.wait(timedelta(seconds=remaining_s))
+            except Exception as exc:
+                if "imed out" in str(exc):
+                    silent.append(r)
+                else:
+                    closed.append((r, str(exc).splitlines()[0][:200]))
+        if not silent and not closed:
+            for r, work in zip(peers, works[len(peers) :], strict=True):
+                try:
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+                except Exception as exc:
+                    closed.append((r, str(exc).splitlines()[0][:200]))
+        if silent or closed:
+            parts = []
+            if silent:
+                parts.append(
+                    f"rank(s) {silent} did not arrive within "
+                    f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the call, "
+                    "or called something else)"
+                )
+            for r, message in closed:
+                parts.append(f"rank {r} is gone (it exited or crashed): {message}")
+            self._broken = f"{what} failed"
+            raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
+        out = []
+        for r in range(self.world_size):
+            frame = mine if r == self.rank else frames[r]
+            num = int(frame[:8].view(torch.int64)[0])
+            out.append(bytes(frame[8 : 8 + num].tolist()))
+        return out
+
+    def agree(
+        self, signature: dict[str, Any] | None, problem: Exception | None, *, what: str
+    ) -> None:
+        """Raise on every rank unless every rank is valid and passed the same signature.
+
+        Args:
+            signature: this rank's JSON-able description of the call (None when invalid).
+            problem: this rank's validation error, or None; re-raised here on this rank
+                after the exchange, so the other ranks learn it.
+            what: the call, for messages ("attention call", "cache step").
+
+        Raises:
+            ValueError: on this rank ``problem``; on the others "rank r cannot run this
+                {what}: {problem}"; on every rank the fields where signatures differ.
+            RuntimeError: a rank did not arrive within the timeout, or is gone.
+        """
+        if self.world_size == 1:
+            if problem is not None:
+                raise problem
+            return
+        mine: dict[str, Any] = {"signature": signature}
+        if signature is None:
+            mine = {"invalid": str(problem)}
+        data = json.dumps(mine, sort_keys=True).encode()
+        if len(data) > AGREE_FRAME_NUM_BYTES - 8:  # an unusually long error or signature
+            mine = {"invalid": str(problem)[:1000]}
+            if signature is not None:
+                mine = {"signature": {"digest": zlib.crc32(data)}}
+            data = json.dumps(mine).encode()
+        rows = [json.loads(b) for b in self.all_gather_bytes(data, what=f"the {what} check")]
+        if problem is not None:
+            raise problem
+        invalid = [(r, row["invalid"]) for r, row in enumerate(rows) if "invalid" in row]
+        if invalid:
+            raise ValueError(
+                "; ".join(f"rank {r} cannot run this {what}: {why}" for r, why in invalid)
+            )
+        first = rows[0]
+        for r, row in enumerate(rows):
+            if row != first:
+                a, b = first.get("signature", first), row.get("signature", row)
+                diffs = [
+                    f"{name}: rank 0 has {a.get(name)}, rank {r} has {b.get(name)}"
+                    for name in sorted(set(a) | set(b))
+                    if a.get(name) != b.get(name)
+                ]
+                raise ValueError(f"ranks disagree on this {what}: " + "; ".join(diffs))
 
     # -- posting -----------------------------------------------------------------------------
     def exchange(
@@ -247,23 +454,26 @@ class Communicator:
             for tr, fields in recvs:
                 if _channel(tr) != channel:
                     continue
-                buffer = torch.empty(_num_bytes(fields), dtype=torch.uint8, device=device)
+                num_bytes = _num_bytes(fields)
+                buffer = torch.empty(HEADER_NUM_BYTES + num_bytes, dtype=torch.uint8, device=device)
+                buffer[:HEADER_NUM_BYTES].zero_()  # a message that never arrives has no magic
                 rec = PendingRecv(self, tr, buffer, fields)
                 pending[tr] = rec
                 ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=tr.src))
-                self.counter.add(sent=False, flow=flow, peer=tr.src, num_bytes=buffer.numel())
+                self.counter.add(sent=False, flow=flow, peer=tr.src, num_bytes=num_bytes)
             send_transfers: list[Transfer] = []
             for tr, tensors in sends:
                 if _channel(tr) != channel:
                     continue
-                buffer = _pack(tensors)
+                buffer = _pack(tr, tensors)
+                num_bytes = buffer.numel() - HEADER_NUM_BYTES
                 ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=tr.dst))
                 send_transfers.append(tr)
-                self.counter.add(sent=True, flow=flow, peer=tr.dst, num_bytes=buffer.numel())
+                self.counter.add(sent=True, flow=flow, peer=tr.dst, num_bytes=num_bytes)
                 if self.timeline is not None:
                     now = time.perf_counter()
                     self.timeline.events.append(
-                        Event("send", tr.payload.value, tr.step, now, now, tr.dst, buffer.numel())
+                        Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
                     )
             if not ops:
                 continue
@@ -281,10 +491,17 @@ class Communicator:
         return pending
 
     def wait_sends(self) -> None:
-        """Wait for every send posted so far (their buffers may be reused afterwards)."""
+        """Wait for every send posted so far (their buffers may be reused afterwards), and
+        check the headers of receives on devices other than the CPU (one host sync)."""
         for work, tr in self._pending_sends:
             self._wait(work, tr, "send")
         self._pending_sends.clear()
+        if self._unchecked:
+            headers = torch.stack([h for _, h, _ in self._unchecked]).tolist()
+            checks = [(tr, n) for tr, _, n in self._unchecked]
+            self._unchecked.clear()
+            for (tr, expected), header in zip(checks, headers, strict=True):
+                _check_header(self.rank, tr, header, expected)
 
     def _wait(self, work: Any, tr: Transfer, what: str) -> None:
         if work is None:

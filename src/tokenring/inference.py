@@ -444,6 +444,7 @@ def cached_attn(
     hardware: Hardware | str | None = None,
     kernel: str | BlockKernel | None = None,
     return_lse: bool = False,
+    check_ranks: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this step's new tokens against everything cached before them and
     themselves, with the K/V sharded over the cache's ranks; see Note [Cached attention call].
@@ -466,6 +467,9 @@ def cached_attn(
             machine once per group (collective, a few seconds on CPU).
         kernel: block kernel name or instance; None picks one for the device and dtype.
         return_lse: also return lse ``(Hq, n)`` (float32; float64 for float64 inputs).
+        check_ranks: exchange this call's options (or this rank's error) with every rank
+            first and raise on every rank if any is invalid or they differ (one small
+            point-to-point round per call: Note [Rank agreement] in tokenring.api).
 
     Returns:
         out ``(n, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
@@ -475,11 +479,40 @@ def cached_attn(
             dtype or device that do not match the cache and the step, an unknown strategy or
             kernel, a bad softmax_scale.
     """
-    _validate(q, cache, layer, softmax_scale)
-    strategy = (
-        strategy if strategy == "auto" else CachedStrategy.parse(strategy)
-    )  # fail before appending
-    block_kernel = select_kernel(q.device, q.dtype, kernel)
+    if not isinstance(cache, DistributedKVCache) or cache.comm is None:
+        _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
+    assert cache.comm is not None
+    if not isinstance(check_ranks, bool):
+        raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
+    signature: dict[str, Any] | None = None
+    problem: Exception | None = None
+    try:
+        step = _validate(q, cache, layer, softmax_scale)
+        # fail before appending
+        strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
+        if hardware is not None and strategy != "auto":
+            raise ValueError(
+                f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
+                f"strategy={strategy!r}"
+            )
+        block_kernel = select_kernel(q.device, q.dtype, kernel)
+        cache.check_append(layer, k, v)
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        signature = {
+            "step": step.index,
+            "layer": layer,
+            "heads_q": q.shape[1],
+            "strategy": strategy if isinstance(strategy, str) else strategy.value,
+            "hardware": None if hardware is None else repr(hardware),
+            "softmax_scale": float(scale).hex(),
+            "kernel": block_kernel.name,
+        }
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    if check_ranks:
+        cache.comm.agree(signature, problem, what="cached attention call")
+    elif problem is not None:
+        raise problem
     cache.append(layer, k, v)
     out, lse = attend_cached(
         q,

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tokenring.comm import Communicator
 
@@ -385,8 +384,9 @@ class DistributedKVCache:
 
         Args:
             new: T_b per sequence (0 for a sequence that does not advance).
-            check_ranks: all-gather ``new`` first and raise if the ranks disagree (one tiny
-                collective; only with a process group).
+            check_ranks: exchange ``new`` (or this rank's error) first and raise on every rank
+                if any rank is invalid or they disagree (``Communicator.agree``; only with a
+                process group).
 
         Returns:
             The step: positions per rank, packed-row counts (``CacheStep``).
@@ -397,15 +397,24 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        new, zigzag, placed = self._placement(new)
-        missing = [layer for layer, done in enumerate(self._appended) if not done]
-        if missing:
-            raise RuntimeError(
-                f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
-                "every layer must run attention (or append) once per step"
-            )
-        if check_ranks and self.comm is not None and self.world_size > 1:
-            self._check_ranks_agree(new)
+        problem: Exception | None = None
+        try:
+            counts, zigzag, placed = self._placement(new)
+            missing = [layer for layer, done in enumerate(self._appended) if not done]
+            if missing:
+                raise RuntimeError(
+                    f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
+                    "every layer must run attention (or append) once per step"
+                )
+        except (ValueError, RuntimeError) as exc:
+            problem = exc
+        if check_ranks and self.comm is not None:
+            # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
+            signature = None if problem else {"new tokens": list(counts), "step": self._num_steps}
+            self.comm.agree(signature, problem, what="cache step")
+        elif problem is not None:
+            raise problem
+        new = counts
         if self.budget_bytes is not None:
             held = [
                 [self._positions[b][r].size + len(placed[r][b]) for b in range(self.batch)]
@@ -436,20 +445,6 @@ class DistributedKVCache:
         self._appended = [False] * self.num_layers
         self.memo.clear()
         return step
-
-    def _check_ranks_agree(self, new: tuple[int, ...]) -> None:
-        assert self.comm is not None
-        mine = torch.tensor(new, dtype=torch.int64)
-        if self.comm.backend == "nccl":
-            mine = mine.to(self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.comm.group)
-        for r, row in enumerate(gathered):
-            if not torch.equal(row.cpu(), mine.cpu()):
-                raise ValueError(
-                    f"ranks began a cache step with different new-token counts: rank "
-                    f"{self.rank} has {list(new)}, rank {r} has {row.tolist()}"
-                )
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""
@@ -483,6 +478,17 @@ class DistributedKVCache:
             ValueError: no step begun, a layer outside [0, L), the layer already appended this
                 step, or k/v of the wrong shape, dtype or device.
         """
+        step = self.check_append(layer, k, v)
+        start = 0
+        for b, n in enumerate(step.seq_rows(self.rank)):
+            self._keys[layer][b].extend(k[start : start + n])
+            self._values[layer][b].extend(v[start : start + n])
+            start += n
+        self._appended[layer] = True
+
+    def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> CacheStep:
+        """The current step, if :meth:`append` would take ``k``, ``v`` for ``layer``; raises
+        :meth:`append`'s ValueError otherwise (and changes nothing)."""
         step = self._step
         if step is None:
             raise ValueError("no cache step has begun; call cache.begin_step(new) first")
@@ -507,12 +513,7 @@ class DistributedKVCache:
                     f"{name} must be {self.dtype} on {self.device} like the cache; got "
                     f"{x.dtype} on {x.device}"
                 )
-        start = 0
-        for b, n in enumerate(step.seq_rows(self.rank)):
-            self._keys[layer][b].extend(k[start : start + n])
-            self._values[layer][b].extend(v[start : start + n])
-            start += n
-        self._appended[layer] = True
+        return step
 
     def appended(self, layer: int) -> bool:
         """Whether ``layer`` has appended the current step's K/V."""

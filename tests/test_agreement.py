@@ -1,0 +1,268 @@
+"""Ranks agree before they communicate: a rank's bad input, a differing option, a frozen or a
+dead rank end as a clear error on every rank within seconds, never as a wrong number or a wait
+for the process group's timeout (Note [Rank agreement] in tokenring.api, Note [Message header]
+in tokenring.comm).
+
+Each case runs on real gloo ranks; every rank writes what happened to it (its error, its
+output's distance from the float64 oracle, how long it took) to a file, so the test sees every
+rank, also when the launcher ends the job because one rank died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+from oracle import full_attention, sharded_positions
+from tokenring.launch import LaunchError
+
+S, H, D = 64, 4, 16
+
+
+def _case(case: str, out_dir: str) -> None:
+    """One rank of ``case``; writes ``{rank}.json`` with ok/err or error and elapsed_s."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # The library's timeout (3 s) is far below the process group's (60 s, see the launch).
+    comm = tokenring.Communicator(None, timeout_s=3)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D, dtype=torch.float64) for _ in range(3))
+    ref, _ = full_attention(q, k, v, causal=True, scale=D**-0.5)
+    rows = sharded_positions("zigzag", rank, world, S)
+    q_r, k_r, v_r = (x[:, rows] for x in (q, k, v))
+    options: dict = {"causal": True, "layout": "zigzag", "group": comm}
+    if case == "splits":  # an option that changes the schedule, on one rank only
+        options["last_block_splits"] = 4 if rank == 1 else 2
+    elif case == "splits unchecked":
+        options.update(last_block_splits=4 if rank == 1 else 2, check_ranks=False)
+    elif case == "bad input":  # a different invalid input on ranks 1, 2 and 3; rank 0 is fine
+        if rank == 1:
+            k_r, v_r = k_r[:, :, :3], v_r[:, :, :3]  # heads_kv 3 does not divide heads_q 4
+        elif rank == 2:
+            q_r, k_r, v_r = (x[:, :-1] for x in (q_r, k_r, v_r))  # odd zigzag length
+        elif rank == 3:
+            options["seq_len"] = S + 8  # a seq_len whose share is not this rank's length
+    elif case == "frozen" and rank == 2:
+        time.sleep(8)  # frozen before the call (the others give up after 3 s)
+    elif case == "dead" and rank == 2:
+        os._exit(0)  # died before the call
+    start = time.monotonic()
+    result: dict = {"rank": rank}
+    try:
+        out = tokenring.token_ring_attn(q_r, k_r, v_r, **options)
+        result.update(ok=True, err=(out - ref[:, rows]).abs().max().item())
+    except Exception as exc:
+        result.update(ok=False, type=type(exc).__name__, error=str(exc))
+    result["elapsed_s"] = time.monotonic() - start
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
+def _run(case: str, tmp_path: Path, *, allow_launch_error: bool = False) -> dict[int, dict]:
+    try:
+        tokenring.launch(_case, case, str(tmp_path), world_size=4, timeout_s=90, pg_timeout_s=60)
+    except LaunchError:
+        if not allow_launch_error:
+            raise
+    return {int(p.stem): json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+
+
+def test_an_option_on_one_rank_fails_on_every_rank_naming_it(tmp_path: Path) -> None:
+    results = _run("splits", tmp_path)
+    assert sorted(results) == [0, 1, 2, 3]
+    for r in results.values():
+        assert not r["ok"] and r["type"] == "ValueError"
+        assert (
+            "ranks disagree on this attention call: last_block_splits: rank 0 has 2, rank 1 has 4"
+            in r["error"]
+        )
+        assert r["elapsed_s"] < 2.5  # the agreement, not a timeout (3 s)
+
+
+def test_unchecked_mismatch_is_never_a_wrong_number(tmp_path: Path) -> None:
+    """With check_ranks=False the message header is the last line of defence: ranks whose
+    messages differ fail (a shorter message raises, a longer one makes gloo abort the
+    receiving process), the rest are right; nobody returns a wrong number."""
+    results = _run("splits unchecked", tmp_path, allow_launch_error=True)
+    assert len(results) < 4 or not all(r["ok"] for r in results.values())
+    for r in results.values():
+        if r["ok"]:
+            assert r["err"] < 1e-10, r
+
+
+def _short_message(case: str) -> str:
+    """Rank 0 sends a message that differs from what rank 1 posted a receive for."""
+    from tokenring.schedule import Payload, Transfer
+
+    comm = tokenring.Communicator(None, timeout_s=10)
+    expected = Transfer(Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=0, after_segments=0)
+    sent = expected
+    if case == "shorter":
+        sent = Transfer(Payload.Q, src=0, dst=1, owner=0, rows=(0, 4), step=0, after_segments=0)
+    elif case == "other transfer":  # same size, another step
+        sent = Transfer(Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=1, after_segments=0)
+    fields = [((1, 8, 2, 4), torch.float32)]
+    data = torch.arange(64, dtype=torch.float32).view(1, 8, 2, 4)
+    if comm.rank == 0:
+        num = sent.num_rows
+        comm.exchange([(sent, [data[:, :num]])], [], device=torch.device("cpu"))
+        comm.wait_sends()
+        return "sent"
+    pending = comm.exchange([], [(expected, fields)], device=torch.device("cpu"))
+    try:
+        (got,) = pending[expected].wait()
+    except RuntimeError as exc:
+        return str(exc)
+    return "equal" if torch.equal(got, data) else "DIFFERENT DATA"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("same", "equal"),
+        (
+            "shorter",
+            "rank 1: receive of 'q' rows (0, 8) of owner 0 from rank 0 at step 0: the message "
+            "carries 128 payload bytes, this rank expected 256",
+        ),
+        ("other transfer", "rank 0 sent a different transfer of the same size"),
+    ],
+)
+def test_a_receive_checks_the_bytes_that_arrived(case: str, expected: str) -> None:
+    _, message = tokenring.launch(_short_message, case, world_size=2, timeout_s=60)
+    assert expected in message
+
+
+def test_bad_input_on_some_ranks_fails_everywhere_within_seconds(tmp_path: Path) -> None:
+    results = _run("bad input", tmp_path)
+    reasons = {
+        1: "heads_kv must divide heads_q; got heads_q=4, heads_kv=3",
+        2: "q.shape[1] (seq_local) must be even for layout 'zigzag'",
+        3: "q.shape[1] must be 18 on rank 3: its share of seq_len=72",
+    }
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, r in results.items():
+        assert not r["ok"] and r["type"] == "ValueError", r
+        assert r["elapsed_s"] < 2.5
+        if rank in reasons:  # the rank's own error, as on one rank
+            assert reasons[rank] in r["error"]
+        else:  # the others name every failing rank and its reason
+            for other, why in reasons.items():
+                assert f"rank {other} cannot run this attention call: {why}" in r["error"]
+
+
+def test_a_frozen_rank_is_named_within_the_library_timeout(tmp_path: Path) -> None:
+    results = _run("frozen", tmp_path)
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert not r["ok"] and "rank(s) [2] did not arrive within 3 s" in r["error"], r
+        assert 2.5 < r["elapsed_s"] < 6  # the library's 3 s, not the group's 60 s
+
+
+def test_a_dead_rank_is_named_at_once(tmp_path: Path) -> None:
+    results = _run("dead", tmp_path, allow_launch_error=True)
+    assert sorted(results) == [0, 1, 3]
+    for r in results.values():
+        assert not r["ok"] and "rank 2 is gone (it exited or crashed)" in r["error"], r
+        assert r["elapsed_s"] < 2.5
+
+
+def _cache_case(case: str, out_dir: str) -> None:
+    """The cached (inference) path agrees the same way: begin_step and cached_attn."""
+    from tokenring.inference import cached_attn
+
+    rank = dist.get_rank()
+    comm = tokenring.Communicator(None, timeout_s=3)
+    cache = tokenring.DistributedKVCache(
+        num_layers=1, batch=1, heads_kv=2, head_dim=8, block_size=4, group=comm
+    )
+    start = time.monotonic()
+    result: dict = {"rank": rank}
+    try:
+        new = [8]
+        if case == "step" and rank == 1:
+            new = [6]
+        elif case == "step" and rank == 2:
+            new = [-1]
+        step = cache.begin_step(new)
+        n = step.num_rows(rank)
+        q = torch.randn(n, 4, 8)
+        kv = torch.randn(n, 2, 8)
+        strategy = "pass_kv" if case == "strategy" and rank == 1 else "pass_q"
+        if case == "attn" and rank == 2:
+            kv = kv[:, :1]  # wrong heads_kv on rank 2
+        cached_attn(q, kv, kv, cache=cache, layer=0, strategy=strategy)
+        result.update(ok=True)
+    except Exception as exc:
+        result.update(ok=False, type=type(exc).__name__, error=str(exc))
+    result["elapsed_s"] = time.monotonic() - start
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
+def test_cached_path_agrees_before_it_communicates(tmp_path: Path) -> None:
+    for case, own, others in (
+        (
+            "step",
+            {2: "new must be 1 ints >= 0 (new tokens per sequence); got (-1,)"},
+            "rank 2 cannot run this cache step: new must be 1 ints >= 0",
+        ),
+        (
+            "attn",
+            {2: "k must have shape (rows=2, heads_kv=2, head_dim=8)"},
+            "rank 2 cannot run this cached attention call: k must have shape (rows=2, heads_kv=2",
+        ),
+        (
+            "strategy",
+            {},
+            "ranks disagree on this cached attention call: strategy: rank 0 has pass_q, rank 1 "
+            "has pass_kv",
+        ),
+    ):
+        out_dir = tmp_path / case
+        out_dir.mkdir()
+        tokenring.launch(_cache_case, case, str(out_dir), world_size=4, timeout_s=90)
+        results = {int(p.stem): json.loads(p.read_text()) for p in out_dir.glob("*.json")}
+        assert sorted(results) == [0, 1, 2, 3]
+        for rank, r in results.items():
+            assert not r["ok"] and r["type"] == "ValueError", (case, r)
+            assert r["elapsed_s"] < 2.5
+            assert own.get(rank, others) in r["error"], (case, r)
+
+
+def test_module_wrapper_takes_auto(single_rank_group: None) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 8, dtype=torch.bfloat16) for _ in range(3))
+    module = tokenring.SequenceParallelAttention(
+        strategy="auto", causal=True, hardware="h100-nvswitch"
+    )
+    assert "strategy=auto" in repr(module)
+    ref, _ = full_attention(q, k, v, causal=True, scale=8**-0.5)
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=True
+    ).transpose(1, 2)
+    plain_err = (plain.double() - ref).abs().max().item()
+    err = (module(q, k, v).double() - ref).abs().max().item()
+    assert err <= 2 * plain_err + 2**-8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"last_block_splits": 2.0}, "last_block_splits must be an int >= 1; got 2.0"),
+        ({"causal": 1}, "causal must be a bool; got 1"),
+        ({"check_ranks": "yes"}, "check_ranks must be a bool; got 'yes'"),
+        ({"hardware": "h100-nvswitch"}, "hardware is only used with strategy='auto'"),
+        ({"seq_len": True}, "seq_len must be an int >= 0; got True"),
+    ],
+)
+def test_options_of_the_wrong_type_are_rejected(
+    single_rank_group: None, kwargs: dict, match: str
+) -> None:
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=match):
+        tokenring.ring_attn(q, k, v, **kwargs)
