@@ -117,3 +117,21 @@ def test_unshard_rejects_bad_shards() -> None:
     with pytest.raises(ValueError, match="non-decreasing"):
         shard(torch.zeros(1, 6, 2), rank=0, world_size=2, layout="zigzag", cu_seqlens=[0, 4, 3, 6])
     assert shard(torch.zeros(1, 6, 2), rank=0, world_size=4, layout=Layout.ZIGZAG).shape[1] == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda x: shard(x, rank=0, world_size=2, layout="zigzag", seq_dim=5), "seq_dim"),
+        (lambda x: shard(x, rank=0.0, world_size=2, layout="zigzag"), "rank must be"),
+        (lambda x: shard(x, rank=0, world_size=2.5, layout="zigzag"), "world_size"),
+        (lambda x: unshard([x, x], layout="zigzag", seq_dim=-7), "seq_dim"),
+        (
+            lambda x: make_sharding(layout="zigzag", world_size=2, seq_len=10.0),
+            "seq_len must be an int >= 0; got 10.0",
+        ),
+    ],
+)
+def test_layout_helpers_reject_arguments_of_the_wrong_type(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call(torch.zeros(1, 8, 2, 4))

@@ -94,10 +94,28 @@ def validate_seq_local(seq_local: int, layout: Layout, *, name: str = "seq_local
         )
 
 
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``; ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+    return value
+
+
+def _check_seq_dim(x: torch.Tensor, seq_dim: int, name: str = "x") -> None:
+    if (
+        isinstance(seq_dim, bool)
+        or not isinstance(seq_dim, int)
+        or not -x.dim() <= seq_dim < x.dim()
+    ):
+        raise ValueError(
+            f"seq_dim must be an int in [{-x.dim()}, {x.dim()}) for {name} of shape "
+            f"{tuple(x.shape)}; got {seq_dim!r}"
+        )
+
+
 def _validate_world(rank: int, world_size: int) -> None:
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    if not 0 <= rank < world_size:
+    check_int("world_size", world_size, 1)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
 
 
@@ -195,6 +213,7 @@ def shard(
     Returns:
         ``(B, s_r, H, D)`` (``S`` replaced by this rank's length), contiguous.
     """
+    _check_seq_dim(x, seq_dim)
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=x.shape[seq_dim], cu_seqlens=cu_seqlens
     )
@@ -221,6 +240,7 @@ def unshard(
     world_size = len(shards)
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank; got an empty sequence")
+    _check_seq_dim(shards[0], seq_dim, "shards[0]")
     for r, x in enumerate(shards):
         expected = list(shards[0].shape)
         expected[seq_dim] = x.shape[seq_dim]
@@ -379,8 +399,8 @@ def make_sharding(
         ValueError: world_size < 1, seq_len < 0, or malformed cu_seqlens.
     """
     layout = Layout.parse(layout)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    check_int("world_size", world_size, 1)
+    check_int("seq_len", seq_len, 0)
     return _make_sharding(layout, world_size, seq_len, normalize_cu_seqlens(cu_seqlens, seq_len))
 
 
