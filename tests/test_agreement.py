@@ -162,6 +162,9 @@ def test_a_frozen_rank_is_named_within_the_library_timeout(tmp_path: Path) -> No
         r = results[rank]
         assert not r["ok"] and "rank(s) [2] did not arrive within 3 s" in r["error"], r
         assert 2.5 < r["elapsed_s"] < 6  # the library's 3 s, not the group's 60 s
+    # When rank 2 wakes up, the others have given up and exited: it learns so at once.
+    assert not results[2]["ok"] and "gone" in results[2]["error"], results[2]
+    assert results[2]["elapsed_s"] < 2.5
 
 
 def test_a_dead_rank_is_named_at_once(tmp_path: Path) -> None:

@@ -162,6 +162,11 @@ def _num_bytes(fields: Sequence[FieldSpec]) -> int:
     )
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0][:300] if lines else type(exc).__name__
+
+
 def _check_header(rank: int, tr: Transfer, header: list[int], expected_bytes: int) -> None:
     """Raise unless ``header`` (as received) announces ``tr`` with ``expected_bytes``."""
     magic, num_bytes, transfer_id, sender = header
@@ -254,8 +259,8 @@ class Communicator:
                 "torch.distributed is not initialized; call tokenring.init_distributed() or "
                 "torch.distributed.init_process_group() before building a Communicator"
             )
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0; got {timeout_s}")
+        if not (isinstance(timeout_s, int | float) and 0 < timeout_s < 10**7):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s}")
         base = group if group is not None else dist.group.WORLD
         assert base is not None
         self.group = base
@@ -342,7 +347,14 @@ class Communicator:
         frames = {r: torch.zeros(AGREE_FRAME_NUM_BYTES, dtype=torch.uint8) for r in peers}
         ops = [dist.P2POp(dist.irecv, frames[r], group=self._control, group_peer=r) for r in peers]
         ops += [dist.P2POp(dist.isend, mine, group=self._control, group_peer=r) for r in peers]
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:
+            self._broken = f"{what} failed"
+            raise RuntimeError(
+                f"rank {self.rank}: {what}: posting to ranks {peers} failed: a peer is gone (it "
+                f"exited or crashed, e.g. after failing this check): {_first_line(exc)}"
+            ) from exc
         deadline = time.monotonic() + self.timeout.total_seconds()
         silent: list[int] = []
         closed: list[tuple[int, str]] = []
@@ -354,13 +366,13 @@ class Communicator:
                 if "imed out" in str(exc):
                     silent.append(r)
                 else:
-                    closed.append((r, str(exc).splitlines()[0][:200]))
+                    closed.append((r, _first_line(exc)))
         if not silent and not closed:
             for r, work in zip(peers, works[len(peers) :], strict=True):
                 try:
                     work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
                 except Exception as exc:
-                    closed.append((r, str(exc).splitlines()[0][:200]))
+                    closed.append((r, _first_line(exc)))
         if silent or closed:
             parts = []
             if silent:
@@ -477,7 +489,15 @@ class Communicator:
                     )
             if not ops:
                 continue
-            works = dist.batch_isend_irecv(ops)
+            try:
+                works = dist.batch_isend_irecv(ops)
+            except Exception as exc:
+                peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
+                raise RuntimeError(
+                    f"rank {self.rank}: posting the {flow.value!r} transfers of step "
+                    f"{(sends or recvs)[0][0].step} with ranks {peers} failed (a peer failed or "
+                    f"exited): {_first_line(exc)}"
+                ) from exc
             num_recv = len(ops) - len(send_transfers)
             recv_list = [rec for rec in pending.values() if _channel(rec.transfer) == channel]
             if len(works) == len(ops):
