@@ -14,7 +14,7 @@ import functools
 import math
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -513,66 +513,66 @@ def _pad_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tenso
     return buffer.index_copy(1, rows, x)
 
 
-def _strategy_attn(strategy: Strategy, name: str, summary: str) -> Callable[..., Any]:
-    """The public function of one strategy: :func:`sequence_parallel_attn` with it fixed."""
-
-    def attn(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool = False,
-        softmax_scale: float | None = None,
-        group: GroupLike = None,
-        layout: Layout | str = Layout.CONTIGUOUS,
-        return_lse: bool = False,
-        **options: Any,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return sequence_parallel_attn(
-            q,
-            k,
-            v,
-            strategy=strategy,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            group=group,
-            layout=layout,
-            return_lse=return_lse,
-            **options,
-        )
-
-    attn.__name__ = attn.__qualname__ = name
-    attn.__doc__ = f"{summary}\n\nSee :func:`sequence_parallel_attn` for every argument."
-    return attn
+# One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword
+# (causal, softmax_scale, group, layout, return_lse, kernel, seq_len, cu_seqlens,
+# window_size, last_block_splits, check_ranks) is passed through and checked there.
 
 
-token_ring_attn = _strategy_attn(
-    Strategy.TOKEN_RING,
-    "token_ring_attn",
-    "TokenRing attention (pass-Q): Q blocks travel the ring, partial (out, lse) return straight "
-    "to their owner on the other direction.",
-)
-ring_attn = _strategy_attn(Strategy.RING, "ring_attn", "Ring attention (pass-KV).")
-bidir_ring_attn = _strategy_attn(
-    Strategy.BIDIR_RING,
-    "bidir_ring_attn",
-    "Bidirectional Ring attention: pass-KV on two counter-rotating rings, each carrying half of "
-    "the kv heads (with one kv head: half of the K/V rows), so both directions of every link "
-    "carry K/V and there is no exposed return.",
-)
-ulysses_attn = _strategy_attn(
-    Strategy.ULYSSES,
-    "ulysses_attn",
-    "Ulysses attention: all-to-all from sequence to head shards, local attention over the whole "
-    "sequence, all-to-all back; heads that do not divide the world size are split unevenly "
-    "(ceil/floor shares in rank order).",
-)
-allgather_kv_attn = _strategy_attn(
-    Strategy.ALLGATHER_KV,
-    "allgather_kv_attn",
-    "All-gather K/V attention (Llama-3 style): K/V are all-gathered while the local block "
-    "computes, queries stay local; the backward reduce-scatters dK/dV.",
-)
+def token_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """TokenRing attention (pass-Q): Q blocks travel the ring, partial (out, lse) return
+    straight to their owner on the other direction (Note [TokenRing step table] in
+    tokenring.schedule; the loop is ``tokenring.runtime.run_forward``).
+
+    See :func:`sequence_parallel_attn` for the shapes and every keyword.
+    """
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.TOKEN_RING, **options)
+
+
+def ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention (pass-KV): K/V blocks travel the ring, queries stay home.
+
+    See :func:`sequence_parallel_attn` for the shapes and every keyword.
+    """
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.RING, **options)
+
+
+def bidir_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Bidirectional Ring attention: pass-KV on two counter-rotating rings, each carrying half
+    of the kv heads (with one kv head: half of the K/V rows), so both directions of every link
+    carry K/V and there is no exposed return.
+
+    See :func:`sequence_parallel_attn` for the shapes and every keyword.
+    """
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_RING, **options)
+
+
+def ulysses_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ulysses attention: all-to-all from sequence to head shards, local attention over the
+    whole sequence, all-to-all back; heads that do not divide the world size are split
+    unevenly (ceil/floor shares in rank order).
+
+    See :func:`sequence_parallel_attn` for the shapes and every keyword.
+    """
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.ULYSSES, **options)
+
+
+def allgather_kv_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """All-gather K/V attention (Llama-3 style): K/V are all-gathered while the local block
+    computes, queries stay local; the backward reduce-scatters dK/dV.
+
+    See :func:`sequence_parallel_attn` for the shapes and every keyword.
+    """
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.ALLGATHER_KV, **options)
 
 
 class SequenceParallelAttention(torch.nn.Module):
