@@ -62,15 +62,22 @@ def visible_mask(
     causal: bool,
     cu_seqlens: list[int] | None = None,
     window: tuple[int, int] = (-1, -1),
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """(S, S) bool, True where query i may see key j: same document, j <= i when causal,
-    i - left <= j <= i + right for a window (-1: unbounded), flash-attention's convention."""
+    i - left <= j <= i + right for a window (-1: unbounded), flash-attention's convention,
+    and with ``chunk`` the same chunk: (position - its document's start) // chunk."""
     i = torch.arange(seq_len).view(-1, 1)
     j = torch.arange(seq_len).view(1, -1)
     doc = torch.zeros(seq_len, dtype=torch.int64)
+    doc_start = torch.zeros(seq_len, dtype=torch.int64)
     for boundary in (cu_seqlens or [0, seq_len])[1:-1]:
         doc[boundary:] += 1
+        doc_start[boundary:] = boundary
     ok = doc.view(-1, 1) == doc.view(1, -1)
+    if chunk is not None:
+        chunk_of = (torch.arange(seq_len) - doc_start) // chunk
+        ok &= chunk_of.view(-1, 1) == chunk_of.view(1, -1)
     if causal:
         ok &= j <= i
     left, right = window
@@ -245,6 +252,7 @@ def expected_bytes(
     seq_len: int | None = None,
     cu_seqlens: list[int] | None = None,
     window: tuple[int, int] = (-1, -1),
+    chunk: int | None = None,
 ) -> dict[tuple[str, int, int], int]:
     """Bytes per ``(flow, src, dst)`` of one pass.
 
@@ -258,7 +266,7 @@ def expected_bytes(
     """
     p = world_size
     seq = seq_len if seq_len is not None else p * (seq_local or 0)
-    visible = visible_mask(seq, causal=causal, cu_seqlens=cu_seqlens, window=window)
+    visible = visible_mask(seq, causal=causal, cu_seqlens=cu_seqlens, window=window, chunk=chunk)
     pos = {r: sharded_positions(layout, r, p, seq, cu_seqlens) for r in range(p)}
     rows = {}
     for r in range(p):

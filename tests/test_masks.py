@@ -1,6 +1,7 @@
-"""Any length, packed documents and sliding windows on real gloo ranks, against the oracle.
+"""Any length, packed documents, sliding windows and chunked attention on real gloo ranks,
+against the oracle.
 
-One launch per (strategy, world size); the grid (length, documents, window, layout, causal,
+One launch per (strategy, world size); the grid (length, documents, window, chunk, layout, causal,
 heads, dtype) is looped inside the ranks. Every rank checks its tokens' out, lse and dq, dk,
 dv against float64 full attention under ``oracle.visible_mask``, and its counted bytes per
 link against ``oracle.expected_bytes`` (ring strategies): blocks no window or document
@@ -27,26 +28,29 @@ from oracle import (
     visible_mask,
 )
 
-CASES = [  # (seq_len, cu_seqlens, window (left, right)); right is ignored when causal
-    (1, None, (-1, -1)),
-    (7, None, (-1, -1)),
-    (29, [0, 3, 11, 11, 29], (-1, -1)),
-    (26, None, (3, 2)),
-    (31, [0, 14, 31], (4, 6)),
+CASES = [  # (seq_len, cu_seqlens, window (left, right), attention_chunk_size); right is
+    # ignored when causal. Chunks of 4 from each document's start cut the documents and the
+    # zigzag pieces (the sharding follows the documents only).
+    (1, None, (-1, -1), None),
+    (7, None, (-1, -1), None),
+    (29, [0, 3, 11, 11, 29], (-1, -1), None),
+    (26, None, (3, 2), None),
+    (31, [0, 14, 31], (4, 6), None),
+    (30, [0, 13, 30], (2, 1), 4),
 ]
 HEADS = [(4, 4), (4, 1)]
 
 
 def _check(
     strategy: str,
-    case: tuple[int, list[int] | None, tuple[int, int]],
+    case: tuple[int, list[int] | None, tuple[int, int], int | None],
     layout: str,
     causal: bool,
     heads: tuple[int, int],
     dtype: torch.dtype,
 ) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    seq_len, cu_seqlens, (left, right) = case
+    seq_len, cu_seqlens, (left, right), chunk = case
     window = (left, 0 if causal else right)
     hq, hkv = heads
     q, k, v, dout = make_inputs(
@@ -58,7 +62,7 @@ def _check(
         head_dim=8,
     )
     scale = 8**-0.5
-    mask = visible_mask(seq_len, causal=causal, cu_seqlens=cu_seqlens, window=window)
+    mask = visible_mask(seq_len, causal=causal, cu_seqlens=cu_seqlens, window=window, chunk=chunk)
     ref = oracle_with_grads(q, k, v, dout, causal=causal, scale=scale, dtype=dtype, mask=mask)
     idx = torch.tensor(
         sharded_positions(layout, rank, world, seq_len, cu_seqlens), dtype=torch.long
@@ -75,6 +79,7 @@ def _check(
         seq_len=seq_len,
         cu_seqlens=cu_seqlens,
         window_size=window,
+        attention_chunk_size=chunk,
     )
     counted = [dict(comm.counter.sent_bytes)]
     comm.counter.reset()
@@ -111,6 +116,7 @@ def _check(
             seq_len=seq_len,
             cu_seqlens=cu_seqlens,
             window=window,
+            chunk=chunk,
             batch=2,
             heads_q=hq,
             heads_kv=hkv,
@@ -176,7 +182,8 @@ def run_long_odd(strategies: list[str]) -> list[str]:
     for strategy, (layout, causal) in itertools.product(
         strategies, (("zigzag", True), ("contiguous", False))
     ):
-        failures += _check(strategy, (1001, None, (-1, -1)), layout, causal, (2, 1), torch.float32)
+        case = (1001, None, (-1, -1), None)
+        failures += _check(strategy, case, layout, causal, (2, 1), torch.float32)
     return failures
 
 

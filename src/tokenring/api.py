@@ -25,7 +25,7 @@ from tokenring.comm import Communicator
 from tokenring.costmodel import Hardware
 from tokenring.kernels import BlockKernel, select_kernel
 from tokenring.layout import Layout, Sharding, make_sharding, validate_seq_local
-from tokenring.masks import MaskSpec, normalize_window
+from tokenring.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.runtime import run_backward, run_forward
 from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
 
@@ -103,6 +103,7 @@ def _schedule(
     window: tuple[int, int],
     last_block_splits: int,
     heads_kv: int,
+    attention_chunk_size: int | None,
 ) -> Schedule:
     return build_schedule(
         strategy,
@@ -115,6 +116,7 @@ def _schedule(
         window_size=window,
         last_block_splits=last_block_splits,
         heads_kv=heads_kv,
+        attention_chunk_size=attention_chunk_size,
     )
 
 
@@ -230,6 +232,7 @@ def _prepare_call(
     seq_len: int | None,
     cu_seqlens: Sequence[int] | torch.Tensor | None,
     window_size: Sequence[int] | int | None,
+    attention_chunk_size: int | None,
 ) -> _Call:
     """Validate one rank's arguments (raising ValueError naming the argument) and build the
     signature the ranks compare; pure: no communication."""
@@ -268,7 +271,8 @@ def _prepare_call(
         layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
     window = normalize_window(window_size, causal=causal)
-    mask = MaskSpec(causal, window, sharding.cu_seqlens if sharding.num_docs > 1 else None)
+    mask_docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
+    mask = MaskSpec(causal, window, mask_docs if len(mask_docs) > 2 else None)
     expected = sharding.local_len(comm.rank)
     if q.shape[1] != expected:
         raise ValueError(
@@ -296,6 +300,7 @@ def _prepare_call(
         "softmax_scale": float(scale).hex(),
         "window_size": list(window),
         "cu_seqlens": [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))],
+        "attention_chunk_size": attention_chunk_size,
         "last_block_splits": last_block_splits,
         "kernel": block_kernel.name,
         "needs grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
@@ -375,6 +380,7 @@ def sequence_parallel_attn(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence sharded across the ranks of ``group``.
 
@@ -414,6 +420,10 @@ def sequence_parallel_attn(
             an int w means (w, w)); with ``causal`` right is 0. Ring steps outside every
             window are skipped (no compute, no transfer); the contiguous layout suits windows
             (every query does the same work).
+        attention_chunk_size: chunked attention (Llama 4): a query sees only the keys of its
+            own chunk of this many tokens, counted from its document's start; combines with
+            ``causal``, ``window_size`` and ``cu_seqlens`` (which alone decide the sharding).
+            Ring steps between chunks that never meet are skipped like other documents.
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
@@ -421,8 +431,8 @@ def sequence_parallel_attn(
     Raises:
         ValueError: mismatched shapes, dtypes or devices; Hkv not dividing Hq; a seq_local the
             layout cannot split (pass seq_len); a local length that does not match seq_len;
-            bad cu_seqlens or window_size; unknown strategy, layout or kernel; ranks that
-            disagree.
+            bad cu_seqlens, window_size or attention_chunk_size; unknown strategy, layout or
+            kernel; ranks that disagree.
     """
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
@@ -445,6 +455,7 @@ def sequence_parallel_attn(
             seq_len=seq_len,
             cu_seqlens=cu_seqlens,
             window_size=window_size,
+            attention_chunk_size=attention_chunk_size,
         )
     except (ValueError, NotImplementedError) as exc:
         problem = exc
@@ -496,6 +507,7 @@ def sequence_parallel_attn(
             window,
             last_block_splits,
             k.shape[2],
+            attention_chunk_size,
         )
         fwd = _schedule(strategy, Pass.FORWARD, *key)
         bwd = _schedule(strategy, Pass.BACKWARD, *key)
@@ -515,7 +527,8 @@ def _pad_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tenso
 
 # One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword
 # (causal, softmax_scale, group, layout, return_lse, kernel, seq_len, cu_seqlens,
-# window_size, last_block_splits, check_ranks) is passed through and checked there.
+# window_size, attention_chunk_size, last_block_splits, check_ranks) is passed through and
+# checked there.
 
 
 def token_ring_attn(

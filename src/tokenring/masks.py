@@ -1,8 +1,9 @@
 """Which (query, key) pairs may see each other, and how a block of them is computed.
 
 This module owns the attention mask as plain data (:class:`MaskSpec`: causal, a sliding
-window, packed documents) and its classification of runs of tokens (``tokenring.layout.Run``)
-into kernel calls: skipped, full, top-left causal, or an explicit mask built from positions.
+window, packed documents, chunked attention) and its classification of runs of tokens
+(``tokenring.layout.Run``) into kernel calls: skipped, full, top-left causal, or an explicit
+mask built from positions.
 The schedule reads the classification, so a block nobody can see is neither computed nor sent.
 
 Legend: S global seq, sq / sk rows of a query / key run, P world size.
@@ -19,7 +20,17 @@ of the same document::
     CAUSAL  same run, right = 0, left >= its length - 1     the kernels' top-left causal flag
     MASKED  anything else                                   bool mask from the positions
 
-Runs of different documents are EMPTY. Before classifying, both runs are trimmed to the
+Runs of different documents are EMPTY. Chunked attention (Llama 4's ``attention_chunk_size``:
+a query sees only the keys of its own chunk of c tokens, counted from its document's start) is
+documents of the mask only: :func:`chunk_documents` cuts every document into chunks, and the
+runs of the layout (whose documents stay the packed ones, so one sharding serves chunked and
+full layers alike) are cut at the mask's boundaries by :meth:`MaskSpec.split` before they are
+paired. Documents d0 = [0, 10), d1 = [10, 16), c = 4::
+
+    layout documents:  0 ........................ 10 ............... 16
+    mask documents:    0 ....... 4 ....... 8 .... 10 ....... 14 .... 16
+
+Before classifying, both runs are trimmed to the
 queries that see some key and the keys that some query sees (:meth:`MaskSpec.trim`), so a
 window's edge costs neither compute nor bytes for rows that see nothing. Under a window the
 query runs are first cut into tiles about as long as the band is wide, so each piece's key
@@ -31,7 +42,9 @@ to no run, so they are never computed and never seen (Note [Documents and paddin
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,7 +52,7 @@ import torch
 
 from tokenring.layout import Run
 
-__all__ = ["MaskKind", "MaskSpec", "normalize_window"]
+__all__ = ["MaskKind", "MaskSpec", "chunk_documents", "normalize_window"]
 
 
 class MaskKind(enum.Enum):
@@ -69,6 +82,25 @@ def normalize_window(window_size: Sequence[int] | int | None, *, causal: bool) -
     return (left, 0) if causal else (left, right)
 
 
+def chunk_documents(cu_seqlens: Sequence[int], attention_chunk_size: int | None) -> tuple[int, ...]:
+    """Document boundaries ``(0, ..., S)`` cut further into chunks of ``attention_chunk_size``
+    tokens from each document's start (the last chunk of a document may be shorter); the
+    boundaries themselves when None. See Note [Mask classes].
+
+    Raises:
+        ValueError: attention_chunk_size not an int >= 1 or None.
+    """
+    if attention_chunk_size is None:
+        return tuple(cu_seqlens)
+    c = attention_chunk_size
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"attention_chunk_size must be an int >= 1 or None; got {c!r}")
+    bounds = [0]
+    for a, b in itertools.pairwise(cu_seqlens):
+        bounds += [*range(a + c, b, c), b]
+    return tuple(bounds)
+
+
 @dataclass(frozen=True, slots=True)
 class MaskSpec:
     """The attention mask over global positions. Pure data, hashable."""
@@ -79,7 +111,9 @@ class MaskSpec:
     """(left, right): key j visible from queries i with i - left <= j <= i + right (-1:
     unbounded). Normalised by :func:`normalize_window` (right = 0 when causal)."""
     cu_seqlens: tuple[int, ...] | None = None
-    """Document boundaries (0, ..., S); None: one document."""
+    """Document boundaries (0, ..., S) of the mask: the packed documents, cut into chunks
+    under chunked attention (:func:`chunk_documents`); None: one document. Runs are indexed
+    by these documents after :meth:`split`."""
 
     @property
     def _left(self) -> float:
@@ -96,6 +130,22 @@ class MaskSpec:
         """No window and no documents: only ``causal`` matters."""
         unbounded = self.window[0] < 0 and (self.causal or self.window[1] < 0)
         return unbounded and (self.cu_seqlens is None or len(self.cu_seqlens) <= 2)
+
+    def split(self, run: Run) -> tuple[Run, ...]:
+        """``run`` cut at this mask's document boundaries, each part carrying the index of its
+        mask document (the layout's documents may be coarser: chunked attention)."""
+        if self.cu_seqlens is None or len(self.cu_seqlens) <= 2 or run.length == 0:
+            return (run,)
+        start, stop = run.global_start, run.global_start + run.length
+        first = bisect.bisect_right(self.cu_seqlens, start) - 1
+        parts = []
+        for doc in range(first, len(self.cu_seqlens) - 1):
+            lo, hi = max(start, self.cu_seqlens[doc]), min(stop, self.cu_seqlens[doc + 1])
+            if lo >= stop:
+                break
+            if hi > lo:
+                parts.append(Run(run.local_start + lo - start, hi - lo, lo, doc))
+        return tuple(parts)
 
     def band_tile(self) -> int | None:
         """Query rows per piece under a window: about the band's width (at least 32 rows, so

@@ -91,7 +91,7 @@ from tokenring.layout import (
     global_length,
     make_sharding,
 )
-from tokenring.masks import MaskKind, MaskSpec, normalize_window
+from tokenring.masks import MaskKind, MaskSpec, chunk_documents, normalize_window
 
 __all__ = [
     "Dims",
@@ -377,11 +377,17 @@ def sharded_block_pieces(
         return (Piece((0, n), (0, n), True),)
     full: list[tuple[Rows, Rows]] = []
     other: list[Piece] = []
+    # runs indexed by the mask's documents (chunks may cut the layout's documents)
+    q_runs = tuple(part for run in q_runs for part in mask.split(run))
+    kv_by_doc: dict[int, list[Run]] = {}
+    for run in kv_runs:
+        for part in mask.split(run):
+            kv_by_doc.setdefault(part.doc, []).append(part)
     tile = mask.band_tile()
     if tile is not None:  # a window: cut query runs so each piece's kv rows follow the band
         q_runs = tuple(part for run in q_runs for part in _tiles(run, tile))
     for q_whole in q_runs:
-        for kv_whole in kv_runs:
+        for kv_whole in kv_by_doc.get(q_whole.doc, ()):  # other documents see nothing
             trimmed = mask.trim(q_whole, kv_whole)
             if trimmed is None:
                 continue
@@ -479,6 +485,7 @@ def build_schedule(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | None = None,
     window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> Schedule:
     """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
 
@@ -496,6 +503,9 @@ def build_schedule(
         window_size: flash-attention's sliding window ``(left, right)`` (-1: unbounded).
             Blocks outside every window are not computed, and rows nobody ahead needs are
             not sent, so ring steps beyond the window cost nothing.
+        attention_chunk_size: chunked attention: queries see only the keys of their own chunk
+            of this many tokens from their document's start (Note [Mask classes]); the
+            sharding still follows ``cu_seqlens``.
         last_block_splits: TokenRing computes its last block in this many row slices and
             returns each as soon as it is done (see Note [TokenRing step table]).
         heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes
@@ -505,9 +515,9 @@ def build_schedule(
 
     Raises:
         ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
-            cannot split, both or neither of seq_local and seq_len, bad cu_seqlens or
-            window_size, or last_block_splits < 1.
-        NotImplementedError: documents, windows or padding with a collective strategy.
+            cannot split, both or neither of seq_local and seq_len, bad cu_seqlens,
+            window_size or attention_chunk_size, or last_block_splits < 1.
+        NotImplementedError: documents, windows, chunks or padding with a collective strategy.
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
@@ -520,10 +530,11 @@ def build_schedule(
         seq_len=global_length(world_size, seq_local, seq_len, layout),
         cu_seqlens=cu_seqlens,
     )
+    mask_docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
     mask = MaskSpec(
         causal,
         normalize_window(window_size, causal=causal),
-        sharding.cu_seqlens if sharding.num_docs > 1 else None,
+        mask_docs if len(mask_docs) > 2 else None,
     )
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
