@@ -1,10 +1,11 @@
 """transformers Llama with tokenring attention on gloo ranks, against the same model in one process.
 
-One launch per world size; the grid (config, attn_implementation, dtype) is looped inside the
-ranks. The ranks run the model on their zigzag shards through ``tokenring.hf`` and send back
-(from rank 0) the gathered logits, the global loss and the summed parameter gradients; this
-process runs the same weights on the whole sequence with transformers' own SDPA attention and
-computes the loss with its own shift, written here independently of ``tokenring.hf``.
+One launch per world size; the grid (config, attn_implementation, dtype, how the loss is
+taken) is looped inside the ranks. The ranks run the model on their zigzag shards through
+``tokenring.hf`` and send back (from rank 0) the gathered logits, the global loss and the
+summed parameter gradients; this process runs the same weights on the whole sequence with
+transformers' own SDPA attention (and its own masks: Llama 4's chunked attention included)
+and computes the loss with its own shift, written here independently of ``tokenring.hf``.
 
 Tolerances (../shared/STYLE.md): float64 within 1e-10; bfloat16 within twice the error of the
 same model in bfloat16 in one process plus one rounding step at the tensor's magnitude.
@@ -30,7 +31,13 @@ from tokenring.costmodel import measured
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install tokenring[hf])"
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    Llama4TextConfig,
+    LlamaConfig,
+    MistralConfig,
+)
+from transformers import masking_utils as mu  # noqa: E402
 
 from tokenring import hf  # noqa: E402
 
@@ -39,6 +46,7 @@ BATCH = 2
 VOCAB = 64
 FP64 = 1e-10
 WINDOW = 5  # tokens a query sees in the sliding-window config, itself included
+CHUNK = 4  # Llama 4's attention_chunk_size in the chunked config
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,10 @@ class Case:
     seq_len: int = 16  # 16: divisible by 2P for P = 2 and 4; others give uneven shards
     docs: tuple[int, ...] | None = None  # cu_seqlens of a packed sequence
     layout: str = "zigzag"
+    # how the loss is taken: "" hf.shard_batch + hf.causal_lm_loss; else model(labels=...)
+    # with "local" (this rank's shard of the unshifted labels), "global" (B, S) labels, or
+    # "shift" (labels and shift_labels=batch.shift_labels)
+    labels: str = ""
 
     def plan(self, world_size: int, **options: Any) -> hf.SequenceParallel:
         even = self.docs is None and self.seq_len % (2 * world_size) == 0
@@ -79,13 +91,28 @@ def model_config(name: str) -> Any:
             tie_word_embeddings=True,
             **common,
         )
+    if name.startswith("llama4"):
+        # layer 0 chunked attention (RoPE), layer 1 full attention (NoPE), dense MLPs; NoPE
+        # temperature tuning changes nothing below floor_scale (8192) tokens, and "llama4_tt"
+        # lowers floor_scale to 4 so that it does
+        return Llama4TextConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size_mlp=48,
+            attention_chunk_size=CHUNK,
+            no_rope_layers=[1, 0],
+            moe_layers=[],
+            floor_scale=4 if name == "llama4_tt" else 8192,
+            **common,
+        )
     assert name == "mistral_window"  # Llama with a sliding window
     return MistralConfig(
         num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW, **common
     )
 
 
-CONFIGS = ("gqa", "mha_bias_tied", "mistral_window")
+CONFIGS = ("gqa", "mha_bias_tied", "mistral_window", "llama4_chunked")
 
 
 def build_model(
@@ -112,20 +139,66 @@ def make_batch(seq_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _sharded_step(
-    model: Any, sp: hf.SequenceParallel, input_ids: torch.Tensor, labels: torch.Tensor
+    model: Any,
+    sp: hf.SequenceParallel,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    how: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward, loss and backward on this rank's shard; gradients summed over the group."""
+    """Forward, loss and backward on this rank's shard; gradients summed over the group.
+    ``how``: as ``Case.labels``."""
     batch = hf.shard_batch(sp, input_ids, labels, ignore_index=IGNORE)
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
     assert batch.shift_labels is not None
-    loss = hf.causal_lm_loss(sp, out.logits, batch.shift_labels, ignore_index=IGNORE)
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    if how == "":
+        out = model(**inputs, sequence_parallel=sp)
+        loss = hf.causal_lm_loss(sp, out.logits, batch.shift_labels, ignore_index=IGNORE)
+    elif how == "shift":
+        given = batch.shift_labels
+        out = model(**inputs, labels=given, shift_labels=given, sequence_parallel=sp)
+        loss = out.loss
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        layout, docs = sp.layout, sp.cu_seqlens
+        given = labels
+        if how == "local":
+            given = tokenring.shard(
+                labels, rank=rank, world_size=world_size, layout=layout, cu_seqlens=docs
+            )
+        out = model(**inputs, labels=given, sequence_parallel=sp)
+        loss = out.loss
     loss.backward()
     hf.all_reduce_gradients(sp, model)
     return out.logits, loss
 
 
+def refusals(sp: hf.SequenceParallel) -> list[str]:
+    """What must raise on every rank, with the message (or "no error")."""
+    found = []
+    ids = make_batch(16)[0]
+    batch = hf.shard_batch(sp, ids)
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    tuned = AutoModelForCausalLM.from_config(
+        model_config("llama4_tt"), attn_implementation="tokenring"
+    )
+    gqa = AutoModelForCausalLM.from_config(model_config("gqa"), attn_implementation="tokenring")
+    for call in (
+        lambda: tuned(**inputs, sequence_parallel=sp),
+        lambda: gqa(**inputs, labels=ids, num_items_in_batch=5, sequence_parallel=sp),
+    ):
+        try:
+            call()
+            found.append("no error")
+        except NotImplementedError as exc:
+            found.append(str(exc))
+    return found
+
+
 def run_grid(
-    states: dict[str, dict[str, torch.Tensor]], cases: list[Case], train_steps: int
+    states: dict[str, dict[str, torch.Tensor]],
+    cases: list[Case],
+    train_steps: int,
+    refuse: bool = False,
 ) -> dict[str, Any]:
     hf.register()
     world_size = dist.get_world_size()
@@ -138,10 +211,11 @@ def run_grid(
         dtype=torch.float64,
     )
     results: dict[str, Any] = {"cases": [], "losses": [], "curve": []}
+    results["refused"] = refusals(Case("gqa").plan(world_size)) if refuse else []
     for case in cases:
         sp = case.plan(world_size, hardware=cpu if case.impl == "tokenring_auto" else None)
         model = build_model(case.config, states[case.config], getattr(torch, case.dtype), case.impl)
-        logits, loss = _sharded_step(model, sp, *make_batch(case.seq_len))
+        logits, loss = _sharded_step(model, sp, *make_batch(case.seq_len), case.labels)
         results["losses"].append(loss.item())
         grads = {n: p.grad for n, p in model.named_parameters()}
         full_logits = hf.gather_sequence(sp, logits)
@@ -177,6 +251,14 @@ def reference_inputs(case: Case, dtype: torch.dtype) -> dict[str, Any]:
         doc[a:b], start[a:b] = d, a
         if a > 0:
             labels[:, a] = IGNORE  # no prediction across a document boundary
+    if case.config.startswith("llama4"):
+        # transformers' own masks per layer type (chunked and full): it finds the documents
+        # from the positions restarting at each, and counts chunks from each document's start
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": (torch.arange(n) - start)[None],
+        }
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     allowed = (j <= i) & (doc[:, None] == doc[None, :])
     if window is not None:
@@ -253,14 +335,23 @@ def scales(want: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def check_world(world_size: int, cases: list[Case], train_steps: int) -> dict[str, float]:
+def check_world(
+    world_size: int, cases: list[Case], train_steps: int, refuse: bool = False
+) -> dict[str, float]:
     """Run the grid on ``world_size`` ranks and compare; returns the max error per dtype
-    (logits and gradients), for the record."""
+    (logits and gradients), for the record. ``refuse``: also check :func:`refusals`."""
     states = initial_states()
     per_rank = tokenring.launch(
-        run_grid, states, cases, train_steps, world_size=world_size, timeout_s=240
+        run_grid, states, cases, train_steps, refuse, world_size=world_size, timeout_s=300
     )
     failures = []
+    for rank, res in enumerate(per_rank):
+        if refuse and not (
+            "attn_temperature_tuning" in res["refused"][0]
+            and "wrong on rank" in res["refused"][0]
+            and "num_items_in_batch is not supported" in res["refused"][1]
+        ):
+            failures.append(f"rank {rank} refusals: {res['refused']}")
     for rank, res in enumerate(per_rank):  # every rank reports the same global loss
         if res["losses"] != per_rank[0]["losses"] or res["curve"] != per_rank[0]["curve"]:
             failures.append(f"rank {rank} losses {res['losses']} != rank 0 {per_rank[0]['losses']}")
@@ -321,6 +412,19 @@ def test_llama_four_ranks_matches_one_process() -> None:
         Case("mistral_window", "tokenring_bidir_ring", docs=(0, 9, 16)),
     ]
     cases += [Case("gqa", "tokenring", dtype="bfloat16")]
+    # Llama 4: chunked attention (chunk 4) on layer 0, full attention on layer 1
+    cases += [
+        Case("llama4_chunked", "tokenring"),
+        Case("llama4_chunked", "tokenring_ring", docs=(0, 5, 11, 16)),
+        Case("llama4_chunked", "tokenring_ulysses", layout="contiguous"),
+        Case("llama4_chunked", "tokenring_bidir_ring", seq_len=13, docs=(0, 6, 13)),
+    ]
+    # the model's own loss: model(..., labels=...) shifts over the global sequence
+    cases += [
+        Case("gqa", "tokenring", labels="local"),
+        Case("gqa", "tokenring_ring", docs=(0, 5, 11, 16), labels="global"),
+        Case("llama4_chunked", "tokenring", seq_len=13, docs=(0, 6, 13), labels="local"),
+    ]
     summary = check_world(4, cases, train_steps=3)
     print(f"4 ranks, {len(cases)} cases: max |error| {summary}")
 
@@ -330,8 +434,10 @@ def test_llama_two_ranks_matches_one_process() -> None:
         Case("gqa", "tokenring"),
         Case("gqa", "tokenring_ring", docs=(0, 5, 11, 16)),
         Case("gqa", "tokenring_bidir_ring", seq_len=7),
+        Case("gqa", "tokenring_ring", seq_len=9, labels="shift"),
+        Case("llama4_chunked", "tokenring", labels="local"),
     ]
-    summary = check_world(2, cases, train_steps=0)
+    summary = check_world(2, cases, train_steps=0, refuse=True)
     print(f"2 ranks, {len(cases)} cases: max |error| {summary}")
 
 
@@ -405,3 +511,87 @@ def test_plan_and_batch_errors_name_the_fix() -> None:
     assert sp.cu_seqlens == (0, 3, 7)
     batch = hf.shard_batch(sp, ids)
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3]]
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_model_masks_reach_the_attention_or_raise() -> None:
+    """What transformers' mask builders hand our mask function becomes the library's mask
+    (None: plain causal), or NotImplementedError naming the model option."""
+    hf.register()
+
+    def config(name: str, **changes: Any) -> Any:
+        c = model_config(name)
+        c._attn_implementation = "tokenring"
+        for key, value in changes.items():
+            setattr(c, key, value)
+        return c
+
+    embeds = torch.zeros(1, 8, 32)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # positions restarting: two documents
+
+    def build(builder: Any, c: Any, **kwargs: Any) -> Any:
+        return builder(config=c, inputs_embeds=embeds, attention_mask=None, cache=None, **kwargs)
+
+    chunked = hf._ModelMask(causal=True, window_size=(-1, 0), attention_chunk_size=CHUNK)
+    window = hf._ModelMask(causal=True, window_size=(WINDOW - 1, 0), attention_chunk_size=None)
+    for builder, c, kwargs, want in [
+        (mu.create_causal_mask, config("gqa"), {}, None),
+        (mu.create_causal_mask, config("gqa"), {"position_ids": packed}, None),
+        (mu.create_chunked_causal_mask, config("llama4_chunked"), {}, chunked),
+        (
+            mu.create_chunked_causal_mask,
+            config("llama4_chunked"),
+            {"position_ids": packed},
+            chunked,
+        ),
+        (mu.create_sliding_window_causal_mask, config("mistral_window"), {}, window),
+        (
+            mu.create_causal_mask,
+            config("gqa", is_causal=False),
+            {},
+            hf._ModelMask(causal=False, window_size=(-1, -1), attention_chunk_size=None),
+        ),
+        (
+            mu.create_sliding_window_causal_mask,
+            config("mistral_window", is_causal=False),
+            {},
+            hf._ModelMask(causal=False, window_size=(WINDOW, WINDOW), attention_chunk_size=None),
+        ),
+    ]:
+        assert build(builder, c, **kwargs) == want, (builder.__name__, kwargs)
+
+    def image_tokens(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return kv_idx < 2
+
+    for kwargs, option in [
+        ({"or_mask_function": image_tokens}, "or_mask_function"),
+        ({"and_mask_function": image_tokens}, "image_tokens"),
+        (
+            {"block_sequence_ids": torch.tensor([[0, 0, 1, 1, -1, -1, -1, -1]])},
+            "block_sequence_ids",
+        ),
+    ]:
+        for builder, name in [
+            (mu.create_causal_mask, "gqa"),
+            (mu.create_chunked_causal_mask, "llama4_chunked"),
+        ]:
+            with pytest.raises(NotImplementedError, match=option):
+                build(builder, config(name), **kwargs)
+    # the attention call checks the mask against the module: a bidirectional mask on a
+    # causal module cannot be told apart from a bug
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.zeros(1, 4, 8, 8)
+    bidirectional = hf._ModelMask(causal=False, window_size=(-1, -1), attention_chunk_size=None)
+    sp = hf.SequenceParallel(layout="zigzag")
+    with pytest.raises(NotImplementedError, match="mask is not causal but the attention module"):
+        hf._attention_forward(
+            module,
+            q,
+            q,
+            q,
+            bidirectional,
+            strategy="token_ring",
+            name="tokenring",
+            sequence_parallel=sp,
+        )

@@ -1,7 +1,8 @@
 """Hugging Face transformers integration: tokenring as a model's attention implementation.
 
 This module owns the bridge between transformers' public registries (``AttentionInterface``
-for the attention function, ``AttentionMaskInterface`` for the mask the model builds) and
+for the attention function, ``AttentionMaskInterface`` for the mask the model builds, and the
+loss functions of ``transformers.loss.loss_utils.LOSS_MAPPING`` for ``labels=``) and
 :func:`tokenring.sequence_parallel_attn`, and the helpers a training loop needs around it:
 sharding a batch (labels shifted over the *global* sequence first), gathering logits, the
 token-count-weighted loss over the ranks and the gradient sum.
@@ -20,8 +21,38 @@ Note [How a model call reaches the ring]
                                         kwargs down to every attention call
       create_causal_mask -> our mask function -> None: the model builds no local mask (a
           local causal mask is wrong for a zigzag shard); causality is over global positions
+      create_chunked_causal_mask / create_sliding_window_causal_mask / ... -> our mask function
+          reads transformers' mask_function (Note [Model masks]) -> a _ModelMask: causal,
+          window, attention_chunk_size over global positions, or NotImplementedError
       LlamaAttention -> our attention function -> sequence_parallel_attn(q, k, v,
-          strategy from the name, causal, group/layout/seq_len/cu_seqlens from sp)
+          strategy from the name, causal/window/chunk from the _ModelMask (or is_causal and
+          sliding_window), group/layout/seq_len/cu_seqlens from sp)
+      labels= -> the model's loss function (ForCausalLM) -> ours when sequence_parallel is
+          given: labels shifted over the global sequence, the token-weighted global mean
+
+Note [Model masks]
+~~~~~~~~~~~~~~~~~~
+transformers hands the mask function (``AttentionMaskInterface``) a ``mask_function`` built
+from its own pieces in ``transformers.masking_utils``; a shard cannot use it directly (it is
+over local rows), so :func:`_model_mask` reads it back into the library's mask classes. The
+pieces are recognised by their code objects, never by names or repr::
+
+    causal_mask_function              causal
+    bidirectional_mask_function       not causal
+    sliding_window_overlay(w)         window (w - 1, .)   keys i - w < j
+    sliding_window_bidirectional(w)   window (w, w)       |i - j| <= w
+    chunked_overlay(c, left_padding)  attention_chunk_size=c (left padding must be 0):
+                                      chunks of c from each document's start, as transformers
+                                      gives for packed position_ids
+    and_masks(...)                    all of them at once
+    remap_positions_for_packed_sequence, packed_sequence_mask_function
+                                      the model's local view of packing: documents come from
+                                      SequenceParallel.cu_seqlens
+    or_masks(...) (or_mask_function, block_sequence_ids), and_mask_function of the model,
+    anything else                     NotImplementedError naming it
+
+A plain causal mask gives None (what the attention call does by default); anything else a
+``_ModelMask``, which the model hands to every attention call of that layer type.
 
 Legend: B batch, S global seq, s local seq, H heads, D head dim, V vocab, P world size.
 """
@@ -41,7 +72,14 @@ import torch.nn.functional as F
 from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
 from tokenring.comm import Communicator
 from tokenring.costmodel import Hardware
-from tokenring.layout import Layout, normalize_cu_seqlens, position_ids, shard, unshard
+from tokenring.layout import (
+    Layout,
+    make_sharding,
+    normalize_cu_seqlens,
+    position_ids,
+    shard,
+    unshard,
+)
 from tokenring.schedule import Strategy
 
 __all__ = [
@@ -98,8 +136,10 @@ class SequenceParallel:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", Layout.parse(self.layout))
-        if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1 or None; got {self.seq_len}")
+        if self.seq_len is not None and (
+            isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1
+        ):
+            raise ValueError(f"seq_len must be an int >= 1 or None; got {self.seq_len!r}")
         if self.cu_seqlens is not None:
             if self.seq_len is None:
                 raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
@@ -128,11 +168,16 @@ class LocalBatch:
 
 def register() -> tuple[str, ...]:
     """Register tokenring with transformers' ``AttentionInterface`` and
-    ``AttentionMaskInterface``; idempotent.
+    ``AttentionMaskInterface``, and make its loss functions sequence-parallel aware;
+    idempotent.
 
     After this, ``attn_implementation=name`` works for every name of
     :data:`ATTN_IMPLEMENTATIONS`: ``"tokenring"`` (TokenRing), ``"tokenring_<strategy>"``
-    for each :class:`tokenring.Strategy`, and ``"tokenring_auto"``.
+    for each :class:`tokenring.Strategy`, and ``"tokenring_auto"``. Every loss function of
+    ``transformers.loss.loss_utils.LOSS_MAPPING`` is wrapped: unchanged without
+    ``sequence_parallel=``; with it, the causal-LM loss of ``model(..., labels=...)`` shifts
+    the labels over the global sequence and returns the global mean (as
+    :func:`causal_lm_loss`), and every other loss type raises ``NotImplementedError``.
 
     Returns:
         The registered names.
@@ -142,6 +187,7 @@ def register() -> tuple[str, ...]:
     """
     try:
         from transformers import AttentionInterface
+        from transformers.loss.loss_utils import LOSS_MAPPING
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
         raise ImportError(
@@ -153,16 +199,40 @@ def register() -> tuple[str, ...]:
         AttentionInterface.register(
             name, functools.partial(_attention_forward, strategy=strategy, name=name)
         )
-        AttentionMaskInterface.register(name, _no_local_mask)
+        AttentionMaskInterface.register(name, _global_mask)
+    losses: dict[str, Any] = LOSS_MAPPING
+    for loss_type, loss_fn in list(losses.items()):
+        if not isinstance(loss_fn, _SequenceParallelLoss):
+            losses[loss_type] = _SequenceParallelLoss(loss_type, loss_fn)
     return tuple(ATTN_IMPLEMENTATIONS)
 
 
-def _no_local_mask(*, attention_mask: torch.Tensor | None = None, **_: Any) -> None:
+@dataclass(frozen=True, slots=True)
+class _ModelMask:
+    """The mask a model asked for, over global positions (Note [Model masks]). The mask
+    function returns it in place of a mask tensor; the model hands it to the attention
+    calls of that layer type as ``attention_mask``."""
+
+    causal: bool
+    window_size: tuple[int, int]
+    """flash-attention's ``(left, right)``, -1 unbounded."""
+    attention_chunk_size: int | None
+
+
+def _global_mask(
+    *,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    config: Any = None,
+    **_: Any,
+) -> _ModelMask | None:
     """The mask function for ``AttentionMaskInterface``: no mask tensor at all.
 
-    A causal mask over a rank's local rows is wrong for sharded sequences; the attention call
-    masks over global positions (and documents) itself. A padding mask with zeros cannot be
-    honoured, so it raises instead of being dropped.
+    A mask over a rank's local rows is wrong for sharded sequences; the attention call masks
+    over global positions (and documents) itself, from what ``mask_function`` says (Note
+    [Model masks]): None for a plain causal mask, else a :class:`_ModelMask`. A padding mask
+    with zeros cannot be honoured, so it raises instead of being dropped; so does a mask the
+    library cannot express.
     """
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise NotImplementedError(
@@ -170,7 +240,135 @@ def _no_local_mask(*, attention_mask: torch.Tensor | None = None, **_: Any) -> N
             "(SequenceParallel(cu_seqlens=...)) or pad at the end and set the padded labels "
             "to ignore_index"
         )
-    return None
+    if mask_function is None:
+        return None
+    mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
+    plain = _ModelMask(causal=True, window_size=(-1, 0), attention_chunk_size=None)
+    return None if mask == plain else mask
+
+
+@functools.lru_cache(maxsize=1)
+def _mask_pieces() -> dict[Any, str]:
+    """Code object -> name of each piece of ``transformers.masking_utils`` (Note [Model
+    masks]); a piece missing from the installed version is simply not recognised."""
+    from transformers import masking_utils
+
+    mu: Any = masking_utils  # its pieces differ between versions; a missing one is skipped
+
+    ids = torch.zeros(1, 1, dtype=torch.int64)
+    makers = {
+        "and": lambda: mu.and_masks(mu.causal_mask_function),
+        "or": lambda: mu.or_masks(mu.causal_mask_function),
+        "remap": lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, ids),
+        "packed": lambda: mu.packed_sequence_mask_function(ids),
+        "sliding": lambda: mu.sliding_window_overlay(1),
+        "sliding_bidirectional": lambda: mu.sliding_window_bidirectional_overlay(1),
+        "chunked": lambda: mu.chunked_overlay(1, ids[0]),
+        "chunked_without_padding": lambda: mu.chunked_overlay(1),  # transformers < 4.54
+        "blockwise": lambda: mu.blockwise_overlay(ids),
+        "padding": lambda: mu.padding_mask_function(ids.bool()),
+        "causal": lambda: mu.causal_mask_function,
+        "bidirectional": lambda: mu.bidirectional_mask_function,
+    }
+    pieces = {}
+    for name, make in makers.items():
+        try:
+            pieces[make().__code__] = name.removesuffix("_without_padding")
+        except (AttributeError, TypeError):  # not in this transformers version, or not so
+            continue
+    return pieces
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    """The variables a closure captured, by name."""
+    cells = fn.__closure__ or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells), strict=True))
+
+
+def _describe(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _model_mask(mask_function: Any, *, model: str | None = None) -> _ModelMask:
+    """Read transformers' ``mask_function`` into the library's mask (Note [Model masks]).
+
+    Raises:
+        NotImplementedError: a piece the library cannot express, named.
+    """
+    pieces = _mask_pieces()
+    where = f" (model_type {model!r})" if model else ""
+    causal = False
+    left = right = float("inf")
+    chunks: set[int] = set()
+    pending = [mask_function]  # pieces that must all hold (and)
+    while pending:
+        fn = pending.pop()
+        kind = pieces.get(getattr(fn, "__code__", None))
+        if kind == "and":
+            pending += list(_closure(fn)["mask_functions"])
+        elif kind == "remap":
+            pending.append(_closure(fn)["mask_function"])
+        elif kind == "packed":
+            continue  # documents come from SequenceParallel.cu_seqlens
+        elif kind == "causal":
+            causal = True
+        elif kind == "bidirectional":
+            continue
+        elif kind in ("sliding", "sliding_bidirectional"):
+            w = int(_closure(fn)["sliding_window"])
+            if w < 1:
+                raise NotImplementedError(f"sliding_window must be >= 1{where}; got {w}")
+            if kind == "sliding":  # keys i - w < j: w keys up to the query itself
+                left = min(left, w - 1)
+            else:  # |i - j| <= w
+                left, right = min(left, w), min(right, w)
+        elif kind == "chunked":
+            captured = _closure(fn)
+            if bool(torch.as_tensor(captured.get("left_padding", 0)).ne(0).any()):
+                raise NotImplementedError(
+                    f"chunked attention with left padding{where} is not supported by tokenring "
+                    "attention; pack the sequences (SequenceParallel(cu_seqlens=...))"
+                )
+            chunks.add(int(captured["chunk_size"]))
+        elif kind == "or":
+            extra = [_describe(f) for f in _closure(fn)["mask_functions"][1:]]
+            blockwise = any(
+                pieces.get(getattr(f, "__code__", None)) == "blockwise"
+                for f in _closure(fn)["mask_functions"]
+            )
+            option = "block_sequence_ids" if blockwise else "or_mask_function"
+            raise NotImplementedError(
+                f"the model's {option}{where} widens its mask with {extra}, which tokenring "
+                "attention cannot express (it takes causal, a sliding window, documents and "
+                "chunked attention)"
+            )
+        elif kind == "padding":
+            raise NotImplementedError(
+                f"a padding attention_mask{where} is not supported by tokenring attention"
+            )
+        else:
+            raise NotImplementedError(
+                f"the model's mask{where} uses the mask function {_describe(fn)} (an "
+                "and_mask_function or a mask piece tokenring does not know), which tokenring "
+                "attention cannot express (it takes causal, a sliding window, documents and "
+                "chunked attention)"
+            )
+    if len(chunks) > 1:
+        raise NotImplementedError(
+            f"the model's mask{where} asks for chunks of several sizes at once: {sorted(chunks)}"
+        )
+    window = (
+        -1 if left == float("inf") else int(left),
+        0 if causal else (-1 if right == float("inf") else int(right)),
+    )
+    return _ModelMask(
+        causal=causal, window_size=window, attention_chunk_size=chunks.pop() if chunks else None
+    )
+
+
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""Model kwargs that describe a local packing (flash-attention's varlen): under sequence
+parallelism documents are global, ``SequenceParallel(cu_seqlens=...)``."""
 
 
 def _attention_forward(
@@ -178,7 +376,7 @@ def _attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: _ModelMask | torch.Tensor | None,
     *,
     strategy: str,
     name: str,
@@ -190,16 +388,27 @@ def _attention_forward(
     s_aux: torch.Tensor | None = None,
     is_causal: bool | None = None,
     output_attentions: bool = False,
-    **_: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: transformers' ``(B, H, s, D)`` in,
-    ``(B, s, Hq, D)`` out (and no attention weights)."""
+    ``(B, s, Hq, D)`` out (and no attention weights).
+
+    Every argument reaches the attention call or raises: ``scaling`` (softmax_scale), the mask
+    (:class:`_ModelMask` from our mask function, or ``is_causal``/``module.is_causal`` and
+    ``sliding_window``; when both are given they must agree), ``sequence_parallel``; dropout,
+    softcap, sinks, attention weights, a KV cache and local packing kwargs raise.
+    """
     if sequence_parallel is None:
         raise ValueError(
             f"attn_implementation={name!r} needs sequence_parallel=tokenring.hf.SequenceParallel"
             "(...) passed to the model's forward (it says which group and layout the shards use)"
         )
-    if attention_mask is not None:
+    if not isinstance(sequence_parallel, SequenceParallel):
+        raise ValueError(
+            "sequence_parallel must be a tokenring.hf.SequenceParallel; got "
+            f"{type(sequence_parallel).__name__}"
+        )
+    if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
         raise NotImplementedError(
             f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
             f"shape {tuple(attention_mask.shape)}"
@@ -215,16 +424,44 @@ def _attention_forward(
         ("softcap", softcap is not None),
         ("attention sinks (s_aux)", s_aux is not None),
         ("output_attentions", output_attentions),
+        *(
+            (
+                f"{k} (local packing; pass SequenceParallel(cu_seqlens=...))",
+                kwargs.get(k) is not None,
+            )
+            for k in _PACKING_KWARGS
+        ),
     ):
         if unsupported:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
+    sp = sequence_parallel
+    if sp.hardware is not None and strategy != "auto":
+        raise ValueError(
+            f"SequenceParallel.hardware only chooses the strategy of "
+            f"attn_implementation='tokenring_auto'; got it with {name!r}"
+        )
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    window_size = None
+    window_size = (-1, 0 if causal else -1)
     if sliding_window is not None:
         # transformers' window holds sliding_window keys up to and including the query itself:
         # flash-attention's window_size=(sliding_window - 1, 0) when causal.
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    sp = sequence_parallel
+    chunk = None
+    if attention_mask is not None:  # the model's mask for this layer (Note [Model masks])
+        given = "is_causal" if is_causal is not None else "the attention module's is_causal"
+        if causal != attention_mask.causal:
+            raise NotImplementedError(
+                f"the model's mask is {'' if attention_mask.causal else 'not '}causal but "
+                f"{given} is {causal}; tokenring attention cannot tell which one holds"
+            )
+        if sliding_window is not None and window_size != attention_mask.window_size:
+            raise NotImplementedError(
+                f"the model's mask has window_size={attention_mask.window_size} but its attention "
+                f"passes sliding_window={sliding_window} (window_size={window_size})"
+            )
+        window_size = attention_mask.window_size
+        chunk = attention_mask.attention_chunk_size
+    _check_temperature_tuning(module, sp, query.shape[2])
     out = sequence_parallel_attn(
         query.transpose(1, 2),  # (B, s, Hq, D)
         key.transpose(1, 2),  # (B, s, Hkv, D)
@@ -238,9 +475,38 @@ def _attention_forward(
         seq_len=sp.seq_len,
         cu_seqlens=sp.cu_seqlens,
         window_size=window_size,
+        attention_chunk_size=chunk,
     )
     assert isinstance(out, torch.Tensor)
     return out, None  # (B, s, Hq, D)
+
+
+def _check_temperature_tuning(
+    module: torch.nn.Module, sp: SequenceParallel, seq_local: int
+) -> None:
+    """Llama 4's NoPE layers scale queries by ``log1p(floor((i + 1) / floor_scale))`` of the
+    position i, which the model takes as ``arange(s)`` of the rank's own rows: right on a
+    shard only when that gives every rank the same scales as its global positions. Decided
+    from the layout alone, so every rank raises or none does."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    floor_scale = int(module.floor_scale)  # type: ignore[arg-type]
+    comm = sp.communicator
+    seq_len = sp.seq_len if sp.seq_len is not None else seq_local * comm.world_size
+    if seq_len < floor_scale:  # every position, local or global, gets the scale of 1
+        return
+    sharding = make_sharding(
+        layout=sp.layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=sp.cu_seqlens
+    )
+    for rank in range(comm.world_size):
+        positions = sharding.positions(rank)
+        local = torch.arange(positions.numel())
+        if not torch.equal((positions + 1) // floor_scale, (local + 1) // floor_scale):
+            raise NotImplementedError(
+                "attn_temperature_tuning (Llama 4's query scale on NoPE layers) uses the local "
+                f"row index as the position: wrong on rank {rank}'s shard for seq_len={seq_len} "
+                f">= floor_scale={floor_scale}; not supported by tokenring attention"
+            )
 
 
 def shift_labels(
@@ -269,6 +535,9 @@ def shift_labels(
         bounds = normalize_cu_seqlens(cu_seqlens, labels.shape[1])
         out[:, [end - 1 for end in bounds[1:-1]]] = ignore_index
     return out
+
+
+_shift_global = shift_labels  # for the loss, whose transformers argument is named shift_labels
 
 
 def shard_batch(
@@ -339,6 +608,9 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     Returns:
         ``(B, S, ...)``.
     """
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"seq_dim must be a dim of x (shape {tuple(x.shape)}); got {seq_dim}")
+    seq_dim %= x.dim()
     comm = sp.communicator
     x = x.detach().contiguous()
     if comm.world_size == 1:
@@ -433,3 +705,91 @@ def all_reduce_gradients(
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+
+
+class _SequenceParallelLoss:
+    """A loss function of ``transformers.loss.loss_utils.LOSS_MAPPING``, made aware of
+    ``sequence_parallel=`` (see :func:`register`): without it, the original, unchanged."""
+
+    def __init__(self, loss_type: str, original: Any) -> None:
+        self.loss_type = loss_type
+        self.original = original
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sp = kwargs.pop("sequence_parallel", None)
+        if sp is None:
+            return self.original(*args, **kwargs)
+        if self.loss_type != "ForCausalLM":
+            raise NotImplementedError(
+                f"transformers' {self.loss_type} loss under sequence_parallel would average over "
+                "this rank's shard only; compute the loss from the logits (for a causal LM: "
+                "tokenring.hf.causal_lm_loss)"
+            )
+        return _labels_loss(sp, *args, **kwargs)
+
+
+def _labels_loss(
+    sp: SequenceParallel,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """``model(..., labels=..., sequence_parallel=sp).loss``: :func:`causal_lm_loss` with the
+    labels shifted over the global sequence (transformers' own loss shifts inside the shard:
+    a rank's last token would predict its own next row, not the next global token).
+
+    ``labels`` may be this rank's shard ``(B, s)`` of the unshifted global labels (gathered
+    from every rank to shift them: one collective) or the global ``(B, S)``; ``shift_labels``
+    (from :func:`shard_batch`), if given, is used as is. Which one is decided from every
+    rank's length, so all ranks take the same path.
+    """
+    if not isinstance(sp, SequenceParallel):
+        raise ValueError(
+            f"sequence_parallel must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}"
+        )
+    if num_items_in_batch is not None:
+        raise NotImplementedError(
+            "num_items_in_batch is not supported with sequence_parallel: the loss already is the "
+            "mean over every rank's counted tokens (scale it yourself for gradient accumulation)"
+        )
+    b, s = logits.shape[:2]
+    if shift_labels is not None:
+        return causal_lm_loss(sp, logits, shift_labels, ignore_index=ignore_index)
+    if labels is None or labels.dim() != 2 or labels.shape[0] != b:
+        shape = None if labels is None else tuple(labels.shape)
+        raise ValueError(f"labels must have shape (batch={b}, seq); got {shape}")
+    comm = sp.communicator
+    seq_len = sp.seq_len if sp.seq_len is not None else s * comm.world_size
+    sharding = make_sharding(
+        layout=sp.layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=sp.cu_seqlens
+    )
+    lengths = [labels.shape[1]]
+    if comm.world_size > 1:
+        mine = torch.tensor([labels.shape[1]], dtype=torch.int64, device=logits.device)
+        gathered = [torch.empty_like(mine) for _ in range(comm.world_size)]
+        dist.all_gather(gathered, mine, group=comm.group)
+        lengths = [int(n.item()) for n in gathered]
+    shards = [sharding.local_len(r) for r in range(comm.world_size)]
+    if lengths == [seq_len] * comm.world_size:
+        global_labels = labels  # (B, S) on every rank
+    elif lengths == shards:
+        global_labels = gather_sequence(sp, labels)  # (B, S) from every rank's (B, s_r)
+    else:
+        raise ValueError(
+            f"labels must be every rank's shard (lengths {shards}) or the global labels (length "
+            f"{seq_len} on every rank); got lengths {lengths} over the ranks"
+        )
+    shifted = _shift_global(global_labels, ignore_index=ignore_index, cu_seqlens=sp.cu_seqlens)
+    local = shard(
+        shifted,
+        rank=comm.rank,
+        world_size=comm.world_size,
+        layout=sp.layout,
+        cu_seqlens=sp.cu_seqlens,
+    )
+    return causal_lm_loss(sp, logits, local.to(logits.device), ignore_index=ignore_index)
