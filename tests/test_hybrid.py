@@ -1,10 +1,12 @@
 """Hybrid 2-D strategy (Ulysses inside, a ring strategy across) against the float64 oracle.
 
 World size 4 as 2 x 2, 1 x 4 and 4 x 1; positions of each rank are spelled out here from the
-layout definition (outer shard in the oracle's positions, consecutive slices inside), not
-taken from tokenring.hybrid. The registry's schedule (``build_hybrid_schedule``) is checked
-for covering every needed (query, key, head) exactly once, for the inner all-to-alls' bytes
-against a closed form, and against the bytes the ranks count.
+layout definition (outer shard in the oracle's positions, consecutive near-equal slices
+inside, the longer first), not taken from tokenring.hybrid; also for any length, packed
+documents, windows and chunked attention. The registry's schedule
+(``build_hybrid_schedule``) is checked for covering every needed (query, key, head) exactly
+once, for the inner all-to-alls' bytes against a closed form, and against the bytes the ranks
+count.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from oracle import (
     make_inputs,
     oracle_with_grads,
     owned_positions,
+    sharded_positions,
     tolerance_failures,
+    visible_mask,
 )
 from tokenring.hybrid import (
     HybridSpec,
@@ -30,16 +34,85 @@ from tokenring.hybrid import (
     hybrid_attn,
     hybrid_mesh,
     hybrid_positions,
+    hybrid_shard,
 )
 from tokenring.schedule import Dims
 
 
 def _positions(
-    layout: str, outer_rank: int, inner_rank: int, outer: int, inner: int, seq: int
+    layout: str,
+    outer_rank: int,
+    inner_rank: int,
+    outer: int,
+    inner: int,
+    seq: int,
+    cu_seqlens: list[int] | None = None,
 ) -> list[int]:
-    outer_shard = owned_positions(layout, outer_rank, outer, seq)
-    s = seq // (outer * inner)
-    return outer_shard[inner_rank * s : (inner_rank + 1) * s]
+    outer_shard = sharded_positions(layout, outer_rank, outer, seq, cu_seqlens)
+    n = len(outer_shard)
+    sizes = [n // inner + (1 if i < n % inner else 0) for i in range(inner)]
+    start = sum(sizes[:inner_rank])
+    return outer_shard[start : start + sizes[inner_rank]]
+
+
+DOC_CASES = [  # (seq_len, cu_seqlens, window (left, right), attention_chunk_size)
+    (23, [0, 5, 11, 23], (-1, -1), None),
+    (26, [0, 9, 26], (3, 1), 4),
+]
+
+
+def _check_documents(outer: int, inner: int, strategy: str, causal: bool, layout: str) -> list[str]:
+    """Any length, documents, a window and chunks in float64: shards from hybrid_shard (and
+    its positions) against the definitions here, the result against the oracle."""
+    outer_rank, inner_rank = divmod(dist.get_rank(), inner)
+    mesh = hybrid_mesh(outer, inner)
+    failures = []
+    for seq, docs, (left, right), chunk in DOC_CASES:
+        window = (left, 0 if causal else right)
+        q, k, v, dout = make_inputs(
+            seed=seq, batch=2, seq_global=seq, heads_q=8, heads_kv=4, head_dim=8
+        )
+        mask = visible_mask(seq, causal=causal, cu_seqlens=docs, window=window, chunk=chunk)
+        ref = oracle_with_grads(q, k, v, dout, causal=causal, scale=8**-0.5, mask=mask)
+        mine = _positions(layout, outer_rank, inner_rank, outer, inner, seq, docs)
+        where = {"outer_rank": outer_rank, "inner_rank": inner_rank, "outer": outer}
+        where |= {"inner": inner, "layout": layout}
+        got_pos = hybrid_positions(**where, seq_len=seq, cu_seqlens=docs).tolist()
+        idx = torch.tensor(mine, dtype=torch.long)
+        if got_pos != mine or not torch.equal(hybrid_shard(q, **where, cu_seqlens=docs), q[:, idx]):
+            failures.append(f"{seq} {docs}: positions {got_pos} != {mine}")
+        local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
+        out, lse = hybrid_attn(
+            *local,
+            mesh=mesh,
+            outer_strategy=strategy,
+            causal=causal,
+            layout=layout,
+            return_lse=True,
+            seq_len=seq,
+            cu_seqlens=docs,
+            window_size=window,
+            attention_chunk_size=chunk,
+        )
+        out.backward(dout[:, idx])
+        got = {"out": out.detach(), "lse": lse}
+        got |= {"dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+        want = {n: ref[n][:, :, idx] if n == "lse" else ref[n][:, idx] for n in got}
+        config = f"{strategy} {layout} causal={causal} S={seq} docs={docs} chunk={chunk}"
+        failures += [
+            f"{config} {f}"
+            for f in tolerance_failures(
+                got,
+                want,
+                dtype=torch.float64,
+                inputs=(q, k, v, dout),
+                reference=ref,
+                causal=causal,
+                scale=8**-0.5,
+                mask=mask,
+            )
+        ]
+    return failures
 
 
 def run_hybrid(outer: int, inner: int) -> list[str]:
@@ -71,6 +144,18 @@ def run_hybrid(outer: int, inner: int) -> list[str]:
         if got_pos != mine:
             failures.append(f"positions {got_pos} != {mine}")
         idx = torch.tensor(mine)
+        if not torch.equal(
+            hybrid_shard(
+                q,
+                outer_rank=outer_rank,
+                inner_rank=inner_rank,
+                outer=outer,
+                inner=inner,
+                layout=layout,
+            ),
+            q[:, idx],
+        ):
+            failures.append(f"hybrid_shard does not take positions {mine}")
         local = [x[:, idx].to(dtype).requires_grad_(True) for x in (q, k, v)]
         out, lse = hybrid_attn(
             *local,
@@ -102,6 +187,10 @@ def run_hybrid(outer: int, inner: int) -> list[str]:
                 scale=8**-0.5,
             )
         ]
+    for strategy, (causal, layout) in itertools.product(
+        ("token_ring", "ring", "bidir_ring"), ((True, "zigzag"), (False, "contiguous"))
+    ):
+        failures += _check_documents(outer, inner, strategy, causal, layout)
     return failures
 
 
@@ -234,7 +323,25 @@ def hybrid_traffic() -> dict[str, Any]:
         refused = "no error"
     except NotImplementedError as exc:
         refused = str(exc)
-    return {"fwd": fwd, "bwd": bwd, "refused": refused}
+    # Calls the ranks disagree on must fail on every rank: the inner ranks of an island
+    # (ranks 2o and 2o + 1) differ in causal, while each outer group agrees; and uneven
+    # shards (S = 10: outer shards of 5, inner slices of 3 and 2) without seq_len.
+    rank = dist.get_rank()
+    x = torch.randn(1, 10, 4, 8)
+    shards = hybrid_shard(
+        x, outer_rank=rank // 2, inner_rank=rank % 2, outer=2, inner=2, layout="zigzag"
+    )
+    disagreements = []
+    for call in (
+        lambda: hybrid_attn(q, kv, kv, mesh=mesh, layout="zigzag", causal=rank % 2 == 0),
+        lambda: hybrid_attn(shards, shards, shards, mesh=mesh, layout="zigzag", causal=True),
+    ):
+        try:
+            call()
+            disagreements.append("no error")
+        except ValueError as exc:
+            disagreements.append(str(exc))
+    return {"fwd": fwd, "bwd": bwd, "refused": refused, "disagreements": disagreements}
 
 
 def test_counted_bytes_match_the_schedule_and_the_formula() -> None:
@@ -246,6 +353,9 @@ def test_counted_bytes_match_the_schedule_and_the_formula() -> None:
     per_rank = tokenring.launch(hybrid_traffic, world_size=4, timeout_s=120)
     for rank, traffic in enumerate(per_rank):
         assert "q heads must be divisible by the inner size 2" in traffic["refused"]
+        mixed, uneven = traffic["disagreements"]
+        assert "different arguments: causal: rank 0 has 1, rank 1 has 0" in mixed, mixed
+        assert "seq_local: rank 0 has 3, rank 1 has 2" in uneven, uneven
         for name, pass_ in (("fwd", "forward"), ("bwd", "backward")):
             sched = build_hybrid_schedule(
                 pass_,
