@@ -354,7 +354,10 @@ def test_counted_bytes_match_the_schedule_and_the_formula() -> None:
     for rank, traffic in enumerate(per_rank):
         assert "q heads must be divisible by the inner size 2" in traffic["refused"]
         mixed, uneven = traffic["disagreements"]
-        assert "different arguments: causal: rank 0 has 1, rank 1 has 0" in mixed, mixed
+        assert (
+            "disagree on this hybrid attention call: causal: rank 0 has True, rank 1 has False"
+            in mixed
+        ), mixed
         assert "seq_local: rank 0 has 3, rank 1 has 2" in uneven, uneven
         for name, pass_ in (("fwd", "forward"), ("bwd", "backward")):
             sched = build_hybrid_schedule(

@@ -600,66 +600,71 @@ def hybrid_attn(
         ValueError: a local length that is not this rank's share (see hybrid_shard); ranks
             that disagree; as :func:`tokenring.sequence_parallel_attn`.
     """
-    from tokenring.api import _DTYPE_CODES, _check_ranks_agree, _validate, sequence_parallel_attn
+    from tokenring.api import _validate, sequence_parallel_attn
 
-    strategy = Strategy.parse(outer_strategy)
-    if strategy.is_collective or strategy is Strategy.HYBRID:
-        raise NotImplementedError(
-            f"outer_strategy must be a ring strategy (token_ring, ring, bidir_ring); got "
-            f"{strategy.value!r}"
-        )
-    layout = Layout.parse(layout)
+    if not isinstance(check_ranks, bool):
+        raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
     p_in, p_out = mesh.inner_size, mesh.outer_size
-    for name, x in (("q", q), ("k", k)):
-        if x.dim() != 4 or x.shape[2] % p_in:
-            raise NotImplementedError(
-                f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; got "
-                f"shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
-            )
-    _validate(q, k, v, softmax_scale)
-    window = normalize_window(window_size, causal=causal)
-    chunk_documents((0, 1), attention_chunk_size)  # validates it
     inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
-    rows = [q.shape[1]] * p_in  # every rank holds s (checked below)
-    docs: tuple[int, ...] = ()
-    if seq_len is not None:
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 0:
-            raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
-        sharding, _ = _outer_lengths(layout, p_out, p_in, None, seq_len, cu_seqlens)
-        docs = sharding.cu_seqlens
-        rows = [hi - lo for lo, hi in _inner_slices(sharding.local_len(outer_rank), p_in)]
-    elif cu_seqlens is not None:
-        raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
-    if check_ranks and p_in > 1:  # the outer call checks the outer group
+    rows: list[int] = []
+    signature: dict[str, Any] | None = None
+    problem: Exception | None = None
+    try:  # validate, then agree on the inner group (the outer call agrees on the outer one)
+        strategy = Strategy.parse(outer_strategy)
+        if strategy.is_collective or strategy is Strategy.HYBRID:
+            raise NotImplementedError(
+                f"outer_strategy must be a ring strategy (token_ring, ring, bidir_ring); got "
+                f"{strategy.value!r}"
+            )
+        layout = Layout.parse(layout)
+        for name, x in (("q", q), ("k", k)):
+            if x.dim() != 4 or x.shape[2] % p_in:
+                raise NotImplementedError(
+                    f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
+                    f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
+                )
+        _validate(q, k, v, softmax_scale)
+        window = normalize_window(window_size, causal=causal)
+        chunk_documents((0, 1), attention_chunk_size)  # validates it
+        rows = [q.shape[1]] * p_in  # every rank holds s (agreed below)
+        docs: tuple[int, ...] = ()
+        if seq_len is not None:
+            if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+                raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
+            sharding, _ = _outer_lengths(layout, p_out, p_in, None, seq_len, cu_seqlens)
+            docs = sharding.cu_seqlens
+            rows = [hi - lo for lo, hi in _inner_slices(sharding.local_len(outer_rank), p_in)]
+            if q.shape[1] != rows[inner_rank]:
+                raise ValueError(
+                    f"q.shape[1] must be {rows[inner_rank]} on outer rank {outer_rank}, inner "
+                    f"rank {inner_rank}: its share of seq_len={seq_len} (see "
+                    f"tokenring.hybrid_shard); got {q.shape[1]}"
+                )
+        elif cu_seqlens is not None:
+            raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         signature = {
             "batch": q.shape[0],
-            "seq_len" if seq_len is not None else "seq_local": seq_len or q.shape[1],
+            ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],
             "heads_q": q.shape[2],
             "heads_kv": k.shape[2],
             "head_dim": q.shape[3],
-            "dtype": _DTYPE_CODES[q.dtype],
-            "causal": int(causal),
-            "layout": list(Layout).index(layout),
-            "outer_strategy": list(Strategy).index(strategy),
-            "scale_bits": int.from_bytes(struct.pack("<d", scale), "little", signed=True),
-            "window_left": window[0],
-            "window_right": window[1],
-            "cu_seqlens_crc32": zlib.crc32(struct.pack(f"<{len(docs)}q", *docs)),
-            "attention_chunk_size": attention_chunk_size or 0,
+            "dtype": str(q.dtype),
+            "causal": causal,
+            "layout": layout.value,
+            "outer_strategy": strategy.value,
+            "softmax_scale": float(scale).hex(),
+            "window_size": list(window),
+            "cu_seqlens": [len(docs), zlib.crc32(struct.pack(f"<{len(docs)}q", *docs))],
+            "attention_chunk_size": attention_chunk_size,
             "last_block_splits": last_block_splits,
-            # a rank whose length is wrong fails on every rank here, not in the all-to-all
-            "q.shape[1] is its hybrid_shard share": int(q.shape[1] == rows[inner_rank]),
         }
-        _check_ranks_agree(
-            _communicator(mesh.inner), list(signature.values()), list(signature), q.device
-        )
-    if q.shape[1] != rows[inner_rank]:
-        raise ValueError(
-            f"q.shape[1] must be {rows[inner_rank]} on outer rank {outer_rank}, inner rank "
-            f"{inner_rank}: its share of seq_len={seq_len} (see tokenring.hybrid_shard); "
-            f"got {q.shape[1]}"
-        )
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    if check_ranks:
+        _communicator(mesh.inner).agree(signature, problem, what="hybrid attention call")
+    elif problem is not None:
+        raise problem
     if p_in > 1:
         q, k, v = _seq_to_heads([q, k, v], mesh.inner, rows)
     out, lse = sequence_parallel_attn(
