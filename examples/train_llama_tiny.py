@@ -9,7 +9,8 @@ prints whether the loss curves match, with the time per step of each::
     torchrun --nproc-per-node 4 examples/train_llama_tiny.py
     python examples/train_llama_tiny.py --attn tokenring_ring --seq-len 1024 --dtype float32
 
-Needs ``pip install tokenring[hf]``. The model is built from a config in code (no downloads).
+Needs ``pip install "tokenring-attention[hf]"``. The model is built from a config in code (no
+downloads).
 
 Legend: B batch, S global seq, s local seq, V vocab, P world size.
 """

@@ -23,7 +23,8 @@ def test_dit_tiny_four_ranks_matches_one_process(capsys: pytest.CaptureFixture[s
 
 def test_train_llama_tiny_matches_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip(
-        "transformers", reason="transformers is not installed (pip install tokenring[hf])"
+        "transformers",
+        reason="transformers is not installed (pip install 'tokenring-attention[hf]')",
     )
     import train_llama_tiny
 

@@ -29,7 +29,7 @@ import tokenring
 from tokenring.costmodel import measured
 
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install tokenring[hf])"
+    "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
 )
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -456,7 +456,7 @@ def test_register_names_every_strategy_and_auto() -> None:
 
 def test_register_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails like an absent package
-    with pytest.raises(ImportError, match=r"pip install tokenring\[hf\]"):
+    with pytest.raises(ImportError, match=r"pip install 'tokenring-attention\[hf\]'"):
         hf.register()
 
 

@@ -2,7 +2,31 @@
 
 TokenRing (pass-Q: Q blocks travel the ring, partial outputs return on the other direction)
 and Ring attention (pass-KV), forward and backward, on CPU (gloo) and GPU (NCCL).
+
+The distribution is named ``tokenring-attention``; the import name is ``tokenring``.
 """
+
+# ruff: noqa: E402  (the torch check runs before the modules that need the newer torch)
+import re
+
+import torch
+
+__version__ = "0.1.0"  # the one place; pyproject.toml reads it ([tool.setuptools.dynamic])
+MIN_TORCH = "2.6"  # the floor in pyproject.toml; dist.P2POp(..., group_peer=...) needs 2.6
+
+
+def _check_torch(installed: str = torch.__version__) -> None:
+    """Raise ImportError naming both versions when ``installed`` is older than MIN_TORCH."""
+    match = re.match(r"(\d+)\.(\d+)", installed)
+    floor = tuple(int(x) for x in MIN_TORCH.split("."))
+    if match is None or tuple(int(x) for x in match.groups()) < floor:
+        raise ImportError(
+            f"tokenring needs torch >= {MIN_TORCH}; torch {installed} is installed "
+            f"(pip install 'torch>={MIN_TORCH}')"
+        )
+
+
+_check_torch()
 
 from tokenring.api import (
     SequenceParallelAttention,
@@ -34,6 +58,7 @@ from tokenring.planner import explain
 from tokenring.schedule import Strategy
 
 __all__ = [
+    "MIN_TORCH",
     "CachedStrategy",
     "Communicator",
     "DistributedKVCache",
@@ -65,5 +90,3 @@ __all__ = [
     "ulysses_attn",
     "unshard",
 ]
-
-__version__ = "0.1.0"

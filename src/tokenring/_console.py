@@ -13,7 +13,7 @@ def _rich() -> Any:
         import rich
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "the tokenring command line needs rich: pip install 'tokenring[cli]'"
+            "the tokenring command line needs rich: pip install 'tokenring-attention[cli]'"
         ) from exc
     return rich
 

@@ -7,7 +7,7 @@ loss functions of ``transformers.loss.loss_utils.LOSS_MAPPING`` for ``labels=``)
 sharding a batch (labels shifted over the *global* sequence first), gathering logits, the
 token-count-weighted loss over the ranks and the gradient sum.
 
-transformers is imported only by :func:`register` (``pip install tokenring[hf]``).
+transformers is imported only by :func:`register` (``pip install "tokenring-attention[hf]"``).
 
 Note [How a model call reaches the ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -193,7 +193,7 @@ def register() -> tuple[str, ...]:
         raise ImportError(
             "tokenring.hf needs transformers>="
             f"{MIN_TRANSFORMERS} (AttentionInterface, AttentionMaskInterface): "
-            "pip install tokenring[hf]"
+            "pip install 'tokenring-attention[hf]'"
         ) from exc
     for name, strategy in ATTN_IMPLEMENTATIONS.items():
         AttentionInterface.register(

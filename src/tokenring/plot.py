@@ -37,7 +37,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'tokenring[plot]'") from exc
+        raise ImportError("plots need matplotlib: pip install 'tokenring-attention[plot]'") from exc
     return plt
 
 

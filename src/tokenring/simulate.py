@@ -1511,7 +1511,7 @@ def _rich() -> Any:
         import rich.table
     except ImportError as exc:
         raise ImportError(
-            "tokenring simulate prints its table with rich: pip install 'tokenring[cli]'"
+            "tokenring simulate prints its table with rich: pip install 'tokenring-attention[cli]'"
         ) from exc
     return rich
 
@@ -1629,7 +1629,7 @@ def _pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError(
-            "tokenring simulate draws with matplotlib: pip install 'tokenring[plot]'"
+            "tokenring simulate draws with matplotlib: pip install 'tokenring-attention[plot]'"
         ) from exc
     return plt
 
