@@ -1,0 +1,708 @@
+"""Drop-in functions with the signatures and return values of ring-flash-attention and flash-attn.
+
+Switching is one import line; the call stays as it was::
+
+    # from ring_flash_attn import zigzag_ring_flash_attn_func
+    from tokenring.compat import zigzag_ring_flash_attn_func
+    out = zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
+
+This module owns only the translation: parameter names, defaults, return tuples and lse shapes
+of the originals (ring-flash-attention's ``ring_flash_attn_func``,
+``zigzag_ring_flash_attn_func``, ``llama3_flash_attn_prepare_cu_seqlens``,
+``llama3_flash_attn_varlen_func``; flash-attn 2's ``flash_attn_func``,
+``flash_attn_varlen_func``) onto :func:`tokenring.sequence_parallel_attn`, which does the work
+and the validation.
+
+Legend: B batch, S global seq, s local seq, T packed tokens of the whole group, t packed tokens
+of this rank, Hq query heads, Hkv kv heads, D head dim, P world size.
+
+Note [Shim mapping]
+~~~~~~~~~~~~~~~~~~~
+Each function keeps the original's parameters (same names, order, defaults) and adds
+keyword-only ones after them (``strategy``; the flash-attn pair also ``group`` and ``layout``).
+The default strategy of a ring-flash-attention shim is the algorithm it replaces, so the
+traffic stays what it was; pass ``strategy="token_ring"`` or ``"auto"`` to change it::
+
+    function                        tensors          layout               default strategy
+    ring_flash_attn_func            (B, s, H, D)     contiguous           ring (pass-KV)
+    zigzag_ring_flash_attn_func     (B, s, H, D)     zigzag               ring (pass-KV)
+    llama3_flash_attn_varlen_func   (T/P, H, D)      contiguous, packed   allgather_kv
+    flash_attn_func                 (B, s, H, D)     layout= (contig.)    token_ring
+    flash_attn_varlen_func          (t, H, D)        layout= (contig.)    token_ring
+
+Returns follow the originals: ``out``, or with ``return_attn_probs=True`` the tuple
+``(out, softmax_lse, None)``; softmax_lse is ``(B, Hq, s)`` for the padded functions and
+``(Hq, t)`` for the varlen ones, float32 (float64 for float64 inputs), without gradient. The
+third element is None: the attention probabilities are never formed. The lse of the rows a
+rank owns is that of attention over the *global* sequence, as in ring-flash-attention.
+
+What maps and what raises: ``dropout_p`` must be 0 (``NotImplementedError`` otherwise);
+``alibi_slopes`` and ``softcap > 0`` raise ``NotImplementedError``; ``window_size`` is our
+``window_size`` (flash-attention's convention); ``deterministic`` is accepted (the backward is
+deterministic anyway: a fixed schedule and order of accumulation). ``group`` is any group
+:func:`tokenring.get_communicator` takes. A rank whose arguments fail here tells its peers
+through the rank check of the attention call (Note [Rank agreement] in ``tokenring.api``), so
+no rank waits for it.
+
+The varlen functions differ in what ``cu_seqlens`` means:
+
+- ``flash_attn_varlen_func`` takes the *global* document boundaries ``(0, ..., T)``, the same
+  on every rank (the value one process would pass), and this rank's shard of the packed tokens
+  (``tokenring.shard(x, ..., seq_dim=0, cu_seqlens=...)``); the zigzag layout zigzags every
+  document on its own. Self-attention: ``cu_seqlens_q`` must equal ``cu_seqlens_k``.
+- ``llama3_flash_attn_varlen_func`` takes the *local* values that
+  ``llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size)`` returns for
+  rank r's contiguous slice ``[r*T/P, (r+1)*T/P)``, as ring-flash-attention does. The global
+  boundaries are rebuilt from every rank's local values (one small exchange on the
+  communicator's control group, like the rank check) and the local values are checked against
+  them: values that :func:`llama3_flash_attn_prepare_cu_seqlens` would not give (another rank,
+  another ``causal``) raise ``ValueError`` on every rank. ``heads_k_stride`` is checked (it
+  must divide Hkv) and otherwise unused: the schedule decides the memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+import operator
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tokenring.api import get_communicator, sequence_parallel_attn
+from tokenring.comm import AGREE_FRAME_NUM_BYTES, Communicator
+from tokenring.layout import Layout, make_sharding, normalize_cu_seqlens
+from tokenring.schedule import Strategy
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "llama3_flash_attn_prepare_cu_seqlens",
+    "llama3_flash_attn_varlen_func",
+    "ring_flash_attn_func",
+    "zigzag_ring_flash_attn_func",
+]
+
+GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
+WHAT = "attention call"  # the rank check of sequence_parallel_attn, which the shims join
+
+Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
+
+
+# -- checks shared by every shim -----------------------------------------------------------------
+def _check_flash_options(
+    *,
+    dropout_p: float,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    deterministic: bool,
+    return_attn_probs: bool,
+) -> None:
+    """The flash-attention options that have no counterpart: raise unless they are off."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float):
+        raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p!r}")
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p}")
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"dropout_p must be 0: attention dropout is not supported; got {dropout_p}"
+        )
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap}")
+    if softcap > 0:
+        raise NotImplementedError(f"softcap is not supported (pass 0.0); got {softcap}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported (pass None)")
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool; got {flag!r}")
+
+
+def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"{name} must be a packed (tokens, heads, head_dim) tensor; got {shape}"
+            )
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            "q, k and v must hold the same tokens (self-attention); got q.shape[0]="
+            f"{q.shape[0]}, k.shape[0]={k.shape[0]}, v.shape[0]={v.shape[0]}"
+        )
+
+
+def _attend(
+    comm: Communicator,
+    build: Callable[[], tuple[tuple[torch.Tensor, ...], dict[str, Any]]],
+    *,
+    packed: bool,
+    return_attn_probs: bool,
+) -> Result:
+    """Run ``build()`` (this shim's checks and translation), then the attention call.
+
+    A rank whose checks fail sends its reason through the attention call's rank check, where
+    its peers are waiting, so every rank raises at once (Note [Rank agreement] in api.py).
+    """
+    try:
+        tensors, options = build()
+    except (ValueError, NotImplementedError) as exc:
+        comm.agree(None, exc, what=WHAT)
+        raise  # agree raises exc on this rank; kept for the reader and for type checkers
+    q, k, v = (x.unsqueeze(0) for x in tensors) if packed else tensors
+    result = sequence_parallel_attn(q, k, v, group=comm, return_lse=True, **options)
+    assert isinstance(result, tuple)
+    out, lse = result  # (B, s, Hq, D), (B, Hq, s)
+    if packed:
+        out, lse = out[0], lse[0]  # (t, Hq, D), (Hq, t)
+    return (out, lse, None) if return_attn_probs else out
+
+
+# -- ring-flash-attention ------------------------------------------------------------------------
+def ring_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: GroupLike = None,
+    *,
+    strategy: Strategy | str = Strategy.RING,
+) -> Result:
+    """ring-flash-attention's ``ring_flash_attn_func``: rank r holds the contiguous tokens
+    ``[r*s, (r+1)*s)`` of the global sequence. See Note [Shim mapping].
+
+    Args:
+        q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``.
+        strategy: keyword only, not in the original; see :func:`tokenring.sequence_parallel_attn`.
+
+    Returns:
+        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
+        ``return_attn_probs``.
+
+    Raises:
+        NotImplementedError: dropout_p != 0 or alibi_slopes given.
+        ValueError: as :func:`tokenring.sequence_parallel_attn`.
+    """
+    comm = get_communicator(group)
+
+    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        _check_flash_options(
+            dropout_p=dropout_p,
+            softcap=0.0,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_attn_probs=return_attn_probs,
+        )
+        options = {
+            "strategy": strategy,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "layout": Layout.CONTIGUOUS,
+            "window_size": window_size,
+        }
+        return (q, k, v), options
+
+    return _attend(comm, build, packed=False, return_attn_probs=return_attn_probs)
+
+
+def zigzag_ring_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: GroupLike = None,
+    *,
+    strategy: Strategy | str = Strategy.RING,
+) -> Result:
+    """ring-flash-attention's ``zigzag_ring_flash_attn_func``: the sequence is cut into 2P
+    chunks of s/2 tokens and rank r holds chunk r followed by chunk 2P-1-r (our
+    ``layout="zigzag"``; ``tokenring.shard`` cuts it). ``causal=False`` works too (the
+    original asserts causal). See Note [Shim mapping].
+
+    Args:
+        q: ``(B, s, Hq, D)`` with s even; k, v: ``(B, s, Hkv, D)``.
+        strategy: keyword only, not in the original; see :func:`tokenring.sequence_parallel_attn`.
+
+    Returns:
+        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
+        ``return_attn_probs``.
+
+    Raises:
+        NotImplementedError: dropout_p != 0 or alibi_slopes given.
+        ValueError: an odd s, and as :func:`tokenring.sequence_parallel_attn`.
+    """
+    comm = get_communicator(group)
+
+    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        _check_flash_options(
+            dropout_p=dropout_p,
+            softcap=0.0,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_attn_probs=return_attn_probs,
+        )
+        options = {
+            "strategy": strategy,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "layout": Layout.ZIGZAG,
+            "window_size": window_size,
+        }
+        return (q, k, v), options
+
+    return _attend(comm, build, packed=False, return_attn_probs=return_attn_probs)
+
+
+def llama3_flash_attn_prepare_cu_seqlens(
+    cu_seqlens: torch.Tensor, causal: bool, rank: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int, slice]:
+    """ring-flash-attention's ``llama3_flash_attn_prepare_cu_seqlens``: the local arguments of
+    :func:`llama3_flash_attn_varlen_func` for rank ``rank``, which holds the contiguous packed
+    tokens ``[rank*L, (rank+1)*L)``, L = T / world_size.
+
+    Args:
+        cu_seqlens: ``(num_docs + 1,)`` integer tensor, the global boundaries ``(0, ..., T)``.
+        causal: whether the attention will be causal (the keys of the last document then end
+            at this rank's last token; otherwise at the document's end).
+
+    Returns:
+        ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice)``:
+        cu_seqlens_q: the documents cut to this rank's tokens, from 0 to L (cu_seqlens' dtype
+        and device); cu_seqlens_k: the same documents from the start of the first one to the
+        end of the keys; max_seqlen_q, max_seqlen_k: the longest of each (ints);
+        local_k_slice: the global token range of the keys.
+
+    Raises:
+        ValueError: cu_seqlens not a 1-D integer tensor from 0, non-decreasing; T not a
+            multiple of world_size (or 0); rank not in [0, world_size).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor; got {type(cu_seqlens).__name__}"
+        )
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
+    raw = _int_list("cu_seqlens", cu_seqlens)  # keeps empty documents, as the original does
+    total = raw[-1] if raw else 0
+    normalize_cu_seqlens(raw, total, name="cu_seqlens")  # from 0, non-decreasing
+    if total < world_size or total % world_size:
+        raise ValueError(
+            f"cu_seqlens[-1] (the packed length) must be a positive multiple of world_size="
+            f"{world_size}; got {total}"
+        )
+    length = total // world_size
+    lo, hi = rank * length, (rank + 1) * length
+    first = bisect.bisect_left(raw, lo)  # first boundary at or after this rank's start
+    if raw[first] != lo:
+        first -= 1  # the document that runs into this rank starts before it
+    last = bisect.bisect_left(raw, hi)  # first boundary at or after this rank's end
+    docs = raw[first : last + 1]  # the boundaries of every document this rank's tokens touch
+    k_start = docs[0]
+    k_stop = hi if causal else docs[-1]
+    cu_q = [0, *(b - lo for b in docs[1:-1]), length]
+    cu_k = [0, *(b - k_start for b in docs[1:-1]), k_stop - k_start]
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+
+    return (
+        as_tensor(cu_q),
+        as_tensor(cu_k),
+        _longest(cu_q),
+        _longest(cu_k),
+        slice(k_start, k_stop),
+    )
+
+
+def _longest(bounds: Sequence[int]) -> int:
+    """The longest document of boundaries ``(0, ..., T)``."""
+    return max(b - a for a, b in itertools.pairwise(bounds))
+
+
+def _int_list(name: str, x: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor; got dtype {x.dtype}, shape {tuple(x.shape)}"
+            )
+        return [int(b) for b in x.tolist()]
+    try:
+        return [operator.index(b) for b in x]
+    except TypeError:
+        raise ValueError(
+            f"{name} must be a 1-D integer tensor or a list of ints; got {x!r}"
+        ) from None
+
+
+def _all_gather_large(comm: Communicator, data: bytes, *, what: str) -> list[bytes]:
+    """``Communicator.all_gather_bytes`` for data of any size: frames of the largest size it
+    takes, as many rounds as the longest rank needs (every rank learns that from round one)."""
+    room = AGREE_FRAME_NUM_BYTES - 16  # all_gather_bytes takes FRAME - 8; 8 more: our length
+    rows = comm.all_gather_bytes(struct.pack("<q", len(data)) + data[:room], what=what)
+    sizes = [struct.unpack("<q", row[:8])[0] for row in rows]
+    parts = [[row[8:]] for row in rows]
+    for i in range(1, -(-max(sizes) // room)):
+        for r, row in enumerate(comm.all_gather_bytes(data[i * room : (i + 1) * room], what=what)):
+            parts[r].append(row)
+    return [b"".join(p) for p in parts]
+
+
+def _llama3_global_cu_seqlens(
+    comm: Communicator, local: dict[str, Any] | None, problem: Exception | None, causal: bool
+) -> tuple[int, ...]:
+    """The global boundaries ``(0, ..., T)`` from every rank's prepared values; every rank
+    raises the same ValueError when a rank's values are not what
+    :func:`llama3_flash_attn_prepare_cu_seqlens` gives for it (a rank whose own checks failed
+    re-raises its error; the others name it)."""
+    mine = {"invalid": str(problem)} if local is None else local
+    rows = [
+        json.loads(b)
+        for b in _all_gather_large(comm, json.dumps(mine).encode(), what="the llama3 boundaries")
+    ]
+    if problem is not None:
+        raise problem
+    invalid = [(r, row["invalid"]) for r, row in enumerate(rows) if "invalid" in row]
+    if invalid:
+        raise ValueError(
+            "; ".join(f"rank {r} cannot run this attention call: {why}" for r, why in invalid)
+        )
+    lengths = {row["length"] for row in rows}
+    if len(lengths) != 1:
+        raise ValueError(
+            "every rank must hold the same number of tokens (q.shape[0]) for "
+            f"llama3_flash_attn_varlen_func; got {[row['length'] for row in rows]} by rank"
+        )
+    length = lengths.pop()
+    total = length * comm.world_size
+    # Every boundary b is seen by the rank whose tokens hold it: as the start of its keys when
+    # b is that rank's first token, else as an inner boundary of its documents.
+    found = {0, total}
+    for row in rows:
+        start = row["k_start"]
+        found |= {start} | {start + b for b in row["cu_k"][1:-1]}
+    bounds = tuple(sorted(b for b in found if 0 <= b <= total))
+    cu = torch.tensor(bounds, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        cu_q, cu_k, _, _, k_slice = llama3_flash_attn_prepare_cu_seqlens(
+            cu, causal, r, comm.world_size
+        )
+        expected = {
+            "cu_seqlens_q": sorted(set(cu_q.tolist())),
+            "cu_seqlens_k": sorted(set(cu_k.tolist())),
+            "local_k_slice": [k_slice.start, k_slice.stop],
+        }
+        got = {
+            "cu_seqlens_q": sorted(set(row["cu_q"])),
+            "cu_seqlens_k": sorted(set(row["cu_k"])),
+            "local_k_slice": [row["k_start"], row["k_stop"]],
+        }
+        diffs = [
+            f"{name} {got[name]} (expected {expected[name]})"
+            for name in expected
+            if got[name] != expected[name]
+        ]
+        if diffs:
+            raise ValueError(
+                f"rank {r} passed " + ", ".join(diffs) + " : not what "
+                f"llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal={causal}, rank={r}, "
+                f"world_size={comm.world_size}) gives for the document boundaries the ranks "
+                f"hold together, {list(bounds)} (prepared for another rank, world size or "
+                "causal?)"
+            )
+    return bounds
+
+
+def llama3_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    heads_k_stride: int,
+    local_k_slice: slice,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: GroupLike = None,
+    *,
+    strategy: Strategy | str = Strategy.ALLGATHER_KV,
+) -> Result:
+    """ring-flash-attention's ``llama3_flash_attn_varlen_func``: packed documents, rank r
+    holding the contiguous tokens ``[r*L, (r+1)*L)`` of T = P*L, with the local values of
+    :func:`llama3_flash_attn_prepare_cu_seqlens`. See Note [Shim mapping].
+
+    Args:
+        q: ``(L, Hq, D)``; k, v: ``(L, Hkv, D)``.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice: as
+            :func:`llama3_flash_attn_prepare_cu_seqlens` returns them for this rank and
+            ``causal``; the max lengths may be larger (upper bounds).
+        heads_k_stride: must divide Hkv; unused otherwise.
+        strategy: keyword only, not in the original; see :func:`tokenring.sequence_parallel_attn`.
+
+    Returns:
+        out ``(L, Hq, D)``, or ``(out, softmax_lse (Hq, L), None)`` with ``return_attn_probs``.
+
+    Raises:
+        NotImplementedError: dropout_p != 0 or alibi_slopes given.
+        ValueError: on every rank: local values that do not fit together (see Note [Shim
+            mapping]); ranks holding different numbers of tokens; and as
+            :func:`tokenring.sequence_parallel_attn`.
+    """
+    comm = get_communicator(group)
+    local: dict[str, Any] | None = None
+    problem: Exception | None = None
+    try:
+        _check_flash_options(
+            dropout_p=dropout_p,
+            softcap=0.0,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_attn_probs=return_attn_probs,
+        )
+        _check_packed(q, k, v)
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be a bool; got {causal!r}")
+        hkv = k.shape[1]
+        if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
+            raise ValueError(
+                f"heads_k_stride must be an int dividing heads_kv; got {heads_k_stride!r}"
+            )
+        if heads_k_stride < 1 or hkv % heads_k_stride:
+            raise ValueError(f"heads_k_stride must divide heads_kv={hkv}; got {heads_k_stride}")
+        if not (
+            isinstance(local_k_slice, slice)
+            and all(isinstance(x, int) for x in (local_k_slice.start, local_k_slice.stop))
+            and local_k_slice.step in (None, 1)
+        ):
+            raise ValueError(
+                f"local_k_slice must be a slice(start, stop) of ints; got {local_k_slice!r}"
+            )
+        cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
+        cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
+        if len(cu_q) < 2 or cu_q[0] != 0 or cu_q[-1] != q.shape[0]:
+            raise ValueError(
+                f"cu_seqlens_q must run from 0 to q.shape[0]={q.shape[0]} (this rank's tokens); "
+                f"got {cu_q}"
+            )
+        if len(cu_k) != len(cu_q):
+            raise ValueError(
+                f"cu_seqlens_k must have as many entries as cu_seqlens_q ({len(cu_q)}); got {cu_k}"
+            )
+        for name, bound, values in (
+            ("max_seqlen_q", max_seqlen_q, cu_q),
+            ("max_seqlen_k", max_seqlen_k, cu_k),
+        ):
+            longest = _longest(values)
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < longest:
+                raise ValueError(
+                    f"{name} must be an int >= the longest document of cu_seqlens_"
+                    f"{name[-1]} ({longest}); got {bound!r}"
+                )
+        local = {
+            "length": q.shape[0],
+            "cu_q": cu_q,
+            "cu_k": cu_k,
+            "k_start": local_k_slice.start,
+            "k_stop": local_k_slice.stop,
+        }
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    bounds = _llama3_global_cu_seqlens(comm, local, problem, causal)
+
+    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        options = {
+            "strategy": strategy,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "layout": Layout.CONTIGUOUS,
+            "window_size": window_size,
+            "cu_seqlens": bounds,
+        }
+        return (q, k, v), options
+
+    return _attend(comm, build, packed=True, return_attn_probs=return_attn_probs)
+
+
+# -- flash-attn ----------------------------------------------------------------------------------
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    strategy: Strategy | str = Strategy.TOKEN_RING,
+    seq_len: int | None = None,
+) -> Result:
+    """flash-attn's ``flash_attn_func`` over a sequence sharded across ``group``: each rank
+    passes its shard and gets its rows of attention over the global sequence. See Note [Shim
+    mapping].
+
+    Args:
+        q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``.
+        group, layout, strategy, seq_len: keyword only, not in the original; see
+            :func:`tokenring.sequence_parallel_attn` (``seq_len``: the global S of uneven
+            shards).
+
+    Returns:
+        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
+        ``return_attn_probs``.
+
+    Raises:
+        NotImplementedError: dropout_p != 0, softcap > 0 or alibi_slopes given.
+        ValueError: as :func:`tokenring.sequence_parallel_attn`.
+    """
+    comm = get_communicator(group)
+
+    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        _check_flash_options(
+            dropout_p=dropout_p,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_attn_probs=return_attn_probs,
+        )
+        options = {
+            "strategy": strategy,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "layout": layout,
+            "window_size": window_size,
+            "seq_len": seq_len,
+        }
+        return (q, k, v), options
+
+    return _attend(comm, build, packed=False, return_attn_probs=return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    group: GroupLike = None,
+    layout: Layout | str = Layout.CONTIGUOUS,
+    strategy: Strategy | str = Strategy.TOKEN_RING,
+) -> Result:
+    """flash-attn's ``flash_attn_varlen_func`` over packed documents sharded across ``group``.
+
+    ``cu_seqlens_q`` (equal to ``cu_seqlens_k``) holds the *global* boundaries ``(0, ..., T)``,
+    the value one process would pass; each rank passes its shard of the packed tokens, as
+    ``tokenring.shard(x, rank=..., world_size=..., layout=..., seq_dim=0, cu_seqlens=...)``
+    cuts it (any T; zigzag: every document on its own). See Note [Shim mapping].
+
+    Args:
+        q: ``(t, Hq, D)``; k, v: ``(t, Hkv, D)``.
+        max_seqlen_q, max_seqlen_k: at least the longest document.
+        group, layout, strategy: keyword only, not in the original; see
+            :func:`tokenring.sequence_parallel_attn`.
+
+    Returns:
+        out ``(t, Hq, D)``, or ``(out, softmax_lse (Hq, t), None)`` with ``return_attn_probs``.
+
+    Raises:
+        NotImplementedError: dropout_p != 0, softcap > 0, alibi_slopes or block_table given;
+            cu_seqlens_k different from cu_seqlens_q (cross-attention).
+        ValueError: malformed cu_seqlens; max_seqlen below the longest document; a t that is
+            not this rank's share; and as :func:`tokenring.sequence_parallel_attn`.
+    """
+    comm = get_communicator(group)
+
+    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        _check_flash_options(
+            dropout_p=dropout_p,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_attn_probs=return_attn_probs,
+        )
+        if block_table is not None:
+            raise NotImplementedError("block_table (a paged KV cache) is not supported (pass None)")
+        _check_packed(q, k, v)
+        cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
+        cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
+        if cu_q != cu_k:
+            raise NotImplementedError(
+                "cu_seqlens_k must equal cu_seqlens_q (self-attention over the same packed "
+                f"documents); got {cu_q} and {cu_k}"
+            )
+        seq_len = cu_q[-1] if cu_q else -1
+        bounds = normalize_cu_seqlens(cu_q, max(seq_len, 0), name="cu_seqlens_q")
+        longest = _longest(bounds)
+        for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < longest:
+                raise ValueError(
+                    f"{name} must be an int >= the longest document ({longest}); got {bound!r}"
+                )
+        sharding = make_sharding(
+            layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=bounds
+        )
+        expected = sharding.local_len(comm.rank)
+        if q.shape[0] != expected:
+            raise ValueError(
+                f"q.shape[0] must be {expected} on rank {comm.rank}: its share of the "
+                f"{seq_len} packed tokens of cu_seqlens_q under layout "
+                f"'{sharding.layout.value}' (see tokenring.shard with seq_dim=0); got "
+                f"{q.shape[0]}"
+            )
+        options = {
+            "strategy": strategy,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "layout": layout,
+            "window_size": window_size,
+            "seq_len": seq_len,
+            "cu_seqlens": bounds,
+        }
+        return (q, k, v), options
+
+    return _attend(comm, build, packed=True, return_attn_probs=return_attn_probs)
