@@ -5,6 +5,12 @@ cd "$(dirname "$0")/.."
 # torch is the one required dependency; take the CPU build (2.13.0 is on disk on the project's
 # CI machines) only when no torch is installed, so a GPU build already present is kept.
 python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
+# The distribution was called "tokenring" before it became "tokenring-attention": an old
+# editable install of this project under that name would shadow this checkout, so drop it
+# (only when it is ours: PyPI's "tokenring" is an unrelated project).
+if python -m pip show tokenring 2>/dev/null | grep -q "^Summary: Sequence-parallel attention"; then
+  python -m pip uninstall --quiet --yes tokenring
+fi
 python -m pip install --quiet -e ".[test,hf]"
 ruff check src tests
 ruff format --check src tests
