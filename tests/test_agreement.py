@@ -63,17 +63,37 @@ def _case(case: str, out_dir: str) -> None:
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
 
 
+def _cases(cases: list[str], out_dir: str) -> None:
+    """Several cases one after the other in the same ranks (each on a fresh communicator)."""
+    for case in cases:
+        Path(out_dir, case).mkdir(exist_ok=True)
+        _case(case, str(Path(out_dir, case)))
+
+
+def _results(out_dir: Path) -> dict[int, dict]:
+    return {int(p.stem): json.loads(p.read_text()) for p in out_dir.glob("*.json")}
+
+
 def _run(case: str, tmp_path: Path, *, allow_launch_error: bool = False) -> dict[int, dict]:
     try:
         tokenring.launch(_case, case, str(tmp_path), world_size=4, timeout_s=90, pg_timeout_s=60)
     except LaunchError:
         if not allow_launch_error:
             raise
-    return {int(p.stem): json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    return _results(tmp_path)
 
 
-def test_an_option_on_one_rank_fails_on_every_rank_naming_it(tmp_path: Path) -> None:
-    results = _run("splits", tmp_path)
+@pytest.fixture(scope="module")
+def raising_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
+    """The cases that end in a ValueError on every rank share one launch."""
+    out_dir = tmp_path_factory.mktemp("raising")
+    cases = ["splits", "bad input"]
+    tokenring.launch(_cases, cases, str(out_dir), world_size=4, timeout_s=90, pg_timeout_s=60)
+    return {case: _results(out_dir / case) for case in cases}
+
+
+def test_an_option_on_one_rank_fails_on_every_rank_naming_it(raising_cases: dict) -> None:
+    results = raising_cases["splits"]
     assert sorted(results) == [0, 1, 2, 3]
     for r in results.values():
         assert not r["ok"] and r["type"] == "ValueError"
@@ -138,8 +158,8 @@ def test_a_receive_checks_the_bytes_that_arrived(case: str, expected: str) -> No
     assert expected in message
 
 
-def test_bad_input_on_some_ranks_fails_everywhere_within_seconds(tmp_path: Path) -> None:
-    results = _run("bad input", tmp_path)
+def test_bad_input_on_some_ranks_fails_everywhere_within_seconds(raising_cases: dict) -> None:
+    results = raising_cases["bad input"]
     reasons = {
         1: "heads_kv must divide heads_q; got heads_q=4, heads_kv=3",
         2: "q.shape[1] (seq_local) must be even for layout 'zigzag'",
@@ -175,6 +195,12 @@ def test_a_dead_rank_is_named_at_once(tmp_path: Path) -> None:
         assert r["elapsed_s"] < 2.5
 
 
+def _cache_cases(cases: list[str], out_dir: str) -> None:
+    for case in cases:
+        Path(out_dir, case).mkdir(exist_ok=True)
+        _cache_case(case, str(Path(out_dir, case)))
+
+
 def _cache_case(case: str, out_dir: str) -> None:
     """The cached (inference) path agrees the same way: begin_step and cached_attn."""
     from tokenring.inference import cached_attn
@@ -208,7 +234,7 @@ def _cache_case(case: str, out_dir: str) -> None:
 
 
 def test_cached_path_agrees_before_it_communicates(tmp_path: Path) -> None:
-    for case, own, others in (
+    expectations = (
         (
             "step",
             {2: "new must be 1 ints >= 0 (new tokens per sequence); got (-1,)"},
@@ -225,11 +251,12 @@ def test_cached_path_agrees_before_it_communicates(tmp_path: Path) -> None:
             "ranks disagree on this cached attention call: strategy: rank 0 has pass_q, rank 1 "
             "has pass_kv",
         ),
-    ):
+    )
+    cases = [case for case, _, _ in expectations]
+    tokenring.launch(_cache_cases, cases, str(tmp_path), world_size=4, timeout_s=90)
+    for case, own, others in expectations:
         out_dir = tmp_path / case
-        out_dir.mkdir()
-        tokenring.launch(_cache_case, case, str(out_dir), world_size=4, timeout_s=90)
-        results = {int(p.stem): json.loads(p.read_text()) for p in out_dir.glob("*.json")}
+        results = _results(out_dir)
         assert sorted(results) == [0, 1, 2, 3]
         for rank, r in results.items():
             assert not r["ok"] and r["type"] == "ValueError", (case, r)
