@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,14 @@ from typing import Any
 
 import pytest
 
-from tokenring.netlab import Lab, LabConfig, Topology, _ring_next_hop, lab_unavailable_reason
+from tokenring.netlab import (
+    Lab,
+    LabConfig,
+    Topology,
+    _ring_next_hop,
+    lab_unavailable_reason,
+    remove_stale_labs,
+)
 
 _UNAVAILABLE = lab_unavailable_reason()
 
@@ -90,7 +98,9 @@ def test_lab_names_addresses_and_env_before_enter() -> None:
     lab = Lab(LabConfig(world_size=3, rate_bits_per_s=1e8, topology=Topology.SWITCH))
     assert len(lab.namespaces) == 4  # three ranks and the switch
     assert len(set(lab.namespaces)) == 4
-    assert all(str(os.getpid()) in ns for ns in lab.namespaces)
+    # Owner PID and start time: a later lab can tell whether the owner still runs.
+    owner = rf"tokenring-{os.getpid()}-\d+-[0-9a-f]{{6}}-"
+    assert all(re.fullmatch(owner + r"(\d|switch)", ns) for ns in lab.namespaces), lab.namespaces
     assert [lab.address(r) for r in range(3)] == ["10.201.0.1", "10.201.0.2", "10.201.0.3"]
     assert lab.env(2) == {"GLOO_SOCKET_IFNAME": lab.interface(2), "MASTER_ADDR": "10.201.0.1"}
     assert lab.wrap_command(1, ["python", "-V"]) == [
@@ -359,14 +369,17 @@ class TestLab:
             sys.modules["netlab"] = netlab
             spec.loader.exec_module(netlab)
             config = netlab.LabConfig(world_size=2, rate_bits_per_s=1e8, topology="ring")
-            with netlab.Lab(config) as lab:
-                registered = subprocess.Popen(lab.wrap_command(0, ["sleep", "60"]))
-                lab.register_pid(registered.pid)
-                unregistered = subprocess.Popen(lab.wrap_command(1, ["sleep", "60"]))
-                time.sleep(0.2)  # let `ip netns exec` enter the namespace
-                pids = [registered.pid, unregistered.pid]
-                print(json.dumps({"names": lab.namespaces, "pids": pids}), flush=True)
-                time.sleep(60)
+            try:
+                with netlab.Lab(config) as lab:
+                    registered = subprocess.Popen(lab.wrap_command(0, ["sleep", "60"]))
+                    lab.register_pid(registered.pid)
+                    unregistered = subprocess.Popen(lab.wrap_command(1, ["sleep", "60"]))
+                    time.sleep(0.2)  # let `ip netns exec` enter the namespace
+                    pids = [registered.pid, unregistered.pid]
+                    print(json.dumps({"names": lab.namespaces, "pids": pids}), flush=True)
+                    time.sleep(60)
+            finally:
+                print("the caller's clean-up ran", file=sys.stderr)
             """
         )
         netlab_path = Path(__file__).parents[1] / "src" / "tokenring" / "netlab.py"
@@ -395,12 +408,74 @@ class TestLab:
                 for name in set(started["names"]) & _existing_namespaces():
                     subprocess.run(["ip", "netns", "del", name], timeout=10, check=False)
         # After teardown the previous handler ran: Python's KeyboardInterrupt for SIGINT (an
-        # uncaught one ends the process with SIGINT), the default action for SIGTERM.
-        assert proc.returncode == -signum, err
+        # uncaught one ends the process with SIGINT); for SIGTERM, whose default action would
+        # skip the caller's clean-up, SystemExit with the status a shell gives it.
+        expected = -signum if signum == signal.SIGINT else 128 + signum
+        assert proc.returncode == expected, err
         assert ("KeyboardInterrupt" in err) == (signum == signal.SIGINT), err
+        assert "the caller's clean-up ran" in err, err
         assert not names & _existing_namespaces()
         # Both sleeps were ended, registered or not.
         deadline = time.monotonic() + 5
         while any(_running(pid) for pid in started["pids"]):
             assert time.monotonic() < deadline, f"still running: {started['pids']}"
             time.sleep(0.05)
+
+    def test_next_lab_removes_a_killed_owners_lab(self) -> None:
+        # The owner is SIGKILLed: no teardown runs. A process left inside (not registered)
+        # keeps running. Before: nothing ever removed either.
+        script = textwrap.dedent(
+            """
+            import importlib.util, json, subprocess, sys, time
+            spec = importlib.util.spec_from_file_location("netlab", sys.argv[1])
+            netlab = importlib.util.module_from_spec(spec)
+            sys.modules["netlab"] = netlab
+            spec.loader.exec_module(netlab)
+            config = netlab.LabConfig(world_size=2, rate_bits_per_s=1e8, topology="switch")
+            with netlab.Lab(config) as lab:
+                inside = subprocess.Popen(lab.wrap_command(1, ["sleep", "60"]))
+                time.sleep(0.2)  # let `ip netns exec` enter the namespace
+                print(json.dumps({"names": lab.namespaces, "pid": inside.pid}), flush=True)
+                time.sleep(60)
+            """
+        )
+        netlab_path = Path(__file__).parents[1] / "src" / "tokenring" / "netlab.py"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(netlab_path)], stdout=subprocess.PIPE, text=True
+        )
+        started: dict[str, Any] = {"names": [], "pid": 0}
+        try:
+            assert proc.stdout is not None
+            started = json.loads(proc.stdout.readline() or "{}")
+            names = set(started["names"])
+            assert len(names) == 3  # two ranks and the switch
+            proc.kill()
+            proc.wait(timeout=10)
+            assert names <= _existing_namespaces()
+            assert _running(started["pid"])
+            config = LabConfig(world_size=2, rate_bits_per_s=RATE_BITS_PER_S, topology="mesh")
+            with (
+                pytest.warns(RuntimeWarning, match="owner process is gone") as caught,
+                Lab(config) as lab,
+            ):
+                assert not names & _existing_namespaces()
+                assert set(lab.namespaces) <= _existing_namespaces()  # its own lab is built
+            assert all(name in str(caught[0].message) for name in names)
+            deadline = time.monotonic() + 5
+            while _running(started["pid"]):
+                assert time.monotonic() < deadline, "the process inside the stale lab runs on"
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+            if started["pid"] and _running(started["pid"]):
+                os.kill(started["pid"], signal.SIGKILL)
+            for name in set(started["names"]) & _existing_namespaces():
+                subprocess.run(["ip", "netns", "del", name], timeout=10, check=False)
+
+    def test_live_labs_are_not_stale(self) -> None:
+        config = LabConfig(world_size=2, rate_bits_per_s=RATE_BITS_PER_S, topology=Topology.MESH)
+        with Lab(config) as lab:
+            assert remove_stale_labs() == []
+            assert set(lab.namespaces) <= _existing_namespaces()

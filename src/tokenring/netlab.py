@@ -4,7 +4,9 @@ This module owns the lab that ``tokenring bench --link`` runs in: one Linux netw
 per rank, virtual Ethernet (veth) links between them shaped with a token bucket (``tc tbf``) to
 a set rate, and the addressing that lets gloo connect the ranks. It builds the lab, tells the
 caller how to start a rank inside it (``wrap_command``, ``env``) and tears it down again on
-normal exit, on error and on SIGINT/SIGTERM. It does not start ranks or time anything itself.
+normal exit, on error and on SIGINT/SIGTERM. A lab whose owner died without tearing down
+(SIGKILL) is removed by the next lab that starts: namespace names carry the owner's PID and
+start time. It does not start ranks or time anything itself.
 
 Needs Linux, root (or CAP_NET_ADMIN plus CAP_SYS_ADMIN), ``ip``/``tc`` from iproute2 and
 ``sysctl``; ``lab_unavailable_reason()`` says what is missing.
@@ -63,7 +65,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["Lab", "LabConfig", "Topology", "lab_unavailable_reason"]
+__all__ = ["Lab", "LabConfig", "Topology", "lab_unavailable_reason", "remove_stale_labs"]
 
 _IDENT_DEVICE = "tr-ident"  # holds the identity address inside every rank namespace
 _SWITCH_UPLINK = "tr-sw"  # rank end of the veth into the switch
@@ -77,6 +79,9 @@ _KILL_GRACE_S = 2.0
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
 _CONGESTION_CONTROL_RE = re.compile(r"[a-z][a-z0-9_]*")
+# tokenring-[probe-]<owner pid>-<owner start time>-<random>[-<rank>|-switch]; names made
+# before the start time was added lack it (then only the PID is checked).
+_NAME_RE = re.compile(r"tokenring-(?:probe-)?(\d+)-(?:(\d+)-)?[0-9a-f]{6}(?:-\d+|-switch)?")
 
 
 class Topology(enum.Enum):
@@ -197,6 +202,94 @@ def _process_start_time(pid: int) -> int | None:
     return None if state in ("Z", "X") else int(start)
 
 
+def _owner_tag() -> str:
+    """``<pid>-<start time>`` of this process: names its namespaces so that a later lab can
+    tell whether the owner still runs (a reused PID has another start time)."""
+    return f"{os.getpid()}-{_process_start_time(os.getpid())}"
+
+
+def _pids_inside(namespaces: Sequence[str]) -> set[int]:
+    """Live processes whose network namespace is one of ``namespaces`` (this one excluded)."""
+    inodes = set()
+    for ns in namespaces:
+        with contextlib.suppress(OSError):
+            inodes.add(os.stat(os.path.join(_NETNS_DIR, ns)).st_ino)
+    pids: set[int] = set()
+    if inodes:
+        for entry in os.listdir("/proc"):
+            # A zombie's namespaces are released already, so stat fails and it is skipped.
+            with contextlib.suppress(OSError, ValueError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+                    pids.add(int(entry))
+    pids.discard(os.getpid())
+    return pids
+
+
+def _end_processes(find: Callable[[], set[int]]) -> None:
+    """SIGTERM what ``find()`` returns, then SIGKILL what is left, each with a grace time."""
+    for sig, grace_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, _KILL_GRACE_S)):
+        pids = find()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while find() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _delete_namespaces(namespaces: Sequence[str]) -> list[str]:
+    """End the processes inside, delete the namespaces (their links and qdiscs go with
+    them); returns those that still exist."""
+    # Also the processes inside: a namespace that still holds one loses its name on delete
+    # but lives on, and so do its links.
+    _end_processes(lambda: _pids_inside(namespaces))
+    leftovers = []
+    for ns in namespaces:
+        if os.path.exists(os.path.join(_NETNS_DIR, ns)):
+            subprocess.run(
+                ["ip", "netns", "del", ns], capture_output=True, timeout=_COMMAND_TIMEOUT_S
+            )
+        if os.path.exists(os.path.join(_NETNS_DIR, ns)):
+            leftovers.append(ns)
+    return leftovers
+
+
+def remove_stale_labs() -> list[str]:
+    """Delete the namespaces of labs whose owner process is gone, and what runs inside them.
+
+    A lab owner killed with SIGKILL cannot tear down; its namespaces (with their links,
+    qdiscs and any process left in them) stay until this runs. ``Lab`` calls it on enter.
+    A lab of a live process is never touched. Needs what ``Lab`` needs.
+
+    Returns:
+        The names of the namespaces deleted.
+
+    Raises:
+        RuntimeError: a stale namespace could not be deleted.
+    """
+    try:
+        names = os.listdir(_NETNS_DIR)
+    except FileNotFoundError:
+        return []
+    stale = []
+    for name in sorted(names):
+        match = _NAME_RE.fullmatch(name)
+        if match is None:
+            continue
+        pid, start = int(match[1]), match[2]
+        now = _process_start_time(pid)
+        if now is None or (start is not None and int(start) != now):
+            stale.append(name)
+    if not stale:
+        return []
+    leftovers = _delete_namespaces(stale)
+    if leftovers:
+        raise RuntimeError(f"netlab: could not delete stale lab namespaces {leftovers}")
+    return stale
+
+
 def lab_unavailable_reason() -> str | None:
     """Say why a ``Lab`` cannot be built here, or None when it can.
 
@@ -215,7 +308,7 @@ def lab_unavailable_reason() -> str | None:
     caps = _capabilities_effective()
     if os.geteuid() != 0 and not (caps >> _CAP_NET_ADMIN & 1 and caps >> _CAP_SYS_ADMIN & 1):
         return "netlab needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces"
-    probe = f"tokenring-probe-{os.getpid()}-{secrets.token_hex(3)}"
+    probe = f"tokenring-probe-{_owner_tag()}-{secrets.token_hex(3)}"
     try:
         _run(["ip", "netns", "add", probe])
     except RuntimeError as e:
@@ -367,10 +460,13 @@ class Lab:
                 lab.register_pid(proc.pid)
             ...
 
-    Namespace names are ``tokenring-<pid>-<random>-<rank>`` (and ``...-switch``), so concurrent
-    labs never collide. A lab is single-use. While it is active (between enter and exit) and
-    entered from the main thread, SIGINT and SIGTERM first tear it down and then run the handler
-    that was installed before.
+    Namespace names are ``tokenring-<pid>-<start time>-<random>-<rank>`` (and ``...-switch``)
+    of the owning process, so concurrent labs never collide and a lab whose owner is gone is
+    recognised: entering a lab first removes those (``remove_stale_labs``, with a
+    RuntimeWarning naming them). A lab is single-use. While it is active (between enter and
+    exit) and entered from the main thread, SIGINT and SIGTERM first tear it down and then run
+    the handler that was installed before; where that is the default action, they raise
+    ``SystemExit(128 + signum)`` instead, so that the caller's own clean-up runs too.
 
     Args:
         config: What to emulate.
@@ -378,7 +474,7 @@ class Lab:
 
     def __init__(self, config: LabConfig) -> None:
         self._config = config
-        prefix = f"tokenring-{os.getpid()}-{secrets.token_hex(3)}"
+        prefix = f"tokenring-{_owner_tag()}-{secrets.token_hex(3)}"
         self._rank_names = tuple(f"{prefix}-{r}" for r in range(config.world_size))
         self._switch_name = f"{prefix}-switch" if config.topology is Topology.SWITCH else None
         self._created: list[str] = []  # namespaces that may exist; emptied by teardown
@@ -468,6 +564,13 @@ class Lab:
         self._install_signal_handlers()
         atexit.register(self._teardown)
         try:
+            removed = remove_stale_labs()
+            if removed:
+                warnings.warn(
+                    f"netlab: removed namespaces of labs whose owner process is gone: {removed}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             self._build()
         except BaseException:
             self._close(exc_in_flight=True)
@@ -518,48 +621,16 @@ class Lab:
         self._state = "closed"
         if not self._created:
             return []
-        self._end_processes_inside()
-        leftovers = []
-        for ns in list(self._created):
-            if os.path.exists(os.path.join(_NETNS_DIR, ns)):
-                subprocess.run(
-                    ["ip", "netns", "del", ns], capture_output=True, timeout=_COMMAND_TIMEOUT_S
-                )
-            if os.path.exists(os.path.join(_NETNS_DIR, ns)):
-                leftovers.append(ns)
-            else:
-                self._created.remove(ns)
+        _end_processes(self._pids_to_end)
+        leftovers = _delete_namespaces(self._created)
+        self._created = [ns for ns in self._created if ns in leftovers]
         return leftovers
 
     def _pids_to_end(self) -> set[int]:
         """Live registered processes, and live processes inside one of this lab's namespaces."""
         pids = {pid for pid, start in self._pids.items() if _process_start_time(pid) == start}
-        inodes = set()
-        for ns in self._created:
-            with contextlib.suppress(OSError):
-                inodes.add(os.stat(os.path.join(_NETNS_DIR, ns)).st_ino)
-        if inodes:
-            for entry in os.listdir("/proc"):
-                # A zombie's namespaces are released already, so stat fails and it is skipped.
-                with contextlib.suppress(OSError, ValueError):
-                    if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
-                        pids.add(int(entry))
         pids.discard(os.getpid())
-        return pids
-
-    def _end_processes_inside(self) -> None:
-        # Also the unregistered ones inside: a namespace that still holds a process loses its
-        # name on delete but lives on, and so do its links.
-        for sig, grace_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, _KILL_GRACE_S)):
-            pids = self._pids_to_end()
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + grace_s
-            while self._pids_to_end() and time.monotonic() < deadline:
-                time.sleep(0.02)
+        return pids | _pids_inside(self._created)
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -589,5 +660,6 @@ class Lab:
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            # The default action would end the process on the spot, skipping the caller's
+            # own clean-up (temp dirs, ranks); end it through the finally clauses instead.
+            raise SystemExit(128 + signum)
