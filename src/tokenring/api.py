@@ -10,18 +10,20 @@ Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import math
 import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tokenring.comm import Communicator
+from tokenring.comm import Communicator, destroy_idle_groups
 from tokenring.costmodel import Hardware
 from tokenring.kernels import BlockKernel, select_kernel
 from tokenring.layout import Layout, Sharding, make_sharding, validate_seq_local
@@ -33,6 +35,7 @@ __all__ = [
     "SequenceParallelAttention",
     "allgather_kv_attn",
     "bidir_ring_attn",
+    "close_communicators",
     "get_communicator",
     "resolve_strategy",
     "ring_attn",
@@ -42,22 +45,29 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_COMMUNICATORS: dict[Any, Communicator] = {}  # cache: one per process group, built on first use
+# One communicator per live process group, built on first use. An entry goes when its group
+# is destroyed (checked on every lookup) and at interpreter exit; see close_communicators.
+_COMMUNICATORS: dict[dist.ProcessGroup, Communicator] = {}
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
 
 
 def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None) -> Communicator:
     """The communicator for ``group``: a ProcessGroup, a 1-D DeviceMesh, a Communicator (used
-    as is) or None (the default group). Built once per group and reused.
+    as is) or None (the default group). Built once per group and reused while the group
+    lives: once ``torch.distributed.destroy_process_group`` destroyed the group, the next call
+    closes its communicator and forgets it (a communicator over the same ranks reuses its
+    channel groups: Note [Channel pool] in tokenring.comm).
 
     Args:
-        timeout_s: per-transfer timeout when the communicator is built here (default 300 s);
-            ``tokenring.init_distributed`` and ``tokenring.launch`` build the default group's
-            communicator with their process-group timeout.
+        timeout_s: how long any transfer or collective of the group's communicator may take
+            from now on (when it is built here: default 300 s). ``tokenring.init_distributed``
+            and ``tokenring.launch`` build the default group's communicator with their
+            process-group timeout.
 
     Raises:
         ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
+        RuntimeError: torch.distributed is not initialised.
     """
     if isinstance(group, Communicator):
         return group
@@ -75,12 +85,40 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
             "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "
             f"got {type(group).__name__}"
         )
-    key = group if group is not None else "default"
-    comm = _COMMUNICATORS.get(key)
+    for cached in [c for c in _COMMUNICATORS.values() if not c.group_alive]:
+        del _COMMUNICATORS[cached.group]
+        cached.close()
+    key = group if group is not None else dist.group.WORLD  # None: not initialised
+    comm = _COMMUNICATORS.get(key) if key is not None else None
     if comm is None:
         comm = Communicator(group, timeout_s=timeout_s if timeout_s is not None else 300.0)
-        _COMMUNICATORS[key] = comm
+        _COMMUNICATORS[comm.group] = comm
+    elif timeout_s is not None:
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
+        comm.timeout = timedelta(seconds=timeout_s)
     return comm
+
+
+def close_communicators() -> None:
+    """Close every communicator ``get_communicator`` built, forget them, and destroy the
+    channel process groups they made (never the groups passed in, which belong to the
+    caller; Note [Channel pool] in tokenring.comm).
+
+    Call it before ``torch.distributed.destroy_process_group()`` when a program ends
+    (``tokenring.launch`` does); it also runs at interpreter exit. Either way no gloo worker
+    thread of the library outlives the interpreter: one still alive while Python finalises
+    can abort the process ("terminate called without an active exception") after every
+    result was right (Note [Clean exit] in tokenring.launch).
+    """
+    cached = list(_COMMUNICATORS.values())
+    _COMMUNICATORS.clear()
+    for comm in cached:
+        comm.close()
+    destroy_idle_groups()
+
+
+atexit.register(close_communicators)
 
 
 def _device_mesh_class() -> type | None:

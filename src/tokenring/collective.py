@@ -4,7 +4,10 @@ This module owns both strategies end to end: their pure schedules
 (:func:`build_collective_schedule`, plain data the cost model reads like the ring schedules,
 routed the way the backend's collectives route; Note [Collective routing]), their runtime on
 ``torch.distributed`` collectives over ``comm.group``, and their autograd wiring
-(:func:`run_collective`, called by the public API after validation). Every message is
+(:func:`run_collective`, called by the public API after validation). The collectives go
+through the communicator (``comm.all_to_all_single``, ``comm.all_gather_into_tensor``), so
+each is bounded by ``comm.timeout`` and fails naming itself, the rank and the group. Every
+message is
 counted in ``comm.counter`` per flow and destination as the backend puts it on the wire, and
 the schedule's transfers add up to the same bytes.
 
@@ -164,7 +167,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tokenring.comm import Communicator, Event
 from tokenring.costmodel import CollectiveRouting
@@ -469,42 +471,6 @@ def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Ten
     return out
 
 
-class _PendingCollective:
-    """A posted collective; ``wait()`` fails with this rank's view instead of hanging."""
-
-    def __init__(self, comm: Communicator, work: Any, label: str) -> None:
-        self._comm, self._work, self._label = comm, work, label
-        self._posted_s = time.perf_counter()
-
-    def wait(self) -> None:
-        if self._work is None:
-            return
-        comm = self._comm
-        try:
-            self._work.wait(comm.timeout)
-        except Exception as exc:
-            raise RuntimeError(
-                f"rank {comm.rank}: the {self._label!r} collective over {comm.world_size} "
-                f"ranks failed (a peer failed, called with other arguments, or was slower "
-                f"than {comm.timeout.total_seconds():.0f} s): {exc}"
-            ) from exc
-        self._work = None
-        if comm.timeline is not None:
-            comm.timeline.events.append(
-                Event("recv", self._label, 0, self._posted_s, time.perf_counter())
-            )
-
-
-def _count(comm: Communicator, flow: Flow, label: str, peer: int, sent: int, recv: int) -> None:
-    if sent:
-        comm.counter.add(sent=True, flow=flow, peer=peer, num_bytes=sent)
-        if comm.timeline is not None:
-            now = time.perf_counter()
-            comm.timeline.events.append(Event("send", label, 0, now, now, peer, sent))
-    if recv:
-        comm.counter.add(sent=False, flow=flow, peer=peer, num_bytes=recv)
-
-
 class _AllToAll:
     """One all-to-all of packed messages; this rank's own message never leaves it."""
 
@@ -527,22 +493,16 @@ class _AllToAll:
         packed = [x for parts in flat for x in parts]
         send = torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8, device=device)
         recv_sizes = [_num_bytes(recv_fields[j]) if j != rank else 0 for j in range(p)]
-        for j in range(p):
-            if j != rank:
-                _count(comm, flow, label, j, send_sizes[j], recv_sizes[j])
         self._recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         self._recv_sizes = recv_sizes
-        work = None
-        if p > 1:  # every rank takes part, even one with nothing to send or receive
-            work = dist.all_to_all_single(
-                self._recv,
-                send,
-                recv_sizes,
-                send_sizes,
-                group=comm.group,
-                async_op=True,
-            )
-        self._pending = _PendingCollective(comm, work, label)
+        self._pending = comm.all_to_all_single(
+            self._recv,
+            send,
+            output_split_sizes=recv_sizes,
+            input_split_sizes=send_sizes,
+            flow=flow,
+            label=label,
+        )
 
     def wait(self) -> list[list[torch.Tensor]]:
         """The tensors from every source rank, in rank order (this rank's: its own sends)."""
@@ -785,20 +745,20 @@ def _allgather_forward(
     acc = accumulation_dtype(q.dtype)
     kv = torch.stack([k, v])  # (2, B, s, Hkv, D)
     gathered = kv
-    work = None
     if p > 1:
         gathered = torch.empty((p * 2, b, s, hkv, d), dtype=k.dtype, device=k.device)
         num_bytes = kv.numel() * kv.element_size()
         if _ring_allgather(CollectiveRouting.for_backend(comm.backend), p):
             # gloo forwards round the ring: P-1 blocks to r+1, P-1 from r-1
-            _count(comm, Flow.TRAVEL, "kv", (rank + 1) % p, (p - 1) * num_bytes, 0)
-            _count(comm, Flow.TRAVEL, "kv", (rank - 1) % p, 0, (p - 1) * num_bytes)
+            blocks = [((rank + 1) % p, (p - 1) * num_bytes, 0)]
+            blocks.append(((rank - 1) % p, 0, (p - 1) * num_bytes))
         else:
-            for j in range(p):
-                if j != rank:
-                    _count(comm, Flow.TRAVEL, "kv", j, num_bytes, num_bytes)
-        work = dist.all_gather_into_tensor(gathered, kv, group=comm.group, async_op=True)
-    pending = _PendingCollective(comm, work, "kv")
+            blocks = [(j, num_bytes, num_bytes) for j in range(p) if j != rank]
+        for peer, sent, received in blocks:
+            comm.count(
+                flow=Flow.TRAVEL, label="kv", peer=peer, sent_bytes=sent, recv_bytes=received
+            )
+    pending = comm.all_gather_into_tensor(gathered, kv, label="kv")
     plan = sched.steps[rank][0]
     local, *remote = plan.segments
     out_acc = torch.zeros((b, s, hq, d), dtype=acc, device=q.device)

@@ -37,9 +37,11 @@ __all__ = [
     "HEADER_NUM_BYTES",
     "Communicator",
     "Event",
+    "PendingCollective",
     "PendingRecv",
     "Timeline",
     "TrafficCounter",
+    "destroy_idle_groups",
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
@@ -269,32 +271,42 @@ class Communicator:
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = str(dist.get_backend(base))
         ranks = dist.get_process_group_ranks(base)
-        self._groups: dict[tuple[Flow, int], dist.ProcessGroup] = {}
-        for channel in CHANNELS:
-            if self.world_size == 1 or not separate_groups:
-                self._groups[channel] = base
-                continue
-            # A fresh group per channel, so each flow of each lane gets its own sockets
-            # (gloo) or communicator and stream (NCCL); only members take part in creating it.
-            flow, lane = channel
-            self._groups[channel] = self._new_group(
-                ranks, f"{flow.value}_{lane}", f"the {flow.value!r} process group of lane {lane}"
+        self.global_ranks = tuple(ranks)  # for messages: the group may be destroyed later
+        self._closed = False
+        # The groups made for this communicator (channels, control), or those of a closed one
+        # over the same ranks (Note [Channel pool]).
+        self._pool_key: _PoolKey | None = None
+        self._own: _OwnGroups | None = None
+        if self.world_size > 1 and (separate_groups or self.backend != "gloo"):
+            self._pool_key = (self.global_ranks, self.backend, timeout_s, separate_groups)
+            self._own = _take_idle_groups(self._pool_key) or self._make_groups(
+                ranks, separate_groups
             )
-        # Small host-side agreements (the ranks' call signatures) go over a gloo group of their
-        # own: CPU tensors, so no device sync on CUDA, and never queued behind our transfers.
+        channels, control = self._own if self._own is not None else ({}, None)
+        self._groups = {channel: channels.get(channel, base) for channel in CHANNELS}
         self._control: dist.ProcessGroup | None = None
         if self.world_size > 1:
-            if self.backend == "gloo" and not separate_groups:
-                self._control = base
-            else:
-                self._control = self._new_group(
-                    ranks, "control", "the control (gloo) group", backend="gloo"
-                )
+            self._control = control if control is not None else base
         self.counter = TrafficCounter()
         self.timeline: Timeline | None = None
         self._pending_sends: list[tuple[Any, Transfer]] = []
         self._unchecked: list[tuple[Transfer, torch.Tensor, int]] = []
         self._broken: str | None = None
+
+    def _make_groups(self, ranks: list[int], separate_groups: bool) -> _OwnGroups:
+        channels: dict[tuple[Flow, int], dist.ProcessGroup] = {}
+        for channel in CHANNELS if separate_groups else ():
+            # A fresh group per channel, so each flow of each lane gets its own sockets
+            # (gloo) or communicator and stream (NCCL); only members take part in creating it.
+            flow, lane = channel
+            channels[channel] = self._new_group(
+                ranks, f"{flow.value}_{lane}", f"the {flow.value!r} process group of lane {lane}"
+            )
+        # Small host-side agreements (the ranks' call signatures) go over a gloo group of their
+        # own: CPU tensors, so no device sync on CUDA, and never queued behind our transfers.
+        # (Not made for gloo without separate groups: the agreements use ``group`` then.)
+        control = self._new_group(ranks, "control", "the control (gloo) group", backend="gloo")
+        return channels, control
 
     def _new_group(
         self, ranks: list[int], name: str, what: str, backend: str | None = None
@@ -304,7 +316,9 @@ class Communicator:
                 ranks=ranks,
                 timeout=self.timeout,
                 backend=backend,
-                use_local_synchronization=True,
+                # Only members make a group of some of the ranks; a group of all of them gets
+                # a name torch never reuses (Note [Channel pool]).
+                use_local_synchronization=len(ranks) < dist.get_world_size(),
                 group_desc=f"tokenring_{name}",
             )
         except Exception as exc:
@@ -333,6 +347,7 @@ class Communicator:
                 f"data for {what} must be at most {AGREE_FRAME_NUM_BYTES - 8} bytes; "
                 f"got {len(data)}"
             )
+        self._check_open()
         if self.world_size == 1:
             return [data]
         if self._broken is not None:
@@ -458,6 +473,7 @@ class Communicator:
         Returns:
             The pending receives by transfer.
         """
+        self._check_open()
         pending: dict[Transfer, PendingRecv] = {}
         for channel in CHANNELS:
             flow = channel[0]
@@ -492,6 +508,7 @@ class Communicator:
             try:
                 works = dist.batch_isend_irecv(ops)
             except Exception as exc:
+                self._broken = "posting transfers failed"
                 peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
                 raise RuntimeError(
                     f"rank {self.rank}: posting the {flow.value!r} transfers of step "
@@ -529,6 +546,7 @@ class Communicator:
         try:
             work.wait(self.timeout)
         except Exception as exc:
+            self._broken = f"a {what} failed"  # its groups may hold unmatched operations
             peer = tr.src if what == "receive" else tr.dst
             raise RuntimeError(
                 f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
@@ -536,3 +554,247 @@ class Communicator:
                 f"{tr.step} failed (peer failed, mismatched, or slower than "
                 f"{self.timeout.total_seconds():.0f} s): {exc}"
             ) from exc
+
+    # -- collectives -------------------------------------------------------------------------
+    # Every collective the library issues outside the ring's P2P goes through these: posted
+    # asynchronously on ``group`` and waited for at most ``timeout`` (never the process
+    # group's own timeout, which may be 30 minutes), failing with the operation, this rank
+    # and the group named.
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        flow: Flow,
+        label: str,
+    ) -> PendingCollective:
+        """Post ``dist.all_to_all_single`` along dim 0 and count it: an all-to-all goes
+        directly to every peer on every backend, so each peer's split is one message.
+
+        Args:
+            output, input: as ``torch.distributed.all_to_all_single``; split sizes in rows of
+                dim 0 (None: equal splits).
+            flow: the flow the bytes are counted under.
+            label: names the transfer in the timeline and in errors (e.g. ``"qkv"``).
+        """
+        self._check_open()
+        p = self.world_size
+        sent = _split_bytes(input, input_split_sizes, p)
+        received = _split_bytes(output, output_split_sizes, p)
+        for peer in range(p):
+            if peer != self.rank:
+                self.count(
+                    flow=flow,
+                    label=label,
+                    peer=peer,
+                    sent_bytes=sent[peer],
+                    recv_bytes=received[peer],
+                )
+        work = None
+        if p > 1:  # every rank takes part, even one with nothing to send or receive
+            work = dist.all_to_all_single(
+                output,
+                input,
+                list(output_split_sizes) if output_split_sizes is not None else None,
+                list(input_split_sizes) if input_split_sizes is not None else None,
+                group=self.group,
+                async_op=True,
+            )
+        return PendingCollective(self, work, "all-to-all", label)
+
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *, label: str
+    ) -> PendingCollective:
+        """Post ``dist.all_gather_into_tensor``: rank j's ``input`` lands at block j of
+        ``output`` along dim 0 (``output.shape[0] == world_size * input.shape[0]``).
+
+        Not counted here: how the bytes travel depends on the backend's routing, which the
+        caller knows (``tokenring.collective`` counts them with ``count``).
+        """
+        self._check_open()
+        work = None
+        if self.world_size > 1:
+            work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
+        else:
+            output.copy_(input.reshape(output.shape))
+        return PendingCollective(self, work, "all-gather", label)
+
+    def all_gather(self, tensor: torch.Tensor, *, label: str) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank), in group-rank order;
+        blocks for at most ``timeout``. For small control data (not counted)."""
+        flat = tensor.contiguous().reshape(-1)
+        gathered = flat.new_empty(self.world_size * flat.numel())  # rank j's at block j
+        self.all_gather_into_tensor(gathered, flat, label=label).wait()
+        blocks = gathered.view(self.world_size, flat.numel()).unbind(0)
+        return [block.view(tensor.shape) for block in blocks]
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, label: str
+    ) -> PendingCollective:
+        """Post ``dist.all_reduce`` of ``tensor`` in place. For small control data (not
+        counted)."""
+        self._check_open()
+        work = None
+        if self.world_size > 1:
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return PendingCollective(self, work, "all-reduce", label)
+
+    def barrier(self, *, label: str) -> None:
+        """Wait until every rank of the group reached this barrier, for at most ``timeout``."""
+        self._check_open()
+        if self.world_size > 1:
+            work = dist.barrier(group=self.group, async_op=True)
+            PendingCollective(self, work, "barrier", label).wait()
+
+    def count(self, *, flow: Flow, label: str, peer: int, sent_bytes: int, recv_bytes: int) -> None:
+        """Count bytes a collective moves to and from ``peer`` (a send also goes on the
+        timeline); for collectives whose routing only the caller knows."""
+        if sent_bytes:
+            self.counter.add(sent=True, flow=flow, peer=peer, num_bytes=sent_bytes)
+            if self.timeline is not None:
+                now = time.perf_counter()
+                self.timeline.events.append(Event("send", label, 0, now, now, peer, sent_bytes))
+        if recv_bytes:
+            self.counter.add(sent=False, flow=flow, peer=peer, num_bytes=recv_bytes)
+
+    def describe_group(self) -> str:
+        """The group in words, for error messages: its description and global ranks."""
+        return f"group {self.group.group_desc!r} (global ranks {list(self.global_ranks)})"
+
+    # -- lifetime ----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran; a closed communicator refuses every call."""
+        return self._closed
+
+    @property
+    def group_alive(self) -> bool:
+        """Whether ``group`` is still registered with torch.distributed (it is not once
+        ``destroy_process_group`` destroyed it, or all groups)."""
+        return _registered(self.group)
+
+    def close(self) -> None:
+        """Release the process groups this communicator made; afterwards every call raises.
+        Idempotent.
+
+        They go to a pool that the next communicator over the same ranks takes them from, and
+        ``destroy_idle_groups`` (run by ``tokenring.close_communicators``, and so at
+        interpreter exit) destroys them; see Note [Channel pool]. Those of a communicator
+        that failed (a transfer or collective that did not complete may still be posted on
+        them) are never reused. ``group`` itself belongs to the caller and is left alone.
+        Call it on every rank of the group, once every transfer was waited for (the
+        library's calls wait before they return). ``tokenring.get_communicator`` closes
+        its cached communicators when their group is destroyed.
+        """
+        if self.closed:
+            return
+        self._closed = True
+        own, self._own = self._own, None
+        self._groups, self._control = {}, None
+        self._pending_sends.clear()
+        if own is None or self._pool_key is None or self._broken is not None:
+            return
+        channels, control = own
+        if all(_registered(g) for g in (*channels.values(), control)):
+            _IDLE_GROUPS.setdefault(self._pool_key, []).append(own)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"rank {self.rank}: this Communicator of {self.describe_group()} was closed "
+                "(close() ran, or its group was destroyed); use tokenring.get_communicator("
+                "group) with a live group, or build a new Communicator"
+            )
+
+
+class PendingCollective:
+    """A posted collective; ``wait()`` returns when it completed or raises after the
+    communicator's timeout, naming the operation, this rank and the group."""
+
+    def __init__(self, comm: Communicator, work: Any, op: str, label: str) -> None:
+        self._comm, self._work, self._op, self._label = comm, work, op, label
+        self._posted_s = time.perf_counter()
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        comm = self._comm
+        try:
+            self._work.wait(comm.timeout)
+        except Exception as exc:
+            comm._broken = f"the {self._op} {self._label!r} failed"
+            raise RuntimeError(
+                f"rank {comm.rank}: the {self._op} {self._label!r} over "
+                f"{comm.describe_group()} failed or did not complete within the "
+                f"communicator's timeout of {comm.timeout.total_seconds():g} s (a peer "
+                f"failed, was called with other arguments, or is slower): {exc}"
+            ) from exc
+        self._work = None
+        if comm.timeline is not None:
+            comm.timeline.events.append(
+                Event("recv", self._label, 0, self._posted_s, time.perf_counter())
+            )
+
+
+def _split_bytes(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -> list[int]:
+    """Bytes of each rank's block of ``x`` along dim 0."""
+    row_bytes = x[0].numel() * x.element_size() if x.dim() > 0 and x.shape[0] else 0
+    if split_sizes is None:
+        return [x.shape[0] // world_size * row_bytes] * world_size
+    return [rows * row_bytes for rows in split_sizes]
+
+
+# Note [Channel pool]
+# ~~~~~~~~~~~~~~~~~~~
+# The groups a closed communicator made (its channels and control group) wait here for the
+# next communicator over the same ranks, backend, timeout and channel layout instead of being
+# destroyed, so a program that makes and destroys a group once per step keeps a flat number
+# of sockets and threads. A live communicator never shares them, and those of a
+# communicator that failed are never reused. Destroying them would also invite a torch naming
+# clash: a group made with use_local_synchronization (needed when only some ranks make it)
+# is named after its ranks and the number of live groups, so once any group is destroyed a
+# new one can get the name of a live group ("already been created") or of a destroyed one,
+# whose stale addresses its rendezvous then reads from the store ("Connection refused").
+# Channel groups over every rank avoid that (torch numbers those); over some ranks the
+# pool keeps new ones rare, and a clash fails the creation with torch's message.
+_PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
+_OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
+_IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
+
+
+def _take_idle_groups(key: _PoolKey) -> _OwnGroups | None:
+    idle = _IDLE_GROUPS.get(key, [])
+    while idle:
+        channels, control = idle.pop()
+        if all(_registered(g) for g in (*channels.values(), control)):
+            return channels, control
+    return None  # (groups destroyed by destroy_process_group() of everything are dropped)
+
+
+def destroy_idle_groups() -> None:
+    """Destroy the pooled process groups of closed communicators (Note [Channel pool]).
+
+    For the end of a program: afterwards a new communicator makes new groups, whose names
+    may collide with the destroyed ones'.
+    """
+    pooled = [
+        g for idle in _IDLE_GROUPS.values() for own in idle for g in (*own[0].values(), own[1])
+    ]
+    _IDLE_GROUPS.clear()
+    for group in {id(g): g for g in pooled}.values():
+        if _registered(group):
+            dist.destroy_process_group(group)
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is registered with torch.distributed, i.e. not destroyed yet."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_rank(group)  # raises ValueError for a group that is not registered
+    except ValueError:
+        return False
+    return True

@@ -444,14 +444,6 @@ def _communicator(group: dist.ProcessGroup) -> Communicator:
     return get_communicator(group)
 
 
-def _count(group: dist.ProcessGroup, per_peer_bytes: Sequence[int], flow: Flow) -> None:
-    """Count an all-to-all's messages on the inner group's communicator."""
-    comm = _communicator(group)
-    for peer in range(comm.world_size):
-        if peer != comm.rank:
-            comm.counter.add(sent=True, flow=flow, peer=peer, num_bytes=per_peer_bytes[peer])
-
-
 class _AllToAll(torch.autograd.Function):
     """All-to-all of a flat tensor, ``send_splits[j]`` elements to rank j and
     ``recv_splits[j]`` from it, counted; its gradient is the reverse all-to-all of the
@@ -484,9 +476,16 @@ def _exchange(
     send_splits: list[int],
     recv_splits: list[int],
 ) -> torch.Tensor:
-    _count(group, [n * send.element_size() for n in send_splits], flow)
+    """All-to-all on the inner group's communicator: counted, bounded by its timeout."""
     got = send.new_empty(sum(recv_splits))
-    dist.all_to_all_single(got, send, recv_splits, send_splits, group=group)
+    _communicator(group).all_to_all_single(
+        got,
+        send,
+        output_split_sizes=recv_splits,
+        input_split_sizes=send_splits,
+        flow=flow,
+        label=f"inner {flow.value}",
+    ).wait()
     return got
 
 

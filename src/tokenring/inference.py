@@ -331,8 +331,7 @@ def calibrated_inference(
             if i:
                 times.append(time.perf_counter() - start)
         call_s = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-        if comm.world_size > 1:
-            dist.all_reduce(call_s, op=dist.ReduceOp.MAX, group=comm.group)
+        comm.all_reduce(call_s, op=dist.ReduceOp.MAX, label="calibration").wait()
         per_comm[key] = (hardware, float(call_s.item()))
     return per_comm[key]
 

@@ -6,11 +6,22 @@ namespace), rendezvous goes through a FileStore in a private temp dir (no fixed 
 process group gets a timeout, and an outer deadline kills every worker. When a rank fails, the
 others are ended at once and the error names the rank that failed *first* with its own
 traceback, not the "connection closed" of its peers.
+
+Nothing outlives a launch. SIGTERM and SIGHUP become ``SystemExit(128 + signum)`` while
+``launch`` runs, so every ``finally`` runs: the ranks are ended and the temp dir removed (and
+an enclosing lab or temp dir of the caller is cleaned up too); SIGINT does the same through
+KeyboardInterrupt. A launcher killed outright (SIGKILL) takes its ranks with it: each rank
+asks the kernel for SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``). A rank that
+succeeded tears down in order (a closing barrier, the library's communicators, the process
+group) before Python finalises, and a rank that returned its result but then exited with an
+error or a signal fails the launch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import math
 import os
 import pickle
 import shutil
@@ -18,9 +29,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -79,8 +91,8 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
 
     if dist.is_initialized():
         return
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0; got {timeout_s}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -129,37 +141,84 @@ def launch(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
-    if timeout_s <= 0 or pg_timeout_s <= 0:
-        raise ValueError(f"timeout_s and pg_timeout_s must be > 0; got {timeout_s}, {pg_timeout_s}")
+    for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s)):
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number > 0; got {value}")
     if getattr(fn, "__module__", None) == "__main__":
         raise ValueError(
             f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
             "(move it into a module)"
         )
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
-    try:
-        spec = _Spec(
-            fn=fn,
-            args=args,
-            kwargs=kwargs,
-            world_size=world_size,
-            backend=backend,
-            store_path=os.path.join(workdir, "store"),
-            result_dir=workdir,
-            pg_timeout_s=pg_timeout_s,
-            threads=threads,
-        )
-        spec_path = os.path.join(workdir, "spec.pkl")
-        with open(spec_path, "wb") as f:
-            pickle.dump(spec, f)
-        ranks = _start(spec_path, workdir, world_size, wrap_command, rank_env, register_pid)
+    ranks: list[_Rank] = []  # filled as they start, so that a signal mid-way ends those
+    with _signals_end_the_run():
+        workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
         try:
+            spec = _Spec(
+                fn=fn,
+                args=args,
+                kwargs=kwargs,
+                world_size=world_size,
+                backend=backend,
+                store_path=os.path.join(workdir, "store"),
+                result_dir=workdir,
+                pg_timeout_s=pg_timeout_s,
+                threads=threads,
+            )
+            spec_path = os.path.join(workdir, "spec.pkl")
+            with open(spec_path, "wb") as f:
+                pickle.dump(spec, f)
+            _start(spec_path, workdir, world_size, wrap_command, rank_env, register_pid, ranks)
             return _collect(ranks, workdir, timeout_s, poll)
         finally:
             _end(ranks)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_end_the_run() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGTERM and SIGHUP end it through its
+    ``finally`` clauses instead of killing the process on the spot.
+
+    A handler installed before that is Python code runs instead (a ``netlab.Lab`` tears its
+    namespaces down and then raises SystemExit itself); otherwise the handler raises
+    ``SystemExit(128 + signum)``, the exit status a shell reports for that signal. A signal
+    that was ignored stays ignored. The handlers installed before are back afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread; PR_SET_PDEATHSIG still holds
+        return
+    previous: dict[int, Any] = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        for other, handler in previous.items():
+            signal.signal(other, handler)  # a second signal acts at once
+        prior = previous[signum]
+        if callable(prior):
+            prior(signum, frame)
+            return
+        print(
+            f"tokenring.launch: {signal.Signals(signum).name}: ending the ranks and removing "
+            "temporary files",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + signum)
+
+    for signum in _ENDING_SIGNALS:
+        handler = signal.getsignal(signum)
+        if handler is signal.SIG_IGN or handler is None:
+            continue  # ignored, or owned by non-Python code: leave it alone
+        previous[signum] = handler
+        signal.signal(signum, on_signal)
+    try:
+        yield
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        for ending, handler in previous.items():
+            if signal.getsignal(ending) is on_signal:
+                signal.signal(ending, handler)
 
 
 def _start(
@@ -169,14 +228,14 @@ def _start(
     wrap_command: Callable[[int, list[str]], list[str]] | None,
     rank_env: Callable[[int], dict[str, str]] | None,
     register_pid: Callable[[int], None] | None,
-) -> list[_Rank]:
+    ranks: list[_Rank],
+) -> None:
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in base_env:
         base_env["GLOO_SOCKET_IFNAME"] = "lo"
-    ranks: list[_Rank] = []
     for rank in range(world_size):
-        argv = [sys.executable, "-c", _WORKER_CODE, spec_path, str(rank)]
+        argv = [sys.executable, "-c", _WORKER_CODE, spec_path, str(rank), str(os.getpid())]
         if wrap_command is not None:
             argv = wrap_command(rank, argv)
         env = dict(base_env)
@@ -190,7 +249,6 @@ def _start(
         if register_pid is not None:
             register_pid(proc.pid)
         ranks.append(_Rank(rank=rank, proc=proc, log_path=log_path))
-    return ranks
 
 
 def _read_outcome(workdir: str, rank: int) -> _Outcome | None:
@@ -217,22 +275,33 @@ def _collect(
     deadline = time.monotonic() + timeout_s
     first_failure: tuple[float, int, str] | None = None
     grace_until: float | None = None
+    outcomes: dict[int, _Outcome] = {}
     while True:
         now = time.monotonic()
         running = [r for r in ranks if r.proc.poll() is None]
         for r in ranks:
-            if r.proc.poll() is None:
-                continue
-            outcome = _read_outcome(workdir, r.rank)
+            code = r.proc.poll()
+            # A failed rank writes its outcome before it ends; read it while it still runs.
+            if r.rank not in outcomes and (found := _read_outcome(workdir, r.rank)) is not None:
+                outcomes[r.rank] = found
+            outcome = outcomes.get(r.rank)
             if outcome is not None and not outcome.ok:
                 candidate = (outcome.failed_at_s, r.rank, outcome.error)
+            elif code is None:
+                continue
             elif outcome is None:
-                code = r.proc.returncode
                 candidate = (
                     time.time(),
                     r.rank,
-                    f"rank {r.rank} exited with code {code} without a result; log tail:\n"
-                    + _tail(r.log_path),
+                    f"rank {r.rank} exited with {_exit_status(code)} without a result; log "
+                    "tail:\n" + _tail(r.log_path),
+                )
+            elif code != 0:
+                candidate = (
+                    time.time(),
+                    r.rank,
+                    f"rank {r.rank} returned its result but then exited with "
+                    f"{_exit_status(code)}; log tail:\n" + _tail(r.log_path),
                 )
             else:
                 continue
@@ -269,10 +338,16 @@ def _collect(
         time.sleep(0.02)
     results = []
     for r in ranks:
-        outcome = _read_outcome(workdir, r.rank)
+        outcome = outcomes.get(r.rank) or _read_outcome(workdir, r.rank)
         assert outcome is not None and outcome.ok
         results.append(outcome.value)
     return results
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
 
 
 def _end(ranks: Sequence[_Rank]) -> None:
@@ -288,46 +363,92 @@ def _end(ranks: Sequence[_Rank]) -> None:
             r.proc.wait(timeout=10)
 
 
-def _worker(spec_path: str, rank: int) -> int:
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Have the kernel SIGKILL this rank when the launcher dies, however it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
+    if os.getppid() != launcher_pid:  # it died before the request took effect
+        os._exit(1)
+
+
+def _worker(spec_path: str, rank: int, launcher_pid: int) -> int:
+    _die_with_launcher(launcher_pid)
     with open(spec_path, "rb") as f:
         spec: _Spec = pickle.load(f)
-    result_path = os.path.join(spec.result_dir, f"result{rank}.pkl")
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(spec.threads)
-        store = dist.FileStore(spec.store_path, spec.world_size)
-        store.set_timeout(timedelta(seconds=spec.pg_timeout_s))  # group creation waits too
-        dist.init_process_group(
-            backend=spec.backend,
-            store=store,
-            rank=rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.pg_timeout_s),
-        )
-        from tokenring.api import get_communicator
-
-        try:
-            if spec.world_size > 1:
-                get_communicator(None, timeout_s=spec.pg_timeout_s)
-            value = spec.fn(*spec.args, **spec.kwargs)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        outcome = _Outcome(ok=True, value=value)
+        outcome = _Outcome(ok=True, value=_run_rank(spec, rank))
+        data = pickle.dumps(outcome)
     except BaseException:
         outcome = _Outcome(
             ok=False, error=f"rank {rank}: {traceback.format_exc()}", failed_at_s=time.time()
         )
-    tmp = result_path + ".tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(outcome, f)
-    os.replace(tmp, result_path)
-    return 0 if outcome.ok else 1
+        data = pickle.dumps(outcome)
+    result_path = os.path.join(spec.result_dir, f"result{rank}.pkl")
+    with open(result_path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(result_path + ".tmp", result_path)
+    if not outcome.ok:
+        # Its groups may hold collectives that peers never joined: tearing them down (and
+        # Python finalising) would wait for those. The launcher has the error and ends the
+        # other ranks; this one ends now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
+
+
+def _run_rank(spec: _Spec, rank: int) -> Any:
+    """Join the group, run ``fn``, then tear down in order (Note [Clean exit])."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec.threads)
+    store = dist.FileStore(spec.store_path, spec.world_size)
+    store.set_timeout(timedelta(seconds=spec.pg_timeout_s))  # group creation waits too
+    dist.init_process_group(
+        backend=spec.backend,
+        store=store,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.pg_timeout_s),
+    )
+    from tokenring.api import close_communicators, get_communicator
+
+    if spec.world_size > 1:
+        get_communicator(None, timeout_s=spec.pg_timeout_s)
+    value = spec.fn(*spec.args, **spec.kwargs)
+    # Note [Clean exit]
+    # ~~~~~~~~~~~~~~~~~
+    # A gloo group's worker threads live as long as its ProcessGroup object, not as long as it
+    # is registered: destroy_process_group() only forgets it (gloo has no shutdown), and the
+    # communicator cache used to keep the objects alive. A worker thread that drops a
+    # finished collective's tensors while Python finalises must take the GIL to free them,
+    # and a thread that takes the GIL then is ended inside C++ code that cannot unwind:
+    # "terminate called without an active exception", SIGABRT, after every result was
+    # right (seen with the collective strategies, whose all-to-all and all-gather ran on the
+    # cached default group). So: wait until every rank is done talking, close the library's
+    # communicators (their channel groups), destroy the rest, and free the objects, which
+    # joins their threads while the interpreter is still whole.
+    if dist.is_initialized():
+        if spec.world_size > 1:
+            get_communicator(None).barrier(label="end of launch")
+        close_communicators()
+        dist.destroy_process_group()
+    else:
+        close_communicators()
+    gc.collect()
+    return value
 
 
 _WORKER_CODE = (
     "import sys; from tokenring.launch import _worker; "
-    "sys.exit(_worker(sys.argv[1], int(sys.argv[2])))"
+    "sys.exit(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))"
 )

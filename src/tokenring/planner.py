@@ -455,7 +455,7 @@ def _probe(
     once()  # warm-up: connections, buffers
     times = []
     for _ in range(repeats):
-        dist.barrier(group=comm.group)
+        comm.barrier(label="probe")
         start = time.perf_counter()
         once()
         times.append(time.perf_counter() - start)
@@ -568,8 +568,7 @@ def calibrate(
     # Agree: the slowest rank's rates and the largest latency, identical on every rank.
     values = [-x for x in (*local, link, two_way)] + [latency if comm.world_size > 1 else 0.0]
     agreed = torch.tensor(values, dtype=torch.float64, device=device)
-    if comm.world_size > 1:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
+    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
     fwd, bwd, mem, link, two_way, latency = (float(x) for x in agreed.cpu())
     fwd, bwd, mem, link, two_way = -fwd, -bwd, -mem, -link, -two_way
     port: float | None = None

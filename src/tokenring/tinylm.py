@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tokenring.cached_schedule import CachedStrategy
 from tokenring.costmodel import Hardware
@@ -294,8 +293,7 @@ def generate(
             offset += len(pos)
             if len(pos) and int(pos[-1]) == len(seqs[b]) - 1:  # this rank owns the last token
                 picks[b] = int(logits[offset - 1].argmax()) + 1
-        if comm.world_size > 1:
-            dist.all_reduce(picks, group=comm.group)
+        comm.all_reduce(picks, label="next tokens").wait()
         for b in range(len(seqs)):
             seqs[b].append(int(picks[b]) - 1)
         new = [1] * len(seqs)

@@ -1,0 +1,416 @@
+"""Lifetimes: communicators go with their groups, ranks go with their launcher, every
+collective is bounded by the communicator's timeout, and ranks exit cleanly.
+
+Each test runs real gloo ranks (``tokenring.launch``) or real processes (the CLI, a launcher
+that is killed) and checks what is left afterwards: file descriptors, processes, temp files,
+the threads alive while Python finalises, exit codes. Outputs are checked against full
+attention in float64 (tests/oracle.py) where attention runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+from oracle import make_inputs, oracle_with_grads
+from tokenring.launch import LaunchError
+from tokenring.netlab import lab_unavailable_reason
+
+SRC = str(Path(__file__).parents[1] / "src")
+TESTS = str(Path(__file__).parent)
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # thread names of a live gloo group
+SEQ_LOCAL = 4
+
+
+def _local_inputs(rank: int, world_size: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """This rank's contiguous shard of seeded q, k, v, dout, and of the causal oracle."""
+    q, k, v, dout = make_inputs(
+        seed=11, batch=1, seq_global=SEQ_LOCAL * world_size, heads_q=4, heads_kv=2, head_dim=8
+    )
+    ref = oracle_with_grads(q, k, v, dout, causal=True, scale=8**-0.5)
+    rows = slice(rank * SEQ_LOCAL, (rank + 1) * SEQ_LOCAL)
+    local = [x[:, rows].clone() for x in (q, k, v, dout)]
+    return local, {name: x[:, rows] for name, x in ref.items() if name != "lse"}
+
+
+def _max_error(strategy: str, local: list[torch.Tensor], ref: dict[str, Any], **kw: Any) -> float:
+    """Out and dq, dk, dv of one strategy against the oracle, max abs error."""
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in local[:3])
+    out = tokenring.sequence_parallel_attn(q, k, v, strategy=strategy, causal=True, **kw)
+    out.backward(local[3])
+    got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return max((got[name] - ref[name]).abs().max().item() for name in ref)
+
+
+def _num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # it may end meanwhile
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+    return names
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (ended, waiting for its parent to reap it) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _rank_pids(launcher_pid: int) -> list[int]:
+    """PIDs of the ranks ``tokenring.launch`` started from ``launcher_pid``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == launcher_pid and b"tokenring.launch import _worker" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    """Environment for a child: this tree's sources, temp files under ``tmp``."""
+    tmp.mkdir(exist_ok=True)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "TMPDIR": str(tmp)}
+
+
+# -- item: communicators are released with their groups ---------------------------------------
+
+
+def group_cycles(num_cycles: int) -> dict[str, Any]:
+    """new_group -> attention (ring P2P and a collective) -> destroy, ``num_cycles`` times."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local, ref = _local_inputs(rank, world)
+    fds, errors = [], []
+    for _ in range(num_cycles):
+        group = dist.new_group(list(range(world)))
+        for strategy in ("token_ring", "ulysses"):
+            errors.append(_max_error(strategy, local, ref, group=group))
+        dist.destroy_process_group(group)
+        fds.append(_num_fds())
+    comm = tokenring.Communicator(timeout_s=30)
+    errors.append(_max_error("token_ring", local, ref, group=comm))
+    comm.close()
+    try:
+        tokenring.token_ring_attn(*local[:3], group=comm)
+        closed = "no error"
+    except RuntimeError as exc:
+        closed = str(exc)
+    return {"fds": fds, "error": max(errors), "closed": closed}
+
+
+def test_cache_forgets_destroyed_groups(single_rank_group: None) -> None:
+    group = dist.new_group([0])
+    comm = tokenring.get_communicator(group)
+    assert tokenring.get_communicator(group) is comm
+    assert tokenring.get_communicator(group, timeout_s=7).timeout.total_seconds() == 7
+    with pytest.raises(ValueError, match="timeout_s must be a finite number > 0; got nan"):
+        tokenring.get_communicator(group, timeout_s=float("nan"))
+    dist.destroy_process_group(group)
+    assert not comm.group_alive and not comm.closed
+    tokenring.get_communicator()  # any lookup closes the communicators of destroyed groups
+    assert comm.closed
+    with pytest.raises(RuntimeError, match=r"rank 0: this Communicator of group .* was closed"):
+        comm.barrier(label="after close")
+
+
+def test_collectives_of_one_rank(single_rank_group: None) -> None:
+    comm = tokenring.get_communicator()
+    for x in (torch.tensor(3.0), torch.arange(6).view(2, 3), torch.empty(0)):
+        (got,) = comm.all_gather(x, label="one rank")
+        assert torch.equal(got, x)
+    total = torch.tensor([2.0])
+    comm.all_reduce(total, label="one rank").wait()
+    assert total.item() == 2.0
+    comm.barrier(label="one rank")
+
+
+def test_communicators_go_with_their_groups() -> None:
+    # Before: each cycle left its communicator's four channel groups (and the destroyed
+    # group itself) alive, about 25 descriptors per rank per cycle.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    results = tokenring.launch(group_cycles, 100, world_size=2, timeout_s=300)
+    # launch's own handlers (main thread only) are gone again
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    for rank, got in enumerate(results):
+        assert got["error"] < 1e-10, (rank, got["error"])
+        fds = got["fds"]
+        assert fds[-1] == fds[0], f"rank {rank}: descriptors after cycle 1, 50, 100: " + str(
+            [fds[0], fds[49], fds[-1]]
+        )
+        assert "this Communicator of group" in got["closed"], got["closed"]
+        assert "was closed" in got["closed"], got["closed"]
+
+
+# -- item: collectives are bounded by the communicator's timeout ------------------------------
+
+
+def late_rank(strategy: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Every rank builds the communicators first (that makes their groups, with all of them).
+    if strategy == "hybrid":  # the inner all-to-all, on a 1 x 2 mesh
+        mesh = tokenring.hybrid_mesh(1, world)
+        tokenring.get_communicator(mesh.inner, timeout_s=2)
+        tokenring.get_communicator(mesh.outer, timeout_s=2)
+    else:
+        comm = tokenring.Communicator(timeout_s=2)
+    local, _ = _local_inputs(rank, world)
+    if rank == 1:
+        time.sleep(60)  # frozen before the call
+    start = time.monotonic()
+    try:
+        if strategy == "hybrid":
+            tokenring.hybrid_attn(*local[:3], mesh=mesh, causal=True, check_ranks=False)
+        else:
+            tokenring.ulysses_attn(*local[:3], causal=True, group=comm, check_ranks=False)
+    except RuntimeError as exc:
+        raise RuntimeError(f"failed after {time.monotonic() - start:.1f} s: {exc}") from None
+
+
+@pytest.mark.parametrize(
+    ("strategy", "operation"),
+    [("ulysses", "all-to-all 'qkv'"), ("hybrid", "all-to-all 'inner travel'")],
+)
+def test_collective_times_out_with_the_communicator_not_the_group(
+    strategy: str, operation: str
+) -> None:
+    with pytest.raises(LaunchError) as info:
+        tokenring.launch(late_rank, strategy, world_size=2, timeout_s=120, pg_timeout_s=90)
+    assert info.value.failed_rank == 0
+    message = str(info.value)
+    match = re.search(
+        rf"failed after ([0-9.]+) s: rank 0: the {operation} over group '[^']*' \(global "
+        r"ranks \[0, 1\]\) failed or did not complete within the communicator's timeout of 2 s",
+        message,
+    )
+    assert match is not None, message
+    # The communicator's 2 s, not the group's 90 s (nor rank 1's 60 s sleep).
+    assert 2.0 <= float(match[1]) < 15.0, message
+
+
+# -- item: clean exit after the collective strategies -----------------------------------------
+
+
+def _record_threads(path: str) -> None:
+    Path(path).write_text(json.dumps(_thread_names()))
+
+
+def strategies_then_exit(strategies: list[str], threads_dir: str) -> float:
+    """Run each strategy forward and backward; at exit (after the launcher's teardown, while
+    Python finalises) write the names of this process's threads."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local, ref = _local_inputs(rank, world)
+    error = max(_max_error(strategy, local, ref) for strategy in strategies)
+    atexit.register(_record_threads, os.path.join(threads_dir, f"rank{rank}.json"))
+    return error
+
+
+def _launch_and_check_exit(strategies: list[str], world_size: int, tmp: Path) -> None:
+    tmp.mkdir()
+    # launch fails when a rank exits with a nonzero code or a signal after its result.
+    errors = tokenring.launch(
+        strategies_then_exit, strategies, str(tmp), world_size=world_size, timeout_s=180
+    )
+    assert max(errors) < 1e-10, errors
+    for rank in range(world_size):
+        threads = json.loads((tmp / f"rank{rank}.json").read_text())
+        alive = [name for name in threads if name in GLOO_THREADS]
+        assert not alive, f"rank {rank}: gloo threads alive at interpreter exit: {threads}"
+
+
+def test_collectives_exit_cleanly(tmp_path: Path) -> None:
+    # Before: the communicator cache kept the default group (and its channel groups) alive
+    # past destroy_process_group, so their gloo threads were alive while Python finalised;
+    # one still holding a finished collective's tensors aborted the rank (SIGABRT,
+    # "terminate called without an active exception"), which launch did not notice.
+    for world_size in (2, 3):
+        _launch_and_check_exit(["ulysses", "allgather_kv"], world_size, tmp_path / str(world_size))
+
+
+@pytest.mark.stress
+def test_every_strategy_exits_cleanly_50_times(tmp_path: Path) -> None:
+    strategies = ["token_ring", "ring", "bidir_ring", "ulysses", "allgather_kv"]
+    for i in range(50):
+        _launch_and_check_exit(strategies, 2 + i % 3, tmp_path / str(i))
+
+
+_USER_SCRIPT = """
+import atexit, json, os, sys
+from pathlib import Path
+# Registered first, so it runs last: after tokenring's own exit hook.
+names = lambda: [Path(f"/proc/self/task/{t}/comm").read_text().strip()
+                 for t in os.listdir("/proc/self/task")]
+atexit.register(lambda: Path(sys.argv[3]).write_text(json.dumps(names())))
+import torch, torch.distributed as dist, tokenring
+rank, world = int(sys.argv[1]), 2
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], world), rank=rank,
+                        world_size=world)
+q, k, v = (torch.randn(1, 4, 4, 8) for _ in range(3))
+for strategy in ("ulysses", "allgather_kv", "token_ring"):
+    tokenring.sequence_parallel_attn(q, k, v, strategy=strategy, causal=True)
+dist.destroy_process_group()
+"""
+
+
+def test_user_program_exits_cleanly(tmp_path: Path) -> None:
+    """A program that owns its process group and destroys it: tokenring's exit hook releases
+    the rest before Python finalises."""
+    env = {**_env(tmp_path / "tmp"), "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-c", _USER_SCRIPT, str(rank)),
+                *(str(tmp_path / "store"), str(tmp_path / f"threads{rank}.json")),
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"rank {rank}: exit code {proc.returncode}\n{err}"
+            threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+            alive = [name for name in threads if name in GLOO_THREADS]
+            assert not alive, f"rank {rank}: gloo threads alive at interpreter exit: {threads}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+# -- item: ranks and temp files go with the launcher -------------------------------------------
+
+
+def _bench_argv(*extra: str) -> list[str]:
+    return [
+        *(sys.executable, "-m", "tokenring", "bench", "--world-size", "2", "--seq", "16"),
+        *("--heads", "2", "--kv-heads", "2", "--head-dim", "8", "--strategies", "ring"),
+        *("--causal", "yes", "--passes", "fwd", "--warmup", "0", "--iters", "1000000"),
+        *extra,
+    ]
+
+
+def _lab_namespaces(owner_pid: int) -> list[str]:
+    try:
+        names = os.listdir("/var/run/netns")
+    except FileNotFoundError:
+        return []
+    return [name for name in names if name.startswith(f"tokenring-{owner_pid}-")]
+
+
+@pytest.mark.parametrize("link", [None, pytest.param("1gbit", marks=pytest.mark.lab)])
+def test_sigterm_to_bench_ends_ranks_and_removes_temp_files(
+    tmp_path: Path, link: str | None
+) -> None:
+    # Before: without the lab the ranks (in sessions of their own) kept computing and both
+    # temp dirs stayed; with the lab, whose handler ended the process, the dirs stayed.
+    if link is not None and (reason := lab_unavailable_reason()) is not None:
+        pytest.skip(reason)
+    tmp = tmp_path / "tmp"
+    extra = ("--link", link) if link else ()
+    proc = subprocess.Popen(
+        _bench_argv(*extra),
+        env=_env(tmp),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ranks: list[int] = []
+    try:
+        _wait_for(lambda: len(_rank_pids(proc.pid)) == 2, 120, "the bench to start 2 ranks")
+        ranks = _rank_pids(proc.pid)
+        assert any(tmp.iterdir()), "the bench made no temp files to remove"
+        assert bool(_lab_namespaces(proc.pid)) == bool(link)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        _wait_for(lambda: not any(_running(pid) for pid in ranks), 10, f"ranks {ranks} to end")
+        assert not list(tmp.iterdir()), f"left behind: {list(tmp.iterdir())}"
+        assert not _lab_namespaces(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        _kill_leftovers(ranks)
+
+
+def sleep_long() -> None:
+    time.sleep(600)
+
+
+_LAUNCHER_SCRIPT = """
+import sys, tokenring, test_lifecycle
+tokenring.launch(test_lifecycle.sleep_long, world_size=2, timeout_s=900)
+"""
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    # Before: SIGKILL of the launcher left both ranks running (for the 600 s sleep).
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER_SCRIPT], env=_env(tmp_path / "tmp"))
+    ranks: list[int] = []
+    try:
+        _wait_for(lambda: len(_rank_pids(proc.pid)) == 2, 120, "the launcher to start 2 ranks")
+        ranks = _rank_pids(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        _wait_for(lambda: not any(_running(pid) for pid in ranks), 10, f"ranks {ranks} to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        _kill_leftovers(ranks)
+
+
+def _return_one() -> int:
+    return 1
+
+
+@pytest.mark.parametrize("name", ["timeout_s", "pg_timeout_s"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_launch_rejects_timeouts_that_are_not_finite_and_positive(name: str, value: float) -> None:
+    # nan used to pass (nan <= 0 is False) and disabled the deadline.
+    with pytest.raises(ValueError, match=f"{name} must be a finite number > 0; got {value}"):
+        tokenring.launch(_return_one, world_size=1, **{name: value})
