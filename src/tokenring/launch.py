@@ -363,24 +363,7 @@ def _end(ranks: Sequence[_Rank]) -> None:
             r.proc.wait(timeout=10)
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_launcher(launcher_pid: int) -> None:
-    """Have the kernel SIGKILL this rank when the launcher dies, however it dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
-    if os.getppid() != launcher_pid:  # it died before the request took effect
-        os._exit(1)
-
-
-def _worker(spec_path: str, rank: int, launcher_pid: int) -> int:
-    _die_with_launcher(launcher_pid)
+def _worker(spec_path: str, rank: int) -> int:
     with open(spec_path, "rb") as f:
         spec: _Spec = pickle.load(f)
     try:
@@ -448,7 +431,17 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     return value
 
 
-_WORKER_CODE = (
-    "import sys; from tokenring.launch import _worker; "
-    "sys.exit(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))"
-)
+# Before anything else (importing torch takes seconds), the rank asks the kernel for SIGKILL
+# when its parent, the launcher, dies however it dies (Linux PR_SET_PDEATHSIG = 1), then
+# checks that the launcher did not die before that took effect.
+_WORKER_CODE = """
+import os, signal, sys
+if sys.platform.startswith("linux"):
+    import ctypes
+    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+if os.getppid() != int(sys.argv[3]):
+    os._exit(1)
+from tokenring.launch import _worker
+sys.exit(_worker(sys.argv[1], int(sys.argv[2])))
+"""
