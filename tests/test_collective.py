@@ -32,7 +32,7 @@ from oracle import (
     owned_positions,
     tolerance_failures,
 )
-from tokenring.collective import build_collective_schedule, run_collective, ulysses_heads
+from tokenring.collective import build_collective_schedule, collective_forward, ulysses_heads
 from tokenring.kernels import select_kernel
 from tokenring.layout import Layout
 from tokenring.schedule import Dims
@@ -318,7 +318,7 @@ def test_bad_arguments_raise_naming_them() -> None:
             heads_kv=2,
         )
     with pytest.raises(ValueError, match="strategy_name must be one of"):
-        run_collective(
+        collective_forward(
             "ring",
             *(torch.zeros(1, 2, 1, 4) for _ in range(3)),
             causal=False,
@@ -354,14 +354,16 @@ def _check_config(
     local = [x[:, idx].to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
     comm = tokenring.get_communicator()
     comm.counter.reset()
-    out, lse = run_collective(
-        strategy,
+    out, lse = tokenring.sequence_parallel_attn(
         *local,
+        strategy=strategy,
         causal=causal,
-        scale=scale,
-        layout=Layout(layout),
-        comm=comm,
+        softmax_scale=scale,
+        layout=layout,
+        group=comm,
         kernel=select_kernel(q.device, dtype),
+        check_ranks=False,
+        return_lse=True,
     )
     counted = [dict(comm.counter.sent_bytes), dict(comm.counter.recv_bytes)]
     comm.counter.reset()

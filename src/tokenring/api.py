@@ -2,8 +2,10 @@
 ``SequenceParallelAttention`` module.
 
 This module owns input validation (once, at the boundary), the cross-rank agreement check,
-and the autograd wiring; the work itself is the schedule (``tokenring.schedule``) executed by
-``tokenring.runtime``.
+and the autograd wiring: the attention is the custom operator ``tokenring::attention`` (its
+backward ``tokenring::attention_backward``), so ``torch.compile`` traces through it with and
+without ``fullgraph`` and eager calls take the same path (Note [The attention operator]). The
+work itself is the schedule (``tokenring.schedule``) executed by ``tokenring.runtime``.
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size.
 """
@@ -23,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenring import op
 from tokenring.comm import Communicator, destroy_idle_groups
 from tokenring.costmodel import Hardware
-from tokenring.kernels import BlockKernel, select_kernel
+from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.layout import Layout, Sharding, make_sharding, validate_seq_local
 from tokenring.masks import MaskSpec, chunk_documents, normalize_window
-from tokenring.runtime import run_backward, run_forward
 from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
 
 __all__ = [
@@ -88,6 +90,8 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
     for cached in [c for c in _COMMUNICATORS.values() if not c.group_alive]:
         del _COMMUNICATORS[cached.group]
         cached.close()
+    if group is not None:
+        op.remember_group(group)  # a compiled call names its group (Note [Handles] in op)
     key = group if group is not None else dist.group.WORLD  # None: not initialised
     comm = _COMMUNICATORS.get(key) if key is not None else None
     if comm is None:
@@ -168,6 +172,7 @@ def resolve_strategy(
     comm: Communicator,
     hardware: Hardware | str | None = None,
     last_block_splits: int = 2,
+    training: bool | None = None,
 ) -> Strategy:
     """The strategy a call runs: ``strategy`` itself, or for ``"auto"`` the planner's pick.
 
@@ -175,29 +180,61 @@ def resolve_strategy(
     ``hardware=None`` the description is measured once per process group and agreed across
     ranks, so every rank picks the same strategy. The planner logs its choice and the
     predicted time of each alternative once, at INFO (logger ``tokenring.planner``).
+
+    Args:
+        training: whether a backward follows; None: grad mode is on and q or k requires grad.
     """
     if strategy != "auto":
         return Strategy.parse(strategy)
+    from tokenring import planner
+
+    if hardware is None:
+        hardware = planner.calibrated(comm, dtype=q.dtype, device=q.device)
+    if training is None:
+        training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return _choose_strategy(
+        q.shape,
+        k.shape[2],
+        q.dtype,
+        causal=causal,
+        layout=layout,
+        world_size=comm.world_size,
+        hardware=hardware,
+        last_block_splits=last_block_splits,
+        training=training,
+    )
+
+
+def _choose_strategy(
+    q_shape: Sequence[int],
+    heads_kv: int,
+    dtype: torch.dtype,
+    *,
+    causal: bool,
+    layout: Layout,
+    world_size: int,
+    hardware: Hardware | str,
+    last_block_splits: int,
+    training: bool,
+) -> Strategy:
     from tokenring import planner
     from tokenring.costmodel import preset
 
     if isinstance(hardware, str):
         hardware = preset(hardware)
-    elif hardware is None:
-        hardware = planner.calibrated(comm, dtype=q.dtype, device=q.device)
-    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    batch, seq_local, heads_q, head_dim = (int(x) for x in q_shape)  # traced: specialises
     return planner.choose_strategy(
-        world_size=comm.world_size,
-        seq_local=q.shape[1],
-        heads_q=q.shape[2],
-        heads_kv=k.shape[2],
-        head_dim=q.shape[3],
-        dtype=q.dtype,
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
         causal=causal,
         layout=layout,
         training=training,
         hardware=hardware,
-        batch=q.shape[0],
+        batch=batch,
         last_block_splits=last_block_splits,
     )
 
@@ -271,9 +308,11 @@ def _prepare_call(
     cu_seqlens: Sequence[int] | torch.Tensor | None,
     window_size: Sequence[int] | int | None,
     attention_chunk_size: int | None,
+    needs_grad: bool,
 ) -> _Call:
     """Validate one rank's arguments (raising ValueError naming the argument) and build the
-    signature the ranks compare; pure: no communication."""
+    signature the ranks compare; pure: no communication. ``needs_grad``: grad mode is on and
+    q, k or v requires grad (decided by the caller: inside the operator it is always off)."""
     layout = Layout.parse(layout)
     _validate(q, k, v, softmax_scale)
     if not isinstance(causal, bool):
@@ -341,7 +380,7 @@ def _prepare_call(
         "attention_chunk_size": attention_chunk_size,
         "last_block_splits": last_block_splits,
         "kernel": block_kernel.name,
-        "needs grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
+        "needs grad": needs_grad,
     }
     return _Call(
         layout=layout,
@@ -372,32 +411,268 @@ def _prepare_call(
 # message headers (Note [Message header] in tokenring.comm) catch what check_ranks=False lets by.
 
 
-class _SequenceParallelAttnFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        fwd: Schedule,
-        bwd: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = run_forward(fwd, comm, kernel, q, k, v, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bwd, ctx.comm, ctx.kernel, ctx.scale = bwd, comm, kernel, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+# Note [The attention operator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every call, eager or compiled, goes through two custom operators:
+#
+#     sequence_parallel_attn     arguments -> primitives and handles (_op_options); traced
+#       tokenring::attention     _plan: validation, the ranks' agreement (Note [Rank
+#                                agreement]), the schedules; then op.forward -> [out, lse,
+#                                *residuals] (Note [Residuals] in tokenring.op)
+#       tokenring::attention_backward
+#                                _plan without the agreement, then op.backward
+#
+# torch.compile traces only the first line and sees each operator as one call whose outputs
+# the fake implementations shape; everything that validates or communicates runs when the
+# operator runs, so fullgraph=True works and a rank's bad input fails as it fails eagerly, on
+# every rank. A value that is not of its primitive's type (causal=1, a kernel instance, a
+# cu_seqlens tensor) travels as it is, in a record behind the ``raw`` handle, so validation
+# sees exactly what the caller passed. The backward is an operator too, so compiled autograd
+# graphs hold it like any other op. strategy="auto" is picked in the fake implementation as
+# well, which cannot measure the machine: under torch.compile it needs ``hardware``.
 
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = run_backward(
-            ctx.bwd, ctx.comm, ctx.kernel, dout.contiguous(), q, k, v, out, lse, scale=ctx.scale
+
+@torch.library.custom_op("tokenring::attention", mutates_args=())
+@torch.compiler.disable  # run eagerly after a graph break: dynamo must not trace into it
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: str,
+    strategy: str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: str,
+    block_kernel: str | None,
+    last_block_splits: int,
+    check_ranks: bool,
+    hardware: str | None,
+    seq_len: int | None,
+    cu_seqlens: list[int] | None,
+    window_size: list[int] | None,
+    attention_chunk_size: int | None,
+    requires_grad: list[bool],
+    raw: str | None,
+) -> list[torch.Tensor]:
+    plan = _plan(
+        q,
+        k,
+        v,
+        group=group,
+        strategy=strategy,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        layout=layout,
+        kernel=block_kernel,
+        last_block_splits=last_block_splits,
+        check_ranks=check_ranks,
+        hardware=hardware,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
+        window_size=window_size,
+        attention_chunk_size=attention_chunk_size,
+        requires_grad=requires_grad,
+        raw=raw,
+        backward=False,
+    )
+    out, lse, residuals = op.forward(plan, q, k, v)
+    return [out.contiguous(), lse.contiguous(), *residuals]
+
+
+@_attention.register_fake
+def _attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> list[torch.Tensor]:
+    if k.device != q.device or v.device != q.device:  # meta among real tensors lands here
+        _validate(q, k, v, None)  # raises, naming the device
+    if q.dim() != 4 or k.dim() != 4:  # the operator raises when it runs, on every rank
+        return [torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(0)]
+    b, s, hq, _ = q.shape
+    lse = torch.empty((b, hq, s), dtype=accumulation_dtype(q.dtype), device=q.device)
+    try:
+        fields = _residual_fields(q, k, options)
+    except (ValueError, TypeError):  # likewise: raised by the operator, after the agreement
+        fields = []
+    residuals = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in fields]
+    return [torch.empty(q.shape, dtype=q.dtype, device=q.device), lse, *residuals]
+
+
+@torch.library.custom_op("tokenring::attention_backward", mutates_args=())
+@torch.compiler.disable
+def _attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    residuals: list[torch.Tensor],
+    *,
+    group: str,
+    strategy: str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: str,
+    block_kernel: str | None,
+    last_block_splits: int,
+    check_ranks: bool,
+    hardware: str | None,
+    seq_len: int | None,
+    cu_seqlens: list[int] | None,
+    window_size: list[int] | None,
+    attention_chunk_size: int | None,
+    requires_grad: list[bool],
+    raw: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _plan(
+        q,
+        k,
+        v,
+        group=group,
+        strategy=strategy,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        layout=layout,
+        kernel=block_kernel,
+        last_block_splits=last_block_splits,
+        check_ranks=check_ranks,
+        hardware=hardware,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
+        window_size=window_size,
+        attention_chunk_size=attention_chunk_size,
+        requires_grad=requires_grad,
+        raw=raw,
+        backward=True,
+    )
+    grads = op.backward(plan, dout, q, k, v, out, lse, residuals)
+    dq, dk, dv = (x.contiguous() for x in grads)
+    return dq, dk, dv
+
+
+@_attention_backward.register_fake
+def _attention_backward_fake(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    return dq, dk, dv
+
+
+@torch.compiler.disable
+def _attention_setup(
+    ctx: Any,
+    inputs: tuple[torch.Tensor, ...],
+    keyword_only_inputs: dict[str, Any],
+    output: list[torch.Tensor],
+) -> None:
+    q, k, v = inputs
+    out, lse, *residuals = output
+    options = keyword_only_inputs
+    # the backward runs the strategy the forward ran, without a second agreement
+    strategy = _strategy_of(q, k, _merged(options))
+    ctx.options = {**options, "strategy": strategy.value}
+    # the registry holds objects weakly (Note [Handles] in tokenring.op): the graph holds them
+    ctx.referents = [op.resolve_group(options["group"]), op.resolve_object(options["raw"])]
+    inputs_read = zip((q, k, v, out, lse), op.reads(strategy), strict=True)
+    kept = [x if read else op.stand_in(x) for x, read in inputs_read]
+    ctx.save_for_backward(*kept, *residuals)
+    ctx.mark_non_differentiable(lse, *residuals)
+
+
+def _attention_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    q, k, v, out, lse, *residuals = ctx.saved_tensors
+    return _attention_backward(grads[0], q, k, v, out, lse, residuals, **ctx.options)
+
+
+_attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def _merged(options: dict[str, Any]) -> dict[str, Any]:
+    """An operator's options with the values of its ``raw`` record put back."""
+    raw = op.resolve_object(options["raw"])
+    return options if raw is None else {**options, **raw.values}
+
+
+def _strategy_of(
+    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], *, tracing: bool = False
+) -> Strategy:
+    """The strategy an operator call runs, without running it (for the fake implementation
+    and the backward); the same pick as ``resolve_strategy`` in :func:`_plan`. ``tracing``:
+    called by the fake implementation, which cannot communicate."""
+    if options["strategy"] != "auto":
+        return Strategy.parse(options["strategy"])
+    group = op.resolve_group(options["group"])
+    hardware = options["hardware"]
+    training = any(options["requires_grad"][:2])
+    if hardware is None:
+        if tracing:
+            raise NotImplementedError(
+                "strategy='auto' with hardware=None measures the machine with collectives, "
+                "which cannot run while torch.compile traces: pass hardware= (a preset name, "
+                "or tokenring.planner.calibrated(tokenring.get_communicator(group)) computed "
+                "before compiling) or a fixed strategy"
+            )
+        return resolve_strategy(
+            "auto",
+            q=q,
+            k=k,
+            causal=options["causal"],
+            layout=Layout.parse(options["layout"]),
+            comm=get_communicator(group),
+            last_block_splits=options["last_block_splits"],
+            training=training,
         )
-        return dq, dk, dv, None, None, None, None, None
+    return _choose_strategy(
+        q.shape,
+        k.shape[2],
+        q.dtype,
+        causal=options["causal"],
+        layout=Layout.parse(options["layout"]),
+        world_size=_rank_and_size(group)[1],
+        hardware=hardware,
+        last_block_splits=options["last_block_splits"],
+        training=training,
+    )
+
+
+def _rank_and_size(group: GroupLike) -> tuple[int, int]:
+    """This rank and the world size of ``group``, without building its communicator."""
+    if isinstance(group, Communicator):
+        return group.rank, group.world_size
+    mesh_cls = _device_mesh_class()
+    if mesh_cls is not None and isinstance(group, mesh_cls):
+        mesh: Any = group
+        group = mesh.get_group()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _residual_fields(
+    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]
+) -> list[op.FieldSpec]:
+    """The residuals' shapes of an operator call (Note [Residuals] in tokenring.op)."""
+    options = _merged(options)
+    strategy = _strategy_of(q, k, options, tracing=True)
+    rank, world_size = _rank_and_size(op.resolve_group(options["group"]))
+    seq_local, padded = q.shape[1], False
+    if options["seq_len"] is not None or options["cu_seqlens"] is not None:
+        cu_seqlens = options["cu_seqlens"]
+        seq_len = options["seq_len"] if options["seq_len"] is not None else cu_seqlens[-1]
+        sharding = make_sharding(
+            layout=options["layout"], world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+        )
+        seq_local, padded = sharding.seq_local, sharding.padded
+    return op.residual_fields(
+        strategy,
+        # heads decide Ulysses' shares, so they are specialised when traced as dynamic
+        q_shape=(q.shape[0], q.shape[1], int(q.shape[2]), q.shape[3]),
+        heads_kv=int(k.shape[2]),
+        dtype=q.dtype,
+        seq_local=seq_local,
+        padded=padded,
+        world_size=world_size,
+        rank=rank,
+    )
 
 
 def sequence_parallel_attn(
@@ -471,10 +746,170 @@ def sequence_parallel_attn(
             layout cannot split (pass seq_len); a local length that does not match seq_len;
             bad cu_seqlens, window_size or attention_chunk_size; unknown strategy, layout or
             kernel; ranks that disagree.
+        NotImplementedError: under torch.compile (which this function supports, fullgraph
+            too), cu_seqlens as a tensor or strategy="auto" without hardware.
+        RuntimeError: under torch.compile, a ProcessGroup tokenring has not seen eagerly
+            (call ``get_communicator(group)`` once first).
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):  # the operator takes only tensors
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    options, record = _op_options(
+        {
+            "strategy": strategy,
+            "causal": causal,
+            "softmax_scale": softmax_scale,
+            "layout": layout,
+            "block_kernel": kernel,
+            "last_block_splits": last_block_splits,
+            "check_ranks": check_ranks,
+            "hardware": hardware,
+            "seq_len": seq_len,
+            "cu_seqlens": cu_seqlens,
+            "window_size": window_size,
+            "attention_chunk_size": attention_chunk_size,
+        }
+    )
+    out, lse, *_ = _attention(
+        q,
+        k,
+        v,
+        group=_group_handle(group),
+        requires_grad=[torch.is_grad_enabled() and x.requires_grad for x in (q, k, v)],
+        **options,
+    )  # Note [The attention operator]
+    del record  # held through the call: the registry holds it weakly
+    return (out, lse) if return_lse else out
+
+
+_PRIMITIVE_TYPES: dict[str, tuple[type, ...]] = {
+    "strategy": (str,),
+    "causal": (bool,),
+    "softmax_scale": (float, type(None)),
+    "layout": (str,),
+    "block_kernel": (str, type(None)),
+    "last_block_splits": (int,),
+    "check_ranks": (bool,),
+    "hardware": (str, type(None)),
+    "seq_len": (int, type(None)),
+    "attention_chunk_size": (int, type(None)),
+}
+
+
+def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | None]:
+    """The operator's keyword arguments for the public ones, ``raw`` the handle of a record of
+    those that are not of their primitive's type (Note [The attention operator]), and that
+    record where the caller must hold it (eager). Dynamo traces this, so it never validates:
+    ``_plan`` does, on every rank."""
+    options: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    for name, value in values.items():
+        if (name, type(value)) in (("strategy", Strategy), ("layout", Layout)):
+            value = value.value
+        if name in ("cu_seqlens", "window_size"):
+            primitive = _int_list(value)
+            if primitive is None and value is not None:
+                if torch.compiler.is_compiling() and isinstance(value, torch.Tensor):
+                    raise NotImplementedError(
+                        f"{name} as a tensor under torch.compile: its values decide the "
+                        "schedule and must be known while tracing; pass a list or tuple of "
+                        f"ints ({name}.tolist() outside the compiled function)"
+                    )
+                raw[name] = value
+            options[name] = primitive
+        elif type(value) in _PRIMITIVE_TYPES[name]:
+            options[name] = value
+        else:
+            raw[name] = value
+            options[name] = None if type(None) in _PRIMITIVE_TYPES[name] else _PLACEHOLDERS[name]
+    if not raw:
+        return {**options, "raw": None}, None
+    if torch.compiler.is_compiling():  # a record for the life of the graph
+        return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
+    record = op.Record(raw)
+    return {**options, "raw": op.object_handle(record)}, record
+
+
+_PLACEHOLDERS: dict[str, Any] = {
+    "strategy": "",
+    "causal": False,
+    "layout": "",
+    "last_block_splits": 0,
+    "check_ranks": False,
+}  # what a primitive holds while its value travels in the raw record
+
+
+def _int_list(value: Any) -> list[int] | None:
+    """A list or tuple of ints as a list; None for anything else."""
+    if isinstance(value, list | tuple) and all(type(x) is int for x in value):
+        return list(value)
+    return None
+
+
+def _group_handle(group: GroupLike) -> str:
+    """The operator's name for ``group`` (Note [Handles] in tokenring.op); dynamo traces
+    this. An unsupported group raises here, as it does before any agreement: without a
+    group there is no one to agree with."""
+    if group is None:
+        return op.DEFAULT_GROUP
+    if isinstance(group, Communicator):
+        return op.object_handle(group)
+    mesh_cls = _device_mesh_class()
+    if mesh_cls is not None and isinstance(group, mesh_cls):
+        mesh: Any = group
+        if mesh.ndim != 1:
+            get_communicator(mesh)  # raises, naming the fix (traceable: nothing is built)
+        group = mesh.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        get_communicator(group)  # raises, naming what a group may be
+    return op.group_handle(group)
+
+
+def _plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: str,
+    strategy: Strategy | str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: Layout | str,
+    kernel: str | BlockKernel | None,
+    last_block_splits: int,
+    check_ranks: bool,
+    hardware: Hardware | str | None,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+    window_size: Sequence[int] | int | None,
+    attention_chunk_size: int | None,
+    requires_grad: list[bool],
+    raw: str | None,
+    backward: bool,
+) -> op.Plan:
+    """Validate an operator call, agree across ranks (``check_ranks``) and plan it: the body
+    of :func:`sequence_parallel_attn`, run by the operator. For the ``backward`` the ranks
+    agreed already and ``strategy`` is the one the forward ran."""
+    record = op.resolve_object(raw)
+    if record is not None:  # the values that are not of their primitive's type
+        values = record.values
+        strategy = values.get("strategy", strategy)
+        causal = values.get("causal", causal)
+        softmax_scale = values.get("softmax_scale", softmax_scale)
+        layout = values.get("layout", layout)
+        kernel = values.get("block_kernel", kernel)
+        last_block_splits = values.get("last_block_splits", last_block_splits)
+        check_ranks = values.get("check_ranks", check_ranks)
+        hardware = values.get("hardware", hardware)
+        seq_len = values.get("seq_len", seq_len)
+        cu_seqlens = values.get("cu_seqlens", cu_seqlens)
+        window_size = values.get("window_size", window_size)
+        attention_chunk_size = values.get("attention_chunk_size", attention_chunk_size)
+    if backward:
+        check_ranks, hardware = False, None  # no second agreement; no second pick
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
-    comm = get_communicator(group)
+    comm = get_communicator(op.resolve_group(group))
     call: _Call | None = None
     problem: Exception | None = None
     try:
@@ -494,6 +929,7 @@ def sequence_parallel_attn(
             cu_seqlens=cu_seqlens,
             window_size=window_size,
             attention_chunk_size=attention_chunk_size,
+            needs_grad=any(requires_grad),
         )
     except (ValueError, NotImplementedError) as exc:
         problem = exc
@@ -514,28 +950,11 @@ def sequence_parallel_attn(
         comm=comm,
         hardware=hardware,
         last_block_splits=last_block_splits,
+        training=any(requires_grad[:2]),
     )
-    rows = None
-    if sharding.padded:  # scatter the tokens into the common padded buffer (differentiable)
-        rows = sharding.padded_rows(comm.rank).to(q.device)
-        q, k, v = (_pad_rows(x, rows, sharding.seq_local) for x in (q, k, v))
-    if strategy.is_collective:
-        from tokenring.collective import run_collective
-
-        out, lse = run_collective(
-            strategy.value,
-            q,
-            k,
-            v,
-            causal=causal,
-            scale=scale,
-            layout=layout,
-            comm=comm,
-            kernel=block_kernel,
-            sharding=sharding,
-            mask=mask,
-        )
-    else:
+    rows = sharding.padded_rows(comm.rank).to(q.device) if sharding.padded else None
+    schedules = None
+    if not strategy.is_collective:
         key = (
             layout,
             causal,
@@ -547,20 +966,22 @@ def sequence_parallel_attn(
             k.shape[2],
             attention_chunk_size,
         )
-        fwd = _schedule(strategy, Pass.FORWARD, *key)
-        bwd = _schedule(strategy, Pass.BACKWARD, *key)
-        out, lse = _SequenceParallelAttnFn.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), fwd, bwd, comm, block_kernel, scale
+        schedules = (
+            _schedule(strategy, Pass.FORWARD, *key),
+            _schedule(strategy, Pass.BACKWARD, *key),
         )
-    if rows is not None:
-        out, lse = out.index_select(1, rows), lse.index_select(2, rows)
-    return (out, lse) if return_lse else out
-
-
-def _pad_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``x`` (B, s_r, H, D) placed at ``rows`` of a zero (B, num_rows, H, D) buffer."""
-    buffer = x.new_zeros((x.shape[0], num_rows, *x.shape[2:]))
-    return buffer.index_copy(1, rows, x)
+    return op.Plan(
+        strategy=strategy,
+        comm=comm,
+        kernel=block_kernel,
+        scale=scale,
+        layout=layout,
+        causal=causal,
+        sharding=sharding,
+        mask=mask,
+        schedules=schedules,
+        rows=rows,
+    )
 
 
 # One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword
@@ -650,6 +1071,8 @@ class SequenceParallelAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
         self.group = group
         self.options = options
+        if isinstance(group, dist.ProcessGroup):  # so a compiled forward can name it
+            op.remember_group(group)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = sequence_parallel_attn(

@@ -3,11 +3,11 @@
 This module owns both strategies end to end: their pure schedules
 (:func:`build_collective_schedule`, plain data the cost model reads like the ring schedules,
 routed the way the backend's collectives route; Note [Collective routing]), their runtime on
-``torch.distributed`` collectives over ``comm.group``, and their autograd wiring
-(:func:`run_collective`, called by the public API after validation). The collectives go
-through the communicator (``comm.all_to_all_single``, ``comm.all_gather_into_tensor``), so
-each is bounded by ``comm.timeout`` and fails naming itself, the rank and the group. Every
-message is
+``torch.distributed`` collectives over ``comm.group`` (:func:`collective_forward` and
+:func:`collective_backward`, joined by residuals; the public API runs them after validation
+and wires them into autograd). The collectives go through the communicator
+(``comm.all_to_all_single``, ``comm.all_gather_into_tensor``), so each is bounded by
+``comm.timeout`` and fails naming itself, the rank and the group. Every message is
 counted in ``comm.counter`` per flow and destination as the backend puts it on the wire, and
 the schedule's transfers add up to the same bytes.
 
@@ -164,7 +164,6 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -193,7 +192,9 @@ __all__ = [
     "CollectiveStrategy",
     "HeadShare",
     "build_collective_schedule",
-    "run_collective",
+    "collective_backward",
+    "collective_forward",
+    "residual_fields",
     "ulysses_heads",
 ]
 
@@ -858,105 +859,66 @@ def _allgather_backward(
                 for piece in segment.pieces
             )
         done()
-    dkv = dkv_all[:, :, mine[0] : mine[1]].clone()  # (2, B, s, Hkv, D)
+    # dK and dV in separate memory: the operator's outputs may not share storage
+    dk, dv = (dkv_all[i, :, mine[0] : mine[1]].clone() for i in range(2))  # (B, s, Hkv, D)
     if back is not None:
         for j, (part,) in enumerate(back.wait()):
             if j != rank:
-                dkv += part
-    return dq, dkv[0], dkv[1]
+                dk += part[0]
+                dv += part[1]
+    return dq, dk, dv
 
 
-# -- autograd ------------------------------------------------------------------------------
+# -- entry points --------------------------------------------------------------------------
+# Forward and backward are separate calls joined by *residuals*, the tensors the backward keeps
+# beyond q, out and lse (see tokenring.op): the public API wires them into autograd through a
+# custom operator, which must know their shapes before it runs (residual_fields).
 
 
-class _UlyssesFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: Layout,
-        comm: Communicator,
-        kernel: BlockKernel,
-        causal: bool,
-        scale: float,
-        masking: _Masking | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
-        out, lse, saved = _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
-        ctx.save_for_backward(*saved)
-        ctx.plan, ctx.comm, ctx.kernel = plan, comm, kernel
-        ctx.heads_kv, ctx.causal, ctx.scale = k.shape[2], causal, scale
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+def residual_fields(
+    strategy_name: CollectiveStrategy | enum.Enum | str,
+    *,
+    batch: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    world_size: int,
+    rank: int,
+) -> list[FieldSpec]:
+    """Shapes and dtypes of the residuals :func:`collective_forward` returns on ``rank``.
 
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        dq, dk, dv = _ulysses_backward(
-            dout.contiguous(),
-            ctx.saved_tensors,
-            ctx.plan,
-            ctx.comm,
-            ctx.kernel,
-            heads_kv=ctx.heads_kv,
-            causal=ctx.causal,
-            scale=ctx.scale,
-        )
-        dq_dtype, dk_dtype, dv_dtype = ctx.dtypes
-        grads = (dq.to(dq_dtype), dk.to(dk_dtype), dv.to(dv_dtype))
-        return (*grads, None, None, None, None, None, None)
+    Ulysses keeps q, k, v, out and lse of its head share over the gathered sequence
+    (S = P * s rows); all-gather K/V keeps the gathered K/V ``(2, B, S, Hkv, D)``.
+
+    Raises:
+        ValueError: an unknown ``strategy_name``; Hkv not dividing Hq (Ulysses).
+    """
+    strategy = CollectiveStrategy.parse(strategy_name)
+    b, d, total = batch, head_dim, world_size * seq_local
+    if strategy is CollectiveStrategy.ALLGATHER_KV:
+        return [((2, b, total, heads_kv, d), dtype)]
+    share = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)[rank]
+    nq, nkv = share.num_q, share.num_kv
+    return [
+        ((b, total, nq, d), dtype),
+        ((b, total, nkv, d), dtype),
+        ((b, total, nkv, d), dtype),
+        ((b, total, nq, d), dtype),
+        ((b, nq, total), accumulation_dtype(dtype)),
+    ]
 
 
-class _AllGatherKVFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layout: Layout,
-        comm: Communicator,
-        kernel: BlockKernel,
-        causal: bool,
-        scale: float,
-        masking: _Masking | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        routing = CollectiveRouting.for_backend(comm.backend)
-        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
-        fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
-        out, lse, kv_all = _allgather_forward(
-            q, k, v, fwd, comm, kernel, scale=scale, masking=masking
-        )
-        ctx.save_for_backward(q, out, lse, kv_all)
-        ctx.bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
-        ctx.comm, ctx.kernel, ctx.scale, ctx.masking = comm, kernel, scale, masking
-        ctx.dtypes = (k.dtype, v.dtype)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
-        q, out, lse, kv_all = ctx.saved_tensors
-        dq, dk, dv = _allgather_backward(
-            dout.contiguous(),
-            q,
-            out,
-            lse,
-            kv_all,
-            ctx.bwd,
-            ctx.comm,
-            ctx.kernel,
-            scale=ctx.scale,
-            masking=ctx.masking,
-        )
-        dk_dtype, dv_dtype = ctx.dtypes
-        grads = (dq.to(q.dtype), dk.to(dk_dtype), dv.to(dv_dtype))
-        return (*grads, None, None, None, None, None, None)
+def _masking(
+    sharding: Sharding | None, mask: MaskSpec | None, world_size: int, device: torch.device
+) -> _Masking | None:
+    if sharding is not None and mask is not None and (sharding.padded or not mask.plain):
+        return _Masking(sharding, mask, world_size, device)
+    return None
 
 
-def run_collective(
+def collective_forward(
     strategy_name: CollectiveStrategy | enum.Enum | str,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -969,8 +931,8 @@ def run_collective(
     kernel: BlockKernel,
     sharding: Sharding | None = None,
     mask: MaskSpec | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ulysses or all-gather K/V attention over this rank's shard, differentiable in q, k, v.
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Ulysses or all-gather K/V attention over this rank's shard, without autograd.
 
     The caller has validated the inputs (``tokenring.api``): same dtype and device, Hkv
     dividing Hq, a seq_local the layout can split, the same arguments on every rank.
@@ -991,30 +953,78 @@ def run_collective(
             of its rows' positions (Note [Collectives with masks]).
 
     Returns:
-        out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the accumulation dtype
-        (float32; float64 for float64 inputs), which carries no gradient.
+        out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype
+        (float32; float64 for float64 inputs), and the residuals for
+        :func:`collective_backward`, contiguous, shaped as :func:`residual_fields` says.
 
     Raises:
         ValueError: an unknown ``strategy_name`` or layout.
         RuntimeError: a collective failed or outlasted ``comm.timeout`` (names this rank).
     """
     strategy = CollectiveStrategy.parse(strategy_name)
-    fn = _UlyssesFn if strategy is CollectiveStrategy.ULYSSES else _AllGatherKVFn
-    masking = None
-    if sharding is not None and mask is not None and (sharding.padded or not mask.plain):
-        masking = _Masking(sharding, mask, comm.world_size, q.device)
-    out, lse = fn.apply(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        Layout.parse(layout),
-        comm,
-        kernel,
-        causal,
-        scale,
-        masking,
-    )
-    return out, lse
+    layout = Layout.parse(layout)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    masking = _masking(sharding, mask, comm.world_size, q.device)
+    if strategy is CollectiveStrategy.ULYSSES:
+        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
+        out, lse, saved = _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
+        return out, lse, [x.contiguous() for x in saved]
+    routing = CollectiveRouting.for_backend(comm.backend)
+    key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
+    fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
+    out, lse, kv_all = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale, masking=masking)
+    return out, lse, [kv_all.contiguous()]
+
+
+def collective_backward(
+    strategy_name: CollectiveStrategy | enum.Enum | str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    residuals: Sequence[torch.Tensor],
+    *,
+    heads_kv: int,
+    dtype: torch.dtype,
+    causal: bool,
+    scale: float,
+    layout: Layout | str,
+    comm: Communicator,
+    kernel: BlockKernel,
+    sharding: Sharding | None = None,
+    mask: MaskSpec | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of :func:`collective_forward` from its residuals.
+
+    Args:
+        dout: ``(B, s, Hq, D)`` gradient of out.
+        q, out, lse: the forward's q (padded like its input) and outputs; read by all-gather
+            K/V only (Ulysses keeps its own in the residuals).
+        residuals: what :func:`collective_forward` returned with them.
+        heads_kv: Hkv of the forward's k and v; dtype: their dtype (of q, k and v alike).
+        causal, scale, layout, comm, kernel, sharding, mask: as given to the forward.
+
+    Returns:
+        dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in ``dtype``.
+    """
+    strategy = CollectiveStrategy.parse(strategy_name)
+    layout = Layout.parse(layout)
+    dout = dout.contiguous()
+    masking = _masking(sharding, mask, comm.world_size, dout.device)
+    if strategy is CollectiveStrategy.ULYSSES:
+        plan = _UlyssesPlan.make(comm, layout, causal, dout.shape, heads_kv, dout.device, masking)
+        dq, dk, dv = _ulysses_backward(
+            dout, residuals, plan, comm, kernel, heads_kv=heads_kv, causal=causal, scale=scale
+        )
+    else:
+        routing = CollectiveRouting.for_backend(comm.backend)
+        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], heads_kv, routing)
+        bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
+        (kv_all,) = residuals
+        dq, dk, dv = _allgather_backward(
+            dout, q.contiguous(), out, lse, kv_all, bwd, comm, kernel, scale=scale, masking=masking
+        )
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 class _Masking:

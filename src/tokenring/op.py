@@ -1,0 +1,345 @@
+"""What the ``tokenring::attention`` custom operator carries and runs.
+
+``tokenring.api`` registers the attention as two custom operators (``torch.library``):
+``tokenring::attention`` and ``tokenring::attention_backward``, so ``torch.compile`` sees one
+opaque call with known output shapes, with or without ``fullgraph``, and eager calls take the
+same path. Operators take only tensors and primitives; this module owns the rest:
+
+- handles (Note [Handles]): a process group travels as its ``group_name``, a Communicator and
+  a :class:`Record` of values that are not primitives as keys into registries of this process;
+- :class:`Plan`: one planned call, and :func:`forward` / :func:`backward`, which run it and
+  hand over the *residuals*: the tensors the backward needs beyond q, k, v, out and lse;
+- :func:`residual_fields`: the residuals' shapes, which the fake implementation returns.
+
+Note [Residuals]
+~~~~~~~~~~~~~~~~
+An operator's backward sees only its inputs and outputs, so whatever the backward needs is an
+output (hidden from the caller)::
+
+    strategy               backward reads         residuals (padded: s_pad rows, see layout)
+    token_ring, ring,      q, k, v, out, lse      none; padded: out and lse of the buffer
+      bidir_ring
+    ulysses                nothing of those       q, k, v, out, lse of the head share over the
+                                                  gathered sequence (collective.residual_fields)
+    allgather_kv           q, out, lse            gathered K/V; padded: out, lse of the buffer
+
+Inputs the backward does not read are saved as shape-only stand-ins (:func:`stand_in`), so
+Ulysses keeps no more memory than before it was an operator.
+
+Legend: B batch, S global seq, s local seq, s_pad padded local seq, Hq query heads, Hkv kv
+heads, D head dim, P world size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.collective import collective_backward, collective_forward
+from tokenring.collective import residual_fields as collective_residual_fields
+from tokenring.comm import Communicator
+from tokenring.kernels import BlockKernel, accumulation_dtype
+from tokenring.layout import Layout, Sharding
+from tokenring.masks import MaskSpec
+from tokenring.runtime import run_backward, run_forward
+from tokenring.schedule import Schedule, Strategy
+
+__all__ = [
+    "DEFAULT_GROUP",
+    "Plan",
+    "Record",
+    "backward",
+    "forward",
+    "group_handle",
+    "object_handle",
+    "pinned_handle",
+    "reads",
+    "remember_group",
+    "residual_fields",
+    "resolve_group",
+    "resolve_object",
+    "stand_in",
+]
+
+FieldSpec = tuple[tuple[int, ...], torch.dtype]
+
+# Note [Handles]
+# ~~~~~~~~~~~~~~
+# Under torch.compile a ProcessGroup or DeviceMesh is a script object that dynamo can read
+# ``group_name`` from but cannot hand to an operator or a Python function, and building a
+# Communicator (new process groups) cannot be traced. So the operators get strings and
+# resolve them when they run:
+#
+#     value              handle                   resolved from
+#     group None         DEFAULT_GROUP            get_communicator(None)
+#     ProcessGroup,      "group:" + group_name    _GROUPS: filled by get_communicator, the
+#       1-D DeviceMesh     (of mesh.get_group())  module wrapper and every eager call;
+#                                                 dist.group.WORLD is always known
+#     Communicator       "<Communicator ...>"     _OBJECTS (weak: the caller holds it)
+#     Record             "<Record ...>"           eager: _OBJECTS (the call and its autograd
+#                                                 node hold it); compiled: _PINNED
+#
+# Keys of objects come from ``object_handle`` / ``pinned_handle``, which torch.compile calls
+# once while tracing (``torch.compiler.assume_constant_result``: it guards on the arguments)
+# and bakes into the graph. A group never seen eagerly cannot be named: the error says to call
+# tokenring.get_communicator(group) first.
+DEFAULT_GROUP = "default"
+_GROUP_PREFIX = "group:"
+_GROUPS: weakref.WeakValueDictionary[str, dist.ProcessGroup] = weakref.WeakValueDictionary()
+_OBJECTS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_PINNED: dict[str, Record] = {}  # records baked into compiled graphs
+
+
+def remember_group(group: dist.ProcessGroup) -> None:
+    """Make ``group`` known by its name, so a compiled call can name it (Note [Handles])."""
+    _GROUPS[group.group_name] = group
+
+
+def _key(obj: Any) -> str:
+    return f"<{type(obj).__qualname__} object at 0x{id(obj):x}>"
+
+
+@torch.compiler.assume_constant_result
+def object_handle(obj: Any) -> str:
+    """A key for ``obj`` that :func:`resolve_object` turns back into it while ``obj`` lives
+    (Note [Handles])."""
+    key = _key(obj)
+    _OBJECTS[key] = obj
+    return key
+
+
+class Record:
+    """Argument values that are not of their primitive's type, as the caller passed them."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+
+@torch.compiler.assume_constant_result
+def pinned_handle(names: tuple[str, ...], *values: Any) -> str:
+    """A key for a :class:`Record` of ``names`` and ``values`` that stays valid for the life
+    of the process: torch.compile calls this once while tracing and bakes the key into the
+    graph (Note [Handles])."""
+    record = Record(dict(zip(names, values, strict=True)))
+    key = _key(record)
+    _PINNED[key] = record
+    return key
+
+
+def resolve_object(value: str | None) -> Any:
+    """The object behind a key of :func:`object_handle`; any other value as it is."""
+    if value is None:
+        return None
+    found = _OBJECTS.get(value, _PINNED.get(value))
+    if found is None and value.startswith("<") and value.endswith(">"):
+        raise RuntimeError(
+            f"{value} was passed to tokenring's attention and no longer exists (a compiled "
+            "graph outlived it); keep it alive as long as the compiled function runs"
+        )
+    return value if found is None else found
+
+
+def group_handle(group: dist.ProcessGroup) -> str:
+    """The operator's name for a process group (Note [Handles]); dynamo traces this."""
+    if not torch.compiler.is_compiling():
+        remember_group(group)
+    return _GROUP_PREFIX + group.group_name
+
+
+def resolve_group(handle: str) -> Any:
+    """The group (a ProcessGroup, DeviceMesh, Communicator, None, ...) behind ``handle``."""
+    if handle == DEFAULT_GROUP:
+        return None
+    if not handle.startswith(_GROUP_PREFIX):
+        return resolve_object(handle)
+    name = handle[len(_GROUP_PREFIX) :]
+    group = _GROUPS.get(name)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if group is None and world is not None and world.group_name == name:
+        group = world
+    if group is None:
+        raise RuntimeError(
+            f"process group {name!r} is not known to tokenring: a compiled call names its "
+            "group, so call tokenring.get_communicator(group) once before running the "
+            "compiled function (or pass a Communicator, or the group to "
+            "SequenceParallelAttention)"
+        )
+    return group
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One planned attention call on this rank (``tokenring.api`` validates and plans it)."""
+
+    strategy: Strategy
+    comm: Communicator
+    kernel: BlockKernel
+    scale: float
+    layout: Layout
+    causal: bool
+    sharding: Sharding
+    mask: MaskSpec
+    schedules: tuple[Schedule, Schedule] | None
+    """Forward and backward schedules of the ring strategies; None for the collectives."""
+    rows: torch.Tensor | None
+    """With padding: row of the padded buffer of each local token ``(s,)``; else None."""
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, s, H, D) in the zero padded buffer (B, s_pad, H, D)."""
+        if self.rows is None:
+            return x
+        buffer = x.new_zeros((x.shape[0], self.sharding.seq_local, *x.shape[2:]))
+        return buffer.index_copy(1, self.rows, x)
+
+    def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The local tokens' rows of a padded ``x``, along ``dim``."""
+        return x if self.rows is None else x.index_select(dim, self.rows)
+
+
+def reads(strategy: Strategy) -> tuple[bool, bool, bool, bool, bool]:
+    """Which of q, k, v, out, lse the backward of ``strategy`` reads (Note [Residuals])."""
+    if strategy is Strategy.ULYSSES:
+        return (False, False, False, False, False)
+    if strategy is Strategy.ALLGATHER_KV:
+        return (True, False, False, True, True)
+    return (True, True, True, True, True)
+
+
+def stand_in(x: torch.Tensor) -> torch.Tensor:
+    """Shape, dtype and device of ``x`` without its memory (one element, stride 0)."""
+    return x.new_empty(()).expand(x.shape)
+
+
+def residual_fields(
+    strategy: Strategy,
+    *,
+    q_shape: Sequence[int],
+    heads_kv: int,
+    dtype: torch.dtype,
+    seq_local: int,
+    padded: bool,
+    world_size: int,
+    rank: int,
+) -> list[FieldSpec]:
+    """Shapes and dtypes of the residuals :func:`forward` returns (Note [Residuals]).
+
+    Args:
+        q_shape: ``(B, s, Hq, D)``; seq_local: s_pad (s without padding).
+
+    Raises:
+        ValueError: inputs Ulysses cannot split (Hkv not dividing Hq).
+    """
+    b, _, hq, d = q_shape
+    fields: list[FieldSpec] = []
+    if strategy.is_collective:
+        fields = collective_residual_fields(
+            strategy.value,
+            batch=b,
+            seq_local=seq_local,
+            heads_q=hq,
+            heads_kv=heads_kv,
+            head_dim=d,
+            dtype=dtype,
+            world_size=world_size,
+            rank=rank,
+        )
+    if padded and reads(strategy)[3]:
+        fields += [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
+    return fields
+
+
+def forward(
+    plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Run ``call``: out ``(B, s, Hq, D)``, lse ``(B, Hq, s)`` and the residuals."""
+    q, k, v = (plan.pad(x) for x in (q, k, v))  # (B, s_pad, H, D)
+    residuals: list[torch.Tensor] = []
+    if plan.strategy.is_collective:
+        out, lse, residuals = collective_forward(
+            plan.strategy.value,
+            q,
+            k,
+            v,
+            causal=plan.causal,
+            scale=plan.scale,
+            layout=plan.layout,
+            comm=plan.comm,
+            kernel=plan.kernel,
+            sharding=plan.sharding,
+            mask=plan.mask,
+        )
+    else:
+        assert plan.schedules is not None
+        out, lse = run_forward(
+            plan.schedules[0],
+            plan.comm,
+            plan.kernel,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            scale=plan.scale,
+        )
+    if plan.rows is not None and reads(plan.strategy)[3]:
+        residuals = [*residuals, out, lse]
+    return plan.unpad(out), plan.unpad(lse, 2), residuals
+
+
+def backward(
+    plan: Plan,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    residuals: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`forward`'s out: dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``.
+
+    q, k, v, out and lse are the forward's inputs and outputs, or stand-ins for those the
+    strategy does not read (Note [Residuals]).
+    """
+    residuals = list(residuals)
+    if plan.rows is not None and reads(plan.strategy)[3]:
+        *residuals, out, lse = residuals  # the padded buffer's
+    dout = plan.pad(dout).contiguous()
+    if reads(plan.strategy)[0]:  # not a stand-in
+        q = plan.pad(q)
+    if plan.strategy.is_collective:
+        dq, dk, dv = collective_backward(
+            plan.strategy.value,
+            dout,
+            q,
+            out,
+            lse,
+            residuals,
+            heads_kv=k.shape[2],
+            dtype=q.dtype,
+            causal=plan.causal,
+            scale=plan.scale,
+            layout=plan.layout,
+            comm=plan.comm,
+            kernel=plan.kernel,
+            sharding=plan.sharding,
+            mask=plan.mask,
+        )
+    else:
+        assert plan.schedules is not None
+        dq, dk, dv = run_backward(
+            plan.schedules[1],
+            plan.comm,
+            plan.kernel,
+            dout,
+            q.contiguous(),
+            plan.pad(k).contiguous(),
+            plan.pad(v).contiguous(),
+            out,
+            lse,
+            scale=plan.scale,
+        )
+    return plan.unpad(dq), plan.unpad(dk), plan.unpad(dv)
