@@ -141,10 +141,11 @@ def _qkv(dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen).to(dtype).requires_grad_(True) for shape in shapes]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["token_ring", "ulysses", "allgather_kv"])
 def test_operator_passes_opcheck(single_rank_group: None, strategy: str) -> None:
     """Fake shapes and strides equal the real ones (static and dynamic), the autograd
-    registration is complete, and AOT autograd's gradients equal eager ones."""
+    registration is complete, and AOT autograd's gradients equal eager ones; one strategy per
+    kind of residuals (the ring strategies share theirs)."""
     options = {  # the operator's schema: primitives and handles
         "group": op.DEFAULT_GROUP,
         "strategy": strategy,
