@@ -267,6 +267,7 @@ def test_collectives_exit_cleanly(tmp_path: Path) -> None:
 
 
 @pytest.mark.stress
+@pytest.mark.timeout(3600)
 def test_every_strategy_exits_cleanly_50_times(tmp_path: Path) -> None:
     strategies = ["token_ring", "ring", "bidir_ring", "ulysses", "allgather_kv"]
     for i in range(50):
