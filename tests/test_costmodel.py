@@ -519,6 +519,93 @@ def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> N
         assert vec.timeline is None
 
 
+def test_schedule_arrays_of_some_steps_are_those_columns() -> None:
+    """``steps=`` gives the columns of the full arrays, in the order asked for."""
+    for strategy, pass_, (layout, causal) in itertools.product(
+        CLOSED, Pass, (("zigzag", True), ("contiguous", False))
+    ):
+        kw: dict[str, Any] = dict(layout=layout, causal=causal, world_size=5, seq_local=6)
+        full = schedule_arrays(strategy, pass_, last_block_splits=3, **kw)
+        for steps in ([4], [0, 1], [3, 4, 2], []):
+            part = schedule_arrays(strategy, pass_, last_block_splits=3, steps=steps, **kw)
+            assert part.steps.tolist() == steps
+            for name in ("q_owner", "kv_owner", "q_rows", "kv_rows", "diagonal", "pairs"):
+                assert torch.equal(getattr(part, name), getattr(full, name)[:, steps]), name
+            for name in ("slices", "travel_rows", "dkv_rows"):
+                assert torch.equal(getattr(part, name), getattr(full, name)[:, steps]), name
+            assert torch.equal(part.return_rows(), full.return_rows()[:, steps])
+    with pytest.raises(ValueError, match="steps must be in"):
+        schedule_arrays("ring", "forward", steps=[5], **kw)
+
+
+@pytest.mark.parametrize("topology", list(Topology))
+def test_the_vectorised_engine_in_chunks_of_steps_gives_the_same_pass(
+    topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vectorised engine walks the steps in chunks so that its memory is linear in P
+    (``tokenring simulate --world-size 2000`` peaked at 2.4 GB with (P, P) tables); chunks
+    of 1 and 2 steps give what one chunk of all the steps gives."""
+    import tokenring.simulate as simulate_module
+
+    hw = _hardware(topology, link=1e9, port=1.5e9 if topology is Topology.SWITCH else None)
+    for p, strategy, pass_, (layout, causal) in itertools.product(
+        (2, 3, 7), CLOSED, Pass, (("zigzag", True), ("contiguous", False))
+    ):
+        kw: dict[str, Any] = dict(layout=layout, causal=causal, world_size=p, seq_local=64)
+        got = []
+        for cells in (p * p, 2 * p, 1):  # one chunk; 2 steps per chunk; 1 step per chunk
+            monkeypatch.setattr(simulate_module, "_CHUNK_CELLS", cells)
+            result = simulate_pass(strategy, pass_, shape=GQA, hardware=hw, mode="vectorised", **kw)
+            got.append(dataclasses.asdict(result))
+        for other in got[1:]:
+            assert other.keys() == got[0].keys()
+            for key, value in got[0].items():
+                floats = isinstance(value, tuple) and value and isinstance(value[0], float)
+                if isinstance(value, float) or floats:
+                    assert other[key] == pytest.approx(value, rel=1e-12), (p, key)
+                else:
+                    assert other[key] == value, (p, key)
+
+
+def test_the_vectorised_engine_holds_a_chunk_of_steps_not_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No array the engine asks for or prices spans every step: (P, chunk) at most, chunk =
+    _CHUNK_CELLS // P (+1 for the step before the chunk); here P = 200 in chunks of 10."""
+    import tokenring.simulate as simulate_module
+
+    p, chunk = 200, 10
+    monkeypatch.setattr(simulate_module, "_CHUNK_CELLS", p * chunk)
+    widest: list[int] = []
+    original_arrays = simulate_module.schedule_arrays
+    original_price = simulate_module._Network.price
+
+    def arrays(*args: Any, **kwargs: Any) -> Any:
+        result = original_arrays(*args, **kwargs)
+        widest.append(result.q_rows.shape[1])
+        return result
+
+    def price(self: Any, x: torch.Tensor, dst: torch.Tensor, **kwargs: Any) -> Any:
+        widest.append(x.shape[0])
+        return original_price(self, x, dst, **kwargs)
+
+    monkeypatch.setattr(simulate_module, "schedule_arrays", arrays)
+    monkeypatch.setattr(simulate_module._Network, "price", price)
+    result = simulate_pass(
+        "token_ring",
+        "forward",
+        layout="zigzag",
+        causal=True,
+        world_size=p,
+        seq_local=8,
+        shape=GQA,
+        hardware=_hardware(Topology.MESH, link=1e9),
+        mode="vectorised",
+    )
+    assert len(result.step_s) == p and result.call_s > 0
+    assert widest and max(widest) <= chunk + 1
+
+
 def test_exposed_transfers_are_the_last_slice_and_the_accumulator_home() -> None:
     tr = build_schedule(
         "token_ring",
@@ -645,11 +732,15 @@ def test_simulate_cli_json_plot_and_rounding(
     assert (row["seq_requested"], row["seq"]) == (1001, 1000)  # zigzag over 4 ranks: 8 | S
 
 
-def test_simulate_cli_rejects_bad_sizes() -> None:
-    with pytest.raises(ValueError, match="--world-size must be >= 1; got 0"):
-        main(["simulate", "--world-size", "0", "--json"])
-    with pytest.raises(ValueError, match="--seq must be at least 16"):
-        main(["simulate", "--world-size", "8", "--seq", "10", "--json"])
+def test_simulate_cli_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in (
+        (["--world-size", "0"], "argument --world-size: must be an integer >= 1; got '0'"),
+        (["--world-size", "8", "--seq", "10"], "--seq must be at least 16"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["simulate", *argv, "--json"])
+        assert exit_info.value.code == 2  # argparse's status for bad arguments
+        assert message in capsys.readouterr().err
 
 
 def test_1024_ranks_and_10m_tokens_take_seconds(capsys: pytest.CaptureFixture[str]) -> None:
@@ -863,5 +954,7 @@ def test_simulate_cli_predicts_the_hybrid(capsys: pytest.CaptureFixture[str]) ->
         ("ring", 12),
     ]
     assert "hybrid at P=12 not predicted" in err
-    with pytest.raises(ValueError, match="--hybrid-inner must be given"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["simulate", "--strategies", "hybrid", "--json"])
+    assert exit_info.value.code == 2
+    assert "--hybrid-inner must be given" in capsys.readouterr().err

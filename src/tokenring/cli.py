@@ -1,18 +1,43 @@
 """Command line: ``tokenring <command> [options]``.
 
-A thin layer: each command lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``; algorithms never import this module. ``main(argv) -> int`` is what tests
-call in-process.
+A thin layer: each command lives in its own module exposing ``add_arguments(parser)``,
+optionally ``check_args(args)``, and ``run(args) -> int``; algorithms never import this
+module. ``main(argv) -> int`` is what tests call in-process.
+
+Note [Bad input at the command line]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every mistake in the arguments ends the command before any work starts (before a rank is
+spawned or a simulation allocates), the way argparse ends it: one line on stderr naming the
+argument, the value and what was expected, and exit status 2. Two places catch them:
+
+- one argument alone: the ``type=`` functions below (``int_at_least``, ``positive_seconds``,
+  ``output_path``, ...), which argparse calls while parsing;
+- arguments together (a sequence the layout cannot split, a link too slow to finish in the
+  timeout, a run that cannot fit in memory): the command's ``check_args(args)``, which
+  raises ``ValueError``; :func:`main` turns that into the same one-line error.
+
+The usage text stays behind ``--help``: a bench's usage is a screen long, and the line that
+matters is the error.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = [
+    "finite_float_at_least",
+    "int_at_least",
+    "main",
+    "mem_available_bytes",
+    "output_path",
+    "positive_seconds",
+]
 
 # command name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -22,8 +47,101 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (Note [Bad input at the command line])."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
+# -- argument types: argparse reports their errors as "argument --flag: <message>" -------------
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {minimum}; got {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}")
+        return value
+
+    return parse
+
+
+def _finite(text: str, expected: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds > 0 (nan and inf would disable a
+    deadline without a word)."""
+    expected = "a finite number of seconds > 0"
+    value = _finite(text, expected)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
+    return value
+
+
+def finite_float_at_least(minimum: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= ``minimum`` (nan compares false with every
+    bound, so a nan tolerance would pass or fail every row without saying why)."""
+    expected = f"a finite number >= {minimum:g}"
+
+    def parse(text: str) -> float:
+        value = _finite(text, expected)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
+        return value
+
+    return parse
+
+
+def output_path(text: str) -> str:
+    """An argparse ``type``: a file the command can write when it is done, checked before any
+    work (a missing directory found after an hour's run loses the hour)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a file path; got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"must be a file path; got the directory {text!r}")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(
+            f"directory {parent!r} does not exist (for {text!r}); create it first"
+        )
+    if os.path.exists(text):
+        if not os.access(text, os.W_OK):
+            raise argparse.ArgumentTypeError(f"file {text!r} is not writable")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"directory {parent!r} is not writable (for {text!r})")
+    return text
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes: what the kernel can hand out without swapping;
+    None where there is no /proc/meminfo (then no memory check can be made)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file says kB and means KiB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# -- the command line ----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tokenring", description="Sequence-parallel attention: TokenRing, Ring and friends."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,16 +150,26 @@ def build_parser() -> argparse.ArgumentParser:
         summary = (module.__doc__ or help_text).split("\n\n")[0]  # the Notes stay in the code
         command = sub.add_parser(name, help=help_text, description=summary)
         module.add_arguments(command)
-        command.set_defaults(_module=module)
+        command.set_defaults(_module=module, _parser=command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status instead of exiting."""
+    """Run the CLI; returns the exit status instead of exiting.
+
+    Raises:
+        SystemExit: status 2 for bad arguments (one line on stderr), as argparse does.
+    """
     parser = build_parser()
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv  # so results can record the command that produced them
+    check = getattr(args._module, "check_args", None)
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as exc:
+            args._parser.error(str(exc))
     status: int = args._module.run(args)
     return status
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -647,7 +648,8 @@ def exposed_transfers(schedule: Schedule) -> tuple[Transfer, ...]:
 # -- the same numbers as closed forms ----------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleArrays:
-    """A schedule's sizes as ``(P, P)`` int64/float64 tensors indexed ``[rank, step]``.
+    """A schedule's sizes as ``(P, T)`` int64/float64 tensors indexed ``[rank, i]``, column i
+    holding step ``steps[i]`` (T = P, every step, unless a caller asked for fewer).
 
     Closed forms of ``build_schedule`` for world sizes where the Schedule object is too big to
     build (it is O(P^3) to derive); tests compare them with the schedule entry by entry.
@@ -661,6 +663,8 @@ class ScheduleArrays:
     """P."""
     seq_local: int
     """s."""
+    steps: torch.Tensor
+    """(T,) int64: the step of each column."""
     q_owner: torch.Tensor
     """o of the block computed at [r, t]."""
     kv_owner: torch.Tensor
@@ -674,7 +678,7 @@ class ScheduleArrays:
     pairs: torch.Tensor
     """float64: score entries computed (FLOPs = pairs * 4*B*Hq*D, x2.5 backward)."""
     slices: torch.Tensor
-    """(P, P, K) int64: rows of each compute segment (K = last_block_splits; 0-padded)."""
+    """(P, T, K) int64: rows of each compute segment (K = last_block_splits; 0-padded)."""
     travel_rows: torch.Tensor
     """Rows of the travel transfer rank r posts at step t to r - 1 (0: none)."""
     travel_payload: Payload
@@ -686,7 +690,7 @@ class ScheduleArrays:
     """Rows of the dK/dV accumulator rank r sends to r - 1 after step t (Ring backward)."""
 
     def return_rows(self) -> torch.Tensor:
-        """(P, P, K): rows of the return posted after each segment (TokenRing, t >= 1)."""
+        """(P, T, K): rows of the return posted after each segment (TokenRing, t >= 1)."""
         if self.strategy is not Strategy.TOKEN_RING:
             return torch.zeros_like(self.slices)
         mine = self.q_owner == torch.arange(self.world_size).unsqueeze(1)
@@ -712,8 +716,12 @@ def schedule_arrays(
     world_size: int,
     seq_local: int,
     last_block_splits: int = 2,
+    steps: Sequence[int] | None = None,
 ) -> ScheduleArrays:
     """Closed forms of ``build_schedule(...)`` (same arguments) per rank and step.
+
+    ``steps``: only these steps' columns, in this order (None: all P), so that a caller can
+    walk the steps in chunks with memory linear in P.
 
     Derivation, for the travel rows (Note [Causal blocks per layout] in tokenring.schedule):
     the block of owner o held at step t by rank o - t visits kv owners (TokenRing) or q owners
@@ -740,15 +748,19 @@ def schedule_arrays(
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     p, s, c = world_size, seq_local, seq_local // 2
+    columns = torch.arange(p) if steps is None else torch.as_tensor(list(steps), dtype=torch.long)
+    if columns.numel() and not (int(columns.min()) >= 0 and int(columns.max()) < p):
+        raise ValueError(f"steps must be in [0, {p}); got {columns.tolist()}")
+    num = columns.numel()
     rank = torch.arange(p).unsqueeze(1)  # (P, 1)
-    step = torch.arange(p).unsqueeze(0)  # (1, P)
+    step = columns.unsqueeze(0)  # (1, T)
     visitor = (rank + step) % p  # owner of the block that travelled to r by step t
     if strategy is Strategy.TOKEN_RING:
-        q_owner, kv_owner = visitor, rank.expand(p, p)
+        q_owner, kv_owner = visitor, rank.expand(p, num)
     else:
-        q_owner, kv_owner = rank.expand(p, p), visitor
+        q_owner, kv_owner = rank.expand(p, num), visitor
     diagonal = q_owner == kv_owner
-    full = torch.full((p, p), s, dtype=torch.long)
+    full = torch.full((p, num), s, dtype=torch.long)
     if not causal:
         q_rows, kv_rows = full, full.clone()
         diagonal = torch.zeros_like(diagonal)
@@ -768,12 +780,11 @@ def schedule_arrays(
     # Segments: one per non-empty block; TokenRing splits a single full (non-diagonal) piece
     # of its last step into last_block_splits row slices.
     k = last_block_splits
-    slices = torch.zeros((p, p, k), dtype=torch.long)
+    slices = torch.zeros((p, num, k), dtype=torch.long)
     slices[..., 0] = q_rows
     if strategy is Strategy.TOKEN_RING and k > 1:
-        split = ~diagonal[:, p - 1] & (q_rows[:, p - 1] > 0)
-        sizes = _split_sizes(q_rows[:, p - 1], k)
-        slices[:, p - 1] = torch.where(split.unsqueeze(-1), sizes, slices[:, p - 1])
+        split = (step == p - 1) & ~diagonal & (q_rows > 0)  # (P, T): the last step's blocks
+        slices = torch.where(split.unsqueeze(-1), _split_sizes(q_rows, k), slices)
     # Travel: what the ranks ahead still need (see the docstring).
     any_below = visitor >= step + 1
     any_above = visitor < p - 1
@@ -803,13 +814,16 @@ def schedule_arrays(
     # moves on after every step, the last visitor sending it home.
     ring_backward = strategy is Strategy.RING and pass_ is Pass.BACKWARD
     dkv_rows = (
-        torch.where(step >= 1, full, 0) if ring_backward else torch.zeros((p, p), dtype=torch.long)
+        torch.where(step >= 1, full, 0)
+        if ring_backward
+        else torch.zeros((p, num), dtype=torch.long)
     )
     return ScheduleArrays(
         strategy=strategy,
         pass_=pass_,
         world_size=p,
         seq_local=s,
+        steps=columns,
         q_owner=q_owner.contiguous(),
         kv_owner=kv_owner.contiguous(),
         q_rows=q_rows,

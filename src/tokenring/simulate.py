@@ -70,6 +70,13 @@ cannot end before that. What this leaves out are the rendezvous waits that rippl
 rank when returns outlast a step, so the engine errs on the fast side: against the event
 engine at P = 8 it agrees within 1% when compute-bound and is up to ~11% faster when links
 are ~2.4x slower than compute (tests/test_costmodel.py), ~17% with slow NICs between islands.
+
+Memory is linear in P: the engine walks the steps in chunks of ``_CHUNK_CELLS // P``, asking
+``schedule_arrays`` for those columns only (and the step before), pricing the chunk's windows
+and running its recurrence; the drain bound is kept as a running max (window starts never
+decrease), and per-pair byte totals only for the links to r-1 (every other pair carries one
+window's flows). With whole (P, P) tables ``--world-size 2000`` peaked at 2.4 GB and 10000
+would need ~60 GB; chunked, 10000 peaks under 1 GB.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ from tokenring.costmodel import (
     schedule_arrays,
     transfer_route,
 )
-from tokenring.layout import Layout, validate_seq_local
+from tokenring.layout import Layout, make_sharding, validate_seq_local
 from tokenring.netlab import Topology
 from tokenring.schedule import (
     Dims,
@@ -122,6 +129,7 @@ __all__ = [
     "ModelPreset",
     "PassResult",
     "add_arguments",
+    "check_args",
     "run",
     "simulate",
     "simulate_pass",
@@ -659,24 +667,40 @@ class _Network:
         self.dpn = hardware.devices_per_node
         self.inter = hardware.inter
         f64 = torch.float64
-        self.pair_totals = torch.zeros(p * p, dtype=f64)
+        # Bytes per pair: the link to r - 1 carries flows of every window; any other pair
+        # (TokenRing's return from r to its q owner r + t - 1) those of one window only, so
+        # the busiest of them is known per call of price() and no (P, P) table is kept.
+        self.down_totals = torch.zeros(p, dtype=f64)  # pair (r, r - 1)
+        self.other_best: tuple[float, int, float] = (-1.0, -1, 0.0)  # (seconds, src*P+dst, bytes)
         self.port_totals = torch.zeros(2, p, dtype=f64)  # [out, in]
         self.nic_totals = torch.zeros(2, p, dtype=f64)
         self.hop_totals = torch.zeros(2, p, dtype=f64)  # [up, down] per origin rank
-        # Per window, seconds of work each (W, P)-shaped resource family gets: for drain().
-        self.window_work: list[tuple[int, torch.Tensor]] = []
+        # Streaming drain(): per resource family and rank, the bytes-seconds of work so far and
+        # max over windows with work of (window start - work before it).
+        self.work_before = torch.zeros(7, p, dtype=f64)
+        self.best_start = torch.full((7, p), -math.inf, dtype=f64)
+
+    def _pair_cap(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        cap = torch.full(src.shape, math.inf if self.ring else self.link, dtype=torch.float64)
+        if self.inter is not None and self.dpn is not None:
+            across = (src // self.dpn) != (dst // self.dpn)
+            cap = torch.where(across, self.inter.link_bandwidth_bytes_per_s, cap)
+        return cap
 
     def price(
-        self, x: torch.Tensor, dst: torch.Tensor, *, first_window: int, count: bool = True
-    ) -> torch.Tensor:
-        """Per flow: latency + its equal-share finish time among the flows of its window.
+        self, x: torch.Tensor, dst: torch.Tensor, *, count: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per flow: latency + its equal-share finish time among the flows of its window;
+        and per window the seconds of work each resource family gets (for :meth:`drain`).
 
         Args:
             x: ``(W, P, G)`` bytes (0: no flow); ``[w, r, g]`` is sent by rank r.
             dst: ``(W, P, G)`` receiving ranks.
-            first_window: the step window ``x[0]`` belongs to.
             count: add the bytes to the pass totals (False for exposed transfers, which the
                 bound counts separately).
+
+        Returns:
+            ``(W, P, G)`` seconds per flow, ``(W, 7, P)`` seconds of work per family.
         """
         f64 = torch.float64
         w_count, p, _ = x.shape
@@ -708,9 +732,13 @@ class _Network:
                 pair_n += torch.where(same, n[:, :, g : g + 1], 0.0)
             worst = torch.maximum(worst, torch.minimum(pair_load, pair_n * xa) / pair_cap)
             # the link to r-1 is the only pair used in more than one window
-            work[:, 0] = torch.where(dst == (src - 1) % p, xa / pair_cap, 0.0).sum(-1)
+            down = dst == (src - 1) % p
+            work[:, 0] = torch.where(down, xa / pair_cap, 0.0).sum(-1)
             if count:
-                self.pair_totals.index_add_(0, (src * p + dst).reshape(-1), xa.reshape(-1))
+                self.down_totals.index_add_(0, src[down], xa[down])
+                self._count_other_pairs(
+                    src[~down & active], dst[~down & active], xa[~down & active]
+                )
 
         # Ports (intra) and NICs (inter): what src sends and dst receives.
         kinds: list[tuple[torch.Tensor, float, torch.Tensor, int]] = []
@@ -753,19 +781,35 @@ class _Network:
                     worst[sel], torch.minimum(max_load, max_flows * xs) / self.link
                 )
             hops = hops.clamp(min=1)
-        self.window_work.append((first_window, work))
-        return torch.where(active, worst + lat * hops, 0.0)
+        return torch.where(active, worst + lat * hops, 0.0), work
 
-    def drain(self, window_start: torch.Tensor) -> float:
+    def _count_other_pairs(self, src: torch.Tensor, dst: torch.Tensor, xa: torch.Tensor) -> None:
+        """Fold the flows of pairs other than (r, r - 1) into the busiest such pair."""
+        if not src.numel():
+            return
+        keys, inverse = torch.unique(src * self.p + dst, return_inverse=True)  # sorted
+        totals = torch.zeros(keys.numel(), dtype=torch.float64).index_add_(0, inverse, xa)
+        seconds = totals / self._pair_cap(keys // self.p, keys % self.p)
+        i = int(torch.argmax(seconds))  # the first of equals: the smallest pair index
+        best = (float(seconds[i]), int(keys[i]), float(totals[i]))
+        if (best[0], -best[1]) > (self.other_best[0], -self.other_best[1]):
+            self.other_best = best
+
+    def add_windows(self, work: torch.Tensor, window_start: torch.Tensor) -> None:
+        """Fold the work of consecutive windows (``(W, 7, P)`` from :meth:`price`, in window
+        order, each window once) starting at ``window_start`` ``(W,)`` into :meth:`drain`."""
+        before = self.work_before + work.cumsum(0) - work  # (W, 7, P): work before window w
+        start = torch.where(work > 0, window_start.view(-1, 1, 1) - before, -math.inf)
+        self.best_start = torch.maximum(self.best_start, start.amax(0))
+        self.work_before = self.work_before + work.sum(0)
+
+    def drain(self) -> float:
         """When the busiest resource can have carried everything: a resource that gets work
         L_w in window w (starting at T_w) is busy until at least max_w (T_w + sum_{v>=w} L_v).
-        This catches flows that outlast their window (Note [Vectorised engine])."""
-        work = torch.zeros(window_start.numel(), 7, self.p, dtype=torch.float64)
-        for first, part in self.window_work:
-            work[first : first + part.shape[0]] += part
-        work = work[:, work.sum((0, 2)) > 0]  # the families this topology has
-        suffix = work.sum(0, keepdim=True) - work.cumsum(0) + work  # (W, K, P): from w on
-        busy = torch.where(suffix > 0, window_start.view(-1, 1, 1) + suffix, 0.0)
+        This catches flows that outlast their window (Note [Vectorised engine]). Window starts
+        never decrease, so the max over windows with work (L_w > 0) is the max over all, and
+        sum_{v>=w} L_v = total - work before w: no (W, P) table is kept."""
+        busy = torch.where(self.best_start > -math.inf, self.work_before + self.best_start, 0.0)
         return float(busy.max())
 
     def busiest(self) -> tuple[str, float, float]:
@@ -773,15 +817,18 @@ class _Network:
         p = self.p
         candidates: list[tuple[str, float, float]] = []
         if not self.ring or self.inter is not None:
-            caps = torch.full((p, p), math.inf if self.ring else self.link, dtype=torch.float64)
-            if self.inter is not None and self.dpn is not None:
-                node = torch.arange(p) // self.dpn
-                across = node.unsqueeze(1) != node.unsqueeze(0)
-                caps = torch.where(across, self.inter.link_bandwidth_bytes_per_s, caps)
-            seconds = self.pair_totals / caps.reshape(-1)
+            ranks = torch.arange(p)
+            seconds = self.down_totals / self._pair_cap(ranks, (ranks - 1) % p)
             i = int(torch.argmax(seconds))
-            name = str(Resource(ResourceKind.LINK, divmod(i, p)))
-            candidates.append((name, float(self.pair_totals[i]), float(seconds[i])))
+            down = (float(seconds[i]), i * p + (i - 1) % p, float(self.down_totals[i]))
+            if p > 1:  # the first of equals in pair order, as one (P, P) table would give it
+                ties = seconds == seconds[i]
+                index = ranks * p + (ranks - 1) % p
+                j = int(torch.argmin(torch.where(ties, index, p * p)))
+                down = (float(seconds[j]), int(index[j]), float(self.down_totals[j]))
+            best = max(down, self.other_best, key=lambda c: (c[0], -c[1]))
+            name = str(Resource(ResourceKind.LINK, divmod(best[1], p)))
+            candidates.append((name, best[2], best[0]))
         tables = []
         if self.port is not None:
             tables.append(
@@ -844,6 +891,25 @@ def _range_max(
     return out
 
 
+_CHUNK_CELLS = 1 << 19
+"""(rank, step) cells the vectorised engine holds at once: it walks the steps in chunks of
+max(1, _CHUNK_CELLS // P), so its memory grows linearly with P (Note [Vectorised engine])."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Vectorised:
+    """What the vectorised engine returns about one pass."""
+
+    call_s: float
+    step_s: tuple[float, ...]
+    compute_s: float
+    merge_s: float
+    exposed_s: float
+    travel_bytes: int
+    return_bytes: int
+    net: _Network
+
+
 def _simulate_vectorised(
     strategy: Strategy,
     pass_: Pass,
@@ -856,67 +922,43 @@ def _simulate_vectorised(
     hardware: Hardware,
     flops_per_s: float,
     last_block_splits: int,
-) -> tuple[float, tuple[float, ...], float, float, _Network, float, ScheduleArrays]:
+) -> _Vectorised:
     p, s = world_size, seq_local
-    arr = schedule_arrays(
-        strategy,
-        pass_,
-        layout=layout,
-        causal=causal,
-        world_size=p,
-        seq_local=s,
-        last_block_splits=last_block_splits,
-    )
+
+    def columns(first: int, stop: int) -> ScheduleArrays:  # steps [first, stop), (P, T) each
+        return schedule_arrays(
+            strategy,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=p,
+            seq_local=s,
+            last_block_splits=last_block_splits,
+            steps=range(first, stop),
+        )
+
+    head = columns(0, 0)  # the payloads
     mem = hardware.memory_bandwidth_bytes_per_s
     forward = pass_ is Pass.FORWARD
     pass_q = strategy is Strategy.TOKEN_RING
     ring_bwd = strategy is Strategy.RING and not forward and p > 1
     per_pair = 4.0 * dims.batch * dims.heads_q * dims.head_dim * (1.0 if forward else 2.5)
-    kernel = arr.pairs * per_pair / flops_per_s  # (P, P) [rank, step]
     ranks = torch.arange(p)
     down = (ranks - 1) % p
-    own = arr.q_owner == ranks.unsqueeze(1)
     row_merge = (merge_bytes(1, dims) if forward else _add_bytes(1, dims.heads_q, dims)) / mem
-    memory = torch.where(own, arr.q_rows.double() * row_merge, 0.0)
     prologue = 0.0 if forward else _delta_bytes(s, dims) / mem
     dkv_add = _add_bytes(s, dims.heads_kv, dims, pairs=2) / mem
-    if ring_bwd:  # the accumulator of step t-1 arrives from r+1 and gets this step's share
-        memory[:, 1:] += torch.where(arr.dkv_rows[:, :-1].roll(-1, 0) > 0, dkv_add, 0.0)
-    comp = kernel + memory
-    travel_row = dims.row_bytes(arr.travel_payload)
-    ret_rows = arr.return_rows()  # (P, P, K) [rank, step, slice]
-    ret_row = dims.row_bytes(arr.return_payload) if arr.return_payload is not None else 0
-    num_slices = arr.slices.shape[-1]
+    travel_row = dims.row_bytes(head.travel_payload)
+    ret_row = dims.row_bytes(head.return_payload) if head.return_payload is not None else 0
+    num_slices = last_block_splits
     net = _Network(hardware, p)
-
-    # Phase 1: every flow of every window, priced at once (loads do not depend on timing).
-    # Slots: travel of step t; TokenRing's return of step t-1; Ring's dK/dV of step t-1. The
-    # last window (t = P-1) also carries the last step's slices but the last one.
+    # Slots of window t: travel of step t; TokenRing's return of step t-1; Ring's dK/dV of
+    # step t-1. The last window (t = P-1) also carries the last step's slices but the last.
     slots = ["travel"] + (["return"] if pass_q else []) + (["dkv"] if ring_bwd else [])
     col = {name: g for g, name in enumerate(slots)}
     num_extra = max(0, num_slices - 1) if pass_q and p > 1 else 0
-    x = torch.zeros(p, p, len(slots) + num_extra, dtype=torch.float64)  # [window, rank, slot]
-    dst = down.view(1, p, 1).repeat(p, 1, len(slots) + num_extra)
-    if p > 1:
-        x[: p - 1, :, 0] = arr.travel_rows[:, : p - 1].T.double() * travel_row
-    if pass_q and p > 2:
-        x[2:, :, col["return"]] = ret_rows[:, 1 : p - 1].sum(-1).T.double() * ret_row
-        dst[2:, :, col["return"]] = arr.q_owner[:, 1 : p - 1].T
-    if ring_bwd:
-        x[1:, :, col["dkv"]] = arr.dkv_rows[:, : p - 1].T.double() * ret_row
-    if num_extra:
-        x[p - 1, :, len(slots) :] = ret_rows[:, p - 1, :num_extra].double() * ret_row
-        dst[p - 1, :, len(slots) :] = arr.q_owner[:, p - 1].unsqueeze(1)
-    dur = torch.zeros_like(x)
-    main = slice(0, len(slots))
-    if p > 1:
-        dur[: p - 1, :, main] = net.price(
-            x[: p - 1, :, main], dst[: p - 1, :, main], first_window=0
-        )
-    dur[p - 1 :] = net.price(x[p - 1 :], dst[p - 1 :], first_window=p - 1)
-    window_start = torch.zeros(p + 1, dtype=torch.float64)
+    width = len(slots) + num_extra
 
-    # Phase 2: the per-rank recurrence over steps (Note [Vectorised engine]).
     zeros = torch.zeros(p, dtype=torch.float64)
     start = zeros + prologue
     steps: list[float] = []
@@ -924,66 +966,123 @@ def _simulate_vectorised(
     ret_arrival_max = zeros.clone()  # per owner
     send_done = zeros.clone()
     loop_end = start
-    for t in range(p):
-        window_start[t] = start.min()
-        compute_end = start + comp[:, t]
-        post = compute_end
-        if ring_bwd and t >= 1:
-            has = x[t, :, col["dkv"]] > 0
-            arrive = torch.maximum(prev_post, prev_post[down]) + dur[t, :, col["dkv"]]
-            send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-            dkv_arrival = zeros.clone()
-            dkv_arrival[down] = torch.where(has, arrive + dkv_add, 0.0)
-            post = torch.maximum(compute_end, dkv_arrival)
-        if pass_q and t >= 2:
-            owner = dst[t, :, col["return"]]
-            has = x[t, :, col["return"]] > 0
-            arrive = torch.maximum(prev_post, prev_post[owner]) + dur[t, :, col["return"]]
-            send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-            ret_arrival_max = ret_arrival_max.scatter_reduce(
-                0, owner, torch.where(has, arrive, 0.0), "amax"
-            )
-        if num_extra and t == p - 1:
-            owner = arr.q_owner[:, t]
-            frac = torch.where(
-                arr.q_rows[:, t].unsqueeze(1) > 0,
-                arr.slices[:, t].double() / arr.q_rows[:, t].clamp(min=1).unsqueeze(1).double(),
-                0.0,
-            )
-            ends = start.unsqueeze(1) + torch.cumsum(comp[:, t].unsqueeze(1) * frac, 1)
-            for k in range(num_extra):
-                has = x[t, :, len(slots) + k] > 0
-                arrive = torch.maximum(ends[:, k], ends[owner, k]) + dur[t, :, len(slots) + k]
+    kernel_s = zeros.clone()  # per rank, over the steps
+    memory_s = zeros.clone()
+    received_rows = zeros.clone()  # rows returned to each owner
+    travel_rows = torch.zeros(p, dtype=torch.long)  # rows each rank sends
+    return_rows = torch.zeros(p, dtype=torch.long)
+    chunk = max(1, _CHUNK_CELLS // p)
+    last = head
+    for c0 in range(0, p, chunk):
+        c1 = min(p, c0 + chunk)
+        lo = max(0, c0 - 1)  # step c0 - 1 posts into window c0
+        arr = columns(lo, c1)
+        at = c0 - lo  # column of step c0
+        n = c1 - c0
+        kernel = arr.pairs[:, at:] * per_pair / flops_per_s  # (P, n) [rank, step]
+        own = arr.q_owner[:, at:] == ranks.unsqueeze(1)
+        memory = torch.where(own, arr.q_rows[:, at:].double() * row_merge, 0.0)
+        if ring_bwd:  # the accumulator of step t-1 arrives from r+1 and gets this step's share
+            prev = arr.dkv_rows[:, max(0, at - 1) : at + n - 1]  # steps max(0, c0-1) .. c1-2
+            memory[:, n - prev.shape[1] :] += torch.where(prev.roll(-1, 0) > 0, dkv_add, 0.0)
+        comp = kernel + memory
+        kernel_s += kernel.sum(1)
+        memory_s += memory.sum(1)
+        ret_cols = arr.return_rows()  # (P, T, K) [rank, step, slice]
+        received_rows.index_add_(
+            0, arr.q_owner[:, at:].reshape(-1), ret_cols[:, at:].sum(-1).reshape(-1).double()
+        )
+        travel_rows += arr.travel_rows[:, at:].sum(1)
+        return_rows += (ret_cols[:, at:].sum(-1) + arr.dkv_rows[:, at:]).sum(1)
+
+        # Phase 1: every flow of the chunk's windows, priced at once (loads do not depend on
+        # timing). x[i] is window c0 + i.
+        x = torch.zeros(n, p, width, dtype=torch.float64)  # [window, rank, slot]
+        dst = down.view(1, p, 1).repeat(n, 1, width)
+        travel_steps = slice(at, at + min(n, p - 1 - c0)) if c0 < p - 1 else slice(0, 0)
+        x[: travel_steps.stop - travel_steps.start, :, 0] = (
+            arr.travel_rows[:, travel_steps].T.double() * travel_row
+        )
+        first = max(c0, 2)  # returns of steps 1 .. P-2 go in windows 2 .. P-1
+        if pass_q and first < c1:
+            cols = slice(first - 1 - lo, c1 - 1 - lo)
+            x[first - c0 :, :, col["return"]] = ret_cols[:, cols].sum(-1).T.double() * ret_row
+            dst[first - c0 :, :, col["return"]] = arr.q_owner[:, cols].T
+        first = max(c0, 1)
+        if ring_bwd and first < c1:
+            cols = slice(first - 1 - lo, c1 - 1 - lo)
+            x[first - c0 :, :, col["dkv"]] = arr.dkv_rows[:, cols].T.double() * ret_row
+        if num_extra and c1 == p:
+            x[p - 1 - c0, :, len(slots) :] = ret_cols[:, -1, :num_extra].double() * ret_row
+            dst[p - 1 - c0, :, len(slots) :] = arr.q_owner[:, -1].unsqueeze(1)
+        dur, work = net.price(x, dst)
+        window_start = torch.zeros(n, dtype=torch.float64)
+
+        # Phase 2: the per-rank recurrence over steps (Note [Vectorised engine]).
+        for t in range(c0, c1):
+            i, j = t - c0, t - lo  # window index in x, column index in arr
+            window_start[i] = start.min()
+            compute_end = start + comp[:, i]
+            post = compute_end
+            if ring_bwd and t >= 1:
+                has = x[i, :, col["dkv"]] > 0
+                arrive = torch.maximum(prev_post, prev_post[down]) + dur[i, :, col["dkv"]]
+                send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+                dkv_arrival = zeros.clone()
+                dkv_arrival[down] = torch.where(has, arrive + dkv_add, 0.0)
+                post = torch.maximum(compute_end, dkv_arrival)
+            if pass_q and t >= 2:
+                owner = dst[i, :, col["return"]]
+                has = x[i, :, col["return"]] > 0
+                arrive = torch.maximum(prev_post, prev_post[owner]) + dur[i, :, col["return"]]
                 send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
                 ret_arrival_max = ret_arrival_max.scatter_reduce(
                     0, owner, torch.where(has, arrive, 0.0), "amax"
                 )
-        prev_post = post
-        if t < p - 1:
-            has = x[t, :, 0] > 0
-            arrive = torch.maximum(start, start[down]) + dur[t, :, 0]
-            send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-            travel_arrival = zeros.clone()
-            travel_arrival[down] = torch.where(has, arrive, 0.0)
-            nxt = torch.maximum(post, travel_arrival)
-            steps.append(float((nxt - start).max()))
-            start = nxt
-        else:
-            steps.append(float((post - start).max()))
-            loop_end = post
+            if num_extra and t == p - 1:
+                owner = arr.q_owner[:, j]
+                frac = torch.where(
+                    arr.q_rows[:, j].unsqueeze(1) > 0,
+                    arr.slices[:, j].double() / arr.q_rows[:, j].clamp(min=1).unsqueeze(1).double(),
+                    0.0,
+                )
+                ends = start.unsqueeze(1) + torch.cumsum(comp[:, i].unsqueeze(1) * frac, 1)
+                for k in range(num_extra):
+                    has = x[i, :, len(slots) + k] > 0
+                    arrive = torch.maximum(ends[:, k], ends[owner, k]) + dur[i, :, len(slots) + k]
+                    send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+                    ret_arrival_max = ret_arrival_max.scatter_reduce(
+                        0, owner, torch.where(has, arrive, 0.0), "amax"
+                    )
+            prev_post = post
+            if t < p - 1:
+                has = x[i, :, 0] > 0
+                arrive = torch.maximum(start, start[down]) + dur[i, :, 0]
+                send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
+                travel_arrival = zeros.clone()
+                travel_arrival[down] = torch.where(has, arrive, 0.0)
+                nxt = torch.maximum(post, travel_arrival)
+                steps.append(float((nxt - start).max()))
+                start = nxt
+            else:
+                steps.append(float((post - start).max()))
+                loop_end = post
+        net.add_windows(work, window_start)
+        last = arr
     # Exposed tail: the last return slice (TokenRing), the accumulator home (Ring backward).
     end = loop_end
     exposed = 0.0
     tail_x = torch.zeros(1, p, 2, dtype=torch.float64)
     tail_dst = torch.zeros(1, p, 2, dtype=torch.long)
+    last_ret = last.return_rows()[:, -1]  # (P, K): the last step's
     if pass_q and p > 1:
-        tail_x[0, :, 0] = ret_rows[:, p - 1, -1].double() * ret_row
-        tail_dst[0, :, 0] = arr.q_owner[:, p - 1]
+        tail_x[0, :, 0] = last_ret[:, -1].double() * ret_row
+        tail_dst[0, :, 0] = last.q_owner[:, -1]
     if ring_bwd:
-        tail_x[0, :, 1] = arr.dkv_rows[:, p - 1].double() * ret_row
+        tail_x[0, :, 1] = last.dkv_rows[:, -1].double() * ret_row
         tail_dst[0, :, 1] = down
-    window_start[p] = loop_end.min()
-    tail = net.price(tail_x, tail_dst, first_window=p, count=False)
+    tail, tail_work = net.price(tail_x, tail_dst, count=False)
+    net.add_windows(tail_work, loop_end.min().view(1))
     for g in range(2):
         has = tail_x[0, :, g] > 0
         if not bool(has.any()):
@@ -995,26 +1094,32 @@ def _simulate_vectorised(
         if g == 1:  # the accumulator home is added to the rank's own share
             received = torch.where(received > 0, received + dkv_add, 0.0)
             home = zeros.index_add(0, tail_dst[0, :, g], has.double())
-            memory[:, p - 1] += home * dkv_add
+            memory_s += home * dkv_add
         end = torch.maximum(end, received)
     merges = zeros
+    last_merge = 0.0
     if pass_q:
-        received_rows = zeros.index_add(
-            0, arr.q_owner.reshape(-1), ret_rows.sum(-1).reshape(-1).double()
-        )
         merges = received_rows * row_merge
-        last_merge = ret_rows[:, p - 1, -1].double().max() * row_merge
+        last_merge = float(last_ret[:, -1].double().max()) * row_merge
         end = torch.maximum(loop_end + merges, torch.maximum(end, ret_arrival_max) + last_merge)
     end = torch.maximum(end, send_done)
     # Flows that outlast their window pile up on a resource: the call cannot end before the
     # busiest one drains (plus the merge of what arrives last).
-    drained = net.drain(window_start) + (float(last_merge) if pass_q else 0.0)
+    drained = net.drain() + last_merge
     if ring_bwd:
         drained += dkv_add
     end = torch.maximum(end, torch.full_like(end, drained))
-    compute_only = float(kernel.sum(1).max())
-    merge_only = float((memory.sum(1) + prologue + merges).max())
-    return float(end.max()), tuple(steps), compute_only, merge_only, net, exposed, arr
+    ret_payload = head.return_payload
+    return _Vectorised(
+        call_s=float(end.max()),
+        step_s=tuple(steps),
+        compute_s=float(kernel_s.max()),
+        merge_s=float((memory_s + prologue + merges).max()),
+        exposed_s=exposed,
+        travel_bytes=int(travel_rows.max()) * travel_row,
+        return_bytes=int(return_rows.max()) * (dims.row_bytes(ret_payload) if ret_payload else 0),
+        net=net,
+    )
 
 
 # -- public entry points -----------------------------------------------------------------------
@@ -1130,7 +1235,7 @@ def simulate_pass(
             shape=shape,
             hardware=hardware,
         )
-    call_s, steps, compute_s, merge_s, net, exposed_s, arr = _simulate_vectorised(
+    vec = _simulate_vectorised(
         strategy,
         pass_,
         layout=layout,
@@ -1142,11 +1247,7 @@ def simulate_pass(
         flops_per_s=flops_per_s,
         last_block_splits=last_block_splits,
     )
-    travel_sent = int(arr.travel_rows.sum(1).max()) * dims.row_bytes(arr.travel_payload)
-    ret_rows = arr.return_rows().sum(-1) + arr.dkv_rows
-    ret_payload = arr.return_payload
-    return_sent = int(ret_rows.sum(1).max()) * (dims.row_bytes(ret_payload) if ret_payload else 0)
-    busiest_name, busiest_num, busiest_s = net.busiest()
+    busiest_name, busiest_num, busiest_s = vec.net.busiest()
     return PassResult(
         strategy=strategy,
         pass_=pass_,
@@ -1155,16 +1256,16 @@ def simulate_pass(
         world_size=world_size,
         seq_local=seq_local,
         mode=mode,
-        call_s=call_s,
-        step_s=steps,
-        compute_s=compute_s,
-        merge_s=merge_s,
+        call_s=vec.call_s,
+        step_s=vec.step_s,
+        compute_s=vec.compute_s,
+        merge_s=vec.merge_s,
         busiest_resource=busiest_name,
         busiest_bytes=int(busiest_num),
         busiest_s=busiest_s,
-        exposed_s=exposed_s,
-        travel_bytes=travel_sent,
-        return_bytes=return_sent,
+        exposed_s=vec.exposed_s,
+        travel_bytes=vec.travel_bytes,
+        return_bytes=vec.return_bytes,
         timeline=None,
     )
 
@@ -1176,22 +1277,53 @@ def strategy_schedule(
     layout: Layout | str,
     causal: bool,
     world_size: int,
-    seq_local: int,
+    seq_local: int | None = None,
     heads_q: int,
     heads_kv: int,
     routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
     last_block_splits: int = 2,
     hybrid: HybridSpec | None = None,
+    seq_len: int | None = None,
 ) -> Schedule:
     """The schedule of one pass of any registered strategy: ``build_schedule`` for the ring
     strategies, the collectives and the hybrid routed as ``routing`` says (Note [Collective
     routing] in ``tokenring.collective``). What the event engine plays and bench reads.
 
+    Give ``seq_local`` (every rank holds s tokens) or ``seq_len`` (any S, as
+    ``tokenring.shard`` splits it: the ring strategies get exactly the schedule the attention
+    builds, the collectives that of the padded buffer the attention runs them on).
+
     Raises:
-        ValueError: as the builders; a hybrid without ``hybrid``.
+        ValueError: as the builders; a hybrid without ``hybrid``; both or neither of
+            ``seq_local`` and ``seq_len``.
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
+    if (seq_local is None) == (seq_len is None):
+        raise ValueError(
+            f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
+            f"seq_len={seq_len}"
+        )
+    if seq_len is not None and not strategy.is_collective and strategy is not Strategy.HYBRID:
+        return build_schedule(
+            strategy,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_len=seq_len,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            last_block_splits=last_block_splits,
+        )
+    if seq_len is not None:
+        if strategy is Strategy.HYBRID:
+            seq_local = seq_len // world_size  # hybrid_shard takes divisible lengths only
+        else:
+            seq_local = make_sharding(
+                layout=layout, world_size=world_size, seq_len=seq_len
+            ).seq_local
+    assert seq_local is not None
     common: dict[str, Any] = dict(
         layout=layout,
         causal=causal,
@@ -1299,6 +1431,8 @@ MODELS: dict[str, ModelPreset] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring simulate``."""
+    from tokenring.cli import int_at_least, output_path
+
     add = parser.add_argument
     add(
         "--model",
@@ -1308,12 +1442,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--seq",
-        type=int,
+        type=int_at_least(1),
         nargs="+",
         default=[131072],
         help="global sequence length(s) S in tokens (default: 131072)",
     )
-    add("--world-size", type=int, nargs="+", default=[8], help="ranks P (default: 8)")
+    add("--world-size", type=int_at_least(1), nargs="+", default=[8], help="ranks P (default: 8)")
     add(
         "--hardware",
         choices=sorted(PRESETS),
@@ -1329,7 +1463,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--hybrid-inner",
-        type=int,
+        type=int_at_least(1),
         help="ranks per island of the hybrid (default: the hardware's devices per node)",
     )
     add(
@@ -1357,8 +1491,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: zigzag for causal models, contiguous otherwise",
     )
-    add("--batch", type=int, default=1, help="batch size B (default: 1)")
-    add("--splits", type=int, default=2, help="TokenRing last_block_splits (default: 2)")
+    add("--batch", type=int_at_least(1), default=1, help="batch size B (default: 1)")
+    add(
+        "--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits (default: 2)"
+    )
     add(
         "--mode",
         choices=["auto", "event", "vectorised"],
@@ -1368,11 +1504,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--json", action="store_true", help="print one JSON object per row instead of a table")
     add(
         "--plot",
+        type=output_path,
         metavar="PATH",
         help="PNG of time per call vs sequence length (or world size) per strategy",
     )
     add(
         "--timeline",
+        type=output_path,
         metavar="PATH",
         help="PNG of the simulated per-rank timelines (first P and S; event engine)",
     )
@@ -1698,6 +1836,46 @@ def _plot_timelines(results: list[CallResult], path: str) -> None:
     plt.close(fig)
 
 
+_EVENT_BYTES_PER_CELL = 5 << 10
+"""Memory of the event engine per (rank, step) of one pass: the Schedule's pieces and
+transfers and the timeline's events (measured: peak RSS grows by ~1.3 GB from P = 64 to
+P = 512 for one TokenRing forward pass, about 5 KiB per cell)."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before simulating; ValueError naming the argument (Note [Bad
+    input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
+    from tokenring.cli import mem_available_bytes
+
+    cfg = _config(args)
+    if args.timeline:
+        first = args.world_size[0]
+        if args.mode == "vectorised" or (args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE):
+            raise ValueError(
+                f"--timeline needs the event engine (--world-size {first} > "
+                f"{EVENT_MAX_WORLD_SIZE} or --mode vectorised); use --mode event or a smaller "
+                "first --world-size"
+            )
+    # The vectorised engine's memory is linear in P (Note [Vectorised engine]); the event
+    # engine's grows with P^2, and every result keeps its timeline.
+    event_points = [
+        p for p, _, _ in cfg.points if args.mode == "event" or p <= EVENT_MAX_WORLD_SIZE
+    ]
+    passes = len(_PASSES[args.passes])
+    need = sum(p * p for p in event_points) * passes * len(args.strategies)
+    need *= _EVENT_BYTES_PER_CELL
+    available = mem_available_bytes()
+    if available is not None and need > available:
+        biggest = max(event_points)
+        raise ValueError(
+            f"--mode event at --world-size {biggest} needs about {need / 2**30:.3g} GiB "
+            f"(~{_EVENT_BYTES_PER_CELL >> 10} KiB per rank and step, {passes} pass(es), "
+            f"{len(args.strategies)} strategies); MemAvailable is {available / 2**30:.3g} GiB. "
+            "Use --mode auto or vectorised (memory linear in P) for large world sizes"
+        )
+    args._config = cfg
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``tokenring simulate``; returns the exit status.
 
@@ -1706,7 +1884,9 @@ def run(args: argparse.Namespace) -> int:
         ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
         NotImplementedError: no requested strategy can be predicted at these world sizes.
     """
-    cfg = _config(args)
+    if getattr(args, "_config", None) is None:
+        check_args(args)
+    cfg: _Config = args._config
     if not args.json:
         _rich()  # fail before any work when the table cannot be printed
     if args.plot or args.timeline:
