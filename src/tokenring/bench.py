@@ -42,15 +42,34 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
+from tokenring.cli import finite_float_at_least, int_at_least, output_path, positive_seconds
 from tokenring.comm import Communicator, Event, FieldSpec, Timeline
 from tokenring.costmodel import CollectiveRouting
-from tokenring.hybrid import HybridMesh, HybridSpec, hybrid_attn, hybrid_mesh, hybrid_shard
+from tokenring.hybrid import (
+    HybridMesh,
+    HybridSpec,
+    hybrid_attn,
+    hybrid_mesh,
+    hybrid_positions,
+    hybrid_shard,
+)
 from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
-from tokenring.layout import Layout, shard
+from tokenring.layout import Layout, make_sharding, shard
 from tokenring.schedule import Dims, Pass, Piece, Schedule, Strategy, piece_flops
 from tokenring.simulate import strategy_schedule
 
-__all__ = ["BenchConfig", "ModelShape", "add_arguments", "run", "run_rank"]
+__all__ = [
+    "BenchConfig",
+    "ModelShape",
+    "add_arguments",
+    "check_args",
+    "check_heads",
+    "check_lab",
+    "check_memory",
+    "estimate_rank_bytes",
+    "run",
+    "run_rank",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -130,8 +149,8 @@ class BenchConfig:
     """Max abs error against the float64 oracle for a row to pass; None: by dtype."""
 
     def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise ValueError(f"batch must be >= 1; got {self.batch}")
+        if self.batch < 1 or self.seq < 1:
+            raise ValueError(f"batch and seq must be >= 1; got {self.batch}, {self.seq}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
         if self.warmup < 0 or self.iters < 1:
@@ -148,17 +167,21 @@ class BenchConfig:
         return Layout.ZIGZAG if causal else Layout.CONTIGUOUS
 
     def check_world(self, world_size: int) -> None:
-        if Strategy.HYBRID in self.strategies:
-            for model in self.models:
-                self.hybrid.check(
-                    world_size=world_size, heads_q=model.heads_q, heads_kv=model.heads_kv
-                )
+        """Raise ValueError when a row cannot run on ``world_size`` ranks. Any ``seq`` runs
+        (uneven shards, as ``tokenring.shard`` gives them); the hybrid's layout needs
+        ``seq`` divisible by its shard count and its factorisation to fit."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1; got {world_size}")
+        if Strategy.HYBRID not in self.strategies:
+            return
+        for model in self.models:
+            self.hybrid.check(world_size=world_size, heads_q=model.heads_q, heads_kv=model.heads_kv)
         for causal in self.causal:
             parts = world_size * (2 if self.layout_for(causal) is Layout.ZIGZAG else 1)
             if self.seq % parts:
                 raise ValueError(
-                    f"seq must be divisible by {parts} (layout {self.layout_for(causal).value}, "
-                    f"world size {world_size}); got {self.seq}"
+                    f"seq must be divisible by {parts} for the hybrid rows (layout "
+                    f"{self.layout_for(causal).value}, world size {world_size}); got {self.seq}"
                 )
 
 
@@ -346,28 +369,152 @@ def _steady_step(events: list[Event], label: str, num_steps: int) -> float | Non
     return statistics.median(middle)
 
 
-def _oracle(
+_TILE_BYTES = 32 << 20
+"""Size of one float64 score tile of the reference (Note [Per-rank reference])."""
+
+
+def _tile_rows(batch: int, heads_q: int, num_keys: int) -> int:
+    """Query rows per tile so that one (B, Hq, rows, keys) float64 tile is ~_TILE_BYTES."""
+    return max(1, _TILE_BYTES // max(1, batch * heads_q * num_keys * 8))
+
+
+def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal ranges [start, stop) of consecutive global positions in ``positions``."""
+    runs: list[tuple[int, int]] = []
+    for pos in sorted(positions.tolist()):
+        if runs and runs[-1][1] == pos:
+            runs[-1] = (runs[-1][0], pos + 1)
+        else:
+            runs.append((pos, pos + 1))
+    return runs
+
+
+def _reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     dout: torch.Tensor,
+    positions: torch.Tensor,
+    *,
     causal: bool,
     scale: float,
+    grads: bool,
 ) -> list[torch.Tensor]:
-    """Full attention in float64 with gradients: [out, dq, dk, dv], global (B, S, H, D)."""
-    groups = q.shape[2] // k.shape[2]
-    leaves = [x.detach().double().clone().requires_grad_(True) for x in (q, k, v)]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        leaves[0].transpose(1, 2),
-        leaves[1].transpose(1, 2).repeat_interleave(groups, 1),
-        leaves[2].transpose(1, 2).repeat_interleave(groups, 1),
-        is_causal=causal,
-        scale=scale,
-    ).transpose(1, 2)
-    out.backward(dout.double())
-    grads = [x.grad for x in leaves]
-    assert all(g is not None for g in grads)
-    return [out.detach(), *(g for g in grads if g is not None)]
+    """Full attention in float64 for the rows at ``positions`` only: [out, dq, dk, dv] of
+    those rows in local order, or [out] without ``grads``.
+
+    Note [Per-rank reference]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~
+    Every rank checks its own rows, so it needs the float64 answer for s of the S rows, not
+    full attention's global out and gradients (and float64 copies of every input). Scores
+    are made in tiles of at most ``_TILE_BYTES`` (query rows x keys), never (S, S)::
+
+        out (and dq) of my rows   query tiles of my rows   x keys up to the tile's last row
+        lse, delta of all rows    every query tile         x keys up to the tile's last row
+        dk, dv of my rows         every query tile         x my keys
+
+    (non-causal: every key). dk and dv of a key sum over every query that sees it, with that
+    query's lse and delta = rowsum(dout * out): hence the pass over all rows, which runs
+    only with gradients and also gives my rows' out and dq. Memory: the global inputs
+    (every rank draws the same seeded tensors), K and V in float64, lse and delta of all
+    rows, the rank's results and a tile. GQA: the G query heads of a K/V head are folded
+    into the tile's rows, so K/V are never repeated.
+
+    Args:
+        q, dout: ``(B, S, Hq, D)``; k, v: ``(B, S, Hkv, D)``: the global tensors.
+        positions: int64 ``(n,)``: global positions of the rank's rows, in local order.
+
+    Returns:
+        out, dq ``(B, n, Hq, D)``, dk, dv ``(B, n, Hkv, D)``, float64.
+    """
+    b, seq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    k64 = k.double().permute(0, 2, 1, 3)  # (B, Hkv, S, D)
+    v64 = v.double().permute(0, 2, 1, 3)
+    n = positions.numel()
+    local = torch.full((seq,), -1, dtype=torch.long)  # global position -> local row
+    local[positions] = torch.arange(n)
+
+    def rows_of(x: torch.Tensor, a: int, e: int) -> torch.Tensor:
+        """Global rows [a, e) of (B, S, Hq, D) as (B, Hkv, G * T, D) float64 (may be a view
+        of float64 inputs: never written in place)."""
+        t = e - a
+        return (
+            x[:, a:e]
+            .double()
+            .view(b, t, hkv, g, d)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(b, hkv, g * t, d)
+        )
+
+    def back(y: torch.Tensor, t: int) -> torch.Tensor:  # (B, Hkv, G * T, D) -> (B, T, Hq, D)
+        return y.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+
+    def visible(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        return key_pos.view(1, -1) <= query_pos.view(-1, 1)  # (T, K)
+
+    def attend(a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """probs (B, Hkv, G*T, K), out (B, Hkv, G*T, D), lse (B, Hkv, G*T) of rows [a, e)."""
+        keys = e if causal else seq
+        scores = (rows_of(q, a, e) * scale) @ k64[:, :, :keys].transpose(-1, -2)
+        if causal:  # only the keys [a, e) can be ahead of a row of the tile
+            diagonal = scores.view(b, hkv, g, e - a, keys)[..., a:e]
+            diagonal.masked_fill_(~visible(torch.arange(a, e), torch.arange(a, e)), -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+        return probs, probs @ v64[:, :, :keys], lse, keys
+
+    out = torch.zeros(b, n, hq, d, dtype=torch.float64)
+    dq = torch.zeros_like(out)
+    tile = _tile_rows(b, hq, seq)
+    if grads:  # every row: its lse and delta; my rows: out and dq
+        spans = [(a, min(seq, a + tile)) for a in range(0, seq, tile)]
+    else:
+        spans = [(a, min(e, a + tile)) for lo, e in _runs(positions) for a in range(lo, e, tile)]
+    lse_all = torch.empty(b, hkv, g, seq if grads else 0, dtype=torch.float64)
+    delta_all = torch.empty_like(lse_all)
+    for a, e in spans:
+        t = e - a
+        probs, out_t, lse, keys = attend(a, e)
+        mine = local[a:e] >= 0
+        rows = torch.nonzero(mine).flatten()
+        if rows.numel():
+            out[:, local[a:e][rows]] = back(out_t, t)[:, rows]
+        if not grads:
+            continue
+        do = rows_of(dout, a, e)
+        delta = (do * out_t).sum(-1)  # (B, Hkv, G*T)
+        lse_all[..., a:e] = lse.view(b, hkv, g, t)
+        delta_all[..., a:e] = delta.view(b, hkv, g, t)
+        if rows.numel():
+            ds = probs.mul_((do @ v64[:, :, :keys].transpose(-1, -2)).sub_(delta.unsqueeze(-1)))
+            dq[:, local[a:e][rows]] = back(ds @ k64[:, :, :keys] * scale, t)[:, rows]
+    if not grads:
+        return [out]
+
+    k_mine, v_mine = k64[:, :, positions], v64[:, :, positions]  # (B, Hkv, n, D)
+    dk = torch.zeros(b, hkv, n, d, dtype=torch.float64)
+    dv = torch.zeros_like(dk)
+    first = int(positions.min()) if causal and n else 0  # no earlier query sees my keys
+    last = int(positions.max()) if n else 0
+    tile = _tile_rows(b, hq, max(n, 1))
+    for a in range(first, seq if n else 0, tile):
+        e = min(seq, a + tile)
+        t = e - a
+        qt = rows_of(q, a, e)
+        do = rows_of(dout, a, e)
+        scores = (qt * scale) @ k_mine.transpose(-1, -2)  # (B, Hkv, G*T, n)
+        if causal and last > a:  # some of my keys are ahead of some rows of the tile
+            mask = ~visible(torch.arange(a, e), positions)
+            scores.view(b, hkv, g, t, n).masked_fill_(mask, -math.inf)
+        lse = lse_all[..., a:e].reshape(b, hkv, g * t, 1)
+        probs = scores.sub_(lse).exp_()
+        dv += probs.transpose(-1, -2) @ do
+        delta = delta_all[..., a:e].reshape(b, hkv, g * t, 1)
+        ds = probs.mul_((do @ v_mine.transpose(-1, -2)).sub_(delta))
+        dk += ds.transpose(-1, -2) @ qt * scale
+    return [out, dq, dk.transpose(1, 2), dv.transpose(1, 2)]
 
 
 def _exposed_bytes(sched: Schedule, dims: Dims, rank: int) -> dict[int, int]:
@@ -399,25 +546,32 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
     dtype = _DTYPES[config.dtype]
+    grads = "fwd+bwd" in config.passes
     rows: list[RankRow] = []
     for model in config.models:
-        gen = torch.Generator().manual_seed(1234)
-        shapes = [
-            (config.batch, config.seq, h, model.head_dim)
-            for h in (model.heads_q, model.heads_kv, model.heads_kv, model.heads_q)
-        ]
-        q, k, v, dout = (torch.randn(*shape, generator=gen).to(dtype) for shape in shapes)
+        q, k, v, dout = _global_inputs(config, model)
         scale = model.head_dim**-0.5
         for causal in config.causal:
             layout = config.layout_for(causal)
-            reference_global = _oracle(q, k, v, dout, causal, scale)
-            reference = [
-                shard(x, rank=rank, world_size=world, layout=layout) for x in reference_global
-            ]
+            # Any S: uneven shards (tokenring.shard) and seq_len= to the attention.
+            sharding = make_sharding(layout=layout, world_size=world, seq_len=config.seq)
+            positions = sharding.positions(rank)
+            reference = _reference(
+                q, k, v, dout, positions, causal=causal, scale=scale, grads=grads
+            )
             local = [
                 shard(x, rank=rank, world_size=world, layout=layout).to(device)
                 for x in (q, k, v, dout)
             ]
+            # What this rank's kernels read: the shards in the padded buffer the schedule's
+            # rows index (the shards themselves when every rank holds s = S / P tokens).
+            padded = local
+            if sharding.padded:
+                at = sharding.padded_rows(rank).to(device)
+                padded = [
+                    x.new_zeros((x.shape[0], sharding.seq_local, *x.shape[2:])).index_copy(1, at, x)
+                    for x in local
+                ]
             dims = Dims(
                 batch=config.batch,
                 heads_q=model.heads_q,
@@ -427,27 +581,13 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                 acc_bytes=8 if dtype == torch.float64 else 4,
             )
             for strategy in config.strategies:
-                scheds = [
-                    strategy_schedule(
-                        strategy,
-                        p,
-                        layout=layout,
-                        causal=causal,
-                        world_size=world,
-                        seq_local=local[0].shape[1],
-                        heads_kv=model.heads_kv,
-                        heads_q=model.heads_q,
-                        routing=CollectiveRouting.for_backend(backend),
-                        hybrid=config.hybrid,
-                    )
-                    for p in (Pass.FORWARD, Pass.BACKWARD)
-                ]
-                mine, want = local, reference
+                scheds = _schedules(config, model, strategy, causal, world, backend)
+                mine, want, kernel_inputs = local, reference, padded
                 if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
-                    mine, want = _hybrid_shards(
-                        config.hybrid, rank, world, layout, (q, k, v, dout), reference_global
-                    )
+                    mine, where = _hybrid_shards(config.hybrid, rank, world, layout, q, k, v, dout)
                     mine = [x.to(device) for x in mine]
+                    want = _reference(q, k, v, dout, where, causal=causal, scale=scale, grads=grads)
+                    kernel_inputs = mine
                 for pass_ in config.passes:
                     rows.append(
                         _measure_row(
@@ -464,6 +604,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                             dims,
                             scale,
                             mesh,
+                            kernel_inputs,
                         )
                     )
                     if progress_path is not None and rank == 0:
@@ -479,15 +620,47 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     }
 
 
+def _global_inputs(config: BenchConfig, model: ModelShape) -> list[torch.Tensor]:
+    """The seeded global q, k, v, dout ``(B, S, H, D)`` in the run's dtype: the same on every
+    rank, so every rank can compute the reference of its own rows."""
+    gen = torch.Generator().manual_seed(1234)
+    dtype = _DTYPES[config.dtype]
+    return [
+        torch.randn(config.batch, config.seq, h, model.head_dim, generator=gen).to(dtype)
+        for h in (model.heads_q, model.heads_kv, model.heads_kv, model.heads_q)
+    ]
+
+
+def _schedules(
+    config: BenchConfig,
+    model: ModelShape,
+    strategy: Strategy,
+    causal: bool,
+    world_size: int,
+    backend: str,
+) -> list[Schedule]:
+    """The forward and backward schedules one row runs (what the library builds for it)."""
+    return [
+        strategy_schedule(
+            strategy,
+            p,
+            layout=config.layout_for(causal),
+            causal=causal,
+            world_size=world_size,
+            seq_len=config.seq,
+            heads_kv=model.heads_kv,
+            heads_q=model.heads_q,
+            routing=CollectiveRouting.for_backend(backend),
+            hybrid=config.hybrid,
+        )
+        for p in (Pass.FORWARD, Pass.BACKWARD)
+    ]
+
+
 def _hybrid_shards(
-    spec: HybridSpec,
-    rank: int,
-    world: int,
-    layout: Layout,
-    inputs: tuple[torch.Tensor, ...],
-    reference: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """This rank's hybrid-layout shards of the global inputs and of the float64 reference."""
+    spec: HybridSpec, rank: int, world: int, layout: Layout, *inputs: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """This rank's hybrid-layout shards of the global inputs, and their global positions."""
     outer_rank, inner_rank = divmod(rank, spec.inner)
     where: dict[str, Any] = {
         "outer_rank": outer_rank,
@@ -496,10 +669,9 @@ def _hybrid_shards(
         "inner": spec.inner,
         "layout": layout,
     }
-    return (
-        [hybrid_shard(x, **where) for x in inputs],
-        [hybrid_shard(x, **where) for x in reference],
-    )
+    seq = inputs[0].shape[1]
+    positions = hybrid_positions(**where, seq_local=seq // world)
+    return [hybrid_shard(x, **where) for x in inputs], positions
 
 
 def _hybrid_comms(mesh: HybridMesh) -> list[tuple[Communicator, list[int]]]:
@@ -524,7 +696,10 @@ def _measure_row(
     dims: Dims,
     scale: float,
     mesh: HybridMesh | None = None,
+    kernel_inputs: list[torch.Tensor] | None = None,
 ) -> RankRow:
+    """One row on this rank. ``kernel_inputs``: what the kernels of ``scheds`` index (the
+    shards in their padded buffer), for the compute-only run; default ``local``."""
     q, k, v, dout = local
     backward = pass_ == "fwd+bwd"
     # Whose counters and timeline to read: the hybrid's inner and outer groups, mapped back to
@@ -559,7 +734,7 @@ def _measure_row(
             )
         else:
             result = sequence_parallel_attn(
-                *inputs, strategy=strategy, causal=causal, layout=layout
+                *inputs, strategy=strategy, causal=causal, layout=layout, seq_len=config.seq
             )
         assert isinstance(result, torch.Tensor)
         out = result
@@ -580,8 +755,12 @@ def _measure_row(
     if backward:
         got += [x.grad for x in inputs if x.grad is not None]
         assert len(got) == 4, "every input must have a gradient"
+    for g, r in zip(got, reference, strict=False):
+        if g.shape != r.shape:
+            raise AssertionError(f"result shape {tuple(g.shape)} != reference {tuple(r.shape)}")
     max_error = max(
-        (g.double().cpu() - r).abs().max().item() for g, r in zip(got, reference, strict=False)
+        (g.double().cpu() - r).abs().max().item() if g.numel() else 0.0
+        for g, r in zip(got, reference, strict=False)
     )
     sent = {flow: 0 for flow in ("travel", "return")}
     link: dict[int, int] = {}
@@ -590,7 +769,9 @@ def _measure_row(
             sent[flow] += num
             link[global_rank[peer]] = link.get(global_rank[peer], 0) + num
     kernel = select_kernel(q.device, q.dtype)
-    operands, flop_dims = _compute_operands(strategy, scheds, comm.rank, dims, local)
+    operands, flop_dims = _compute_operands(
+        strategy, scheds, comm.rank, dims, kernel_inputs if kernel_inputs is not None else local
+    )
     compute = min(
         (
             _compute_only(
@@ -754,11 +935,15 @@ def add_predictions(
             dtype=config.dtype,
         )
         layout = rows[indices[0]]["layout"]
+        # rows per rank: S / P, or the padded buffer of uneven shards
+        seq_local = make_sharding(
+            layout=layout, world_size=world_size, seq_len=config.seq
+        ).seq_local
         common = {
             "layout": layout,
             "causal": causal,
             "world_size": world_size,
-            "seq_local": config.seq // world_size,
+            "seq_local": seq_local,
             "shape": shape,
             "hardware": hardware,
         }
@@ -780,7 +965,7 @@ def add_predictions(
             rows[i]["model_error_pct"] = 100 * (rows[i]["ms_median"] / rows[i]["model_ms"] - 1)
         plan = explain(
             world_size=world_size,
-            seq_local=config.seq // world_size,
+            seq_local=seq_local,
             heads_q=model.heads_q,
             heads_kv=model.heads_kv,
             head_dim=model.head_dim,
@@ -822,11 +1007,189 @@ def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
     return fwd_rate, bwd_rate
 
 
+# -- size guards (before any rank starts) -------------------------------------------------------
+
+_PROCESS_BYTES = 320 << 20
+"""What a rank holds before its first tensor: the interpreter, torch and a gloo group
+(230 MiB peak RSS measured with torch 2.x on Linux), with some headroom."""
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.3g} GiB"
+
+
+def _pieces(sched: Schedule) -> list[Piece]:
+    return [pc for steps in sched.steps for plan in steps for pc in plan.pieces]
+
+
+def estimate_rank_bytes(
+    config: BenchConfig, world_size: int, *, backend: str = "gloo"
+) -> dict[str, int]:
+    """About how many bytes one rank of :func:`run_rank` holds at its peak, by part, for the
+    (model, causal) pair that needs the most:
+
+    - ``inputs``: the seeded global q, k, v, dout (every rank draws them all);
+    - ``reference``: K and V in float64, lse and delta of every row, the rank's float64
+      results and one score tile (Note [Per-rank reference]);
+    - ``run``: the rank's shards, and for the strategy that needs the most, what its calls
+      hold (inputs, gradients, outputs, blocks in flight, fp32 accumulators), its kernel's
+      blocks (masks of padded or masked pieces; whole score blocks where the kernel
+      materialises them: the reference kernel, the CUDA backward) and its compute-only run;
+    - ``process``: the interpreter, torch and the process group.
+
+    With ``backend="nccl"`` the ``run`` part lives on the GPU, the rest on the host.
+    """
+    elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+    acc = 8 if config.dtype == "float64" else 4
+    materialises = backend == "nccl"  # CUDA: reference-math backward, or float64 throughout
+    grads = "fwd+bwd" in config.passes
+    b, seq = config.batch, config.seq
+    best: dict[str, int] = {}
+    for model in config.models:
+        hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
+        inputs = b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4  # + fp32 draw
+        for causal in config.causal:
+            sharding = make_sharding(
+                layout=config.layout_for(causal), world_size=world_size, seq_len=seq
+            )
+            n = sharding.seq_local
+            tile = _tile_rows(b, hq, seq) * b * hq * seq * 8
+            reference = (
+                2 * b * seq * hkv * d * 8  # K, V in float64
+                + b * n * (2 * hq + 2 * hkv) * d * 8  # the rank's out, dq, dk, dv
+                + (2 * b * hq * seq * 8 if grads else 0)  # lse, delta of every row
+                + 4 * min(tile, b * hq * seq * seq * 8)  # scores, probs, dp, ds of a tile
+            )
+            # shards, padded copies, a call's inputs (cloned) with gradients and output
+            local = 3 * b * n * (2 * hq + 2 * hkv) * d * elem
+            run = 0
+            for strategy in config.strategies:
+                scheds = _schedules(config, model, strategy, causal, world_size, backend)
+                pieces = [pc for sc in scheds[: 2 if grads else 1] for pc in _pieces(sc)]
+                q_len = max((pc.q_rows[1] for pc in pieces), default=n)
+                kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
+                heads_q, heads_kv = hq, hkv
+                if strategy is Strategy.ULYSSES:
+                    from tokenring.collective import ulysses_heads
+
+                    share = ulysses_heads(world_size=world_size, heads_q=hq, heads_kv=hkv)
+                    heads_q = heads_kv = max(sh.num_q for sh in share)
+                # q side: q, dout, out, dq and a block in flight; k/v side: k, v, their
+                # gradients and a block in flight (the gathered K/V for all-gather K/V)
+                operands = b * d * elem * (5 * q_len * heads_q + 3 * 2 * kv_len * heads_kv)
+                accumulators = 2 * b * q_len * heads_q * (d + 2) * acc
+                masked = sharding.padded and (strategy.is_collective or strategy is Strategy.HYBRID)
+                kernel = 0
+                for pc in pieces:
+                    blocks = pc.num_q * pc.num_kv
+                    if pc.masked or masked:
+                        kernel = max(kernel, blocks * (1 + elem))  # bool mask + additive bias
+                    if materialises:
+                        heads = heads_q if pc.heads is None else (pc.heads[1] - pc.heads[0])
+                        kernel = max(kernel, 4 * b * heads * (hq // hkv) * blocks * acc)
+                run = max(run, operands + accumulators + kernel)
+            parts = {
+                "inputs": inputs,
+                "reference": reference,
+                "run": local + run,
+                "process": _PROCESS_BYTES,
+            }
+            if sum(parts.values()) > sum(best.values()):
+                best = parts
+    return best
+
+
+def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend: str) -> None:
+    """Raise ValueError when the ranks on this machine cannot fit (Note [Per-rank
+    reference]): host memory against MemAvailable; with NCCL the GPU part against the
+    device's free memory."""
+    from tokenring.cli import mem_available_bytes
+
+    parts = estimate_rank_bytes(config, world_size, backend=backend)
+    on_gpu = backend == "nccl"
+    host = sum(v for k, v in parts.items() if not (on_gpu and k == "run"))
+    detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
+    run = f"--seq {config.seq} --batch {config.batch} on {world_size} ranks"
+    available = mem_available_bytes()
+    if available is not None and host * ranks_here > available:
+        raise ValueError(
+            f"{run} needs about {_gib(host)} of host memory per rank ({detail}), "
+            f"{_gib(host * ranks_here)} for the {ranks_here} ranks on this machine; "
+            f"MemAvailable is {_gib(available)}. Lower --seq, --batch or the number of "
+            "ranks per machine"
+        )
+    if on_gpu and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
+        if parts["run"] > free:
+            raise ValueError(
+                f"{run} needs about {_gib(parts['run'])} of GPU memory per rank; the device "
+                f"has {_gib(free)} free. Lower --seq or --batch, or add ranks"
+            )
+
+
+def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: int) -> None:
+    """Raise ValueError when ``--link`` is too slow for the run to end within ``--timeout``:
+    the bytes each row's schedules put on the busiest emulated link or port (the cost
+    model's routing of the lab's topology), times the calls per row, plus the bandwidth
+    probe, over the link rate is a lower bound on the run's time."""
+    from tokenring.costmodel import measured, resource_bytes
+
+    rate = args.link / 8  # bytes/s
+    hardware = measured(
+        forward_flops_per_s=1.0,  # only the network is read
+        backward_flops_per_s=1.0,
+        link_bandwidth_bytes_per_s=rate,
+        memory_bandwidth_bytes_per_s=1.0,
+        dtype=config.dtype,
+        topology=args.topology,
+        port_bandwidth_bytes_per_s=rate if args.topology == "switch" else None,
+        collectives=CollectiveRouting.for_backend("gloo"),
+    )
+    elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+    calls = config.warmup + config.iters
+    # the probe: 4 rounds of probe_bytes each way on each ring link (a port sends both)
+    num_bytes = 0.0
+    if world_size > 1:
+        num_bytes = 4 * config.probe_bytes * (2 if args.topology == "switch" else 1)
+    for model in config.models:
+        dims = Dims(
+            batch=config.batch,
+            heads_q=model.heads_q,
+            heads_kv=model.heads_kv,
+            head_dim=model.head_dim,
+            elem_bytes=elem,
+            acc_bytes=8 if config.dtype == "float64" else 4,
+        )
+        for causal in config.causal:
+            for strategy in config.strategies:
+                scheds = _schedules(config, model, strategy, causal, world_size, "gloo")
+                busiest = [
+                    max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds
+                ]
+                for pass_ in config.passes:
+                    num_bytes += calls * (busiest[0] + (busiest[1] if pass_ == "fwd+bwd" else 0))
+    seconds = num_bytes / rate
+    if seconds > args.timeout:
+        raise ValueError(
+            f"--link {_rate_text(args.link)} cannot finish within --timeout {args.timeout:g} s: "
+            f"the run moves at least {num_bytes / 1e6:.4g} MB over the busiest link "
+            f"({args.topology}), {seconds:.4g} s at that rate; raise --link or --timeout, or "
+            "run fewer rows or calls (--strategies, --passes, --causal, --iters, --warmup)"
+        )
+
+
 # -- CLI -----------------------------------------------------------------------------------------
 
 
+def _rate_text(bits_per_s: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:g} {unit}"
+    return f"{bits_per_s:g} bit/s"
+
+
 def _parse_rate(text: str) -> float:
-    """'100mbit', '1gbit', '400M', '2.5e8' -> bits per second."""
+    """'100mbit', '1gbit', '400M', '2.5e8' -> bits per second (finite, >= 1)."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "g": 1e9, "m": 1e6, "k": 1e3, "bit": 1.0}
     lowered = text.strip().lower()
     suffix = next((u for u in units if lowered.endswith(u)), "")
@@ -834,11 +1197,11 @@ def _parse_rate(text: str) -> float:
     try:
         value = float(number) * scale
     except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
         raise argparse.ArgumentTypeError(
-            f"--link must be a rate like 100mbit or 1gbit; got {text!r}"
-        ) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"--link must be > 0; got {text!r}")
+            f"must be a rate of at least 1 bit/s like 100mbit or 1gbit; got {text!r}"
+        )
     return value
 
 
@@ -847,13 +1210,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_inference_arguments(parser)  # --mode decode|prefill-cached and their options
     parser.add_argument(
-        "--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)"
+        "--world-size",
+        type=int_at_least(1),
+        default=4,
+        help="ranks to spawn (ignored under torchrun)",
     )
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=1024, help="global sequence length")
-    parser.add_argument("--heads", type=int, help="query heads (with --kv-heads: one custom model)")
-    parser.add_argument("--kv-heads", type=int, help="key/value heads")
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--batch", type=int_at_least(1), default=1)
+    parser.add_argument(
+        "--seq",
+        type=int_at_least(1),
+        default=1024,
+        help="global sequence length (any: uneven shards as tokenring.shard gives them)",
+    )
+    parser.add_argument(
+        "--heads", type=int_at_least(1), help="query heads (with --kv-heads: one custom model)"
+    )
+    parser.add_argument("--kv-heads", type=int_at_least(1), help="key/value heads")
+    parser.add_argument("--head-dim", type=int_at_least(1), default=64)
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     parser.add_argument(
         "--strategies",
@@ -861,7 +1234,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hybrid-inner",
-        type=int,
+        type=int_at_least(1),
         default=2,
         help="ranks per island of the hybrid rows (divides the world size and heads; default 2)",
     )
@@ -879,27 +1252,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: zigzag when causal, contiguous otherwise",
     )
     parser.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int_at_least(0), default=1)
+    parser.add_argument("--iters", type=int_at_least(1), default=5)
     parser.add_argument("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
     parser.add_argument("--topology", default="mesh", choices=["mesh", "ring", "switch"])
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")
     parser.add_argument(
         "--tolerance",
-        type=float,
+        type=finite_float_at_least(0),
         help="max abs error vs float64 for a row to pass (default by dtype)",
     )
-    parser.add_argument("--out", help="also append the JSON rows to this JSONL file")
-    parser.add_argument("--plot", help="write a timeline PNG here")
-    parser.add_argument("--markdown", help="write the table as markdown here, with the command")
     parser.add_argument(
-        "--timeout", type=float, default=1800, help="seconds before ranks are killed"
+        "--out", type=output_path, help="also append the JSON rows to this JSONL file"
     )
+    parser.add_argument("--plot", type=output_path, help="write a timeline PNG here")
+    parser.add_argument(
+        "--markdown", type=output_path, help="write the table as markdown here, with the command"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed"
+    )
+
+
+def _split_list(text: str, flag: str, parse: Any, expected: str) -> tuple[Any, ...]:
+    """Parse a comma-separated flag; ValueError naming the flag and the bad item."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{flag} must list at least one of {expected}; got {text!r}")
+    out = []
+    for item in items:
+        try:
+            out.append(parse(item))
+        except ValueError:
+            raise ValueError(f"{flag}: unknown {item!r}; expected any of {expected}") from None
+    return tuple(out)
+
+
+def check_heads(args: argparse.Namespace) -> None:
+    if (args.heads is None) != (args.kv_heads is None):
+        given = "--heads" if args.heads is not None else "--kv-heads"
+        raise ValueError(f"--heads and --kv-heads go together; got {given} alone")
+    if args.heads is not None and args.heads % args.kv_heads:
+        raise ValueError(
+            f"--kv-heads must divide --heads; got --heads {args.heads} --kv-heads {args.kv_heads}"
+        )
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """The ranks the run will have: torchrun's under torchrun, else --world-size."""
+    return int(os.environ["WORLD_SIZE"]) if _under_torchrun() else int(args.world_size)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    if (args.heads is None) != (args.kv_heads is None):
-        raise SystemExit("--heads and --kv-heads go together")
+    """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
+    check_heads(args)
     models: tuple[ModelShape, ...] = DEFAULT_MODELS
     if args.heads is not None:
         models = (
@@ -917,14 +1323,23 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         )
     causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
     hybrid = HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer)
+    passes = _split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
+    layout = None if args.layout == "auto" else Layout.parse(args.layout)
+    names = ", ".join(s.value for s in Strategy)
     if args.strategies is not None:
-        strategies = tuple(Strategy.parse(s) for s in args.strategies.split(",") if s)
-    else:  # all of them; the hybrid only where its factorisation fits, and then said so
+        strategies = _split_list(args.strategies, "--strategies", Strategy.parse, names)
+    else:  # all of them; the hybrid only where it fits, and then said so
         strategies = tuple(Strategy)
-        world = int(os.environ.get("WORLD_SIZE", args.world_size))
+        trial = BenchConfig(
+            seq=args.seq,
+            models=models,
+            strategies=(Strategy.HYBRID,),
+            hybrid=hybrid,
+            causal=causal,
+            layout=layout,
+        )
         try:
-            for model in models:
-                hybrid.check(world_size=world, heads_q=model.heads_q, heads_kv=model.heads_kv)
+            trial.check_world(_world_size(args))
         except ValueError as exc:
             print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
             strategies = strategies[:-1]
@@ -936,13 +1351,69 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         strategies=strategies,
         hybrid=hybrid,
         causal=causal,
-        layout=None if args.layout == "auto" else Layout.parse(args.layout),
-        passes=tuple(p for p in args.passes.split(",") if p),
+        layout=layout,
+        passes=passes,
         warmup=args.warmup,
         iters=args.iters,
         timeline_rows=args.plot is not None,
         tolerance=args.tolerance,
     )
+
+
+def _parse_pass(text: str) -> str:
+    if text not in ("fwd", "fwd+bwd"):
+        raise ValueError(text)
+    return text
+
+
+def check_lab(args: argparse.Namespace, world_size: int) -> None:
+    """Raise ValueError when ``--link`` cannot be emulated here (the lab's own limits, its
+    privileges, torchrun's ranks that it did not start)."""
+    if _under_torchrun():
+        raise ValueError("--link emulates links between ranks bench spawns; not under torchrun")
+    from tokenring.netlab import LabConfig, lab_unavailable_reason
+
+    try:
+        LabConfig(world_size=world_size, rate_bits_per_s=args.link, topology=args.topology)
+    except ValueError as exc:
+        raise ValueError(f"--link with --world-size {world_size}: {exc}") from None
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"--link needs the emulated-interconnect lab: {reason}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything about the arguments that can be known before a rank starts (Note [Bad
+    input at the command line] in tokenring.cli). Raises ValueError naming the argument;
+    keeps the checked config on ``args`` for :func:`run`."""
+    if getattr(args, "mode", "attention") != "attention":
+        from tokenring.bench_inference import check_args as check_inference
+
+        check_inference(args)
+        return
+    config = config_from_args(args)
+    world = _world_size(args)
+    try:
+        config.check_world(world)
+    except ValueError as exc:
+        raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
+    backend = "nccl" if _under_torchrun() and torch.cuda.is_available() else "gloo"
+    for model in config.models:  # what the ranks would build first: fail here instead
+        for causal in config.causal:
+            for strategy in config.strategies:
+                try:
+                    _schedules(config, model, strategy, causal, world, backend)
+                except (ValueError, NotImplementedError) as exc:
+                    raise ValueError(
+                        f"--strategies {strategy.value} cannot run {model.name} on {world} "
+                        f"ranks: {exc}"
+                    ) from None
+    if args.link is not None:
+        check_lab(args, world)
+        _check_link_time(config, args, world)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world
+    check_memory(config, world, ranks_here, backend)
+    args._config = config
 
 
 def _git_sha() -> str:
@@ -1058,7 +1529,9 @@ def run(args: argparse.Namespace) -> int:
         from tokenring.bench_inference import run as run_inference
 
         return run_inference(args)
-    config = config_from_args(args)
+    if getattr(args, "_config", None) is None:
+        check_args(args)
+    config: BenchConfig = args._config
 
     def launch_all() -> list[Any]:
         config.check_world(args.world_size)

@@ -39,9 +39,10 @@ from tokenring.cached_schedule import (
     pass_q_threshold,
     predict_cached,
 )
+from tokenring.cli import int_at_least
 from tokenring.schedule import Dims, Flow
 
-__all__ = ["InferenceBenchConfig", "add_arguments", "run", "run_rank"]
+__all__ = ["InferenceBenchConfig", "add_arguments", "check_args", "run", "run_rank"]
 
 MODES = ("decode", "prefill-cached")
 _DTYPES = {
@@ -361,19 +362,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(s.value for s in CachedStrategy),
         help="[decode|prefill-cached] strategies to compare",
     )
-    parser.add_argument("--block-size", type=int, default=64, help="[decode|prefill-cached]")
+    parser.add_argument(
+        "--block-size", type=int_at_least(1), default=64, help="[decode|prefill-cached]"
+    )
 
 
-def _ints(text: str, name: str) -> tuple[int, ...]:
+def _ints(text: str, name: str, minimum: int) -> tuple[int, ...]:
+    """Comma-separated integers >= minimum; ValueError naming the flag."""
+    expected = f"comma-separated integers >= {minimum}"
     try:
-        return tuple(int(x) for x in text.split(",") if x)
+        values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"{name} must be comma-separated integers; got {text!r}") from None
+        raise ValueError(f"{name} must be {expected}; got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{name} must be {expected}; got {text!r}")
+    return values
 
 
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
-    if (args.heads is None) != (args.kv_heads is None):
-        raise SystemExit("--heads and --kv-heads go together")
+    """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
+    from tokenring.bench import _split_list, check_heads
+
+    check_heads(args)
     models: tuple[tuple[str, int, int, int], ...] = DEFAULT_MODELS
     if args.heads is not None:
         models = (
@@ -386,14 +396,17 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
         )
     elif args.head_dim != 64:
         models = tuple((m[0], m[1], m[2], args.head_dim) for m in models)
+    names = ", ".join(s.value for s in CachedStrategy)
     return InferenceBenchConfig(
         mode=args.mode,
         batch=args.batch,
-        cached=_ints(args.cached, "--cached"),
-        new=_ints(args.new or _DEFAULT_NEW[args.mode], "--new"),
+        cached=_ints(args.cached, "--cached", 0),
+        new=_ints(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
         models=models,
         dtype=args.dtype,
-        strategies=tuple(CachedStrategy.parse(s) for s in args.cached_strategies.split(",") if s),
+        strategies=_split_list(
+            args.cached_strategies, "--cached-strategies", CachedStrategy.parse, names
+        ),
         block_size=args.block_size,
         warmup=max(args.warmup, 1),
         iters=args.iters,
@@ -409,11 +422,24 @@ def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]
     return launch_with_progress(run_rank, config, num_rows=num_rows, title=title, args=args)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before a rank starts; ValueError naming the argument. Keeps the
+    config on ``args`` for :func:`run`."""
+    from tokenring.bench import _world_size, check_lab
+
+    config = config_from_args(args)
+    if args.link is not None:
+        check_lab(args, _world_size(args))
+    args._config = config
+
+
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode decode|prefill-cached``."""
     from tokenring.bench import _git_sha, collect_per_rank
 
-    config = config_from_args(args)
+    if getattr(args, "_config", None) is None:
+        check_args(args)
+    config: InferenceBenchConfig = args._config
     per_rank = collect_per_rank(run_rank, config, args, lambda: _launch(config, args))
     if per_rank is None:
         return 0

@@ -9,24 +9,32 @@ from __future__ import annotations
 
 import argparse
 
-from tokenring.bench import BenchConfig, ModelShape, aggregate, run_rank
+from tokenring.bench import BenchConfig, ModelShape, aggregate, check_heads, check_memory, run_rank
+from tokenring.cli import int_at_least, positive_seconds
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "check_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=4, help="CPU ranks to spawn")
-    parser.add_argument("--seq", type=int, default=1024, help="global sequence length")
-    parser.add_argument("--heads", type=int, default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=3, help="timed iterations per strategy")
+    parser.add_argument("--world-size", type=int_at_least(1), default=4, help="CPU ranks to spawn")
+    parser.add_argument(
+        "--seq", type=int_at_least(1), default=1024, help="global sequence length (any)"
+    )
+    parser.add_argument("--heads", type=int_at_least(1), default=8, help="query heads")
+    parser.add_argument("--kv-heads", type=int_at_least(1), default=8, help="key/value heads")
+    parser.add_argument("--head-dim", type=int_at_least(1), default=64)
+    parser.add_argument(
+        "--iters", type=int_at_least(1), default=3, help="timed iterations per strategy"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_seconds, default=900, help="seconds before ranks are killed"
+    )
 
 
-def run(args: argparse.Namespace) -> int:
-    from tokenring._console import make_table, print_table
-    from tokenring.launch import launch
-
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the argument for a run that cannot start; keeps the config on
+    ``args`` for :func:`run`."""
+    check_heads(args)
     model = ModelShape(
         name="demo", heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim
     )
@@ -39,7 +47,18 @@ def run(args: argparse.Namespace) -> int:
         timeline_rows=False,
     )
     config.check_world(args.world_size)
-    per_rank = launch(run_rank, config, world_size=args.world_size, timeout_s=900)
+    check_memory(config, args.world_size, args.world_size, "gloo")
+    args._config = config
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenring._console import make_table, print_table
+    from tokenring.launch import launch
+
+    if getattr(args, "_config", None) is None:
+        check_args(args)
+    config: BenchConfig = args._config
+    per_rank = launch(run_rank, config, world_size=args.world_size, timeout_s=args.timeout)
     rows = aggregate(per_rank, config)
     table = make_table(
         f"tokenring demo: {args.world_size} CPU ranks (gloo), causal zigzag, float32, "

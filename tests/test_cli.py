@@ -1,0 +1,260 @@
+"""Bad input at the command line: one line on stderr naming the argument, exit status 2, and
+nothing started (Note [Bad input at the command line] in tokenring.cli); and the size guards
+that refuse a run before it can run out of memory or time."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tokenring.launch  # noqa: F401  (sys.modules["tokenring.launch"] below)
+from oracle import make_inputs, oracle_with_grads, sharded_positions
+from tokenring import Strategy
+from tokenring.cli import main
+
+MISSING = "/nonexistent-tokenring-dir/out"
+
+
+class Started(Exception):
+    """Raised by the patched launchers: the command got past its checks."""
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any rank, lab or simulation started fails the test with ``Started``."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Started
+
+    launch_module = sys.modules["tokenring.launch"]  # the package exports launch() by that name
+    monkeypatch.setattr(launch_module, "launch", refuse)
+    monkeypatch.setattr(launch_module, "_start", refuse)
+    monkeypatch.setattr("tokenring.netlab.Lab.__enter__", refuse)
+    monkeypatch.setattr("tokenring.simulate.simulate", refuse)
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line of a command that must end with status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2, argv
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"tokenring {argv[0]}: error: "), lines[0]
+    return lines[0]
+
+
+BAD = [
+    # (argv, words the error must contain: the argument and the value)
+    (["bench", "--world-size", "0"], ["--world-size", "'0'", ">= 1"]),
+    (["bench", "--world-size", "-3"], ["--world-size", "'-3'"]),
+    (["bench", "--seq", "0"], ["--seq", "'0'"]),
+    (["bench", "--seq", "-8"], ["--seq", "'-8'"]),
+    (["bench", "--seq", "1e3"], ["--seq", "'1e3'"]),
+    (["bench", "--batch", "0"], ["--batch"]),
+    (["bench", "--head-dim", "0"], ["--head-dim"]),
+    (["bench", "--iters", "0"], ["--iters"]),
+    (["bench", "--warmup", "-1"], ["--warmup"]),
+    (["bench", "--hybrid-inner", "0"], ["--hybrid-inner"]),
+    (["bench", "--timeout", "nan"], ["--timeout", "'nan'", "finite"]),
+    (["bench", "--timeout", "inf"], ["--timeout", "'inf'"]),
+    (["bench", "--timeout", "0"], ["--timeout", "'0'", "> 0"]),
+    (["bench", "--timeout", "-5"], ["--timeout"]),
+    (["bench", "--tolerance", "nan"], ["--tolerance", "'nan'"]),
+    (["bench", "--tolerance", "-0.1"], ["--tolerance", "'-0.1'"]),
+    (["bench", "--link", "fast"], ["--link", "'fast'"]),
+    (["bench", "--link", "nan"], ["--link", "'nan'"]),
+    (["bench", "--link", "inf"], ["--link", "'inf'"]),
+    (["bench", "--link", "0.5bit"], ["--link", "'0.5bit'"]),
+    (["bench", "--out", f"{MISSING}/rows.jsonl"], ["--out", "does not exist"]),
+    (["bench", "--plot", f"{MISSING}/t.png"], ["--plot", "does not exist"]),
+    (["bench", "--markdown", f"{MISSING}/t.md"], ["--markdown", "does not exist"]),
+    (["bench", "--out", "/"], ["--out", "directory"]),
+    (["bench", "--strategies", "ring,nope"], ["--strategies", "'nope'", "token_ring"]),
+    (["bench", "--strategies", ","], ["--strategies"]),
+    (["bench", "--passes", "fwd,back"], ["--passes", "'back'"]),
+    (["bench", "--heads", "4"], ["--heads", "--kv-heads"]),
+    (["bench", "--heads", "4", "--kv-heads", "3"], ["--kv-heads must divide --heads", "3"]),
+    (["bench", "--strategies", "hybrid", "--world-size", "3"], ["--strategies hybrid", "3"]),
+    (["bench", "--strategies", "hybrid", "--world-size", "2", "--seq", "30"], ["seq", "30"]),
+    (["bench", "--mode", "decode", "--new", "0"], ["--new", "'0'"]),
+    (["bench", "--mode", "decode", "--cached", "-1"], ["--cached", "'-1'"]),
+    (["bench", "--mode", "decode", "--cached", "x"], ["--cached", "'x'"]),
+    (["bench", "--mode", "decode", "--cached-strategies", "x"], ["--cached-strategies", "'x'"]),
+    (["bench", "--mode", "decode", "--block-size", "0"], ["--block-size"]),
+    (["bench", "--mode", "nope"], ["--mode", "'nope'"]),
+    (["demo", "--world-size", "0"], ["--world-size", "'0'"]),
+    (["demo", "--seq", "-1"], ["--seq", "'-1'"]),
+    (["demo", "--iters", "0"], ["--iters"]),
+    (["demo", "--heads", "8", "--kv-heads", "3"], ["--kv-heads must divide --heads"]),
+    (["demo", "--timeout", "nan"], ["--timeout", "'nan'"]),
+    (["simulate", "--world-size", "0"], ["--world-size", "'0'"]),
+    (["simulate", "--world-size", "8", "0"], ["--world-size", "'0'"]),
+    (["simulate", "--seq", "0"], ["--seq", "'0'"]),
+    (["simulate", "--seq", "10", "--world-size", "8"], ["--seq", "16", "10"]),
+    (["simulate", "--batch", "0"], ["--batch"]),
+    (["simulate", "--splits", "0"], ["--splits"]),
+    (["simulate", "--hybrid-inner", "0"], ["--hybrid-inner"]),
+    (["simulate", "--strategies", "nope"], ["--strategies", "'nope'"]),
+    (["simulate", "--strategies", "hybrid"], ["--hybrid-inner must be given"]),
+    (["simulate", "--plot", f"{MISSING}/c.png"], ["--plot", "does not exist"]),
+    (["simulate", "--timeline", f"{MISSING}/t.png"], ["--timeline", "does not exist"]),
+    (["simulate", "--timeline", "t.png", "--world-size", "128"], ["--timeline", "128"]),
+    (["simulate", "--timeline", "t.png", "--mode", "vectorised"], ["--timeline"]),
+    (
+        ["simulate", "--mode", "event", "--world-size", "20000", "--seq", "1048576"],
+        ["--mode event"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_with_status_2_and_nothing_starts(
+    argv: list[str],
+    words: list[str],
+    capsys: pytest.CaptureFixture[str],
+    nothing_starts: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)  # relative output paths land in a writable directory
+    line = _usage_error(argv, capsys)
+    for word in words:
+        assert word in line, (word, line)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_output_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nothing_starts: None
+) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    line = _usage_error(["bench", "--out", str(locked / "rows.jsonl")], capsys)
+    assert "--out" in line and "not writable" in line
+
+
+def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_starts: None) -> None:
+    """The same flags with good values reach the launcher (the checks refuse only bad
+    input): every command starts its ranks or simulation."""
+    out = str(tmp_path / "rows.jsonl")
+    for argv in (
+        ["bench", "--seq", "100", "--world-size", "3", "--out", out, "--timeout", "60"],
+        ["bench", "--mode", "decode", "--cached", "0,64", "--new", "1"],
+        ["demo", "--seq", "33", "--world-size", "2"],
+        ["simulate", "--world-size", "8", "4096", "--json", "--plot", str(tmp_path / "c.png")],
+    ):
+        with pytest.raises(Started):
+            main(argv)
+
+
+# -- size guards -------------------------------------------------------------------------------
+def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2^20 tokens, 4 ranks: every rank draws the global q, k, v, dout (B S (2 Hq + 2 Hkv) D
+    float32 = 10 GiB for the default 8/8 x 64 model) before anything else."""
+    monkeypatch.setattr("tokenring.cli.mem_available_bytes", lambda: 16 << 30)
+    line = _usage_error(["bench", "--seq", "1048576"], capsys)
+    assert "--seq 1048576" in line and "MemAvailable is 16 GiB" in line
+    per_rank = float(line.split("needs about ")[1].split(" GiB")[0])
+    inputs = 2**20 * (2 * 8 + 2 * 8) * 64 * 4
+    assert per_rank * 2**30 >= inputs
+    # what a rank holds, compared with the machine: 4 ranks here
+    total = float(line.split("GiB), ")[1].split(" GiB")[0])
+    assert total == pytest.approx(4 * per_rank, rel=1e-2)
+
+
+def test_the_memory_estimate_follows_the_ranks_on_this_machine(
+    nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same run fits when the machine has room for its ranks and is refused otherwise."""
+    from tokenring.bench import BenchConfig, ModelShape, estimate_rank_bytes
+
+    config = BenchConfig(
+        seq=4096, models=(ModelShape(name="m", heads_q=4, heads_kv=2, head_dim=16),)
+    )
+    per_rank = sum(estimate_rank_bytes(config, 2).values())
+    argv = ["bench", "--seq", "4096", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    argv += ["--world-size", "2", "--strategies", "token_ring,ring,bidir_ring,ulysses,allgather_kv"]
+    monkeypatch.setattr("tokenring.cli.mem_available_bytes", lambda: 2 * per_rank)
+    with pytest.raises(Started):
+        main(argv)
+    monkeypatch.setattr("tokenring.cli.mem_available_bytes", lambda: 2 * per_rank - 1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+
+
+def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ring forward, non-causal, 2 ranks: each call sends the other rank's K/V once (s rows of
+    2 Hkv D float32), and the bandwidth probe sends 4 rounds of 4 MiB each way: 3 calls x
+    1024 x 2 x 8 x 32 x 4 + 4 x 4 MiB = 23068672 bytes, 184.5 s at 1 Mbit/s."""
+    monkeypatch.setattr("tokenring.netlab.lab_unavailable_reason", lambda: None)
+    num_bytes = 3 * 1024 * 2 * 8 * 32 * 4 + 4 * (4 << 20)
+    seconds = num_bytes * 8 / 1e6
+    argv = ["bench", "--world-size", "2", "--seq", "2048", "--heads", "8", "--kv-heads", "8"]
+    argv += ["--head-dim", "32", "--strategies", "ring", "--passes", "fwd", "--causal", "no"]
+    argv += ["--warmup", "1", "--iters", "2", "--link", "1mbit"]
+    line = _usage_error([*argv, "--timeout", f"{seconds - 1:.0f}"], capsys)
+    assert f"{num_bytes / 1e6:.4g} MB" in line and "--link 1 Mbit/s" in line
+    assert f"{seconds:.4g} s" in line and "--timeout" in line
+    with pytest.raises(Started):  # one second more and the run may go ahead
+        main([*argv, "--timeout", f"{seconds + 1:.0f}"])
+
+
+# -- any sequence length (uneven shards) -------------------------------------------------------
+def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench's reference (the rank's rows only, in score tiles) against the test oracle (full
+    attention in float64), for uneven shards, GQA, both layouts, one tile or 3 rows a tile."""
+    from tokenring import bench
+
+    whole_tiles = bench._tile_rows
+    for seq, world, layout, causal in (
+        (37, 3, "zigzag", True),
+        (37, 4, "contiguous", False),
+        (5, 4, "zigzag", True),  # some ranks hold one token, some none
+        (50, 2, "contiguous", True),
+    ):
+        q, k, v, dout = make_inputs(
+            seed=seq, batch=2, seq_global=seq, heads_q=4, heads_kv=2, head_dim=8
+        )
+        want = oracle_with_grads(q, k, v, dout, causal=causal, scale=0.3)
+        inputs = [x.clone() for x in (q, k, v, dout)]
+        for rank in range(world):
+            rows = torch.tensor(sharded_positions(layout, rank, world, seq), dtype=torch.long)
+            for tiles in (whole_tiles, lambda *_: 3):
+                monkeypatch.setattr(bench, "_tile_rows", tiles)
+                got = bench._reference(q, k, v, dout, rows, causal=causal, scale=0.3, grads=True)
+                (out,) = bench._reference(
+                    q, k, v, dout, rows, causal=causal, scale=0.3, grads=False
+                )
+                torch.testing.assert_close(out, want["out"][:, rows], rtol=0, atol=1e-12)
+                for name, tensor in zip(("out", "dq", "dk", "dv"), got, strict=True):
+                    torch.testing.assert_close(tensor, want[name][:, rows], rtol=0, atol=1e-12)
+        for x, y in zip((q, k, v, dout), inputs, strict=True):  # read, never written
+            assert torch.equal(x, y)
+
+
+def test_bench_runs_any_sequence_length(capsys: pytest.CaptureFixture[str]) -> None:
+    """S = 37 on 3 ranks (uneven shards in both layouts): every strategy, causal or not,
+    forward and backward, verified against float64 (the reference above)."""
+    argv = ["bench", "--world-size", "3", "--seq", "37", "--heads", "6", "--kv-heads", "3"]
+    argv += ["--head-dim", "8", "--warmup", "0", "--iters", "1", "--json", "--dtype", "float64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no hybrid rows" in out  # 2 does not divide 3: said, not silently dropped
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    strategies = [s.value for s in Strategy if s is not Strategy.HYBRID]
+    assert sorted({r["strategy"] for r in rows}) == sorted(strategies)
+    assert len(rows) == 4 * len(strategies)
+    for row in rows:
+        assert row["seq"] == 37 and row["verified"], row
+        assert row["max_error"] <= 1e-9
