@@ -82,7 +82,7 @@ BAD = [
     (["bench", "--heads", "4"], ["--heads", "--kv-heads"]),
     (["bench", "--heads", "4", "--kv-heads", "3"], ["--kv-heads must divide --heads", "3"]),
     (["bench", "--strategies", "hybrid", "--world-size", "3"], ["--strategies hybrid", "3"]),
-    (["bench", "--strategies", "hybrid", "--world-size", "2", "--seq", "30"], ["seq", "30"]),
+    (["bench", "--strategies", "hybrid", "--hybrid-inner", "3"], ["--strategies hybrid", "3"]),
     (["bench", "--mode", "decode", "--new", "0"], ["--new", "'0'"]),
     (["bench", "--mode", "decode", "--cached", "-1"], ["--cached", "'-1'"]),
     (["bench", "--mode", "decode", "--cached", "x"], ["--cached", "'x'"]),
@@ -245,16 +245,24 @@ def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatc
 
 def test_bench_runs_any_sequence_length(capsys: pytest.CaptureFixture[str]) -> None:
     """S = 37 on 3 ranks (uneven shards in both layouts): every strategy, causal or not,
-    forward and backward, verified against float64 (the reference above)."""
+    out and gradients verified against float64 (the reference above); the hybrid on 2."""
     argv = ["bench", "--world-size", "3", "--seq", "37", "--heads", "6", "--kv-heads", "3"]
     argv += ["--head-dim", "8", "--warmup", "0", "--iters", "1", "--json", "--dtype", "float64"]
+    argv += ["--passes", "fwd+bwd"]  # out and every gradient (forward-only: the test above)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "no hybrid rows" in out  # 2 does not divide 3: said, not silently dropped
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     strategies = [s.value for s in Strategy if s is not Strategy.HYBRID]
     assert sorted({r["strategy"] for r in rows}) == sorted(strategies)
-    assert len(rows) == 4 * len(strategies)
+    assert len(rows) == 2 * len(strategies)
     for row in rows:
         assert row["seq"] == 37 and row["verified"], row
         assert row["max_error"] <= 1e-9
+    # the hybrid too: 1 x 2 on 2 ranks, uneven shards of S = 37 (hybrid_shard, seq_len=)
+    for flag, value in (("--world-size", "2"), ("--heads", "4"), ("--kv-heads", "2")):
+        argv[argv.index(flag) + 1] = value
+    assert main([*argv, "--strategies", "hybrid", "--hybrid-inner", "2"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    assert len(rows) == 2 and {r["hybrid"] for r in rows} == {"1x2 token_ring"}
+    assert all(r["verified"] and r["max_error"] <= 1e-9 for r in rows), rows

@@ -168,20 +168,14 @@ class BenchConfig:
 
     def check_world(self, world_size: int) -> None:
         """Raise ValueError when a row cannot run on ``world_size`` ranks. Any ``seq`` runs
-        (uneven shards, as ``tokenring.shard`` gives them); the hybrid's layout needs
-        ``seq`` divisible by its shard count and its factorisation to fit."""
+        (uneven shards, as ``tokenring.shard`` and ``hybrid_shard`` give them); the hybrid
+        needs its factorisation to fit."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1; got {world_size}")
-        if Strategy.HYBRID not in self.strategies:
-            return
-        for model in self.models:
-            self.hybrid.check(world_size=world_size, heads_q=model.heads_q, heads_kv=model.heads_kv)
-        for causal in self.causal:
-            parts = world_size * (2 if self.layout_for(causal) is Layout.ZIGZAG else 1)
-            if self.seq % parts:
-                raise ValueError(
-                    f"seq must be divisible by {parts} for the hybrid rows (layout "
-                    f"{self.layout_for(causal).value}, world size {world_size}); got {self.seq}"
+        if Strategy.HYBRID in self.strategies:
+            for model in self.models:
+                self.hybrid.check(
+                    world_size=world_size, heads_q=model.heads_q, heads_kv=model.heads_kv
                 )
 
 
@@ -669,8 +663,7 @@ def _hybrid_shards(
         "inner": spec.inner,
         "layout": layout,
     }
-    seq = inputs[0].shape[1]
-    positions = hybrid_positions(**where, seq_local=seq // world)
+    positions = hybrid_positions(**where, seq_len=inputs[0].shape[1])
     return [hybrid_shard(x, **where) for x in inputs], positions
 
 
@@ -731,6 +724,7 @@ def _measure_row(
                 outer_strategy=config.hybrid.outer_strategy,
                 causal=causal,
                 layout=layout,
+                seq_len=config.seq,
             )
         else:
             result = sequence_parallel_attn(

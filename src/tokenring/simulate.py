@@ -1291,7 +1291,9 @@ def strategy_schedule(
 
     Give ``seq_local`` (every rank holds s tokens) or ``seq_len`` (any S, as
     ``tokenring.shard`` splits it: the ring strategies get exactly the schedule the attention
-    builds, the collectives that of the padded buffer the attention runs them on).
+    builds, the collectives that of the padded buffer the attention runs them on, the hybrid
+    that of its padded outer shards split evenly over the inner ranks, an approximation
+    when P_in does not divide them).
 
     Raises:
         ValueError: as the builders; a hybrid without ``hybrid``; both or neither of
@@ -1318,7 +1320,15 @@ def strategy_schedule(
         )
     if seq_len is not None:
         if strategy is Strategy.HYBRID:
-            seq_local = seq_len // world_size  # hybrid_shard takes divisible lengths only
+            # The outer ring runs on the outer shards of S (padded to one size), each rank
+            # holding about 1/P_in of one: s rounded up to what the outer layout splits.
+            inner = hybrid.inner if hybrid is not None else 1
+            outer = make_sharding(
+                layout=layout, world_size=max(1, world_size // inner), seq_len=seq_len
+            )
+            seq_local = -(-outer.seq_local // inner)
+            if Layout.parse(layout) is Layout.ZIGZAG and inner * seq_local % 2:
+                seq_local += 1
         else:
             seq_local = make_sharding(
                 layout=layout, world_size=world_size, seq_len=seq_len
