@@ -606,6 +606,29 @@ def test_the_vectorised_engine_holds_a_chunk_of_steps_not_all(
     assert widest and max(widest) <= chunk + 1
 
 
+def test_ulysses_with_more_ranks_than_heads_is_simulated() -> None:
+    """Hq = 2 on 3 ranks: rank 2 holds no head, computes nothing, and still takes part in
+    the all-to-alls (it used to leave its slots unposted and the simulation deadlocked)."""
+    shape = AttentionShape(heads_q=2, heads_kv=1, head_dim=8, dtype="float16")
+    for routing in ("direct", "gloo"):
+        hw = dataclasses.replace(_hardware(Topology.MESH, link=1e9), collectives=routing)
+        for pass_ in Pass:
+            result = simulate_pass(
+                "ulysses",
+                pass_,
+                layout="zigzag",
+                causal=True,
+                world_size=3,
+                seq_local=4,
+                shape=shape,
+                hardware=hw,
+                mode="event",
+            )
+            assert result.call_s > 0 and result.timeline is not None
+            assert not [ev for ev in result.timeline[2] if ev.kind == "compute"]
+            assert [ev for ev in result.timeline[0] if ev.kind == "compute"]
+
+
 def test_exposed_transfers_are_the_last_slice_and_the_accumulator_home() -> None:
     tr = build_schedule(
         "token_ring",

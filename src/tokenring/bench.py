@@ -254,7 +254,7 @@ def _compute_only(
     """This rank's kernel calls of the real run with no P2P: (forward s, backward s, forward
     FLOPs, backward FLOPs); the backward is 0 for a forward-only row."""
     q, k, v, dout = tensors
-    groups = q.shape[2] // k.shape[2]
+    groups = q.shape[2] // max(1, k.shape[2])  # Ulysses with fewer heads than ranks: 0 here
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=accumulation_dtype(q.dtype))
     delta = torch.zeros_like(lse)
 

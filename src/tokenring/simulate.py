@@ -477,6 +477,11 @@ class _EventEngine:
             flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
             prog.append((_COMPUTE, flops / self.flops_per_s, 0, label))
             prog.append((_POST, 0, k + 1))
+        # Slots after segments it has none of (a Ulysses rank with no head: P > Hq) are
+        # still posted, so that the transfers of those slots can start.
+        slots = [tr.after_segments for tr in (*sched.sends(r, 0), *sched.recvs(r, 0))]
+        last_slot = max(slots, default=0)
+        prog += [(_POST, 0, k) for k in range(len(plan.segments) + 1, last_slot + 1)]
         if not waited:
             prog += [(_WAIT, i) for i in travel]
         returns = [i for i in self.step_recvs.get((r, 0), ()) if i not in travel]
