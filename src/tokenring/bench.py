@@ -223,7 +223,7 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
         recv_up = Transfer(Payload.Q, up, comm.rank, up, (0, 1), i, 0)
         send_up = Transfer(Payload.OUT, comm.rank, up, comm.rank, (0, 1), i, 1)
         recv_down = Transfer(Payload.OUT, down, comm.rank, down, (0, 1), i, 1)
-        dist.barrier(group=comm.group)
+        comm.barrier(label="bench")
         start = time.perf_counter()
         pending = comm.exchange(
             [(send_down, [payload]), (send_up, [payload])],
@@ -237,7 +237,7 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
             times.append(time.perf_counter() - start)
     comm.counter.reset()
     rate = torch.tensor([num_bytes / statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=comm.group)
+    comm.all_reduce(rate, op=dist.ReduceOp.MIN, label="bench rate").wait()
     return float(rate.item())
 
 
@@ -345,7 +345,7 @@ def _probe_memory_bandwidth(comm: Communicator, device: torch.device) -> float:
     rate = torch.tensor(
         [2 * src.numel() * src.element_size() / statistics.median(times)], dtype=torch.float64
     )
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=comm.group)
+    comm.all_reduce(rate, op=dist.ReduceOp.MIN, label="bench rate").wait()
     return float(rate.item())
 
 
@@ -712,7 +712,7 @@ def _measure_row(
         for c, _ in counted:
             c.counter.reset()
             c.timeline = timeline if last else None
-        dist.barrier(group=comm.group)
+        comm.barrier(label="bench")
         if q.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()

@@ -204,7 +204,7 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
                     out = q
                     for i in range(config.warmup + config.iters):
                         comm.counter.reset()
-                        dist.barrier(group=comm.group)
+                        comm.barrier(label="bench_inference")
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         start = time.perf_counter()

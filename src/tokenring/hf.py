@@ -66,7 +66,6 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
@@ -616,15 +615,13 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     if comm.world_size == 1:
         return x
     lengths = torch.tensor([x.shape[seq_dim]], dtype=torch.int64, device=x.device)
-    all_lengths = [torch.empty_like(lengths) for _ in range(comm.world_size)]
-    dist.all_gather(all_lengths, lengths, group=comm.group)
+    all_lengths = comm.all_gather(lengths, label="gather_sequence lengths")
     sizes = [int(n.item()) for n in all_lengths]
     padded_shape = list(x.shape)
     padded_shape[seq_dim] = max(sizes)
     padded = x.new_zeros(padded_shape)
     padded.narrow(seq_dim, 0, x.shape[seq_dim]).copy_(x)
-    gathered = [torch.empty_like(padded) for _ in range(comm.world_size)]
-    dist.all_gather(gathered, padded, group=comm.group)
+    gathered = comm.all_gather(padded, label="gather_sequence")
     shards = [g.narrow(seq_dim, 0, n) for g, n in zip(gathered, sizes, strict=True)]
     return unshard(shards, layout=sp.layout, seq_dim=seq_dim, cu_seqlens=sp.cu_seqlens)
 
@@ -668,7 +665,7 @@ def causal_lm_loss(
     )
     comm = sp.communicator
     if comm.world_size > 1:
-        dist.all_reduce(totals, group=comm.group)
+        comm.all_reduce(totals, label="causal_lm_loss totals").wait()
     global_sum, num_tokens = totals.to(acc).unbind()
     num_tokens = num_tokens.clamp(min=1)
     # value: global_sum / num_tokens, bitwise the same on every rank; gradient: only through
@@ -699,7 +696,7 @@ def all_reduce_gradients(
         flat = torch.cat([g.reshape(-1) for g in group]).to(
             torch.promote_types(dtype, torch.float32)
         )
-        dist.all_reduce(flat, group=comm.group)
+        comm.all_reduce(flat, label=f"all_reduce_gradients {dtype}").wait()
         offset = 0
         for g in group:
             n = g.numel()
@@ -771,8 +768,7 @@ def _labels_loss(
     lengths = [labels.shape[1]]
     if comm.world_size > 1:
         mine = torch.tensor([labels.shape[1]], dtype=torch.int64, device=logits.device)
-        gathered = [torch.empty_like(mine) for _ in range(comm.world_size)]
-        dist.all_gather(gathered, mine, group=comm.group)
+        gathered = comm.all_gather(mine, label="labels lengths")
         lengths = [int(n.item()) for n in gathered]
     shards = [sharding.local_len(r) for r in range(comm.world_size)]
     if lengths == [seq_len] * comm.world_size:
