@@ -8,7 +8,8 @@ python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.
 # The distribution was called "tokenring" before it became "tokenring-attention": an old
 # editable install of this project under that name would shadow this checkout, so drop it
 # (only when it is ours: PyPI's "tokenring" is an unrelated project).
-if python -m pip show tokenring 2>/dev/null | grep -q "^Summary: Sequence-parallel attention"; then
+old_summary=$(python -m pip show tokenring 2>/dev/null | sed -n 's/^Summary: //p' || true)
+if [[ "$old_summary" == "Sequence-parallel attention"* ]]; then
   python -m pip uninstall --quiet --yes tokenring
 fi
 python -m pip install --quiet -e ".[test,hf]"
