@@ -3,40 +3,74 @@
 This module owns the per-block math. A kernel maps ``q, k, v -> (out, lse)`` and back; the
 strategies call it once per piece of their schedule. Kernels are pluggable and chosen by
 :func:`select_kernel` from what the device and dtype support; a kernel asked for explicitly
-that cannot run raises instead of silently running another.
+that cannot run raises instead of silently running another. Which fused operator serves
+which call is the pure function :func:`plan_block` (Note [Kernel plan]).
 
 Legend: B batch, sq query rows, sk key rows, Hq query heads, Hkv key/value heads (divides Hq),
-D head dim. Public tensors are ``(B, rows, H, D)``; lse and delta are ``(B, Hq, sq)`` in the
-accumulation dtype (float64 for float64 inputs, else float32).
+D head dim, T tile rows. Public tensors are ``(B, rows, H, D)``; lse and delta are
+``(B, Hq, sq)`` in the accumulation dtype (float64 for float64 inputs, else float32).
 
 Note [Backward from delta]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 The block backward needs P = exp(S - lse) with the *global* lse and delta = rowsum(dout * out)
 with the *global* out. TokenRing ships delta (one number per row and head) instead of out
-(D numbers), because out is not needed otherwise. Fused ops (PyTorch's CPU flash backward)
-take ``out`` and compute delta themselves, so we hand them a stand-in out' with the same row
-sums against dout::
+(D numbers), because out is not needed otherwise. Fused ops (PyTorch's CPU and CUDA flash
+backward) take ``out`` and compute delta themselves, so we hand them a stand-in out' with the
+same row sums against dout::
 
     out' = dout * delta / |dout|^2      (0 where |dout| = 0, where delta is 0 too)
 
 rowsum(dout * out') = delta exactly in real arithmetic, and |out'| <= |out| (Cauchy-Schwarz),
 so the stand-in is as well-scaled as the real out and costs one extra elementwise pass.
+Kernels whose backward only exists through autograd (FlexAttention) recompute the block's own
+(out_b, lse_b) and pull the global gradient out of the local one (Note [Backward through
+autograd]).
+
+Note [Kernel plan]
+~~~~~~~~~~~~~~~~~~
+No call allocates a (sq, sk) tensor on CUDA. :class:`TiledKernel` cuts every piece into
+tiles of at most T x T and classifies each tile as the schedule classifies pieces (Note [Mask
+classes] in tokenring.masks): skipped, full, causal (a diagonal tile of a causal piece), or
+masked. Gradients of a tile are added straight into the caller's accumulators, so the memory
+of a call is its tile's, whatever the piece's length (the forward of an unmasked piece runs
+whole in the fused kernels: it holds O(s) anyway). :func:`plan_block` names the operator of
+each tile:
+
+    device  dtype        D          mask class    operator
+    cuda    fp16, bf16   %8, <=256  full, causal  flash-attn 2 package, else SDPA flash (sm80+)
+    cuda    fp32; fp16/bf16 where flash cannot    SDPA memory-efficient (bf16: sm80+)
+    cuda    any          any        masked        FlexAttention (opt-in), else tiled reference
+    cuda    fp64, or a head dim no fused op takes the tiled reference
+    cpu     any          any        any           PyTorch's CPU flash op (dense mask per tile)
+
+The tiled reference materialises (B, Hq, T, T) scores per tile only; a masked tile builds its
+(T, T) mask from positions (:class:`PositionMask`), never the piece's.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import torch
 
+from tokenring.masks import MaskSpec
+
 __all__ = [
+    "MATERIALISING",
     "BlockKernel",
     "CpuFlashKernel",
-    "CudaSdpaKernel",
+    "CudaFusedKernel",
+    "FlashAttnKernel",
+    "PositionMask",
     "ReferenceKernel",
+    "TiledKernel",
     "accumulation_dtype",
     "available_kernels",
+    "plan_block",
     "select_kernel",
 ]
 
@@ -46,10 +80,77 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclass(frozen=True, slots=True)
+class PositionMask:
+    """A block's mask as positions, not as a matrix: query row i sees key j when
+    ``spec.visible(q_positions[i], kv_positions[j])``. Positions stay on the CPU, so tiles
+    are cut and classified without a device synchronisation and without building the mask."""
+
+    spec: MaskSpec
+    q_positions: torch.Tensor  # (sq,) int64 on the CPU, -1 for padding
+    kv_positions: torch.Tensor  # (sk,)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q_positions.numel(), self.kv_positions.numel())
+
+    def dense(self, device: torch.device | None = None) -> torch.Tensor:
+        """The ``(sq, sk)`` bool mask (a tile's, when cut first), on ``device``."""
+        visible = self.spec.visible(self.q_positions, self.kv_positions)
+        return visible if device is None else visible.to(device, non_blocking=True)
+
+    def tile(self, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> PositionMask:
+        return PositionMask(
+            self.spec,
+            self.q_positions[q_rows[0] : q_rows[1]],
+            self.kv_positions[kv_rows[0] : kv_rows[1]],
+        )
+
+    def visibility(self, strip_rows: int = 256) -> tuple[bool, bool]:
+        """(any pair visible, every pair visible), evaluated ``strip_rows`` query rows at a
+        time (memory: one strip)."""
+        any_seen, all_seen = False, True
+        for a in range(0, self.shape[0], strip_rows):
+            strip = self.spec.visible(self.q_positions[a : a + strip_rows], self.kv_positions)
+            any_seen = any_seen or bool(strip.any())
+            all_seen = all_seen and bool(strip.all())
+        return any_seen, all_seen and self.shape[0] > 0
+
+
+Mask: TypeAlias = "torch.Tensor | PositionMask"
+"""A block mask: bool ``(sq, sk)`` (True: visible), or positions."""
+
+
+def _dense(
+    mask: Mask | None, q: torch.Tensor, k: torch.Tensor, causal: bool
+) -> torch.Tensor | None:
+    """The bool ``(sq, sk)`` mask on q's device, checked (an internal contract: the runtime
+    builds masks from positions)."""
+    if mask is None:
+        return None
+    assert not causal, "a block gets either the causal flag or an explicit mask"
+    if isinstance(mask, PositionMask):
+        mask = mask.dense(q.device)
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (q.shape[1], k.shape[1]), (
+        f"mask must be bool {(q.shape[1], k.shape[1])}; got {mask.dtype} {tuple(mask.shape)}"
+    )
+    return mask.to(q.device)
+
+
+def _tile_mask(mask: Mask, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> Mask:
+    if isinstance(mask, PositionMask):
+        return mask.tile(q_rows, kv_rows)
+    return mask[q_rows[0] : q_rows[1], kv_rows[0] : kv_rows[1]]
+
+
 class BlockKernel(abc.ABC):
     """Attention of one block, forward and backward, with the log-sum-exp of each row."""
 
     name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.ran: collections.Counter[str] = collections.Counter()
+        """Calls per operator since the last ``ran.clear()`` (the bench reports them)."""
 
     @abc.abstractmethod
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -64,7 +165,7 @@ class BlockKernel(abc.ABC):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block attention.
 
@@ -73,9 +174,9 @@ class BlockKernel(abc.ABC):
             k, v: ``(B, sk, Hkv, D)``.
             causal: top-left causal mask (row i sees keys 0..i); only used with sq == sk.
             scale: softmax scale.
-            mask: optional bool ``(sq, sk)``, True where the query row may see the key (the
-                same for every batch row and head); not combined with ``causal``. A row that
-                sees no key gets out 0 and lse -inf.
+            mask: optional ``(sq, sk)`` bool tensor or :class:`PositionMask`, True where the
+                query row may see the key (the same for every batch row and head); not
+                combined with ``causal``. A row that sees no key gets out 0 and lse -inf.
 
         Returns:
             out ``(B, sq, Hq, D)`` in q's dtype, lse ``(B, Hq, sq)`` in the accumulation dtype.
@@ -93,7 +194,7 @@ class BlockKernel(abc.ABC):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of one block given the global ``lse`` and ``delta`` of the q rows.
 
@@ -108,6 +209,31 @@ class BlockKernel(abc.ABC):
             dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``, in q's dtype.
         """
 
+    def backward_into(
+        self,
+        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        poll: Callable[[], None] | None = None,
+    ) -> None:
+        """:meth:`backward`, added into ``grads = (dq, dk, dv)`` (same shapes, any float
+        dtype, typically accumulators in the accumulation dtype). ``poll`` is called between
+        tiles (the runtime frees buffers whose transfers have completed)."""
+        for acc, part in zip(
+            grads,
+            self.backward(dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask),
+            strict=True,
+        ):
+            acc += part
+
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
@@ -115,33 +241,35 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 class ReferenceKernel(BlockKernel):
     """Plain torch matmuls in the accumulation dtype; any device, any dtype. Materialises the
-    ``(B, Hq, sq, sk)`` score matrix, so it is the slow, obviously-correct baseline."""
+    ``(B, Hq, sq, sk)`` score matrix: the obviously-correct baseline, and the math inside
+    :class:`TiledKernel`'s tiles (where sq, sk <= T)."""
 
     name = "reference"
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
+    @staticmethod
     def _scores(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        causal: bool,
-        scale: float,
-        visible: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, visible: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``(B, Hkv, G*sq, sk)`` scores (G = Hq / Hkv query heads per kv head, no repeat)."""
         acc = accumulation_dtype(q.dtype)
-        groups = q.shape[2] // k.shape[2]
-        qh = _bhsd(q).to(acc)  # (B, Hq, sq, D)
-        kh = _bhsd(k).to(acc).repeat_interleave(groups, dim=1)  # (B, Hq, sk, D)
-        scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # (B, Hq, sq, sk)
+        b, sq, hq, d = q.shape
+        hkv = k.shape[2]
+        qh = _bhsd(q).to(acc).reshape(b, hkv, (hq // hkv) * sq, d)  # (B, Hkv, G*sq, D)
+        kh = _bhsd(k).to(acc)  # (B, Hkv, sk, D)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # (B, Hkv, G*sq, sk)
+        hidden = None
         if causal:
-            sq, sk = scores.shape[-2:]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(mask, float("-inf"))
+            sk = k.shape[1]
+            hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
         if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        return qh, kh, scores
+            hidden = ~visible
+        if hidden is not None:
+            g = hq // hkv
+            scores.view(b, hkv, g, sq, -1).masked_fill_(hidden, float("-inf"))
+        return scores
 
     def forward(
         self,
@@ -151,16 +279,17 @@ class ReferenceKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
-        groups = q.shape[2] // k.shape[2]
-        _, _, scores = self._scores(q, k, causal, scale, _check_mask(mask, q, k, causal))
-        lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, sq)
-        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-        vh = _bhsd(v).to(acc).repeat_interleave(groups, dim=1)  # (B, Hq, sk, D)
-        out = torch.matmul(probs, vh)  # (B, Hq, sq, D)
-        return _bhsd(out).to(q.dtype), lse
+        b, sq, hq, d = q.shape
+        scores = self._scores(q, k, causal, scale, _dense(mask, q, k, causal))
+        lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G*sq)
+        probs = scores.sub_(lse.unsqueeze(-1)).exp_().nan_to_num_(0.0)  # in place
+        out = torch.matmul(probs, _bhsd(v).to(acc))  # (B, Hkv, G*sq, D)
+        out = out.view(b, hq, sq, d)
+        return _bhsd(out).to(q.dtype), lse.view(b, hq, sq)
 
     def backward(
         self,
@@ -173,40 +302,54 @@ class ReferenceKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
-        b, sk, hkv, d = k.shape
-        groups = q.shape[2] // hkv
-        qh, kh, scores = self._scores(q, k, causal, scale, _check_mask(mask, q, k, causal))
-        probs = torch.exp(scores - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)  # (B, Hq, sq, sk)
-        doh = _bhsd(dout).to(acc)  # (B, Hq, sq, D)
-        vh = _bhsd(v).to(acc).repeat_interleave(groups, dim=1)  # (B, Hq, sk, D)
-        dv = torch.matmul(probs.transpose(-1, -2), doh)  # (B, Hq, sk, D)
-        dp = torch.matmul(doh, vh.transpose(-1, -2))  # (B, Hq, sq, sk)
-        ds = probs * (dp - delta.to(acc).unsqueeze(-1))
-        dq = torch.matmul(ds, kh) * scale  # (B, Hq, sq, D)
-        dk = torch.matmul(ds.transpose(-1, -2), qh) * scale  # (B, Hq, sk, D)
-        dk = dk.view(b, hkv, groups, sk, d).sum(2)  # (B, Hkv, sk, D)
-        dv = dv.view(b, hkv, groups, sk, d).sum(2)
+        b, sq, hq, d = q.shape
+        hkv = k.shape[2]
+        flat = (b, hkv, (hq // hkv) * sq)
+        scores = self._scores(q, k, causal, scale, _dense(mask, q, k, causal))
+        lse_f = lse.to(acc).reshape(flat)
+        # A row with lse -inf sees no key anywhere: its scores are all -inf too, P = 0.
+        lse_f = lse_f.masked_fill(torch.isneginf(lse_f), 0.0)
+        probs = scores.sub_(lse_f.unsqueeze(-1)).exp_()  # (B, Hkv, G*sq, sk), in place
+        doh = _bhsd(dout).to(acc).reshape(b, hkv, flat[2], d)  # (B, Hkv, G*sq, D)
+        qh = _bhsd(q).to(acc).reshape(b, hkv, flat[2], d)
+        dv = torch.matmul(probs.transpose(-1, -2), doh)  # (B, Hkv, sk, D): sums over G
+        ds = torch.matmul(doh, _bhsd(v).to(acc).transpose(-1, -2))  # dP (B, Hkv, G*sq, sk)
+        ds.sub_(delta.to(acc).reshape(flat).unsqueeze(-1)).mul_(probs)
+        del probs
+        dq = torch.matmul(ds, _bhsd(k).to(acc)).mul_(scale).view(b, hq, sq, d)
+        dk = torch.matmul(ds.transpose(-1, -2), qh).mul_(scale)  # (B, Hkv, sk, D)
         return _bhsd(dq).to(q.dtype), _bhsd(dk).to(k.dtype), _bhsd(dv).to(v.dtype)
 
 
 def _stand_in_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """out' with rowsum(dout * out') == delta; see Note [Backward from delta]."""
+    """out' with rowsum(dout * out') == delta, ``(B, Hq, sq, D)`` in dout's dtype; see Note
+    [Backward from delta]."""
     acc = delta.dtype
-    do = _bhsd(dout).to(acc)  # (B, Hq, sq, D)
-    norm2 = (do * do).sum(-1)  # (B, Hq, sq)
+    do = _bhsd(dout)  # (B, Hq, sq, D)
+    norm2 = torch.linalg.vector_norm(do, dim=-1, dtype=acc).square_()  # (B, Hq, sq)
     ratio = torch.where(norm2 > 0, delta / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
-    return _bhsd(do * ratio.unsqueeze(-1)).to(dout.dtype)  # (B, sq, Hq, D)
+    return (do.to(acc) * ratio.unsqueeze(-1)).to(dout.dtype)
 
 
-class CpuFlashKernel(BlockKernel):
-    """PyTorch's fused CPU flash-attention ops (they return logsumexp); GQA native."""
+def _finite_lse(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """lse for a fused backward: a row with lse -inf sees no key anywhere, so every score of
+    its tile is masked and any finite lse gives P = 0 there (-inf would give NaN)."""
+    out = lse.to(dtype)
+    return out.masked_fill(torch.isneginf(out), 0.0).contiguous()
 
-    name = "cpu_flash"
+
+class _CpuFlashOps(BlockKernel):
+    """PyTorch's fused CPU flash-attention ops on one tile (they return logsumexp); GQA
+    native; a masked tile gets a dense additive mask of its own size."""
+
+    name = "cpu_flash_op"
 
     def __init__(self) -> None:
+        super().__init__()
         ops = torch.ops.aten
         self._fwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
         self._bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -227,10 +370,11 @@ class CpuFlashKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._fwd is not None
-        visible = _check_mask(mask, q, k, causal)
+        self.ran["cpu_flash"] += 1
+        visible = _dense(mask, q, k, causal)
         bias = None if visible is None else _additive(visible, q.dtype)
         result = _named(
             self._fwd.default,
@@ -259,24 +403,20 @@ class CpuFlashKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert self._bwd is not None
-        visible = _check_mask(mask, q, k, causal)
+        self.ran["cpu_flash"] += 1
+        visible = _dense(mask, q, k, causal)
         bias = None if visible is None else _additive(visible, q.dtype)
-        out = _stand_in_out(dout, delta)
-        lse_op = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        # A row with lse -inf sees no key anywhere: every score is masked, so any finite lse
-        # gives P = 0 there (and -inf would give exp(-inf + inf) = NaN).
-        lse_op = lse_op.masked_fill(lse_op == float("-inf"), 0.0)
         result = _named(
             self._bwd.default,
             _bhsd(dout),
             _bhsd(q),
             _bhsd(k),
             _bhsd(v),
-            _bhsd(out),
-            lse_op.contiguous(),
+            _stand_in_out(dout, delta),
+            _finite_lse(lse, accumulation_dtype(q.dtype)),
             0.0,
             causal,
             attn_mask=bias,
@@ -285,22 +425,94 @@ class CpuFlashKernel(BlockKernel):
         return _bhsd(result["grad_query"]), _bhsd(result["grad_key"]), _bhsd(result["grad_value"])
 
 
-class CudaSdpaKernel(BlockKernel):
-    """PyTorch's CUDA SDPA ops in the forward: flash for fp16/bf16, memory-efficient for fp32;
-    reference math in the backward.
+# -- the tiles ---------------------------------------------------------------------------------
 
-    GQA: K/V heads are repeated locally (never on the wire) and their gradients summed.
+
+def _tiles(n: int, tile: int) -> list[tuple[int, int]]:
+    return [(a, min(a + tile, n)) for a in range(0, max(n, 1), tile)] if n else []
+
+
+def _tile_class(
+    causal: bool, mask: Mask | None, q_rows: tuple[int, int], kv_rows: tuple[int, int]
+) -> tuple[str, Mask | None]:
+    """``("empty"|"full"|"causal"|"masked", the tile's mask)``; see Note [Kernel plan]."""
+    if causal:
+        if kv_rows[0] > q_rows[1] - 1:
+            return "empty", None
+        if kv_rows[1] - 1 <= q_rows[0]:
+            return "full", None
+        assert q_rows == kv_rows, "causal pieces are square and tiled alike on both sides"
+        return "causal", None
+    if mask is None:
+        return "full", None
+    sub = _tile_mask(mask, q_rows, kv_rows)
+    if isinstance(sub, PositionMask):
+        any_seen, all_seen = sub.visibility()
+    else:  # a dense mask (the collectives'): already (sq, sk), so a tile of it is no worse
+        any_seen, all_seen = bool(sub.any()), bool(sub.all())
+    if not any_seen:
+        return "empty", None
+    if all_seen:
+        return "full", None
+    return "masked", sub
+
+
+class TiledKernel(BlockKernel):
+    """Any kernel, run tile by tile so a call's memory is bounded by its tile (Note [Kernel
+    plan]): forward tiles merge by lse, backward tiles add into the caller's accumulators.
+
+    Args:
+        inner: the kernel of one tile (default: :class:`ReferenceKernel`, the tiled
+            reference); ``masked_inner`` serves the masked tiles (default: ``inner``).
+        tile_rows: T, rows of a tile on both sides.
+        tile_plain_forward: cut the forward of an unmasked piece too. Fused kernels hold
+            O(s) memory in the forward whatever the piece, so theirs run whole (tiles would
+            only add lse merges); the tiled reference must cut it.
     """
 
-    name = "cuda_sdpa"
+    def __init__(
+        self,
+        inner: BlockKernel | None = None,
+        *,
+        tile_rows: int = 512,
+        masked_inner: BlockKernel | None = None,
+        tile_plain_forward: bool = True,
+        name: str = "tiled",
+    ) -> None:
+        super().__init__()
+        if tile_rows < 1:
+            raise ValueError(f"tile_rows must be >= 1; got {tile_rows}")
+        self.inner = inner if inner is not None else ReferenceKernel()
+        self.masked_inner = masked_inner if masked_inner is not None else self.inner
+        self.ran = self.inner.ran  # one count per operator, whoever runs it
+        if self.masked_inner is not self.inner:
+            self.masked_inner.ran = self.ran
+        self.tile_rows = tile_rows
+        self.tile_plain_forward = tile_plain_forward
+        self.name = name
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return self.inner.supports(device, dtype) and self.masked_inner.supports(device, dtype)
 
-    @staticmethod
-    def _expand(x: torch.Tensor, heads_q: int) -> torch.Tensor:
-        groups = heads_q // x.shape[2]
-        return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+    def _tile_grid(
+        self, sq: int, sk: int, causal: bool, mask: Mask | None
+    ) -> list[tuple[tuple[int, int], list[tuple[tuple[int, int], str, Mask | None]]]]:
+        grid = []
+        for q_rows in _tiles(sq, self.tile_rows):
+            row = []
+            for kv_rows in _tiles(sk, self.tile_rows):
+                kind, sub = _tile_class(causal, mask, q_rows, kv_rows)
+                if kind != "empty":
+                    row.append((kv_rows, kind, sub))
+            grid.append((q_rows, row))
+        return grid
+
+    def _kernel(self, kind: str) -> BlockKernel:
+        return self.masked_inner if kind == "masked" else self.inner
+
+    def _plain_forward_whole(self, q: torch.Tensor, causal: bool) -> bool:
+        """Whether the forward of an unmasked piece runs in one call."""
+        return not self.tile_plain_forward
 
     def forward(
         self,
@@ -310,42 +522,34 @@ class CudaSdpaKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if mask is not None:
-            # SDPA's flash op takes no mask; masked pieces (document / window edges) use the
-            # reference math until a masked fused path is validated on a GPU.
-            return ReferenceKernel().forward(q, k, v, causal=causal, scale=scale, mask=mask)
-        hq, sq = q.shape[2], q.shape[1]
-        k, v = self._expand(k, hq), self._expand(v, hq)
-        ops = torch.ops.aten
-        if q.dtype == torch.float32:
-            r = _named(
-                ops._scaled_dot_product_efficient_attention.default,
-                _bhsd(q),
-                _bhsd(k),
-                _bhsd(v),
-                None,
-                True,
-                0.0,
-                causal,
-                scale=scale,
-            )
-            out = r["output"]
-        else:
-            r = _named(
-                ops._scaled_dot_product_flash_attention.default,
-                _bhsd(q),
-                _bhsd(k),
-                _bhsd(v),
-                0.0,
-                causal,
-                False,
-                scale=scale,
-            )
-            out = r["output"]
-        lse = r["logsumexp"][..., :sq].float()  # efficient attention pads rows
-        return _bhsd(out), lse
+        from tokenring.merge import merge_into
+
+        b, sq, hq, d = q.shape
+        acc = accumulation_dtype(q.dtype)
+        whole = sq <= self.tile_rows and k.shape[1] <= self.tile_rows
+        if whole or (mask is None and self._plain_forward_whole(q, causal)):
+            kind = "causal" if causal else ("full" if mask is None else "masked")
+            return self._kernel(kind).forward(q, k, v, causal=causal, scale=scale, mask=mask)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, sq, Hq, D)
+        lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)
+        for (qa, qb), row in self._tile_grid(sq, k.shape[1], causal, mask):
+            out_t = torch.zeros((b, qb - qa, hq, d), dtype=acc, device=q.device)
+            lse_t = torch.full((b, hq, qb - qa), float("-inf"), dtype=acc, device=q.device)
+            for (ka, kb), kind, sub in row:
+                part = self._kernel(kind).forward(
+                    q[:, qa:qb],
+                    k[:, ka:kb],
+                    v[:, ka:kb],
+                    causal=kind == "causal",
+                    scale=scale,
+                    mask=sub,
+                )
+                merge_into(out_t, lse_t, (0, qb - qa), *part)
+            out[:, qa:qb] = out_t
+            lse[:, :, qa:qb] = lse_t
+        return out, lse
 
     def backward(
         self,
@@ -358,28 +562,615 @@ class CudaSdpaKernel(BlockKernel):
         *,
         causal: bool,
         scale: float,
-        mask: torch.Tensor | None = None,
+        mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # The fused CUDA backward ops need side outputs of their own forward (philox state,
-        # cumulative lengths) for this exact block; until that path is validated on a GPU the
-        # backward uses the reference formulas (exact, materialises (B, Hq, sq, sk) in fp32).
-        return ReferenceKernel().backward(
-            dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask
+        if q.shape[1] <= self.tile_rows and k.shape[1] <= self.tile_rows:
+            kind = "causal" if causal else ("full" if mask is None else "masked")
+            return self._kernel(kind).backward(
+                dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask
+            )
+        acc = accumulation_dtype(q.dtype)
+        grads = (
+            torch.zeros(q.shape, dtype=acc, device=q.device),
+            torch.zeros(k.shape, dtype=acc, device=k.device),
+            torch.zeros(v.shape, dtype=acc, device=v.device),
+        )
+        self.backward_into(grads, dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask)
+        dq, dk, dv = grads
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def backward_into(
+        self,
+        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        poll: Callable[[], None] | None = None,
+    ) -> None:
+        dq, dk, dv = grads
+        for (qa, qb), row in self._tile_grid(q.shape[1], k.shape[1], causal, mask):
+            for (ka, kb), kind, sub in row:
+                parts = self._kernel(kind).backward(
+                    dout[:, qa:qb],
+                    q[:, qa:qb],
+                    k[:, ka:kb],
+                    v[:, ka:kb],
+                    lse[:, :, qa:qb],
+                    delta[:, :, qa:qb],
+                    causal=kind == "causal",
+                    scale=scale,
+                    mask=sub,
+                )
+                dq[:, qa:qb] += parts[0]
+                dk[:, ka:kb] += parts[1]
+                dv[:, ka:kb] += parts[2]
+                del parts
+                if poll is not None:
+                    poll()
+
+
+class CpuFlashKernel(TiledKernel):
+    """PyTorch's fused CPU flash ops: the backward and masked pieces tile by tile (T =
+    ``tile_rows``; below 1024 rows the op loses half its speed and more), the forward of
+    an unmasked piece whole."""
+
+    def __init__(self, *, tile_rows: int = 1024) -> None:
+        super().__init__(
+            _CpuFlashOps(), tile_rows=tile_rows, tile_plain_forward=False, name="cpu_flash"
         )
 
 
-def _check_mask(
-    mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, causal: bool
-) -> torch.Tensor | None:
-    """The bool ``(sq, sk)`` mask on q's device, checked (an internal contract: the runtime
-    builds masks from positions)."""
-    if mask is None:
+# -- CUDA ----------------------------------------------------------------------------------------
+
+MATERIALISING = frozenset({"reference"})
+"""Operators that hold a (sq, sk) tensor of the call; :func:`plan_block` names them for
+tiles only (the tiled reference)."""
+
+SDPA_FLASH, SDPA_EFFICIENT, FLASH_ATTN, FLEX, TILED_REFERENCE, CPU_FLASH = (
+    "sdpa_flash",
+    "sdpa_efficient",
+    "flash_attn",
+    "flex",
+    "tiled_reference",
+    "cpu_flash",
+)
+
+
+def plan_block(
+    *,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    head_dim: int,
+    tile_class: str,
+    flash_attn: bool = False,
+    flex: bool = False,
+) -> str:
+    """The operator that computes one tile (Note [Kernel plan]). Pure: the device is
+    described, not queried, so every row of the table is testable without a GPU.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        capability: CUDA compute capability ``(major, minor)``; None on CPU.
+        tile_class: ``"full"``, ``"causal"`` or ``"masked"``.
+        flash_attn: the flash-attn 2 package is installed (and asked for).
+        flex: FlexAttention serves masked tiles (opt-in until validated on a GPU).
+
+    Returns:
+        One of ``"flash_attn"``, ``"sdpa_flash"``, ``"sdpa_efficient"``, ``"flex"``,
+        ``"tiled_reference"``, ``"cpu_flash"``.
+    """
+    if tile_class not in ("full", "causal", "masked"):
+        raise ValueError(f"tile_class must be 'full', 'causal' or 'masked'; got {tile_class!r}")
+    if device_type == "cpu":
+        return CPU_FLASH
+    if device_type != "cuda":
+        return TILED_REFERENCE
+    assert capability is not None, "a CUDA device has a compute capability"
+    if tile_class == "masked":
+        return FLEX if flex and dtype != torch.float64 else TILED_REFERENCE
+    aligned = head_dim % 8 == 0 and head_dim <= 256
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and aligned and capability >= (8, 0):
+        return FLASH_ATTN if flash_attn else SDPA_FLASH
+    bf16_ok = dtype != torch.bfloat16 or capability >= (8, 0)
+    if dtype in (torch.float32, torch.float16, torch.bfloat16) and aligned and bf16_ok:
+        return SDPA_EFFICIENT
+    return TILED_REFERENCE
+
+
+def _expand_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """``(B, H, s, D)`` with kv heads repeated to ``heads_q`` (the SDPA ops take equal heads)."""
+    groups = heads_q // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(dx: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """Sum ``(B, Hq, s, D)`` gradients of repeated kv heads back to ``heads_kv``."""
+    b, hq, s, d = dx.shape
+    return dx if hq == heads_kv else dx.view(b, heads_kv, hq // heads_kv, s, d).sum(2)
+
+
+class _SdpaOps(BlockKernel):
+    """One unmasked tile through PyTorch's fused CUDA SDPA operators (flash or
+    memory-efficient), forward and backward, with the global lse (Note [Backward from
+    delta]). ``op`` is what :func:`plan_block` named for the tile."""
+
+    name = "cuda_sdpa_op"
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        assert op in (SDPA_FLASH, SDPA_EFFICIENT), op
+        self.op = op
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert mask is None, "masked tiles go to the masked kernel"
+        self.ran[self.op] += 1
+        ops = torch.ops.aten
+        hq, sq = q.shape[2], q.shape[1]
+        qh, kh, vh = _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq)
+        if self.op == SDPA_FLASH:
+            r = _named(
+                ops._scaled_dot_product_flash_attention.default,
+                qh,
+                kh,
+                vh,
+                dropout_p=0.0,
+                is_causal=causal,
+                return_debug_mask=False,
+                scale=scale,
+            )
+        else:
+            r = _named(
+                ops._scaled_dot_product_efficient_attention.default,
+                qh,
+                kh,
+                vh,
+                None,
+                True,
+                dropout_p=0.0,
+                is_causal=causal,
+                scale=scale,
+            )
+        lse_key = "logsumexp" if "logsumexp" in r else "log_sumexp"
+        lse = r[lse_key][..., :sq].float()  # memory-efficient pads rows to a multiple of 32
+        return _bhsd(r["output"]), lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert mask is None, "masked tiles go to the masked kernel"
+        self.ran[self.op] += 1
+        ops = torch.ops.aten
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        qh, kh, vh = _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq)
+        out = _stand_in_out(dout, delta)  # (B, Hq, sq, D)
+        lse_op = _finite_lse(lse, torch.float32)  # (B, Hq, sq)
+        no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: unused
+        if self.op == SDPA_FLASH:
+            r = _named(
+                ops._scaled_dot_product_flash_attention_backward.default,
+                _bhsd(dout),
+                qh,
+                kh,
+                vh,
+                out,
+                lse_op,
+                None,  # cum_seq_q: undefined for dense batches
+                None,
+                sq,
+                sk,
+                0.0,
+                causal,
+                no_rng,
+                no_rng,
+                scale=scale,
+            )
+            dq, dk, dv = r["grad_query"], r["grad_key"], r["grad_value"]
+        else:
+            rows = -(-sq // 32) * 32  # the op reads lse padded to a multiple of 32 rows
+            lse_pad = torch.zeros((b, hq, rows), dtype=torch.float32, device=q.device)
+            lse_pad[..., :sq] = lse_op
+            grads = ops._scaled_dot_product_efficient_attention_backward.default(
+                _bhsd(dout),
+                qh,
+                kh,
+                vh,
+                None,  # attn_bias
+                out,
+                lse_pad,
+                no_rng,
+                no_rng,
+                0.0,
+                [True, True, True, False],
+                causal,
+                scale=scale,
+            )
+            dq, dk, dv = grads[0], grads[1], grads[2]
+        return _bhsd(dq), _bhsd(_reduce_kv(dk, hkv)), _bhsd(_reduce_kv(dv, hkv))
+
+
+def _flex_attention() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
         return None
-    assert not causal, "a block gets either the causal flag or an explicit mask"
-    assert mask.dtype == torch.bool and tuple(mask.shape) == (q.shape[1], k.shape[1]), (
-        f"mask must be bool {(q.shape[1], k.shape[1])}; got {mask.dtype} {tuple(mask.shape)}"
-    )
-    return mask.to(q.device)
+    return flex_attention
+
+
+class _FlexOps(BlockKernel):
+    """Masked tiles through FlexAttention (compiled on CUDA): the mask is a ``mask_mod`` over
+    the tile's positions, so nothing of size (sq, sk) is kept beyond its block mask. The
+    backward recomputes the tile (Note [Backward through autograd]).
+
+    Note [Backward through autograd]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A kernel with only an autograd backward gives gradients of its own (out_b, lse_b), whose
+    P_b = exp(S - lse_b) differs from the global P = w * P_b, w = exp(lse_b - lse) per row.
+    Pulling the global gradient out of the local one: with upstream gradients
+    g_out = w * dout and g_lse = w * (rowsum(dout * out_b) - delta),
+    dS = P_b * (g_out . v - g_out . out_b) + P_b * g_lse = P * (dout . v - delta), which is
+    the global dS; dV = P_b^T g_out = P^T dout. One extra forward per tile.
+    """
+
+    name = "flex_op"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._flex = _flex_attention()
+        self._compiled: Any = None
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return self._flex is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def _call(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PositionMask, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        assert self._flex is not None
+        spec = mask.spec
+        q_pos, kv_pos = (x.to(q.device) for x in (mask.q_positions, mask.kv_positions))
+        bounds = torch.tensor((spec.cu_seqlens or (0,))[1:-1], dtype=torch.int64)
+        q_doc, kv_doc = (
+            torch.bucketize(x, bounds.to(q.device), right=True) for x in (q_pos, kv_pos)
+        )
+        left, right = spec.window
+
+        def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            # MaskSpec.visible, one pair at a time (FlexAttention evaluates it per element)
+            i, j = q_pos[q_idx], kv_pos[kv_idx]
+            ok = (i >= 0) & (j >= 0) & (q_doc[q_idx] == kv_doc[kv_idx])
+            if spec.causal:
+                ok = ok & (j <= i)
+            if left >= 0:
+                ok = ok & (j >= i - left)
+            if not spec.causal and right >= 0:
+                ok = ok & (j <= i + right)
+            return ok
+
+        block_mask = create_block_mask(
+            mask_mod, None, None, q.shape[1], k.shape[1], device=q.device
+        )
+        fn = self._flex
+        if q.device.type == "cuda":  # eager FlexAttention materialises the scores
+            if self._compiled is None:
+                self._compiled = torch.compile(self._flex, dynamic=True)
+            fn = self._compiled
+        out, lse = fn(
+            _bhsd(q),
+            _bhsd(k),
+            _bhsd(v),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+            return_lse=True,
+        )
+        return out, lse  # (B, Hq, sq, D), (B, Hq, sq) float32
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
+        self.ran[FLEX] += 1
+        out, lse = self._call(q, k, v, mask, scale)
+        return _bhsd(out), lse.float()
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
+        self.ran[FLEX] += 1
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        with torch.enable_grad():
+            out_b, lse_b = self._call(leaves[0], leaves[1], leaves[2], mask, scale)
+        grads = _global_grads(out_b, lse_b, dout, lse, delta, leaves)
+        return grads[0], grads[1], grads[2]
+
+
+def _global_grads(
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    leaves: list[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """Note [Backward through autograd]: the global gradients of a tile from the autograd
+    graph of its own ``out_b (B, Hq, sq, D)`` and ``lse_b (B, Hq, sq)``."""
+    acc = delta.dtype
+    seen = ~(torch.isneginf(lse_b) | torch.isneginf(lse))
+    w = torch.where(seen, torch.exp(lse_b.detach().to(acc) - lse.to(acc)), 0.0)  # (B, Hq, sq)
+    do = _bhsd(dout).to(acc)  # (B, Hq, sq, D)
+    local_delta = (do * out_b.detach().to(acc)).sum(-1)
+    g_out = (do * w.unsqueeze(-1)).to(out_b.dtype)
+    g_lse = (w * (local_delta - delta.to(acc))).to(lse_b.dtype)
+    return torch.autograd.grad((out_b, lse_b), leaves, (g_out, g_lse), allow_unused=True)
+
+
+def _flash_attn_ops() -> Any:
+    """The flash-attn 2 package's registered operators, imported on first use."""
+    try:
+        import flash_attn.flash_attn_interface  # noqa: F401 (registers torch.ops.flashattn)
+    except ImportError as exc:
+        raise ImportError(
+            "kernel 'flash_attn' needs the flash-attn package (pip install flash-attn "
+            "--no-build-isolation; CUDA only)"
+        ) from exc
+    return torch.ops.flashattn
+
+
+class _FlashAttnOps(BlockKernel):
+    """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native); the
+    backward gets the global lse and the stand-in out (Note [Backward from delta])."""
+
+    name = "flash_attn_op"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ops: Any = None
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+    def _load(self) -> Any:
+        if self._ops is None:
+            self._ops = _flash_attn_ops()
+        return self._ops
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert mask is None, "masked tiles go to the masked kernel"
+        self.ran[FLASH_ATTN] += 1
+        out, lse, _, _ = self._load()._flash_attn_forward(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+        )
+        return out, lse.float()  # (B, sq, Hq, D), (B, Hq, sq)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert mask is None, "masked tiles go to the masked kernel"
+        self.ran[FLASH_ATTN] += 1
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        self._load()._flash_attn_backward(
+            dout.contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            _bhsd(_stand_in_out(dout, delta)).contiguous(),
+            _finite_lse(lse, torch.float32),
+            dq,
+            dk,
+            dv,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+        )
+        return dq, dk, dv
+
+
+class _CudaDispatch(BlockKernel):
+    """Runs each tile with the operator :func:`plan_block` names for it."""
+
+    name = "cuda_dispatch"
+
+    def __init__(self, *, flash_attn: bool, flex: bool, capability: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.flash_attn, self.flex, self.capability = flash_attn, flex, capability
+        self._ops: dict[str, BlockKernel] = {}
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cuda" and dtype.is_floating_point
+
+    def plan(self, q: torch.Tensor, kind: str, mask: Mask | None) -> str:
+        """:func:`plan_block` for this tile (a dense mask cannot go to FlexAttention)."""
+        capability = self.capability or torch.cuda.get_device_capability(q.device)
+        name = plan_block(
+            device_type="cuda",  # this kernel's device (tests claim one for CPU tensors)
+            capability=capability,
+            dtype=q.dtype,
+            head_dim=q.shape[3],
+            tile_class=kind,
+            flash_attn=self.flash_attn,
+            flex=self.flex,
+        )
+        return TILED_REFERENCE if name == FLEX and not isinstance(mask, PositionMask) else name
+
+    def op(self, name: str) -> BlockKernel:
+        if name not in self._ops:
+            made: BlockKernel
+            if name in (SDPA_FLASH, SDPA_EFFICIENT):
+                made = _SdpaOps(name)
+            elif name == FLASH_ATTN:
+                made = _FlashAttnOps()
+            elif name == FLEX:
+                made = _FlexOps()
+            else:
+                assert name == TILED_REFERENCE, name
+                made = ReferenceKernel()  # on a tile (TiledKernel cut it)
+            made.ran = self.ran
+            self._ops[name] = made
+        return self._ops[name]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kind = "causal" if causal else ("full" if mask is None else "masked")
+        op = self.op(self.plan(q, kind, mask))
+        return op.forward(q, k, v, causal=causal, scale=scale, mask=mask)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kind = "causal" if causal else ("full" if mask is None else "masked")
+        op = self.op(self.plan(q, kind, mask))
+        return op.backward(dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask)
+
+
+class CudaFusedKernel(TiledKernel):
+    """Fused CUDA kernels per tile (Note [Kernel plan]): tiles of ``tile_rows`` (the fused
+    operators hold O(T) memory; tiling bounds their gradient outputs), masked tiles cut finer
+    (``masked_tile_rows``, the tiled reference's (T, T) scores) or through FlexAttention
+    (``flex=True``). ``capability`` overrides the device's (for tests without a GPU)."""
+
+    def __init__(
+        self,
+        *,
+        tile_rows: int = 8192,
+        masked_tile_rows: int = 1024,
+        flex: bool = False,
+        flash_attn: bool = False,
+        capability: tuple[int, int] | None = None,
+    ) -> None:
+        if flash_attn:
+            _flash_attn_ops()
+        name = "flash_attn" if flash_attn else "cuda_sdpa"
+        self.dispatch = _CudaDispatch(flash_attn=flash_attn, flex=flex, capability=capability)
+        masked = TiledKernel(self.dispatch, tile_rows=masked_tile_rows, name=f"{name}_masked")
+        super().__init__(
+            self.dispatch,
+            tile_rows=tile_rows,
+            masked_inner=masked,
+            tile_plain_forward=False,
+            name=name,
+        )
+
+    def _plain_forward_whole(self, q: torch.Tensor, causal: bool) -> bool:
+        # whole only through a fused operator: the reference must be cut into tiles
+        kind = "causal" if causal else "full"
+        return self.dispatch.plan(q, kind, None) != TILED_REFERENCE
+
+
+class FlashAttnKernel(CudaFusedKernel):
+    """:class:`CudaFusedKernel` with fp16/bf16 tiles through the flash-attn 2 package.
+
+    Raises:
+        ImportError: flash-attn is not installed (naming the package to install).
+    """
+
+    def __init__(self, *, tile_rows: int = 8192, masked_tile_rows: int = 1024) -> None:
+        super().__init__(tile_rows=tile_rows, masked_tile_rows=masked_tile_rows, flash_attn=True)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -398,12 +1189,19 @@ def _named(op: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return dict(zip(names, result, strict=True))
 
 
-_KERNELS: tuple[type[BlockKernel], ...] = (CpuFlashKernel, CudaSdpaKernel, ReferenceKernel)
+_KERNELS: dict[str, Callable[[], BlockKernel]] = {
+    "cpu_flash": CpuFlashKernel,
+    "cuda_sdpa": CudaFusedKernel,
+    "flash_attn": FlashAttnKernel,
+    "tiled": TiledKernel,
+    "reference": ReferenceKernel,
+}
+_AUTO_ORDER = ("cpu_flash", "cuda_sdpa", "tiled")
 
 
-def available_kernels() -> dict[str, type[BlockKernel]]:
-    """Kernel classes by name."""
-    return {cls.name: cls for cls in _KERNELS}
+def available_kernels() -> dict[str, Callable[[], BlockKernel]]:
+    """Kernel factories by name."""
+    return dict(_KERNELS)
 
 
 def select_kernel(
@@ -413,25 +1211,26 @@ def select_kernel(
 
     Args:
         kernel: ``None`` picks the first that supports the inputs, in the order cpu_flash,
-            cuda_sdpa, reference (so float64 on CUDA runs the reference kernel); a name or an
-            instance forces that kernel.
+            cuda_sdpa (which runs float64 tiles through the tiled reference), tiled; a name
+            or an instance forces that kernel. ``"reference"`` materialises each piece's
+            scores (tests and tiny blocks only).
 
     Raises:
         ValueError: unknown kernel name, or a forced kernel that cannot run these inputs.
+        ImportError: ``"flash_attn"`` without the flash-attn package.
     """
     if isinstance(kernel, BlockKernel):
         chosen = kernel
     elif kernel is None:
-        for cls in _KERNELS:
-            candidate = cls()
+        for name in _AUTO_ORDER:
+            candidate = _KERNELS[name]()
             if candidate.supports(device, dtype):
                 return candidate
         raise ValueError(f"no block kernel supports device {device} with dtype {dtype}")
     else:
-        classes = available_kernels()
-        if kernel not in classes:
-            raise ValueError(f"kernel must be one of {sorted(classes)}; got {kernel!r}")
-        chosen = classes[kernel]()
+        if kernel not in _KERNELS:
+            raise ValueError(f"kernel must be one of {sorted(_KERNELS)}; got {kernel!r}")
+        chosen = _KERNELS[kernel]()
     if not chosen.supports(device, dtype):
         raise ValueError(
             f"kernel {chosen.name!r} does not support device {device} with dtype {dtype}"
