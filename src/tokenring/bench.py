@@ -202,6 +202,7 @@ class RankRow:
     exposed_bytes: dict[int, int]  # per destination peer
     max_error: float
     events: list[Event] = field(default_factory=list)
+    kernel: str = ""  # the block kernel and the operators its tiles ran, e.g. cuda_sdpa[sdpa_flash]
 
 
 # -- the rank side -----------------------------------------------------------------------------
@@ -611,6 +612,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
         "rows": rows,
         "backend": backend,
         "device": str(device),
+        "comm_path": comm.path(device),  # nccl, gloo, or gloo-staged (CUDA through the host)
     }
 
 
@@ -775,6 +777,7 @@ def _measure_row(
         ),
         key=lambda c: c[0] + c[1],
     )
+    ran = f"{kernel.name}[{','.join(sorted(kernel.ran))}]"  # the call's pieces, replayed
     exposed = _exposed_bytes(scheds[1] if backward else scheds[0], dims, comm.rank)
     num_steps = scheds[0].num_steps
     return RankRow(
@@ -797,6 +800,7 @@ def _measure_row(
         exposed_bytes=exposed,
         max_error=max_error,
         events=list(timeline.events) if config.timeline_rows else [],
+        kernel=ran,
     )
 
 
@@ -863,6 +867,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "max_error": error,
                 "tolerance": tol,
                 "verified": error <= tol,
+                "kernel": ",".join(sorted({r.kernel for r in rows})),
             }
         )
     return results
@@ -1201,8 +1206,10 @@ def _parse_rate(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokenring.bench_inference import add_arguments as add_inference_arguments
+    from tokenring.bench_memory import add_arguments as add_memory_arguments
 
     add_inference_arguments(parser)  # --mode decode|prefill-cached and their options
+    add_memory_arguments(parser)  # --mode memory
     parser.add_argument(
         "--world-size",
         type=int_at_least(1),
@@ -1519,6 +1526,10 @@ def collect_per_rank(
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "mode", "attention") == "memory":
+        from tokenring.bench_memory import run as run_memory
+
+        return run_memory(args)
     if getattr(args, "mode", "attention") != "attention":
         from tokenring.bench_inference import run as run_inference
 
@@ -1550,6 +1561,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": config.dtype,
         "backend": per_rank[0]["backend"],
         "device": per_rank[0]["device"],
+        "comm_path": per_rank[0]["comm_path"],
         "torch": torch.__version__,
         "git_sha": _git_sha(),
         "lab": args._lab,

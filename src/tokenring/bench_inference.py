@@ -345,9 +345,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         default="attention",
-        choices=["attention", *MODES],
+        choices=["attention", *MODES, "memory"],
         help="attention: the training strategies (default); decode / prefill-cached: "
-        "attention of new tokens against a sharded KV cache",
+        "attention of new tokens against a sharded KV cache; memory: peak memory per rank "
+        "beside inputs + outputs + gradients",
     )
     parser.add_argument(
         "--cached", default="4096", help="[decode|prefill-cached] cached tokens per sequence"

@@ -169,7 +169,7 @@ import torch
 
 from tokenring.comm import Communicator, Event
 from tokenring.costmodel import CollectiveRouting
-from tokenring.kernels import BlockKernel, accumulation_dtype
+from tokenring.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.layout import Layout, Sharding, global_positions, validate_seq_local
 from tokenring.masks import MaskSpec
 from tokenring.merge import merge_into
@@ -496,9 +496,11 @@ class _AllToAll:
         recv_sizes = [_num_bytes(recv_fields[j]) if j != rank else 0 for j in range(p)]
         self._recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         self._recv_sizes = recv_sizes
+        staged = comm.path(device).endswith("staged")  # Note [Staged path] in tokenring.comm
+        self._wire = comm.wire_buffer(self._recv.numel(), device) if staged else self._recv
         self._pending = comm.all_to_all_single(
-            self._recv,
-            send,
+            self._wire,
+            comm.to_wire(send),
             output_split_sizes=recv_sizes,
             input_split_sizes=send_sizes,
             flow=flow,
@@ -508,6 +510,8 @@ class _AllToAll:
     def wait(self) -> list[list[torch.Tensor]]:
         """The tensors from every source rank, in rank order (this rank's: its own sends)."""
         self._pending.wait()
+        if self._wire is not self._recv:
+            self._recv.copy_(self._wire, non_blocking=True)
         parts: list[list[torch.Tensor]] = []
         offset = 0
         for j, size in enumerate(self._recv_sizes):
@@ -540,7 +544,7 @@ class _UlyssesPlan:
     to_global: torch.Tensor | None  # gathered row index of each global position; None: as is
     to_layout: torch.Tensor | None  # global position of each gathered row
     kv_map: torch.Tensor | None  # local kv head of each local q head; None: kernel's own GQA
-    visible: torch.Tensor | None = None  # (S, S) explicit mask over the gathered rows
+    visible: PositionMask | None = None  # (S, S) mask over the gathered rows, as positions
 
     @staticmethod
     def make(
@@ -677,6 +681,7 @@ def _ulysses_backward(
     fields: list[list[FieldSpec]] = [[((b, s, nq, d), dout.dtype)]] * p
     parts = _AllToAll(comm, sends, fields, flow=Flow.TRAVEL, label="dout", device=dout.device)
     dout_g = plan.global_order(torch.cat([part[0] for part in parts.wait()], dim=1))
+    del parts  # the received buffer: dout_g is a copy
     done = _timed(comm, "attn_bwd")
     if nq > 0:
         delta = (dout_g.to(acc) * out_g.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B,nq,S)
@@ -691,14 +696,18 @@ def _ulysses_backward(
             scale=scale,
             mask=plan.visible,
         )
+        del delta
         dk_g = plan.reduce_kv(dk_x, nkv, acc)  # (B, S, nkv, D)
         dv_g = plan.reduce_kv(dv_x, nkv, acc)
+        del dk_x, dv_x
     else:
         dq_g = qg.new_zeros(qg.shape)
         dk_g = torch.zeros(kg.shape, dtype=acc, device=kg.device)
         dv_g = torch.zeros(vg.shape, dtype=acc, device=vg.device)
     done()
+    del qg, kg, vg, out_g, lse_g, dout_g
     dq_l, dk_l, dv_l = (plan.layout_order(x) for x in (dq_g, dk_g, dv_g))
+    del dq_g, dk_g, dv_g
     sends = [[x[:, i * s : (i + 1) * s] for x in (dq_l, dk_l, dv_l)] for i in range(p)]
     fields = [
         [
@@ -709,6 +718,7 @@ def _ulysses_backward(
         for sh in plan.shares
     ]
     back = _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="dqkv", device=dout.device)
+    del sends, dq_l, dk_l, dv_l  # packed (this rank's own share stays with the all-to-all)
     dk = torch.zeros((b, s, heads_kv, d), dtype=acc, device=dout.device)
     dv = torch.zeros_like(dk)
     dq_parts = []
@@ -745,7 +755,7 @@ def _allgather_forward(
     p, rank = comm.world_size, comm.rank
     acc = accumulation_dtype(q.dtype)
     kv = torch.stack([k, v])  # (2, B, s, Hkv, D)
-    gathered = kv
+    gathered = wire = kv
     if p > 1:
         gathered = torch.empty((p * 2, b, s, hkv, d), dtype=k.dtype, device=k.device)
         num_bytes = kv.numel() * kv.element_size()
@@ -759,7 +769,12 @@ def _allgather_forward(
             comm.count(
                 flow=Flow.TRAVEL, label="kv", peer=peer, sent_bytes=sent, recv_bytes=received
             )
-    pending = comm.all_gather_into_tensor(gathered, kv, label="kv")
+        wire = gathered
+        if comm.path(k.device).endswith("staged"):  # Note [Staged path] in tokenring.comm
+            wire = comm.wire_buffer(gathered.numel() * gathered.element_size(), k.device)
+            wire = wire.view(gathered.dtype).view(gathered.shape)
+    kv_wire = comm.to_wire(kv.reshape(-1).view(torch.uint8)).view(kv.dtype).view(kv.shape)
+    pending = comm.all_gather_into_tensor(wire, kv_wire, label="kv")
     plan = sched.steps[rank][0]
     local, *remote = plan.segments
     out_acc = torch.zeros((b, s, hq, d), dtype=acc, device=q.device)
@@ -779,6 +794,8 @@ def _allgather_forward(
     merge_into(out_acc, lse_acc, piece.q_rows, *part)
     done()
     pending.wait()
+    if wire is not gathered:
+        gathered.copy_(wire, non_blocking=True)
     kv_all = gathered.view(p, 2, b, s, hkv, d).permute(1, 2, 0, 3, 4, 5)
     kv_all = kv_all.reshape(2, b, p * s, hkv, d)  # rows in rank order: owner j at j*s
     for segment in remote:
@@ -1035,10 +1052,11 @@ class _Masking:
     With padding, documents or a window the collectives keep their plain schedules, built for
     the padded ``seq_local``: their blocks stay supersets of what is visible, because padding
     and documents keep the order of the layout's chunks and windows and documents only remove
-    pairs. Each kernel call gets the explicit mask of its rows' global positions (padding
-    rows see nothing and are seen by nothing). They move the same bytes as without a mask
-    and skip no block; Ulysses materialises one (S, S) mask per call. The ring strategies
-    skip what nobody sees (Note [Mask classes] in tokenring.masks).
+    pairs. Each kernel call gets the mask of its rows' global positions as positions
+    (``tokenring.kernels.PositionMask``; padding rows see nothing and are seen by nothing),
+    which the kernel cuts into tiles, skipping the tiles nobody sees. They move the same
+    bytes as without a mask. The ring strategies skip whole blocks nobody sees (Note [Mask
+    classes] in tokenring.masks).
     """
 
     def __init__(
@@ -1049,15 +1067,15 @@ class _Masking:
         self.positions = [sharding.padded_positions(r).to(device) for r in range(world_size)]
         self.all_positions = torch.cat(self.positions)  # (P*s,) rows in rank order
 
-    def block(self, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
-        return self.spec.visible(q_positions, kv_positions)  # (sq, sk)
+    def block(self, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> PositionMask:
+        return PositionMask(self.spec, q_positions.cpu(), kv_positions.cpu())  # (sq, sk)
 
-    def rows(self, rank: int, q_rows: Rows, kv_rows: Rows) -> torch.Tensor:
+    def rows(self, rank: int, q_rows: Rows, kv_rows: Rows) -> PositionMask:
         """Mask of ``rank``'s q rows against rows ``kv_rows`` of the gathered sequence."""
         q_pos = self.positions[rank][q_rows[0] : q_rows[1]]
         return self.block(q_pos, self.all_positions[kv_rows[0] : kv_rows[1]])
 
-    def gathered(self, rank: int, q_rows: Rows, index: torch.Tensor) -> torch.Tensor:
+    def gathered(self, rank: int, q_rows: Rows, index: torch.Tensor) -> PositionMask:
         """Mask of ``rank``'s q rows against the gathered rows ``index``."""
         q_pos = self.positions[rank][q_rows[0] : q_rows[1]]
         return self.block(q_pos, self.all_positions.index_select(0, index))

@@ -8,6 +8,15 @@ streams). It
 packs each :class:`~tokenring.schedule.Transfer` into one message, posts batched P2P with the
 receives first, counts messages and bytes per flow and peer, and optionally records a timeline.
 
+Note [Staged path]
+~~~~~~~~~~~~~~~~~~
+NCCL refuses two ranks on one device, and some machines have no NCCL peer access. There,
+CUDA tensors travel over gloo through host buffers (``path == "gloo-staged"``): a message is
+packed on the device, copied to a pinned host buffer on a side stream (the host waits for
+that copy: gloo reads host memory), sent; a receive lands in a host buffer and is copied to
+the device on the current stream when waited for. It is for checking correctness of P ranks
+on one GPU, not for speed. :func:`comm_path` says which path a device takes.
+
 Note [Slots]
 ~~~~~~~~~~~~
 P2P is posted in *slots* ``(step, after_segments)``: a rank posts, in one batch per flow, the
@@ -36,6 +45,7 @@ from tokenring.schedule import Flow, Transfer
 __all__ = [
     "HEADER_NUM_BYTES",
     "Communicator",
+    "Message",
     "Event",
     "PendingCollective",
     "PendingRecv",
@@ -138,8 +148,26 @@ def _header(tr: Transfer, num_bytes: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(fields, dtype=torch.int64, device=device).view(torch.uint8)
 
 
-def _pack(tr: Transfer, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+class Message:
+    """A message already laid out for the wire: ``buffer`` is HEADER_NUM_BYTES of room, then
+    the payload. Sent as it is, with its header written in place: no copy. A received block
+    passed on as it came (``PendingRecv.message``) and accumulators allocated as messages
+    (``Communicator.message``) travel so (Note [Buffers in flight] in tokenring.runtime)."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+        self.buffer = buffer
+
+
+def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> torch.Tensor:
     """One uint8 message: the header, then the tensors (any dtypes) back to back."""
+    if isinstance(tensors, Message):
+        buffer = tensors.buffer
+        num_bytes = buffer.numel() - HEADER_NUM_BYTES
+        buffer[:HEADER_NUM_BYTES].copy_(_header(tr, num_bytes, buffer.device))
+        return buffer
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     num_bytes = sum(f.numel() for f in flat)
     return torch.cat([_header(tr, num_bytes, flat[0].device), *flat])
@@ -194,6 +222,14 @@ def _check_header(rank: int, tr: Transfer, header: list[int], expected_bytes: in
         )
 
 
+def comm_path(backend: str, device: torch.device) -> str:
+    """How messages of tensors on ``device`` travel: ``"nccl"``, ``"gloo"`` (CPU tensors) or
+    ``"gloo-staged"`` (CUDA tensors over gloo through host buffers; Note [Staged path])."""
+    if backend == "gloo" and device.type == "cuda":
+        return "gloo-staged"
+    return backend
+
+
 class PendingRecv:
     """A posted receive; ``wait()`` returns the unpacked tensors."""
 
@@ -207,11 +243,24 @@ class PendingRecv:
         self._work: Any = None
         self._posted_s = time.perf_counter()
         self._result: list[torch.Tensor] | None = None
+        self._wire: torch.Tensor = buffer  # what the backend fills (a host buffer if staged)
+
+    def message(self) -> Message:
+        """The received message, to pass on as it came (after :meth:`wait`): no copy."""
+        assert self._result is not None, "wait() first"
+        return Message(self._buffer)
+
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return at once (never blocks; no host sync on CUDA)."""
+        return self._result is not None or self._work is None or self._work.is_completed()
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
             self._comm._wait(self._work, self.transfer, "receive")
-            header = self._buffer[:HEADER_NUM_BYTES].view(torch.int64)
+            if self._wire is not self._buffer:  # staged: host -> device, on the current stream
+                self._buffer.copy_(self._wire, non_blocking=True)
+            # a copy: the buffer's header slot may carry this block on (Message)
+            header = self._buffer[:HEADER_NUM_BYTES].view(torch.int64).clone()
             expected = self._buffer.numel() - HEADER_NUM_BYTES
             if self._buffer.device.type == "cpu":
                 _check_header(self._comm.rank, self.transfer, header.tolist(), expected)
@@ -245,6 +294,9 @@ class Communicator:
         separate_groups: give each channel (flow x lane) its own process group (default).
             With False everything shares ``group`` (for experiments on the gloo ordering
             effect: both directions of a pair then share one socket).
+        stage_through_host: move messages through host buffers (Note [Staged path]).
+            None: exactly when the tensors are on CUDA and the backend is gloo. True on the
+            CPU runs the staging logic with plain host copies (tests).
 
     Group ranks are used everywhere (``Transfer.src``/``dst``), never global ranks.
     """
@@ -255,6 +307,7 @@ class Communicator:
         *,
         timeout_s: float = 300.0,
         separate_groups: bool = True,
+        stage_through_host: bool | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -292,6 +345,8 @@ class Communicator:
         self._pending_sends: list[tuple[Any, Transfer]] = []
         self._unchecked: list[tuple[Transfer, torch.Tensor, int]] = []
         self._broken: str | None = None
+        self.stage_through_host = stage_through_host
+        self._copy_stream: Any = None
 
     def _make_groups(self, ranks: list[int], separate_groups: bool) -> _OwnGroups:
         channels: dict[tuple[Flow, int], dist.ProcessGroup] = {}
@@ -455,10 +510,51 @@ class Communicator:
                 ]
                 raise ValueError(f"ranks disagree on this {what}: " + "; ".join(diffs))
 
+    @staticmethod
+    def message(
+        fields: Sequence[FieldSpec], device: torch.device
+    ) -> tuple[Message, list[torch.Tensor]]:
+        """A zeroed message of ``fields`` and views of its tensors: fill them, then send the
+        message itself (no copy when it leaves)."""
+        buffer = torch.zeros(HEADER_NUM_BYTES + _num_bytes(fields), dtype=torch.uint8, device=device)
+        return Message(buffer), _unpack(buffer, fields)
+
+    # -- the staged path (Note [Staged path]) ---------------------------------------------------
+    def path(self, device: torch.device) -> str:
+        """How this communicator's messages of tensors on ``device`` travel."""
+        if self.stage_through_host:
+            return "gloo-staged" if self.backend == "gloo" else f"{self.backend}-staged"
+        if self.stage_through_host is False:
+            return self.backend
+        return comm_path(self.backend, device)
+
+    def wire_buffer(self, num_bytes: int, device: torch.device) -> torch.Tensor:
+        """A receive buffer the backend can fill: on ``device``, or on the host if staged."""
+        if not self.path(device).endswith("staged"):
+            return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def to_wire(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer`` as the backend can send it: itself, or a host copy if staged (the host
+        waits for the copy, made on a side stream after the work queued so far)."""
+        if not self.path(buffer.device).endswith("staged"):
+            return buffer
+        host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=buffer.is_cuda)
+        if not buffer.is_cuda:
+            return host.copy_(buffer)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(buffer.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(buffer, non_blocking=True)
+            buffer.record_stream(self._copy_stream)
+        self._copy_stream.synchronize()
+        return host
+
     # -- posting -----------------------------------------------------------------------------
     def exchange(
         self,
-        sends: Sequence[tuple[Transfer, Sequence[torch.Tensor]]],
+        sends: Sequence[tuple[Transfer, Sequence[torch.Tensor] | Message]],
         recvs: Sequence[tuple[Transfer, list[FieldSpec]]],
         *,
         device: torch.device,
@@ -466,7 +562,8 @@ class Communicator:
         """Post one slot's receives and sends (receives first), one batch per flow.
 
         Args:
-            sends: each transfer with the tensors that make up its message.
+            sends: each transfer with the tensors that make up its message, or the message
+                itself (:class:`Message`: sent without a copy).
             recvs: each transfer with ``(shape, dtype)`` of the tensors to receive.
             device: where receive buffers live (the tensors' device).
 
@@ -486,8 +583,10 @@ class Communicator:
                 buffer = torch.empty(HEADER_NUM_BYTES + num_bytes, dtype=torch.uint8, device=device)
                 buffer[:HEADER_NUM_BYTES].zero_()  # a message that never arrives has no magic
                 rec = PendingRecv(self, tr, buffer, fields)
+                if self.path(device).endswith("staged"):
+                    rec._wire = self.wire_buffer(buffer.numel(), device)
                 pending[tr] = rec
-                ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=tr.src))
+                ops.append(dist.P2POp(dist.irecv, rec._wire, group=group, group_peer=tr.src))
                 self.counter.add(sent=False, flow=flow, peer=tr.src, num_bytes=num_bytes)
             send_transfers: list[Transfer] = []
             for tr, tensors in sends:
@@ -495,7 +594,9 @@ class Communicator:
                     continue
                 buffer = _pack(tr, tensors)
                 num_bytes = buffer.numel() - HEADER_NUM_BYTES
-                ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=tr.dst))
+                ops.append(
+                    dist.P2POp(dist.isend, self.to_wire(buffer), group=group, group_peer=tr.dst)
+                )
                 send_transfers.append(tr)
                 self.counter.add(sent=True, flow=flow, peer=tr.dst, num_bytes=num_bytes)
                 if self.timeline is not None:
@@ -539,6 +640,28 @@ class Communicator:
             self._unchecked.clear()
             for (tr, expected), header in zip(checks, headers, strict=True):
                 _check_header(self.rank, tr, header, expected)
+
+    def release_sends(self) -> None:
+        """Forget the sends that have completed (their buffers may be freed); never blocks."""
+        later = []
+        for work, tr in self._pending_sends:
+            if work is None or work.is_completed():
+                self._wait(work, tr, "send")  # completed: raises if it failed
+            else:
+                later.append((work, tr))
+        self._pending_sends = later
+
+    def wait_sends_through(self, step: int, flow: Flow | None = None) -> None:
+        """Wait for the sends of steps ``<= step`` (of ``flow``, or every flow) only, so the
+        runtime frees their packed buffers inside the step loop. On CUDA the wait orders the
+        current stream after the send: no host synchronisation."""
+        later = []
+        for work, tr in self._pending_sends:
+            if tr.step <= step and (flow is None or tr.payload.flow is flow):
+                self._wait(work, tr, "send")
+            else:
+                later.append((work, tr))
+        self._pending_sends = later
 
     def _wait(self, work: Any, tr: Transfer, what: str) -> None:
         if work is None:

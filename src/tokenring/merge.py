@@ -45,5 +45,5 @@ def merge_into(
     w_old = torch.where(unreached, 0.0, torch.exp(lse - new_lse))  # (B, H, n)
     w_new = torch.where(unreached, 0.0, torch.exp(part_lse - new_lse))
     out.mul_(w_old.transpose(1, 2).unsqueeze(-1))
-    out.add_(out_part.to(out_acc.dtype) * w_new.transpose(1, 2).unsqueeze(-1))
+    out.addcmul_(out_part.to(out_acc.dtype), w_new.transpose(1, 2).unsqueeze(-1))  # in place
     lse.copy_(new_lse)

@@ -8,6 +8,26 @@ some kv rows.
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size, n rows
 of a transfer.
+
+Note [Buffers in flight]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Peak memory is the inputs, outputs and gradients plus what is in flight; each buffer goes
+as soon as its last use passes (README "Memory" has the measured table):
+
+- a block sent on step t is waited for at the end of step t (its peer's copy has arrived by
+  then: ours has), so at most the held block and the incoming one exist; a received block is
+  passed on as it came (no copy: ``tokenring.comm._pack``);
+- partials and dQ / dK+dV returns sent on step t-1, and those received, are settled after the
+  first tile of step t (a tile's time to arrive; gloo's works report completion only when
+  waited for; on CUDA only what has completed is released, without waiting);
+- gradients of a piece are added tile by tile into the accumulators
+  (``BlockKernel.backward_into``), so kernel outputs are tile-sized;
+- no variable keeps a view of a block past its piece (``del`` at the end of each piece).
+
+Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
+stream and a wait makes the current (compute) stream wait on it; compute bars of the
+timeline are CUDA events, resolved after the pass; every step is a ``record_function``
+range (``tokenring.<strategy>.<pass>.step<t>``) in the user's ``torch.profiler`` traces.
 """
 
 from __future__ import annotations
@@ -15,11 +35,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from tokenring.comm import Communicator, Event, FieldSpec, PendingRecv
-from tokenring.kernels import BlockKernel
+from tokenring.kernels import BlockKernel, PositionMask
 from tokenring.merge import merge_into
 from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Strategy, Transfer
 
@@ -118,6 +140,15 @@ class _SlotPoster:
             if tr.payload.flow is Flow.TRAVEL
         }
 
+    def take_ready(self, payload: Payload, before_step: int) -> list[PendingRecv]:
+        """The receives of ``payload`` posted before ``before_step`` that have arrived."""
+        keys = [
+            tr
+            for tr, rec in self.pending.items()
+            if tr.payload is payload and tr.step < before_step and rec.ready()
+        ]
+        return [self.pending.pop(tr) for tr in keys]
+
     def take(
         self,
         payload: Payload,
@@ -137,14 +168,56 @@ class _SlotPoster:
         return [self.pending.pop(tr) for tr in keys]
 
 
-def _timed(comm: Communicator, step: int, label: str) -> Callable[[], None]:
-    start = time.perf_counter()
+class _ComputeTimer:
+    """Compute bars of the timeline (when one is recorded). On CUDA the bars are GPU time from
+    CUDA events, resolved after the pass (the step loop never waits for the device); their
+    clock is aligned with the host's by one synchronisation before the loop."""
 
-    def done() -> None:
-        if comm.timeline is not None:
-            comm.timeline.events.append(Event("compute", label, step, start, time.perf_counter()))
+    def __init__(self, comm: Communicator, device: torch.device) -> None:
+        self.comm = comm
+        self.cuda = comm.timeline is not None and device.type == "cuda"
+        self.spans: list[tuple[str, int, Any, Any]] = []
+        if self.cuda:
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+            self.ref.synchronize()
+            self.ref_s = time.perf_counter()
 
-    return done
+    def span(self, step: int, label: str) -> Callable[[], None]:
+        timeline = self.comm.timeline
+        if timeline is None:
+            return _nothing
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+
+            def done_cuda() -> None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.spans.append((label, step, start, end))
+
+            return done_cuda
+        start_s = time.perf_counter()
+
+        def done() -> None:
+            timeline.events.append(Event("compute", label, step, start_s, time.perf_counter()))
+
+        return done
+
+    def flush(self) -> None:
+        """Turn the recorded CUDA events into timeline bars (one synchronisation)."""
+        if not self.spans or self.comm.timeline is None:
+            return
+        self.spans[-1][3].synchronize()
+        for label, step, start, end in self.spans:
+            start_s = self.ref_s + self.ref.elapsed_time(start) / 1e3
+            end_s = self.ref_s + self.ref.elapsed_time(end) / 1e3
+            self.comm.timeline.events.append(Event("compute", label, step, start_s, end_s))
+        self.spans.clear()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _merge_parts(
@@ -166,22 +239,73 @@ def _merge_parts(
 
 
 class _Masks:
-    """Explicit masks of a schedule's masked pieces, from the owners' padded positions."""
+    """The masks of a schedule's masked pieces, as positions (``tokenring.kernels``
+    cuts them into tiles; nothing of size (sq, sk) is built here)."""
 
-    def __init__(self, sched: Schedule, device: torch.device) -> None:
-        self.sched, self.device = sched, device
+    def __init__(self, sched: Schedule) -> None:
+        self.sched = sched
         self.positions: dict[int, torch.Tensor] = {}
 
-    def __call__(self, piece: Piece, q_owner: int, kv_owner: int) -> torch.Tensor | None:
+    def __call__(self, piece: Piece, q_owner: int, kv_owner: int) -> PositionMask | None:
         if not piece.masked:
             return None
         assert self.sched.sharding is not None and self.sched.mask is not None
         for owner in (q_owner, kv_owner):
-            if owner not in self.positions:
-                self.positions[owner] = self.sched.sharding.padded_positions(owner).to(self.device)
+            if owner not in self.positions:  # on the CPU: tiles are classified there
+                self.positions[owner] = self.sched.sharding.padded_positions(owner).cpu()
         q_pos = self.positions[q_owner][piece.q_rows[0] : piece.q_rows[1]]
         kv_pos = self.positions[kv_owner][piece.kv_rows[0] : piece.kv_rows[1]]
-        return self.sched.mask.visible(q_pos, kv_pos)  # (sq, sk)
+        return PositionMask(self.sched.mask, q_pos, kv_pos)
+
+
+class _InFlight:
+    """One backward step's returns in flight (Note [Buffers in flight]): dQ partials and dK/dV
+    accumulators that arrived, added as soon as they may be, and sends released."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        poster: _SlotPoster,
+        step: int,
+        dq_acc: torch.Tensor,
+        new_lane_grads: Callable[[int], list[torch.Tensor]],
+        *,
+        blocking: bool,
+    ) -> None:
+        self.comm, self.poster, self.step, self.dq_acc = comm, poster, step, dq_acc
+        self.new_lane_grads = new_lane_grads
+        self.blocking = blocking  # gloo: works report completion only when waited for
+        self.settled = False
+        self.lane_grads: dict[int, list[torch.Tensor]] = {}
+        self.dkv_in: dict[int, list[PendingRecv]] = {}
+
+    def add_arrived(self, *, block: bool) -> None:
+        """Add the dK/dV accumulators that followed this step's blocks (all if ``block``)."""
+        for lane, recs in self.dkv_in.items():
+            if lane not in self.lane_grads and not block:
+                continue
+            for rec in [r for r in recs if block or r.ready()]:
+                if lane not in self.lane_grads:
+                    self.lane_grads[lane] = self.new_lane_grads(lane)
+                for grad, arrived in zip(self.lane_grads[lane], rec.wait(), strict=True):
+                    grad += arrived
+                recs.remove(rec)
+
+    def poll(self) -> None:
+        """Called between tiles: after the first tile of a step, what was sent and received
+        one step ago has had a tile's time to arrive; settle it (on CUDA: only what has
+        completed, never waiting)."""
+        block = self.blocking and not self.settled
+        self.settled = True
+        if block:
+            self.comm.wait_sends_through(self.step - 1)
+        else:
+            self.comm.release_sends()
+        self.add_arrived(block=block)
+        done = self.poster.take(Payload.DQ, self.step - 1) if block else []
+        for rec in done + self.poster.take_ready(Payload.DQ, self.step):
+            (dq_part,) = rec.wait()
+            self.dq_acc[:, rec.transfer.rows[0] : rec.transfer.rows[1]] += dq_part
 
 
 def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
@@ -246,7 +370,8 @@ def run_forward(
     pass_q = sched.strategy is Strategy.TOKEN_RING
     held = {0: _Held(rank, (0, s), [q])} if pass_q else _lane_blocks(sched, rank, [k, v])
     partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
-    masks = _Masks(sched, q.device)
+    masks = _Masks(sched)
+    timer = _ComputeTimer(comm, q.device)
 
     def provide(tr: Transfer) -> Sequence[torch.Tensor]:
         if tr.payload is Payload.OUT:
@@ -254,46 +379,61 @@ def run_forward(
         assert tr.owner == held[tr.lane].owner
         return held[tr.lane].slice(tr.rows)
 
+    def merge_returned(step: int | None) -> None:
+        for rec in poster.take(Payload.OUT, step):
+            part_out, part_lse = rec.wait()
+            done = timer.span(rec.transfer.step, "merge")
+            merge_into(out_acc, lse_acc, rec.transfer.rows, part_out, part_lse)
+            done()
+
     for step in range(sched.num_steps):
         plan = sched.steps[rank][step]
-        poster.post(step, 0, provide)
-        for index, segment in enumerate(plan.segments):
-            done = _timed(comm, step, "attn")
-            parts = []
-            for piece in segment.pieces:
-                (a, b), (c, d) = piece.q_rows, piece.kv_rows
-                qh = _q_heads(piece, groups)
-                if pass_q:
-                    q_p, k_p, v_p = held[0].rows_of(0, piece.q_rows), k[:, c:d], v[:, c:d]
-                    kv_owner = rank
-                elif step == 0:  # the local block, every head
-                    q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
-                    kv_owner = rank
-                else:
-                    block = held[piece.lane]
-                    q_p = q[:, a:b, qh]
-                    k_p, v_p = block.rows_of(0, piece.kv_rows), block.rows_of(1, piece.kv_rows)
-                    kv_owner = block.owner
-                mask = masks(piece, plan.q_owner, kv_owner)
-                part = kernel.forward(q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask)
-                if plan.q_owner == rank:  # merge straight into this rank's accumulators
-                    merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
-                else:
-                    parts.append((piece.q_rows, part))
-            if parts:
-                partials[_return_of(sched, rank, step, index)] = _merge_parts(parts, segment.q_rows)
-            done()
-            poster.post(step, index + 1, provide)
-        poster.post_rest(step, len(plan.segments), provide)
-        for lane, incoming in poster.travel_in(step).items():
-            tr = incoming.transfer
-            held[lane] = _Held(tr.owner, tr.rows, incoming.wait())
-    for rec in poster.take(Payload.OUT):
-        part_out, part_lse = rec.wait()
-        done = _timed(comm, rec.transfer.step, "merge")
-        merge_into(out_acc, lse_acc, rec.transfer.rows, part_out, part_lse)
-        done()
+        with record_function(f"tokenring.{sched.strategy.value}.forward.step{step}"):
+            poster.post(step, 0, provide)
+            for index, segment in enumerate(plan.segments):
+                done = timer.span(step, "attn")
+                parts = []
+                for piece in segment.pieces:
+                    (a, b), (c, d) = piece.q_rows, piece.kv_rows
+                    qh = _q_heads(piece, groups)
+                    if pass_q:
+                        q_p, k_p, v_p = held[0].rows_of(0, piece.q_rows), k[:, c:d], v[:, c:d]
+                        kv_owner = rank
+                    elif step == 0:  # the local block, every head
+                        q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
+                        kv_owner = rank
+                    else:
+                        block = held[piece.lane]
+                        q_p = q[:, a:b, qh]
+                        k_p, v_p = block.rows_of(0, piece.kv_rows), block.rows_of(1, piece.kv_rows)
+                        kv_owner = block.owner
+                    mask = masks(piece, plan.q_owner, kv_owner)
+                    part = kernel.forward(
+                        q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask
+                    )
+                    if plan.q_owner == rank:  # merge straight into this rank's accumulators
+                        merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
+                    else:
+                        parts.append((piece.q_rows, part))
+                    del part, q_p, k_p, v_p, mask  # views of blocks that may leave next
+                if parts:
+                    partial = _merge_parts(parts, segment.q_rows)
+                    partials[_return_of(sched, rank, step, index)] = partial
+                    del parts, partial
+                done()
+                poster.post(step, index + 1, provide)
+            poster.post_rest(step, len(plan.segments), provide)
+            for lane, incoming in poster.travel_in(step).items():
+                tr = incoming.transfer
+                held[lane] = _Held(tr.owner, tr.rows, incoming.wait())
+            # Note [Buffers in flight]: the blocks sent on this step (their peers' blocks have
+            # just arrived here), and the partials sent one step ago.
+            comm.wait_sends_through(step, Flow.TRAVEL)
+            comm.wait_sends_through(step - 1)
+            merge_returned(step - 1)
+    merge_returned(None)
     comm.wait_sends()
+    timer.flush()
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -333,7 +473,8 @@ def run_backward(
     else:
         held = _lane_blocks(sched, rank, [k, v])
     returns: dict[Transfer, list[torch.Tensor]] = {}
-    masks = _Masks(sched, q.device)
+    masks = _Masks(sched)
+    timer = _ComputeTimer(comm, q.device)
 
     def provide(tr: Transfer) -> Sequence[torch.Tensor]:
         if tr.payload in (Payload.DQ, Payload.DKV):
@@ -341,88 +482,125 @@ def run_backward(
         assert tr.owner == held[tr.lane].owner
         return held[tr.lane].slice(tr.rows)
 
+    def new_lane_grads(lane: int) -> list[torch.Tensor]:
+        """A lane's dK/dV accumulator: back to back, so it leaves as one message, no copy."""
+        shape = _lane_shape(sched.lanes[lane], k)
+        both = torch.zeros((2, *shape), dtype=acc, device=k.device)
+        return [both[0], both[1]]
+
+    def add_returned(step: int | None) -> None:
+        for rec in poster.take(Payload.DQ, step):
+            (dq_part,) = rec.wait()
+            start, stop = rec.transfer.rows
+            dq_acc[:, start:stop] += dq_part
+
     for step in range(sched.num_steps):
         plan = sched.steps[rank][step]
         num_segments = len(plan.segments)
-        poster.post(step, 0, provide)
-        # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows),
-        # for the lanes whose block this rank computes with (and so passes an accumulator on).
-        outgoing = {tr.lane: tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
-        lane_grads: dict[int, list[torch.Tensor]] = {}
-        for index in outgoing:
-            shape = _lane_shape(sched.lanes[index], k)
-            lane_grads[index] = [torch.zeros(shape, dtype=acc, device=k.device) for _ in "kv"]
-        for index, segment in enumerate(plan.segments):
-            done = _timed(comm, step, "attn_bwd")
-            dq_seg: torch.Tensor | None = None
-            for piece in segment.pieces:
-                (a, b), (c, d) = piece.q_rows, piece.kv_rows
-                qh = _q_heads(piece, groups)
-                if pass_q:
-                    q_p, do_p, lse_p, delta_p = held[0].slice(piece.q_rows)
-                    k_p, v_p = k[:, c:d], v[:, c:d]
-                    kv_owner = rank
-                else:
-                    q_p, do_p = q[:, a:b, qh], dout[:, a:b, qh]
-                    lse_p, delta_p = lse[:, qh, a:b], delta[:, qh, a:b]
-                    if step == 0:
+        with record_function(f"tokenring.{sched.strategy.value}.backward.step{step}"):
+            poster.post(step, 0, provide)
+            # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows),
+            # for the lanes whose block this rank computes with (and so passes an accumulator
+            # on). The first piece's gradients become the accumulator when they cover it.
+            outgoing = {tr.lane: tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
+            inflight = _InFlight(
+                comm, poster, step, dq_acc, new_lane_grads, blocking=q.device.type == "cpu"
+            )
+            lane_grads = inflight.lane_grads
+            for index in outgoing:  # the accumulators that followed each block here
+                inflight.dkv_in[index] = poster.take(
+                    Payload.DKV, step - 1, index, owner=plan.kv_owners[index]
+                )
+            poll = inflight.poll
+            for index, segment in enumerate(plan.segments):
+                done = timer.span(step, "attn_bwd")
+                dq_seg: torch.Tensor | None = None
+                for piece in segment.pieces:
+                    (a, b), (c, d) = piece.q_rows, piece.kv_rows
+                    qh = _q_heads(piece, groups)
+                    if pass_q:
+                        q_p, do_p, lse_p, delta_p = held[0].slice(piece.q_rows)
                         k_p, v_p = k[:, c:d], v[:, c:d]
                         kv_owner = rank
                     else:
-                        block = held[piece.lane]
-                        k_p = block.rows_of(0, piece.kv_rows)
-                        v_p = block.rows_of(1, piece.kv_rows)
-                        kv_owner = block.owner
-                mask = masks(piece, plan.q_owner, kv_owner)
-                dq_p, dk_p, dv_p = kernel.backward(
-                    do_p, q_p, k_p, v_p, lse_p, delta_p, causal=piece.causal, scale=scale, mask=mask
-                )
-                if pass_q or step == 0:
-                    dk_acc[:, c:d] += dk_p
-                    dv_acc[:, c:d] += dv_p
-                else:
-                    row0 = (sched.lanes[piece.lane].kv_rows or (0, s))[0]
-                    dk_lane, dv_lane = lane_grads[piece.lane]
-                    dk_lane[:, c - row0 : d - row0] += dk_p
-                    dv_lane[:, c - row0 : d - row0] += dv_p
-                if plan.q_owner == rank:
-                    dq_acc[:, a:b, qh] += dq_p
-                else:
-                    if dq_seg is None:
-                        rows = segment.q_rows
-                        dq_seg = torch.zeros(
-                            (q.shape[0], rows[1] - rows[0], *q.shape[2:]),
-                            dtype=acc,
-                            device=q.device,
-                        )  # (B, n, Hq, D)
-                    dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]] += dq_p
-            done()
-            if dq_seg is not None:
-                returns[_return_of(sched, rank, step, index)] = [dq_seg.to(q.dtype)]
-            if index + 1 < num_segments:
-                poster.post(step, index + 1, provide)
-        # Pass-KV: add the accumulator that followed each block (from step 2 on: the first
-        # visitor created it) and pass it on; see Note [Backward] in tokenring.schedule.
-        for lane, grads in lane_grads.items():
-            for rec in poster.take(Payload.DKV, step - 1, lane, owner=plan.kv_owners[lane]):
-                for grad, arrived in zip(grads, rec.wait(), strict=True):
-                    grad += arrived
-            returns[outgoing[lane]] = grads
-        if num_segments > 0:
-            poster.post(step, num_segments, provide)
-        poster.post_rest(step, num_segments, provide)
-        for lane, incoming in poster.travel_in(step).items():
-            tr = incoming.transfer
-            held[lane] = _Held(tr.owner, tr.rows, incoming.wait())
-    for rec in poster.take(Payload.DQ):
-        (dq_part,) = rec.wait()
-        start, stop = rec.transfer.rows
-        dq_acc[:, start:stop] += dq_part
+                        q_p, do_p = q[:, a:b, qh], dout[:, a:b, qh]
+                        lse_p, delta_p = lse[:, qh, a:b], delta[:, qh, a:b]
+                        if step == 0:
+                            k_p, v_p = k[:, c:d], v[:, c:d]
+                            kv_owner = rank
+                        else:
+                            block = held[piece.lane]
+                            k_p = block.rows_of(0, piece.kv_rows)
+                            v_p = block.rows_of(1, piece.kv_rows)
+                            kv_owner = block.owner
+                    mask = masks(piece, plan.q_owner, kv_owner)
+                    if pass_q or step == 0:
+                        dk_t, dv_t = dk_acc[:, c:d], dv_acc[:, c:d]
+                    else:
+                        if piece.lane not in lane_grads:
+                            lane_grads[piece.lane] = new_lane_grads(piece.lane)
+                        row0 = (sched.lanes[piece.lane].kv_rows or (0, s))[0]
+                        dk_t, dv_t = (g[:, c - row0 : d - row0] for g in lane_grads[piece.lane])
+                    if plan.q_owner == rank:
+                        dq_t = dq_acc[:, a:b, qh]
+                    else:
+                        if dq_seg is None:
+                            rows = segment.q_rows
+                            dq_seg = torch.zeros(
+                                (q.shape[0], rows[1] - rows[0], *q.shape[2:]),
+                                dtype=acc,
+                                device=q.device,
+                            )  # (B, n, Hq, D)
+                        dq_t = dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]]
+                    kernel.backward_into(
+                        (dq_t, dk_t, dv_t),
+                        do_p,
+                        q_p,
+                        k_p,
+                        v_p,
+                        lse_p,
+                        delta_p,
+                        causal=piece.causal,
+                        scale=scale,
+                        mask=mask,
+                        poll=poll,
+                    )
+                    del dq_t, dk_t, dv_t, q_p, do_p, lse_p, delta_p, k_p, v_p, mask
+                done()
+                if dq_seg is not None:
+                    returns[_return_of(sched, rank, step, index)] = [dq_seg.to(q.dtype)]
+                    del dq_seg
+                if index + 1 < num_segments:
+                    poster.post(step, index + 1, provide)
+            # Pass-KV: add the accumulator that followed each block (from step 2 on: the first
+            # visitor created it) and pass it on; see Note [Backward] in tokenring.schedule.
+            inflight.add_arrived(block=True)
+            for lane_index, tr_out in outgoing.items():
+                grads = lane_grads.pop(lane_index, None)
+                if grads is None:  # no piece and no accumulator reached the block here
+                    grads = new_lane_grads(lane_index)
+                returns[tr_out] = grads
+                del grads
+            del inflight, poll
+            if num_segments > 0:
+                poster.post(step, num_segments, provide)
+            poster.post_rest(step, num_segments, provide)
+            for lane_index, incoming in poster.travel_in(step).items():
+                tr = incoming.transfer
+                held[lane_index] = _Held(tr.owner, tr.rows, incoming.wait())
+            # Note [Buffers in flight]: free the blocks sent on this step and the returns
+            # sent one step ago; add the dQ partials that arrived one step ago.
+            comm.wait_sends_through(step, Flow.TRAVEL)
+            comm.wait_sends_through(step - 1)
+            add_returned(step - 1)
+    add_returned(None)
     for rec in poster.take(Payload.DKV):  # each lane's accumulator, home at last
         tr = rec.transfer
         heads = slice(*tr.heads) if tr.heads else slice(None)
         dk_home, dv_home = rec.wait()
         dk_acc[:, tr.rows[0] : tr.rows[1], heads] += dk_home
         dv_acc[:, tr.rows[0] : tr.rows[1], heads] += dv_home
+        del rec, dk_home, dv_home
     comm.wait_sends()
+    timer.flush()
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

@@ -1,0 +1,401 @@
+"""``tokenring bench --mode memory``: peak memory per rank beside what the tensors need.
+
+For each strategy and local length s, every rank runs one forward + backward of attention on
+its shard and measures its peak memory (Note [Measuring peak memory]); the row puts the peak
+beside the minimum any implementation needs, the inputs + outputs + gradients of the call::
+
+    minimum = q + k + v + out + lse + dout + dq + dk + dv     (bytes, this rank's shards)
+
+and the ratio of the two (the goal: at most 2, README "Memory"). The all-gather K/V strategy
+holds every rank's K/V by design; its rows also give that floor, ``algorithm_floor``.
+
+Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P world size.
+
+Note [Measuring peak memory]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: the bytes of
+live tensors in PyTorch's caching allocator (not its cache, not NCCL's own buffers).
+
+CPU: PyTorch's CPU allocator keeps no counters, so we read the kernel's. The resident-set
+high-water mark is reset (``5`` into ``/proc/self/clear_refs``, Linux >= 4.0) right before the
+call and read (``VmHWM`` in ``/proc/self/status``) right after; the peak is the inputs' bytes
+plus ``VmHWM - VmRSS`` at the reset. This is honest only when freed tensors leave the
+resident set: glibc's heap keeps freed blocks, so the ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536`` (every block above 64 KiB is its own mapping, returned to the
+kernel when freed; set by the launcher, checked here). What remains over-counts a little:
+pages, Python objects, gloo's socket buffers (a few MiB in all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.schedule import Strategy
+
+__all__ = [
+    "MMAP_THRESHOLD_ENV",
+    "MemoryBenchConfig",
+    "PeakMemory",
+    "minimum_bytes",
+    "peak_memory",
+    "run_rank",
+]
+
+MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""Environment for CPU ranks whose peak memory is measured (Note [Measuring peak memory])."""
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+_RING = (Strategy.TOKEN_RING, Strategy.RING, Strategy.BIDIR_RING)
+DEFAULT_STRATEGIES = (*_RING, Strategy.ULYSSES, Strategy.ALLGATHER_KV)
+
+
+def minimum_bytes(
+    *,
+    batch: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    backward: bool = True,
+) -> int:
+    """Bytes of one rank's inputs + outputs (+ gradients): q, k, v, out, lse (+ dout, dq,
+    dk, dv). lse is in the accumulation dtype (float64 for float64, else float32)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    acc = 8 if dtype == torch.float64 else 4
+    q_bytes = batch * seq_local * heads_q * head_dim * elem
+    kv_bytes = batch * seq_local * heads_kv * head_dim * elem
+    lse_bytes = batch * heads_q * seq_local * acc
+    total = 2 * q_bytes + 2 * kv_bytes + lse_bytes  # q, out; k, v; lse
+    if backward:
+        total += 2 * q_bytes + 2 * kv_bytes  # dout, dq; dk, dv
+    return total
+
+
+@dataclass(slots=True)
+class PeakMemory:
+    """Filled in by :func:`peak_memory`: bytes above the level at entry, at the peak."""
+
+    extra_bytes: int = 0
+    method: str = ""
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {key} line")
+
+
+@contextmanager
+def peak_memory(device: torch.device) -> Iterator[PeakMemory]:
+    """Measure the peak memory of the block, above the level at entry, on ``device``.
+
+    Raises:
+        RuntimeError: CPU measurement where it cannot be honest: not Linux, or
+            ``MALLOC_MMAP_THRESHOLD_`` not set (Note [Measuring peak memory]).
+    """
+    result = PeakMemory()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result.extra_bytes = torch.cuda.max_memory_allocated(device) - base
+        result.method = "torch.cuda.max_memory_allocated"
+        return
+    if device.type != "cpu":
+        raise RuntimeError(f"peak memory is measured on cpu and cuda; got device {device}")
+    if not sys.platform.startswith("linux") or not os.path.exists("/proc/self/clear_refs"):
+        raise RuntimeError("peak CPU memory needs Linux (/proc/self/clear_refs, VmHWM)")
+    for name, value in MMAP_THRESHOLD_ENV.items():
+        if os.environ.get(name) != value:
+            raise RuntimeError(
+                f"peak CPU memory needs {name}={value} in the environment of the process at "
+                f"start (glibc keeps freed blocks resident otherwise); got "
+                f"{os.environ.get(name)!r}"
+            )
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current resident set
+    base = _proc_status_bytes("VmRSS")
+    yield result
+    result.extra_bytes = max(0, _proc_status_bytes("VmHWM") - base)
+    result.method = "VmHWM (MALLOC_MMAP_THRESHOLD_=65536)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBenchConfig:
+    """What ``--mode memory`` measures."""
+
+    seq_locals: tuple[int, ...]
+    """Local lengths s (tokens per rank); S = P * s."""
+    strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
+    """Strategies to measure, one row per (strategy, s)."""
+    batch: int = 1
+    heads_q: int = 8
+    heads_kv: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = True
+    """Causal attention (zigzag layout) or full attention (contiguous)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (rank r on GPU r mod the GPU count: with fewer GPUs than ranks the
+    ranks share them over the staged path, Note [Staged path] in tokenring.comm)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda'; got {self.device!r}")
+        if not self.seq_locals or any(s < 2 or s % 2 for s in self.seq_locals):
+            raise ValueError(f"seq_locals must be even lengths >= 2; got {self.seq_locals}")
+        if not self.strategies:
+            raise ValueError("strategies must not be empty")
+        if Strategy.HYBRID in self.strategies:
+            raise ValueError("strategy 'hybrid' runs on a 2-D mesh; measure it with its parts")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+        if min(self.batch, self.heads_q, self.heads_kv, self.head_dim) < 1:
+            raise ValueError("batch, heads_q, heads_kv and head_dim must be >= 1")
+        if self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
+                f"heads_kv={self.heads_kv}"
+            )
+
+
+def _device(config: MemoryBenchConfig) -> torch.device:
+    if config.device == "cpu":
+        return torch.device("cpu")
+    index = dist.get_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: torch.device) -> int:
+    """Peak bytes of one forward + backward above the inputs (q, k, v, dout) on this rank."""
+    from tokenring.api import sequence_parallel_attn
+
+    dtype = _DTYPES[config.dtype]
+    gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    b, hq, hkv, d = config.batch, config.heads_q, config.heads_kv, config.head_dim
+
+    def randn(heads: int) -> torch.Tensor:
+        return torch.randn(b, s, heads, d, generator=gen, device=device, dtype=dtype)
+
+    q, k, v = (x.requires_grad_(True) for x in (randn(hq), randn(hkv), randn(hkv)))
+    dout = randn(hq)
+    layout = "zigzag" if config.causal else "contiguous"
+
+    def call() -> None:
+        out = sequence_parallel_attn(
+            q, k, v, strategy=strategy, causal=config.causal, layout=layout, check_ranks=False
+        )
+        assert isinstance(out, torch.Tensor)
+        out.backward(dout)
+
+    call()  # warm up: process groups, schedules, lazily built state
+    q.grad = k.grad = v.grad = None
+    dist.barrier()
+    with peak_memory(device) as peak:
+        call()
+    dist.barrier()
+    return peak.extra_bytes
+
+
+def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
+    """Measure every (strategy, s) of ``config`` on this rank."""
+    from tokenring.api import get_communicator
+
+    device = _device(config)
+    rows = []
+    for strategy in config.strategies:
+        for s in config.seq_locals:
+            extra = _one_call(config, strategy, s, device)
+            rows.append({"strategy": strategy.value, "seq_local": s, "extra_bytes": extra})
+            if progress_path is not None and dist.get_rank() == 0:
+                with open(progress_path, "a") as f:
+                    f.write("row\n")
+    path = get_communicator().path(device)
+    return {"rank": dist.get_rank(), "device": str(device), "comm_path": path, "rows": rows}
+
+
+def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list[dict[str, Any]]:
+    """One row per (strategy, s): the busiest rank's peak beside the minimum."""
+    dtype = _DTYPES[config.dtype]
+    elem = torch.empty((), dtype=dtype).element_size()
+    world = len(per_rank)
+    rows = []
+    for index, first in enumerate(per_rank[0]["rows"]):
+        s = first["seq_local"]
+        minimum = minimum_bytes(
+            batch=config.batch,
+            seq_local=s,
+            heads_q=config.heads_q,
+            heads_kv=config.heads_kv,
+            head_dim=config.head_dim,
+            dtype=dtype,
+        )
+        q_bytes = config.batch * s * config.heads_q * config.head_dim * elem
+        kv_bytes = config.batch * s * config.heads_kv * config.head_dim * elem
+        inputs = 2 * q_bytes + 2 * kv_bytes  # q, dout; k, v: allocated before the call
+        peak = inputs + max(r["rows"][index]["extra_bytes"] for r in per_rank)
+        row = {
+            "strategy": first["strategy"],
+            "world_size": world,
+            "seq_local": s,
+            "seq": world * s,
+            "peak_bytes": peak,
+            "minimum_bytes": minimum,
+            "ratio": peak / minimum,
+            "algorithm_floor_bytes": None,
+        }
+        if first["strategy"] == Strategy.ALLGATHER_KV.value:
+            # every rank's K/V (saved for the backward) and their gradients, in the
+            # accumulation dtype, beside the minimum; see README "Memory"
+            acc = 8 if dtype == torch.float64 else 4
+            row["algorithm_floor_bytes"] = minimum + (world - 1) * 2 * kv_bytes * (1 + acc / elem)
+        rows.append(row)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--mode memory`` (the shared ones come from ``tokenring bench``)."""
+    parser.add_argument(
+        "--seq-local",
+        default="4096,16384,65536",
+        help="[memory] comma-separated tokens per rank (S = P * s)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="[memory] where the ranks' tensors live (default: cuda when available)",
+    )
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise SystemExit(f"{name} must be comma-separated integers; got {text!r}") from None
+
+
+def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
+    if (args.heads is None) != (args.kv_heads is None):
+        raise SystemExit("--heads and --kv-heads go together")
+    strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
+    if args.strategies is not None:
+        strategies = tuple(Strategy.parse(s) for s in args.strategies.split(",") if s)
+    try:
+        return MemoryBenchConfig(
+            seq_locals=_ints(args.seq_local, "--seq-local"),
+            strategies=strategies,
+            batch=args.batch,
+            heads_q=args.heads if args.heads is not None else 8,
+            heads_kv=args.kv_heads if args.kv_heads is not None else 8,
+            head_dim=args.head_dim,
+            dtype=args.dtype,
+            causal=args.causal != "no",
+            device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"bench --mode memory: {exc}") from None
+
+
+def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
+    from tokenring._console import progress
+    from tokenring.launch import launch
+
+    num_rows = len(config.strategies) * len(config.seq_locals)
+    bar = progress(num_rows, f"bench memory: {num_rows} rows on {args.world_size} ranks")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tokenring-memory-") as tmp:
+        progress_path = os.path.join(tmp, "progress")
+
+        def poll() -> None:
+            try:
+                with open(progress_path) as f:
+                    done = sum(1 for _ in f)
+            except OSError:
+                done = 0
+            bar.update(bar.task_ids[0], completed=done)
+
+        with bar:
+            return launch(
+                run_rank,
+                config,
+                progress_path,
+                world_size=args.world_size,
+                timeout_s=args.timeout,
+                pg_timeout_s=max(60.0, args.timeout / 4),
+                rank_env=lambda rank: dict(MMAP_THRESHOLD_ENV),
+                poll=poll,
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tokenring bench --mode memory``."""
+    from tokenring.bench import _git_sha, collect_per_rank
+
+    config = config_from_args(args)
+    per_rank = collect_per_rank(run_rank, config, args, lambda: _launch(config, args))
+    if per_rank is None:
+        return 0
+    rows = aggregate(per_rank, config)
+    settings = {
+        "mode": "memory",
+        "world_size": len(per_rank),
+        "batch": config.batch,
+        "heads_q": config.heads_q,
+        "heads_kv": config.heads_kv,
+        "head_dim": config.head_dim,
+        "dtype": config.dtype,
+        "causal": config.causal,
+        "device": per_rank[0]["device"],
+        "comm_path": per_rank[0]["comm_path"],
+        "method": "torch.cuda.max_memory_allocated"
+        if per_rank[0]["device"].startswith("cuda")
+        else "VmHWM (MALLOC_MMAP_THRESHOLD_=65536)",
+        "torch": torch.__version__,
+        "git_sha": _git_sha(),
+    }
+    records = [{**settings, **row} for row in rows]
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    if args.json:
+        for rec in records:
+            print(json.dumps(rec))
+    else:
+        print(
+            f"peak memory per rank, fwd+bwd: P={settings['world_size']} B={config.batch} "
+            f"Hq={config.heads_q} Hkv={config.heads_kv} D={config.head_dim} {config.dtype} "
+            f"{'causal' if config.causal else 'full'} on {settings['device']} over "
+            f"{settings['comm_path']} ({settings['method']})"
+        )
+        print(f"{'strategy':<14}{'s':>8}{'peak MiB':>11}{'minimum MiB':>13}{'peak/min':>10}")
+        for row in rows:
+            print(
+                f"{row['strategy']:<14}{row['seq_local']:>8}{row['peak_bytes'] / 2**20:>11.1f}"
+                f"{row['minimum_bytes'] / 2**20:>13.1f}{row['ratio']:>10.2f}"
+            )
+    return 0
