@@ -17,3 +17,5 @@ ruff check src tests
 ruff format --check src tests
 mypy
 python -m pytest -q "$@"
+# The one-shot GPU check, run on the CPU so it cannot rot (issue 12; ~1 min).
+bash scripts/device_check.sh --device cpu

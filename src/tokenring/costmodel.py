@@ -60,9 +60,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -311,6 +314,50 @@ _H100_NVSWITCH = Hardware(
     memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
 )
 
+KERNEL_RATES_DIR = Path(__file__).parent / "kernel_rates"
+"""Measured block-kernel rates, one JSON file per preset (``benchmarks/kernel_rates.py``)."""
+
+
+def load_kernel_rates(path: str | Path) -> dict[str, Any]:
+    """Kernel rates as ``benchmarks/kernel_rates.py`` writes them: ``rates[dtype][block]``
+    (block ``"full"`` or ``"causal"``) with ``forward_tflops`` and ``backward_tflops``.
+
+    Raises:
+        ValueError: the file is not such a record (naming what is missing).
+    """
+    with open(path) as f:
+        record = json.load(f)
+    rates = record.get("rates") if isinstance(record, dict) else None
+    if not isinstance(rates, dict) or not rates:
+        raise ValueError(f"{path}: expected a JSON object with non-empty 'rates'")
+    for dtype, blocks in rates.items():
+        for block in ("full", "causal"):
+            entry = blocks.get(block) if isinstance(blocks, dict) else None
+            if not isinstance(entry, dict) or not all(
+                isinstance(entry.get(key), int | float) and entry[key] > 0
+                for key in ("forward_tflops", "backward_tflops")
+            ):
+                raise ValueError(
+                    f"{path}: rates[{dtype!r}][{block!r}] must give forward_tflops and "
+                    "backward_tflops > 0"
+                )
+    return record
+
+
+def _with_measured_rates(hardware: Hardware) -> Hardware:
+    """``hardware`` with the block-kernel rates measured for it (bfloat16 full blocks; the
+    preset's fp16/bf16 figures), when ``KERNEL_RATES_DIR`` has them."""
+    path = KERNEL_RATES_DIR / f"{hardware.name}.json"
+    if not path.exists():
+        return hardware
+    full = load_kernel_rates(path)["rates"]["bfloat16"]["full"]
+    return replace(
+        hardware,
+        forward_flops_per_s=full["forward_tflops"] * _TFLOPS,
+        backward_flops_per_s=full["backward_tflops"] * _TFLOPS,
+    )
+
+
 PRESETS: dict[str, Hardware] = {
     # 4x NVIDIA A10 (24 GB, 150 W) on PCIe 4.0 x16, no NVLink: the seeds' box.
     # Compute: 125 TFLOP/s fp16/bf16 tensor peak (A10 datasheet). FlashAttention-2 reaches
@@ -353,9 +400,14 @@ PRESETS: dict[str, Hardware] = {
         memory_bandwidth_bytes_per_s=0.85 * 2039 * _GB,
     ),
     "h100-nvswitch": _H100_NVSWITCH,
-    # 8x H200: the H100's compute and NVLink 4, with HBM3e at 4.8 TB/s (85% achieved).
-    "h200-nvswitch": replace(
-        _H100_NVSWITCH, name="h200-nvswitch", memory_bandwidth_bytes_per_s=0.85 * 4800 * _GB
+    # 8x H200: NVLink 4 as the H100, HBM3e at 4.8 TB/s (85% achieved). Compute: the block
+    # kernels' rates measured on an H200 by scripts/device_check.sh (bfloat16, full blocks,
+    # written to kernel_rates/h200-nvswitch.json) when that file exists; the H100's estimate
+    # until then.
+    "h200-nvswitch": _with_measured_rates(
+        replace(
+            _H100_NVSWITCH, name="h200-nvswitch", memory_bandwidth_bytes_per_s=0.85 * 4800 * _GB
+        )
     ),
     # 8x Ascend 910B in one Atlas 800T A2 box: HCCS full mesh, 7 links per NPU of 56 GB/s
     # both directions together (392 GB/s per NPU) -> 28 GB/s per direction per link, 85%
