@@ -1387,6 +1387,11 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
+    if getattr(args, "mode", "attention") == "memory":
+        from tokenring.bench_memory import check_args as check_memory_mode
+
+        check_memory_mode(args)
+        return
     if getattr(args, "mode", "attention") != "attention":
         from tokenring.bench_inference import check_args as check_inference
 

@@ -290,22 +290,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x)
-    except ValueError:
-        raise SystemExit(f"{name} must be comma-separated integers; got {text!r}") from None
-
-
 def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
-    if (args.heads is None) != (args.kv_heads is None):
-        raise SystemExit("--heads and --kv-heads go together")
+    """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
+    from tokenring.bench import _split_list, check_heads
+
+    check_heads(args)
     strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
     if args.strategies is not None:
-        strategies = tuple(Strategy.parse(s) for s in args.strategies.split(",") if s)
+        names = ", ".join(s.value for s in DEFAULT_STRATEGIES)
+        strategies = _split_list(args.strategies, "--strategies", Strategy.parse, names)
+    try:
+        seq_locals = tuple(int(x) for x in args.seq_local.split(",") if x)
+    except ValueError:
+        raise ValueError(
+            f"--seq-local must be comma-separated integers; got {args.seq_local!r}"
+        ) from None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
     try:
         return MemoryBenchConfig(
-            seq_locals=_ints(args.seq_local, "--seq-local"),
+            seq_locals=seq_locals,
             strategies=strategies,
             batch=args.batch,
             heads_q=args.heads if args.heads is not None else 8,
@@ -316,7 +320,12 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
             device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         )
     except ValueError as exc:
-        raise SystemExit(f"bench --mode memory: {exc}") from None
+        raise ValueError(f"--mode memory: {exc}") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before a rank starts; keeps the config on ``args``."""
+    args._config = config_from_args(args)
 
 
 def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
@@ -355,7 +364,9 @@ def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode memory``."""
     from tokenring.bench import _git_sha, collect_per_rank
 
-    config = config_from_args(args)
+    if getattr(args, "_config", None) is None:
+        check_args(args)
+    config: MemoryBenchConfig = args._config
     per_rank = collect_per_rank(run_rank, config, args, lambda: _launch(config, args))
     if per_rank is None:
         return 0

@@ -45,8 +45,8 @@ from tokenring.schedule import Flow, Transfer
 __all__ = [
     "HEADER_NUM_BYTES",
     "Communicator",
-    "Message",
     "Event",
+    "Message",
     "PendingCollective",
     "PendingRecv",
     "Timeline",
@@ -516,7 +516,9 @@ class Communicator:
     ) -> tuple[Message, list[torch.Tensor]]:
         """A zeroed message of ``fields`` and views of its tensors: fill them, then send the
         message itself (no copy when it leaves)."""
-        buffer = torch.zeros(HEADER_NUM_BYTES + _num_bytes(fields), dtype=torch.uint8, device=device)
+        buffer = torch.zeros(
+            HEADER_NUM_BYTES + _num_bytes(fields), dtype=torch.uint8, device=device
+        )
         return Message(buffer), _unpack(buffer, fields)
 
     # -- the staged path (Note [Staged path]) ---------------------------------------------------

@@ -16,7 +16,8 @@ as soon as its last use passes (README "Memory" has the measured table):
 
 - a block sent on step t is waited for at the end of step t (its peer's copy has arrived by
   then: ours has), so at most the held block and the incoming one exist; a received block is
-  passed on as it came (no copy: ``tokenring.comm._pack``);
+  passed on as the message it came in, and dQ partials and dK/dV accumulators are
+  allocated as the messages that return them (``tokenring.comm.Message``: no copy);
 - partials and dQ / dK+dV returns sent on step t-1, and those received, are settled after the
   first tile of step t (a tile's time to arrive; gloo's works report completion only when
   waited for; on CUDA only what has completed is released, without waiting);
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from tokenring.comm import Communicator, Event, FieldSpec, PendingRecv
+from tokenring.comm import Communicator, Event, FieldSpec, Message, PendingRecv
 from tokenring.kernels import BlockKernel, PositionMask
 from tokenring.merge import merge_into
 from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Strategy, Transfer
@@ -88,6 +89,19 @@ class _Held:
     owner: int
     rows: tuple[int, int]
     tensors: list[torch.Tensor]  # seq dim 1 for (B, n, H, D), dim 2 for (B, H, n)
+    message: Message | None = None  # the message it came in, to pass on without a copy
+
+    @staticmethod
+    def arrived(incoming: PendingRecv) -> _Held:
+        tr = incoming.transfer
+        return _Held(tr.owner, tr.rows, incoming.wait(), incoming.message())
+
+    def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
+        """What a transfer of ``rows`` of this block sends: the message it came in when
+        the rows are all of it (no copy), else the rows' slices."""
+        if rows == self.rows and self.message is not None:
+            return self.message
+        return self.slice(rows)
 
     def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
@@ -108,7 +122,7 @@ class _SlotPoster:
         self.pending: dict[Transfer, PendingRecv] = {}
 
     def post(
-        self, step: int, after: int, provide: Callable[[Transfer], Sequence[torch.Tensor]]
+        self, step: int, after: int, provide: Callable[[Transfer], Sequence[torch.Tensor] | Message]
     ) -> None:
         recvs = [
             (tr, self.shapes.fields(tr))
@@ -124,7 +138,7 @@ class _SlotPoster:
             self.pending.update(self.comm.exchange(sends, recvs, device=self.shapes.device))
 
     def post_rest(
-        self, step: int, done: int, provide: Callable[[Transfer], Sequence[torch.Tensor]]
+        self, step: int, done: int, provide: Callable[[Transfer], Sequence[torch.Tensor] | Message]
     ) -> None:
         """Post the slots of ``step`` after segment ``done`` that this rank has no compute for."""
         mine = [*self.sched.recvs(self.rank, step), *self.sched.sends(self.rank, step)]
@@ -373,11 +387,11 @@ def run_forward(
     masks = _Masks(sched)
     timer = _ComputeTimer(comm, q.device)
 
-    def provide(tr: Transfer) -> Sequence[torch.Tensor]:
+    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload is Payload.OUT:
             return partials.pop(tr)
         assert tr.owner == held[tr.lane].owner
-        return held[tr.lane].slice(tr.rows)
+        return held[tr.lane].send(tr.rows)
 
     def merge_returned(step: int | None) -> None:
         for rec in poster.take(Payload.OUT, step):
@@ -424,8 +438,7 @@ def run_forward(
                 poster.post(step, index + 1, provide)
             poster.post_rest(step, len(plan.segments), provide)
             for lane, incoming in poster.travel_in(step).items():
-                tr = incoming.transfer
-                held[lane] = _Held(tr.owner, tr.rows, incoming.wait())
+                held[lane] = _Held.arrived(incoming)
             # Note [Buffers in flight]: the blocks sent on this step (their peers' blocks have
             # just arrived here), and the partials sent one step ago.
             comm.wait_sends_through(step, Flow.TRAVEL)
@@ -472,21 +485,23 @@ def run_backward(
         held = {0: _Held(rank, (0, s), [q, dout, lse, delta])}
     else:
         held = _lane_blocks(sched, rank, [k, v])
-    returns: dict[Transfer, list[torch.Tensor]] = {}
+    returns: dict[Transfer, Sequence[torch.Tensor] | Message] = {}
     masks = _Masks(sched)
     timer = _ComputeTimer(comm, q.device)
 
-    def provide(tr: Transfer) -> Sequence[torch.Tensor]:
+    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload in (Payload.DQ, Payload.DKV):
             return returns.pop(tr)
         assert tr.owner == held[tr.lane].owner
-        return held[tr.lane].slice(tr.rows)
+        return held[tr.lane].send(tr.rows)
+
+    lane_messages: dict[int, Message] = {}
 
     def new_lane_grads(lane: int) -> list[torch.Tensor]:
-        """A lane's dK/dV accumulator: back to back, so it leaves as one message, no copy."""
+        """A lane's dK/dV accumulator, allocated as the message that passes it on."""
         shape = _lane_shape(sched.lanes[lane], k)
-        both = torch.zeros((2, *shape), dtype=acc, device=k.device)
-        return [both[0], both[1]]
+        lane_messages[lane], grads = comm.message([(shape, acc)] * 2, k.device)
+        return grads
 
     def add_returned(step: int | None) -> None:
         for rec in poster.take(Payload.DQ, step):
@@ -515,6 +530,7 @@ def run_backward(
             for index, segment in enumerate(plan.segments):
                 done = timer.span(step, "attn_bwd")
                 dq_seg: torch.Tensor | None = None
+                dq_msg: Message | None = None
                 for piece in segment.pieces:
                     (a, b), (c, d) = piece.q_rows, piece.kv_rows
                     qh = _q_heads(piece, groups)
@@ -546,11 +562,11 @@ def run_backward(
                     else:
                         if dq_seg is None:
                             rows = segment.q_rows
-                            dq_seg = torch.zeros(
-                                (q.shape[0], rows[1] - rows[0], *q.shape[2:]),
-                                dtype=acc,
-                                device=q.device,
-                            )  # (B, n, Hq, D)
+                            shape = (q.shape[0], rows[1] - rows[0], *q.shape[2:])  # (B,n,Hq,D)
+                            if acc == q.dtype:  # accumulated in the message that returns it
+                                dq_msg, (dq_seg,) = comm.message([(shape, acc)], q.device)
+                            else:
+                                dq_seg = torch.zeros(shape, dtype=acc, device=q.device)
                         dq_t = dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]]
                     kernel.backward_into(
                         (dq_t, dk_t, dv_t),
@@ -568,8 +584,10 @@ def run_backward(
                     del dq_t, dk_t, dv_t, q_p, do_p, lse_p, delta_p, k_p, v_p, mask
                 done()
                 if dq_seg is not None:
-                    returns[_return_of(sched, rank, step, index)] = [dq_seg.to(q.dtype)]
-                    del dq_seg
+                    back = dq_msg if dq_msg is not None else [dq_seg.to(q.dtype)]
+                    returns[_return_of(sched, rank, step, index)] = back
+                    del dq_seg, back
+                dq_msg = None
                 if index + 1 < num_segments:
                     poster.post(step, index + 1, provide)
             # Pass-KV: add the accumulator that followed each block (from step 2 on: the first
@@ -579,15 +597,14 @@ def run_backward(
                 grads = lane_grads.pop(lane_index, None)
                 if grads is None:  # no piece and no accumulator reached the block here
                     grads = new_lane_grads(lane_index)
-                returns[tr_out] = grads
+                returns[tr_out] = lane_messages.pop(lane_index)
                 del grads
             del inflight, poll
             if num_segments > 0:
                 poster.post(step, num_segments, provide)
             poster.post_rest(step, num_segments, provide)
             for lane_index, incoming in poster.travel_in(step).items():
-                tr = incoming.transfer
-                held[lane_index] = _Held(tr.owner, tr.rows, incoming.wait())
+                held[lane_index] = _Held.arrived(incoming)
             # Note [Buffers in flight]: free the blocks sent on this step and the returns
             # sent one step ago; add the dQ partials that arrived one step ago.
             comm.wait_sends_through(step, Flow.TRAVEL)
