@@ -88,6 +88,7 @@ __all__ = [
     "all_reduce_gradients",
     "causal_lm_loss",
     "gather_sequence",
+    "generate",
     "register",
     "shard_batch",
     "shift_labels",
@@ -382,6 +383,7 @@ def _attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sequence_parallel: SequenceParallel | None = None,
+    sequence_parallel_cache: Any = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
@@ -412,10 +414,11 @@ def _attention_forward(
             f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
             f"shape {tuple(attention_mask.shape)}"
         )
-    if key.shape[2] != query.shape[2]:
+    if sequence_parallel_cache is None and key.shape[2] != query.shape[2]:
         raise NotImplementedError(
-            f"attn_implementation={name!r} does not support a KV cache (generation); got "
-            f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False)"
+            f"attn_implementation={name!r} takes no KV cache but tokenring.hf.generate's; got "
+            f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
+            "generate with tokenring.hf.generate)"
         )
     if dropout > 0:
         raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
@@ -434,7 +437,7 @@ def _attention_forward(
         if unsupported:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
     sp = sequence_parallel
-    if sp.hardware is not None and strategy != "auto":
+    if sp.hardware is not None and strategy != "auto" and sequence_parallel_cache is None:
         raise ValueError(
             f"SequenceParallel.hardware only chooses the strategy of "
             f"attn_implementation='tokenring_auto'; got it with {name!r}"
@@ -460,6 +463,21 @@ def _attention_forward(
             )
         window_size = attention_mask.window_size
         chunk = attention_mask.attention_chunk_size
+    if sequence_parallel_cache is not None:  # a step of tokenring.hf.generate
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(
+            module, "use_rope", True
+        ):
+            raise NotImplementedError(
+                "attn_temperature_tuning (Llama 4's NoPE query scale) is not supported in "
+                "generation"
+            )
+        if not causal or window_size != (-1, 0) or chunk is not None:
+            raise NotImplementedError(
+                f"generation runs plain causal attention over the KV cache; this layer asks for "
+                f"causal={causal}, window_size={window_size}, attention_chunk_size={chunk}"
+            )
+        out = sequence_parallel_cache.attention(module, query, key, value, scaling=scaling)
+        return out, None  # (1, n, Hq, D)
     _check_temperature_tuning(module, sp, query.shape[2])
     out = sequence_parallel_attn(
         query.transpose(1, 2),  # (B, s, Hq, D)
@@ -478,6 +496,34 @@ def _attention_forward(
     )
     assert isinstance(out, torch.Tensor)
     return out, None  # (B, s, Hq, D)
+
+
+def generate(
+    sp: SequenceParallel,
+    model: Any,
+    input_ids: torch.Tensor,
+    *,
+    strategy: str = "auto",
+    block_size: int = 64,
+    budget_bytes: int | None = None,
+    **gen_kwargs: Any,
+) -> Any:
+    """``model.generate(input_ids, **gen_kwargs)`` with the prompt prefilled sharded and the
+    KV cache sharded over ``sp.group``; every rank of the group calls it with the same
+    arguments and gets the same tokens. See ``tokenring.hf_generation.generate`` (this is
+    it, imported on first use) for the arguments, what runs and what raises."""
+    register()  # checks transformers
+    from tokenring.hf_generation import generate as generate_sharded
+
+    return generate_sharded(
+        sp,
+        model,
+        input_ids,
+        strategy=strategy,
+        block_size=block_size,
+        budget_bytes=budget_bytes,
+        **gen_kwargs,
+    )
 
 
 def _check_temperature_tuning(

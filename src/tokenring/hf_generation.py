@@ -1,0 +1,500 @@
+"""Generation with transformers under sequence parallelism: ``model.generate`` over a
+:class:`tokenring.DistributedKVCache`, through transformers' public ``Cache`` interface.
+
+This module owns :class:`ShardedKVCache` (a ``transformers.Cache`` whose K/V live sharded over
+the ranks of a group) and :func:`generate`, which runs ``model.generate`` with it, each rank
+computing only its own tokens. It imports transformers at the top: reach it through
+``tokenring.hf.generate`` and ``tokenring.hf.ShardedKVCache``.
+
+Note [Generation under sequence parallelism]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every rank runs the same ``model.generate`` on the same global token ids; a forward hook
+makes each forward compute this rank's rows only::
+
+    generate(sp, model, ids, ...)     refuses what cannot run (beam search, assisted decoding,
+                                      padding, ...), makes a ShardedKVCache, hooks the model
+    each forward of generate, new ids (B, T) (the prompt, then one token per sequence):
+      pre-hook  1 agree   the ids' digest over the group: sampling must draw the same tokens
+                          on every rank (seed every rank alike), else every rank raises
+                2 place   kv.begin_step([T] * B) (Note [Placement] in tokenring.kvcache): the
+                          first prefill zigzag when 2P divides T, else block-cyclic; a decode
+                          token has one owner rank
+                3 choose  the cached strategy, once per step: on the zigzag prefill pass-Q
+                          (TokenRing) or pass-KV (Ring) by the planner, after it pass_q,
+                          pass_kv, direct or tree by the round model (or as forced)
+                4 shard   input_ids -> this rank's packed rows (1, n), position_ids their
+                          global positions (RoPE), logits_to_keep the rows that end a sequence
+      each attention layer: cache.update hands the new k, v back unchanged; the attention
+                          function runs tokenring.inference.cached_attn (append to this rank's
+                          shard, attend over every rank's)
+      post-hook           logits of the rows that end a sequence -> (B, 1, V) on every rank
+                          (a sum over the group, zeros elsewhere: exact)
+
+A rank may own no new row in a step (decode with B < P); it still runs every layer because
+it holds part of the cache. Models reshape with ``view(..., -1, D)``, which a 0-row input
+cannot take, so such a rank runs one placeholder row (token 0 at position 0): its attention
+passes 0 rows to ``cached_attn`` and gives the placeholder a zero output, and its logits are
+never computed (``logits_to_keep``).
+
+Legend: B sequences, T new tokens per sequence in a step, n this rank's new rows, V vocab,
+P world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tokenring.cached_schedule import CachedStrategy
+from tokenring.comm import Communicator
+from tokenring.inference import cached_attn, resolve_cached_strategy
+from tokenring.kvcache import CacheStep, DistributedKVCache
+
+try:
+    from transformers import Cache, GenerationConfig
+    from transformers.cache_utils import CacheLayerMixin
+except ImportError as exc:  # pragma: no cover - tokenring.hf checks first
+    raise ImportError(
+        "tokenring.hf.generate needs transformers with the Cache layers API (>= 4.56): "
+        "pip install 'tokenring-attention[hf]'"
+    ) from exc
+
+__all__ = ["ShardedKVCache", "generate"]
+
+_CACHE_KWARGS = ("cache", "past_key_values")
+"""What generate calls the cache in the model's forward (transformers 5, 4.x)."""
+
+
+class _ShardedLayer(CacheLayerMixin):
+    """One layer of a :class:`ShardedKVCache`: its K/V live in the DistributedKVCache, which
+    the attention function appends to, so ``update`` hands the new rows back unchanged."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, owner: ShardedKVCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.owner.kv is None or self.owner.kv.step is None:
+            raise ValueError(
+                "a ShardedKVCache runs inside tokenring.hf.generate (which places each step's "
+                "tokens on the ranks); got a model call outside it"
+            )
+        self.is_initialized = True
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class ShardedKVCache(Cache):
+    """A ``transformers.Cache`` whose K/V are a :class:`tokenring.DistributedKVCache` sharded
+    over the ranks of ``sequence_parallel.group`` (Note [Generation under sequence
+    parallelism]). :func:`generate` makes one per call; it is returned with
+    ``return_dict_in_generate=True`` (``.cache`` / ``.past_key_values``), e.g. to read
+    :attr:`kv` (bytes per rank) or :attr:`strategies`.
+
+    Args:
+        config: the model's config (its text config: layers, heads, head dim).
+        sequence_parallel: a ``tokenring.hf.SequenceParallel``; its group holds the cache
+            (``layout``, ``seq_len`` and ``cu_seqlens`` do not apply: the cache places tokens
+            itself), its ``hardware`` is what ``strategy="auto"`` plans for (None: this
+            machine, measured once per group).
+        strategy: ``"auto"`` or a cached strategy (``"pass_q"``, ``"pass_kv"``, ``"direct"``,
+            ``"tree"``) for every step.
+        block_size, budget_bytes: of the DistributedKVCache (placement block and allocation
+            unit; the most K/V bytes a rank may reserve, None: no limit).
+
+    Raises:
+        ValueError: an unknown strategy, hardware with a forced strategy, or a config without
+            layers and heads.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        sequence_parallel: Any,
+        *,
+        strategy: CachedStrategy | str = "auto",
+        block_size: int = 64,
+        budget_bytes: int | None = None,
+    ) -> None:
+        from tokenring.hf import SequenceParallel
+
+        if not isinstance(sequence_parallel, SequenceParallel):
+            raise ValueError(
+                "sequence_parallel must be a tokenring.hf.SequenceParallel; got "
+                f"{type(sequence_parallel).__name__}"
+            )
+        if strategy != "auto":
+            strategy = CachedStrategy.parse(strategy)
+            if sequence_parallel.hardware is not None:
+                raise ValueError(
+                    "SequenceParallel.hardware only plans strategy='auto'; got hardware="
+                    f"{sequence_parallel.hardware!r} with strategy={strategy.value!r}"
+                )
+        text = (
+            config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        )
+        try:
+            self.num_layers = int(text.num_hidden_layers)
+            self.heads_q = int(text.num_attention_heads)
+            heads_kv = getattr(text, "num_key_value_heads", None)
+            self.heads_kv = int(heads_kv) if heads_kv is not None else self.heads_q
+            head_dim = getattr(text, "head_dim", None)
+            self.head_dim = int(head_dim) if head_dim else int(text.hidden_size) // self.heads_q
+        except AttributeError as exc:
+            raise ValueError(
+                f"config must give num_hidden_layers, num_attention_heads and hidden_size; {exc}"
+            ) from exc
+        self.sequence_parallel = sequence_parallel
+        self.strategy: CachedStrategy | str = strategy
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.kv: DistributedKVCache | None = None
+        """The K/V, made at the first step (when the batch size is known)."""
+        self.strategies: list[CachedStrategy] = []
+        """The cached strategy each step ran, in order (the prefill first)."""
+        self._seen = 0
+        self._placeholder = False  # this rank runs one placeholder row this step
+        super().__init__(layers=[_ShardedLayer(self) for _ in range(self.num_layers)])
+
+    @property
+    def communicator(self) -> Communicator:
+        """The group's communicator."""
+        comm: Communicator = self.sequence_parallel.communicator
+        return comm
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens of each sequence cached before the step in progress (all sequences are
+        equally long)."""
+        return self._seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._seen + query_length, 0
+
+    def _unsupported(self, what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{what} is not supported by tokenring's ShardedKVCache (its shards live on "
+            "several ranks and are append-only)"
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise self._unsupported("reordering the cache (beam search)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise self._unsupported("cropping the cache (assisted decoding, rollbacks)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise self._unsupported("repeating the cache's batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise self._unsupported("selecting from the cache's batch")
+
+    def reset(self) -> None:
+        raise self._unsupported("resetting the cache (make a new one)")
+
+    # -- the steps (called by the forward hooks of generate) ------------------------------------
+    def begin_step(
+        self, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device
+    ) -> CacheStep:
+        """Agree on the new ids over the group, place them and choose the strategy (Note
+        [Generation under sequence parallelism], steps 1 to 3). Collective."""
+        comm = self.communicator
+        problem: Exception | None = None
+        signature: dict[str, Any] | None = None
+        try:
+            if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+                raise ValueError(
+                    f"input_ids must have shape (batch, new tokens >= 1); got "
+                    f"{tuple(input_ids.shape)}"
+                )
+            if self.kv is not None and input_ids.shape[0] != self.kv.batch:
+                raise ValueError(
+                    f"the cache holds {self.kv.batch} sequences; got input_ids of batch "
+                    f"{input_ids.shape[0]}"
+                )
+            ids = input_ids.detach().to("cpu", torch.int64).contiguous()
+            signature = {
+                "shape": list(ids.shape),
+                "cached": self._seen,
+                "ids sha1": hashlib.sha1(ids.numpy().tobytes()).hexdigest(),
+            }
+        except ValueError as exc:
+            problem = exc
+        try:
+            comm.agree(signature, problem, what="generation step")
+        except ValueError as exc:
+            if problem is None and "ids sha1" in str(exc):
+                raise ValueError(
+                    "the ranks hold different token ids at this generation step: every rank "
+                    "must pass the same input_ids, and with do_sample=True seed every rank "
+                    "alike (torch.manual_seed) so that they draw the same tokens; "
+                    f"{exc}"
+                ) from exc
+            raise
+        batch, num_new = input_ids.shape
+        if self.kv is None:
+            self.kv = DistributedKVCache(
+                num_layers=self.num_layers,
+                batch=batch,
+                heads_kv=self.heads_kv,
+                head_dim=self.head_dim,
+                dtype=dtype,
+                device=device,
+                block_size=self.block_size,
+                budget_bytes=self.budget_bytes,
+                group=comm,
+            )
+        step = self.kv.begin_step([num_new] * batch, check_ranks=False)  # agreed above
+        chosen = resolve_cached_strategy(
+            self.strategy,
+            step=step,
+            comm=comm,
+            heads_q=self.heads_q,
+            heads_kv=self.heads_kv,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            device=device,
+            hardware=self.sequence_parallel.hardware,
+        )
+        self.strategies.append(chosen)
+        return step
+
+    def end_step(self) -> None:
+        assert self.kv is not None
+        self._seen = self.kv.lengths[0]
+
+    def attention(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        """The attention of the step's new rows of one layer: transformers' ``(1, H, n, D)``
+        in, ``(1, n, Hq, D)`` out (Note [Generation under sequence parallelism])."""
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise NotImplementedError(
+                f"generation needs the attention module's layer_idx; {type(module).__name__} has "
+                f"{layer!r}"
+            )
+        assert self.kv is not None and query.shape[0] == 1, "rows are packed into batch 1"
+        rows = 0 if self._placeholder else query.shape[2]
+        out = cached_attn(
+            query[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hq, D)
+            key[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hkv, D)
+            value[0, :, :rows].transpose(0, 1).contiguous(),
+            cache=self.kv,
+            layer=layer,
+            strategy=self.strategies[-1],
+            softmax_scale=scaling,
+        )
+        assert isinstance(out, torch.Tensor)
+        if self._placeholder:
+            out = query.new_zeros(1, query.shape[1], query.shape[3])  # (1, Hq, D)
+        return out.unsqueeze(0)  # (1, n, Hq, D)
+
+
+_REFUSED_OPTIONS = {
+    "num_beams": (1, "beam search (num_beams > 1): the cache cannot reorder its shards"),
+    "assistant_model": (None, "assisted decoding (assistant_model): the cache cannot crop"),
+    "prompt_lookup_num_tokens": (None, "prompt lookup decoding: the cache cannot crop"),
+    "assistant_early_exit": (None, "self-speculative decoding: the cache cannot crop"),
+    "custom_generate": (None, "custom_generate"),
+    "cache_implementation": (None, "cache_implementation (generate uses a ShardedKVCache)"),
+    "output_attentions": (False, "output_attentions (no attention weights are formed)"),
+    "output_hidden_states": (False, "output_hidden_states (each rank holds its own rows only)"),
+    "inputs_embeds": (None, "inputs_embeds (pass input_ids)"),
+}
+"""generate option -> (the only value that runs, why any other does not)."""
+
+
+def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
+    base = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if base is None:
+        base = GenerationConfig()
+    for option, (allowed, why) in _REFUSED_OPTIONS.items():
+        value = gen_kwargs[option] if option in gen_kwargs else getattr(base, option, None)
+        if value is None:
+            continue  # unset: the default runs
+        if allowed is None or value != allowed:
+            shown = value if isinstance(value, (bool, int, float, str)) else type(value).__name__
+            raise NotImplementedError(
+                f"tokenring.hf.generate does not support {why}; got {option}={shown!r}"
+            )
+    if gen_kwargs.get("use_cache", getattr(base, "use_cache", True)) is False:
+        raise ValueError("tokenring.hf.generate runs with its KV cache; got use_cache=False")
+    for name in _CACHE_KWARGS:
+        if gen_kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"continuing from a cache ({name}=...) is not supported; tokenring.hf.generate "
+                "makes a ShardedKVCache per call"
+            )
+    mask = gen_kwargs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        raise NotImplementedError(
+            "a padding attention_mask is not supported under sequence parallelism; generate "
+            "prompts of different lengths in separate calls"
+        )
+
+
+def generate(
+    sp: Any,
+    model: Any,
+    input_ids: torch.Tensor,
+    *,
+    strategy: CachedStrategy | str = "auto",
+    block_size: int = 64,
+    budget_bytes: int | None = None,
+    **gen_kwargs: Any,
+) -> Any:
+    """``model.generate(input_ids, **gen_kwargs)`` with the KV cache sharded over ``sp.group``
+    (Note [Generation under sequence parallelism]). Call it on every rank of the group with
+    the same arguments; every rank returns the same tokens.
+
+    Args:
+        sp: a ``tokenring.hf.SequenceParallel`` (its group; ``hardware`` for ``"auto"``).
+        model: a transformers causal LM whose ``attn_implementation`` is a tokenring name
+            (``tokenring.hf.register()``).
+        input_ids: ``(B, S)`` prompts of equal length, the same on every rank.
+        strategy, block_size, budget_bytes: of the :class:`ShardedKVCache`.
+        gen_kwargs: ``model.generate``'s. Greedy search and sampling run (sampling draws on
+            every rank: seed every rank alike, or every rank raises at the first step where
+            they drew differently); the options of ``_REFUSED_OPTIONS`` raise.
+
+    Returns:
+        What ``model.generate`` returns: ``(B, S + new)`` ids, or its output object with
+        ``return_dict_in_generate=True`` (whose cache is the :class:`ShardedKVCache`).
+
+    Raises:
+        ValueError: a model without a tokenring attention, input_ids not 2-D, use_cache=False,
+            or ranks whose token ids differ.
+        NotImplementedError: beam search, assisted or prompt-lookup decoding, a padding
+            attention_mask, inputs_embeds, attention weights or hidden states, a cache to
+            continue from, or a model option the cached attention cannot express (a sliding
+            window, chunked attention).
+    """
+    from tokenring.hf import ATTN_IMPLEMENTATIONS, SequenceParallel
+
+    if not isinstance(sp, SequenceParallel):
+        raise ValueError(f"sp must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}")
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            "model must run a tokenring attention (attn_implementation one of "
+            f"{sorted(ATTN_IMPLEMENTATIONS)}, after tokenring.hf.register()); got {impl!r}"
+        )
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+        raise ValueError(f"input_ids must be a (batch, seq) tensor; got {shape!r}")
+    _check_options(model, gen_kwargs)
+    cache = ShardedKVCache(
+        model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
+    )
+    with _sharded_forward(model, cache):
+        return model.generate(input_ids, cache=cache, **gen_kwargs)
+
+
+@contextlib.contextmanager
+def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[None]:
+    """Hook ``model``'s forward for the steps of one generate call (the pre-hook and
+    post-hook of Note [Generation under sequence parallelism])."""
+    state: dict[str, Any] = {}
+
+    def before(
+        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            raise ValueError("generate passes the model's inputs by keyword; got positional ones")
+        given = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        if given is not cache:
+            raise ValueError("the model was called without its ShardedKVCache inside generate")
+        for option in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(option):
+                raise NotImplementedError(f"tokenring.hf.generate does not support {option}")
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(mask.all()):
+            raise NotImplementedError(
+                "a padding attention_mask is not supported under sequence parallelism"
+            )
+        batch, num_new = input_ids.shape
+        past = cache.get_seq_length()
+        positions = kwargs.pop("position_ids", None)
+        want = torch.arange(past, past + num_new, device=input_ids.device)
+        if positions is not None and not bool((positions == want).all()):
+            raise NotImplementedError(
+                "position_ids other than the token positions are not supported by "
+                "tokenring.hf.generate (it derives each rank's positions)"
+            )
+        dtype = module.dtype  # PreTrainedModel's
+        step = cache.begin_step(input_ids, dtype=dtype, device=input_ids.device)
+        rank = cache.communicator.rank
+        rows: list[torch.Tensor] = []
+        keep: list[int] = []  # local rows that end a sequence
+        ends: list[int] = []  # and which sequence each ends
+        offset = 0
+        for b, held in enumerate(step.new_positions[rank]):
+            rows.append(input_ids[b, (held - step.cached[b]).to(input_ids.device)])
+            if held.numel() and int(held[-1]) == step.cached[b] + step.new[b] - 1:
+                keep.append(offset + held.numel() - 1)
+                ends.append(b)
+            offset += held.numel()
+        state.update(batch=batch, ends=ends)
+        local_ids = torch.cat(rows).unsqueeze(0)  # (1, n)
+        local_positions = step.positions(rank).to(input_ids.device).unsqueeze(0)
+        cache._placeholder = local_ids.shape[1] == 0
+        if cache._placeholder:
+            local_ids = local_positions = input_ids.new_zeros(1, 1)
+        kwargs["input_ids"] = local_ids
+        kwargs["position_ids"] = local_positions
+        kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.int64, device=input_ids.device)
+        kwargs["sequence_parallel"] = cache.sequence_parallel
+        kwargs["sequence_parallel_cache"] = cache
+        return args, kwargs
+
+    def after(
+        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        cache.end_step()
+        logits = output["logits"]  # (1, k, V): the rows this rank ends
+        full = logits.new_zeros(state["batch"], logits.shape[-1])  # (B, V)
+        for i, b in enumerate(state["ends"]):
+            full[b] = logits[0, i]
+        cache.communicator.all_reduce(full, label="generate logits").wait()
+        output["logits"] = full.unsqueeze(1)  # (B, 1, V)
+        return output
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,231 @@
+"""tokenring.hf.generate on 4 gloo ranks against transformers' own generate in one process.
+
+One launch; the grid (prompt length, batch, cached strategy, greedy or sampling, chunked
+prefill) is looped inside the ranks. Every rank runs ``hf.generate`` on the same prompt with
+the KV cache sharded over the group; this process runs the same weights with transformers'
+SDPA attention and its DynamicCache. The tokens must be identical, and the raw logits of
+every step equal within float32's ``assert_close`` defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
+)
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig  # noqa: E402
+
+from tokenring import hf  # noqa: E402
+from tokenring.cached_schedule import CachedStrategy  # noqa: E402
+from tokenring.costmodel import measured  # noqa: E402
+
+VOCAB = 64
+NEW_TOKENS = 5
+WORLD_SIZE = 4
+# what "auto" plans for, described rather than measured (no calibration run on the ranks)
+HARDWARE = measured(
+    forward_flops_per_s=2e10,
+    backward_flops_per_s=1e10,
+    link_bandwidth_bytes_per_s=1e9,
+    memory_bandwidth_bytes_per_s=1e10,
+    dtype=torch.float32,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One generate call."""
+
+    prompt_len: int
+    batch: int = 1
+    strategy: str = "auto"
+    sample: bool = False
+    prefill_chunk_size: int | None = None
+
+
+CASES = [
+    Case(16),  # 2P divides 16: the prompt is prefilled in the zigzag layout, pass-Q or pass-KV
+    Case(13),  # odd: block-cyclic prefill, the round model picks
+    Case(16, strategy="pass_q"),
+    Case(16, strategy="pass_kv"),
+    Case(13, strategy="direct"),
+    Case(13, strategy="tree"),
+    Case(11, batch=2),  # two sequences: their decode tokens have different owners
+    Case(13, sample=True),  # every rank seeded alike draws the same tokens
+    Case(13, prefill_chunk_size=5),  # a prefill on top of a cache
+]
+
+
+def model_config() -> Any:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+
+
+def initial_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(model_config())
+    with torch.no_grad():  # larger weights than the default init: the logits spread out
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.state_dict()
+
+
+def build_model(state: dict[str, torch.Tensor], attn_implementation: str) -> Any:
+    model = AutoModelForCausalLM.from_config(
+        model_config(), attn_implementation=attn_implementation
+    )
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def prompt(case: Case) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(case.prompt_len)
+    return torch.randint(0, VOCAB, (case.batch, case.prompt_len), generator=gen)
+
+
+def gen_kwargs(case: Case) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": NEW_TOKENS,
+        "do_sample": case.sample,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+        "pad_token_id": 0,
+    }
+    if case.sample:
+        kwargs.update(temperature=2.0, top_k=0, top_p=1.0)
+    if case.prefill_chunk_size is not None:
+        kwargs["prefill_chunk_size"] = case.prefill_chunk_size
+    return kwargs
+
+
+# -- inside the ranks ----------------------------------------------------------------------
+
+
+def run_cases(state: dict[str, torch.Tensor], cases: list[Case]) -> dict[str, Any]:
+    hf.register()
+    model = build_model(state, "tokenring")
+    out: dict[str, Any] = {"cases": [], "refused": refusals(model)}
+    for case in cases:
+        sp = hf.SequenceParallel(hardware=HARDWARE if case.strategy == "auto" else None)
+        torch.manual_seed(1234)  # the same on every rank: sampling draws alike
+        with torch.no_grad():
+            res = hf.generate(sp, model, prompt(case), strategy=case.strategy, **gen_kwargs(case))
+        out["cases"].append(
+            {
+                "sequences": res.sequences,
+                "logits": torch.stack(res.logits, dim=1),  # (B, new, V)
+                "strategies": [s.value for s in res.cache.strategies],
+            }
+        )
+    return out
+
+
+def refusals(model: Any) -> list[str]:
+    """What cannot run raises, on every rank alike (no rank waits for another)."""
+    sp = hf.SequenceParallel()
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    messages = []
+    for kwargs, error in [
+        ({"num_beams": 2}, NotImplementedError),
+        ({"prompt_lookup_num_tokens": 3}, NotImplementedError),
+        ({"use_cache": False}, ValueError),
+        ({"output_hidden_states": True, "return_dict_in_generate": True}, NotImplementedError),
+        ({"attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])}, NotImplementedError),
+    ]:
+        with pytest.raises(error) as info:
+            hf.generate(sp, model, ids, max_new_tokens=2, **kwargs)
+        messages.append(str(info.value))
+    # ranks whose prompts differ: every rank raises at the first step
+    rank_ids = torch.full((1, 8), dist.get_rank(), dtype=torch.int64)
+    with pytest.raises(ValueError) as info:
+        hf.generate(sp, model, rank_ids, max_new_tokens=2, do_sample=False)
+    messages.append(str(info.value))
+    # a model without tokenring attention would attend within each rank's rows
+    with pytest.raises(ValueError) as info:
+        hf.generate(sp, build_model(model.state_dict(), "sdpa"), ids, max_new_tokens=2)
+    messages.append(str(info.value))
+    # a sliding window is not what the cached attention computes
+    window = AutoModelForCausalLM.from_config(
+        MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+        ),
+        attn_implementation="tokenring",
+    )
+    with pytest.raises(NotImplementedError) as info:
+        hf.generate(sp, window, ids, max_new_tokens=2, do_sample=False)
+    messages.append(str(info.value))
+    return messages
+
+
+# -- the one-process reference ---------------------------------------------------------------
+
+
+def reference(state: dict[str, torch.Tensor], case: Case) -> dict[str, torch.Tensor]:
+    model = build_model(state, "sdpa")
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        res = model.generate(prompt(case), **gen_kwargs(case))
+    return {"sequences": res.sequences, "logits": torch.stack(res.logits, dim=1)}
+
+
+def test_generate_on_four_ranks_matches_one_process() -> None:
+    state = initial_state()
+    per_rank = tokenring.launch(run_cases, state, CASES, world_size=WORLD_SIZE, timeout_s=400)
+    for rank, res in enumerate(per_rank):
+        refused = res["refused"]
+        for message, expected in zip(
+            refused,
+            [
+                "beam search (num_beams > 1)",
+                "prompt lookup decoding",
+                "use_cache=False",
+                "output_hidden_states",
+                "padding attention_mask",
+                "different token ids",
+                "model must run a tokenring attention",
+                "window_size=(3, 0)",
+            ],
+            strict=True,
+        ):
+            assert expected in message, (rank, message)
+    worst = 0.0
+    for i, case in enumerate(CASES):
+        want = reference(state, case)
+        assert want["sequences"].shape == (case.batch, case.prompt_len + NEW_TOKENS)
+        for rank, res in enumerate(per_rank):
+            got = res["cases"][i]
+            assert torch.equal(got["sequences"], want["sequences"]), (case, rank)
+            torch.testing.assert_close(got["logits"], want["logits"], msg=f"{case} rank {rank}")
+            worst = max(worst, (got["logits"] - want["logits"]).abs().max().item())
+            assert got["strategies"] == per_rank[0]["cases"][i]["strategies"]
+        strategies = per_rank[0]["cases"][i]["strategies"]
+        steps = NEW_TOKENS  # the prefill, then one decode step per new token but the last
+        if case.prefill_chunk_size is not None:
+            steps += -(-case.prompt_len // case.prefill_chunk_size) - 1
+        assert len(strategies) == steps, (case, strategies)
+        if case.strategy != "auto":
+            assert set(strategies) == {case.strategy}, (case, strategies)
+        elif case.prompt_len % (2 * WORLD_SIZE) == 0:  # zigzag prefill: TokenRing or Ring
+            assert strategies[0] in (CachedStrategy.PASS_Q.value, CachedStrategy.PASS_KV.value)
+    print(f"{len(CASES)} calls on {WORLD_SIZE} ranks: same tokens; max |logit diff| {worst:.3g}")
