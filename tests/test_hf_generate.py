@@ -229,3 +229,53 @@ def test_generate_on_four_ranks_matches_one_process() -> None:
         elif case.prompt_len % (2 * WORLD_SIZE) == 0:  # zigzag prefill: TokenRing or Ring
             assert strategies[0] in (CachedStrategy.PASS_Q.value, CachedStrategy.PASS_KV.value)
     print(f"{len(CASES)} calls on {WORLD_SIZE} ranks: same tokens; max |logit diff| {worst:.3g}")
+
+
+# -- in this process (a world of one rank) ---------------------------------------------------
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_one_rank_generate_and_errors_name_the_fix() -> None:
+    """One rank is the plain model; bad arguments raise naming what was expected."""
+    hf.register()
+    state = initial_state()
+    model = build_model(state, "tokenring")
+    case = Case(13)
+    want = reference(state, case)
+    with torch.no_grad():
+        sp = hf.SequenceParallel(hardware=HARDWARE)
+        got = hf.generate(sp, model, prompt(case), **gen_kwargs(case))
+    assert torch.equal(got.sequences, want["sequences"])
+    with pytest.raises(ValueError, match=r"sp must be a tokenring\.hf\.SequenceParallel"):
+        hf.generate(None, model, prompt(case))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"input_ids must be a \(batch, seq\) tensor"):
+        hf.generate(hf.SequenceParallel(), model, prompt(case)[0])
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        hf.generate(hf.SequenceParallel(), model, prompt(case), strategy="fastest")
+    with pytest.raises(ValueError, match="hardware only plans strategy='auto'"):
+        hf.generate(hf.SequenceParallel(hardware=HARDWARE), model, prompt(case), strategy="tree")
+    with pytest.raises(NotImplementedError, match="continuing from a cache"):
+        hf.generate(hf.SequenceParallel(), model, prompt(case), cache=object())
+    # the cache refuses what it cannot do, naming it
+    cache = got.cache
+    with pytest.raises(NotImplementedError, match="beam search"):
+        cache.reorder_cache(torch.tensor([0]))
+    with pytest.raises(NotImplementedError, match="cropping"):
+        cache.crop(1)
+    # broadcast_batch: tensors only
+    with pytest.raises(ValueError, match=r"batch\['ids'\] must be a tensor; got list"):
+        hf.broadcast_batch(hf.SequenceParallel(), {"ids": [1, 2]})  # type: ignore[dict-item]
+    assert hf.data_parallel_loss(hf.SequenceParallel(), torch.tensor(2.5)).item() == 2.5
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_hybrid_mesh_from_a_device_mesh_needs_two_dims() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("outer", "inner"))
+    hybrid = tokenring.HybridMesh.from_device_mesh(mesh)
+    assert (hybrid.outer_size, hybrid.inner_size) == (1, 1)
+    with pytest.raises(ValueError, match=r"mesh must be a 2-D DeviceMesh .* got ndim=1"):
+        tokenring.HybridMesh.from_device_mesh(mesh["outer"])
+    with pytest.raises(ValueError, match="got str"):
+        tokenring.HybridMesh.from_device_mesh("outer x inner")

@@ -60,6 +60,7 @@ Legend: B batch, S global seq, s local seq, H heads, D head dim, V vocab, P worl
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -86,7 +87,9 @@ __all__ = [
     "LocalBatch",
     "SequenceParallel",
     "all_reduce_gradients",
+    "broadcast_batch",
     "causal_lm_loss",
+    "data_parallel_loss",
     "gather_sequence",
     "generate",
     "register",
@@ -644,6 +647,54 @@ def shard_batch(
     )
 
 
+def broadcast_batch(
+    sp: SequenceParallel, batch: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The batch of the group's first rank, on every rank of the group.
+
+    The ranks of a sequence-parallel group must work on the same sequences, but a data loader
+    (a ``Trainer``'s) gives each rank its own batch: this makes them the group's first rank's
+    (the other ranks' are dropped), exactly (a sum with zeros).
+
+    Args:
+        batch: name -> tensor (e.g. ``input_ids``, ``labels`` ``(B, S)``); every rank must give
+            the same names; shapes and dtypes may differ (the first rank's are taken).
+
+    Returns:
+        name -> the first rank's tensor, on this rank's device for that name.
+
+    Raises:
+        ValueError: a value that is not a tensor, or ranks that give different names (on
+            every rank).
+    """
+    for name, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"batch[{name!r}] must be a tensor; got {type(value).__name__}")
+    comm = sp.communicator
+    if comm.world_size == 1:
+        return dict(batch)
+    mine = {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in batch.items()}
+    rows = [
+        json.loads(b)
+        for b in comm.all_gather_bytes(json.dumps(mine).encode(), what="broadcast_batch")
+    ]
+    names = [sorted(row) for row in rows]
+    if any(n != names[0] for n in names):
+        raise ValueError(f"every rank must give the same batch names; got {names} by rank")
+    out = {}
+    for name in names[0]:
+        shape, dtype_name = rows[0][name]
+        dtype = getattr(torch, dtype_name)
+        wire = torch.int64 if dtype == torch.bool else dtype  # gloo sums no bool
+        if comm.rank == 0:
+            t = batch[name].to(wire).clone()
+        else:
+            t = torch.zeros(shape, dtype=wire, device=batch[name].device)
+        comm.all_reduce(t, label=f"broadcast_batch {name}").wait()
+        out[name] = t.to(dtype)
+    return out
+
+
 def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) -> torch.Tensor:
     """Every rank's shard put back in global order, on every rank (no gradient).
 
@@ -719,14 +770,36 @@ def causal_lm_loss(
     return global_sum / num_tokens + (local_sum - local_sum.detach()) / num_tokens
 
 
+def data_parallel_loss(sp: SequenceParallel, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` to back-propagate under DDP, FSDP or accelerate spanning every rank, whose
+    gradient average over all ranks is then the mean over the sequence-parallel groups of
+    each group's gradient: the same value (log it), the gradient times the group size.
+
+    With N = dp x sp ranks, rank r's gradient from :func:`causal_lm_loss` is its share G_r
+    of its group's gradient; DDP takes 1/N sum over all ranks of sp G_r = 1/dp sum over the
+    groups of the group's gradient. Multiplying the loss itself by sp would give the same
+    gradient but log sp times the loss (Note [Trainer ranks and gradient scale] in
+    tokenring.hf_trainer).
+
+    Args:
+        loss: a scalar from :func:`causal_lm_loss` (the same value on every rank of sp.group).
+
+    Returns:
+        A scalar equal to ``loss`` (exactly) whose gradient is ``sp.group``'s size times
+        ``loss``'s.
+    """
+    scale = sp.communicator.world_size
+    return loss + (scale - 1) * (loss - loss.detach())  # the added term is exactly 0
+
+
 def all_reduce_gradients(
     sp: SequenceParallel, parameters: Iterable[torch.nn.Parameter] | torch.nn.Module
 ) -> None:
     """Sum every ``.grad`` over the group, in place (what DDP would do, but a sum).
 
     Each rank's gradients come from its own tokens only; with :func:`causal_lm_loss` their
-    sum is the full gradient. (DDP and FSDP *average* over their group: with them, scale the
-    loss by the group size instead of calling this.) Reduces in float32 or wider. Every rank
+    sum is the full gradient. (DDP and FSDP *average* over their group: with them, back-propagate
+    :func:`data_parallel_loss` instead of calling this.) Reduces in float32 or wider. Every rank
     must hold gradients for the same parameters (one flat all-reduce per dtype).
     """
     if isinstance(parameters, torch.nn.Module):

@@ -302,6 +302,22 @@ class HybridMesh:
     inner: dist.ProcessGroup
     """Inside an island: the all-to-all runs here."""
 
+    @classmethod
+    def from_device_mesh(cls, mesh: Any) -> HybridMesh:
+        """The groups of a 2-D ``DeviceMesh`` ``(outer, inner)``: its two dimensions in that
+        order, e.g. ``world_mesh["sp_outer", "sp_inner"]``, a slice of a larger mesh whose
+        other dimensions (data parallel, ...) hold other replicas.
+
+        Raises:
+            ValueError: not a DeviceMesh of 2 dimensions.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
+            got = f"ndim={mesh.ndim}" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
+            raise ValueError(f"mesh must be a 2-D DeviceMesh (outer, inner); got {got}")
+        return cls(outer=mesh.get_group(0), inner=mesh.get_group(1))
+
     @property
     def outer_size(self) -> int:
         return dist.get_world_size(self.outer)

@@ -1,0 +1,146 @@
+"""The Hugging Face ``Trainer`` under sequence parallelism, composed with its data parallelism.
+
+This module owns :class:`SequenceParallelTrainer`: a ``transformers.Trainer`` whose causal-LM
+loss runs on sequence shards. It imports transformers (and, through its ``Trainer``,
+accelerate) at the top: ``pip install "tokenring-attention[hf]" accelerate``.
+
+Note [Trainer ranks and gradient scale]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The world of N = dp x sp ranks is cut into dp sequence-parallel groups of sp ranks (e.g. the
+``"sp"`` dimension of a 2-D ``DeviceMesh`` ``("dp", "sp")``); the Trainer's DDP spans all N
+ranks, as it does by default. Per step and group g::
+
+    the loader          gives every rank its own batch
+    broadcast_batch     the group's first rank's batch on each of its ranks (the others' dropped)
+    shard_batch         each rank's zigzag shard, labels shifted over the global sequence
+    causal_lm_loss      L_g, the token-weighted mean over the group's tokens; its value is the
+                        same on every rank of g, its gradient on rank r the share G_r, and
+                        sum over r in g of G_r = dL_g (the group's full gradient)
+    backward            of L_g + (sp - 1) (L_g - L_g.detach()): the value stays L_g (the term
+                        is exactly 0), the gradient becomes sp G_r
+    DDP average         1/N sum over all ranks sp G_r = 1/dp sum over g dL_g: the gradient of
+                        the mean over groups, what data parallelism over dp replicas computes
+    logged loss         the Trainer's mean over ranks of L_g = the mean over groups, the true
+                        loss (no factor of N or sp)
+
+Legend: N world size, dp data-parallel replicas, sp ranks per sequence-parallel group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenring.hf import (
+    SequenceParallel,
+    broadcast_batch,
+    causal_lm_loss,
+    data_parallel_loss,
+    register,
+    shard_batch,
+)
+
+try:
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - tokenring.hf.register checks first
+    raise ImportError(
+        "tokenring.hf_trainer needs transformers: pip install 'tokenring-attention[hf]'"
+    ) from exc
+
+__all__ = ["SequenceParallelTrainer"]
+
+_INPUTS = frozenset({"input_ids", "labels", "attention_mask"})
+
+
+class SequenceParallelTrainer(Trainer):
+    """A ``transformers.Trainer`` for causal LMs whose sequences are sharded over the ranks of
+    ``sequence_parallel.group`` (Note [Trainer ranks and gradient scale]).
+
+    The model must use a tokenring attention (``attn_implementation="tokenring"``, ...). Use
+    it like ``Trainer`` (DDP over every rank, as ``torchrun`` gives); batches hold
+    ``input_ids`` and optionally ``labels`` (unshifted, ``-100`` where not counted) and an
+    all-ones ``attention_mask``.
+
+    Args:
+        sequence_parallel: the group (a ProcessGroup or a 1-D ``DeviceMesh`` such as
+            ``mesh["sp"]``) and layout; every rank's group must have the same size, a divisor
+            of the world size.
+        args, kwargs: ``Trainer``'s.
+
+    Raises:
+        ValueError: sequence_parallel is not a SequenceParallel, or its group size does not
+            divide the number of processes.
+    """
+
+    loss_is_scaled_for_ga = False  # a mean per micro-batch: Trainer divides by the GA steps
+
+    def __init__(self, *args: Any, sequence_parallel: SequenceParallel, **kwargs: Any) -> None:
+        if not isinstance(sequence_parallel, SequenceParallel):
+            raise ValueError(
+                "sequence_parallel must be a tokenring.hf.SequenceParallel; got "
+                f"{type(sequence_parallel).__name__}"
+            )
+        register()
+        super().__init__(*args, **kwargs)
+        self.sequence_parallel = sequence_parallel
+        sp_size = sequence_parallel.communicator.world_size
+        num_processes = self.accelerator.num_processes
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if num_processes != world or num_processes % sp_size:
+            raise ValueError(
+                f"the sequence-parallel group size ({sp_size}) must divide the Trainer's "
+                f"{num_processes} processes, which must be the whole world ({world} ranks)"
+            )
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """The group's token-weighted mean loss, with the gradient scaled for DDP's average
+        (Note [Trainer ranks and gradient scale]); ``num_items_in_batch`` is not needed (the
+        loss already counts every token of the group)."""
+        sp = self.sequence_parallel
+        extra = sorted(set(inputs) - _INPUTS)
+        if extra:
+            raise NotImplementedError(
+                f"SequenceParallelTrainer takes input_ids, labels and attention_mask; got {extra}"
+            )
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise NotImplementedError(
+                "a padding attention_mask is not supported under sequence parallelism; pad at "
+                "the end and set the padded labels to -100, or pack the sequences"
+            )
+        input_ids = inputs["input_ids"]
+        labels = inputs.get("labels")
+        batch = broadcast_batch(
+            sp, {"input_ids": input_ids, "labels": input_ids if labels is None else labels}
+        )
+        local = shard_batch(sp, batch["input_ids"], batch["labels"])
+        outputs = model(
+            input_ids=local.input_ids,
+            position_ids=local.position_ids,
+            sequence_parallel=sp,
+            use_cache=False,
+        )
+        assert local.shift_labels is not None
+        loss = data_parallel_loss(sp, causal_lm_loss(sp, outputs.logits, local.shift_labels))
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor, None, None]:
+        """The evaluation loss only (each rank holds logits of its own shard: gather them with
+        ``tokenring.hf.gather_sequence`` where needed)."""
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
