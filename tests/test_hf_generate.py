@@ -49,6 +49,7 @@ class Case:
     strategy: str = "auto"
     sample: bool = False
     prefill_chunk_size: int | None = None
+    block_size: int | None = None  # None: the prompt spread over every rank
 
 
 CASES = [
@@ -58,7 +59,7 @@ CASES = [
     Case(16, strategy="pass_kv"),
     Case(13, strategy="direct"),
     Case(13, strategy="tree"),
-    Case(11, batch=2),  # two sequences: their decode tokens have different owners
+    Case(11, batch=2, block_size=64),  # both in one block: seq b starts on rank b
     Case(13, sample=True),  # every rank seeded alike draws the same tokens
     Case(13, prefill_chunk_size=5),  # a prefill on top of a cache
 ]
@@ -124,12 +125,20 @@ def run_cases(state: dict[str, torch.Tensor], cases: list[Case]) -> dict[str, An
         sp = hf.SequenceParallel(hardware=HARDWARE if case.strategy == "auto" else None)
         torch.manual_seed(1234)  # the same on every rank: sampling draws alike
         with torch.no_grad():
-            res = hf.generate(sp, model, prompt(case), strategy=case.strategy, **gen_kwargs(case))
+            res = hf.generate(
+                sp,
+                model,
+                prompt(case),
+                strategy=case.strategy,
+                block_size=case.block_size,
+                **gen_kwargs(case),
+            )
         out["cases"].append(
             {
                 "sequences": res.sequences,
                 "logits": torch.stack(res.logits, dim=1),  # (B, new, V)
                 "strategies": [s.value for s in res.cache.strategies],
+                "held": res.cache.kv.tokens_held(),  # [rank][sequence]
             }
         )
     return out
@@ -219,6 +228,13 @@ def test_generate_on_four_ranks_matches_one_process() -> None:
             torch.testing.assert_close(got["logits"], want["logits"], msg=f"{case} rank {rank}")
             worst = max(worst, (got["logits"] - want["logits"]).abs().max().item())
             assert got["strategies"] == per_rank[0]["cases"][i]["strategies"]
+        held = per_rank[0]["cases"][i]["held"]
+        total = case.prompt_len + NEW_TOKENS - 1  # the last token is never fed back
+        assert [sum(col) for col in zip(*held, strict=True)] == [total] * case.batch, held
+        if case.block_size is None:  # the prompt and the new tokens on every rank
+            assert all(n > 0 for row in held for n in row), (case, held)
+        else:  # one block of 64: sequence b on rank b alone
+            assert held == [[total if r == b else 0 for b in range(case.batch)] for r in range(4)]
         strategies = per_rank[0]["cases"][i]["strategies"]
         steps = NEW_TOKENS  # the prefill, then one decode step per new token but the last
         if case.prefill_chunk_size is not None:
@@ -254,6 +270,10 @@ def test_one_rank_generate_and_errors_name_the_fix() -> None:
         hf.generate(hf.SequenceParallel(), model, prompt(case), strategy="fastest")
     with pytest.raises(ValueError, match="hardware only plans strategy='auto'"):
         hf.generate(hf.SequenceParallel(hardware=HARDWARE), model, prompt(case), strategy="tree")
+    with pytest.raises(ValueError, match="without seq_len and cu_seqlens; got seq_len=13"):
+        hf.generate(hf.SequenceParallel(seq_len=13), model, prompt(case))
+    with pytest.raises(ValueError, match="block_size must be an int >= 1 or None; got 0"):
+        hf.generate(hf.SequenceParallel(), model, prompt(case), block_size=0)
     with pytest.raises(NotImplementedError, match="continuing from a cache"):
         hf.generate(hf.SequenceParallel(), model, prompt(case), cache=object())
     # the cache refuses what it cannot do, naming it

@@ -280,9 +280,9 @@ def test_trainer_dp_by_sp_matches_one_process() -> None:
     for rank, res in enumerate(per_rank):
         assert len(res["logged"]) == STEPS and len(res["grads"]) == STEPS, rank
         for step in range(STEPS):
-            # the Trainer logs the loss rounded to 4 significant digits or so; a factor of the
-            # world size or of the group size would be far outside
-            assert res["logged"][step] == pytest.approx(want_losses[step], rel=1e-3), (
+            # the Trainer logs a float32 value; a factor of the world or group size would be
+            # far outside
+            assert res["logged"][step] == pytest.approx(want_losses[step], rel=1e-6), (
                 rank,
                 step,
                 res["logged"],

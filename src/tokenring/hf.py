@@ -507,7 +507,7 @@ def generate(
     input_ids: torch.Tensor,
     *,
     strategy: str = "auto",
-    block_size: int = 64,
+    block_size: int | None = None,
     budget_bytes: int | None = None,
     **gen_kwargs: Any,
 ) -> Any:

@@ -120,12 +120,14 @@ class ShardedKVCache(Cache):
             machine, measured once per group).
         strategy: ``"auto"`` or a cached strategy (``"pass_q"``, ``"pass_kv"``, ``"direct"``,
             ``"tree"``) for every step.
-        block_size, budget_bytes: of the DistributedKVCache (placement block and allocation
-            unit; the most K/V bytes a rank may reserve, None: no limit).
+        block_size: of the DistributedKVCache (tokens per placement block and allocation
+            unit). None: ``min(64, ceil(T / P))`` for a first prefill of T tokens, so that a
+            short prompt that the zigzag layout cannot take is still spread over every rank.
+        budget_bytes: the most K/V bytes a rank may reserve (None: no limit).
 
     Raises:
-        ValueError: an unknown strategy, hardware with a forced strategy, or a config without
-            layers and heads.
+        ValueError: an unknown strategy, hardware with a forced strategy, a block_size below 1,
+            or a config without layers and heads.
     """
 
     def __init__(
@@ -134,7 +136,7 @@ class ShardedKVCache(Cache):
         sequence_parallel: Any,
         *,
         strategy: CachedStrategy | str = "auto",
-        block_size: int = 64,
+        block_size: int | None = None,
         budget_bytes: int | None = None,
     ) -> None:
         from tokenring.hf import SequenceParallel
@@ -151,6 +153,10 @@ class ShardedKVCache(Cache):
                     "SequenceParallel.hardware only plans strategy='auto'; got hardware="
                     f"{sequence_parallel.hardware!r} with strategy={strategy.value!r}"
                 )
+        if block_size is not None and (
+            isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+        ):
+            raise ValueError(f"block_size must be an int >= 1 or None; got {block_size!r}")
         text = (
             config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         )
@@ -253,6 +259,7 @@ class ShardedKVCache(Cache):
             raise
         batch, num_new = input_ids.shape
         if self.kv is None:
+            block_size = self.block_size or min(64, -(-num_new // comm.world_size))
             self.kv = DistributedKVCache(
                 num_layers=self.num_layers,
                 batch=batch,
@@ -260,7 +267,7 @@ class ShardedKVCache(Cache):
                 head_dim=self.head_dim,
                 dtype=dtype,
                 device=device,
-                block_size=self.block_size,
+                block_size=block_size,
                 budget_bytes=self.budget_bytes,
                 group=comm,
             )
@@ -366,7 +373,7 @@ def generate(
     input_ids: torch.Tensor,
     *,
     strategy: CachedStrategy | str = "auto",
-    block_size: int = 64,
+    block_size: int | None = None,
     budget_bytes: int | None = None,
     **gen_kwargs: Any,
 ) -> Any:
@@ -390,7 +397,7 @@ def generate(
 
     Raises:
         ValueError: a model without a tokenring attention, input_ids not 2-D, use_cache=False,
-            or ranks whose token ids differ.
+            sp with seq_len or cu_seqlens, or ranks whose token ids differ.
         NotImplementedError: beam search, assisted or prompt-lookup decoding, a padding
             attention_mask, inputs_embeds, attention weights or hidden states, a cache to
             continue from, or a model option the cached attention cannot express (a sliding
@@ -400,6 +407,11 @@ def generate(
 
     if not isinstance(sp, SequenceParallel):
         raise ValueError(f"sp must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}")
+    if sp.seq_len is not None or sp.cu_seqlens is not None:
+        raise ValueError(
+            "generation places each step's tokens itself: pass a SequenceParallel without "
+            f"seq_len and cu_seqlens; got seq_len={sp.seq_len}, cu_seqlens={sp.cu_seqlens}"
+        )
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl not in ATTN_IMPLEMENTATIONS:
         raise ValueError(
