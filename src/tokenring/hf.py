@@ -29,6 +29,10 @@ Note [How a model call reaches the ring]
           sliding_window), group/layout/seq_len/cu_seqlens from sp)
       labels= -> the model's loss function (ForCausalLM) -> ours when sequence_parallel is
           given: labels shifted over the global sequence, the token-weighted global mean
+    generate(sp, model, ids)            transformers' generate over a ShardedKVCache: the
+                                        attention call gets sequence_parallel_cache= and runs
+                                        cached attention (Note [Generation under sequence
+                                        parallelism] in tokenring.hf_generation)
 
 Note [Model masks]
 ~~~~~~~~~~~~~~~~~~
