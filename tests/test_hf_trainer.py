@@ -157,6 +157,13 @@ def run_trainer(state: dict[str, torch.Tensor], data: list[dict[str, torch.Tenso
             callbacks=[recorder],
         )
         trainer.train()
+    # a rank that passes something else: every rank of its group raises, naming it
+    odd = mesh["sp"].get_local_rank() == 1
+    bad: dict[str, Any] = {"input_ids": [1] if odd else torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"rank 1: batch\['input_ids'\] must be a tensor"):
+        hf.broadcast_batch(sp, bad)
+    with pytest.raises(ValueError, match="every rank must give the same batch names"):
+        hf.broadcast_batch(sp, {f"ids{dist.get_rank()}": torch.zeros(1)})
     return {
         "seen": seen,
         "grads": recorder.grads,

@@ -671,23 +671,33 @@ def broadcast_batch(
         ValueError: a value that is not a tensor, or ranks that give different names (on
             every rank).
     """
-    for name, value in batch.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"batch[{name!r}] must be a tensor; got {type(value).__name__}")
+    wrong = [
+        f"batch[{name!r}] must be a tensor; got {type(value).__name__}"
+        for name, value in batch.items()
+        if not isinstance(value, torch.Tensor)
+    ]
     comm = sp.communicator
+    if comm.world_size == 1 and wrong:
+        raise ValueError(wrong[0])
     if comm.world_size == 1:
         return dict(batch)
-    mine = {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in batch.items()}
-    rows = [
+    mine: dict[str, Any] = {"error": wrong[0]} if wrong else {"tensors": {}}
+    if not wrong:
+        for name, t in batch.items():
+            mine["tensors"][name] = [list(t.shape), str(t.dtype).removeprefix("torch.")]
+    rows = [  # every rank learns every rank's error: all raise, none waits
         json.loads(b)
         for b in comm.all_gather_bytes(json.dumps(mine).encode(), what="broadcast_batch")
     ]
-    names = [sorted(row) for row in rows]
+    errors = [f"rank {r}: {row['error']}" for r, row in enumerate(rows) if "error" in row]
+    if errors:
+        raise ValueError("; ".join(errors))
+    names = [sorted(row["tensors"]) for row in rows]
     if any(n != names[0] for n in names):
         raise ValueError(f"every rank must give the same batch names; got {names} by rank")
     out = {}
     for name in names[0]:
-        shape, dtype_name = rows[0][name]
+        shape, dtype_name = rows[0]["tensors"][name]
         dtype = getattr(torch, dtype_name)
         wire = torch.int64 if dtype == torch.bool else dtype  # gloo sums no bool
         if comm.rank == 0:
