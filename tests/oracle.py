@@ -286,6 +286,28 @@ def expected_bytes(
     def kv_needed(q_owner: int, owner: int) -> set[int]:
         return _needed_rows(visible.T, rows, pos, owner, q_owner)
 
+    if strategy == "bidir_token_ring":
+        # Two rings on the query heads: those of kv heads [0, Hkv/2) go down, the rest up;
+        # with a single kv head, query heads [0, Hq/2) down and the rest up. Each partial
+        # goes straight home, carrying its lane's heads.
+        groups = heads_q // heads_kv
+        down = (heads_kv // 2) * groups if heads_kv >= 2 else heads_q // 2
+        for owner in range(p):
+            for direction, lane_heads in ((-1, down), (+1, heads_q - down)):
+                route = [(owner + direction * h) % p for h in range(p)]
+                travel_row = (2 * q_row + 2 * per_head) if backward else q_row
+                for h in range(1, p):
+                    need = set().union(*(q_needed(owner, r) for r in route[h:]))
+                    add(
+                        "travel",
+                        route[h - 1],
+                        route[h],
+                        _cover(need) * travel_row * lane_heads // heads_q,
+                    )
+                    ret_row = q_row if backward else q_row + per_head
+                    ret = _cover(q_needed(owner, route[h])) * ret_row * lane_heads // heads_q
+                    add("return", route[h], owner, ret)
+        return total
     if strategy == "bidir_ring":
         # Two rings on disjoint halves: kv heads [0, H/2) go down and [H/2, H) go up; with a
         # single kv head, rows [0, s/2) go down and [s/2, s) go up (one ring when s = 1).

@@ -146,7 +146,7 @@ def run_grid(strategy: str) -> list[list[dict[str, Any]] | bool]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("strategy", ["token_ring", "ring", "bidir_ring"])
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "bidir_ring", "bidir_token_ring"])
 def test_matches_oracle_and_traffic_formula(strategy: str, world_size: int) -> None:
     per_rank = tokenring.launch(run_grid, strategy, world_size=world_size, timeout_s=240)
     failures = []

@@ -48,7 +48,12 @@ def test_bench_json_rows_cover_the_grid(capsys: pytest.CaptureFixture[str], tmp_
         assert row["world_size"] == 2 and row["torch"] and row["git_sha"]
         assert row["ms_p10"] <= row["ms_median"] <= row["ms_p90"] <= row["ms_max"]
         assert row["model_ms"] > 0 and row["planner_pick"] in strategies
-        if row["strategy"] in ("token_ring", "ring", "bidir_ring"):  # with compute-only runs
+        if row["strategy"] in (
+            "token_ring",
+            "ring",
+            "bidir_ring",
+            "bidir_token_ring",
+        ):  # compute-only runs
             assert row["pct_of_bound"] > 0
         assert row["hybrid"] == ("1x2 token_ring" if row["strategy"] == "hybrid" else None)
         assert row["layout"] == ("zigzag" if row["causal"] else "contiguous")

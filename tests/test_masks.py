@@ -162,6 +162,8 @@ def run_grid(strategy: str, dtypes: list[str], full: bool) -> list[str]:
         ("token_ring", 3, ["float64"], False),
         ("ring", 2, ["float64"], False),
         ("bidir_ring", 3, ["float64"], False),
+        ("bidir_token_ring", 4, ["float64", "float32"], True),
+        ("bidir_token_ring", 3, ["float64"], False),
         ("ulysses", 4, ["float64", "bfloat16"], False),
         ("allgather_kv", 3, ["float64", "float32"], False),
     ],
@@ -188,7 +190,7 @@ def run_long_odd(strategies: list[str]) -> list[str]:
 
 
 def test_odd_length_1001_every_strategy() -> None:
-    strategies = ["token_ring", "ring", "bidir_ring", "ulysses", "allgather_kv"]
+    strategies = ["token_ring", "ring", "bidir_ring", "bidir_token_ring", "ulysses", "allgather_kv"]
     per_rank = tokenring.launch(run_long_odd, strategies, world_size=4, timeout_s=300)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not failures, "\n".join(failures[:20])

@@ -37,6 +37,7 @@ __all__ = [
     "SequenceParallelAttention",
     "allgather_kv_attn",
     "bidir_ring_attn",
+    "bidir_token_ring_attn",
     "close_communicators",
     "get_communicator",
     "resolve_strategy",
@@ -146,6 +147,7 @@ def _schedule(
     last_block_splits: int,
     heads_kv: int,
     attention_chunk_size: int | None,
+    heads_q: int | None = None,
 ) -> Schedule:
     return build_schedule(
         strategy,
@@ -159,6 +161,7 @@ def _schedule(
         last_block_splits=last_block_splits,
         heads_kv=heads_kv,
         attention_chunk_size=attention_chunk_size,
+        heads_q=heads_q,
     )
 
 
@@ -327,6 +330,11 @@ def _prepare_call(
             "strategy 'hybrid' runs on a 2-D mesh, not one group: call "
             "tokenring.hybrid_attn(q, k, v, mesh=tokenring.hybrid_mesh(outer, inner), "
             "outer_strategy=...) instead"
+        )
+    if requested == Strategy.BIDIR_TOKEN_RING.value and q.shape[2] < 2:
+        raise NotImplementedError(
+            "strategy 'bidir_token_ring' sends half of the query heads each way round the "
+            f"ring and needs heads_q >= 2; got q.shape[2]={q.shape[2]} (use 'token_ring')"
         )
     if hardware is not None and requested != "auto":
         raise ValueError(
@@ -706,6 +714,8 @@ def sequence_parallel_attn(
             the wire).
         strategy: ``"token_ring"`` (pass-Q, partials return on the other direction),
             ``"ring"`` (pass-KV), ``"bidir_ring"`` (pass-KV on two counter-rotating rings),
+            ``"bidir_token_ring"`` (pass-Q on two counter-rotating rings, half of the query
+            heads each; needs Hq >= 2),
             ``"ulysses"`` (all-to-all over heads), ``"allgather_kv"`` (all-gathered K/V),
             or ``"auto"``: the fastest by the cost model (see :func:`resolve_strategy`).
         causal: causal mask over *global* positions (see ``tokenring.layout``).
@@ -965,6 +975,7 @@ def _plan(
             last_block_splits,
             k.shape[2],
             attention_chunk_size,
+            q.shape[2],
         )
         schedules = (
             _schedule(strategy, Pass.FORWARD, *key),
@@ -1022,6 +1033,22 @@ def bidir_ring_attn(
     See :func:`sequence_parallel_attn` for the shapes and every keyword.
     """
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_RING, **options)
+
+
+def bidir_token_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Bidirectional TokenRing attention: pass-Q on two counter-rotating rings, each carrying
+    half of the query heads (whole GQA groups; with one kv head, half of the query heads), so
+    both directions of every link carry Q and partials, and each partial returns straight to
+    its owner (Note [Bidirectional TokenRing] in tokenring.schedule).
+
+    See :func:`sequence_parallel_attn` for the shapes and every keyword.
+
+    Raises:
+        NotImplementedError: a single query head (nothing to split; use token_ring_attn).
+    """
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_TOKEN_RING, **options)
 
 
 def ulysses_attn(

@@ -263,6 +263,8 @@ def _compute_only(
         if piece.heads is None:
             return slice(None), slice(None)
         a, b = piece.heads
+        if piece.q_heads is not None:  # a pass-Q lane's query heads (one kv head: a part)
+            return slice(*piece.q_heads), slice(a, b)
         return slice(a * groups, b * groups), slice(a, b)
 
     start = time.perf_counter()

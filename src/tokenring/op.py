@@ -18,7 +18,8 @@ output (hidden from the caller)::
 
     strategy               backward reads         residuals (padded: s_pad rows, see layout)
     token_ring, ring,      q, k, v, out, lse      none; padded: out and lse of the buffer
-      bidir_ring
+      bidir_ring,
+      bidir_token_ring
     ulysses                nothing of those       q, k, v, out, lse of the head share over the
                                                   gathered sequence (collective.residual_fields)
     allgather_kv           q, out, lse            gathered K/V; padded: out, lse of the buffer

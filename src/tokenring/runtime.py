@@ -2,7 +2,8 @@
 
 The schedule says what to compute and what to send in which slot; this module only moves
 tensors accordingly. Every strategy shares the slot machinery (:class:`_SlotPoster`). Pass-Q
-(TokenRing) keeps K/V home and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
+(TokenRing, bidirectional TokenRing) keeps K/V home, moves one Q block per lane (each lane
+carrying some query heads) and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
 home and moves one block per lane (``Schedule.lanes``), each lane carrying some kv heads or
 some kv rows.
 
@@ -44,7 +45,7 @@ from torch.profiler import record_function
 from tokenring.comm import Communicator, Event, FieldSpec, Message, PendingRecv
 from tokenring.kernels import BlockKernel, PositionMask
 from tokenring.merge import merge_into
-from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Strategy, Transfer
+from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Transfer
 
 __all__ = ["Shapes", "run_backward", "run_forward"]
 
@@ -319,7 +320,7 @@ class _InFlight:
         done = self.poster.take(Payload.DQ, self.step - 1) if block else []
         for rec in done + self.poster.take_ready(Payload.DQ, self.step):
             (dq_part,) = rec.wait()
-            self.dq_acc[:, rec.transfer.rows[0] : rec.transfer.rows[1]] += dq_part
+            _rows_heads(self.dq_acc, rec.transfer)[...] += dq_part
 
 
 def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
@@ -333,9 +334,30 @@ def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
 
 def _q_heads(piece: Piece, groups: int) -> slice:
     """The query heads of a piece (its kv heads are already the lane's block)."""
+    if piece.q_heads is not None:
+        return slice(*piece.q_heads)
     if piece.heads is None:
         return slice(None)
     return slice(piece.heads[0] * groups, piece.heads[1] * groups)
+
+
+def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
+    """The rows and query heads of ``acc`` ``(B, s, Hq, D)`` that the return ``tr`` carries."""
+    rows = acc[:, tr.rows[0] : tr.rows[1]]
+    return rows if tr.heads is None else rows[:, :, tr.heads[0] : tr.heads[1]]
+
+
+def _query_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dict[int, _Held]:
+    """Pass-Q: each lane's block at step 0, this rank's rows on the lane's query heads
+    (``tensors``: (B, s, Hq, D) or (B, Hq, s))."""
+    held = {}
+    for index, lane in enumerate(sched.lanes):
+        views = tensors
+        if lane.q_heads is not None:
+            a, b = lane.q_heads
+            views = [x[:, :, a:b] if x.dim() == 4 else x[:, a:b] for x in tensors]
+        held[index] = _Held(rank, (0, tensors[0].shape[1]), views)
+    return held
 
 
 def _lane_shape(lane: Lane, k: torch.Tensor) -> tuple[int, ...]:
@@ -381,8 +403,8 @@ def run_forward(
     poster = _SlotPoster(sched, comm, shapes)
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
     lse_acc = torch.full((q.shape[0], q.shape[2], s), float("-inf"), dtype=acc, device=q.device)
-    pass_q = sched.strategy is Strategy.TOKEN_RING
-    held = {0: _Held(rank, (0, s), [q])} if pass_q else _lane_blocks(sched, rank, [k, v])
+    pass_q = sched.strategy.passes_q
+    held = _query_blocks(sched, rank, [q]) if pass_q else _lane_blocks(sched, rank, [k, v])
     partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
     masks = _Masks(sched)
     timer = _ComputeTimer(comm, q.device)
@@ -396,8 +418,13 @@ def run_forward(
     def merge_returned(step: int | None) -> None:
         for rec in poster.take(Payload.OUT, step):
             part_out, part_lse = rec.wait()
-            done = timer.span(rec.transfer.step, "merge")
-            merge_into(out_acc, lse_acc, rec.transfer.rows, part_out, part_lse)
+            tr = rec.transfer
+            done = timer.span(tr.step, "merge")
+            if tr.heads is None:
+                merge_into(out_acc, lse_acc, tr.rows, part_out, part_lse)
+            else:  # a lane's query heads (bidirectional TokenRing)
+                heads = slice(*tr.heads)
+                merge_into(out_acc[:, :, heads], lse_acc[:, heads], tr.rows, part_out, part_lse)
             done()
 
     for step in range(sched.num_steps):
@@ -410,8 +437,18 @@ def run_forward(
                 for piece in segment.pieces:
                     (a, b), (c, d) = piece.q_rows, piece.kv_rows
                     qh = _q_heads(piece, groups)
-                    if pass_q:
-                        q_p, k_p, v_p = held[0].rows_of(0, piece.q_rows), k[:, c:d], v[:, c:d]
+                    q_owner = plan.lane_q_owner(piece.lane)
+                    if pass_q and step == 0:  # the local block, every head
+                        q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
+                        kv_owner = rank
+                    elif pass_q:  # the lane's visiting Q against its kv heads of ours
+                        q_p = held[piece.lane].rows_of(0, piece.q_rows)
+                        k_p, v_p = k[:, c:d], v[:, c:d]
+                        if piece.heads is not None:
+                            k_p, v_p = (
+                                k_p[:, :, slice(*piece.heads)],
+                                v_p[:, :, slice(*piece.heads)],
+                            )
                         kv_owner = rank
                     elif step == 0:  # the local block, every head
                         q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
@@ -421,11 +458,11 @@ def run_forward(
                         q_p = q[:, a:b, qh]
                         k_p, v_p = block.rows_of(0, piece.kv_rows), block.rows_of(1, piece.kv_rows)
                         kv_owner = block.owner
-                    mask = masks(piece, plan.q_owner, kv_owner)
+                    mask = masks(piece, q_owner, kv_owner)
                     part = kernel.forward(
                         q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask
                     )
-                    if plan.q_owner == rank:  # merge straight into this rank's accumulators
+                    if q_owner == rank:  # merge straight into this rank's accumulators
                         merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
                     else:
                         parts.append((piece.q_rows, part))
@@ -480,9 +517,10 @@ def run_backward(
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
     dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
     dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-    pass_q = sched.strategy is Strategy.TOKEN_RING
+    pass_q = sched.strategy.passes_q
+    home = _Held(rank, (0, s), [q, dout, lse, delta])  # pass-Q: the local block, every head
     if pass_q:
-        held = {0: _Held(rank, (0, s), [q, dout, lse, delta])}
+        held = _query_blocks(sched, rank, [q, dout, lse, delta])
     else:
         held = _lane_blocks(sched, rank, [k, v])
     returns: dict[Transfer, Sequence[torch.Tensor] | Message] = {}
@@ -506,8 +544,7 @@ def run_backward(
     def add_returned(step: int | None) -> None:
         for rec in poster.take(Payload.DQ, step):
             (dq_part,) = rec.wait()
-            start, stop = rec.transfer.rows
-            dq_acc[:, start:stop] += dq_part
+            _rows_heads(dq_acc, rec.transfer)[...] += dq_part
 
     for step in range(sched.num_steps):
         plan = sched.steps[rank][step]
@@ -534,9 +571,12 @@ def run_backward(
                 for piece in segment.pieces:
                     (a, b), (c, d) = piece.q_rows, piece.kv_rows
                     qh = _q_heads(piece, groups)
+                    q_owner = plan.lane_q_owner(piece.lane)
+                    kvh = slice(None) if piece.heads is None else slice(*piece.heads)
                     if pass_q:
-                        q_p, do_p, lse_p, delta_p = held[0].slice(piece.q_rows)
-                        k_p, v_p = k[:, c:d], v[:, c:d]
+                        block = home if step == 0 else held[piece.lane]
+                        q_p, do_p, lse_p, delta_p = block.slice(piece.q_rows)
+                        k_p, v_p = k[:, c:d, kvh], v[:, c:d, kvh]
                         kv_owner = rank
                     else:
                         q_p, do_p = q[:, a:b, qh], dout[:, a:b, qh]
@@ -549,20 +589,23 @@ def run_backward(
                             k_p = block.rows_of(0, piece.kv_rows)
                             v_p = block.rows_of(1, piece.kv_rows)
                             kv_owner = block.owner
-                    mask = masks(piece, plan.q_owner, kv_owner)
-                    if pass_q or step == 0:
+                    mask = masks(piece, q_owner, kv_owner)
+                    if pass_q:
+                        dk_t, dv_t = dk_acc[:, c:d, kvh], dv_acc[:, c:d, kvh]
+                    elif step == 0:
                         dk_t, dv_t = dk_acc[:, c:d], dv_acc[:, c:d]
                     else:
                         if piece.lane not in lane_grads:
                             lane_grads[piece.lane] = new_lane_grads(piece.lane)
                         row0 = (sched.lanes[piece.lane].kv_rows or (0, s))[0]
                         dk_t, dv_t = (g[:, c - row0 : d - row0] for g in lane_grads[piece.lane])
-                    if plan.q_owner == rank:
+                    if q_owner == rank:
                         dq_t = dq_acc[:, a:b, qh]
                     else:
                         if dq_seg is None:
                             rows = segment.q_rows
-                            shape = (q.shape[0], rows[1] - rows[0], *q.shape[2:])  # (B,n,Hq,D)
+                            num_heads = len(range(q.shape[2])[qh])  # a pass-Q lane's: fewer
+                            shape = (q.shape[0], rows[1] - rows[0], num_heads, q.shape[3])
                             if acc == q.dtype:  # accumulated in the message that returns it
                                 dq_msg, (dq_seg,) = comm.message([(shape, acc)], q.device)
                             else:

@@ -75,6 +75,35 @@ of K/V, turning opposite ways so both directions of every link carry K/V::
 At step t rank r holds lane 0's block of owner (r + t) mod P and lane 1's of (r - t) mod P.
 The local block (step 0) is computed once, on every head and row. Per step each direction
 carries half of Ring's K/V bytes, and nothing is left to return at the end, unlike TokenRing.
+
+Note [Bidirectional TokenRing]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``Strategy.BIDIR_TOKEN_RING`` is pass-Q on two lanes turning opposite ways, each carrying
+half of the query heads; K/V stay home, and each partial goes straight back to its owner on
+its lane's return group (so both directions of every link carry Q and partials)::
+
+    Hkv >= 2: lane 0 carries the query heads of kv heads [0, Hkv/2) down (r -> r-1),
+              lane 1 those of [Hkv/2, Hkv) up (r -> r+1): whole GQA groups, so a lane's
+              pieces read only its own kv heads (odd Hkv splits unevenly: 3 -> 1 + 2).
+    Hkv == 1: lane 0 carries query heads [0, Hq/2) down, lane 1 [Hq/2, Hq) up; both read
+              the one kv head (it never moves, so sharing it costs nothing).
+    Hq == 1:  nothing to split: NotImplementedError naming token_ring (no fallback).
+
+At step t rank r holds lane 0's Q of owner (r + t) mod P and lane 1's of (r - t) mod P.
+P = 4 (h0, h1: the lanes' heads)::
+
+    step t:          0            1         2         3
+    rank 0 holds:    Q0 all heads Q1h0 Q3h1 Q2h0 Q2h1 Q3h0 Q1h1
+    rank 1 holds:    Q1 all heads Q2h0 Q0h1 Q3h0 Q3h1 Q0h0 Q2h1
+    returns of t:    -            r+1, r-1  r+2, r-2  r+3, r-3 (each lane to its owner)
+
+Step 0 computes the local block once, on every head (one segment, lane 0, like the
+bidirectional ring). A step's segments are lane 0's then lane 1's; the last step splits each
+lane's block in ``last_block_splits`` row slices, so only one slice of half the heads is
+exposed, and the first hop moves half of Q on each direction. Zigzag causal: lane 0 meets
+the kv owners below o first (all q rows) and sends half rows after the wrap, as TokenRing;
+lane 1 meets those above o first (rows [c, s) only) but must carry every row until it has
+passed the ranks below o, so it moves more than lane 0 (P = 4: 7/6 of lane 0's rows).
 """
 
 from __future__ import annotations
@@ -119,6 +148,7 @@ class Strategy(enum.Enum):
     TOKEN_RING = "token_ring"
     RING = "ring"
     BIDIR_RING = "bidir_ring"
+    BIDIR_TOKEN_RING = "bidir_token_ring"  # pass-Q on two lanes: Note [Bidirectional TokenRing]
     ULYSSES = "ulysses"
     ALLGATHER_KV = "allgather_kv"
     HYBRID = "hybrid"  # 2-D mesh, inner all-to-all + outer ring strategy: tokenring.hybrid
@@ -127,6 +157,11 @@ class Strategy(enum.Enum):
     def is_collective(self) -> bool:
         """Moves everything with collectives (all-to-all, all-gather), not round a ring."""
         return self in (Strategy.ULYSSES, Strategy.ALLGATHER_KV)
+
+    @property
+    def passes_q(self) -> bool:
+        """Q blocks travel and partials return; K/V stay home (TokenRing on one or two lanes)."""
+        return self in (Strategy.TOKEN_RING, Strategy.BIDIR_TOKEN_RING)
 
     @classmethod
     def parse(cls, value: Strategy | str) -> Strategy:
@@ -222,6 +257,7 @@ class Piece:
     lane: int = 0  # which travelling block the kv rows come from (see Lane)
     heads: Rows | None = None  # kv heads computed (query heads: the same range x group); all
     masked: bool = False  # explicit mask from the rows' positions (Note [Mask classes])
+    q_heads: Rows | None = None  # query heads computed when not ``heads`` x group (MQA lanes)
 
     @property
     def num_q(self) -> int:
@@ -276,6 +312,7 @@ class Lane:
     direction: int  # -1: rank r sends to r-1 ("down"); +1: to r+1 ("up")
     kv_heads: Rows | None = None  # kv heads it carries (None: all)
     kv_rows: Rows | None = None  # rows of the K/V shard it carries (None: all)
+    q_heads: Rows | None = None  # pass-Q: query heads it carries (None: all)
 
     def visitor(self, rank: int, step: int, world_size: int) -> int:
         """The owner of the block this lane holds on ``rank`` at ``step``."""
@@ -291,6 +328,11 @@ class StepPlan:
     q_owner: int
     kv_owners: tuple[int, ...]  # per lane: whose K/V that lane's block holds at this step
     segments: tuple[Segment, ...]
+    q_owners: tuple[int, ...] = ()  # pass-Q on two lanes: whose Q each lane holds; () q_owner
+
+    def lane_q_owner(self, lane: int) -> int:
+        """Whose queries the pieces of ``lane`` compute at this step."""
+        return self.q_owners[lane] if self.q_owners else self.q_owner
 
     @property
     def kv_owner(self) -> int:
@@ -490,7 +532,8 @@ def build_schedule(
     """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
 
     Args:
-        strategy: ``Strategy.TOKEN_RING`` (pass-Q) or ``Strategy.RING`` (pass-KV).
+        strategy: a ring strategy: ``Strategy.TOKEN_RING`` (pass-Q), ``Strategy.RING``
+            (pass-KV), ``BIDIR_RING`` or ``BIDIR_TOKEN_RING`` (two lanes).
         pass_: forward or backward.
         layout: how the sequence is sharded (see ``tokenring.layout``).
         causal: causal mask over global positions.
@@ -510,14 +553,16 @@ def build_schedule(
             returns each as soon as it is done (see Note [TokenRing step table]).
         heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes
             and by the collective strategies.
-        heads_q: number of query heads; needed by the collective strategies (Ulysses splits
+        heads_q: number of query heads; needed by ``Strategy.BIDIR_TOKEN_RING`` (with
+            heads_kv) to split its lanes, and by the collective strategies (Ulysses splits
             them over the ranks). Their schedules come from ``tokenring.collective``.
 
     Raises:
         ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
             cannot split, both or neither of seq_local and seq_len, bad cu_seqlens,
             window_size or attention_chunk_size, or last_block_splits < 1.
-        NotImplementedError: documents, windows, chunks or padding with a collective strategy.
+        NotImplementedError: documents, windows, chunks or padding with a collective strategy;
+            ``BIDIR_TOKEN_RING`` with a single query head.
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
@@ -562,7 +607,10 @@ def build_schedule(
             heads_kv=heads_kv,
         )
     p, s = world_size, sharding.seq_local
-    lanes = _lanes(strategy, layout, s, heads_kv, causal)
+    if strategy is Strategy.BIDIR_TOKEN_RING:
+        lanes = _query_lanes(heads_q, heads_kv)
+    else:
+        lanes = _lanes(strategy, layout, s, heads_kv, causal)
     cache: dict[tuple[int, int], tuple[Piece, ...]] = {}
 
     def pieces(q_owner: int, kv_owner: int) -> tuple[Piece, ...]:
@@ -576,10 +624,23 @@ def build_schedule(
         row: list[StepPlan] = []
         for t in range(p):
             kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
+            splits = last_block_splits if t == p - 1 else 1
             if strategy is Strategy.TOKEN_RING:
                 q_owner = kv_owners[0]
-                segments = _segments(pieces(q_owner, r), last_block_splits if t == p - 1 else 1)
+                segments = _segments(pieces(q_owner, r), splits)
                 row.append(StepPlan(r, t, q_owner, (r,), segments))
+                continue
+            if strategy is Strategy.BIDIR_TOKEN_RING:  # Note [Bidirectional TokenRing]
+                q_owners = kv_owners  # the lanes carry Q: their visitors are q owners
+                if t == 0:  # the local block, once, on every head
+                    segments = _segments(pieces(r, r), splits)
+                else:
+                    segments = tuple(
+                        _lane_segment(segment, index, lane)
+                        for index, lane in enumerate(lanes)
+                        for segment in _segments(pieces(q_owners[index], r), splits)
+                    )
+                row.append(StepPlan(r, t, q_owners[0], (r,) * 2, segments, q_owners))
                 continue
             block: list[Piece] = []
             for index, lane in enumerate(lanes):
@@ -590,10 +651,10 @@ def build_schedule(
             row.append(StepPlan(r, t, r, kv_owners, _by_q_rows(block)))
         steps.append(row)
 
-    travel = {
-        (Strategy.TOKEN_RING, Pass.FORWARD): Payload.Q,
-        (Strategy.TOKEN_RING, Pass.BACKWARD): Payload.Q_GRAD,
-    }.get((strategy, pass_), Payload.KV)
+    pass_q = strategy.passes_q
+    travel = Payload.KV
+    if pass_q:
+        travel = Payload.Q if pass_ is Pass.FORWARD else Payload.Q_GRAD
     transfers: list[Transfer] = []
     for index, lane in enumerate(lanes):
         for r in range(p):
@@ -617,18 +678,21 @@ def build_schedule(
                             rows,
                             t,
                             0,
-                            lane.kv_heads,
+                            lane.q_heads if pass_q else lane.kv_heads,
                             index,
                         )
                     )
-    if strategy is Strategy.TOKEN_RING:
+    if pass_q:
         ret = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
         for r in range(p):
             for t in range(1, p):
                 plan = steps[r][t]
                 for k, segment in enumerate(plan.segments):
+                    index = segment.pieces[0].lane  # a segment's pieces share their lane
+                    owner = plan.lane_q_owner(index)
+                    heads = lanes[index].q_heads
                     transfers.append(
-                        Transfer(ret, r, plan.q_owner, plan.q_owner, segment.q_rows, t, k + 1)
+                        Transfer(ret, r, owner, owner, segment.q_rows, t, k + 1, heads, index)
                     )
     elif pass_ is Pass.BACKWARD:
         # See Note [Backward]: the accumulator of a K/V block is created by the first rank
@@ -694,6 +758,43 @@ def _lanes(
     return (Lane(-1, kv_rows=(0, half)), Lane(+1, kv_rows=(half, seq_local)))
 
 
+def _query_lanes(heads_q: int | None, heads_kv: int | None) -> tuple[Lane, ...]:
+    """The two lanes of ``Strategy.BIDIR_TOKEN_RING``: see Note [Bidirectional TokenRing]."""
+    if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(
+            "heads_q and heads_kv must be given (heads_kv >= 1 dividing heads_q) for strategy "
+            f"'bidir_token_ring'; got heads_q={heads_q}, heads_kv={heads_kv}"
+        )
+    if heads_q < 2:
+        raise NotImplementedError(
+            "strategy 'bidir_token_ring' sends half of the query heads each way round the "
+            f"ring and needs heads_q >= 2; got heads_q={heads_q} (use 'token_ring')"
+        )
+    groups = heads_q // heads_kv
+    if heads_kv >= 2:  # whole kv groups: each lane's query heads share their K/V heads
+        half = heads_kv // 2
+        return (
+            Lane(-1, kv_heads=(0, half), q_heads=(0, half * groups)),
+            Lane(+1, kv_heads=(half, heads_kv), q_heads=(half * groups, heads_q)),
+        )
+    half = heads_q // 2  # one kv head: both lanes' query heads read it
+    return (
+        Lane(-1, kv_heads=(0, 1), q_heads=(0, half)),
+        Lane(+1, kv_heads=(0, 1), q_heads=(half, heads_q)),
+    )
+
+
+def _lane_segment(segment: Segment, index: int, lane: Lane) -> Segment:
+    """``segment`` on the heads of pass-Q ``lane`` (number ``index``)."""
+    return Segment(
+        segment.q_rows,
+        tuple(
+            Piece(p.q_rows, p.kv_rows, p.causal, index, lane.kv_heads, p.masked, lane.q_heads)
+            for p in segment.pieces
+        ),
+    )
+
+
 def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> list[Piece]:
     """The part of ``piece`` a lane computes: its kv heads, or its kv rows (split a causal
     diagonal into the full and causal parts the row range leaves)."""
@@ -728,7 +829,9 @@ def piece_flops(piece: Piece, dims: Dims, pass_: Pass) -> float:
     sq, sk = piece.num_q, piece.num_kv
     pairs = sq * (sq + 1) / 2 if piece.causal else sq * sk
     heads_q = dims.heads_q
-    if piece.heads is not None:  # a lane's kv heads and the query heads of their groups
+    if piece.q_heads is not None:  # a pass-Q lane's query heads
+        heads_q = piece.q_heads[1] - piece.q_heads[0]
+    elif piece.heads is not None:  # a lane's kv heads and the query heads of their groups
         heads_q = (piece.heads[1] - piece.heads[0]) * (dims.heads_q // dims.heads_kv)
     forward = 4.0 * dims.batch * heads_q * dims.head_dim * pairs
     return forward if pass_ is Pass.FORWARD else 2.5 * forward

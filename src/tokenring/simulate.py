@@ -408,10 +408,12 @@ class _EventEngine:
         for i in finals:
             tr = self.transfers[i]
             prog.append((_WAIT, i))
+            heads_q = dims.heads_q if tr.heads is None else tr.heads[1] - tr.heads[0]
             if tr.payload is Payload.OUT:
-                prog.append((_MERGE, merge_bytes(tr.num_rows, dims) / mem, tr.step, "merge"))
+                lane_dims = replace(dims, heads_q=heads_q)  # a lane's query heads
+                prog.append((_MERGE, merge_bytes(tr.num_rows, lane_dims) / mem, tr.step, "merge"))
             else:
-                add = _add_bytes(tr.num_rows, dims.heads_q, dims)
+                add = _add_bytes(tr.num_rows, heads_q, dims)
                 prog.append((_MERGE, add / mem, tr.step, "dq_add"))
         for i in recvs(end - 1, Payload.DKV):  # the accumulators home, after the last step
             prog.append((_WAIT, i))
