@@ -235,3 +235,40 @@ def test_simulated_on_every_topology_with_the_schedules_bytes() -> None:
             assert result.call_s > 0
         if topology == "mesh":
             assert call.call_s <= simulate("token_ring", **common).call_s
+
+
+def test_hybrid_outer_schedule_computes_every_pair_and_head_once() -> None:
+    """As the outer strategy of the hybrid (the simulator's schedule of it): each (query
+    position, key position, query head) exactly once, rows being those of the outer shards."""
+    from tokenring.hybrid import HybridSpec, build_hybrid_schedule
+
+    hq, hkv, s = 8, 4, 4
+    for (outer, inner), pass_ in itertools.product(((2, 2), (4, 1)), ("forward", "backward")):
+        p, seq = outer * inner, outer * inner * s
+        sched = build_hybrid_schedule(
+            pass_,
+            spec=HybridSpec(inner=inner, outer_strategy=STRATEGY),
+            layout="zigzag",
+            causal=True,
+            world_size=p,
+            seq_local=s,
+            heads_q=hq,
+            heads_kv=hkv,
+        )
+        computed = []
+        for g in range(p):
+            for plan in sched.steps[g]:
+                for piece in plan.pieces:
+                    q_owner = plan.lane_q_owner(piece.lane) // inner
+                    qpos = owned_positions("zigzag", q_owner, outer, seq)
+                    kpos = owned_positions(
+                        "zigzag", plan.kv_owners[piece.lane] // inner, outer, seq
+                    )
+                    assert piece.heads is not None
+                    q_heads = piece.q_heads or tuple(h * (hq // hkv) for h in piece.heads)
+                    for i, j in itertools.product(range(*piece.q_rows), range(*piece.kv_rows)):
+                        if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
+                            continue
+                        computed += [(qpos[i], kpos[j], h) for h in range(*q_heads)]
+        want = [(i, j, h) for i, j in covered_pairs("zigzag", True, 1, seq) for h in range(hq)]
+        assert sorted(computed) == sorted(want), (outer, inner, pass_)

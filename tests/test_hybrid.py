@@ -121,7 +121,7 @@ def run_hybrid(outer: int, inner: int) -> list[str]:
     outer_rank, inner_rank = divmod(rank, inner)
     failures = []
     grid = itertools.product(
-        ("token_ring", "ring", "bidir_ring"),
+        ("token_ring", "ring", "bidir_ring", "bidir_token_ring"),
         ((True, "zigzag"), (False, "contiguous")),
         ((8, 8), (8, 4)),
         (torch.float64, torch.bfloat16),

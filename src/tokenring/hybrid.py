@@ -231,6 +231,7 @@ def build_hybrid_schedule(
                             pc.lane,
                             shift(pc.heads, "kv", i),
                             pc.masked,
+                            None if pc.q_heads is None else shift(pc.q_heads, "q", i),
                         )
                         for pc in seg.pieces
                     ),
@@ -244,6 +245,7 @@ def build_hybrid_schedule(
                     rank(plan.q_owner, i),
                     tuple(rank(kv, i) for kv in plan.kv_owners),
                     segments,
+                    tuple(rank(q, i) for q in plan.q_owners),  # bidirectional TokenRing's
                 )
             )
         row.append(StepPlan(g, n + 1, g, (g,), ()))

@@ -441,14 +441,10 @@ def run_forward(
                     if pass_q and step == 0:  # the local block, every head
                         q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
                         kv_owner = rank
-                    elif pass_q:  # the lane's visiting Q against its kv heads of ours
+                    elif pass_q:  # the lane's visiting Q against our kv heads of its lane
+                        kvh = slice(None) if piece.heads is None else slice(*piece.heads)
                         q_p = held[piece.lane].rows_of(0, piece.q_rows)
-                        k_p, v_p = k[:, c:d], v[:, c:d]
-                        if piece.heads is not None:
-                            k_p, v_p = (
-                                k_p[:, :, slice(*piece.heads)],
-                                v_p[:, :, slice(*piece.heads)],
-                            )
+                        k_p, v_p = k[:, c:d, kvh], v[:, c:d, kvh]
                         kv_owner = rank
                     elif step == 0:  # the local block, every head
                         q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
