@@ -14,7 +14,9 @@ only when that command runs. The torch floor is checked here anyway: the importe
 version, else the installed distribution's metadata (no torch import). ``launch`` is both
 a submodule and the function exported under that name: importing the submodule (``from
 tokenring.launch import ...``) must not replace the function on the package, which
-``_Package.__setattr__`` prevents.
+``_Package.__setattr__`` prevents. The operators ``torch.ops.tokenring.*`` are registered
+by ``tokenring.api``, so on first use of a public name: code that reaches them directly
+(``torch.export.load`` of a program that calls them) imports ``tokenring.api`` first.
 """
 
 from __future__ import annotations
