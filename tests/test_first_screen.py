@@ -205,16 +205,16 @@ def test_demo_shows_progress(monkeypatch: pytest.MonkeyPatch) -> None:
     assert task.total == len(BenchConfig(seq=32).strategies) and task.completed == 2
 
 
-@pytest.mark.parametrize("flag", ["--plot", "--trace"])
-def test_pictures_of_other_modes_are_refused(
+@pytest.mark.parametrize("flag", ["--plot", "--trace", "--wide"])
+def test_attention_outputs_in_other_modes_are_refused(
     flag: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    value = [] if flag == "--wide" else [str(tmp_path / "x")]
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--mode", "decode", flag, str(tmp_path / "x")])
+        main(["bench", "--mode", "memory", flag, *value])
     assert exit_info.value.code == 2
-    assert (
-        f"{flag} draws --mode attention's timelines; got --mode decode" in capsys.readouterr().err
-    )
+    error = capsys.readouterr().err
+    assert f"{flag} is for --mode attention; got --mode memory" in error
 
 
 def test_import_checks_the_installed_torch_without_importing_it() -> None:

@@ -979,12 +979,6 @@ def add_predictions(
             hybrid=config.hybrid,
         )
         candidates = {p.strategy.value for p in plan.predictions}  # what the planner covers
-        fastest = min(
-            rows[i]["ms_median"] for i in all_indices if rows[i]["strategy"] in candidates
-        )
-        picked = next(
-            rows[i]["ms_median"] for i in all_indices if rows[i]["strategy"] == plan.pick.value
-        )
         planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}
         fastest_row = min(
             (rows[i] for i in all_indices if rows[i]["strategy"] in candidates),
@@ -995,7 +989,7 @@ def add_predictions(
         for i in all_indices:
             rows[i]["planner_pick"] = plan.pick.value
             rows[i]["planner_candidate"] = rows[i]["strategy"] in candidates
-            rows[i]["planner_hit"] = picked <= 1.05 * fastest
+            rows[i]["planner_hit"] = pick_row["ms_median"] <= 1.05 * fastest_row["ms_median"]
             rows[i]["planner_ms"] = planned.get(rows[i]["strategy"])
             rows[i]["planner_verdict"] = verdict  # Note [Verdicts within noise]
             rows[i]["planner_why"] = why
@@ -1434,9 +1428,10 @@ def check_args(args: argparse.Namespace) -> None:
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
     mode = getattr(args, "mode", "attention")
-    drawn = [flag for flag, value in (("--plot", args.plot), ("--trace", args.trace)) if value]
-    if mode != "attention" and drawn:
-        raise ValueError(f"{drawn[0]} draws --mode attention's timelines; got --mode {mode}")
+    only_attention = [("--plot", args.plot), ("--trace", args.trace), ("--wide", args.wide)]
+    given = [flag for flag, value in only_attention if value]
+    if mode != "attention" and given:
+        raise ValueError(f"{given[0]} is for --mode attention; got --mode {mode}")
     if getattr(args, "mode", "attention") == "memory":
         from tokenring.bench_memory import check_args as check_memory_mode
 
