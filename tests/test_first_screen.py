@@ -225,3 +225,12 @@ def test_import_checks_the_installed_torch_without_importing_it() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == ["False", torch.__version__]
+
+
+def test_every_public_name_loads_on_first_use() -> None:
+    """Note [Lazy package]: __all__ and the table of lazy names agree, and each resolves."""
+    import tokenring
+
+    assert set(tokenring.__all__) == {*tokenring._EXPORTS, "MIN_TORCH"}
+    for name, module in tokenring._EXPORTS.items():
+        assert getattr(tokenring, name) is getattr(sys.modules[module], name)
