@@ -31,7 +31,9 @@ TINY = [
 def test_bench_json_rows_cover_the_grid(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     plot = tmp_path / "timeline.png"
     md = tmp_path / "table.md"
-    status = main(["bench", *TINY, "--json", "--plot", str(plot), "--markdown", str(md)])
+    trace = tmp_path / "timeline.json"
+    argv = ["bench", *TINY, "--json", "--plot", str(plot), "--markdown", str(md)]
+    status = main([*argv, "--trace", str(trace)])
     assert status == 0
     rows = [
         json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
@@ -60,6 +62,14 @@ def test_bench_json_rows_cover_the_grid(capsys: pytest.CaptureFixture[str], tmp_
     ring_fwd = next(r for r in rows if r["strategy"] == "ring" and r["pass"] == "fwd")
     assert ring_fwd["return_bytes_per_rank"] == 0 < ring_fwd["travel_bytes_per_rank"]
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    # the same panels as a trace: one call per strategy and rank, the ranks' steps inside
+    events = json.loads(trace.read_text())["traceEvents"]
+    calls = [e for e in events if e["ph"] == "X" and e["cat"] == "call"]
+    assert sorted((c["name"].split()[0], c["pid"]) for c in calls) == sorted(
+        (s, rank) for s in strategies for rank in (0, 1)
+    )
+    computed = [e for e in events if e["ph"] == "X" and e["cat"] == "compute"]
+    assert {e["pid"] for e in computed} == {0, 1} and all(e["dur"] > 0 for e in computed)
     text = md.read_text()
     assert "Reproduce with" in text and text.count("\n| ") == 1 + len(rows)
     assert "| hybrid 1x2 token_ring |" in text

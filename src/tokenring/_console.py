@@ -30,10 +30,16 @@ def make_table(title: str, columns: Sequence[str]) -> Any:
 
 
 def print_table(table: Any) -> None:
+    """Print at the terminal's width; into a pipe or file (no terminal to fit) at the table's
+    own width, so no cell is folded in a log."""
     _rich()
     from rich.console import Console
 
-    Console(width=max(Console().width, 200)).print(table)
+    console = Console()
+    if not console.is_terminal:
+        natural = Console(width=10_000).measure(table).maximum
+        console = Console(width=max(console.width, natural))
+    console.print(table)
 
 
 def progress(total: int, description: str) -> Any:

@@ -46,6 +46,7 @@ from tokenring.cli import finite_float_at_least, int_at_least, output_path, posi
 from tokenring.comm import Communicator, Event, FieldSpec, Timeline
 from tokenring.costmodel import CollectiveRouting
 from tokenring.hybrid import (
+    HYBRID_OUTER,
     HybridMesh,
     HybridSpec,
     hybrid_attn,
@@ -55,6 +56,7 @@ from tokenring.hybrid import (
 )
 from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.layout import Layout, make_sharding, shard
+from tokenring.plot import bench_panels, plot_timelines, write_trace
 from tokenring.schedule import Dims, Pass, Piece, Schedule, Strategy, piece_flops
 from tokenring.simulate import strategy_schedule
 
@@ -980,16 +982,20 @@ def add_predictions(
             hybrid=config.hybrid,
         )
         candidates = {p.strategy.value for p in plan.predictions}  # what the planner covers
-        fastest = min(
-            rows[i]["ms_median"] for i in all_indices if rows[i]["strategy"] in candidates
+        planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}
+        fastest_row = min(
+            (rows[i] for i in all_indices if rows[i]["strategy"] in candidates),
+            key=lambda r: r["ms_median"],
         )
-        picked = next(
-            rows[i]["ms_median"] for i in all_indices if rows[i]["strategy"] == plan.pick.value
-        )
+        pick_row = next(rows[i] for i in all_indices if rows[i]["strategy"] == plan.pick.value)
+        verdict, why = planner_verdict(pick_row, fastest_row)
         for i in all_indices:
             rows[i]["planner_pick"] = plan.pick.value
             rows[i]["planner_candidate"] = rows[i]["strategy"] in candidates
-            rows[i]["planner_hit"] = picked <= 1.05 * fastest
+            rows[i]["planner_hit"] = pick_row["ms_median"] <= 1.05 * fastest_row["ms_median"]
+            rows[i]["planner_ms"] = planned.get(rows[i]["strategy"])
+            rows[i]["planner_verdict"] = verdict  # Note [Verdicts within noise]
+            rows[i]["planner_why"] = why
             rows[i]["kernel_flops_per_s"] = _kernel_rates([r["rows"][i] for r in per_rank])
             rows[i]["calibration"] = {
                 "forward_flops_per_s": fwd_rate,
@@ -1207,73 +1213,108 @@ def _parse_rate(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tokenring bench``, grouped by the ``--mode`` they apply to."""
+    from tokenring.bench_inference import MODES
     from tokenring.bench_inference import add_arguments as add_inference_arguments
     from tokenring.bench_memory import add_arguments as add_memory_arguments
 
-    add_inference_arguments(parser)  # --mode decode|prefill-cached and their options
-    add_memory_arguments(parser)  # --mode memory
     parser.add_argument(
-        "--world-size",
-        type=int_at_least(1),
-        default=4,
-        help="ranks to spawn (ignored under torchrun)",
+        "--mode",
+        default="attention",
+        choices=["attention", *MODES, "memory"],
+        help="attention: the training strategies; decode / prefill-cached: attention of new "
+        "tokens against a sharded KV cache; memory: peak memory per rank beside inputs + "
+        "outputs + gradients",
     )
-    parser.add_argument("--batch", type=int_at_least(1), default=1)
-    parser.add_argument(
+    every = parser.add_argument_group("ranks and shape (every mode)")
+    every.add_argument(
+        "--world-size", type=int_at_least(1), default=4, help="ranks to spawn (not under torchrun)"
+    )
+    every.add_argument("--batch", type=int_at_least(1), default=1, help="batch size B")
+    every.add_argument(
+        "--heads",
+        type=int_at_least(1),
+        help="query heads (with --kv-heads: one custom model instead of the built-in ones)",
+    )
+    every.add_argument("--kv-heads", type=int_at_least(1), help="key/value heads")
+    every.add_argument("--head-dim", type=int_at_least(1), default=64, help="head dimension D")
+    every.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="input dtype")
+    every.add_argument(
+        "--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed"
+    )
+    attention = parser.add_argument_group("--mode attention")
+    attention.add_argument(
         "--seq",
         type=int_at_least(1),
         default=1024,
         help="global sequence length (any: uneven shards as tokenring.shard gives them)",
     )
-    parser.add_argument(
-        "--heads", type=int_at_least(1), help="query heads (with --kv-heads: one custom model)"
-    )
-    parser.add_argument("--kv-heads", type=int_at_least(1), help="key/value heads")
-    parser.add_argument("--head-dim", type=int_at_least(1), default=64)
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
-    parser.add_argument(
+    attention.add_argument(
         "--strategies",
-        help="comma-separated strategies (default: all; the hybrid where --hybrid-inner fits)",
+        help="comma-separated strategies, also for --mode memory (default: all; the hybrid "
+        "where --hybrid-inner fits)",
     )
-    parser.add_argument(
-        "--hybrid-inner",
-        type=int_at_least(1),
-        default=2,
-        help="ranks per island of the hybrid rows (divides the world size and heads; default 2)",
+    attention.add_argument(
+        "--causal",
+        choices=["both", "yes", "no"],
+        default="both",
+        help="causal masks to run (memory: yes unless no)",
     )
-    parser.add_argument(
-        "--hybrid-outer",
-        default=Strategy.TOKEN_RING.value,
-        choices=[Strategy.TOKEN_RING.value, Strategy.RING.value, Strategy.BIDIR_RING.value],
-        help="ring strategy across the hybrid's islands (default token_ring)",
-    )
-    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    parser.add_argument(
+    attention.add_argument(
         "--layout",
         choices=["auto", "contiguous", "zigzag"],
         default="auto",
         help="auto: zigzag when causal, contiguous otherwise",
     )
-    parser.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
-    parser.add_argument("--warmup", type=int_at_least(0), default=1)
-    parser.add_argument("--iters", type=int_at_least(1), default=5)
-    parser.add_argument("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
-    parser.add_argument("--topology", default="mesh", choices=["mesh", "ring", "switch"])
-    parser.add_argument("--json", action="store_true", help="print one JSON object per row")
-    parser.add_argument(
+    attention.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
+    attention.add_argument(
+        "--hybrid-inner",
+        type=int_at_least(1),
+        default=2,
+        help="ranks per island of the hybrid rows (divides the world size and heads)",
+    )
+    attention.add_argument(
+        "--hybrid-outer",
+        default=Strategy.TOKEN_RING.value,
+        choices=[s.value for s in HYBRID_OUTER],
+        help="ring strategy across the hybrid's islands",
+    )
+    timing = parser.add_argument_group("timing and checking (attention, decode, prefill-cached)")
+    timing.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
+    timing.add_argument("--iters", type=int_at_least(1), default=5, help="timed calls per row")
+    timing.add_argument(
         "--tolerance",
         type=finite_float_at_least(0),
-        help="max abs error vs float64 for a row to pass (default by dtype)",
+        help="max abs error vs float64 for a row to pass (default: by dtype)",
     )
-    parser.add_argument(
+    timing.add_argument("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
+    timing.add_argument(
+        "--topology",
+        default="mesh",
+        choices=["mesh", "ring", "switch"],
+        help="topology of the emulated links (with --link)",
+    )
+    add_inference_arguments(parser.add_argument_group("--mode decode, prefill-cached"))
+    add_memory_arguments(parser.add_argument_group("--mode memory"))
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column in the terminal table (per-step times, bytes, rates, overlap); the "
+        "default table fits 120 columns, and --json / --markdown always have everything",
+    )
+    output.add_argument("--json", action="store_true", help="print one JSON object per row")
+    output.add_argument(
         "--out", type=output_path, help="also append the JSON rows to this JSONL file"
     )
-    parser.add_argument("--plot", type=output_path, help="write a timeline PNG here")
-    parser.add_argument(
-        "--markdown", type=output_path, help="write the table as markdown here, with the command"
+    output.add_argument("--plot", type=output_path, help="write a timeline PNG here (attention)")
+    output.add_argument(
+        "--trace",
+        type=output_path,
+        help="write the timelines as a Chrome/Perfetto trace JSON here (attention)",
     )
-    parser.add_argument(
-        "--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed"
+    output.add_argument(
+        "--markdown", type=output_path, help="write the table as markdown here, with the command"
     )
 
 
@@ -1358,7 +1399,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         passes=passes,
         warmup=args.warmup,
         iters=args.iters,
-        timeline_rows=args.plot is not None,
+        timeline_rows=args.plot is not None or args.trace is not None,
         tolerance=args.tolerance,
     )
 
@@ -1389,6 +1430,11 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
+    mode = getattr(args, "mode", "attention")
+    only_attention = [("--plot", args.plot), ("--trace", args.trace), ("--wide", args.wide)]
+    given = [flag for flag, value in only_attention if value]
+    if mode != "attention" and given:
+        raise ValueError(f"{given[0]} is for --mode attention; got --mode {mode}")
     if getattr(args, "mode", "attention") == "memory":
         from tokenring.bench_memory import check_args as check_memory_mode
 
@@ -1586,13 +1632,13 @@ def run(args: argparse.Namespace) -> int:
         for rec in records:
             print(json.dumps(rec))
     else:
-        _print_table(rows, settings)
+        _print_table(rows, settings, wide=args.wide)
     if args.markdown:
         _write_markdown(args.markdown, rows, settings, getattr(args, "argv", None))
     if args.plot:
-        from tokenring.plot import plot_timelines
-
         plot_timelines(per_rank, config, args.plot, title=_title(settings))
+    if args.trace:
+        write_trace(bench_panels(per_rank, config), args.trace)
     failed = [r for r in rows if not r["verified"]]
     if failed:
         print(f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance; see max_error")
@@ -1612,58 +1658,61 @@ def _title(settings: dict[str, Any]) -> str:
     )
 
 
-def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
-    from tokenring._console import make_table, print_table
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
-    table = make_table(
-        "tokenring bench: " + _title(settings),
-        [
-            "model",
-            "causal",
-            "strategy",
-            "pass",
-            "ms/call",
-            "p10-p90",
-            "ms/step fwd",
-            "ms/step bwd",
-            "MB out travel",
-            "MB out return",
-            "MB/s travel",
-            "MB/s return",
-            "overlap",
-            "% bound",
-            "model ms",
-            "vs model",
-            "max err",
-            "check",
-        ],
-    )
 
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}"
+# (header, cell) of the terminal table; the narrow set fits 120 columns (Note [First screen])
+_NARROW_COLUMNS: list[tuple[str, Any]] = [
+    ("model", lambda r: r["model"]),
+    ("causal", lambda r: "yes" if r["causal"] else "no"),
+    ("strategy", lambda r: _strategy_label(r)),
+    ("pass", lambda r: r["pass"]),
+    ("ms/call", lambda r: _ms(r["ms_median"])),
+    ("p10-p90", lambda r: f"{r['ms_p10']:.0f}-{r['ms_p90']:.0f}"),
+    ("% bound", lambda r: "-" if r["pct_of_bound"] is None else f"{r['pct_of_bound']:.0f}%"),
+    ("vs model", lambda r: f"{r['model_error_pct']:+.0f}%" if "model_error_pct" in r else "-"),
+    ("max err", lambda r: f"{r['max_error']:.1e}"),
+    ("check", lambda r: "ok" if r["verified"] else "[bold red]WRONG[/]"),
+]
+_WIDE_COLUMNS: list[tuple[str, Any]] = [
+    *_NARROW_COLUMNS[:6],
+    ("ms/step fwd", lambda r: _ms(r["ms_step_fwd"])),
+    ("ms/step bwd", lambda r: _ms(r["ms_step_bwd"])),
+    ("MB out travel", lambda r: f"{r['travel_bytes_per_rank'] / 1e6:.2f}"),
+    ("MB out return", lambda r: f"{r['return_bytes_per_rank'] / 1e6:.2f}"),
+    ("MB/s travel", lambda r: f"{r['travel_MBps']:.1f}"),
+    ("MB/s return", lambda r: f"{r['return_MBps']:.1f}"),
+    ("overlap", lambda r: f"{r['overlap_efficiency']:.2f}"),
+    _NARROW_COLUMNS[6],
+    ("model ms", lambda r: _ms(r.get("model_ms"))),
+    *_NARROW_COLUMNS[7:],
+]
 
+
+def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide: bool) -> Any:
+    """The terminal table (a rich Table) of the rows.
+
+    Note [First screen]
+    ~~~~~~~~~~~~~~~~~~~
+    The default table has the columns a reader decides on (time with its spread, the bound,
+    the model's error, the check) and fits a 120-column terminal; ``--wide`` adds per-step
+    times, bytes, rates, overlap and the model's ms. ``--json``, ``--out`` and
+    ``--markdown`` always carry every field.
+    """
+    from tokenring._console import make_table
+
+    columns = _WIDE_COLUMNS if wide else _NARROW_COLUMNS
+    table = make_table("tokenring bench: " + _title(settings), [name for name, _ in columns])
     for r in rows:
-        table.add_row(
-            r["model"],
-            "yes" if r["causal"] else "no",
-            _strategy_label(r),
-            r["pass"],
-            ms(r["ms_median"]),
-            f"{r['ms_p10']:.0f}-{r['ms_p90']:.0f}",
-            ms(r["ms_step_fwd"]),
-            ms(r["ms_step_bwd"]),
-            f"{r['travel_bytes_per_rank'] / 1e6:.2f}",
-            f"{r['return_bytes_per_rank'] / 1e6:.2f}",
-            f"{r['travel_MBps']:.1f}",
-            f"{r['return_MBps']:.1f}",
-            f"{r['overlap_efficiency']:.2f}",
-            "-" if r["pct_of_bound"] is None else f"{r['pct_of_bound']:.0f}%",
-            ms(r.get("model_ms")),
-            f"{r['model_error_pct']:+.0f}%" if "model_error_pct" in r else "-",
-            f"{r['max_error']:.1e}",
-            "ok" if r["verified"] else "[bold red]WRONG[/]",
-        )
-    print_table(table)
+        table.add_row(*(cell(r) for _, cell in columns))
+    return table
+
+
+def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide: bool) -> None:
+    from tokenring._console import print_table
+
+    print_table(results_table(rows, settings, wide=wide))
     for line in _planner_lines(rows):
         print(line)
 
@@ -1673,9 +1722,47 @@ def _strategy_label(row: dict[str, Any]) -> str:
     return f"{row['strategy']} {row['hybrid']}" if row.get("hybrid") else row["strategy"]
 
 
+def planner_verdict(pick: dict[str, Any], fastest: dict[str, Any]) -> tuple[str, str]:
+    """The planner's pick against the measured fastest of its candidates: ``(verdict, why)``.
+
+    Note [Verdicts within noise]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    ``hit``: the pick measured within 5% of the fastest. ``noise``: slower than that, but by
+    no more than the run's own p10-p90 spread (the wider of the two rows'), so this run
+    cannot tell the two apart; not a miss. ``miss``: slower by more than the spread; ``why``
+    says in one line where model and machine disagree: either each strategy's own measured
+    kernel rate already ranks the fastest first (the planner prices every strategy with one
+    FLOP/s per pass, and the kernels' rates differ by block shape), or the model misprices
+    the row it is further off on (its predicted and measured ms).
+    """
+    gap_ms = pick["ms_median"] - fastest["ms_median"]
+    spread_ms = max(r["ms_p90"] - r["ms_p10"] for r in (pick, fastest))
+    if pick["ms_median"] <= 1.05 * fastest["ms_median"]:
+        return "hit", ""
+    if gap_ms <= spread_ms:
+        return "noise", f"{gap_ms:.1f} ms slower, within the p10-p90 spread of {spread_ms:.1f} ms"
+    own_pick, own_fastest = pick.get("model_ms"), fastest.get("model_ms")
+    if own_pick is not None and own_fastest is not None and own_fastest < own_pick:
+        return "miss", (
+            f"{gap_ms:.1f} ms slower (spread {spread_ms:.1f} ms): with each strategy's own "
+            f"kernel rate the model ranks {fastest['strategy']} first ({own_fastest:.1f} vs "
+            f"{own_pick:.1f} ms); the planner's one rate per pass does not"
+        )
+    off = max((pick, fastest), key=lambda r: abs(r.get("model_error_pct", 0.0)))
+    if "model_ms" not in off:
+        return "miss", f"{gap_ms:.1f} ms slower (spread {spread_ms:.1f} ms); no model to compare"
+    return "miss", (
+        f"{gap_ms:.1f} ms slower (spread {spread_ms:.1f} ms): the model prices "
+        f"{off['strategy']} at {off['model_ms']:.1f} ms, measured {off['ms_median']:.1f} ms "
+        f"({off['model_error_pct']:+.0f}%)"
+    )
+
+
 def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per (model, causal, pass) group: the planner's pick against the fastest."""
+    """One line per (model, causal, pass) group: the planner's pick against the fastest
+    (Note [Verdicts within noise]), and a summary."""
     lines = []
+    verdicts: list[str] = []
     seen: set[tuple[str, bool, str]] = set()
     for r in rows:
         key = (r["model"], r["causal"], r["pass"])
@@ -1686,6 +1773,9 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
         covered = [g for g in group if g.get("planner_candidate", "model_ms" in g)]
         fastest = min(covered, key=lambda g: g["ms_median"])
         overall = min(group, key=lambda g: g["ms_median"])
+        pick = next(g for g in group if g["strategy"] == r["planner_pick"])
+        verdict, why = planner_verdict(pick, fastest)
+        verdicts.append(verdict)
         unmodelled = (
             f" (non-candidate {overall['strategy']} was faster: {overall['ms_median']:.1f} ms)"
             if overall is not fastest
@@ -1693,14 +1783,14 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(
             f"auto ({r['model']}, causal={r['causal']}, {r['pass']}): picks {r['planner_pick']}; "
-            f"measured fastest {fastest['strategy']} ({fastest['ms_median']:.1f} ms){unmodelled}; "
-            f"{'hit' if r['planner_hit'] else 'MISS'}"
+            f"measured fastest {fastest['strategy']} ({fastest['ms_median']:.1f} ms){unmodelled}"
+            f"; {verdict.upper() if verdict == 'miss' else verdict}{': ' + why if why else ''}"
         )
     if seen:
-        hits = sum(1 for line in lines if line.endswith("hit"))
         lines.append(
-            f"planner hit rate: {hits}/{len(lines)} (pick within 5% of the fastest of the "
-            "planner's candidates)"
+            f"planner: {verdicts.count('hit')} hit, {verdicts.count('noise')} within noise "
+            f"(p10-p90), {verdicts.count('miss')} miss of {len(verdicts)} (hit: within 5% of "
+            "the fastest candidate)"
         )
     return lines
 

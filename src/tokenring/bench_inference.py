@@ -39,7 +39,7 @@ from tokenring.cached_schedule import (
     pass_q_threshold,
     predict_cached,
 )
-from tokenring.cli import int_at_least
+from tokenring.cli import ArgumentAdder, int_at_least
 from tokenring.schedule import Dims, Flow
 
 __all__ = ["InferenceBenchConfig", "add_arguments", "check_args", "run", "run_rank"]
@@ -340,31 +340,23 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
 
 
 # -- CLI (hooked into tokenring bench) -----------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: ArgumentAdder) -> None:
     """The inference options of ``tokenring bench`` (``--mode`` selects them)."""
     parser.add_argument(
-        "--mode",
-        default="attention",
-        choices=["attention", *MODES, "memory"],
-        help="attention: the training strategies (default); decode / prefill-cached: "
-        "attention of new tokens against a sharded KV cache; memory: peak memory per rank "
-        "beside inputs + outputs + gradients",
-    )
-    parser.add_argument(
-        "--cached", default="4096", help="[decode|prefill-cached] cached tokens per sequence"
+        "--cached", default="4096", help="cached tokens per sequence, comma-separated"
     )
     parser.add_argument(
         "--new",
-        help="[decode|prefill-cached] new tokens per sequence per call (default: decode "
+        help="new tokens per sequence per call, comma-separated (default: decode "
         f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})",
     )
     parser.add_argument(
         "--cached-strategies",
         default=",".join(s.value for s in CachedStrategy),
-        help="[decode|prefill-cached] strategies to compare",
+        help="comma-separated cached strategies to compare",
     )
     parser.add_argument(
-        "--block-size", type=int_at_least(1), default=64, help="[decode|prefill-cached]"
+        "--block-size", type=int_at_least(1), default=64, help="KV cache block size in tokens"
     )
 
 

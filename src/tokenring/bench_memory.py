@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenring.cli import ArgumentAdder
 from tokenring.schedule import Strategy
 
 __all__ = [
@@ -276,17 +277,17 @@ def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list
     return rows
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: ArgumentAdder) -> None:
     """The options of ``--mode memory`` (the shared ones come from ``tokenring bench``)."""
     parser.add_argument(
         "--seq-local",
         default="4096,16384,65536",
-        help="[memory] comma-separated tokens per rank (S = P * s)",
+        help="comma-separated tokens per rank (S = P * s)",
     )
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
-        help="[memory] where the ranks' tensors live (default: cuda when available)",
+        help="where the ranks' tensors live (default: cuda when available)",
     )
 
 

@@ -28,9 +28,12 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn, Protocol
 
 __all__ = [
+    "ArgumentAdder",
+    "HelpFormatter",
+    "build_parser",
     "finite_float_at_least",
     "int_at_least",
     "main",
@@ -45,6 +48,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tokenring.bench", "every strategy side by side: verified, timed, against its bound"),
     "simulate": ("tokenring.simulate", "predict every strategy's time on a described machine"),
 }
+
+
+class ArgumentAdder(Protocol):
+    """A parser or one of its argument groups: what a command's ``add_arguments`` fills."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action: ...
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,17 +149,37 @@ def mem_available_bytes() -> int | None:
 
 
 # -- the command line ----------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, unless the help already says it or there is
+    none to say (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported and its options added (the others
+    are listed by name and one-line help, which is all ``tokenring --help`` shows)."""
     parser = _Parser(
-        prog="tokenring", description="Sequence-parallel attention: TokenRing, Ring and friends."
+        prog="tokenring",
+        description="Sequence-parallel attention: TokenRing, Ring and friends.",
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
         summary = (module.__doc__ or help_text).split("\n\n")[0]  # the Notes stay in the code
-        command = sub.add_parser(name, help=help_text, description=summary)
-        module.add_arguments(command)
-        command.set_defaults(_module=module, _parser=command)
+        parser_of_command = sub.add_parser(
+            name, help=help_text, description=summary, formatter_class=HelpFormatter
+        )
+        module.add_arguments(parser_of_command)
+        parser_of_command.set_defaults(_module=module, _parser=parser_of_command)
     return parser
 
 
@@ -160,8 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         SystemExit: status 2 for bad arguments (one line on stderr), as argparse does.
     """
-    parser = build_parser()
     argv = list(argv) if argv is not None else sys.argv[1:]
+    # the top level has no options but --help: the first word that is not one names the command
+    command = next((word for word in argv if not word.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     args.argv = argv  # so results can record the command that produced them
     check = getattr(args._module, "check_args", None)

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from tokenring.bench import BenchConfig, ModelShape, aggregate, check_heads, check_memory, run_rank
+from tokenring.bench import (
+    BenchConfig,
+    ModelShape,
+    aggregate,
+    check_heads,
+    check_memory,
+    launch_with_progress,
+    run_rank,
+)
 from tokenring.cli import int_at_least, positive_seconds
 
 __all__ = ["add_arguments", "check_args", "run"]
@@ -53,12 +61,19 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenring._console import make_table, print_table
-    from tokenring.launch import launch
 
     if getattr(args, "_config", None) is None:
         check_args(args)
     config: BenchConfig = args._config
-    per_rank = launch(run_rank, config, world_size=args.world_size, timeout_s=args.timeout)
+    args.link = None  # the demo runs on this machine's own links
+    num_rows = len(config.strategies) * len(config.passes)  # one model, one causality
+    per_rank = launch_with_progress(
+        run_rank,
+        config,
+        num_rows=num_rows,
+        title=f"demo: {num_rows} strategies on {args.world_size} ranks",
+        args=args,
+    )
     rows = aggregate(per_rank, config)
     table = make_table(
         f"tokenring demo: {args.world_size} CPU ranks (gloo), causal zigzag, float32, "

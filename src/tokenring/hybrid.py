@@ -112,6 +112,13 @@ GRAD_KV = Payload.KV
 the bytes of k, v (Note [Hybrid schedule])."""
 
 
+# the strategies that can run across the islands: every ring strategy
+HYBRID_OUTER: tuple[Strategy, ...] = tuple(
+    s for s in Strategy if not s.is_collective and s is not Strategy.HYBRID
+)
+_OUTER_NAMES = ", ".join(s.value for s in HYBRID_OUTER)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HybridSpec:
     """The options of ``Strategy.HYBRID``: how the P ranks factor, and the outer strategy."""
@@ -127,8 +134,7 @@ class HybridSpec:
         strategy = Strategy.parse(self.outer_strategy)
         if strategy.is_collective or strategy is Strategy.HYBRID:
             raise ValueError(
-                "outer_strategy must be a ring strategy (token_ring, ring, bidir_ring); got "
-                f"{strategy.value!r}"
+                f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
             )
         object.__setattr__(self, "outer_strategy", strategy)
 
@@ -594,7 +600,7 @@ def hybrid_attn(
         q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``: this rank's hybrid shard
             (:func:`hybrid_shard`).
         mesh: the outer and inner groups (:func:`hybrid_mesh`).
-        outer_strategy: ring strategy across the outer axis: token_ring, ring or bidir_ring.
+        outer_strategy: ring strategy across the outer axis: one of ``HYBRID_OUTER``.
         layout: the outer axis' layout (zigzag balances causal work).
         check_ranks: agree on a small signature first, on the inner group here and on the
             outer group in :func:`tokenring.sequence_parallel_attn` (together: every rank),
@@ -630,8 +636,7 @@ def hybrid_attn(
         strategy = Strategy.parse(outer_strategy)
         if strategy.is_collective or strategy is Strategy.HYBRID:
             raise NotImplementedError(
-                f"outer_strategy must be a ring strategy (token_ring, ring, bidir_ring); got "
-                f"{strategy.value!r}"
+                f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
             )
         layout = Layout.parse(layout)
         for name, x in (("q", q), ("k", k)):

@@ -97,9 +97,9 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    from tokenring.api import get_communicator
+    from tokenring.api import get_communicator  # before the group (Note [Clean exit])
 
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     get_communicator(None, timeout_s=timeout_s)  # attention on the default group inherits it
 
 
@@ -393,6 +393,11 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
+    # The library is imported before the group exists, as an eager ``import tokenring`` did
+    # (Note [Lazy package]): imported after it, the default group's gloo threads were alive
+    # at interpreter exit (tests/test_lifecycle.py).
+    from tokenring.api import close_communicators, get_communicator
+
     torch.set_num_threads(spec.threads)
     store = dist.FileStore(spec.store_path, spec.world_size)
     store.set_timeout(timedelta(seconds=spec.pg_timeout_s))  # group creation waits too
@@ -403,8 +408,6 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
         world_size=spec.world_size,
         timeout=timedelta(seconds=spec.pg_timeout_s),
     )
-    from tokenring.api import close_communicators, get_communicator
-
     if spec.world_size > 1:
         get_communicator(None, timeout_s=spec.pg_timeout_s)
     value = spec.fn(*spec.args, **spec.kwargs)

@@ -107,6 +107,7 @@ from tokenring.costmodel import (
 )
 from tokenring.layout import Layout, make_sharding, validate_seq_local
 from tokenring.netlab import Topology
+from tokenring.plot import curves_figure, timeline_figure, write_figure, write_trace
 from tokenring.schedule import (
     Dims,
     Flow,
@@ -1450,7 +1451,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring simulate``."""
     from tokenring.cli import int_at_least, output_path
 
-    add = parser.add_argument
+    call = parser.add_argument_group("the call: model, sizes, strategies")
+    machine = parser.add_argument_group("the machine and the simulator")
+    output = parser.add_argument_group("output")
+    add = call.add_argument
     add(
         "--model",
         choices=sorted(MODELS),
@@ -1465,7 +1469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="global sequence length(s) S in tokens (default: 131072)",
     )
     add("--world-size", type=int_at_least(1), nargs="+", default=[8], help="ranks P (default: 8)")
-    add(
+    machine.add_argument(
         "--hardware",
         choices=sorted(PRESETS),
         default="h100-nvswitch",
@@ -1486,7 +1490,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--hybrid-outer",
         default=Strategy.TOKEN_RING.value,
-        choices=[Strategy.TOKEN_RING.value, Strategy.RING.value, Strategy.BIDIR_RING.value],
+        choices=[s.value for s in Strategy if not s.is_collective and s is not Strategy.HYBRID],
         help="ring strategy across the hybrid's islands (default: token_ring)",
     )
     add(
@@ -1512,24 +1516,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits (default: 2)"
     )
-    add(
+    machine.add_argument(
         "--mode",
         choices=["auto", "event", "vectorised"],
         default="auto",
         help=f"simulator engine; auto: event up to {EVENT_MAX_WORLD_SIZE} ranks, else vectorised",
     )
+    add = output.add_argument
     add("--json", action="store_true", help="print one JSON object per row instead of a table")
     add(
         "--plot",
         type=output_path,
         metavar="PATH",
-        help="PNG of time per call vs sequence length (or world size) per strategy",
+        help="PNG of time per call vs sequence length (or world size) per strategy; at one "
+        "point, bars relative to the best strategy",
     )
     add(
         "--timeline",
         type=output_path,
         metavar="PATH",
         help="PNG of the simulated per-rank timelines (first P and S; event engine)",
+    )
+    add(
+        "--trace",
+        type=output_path,
+        metavar="PATH",
+        help="the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, ui.perfetto.dev)",
     )
 
 
@@ -1789,68 +1801,25 @@ def _pyplot() -> Any:
     return plt
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> None:
-    plt = _pyplot()
-    x_key = "world_size" if len({r["world_size"] for r in rows}) > 1 else "seq"
-    fixed = "seq" if x_key == "world_size" else "world_size"
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["strategy"], row[fixed]), []).append(row)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, fixed_value), group in sorted(groups.items()):
-        group.sort(key=lambda r: r[x_key])
-        label = f"{name} ({'S' if fixed == 'seq' else 'P'}={fixed_value})"
-        ax.plot([r[x_key] for r in group], [r["call_ms"] for r in group], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("world size P" if x_key == "world_size" else "sequence length S (tokens)")
-    ax.set_ylabel(f"predicted ms per call (pass: {rows[0]['pass']})")
-    ax.set_title(f"{rows[0]['model']} on {rows[0]['hardware']} ({rows[0]['layout']})")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _plot_timelines(results: list[CallResult], path: str) -> None:
-    from tokenring.plot import COLOURS, draw_timeline_lanes
-
-    plt = _pyplot()
+def _timeline_panels(results: list[CallResult]) -> list[tuple[str, list[list[Event]]]]:
+    """Every pass at the first (P, S), for ``--timeline`` and ``--trace``."""
     first = results[0].passes[0]
-    panels = [
-        res_pass
-        for res in results
-        for res_pass in res.passes
-        if (res_pass.world_size, res_pass.seq_local) == (first.world_size, first.seq_local)
-    ]
-    if any(p.timeline is None for p in panels):
-        raise ValueError(
-            f"--timeline needs the event engine (world size <= {EVENT_MAX_WORLD_SIZE} and "
-            "--mode auto or event)"
-        )
-    lanes_per_panel = first.world_size * 4
-    fig, axes = plt.subplots(
-        len(panels),
-        1,
-        figsize=(13, 1.5 + 0.25 * lanes_per_panel * len(panels)),
-        squeeze=False,
-        sharex=True,
-    )
-    for ax, res_pass in zip(axes[:, 0], panels, strict=True):
-        assert res_pass.timeline is not None
-        title = (
-            f"{res_pass.strategy.value} {res_pass.pass_.value} (simulated): "
-            f"{1e3 * res_pass.call_s:.3f} ms, {res_pass.percent_of_bound:.0f}% of bound"
-        )
-        draw_timeline_lanes(ax, [list(evs) for evs in res_pass.timeline], title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    fig.legend(
-        handles, list(COLOURS), loc="upper center", ncol=len(COLOURS), fontsize=7, frameon=False
-    )
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels = []
+    for res in results:
+        for res_pass in res.passes:
+            if (res_pass.world_size, res_pass.seq_local) != (first.world_size, first.seq_local):
+                continue
+            if res_pass.timeline is None:
+                raise ValueError(
+                    f"--timeline and --trace need the event engine (world size <= "
+                    f"{EVENT_MAX_WORLD_SIZE} and --mode auto or event)"
+                )
+            title = (
+                f"{res_pass.strategy.value} {res_pass.pass_.value} (simulated): "
+                f"{1e3 * res_pass.call_s:.3f} ms, {res_pass.percent_of_bound:.0f}% of bound"
+            )
+            panels.append((title, [list(events) for events in res_pass.timeline]))
+    return panels
 
 
 _EVENT_BYTES_PER_CELL = 5 << 10
@@ -1865,11 +1834,11 @@ def check_args(args: argparse.Namespace) -> None:
     from tokenring.cli import mem_available_bytes
 
     cfg = _config(args)
-    if args.timeline:
+    if args.timeline or args.trace:
         first = args.world_size[0]
         if args.mode == "vectorised" or (args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE):
             raise ValueError(
-                f"--timeline needs the event engine (--world-size {first} > "
+                f"--timeline and --trace need the event engine (--world-size {first} > "
                 f"{EVENT_MAX_WORLD_SIZE} or --mode vectorised); use --mode event or a smaller "
                 "first --world-size"
             )
@@ -1919,10 +1888,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(rows)
     if args.plot:
-        _plot(rows, args.plot)
+        write_figure(curves_figure(rows), args.plot, dpi=120)
     if args.timeline:
-        _plot_timelines(results, args.timeline)
-    for path in (args.plot, args.timeline):
+        first = results[0].passes[0]
+        title = f"P={first.world_size}, {first.seq_local} tokens per rank, {cfg.hardware.name}"
+        write_figure(timeline_figure(_timeline_panels(results), title), args.timeline)
+    if args.trace:
+        write_trace(_timeline_panels(results), args.trace)
+    for path in (args.plot, args.timeline, args.trace):
         if path and not args.json:
             print(f"wrote {path}")
     return 0
