@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import tokenring
-import tokenring.api  # registers torch.ops.tokenring.* (Note [Lazy package] in tokenring)
+import tokenring.api  # registers torch.ops.tokenring.*
 from oracle import make_inputs, oracle_with_grads, sharded_positions
 from tokenring import op
 

@@ -393,9 +393,8 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    # The library is imported before the group exists, as an eager ``import tokenring`` did
-    # (Note [Lazy package]): imported after it, the default group's gloo threads were alive
-    # at interpreter exit (tests/test_lifecycle.py).
+    # The library (and torch._dynamo) is imported before the group exists (Note [Eager
+    # package] in tokenring): imported after it, the group's gloo threads outlive it.
     from tokenring.api import close_communicators, get_communicator
 
     torch.set_num_threads(spec.threads)
