@@ -260,9 +260,9 @@ def expected_bytes(
     contiguous causal layout: owner+1, owner+2, ...); the hop into a
     rank carries the range of rows covering those still needed there or further along the
     route (rows of the padded buffer, ``padded_rows``). Partials go straight to their owner,
-    covering the rows that saw something. Pass-KV's dK/dV accumulator of a block is created by
-    the first visitor that computes with it, follows the block to the last one that does,
-    which sends it straight home.
+    covering the rows that saw something. Pass-KV's dK/dV accumulator of a block leaves its
+    owner, follows the block to the last visitor that computes with it, which sends it
+    straight home.
     """
     p = world_size
     seq = seq_len if seq_len is not None else p * (seq_local or 0)
@@ -338,10 +338,12 @@ def expected_bytes(
             if strategy != "token_ring" and backward:
                 dkv_row = 2 * batch * lane_heads * head_dim * acc_bytes
                 lane_bytes = _cover(lane_rows) * dkv_row
+                # the accumulator leaves the owner with its own dK/dV, is passed along the
+                # route up to the last visitor that needs the block, and goes home from there
                 computing = [h for h in range(1, p) if kv_needed(route[h], owner) & lane_rows]
                 if computing:
-                    first, last = computing[0], computing[-1]
-                    for h in range(first, last):
+                    last = computing[-1]
+                    for h in range(last):
                         add("return", route[h], route[h + 1], lane_bytes)
                     add("return", route[last], owner, lane_bytes)
         if strategy == "token_ring":

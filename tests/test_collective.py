@@ -71,12 +71,13 @@ def expected_collective_bytes(
     """Bytes per ``(flow, src, dst)`` of one pass.
 
     Ulysses, rank r to rank j != r, s rows each: forward, q of j's heads and k, v of the kv
-    heads those use (travel), then out of r's heads with their lse (return); backward, dout of
-    j's heads (travel), then dq of r's heads and dk, dv of r's kv heads in the accumulation
-    dtype (return). All-gather K/V: k and v of all kv heads to every other rank (travel);
-    backward, dk and dv of the destination's rows in the accumulation dtype (return). gloo's
-    all-gather (routing "gloo", P > 2) is a ring instead: each rank sends its own block and
-    the P-2 it receives from r-1 on to r+1, so r -> r+1 carries P-1 blocks.
+    heads those use (travel), then out of r's heads with their lse (return); backward, q, dout,
+    lse and delta of j's heads with the k, v those use (travel), then dq of r's heads and dk,
+    dv of r's kv heads in the accumulation dtype (return). All-gather K/V: k and v of all kv
+    heads to every other rank (travel); backward, dk and dv of the destination's rows in the
+    accumulation dtype (return). gloo's all-gather (routing "gloo", P > 2) is a ring instead:
+    each rank sends its own block and the P-2 it receives from r-1 on to r+1, so r -> r+1
+    carries P-1 blocks.
     """
     p, s, d = world_size, seq_local, head_dim
     q_heads = _q_heads(heads_q, p)
@@ -97,8 +98,10 @@ def expected_collective_bytes(
         if strategy == "ulysses" and not backward:
             add("travel", r, j, nq_j * d * elem_bytes + 2 * nkv_j * d * elem_bytes)
             add("return", r, j, nq_r * (d * elem_bytes + acc_bytes))
-        elif strategy == "ulysses":
-            add("travel", r, j, nq_j * d * elem_bytes)
+        elif strategy == "ulysses":  # q, dout, lse, delta of j's heads; the k, v they use
+            add(
+                "travel", r, j, 2 * nq_j * (d * elem_bytes + acc_bytes) + 2 * nkv_j * d * elem_bytes
+            )
             add("return", r, j, nq_r * d * elem_bytes + 2 * nkv_r * d * acc_bytes)
         elif not backward and routing == "gloo" and p > 2:
             if j == (r + 1) % p:

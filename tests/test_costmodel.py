@@ -116,9 +116,10 @@ def test_mha_noncausal_bytes_per_step_match_the_payload_definitions() -> None:
             t = cost.step
             for r in range(p):
                 assert cost.travel_bytes[r] == (travel if t < p - 1 else 0), (strategy, pass_, t)
-                # TokenRing returns from step 1; Ring's accumulator starts at the block's first
-                # visitor (step 1) and moves on after every step
-                returns_now = t >= 1 and (strategy is Strategy.TOKEN_RING or pass_ is Pass.BACKWARD)
+                # TokenRing returns from step 1; Ring's accumulator leaves the block's owner
+                # after step 0 and moves on after every step
+                token_ring = strategy is Strategy.TOKEN_RING
+                returns_now = (t >= 1 and token_ring) or (not token_ring and pass_ is Pass.BACKWARD)
                 assert cost.return_bytes[r] == (ret if returns_now else 0), (strategy, pass_, t)
                 # travel goes to r - 1; a TokenRing return to the owner r + t
                 if cost.travel_bytes[r]:

@@ -33,10 +33,14 @@ queries to the same permutation of the outputs, so it skips both permutations.
 
 Forward: travel q rows of the destination's heads plus the K/V heads they use; return out of
 my heads for the destination's rows plus their lse (lse is returned like the ring strategies,
-so out and lse always travel together). Backward: out and lse of the gathered rows are kept
-from the forward, with q, k, v as gathered, so only dout travels in and dq, dk, dv return.
-dK/dV return in the accumulation dtype (as the Ring strategy's accumulators do) because a kv
-head can be used by several ranks and its gradient is a sum; see Note [Ulysses head split].
+so out and lse always travel together). The forward keeps nothing gathered: the backward
+gathers q, dout, lse and delta = rowsum(dout * out) of the destination's heads (TokenRing's
+``Payload.Q_GRAD``) with the K/V heads they use, one all-to-all, and dq, dk, dv return.
+Keeping the gathered q, k, v, out, lse instead would save the q and K/V part of that
+all-to-all but hold four q-sized tensors from the forward to the end of the backward (README
+"Memory"). dK/dV return in the accumulation dtype (as the Ring strategy's accumulators do)
+because a kv head can be used by several ranks and its gradient is a sum; see Note [Ulysses
+head split].
 
 Note [Ulysses head split]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -100,14 +104,14 @@ with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B)
     ulysses        forward    q             travel   nq_j*D*e           (q of j's heads)
                               kv            travel   2*nkv_j*D*e        (k, v j needs)
                               out           return   nq_r*D*e + nq_r*a  (out + lse)
-    ulysses        backward   q (= dout)    travel   nq_j*D*e
+    ulysses        backward   q_grad        travel   2*nq_j*D*e + 2*nq_j*a  (q, dout, lse, delta)
+                              kv            travel   2*nkv_j*D*e        (k, v j needs)
                               dq            return   nq_r*D*e
                               dkv           return   2*nkv_r*D*a
     allgather_kv   forward    kv            travel   2*Hkv*D*e          (DIRECT routing)
     allgather_kv   backward   dkv           return   2*Hkv*D*a
 
-with s rows each. dout has no payload kind of its own: it is listed as ``Payload.Q``, which
-weighs the same (Hq*D*e per row) and travels the same way (:data:`DOUT`). With GLOO routing
+with s rows each. With GLOO routing
 the all-gather is listed as gloo runs it: rank r sends P-1 transfers of 2*Hkv*D*e per row to
 r+1 (owners r, r-1, ..., r-P+2: its own block, then each block it received from r-1).
 
@@ -362,8 +366,8 @@ def _build(
                 if forward:
                     travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
                     back = [(Payload.OUT, mine.q)]
-                else:
-                    travel = [(DOUT, theirs.q)]
+                else:  # gathered again: the forward keeps nothing (Note [Ulysses])
+                    travel = [(Payload.Q_GRAD, theirs.q), (Payload.KV, theirs.kv)]
                     back = [(Payload.DQ, mine.q), (Payload.DKV, mine.kv)]
                 for payload, heads in travel:
                     if heads[1] > heads[0]:
@@ -634,9 +638,8 @@ def _ulysses_forward(
     parts = _AllToAll(
         comm, sends, [mine_fields] * p, flow=Flow.TRAVEL, label="qkv", device=q.device
     ).wait()
-    qg, kg, vg = (
-        plan.global_order(torch.cat([part[i] for part in parts], dim=1)) for i in range(3)
-    )  # (B, S, nq, D), (B, S, nkv, D) x 2
+    del sends
+    qg, kg, vg = _gathered(parts, plan, 3)  # (B, S, nq, D), (B, S, nkv, D) x 2
     done = _timed(comm, "attn")
     if nq > 0:
         out_g, lse_g = kernel.forward(
@@ -651,52 +654,93 @@ def _ulysses_forward(
         out_g = qg.new_empty(qg.shape)
         lse_g = torch.empty((b, 0, p * s), dtype=acc, device=q.device)
     done()
+    del qg, kg, vg
     out_l, lse_l = plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)
+    del out_g, lse_g
     sends = [[out_l[:, i * s : (i + 1) * s], lse_l[:, :, i * s : (i + 1) * s]] for i in range(p)]
     fields = [[((b, s, sh.num_q, d), q.dtype), ((b, sh.num_q, s), acc)] for sh in plan.shares]
-    parts = _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="out", device=q.device).wait()
+    back = _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="out", device=q.device)
+    del sends, out_l, lse_l  # packed (this rank's own share stays with the all-to-all)
+    parts = back.wait()
+    del back
     out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): shares in head order
     lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
-    return out, lse, [qg, kg, vg, out_g, lse_g]
+    return out, lse, []
+
+
+def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> list[torch.Tensor]:
+    """The first ``num`` fields of every rank's part, each joined over the sequence in global
+    order (B, S, ...): the received buffer is let go as soon as the last one is built."""
+    joined = []
+    for i in range(num):
+        pieces = [part[i] for part in parts]
+        joined.append(plan.global_order(torch.cat(pieces, dim=1)))
+        del pieces
+    parts.clear()
+    return joined
 
 
 def _ulysses_backward(
     dout: torch.Tensor,
-    saved: Sequence[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     plan: _UlyssesPlan,
     comm: Communicator,
     kernel: BlockKernel,
     *,
-    heads_kv: int,
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qg, kg, vg, out_g, lse_g = saved
+    """Gathers q, dout, lse, delta of its head share and the K/V they use again, like the
+    forward, instead of keeping them (Note [Ulysses])."""
     b, s, _, d = dout.shape
+    heads_kv = k.shape[2]
     p, rank = comm.world_size, comm.rank
-    acc = lse_g.dtype
+    acc = lse.dtype
     mine = plan.shares[rank]
     nq, nkv = mine.num_q, mine.num_kv
-    sends = [[_heads(dout, sh.q)] for sh in plan.shares]
-    fields: list[list[FieldSpec]] = [[((b, s, nq, d), dout.dtype)]] * p
-    parts = _AllToAll(comm, sends, fields, flow=Flow.TRAVEL, label="dout", device=dout.device)
-    dout_g = plan.global_order(torch.cat([part[0] for part in parts.wait()], dim=1))
-    del parts  # the received buffer: dout_g is a copy
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
+    sends = []
+    for sh in plan.shares:  # Payload.Q_GRAD (q, dout, lse, delta), then Payload.KV (k, v)
+        per_head = [x[:, sh.q[0] : sh.q[1]] for x in (lse, delta)]  # (B, nq_j, s)
+        q_grad = [_heads(q, sh.q), _heads(dout, sh.q), *per_head]
+        sends.append([*q_grad, _heads(k, sh.kv), _heads(v, sh.kv)])
+    mine_fields: list[FieldSpec] = [
+        ((b, s, nq, d), q.dtype),
+        ((b, s, nq, d), dout.dtype),
+        ((b, nq, s), acc),
+        ((b, nq, s), acc),
+        ((b, s, nkv, d), k.dtype),
+        ((b, s, nkv, d), v.dtype),
+    ]
+    gather = _AllToAll(
+        comm, sends, [mine_fields] * p, flow=Flow.TRAVEL, label="q_grad", device=dout.device
+    )
+    del sends, delta
+    parts = gather.wait()
+    del gather
+    lse_g, delta_g = (
+        plan.global_order(torch.cat([part[i] for part in parts], dim=2), 2) for i in (2, 3)
+    )  # (B, nq, S) x 2
+    rows = [[part[0], part[1], part[4], part[5]] for part in parts]
+    del parts
+    qg, dout_g, kg, vg = _gathered(rows, plan, 4)  # (B, S, nq, D) x 2, (B, S, nkv, D) x 2
     done = _timed(comm, "attn_bwd")
     if nq > 0:
-        delta = (dout_g.to(acc) * out_g.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B,nq,S)
         dq_g, dk_x, dv_x = kernel.backward(
             dout_g,
             qg,
             plan.expand_kv(kg),
             plan.expand_kv(vg),
             lse_g,
-            delta,
+            delta_g,
             causal=causal and plan.visible is None,
             scale=scale,
             mask=plan.visible,
         )
-        del delta
         dk_g = plan.reduce_kv(dk_x, nkv, acc)  # (B, S, nkv, D)
         dv_g = plan.reduce_kv(dv_x, nkv, acc)
         del dk_x, dv_x
@@ -705,9 +749,13 @@ def _ulysses_backward(
         dk_g = torch.zeros(kg.shape, dtype=acc, device=kg.device)
         dv_g = torch.zeros(vg.shape, dtype=acc, device=vg.device)
     done()
-    del qg, kg, vg, out_g, lse_g, dout_g
-    dq_l, dk_l, dv_l = (plan.layout_order(x) for x in (dq_g, dk_g, dv_g))
-    del dq_g, dk_g, dv_g
+    del qg, kg, vg, dout_g, lse_g, delta_g
+    dq_l = plan.layout_order(dq_g)
+    del dq_g
+    dk_l = plan.layout_order(dk_g)
+    del dk_g
+    dv_l = plan.layout_order(dv_g)
+    del dv_g
     sends = [[x[:, i * s : (i + 1) * s] for x in (dq_l, dk_l, dv_l)] for i in range(p)]
     fields = [
         [
@@ -906,8 +954,8 @@ def residual_fields(
 ) -> list[FieldSpec]:
     """Shapes and dtypes of the residuals :func:`collective_forward` returns on ``rank``.
 
-    Ulysses keeps q, k, v, out and lse of its head share over the gathered sequence
-    (S = P * s rows); all-gather K/V keeps the gathered K/V ``(2, B, S, Hkv, D)``.
+    Ulysses keeps none (its backward gathers q, k, v again; Note [Ulysses]); all-gather K/V
+    keeps the gathered K/V ``(2, B, S, Hkv, D)``.
 
     Raises:
         ValueError: an unknown ``strategy_name``; Hkv not dividing Hq (Ulysses).
@@ -916,15 +964,8 @@ def residual_fields(
     b, d, total = batch, head_dim, world_size * seq_local
     if strategy is CollectiveStrategy.ALLGATHER_KV:
         return [((2, b, total, heads_kv, d), dtype)]
-    share = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)[rank]
-    nq, nkv = share.num_q, share.num_kv
-    return [
-        ((b, total, nq, d), dtype),
-        ((b, total, nkv, d), dtype),
-        ((b, total, nkv, d), dtype),
-        ((b, total, nq, d), dtype),
-        ((b, nq, total), accumulation_dtype(dtype)),
-    ]
+    ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)  # validates
+    return []
 
 
 def _masking(
@@ -984,8 +1025,7 @@ def collective_forward(
     masking = _masking(sharding, mask, comm.world_size, q.device)
     if strategy is CollectiveStrategy.ULYSSES:
         plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
-        out, lse, saved = _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
-        return out, lse, [x.contiguous() for x in saved]
+        return _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
     routing = CollectiveRouting.for_backend(comm.backend)
     key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
     fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
@@ -997,11 +1037,12 @@ def collective_backward(
     strategy_name: CollectiveStrategy | enum.Enum | str,
     dout: torch.Tensor,
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     residuals: Sequence[torch.Tensor],
     *,
-    heads_kv: int,
     dtype: torch.dtype,
     causal: bool,
     scale: float,
@@ -1015,10 +1056,11 @@ def collective_backward(
 
     Args:
         dout: ``(B, s, Hq, D)`` gradient of out.
-        q, out, lse: the forward's q (padded like its input) and outputs; read by all-gather
-            K/V only (Ulysses keeps its own in the residuals).
+        q, k, v, out, lse: the forward's inputs (padded like them) and outputs; all-gather
+            K/V reads q, out and lse (its K/V are in the residuals; k, v may be stand-ins of
+            their shape), Ulysses all five (it gathers them again; Note [Ulysses]).
         residuals: what :func:`collective_forward` returned with them.
-        heads_kv: Hkv of the forward's k and v; dtype: their dtype (of q, k and v alike).
+        dtype: the dtype of q, k and v.
         causal, scale, layout, comm, kernel, sharding, mask: as given to the forward.
 
     Returns:
@@ -1029,11 +1071,23 @@ def collective_backward(
     dout = dout.contiguous()
     masking = _masking(sharding, mask, comm.world_size, dout.device)
     if strategy is CollectiveStrategy.ULYSSES:
-        plan = _UlyssesPlan.make(comm, layout, causal, dout.shape, heads_kv, dout.device, masking)
+        assert not residuals, "Ulysses keeps no residuals"
+        plan = _UlyssesPlan.make(comm, layout, causal, dout.shape, k.shape[2], dout.device, masking)
         dq, dk, dv = _ulysses_backward(
-            dout, residuals, plan, comm, kernel, heads_kv=heads_kv, causal=causal, scale=scale
+            dout,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.contiguous(),
+            lse.contiguous(),
+            plan,
+            comm,
+            kernel,
+            causal=causal,
+            scale=scale,
         )
     else:
+        heads_kv = k.shape[2]
         routing = CollectiveRouting.for_backend(comm.backend)
         key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], heads_kv, routing)
         bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)

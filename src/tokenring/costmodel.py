@@ -862,14 +862,10 @@ def schedule_arrays(
         return_payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
     else:
         return_payload = Payload.DKV if pass_ is Pass.BACKWARD else None
-    # Ring backward: the accumulator of a K/V block starts at its first visitor (step 1) and
-    # moves on after every step, the last visitor sending it home.
+    # Ring backward: the accumulator of a K/V block leaves home after step 0 and moves on
+    # after every step, the last visitor sending it home (none when P = 1).
     ring_backward = strategy is Strategy.RING and pass_ is Pass.BACKWARD
-    dkv_rows = (
-        torch.where(step >= 1, full, 0)
-        if ring_backward
-        else torch.zeros((p, num), dtype=torch.long)
-    )
+    dkv_rows = full.clone() if ring_backward and p > 1 else torch.zeros((p, num), dtype=torch.long)
     return ScheduleArrays(
         strategy=strategy,
         pass_=pass_,
@@ -950,7 +946,7 @@ def steady_step(
     Worst rank: every block row count is the largest any rank has at a steady step (s rows of
     the travel block, s rows returned; zigzag computes s*c score entries, contiguous causal
     s*s on the busiest rank). Flows during step t: the travel block of step t, and the return
-    posted at the end of step t-1 >= 1 (TokenRing: to the owner at distance t-1; Ring
+    posted at the end of step t-1 (TokenRing: t-1 >= 1, to the owner at distance t-1; Ring
     backward: the accumulator to r-1, on the same link as K/V). Per topology::
 
         MESH    max over links: travel and return use different links unless they share dst
@@ -992,7 +988,8 @@ def steady_step(
         ret = s * dims.row_bytes(ret_payload) if t >= 2 else 0
         distance = t - 1
     else:
-        ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD and t >= 2 else 0
+        # the accumulator leaves home after step 0 (Note [Backward] in tokenring.schedule)
+        ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD else 0
         distance = p - 1  # the accumulator goes to r - 1, like K/V
 
     net = hardware.interconnect

@@ -119,6 +119,8 @@ class PositionMask:
 
 Mask: TypeAlias = "torch.Tensor | PositionMask"
 """A block mask: bool ``(sq, sk)`` (True: visible), or positions."""
+Grads: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Gradient accumulators of a block: dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``."""
 
 
 def _dense(
@@ -211,7 +213,7 @@ class BlockKernel(abc.ABC):
 
     def backward_into(
         self,
-        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        grads: Grads | Callable[[], Grads],
         dout: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -225,13 +227,16 @@ class BlockKernel(abc.ABC):
         poll: Callable[[], None] | None = None,
     ) -> None:
         """:meth:`backward`, added into ``grads = (dq, dk, dv)`` (same shapes, any float
-        dtype, typically accumulators in the accumulation dtype). ``poll`` is called between
-        tiles (the runtime frees buffers whose transfers have completed)."""
-        for acc, part in zip(
-            grads,
-            self.backward(dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask),
-            strict=True,
-        ):
+        dtype, typically accumulators in the accumulation dtype). ``poll`` is called after
+        each tile, before its gradients are added (the runtime frees buffers whose transfers
+        have completed). ``grads`` may be a function that returns them: it is called once,
+        after the first tile and its ``poll``, and never if no tile is computed, so the
+        caller allocates (or receives) them only when buffers of the last step are gone
+        (Note [Buffers in flight] in tokenring.runtime)."""
+        parts = self.backward(dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask)
+        if poll is not None:
+            poll()
+        for acc, part in zip(grads() if callable(grads) else grads, parts, strict=True):
             acc += part
 
 
@@ -581,7 +586,7 @@ class TiledKernel(BlockKernel):
 
     def backward_into(
         self,
-        grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        grads: Grads | Callable[[], Grads],
         dout: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -594,7 +599,7 @@ class TiledKernel(BlockKernel):
         mask: Mask | None = None,
         poll: Callable[[], None] | None = None,
     ) -> None:
-        dq, dk, dv = grads
+        targets = None if callable(grads) else grads
         for (qa, qb), row in self._tile_grid(q.shape[1], k.shape[1], causal, mask):
             for (ka, kb), kind, sub in row:
                 parts = self._kernel(kind).backward(
@@ -608,12 +613,16 @@ class TiledKernel(BlockKernel):
                     scale=scale,
                     mask=sub,
                 )
+                if poll is not None:
+                    poll()
+                if targets is None:
+                    assert callable(grads)
+                    targets = grads()
+                dq, dk, dv = targets
                 dq[:, qa:qb] += parts[0]
                 dk[:, ka:kb] += parts[1]
                 dv[:, ka:kb] += parts[2]
-                del parts
-                if poll is not None:
-                    poll()
+                del parts, dq, dk, dv
 
 
 class CpuFlashKernel(TiledKernel):

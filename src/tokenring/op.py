@@ -18,14 +18,12 @@ output (hidden from the caller)::
 
     strategy               backward reads         residuals (padded: s_pad rows, see layout)
     token_ring, ring,      q, k, v, out, lse      none; padded: out and lse of the buffer
-      bidir_ring,
-      bidir_token_ring
-    ulysses                nothing of those       q, k, v, out, lse of the head share over the
-                                                  gathered sequence (collective.residual_fields)
+      bidir_ring,                                 (Ulysses gathers q, k, v again; Note
+      bidir_token_ring, ulysses                   [Ulysses] in tokenring.collective)
     allgather_kv           q, out, lse            gathered K/V; padded: out, lse of the buffer
 
 Inputs the backward does not read are saved as shape-only stand-ins (:func:`stand_in`), so
-Ulysses keeps no more memory than before it was an operator.
+all-gather K/V keeps no more memory than before it was an operator.
 
 Legend: B batch, S global seq, s local seq, s_pad padded local seq, Hq query heads, Hkv kv
 heads, D head dim, P world size.
@@ -204,8 +202,6 @@ class Plan:
 
 def reads(strategy: Strategy) -> tuple[bool, bool, bool, bool, bool]:
     """Which of q, k, v, out, lse the backward of ``strategy`` reads (Note [Residuals])."""
-    if strategy is Strategy.ULYSSES:
-        return (False, False, False, False, False)
     if strategy is Strategy.ALLGATHER_KV:
         return (True, False, False, True, True)
     return (True, True, True, True, True)
@@ -312,14 +308,17 @@ def backward(
     if reads(plan.strategy)[0]:  # not a stand-in
         q = plan.pad(q)
     if plan.strategy.is_collective:
+        if reads(plan.strategy)[1]:  # not stand-ins
+            k, v = plan.pad(k), plan.pad(v)
         dq, dk, dv = collective_backward(
             plan.strategy.value,
             dout,
             q,
+            k,
+            v,
             out,
             lse,
             residuals,
-            heads_kv=k.shape[2],
             dtype=q.dtype,
             causal=plan.causal,
             scale=plan.scale,

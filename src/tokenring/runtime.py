@@ -23,8 +23,16 @@ as soon as its last use passes (README "Memory" has the measured table):
   first tile of step t (a tile's time to arrive; gloo's works report completion only when
   waited for; on CUDA only what has completed is released, without waiting);
 - gradients of a piece are added tile by tile into the accumulators
-  (``BlockKernel.backward_into``), so kernel outputs are tile-sized;
-- no variable keeps a view of a block past its piece (``del`` at the end of each piece).
+  (``BlockKernel.backward_into``), so kernel outputs are tile-sized, and the accumulators are
+  fetched only after the first tile (``targets``): a dQ partial is allocated once the returns
+  of step t-1 are gone, and the dK/dV accumulator that followed a block here *becomes* this
+  step's accumulator (no second one);
+- pass-KV: each rank's own dK/dV leaves home in the accumulators after step 0 (Note
+  [Backward] in tokenring.schedule), so at the first tile of a step a rank holds the block,
+  the next one, the accumulator arriving and the one sent: four K/V-sized buffers, and
+  nothing of its own dK/dV until the accumulators come home after the last step;
+- no variable keeps a view of a block past its piece (``del`` at the end of each piece; a
+  loop variable would keep its last value for the whole pass).
 
 Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
 stream and a wait makes the current (compute) stream wait on it; compute bars of the
@@ -34,6 +42,7 @@ range (``tokenring.<strategy>.<pass>.step<t>``) in the user's ``torch.profiler``
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,9 +52,9 @@ import torch
 from torch.profiler import record_function
 
 from tokenring.comm import Communicator, Event, FieldSpec, Message, PendingRecv
-from tokenring.kernels import BlockKernel, PositionMask
+from tokenring.kernels import BlockKernel, Grads, PositionMask
 from tokenring.merge import merge_into
-from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Transfer
+from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Segment, Transfer
 
 __all__ = ["Shapes", "run_backward", "run_forward"]
 
@@ -283,27 +292,28 @@ class _InFlight:
         poster: _SlotPoster,
         step: int,
         dq_acc: torch.Tensor,
-        new_lane_grads: Callable[[int], list[torch.Tensor]],
+        lane_messages: dict[int, Message],
         *,
         blocking: bool,
     ) -> None:
         self.comm, self.poster, self.step, self.dq_acc = comm, poster, step, dq_acc
-        self.new_lane_grads = new_lane_grads
+        self.lane_messages = lane_messages  # the message of each lane's accumulator
         self.blocking = blocking  # gloo: works report completion only when waited for
         self.settled = False
         self.lane_grads: dict[int, list[torch.Tensor]] = {}
         self.dkv_in: dict[int, list[PendingRecv]] = {}
 
     def add_arrived(self, *, block: bool) -> None:
-        """Add the dK/dV accumulators that followed this step's blocks (all if ``block``)."""
+        """Take the dK/dV accumulators that followed this step's blocks (all if ``block``):
+        the first of a lane becomes its accumulator, the rest are added into it."""
         for lane, recs in self.dkv_in.items():
-            if lane not in self.lane_grads and not block:
-                continue
             for rec in [r for r in recs if block or r.ready()]:
-                if lane not in self.lane_grads:
-                    self.lane_grads[lane] = self.new_lane_grads(lane)
-                for grad, arrived in zip(self.lane_grads[lane], rec.wait(), strict=True):
-                    grad += arrived
+                if lane not in self.lane_grads:  # it becomes the accumulator: no copy
+                    self.lane_grads[lane] = rec.wait()
+                    self.lane_messages[lane] = rec.message()
+                else:
+                    for grad, arrived in zip(self.lane_grads[lane], rec.wait(), strict=True):
+                        grad += arrived
                 recs.remove(rec)
 
     def poll(self) -> None:
@@ -450,10 +460,9 @@ def run_forward(
                         q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
                         kv_owner = rank
                     else:
-                        block = held[piece.lane]
                         q_p = q[:, a:b, qh]
-                        k_p, v_p = block.rows_of(0, piece.kv_rows), block.rows_of(1, piece.kv_rows)
-                        kv_owner = block.owner
+                        k_p, v_p = held[piece.lane].slice(piece.kv_rows)
+                        kv_owner = held[piece.lane].owner
                     mask = masks(piece, q_owner, kv_owner)
                     part = kernel.forward(
                         q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask
@@ -511,8 +520,8 @@ def run_backward(
     poster = _SlotPoster(sched, comm, shapes)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-    dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
-    dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B,s,Hkv,D)
+    dv_acc: torch.Tensor | None = torch.zeros(v.shape, dtype=acc, device=v.device)
     pass_q = sched.strategy.passes_q
     home = _Held(rank, (0, s), [q, dout, lse, delta])  # pass-Q: the local block, every head
     if pass_q:
@@ -537,6 +546,37 @@ def run_backward(
         lane_messages[lane], grads = comm.message([(shape, acc)] * 2, k.device)
         return grads
 
+    dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return to its owner
+    dq_msg: Message | None = None  # the message it is accumulated in
+
+    def targets(piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
+        """The piece's accumulators, fetched after its first tile (Note [Buffers in flight]):
+        by then the dK/dV that followed the block here has arrived and becomes the lane's
+        accumulator, and the returns of the last step are gone."""
+        nonlocal dq_seg, dq_msg
+        (a, b), (c, d) = piece.q_rows, piece.kv_rows
+        qh = _q_heads(piece, groups)
+        if pass_q or step == 0:
+            assert dk_acc is not None and dv_acc is not None, "kept home while computed into"
+            kvh = slice(None) if piece.heads is None or not pass_q else slice(*piece.heads)
+            dk_t, dv_t = dk_acc[:, c:d, kvh], dv_acc[:, c:d, kvh]
+        else:
+            if piece.lane not in lane_grads:
+                lane_grads[piece.lane] = new_lane_grads(piece.lane)
+            row0 = (sched.lanes[piece.lane].kv_rows or (0, s))[0]
+            dk_t, dv_t = (g[:, c - row0 : d - row0] for g in lane_grads[piece.lane])
+        if q_owner == rank:
+            return dq_acc[:, a:b, qh], dk_t, dv_t
+        if dq_seg is None:
+            rows = segment.q_rows
+            num_heads = len(range(q.shape[2])[qh])  # a pass-Q lane's: fewer
+            shape = (q.shape[0], rows[1] - rows[0], num_heads, q.shape[3])  # (B, n, h, D)
+            if acc == q.dtype:  # accumulated in the message that returns it
+                dq_msg, (dq_seg,) = comm.message([(shape, acc)], q.device)
+            else:
+                dq_seg = torch.zeros(shape, dtype=acc, device=q.device)
+        return dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]], dk_t, dv_t
+
     def add_returned(step: int | None) -> None:
         for rec in poster.take(Payload.DQ, step):
             (dq_part,) = rec.wait()
@@ -549,10 +589,11 @@ def run_backward(
             poster.post(step, 0, provide)
             # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows),
             # for the lanes whose block this rank computes with (and so passes an accumulator
-            # on). The first piece's gradients become the accumulator when they cover it.
+            # on). The accumulator that followed the block here becomes this step's after
+            # the first tile (targets()); at step 0 our own dK/dV leaves in new ones.
             outgoing = {tr.lane: tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
             inflight = _InFlight(
-                comm, poster, step, dq_acc, new_lane_grads, blocking=q.device.type == "cpu"
+                comm, poster, step, dq_acc, lane_messages, blocking=q.device.type == "cpu"
             )
             lane_grads = inflight.lane_grads
             for index in outgoing:  # the accumulators that followed each block here
@@ -562,8 +603,7 @@ def run_backward(
             poll = inflight.poll
             for index, segment in enumerate(plan.segments):
                 done = timer.span(step, "attn_bwd")
-                dq_seg: torch.Tensor | None = None
-                dq_msg: Message | None = None
+                dq_seg = dq_msg = None  # allocated by targets(), after the first tile
                 for piece in segment.pieces:
                     (a, b), (c, d) = piece.q_rows, piece.kv_rows
                     qh = _q_heads(piece, groups)
@@ -572,6 +612,7 @@ def run_backward(
                     if pass_q:
                         block = home if step == 0 else held[piece.lane]
                         q_p, do_p, lse_p, delta_p = block.slice(piece.q_rows)
+                        del block  # the held block may leave at the end of the step
                         k_p, v_p = k[:, c:d, kvh], v[:, c:d, kvh]
                         kv_owner = rank
                     else:
@@ -581,34 +622,11 @@ def run_backward(
                             k_p, v_p = k[:, c:d], v[:, c:d]
                             kv_owner = rank
                         else:
-                            block = held[piece.lane]
-                            k_p = block.rows_of(0, piece.kv_rows)
-                            v_p = block.rows_of(1, piece.kv_rows)
-                            kv_owner = block.owner
+                            k_p, v_p = held[piece.lane].slice(piece.kv_rows)
+                            kv_owner = held[piece.lane].owner
                     mask = masks(piece, q_owner, kv_owner)
-                    if pass_q:
-                        dk_t, dv_t = dk_acc[:, c:d, kvh], dv_acc[:, c:d, kvh]
-                    elif step == 0:
-                        dk_t, dv_t = dk_acc[:, c:d], dv_acc[:, c:d]
-                    else:
-                        if piece.lane not in lane_grads:
-                            lane_grads[piece.lane] = new_lane_grads(piece.lane)
-                        row0 = (sched.lanes[piece.lane].kv_rows or (0, s))[0]
-                        dk_t, dv_t = (g[:, c - row0 : d - row0] for g in lane_grads[piece.lane])
-                    if q_owner == rank:
-                        dq_t = dq_acc[:, a:b, qh]
-                    else:
-                        if dq_seg is None:
-                            rows = segment.q_rows
-                            num_heads = len(range(q.shape[2])[qh])  # a pass-Q lane's: fewer
-                            shape = (q.shape[0], rows[1] - rows[0], num_heads, q.shape[3])
-                            if acc == q.dtype:  # accumulated in the message that returns it
-                                dq_msg, (dq_seg,) = comm.message([(shape, acc)], q.device)
-                            else:
-                                dq_seg = torch.zeros(shape, dtype=acc, device=q.device)
-                        dq_t = dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]]
                     kernel.backward_into(
-                        (dq_t, dk_t, dv_t),
+                        functools.partial(targets, piece, segment, step, q_owner),
                         do_p,
                         q_p,
                         k_p,
@@ -620,7 +638,7 @@ def run_backward(
                         mask=mask,
                         poll=poll,
                     )
-                    del dq_t, dk_t, dv_t, q_p, do_p, lse_p, delta_p, k_p, v_p, mask
+                    del q_p, do_p, lse_p, delta_p, k_p, v_p, mask
                 done()
                 if dq_seg is not None:
                     back = dq_msg if dq_msg is not None else [dq_seg.to(q.dtype)]
@@ -629,15 +647,24 @@ def run_backward(
                 dq_msg = None
                 if index + 1 < num_segments:
                     poster.post(step, index + 1, provide)
-            # Pass-KV: add the accumulator that followed each block (from step 2 on: the first
+            # Pass-KV: take the accumulator that followed each block (from step 2 on: the first
             # visitor created it) and pass it on; see Note [Backward] in tokenring.schedule.
             inflight.add_arrived(block=True)
             for lane_index, tr_out in outgoing.items():
                 grads = lane_grads.pop(lane_index, None)
                 if grads is None:  # no piece and no accumulator reached the block here
                     grads = new_lane_grads(lane_index)
+                if step == 0:  # the accumulator leaves home with our own dK/dV of the lane
+                    assert dk_acc is not None and dv_acc is not None
+                    rows, heads = tr_out.rows, slice(*tr_out.heads) if tr_out.heads else slice(None)
+                    for grad, own in zip(grads, (dk_acc, dv_acc), strict=True):
+                        grad.copy_(own[:, rows[0] : rows[1], heads])
+                        own[:, rows[0] : rows[1], heads] = 0  # it comes back in the accumulator
+                    del grad, own  # loop variables would keep them for the whole pass
                 returns[tr_out] = lane_messages.pop(lane_index)
                 del grads
+            if step == 0 and outgoing and len(outgoing) == len(sched.lanes):
+                dk_acc = dv_acc = None  # every row and head travels: nothing stays home
             del inflight, poll
             if num_segments > 0:
                 poster.post(step, num_segments, provide)
@@ -650,6 +677,11 @@ def run_backward(
             comm.wait_sends_through(step - 1)
             add_returned(step - 1)
     add_returned(None)
+    held.clear()
+    if dk_acc is None or dv_acc is None:
+        comm.wait_sends()  # the last accumulators sent: gone before dK, dV are made
+        dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
+        dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
     for rec in poster.take(Payload.DKV):  # each lane's accumulator, home at last
         tr = rec.transfer
         heads = slice(*tr.heads) if tr.heads else slice(None)

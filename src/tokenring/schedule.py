@@ -56,11 +56,14 @@ Note [Backward]
 TokenRing: K/V and their gradient accumulators stay home. (q, dout, lse, delta) travel exactly
 like q in the forward; each rank adds dK, dV of its own K/V from every visiting Q; partial dQ
 goes back to its owner like ``out``. Pass-KV (Ring, bidirectional Ring): K/V travel like the
-forward. The local block's dK/dV (step 0) stays home. The fp32 accumulator of a travelling
-block is created by the first visitor that computes with it, follows the block one step
-behind on the return process group (same direction), and the last visitor that computes
-with it sends it straight home: P-1 hops of the lane's rows per block when every visitor
-computes (the last hop is then the ring's own link home), fewer under a window.
+forward. The fp32 accumulator of each lane of a block leaves home after step 0 with the
+owner's own dK/dV of the lane's heads and rows, follows the block one step behind on the
+return process group (same direction; each visitor adds into it), and the last visitor that
+computes with it sends it straight home: P hops of the lane's rows per block when every
+visitor computes (the last hop is then the ring's own link home), fewer under a window.
+No rank keeps its own dK/dV during the steps, only accumulators in flight (Note [Buffers in
+flight] in tokenring.runtime): one more hop per block than starting the accumulator at the
+first visitor, overlapped with step 1, for two K/V-sized buffers less on every rank.
 
 Note [Bidirectional ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -695,8 +698,8 @@ def build_schedule(
                         Transfer(ret, r, owner, owner, segment.q_rows, t, k + 1, heads, index)
                     )
     elif pass_ is Pass.BACKWARD:
-        # See Note [Backward]: the accumulator of a K/V block is created by the first rank
-        # that computes with it, follows the block, and the last one sends it home.
+        # See Note [Backward]: the accumulator of a K/V block leaves home with the owner's
+        # own dK/dV, follows the block, and the last visitor that computes sends it home.
         for index, lane in enumerate(lanes):
             for owner in range(p):
                 holders = [(owner + lane.direction * t) % p for t in range(p)]
@@ -708,7 +711,7 @@ def build_schedule(
                 if not computing:
                     continue
                 last = computing[-1]
-                for t in range(computing[0], last + 1):
+                for t in range(last + 1):
                     plan = steps[holders[t]][t]
                     transfers.append(
                         Transfer(
