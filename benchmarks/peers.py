@@ -92,7 +92,11 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
         dtype = DTYPES[dtype_name]
         q, k, v, dout = global_inputs(args, dtype)
         grads = "fwd+bwd" in args.passes
-        want = _reference(q, k, v, dout, positions, causal=True, scale=scale, grads=grads)
+        want = (
+            _reference(q, k, v, dout, positions, causal=True, scale=scale, grads=grads)
+            if args.check
+            else []
+        )
         local = [shard(x, rank=rank, world_size=world, layout="zigzag") for x in (q, k, v, dout)]
         for pass_ in args.passes:
             backward = pass_ == "fwd+bwd"
@@ -111,7 +115,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
                     if i >= args.warmup:
                         times[name].append(elapsed)
                         cpu[name].append(time.process_time() - start_cpu)
-                    if i == args.warmup + args.iters - 1:
+                    if i == args.warmup + args.iters - 1 and args.check:
                         got = [out.detach()] + ([x.grad for x in inputs] if backward else [])
                         errors[name] = {
                             what: float((g.double() - r).abs().max())
@@ -129,7 +133,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
                         "pass": pass_,
                         "call_s": times[name],
                         "cpu_s": cpu[name],
-                        "max_error": errors[name],
+                        "max_error": errors.get(name, {}),
                     }
                 )
     return {"rows": results, "peer_version": peer_version}
@@ -186,6 +190,7 @@ def aggregate(per_rank: list[dict[str, Any]], one: list[dict[str, Any]]) -> list
         cpu = [sum(ts) / len(ts) for ts in zip(*(r["cpu_s"] for r in mine), strict=True)]
         error = {w: max(r["max_error"][w] for r in mine) for w in first["max_error"]}
         tol = TOLERANCE[first["dtype"]]
+        checked = bool(error)
         rows.append(
             {
                 "impl": first["impl"],
@@ -195,7 +200,7 @@ def aggregate(per_rank: list[dict[str, Any]], one: list[dict[str, Any]]) -> list
                 "cpu_ms": 1e3 * statistics.median(cpu),
                 "max_error": error,
                 "tolerance": tol,
-                "ok": all(e <= tol for e in error.values()),
+                "ok": all(e <= tol for e in error.values()) if checked else None,
             }
         )
     for r in one:
@@ -227,7 +232,8 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
         them = peer[(r["dtype"], r["pass"])]
         speed = them["median_ms"] / r["median_ms"]
         cpu = them["cpu_ms"] / r["cpu_ms"]
-        ok = "-" if r["ok"] is None else ("yes" if r["ok"] else "**NO**")
+        ok = ("not checked" if r["impl"] != ONE_PROCESS else "-") if r["ok"] is None else ""
+        ok = ok or ("yes" if r["ok"] else "**NO**")
         lines.append(
             f"| {r['impl']} | {r['dtype']} | {r['pass']} | {r['median_ms']:.1f} | "
             f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f} | {speed:.2f}x | {r['cpu_ms']:.1f} | "
@@ -254,6 +260,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="threads of the one-process row (default: every core of the machine)",
     )
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the float64 check (its per-rank reference takes minutes at S >= 8192)",
+    )
     p.add_argument("--out", help="write the rows as JSONL here")
     p.add_argument("--markdown", help="write the table as markdown here, with the command")
     args = p.parse_args(argv)

@@ -195,7 +195,7 @@ def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Ten
     out: list[torch.Tensor] = []
     offset = HEADER_NUM_BYTES
     for shape, dtype in fields:
-        num = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        num = torch.Size(shape).numel() * dtype.itemsize
         out.append(buffer[offset : offset + num].view(dtype).view(shape))
         offset += num
     assert offset == buffer.numel(), "receive buffer size differs from the fields"
@@ -203,10 +203,7 @@ def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Ten
 
 
 def _num_bytes(fields: Sequence[FieldSpec]) -> int:
-    return sum(
-        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        for shape, dtype in fields
-    )
+    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in fields)
 
 
 def _first_line(exc: BaseException) -> str:
