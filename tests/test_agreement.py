@@ -296,3 +296,67 @@ def test_options_of_the_wrong_type_are_rejected(
     q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
     with pytest.raises(ValueError, match=match):
         tokenring.ring_attn(q, k, v, **kwargs)
+
+
+def _repeated_calls(out_dir: str) -> None:
+    """Calls on one communicator: the same call twice, then softmax_scale different on rank 3
+    only (same schedule and message sizes: unchecked, a wrong number), then the same again.
+    Writes each call's outcome and the frame sizes its agreement exchanged."""
+    from tokenring.comm import AGREE_FRAME_NUM_BYTES
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = tokenring.Communicator(None, timeout_s=3)
+    frames: list[int] = []
+    exchange = comm.all_gather_bytes
+
+    def recorded(data: bytes, *, what: str, frame_num_bytes: int = AGREE_FRAME_NUM_BYTES):
+        frames.append(frame_num_bytes)
+        return exchange(data, what=what, frame_num_bytes=frame_num_bytes)
+
+    comm.all_gather_bytes = recorded  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D, dtype=torch.float64) for _ in range(3))
+    rows = sharded_positions("zigzag", rank, world, S)
+    calls = []
+    for index, scale in enumerate([0.25, 0.25, 0.5 if rank == 3 else 0.25, 0.25]):
+        frames.clear()
+        ref, _ = full_attention(q, k, v, causal=True, scale=scale)
+        result: dict = {"frames": None}
+        start = time.monotonic()
+        try:
+            out = tokenring.ring_attn(
+                *(x[:, rows] for x in (q, k, v)),
+                causal=True,
+                layout="zigzag",
+                group=comm,
+                softmax_scale=scale,
+            )
+            result.update(ok=True, err=(out - ref[:, rows]).abs().max().item())
+        except Exception as exc:
+            result.update(ok=False, type=type(exc).__name__, error=str(exc))
+        result.update(frames=list(frames), elapsed_s=time.monotonic() - start, call=index)
+        calls.append(result)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(calls))
+
+
+def test_repeated_calls_agree_by_digest_and_still_name_a_differing_option(
+    tmp_path: Path,
+) -> None:
+    """Note [Agreement by digest] in tokenring.comm: a call whose ranks agree exchanges only
+    the digest frames; an option that differs on one rank (one that would give a wrong
+    number unchecked) still fails on every rank naming it, and the next call runs."""
+    from tokenring.comm import AGREE_FRAME_NUM_BYTES, DIGEST_FRAME_NUM_BYTES
+
+    tokenring.launch(_repeated_calls, str(tmp_path), world_size=4, timeout_s=90, pg_timeout_s=60)
+    results = _results(tmp_path)
+    assert sorted(results) == [0, 1, 2, 3]
+    for calls in results.values():
+        for index in (0, 1, 3):
+            assert calls[index]["ok"] and calls[index]["err"] < 1e-10, calls[index]
+            assert calls[index]["frames"] == [DIGEST_FRAME_NUM_BYTES], calls[index]
+        bad = calls[2]
+        assert not bad["ok"] and bad["type"] == "ValueError", bad
+        assert "ranks disagree on this attention call: softmax_scale: rank 0 has" in bad["error"]
+        assert "rank 3 has" in bad["error"]
+        assert bad["frames"] == [DIGEST_FRAME_NUM_BYTES, AGREE_FRAME_NUM_BYTES], bad
+        assert bad["elapsed_s"] < 2.5  # the agreement, not a timeout (3 s)

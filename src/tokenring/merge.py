@@ -45,5 +45,6 @@ def merge_into(
     w_old = torch.where(unreached, 0.0, torch.exp(lse - new_lse))  # (B, H, n)
     w_new = torch.where(unreached, 0.0, torch.exp(part_lse - new_lse))
     out.mul_(w_old.transpose(1, 2).unsqueeze(-1))
-    out.addcmul_(out_part.to(out_acc.dtype), w_new.transpose(1, 2).unsqueeze(-1))  # in place
+    # out_part in its own dtype: addcmul_ reads it in out_acc's, without a converted copy
+    out.addcmul_(out_part, w_new.transpose(1, 2).unsqueeze(-1))
     lse.copy_(new_lse)

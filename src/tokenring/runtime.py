@@ -411,8 +411,24 @@ def run_forward(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     shapes = Shapes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, acc, q.device)
     poster = _SlotPoster(sched, comm, shapes)
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-    lse_acc = torch.full((q.shape[0], q.shape[2], s), float("-inf"), dtype=acc, device=q.device)
+    # The first piece of step 0 is this rank's own block; when it covers every row and head,
+    # its result is the accumulators' first value (a copy, not a merge into zeros).
+    step0 = sched.steps[rank][0] if sched.num_steps else None
+    segments = step0.segments if step0 is not None else ()
+    first = segments[0].pieces[0] if segments and segments[0].pieces else None
+    fresh = (
+        first is not None
+        and step0 is not None
+        and step0.lane_q_owner(first.lane) == rank
+        and first.q_rows == (0, s)
+        and first.heads is None
+    )
+    if fresh:
+        out_acc = torch.empty(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
+        lse_acc = torch.empty((q.shape[0], q.shape[2], s), dtype=acc, device=q.device)
+    else:
+        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse_acc = torch.full((q.shape[0], q.shape[2], s), float("-inf"), dtype=acc, device=q.device)
     pass_q = sched.strategy.passes_q
     held = _query_blocks(sched, rank, [q]) if pass_q else _lane_blocks(sched, rank, [k, v])
     partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -467,7 +483,11 @@ def run_forward(
                     part = kernel.forward(
                         q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask
                     )
-                    if q_owner == rank:  # merge straight into this rank's accumulators
+                    if fresh:  # the first piece: every row and head (see above)
+                        out_acc.copy_(part[0])
+                        lse_acc.copy_(part[1])
+                        fresh = False
+                    elif q_owner == rank:  # merge straight into this rank's accumulators
                         merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
                     else:
                         parts.append((piece.q_rows, part))
