@@ -8,7 +8,9 @@ Legend: B batch, S global seq, s local seq, H heads, D head dim, P world size.
 
 from __future__ import annotations
 
+import collections
 import itertools
+from typing import Any
 
 import torch
 
@@ -362,6 +364,19 @@ def covered_pairs(
     """Every (query position, key position) pair full attention must compute."""
     seq = world_size * seq_local
     return [(i, j) for i in range(seq) for j in range(seq) if not causal or j <= i]
+
+
+def multiset_mismatch(computed: list[Any], want: list[Any], *, show: int = 3) -> str:
+    """What ``computed`` lacks and what it holds beyond ``want`` (a duplicate counts as
+    beyond), as counts with a few examples; "" when the two are equal as multisets."""
+    have, need = collections.Counter(computed), collections.Counter(want)
+    missing, extra = sorted((need - have).elements()), sorted((have - need).elements())
+    if not missing and not extra:
+        return ""
+    return (
+        f"{len(missing)} missing (e.g. {missing[:show]}), "
+        f"{len(extra)} extra or repeated (e.g. {extra[:show]})"
+    )
 
 
 # -- the tolerance rule (../shared/STYLE.md) --------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from oracle import (
     covered_pairs,
     expected_bytes,
+    multiset_mismatch,
     owned_positions,
     padded_rows,
     sharded_positions,
@@ -24,13 +25,9 @@ from tokenring.schedule import (
     piece_flops,
 )
 
-CASES = [
-    (strategy, layout, causal, p)
-    for strategy in ("token_ring", "ring", "bidir_ring")
-    for layout in ("contiguous", "zigzag")
-    for causal in (False, True)
-    for p in (1, 2, 3, 4, 5)
-]
+# One test per strategy; each loops over its grid and names every failing case at once.
+STRATEGIES = ("token_ring", "ring", "bidir_ring")
+GRID = list(itertools.product(("contiguous", "zigzag"), (False, True), (1, 2, 3, 4, 5)))
 
 
 def _bytes_per_link(sched: Schedule, dims: Dims) -> dict[tuple[str, int, int], int]:
@@ -42,81 +39,83 @@ def _bytes_per_link(sched: Schedule, dims: Dims) -> dict[tuple[str, int, int], i
     return got
 
 
-@pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), CASES)
-@pytest.mark.parametrize("heads_kv", [1, 3])
-def test_every_needed_pair_computed_exactly_once(
-    strategy: str, layout: str, causal: bool, world_size: int, heads_kv: int
-) -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_needed_pair_computed_exactly_once(strategy: str) -> None:
     """Each (query position, key position, kv head) the mask allows, exactly once."""
     seq_local = 6
-    seq = world_size * seq_local
-    sched = build_schedule(
-        strategy,
-        "forward",
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_kv=heads_kv,
-    )
-    computed = []
-    for rank, step in itertools.product(range(world_size), range(world_size)):
-        plan = sched.steps[rank][step]
-        qpos = owned_positions(layout, plan.q_owner, world_size, seq)
-        for piece in plan.pieces:
-            kpos = owned_positions(layout, plan.kv_owners[piece.lane], world_size, seq)
-            heads = range(*(piece.heads or (0, heads_kv)))
-            for i in range(*piece.q_rows):
-                for j in range(*piece.kv_rows):
-                    if piece.causal and j > i:
-                        continue
-                    computed += [(qpos[i], kpos[j], h) for h in heads]
-    want = [
-        (i, j, h)
-        for i, j in covered_pairs(layout, causal, world_size, seq_local)
-        for h in range(heads_kv)
-    ]
-    assert sorted(computed) == sorted(want)
+    failures = []
+    for (layout, causal, world_size), heads_kv in itertools.product(GRID, (1, 3)):
+        seq = world_size * seq_local
+        sched = build_schedule(
+            strategy,
+            "forward",
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_local=seq_local,
+            heads_kv=heads_kv,
+        )
+        computed = []
+        for rank, step in itertools.product(range(world_size), range(world_size)):
+            plan = sched.steps[rank][step]
+            qpos = owned_positions(layout, plan.q_owner, world_size, seq)
+            for piece in plan.pieces:
+                kpos = owned_positions(layout, plan.kv_owners[piece.lane], world_size, seq)
+                heads = range(*(piece.heads or (0, heads_kv)))
+                for i in range(*piece.q_rows):
+                    for j in range(*piece.kv_rows):
+                        if piece.causal and j > i:
+                            continue
+                        computed += [(qpos[i], kpos[j], h) for h in heads]
+        want = [
+            (i, j, h)
+            for i, j in covered_pairs(layout, causal, world_size, seq_local)
+            for h in range(heads_kv)
+        ]
+        if mismatch := multiset_mismatch(computed, want):
+            failures.append(f"{layout} causal={causal} P={world_size} Hkv={heads_kv}: {mismatch}")
+    assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), CASES)
-@pytest.mark.parametrize("backward", [False, True])
-@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (8, 2), (6, 3), (4, 1)])
-def test_bytes_per_link_match_formula(
-    strategy: str,
-    layout: str,
-    causal: bool,
-    world_size: int,
-    backward: bool,
-    heads_q: int,
-    heads_kv: int,
-) -> None:
-    dims = Dims(batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4)
-    sched = build_schedule(
-        strategy,
-        Pass.BACKWARD if backward else Pass.FORWARD,
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=6,
-        heads_kv=heads_kv,
-    )
-    got = _bytes_per_link(sched, dims)
-    want = expected_bytes(
-        strategy=strategy,
-        backward=backward,
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=6,
-        batch=2,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=8,
-        elem_bytes=2,
-        acc_bytes=4,
-    )
-    assert got == want
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bytes_per_link_match_formula(strategy: str) -> None:
+    failures = []
+    for (layout, causal, world_size), backward, (heads_q, heads_kv) in itertools.product(
+        GRID, (False, True), ((4, 4), (8, 2), (6, 3), (4, 1))
+    ):
+        dims = Dims(
+            batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4
+        )
+        sched = build_schedule(
+            strategy,
+            Pass.BACKWARD if backward else Pass.FORWARD,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_local=6,
+            heads_kv=heads_kv,
+        )
+        got = _bytes_per_link(sched, dims)
+        want = expected_bytes(
+            strategy=strategy,
+            backward=backward,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_local=6,
+            batch=2,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=8,
+            elem_bytes=2,
+            acc_bytes=4,
+        )
+        if got != want:
+            failures.append(
+                f"{layout} causal={causal} P={world_size} backward={backward} "
+                f"H={heads_q}/{heads_kv}: schedule {got} != formula {want}"
+            )
+    assert not failures, "\n".join(failures)
 
 
 MASKED = [  # (seq_len, cu_seqlens, window): any length, packed documents, sliding windows
@@ -128,13 +127,7 @@ MASKED = [  # (seq_len, cu_seqlens, window): any length, packed documents, slidi
     (23, [0, 1, 2, 20, 23], (2, 0)),
     (40, None, (4, 0)),
 ]
-MASKED_CASES = [
-    (strategy, layout, p, case)
-    for strategy in ("token_ring", "ring", "bidir_ring")
-    for layout in ("contiguous", "zigzag")
-    for p in (1, 2, 3, 4)
-    for case in MASKED
-]
+MASKED_GRID = list(itertools.product(("contiguous", "zigzag"), (1, 2, 3, 4), MASKED, (False, True)))
 
 
 def _window(case: tuple, causal: bool) -> tuple[int, int]:
@@ -142,72 +135,73 @@ def _window(case: tuple, causal: bool) -> tuple[int, int]:
     return (left, 0 if causal else right)
 
 
-@pytest.mark.parametrize(("strategy", "layout", "world_size", "case"), MASKED_CASES)
-@pytest.mark.parametrize("causal", [False, True])
-def test_masked_pairs_computed_exactly_once(
-    strategy: str, layout: str, world_size: int, case: tuple, causal: bool
-) -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_masked_pairs_computed_exactly_once(strategy: str) -> None:
     """Documents, windows and padding: every visible (query, key, kv head) exactly once; no
     piece touches a padding row; an unmasked piece holds only visible pairs."""
-    seq_len, cu_seqlens, _ = case
-    window = _window(case, causal)
     heads_kv = 2
-    sched = build_schedule(
-        strategy,
-        "forward",
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_len=seq_len,
-        cu_seqlens=cu_seqlens,
-        window_size=window,
-        heads_kv=heads_kv,
-    )
-    visible = visible_mask(seq_len, causal=causal, cu_seqlens=cu_seqlens, window=window)
-    position_of = []
-    for r in range(world_size):
-        rows, size = padded_rows(layout, r, world_size, seq_len, cu_seqlens)
-        assert size == sched.seq_local
-        pos = sharded_positions(layout, r, world_size, seq_len, cu_seqlens)
-        position_of.append(dict(zip(rows, pos, strict=True)))
-    computed = []
-    for rank, step in itertools.product(range(world_size), range(world_size)):
-        plan = sched.steps[rank][step]
-        for piece in plan.pieces:
-            qpos = position_of[plan.q_owner]
-            kpos = position_of[plan.kv_owners[piece.lane]]
-            heads = range(*(piece.heads or (0, heads_kv)))
-            for i in range(*piece.q_rows):
-                for j in range(*piece.kv_rows):
-                    if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
-                        continue
-                    seen = bool(visible[qpos[i], kpos[j]])  # KeyError: a padding row
-                    if not piece.masked:
-                        assert seen, (piece, qpos[i], kpos[j])
-                    if seen:
-                        computed += [(qpos[i], kpos[j], h) for h in heads]
-    want = [(i, j, h) for i, j in visible.nonzero().tolist() for h in range(heads_kv)]
-    assert sorted(computed) == sorted(want)
+    failures = []
+    for layout, world_size, case, causal in MASKED_GRID:
+        name = f"{layout} P={world_size} case={case} causal={causal}"
+        seq_len, cu_seqlens, _ = case
+        window = _window(case, causal)
+        sched = build_schedule(
+            strategy,
+            "forward",
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_len=seq_len,
+            cu_seqlens=cu_seqlens,
+            window_size=window,
+            heads_kv=heads_kv,
+        )
+        visible = visible_mask(seq_len, causal=causal, cu_seqlens=cu_seqlens, window=window)
+        position_of = []
+        for r in range(world_size):
+            rows, size = padded_rows(layout, r, world_size, seq_len, cu_seqlens)
+            if size != sched.seq_local:
+                failures.append(f"{name}: seq_local {sched.seq_local} != padded size {size}")
+            pos = sharded_positions(layout, r, world_size, seq_len, cu_seqlens)
+            position_of.append(dict(zip(rows, pos, strict=True)))
+        computed = []
+        for rank, step in itertools.product(range(world_size), range(world_size)):
+            plan = sched.steps[rank][step]
+            for piece in plan.pieces:
+                qpos = position_of[plan.q_owner]
+                kpos = position_of[plan.kv_owners[piece.lane]]
+                heads = range(*(piece.heads or (0, heads_kv)))
+                for i in range(*piece.q_rows):
+                    for j in range(*piece.kv_rows):
+                        if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
+                            continue
+                        if i not in qpos or j not in kpos:
+                            failures.append(f"{name}: {piece} touches padding row {i} or {j}")
+                            continue
+                        seen = bool(visible[qpos[i], kpos[j]])
+                        if not piece.masked and not seen:
+                            failures.append(f"{name}: unmasked {piece} holds {qpos[i], kpos[j]}")
+                        if seen:
+                            computed += [(qpos[i], kpos[j], h) for h in heads]
+        want = [(i, j, h) for i, j in visible.nonzero().tolist() for h in range(heads_kv)]
+        if mismatch := multiset_mismatch(computed, want):
+            failures.append(f"{name}: {mismatch}")
+    assert not failures, "\n".join(failures[:20])
 
 
-@pytest.mark.parametrize(("strategy", "layout", "world_size", "case"), MASKED_CASES)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (4, 1)])
-def test_masked_bytes_per_link_match_formula(
-    strategy: str,
-    layout: str,
-    world_size: int,
-    case: tuple,
-    causal: bool,
-    heads_q: int,
-    heads_kv: int,
-) -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_masked_bytes_per_link_match_formula(strategy: str) -> None:
     """Blocks nobody sees are neither computed nor sent: bytes per link, forward and
     backward, equal the formula derived from the oracle's visibility."""
-    seq_len, cu_seqlens, _ = case
-    window = _window(case, causal)
-    dims = Dims(batch=1, heads_q=heads_q, heads_kv=heads_kv, head_dim=4, elem_bytes=2, acc_bytes=4)
-    for backward in (False, True):
+    failures = []
+    for (layout, world_size, case, causal), (heads_q, heads_kv), backward in itertools.product(
+        MASKED_GRID, ((4, 4), (4, 1)), (False, True)
+    ):
+        seq_len, cu_seqlens, _ = case
+        window = _window(case, causal)
+        dims = Dims(
+            batch=1, heads_q=heads_q, heads_kv=heads_kv, head_dim=4, elem_bytes=2, acc_bytes=4
+        )
         sched = build_schedule(
             strategy,
             Pass.BACKWARD if backward else Pass.FORWARD,
@@ -236,7 +230,12 @@ def test_masked_bytes_per_link_match_formula(
             elem_bytes=2,
             acc_bytes=4,
         )
-        assert got == want, backward
+        if got != want:
+            failures.append(
+                f"{layout} P={world_size} case={case} causal={causal} H={heads_q}/{heads_kv} "
+                f"backward={backward}: schedule {got} != formula {want}"
+            )
+    assert not failures, "\n".join(failures[:20])
 
 
 def test_window_skips_far_steps_entirely() -> None:
