@@ -3,10 +3,10 @@
 Pure tests (milliseconds): the head split, every needed (query, key) pair computed exactly once,
 and the schedules' bytes per (flow, src, dst) against a closed form written here from the
 algorithms' definitions, for both routings (every pair directly; gloo's ring all-gather).
-Distributed tests: one launch per (strategy, world size), the grid looped inside the ranks;
-each rank checks out, lse and dq, dk, dv of its shard against full attention in float64
-(tests/oracle.py), and its counted bytes against both the closed form (gloo routing: these
-ranks run gloo) and the schedule's transfers.
+Distributed tests: one launch per world size (world size 1 in the pytest process), both
+strategies and the grid looped inside the ranks; each rank checks out, lse and dq, dk, dv of
+its shard against full attention in float64 (tests/oracle.py), and its counted bytes against
+both the closed form (gloo routing: these ranks run gloo) and the schedule's transfers.
 
 Tolerances (../shared/STYLE.md): float64 within 1e-10; float32 with ``assert_close``
 defaults; bf16/fp16 within twice the error of plain single-process attention in that dtype
@@ -28,6 +28,7 @@ from oracle import (
     DTYPES,
     covered_pairs,
     make_inputs,
+    multiset_mismatch,
     oracle_with_grads,
     owned_positions,
     tolerance_failures,
@@ -144,15 +145,22 @@ def schedule_bytes(
 # -- pure tests ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize(("heads_q", "heads_kv"), [*HEADS, (8, 2), (32, 8), (1, 1)])
-def test_ulysses_head_split(world_size: int, heads_q: int, heads_kv: int) -> None:
-    shares = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
-    want = _q_heads(heads_q, world_size)
-    group = heads_q // heads_kv
-    for share, heads in zip(shares, want, strict=True):
-        assert list(range(*share.q)) == heads
-        assert set(range(*share.kv)) == {h // group for h in heads}
+def test_ulysses_head_split() -> None:
+    failures = []
+    for world_size, (heads_q, heads_kv) in itertools.product(
+        (1, 2, 3, 4, 5, 8), (*HEADS, (8, 2), (32, 8), (1, 1))
+    ):
+        shares = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
+        want = _q_heads(heads_q, world_size)
+        group = heads_q // heads_kv
+        for rank, (share, heads) in enumerate(zip(shares, want, strict=True)):
+            got_q, got_kv = list(range(*share.q)), set(range(*share.kv))
+            if got_q != heads or got_kv != {h // group for h in heads}:
+                failures.append(
+                    f"P={world_size} H={heads_q}/{heads_kv} rank {rank}: q {got_q} kv {got_kv}; "
+                    f"want q {heads} kv { ({h // group for h in heads}) }"
+                )
+    assert not failures, "\n".join(failures)
 
 
 def test_ulysses_head_split_example_of_the_note() -> None:
@@ -161,89 +169,110 @@ def test_ulysses_head_split_example_of_the_note() -> None:
     assert [sh.kv for sh in shares] == [(0, 1), (1, 2), (2, 3), (2, 3)]
 
 
-PURE_CASES = list(
-    itertools.product(STRATEGIES, ("contiguous", "zigzag"), (False, True), (1, 2, 3, 4, 5))
-)
+PURE_GRID = list(itertools.product(("contiguous", "zigzag"), (False, True), (1, 2, 3, 4, 5)))
 
 
-@pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), PURE_CASES)
-@pytest.mark.parametrize("pass_", ["forward", "backward"])
-def test_every_needed_pair_computed_exactly_once(
-    strategy: str, layout: str, causal: bool, world_size: int, pass_: str
-) -> None:
-    p, s, hq = world_size, 6, 6
-    seq = p * s
-    sched = build_collective_schedule(
-        strategy,
-        pass_,
-        layout=layout,
-        causal=causal,
-        world_size=p,
-        seq_local=s,
-        heads_q=hq,
-        heads_kv=2,
-    )
-    assert sched.num_steps == 1
-    computed: dict[int, list[tuple[int, int]]] = {h: [] for h in range(hq)}
-    shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=2)
-    for r in range(p):
-        plan = sched.steps[r][0]
-        if strategy == "ulysses":  # rows of the gathered sequence in global order
-            qpos = kpos = list(range(seq))
-            heads = range(*shares[r].q)
-        else:  # own local rows; kv rows of the gathered K/V, owner j's row i at j * s + i
-            qpos = owned_positions(layout, r, p, seq)
-            kpos = [owned_positions(layout, j, p, seq)[i] for j in range(p) for i in range(s)]
-            heads = range(hq)
-        for piece in plan.pieces:
-            for i, j in itertools.product(range(*piece.q_rows), range(*piece.kv_rows)):
-                if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
-                    continue
-                for h in heads:
-                    computed[h].append((qpos[i], kpos[j]))
-        if strategy == "allgather_kv":
-            local = plan.segments[0] if pass_ == "forward" else plan.segments[-1]
-            assert all(
-                r * s <= piece.kv_rows[0] < piece.kv_rows[1] <= (r + 1) * s
-                for piece in local.pieces
-            ), "the local block is computed first in the forward and last in the backward"
-            if pass_ == "backward" and p > 1:
-                assert {tr.after_segments for tr in sched.sends(r, 0)} == {len(plan.segments) - 1}
-    want = covered_pairs(layout, causal, p, s)
-    for h in range(hq):
-        assert sorted(computed[h]) == want, f"head {h}"
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_needed_pair_computed_exactly_once(strategy: str) -> None:
+    s, hq = 6, 6
+    failures = []
+    for (layout, causal, p), pass_ in itertools.product(PURE_GRID, ("forward", "backward")):
+        name = f"{layout} causal={causal} P={p} {pass_}"
+        seq = p * s
+        sched = build_collective_schedule(
+            strategy,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=p,
+            seq_local=s,
+            heads_q=hq,
+            heads_kv=2,
+        )
+        if sched.num_steps != 1:
+            failures.append(f"{name}: {sched.num_steps} steps, want 1")
+        computed: dict[int, list[tuple[int, int]]] = {h: [] for h in range(hq)}
+        shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=2)
+        for r in range(p):
+            plan = sched.steps[r][0]
+            if strategy == "ulysses":  # rows of the gathered sequence in global order
+                qpos = kpos = list(range(seq))
+                heads = range(*shares[r].q)
+            else:  # own local rows; kv rows of the gathered K/V, owner j's row i at j * s + i
+                qpos = owned_positions(layout, r, p, seq)
+                kpos = [owned_positions(layout, j, p, seq)[i] for j in range(p) for i in range(s)]
+                heads = range(hq)
+            for piece in plan.pieces:
+                for i, j in itertools.product(range(*piece.q_rows), range(*piece.kv_rows)):
+                    if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
+                        continue
+                    for h in heads:
+                        computed[h].append((qpos[i], kpos[j]))
+            if strategy == "allgather_kv":
+                local = plan.segments[0] if pass_ == "forward" else plan.segments[-1]
+                if not all(
+                    r * s <= piece.kv_rows[0] < piece.kv_rows[1] <= (r + 1) * s
+                    for piece in local.pieces
+                ):
+                    failures.append(
+                        f"{name} rank {r}: the local block is not computed first in the forward "
+                        "and last in the backward"
+                    )
+                if pass_ == "backward" and p > 1:
+                    posted = {tr.after_segments for tr in sched.sends(r, 0)}
+                    if posted != {len(plan.segments) - 1}:
+                        failures.append(
+                            f"{name} rank {r}: dK/dV posted after segments {posted}, want "
+                            f"{len(plan.segments) - 1} (before the local block)"
+                        )
+        want = covered_pairs(layout, causal, p, s)
+        for h in range(hq):
+            if mismatch := multiset_mismatch(computed[h], want):
+                failures.append(f"{name} head {h}: {mismatch}")
+    assert not failures, "\n".join(failures[:20])
 
 
-@pytest.mark.parametrize(("strategy", "layout", "causal", "world_size"), PURE_CASES)
-@pytest.mark.parametrize("backward", [False, True])
-@pytest.mark.parametrize(("heads_q", "heads_kv"), [*HEADS, (32, 8)])
-@pytest.mark.parametrize("routing", ["direct", "gloo"])
-def test_schedule_bytes_match_closed_form(
-    strategy: str,
-    layout: str,
-    causal: bool,
-    world_size: int,
-    backward: bool,
-    heads_q: int,
-    heads_kv: int,
-    routing: str,
-) -> None:
-    dims = Dims(batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=16, elem_bytes=2, acc_bytes=4)
-    got = schedule_bytes(strategy, backward, layout, causal, world_size, 6, dims, routing)
-    want = expected_collective_bytes(
-        strategy=strategy,
-        backward=backward,
-        world_size=world_size,
-        seq_local=6,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        batch=2,
-        head_dim=16,
-        elem_bytes=2,
-        acc_bytes=4,
-        routing=routing,
-    )
-    assert got == want
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_schedule_bytes_match_closed_form(strategy: str) -> None:
+    """The collectives move whole shards whatever the layout and mask: the bytes of the four
+    (layout, causal) schedules are equal, and equal the closed form once per (world size,
+    pass, heads, routing)."""
+    failures = []
+    for p, backward, (heads_q, heads_kv), routing in itertools.product(
+        (1, 2, 3, 4, 5), (False, True), (*HEADS, (32, 8)), ("direct", "gloo")
+    ):
+        name = f"P={p} backward={backward} H={heads_q}/{heads_kv} routing={routing}"
+        dims = Dims(
+            batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=16, elem_bytes=2, acc_bytes=4
+        )
+        got = {
+            (layout, causal): schedule_bytes(
+                strategy, backward, layout, causal, p, 6, dims, routing
+            )
+            for layout, causal in itertools.product(("contiguous", "zigzag"), (False, True))
+        }
+        first = got["contiguous", False]
+        for (layout, causal), other in got.items():
+            if other != first:
+                failures.append(
+                    f"{name}: {layout} causal={causal} sends {other}, contiguous non-causal {first}"
+                )
+        want = expected_collective_bytes(
+            strategy=strategy,
+            backward=backward,
+            world_size=p,
+            seq_local=6,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            batch=2,
+            head_dim=16,
+            elem_bytes=2,
+            acc_bytes=4,
+            routing=routing,
+        )
+        if first != want:
+            failures.append(f"{name}: schedule {first} != closed form {want}")
+    assert not failures, "\n".join(failures[:20])
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 5])
@@ -434,28 +463,43 @@ def _check_config(
     }
 
 
-def _grid(strategy: str) -> list[dict[str, Any]]:
-    """Every layout, mask and head shape in float64 (exact: a schedule bug shows as ~0.1);
-    the lower precisions on a causal zigzag GQA case and a non-causal contiguous MQA case.
-    All-gather K/V never splits heads, so it skips the head shapes only Ulysses splits oddly."""
-    heads_grid = HEADS if strategy == "ulysses" else [(4, 4), (6, 2), (4, 1)]
-    configs = [
-        (layout, causal, heads, "float64")
-        for layout, causal, heads in itertools.product(
-            ("contiguous", "zigzag"), (False, True), heads_grid
-        )
-    ]
-    for dtype_name in ("float32", "bfloat16", "float16"):
-        configs += [("zigzag", True, (6, 3), dtype_name), ("contiguous", False, (4, 1), dtype_name)]
-    return [_check_config(strategy, *config) for config in configs]
+def _grid() -> list[dict[str, Any]]:
+    """Both strategies. Every layout, mask and head shape in float64 (exact: a schedule bug
+    shows as ~0.1); the lower precisions on a causal zigzag GQA case and a non-causal
+    contiguous MQA case. All-gather K/V never splits heads, so it skips the head shapes only
+    Ulysses splits oddly."""
+    rows = []
+    for strategy in STRATEGIES:
+        heads_grid = HEADS if strategy == "ulysses" else [(4, 4), (6, 2), (4, 1)]
+        configs = [
+            (layout, causal, heads, "float64")
+            for layout, causal, heads in itertools.product(
+                ("contiguous", "zigzag"), (False, True), heads_grid
+            )
+        ]
+        for dtype_name in ("float32", "bfloat16", "float16"):
+            configs += [
+                ("zigzag", True, (6, 3), dtype_name),
+                ("contiguous", False, (4, 1), dtype_name),
+            ]
+        rows += [_check_config(strategy, *config) for config in configs]
+    return rows
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_matches_oracle_and_counted_bytes(strategy: str, world_size: int) -> None:
-    per_rank = tokenring.launch(_grid, strategy, world_size=world_size, timeout_s=240)
+def _assert_no_failures(per_rank: list[list[dict[str, Any]]]) -> None:
     failures = []
     for rank, grid in enumerate(per_rank):
         for row in grid:
             failures += [f"rank {rank} {row['config']}: {f}" for f in row["failures"]]
     assert not failures, "\n".join(failures)
+
+
+def test_matches_oracle_and_counted_bytes_on_one_rank(single_rank_group: None) -> None:
+    """World size 1 in the pytest process (no launch to pay for)."""
+    _assert_no_failures([_grid()])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_matches_oracle_and_counted_bytes(world_size: int) -> None:
+    """One launch per world size; both strategies and the whole grid inside the ranks."""
+    _assert_no_failures(tokenring.launch(_grid, world_size=world_size, timeout_s=300))
