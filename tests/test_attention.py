@@ -1,9 +1,10 @@
 """TokenRing and Ring on real gloo process groups, against the float64 oracle.
 
-One launch per (strategy, world size); the parameter grid (layout, causal, heads, dtype) is
-looped inside the ranks. Each rank compares its shard of out, lse and the gradients of q, k, v
-with full attention computed in float64 from the same seeded global tensors, and its counted
-bytes per link with the formula in ``oracle.expected_bytes``.
+One launch per world size (world size 1 in the pytest process); every strategy and the
+parameter grid (layout, causal, heads, dtype) are looped inside the ranks. Each rank compares
+its shard of out, lse and the gradients of q, k, v with full attention computed in float64
+from the same seeded global tensors, and its counted bytes per link with the formula in
+``oracle.expected_bytes``.
 
 Tolerances (../shared/STYLE.md): float64 within 1e-10; float32 with ``assert_close``
 defaults; bf16/fp16 within twice the error of plain single-process attention in that dtype
@@ -31,6 +32,7 @@ from oracle import (
 )
 
 HEADS = [(4, 4), (6, 2), (4, 1)]  # MHA, GQA (groups of 3), MQA
+STRATEGIES = ("token_ring", "ring", "bidir_ring", "bidir_token_ring")
 
 
 def _traffic(comm: tokenring.Communicator) -> dict[tuple[str, int, int], int]:
@@ -141,17 +143,27 @@ def _determinism(strategy: str) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
-def run_grid(strategy: str) -> list[list[dict[str, Any]] | bool]:
-    return [_grid(strategy), _determinism(strategy)]
+def run_grid() -> dict[str, list[list[dict[str, Any]] | bool]]:
+    return {strategy: [_grid(strategy), _determinism(strategy)] for strategy in STRATEGIES}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("strategy", ["token_ring", "ring", "bidir_ring", "bidir_token_ring"])
-def test_matches_oracle_and_traffic_formula(strategy: str, world_size: int) -> None:
-    per_rank = tokenring.launch(run_grid, strategy, world_size=world_size, timeout_s=240)
+def _assert_no_failures(per_rank: list[dict[str, list[Any]]]) -> None:
     failures = []
-    for rank, (grid, deterministic) in enumerate(per_rank):
-        assert deterministic, f"rank {rank}: two identical calls differ bitwise"
-        for row in grid:
-            failures += [f"rank {rank} {row['config']}: {f}" for f in row["failures"]]
+    for rank, by_strategy in enumerate(per_rank):
+        for strategy, (grid, deterministic) in by_strategy.items():
+            if not deterministic:
+                failures.append(f"rank {rank} {strategy}: two identical calls differ bitwise")
+            for row in grid:
+                failures += [f"rank {rank} {row['config']}: {f}" for f in row["failures"]]
     assert not failures, "\n".join(failures)
+
+
+def test_matches_oracle_and_traffic_formula_on_one_rank(single_rank_group: None) -> None:
+    """World size 1 in the pytest process (no launch to pay for)."""
+    _assert_no_failures([run_grid()])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_matches_oracle_and_traffic_formula(world_size: int) -> None:
+    """One launch per world size; every strategy and the whole grid inside the ranks."""
+    _assert_no_failures(tokenring.launch(run_grid, world_size=world_size, timeout_s=400))
