@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 import tokenring
 from oracle import make_inputs, oracle_with_grads, owned_positions
+from tokenring.costmodel import measured
 
 
 def auto_on_ranks(hardware: object) -> tuple[str, float]:
@@ -38,22 +42,47 @@ def auto_on_ranks(hardware: object) -> tuple[str, float]:
     return pick.value, error
 
 
-def test_auto_picks_the_same_strategy_on_every_rank_and_is_exact() -> None:
-    from tokenring.costmodel import measured
-
-    described = measured(
+def _described() -> Any:
+    return measured(
         forward_flops_per_s=1e10,
         backward_flops_per_s=1e10,
         link_bandwidth_bytes_per_s=1e7,
         memory_bandwidth_bytes_per_s=1e10,
         dtype="float64",
     )
-    for hardware in (described, None):  # a description, and this machine measured (collective)
-        results = tokenring.launch(auto_on_ranks, hardware, world_size=3, timeout_s=120)
+
+
+def _latency_bound() -> Any:
+    return measured(
+        forward_flops_per_s=1e12,
+        backward_flops_per_s=1e12,
+        link_bandwidth_bytes_per_s=1e10,
+        memory_bandwidth_bytes_per_s=1e12,
+        latency_s=1e-3,
+        dtype="float64",
+        collectives="gloo",
+    )
+
+
+def auto_cases(hardware: dict[str, Any]) -> dict[str, tuple[str, float]]:
+    return {name: auto_on_ranks(hw) for name, hw in hardware.items()}
+
+
+@functools.cache
+def _per_rank() -> tuple[dict[str, tuple[str, float]], ...]:
+    """A description, this machine measured (hardware None), and a latency-bound description:
+    all three on the same 3 ranks, one launch."""
+    hardware = {"described": _described(), "measured": None, "latency_bound": _latency_bound()}
+    return tuple(tokenring.launch(auto_cases, hardware, world_size=3, timeout_s=300))
+
+
+def test_auto_picks_the_same_strategy_on_every_rank_and_is_exact() -> None:
+    for name in ("described", "measured"):
+        results = [found[name] for found in _per_rank()]
         picks = {pick for pick, _ in results}
-        assert len(picks) == 1, f"ranks disagree: {results}"
-        assert picks <= {s.value for s in tokenring.Strategy}
-        assert max(error for _, error in results) < 1e-10
+        assert len(picks) == 1, f"{name}: ranks disagree: {results}"
+        assert picks <= {s.value for s in tokenring.Strategy}, name
+        assert max(error for _, error in results) < 1e-10, name
 
 
 def test_auto_can_pick_and_run_a_collective_on_gloo() -> None:
@@ -63,18 +92,7 @@ def test_auto_can_pick_and_run_a_collective_on_gloo() -> None:
     2 + 2 = 4; every ring strategy P-1 = 2 steps each way plus at least one message that
     waits for the last step (TokenRing's last return, Ring's dK/dV home) = 5 or more. So auto
     must pick all-gather K/V, on every rank, and its answer must be exact."""
-    from tokenring.costmodel import measured
-
-    latency_bound = measured(
-        forward_flops_per_s=1e12,
-        backward_flops_per_s=1e12,
-        link_bandwidth_bytes_per_s=1e10,
-        memory_bandwidth_bytes_per_s=1e12,
-        latency_s=1e-3,
-        dtype="float64",
-        collectives="gloo",
-    )
-    results = tokenring.launch(auto_on_ranks, latency_bound, world_size=3, timeout_s=120)
+    results = [found["latency_bound"] for found in _per_rank()]
     assert {pick for pick, _ in results} == {"allgather_kv"}
     assert max(error for _, error in results) < 1e-10
 
@@ -82,8 +100,6 @@ def test_auto_can_pick_and_run_a_collective_on_gloo() -> None:
 def test_auto_follows_the_byte_ratio_on_a_comm_bound_mesh() -> None:
     """MHA: TokenRing's busiest direction carries about half of Ring's bytes; 32/8 GQA: twice.
     On a slow mesh the planner must not pick Ring for MHA nor TokenRing for GQA."""
-    from tokenring.costmodel import measured
-
     slow_mesh = measured(
         forward_flops_per_s=1e15,
         backward_flops_per_s=1e15,
