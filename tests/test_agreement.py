@@ -83,13 +83,25 @@ def _run(case: str, tmp_path: Path, *, allow_launch_error: bool = False) -> dict
     return _results(tmp_path)
 
 
+RAISING_CASES = ["splits", "bad input"]
+CACHE_CASES = ["step", "attn", "strategy"]
+
+
+def _raising_cases(out_dir: str) -> None:
+    _cases(RAISING_CASES, out_dir)
+    _cache_cases(CACHE_CASES, str(Path(out_dir, "cache")))
+
+
 @pytest.fixture(scope="module")
 def raising_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
-    """The cases that end in a ValueError on every rank share one launch."""
+    """The cases that end in a ValueError on every rank share one launch: the attention
+    calls', then the cached path's (under "cache/")."""
     out_dir = tmp_path_factory.mktemp("raising")
-    cases = ["splits", "bad input"]
-    tokenring.launch(_cases, cases, str(out_dir), world_size=4, timeout_s=90, pg_timeout_s=60)
-    return {case: _results(out_dir / case) for case in cases}
+    Path(out_dir, "cache").mkdir()
+    tokenring.launch(_raising_cases, str(out_dir), world_size=4, timeout_s=120, pg_timeout_s=60)
+    found = {case: _results(out_dir / case) for case in RAISING_CASES}
+    found |= {f"cache/{case}": _results(out_dir / "cache" / case) for case in CACHE_CASES}
+    return found
 
 
 def test_an_option_on_one_rank_fails_on_every_rank_naming_it(raising_cases: dict) -> None:
@@ -141,21 +153,23 @@ def _short_message(case: str) -> str:
     return "equal" if torch.equal(got, data) else "DIFFERENT DATA"
 
 
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("same", "equal"),
-        (
-            "shorter",
+def _short_messages(cases: list[str]) -> list[str]:
+    return [_short_message(case) for case in cases]
+
+
+def test_a_receive_checks_the_bytes_that_arrived() -> None:
+    """One launch; the shorter message last (the receiver leaves its tail unread)."""
+    expected = {
+        "same": "equal",
+        "other transfer": "rank 0 sent a different transfer of the same size",
+        "shorter": (
             "rank 1: receive of 'q' rows (0, 8) of owner 0 from rank 0 at step 0: the message "
-            "carries 128 payload bytes, this rank expected 256",
+            "carries 128 payload bytes, this rank expected 256"
         ),
-        ("other transfer", "rank 0 sent a different transfer of the same size"),
-    ],
-)
-def test_a_receive_checks_the_bytes_that_arrived(case: str, expected: str) -> None:
-    _, message = tokenring.launch(_short_message, case, world_size=2, timeout_s=60)
-    assert expected in message
+    }
+    _, messages = tokenring.launch(_short_messages, list(expected), world_size=2, timeout_s=60)
+    for (case, want), got in zip(expected.items(), messages, strict=True):
+        assert want in got, (case, got)
 
 
 def test_bad_input_on_some_ranks_fails_everywhere_within_seconds(raising_cases: dict) -> None:
@@ -233,7 +247,7 @@ def _cache_case(case: str, out_dir: str) -> None:
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
 
 
-def test_cached_path_agrees_before_it_communicates(tmp_path: Path) -> None:
+def test_cached_path_agrees_before_it_communicates(raising_cases: dict) -> None:
     expectations = (
         (
             "step",
@@ -252,11 +266,9 @@ def test_cached_path_agrees_before_it_communicates(tmp_path: Path) -> None:
             "has pass_kv",
         ),
     )
-    cases = [case for case, _, _ in expectations]
-    tokenring.launch(_cache_cases, cases, str(tmp_path), world_size=4, timeout_s=90)
+    assert [case for case, _, _ in expectations] == CACHE_CASES
     for case, own, others in expectations:
-        out_dir = tmp_path / case
-        results = _results(out_dir)
+        results = raising_cases[f"cache/{case}"]
         assert sorted(results) == [0, 1, 2, 3]
         for rank, r in results.items():
             assert not r["ok"] and r["type"] == "ValueError", (case, r)
