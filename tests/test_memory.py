@@ -53,3 +53,47 @@ def test_peak_memory_is_at_most_twice_the_minimum() -> None:
     assert [r["strategy"] for r in rows] == [s.value for s in strategies]
     over = [f"{r['strategy']}: {r['ratio']:.2f}x" for r in rows if r["ratio"] > 2.0]
     assert not over, f"peak / minimum above 2: {over}"
+
+
+def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
+    """Zigzag causal Ring: a rank that holds a whole K/V block and passes on only its first
+    rows sends the front of the message the block came in (Note [K/V message layout] in
+    tokenring.runtime), and what arrives is exactly those rows of k and v. Before, that half
+    was packed into a new message (a q-sized copy: Ring peaked at 2.01x at P = 4, causal)."""
+    from tokenring.comm import _unpack
+    from tokenring.runtime import Shapes, _Held, _lane_blocks
+    from tokenring.schedule import Payload, build_schedule
+
+    s, c = 8, 4
+    sched = build_schedule(
+        "ring", "backward", layout="zigzag", causal=True, world_size=4, seq_local=s
+    )
+    kv_transfers = [tr for tr in sched.transfers if tr.payload is Payload.KV]
+    halves = [
+        (first, then)
+        for first in kv_transfers
+        for then in kv_transfers
+        if first.src == first.owner
+        and first.rows == (0, s)
+        and then.owner == first.owner
+        and then.src == first.dst
+        and then.step == first.step + 1
+        and then.rows == (0, c)
+    ]
+    assert halves, "zigzag causal Ring passes on half a block after the wrap"
+    first, then = halves[0]
+    b, h, d = 2, 3, 5
+    shapes = Shapes(b, h, h, d, torch.float32, torch.float32, torch.device("cpu"))
+    k, v = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
+    home = _lane_blocks(sched, first.owner, [k, v])[0]
+    sent = home.send(first.rows)
+    assert not isinstance(sent, list)
+    held = _Held.received(first, _unpack(sent.buffer, shapes.fields(first)), sent)
+    torch.testing.assert_close(held.tensors, [k, v], rtol=0, atol=0)
+
+    passed_on = held.send(then.rows)
+    assert not isinstance(passed_on, list), "the first half was copied"
+    assert passed_on.buffer.data_ptr() == sent.buffer.data_ptr()
+    assert passed_on.buffer.numel() < sent.buffer.numel()
+    arrived = _Held.received(then, _unpack(passed_on.buffer, shapes.fields(then)), passed_on)
+    torch.testing.assert_close(arrived.tensors, [k[:, :c], v[:, :c]], rtol=0, atol=0)

@@ -34,6 +34,17 @@ as soon as its last use passes (README "Memory" has the measured table):
 - no variable keeps a view of a block past its piece (``del`` at the end of each piece; a
   loop variable would keep its last value for the whole pass).
 
+Note [K/V message layout]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A K/V message is rows first, each row's k and v side by side: ``(n, B, 2, Hkv, D)``. Held
+k and v are strided ``(B, n, Hkv, D)`` views of it (the kernels take strided rows), and any
+first rows of the block are one slice at the front of the message. So a rank that passes on
+only the first rows of the block it holds (zigzag causal after the wrap: ``[0, c)``, Note
+[Causal blocks per layout] in tokenring.schedule) sends the front of the message it came in,
+its header rewritten in place: no copy. With k and v one after the other, that half was a
+copy of a q-sized tensor (~0.1x of the minimum on Ring, P = 4 causal). Other rows (masks)
+are still copied; the bytes on the wire are the same in every layout.
+
 Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
 stream and a wait makes the current (compute) stream wait on it; compute bars of the
 timeline are CUDA events, resolved after the pass; every step is a ``record_function``
@@ -51,7 +62,14 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from tokenring.comm import Communicator, Event, FieldSpec, Message, PendingRecv
+from tokenring.comm import (
+    HEADER_NUM_BYTES,
+    Communicator,
+    Event,
+    FieldSpec,
+    Message,
+    PendingRecv,
+)
 from tokenring.kernels import BlockKernel, Grads, PositionMask
 from tokenring.merge import merge_into
 from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Segment, Transfer
@@ -79,11 +97,11 @@ class Shapes:
             else:
                 hq = tr.heads[1] - tr.heads[0]
         q_rows: FieldSpec = ((b, n, hq, d), self.dtype)
-        kv_rows: FieldSpec = ((b, n, hkv, d), self.dtype)
+        kv_pairs: FieldSpec = ((n, b, 2, hkv, d), self.dtype)  # Note [K/V message layout]
         per_head: FieldSpec = ((b, hq, n), self.acc_dtype)
         table: dict[Payload, list[FieldSpec]] = {
             Payload.Q: [q_rows],
-            Payload.KV: [kv_rows, kv_rows],
+            Payload.KV: [kv_pairs],
             Payload.OUT: [q_rows, per_head],
             Payload.Q_GRAD: [q_rows, q_rows, per_head, per_head],
             Payload.DQ: [q_rows],
@@ -100,18 +118,51 @@ class _Held:
     rows: tuple[int, int]
     tensors: list[torch.Tensor]  # seq dim 1 for (B, n, H, D), dim 2 for (B, H, n)
     message: Message | None = None  # the message it came in, to pass on without a copy
+    pairs: torch.Tensor | None = None  # K/V as on the wire, (n, B, 2, Hkv, D); None: home
+    is_kv: bool = False  # a K/V block: it travels in Note [K/V message layout]
 
     @staticmethod
     def arrived(incoming: PendingRecv) -> _Held:
-        tr = incoming.transfer
-        return _Held(tr.owner, tr.rows, incoming.wait(), incoming.message())
+        tensors = incoming.wait()
+        return _Held.received(incoming.transfer, tensors, incoming.message())
+
+    @staticmethod
+    def received(tr: Transfer, tensors: list[torch.Tensor], message: Message) -> _Held:
+        """The block of ``tr`` from the tensors of its ``message`` (unpacked)."""
+        if tr.payload is not Payload.KV:
+            return _Held(tr.owner, tr.rows, tensors, message)
+        (pairs,) = tensors  # (n, B, 2, Hkv, D)
+        kv = [pairs[:, :, i].transpose(0, 1) for i in range(2)]  # (B, n, Hkv, D) views
+        return _Held(tr.owner, tr.rows, kv, message, pairs, is_kv=True)
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
         """What a transfer of ``rows`` of this block sends: the message it came in when
-        the rows are all of it (no copy), else the rows' slices."""
+        the rows are all of it, or a K/V block's first rows (no copy), else the rows' slices."""
         if rows == self.rows and self.message is not None:
             return self.message
-        return self.slice(rows)
+        if not self.is_kv:
+            return self.slice(rows)
+        start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
+        assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
+        if self.pairs is None:  # home: one copy into the wire layout
+            k, v = self.slice(rows)
+            buffer = torch.empty(
+                HEADER_NUM_BYTES + 2 * k.numel() * k.element_size(),
+                dtype=torch.uint8,
+                device=k.device,
+            )
+            pairs = (
+                buffer[HEADER_NUM_BYTES:]
+                .view(k.dtype)
+                .view(k.shape[1], k.shape[0], 2, *k.shape[2:])
+            )  # (n, B, 2, Hkv, D)
+            pairs[:, :, 0].copy_(k.transpose(0, 1))
+            pairs[:, :, 1].copy_(v.transpose(0, 1))
+            return Message(buffer)
+        if start == 0 and self.message is not None:  # a prefix: the front of the message
+            row_bytes = self.pairs[0].numel() * self.pairs.element_size()
+            return Message(self.message.buffer[: HEADER_NUM_BYTES + stop * row_bytes])
+        return [self.pairs[start:stop]]
 
     def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
@@ -384,7 +435,8 @@ def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dic
     for index, lane in enumerate(sched.lanes):
         rows = lane.kv_rows or (0, tensors[0].shape[1])
         heads = slice(*lane.kv_heads) if lane.kv_heads else slice(None)
-        held[index] = _Held(rank, rows, [x[:, rows[0] : rows[1], heads] for x in tensors])
+        views = [x[:, rows[0] : rows[1], heads] for x in tensors]
+        held[index] = _Held(rank, rows, views, is_kv=True)
     return held
 
 
