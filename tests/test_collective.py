@@ -74,11 +74,10 @@ def expected_collective_bytes(
     Ulysses, rank r to rank j != r, s rows each: forward, q of j's heads and k, v of the kv
     heads those use (travel), then out of r's heads with their lse (return); backward, q, dout,
     lse and delta of j's heads with the k, v those use (travel), then dq of r's heads and dk,
-    dv of r's kv heads in the accumulation dtype (return). All-gather K/V: k and v of all kv
-    heads to every other rank (travel); backward, dk and dv of the destination's rows in the
-    accumulation dtype (return). gloo's all-gather (routing "gloo", P > 2) is a ring instead:
-    each rank sends its own block and the P-2 it receives from r-1 on to r+1, so r -> r+1
-    carries P-1 blocks.
+    dv of r's kv heads in the accumulation dtype (return). All-gather K/V, on any routing
+    (its rounds are all-to-alls, not the backend's all-gather): k and v of all kv heads to
+    every other rank (travel), in both passes (the forward keeps nothing); backward, also dk
+    and dv of the destination's rows in the accumulation dtype (return).
     """
     p, s, d = world_size, seq_local, head_dim
     q_heads = _q_heads(heads_q, p)
@@ -104,13 +103,10 @@ def expected_collective_bytes(
                 "travel", r, j, 2 * nq_j * (d * elem_bytes + acc_bytes) + 2 * nkv_j * d * elem_bytes
             )
             add("return", r, j, nq_r * d * elem_bytes + 2 * nkv_r * d * acc_bytes)
-        elif not backward and routing == "gloo" and p > 2:
-            if j == (r + 1) % p:
-                add("travel", r, j, (p - 1) * 2 * heads_kv * d * elem_bytes)
-        elif not backward:
+        else:  # every pass needs every owner's K/V: each rank's block to each other rank
             add("travel", r, j, 2 * heads_kv * d * elem_bytes)
-        else:
-            add("return", r, j, 2 * heads_kv * d * acc_bytes)
+            if backward:  # gathered again; dk, dv of j's rows back to j
+                add("return", r, j, 2 * heads_kv * d * acc_bytes)
     return total
 
 
@@ -209,27 +205,51 @@ def test_every_needed_pair_computed_exactly_once(strategy: str) -> None:
                     for h in heads:
                         computed[h].append((qpos[i], kpos[j]))
             if strategy == "allgather_kv":
-                local = plan.segments[0] if pass_ == "forward" else plan.segments[-1]
-                if not all(
-                    r * s <= piece.kv_rows[0] < piece.kv_rows[1] <= (r + 1) * s
-                    for piece in local.pieces
-                ):
-                    failures.append(
-                        f"{name} rank {r}: the local block is not computed first in the forward "
-                        "and last in the backward"
-                    )
-                if pass_ == "backward" and p > 1:
-                    posted = {tr.after_segments for tr in sched.sends(r, 0)}
-                    if posted != {len(plan.segments) - 1}:
-                        failures.append(
-                            f"{name} rank {r}: dK/dV posted after segments {posted}, want "
-                            f"{len(plan.segments) - 1} (before the local block)"
-                        )
+                failures += [
+                    f"{name} rank {r}: {f}"
+                    for f in _allgather_round_failures(sched, r, pass_ == "backward")
+                ]
         want = covered_pairs(layout, causal, p, s)
         for h in range(hq):
             if mismatch := multiset_mismatch(computed[h], want):
                 failures.append(f"{name} head {h}: {mismatch}")
     assert not failures, "\n".join(failures[:20])
+
+
+def _allgather_round_failures(sched: Any, r: int, backward: bool) -> list[str]:
+    """Rank r computes round by round: its own block first, then owner r+1, r+2, ... (kv rows
+    of owner j are [j*s, (j+1)*s)); round k's K/V come from r+k, which sends them to r in the
+    all-to-all in which r sends its own to r-k. Forward: round k is posted while round k-1
+    is computed (two rounds in flight), so after the segments of rounds < k-1; backward: one
+    round in flight, posted after rounds < k (round 1 while the own block is computed), and
+    round k's dK/dV go back to owner r+k right after round k, before round k+1 is posted."""
+    p, s = sched.world_size, sched.seq_local
+    failures = []
+    segments = sched.steps[r][0].segments
+    rounds = [(piece.kv_rows[0] // s - r) % p for seg in segments for piece in seg.pieces]
+    if rounds[0] != 0 or rounds != sorted(rounds):
+        failures.append(f"rounds {rounds}: want the own block first, then rounds in order")
+    for seg in segments:
+        for piece in seg.pieces:
+            owner = piece.kv_rows[0] // s
+            if not owner * s <= piece.kv_rows[0] < piece.kv_rows[1] <= (owner + 1) * s:
+                failures.append(f"piece {piece} spans two owners")
+
+    def done_before(k: int) -> int:  # segments of rounds < k
+        return sum(1 for x in rounds if x < k)
+
+    want = set()
+    for k in range(1, p):
+        gather_after = done_before(k - 1) if not backward else (0 if k == 1 else done_before(k))
+        want.add(("kv", (r - k) % p, r, (0, s), gather_after))
+        if backward:
+            want.add(("dkv", (r + k) % p, (r + k) % p, (0, s), done_before(k + 1)))
+    got = {
+        (tr.payload.value, tr.dst, tr.owner, tr.rows, tr.after_segments) for tr in sched.sends(r, 0)
+    }
+    if got != want:
+        failures.append(f"sends (payload, dst, owner, rows, after) {sorted(got)} != {sorted(want)}")
+    return failures
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -275,35 +295,10 @@ def test_schedule_bytes_match_closed_form(strategy: str) -> None:
     assert not failures, "\n".join(failures[:20])
 
 
-@pytest.mark.parametrize("world_size", [3, 4, 5])
-def test_gloo_all_gather_delivers_every_block_once_round_the_ring(world_size: int) -> None:
-    """Each rank must end with every other owner's K/V: exactly one transfer of each (owner,
-    destination) pair, always from the ring predecessor, and a rank forwards only blocks it
-    already holds (its own, or one that reached it earlier in the ring)."""
-    p = world_size
-    sched = build_collective_schedule(
-        "allgather_kv",
-        "forward",
-        layout="zigzag",
-        causal=True,
-        world_size=p,
-        seq_local=4,
-        heads_q=2,
-        heads_kv=2,
-        routing="gloo",
-    )
-    got = sorted((tr.owner, tr.dst) for tr in sched.transfers)
-    assert got == sorted((o, j) for o in range(p) for j in range(p) if j != o)
-    for tr in sched.transfers:
-        assert tr.dst == (tr.src + 1) % p
-        assert (tr.src - tr.owner) % p <= p - 2  # held: own block or one from upstream
-    assert sched.half_duplex_steps == frozenset()  # one direction per pair: no turns to take
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_all_to_alls_take_turns_only_on_gloo(strategy: str) -> None:
-    """gloo's all-to-all (every Ulysses pass; all-gather K/V's dK/dV return) serialises a
-    pair's two directions; its all-gather does not use both; DIRECT never does."""
+    """gloo's all-to-all (every pass of both: all-gather K/V's rounds are all-to-alls too)
+    serialises a pair's two directions; DIRECT never does."""
     for routing, pass_ in itertools.product(("direct", "gloo"), ("forward", "backward")):
         sched = build_collective_schedule(
             strategy,
@@ -316,8 +311,7 @@ def test_all_to_alls_take_turns_only_on_gloo(strategy: str) -> None:
             heads_kv=4,
             routing=routing,
         )
-        all_to_all = strategy == "ulysses" or pass_ == "backward"
-        want = {0} if routing == "gloo" and all_to_all else set()
+        want = {0} if routing == "gloo" else set()
         assert sched.half_duplex_steps == want, (routing, pass_)
         pairs = {(tr.src, tr.dst) for tr in sched.transfers}
         if want:  # both directions of every pair are in that step

@@ -391,11 +391,13 @@ def _check_timeline(result_events: tuple[tuple[Event, ...], ...], p: int) -> Non
     assert len(result_events) == p
 
 
-def _check_collective_timeline(timeline: tuple[tuple[Event, ...], ...], strategy: Strategy) -> None:
+def _check_collective_timeline(
+    timeline: tuple[tuple[Event, ...], ...], strategy: Strategy, sched: Any
+) -> None:
     """One step: Ulysses computes only after every incoming all-to-all message arrived and
     returns results after computing; all-gather K/V computes its own block while K/V fly and
-    the rest after they arrived (a rank with no remote block sends its zero dK/dV at once)."""
-    for events in timeline:
+    each segment of another owner's K/V after that owner's block arrived (its rounds)."""
+    for r, events in enumerate(timeline):
         computes = sorted((ev for ev in events if ev.kind == "compute"), key=lambda e: e.start_s)
         arrived = max(
             (ev.end_s for ev in events if ev.kind == "recv" and ev.label in ("q", "kv")),
@@ -403,8 +405,19 @@ def _check_collective_timeline(timeline: tuple[tuple[Event, ...], ...], strategy
         )
         if computes and strategy is Strategy.ULYSSES:
             assert computes[0].start_s >= arrived - 1e-12
-        if computes and strategy is Strategy.ALLGATHER_KV and len(computes) > 1:
-            assert computes[1].start_s >= arrived - 1e-12
+        if strategy is Strategy.ALLGATHER_KV:
+            segments = sched.steps[r][0].segments
+            assert len(computes) == len(segments)
+            for compute, segment in zip(computes, segments, strict=True):
+                (owner,) = {pc.kv_rows[0] // sched.seq_local for pc in segment.pieces}
+                if owner == r:
+                    continue
+                (came,) = [
+                    ev.end_s
+                    for ev in events
+                    if ev.kind == "recv" and ev.label == "kv" and ev.peer == owner
+                ]
+                assert compute.start_s >= came - 1e-12
         if strategy is Strategy.ULYSSES and computes:  # its only segment precedes the returns
             for ev in events:
                 if ev.kind == "send" and ev.label in ("out", "dq", "dkv"):
@@ -455,7 +468,18 @@ def test_event_timeline_is_consistent(topology: Topology) -> None:
         assert res.timeline is not None
         num_steps = {Strategy.ULYSSES: 1, Strategy.ALLGATHER_KV: 1, Strategy.HYBRID: 2 + 2}
         if strategy.is_collective:
-            _check_collective_timeline(res.timeline, strategy)
+            collective = strategy_schedule(
+                strategy,
+                pass_,
+                layout=layout,
+                causal=causal,
+                world_size=4,
+                seq_local=256,
+                heads_kv=MHA.heads_kv,
+                heads_q=MHA.heads_q,
+                routing=routing,
+            )
+            _check_collective_timeline(res.timeline, strategy, collective)
         elif strategy is Strategy.HYBRID:
             _check_hybrid_timeline(res.timeline, num_steps[strategy] - 1)
         else:
@@ -820,10 +844,16 @@ def _wire_only(
 def test_collectives_cost_their_routing_on_a_mesh(world_size: int) -> None:
     """On a full mesh with nothing but wire time (X = one rank's block for one peer, B the
     link rate, L the latency), from the algorithms as measured in the lab (Note [Collective
-    routing]): all-gather K/V forward, every pair at once: X/B + L; gloo's ring forwards
-    block after block to r+1: (P-1) (X/B + L). Ulysses forward, two all-to-alls one after the
-    other (in: q + k + v of the peer's heads; out: out + lse of mine), every pair at once:
-    (X_in + X_out)/B + 2 L; gloo, whose pairs take turns: 2 (X_in + X_out)/B + 2 L."""
+    routing]). All-gather K/V forward, in rounds (Note [All-gather K/V rounds]): round k
+    sends r -> r-k, round k+1 is posted once round k-1 is computed, so rounds 1 and 2 fly
+    together from t = 0, round 3 once round 1 arrived. DIRECT (every link its own): P = 3,
+    X/B + L; P = 4, 2 (X/B + L). gloo, whose pairs take turns: P = 3, rounds 1 (r+1 -> r) and
+    2 (r -> r+1) share each pair: 2X/B + L; P = 4, round 1 alone on its pairs (X/B + L),
+    round 2 uses both directions of the pairs (r, r+2) (2X/B + L), round 3 (r -> r+1) starts
+    when round 1 is done and has its pairs to itself: X/B + L later, 2X/B + 2L. Ulysses
+    forward, two all-to-alls one after the other (in: q + k + v of the peer's heads; out:
+    out + lse of mine), every pair at once: (X_in + X_out)/B + 2 L; gloo, whose pairs take
+    turns: 2 (X_in + X_out)/B + 2 L."""
     p, s, link, lat = world_size, 64, 1e9, 3e-6
     hq, hkv, d, e, a = 12, 6, 8, 2, 4  # 12 heads split evenly over 3 and 4 ranks
     nq, nkv = hq // p, hkv // p if hkv % p == 0 else None
@@ -834,8 +864,8 @@ def test_collectives_cost_their_routing_on_a_mesh(world_size: int) -> None:
     x_in = s * (nq + 2 * kv_per_rank) * d * e
     x_out = s * nq * (d * e + a)
     want = {
-        ("allgather_kv", "direct"): x_kv / link + lat,
-        ("allgather_kv", "gloo"): (p - 1) * (x_kv / link + lat),
+        ("allgather_kv", "direct"): (p - 2) * (x_kv / link + lat),
+        ("allgather_kv", "gloo"): 2 * x_kv / link + (p - 2) * lat,
         ("ulysses", "direct"): (x_in + x_out) / link + 2 * lat,
         ("ulysses", "gloo"): 2 * (x_in + x_out) / link + 2 * lat,
     }

@@ -6,8 +6,7 @@ beside the minimum any implementation needs, the inputs + outputs + gradients of
 
     minimum = q + k + v + out + lse + dout + dq + dk + dv     (bytes, this rank's shards)
 
-and the ratio of the two (the goal: at most 2, README "Memory"). The all-gather K/V strategy
-holds every rank's K/V by design; its rows also give that floor, ``algorithm_floor``.
+and the ratio of the two (the goal: at most 2, README "Memory").
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P world size.
 
@@ -266,13 +265,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list
             "peak_bytes": peak,
             "minimum_bytes": minimum,
             "ratio": peak / minimum,
-            "algorithm_floor_bytes": None,
         }
-        if first["strategy"] == Strategy.ALLGATHER_KV.value:
-            # every rank's K/V (saved for the backward) and their gradients, in the
-            # accumulation dtype, beside the minimum; see README "Memory"
-            acc = 8 if dtype == torch.float64 else 4
-            row["algorithm_floor_bytes"] = minimum + (world - 1) * 2 * kv_bytes * (1 + acc / elem)
         rows.append(row)
     return rows
 

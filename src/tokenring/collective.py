@@ -6,7 +6,7 @@ routed the way the backend's collectives route; Note [Collective routing]), thei
 ``torch.distributed`` collectives over ``comm.group`` (:func:`collective_forward` and
 :func:`collective_backward`, joined by residuals; the public API runs them after validation
 and wires them into autograd). The collectives go through the communicator
-(``comm.all_to_all_single``, ``comm.all_gather_into_tensor``), so each is bounded by
+(``comm.all_to_all_single``; all-gather K/V's rounds are all-to-alls too), so each is bounded by
 ``comm.timeout`` and fails naming itself, the rank and the group. Every message is
 counted in ``comm.counter`` per flow and destination as the backend puts it on the wire, and
 the schedule's transfers add up to the same bytes.
@@ -64,24 +64,35 @@ gradients are summed back per kv head before they return.
 
 Note [All-gather K/V]
 ~~~~~~~~~~~~~~~~~~~~~
-Every rank gathers all K/V and attends with its own Q; nothing returns in the forward::
+Every rank attends with its own Q over every rank's K/V, gathered in rounds (Note [All-gather
+K/V rounds]) so that at most two blocks of others' K/V are held at once, and nothing is kept
+for the backward. Which rows of Q_r meet which rows of KV_j is Note [Causal blocks per layout]
+of ``tokenring.schedule`` (contiguous causal: j > r is empty; zigzag causal: j < r meets kv
+rows [0, c), j > r only q rows [c, s)); each piece is one kernel call on views of its round's
+buffer (no index copies), merged in fp32 by lse (tokenring.merge).
 
-    pass       rank r, in order                                           overlaps
-    forward    post all-gather of (K_r, V_r)                  (travel)
-               segment 0: Q_r x KV_r (diagonal: causal mask)              the all-gather
-               wait; segments 1..: Q_r x KV_j, j != r
-               merge every partial in fp32 by lse (tokenring.merge)
-    backward   segments of Q_r x KV_j, j != r: dQ_r, dKV[j] += ...
-               post all-to-all: dKV[j] to j, accumulation dtype (return)
-               last segment: Q_r x KV_r: dQ_r, dKV_r += ...              the all-to-all
-               wait; dKV_r += what every other rank sent
+Note [All-gather K/V rounds]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Round k (k = 0 .. P-1) of rank r computes against the K/V of owner r + k (mod P); round 0 is
+its own block, no transfer. Round k >= 1 is one all-to-all in which every rank sends its own
+K/V to r - k and receives those of r + k (k and v as two all-to-alls; every other split is
+empty). P = 4, rank 0 (rows: what happens in order; "k/v j" = owner j's K/V)::
 
-Which rows of Q_r meet which rows of KV_j is Note [Causal blocks per layout] of
-``tokenring.schedule`` (contiguous causal: j > r is empty; zigzag causal: j < r meets kv rows
-[0, c), j > r only q rows [c, s)). The pieces against different owners that share q rows form
-one segment and run as one kernel call over their concatenated kv rows. The gathered K/V are
-kept for the backward (P * s rows of K/V per rank: the memory the forward needed anyway), so
-the backward moves only dK/dV, all s rows of every owner, dense like the all-gather.
+    pass       slot (segments before)   posts                         computes
+    forward    0                        k/v round 1 (from 1, to 3)     own block (causal)
+               rounds 0                 k/v round 2 (from 2, to 2)     round 1, once it arrived
+               rounds 0..1              k/v round 3 (from 3, to 1)     round 2, ...
+    backward   0                        k/v round 1                   own block: dq, dk, dv
+               rounds 0..1 (each k)     dK/dV of round k to 0 + k,    round k, its dK/dV
+                                        then k/v round k + 1          partial from zero
+
+The forward keeps two rounds in flight (round k + 1 lands in the buffer of round k - 1), so
+its transfers hide behind compute; the backward keeps one (the K/V buffer is refilled only
+after its round is computed) and waits for each return before the next round, because a
+round holds the K/V, the dK/dV partial it sends and the one it receives (accumulation dtype,
+added into this rank's dk, dv). Gathering again costs the backward the forward's K/V bytes
+once more; keeping every rank's K/V and their gradients cost ~6.8x the minimum at P = 4
+(README "Memory").
 
 Note [Collective schedules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -108,12 +119,12 @@ with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B)
                               kv            travel   2*nkv_j*D*e        (k, v j needs)
                               dq            return   nq_r*D*e
                               dkv           return   2*nkv_r*D*a
-    allgather_kv   forward    kv            travel   2*Hkv*D*e          (DIRECT routing)
-    allgather_kv   backward   dkv           return   2*Hkv*D*a
+    allgather_kv   forward    kv            travel   2*Hkv*D*e          (round (r - j) mod P)
+    allgather_kv   backward   kv            travel   2*Hkv*D*e          (gathered again)
+                              dkv           return   2*Hkv*D*a          (round (j - r) mod P)
 
-with s rows each. With GLOO routing
-the all-gather is listed as gloo runs it: rank r sends P-1 transfers of 2*Hkv*D*e per row to
-r+1 (owners r, r-1, ..., r-P+2: its own block, then each block it received from r-1).
+with s rows each. All-gather K/V's ``after_segments`` are its rounds' slots (Note [All-gather
+K/V rounds]); its segments are one piece each, in round order.
 
 Note [Collective routing]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -121,7 +132,7 @@ A schedule lists what goes on the wire, so it follows the backend's algorithms
 (``costmodel.CollectiveRouting``: from ``comm.backend`` at run time, from
 ``Hardware.collectives`` in the cost model)::
 
-    routing   all-gather (K/V forward)               all-to-all (Ulysses; dK/dV backward)
+    routing   all-gather (measured; not used)         all-to-all (Ulysses; all-gather K/V rounds)
     DIRECT    r -> j for every j != r, all at once   r -> j for every j != r, all at once,
                                                      both directions of a pair together
     GLOO      round the ring: r sends P-1 blocks     r -> j for every j != r, but the two
@@ -145,8 +156,9 @@ one pair used both ways; it is modelled as DIRECT there. NCCL on NVSwitch is DIR
 all-gather loads every port with the same P-1 blocks as direct sends, and one flow can use a
 whole port, so on a switch the two price alike. (NCCL on PCIe or a switchless mesh routes
 all-gathers over a ring too; not modelled, and not measured: the planner does not pick the
-collectives under DIRECT yet.) The simulator forwards each ring block once it has arrived
-(P-1 latencies, as gloo's pipeline pays them).
+collectives under DIRECT yet.) All-gather K/V used the backend's all-gather until its rounds
+(Note [All-gather K/V rounds]): each round is an all-to-all with one split per rank, so it
+routes like Ulysses, and its pairs take turns on gloo where a round uses both directions.
 
 Note [gloo collectives]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -155,10 +167,9 @@ On gloo in torch 2.13 ``all_to_all_single`` (uneven splits, async) and
 runs but is emulated as an all-reduce followed by a local chunk (pytorch PR 118911): twice a
 reduce-scatter's traffic, and every rank receives every sum. So the backward's reduce-scatter
 of all-gather K/V is an ``all_to_all_single`` of each owner's dK/dV block followed by a local
-sum: P - 1 blocks out per rank, the volume of a real reduce-scatter, on every backend. Messages
-are packed as bytes so that one message carries tensors of two dtypes (out and lse). Counted
-bytes follow the routing (Note [Collective routing]): on gloo the all-gather counts P-1 blocks
-to r+1 and from r-1, as its ring puts them on the wire.
+sum: P - 1 blocks out per rank, the volume of a real reduce-scatter, on every backend (in
+rounds, one block per round; Note [All-gather K/V rounds]). Messages are packed as bytes so
+that one message carries tensors of two dtypes (out and lse).
 """
 
 from __future__ import annotations
@@ -377,23 +388,17 @@ def _build(
                         transfers.append(
                             Transfer(payload, r, j, j, (0, s), 0, len(segments), heads)
                         )
-        else:
-            local, remote = _allgather_segments(layout, causal, p, s, r)
-            segments = (local, *remote) if forward else (*remote, local)
-            if forward and _ring_allgather(routing, p):  # its own block, then what r-1 sent
-                for k in range(p - 1):
-                    transfers.append(
-                        Transfer(Payload.KV, r, (r + 1) % p, (r - k) % p, (0, s), 0, 0)
-                    )
-            for j in range(p):
-                if j == r:
-                    continue
+        else:  # rounds: k = 0 is the own block, round k the K/V of owner r + k
+            rounds = _allgather_rounds(layout, causal, p, s, r)
+            segments = tuple(seg for round_ in rounds for seg in round_)
+            cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
+            for k in range(1, p):  # Note [All-gather K/V rounds]
+                gather_after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
+                transfers.append(Transfer(Payload.KV, r, (r - k) % p, r, (0, s), 0, gather_after))
                 if not forward:
-                    transfers.append(Transfer(Payload.DKV, r, j, j, (0, s), 0, len(remote)))
-                elif not _ring_allgather(routing, p):
-                    transfers.append(Transfer(Payload.KV, r, j, r, (0, s), 0, 0))
+                    owner = (r + k) % p
+                    transfers.append(Transfer(Payload.DKV, r, owner, owner, (0, s), 0, cum[k + 1]))
         steps.append((StepPlan(r, 0, r, (r,), segments),))
-    all_to_all = strategy is CollectiveStrategy.ULYSSES or not forward
     return CollectiveSchedule(
         strategy=_schedule_tag(strategy),
         pass_=pass_,
@@ -405,42 +410,31 @@ def _build(
         steps=tuple(steps),
         transfers=tuple(transfers),
         routing=routing,
-        half_duplex_steps=frozenset(
-            {0} if all_to_all and routing is CollectiveRouting.GLOO else ()
-        ),
+        half_duplex_steps=frozenset({0} if routing is CollectiveRouting.GLOO and p > 1 else ()),
     )
 
 
-def _ring_allgather(routing: CollectiveRouting, world_size: int) -> bool:
-    """Whether the all-gather is listed as ring hops (Note [Collective routing])."""
-    return routing is CollectiveRouting.GLOO and world_size > 2
-
-
-def _allgather_segments(
+def _allgather_rounds(
     layout: Layout, causal: bool, p: int, s: int, rank: int
-) -> tuple[Segment, tuple[Segment, ...]]:
-    """The local segment and the remote ones (grouped by q rows) of one all-gather K/V rank."""
-    local_pieces = block_pieces(
-        layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=rank
-    )
-    (local_piece,) = local_pieces
-    local = Segment(
-        local_piece.q_rows,
-        (Piece(local_piece.q_rows, _shift(local_piece.kv_rows, rank * s), local_piece.causal),),
-    )
-    by_rows: dict[Rows, list[Piece]] = {}
-    for j in range(p):
-        if j == rank:
-            continue
-        for piece in block_pieces(
-            layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=j
-        ):
-            assert not piece.causal, "only the diagonal block has a causal mask"
-            by_rows.setdefault(piece.q_rows, []).append(
-                Piece(piece.q_rows, _shift(piece.kv_rows, j * s), False)
+) -> tuple[tuple[Segment, ...], ...]:
+    """The segments of each round of one all-gather K/V rank: round k computes against the
+    K/V of owner (rank + k) % P, one segment per piece (kv rows of the gathered sequence, so
+    every piece is a view of one round's buffer)."""
+    rounds = []
+    for k in range(p):
+        owner = (rank + k) % p
+        pieces = block_pieces(
+            layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=owner
+        )
+        assert k == 0 or not any(piece.causal for piece in pieces), "only the diagonal is causal"
+        rounds.append(
+            tuple(
+                Segment(pc.q_rows, (Piece(pc.q_rows, _shift(pc.kv_rows, owner * s), pc.causal),))
+                for pc in pieces
             )
-    remote = tuple(Segment(rows, tuple(pieces)) for rows, pieces in by_rows.items())
-    return local, remote
+        )
+    assert len(rounds[0]) == 1, "the own block is one piece"
+    return tuple(rounds)
 
 
 def _shift(rows: Rows, offset: int) -> Rows:
@@ -781,9 +775,61 @@ def _ulysses_backward(
 # -- all-gather K/V ------------------------------------------------------------------------
 
 
-def _segment_kv(segment: Segment, device: torch.device) -> torch.Tensor:
-    """Gathered kv row indices of a segment's pieces, concatenated in piece order."""
-    return torch.cat([torch.arange(*piece.kv_rows, device=device) for piece in segment.pieces])
+class _Shift:
+    """One round of all-gather K/V on the wire: an all-to-all in which this rank sends
+    ``send`` to ``dst`` only and receives ``recv`` from ``src`` only (every rank takes part)."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        *,
+        dst: int,
+        src: int,
+        flow: Flow,
+        label: str,
+    ) -> None:
+        assert send.is_contiguous() and recv.is_contiguous() and send.dtype == recv.dtype
+        p = comm.world_size
+        self._recv = recv
+        staged = comm.path(recv.device).endswith("staged")  # Note [Staged path] in tokenring.comm
+        if staged:
+            wire = comm.wire_buffer(recv.numel() * recv.element_size(), recv.device)
+            self._wire = wire.view(recv.dtype)
+            self._send = comm.to_wire(_as_bytes(send)).view(send.dtype)
+        else:
+            self._wire, self._send = recv.view(-1), send.view(-1)
+        self._pending = comm.all_to_all_single(
+            self._wire,
+            self._send,
+            output_split_sizes=[recv.numel() if j == src else 0 for j in range(p)],
+            input_split_sizes=[send.numel() if j == dst else 0 for j in range(p)],
+            flow=flow,
+            label=label,
+        )
+
+    def wait(self) -> torch.Tensor:
+        self._pending.wait()
+        if self._wire.data_ptr() != self._recv.data_ptr():
+            self._recv.view(-1).copy_(self._wire, non_blocking=True)
+        del self._send, self._wire
+        return self._recv
+
+
+def _rounds(sched: Schedule, rank: int) -> list[list[Segment]]:
+    """The schedule's segments of ``rank`` by round (round k: kv rows of owner rank + k)."""
+    p, s = sched.world_size, sched.seq_local
+    rounds: list[list[Segment]] = [[] for _ in range(p)]
+    for segment in sched.steps[rank][0].segments:
+        (piece,) = segment.pieces
+        rounds[(piece.kv_rows[0] // s - rank) % p].append(segment)
+    return rounds
+
+
+def _posted_after(sched: Schedule, rank: int) -> dict[tuple[Payload, int], int]:
+    """When ``rank`` posts each of its transfers: (payload, dst) -> segments computed before."""
+    return {(tr.payload, tr.dst): tr.after_segments for tr in sched.sends(rank, 0)}
 
 
 def _allgather_forward(
@@ -796,80 +842,63 @@ def _allgather_forward(
     *,
     scale: float,
     masking: _Masking | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns out (B, s, Hq, D), lse (B, Hq, s) and the gathered K/V (2, B, P*s, Hkv, D)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (B, s, Hq, D) and lse (B, Hq, s); Note [All-gather K/V rounds]."""
     b, s, hq, d = q.shape
-    hkv = k.shape[2]
     p, rank = comm.world_size, comm.rank
     acc = accumulation_dtype(q.dtype)
-    kv = torch.stack([k, v])  # (2, B, s, Hkv, D)
-    gathered = wire = kv
-    if p > 1:
-        gathered = torch.empty((p * 2, b, s, hkv, d), dtype=k.dtype, device=k.device)
-        num_bytes = kv.numel() * kv.element_size()
-        if _ring_allgather(CollectiveRouting.for_backend(comm.backend), p):
-            # gloo forwards round the ring: P-1 blocks to r+1, P-1 from r-1
-            blocks = [((rank + 1) % p, (p - 1) * num_bytes, 0)]
-            blocks.append(((rank - 1) % p, 0, (p - 1) * num_bytes))
-        else:
-            blocks = [(j, num_bytes, num_bytes) for j in range(p) if j != rank]
-        for peer, sent, received in blocks:
-            comm.count(
-                flow=Flow.TRAVEL, label="kv", peer=peer, sent_bytes=sent, recv_bytes=received
-            )
-        wire = gathered
-        if comm.path(k.device).endswith("staged"):  # Note [Staged path] in tokenring.comm
-            wire = comm.wire_buffer(gathered.numel() * gathered.element_size(), k.device)
-            wire = wire.view(gathered.dtype).view(gathered.shape)
-    kv_wire = comm.to_wire(kv.reshape(-1).view(torch.uint8)).view(kv.dtype).view(kv.shape)
-    pending = comm.all_gather_into_tensor(wire, kv_wire, label="kv")
-    plan = sched.steps[rank][0]
-    local, *remote = plan.segments
+    rounds = _rounds(sched, rank)
+    after = _posted_after(sched, rank)
     out_acc = torch.zeros((b, s, hq, d), dtype=acc, device=q.device)
     lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
-    (piece,) = local.pieces
-    (a, e), (c, f) = piece.q_rows, _shift(piece.kv_rows, -rank * s)
-    done = _timed(comm, "attn")
-    mask = None if masking is None else masking.rows(rank, (a, e), _shift((c, f), rank * s))
-    part = kernel.forward(
-        q[:, a:e],
-        k[:, c:f],
-        v[:, c:f],
-        causal=piece.causal and mask is None,
-        scale=scale,
-        mask=mask,
-    )
-    merge_into(out_acc, lse_acc, piece.q_rows, *part)
-    done()
-    pending.wait()
-    if wire is not gathered:
-        gathered.copy_(wire, non_blocking=True)
-    kv_all = gathered.view(p, 2, b, s, hkv, d).permute(1, 2, 0, 3, 4, 5)
-    kv_all = kv_all.reshape(2, b, p * s, hkv, d)  # rows in rank order: owner j at j*s
-    for segment in remote:
-        done = _timed(comm, "attn")
-        idx = _segment_kv(segment, q.device)
-        (a, e) = segment.q_rows
-        mask = None if masking is None else masking.gathered(rank, (a, e), idx)
-        part = kernel.forward(
-            q[:, a:e],
-            kv_all[0].index_select(1, idx),
-            kv_all[1].index_select(1, idx),
-            causal=False,
-            scale=scale,
-            mask=mask,
+    shape = (2, *k.shape)  # (2, B, s, Hkv, D): one round's K/V; two rounds in flight
+    buffers = [torch.empty(shape, dtype=k.dtype, device=k.device) for _ in range(min(2, p - 1))]
+    gathers: dict[int, tuple[_Shift, _Shift]] = {}
+    computed = 0
+
+    def post(round_: int) -> None:  # into the buffer of round - 2, computed by now
+        assert after[(Payload.KV, (rank - round_) % p)] == computed, "posted as scheduled"
+        buffer = buffers[(round_ - 1) % len(buffers)]
+        src, dst = (rank + round_) % p, (rank - round_) % p
+        gathers[round_] = tuple(  # type: ignore[assignment]
+            _Shift(comm, x, buffer[i], dst=dst, src=src, flow=Flow.TRAVEL, label="kv")
+            for i, x in enumerate((k, v))
         )
-        merge_into(out_acc, lse_acc, segment.q_rows, *part)
-        done()
-    return out_acc.to(q.dtype), lse_acc, kv_all
+
+    for round_, segments in enumerate(rounds):
+        if round_ + 1 < p:
+            post(round_ + 1)
+        # (B, s, Hkv, D) x 2: the own block, or the round's arrived one
+        kv = (k, v) if round_ == 0 else tuple(shift.wait() for shift in gathers.pop(round_))
+        offset = (rank + round_) % p * s
+        for segment in segments:
+            (piece,) = segment.pieces
+            (a, e), (c, f) = piece.q_rows, _shift(piece.kv_rows, -offset)
+            done = _timed(comm, "attn")
+            mask = None if masking is None else masking.rows(rank, (a, e), piece.kv_rows)
+            part = kernel.forward(
+                q[:, a:e],
+                kv[0][:, c:f],
+                kv[1][:, c:f],
+                causal=piece.causal and mask is None,
+                scale=scale,
+                mask=mask,
+            )
+            merge_into(out_acc, lse_acc, piece.q_rows, *part)
+            del part
+            done()
+            computed += 1
+        del kv
+    return out_acc.to(q.dtype), lse_acc
 
 
 def _allgather_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    kv_all: torch.Tensor,
     sched: Schedule,
     comm: Communicator,
     kernel: BlockKernel,
@@ -877,60 +906,76 @@ def _allgather_backward(
     scale: float,
     masking: _Masking | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, b, total, hkv, d = kv_all.shape
-    p, rank, s = comm.world_size, comm.rank, q.shape[1]
+    """Gathers the K/V again round by round and returns each round's dK/dV partial to its
+    owner before the next round (Note [All-gather K/V rounds])."""
+    p, rank = comm.world_size, comm.rank
     acc = lse.dtype
+    rounds = _rounds(sched, rank)
+    after = _posted_after(sched, rank)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-    dkv_all = torch.zeros((2, b, total, hkv, d), dtype=acc, device=q.device)  # (2, B, P*s, ...)
-    post_after = {tr.after_segments for tr in sched.sends(rank, 0)}
-    assert len(post_after) <= 1, "the dK/dV all-to-all is posted once"
-    mine = (rank * s, (rank + 1) * s)
-    back: _AllToAll | None = None
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
+    dv = torch.zeros_like(dk)
+    kv_buffer = dkv = received = None
+    if p > 1:
+        kv_buffer = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        dkv = torch.empty((2, *k.shape), dtype=acc, device=k.device)
+        received = torch.empty_like(dkv)
+    computed = 0
 
-    def post() -> _AllToAll:
-        sends = [[dkv_all[:, :, j * s : (j + 1) * s]] for j in range(p)]
-        fields: list[list[FieldSpec]] = [[((2, b, s, hkv, d), acc)]] * p
-        return _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="dkv", device=q.device)
-
-    segments = sched.steps[rank][0].segments
-    for index, segment in enumerate(segments):
-        if index in post_after:
-            back = post()
-        done = _timed(comm, "attn_bwd")
-        idx = _segment_kv(segment, q.device)
-        (a, e) = segment.q_rows
-        causal = any(piece.causal for piece in segment.pieces)
-        assert not causal or len(segment.pieces) == 1
-        mask = None if masking is None else masking.gathered(rank, (a, e), idx)
-        causal = causal and mask is None
-        dq_p, dk_p, dv_p = kernel.backward(
-            dout[:, a:e],
-            q[:, a:e],
-            kv_all[0].index_select(1, idx),
-            kv_all[1].index_select(1, idx),
-            lse[:, :, a:e],
-            delta[:, :, a:e],
-            causal=causal,
-            scale=scale,
-            mask=mask,
+    def post_gather(round_: int) -> tuple[_Shift, _Shift]:
+        assert kv_buffer is not None
+        assert after[(Payload.KV, (rank - round_) % p)] == computed, "posted as scheduled"
+        src, dst = (rank + round_) % p, (rank - round_) % p
+        return (
+            _Shift(comm, k, kv_buffer[0], dst=dst, src=src, flow=Flow.TRAVEL, label="kv"),
+            _Shift(comm, v, kv_buffer[1], dst=dst, src=src, flow=Flow.TRAVEL, label="kv"),
         )
-        dq[:, a:e] += dq_p
-        dkv_all[0].index_add_(1, idx, dk_p.to(acc))
-        dkv_all[1].index_add_(1, idx, dv_p.to(acc))
-        if back is not None:  # posted already: only this rank's own rows may change now
-            assert all(
-                mine[0] <= piece.kv_rows[0] <= piece.kv_rows[1] <= mine[1]
-                for piece in segment.pieces
+
+    gather = post_gather(1) if p > 1 else None  # flies while the own block is computed
+    for round_, segments in enumerate(rounds):
+        if round_ == 0:
+            kv, grads = (k, v), (dk, dv)
+        else:
+            assert gather is not None and dkv is not None
+            kv = (gather[0].wait(), gather[1].wait())  # (B, s, Hkv, D) x 2
+            gather = None
+            dkv.zero_()
+            grads = (dkv[0], dkv[1])
+        offset = (rank + round_) % p * q.shape[1]
+        for segment in segments:
+            (piece,) = segment.pieces
+            (a, e), (c, f) = piece.q_rows, _shift(piece.kv_rows, -offset)
+            done = _timed(comm, "attn_bwd")
+            mask = None if masking is None else masking.rows(rank, (a, e), piece.kv_rows)
+            kernel.backward_into(
+                (dq[:, a:e], grads[0][:, c:f], grads[1][:, c:f]),
+                dout[:, a:e],
+                q[:, a:e],
+                kv[0][:, c:f],
+                kv[1][:, c:f],
+                lse[:, :, a:e],
+                delta[:, :, a:e],
+                causal=piece.causal and mask is None,
+                scale=scale,
+                mask=mask,
             )
-        done()
-    # dK and dV in separate memory: the operator's outputs may not share storage
-    dk, dv = (dkv_all[i, :, mine[0] : mine[1]].clone() for i in range(2))  # (B, s, Hkv, D)
-    if back is not None:
-        for j, (part,) in enumerate(back.wait()):
-            if j != rank:
-                dk += part[0]
-                dv += part[1]
+            done()
+            computed += 1
+        del kv, grads
+        if round_ == 0:
+            continue
+        assert dkv is not None and received is not None
+        owner = (rank + round_) % p
+        assert after[(Payload.DKV, owner)] == computed, "returned as scheduled"
+        back = _Shift(
+            comm, dkv, received, dst=owner, src=(rank - round_) % p, flow=Flow.RETURN, label="dkv"
+        )
+        if round_ + 1 < p:  # the K/V buffer is free: the next round flies with the return
+            gather = post_gather(round_ + 1)
+        back.wait()
+        dk += received[0]  # this rank's own rows, as computed by rank - round
+        dv += received[1]
     return dq, dk, dv
 
 
@@ -954,16 +999,15 @@ def residual_fields(
 ) -> list[FieldSpec]:
     """Shapes and dtypes of the residuals :func:`collective_forward` returns on ``rank``.
 
-    Ulysses keeps none (its backward gathers q, k, v again; Note [Ulysses]); all-gather K/V
-    keeps the gathered K/V ``(2, B, S, Hkv, D)``.
+    None: both backwards gather again what they need (Note [Ulysses], Note [All-gather K/V
+    rounds]).
 
     Raises:
         ValueError: an unknown ``strategy_name``; Hkv not dividing Hq (Ulysses).
     """
     strategy = CollectiveStrategy.parse(strategy_name)
-    b, d, total = batch, head_dim, world_size * seq_local
     if strategy is CollectiveStrategy.ALLGATHER_KV:
-        return [((2, b, total, heads_kv, d), dtype)]
+        return []
     ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)  # validates
     return []
 
@@ -1029,8 +1073,8 @@ def collective_forward(
     routing = CollectiveRouting.for_backend(comm.backend)
     key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
     fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
-    out, lse, kv_all = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale, masking=masking)
-    return out, lse, [kv_all.contiguous()]
+    out, lse = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale, masking=masking)
+    return out, lse, []
 
 
 def collective_backward(
@@ -1056,9 +1100,9 @@ def collective_backward(
 
     Args:
         dout: ``(B, s, Hq, D)`` gradient of out.
-        q, k, v, out, lse: the forward's inputs (padded like them) and outputs; all-gather
-            K/V reads q, out and lse (its K/V are in the residuals; k, v may be stand-ins of
-            their shape), Ulysses all five (it gathers them again; Note [Ulysses]).
+        q, k, v, out, lse: the forward's inputs (padded like them) and outputs; both
+            strategies read all five (they gather again; Note [Ulysses], Note [All-gather K/V
+            rounds]).
         residuals: what :func:`collective_forward` returned with them.
         dtype: the dtype of q, k and v.
         causal, scale, layout, comm, kernel, sharding, mask: as given to the forward.
@@ -1091,9 +1135,19 @@ def collective_backward(
         routing = CollectiveRouting.for_backend(comm.backend)
         key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], heads_kv, routing)
         bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
-        (kv_all,) = residuals
+        assert not residuals, "all-gather K/V keeps no residuals"
         dq, dk, dv = _allgather_backward(
-            dout, q.contiguous(), out, lse, kv_all, bwd, comm, kernel, scale=scale, masking=masking
+            dout,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out,
+            lse,
+            bwd,
+            comm,
+            kernel,
+            scale=scale,
+            masking=masking,
         )
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 

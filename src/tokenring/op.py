@@ -17,13 +17,13 @@ An operator's backward sees only its inputs and outputs, so whatever the backwar
 output (hidden from the caller)::
 
     strategy               backward reads         residuals (padded: s_pad rows, see layout)
-    token_ring, ring,      q, k, v, out, lse      none; padded: out and lse of the buffer
-      bidir_ring,                                 (Ulysses gathers q, k, v again; Note
-      bidir_token_ring, ulysses                   [Ulysses] in tokenring.collective)
-    allgather_kv           q, out, lse            gathered K/V; padded: out, lse of the buffer
+    every strategy         q, k, v, out, lse      none; padded: out and lse of the buffer
+                                                  (Ulysses and all-gather K/V gather again;
+                                                  Note [Ulysses] and Note [All-gather K/V
+                                                  rounds] in tokenring.collective)
 
-Inputs the backward does not read are saved as shape-only stand-ins (:func:`stand_in`), so
-all-gather K/V keeps no more memory than before it was an operator.
+Inputs the backward does not read would be saved as shape-only stand-ins (:func:`stand_in`);
+every backward reads all five now.
 
 Legend: B batch, S global seq, s local seq, s_pad padded local seq, Hq query heads, Hkv kv
 heads, D head dim, P world size.
@@ -202,8 +202,7 @@ class Plan:
 
 def reads(strategy: Strategy) -> tuple[bool, bool, bool, bool, bool]:
     """Which of q, k, v, out, lse the backward of ``strategy`` reads (Note [Residuals])."""
-    if strategy is Strategy.ALLGATHER_KV:
-        return (True, False, False, True, True)
+    del strategy  # every backward reads all five (Note [Residuals])
     return (True, True, True, True, True)
 
 

@@ -291,9 +291,19 @@ class _EventEngine:
         self.slot_recvs: dict[tuple[int, int, int], list[int]] = {}
         self.step_sends: dict[tuple[int, int], list[int]] = {}
         self.step_recvs: dict[tuple[int, int], list[int]] = {}
+        # All-gather K/V rounds are all-to-alls in which a rank sends to r - k and receives
+        # from r + k (Note [All-gather K/V rounds]): its receive is posted with its own send.
+        shift_posted = {
+            (tr.payload, tr.src, tr.dst): tr.after_segments
+            for tr in self.transfers
+            if sched.strategy is Strategy.ALLGATHER_KV
+        }
         for i, tr in enumerate(self.transfers):
+            recv_after = shift_posted.get(
+                (tr.payload, tr.dst, (2 * tr.dst - tr.src) % sched.world_size), tr.after_segments
+            )
             self.slot_sends.setdefault((tr.src, tr.step, tr.after_segments), []).append(i)
-            self.slot_recvs.setdefault((tr.dst, tr.step, tr.after_segments), []).append(i)
+            self.slot_recvs.setdefault((tr.dst, tr.step, recv_after), []).append(i)
             self.step_sends.setdefault((tr.src, tr.step), []).append(i)
             self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
         # Relays (a ring all-gather forwarding a block it received): a collective's travel
@@ -461,7 +471,6 @@ class _EventEngine:
                 world_size=sched.world_size, heads_q=dims.heads_q, heads_kv=dims.heads_kv
             )[r]
             dims = replace(dims, heads_q=share.num_q)
-        own = (r * sched.seq_local, (r + 1) * sched.seq_local)
         travel = [
             i
             for i in self.step_recvs.get((r, 0), ())
@@ -470,13 +479,16 @@ class _EventEngine:
         prog: list[tuple[Any, ...]] = [(_STEP, 0), (_POST, 0, 0)]
         waited = False
         plan = sched.steps[r][0]
+        pending = list(travel)
         for k, segment in enumerate(plan.segments):
-            local = sched.strategy is Strategy.ALLGATHER_KV and all(
-                own[0] <= pc.kv_rows[0] and pc.kv_rows[1] <= own[1] for pc in segment.pieces
-            )
-            if not local and not waited:
+            if sched.strategy is Strategy.ALLGATHER_KV:  # rounds: only the owners it reads
+                owners = {pc.kv_rows[0] // sched.seq_local for pc in segment.pieces}
+                needed = [i for i in pending if self.transfers[i].owner in owners - {r}]
+                prog += [(_WAIT, i) for i in needed]
+                pending = [i for i in pending if i not in needed]
+            elif not waited:
                 prog += [(_WAIT, i) for i in travel]
-                waited = True
+                pending, waited = [], True
             flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
             prog.append((_COMPUTE, flops / self.flops_per_s, 0, label))
             prog.append((_POST, 0, k + 1))
@@ -485,8 +497,7 @@ class _EventEngine:
         slots = [tr.after_segments for tr in (*sched.sends(r, 0), *sched.recvs(r, 0))]
         last_slot = max(slots, default=0)
         prog += [(_POST, 0, k) for k in range(len(plan.segments) + 1, last_slot + 1)]
-        if not waited:
-            prog += [(_WAIT, i) for i in travel]
+        prog += [(_WAIT, i) for i in pending]
         returns = [i for i in self.step_recvs.get((r, 0), ()) if i not in travel]
         prog += [(_WAIT, i) for i in returns]
         prog += [(_STEP, 1), (_WAIT_SENDS,)]
