@@ -88,12 +88,14 @@ def test_auto_picks_the_same_strategy_on_every_rank_and_is_exact() -> None:
 def test_auto_can_pick_and_run_a_collective_on_gloo() -> None:
     """Latency-bound (1 ms per message; links and kernels fast), 3 ranks, training, gloo's
     routing (measured, so the collectives are candidates). Messages one after the other on the
-    critical path: all-gather K/V 2 ring hops forward + 1 all-to-all backward = 3; Ulysses
-    2 + 2 = 4; every ring strategy P-1 = 2 steps each way plus at least one message that
+    critical path: Ulysses 2 all-to-alls forward (q, k, v out; out back) + 2 backward (the
+    re-gather with dout; the gradients back) = 4; all-gather K/V, which gathers in rounds (Note
+    [All-gather K/V rounds]), P-1 = 2 rounds forward + 2 rounds backward each followed by its
+    dK/dV return = 6; every ring strategy P-1 = 2 steps each way plus at least one message that
     waits for the last step (TokenRing's last return, Ring's dK/dV home) = 5 or more. So auto
-    must pick all-gather K/V, on every rank, and its answer must be exact."""
+    must pick Ulysses, on every rank, and its answer must be exact."""
     results = [found["latency_bound"] for found in _per_rank()]
-    assert {pick for pick, _ in results} == {"allgather_kv"}
+    assert {pick for pick, _ in results} == {"ulysses"}
     assert max(error for _, error in results) < 1e-10
 
 
