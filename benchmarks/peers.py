@@ -242,8 +242,9 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_case_arguments(p: argparse.ArgumentParser) -> None:
+    """The case both this benchmark and profile_call.py run (the issue's: P = 4, S = 4096,
+    8 heads x 64, both dtypes and passes) and the untimed warm-up calls."""
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
@@ -252,6 +253,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--passes", default="fwd,fwd+bwd")
     p.add_argument("--warmup", type=int, default=2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_case_arguments(p)
     p.add_argument("--iters", type=int, default=9)
     p.add_argument(
         "--one-process-threads",

@@ -172,14 +172,7 @@ def agree_main(args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--passes", default="fwd,fwd+bwd")
-    p.add_argument("--warmup", type=int, default=2)
+    peers.add_case_arguments(p)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--peer", action="store_true", help="also profile ring-flash-attn zigzag")

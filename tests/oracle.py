@@ -358,6 +358,16 @@ def expected_bytes(
     return total
 
 
+def schedule_bytes_per_link(sched: Any, dims: Any) -> dict[tuple[str, int, int], int]:
+    """What a schedule sends, per (flow, src, dst): the tally that ``expected_bytes`` is
+    compared with (not an oracle itself: it reads the schedule under test)."""
+    got: dict[tuple[str, int, int], int] = {}
+    for tr in sched.transfers:
+        key = (tr.payload.flow.value, tr.src, tr.dst)
+        got[key] = got.get(key, 0) + tr.num_bytes(dims)
+    return got
+
+
 def covered_pairs(
     layout: str, causal: bool, world_size: int, seq_local: int
 ) -> list[tuple[int, int]]:

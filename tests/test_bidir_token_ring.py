@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from oracle import covered_pairs, expected_bytes, owned_positions
+from oracle import covered_pairs, expected_bytes, owned_positions, schedule_bytes_per_link
 from tokenring.costmodel import AttentionShape, measured
 from tokenring.schedule import Dims, Flow, Pass, Payload, Strategy, build_schedule
 from tokenring.simulate import simulate
@@ -128,10 +128,7 @@ def test_bytes_per_link_match_formula() -> None:
             window_size=window,
             **sizes,
         )
-        got: dict[tuple[str, int, int], int] = {}
-        for tr in sched.transfers:
-            key = (tr.payload.flow.value, tr.src, tr.dst)
-            got[key] = got.get(key, 0) + tr.num_bytes(dims)
+        got = schedule_bytes_per_link(sched, dims)
         want = expected_bytes(
             strategy=STRATEGY.value,
             backward=backward,

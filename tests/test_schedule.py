@@ -12,6 +12,7 @@ from oracle import (
     multiset_mismatch,
     owned_positions,
     padded_rows,
+    schedule_bytes_per_link,
     sharded_positions,
     visible_mask,
 )
@@ -19,7 +20,6 @@ from tokenring.schedule import (
     Dims,
     Pass,
     Piece,
-    Schedule,
     Strategy,
     build_schedule,
     piece_flops,
@@ -28,15 +28,6 @@ from tokenring.schedule import (
 # One test per strategy; each loops over its grid and names every failing case at once.
 STRATEGIES = ("token_ring", "ring", "bidir_ring")
 GRID = list(itertools.product(("contiguous", "zigzag"), (False, True), (1, 2, 3, 4, 5)))
-
-
-def _bytes_per_link(sched: Schedule, dims: Dims) -> dict[tuple[str, int, int], int]:
-    """The schedule's bytes per (flow, src, dst)."""
-    got: dict[tuple[str, int, int], int] = {}
-    for tr in sched.transfers:
-        key = (tr.payload.flow.value, tr.src, tr.dst)
-        got[key] = got.get(key, 0) + tr.num_bytes(dims)
-    return got
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -95,7 +86,7 @@ def test_bytes_per_link_match_formula(strategy: str) -> None:
             seq_local=6,
             heads_kv=heads_kv,
         )
-        got = _bytes_per_link(sched, dims)
+        got = schedule_bytes_per_link(sched, dims)
         want = expected_bytes(
             strategy=strategy,
             backward=backward,
@@ -213,7 +204,7 @@ def test_masked_bytes_per_link_match_formula(strategy: str) -> None:
             window_size=window,
             heads_kv=heads_kv,
         )
-        got = _bytes_per_link(sched, dims)
+        got = schedule_bytes_per_link(sched, dims)
         want = expected_bytes(
             strategy=strategy,
             backward=backward,

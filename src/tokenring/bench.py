@@ -46,7 +46,6 @@ from tokenring.cli import finite_float_at_least, int_at_least, output_path, posi
 from tokenring.comm import Communicator, Event, FieldSpec, Timeline
 from tokenring.costmodel import CollectiveRouting
 from tokenring.hybrid import (
-    HYBRID_OUTER,
     HybridMesh,
     HybridSpec,
     hybrid_attn,
@@ -311,7 +310,7 @@ def _compute_operands(
     the shapes their pieces index -- Ulysses the whole sequence on the rank's head share (K/V
     repeated to one head per query head: the same FLOPs), all-gather K/V the gathered K/V,
     the hybrid the outer shard on all heads (each piece names its heads)."""
-    if not strategy.is_collective and strategy is not Strategy.HYBRID:
+    if strategy.is_ring:
         return tuple(local), dims
     pieces = [pc for sched in scheds for plan in sched.steps[rank] for pc in plan.pieces]
     q_len = max((pc.q_rows[1] for pc in pieces), default=1)
@@ -1085,7 +1084,7 @@ def estimate_rank_bytes(
                 # gradients and a block in flight (the gathered K/V for all-gather K/V)
                 operands = b * d * elem * (5 * q_len * heads_q + 3 * 2 * kv_len * heads_kv)
                 accumulators = 2 * b * q_len * heads_q * (d + 2) * acc
-                masked = sharding.padded and (strategy.is_collective or strategy is Strategy.HYBRID)
+                masked = sharding.padded and not strategy.is_ring
                 kernel = 0
                 for pc in pieces:
                     blocks = pc.num_q * pc.num_kv
@@ -1276,7 +1275,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     attention.add_argument(
         "--hybrid-outer",
         default=Strategy.TOKEN_RING.value,
-        choices=[s.value for s in HYBRID_OUTER],
+        choices=[s.value for s in Strategy if s.is_ring],
         help="ring strategy across the hybrid's islands",
     )
     timing = parser.add_argument_group("timing and checking (attention, decode, prefill-cached)")

@@ -113,10 +113,7 @@ the bytes of k, v (Note [Hybrid schedule])."""
 
 
 # the strategies that can run across the islands: every ring strategy
-HYBRID_OUTER: tuple[Strategy, ...] = tuple(
-    s for s in Strategy if not s.is_collective and s is not Strategy.HYBRID
-)
-_OUTER_NAMES = ", ".join(s.value for s in HYBRID_OUTER)
+_OUTER_NAMES = ", ".join(s.value for s in Strategy if s.is_ring)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,7 +129,7 @@ class HybridSpec:
         if isinstance(self.inner, bool) or not isinstance(self.inner, int) or self.inner < 1:
             raise ValueError(f"inner must be an int >= 1; got {self.inner!r}")
         strategy = Strategy.parse(self.outer_strategy)
-        if strategy.is_collective or strategy is Strategy.HYBRID:
+        if not strategy.is_ring:
             raise ValueError(
                 f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
             )
@@ -600,7 +597,7 @@ def hybrid_attn(
         q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``: this rank's hybrid shard
             (:func:`hybrid_shard`).
         mesh: the outer and inner groups (:func:`hybrid_mesh`).
-        outer_strategy: ring strategy across the outer axis: one of ``HYBRID_OUTER``.
+        outer_strategy: ring strategy across the outer axis: one whose ``Strategy.is_ring`` holds.
         layout: the outer axis' layout (zigzag balances causal work).
         check_ranks: agree on a small signature first, on the inner group here and on the
             outer group in :func:`tokenring.sequence_parallel_attn` (together: every rank),
@@ -634,7 +631,7 @@ def hybrid_attn(
     problem: Exception | None = None
     try:  # validate, then agree on the inner group (the outer call agrees on the outer one)
         strategy = Strategy.parse(outer_strategy)
-        if strategy.is_collective or strategy is Strategy.HYBRID:
+        if not strategy.is_ring:
             raise NotImplementedError(
                 f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
             )

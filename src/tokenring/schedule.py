@@ -162,6 +162,12 @@ class Strategy(enum.Enum):
         return self in (Strategy.ULYSSES, Strategy.ALLGATHER_KV)
 
     @property
+    def is_ring(self) -> bool:
+        """Runs round a ring of P ranks step by step (what the hybrid can run across its
+        islands): neither a collective nor the hybrid itself."""
+        return not self.is_collective and self is not Strategy.HYBRID
+
+    @property
     def passes_q(self) -> bool:
         """Q blocks travel and partials return; K/V stay home (TokenRing on one or two lanes)."""
         return self in (Strategy.TOKEN_RING, Strategy.BIDIR_TOKEN_RING)

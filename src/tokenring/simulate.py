@@ -1325,7 +1325,7 @@ def strategy_schedule(
             f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
             f"seq_len={seq_len}"
         )
-    if seq_len is not None and not strategy.is_collective and strategy is not Strategy.HYBRID:
+    if seq_len is not None and strategy.is_ring:
         return build_schedule(
             strategy,
             pass_,
@@ -1489,7 +1489,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--strategies",
         nargs="+",
-        default=[s.value for s in Strategy if not s.is_collective and s is not Strategy.HYBRID],
+        default=[s.value for s in Strategy if s.is_ring],
         choices=[s.value for s in Strategy],
         help="strategies to predict (default: the ring strategies)",
     )
@@ -1501,7 +1501,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--hybrid-outer",
         default=Strategy.TOKEN_RING.value,
-        choices=[s.value for s in Strategy if not s.is_collective and s is not Strategy.HYBRID],
+        choices=[s.value for s in Strategy if s.is_ring],
         help="ring strategy across the hybrid's islands (default: token_ring)",
     )
     add(
