@@ -1,13 +1,13 @@
 """Achieved rate of the block kernels: TFLOP/s per dtype, forward and backward, on a full block
 and on a causal diagonal block, with the kernel ``tokenring`` selects for the device.
 
-FLOPs are counted as the cost model counts them (``tokenring.schedule.piece_flops``): 4 * B *
+FLOPs are counted as the cost model counts them (``tokenring.core.schedule.piece_flops``): 4 * B *
 Hq * D per visible (query, key) pair forward, 2.5x that backward. Each rate is the median of
 ``--iters`` timed calls after ``--warmup``; CUDA calls are timed with CUDA events.
 
     python benchmarks/kernel_rates.py --device cuda --out rates.json --preset h200-nvswitch
 
-``--preset NAME`` also writes the record where ``tokenring.costmodel`` reads the rates of that
+``--preset NAME`` also writes the record where ``tokenring.model.costmodel`` reads the rates of that
 preset (``src/tokenring/kernel_rates/NAME.json``).
 
 Legend: B batch, s rows of the block, Hq / Hkv heads, D head dim.
@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from tokenring.costmodel import KERNEL_RATES_DIR, PRESETS, load_kernel_rates
-from tokenring.kernels import accumulation_dtype, select_kernel
+from tokenring.model.costmodel import KERNEL_RATES_DIR, PRESETS, load_kernel_rates
+from tokenring.runtime.kernels import accumulation_dtype, select_kernel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,7 +15,7 @@ compute bound on the same cores. The implementations run in turns (one call of e
 round), so load from elsewhere on the machine falls on all of them alike. Every call is timed
 between barriers; a round's time is the max over ranks; rows report the median and p10/p90
 over rounds. Every output and gradient is checked against float64 full attention of the
-rank's own rows (tokenring.bench's per-rank reference) and reported as measured: a wrong
+rank's own rows (tokenring.cli.bench's per-rank reference) and reported as measured: a wrong
 answer is a row with ok = False, never skipped or patched.
 
 Needs ``pip install --no-deps ring-flash-attn`` (the ``peers`` extra). Example::
@@ -51,8 +51,8 @@ if HERE not in sys.path:
 import flash_attn_cpu  # noqa: E402  (benchmarks/, beside this file)
 
 from tokenring import launch, sequence_parallel_attn  # noqa: E402
-from tokenring.bench import _git_sha, _reference  # noqa: E402
-from tokenring.layout import make_sharding, shard  # noqa: E402
+from tokenring.cli.bench import _git_sha, _reference  # noqa: E402
+from tokenring.core.layout import make_sharding, shard  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # max abs error vs float64 (tokenring bench's)

@@ -71,9 +71,9 @@ def probe(num_bytes: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str]) -> None:
-    from tokenring.bench import _parse_rate
+    from tokenring.cli.bench import _parse_rate
     from tokenring.launch import launch
-    from tokenring.netlab import Lab, LabConfig
+    from tokenring.model.netlab import Lab, LabConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])

@@ -36,8 +36,8 @@ if HERE not in sys.path:
 import peers  # noqa: E402  (benchmarks/, beside this file)
 
 from tokenring import get_communicator, launch  # noqa: E402
-from tokenring.comm import Timeline  # noqa: E402
-from tokenring.layout import shard  # noqa: E402
+from tokenring.core.layout import shard  # noqa: E402
+from tokenring.runtime.comm import Timeline  # noqa: E402
 
 GROUPS = [  # (group, operator names), by exact name
     (

@@ -78,8 +78,8 @@ def _link(row: dict) -> str:
 
 def _pair_pick(key: tuple, rows: list[dict]) -> tuple[str, str, bool]:
     """The planner's pick between token_ring and ring from the rows' own calibration."""
-    from tokenring.costmodel import measured
-    from tokenring.planner import explain
+    from tokenring.model.costmodel import measured
+    from tokenring.model.planner import explain
 
     group = [
         r

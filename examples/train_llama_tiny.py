@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tokenring
-from tokenring import hf
+from tokenring.hf import attention as hf
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,7 +11,7 @@
 #    every strategy, s = 4k..64k per rank on CUDA;
 # 3. the block kernels' rates (benchmarks/kernel_rates.py): TFLOP/s per dtype, forward and
 #    backward, full and causal-diagonal blocks; on an H200 also written where the cost model's
-#    h200-nvswitch preset reads them (src/tokenring/kernel_rates/h200-nvswitch.json);
+#    h200-nvswitch preset reads them (src/tokenring/model/kernel_rates/h200-nvswitch.json);
 # 4. a one-screen summary (also saved as summary.txt beside the results).
 set -euo pipefail
 cd "$(dirname "$0")/.."

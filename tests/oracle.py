@@ -1,6 +1,6 @@
 """Test oracle: full attention in float64 on one process, and index code for the layouts.
 
-Written independently of ``tokenring.layout`` and ``tokenring.schedule`` on purpose: the
+Written independently of ``tokenring.core.layout`` and ``tokenring.core.schedule`` on purpose: the
 positions of each rank are spelled out from the layout's definition, not imported.
 
 Legend: B batch, S global seq, s local seq, H heads, D head dim, P world size.
@@ -194,7 +194,7 @@ def same_dtype_attention_error(
 # -- traffic -------------------------------------------------------------------------------
 # Expected bytes per directed pair, derived from the layouts' positions and the strategies'
 # definitions (Q or K/V travel "down": rank r -> r-1; partials go straight to their owner),
-# not from tokenring.schedule.
+# not from tokenring.core.schedule.
 
 
 def padded_rows(
@@ -407,7 +407,7 @@ def plain_lse_error(
     process: the yardstick for lse (SDPA does not return it). The CPU flash kernel's lse of
     bf16/fp16 inputs is off by a few 1e-5 once a block has more than a handful of keys, so
     float32 ``assert_close`` defaults only hold for small blocks."""
-    from tokenring.kernels import select_kernel
+    from tokenring.runtime.kernels import select_kernel
 
     kernel = select_kernel(q.device, dtype)
     _, lse = kernel.forward(

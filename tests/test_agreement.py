@@ -1,7 +1,7 @@
 """Ranks agree before they communicate: a rank's bad input, a differing option, a frozen or a
 dead rank end as a clear error on every rank within seconds, never as a wrong number or a wait
 for the process group's timeout (Note [Rank agreement] in tokenring.api, Note [Message header]
-in tokenring.comm).
+in tokenring.runtime.comm).
 
 Each case runs on real gloo ranks; every rank writes what happened to it (its error, its
 output's distance from the float64 oracle, how long it took) to a file, so the test sees every
@@ -129,7 +129,7 @@ def test_unchecked_mismatch_is_never_a_wrong_number(tmp_path: Path) -> None:
 
 def _short_message(case: str) -> str:
     """Rank 0 sends a message that differs from what rank 1 posted a receive for."""
-    from tokenring.schedule import Payload, Transfer
+    from tokenring.core.schedule import Payload, Transfer
 
     comm = tokenring.Communicator(None, timeout_s=10)
     expected = Transfer(Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=0, after_segments=0)
@@ -314,7 +314,7 @@ def _repeated_calls(out_dir: str) -> None:
     """Calls on one communicator: the same call twice, then softmax_scale different on rank 3
     only (same schedule and message sizes: unchecked, a wrong number), then the same again.
     Writes each call's outcome and the frame sizes its agreement exchanged."""
-    from tokenring.comm import AGREE_FRAME_NUM_BYTES
+    from tokenring.runtime.comm import AGREE_FRAME_NUM_BYTES
 
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = tokenring.Communicator(None, timeout_s=3)
@@ -354,10 +354,10 @@ def _repeated_calls(out_dir: str) -> None:
 def test_repeated_calls_agree_by_digest_and_still_name_a_differing_option(
     tmp_path: Path,
 ) -> None:
-    """Note [Agreement by digest] in tokenring.comm: a call whose ranks agree exchanges only
+    """Note [Agreement by digest] in tokenring.runtime.comm: a call whose ranks agree exchanges only
     the digest frames; an option that differs on one rank (one that would give a wrong
     number unchecked) still fails on every rank naming it, and the next call runs."""
-    from tokenring.comm import AGREE_FRAME_NUM_BYTES, DIGEST_FRAME_NUM_BYTES
+    from tokenring.runtime.comm import AGREE_FRAME_NUM_BYTES, DIGEST_FRAME_NUM_BYTES
 
     tokenring.launch(_repeated_calls, str(tmp_path), world_size=4, timeout_s=90, pg_timeout_s=60)
     results = _results(tmp_path)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import make_inputs, oracle_with_grads, owned_positions
-from tokenring.costmodel import measured
+from tokenring.model.costmodel import measured
 
 
 def auto_on_ranks(hardware: object) -> tuple[str, float]:

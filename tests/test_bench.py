@@ -8,7 +8,7 @@ import pytest
 
 from tokenring import Strategy
 from tokenring.cli import main
-from tokenring.netlab import lab_unavailable_reason
+from tokenring.model.netlab import lab_unavailable_reason
 
 TINY = [
     "--world-size",

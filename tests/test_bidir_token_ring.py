@@ -2,7 +2,7 @@
 
 Pure table tests (milliseconds each); the strategy's numerics on real gloo ranks are in
 test_attention.py and test_masks.py with the other ring strategies. Expected values come from
-the oracle's definitions (positions, visibility, bytes per link), not from tokenring.schedule.
+the oracle's definitions (positions, visibility, bytes per link), not from tokenring.core.schedule.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import itertools
 import pytest
 
 from oracle import covered_pairs, expected_bytes, owned_positions, schedule_bytes_per_link
-from tokenring.costmodel import AttentionShape, measured
-from tokenring.schedule import Dims, Flow, Pass, Payload, Strategy, build_schedule
-from tokenring.simulate import simulate
+from tokenring.core.schedule import Dims, Flow, Pass, Payload, Strategy
+from tokenring.model.costmodel import AttentionShape, measured
+from tokenring.model.simulate import simulate
+from tokenring.strategies import build_schedule
 
 STRATEGY = Strategy.BIDIR_TOKEN_RING
 HEADS = [(4, 4), (8, 2), (6, 3), (4, 1), (2, 2)]  # MHA, GQA, odd kv heads, MQA, one each
@@ -237,7 +238,7 @@ def test_simulated_on_every_topology_with_the_schedules_bytes() -> None:
 def test_hybrid_outer_schedule_computes_every_pair_and_head_once() -> None:
     """As the outer strategy of the hybrid (the simulator's schedule of it): each (query
     position, key position, query head) exactly once, rows being those of the outer shards."""
-    from tokenring.hybrid import HybridSpec, build_hybrid_schedule
+    from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
     hq, hkv, s = 8, 4, 4
     for (outer, inner), pass_ in itertools.product(((2, 2), (4, 1)), ("forward", "backward")):

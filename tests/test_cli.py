@@ -35,8 +35,9 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     launch_module = sys.modules["tokenring.launch"]  # the package exports launch() by that name
     monkeypatch.setattr(launch_module, "launch", refuse)
     monkeypatch.setattr(launch_module, "_start", refuse)
-    monkeypatch.setattr("tokenring.netlab.Lab.__enter__", refuse)
-    monkeypatch.setattr("tokenring.simulate.simulate", refuse)
+    monkeypatch.setattr("tokenring.model.netlab.Lab.__enter__", refuse)
+    monkeypatch.setattr("tokenring.model.simulate.simulate", refuse)
+    monkeypatch.setattr("tokenring.cli.simulate.simulate", refuse)
 
 
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -174,7 +175,7 @@ def test_the_memory_estimate_follows_the_ranks_on_this_machine(
     nothing_starts: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same run fits when the machine has room for its ranks and is refused otherwise."""
-    from tokenring.bench import BenchConfig, ModelShape, estimate_rank_bytes
+    from tokenring.cli.bench import BenchConfig, ModelShape, estimate_rank_bytes
 
     config = BenchConfig(
         seq=4096, models=(ModelShape(name="m", heads_q=4, heads_kv=2, head_dim=16),)
@@ -197,7 +198,7 @@ def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
     """Ring forward, non-causal, 2 ranks: each call sends the other rank's K/V once (s rows of
     2 Hkv D float32), and the bandwidth probe sends 4 rounds of 4 MiB each way: 3 calls x
     1024 x 2 x 8 x 32 x 4 + 4 x 4 MiB = 23068672 bytes, 184.5 s at 1 Mbit/s."""
-    monkeypatch.setattr("tokenring.netlab.lab_unavailable_reason", lambda: None)
+    monkeypatch.setattr("tokenring.model.netlab.lab_unavailable_reason", lambda: None)
     num_bytes = 3 * 1024 * 2 * 8 * 32 * 4 + 4 * (4 << 20)
     seconds = num_bytes * 8 / 1e6
     argv = ["bench", "--world-size", "2", "--seq", "2048", "--heads", "8", "--kv-heads", "8"]
@@ -214,7 +215,7 @@ def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
 def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench's reference (the rank's rows only, in score tiles) against the test oracle (full
     attention in float64), for uneven shards, GQA, both layouts, one tile or 3 rows a tile."""
-    from tokenring import bench
+    from tokenring.cli import bench
 
     whole_tiles = bench._tile_rows
     for seq, world, layout, causal in (

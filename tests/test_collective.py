@@ -33,10 +33,11 @@ from oracle import (
     owned_positions,
     tolerance_failures,
 )
-from tokenring.collective import build_collective_schedule, collective_forward, ulysses_heads
-from tokenring.kernels import select_kernel
-from tokenring.layout import Layout
-from tokenring.schedule import Dims
+from tokenring.core.layout import Layout
+from tokenring.core.schedule import Dims
+from tokenring.runtime.collective import collective_forward
+from tokenring.runtime.kernels import select_kernel
+from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 
 # MHA, GQA (groups of 3), MQA, 3 kv heads (uneven on 2 and 4 ranks), fewer q heads than ranks.
 HEADS = [(4, 4), (6, 2), (4, 1), (6, 3), (2, 1)]

@@ -23,7 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import tokenring
 import tokenring.api  # registers torch.ops.tokenring.*
 from oracle import make_inputs, oracle_with_grads, sharded_positions
-from tokenring import op
+from tokenring.runtime import op
 
 STRATEGIES = ["token_ring", "ring", "bidir_ring", "ulysses", "allgather_kv"]
 HEAD_DIM = 8
@@ -33,7 +33,7 @@ OUT_SCALE = 1.5  # the module scales its output, so the graph holds more than th
 class _Block(torch.nn.Module):
     """Attention as a model calls it, plus a pointwise op for the compiler to fuse. With a
     ProcessGroup it holds a SequenceParallelAttention (which makes the group known to the
-    operator, Note [Handles] in tokenring.op) and returns no lse."""
+    operator, Note [Handles] in tokenring.runtime.op) and returns no lse."""
 
     def __init__(self, strategy: str, group: Any, **options: Any) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Tests for tokenring.costmodel and tokenring.simulate: pure tables, no process groups.
+"""Tests for tokenring.model.costmodel and tokenring.model.simulate: pure tables, no process groups.
 
 Expected numbers are derived here from first principles (bytes per row written out from the
 payload definitions, positions from tests/oracle.py, hop counts from the ring's geometry),
@@ -45,8 +45,8 @@ import torch
 
 from oracle import owned_positions
 from tokenring.cli import main
-from tokenring.comm import Event
-from tokenring.costmodel import (
+from tokenring.core.schedule import Flow, Pass, Payload, Strategy
+from tokenring.model.costmodel import (
     PRESETS,
     AttentionShape,
     Hardware,
@@ -64,10 +64,16 @@ from tokenring.costmodel import (
     steady_step,
     step_costs,
 )
-from tokenring.hybrid import HybridSpec
-from tokenring.netlab import _ring_next_hop
-from tokenring.schedule import Flow, Pass, Payload, Strategy, build_schedule
-from tokenring.simulate import VECTORISED_STRATEGIES, simulate, simulate_pass, strategy_schedule
+from tokenring.model.netlab import _ring_next_hop
+from tokenring.model.simulate import (
+    VECTORISED_STRATEGIES,
+    simulate,
+    simulate_pass,
+    strategy_schedule,
+)
+from tokenring.runtime.comm import Event
+from tokenring.strategies import build_schedule
+from tokenring.strategies.hybrid import HybridSpec
 
 MHA = AttentionShape(heads_q=4, heads_kv=4, head_dim=8, dtype="float16")
 GQA = AttentionShape(heads_q=8, heads_kv=2, head_dim=8, dtype="bfloat16")
@@ -148,7 +154,7 @@ def test_zigzag_travel_rows_match_positions_from_the_oracle() -> None:
     """The rows a rank forwards are those some rank still ahead needs: Q row i of owner o is
     needed by kv owner j iff some key of j is at or before i's global position (TokenRing);
     K/V row i of owner j is needed by q owner o iff some query of o is at or after it (Ring).
-    Positions come from tests/oracle.py, not from tokenring.layout."""
+    Positions come from tests/oracle.py, not from tokenring.core.layout."""
     dims = MHA.dims
     for p, s in ((2, 4), (3, 6), (4, 8), (5, 6)):
         pos = [owned_positions("zigzag", r, p, p * s) for r in range(p)]
@@ -223,7 +229,7 @@ def test_schedule_arrays_equal_the_schedule() -> None:
 
 # -- topology ----------------------------------------------------------------------------------
 def test_ring_paths_follow_the_lab_routing() -> None:
-    """Shortest way round, ties towards src + 1: the same first hop as tokenring.netlab."""
+    """Shortest way round, ties towards src + 1: the same first hop as tokenring.model.netlab."""
     assert ring_path(0, 3, 6) == [0, 1, 2, 3]  # tie: 3 hops either way
     assert ring_path(0, 4, 6) == [0, 5, 4]
     assert ring_path(2, 1, 5) == [2, 1]
@@ -570,7 +576,7 @@ def test_the_vectorised_engine_in_chunks_of_steps_gives_the_same_pass(
     """The vectorised engine walks the steps in chunks so that its memory is linear in P
     (``tokenring simulate --world-size 2000`` peaked at 2.4 GB with (P, P) tables); chunks
     of 1 and 2 steps give what one chunk of all the steps gives."""
-    import tokenring.simulate as simulate_module
+    import tokenring.model.simulate as simulate_module
 
     hw = _hardware(topology, link=1e9, port=1.5e9 if topology is Topology.SWITCH else None)
     for p, strategy, pass_, (layout, causal) in itertools.product(
@@ -597,7 +603,7 @@ def test_the_vectorised_engine_holds_a_chunk_of_steps_not_all(
 ) -> None:
     """No array the engine asks for or prices spans every step: (P, chunk) at most, chunk =
     _CHUNK_CELLS // P (+1 for the step before the chunk); here P = 200 in chunks of 10."""
-    import tokenring.simulate as simulate_module
+    import tokenring.model.simulate as simulate_module
 
     p, chunk = 200, 10
     monkeypatch.setattr(simulate_module, "_CHUNK_CELLS", p * chunk)

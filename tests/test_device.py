@@ -1,6 +1,6 @@
 """The device checks of ``scripts/device_check.sh``: every kernel, dtype and mask class against
 float64, forward and backward, on the device; every strategy at P = 2 and 4 on the one device
-(CUDA tensors over gloo through host buffers: Note [Staged path] in tokenring.comm).
+(CUDA tensors over gloo through host buffers: Note [Staged path] in tokenring.runtime.comm).
 
 Marked ``gpu``: they run on CUDA when it is there, or on the device named by
 ``TOKENRING_TEST_DEVICE`` (``cpu``: the same checks, small, for CI; ``TOKENRING_QUICK=1``
@@ -20,7 +20,7 @@ import tokenring
 from oracle import DTYPES, make_inputs, oracle_with_grads, sharded_positions, tolerance_failures
 from oracle import visible_mask as oracle_mask
 from test_kernels import _MASK_CASES, _case, _float64_block, _inputs
-from tokenring.kernels import CpuFlashKernel, CudaFusedKernel, accumulation_dtype
+from tokenring.runtime.kernels import CpuFlashKernel, CudaFusedKernel, accumulation_dtype
 
 DEVICE = os.environ.get("TOKENRING_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 QUICK = os.environ.get("TOKENRING_QUICK") == "1"
@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 
-def _device_kernel(flex: bool = False) -> tokenring.kernels.BlockKernel:
+def _device_kernel(flex: bool = False) -> tokenring.runtime.kernels.BlockKernel:
     """The device's kernel with small tiles, so every tile class occurs in a 300-row block."""
     if DEVICE == "cuda":
         return CudaFusedKernel(tile_rows=128, masked_tile_rows=64, flex=flex)

@@ -14,12 +14,17 @@ import pytest
 import torch
 from rich.console import Console
 
-import tokenring._console
+import tokenring.cli.console
 import tokenring.launch  # so sys.modules has it below (the package exports launch())
-from tokenring.bench import BenchConfig, planner_verdict, results_table, run_rank
 from tokenring.cli import main
+from tokenring.cli.bench import BenchConfig, planner_verdict, results_table, run_rank
 
-HEAVY = ["tokenring.bench", "tokenring.bench_memory", "tokenring.bench_inference", "tokenring.demo"]
+HEAVY = [
+    "tokenring.cli.bench",
+    "tokenring.cli.bench_memory",
+    "tokenring.cli.bench_inference",
+    "tokenring.cli.demo",
+]
 
 
 def _modules_after(argv: list[str]) -> tuple[str, set[str]]:
@@ -53,7 +58,7 @@ def test_help_imports_no_command_module() -> None:
     assert loaded == set(), loaded  # simulate's module is the library's (the planner's)
     text, loaded = _modules_after(["bench", "--help"])
     assert "--mode" in text
-    assert "tokenring.bench" in loaded and "tokenring.demo" not in loaded
+    assert "tokenring.cli.bench" in loaded and "tokenring.cli.demo" not in loaded
 
 
 def test_help_shows_defaults_in_groups_per_mode(capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,7 +192,7 @@ def test_demo_shows_progress(monkeypatch: pytest.MonkeyPatch) -> None:
     """The demo launches its ranks behind a progress bar of one unit per strategy, fed by
     the rows the ranks finish (the launch is stubbed: it reports two rows and stops)."""
     bars: list[Any] = []
-    real_progress = tokenring._console.progress
+    real_progress = tokenring.cli.console.progress
 
     def recording_progress(total: int, description: str) -> Any:
         bars.append(real_progress(total, description))
@@ -200,7 +205,7 @@ def test_demo_shows_progress(monkeypatch: pytest.MonkeyPatch) -> None:
         kwargs["poll"]()
         raise _Started
 
-    monkeypatch.setattr(tokenring._console, "progress", recording_progress)
+    monkeypatch.setattr(tokenring.cli.console, "progress", recording_progress)
     monkeypatch.setattr(sys.modules["tokenring.launch"], "launch", two_rows_then_stop)
     with pytest.raises(_Started):
         main(["demo", "--world-size", "2", "--seq", "32"])

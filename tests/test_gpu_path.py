@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import tokenring
 from oracle import make_inputs, owned_positions
-from tokenring.comm import Communicator, comm_path
+from tokenring.runtime.comm import Communicator, comm_path
 
 
 def test_comm_path() -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tokenring
-from tokenring.costmodel import measured
+from tokenring.model.costmodel import measured
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
@@ -39,7 +39,7 @@ from transformers import (  # noqa: E402
 )
 from transformers import masking_utils as mu  # noqa: E402
 
-from tokenring import hf  # noqa: E402
+from tokenring.hf import attention as hf  # noqa: E402
 
 IGNORE = -100
 BATCH = 2
@@ -585,7 +585,7 @@ def test_model_masks_reach_the_attention_or_raise() -> None:
     bidirectional = hf._ModelMask(causal=False, window_size=(-1, -1), attention_chunk_size=None)
     sp = hf.SequenceParallel(layout="zigzag")
     with pytest.raises(NotImplementedError, match="mask is not causal but the attention module"):
-        hf._attention_forward(
+        hf.attention._attention_forward(
             module,
             q,
             q,

@@ -23,9 +23,9 @@ transformers = pytest.importorskip(
 )
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig  # noqa: E402
 
-from tokenring import hf  # noqa: E402
-from tokenring.cached_schedule import CachedStrategy  # noqa: E402
-from tokenring.costmodel import measured  # noqa: E402
+from tokenring.hf import attention as hf  # noqa: E402
+from tokenring.model.costmodel import measured  # noqa: E402
+from tokenring.strategies.cached import CachedStrategy  # noqa: E402
 
 VOCAB = 64
 NEW_TOKENS = 5

@@ -1,4 +1,4 @@
-"""tokenring.hf_trainer.SequenceParallelTrainer on 4 gloo ranks as 2 (dp) x 2 (sp), against
+"""tokenring.hf.trainer.SequenceParallelTrainer on 4 gloo ranks as 2 (dp) x 2 (sp), against
 one process on the full batch.
 
 One launch. Each rank trains the same float64 Llama for two SGD steps with the Hugging Face
@@ -42,7 +42,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from tokenring import hf  # noqa: E402
+from tokenring.hf import attention as hf  # noqa: E402
 
 VOCAB = 64
 SEQ_LEN = 16
@@ -115,7 +115,7 @@ class Recorder(TrainerCallback):
 def run_trainer(state: dict[str, torch.Tensor], data: list[dict[str, torch.Tensor]]) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tokenring.hf_trainer import SequenceParallelTrainer
+    from tokenring.hf.trainer import SequenceParallelTrainer
 
     seen: list[torch.Tensor] = []
 

@@ -29,15 +29,9 @@ from oracle import (
     tolerance_failures,
     visible_mask,
 )
-from tokenring.hybrid import (
-    HybridSpec,
-    build_hybrid_schedule,
-    hybrid_attn,
-    hybrid_mesh,
-    hybrid_positions,
-    hybrid_shard,
-)
-from tokenring.schedule import Dims
+from tokenring.core.schedule import Dims
+from tokenring.hybrid import hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
+from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
 
 def _positions(

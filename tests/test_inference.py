@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import DTYPES, full_attention, owned_positions, plain_lse_error
-from tokenring.cached_schedule import (
+from tokenring.cli import main
+from tokenring.core.schedule import Payload
+from tokenring.inference import cached_attn
+from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
+from tokenring.model.costmodel import measured
+from tokenring.strategies.cached import (
     CachedShards,
     CachedStrategy,
     build_cached_plan,
@@ -31,11 +36,6 @@ from tokenring.cached_schedule import (
     predict_cached,
     uniform_shards,
 )
-from tokenring.cli import main
-from tokenring.costmodel import measured
-from tokenring.inference import cached_attn
-from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
-from tokenring.schedule import Payload
 from tokenring.tinylm import TinyCausalLM, TinyLMConfig, generate, generate_reference
 
 STRATEGIES = [s.value for s in CachedStrategy]

@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenring import kernels
-from tokenring.kernels import (
+from tokenring.core.masks import MaskSpec
+from tokenring.core.merge import merge_into
+from tokenring.runtime import kernels
+from tokenring.runtime.kernels import (
     MATERIALISING,
     CpuFlashKernel,
     CudaFusedKernel,
@@ -18,8 +20,6 @@ from tokenring.kernels import (
     plan_block,
     select_kernel,
 )
-from tokenring.masks import MaskSpec
-from tokenring.merge import merge_into
 
 CPU_KERNELS = ["cpu_flash", "tiled", "reference"]
 
@@ -139,7 +139,7 @@ def _positions_mask(spec: MaskSpec, q_pos: list[int], kv_pos: list[int]) -> Posi
 
 def _float64_block(q, k, v, do, *, causal, scale, visible):
     """Out, lse and grads of one block in float64 with autograd, from the rounded inputs;
-    ``visible`` (sq, sk) bool or None. Independent of tokenring.kernels."""
+    ``visible`` (sq, sk) bool or None. Independent of tokenring.runtime.kernels."""
     groups = q.shape[2] // k.shape[2]
     leaves = [x.detach().double().clone().requires_grad_(True) for x in (q, k, v)]
     qh = leaves[0].transpose(1, 2)

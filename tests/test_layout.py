@@ -7,7 +7,7 @@ import torch
 
 from oracle import owned_positions, sharded_positions
 from tokenring import Layout, global_positions, position_ids, shard, unshard
-from tokenring.layout import make_sharding
+from tokenring.core.layout import make_sharding
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

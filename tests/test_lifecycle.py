@@ -28,7 +28,7 @@ import torch.distributed as dist
 import tokenring
 from oracle import make_inputs, oracle_with_grads
 from tokenring.launch import LaunchError
-from tokenring.netlab import lab_unavailable_reason
+from tokenring.model.netlab import lab_unavailable_reason
 
 SRC = str(Path(__file__).parents[1] / "src")
 TESTS = str(Path(__file__).parent)

@@ -7,7 +7,7 @@ checks its tokens' out, lse and dq, dk, dv against float64 full attention under
 ``oracle.visible_mask``, and its counted bytes per link against ``oracle.expected_bytes`` (ring
 strategies): blocks no window or document reaches are neither computed nor sent. Ulysses and
 all-gather K/V run the same cases under explicit masks. Shards come from
-``oracle.sharded_positions``, not from tokenring.layout.
+``oracle.sharded_positions``, not from tokenring.core.layout.
 """
 
 from __future__ import annotations

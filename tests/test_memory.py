@@ -1,5 +1,5 @@
 """Peak memory per rank of a forward + backward on the CPU holds the goal of issue 12: at most
-twice the inputs + outputs + gradients (``tokenring.bench_memory``; README "Memory")."""
+twice the inputs + outputs + gradients (``tokenring.cli.bench_memory``; README "Memory")."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import tokenring
-from tokenring.bench_memory import (
+from tokenring.cli.bench_memory import (
     MMAP_THRESHOLD_ENV,
     MemoryBenchConfig,
     aggregate,
     minimum_bytes,
     run_rank,
 )
-from tokenring.schedule import Strategy
+from tokenring.core.schedule import Strategy
 
 
 def test_minimum_counts_every_tensor_once() -> None:
@@ -64,11 +64,12 @@ def test_peak_memory_is_at_most_twice_the_minimum() -> None:
 def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     """Zigzag causal Ring: a rank that holds a whole K/V block and passes on only its first
     rows sends the front of the message the block came in (Note [K/V message layout] in
-    tokenring.runtime), and what arrives is exactly those rows of k and v. Before, that half
+    tokenring.runtime.ring), and what arrives is exactly those rows of k and v. Before, that half
     was packed into a new message (a q-sized copy: Ring peaked at 2.01x at P = 4, causal)."""
-    from tokenring.comm import _unpack
-    from tokenring.runtime import Shapes, _Held, _lane_blocks
-    from tokenring.schedule import Payload, build_schedule
+    from tokenring.core.schedule import Payload
+    from tokenring.runtime.comm import _unpack
+    from tokenring.runtime.ring import Shapes, _Held, _lane_blocks
+    from tokenring.strategies import build_schedule
 
     s, c = 8, 4
     sched = build_schedule(

@@ -1,4 +1,4 @@
-"""Tests for tokenring.netlab: config validation, wiring, measured link rates, teardown.
+"""Tests for tokenring.model.netlab: config validation, wiring, measured link rates, teardown.
 
 Tests marked ``lab`` build real namespaces and need root and iproute2; they are skipped with
 ``lab_unavailable_reason()`` otherwise. Rates are checked as ratios to the set rate with wide
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tokenring.netlab import (
+from tokenring.model.netlab import (
     Lab,
     LabConfig,
     Topology,

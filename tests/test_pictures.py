@@ -15,8 +15,8 @@ from matplotlib.container import BarContainer
 
 import tokenring
 from tokenring.cli import main
-from tokenring.comm import Event
-from tokenring.plot import COLOURS, curves_figure, timeline_figure, write_trace
+from tokenring.cli.plot import COLOURS, curves_figure, timeline_figure, write_trace
+from tokenring.runtime.comm import Event
 
 
 # -- named ranges in torch.profiler --------------------------------------------------------------
@@ -109,8 +109,9 @@ def test_the_trace_has_one_event_per_recorded_event(tmp_path: Path) -> None:
 
 
 def test_simulate_writes_the_simulated_timeline_as_a_trace(tmp_path: Path) -> None:
-    from tokenring.costmodel import PRESETS, AttentionShape
-    from tokenring.simulate import MODELS, simulate
+    from tokenring.cli.simulate import MODELS
+    from tokenring.model.costmodel import PRESETS, AttentionShape
+    from tokenring.model.simulate import simulate
 
     path = tmp_path / "sim.json"
     argv = ["simulate", "--world-size", "4", "--seq", "8192", "--strategies", "token_ring"]

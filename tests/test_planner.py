@@ -1,7 +1,7 @@
-"""Tests for tokenring.planner: the pick, its determinism, and calibration on real ranks.
+"""Tests for tokenring.model.planner: the pick, its determinism, and calibration on real ranks.
 
 The expected picks follow from the bytes on the busiest direction of a steady step (Note
-[Choosing] in tokenring.planner), derived here from the payload definitions: TokenRing returns
+[Choosing] in tokenring.model.planner), derived here from the payload definitions: TokenRing returns
 Hq*D*e + 4*Hq bytes per row where Ring moves 2*Hkv*D*e.
 """
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tokenring.comm import Communicator
-from tokenring.costmodel import PRESETS, CollectiveRouting, Hardware, Interconnect, Topology
-from tokenring.hybrid import HybridSpec
+from tokenring.core.schedule import Strategy
 from tokenring.launch import launch
-from tokenring.planner import _plan, calibrate, choose_strategy, explain
-from tokenring.schedule import Strategy
+from tokenring.model.costmodel import PRESETS, CollectiveRouting, Hardware, Interconnect, Topology
+from tokenring.model.planner import _plan, calibrate, choose_strategy, explain
+from tokenring.runtime.comm import Communicator
+from tokenring.strategies.hybrid import HybridSpec
 
 # An 8-device full mesh with slow links (the numbers are made up, chosen so that a zigzag step
 # of s = 4096 rows is comm-bound for Ring MHA): 100 TFLOP/s, 10 GB/s per link and direction.

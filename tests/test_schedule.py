@@ -16,14 +16,8 @@ from oracle import (
     sharded_positions,
     visible_mask,
 )
-from tokenring.schedule import (
-    Dims,
-    Pass,
-    Piece,
-    Strategy,
-    build_schedule,
-    piece_flops,
-)
+from tokenring.core.schedule import Dims, Pass, Piece, Strategy, piece_flops
+from tokenring.strategies import build_schedule
 
 # One test per strategy; each loops over its grid and names every failing case at once.
 STRATEGIES = ("token_ring", "ring", "bidir_ring")

@@ -75,13 +75,7 @@ from tokenring.api import (
     token_ring_attn,
     ulysses_attn,
 )
-from tokenring.cached_schedule import CachedStrategy, explain_cached
-from tokenring.comm import Communicator
-from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_shard
-from tokenring.inference import cached_attn
-from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
-from tokenring.launch import init_distributed, launch
-from tokenring.layout import (
+from tokenring.core.layout import (
     Layout,
     Sharding,
     global_positions,
@@ -90,8 +84,14 @@ from tokenring.layout import (
     shard,
     unshard,
 )
-from tokenring.planner import explain
-from tokenring.schedule import Strategy
+from tokenring.core.schedule import Strategy
+from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_shard
+from tokenring.inference import cached_attn
+from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
+from tokenring.launch import init_distributed, launch
+from tokenring.model.planner import explain
+from tokenring.runtime.comm import Communicator
+from tokenring.strategies.cached import CachedStrategy, explain_cached
 
 __all__ = [
     "MIN_TORCH",

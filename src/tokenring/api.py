@@ -5,7 +5,7 @@ This module owns input validation (once, at the boundary), the cross-rank agreem
 and the autograd wiring: the attention is the custom operator ``tokenring::attention`` (its
 backward ``tokenring::attention_backward``), so ``torch.compile`` traces through it with and
 without ``fullgraph`` and eager calls take the same path (Note [The attention operator]). The
-work itself is the schedule (``tokenring.schedule``) executed by ``tokenring.runtime``.
+work itself is the schedule (``tokenring.core.schedule``) executed by ``tokenring.runtime.ring``.
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size.
 """
@@ -25,13 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring import op
-from tokenring.comm import Communicator, destroy_idle_groups
-from tokenring.costmodel import Hardware
-from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
-from tokenring.layout import Layout, Sharding, make_sharding, validate_seq_local
-from tokenring.masks import MaskSpec, chunk_documents, normalize_window
-from tokenring.schedule import Pass, Schedule, Strategy, build_schedule
+from tokenring.core.layout import Layout, Sharding, make_sharding, validate_seq_local
+from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
+from tokenring.core.schedule import Pass, Schedule, Strategy
+from tokenring.model.costmodel import Hardware
+from tokenring.runtime import op
+from tokenring.runtime.comm import Communicator, destroy_idle_groups
+from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.strategies import build_schedule
 
 __all__ = [
     "SequenceParallelAttention",
@@ -60,7 +61,7 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
     as is) or None (the default group). Built once per group and reused while the group
     lives: once ``torch.distributed.destroy_process_group`` destroyed the group, the next call
     closes its communicator and forgets it (a communicator over the same ranks reuses its
-    channel groups: Note [Channel pool] in tokenring.comm).
+    channel groups: Note [Channel pool] in tokenring.runtime.comm).
 
     Args:
         timeout_s: how long any transfer or collective of the group's communicator may take
@@ -108,7 +109,7 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
 def close_communicators() -> None:
     """Close every communicator ``get_communicator`` built, forget them, and destroy the
     channel process groups they made (never the groups passed in, which belong to the
-    caller; Note [Channel pool] in tokenring.comm).
+    caller; Note [Channel pool] in tokenring.runtime.comm).
 
     Call it before ``torch.distributed.destroy_process_group()`` when a program ends
     (``tokenring.launch`` does); it also runs at interpreter exit. Either way no gloo worker
@@ -182,14 +183,14 @@ def resolve_strategy(
     The pick is a pure function of the call's shape and the hardware description; with
     ``hardware=None`` the description is measured once per process group and agreed across
     ranks, so every rank picks the same strategy. The planner logs its choice and the
-    predicted time of each alternative once, at INFO (logger ``tokenring.planner``).
+    predicted time of each alternative once, at INFO (logger ``tokenring.model.planner``).
 
     Args:
         training: whether a backward follows; None: grad mode is on and q or k requires grad.
     """
     if strategy != "auto":
         return Strategy.parse(strategy)
-    from tokenring import planner
+    from tokenring.model import planner
 
     if hardware is None:
         hardware = planner.calibrated(comm, dtype=q.dtype, device=q.device)
@@ -220,8 +221,8 @@ def _choose_strategy(
     last_block_splits: int,
     training: bool,
 ) -> Strategy:
-    from tokenring import planner
-    from tokenring.costmodel import preset
+    from tokenring.model import planner
+    from tokenring.model.costmodel import preset
 
     if isinstance(hardware, str):
         hardware = preset(hardware)
@@ -416,7 +417,8 @@ def _prepare_call(
 #
 # ``Communicator.agree`` exchanges them point-to-point over the communicator's control group
 # (CPU, gloo), bounded by the communicator's timeout, never the process group's. Behind it the
-# message headers (Note [Message header] in tokenring.comm) catch what check_ranks=False lets by.
+# message headers (Note [Message header] in tokenring.runtime.comm) catch what
+# check_ranks=False lets by.
 
 
 # Note [The attention operator]
@@ -426,7 +428,7 @@ def _prepare_call(
 #     sequence_parallel_attn     arguments -> primitives and handles (_op_options); traced
 #       tokenring::attention     _plan: validation, the ranks' agreement (Note [Rank
 #                                agreement]), the schedules; then op.forward -> [out, lse,
-#                                *residuals] (Note [Residuals] in tokenring.op)
+#                                *residuals] (Note [Residuals] in tokenring.runtime.op)
 #       tokenring::attention_backward
 #                                _plan without the agreement, then op.backward
 #
@@ -580,7 +582,8 @@ def _attention_setup(
     # the backward runs the strategy the forward ran, without a second agreement
     strategy = _strategy_of(q, k, _merged(options))
     ctx.options = {**options, "strategy": strategy.value}
-    # the registry holds objects weakly (Note [Handles] in tokenring.op): the graph holds them
+    # the registry holds objects weakly (Note [Handles] in tokenring.runtime.op): the graph
+    # holds them
     ctx.referents = [op.resolve_group(options["group"]), op.resolve_object(options["raw"])]
     inputs_read = zip((q, k, v, out, lse), op.reads(strategy), strict=True)
     kept = [x if read else op.stand_in(x) for x, read in inputs_read]
@@ -618,7 +621,7 @@ def _strategy_of(
             raise NotImplementedError(
                 "strategy='auto' with hardware=None measures the machine with collectives, "
                 "which cannot run while torch.compile traces: pass hardware= (a preset name, "
-                "or tokenring.planner.calibrated(tokenring.get_communicator(group)) computed "
+                "or tokenring.model.planner.calibrated(tokenring.get_communicator(group)) computed "
                 "before compiling) or a fixed strategy"
             )
         return resolve_strategy(
@@ -658,7 +661,7 @@ def _rank_and_size(group: GroupLike) -> tuple[int, int]:
 def _residual_fields(
     q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]
 ) -> list[op.FieldSpec]:
-    """The residuals' shapes of an operator call (Note [Residuals] in tokenring.op)."""
+    """The residuals' shapes of an operator call (Note [Residuals] in tokenring.runtime.op)."""
     options = _merged(options)
     strategy = _strategy_of(q, k, options, tracing=True)
     rank, world_size = _rank_and_size(op.resolve_group(options["group"]))
@@ -718,7 +721,7 @@ def sequence_parallel_attn(
             heads each; needs Hq >= 2),
             ``"ulysses"`` (all-to-all over heads), ``"allgather_kv"`` (all-gathered K/V),
             or ``"auto"``: the fastest by the cost model (see :func:`resolve_strategy`).
-        causal: causal mask over *global* positions (see ``tokenring.layout``).
+        causal: causal mask over *global* positions (see ``tokenring.core.layout``).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         group: ProcessGroup, 1-D DeviceMesh, Communicator, or None (default group).
         layout: how the caller sharded the sequence: ``"contiguous"`` or ``"zigzag"``.
@@ -728,9 +731,10 @@ def sequence_parallel_attn(
         last_block_splits: TokenRing returns its last block in this many slices.
         check_ranks: all-gather a small signature first and raise a ValueError naming the
             difference if ranks disagree on shapes, dtype or options (one tiny collective).
-        hardware: for ``strategy="auto"``: a ``tokenring.costmodel.Hardware``, a preset name
-            (``tokenring.costmodel.PRESETS``), or None to measure this machine once per
-            process group (``tokenring.planner.calibrated``; collective, a few seconds on CPU).
+        hardware: for ``strategy="auto"``: a ``tokenring.model.costmodel.Hardware``, a preset name
+            (``tokenring.model.costmodel.PRESETS``), or None to measure this machine once per
+            process group (``tokenring.model.planner.calibrated``; collective, a few seconds
+            on CPU).
         seq_len: the global length S when the shards are uneven (any S: each rank passes the
             ``s_r`` tokens ``tokenring.shard`` gives it, and the library pads internally).
             None: every rank holds the same s and S = P * s.
@@ -857,7 +861,7 @@ def _int_list(value: Any) -> list[int] | None:
 
 
 def _group_handle(group: GroupLike) -> str:
-    """The operator's name for ``group`` (Note [Handles] in tokenring.op); dynamo traces
+    """The operator's name for ``group`` (Note [Handles] in tokenring.runtime.op); dynamo traces
     this. An unsupported group raises here, as it does before any agreement: without a
     group there is no one to agree with."""
     if group is None:
@@ -1006,7 +1010,7 @@ def token_ring_attn(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TokenRing attention (pass-Q): Q blocks travel the ring, partial (out, lse) return
     straight to their owner on the other direction (Note [TokenRing step table] in
-    tokenring.schedule; the loop is ``tokenring.runtime.run_forward``).
+    tokenring.core.schedule; the loop is ``tokenring.runtime.ring.run_forward``).
 
     See :func:`sequence_parallel_attn` for the shapes and every keyword.
     """
@@ -1041,7 +1045,7 @@ def bidir_token_ring_attn(
     """Bidirectional TokenRing attention: pass-Q on two counter-rotating rings, each carrying
     half of the query heads (whole GQA groups; with one kv head, half of the query heads), so
     both directions of every link carry Q and partials, and each partial returns straight to
-    its owner (Note [Bidirectional TokenRing] in tokenring.schedule).
+    its owner (Note [Bidirectional TokenRing] in tokenring.core.schedule).
 
     See :func:`sequence_parallel_attn` for the shapes and every keyword.
 

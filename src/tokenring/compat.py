@@ -74,9 +74,9 @@ from typing import Any
 import torch
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.comm import AGREE_FRAME_NUM_BYTES, Communicator
-from tokenring.layout import Layout, make_sharding, normalize_cu_seqlens
-from tokenring.schedule import Strategy
+from tokenring.core.layout import Layout, make_sharding, normalize_cu_seqlens
+from tokenring.core.schedule import Strategy
+from tokenring.runtime.comm import AGREE_FRAME_NUM_BYTES, Communicator
 
 __all__ = [
     "flash_attn_func",

@@ -1,7 +1,7 @@
 """Attention of new tokens against the sharded KV cache: prefill with a cache, and decode.
 
 This module owns the inference call :func:`cached_attn` and the runtime of the cached
-schedules (``tokenring.cached_schedule``): it appends the new K/V to the cache
+schedules (``tokenring.strategies.cached``): it appends the new K/V to the cache
 (``tokenring.kvcache``), picks a strategy, and executes its plan with the communicator, so
 every byte is counted. The first prefill in the zigzag layout runs the ordinary training-style
 path (``sequence_parallel_attn``, TokenRing for pass-Q and Ring for pass-KV).
@@ -39,7 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.cached_schedule import (
+from tokenring.core.merge import merge_into
+from tokenring.core.schedule import Payload, Strategy
+from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.model.costmodel import Hardware, preset
+from tokenring.runtime.comm import Communicator, FieldSpec, PendingRecv
+from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
     CachedStrategy,
@@ -47,12 +53,6 @@ from tokenring.cached_schedule import (
     build_cached_plan,
     choose_cached_strategy,
 )
-from tokenring.comm import Communicator, FieldSpec, PendingRecv
-from tokenring.costmodel import Hardware, preset
-from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
-from tokenring.kvcache import CacheStep, DistributedKVCache
-from tokenring.merge import merge_into
-from tokenring.schedule import Payload, Strategy
 
 __all__ = [
     "attend_cached",
@@ -65,7 +65,8 @@ __all__ = [
 
 # -- the runtime ---------------------------------------------------------------------------------
 class _PlanRunner:
-    """Executes one rank's part of a :class:`CachedPlan` (see Note [Slots] in tokenring.comm:
+    """Executes one rank's part of a :class:`CachedPlan` (see Note [Slots] in
+    tokenring.runtime.comm:
     slot (t, 0) at the start of round t, slot (t, k) after the k-th compute of the round)."""
 
     def __init__(
@@ -312,7 +313,7 @@ def calibrated_inference(
     """This machine as a hardware description (``planner.calibrated``) and the time of one
     small kernel call (the fixed cost decode pays per block), agreed across ranks (the
     slowest), measured once per communicator and dtype. Collective on first use."""
-    from tokenring import planner
+    from tokenring.model import planner
 
     key = (dtype, str(device))
     per_comm = _CALIBRATED.setdefault(comm, {})
@@ -349,9 +350,9 @@ def resolve_cached_strategy(
     hardware: Hardware | str | None = None,
 ) -> CachedStrategy:
     """``strategy`` itself, or for ``"auto"`` the cheapest by the round model (Note [Round
-    model] in tokenring.cached_schedule) on ``hardware`` (a ``Hardware``, a preset name, or
+    model] in tokenring.strategies.cached) on ``hardware`` (a ``Hardware``, a preset name, or
     None: this machine, calibrated once per communicator). A zigzag first prefill chooses
-    between pass_q and pass_kv with the training planner (``tokenring.planner.explain``), as
+    between pass_q and pass_kv with the training planner (``tokenring.model.planner.explain``), as
     it runs on the ordinary path. Collective when it calibrates."""
     if strategy != "auto":
         return CachedStrategy.parse(strategy)
@@ -361,7 +362,7 @@ def resolve_cached_strategy(
     elif hardware is None:
         hardware, call_s = calibrated_inference(comm, dtype=dtype, device=device)
     if step.zigzag:
-        from tokenring.planner import explain
+        from tokenring.model.planner import explain
 
         plan = explain(
             world_size=step.world_size,
@@ -459,7 +460,7 @@ def cached_attn(
         cache: the cache; its group runs the attention.
         layer: which layer's cache.
         strategy: ``"pass_q"``, ``"pass_kv"``, ``"direct"``, ``"tree"`` (Note [Cached
-            strategies] in tokenring.cached_schedule) or ``"auto"``. Every rank must pass
+            strategies] in tokenring.strategies.cached) or ``"auto"``. Every rank must pass
             the same.
         softmax_scale: defaults to ``1 / sqrt(D)``.
         hardware: for ``"auto"``: a ``Hardware``, a preset name, or None to calibrate this

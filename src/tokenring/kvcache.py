@@ -4,7 +4,7 @@ This module owns *where cached tokens live* and how much memory they take. Every
 the K/V of its own tokens (``(n, Hkv, D)`` per layer and sequence) and a replicated record of
 which global positions every rank holds, so each rank can derive the whole placement, every
 message size and every mask without asking the others. Attention over the cache is
-``tokenring.inference``; the schedules it runs and their costs are ``tokenring.cached_schedule``.
+``tokenring.inference``; the schedules it runs and their costs are ``tokenring.strategies.cached``.
 
 Legend: B sequences in the batch, T new tokens of a sequence in a step, C cached tokens of a
 sequence before it, P world size, bs block size, L layers, Hkv key/value heads, D head dim,
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from tokenring.comm import Communicator
+from tokenring.runtime.comm import Communicator
 
 __all__ = ["CacheStep", "DistributedKVCache", "KVCacheBudgetError", "place_new_tokens"]
 

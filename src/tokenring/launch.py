@@ -97,7 +97,7 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    from tokenring.api import get_communicator  # before the group (Note [Clean exit])
+    from tokenring.api import get_communicator
 
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     get_communicator(None, timeout_s=timeout_s)  # attention on the default group inherits it

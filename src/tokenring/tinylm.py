@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from tokenring.cached_schedule import CachedStrategy
-from tokenring.costmodel import Hardware
 from tokenring.kvcache import DistributedKVCache
+from tokenring.model.costmodel import Hardware
+from tokenring.strategies.cached import CachedStrategy
 
 __all__ = ["Generation", "TinyCausalLM", "TinyLMConfig", "generate", "generate_reference"]
 

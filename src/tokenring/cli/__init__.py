@@ -44,9 +44,18 @@ __all__ = [
 
 # command name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("tokenring.demo", "check every strategy against the oracle on CPU ranks and time it"),
-    "bench": ("tokenring.bench", "every strategy side by side: verified, timed, against its bound"),
-    "simulate": ("tokenring.simulate", "predict every strategy's time on a described machine"),
+    "demo": (
+        "tokenring.cli.demo",
+        "check every strategy against the oracle on CPU ranks and time it",
+    ),
+    "bench": (
+        "tokenring.cli.bench",
+        "every strategy side by side: verified, timed, against its bound",
+    ),
+    "simulate": (
+        "tokenring.cli.simulate",
+        "predict every strategy's time on a described machine",
+    ),
 }
 
 

@@ -3,12 +3,12 @@
 This module owns the *price list*: how fast a device computes attention, how its links, ports
 and NICs are wired (``Topology``), which physical resources a transfer between two ranks loads
 (:func:`route`), and what each step of a strategy costs -- FLOPs per rank and bytes per
-directed pair, read from the very :class:`~tokenring.schedule.Schedule` the runtime executes
+directed pair, read from the very :class:`~tokenring.core.schedule.Schedule` the runtime executes
 (:func:`step_costs`), so model and code cannot drift apart. For world sizes where building the
 schedule object is too slow, :func:`schedule_arrays` gives the same numbers per (rank, step)
 as closed forms on tensors; tests check them against ``build_schedule`` entry by entry.
 :func:`steady_step` is the back-of-envelope balance of one steady step in closed form.
-Timing a whole call is the simulator's job (``tokenring.simulate``).
+Timing a whole call is the simulator's job (``tokenring.model.simulate``).
 
 Legend: B batch, s local seq (rows per rank), c = s // 2 (zigzag chunk), Hq query heads,
 Hkv key/value heads, D head dim, P world size, e bytes per element, a bytes per accumulator
@@ -23,7 +23,7 @@ with a bandwidth shared by the flows on it, and it never goes faster than the in
     topology  resources of src -> dst                         latency
     MESH      link (src, dst)                                 1 x latency_s
     RING      every hop (a, a+-1) on the shortest way round    hops x latency_s
-              (ties go towards src + 1, as in tokenring.netlab)
+              (ties go towards src + 1, as in tokenring.model.netlab)
     SWITCH    the pair's path (src, dst) at link bandwidth,   1 x latency_s
               port out of src, port in of dst
 
@@ -33,7 +33,8 @@ where it adds the device's ports to every flow. A multi-node machine (``devices_
 and ``inter``) is islands of the intra topology; a flow between islands is routed by
 ``inter`` instead (a non-blocking SWITCH fabric whose ports are one NIC per device).
 A transfer of a backend all-to-all whose two directions of a pair take turns (gloo; Note
-[Collective routing] in ``tokenring.collective``) also loads the pair's PAIR resource, shared
+[Collective routing] in ``tokenring.strategies.collective``) also loads the pair's PAIR
+resource, shared
 by both directions at the link bandwidth. That is the whole network model; how flows share a
 resource is the simulator's Note.
 
@@ -69,9 +70,8 @@ from typing import Any
 
 import torch
 
-from tokenring.layout import Layout, validate_seq_local
-from tokenring.netlab import Topology
-from tokenring.schedule import (
+from tokenring.core.layout import Layout, validate_seq_local
+from tokenring.core.schedule import (
     Dims,
     Flow,
     Pass,
@@ -81,6 +81,7 @@ from tokenring.schedule import (
     Transfer,
     piece_flops,
 )
+from tokenring.model.netlab import Topology
 
 __all__ = [
     "DTYPE_BYTES",
@@ -169,7 +170,7 @@ class AttentionShape:
 # -- hardware ----------------------------------------------------------------------------------
 class CollectiveRouting(enum.Enum):
     """How a backend's collectives move bytes; see Note [Collective routing] in
-    ``tokenring.collective``."""
+    ``tokenring.strategies.collective``."""
 
     DIRECT = "direct"
     """Every pair exchanges directly, both directions at once (NCCL on NVSwitch)."""
@@ -233,7 +234,7 @@ class Hardware:
     """Inside an island (the whole machine when ``devices_per_node`` is None)."""
     forward_flops_per_s: float
     """Achieved FLOP/s of the block attention kernel, forward (matmul FLOPs as counted by
-    ``tokenring.schedule.piece_flops``)."""
+    ``tokenring.core.schedule.piece_flops``)."""
     backward_flops_per_s: float
     """Achieved FLOP/s of the block attention kernel, backward."""
     memory_bandwidth_bytes_per_s: float
@@ -473,7 +474,7 @@ def measured(
     name: str = "measured",
     collectives: CollectiveRouting | str = CollectiveRouting.DIRECT,
 ) -> Hardware:
-    """A hardware description from calibration numbers (``tokenring.planner.calibrate``).
+    """A hardware description from calibration numbers (``tokenring.model.planner.calibrate``).
 
     Args:
         dtype: the input dtype the FLOP/s were measured with (the only one they hold for).
@@ -597,7 +598,8 @@ def route(
 def transfer_route(hardware: Hardware, schedule: Schedule, tr: Transfer) -> Route:
     """:func:`route` of one transfer of ``schedule``: with the PAIR resource when the transfer
     belongs to a step whose all-to-all takes turns per pair (``half_duplex_steps`` of the
-    collective and hybrid schedules; Note [Collective routing] in ``tokenring.collective``)."""
+    collective and hybrid schedules; Note [Collective routing] in
+    ``tokenring.strategies.collective``)."""
     turns = tr.step in getattr(schedule, "half_duplex_steps", ())
     return route(hardware, tr.src, tr.dst, schedule.world_size, take_turns=turns)
 
@@ -606,7 +608,7 @@ def transfer_route(hardware: Hardware, schedule: Schedule, tr: Transfer) -> Rout
 def merge_bytes(num_rows: int, dims: Dims) -> int:
     """Device memory traffic of merging a partial of ``num_rows`` rows into the accumulators.
 
-    ``tokenring.merge.merge_into`` scales the fp32 accumulator (read + write), adds the part
+    ``tokenring.core.merge.merge_into`` scales the fp32 accumulator (read + write), adds the part
     (read the part, read + write the accumulator again) and updates lse (a few passes over
     Hq accumulators per row): D * (4*a + e) + 6*a bytes per row and head.
     """
@@ -775,7 +777,7 @@ def schedule_arrays(
     ``steps``: only these steps' columns, in this order (None: all P), so that a caller can
     walk the steps in chunks with memory linear in P.
 
-    Derivation, for the travel rows (Note [Causal blocks per layout] in tokenring.schedule):
+    Derivation, for the travel rows (Note [Causal blocks per layout] in tokenring.core.schedule):
     the block of owner o held at step t by rank o - t visits kv owners (TokenRing) or q owners
     (Ring) o-t-1, ..., 0, P-1, ..., o+1 at the steps ahead. One of them is below o iff
     o >= t + 1 and one is above o iff o < P - 1, which decides whether the whole block or
@@ -988,7 +990,7 @@ def steady_step(
         ret = s * dims.row_bytes(ret_payload) if t >= 2 else 0
         distance = t - 1
     else:
-        # the accumulator leaves home after step 0 (Note [Backward] in tokenring.schedule)
+        # the accumulator leaves home after step 0 (Note [Backward] in tokenring.core.schedule)
         ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD else 0
         distance = p - 1  # the accumulator goes to r - 1, like K/V
 

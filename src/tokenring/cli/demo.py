@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from tokenring.bench import (
+from tokenring.cli import int_at_least, positive_seconds
+from tokenring.cli.bench import (
     BenchConfig,
     ModelShape,
     aggregate,
@@ -18,7 +19,6 @@ from tokenring.bench import (
     launch_with_progress,
     run_rank,
 )
-from tokenring.cli import int_at_least, positive_seconds
 
 __all__ = ["add_arguments", "check_args", "run"]
 
@@ -60,7 +60,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenring._console import make_table, print_table
+    from tokenring.cli.console import make_table, print_table
 
     if getattr(args, "_config", None) is None:
         check_args(args)

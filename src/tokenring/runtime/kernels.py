@@ -30,7 +30,7 @@ Note [Kernel plan]
 ~~~~~~~~~~~~~~~~~~
 No call allocates a (sq, sk) tensor on CUDA. :class:`TiledKernel` cuts every piece into
 tiles of at most T x T and classifies each tile as the schedule classifies pieces (Note [Mask
-classes] in tokenring.masks): skipped, full, causal (a diagonal tile of a causal piece), or
+classes] in tokenring.core.masks): skipped, full, causal (a diagonal tile of a causal piece), or
 masked. Gradients of a tile are added straight into the caller's accumulators, so the memory
 of a call is its tile's, whatever the piece's length (the forward of an unmasked piece runs
 whole in the fused kernels: it holds O(s) anyway). :func:`plan_block` names the operator of
@@ -57,7 +57,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from tokenring.masks import MaskSpec
+from tokenring.core.masks import MaskSpec
 
 __all__ = [
     "MATERIALISING",
@@ -232,7 +232,7 @@ class BlockKernel(abc.ABC):
         have completed). ``grads`` may be a function that returns them: it is called once,
         after the first tile and its ``poll``, and never if no tile is computed, so the
         caller allocates (or receives) them only when buffers of the last step are gone
-        (Note [Buffers in flight] in tokenring.runtime)."""
+        (Note [Buffers in flight] in tokenring.runtime.ring)."""
         parts = self.backward(dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask)
         if poll is not None:
             poll()
@@ -529,7 +529,7 @@ class TiledKernel(BlockKernel):
         scale: float,
         mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from tokenring.merge import merge_into
+        from tokenring.core.merge import merge_into
 
         b, sq, hq, d = q.shape
         acc = accumulation_dtype(q.dtype)

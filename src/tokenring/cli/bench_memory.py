@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.cli import ArgumentAdder
-from tokenring.schedule import Strategy
+from tokenring.core.schedule import Strategy
 
 __all__ = [
     "MMAP_THRESHOLD_ENV",
@@ -159,7 +159,7 @@ class MemoryBenchConfig:
     """Causal attention (zigzag layout) or full attention (contiguous)."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (rank r on GPU r mod the GPU count: with fewer GPUs than ranks the
-    ranks share them over the staged path, Note [Staged path] in tokenring.comm)."""
+    ranks share them over the staged path, Note [Staged path] in tokenring.runtime.comm)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -286,7 +286,7 @@ def add_arguments(parser: ArgumentAdder) -> None:
 
 def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
-    from tokenring.bench import _split_list, check_heads
+    from tokenring.cli.bench import _split_list, check_heads
 
     check_heads(args)
     strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
@@ -323,7 +323,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
-    from tokenring._console import progress
+    from tokenring.cli.console import progress
     from tokenring.launch import launch
 
     num_rows = len(config.strategies) * len(config.seq_locals)
@@ -356,7 +356,7 @@ def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode memory``."""
-    from tokenring.bench import _git_sha, collect_per_rank
+    from tokenring.cli.bench import _git_sha, collect_per_rank
 
     if getattr(args, "_config", None) is None:
         check_args(args)
@@ -397,10 +397,10 @@ def run(args: argparse.Namespace) -> int:
             f"{'causal' if config.causal else 'full'} on {settings['device']} over "
             f"{settings['comm_path']} ({settings['method']})"
         )
-        print(f"{'strategy':<14}{'s':>8}{'peak MiB':>11}{'minimum MiB':>13}{'peak/min':>10}")
+        print(f"{'strategy':<18}{'s':>8}{'peak MiB':>11}{'minimum MiB':>13}{'peak/min':>10}")
         for row in rows:
             print(
-                f"{row['strategy']:<14}{row['seq_local']:>8}{row['peak_bytes'] / 2**20:>11.1f}"
+                f"{row['strategy']:<18}{row['seq_local']:>8}{row['peak_bytes'] / 2**20:>11.1f}"
                 f"{row['minimum_bytes'] / 2**20:>13.1f}{row['ratio']:>10.2f}"
             )
     return 0

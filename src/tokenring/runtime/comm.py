@@ -5,7 +5,7 @@ blocks moving round the ring; ``Flow.RETURN``: partials going home, or accumulat
 of a lane (the bidirectional ring has two, turning opposite ways). So both directions of a
 link carry traffic at once on gloo (separate sockets) and NCCL (separate communicators and
 streams). It
-packs each :class:`~tokenring.schedule.Transfer` into one message, posts batched P2P with the
+packs each :class:`~tokenring.core.schedule.Transfer` into one message, posts batched P2P with the
 receives first, counts messages and bytes per flow and peer, and optionally records a timeline.
 
 Note [Staged path]
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.schedule import Flow, Transfer
+from tokenring.core.schedule import Flow, Transfer
 
 __all__ = [
     "HEADER_NUM_BYTES",
@@ -169,7 +169,7 @@ class Message:
     """A message already laid out for the wire: ``buffer`` is HEADER_NUM_BYTES of room, then
     the payload. Sent as it is, with its header written in place: no copy. A received block
     passed on as it came (``PendingRecv.message``) and accumulators allocated as messages
-    (``Communicator.message``) travel so (Note [Buffers in flight] in tokenring.runtime)."""
+    (``Communicator.message``) travel so (Note [Buffers in flight] in tokenring.runtime.ring)."""
 
     __slots__ = ("buffer",)
 
@@ -762,7 +762,7 @@ class Communicator:
         ``output`` along dim 0 (``output.shape[0] == world_size * input.shape[0]``).
 
         Not counted here: how the bytes travel depends on the backend's routing, which the
-        caller knows (``tokenring.collective`` counts them with ``count``).
+        caller knows (``tokenring.strategies.collective`` counts them with ``count``).
         """
         self._check_open()
         work = None

@@ -43,21 +43,15 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import finite_float_at_least, int_at_least, output_path, positive_seconds
-from tokenring.comm import Communicator, Event, FieldSpec, Timeline
-from tokenring.costmodel import CollectiveRouting
-from tokenring.hybrid import (
-    HybridMesh,
-    HybridSpec,
-    hybrid_attn,
-    hybrid_mesh,
-    hybrid_positions,
-    hybrid_shard,
-)
-from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
-from tokenring.layout import Layout, make_sharding, shard
-from tokenring.plot import bench_panels, plot_timelines, write_trace
-from tokenring.schedule import Dims, Pass, Piece, Schedule, Strategy, piece_flops
-from tokenring.simulate import strategy_schedule
+from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
+from tokenring.core.layout import Layout, make_sharding, shard
+from tokenring.core.schedule import Dims, Pass, Piece, Schedule, Strategy, piece_flops
+from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
+from tokenring.model.costmodel import CollectiveRouting
+from tokenring.model.simulate import strategy_schedule
+from tokenring.runtime.comm import Communicator, Event, FieldSpec, Timeline
+from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.strategies.hybrid import HybridSpec
 
 __all__ = [
     "BenchConfig",
@@ -213,7 +207,7 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     """Bytes/s per direction with both directions of each ring link busy (min over ranks)."""
     if comm.world_size == 1:
         return float("inf")
-    from tokenring.schedule import Payload, Transfer
+    from tokenring.core.schedule import Payload, Transfer
 
     down = (comm.rank - 1) % comm.world_size
     up = (comm.rank + 1) % comm.world_size
@@ -317,7 +311,7 @@ def _compute_operands(
     kv_len = max((pc.kv_rows[1] for pc in pieces), default=1)
     heads_q, heads_kv = dims.heads_q, dims.heads_kv
     if strategy is Strategy.ULYSSES:
-        from tokenring.collective import ulysses_heads
+        from tokenring.strategies.collective import ulysses_heads
 
         share = ulysses_heads(world_size=scheds[0].world_size, heads_q=heads_q, heads_kv=heads_kv)
         heads_q = heads_kv = share[rank].num_q
@@ -901,9 +895,9 @@ def add_predictions(
     ``model_ms`` checks the schedule and the network, and the planner's hit rate what one
     rate costs.
     """
-    from tokenring.costmodel import AttentionShape, measured
-    from tokenring.planner import explain
-    from tokenring.simulate import simulate
+    from tokenring.model.costmodel import AttentionShape, measured
+    from tokenring.model.planner import explain
+    from tokenring.model.simulate import simulate
 
     bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
     memory = min(r["memory_bytes_per_s"] for r in per_rank)
@@ -1076,7 +1070,7 @@ def estimate_rank_bytes(
                 kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
                 heads_q, heads_kv = hq, hkv
                 if strategy is Strategy.ULYSSES:
-                    from tokenring.collective import ulysses_heads
+                    from tokenring.strategies.collective import ulysses_heads
 
                     share = ulysses_heads(world_size=world_size, heads_q=hq, heads_kv=hkv)
                     heads_q = heads_kv = max(sh.num_q for sh in share)
@@ -1138,7 +1132,7 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     the bytes each row's schedules put on the busiest emulated link or port (the cost
     model's routing of the lab's topology), times the calls per row, plus the bandwidth
     probe, over the link rate is a lower bound on the run's time."""
-    from tokenring.costmodel import measured, resource_bytes
+    from tokenring.model.costmodel import measured, resource_bytes
 
     rate = args.link / 8  # bytes/s
     hardware = measured(
@@ -1213,9 +1207,9 @@ def _parse_rate(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring bench``, grouped by the ``--mode`` they apply to."""
-    from tokenring.bench_inference import MODES
-    from tokenring.bench_inference import add_arguments as add_inference_arguments
-    from tokenring.bench_memory import add_arguments as add_memory_arguments
+    from tokenring.cli.bench_inference import MODES
+    from tokenring.cli.bench_inference import add_arguments as add_inference_arguments
+    from tokenring.cli.bench_memory import add_arguments as add_memory_arguments
 
     parser.add_argument(
         "--mode",
@@ -1414,7 +1408,7 @@ def check_lab(args: argparse.Namespace, world_size: int) -> None:
     privileges, torchrun's ranks that it did not start)."""
     if _under_torchrun():
         raise ValueError("--link emulates links between ranks bench spawns; not under torchrun")
-    from tokenring.netlab import LabConfig, lab_unavailable_reason
+    from tokenring.model.netlab import LabConfig, lab_unavailable_reason
 
     try:
         LabConfig(world_size=world_size, rate_bits_per_s=args.link, topology=args.topology)
@@ -1435,12 +1429,12 @@ def check_args(args: argparse.Namespace) -> None:
     if mode != "attention" and given:
         raise ValueError(f"{given[0]} is for --mode attention; got --mode {mode}")
     if getattr(args, "mode", "attention") == "memory":
-        from tokenring.bench_memory import check_args as check_memory_mode
+        from tokenring.cli.bench_memory import check_args as check_memory_mode
 
         check_memory_mode(args)
         return
     if getattr(args, "mode", "attention") != "attention":
-        from tokenring.bench_inference import check_args as check_inference
+        from tokenring.cli.bench_inference import check_args as check_inference
 
         check_inference(args)
         return
@@ -1497,7 +1491,7 @@ def launch_with_progress(
     """Spawn ``args.world_size`` ranks running ``fn(config, progress_path)`` (each finished
     row appends a line to the progress file) behind a progress bar, inside the emulated lab
     when ``args.link`` is set (then ``args._lab`` describes it). Returns every rank's value."""
-    from tokenring._console import progress
+    from tokenring.cli.console import progress
     from tokenring.launch import launch
 
     with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
@@ -1521,7 +1515,7 @@ def launch_with_progress(
         with bar:
             if args.link is None:
                 return launch(fn, config, progress_path, **kwargs)
-            from tokenring.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
+            from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
 
             reason = lab_unavailable_reason()
             if reason is not None:
@@ -1579,11 +1573,11 @@ def collect_per_rank(
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "mode", "attention") == "memory":
-        from tokenring.bench_memory import run as run_memory
+        from tokenring.cli.bench_memory import run as run_memory
 
         return run_memory(args)
     if getattr(args, "mode", "attention") != "attention":
-        from tokenring.bench_inference import run as run_inference
+        from tokenring.cli.bench_inference import run as run_inference
 
         return run_inference(args)
     if getattr(args, "_config", None) is None:
@@ -1699,7 +1693,7 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
     times, bytes, rates, overlap and the model's ms. ``--json``, ``--out`` and
     ``--markdown`` always carry every field.
     """
-    from tokenring._console import make_table
+    from tokenring.cli.console import make_table
 
     columns = _WIDE_COLUMNS if wide else _NARROW_COLUMNS
     table = make_table("tokenring bench: " + _title(settings), [name for name, _ in columns])
@@ -1709,7 +1703,7 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
 
 
 def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide: bool) -> None:
-    from tokenring._console import print_table
+    from tokenring.cli.console import print_table
 
     print_table(results_table(rows, settings, wide=wide))
     for line in _planner_lines(rows):

@@ -1,7 +1,8 @@
 """Choosing a strategy: ``strategy="auto"``, ``explain(...)`` and calibration.
 
 This module owns the *decision*: it predicts every implemented strategy (and layout) with the
-simulator (``tokenring.simulate``) on a hardware description (``tokenring.costmodel``), picks
+simulator (``tokenring.model.simulate``) on a hardware description
+(``tokenring.model.costmodel``), picks
 the fastest, says why, and measures the local machine (:func:`calibrate`) so that the
 description can come from the run itself. The decision is a pure function of its inputs;
 :func:`calibrate` agrees its measurements across ranks before returning, so every rank decides
@@ -68,8 +69,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from tokenring.comm import Communicator
-from tokenring.costmodel import (
+from tokenring.core.layout import Layout
+from tokenring.core.merge import merge_into
+from tokenring.core.schedule import Dims, Pass, Payload, Piece, Strategy, Transfer, piece_flops
+from tokenring.model.costmodel import (
     AttentionShape,
     CollectiveRouting,
     Hardware,
@@ -77,14 +80,12 @@ from tokenring.costmodel import (
     measured,
     merge_bytes,
 )
-from tokenring.kernels import BlockKernel, accumulation_dtype, select_kernel
-from tokenring.layout import Layout
-from tokenring.merge import merge_into
-from tokenring.schedule import Dims, Pass, Payload, Piece, Strategy, Transfer, piece_flops
-from tokenring.simulate import simulate
+from tokenring.model.simulate import simulate
+from tokenring.runtime.comm import Communicator
+from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
 
 if TYPE_CHECKING:
-    from tokenring.hybrid import HybridSpec
+    from tokenring.strategies.hybrid import HybridSpec
 
 __all__ = [
     "Plan",
@@ -313,7 +314,7 @@ def explain(
 
     Args:
         world_size, seq_local, heads_q, heads_kv, head_dim, dtype, causal, batch: the call.
-        hardware: a preset (``tokenring.costmodel.PRESETS``), ``measured(...)`` or the result
+        hardware: a preset (``tokenring.model.costmodel.PRESETS``), ``measured(...)`` or the result
             of :func:`calibrate`.
         layout: the caller's layout; None compares every layout ``seq_local`` allows.
         training: also predict the backward pass (the pick minimises forward + backward).

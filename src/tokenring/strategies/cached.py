@@ -4,7 +4,7 @@ This module owns *what happens* when T new tokens per sequence attend to a cache
 the ranks (``tokenring.kvcache``): which rank computes which new queries against which shard
 in which round, and which transfers carry what, as plain data (:class:`CachedPlan`). The
 runtime (``tokenring.inference``) executes the plan; :func:`predict_cached` prices the very
-same plan on a ``tokenring.costmodel.Hardware`` (routing and latency from
+same plan on a ``tokenring.model.costmodel.Hardware`` (routing and latency from
 ``costmodel.route``, merges from ``costmodel.merge_bytes``), and :func:`choose_cached_strategy`
 picks the cheapest. Nothing here touches process groups.
 
@@ -90,9 +90,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenring.costmodel import DTYPE_BYTES, Hardware, merge_bytes, preset, route
+from tokenring.core.schedule import Dims, Flow, Payload, Transfer
 from tokenring.kvcache import CacheStep, place_new_tokens
-from tokenring.schedule import Dims, Flow, Payload, Transfer
+from tokenring.model.costmodel import DTYPE_BYTES, Hardware, merge_bytes, preset, route
 
 __all__ = [
     "CachedChoice",

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tokenring.comm import Event
+from tokenring.runtime.comm import Event
 
 __all__ = [
     "COLOURS",

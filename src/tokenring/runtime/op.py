@@ -20,7 +20,7 @@ output (hidden from the caller)::
     every strategy         q, k, v, out, lse      none; padded: out and lse of the buffer
                                                   (Ulysses and all-gather K/V gather again;
                                                   Note [Ulysses] and Note [All-gather K/V
-                                                  rounds] in tokenring.collective)
+                                                  rounds] in tokenring.strategies.collective)
 
 Inputs the backward does not read would be saved as shape-only stand-ins (:func:`stand_in`);
 every backward reads all five now.
@@ -39,14 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.collective import collective_backward, collective_forward
-from tokenring.collective import residual_fields as collective_residual_fields
-from tokenring.comm import Communicator
-from tokenring.kernels import BlockKernel, accumulation_dtype
-from tokenring.layout import Layout, Sharding
-from tokenring.masks import MaskSpec
-from tokenring.runtime import run_backward, run_forward
-from tokenring.schedule import Schedule, Strategy
+from tokenring.core.layout import Layout, Sharding
+from tokenring.core.masks import MaskSpec
+from tokenring.core.schedule import Schedule, Strategy
+from tokenring.runtime.collective import collective_backward, collective_forward
+from tokenring.runtime.collective import residual_fields as collective_residual_fields
+from tokenring.runtime.comm import Communicator
+from tokenring.runtime.kernels import BlockKernel, accumulation_dtype
+from tokenring.runtime.ring import run_backward, run_forward
 
 __all__ = [
     "DEFAULT_GROUP",

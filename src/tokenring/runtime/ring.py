@@ -1,4 +1,4 @@
-"""Executes a :class:`~tokenring.schedule.Schedule` on one rank: kernels, merges and P2P.
+"""Executes a :class:`~tokenring.core.schedule.Schedule` on one rank: kernels, merges and P2P.
 
 The schedule says what to compute and what to send in which slot; this module only moves
 tensors accordingly. Every strategy shares the slot machinery (:class:`_SlotPoster`). Pass-Q
@@ -18,7 +18,7 @@ as soon as its last use passes (README "Memory" has the measured table):
 - a block sent on step t is waited for at the end of step t (its peer's copy has arrived by
   then: ours has), so at most the held block and the incoming one exist; a received block is
   passed on as the message it came in, and dQ partials and dK/dV accumulators are
-  allocated as the messages that return them (``tokenring.comm.Message``: no copy);
+  allocated as the messages that return them (``tokenring.runtime.comm.Message``: no copy);
 - partials and dQ / dK+dV returns sent on step t-1, and those received, are settled after the
   first tile of step t (a tile's time to arrive; gloo's works report completion only when
   waited for; on CUDA only what has completed is released, without waiting);
@@ -28,7 +28,7 @@ as soon as its last use passes (README "Memory" has the measured table):
   of step t-1 are gone, and the dK/dV accumulator that followed a block here *becomes* this
   step's accumulator (no second one);
 - pass-KV: each rank's own dK/dV leaves home in the accumulators after step 0 (Note
-  [Backward] in tokenring.schedule), so at the first tile of a step a rank holds the block,
+  [Backward] in tokenring.core.schedule), so at the first tile of a step a rank holds the block,
   the next one, the accumulator arriving and the one sent: four K/V-sized buffers, and
   nothing of its own dK/dV until the accumulators come home after the last step;
 - no variable keeps a view of a block past its piece (``del`` at the end of each piece; a
@@ -40,7 +40,7 @@ A K/V message is rows first, each row's k and v side by side: ``(n, B, 2, Hkv, D
 k and v are strided ``(B, n, Hkv, D)`` views of it (the kernels take strided rows), and any
 first rows of the block are one slice at the front of the message. So a rank that passes on
 only the first rows of the block it holds (zigzag causal after the wrap: ``[0, c)``, Note
-[Causal blocks per layout] in tokenring.schedule) sends the front of the message it came in,
+[Causal blocks per layout] in tokenring.core.schedule) sends the front of the message it came in,
 its header rewritten in place: no copy. With k and v one after the other, that half was a
 copy of a q-sized tensor (~0.1x of the minimum on Ring, P = 4 causal). Other rows (masks)
 are still copied; the bytes on the wire are the same in every layout.
@@ -62,7 +62,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from tokenring.comm import (
+from tokenring.core.merge import merge_into
+from tokenring.core.schedule import Flow, Lane, Payload, Piece, Schedule, Segment, Transfer
+from tokenring.runtime.comm import (
     HEADER_NUM_BYTES,
     Communicator,
     Event,
@@ -70,9 +72,7 @@ from tokenring.comm import (
     Message,
     PendingRecv,
 )
-from tokenring.kernels import BlockKernel, Grads, PositionMask
-from tokenring.merge import merge_into
-from tokenring.schedule import Flow, Lane, Payload, Piece, Schedule, Segment, Transfer
+from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask
 
 __all__ = ["Shapes", "run_backward", "run_forward"]
 
@@ -175,7 +175,7 @@ class _Held:
 
 
 class _SlotPoster:
-    """Posts one rank's P2P slot by slot; see Note [Slots] in tokenring.comm."""
+    """Posts one rank's P2P slot by slot; see Note [Slots] in tokenring.runtime.comm."""
 
     def __init__(self, sched: Schedule, comm: Communicator, shapes: Shapes) -> None:
         self.sched, self.comm, self.shapes = sched, comm, shapes
@@ -314,7 +314,7 @@ def _merge_parts(
 
 
 class _Masks:
-    """The masks of a schedule's masked pieces, as positions (``tokenring.kernels``
+    """The masks of a schedule's masked pieces, as positions (``tokenring.runtime.kernels``
     cuts them into tiles; nothing of size (sq, sk) is built here)."""
 
     def __init__(self, sched: Schedule) -> None:
@@ -720,7 +720,7 @@ def run_backward(
                 if index + 1 < num_segments:
                     poster.post(step, index + 1, provide)
             # Pass-KV: take the accumulator that followed each block (from step 2 on: the first
-            # visitor created it) and pass it on; see Note [Backward] in tokenring.schedule.
+            # visitor created it) and pass it on; see Note [Backward] in tokenring.core.schedule.
             inflight.add_arrived(block=True)
             for lane_index, tr_out in outgoing.items():
                 grads = lane_grads.pop(lane_index, None)

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.cached_schedule import (
+from tokenring.cli import ArgumentAdder, int_at_least
+from tokenring.core.schedule import Dims, Flow
+from tokenring.strategies.cached import (
     CachedShards,
     CachedStrategy,
     build_cached_plan,
@@ -39,8 +41,6 @@ from tokenring.cached_schedule import (
     pass_q_threshold,
     predict_cached,
 )
-from tokenring.cli import ArgumentAdder, int_at_least
-from tokenring.schedule import Dims, Flow
 
 __all__ = ["InferenceBenchConfig", "add_arguments", "check_args", "run", "run_rank"]
 
@@ -127,8 +127,8 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
     from tokenring.api import get_communicator
     from tokenring.inference import attend_cached, calibrated_inference
-    from tokenring.kernels import select_kernel
     from tokenring.kvcache import DistributedKVCache
+    from tokenring.runtime.kernels import select_kernel
 
     comm = get_communicator()
     rank = comm.rank
@@ -374,7 +374,7 @@ def _ints(text: str, name: str, minimum: int) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
-    from tokenring.bench import _split_list, check_heads
+    from tokenring.cli.bench import _split_list, check_heads
 
     check_heads(args)
     models: tuple[tuple[str, int, int, int], ...] = DEFAULT_MODELS
@@ -408,7 +408,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
 
 
 def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]:
-    from tokenring.bench import launch_with_progress
+    from tokenring.cli.bench import launch_with_progress
 
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
     title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
@@ -418,7 +418,7 @@ def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; ValueError naming the argument. Keeps the
     config on ``args`` for :func:`run`."""
-    from tokenring.bench import _world_size, check_lab
+    from tokenring.cli.bench import _world_size, check_lab
 
     config = config_from_args(args)
     if args.link is not None:
@@ -428,7 +428,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode decode|prefill-cached``."""
-    from tokenring.bench import _git_sha, collect_per_rank
+    from tokenring.cli.bench import _git_sha, collect_per_rank
 
     if getattr(args, "_config", None) is None:
         check_args(args)
@@ -527,7 +527,7 @@ def _cell(key: str, value: Any) -> str:
 def _print_table(
     rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
 ) -> None:
-    from tokenring._console import make_table, print_table
+    from tokenring.cli.console import make_table, print_table
 
     unit = "ms/step" if config.mode == "decode" else "ms/chunk"
     table = make_table(

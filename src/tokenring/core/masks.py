@@ -2,7 +2,7 @@
 
 This module owns the attention mask as plain data (:class:`MaskSpec`: causal, a sliding
 window, packed documents, chunked attention) and its classification of runs of tokens
-(``tokenring.layout.Run``) into kernel calls: skipped, full, top-left causal, or an explicit
+(``tokenring.core.layout.Run``) into kernel calls: skipped, full, top-left causal, or an explicit
 mask built from positions.
 The schedule reads the classification, so a block nobody can see is neither computed nor sent.
 
@@ -37,7 +37,7 @@ query runs are first cut into tiles about as long as the band is wide, so each p
 rows follow the band (a whole diagonal block under a short window would compute s^2 pairs for
 s * w visible ones). Padding rows belong
 to no run, so they are never computed and never seen (Note [Documents and padding] in
-``tokenring.layout``).
+``tokenring.core.layout``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenring.layout import Run
+from tokenring.core.layout import Run
 
 __all__ = ["MaskKind", "MaskSpec", "chunk_documents", "normalize_window"]
 

@@ -32,7 +32,7 @@ Note [How a model call reaches the ring]
     generate(sp, model, ids)            transformers' generate over a ShardedKVCache: the
                                         attention call gets sequence_parallel_cache= and runs
                                         cached attention (Note [Generation under sequence
-                                        parallelism] in tokenring.hf_generation)
+                                        parallelism] in tokenring.hf.generation)
 
 Note [Model masks]
 ~~~~~~~~~~~~~~~~~~
@@ -74,9 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
-from tokenring.comm import Communicator
-from tokenring.costmodel import Hardware
-from tokenring.layout import (
+from tokenring.core.layout import (
     Layout,
     make_sharding,
     normalize_cu_seqlens,
@@ -84,7 +82,9 @@ from tokenring.layout import (
     shard,
     unshard,
 )
-from tokenring.schedule import Strategy
+from tokenring.core.schedule import Strategy
+from tokenring.model.costmodel import Hardware
+from tokenring.runtime.comm import Communicator
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -95,7 +95,6 @@ __all__ = [
     "causal_lm_loss",
     "data_parallel_loss",
     "gather_sequence",
-    "generate",
     "register",
     "shard_batch",
     "shift_labels",
@@ -138,7 +137,7 @@ class SequenceParallel:
     batch row (kept as a tuple): attention never crosses them, RoPE positions restart at each,
     and the layout is applied per document. Needs ``seq_len``."""
     hardware: Hardware | str | None = None
-    """For ``"tokenring_auto"``: a ``tokenring.costmodel.Hardware`` or preset name; None
+    """For ``"tokenring_auto"``: a ``tokenring.model.costmodel.Hardware`` or preset name; None
     measures this machine once per group (see :func:`tokenring.resolve_strategy`)."""
 
     def __post_init__(self) -> None:
@@ -505,34 +504,6 @@ def _attention_forward(
     return out, None  # (B, s, Hq, D)
 
 
-def generate(
-    sp: SequenceParallel,
-    model: Any,
-    input_ids: torch.Tensor,
-    *,
-    strategy: str = "auto",
-    block_size: int | None = None,
-    budget_bytes: int | None = None,
-    **gen_kwargs: Any,
-) -> Any:
-    """``model.generate(input_ids, **gen_kwargs)`` with the prompt prefilled sharded and the
-    KV cache sharded over ``sp.group``; every rank of the group calls it with the same
-    arguments and gets the same tokens. See ``tokenring.hf_generation.generate`` (this is
-    it, imported on first use) for the arguments, what runs and what raises."""
-    register()  # checks transformers
-    from tokenring.hf_generation import generate as generate_sharded
-
-    return generate_sharded(
-        sp,
-        model,
-        input_ids,
-        strategy=strategy,
-        block_size=block_size,
-        budget_bytes=budget_bytes,
-        **gen_kwargs,
-    )
-
-
 def _check_temperature_tuning(
     module: torch.nn.Module, sp: SequenceParallel, seq_local: int
 ) -> None:
@@ -793,7 +764,7 @@ def data_parallel_loss(sp: SequenceParallel, loss: torch.Tensor) -> torch.Tensor
     of its group's gradient; DDP takes 1/N sum over all ranks of sp G_r = 1/dp sum over the
     groups of the group's gradient. Multiplying the loss itself by sp would give the same
     gradient but log sp times the loss (Note [Trainer ranks and gradient scale] in
-    tokenring.hf_trainer).
+    tokenring.hf.trainer).
 
     Args:
         loss: a scalar from :func:`causal_lm_loss` (the same value on every rank of sp.group).

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.hf import (
+from tokenring.hf.attention import (
     SequenceParallel,
     broadcast_batch,
     causal_lm_loss,
@@ -46,7 +46,7 @@ try:
     from transformers import Trainer
 except ImportError as exc:  # pragma: no cover - tokenring.hf.register checks first
     raise ImportError(
-        "tokenring.hf_trainer needs transformers: pip install 'tokenring-attention[hf]'"
+        "tokenring.hf.trainer needs transformers: pip install 'tokenring-attention[hf]'"
     ) from exc
 
 __all__ = ["SequenceParallelTrainer"]

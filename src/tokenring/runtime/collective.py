@@ -67,9 +67,9 @@ Note [All-gather K/V]
 Every rank attends with its own Q over every rank's K/V, gathered in rounds (Note [All-gather
 K/V rounds]) so that at most two blocks of others' K/V are held at once, and nothing is kept
 for the backward. Which rows of Q_r meet which rows of KV_j is Note [Causal blocks per layout]
-of ``tokenring.schedule`` (contiguous causal: j > r is empty; zigzag causal: j < r meets kv
+of ``tokenring.core.schedule`` (contiguous causal: j > r is empty; zigzag causal: j < r meets kv
 rows [0, c), j > r only q rows [c, s)); each piece is one kernel call on views of its round's
-buffer (no index copies), merged in fp32 by lse (tokenring.merge).
+buffer (no index copies), merged in fp32 by lse (tokenring.core.merge).
 
 Note [All-gather K/V rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -96,7 +96,7 @@ once more; keeping every rank's K/V and their gradients cost ~6.8x the minimum a
 
 Note [Collective schedules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-:func:`build_collective_schedule` returns a ``tokenring.schedule.Schedule`` with one step.
+:func:`build_collective_schedule` returns a ``tokenring.core.schedule.Schedule`` with one step.
 ``steps[r][0]`` is what rank r computes, with ``q_owner = kv_owner = r``, and its rows are:
 
     strategy       q rows                        kv rows
@@ -175,270 +175,36 @@ that one message carries tensors of two dtypes (out and lse).
 from __future__ import annotations
 
 import enum
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tokenring.comm import Communicator, Event
-from tokenring.costmodel import CollectiveRouting
-from tokenring.kernels import BlockKernel, PositionMask, accumulation_dtype
-from tokenring.layout import Layout, Sharding, global_positions, validate_seq_local
-from tokenring.masks import MaskSpec
-from tokenring.merge import merge_into
-from tokenring.schedule import (
+from tokenring.core.layout import Layout, Sharding, global_positions
+from tokenring.core.masks import MaskSpec
+from tokenring.core.merge import merge_into
+from tokenring.core.schedule import (
     Flow,
     Pass,
     Payload,
-    Piece,
     Schedule,
     Segment,
-    StepPlan,
-    Strategy,
-    Transfer,
-    block_pieces,
+)
+from tokenring.model.costmodel import CollectiveRouting
+from tokenring.runtime.comm import Communicator, Event
+from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
+from tokenring.strategies.collective import (
+    CollectiveStrategy,
+    FieldSpec,
+    HeadShare,
+    Rows,
+    _build,
+    _shift,
+    ulysses_heads,
 )
 
-__all__ = [
-    "DOUT",
-    "CollectiveSchedule",
-    "CollectiveStrategy",
-    "HeadShare",
-    "build_collective_schedule",
-    "collective_backward",
-    "collective_forward",
-    "residual_fields",
-    "ulysses_heads",
-]
-
-Rows = tuple[int, int]
-FieldSpec = tuple[tuple[int, ...], torch.dtype]
-
-DOUT = Payload.Q
-"""Payload kind of dout rows in schedules: the bytes (Hq*D*e per row) and flow (travel) of q."""
-
-
-class CollectiveStrategy(enum.Enum):
-    """The strategies this module runs."""
-
-    ULYSSES = "ulysses"
-    ALLGATHER_KV = "allgather_kv"
-
-    @classmethod
-    def parse(cls, value: CollectiveStrategy | enum.Enum | str) -> CollectiveStrategy:
-        """Accept a member, any enum member with a matching value, or the value itself."""
-        if isinstance(value, CollectiveStrategy):
-            return value
-        raw = value.value if isinstance(value, enum.Enum) else value
-        try:
-            return cls(raw)
-        except ValueError:
-            options = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"strategy_name must be one of {options}; got {raw!r}") from None
-
-
-def _schedule_tag(strategy: CollectiveStrategy) -> Strategy:
-    """The ``Schedule.strategy`` of a collective schedule: the registry's member."""
-    return Strategy(strategy.value)
-
-
-# -- head shares ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class HeadShare:
-    """The heads one Ulysses rank attends over: half-open ranges of global head indices."""
-
-    q: Rows
-    kv: Rows
-
-    @property
-    def num_q(self) -> int:
-        return self.q[1] - self.q[0]
-
-    @property
-    def num_kv(self) -> int:
-        return self.kv[1] - self.kv[0]
-
-
-def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[HeadShare, ...]:
-    """Each rank's query heads and the kv heads they use; see Note [Ulysses head split].
-
-    Raises:
-        ValueError: world_size < 1, heads < 1, or heads_kv not dividing heads_q.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv != 0:
-        raise ValueError(
-            f"heads_kv must be >= 1 and divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
-        )
-    groups = heads_q // heads_kv
-    base, extra = divmod(heads_q, world_size)
-    shares = []
-    start = 0
-    for rank in range(world_size):
-        stop = start + base + (1 if rank < extra else 0)
-        kv = (start // groups, (stop - 1) // groups + 1) if stop > start else (0, 0)
-        shares.append(HeadShare((start, stop), kv))
-        start = stop
-    return tuple(shares)
-
-
-# -- schedules -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CollectiveSchedule(Schedule):
-    """A ``Schedule`` routed as a backend's collectives route (Note [Collective routing])."""
-
-    routing: CollectiveRouting = CollectiveRouting.DIRECT
-    """The backend routing the transfers follow."""
-    half_duplex_steps: frozenset[int] = frozenset()
-    """Steps whose transfers are a backend all-to-all in which the two directions of each pair
-    take turns (GLOO); the cost model shares one resource per pair between them."""
-
-
-def build_collective_schedule(
-    strategy_name: CollectiveStrategy | enum.Enum | str,
-    pass_: Pass | str,
-    *,
-    layout: Layout | str,
-    causal: bool,
-    world_size: int,
-    seq_local: int,
-    heads_q: int,
-    heads_kv: int,
-    routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
-) -> CollectiveSchedule:
-    """The schedule of one pass of Ulysses or all-gather K/V. Pure: no tensors, no groups.
-
-    See Note [Collective schedules] for the row conventions and payloads, and Note
-    [Collective routing] for ``routing``.
-
-    Args:
-        strategy_name: ``"ulysses"`` or ``"allgather_kv"``.
-        pass_: forward or backward.
-        layout: how the sequence is sharded (see ``tokenring.layout``).
-        causal: causal mask over global positions.
-        world_size: P >= 1.
-        seq_local: s, tokens per rank.
-        heads_q, heads_kv: Hq and Hkv (Hkv divides Hq); Ulysses splits heads by them.
-        routing: how the backend routes its collectives (``CollectiveRouting`` or its value).
-
-    Raises:
-        ValueError: unknown strategy, pass, layout or routing; world_size < 1; a seq_local
-            the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
-    """
-    strategy = CollectiveStrategy.parse(strategy_name)
-    return _build(
-        strategy,
-        Pass(pass_),
-        Layout.parse(layout),
-        bool(causal),
-        world_size,
-        seq_local,
-        heads_q,
-        heads_kv,
-        CollectiveRouting.parse(routing),
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _build(
-    strategy: CollectiveStrategy,
-    pass_: Pass,
-    layout: Layout,
-    causal: bool,
-    world_size: int,
-    seq_local: int,
-    heads_q: int,
-    heads_kv: int,
-    routing: CollectiveRouting = CollectiveRouting.DIRECT,
-) -> CollectiveSchedule:
-    validate_seq_local(seq_local, layout)
-    shares = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
-    p, s = world_size, seq_local
-    forward = pass_ is Pass.FORWARD
-    steps: list[tuple[StepPlan, ...]] = []
-    transfers: list[Transfer] = []
-    for r in range(p):
-        if strategy is CollectiveStrategy.ULYSSES:
-            whole = (0, p * s)
-            segments: tuple[Segment, ...] = ()
-            if shares[r].num_q > 0:
-                segments = (Segment(whole, (Piece(whole, whole, causal),)),)
-            for j in range(p):
-                if j == r:
-                    continue
-                mine, theirs = shares[r], shares[j]
-                if forward:
-                    travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
-                    back = [(Payload.OUT, mine.q)]
-                else:  # gathered again: the forward keeps nothing (Note [Ulysses])
-                    travel = [(Payload.Q_GRAD, theirs.q), (Payload.KV, theirs.kv)]
-                    back = [(Payload.DQ, mine.q), (Payload.DKV, mine.kv)]
-                for payload, heads in travel:
-                    if heads[1] > heads[0]:
-                        transfers.append(Transfer(payload, r, j, r, (0, s), 0, 0, heads))
-                for payload, heads in back:
-                    if heads[1] > heads[0]:
-                        transfers.append(
-                            Transfer(payload, r, j, j, (0, s), 0, len(segments), heads)
-                        )
-        else:  # rounds: k = 0 is the own block, round k the K/V of owner r + k
-            rounds = _allgather_rounds(layout, causal, p, s, r)
-            segments = tuple(seg for round_ in rounds for seg in round_)
-            cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
-            for k in range(1, p):  # Note [All-gather K/V rounds]
-                gather_after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
-                transfers.append(Transfer(Payload.KV, r, (r - k) % p, r, (0, s), 0, gather_after))
-                if not forward:
-                    owner = (r + k) % p
-                    transfers.append(Transfer(Payload.DKV, r, owner, owner, (0, s), 0, cum[k + 1]))
-        steps.append((StepPlan(r, 0, r, (r,), segments),))
-    return CollectiveSchedule(
-        strategy=_schedule_tag(strategy),
-        pass_=pass_,
-        layout=layout,
-        causal=causal,
-        world_size=p,
-        seq_local=s,
-        lanes=(),  # no block travels a ring: the collectives move everything at once
-        steps=tuple(steps),
-        transfers=tuple(transfers),
-        routing=routing,
-        half_duplex_steps=frozenset({0} if routing is CollectiveRouting.GLOO and p > 1 else ()),
-    )
-
-
-def _allgather_rounds(
-    layout: Layout, causal: bool, p: int, s: int, rank: int
-) -> tuple[tuple[Segment, ...], ...]:
-    """The segments of each round of one all-gather K/V rank: round k computes against the
-    K/V of owner (rank + k) % P, one segment per piece (kv rows of the gathered sequence, so
-    every piece is a view of one round's buffer)."""
-    rounds = []
-    for k in range(p):
-        owner = (rank + k) % p
-        pieces = block_pieces(
-            layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=owner
-        )
-        assert k == 0 or not any(piece.causal for piece in pieces), "only the diagonal is causal"
-        rounds.append(
-            tuple(
-                Segment(pc.q_rows, (Piece(pc.q_rows, _shift(pc.kv_rows, owner * s), pc.causal),))
-                for pc in pieces
-            )
-        )
-    assert len(rounds[0]) == 1, "the own block is one piece"
-    return tuple(rounds)
-
-
-def _shift(rows: Rows, offset: int) -> Rows:
-    return (rows[0] + offset, rows[1] + offset)
+__all__ = ["collective_backward", "collective_forward", "residual_fields"]
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -494,7 +260,9 @@ class _AllToAll:
         recv_sizes = [_num_bytes(recv_fields[j]) if j != rank else 0 for j in range(p)]
         self._recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         self._recv_sizes = recv_sizes
-        staged = comm.path(device).endswith("staged")  # Note [Staged path] in tokenring.comm
+        staged = comm.path(device).endswith(
+            "staged"
+        )  # Note [Staged path] in tokenring.runtime.comm
         self._wire = comm.wire_buffer(self._recv.numel(), device) if staged else self._recv
         self._pending = comm.all_to_all_single(
             self._wire,
@@ -793,7 +561,9 @@ class _Shift:
         assert send.is_contiguous() and recv.is_contiguous() and send.dtype == recv.dtype
         p = comm.world_size
         self._recv = recv
-        staged = comm.path(recv.device).endswith("staged")  # Note [Staged path] in tokenring.comm
+        staged = comm.path(recv.device).endswith(
+            "staged"
+        )  # Note [Staged path] in tokenring.runtime.comm
         if staged:
             wire = comm.wire_buffer(recv.numel() * recv.element_size(), recv.device)
             self._wire = wire.view(recv.dtype)
@@ -981,7 +751,8 @@ def _allgather_backward(
 
 # -- entry points --------------------------------------------------------------------------
 # Forward and backward are separate calls joined by *residuals*, the tensors the backward keeps
-# beyond q, out and lse (see tokenring.op): the public API wires them into autograd through a
+# beyond q, out and lse (see tokenring.runtime.op): the public API wires them into autograd
+# through a
 # custom operator, which must know their shapes before it runs (residual_fields).
 
 
@@ -1161,10 +932,10 @@ class _Masking:
     the padded ``seq_local``: their blocks stay supersets of what is visible, because padding
     and documents keep the order of the layout's chunks and windows and documents only remove
     pairs. Each kernel call gets the mask of its rows' global positions as positions
-    (``tokenring.kernels.PositionMask``; padding rows see nothing and are seen by nothing),
+    (``tokenring.runtime.kernels.PositionMask``; padding rows see nothing and are seen by nothing),
     which the kernel cuts into tiles, skipping the tiles nobody sees. They move the same
     bytes as without a mask. The ring strategies skip whole blocks nobody sees (Note [Mask
-    classes] in tokenring.masks).
+    classes] in tokenring.core.masks).
     """
 
     def __init__(

@@ -1,0 +1,512 @@
+"""``tokenring simulate``: the simulator's command line (``tokenring.model.simulate``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenring.cli.plot import curves_figure, timeline_figure, write_figure, write_trace
+from tokenring.core.layout import Layout
+from tokenring.core.schedule import Strategy
+from tokenring.model.costmodel import (
+    PRESETS,
+    AttentionShape,
+    Hardware,
+)
+from tokenring.model.simulate import (
+    _PASSES,
+    EVENT_MAX_WORLD_SIZE,
+    CallResult,
+    PassResult,
+    simulate,
+)
+from tokenring.runtime.comm import Event
+
+if TYPE_CHECKING:
+    from tokenring.strategies.hybrid import HybridSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelPreset:
+    """The attention layer of a known model."""
+
+    heads_q: int
+    """Query heads."""
+    heads_kv: int
+    """Key/value heads."""
+    head_dim: int
+    """Head dimension."""
+    causal: bool
+    """Causal LM (True) or a bidirectional DiT (False)."""
+
+    def __post_init__(self) -> None:
+        if min(self.heads_q, self.heads_kv, self.head_dim) < 1 or self.heads_q % self.heads_kv:
+            raise ValueError(
+                "heads_q, heads_kv, head_dim must be >= 1 and heads_kv must divide heads_q; "
+                f"got {self.heads_q}/{self.heads_kv}, head_dim {self.head_dim}"
+            )
+
+
+MODELS: dict[str, ModelPreset] = {
+    "llama2-7b": ModelPreset(heads_q=32, heads_kv=32, head_dim=128, causal=True),
+    "llama3-8b": ModelPreset(heads_q=32, heads_kv=8, head_dim=128, causal=True),
+    "llama3-70b": ModelPreset(heads_q=64, heads_kv=8, head_dim=128, causal=True),
+    "flux-dit": ModelPreset(heads_q=24, heads_kv=24, head_dim=128, causal=False),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tokenring simulate``."""
+    from tokenring.cli import int_at_least, output_path
+
+    call = parser.add_argument_group("the call: model, sizes, strategies")
+    machine = parser.add_argument_group("the machine and the simulator")
+    output = parser.add_argument_group("output")
+    add = call.add_argument
+    add(
+        "--model",
+        choices=sorted(MODELS),
+        default="llama2-7b",
+        help="attention shape preset (default: llama2-7b)",
+    )
+    add(
+        "--seq",
+        type=int_at_least(1),
+        nargs="+",
+        default=[131072],
+        help="global sequence length(s) S in tokens (default: 131072)",
+    )
+    add("--world-size", type=int_at_least(1), nargs="+", default=[8], help="ranks P (default: 8)")
+    machine.add_argument(
+        "--hardware",
+        choices=sorted(PRESETS),
+        default="h100-nvswitch",
+        help="machine preset (default: h100-nvswitch)",
+    )
+    add(
+        "--strategies",
+        nargs="+",
+        default=[s.value for s in Strategy if s.is_ring],
+        choices=[s.value for s in Strategy],
+        help="strategies to predict (default: the ring strategies)",
+    )
+    add(
+        "--hybrid-inner",
+        type=int_at_least(1),
+        help="ranks per island of the hybrid (default: the hardware's devices per node)",
+    )
+    add(
+        "--hybrid-outer",
+        default=Strategy.TOKEN_RING.value,
+        choices=[s.value for s in Strategy if s.is_ring],
+        help="ring strategy across the hybrid's islands (default: token_ring)",
+    )
+    add(
+        "--dtype",
+        default="bfloat16",
+        choices=["float16", "bfloat16"],
+        help="input dtype; the presets' FLOP/s are for 16-bit inputs (default: bfloat16)",
+    )
+    add(
+        "--pass",
+        dest="passes",
+        choices=sorted(_PASSES),
+        default="forward",
+        help="forward, backward, or both = training (default: forward)",
+    )
+    add(
+        "--layout",
+        choices=["auto", *(m.value for m in Layout)],
+        default="auto",
+        help="auto: zigzag for causal models, contiguous otherwise",
+    )
+    add("--batch", type=int_at_least(1), default=1, help="batch size B (default: 1)")
+    add(
+        "--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits (default: 2)"
+    )
+    machine.add_argument(
+        "--mode",
+        choices=["auto", "event", "vectorised"],
+        default="auto",
+        help=f"simulator engine; auto: event up to {EVENT_MAX_WORLD_SIZE} ranks, else vectorised",
+    )
+    add = output.add_argument
+    add("--json", action="store_true", help="print one JSON object per row instead of a table")
+    add(
+        "--plot",
+        type=output_path,
+        metavar="PATH",
+        help="PNG of time per call vs sequence length (or world size) per strategy; at one "
+        "point, bars relative to the best strategy",
+    )
+    add(
+        "--timeline",
+        type=output_path,
+        metavar="PATH",
+        help="PNG of the simulated per-rank timelines (first P and S; event engine)",
+    )
+    add(
+        "--trace",
+        type=output_path,
+        metavar="PATH",
+        help="the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, ui.perfetto.dev)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Config:
+    """The CLI's arguments, validated."""
+
+    model: str
+    """Key of MODELS."""
+    hardware: Hardware
+    """The machine."""
+    shape: AttentionShape
+    """Per-rank shape."""
+    layout: Layout
+    """Sequence layout."""
+    causal: bool
+    """From the model."""
+    points: tuple[tuple[int, int, int], ...]
+    """(world_size, seq, requested seq): seq is the request rounded down to a multiple the
+    layout can split over world_size (the table says when it differs)."""
+    hybrid: HybridSpec | None = None
+    """The hybrid's factorisation when it is requested."""
+
+    def __post_init__(self) -> None:
+        for world_size, seq, requested in self.points:
+            if world_size < 1:
+                raise ValueError(f"--world-size must be >= 1; got {world_size}")
+            if seq < 1:
+                parts = world_size * (2 if self.layout is Layout.ZIGZAG else 1)
+                raise ValueError(
+                    f"--seq must be at least {parts} for layout '{self.layout.value}' with "
+                    f"world size {world_size}; got {requested}"
+                )
+
+
+def _config(args: argparse.Namespace) -> _Config:
+    model = MODELS[args.model]
+    layout = Layout.parse(
+        args.layout if args.layout != "auto" else ("zigzag" if model.causal else "contiguous")
+    )
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1; got {args.batch}")
+    if args.splits < 1:
+        raise ValueError(f"--splits must be >= 1; got {args.splits}")
+    points: list[tuple[int, int, int]] = []
+    for world_size in args.world_size:
+        parts = max(1, world_size) * (2 if layout is Layout.ZIGZAG else 1)
+        points.extend((world_size, seq // parts * parts, seq) for seq in args.seq)
+    hybrid = None
+    if Strategy.HYBRID.value in args.strategies:
+        from tokenring.strategies.hybrid import HybridSpec
+
+        hardware = PRESETS[args.hardware]
+        inner = args.hybrid_inner or hardware.devices_per_node
+        if inner is None:
+            raise ValueError(
+                f"--hybrid-inner must be given for the hybrid on {args.hardware!r} (it has no "
+                "islands to default to)"
+            )
+        hybrid = HybridSpec(inner=inner, outer_strategy=args.hybrid_outer)
+    return _Config(
+        hybrid=hybrid,
+        model=args.model,
+        hardware=PRESETS[args.hardware],
+        shape=AttentionShape(
+            batch=args.batch,
+            heads_q=model.heads_q,
+            heads_kv=model.heads_kv,
+            head_dim=model.head_dim,
+            dtype=args.dtype,
+        ),
+        layout=layout,
+        causal=model.causal,
+        points=tuple(points),
+    )
+
+
+def _row(
+    cfg: _Config, args: argparse.Namespace, seq: int, requested: int, result: CallResult
+) -> dict[str, Any]:
+    first = result.passes[0]
+    hybrid = None
+    if result.strategy is Strategy.HYBRID and cfg.hybrid is not None:
+        hybrid = cfg.hybrid.label(first.world_size)
+    return {
+        "strategy": result.strategy.value if hybrid is None else f"hybrid {hybrid}",
+        "model": cfg.model,
+        "hardware": cfg.hardware.name,
+        "world_size": first.world_size,
+        "seq": seq,
+        "seq_requested": requested,
+        "layout": cfg.layout.value,
+        "causal": cfg.causal,
+        "dtype": cfg.shape.dtype,
+        "batch": cfg.shape.batch,
+        "pass": args.passes,
+        "mode": first.mode,
+        "call_ms": 1e3 * result.call_s,
+        "steady_step_ms": 1e3 * first.steady_step_s,
+        "compute_only_ms": 1e3 * sum(p.compute_s for p in result.passes),
+        "merge_ms": 1e3 * sum(p.merge_s for p in result.passes),
+        "busiest_resource": first.busiest_resource,
+        "busiest_gb": sum(p.busiest_bytes for p in result.passes) / 1e9,
+        "exposed_ms": 1e3 * sum(p.exposed_s for p in result.passes),
+        "travel_gb_per_rank": sum(p.travel_bytes for p in result.passes) / 1e9,
+        "return_gb_per_rank": sum(p.return_bytes for p in result.passes) / 1e9,
+        "bound_ms": 1e3 * result.bound_s,
+        "percent_of_bound": result.percent_of_bound,
+        "bound_by": "compute"
+        if first.compute_s >= first.busiest_s
+        else f"comm ({first.busiest_resource})",
+        "step_ms": [1e3 * x for x in first.step_s],
+        "transfer_ms": _transfer_ms(first),
+    }
+
+
+def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
+    """Per payload, per step: the longest transfer of that step (start to arrival), in ms."""
+    if result.timeline is None:
+        return None
+    longest: dict[str, list[float]] = {}
+    for events in result.timeline:
+        for ev in events:
+            if ev.kind == "send":
+                steps = longest.setdefault(ev.label, [0.0] * result.world_size)
+                steps[ev.step] = max(steps[ev.step], 1e3 * (ev.end_s - ev.start_s))
+    return longest
+
+
+def _rich() -> Any:
+    try:
+        import rich.console
+        import rich.progress
+        import rich.table
+    except ImportError as exc:
+        raise ImportError(
+            "tokenring simulate prints its table with rich: pip install 'tokenring-attention[cli]'"
+        ) from exc
+    return rich
+
+
+def _predict(
+    cfg: _Config, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[CallResult], list[str]]:
+    """Rows, results, and one note per (strategy, point) the simulator cannot predict."""
+    jobs = [(p, s, r, name) for p, s, r in cfg.points for name in args.strategies]
+    rows: list[dict[str, Any]] = []
+    results: list[CallResult] = []
+    notes: list[str] = []
+
+    def one(world_size: int, seq: int, requested: int, name: str) -> None:
+        try:
+            if name == Strategy.HYBRID.value:
+                assert cfg.hybrid is not None
+                cfg.hybrid.check(
+                    world_size=world_size,
+                    heads_q=cfg.shape.heads_q,
+                    heads_kv=cfg.shape.heads_kv,
+                )
+            result = simulate(
+                name,
+                passes=args.passes,
+                layout=cfg.layout,
+                causal=cfg.causal,
+                world_size=world_size,
+                seq_local=seq // world_size,
+                shape=cfg.shape,
+                hardware=cfg.hardware,
+                last_block_splits=args.splits,
+                mode=args.mode,
+                hybrid=cfg.hybrid,
+            )
+        except (NotImplementedError, ValueError) as exc:
+            if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
+                raise
+            notes.append(f"{name} at P={world_size} not predicted: {exc}")
+            return
+        results.append(result)
+        rows.append(_row(cfg, args, seq, requested, result))
+
+    if args.json:
+        for job in jobs:
+            one(*job)
+        return rows, results, notes
+    rich = _rich()
+    columns = (
+        rich.progress.TextColumn("{task.description}"),
+        rich.progress.BarColumn(),
+        rich.progress.MofNCompleteColumn(),
+        rich.progress.TimeElapsedColumn(),
+    )
+    with rich.progress.Progress(*columns, transient=True) as progress:
+        task = progress.add_task("simulating", total=len(jobs))
+        for job in jobs:
+            progress.update(task, description=f"P={job[0]} S={job[1]} {job[3]}")
+            one(*job)
+            progress.advance(task)
+    return rows, results, notes
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    rich = _rich()
+    first = rows[0]
+    engines = ", ".join(sorted({r["mode"] for r in rows}))
+    table = rich.table.Table(
+        title=(
+            f"{first['model']} on {first['hardware']}: {first['dtype']}, {first['layout']}, "
+            f"causal={first['causal']}, pass={first['pass']}, engine={engines}"
+        )
+    )
+    columns = [
+        ("strategy", "strategy", "{}"),
+        ("P", "world_size", "{}"),
+        ("S (tokens)", "seq", "{}"),
+        ("call (ms)", "call_ms", "{:.4g}"),
+        ("steady step (ms)", "steady_step_ms", "{:.4g}"),
+        ("compute only (ms)", "compute_only_ms", "{:.4g}"),
+        ("merges (ms)", "merge_ms", "{:.3g}"),
+        ("travel / return (GB/rank)", "gb", "{}"),
+        ("bound (ms)", "bound_ms", "{:.4g}"),
+        ("% of bound", "percent_of_bound", "{:.1f}"),
+        ("bound by", "bound_by", "{}"),
+    ]
+    for title, _, _ in columns:
+        table.add_column(title, justify="left" if title in ("strategy", "bound by") else "right")
+    for row in rows:
+        gb = f"{row['travel_gb_per_rank']:.3g} / {row['return_gb_per_rank']:.3g}"
+        table.add_row(*(fmt.format(gb if key == "gb" else row[key]) for _, key, fmt in columns))
+    console = rich.console.Console()
+    if not console.is_terminal:
+        console = rich.console.Console(width=max(console.width, 150))
+    console.print(table)
+    rounded = sorted({(r["seq_requested"], r["seq"], r["world_size"]) for r in rows})
+    for requested, seq, world_size in rounded:
+        if requested != seq:
+            console.print(
+                f"S={requested} rounded down to {seq}, a multiple the layout "
+                f"'{first['layout']}' splits over {world_size} ranks"
+            )
+    if any(r["mode"] == "vectorised" for r in rows):
+        console.print(
+            f"engine 'vectorised': closed forms per rank and step (P > {EVENT_MAX_WORLD_SIZE} "
+            "or --mode vectorised), no per-event timeline"
+        )
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(
+            "tokenring simulate draws with matplotlib: pip install 'tokenring-attention[plot]'"
+        ) from exc
+    return plt
+
+
+def _timeline_panels(results: list[CallResult]) -> list[tuple[str, list[list[Event]]]]:
+    """Every pass at the first (P, S), for ``--timeline`` and ``--trace``."""
+    first = results[0].passes[0]
+    panels = []
+    for res in results:
+        for res_pass in res.passes:
+            if (res_pass.world_size, res_pass.seq_local) != (first.world_size, first.seq_local):
+                continue
+            if res_pass.timeline is None:
+                raise ValueError(
+                    f"--timeline and --trace need the event engine (world size <= "
+                    f"{EVENT_MAX_WORLD_SIZE} and --mode auto or event)"
+                )
+            title = (
+                f"{res_pass.strategy.value} {res_pass.pass_.value} (simulated): "
+                f"{1e3 * res_pass.call_s:.3f} ms, {res_pass.percent_of_bound:.0f}% of bound"
+            )
+            panels.append((title, [list(events) for events in res_pass.timeline]))
+    return panels
+
+
+_EVENT_BYTES_PER_CELL = 5 << 10
+"""Memory of the event engine per (rank, step) of one pass: the Schedule's pieces and
+transfers and the timeline's events (measured: peak RSS grows by ~1.3 GB from P = 64 to
+P = 512 for one TokenRing forward pass, about 5 KiB per cell)."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before simulating; ValueError naming the argument (Note [Bad
+    input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
+    from tokenring.cli import mem_available_bytes
+
+    cfg = _config(args)
+    if args.timeline or args.trace:
+        first = args.world_size[0]
+        if args.mode == "vectorised" or (args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE):
+            raise ValueError(
+                f"--timeline and --trace need the event engine (--world-size {first} > "
+                f"{EVENT_MAX_WORLD_SIZE} or --mode vectorised); use --mode event or a smaller "
+                "first --world-size"
+            )
+    # The vectorised engine's memory is linear in P (Note [Vectorised engine]); the event
+    # engine's grows with P^2, and every result keeps its timeline.
+    event_points = [
+        p for p, _, _ in cfg.points if args.mode == "event" or p <= EVENT_MAX_WORLD_SIZE
+    ]
+    passes = len(_PASSES[args.passes])
+    need = sum(p * p for p in event_points) * passes * len(args.strategies)
+    need *= _EVENT_BYTES_PER_CELL
+    available = mem_available_bytes()
+    if available is not None and need > available:
+        biggest = max(event_points)
+        raise ValueError(
+            f"--mode event at --world-size {biggest} needs about {need / 2**30:.3g} GiB "
+            f"(~{_EVENT_BYTES_PER_CELL >> 10} KiB per rank and step, {passes} pass(es), "
+            f"{len(args.strategies)} strategies); MemAvailable is {available / 2**30:.3g} GiB. "
+            "Use --mode auto or vectorised (memory linear in P) for large world sizes"
+        )
+    args._config = cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tokenring simulate``; returns the exit status.
+
+    Raises:
+        ValueError: bad sizes (sequence lengths are rounded down to what the layout splits).
+        ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
+        NotImplementedError: no requested strategy can be predicted at these world sizes.
+    """
+    if getattr(args, "_config", None) is None:
+        check_args(args)
+    cfg: _Config = args._config
+    if not args.json:
+        _rich()  # fail before any work when the table cannot be printed
+    if args.plot or args.timeline:
+        _pyplot()
+    rows, results, notes = _predict(cfg, args)
+    for note in notes:  # never drop a strategy silently
+        print(note, file=sys.stderr if args.json else sys.stdout)
+    if not rows:
+        raise NotImplementedError("no strategy could be predicted: " + "; ".join(notes))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    else:
+        _print_table(rows)
+    if args.plot:
+        write_figure(curves_figure(rows), args.plot, dpi=120)
+    if args.timeline:
+        first = results[0].passes[0]
+        title = f"P={first.world_size}, {first.seq_local} tokens per rank, {cfg.hardware.name}"
+        write_figure(timeline_figure(_timeline_panels(results), title), args.timeline)
+    if args.trace:
+        write_trace(_timeline_panels(results), args.trace)
+    for path in (args.plot, args.timeline, args.trace):
+        if path and not args.json:
+            print(f"wrote {path}")
+    return 0

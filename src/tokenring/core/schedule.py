@@ -1,0 +1,444 @@
+"""The vocabulary of schedules: strategies, passes, payloads, pieces, transfers, as plain data.
+
+A :class:`Schedule` says *what happens* in one pass: at each step, which Q shard meets which
+K/V shard on which rank (and which rows of them), and which rows of which payload travel
+from whom to whom. The strategies (``tokenring.strategies``) build schedules, the runtime
+(``tokenring.runtime.ring``) executes them, and the cost model and the simulator
+(``tokenring.model``) read the very same objects. Nothing here touches tensors or process
+groups.
+
+Legend: B batch, s local seq, Hq query heads, Hkv key/value heads, D head dim, P world size,
+c = s // 2 (zigzag chunk). Rows are half-open ``(start, stop)`` ranges of an owner's local
+shard.
+
+Note [Causal blocks per layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+For the Q shard of owner o and the K/V shard of owner j (c = s/2):
+
+    layout       case      q rows      kv rows     mask
+    any          o == j    [0, s)      [0, s)      causal (positions increase inside a shard)
+    contiguous   j < o     [0, s)      [0, s)      full
+    contiguous   j > o     -           -           empty: nothing computed, nothing sent
+    zigzag       j < o     [0, s)      [0, c)      full  (both q chunks are after kv chunk j)
+    zigzag       j > o     [c, s)      [0, s)      full  (only q chunk 2P-1-o is after kv)
+    non-causal   any       [0, s)      [0, s)      full
+
+Zigzag gives every rank half a block of work at every step but the first. Because Q travels
+down the ring, the owner o's Q first visits ranks o-1, ..., 0 (j < o: all rows needed) and then
+P-1, ..., o+1 (j > o: only rows [c, s)). The rows a rank forwards are the union of what every
+rank still ahead of it needs, so they only ever shrink: after the wrap TokenRing sends half of
+Q and gets half a partial back. Ring (pass-KV) uses the same mechanism for K/V, moving down as
+well: K/V first visit j-1..0 (needs [0, s)), then P-1..j+1 (needs [0, c)). On the contiguous
+causal layout only ranks above j see j's keys, so there Ring's K/V move up (j+1, j+2, ...).
+
+With documents, windows or padding (Note [Mask classes] in ``tokenring.core.masks``) a block is
+one piece per visible pair of runs instead; a block nobody sees has no piece, and rows nobody
+ahead needs are not sent, so a short window ends the ring after the steps it reaches.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tokenring.core.layout import Layout, Run, Sharding, make_sharding
+from tokenring.core.masks import MaskKind, MaskSpec
+
+__all__ = [
+    "Dims",
+    "Flow",
+    "Lane",
+    "Pass",
+    "Payload",
+    "Piece",
+    "Schedule",
+    "Segment",
+    "StepPlan",
+    "Strategy",
+    "Transfer",
+    "block_pieces",
+    "piece_flops",
+]
+
+Rows = tuple[int, int]
+
+
+class Strategy(enum.Enum):
+    """Which sequence-parallel algorithm moves which tensors."""
+
+    TOKEN_RING = "token_ring"
+    RING = "ring"
+    BIDIR_RING = "bidir_ring"
+    BIDIR_TOKEN_RING = "bidir_token_ring"  # pass-Q on two lanes: Note [Bidirectional TokenRing]
+    ULYSSES = "ulysses"
+    ALLGATHER_KV = "allgather_kv"
+    HYBRID = "hybrid"  # 2-D mesh, inner all-to-all + outer ring strategy: tokenring.hybrid
+
+    @property
+    def is_collective(self) -> bool:
+        """Moves everything with collectives (all-to-all, all-gather), not round a ring."""
+        return self in (Strategy.ULYSSES, Strategy.ALLGATHER_KV)
+
+    @property
+    def is_ring(self) -> bool:
+        """Runs round a ring of P ranks step by step (what the hybrid can run across its
+        islands): neither a collective nor the hybrid itself."""
+        return not self.is_collective and self is not Strategy.HYBRID
+
+    @property
+    def passes_q(self) -> bool:
+        """Q blocks travel and partials return; K/V stay home (TokenRing on one or two lanes)."""
+        return self in (Strategy.TOKEN_RING, Strategy.BIDIR_TOKEN_RING)
+
+    @classmethod
+    def parse(cls, value: Strategy | str) -> Strategy:
+        if isinstance(value, Strategy):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            options = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"strategy must be one of {options}; got {value!r}") from None
+
+
+class Pass(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Flow(enum.Enum):
+    """Each flow runs on its own process group so both directions of a link carry traffic."""
+
+    TRAVEL = "travel"  # blocks moving down the ring: q, kv, (q, dout, lse, delta)
+    RETURN = "return"  # partials going home or accumulators following: out, dq, dkv
+
+
+class Payload(enum.Enum):
+    Q = "q"  # q rows: Hq * D elements
+    KV = "kv"  # k and v rows: 2 * Hkv * D elements
+    OUT = "out"  # partial out rows (Hq * D) + their lse (Hq, accumulation dtype)
+    Q_GRAD = "q_grad"  # q and dout rows (2 * Hq * D) + lse and delta (2 * Hq, accumulation dtype)
+    DQ = "dq"  # partial dq rows: Hq * D elements
+    DKV = "dkv"  # dk and dv accumulators: 2 * Hkv * D, accumulation dtype
+
+    @property
+    def heads_kind(self) -> str:
+        """Whose heads a row of this payload carries: ``"q"`` or ``"kv"``."""
+        return "kv" if self in (Payload.KV, Payload.DKV) else "q"
+
+    @property
+    def flow(self) -> Flow:
+        if self in (Payload.Q, Payload.KV, Payload.Q_GRAD):
+            return Flow.TRAVEL
+        return Flow.RETURN
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dims:
+    """Sizes that turn rows into bytes and FLOPs."""
+
+    batch: int
+    """B."""
+    heads_q: int
+    """Hq."""
+    heads_kv: int
+    """Hkv; divides Hq."""
+    head_dim: int
+    """D."""
+    elem_bytes: int
+    """Bytes per element of q/k/v (2 for bf16/fp16, 4 for fp32, 8 for fp64)."""
+    acc_bytes: int = 4
+    """Bytes per element of the accumulation dtype (fp32, or fp64 for fp64 inputs)."""
+
+    def row_bytes(self, payload: Payload, num_heads: int | None = None) -> int:
+        """Bytes of one sequence row of ``payload`` (all batch entries).
+
+        Args:
+            num_heads: carry only this many heads of the payload's kind (query heads for
+                q/out/q_grad/dq, key/value heads for kv/dkv); None: all of them.
+        """
+        b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
+        if num_heads is not None:
+            if payload.heads_kind == "kv":
+                hkv = num_heads
+            else:
+                hq = num_heads
+        per_row = {
+            Payload.Q: hq * d * self.elem_bytes,
+            Payload.KV: 2 * hkv * d * self.elem_bytes,
+            Payload.OUT: hq * d * self.elem_bytes + hq * self.acc_bytes,
+            Payload.Q_GRAD: 2 * hq * d * self.elem_bytes + 2 * hq * self.acc_bytes,
+            Payload.DQ: hq * d * self.elem_bytes,
+            Payload.DKV: 2 * hkv * d * self.acc_bytes,
+        }[payload]
+        return b * per_row
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One kernel call: q rows of the q owner against kv rows of the kv owner."""
+
+    q_rows: Rows
+    kv_rows: Rows
+    causal: bool  # top-left causal mask; only on a run against itself (equal positions)
+    lane: int = 0  # which travelling block the kv rows come from (see Lane)
+    heads: Rows | None = None  # kv heads computed (query heads: the same range x group); all
+    masked: bool = False  # explicit mask from the rows' positions (Note [Mask classes])
+    q_heads: Rows | None = None  # query heads computed when not ``heads`` x group (MQA lanes)
+
+    @property
+    def num_q(self) -> int:
+        return self.q_rows[1] - self.q_rows[0]
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv_rows[1] - self.kv_rows[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Pieces over q rows inside ``q_rows``, merged into one partial over ``q_rows`` (the unit
+    that is returned); rows no piece covers get lse -inf."""
+
+    q_rows: Rows
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """``rows`` of ``owner``'s shard of ``payload`` going from ``src`` to ``dst``.
+
+    Posted by the sender at step ``step`` after ``after_segments`` of its compute segments of
+    that step (0: at the start of the step, overlapping the whole step's compute). The receiver
+    posts its receive at the start of the same step.
+    """
+
+    payload: Payload
+    src: int
+    dst: int
+    owner: int
+    rows: Rows
+    step: int
+    after_segments: int
+    heads: Rows | None = None  # heads of the payload's kind carried (None: all)
+    lane: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    def num_bytes(self, dims: Dims) -> int:
+        num_heads = None if self.heads is None else self.heads[1] - self.heads[0]
+        return self.num_rows * dims.row_bytes(self.payload, num_heads)
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One travelling block stream: its direction round the ring and what part it carries."""
+
+    direction: int  # -1: rank r sends to r-1 ("down"); +1: to r+1 ("up")
+    kv_heads: Rows | None = None  # kv heads it carries (None: all)
+    kv_rows: Rows | None = None  # rows of the K/V shard it carries (None: all)
+    q_heads: Rows | None = None  # pass-Q: query heads it carries (None: all)
+
+    def visitor(self, rank: int, step: int, world_size: int) -> int:
+        """The owner of the block this lane holds on ``rank`` at ``step``."""
+        return (rank - self.direction * step) % world_size
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one rank computes at one step."""
+
+    rank: int
+    step: int
+    q_owner: int
+    kv_owners: tuple[int, ...]  # per lane: whose K/V that lane's block holds at this step
+    segments: tuple[Segment, ...]
+    q_owners: tuple[int, ...] = ()  # pass-Q on two lanes: whose Q each lane holds; () q_owner
+
+    def lane_q_owner(self, lane: int) -> int:
+        """Whose queries the pieces of ``lane`` compute at this step."""
+        return self.q_owners[lane] if self.q_owners else self.q_owner
+
+    @property
+    def kv_owner(self) -> int:
+        """The kv owner of lane 0 (the only lane of TokenRing and Ring)."""
+        return self.kv_owners[0]
+
+    @property
+    def pieces(self) -> Iterator[Piece]:
+        for segment in self.segments:
+            yield from segment.pieces
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The whole plan of one attention pass of one strategy on ``world_size`` ranks."""
+
+    strategy: Strategy
+    pass_: Pass
+    layout: Layout
+    causal: bool
+    world_size: int
+    seq_local: int
+    lanes: tuple[Lane, ...]
+    steps: tuple[tuple[StepPlan, ...], ...]  # [rank][step]
+    transfers: tuple[Transfer, ...]
+    sharding: Sharding | None = None  # where tokens and padding live; None: no padding
+    mask: MaskSpec | None = None  # None: plain (``causal`` only)
+    _sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
+    _recvs: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        sends: dict[tuple[int, int], list[Transfer]] = {}
+        recvs: dict[tuple[int, int], list[Transfer]] = {}
+        for tr in self.transfers:
+            sends.setdefault((tr.src, tr.step), []).append(tr)
+            recvs.setdefault((tr.dst, tr.step), []).append(tr)
+        self._sends.update({k: tuple(v) for k, v in sends.items()})
+        self._recvs.update({k: tuple(v) for k, v in recvs.items()})
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps[0])
+
+    def sends(self, rank: int, step: int) -> tuple[Transfer, ...]:
+        """Transfers ``rank`` posts during ``step``."""
+        return self._sends.get((rank, step), ())
+
+    def recvs(self, rank: int, step: int) -> tuple[Transfer, ...]:
+        """Transfers ``rank`` receives, posted at the start of ``step``."""
+        return self._recvs.get((rank, step), ())
+
+
+def block_pieces(
+    *, layout: Layout, causal: bool, world_size: int, seq_local: int, q_owner: int, kv_owner: int
+) -> tuple[Piece, ...]:
+    """The kernel calls for the Q shard of ``q_owner`` against the K/V shard of ``kv_owner``
+    when every rank holds ``seq_local`` tokens and only ``causal`` masks.
+
+    See Note [Causal blocks per layout].
+    """
+    sharding = make_sharding(layout=layout, world_size=world_size, seq_len=seq_local * world_size)
+    return sharded_block_pieces(sharding, MaskSpec(causal), q_owner, kv_owner)
+
+
+def sharded_block_pieces(
+    sharding: Sharding, mask: MaskSpec, q_owner: int, kv_owner: int
+) -> tuple[Piece, ...]:
+    """The kernel calls for the Q rows of ``q_owner`` against the K/V rows of ``kv_owner``:
+    one piece per visible pair of runs (Note [Mask classes]), full pieces that tile a larger
+    rectangle merged into one.
+
+    A rank's own block under a plain causal mask, without padding, is one causal piece over
+    the whole shard: positions increase along its rows (Note [Causal blocks per layout]).
+    """
+    q_runs, kv_runs = sharding.runs[q_owner], sharding.runs[kv_owner]
+    n = sharding.local_len(q_owner)
+    if (
+        q_owner == kv_owner
+        and mask.causal
+        and mask.plain
+        and n == sharding.seq_local
+        and all(a.global_start < b.global_start for a, b in itertools.pairwise(q_runs))
+    ):
+        return (Piece((0, n), (0, n), True),)
+    full: list[tuple[Rows, Rows]] = []
+    other: list[Piece] = []
+    # runs indexed by the mask's documents (chunks may cut the layout's documents)
+    q_runs = tuple(part for run in q_runs for part in mask.split(run))
+    kv_by_doc: dict[int, list[Run]] = {}
+    for run in kv_runs:
+        for part in mask.split(run):
+            kv_by_doc.setdefault(part.doc, []).append(part)
+    tile = mask.band_tile()
+    if tile is not None:  # a window: cut query runs so each piece's kv rows follow the band
+        q_runs = tuple(part for run in q_runs for part in _tiles(run, tile))
+    for q_whole in q_runs:
+        for kv_whole in kv_by_doc.get(q_whole.doc, ()):  # other documents see nothing
+            trimmed = mask.trim(q_whole, kv_whole)
+            if trimmed is None:
+                continue
+            q_run, kv_run = trimmed
+            kind = mask.classify(q_run, kv_run)
+            if kind is MaskKind.FULL:
+                full.append((q_run.rows, kv_run.rows))
+            elif kind is not MaskKind.EMPTY:
+                other.append(
+                    Piece(
+                        q_run.rows,
+                        kv_run.rows,
+                        kind is MaskKind.CAUSAL,
+                        masked=kind is MaskKind.MASKED,
+                    )
+                )
+    merged = [Piece(q_rows, kv_rows, False) for q_rows, kv_rows in _merge_rectangles(full)]
+    return tuple(sorted(merged + other, key=lambda p: (p.q_rows, p.kv_rows)))
+
+
+def _tiles(run: Run, tile: int) -> list[Run]:
+    """``run`` cut into consecutive runs of at most ``tile`` tokens."""
+    return [
+        Run(run.local_start + i, min(tile, run.length - i), run.global_start + i, run.doc)
+        for i in range(0, run.length, tile)
+    ]
+
+
+def _merge_rectangles(rects: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]:
+    """Merge (q rows, kv rows) rectangles that share one side and touch on the other, until
+    none do. The union is unchanged; only the number of kernel calls drops."""
+    rects = sorted(rects)
+    changed = True
+    while changed:
+        changed = False
+        for i, (qa, ka) in enumerate(rects):
+            for j in range(i + 1, len(rects)):
+                qb, kb = rects[j]
+                joined = None
+                if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
+                    joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
+                elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
+                    joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
+                if joined is not None:
+                    rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
+                    changed = True
+                    break
+            if changed:
+                break
+    return rects
+
+
+def _union(rows: list[Rows]) -> Rows | None:
+    """Smallest range covering ``rows`` (None when empty)."""
+    rows = [r for r in rows if r[1] > r[0]]
+    if not rows:
+        return None
+    return (min(r[0] for r in rows), max(r[1] for r in rows))
+
+
+def _split_rows(rows: Rows, parts: int) -> list[Rows]:
+    start, stop = rows
+    n = stop - start
+    parts = max(1, min(parts, n))
+    bounds = [start + (n * i) // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def piece_flops(piece: Piece, dims: Dims, pass_: Pass) -> float:
+    """Matmul FLOPs of one piece: 4*B*Hq*sq*sk*D forward (QK^T and PV), 2.5x that backward.
+
+    A causal piece counts only the unmasked (i >= j) entries; a piece on a subset of heads
+    counts only those heads.
+    """
+    sq, sk = piece.num_q, piece.num_kv
+    pairs = sq * (sq + 1) / 2 if piece.causal else sq * sk
+    heads_q = dims.heads_q
+    if piece.q_heads is not None:  # a pass-Q lane's query heads
+        heads_q = piece.q_heads[1] - piece.q_heads[0]
+    elif piece.heads is not None:  # a lane's kv heads and the query heads of their groups
+        heads_q = (piece.heads[1] - piece.heads[0]) * (dims.heads_q // dims.heads_kv)
+    forward = 4.0 * dims.batch * heads_q * dims.head_dim * pairs
+    return forward if pass_ is Pass.FORWARD else 2.5 * forward

@@ -1,0 +1,431 @@
+"""Collective strategies: Ulysses (all-to-all sequence <-> heads) and all-gather K/V.
+
+This module owns both strategies end to end: their pure schedules
+(:func:`build_collective_schedule`, plain data the cost model reads like the ring schedules,
+routed the way the backend's collectives route; Note [Collective routing]), their runtime on
+``torch.distributed`` collectives over ``comm.group`` (:func:`collective_forward` and
+:func:`collective_backward`, joined by residuals; the public API runs them after validation
+and wires them into autograd). The collectives go through the communicator
+(``comm.all_to_all_single``; all-gather K/V's rounds are all-to-alls too), so each is bounded by
+``comm.timeout`` and fails naming itself, the rank and the group. Every message is
+counted in ``comm.counter`` per flow and destination as the backend puts it on the wire, and
+the schedule's transfers add up to the same bytes.
+
+Legend: B batch, S global seq (P * s), s local seq, c = s // 2 (zigzag chunk), Hq query heads,
+Hkv key/value heads, g = Hq // Hkv (query heads per kv head), D head dim, P world size,
+nq / nkv heads of one Ulysses rank, e bytes per element, a bytes per accumulator element (4; 8
+for float64).
+
+Note [Ulysses]
+~~~~~~~~~~~~~~
+Two all-to-alls turn a sequence shard of every head into every row of a head shard and back.
+P = 2, Hq = 4 (rows in layout order, h = query heads)::
+
+              input              all-to-all 1          kernel            all-to-all 2
+    rank 0:   rows_0 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h0,1  ->  rows_0 x h0..3
+    rank 1:   rows_1 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h2,3  ->  rows_1 x h0..3
+
+The gathered rows arrive in rank order, which is layout order. Causal attention needs global
+order: zigzag with P = 2 arrives as chunks c0 c3 c1 c2, so the rows are permuted to
+c0 c1 c2 c3 before the kernel (then the mask is the plain top-left causal mask) and back after
+it. Non-causal attention does not care about the order of keys and maps a permutation of the
+queries to the same permutation of the outputs, so it skips both permutations.
+
+Forward: travel q rows of the destination's heads plus the K/V heads they use; return out of
+my heads for the destination's rows plus their lse (lse is returned like the ring strategies,
+so out and lse always travel together). The forward keeps nothing gathered: the backward
+gathers q, dout, lse and delta = rowsum(dout * out) of the destination's heads (TokenRing's
+``Payload.Q_GRAD``) with the K/V heads they use, one all-to-all, and dq, dk, dv return.
+Keeping the gathered q, k, v, out, lse instead would save the q and K/V part of that
+all-to-all but hold four q-sized tensors from the forward to the end of the backward (README
+"Memory"). dK/dV return in the accumulation dtype (as the Ring strategy's accumulators do)
+because a kv head can be used by several ranks and its gradient is a sum; see Note [Ulysses
+head split].
+
+Note [Ulysses head split]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Heads are never padded and Hq % P != 0 is never refused: rank j gets a contiguous share of
+ceil(Hq / P) query heads if j < Hq % P, else floor(Hq / P), in rank order (with Hq < P the
+last ranks get none and only relay). A rank receives exactly the kv heads its query heads use,
+h // g for each of its heads h, a contiguous range; a kv head used by several ranks is sent to
+each of them once, and in the backward its dK/dV partials from those ranks are summed on the
+way home (every rank owns the rows of every head). Hq = 6, Hkv = 3 (g = 2), P = 4::
+
+    rank   q heads   kv heads   note
+    0      0 1       0
+    1      2 3       1
+    2      4         2          kv head 2 goes to ranks 2 and 3; both dK/dV partials
+    3      5         2          of it are summed by the owner of each row
+
+The kernel maps local query head i to local kv head i // (nq // nkv). When a share does not
+line up with the groups (Hq = 6, Hkv = 3, P = 2: rank 0 has q heads 0 1 2 using kv heads
+0 0 1), K/V are repeated locally to one head per query head, never on the wire, and their
+gradients are summed back per kv head before they return.
+
+Note [All-gather K/V]
+~~~~~~~~~~~~~~~~~~~~~
+Every rank attends with its own Q over every rank's K/V, gathered in rounds (Note [All-gather
+K/V rounds]) so that at most two blocks of others' K/V are held at once, and nothing is kept
+for the backward. Which rows of Q_r meet which rows of KV_j is Note [Causal blocks per layout]
+of ``tokenring.core.schedule`` (contiguous causal: j > r is empty; zigzag causal: j < r meets kv
+rows [0, c), j > r only q rows [c, s)); each piece is one kernel call on views of its round's
+buffer (no index copies), merged in fp32 by lse (tokenring.core.merge).
+
+Note [All-gather K/V rounds]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Round k (k = 0 .. P-1) of rank r computes against the K/V of owner r + k (mod P); round 0 is
+its own block, no transfer. Round k >= 1 is one all-to-all in which every rank sends its own
+K/V to r - k and receives those of r + k (k and v as two all-to-alls; every other split is
+empty). P = 4, rank 0 (rows: what happens in order; "k/v j" = owner j's K/V)::
+
+    pass       slot (segments before)   posts                         computes
+    forward    0                        k/v round 1 (from 1, to 3)     own block (causal)
+               rounds 0                 k/v round 2 (from 2, to 2)     round 1, once it arrived
+               rounds 0..1              k/v round 3 (from 3, to 1)     round 2, ...
+    backward   0                        k/v round 1                   own block: dq, dk, dv
+               rounds 0..1 (each k)     dK/dV of round k to 0 + k,    round k, its dK/dV
+                                        then k/v round k + 1          partial from zero
+
+The forward keeps two rounds in flight (round k + 1 lands in the buffer of round k - 1), so
+its transfers hide behind compute; the backward keeps one (the K/V buffer is refilled only
+after its round is computed) and waits for each return before the next round, because a
+round holds the K/V, the dK/dV partial it sends and the one it receives (accumulation dtype,
+added into this rank's dk, dv). Gathering again costs the backward the forward's K/V bytes
+once more; keeping every rank's K/V and their gradients cost ~6.8x the minimum at P = 4
+(README "Memory").
+
+Note [Collective schedules]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+:func:`build_collective_schedule` returns a ``tokenring.core.schedule.Schedule`` with one step.
+``steps[r][0]`` is what rank r computes, with ``q_owner = kv_owner = r``, and its rows are:
+
+    strategy       q rows                        kv rows
+    ulysses        gathered sequence, global     gathered sequence, global order, [0, S),
+                   order, [0, S)                 one piece per rank on its own head share
+    allgather_kv   r's own local rows [0, s)     the gathered K/V in rank order: row i of
+                                                 owner j is j * s + i
+
+Pieces of a Ulysses rank cover only its head share, so the FLOPs of rank r are
+``piece_flops(piece, replace(dims, heads_q=ulysses_heads(...)[r].num_q), pass_)``.
+``transfers`` lists every point-to-point message of the collectives, all at step 0
+(``after_segments``: 0 for travel, the segments computed before it is posted for a return),
+with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B):
+
+    strategy       pass       payload       flow     r -> j (j != r), bytes per row
+    ulysses        forward    q             travel   nq_j*D*e           (q of j's heads)
+                              kv            travel   2*nkv_j*D*e        (k, v j needs)
+                              out           return   nq_r*D*e + nq_r*a  (out + lse)
+    ulysses        backward   q_grad        travel   2*nq_j*D*e + 2*nq_j*a  (q, dout, lse, delta)
+                              kv            travel   2*nkv_j*D*e        (k, v j needs)
+                              dq            return   nq_r*D*e
+                              dkv           return   2*nkv_r*D*a
+    allgather_kv   forward    kv            travel   2*Hkv*D*e          (round (r - j) mod P)
+    allgather_kv   backward   kv            travel   2*Hkv*D*e          (gathered again)
+                              dkv           return   2*Hkv*D*a          (round (j - r) mod P)
+
+with s rows each. All-gather K/V's ``after_segments`` are its rounds' slots (Note [All-gather
+K/V rounds]); its segments are one piece each, in round order.
+
+Note [Collective routing]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A schedule lists what goes on the wire, so it follows the backend's algorithms
+(``costmodel.CollectiveRouting``: from ``comm.backend`` at run time, from
+``Hardware.collectives`` in the cost model)::
+
+    routing   all-gather (measured; not used)         all-to-all (Ulysses; all-gather K/V rounds)
+    DIRECT    r -> j for every j != r, all at once   r -> j for every j != r, all at once,
+                                                     both directions of a pair together
+    GLOO      round the ring: r sends P-1 blocks     r -> j for every j != r, but the two
+              to r+1 and receives P-1 from r-1       directions of each pair take turns
+
+The steps whose transfers take turns are ``half_duplex_steps`` of the schedule; the cost model
+gives each such pair one resource shared by both directions (``ResourceKind.PAIR``).
+Measured on the lab (full mesh, 100 Mbit/s per directed link, X = 2 MiB per pair, X/B = 168 ms;
+median of 6 in units of X/B; benchmarks/results/gloo_collectives.md)::
+
+    P    P2P, receives first   all_to_all_single (equal / uneven)   all_gather_into_tensor
+    2    1.00                  1.96 / 1.96                          1.47 (1.0-1.5: a race)
+    3    1.00                  1.95 / 1.94                          2.01
+    4    1.01                  1.96 / 1.95                          3.03
+
+gloo's all-gather sends only to r+1; its all-to-all posts each send before the matching
+receive, and the peer's "ready to receive" notice then queues behind the data going the other
+way (../shared/netlab-notes.md, pitfall 1), so a pair's two directions run one after the
+other (now and then a call wins the race and runs at 1.0). At P = 2 the all-gather's ring is
+one pair used both ways; it is modelled as DIRECT there. NCCL on NVSwitch is DIRECT: its ring
+all-gather loads every port with the same P-1 blocks as direct sends, and one flow can use a
+whole port, so on a switch the two price alike. (NCCL on PCIe or a switchless mesh routes
+all-gathers over a ring too; not modelled, and not measured: the planner does not pick the
+collectives under DIRECT yet.) All-gather K/V used the backend's all-gather until its rounds
+(Note [All-gather K/V rounds]): each round is an all-to-all with one split per rank, so it
+routes like Ulysses, and its pairs take turns on gloo where a round uses both directions.
+
+Note [gloo collectives]
+~~~~~~~~~~~~~~~~~~~~~~~
+On gloo in torch 2.13 ``all_to_all_single`` (uneven splits, async) and
+``all_gather_into_tensor`` (async, bf16 and fp16 too) are native. ``reduce_scatter_tensor``
+runs but is emulated as an all-reduce followed by a local chunk (pytorch PR 118911): twice a
+reduce-scatter's traffic, and every rank receives every sum. So the backward's reduce-scatter
+of all-gather K/V is an ``all_to_all_single`` of each owner's dK/dV block followed by a local
+sum: P - 1 blocks out per rank, the volume of a real reduce-scatter, on every backend (in
+rounds, one block per round; Note [All-gather K/V rounds]). Messages are packed as bytes so
+that one message carries tensors of two dtypes (out and lse).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from tokenring.core.layout import Layout, validate_seq_local
+from tokenring.core.schedule import (
+    Pass,
+    Payload,
+    Piece,
+    Schedule,
+    Segment,
+    StepPlan,
+    Strategy,
+    Transfer,
+    block_pieces,
+)
+from tokenring.model.costmodel import CollectiveRouting
+
+__all__ = [
+    "DOUT",
+    "CollectiveSchedule",
+    "CollectiveStrategy",
+    "HeadShare",
+    "build_collective_schedule",
+    "ulysses_heads",
+]
+
+Rows = tuple[int, int]
+FieldSpec = tuple[tuple[int, ...], torch.dtype]
+
+DOUT = Payload.Q
+"""Payload kind of dout rows in schedules: the bytes (Hq*D*e per row) and flow (travel) of q."""
+
+
+class CollectiveStrategy(enum.Enum):
+    """The strategies this module runs."""
+
+    ULYSSES = "ulysses"
+    ALLGATHER_KV = "allgather_kv"
+
+    @classmethod
+    def parse(cls, value: CollectiveStrategy | enum.Enum | str) -> CollectiveStrategy:
+        """Accept a member, any enum member with a matching value, or the value itself."""
+        if isinstance(value, CollectiveStrategy):
+            return value
+        raw = value.value if isinstance(value, enum.Enum) else value
+        try:
+            return cls(raw)
+        except ValueError:
+            options = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"strategy_name must be one of {options}; got {raw!r}") from None
+
+
+def _schedule_tag(strategy: CollectiveStrategy) -> Strategy:
+    """The ``Schedule.strategy`` of a collective schedule: the registry's member."""
+    return Strategy(strategy.value)
+
+
+# -- head shares ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShare:
+    """The heads one Ulysses rank attends over: half-open ranges of global head indices."""
+
+    q: Rows
+    kv: Rows
+
+    @property
+    def num_q(self) -> int:
+        return self.q[1] - self.q[0]
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv[1] - self.kv[0]
+
+
+def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[HeadShare, ...]:
+    """Each rank's query heads and the kv heads they use; see Note [Ulysses head split].
+
+    Raises:
+        ValueError: world_size < 1, heads < 1, or heads_kv not dividing heads_q.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"heads_kv must be >= 1 and divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
+        )
+    groups = heads_q // heads_kv
+    base, extra = divmod(heads_q, world_size)
+    shares = []
+    start = 0
+    for rank in range(world_size):
+        stop = start + base + (1 if rank < extra else 0)
+        kv = (start // groups, (stop - 1) // groups + 1) if stop > start else (0, 0)
+        shares.append(HeadShare((start, stop), kv))
+        start = stop
+    return tuple(shares)
+
+
+# -- schedules -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveSchedule(Schedule):
+    """A ``Schedule`` routed as a backend's collectives route (Note [Collective routing])."""
+
+    routing: CollectiveRouting = CollectiveRouting.DIRECT
+    """The backend routing the transfers follow."""
+    half_duplex_steps: frozenset[int] = frozenset()
+    """Steps whose transfers are a backend all-to-all in which the two directions of each pair
+    take turns (GLOO); the cost model shares one resource per pair between them."""
+
+
+def build_collective_schedule(
+    strategy_name: CollectiveStrategy | enum.Enum | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
+) -> CollectiveSchedule:
+    """The schedule of one pass of Ulysses or all-gather K/V. Pure: no tensors, no groups.
+
+    See Note [Collective schedules] for the row conventions and payloads, and Note
+    [Collective routing] for ``routing``.
+
+    Args:
+        strategy_name: ``"ulysses"`` or ``"allgather_kv"``.
+        pass_: forward or backward.
+        layout: how the sequence is sharded (see ``tokenring.core.layout``).
+        causal: causal mask over global positions.
+        world_size: P >= 1.
+        seq_local: s, tokens per rank.
+        heads_q, heads_kv: Hq and Hkv (Hkv divides Hq); Ulysses splits heads by them.
+        routing: how the backend routes its collectives (``CollectiveRouting`` or its value).
+
+    Raises:
+        ValueError: unknown strategy, pass, layout or routing; world_size < 1; a seq_local
+            the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
+    """
+    strategy = CollectiveStrategy.parse(strategy_name)
+    return _build(
+        strategy,
+        Pass(pass_),
+        Layout.parse(layout),
+        bool(causal),
+        world_size,
+        seq_local,
+        heads_q,
+        heads_kv,
+        CollectiveRouting.parse(routing),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _build(
+    strategy: CollectiveStrategy,
+    pass_: Pass,
+    layout: Layout,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    routing: CollectiveRouting = CollectiveRouting.DIRECT,
+) -> CollectiveSchedule:
+    validate_seq_local(seq_local, layout)
+    shares = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
+    p, s = world_size, seq_local
+    forward = pass_ is Pass.FORWARD
+    steps: list[tuple[StepPlan, ...]] = []
+    transfers: list[Transfer] = []
+    for r in range(p):
+        if strategy is CollectiveStrategy.ULYSSES:
+            whole = (0, p * s)
+            segments: tuple[Segment, ...] = ()
+            if shares[r].num_q > 0:
+                segments = (Segment(whole, (Piece(whole, whole, causal),)),)
+            for j in range(p):
+                if j == r:
+                    continue
+                mine, theirs = shares[r], shares[j]
+                if forward:
+                    travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
+                    back = [(Payload.OUT, mine.q)]
+                else:  # gathered again: the forward keeps nothing (Note [Ulysses])
+                    travel = [(Payload.Q_GRAD, theirs.q), (Payload.KV, theirs.kv)]
+                    back = [(Payload.DQ, mine.q), (Payload.DKV, mine.kv)]
+                for payload, heads in travel:
+                    if heads[1] > heads[0]:
+                        transfers.append(Transfer(payload, r, j, r, (0, s), 0, 0, heads))
+                for payload, heads in back:
+                    if heads[1] > heads[0]:
+                        transfers.append(
+                            Transfer(payload, r, j, j, (0, s), 0, len(segments), heads)
+                        )
+        else:  # rounds: k = 0 is the own block, round k the K/V of owner r + k
+            rounds = _allgather_rounds(layout, causal, p, s, r)
+            segments = tuple(seg for round_ in rounds for seg in round_)
+            cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
+            for k in range(1, p):  # Note [All-gather K/V rounds]
+                gather_after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
+                transfers.append(Transfer(Payload.KV, r, (r - k) % p, r, (0, s), 0, gather_after))
+                if not forward:
+                    owner = (r + k) % p
+                    transfers.append(Transfer(Payload.DKV, r, owner, owner, (0, s), 0, cum[k + 1]))
+        steps.append((StepPlan(r, 0, r, (r,), segments),))
+    return CollectiveSchedule(
+        strategy=_schedule_tag(strategy),
+        pass_=pass_,
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=s,
+        lanes=(),  # no block travels a ring: the collectives move everything at once
+        steps=tuple(steps),
+        transfers=tuple(transfers),
+        routing=routing,
+        half_duplex_steps=frozenset({0} if routing is CollectiveRouting.GLOO and p > 1 else ()),
+    )
+
+
+def _allgather_rounds(
+    layout: Layout, causal: bool, p: int, s: int, rank: int
+) -> tuple[tuple[Segment, ...], ...]:
+    """The segments of each round of one all-gather K/V rank: round k computes against the
+    K/V of owner (rank + k) % P, one segment per piece (kv rows of the gathered sequence, so
+    every piece is a view of one round's buffer)."""
+    rounds = []
+    for k in range(p):
+        owner = (rank + k) % p
+        pieces = block_pieces(
+            layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=owner
+        )
+        assert k == 0 or not any(piece.causal for piece in pieces), "only the diagonal is causal"
+        rounds.append(
+            tuple(
+                Segment(pc.q_rows, (Piece(pc.q_rows, _shift(pc.kv_rows, owner * s), pc.causal),))
+                for pc in pieces
+            )
+        )
+    assert len(rounds[0]) == 1, "the own block is one piece"
+    return tuple(rounds)
+
+
+def _shift(rows: Rows, offset: int) -> Rows:
+    return (rows[0] + offset, rows[1] + offset)
