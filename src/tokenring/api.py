@@ -28,7 +28,8 @@ import torch.distributed as dist
 from tokenring.core.layout import Layout, Sharding, make_sharding, validate_seq_local
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import Pass, Schedule, Strategy
-from tokenring.model.costmodel import Hardware
+from tokenring.model import planner
+from tokenring.model.costmodel import Hardware, preset
 from tokenring.runtime import op
 from tokenring.runtime.comm import Communicator, destroy_idle_groups
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
@@ -190,7 +191,6 @@ def resolve_strategy(
     """
     if strategy != "auto":
         return Strategy.parse(strategy)
-    from tokenring.model import planner
 
     if hardware is None:
         hardware = planner.calibrated(comm, dtype=q.dtype, device=q.device)
@@ -221,8 +221,6 @@ def _choose_strategy(
     last_block_splits: int,
     training: bool,
 ) -> Strategy:
-    from tokenring.model import planner
-    from tokenring.model.costmodel import preset
 
     if isinstance(hardware, str):
         hardware = preset(hardware)

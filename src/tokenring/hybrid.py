@@ -68,22 +68,21 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tokenring.api import _validate, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import Layout, Sharding, make_sharding, validate_seq_local
 from tokenring.core.masks import chunk_documents, normalize_window
 from tokenring.core.schedule import (
     Flow,
     Strategy,
 )
+from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel
 from tokenring.strategies.hybrid import _OUTER_NAMES
-
-if TYPE_CHECKING:
-    from tokenring.runtime.comm import Communicator
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -248,7 +247,6 @@ def hybrid_shard(
 
 
 def _communicator(group: dist.ProcessGroup) -> Communicator:
-    from tokenring.api import get_communicator  # lazily: api -> planner -> ... -> hybrid
 
     return get_communicator(group)
 
@@ -408,7 +406,6 @@ def hybrid_attn(
         ValueError: a local length that is not this rank's share (see hybrid_shard); ranks
             that disagree; as :func:`tokenring.sequence_parallel_attn`.
     """
-    from tokenring.api import _validate, sequence_parallel_attn
 
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")

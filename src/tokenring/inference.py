@@ -39,10 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenring.api import sequence_parallel_attn
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import Payload, Strategy
 from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, preset
+from tokenring.model.planner import explain
 from tokenring.runtime.comm import Communicator, FieldSpec, PendingRecv
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.strategies.cached import (
@@ -313,7 +316,6 @@ def calibrated_inference(
     """This machine as a hardware description (``planner.calibrated``) and the time of one
     small kernel call (the fixed cost decode pays per block), agreed across ranks (the
     slowest), measured once per communicator and dtype. Collective on first use."""
-    from tokenring.model import planner
 
     key = (dtype, str(device))
     per_comm = _CALIBRATED.setdefault(comm, {})
@@ -362,8 +364,6 @@ def resolve_cached_strategy(
     elif hardware is None:
         hardware, call_s = calibrated_inference(comm, dtype=dtype, device=device)
     if step.zigzag:
-        from tokenring.model.planner import explain
-
         plan = explain(
             world_size=step.world_size,
             seq_local=step.num_rows(comm.rank) // len(step.new),
@@ -563,8 +563,6 @@ def attend_cached(
     chosen: CachedStrategy = cache.memo[key]
     me = comm.rank
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
-        from tokenring.api import sequence_parallel_attn
-
         b = len(step.new)
         rows = step.num_rows(me) // b
         keys = [cache.shard(layer, s) for s in range(b)]

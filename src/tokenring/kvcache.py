@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from tokenring.api import get_communicator
 from tokenring.runtime.comm import Communicator
 
 __all__ = ["CacheStep", "DistributedKVCache", "KVCacheBudgetError", "place_new_tokens"]
@@ -242,8 +243,6 @@ class DistributedKVCache:
             )
         self.comm: Communicator | None = None
         if world_size is None:
-            from tokenring.api import get_communicator
-
             self.comm = get_communicator(group)
             rank, world_size = self.comm.rank, self.comm.world_size
         assert rank is not None and world_size is not None

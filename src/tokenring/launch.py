@@ -37,6 +37,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from tokenring.api import close_communicators, get_communicator
+
 __all__ = ["LaunchError", "init_distributed", "launch"]
 
 
@@ -86,9 +91,6 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
     the CUDA device from LOCAL_RANK. Always with a timeout, which the default group's
     communicator inherits.
     """
-    import torch
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
@@ -97,7 +99,6 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    from tokenring.api import get_communicator
 
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     get_communicator(None, timeout_s=timeout_s)  # attention on the default group inherits it
@@ -390,12 +391,8 @@ def _worker(spec_path: str, rank: int) -> int:
 
 def _run_rank(spec: _Spec, rank: int) -> Any:
     """Join the group, run ``fn``, then tear down in order (Note [Clean exit])."""
-    import torch
-    import torch.distributed as dist
-
     # The library (and torch._dynamo) is imported before the group exists (Note [Eager
     # package] in tokenring): imported after it, the group's gloo threads outlive it.
-    from tokenring.api import close_communicators, get_communicator
 
     torch.set_num_threads(spec.threads)
     store = dist.FileStore(spec.store_path, spec.world_size)

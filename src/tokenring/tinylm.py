@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from tokenring.api import get_communicator
+from tokenring.inference import cached_attn, resolve_cached_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.strategies.cached import CachedStrategy
@@ -237,8 +239,6 @@ def generate(
         ValueError: empty prompts, tokens outside the vocabulary, max_new_tokens < 1.
         KVCacheBudgetError: a rank would exceed ``budget_bytes``.
     """
-    from tokenring.api import get_communicator
-    from tokenring.inference import cached_attn, resolve_cached_strategy
 
     c = model.config
     _check_prompts(prompts, c.vocab_size, max_new_tokens)

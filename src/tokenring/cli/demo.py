@@ -19,6 +19,7 @@ from tokenring.cli.bench import (
     launch_with_progress,
     run_rank,
 )
+from tokenring.cli.console import make_table, print_table
 
 __all__ = ["add_arguments", "check_args", "run"]
 
@@ -60,7 +61,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenring.cli.console import make_table, print_table
 
     if getattr(args, "_config", None) is None:
         check_args(args)

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tokenring.cli import int_at_least, mem_available_bytes, output_path
 from tokenring.cli.plot import curves_figure, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import Strategy
@@ -24,9 +25,7 @@ from tokenring.model.simulate import (
     simulate,
 )
 from tokenring.runtime.comm import Event
-
-if TYPE_CHECKING:
-    from tokenring.strategies.hybrid import HybridSpec
+from tokenring.strategies.hybrid import HybridSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +59,6 @@ MODELS: dict[str, ModelPreset] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring simulate``."""
-    from tokenring.cli import int_at_least, output_path
 
     call = parser.add_argument_group("the call: model, sizes, strategies")
     machine = parser.add_argument_group("the machine and the simulator")
@@ -203,8 +201,6 @@ def _config(args: argparse.Namespace) -> _Config:
         points.extend((world_size, seq // parts * parts, seq) for seq in args.seq)
     hybrid = None
     if Strategy.HYBRID.value in args.strategies:
-        from tokenring.strategies.hybrid import HybridSpec
-
         hardware = PRESETS[args.hardware]
         inner = args.hybrid_inner or hardware.devices_per_node
         if inner is None:
@@ -442,7 +438,6 @@ P = 512 for one TokenRing forward pass, about 5 KiB per cell)."""
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
-    from tokenring.cli import mem_available_bytes
 
     cfg = _config(args)
     if args.timeline or args.trace:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from tokenring.hf.attention import ATTN_IMPLEMENTATIONS, SequenceParallel
 from tokenring.inference import cached_attn, resolve_cached_strategy
 from tokenring.kvcache import CacheStep, DistributedKVCache
 from tokenring.runtime.comm import Communicator
@@ -139,7 +140,6 @@ class ShardedKVCache(Cache):
         block_size: int | None = None,
         budget_bytes: int | None = None,
     ) -> None:
-        from tokenring.hf.attention import SequenceParallel
 
         if not isinstance(sequence_parallel, SequenceParallel):
             raise ValueError(
@@ -403,7 +403,6 @@ def generate(
             continue from, or a model option the cached attention cannot express (a sliding
             window, chunked attention).
     """
-    from tokenring.hf.attention import ATTN_IMPLEMENTATIONS, SequenceParallel
 
     if not isinstance(sp, SequenceParallel):
         raise ValueError(f"sp must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}")

@@ -64,7 +64,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,9 +83,7 @@ from tokenring.model.costmodel import (
 from tokenring.model.simulate import simulate
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
-
-if TYPE_CHECKING:
-    from tokenring.strategies.hybrid import HybridSpec
+from tokenring.strategies.hybrid import HybridSpec
 
 __all__ = [
     "Plan",

@@ -84,7 +84,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -105,9 +105,8 @@ from tokenring.model.costmodel import (
 from tokenring.model.netlab import Topology
 from tokenring.runtime.comm import Event
 from tokenring.strategies import build_schedule
-
-if TYPE_CHECKING:
-    from tokenring.strategies.hybrid import HybridSpec
+from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
+from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",
@@ -443,7 +442,6 @@ class _EventEngine:
     # rank's own block (all-gather K/V's local segment) overlaps them. Returns are posted in
     # their slots and awaited at the end. Ulysses ranks compute over their head share only.
     def _collective_program(self, r: int) -> list[tuple[Any, ...]]:
-        from tokenring.strategies.collective import ulysses_heads
 
         sched, dims = self.sched, self.dims
         forward = sched.pass_ is Pass.FORWARD
@@ -1344,8 +1342,6 @@ def strategy_schedule(
         heads_kv=heads_kv,
     )
     if strategy is Strategy.HYBRID:
-        from tokenring.strategies.hybrid import build_hybrid_schedule
-
         if hybrid is None:
             raise ValueError(
                 "hybrid must give the inner size and outer strategy for strategy 'hybrid' "
@@ -1355,8 +1351,6 @@ def strategy_schedule(
             pass_, spec=hybrid, last_block_splits=last_block_splits, routing=routing, **common
         )
     if strategy.is_collective:
-        from tokenring.strategies.collective import build_collective_schedule
-
         return build_collective_schedule(strategy.value, pass_, routing=routing, **common)
     return build_schedule(strategy, pass_, last_block_splits=last_block_splits, **common)
 

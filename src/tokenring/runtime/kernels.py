@@ -58,6 +58,7 @@ from typing import Any, TypeAlias
 import torch
 
 from tokenring.core.masks import MaskSpec
+from tokenring.core.merge import merge_into
 
 __all__ = [
     "MATERIALISING",
@@ -529,7 +530,6 @@ class TiledKernel(BlockKernel):
         scale: float,
         mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from tokenring.core.merge import merge_into
 
         b, sq, hq, d = q.shape
         acc = accumulation_dtype(q.dtype)
