@@ -1008,7 +1008,7 @@ def token_ring_attn(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TokenRing attention (pass-Q): Q blocks travel the ring, partial (out, lse) return
     straight to their owner on the other direction (Note [TokenRing step table] in
-    tokenring.core.schedule; the loop is ``tokenring.runtime.ring.run_forward``).
+    tokenring.strategies.ring; the loop is ``tokenring.runtime.ring.run_forward``).
 
     See :func:`sequence_parallel_attn` for the shapes and every keyword.
     """
@@ -1043,7 +1043,7 @@ def bidir_token_ring_attn(
     """Bidirectional TokenRing attention: pass-Q on two counter-rotating rings, each carrying
     half of the query heads (whole GQA groups; with one kv head, half of the query heads), so
     both directions of every link carry Q and partials, and each partial returns straight to
-    its owner (Note [Bidirectional TokenRing] in tokenring.core.schedule).
+    its owner (Note [Bidirectional TokenRing] in tokenring.strategies.ring).
 
     See :func:`sequence_parallel_attn` for the shapes and every keyword.
 

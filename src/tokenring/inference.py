@@ -41,13 +41,14 @@ import torch.distributed as dist
 
 from tokenring.api import sequence_parallel_attn
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Payload, Strategy
+from tokenring.core.schedule import Payload, Strategy, Transfer
 from tokenring.kvcache import CacheStep, DistributedKVCache
 from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, preset
 from tokenring.model.planner import explain
-from tokenring.runtime.comm import Communicator, FieldSpec, PendingRecv
+from tokenring.runtime.comm import Communicator, FieldSpec
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.runtime.slots import SlotPoster
 from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
@@ -94,19 +95,11 @@ class _PlanRunner:
         self.kv_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # holder -> (k, v)
         self.partial: tuple[torch.Tensor, torch.Tensor] | None = None  # the last one computed
         self.accs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # owner -> (1,n,H,D),(1,H,n)
-        self.pending: dict[CachedTransfer, PendingRecv] = {}
-        self.block_recv: dict[tuple[Payload, int], CachedTransfer] = {}
-        me = self.rank
-        self.slot_sends: dict[tuple[int, int], list[CachedTransfer]] = {}
-        self.slot_recvs: dict[tuple[int, int], list[CachedTransfer]] = {}
-        for tr in plan.transfers:
-            if tr.src == me:
-                self.slot_sends.setdefault((tr.step, tr.after_segments), []).append(tr)
-            if tr.dst == me:
-                self.slot_recvs.setdefault((tr.step, tr.after_segments), []).append(tr)
+        self.poster = SlotPoster(plan.transfers, comm, self._fields, self.device)
+        self.block_recv: dict[tuple[Payload, int], Transfer] = {}
 
     # -- messages ------------------------------------------------------------------------------
-    def _fields(self, tr: CachedTransfer) -> list[FieldSpec]:
+    def _fields(self, tr: Transfer) -> list[FieldSpec]:
         n, hq, hkv, d = tr.num_rows, self.heads_q, self.heads_kv, self.head_dim
         if tr.payload is Payload.Q:
             return [((n, hq, d), self.dtype)]
@@ -114,7 +107,8 @@ class _PlanRunner:
             return [((n, hkv, d), self.dtype)] * 2
         return [((n, hq, d), self.dtype), ((hq, n), self.acc)]
 
-    def _provide(self, tr: CachedTransfer) -> list[torch.Tensor]:
+    def _provide(self, tr: Transfer) -> list[torch.Tensor]:
+        assert isinstance(tr, CachedTransfer)
         if tr.payload is Payload.Q:  # forwarded blocks must have arrived first
             blocks = [self._q_block(o) for o in tr.owners]
             return [blocks[0] if len(blocks) == 1 else torch.cat(blocks)]
@@ -134,15 +128,9 @@ class _PlanRunner:
         lses = [self.accs[o][1][0] for o in tr.owners]
         return [torch.cat(outs), torch.cat(lses, dim=1)]
 
-    def _post(self, slot: tuple[int, int]) -> None:
-        sends = [(tr, self._provide(tr)) for tr in self.slot_sends.get(slot, ())]
-        recvs = [(tr, self._fields(tr)) for tr in self.slot_recvs.get(slot, ())]
-        if not sends and not recvs:
-            return
-        posted = self.comm.exchange(sends, recvs, device=self.device)
-        for tr, rec in posted.items():
+    def _post(self, step: int, after: int) -> None:
+        for tr in self.poster.post(step, after, self._provide):
             assert isinstance(tr, CachedTransfer)
-            self.pending[tr] = rec
             if tr.payload is not Payload.OUT:
                 for o in tr.owners:
                     self.block_recv[(tr.payload, o)] = tr
@@ -153,7 +141,8 @@ class _PlanRunner:
     def _q_block(self, owner: int) -> torch.Tensor:
         if owner not in self.q_blocks:
             tr = self.block_recv[(Payload.Q, owner)]
-            (packed,) = self.pending.pop(tr).wait()
+            assert isinstance(tr, CachedTransfer)
+            (packed,) = self.poster.pending.pop(tr).wait()
             sizes = [self.shards.q_rows[o] for o in tr.owners]
             for o, block in zip(tr.owners, self._split_rows(packed, sizes), strict=True):
                 self.q_blocks[o] = block
@@ -162,7 +151,7 @@ class _PlanRunner:
     def _kv_block(self, holder: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if holder not in self.kv_blocks:
             tr = self.block_recv[(Payload.KV, holder)]
-            k, v = self.pending.pop(tr).wait()
+            k, v = self.poster.pending.pop(tr).wait()
             self.kv_packed[holder] = (k, v)
             sizes = self.shards.kv_seq_rows[holder]
             self.kv_blocks[holder] = list(
@@ -236,15 +225,13 @@ class _PlanRunner:
     def _merge_received(self, before_round: int | None) -> None:
         """Wait for and merge the partials posted before ``before_round`` (None: all)."""
         ready = sorted(
-            (
-                tr
-                for tr in self.pending
-                if tr.payload is Payload.OUT and (before_round is None or tr.step < before_round)
-            ),
-            key=lambda tr: (tr.step, tr.after_segments, tr.src),
+            self.poster.take(Payload.OUT, before_step=before_round),
+            key=lambda rec: (rec.transfer.step, rec.transfer.after_segments, rec.transfer.src),
         )
-        for tr in ready:
-            out, lse = self.pending.pop(tr).wait()
+        for rec in ready:
+            tr = rec.transfer
+            assert isinstance(tr, CachedTransfer)
+            out, lse = rec.wait()
             sizes = [self.shards.q_rows[o] for o in tr.owners]
             outs = self._split_rows(out, sizes)
             lses = self._split_rows(lse, sizes, dim=1)
@@ -260,7 +247,7 @@ class _PlanRunner:
         for t in range(plan.num_rounds):
             if tree and t > 0:
                 self._merge_received(before_round=t)  # a subtree's partials before going up
-            self._post((t, 0))
+            self._post(t, 0)
             blocks = plan.computes[me][t]
             for k, (o, j) in enumerate(blocks):
                 out, lse = self._compute(o, j)
@@ -269,12 +256,11 @@ class _PlanRunner:
                     merge_into(acc_out, acc_lse, (0, out.shape[1]), out, lse)
                 else:
                     self.partial = (out[0].to(self.dtype), lse[0])
-                self._post((t, k + 1))
-            mine = [a for (s, a) in (*self.slot_sends, *self.slot_recvs) if s == t]
-            for after in range(len(blocks) + 1, max(mine, default=0) + 1):
-                self._post((t, after))
+                self._post(t, k + 1)
+            for after in range(len(blocks) + 1, self.poster.last_slot(t) + 1):
+                self._post(t, after)
         self._merge_received(before_round=None)
-        assert not self.pending, "every receive of the plan must have been consumed"
+        assert not self.poster.pending, "every receive of the plan must have been consumed"
         self.comm.wait_sends()
         out, lse = self.accs[me]
         return out[0].to(self.dtype), lse[0]

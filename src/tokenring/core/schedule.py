@@ -71,7 +71,8 @@ class Strategy(enum.Enum):
     TOKEN_RING = "token_ring"
     RING = "ring"
     BIDIR_RING = "bidir_ring"
-    BIDIR_TOKEN_RING = "bidir_token_ring"  # pass-Q on two lanes: Note [Bidirectional TokenRing]
+    # pass-Q on two lanes: Note [Bidirectional TokenRing] in tokenring.strategies.ring
+    BIDIR_TOKEN_RING = "bidir_token_ring"
     ULYSSES = "ulysses"
     ALLGATHER_KV = "allgather_kv"
     HYBRID = "hybrid"  # 2-D mesh, inner all-to-all + outer ring strategy: tokenring.hybrid

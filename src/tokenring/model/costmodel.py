@@ -990,7 +990,7 @@ def steady_step(
         ret = s * dims.row_bytes(ret_payload) if t >= 2 else 0
         distance = t - 1
     else:
-        # the accumulator leaves home after step 0 (Note [Backward] in tokenring.core.schedule)
+        # the accumulator leaves home after step 0 (Note [Backward] in tokenring.strategies.ring)
         ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD else 0
         distance = p - 1  # the accumulator goes to r - 1, like K/V
 

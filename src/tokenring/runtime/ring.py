@@ -1,7 +1,8 @@
 """Executes a :class:`~tokenring.core.schedule.Schedule` on one rank: kernels, merges and P2P.
 
 The schedule says what to compute and what to send in which slot; this module only moves
-tensors accordingly. Every strategy shares the slot machinery (:class:`_SlotPoster`). Pass-Q
+tensors accordingly. Every strategy shares the slot machinery
+(``tokenring.runtime.slots.SlotPoster``). Pass-Q
 (TokenRing, bidirectional TokenRing) keeps K/V home, moves one Q block per lane (each lane
 carrying some query heads) and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
 home and moves one block per lane (``Schedule.lanes``), each lane carrying some kv heads or
@@ -73,6 +74,7 @@ from tokenring.runtime.comm import (
     PendingRecv,
 )
 from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask
+from tokenring.runtime.slots import SlotPoster
 
 __all__ = ["Shapes", "run_backward", "run_forward"]
 
@@ -174,75 +176,6 @@ class _Held:
         return [self.rows_of(i, rows) for i in range(len(self.tensors))]
 
 
-class _SlotPoster:
-    """Posts one rank's P2P slot by slot; see Note [Slots] in tokenring.runtime.comm."""
-
-    def __init__(self, sched: Schedule, comm: Communicator, shapes: Shapes) -> None:
-        self.sched, self.comm, self.shapes = sched, comm, shapes
-        self.rank = comm.rank
-        self.pending: dict[Transfer, PendingRecv] = {}
-
-    def post(
-        self, step: int, after: int, provide: Callable[[Transfer], Sequence[torch.Tensor] | Message]
-    ) -> None:
-        recvs = [
-            (tr, self.shapes.fields(tr))
-            for tr in self.sched.recvs(self.rank, step)
-            if tr.after_segments == after
-        ]
-        sends = [
-            (tr, provide(tr))
-            for tr in self.sched.sends(self.rank, step)
-            if tr.after_segments == after
-        ]
-        if recvs or sends:
-            self.pending.update(self.comm.exchange(sends, recvs, device=self.shapes.device))
-
-    def post_rest(
-        self, step: int, done: int, provide: Callable[[Transfer], Sequence[torch.Tensor] | Message]
-    ) -> None:
-        """Post the slots of ``step`` after segment ``done`` that this rank has no compute for."""
-        mine = [*self.sched.recvs(self.rank, step), *self.sched.sends(self.rank, step)]
-        last = max((tr.after_segments for tr in mine), default=0)
-        for after in range(done + 1, last + 1):
-            self.post(step, after, provide)
-
-    def travel_in(self, step: int) -> dict[int, PendingRecv]:
-        """The travelling blocks arriving for ``step + 1`` (posted at ``step``), by lane."""
-        return {
-            tr.lane: self.pending.pop(tr)
-            for tr in self.sched.recvs(self.rank, step)
-            if tr.payload.flow is Flow.TRAVEL
-        }
-
-    def take_ready(self, payload: Payload, before_step: int) -> list[PendingRecv]:
-        """The receives of ``payload`` posted before ``before_step`` that have arrived."""
-        keys = [
-            tr
-            for tr, rec in self.pending.items()
-            if tr.payload is payload and tr.step < before_step and rec.ready()
-        ]
-        return [self.pending.pop(tr) for tr in keys]
-
-    def take(
-        self,
-        payload: Payload,
-        step: int | None = None,
-        lane: int | None = None,
-        owner: int | None = None,
-    ) -> list[PendingRecv]:
-        keys = [
-            tr
-            for tr in self.pending
-            if tr.payload is payload
-            and (step is None or tr.step == step)
-            and (lane is None or tr.lane == lane)
-            and (owner is None or tr.owner == owner)
-        ]
-        keys.sort(key=lambda tr: (tr.step, tr.after_segments))
-        return [self.pending.pop(tr) for tr in keys]
-
-
 class _ComputeTimer:
     """Compute bars of the timeline (when one is recorded). On CUDA the bars are GPU time from
     CUDA events, resolved after the pass (the step loop never waits for the device); their
@@ -340,7 +273,7 @@ class _InFlight:
     def __init__(
         self,
         comm: Communicator,
-        poster: _SlotPoster,
+        poster: SlotPoster,
         step: int,
         dq_acc: torch.Tensor,
         lane_messages: dict[int, Message],
@@ -462,7 +395,7 @@ def run_forward(
     groups = q.shape[2] // k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     shapes = Shapes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, acc, q.device)
-    poster = _SlotPoster(sched, comm, shapes)
+    poster = SlotPoster(sched.transfers, comm, shapes.fields, shapes.device)
     # The first piece of step 0 is this rank's own block; when it covers every row and head,
     # its result is the accumulators' first value (a copy, not a merge into zeros).
     step0 = sched.steps[rank][0] if sched.num_steps else None
@@ -589,7 +522,7 @@ def run_backward(
     groups = q.shape[2] // k.shape[2]
     acc = lse.dtype
     shapes = Shapes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, acc, q.device)
-    poster = _SlotPoster(sched, comm, shapes)
+    poster = SlotPoster(sched.transfers, comm, shapes.fields, shapes.device)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
     dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B,s,Hkv,D)
@@ -720,7 +653,7 @@ def run_backward(
                 if index + 1 < num_segments:
                     poster.post(step, index + 1, provide)
             # Pass-KV: take the accumulator that followed each block (from step 2 on: the first
-            # visitor created it) and pass it on; see Note [Backward] in tokenring.core.schedule.
+            # visitor created it) and pass it on; see Note [Backward] in tokenring.strategies.ring.
             inflight.add_arrived(block=True)
             for lane_index, tr_out in outgoing.items():
                 grads = lane_grads.pop(lane_index, None)
