@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tokenring
-from tokenring.hf import attention as hf
+from tokenring import hf
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -39,7 +39,10 @@ from transformers import (  # noqa: E402
 )
 from transformers import masking_utils as mu  # noqa: E402
 
-from tokenring.hf import attention as hf  # noqa: E402
+from tokenring import hf  # noqa: E402
+from tokenring.hf import attention as hf_attention  # noqa: E402
+
+ModelMask = hf_attention._ModelMask
 
 IGNORE = -100
 BATCH = 2
@@ -532,8 +535,8 @@ def test_model_masks_reach_the_attention_or_raise() -> None:
     def build(builder: Any, c: Any, **kwargs: Any) -> Any:
         return builder(config=c, inputs_embeds=embeds, attention_mask=None, cache=None, **kwargs)
 
-    chunked = hf._ModelMask(causal=True, window_size=(-1, 0), attention_chunk_size=CHUNK)
-    window = hf._ModelMask(causal=True, window_size=(WINDOW - 1, 0), attention_chunk_size=None)
+    chunked = ModelMask(causal=True, window_size=(-1, 0), attention_chunk_size=CHUNK)
+    window = ModelMask(causal=True, window_size=(WINDOW - 1, 0), attention_chunk_size=None)
     for builder, c, kwargs, want in [
         (mu.create_causal_mask, config("gqa"), {}, None),
         (mu.create_causal_mask, config("gqa"), {"position_ids": packed}, None),
@@ -549,13 +552,13 @@ def test_model_masks_reach_the_attention_or_raise() -> None:
             mu.create_causal_mask,
             config("gqa", is_causal=False),
             {},
-            hf._ModelMask(causal=False, window_size=(-1, -1), attention_chunk_size=None),
+            ModelMask(causal=False, window_size=(-1, -1), attention_chunk_size=None),
         ),
         (
             mu.create_sliding_window_causal_mask,
             config("mistral_window", is_causal=False),
             {},
-            hf._ModelMask(causal=False, window_size=(WINDOW, WINDOW), attention_chunk_size=None),
+            ModelMask(causal=False, window_size=(WINDOW, WINDOW), attention_chunk_size=None),
         ),
     ]:
         assert build(builder, c, **kwargs) == want, (builder.__name__, kwargs)
@@ -582,10 +585,10 @@ def test_model_masks_reach_the_attention_or_raise() -> None:
     module = torch.nn.Module()
     module.is_causal = True
     q = torch.zeros(1, 4, 8, 8)
-    bidirectional = hf._ModelMask(causal=False, window_size=(-1, -1), attention_chunk_size=None)
+    bidirectional = ModelMask(causal=False, window_size=(-1, -1), attention_chunk_size=None)
     sp = hf.SequenceParallel(layout="zigzag")
     with pytest.raises(NotImplementedError, match="mask is not causal but the attention module"):
-        hf.attention._attention_forward(
+        hf_attention._attention_forward(
             module,
             q,
             q,

@@ -23,7 +23,7 @@ transformers = pytest.importorskip(
 )
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig  # noqa: E402
 
-from tokenring.hf import attention as hf  # noqa: E402
+from tokenring import hf  # noqa: E402
 from tokenring.model.costmodel import measured  # noqa: E402
 from tokenring.strategies.cached import CachedStrategy  # noqa: E402
 

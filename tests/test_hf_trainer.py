@@ -42,7 +42,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from tokenring.hf import attention as hf  # noqa: E402
+from tokenring import hf  # noqa: E402
 
 VOCAB = 64
 SEQ_LEN = 16
