@@ -1,16 +1,13 @@
 """2-D sequence parallelism: Ulysses inside a fast island, a ring strategy across islands.
 
-This module owns the hybrid (USP-like) strategy: a 2-D mesh ``outer x inner`` of
-P = P_out * P_in ranks, where the inner axis (e.g. the GPUs of one node) runs an all-to-all
-from sequence to heads, the outer axis runs any ring strategy (TokenRing, Ring, bidirectional
-Ring) on the resulting longer, narrower shards, and a second all-to-all brings the result back.
-It also owns the hybrid's entry in the strategy registry: ``Strategy.HYBRID`` with its options
-(:class:`HybridSpec`) and its schedule (:func:`build_hybrid_schedule`), which bench, the cost
-model and the planner read like every other strategy's.
+This module runs the hybrid (USP-like) strategy whose schedule ``tokenring.strategies.hybrid``
+builds (Note [Hybrid schedule] there): the mesh (:class:`HybridMesh`), the layout of a
+rank's shard (Note [Hybrid layout]), and :func:`hybrid_attn`, which turns sequence shards into
+head shards on the inner group, runs a ring strategy over the outer group and turns the result
+back.
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P_out outer ranks,
-P_in inner ranks, nq = Hq / P_in and nkv = Hkv / P_in (heads of one inner rank), e bytes per
-element, a bytes per accumulator element.
+P_in inner ranks, nq = Hq / P_in and nkv = Hkv / P_in (heads of one inner rank).
 
 Note [Hybrid layout]
 ~~~~~~~~~~~~~~~~~~~~
@@ -38,27 +35,6 @@ each peer's, and the outer strategy sees exactly the outer shard it expects for
 
 Heads split evenly: Hq and Hkv must both be divisible by P_in (query head block j uses kv head
 block j), else NotImplementedError; Ulysses proper (``ulysses_attn``) handles uneven splits.
-
-Note [Hybrid schedule]
-~~~~~~~~~~~~~~~~~~~~~~
-:func:`build_hybrid_schedule` lists one pass on all P ranks (rank g = o * P_in + i) in
-n + 2 steps, n being the outer strategy's steps (P_out)::
-
-    step        what                                   transfers g -> g' = o * P_in + j, j != i
-    0           inner all-to-all, sequence -> heads     fwd: q (j's nq heads), kv (j's nkv heads)
-                                                        bwd: dout (j's nq heads)      all s rows
-    1 .. n      the outer strategy's steps 0 .. n-1     its transfers, ranks o -> o * P_in + i,
-                over P_in * s rows and heads            heads shifted to inner rank i's share
-                [i*nq, (i+1)*nq), kv [i*nkv, (i+1)*nkv)
-    n + 1       inner all-to-all, heads -> sequence     fwd: out + lse of my nq heads (j's rows)
-                                                        bwd: dq, dk, dv of my heads (j's rows)
-
-Every transfer and piece carries its head range, so bytes and FLOPs read with the global
-``Dims``. dk and dv return in the input dtype (the outer strategy hands them back in it) and
-are listed as ``Payload.KV``, which weighs 2*nkv*D*e per row (:data:`GRAD_KV`; as dout is
-listed as ``Payload.Q`` by ``tokenring.strategies.collective``). lse always travels with out, so the
-schedule does not depend on ``return_lse``. With GLOO routing steps 0 and n + 1 take turns per
-pair (``half_duplex_steps``; Note [Collective routing] in ``tokenring.strategies.collective``).
 """
 
 from __future__ import annotations
@@ -311,7 +287,8 @@ def _seq_to_heads(
     xs: list[torch.Tensor], group: dist.ProcessGroup, rows: list[int]
 ) -> list[torch.Tensor]:
     """[(B, s_i, H_x, D)] -> [(B, L_o, H_x / P_in, D)], differentiable, in one all-to-all: one
-    message per peer with all of them (q, k and v), as Note [Hybrid schedule] lists.
+    message per peer with all of them (q, k and v), as Note [Hybrid schedule] in
+    tokenring.strategies.hybrid lists.
     ``rows[j]``: s_j, the rows of inner rank j (L_o = their sum)."""
     p, me = len(rows), dist.get_rank(group)
     b, s, _, d = xs[0].shape
@@ -398,7 +375,7 @@ def hybrid_attn(
 
     Returns:
         out ``(B, s, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, s)``. lse travels
-        back with out either way (Note [Hybrid schedule]).
+        back with out either way (Note [Hybrid schedule] in tokenring.strategies.hybrid).
 
     Raises:
         NotImplementedError: Hq or Hkv not divisible by the inner size; a collective strategy

@@ -1,15 +1,9 @@
-"""Collective strategies: Ulysses (all-to-all sequence <-> heads) and all-gather K/V.
+"""Collective strategies as schedules: Ulysses (all-to-all sequence <-> heads) and all-gather K/V.
 
-This module owns both strategies end to end: their pure schedules
-(:func:`build_collective_schedule`, plain data the cost model reads like the ring schedules,
-routed the way the backend's collectives route; Note [Collective routing]), their runtime on
-``torch.distributed`` collectives over ``comm.group`` (:func:`collective_forward` and
-:func:`collective_backward`, joined by residuals; the public API runs them after validation
-and wires them into autograd). The collectives go through the communicator
-(``comm.all_to_all_single``; all-gather K/V's rounds are all-to-alls too), so each is bounded by
-``comm.timeout`` and fails naming itself, the rank and the group. Every message is
-counted in ``comm.counter`` per flow and destination as the backend puts it on the wire, and
-the schedule's transfers add up to the same bytes.
+This module owns both strategies' pure schedules (:func:`build_collective_schedule`, plain
+data the cost model reads like the ring schedules, routed the way the backend's collectives
+route; Note [Collective routing]). ``tokenring.runtime.collective`` executes them on
+collectives through the communicator.
 
 Legend: B batch, S global seq (P * s), s local seq, c = s // 2 (zigzag chunk), Hq query heads,
 Hkv key/value heads, g = Hq // Hkv (query heads per kv head), D head dim, P world size,
@@ -159,17 +153,6 @@ all-gathers over a ring too; not modelled, and not measured: the planner does no
 collectives under DIRECT yet.) All-gather K/V used the backend's all-gather until its rounds
 (Note [All-gather K/V rounds]): each round is an all-to-all with one split per rank, so it
 routes like Ulysses, and its pairs take turns on gloo where a round uses both directions.
-
-Note [gloo collectives]
-~~~~~~~~~~~~~~~~~~~~~~~
-On gloo in torch 2.13 ``all_to_all_single`` (uneven splits, async) and
-``all_gather_into_tensor`` (async, bf16 and fp16 too) are native. ``reduce_scatter_tensor``
-runs but is emulated as an all-reduce followed by a local chunk (pytorch PR 118911): twice a
-reduce-scatter's traffic, and every rank receives every sum. So the backward's reduce-scatter
-of all-gather K/V is an ``all_to_all_single`` of each owner's dK/dV block followed by a local
-sum: P - 1 blocks out per rank, the volume of a real reduce-scatter, on every backend (in
-rounds, one block per round; Note [All-gather K/V rounds]). Messages are packed as bytes so
-that one message carries tensors of two dtypes (out and lse).
 """
 
 from __future__ import annotations

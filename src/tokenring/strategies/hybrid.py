@@ -1,43 +1,15 @@
-"""2-D sequence parallelism: Ulysses inside a fast island, a ring strategy across islands.
+"""The hybrid (2-D) strategy's schedule: Ulysses inside fast islands, a ring strategy across.
 
-This module owns the hybrid (USP-like) strategy: a 2-D mesh ``outer x inner`` of
-P = P_out * P_in ranks, where the inner axis (e.g. the GPUs of one node) runs an all-to-all
-from sequence to heads, the outer axis runs any ring strategy (TokenRing, Ring, bidirectional
-Ring) on the resulting longer, narrower shards, and a second all-to-all brings the result back.
-It also owns the hybrid's entry in the strategy registry: ``Strategy.HYBRID`` with its options
+A 2-D mesh ``outer x inner`` of P = P_out * P_in ranks: the inner axis (e.g. the GPUs of one
+node) runs an all-to-all from sequence to heads, the outer axis runs any ring strategy on the
+resulting longer, narrower shards, and a second all-to-all brings the result back. This module
+owns the hybrid's entry in the strategy registry: ``Strategy.HYBRID`` with its options
 (:class:`HybridSpec`) and its schedule (:func:`build_hybrid_schedule`), which bench, the cost
-model and the planner read like every other strategy's.
+model and the planner read like every other strategy's. ``tokenring.hybrid`` runs it.
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P_out outer ranks,
 P_in inner ranks, nq = Hq / P_in and nkv = Hkv / P_in (heads of one inner rank), e bytes per
 element, a bytes per accumulator element.
-
-Note [Hybrid layout]
-~~~~~~~~~~~~~~~~~~~~
-The outer axis owns the sequence in the caller's layout over P_out shards (zigzag for causal
-balance); inside an outer shard the P_in inner ranks hold consecutive slices. The inner
-all-to-all concatenates the slices in inner-rank order, so after it every inner rank holds the
-whole outer shard, in the outer layout's local order, for Hq / P_in query heads -- exactly
-what the ring strategy expects from an outer rank. P_out = 2, P_in = 2, zigzag, 8 chunks::
-
-    outer rank 0 shard: c0 c7   ->  inner 0: first half of (c0 c7) = c0,  inner 1: c7
-    outer rank 1 shard: c1 c6   ->  inner 0: c1,                          inner 1: c6
-
-    after the inner all-to-all, each rank of outer rank 0 holds (c0 c7) for half the heads
-
-Any length and packed documents (``seq_len``, ``cu_seqlens``) follow the same rule: the outer
-layout shards the sequence over P_out ranks (zigzag per document, Note [Documents and padding]
-in ``tokenring.core.layout``), and each outer shard of L_o tokens is cut into P_in consecutive
-slices of near-equal length, the longer ones first (:func:`hybrid_positions`). The inner
-all-to-all then has uneven splits: each rank sends its own rows to every inner peer and gets
-each peer's, and the outer strategy sees exactly the outer shard it expects for
-``seq_len``/``cu_seqlens``. Documents d0 = 5, d1 = 6 tokens, P_out = 2, P_in = 2, zigzag::
-
-    outer rank 0 shard (L_0 = 6): d0[0:2] d1[0:2] | d0[4:5] d1[5:6]  ->  inner 0: 3 rows, 1: 3
-    outer rank 1 shard (L_1 = 5): d0[2:3] d1[2:4] | d0[3:4] d1[4:5]  ->  inner 0: 3 rows, 1: 2
-
-Heads split evenly: Hq and Hkv must both be divisible by P_in (query head block j uses kv head
-block j), else NotImplementedError; Ulysses proper (``ulysses_attn``) handles uneven splits.
 
 Note [Hybrid schedule]
 ~~~~~~~~~~~~~~~~~~~~~~
