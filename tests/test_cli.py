@@ -36,8 +36,9 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch_module, "launch", refuse)
     monkeypatch.setattr(launch_module, "_start", refuse)
     monkeypatch.setattr("tokenring.model.netlab.Lab.__enter__", refuse)
-    monkeypatch.setattr("tokenring.model.simulate.simulate", refuse)
+    # the command's module first: importing it binds the simulator's real function
     monkeypatch.setattr("tokenring.cli.simulate.simulate", refuse)
+    monkeypatch.setattr("tokenring.model.simulate.simulate", refuse)
 
 
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

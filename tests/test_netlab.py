@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import tokenring.model.netlab as netlab_module
 from tokenring.model.netlab import (
     Lab,
     LabConfig,
@@ -31,6 +32,9 @@ from tokenring.model.netlab import (
 )
 
 _UNAVAILABLE = lab_unavailable_reason()
+# The children load the module by the path it was imported from here (the package would import
+# torch, ~3 s); a move of the module cannot leave them reading a file that is gone.
+_NETLAB_PATH = netlab_module.__file__
 
 RATE_BITS_PER_S = 100_000_000
 MIB = 1 << 20
@@ -382,7 +386,7 @@ class TestLab:
                 print("the caller's clean-up ran", file=sys.stderr)
             """
         )
-        netlab_path = Path(__file__).parents[1] / "src" / "tokenring" / "netlab.py"
+        netlab_path = _NETLAB_PATH
         proc = subprocess.Popen(
             [sys.executable, "-c", script, str(netlab_path)],
             stdout=subprocess.PIPE,
@@ -439,7 +443,7 @@ class TestLab:
                 time.sleep(60)
             """
         )
-        netlab_path = Path(__file__).parents[1] / "src" / "tokenring" / "netlab.py"
+        netlab_path = _NETLAB_PATH
         proc = subprocess.Popen(
             [sys.executable, "-c", script, str(netlab_path)], stdout=subprocess.PIPE, text=True
         )
