@@ -12,8 +12,8 @@ import itertools
 import pytest
 
 from oracle import covered_pairs, expected_bytes, owned_positions, schedule_bytes_per_link
-from tokenring.core.schedule import Dims, Flow, Pass, Payload, Strategy
-from tokenring.model.costmodel import AttentionShape, measured
+from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Strategy
+from tokenring.model.costmodel import measured
 from tokenring.model.simulate import simulate
 from tokenring.strategies import build_schedule
 
@@ -113,8 +113,12 @@ def test_bytes_per_link_match_formula() -> None:
     ):
         seq_len, cu_seqlens, (left, right) = case
         window = (left, 0 if causal else right)
-        dims = Dims(
-            batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4
+        dims = AttentionShape(
+            batch=2,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=8,
+            dtype="bfloat16",
         )
         sizes = {"seq_local": 6} if seq_len is None else {"seq_len": seq_len}
         sched = build_schedule(
@@ -152,7 +156,7 @@ def test_bytes_per_link_match_formula() -> None:
 def test_first_hop_and_exposed_return_are_halved() -> None:
     """MHA: each direction's first hop carries half of TokenRing's Q, and the return left
     exposed after the last compute is half of TokenRing's on each link."""
-    dims = Dims(batch=1, heads_q=8, heads_kv=8, head_dim=16, elem_bytes=2)
+    dims = AttentionShape(batch=1, heads_q=8, heads_kv=8, head_dim=16, dtype="bfloat16")
     common = {"layout": "zigzag", "causal": True, "world_size": 4, "seq_local": 16}
     one = build_schedule("token_ring", "forward", **common)
     two = build_schedule(STRATEGY, "forward", heads_q=8, heads_kv=8, **common)
@@ -213,7 +217,6 @@ def test_simulated_on_every_topology_with_the_schedules_bytes() -> None:
             "passes": "both",
         }
         call = simulate(STRATEGY, **common)
-        dims = shape.dims
         for result, pass_ in zip(call.passes, (Pass.FORWARD, Pass.BACKWARD), strict=True):
             sched = build_schedule(
                 STRATEGY,
@@ -227,7 +230,7 @@ def test_simulated_on_every_topology_with_the_schedules_bytes() -> None:
             )
             sent = {(flow, r): 0 for flow in Flow for r in range(4)}
             for tr in sched.transfers:
-                sent[(tr.payload.flow, tr.src)] += tr.num_bytes(dims)
+                sent[(tr.payload.flow, tr.src)] += tr.num_bytes(shape)
             assert result.travel_bytes == max(sent[(Flow.TRAVEL, r)] for r in range(4))
             assert result.return_bytes == max(sent[(Flow.RETURN, r)] for r in range(4))
             assert result.call_s > 0

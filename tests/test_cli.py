@@ -176,11 +176,10 @@ def test_the_memory_estimate_follows_the_ranks_on_this_machine(
     nothing_starts: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same run fits when the machine has room for its ranks and is refused otherwise."""
-    from tokenring.cli.bench import BenchConfig, ModelShape, estimate_rank_bytes
+    from tokenring.cli.bench import BenchConfig, estimate_rank_bytes
+    from tokenring.core.schedule import AttentionShape
 
-    config = BenchConfig(
-        seq=4096, models=(ModelShape(name="m", heads_q=4, heads_kv=2, head_dim=16),)
-    )
+    config = BenchConfig(seq=4096, models={"m": AttentionShape(heads_q=4, heads_kv=2, head_dim=16)})
     per_rank = sum(estimate_rank_bytes(config, 2).values())
     argv = ["bench", "--seq", "4096", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
     argv += ["--world-size", "2", "--strategies", "token_ring,ring,bidir_ring,ulysses,allgather_kv"]

@@ -34,7 +34,7 @@ from oracle import (
     tolerance_failures,
 )
 from tokenring.core.layout import Layout
-from tokenring.core.schedule import Dims
+from tokenring.core.schedule import AttentionShape
 from tokenring.runtime.collective import collective_forward
 from tokenring.runtime.kernels import select_kernel
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
@@ -118,7 +118,7 @@ def schedule_bytes(
     causal: bool,
     p: int,
     s: int,
-    dims: Dims,
+    dims: AttentionShape,
     routing: str = "direct",
 ) -> dict[tuple[str, int, int], int]:
     sched = build_collective_schedule(
@@ -263,8 +263,12 @@ def test_schedule_bytes_match_closed_form(strategy: str) -> None:
         (1, 2, 3, 4, 5), (False, True), (*HEADS, (32, 8)), ("direct", "gloo")
     ):
         name = f"P={p} backward={backward} H={heads_q}/{heads_kv} routing={routing}"
-        dims = Dims(
-            batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=16, elem_bytes=2, acc_bytes=4
+        dims = AttentionShape(
+            batch=2,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=16,
+            dtype="bfloat16",
         )
         got = {
             (layout, causal): schedule_bytes(
@@ -416,13 +420,12 @@ def _check_config(
     )
     if lse.requires_grad:
         failures.append("lse requires grad")
-    dims = Dims(
+    dims = AttentionShape(
         batch=BATCH,
         heads_q=hq,
         heads_kv=hkv,
         head_dim=HEAD_DIM,
-        elem_bytes=torch.empty((), dtype=dtype).element_size(),
-        acc_bytes=8 if dtype == torch.float64 else 4,
+        dtype=dtype,
     )
     for backward, (sent, recv) in ((False, counted), (True, counted_bwd)):
         closed = expected_collective_bytes(

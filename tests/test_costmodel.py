@@ -45,10 +45,9 @@ import torch
 
 from oracle import owned_positions
 from tokenring.cli import main
-from tokenring.core.schedule import Flow, Pass, Payload, Strategy
+from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Strategy
 from tokenring.model.costmodel import (
     PRESETS,
-    AttentionShape,
     Hardware,
     Interconnect,
     Resource,
@@ -118,7 +117,7 @@ def test_mha_noncausal_bytes_per_step_match_the_payload_definitions() -> None:
         sched = build_schedule(
             strategy, pass_, layout="contiguous", causal=False, world_size=p, seq_local=s
         )
-        for cost in step_costs(sched, shape.dims):
+        for cost in step_costs(sched, shape):
             t = cost.step
             for r in range(p):
                 assert cost.travel_bytes[r] == (travel if t < p - 1 else 0), (strategy, pass_, t)
@@ -144,7 +143,7 @@ def test_busiest_direction_ratio_is_hq_over_two_hkv() -> None:
             sched = build_schedule(
                 strategy, "forward", layout="contiguous", causal=False, world_size=p, seq_local=s
             )
-            cost = step_costs(sched, shape.dims)[2]
+            cost = step_costs(sched, shape)[2]
             got[strategy] = max(cost.pair_bytes.values())
         want = (hq * 128 * 2 + 4 * hq) / (2 * hkv * 128 * 2)
         assert got[Strategy.TOKEN_RING] / got[Strategy.RING] == pytest.approx(want)
@@ -155,7 +154,6 @@ def test_zigzag_travel_rows_match_positions_from_the_oracle() -> None:
     needed by kv owner j iff some key of j is at or before i's global position (TokenRing);
     K/V row i of owner j is needed by q owner o iff some query of o is at or after it (Ring).
     Positions come from tests/oracle.py, not from tokenring.core.layout."""
-    dims = MHA.dims
     for p, s in ((2, 4), (3, 6), (4, 8), (5, 6)):
         pos = [owned_positions("zigzag", r, p, p * s) for r in range(p)]
         for strategy in CLOSED:
@@ -180,8 +178,8 @@ def test_zigzag_travel_rows_match_positions_from_the_oracle() -> None:
                 (tr,) = [x for x in sched.sends(r, t) if x.payload.flow is Flow.TRAVEL]
                 assert set(range(*tr.rows)) == needed, (strategy, p, r, t)
                 assert int(arrays.travel_rows[r, t]) == len(needed)
-                row = dims.row_bytes(tr.payload)
-                assert step_costs(sched, dims)[t].travel_bytes[r] == len(needed) * row
+                row = MHA.row_bytes(tr.payload)
+                assert step_costs(sched, MHA)[t].travel_bytes[r] == len(needed) * row
 
 
 def test_schedule_arrays_equal_the_schedule() -> None:
@@ -246,20 +244,19 @@ def test_ring_relays_load_every_hop(p: int) -> None:
     or P-t hops down, so every up hop carries sum_{t <= P-t} t returns and every down hop
     carries the P-1 Q blocks plus sum_{t > P-t} (P-t) returns."""
     s = 6
-    dims = MHA.dims
     q = s * 4 * 8 * 2
     out = s * (4 * 8 * 2 + 4 * 4)
     sched = build_schedule(
         "token_ring", "forward", layout="contiguous", causal=False, world_size=p, seq_local=s
     )
-    load = resource_bytes(sched, dims, _hardware(Topology.RING, link=1e9))
+    load = resource_bytes(sched, MHA, _hardware(Topology.RING, link=1e9))
     up = sum(t for t in range(1, p) if t <= p - t) * out
     down = (p - 1) * q + sum(p - t for t in range(1, p) if t > p - t) * out
     for a in range(p):
         assert load[Resource(ResourceKind.LINK, (a, (a + 1) % p))] == up
         assert load[Resource(ResourceKind.LINK, (a, (a - 1) % p))] == down
     assert len(load) == 2 * p  # only neighbour links exist
-    mesh = resource_bytes(sched, dims, _hardware(Topology.MESH, link=1e9))
+    mesh = resource_bytes(sched, MHA, _hardware(Topology.MESH, link=1e9))
     assert sum(mesh.values()) == (p - 1) * p * (q + out)  # each byte crosses one link
 
 
@@ -339,7 +336,7 @@ def test_steady_step_matches_the_schedule_window(topology: Topology) -> None:
                 flying = flying or (tr.step == t - 1 and tr.payload.flow is Flow.RETURN)
                 if flying:
                     for res, cap in route(hw, tr.src, tr.dst, p).resources:
-                        load[res] = load.get(res, 0.0) + tr.num_bytes(shape.dims) / cap
+                        load[res] = load.get(res, 0.0) + tr.num_bytes(shape) / cap
             step = steady_step(
                 strategy,
                 pass_,
@@ -904,10 +901,10 @@ def test_gloo_all_to_all_pairs_share_one_resource() -> None:
         heads_kv=MHA.heads_kv,
         routing="gloo",
     )
-    load = resource_bytes(sched, MHA.dims, hw)
+    load = resource_bytes(sched, MHA, hw)
     for a_rank, b_rank in itertools.combinations(range(4), 2):
         both = sum(
-            tr.num_bytes(MHA.dims) for tr in sched.transfers if {tr.src, tr.dst} == {a_rank, b_rank}
+            tr.num_bytes(MHA) for tr in sched.transfers if {tr.src, tr.dst} == {a_rank, b_rank}
         )
         assert load[Resource(ResourceKind.PAIR, (a_rank, b_rank))] == both
     rt = route(hw, 2, 1, 4, take_turns=True)
@@ -941,7 +938,7 @@ def test_hybrid_flops_are_full_attention_once() -> None:
     backward, whatever the factorisation."""
     p, s = 4, 16
     seq = p * s
-    dims = AttentionShape(heads_q=8, heads_kv=4, head_dim=8).dims
+    dims = AttentionShape(heads_q=8, heads_kv=4, head_dim=8)
     for (inner, outer_strategy), pass_, causal in itertools.product(
         ((2, "token_ring"), (4, "ring"), (2, "bidir_ring")), Pass, (True, False)
     ):
@@ -977,7 +974,7 @@ def test_hybrid_on_islands_keeps_all_to_alls_inside_and_the_ring_across() -> Non
         heads_kv=8,
         hybrid=HybridSpec(inner=8, outer_strategy="token_ring"),
     )
-    dims = AttentionShape(heads_q=32, heads_kv=8, head_dim=128).dims
+    dims = AttentionShape(heads_q=32, heads_kv=8, head_dim=128)
     inner_kinds = {ResourceKind.LINK, ResourceKind.PORT_OUT, ResourceKind.PORT_IN}
     outer_kinds = {ResourceKind.LINK, ResourceKind.NIC_OUT, ResourceKind.NIC_IN}
     for step in range(sched.num_steps):

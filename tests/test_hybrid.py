@@ -29,7 +29,7 @@ from oracle import (
     tolerance_failures,
     visible_mask,
 )
-from tokenring.core.schedule import Dims
+from tokenring.core.schedule import AttentionShape
 from tokenring.hybrid import hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
@@ -240,7 +240,9 @@ def test_schedule_computes_every_needed_pair_once(
     assert sched.num_steps == outer + 2
 
 
-def _inner_bytes(*, forward: bool, s: int, nq: int, nkv: int, dims: Dims) -> tuple[int, int]:
+def _inner_bytes(
+    *, forward: bool, s: int, nq: int, nkv: int, dims: AttentionShape
+) -> tuple[int, int]:
     """Bytes one rank sends each inner peer in the first and the last all-to-all: forward,
     q of the peer's nq heads and k, v of its nkv heads, then out and lse of my nq heads;
     backward, dout of the peer's heads, then dq, dk, dv of mine (all in the input dtype)."""
@@ -254,7 +256,7 @@ def _inner_bytes(*, forward: bool, s: int, nq: int, nkv: int, dims: Dims) -> tup
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 def test_inner_all_to_all_bytes_match_closed_form(outer: int, inner: int, pass_: str) -> None:
     hq, hkv, s = 8, 4, 6
-    dims = Dims(batch=2, heads_q=hq, heads_kv=hkv, head_dim=16, elem_bytes=2, acc_bytes=4)
+    dims = AttentionShape(batch=2, heads_q=hq, heads_kv=hkv, head_dim=16, dtype="bfloat16")
     sched = build_hybrid_schedule(
         pass_,
         spec=HybridSpec(inner=inner, outer_strategy="ring"),
@@ -359,7 +361,7 @@ def test_counted_bytes_match_the_schedule_and_the_formula() -> None:
     closed form of ``_inner_bytes`` per all-to-all; every byte counted on either group
     (mapped to global ranks) is a transfer of the registry's schedule, and vice versa."""
     s, hq, hkv = 4, 4, 2
-    dims = Dims(batch=1, heads_q=hq, heads_kv=hkv, head_dim=8, elem_bytes=4, acc_bytes=4)
+    dims = AttentionShape(batch=1, heads_q=hq, heads_kv=hkv, head_dim=8, dtype="float32")
     per_rank = [found["traffic"] for found in _per_rank()]
     for rank, traffic in enumerate(per_rank):
         assert "q heads must be divisible by the inner size 2" in traffic["refused"]

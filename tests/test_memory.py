@@ -66,9 +66,9 @@ def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     rows sends the front of the message the block came in (Note [K/V message layout] in
     tokenring.runtime.ring), and what arrives is exactly those rows of k and v. Before, that half
     was packed into a new message (a q-sized copy: Ring peaked at 2.01x at P = 4, causal)."""
-    from tokenring.core.schedule import Payload
+    from tokenring.core.schedule import AttentionShape, Payload
     from tokenring.runtime.comm import _unpack
-    from tokenring.runtime.ring import Shapes, _Held, _lane_blocks
+    from tokenring.runtime.ring import _Held, _lane_blocks, message_fields
     from tokenring.strategies import build_schedule
 
     s, c = 8, 4
@@ -90,17 +90,19 @@ def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     assert halves, "zigzag causal Ring passes on half a block after the wrap"
     first, then = halves[0]
     b, h, d = 2, 3, 5
-    shapes = Shapes(b, h, h, d, torch.float32, torch.float32, torch.device("cpu"))
+    shape = AttentionShape(batch=b, heads_q=h, heads_kv=h, head_dim=d, dtype="float32")
     k, v = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
     home = _lane_blocks(sched, first.owner, [k, v])[0]
     sent = home.send(first.rows)
     assert not isinstance(sent, list)
-    held = _Held.received(first, _unpack(sent.buffer, shapes.fields(first)), sent)
+    held = _Held.received(first, _unpack(sent.buffer, message_fields(shape, first)), sent)
     torch.testing.assert_close(held.tensors, [k, v], rtol=0, atol=0)
 
     passed_on = held.send(then.rows)
     assert not isinstance(passed_on, list), "the first half was copied"
     assert passed_on.buffer.data_ptr() == sent.buffer.data_ptr()
     assert passed_on.buffer.numel() < sent.buffer.numel()
-    arrived = _Held.received(then, _unpack(passed_on.buffer, shapes.fields(then)), passed_on)
+    arrived = _Held.received(
+        then, _unpack(passed_on.buffer, message_fields(shape, then)), passed_on
+    )
     torch.testing.assert_close(arrived.tensors, [k[:, :c], v[:, :c]], rtol=0, atol=0)

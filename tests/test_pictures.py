@@ -4,6 +4,7 @@ The figures are checked through their matplotlib objects, not their pixels."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -109,15 +110,15 @@ def test_the_trace_has_one_event_per_recorded_event(tmp_path: Path) -> None:
 
 
 def test_simulate_writes_the_simulated_timeline_as_a_trace(tmp_path: Path) -> None:
-    from tokenring.cli.simulate import MODELS
-    from tokenring.model.costmodel import PRESETS, AttentionShape
+    from tokenring.cli.models import KNOWN_MODELS
+    from tokenring.model.costmodel import PRESETS
     from tokenring.model.simulate import simulate
 
     path = tmp_path / "sim.json"
     argv = ["simulate", "--world-size", "4", "--seq", "8192", "--strategies", "token_ring"]
     assert main([*argv, "--json", "--trace", str(path)]) == 0
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
-    preset = MODELS["llama2-7b"]
+    preset = KNOWN_MODELS["llama2-7b"]
 
     result = simulate(
         "token_ring",
@@ -126,13 +127,7 @@ def test_simulate_writes_the_simulated_timeline_as_a_trace(tmp_path: Path) -> No
         causal=preset.causal,
         world_size=4,
         seq_local=8192 // 4,
-        shape=AttentionShape(
-            batch=1,
-            heads_q=preset.heads_q,
-            heads_kv=preset.heads_kv,
-            head_dim=preset.head_dim,
-            dtype="bfloat16",
-        ),
+        shape=dataclasses.replace(preset.shape, batch=1, dtype="bfloat16"),
         hardware=PRESETS["h100-nvswitch"],
     )
     (timeline,) = (p.timeline for p in result.passes)

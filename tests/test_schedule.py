@@ -16,7 +16,7 @@ from oracle import (
     sharded_positions,
     visible_mask,
 )
-from tokenring.core.schedule import Dims, Pass, Piece, Strategy, piece_flops
+from tokenring.core.schedule import AttentionShape, Pass, Piece, Strategy, piece_flops
 from tokenring.strategies import build_schedule
 
 # One test per strategy; each loops over its grid and names every failing case at once.
@@ -68,8 +68,12 @@ def test_bytes_per_link_match_formula(strategy: str) -> None:
     for (layout, causal, world_size), backward, (heads_q, heads_kv) in itertools.product(
         GRID, (False, True), ((4, 4), (8, 2), (6, 3), (4, 1))
     ):
-        dims = Dims(
-            batch=2, heads_q=heads_q, heads_kv=heads_kv, head_dim=8, elem_bytes=2, acc_bytes=4
+        dims = AttentionShape(
+            batch=2,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=8,
+            dtype="bfloat16",
         )
         sched = build_schedule(
             strategy,
@@ -184,8 +188,12 @@ def test_masked_bytes_per_link_match_formula(strategy: str) -> None:
     ):
         seq_len, cu_seqlens, _ = case
         window = _window(case, causal)
-        dims = Dims(
-            batch=1, heads_q=heads_q, heads_kv=heads_kv, head_dim=4, elem_bytes=2, acc_bytes=4
+        dims = AttentionShape(
+            batch=1,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=4,
+            dtype="bfloat16",
         )
         sched = build_schedule(
             strategy,
@@ -299,7 +307,7 @@ def test_bad_schedule_arguments(kwargs: dict, match: str) -> None:
 
 
 def test_piece_flops_counts_only_the_lane_heads() -> None:
-    dims = Dims(batch=1, heads_q=8, heads_kv=2, head_dim=4, elem_bytes=2)
+    dims = AttentionShape(batch=1, heads_q=8, heads_kv=2, head_dim=4, dtype="bfloat16")
     whole = Piece((0, 3), (0, 5), False)
     lane = Piece((0, 3), (0, 5), False, 1, (1, 2))  # one of two kv heads: half the query heads
     assert piece_flops(whole, dims, Pass.FORWARD) == 4 * 8 * 4 * 3 * 5

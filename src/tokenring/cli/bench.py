@@ -43,9 +43,10 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import finite_float_at_least, int_at_least, output_path, positive_seconds
+from tokenring.cli.models import BENCH_MODELS
 from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
 from tokenring.core.layout import Layout, make_sharding, shard
-from tokenring.core.schedule import Dims, Pass, Piece, Schedule, Strategy, piece_flops
+from tokenring.core.schedule import AttentionShape, Pass, Piece, Schedule, Strategy, piece_flops
 from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
 from tokenring.model.costmodel import CollectiveRouting
 from tokenring.model.simulate import strategy_schedule
@@ -55,7 +56,6 @@ from tokenring.strategies.hybrid import HybridSpec
 
 __all__ = [
     "BenchConfig",
-    "ModelShape",
     "add_arguments",
     "check_args",
     "check_heads",
@@ -75,37 +75,6 @@ _DTYPES = {
 _TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelShape:
-    """The attention layer being benchmarked."""
-
-    name: str
-    """Label in the table."""
-    heads_q: int
-    """Query heads."""
-    heads_kv: int
-    """Key/value heads (divides heads_q)."""
-    head_dim: int
-    """Head dimension."""
-
-    def __post_init__(self) -> None:
-        if self.heads_q < 1 or self.heads_kv < 1 or self.heads_q % self.heads_kv:
-            raise ValueError(
-                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
-                f"heads_kv={self.heads_kv}"
-            )
-        if self.head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1; got {self.head_dim}")
-
-
-# Llama2-7B has 32 heads of 128 and Llama3-8B 32 query / 8 kv heads of 128; the defaults keep
-# their head ratios at a size two CPU cores run in about a minute.
-DEFAULT_MODELS = (
-    ModelShape(name="mha-8/8", heads_q=8, heads_kv=8, head_dim=64),
-    ModelShape(name="gqa-8/2", heads_q=8, heads_kv=2, head_dim=64),
-)
-
-
 DEFAULT_HYBRID = HybridSpec(inner=2, outer_strategy=Strategy.TOKEN_RING)
 """The hybrid rows' default: islands of 2 ranks, TokenRing across them (2x2 on 4 ranks)."""
 
@@ -118,8 +87,9 @@ class BenchConfig:
     """B."""
     seq: int = 1024
     """S, global sequence length."""
-    models: tuple[ModelShape, ...] = DEFAULT_MODELS
-    """Attention shapes to run."""
+    models: dict[str, AttentionShape] = field(default_factory=lambda: dict(BENCH_MODELS))
+    """Attention shapes to run, by the label of their rows; their batch and dtype are the
+    run's (``batch``, ``dtype``)."""
     dtype: str = "float32"
     """Input dtype name."""
     strategies: tuple[Strategy, ...] = tuple(s for s in Strategy if s is not Strategy.HYBRID)
@@ -155,6 +125,11 @@ class BenchConfig:
                 raise ValueError(f"passes must be 'fwd' or 'fwd+bwd'; got {p!r}")
         if not self.models or not self.strategies or not self.causal or not self.passes:
             raise ValueError("models, strategies, causal and passes must each be non-empty")
+        shapes = {
+            n: dataclasses.replace(m, batch=self.batch, dtype=self.dtype)
+            for n, m in self.models.items()
+        }
+        object.__setattr__(self, "models", shapes)
 
     def layout_for(self, causal: bool) -> Layout:
         if self.layout is not None:
@@ -168,7 +143,7 @@ class BenchConfig:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1; got {world_size}")
         if Strategy.HYBRID in self.strategies:
-            for model in self.models:
+            for model in self.models.values():
                 self.hybrid.check(
                     world_size=world_size, heads_q=model.heads_q, heads_kv=model.heads_kv
                 )
@@ -245,7 +220,7 @@ def _compute_only(
     pass_: str,
     tensors: tuple[torch.Tensor, ...],
     scale: float,
-    dims: Dims,
+    dims: AttentionShape,
 ) -> tuple[float, float, float, float]:
     """This rank's kernel calls of the real run with no P2P: (forward s, backward s, forward
     FLOPs, backward FLOPs); the backward is 0 for a forward-only row."""
@@ -297,8 +272,12 @@ def _compute_only(
 
 
 def _compute_operands(
-    strategy: Strategy, scheds: list[Schedule], rank: int, dims: Dims, local: list[torch.Tensor]
-) -> tuple[tuple[torch.Tensor, ...], Dims]:
+    strategy: Strategy,
+    scheds: list[Schedule],
+    rank: int,
+    dims: AttentionShape,
+    local: list[torch.Tensor],
+) -> tuple[tuple[torch.Tensor, ...], AttentionShape]:
     """What a strategy's own kernel calls read, for its compute-only run, and the sizes their
     FLOPs count with. The ring strategies: the rank's shards. The others: random tensors of
     the shapes their pieces index -- Ulysses the whole sequence on the rank's head share (K/V
@@ -509,7 +488,7 @@ def _reference(
     return [out, dq, dk.transpose(1, 2), dv.transpose(1, 2)]
 
 
-def _exposed_bytes(sched: Schedule, dims: Dims, rank: int) -> dict[int, int]:
+def _exposed_bytes(sched: Schedule, dims: AttentionShape, rank: int) -> dict[int, int]:
     """Bytes per destination of the transfer posted after the rank's last compute: nothing is
     left to overlap it with (TokenRing's last returned slice, Ring's final dK/dV hop)."""
     last_step = sched.num_steps - 1
@@ -537,10 +516,9 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
         mesh = hybrid_mesh(world // inner, inner, device_type=device.type)
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
-    dtype = _DTYPES[config.dtype]
     grads = "fwd+bwd" in config.passes
     rows: list[RankRow] = []
-    for model in config.models:
+    for name, model in config.models.items():
         q, k, v, dout = _global_inputs(config, model)
         scale = model.head_dim**-0.5
         for causal in config.causal:
@@ -564,14 +542,6 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                     x.new_zeros((x.shape[0], sharding.seq_local, *x.shape[2:])).index_copy(1, at, x)
                     for x in local
                 ]
-            dims = Dims(
-                batch=config.batch,
-                heads_q=model.heads_q,
-                heads_kv=model.heads_kv,
-                head_dim=model.head_dim,
-                elem_bytes=local[0].element_size(),
-                acc_bytes=8 if dtype == torch.float64 else 4,
-            )
             for strategy in config.strategies:
                 scheds = _schedules(config, model, strategy, causal, world, backend)
                 mine, want, kernel_inputs = local, reference, padded
@@ -585,7 +555,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                         _measure_row(
                             config,
                             comm,
-                            model,
+                            name,
                             causal,
                             layout,
                             strategy,
@@ -593,7 +563,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                             mine,
                             want,
                             scheds,
-                            dims,
+                            model,
                             scale,
                             mesh,
                             kernel_inputs,
@@ -613,20 +583,20 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     }
 
 
-def _global_inputs(config: BenchConfig, model: ModelShape) -> list[torch.Tensor]:
+def _global_inputs(config: BenchConfig, model: AttentionShape) -> list[torch.Tensor]:
     """The seeded global q, k, v, dout ``(B, S, H, D)`` in the run's dtype: the same on every
     rank, so every rank can compute the reference of its own rows."""
     gen = torch.Generator().manual_seed(1234)
     dtype = _DTYPES[config.dtype]
     return [
-        torch.randn(config.batch, config.seq, h, model.head_dim, generator=gen).to(dtype)
+        torch.randn(model.batch, config.seq, h, model.head_dim, generator=gen).to(dtype)
         for h in (model.heads_q, model.heads_kv, model.heads_kv, model.heads_q)
     ]
 
 
 def _schedules(
     config: BenchConfig,
-    model: ModelShape,
+    model: AttentionShape,
     strategy: Strategy,
     causal: bool,
     world_size: int,
@@ -677,7 +647,7 @@ def _hybrid_comms(mesh: HybridMesh) -> list[tuple[Communicator, list[int]]]:
 def _measure_row(
     config: BenchConfig,
     comm: Communicator,
-    model: ModelShape,
+    model_name: str,
     causal: bool,
     layout: Layout,
     strategy: Strategy,
@@ -685,7 +655,7 @@ def _measure_row(
     local: list[torch.Tensor],
     reference: list[torch.Tensor],
     scheds: list[Schedule],
-    dims: Dims,
+    dims: AttentionShape,
     scale: float,
     mesh: HybridMesh | None = None,
     kernel_inputs: list[torch.Tensor] | None = None,
@@ -778,7 +748,7 @@ def _measure_row(
     exposed = _exposed_bytes(scheds[1] if backward else scheds[0], dims, comm.rank)
     num_steps = scheds[0].num_steps
     return RankRow(
-        model=model.name,
+        model=model_name,
         causal=causal,
         strategy=strategy.value,
         pass_=pass_,
@@ -895,13 +865,12 @@ def add_predictions(
     ``model_ms`` checks the schedule and the network, and the planner's hit rate what one
     rate costs.
     """
-    from tokenring.model.costmodel import AttentionShape, measured
+    from tokenring.model.costmodel import measured
     from tokenring.model.planner import explain
     from tokenring.model.simulate import simulate
 
     bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
     memory = min(r["memory_bytes_per_s"] for r in per_rank)
-    shapes = {m.name: m for m in config.models}
     groups: dict[tuple[str, bool, str], list[int]] = {}
     for index, row in enumerate(rows):
         groups.setdefault((row["model"], row["causal"], row["pass"]), []).append(index)
@@ -922,14 +891,7 @@ def add_predictions(
             port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
             collectives=routing,
         )
-        model = shapes[model_name]
-        shape = AttentionShape(
-            batch=config.batch,
-            heads_q=model.heads_q,
-            heads_kv=model.heads_kv,
-            head_dim=model.head_dim,
-            dtype=config.dtype,
-        )
+        shape = config.models[model_name]
         layout = rows[indices[0]]["layout"]
         # rows per rank: S / P, or the padded buffer of uneven shards
         seq_local = make_sharding(
@@ -962,9 +924,9 @@ def add_predictions(
         plan = explain(
             world_size=world_size,
             seq_local=seq_local,
-            heads_q=model.heads_q,
-            heads_kv=model.heads_kv,
-            head_dim=model.head_dim,
+            heads_q=shape.heads_q,
+            heads_kv=shape.heads_kv,
+            head_dim=shape.head_dim,
             dtype=config.dtype,
             causal=causal,
             hardware=hardware,
@@ -1039,13 +1001,13 @@ def estimate_rank_bytes(
 
     With ``backend="nccl"`` the ``run`` part lives on the GPU, the rest on the host.
     """
-    elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
     acc = 8 if config.dtype == "float64" else 4
     materialises = backend == "nccl"  # CUDA: reference-math backward, or float64 throughout
     grads = "fwd+bwd" in config.passes
     b, seq = config.batch, config.seq
     best: dict[str, int] = {}
-    for model in config.models:
+    elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+    for model in config.models.values():
         hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
         inputs = b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4  # + fp32 draw
         for causal in config.causal:
@@ -1145,24 +1107,15 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
         port_bandwidth_bytes_per_s=rate if args.topology == "switch" else None,
         collectives=CollectiveRouting.for_backend("gloo"),
     )
-    elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
     calls = config.warmup + config.iters
     # the probe: 4 rounds of probe_bytes each way on each ring link (a port sends both)
     num_bytes = 0.0
     if world_size > 1:
         num_bytes = 4 * config.probe_bytes * (2 if args.topology == "switch" else 1)
-    for model in config.models:
-        dims = Dims(
-            batch=config.batch,
-            heads_q=model.heads_q,
-            heads_kv=model.heads_kv,
-            head_dim=model.head_dim,
-            elem_bytes=elem,
-            acc_bytes=8 if config.dtype == "float64" else 4,
-        )
+    for dims in config.models.values():
         for causal in config.causal:
             for strategy in config.strategies:
-                scheds = _schedules(config, model, strategy, causal, world_size, "gloo")
+                scheds = _schedules(config, dims, strategy, causal, world_size, "gloo")
                 busiest = [
                     max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds
                 ]
@@ -1343,21 +1296,13 @@ def _world_size(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
     check_heads(args)
-    models: tuple[ModelShape, ...] = DEFAULT_MODELS
+    models = {n: dataclasses.replace(m, head_dim=args.head_dim) for n, m in BENCH_MODELS.items()}
     if args.heads is not None:
-        models = (
-            ModelShape(
-                name=f"{args.heads}:{args.kv_heads}x{args.head_dim}",
-                heads_q=args.heads,
-                heads_kv=args.kv_heads,
-                head_dim=args.head_dim,
-            ),
-        )
-    elif args.head_dim != 64:
-        models = tuple(
-            ModelShape(name=m.name, heads_q=m.heads_q, heads_kv=m.heads_kv, head_dim=args.head_dim)
-            for m in DEFAULT_MODELS
-        )
+        models = {
+            f"{args.heads}:{args.kv_heads}x{args.head_dim}": AttentionShape(
+                heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim
+            )
+        }
     causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
     hybrid = HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer)
     passes = _split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
@@ -1445,15 +1390,14 @@ def check_args(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
     backend = "nccl" if _under_torchrun() and torch.cuda.is_available() else "gloo"
-    for model in config.models:  # what the ranks would build first: fail here instead
+    for name, model in config.models.items():  # what the ranks would build first: fail here
         for causal in config.causal:
             for strategy in config.strategies:
                 try:
                     _schedules(config, model, strategy, causal, world, backend)
                 except (ValueError, NotImplementedError) as exc:
                     raise ValueError(
-                        f"--strategies {strategy.value} cannot run {model.name} on {world} "
-                        f"ranks: {exc}"
+                        f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
                     ) from None
     if args.link is not None:
         check_lab(args, world)
@@ -1615,7 +1559,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup": config.warmup,
         "iters": config.iters,
     }
-    models = {m.name: asdict(m) for m in config.models}
+    models = {name: asdict(m) for name, m in config.models.items()}
     records = [{**settings, **row, "shape": models[row["model"]]} for row in rows]
     if args.out:
         with open(args.out, "a") as f:

@@ -21,18 +21,20 @@ heads, D head dim, P world size.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tokenring.cli import ArgumentAdder, int_at_least
-from tokenring.core.schedule import Dims, Flow
+from tokenring.cli.models import BENCH_MODELS
+from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.strategies.cached import (
     CachedShards,
     CachedStrategy,
@@ -52,8 +54,6 @@ _DTYPES = {
     "float64": torch.float64,
 }
 _TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
-DEFAULT_MODELS = (("mha-8/8", 8, 8, 64), ("gqa-8/2", 8, 2, 64))
-"""(name, Hq, Hkv, D): the ratios of Llama-2 (MHA) and Llama-3 (GQA) at CPU size."""
 _DEFAULT_NEW = {"decode": "1,16,128", "prefill-cached": "256,1024,4096"}
 
 
@@ -69,8 +69,8 @@ class InferenceBenchConfig:
     """C values."""
     new: tuple[int, ...] = (1,)
     """T values."""
-    models: tuple[tuple[str, int, int, int], ...] = DEFAULT_MODELS
-    """(name, Hq, Hkv, D) per model."""
+    models: dict[str, AttentionShape] = field(default_factory=lambda: dict(BENCH_MODELS))
+    """Attention shapes to run, by the label of their rows (their heads and head dim)."""
     dtype: str = "float32"
     """Input dtype name."""
     strategies: tuple[CachedStrategy, ...] = tuple(CachedStrategy)
@@ -99,9 +99,6 @@ class InferenceBenchConfig:
             raise ValueError("cached, new, models and strategies must each be non-empty")
         if self.warmup < 0 or self.iters < 1:
             raise ValueError(f"warmup must be >= 0 and iters >= 1; got {self.warmup}, {self.iters}")
-        for name, hq, hkv, d in self.models:
-            if hq < 1 or hkv < 1 or hq % hkv or d < 1:
-                raise ValueError(f"model {name}: heads_kv must divide heads_q; got {hq}/{hkv}")
 
 
 def _oracle_rows(
@@ -142,7 +139,8 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     hardware, call_s = calibrated_inference(comm, dtype=dtype, device=device)
     kernel = select_kernel(device, dtype)
     rows = []
-    for name, hq, hkv, d in config.models:
+    for name, model in config.models.items():
+        hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
         scale = d**-0.5
         for cached in config.cached:
             for new in config.new:
@@ -218,13 +216,12 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
                     sent = {f.value: 0 for f in Flow}
                     for (flow, _peer), num in comm.counter.sent_bytes.items():
                         sent[flow] += num
-                    dims = Dims(
+                    dims = AttentionShape(
                         batch=1,
                         heads_q=hq,
                         heads_kv=hkv,
                         head_dim=d,
-                        elem_bytes=q.element_size(),
-                        acc_bytes=8 if dtype == torch.float64 else 4,
+                        dtype=dtype_name(q.dtype),
                     )
                     planned: dict[tuple[str, int], int] = {}
                     for tr in plan.transfers:
@@ -377,18 +374,13 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     from tokenring.cli.bench import _split_list, check_heads
 
     check_heads(args)
-    models: tuple[tuple[str, int, int, int], ...] = DEFAULT_MODELS
+    models = {n: dataclasses.replace(m, head_dim=args.head_dim) for n, m in BENCH_MODELS.items()}
     if args.heads is not None:
-        models = (
-            (
-                f"{args.heads}:{args.kv_heads}x{args.head_dim}",
-                args.heads,
-                args.kv_heads,
-                args.head_dim,
-            ),
-        )
-    elif args.head_dim != 64:
-        models = tuple((m[0], m[1], m[2], args.head_dim) for m in models)
+        models = {
+            f"{args.heads}:{args.kv_heads}x{args.head_dim}": AttentionShape(
+                heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim
+            )
+        }
     names = ", ".join(s.value for s in CachedStrategy)
     return InferenceBenchConfig(
         mode=args.mode,

@@ -12,7 +12,6 @@ import argparse
 from tokenring.cli import int_at_least, positive_seconds
 from tokenring.cli.bench import (
     BenchConfig,
-    ModelShape,
     aggregate,
     check_heads,
     check_memory,
@@ -20,6 +19,7 @@ from tokenring.cli.bench import (
     run_rank,
 )
 from tokenring.cli.console import make_table, print_table
+from tokenring.core.schedule import AttentionShape
 
 __all__ = ["add_arguments", "check_args", "run"]
 
@@ -44,12 +44,10 @@ def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the argument for a run that cannot start; keeps the config on
     ``args`` for :func:`run`."""
     check_heads(args)
-    model = ModelShape(
-        name="demo", heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim
-    )
+    model = AttentionShape(heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim)
     config = BenchConfig(
         seq=args.seq,
-        models=(model,),
+        models={"demo": model},
         causal=(True,),
         passes=("fwd+bwd",),
         iters=args.iters,

@@ -144,7 +144,7 @@ def write_figure(fig: Any, path: str, *, dpi: int = 110) -> None:
 def bench_panels(per_rank: list[dict[str, Any]], config: Any) -> list[Panel]:
     """One panel per strategy (its fwd+bwd row, else fwd) of the first model and causality."""
     rows = per_rank[0]["rows"]
-    model, causal = config.models[0].name, config.causal[0]
+    model, causal = next(iter(config.models)), config.causal[0]
     wanted = "fwd+bwd" if "fwd+bwd" in config.passes else "fwd"
     return [
         (

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from tokenring.cli import int_at_least, mem_available_bytes, output_path
+from tokenring.cli.models import KNOWN_MODELS
 from tokenring.cli.plot import curves_figure, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
-from tokenring.core.schedule import Strategy
-from tokenring.model.costmodel import (
-    PRESETS,
-    AttentionShape,
-    Hardware,
-)
+from tokenring.core.schedule import AttentionShape, Strategy
+from tokenring.model.costmodel import PRESETS, Hardware
 from tokenring.model.simulate import (
     _PASSES,
     EVENT_MAX_WORLD_SIZE,
@@ -28,35 +26,6 @@ from tokenring.runtime.comm import Event
 from tokenring.strategies.hybrid import HybridSpec
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelPreset:
-    """The attention layer of a known model."""
-
-    heads_q: int
-    """Query heads."""
-    heads_kv: int
-    """Key/value heads."""
-    head_dim: int
-    """Head dimension."""
-    causal: bool
-    """Causal LM (True) or a bidirectional DiT (False)."""
-
-    def __post_init__(self) -> None:
-        if min(self.heads_q, self.heads_kv, self.head_dim) < 1 or self.heads_q % self.heads_kv:
-            raise ValueError(
-                "heads_q, heads_kv, head_dim must be >= 1 and heads_kv must divide heads_q; "
-                f"got {self.heads_q}/{self.heads_kv}, head_dim {self.head_dim}"
-            )
-
-
-MODELS: dict[str, ModelPreset] = {
-    "llama2-7b": ModelPreset(heads_q=32, heads_kv=32, head_dim=128, causal=True),
-    "llama3-8b": ModelPreset(heads_q=32, heads_kv=8, head_dim=128, causal=True),
-    "llama3-70b": ModelPreset(heads_q=64, heads_kv=8, head_dim=128, causal=True),
-    "flux-dit": ModelPreset(heads_q=24, heads_kv=24, head_dim=128, causal=False),
-}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring simulate``."""
 
@@ -66,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = call.add_argument
     add(
         "--model",
-        choices=sorted(MODELS),
+        choices=sorted(KNOWN_MODELS),
         default="llama2-7b",
         help="attention shape preset (default: llama2-7b)",
     )
@@ -159,7 +128,7 @@ class _Config:
     """The CLI's arguments, validated."""
 
     model: str
-    """Key of MODELS."""
+    """Key of KNOWN_MODELS (tokenring.cli.models)."""
     hardware: Hardware
     """The machine."""
     shape: AttentionShape
@@ -187,7 +156,7 @@ class _Config:
 
 
 def _config(args: argparse.Namespace) -> _Config:
-    model = MODELS[args.model]
+    model = KNOWN_MODELS[args.model]
     layout = Layout.parse(
         args.layout if args.layout != "auto" else ("zigzag" if model.causal else "contiguous")
     )
@@ -213,13 +182,7 @@ def _config(args: argparse.Namespace) -> _Config:
         hybrid=hybrid,
         model=args.model,
         hardware=PRESETS[args.hardware],
-        shape=AttentionShape(
-            batch=args.batch,
-            heads_q=model.heads_q,
-            heads_kv=model.heads_kv,
-            head_dim=model.head_dim,
-            dtype=args.dtype,
-        ),
+        shape=dataclasses.replace(model.shape, batch=args.batch, dtype=args.dtype),
         layout=layout,
         causal=model.causal,
         points=tuple(points),

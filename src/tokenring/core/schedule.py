@@ -43,11 +43,14 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from tokenring.core.layout import Layout, Run, Sharding, make_sharding
 from tokenring.core.masks import MaskKind, MaskSpec
 
 __all__ = [
-    "Dims",
+    "DTYPE_BYTES",
+    "AttentionShape",
     "Flow",
     "Lane",
     "Pass",
@@ -59,6 +62,7 @@ __all__ = [
     "Strategy",
     "Transfer",
     "block_pieces",
+    "dtype_name",
     "piece_flops",
 ]
 
@@ -136,11 +140,28 @@ class Payload(enum.Enum):
         return Flow.RETURN
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Dims:
-    """Sizes that turn rows into bytes and FLOPs."""
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+"""Bytes per element of the input dtypes the library supports."""
 
-    batch: int
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16`` or ``"bfloat16"``; ValueError for any other dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}; got {dtype!r}")
+    return name
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionShape:
+    """The attention layer of a call: the library's one shape type.
+
+    The schedules turn rows into bytes and FLOPs with it, the runtime lays out its messages
+    with it, the cost model, the simulator and the planner price it, and the command line
+    describes its models with it. Per-rank shapes follow from P and the layout.
+    """
+
+    batch: int = 1
     """B."""
     heads_q: int
     """Hq."""
@@ -148,10 +169,51 @@ class Dims:
     """Hkv; divides Hq."""
     head_dim: int
     """D."""
-    elem_bytes: int
-    """Bytes per element of q/k/v (2 for bf16/fp16, 4 for fp32, 8 for fp64)."""
-    acc_bytes: int = 4
-    """Bytes per element of the accumulation dtype (fp32, or fp64 for fp64 inputs)."""
+    dtype: str = "bfloat16"
+    """Input dtype: float16, bfloat16, float32 or float64 (a torch.dtype is taken too and
+    stored by name)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.heads_q % self.heads_kv != 0:
+            raise ValueError(
+                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
+                f"heads_kv={self.heads_kv}"
+            )
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor) -> AttentionShape:
+        """The shape of a call on ``q (B, s, Hq, D)`` and ``k (B, s_k, Hkv, D)``."""
+        return cls(
+            batch=q.shape[0],
+            heads_q=q.shape[2],
+            heads_kv=k.shape[2],
+            head_dim=q.shape[3],
+            dtype=dtype_name(q.dtype),
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """The accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+        return torch.float64 if self.dtype == "float64" else torch.float32
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per element of q/k/v."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def acc_bytes(self) -> int:
+        """Bytes per element of the accumulation dtype."""
+        return 8 if self.dtype == "float64" else 4
 
     def row_bytes(self, payload: Payload, num_heads: int | None = None) -> int:
         """Bytes of one sequence row of ``payload`` (all batch entries).
@@ -161,18 +223,19 @@ class Dims:
                 q/out/q_grad/dq, key/value heads for kv/dkv); None: all of them.
         """
         b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
+        elem, acc = self.elem_bytes, self.acc_bytes
         if num_heads is not None:
             if payload.heads_kind == "kv":
                 hkv = num_heads
             else:
                 hq = num_heads
         per_row = {
-            Payload.Q: hq * d * self.elem_bytes,
-            Payload.KV: 2 * hkv * d * self.elem_bytes,
-            Payload.OUT: hq * d * self.elem_bytes + hq * self.acc_bytes,
-            Payload.Q_GRAD: 2 * hq * d * self.elem_bytes + 2 * hq * self.acc_bytes,
-            Payload.DQ: hq * d * self.elem_bytes,
-            Payload.DKV: 2 * hkv * d * self.acc_bytes,
+            Payload.Q: hq * d * elem,
+            Payload.KV: 2 * hkv * d * elem,
+            Payload.OUT: hq * d * elem + hq * acc,
+            Payload.Q_GRAD: 2 * hq * d * elem + 2 * hq * acc,
+            Payload.DQ: hq * d * elem,
+            Payload.DKV: 2 * hkv * d * acc,
         }[payload]
         return b * per_row
 
@@ -230,7 +293,7 @@ class Transfer:
     def num_rows(self) -> int:
         return self.rows[1] - self.rows[0]
 
-    def num_bytes(self, dims: Dims) -> int:
+    def num_bytes(self, dims: AttentionShape) -> int:
         num_heads = None if self.heads is None else self.heads[1] - self.heads[0]
         return self.num_rows * dims.row_bytes(self.payload, num_heads)
 
@@ -428,7 +491,7 @@ def _split_rows(rows: Rows, parts: int) -> list[Rows]:
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
-def piece_flops(piece: Piece, dims: Dims, pass_: Pass) -> float:
+def piece_flops(piece: Piece, dims: AttentionShape, pass_: Pass) -> float:
     """Matmul FLOPs of one piece: 4*B*Hq*sq*sk*D forward (QK^T and PV), 2.5x that backward.
 
     A causal piece counts only the unmasked (i >= j) entries; a piece on a subset of heads

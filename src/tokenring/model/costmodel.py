@@ -40,7 +40,7 @@ resource is the simulator's Note.
 
 Note [Bytes per step]
 ~~~~~~~~~~~~~~~~~~~~~
-Per row (x B) the payloads weigh (``Dims.row_bytes``)::
+Per row (x B) the payloads weigh (``AttentionShape.row_bytes``)::
 
     payload   flow     bytes per row            strategy / pass
     q         travel   Hq*D*e                   TokenRing forward
@@ -72,21 +72,20 @@ import torch
 
 from tokenring.core.layout import Layout, validate_seq_local
 from tokenring.core.schedule import (
-    Dims,
+    AttentionShape,
     Flow,
     Pass,
     Payload,
     Schedule,
     Strategy,
     Transfer,
+    dtype_name,
     piece_flops,
 )
 from tokenring.model.netlab import Topology
 
 __all__ = [
-    "DTYPE_BYTES",
     "PRESETS",
-    "AttentionShape",
     "CollectiveRouting",
     "Hardware",
     "Interconnect",
@@ -110,61 +109,10 @@ __all__ = [
     "transfer_route",
 ]
 
-DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-"""Bytes per element of the input dtypes the library supports."""
-
-
-def _dtype_name(dtype: str | torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}; got {dtype!r}")
-    return name
-
 
 def _positive(name: str, value: float) -> None:
     if not value > 0:  # also rejects NaN
         raise ValueError(f"{name} must be > 0; got {value}")
-
-
-# -- shapes ------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AttentionShape:
-    """The attention layer being modelled (per rank shapes follow from P and the layout)."""
-
-    batch: int = 1
-    """B."""
-    heads_q: int
-    """Hq."""
-    heads_kv: int
-    """Hkv; divides Hq."""
-    head_dim: int
-    """D."""
-    dtype: str = "bfloat16"
-    """Input dtype name: float16, bfloat16, float32 or float64."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "heads_q", "heads_kv", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.heads_q % self.heads_kv != 0:
-            raise ValueError(
-                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
-                f"heads_kv={self.heads_kv}"
-            )
-        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
-
-    @property
-    def dims(self) -> Dims:
-        """The schedule's byte/FLOP sizes for this shape."""
-        elem = DTYPE_BYTES[self.dtype]
-        return Dims(
-            batch=self.batch,
-            heads_q=self.heads_q,
-            heads_kv=self.heads_kv,
-            head_dim=self.head_dim,
-            elem_bytes=elem,
-            acc_bytes=8 if self.dtype == "float64" else 4,
-        )
 
 
 # -- hardware ----------------------------------------------------------------------------------
@@ -256,7 +204,7 @@ class Hardware:
         _positive("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
         if not self.dtypes:
             raise ValueError("dtypes must name at least one dtype; got ()")
-        object.__setattr__(self, "dtypes", tuple(_dtype_name(d) for d in self.dtypes))
+        object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
         if (self.devices_per_node is None) != (self.inter is None):
             raise ValueError(
                 "devices_per_node and inter must be given together; got "
@@ -282,7 +230,7 @@ class Hardware:
         Raises:
             ValueError: ``dtype`` is not one this description has figures for.
         """
-        name = _dtype_name(dtype)
+        name = dtype_name(dtype)
         if name not in self.dtypes:
             raise ValueError(
                 f"hardware {self.name!r} has attention FLOP/s for {', '.join(self.dtypes)}; got "
@@ -494,7 +442,7 @@ def measured(
         forward_flops_per_s=forward_flops_per_s,
         backward_flops_per_s=backward_flops_per_s,
         memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s,
-        dtypes=(_dtype_name(dtype),),
+        dtypes=(dtype_name(dtype),),
         collectives=CollectiveRouting.parse(collectives),
     )
 
@@ -605,15 +553,19 @@ def transfer_route(hardware: Hardware, schedule: Schedule, tr: Transfer) -> Rout
 
 
 # -- costs read from the schedule --------------------------------------------------------------
-def merge_bytes(num_rows: int, dims: Dims) -> int:
+def merge_bytes(num_rows: int, dims: AttentionShape, num_heads: int | None = None) -> int:
     """Device memory traffic of merging a partial of ``num_rows`` rows into the accumulators.
 
     ``tokenring.core.merge.merge_into`` scales the fp32 accumulator (read + write), adds the part
     (read the part, read + write the accumulator again) and updates lse (a few passes over
     Hq accumulators per row): D * (4*a + e) + 6*a bytes per row and head.
+
+    Args:
+        num_heads: the partial's query heads (a lane's share); None: all of them.
     """
     d, e, a = dims.head_dim, dims.elem_bytes, dims.acc_bytes
-    return num_rows * dims.batch * dims.heads_q * (d * (4 * a + e) + 6 * a)
+    heads = dims.heads_q if num_heads is None else num_heads
+    return num_rows * dims.batch * heads * (d * (4 * a + e) + 6 * a)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -633,7 +585,7 @@ class StepCost:
     """Per rank: bytes of return-flow transfers it posts during the step (after segments)."""
 
 
-def step_costs(schedule: Schedule, dims: Dims) -> tuple[StepCost, ...]:
+def step_costs(schedule: Schedule, dims: AttentionShape) -> tuple[StepCost, ...]:
     """FLOPs per rank and bytes per directed pair of every step, read from ``schedule``."""
     p = schedule.world_size
     costs = []
@@ -666,7 +618,7 @@ def step_costs(schedule: Schedule, dims: Dims) -> tuple[StepCost, ...]:
 
 
 def resource_bytes(
-    schedule: Schedule, dims: Dims, hardware: Hardware, *, step: int | None = None
+    schedule: Schedule, dims: AttentionShape, hardware: Hardware, *, step: int | None = None
 ) -> dict[Resource, int]:
     """Bytes each physical resource carries (relayed flows count on every hop they cross).
 
@@ -971,9 +923,8 @@ def steady_step(
     t = step if step is not None else min(p - 1, max(1, p // 2))
     if not 1 <= t <= p - 1:
         raise ValueError(f"step must be in [1, {p - 1}]; got {t}")
-    dims = shape.dims
     pairs = s * (s // 2) if causal and layout is Layout.ZIGZAG else s * s
-    flops = 4.0 * dims.batch * dims.heads_q * dims.head_dim * pairs
+    flops = 4.0 * shape.batch * shape.heads_q * shape.head_dim * pairs
     if pass_ is Pass.BACKWARD:
         flops *= 2.5
     compute_s = flops / hardware.flops_per_s(pass_, shape.dtype)
@@ -984,14 +935,14 @@ def steady_step(
         (Strategy.RING, Pass.FORWARD): Payload.KV,
         (Strategy.RING, Pass.BACKWARD): Payload.KV,
     }[(strategy, pass_)]
-    travel = s * dims.row_bytes(travel_payload) if t <= p - 2 else 0
+    travel = s * shape.row_bytes(travel_payload) if t <= p - 2 else 0
     if strategy is Strategy.TOKEN_RING:
         ret_payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
-        ret = s * dims.row_bytes(ret_payload) if t >= 2 else 0
+        ret = s * shape.row_bytes(ret_payload) if t >= 2 else 0
         distance = t - 1
     else:
         # the accumulator leaves home after step 0 (Note [Backward] in tokenring.strategies.ring)
-        ret = s * dims.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD else 0
+        ret = s * shape.row_bytes(Payload.DKV) if pass_ is Pass.BACKWARD else 0
         distance = p - 1  # the accumulator goes to r - 1, like K/V
 
     net = hardware.interconnect

@@ -71,9 +71,16 @@ import torch.distributed as dist
 
 from tokenring.core.layout import Layout
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Dims, Pass, Payload, Piece, Strategy, Transfer, piece_flops
-from tokenring.model.costmodel import (
+from tokenring.core.schedule import (
     AttentionShape,
+    Pass,
+    Payload,
+    Piece,
+    Strategy,
+    Transfer,
+    piece_flops,
+)
+from tokenring.model.costmodel import (
     CollectiveRouting,
     Hardware,
     Topology,
@@ -259,9 +266,8 @@ def _plan(
     if others:
         runner = min(others, key=lambda p: p.total_s)
         ratio = runner.total_s / best.total_s if best.total_s > 0 else 1.0
-        dims = shape.dims
-        tr_row = dims.row_bytes(Payload.OUT)
-        ring_row = dims.row_bytes(Payload.KV)
+        tr_row = shape.row_bytes(Payload.OUT)
+        ring_row = shape.row_bytes(Payload.KV)
         reason = (
             f"{best.strategy.value} ({best.layout.value}) predicted {1e3 * best.total_s:.4g} ms"
             f" vs {runner.strategy.value} {1e3 * runner.total_s:.4g} ms ({ratio:.2f}x) on "
@@ -530,14 +536,7 @@ def calibrate(
     scale = head_dim**-0.5
     out, lse = block.forward(q, k, v, causal=False, scale=scale)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
-    dims = Dims(
-        batch=1,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        elem_bytes=q.element_size(),
-        acc_bytes=torch.empty((), dtype=acc).element_size(),
-    )
+    dims = AttentionShape.of(q, k)
     piece = Piece((0, n), (0, n), False)
     fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
     bwd_s = _median_time(

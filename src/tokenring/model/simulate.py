@@ -89,9 +89,16 @@ from typing import Any
 import torch
 
 from tokenring.core.layout import Layout, make_sharding, validate_seq_local
-from tokenring.core.schedule import Dims, Flow, Pass, Payload, Schedule, Strategy, piece_flops
-from tokenring.model.costmodel import (
+from tokenring.core.schedule import (
     AttentionShape,
+    Flow,
+    Pass,
+    Payload,
+    Schedule,
+    Strategy,
+    piece_flops,
+)
+from tokenring.model.costmodel import (
     CollectiveRouting,
     Hardware,
     Resource,
@@ -214,7 +221,7 @@ class CallResult:
 
 
 # -- shared helpers ----------------------------------------------------------------------------
-def _delta_bytes(seq_local: int, dims: Dims) -> int:
+def _delta_bytes(seq_local: int, dims: AttentionShape) -> int:
     """Backward prologue: delta = rowsum(dout * out): read dout and out, write delta."""
     return (
         seq_local
@@ -224,7 +231,7 @@ def _delta_bytes(seq_local: int, dims: Dims) -> int:
     )
 
 
-def _add_bytes(num_rows: int, heads: int, dims: Dims, *, pairs: int = 1) -> int:
+def _add_bytes(num_rows: int, heads: int, dims: AttentionShape, *, pairs: int = 1) -> int:
     """``acc += part`` over num_rows rows of ``pairs`` tensors of ``heads`` heads: read both,
     write one, in the accumulation dtype."""
     return num_rows * dims.batch * heads * dims.head_dim * pairs * 3 * dims.acc_bytes
@@ -238,7 +245,9 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 class _EventEngine:
     """See Note [Rank program] and Note [Sharing bandwidth]."""
 
-    def __init__(self, sched: Schedule, dims: Dims, hardware: Hardware, flops_per_s: float) -> None:
+    def __init__(
+        self, sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
+    ) -> None:
         self.sched, self.dims, self.hw, self.flops_per_s = sched, dims, hardware, flops_per_s
         p = sched.world_size
         self.mem = hardware.memory_bandwidth_bytes_per_s
@@ -331,7 +340,7 @@ class _EventEngine:
     # of the schedule run the ring runtime (``dims`` and ``seq_local`` of that ring: the
     # hybrid's outer ring has fewer heads and longer shards than the schedule's P ranks).
     def _ring_program(
-        self, r: int, first: int, num: int, dims: Dims, seq_local: int
+        self, r: int, first: int, num: int, dims: AttentionShape, seq_local: int
     ) -> list[tuple[Any, ...]]:
         sched = self.sched
         pass_ = sched.pass_
@@ -402,8 +411,8 @@ class _EventEngine:
             prog.append((_WAIT, i))
             heads_q = dims.heads_q if tr.heads is None else tr.heads[1] - tr.heads[0]
             if tr.payload is Payload.OUT:
-                lane_dims = replace(dims, heads_q=heads_q)  # a lane's query heads
-                prog.append((_MERGE, merge_bytes(tr.num_rows, lane_dims) / mem, tr.step, "merge"))
+                merge_s = merge_bytes(tr.num_rows, dims, heads_q) / mem
+                prog.append((_MERGE, merge_s, tr.step, "merge"))
             else:
                 add = _add_bytes(tr.num_rows, heads_q, dims)
                 prog.append((_MERGE, add / mem, tr.step, "dq_add"))
@@ -446,11 +455,12 @@ class _EventEngine:
         sched, dims = self.sched, self.dims
         forward = sched.pass_ is Pass.FORWARD
         label = "attn" if forward else "attn_bwd"
+        heads_share = 1.0  # a Ulysses rank's pieces cover only its query heads
         if sched.strategy is Strategy.ULYSSES:
             share = ulysses_heads(
                 world_size=sched.world_size, heads_q=dims.heads_q, heads_kv=dims.heads_kv
             )[r]
-            dims = replace(dims, heads_q=share.num_q)
+            heads_share = share.num_q / dims.heads_q
         travel = [
             i
             for i in self.step_recvs.get((r, 0), ())
@@ -469,7 +479,7 @@ class _EventEngine:
             elif not waited:
                 prog += [(_WAIT, i) for i in travel]
                 pending, waited = [], True
-            flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+            flops = heads_share * sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
             prog.append((_COMPUTE, flops / self.flops_per_s, 0, label))
             prog.append((_POST, 0, k + 1))
         # Slots after segments it has none of (a Ulysses rank with no head: P > Hq) are
@@ -627,7 +637,7 @@ class _EventEngine:
 
 
 def _simulate_event(
-    sched: Schedule, dims: Dims, hardware: Hardware, flops_per_s: float
+    sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
 ) -> tuple[
     float, tuple[float, ...], tuple[tuple[Event, ...], ...], float, float, tuple[str, int, float]
 ]:
@@ -917,7 +927,7 @@ def _simulate_vectorised(
     causal: bool,
     world_size: int,
     seq_local: int,
-    dims: Dims,
+    dims: AttentionShape,
     hardware: Hardware,
     flops_per_s: float,
     last_block_splits: int,
@@ -1131,20 +1141,19 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     Raises:
         ValueError: a dtype the hardware has no FLOP/s for.
     """
-    dims = shape.dims
     p = sched.world_size
     flops_per_s = hardware.flops_per_s(sched.pass_, shape.dtype)
     call_s, steps, timeline, compute_s, merge_s, busiest = _simulate_event(
-        sched, dims, hardware, flops_per_s
+        sched, shape, hardware, flops_per_s
     )
     busiest_name, busiest_bytes, busiest_s = busiest
     exposed_s = 0.0
     for tr in exposed_transfers(sched):
         rt = transfer_route(hardware, sched, tr)
-        exposed_s = max(exposed_s, tr.num_bytes(dims) / rt.flow_cap_bytes_per_s + rt.latency_s)
+        exposed_s = max(exposed_s, tr.num_bytes(shape) / rt.flow_cap_bytes_per_s + rt.latency_s)
     sent: dict[Flow, list[int]] = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
     for tr in sched.transfers:
-        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
+        sent[tr.payload.flow][tr.src] += tr.num_bytes(shape)
     return PassResult(
         strategy=sched.strategy,
         pass_=sched.pass_,
@@ -1214,7 +1223,6 @@ def simulate_pass(
             f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
             f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
         )
-    dims = shape.dims
     flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
     if mode == "event":
         return simulate_schedule(
@@ -1241,7 +1249,7 @@ def simulate_pass(
         causal=causal,
         world_size=world_size,
         seq_local=seq_local,
-        dims=dims,
+        dims=shape,
         hardware=hardware,
         flops_per_s=flops_per_s,
         last_block_splits=last_block_splits,

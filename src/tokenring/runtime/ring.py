@@ -64,7 +64,16 @@ import torch
 from torch.profiler import record_function
 
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Flow, Lane, Payload, Piece, Schedule, Segment, Transfer
+from tokenring.core.schedule import (
+    AttentionShape,
+    Flow,
+    Lane,
+    Payload,
+    Piece,
+    Schedule,
+    Segment,
+    Transfer,
+)
 from tokenring.runtime.comm import (
     HEADER_NUM_BYTES,
     Communicator,
@@ -76,40 +85,31 @@ from tokenring.runtime.comm import (
 from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask
 from tokenring.runtime.slots import SlotPoster
 
-__all__ = ["Shapes", "run_backward", "run_forward"]
+__all__ = ["message_fields", "run_backward", "run_forward"]
 
 
-@dataclass(frozen=True, slots=True)
-class Shapes:
-    batch: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    dtype: torch.dtype
-    acc_dtype: torch.dtype
-    device: torch.device
-
-    def fields(self, tr: Transfer) -> list[FieldSpec]:
-        """The tensors making up the message of ``tr``, in order."""
-        payload, n = tr.payload, tr.num_rows
-        b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
-        if tr.heads is not None:
-            if payload.heads_kind == "kv":
-                hkv = tr.heads[1] - tr.heads[0]
-            else:
-                hq = tr.heads[1] - tr.heads[0]
-        q_rows: FieldSpec = ((b, n, hq, d), self.dtype)
-        kv_pairs: FieldSpec = ((n, b, 2, hkv, d), self.dtype)  # Note [K/V message layout]
-        per_head: FieldSpec = ((b, hq, n), self.acc_dtype)
-        table: dict[Payload, list[FieldSpec]] = {
-            Payload.Q: [q_rows],
-            Payload.KV: [kv_pairs],
-            Payload.OUT: [q_rows, per_head],
-            Payload.Q_GRAD: [q_rows, q_rows, per_head, per_head],
-            Payload.DQ: [q_rows],
-            Payload.DKV: [((b, n, hkv, d), self.acc_dtype)] * 2,
-        }
-        return table[payload]
+def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
+    """The tensors making up the message of ``tr``, in order, for a call of ``shape``."""
+    payload, n = tr.payload, tr.num_rows
+    b, hq, hkv, d = shape.batch, shape.heads_q, shape.heads_kv, shape.head_dim
+    if tr.heads is not None:
+        if payload.heads_kind == "kv":
+            hkv = tr.heads[1] - tr.heads[0]
+        else:
+            hq = tr.heads[1] - tr.heads[0]
+    dtype, acc = shape.torch_dtype, shape.acc_dtype
+    q_rows: FieldSpec = ((b, n, hq, d), dtype)
+    kv_pairs: FieldSpec = ((n, b, 2, hkv, d), dtype)  # Note [K/V message layout]
+    per_head: FieldSpec = ((b, hq, n), acc)
+    table: dict[Payload, list[FieldSpec]] = {
+        Payload.Q: [q_rows],
+        Payload.KV: [kv_pairs],
+        Payload.OUT: [q_rows, per_head],
+        Payload.Q_GRAD: [q_rows, q_rows, per_head, per_head],
+        Payload.DQ: [q_rows],
+        Payload.DKV: [((b, n, hkv, d), acc)] * 2,
+    }
+    return table[payload]
 
 
 @dataclass(slots=True)
@@ -393,9 +393,9 @@ def run_forward(
     """
     rank, s = comm.rank, q.shape[1]
     groups = q.shape[2] // k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    shapes = Shapes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, acc, q.device)
-    poster = SlotPoster(sched.transfers, comm, shapes.fields, shapes.device)
+    shape = AttentionShape.of(q, k)
+    acc = shape.acc_dtype
+    poster = SlotPoster(sched.transfers, comm, functools.partial(message_fields, shape), q.device)
     # The first piece of step 0 is this rank's own block; when it covers every row and head,
     # its result is the accumulators' first value (a copy, not a merge into zeros).
     step0 = sched.steps[rank][0] if sched.num_steps else None
@@ -520,9 +520,9 @@ def run_backward(
     """
     rank, s = comm.rank, q.shape[1]
     groups = q.shape[2] // k.shape[2]
+    shape = AttentionShape.of(q, k)
     acc = lse.dtype
-    shapes = Shapes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, acc, q.device)
-    poster = SlotPoster(sched.transfers, comm, shapes.fields, shapes.device)
+    poster = SlotPoster(sched.transfers, comm, functools.partial(message_fields, shape), q.device)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
     dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B,s,Hkv,D)

@@ -90,9 +90,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenring.core.schedule import Dims, Flow, Payload, Transfer
+from tokenring.core.schedule import DTYPE_BYTES, AttentionShape, Flow, Payload, Transfer
 from tokenring.kvcache import CacheStep, place_new_tokens
-from tokenring.model.costmodel import DTYPE_BYTES, Hardware, merge_bytes, preset, route
+from tokenring.model.costmodel import Hardware, merge_bytes, preset, route
 
 __all__ = [
     "CachedChoice",
@@ -409,7 +409,7 @@ class CachedPrediction:
         return "compute" if self.compute_s >= self.wire_s else "comm"
 
 
-def _dims(heads_q: int, heads_kv: int, head_dim: int, dtype: str | torch.dtype) -> Dims:
+def _dims(heads_q: int, heads_kv: int, head_dim: int, dtype: str | torch.dtype) -> AttentionShape:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}; got {dtype!r}")
@@ -420,13 +420,12 @@ def _dims(heads_q: int, heads_kv: int, head_dim: int, dtype: str | torch.dtype) 
         raise ValueError(
             f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
         )
-    return Dims(
+    return AttentionShape(
         batch=1,
         heads_q=heads_q,
         heads_kv=heads_kv,
         head_dim=head_dim,
-        elem_bytes=DTYPE_BYTES[name],
-        acc_bytes=8 if name == "float64" else 4,
+        dtype=name,
     )
 
 
@@ -434,7 +433,7 @@ def _block_cost_s(
     shards: CachedShards,
     q_owner: int,
     kv_owner: int,
-    dims: Dims,
+    dims: AttentionShape,
     hardware: Hardware,
     dtype: str,
     kernel_call_s: float = 0.0,
@@ -464,7 +463,9 @@ def _block_cost_s(
     )
 
 
-def _wire_s(transfers: Sequence[CachedTransfer], dims: Dims, hardware: Hardware, p: int) -> float:
+def _wire_s(
+    transfers: Sequence[CachedTransfer], dims: AttentionShape, hardware: Hardware, p: int
+) -> float:
     if not transfers:
         return 0.0
     load: dict[object, float] = {}

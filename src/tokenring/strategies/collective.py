@@ -100,7 +100,7 @@ Note [Collective schedules]
                                                  owner j is j * s + i
 
 Pieces of a Ulysses rank cover only its head share, so the FLOPs of rank r are
-``piece_flops(piece, replace(dims, heads_q=ulysses_heads(...)[r].num_q), pass_)``.
+``piece_flops(piece, dims, pass_) * share.num_q / Hq`` with ``share = ulysses_heads(...)[r]``.
 ``transfers`` lists every point-to-point message of the collectives, all at step 0
 (``after_segments``: 0 for travel, the segments computed before it is posted for a return),
 with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B):

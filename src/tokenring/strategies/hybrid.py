@@ -26,8 +26,8 @@ n + 2 steps, n being the outer strategy's steps (P_out)::
                                                         bwd: dq, dk, dv of my heads (j's rows)
 
 Every transfer and piece carries its head range, so bytes and FLOPs read with the global
-``Dims``. dk and dv return in the input dtype (the outer strategy hands them back in it) and
-are listed as ``Payload.KV``, which weighs 2*nkv*D*e per row (:data:`GRAD_KV`; as dout is
+``AttentionShape``. dk and dv return in the input dtype (the outer strategy hands them back
+in it) and are listed as ``Payload.KV``, which weighs 2*nkv*D*e per row (:data:`GRAD_KV`; as dout is
 listed as ``Payload.Q`` by ``tokenring.strategies.collective``). lse always travels with out, so the
 schedule does not depend on ``return_lse``. With GLOO routing steps 0 and n + 1 take turns per
 pair (``half_duplex_steps``; Note [Collective routing] in ``tokenring.strategies.collective``).
