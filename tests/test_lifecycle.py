@@ -162,6 +162,24 @@ def test_collectives_of_one_rank(single_rank_group: None) -> None:
     comm.all_reduce(total, label="one rank").wait()
     assert total.item() == 2.0
     comm.barrier(label="one rank")
+    assert comm.all_gather_object({"rows": [1, 2]}, what="one rank") == [{"rows": [1, 2]}]
+
+
+def gather_objects() -> list[Any]:
+    rank = dist.get_rank()
+    comm = tokenring.get_communicator()
+    # sizes differ by rank (the frames take the largest); rank 1's is empty
+    mine = {"rank": rank, "rows": list(range(5000 * rank))} if rank != 1 else b""
+    before = comm.counter.total_sent()
+    gathered = comm.all_gather_object(mine, what="test objects")
+    assert comm.counter.total_sent() == before  # control data, not the strategies' traffic
+    return gathered
+
+
+def test_all_gather_object_returns_every_ranks_object_in_rank_order() -> None:
+    results = tokenring.launch(gather_objects, world_size=3, timeout_s=120)
+    want = [{"rank": 0, "rows": []}, b"", {"rank": 2, "rows": list(range(10000))}]
+    assert results == [want] * 3
 
 
 def test_communicators_go_with_their_groups() -> None:
