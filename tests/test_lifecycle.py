@@ -149,8 +149,23 @@ def test_cache_forgets_destroyed_groups(single_rank_group: None) -> None:
     assert not comm.group_alive and not comm.closed
     tokenring.get_communicator()  # any lookup closes the communicators of destroyed groups
     assert comm.closed
+    assert group not in tokenring.api._COMMUNICATORS  # and forgets them
     with pytest.raises(RuntimeError, match=r"rank 0: this Communicator of group .* was closed"):
         comm.barrier(label="after close")
+
+
+def test_close_communicators_releases_every_cached_one(single_rank_group: None) -> None:
+    """Release (2) of Note [Communicator cache]; init_distributed returns the cached one."""
+    default = tokenring.init_distributed()  # initialised already: returns the cached one
+    assert default is tokenring.get_communicator() and not default.closed
+    group = dist.new_group([0])
+    comm = tokenring.get_communicator(group)
+    tokenring.close_communicators()
+    assert comm.closed and default.closed and not tokenring.api._COMMUNICATORS
+    fresh = tokenring.get_communicator(group)  # the group lives: a new one on the next lookup
+    assert fresh is not comm and not fresh.closed
+    fresh.barrier(label="after close_communicators")
+    dist.destroy_process_group(group)
 
 
 def test_collectives_of_one_rank(single_rank_group: None) -> None:

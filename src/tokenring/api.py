@@ -50,8 +50,35 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-# One communicator per live process group, built on first use. An entry goes when its group
-# is destroyed (checked on every lookup) and at interpreter exit; see close_communicators.
+
+# Note [Communicator cache]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every public call takes ``group=`` (a ProcessGroup, a 1-D DeviceMesh, a Communicator, or
+# None for the default group) and runs on that group's Communicator. A Communicator passed
+# in is used as it is and never cached. For a ProcessGroup (a mesh: its group; None: the
+# default group) ``get_communicator`` keeps one Communicator per group object in
+# ``_COMMUNICATORS``, so that the channel groups it made (Note [Channel pool] in
+# tokenring.runtime.comm) and its timeout are built once, not per call. Who fills it:
+#
+#     get_communicator(group)     every attention, KV-cache and hybrid call, and you
+#     init_distributed()          the default group's, with its timeout (and returns it)
+#     launch's ranks              the default group's, with pg_timeout_s, before fn runs
+#
+# An entry is released (the Communicator closed, its channel groups pooled, the entry
+# dropped), exactly:
+#
+#     1. by the first get_communicator call, for any group, after
+#        torch.distributed.destroy_process_group destroyed the entry's group (each attention
+#        call makes one, so the next call of the library releases it);
+#     2. by close_communicators() (every entry; launch runs it before destroying its groups);
+#     3. at interpreter exit (atexit runs close_communicators).
+#
+# torch.distributed (2.13) has no hook that runs when a group is destroyed, so release (1)
+# is the first library call after the destruction rather than the destruction itself; a
+# Communicator of a destroyed group refuses every call in between (``group_alive`` is False),
+# and nothing else reads the cache. To release at a moment of your choosing, call
+# close_communicators() before destroy_process_group, or pass your own Communicator and
+# close() it.
 _COMMUNICATORS: dict[dist.ProcessGroup, Communicator] = {}
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
@@ -62,7 +89,8 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
     as is) or None (the default group). Built once per group and reused while the group
     lives: once ``torch.distributed.destroy_process_group`` destroyed the group, the next call
     closes its communicator and forgets it (a communicator over the same ranks reuses its
-    channel groups: Note [Channel pool] in tokenring.runtime.comm).
+    channel groups: Note [Channel pool] in tokenring.runtime.comm). When exactly an entry is
+    released: Note [Communicator cache].
 
     Args:
         timeout_s: how long any transfer or collective of the group's communicator may take
