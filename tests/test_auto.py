@@ -11,6 +11,7 @@ import torch.distributed as dist
 import tokenring
 from oracle import make_inputs, oracle_with_grads, owned_positions
 from tokenring.model.costmodel import measured
+from tokenring.model.planner import calibrate
 
 
 def auto_on_ranks(hardware: object) -> tuple[str, float]:
@@ -21,6 +22,8 @@ def auto_on_ranks(hardware: object) -> tuple[str, float]:
     idx = torch.tensor(owned_positions("zigzag", rank, world, 8 * world))
     local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
     comm = tokenring.get_communicator()
+    if hardware is None:  # this machine, measured once (the caller's calibration)
+        hardware = calibrate(comm, dtype=torch.float64)
     pick = tokenring.resolve_strategy(
         "auto",
         q=local[0],
@@ -70,8 +73,8 @@ def auto_cases(hardware: dict[str, Any]) -> dict[str, tuple[str, float]]:
 
 @functools.cache
 def _per_rank() -> tuple[dict[str, tuple[str, float]], ...]:
-    """A description, this machine measured (hardware None), and a latency-bound description:
-    all three on the same 3 ranks, one launch."""
+    """A description, this machine measured (hardware None: planner.calibrate on the ranks),
+    and a latency-bound description: all three on the same 3 ranks, one launch."""
     hardware = {"described": _described(), "measured": None, "latency_bound": _latency_bound()}
     return tuple(tokenring.launch(auto_cases, hardware, world_size=3, timeout_s=300))
 
@@ -122,3 +125,55 @@ def test_auto_follows_the_byte_ratio_on_a_comm_bound_mesh() -> None:
     }
     assert tokenring.explain(heads_q=32, heads_kv=32, **common).pick.value == "token_ring"
     assert tokenring.explain(heads_q=32, heads_kv=8, **common).pick.value == "ring"
+
+
+def auto_without_hardware() -> list[str]:
+    """Every public call that plans "auto" raises without hardware, on every rank, before
+    anything is measured or sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, _ = make_inputs(
+        seed=5, batch=1, seq_global=4 * world, heads_q=4, heads_kv=4, head_dim=8
+    )
+    local = [x[:, 4 * rank : 4 * (rank + 1)].clone() for x in (q, k, v)]
+    comm = tokenring.get_communicator()
+    before = comm.counter.total_sent()
+    cache = tokenring.DistributedKVCache(
+        num_layers=1,
+        batch=1,
+        heads_kv=4,
+        head_dim=8,
+        dtype=torch.float64,
+        device="cpu",
+        block_size=2,
+        group=comm,
+    )
+    cache.begin_step([4 * world])
+    rows = cache.step.num_rows(rank)
+    calls = {
+        "sequence_parallel_attn": lambda: tokenring.sequence_parallel_attn(*local, strategy="auto"),
+        "module": lambda: tokenring.SequenceParallelAttention(strategy="auto")(*local),
+        "resolve_strategy": lambda: tokenring.resolve_strategy(
+            "auto", q=local[0], k=local[1], causal=False, layout="contiguous", comm=comm
+        ),
+        "cached_attn": lambda: tokenring.cached_attn(
+            *(x[0, :rows] for x in local), cache=cache, layer=0
+        ),
+    }
+    messages = []
+    for name, call in calls.items():
+        try:
+            call()
+            messages.append(f"{name}: no error")
+        except ValueError as exc:
+            messages.append(f"{name}: {exc}")
+    assert comm.counter.total_sent() == before  # nothing measured, nothing sent
+    return messages
+
+
+def test_auto_without_hardware_raises_on_every_rank() -> None:
+    """Note [Calibration is passed in]: no call measures the machine behind the caller's back."""
+    for messages in tokenring.launch(auto_without_hardware, world_size=2, timeout_s=120):
+        assert len(messages) == 4
+        for message in messages:
+            assert "strategy='auto' needs hardware=" in message, message
+            assert "planner.calibrate(comm" in message and "got hardware=None" in message, message

@@ -149,8 +149,23 @@ def test_cache_forgets_destroyed_groups(single_rank_group: None) -> None:
     assert not comm.group_alive and not comm.closed
     tokenring.get_communicator()  # any lookup closes the communicators of destroyed groups
     assert comm.closed
+    assert group not in tokenring.api._COMMUNICATORS  # and forgets them
     with pytest.raises(RuntimeError, match=r"rank 0: this Communicator of group .* was closed"):
         comm.barrier(label="after close")
+
+
+def test_close_communicators_releases_every_cached_one(single_rank_group: None) -> None:
+    """Release (2) of Note [Communicator cache]; init_distributed returns the cached one."""
+    default = tokenring.init_distributed()  # initialised already: returns the cached one
+    assert default is tokenring.get_communicator() and not default.closed
+    group = dist.new_group([0])
+    comm = tokenring.get_communicator(group)
+    tokenring.close_communicators()
+    assert comm.closed and default.closed and not tokenring.api._COMMUNICATORS
+    fresh = tokenring.get_communicator(group)  # the group lives: a new one on the next lookup
+    assert fresh is not comm and not fresh.closed
+    fresh.barrier(label="after close_communicators")
+    dist.destroy_process_group(group)
 
 
 def test_collectives_of_one_rank(single_rank_group: None) -> None:
@@ -162,6 +177,24 @@ def test_collectives_of_one_rank(single_rank_group: None) -> None:
     comm.all_reduce(total, label="one rank").wait()
     assert total.item() == 2.0
     comm.barrier(label="one rank")
+    assert comm.all_gather_object({"rows": [1, 2]}, what="one rank") == [{"rows": [1, 2]}]
+
+
+def gather_objects() -> list[Any]:
+    rank = dist.get_rank()
+    comm = tokenring.get_communicator()
+    # sizes differ by rank (the frames take the largest); rank 1's is empty
+    mine = {"rank": rank, "rows": list(range(5000 * rank))} if rank != 1 else b""
+    before = comm.counter.total_sent()
+    gathered = comm.all_gather_object(mine, what="test objects")
+    assert comm.counter.total_sent() == before  # control data, not the strategies' traffic
+    return gathered
+
+
+def test_all_gather_object_returns_every_ranks_object_in_rank_order() -> None:
+    results = tokenring.launch(gather_objects, world_size=3, timeout_s=120)
+    want = [{"rank": 0, "rows": []}, b"", {"rank": 2, "rows": list(range(10000))}]
+    assert results == [want] * 3
 
 
 def test_communicators_go_with_their_groups() -> None:

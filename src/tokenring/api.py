@@ -50,8 +50,35 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-# One communicator per live process group, built on first use. An entry goes when its group
-# is destroyed (checked on every lookup) and at interpreter exit; see close_communicators.
+
+# Note [Communicator cache]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every public call takes ``group=`` (a ProcessGroup, a 1-D DeviceMesh, a Communicator, or
+# None for the default group) and runs on that group's Communicator. A Communicator passed
+# in is used as it is and never cached. For a ProcessGroup (a mesh: its group; None: the
+# default group) ``get_communicator`` keeps one Communicator per group object in
+# ``_COMMUNICATORS``, so that the channel groups it made (Note [Channel pool] in
+# tokenring.runtime.comm) and its timeout are built once, not per call. Who fills it:
+#
+#     get_communicator(group)     every attention, KV-cache and hybrid call, and you
+#     init_distributed()          the default group's, with its timeout (and returns it)
+#     launch's ranks              the default group's, with pg_timeout_s, before fn runs
+#
+# An entry is released (the Communicator closed, its channel groups pooled, the entry
+# dropped), exactly:
+#
+#     1. by the first get_communicator call, for any group, after
+#        torch.distributed.destroy_process_group destroyed the entry's group (each attention
+#        call makes one, so the next call of the library releases it);
+#     2. by close_communicators() (every entry; launch runs it before destroying its groups);
+#     3. at interpreter exit (atexit runs close_communicators).
+#
+# torch.distributed (2.13) has no hook that runs when a group is destroyed, so release (1)
+# is the first library call after the destruction rather than the destruction itself; a
+# Communicator of a destroyed group refuses every call in between (``group_alive`` is False),
+# and nothing else reads the cache. To release at a moment of your choosing, call
+# close_communicators() before destroy_process_group, or pass your own Communicator and
+# close() it.
 _COMMUNICATORS: dict[dist.ProcessGroup, Communicator] = {}
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
@@ -62,7 +89,8 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
     as is) or None (the default group). Built once per group and reused while the group
     lives: once ``torch.distributed.destroy_process_group`` destroyed the group, the next call
     closes its communicator and forgets it (a communicator over the same ranks reuses its
-    channel groups: Note [Channel pool] in tokenring.runtime.comm).
+    channel groups: Note [Channel pool] in tokenring.runtime.comm). When exactly an entry is
+    released: Note [Communicator cache].
 
     Args:
         timeout_s: how long any transfer or collective of the group's communicator may take
@@ -136,6 +164,26 @@ def _device_mesh_class() -> type | None:
     return DeviceMesh
 
 
+# Note [Calibration is passed in]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# strategy="auto" plans for the hardware= the caller passes: a preset name
+# (tokenring.model.costmodel.PRESETS) or a Hardware, typically measured once with
+# tokenring.model.planner.calibrate(comm, dtype=..., device=...), a collective of a few
+# seconds on CPU whose numbers every rank shares. The library never measures behind a call:
+# it keeps no calibration per group, and an attention or cached-attention call with
+# strategy="auto" and hardware=None raises ValueError on every rank (it is part of the
+# validation the ranks agree on: Note [Rank agreement]). Measuring on every call instead
+# would hide a multi-second collective in each forward (each decode step for the cached
+# path), and a preset picked for the caller would plan for a machine they do not have.
+# Loops that own their calls measure once per loop when given no hardware, and say so in
+# their docstrings: tokenring.tinylm.generate and tokenring.hf.generate.
+AUTO_NEEDS_HARDWARE = (
+    "strategy='auto' needs hardware=: a preset name (tokenring.model.costmodel.PRESETS) or a "
+    "Hardware measured once with tokenring.model.planner.calibrate(comm, dtype=..., "
+    "device=...) (a collective; every rank gets the same numbers); got hardware=None"
+)
+
+
 @functools.lru_cache(maxsize=256)
 def _schedule(
     strategy: Strategy,
@@ -181,19 +229,23 @@ def resolve_strategy(
 ) -> Strategy:
     """The strategy a call runs: ``strategy`` itself, or for ``"auto"`` the planner's pick.
 
-    The pick is a pure function of the call's shape and the hardware description; with
-    ``hardware=None`` the description is measured once per process group and agreed across
-    ranks, so every rank picks the same strategy. The planner logs its choice and the
-    predicted time of each alternative once, at INFO (logger ``tokenring.model.planner``).
+    The pick is a pure function of the call's shape and ``hardware``, so ranks given the same
+    description pick the same strategy (``tokenring.model.planner.calibrate`` agrees its
+    measurements across ranks). The planner logs its choice and the predicted time of each
+    alternative once, at INFO (logger ``tokenring.model.planner``).
 
     Args:
+        hardware: for ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
+            passed in]).
         training: whether a backward follows; None: grad mode is on and q or k requires grad.
+
+    Raises:
+        ValueError: ``"auto"`` without ``hardware``.
     """
     if strategy != "auto":
         return Strategy.parse(strategy)
-
     if hardware is None:
-        hardware = planner.calibrated(comm, dtype=q.dtype, device=q.device)
+        raise ValueError(AUTO_NEEDS_HARDWARE)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     return _choose_strategy(
@@ -340,6 +392,8 @@ def _prepare_call(
             f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
             f"strategy={requested!r}"
         )
+    if hardware is None and requested == "auto":
+        raise ValueError(AUTO_NEEDS_HARDWARE)
     seq_len_given = seq_len is not None
     if seq_len is None:
         if layout is Layout.ZIGZAG and q.shape[1] % 2:
@@ -437,7 +491,7 @@ def _prepare_call(
 # cu_seqlens tensor) travels as it is, in a record behind the ``raw`` handle, so validation
 # sees exactly what the caller passed. The backward is an operator too, so compiled autograd
 # graphs hold it like any other op. strategy="auto" is picked in the fake implementation as
-# well, which cannot measure the machine: under torch.compile it needs ``hardware``.
+# well, from the ``hardware`` it needs (Note [Calibration is passed in]).
 
 
 @torch.library.custom_op("tokenring::attention", mutates_args=())
@@ -614,24 +668,8 @@ def _strategy_of(
     group = op.resolve_group(options["group"])
     hardware = options["hardware"]
     training = any(options["requires_grad"][:2])
-    if hardware is None:
-        if tracing:
-            raise NotImplementedError(
-                "strategy='auto' with hardware=None measures the machine with collectives, "
-                "which cannot run while torch.compile traces: pass hardware= (a preset name, "
-                "or tokenring.model.planner.calibrated(tokenring.get_communicator(group)) computed "
-                "before compiling) or a fixed strategy"
-            )
-        return resolve_strategy(
-            "auto",
-            q=q,
-            k=k,
-            causal=options["causal"],
-            layout=Layout.parse(options["layout"]),
-            comm=get_communicator(group),
-            last_block_splits=options["last_block_splits"],
-            training=training,
-        )
+    if hardware is None:  # the operator raises it on every rank (Note [Rank agreement])
+        raise ValueError(AUTO_NEEDS_HARDWARE)
     return _choose_strategy(
         q.shape,
         k.shape[2],
@@ -729,10 +767,11 @@ def sequence_parallel_attn(
         last_block_splits: TokenRing returns its last block in this many slices.
         check_ranks: all-gather a small signature first and raise a ValueError naming the
             difference if ranks disagree on shapes, dtype or options (one tiny collective).
-        hardware: for ``strategy="auto"``: a ``tokenring.model.costmodel.Hardware``, a preset name
-            (``tokenring.model.costmodel.PRESETS``), or None to measure this machine once per
-            process group (``tokenring.model.planner.calibrated``; collective, a few seconds
-            on CPU).
+        hardware: for ``strategy="auto"``, and needed by it: a
+            ``tokenring.model.costmodel.Hardware`` (measure this machine once with
+            ``tokenring.model.planner.calibrate(comm, dtype=..., device=...)``, a collective)
+            or a preset name (``tokenring.model.costmodel.PRESETS``); see Note [Calibration
+            is passed in].
         seq_len: the global length S when the shards are uneven (any S: each rank passes the
             ``s_r`` tokens ``tokenring.shard`` gives it, and the library pads internally).
             None: every rank holds the same s and S = P * s.
@@ -757,9 +796,10 @@ def sequence_parallel_attn(
         ValueError: mismatched shapes, dtypes or devices; Hkv not dividing Hq; a seq_local the
             layout cannot split (pass seq_len); a local length that does not match seq_len;
             bad cu_seqlens, window_size or attention_chunk_size; unknown strategy, layout or
-            kernel; ranks that disagree.
+            kernel; strategy="auto" without hardware, or hardware with another strategy;
+            ranks that disagree.
         NotImplementedError: under torch.compile (which this function supports, fullgraph
-            too), cu_seqlens as a tensor or strategy="auto" without hardware.
+            too), cu_seqlens as a tensor.
         RuntimeError: under torch.compile, a ProcessGroup tokenring has not seen eagerly
             (call ``get_communicator(group)`` once first).
     """

@@ -17,7 +17,7 @@ Note [Cached attention call]
 
     1. append   this rank's new K/V go into its own shard (their owner caches them)
     2. choose   "auto": the round model (cached_schedule.choose_cached_strategy) on the given
-                or calibrated hardware, once per step (every layer reuses it)
+                hardware, once per step (every layer reuses it)
     3. run      zigzag first prefill + pass_q / pass_kv: sequence_parallel_attn
                 (token_ring / ring, causal, zigzag); otherwise the plan, slot by slot
 
@@ -30,20 +30,15 @@ partials merge by lse, so a mask never grows with the cache.
 from __future__ import annotations
 
 import math
-import statistics
-import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tokenring.api import sequence_parallel_attn
+from tokenring.api import AUTO_NEEDS_HARDWARE, sequence_parallel_attn
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import Payload, Strategy, Transfer
 from tokenring.kvcache import CacheStep, DistributedKVCache
-from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, preset
 from tokenring.model.planner import explain
 from tokenring.runtime.comm import Communicator, FieldSpec
@@ -61,7 +56,6 @@ from tokenring.strategies.cached import (
 __all__ = [
     "attend_cached",
     "cached_attn",
-    "calibrated_inference",
     "resolve_cached_strategy",
     "run_cached_plan",
 ]
@@ -291,40 +285,6 @@ def run_cached_plan(
 
 
 # -- choosing ------------------------------------------------------------------------------------
-_CALIBRATED: weakref.WeakKeyDictionary[Communicator, dict[Any, tuple[Hardware, float]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def calibrated_inference(
-    comm: Communicator, *, dtype: torch.dtype, device: torch.device
-) -> tuple[Hardware, float]:
-    """This machine as a hardware description (``planner.calibrated``) and the time of one
-    small kernel call (the fixed cost decode pays per block), agreed across ranks (the
-    slowest), measured once per communicator and dtype. Collective on first use."""
-
-    key = (dtype, str(device))
-    per_comm = _CALIBRATED.setdefault(comm, {})
-    if key not in per_comm:
-        hardware = planner.calibrated(comm, dtype=dtype, device=device)
-        kernel = select_kernel(device, dtype)
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 1, 8, 64, generator=gen).to(device=device, dtype=dtype)
-        k = torch.randn(1, 16, 8, 64, generator=gen).to(device=device, dtype=dtype)
-        times = []
-        for i in range(11):
-            start = time.perf_counter()
-            kernel.forward(q, k, k, causal=False, scale=0.125)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                times.append(time.perf_counter() - start)
-        call_s = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-        comm.all_reduce(call_s, op=dist.ReduceOp.MAX, label="calibration").wait()
-        per_comm[key] = (hardware, float(call_s.item()))
-    return per_comm[key]
-
-
 def resolve_cached_strategy(
     strategy: CachedStrategy | str,
     *,
@@ -338,17 +298,23 @@ def resolve_cached_strategy(
     hardware: Hardware | str | None = None,
 ) -> CachedStrategy:
     """``strategy`` itself, or for ``"auto"`` the cheapest by the round model (Note [Round
-    model] in tokenring.strategies.cached) on ``hardware`` (a ``Hardware``, a preset name, or
-    None: this machine, calibrated once per communicator). A zigzag first prefill chooses
-    between pass_q and pass_kv with the training planner (``tokenring.model.planner.explain``), as
-    it runs on the ordinary path. Collective when it calibrates."""
+    model] in tokenring.strategies.cached) on ``hardware`` (a ``Hardware``, e.g. from
+    ``tokenring.model.planner.calibrate``, whose ``kernel_call_s`` the round model charges per
+    kernel call, or a preset name). A zigzag first prefill chooses between pass_q and pass_kv
+    with the training planner (``tokenring.model.planner.explain``), as it runs on the
+    ordinary path. Pure: no communication.
+
+    Raises:
+        ValueError: ``"auto"`` without ``hardware`` (Note [Calibration is passed in] in
+            tokenring.api).
+    """
     if strategy != "auto":
         return CachedStrategy.parse(strategy)
-    call_s = 0.0
+    if hardware is None:
+        raise ValueError(AUTO_NEEDS_HARDWARE)
     if isinstance(hardware, str):
         hardware = preset(hardware)
-    elif hardware is None:
-        hardware, call_s = calibrated_inference(comm, dtype=dtype, device=device)
+    call_s = hardware.kernel_call_s
     if step.zigzag:
         plan = explain(
             world_size=step.world_size,
@@ -449,8 +415,9 @@ def cached_attn(
             strategies] in tokenring.strategies.cached) or ``"auto"``. Every rank must pass
             the same.
         softmax_scale: defaults to ``1 / sqrt(D)``.
-        hardware: for ``"auto"``: a ``Hardware``, a preset name, or None to calibrate this
-            machine once per group (collective, a few seconds on CPU).
+        hardware: for ``"auto"``, and needed by it: a ``Hardware`` (measure this machine
+            once with ``tokenring.model.planner.calibrate``, a collective) or a preset name
+            (Note [Calibration is passed in] in tokenring.api).
         kernel: block kernel name or instance; None picks one for the device and dtype.
         return_lse: also return lse ``(Hq, n)`` (float32; float64 for float64 inputs).
         check_ranks: exchange this call's options (or this rank's error) with every rank
@@ -463,7 +430,7 @@ def cached_attn(
     Raises:
         ValueError: no step begun, a layer out of range or already run this step, shapes,
             dtype or device that do not match the cache and the step, an unknown strategy or
-            kernel, a bad softmax_scale.
+            kernel, a bad softmax_scale, "auto" without hardware.
     """
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
@@ -481,6 +448,8 @@ def cached_attn(
                 f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
                 f"strategy={strategy!r}"
             )
+        if hardware is None and strategy == "auto":
+            raise ValueError(AUTO_NEEDS_HARDWARE)
         block_kernel = select_kernel(q.device, q.dtype, kernel)
         cache.check_append(layer, k, v)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import close_communicators, get_communicator
+from tokenring.runtime.comm import Communicator
 
 __all__ = ["LaunchError", "init_distributed", "launch"]
 
@@ -84,15 +85,21 @@ class _Outcome:
     failed_at_s: float = field(default=0.0)
 
 
-def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
+def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) -> Communicator:
     """Initialise the default process group from the launcher's environment (torchrun).
 
     Uses NCCL when CUDA is available, gloo otherwise, unless ``backend`` is given; sets
     the CUDA device from LOCAL_RANK. Always with a timeout, which the default group's
     communicator inherits.
+
+    Returns:
+        The default group's communicator: the one ``get_communicator(None)`` and every call
+        with ``group=None`` use (Note [Communicator cache] in tokenring.api). When
+        torch.distributed is initialised already, nothing is initialised and that
+        communicator is returned as it is (its timeout unchanged).
     """
     if dist.is_initialized():
-        return
+        return get_communicator(None)
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
     if backend is None:
@@ -101,7 +108,7 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    get_communicator(None, timeout_s=timeout_s)  # attention on the default group inherits it
+    return get_communicator(None, timeout_s=timeout_s)  # group=None calls run on it
 
 
 def launch(

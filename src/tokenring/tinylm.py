@@ -26,6 +26,7 @@ from tokenring.api import get_communicator
 from tokenring.inference import cached_attn, resolve_cached_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
+from tokenring.model.planner import calibrate
 from tokenring.strategies.cached import CachedStrategy
 
 __all__ = ["Generation", "TinyCausalLM", "TinyLMConfig", "generate", "generate_reference"]
@@ -230,7 +231,9 @@ def generate(
 
     Args:
         block_size, budget_bytes: of the ``DistributedKVCache``.
-        strategy, hardware: of ``cached_attn`` (``"auto"``: the cost model's pick per step).
+        strategy, hardware: of ``cached_attn`` (``"auto"``: the cost model's pick per step;
+            with hardware None this machine is measured once, at the start of this call, with
+            ``tokenring.model.planner.calibrate``: a collective, a few seconds on CPU).
 
     Returns:
         The new tokens per prompt and the cache.
@@ -255,6 +258,8 @@ def generate(
         budget_bytes=budget_bytes,
         group=comm,
     )
+    if strategy == "auto" and hardware is None:  # once per call (Note [Calibration is passed in])
+        hardware = calibrate(comm, dtype=model.embed.dtype, device=device)
     me = comm.rank
     seqs = [list(p) for p in prompts]
     new = [len(p) for p in prompts]

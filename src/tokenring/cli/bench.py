@@ -1503,11 +1503,11 @@ def collect_per_rank(
     init_distributed(timeout_s=args.timeout)
     try:
         mine = fn(config)
-        per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, mine)
-        args.world_size = dist.get_world_size()
-        rank = dist.get_rank()
-        dist.barrier()
+        comm = get_communicator()
+        per_rank: list[Any] = comm.all_gather_object(mine, what="the benchmark's results")
+        args.world_size = comm.world_size
+        rank = comm.rank
+        comm.barrier(label="results gathered")
     finally:
         # Tear the groups down on every rank before any exits: a rank leaving with live
         # gloo threads while a peer still talks aborts ("terminate called ...").

@@ -11,7 +11,7 @@ model shape, C and T. Per row:
 - bytes each rank sent on each flow (travel: Q or K/V; return: partials), the busiest rank's,
   and whether every rank's counts equal its plan's;
 - the round model's prediction (``cached_schedule.predict_cached``) on this run's own
-  calibration (``inference.calibrated_inference``), and the strategy ``"auto"`` picks;
+  calibration (``planner.calibrate``), and the strategy ``"auto"`` picks;
 - max error against attention in float64 (every row verified).
 
 One layer, forward only. Legend: B sequences, C cached and T new tokens per sequence, Hq / Hkv
@@ -123,8 +123,9 @@ def _oracle_rows(
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
     from tokenring.api import get_communicator
-    from tokenring.inference import attend_cached, calibrated_inference
+    from tokenring.inference import attend_cached
     from tokenring.kvcache import DistributedKVCache
+    from tokenring.model.planner import calibrate
     from tokenring.runtime.kernels import select_kernel
 
     comm = get_communicator()
@@ -136,7 +137,8 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
         else torch.device("cpu")
     )
     dtype = _DTYPES[config.dtype]
-    hardware, call_s = calibrated_inference(comm, dtype=dtype, device=device)
+    hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
+    call_s = hardware.kernel_call_s
     kernel = select_kernel(device, dtype)
     rows = []
     for name, model in config.models.items():

@@ -191,7 +191,7 @@ def _device(config: MemoryBenchConfig) -> torch.device:
 
 def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: torch.device) -> int:
     """Peak bytes of one forward + backward above the inputs (q, k, v, dout) on this rank."""
-    from tokenring.api import sequence_parallel_attn
+    from tokenring.api import get_communicator, sequence_parallel_attn
 
     dtype = _DTYPES[config.dtype]
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
@@ -213,10 +213,11 @@ def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: tor
 
     call()  # warm up: process groups, schedules, lazily built state
     q.grad = k.grad = v.grad = None
-    dist.barrier()
+    comm = get_communicator()
+    comm.barrier(label="bench_memory: before the measured call")
     with peak_memory(device) as peak:
         call()
-    dist.barrier()
+    comm.barrier(label="bench_memory: after the measured call")
     return peak.extra_bytes
 
 

@@ -137,8 +137,10 @@ class SequenceParallel:
     batch row (kept as a tuple): attention never crosses them, RoPE positions restart at each,
     and the layout is applied per document. Needs ``seq_len``."""
     hardware: Hardware | str | None = None
-    """For ``"tokenring_auto"``: a ``tokenring.model.costmodel.Hardware`` or preset name; None
-    measures this machine once per group (see :func:`tokenring.resolve_strategy`)."""
+    """For ``"tokenring_auto"``, and needed by it: a ``tokenring.model.costmodel.Hardware``
+    (``tokenring.model.planner.calibrate``) or preset name (see
+    :func:`tokenring.resolve_strategy`). ``tokenring.hf.generate`` measures this machine once
+    per call when it is None."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", Layout.parse(self.layout))

@@ -52,6 +52,8 @@ import torch
 from tokenring.hf.attention import ATTN_IMPLEMENTATIONS, SequenceParallel
 from tokenring.inference import cached_attn, resolve_cached_strategy
 from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.model.costmodel import Hardware
+from tokenring.model.planner import calibrate
 from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CachedStrategy
 
@@ -118,7 +120,8 @@ class ShardedKVCache(Cache):
         sequence_parallel: a ``tokenring.hf.SequenceParallel``; its group holds the cache
             (``layout``, ``seq_len`` and ``cu_seqlens`` do not apply: the cache places tokens
             itself), its ``hardware`` is what ``strategy="auto"`` plans for (None: this
-            machine, measured once per group).
+            machine, measured once by this cache's first step with
+            ``tokenring.model.planner.calibrate``, a collective; see :attr:`hardware`).
         strategy: ``"auto"`` or a cached strategy (``"pass_q"``, ``"pass_kv"``, ``"direct"``,
             ``"tree"``) for every step.
         block_size: of the DistributedKVCache (tokens per placement block and allocation
@@ -173,6 +176,9 @@ class ShardedKVCache(Cache):
             ) from exc
         self.sequence_parallel = sequence_parallel
         self.strategy: CachedStrategy | str = strategy
+        self.hardware: Hardware | str | None = sequence_parallel.hardware
+        """What ``"auto"`` plans for: ``sequence_parallel.hardware``, or when that is None this
+        machine, measured once by the first step (``tokenring.model.planner.calibrate``)."""
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.kv: DistributedKVCache | None = None
@@ -271,6 +277,8 @@ class ShardedKVCache(Cache):
                 budget_bytes=self.budget_bytes,
                 group=comm,
             )
+            if self.strategy == "auto" and self.hardware is None:  # once per cache
+                self.hardware = calibrate(comm, dtype=dtype, device=device)
         step = self.kv.begin_step([num_new] * batch, check_ranks=False)  # agreed above
         chosen = resolve_cached_strategy(
             self.strategy,
@@ -281,7 +289,7 @@ class ShardedKVCache(Cache):
             head_dim=self.head_dim,
             dtype=dtype,
             device=device,
-            hardware=self.sequence_parallel.hardware,
+            hardware=self.hardware,
         )
         self.strategies.append(chosen)
         return step

@@ -196,9 +196,17 @@ class Hardware:
     collectives: CollectiveRouting = CollectiveRouting.DIRECT
     """How the collective library routes all-gathers and all-to-alls (the GPU presets: NCCL,
     DIRECT; a CPU machine measured with gloo: GLOO)."""
+    kernel_call_s: float = 0.0
+    """Fixed cost of one block-kernel call (launch, Python), which the cached plans' round
+    model charges per call (decode pays it per block); ``planner.calibrate`` measures it, the
+    presets leave it 0 (large blocks)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
+        if not (self.kernel_call_s >= 0 and math.isfinite(self.kernel_call_s)):
+            raise ValueError(
+                f"kernel_call_s must be a finite number >= 0; got {self.kernel_call_s}"
+            )
         _positive("forward_flops_per_s", self.forward_flops_per_s)
         _positive("backward_flops_per_s", self.backward_flops_per_s)
         _positive("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
@@ -421,6 +429,7 @@ def measured(
     latency_s: float = 0.0,
     name: str = "measured",
     collectives: CollectiveRouting | str = CollectiveRouting.DIRECT,
+    kernel_call_s: float = 0.0,
 ) -> Hardware:
     """A hardware description from calibration numbers (``tokenring.model.planner.calibrate``).
 
@@ -444,6 +453,7 @@ def measured(
         memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s,
         dtypes=(dtype_name(dtype),),
         collectives=CollectiveRouting.parse(collectives),
+        kernel_call_s=kernel_call_s,
     )
 
 

@@ -61,7 +61,6 @@ import functools
 import logging
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +95,6 @@ __all__ = [
     "Plan",
     "Prediction",
     "calibrate",
-    "calibrated",
     "choose_strategy",
     "explain",
 ]
@@ -547,6 +545,11 @@ def calibrate(
     out_acc = torch.zeros(q.shape, dtype=acc, device=device)  # (B, n, Hq, D)
     lse_acc = torch.full(lse.shape, float("-inf"), dtype=acc, device=device)  # (B, Hq, n)
     merge_s = _median_time(lambda: merge_into(out_acc, lse_acc, (0, n), out, lse), device, repeats)
+    # one small call (a decode block: 1 query, 16 keys): its time is the fixed cost per call
+    q1, k16 = rand(1, 1, 8, 64), rand(1, 16, 8, 64)
+    call_s = _median_time(
+        lambda: block.forward(q1, k16, k16, causal=False, scale=0.125), device, 10
+    )
     local = [
         piece_flops(piece, dims, Pass.FORWARD) / fwd_s,
         piece_flops(piece, dims, Pass.BACKWARD) / bwd_s,
@@ -565,9 +568,9 @@ def calibrate(
             _restore(comm, saved_counter)
     # Agree: the slowest rank's rates and the largest latency, identical on every rank.
     values = [-x for x in (*local, link, two_way)] + [latency if comm.world_size > 1 else 0.0]
-    agreed = torch.tensor(values, dtype=torch.float64, device=device)
+    agreed = torch.tensor([*values, call_s], dtype=torch.float64, device=device)
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
-    fwd, bwd, mem, link, two_way, latency = (float(x) for x in agreed.cpu())
+    fwd, bwd, mem, link, two_way, latency, call_s = (float(x) for x in agreed.cpu())
     fwd, bwd, mem, link, two_way = -fwd, -bwd, -mem, -link, -two_way
     port: float | None = None
     routing = CollectiveRouting.for_backend(comm.backend)
@@ -589,6 +592,7 @@ def calibrate(
         port_bandwidth_bytes_per_s=port,
         latency_s=max(latency, 0.0),
         collectives=routing,
+        kernel_call_s=call_s,
     )
 
 
@@ -605,20 +609,3 @@ def _restore(comm: Communicator, saved: tuple[dict[Any, int], dict[Any, int], in
     c.recv_bytes.clear()
     c.recv_bytes.update(saved[1])
     c.sent_messages, c.recv_messages = saved[2], saved[3]
-
-
-_CALIBRATED: weakref.WeakKeyDictionary[Communicator, dict[Any, Hardware]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def calibrated(comm: Communicator, **kwargs: Any) -> Hardware:
-    """:func:`calibrate` once per communicator and arguments, then the cached result.
-
-    Collective on first use for given arguments: every rank must call it with the same ones.
-    """
-    key = tuple(sorted((name, str(value)) for name, value in kwargs.items()))
-    per_comm = _CALIBRATED.setdefault(comm, {})
-    if key not in per_comm:
-        per_comm[key] = calibrate(comm, **kwargs)
-    return per_comm[key]

@@ -31,6 +31,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import pickle
+import struct
 import time
 import zlib
 from collections.abc import Sequence
@@ -478,6 +480,22 @@ class Communicator:
             num = int(frame[:8].view(torch.int64)[0])
             out.append(bytes(frame[8 : 8 + num].tolist()))
         return out
+
+    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
+        """Every rank's ``obj`` (picklable, any size), in group-rank order, within this
+        communicator's timeout: two rounds of :meth:`all_gather_bytes` over the control group
+        (the sizes, then the pickles in frames of the largest size), so a peer that does not
+        arrive is named as there. For results and other control data: not counted (the
+        counter holds the strategies' traffic, which tests compare with the cost model).
+
+        Args:
+            what: what is gathered, for the error message.
+        """
+        data = pickle.dumps(obj)
+        sizes = self.all_gather_bytes(struct.pack("<q", len(data)), what=f"{what} (sizes)")
+        frame_num_bytes = 8 + max(struct.unpack("<q", size)[0] for size in sizes)
+        gathered = self.all_gather_bytes(data, what=what, frame_num_bytes=frame_num_bytes)
+        return [pickle.loads(blob) for blob in gathered]
 
     def agree(
         self, signature: dict[str, Any] | None, problem: Exception | None, *, what: str
