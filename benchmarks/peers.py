@@ -51,7 +51,8 @@ if HERE not in sys.path:
 import flash_attn_cpu  # noqa: E402  (benchmarks/, beside this file)
 
 from tokenring import launch, sequence_parallel_attn  # noqa: E402
-from tokenring.cli.bench import _git_sha, _reference  # noqa: E402
+from tokenring.cli.bench import _reference  # noqa: E402
+from tokenring.cli.ranks import git_sha  # noqa: E402
 from tokenring.core.layout import make_sharding, shard  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "head_dim": args.head_dim,
         "torch": torch.__version__,
         "peer_version": per_rank[0]["peer_version"],
-        "git": _git_sha(),
+        "git": git_sha(),
         "rounds": args.iters,
         "warmup": args.warmup,
         "loadavg": loadavg,

@@ -132,12 +132,18 @@ def _short_message(case: str) -> str:
     from tokenring.core.schedule import Payload, Transfer
 
     comm = tokenring.Communicator(None, timeout_s=10)
-    expected = Transfer(Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=0, after_segments=0)
+    expected = Transfer(
+        payload=Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=0, after_segments=0
+    )
     sent = expected
     if case == "shorter":
-        sent = Transfer(Payload.Q, src=0, dst=1, owner=0, rows=(0, 4), step=0, after_segments=0)
+        sent = Transfer(
+            payload=Payload.Q, src=0, dst=1, owner=0, rows=(0, 4), step=0, after_segments=0
+        )
     elif case == "other transfer":  # same size, another step
-        sent = Transfer(Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=1, after_segments=0)
+        sent = Transfer(
+            payload=Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=1, after_segments=0
+        )
     fields = [((1, 8, 2, 4), torch.float32)]
     data = torch.arange(64, dtype=torch.float32).view(1, 8, 2, 4)
     if comm.rank == 0:

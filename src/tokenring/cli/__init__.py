@@ -34,12 +34,14 @@ __all__ = [
     "ArgumentAdder",
     "HelpFormatter",
     "build_parser",
+    "check_heads",
     "finite_float_at_least",
     "int_at_least",
     "main",
     "mem_available_bytes",
     "output_path",
     "positive_seconds",
+    "split_list",
 ]
 
 # command name -> (module, one-line help). Modules are imported only when their command runs.
@@ -167,6 +169,31 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+# -- arguments together ------------------------------------------------------------------------
+def split_list(text: str, flag: str, parse: Any, expected: str) -> tuple[Any, ...]:
+    """Parse a comma-separated flag; ValueError naming the flag and the bad item."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{flag} must list at least one of {expected}; got {text!r}")
+    out = []
+    for item in items:
+        try:
+            out.append(parse(item))
+        except ValueError:
+            raise ValueError(f"{flag}: unknown {item!r}; expected any of {expected}") from None
+    return tuple(out)
+
+
+def check_heads(args: argparse.Namespace) -> None:
+    if (args.heads is None) != (args.kv_heads is None):
+        given = "--heads" if args.heads is not None else "--kv-heads"
+        raise ValueError(f"--heads and --kv-heads go together; got {given} alone")
+    if args.heads is not None and args.heads % args.kv_heads:
+        raise ValueError(
+            f"--kv-heads must divide --heads; got --heads {args.heads} --kv-heads {args.kv_heads}"
+        )
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

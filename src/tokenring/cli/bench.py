@@ -32,8 +32,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,24 +40,57 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.cli import finite_float_at_least, int_at_least, output_path, positive_seconds
+from tokenring.cli import (
+    check_heads,
+    finite_float_at_least,
+    int_at_least,
+    mem_available_bytes,
+    output_path,
+    positive_seconds,
+    split_list,
+)
+from tokenring.cli.bench_inference import MODES
+from tokenring.cli.bench_inference import add_arguments as add_inference_arguments
+from tokenring.cli.bench_inference import check_args as check_inference
+from tokenring.cli.bench_inference import run as run_inference
+from tokenring.cli.bench_memory import add_arguments as add_memory_arguments
+from tokenring.cli.bench_memory import check_args as check_memory_mode
+from tokenring.cli.bench_memory import run as run_memory
+from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS
 from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
+from tokenring.cli.ranks import (
+    check_lab,
+    collect_per_rank,
+    git_sha,
+    launch_with_progress,
+    under_torchrun,
+    world_size_of,
+)
 from tokenring.core.layout import Layout, make_sharding, shard
-from tokenring.core.schedule import AttentionShape, Pass, Piece, Schedule, Strategy, piece_flops
+from tokenring.core.schedule import (
+    AttentionShape,
+    Pass,
+    Payload,
+    Piece,
+    Schedule,
+    Strategy,
+    Transfer,
+    piece_flops,
+)
 from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
-from tokenring.model.costmodel import CollectiveRouting
-from tokenring.model.simulate import strategy_schedule
+from tokenring.model.costmodel import CollectiveRouting, measured, resource_bytes
+from tokenring.model.planner import explain
+from tokenring.model.simulate import simulate, strategy_schedule
 from tokenring.runtime.comm import Communicator, Event, FieldSpec, Timeline
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.strategies.collective import ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec
 
 __all__ = [
     "BenchConfig",
     "add_arguments",
     "check_args",
-    "check_heads",
-    "check_lab",
     "check_memory",
     "estimate_rank_bytes",
     "run",
@@ -182,7 +213,6 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     """Bytes/s per direction with both directions of each ring link busy (min over ranks)."""
     if comm.world_size == 1:
         return float("inf")
-    from tokenring.core.schedule import Payload, Transfer
 
     down = (comm.rank - 1) % comm.world_size
     up = (comm.rank + 1) % comm.world_size
@@ -190,10 +220,42 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     spec: list[FieldSpec] = [((num_bytes,), torch.uint8)]
     times = []
     for i in range(4):
-        send_down = Transfer(Payload.Q, comm.rank, down, comm.rank, (0, 1), i, 0)
-        recv_up = Transfer(Payload.Q, up, comm.rank, up, (0, 1), i, 0)
-        send_up = Transfer(Payload.OUT, comm.rank, up, comm.rank, (0, 1), i, 1)
-        recv_down = Transfer(Payload.OUT, down, comm.rank, down, (0, 1), i, 1)
+        send_down = Transfer(
+            payload=Payload.Q,
+            src=comm.rank,
+            dst=down,
+            owner=comm.rank,
+            rows=(0, 1),
+            step=i,
+            after_segments=0,
+        )
+        recv_up = Transfer(
+            payload=Payload.Q,
+            src=up,
+            dst=comm.rank,
+            owner=up,
+            rows=(0, 1),
+            step=i,
+            after_segments=0,
+        )
+        send_up = Transfer(
+            payload=Payload.OUT,
+            src=comm.rank,
+            dst=up,
+            owner=comm.rank,
+            rows=(0, 1),
+            step=i,
+            after_segments=1,
+        )
+        recv_down = Transfer(
+            payload=Payload.OUT,
+            src=down,
+            dst=comm.rank,
+            owner=down,
+            rows=(0, 1),
+            step=i,
+            after_segments=1,
+        )
         comm.barrier(label="bench")
         start = time.perf_counter()
         pending = comm.exchange(
@@ -290,8 +352,6 @@ def _compute_operands(
     kv_len = max((pc.kv_rows[1] for pc in pieces), default=1)
     heads_q, heads_kv = dims.heads_q, dims.heads_kv
     if strategy is Strategy.ULYSSES:
-        from tokenring.strategies.collective import ulysses_heads
-
         share = ulysses_heads(world_size=scheds[0].world_size, heads_q=heads_q, heads_kv=heads_kv)
         heads_q = heads_kv = share[rank].num_q
         dims = dataclasses.replace(dims, heads_q=heads_q, heads_kv=heads_kv)
@@ -865,9 +925,6 @@ def add_predictions(
     ``model_ms`` checks the schedule and the network, and the planner's hit rate what one
     rate costs.
     """
-    from tokenring.model.costmodel import measured
-    from tokenring.model.planner import explain
-    from tokenring.model.simulate import simulate
 
     bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
     memory = min(r["memory_bytes_per_s"] for r in per_rank)
@@ -1032,8 +1089,6 @@ def estimate_rank_bytes(
                 kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
                 heads_q, heads_kv = hq, hkv
                 if strategy is Strategy.ULYSSES:
-                    from tokenring.strategies.collective import ulysses_heads
-
                     share = ulysses_heads(world_size=world_size, heads_q=hq, heads_kv=hkv)
                     heads_q = heads_kv = max(sh.num_q for sh in share)
                 # q side: q, dout, out, dq and a block in flight; k/v side: k, v, their
@@ -1065,7 +1120,6 @@ def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend:
     """Raise ValueError when the ranks on this machine cannot fit (Note [Per-rank
     reference]): host memory against MemAvailable; with NCCL the GPU part against the
     device's free memory."""
-    from tokenring.cli import mem_available_bytes
 
     parts = estimate_rank_bytes(config, world_size, backend=backend)
     on_gpu = backend == "nccl"
@@ -1094,7 +1148,6 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     the bytes each row's schedules put on the busiest emulated link or port (the cost
     model's routing of the lab's topology), times the calls per row, plus the bandwidth
     probe, over the link rate is a lower bound on the run's time."""
-    from tokenring.model.costmodel import measured, resource_bytes
 
     rate = args.link / 8  # bytes/s
     hardware = measured(
@@ -1160,9 +1213,6 @@ def _parse_rate(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring bench``, grouped by the ``--mode`` they apply to."""
-    from tokenring.cli.bench_inference import MODES
-    from tokenring.cli.bench_inference import add_arguments as add_inference_arguments
-    from tokenring.cli.bench_memory import add_arguments as add_memory_arguments
 
     parser.add_argument(
         "--mode",
@@ -1264,35 +1314,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _split_list(text: str, flag: str, parse: Any, expected: str) -> tuple[Any, ...]:
-    """Parse a comma-separated flag; ValueError naming the flag and the bad item."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise ValueError(f"{flag} must list at least one of {expected}; got {text!r}")
-    out = []
-    for item in items:
-        try:
-            out.append(parse(item))
-        except ValueError:
-            raise ValueError(f"{flag}: unknown {item!r}; expected any of {expected}") from None
-    return tuple(out)
-
-
-def check_heads(args: argparse.Namespace) -> None:
-    if (args.heads is None) != (args.kv_heads is None):
-        given = "--heads" if args.heads is not None else "--kv-heads"
-        raise ValueError(f"--heads and --kv-heads go together; got {given} alone")
-    if args.heads is not None and args.heads % args.kv_heads:
-        raise ValueError(
-            f"--kv-heads must divide --heads; got --heads {args.heads} --kv-heads {args.kv_heads}"
-        )
-
-
-def _world_size(args: argparse.Namespace) -> int:
-    """The ranks the run will have: torchrun's under torchrun, else --world-size."""
-    return int(os.environ["WORLD_SIZE"]) if _under_torchrun() else int(args.world_size)
-
-
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
     check_heads(args)
@@ -1305,11 +1326,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         }
     causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
     hybrid = HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer)
-    passes = _split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
+    passes = split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
     layout = None if args.layout == "auto" else Layout.parse(args.layout)
     names = ", ".join(s.value for s in Strategy)
     if args.strategies is not None:
-        strategies = _split_list(args.strategies, "--strategies", Strategy.parse, names)
+        strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
     else:  # all of them; the hybrid only where it fits, and then said so
         strategies = tuple(Strategy)
         trial = BenchConfig(
@@ -1321,7 +1342,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             layout=layout,
         )
         try:
-            trial.check_world(_world_size(args))
+            trial.check_world(world_size_of(args))
         except ValueError as exc:
             print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
             strategies = strategies[:-1]
@@ -1348,22 +1369,6 @@ def _parse_pass(text: str) -> str:
     return text
 
 
-def check_lab(args: argparse.Namespace, world_size: int) -> None:
-    """Raise ValueError when ``--link`` cannot be emulated here (the lab's own limits, its
-    privileges, torchrun's ranks that it did not start)."""
-    if _under_torchrun():
-        raise ValueError("--link emulates links between ranks bench spawns; not under torchrun")
-    from tokenring.model.netlab import LabConfig, lab_unavailable_reason
-
-    try:
-        LabConfig(world_size=world_size, rate_bits_per_s=args.link, topology=args.topology)
-    except ValueError as exc:
-        raise ValueError(f"--link with --world-size {world_size}: {exc}") from None
-    reason = lab_unavailable_reason()
-    if reason is not None:
-        raise ValueError(f"--link needs the emulated-interconnect lab: {reason}")
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
@@ -1374,22 +1379,18 @@ def check_args(args: argparse.Namespace) -> None:
     if mode != "attention" and given:
         raise ValueError(f"{given[0]} is for --mode attention; got --mode {mode}")
     if getattr(args, "mode", "attention") == "memory":
-        from tokenring.cli.bench_memory import check_args as check_memory_mode
-
         check_memory_mode(args)
         return
     if getattr(args, "mode", "attention") != "attention":
-        from tokenring.cli.bench_inference import check_args as check_inference
-
         check_inference(args)
         return
     config = config_from_args(args)
-    world = _world_size(args)
+    world = world_size_of(args)
     try:
         config.check_world(world)
     except ValueError as exc:
         raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
-    backend = "nccl" if _under_torchrun() and torch.cuda.is_available() else "gloo"
+    backend = "nccl" if under_torchrun() and torch.cuda.is_available() else "gloo"
     for name, model in config.models.items():  # what the ranks would build first: fail here
         for causal in config.causal:
             for strategy in config.strategies:
@@ -1402,25 +1403,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.link is not None:
         check_lab(args, world)
         _check_link_time(config, args, world)
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
     check_memory(config, world, ranks_here, backend)
     args._config = config
-
-
-def _git_sha() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _launch_all(config: BenchConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -1429,100 +1414,10 @@ def _launch_all(config: BenchConfig, args: argparse.Namespace) -> list[dict[str,
     return launch_with_progress(run_rank, config, num_rows=num_rows, title=title, args=args)
 
 
-def launch_with_progress(
-    fn: Any, config: Any, *, num_rows: int, title: str, args: argparse.Namespace
-) -> list[Any]:
-    """Spawn ``args.world_size`` ranks running ``fn(config, progress_path)`` (each finished
-    row appends a line to the progress file) behind a progress bar, inside the emulated lab
-    when ``args.link`` is set (then ``args._lab`` describes it). Returns every rank's value."""
-    from tokenring.cli.console import progress
-    from tokenring.launch import launch
-
-    with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
-        progress_path = os.path.join(tmp, "progress")
-        bar = progress(num_rows, title)
-
-        def poll() -> None:
-            try:
-                with open(progress_path) as f:
-                    done = sum(1 for _ in f)
-            except OSError:
-                done = 0
-            bar.update(bar.task_ids[0], completed=done)
-
-        kwargs: dict[str, Any] = {
-            "world_size": args.world_size,
-            "timeout_s": args.timeout,
-            "pg_timeout_s": max(60.0, args.timeout / 4),
-            "poll": poll,
-        }
-        with bar:
-            if args.link is None:
-                return launch(fn, config, progress_path, **kwargs)
-            from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
-
-            reason = lab_unavailable_reason()
-            if reason is not None:
-                raise SystemExit(f"--link needs the emulated-interconnect lab: {reason}")
-            lab_config = LabConfig(
-                world_size=args.world_size,
-                rate_bits_per_s=args.link,
-                topology=Topology.parse(args.topology),
-            )
-            with Lab(lab_config) as lab:
-                args._lab = lab.describe()
-                return launch(
-                    fn,
-                    config,
-                    progress_path,
-                    wrap_command=lab.wrap_command,
-                    rank_env=lab.env,
-                    register_pid=lab.register_pid,
-                    **kwargs,
-                )
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-    )
-
-
-def collect_per_rank(
-    fn: Any, config: Any, args: argparse.Namespace, launch_all: Any
-) -> list[Any] | None:
-    """Every rank's ``fn(config)``: under torchrun this process is one rank (the results are
-    gathered, and only rank 0 gets them; the others get None), else ``launch_all()`` spawns
-    the ranks. Sets ``args._lab`` (None unless the launch ran in the lab)."""
-    args._lab = None
-    if not _under_torchrun():
-        result: list[Any] = launch_all()
-        return result
-    from tokenring.launch import init_distributed
-
-    init_distributed(timeout_s=args.timeout)
-    try:
-        mine = fn(config)
-        comm = get_communicator()
-        per_rank: list[Any] = comm.all_gather_object(mine, what="the benchmark's results")
-        args.world_size = comm.world_size
-        rank = comm.rank
-        comm.barrier(label="results gathered")
-    finally:
-        # Tear the groups down on every rank before any exits: a rank leaving with live
-        # gloo threads while a peer still talks aborts ("terminate called ...").
-        dist.destroy_process_group()
-    return per_rank if rank == 0 else None
-
-
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "mode", "attention") == "memory":
-        from tokenring.cli.bench_memory import run as run_memory
-
         return run_memory(args)
     if getattr(args, "mode", "attention") != "attention":
-        from tokenring.cli.bench_inference import run as run_inference
-
         return run_inference(args)
     if getattr(args, "_config", None) is None:
         check_args(args)
@@ -1553,7 +1448,7 @@ def run(args: argparse.Namespace) -> int:
         "device": per_rank[0]["device"],
         "comm_path": per_rank[0]["comm_path"],
         "torch": torch.__version__,
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "lab": args._lab,
         "link_probe_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "warmup": config.warmup,
@@ -1637,7 +1532,6 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
     times, bytes, rates, overlap and the model's ms. ``--json``, ``--out`` and
     ``--markdown`` always carry every field.
     """
-    from tokenring.cli.console import make_table
 
     columns = _WIDE_COLUMNS if wide else _NARROW_COLUMNS
     table = make_table("tokenring bench: " + _title(settings), [name for name, _ in columns])
@@ -1647,7 +1541,6 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
 
 
 def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide: bool) -> None:
-    from tokenring.cli.console import print_table
 
     print_table(results_table(rows, settings, wide=wide))
     for line in _planner_lines(rows):

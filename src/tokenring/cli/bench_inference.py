@@ -32,9 +32,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.cli import ArgumentAdder, int_at_least
+from tokenring.api import get_communicator
+from tokenring.cli import ArgumentAdder, check_heads, int_at_least, split_list
+from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS
+from tokenring.cli.ranks import (
+    check_lab,
+    collect_per_rank,
+    git_sha,
+    launch_with_progress,
+    world_size_of,
+)
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
+from tokenring.inference import attend_cached
+from tokenring.kvcache import DistributedKVCache
+from tokenring.model.planner import calibrate
+from tokenring.runtime.kernels import select_kernel
 from tokenring.strategies.cached import (
     CachedShards,
     CachedStrategy,
@@ -122,11 +135,6 @@ def _oracle_rows(
 
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
-    from tokenring.api import get_communicator
-    from tokenring.inference import attend_cached
-    from tokenring.kvcache import DistributedKVCache
-    from tokenring.model.planner import calibrate
-    from tokenring.runtime.kernels import select_kernel
 
     comm = get_communicator()
     rank = comm.rank
@@ -373,7 +381,6 @@ def _ints(text: str, name: str, minimum: int) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
-    from tokenring.cli.bench import _split_list, check_heads
 
     check_heads(args)
     models = {n: dataclasses.replace(m, head_dim=args.head_dim) for n, m in BENCH_MODELS.items()}
@@ -391,7 +398,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
         new=_ints(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
         models=models,
         dtype=args.dtype,
-        strategies=_split_list(
+        strategies=split_list(
             args.cached_strategies, "--cached-strategies", CachedStrategy.parse, names
         ),
         block_size=args.block_size,
@@ -402,7 +409,6 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
 
 
 def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]:
-    from tokenring.cli.bench import launch_with_progress
 
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
     title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
@@ -412,17 +418,15 @@ def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; ValueError naming the argument. Keeps the
     config on ``args`` for :func:`run`."""
-    from tokenring.cli.bench import _world_size, check_lab
 
     config = config_from_args(args)
     if args.link is not None:
-        check_lab(args, _world_size(args))
+        check_lab(args, world_size_of(args))
     args._config = config
 
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode decode|prefill-cached``."""
-    from tokenring.cli.bench import _git_sha, collect_per_rank
 
     if getattr(args, "_config", None) is None:
         check_args(args)
@@ -439,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
         "backend": per_rank[0]["backend"],
         "device": per_rank[0]["device"],
         "torch": torch.__version__,
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "lab": lab,
         "calibration": per_rank[0]["calibration"],
         "warmup": config.warmup,
@@ -521,7 +525,6 @@ def _cell(key: str, value: Any) -> str:
 def _print_table(
     rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
 ) -> None:
-    from tokenring.cli.console import make_table, print_table
 
     unit = "ms/step" if config.mode == "decode" else "ms/chunk"
     table = make_table(

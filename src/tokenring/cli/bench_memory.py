@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,8 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.cli import ArgumentAdder
+from tokenring.api import get_communicator, sequence_parallel_attn
+from tokenring.cli import ArgumentAdder, check_heads, split_list
+from tokenring.cli.console import progress
+from tokenring.cli.ranks import collect_per_rank, git_sha
 from tokenring.core.schedule import Strategy
+from tokenring.launch import launch
 
 __all__ = [
     "MMAP_THRESHOLD_ENV",
@@ -191,7 +196,6 @@ def _device(config: MemoryBenchConfig) -> torch.device:
 
 def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: torch.device) -> int:
     """Peak bytes of one forward + backward above the inputs (q, k, v, dout) on this rank."""
-    from tokenring.api import get_communicator, sequence_parallel_attn
 
     dtype = _DTYPES[config.dtype]
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
@@ -223,7 +227,6 @@ def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: tor
 
 def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Measure every (strategy, s) of ``config`` on this rank."""
-    from tokenring.api import get_communicator
 
     device = _device(config)
     rows = []
@@ -287,13 +290,12 @@ def add_arguments(parser: ArgumentAdder) -> None:
 
 def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
-    from tokenring.cli.bench import _split_list, check_heads
 
     check_heads(args)
     strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
     if args.strategies is not None:
         names = ", ".join(s.value for s in DEFAULT_STRATEGIES)
-        strategies = _split_list(args.strategies, "--strategies", Strategy.parse, names)
+        strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
     try:
         seq_locals = tuple(int(x) for x in args.seq_local.split(",") if x)
     except ValueError:
@@ -324,12 +326,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
-    from tokenring.cli.console import progress
-    from tokenring.launch import launch
 
     num_rows = len(config.strategies) * len(config.seq_locals)
     bar = progress(num_rows, f"bench memory: {num_rows} rows on {args.world_size} ranks")
-    import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tokenring-memory-") as tmp:
         progress_path = os.path.join(tmp, "progress")
@@ -357,7 +356,6 @@ def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode memory``."""
-    from tokenring.cli.bench import _git_sha, collect_per_rank
 
     if getattr(args, "_config", None) is None:
         check_args(args)
@@ -381,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         if per_rank[0]["device"].startswith("cuda")
         else "VmHWM (MALLOC_MMAP_THRESHOLD_=65536)",
         "torch": torch.__version__,
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
     }
     records = [{**settings, **row} for row in rows]
     if args.out:

@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from tokenring.cli import int_at_least, positive_seconds
-from tokenring.cli.bench import (
-    BenchConfig,
-    aggregate,
-    check_heads,
-    check_memory,
-    launch_with_progress,
-    run_rank,
-)
+from tokenring.cli import check_heads, int_at_least, positive_seconds
+from tokenring.cli.bench import BenchConfig, aggregate, check_memory, run_rank
 from tokenring.cli.console import make_table, print_table
+from tokenring.cli.ranks import launch_with_progress
 from tokenring.core.schedule import AttentionShape
 
 __all__ = ["add_arguments", "check_args", "run"]

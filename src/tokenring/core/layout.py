@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenring.core.enums import parse_enum
+
 __all__ = [
     "Layout",
     "Run",
@@ -74,14 +76,8 @@ class Layout(enum.Enum):
 
     @classmethod
     def parse(cls, value: Layout | str) -> Layout:
-        """Accept a ``Layout`` or its string value; raise ValueError naming the options."""
-        if isinstance(value, Layout):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            options = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"layout must be one of {options}; got {value!r}") from None
+        """Accept a member or its value; raise ValueError naming the options."""
+        return parse_enum(cls, value, "layout")
 
 
 def validate_seq_local(seq_local: int, layout: Layout, *, name: str = "seq_local") -> None:

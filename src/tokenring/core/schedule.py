@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenring.core.enums import parse_enum
 from tokenring.core.layout import Layout, Run, Sharding, make_sharding
 from tokenring.core.masks import MaskKind, MaskSpec
 
@@ -99,13 +100,8 @@ class Strategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: Strategy | str) -> Strategy:
-        if isinstance(value, Strategy):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            options = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"strategy must be one of {options}; got {value!r}") from None
+        """Accept a member or its value; raise ValueError naming the options."""
+        return parse_enum(cls, value, "strategy")
 
 
 class Pass(enum.Enum):
@@ -270,7 +266,7 @@ class Segment:
     pieces: tuple[Piece, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Transfer:
     """``rows`` of ``owner``'s shard of ``payload`` going from ``src`` to ``dst``.
 

@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from tokenring.core.enums import parse_enum
 from tokenring.core.layout import Layout, validate_seq_local
 from tokenring.core.schedule import (
     AttentionShape,
@@ -134,13 +135,7 @@ class CollectiveRouting(enum.Enum):
     @classmethod
     def parse(cls, value: CollectiveRouting | str) -> CollectiveRouting:
         """Accept a member or its value; raise ValueError naming the options."""
-        if isinstance(value, CollectiveRouting):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            options = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"collectives must be one of {options}; got {value!r}") from None
+        return parse_enum(cls, value, "collectives")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

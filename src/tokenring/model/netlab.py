@@ -93,7 +93,11 @@ class Topology(enum.Enum):
 
     @classmethod
     def parse(cls, value: Topology | str) -> Topology:
-        """Accept a ``Topology`` or its string value; raise ValueError naming the options."""
+        """Accept a ``Topology`` or its string value; raise ValueError naming the options.
+
+        The same as ``tokenring.core.enums.parse_enum``, written out: this module imports
+        nothing of the package, so that a lab's helper processes load it by path without
+        importing torch."""
         if isinstance(value, Topology):
             return value
         try:

@@ -441,7 +441,9 @@ def _probe(
     fields: list[tuple[tuple[int, ...], torch.dtype]] = [((num_bytes,), torch.uint8)]
 
     def transfer(kind: Payload, src: int, dst: int) -> Transfer:
-        return Transfer(kind, src, dst, src, (0, num_bytes), 0, 0)
+        return Transfer(
+            payload=kind, src=src, dst=dst, owner=src, rows=(0, num_bytes), step=0, after_segments=0
+        )
 
     sends = [(transfer(Payload.Q, r, down), [payload])]
     recvs = [(transfer(Payload.Q, up, r), fields)]

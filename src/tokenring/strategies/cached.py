@@ -90,6 +90,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenring.core.enums import parse_enum
 from tokenring.core.schedule import DTYPE_BYTES, AttentionShape, Flow, Payload, Transfer
 from tokenring.kvcache import CacheStep, place_new_tokens
 from tokenring.model.costmodel import Hardware, merge_bytes, preset, route
@@ -120,15 +121,8 @@ class CachedStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: CachedStrategy | str) -> CachedStrategy:
-        if isinstance(value, CachedStrategy):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            options = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(
-                f"strategy must be one of {options} or 'auto'; got {value!r}"
-            ) from None
+        """Accept a member or its value; raise ValueError naming the options."""
+        return parse_enum(cls, value, "strategy", also=" or 'auto'")
 
 
 # -- who holds what ----------------------------------------------------------------------------
@@ -229,7 +223,7 @@ def uniform_shards(
 
 
 # -- plans ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CachedTransfer(Transfer):
     """A transfer carrying the blocks of ``owners`` (ascending), packed one after another;
     ``rows`` spans their total rows. ``step`` is the round."""
@@ -263,7 +257,16 @@ def _transfer(
     after: int,
 ) -> CachedTransfer:
     owners = tuple(sorted(owners))
-    return CachedTransfer(payload, src, dst, owners[0], (0, num_rows), round_, after, owners=owners)
+    return CachedTransfer(
+        payload=payload,
+        src=src,
+        dst=dst,
+        owner=owners[0],
+        rows=(0, num_rows),
+        step=round_,
+        after_segments=after,
+        owners=owners,
+    )
 
 
 def _tree_depth(world_size: int) -> int:

@@ -163,6 +163,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenring.core.enums import parse_enum
 from tokenring.core.layout import Layout, validate_seq_local
 from tokenring.core.schedule import (
     Pass,
@@ -201,15 +202,8 @@ class CollectiveStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: CollectiveStrategy | enum.Enum | str) -> CollectiveStrategy:
-        """Accept a member, any enum member with a matching value, or the value itself."""
-        if isinstance(value, CollectiveStrategy):
-            return value
-        raw = value.value if isinstance(value, enum.Enum) else value
-        try:
-            return cls(raw)
-        except ValueError:
-            options = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"strategy_name must be one of {options}; got {raw!r}") from None
+        """Accept a member or its value; raise ValueError naming the options."""
+        return parse_enum(cls, value, "strategy_name")
 
 
 def _schedule_tag(strategy: CollectiveStrategy) -> Strategy:
@@ -355,11 +349,31 @@ def _build(
                     back = [(Payload.DQ, mine.q), (Payload.DKV, mine.kv)]
                 for payload, heads in travel:
                     if heads[1] > heads[0]:
-                        transfers.append(Transfer(payload, r, j, r, (0, s), 0, 0, heads))
+                        transfers.append(
+                            Transfer(
+                                payload=payload,
+                                src=r,
+                                dst=j,
+                                owner=r,
+                                rows=(0, s),
+                                step=0,
+                                after_segments=0,
+                                heads=heads,
+                            )
+                        )
                 for payload, heads in back:
                     if heads[1] > heads[0]:
                         transfers.append(
-                            Transfer(payload, r, j, j, (0, s), 0, len(segments), heads)
+                            Transfer(
+                                payload=payload,
+                                src=r,
+                                dst=j,
+                                owner=j,
+                                rows=(0, s),
+                                step=0,
+                                after_segments=len(segments),
+                                heads=heads,
+                            )
                         )
         else:  # rounds: k = 0 is the own block, round k the K/V of owner r + k
             rounds = _allgather_rounds(layout, causal, p, s, r)
@@ -367,10 +381,30 @@ def _build(
             cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
             for k in range(1, p):  # Note [All-gather K/V rounds]
                 gather_after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
-                transfers.append(Transfer(Payload.KV, r, (r - k) % p, r, (0, s), 0, gather_after))
+                transfers.append(
+                    Transfer(
+                        payload=Payload.KV,
+                        src=r,
+                        dst=(r - k) % p,
+                        owner=r,
+                        rows=(0, s),
+                        step=0,
+                        after_segments=gather_after,
+                    )
+                )
                 if not forward:
                     owner = (r + k) % p
-                    transfers.append(Transfer(Payload.DKV, r, owner, owner, (0, s), 0, cum[k + 1]))
+                    transfers.append(
+                        Transfer(
+                            payload=Payload.DKV,
+                            src=r,
+                            dst=owner,
+                            owner=owner,
+                            rows=(0, s),
+                            step=0,
+                            after_segments=cum[k + 1],
+                        )
+                    )
         steps.append((StepPlan(r, 0, r, (r,), segments),))
     return CollectiveSchedule(
         strategy=_schedule_tag(strategy),

@@ -216,25 +216,45 @@ def build_hybrid_schedule(
             peer = rank(o, j)
             inbound = [(Payload.Q, "q"), (Payload.KV, "kv")] if forward else [(DOUT, "q")]
             for payload, kind in inbound:  # my rows of the peer's heads
-                transfers.append(Transfer(payload, g, peer, g, (0, s), 0, 0, shift(None, kind, j)))
+                transfers.append(
+                    Transfer(
+                        payload=payload,
+                        src=g,
+                        dst=peer,
+                        owner=g,
+                        rows=(0, s),
+                        step=0,
+                        after_segments=0,
+                        heads=shift(None, kind, j),
+                    )
+                )
             outbound = [(Payload.OUT, "q")] if forward else [(Payload.DQ, "q"), (GRAD_KV, "kv")]
             for payload, kind in outbound:  # the peer's rows of my heads
                 transfers.append(
-                    Transfer(payload, g, peer, peer, (0, s), n + 1, 0, shift(None, kind, i))
+                    Transfer(
+                        payload=payload,
+                        src=g,
+                        dst=peer,
+                        owner=peer,
+                        rows=(0, s),
+                        step=n + 1,
+                        after_segments=0,
+                        heads=shift(None, kind, i),
+                    )
                 )
     for tr in outer.transfers:
         for i in range(p_in):
             transfers.append(
                 Transfer(
-                    tr.payload,
-                    rank(tr.src, i),
-                    rank(tr.dst, i),
-                    rank(tr.owner, i),
-                    tr.rows,
-                    tr.step + 1,
-                    tr.after_segments,
-                    shift(tr.heads, tr.payload.heads_kind, i),
-                    tr.lane,
+                    payload=tr.payload,
+                    src=rank(tr.src, i),
+                    dst=rank(tr.dst, i),
+                    owner=rank(tr.owner, i),
+                    rows=tr.rows,
+                    step=tr.step + 1,
+                    after_segments=tr.after_segments,
+                    heads=shift(tr.heads, tr.payload.heads_kind, i),
+                    lane=tr.lane,
                 )
             )
     turns = routing is CollectiveRouting.GLOO and p_in > 1

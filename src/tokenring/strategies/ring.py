@@ -279,15 +279,15 @@ def build_schedule(
                 if rows is not None:
                     transfers.append(
                         Transfer(
-                            travel,
-                            r,
-                            (r + lane.direction) % p,
-                            lane.visitor(r, t, p),
-                            rows,
-                            t,
-                            0,
-                            lane.q_heads if pass_q else lane.kv_heads,
-                            index,
+                            payload=travel,
+                            src=r,
+                            dst=(r + lane.direction) % p,
+                            owner=lane.visitor(r, t, p),
+                            rows=rows,
+                            step=t,
+                            after_segments=0,
+                            heads=lane.q_heads if pass_q else lane.kv_heads,
+                            lane=index,
                         )
                     )
     if pass_q:
@@ -300,7 +300,17 @@ def build_schedule(
                     owner = plan.lane_q_owner(index)
                     heads = lanes[index].q_heads
                     transfers.append(
-                        Transfer(ret, r, owner, owner, segment.q_rows, t, k + 1, heads, index)
+                        Transfer(
+                            payload=ret,
+                            src=r,
+                            dst=owner,
+                            owner=owner,
+                            rows=segment.q_rows,
+                            step=t,
+                            after_segments=k + 1,
+                            heads=heads,
+                            lane=index,
+                        )
                     )
     elif pass_ is Pass.BACKWARD:
         # See Note [Backward]: the accumulator of a K/V block leaves home with the owner's
@@ -320,15 +330,15 @@ def build_schedule(
                     plan = steps[holders[t]][t]
                     transfers.append(
                         Transfer(
-                            Payload.DKV,
-                            holders[t],
-                            holders[t + 1] if t < last else owner,
-                            owner,
-                            lane.kv_rows or (0, s),
-                            t,
-                            max(1, len(plan.segments)),
-                            lane.kv_heads,
-                            index,
+                            payload=Payload.DKV,
+                            src=holders[t],
+                            dst=holders[t + 1] if t < last else owner,
+                            owner=owner,
+                            rows=lane.kv_rows or (0, s),
+                            step=t,
+                            after_segments=max(1, len(plan.segments)),
+                            heads=lane.kv_heads,
+                            lane=index,
                         )
                     )
     return Schedule(

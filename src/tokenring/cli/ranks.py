@@ -1,0 +1,141 @@
+"""Starting a bench's ranks and gathering what they return: spawned here behind a progress
+bar (inside the emulated-interconnect lab with ``--link``) or, under torchrun, this process as
+one of them. Shared by every bench mode and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from typing import Any
+
+import torch.distributed as dist
+
+from tokenring.api import get_communicator
+from tokenring.cli.console import progress
+from tokenring.launch import init_distributed, launch
+from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
+
+__all__ = [
+    "check_lab",
+    "collect_per_rank",
+    "git_sha",
+    "launch_with_progress",
+    "under_torchrun",
+    "world_size_of",
+]
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    )
+
+
+def world_size_of(args: argparse.Namespace) -> int:
+    """The ranks the run will have: torchrun's under torchrun, else --world-size."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else int(args.world_size)
+
+
+def check_lab(args: argparse.Namespace, world_size: int) -> None:
+    """Raise ValueError when ``--link`` cannot be emulated here (the lab's own limits, its
+    privileges, torchrun's ranks that it did not start)."""
+    if under_torchrun():
+        raise ValueError("--link emulates links between ranks bench spawns; not under torchrun")
+    try:
+        LabConfig(world_size=world_size, rate_bits_per_s=args.link, topology=args.topology)
+    except ValueError as exc:
+        raise ValueError(f"--link with --world-size {world_size}: {exc}") from None
+    reason = lab_unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"--link needs the emulated-interconnect lab: {reason}")
+
+
+def git_sha() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def launch_with_progress(
+    fn: Any, config: Any, *, num_rows: int, title: str, args: argparse.Namespace
+) -> list[Any]:
+    """Spawn ``args.world_size`` ranks running ``fn(config, progress_path)`` (each finished
+    row appends a line to the progress file) behind a progress bar, inside the emulated lab
+    when ``args.link`` is set (then ``args._lab`` describes it). Returns every rank's value."""
+    with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
+        progress_path = os.path.join(tmp, "progress")
+        bar = progress(num_rows, title)
+
+        def poll() -> None:
+            try:
+                with open(progress_path) as f:
+                    done = sum(1 for _ in f)
+            except OSError:
+                done = 0
+            bar.update(bar.task_ids[0], completed=done)
+
+        kwargs: dict[str, Any] = {
+            "world_size": args.world_size,
+            "timeout_s": args.timeout,
+            "pg_timeout_s": max(60.0, args.timeout / 4),
+            "poll": poll,
+        }
+        with bar:
+            if args.link is None:
+                return launch(fn, config, progress_path, **kwargs)
+            reason = lab_unavailable_reason()
+            if reason is not None:
+                raise SystemExit(f"--link needs the emulated-interconnect lab: {reason}")
+            lab_config = LabConfig(
+                world_size=args.world_size,
+                rate_bits_per_s=args.link,
+                topology=Topology.parse(args.topology),
+            )
+            with Lab(lab_config) as lab:
+                args._lab = lab.describe()
+                return launch(
+                    fn,
+                    config,
+                    progress_path,
+                    wrap_command=lab.wrap_command,
+                    rank_env=lab.env,
+                    register_pid=lab.register_pid,
+                    **kwargs,
+                )
+
+
+def collect_per_rank(
+    fn: Any, config: Any, args: argparse.Namespace, launch_all: Any
+) -> list[Any] | None:
+    """Every rank's ``fn(config)``: under torchrun this process is one rank (the results are
+    gathered, and only rank 0 gets them; the others get None), else ``launch_all()`` spawns
+    the ranks. Sets ``args._lab`` (None unless the launch ran in the lab)."""
+    args._lab = None
+    if not under_torchrun():
+        result: list[Any] = launch_all()
+        return result
+    init_distributed(timeout_s=args.timeout)
+    try:
+        mine = fn(config)
+        comm = get_communicator()
+        per_rank: list[Any] = comm.all_gather_object(mine, what="the benchmark's results")
+        args.world_size = comm.world_size
+        rank = comm.rank
+        comm.barrier(label="results gathered")
+    finally:
+        # Tear the groups down on every rank before any exits: a rank leaving with live
+        # gloo threads while a peer still talks aborts ("terminate called ...").
+        dist.destroy_process_group()
+    return per_rank if rank == 0 else None
