@@ -448,10 +448,10 @@ def cached_attn(
                 f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
                 f"strategy={strategy!r}"
             )
-        if hardware is None and strategy == "auto":
-            raise ValueError(AUTO_NEEDS_HARDWARE)
         block_kernel = select_kernel(q.device, q.dtype, kernel)
         cache.check_append(layer, k, v)
+        if hardware is None and strategy == "auto":  # after the arguments' own errors
+            raise ValueError(AUTO_NEEDS_HARDWARE)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         signature = {
             "step": step.index,
