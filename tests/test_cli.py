@@ -35,6 +35,9 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     launch_module = sys.modules["tokenring.launch"]  # the package exports launch() by that name
     monkeypatch.setattr(launch_module, "launch", refuse)
     monkeypatch.setattr(launch_module, "_start", refuse)
+    # where the commands call it from (imported at the top of their modules)
+    monkeypatch.setattr("tokenring.cli.ranks.launch", refuse)
+    monkeypatch.setattr("tokenring.cli.bench_memory.launch", refuse)
     monkeypatch.setattr("tokenring.model.netlab.Lab.__enter__", refuse)
     # the command's module first: importing it binds the simulator's real function
     monkeypatch.setattr("tokenring.cli.simulate.simulate", refuse)
@@ -161,7 +164,7 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(
 ) -> None:
     """2^20 tokens, 4 ranks: every rank draws the global q, k, v, dout (B S (2 Hq + 2 Hkv) D
     float32 = 10 GiB for the default 8/8 x 64 model) before anything else."""
-    monkeypatch.setattr("tokenring.cli.mem_available_bytes", lambda: 16 << 30)
+    monkeypatch.setattr("tokenring.cli.bench.mem_available_bytes", lambda: 16 << 30)
     line = _usage_error(["bench", "--seq", "1048576"], capsys)
     assert "--seq 1048576" in line and "MemAvailable is 16 GiB" in line
     per_rank = float(line.split("needs about ")[1].split(" GiB")[0])
@@ -183,10 +186,10 @@ def test_the_memory_estimate_follows_the_ranks_on_this_machine(
     per_rank = sum(estimate_rank_bytes(config, 2).values())
     argv = ["bench", "--seq", "4096", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
     argv += ["--world-size", "2", "--strategies", "token_ring,ring,bidir_ring,ulysses,allgather_kv"]
-    monkeypatch.setattr("tokenring.cli.mem_available_bytes", lambda: 2 * per_rank)
+    monkeypatch.setattr("tokenring.cli.bench.mem_available_bytes", lambda: 2 * per_rank)
     with pytest.raises(Started):
         main(argv)
-    monkeypatch.setattr("tokenring.cli.mem_available_bytes", lambda: 2 * per_rank - 1)
+    monkeypatch.setattr("tokenring.cli.bench.mem_available_bytes", lambda: 2 * per_rank - 1)
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
@@ -198,7 +201,7 @@ def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
     """Ring forward, non-causal, 2 ranks: each call sends the other rank's K/V once (s rows of
     2 Hkv D float32), and the bandwidth probe sends 4 rounds of 4 MiB each way: 3 calls x
     1024 x 2 x 8 x 32 x 4 + 4 x 4 MiB = 23068672 bytes, 184.5 s at 1 Mbit/s."""
-    monkeypatch.setattr("tokenring.model.netlab.lab_unavailable_reason", lambda: None)
+    monkeypatch.setattr("tokenring.cli.ranks.lab_unavailable_reason", lambda: None)
     num_bytes = 3 * 1024 * 2 * 8 * 32 * 4 + 4 * (4 << 20)
     seconds = num_bytes * 8 / 1e6
     argv = ["bench", "--world-size", "2", "--seq", "2048", "--heads", "8", "--kv-heads", "8"]

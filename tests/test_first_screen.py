@@ -205,8 +205,8 @@ def test_demo_shows_progress(monkeypatch: pytest.MonkeyPatch) -> None:
         kwargs["poll"]()
         raise _Started
 
-    monkeypatch.setattr(tokenring.cli.console, "progress", recording_progress)
-    monkeypatch.setattr(sys.modules["tokenring.launch"], "launch", two_rows_then_stop)
+    monkeypatch.setattr("tokenring.cli.ranks.progress", recording_progress)
+    monkeypatch.setattr("tokenring.cli.ranks.launch", two_rows_then_stop)
     with pytest.raises(_Started):
         main(["demo", "--world-size", "2", "--seq", "32"])
     (bar,) = bars
