@@ -37,7 +37,6 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch_module, "_start", refuse)
     # where the commands call it from (imported at the top of their modules)
     monkeypatch.setattr("tokenring.cli.ranks.launch", refuse)
-    monkeypatch.setattr("tokenring.cli.bench_memory.launch", refuse)
     monkeypatch.setattr("tokenring.model.netlab.Lab.__enter__", refuse)
     # the command's module first: importing it binds the simulator's real function
     monkeypatch.setattr("tokenring.cli.simulate.simulate", refuse)

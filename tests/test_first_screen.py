@@ -226,6 +226,14 @@ def test_attention_outputs_in_other_modes_are_refused(
     assert f"{flag} is for --mode attention; got --mode memory" in error
 
 
+def test_a_link_is_refused_for_the_memory_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """Peak memory does not depend on the link: --link there would be ignored, so it raises."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--mode", "memory", "--link", "100mbit"])
+    assert exit_info.value.code == 2
+    assert "--link is for --mode attention, decode or prefill-cached" in capsys.readouterr().err
+
+
 def test_the_torch_floor_reads_the_installed_version() -> None:
     import tokenring
 

@@ -1378,7 +1378,11 @@ def check_args(args: argparse.Namespace) -> None:
     given = [flag for flag, value in only_attention if value]
     if mode != "attention" and given:
         raise ValueError(f"{given[0]} is for --mode attention; got --mode {mode}")
-    if getattr(args, "mode", "attention") == "memory":
+    if mode == "memory":
+        if args.link is not None:  # peak memory does not depend on the link
+            raise ValueError(
+                "--link is for --mode attention, decode or prefill-cached; got --mode memory"
+            )
         check_memory_mode(args)
         return
     if getattr(args, "mode", "attention") != "attention":

@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,10 +42,8 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import ArgumentAdder, check_heads, split_list
-from tokenring.cli.console import progress
-from tokenring.cli.ranks import collect_per_rank, git_sha
+from tokenring.cli.ranks import collect_per_rank, git_sha, launch_with_progress
 from tokenring.core.schedule import Strategy
-from tokenring.launch import launch
 
 __all__ = [
     "MMAP_THRESHOLD_ENV",
@@ -326,32 +323,15 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
-
     num_rows = len(config.strategies) * len(config.seq_locals)
-    bar = progress(num_rows, f"bench memory: {num_rows} rows on {args.world_size} ranks")
-
-    with tempfile.TemporaryDirectory(prefix="tokenring-memory-") as tmp:
-        progress_path = os.path.join(tmp, "progress")
-
-        def poll() -> None:
-            try:
-                with open(progress_path) as f:
-                    done = sum(1 for _ in f)
-            except OSError:
-                done = 0
-            bar.update(bar.task_ids[0], completed=done)
-
-        with bar:
-            return launch(
-                run_rank,
-                config,
-                progress_path,
-                world_size=args.world_size,
-                timeout_s=args.timeout,
-                pg_timeout_s=max(60.0, args.timeout / 4),
-                rank_env=lambda rank: dict(MMAP_THRESHOLD_ENV),
-                poll=poll,
-            )
+    return launch_with_progress(
+        run_rank,
+        config,
+        num_rows=num_rows,
+        title=f"bench memory: {num_rows} rows on {args.world_size} ranks",
+        args=args,
+        rank_env=lambda rank: dict(MMAP_THRESHOLD_ENV),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -69,11 +70,18 @@ def git_sha() -> str:
 
 
 def launch_with_progress(
-    fn: Any, config: Any, *, num_rows: int, title: str, args: argparse.Namespace
+    fn: Any,
+    config: Any,
+    *,
+    num_rows: int,
+    title: str,
+    args: argparse.Namespace,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any]:
     """Spawn ``args.world_size`` ranks running ``fn(config, progress_path)`` (each finished
     row appends a line to the progress file) behind a progress bar, inside the emulated lab
-    when ``args.link`` is set (then ``args._lab`` describes it). Returns every rank's value."""
+    when ``args.link`` is set (then ``args._lab`` describes it). ``rank_env(rank)``: extra
+    environment variables of a rank (beside the lab's). Returns every rank's value."""
     with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
         progress_path = os.path.join(tmp, "progress")
         bar = progress(num_rows, title)
@@ -94,7 +102,7 @@ def launch_with_progress(
         }
         with bar:
             if args.link is None:
-                return launch(fn, config, progress_path, **kwargs)
+                return launch(fn, config, progress_path, rank_env=rank_env, **kwargs)
             reason = lab_unavailable_reason()
             if reason is not None:
                 raise SystemExit(f"--link needs the emulated-interconnect lab: {reason}")
@@ -110,7 +118,7 @@ def launch_with_progress(
                     config,
                     progress_path,
                     wrap_command=lab.wrap_command,
-                    rank_env=lab.env,
+                    rank_env=lambda rank: {**lab.env(rank), **(rank_env(rank) if rank_env else {})},
                     register_pid=lab.register_pid,
                     **kwargs,
                 )

@@ -85,7 +85,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenring.core.layout import Layout, global_length, make_sharding
+from tokenring.core.layout import Layout, Sharding, global_length, make_sharding
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     Lane,
@@ -219,6 +219,37 @@ def build_schedule(
         lanes = _query_lanes(heads_q, heads_kv)
     else:
         lanes = _lanes(strategy, layout, s, heads_kv, causal)
+    steps = _step_plans(strategy, lanes, sharding, mask, last_block_splits)
+    transfers = _travel_transfers(strategy, pass_, lanes, steps)
+    if strategy.passes_q:
+        transfers += _return_transfers(pass_, lanes, steps)
+    elif pass_ is Pass.BACKWARD:
+        transfers += _accumulator_transfers(lanes, steps, s)
+    return Schedule(
+        strategy=strategy,
+        pass_=pass_,
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=s,
+        lanes=lanes,
+        steps=tuple(tuple(row) for row in steps),
+        transfers=tuple(transfers),
+        sharding=sharding,
+        mask=mask,
+    )
+
+
+def _step_plans(
+    strategy: Strategy,
+    lanes: tuple[Lane, ...],
+    sharding: Sharding,
+    mask: MaskSpec,
+    last_block_splits: int,
+) -> list[list[StepPlan]]:
+    """Who computes what: ``steps[r][t]``, rank r's pieces at step t (Note [TokenRing step
+    table]); the last step's block in ``last_block_splits`` row slices."""
+    p = sharding.world_size
     cache: dict[tuple[int, int], tuple[Piece, ...]] = {}
 
     def pieces(q_owner: int, kv_owner: int) -> tuple[Piece, ...]:
@@ -258,7 +289,16 @@ def build_schedule(
                     block += _lane_pieces(piece, index, lane, whole_block=t == 0)
             row.append(StepPlan(r, t, r, kv_owners, _by_q_rows(block)))
         steps.append(row)
+    return steps
 
+
+def _travel_transfers(
+    strategy: Strategy, pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
+) -> list[Transfer]:
+    """The travelling blocks (Q, Q and its gradient inputs, or K/V): rank r holds the
+    visitor's block at step t and forwards to the next rank of the lane whatever rows the
+    ranks ahead still need. Rows only shrink."""
+    p = len(steps)
     pass_q = strategy.passes_q
     travel = Payload.KV
     if pass_q:
@@ -267,8 +307,6 @@ def build_schedule(
     for index, lane in enumerate(lanes):
         for r in range(p):
             for t in range(p - 1):
-                # Rank r holds the visitor's block at step t and forwards to the next rank of
-                # the lane whatever rows the ranks ahead still need. Rows only shrink.
                 needed: list[Rows] = []
                 for ahead in range(1, p - t):
                     plan = steps[(r + lane.direction * ahead) % p][t + ahead]
@@ -290,70 +328,72 @@ def build_schedule(
                             lane=index,
                         )
                     )
-    if pass_q:
-        ret = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
-        for r in range(p):
-            for t in range(1, p):
-                plan = steps[r][t]
-                for k, segment in enumerate(plan.segments):
-                    index = segment.pieces[0].lane  # a segment's pieces share their lane
-                    owner = plan.lane_q_owner(index)
-                    heads = lanes[index].q_heads
-                    transfers.append(
-                        Transfer(
-                            payload=ret,
-                            src=r,
-                            dst=owner,
-                            owner=owner,
-                            rows=segment.q_rows,
-                            step=t,
-                            after_segments=k + 1,
-                            heads=heads,
-                            lane=index,
-                        )
+    return transfers
+
+
+def _return_transfers(
+    pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
+) -> list[Transfer]:
+    """Pass-Q: each segment's partial (out and lse, or dq) straight back to its q owner as
+    soon as the segment is computed."""
+    ret = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
+    transfers: list[Transfer] = []
+    for r in range(len(steps)):
+        for t in range(1, len(steps)):
+            plan = steps[r][t]
+            for k, segment in enumerate(plan.segments):
+                index = segment.pieces[0].lane  # a segment's pieces share their lane
+                owner = plan.lane_q_owner(index)
+                transfers.append(
+                    Transfer(
+                        payload=ret,
+                        src=r,
+                        dst=owner,
+                        owner=owner,
+                        rows=segment.q_rows,
+                        step=t,
+                        after_segments=k + 1,
+                        heads=lanes[index].q_heads,
+                        lane=index,
                     )
-    elif pass_ is Pass.BACKWARD:
-        # See Note [Backward]: the accumulator of a K/V block leaves home with the owner's
-        # own dK/dV, follows the block, and the last visitor that computes sends it home.
-        for index, lane in enumerate(lanes):
-            for owner in range(p):
-                holders = [(owner + lane.direction * t) % p for t in range(p)]
-                computing = [
-                    t
-                    for t in range(1, p)
-                    if any(piece.lane == index for piece in steps[holders[t]][t].pieces)
-                ]
-                if not computing:
-                    continue
-                last = computing[-1]
-                for t in range(last + 1):
-                    plan = steps[holders[t]][t]
-                    transfers.append(
-                        Transfer(
-                            payload=Payload.DKV,
-                            src=holders[t],
-                            dst=holders[t + 1] if t < last else owner,
-                            owner=owner,
-                            rows=lane.kv_rows or (0, s),
-                            step=t,
-                            after_segments=max(1, len(plan.segments)),
-                            heads=lane.kv_heads,
-                            lane=index,
-                        )
+                )
+    return transfers
+
+
+def _accumulator_transfers(
+    lanes: tuple[Lane, ...], steps: list[list[StepPlan]], seq_local: int
+) -> list[Transfer]:
+    """Pass-KV backward (Note [Backward]): the accumulator of a K/V block leaves home with the
+    owner's own dK/dV, follows the block, and the last visitor that computes sends it home."""
+    p = len(steps)
+    transfers: list[Transfer] = []
+    for index, lane in enumerate(lanes):
+        for owner in range(p):
+            holders = [(owner + lane.direction * t) % p for t in range(p)]
+            computing = [
+                t
+                for t in range(1, p)
+                if any(piece.lane == index for piece in steps[holders[t]][t].pieces)
+            ]
+            if not computing:
+                continue
+            last = computing[-1]
+            for t in range(last + 1):
+                plan = steps[holders[t]][t]
+                transfers.append(
+                    Transfer(
+                        payload=Payload.DKV,
+                        src=holders[t],
+                        dst=holders[t + 1] if t < last else owner,
+                        owner=owner,
+                        rows=lane.kv_rows or (0, seq_local),
+                        step=t,
+                        after_segments=max(1, len(plan.segments)),
+                        heads=lane.kv_heads,
+                        lane=index,
                     )
-    return Schedule(
-        strategy=strategy,
-        pass_=pass_,
-        layout=layout,
-        causal=causal,
-        world_size=p,
-        seq_local=s,
-        lanes=lanes,
-        steps=tuple(tuple(row) for row in steps),
-        transfers=tuple(transfers),
-        sharding=sharding,
-        mask=mask,
-    )
+                )
+    return transfers
 
 
 def _lanes(
