@@ -16,6 +16,8 @@ within ``torch.testing.assert_close``'s float32 defaults; the functions in float
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import pytest
@@ -30,6 +32,8 @@ pytest.importorskip(
 from diffusers import FluxTransformer2DModel
 
 from tokenring import diffusers as tr_diffusers
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 BATCH = 2
 TEXT = 12  # text tokens: divisible by 2, 3 and 4 for the sharded-text case
@@ -331,3 +335,11 @@ def test_unknown_placements_are_named() -> None:
         tr_diffusers.FluxSequenceParallelProcessor(text="broadcast")
     with pytest.raises(ValueError, match="kv must be one of"):
         tr_diffusers.KVPlacement.parse("ring")
+
+
+def test_dit_video_example_matches_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    import dit_video
+
+    argv = ["--world-size", "2", "--frames", "2", "--height", "4", "--width", "4"]
+    assert dit_video.main(argv) == 0
+    assert "MATCHES the single-process run" in capsys.readouterr().out
