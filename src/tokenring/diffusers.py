@@ -46,7 +46,9 @@ ring over image K/V plus local text K/V, merged by lse; text queries: local part
 over the ranks by lse): the lse that ``sequence_parallel_attn`` returns carries no gradient,
 so the merge's gradient through it (which is not zero) would need a hand-written backward that
 re-runs the ring backward with the merged output; the bias channel needs none. Costs: head dim
-D + 1, and the text rides in every travelling block. Gradients of the replicated text (and of
+D + 8 (the bias channel and 7 zeros, keeping D % 8 == 0 for the fused GPU kernels; D + 1 when
+D is not a multiple of 8; past D + 8 = 256 the GPU path is the tiled reference), and the text
+rides in every travelling block. Gradients of the replicated text (and of
 every replicated parameter) are partial on each rank: their sum over the ranks is the gradient
 (as for any replicated tensor under sequence parallelism). In bfloat16/float16 the bias is
 rounded to the input dtype: a logit error up to about log(P) * 2**-8.
@@ -214,15 +216,20 @@ def joint_attn(
 
     if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
         return attend(q, k, v)
-    # replicated text: one bias channel (Note [Joint attention with replicated text])
-    b, n = q.shape[0], q.shape[1]
-    bias = torch.zeros(b, n, k.shape[2], 1, dtype=k.dtype, device=k.device)  # (B, t + s, H, 1)
-    bias[:, :num_text] = -math.log(comm.world_size) / scale
-    q1 = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)  # (B, t + s, H, D + 1)
-    k1 = torch.cat([k, bias], dim=-1)
-    v1 = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
-    out = attend(q1, k1, v1)  # (B, t + s, H, D + 1)
-    return out[..., :-1]  # (B, t + s, H, D)
+    # replicated text: a bias channel (Note [Joint attention with replicated text]), padded
+    # with zeros to 8 channels when D is a multiple of 8, so that the fused GPU kernels
+    # (which need D % 8 == 0) still serve the call
+    b, n, d = q.shape[0], q.shape[1], q.shape[3]
+    extra = 8 if d % 8 == 0 else 1
+    q_extra = q.new_zeros(b, n, q.shape[2], extra)  # (B, t + s, Hq, E)
+    q_extra[..., 0] = 1
+    k_extra = k.new_zeros(b, n, k.shape[2], extra)  # (B, t + s, Hkv, E)
+    k_extra[:, :num_text, :, 0] = -math.log(comm.world_size) / scale
+    q1 = torch.cat([q, q_extra], dim=-1)  # (B, t + s, Hq, D + E)
+    k1 = torch.cat([k, k_extra], dim=-1)
+    v1 = torch.cat([v, v.new_zeros(b, n, v.shape[2], extra)], dim=-1)
+    out = attend(q1, k1, v1)  # (B, t + s, Hq, D + E)
+    return out[..., :d]  # (B, t + s, Hq, D)
 
 
 class _GatherSequence(torch.autograd.Function):
