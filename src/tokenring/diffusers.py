@@ -1,0 +1,447 @@
+"""Diffusion transformers: joint text+image attention, cross-attention and a diffusers processor.
+
+This module owns the attention patterns of diffusion transformers (DiTs) under sequence
+parallelism and their bridge to diffusers (``pip install "tokenring-attention[diffusers]"``):
+
+- :func:`joint_attn`: MMDiT-style joint attention (text tokens concatenated with image or video
+  tokens, non-causal), the text part either replicated on every rank or sharded with the rest.
+- :func:`cross_attn`: queries attend to K/V of another length (text conditioning): K/V
+  replicated (local attention, no communication) or sharded (gathered over the group).
+- :class:`FluxSequenceParallelProcessor`: the attention processor of diffusers'
+  ``FluxTransformer2DModel`` (double- and single-stream blocks), set through its public
+  ``model.set_attn_processor(...)``. Importing this module does not import diffusers; calling
+  the processor does.
+
+Image (or video) tokens are always sharded contiguously (non-causal work is balanced without
+zigzag): rank r holds tokens ``[r * s, (r + 1) * s)`` of the image sequence
+(``tokenring.shard(x, rank=r, world_size=P, layout="contiguous")``), with their own position
+ids, so RoPE is applied per token before attention.
+
+Legend: B batch, T text tokens (global), t text tokens on this rank, S image tokens (global),
+s image tokens on this rank, Skv cross-attention keys, H heads, D head dim, C hidden size,
+P world size.
+
+Note [Joint attention with replicated text]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every rank holds the whole text (T tokens) and its shard of the image (s = S / P tokens). The
+target: every query (text or image) attends to all T + S keys. Each rank gives the ring its
+local sequence ``[text (T), image shard (s)]``; the ring then sees a global sequence of
+P * (T + s) tokens in which every text key appears P times::
+
+    rank:            0              1         ...        P-1
+    local seq:   [T | img_0]    [T | img_1]   ...    [T | img_P-1]
+    keys seen:   P copies of each text key, one copy of each image key
+
+P copies of a key with logit z weigh as one key of logit z + log P, so each text key gets a
+logit bias of -log P through one extra head channel (q gets a 1, a text key gets
+-log(P) / softmax_scale, an image key 0, v gets 0 and that output channel is dropped)::
+
+    logit(q, k_text) = scale * (q . k + 1 * (-log P / scale)) = scale * q . k - log P
+    sum over the P copies: P * exp(scale * q . k - log P) = exp(scale * q . k)
+
+so the result is exactly attention over T + S keys, for the image queries and for the (now
+replicated) text queries alike, and its forward and backward are the library's own
+(``sequence_parallel_attn``, non-causal, contiguous). Why not split the call (image queries:
+ring over image K/V plus local text K/V, merged by lse; text queries: local partials reduced
+over the ranks by lse): the lse that ``sequence_parallel_attn`` returns carries no gradient,
+so the merge's gradient through it (which is not zero) would need a hand-written backward that
+re-runs the ring backward with the merged output; the bias channel needs none. Costs: head dim
+D + 8 (the bias channel and 7 zeros, keeping D % 8 == 0 for the fused GPU kernels; D + 1 when
+D is not a multiple of 8; past D + 8 = 256 the GPU path is the tiled reference), and the text
+rides in every travelling block. Gradients of the replicated text (and of
+every replicated parameter) are partial on each rank: their sum over the ranks is the gradient
+(as for any replicated tensor under sequence parallelism). In bfloat16/float16 the bias is
+rounded to the input dtype: a logit error up to about log(P) * 2**-8.
+
+Note [Which text placement is cheaper]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Sharded text (``text="sharded"``): rank r holds its text shard t = T / P and image shard s and
+passes the local ``[text_r, image_r]`` to one non-causal call; the global order of the tokens
+does not matter without a causal mask (RoPE is already in q and k). Per rank, per layer::
+
+                      keys per query    tokens per travelling block    text rows computed
+    sharded           T + S             (T + S) / P                    T / P
+    replicated        P * T + S         T + S / P                      T (every rank)
+
+Sharded text is never more work in attention; it needs T and S divisible by P (every rank's
+local length equal) and the text stream sharded through the model. Replicated text pays
+(P - 1) * T extra keys per query and T * (1 - 1/P) extra tokens per block: negligible when
+T << S / P (a 512-token prompt against 100k video tokens on 8 ranks: +4% keys), and the text
+stream and its outputs stay whole on every rank, with any T.
+
+Note [Cross-attention with K/V of another length]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``sequence_parallel_attn`` needs k and v of q's local length (a ring step pairs equal
+blocks), so :func:`cross_attn` does not go round the ring::
+
+    kv="replicated"   every rank has all Skv keys: local attention, no communication
+    kv="sharded"      rank r has its Skv_r keys (any lengths): all-gather K/V over the
+                      group's Communicator (each rank sends Skv_r tokens, receives the rest),
+                      then local attention; the backward sums the K/V gradients over the
+                      ranks and keeps this rank's rows
+
+The all-gather moves (P - 1) / P of K/V once per call, the same bytes a ring would move, in
+one collective; for text conditioning Skv is small (77 to 512 tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
+from tokenring.core.enums import parse_enum
+from tokenring.model.costmodel import Hardware
+from tokenring.runtime.comm import Communicator
+
+__all__ = [
+    "FluxSequenceParallelProcessor",
+    "KVPlacement",
+    "TextPlacement",
+    "cross_attn",
+    "joint_attn",
+]
+
+DIFFUSERS_MISSING = (
+    "tokenring.diffusers needs diffusers for its processor: "
+    'pip install "tokenring-attention[diffusers]"'
+)
+
+
+class TextPlacement(enum.Enum):
+    """Where the text part of a joint sequence lives (Note [Which text placement is cheaper])."""
+
+    REPLICATED = "replicated"
+    """Every rank holds all T text tokens."""
+    SHARDED = "sharded"
+    """Rank r holds its contiguous shard of the text, like the image."""
+
+    @classmethod
+    def parse(cls, value: object) -> TextPlacement:
+        return parse_enum(cls, value, "text")
+
+
+class KVPlacement(enum.Enum):
+    """Where cross-attention K/V live (Note [Cross-attention with K/V of another length])."""
+
+    REPLICATED = "replicated"
+    """Every rank holds all Skv keys and values."""
+    SHARDED = "sharded"
+    """Rank r holds a part of them; the parts in rank order are the whole."""
+
+    @classmethod
+    def parse(cls, value: object) -> KVPlacement:
+        return parse_enum(cls, value, "kv")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_len: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 4-D tensor (B, seq, H, D); got {shape}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"k must be (B={q.shape[0]}, seq, heads dividing {q.shape[2]}, D={q.shape[3]}); "
+            f"got {tuple(k.shape)}"
+        )
+    if same_len and k.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"k must have q's length {q.shape[1]} in joint attention; got {k.shape[1]}"
+        )
+
+
+def joint_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_text: int,
+    text: TextPlacement | str,
+    group: GroupLike = None,
+    strategy: str = "token_ring",
+    softmax_scale: float | None = None,
+    hardware: Hardware | str | None = None,
+) -> torch.Tensor:
+    """Non-causal joint attention over text and image tokens, image tokens sharded.
+
+    Args:
+        q, k, v: ``(B, t + s, H, D)``: this rank's text rows first (t = ``num_text``), then
+            its image shard. k/v may have fewer heads (GQA). With ``text="replicated"`` the
+            text rows are the whole text (t = T, the same on every rank); with
+            ``text="sharded"`` they are this rank's text shard.
+        num_text: t, the number of text rows at the start of the local sequence.
+        text: ``"replicated"`` or ``"sharded"`` (Note [Which text placement is cheaper]).
+        group, strategy, hardware: as for :func:`tokenring.sequence_parallel_attn`.
+        softmax_scale: default ``D ** -0.5``.
+
+    Returns:
+        ``(B, t + s, H, D)`` in q's dtype: each row attended to all T + S keys.
+
+    Raises:
+        ValueError: bad shapes, ``num_text`` outside ``[0, t + s]``, or an unknown ``text``;
+            the ranks' local lengths differ (raised by the attention call, on every rank).
+    """
+    placement = TextPlacement.parse(text)
+    _check_qkv(q, k, v, same_len=True)
+    if isinstance(num_text, bool) or not isinstance(num_text, int):
+        raise ValueError(f"num_text must be an int; got {num_text!r}")
+    if not 0 <= num_text <= q.shape[1]:
+        raise ValueError(f"num_text must be in [0, {q.shape[1]}] (q.shape[1]); got {num_text}")
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    comm = get_communicator(group)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = sequence_parallel_attn(
+            q,
+            k,
+            v,
+            group=comm,
+            strategy=strategy,
+            hardware=hardware,
+            causal=False,
+            layout="contiguous",
+            softmax_scale=scale,
+        )
+        assert isinstance(out, torch.Tensor)  # no return_lse
+        return out
+
+    if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
+        return attend(q, k, v)
+    # replicated text: a bias channel (Note [Joint attention with replicated text]), padded
+    # with zeros to 8 channels when D is a multiple of 8, so that the fused GPU kernels
+    # (which need D % 8 == 0) still serve the call
+    b, n, d = q.shape[0], q.shape[1], q.shape[3]
+    extra = 8 if d % 8 == 0 else 1
+    q_extra = q.new_zeros(b, n, q.shape[2], extra)  # (B, t + s, Hq, E)
+    q_extra[..., 0] = 1
+    k_extra = k.new_zeros(b, n, k.shape[2], extra)  # (B, t + s, Hkv, E)
+    k_extra[:, :num_text, :, 0] = -math.log(comm.world_size) / scale
+    q1 = torch.cat([q, q_extra], dim=-1)  # (B, t + s, Hq, D + E)
+    k1 = torch.cat([k, k_extra], dim=-1)
+    v1 = torch.cat([v, v.new_zeros(b, n, v.shape[2], extra)], dim=-1)
+    out = attend(q1, k1, v1)  # (B, t + s, Hq, D + E)
+    return out[..., :d]  # (B, t + s, Hq, D)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of (B, n_r, H, D) along the sequence over a Communicator; the backward sums
+    the gathered gradient over the ranks and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, lengths: list[int]) -> torch.Tensor:
+        longest = max(lengths)
+        padded = F.pad(x, (0, 0, 0, 0, 0, longest - x.shape[1]))  # (B, max n_r, H, D)
+        blocks = comm.all_gather(padded, label="cross-attention K/V")
+        ctx.comm, ctx.lengths = comm, lengths
+        return torch.cat([blk[:, :n] for blk, n in zip(blocks, lengths, strict=True)], dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous().clone()  # (B, Skv, H, D)
+        ctx.comm.all_reduce(grad, label="cross-attention K/V gradient").wait()
+        start = sum(ctx.lengths[: ctx.comm.rank])
+        return grad[:, start : start + ctx.lengths[ctx.comm.rank]], None, None
+
+
+def cross_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    kv: KVPlacement | str,
+    group: GroupLike = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Cross-attention (no mask): this rank's queries attend to all Skv keys.
+
+    Args:
+        q: ``(B, s, Hq, D)``: this rank's query rows (any sharding).
+        k, v: ``(B, Skv, Hkv, D)`` with ``kv="replicated"`` (the same on every rank), or
+            ``(B, Skv_r, Hkv, D)``, this rank's part in rank order, with ``kv="sharded"``
+            (Note [Cross-attention with K/V of another length]).
+        softmax_scale: default ``D ** -0.5``.
+
+    Returns:
+        ``(B, s, Hq, D)`` in q's dtype. Gradients of replicated K/V are partial on each rank
+        (their sum over the ranks is the gradient); of sharded K/V, complete.
+
+    Raises:
+        ValueError: bad shapes, an unknown ``kv``, or no key at all.
+    """
+    placement = KVPlacement.parse(kv)
+    _check_qkv(q, k, v, same_len=False)
+    if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
+        raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
+    if placement is KVPlacement.SHARDED:
+        comm = get_communicator(group)
+        sizes = comm.all_gather(
+            torch.tensor([k.shape[1]], dtype=torch.int64, device=k.device),
+            label="cross-attention K/V lengths",
+        )
+        lengths = [int(x) for x in sizes]
+        if sum(lengths) == 0:  # every rank raises: they all see the same lengths
+            raise ValueError("k and v must hold at least one key on some rank; got none on any")
+        k = _GatherSequence.apply(k.contiguous(), comm, lengths)  # (B, Skv, Hkv, D)
+        v = _GatherSequence.apply(v.contiguous(), comm, lengths)
+    return _local_attn(q, k, v, softmax_scale)
+
+
+def _local_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None
+) -> torch.Tensor:
+    """SDPA in the (B, seq, H, D) layout, K/V heads repeated for GQA."""
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale
+    )
+    return out.transpose(1, 2)  # (B, s, Hq, D)
+
+
+# -- diffusers --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FluxSequenceParallelProcessor:
+    """diffusers' ``FluxAttnProcessor`` with its attention split over a group.
+
+    Set it with ``model.set_attn_processor(FluxSequenceParallelProcessor(group=...))`` on a
+    ``FluxTransformer2DModel`` and call the model on this rank's image shard
+    (``hidden_states`` and ``img_ids``, contiguous) and the text (``encoder_hidden_states``,
+    ``txt_ids``): all of it with ``text="replicated"``, its contiguous shard with
+    ``text="sharded"``. With replicated text the single-stream blocks need the text length:
+    pass ``joint_attention_kwargs={"text_seq_len": T}`` to the model. The math is
+    ``FluxAttnProcessor``'s (diffusers 0.42): q/k/v projections (fused or not), RMS norms of
+    q and k, text first in the joint sequence, RoPE over the local joint ids, then
+    :func:`joint_attn`. Attention masks and IP-adapter inputs raise NotImplementedError.
+    """
+
+    group: GroupLike = None
+    """The sequence-parallel group (ProcessGroup, 1-D DeviceMesh, Communicator or None)."""
+    text: TextPlacement | str = TextPlacement.REPLICATED
+    """Where the text lives (Note [Which text placement is cheaper])."""
+    strategy: str = "token_ring"
+    """A tokenring strategy, or "auto" with ``hardware``."""
+    hardware: Hardware | str | None = None
+    """For ``strategy="auto"``: a preset name or a Hardware."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", TextPlacement.parse(self.text))
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        text_seq_len: int | None = None,
+        ip_hidden_states: Any = None,
+        ip_adapter_masks: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One attention layer: ``hidden_states`` ``(B, s, C)`` (single-stream blocks:
+        ``(B, t + s, C)``, text first), ``encoder_hidden_states`` ``(B, t, C)`` or None.
+        Returns what ``FluxAttnProcessor`` returns: ``(image (B, s, C), text (B, t, C))`` with
+        ``encoder_hidden_states``, else ``(B, t + s, C)``."""
+        try:
+            from diffusers.models.embeddings import apply_rotary_emb
+        except ImportError as exc:
+            raise ImportError(DIFFUSERS_MISSING) from exc
+        if attention_mask is not None:
+            raise NotImplementedError(
+                "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
+                f"of shape {tuple(attention_mask.shape)}); Flux passes none"
+            )
+        if ip_hidden_states is not None or ip_adapter_masks is not None:
+            # FluxAttention drops these quietly for a processor without them: take and refuse
+            raise NotImplementedError(
+                "FluxSequenceParallelProcessor does not support IP-adapter inputs "
+                "(ip_hidden_states / ip_adapter_masks); got "
+                f"ip_hidden_states={type(ip_hidden_states).__name__}, "
+                f"ip_adapter_masks={type(ip_adapter_masks).__name__}"
+            )
+        text = TextPlacement.parse(self.text)
+        fused = getattr(attn, "fused_projections", False)
+        if fused:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = (
+                attn.to_q(hidden_states),
+                attn.to_k(hidden_states),
+                attn.to_v(hidden_states),
+            )
+        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))  # (B, s, H, D)
+        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        if encoder_hidden_states is not None:
+            if attn.added_kv_proj_dim is None:
+                raise NotImplementedError(
+                    "encoder_hidden_states given to an attention without added K/V "
+                    "projections (added_kv_proj_dim=None): not a Flux joint block"
+                )
+            num_text = encoder_hidden_states.shape[1]
+            if text_seq_len is not None and text is TextPlacement.REPLICATED:
+                _check_text_len(text_seq_len, num_text)
+            if fused:
+                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+            else:
+                eq = attn.add_q_proj(encoder_hidden_states)
+                ek = attn.add_k_proj(encoder_hidden_states)
+                ev = attn.add_v_proj(encoder_hidden_states)
+            eq = attn.norm_added_q(eq.unflatten(-1, (-1, attn.head_dim)))  # (B, t, H, D)
+            ek = attn.norm_added_k(ek.unflatten(-1, (-1, attn.head_dim)))
+            ev = ev.unflatten(-1, (-1, attn.head_dim))
+            query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
+            key = torch.cat([ek, key], dim=1)
+            value = torch.cat([ev, value], dim=1)
+        elif text is TextPlacement.REPLICATED:
+            if text_seq_len is None:
+                raise ValueError(
+                    "text_seq_len is required with text='replicated' in a single-stream "
+                    "block (the text rows are not told apart there): pass "
+                    "joint_attention_kwargs={'text_seq_len': T} to the model; got None"
+                )
+            num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
+        else:
+            num_text = 0  # sharded: the local joint sequence is one block of the ring
+        if image_rotary_emb is not None:  # (cos, sin), each (t + s, D), from the local ids
+            rotary: Any = image_rotary_emb  # diffusers annotates it as a 1-tuple
+            query = apply_rotary_emb(query, rotary, sequence_dim=1)
+            key = apply_rotary_emb(key, rotary, sequence_dim=1)
+        out = joint_attn(
+            query,
+            key,
+            value,
+            num_text=num_text,
+            text=text,
+            group=self.group,
+            strategy=self.strategy,
+            hardware=self.hardware,
+        )  # (B, t + s, H, D)
+        out = out.flatten(2, 3).to(query.dtype)  # (B, t + s, C)
+        if encoder_hidden_states is None:
+            return out
+        text_out, image_out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)
+        image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
+        return image_out, attn.to_add_out(text_out.contiguous())
+
+
+def _check_text_len(text_seq_len: Any, expected: int, *, at_most: bool = False) -> int:
+    if isinstance(text_seq_len, bool) or not isinstance(text_seq_len, int) or text_seq_len < 0:
+        raise ValueError(f"text_seq_len must be an int >= 0; got {text_seq_len!r}")
+    if (text_seq_len > expected) if at_most else (text_seq_len != expected):
+        want = f"at most the joint length {expected}" if at_most else f"{expected}"
+        raise ValueError(
+            f"text_seq_len must be {want} (the text rows this rank holds); got {text_seq_len}"
+        )
+    return text_seq_len
