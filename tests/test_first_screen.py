@@ -17,7 +17,15 @@ from rich.console import Console
 import tokenring.cli.console
 import tokenring.launch  # so sys.modules has it below (the package exports launch())
 from tokenring.cli import main
-from tokenring.cli.bench import BenchConfig, planner_verdict, results_table, run_rank
+from tokenring.cli.bench import (
+    SCREEN_COLUMNS,
+    BenchConfig,
+    _planner_lines,
+    _print_table,
+    planner_verdict,
+    results_table,
+    run_rank,
+)
 
 HEAVY = [
     "tokenring.cli.bench",
@@ -181,6 +189,24 @@ def test_a_miss_says_why_in_one_line() -> None:
     assert (
         "prices ring at 200.0 ms, measured 100.0 ms (-50%)" in planner_verdict(pick, fastest_off)[1]
     )
+
+
+def test_the_verdict_lines_fit_the_screen_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """A miss's reason is long: under the table it folds to 120 columns, every word kept."""
+    group = {"model": "mha-8/8", "causal": True, "pass": "fwd+bwd", "planner_pick": "ulysses"}
+    fastest = _measured("ring", 100.0, 98.0, 102.0, model_ms=90.0, model_error_pct=11.1)
+    pick = _measured("ulysses", 150.0, 148.0, 152.0, model_ms=95.0, model_error_pct=57.9)
+    rows = [
+        {**_row("mha-8/8", r["strategy"], "fwd+bwd", r["ms_median"]), **group, **r}
+        for r in (fastest, pick)
+    ]
+    whole = _planner_lines(rows)
+    assert max(len(line) for line in whole) > SCREEN_COLUMNS  # the case this is about
+    _print_table(rows, SETTINGS, wide=False)
+    printed = capsys.readouterr().out.splitlines()
+    verdicts = printed[printed.index(next(x for x in printed if x.startswith("auto ("))) :]
+    assert max(len(line) for line in verdicts) <= SCREEN_COLUMNS
+    assert " ".join(" ".join(verdicts).split()) == " ".join(" ".join(whole).split())
 
 
 # -- progress and refused combinations -----------------------------------------------------------

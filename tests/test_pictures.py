@@ -38,16 +38,18 @@ def _profiled_names(strategies: list[str]) -> dict[str, list[str]]:
 
 def test_every_step_is_a_named_range_in_the_profiler() -> None:
     """P = 2: each ring strategy's forward and backward steps 0 and 1 (a rank computes P
-    blocks, one per step at least) appear as ``tokenring.<strategy>.<pass>.step<t>``."""
-    world_size, strategies = 2, ["token_ring", "ring", "bidir_ring"]
-    per_rank = tokenring.launch(_profiled_names, strategies, world_size=world_size, timeout_s=240)
+    blocks, one per step at least) appear as ``tokenring.<strategy>.<pass>.step<t>``; the
+    collectives' one step as ``step0``."""
+    world_size = 2
+    steps = {"token_ring": 2, "ring": 2, "bidir_ring": 2, "ulysses": 1, "allgather_kv": 1}
+    per_rank = tokenring.launch(_profiled_names, list(steps), world_size=world_size, timeout_s=240)
     for names in per_rank:
-        for strategy in strategies:
+        for strategy, num_steps in steps.items():
             got = names[strategy]
             pattern = rf"tokenring\.{strategy}\.(forward|backward)\.step(\d+)"
             assert all(re.fullmatch(pattern, name) for name in got), got
             for pass_ in ("forward", "backward"):
-                for step in range(world_size):
+                for step in range(num_steps):
                     assert f"tokenring.{strategy}.{pass_}.step{step}" in got, (strategy, got)
 
 

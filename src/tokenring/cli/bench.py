@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -1498,6 +1499,9 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+SCREEN_COLUMNS = 120
+"""The terminal width the default output fits (Note [First screen])."""
+
 # (header, cell) of the terminal table; the narrow set fits 120 columns (Note [First screen])
 _NARROW_COLUMNS: list[tuple[str, Any]] = [
     ("model", lambda r: r["model"]),
@@ -1532,7 +1536,8 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
     Note [First screen]
     ~~~~~~~~~~~~~~~~~~~
     The default table has the columns a reader decides on (time with its spread, the bound,
-    the model's error, the check) and fits a 120-column terminal; ``--wide`` adds per-step
+    the model's error, the check) and fits a 120-column terminal, and so do the planner's
+    verdict lines under it (a long reason folds onto indented lines); ``--wide`` adds per-step
     times, bytes, rates, overlap and the model's ms. ``--json``, ``--out`` and
     ``--markdown`` always carry every field.
     """
@@ -1547,8 +1552,8 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
 def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide: bool) -> None:
 
     print_table(results_table(rows, settings, wide=wide))
-    for line in _planner_lines(rows):
-        print(line)
+    for line in _planner_lines(rows):  # a verdict's reason folds under it (Note [First screen])
+        print(textwrap.fill(line, width=SCREEN_COLUMNS, subsequent_indent="    "))
 
 
 def _strategy_label(row: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
@@ -689,14 +690,16 @@ def collective_forward(
     layout = Layout.parse(layout)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     masking = _masking(sharding, mask, comm.world_size, q.device)
-    if strategy is CollectiveStrategy.ULYSSES:
-        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
-        return _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
-    routing = CollectiveRouting.for_backend(comm.backend)
-    key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
-    fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
-    out, lse = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale, masking=masking)
-    return out, lse, []
+    # one step (the collectives' schedules have one): a named range in profiler traces
+    with record_function(f"tokenring.{strategy.value}.forward.step0"):
+        if strategy is CollectiveStrategy.ULYSSES:
+            plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
+            return _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
+        routing = CollectiveRouting.for_backend(comm.backend)
+        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
+        fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
+        out, lse = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale, masking=masking)
+        return out, lse, []
 
 
 def collective_backward(
@@ -736,41 +739,44 @@ def collective_backward(
     layout = Layout.parse(layout)
     dout = dout.contiguous()
     masking = _masking(sharding, mask, comm.world_size, dout.device)
-    if strategy is CollectiveStrategy.ULYSSES:
-        assert not residuals, "Ulysses keeps no residuals"
-        plan = _UlyssesPlan.make(comm, layout, causal, dout.shape, k.shape[2], dout.device, masking)
-        dq, dk, dv = _ulysses_backward(
-            dout,
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out.contiguous(),
-            lse.contiguous(),
-            plan,
-            comm,
-            kernel,
-            causal=causal,
-            scale=scale,
-        )
-    else:
-        heads_kv = k.shape[2]
-        routing = CollectiveRouting.for_backend(comm.backend)
-        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], heads_kv, routing)
-        bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
-        assert not residuals, "all-gather K/V keeps no residuals"
-        dq, dk, dv = _allgather_backward(
-            dout,
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out,
-            lse,
-            bwd,
-            comm,
-            kernel,
-            scale=scale,
-            masking=masking,
-        )
+    with record_function(f"tokenring.{strategy.value}.backward.step0"):
+        if strategy is CollectiveStrategy.ULYSSES:
+            assert not residuals, "Ulysses keeps no residuals"
+            plan = _UlyssesPlan.make(
+                comm, layout, causal, dout.shape, k.shape[2], dout.device, masking
+            )
+            dq, dk, dv = _ulysses_backward(
+                dout,
+                q.contiguous(),
+                k.contiguous(),
+                v.contiguous(),
+                out.contiguous(),
+                lse.contiguous(),
+                plan,
+                comm,
+                kernel,
+                causal=causal,
+                scale=scale,
+            )
+        else:
+            heads_kv = k.shape[2]
+            routing = CollectiveRouting.for_backend(comm.backend)
+            key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], heads_kv, routing)
+            bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
+            assert not residuals, "all-gather K/V keeps no residuals"
+            dq, dk, dv = _allgather_backward(
+                dout,
+                q.contiguous(),
+                k.contiguous(),
+                v.contiguous(),
+                out,
+                lse,
+                bwd,
+                comm,
+                kernel,
+                scale=scale,
+                masking=masking,
+            )
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
