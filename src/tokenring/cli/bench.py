@@ -210,6 +210,15 @@ class RankRow:
 # -- the rank side -----------------------------------------------------------------------------
 
 
+def _probe_transfer(payload: Payload, src: int, dst: int, *, step: int) -> Transfer:
+    """One message of the bandwidth probe: Q down posted at the step's start, OUT up after
+    its one (empty) segment, each owned by its sender."""
+    after = 0 if payload is Payload.Q else 1
+    return Transfer(
+        payload=payload, src=src, dst=dst, owner=src, rows=(0, 1), step=step, after_segments=after
+    )
+
+
 def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -> float:
     """Bytes/s per direction with both directions of each ring link busy (min over ranks)."""
     if comm.world_size == 1:
@@ -221,42 +230,10 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     spec: list[FieldSpec] = [((num_bytes,), torch.uint8)]
     times = []
     for i in range(4):
-        send_down = Transfer(
-            payload=Payload.Q,
-            src=comm.rank,
-            dst=down,
-            owner=comm.rank,
-            rows=(0, 1),
-            step=i,
-            after_segments=0,
-        )
-        recv_up = Transfer(
-            payload=Payload.Q,
-            src=up,
-            dst=comm.rank,
-            owner=up,
-            rows=(0, 1),
-            step=i,
-            after_segments=0,
-        )
-        send_up = Transfer(
-            payload=Payload.OUT,
-            src=comm.rank,
-            dst=up,
-            owner=comm.rank,
-            rows=(0, 1),
-            step=i,
-            after_segments=1,
-        )
-        recv_down = Transfer(
-            payload=Payload.OUT,
-            src=down,
-            dst=comm.rank,
-            owner=down,
-            rows=(0, 1),
-            step=i,
-            after_segments=1,
-        )
+        send_down = _probe_transfer(Payload.Q, comm.rank, down, step=i)
+        recv_up = _probe_transfer(Payload.Q, up, comm.rank, step=i)
+        send_up = _probe_transfer(Payload.OUT, comm.rank, up, step=i)
+        recv_down = _probe_transfer(Payload.OUT, down, comm.rank, step=i)
         comm.barrier(label="bench")
         start = time.perf_counter()
         pending = comm.exchange(
