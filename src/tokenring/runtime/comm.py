@@ -434,20 +434,26 @@ class Communicator:
             mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         peers = [r for r in range(self.world_size) if r != self.rank]
         frames = {r: torch.zeros(frame_num_bytes, dtype=torch.uint8) for r in peers}
-        ops = [dist.P2POp(dist.irecv, frames[r], group=self._control, group_peer=r) for r in peers]
-        ops += [dist.P2POp(dist.isend, mine, group=self._control, group_peer=r) for r in peers]
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except Exception as exc:
-            self._broken = f"{what} failed"
-            raise RuntimeError(
-                f"rank {self.rank}: {what}: posting to ranks {peers} failed: a peer is gone (it "
-                f"exited or crashed, e.g. after failing this check): {_first_line(exc)}"
-            ) from exc
+        # Posted one by one, not as a batch: a peer whose connection is closed already fails
+        # its own post, and is named.
+        closed: list[tuple[int, str]] = []
+        recvs: dict[int, Any] = {}
+        sends: dict[int, Any] = {}
+        for r in peers:
+            try:
+                recvs[r] = dist.irecv(frames[r], group=self._control, group_src=r)
+            except Exception as exc:
+                closed.append((r, _first_line(exc)))
+        for r in peers:
+            try:
+                sends[r] = dist.isend(mine, group=self._control, group_dst=r)
+            except Exception as exc:
+                if r in recvs:
+                    closed.append((r, _first_line(exc)))
         deadline = time.monotonic() + self.timeout.total_seconds()
         silent: list[int] = []
-        closed: list[tuple[int, str]] = []
-        for r, work in zip(peers, works[: len(peers)], strict=True):
+        # A peer gone already: this exchange cannot complete; say so at once.
+        for r, work in recvs.items() if not closed else ():
             remaining_s = max(deadline - time.monotonic(), 0.01)
             try:
                 work.wait(timedelta(seconds=remaining_s))
@@ -457,7 +463,7 @@ class Communicator:
                 else:
                     closed.append((r, _first_line(exc)))
         if not silent and not closed:
-            for r, work in zip(peers, works[len(peers) :], strict=True):
+            for r, work in sends.items():
                 try:
                     work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
                 except Exception as exc:
