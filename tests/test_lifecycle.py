@@ -78,20 +78,28 @@ def _running(pid: int) -> bool:
 
 
 def _rank_pids(launcher_pid: int) -> list[int]:
-    """PIDs of the ranks ``tokenring.launch`` started from ``launcher_pid``."""
-    pids = []
+    """PIDs of the ranks ``tokenring.launch`` started from ``launcher_pid``: its descendants
+    named ``tokenring-rN`` (a fresh interpreter is the launcher's child, a forked rank the
+    zygote's)."""
+    parents, names = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == launcher_pid and b"tokenring.launch import _worker" in cmdline:
-            pids.append(int(entry))
-    return pids
+        parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+        names[int(entry)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+
+    def descends(pid: int) -> bool:
+        while pid in parents and pid > 1:
+            pid = parents[pid]
+            if pid == launcher_pid:
+                return True
+        return False
+
+    return [pid for pid, name in names.items() if name.startswith("tokenring-r") and descends(pid)]
 
 
 def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:

@@ -1,9 +1,10 @@
 """Spawning a gloo (or NCCL) process group on one machine, with deadlines and root causes.
 
 This module owns the worker processes of tests, the demo and the benchmark: each rank is a
-fresh Python subprocess (so it can also be started inside a network
-namespace), rendezvous goes through a FileStore in a private temp dir (no fixed ports), every
-process group gets a timeout, and an outer deadline kills every worker. When a rank fails, the
+process of its own, forked from a warm zygote that imported the library once, or a fresh
+interpreter where it must be (Note [Rank start]); rendezvous goes through a FileStore in a
+private temp dir (no fixed ports), every process group gets a timeout, and an outer deadline
+kills every worker. When a rank fails, the
 others are ended at once and the error names the rank that failed *first* with its own
 traceback, not the "connection closed" of its peers.
 
@@ -11,7 +12,8 @@ Nothing outlives a launch. SIGTERM and SIGHUP become ``SystemExit(128 + signum)`
 ``launch`` runs, so every ``finally`` runs: the ranks are ended and the temp dir removed (and
 an enclosing lab or temp dir of the caller is cleaned up too); SIGINT does the same through
 KeyboardInterrupt. A launcher killed outright (SIGKILL) takes its ranks with it: each rank
-asks the kernel for SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``). A rank that
+asks the kernel for SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``; a forked rank's
+parent is the zygote, which ends when the launcher does). A rank that
 succeeded tears down in order (a closing barrier, the library's communicators, the process
 group) before Python finalises, and a rank that returned its result but then exited with an
 error or a signal fails the launch.
@@ -19,9 +21,13 @@ error or a signal fails the launch.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import gc
 import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import shutil
@@ -35,7 +41,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,10 +76,47 @@ class _Spec:
     threads: int
 
 
+class _Proc(Protocol):
+    """What the launcher needs of a rank's process: a ``subprocess.Popen`` or a
+    :class:`_ForkedProc`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+
+class _ForkedProc:
+    """A rank forked by the zygote, seen through the ``subprocess.Popen`` methods the
+    launcher uses."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None, "started"
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._process.join(timeout)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Rank:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: _Proc
     log_path: str
 
 
@@ -242,21 +285,130 @@ def _start(
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in base_env:
         base_env["GLOO_SOCKET_IFNAME"] = "lo"
+    forked = wrap_command is None and rank_env is None and _zygote_can_fork()
     for rank in range(world_size):
-        argv = [sys.executable, "-c", _WORKER_CODE, spec_path, str(rank), str(os.getpid())]
-        if wrap_command is not None:
-            argv = wrap_command(rank, argv)
-        env = dict(base_env)
-        if rank_env is not None:
-            env.update(rank_env(rank))
         log_path = os.path.join(workdir, f"rank{rank}.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        proc: _Proc
+        if forked:
+            proc = _fork_rank(spec_path, rank, log_path, base_env)
+        else:
+            argv = [sys.executable, "-c", _WORKER_CODE, spec_path, str(rank), str(os.getpid())]
+            if wrap_command is not None:
+                argv = wrap_command(rank, argv)
+            env = dict(base_env)
+            if rank_env is not None:
+                env.update(rank_env(rank))
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
         if register_pid is not None:
             register_pid(proc.pid)
         ranks.append(_Rank(rank=rank, proc=proc, log_path=log_path))
+
+
+# Note [Rank start]
+# ~~~~~~~~~~~~~~~~~
+# A rank started as a fresh interpreter spends about 2.5 s of CPU importing torch and the
+# library before it does anything (measured: `import tokenring` 2.6 s user time on the 2-core
+# CI box), so four ranks on two cores wait about 5 s per launch, and the test suite, which
+# launches about a hundred times, spent about half of its time there. So a rank is forked
+# from a zygote: multiprocessing's fork server, started on the first launch with this
+# module preloaded (torch, torch._dynamo and the library imported once, before any process
+# group exists: Note [Eager package] in tokenring). The fork inherits nothing of the
+# launcher but what it is sent: its environment and sys.path are set from the launcher's
+# at each launch, so variables read when a rank runs (GLOO_SOCKET_IFNAME, TORCH_*, ...)
+# take effect, while those read when an interpreter starts (MALLOC_*, LD_PRELOAD,
+# PYTHON*) are the zygote's. A launch with ``rank_env`` (which may set such variables, as
+# the memory benchmark's malloc threshold does) or ``wrap_command`` (a rank started inside
+# a network namespace must be exec'ed there), or where fork is not the platform's way
+# (not Linux), starts fresh interpreters as before. The zygote imports no CUDA state, and
+# it has one thread (fork is safe). A forked rank ends with os._exit after its atexit
+# handlers ran, so what Python's finalisation would do (Note [Clean exit]) is never at
+# the mercy of a live gloo thread.
+_ZYGOTE_PRELOAD = ["tokenring.launch"]
+
+
+def _zygote_can_fork() -> bool:
+    return sys.platform.startswith("linux") and "forkserver" in (
+        multiprocessing.get_all_start_methods()
+    )
+
+
+def _fork_rank(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -> _ForkedProc:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_ZYGOTE_PRELOAD)
+    process = context.Process(
+        target=_forked_worker,
+        args=(spec_path, rank, os.getpid(), log_path, env, list(sys.path)),
+        name=f"tokenring-rank{rank}",
+        daemon=False,
+    )
+    process.start()
+    return _ForkedProc(process)
+
+
+def _forked_worker(
+    spec_path: str,
+    rank: int,
+    launcher_pid: int,
+    log_path: str,
+    env: dict[str, str],
+    path: list[str],
+) -> None:
+    """A rank forked by the zygote: the same start as ``_WORKER_CODE``, then ``_worker``."""
+    # The fork server hands every child the launcher's end of the pipe whose closing tells
+    # the server that its launcher is gone (CPython keeps it as the private
+    # ``_forkserver_alive_fd``); a rank holding it would keep the server, its parent, alive
+    # past a killed launcher, and so itself (PR_SET_PDEATHSIG below).
+    server = multiprocessing.forkserver._forkserver
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        setattr(server, "_forkserver_alive_fd", None)  # noqa: B010  (private, untyped)
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent or not _alive(launcher_pid):
+        os._exit(1)  # the zygote or the launcher died before PR_SET_PDEATHSIG took effect
+    os.setsid()  # its own session, as start_new_session gives a fresh interpreter
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    _name_process(rank)
+    code = 1
+    try:
+        code = _worker(spec_path, rank)
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the parent dies (Linux PR_SET_PDEATHSIG = 1)."""
+    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _name_process(rank: int) -> None:
+    """Name the process ``tokenring-rN``, what ps, top and /proc/PID/comm show (Linux
+    PR_SET_NAME = 15; ``_WORKER_CODE`` does the same)."""
+    ctypes.CDLL(None).prctl(15, f"tokenring-r{rank}".encode(), 0, 0, 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _read_outcome(workdir: str, rank: int) -> _Outcome | None:
@@ -444,8 +596,10 @@ _WORKER_CODE = """
 import os, signal, sys
 if sys.platform.startswith("linux"):
     import ctypes
-    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    libc.prctl(15, f"tokenring-r{sys.argv[2]}".encode()[:15], 0, 0, 0)
 if os.getppid() != int(sys.argv[3]):
     os._exit(1)
 from tokenring.launch import _worker
