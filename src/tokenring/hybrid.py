@@ -335,6 +335,34 @@ def _lse_to_seq(lse: torch.Tensor, group: dist.ProcessGroup, rows: list[int]) ->
     return got.view(p, hp, b, s).permute(2, 0, 1, 3).reshape(b, p * hp, s)
 
 
+def _inner_rows(
+    q: torch.Tensor,
+    mesh: HybridMesh,
+    layout: Layout,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+) -> tuple[list[int], tuple[int, ...]]:
+    """The local length of every rank of this inner group and the document boundaries, with
+    this rank's checked against ``q``'s (every rank holds s when seq_len is None)."""
+    p_in, p_out = mesh.inner_size, mesh.outer_size
+    inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
+    if seq_len is None:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
+        return [q.shape[1]] * p_in, ()  # agreed by the caller
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
+    sharding, _ = _outer_lengths(layout, p_out, p_in, None, seq_len, cu_seqlens)
+    rows = [hi - lo for lo, hi in _inner_slices(sharding.local_len(outer_rank), p_in)]
+    if q.shape[1] != rows[inner_rank]:
+        raise ValueError(
+            f"q.shape[1] must be {rows[inner_rank]} on outer rank {outer_rank}, inner "
+            f"rank {inner_rank}: its share of seq_len={seq_len} (see "
+            f"tokenring.hybrid_shard); got {q.shape[1]}"
+        )
+    return rows, sharding.cu_seqlens
+
+
 def hybrid_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -386,8 +414,7 @@ def hybrid_attn(
 
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
-    p_in, p_out = mesh.inner_size, mesh.outer_size
-    inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
+    p_in = mesh.inner_size
     rows: list[int] = []
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
@@ -407,22 +434,7 @@ def hybrid_attn(
         _validate(q, k, v, softmax_scale)
         window = normalize_window(window_size, causal=causal)
         chunk_documents((0, 1), attention_chunk_size)  # validates it
-        rows = [q.shape[1]] * p_in  # every rank holds s (agreed below)
-        docs: tuple[int, ...] = ()
-        if seq_len is not None:
-            if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-                raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
-            sharding, _ = _outer_lengths(layout, p_out, p_in, None, seq_len, cu_seqlens)
-            docs = sharding.cu_seqlens
-            rows = [hi - lo for lo, hi in _inner_slices(sharding.local_len(outer_rank), p_in)]
-            if q.shape[1] != rows[inner_rank]:
-                raise ValueError(
-                    f"q.shape[1] must be {rows[inner_rank]} on outer rank {outer_rank}, inner "
-                    f"rank {inner_rank}: its share of seq_len={seq_len} (see "
-                    f"tokenring.hybrid_shard); got {q.shape[1]}"
-                )
-        elif cu_seqlens is not None:
-            raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
+        rows, docs = _inner_rows(q, mesh, layout, seq_len, cu_seqlens)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         signature = {
             "batch": q.shape[0],

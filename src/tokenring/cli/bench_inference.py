@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -45,10 +46,13 @@ from tokenring.cli.ranks import (
 )
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
-from tokenring.kvcache import DistributedKVCache
+from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
-from tokenring.runtime.kernels import select_kernel
+from tokenring.runtime.comm import Communicator
+from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
+    CachedPlan,
     CachedShards,
     CachedStrategy,
     build_cached_plan,
@@ -133,6 +137,159 @@ def _oracle_rows(
     return (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
 
 
+def _random_sequences(
+    batch: int, total: int, model: AttentionShape, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Seeded global q ``(C + T, Hq, D)``, k and v ``(C + T, Hkv, D)`` of each sequence, the
+    same on every rank."""
+    hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
+    gen = torch.Generator().manual_seed(1234)
+    return [
+        (
+            torch.randn(total, hq, d, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
+        )
+        for _ in range(batch)
+    ]
+
+
+def _planned_bytes(plan: CachedPlan, rank: int, dims: AttentionShape) -> dict[tuple[str, int], int]:
+    """Bytes ``rank`` sends per (flow, dst) in ``plan``: what its counter must show."""
+    planned: dict[tuple[str, int], int] = {}
+    for tr in plan.transfers:
+        if tr.src == rank:
+            key = (tr.payload.flow.value, tr.dst)
+            planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
+    return planned
+
+
+def _filled_cache(
+    config: InferenceBenchConfig,
+    comm: Communicator,
+    seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    cached: int,
+    new: int,
+    device: torch.device,
+) -> tuple[DistributedKVCache, CacheStep]:
+    """A one-layer cache of this rank's K/V of ``seqs`` after C cached then T new tokens, and
+    the step of the new ones."""
+    _, hkv, d = seqs[0][1].shape
+    cache = DistributedKVCache(
+        num_layers=1,
+        batch=config.batch,
+        heads_kv=hkv,
+        head_dim=d,
+        dtype=seqs[0][1].dtype,
+        device=device,
+        block_size=config.block_size,
+        group=comm,
+        zigzag_first_prefill=False,
+    )
+    step = None
+    for count in ([cached] * config.batch, [new] * config.batch):
+        if not any(count):
+            continue
+        step = cache.begin_step(count)
+        mine = step.new_positions[comm.rank]
+        k = torch.cat([s[1][p] for s, p in zip(seqs, mine, strict=True)])
+        v = torch.cat([s[2][p] for s, p in zip(seqs, mine, strict=True)])
+        cache.append(0, k.to(device), v.to(device))
+    assert step is not None
+    return cache, step
+
+
+def _timed_calls(
+    config: InferenceBenchConfig,
+    comm: Communicator,
+    q: torch.Tensor,
+    cache: DistributedKVCache,
+    strategy: CachedStrategy,
+    kernel: BlockKernel,
+) -> tuple[torch.Tensor, list[float]]:
+    """The output and the seconds of each timed call of ``strategy`` (after the warm-up; a
+    barrier before each call, whose bytes the counter then holds)."""
+    times = []
+    out = q
+    for i in range(config.warmup + config.iters):
+        comm.counter.reset()
+        comm.barrier(label="bench_inference")
+        if q.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out, _ = attend_cached(q, cache=cache, layer=0, strategy=strategy, kernel=kernel)
+        if q.device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= config.warmup:
+            times.append(time.perf_counter() - start)
+    return out, times
+
+
+def _case_rows(
+    config: InferenceBenchConfig,
+    comm: Communicator,
+    *,
+    name: str,
+    model: AttentionShape,
+    cached: int,
+    new: int,
+    hardware: Hardware,
+    kernel: BlockKernel,
+    device: torch.device,
+    progress_path: str | None,
+) -> list[dict[str, Any]]:
+    """This rank's rows of one (model, C, T): each strategy timed, counted and verified."""
+    rank, call_s = comm.rank, hardware.kernel_call_s
+    hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
+    seqs = _random_sequences(config.batch, cached + new, model, _DTYPES[config.dtype])
+    cache, step = _filled_cache(config, comm, seqs, cached=cached, new=new, device=device)
+    mine = step.new_positions[rank]
+    q = torch.cat([s[0][p] for s, p in zip(seqs, mine, strict=True)]).to(device)
+    want = torch.cat(
+        [_oracle_rows(s[0], s[1], s[2], p, d**-0.5) for s, p in zip(seqs, mine, strict=True)]
+    )
+    shards = CachedShards.from_step(step)
+    shape: dict[str, Any] = {"heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": config.dtype}
+    pick = choose_cached_strategy(shards, **shape, hardware=hardware, kernel_call_s=call_s).pick
+    dims = dataclasses.replace(model, batch=1, dtype=dtype_name(q.dtype))
+    rows = []
+    for strategy in config.strategies:
+        plan = build_cached_plan(strategy, shards)
+        predicted = predict_cached(plan, shards, **shape, hardware=hardware, kernel_call_s=call_s)
+        out, times = _timed_calls(config, comm, q, cache, strategy, kernel)
+        sent = {f.value: 0 for f in Flow}
+        for (flow, _peer), num in comm.counter.sent_bytes.items():
+            sent[flow] += num
+        error = (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0
+        rows.append(
+            {
+                "model": name,
+                "heads_q": hq,
+                "heads_kv": hkv,
+                "head_dim": d,
+                "cached": cached,
+                "new": new,
+                "strategy": strategy.value,
+                "call_s": times,
+                "sent_bytes": sent,
+                "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
+                "bytes_match_plan": _planned_bytes(plan, rank, dims)
+                == dict(comm.counter.sent_bytes),
+                "max_error": error,
+                "model_s": predicted.total_s,
+                "model_travel_bytes": predicted.travel_bytes,
+                "model_return_bytes": predicted.return_bytes,
+                "model_bound_by": predicted.bound_by,
+                "pick": pick.value,
+            }
+        )
+        if progress_path is not None and rank == 0:
+            with open(progress_path, "a") as f:
+                f.write("row\n")
+    return rows
+
+
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
 
@@ -146,123 +303,23 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     )
     dtype = _DTYPES[config.dtype]
     hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
-    call_s = hardware.kernel_call_s
     kernel = select_kernel(device, dtype)
     rows = []
-    for name, model in config.models.items():
-        hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
-        scale = d**-0.5
-        for cached in config.cached:
-            for new in config.new:
-                gen = torch.Generator().manual_seed(1234)
-                total = cached + new
-                seqs = [
-                    (
-                        torch.randn(total, hq, d, generator=gen, dtype=torch.float64).to(dtype),
-                        torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
-                        torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
-                    )
-                    for _ in range(config.batch)
-                ]
-                cache = DistributedKVCache(
-                    num_layers=1,
-                    batch=config.batch,
-                    heads_kv=hkv,
-                    head_dim=d,
-                    dtype=dtype,
-                    device=device,
-                    block_size=config.block_size,
-                    group=comm,
-                    zigzag_first_prefill=False,
-                )
-                step = None
-                for count in ([cached] * config.batch, [new] * config.batch):
-                    if not any(count):
-                        continue
-                    step = cache.begin_step(count)
-                    mine = step.new_positions[rank]
-                    k = torch.cat([s[1][p] for s, p in zip(seqs, mine, strict=True)])
-                    v = torch.cat([s[2][p] for s, p in zip(seqs, mine, strict=True)])
-                    cache.append(0, k.to(device), v.to(device))
-                assert step is not None
-                mine = step.new_positions[rank]
-                q = torch.cat([s[0][p] for s, p in zip(seqs, mine, strict=True)]).to(device)
-                want = torch.cat(
-                    [
-                        _oracle_rows(s[0], s[1], s[2], p, scale)
-                        for s, p in zip(seqs, mine, strict=True)
-                    ]
-                )
-                shards = CachedShards.from_step(step)
-                shape: dict[str, Any] = {
-                    "heads_q": hq,
-                    "heads_kv": hkv,
-                    "head_dim": d,
-                    "dtype": config.dtype,
-                }
-                pick = choose_cached_strategy(
-                    shards, **shape, hardware=hardware, kernel_call_s=call_s
-                ).pick
-                for strategy in config.strategies:
-                    plan = build_cached_plan(strategy, shards)
-                    predicted = predict_cached(
-                        plan, shards, **shape, hardware=hardware, kernel_call_s=call_s
-                    )
-                    times = []
-                    out = q
-                    for i in range(config.warmup + config.iters):
-                        comm.counter.reset()
-                        comm.barrier(label="bench_inference")
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        out, _ = attend_cached(
-                            q, cache=cache, layer=0, strategy=strategy, kernel=kernel
-                        )
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        if i >= config.warmup:
-                            times.append(time.perf_counter() - start)
-                    sent = {f.value: 0 for f in Flow}
-                    for (flow, _peer), num in comm.counter.sent_bytes.items():
-                        sent[flow] += num
-                    dims = AttentionShape(
-                        batch=1,
-                        heads_q=hq,
-                        heads_kv=hkv,
-                        head_dim=d,
-                        dtype=dtype_name(q.dtype),
-                    )
-                    planned: dict[tuple[str, int], int] = {}
-                    for tr in plan.transfers:
-                        if tr.src == rank:
-                            key = (tr.payload.flow.value, tr.dst)
-                            planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
-                    error = (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0
-                    rows.append(
-                        {
-                            "model": name,
-                            "heads_q": hq,
-                            "heads_kv": hkv,
-                            "head_dim": d,
-                            "cached": cached,
-                            "new": new,
-                            "strategy": strategy.value,
-                            "call_s": times,
-                            "sent_bytes": sent,
-                            "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
-                            "bytes_match_plan": planned == dict(comm.counter.sent_bytes),
-                            "max_error": error,
-                            "model_s": predicted.total_s,
-                            "model_travel_bytes": predicted.travel_bytes,
-                            "model_return_bytes": predicted.return_bytes,
-                            "model_bound_by": predicted.bound_by,
-                            "pick": pick.value,
-                        }
-                    )
-                    if progress_path is not None and rank == 0:
-                        with open(progress_path, "a") as f:
-                            f.write("row\n")
+    for (name, model), cached, new in itertools.product(
+        config.models.items(), config.cached, config.new
+    ):
+        rows += _case_rows(
+            config,
+            comm,
+            name=name,
+            model=model,
+            cached=cached,
+            new=new,
+            hardware=hardware,
+            kernel=kernel,
+            device=device,
+            progress_path=progress_path,
+        )
     return {
         "rank": rank,
         "rows": rows,
@@ -274,7 +331,7 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
             "latency_s": hardware.interconnect.latency_s,
             "memory_bytes_per_s": hardware.memory_bandwidth_bytes_per_s,
             "topology": hardware.interconnect.topology.value,
-            "kernel_call_s": call_s,
+            "kernel_call_s": hardware.kernel_call_s,
         },
     }
 

@@ -718,6 +718,63 @@ def _split_sizes(rows: torch.Tensor, parts: int) -> torch.Tensor:
     return sizes
 
 
+def _block_rows(
+    q_owner: torch.Tensor, kv_owner: torch.Tensor, *, layout: Layout, causal: bool, s: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of q and of kv that meet in the block of (q_owner, kv_owner), and whether it is
+    a diagonal block (Note [Causal blocks per layout] in tokenring.core.schedule)."""
+    diagonal = q_owner == kv_owner
+    full = torch.full(q_owner.shape, s, dtype=torch.long)
+    if not causal:
+        return full, full.clone(), torch.zeros_like(diagonal)
+    if layout is Layout.CONTIGUOUS:
+        q_rows = torch.where((kv_owner < q_owner) | diagonal, s, 0)
+        return q_rows, q_rows.clone(), diagonal
+    c = s // 2
+    below = kv_owner < q_owner  # j < o: q whole, kv [0, c); j > o: q [c, s), kv whole
+    return torch.where(diagonal | below, s, s - c), torch.where(diagonal | ~below, s, c), diagonal
+
+
+def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]:
+    """What travels and what returns (None: nothing) in a TokenRing or Ring pass."""
+    if strategy is Strategy.TOKEN_RING:
+        return (Payload.Q, Payload.OUT) if pass_ is Pass.FORWARD else (Payload.Q_GRAD, Payload.DQ)
+    return Payload.KV, (Payload.DKV if pass_ is Pass.BACKWARD else None)
+
+
+def _travel_rows(
+    strategy: Strategy,
+    *,
+    layout: Layout,
+    causal: bool,
+    visitor: torch.Tensor,
+    step: torch.Tensor,
+    s: int,
+) -> torch.Tensor:
+    """Rows the block held at ``step`` forwards: what the ranks ahead still need.
+
+    Derivation (Note [Causal blocks per layout] in tokenring.core.schedule): the block of
+    owner o held at step t by rank o - t visits kv owners (TokenRing) or q owners (Ring)
+    o-t-1, ..., 0, P-1, ..., o+1 at the steps ahead. One of them is below o iff o >= t + 1
+    and one is above o iff o < P - 1, which decides whether the whole block or one chunk
+    (or nothing) is forwarded.
+    """
+    p, c = visitor.shape[0], s // 2
+    any_below = visitor >= step + 1
+    any_above = visitor < p - 1
+    if not causal:
+        travel = torch.full(visitor.shape, s, dtype=torch.long)
+    elif layout is Layout.CONTIGUOUS:
+        # TokenRing: kv j < o needs all q rows; Ring: q owner above j needs all kv rows.
+        needs = any_below if strategy is Strategy.TOKEN_RING else any_above
+        travel = torch.where(needs, s, 0)
+    elif strategy is Strategy.TOKEN_RING:
+        travel = torch.where(any_below, s, s - c)  # j < o: q [0, s); only j > o: q [c, s)
+    else:
+        travel = torch.where(any_below, s, c)  # a q owner below j needs kv [0, s); else [0, c)
+    return torch.where(step < p - 1, travel, 0)
+
+
 def schedule_arrays(
     strategy: Strategy | str,
     pass_: Pass | str,
@@ -732,13 +789,7 @@ def schedule_arrays(
     """Closed forms of ``build_schedule(...)`` (same arguments) per rank and step.
 
     ``steps``: only these steps' columns, in this order (None: all P), so that a caller can
-    walk the steps in chunks with memory linear in P.
-
-    Derivation, for the travel rows (Note [Causal blocks per layout] in tokenring.core.schedule):
-    the block of owner o held at step t by rank o - t visits kv owners (TokenRing) or q owners
-    (Ring) o-t-1, ..., 0, P-1, ..., o+1 at the steps ahead. One of them is below o iff
-    o >= t + 1 and one is above o iff o < P - 1, which decides whether the whole block or
-    one chunk (or nothing) is forwarded.
+    walk the steps in chunks with memory linear in P. Travel rows: see ``_travel_rows``.
 
     Raises:
         ValueError: as ``build_schedule``.
@@ -758,7 +809,7 @@ def schedule_arrays(
     validate_seq_local(seq_local, layout)
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
-    p, s, c = world_size, seq_local, seq_local // 2
+    p, s = world_size, seq_local
     columns = torch.arange(p) if steps is None else torch.as_tensor(list(steps), dtype=torch.long)
     if columns.numel() and not (int(columns.min()) >= 0 and int(columns.max()) < p):
         raise ValueError(f"steps must be in [0, {p}); got {columns.tolist()}")
@@ -770,19 +821,8 @@ def schedule_arrays(
         q_owner, kv_owner = visitor, rank.expand(p, num)
     else:
         q_owner, kv_owner = rank.expand(p, num), visitor
-    diagonal = q_owner == kv_owner
+    q_rows, kv_rows, diagonal = _block_rows(q_owner, kv_owner, layout=layout, causal=causal, s=s)
     full = torch.full((p, num), s, dtype=torch.long)
-    if not causal:
-        q_rows, kv_rows = full, full.clone()
-        diagonal = torch.zeros_like(diagonal)
-    elif layout is Layout.CONTIGUOUS:
-        seen = (kv_owner < q_owner) | diagonal
-        q_rows = torch.where(seen, s, 0)
-        kv_rows = q_rows.clone()
-    else:
-        below = kv_owner < q_owner  # j < o: q whole, kv [0, c); j > o: q [c, s), kv whole
-        q_rows = torch.where(diagonal | below, s, s - c)
-        kv_rows = torch.where(diagonal | ~below, s, c)
     pairs = torch.where(
         diagonal,
         q_rows.double() * (q_rows.double() + 1) / 2,
@@ -796,31 +836,8 @@ def schedule_arrays(
     if strategy is Strategy.TOKEN_RING and k > 1:
         split = (step == p - 1) & ~diagonal & (q_rows > 0)  # (P, T): the last step's blocks
         slices = torch.where(split.unsqueeze(-1), _split_sizes(q_rows, k), slices)
-    # Travel: what the ranks ahead still need (see the docstring).
-    any_below = visitor >= step + 1
-    any_above = visitor < p - 1
-    if not causal:
-        travel = full.clone()
-    elif layout is Layout.CONTIGUOUS:
-        # TokenRing: kv j < o needs all q rows; Ring: q owner above j needs all kv rows.
-        needs = any_below if strategy is Strategy.TOKEN_RING else any_above
-        travel = torch.where(needs, s, 0)
-    elif strategy is Strategy.TOKEN_RING:
-        travel = torch.where(any_below, s, s - c)  # j < o: q [0, s); only j > o: q [c, s)
-    else:
-        travel = torch.where(any_below, s, c)  # a q owner below j needs kv [0, s); else [0, c)
-    travel = torch.where(step < p - 1, travel, 0)
-    travel_payload = {
-        (Strategy.TOKEN_RING, Pass.FORWARD): Payload.Q,
-        (Strategy.TOKEN_RING, Pass.BACKWARD): Payload.Q_GRAD,
-        (Strategy.RING, Pass.FORWARD): Payload.KV,
-        (Strategy.RING, Pass.BACKWARD): Payload.KV,
-    }[(strategy, pass_)]
-    return_payload: Payload | None
-    if strategy is Strategy.TOKEN_RING:
-        return_payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
-    else:
-        return_payload = Payload.DKV if pass_ is Pass.BACKWARD else None
+    travel = _travel_rows(strategy, layout=layout, causal=causal, visitor=visitor, step=step, s=s)
+    travel_payload, return_payload = _payloads(strategy, pass_)
     # Ring backward: the accumulator of a K/V block leaves home after step 0 and moves on
     # after every step, the last visitor sending it home (none when P = 1).
     ring_backward = strategy is Strategy.RING and pass_ is Pass.BACKWARD

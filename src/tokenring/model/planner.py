@@ -467,6 +467,74 @@ def _probe(
     return statistics.median(times)
 
 
+def _kernel_rates(
+    block: BlockKernel,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    block_rows: int,
+    repeats: int,
+) -> tuple[float, float, float, float]:
+    """This rank's forward and backward FLOP/s and merge bytes/s on one non-causal block of
+    block_rows x block_rows, and the seconds of one small call (the fixed cost per call)."""
+    acc = accumulation_dtype(dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    n = block_rows
+    q, dout = rand(1, n, heads_q, head_dim), rand(1, n, heads_q, head_dim)
+    k, v = rand(1, n, heads_kv, head_dim), rand(1, n, heads_kv, head_dim)
+    scale = head_dim**-0.5
+    out, lse = block.forward(q, k, v, causal=False, scale=scale)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
+    dims = AttentionShape.of(q, k)
+    piece = Piece((0, n), (0, n), False)
+    fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
+    bwd_s = _median_time(
+        lambda: block.backward(dout, q, k, v, lse, delta, causal=False, scale=scale),
+        device,
+        repeats,
+    )
+    out_acc = torch.zeros(q.shape, dtype=acc, device=device)  # (B, n, Hq, D)
+    lse_acc = torch.full(lse.shape, float("-inf"), dtype=acc, device=device)  # (B, Hq, n)
+    merge_s = _median_time(lambda: merge_into(out_acc, lse_acc, (0, n), out, lse), device, repeats)
+    # one small call (a decode block: 1 query, 16 keys): its time is the fixed cost per call
+    q1, k16 = rand(1, 1, 8, 64), rand(1, 16, 8, 64)
+    call_s = _median_time(
+        lambda: block.forward(q1, k16, k16, causal=False, scale=0.125), device, 10
+    )
+    return (
+        piece_flops(piece, dims, Pass.FORWARD) / fwd_s,
+        piece_flops(piece, dims, Pass.BACKWARD) / bwd_s,
+        merge_bytes(n, dims) / merge_s,
+        call_s,
+    )
+
+
+def _link_rates(
+    comm: Communicator, probe_bytes: int, device: torch.device, repeats: int
+) -> tuple[float, float, float]:
+    """This rank's one-way and two-way bytes/s to its ring neighbours and its latency (inf
+    alone), measured without touching the communicator's counter or timeline."""
+    link = two_way = latency = float("inf")
+    if comm.world_size > 1:
+        saved_counter = _snapshot(comm)
+        timeline, comm.timeline = comm.timeline, None
+        try:
+            link = probe_bytes / _probe(comm, probe_bytes, device, two_way=False, repeats=repeats)
+            two_way = probe_bytes / _probe(comm, probe_bytes, device, two_way=True, repeats=repeats)
+            latency = _probe(comm, 8, device, two_way=False, repeats=repeats)
+        finally:
+            comm.timeline = timeline
+            _restore(comm, saved_counter)
+    return link, two_way, latency
+
+
 def calibrate(
     comm: Communicator,
     *,
@@ -523,51 +591,17 @@ def calibrate(
             else torch.device("cpu")
         )
     device = torch.device(device)
-    block = select_kernel(device, dtype, kernel)
-    acc = accumulation_dtype(dtype)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    n = block_rows
-    q, dout = rand(1, n, heads_q, head_dim), rand(1, n, heads_q, head_dim)
-    k, v = rand(1, n, heads_kv, head_dim), rand(1, n, heads_kv, head_dim)
-    scale = head_dim**-0.5
-    out, lse = block.forward(q, k, v, causal=False, scale=scale)
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
-    dims = AttentionShape.of(q, k)
-    piece = Piece((0, n), (0, n), False)
-    fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
-    bwd_s = _median_time(
-        lambda: block.backward(dout, q, k, v, lse, delta, causal=False, scale=scale),
-        device,
-        repeats,
+    *local, call_s = _kernel_rates(
+        select_kernel(device, dtype, kernel),
+        device=device,
+        dtype=dtype,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        block_rows=block_rows,
+        repeats=repeats,
     )
-    out_acc = torch.zeros(q.shape, dtype=acc, device=device)  # (B, n, Hq, D)
-    lse_acc = torch.full(lse.shape, float("-inf"), dtype=acc, device=device)  # (B, Hq, n)
-    merge_s = _median_time(lambda: merge_into(out_acc, lse_acc, (0, n), out, lse), device, repeats)
-    # one small call (a decode block: 1 query, 16 keys): its time is the fixed cost per call
-    q1, k16 = rand(1, 1, 8, 64), rand(1, 16, 8, 64)
-    call_s = _median_time(
-        lambda: block.forward(q1, k16, k16, causal=False, scale=0.125), device, 10
-    )
-    local = [
-        piece_flops(piece, dims, Pass.FORWARD) / fwd_s,
-        piece_flops(piece, dims, Pass.BACKWARD) / bwd_s,
-        merge_bytes(n, dims) / merge_s,
-    ]
-    link = two_way = latency = float("inf")
-    if comm.world_size > 1:
-        saved_counter = _snapshot(comm)
-        timeline, comm.timeline = comm.timeline, None
-        try:
-            link = probe_bytes / _probe(comm, probe_bytes, device, two_way=False, repeats=repeats)
-            two_way = probe_bytes / _probe(comm, probe_bytes, device, two_way=True, repeats=repeats)
-            latency = _probe(comm, 8, device, two_way=False, repeats=repeats)
-        finally:
-            comm.timeline = timeline
-            _restore(comm, saved_counter)
+    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
     # Agree: the slowest rank's rates and the largest latency, identical on every rank.
     values = [-x for x in (*local, link, two_way)] + [latency if comm.world_size > 1 else 0.0]
     agreed = torch.tensor([*values, call_s], dtype=torch.float64, device=device)

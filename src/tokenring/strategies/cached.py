@@ -288,89 +288,13 @@ def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> C
     strategy = CachedStrategy.parse(strategy)
     p = shards.world_size
     needs = [[shards.needs(o, j) for j in range(p)] for o in range(p)]
-    q_rows, kv_rows = shards.q_rows, shards.kv_rows
-    transfers: list[CachedTransfer] = []
-    computes: list[list[tuple[tuple[int, int], ...]]]
-
     if strategy in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
-        pass_q = strategy is CachedStrategy.PASS_Q
-        num_rounds = p
-        computes = [[() for _ in range(p)] for _ in range(p)]
-        for r in range(p):
-            for t in range(p):
-                held = (r + t) % p  # the owner of the travelling block rank r holds in round t
-                pair = (held, r) if pass_q else (r, held)
-                if needs[pair[0]][pair[1]]:
-                    computes[r][t] = (pair,)
-                    if pass_q and held != r:
-                        transfers.append(
-                            _transfer(Payload.OUT, r, held, [held], q_rows[held], t, 1)
-                        )
-                if t == p - 1:
-                    continue
-                # The block of `held` sits on rank held - t; the ranks ahead are held - s.
-                ahead = [(held - s) % p for s in range(t + 1, p)]
-                wanted = any(needs[held][x] if pass_q else needs[x][held] for x in ahead)
-                rows = q_rows[held] if pass_q else kv_rows[held]
-                if wanted and rows:
-                    payload = Payload.Q if pass_q else Payload.KV
-                    transfers.append(_transfer(payload, r, (r - 1) % p, [held], rows, t, 0))
+        rounds = _ring_plan(strategy is CachedStrategy.PASS_Q, shards, needs)
     elif strategy is CachedStrategy.DIRECT:
-        num_rounds = 2 if p > 1 else 1
-        computes = [[((r, r),) if needs[r][r] else ()] for r in range(p)]
-        for o in range(p):
-            for j in range(p):
-                if j != o and needs[o][j]:
-                    transfers.append(_transfer(Payload.Q, o, j, [o], q_rows[o], 0, 0))
-        if p > 1:
-            for r in range(p):
-                order = [(r + s) % p for s in range(1, p)]
-                mine = tuple((o, r) for o in order if needs[o][r])
-                computes[r].append(mine)
-                for k, (o, _) in enumerate(mine):
-                    transfers.append(_transfer(Payload.OUT, r, o, [o], q_rows[o], 1, k + 1))
-    else:  # TREE
-        depth = _tree_depth(p)
-        num_rounds = 2 * depth + 1
-        computes = [[() for _ in range(num_rounds)] for _ in range(p)]
-
-        def subtree_needs(o: int, rel: int, level: int) -> bool:
-            return any(needs[o][(o + x) % p] for x in _subtree(rel, level, p))
-
-        for r in range(p):
-            if needs[r][r]:
-                computes[r][0] = ((r, r),)
-            for k in range(depth):
-                step = 2**k
-                # Broadcast round k: blocks with rel < 2^k go to r + 2^k.
-                sent = [
-                    o
-                    for o in range(p)
-                    if (r - o) % p < step
-                    and (r - o) % p + step < p
-                    and q_rows[o] > 0
-                    and subtree_needs(o, (r - o) % p + step, k)
-                ]
-                if sent:
-                    rows = sum(q_rows[o] for o in sent)
-                    transfers.append(_transfer(Payload.Q, r, (r + step) % p, sent, rows, k, 0))
-                # Computed in round k + 1: the blocks received in round k.
-                got = [
-                    o
-                    for o in range(p)
-                    if step <= (r - o) % p < 2 * step
-                    and q_rows[o] > 0
-                    and subtree_needs(o, (r - o) % p, k)
-                ]
-                computes[r][k + 1] = tuple((o, r) for o in got if needs[o][r])
-                # Reduce: level k runs in round depth + 1 + (depth - 1 - k); ranks that joined
-                # in broadcast round k send their merged partials back to r - 2^k.
-                if got:
-                    rows = sum(q_rows[o] for o in got)
-                    reduce_round = 2 * depth - k
-                    transfers.append(
-                        _transfer(Payload.OUT, r, (r - step) % p, got, rows, reduce_round, 0)
-                    )
+        rounds = _direct_plan(shards, needs)
+    else:
+        rounds = _tree_plan(shards, needs)
+    num_rounds, computes, transfers = rounds
     return CachedPlan(
         strategy=strategy,
         world_size=p,
@@ -378,6 +302,108 @@ def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> C
         computes=tuple(tuple(row) for row in computes),
         transfers=tuple(transfers),
     )
+
+
+_Computes = list[list[tuple[tuple[int, int], ...]]]
+"""computes[rank][round]: the (q_owner, kv_owner) blocks a rank computes in a round."""
+_Rounds = tuple[int, _Computes, list["CachedTransfer"]]
+"""What a strategy's planner returns: the number of rounds, the computes, the transfers."""
+
+
+def _ring_plan(pass_q: bool, shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
+    """Pass-Q or pass-KV: P rounds, the travelling block one rank down the ring each."""
+    p = shards.world_size
+    q_rows, kv_rows = shards.q_rows, shards.kv_rows
+    transfers: list[CachedTransfer] = []
+    computes: _Computes = [[() for _ in range(p)] for _ in range(p)]
+    for r in range(p):
+        for t in range(p):
+            held = (r + t) % p  # the owner of the travelling block rank r holds in round t
+            pair = (held, r) if pass_q else (r, held)
+            if needs[pair[0]][pair[1]]:
+                computes[r][t] = (pair,)
+                if pass_q and held != r:
+                    transfers.append(_transfer(Payload.OUT, r, held, [held], q_rows[held], t, 1))
+            if t == p - 1:
+                continue
+            # The block of `held` sits on rank held - t; the ranks ahead are held - s.
+            ahead = [(held - s) % p for s in range(t + 1, p)]
+            wanted = any(needs[held][x] if pass_q else needs[x][held] for x in ahead)
+            rows = q_rows[held] if pass_q else kv_rows[held]
+            if wanted and rows:
+                payload = Payload.Q if pass_q else Payload.KV
+                transfers.append(_transfer(payload, r, (r - 1) % p, [held], rows, t, 0))
+    return p, computes, transfers
+
+
+def _direct_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
+    """Direct: every Q block to each rank that needs it, then every partial straight back."""
+    p = shards.world_size
+    q_rows = shards.q_rows
+    transfers: list[CachedTransfer] = []
+    num_rounds = 2 if p > 1 else 1
+    computes: _Computes = [[((r, r),) if needs[r][r] else ()] for r in range(p)]
+    for o in range(p):
+        for j in range(p):
+            if j != o and needs[o][j]:
+                transfers.append(_transfer(Payload.Q, o, j, [o], q_rows[o], 0, 0))
+    if p > 1:
+        for r in range(p):
+            order = [(r + s) % p for s in range(1, p)]
+            mine = tuple((o, r) for o in order if needs[o][r])
+            computes[r].append(mine)
+            for k, (o, _) in enumerate(mine):
+                transfers.append(_transfer(Payload.OUT, r, o, [o], q_rows[o], 1, k + 1))
+    return num_rounds, computes, transfers
+
+
+def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
+    """Tree: Q blocks broadcast down a binomial tree, partials reduced back up it."""
+    p = shards.world_size
+    q_rows = shards.q_rows
+    transfers: list[CachedTransfer] = []
+    depth = _tree_depth(p)
+    num_rounds = 2 * depth + 1
+    computes: _Computes = [[() for _ in range(num_rounds)] for _ in range(p)]
+
+    def subtree_needs(o: int, rel: int, level: int) -> bool:
+        return any(needs[o][(o + x) % p] for x in _subtree(rel, level, p))
+
+    for r in range(p):
+        if needs[r][r]:
+            computes[r][0] = ((r, r),)
+        for k in range(depth):
+            step = 2**k
+            # Broadcast round k: blocks with rel < 2^k go to r + 2^k.
+            sent = [
+                o
+                for o in range(p)
+                if (r - o) % p < step
+                and (r - o) % p + step < p
+                and q_rows[o] > 0
+                and subtree_needs(o, (r - o) % p + step, k)
+            ]
+            if sent:
+                rows = sum(q_rows[o] for o in sent)
+                transfers.append(_transfer(Payload.Q, r, (r + step) % p, sent, rows, k, 0))
+            # Computed in round k + 1: the blocks received in round k.
+            got = [
+                o
+                for o in range(p)
+                if step <= (r - o) % p < 2 * step
+                and q_rows[o] > 0
+                and subtree_needs(o, (r - o) % p, k)
+            ]
+            computes[r][k + 1] = tuple((o, r) for o in got if needs[o][r])
+            # Reduce: level k runs in round depth + 1 + (depth - 1 - k); ranks that joined
+            # in broadcast round k send their merged partials back to r - 2^k.
+            if got:
+                rows = sum(q_rows[o] for o in got)
+                reduce_round = 2 * depth - k
+                transfers.append(
+                    _transfer(Payload.OUT, r, (r - step) % p, got, rows, reduce_round, 0)
+                )
+    return num_rounds, computes, transfers
 
 
 # -- costs ---------------------------------------------------------------------------------------

@@ -333,78 +333,10 @@ def _build(
     transfers: list[Transfer] = []
     for r in range(p):
         if strategy is CollectiveStrategy.ULYSSES:
-            whole = (0, p * s)
-            segments: tuple[Segment, ...] = ()
-            if shares[r].num_q > 0:
-                segments = (Segment(whole, (Piece(whole, whole, causal),)),)
-            for j in range(p):
-                if j == r:
-                    continue
-                mine, theirs = shares[r], shares[j]
-                if forward:
-                    travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
-                    back = [(Payload.OUT, mine.q)]
-                else:  # gathered again: the forward keeps nothing (Note [Ulysses])
-                    travel = [(Payload.Q_GRAD, theirs.q), (Payload.KV, theirs.kv)]
-                    back = [(Payload.DQ, mine.q), (Payload.DKV, mine.kv)]
-                for payload, heads in travel:
-                    if heads[1] > heads[0]:
-                        transfers.append(
-                            Transfer(
-                                payload=payload,
-                                src=r,
-                                dst=j,
-                                owner=r,
-                                rows=(0, s),
-                                step=0,
-                                after_segments=0,
-                                heads=heads,
-                            )
-                        )
-                for payload, heads in back:
-                    if heads[1] > heads[0]:
-                        transfers.append(
-                            Transfer(
-                                payload=payload,
-                                src=r,
-                                dst=j,
-                                owner=j,
-                                rows=(0, s),
-                                step=0,
-                                after_segments=len(segments),
-                                heads=heads,
-                            )
-                        )
-        else:  # rounds: k = 0 is the own block, round k the K/V of owner r + k
-            rounds = _allgather_rounds(layout, causal, p, s, r)
-            segments = tuple(seg for round_ in rounds for seg in round_)
-            cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
-            for k in range(1, p):  # Note [All-gather K/V rounds]
-                gather_after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
-                transfers.append(
-                    Transfer(
-                        payload=Payload.KV,
-                        src=r,
-                        dst=(r - k) % p,
-                        owner=r,
-                        rows=(0, s),
-                        step=0,
-                        after_segments=gather_after,
-                    )
-                )
-                if not forward:
-                    owner = (r + k) % p
-                    transfers.append(
-                        Transfer(
-                            payload=Payload.DKV,
-                            src=r,
-                            dst=owner,
-                            owner=owner,
-                            rows=(0, s),
-                            step=0,
-                            after_segments=cum[k + 1],
-                        )
-                    )
+            segments, sends = _ulysses_rank(r, shares, causal=causal, forward=forward, s=s)
+        else:
+            segments, sends = _allgather_rank(r, layout, causal=causal, forward=forward, p=p, s=s)
+        transfers += sends
         steps.append((StepPlan(r, 0, r, (r,), segments),))
     return CollectiveSchedule(
         strategy=_schedule_tag(strategy),
@@ -419,6 +351,84 @@ def _build(
         routing=routing,
         half_duplex_steps=frozenset({0} if routing is CollectiveRouting.GLOO and p > 1 else ()),
     )
+
+
+def _ulysses_rank(
+    r: int, shares: tuple[HeadShare, ...], *, causal: bool, forward: bool, s: int
+) -> tuple[tuple[Segment, ...], list[Transfer]]:
+    """Rank r's one Ulysses step: its segment over all P * s rows of its heads, and what it
+    sends each peer j (my rows of j's heads before, j's rows of my heads after)."""
+    p = len(shares)
+    whole = (0, p * s)
+    segments: tuple[Segment, ...] = ()
+    if shares[r].num_q > 0:
+        segments = (Segment(whole, (Piece(whole, whole, causal),)),)
+    transfers = []
+    for j in range(p):
+        if j == r:
+            continue
+        mine, theirs = shares[r], shares[j]
+        if forward:
+            travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
+            back = [(Payload.OUT, mine.q)]
+        else:  # gathered again: the forward keeps nothing (Note [Ulysses])
+            travel = [(Payload.Q_GRAD, theirs.q), (Payload.KV, theirs.kv)]
+            back = [(Payload.DQ, mine.q), (Payload.DKV, mine.kv)]
+        moves = [(payload, heads, r, 0) for payload, heads in travel]
+        moves += [(payload, heads, j, len(segments)) for payload, heads in back]
+        for payload, heads, owner, after in moves:
+            if heads[1] > heads[0]:
+                transfers.append(
+                    Transfer(
+                        payload=payload,
+                        src=r,
+                        dst=j,
+                        owner=owner,
+                        rows=(0, s),
+                        step=0,
+                        after_segments=after,
+                        heads=heads,
+                    )
+                )
+    return segments, transfers
+
+
+def _allgather_rank(
+    r: int, layout: Layout, *, causal: bool, forward: bool, p: int, s: int
+) -> tuple[tuple[Segment, ...], list[Transfer]]:
+    """Rank r's one all-gather K/V step: its rounds' segments (k = 0 the own block, round k
+    the K/V of owner r + k) and its K/V (and, backward, dK/dV) transfers."""
+    rounds = _allgather_rounds(layout, causal, p, s, r)
+    segments = tuple(seg for round_ in rounds for seg in round_)
+    cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
+    transfers = []
+    for k in range(1, p):  # Note [All-gather K/V rounds]
+        gather_after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
+        transfers.append(
+            Transfer(
+                payload=Payload.KV,
+                src=r,
+                dst=(r - k) % p,
+                owner=r,
+                rows=(0, s),
+                step=0,
+                after_segments=gather_after,
+            )
+        )
+        if not forward:
+            owner = (r + k) % p
+            transfers.append(
+                Transfer(
+                    payload=Payload.DKV,
+                    src=r,
+                    dst=owner,
+                    owner=owner,
+                    rows=(0, s),
+                    step=0,
+                    after_segments=cum[k + 1],
+                )
+            )
+    return segments, transfers
 
 
 def _allgather_rounds(

@@ -36,7 +36,6 @@ pair (``half_duplex_steps``; Note [Collective routing] in ``tokenring.strategies
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import (
@@ -51,9 +50,6 @@ from tokenring.core.schedule import (
 from tokenring.model.costmodel import CollectiveRouting
 from tokenring.strategies import build_schedule
 from tokenring.strategies.collective import DOUT, CollectiveSchedule
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "GRAD_KV",
@@ -116,6 +112,92 @@ class HybridSchedule(CollectiveSchedule):
     """The ring strategy of steps 1 .. n."""
 
 
+def _shift(heads: Rows | None, width: int, i: int) -> Rows:
+    """Head range ``heads`` of one share of ``width`` heads (all of them when None), moved to
+    inner rank ``i``'s share."""
+    lo, hi = heads if heads is not None else (0, width)
+    return (i * width + lo, i * width + hi)
+
+
+def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> StepPlan:
+    """An outer strategy's step as rank ``g`` runs it: one step later, outer ranks o mapped
+    to o * P_in + i and every piece on inner rank i's heads."""
+    i = g % p_in
+    segments = tuple(
+        Segment(
+            seg.q_rows,
+            tuple(
+                Piece(
+                    pc.q_rows,
+                    pc.kv_rows,
+                    pc.causal,
+                    pc.lane,
+                    _shift(pc.heads, nkv, i),
+                    pc.masked,
+                    None if pc.q_heads is None else _shift(pc.q_heads, nq, i),
+                )
+                for pc in seg.pieces
+            ),
+        )
+        for seg in plan.segments
+    )
+    return StepPlan(
+        g,
+        plan.step + 1,
+        plan.q_owner * p_in + i,
+        tuple(kv * p_in + i for kv in plan.kv_owners),
+        segments,
+        tuple(q * p_in + i for q in plan.q_owners),  # bidirectional TokenRing's
+    )
+
+
+def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> Transfer:
+    """An outer strategy's transfer as inner rank ``i``'s copy of it sends it: one step later,
+    between ranks o * P_in + i, on inner rank i's heads."""
+    return Transfer(
+        payload=tr.payload,
+        src=tr.src * p_in + i,
+        dst=tr.dst * p_in + i,
+        owner=tr.owner * p_in + i,
+        rows=tr.rows,
+        step=tr.step + 1,
+        after_segments=tr.after_segments,
+        heads=_shift(tr.heads, nkv if tr.payload.heads_kind == "kv" else nq, i),
+        lane=tr.lane,
+    )
+
+
+def _all_to_all_transfers(
+    g: int, *, forward: bool, p_in: int, seq_local: int, last_step: int, nq: int, nkv: int
+) -> list[Transfer]:
+    """What rank ``g`` sends in the inner all-to-alls: its rows of each peer's heads at step 0,
+    the peer's rows of its own heads at ``last_step``."""
+    o, i = divmod(g, p_in)
+    inbound = [(Payload.Q, nq), (Payload.KV, nkv)] if forward else [(DOUT, nq)]
+    outbound = [(Payload.OUT, nq)] if forward else [(Payload.DQ, nq), (GRAD_KV, nkv)]
+    transfers = []
+    for j in range(p_in):
+        if j == i:
+            continue
+        peer = o * p_in + j
+        moves = [(payload, width, g, 0, j) for payload, width in inbound]  # my rows, j's heads
+        moves += [(payload, width, peer, last_step, i) for payload, width in outbound]
+        for payload, width, owner, step, share in moves:
+            transfers.append(
+                Transfer(
+                    payload=payload,
+                    src=g,
+                    dst=peer,
+                    owner=owner,
+                    rows=(0, seq_local),
+                    step=step,
+                    after_segments=0,
+                    heads=_shift(None, width, share),
+                )
+            )
+    return transfers
+
+
 def build_hybrid_schedule(
     pass_: Pass | str,
     *,
@@ -164,99 +246,27 @@ def build_hybrid_schedule(
         heads_q=nq,
     )
     n = outer.num_steps
-    forward = pass_ is Pass.FORWARD
-
-    def rank(o: int, i: int) -> int:
-        return o * p_in + i
-
-    def shift(heads: Rows | None, kind: str, i: int) -> Rows:
-        width = nkv if kind == "kv" else nq
-        lo, hi = heads if heads is not None else (0, width)
-        return (i * width + lo, i * width + hi)
-
     steps: list[tuple[StepPlan, ...]] = []
     transfers: list[Transfer] = []
     for g in range(world_size):
-        o, i = divmod(g, p_in)
-        row = [StepPlan(g, 0, g, (g,), ())]
-        for plan in outer.steps[o]:
-            segments = tuple(
-                Segment(
-                    seg.q_rows,
-                    tuple(
-                        Piece(
-                            pc.q_rows,
-                            pc.kv_rows,
-                            pc.causal,
-                            pc.lane,
-                            shift(pc.heads, "kv", i),
-                            pc.masked,
-                            None if pc.q_heads is None else shift(pc.q_heads, "q", i),
-                        )
-                        for pc in seg.pieces
-                    ),
-                )
-                for seg in plan.segments
-            )
-            row.append(
-                StepPlan(
-                    g,
-                    plan.step + 1,
-                    rank(plan.q_owner, i),
-                    tuple(rank(kv, i) for kv in plan.kv_owners),
-                    segments,
-                    tuple(rank(q, i) for q in plan.q_owners),  # bidirectional TokenRing's
-                )
-            )
-        row.append(StepPlan(g, n + 1, g, (g,), ()))
-        steps.append(tuple(row))
-        for j in range(p_in):
-            if j == i:
-                continue
-            peer = rank(o, j)
-            inbound = [(Payload.Q, "q"), (Payload.KV, "kv")] if forward else [(DOUT, "q")]
-            for payload, kind in inbound:  # my rows of the peer's heads
-                transfers.append(
-                    Transfer(
-                        payload=payload,
-                        src=g,
-                        dst=peer,
-                        owner=g,
-                        rows=(0, s),
-                        step=0,
-                        after_segments=0,
-                        heads=shift(None, kind, j),
-                    )
-                )
-            outbound = [(Payload.OUT, "q")] if forward else [(Payload.DQ, "q"), (GRAD_KV, "kv")]
-            for payload, kind in outbound:  # the peer's rows of my heads
-                transfers.append(
-                    Transfer(
-                        payload=payload,
-                        src=g,
-                        dst=peer,
-                        owner=peer,
-                        rows=(0, s),
-                        step=n + 1,
-                        after_segments=0,
-                        heads=shift(None, kind, i),
-                    )
-                )
-    for tr in outer.transfers:
-        for i in range(p_in):
-            transfers.append(
-                Transfer(
-                    payload=tr.payload,
-                    src=rank(tr.src, i),
-                    dst=rank(tr.dst, i),
-                    owner=rank(tr.owner, i),
-                    rows=tr.rows,
-                    step=tr.step + 1,
-                    after_segments=tr.after_segments,
-                    heads=shift(tr.heads, tr.payload.heads_kind, i),
-                    lane=tr.lane,
-                )
-            )
+        lifted = [
+            _lifted_step(plan, g, p_in=p_in, nq=nq, nkv=nkv) for plan in outer.steps[g // p_in]
+        ]
+        steps.append((StepPlan(g, 0, g, (g,), ()), *lifted, StepPlan(g, n + 1, g, (g,), ())))
+        transfers += _all_to_all_transfers(
+            g,
+            forward=pass_ is Pass.FORWARD,
+            p_in=p_in,
+            seq_local=s,
+            last_step=n + 1,
+            nq=nq,
+            nkv=nkv,
+        )
+    transfers += [
+        _lifted_transfer(tr, i, p_in=p_in, nq=nq, nkv=nkv)
+        for tr in outer.transfers
+        for i in range(p_in)
+    ]
     turns = routing is CollectiveRouting.GLOO and p_in > 1
     return HybridSchedule(
         strategy=Strategy.HYBRID,
