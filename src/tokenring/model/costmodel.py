@@ -829,12 +829,15 @@ def schedule_arrays(
         q_rows.double() * kv_rows.double(),
     )
     # Segments: one per non-empty block; TokenRing splits a single full (non-diagonal) piece
-    # of its last step into last_block_splits row slices.
+    # of its last step (from step 1: there is a return to hide) into last_block_splits row
+    # slices. A schedule built with the heads slices by heads instead (Note [Last block by
+    # heads] in tokenring.strategies.ring): the same bytes and FLOPs when the heads split
+    # evenly, which is what these rows count.
     k = last_block_splits
     slices = torch.zeros((p, num, k), dtype=torch.long)
     slices[..., 0] = q_rows
     if strategy is Strategy.TOKEN_RING and k > 1:
-        split = (step == p - 1) & ~diagonal & (q_rows > 0)  # (P, T): the last step's blocks
+        split = (step == p - 1) & (step > 0) & ~diagonal & (q_rows > 0)  # (P, T): last blocks
         slices = torch.where(split.unsqueeze(-1), _split_sizes(q_rows, k), slices)
     travel = _travel_rows(strategy, layout=layout, causal=causal, visitor=visitor, step=step, s=s)
     travel_payload, return_payload = _payloads(strategy, pass_)

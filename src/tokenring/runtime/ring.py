@@ -335,6 +335,17 @@ def _q_heads(piece: Piece, groups: int) -> slice:
     return slice(piece.heads[0] * groups, piece.heads[1] * groups)
 
 
+def _held_heads(sched: Schedule, piece: Piece) -> slice:
+    """The query heads of a pass-Q ``piece`` inside its lane's held block, which holds the
+    lane's query heads (all for TokenRing): fewer for a slice of the last block (Note [Last
+    block by heads] in tokenring.strategies.ring)."""
+    lane = sched.lanes[piece.lane]
+    if piece.q_heads is None or piece.q_heads == lane.q_heads:
+        return slice(None)
+    lo = lane.q_heads[0] if lane.q_heads is not None else 0
+    return slice(piece.q_heads[0] - lo, piece.q_heads[1] - lo)
+
+
 def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
     """The rows and query heads of ``acc`` ``(B, s, Hq, D)`` that the return ``tr`` carries."""
     rows = acc[:, tr.rows[0] : tr.rows[1]]
@@ -455,6 +466,7 @@ def run_forward(
                     elif pass_q:  # the lane's visiting Q against our kv heads of its lane
                         kvh = slice(None) if piece.heads is None else slice(*piece.heads)
                         q_p = held[piece.lane].rows_of(0, piece.q_rows)
+                        q_p = q_p[:, :, _held_heads(sched, piece)]
                         k_p, v_p = k[:, c:d, kvh], v[:, c:d, kvh]
                         kv_owner = rank
                     elif step == 0:  # the local block, every head
@@ -617,6 +629,14 @@ def run_backward(
                     if pass_q:
                         block = home if step == 0 else held[piece.lane]
                         q_p, do_p, lse_p, delta_p = block.slice(piece.q_rows)
+                        if step > 0:  # a slice of the last block: some of the lane's heads
+                            hh = _held_heads(sched, piece)
+                            q_p, do_p, lse_p, delta_p = (
+                                q_p[:, :, hh],
+                                do_p[:, :, hh],
+                                lse_p[:, hh],
+                                delta_p[:, hh],
+                            )
                         del block  # the held block may leave at the end of the step
                         k_p, v_p = k[:, c:d, kvh], v[:, c:d, kvh]
                         kv_owner = rank

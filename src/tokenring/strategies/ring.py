@@ -20,8 +20,22 @@ the Q of owner o = (r + t) mod P, computes it against its own K/V, and sends the
 
 Q for step t+1 is posted at the start of step t, so it flies while step t computes; the partial
 of step t flies while step t+1 computes. The partial of the last step cannot overlap with
-anything, so the last block is computed in ``last_block_splits`` row slices, each returned as
-soon as it is done: only the last slice's return is exposed.
+anything, so the last block is computed in ``last_block_splits`` slices, each returned as
+soon as it is done: only the last slice's return is exposed (Note [Last block by heads]).
+
+Note [Last block by heads]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The slices of the last block are head groups, not row ranges, when the heads allow: whole
+GQA groups (kv heads split, their query heads with them), or query heads over the one kv
+head of MQA; a slice is every row of the block on some heads. A row slice runs the kernel on
+fewer query rows, and fused kernels lose speed with them (PyTorch's CPU flash operator
+splits q into tiles of 256 rows from 768 rows up, of 64 below; measured on the 2-core CI box,
+P = 4, S = 4096, 8 heads x 64, causal zigzag, float32: TokenRing's forward took 10% more CPU
+time with two row slices than with none, the same as Ring with two head slices). A head
+slice is the same kernel call on fewer heads, which the kernels run one after another
+anyway. Bytes and FLOPs per slice are the same either way, and a block of several pieces
+(documents, windows) slices too. Rows are sliced only when there is one query head (or the
+heads are not given), as before: then only a single full piece is split.
 
 Note [Backward]
 ~~~~~~~~~~~~~~~
@@ -219,7 +233,7 @@ def build_schedule(
         lanes = _query_lanes(heads_q, heads_kv)
     else:
         lanes = _lanes(strategy, layout, s, heads_kv, causal)
-    steps = _step_plans(strategy, lanes, sharding, mask, last_block_splits)
+    steps = _step_plans(strategy, lanes, sharding, mask, last_block_splits, heads_q, heads_kv)
     transfers = _travel_transfers(strategy, pass_, lanes, steps)
     if strategy.passes_q:
         transfers += _return_transfers(pass_, lanes, steps)
@@ -246,9 +260,12 @@ def _step_plans(
     sharding: Sharding,
     mask: MaskSpec,
     last_block_splits: int,
+    heads_q: int | None,
+    heads_kv: int | None,
 ) -> list[list[StepPlan]]:
     """Who computes what: ``steps[r][t]``, rank r's pieces at step t (Note [TokenRing step
-    table]); the last step's block in ``last_block_splits`` row slices."""
+    table]); pass-Q's last block in ``last_block_splits`` slices (Note [Last block by
+    heads])."""
     p = sharding.world_size
     cache: dict[tuple[int, int], tuple[Piece, ...]] = {}
 
@@ -263,21 +280,23 @@ def _step_plans(
         row: list[StepPlan] = []
         for t in range(p):
             kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
-            splits = last_block_splits if t == p - 1 else 1
+            splits = last_block_splits if t == p - 1 and t > 0 else 1
             if strategy is Strategy.TOKEN_RING:
                 q_owner = kv_owners[0]
-                segments = _segments(pieces(q_owner, r), splits)
+                segments = _sliced(pieces(q_owner, r), 0, lanes[0], splits, heads_q, heads_kv)
                 row.append(StepPlan(r, t, q_owner, (r,), segments))
                 continue
             if strategy is Strategy.BIDIR_TOKEN_RING:  # Note [Bidirectional TokenRing]
                 q_owners = kv_owners  # the lanes carry Q: their visitors are q owners
                 if t == 0:  # the local block, once, on every head
-                    segments = _segments(pieces(r, r), splits)
+                    segments = _segments(pieces(r, r), 1)
                 else:
                     segments = tuple(
-                        _lane_segment(segment, index, lane)
+                        segment
                         for index, lane in enumerate(lanes)
-                        for segment in _segments(pieces(q_owners[index], r), splits)
+                        for segment in _sliced(
+                            pieces(q_owners[index], r), index, lane, splits, heads_q, heads_kv
+                        )
                     )
                 row.append(StepPlan(r, t, q_owners[0], (r,) * 2, segments, q_owners))
                 continue
@@ -342,7 +361,8 @@ def _return_transfers(
         for t in range(1, len(steps)):
             plan = steps[r][t]
             for k, segment in enumerate(plan.segments):
-                index = segment.pieces[0].lane  # a segment's pieces share their lane
+                first = segment.pieces[0]  # a segment's pieces share their lane and heads
+                index = first.lane
                 owner = plan.lane_q_owner(index)
                 transfers.append(
                     Transfer(
@@ -353,7 +373,7 @@ def _return_transfers(
                         rows=segment.q_rows,
                         step=t,
                         after_segments=k + 1,
-                        heads=lanes[index].q_heads,
+                        heads=first.q_heads or lanes[index].q_heads,
                         lane=index,
                     )
                 )
@@ -442,15 +462,51 @@ def _query_lanes(heads_q: int | None, heads_kv: int | None) -> tuple[Lane, ...]:
     )
 
 
-def _lane_segment(segment: Segment, index: int, lane: Lane) -> Segment:
-    """``segment`` on the heads of pass-Q ``lane`` (number ``index``)."""
-    return Segment(
-        segment.q_rows,
-        tuple(
-            Piece(p.q_rows, p.kv_rows, p.causal, index, lane.kv_heads, p.masked, lane.q_heads)
-            for p in segment.pieces
-        ),
+def _sliced(
+    pieces: tuple[Piece, ...],
+    index: int,
+    lane: Lane,
+    splits: int,
+    heads_q: int | None,
+    heads_kv: int | None,
+) -> tuple[Segment, ...]:
+    """A pass-Q block on the heads of ``lane`` (number ``index``): one segment, or
+    ``splits`` head slices where the heads allow, else row slices (Note [Last block by
+    heads])."""
+    heads = _head_slices(lane, splits, heads_q, heads_kv) if pieces and splits > 1 else None
+    slices: Sequence[tuple[Rows | None, Rows | None]] = heads or [(lane.kv_heads, lane.q_heads)]
+    segments = _segments(pieces, 1 if heads else splits)
+    if heads is None and lane.q_heads is None:
+        return segments
+    return tuple(
+        Segment(
+            segment.q_rows,
+            tuple(
+                Piece(p.q_rows, p.kv_rows, p.causal, index, kv_heads, p.masked, q_heads)
+                for p in segment.pieces
+            ),
+        )
+        for kv_heads, q_heads in slices
+        for segment in segments
     )
+
+
+def _head_slices(
+    lane: Lane, splits: int, heads_q: int | None, heads_kv: int | None
+) -> list[tuple[Rows, Rows]] | None:
+    """``(kv heads, query heads)`` of each of up to ``splits`` head slices of ``lane``'s
+    heads: whole GQA groups, else query heads over one kv head; None when there is only one
+    query head or the heads are not given (Note [Last block by heads])."""
+    if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
+        return None
+    groups = heads_q // heads_kv
+    kv = lane.kv_heads or (0, heads_kv)
+    q = lane.q_heads or (kv[0] * groups, kv[1] * groups)
+    if kv[1] - kv[0] >= 2:
+        return [(h, (h[0] * groups, h[1] * groups)) for h in _split_rows(kv, splits)]
+    if q[1] - q[0] >= 2:
+        return [(kv, h) for h in _split_rows(q, splits)]
+    return None
 
 
 def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> list[Piece]:
