@@ -168,6 +168,34 @@ def test_close_communicators_releases_every_cached_one(single_rank_group: None) 
     dist.destroy_process_group(group)
 
 
+def test_close_communicators_clears_torch_defaults_that_hold_a_group(
+    single_rank_group: None,
+) -> None:
+    """Note [Groups in default arguments] in tokenring.runtime.comm: a default naming the
+    default group or a destroyed one becomes None; one naming a live group, and functions
+    outside torch, are kept."""
+    live, destroyed = dist.new_group([0]), dist.new_group([0])
+    dist.destroy_process_group(destroyed)
+    world = dist.group.WORLD
+    code = "def f(a=1, g=None, h=None, i=None, *, k=None): pass"
+    functions = {}
+    for module in ("torch.tokenring_test", "user_code"):
+        namespace: dict[str, Any] = {"__name__": module}
+        exec(code, namespace)
+        fn = namespace["f"]
+        fn.__defaults__ = (1, world, live, destroyed)
+        fn.__kwdefaults__ = {"k": world}
+        functions[module] = fn
+    tokenring.close_communicators()
+    ours, theirs = functions["torch.tokenring_test"], functions["user_code"]
+    assert ours.__defaults__[0] == 1 and ours.__defaults__[2] is live
+    assert ours.__defaults__[1] is None and ours.__defaults__[3] is None
+    assert ours.__kwdefaults__ == {"k": None}
+    assert theirs.__defaults__ == (1, world, live, destroyed)
+    assert theirs.__kwdefaults__ == {"k": world}
+    dist.destroy_process_group(live)
+
+
 def test_collectives_of_one_rank(single_rank_group: None) -> None:
     comm = tokenring.get_communicator()
     for x in (torch.tensor(3.0), torch.arange(6).view(2, 3), torch.empty(0)):
@@ -313,26 +341,42 @@ from pathlib import Path
 # Registered first, so it runs last: after tokenring's own exit hook.
 names = lambda: [Path(f"/proc/self/task/{t}/comm").read_text().strip()
                  for t in os.listdir("/proc/self/task")]
-atexit.register(lambda: Path(sys.argv[3]).write_text(json.dumps(names())))
+atexit.register(lambda: Path(sys.argv[3]).write_text(json.dumps([during, names()])))
 import torch, torch.distributed as dist, tokenring
 rank, world = int(sys.argv[1]), 2
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], world), rank=rank,
                         world_size=world)
+AFTER_INIT
 q, k, v = (torch.randn(1, 4, 4, 8) for _ in range(3))
 for strategy in ("ulysses", "allgather_kv", "token_ring"):
     tokenring.sequence_parallel_attn(q, k, v, strategy=strategy, causal=True)
+during = names()
 dist.destroy_process_group()
 """
 
 
-def test_user_program_exits_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "after_init",
+    [
+        "",
+        # a torch module whose functions take group=dist.group.WORLD as a default argument,
+        # evaluated at import: imported now, it holds the default group (Note [Groups in
+        # default arguments] in tokenring.runtime.comm)
+        "import torch.distributed.fsdp.sharded_grad_scaler",
+    ],
+    ids=["plain", "torch-binds-the-group-after-init"],
+)
+def test_user_program_exits_cleanly(tmp_path: Path, after_init: str) -> None:
     """A program that owns its process group and destroys it: tokenring's exit hook releases
     the rest before Python finalises."""
+    # Before (torch-binds-the-group-after-init): the default group's gloo_tcp_loop and
+    # two pt_gloo_runloop threads were alive at exit on both ranks.
+    script = _USER_SCRIPT.replace("AFTER_INIT", after_init)
     env = {**_env(tmp_path / "tmp"), "GLOO_SOCKET_IFNAME": "lo"}
     procs = [
         subprocess.Popen(
             [
-                *(sys.executable, "-c", _USER_SCRIPT, str(rank)),
+                *(sys.executable, "-c", script, str(rank)),
                 *(str(tmp_path / "store"), str(tmp_path / f"threads{rank}.json")),
             ],
             env=env,
@@ -345,7 +389,8 @@ def test_user_program_exits_cleanly(tmp_path: Path) -> None:
         for rank, proc in enumerate(procs):
             _, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, f"rank {rank}: exit code {proc.returncode}\n{err}"
-            threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+            during, threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+            assert set(GLOO_THREADS) <= set(during), f"rank {rank}: no gloo threads: {during}"
             alive = [name for name in threads if name in GLOO_THREADS]
             assert not alive, f"rank {rank}: gloo threads alive at interpreter exit: {threads}"
     finally:
