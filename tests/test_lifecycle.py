@@ -342,7 +342,7 @@ from pathlib import Path
 names = lambda: [Path(f"/proc/self/task/{t}/comm").read_text().strip()
                  for t in os.listdir("/proc/self/task")]
 atexit.register(lambda: Path(sys.argv[3]).write_text(json.dumps([during, names()])))
-import torch, torch.distributed as dist, tokenring
+IMPORTS
 rank, world = int(sys.argv[1]), 2
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], world), rank=rank,
                         world_size=world)
@@ -355,23 +355,34 @@ dist.destroy_process_group()
 """
 
 
+_TORCH_FIRST = "import torch, torch.distributed as dist, tokenring"
+_TOKENRING_FIRST = """import tokenring
+assert "torch" not in sys.modules  # the package is lazy (Note [Lazy package] in tokenring)
+import torch, torch.distributed as dist"""
+# the library, and torch._dynamo with it, is loaded by the first call, after init
+_NOT_LOADED_YET = 'assert "tokenring.api" not in sys.modules and "torch._dynamo" not in sys.modules'
+
+
 @pytest.mark.parametrize(
-    "after_init",
+    ("imports", "after_init"),
     [
-        "",
+        (_TORCH_FIRST, ""),
+        (_TOKENRING_FIRST, _NOT_LOADED_YET),
         # a torch module whose functions take group=dist.group.WORLD as a default argument,
         # evaluated at import: imported now, it holds the default group (Note [Groups in
         # default arguments] in tokenring.runtime.comm)
-        "import torch.distributed.fsdp.sharded_grad_scaler",
+        (_TORCH_FIRST, "import torch.distributed.fsdp.sharded_grad_scaler"),
     ],
-    ids=["plain", "torch-binds-the-group-after-init"],
+    ids=["torch-first", "tokenring-first-loaded-after-init", "torch-binds-the-group-after-init"],
 )
-def test_user_program_exits_cleanly(tmp_path: Path, after_init: str) -> None:
+def test_user_program_exits_cleanly(tmp_path: Path, imports: str, after_init: str) -> None:
     """A program that owns its process group and destroys it: tokenring's exit hook releases
-    the rest before Python finalises."""
-    # Before (torch-binds-the-group-after-init): the default group's gloo_tcp_loop and
-    # two pt_gloo_runloop threads were alive at exit on both ranks.
-    script = _USER_SCRIPT.replace("AFTER_INIT", after_init)
+    the rest before Python finalises, whether the library was loaded before or after the
+    group was made."""
+    # Before (torch-binds-the-group-after-init; tokenring-first with a lazy package): the
+    # default group's gloo_tcp_loop and two pt_gloo_runloop threads were alive at exit on
+    # both ranks.
+    script = _USER_SCRIPT.replace("IMPORTS", imports).replace("AFTER_INIT", after_init)
     env = {**_env(tmp_path / "tmp"), "GLOO_SOCKET_IFNAME": "lo"}
     procs = [
         subprocess.Popen(
