@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,7 +58,7 @@ def _modules_after(argv: list[str]) -> tuple[str, set[str]]:
 
 def test_help_imports_no_command_module() -> None:
     """``tokenring --help`` lists the commands without importing their modules; a command's
-    help imports that command only (the library itself is imported eagerly: Note [Eager
+    help imports that command only (and the library, which loads on first use: Note [Lazy
     package] in tokenring)."""
     text, loaded = _modules_after(["--help"])
     assert "bench" in text and "simulate" in text and "demo" in text
@@ -67,6 +69,44 @@ def test_help_imports_no_command_module() -> None:
     text, loaded = _modules_after(["bench", "--help"])
     assert "--mode" in text
     assert "tokenring.cli.bench" in loaded and "tokenring.cli.demo" not in loaded
+
+
+def _entry_point() -> tuple[str, str]:
+    """The console script's module and function, as pyproject.toml declares them."""
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    match = re.search(r'^\[project\.scripts\]\ntokenring = "([\w.]+):(\w+)"', text, re.M)
+    assert match is not None, "pyproject.toml declares no tokenring console script"
+    return match[1], match[2]
+
+
+def _imported_modules(importtime_log: str) -> set[str]:
+    """The module names of ``python -X importtime``'s log (one line per module imported)."""
+    lines = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)$", importtime_log, re.M)
+    return set(lines)
+
+
+@pytest.mark.parametrize("how", ["console-script", "python-m"])
+def test_top_level_help_does_not_import_torch(how: str) -> None:
+    """``tokenring --help`` and ``python -m tokenring --help``, run as a user runs them:
+    every module they import, as the interpreter logs it, is torch-free (Note [Lazy
+    package] in tokenring). Importing torch is most of a second or more."""
+    if how == "console-script":  # what the installed script runs, from this tree
+        module, function = _entry_point()
+        launcher = ["-c", f"import sys; from {module} import {function}; sys.exit({function}())"]
+    else:
+        launcher = ["-m", "tokenring"]
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *launcher, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "{demo,bench,simulate}" in done.stdout, done.stdout
+    imported = _imported_modules(done.stderr)
+    assert {"tokenring", "tokenring.cli", "argparse"} <= imported  # the log was read
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy"))
+    assert not heavy, f"{len(heavy)} modules of torch and numpy, e.g. {heavy[:3]}"
 
 
 def test_help_shows_defaults_in_groups_per_mode(capsys: pytest.CaptureFixture[str]) -> None:

@@ -176,6 +176,34 @@ def test_close_communicators_releases_every_cached_one(single_rank_group: None) 
     dist.destroy_process_group(group)
 
 
+def test_close_communicators_clears_torch_defaults_that_hold_a_group(
+    single_rank_group: None,
+) -> None:
+    """Note [Groups in default arguments] in tokenring.runtime.comm: a default naming the
+    default group or a destroyed one becomes None; one naming a live group, and functions
+    outside torch, are kept."""
+    live, destroyed = dist.new_group([0]), dist.new_group([0])
+    dist.destroy_process_group(destroyed)
+    world = dist.group.WORLD
+    code = "def f(a=1, g=None, h=None, i=None, *, k=None): pass"
+    functions = {}
+    for module in ("torch.tokenring_test", "user_code"):
+        namespace: dict[str, Any] = {"__name__": module}
+        exec(code, namespace)
+        fn = namespace["f"]
+        fn.__defaults__ = (1, world, live, destroyed)
+        fn.__kwdefaults__ = {"k": world}
+        functions[module] = fn
+    tokenring.close_communicators()
+    ours, theirs = functions["torch.tokenring_test"], functions["user_code"]
+    assert ours.__defaults__[0] == 1 and ours.__defaults__[2] is live
+    assert ours.__defaults__[1] is None and ours.__defaults__[3] is None
+    assert ours.__kwdefaults__ == {"k": None}
+    assert theirs.__defaults__ == (1, world, live, destroyed)
+    assert theirs.__kwdefaults__ == {"k": world}
+    dist.destroy_process_group(live)
+
+
 def test_collectives_of_one_rank(single_rank_group: None) -> None:
     comm = tokenring.get_communicator()
     for x in (torch.tensor(3.0), torch.arange(6).view(2, 3), torch.empty(0)):
@@ -321,26 +349,53 @@ from pathlib import Path
 # Registered first, so it runs last: after tokenring's own exit hook.
 names = lambda: [Path(f"/proc/self/task/{t}/comm").read_text().strip()
                  for t in os.listdir("/proc/self/task")]
-atexit.register(lambda: Path(sys.argv[3]).write_text(json.dumps(names())))
-import torch, torch.distributed as dist, tokenring
+atexit.register(lambda: Path(sys.argv[3]).write_text(json.dumps([during, names()])))
+IMPORTS
 rank, world = int(sys.argv[1]), 2
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], world), rank=rank,
                         world_size=world)
+AFTER_INIT
 q, k, v = (torch.randn(1, 4, 4, 8) for _ in range(3))
 for strategy in ("ulysses", "allgather_kv", "token_ring"):
     tokenring.sequence_parallel_attn(q, k, v, strategy=strategy, causal=True)
+during = names()
 dist.destroy_process_group()
 """
 
 
-def test_user_program_exits_cleanly(tmp_path: Path) -> None:
+_TORCH_FIRST = "import torch, torch.distributed as dist, tokenring"
+_TOKENRING_FIRST = """import tokenring
+assert "torch" not in sys.modules  # the package is lazy (Note [Lazy package] in tokenring)
+import torch, torch.distributed as dist"""
+# the library, and torch._dynamo with it, is loaded by the first call, after init
+_NOT_LOADED_YET = 'assert "tokenring.api" not in sys.modules and "torch._dynamo" not in sys.modules'
+
+
+@pytest.mark.parametrize(
+    ("imports", "after_init"),
+    [
+        (_TORCH_FIRST, ""),
+        (_TOKENRING_FIRST, _NOT_LOADED_YET),
+        # a torch module whose functions take group=dist.group.WORLD as a default argument,
+        # evaluated at import: imported now, it holds the default group (Note [Groups in
+        # default arguments] in tokenring.runtime.comm)
+        (_TORCH_FIRST, "import torch.distributed.fsdp.sharded_grad_scaler"),
+    ],
+    ids=["torch-first", "tokenring-first-loaded-after-init", "torch-binds-the-group-after-init"],
+)
+def test_user_program_exits_cleanly(tmp_path: Path, imports: str, after_init: str) -> None:
     """A program that owns its process group and destroys it: tokenring's exit hook releases
-    the rest before Python finalises."""
+    the rest before Python finalises, whether the library was loaded before or after the
+    group was made."""
+    # Before (torch-binds-the-group-after-init; tokenring-first with a lazy package): the
+    # default group's gloo_tcp_loop and two pt_gloo_runloop threads were alive at exit on
+    # both ranks.
+    script = _USER_SCRIPT.replace("IMPORTS", imports).replace("AFTER_INIT", after_init)
     env = {**_env(tmp_path / "tmp"), "GLOO_SOCKET_IFNAME": "lo"}
     procs = [
         subprocess.Popen(
             [
-                *(sys.executable, "-c", _USER_SCRIPT, str(rank)),
+                *(sys.executable, "-c", script, str(rank)),
                 *(str(tmp_path / "store"), str(tmp_path / f"threads{rank}.json")),
             ],
             env=env,
@@ -353,7 +408,8 @@ def test_user_program_exits_cleanly(tmp_path: Path) -> None:
         for rank, proc in enumerate(procs):
             _, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, f"rank {rank}: exit code {proc.returncode}\n{err}"
-            threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+            during, threads = json.loads((tmp_path / f"threads{rank}.json").read_text())
+            assert set(GLOO_THREADS) <= set(during), f"rank {rank}: no gloo threads: {during}"
             alive = [name for name in threads if name in GLOO_THREADS]
             assert not alive, f"rank {rank}: gloo threads alive at interpreter exit: {threads}"
     finally:

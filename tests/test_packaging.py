@@ -8,6 +8,8 @@ check refuses an older version.
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 import shutil
 import subprocess
@@ -64,6 +66,90 @@ def test_import_runs_the_check() -> None:
     )
     assert run.returncode != 0
     assert "ImportError: tokenring needs torch >= " in run.stderr, run.stderr
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", **env},
+    )
+
+
+def test_import_reads_the_floor_from_metadata_without_importing_torch(tmp_path: Path) -> None:
+    """With torch not imported, the check reads the installed distribution's version: a
+    torch 2.5.1 dist-info ahead on the path is refused, and torch is not imported for it."""
+    info = tmp_path / "torch-2.5.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.5.1\n")
+    code = (
+        "import sys\ntry:\n    import tokenring\nexcept ImportError as exc:\n"
+        "    print(exc)\nprint('torch' in sys.modules)"
+    )
+    run = _run_python(code, PYTHONPATH=f"{tmp_path}:{ROOT / 'src'}")
+    assert run.returncode == 0, run.stderr
+    message, torch_imported = run.stdout.splitlines()
+    assert "tokenring needs torch >= " in message and "torch 2.5.1 is installed" in message
+    assert torch_imported == "False"
+
+
+_LAZY_FACTS = """
+import json, sys, types
+import tokenring
+facts = {"version": tokenring.__version__, "torch_after_import": "torch" in sys.modules}
+facts["not_listed"] = sorted(set(tokenring.__all__) - set(dir(tokenring)))
+facts["torch_after_dir"] = "torch" in sys.modules
+import tokenring.launch  # the submodule first: the name stays the function
+facts["launch_is_function"] = isinstance(tokenring.launch, types.FunctionType)
+namespace = {}
+exec("from tokenring import *", namespace)
+facts["not_star"] = sorted(set(tokenring.__all__) - set(namespace))
+facts["none"] = [n for n in tokenring.__all__ if getattr(tokenring, n) is None]
+facts["modules"] = sorted(v.__name__ for v in vars(tokenring).values()
+                          if isinstance(v, types.ModuleType) and v.__name__.startswith("tokenring"))
+print(json.dumps(facts))
+"""
+
+
+def test_import_is_lazy_and_every_public_name_loads_the_library() -> None:
+    """Note [Lazy package] in tokenring: ``import tokenring`` imports no torch; ``dir``
+    lists every public name; the first public name loads the library, and then all of them
+    resolve (``launch`` to the function even when ``tokenring.launch`` the module was
+    imported first); loading binds the submodules ``_MODULES`` names, as the eager package
+    did."""
+    run = _run_python(_LAZY_FACTS)
+    assert run.returncode == 0, run.stderr
+    facts = json.loads(run.stdout)
+    assert facts["version"] == tokenring.__version__
+    assert facts["torch_after_import"] is False and facts["torch_after_dir"] is False
+    assert facts["not_listed"] == []
+    assert facts["launch_is_function"] is True
+    assert facts["not_star"] == [] and facts["none"] == []
+    assert facts["modules"] == sorted(f"tokenring.{m}" for m in tokenring._MODULES)
+
+
+def _type_checking_imports() -> dict[str, tuple[str, ...]]:
+    """What ``tokenring/__init__.py`` imports under ``if TYPE_CHECKING:`` (what mypy sees)."""
+    tree = ast.parse((ROOT / "src" / "tokenring" / "__init__.py").read_text())
+    (block,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ]
+    return {
+        node.module: tuple(alias.name for alias in node.names)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+
+
+def test_the_names_type_checkers_see_are_the_names_loaded() -> None:
+    assert _type_checking_imports() == tokenring._EXPORTS
+    exported = [name for names in tokenring._EXPORTS.values() for name in names]
+    assert sorted(exported) == sorted(set(tokenring.__all__) - {"MIN_TORCH"})
+    assert len(exported) == len(set(exported))
 
 
 def test_distribution_name_and_single_version_source() -> None:

@@ -31,7 +31,7 @@ from tokenring.core.schedule import Pass, Schedule, Strategy
 from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, preset
 from tokenring.runtime import op
-from tokenring.runtime.comm import Communicator, destroy_idle_groups
+from tokenring.runtime.comm import Communicator, clear_group_defaults, destroy_idle_groups
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.strategies import build_schedule
 
@@ -144,13 +144,17 @@ def close_communicators() -> None:
     (``tokenring.launch`` does); it also runs at interpreter exit. Either way no gloo worker
     thread of the library outlives the interpreter: one still alive while Python finalises
     can abort the process ("terminate called without an active exception") after every
-    result was right (Note [Clean exit] in tokenring.launch).
+    result was right (Note [Clean exit] in tokenring.launch). It also drops the references
+    to the default group that torch keeps in default arguments of functions imported after
+    ``init_process_group`` (Note [Groups in default arguments] in tokenring.runtime.comm), so
+    a group destroyed before the exit hook runs is freed with its threads.
     """
     cached = list(_COMMUNICATORS.values())
     _COMMUNICATORS.clear()
     for comm in cached:
         comm.close()
     destroy_idle_groups()
+    clear_group_defaults()
 
 
 atexit.register(close_communicators)

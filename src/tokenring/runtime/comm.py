@@ -29,11 +29,13 @@ each batch: see netlab-notes, "gloo serialises the two directions...").
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import pickle
 import struct
 import time
+import types
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ __all__ = [
     "PendingRecv",
     "Timeline",
     "TrafficCounter",
+    "clear_group_defaults",
     "destroy_idle_groups",
 ]
 
@@ -961,6 +964,55 @@ def destroy_idle_groups() -> None:
     for group in {id(g): g for g in pooled}.values():
         if _registered(group):
             dist.destroy_process_group(group)
+
+
+# Note [Groups in default arguments]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A gloo group's worker threads (gloo_tcp_loop, pt_gloo_runloop) end when its last Python
+# reference goes, and one still alive while Python finalises can abort the process after
+# every result was right (Note [Clean exit] in tokenring.launch). torch holds one reference
+# that destroy_process_group() does not drop: a few of its functions take the default group
+# as a default argument, ``def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD)``
+# (torch.distributed.nn.functional, ten functions in torch 2.13; also
+# torch.distributed.optim.zero_redundancy_optimizer and fsdp.sharded_grad_scaler), and a
+# default is evaluated when the ``def`` runs, i.e. when the module is imported. Imported
+# before init_process_group, ``group.WORLD`` is None there; imported after, it is the
+# default ProcessGroup, kept for the life of the interpreter. torch._dynamo imports
+# torch.distributed.nn.functional (through torch.distributed._shard), and this library
+# imports dynamo, so a program whose first use of the library comes after
+# init_process_group ends with the default group's threads alive (measured, torch 2.13:
+# ten references, the functions' ``__defaults__``, found by a refcount watch during the
+# import; gc.get_referrers does not see them, a tuple of untracked objects is untracked).
+#
+# ``clear_group_defaults`` (run by tokenring.close_communicators, and so at interpreter exit)
+# sets such a default back to None, what it is when the module is imported first and what
+# every torch.distributed call reads as the default group, for the default group and for a
+# group no longer registered; a default naming another live group is kept. Only functions
+# of torch's own modules are touched.
+
+
+def clear_group_defaults() -> None:
+    """Set to None each default argument of a torch function that holds the default
+    process group or a destroyed one (Note [Groups in default arguments]), so that nothing
+    of torch keeps a destroyed group, and its gloo threads, alive."""
+
+    def stale(value: Any) -> bool:
+        # type(), not isinstance: isinstance reads __class__, which some torch objects
+        # (deprecated aliases) answer with a warning
+        return issubclass(type(value), dist.ProcessGroup) and (
+            value is dist.group.WORLD or not _registered(value)
+        )
+
+    for obj in gc.get_objects():
+        if type(obj) is not types.FunctionType:
+            continue
+        module = obj.__module__ or ""
+        if module != "torch" and not module.startswith("torch."):
+            continue
+        if obj.__defaults__ and any(stale(x) for x in obj.__defaults__):
+            obj.__defaults__ = tuple(None if stale(x) else x for x in obj.__defaults__)
+        if obj.__kwdefaults__ and any(stale(x) for x in obj.__kwdefaults__.values()):
+            obj.__kwdefaults__ = {k: None if stale(x) else x for k, x in obj.__kwdefaults__.items()}
 
 
 def _registered(group: dist.ProcessGroup) -> bool:
