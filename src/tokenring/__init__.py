@@ -7,7 +7,7 @@ The distribution is named ``tokenring-attention``; the import name is ``tokenrin
 
 Note [Lazy package]
 ~~~~~~~~~~~~~~~~~~~
-(It replaces Note [Eager package].) ``import tokenring`` imports neither torch nor the
+``import tokenring`` imports neither torch nor the
 library: it checks the torch floor against the installed distribution's metadata
 (``_check_torch``) and defines ``__version__``. The first public name a program uses
 (``tokenring.ring_attn``, ``from tokenring import launch``, any name of ``__all__``, or one

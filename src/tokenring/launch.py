@@ -315,7 +315,7 @@ def _start(
 # launches about a hundred times, spent about half of its time there. So a rank is forked
 # from a zygote: multiprocessing's fork server, started on the first launch with this
 # module preloaded (torch, torch._dynamo and the library imported once, before any process
-# group exists: Note [Eager package] in tokenring). The fork inherits nothing of the
+# group exists: Note [Lazy package] in tokenring). The fork inherits nothing of the
 # launcher but what it is sent: its environment and sys.path are set from the launcher's
 # at each launch, so variables read when a rank runs (GLOO_SOCKET_IFNAME, TORCH_*, ...)
 # take effect, while those read when an interpreter starts (MALLOC_*, LD_PRELOAD,
@@ -550,9 +550,9 @@ def _worker(spec_path: str, rank: int) -> int:
 
 def _run_rank(spec: _Spec, rank: int) -> Any:
     """Join the group, run ``fn``, then tear down in order (Note [Clean exit])."""
-    # The library (and torch._dynamo) is imported before the group exists (Note [Eager
-    # package] in tokenring): imported after it, the group's gloo threads outlive it.
-
+    # The library (and torch._dynamo) is imported before the group exists; imported after
+    # it, torch keeps the group in default arguments until close_communicators clears them
+    # (Note [Groups in default arguments] in tokenring.runtime.comm).
     torch.set_num_threads(spec.threads)
     store = dist.FileStore(spec.store_path, spec.world_size)
     store.set_timeout(timedelta(seconds=spec.pg_timeout_s))  # group creation waits too
