@@ -65,9 +65,10 @@ def test_kernel_matches_autograd_float64(name: str, causal: bool, hq: int, hkv: 
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
     delta = (do * out).sum(-1).transpose(1, 2)  # (B, H, sq)
-    dq, dk, dv = kernel.backward(do, q, k, v, lse, delta, causal=causal, scale=0.3)
-    for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+    for given in (None, out):  # the stand-in built from delta, or the real out
+        dq, dk, dv = kernel.backward(do, q, k, v, lse, delta, causal=causal, scale=0.3, out=given)
+        for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
 
 
 @pytest.mark.parametrize("name", CPU_KERNELS)
@@ -81,10 +82,11 @@ def test_kernel_low_precision_dtypes(name: str, dtype: torch.dtype) -> None:
     eps = torch.finfo(dtype).eps
     assert (out.double() - ref_out).abs().max() <= 4 * eps * ref_out.abs().max()
     delta = (do.float() * out.float()).sum(-1).transpose(1, 2)
-    dq, dk, dv = kernel.backward(do, q, k, v, lse, delta, causal=False, scale=0.25)
-    for got, want in zip((dq, dk, dv), grads, strict=True):
-        assert got.dtype == dtype
-        assert (got.double() - want).abs().max() <= 8 * eps * want.abs().max()
+    for given in (None, out):  # the stand-in built from delta, or the real out
+        dq, dk, dv = kernel.backward(do, q, k, v, lse, delta, causal=False, scale=0.25, out=given)
+        for got, want in zip((dq, dk, dv), grads, strict=True):
+            assert got.dtype == dtype
+            assert (got.double() - want).abs().max() <= 8 * eps * want.abs().max()
 
 
 def test_merge_of_two_key_halves_equals_full_block() -> None:
@@ -289,7 +291,7 @@ def _fake_fused(self, q, k, v, *, causal, scale, mask=None):  # stands in for a 
     return torch.zeros_like(q), torch.zeros(b, hq, sq, dtype=accumulation_dtype(q.dtype))
 
 
-def _fake_fused_backward(self, dout, q, k, v, lse, delta, *, causal, scale, mask=None):
+def _fake_fused_backward(self, dout, q, k, v, lse, delta, *, causal, scale, mask=None, out=None):
     assert mask is None
     self.ran[self.op] += 1
     return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -581,6 +581,7 @@ def _allgather_backward(
                 causal=piece.causal and mask is None,
                 scale=scale,
                 mask=mask,
+                out=out[:, a:e],  # this rank's own queries
             )
             done()
             computed += 1

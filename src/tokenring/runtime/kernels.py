@@ -21,7 +21,10 @@ same row sums against dout::
     out' = dout * delta / |dout|^2      (0 where |dout| = 0, where delta is 0 too)
 
 rowsum(dout * out') = delta exactly in real arithmetic, and |out'| <= |out| (Cauchy-Schwarz),
-so the stand-in is as well-scaled as the real out and costs one extra elementwise pass.
+so the stand-in is as well-scaled as the real out. It costs a few elementwise passes over the
+piece's q rows (measured, one thread, 1024 rows x 8 heads x 64: 2.0 ms in bfloat16, 0.3 ms in
+float32), so where the caller holds the real out (its own queries: every piece of Ring and
+the bidirectional ring, TokenRing's local block) it passes that instead (``out=``).
 Kernels whose backward only exists through autograd (FlexAttention) recompute the block's own
 (out_b, lse_b) and pull the global gradient out of the local one (Note [Backward through
 autograd]).
@@ -198,6 +201,7 @@ class BlockKernel(abc.ABC):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of one block given the global ``lse`` and ``delta`` of the q rows.
 
@@ -207,6 +211,9 @@ class BlockKernel(abc.ABC):
             lse, delta: ``(B, Hq, sq)``, accumulation dtype (lse -inf: a row that sees no key
                 anywhere; its gradients are 0).
             mask: as in :meth:`forward`.
+            out: ``(B, sq, Hq, D)``, the q rows' global out when the caller holds it (its own
+                queries); None: kernels that need an out build one from delta (Note [Backward
+                from delta]). Either gives the same gradients.
 
         Returns:
             dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``, in q's dtype.
@@ -225,6 +232,7 @@ class BlockKernel(abc.ABC):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
         poll: Callable[[], None] | None = None,
     ) -> None:
         """:meth:`backward`, added into ``grads = (dq, dk, dv)`` (same shapes, any float
@@ -234,7 +242,9 @@ class BlockKernel(abc.ABC):
         after the first tile and its ``poll``, and never if no tile is computed, so the
         caller allocates (or receives) them only when buffers of the last step are gone
         (Note [Buffers in flight] in tokenring.runtime.ring)."""
-        parts = self.backward(dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask)
+        parts = self.backward(
+            dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
+        )
         if poll is not None:
             poll()
         for acc, part in zip(grads() if callable(grads) else grads, parts, strict=True):
@@ -309,6 +319,7 @@ class ReferenceKernel(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
@@ -339,6 +350,13 @@ def _stand_in_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     norm2 = torch.linalg.vector_norm(do, dim=-1, dtype=acc).square_()  # (B, Hq, sq)
     ratio = torch.where(norm2 > 0, delta / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
     return (do.to(acc) * ratio.unsqueeze(-1)).to(dout.dtype)
+
+
+def _out_of(out: torch.Tensor | None, dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """What a fused backward takes as ``out``, ``(B, Hq, sq, D)``: the block's rows of the
+    global out when the caller holds them (its own queries), else the stand-in of Note
+    [Backward from delta] (a visiting Q, which travels with delta instead of out)."""
+    return _bhsd(out) if out is not None else _stand_in_out(dout, delta)
 
 
 def _finite_lse(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -410,6 +428,7 @@ class _CpuFlashOps(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert self._bwd is not None
         self.ran["cpu_flash"] += 1
@@ -421,7 +440,7 @@ class _CpuFlashOps(BlockKernel):
             _bhsd(q),
             _bhsd(k),
             _bhsd(v),
-            _stand_in_out(dout, delta),
+            _out_of(out, dout, delta),
             _finite_lse(lse, accumulation_dtype(q.dtype)),
             0.0,
             causal,
@@ -568,11 +587,12 @@ class TiledKernel(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if q.shape[1] <= self.tile_rows and k.shape[1] <= self.tile_rows:
             kind = "causal" if causal else ("full" if mask is None else "masked")
             return self._kernel(kind).backward(
-                dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask
+                dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
             )
         acc = accumulation_dtype(q.dtype)
         grads = (
@@ -580,7 +600,9 @@ class TiledKernel(BlockKernel):
             torch.zeros(k.shape, dtype=acc, device=k.device),
             torch.zeros(v.shape, dtype=acc, device=v.device),
         )
-        self.backward_into(grads, dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask)
+        self.backward_into(
+            grads, dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
+        )
         dq, dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -597,6 +619,7 @@ class TiledKernel(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
         poll: Callable[[], None] | None = None,
     ) -> None:
         targets = None if callable(grads) else grads
@@ -612,6 +635,7 @@ class TiledKernel(BlockKernel):
                     causal=kind == "causal",
                     scale=scale,
                     mask=sub,
+                    out=None if out is None else out[:, qa:qb],
                 )
                 if poll is not None:
                     poll()
@@ -776,6 +800,7 @@ class _SdpaOps(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[self.op] += 1
@@ -783,7 +808,7 @@ class _SdpaOps(BlockKernel):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         qh, kh, vh = _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq)
-        out = _stand_in_out(dout, delta)  # (B, Hq, sq, D)
+        out = _out_of(out, dout, delta)  # (B, Hq, sq, D)
         lse_op = _finite_lse(lse, torch.float32)  # (B, Hq, sq)
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: unused
         if self.op == SDPA_FLASH:
@@ -934,6 +959,7 @@ class _FlexOps(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
         self.ran[FLEX] += 1
@@ -1033,6 +1059,7 @@ class _FlashAttnOps(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
@@ -1044,7 +1071,7 @@ class _FlashAttnOps(BlockKernel):
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
-            _bhsd(_stand_in_out(dout, delta)).contiguous(),
+            _bhsd(_out_of(out, dout, delta)).contiguous(),
             _finite_lse(lse, torch.float32),
             dq,
             dk,
@@ -1131,10 +1158,13 @@ class _CudaDispatch(BlockKernel):
         causal: bool,
         scale: float,
         mask: Mask | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kind = "causal" if causal else ("full" if mask is None else "masked")
         op = self.op(self.plan(q, kind, mask))
-        return op.backward(dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask)
+        return op.backward(
+            dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
+        )
 
 
 class CudaFusedKernel(TiledKernel):

@@ -650,6 +650,9 @@ def run_backward(
                             k_p, v_p = held[piece.lane].slice(piece.kv_rows)
                             kv_owner = held[piece.lane].owner
                     mask = masks(piece, q_owner, kv_owner)
+                    # Our own queries: the kernel takes their real out, not a stand-in built
+                    # from delta (Note [Backward from delta] in tokenring.runtime.kernels).
+                    out_p = out[:, a:b, qh] if not pass_q or step == 0 else None
                     kernel.backward_into(
                         functools.partial(targets, piece, segment, step, q_owner),
                         do_p,
@@ -662,8 +665,9 @@ def run_backward(
                         scale=scale,
                         mask=mask,
                         poll=poll,
+                        out=out_p,
                     )
-                    del q_p, do_p, lse_p, delta_p, k_p, v_p, mask
+                    del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p
                 done()
                 if dq_seg is not None:
                     back = dq_msg if dq_msg is not None else [dq_seg.to(q.dtype)]
