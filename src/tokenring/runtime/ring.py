@@ -335,6 +335,42 @@ def _q_heads(piece: Piece, groups: int) -> slice:
     return slice(piece.heads[0] * groups, piece.heads[1] * groups)
 
 
+def _part(x: torch.Tensor, rows: tuple[int, int], heads: slice) -> torch.Tensor:
+    """Rows and heads of ``x``: ``(B, n, H, D)`` (rows dim 1) or ``(B, H, n)`` (rows dim 2)."""
+    if x.dim() == 4:
+        return x[:, rows[0] : rows[1], heads]
+    return x[:, heads, rows[0] : rows[1]]
+
+
+def _operands(
+    sched: Schedule,
+    rank: int,
+    step: int,
+    piece: Piece,
+    own: list[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    held: dict[int, _Held],
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
+    """What ``piece`` computes on: its query-side tensors (from ``own``, this rank's q, or
+    q, dout, lse, delta), its k and v, and whose K/V they are. Step 0: the local block, every
+    head. Pass-Q: the lane's visiting queries (its held block, on the piece's heads of it)
+    against our K/V. Pass-KV: our queries against the lane's visiting K/V."""
+    c, d = piece.kv_rows
+    if step == 0:
+        return [_part(x, piece.q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], rank
+    if sched.strategy.passes_q:
+        kvh = slice(None) if piece.heads is None else slice(*piece.heads)
+        heads = _held_heads(sched, piece)
+        visiting = held[piece.lane].slice(piece.q_rows)
+        q_side = [x[:, :, heads] if x.dim() == 4 else x[:, heads] for x in visiting]
+        return q_side, k[:, c:d, kvh], v[:, c:d, kvh], rank
+    groups = own[0].shape[2] // k.shape[2]
+    q_side = [_part(x, piece.q_rows, _q_heads(piece, groups)) for x in own]
+    k_p, v_p = held[piece.lane].slice(piece.kv_rows)
+    return q_side, k_p, v_p, held[piece.lane].owner
+
+
 def _held_heads(sched: Schedule, piece: Piece) -> slice:
     """The query heads of a pass-Q ``piece`` inside its lane's held block, which holds the
     lane's query heads (all for TokenRing): fewer for a slice of the last block (Note [Last
@@ -457,25 +493,11 @@ def run_forward(
                 done = timer.span(step, "attn")
                 parts = []
                 for piece in segment.pieces:
-                    (a, b), (c, d) = piece.q_rows, piece.kv_rows
                     qh = _q_heads(piece, groups)
                     q_owner = plan.lane_q_owner(piece.lane)
-                    if pass_q and step == 0:  # the local block, every head
-                        q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
-                        kv_owner = rank
-                    elif pass_q:  # the lane's visiting Q against our kv heads of its lane
-                        kvh = slice(None) if piece.heads is None else slice(*piece.heads)
-                        q_p = held[piece.lane].rows_of(0, piece.q_rows)
-                        q_p = q_p[:, :, _held_heads(sched, piece)]
-                        k_p, v_p = k[:, c:d, kvh], v[:, c:d, kvh]
-                        kv_owner = rank
-                    elif step == 0:  # the local block, every head
-                        q_p, k_p, v_p = q[:, a:b], k[:, c:d], v[:, c:d]
-                        kv_owner = rank
-                    else:
-                        q_p = q[:, a:b, qh]
-                        k_p, v_p = held[piece.lane].slice(piece.kv_rows)
-                        kv_owner = held[piece.lane].owner
+                    (q_p,), k_p, v_p, kv_owner = _operands(
+                        sched, rank, step, piece, [q], k, v, held
+                    )
                     mask = masks(piece, q_owner, kv_owner)
                     part = kernel.forward(
                         q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask
@@ -540,7 +562,6 @@ def run_backward(
     dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B,s,Hkv,D)
     dv_acc: torch.Tensor | None = torch.zeros(v.shape, dtype=acc, device=v.device)
     pass_q = sched.strategy.passes_q
-    home = _Held(rank, (0, s), [q, dout, lse, delta])  # pass-Q: the local block, every head
     if pass_q:
         held = _query_blocks(sched, rank, [q, dout, lse, delta])
     else:
@@ -622,37 +643,16 @@ def run_backward(
                 done = timer.span(step, "attn_bwd")
                 dq_seg = dq_msg = None  # allocated by targets(), after the first tile
                 for piece in segment.pieces:
-                    (a, b), (c, d) = piece.q_rows, piece.kv_rows
-                    qh = _q_heads(piece, groups)
                     q_owner = plan.lane_q_owner(piece.lane)
-                    kvh = slice(None) if piece.heads is None else slice(*piece.heads)
-                    if pass_q:
-                        block = home if step == 0 else held[piece.lane]
-                        q_p, do_p, lse_p, delta_p = block.slice(piece.q_rows)
-                        if step > 0:  # a slice of the last block: some of the lane's heads
-                            hh = _held_heads(sched, piece)
-                            q_p, do_p, lse_p, delta_p = (
-                                q_p[:, :, hh],
-                                do_p[:, :, hh],
-                                lse_p[:, hh],
-                                delta_p[:, hh],
-                            )
-                        del block  # the held block may leave at the end of the step
-                        k_p, v_p = k[:, c:d, kvh], v[:, c:d, kvh]
-                        kv_owner = rank
-                    else:
-                        q_p, do_p = q[:, a:b, qh], dout[:, a:b, qh]
-                        lse_p, delta_p = lse[:, qh, a:b], delta[:, qh, a:b]
-                        if step == 0:
-                            k_p, v_p = k[:, c:d], v[:, c:d]
-                            kv_owner = rank
-                        else:
-                            k_p, v_p = held[piece.lane].slice(piece.kv_rows)
-                            kv_owner = held[piece.lane].owner
+                    (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = _operands(
+                        sched, rank, step, piece, [q, dout, lse, delta], k, v, held
+                    )
                     mask = masks(piece, q_owner, kv_owner)
                     # Our own queries: the kernel takes their real out, not a stand-in built
                     # from delta (Note [Backward from delta] in tokenring.runtime.kernels).
-                    out_p = out[:, a:b, qh] if not pass_q or step == 0 else None
+                    out_p = None
+                    if q_owner == rank:
+                        out_p = _part(out, piece.q_rows, _q_heads(piece, groups))
                     kernel.backward_into(
                         functools.partial(targets, piece, segment, step, q_owner),
                         do_p,
