@@ -29,11 +29,10 @@ The slices of the last block are head groups, not row ranges, when the heads all
 GQA groups (kv heads split, their query heads with them), or query heads over the one kv
 head of MQA; a slice is every row of the block on some heads. A row slice runs the kernel on
 fewer query rows, and fused kernels lose speed with them (PyTorch's CPU flash operator
-splits q into tiles of 256 rows from 768 rows up, of 64 below; measured on the 2-core CI box,
-P = 4, S = 4096, 8 heads x 64, causal zigzag, float32: TokenRing's forward took 10% more CPU
-time with two row slices than with none, the same as Ring with two head slices). A head
-slice is the same kernel call on fewer heads, which the kernels run one after another
-anyway. Bytes and FLOPs per slice are the same either way, and a block of several pieces
+splits q into tiles of 256 rows from 768 rows up, of 64 below). Measured on the 2-core CI
+box, P = 4, S = 4096, 8 heads x 64, causal zigzag, float32, CPU time of a forward per rank:
+TokenRing with two row slices 87-92 ms, with none 83-86 ms, Ring 84-87 ms. A head slice is
+the same kernel call on fewer heads, which the kernels run one after another anyway. Bytes and FLOPs per slice are the same either way, and a block of several pieces
 (documents, windows) slices too. Rows are sliced only when there is one query head (or the
 heads are not given), as before: then only a single full piece is split.
 
@@ -88,7 +87,8 @@ P = 4 (h0, h1: the lanes' heads)::
 
 Step 0 computes the local block once, on every head (one segment, lane 0, like the
 bidirectional ring). A step's segments are lane 0's then lane 1's; the last step splits each
-lane's block in ``last_block_splits`` row slices, so only one slice of half the heads is
+lane's block in ``last_block_splits`` slices (of its heads where it has two or more, else of
+its rows; Note [Last block by heads]), so only one slice of half the heads is
 exposed, and the first hop moves half of Q on each direction. Zigzag causal: lane 0 meets
 the kv owners below o first (all q rows) and sends half rows after the wrap, as TokenRing;
 lane 1 meets those above o first (rows [c, s) only) but must carry every row until it has
@@ -173,8 +173,9 @@ def build_schedule(
         attention_chunk_size: chunked attention: queries see only the keys of their own chunk
             of this many tokens from their document's start (Note [Mask classes]); the
             sharding still follows ``cu_seqlens``.
-        last_block_splits: TokenRing computes its last block in this many row slices and
-            returns each as soon as it is done (see Note [TokenRing step table]).
+        last_block_splits: TokenRing computes its last block in this many slices (head
+            groups where the heads are given and allow, else rows) and returns each as soon
+            as it is done (see Note [TokenRing step table], Note [Last block by heads]).
         heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes
             and by the collective strategies.
         heads_q: number of query heads; needed by ``Strategy.BIDIR_TOKEN_RING`` (with
