@@ -685,11 +685,7 @@ def run_backward(
                     grads = new_lane_grads(lane_index)
                 if step == 0:  # the accumulator leaves home with our own dK/dV of the lane
                     assert dk_acc is not None and dv_acc is not None
-                    rows, heads = tr_out.rows, slice(*tr_out.heads) if tr_out.heads else slice(None)
-                    for grad, own in zip(grads, (dk_acc, dv_acc), strict=True):
-                        grad.copy_(own[:, rows[0] : rows[1], heads])
-                        own[:, rows[0] : rows[1], heads] = 0  # it comes back in the accumulator
-                    del grad, own  # loop variables would keep them for the whole pass
+                    _leave_home(grads, tr_out, dk_acc, dv_acc)
                 returns[tr_out] = lane_messages.pop(lane_index)
                 del grads
             if step == 0 and outgoing and len(outgoing) == len(sched.lanes):
@@ -707,17 +703,43 @@ def run_backward(
             add_returned(step - 1)
     add_returned(None)
     held.clear()
+    dk, dv = _accumulators_home(comm, poster, dk_acc, dv_acc, k, acc)
+    comm.wait_sends()
+    timer.flush()
+    return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _leave_home(
+    grads: list[torch.Tensor], tr: Transfer, dk_acc: torch.Tensor, dv_acc: torch.Tensor
+) -> None:
+    """Pass-KV backward, step 0: a lane's accumulator leaves home with this rank's own dK/dV
+    of the lane's rows and heads, which stay 0 here: they come back in the accumulator."""
+    rows, heads = tr.rows, slice(*tr.heads) if tr.heads else slice(None)
+    for grad, own in zip(grads, (dk_acc, dv_acc), strict=True):
+        grad.copy_(own[:, rows[0] : rows[1], heads])
+        own[:, rows[0] : rows[1], heads] = 0
+
+
+def _accumulators_home(
+    comm: Communicator,
+    poster: SlotPoster,
+    dk_acc: torch.Tensor | None,
+    dv_acc: torch.Tensor | None,
+    k: torch.Tensor,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV ``(B, s, Hkv, D)`` in the accumulation dtype: what stayed home plus each lane's
+    accumulator, home at last (pass-KV; TokenRing's never left). None: every row and head
+    travelled, so they are made now, once the last accumulators sent are gone."""
     if dk_acc is None or dv_acc is None:
-        comm.wait_sends()  # the last accumulators sent: gone before dK, dV are made
-        dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
-        dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for rec in poster.take(Payload.DKV):  # each lane's accumulator, home at last
+        comm.wait_sends()
+        dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv_acc = torch.zeros_like(dk_acc)
+    for rec in poster.take(Payload.DKV):
         tr = rec.transfer
         heads = slice(*tr.heads) if tr.heads else slice(None)
         dk_home, dv_home = rec.wait()
         dk_acc[:, tr.rows[0] : tr.rows[1], heads] += dk_home
         dv_acc[:, tr.rows[0] : tr.rows[1], heads] += dv_home
         del rec, dk_home, dv_home
-    comm.wait_sends()
-    timer.flush()
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return dk_acc, dv_acc

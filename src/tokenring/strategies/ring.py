@@ -30,10 +30,13 @@ GQA groups (kv heads split, their query heads with them), or query heads over th
 head of MQA; a slice is every row of the block on some heads. A row slice runs the kernel on
 fewer query rows, and fused kernels lose speed with them (PyTorch's CPU flash operator
 splits q into tiles of 256 rows from 768 rows up, of 64 below). Measured on the 2-core CI
-box, P = 4, S = 4096, 8 heads x 64, causal zigzag, float32, CPU time of a forward per rank:
-TokenRing with two row slices 87-92 ms, with none 83-86 ms, Ring 84-87 ms. A head slice is
-the same kernel call on fewer heads, which the kernels run one after another anyway. Bytes and FLOPs per slice are the same either way, and a block of several pieces
-(documents, windows) slices too. Rows are sliced only when there is one query head (or the
+box, P = 4, S = 4096, 8 heads x 64, causal zigzag, float32, main-thread CPU time of a
+TokenRing forward, mean over the ranks, two launches each: two head slices 82.8 / 84.6 ms,
+two row slices 85.4 / 92.9 ms, no slices 87.8 / 84.0 ms (launches differ by up to 5%). A
+head slice is the same kernel call on fewer heads, which the kernels run one after another
+anyway. Bytes
+and FLOPs per slice are the same either way, and a block of several pieces (documents,
+windows) slices too. Rows are sliced only when there is one query head (or the
 heads are not given), as before: then only a single full piece is split.
 
 Note [Backward]
