@@ -512,3 +512,30 @@ def test_launch_rejects_timeouts_that_are_not_finite_and_positive(name: str, val
     # nan used to pass (nan <= 0 is False) and disabled the deadline.
     with pytest.raises(ValueError, match=f"{name} must be a finite number > 0; got {value}"):
         tokenring.launch(_return_one, world_size=1, **{name: value})
+
+
+# -- item: a forked rank sees the launcher as it is at the launch (Note [Rank start]) -----------
+
+
+def _what_the_rank_sees(name: str, path_entry: str) -> tuple[str | None, bool, str, int]:
+    comm = Path(f"/proc/{os.getpid()}/comm").read_text().strip() if sys.platform == "linux" else ""
+    return os.environ.get(name), path_entry in sys.path, comm, os.getppid()
+
+
+def test_forked_ranks_get_the_launchers_environment_and_path_of_each_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zygote starts at the first launch; what the launcher sets after that (a variable,
+    a sys.path entry) still reaches the ranks of the next launch, and each rank is named."""
+    tokenring.launch(_return_one, world_size=2)  # the zygote exists from here on
+    monkeypatch.setenv("TOKENRING_TEST_LATE_VARIABLE", "set after the zygote")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = tokenring.launch(
+        _what_the_rank_sees, "TOKENRING_TEST_LATE_VARIABLE", str(tmp_path), world_size=2
+    )
+    for rank, (value, on_path, comm, parent) in enumerate(seen):
+        assert value == "set after the zygote", (rank, value)
+        assert on_path, rank
+        if sys.platform == "linux":
+            assert comm == f"tokenring-r{rank}", comm
+            assert parent != os.getpid(), "forked by the zygote, not started by the launcher"

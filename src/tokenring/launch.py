@@ -325,7 +325,8 @@ def _start(
 # (not Linux), starts fresh interpreters as before. The zygote imports no CUDA state, and
 # it has one thread (fork is safe). A forked rank ends with os._exit after its atexit
 # handlers ran, so what Python's finalisation would do (Note [Clean exit]) is never at
-# the mercy of a live gloo thread.
+# the mercy of a live gloo thread. The zygote lives as long as the launcher (one process of
+# about the size of an idle rank) and ends with it.
 _ZYGOTE_PRELOAD = ["tokenring.launch"]
 
 
