@@ -190,9 +190,18 @@ def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> torch.Tens
         num_bytes = buffer.numel() - HEADER_NUM_BYTES
         buffer[:HEADER_NUM_BYTES].copy_(_header(tr, num_bytes, buffer.device))
         return buffer
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    num_bytes = sum(f.numel() for f in flat)
-    return torch.cat([_header(tr, num_bytes, flat[0].device), *flat])
+    # One pass per tensor, strided or not: each is copied into its place in the message
+    # (a contiguous copy and then a cat would be two for a strided one, such as a kernel's
+    # (B, n, H, D) view of its (B, H, n, D) output).
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    buffer = torch.empty(HEADER_NUM_BYTES + num_bytes, dtype=torch.uint8, device=tensors[0].device)
+    buffer[:HEADER_NUM_BYTES].copy_(_header(tr, num_bytes, buffer.device))
+    offset = HEADER_NUM_BYTES
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t)
+        offset += size
+    return buffer
 
 
 def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
