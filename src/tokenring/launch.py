@@ -168,7 +168,9 @@ def launch(
     poll: Callable[[], None] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes joined in a process group.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes joined in a process group
+    (forked from a warm zygote, or fresh interpreters with ``rank_env``/``wrap_command``:
+    Note [Rank start]).
 
     ``fn`` must be importable by reference (a module-level function). Inside it,
     ``torch.distributed`` is initialised (``dist.get_rank()`` is the rank).
