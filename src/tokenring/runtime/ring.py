@@ -169,8 +169,7 @@ class _Held:
     def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
         assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
-        x = self.tensors[index]
-        return x[:, start:stop] if x.dim() == 4 else x[:, :, start:stop]
+        return _part(self.tensors[index], (start, stop), slice(None))
 
     def slice(self, rows: tuple[int, int]) -> list[torch.Tensor]:
         return [self.rows_of(i, rows) for i in range(len(self.tensors))]
@@ -335,11 +334,11 @@ def _q_heads(piece: Piece, groups: int) -> slice:
     return slice(piece.heads[0] * groups, piece.heads[1] * groups)
 
 
-def _part(x: torch.Tensor, rows: tuple[int, int], heads: slice) -> torch.Tensor:
-    """Rows and heads of ``x``: ``(B, n, H, D)`` (rows dim 1) or ``(B, H, n)`` (rows dim 2)."""
-    if x.dim() == 4:
-        return x[:, rows[0] : rows[1], heads]
-    return x[:, heads, rows[0] : rows[1]]
+def _part(x: torch.Tensor, rows: tuple[int, int] | None, heads: slice) -> torch.Tensor:
+    """Rows (None: all) and heads of ``x``: ``(B, n, H, D)`` (rows dim 1) or ``(B, H, n)``
+    (rows dim 2)."""
+    r = slice(None) if rows is None else slice(*rows)
+    return x[:, r, heads] if x.dim() == 4 else x[:, heads, r]
 
 
 def _operands(
@@ -363,7 +362,7 @@ def _operands(
         kvh = slice(None) if piece.heads is None else slice(*piece.heads)
         heads = _held_heads(sched, piece)
         visiting = held[piece.lane].slice(piece.q_rows)
-        q_side = [x[:, :, heads] if x.dim() == 4 else x[:, heads] for x in visiting]
+        q_side = [_part(x, None, heads) for x in visiting]
         return q_side, k[:, c:d, kvh], v[:, c:d, kvh], rank
     groups = own[0].shape[2] // k.shape[2]
     q_side = [_part(x, piece.q_rows, _q_heads(piece, groups)) for x in own]
@@ -395,8 +394,7 @@ def _query_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> di
     for index, lane in enumerate(sched.lanes):
         views = tensors
         if lane.q_heads is not None:
-            a, b = lane.q_heads
-            views = [x[:, :, a:b] if x.dim() == 4 else x[:, a:b] for x in tensors]
+            views = [_part(x, None, slice(*lane.q_heads)) for x in tensors]
         held[index] = _Held(rank, (0, tensors[0].shape[1]), views)
     return held
 
