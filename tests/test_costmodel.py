@@ -512,8 +512,10 @@ def test_event_timeline_is_consistent(topology: Topology) -> None:
 def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> None:
     """P = 8, comm-bound (links 1 GB/s: comm up to 2.4x compute) and compute-bound, MHA and
     GQA: the same compute, merges, busiest resource and bytes exactly, and the call time
-    within 12%. The vectorised engine leaves out the rendezvous waits that ripple from rank
-    to rank when returns outlast a step, so it may only err on the fast side."""
+    within 12% (40% for TokenRing's forward on a physical ring, whose returns cross up to
+    P - 1 hops and are waited for two steps later). The vectorised engine leaves out the
+    rendezvous waits that ripple from rank to rank when returns outlast a step and the
+    runtime's waits for the returns, so it may only err on the fast side."""
     for link, shape, strategy, pass_, (layout, causal) in itertools.product(
         (1e9, 1e11), (MHA, GQA), CLOSED, Pass, (("zigzag", True), ("contiguous", False))
     ):
@@ -535,7 +537,9 @@ def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> N
             for mode in ("event", "vectorised")
         }
         event, vec = got["event"], got["vectorised"]
-        assert vec.call_s == pytest.approx(event.call_s, rel=0.12), (link, strategy, pass_)
+        multi_hop = topology is Topology.RING and strategy.passes_q and pass_ is Pass.FORWARD
+        rel = 0.40 if multi_hop else 0.12
+        assert vec.call_s == pytest.approx(event.call_s, rel=rel), (link, strategy, pass_)
         assert vec.call_s <= event.call_s * 1.01, (link, strategy, pass_)
         if link > 1e10:  # compute-bound: the engines agree closely
             assert vec.call_s == pytest.approx(event.call_s, rel=0.01), (strategy, pass_)

@@ -351,6 +351,9 @@ class Schedule:
     mask: MaskSpec | None = None  # None: plain (``causal`` only)
     _sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
     _recvs: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
+    # what readers derive from the schedule and keep while it lives (the runtime's rank
+    # programs: tokenring.runtime.program)
+    _memo: dict[tuple[object, ...], object] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         sends: dict[tuple[int, int], list[Transfer]] = {}

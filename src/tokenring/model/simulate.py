@@ -12,25 +12,16 @@ which ran. The CLI command ``tokenring simulate`` lives at the bottom.
 Legend: B batch, S global seq, s local seq, Hq query heads, Hkv key/value heads, D head dim,
 P world size, t step, r rank, F achieved FLOP/s.
 
-Note [Rank program]
-~~~~~~~~~~~~~~~~~~~
-Each rank runs the runtime's loop as a list of actions (``_ring_program``), built from the
-schedule alone, one line per branch of ``tokenring.runtime.ring``::
-
-    action        forward                             backward
-    (prologue)    -                                   delta = rowsum(dout * out)
-    step t        mark the step start                 same
-    post (t, 0)   travel sends + their receives       same
-    compute k     segment k: sum of piece FLOPs / F   same, backward FLOP/s
-    merge         own partial into the accumulator    own dq into the accumulator
-    post (t, k)   returns after segment k             returns after segments 1..n-1
-    dkv           -                                   wait for each dK/dV accumulator of step
-                                                      t-1, add this step's share, then post
-                                                      (t, n): it moves on
-    post rest     slots of the step it has no compute for
-    wait travel   every travelling block for step t+1 must have arrived
-    end           wait and merge every return (step, after order); add the accumulators
-                  that came home; wait for its own sends
+Note [Replaying the rank program]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The event engine does not mirror the ring runtime: it replays each rank's own program, the
+tuple of ops ``tokenring.runtime.ring`` executes (``ring_program``, Note [Rank program] in
+tokenring.runtime.program), one action per op: a COMPUTE is its pieces' FLOPs over F (then
+the merge or dQ add of the rank's own rows), a POST starts the slot's transfers, ARRIVE /
+SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for each and add its
+merge or accumulation. The collective strategies and the hybrid's all-to-alls have programs
+of their own here (Note [Collective rank program], Note [Hybrid rank program]); the hybrid's
+outer ring replays the ring program of its steps.
 
 A transfer starts when both ends have posted its slot (a P2P send cannot progress before the
 matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
@@ -67,9 +58,12 @@ Then, per step, rank r starts step t+1 at max(its compute and posts of step t, a
 travel input). Flows that outlast their window are caught by a drain bound: a resource with
 work L_w in window w is busy until at least max_w (start_w + sum_{v >= w} L_v), and the call
 cannot end before that. What this leaves out are the rendezvous waits that ripple from rank to
-rank when returns outlast a step, so the engine errs on the fast side: against the event
-engine at P = 8 it agrees within 1% when compute-bound and is up to ~11% faster when links
-are ~2.4x slower than compute (tests/test_costmodel.py), ~17% with slow NICs between islands.
+rank when returns outlast a step, and the runtime's wait for each return two steps after it
+was sent (Note [Rank program] in tokenring.runtime.program), so the engine errs on the fast
+side: against the event engine at P = 8 it agrees within 1% when compute-bound and is up to
+~12% faster when links are ~2.4x slower than compute (tests/test_costmodel.py), ~17% with
+slow NICs between islands, and ~39% for TokenRing's forward on a physical ring, where the
+partial of step t crosses t hops and the owner waits for it at step t + 2.
 
 Memory is linear in P: the engine walks the steps in chunks of ``_CHUNK_CELLS // P``, asking
 ``schedule_arrays`` for those columns only (and the step before), pricing the chunk's windows
@@ -96,6 +90,7 @@ from tokenring.core.schedule import (
     Payload,
     Schedule,
     Strategy,
+    Transfer,
     piece_flops,
 )
 from tokenring.model.costmodel import (
@@ -111,6 +106,7 @@ from tokenring.model.costmodel import (
 )
 from tokenring.model.netlab import Topology
 from tokenring.runtime.comm import Event
+from tokenring.runtime.program import OpKind, ring_program
 from tokenring.strategies import build_schedule
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
@@ -243,7 +239,7 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 
 
 class _EventEngine:
-    """See Note [Rank program] and Note [Sharing bandwidth]."""
+    """See Note [Replaying the rank program] and Note [Sharing bandwidth]."""
 
     def __init__(
         self, sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
@@ -315,7 +311,7 @@ class _EventEngine:
             self.programs = [self._collective_program(r) for r in range(p)]
         else:
             self.programs = [
-                [*self._ring_program(r, 0, sched.num_steps, dims, sched.seq_local), (_WAIT_SENDS,)]
+                self._ring_program(r, range(sched.num_steps), dims, sched.seq_local)
                 for r in range(p)
             ]
 
@@ -336,89 +332,55 @@ class _EventEngine:
                 best = (str(resource), int(load[index]), seconds)
         return best
 
-    # Note [Rank program], one branch of tokenring.runtime.ring per line: steps first .. first+num-1
-    # of the schedule run the ring runtime (``dims`` and ``seq_local`` of that ring: the
-    # hybrid's outer ring has fewer heads and longer shards than the schedule's P ranks).
+    # The event engine's actions for the ring runtime's own program (Note [Rank program] in
+    # tokenring.runtime.program), steps ``steps`` of the schedule: ``dims`` and ``seq_local``
+    # of that ring (the hybrid's outer ring has fewer heads and longer shards than the
+    # schedule's P ranks).
     def _ring_program(
-        self, r: int, first: int, num: int, dims: AttentionShape, seq_local: int
+        self, r: int, steps: range, dims: AttentionShape, seq_local: int
     ) -> list[tuple[Any, ...]]:
-        sched = self.sched
-        pass_ = sched.pass_
-        end = first + num
-        forward = pass_ is Pass.FORWARD
+        sched, mem = self.sched, self.mem
+        forward = sched.pass_ is Pass.FORWARD
         label = "attn" if forward else "attn_bwd"
-        mem = self.mem
 
-        def recvs(step: int, *payloads: Payload) -> list[int]:
-            found = [
-                i
-                for i in self.step_recvs.get((r, step), ())
-                if self.transfers[i].payload in payloads
-            ]
-            return sorted(
-                found, key=lambda i: (self.transfers[i].after_segments, self.transfers[i].lane)
-            )
+        def waits(transfers: tuple[Transfer, ...]) -> list[tuple[Any, ...]]:
+            return [(_WAIT, self.fid[tr]) for tr in transfers]
 
-        def dkv_add(i: int) -> tuple[Any, ...]:
-            tr = self.transfers[i]
-            heads = dims.heads_kv if tr.heads is None else tr.heads[1] - tr.heads[0]
-            return (_MERGE, _add_bytes(tr.num_rows, heads, dims, pairs=2) / mem, tr.step, "dkv_add")
+        def added(tr: Transfer) -> list[tuple[Any, ...]]:  # wait for a return, merge or add it
+            heads = tr.heads[1] - tr.heads[0] if tr.heads is not None else None
+            if tr.payload is Payload.OUT:
+                cost, what = merge_bytes(tr.num_rows, dims, heads), "merge"
+            elif tr.payload is Payload.DQ:
+                cost, what = _add_bytes(tr.num_rows, heads or dims.heads_q, dims), "dq_add"
+            else:
+                pairs = heads or dims.heads_kv
+                cost, what = _add_bytes(tr.num_rows, pairs, dims, pairs=2), "dkv_add"
+            return [(_WAIT, self.fid[tr]), (_MERGE, cost / mem, tr.step, what)]
 
         prog: list[tuple[Any, ...]] = []
-        if not forward:
-            prog.append((_MERGE, _delta_bytes(seq_local, dims) / mem, first, "delta"))
-        for t in range(first, end):
-            plan = sched.steps[r][t]
-            num_segments = len(plan.segments)
-            prog.append((_STEP, t))
-            prog.append((_POST, t, 0))
-            for k, segment in enumerate(plan.segments):
-                flops = sum(piece_flops(pc, dims, pass_) for pc in segment.pieces)
+        for op in ring_program(sched, r, steps):
+            kind, t = op.kind, op.step
+            if kind is OpKind.DELTA:
+                prog.append((_MERGE, _delta_bytes(seq_local, dims) / mem, steps.start, "delta"))
+            elif kind in (OpKind.STEP, OpKind.END):
+                prog.append((_STEP, t))
+            elif kind is OpKind.POST:
+                prog.append((_POST, t, op.index))
+            elif kind is OpKind.COMPUTE:
+                plan = sched.steps[r][t]
+                segment = plan.segments[op.index]
+                flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
                 prog.append((_COMPUTE, flops / self.flops_per_s, t, label))
-                rows = segment.q_rows[1] - segment.q_rows[0]
-                if plan.q_owner == r:
+                if plan.q_owner == r:  # its own rows merged (dQ added) at once
+                    rows = segment.q_rows[1] - segment.q_rows[0]
                     own = (
                         merge_bytes(rows, dims) if forward else _add_bytes(rows, dims.heads_q, dims)
                     )
                     prog.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
-                if forward or k + 1 < num_segments:
-                    prog.append((_POST, t, k + 1))
-            if not forward and t > first:
-                for i in recvs(t - 1, Payload.DKV):  # the accumulator arrives one step behind
-                    prog.append((_WAIT, i))
-                    prog.append(dkv_add(i))
-            if not forward and num_segments > 0:
-                prog.append((_POST, t, num_segments))
-            mine = [
-                self.transfers[i]
-                for i in (*self.step_sends.get((r, t), ()), *self.step_recvs.get((r, t), ()))
-            ]
-            last = max((tr.after_segments for tr in mine), default=0)
-            for after in range(num_segments + 1, last + 1):
-                prog.append((_POST, t, after))
-            travel = [
-                i
-                for i in self.step_recvs.get((r, t), ())
-                if self.transfers[i].payload.flow is Flow.TRAVEL
-            ]
-            for i in travel:
-                prog.append((_WAIT, i))
-        prog.append((_STEP, end))
-        finals = [i for t in range(first, end) for i in recvs(t, Payload.OUT, Payload.DQ)]
-        finals.sort(key=lambda i: (self.transfers[i].step, self.transfers[i].after_segments))
-        for i in finals:
-            tr = self.transfers[i]
-            prog.append((_WAIT, i))
-            heads_q = dims.heads_q if tr.heads is None else tr.heads[1] - tr.heads[0]
-            if tr.payload is Payload.OUT:
-                merge_s = merge_bytes(tr.num_rows, dims, heads_q) / mem
-                prog.append((_MERGE, merge_s, tr.step, "merge"))
-            else:
-                add = _add_bytes(tr.num_rows, heads_q, dims)
-                prog.append((_MERGE, add / mem, tr.step, "dq_add"))
-        for i in recvs(end - 1, Payload.DKV):  # the accumulators home, after the last step
-            prog.append((_WAIT, i))
-            prog.append(dkv_add(i))
+            elif kind in (OpKind.PASS, OpKind.RETURNS, OpKind.HOME):
+                prog += [action for tr in op.transfers for action in added(tr)]
+            else:  # ARRIVE, SENT, SENT_ALL: the receives or sends have arrived
+                prog += waits(op.transfers)
         return prog
 
     # Note [Hybrid rank program]: the inner all-to-all (step 0: post, wait for every receive),
@@ -439,7 +401,7 @@ class _EventEngine:
 
         return [
             *all_to_all(0),
-            *self._ring_program(r, 1, n, ring_dims, inner * sched.seq_local),
+            *self._ring_program(r, range(1, n + 1), ring_dims, inner * sched.seq_local),
             *all_to_all(n + 1),
             (_STEP, n + 2),
             (_WAIT_SENDS,),
@@ -506,7 +468,7 @@ class _EventEngine:
         version = [0] * n
         active: list[set[int]] = [set() for _ in self.res_cap]
         pc = [0] * p
-        waiting: dict[int, int] = {}  # flow -> rank blocked on its arrival
+        waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
         sends_left = [0] * p
         for tr in self.transfers:
             sends_left[tr.src] += 1
@@ -565,7 +527,7 @@ class _EventEngine:
                         return
                 elif kind == _WAIT:
                     if arrival[action[1]] is None:
-                        waiting[action[1]] = r
+                        waiting.setdefault(action[1], []).append(r)
                         return
                 elif kind == _WAIT_SENDS and sends_left[r] > 0:
                     waiting_sends.add(r)
@@ -589,8 +551,7 @@ class _EventEngine:
                 waiting_sends.discard(tr.src)
                 pc[tr.src] += 1
                 advance(tr.src, now)
-            r = waiting.pop(i, None)
-            if r is not None:
+            for r in waiting.pop(i, ()):
                 pc[r] += 1
                 advance(r, now)
 
@@ -1133,7 +1094,8 @@ def _simulate_vectorised(
 
 # -- public entry points -----------------------------------------------------------------------
 def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardware) -> PassResult:
-    """Predict one pass of any schedule with the event engine (Note [Rank program]).
+    """Predict one pass of any schedule with the event engine (Note [Replaying the rank
+    program]).
 
     For schedules built elsewhere than ``build_schedule`` (e.g. the collective strategies):
     anything expressed as steps, segments and slot-posted transfers runs as is.

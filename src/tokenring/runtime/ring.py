@@ -1,7 +1,8 @@
 """Executes a :class:`~tokenring.core.schedule.Schedule` on one rank: kernels, merges and P2P.
 
-The schedule says what to compute and what to send in which slot; this module only moves
-tensors accordingly. Every strategy shares the slot machinery
+The schedule says what to compute and what to send in which slot, and the rank's program
+(``tokenring.runtime.program``, the same ops the simulator replays) says in which order;
+this module only moves tensors accordingly. Every strategy shares the slot machinery
 (``tokenring.runtime.slots.SlotPoster``). Pass-Q
 (TokenRing, bidirectional TokenRing) keeps K/V home, moves one Q block per lane (each lane
 carrying some query heads) and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
@@ -20,7 +21,9 @@ as soon as its last use passes (README "Memory" has the measured table):
   then: ours has), so at most the held block and the incoming one exist; a received block is
   passed on as the message it came in, and dQ partials and dK/dV accumulators are
   allocated as the messages that return them (``tokenring.runtime.comm.Message``: no copy);
-- partials and dQ / dK+dV returns sent on step t-1, and those received, are settled after the
+- forward: partials sent on step t-2, and those received, are settled after the compute of
+  step t (the program's RETURNS and SENT; Note [Rank program] in tokenring.runtime.program);
+- backward: dQ / dK+dV returns sent on step t-1, and those received, are settled after the
   first tile of step t (a tile's time to arrive; gloo's works report completion only when
   waited for; on CUDA only what has completed is released, without waiting);
 - gradients of a piece are added tile by tile into the accumulators
@@ -83,6 +86,7 @@ from tokenring.runtime.comm import (
     PendingRecv,
 )
 from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask
+from tokenring.runtime.program import Op, OpKind, ring_program
 from tokenring.runtime.slots import SlotPoster
 
 __all__ = ["message_fields", "run_backward", "run_forward"]
@@ -471,10 +475,9 @@ def run_forward(
         assert tr.owner == held[tr.lane].owner
         return held[tr.lane].send(tr.rows)
 
-    def merge_returned(step: int | None) -> None:
-        for rec in poster.take(Payload.OUT, step):
-            part_out, part_lse = rec.wait()
-            tr = rec.transfer
+    def merge_returned(transfers: Sequence[Transfer]) -> None:
+        for tr in transfers:
+            part_out, part_lse = poster.pending.pop(tr).wait()
             done = timer.span(tr.step, "merge")
             if tr.heads is None:
                 merge_into(out_acc, lse_acc, tr.rows, part_out, part_lse)
@@ -483,48 +486,52 @@ def run_forward(
                 merge_into(out_acc[:, :, heads], lse_acc[:, heads], tr.rows, part_out, part_lse)
             done()
 
-    for step in range(sched.num_steps):
+    def compute(step: int, index: int) -> None:
+        nonlocal fresh
         plan = sched.steps[rank][step]
-        with record_function(f"tokenring.{sched.strategy.value}.forward.step{step}"):
-            poster.post(step, 0, provide)
-            for index, segment in enumerate(plan.segments):
-                done = timer.span(step, "attn")
-                parts = []
-                for piece in segment.pieces:
-                    qh = _q_heads(piece, groups)
-                    q_owner = plan.lane_q_owner(piece.lane)
-                    (q_p,), k_p, v_p, kv_owner = _operands(
-                        sched, rank, step, piece, [q], k, v, held
-                    )
-                    mask = masks(piece, q_owner, kv_owner)
-                    part = kernel.forward(
-                        q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask
-                    )
-                    if fresh:  # the first piece: every row and head (see above)
-                        out_acc.copy_(part[0])
-                        lse_acc.copy_(part[1])
-                        fresh = False
-                    elif q_owner == rank:  # merge straight into this rank's accumulators
-                        merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
-                    else:
-                        parts.append((piece.q_rows, part))
-                    del part, q_p, k_p, v_p, mask  # views of blocks that may leave next
-                if parts:
-                    partial = _merge_parts(parts, segment.q_rows)
-                    partials[_return_of(sched, rank, step, index)] = partial
-                    del parts, partial
-                done()
-                poster.post(step, index + 1, provide)
-            poster.post_rest(step, len(plan.segments), provide)
-            for lane, incoming in poster.travel_in(step).items():
-                held[lane] = _Held.arrived(incoming)
-            # Note [Buffers in flight]: the blocks sent on this step (their peers' blocks have
-            # just arrived here), and the partials sent one step ago.
-            comm.wait_sends_through(step, Flow.TRAVEL)
-            comm.wait_sends_through(step - 1)
-            merge_returned(step - 1)
-    merge_returned(None)
-    comm.wait_sends()
+        segment = plan.segments[index]
+        done = timer.span(step, "attn")
+        parts = []
+        for piece in segment.pieces:
+            qh = _q_heads(piece, groups)
+            q_owner = plan.lane_q_owner(piece.lane)
+            (q_p,), k_p, v_p, kv_owner = _operands(sched, rank, step, piece, [q], k, v, held)
+            mask = masks(piece, q_owner, kv_owner)
+            part = kernel.forward(q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask)
+            if fresh:  # the first piece: every row and head (see above)
+                out_acc.copy_(part[0])
+                lse_acc.copy_(part[1])
+                fresh = False
+            elif q_owner == rank:  # merge straight into this rank's accumulators
+                merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
+            else:
+                parts.append((piece.q_rows, part))
+            del part, q_p, k_p, v_p, mask  # views of blocks that may leave next
+        if parts:
+            partials[_return_of(sched, rank, step, index)] = _merge_parts(parts, segment.q_rows)
+        done()
+
+    with _StepRanges(sched) as ranges:  # Note [Rank program] in tokenring.runtime.program
+        for op in ring_program(sched, rank):
+            kind, step = op.kind, op.step
+            if kind is OpKind.STEP:
+                ranges.enter(step)
+            elif kind is OpKind.POST:
+                poster.post(step, op.index, provide)
+            elif kind is OpKind.COMPUTE:
+                compute(step, op.index)
+            elif kind is OpKind.ARRIVE:
+                _arrive(op, poster, held)
+            elif kind is OpKind.SENT:
+                _sent(comm, step)
+            elif kind is OpKind.RETURNS:
+                merge_returned(op.transfers)
+            elif kind is OpKind.END:
+                ranges.exit()
+            elif kind is OpKind.SENT_ALL:
+                comm.wait_sends()
+            else:
+                raise AssertionError(f"a forward program has no {kind}")
     timer.flush()
     return out_acc.to(q.dtype), lse_acc
 
@@ -555,15 +562,12 @@ def run_backward(
     shape = AttentionShape.of(q, k)
     acc = lse.dtype
     poster = SlotPoster(sched.transfers, comm, functools.partial(message_fields, shape), q.device)
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
     dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B,s,Hkv,D)
     dv_acc: torch.Tensor | None = torch.zeros(v.shape, dtype=acc, device=v.device)
     pass_q = sched.strategy.passes_q
-    if pass_q:
-        held = _query_blocks(sched, rank, [q, dout, lse, delta])
-    else:
-        held = _lane_blocks(sched, rank, [k, v])
+    delta = torch.empty(0)
+    held: dict[int, _Held] = {}
     returns: dict[Transfer, Sequence[torch.Tensor] | Message] = {}
     masks = _Masks(sched)
     timer = _ComputeTimer(comm, q.device)
@@ -584,6 +588,13 @@ def run_backward(
 
     dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return to its owner
     dq_msg: Message | None = None  # the message it is accumulated in
+    # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows), for the
+    # lanes whose block this rank computes with (and so passes an accumulator on). The
+    # accumulator that followed the block here becomes this step's after the first tile
+    # (targets()); at step 0 our own dK/dV leaves in new ones.
+    outgoing: dict[int, Transfer] = {}
+    inflight = _InFlight(comm, poster, 0, dq_acc, lane_messages, blocking=False)
+    lane_grads = inflight.lane_grads
 
     def targets(piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
         """The piece's accumulators, fetched after its first tile (Note [Buffers in flight]):
@@ -613,98 +624,150 @@ def run_backward(
                 dq_seg = torch.zeros(shape, dtype=acc, device=q.device)
         return dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]], dk_t, dv_t
 
-    def add_returned(step: int | None) -> None:
-        for rec in poster.take(Payload.DQ, step):
-            (dq_part,) = rec.wait()
-            _rows_heads(dq_acc, rec.transfer)[...] += dq_part
+    def add_returned(transfers: Sequence[Transfer]) -> None:
+        for tr in transfers:
+            rec = poster.pending.pop(tr, None)
+            if rec is not None:  # not yet added by the compute's poll
+                (dq_part,) = rec.wait()
+                _rows_heads(dq_acc, tr)[...] += dq_part
 
-    for step in range(sched.num_steps):
+    def begin(step: int, passing: Sequence[Transfer]) -> None:
+        """STEP: the accumulators to pass on this step, settled from the first tile on."""
+        nonlocal inflight, lane_grads, outgoing
+        outgoing = {tr.lane: tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
+        blocking = q.device.type == "cpu"
+        inflight = _InFlight(comm, poster, step, dq_acc, lane_messages, blocking=blocking)
+        lane_grads = inflight.lane_grads
+        for tr in passing:  # the accumulators that followed each block here
+            inflight.dkv_in.setdefault(tr.lane, []).append(poster.pending.pop(tr))
+
+    def compute(step: int, index: int) -> None:
+        nonlocal dq_seg, dq_msg
         plan = sched.steps[rank][step]
-        num_segments = len(plan.segments)
-        with record_function(f"tokenring.{sched.strategy.value}.backward.step{step}"):
-            poster.post(step, 0, provide)
-            # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows),
-            # for the lanes whose block this rank computes with (and so passes an accumulator
-            # on). The accumulator that followed the block here becomes this step's after
-            # the first tile (targets()); at step 0 our own dK/dV leaves in new ones.
-            outgoing = {tr.lane: tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
-            inflight = _InFlight(
-                comm, poster, step, dq_acc, lane_messages, blocking=q.device.type == "cpu"
+        segment = plan.segments[index]
+        done = timer.span(step, "attn_bwd")
+        dq_seg = dq_msg = None  # allocated by targets(), after the first tile
+        for piece in segment.pieces:
+            q_owner = plan.lane_q_owner(piece.lane)
+            (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = _operands(
+                sched, rank, step, piece, [q, dout, lse, delta], k, v, held
             )
-            lane_grads = inflight.lane_grads
-            for index in outgoing:  # the accumulators that followed each block here
-                inflight.dkv_in[index] = poster.take(
-                    Payload.DKV, step - 1, index, owner=plan.kv_owners[index]
-                )
-            poll = inflight.poll
-            for index, segment in enumerate(plan.segments):
-                done = timer.span(step, "attn_bwd")
-                dq_seg = dq_msg = None  # allocated by targets(), after the first tile
-                for piece in segment.pieces:
-                    q_owner = plan.lane_q_owner(piece.lane)
-                    (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = _operands(
-                        sched, rank, step, piece, [q, dout, lse, delta], k, v, held
-                    )
-                    mask = masks(piece, q_owner, kv_owner)
-                    # Our own queries: the kernel takes their real out, not a stand-in built
-                    # from delta (Note [Backward from delta] in tokenring.runtime.kernels).
-                    out_p = None
-                    if q_owner == rank:
-                        out_p = _part(out, piece.q_rows, _q_heads(piece, groups))
-                    kernel.backward_into(
-                        functools.partial(targets, piece, segment, step, q_owner),
-                        do_p,
-                        q_p,
-                        k_p,
-                        v_p,
-                        lse_p,
-                        delta_p,
-                        causal=piece.causal,
-                        scale=scale,
-                        mask=mask,
-                        poll=poll,
-                        out=out_p,
-                    )
-                    del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p
-                done()
-                if dq_seg is not None:
-                    back = dq_msg if dq_msg is not None else [dq_seg.to(q.dtype)]
-                    returns[_return_of(sched, rank, step, index)] = back
-                    del dq_seg, back
-                dq_msg = None
-                if index + 1 < num_segments:
-                    poster.post(step, index + 1, provide)
-            # Pass-KV: take the accumulator that followed each block (from step 2 on: the first
-            # visitor created it) and pass it on; see Note [Backward] in tokenring.strategies.ring.
-            inflight.add_arrived(block=True)
-            for lane_index, tr_out in outgoing.items():
-                grads = lane_grads.pop(lane_index, None)
-                if grads is None:  # no piece and no accumulator reached the block here
-                    grads = new_lane_grads(lane_index)
-                if step == 0:  # the accumulator leaves home with our own dK/dV of the lane
-                    assert dk_acc is not None and dv_acc is not None
-                    _leave_home(grads, tr_out, dk_acc, dv_acc)
-                returns[tr_out] = lane_messages.pop(lane_index)
-                del grads
-            if step == 0 and outgoing and len(outgoing) == len(sched.lanes):
-                dk_acc = dv_acc = None  # every row and head travels: nothing stays home
-            del inflight, poll
-            if num_segments > 0:
-                poster.post(step, num_segments, provide)
-            poster.post_rest(step, num_segments, provide)
-            for lane_index, incoming in poster.travel_in(step).items():
-                held[lane_index] = _Held.arrived(incoming)
-            # Note [Buffers in flight]: free the blocks sent on this step and the returns
-            # sent one step ago; add the dQ partials that arrived one step ago.
-            comm.wait_sends_through(step, Flow.TRAVEL)
-            comm.wait_sends_through(step - 1)
-            add_returned(step - 1)
-    add_returned(None)
-    held.clear()
-    dk, dv = _accumulators_home(comm, poster, dk_acc, dv_acc, k, acc)
-    comm.wait_sends()
+            mask = masks(piece, q_owner, kv_owner)
+            # Our own queries: the kernel takes their real out, not a stand-in built from
+            # delta (Note [Backward from delta] in tokenring.runtime.kernels).
+            out_p = _part(out, piece.q_rows, _q_heads(piece, groups)) if q_owner == rank else None
+            kernel.backward_into(
+                functools.partial(targets, piece, segment, step, q_owner),
+                do_p,
+                q_p,
+                k_p,
+                v_p,
+                lse_p,
+                delta_p,
+                causal=piece.causal,
+                scale=scale,
+                mask=mask,
+                poll=inflight.poll,
+                out=out_p,
+            )
+            del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p
+        done()
+        if dq_seg is not None:
+            back = dq_msg if dq_msg is not None else [dq_seg.to(q.dtype)]
+            returns[_return_of(sched, rank, step, index)] = back
+            del back
+        dq_seg = dq_msg = None
+
+    def pass_on(step: int) -> None:
+        """PASS: take the accumulator that followed each block (from step 2 on: the first
+        visitor created it) and pass it on; Note [Backward] in tokenring.strategies.ring."""
+        nonlocal dk_acc, dv_acc
+        inflight.add_arrived(block=True)
+        for lane_index, tr_out in outgoing.items():
+            grads = lane_grads.pop(lane_index, None)
+            if grads is None:  # no piece and no accumulator reached the block here
+                grads = new_lane_grads(lane_index)
+            if step == 0:  # the accumulator leaves home with our own dK/dV of the lane
+                assert dk_acc is not None and dv_acc is not None
+                _leave_home(grads, tr_out, dk_acc, dv_acc)
+            returns[tr_out] = lane_messages.pop(lane_index)
+            del grads
+        if step == 0 and outgoing and len(outgoing) == len(sched.lanes):
+            dk_acc = dv_acc = None  # every row and head travels: nothing stays home
+
+    dk = dv = torch.empty(0)
+    with _StepRanges(sched) as ranges:  # Note [Rank program] in tokenring.runtime.program
+        for op in ring_program(sched, rank):
+            kind, step = op.kind, op.step
+            if kind is OpKind.DELTA:
+                delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+                # (B, Hq, s)
+                blocks = [q, dout, lse, delta] if pass_q else [k, v]
+                held = (_query_blocks if pass_q else _lane_blocks)(sched, rank, blocks)
+            elif kind is OpKind.STEP:
+                ranges.enter(step)
+                begin(step, op.transfers)
+            elif kind is OpKind.POST:
+                poster.post(step, op.index, provide)
+            elif kind is OpKind.COMPUTE:
+                compute(step, op.index)
+            elif kind is OpKind.PASS:
+                pass_on(step)
+            elif kind is OpKind.ARRIVE:
+                _arrive(op, poster, held)
+            elif kind is OpKind.SENT:
+                _sent(comm, step)
+            elif kind is OpKind.RETURNS:
+                add_returned(op.transfers)
+            elif kind is OpKind.END:
+                ranges.exit()
+                held.clear()
+            elif kind is OpKind.HOME:
+                dk, dv = _accumulators_home(comm, poster, op.transfers, dk_acc, dv_acc, k, acc)
+            elif kind is OpKind.SENT_ALL:
+                comm.wait_sends()
+            else:
+                raise AssertionError(f"a backward program has no {kind}")
     timer.flush()
     return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _StepRanges:
+    """The profiler range of each step, ``tokenring.<strategy>.<pass>.step<t>``: entered at a
+    program's STEP, left at the next STEP or END (or when the pass fails)."""
+
+    def __init__(self, sched: Schedule) -> None:
+        self.prefix = f"tokenring.{sched.strategy.value}.{sched.pass_.value}.step"
+        self.current: Any = None
+
+    def __enter__(self) -> _StepRanges:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.exit()
+
+    def enter(self, step: int) -> None:
+        self.exit()
+        self.current = record_function(f"{self.prefix}{step}")
+        self.current.__enter__()
+
+    def exit(self) -> None:
+        if self.current is not None:
+            self.current.__exit__(None, None, None)
+            self.current = None
+
+
+def _arrive(op: Op, poster: SlotPoster, held: dict[int, _Held]) -> None:
+    """ARRIVE: the travelling blocks of the step become the held ones of their lanes."""
+    for tr in op.transfers:
+        held[tr.lane] = _Held.arrived(poster.pending.pop(tr))
+
+
+def _sent(comm: Communicator, step: int) -> None:
+    """SENT, Note [Buffers in flight]: the blocks sent on this step (their peers' blocks have
+    just arrived here), and the returns sent two steps ago, are done."""
+    comm.wait_sends_through(step, Flow.TRAVEL)
+    comm.wait_sends_through(step - 2, Flow.RETURN)
 
 
 def _leave_home(
@@ -721,6 +784,7 @@ def _leave_home(
 def _accumulators_home(
     comm: Communicator,
     poster: SlotPoster,
+    transfers: Sequence[Transfer],
     dk_acc: torch.Tensor | None,
     dv_acc: torch.Tensor | None,
     k: torch.Tensor,
@@ -733,8 +797,8 @@ def _accumulators_home(
         comm.wait_sends()
         dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv_acc = torch.zeros_like(dk_acc)
-    for rec in poster.take(Payload.DKV):
-        tr = rec.transfer
+    for tr in transfers:
+        rec = poster.pending.pop(tr)
         heads = slice(*tr.heads) if tr.heads else slice(None)
         dk_home, dv_home = rec.wait()
         dk_acc[:, tr.rows[0] : tr.rows[1], heads] += dk_home

@@ -1,0 +1,154 @@
+"""The ring runtime's rank programs (Note [Rank program]): every transfer, segment and slot of
+a rank exactly once, in an order that can run, and the simulator replaying them."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Schedule
+from tokenring.model.costmodel import PRESETS
+from tokenring.model.simulate import simulate_pass
+from tokenring.runtime.program import Op, OpKind, ring_program
+from tokenring.strategies import build_schedule
+
+RING_STRATEGIES = ("token_ring", "ring", "bidir_ring", "bidir_token_ring")
+WAITS_FOR_RECEIVES = (OpKind.ARRIVE, OpKind.PASS, OpKind.RETURNS, OpKind.HOME)
+
+
+def _cases() -> list[tuple[str, str, str, bool, int, int]]:
+    grid = itertools.product(
+        RING_STRATEGIES, ("forward", "backward"), ("contiguous", "zigzag"), (False, True)
+    )
+    return [(*case, p, kv) for case in grid for p, kv in ((1, 2), (2, 2), (3, 1), (4, 2))]
+
+
+@pytest.mark.parametrize("strategy", RING_STRATEGIES)
+def test_a_program_takes_each_transfer_and_segment_once_in_order(strategy: str) -> None:
+    """Per rank: every receive is waited for by exactly one op of the right kind, after the
+    slot that posts it; every send is posted once and waited for (SENT or SENT_ALL) after
+    its slot; every segment is computed once, in step and segment order; slots are posted in
+    order, and a slot after segment k only once segment k is computed."""
+    failures = []
+    for name, pass_, layout, causal, p, heads_kv in _cases():
+        if name != strategy:
+            continue
+        sched = build_schedule(
+            name, pass_, layout=layout, causal=causal, world_size=p, seq_local=8,
+            heads_q=4, heads_kv=heads_kv,
+        )  # fmt: skip
+        case = (pass_, layout, causal, p, heads_kv)
+        for rank in range(p):
+            program = ring_program(sched, rank)
+            assert program is ring_program(sched, rank), "memoised on the schedule"
+            failures += [(case, rank, what) for what in _check(sched, rank, program)]
+    assert not failures, failures[:10]
+
+
+def _check(sched: Schedule, rank: int, program: tuple[Op, ...]) -> list[str]:
+    problems: list[str] = []
+    posted: list[tuple[int, int]] = []
+    computed: list[tuple[int, int]] = []
+    received: Counter[object] = Counter()
+    sends_done: Counter[object] = Counter()
+    backward = sched.pass_ is Pass.BACKWARD
+    for op in program:
+        if op.kind is OpKind.POST:
+            posted.append((op.step, op.index))
+        elif op.kind is OpKind.COMPUTE:
+            computed.append((op.step, op.index))
+        elif op.kind in WAITS_FOR_RECEIVES:
+            for tr in op.transfers:
+                received[tr] += 1
+                if (tr.step, tr.after_segments) not in posted:
+                    problems.append(f"{op.kind} waits for {tr} before its slot is posted")
+                want = {
+                    OpKind.ARRIVE: tr.payload.flow is Flow.TRAVEL,
+                    OpKind.PASS: tr.payload is Payload.DKV,
+                    OpKind.HOME: tr.payload is Payload.DKV,
+                    OpKind.RETURNS: tr.payload is (Payload.DQ if backward else Payload.OUT),
+                }[op.kind]
+                if not want:
+                    problems.append(f"{op.kind} waits for a {tr.payload}")
+        elif op.kind in (OpKind.SENT, OpKind.SENT_ALL):
+            for tr in op.transfers:
+                sends_done[tr] += 1
+                if (tr.step, tr.after_segments) not in posted:
+                    problems.append(f"{op.kind} waits for {tr} before it is sent")
+    mine_in = [tr for tr in sched.transfers if tr.dst == rank]
+    mine_out = [tr for tr in sched.transfers if tr.src == rank]
+    if sorted(map(repr, received.elements())) != sorted(map(repr, mine_in)):
+        problems.append("receives waited for != the rank's receives (each once)")
+    if set(sends_done) != set(mine_out):
+        problems.append("sends waited for != the rank's sends")
+    slots = sorted({(tr.step, tr.after_segments) for tr in (*mine_in, *mine_out)})
+    if sorted(posted) != slots or posted != sorted(posted):
+        problems.append(f"slots posted {posted} != the rank's slots in order {slots}")
+    segments = [
+        (t, k) for t in range(sched.num_steps) for k in range(len(sched.steps[rank][t].segments))
+    ]
+    if computed != segments:
+        problems.append(f"segments computed {computed} != {segments}")
+    for at, op in enumerate(program):  # a return slot after segment k: only once it exists
+        if op.kind is OpKind.POST and op.index > 0:
+            n = len(sched.steps[rank][op.step].segments)
+            done = [c for c in program[:at] if c.kind is OpKind.COMPUTE and c.step == op.step]
+            if len(done) < min(op.index, n):
+                problems.append(f"slot {(op.step, op.index)} posted before its segments")
+    kinds = [op.kind for op in program]
+    if kinds[-1] is not OpKind.SENT_ALL or kinds.count(OpKind.END) != 1:
+        problems.append("a program ends with END ... SENT_ALL")
+    if backward != (kinds[0] is OpKind.DELTA):
+        problems.append("the backward (only) starts with DELTA")
+    return problems
+
+
+def test_returns_are_waited_for_two_steps_after_they_were_sent() -> None:
+    """TokenRing, P = 4: the partials sent at step t are merged after the compute of step
+    t + 2 (the last two steps' after the loop), so a comm-bound step never waits for them."""
+    sched = build_schedule(
+        "token_ring", "forward", layout="zigzag", causal=True, world_size=4, seq_local=8
+    )
+    program = ring_program(sched, 0)
+    returns = [(i, op.step) for i, op in enumerate(program) if op.kind is OpKind.RETURNS]
+    steps = [(i, op.step) for i, op in enumerate(program) if op.kind in (OpKind.STEP, OpKind.END)]
+    for index, sent_at in returns:
+        step_now = max(t for i, t in steps if i < index)  # END counts as step 4
+        assert step_now == min(sent_at + 2, 4), (sent_at, step_now)
+        last_compute = max(i for i, op in enumerate(program[:index]) if op.kind is OpKind.COMPUTE)
+        assert program[last_compute].step == min(sent_at + 2, 3)
+
+
+def test_the_event_engine_replays_the_program() -> None:
+    """A10 preset, TokenRing forward, P = 4: the engine's timeline has one compute bar per
+    COMPUTE op and one merge bar per returned partial (plus one per own segment), each
+    partial's merge after the step that RETURNS takes it in, as the program orders."""
+    shape = AttentionShape(heads_q=32, heads_kv=32, head_dim=128, dtype="float16")
+    kw: dict[str, Any] = dict(layout="zigzag", causal=True, world_size=4, seq_local=6000)
+    result = simulate_pass(
+        "token_ring", "forward", shape=shape, hardware=PRESETS["a10-pcie"], mode="event", **kw
+    )
+    sched = build_schedule("token_ring", "forward", **kw)
+    assert result.timeline is not None
+    for rank, events in enumerate(result.timeline):
+        program = ring_program(sched, rank)
+        computes = [op.step for op in program if op.kind is OpKind.COMPUTE]
+        bars = sorted(ev.step for ev in events if ev.kind == "compute")
+        assert bars == sorted(computes)
+        returned = sum(len(op.transfers) for op in program if op.kind is OpKind.RETURNS)
+        own = sum(
+            1
+            for op in program
+            if op.kind is OpKind.COMPUTE and sched.steps[rank][op.step].q_owner == rank
+        )
+        merges = [ev for ev in events if ev.kind == "merge"]
+        assert len(merges) == returned + own
+        start_of = {ev.step: ev.start_s for ev in events if ev.kind == "compute"}
+        for op in program:
+            if op.kind is OpKind.RETURNS and op.step + 2 < sched.num_steps:
+                for tr in op.transfers:
+                    later = start_of[op.step + 2]
+                    assert [ev for ev in merges if ev.step == tr.step and ev.start_s >= later]
