@@ -557,107 +557,180 @@ def run_backward(
     Returns:
         dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in the inputs' dtypes.
     """
-    rank, s = comm.rank, q.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    shape = AttentionShape.of(q, k)
-    acc = lse.dtype
-    poster = SlotPoster(sched.transfers, comm, functools.partial(message_fields, shape), q.device)
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-    dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B,s,Hkv,D)
-    dv_acc: torch.Tensor | None = torch.zeros(v.shape, dtype=acc, device=v.device)
-    pass_q = sched.strategy.passes_q
-    delta = torch.empty(0)
-    held: dict[int, _Held] = {}
-    returns: dict[Transfer, Sequence[torch.Tensor] | Message] = {}
-    masks = _Masks(sched)
-    timer = _ComputeTimer(comm, q.device)
+    return _Backward(sched, comm, kernel, dout, q, k, v, out, lse, scale=scale).run()
 
-    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
+
+class _Backward:
+    """One rank's backward pass of ``sched``: the state its program's ops work on, one method
+    per op that has more to do than a call (Note [Rank program] in tokenring.runtime.program).
+
+    Pass-KV: each step's dK/dV for each lane's visiting block (lane heads and rows) is
+    accumulated for the lanes whose block this rank computes with, which it then passes on.
+    The accumulator that followed the block here becomes this step's after the first tile
+    (:meth:`targets`); at step 0 our own dK/dV leave in new ones.
+    """
+
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        scale: float,
+    ) -> None:
+        self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
+        self.dout, self.q, self.k, self.v, self.out, self.lse = dout, q, k, v, out, lse
+        self.rank, self.s = comm.rank, q.shape[1]
+        self.groups = q.shape[2] // k.shape[2]
+        self.acc = acc = lse.dtype
+        shape = AttentionShape.of(q, k)
+        self.poster = SlotPoster(
+            sched.transfers, comm, functools.partial(message_fields, shape), q.device
+        )
+        self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
+        # (B, s, Hkv, D); None once every row and head of them travels (pass-KV, step 0)
+        self.dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)
+        self.dv_acc: torch.Tensor | None = torch.zeros(v.shape, dtype=acc, device=v.device)
+        self.pass_q = sched.strategy.passes_q
+        self.delta = torch.empty(0)  # (B, Hq, s), from DELTA
+        self.held: dict[int, _Held] = {}
+        self.returns: dict[Transfer, Sequence[torch.Tensor] | Message] = {}
+        self.masks = _Masks(sched)
+        self.timer = _ComputeTimer(comm, q.device)
+        self.lane_messages: dict[int, Message] = {}  # the message of each lane's accumulator
+        self.dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return
+        self.dq_msg: Message | None = None  # the message it is accumulated in
+        self.outgoing: dict[int, Transfer] = {}  # this step's dK/dV sends, by lane
+        self.inflight = _InFlight(
+            comm, self.poster, 0, self.dq_acc, self.lane_messages, blocking=False
+        )
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in the inputs' dtypes."""
+        comm, poster, q, k, v = self.comm, self.poster, self.q, self.k, self.v
+        dk = dv = torch.empty(0)
+        with _StepRanges(self.sched) as ranges:  # Note [Rank program] in tokenring.runtime.program
+            for op in ring_program(self.sched, self.rank):
+                kind, step = op.kind, op.step
+                if kind is OpKind.DELTA:
+                    self.start()
+                elif kind is OpKind.STEP:
+                    ranges.enter(step)
+                    self.begin(step, op.transfers)
+                elif kind is OpKind.POST:
+                    poster.post(step, op.index, self.provide)
+                elif kind is OpKind.COMPUTE:
+                    self.compute(step, op.index)
+                elif kind is OpKind.PASS:
+                    self.pass_on(step)
+                elif kind is OpKind.ARRIVE:
+                    _arrive(op, poster, self.held)
+                elif kind is OpKind.SENT:
+                    _sent(comm, step)
+                elif kind is OpKind.RETURNS:
+                    self.add_returned(op.transfers)
+                elif kind is OpKind.END:
+                    ranges.exit()
+                    self.held.clear()
+                elif kind is OpKind.HOME:
+                    dk, dv = _accumulators_home(
+                        comm, poster, op.transfers, self.dk_acc, self.dv_acc, k, self.acc
+                    )
+                elif kind is OpKind.SENT_ALL:
+                    comm.wait_sends()
+                else:
+                    raise AssertionError(f"a backward program has no {kind}")
+        self.timer.flush()
+        return self.dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def start(self) -> None:
+        """DELTA: delta = rowsum(dout * out) (B, Hq, s), and the blocks this rank holds."""
+        dout, out, acc = self.dout, self.out, self.acc
+        self.delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+        if self.pass_q:
+            blocks = [self.q, dout, self.lse, self.delta]
+            self.held = _query_blocks(self.sched, self.rank, blocks)
+        else:
+            self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload in (Payload.DQ, Payload.DKV):
-            return returns.pop(tr)
-        assert tr.owner == held[tr.lane].owner
-        return held[tr.lane].send(tr.rows)
+            return self.returns.pop(tr)
+        assert tr.owner == self.held[tr.lane].owner
+        return self.held[tr.lane].send(tr.rows)
 
-    lane_messages: dict[int, Message] = {}
-
-    def new_lane_grads(lane: int) -> list[torch.Tensor]:
+    def new_lane_grads(self, lane: int) -> list[torch.Tensor]:
         """A lane's dK/dV accumulator, allocated as the message that passes it on."""
-        shape = _lane_shape(sched.lanes[lane], k)
-        lane_messages[lane], grads = comm.message([(shape, acc)] * 2, k.device)
+        shape = _lane_shape(self.sched.lanes[lane], self.k)
+        self.lane_messages[lane], grads = self.comm.message([(shape, self.acc)] * 2, self.k.device)
         return grads
 
-    dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return to its owner
-    dq_msg: Message | None = None  # the message it is accumulated in
-    # Pass-KV: this step's dK/dV for each lane's visiting block (lane heads and rows), for the
-    # lanes whose block this rank computes with (and so passes an accumulator on). The
-    # accumulator that followed the block here becomes this step's after the first tile
-    # (targets()); at step 0 our own dK/dV leaves in new ones.
-    outgoing: dict[int, Transfer] = {}
-    inflight = _InFlight(comm, poster, 0, dq_acc, lane_messages, blocking=False)
-    lane_grads = inflight.lane_grads
+    def begin(self, step: int, passing: Sequence[Transfer]) -> None:
+        """STEP: the accumulators to pass on this step, settled from the first tile on."""
+        sends = self.sched.sends(self.rank, step)
+        self.outgoing = {tr.lane: tr for tr in sends if tr.payload is Payload.DKV}
+        blocking = self.q.device.type == "cpu"
+        self.inflight = inflight = _InFlight(
+            self.comm, self.poster, step, self.dq_acc, self.lane_messages, blocking=blocking
+        )
+        for tr in passing:  # the accumulators that followed each block here
+            inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
 
-    def targets(piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
+    def targets(self, piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
         """The piece's accumulators, fetched after its first tile (Note [Buffers in flight]):
         by then the dK/dV that followed the block here has arrived and becomes the lane's
         accumulator, and the returns of the last step are gone."""
-        nonlocal dq_seg, dq_msg
         (a, b), (c, d) = piece.q_rows, piece.kv_rows
-        qh = _q_heads(piece, groups)
-        if pass_q or step == 0:
+        qh = _q_heads(piece, self.groups)
+        if self.pass_q or step == 0:
+            dk_acc, dv_acc = self.dk_acc, self.dv_acc
             assert dk_acc is not None and dv_acc is not None, "kept home while computed into"
-            kvh = slice(None) if piece.heads is None or not pass_q else slice(*piece.heads)
+            kvh = slice(None) if piece.heads is None or not self.pass_q else slice(*piece.heads)
             dk_t, dv_t = dk_acc[:, c:d, kvh], dv_acc[:, c:d, kvh]
         else:
+            lane_grads = self.inflight.lane_grads
             if piece.lane not in lane_grads:
-                lane_grads[piece.lane] = new_lane_grads(piece.lane)
-            row0 = (sched.lanes[piece.lane].kv_rows or (0, s))[0]
+                lane_grads[piece.lane] = self.new_lane_grads(piece.lane)
+            row0 = (self.sched.lanes[piece.lane].kv_rows or (0, self.s))[0]
             dk_t, dv_t = (g[:, c - row0 : d - row0] for g in lane_grads[piece.lane])
-        if q_owner == rank:
-            return dq_acc[:, a:b, qh], dk_t, dv_t
-        if dq_seg is None:
-            rows = segment.q_rows
+        if q_owner == self.rank:
+            return self.dq_acc[:, a:b, qh], dk_t, dv_t
+        if self.dq_seg is None:
+            q, rows = self.q, segment.q_rows
             num_heads = len(range(q.shape[2])[qh])  # a pass-Q lane's: fewer
             shape = (q.shape[0], rows[1] - rows[0], num_heads, q.shape[3])  # (B, n, h, D)
-            if acc == q.dtype:  # accumulated in the message that returns it
-                dq_msg, (dq_seg,) = comm.message([(shape, acc)], q.device)
+            if self.acc == q.dtype:  # accumulated in the message that returns it
+                self.dq_msg, (self.dq_seg,) = self.comm.message([(shape, self.acc)], q.device)
             else:
-                dq_seg = torch.zeros(shape, dtype=acc, device=q.device)
-        return dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]], dk_t, dv_t
+                self.dq_seg = torch.zeros(shape, dtype=self.acc, device=q.device)
+        return self.dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]], dk_t, dv_t
 
-    def add_returned(transfers: Sequence[Transfer]) -> None:
-        for tr in transfers:
-            rec = poster.pending.pop(tr, None)
-            if rec is not None:  # not yet added by the compute's poll
-                (dq_part,) = rec.wait()
-                _rows_heads(dq_acc, tr)[...] += dq_part
-
-    def begin(step: int, passing: Sequence[Transfer]) -> None:
-        """STEP: the accumulators to pass on this step, settled from the first tile on."""
-        nonlocal inflight, lane_grads, outgoing
-        outgoing = {tr.lane: tr for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
-        blocking = q.device.type == "cpu"
-        inflight = _InFlight(comm, poster, step, dq_acc, lane_messages, blocking=blocking)
-        lane_grads = inflight.lane_grads
-        for tr in passing:  # the accumulators that followed each block here
-            inflight.dkv_in.setdefault(tr.lane, []).append(poster.pending.pop(tr))
-
-    def compute(step: int, index: int) -> None:
-        nonlocal dq_seg, dq_msg
+    def compute(self, step: int, index: int) -> None:
+        """COMPUTE: segment ``index`` of ``step``, its gradients into their accumulators."""
+        sched, rank, held = self.sched, self.rank, self.held
         plan = sched.steps[rank][step]
         segment = plan.segments[index]
-        done = timer.span(step, "attn_bwd")
-        dq_seg = dq_msg = None  # allocated by targets(), after the first tile
+        done = self.timer.span(step, "attn_bwd")
+        self.dq_seg = self.dq_msg = None  # allocated by targets(), after the first tile
         for piece in segment.pieces:
             q_owner = plan.lane_q_owner(piece.lane)
+            blocks = [self.q, self.dout, self.lse, self.delta]
             (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = _operands(
-                sched, rank, step, piece, [q, dout, lse, delta], k, v, held
+                sched, rank, step, piece, blocks, self.k, self.v, held
             )
-            mask = masks(piece, q_owner, kv_owner)
+            mask = self.masks(piece, q_owner, kv_owner)
             # Our own queries: the kernel takes their real out, not a stand-in built from
             # delta (Note [Backward from delta] in tokenring.runtime.kernels).
-            out_p = _part(out, piece.q_rows, _q_heads(piece, groups)) if q_owner == rank else None
-            kernel.backward_into(
-                functools.partial(targets, piece, segment, step, q_owner),
+            qh = _q_heads(piece, self.groups)
+            out_p = _part(self.out, piece.q_rows, qh) if q_owner == rank else None
+            self.kernel.backward_into(
+                functools.partial(self.targets, piece, segment, step, q_owner),
                 do_p,
                 q_p,
                 k_p,
@@ -665,71 +738,43 @@ def run_backward(
                 lse_p,
                 delta_p,
                 causal=piece.causal,
-                scale=scale,
+                scale=self.scale,
                 mask=mask,
-                poll=inflight.poll,
+                poll=self.inflight.poll,
                 out=out_p,
             )
-            del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p
+            del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p, blocks
         done()
-        if dq_seg is not None:
-            back = dq_msg if dq_msg is not None else [dq_seg.to(q.dtype)]
-            returns[_return_of(sched, rank, step, index)] = back
+        if self.dq_seg is not None:
+            back = self.dq_msg if self.dq_msg is not None else [self.dq_seg.to(self.q.dtype)]
+            self.returns[_return_of(sched, rank, step, index)] = back
             del back
-        dq_seg = dq_msg = None
+        self.dq_seg = self.dq_msg = None
 
-    def pass_on(step: int) -> None:
+    def pass_on(self, step: int) -> None:
         """PASS: take the accumulator that followed each block (from step 2 on: the first
         visitor created it) and pass it on; Note [Backward] in tokenring.strategies.ring."""
-        nonlocal dk_acc, dv_acc
-        inflight.add_arrived(block=True)
-        for lane_index, tr_out in outgoing.items():
+        self.inflight.add_arrived(block=True)
+        lane_grads = self.inflight.lane_grads
+        for lane_index, tr_out in self.outgoing.items():
             grads = lane_grads.pop(lane_index, None)
             if grads is None:  # no piece and no accumulator reached the block here
-                grads = new_lane_grads(lane_index)
+                grads = self.new_lane_grads(lane_index)
             if step == 0:  # the accumulator leaves home with our own dK/dV of the lane
-                assert dk_acc is not None and dv_acc is not None
-                _leave_home(grads, tr_out, dk_acc, dv_acc)
-            returns[tr_out] = lane_messages.pop(lane_index)
+                assert self.dk_acc is not None and self.dv_acc is not None
+                _leave_home(grads, tr_out, self.dk_acc, self.dv_acc)
+            self.returns[tr_out] = self.lane_messages.pop(lane_index)
             del grads
-        if step == 0 and outgoing and len(outgoing) == len(sched.lanes):
-            dk_acc = dv_acc = None  # every row and head travels: nothing stays home
+        if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
+            self.dk_acc = self.dv_acc = None  # every row and head travels: nothing stays home
 
-    dk = dv = torch.empty(0)
-    with _StepRanges(sched) as ranges:  # Note [Rank program] in tokenring.runtime.program
-        for op in ring_program(sched, rank):
-            kind, step = op.kind, op.step
-            if kind is OpKind.DELTA:
-                delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
-                # (B, Hq, s)
-                blocks = [q, dout, lse, delta] if pass_q else [k, v]
-                held = (_query_blocks if pass_q else _lane_blocks)(sched, rank, blocks)
-            elif kind is OpKind.STEP:
-                ranges.enter(step)
-                begin(step, op.transfers)
-            elif kind is OpKind.POST:
-                poster.post(step, op.index, provide)
-            elif kind is OpKind.COMPUTE:
-                compute(step, op.index)
-            elif kind is OpKind.PASS:
-                pass_on(step)
-            elif kind is OpKind.ARRIVE:
-                _arrive(op, poster, held)
-            elif kind is OpKind.SENT:
-                _sent(comm, step)
-            elif kind is OpKind.RETURNS:
-                add_returned(op.transfers)
-            elif kind is OpKind.END:
-                ranges.exit()
-                held.clear()
-            elif kind is OpKind.HOME:
-                dk, dv = _accumulators_home(comm, poster, op.transfers, dk_acc, dv_acc, k, acc)
-            elif kind is OpKind.SENT_ALL:
-                comm.wait_sends()
-            else:
-                raise AssertionError(f"a backward program has no {kind}")
-    timer.flush()
-    return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    def add_returned(self, transfers: Sequence[Transfer]) -> None:
+        """RETURNS: the dQ partials of a step, those the compute's poll has not added yet."""
+        for tr in transfers:
+            rec = self.poster.pending.pop(tr, None)
+            if rec is not None:
+                (dq_part,) = rec.wait()
+                _rows_heads(self.dq_acc, tr)[...] += dq_part
 
 
 class _StepRanges:
