@@ -13,6 +13,13 @@ from typing import Any
 import pytest
 import torch
 
+# Every command's module imported before the fixture below patches launch() and simulate():
+# one imported under the patch would keep the refusing stand-in for every later test.
+import tokenring.cli.bench
+import tokenring.cli.bench_inference
+import tokenring.cli.bench_memory
+import tokenring.cli.ranks
+import tokenring.cli.simulate
 import tokenring.launch  # noqa: F401  (sys.modules["tokenring.launch"] below)
 from oracle import make_inputs, oracle_with_grads, sharded_positions
 from tokenring import Strategy

@@ -2,11 +2,12 @@
 
 Pure tests (milliseconds): the head split, every needed (query, key) pair computed exactly once,
 and the schedules' bytes per (flow, src, dst) against a closed form written here from the
-algorithms' definitions, for both routings (every pair directly; gloo's ring all-gather).
+algorithms' definitions.
 Distributed tests: one launch per world size (world size 1 in the pytest process), both
 strategies and the grid looped inside the ranks; each rank checks out, lse and dq, dk, dv of
 its shard against full attention in float64 (tests/oracle.py), and its counted bytes against
-both the closed form (gloo routing: these ranks run gloo) and the schedule's transfers.
+both the closed form and the schedule's transfers (the runtime posts the schedule's own
+messages through the communicator, which counts them).
 
 Tolerances (../shared/STYLE.md): float64 within 1e-10; float32 with ``assert_close``
 defaults; bf16/fp16 within twice the error of plain single-process attention in that dtype
@@ -68,15 +69,14 @@ def expected_collective_bytes(
     head_dim: int,
     elem_bytes: int,
     acc_bytes: int,
-    routing: str = "direct",
 ) -> dict[tuple[str, int, int], int]:
     """Bytes per ``(flow, src, dst)`` of one pass.
 
     Ulysses, rank r to rank j != r, s rows each: forward, q of j's heads and k, v of the kv
     heads those use (travel), then out of r's heads with their lse (return); backward, q, dout,
     lse and delta of j's heads with the k, v those use (travel), then dq of r's heads and dk,
-    dv of r's kv heads in the accumulation dtype (return). All-gather K/V, on any routing
-    (its rounds are all-to-alls, not the backend's all-gather): k and v of all kv heads to
+    dv of r's kv heads in the accumulation dtype (return). All-gather K/V (its rounds are
+    point-to-point messages, not the backend's all-gather): k and v of all kv heads to
     every other rank (travel), in both passes (the forward keeps nothing); backward, also dk
     and dv of the destination's rows in the accumulation dtype (return).
     """
@@ -119,7 +119,6 @@ def schedule_bytes(
     p: int,
     s: int,
     dims: AttentionShape,
-    routing: str = "direct",
 ) -> dict[tuple[str, int, int], int]:
     sched = build_collective_schedule(
         strategy,
@@ -130,7 +129,6 @@ def schedule_bytes(
         seq_local=s,
         heads_q=dims.heads_q,
         heads_kv=dims.heads_kv,
-        routing=routing,
     )
     total: dict[tuple[str, int, int], int] = {}
     for tr in sched.transfers:
@@ -257,12 +255,12 @@ def _allgather_round_failures(sched: Any, r: int, backward: bool) -> list[str]:
 def test_schedule_bytes_match_closed_form(strategy: str) -> None:
     """The collectives move whole shards whatever the layout and mask: the bytes of the four
     (layout, causal) schedules are equal, and equal the closed form once per (world size,
-    pass, heads, routing)."""
+    pass, heads)."""
     failures = []
-    for p, backward, (heads_q, heads_kv), routing in itertools.product(
-        (1, 2, 3, 4, 5), (False, True), (*HEADS, (32, 8)), ("direct", "gloo")
+    for p, backward, (heads_q, heads_kv) in itertools.product(
+        (1, 2, 3, 4, 5), (False, True), (*HEADS, (32, 8))
     ):
-        name = f"P={p} backward={backward} H={heads_q}/{heads_kv} routing={routing}"
+        name = f"P={p} backward={backward} H={heads_q}/{heads_kv}"
         dims = AttentionShape(
             batch=2,
             heads_q=heads_q,
@@ -271,9 +269,7 @@ def test_schedule_bytes_match_closed_form(strategy: str) -> None:
             dtype="bfloat16",
         )
         got = {
-            (layout, causal): schedule_bytes(
-                strategy, backward, layout, causal, p, 6, dims, routing
-            )
+            (layout, causal): schedule_bytes(strategy, backward, layout, causal, p, 6, dims)
             for layout, causal in itertools.product(("contiguous", "zigzag"), (False, True))
         }
         first = got["contiguous", False]
@@ -293,34 +289,10 @@ def test_schedule_bytes_match_closed_form(strategy: str) -> None:
             head_dim=16,
             elem_bytes=2,
             acc_bytes=4,
-            routing=routing,
         )
         if first != want:
             failures.append(f"{name}: schedule {first} != closed form {want}")
     assert not failures, "\n".join(failures[:20])
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_all_to_alls_take_turns_only_on_gloo(strategy: str) -> None:
-    """gloo's all-to-all (every pass of both: all-gather K/V's rounds are all-to-alls too)
-    serialises a pair's two directions; DIRECT never does."""
-    for routing, pass_ in itertools.product(("direct", "gloo"), ("forward", "backward")):
-        sched = build_collective_schedule(
-            strategy,
-            pass_,
-            layout="contiguous",
-            causal=False,
-            world_size=4,
-            seq_local=4,
-            heads_q=4,
-            heads_kv=4,
-            routing=routing,
-        )
-        want = {0} if routing == "gloo" else set()
-        assert sched.half_duplex_steps == want, (routing, pass_)
-        pairs = {(tr.src, tr.dst) for tr in sched.transfers}
-        if want:  # both directions of every pair are in that step
-            assert all((b, a) in pairs for a, b in pairs)
 
 
 def test_bad_arguments_raise_naming_them() -> None:
@@ -439,11 +411,8 @@ def _check_config(
             head_dim=HEAD_DIM,
             elem_bytes=dims.elem_bytes,
             acc_bytes=dims.acc_bytes,
-            routing="gloo",  # these ranks run gloo
         )
-        planned = schedule_bytes(
-            strategy, backward, layout, causal, world, seq_local, dims, routing="gloo"
-        )
+        planned = schedule_bytes(strategy, backward, layout, causal, world, seq_local, dims)
         mine_sent = {(f, peer): n for (f, src, peer), n in closed.items() if src == rank}
         mine_recv = {(f, src): n for (f, src, dst), n in closed.items() if dst == rank}
         planned_sent = {(f, peer): n for (f, src, peer), n in planned.items() if src == rank}

@@ -444,18 +444,12 @@ def _check_hybrid_timeline(timeline: tuple[tuple[Event, ...], ...], last_step: i
 @pytest.mark.parametrize("topology", list(Topology))
 def test_event_timeline_is_consistent(topology: Topology) -> None:
     """Every strategy of the registry (the event engine reads nothing but the schedule); the
-    collectives with both routings, the hybrid as 2 x 2 around TokenRing."""
-    hw = _hardware(topology, link=2e9, port=3e9 if topology is Topology.SWITCH else None)
+    hybrid as 2 x 2 around TokenRing."""
+    machine = _hardware(topology, link=2e9, port=3e9 if topology is Topology.SWITCH else None)
     hybrid = HybridSpec(inner=2, outer_strategy="token_ring")
-    for strategy, pass_, (layout, causal), routing in itertools.product(
-        Strategy,
-        Pass,
-        (("zigzag", True), ("contiguous", False), ("contiguous", True)),
-        ("direct", "gloo"),
+    for strategy, pass_, (layout, causal) in itertools.product(
+        Strategy, Pass, (("zigzag", True), ("contiguous", False), ("contiguous", True))
     ):
-        if routing == "gloo" and strategy.is_ring:
-            continue  # the routing is the collectives'
-        machine = dataclasses.replace(hw, collectives=routing)
         res = simulate_pass(
             strategy,
             pass_,
@@ -480,7 +474,6 @@ def test_event_timeline_is_consistent(topology: Topology) -> None:
                 seq_local=256,
                 heads_kv=MHA.heads_kv,
                 heads_q=MHA.heads_q,
-                routing=routing,
             )
             _check_collective_timeline(res.timeline, strategy, collective)
         elif strategy is Strategy.HYBRID:
@@ -502,7 +495,6 @@ def test_event_timeline_is_consistent(topology: Topology) -> None:
             seq_local=256,
             heads_kv=MHA.heads_kv,
             heads_q=MHA.heads_q,
-            routing=routing,
             hybrid=hybrid,
         )
         assert sends == len(sched.transfers)
@@ -642,23 +634,22 @@ def test_ulysses_with_more_ranks_than_heads_is_simulated() -> None:
     """Hq = 2 on 3 ranks: rank 2 holds no head, computes nothing, and still takes part in
     the all-to-alls (it used to leave its slots unposted and the simulation deadlocked)."""
     shape = AttentionShape(heads_q=2, heads_kv=1, head_dim=8, dtype="float16")
-    for routing in ("direct", "gloo"):
-        hw = dataclasses.replace(_hardware(Topology.MESH, link=1e9), collectives=routing)
-        for pass_ in Pass:
-            result = simulate_pass(
-                "ulysses",
-                pass_,
-                layout="zigzag",
-                causal=True,
-                world_size=3,
-                seq_local=4,
-                shape=shape,
-                hardware=hw,
-                mode="event",
-            )
-            assert result.call_s > 0 and result.timeline is not None
-            assert not [ev for ev in result.timeline[2] if ev.kind == "compute"]
-            assert [ev for ev in result.timeline[0] if ev.kind == "compute"]
+    hw = _hardware(Topology.MESH, link=1e9)
+    for pass_ in Pass:
+        result = simulate_pass(
+            "ulysses",
+            pass_,
+            layout="zigzag",
+            causal=True,
+            world_size=3,
+            seq_local=4,
+            shape=shape,
+            hardware=hw,
+            mode="event",
+        )
+        assert result.call_s > 0 and result.timeline is not None
+        assert not [ev for ev in result.timeline[2] if ev.kind == "compute"]
+        assert [ev for ev in result.timeline[0] if ev.kind == "compute"]
 
 
 def test_exposed_transfers_are_the_last_slice_and_the_accumulator_home() -> None:
@@ -848,19 +839,16 @@ def _wire_only(
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_collectives_cost_their_routing_on_a_mesh(world_size: int) -> None:
+def test_collectives_cost_their_messages_on_a_mesh(world_size: int) -> None:
     """On a full mesh with nothing but wire time (X = one rank's block for one peer, B the
-    link rate, L the latency), from the algorithms as measured in the lab (Note [Collective
-    routing]). All-gather K/V forward, in rounds (Note [All-gather K/V rounds]): round k
-    sends r -> r-k, round k+1 is posted once round k-1 is computed, so rounds 1 and 2 fly
-    together from t = 0, round 3 once round 1 arrived. DIRECT (every link its own): P = 3,
-    X/B + L; P = 4, 2 (X/B + L). gloo, whose pairs take turns: P = 3, rounds 1 (r+1 -> r) and
-    2 (r -> r+1) share each pair: 2X/B + L; P = 4, round 1 alone on its pairs (X/B + L),
-    round 2 uses both directions of the pairs (r, r+2) (2X/B + L), round 3 (r -> r+1) starts
-    when round 1 is done and has its pairs to itself: X/B + L later, 2X/B + 2L. Ulysses
-    forward, two all-to-alls one after the other (in: q + k + v of the peer's heads; out:
-    out + lse of mine), every pair at once: (X_in + X_out)/B + 2 L; gloo, whose pairs take
-    turns: 2 (X_in + X_out)/B + 2 L."""
+    link rate, L the latency): the collectives' all-to-alls are point-to-point messages, both
+    directions of every pair at once (Note [Collective routing]), priced alike whichever
+    backend ``collectives`` names. All-gather K/V forward, in rounds (Note [All-gather K/V
+    rounds]): round k sends r -> r-k, round k+1 is posted once round k-1 is computed, so
+    rounds 1 and 2 fly together from t = 0 on links of their own, round 3 once round 1
+    arrived: P = 3, X/B + L; P = 4, 2 (X/B + L). Ulysses forward, two all-to-alls one after
+    the other (in: q + k + v of the peer's heads; out: out + lse of mine), every pair at
+    once: (X_in + X_out)/B + 2 L."""
     p, s, link, lat = world_size, 64, 1e9, 3e-6
     hq, hkv, d, e, a = 12, 6, 8, 2, 4  # 12 heads split evenly over 3 and 4 ranks
     nq, nkv = hq // p, hkv // p if hkv % p == 0 else None
@@ -871,12 +859,10 @@ def test_collectives_cost_their_routing_on_a_mesh(world_size: int) -> None:
     x_in = s * (nq + 2 * kv_per_rank) * d * e
     x_out = s * nq * (d * e + a)
     want = {
-        ("allgather_kv", "direct"): (p - 2) * (x_kv / link + lat),
-        ("allgather_kv", "gloo"): 2 * x_kv / link + (p - 2) * lat,
-        ("ulysses", "direct"): (x_in + x_out) / link + 2 * lat,
-        ("ulysses", "gloo"): 2 * (x_in + x_out) / link + 2 * lat,
+        "allgather_kv": (p - 2) * (x_kv / link + lat),
+        "ulysses": (x_in + x_out) / link + 2 * lat,
     }
-    for (strategy, routing), seconds in want.items():
+    for (strategy, seconds), routing in itertools.product(want.items(), ("direct", "gloo")):
         res = simulate_pass(
             strategy,
             "forward",
@@ -888,31 +874,6 @@ def test_collectives_cost_their_routing_on_a_mesh(world_size: int) -> None:
             hardware=_wire_only(Topology.MESH, routing, link=link, latency_s=lat),
         )
         assert res.call_s == pytest.approx(seconds, rel=1e-6), (strategy, routing)
-
-
-def test_gloo_all_to_all_pairs_share_one_resource() -> None:
-    """What the simulator prices is what resource_bytes reports: a pair's PAIR resource
-    carries both directions of the Ulysses all-to-all, at the link's bandwidth."""
-    hw = _wire_only(Topology.MESH, "gloo")
-    sched = strategy_schedule(
-        "ulysses",
-        "forward",
-        layout="contiguous",
-        causal=False,
-        world_size=4,
-        seq_local=16,
-        heads_q=MHA.heads_q,
-        heads_kv=MHA.heads_kv,
-        routing="gloo",
-    )
-    load = resource_bytes(sched, MHA, hw)
-    for a_rank, b_rank in itertools.combinations(range(4), 2):
-        both = sum(
-            tr.num_bytes(MHA) for tr in sched.transfers if {tr.src, tr.dst} == {a_rank, b_rank}
-        )
-        assert load[Resource(ResourceKind.PAIR, (a_rank, b_rank))] == both
-    rt = route(hw, 2, 1, 4, take_turns=True)
-    assert (Resource(ResourceKind.PAIR, (1, 2)), 1e9) in rt.resources and rt.hops == 1
 
 
 @pytest.mark.parametrize("outer_strategy", ["token_ring", "ring", "bidir_ring"])

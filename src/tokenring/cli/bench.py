@@ -581,7 +581,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                     for x in local
                 ]
             for strategy in config.strategies:
-                scheds = _schedules(config, model, strategy, causal, world, backend)
+                scheds = _schedules(config, model, strategy, causal, world)
                 mine, want, kernel_inputs = local, reference, padded
                 if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
                     mine, where = _hybrid_shards(config.hybrid, rank, world, layout, q, k, v, dout)
@@ -638,7 +638,6 @@ def _schedules(
     strategy: Strategy,
     causal: bool,
     world_size: int,
-    backend: str,
 ) -> list[Schedule]:
     """The forward and backward schedules one row runs (what the library builds for it)."""
     return [
@@ -651,7 +650,6 @@ def _schedules(
             seq_len=config.seq,
             heads_kv=model.heads_kv,
             heads_q=model.heads_q,
-            routing=CollectiveRouting.for_backend(backend),
             hybrid=config.hybrid,
         )
         for p in (Pass.FORWARD, Pass.BACKWARD)
@@ -1061,7 +1059,7 @@ def estimate_rank_bytes(
             local = 3 * b * n * (2 * hq + 2 * hkv) * d * elem
             run = 0
             for strategy in config.strategies:
-                scheds = _schedules(config, model, strategy, causal, world_size, backend)
+                scheds = _schedules(config, model, strategy, causal, world_size)
                 pieces = [pc for sc in scheds[: 2 if grads else 1] for pc in _pieces(sc)]
                 q_len = max((pc.q_rows[1] for pc in pieces), default=n)
                 kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
@@ -1146,7 +1144,7 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     for dims in config.models.values():
         for causal in config.causal:
             for strategy in config.strategies:
-                scheds = _schedules(config, dims, strategy, causal, world_size, "gloo")
+                scheds = _schedules(config, dims, strategy, causal, world_size)
                 busiest = [
                     max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds
                 ]
@@ -1377,7 +1375,7 @@ def check_args(args: argparse.Namespace) -> None:
         for causal in config.causal:
             for strategy in config.strategies:
                 try:
-                    _schedules(config, model, strategy, causal, world, backend)
+                    _schedules(config, model, strategy, causal, world)
                 except (ValueError, NotImplementedError) as exc:
                     raise ValueError(
                         f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"

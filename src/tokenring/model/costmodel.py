@@ -32,11 +32,9 @@ a PCIe x16 slot, an NVSwitch port) is required for SWITCH and optional for MESH 
 where it adds the device's ports to every flow. A multi-node machine (``devices_per_node``
 and ``inter``) is islands of the intra topology; a flow between islands is routed by
 ``inter`` instead (a non-blocking SWITCH fabric whose ports are one NIC per device).
-A transfer of a backend all-to-all whose two directions of a pair take turns (gloo; Note
-[Collective routing] in ``tokenring.strategies.collective``) also loads the pair's PAIR
-resource, shared
-by both directions at the link bandwidth. That is the whole network model; how flows share a
-resource is the simulator's Note.
+Every transfer is a point-to-point message, the collectives' included (Note [Collective
+routing] in ``tokenring.strategies.collective``). That is the whole network model; how flows
+share a resource is the simulator's Note.
 
 Note [Bytes per step]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -118,14 +116,16 @@ def _positive(name: str, value: float) -> None:
 
 # -- hardware ----------------------------------------------------------------------------------
 class CollectiveRouting(enum.Enum):
-    """How a backend's collectives move bytes; see Note [Collective routing] in
-    ``tokenring.strategies.collective``."""
+    """Which backend's collectives a machine runs. The library's all-to-alls are
+    point-to-point messages on every backend and price alike under both (Note [Collective
+    routing] in ``tokenring.strategies.collective``); the planner lets ``auto`` pick the
+    collective strategies only where their predictions were checked against measurements
+    (Note [Which candidates] in ``tokenring.model.planner``)."""
 
     DIRECT = "direct"
-    """Every pair exchanges directly, both directions at once (NCCL on NVSwitch)."""
+    """NCCL and the other backends: not measured yet."""
     GLOO = "gloo"
-    """All-gathers round a ring (P-1 blocks over each link r -> r+1); in an all-to-all the
-    two directions of each pair take turns (gloo)."""
+    """gloo: measured on the lab."""
 
     @classmethod
     def for_backend(cls, backend: str) -> CollectiveRouting:
@@ -189,8 +189,8 @@ class Hardware:
     inter: Interconnect | None = None
     """Between islands (SWITCH: one NIC per device). Given exactly when devices_per_node is."""
     collectives: CollectiveRouting = CollectiveRouting.DIRECT
-    """How the collective library routes all-gathers and all-to-alls (the GPU presets: NCCL,
-    DIRECT; a CPU machine measured with gloo: GLOO)."""
+    """Whose collectives (the GPU presets: NCCL, DIRECT; a CPU machine measured with gloo:
+    GLOO); decides only whether ``auto`` may pick Ulysses and all-gather K/V."""
     kernel_call_s: float = 0.0
     """Fixed cost of one block-kernel call (launch, Python), which the cached plans' round
     model charges per call (decode pays it per block); ``planner.calibrate`` measures it, the
@@ -461,7 +461,6 @@ class ResourceKind(enum.Enum):
     PORT_IN = "port_in"  # (r,): what device r receives from the fabric
     NIC_OUT = "nic_out"  # (r,): device r's NIC towards other islands
     NIC_IN = "nic_in"  # (r,): device r's NIC from other islands
-    PAIR = "pair"  # (a, b), a < b: both directions of a pair that take turns (gloo all-to-all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,8 +473,7 @@ class Resource:
     """``(a, b)`` for a link from a to b, ``(r,)`` for device r's port or NIC."""
 
     def __str__(self) -> str:
-        joint = "<->" if self.kind is ResourceKind.PAIR else "->"
-        return f"{self.kind.value}{joint.join(map(str, self.ends))}"
+        return f"{self.kind.value}{'->'.join(map(str, self.ends))}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -502,14 +500,8 @@ def ring_path(src: int, dst: int, world_size: int) -> list[int]:
     return [(src + step * i) % world_size for i in range(hops + 1)]
 
 
-def route(
-    hardware: Hardware, src: int, dst: int, world_size: int, *, take_turns: bool = False
-) -> Route:
+def route(hardware: Hardware, src: int, dst: int, world_size: int) -> Route:
     """The resources a transfer from ``src`` to ``dst`` loads; see Note [Topologies].
-
-    Args:
-        take_turns: the transfer is part of an all-to-all whose two directions of a pair take
-            turns: it also loads the pair's PAIR resource at the link bandwidth.
 
     Raises:
         ValueError: src or dst outside [0, world_size), or src == dst.
@@ -538,8 +530,6 @@ def route(
         port = net.port_bandwidth_bytes_per_s
         resources.append((Resource(out_kind, (src,)), port))
         resources.append((Resource(in_kind, (dst,)), port))
-    if take_turns:
-        resources.append((Resource(ResourceKind.PAIR, (min(src, dst), max(src, dst))), link))
     return Route(
         resources=tuple(resources),
         flow_cap_bytes_per_s=min(cap for _, cap in resources),
@@ -549,12 +539,8 @@ def route(
 
 
 def transfer_route(hardware: Hardware, schedule: Schedule, tr: Transfer) -> Route:
-    """:func:`route` of one transfer of ``schedule``: with the PAIR resource when the transfer
-    belongs to a step whose all-to-all takes turns per pair (``half_duplex_steps`` of the
-    collective and hybrid schedules; Note [Collective routing] in
-    ``tokenring.strategies.collective``)."""
-    turns = tr.step in getattr(schedule, "half_duplex_steps", ())
-    return route(hardware, tr.src, tr.dst, schedule.world_size, take_turns=turns)
+    """:func:`route` of one transfer of ``schedule``."""
+    return route(hardware, tr.src, tr.dst, schedule.world_size)
 
 
 # -- costs read from the schedule --------------------------------------------------------------

@@ -94,7 +94,6 @@ from tokenring.core.schedule import (
     piece_flops,
 )
 from tokenring.model.costmodel import (
-    CollectiveRouting,
     Hardware,
     Resource,
     ResourceKind,
@@ -255,10 +254,9 @@ class _EventEngine:
         self.flow_res: list[list[int]] = []
         self.flow_lat: list[float] = []
         self.flow_bytes: list[float] = []
-        routes: dict[tuple[int, int, bool], tuple[list[int], float]] = {}
-        turns: frozenset[int] = getattr(sched, "half_duplex_steps", frozenset())
+        routes: dict[tuple[int, int], tuple[list[int], float]] = {}
         for tr in self.transfers:
-            key = (tr.src, tr.dst, tr.step in turns)
+            key = (tr.src, tr.dst)
             if key not in routes:
                 rt = transfer_route(hardware, sched, tr)
                 ids = []
@@ -292,19 +290,6 @@ class _EventEngine:
             self.slot_recvs.setdefault((tr.dst, tr.step, recv_after), []).append(i)
             self.step_sends.setdefault((tr.src, tr.step), []).append(i)
             self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
-        # Relays (a ring all-gather forwarding a block it received): a collective's travel
-        # transfer of a block its sender does not own leaves once that block has arrived.
-        self.relays: dict[int, list[int]] = {}
-        if sched.strategy.is_collective:
-            incoming = {
-                (tr.dst, tr.owner, tr.payload): i
-                for i, tr in enumerate(self.transfers)
-                if tr.payload.flow is Flow.TRAVEL
-            }
-            for i, tr in enumerate(self.transfers):
-                if tr.payload.flow is Flow.TRAVEL and tr.owner != tr.src:
-                    self.relays.setdefault(incoming[(tr.src, tr.owner, tr.payload)], []).append(i)
-        self.relayed = {i for later in self.relays.values() for i in later}
         if sched.strategy is Strategy.HYBRID:
             self.programs = [self._hybrid_program(r) for r in range(p)]
         elif sched.strategy.is_collective:
@@ -499,8 +484,6 @@ class _EventEngine:
 
         def post(r: int, t: int, after: int, now: float) -> None:
             for i in self.slot_sends.get((r, t, after), ()):
-                if i in self.relayed:
-                    continue  # ready when the block it forwards arrives (see __init__)
                 sender_ready[i] = now
                 maybe_start(i, now)
             for i in self.slot_recvs.get((r, t, after), ()):
@@ -543,9 +526,6 @@ class _EventEngine:
             num = int(self.flow_bytes[i])
             events[tr.src].append(Event("send", tr.payload.value, tr.step, start, now, tr.dst, num))
             events[tr.dst].append(Event("recv", tr.payload.value, tr.step, start, now, tr.src, num))
-            for later in self.relays.get(i, ()):
-                sender_ready[later] = now
-                maybe_start(later, now)
             sends_left[tr.src] -= 1
             if tr.src in waiting_sends and sends_left[tr.src] == 0:
                 waiting_sends.discard(tr.src)
@@ -1158,8 +1138,7 @@ def simulate_pass(
         strategy, pass_, layout, causal, world_size, seq_local, last_block_splits: as
             ``tokenring.strategies.build_schedule``.
         shape: batch, heads, head dim and dtype.
-        hardware: the machine (``tokenring.model.costmodel.PRESETS`` or ``measured(...)``); the
-            collective strategies and the hybrid follow its ``collectives`` routing.
+        hardware: the machine (``tokenring.model.costmodel.PRESETS`` or ``measured(...)``).
         mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
 
@@ -1197,7 +1176,6 @@ def simulate_pass(
                 seq_local=seq_local,
                 heads_q=shape.heads_q,
                 heads_kv=shape.heads_kv,
-                routing=hardware.collectives,
                 last_block_splits=last_block_splits,
                 hybrid=hybrid,
             ),
@@ -1249,14 +1227,13 @@ def strategy_schedule(
     seq_local: int | None = None,
     heads_q: int,
     heads_kv: int,
-    routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
     last_block_splits: int = 2,
     hybrid: HybridSpec | None = None,
     seq_len: int | None = None,
 ) -> Schedule:
     """The schedule of one pass of any registered strategy: ``build_schedule`` for the ring
-    strategies, the collectives and the hybrid routed as ``routing`` says (Note [Collective
-    routing] in ``tokenring.strategies.collective``). What the event engine plays and bench reads.
+    strategies, ``build_collective_schedule`` and ``build_hybrid_schedule`` for the others.
+    What the event engine plays and bench reads.
 
     Give ``seq_local`` (every rank holds s tokens) or ``seq_len`` (any S, as
     ``tokenring.shard`` splits it: the ring strategies get exactly the schedule the attention
@@ -1318,10 +1295,10 @@ def strategy_schedule(
                 "(a tokenring.strategies.hybrid.HybridSpec); got None"
             )
         return build_hybrid_schedule(
-            pass_, spec=hybrid, last_block_splits=last_block_splits, routing=routing, **common
+            pass_, spec=hybrid, last_block_splits=last_block_splits, **common
         )
     if strategy.is_collective:
-        return build_collective_schedule(strategy.value, pass_, routing=routing, **common)
+        return build_collective_schedule(strategy.value, pass_, **common)
     return build_schedule(strategy, pass_, last_block_splits=last_block_splits, **common)
 
 

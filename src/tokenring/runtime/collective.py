@@ -26,6 +26,7 @@ that one message carries tensors of two dtypes (out and lse).
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,25 +37,19 @@ from torch.profiler import record_function
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import (
-    Flow,
-    Pass,
-    Payload,
-    Schedule,
-    Segment,
-)
-from tokenring.model.costmodel import CollectiveRouting
-from tokenring.runtime.comm import Communicator, Event
+from tokenring.core.schedule import AttentionShape, Pass, Payload, Schedule, Segment, Transfer
+from tokenring.runtime.comm import Communicator, Event, FieldSpec, Message, PendingRecv
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
+from tokenring.runtime.ring import kv_message, kv_rows, message_fields
+from tokenring.runtime.slots import SlotPoster
 from tokenring.strategies.collective import (
     CollectiveStrategy,
-    FieldSpec,
     HeadShare,
     Rows,
     _build,
-    _shift,
     ulysses_heads,
 )
+from tokenring.strategies.collective import _shift as _shift_rows
 
 __all__ = ["collective_backward", "collective_forward", "residual_fields"]
 
@@ -62,83 +57,26 @@ __all__ = ["collective_backward", "collective_forward", "residual_fields"]
 # -- messages ------------------------------------------------------------------------------
 
 
-def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    """A tensor of any dtype as a flat uint8 tensor (a view when it is contiguous)."""
-    return x.contiguous().reshape(-1).view(torch.uint8)
+def _poster(sched: Schedule, comm: Communicator, q: torch.Tensor, k: torch.Tensor) -> SlotPoster:
+    """The schedule's messages of this rank, posted slot by slot through the communicator
+    (Note [Collectives point to point])."""
+    shape = AttentionShape.of(q, k)
+    return SlotPoster(sched.transfers, comm, functools.partial(message_fields, shape), q.device)
 
 
-def _num_bytes(fields: Sequence[FieldSpec]) -> int:
-    return sum(
-        torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        for shape, dtype in fields
-    )
-
-
-def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    offset = 0
-    for shape, dtype in fields:
-        num = _num_bytes([(shape, dtype)])
-        chunk = buffer[offset : offset + num]
-        if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
-            chunk = chunk.clone()  # a field after an odd-sized one: realign before the view
-        out.append(chunk.view(dtype).view(shape))
-        offset += num
-    assert offset == buffer.numel(), "received message size differs from its fields"
-    return out
-
-
-class _AllToAll:
-    """One all-to-all of packed messages; this rank's own message never leaves it."""
-
-    def __init__(
-        self,
-        comm: Communicator,
-        sends: Sequence[Sequence[torch.Tensor]],
-        recv_fields: Sequence[Sequence[FieldSpec]],
-        *,
-        flow: Flow,
-        label: str,
-        device: torch.device,
-    ) -> None:
-        rank, p = comm.rank, comm.world_size
-        self._own = list(sends[rank])
-        self._fields = recv_fields
-        self._rank = rank
-        flat = [[_as_bytes(x) for x in sends[j]] if j != rank else [] for j in range(p)]
-        send_sizes = [sum(x.numel() for x in parts) for parts in flat]
-        packed = [x for parts in flat for x in parts]
-        send = torch.cat(packed) if packed else torch.empty(0, dtype=torch.uint8, device=device)
-        recv_sizes = [_num_bytes(recv_fields[j]) if j != rank else 0 for j in range(p)]
-        self._recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-        self._recv_sizes = recv_sizes
-        staged = comm.path(device).endswith(
-            "staged"
-        )  # Note [Staged path] in tokenring.runtime.comm
-        self._wire = comm.wire_buffer(self._recv.numel(), device) if staged else self._recv
-        self._pending = comm.all_to_all_single(
-            self._wire,
-            comm.to_wire(send),
-            output_split_sizes=recv_sizes,
-            input_split_sizes=send_sizes,
-            flow=flow,
-            label=label,
-        )
-
-    def wait(self) -> list[list[torch.Tensor]]:
-        """The tensors from every source rank, in rank order (this rank's: its own sends)."""
-        self._pending.wait()
-        if self._wire is not self._recv:
-            self._recv.copy_(self._wire, non_blocking=True)
-        parts: list[list[torch.Tensor]] = []
-        offset = 0
-        for j, size in enumerate(self._recv_sizes):
-            if j == self._rank:
-                parts.append(self._own)
-            else:
-                parts.append(_unpack(self._recv[offset : offset + size], self._fields[j]))
-            offset += size
-        return parts
+def _by_source(
+    poster: SlotPoster, payload: Payload, own: Sequence[torch.Tensor], rank: int, p: int
+) -> list[list[torch.Tensor] | None]:
+    """Every rank's message of ``payload`` to this rank, in rank order (this rank's: ``own``;
+    None: a rank that sends none, having no heads for it)."""
+    parts: list[list[torch.Tensor] | None] = [None] * p
+    parts[rank] = list(own)
+    for rec in poster.take(payload):
+        tensors = rec.wait()
+        if payload is Payload.KV:
+            tensors = list(kv_rows(tensors[0]))
+        parts[rec.transfer.src] = tensors
+    return parts
 
 
 def _timed(comm: Communicator, label: str) -> Callable[[], None]:
@@ -222,7 +160,8 @@ class _UlyssesPlan:
         )
 
 
-def _heads(x: torch.Tensor, heads: Rows) -> torch.Tensor:
+def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
+    assert heads is not None, "a Ulysses message carries a head share"
     return x[:, :, heads[0] : heads[1]]
 
 
@@ -231,6 +170,7 @@ def _ulysses_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: _UlyssesPlan,
+    sched: Schedule,
     comm: Communicator,
     kernel: BlockKernel,
     *,
@@ -238,24 +178,28 @@ def _ulysses_forward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Returns out (B, s, Hq, D), lse (B, Hq, s) and the tensors the backward keeps."""
-    b, s, _, d = q.shape
+    s = q.shape[1]
     p, rank = comm.world_size, comm.rank
-    acc = accumulation_dtype(q.dtype)
     mine = plan.shares[rank]
-    nq, nkv = mine.num_q, mine.num_kv
-    sends = [[_heads(q, sh.q), _heads(k, sh.kv), _heads(v, sh.kv)] for sh in plan.shares]
-    mine_fields: list[FieldSpec] = [
-        ((b, s, nq, d), q.dtype),
-        ((b, s, nkv, d), k.dtype),
-        ((b, s, nkv, d), v.dtype),
-    ]
-    parts = _AllToAll(
-        comm, sends, [mine_fields] * p, flow=Flow.TRAVEL, label="qkv", device=q.device
-    ).wait()
-    del sends
-    qg, kg, vg = _gathered(parts, plan, 3)  # (B, S, nq, D), (B, S, nkv, D) x 2
-    done = _timed(comm, "attn")
+    nq = mine.num_q
+    poster = _poster(sched, comm, q, k)
+    back: list[torch.Tensor] = []  # out and lse (B, ., nq, .) in layout order, once computed
+
+    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        if tr.payload is Payload.Q:  # my rows of the destination's heads
+            return [_heads(q, tr.heads)]
+        if tr.payload is Payload.KV:  # the k, v heads they use
+            return kv_message(_heads(k, tr.heads), _heads(v, tr.heads))
+        rows = slice(tr.dst * s, (tr.dst + 1) * s)  # OUT: the destination's rows of my heads
+        return [back[0][:, rows], back[1][:, :, rows]]
+
+    poster.post(0, 0, provide)
     if nq > 0:
+        qs = _by_source(poster, Payload.Q, [_heads(q, mine.q)], rank, p)
+        kvs = _by_source(poster, Payload.KV, [_heads(k, mine.kv), _heads(v, mine.kv)], rank, p)
+        qg, kg, vg = _gathered(_joined(qs, kvs), plan, 3)  # (B, S, nq, D), (B, S, nkv, D) x 2
+        del qs, kvs
+        done = _timed(comm, "attn")
         out_g, lse_g = kernel.forward(
             qg,
             plan.expand_kv(kg),
@@ -264,22 +208,39 @@ def _ulysses_forward(
             scale=scale,
             mask=plan.visible,
         )  # (B, S, nq, D), (B, nq, S)
-    else:
-        out_g = qg.new_empty(qg.shape)
-        lse_g = torch.empty((b, 0, p * s), dtype=acc, device=q.device)
-    done()
-    del qg, kg, vg
-    out_l, lse_l = plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)
-    del out_g, lse_g
-    sends = [[out_l[:, i * s : (i + 1) * s], lse_l[:, :, i * s : (i + 1) * s]] for i in range(p)]
-    fields = [[((b, s, sh.num_q, d), q.dtype), ((b, sh.num_q, s), acc)] for sh in plan.shares]
-    back = _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="out", device=q.device)
-    del sends, out_l, lse_l  # packed (this rank's own share stays with the all-to-all)
-    parts = back.wait()
-    del back
-    out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): shares in head order
-    lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
+        done()
+        del qg, kg, vg
+        back += [plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)]
+        del out_g, lse_g
+    # this rank's rows of its heads stay here: views of ``back`` until joined below
+    rows = slice(rank * s, (rank + 1) * s)
+    own = [back[0][:, rows], back[1][:, :, rows]] if back else []
+    poster.post(0, 1, provide)
+    back.clear()  # packed
+    parts = _by_source(poster, Payload.OUT, own, rank, p)
+    del own
+    outs, lses = [], []
+    for j, share in enumerate(plan.shares):
+        part = parts[j]
+        if share.num_q > 0:
+            assert part is not None, f"rank {j} sent no out"
+            outs.append(part[0])
+            lses.append(part[1])
+    del parts
+    comm.wait_sends()
+    out = torch.cat(outs, dim=2)  # (B, s, Hq, D): shares in head order
+    lse = torch.cat(lses, dim=1).contiguous()  # (B, Hq, s)
     return out, lse, []
+
+
+def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
+    """Each source's tensors of several payloads, one list per source: every rank sends
+    them to a rank with heads."""
+    joined = []
+    for parts in zip(*by_source, strict=True):
+        assert all(part is not None for part in parts), "every rank sends to a rank with heads"
+        joined.append([x for part in parts if part is not None for x in part])
+    return joined
 
 
 def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> list[torch.Tensor]:
@@ -302,6 +263,7 @@ def _ulysses_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     plan: _UlyssesPlan,
+    sched: Schedule,
     comm: Communicator,
     kernel: BlockKernel,
     *,
@@ -317,33 +279,45 @@ def _ulysses_backward(
     mine = plan.shares[rank]
     nq, nkv = mine.num_q, mine.num_kv
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
-    sends = []
-    for sh in plan.shares:  # Payload.Q_GRAD (q, dout, lse, delta), then Payload.KV (k, v)
-        per_head = [x[:, sh.q[0] : sh.q[1]] for x in (lse, delta)]  # (B, nq_j, s)
-        q_grad = [_heads(q, sh.q), _heads(dout, sh.q), *per_head]
-        sends.append([*q_grad, _heads(k, sh.kv), _heads(v, sh.kv)])
-    mine_fields: list[FieldSpec] = [
-        ((b, s, nq, d), q.dtype),
-        ((b, s, nq, d), dout.dtype),
-        ((b, nq, s), acc),
-        ((b, nq, s), acc),
-        ((b, s, nkv, d), k.dtype),
-        ((b, s, nkv, d), v.dtype),
-    ]
-    gather = _AllToAll(
-        comm, sends, [mine_fields] * p, flow=Flow.TRAVEL, label="q_grad", device=dout.device
-    )
-    del sends, delta
-    parts = gather.wait()
-    del gather
-    lse_g, delta_g = (
-        plan.global_order(torch.cat([part[i] for part in parts], dim=2), 2) for i in (2, 3)
-    )  # (B, nq, S) x 2
-    rows = [[part[0], part[1], part[4], part[5]] for part in parts]
-    del parts
-    qg, dout_g, kg, vg = _gathered(rows, plan, 4)  # (B, S, nq, D) x 2, (B, S, nkv, D) x 2
-    done = _timed(comm, "attn_bwd")
+    poster = _poster(sched, comm, q, k)
+    back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order, once computed
+
+    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        assert tr.heads is not None
+        h = slice(*tr.heads)
+        if tr.payload is Payload.Q_GRAD:  # q, dout, lse, delta of the destination's heads
+            return [q[:, :, h], dout[:, :, h], lse[:, h], delta[:, h]]
+        if tr.payload is Payload.KV:
+            return kv_message(k[:, :, h], v[:, :, h])
+        rows = slice(tr.dst * s, (tr.dst + 1) * s)  # the destination's rows of my heads
+        if tr.payload is Payload.DQ:
+            return [back[0][:, rows]]
+        return [back[1][:, rows], back[2][:, rows]]  # DKV, in the accumulation dtype
+
+    poster.post(0, 0, provide)
     if nq > 0:
+        q_grad = _by_source(
+            poster,
+            Payload.Q_GRAD,
+            [
+                _heads(q, mine.q),
+                _heads(dout, mine.q),
+                lse[:, slice(*mine.q)],
+                delta[:, slice(*mine.q)],
+            ],
+            rank,
+            p,
+        )
+        kvs = _by_source(poster, Payload.KV, [_heads(k, mine.kv), _heads(v, mine.kv)], rank, p)
+        parts = _joined(q_grad, kvs)  # q, dout, lse, delta, k, v of each source
+        del q_grad, kvs
+        lse_g, delta_g = (
+            plan.global_order(torch.cat([part[i] for part in parts], dim=2), 2) for i in (2, 3)
+        )  # (B, nq, S) x 2
+        rows4 = [[part[0], part[1], part[4], part[5]] for part in parts]
+        del parts
+        qg, dout_g, kg, vg = _gathered(rows4, plan, 4)  # (B, S, nq, D) x 2, (B, S, nkv, D) x 2
+        done = _timed(comm, "attn_bwd")
         dq_g, dk_x, dv_x = kernel.backward(
             dout_g,
             qg,
@@ -355,39 +329,32 @@ def _ulysses_backward(
             scale=scale,
             mask=plan.visible,
         )
-        dk_g = plan.reduce_kv(dk_x, nkv, acc)  # (B, S, nkv, D)
-        dv_g = plan.reduce_kv(dv_x, nkv, acc)
+        done()
+        del qg, kg, vg, dout_g, lse_g, delta_g
+        back.append(plan.layout_order(dq_g))
+        del dq_g
+        back.append(plan.layout_order(plan.reduce_kv(dk_x, nkv, acc)))  # (B, S, nkv, D)
+        back.append(plan.layout_order(plan.reduce_kv(dv_x, nkv, acc)))
         del dk_x, dv_x
-    else:
-        dq_g = qg.new_zeros(qg.shape)
-        dk_g = torch.zeros(kg.shape, dtype=acc, device=kg.device)
-        dv_g = torch.zeros(vg.shape, dtype=acc, device=vg.device)
-    done()
-    del qg, kg, vg, dout_g, lse_g, delta_g
-    dq_l = plan.layout_order(dq_g)
-    del dq_g
-    dk_l = plan.layout_order(dk_g)
-    del dk_g
-    dv_l = plan.layout_order(dv_g)
-    del dv_g
-    sends = [[x[:, i * s : (i + 1) * s] for x in (dq_l, dk_l, dv_l)] for i in range(p)]
-    fields = [
-        [
-            ((b, s, sh.num_q, d), dout.dtype),
-            ((b, s, sh.num_kv, d), acc),
-            ((b, s, sh.num_kv, d), acc),
-        ]
-        for sh in plan.shares
-    ]
-    back = _AllToAll(comm, sends, fields, flow=Flow.RETURN, label="dqkv", device=dout.device)
-    del sends, dq_l, dk_l, dv_l  # packed (this rank's own share stays with the all-to-all)
+    rows = slice(rank * s, (rank + 1) * s)
+    own = [x[:, rows] for x in back]  # this rank's rows of its heads (views of ``back``)
+    poster.post(0, 1, provide)
+    back.clear()  # packed
+    dqs = _by_source(poster, Payload.DQ, own[:1], rank, p)
+    dkvs = _by_source(poster, Payload.DKV, own[1:], rank, p)
+    del own
     dk = torch.zeros((b, s, heads_kv, d), dtype=acc, device=dout.device)
     dv = torch.zeros_like(dk)
     dq_parts = []
-    for sh, (dq_part, dk_part, dv_part) in zip(plan.shares, back.wait(), strict=True):
-        dq_parts.append(dq_part)
-        _heads(dk, sh.kv).add_(dk_part)  # a kv head used by several ranks sums here
-        _heads(dv, sh.kv).add_(dv_part)
+    for sh, dq_part, dkv_part in zip(plan.shares, dqs, dkvs, strict=True):
+        if sh.num_q == 0:
+            continue
+        assert dq_part is not None and dkv_part is not None, "a rank with heads returns them"
+        dq_parts.append(dq_part[0])
+        _heads(dk, sh.kv).add_(dkv_part[0])  # a kv head used by several ranks sums here
+        _heads(dv, sh.kv).add_(dkv_part[1])
+    del dqs, dkvs
+    comm.wait_sends()
     dq = torch.cat(dq_parts, dim=2)  # (B, s, Hq, D)
     return dq, dk, dv
 
@@ -395,48 +362,28 @@ def _ulysses_backward(
 # -- all-gather K/V ------------------------------------------------------------------------
 
 
-class _Shift:
-    """One round of all-gather K/V on the wire: an all-to-all in which this rank sends
-    ``send`` to ``dst`` only and receives ``recv`` from ``src`` only (every rank takes part)."""
+def _round_transfers(sched: Schedule, rank: int) -> dict[tuple[Payload, int], Transfer]:
+    """This rank's transfers by (payload, peer): what it sends to the peer and receives from it
+    (all-gather K/V: a rank sends to and receives from different peers in each round)."""
+    found = {(tr.payload, tr.dst): tr for tr in sched.sends(rank, 0)}
+    found.update({(tr.payload, -1 - tr.src): tr for tr in sched.recvs(rank, 0)})
+    return found
 
-    def __init__(
-        self,
-        comm: Communicator,
-        send: torch.Tensor,
-        recv: torch.Tensor,
-        *,
-        dst: int,
-        src: int,
-        flow: Flow,
-        label: str,
-    ) -> None:
-        assert send.is_contiguous() and recv.is_contiguous() and send.dtype == recv.dtype
-        p = comm.world_size
-        self._recv = recv
-        staged = comm.path(recv.device).endswith(
-            "staged"
-        )  # Note [Staged path] in tokenring.runtime.comm
-        if staged:
-            wire = comm.wire_buffer(recv.numel() * recv.element_size(), recv.device)
-            self._wire = wire.view(recv.dtype)
-            self._send = comm.to_wire(_as_bytes(send)).view(send.dtype)
-        else:
-            self._wire, self._send = recv.view(-1), send.view(-1)
-        self._pending = comm.all_to_all_single(
-            self._wire,
-            self._send,
-            output_split_sizes=[recv.numel() if j == src else 0 for j in range(p)],
-            input_split_sizes=[send.numel() if j == dst else 0 for j in range(p)],
-            flow=flow,
-            label=label,
-        )
 
-    def wait(self) -> torch.Tensor:
-        self._pending.wait()
-        if self._wire.data_ptr() != self._recv.data_ptr():
-            self._recv.view(-1).copy_(self._wire, non_blocking=True)
-        del self._send, self._wire
-        return self._recv
+def _shift(
+    comm: Communicator,
+    shape: AttentionShape,
+    transfers: dict[tuple[Payload, int], Transfer],
+    payload: Payload,
+    dst: int,
+    src: int,
+    message: Message,
+) -> PendingRecv:
+    """One round of all-gather K/V: ``message`` to ``dst`` and the same payload from ``src``,
+    posted together (receive first) in one exchange (Note [All-gather K/V rounds])."""
+    send, recv = transfers[(payload, dst)], transfers[(payload, -1 - src)]
+    fields = message_fields(shape, recv)
+    return comm.exchange([(send, message)], [(recv, fields)], device=message.buffer.device)[recv]
 
 
 def _rounds(sched: Schedule, rank: int) -> list[list[Segment]]:
@@ -447,11 +394,6 @@ def _rounds(sched: Schedule, rank: int) -> list[list[Segment]]:
         (piece,) = segment.pieces
         rounds[(piece.kv_rows[0] // s - rank) % p].append(segment)
     return rounds
-
-
-def _posted_after(sched: Schedule, rank: int) -> dict[tuple[Payload, int], int]:
-    """When ``rank`` posts each of its transfers: (payload, dst) -> segments computed before."""
-    return {(tr.payload, tr.dst): tr.after_segments for tr in sched.sends(rank, 0)}
 
 
 def _allgather_forward(
@@ -469,33 +411,28 @@ def _allgather_forward(
     b, s, hq, d = q.shape
     p, rank = comm.world_size, comm.rank
     acc = accumulation_dtype(q.dtype)
+    shape = AttentionShape.of(q, k)
     rounds = _rounds(sched, rank)
-    after = _posted_after(sched, rank)
+    transfers = _round_transfers(sched, rank)
     out_acc = torch.zeros((b, s, hq, d), dtype=acc, device=q.device)
     lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
-    shape = (2, *k.shape)  # (2, B, s, Hkv, D): one round's K/V; two rounds in flight
-    buffers = [torch.empty(shape, dtype=k.dtype, device=k.device) for _ in range(min(2, p - 1))]
-    gathers: dict[int, tuple[_Shift, _Shift]] = {}
+    gathers: dict[int, PendingRecv] = {}  # two rounds in flight
     computed = 0
 
-    def post(round_: int) -> None:  # into the buffer of round - 2, computed by now
-        assert after[(Payload.KV, (rank - round_) % p)] == computed, "posted as scheduled"
-        buffer = buffers[(round_ - 1) % len(buffers)]
+    def post(round_: int) -> None:
         src, dst = (rank + round_) % p, (rank - round_) % p
-        gathers[round_] = tuple(  # type: ignore[assignment]
-            _Shift(comm, x, buffer[i], dst=dst, src=src, flow=Flow.TRAVEL, label="kv")
-            for i, x in enumerate((k, v))
-        )
+        assert transfers[(Payload.KV, dst)].after_segments == computed, "posted as scheduled"
+        gathers[round_] = _shift(comm, shape, transfers, Payload.KV, dst, src, kv_message(k, v))
 
     for round_, segments in enumerate(rounds):
         if round_ + 1 < p:
             post(round_ + 1)
         # (B, s, Hkv, D) x 2: the own block, or the round's arrived one
-        kv = (k, v) if round_ == 0 else tuple(shift.wait() for shift in gathers.pop(round_))
+        kv = (k, v) if round_ == 0 else kv_rows(gathers.pop(round_).wait()[0])
         offset = (rank + round_) % p * s
         for segment in segments:
             (piece,) = segment.pieces
-            (a, e), (c, f) = piece.q_rows, _shift(piece.kv_rows, -offset)
+            (a, e), (c, f) = piece.q_rows, _shift_rows(piece.kv_rows, -offset)
             done = _timed(comm, "attn")
             mask = None if masking is None else masking.rows(rank, (a, e), piece.kv_rows)
             part = kernel.forward(
@@ -511,6 +448,8 @@ def _allgather_forward(
             done()
             computed += 1
         del kv
+        comm.release_sends()
+    comm.wait_sends()
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -532,42 +471,35 @@ def _allgather_backward(
     owner before the next round (Note [All-gather K/V rounds])."""
     p, rank = comm.world_size, comm.rank
     acc = lse.dtype
+    shape = AttentionShape.of(q, k)
     rounds = _rounds(sched, rank)
-    after = _posted_after(sched, rank)
+    transfers = _round_transfers(sched, rank)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
     dv = torch.zeros_like(dk)
-    kv_buffer = dkv = received = None
-    if p > 1:
-        kv_buffer = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
-        dkv = torch.empty((2, *k.shape), dtype=acc, device=k.device)
-        received = torch.empty_like(dkv)
     computed = 0
 
-    def post_gather(round_: int) -> tuple[_Shift, _Shift]:
-        assert kv_buffer is not None
-        assert after[(Payload.KV, (rank - round_) % p)] == computed, "posted as scheduled"
+    def post_gather(round_: int) -> PendingRecv:
         src, dst = (rank + round_) % p, (rank - round_) % p
-        return (
-            _Shift(comm, k, kv_buffer[0], dst=dst, src=src, flow=Flow.TRAVEL, label="kv"),
-            _Shift(comm, v, kv_buffer[1], dst=dst, src=src, flow=Flow.TRAVEL, label="kv"),
-        )
+        assert transfers[(Payload.KV, dst)].after_segments == computed, "posted as scheduled"
+        return _shift(comm, shape, transfers, Payload.KV, dst, src, kv_message(k, v))
 
     gather = post_gather(1) if p > 1 else None  # flies while the own block is computed
     for round_, segments in enumerate(rounds):
+        message = None
         if round_ == 0:
-            kv, grads = (k, v), (dk, dv)
+            kv, grads = (k, v), [dk, dv]
         else:
-            assert gather is not None and dkv is not None
-            kv = (gather[0].wait(), gather[1].wait())  # (B, s, Hkv, D) x 2
+            assert gather is not None
+            kv = kv_rows(gather.wait()[0])  # (B, s, Hkv, D) x 2
             gather = None
-            dkv.zero_()
-            grads = (dkv[0], dkv[1])
+            # the round's dK/dV partial, accumulated in the message that returns it
+            message, grads = comm.message([(tuple(k.shape), acc)] * 2, k.device)
         offset = (rank + round_) % p * q.shape[1]
         for segment in segments:
             (piece,) = segment.pieces
-            (a, e), (c, f) = piece.q_rows, _shift(piece.kv_rows, -offset)
+            (a, e), (c, f) = piece.q_rows, _shift_rows(piece.kv_rows, -offset)
             done = _timed(comm, "attn_bwd")
             mask = None if masking is None else masking.rows(rank, (a, e), piece.kv_rows)
             kernel.backward_into(
@@ -586,19 +518,20 @@ def _allgather_backward(
             done()
             computed += 1
         del kv, grads
-        if round_ == 0:
+        if message is None:
             continue
-        assert dkv is not None and received is not None
         owner = (rank + round_) % p
-        assert after[(Payload.DKV, owner)] == computed, "returned as scheduled"
-        back = _Shift(
-            comm, dkv, received, dst=owner, src=(rank - round_) % p, flow=Flow.RETURN, label="dkv"
-        )
+        assert transfers[(Payload.DKV, owner)].after_segments == computed, "returned as scheduled"
+        back = _shift(comm, shape, transfers, Payload.DKV, owner, (rank - round_) % p, message)
+        del message
         if round_ + 1 < p:  # the K/V buffer is free: the next round flies with the return
             gather = post_gather(round_ + 1)
-        back.wait()
-        dk += received[0]  # this rank's own rows, as computed by rank - round
-        dv += received[1]
+        dk_home, dv_home = back.wait()  # this rank's own rows, as computed by rank - round
+        dk += dk_home
+        dv += dv_home
+        del back, dk_home, dv_home
+        comm.release_sends()
+    comm.wait_sends()
     return dq, dk, dv
 
 
@@ -693,13 +626,12 @@ def collective_forward(
     masking = _masking(sharding, mask, comm.world_size, q.device)
     # one step (the collectives' schedules have one): a named range in profiler traces
     with record_function(f"tokenring.{strategy.value}.forward.step0"):
+        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
+        sched = _build(strategy, Pass.FORWARD, *key)
         if strategy is CollectiveStrategy.ULYSSES:
             plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
-            return _ulysses_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
-        routing = CollectiveRouting.for_backend(comm.backend)
-        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2], routing)
-        fwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.FORWARD, *key)
-        out, lse = _allgather_forward(q, k, v, fwd, comm, kernel, scale=scale, masking=masking)
+            return _ulysses_forward(q, k, v, plan, sched, comm, kernel, causal=causal, scale=scale)
+        out, lse = _allgather_forward(q, k, v, sched, comm, kernel, scale=scale, masking=masking)
         return out, lse, []
 
 
@@ -740,6 +672,8 @@ def collective_backward(
     layout = Layout.parse(layout)
     dout = dout.contiguous()
     masking = _masking(sharding, mask, comm.world_size, dout.device)
+    key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
+    sched = _build(strategy, Pass.BACKWARD, *key)
     with record_function(f"tokenring.{strategy.value}.backward.step0"):
         if strategy is CollectiveStrategy.ULYSSES:
             assert not residuals, "Ulysses keeps no residuals"
@@ -754,16 +688,13 @@ def collective_backward(
                 out.contiguous(),
                 lse.contiguous(),
                 plan,
+                sched,
                 comm,
                 kernel,
                 causal=causal,
                 scale=scale,
             )
         else:
-            heads_kv = k.shape[2]
-            routing = CollectiveRouting.for_backend(comm.backend)
-            key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], heads_kv, routing)
-            bwd = _build(CollectiveStrategy.ALLGATHER_KV, Pass.BACKWARD, *key)
             assert not residuals, "all-gather K/V keeps no residuals"
             dq, dk, dv = _allgather_backward(
                 dout,
@@ -772,7 +703,7 @@ def collective_backward(
                 v.contiguous(),
                 out,
                 lse,
-                bwd,
+                sched,
                 comm,
                 kernel,
                 scale=scale,

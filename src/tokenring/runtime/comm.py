@@ -757,19 +757,25 @@ class Communicator:
         flow: Flow,
         label: str,
     ) -> PendingCollective:
-        """Post ``dist.all_to_all_single`` along dim 0 and count it: an all-to-all goes
-        directly to every peer on every backend, so each peer's split is one message.
+        """Post an all-to-all along dim 0 and count it: each peer's split is one message,
+        posted as point-to-point messages on the flow's channel, receives first (Note
+        [All-to-all as messages]).
 
         Args:
-            output, input: as ``torch.distributed.all_to_all_single``; split sizes in rows of
-                dim 0 (None: equal splits).
-            flow: the flow the bytes are counted under.
-            label: names the transfer in the timeline and in errors (e.g. ``"qkv"``).
+            output, input: contiguous, as ``torch.distributed.all_to_all_single``; split sizes
+                in rows of dim 0 (None: equal splits).
+            flow: the flow the bytes are counted under and whose channel carries them.
+            label: names the transfer in the timeline and in errors (e.g. ``"inner travel"``).
         """
         self._check_open()
         p = self.world_size
         sent = _split_bytes(input, input_split_sizes, p)
         received = _split_bytes(output, output_split_sizes, p)
+        outputs = output.split(_rows(output, output_split_sizes, p))
+        inputs = input.split(_rows(input, input_split_sizes, p))
+        outputs[self.rank].copy_(inputs[self.rank])
+        group = self._groups[(flow, 0)]
+        ops: list[dist.P2POp] = []
         for peer in range(p):
             if peer != self.rank:
                 self.count(
@@ -779,17 +785,13 @@ class Communicator:
                     sent_bytes=sent[peer],
                     recv_bytes=received[peer],
                 )
-        work = None
-        if p > 1:  # every rank takes part, even one with nothing to send or receive
-            work = dist.all_to_all_single(
-                output,
-                input,
-                list(output_split_sizes) if output_split_sizes is not None else None,
-                list(input_split_sizes) if input_split_sizes is not None else None,
-                group=self.group,
-                async_op=True,
-            )
-        return PendingCollective(self, work, "all-to-all", label)
+                if received[peer]:
+                    ops.append(dist.P2POp(dist.irecv, outputs[peer], group=group, group_peer=peer))
+        for peer in range(p):
+            if peer != self.rank and sent[peer]:
+                ops.append(dist.P2POp(dist.isend, inputs[peer], group=group, group_peer=peer))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return PendingCollective(self, _Works(works), "all-to-all", label)
 
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str
@@ -923,6 +925,35 @@ class PendingCollective:
             comm.timeline.events.append(
                 Event("recv", self._label, 0, self._posted_s, time.perf_counter())
             )
+
+
+# Note [All-to-all as messages]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# gloo's all_to_all_single posts each send before the matching receive, so the two
+# directions of a pair take turns: 1.96x the time of the same bytes as point-to-point
+# messages posted receives first (lab mesh, P = 2-4; Note [Collective routing] in
+# tokenring.strategies.collective). So an all-to-all here is those messages: every receive,
+# then every send, in one batch on the flow's channel, and both directions of every pair
+# run at once on every backend. The collective strategies post their schedules' messages
+# through ``exchange`` instead; the hybrid's inner all-to-alls come here.
+
+
+class _Works:
+    """The works of one batch of point-to-point messages, waited for as one."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self, timeout: timedelta) -> None:
+        for work in self.works:
+            work.wait(timeout)
+
+
+def _rows(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -> list[int]:
+    """Rows of each rank's block of ``x`` along dim 0."""
+    if split_sizes is None:
+        return [x.shape[0] // world_size] * world_size
+    return list(split_sizes)
 
 
 def _split_bytes(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -> list[int]:

@@ -89,7 +89,7 @@ from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask
 from tokenring.runtime.program import Op, OpKind, ring_program
 from tokenring.runtime.slots import SlotPoster
 
-__all__ = ["message_fields", "run_backward", "run_forward"]
+__all__ = ["kv_message", "kv_rows", "message_fields", "run_backward", "run_forward"]
 
 
 def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
@@ -116,6 +116,23 @@ def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
     return table[payload]
 
 
+def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
+    """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout]): one
+    copy of each into its place."""
+    buffer = torch.empty(
+        HEADER_NUM_BYTES + 2 * k.numel() * k.element_size(), dtype=torch.uint8, device=k.device
+    )
+    pairs = buffer[HEADER_NUM_BYTES:].view(k.dtype).view(k.shape[1], k.shape[0], 2, *k.shape[2:])
+    pairs[:, :, 0].copy_(k.transpose(0, 1))  # (n, B, 2, Hkv, D)
+    pairs[:, :, 1].copy_(v.transpose(0, 1))
+    return Message(buffer)
+
+
+def kv_rows(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k and v ``(B, n, Hkv, D)`` views of a received K/V message ``(n, B, 2, Hkv, D)``."""
+    return pairs[:, :, 0].transpose(0, 1), pairs[:, :, 1].transpose(0, 1)
+
+
 @dataclass(slots=True)
 class _Held:
     """A travelling block as held by the current rank: ``rows`` of ``owner``'s shard."""
@@ -138,8 +155,7 @@ class _Held:
         if tr.payload is not Payload.KV:
             return _Held(tr.owner, tr.rows, tensors, message)
         (pairs,) = tensors  # (n, B, 2, Hkv, D)
-        kv = [pairs[:, :, i].transpose(0, 1) for i in range(2)]  # (B, n, Hkv, D) views
-        return _Held(tr.owner, tr.rows, kv, message, pairs, is_kv=True)
+        return _Held(tr.owner, tr.rows, list(kv_rows(pairs)), message, pairs, is_kv=True)
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
         """What a transfer of ``rows`` of this block sends: the message it came in when
@@ -151,20 +167,7 @@ class _Held:
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
         assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
         if self.pairs is None:  # home: one copy into the wire layout
-            k, v = self.slice(rows)
-            buffer = torch.empty(
-                HEADER_NUM_BYTES + 2 * k.numel() * k.element_size(),
-                dtype=torch.uint8,
-                device=k.device,
-            )
-            pairs = (
-                buffer[HEADER_NUM_BYTES:]
-                .view(k.dtype)
-                .view(k.shape[1], k.shape[0], 2, *k.shape[2:])
-            )  # (n, B, 2, Hkv, D)
-            pairs[:, :, 0].copy_(k.transpose(0, 1))
-            pairs[:, :, 1].copy_(v.transpose(0, 1))
-            return Message(buffer)
+            return kv_message(*self.slice(rows))
         if start == 0 and self.message is not None:  # a prefix: the front of the message
             row_bytes = self.pairs[0].numel() * self.pairs.element_size()
             return Message(self.message.buffer[: HEADER_NUM_BYTES + stop * row_bytes])

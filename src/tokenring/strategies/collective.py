@@ -122,37 +122,25 @@ K/V rounds]); its segments are one piece each, in round order.
 
 Note [Collective routing]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-A schedule lists what goes on the wire, so it follows the backend's algorithms
-(``costmodel.CollectiveRouting``: from ``comm.backend`` at run time, from
-``Hardware.collectives`` in the cost model)::
-
-    routing   all-gather (measured; not used)         all-to-all (Ulysses; all-gather K/V rounds)
-    DIRECT    r -> j for every j != r, all at once   r -> j for every j != r, all at once,
-                                                     both directions of a pair together
-    GLOO      round the ring: r sends P-1 blocks     r -> j for every j != r, but the two
-              to r+1 and receives P-1 from r-1       directions of each pair take turns
-
-The steps whose transfers take turns are ``half_duplex_steps`` of the schedule; the cost model
-gives each such pair one resource shared by both directions (``ResourceKind.PAIR``).
-Measured on the lab (full mesh, 100 Mbit/s per directed link, X = 2 MiB per pair, X/B = 168 ms;
-median of 6 in units of X/B; benchmarks/results/gloo_collectives.md)::
+A schedule lists what goes on the wire. The library's all-to-alls (Ulysses, all-gather K/V's
+rounds, the hybrid's inner all-to-alls) are point-to-point messages, every receive posted
+before any send (``Communicator.exchange``, ``Communicator.all_to_all_single``): both
+directions of every pair run at once, on gloo as on NCCL, so the cost model prices them as
+direct sends. gloo's own collectives do not: measured on the lab (full mesh, 100 Mbit/s per
+directed link, X = 2 MiB per pair, X/B = 168 ms; median of 6 in units of X/B;
+benchmarks/results/gloo_collectives.md)::
 
     P    P2P, receives first   all_to_all_single (equal / uneven)   all_gather_into_tensor
     2    1.00                  1.96 / 1.96                          1.47 (1.0-1.5: a race)
     3    1.00                  1.95 / 1.94                          2.01
     4    1.01                  1.96 / 1.95                          3.03
 
-gloo's all-gather sends only to r+1; its all-to-all posts each send before the matching
-receive, and the peer's "ready to receive" notice then queues behind the data going the other
-way (../shared/netlab-notes.md, pitfall 1), so a pair's two directions run one after the
-other (now and then a call wins the race and runs at 1.0). At P = 2 the all-gather's ring is
-one pair used both ways; it is modelled as DIRECT there. NCCL on NVSwitch is DIRECT: its ring
-all-gather loads every port with the same P-1 blocks as direct sends, and one flow can use a
-whole port, so on a switch the two price alike. (NCCL on PCIe or a switchless mesh routes
-all-gathers over a ring too; not modelled, and not measured: the planner does not pick the
-collectives under DIRECT yet.) All-gather K/V used the backend's all-gather until its rounds
-(Note [All-gather K/V rounds]): each round is an all-to-all with one split per rank, so it
-routes like Ulysses, and its pairs take turns on gloo where a round uses both directions.
+gloo's all-to-all posts each send before the matching receive, and the peer's "ready to
+receive" notice then queues behind the data going the other way (../shared/netlab-notes.md,
+pitfall 1), so a pair's two directions run one after the other; its all-gather sends only to
+r+1, round a ring. Until 2026-12 Ulysses and all-gather K/V ran on ``all_to_all_single`` and
+the model gave each pair one resource shared by both directions; the same messages posted
+receives first take half the time on gloo.
 """
 
 from __future__ import annotations
@@ -176,7 +164,6 @@ from tokenring.core.schedule import (
     Transfer,
     block_pieces,
 )
-from tokenring.model.costmodel import CollectiveRouting
 
 __all__ = [
     "DOUT",
@@ -259,13 +246,8 @@ def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[Head
 
 @dataclass(frozen=True, slots=True)
 class CollectiveSchedule(Schedule):
-    """A ``Schedule`` routed as a backend's collectives route (Note [Collective routing])."""
-
-    routing: CollectiveRouting = CollectiveRouting.DIRECT
-    """The backend routing the transfers follow."""
-    half_duplex_steps: frozenset[int] = frozenset()
-    """Steps whose transfers are a backend all-to-all in which the two directions of each pair
-    take turns (GLOO); the cost model shares one resource per pair between them."""
+    """A ``Schedule`` of a collective strategy: one step of point-to-point messages (Note
+    [Collective schedules], Note [Collective routing])."""
 
 
 def build_collective_schedule(
@@ -278,12 +260,10 @@ def build_collective_schedule(
     seq_local: int,
     heads_q: int,
     heads_kv: int,
-    routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
 ) -> CollectiveSchedule:
     """The schedule of one pass of Ulysses or all-gather K/V. Pure: no tensors, no groups.
 
-    See Note [Collective schedules] for the row conventions and payloads, and Note
-    [Collective routing] for ``routing``.
+    See Note [Collective schedules] for the row conventions and payloads.
 
     Args:
         strategy_name: ``"ulysses"`` or ``"allgather_kv"``.
@@ -293,10 +273,9 @@ def build_collective_schedule(
         world_size: P >= 1.
         seq_local: s, tokens per rank.
         heads_q, heads_kv: Hq and Hkv (Hkv divides Hq); Ulysses splits heads by them.
-        routing: how the backend routes its collectives (``CollectiveRouting`` or its value).
 
     Raises:
-        ValueError: unknown strategy, pass, layout or routing; world_size < 1; a seq_local
+        ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local
             the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
     """
     strategy = CollectiveStrategy.parse(strategy_name)
@@ -309,7 +288,6 @@ def build_collective_schedule(
         seq_local,
         heads_q,
         heads_kv,
-        CollectiveRouting.parse(routing),
     )
 
 
@@ -323,7 +301,6 @@ def _build(
     seq_local: int,
     heads_q: int,
     heads_kv: int,
-    routing: CollectiveRouting = CollectiveRouting.DIRECT,
 ) -> CollectiveSchedule:
     validate_seq_local(seq_local, layout)
     shares = ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
@@ -348,8 +325,6 @@ def _build(
         lanes=(),  # no block travels a ring: the collectives move everything at once
         steps=tuple(steps),
         transfers=tuple(transfers),
-        routing=routing,
-        half_duplex_steps=frozenset({0} if routing is CollectiveRouting.GLOO and p > 1 else ()),
     )
 
 

@@ -29,8 +29,8 @@ Every transfer and piece carries its head range, so bytes and FLOPs read with th
 ``AttentionShape``. dk and dv return in the input dtype (the outer strategy hands them back
 in it) and are listed as ``Payload.KV``, which weighs 2*nkv*D*e per row (:data:`GRAD_KV`; as dout is
 listed as ``Payload.Q`` by ``tokenring.strategies.collective``). lse always travels with out, so the
-schedule does not depend on ``return_lse``. With GLOO routing steps 0 and n + 1 take turns per
-pair (``half_duplex_steps``; Note [Collective routing] in ``tokenring.strategies.collective``).
+schedule does not depend on ``return_lse``. The all-to-alls are point-to-point messages,
+receives first (Note [Collective routing] in ``tokenring.strategies.collective``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from tokenring.core.schedule import (
     Strategy,
     Transfer,
 )
-from tokenring.model.costmodel import CollectiveRouting
 from tokenring.strategies import build_schedule
 from tokenring.strategies.collective import DOUT, CollectiveSchedule
 
@@ -209,7 +208,6 @@ def build_hybrid_schedule(
     heads_q: int,
     heads_kv: int,
     last_block_splits: int = 2,
-    routing: CollectiveRouting | str = CollectiveRouting.DIRECT,
 ) -> HybridSchedule:
     """The schedule of one hybrid pass; see Note [Hybrid schedule]. Pure.
 
@@ -222,13 +220,11 @@ def build_hybrid_schedule(
         seq_local: s, tokens per rank (the outer strategy runs on P_in * s).
         heads_q, heads_kv: Hq, Hkv (both divisible by P_in).
         last_block_splits: as ``build_schedule``, for an outer TokenRing.
-        routing: how the backend routes the inner all-to-alls.
 
     Raises:
         ValueError: a factorisation that does not fit, or what ``build_schedule`` raises.
     """
     pass_ = Pass(pass_)
-    routing = CollectiveRouting.parse(routing)
     spec.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     p_in = spec.inner
     p_out = world_size // p_in
@@ -267,7 +263,6 @@ def build_hybrid_schedule(
         for tr in outer.transfers
         for i in range(p_in)
     ]
-    turns = routing is CollectiveRouting.GLOO and p_in > 1
     return HybridSchedule(
         strategy=Strategy.HYBRID,
         pass_=pass_,
@@ -278,8 +273,6 @@ def build_hybrid_schedule(
         lanes=outer.lanes,
         steps=tuple(steps),
         transfers=tuple(transfers),
-        routing=routing,
-        half_duplex_steps=frozenset({0, n + 1} if turns else ()),
         inner=p_in,
         outer_strategy=spec.outer_strategy,
     )
