@@ -10,7 +10,7 @@ of 6 after a warm-up, max over ranks) in units of X / B:
     pattern            what                                               if every pair direct
     p2p_recv_first     batched P2P to all peers, all receives posted first   1
     all_to_all_single  torch.distributed.all_to_all_single, equal splits      1
-    all_to_all_uneven  the same with explicit splits (what Ulysses calls)     1
+    all_to_all_uneven  the same with explicit splits (what Ulysses called until 2026-12)     1
     all_gather         all_gather_into_tensor                                 1
 """
 

@@ -38,10 +38,11 @@ def main(paths: list[str]) -> None:
     print(
         "Each cell: measured ms / model ms (error of the measurement against the model). The "
         "model is the event simulator calibrated from the run's own probes (the strategy's own "
-        "kernel FLOP/s from its compute-only run, two-way P2P link probe, memory copy) with the "
-        "backend's collective routing (gloo: ring all-gather, all-to-all pairs taking turns). "
-        "auto picks with one FLOP/s per pass for the whole group (Note [Calibrating the model "
-        "from the run] in src/tokenring/bench.py).\n"
+        "kernel FLOP/s from its compute-only run, two-way P2P link probe, memory copy); every "
+        "transfer, the collectives' all-to-alls included, is a point-to-point message (Note "
+        "[Collective routing] in src/tokenring/strategies/collective.py). auto picks with one "
+        "FLOP/s per pass for the whole group (Note [Calibrating the model from the run] in "
+        "src/tokenring/cli/bench.py).\n"
     )
     header = [f"{m} {p}" for m in models for p in passes]
     print("| strategy | " + " | ".join(header) + " |")

@@ -205,10 +205,10 @@ def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
     capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ring forward, non-causal, 2 ranks: each call sends the other rank's K/V once (s rows of
-    2 Hkv D float32), and the bandwidth probe sends 4 rounds of 4 MiB each way: 3 calls x
-    1024 x 2 x 8 x 32 x 4 + 4 x 4 MiB = 23068672 bytes, 184.5 s at 1 Mbit/s."""
+    2 Hkv D float32), and the bandwidth probe sends 6 rounds of 4 MiB each way: 3 calls x
+    1024 x 2 x 8 x 32 x 4 + 6 x 4 MiB = 31457280 bytes, 251.7 s at 1 Mbit/s."""
     monkeypatch.setattr("tokenring.cli.ranks.lab_unavailable_reason", lambda: None)
-    num_bytes = 3 * 1024 * 2 * 8 * 32 * 4 + 4 * (4 << 20)
+    num_bytes = 3 * 1024 * 2 * 8 * 32 * 4 + 6 * (4 << 20)
     seconds = num_bytes * 8 / 1e6
     argv = ["bench", "--world-size", "2", "--seq", "2048", "--heads", "8", "--kv-heads", "8"]
     argv += ["--head-dim", "32", "--strategies", "ring", "--passes", "fwd", "--causal", "no"]

@@ -28,8 +28,9 @@ rest (exposed last return, merges, rendezvous waits) decides.
 Note [Which candidates]
 ~~~~~~~~~~~~~~~~~~~~~~~
 - Ulysses and all-gather K/V are candidates where the model of their collectives has been
-  checked against measurements: ``Hardware.collectives`` GLOO (the lab: Ulysses within
-  -8..+16%, all-gather K/V +6..+22%; benchmarks/results/README.md). With DIRECT (NCCL) the
+  checked against measurements: ``Hardware.collectives`` GLOO (the lab, with their messages
+  point to point: Ulysses +10..+15%, all-gather K/V -5..-1%; benchmarks/results/README.md).
+  With DIRECT (NCCL) the
   prediction has not been measured, so they are listed as skipped with that reason and
   ``auto`` does not pick them.
 - The hybrid needs its factorisation (``hybrid=HybridSpec(...)``) and a 2-D mesh to run

@@ -1,26 +1,27 @@
 """Runs the collective strategies (``tokenring.strategies.collective``) on one rank.
 
 :func:`collective_forward` and :func:`collective_backward` are joined by residuals; the public
-API runs them after validation and wires them into autograd. The collectives go through the
-communicator (``comm.all_to_all_single``; all-gather K/V's rounds are all-to-alls too), so each
-is bounded by ``comm.timeout`` and fails naming itself, the rank and the group. Every message
-is counted in ``comm.counter`` per flow and destination as the backend puts it on the wire, and
-the schedule's transfers add up to the same bytes. The algorithms: Note [Ulysses], Note
+API runs them after validation and wires them into autograd.
+
+Note [Collectives point to point]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Both strategies send exactly the transfers of their own schedules
+(``build_collective_schedule``): Ulysses through a ``SlotPoster`` (slot 0: q or q_grad and
+K/V of each peer's heads; slot 1, after its kernel: out, or dq and dK/dV, of each peer's
+rows), all-gather K/V one ``Communicator.exchange`` per round (its send to r - k and its
+receive from r + k together, Note [All-gather K/V rounds]). So every message is a
+point-to-point message posted receives first (both directions of a pair at once on gloo,
+where ``all_to_all_single`` lets them take turns: Note [Collective routing]), laid out as
+``tokenring.runtime.ring.message_fields`` says (K/V in Note [K/V message layout]), with a
+header the receiver checks, counted by the communicator per flow and peer, and bounded by
+its timeout; a receive that does not arrive names its payload, owner, rows and peer. The
+backward's reduce-scatter of dK/dV is each owner's block sent home and summed there: P - 1
+blocks out per rank, the volume of a real reduce-scatter (gloo's ``reduce_scatter_tensor``
+is an all-reduce and a local chunk, pytorch PR 118911). The algorithms: Note [Ulysses], Note
 [All-gather K/V] and Note [All-gather K/V rounds] in ``tokenring.strategies.collective``.
 
 Legend: B batch, S global seq (P * s), s local seq, Hq query heads, Hkv key/value heads, D head
 dim, P world size, nq / nkv heads of one Ulysses rank.
-
-Note [gloo collectives]
-~~~~~~~~~~~~~~~~~~~~~~~
-On gloo in torch 2.13 ``all_to_all_single`` (uneven splits, async) and
-``all_gather_into_tensor`` (async, bf16 and fp16 too) are native. ``reduce_scatter_tensor``
-runs but is emulated as an all-reduce followed by a local chunk (pytorch PR 118911): twice a
-reduce-scatter's traffic, and every rank receives every sum. So the backward's reduce-scatter
-of all-gather K/V is an ``all_to_all_single`` of each owner's dK/dV block followed by a local
-sum: P - 1 blocks out per rank, the volume of a real reduce-scatter, on every backend (in
-rounds, one block per round; Note [All-gather K/V rounds]). Messages are packed as bytes so
-that one message carries tensors of two dtypes (out and lse).
 """
 
 from __future__ import annotations

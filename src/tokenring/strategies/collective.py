@@ -68,9 +68,9 @@ buffer (no index copies), merged in fp32 by lse (tokenring.core.merge).
 Note [All-gather K/V rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Round k (k = 0 .. P-1) of rank r computes against the K/V of owner r + k (mod P); round 0 is
-its own block, no transfer. Round k >= 1 is one all-to-all in which every rank sends its own
-K/V to r - k and receives those of r + k (k and v as two all-to-alls; every other split is
-empty). P = 4, rank 0 (rows: what happens in order; "k/v j" = owner j's K/V)::
+its own block, no transfer. Round k >= 1 is one exchange in which every rank sends its own
+K/V to r - k and receives those of r + k, both messages posted together, the receive first.
+P = 4, rank 0 (rows: what happens in order; "k/v j" = owner j's K/V)::
 
     pass       slot (segments before)   posts                         computes
     forward    0                        k/v round 1 (from 1, to 3)     own block (causal)
