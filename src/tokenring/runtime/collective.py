@@ -161,9 +161,15 @@ class _UlyssesPlan:
         )
 
 
-def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
+def _rows(heads: Rows | None) -> Rows:
     assert heads is not None, "a Ulysses message carries a head share"
-    return x[:, :, heads[0] : heads[1]]
+    return heads
+
+
+def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
+    """The heads ``heads`` of a (B, s, H, D) tensor."""
+    start, stop = _rows(heads)
+    return x[:, :, start:stop]
 
 
 def _ulysses_forward(
@@ -283,13 +289,15 @@ def _ulysses_backward(
     poster = _poster(sched, comm, q, k)
     back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order, once computed
 
+    def q_grad(heads: Rows | None) -> list[torch.Tensor]:  # Payload.Q_GRAD of these heads
+        h = slice(*_rows(heads))
+        return [q[:, :, h], dout[:, :, h], lse[:, h], delta[:, h]]
+
     def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        assert tr.heads is not None
-        h = slice(*tr.heads)
         if tr.payload is Payload.Q_GRAD:  # q, dout, lse, delta of the destination's heads
-            return [q[:, :, h], dout[:, :, h], lse[:, h], delta[:, h]]
+            return q_grad(tr.heads)
         if tr.payload is Payload.KV:
-            return kv_message(k[:, :, h], v[:, :, h])
+            return kv_message(_heads(k, tr.heads), _heads(v, tr.heads))
         rows = slice(tr.dst * s, (tr.dst + 1) * s)  # the destination's rows of my heads
         if tr.payload is Payload.DQ:
             return [back[0][:, rows]]
@@ -297,21 +305,10 @@ def _ulysses_backward(
 
     poster.post(0, 0, provide)
     if nq > 0:
-        q_grad = _by_source(
-            poster,
-            Payload.Q_GRAD,
-            [
-                _heads(q, mine.q),
-                _heads(dout, mine.q),
-                lse[:, slice(*mine.q)],
-                delta[:, slice(*mine.q)],
-            ],
-            rank,
-            p,
-        )
+        grads = _by_source(poster, Payload.Q_GRAD, q_grad(mine.q), rank, p)
         kvs = _by_source(poster, Payload.KV, [_heads(k, mine.kv), _heads(v, mine.kv)], rank, p)
-        parts = _joined(q_grad, kvs)  # q, dout, lse, delta, k, v of each source
-        del q_grad, kvs
+        parts = _joined(grads, kvs)  # q, dout, lse, delta, k, v of each source
+        del grads, kvs
         lse_g, delta_g = (
             plan.global_order(torch.cat([part[i] for part in parts], dim=2), 2) for i in (2, 3)
         )  # (B, nq, S) x 2

@@ -560,7 +560,7 @@ def run_backward(
     Returns:
         dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in the inputs' dtypes.
     """
-    return _Backward(sched, comm, kernel, dout, q, k, v, out, lse, scale=scale).run()
+    return _Backward(sched, comm, kernel, (dout, q, k, v, out, lse), scale=scale).run()
 
 
 class _Backward:
@@ -578,17 +578,14 @@ class _Backward:
         sched: Schedule,
         comm: Communicator,
         kernel: BlockKernel,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
         *,
         scale: float,
     ) -> None:
+        """``inputs``: dout, q, k, v, out, lse as :func:`run_backward` takes them."""
         self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
-        self.dout, self.q, self.k, self.v, self.out, self.lse = dout, q, k, v, out, lse
+        self.dout, self.q, self.k, self.v, self.out, self.lse = inputs
+        q, k, v, lse = self.q, self.k, self.v, self.lse
         self.rank, self.s = comm.rank, q.shape[1]
         self.groups = q.shape[2] // k.shape[2]
         self.acc = acc = lse.dtype
