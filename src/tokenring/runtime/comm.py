@@ -726,6 +726,20 @@ class Communicator:
                 later.append((work, tr))
         self._pending_sends = later
 
+    def wait_sent(self, transfers: Sequence[Transfer]) -> None:
+        """Wait for the pending sends of ``transfers`` (a program's SENT: their buffers may be
+        reused); the rest stay pending. On CUDA no host synchronisation, as above."""
+        if not transfers:
+            return
+        wanted = set(transfers)
+        later = []
+        for work, tr in self._pending_sends:
+            if tr in wanted:
+                self._wait(work, tr, "send")
+            else:
+                later.append((work, tr))
+        self._pending_sends = later
+
     def _wait(self, work: Any, tr: Transfer, what: str) -> None:
         if work is None:
             return

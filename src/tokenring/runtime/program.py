@@ -1,13 +1,16 @@
-"""One rank's list of instructions for a ring schedule: what ``tokenring.runtime.ring``
-executes and what the simulator (``tokenring.model.simulate``) prices, one stream for both.
+"""One rank's list of instructions for a schedule: what the executor
+(``tokenring.runtime.executor.execute``) runs and what the simulator
+(``tokenring.model.simulate``) prices, one stream for both.
 
 Legend: P world size, t step, k segment (or slot: transfers posted after k segments), r rank.
 
 Note [Rank program]
 ~~~~~~~~~~~~~~~~~~~
 :func:`ring_program` turns a schedule into each rank's instructions, from the schedule alone
-(no tensors). ``run_forward`` / ``run_backward`` run them in order, one branch per kind; the
-event engine of the simulator replays the same tuple, one action per op::
+(no tensors). ``execute`` runs them in order with the pass's runner (POST, SENT, SENT_ALL and
+the step ranges itself, every other op by the runner's method of its name: the ring's
+``_Forward`` / ``_Backward`` in tokenring.runtime.ring); the event engine of the simulator
+replays the same tuple, one action per op::
 
     op         runtime, forward            runtime, backward            event engine
     DELTA      -                           delta = rowsum(dout * out)   its bytes / memory bw

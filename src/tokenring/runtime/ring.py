@@ -64,12 +64,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import (
     AttentionShape,
-    Flow,
     Lane,
     Payload,
     Piece,
@@ -85,8 +83,9 @@ from tokenring.runtime.comm import (
     Message,
     PendingRecv,
 )
+from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask
-from tokenring.runtime.program import Op, OpKind, ring_program
+from tokenring.runtime.program import Op, ring_program
 from tokenring.runtime.slots import SlotPoster
 
 __all__ = ["kv_message", "kv_rows", "message_fields", "run_backward", "run_forward"]
@@ -443,100 +442,114 @@ def run_forward(
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the accumulation dtype.
     """
-    rank, s = comm.rank, q.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    shape = AttentionShape.of(q, k)
-    acc = shape.acc_dtype
-    poster = SlotPoster(sched.transfers, comm, functools.partial(message_fields, shape), q.device)
-    # The first piece of step 0 is this rank's own block; when it covers every row and head,
-    # its result is the accumulators' first value (a copy, not a merge into zeros).
-    step0 = sched.steps[rank][0] if sched.num_steps else None
-    segments = step0.segments if step0 is not None else ()
-    first = segments[0].pieces[0] if segments and segments[0].pieces else None
-    fresh = (
-        first is not None
-        and step0 is not None
-        and step0.lane_q_owner(first.lane) == rank
-        and first.q_rows == (0, s)
-        and first.heads is None
-    )
-    if fresh:
-        out_acc = torch.empty(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-        lse_acc = torch.empty((q.shape[0], q.shape[2], s), dtype=acc, device=q.device)
-    else:
-        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse_acc = torch.full((q.shape[0], q.shape[2], s), float("-inf"), dtype=acc, device=q.device)
-    pass_q = sched.strategy.passes_q
-    held = _query_blocks(sched, rank, [q]) if pass_q else _lane_blocks(sched, rank, [k, v])
-    partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
-    masks = _Masks(sched)
-    timer = _ComputeTimer(comm, q.device)
+    runner = _Forward(sched, comm, kernel, q, k, v, scale=scale)
+    execute(ring_program(sched, comm.rank), runner)
+    runner.timer.flush()
+    return runner.out_acc.to(q.dtype), runner.lse_acc
 
-    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
+
+class _Forward(PassRunner):
+    """One rank's forward pass of ``sched``: the accumulators its program's ops fill."""
+
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+    ) -> None:
+        self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
+        self.q, self.k, self.v = q, k, v
+        self.rank, s = comm.rank, q.shape[1]
+        self.groups = q.shape[2] // k.shape[2]
+        shape = AttentionShape.of(q, k)
+        acc = shape.acc_dtype
+        self.poster = SlotPoster(
+            sched.transfers, comm, functools.partial(message_fields, shape), q.device
+        )
+        # The first piece of step 0 is this rank's own block; when it covers every row and
+        # head, its result is the accumulators' first value (a copy, not a merge into zeros).
+        step0 = sched.steps[self.rank][0] if sched.num_steps else None
+        segments = step0.segments if step0 is not None else ()
+        first = segments[0].pieces[0] if segments and segments[0].pieces else None
+        self.fresh = (
+            first is not None
+            and step0 is not None
+            and step0.lane_q_owner(first.lane) == self.rank
+            and first.q_rows == (0, s)
+            and first.heads is None
+        )
+        b, hq = q.shape[0], q.shape[2]
+        if self.fresh:
+            self.out_acc = torch.empty(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
+            self.lse_acc = torch.empty((b, hq, s), dtype=acc, device=q.device)  # (B, Hq, s)
+        else:
+            self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+            self.lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+        if sched.strategy.passes_q:
+            self.held = _query_blocks(sched, self.rank, [q])
+        else:
+            self.held = _lane_blocks(sched, self.rank, [k, v])
+        self.partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.masks = _Masks(sched)
+        self.timer = _ComputeTimer(comm, q.device)
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload is Payload.OUT:
-            return partials.pop(tr)
-        assert tr.owner == held[tr.lane].owner
-        return held[tr.lane].send(tr.rows)
+            return self.partials.pop(tr)
+        assert tr.owner == self.held[tr.lane].owner
+        return self.held[tr.lane].send(tr.rows)
 
-    def merge_returned(transfers: Sequence[Transfer]) -> None:
-        for tr in transfers:
-            part_out, part_lse = poster.pending.pop(tr).wait()
-            done = timer.span(tr.step, "merge")
-            if tr.heads is None:
-                merge_into(out_acc, lse_acc, tr.rows, part_out, part_lse)
-            else:  # a lane's query heads (bidirectional TokenRing)
+    def arrive(self, op: Op) -> None:
+        _arrive(op, self.poster, self.held)
+
+    def returns(self, op: Op) -> None:
+        """RETURNS: merge the partials of a step into this rank's accumulators."""
+        for tr in op.transfers:
+            part_out, part_lse = self.poster.pending.pop(tr).wait()
+            done = self.timer.span(tr.step, "merge")
+            out_acc, lse_acc = self.out_acc, self.lse_acc
+            if tr.heads is not None:  # a lane's query heads (bidirectional TokenRing)
                 heads = slice(*tr.heads)
-                merge_into(out_acc[:, :, heads], lse_acc[:, heads], tr.rows, part_out, part_lse)
+                out_acc, lse_acc = out_acc[:, :, heads], lse_acc[:, heads]
+            merge_into(out_acc, lse_acc, tr.rows, part_out, part_lse)
             done()
 
-    def compute(step: int, index: int) -> None:
-        nonlocal fresh
+    def compute(self, op: Op) -> None:
+        """COMPUTE: segment ``op.index`` of ``op.step``; own rows merged at once, the rest
+        kept as the partial that returns."""
+        sched, rank, step = self.sched, self.rank, op.step
         plan = sched.steps[rank][step]
-        segment = plan.segments[index]
-        done = timer.span(step, "attn")
+        segment = plan.segments[op.index]
+        done = self.timer.span(step, "attn")
         parts = []
         for piece in segment.pieces:
-            qh = _q_heads(piece, groups)
+            qh = _q_heads(piece, self.groups)
             q_owner = plan.lane_q_owner(piece.lane)
-            (q_p,), k_p, v_p, kv_owner = _operands(sched, rank, step, piece, [q], k, v, held)
-            mask = masks(piece, q_owner, kv_owner)
-            part = kernel.forward(q_p, k_p, v_p, causal=piece.causal, scale=scale, mask=mask)
-            if fresh:  # the first piece: every row and head (see above)
-                out_acc.copy_(part[0])
-                lse_acc.copy_(part[1])
-                fresh = False
+            (q_p,), k_p, v_p, kv_owner = _operands(
+                sched, rank, step, piece, [self.q], self.k, self.v, self.held
+            )
+            mask = self.masks(piece, q_owner, kv_owner)
+            part = self.kernel.forward(
+                q_p, k_p, v_p, causal=piece.causal, scale=self.scale, mask=mask
+            )
+            if self.fresh:  # the first piece: every row and head (see __init__)
+                self.out_acc.copy_(part[0])
+                self.lse_acc.copy_(part[1])
+                self.fresh = False
             elif q_owner == rank:  # merge straight into this rank's accumulators
-                merge_into(out_acc[:, :, qh], lse_acc[:, qh], piece.q_rows, *part)
+                merge_into(self.out_acc[:, :, qh], self.lse_acc[:, qh], piece.q_rows, *part)
             else:
                 parts.append((piece.q_rows, part))
             del part, q_p, k_p, v_p, mask  # views of blocks that may leave next
         if parts:
-            partials[_return_of(sched, rank, step, index)] = _merge_parts(parts, segment.q_rows)
+            tr = _return_of(sched, rank, step, op.index)
+            self.partials[tr] = _merge_parts(parts, segment.q_rows)
         done()
-
-    with _StepRanges(sched) as ranges:  # Note [Rank program] in tokenring.runtime.program
-        for op in ring_program(sched, rank):
-            kind, step = op.kind, op.step
-            if kind is OpKind.STEP:
-                ranges.enter(step)
-            elif kind is OpKind.POST:
-                poster.post(step, op.index, provide)
-            elif kind is OpKind.COMPUTE:
-                compute(step, op.index)
-            elif kind is OpKind.ARRIVE:
-                _arrive(op, poster, held)
-            elif kind is OpKind.SENT:
-                _sent(comm, step)
-            elif kind is OpKind.RETURNS:
-                merge_returned(op.transfers)
-            elif kind is OpKind.END:
-                ranges.exit()
-            elif kind is OpKind.SENT_ALL:
-                comm.wait_sends()
-            else:
-                raise AssertionError(f"a forward program has no {kind}")
-    timer.flush()
-    return out_acc.to(q.dtype), lse_acc
 
 
 def run_backward(
@@ -560,10 +573,13 @@ def run_backward(
     Returns:
         dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in the inputs' dtypes.
     """
-    return _Backward(sched, comm, kernel, (dout, q, k, v, out, lse), scale=scale).run()
+    runner = _Backward(sched, comm, kernel, (dout, q, k, v, out, lse), scale=scale)
+    execute(ring_program(sched, comm.rank), runner)
+    runner.timer.flush()
+    return runner.dq_acc.to(q.dtype), runner.dk.to(k.dtype), runner.dv.to(v.dtype)
 
 
-class _Backward:
+class _Backward(PassRunner):
     """One rank's backward pass of ``sched``: the state its program's ops work on, one method
     per op that has more to do than a call (Note [Rank program] in tokenring.runtime.program).
 
@@ -598,9 +614,10 @@ class _Backward:
         self.dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)
         self.dv_acc: torch.Tensor | None = torch.zeros(v.shape, dtype=acc, device=v.device)
         self.pass_q = sched.strategy.passes_q
-        self.delta = torch.empty(0)  # (B, Hq, s), from DELTA
+        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
         self.held: dict[int, _Held] = {}
-        self.returns: dict[Transfer, Sequence[torch.Tensor] | Message] = {}
+        self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
+        self.dk = self.dv = torch.empty(0)  # (B, s, Hkv, D), from HOME
         self.masks = _Masks(sched)
         self.timer = _ComputeTimer(comm, q.device)
         self.lane_messages: dict[int, Message] = {}  # the message of each lane's accumulator
@@ -611,57 +628,19 @@ class _Backward:
             comm, self.poster, 0, self.dq_acc, self.lane_messages, blocking=False
         )
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in the inputs' dtypes."""
-        comm, poster, q, k, v = self.comm, self.poster, self.q, self.k, self.v
-        dk = dv = torch.empty(0)
-        with _StepRanges(self.sched) as ranges:  # Note [Rank program] in tokenring.runtime.program
-            for op in ring_program(self.sched, self.rank):
-                kind, step = op.kind, op.step
-                if kind is OpKind.DELTA:
-                    self.start()
-                elif kind is OpKind.STEP:
-                    ranges.enter(step)
-                    self.begin(step, op.transfers)
-                elif kind is OpKind.POST:
-                    poster.post(step, op.index, self.provide)
-                elif kind is OpKind.COMPUTE:
-                    self.compute(step, op.index)
-                elif kind is OpKind.PASS:
-                    self.pass_on(step)
-                elif kind is OpKind.ARRIVE:
-                    _arrive(op, poster, self.held)
-                elif kind is OpKind.SENT:
-                    _sent(comm, step)
-                elif kind is OpKind.RETURNS:
-                    self.add_returned(op.transfers)
-                elif kind is OpKind.END:
-                    ranges.exit()
-                    self.held.clear()
-                elif kind is OpKind.HOME:
-                    dk, dv = _accumulators_home(
-                        comm, poster, op.transfers, self.dk_acc, self.dv_acc, k, self.acc
-                    )
-                elif kind is OpKind.SENT_ALL:
-                    comm.wait_sends()
-                else:
-                    raise AssertionError(f"a backward program has no {kind}")
-        self.timer.flush()
-        return self.dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    def start(self) -> None:
+    def delta(self, op: Op) -> None:
         """DELTA: delta = rowsum(dout * out) (B, Hq, s), and the blocks this rank holds."""
         dout, out, acc = self.dout, self.out, self.acc
-        self.delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+        self.row_delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
         if self.pass_q:
-            blocks = [self.q, dout, self.lse, self.delta]
+            blocks = [self.q, dout, self.lse, self.row_delta]
             self.held = _query_blocks(self.sched, self.rank, blocks)
         else:
             self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload in (Payload.DQ, Payload.DKV):
-            return self.returns.pop(tr)
+            return self.outbox.pop(tr)
         assert tr.owner == self.held[tr.lane].owner
         return self.held[tr.lane].send(tr.rows)
 
@@ -671,8 +650,9 @@ class _Backward:
         self.lane_messages[lane], grads = self.comm.message([(shape, self.acc)] * 2, self.k.device)
         return grads
 
-    def begin(self, step: int, passing: Sequence[Transfer]) -> None:
+    def begin(self, op: Op) -> None:
         """STEP: the accumulators to pass on this step, settled from the first tile on."""
+        step, passing = op.step, op.transfers
         sends = self.sched.sends(self.rank, step)
         self.outgoing = {tr.lane: tr for tr in sends if tr.payload is Payload.DKV}
         blocking = self.q.device.type == "cpu"
@@ -711,16 +691,18 @@ class _Backward:
                 self.dq_seg = torch.zeros(shape, dtype=self.acc, device=q.device)
         return self.dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]], dk_t, dv_t
 
-    def compute(self, step: int, index: int) -> None:
-        """COMPUTE: segment ``index`` of ``step``, its gradients into their accumulators."""
+    def compute(self, op: Op) -> None:
+        """COMPUTE: segment ``op.index`` of ``op.step``, its gradients into their
+        accumulators."""
         sched, rank, held = self.sched, self.rank, self.held
+        step, index = op.step, op.index
         plan = sched.steps[rank][step]
         segment = plan.segments[index]
         done = self.timer.span(step, "attn_bwd")
         self.dq_seg = self.dq_msg = None  # allocated by targets(), after the first tile
         for piece in segment.pieces:
             q_owner = plan.lane_q_owner(piece.lane)
-            blocks = [self.q, self.dout, self.lse, self.delta]
+            blocks = [self.q, self.dout, self.lse, self.row_delta]
             (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = _operands(
                 sched, rank, step, piece, blocks, self.k, self.v, held
             )
@@ -747,13 +729,14 @@ class _Backward:
         done()
         if self.dq_seg is not None:
             back = self.dq_msg if self.dq_msg is not None else [self.dq_seg.to(self.q.dtype)]
-            self.returns[_return_of(sched, rank, step, index)] = back
+            self.outbox[_return_of(sched, rank, step, index)] = back
             del back
         self.dq_seg = self.dq_msg = None
 
-    def pass_on(self, step: int) -> None:
+    def pass_on(self, op: Op) -> None:
         """PASS: take the accumulator that followed each block (from step 2 on: the first
         visitor created it) and pass it on; Note [Backward] in tokenring.strategies.ring."""
+        step = op.step
         self.inflight.add_arrived(block=True)
         lane_grads = self.inflight.lane_grads
         for lane_index, tr_out in self.outgoing.items():
@@ -763,56 +746,36 @@ class _Backward:
             if step == 0:  # the accumulator leaves home with our own dK/dV of the lane
                 assert self.dk_acc is not None and self.dv_acc is not None
                 _leave_home(grads, tr_out, self.dk_acc, self.dv_acc)
-            self.returns[tr_out] = self.lane_messages.pop(lane_index)
+            self.outbox[tr_out] = self.lane_messages.pop(lane_index)
             del grads
         if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
             self.dk_acc = self.dv_acc = None  # every row and head travels: nothing stays home
 
-    def add_returned(self, transfers: Sequence[Transfer]) -> None:
+    def arrive(self, op: Op) -> None:
+        _arrive(op, self.poster, self.held)
+
+    def end(self, op: Op) -> None:
+        self.held.clear()
+
+    def home(self, op: Op) -> None:
+        """HOME: the dK/dV accumulators of the last steps home at last."""
+        self.dk, self.dv = _accumulators_home(
+            self.comm, self.poster, op.transfers, self.dk_acc, self.dv_acc, self.k, self.acc
+        )
+
+    def returns(self, op: Op) -> None:
         """RETURNS: the dQ partials of a step, those the compute's poll has not added yet."""
-        for tr in transfers:
+        for tr in op.transfers:
             rec = self.poster.pending.pop(tr, None)
             if rec is not None:
                 (dq_part,) = rec.wait()
                 _rows_heads(self.dq_acc, tr)[...] += dq_part
 
 
-class _StepRanges:
-    """The profiler range of each step, ``tokenring.<strategy>.<pass>.step<t>``: entered at a
-    program's STEP, left at the next STEP or END (or when the pass fails)."""
-
-    def __init__(self, sched: Schedule) -> None:
-        self.prefix = f"tokenring.{sched.strategy.value}.{sched.pass_.value}.step"
-        self.current: Any = None
-
-    def __enter__(self) -> _StepRanges:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.exit()
-
-    def enter(self, step: int) -> None:
-        self.exit()
-        self.current = record_function(f"{self.prefix}{step}")
-        self.current.__enter__()
-
-    def exit(self) -> None:
-        if self.current is not None:
-            self.current.__exit__(None, None, None)
-            self.current = None
-
-
 def _arrive(op: Op, poster: SlotPoster, held: dict[int, _Held]) -> None:
     """ARRIVE: the travelling blocks of the step become the held ones of their lanes."""
     for tr in op.transfers:
         held[tr.lane] = _Held.arrived(poster.pending.pop(tr))
-
-
-def _sent(comm: Communicator, step: int) -> None:
-    """SENT, Note [Buffers in flight]: the blocks sent on this step (their peers' blocks have
-    just arrived here), and the returns sent two steps ago, are done."""
-    comm.wait_sends_through(step, Flow.TRAVEL)
-    comm.wait_sends_through(step - 2, Flow.RETURN)
 
 
 def _leave_home(

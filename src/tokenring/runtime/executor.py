@@ -1,0 +1,123 @@
+"""The one executor: runs a rank program (``tokenring.runtime.program``) on this rank.
+
+Every strategy's pass is a :class:`PassRunner`: the state its program's ops work on, with one
+method per op that touches tensors (compute, merge, take what arrived). :func:`execute`
+walks the program and does the rest itself, the same way for every strategy: it posts each
+slot through the runner's ``SlotPoster`` (receives first, sends filled by
+:meth:`PassRunner.provide`), waits for the sends an op names, and opens one profiler range
+per step (``tokenring.<strategy>.<pass>.step<t>``). The simulator (``tokenring.model.simulate``)
+replays the same programs, so what is priced is what runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from tokenring.core.schedule import Schedule, Transfer
+from tokenring.runtime.comm import Communicator, Message
+from tokenring.runtime.program import Op, OpKind
+from tokenring.runtime.slots import SlotPoster
+
+__all__ = ["PassRunner", "execute"]
+
+
+class PassRunner:
+    """One pass of one strategy on one rank, as :func:`execute` drives it (Note [Rank program]
+    in tokenring.runtime.program has what each op means). Subclasses set ``sched``, ``comm``
+    and ``poster`` and override the ops their programs contain; an op a program contains but
+    its runner does not implement fails loudly."""
+
+    sched: Schedule
+    comm: Communicator
+    poster: SlotPoster
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        """The tensors (or the message) of the send ``tr``, when its slot is posted."""
+        raise NotImplementedError(f"{type(self).__name__} sends nothing")
+
+    def delta(self, op: Op) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
+
+    def begin(self, op: Op) -> None:
+        """STEP: whatever the step needs before its first slot (nothing by default)."""
+
+    def compute(self, op: Op) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
+
+    def pass_on(self, op: Op) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
+
+    def arrive(self, op: Op) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
+
+    def returns(self, op: Op) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
+
+    def end(self, op: Op) -> None:
+        """END: after the last step (nothing by default)."""
+
+    def home(self, op: Op) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
+
+
+def execute(program: Sequence[Op], runner: PassRunner) -> None:
+    """Run ``program`` with ``runner``: POST, SENT and SENT_ALL here, every other op by the
+    runner's method of its name; one profiler range per step."""
+    comm, poster = runner.comm, runner.poster
+    with _StepRanges(runner.sched) as ranges:
+        for op in program:
+            kind = op.kind
+            if kind is OpKind.POST:
+                poster.post(op.step, op.index, runner.provide)
+            elif kind is OpKind.COMPUTE:
+                runner.compute(op)
+            elif kind is OpKind.STEP:
+                ranges.enter(op.step)
+                runner.begin(op)
+            elif kind is OpKind.ARRIVE:
+                runner.arrive(op)
+            elif kind is OpKind.SENT:
+                comm.wait_sent(op.transfers)
+            elif kind is OpKind.RETURNS:
+                runner.returns(op)
+            elif kind is OpKind.PASS:
+                runner.pass_on(op)
+            elif kind is OpKind.DELTA:
+                runner.delta(op)
+            elif kind is OpKind.END:
+                ranges.exit()
+                runner.end(op)
+            elif kind is OpKind.HOME:
+                runner.home(op)
+            else:
+                assert kind is OpKind.SENT_ALL, kind
+                comm.wait_sends()
+
+
+class _StepRanges:
+    """The profiler range of each step, ``tokenring.<strategy>.<pass>.step<t>``: entered at a
+    program's STEP, left at the next STEP or END (or when the pass fails)."""
+
+    def __init__(self, sched: Schedule) -> None:
+        self.prefix = f"tokenring.{sched.strategy.value}.{sched.pass_.value}.step"
+        self.current: Any = None
+
+    def __enter__(self) -> _StepRanges:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.exit()
+
+    def enter(self, step: int) -> None:
+        self.exit()
+        self.current = record_function(f"{self.prefix}{step}")
+        self.current.__enter__()
+
+    def exit(self) -> None:
+        if self.current is not None:
+            self.current.__exit__(None, None, None)
+            self.current = None
