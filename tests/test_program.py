@@ -1,5 +1,5 @@
-"""The ring runtime's rank programs (Note [Rank program]): every transfer, segment and slot of
-a rank exactly once, in an order that can run, and the simulator replaying them."""
+"""The rank programs (Note [Rank program]) of every strategy: every transfer, segment and slot
+of a rank exactly once, in an order that can run, and the simulator replaying them."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 
-from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Schedule
+from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Schedule, Strategy
 from tokenring.model.costmodel import PRESETS
 from tokenring.model.simulate import simulate_pass
-from tokenring.runtime.program import Op, OpKind, ring_program
+from tokenring.runtime.program import Op, OpKind, program_of, ring_program
 from tokenring.strategies import build_schedule
+from tokenring.strategies.collective import build_collective_schedule
+from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
 RING_STRATEGIES = ("token_ring", "ring", "bidir_ring", "bidir_token_ring")
 WAITS_FOR_RECEIVES = (OpKind.ARRIVE, OpKind.PASS, OpKind.RETURNS, OpKind.HOME)
@@ -51,59 +53,214 @@ def test_a_program_takes_each_transfer_and_segment_once_in_order(strategy: str) 
 def _check(sched: Schedule, rank: int, program: tuple[Op, ...]) -> list[str]:
     problems: list[str] = []
     posted: list[tuple[int, int]] = []
+    posts: Counter[object] = Counter()
     computed: list[tuple[int, int]] = []
     received: Counter[object] = Counter()
     sends_done: Counter[object] = Counter()
     backward = sched.pass_ is Pass.BACKWARD
+    hybrid = sched.strategy is Strategy.HYBRID
+    ring_steps = range(1, sched.num_steps - 1) if hybrid else range(sched.num_steps)
+    if sched.strategy.is_collective:
+        ring_steps = range(0)
     for op in program:
         if op.kind is OpKind.POST:
             posted.append((op.step, op.index))
+            for tr in op.transfers:
+                posts[tr] += 1
+                n = len(sched.steps[rank][op.step].segments)
+                done = sum(1 for t, _ in computed if t == op.step)
+                mine = tr.src == rank or (tr.dst == rank and tr.step in ring_steps)
+                if tr.step != op.step or (mine and tr.after_segments != op.index):
+                    problems.append(f"POST {(op.step, op.index)} posts {tr}")
+                if tr.src == rank and done != min(tr.after_segments, n):
+                    problems.append(f"{tr} posted after {done} segments")
         elif op.kind is OpKind.COMPUTE:
             computed.append((op.step, op.index))
         elif op.kind in WAITS_FOR_RECEIVES:
             for tr in op.transfers:
                 received[tr] += 1
-                if (tr.step, tr.after_segments) not in posted:
-                    problems.append(f"{op.kind} waits for {tr} before its slot is posted")
-                want = {
-                    OpKind.ARRIVE: tr.payload.flow is Flow.TRAVEL,
-                    OpKind.PASS: tr.payload is Payload.DKV,
-                    OpKind.HOME: tr.payload is Payload.DKV,
-                    OpKind.RETURNS: tr.payload is (Payload.DQ if backward else Payload.OUT),
-                }[op.kind]
+                if tr.dst != rank or not posts[tr]:
+                    problems.append(f"{op.kind} waits for {tr} before it is posted")
+                if tr.step in ring_steps:
+                    want = {
+                        OpKind.ARRIVE: tr.payload.flow is Flow.TRAVEL,
+                        OpKind.PASS: tr.payload is Payload.DKV,
+                        OpKind.HOME: tr.payload is Payload.DKV,
+                        OpKind.RETURNS: tr.payload is (Payload.DQ if backward else Payload.OUT),
+                    }[op.kind]
+                else:  # the collectives' and the hybrid's all-to-alls
+                    want = {
+                        OpKind.ARRIVE: tr.payload.flow is Flow.TRAVEL and tr.step == 0,
+                        OpKind.RETURNS: tr.payload.flow is Flow.RETURN
+                        or (hybrid and tr.step == sched.num_steps - 1),
+                    }.get(op.kind, False)
                 if not want:
-                    problems.append(f"{op.kind} waits for a {tr.payload}")
+                    problems.append(f"{op.kind} waits for a {tr.payload} of step {tr.step}")
         elif op.kind in (OpKind.SENT, OpKind.SENT_ALL):
             for tr in op.transfers:
                 sends_done[tr] += 1
-                if (tr.step, tr.after_segments) not in posted:
+                if tr.src != rank or not posts[tr]:
                     problems.append(f"{op.kind} waits for {tr} before it is sent")
     mine_in = [tr for tr in sched.transfers if tr.dst == rank]
     mine_out = [tr for tr in sched.transfers if tr.src == rank]
     if sorted(map(repr, received.elements())) != sorted(map(repr, mine_in)):
         problems.append("receives waited for != the rank's receives (each once)")
+    if sorted(map(repr, posts.elements())) != sorted(map(repr, mine_in + mine_out)):
+        problems.append("transfers posted != the rank's transfers (each once)")
     if set(sends_done) != set(mine_out):
         problems.append("sends waited for != the rank's sends")
-    slots = sorted({(tr.step, tr.after_segments) for tr in (*mine_in, *mine_out)})
-    if sorted(posted) != slots or posted != sorted(posted):
-        problems.append(f"slots posted {posted} != the rank's slots in order {slots}")
+    if posted != sorted(posted):
+        problems.append(f"slots posted out of order: {posted}")
+    if sched.strategy.is_ring:
+        slots = sorted({(tr.step, tr.after_segments) for tr in (*mine_in, *mine_out)})
+        if posted != slots:
+            problems.append(f"slots posted {posted} != the rank's slots in order {slots}")
     segments = [
         (t, k) for t in range(sched.num_steps) for k in range(len(sched.steps[rank][t].segments))
     ]
     if computed != segments:
         problems.append(f"segments computed {computed} != {segments}")
-    for at, op in enumerate(program):  # a return slot after segment k: only once it exists
-        if op.kind is OpKind.POST and op.index > 0:
-            n = len(sched.steps[rank][op.step].segments)
-            done = [c for c in program[:at] if c.kind is OpKind.COMPUTE and c.step == op.step]
-            if len(done) < min(op.index, n):
-                problems.append(f"slot {(op.step, op.index)} posted before its segments")
     kinds = [op.kind for op in program]
     if kinds[-1] is not OpKind.SENT_ALL or kinds.count(OpKind.END) != 1:
         problems.append("a program ends with END ... SENT_ALL")
-    if backward != (kinds[0] is OpKind.DELTA):
-        problems.append("the backward (only) starts with DELTA")
+    if backward != (OpKind.DELTA in kinds) or kinds.count(OpKind.DELTA) > 1:
+        problems.append("the backward (only) has one DELTA")
+    elif backward and (OpKind.COMPUTE in kinds[: kinds.index(OpKind.DELTA)]):
+        problems.append("DELTA after a COMPUTE")
+    if not hybrid and backward and kinds[0] is not OpKind.DELTA:
+        problems.append("the backward starts with DELTA")
     return problems
+
+
+def _collective_cases() -> list[tuple[str, str, str, int, int, int, int]]:
+    grid = itertools.product(
+        ("ulysses", "allgather_kv"),
+        ("forward", "backward"),
+        ("contiguous", "zigzag"),
+        (False, True),
+    )
+    heads = ((4, 2), (6, 3), (2, 1))  # GQA, shares off the groups, fewer heads than ranks
+    sizes = (1, 2, 3, 4, 8)
+    return [(*case, p, hq, hkv) for case in grid for p in sizes for hq, hkv in heads]
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "allgather_kv"])
+def test_a_collective_program_takes_each_transfer_and_segment_once_in_order(strategy: str) -> None:
+    """The checks above on Ulysses' and all-gather K/V's programs (Note [Collective rank
+    program]), and where they wait: Ulysses' kernel after every receive of slot 0, its shares
+    joined after every send; all-gather K/V's round k after the K/V of r + k arrived, that
+    receive posted with the round's own send to r - k, at most two rounds in flight forward
+    and one backward, and each dK/dV partial of r - k added before the next round."""
+    failures = []
+    for name, pass_, layout, causal, p, hq, hkv in _collective_cases():
+        if name != strategy:
+            continue
+        sched = build_collective_schedule(
+            name, pass_, layout=layout, causal=bool(causal), world_size=p, seq_local=8,
+            heads_q=hq, heads_kv=hkv,
+        )  # fmt: skip
+        case = (pass_, layout, causal, p, hq, hkv)
+        for rank in range(p):
+            program = program_of(sched, rank)
+            assert program is program_of(sched, rank), "memoised on the schedule"
+            problems = _check(sched, rank, program)
+            check = _check_ulysses if name == "ulysses" else _check_allgather
+            problems += check(sched, rank, program)
+            failures += [(case, rank, what) for what in problems]
+    assert not failures, failures[:10]
+
+
+def _check_ulysses(sched: Schedule, rank: int, program: tuple[Op, ...]) -> list[str]:
+    kinds = [op.kind for op in program]
+    travel = [tr for tr in sched.recvs(rank, 0) if tr.payload.flow is Flow.TRAVEL]
+    (arrive,) = [op for op in program if op.kind is OpKind.ARRIVE]
+    problems = [] if set(arrive.transfers) == set(travel) else ["ARRIVE != the travel receives"]
+    if OpKind.COMPUTE in kinds and kinds.index(OpKind.COMPUTE) < kinds.index(OpKind.ARRIVE):
+        problems.append("the kernel runs before its heads arrived")
+    (sent,) = [op for op in program if op.kind is OpKind.SENT]
+    if set(sent.transfers) != set(sched.sends(rank, 0)):
+        problems.append("SENT != every send")
+    if not kinds.index(OpKind.SENT) < kinds.index(OpKind.RETURNS) < kinds.index(OpKind.END):
+        problems.append("the shares are joined after every send, before END")
+    return problems
+
+
+def _check_allgather(sched: Schedule, rank: int, program: tuple[Op, ...]) -> list[str]:
+    p, s = sched.world_size, sched.seq_local
+    backward = sched.pass_ is Pass.BACKWARD
+    problems = []
+    in_flight: list[int] = []  # owners of the K/V posted and not arrived yet, in order
+    arrived, added, most = {rank}, 0, 0
+    segments = sched.steps[rank][0].segments
+    for op in program:
+        if op.kind is OpKind.POST:
+            recvs = [tr for tr in op.transfers if tr.dst == rank]
+            sends = [tr for tr in op.transfers if tr.src == rank]
+            if len(recvs) != 1 or len(sends) != 1 or recvs[0].payload is not sends[0].payload:
+                problems.append(f"a round posts one receive with its own send: {op.transfers}")
+                continue
+            sign = 1 if recvs[0].payload is Payload.KV else -1  # K/V from r + k, dK/dV r - k
+            k = sign * (recvs[0].src - rank) % p
+            if sends[0].dst != (rank - sign * k) % p:
+                problems.append(f"round {k} sends {sends[0].payload} to {sends[0].dst}")
+            if sign == 1:
+                in_flight.append(recvs[0].owner)
+                most = max(most, len(in_flight))
+            elif added != k - 1:
+                problems.append(f"dK/dV of round {k} posted after {added} came back")
+        elif op.kind is OpKind.ARRIVE:
+            (tr,) = op.transfers
+            if in_flight[:1] != [tr.owner]:
+                problems.append(f"K/V of {tr.owner} arrives out of order: {in_flight}")
+            else:
+                in_flight.pop(0)
+            arrived.add(tr.owner)
+        elif op.kind is OpKind.COMPUTE:
+            owner = segments[op.index].pieces[0].kv_rows[0] // s
+            if owner not in arrived:
+                problems.append(f"round of {owner} computed before its K/V arrived")
+            if backward and owner != rank and added != (owner - rank) % p - 1:
+                problems.append(f"round of {owner} computed before the last dK/dV came back")
+        elif op.kind is OpKind.RETURNS:
+            added += len(op.transfers)
+    if in_flight or len(arrived) != p or added != (p - 1 if backward else 0):
+        problems.append("not every round arrived (and, backward, came back)")
+    if most != min(1 if backward else 2, p - 1):
+        problems.append(f"{most} rounds of K/V in flight at once")
+    return problems
+
+
+def test_the_hybrid_program_is_its_all_to_alls_around_the_outer_ring() -> None:
+    """The checks above on the hybrid (Note [Hybrid rank program]), and its ops of steps
+    1 .. n are the outer ring's program but its END; the all-to-alls wait for every receive
+    and every send (blocking calls in the runtime)."""
+    failures = []
+    for outer, pass_, (layout, causal), (p, inner) in itertools.product(
+        ("token_ring", "ring", "bidir_ring"),
+        ("forward", "backward"),
+        (("zigzag", True), ("contiguous", False)),
+        ((2, 2), (4, 2), (6, 3), (4, 1)),
+    ):
+        spec = HybridSpec(inner=inner, outer_strategy=outer)
+        sched = build_hybrid_schedule(
+            pass_, spec=spec, layout=layout, causal=causal, world_size=p, seq_local=8,
+            heads_q=6 * inner, heads_kv=2 * inner,
+        )  # fmt: skip
+        n = sched.num_steps - 2
+        for rank in range(p):
+            program = program_of(sched, rank)
+            problems = _check(sched, rank, program)
+            ring = [op for op in ring_program(sched, rank, range(1, n + 1))]
+            ring.remove(next(op for op in ring if op.kind is OpKind.END))
+            start = [op.kind for op in program].index(OpKind.SENT) + 1  # after step 0's
+            if list(program[start : start + len(ring)]) != ring:
+                problems.append("the ring's ops are not the outer ring's program")
+            for t in (0, n + 1):
+                ops = [op for op in program if op.step == t and op.kind is OpKind.SENT]
+                if [set(op.transfers) for op in ops] != [set(sched.sends(rank, t))]:
+                    problems.append(f"the all-to-all of step {t} does not wait for its sends")
+            failures += [((outer, pass_, layout, p, inner), rank, what) for what in problems]
+    assert not failures, failures[:10]
 
 
 def test_returns_are_waited_for_two_steps_after_they_were_sent() -> None:
@@ -152,3 +309,29 @@ def test_the_event_engine_replays_the_program() -> None:
                 for tr in op.transfers:
                     later = start_of[op.step + 2]
                     assert [ev for ev in merges if ev.step == tr.step and ev.start_s >= later]
+
+
+def test_the_event_engine_replays_a_collective_program() -> None:
+    """A10 preset, all-gather K/V backward, P = 4: one compute bar per COMPUTE op, and the bar
+    of a segment of round k starts once the K/V of round k and the dK/dV partial of round
+    k - 1 have arrived, as the program's ARRIVE and RETURNS wait for them."""
+    shape = AttentionShape(heads_q=32, heads_kv=8, head_dim=128, dtype="float16")
+    kw: dict[str, Any] = dict(layout="zigzag", causal=True, world_size=4, seq_local=4096)
+    result = simulate_pass(
+        "allgather_kv", "backward", shape=shape, hardware=PRESETS["a10-pcie"], mode="event", **kw
+    )
+    sched = build_collective_schedule("allgather_kv", "backward", heads_q=32, heads_kv=8, **kw)
+    assert result.timeline is not None
+    p, s = 4, 4096
+    for rank, events in enumerate(result.timeline):
+        segments = sched.steps[rank][0].segments
+        bars = sorted((ev for ev in events if ev.kind == "compute"), key=lambda ev: ev.start_s)
+        assert len(bars) == sum(op.kind is OpKind.COMPUTE for op in program_of(sched, rank))
+        came = {(ev.label, ev.peer): ev.end_s for ev in events if ev.kind == "recv"}
+        assert len(came) == 2 * (p - 1)
+        for bar, segment in zip(bars, segments, strict=True):
+            k = (segment.pieces[0].kv_rows[0] // s - rank) % p
+            if k >= 1:
+                assert bar.start_s >= came[("kv", (rank + k) % p)]
+            if k >= 2:
+                assert bar.start_s >= came[("dkv", (rank - k + 1) % p)]

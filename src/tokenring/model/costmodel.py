@@ -627,17 +627,19 @@ def resource_bytes(
 
 
 def exposed_transfers(schedule: Schedule) -> tuple[Transfer, ...]:
-    """Transfers posted after their sender's last compute of the pass: nothing overlaps them.
+    """Returns posted after their sender's last compute of the pass: nothing overlaps them.
 
     TokenRing: the return of the last slice of the last block; Ring backward: the dK/dV
-    accumulator's hop home.
+    accumulator's hop home. A travel transfer is never exposed: its receiver computes with it
+    (all-gather K/V's later rounds, posted after a causal rank's last segment, overlap the
+    compute of the ranks that read them).
     """
     last = schedule.num_steps - 1
     out = []
     for r in range(schedule.world_size):
         num_segments = len(schedule.steps[r][last].segments)
         for tr in schedule.sends(r, last):
-            if tr.after_segments >= max(1, num_segments):
+            if tr.payload.flow is Flow.RETURN and tr.after_segments >= max(1, num_segments):
                 out.append(tr)
     return tuple(out)
 

@@ -14,16 +14,17 @@ P world size, t step, r rank, F achieved FLOP/s.
 
 Note [Replaying the rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The event engine does not mirror the ring runtime: it replays each rank's own program, the
-tuple of ops ``tokenring.runtime.ring`` executes (``ring_program``, Note [Rank program] in
-tokenring.runtime.program), one action per op: a COMPUTE is its pieces' FLOPs over F (then
-the merge or dQ add of the rank's own rows), a POST starts the slot's transfers, ARRIVE /
-SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for each and add its
-merge or accumulation. The collective strategies and the hybrid's all-to-alls have programs
-of their own here (Note [Collective rank program], Note [Hybrid rank program]); the hybrid's
-outer ring replays the ring program of its steps.
+The event engine does not mirror the runtime: it replays each rank's own program, the tuple
+of ops the executor runs (``program_of``, Note [Rank program] in tokenring.runtime.program;
+the collectives' and the hybrid's too), one action per op: a COMPUTE is its pieces' FLOPs
+over F (a Ulysses rank's over its head share; then the merge or dQ add of the rank's own
+rows), a POST marks its transfers posted at this end, ARRIVE / SENT / SENT_ALL wait for
+their transfers, and PASS / RETURNS / HOME wait for each and add its merge or accumulation.
+Memory-bound work (DELTA, merges, adds) is priced on the steps that run a ring program only
+(:func:`_ring_steps`): the collectives' gathers and adds and the hybrid's all-to-alls are
+waits, nothing more.
 
-A transfer starts when both ends have posted its slot (a P2P send cannot progress before the
+A transfer starts when both ends have posted it (a P2P send cannot progress before the
 matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
 Merges and accumulations are memory-bound: their bytes (``costmodel.merge_bytes``) over the
 device's memory bandwidth.
@@ -105,7 +106,7 @@ from tokenring.model.costmodel import (
 )
 from tokenring.model.netlab import Topology
 from tokenring.runtime.comm import Event
-from tokenring.runtime.program import OpKind, ring_program
+from tokenring.runtime.program import OpKind, program_of
 from tokenring.strategies import build_schedule
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
@@ -233,7 +234,7 @@ def _add_bytes(num_rows: int, heads: int, dims: AttentionShape, *, pairs: int = 
 
 
 # -- event engine ------------------------------------------------------------------------------
-_STEP, _POST, _COMPUTE, _MERGE, _WAIT, _WAIT_SENDS = range(6)
+_STEP, _POST, _COMPUTE, _MERGE, _WAIT = range(5)
 _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 
 
@@ -270,35 +271,15 @@ class _EventEngine:
             self.flow_res.append(ids)
             self.flow_lat.append(lat)
             self.flow_bytes.append(float(tr.num_bytes(dims)))
-        # Slots: which transfers each rank sends / receives in slot (step, after).
-        self.slot_sends: dict[tuple[int, int, int], list[int]] = {}
-        self.slot_recvs: dict[tuple[int, int, int], list[int]] = {}
-        self.step_sends: dict[tuple[int, int], list[int]] = {}
-        self.step_recvs: dict[tuple[int, int], list[int]] = {}
-        # All-gather K/V rounds are all-to-alls in which a rank sends to r - k and receives
-        # from r + k (Note [All-gather K/V rounds]): its receive is posted with its own send.
-        shift_posted = {
-            (tr.payload, tr.src, tr.dst): tr.after_segments
-            for tr in self.transfers
-            if sched.strategy is Strategy.ALLGATHER_KV
-        }
-        for i, tr in enumerate(self.transfers):
-            recv_after = shift_posted.get(
-                (tr.payload, tr.dst, (2 * tr.dst - tr.src) % sched.world_size), tr.after_segments
-            )
-            self.slot_sends.setdefault((tr.src, tr.step, tr.after_segments), []).append(i)
-            self.slot_recvs.setdefault((tr.dst, tr.step, recv_after), []).append(i)
-            self.step_sends.setdefault((tr.src, tr.step), []).append(i)
-            self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
-        if sched.strategy is Strategy.HYBRID:
-            self.programs = [self._hybrid_program(r) for r in range(p)]
-        elif sched.strategy.is_collective:
-            self.programs = [self._collective_program(r) for r in range(p)]
-        else:
-            self.programs = [
-                self._ring_program(r, range(sched.num_steps), dims, sched.seq_local)
-                for r in range(p)
-            ]
+        # The hybrid's outer ring runs fewer heads over longer shards than the schedule's P
+        # ranks: its merges are priced with its own dims (Note [Hybrid rank program] in
+        # tokenring.runtime.program).
+        inner = getattr(sched, "inner", 1)
+        self.ring_dims = replace(
+            dims, heads_q=dims.heads_q // inner, heads_kv=dims.heads_kv // inner
+        )
+        self.ring_seq_local = inner * sched.seq_local
+        self.programs = [self._actions(r) for r in range(p)]
 
     def busiest(self) -> tuple[str, int, float]:
         """(name, bytes, seconds) of the resource with the most bytes / bandwidth, counting
@@ -317,21 +298,22 @@ class _EventEngine:
                 best = (str(resource), int(load[index]), seconds)
         return best
 
-    # The event engine's actions for the ring runtime's own program (Note [Rank program] in
-    # tokenring.runtime.program), steps ``steps`` of the schedule: ``dims`` and ``seq_local``
-    # of that ring (the hybrid's outer ring has fewer heads and longer shards than the
-    # schedule's P ranks).
-    def _ring_program(
-        self, r: int, steps: range, dims: AttentionShape, seq_local: int
-    ) -> list[tuple[Any, ...]]:
-        sched, mem = self.sched, self.mem
+    def _actions(self, r: int) -> list[tuple[Any, ...]]:
+        """The engine's actions for rank ``r``'s program (Note [Replaying the rank program])."""
+        sched, mem, dims = self.sched, self.mem, self.ring_dims
         forward = sched.pass_ is Pass.FORWARD
         label = "attn" if forward else "attn_bwd"
-
-        def waits(transfers: tuple[Transfer, ...]) -> list[tuple[Any, ...]]:
-            return [(_WAIT, self.fid[tr]) for tr in transfers]
+        ring_steps = _ring_steps(sched)
+        share = 1.0  # a Ulysses rank's pieces cover only its query heads
+        if sched.strategy is Strategy.ULYSSES:
+            heads = ulysses_heads(
+                world_size=sched.world_size, heads_q=dims.heads_q, heads_kv=dims.heads_kv
+            )
+            share = heads[r].num_q / dims.heads_q
 
         def added(tr: Transfer) -> list[tuple[Any, ...]]:  # wait for a return, merge or add it
+            if tr.step not in ring_steps:
+                return [(_WAIT, self.fid[tr])]
             heads = tr.heads[1] - tr.heads[0] if tr.heads is not None else None
             if tr.payload is Payload.OUT:
                 cost, what = merge_bytes(tr.num_rows, dims, heads), "merge"
@@ -343,20 +325,24 @@ class _EventEngine:
             return [(_WAIT, self.fid[tr]), (_MERGE, cost / mem, tr.step, what)]
 
         prog: list[tuple[Any, ...]] = []
-        for op in ring_program(sched, r, steps):
+        for op in program_of(sched, r):
             kind, t = op.kind, op.step
             if kind is OpKind.DELTA:
-                prog.append((_MERGE, _delta_bytes(seq_local, dims) / mem, steps.start, "delta"))
+                if t in ring_steps:
+                    delta = _delta_bytes(self.ring_seq_local, dims) / mem
+                    prog.append((_MERGE, delta, t, "delta"))
             elif kind in (OpKind.STEP, OpKind.END):
                 prog.append((_STEP, t))
             elif kind is OpKind.POST:
-                prog.append((_POST, t, op.index))
+                sends = tuple(self.fid[tr] for tr in op.transfers if tr.src == r)
+                recvs = tuple(self.fid[tr] for tr in op.transfers if tr.dst == r)
+                prog.append((_POST, sends, recvs))
             elif kind is OpKind.COMPUTE:
                 plan = sched.steps[r][t]
                 segment = plan.segments[op.index]
-                flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+                flops = share * sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
                 prog.append((_COMPUTE, flops / self.flops_per_s, t, label))
-                if plan.q_owner == r:  # its own rows merged (dQ added) at once
+                if plan.q_owner == r and t in ring_steps:  # own rows merged (dQ added) at once
                     rows = segment.q_rows[1] - segment.q_rows[0]
                     own = (
                         merge_bytes(rows, dims) if forward else _add_bytes(rows, dims.heads_q, dims)
@@ -365,79 +351,7 @@ class _EventEngine:
             elif kind in (OpKind.PASS, OpKind.RETURNS, OpKind.HOME):
                 prog += [action for tr in op.transfers for action in added(tr)]
             else:  # ARRIVE, SENT, SENT_ALL: the receives or sends have arrived
-                prog += waits(op.transfers)
-        return prog
-
-    # Note [Hybrid rank program]: the inner all-to-all (step 0: post, wait for every receive),
-    # the outer ring's program on steps 1..n with the per-rank heads and the outer shard's
-    # length, then the all-to-all back (step n+1); see Note [Hybrid schedule] in
-    # tokenring.hybrid. The all-to-alls are blocking calls in the runtime: nothing overlaps them.
-    def _hybrid_program(self, r: int) -> list[tuple[Any, ...]]:
-        sched = self.sched
-        inner = getattr(sched, "inner", 1)
-        n = sched.num_steps - 2
-        ring_dims = replace(
-            self.dims, heads_q=self.dims.heads_q // inner, heads_kv=self.dims.heads_kv // inner
-        )
-
-        def all_to_all(t: int) -> list[tuple[Any, ...]]:
-            waits = [(_WAIT, i) for i in self.step_recvs.get((r, t), ())]
-            return [(_STEP, t), (_POST, t, 0), *waits]
-
-        return [
-            *all_to_all(0),
-            *self._ring_program(r, range(1, n + 1), ring_dims, inner * sched.seq_local),
-            *all_to_all(n + 1),
-            (_STEP, n + 2),
-            (_WAIT_SENDS,),
-        ]
-
-    # Note [Collective rank program]: one step. A segment that reads other ranks' data (every
-    # Ulysses segment; all-gather K/V's remote blocks) first waits for all of the step's
-    # travel receives, as the all-to-all / all-gather must land before that kernel runs; a
-    # rank's own block (all-gather K/V's local segment) overlaps them. Returns are posted in
-    # their slots and awaited at the end. Ulysses ranks compute over their head share only.
-    def _collective_program(self, r: int) -> list[tuple[Any, ...]]:
-
-        sched, dims = self.sched, self.dims
-        forward = sched.pass_ is Pass.FORWARD
-        label = "attn" if forward else "attn_bwd"
-        heads_share = 1.0  # a Ulysses rank's pieces cover only its query heads
-        if sched.strategy is Strategy.ULYSSES:
-            share = ulysses_heads(
-                world_size=sched.world_size, heads_q=dims.heads_q, heads_kv=dims.heads_kv
-            )[r]
-            heads_share = share.num_q / dims.heads_q
-        travel = [
-            i
-            for i in self.step_recvs.get((r, 0), ())
-            if self.transfers[i].payload.flow is Flow.TRAVEL
-        ]
-        prog: list[tuple[Any, ...]] = [(_STEP, 0), (_POST, 0, 0)]
-        waited = False
-        plan = sched.steps[r][0]
-        pending = list(travel)
-        for k, segment in enumerate(plan.segments):
-            if sched.strategy is Strategy.ALLGATHER_KV:  # rounds: only the owners it reads
-                owners = {pc.kv_rows[0] // sched.seq_local for pc in segment.pieces}
-                needed = [i for i in pending if self.transfers[i].owner in owners - {r}]
-                prog += [(_WAIT, i) for i in needed]
-                pending = [i for i in pending if i not in needed]
-            elif not waited:
-                prog += [(_WAIT, i) for i in travel]
-                pending, waited = [], True
-            flops = heads_share * sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
-            prog.append((_COMPUTE, flops / self.flops_per_s, 0, label))
-            prog.append((_POST, 0, k + 1))
-        # Slots after segments it has none of (a Ulysses rank with no head: P > Hq) are
-        # still posted, so that the transfers of those slots can start.
-        slots = [tr.after_segments for tr in (*sched.sends(r, 0), *sched.recvs(r, 0))]
-        last_slot = max(slots, default=0)
-        prog += [(_POST, 0, k) for k in range(len(plan.segments) + 1, last_slot + 1)]
-        prog += [(_WAIT, i) for i in pending]
-        returns = [i for i in self.step_recvs.get((r, 0), ()) if i not in travel]
-        prog += [(_WAIT, i) for i in returns]
-        prog += [(_STEP, 1), (_WAIT_SENDS,)]
+                prog += [(_WAIT, self.fid[tr]) for tr in op.transfers]
         return prog
 
     def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
@@ -454,10 +368,6 @@ class _EventEngine:
         active: list[set[int]] = [set() for _ in self.res_cap]
         pc = [0] * p
         waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
-        sends_left = [0] * p
-        for tr in self.transfers:
-            sends_left[tr.src] += 1
-        waiting_sends: set[int] = set()
         finish = [math.nan] * p
         num_steps = self.sched.num_steps
         step_start: list[list[float]] = [[math.nan] * (num_steps + 1) for _ in range(p)]
@@ -482,11 +392,11 @@ class _EventEngine:
                 dirty.add(res)
             fresh.append(i)
 
-        def post(r: int, t: int, after: int, now: float) -> None:
-            for i in self.slot_sends.get((r, t, after), ()):
+        def post(sends: tuple[int, ...], recvs: tuple[int, ...], now: float) -> None:
+            for i in sends:
                 sender_ready[i] = now
                 maybe_start(i, now)
-            for i in self.slot_recvs.get((r, t, after), ()):
+            for i in recvs:
                 receiver_ready[i] = now
                 maybe_start(i, now)
 
@@ -498,7 +408,7 @@ class _EventEngine:
                 if kind == _STEP:
                     step_start[r][action[1]] = now
                 elif kind == _POST:
-                    post(r, action[1], action[2], now)
+                    post(action[1], action[2], now)
                 elif kind in (_COMPUTE, _MERGE):
                     duration = action[1]
                     if duration > 0:
@@ -508,12 +418,8 @@ class _EventEngine:
                         pc[r] += 1
                         push(now + duration, _RESUME, r)
                         return
-                elif kind == _WAIT:
-                    if arrival[action[1]] is None:
-                        waiting.setdefault(action[1], []).append(r)
-                        return
-                elif kind == _WAIT_SENDS and sends_left[r] > 0:
-                    waiting_sends.add(r)
+                elif kind == _WAIT and arrival[action[1]] is None:
+                    waiting.setdefault(action[1], []).append(r)
                     return
                 pc[r] += 1
             finish[r] = now
@@ -526,11 +432,6 @@ class _EventEngine:
             num = int(self.flow_bytes[i])
             events[tr.src].append(Event("send", tr.payload.value, tr.step, start, now, tr.dst, num))
             events[tr.dst].append(Event("recv", tr.payload.value, tr.step, start, now, tr.src, num))
-            sends_left[tr.src] -= 1
-            if tr.src in waiting_sends and sends_left[tr.src] == 0:
-                waiting_sends.discard(tr.src)
-                pc[tr.src] += 1
-                advance(tr.src, now)
             for r in waiting.pop(i, ()):
                 pc[r] += 1
                 advance(r, now)
@@ -575,6 +476,15 @@ class _EventEngine:
         stuck = [r for r in range(p) if math.isnan(finish[r])]
         assert not stuck, f"simulation deadlocked on ranks {stuck}"
         return finish, step_start, events
+
+
+def _ring_steps(sched: Schedule) -> range:
+    """The steps of ``sched`` that run a ring strategy's program: the engine prices their
+    memory-bound work (delta, merges, adds). The collectives' (gathers, copies, dK/dV adds)
+    and the hybrid's all-to-alls' are not priced."""
+    if sched.strategy is Strategy.HYBRID:
+        return range(1, sched.num_steps - 1)
+    return range(0) if sched.strategy.is_collective else range(sched.num_steps)
 
 
 def _simulate_event(

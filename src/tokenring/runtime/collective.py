@@ -6,10 +6,11 @@ API runs them after validation and wires them into autograd.
 Note [Collectives point to point]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Both strategies send exactly the transfers of their own schedules
-(``build_collective_schedule``): Ulysses through a ``SlotPoster`` (slot 0: q or q_grad and
-K/V of each peer's heads; slot 1, after its kernel: out, or dq and dK/dV, of each peer's
-rows), all-gather K/V one ``Communicator.exchange`` per round (its send to r - k and its
-receive from r + k together, Note [All-gather K/V rounds]). So every message is a
+(``build_collective_schedule``), each pass a ``PassRunner`` that ``execute`` drives through
+the rank's program (Note [Collective rank program] in tokenring.runtime.program): Ulysses
+posts q or q_grad and K/V of each peer's heads, then, after its kernel, out, or dq and
+dK/dV, of each peer's rows; all-gather K/V posts one round at a time, its send to r - k
+with its receive from r + k (Note [All-gather K/V rounds]). So every message is a
 point-to-point message posted receives first (both directions of a pair at once on gloo,
 where ``all_to_all_single`` lets them take turns: Note [Collective routing]), laid out as
 ``tokenring.runtime.ring.message_fields`` says (K/V in Note [K/V message layout]), with a
@@ -28,20 +29,21 @@ from __future__ import annotations
 
 import enum
 import functools
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import AttentionShape, Pass, Payload, Schedule, Segment, Transfer
-from tokenring.runtime.comm import Communicator, Event, FieldSpec, Message, PendingRecv
+from tokenring.core.schedule import AttentionShape, Pass, Payload, Piece, Schedule, Transfer
+from tokenring.runtime.comm import Communicator, FieldSpec, Message
+from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
-from tokenring.runtime.ring import kv_message, kv_rows, message_fields
+from tokenring.runtime.program import Op, program_of
+from tokenring.runtime.ring import _ComputeTimer, kv_message, kv_rows, message_fields
 from tokenring.runtime.slots import SlotPoster
 from tokenring.strategies.collective import (
     CollectiveStrategy,
@@ -50,44 +52,47 @@ from tokenring.strategies.collective import (
     _build,
     ulysses_heads,
 )
-from tokenring.strategies.collective import _shift as _shift_rows
 
 __all__ = ["collective_backward", "collective_forward", "residual_fields"]
 
 
-# -- messages ------------------------------------------------------------------------------
+# -- the runners ---------------------------------------------------------------------------
 
 
-def _poster(sched: Schedule, comm: Communicator, q: torch.Tensor, k: torch.Tensor) -> SlotPoster:
-    """The schedule's messages of this rank, posted slot by slot through the communicator
-    (Note [Collectives point to point])."""
-    shape = AttentionShape.of(q, k)
-    return SlotPoster(sched.transfers, comm, functools.partial(message_fields, shape), q.device)
+class _Collective(PassRunner):
+    """What the collectives' runners share: the schedule, the communicator, the poster of
+    this rank's transfers and the compute bars of the timeline."""
 
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        scale: float,
+    ) -> None:
+        self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
+        self.rank, self.p, self.s = comm.rank, comm.world_size, q.shape[1]
+        shape = AttentionShape.of(q, k)
+        self.poster = SlotPoster(
+            sched.transfers, comm, functools.partial(message_fields, shape), q.device
+        )
+        self.timer = _ComputeTimer(comm, q.device)
 
-def _by_source(
-    poster: SlotPoster, payload: Payload, own: Sequence[torch.Tensor], rank: int, p: int
-) -> list[list[torch.Tensor] | None]:
-    """Every rank's message of ``payload`` to this rank, in rank order (this rank's: ``own``;
-    None: a rank that sends none, having no heads for it)."""
-    parts: list[list[torch.Tensor] | None] = [None] * p
-    parts[rank] = list(own)
-    for rec in poster.take(payload):
-        tensors = rec.wait()
-        if payload is Payload.KV:
-            tensors = list(kv_rows(tensors[0]))
-        parts[rec.transfer.src] = tensors
-    return parts
-
-
-def _timed(comm: Communicator, label: str) -> Callable[[], None]:
-    start = time.perf_counter()
-
-    def done() -> None:
-        if comm.timeline is not None:
-            comm.timeline.events.append(Event("compute", label, 0, start, time.perf_counter()))
-
-    return done
+    def take(
+        self, op: Op, payload: Payload, own: Sequence[torch.Tensor]
+    ) -> list[list[torch.Tensor] | None]:
+        """Every rank's message of ``payload`` among the receives of ``op``, in rank order
+        (this rank's: ``own``; None: a rank that sends none, having no heads for it)."""
+        parts: list[list[torch.Tensor] | None] = [None] * self.p
+        parts[self.rank] = list(own)
+        for tr in op.transfers:
+            if tr.payload is payload:
+                tensors = self.poster.pending.pop(tr).wait()
+                parts[tr.src] = list(kv_rows(tensors[0])) if payload is Payload.KV else tensors
+        return parts
 
 
 # -- Ulysses -------------------------------------------------------------------------------
@@ -172,72 +177,81 @@ def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
     return x[:, :, start:stop]
 
 
-def _ulysses_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: _UlyssesPlan,
-    sched: Schedule,
-    comm: Communicator,
-    kernel: BlockKernel,
-    *,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Returns out (B, s, Hq, D), lse (B, Hq, s) and the tensors the backward keeps."""
-    s = q.shape[1]
-    p, rank = comm.world_size, comm.rank
-    mine = plan.shares[rank]
-    nq = mine.num_q
-    poster = _poster(sched, comm, q, k)
-    back: list[torch.Tensor] = []  # out and lse (B, ., nq, .) in layout order, once computed
+class _UlyssesForward(_Collective):
+    """One rank's Ulysses forward (Note [Collective rank program] in
+    tokenring.runtime.program): ARRIVE gathers its heads' rows, COMPUTE runs the kernel over
+    them, RETURNS joins every share's out and lse of its own rows."""
 
-    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        plan: _UlyssesPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        super().__init__(sched, comm, kernel, q, k, scale=scale)
+        self.plan, self.causal, self.q, self.k, self.v = plan, causal, q, k, v
+        self.mine = plan.shares[self.rank]
+        self.gathered: list[torch.Tensor] = []  # q, k, v (B, S, nq or nkv, D), global order
+        self.back: list[torch.Tensor] = []  # out, lse (B, S, nq, D), (B, nq, S), layout order
+        self.out = self.lse = torch.empty(0)  # (B, s, Hq, D), (B, Hq, s), from RETURNS
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload is Payload.Q:  # my rows of the destination's heads
-            return [_heads(q, tr.heads)]
+            return [_heads(self.q, tr.heads)]
         if tr.payload is Payload.KV:  # the k, v heads they use
-            return kv_message(_heads(k, tr.heads), _heads(v, tr.heads))
-        rows = slice(tr.dst * s, (tr.dst + 1) * s)  # OUT: the destination's rows of my heads
-        return [back[0][:, rows], back[1][:, :, rows]]
+            return kv_message(_heads(self.k, tr.heads), _heads(self.v, tr.heads))
+        rows = slice(tr.dst * self.s, (tr.dst + 1) * self.s)  # OUT: their rows of my heads
+        return [self.back[0][:, rows], self.back[1][:, :, rows]]
 
-    poster.post(0, 0, provide)
-    if nq > 0:
-        qs = _by_source(poster, Payload.Q, [_heads(q, mine.q)], rank, p)
-        kvs = _by_source(poster, Payload.KV, [_heads(k, mine.kv), _heads(v, mine.kv)], rank, p)
-        qg, kg, vg = _gathered(_joined(qs, kvs), plan, 3)  # (B, S, nq, D), (B, S, nkv, D) x 2
-        del qs, kvs
-        done = _timed(comm, "attn")
-        out_g, lse_g = kernel.forward(
+    def arrive(self, op: Op) -> None:
+        if self.mine.num_q == 0:
+            return
+        qs = self.take(op, Payload.Q, [_heads(self.q, self.mine.q)])
+        own_kv = [_heads(self.k, self.mine.kv), _heads(self.v, self.mine.kv)]
+        kvs = self.take(op, Payload.KV, own_kv)
+        self.gathered = _gathered(_joined(qs, kvs), self.plan, 3)
+
+    def compute(self, op: Op) -> None:
+        plan = self.plan
+        qg, kg, vg = self.gathered  # (B, S, nq, D), (B, S, nkv, D) x 2
+        self.gathered = []
+        done = self.timer.span(0, "attn")
+        out_g, lse_g = self.kernel.forward(
             qg,
             plan.expand_kv(kg),
             plan.expand_kv(vg),
-            causal=causal and plan.visible is None,
-            scale=scale,
+            causal=self.causal and plan.visible is None,
+            scale=self.scale,
             mask=plan.visible,
         )  # (B, S, nq, D), (B, nq, S)
         done()
         del qg, kg, vg
-        back += [plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)]
-        del out_g, lse_g
-    # this rank's rows of its heads stay here: views of ``back`` until joined below
-    rows = slice(rank * s, (rank + 1) * s)
-    own = [back[0][:, rows], back[1][:, :, rows]] if back else []
-    poster.post(0, 1, provide)
-    back.clear()  # packed
-    parts = _by_source(poster, Payload.OUT, own, rank, p)
-    del own
-    outs, lses = [], []
-    for j, share in enumerate(plan.shares):
-        part = parts[j]
-        if share.num_q > 0:
-            assert part is not None, f"rank {j} sent no out"
-            outs.append(part[0])
-            lses.append(part[1])
-    del parts
-    comm.wait_sends()
-    out = torch.cat(outs, dim=2)  # (B, s, Hq, D): shares in head order
-    lse = torch.cat(lses, dim=1).contiguous()  # (B, Hq, s)
-    return out, lse, []
+        self.back = [plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)]
+
+    def returns(self, op: Op) -> None:
+        rows = slice(self.rank * self.s, (self.rank + 1) * self.s)
+        # this rank's rows of its heads stay here: views of ``back`` until joined below
+        own = [self.back[0][:, rows], self.back[1][:, :, rows]] if self.back else []
+        self.back = []  # sent
+        parts = self.take(op, Payload.OUT, own)
+        del own
+        outs, lses = [], []
+        for j, share in enumerate(self.plan.shares):
+            part = parts[j]
+            if share.num_q > 0:
+                assert part is not None, f"rank {j} sent no out"
+                outs.append(part[0])
+                lses.append(part[1])
+        del parts
+        self.out = torch.cat(outs, dim=2)  # (B, s, Hq, D): shares in head order
+        self.lse = torch.cat(lses, dim=1).contiguous()  # (B, Hq, s)
 
 
 def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
@@ -262,51 +276,56 @@ def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> 
     return joined
 
 
-def _ulysses_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    plan: _UlyssesPlan,
-    sched: Schedule,
-    comm: Communicator,
-    kernel: BlockKernel,
-    *,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gathers q, dout, lse, delta of its head share and the K/V they use again, like the
-    forward, instead of keeping them (Note [Ulysses])."""
-    b, s, _, d = dout.shape
-    heads_kv = k.shape[2]
-    p, rank = comm.world_size, comm.rank
-    acc = lse.dtype
-    mine = plan.shares[rank]
-    nq, nkv = mine.num_q, mine.num_kv
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
-    poster = _poster(sched, comm, q, k)
-    back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order, once computed
+class _UlyssesBackward(_Collective):
+    """One rank's Ulysses backward: gathers q, dout, lse, delta of its head share and the K/V
+    they use again, like the forward, instead of keeping them (Note [Ulysses])."""
 
-    def q_grad(heads: Rows | None) -> list[torch.Tensor]:  # Payload.Q_GRAD of these heads
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        plan: _UlyssesPlan,
+        inputs: tuple[torch.Tensor, ...],
+        *,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        """``inputs``: dout, q, k, v, out, lse as :func:`collective_backward` takes them."""
+        self.dout, self.q, self.k, self.v, self.out, self.lse = inputs
+        super().__init__(sched, comm, kernel, self.q, self.k, scale=scale)
+        self.plan, self.causal, self.acc = plan, causal, self.lse.dtype
+        self.mine = plan.shares[self.rank]
+        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
+        self.gathered: list[torch.Tensor] = []  # q, dout, k, v, lse, delta of my heads
+        self.back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order
+        self.dq = self.dk = self.dv = torch.empty(0)  # (B, s, H, D), from RETURNS
+
+    def delta(self, op: Op) -> None:
+        acc = self.acc
+        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
+        self.row_delta = self.row_delta.contiguous()  # (B, Hq, s)
+
+    def q_grad(self, heads: Rows | None) -> list[torch.Tensor]:  # Payload.Q_GRAD of these heads
         h = slice(*_rows(heads))
-        return [q[:, :, h], dout[:, :, h], lse[:, h], delta[:, h]]
+        return [self.q[:, :, h], self.dout[:, :, h], self.lse[:, h], self.row_delta[:, h]]
 
-    def provide(tr: Transfer) -> Sequence[torch.Tensor] | Message:
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload is Payload.Q_GRAD:  # q, dout, lse, delta of the destination's heads
-            return q_grad(tr.heads)
+            return self.q_grad(tr.heads)
         if tr.payload is Payload.KV:
-            return kv_message(_heads(k, tr.heads), _heads(v, tr.heads))
-        rows = slice(tr.dst * s, (tr.dst + 1) * s)  # the destination's rows of my heads
+            return kv_message(_heads(self.k, tr.heads), _heads(self.v, tr.heads))
+        rows = slice(tr.dst * self.s, (tr.dst + 1) * self.s)  # their rows of my heads
         if tr.payload is Payload.DQ:
-            return [back[0][:, rows]]
-        return [back[1][:, rows], back[2][:, rows]]  # DKV, in the accumulation dtype
+            return [self.back[0][:, rows]]
+        return [self.back[1][:, rows], self.back[2][:, rows]]  # DKV, in the accumulation dtype
 
-    poster.post(0, 0, provide)
-    if nq > 0:
-        grads = _by_source(poster, Payload.Q_GRAD, q_grad(mine.q), rank, p)
-        kvs = _by_source(poster, Payload.KV, [_heads(k, mine.kv), _heads(v, mine.kv)], rank, p)
+    def arrive(self, op: Op) -> None:
+        if self.mine.num_q == 0:
+            return
+        plan, mine = self.plan, self.mine
+        grads = self.take(op, Payload.Q_GRAD, self.q_grad(mine.q))
+        kvs = self.take(op, Payload.KV, [_heads(self.k, mine.kv), _heads(self.v, mine.kv)])
         parts = _joined(grads, kvs)  # q, dout, lse, delta, k, v of each source
         del grads, kvs
         lse_g, delta_g = (
@@ -314,223 +333,217 @@ def _ulysses_backward(
         )  # (B, nq, S) x 2
         rows4 = [[part[0], part[1], part[4], part[5]] for part in parts]
         del parts
-        qg, dout_g, kg, vg = _gathered(rows4, plan, 4)  # (B, S, nq, D) x 2, (B, S, nkv, D) x 2
-        done = _timed(comm, "attn_bwd")
-        dq_g, dk_x, dv_x = kernel.backward(
+        # (B, S, nq, D) x 2, (B, S, nkv, D) x 2
+        self.gathered = [*_gathered(rows4, plan, 4), lse_g, delta_g]
+
+    def compute(self, op: Op) -> None:
+        plan = self.plan
+        qg, dout_g, kg, vg, lse_g, delta_g = self.gathered
+        self.gathered = []
+        done = self.timer.span(0, "attn_bwd")
+        dq_g, dk_x, dv_x = self.kernel.backward(
             dout_g,
             qg,
             plan.expand_kv(kg),
             plan.expand_kv(vg),
             lse_g,
             delta_g,
-            causal=causal and plan.visible is None,
-            scale=scale,
+            causal=self.causal and plan.visible is None,
+            scale=self.scale,
             mask=plan.visible,
         )
         done()
         del qg, kg, vg, dout_g, lse_g, delta_g
-        back.append(plan.layout_order(dq_g))
+        self.back.append(plan.layout_order(dq_g))
         del dq_g
-        back.append(plan.layout_order(plan.reduce_kv(dk_x, nkv, acc)))  # (B, S, nkv, D)
-        back.append(plan.layout_order(plan.reduce_kv(dv_x, nkv, acc)))
+        nkv = self.mine.num_kv
+        self.back.append(plan.layout_order(plan.reduce_kv(dk_x, nkv, self.acc)))  # (B, S, nkv, D)
+        self.back.append(plan.layout_order(plan.reduce_kv(dv_x, nkv, self.acc)))
         del dk_x, dv_x
-    rows = slice(rank * s, (rank + 1) * s)
-    own = [x[:, rows] for x in back]  # this rank's rows of its heads (views of ``back``)
-    poster.post(0, 1, provide)
-    back.clear()  # packed
-    dqs = _by_source(poster, Payload.DQ, own[:1], rank, p)
-    dkvs = _by_source(poster, Payload.DKV, own[1:], rank, p)
-    del own
-    dk = torch.zeros((b, s, heads_kv, d), dtype=acc, device=dout.device)
-    dv = torch.zeros_like(dk)
-    dq_parts = []
-    for sh, dq_part, dkv_part in zip(plan.shares, dqs, dkvs, strict=True):
-        if sh.num_q == 0:
-            continue
-        assert dq_part is not None and dkv_part is not None, "a rank with heads returns them"
-        dq_parts.append(dq_part[0])
-        _heads(dk, sh.kv).add_(dkv_part[0])  # a kv head used by several ranks sums here
-        _heads(dv, sh.kv).add_(dkv_part[1])
-    del dqs, dkvs
-    comm.wait_sends()
-    dq = torch.cat(dq_parts, dim=2)  # (B, s, Hq, D)
-    return dq, dk, dv
+
+    def returns(self, op: Op) -> None:
+        rows = slice(self.rank * self.s, (self.rank + 1) * self.s)
+        own = [x[:, rows] for x in self.back]  # this rank's rows of its heads (views of back)
+        self.back = []  # sent
+        dqs = self.take(op, Payload.DQ, own[:1])
+        dkvs = self.take(op, Payload.DKV, own[1:])
+        del own
+        self.dk = torch.zeros(self.k.shape, dtype=self.acc, device=self.k.device)  # (B, s, Hkv, D)
+        self.dv = torch.zeros_like(self.dk)
+        dq_parts = []
+        for sh, dq_part, dkv_part in zip(self.plan.shares, dqs, dkvs, strict=True):
+            if sh.num_q == 0:
+                continue
+            assert dq_part is not None and dkv_part is not None, "a rank with heads returns them"
+            dq_parts.append(dq_part[0])
+            _heads(self.dk, sh.kv).add_(dkv_part[0])  # a kv head used by several ranks sums here
+            _heads(self.dv, sh.kv).add_(dkv_part[1])
+        del dqs, dkvs
+        self.dq = torch.cat(dq_parts, dim=2)  # (B, s, Hq, D)
 
 
 # -- all-gather K/V ------------------------------------------------------------------------
 
 
-def _round_transfers(sched: Schedule, rank: int) -> dict[tuple[Payload, int], Transfer]:
-    """This rank's transfers by (payload, peer): what it sends to the peer and receives from it
-    (all-gather K/V: a rank sends to and receives from different peers in each round)."""
-    found = {(tr.payload, tr.dst): tr for tr in sched.sends(rank, 0)}
-    found.update({(tr.payload, -1 - tr.src): tr for tr in sched.recvs(rank, 0)})
-    return found
+class _AllGather(_Collective):
+    """What both passes of all-gather K/V share (Note [All-gather K/V rounds]): the K/V block
+    of the round being computed, let go (and the sends that completed with it) once the
+    round's last segment is computed."""
+
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        masking: _Masking | None,
+    ) -> None:
+        super().__init__(sched, comm, kernel, q, k, scale=scale)
+        self.q, self.k, self.v, self.masking = q, k, v, masking
+        last: dict[int, int] = {}  # the last segment of each round with any, by K/V owner
+        for index, segment in enumerate(sched.steps[self.rank][0].segments):
+            last[segment.pieces[0].kv_rows[0] // self.s] = index
+        self.last = last
+        # (B, s, Hkv, D) x 2: the round's block (round 0: the own one); None between rounds
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = (k, v)
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        return kv_message(self.k, self.v)  # KV: this rank's block, to r - k
+
+    def arrive(self, op: Op) -> None:
+        """ARRIVE: the K/V of round k (from r + k), kept while the round has segments."""
+        (tr,) = op.transfers
+        kv = kv_rows(self.poster.pending.pop(tr).wait()[0])  # (B, s, Hkv, D) x 2
+        self.kv = kv if tr.owner in self.last else None
+        if self.kv is None:  # a round with nothing to compute (causal)
+            self.comm.release_sends()
+
+    def piece(self, op: Op) -> tuple[Piece, Rows, Rows, PositionMask | None]:
+        """The piece of segment ``op.index``, its q rows and its kv rows in the round's block,
+        and its mask (Note [Collectives with masks])."""
+        (piece,) = self.sched.steps[self.rank][0].segments[op.index].pieces
+        offset = piece.kv_rows[0] // self.s * self.s
+        kv_rows = (piece.kv_rows[0] - offset, piece.kv_rows[1] - offset)
+        mask = None
+        if self.masking is not None:
+            mask = self.masking.rows(self.rank, piece.q_rows, piece.kv_rows)
+        return piece, piece.q_rows, kv_rows, mask
+
+    def round_end(self, op: Op, owner: int) -> bool:
+        """After segment ``op.index``: whether it was the last of its round, whose block is
+        then let go."""
+        if self.last[owner] != op.index:
+            return False
+        self.kv = None
+        self.comm.release_sends()
+        return True
 
 
-def _shift(
-    comm: Communicator,
-    shape: AttentionShape,
-    transfers: dict[tuple[Payload, int], Transfer],
-    payload: Payload,
-    dst: int,
-    src: int,
-    message: Message,
-) -> PendingRecv:
-    """One round of all-gather K/V: ``message`` to ``dst`` and the same payload from ``src``,
-    posted together (receive first) in one exchange (Note [All-gather K/V rounds])."""
-    send, recv = transfers[(payload, dst)], transfers[(payload, -1 - src)]
-    fields = message_fields(shape, recv)
-    return comm.exchange([(send, message)], [(recv, fields)], device=message.buffer.device)[recv]
+class _AllGatherForward(_AllGather):
+    """One rank's all-gather K/V forward: each piece merged into out and lse at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        b, s, hq, d = self.q.shape
+        acc = accumulation_dtype(self.q.dtype)
+        self.out = torch.zeros((b, s, hq, d), dtype=acc, device=self.q.device)  # (B, s, Hq, D)
+        self.lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=self.q.device)
+
+    def compute(self, op: Op) -> None:
+        assert self.kv is not None, "the round's block has arrived"
+        piece, (a, e), (c, f), mask = self.piece(op)
+        done = self.timer.span(0, "attn")
+        part = self.kernel.forward(
+            self.q[:, a:e],
+            self.kv[0][:, c:f],
+            self.kv[1][:, c:f],
+            causal=piece.causal and mask is None,
+            scale=self.scale,
+            mask=mask,
+        )
+        merge_into(self.out, self.lse, piece.q_rows, *part)
+        del part
+        done()
+        self.round_end(op, piece.kv_rows[0] // self.s)
 
 
-def _rounds(sched: Schedule, rank: int) -> list[list[Segment]]:
-    """The schedule's segments of ``rank`` by round (round k: kv rows of owner rank + k)."""
-    p, s = sched.world_size, sched.seq_local
-    rounds: list[list[Segment]] = [[] for _ in range(p)]
-    for segment in sched.steps[rank][0].segments:
-        (piece,) = segment.pieces
-        rounds[(piece.kv_rows[0] // s - rank) % p].append(segment)
-    return rounds
+class _AllGatherBackward(_AllGather):
+    """One rank's all-gather K/V backward: round k's dK/dV partial is accumulated in the
+    message that returns it to r + k, and r - k's partial of this rank's rows is added on
+    return, before the next round."""
 
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        inputs: tuple[torch.Tensor, ...],
+        *,
+        scale: float,
+        masking: _Masking | None,
+    ) -> None:
+        """``inputs``: dout, q, k, v, out, lse as :func:`collective_backward` takes them."""
+        self.dout, q, k, v, self.out, self.lse = inputs
+        super().__init__(sched, comm, kernel, q, k, v, scale=scale, masking=masking)
+        self.acc = acc = self.lse.dtype
+        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
+        self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
+        self.dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
+        self.dv = torch.zeros_like(self.dk)
+        self.grads: list[torch.Tensor] | None = [self.dk, self.dv]  # the round's dK/dV
+        self.outbox: dict[Transfer, Message] = {}  # each round's dK/dV partial, to return
+        self.dkv_to = {tr.dst: tr for tr in sched.sends(self.rank, 0) if tr.payload is Payload.DKV}
 
-def _allgather_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sched: Schedule,
-    comm: Communicator,
-    kernel: BlockKernel,
-    *,
-    scale: float,
-    masking: _Masking | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B, s, Hq, D) and lse (B, Hq, s); Note [All-gather K/V rounds]."""
-    b, s, hq, d = q.shape
-    p, rank = comm.world_size, comm.rank
-    acc = accumulation_dtype(q.dtype)
-    shape = AttentionShape.of(q, k)
-    rounds = _rounds(sched, rank)
-    transfers = _round_transfers(sched, rank)
-    out_acc = torch.zeros((b, s, hq, d), dtype=acc, device=q.device)
-    lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
-    gathers: dict[int, PendingRecv] = {}  # two rounds in flight
-    computed = 0
+    def delta(self, op: Op) -> None:
+        acc = self.acc
+        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
+        self.row_delta = self.row_delta.contiguous()  # (B, Hq, s)
 
-    def post(round_: int) -> None:
-        src, dst = (rank + round_) % p, (rank - round_) % p
-        assert transfers[(Payload.KV, dst)].after_segments == computed, "posted as scheduled"
-        gathers[round_] = _shift(comm, shape, transfers, Payload.KV, dst, src, kv_message(k, v))
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        return self.outbox.pop(tr) if tr.payload is Payload.DKV else super().provide(tr)
 
-    for round_, segments in enumerate(rounds):
-        if round_ + 1 < p:
-            post(round_ + 1)
-        # (B, s, Hkv, D) x 2: the own block, or the round's arrived one
-        kv = (k, v) if round_ == 0 else kv_rows(gathers.pop(round_).wait()[0])
-        offset = (rank + round_) % p * s
-        for segment in segments:
-            (piece,) = segment.pieces
-            (a, e), (c, f) = piece.q_rows, _shift_rows(piece.kv_rows, -offset)
-            done = _timed(comm, "attn")
-            mask = None if masking is None else masking.rows(rank, (a, e), piece.kv_rows)
-            part = kernel.forward(
-                q[:, a:e],
-                kv[0][:, c:f],
-                kv[1][:, c:f],
-                causal=piece.causal and mask is None,
-                scale=scale,
-                mask=mask,
-            )
-            merge_into(out_acc, lse_acc, piece.q_rows, *part)
-            del part
-            done()
-            computed += 1
-        del kv
-        comm.release_sends()
-    comm.wait_sends()
-    return out_acc.to(q.dtype), lse_acc
+    def arrive(self, op: Op) -> None:
+        """ARRIVE: round k's K/V, and its dK/dV partial from zero, in the message that returns
+        it."""
+        super().arrive(op)
+        (tr,) = op.transfers
+        message, grads = self.comm.message([(tuple(self.k.shape), self.acc)] * 2, self.k.device)
+        self.outbox[self.dkv_to[tr.owner]] = message
+        self.grads = grads if self.kv is not None else None
 
+    def compute(self, op: Op) -> None:
+        assert self.kv is not None and self.grads is not None, "the round's block has arrived"
+        piece, (a, e), (c, f), mask = self.piece(op)
+        done = self.timer.span(0, "attn_bwd")
+        self.kernel.backward_into(
+            (self.dq[:, a:e], self.grads[0][:, c:f], self.grads[1][:, c:f]),
+            self.dout[:, a:e],
+            self.q[:, a:e],
+            self.kv[0][:, c:f],
+            self.kv[1][:, c:f],
+            self.lse[:, :, a:e],
+            self.row_delta[:, :, a:e],
+            causal=piece.causal and mask is None,
+            scale=self.scale,
+            mask=mask,
+            out=self.out[:, a:e],  # this rank's own queries
+        )
+        done()
+        if self.round_end(op, piece.kv_rows[0] // self.s):
+            self.grads = None  # the partial waits in the outbox
 
-def _allgather_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    sched: Schedule,
-    comm: Communicator,
-    kernel: BlockKernel,
-    *,
-    scale: float,
-    masking: _Masking | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gathers the K/V again round by round and returns each round's dK/dV partial to its
-    owner before the next round (Note [All-gather K/V rounds])."""
-    p, rank = comm.world_size, comm.rank
-    acc = lse.dtype
-    shape = AttentionShape.of(q, k)
-    rounds = _rounds(sched, rank)
-    transfers = _round_transfers(sched, rank)
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, s)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
-    dv = torch.zeros_like(dk)
-    computed = 0
-
-    def post_gather(round_: int) -> PendingRecv:
-        src, dst = (rank + round_) % p, (rank - round_) % p
-        assert transfers[(Payload.KV, dst)].after_segments == computed, "posted as scheduled"
-        return _shift(comm, shape, transfers, Payload.KV, dst, src, kv_message(k, v))
-
-    gather = post_gather(1) if p > 1 else None  # flies while the own block is computed
-    for round_, segments in enumerate(rounds):
-        message = None
-        if round_ == 0:
-            kv, grads = (k, v), [dk, dv]
-        else:
-            assert gather is not None
-            kv = kv_rows(gather.wait()[0])  # (B, s, Hkv, D) x 2
-            gather = None
-            # the round's dK/dV partial, accumulated in the message that returns it
-            message, grads = comm.message([(tuple(k.shape), acc)] * 2, k.device)
-        offset = (rank + round_) % p * q.shape[1]
-        for segment in segments:
-            (piece,) = segment.pieces
-            (a, e), (c, f) = piece.q_rows, _shift_rows(piece.kv_rows, -offset)
-            done = _timed(comm, "attn_bwd")
-            mask = None if masking is None else masking.rows(rank, (a, e), piece.kv_rows)
-            kernel.backward_into(
-                (dq[:, a:e], grads[0][:, c:f], grads[1][:, c:f]),
-                dout[:, a:e],
-                q[:, a:e],
-                kv[0][:, c:f],
-                kv[1][:, c:f],
-                lse[:, :, a:e],
-                delta[:, :, a:e],
-                causal=piece.causal and mask is None,
-                scale=scale,
-                mask=mask,
-                out=out[:, a:e],  # this rank's own queries
-            )
-            done()
-            computed += 1
-        del kv, grads
-        if message is None:
-            continue
-        owner = (rank + round_) % p
-        assert transfers[(Payload.DKV, owner)].after_segments == computed, "returned as scheduled"
-        back = _shift(comm, shape, transfers, Payload.DKV, owner, (rank - round_) % p, message)
-        del message
-        if round_ + 1 < p:  # the K/V buffer is free: the next round flies with the return
-            gather = post_gather(round_ + 1)
-        dk_home, dv_home = back.wait()  # this rank's own rows, as computed by rank - round
-        dk += dk_home
-        dv += dv_home
-        del back, dk_home, dv_home
-        comm.release_sends()
-    comm.wait_sends()
-    return dq, dk, dv
+    def returns(self, op: Op) -> None:
+        """RETURNS: this rank's own rows of dK/dV as computed by r - k, added."""
+        (tr,) = op.transfers
+        dk_home, dv_home = self.poster.pending.pop(tr).wait()
+        self.dk += dk_home
+        self.dv += dv_home
+        del dk_home, dv_home
+        self.comm.release_sends()
 
 
 # -- entry points --------------------------------------------------------------------------
@@ -622,15 +635,17 @@ def collective_forward(
     layout = Layout.parse(layout)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     masking = _masking(sharding, mask, comm.world_size, q.device)
-    # one step (the collectives' schedules have one): a named range in profiler traces
-    with record_function(f"tokenring.{strategy.value}.forward.step0"):
-        key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
-        sched = _build(strategy, Pass.FORWARD, *key)
-        if strategy is CollectiveStrategy.ULYSSES:
-            plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
-            return _ulysses_forward(q, k, v, plan, sched, comm, kernel, causal=causal, scale=scale)
-        out, lse = _allgather_forward(q, k, v, sched, comm, kernel, scale=scale, masking=masking)
-        return out, lse, []
+    key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
+    sched = _build(strategy, Pass.FORWARD, *key)
+    runner: _UlyssesForward | _AllGatherForward
+    if strategy is CollectiveStrategy.ULYSSES:
+        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
+        runner = _UlyssesForward(sched, comm, kernel, plan, q, k, v, causal=causal, scale=scale)
+    else:
+        runner = _AllGatherForward(sched, comm, kernel, q, k, v, scale=scale, masking=masking)
+    execute(program_of(sched, comm.rank), runner)
+    runner.timer.flush()
+    return runner.out.to(q.dtype), runner.lse, []
 
 
 def collective_backward(
@@ -672,42 +687,17 @@ def collective_backward(
     masking = _masking(sharding, mask, comm.world_size, dout.device)
     key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
     sched = _build(strategy, Pass.BACKWARD, *key)
-    with record_function(f"tokenring.{strategy.value}.backward.step0"):
-        if strategy is CollectiveStrategy.ULYSSES:
-            assert not residuals, "Ulysses keeps no residuals"
-            plan = _UlyssesPlan.make(
-                comm, layout, causal, dout.shape, k.shape[2], dout.device, masking
-            )
-            dq, dk, dv = _ulysses_backward(
-                dout,
-                q.contiguous(),
-                k.contiguous(),
-                v.contiguous(),
-                out.contiguous(),
-                lse.contiguous(),
-                plan,
-                sched,
-                comm,
-                kernel,
-                causal=causal,
-                scale=scale,
-            )
-        else:
-            assert not residuals, "all-gather K/V keeps no residuals"
-            dq, dk, dv = _allgather_backward(
-                dout,
-                q.contiguous(),
-                k.contiguous(),
-                v.contiguous(),
-                out,
-                lse,
-                sched,
-                comm,
-                kernel,
-                scale=scale,
-                masking=masking,
-            )
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    assert not residuals, "the collectives keep no residuals"
+    inputs = tuple(x.contiguous() for x in (dout, q, k, v, out, lse))
+    runner: _UlyssesBackward | _AllGatherBackward
+    if strategy is CollectiveStrategy.ULYSSES:
+        plan = _UlyssesPlan.make(comm, layout, causal, dout.shape, k.shape[2], dout.device, masking)
+        runner = _UlyssesBackward(sched, comm, kernel, plan, inputs, causal=causal, scale=scale)
+    else:
+        runner = _AllGatherBackward(sched, comm, kernel, inputs, scale=scale, masking=masking)
+    execute(program_of(sched, comm.rank), runner)
+    runner.timer.flush()
+    return runner.dq.to(dtype), runner.dk.to(dtype), runner.dv.to(dtype)
 
 
 class _Masking:
@@ -740,8 +730,3 @@ class _Masking:
         """Mask of ``rank``'s q rows against rows ``kv_rows`` of the gathered sequence."""
         q_pos = self.positions[rank][q_rows[0] : q_rows[1]]
         return self.block(q_pos, self.all_positions[kv_rows[0] : kv_rows[1]])
-
-    def gathered(self, rank: int, q_rows: Rows, index: torch.Tensor) -> PositionMask:
-        """Mask of ``rank``'s q rows against the gathered rows ``index``."""
-        q_pos = self.positions[rank][q_rows[0] : q_rows[1]]
-        return self.block(q_pos, self.all_positions.index_select(0, index))

@@ -3,7 +3,7 @@
 Every strategy's pass is a :class:`PassRunner`: the state its program's ops work on, with one
 method per op that touches tensors (compute, merge, take what arrived). :func:`execute`
 walks the program and does the rest itself, the same way for every strategy: it posts each
-slot through the runner's ``SlotPoster`` (receives first, sends filled by
+POST's transfers through the runner's ``SlotPoster`` (receives first, sends filled by
 :meth:`PassRunner.provide`), waits for the sends an op names, and opens one profiler range
 per step (``tokenring.<strategy>.<pass>.step<t>``). The simulator (``tokenring.model.simulate``)
 replays the same programs, so what is priced is what runs.
@@ -72,7 +72,7 @@ def execute(program: Sequence[Op], runner: PassRunner) -> None:
         for op in program:
             kind = op.kind
             if kind is OpKind.POST:
-                poster.post(op.step, op.index, runner.provide)
+                poster.post_transfers(op.transfers, runner.provide)
             elif kind is OpKind.COMPUTE:
                 runner.compute(op)
             elif kind is OpKind.STEP:

@@ -2,23 +2,27 @@
 (``tokenring.runtime.executor.execute``) runs and what the simulator
 (``tokenring.model.simulate``) prices, one stream for both.
 
-Legend: P world size, t step, k segment (or slot: transfers posted after k segments), r rank.
+Legend: P world size, t step, k segment (or slot: transfers posted after k segments), r rank,
+n the steps of the hybrid's outer ring.
 
 Note [Rank program]
 ~~~~~~~~~~~~~~~~~~~
-:func:`ring_program` turns a schedule into each rank's instructions, from the schedule alone
-(no tensors). ``execute`` runs them in order with the pass's runner (POST, SENT, SENT_ALL and
-the step ranges itself, every other op by the runner's method of its name: the ring's
-``_Forward`` / ``_Backward`` in tokenring.runtime.ring); the event engine of the simulator
-replays the same tuple, one action per op::
+:func:`program_of` turns any schedule into each rank's instructions, from the schedule alone
+(no tensors): :func:`ring_program` for the ring strategies, Note [Collective rank program]
+for Ulysses and all-gather K/V, Note [Hybrid rank program] for the hybrid. ``execute`` runs
+them in order with the pass's runner (POST, SENT, SENT_ALL and the step ranges itself, every
+other op by the runner's method of its name: ``_Forward`` / ``_Backward`` in
+tokenring.runtime.ring, the collectives' in tokenring.runtime.collective); the event engine
+of the simulator replays the same tuple, one action per op::
 
     op         runtime, forward            runtime, backward            event engine
     DELTA      -                           delta = rowsum(dout * out)   its bytes / memory bw
     STEP t     a new profiler range        same (and the accumulators   marks the step start
                                            to pass on, so that the
                                            compute may settle them)
-    POST t k   slot (t, k): receives       same                         a transfer starts once
-               first, then sends                                        both ends posted it
+    POST t k   its transfers (slot (t, k)  same                         a transfer starts once
+               of the ring): receives                                   both ends posted it
+               first, then sends
     COMPUTE    segment k: its kernels,     segment k: its kernels,      FLOPs / F, then its own
       t k      own rows merged at once     gradients into accumulators  merge or dQ add
     PASS t     -                           the dK/dV accumulators that  waits for each, adds
@@ -48,20 +52,62 @@ step t: waiting for it at the end of step t put its flight and its merge on the 
 of every comm-bound step (the 4x A10 case of tests/test_costmodel.py: 5.6 ms a step instead
 of the paper's 4.6). A rank holds at most two steps' partials for it.
 
+A POST names the transfers it posts (a ring's: every transfer of its slot that this rank
+sends or receives), so that a program can post a receive elsewhere than in its sender's slot
+(all-gather K/V's rounds) and the engine needs no slot tables of its own.
+
 What the runtime does early is its own business as long as it is never later: a backward
 compute settles what it can of ``PASS t`` and ``RETURNS t-1`` after its first tile (Note
 [Buffers in flight] in tokenring.runtime.ring); the op is where the program waits for the
 rest, and where the simulator prices it.
+
+Note [Collective rank program]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The collectives' one step (Note [Collective schedules] in tokenring.strategies.collective)
+in the same ops; each wait is where the runtime waits. Ulysses (a rank without heads has no
+COMPUTE and receives only at slot 1)::
+
+    [DELTA]  STEP 0  POST 0 0 (q or q_grad, and K/V of each peer's heads, both ways)
+    ARRIVE 0 (q / q_grad of every peer, then its K/V)  COMPUTE 0 0 (the gathered heads)
+    POST 0 1 (out, or dq and dK/dV, each peer's rows, both ways)  SENT 0 (every send: its
+    buffers go before the shares are joined)  RETURNS 0 (what came back, joined)  END 1
+    SENT_ALL
+
+All-gather K/V, in rounds (Note [All-gather K/V rounds]): the POST of round k is its send to
+r - k with its receive from r + k (posted together, the receive first, not in the sender's
+slot); ``index`` is the segments computed before it, its send's ``after_segments``::
+
+    forward    STEP 0  POST round 1  COMPUTE round 0 (own block)
+               for k = 1 .. P-1:  POST round k+1 (k+1 < P)  ARRIVE round k  COMPUTE round k
+               END 1  SENT_ALL
+    backward   DELTA  STEP 0  POST round 1  COMPUTE round 0
+               for k = 1 .. P-1:  ARRIVE round k  COMPUTE round k  POST dK/dV of round k
+               (to r + k, from r - k)  POST round k+1 (k+1 < P)  RETURNS dK/dV from r - k
+               END 1  SENT_ALL
+
+so the forward has two rounds in flight and the backward one, and a round without segments
+(causal) still waits for its K/V before the next round is posted, as the runtime does.
+
+Note [Hybrid rank program]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The hybrid (Note [Hybrid schedule] in tokenring.strategies.hybrid) runs its inner all-to-alls
+as blocking calls around the outer ring (tokenring.hybrid), so its program is the all-to-all
+of step 0 (``STEP 0, POST 0 0, ARRIVE 0, SENT 0``: every receive and send of it done), the
+outer ring's program on steps 1 .. n (:func:`ring_program`, its END left out: the all-to-all
+back starts the next step), the all-to-all back (``STEP n+1, POST n+1 0, RETURNS n+1,
+SENT n+1``), ``END n+2`` and ``SENT_ALL``. Only the simulator replays it: the runtime runs
+the outer ring's own schedule with its executor between two ``all_to_all_single`` calls.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokenring.core.schedule import Flow, Pass, Payload, Schedule, Transfer
+from tokenring.core.schedule import Flow, Pass, Payload, Schedule, Strategy, Transfer
 
-__all__ = ["Op", "OpKind", "ring_program"]
+__all__ = ["Op", "OpKind", "collective_program", "hybrid_program", "program_of", "ring_program"]
 
 
 class OpKind(enum.Enum):
@@ -82,9 +128,10 @@ class OpKind(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Op:
-    """One instruction: ``kind`` at ``step``; ``index`` is the slot of a POST and the segment
-    of a COMPUTE; ``transfers`` are what the op waits for (receives, or for SENT this rank's
-    sends), in the order it takes them."""
+    """One instruction: ``kind`` at ``step``; ``index`` is the slot of a POST (the segments
+    of its step computed before it) and the segment of a COMPUTE; ``transfers`` are what a
+    POST posts and what any other op waits for (receives, or for SENT and SENT_ALL this
+    rank's sends), in the order it takes them."""
 
     kind: OpKind
     step: int = 0
@@ -92,16 +139,38 @@ class Op:
     transfers: tuple[Transfer, ...] = ()
 
 
+def program_of(sched: Schedule, rank: int) -> tuple[Op, ...]:
+    """The instructions of ``rank`` for any schedule (Note [Rank program]): what the executor
+    runs and the simulator replays. Memoised on the schedule while it lives."""
+    if sched.strategy is Strategy.HYBRID:
+        return _memo(sched, ("hybrid_program", rank), hybrid_program, rank)
+    if sched.strategy.is_collective:
+        return _memo(sched, ("collective_program", rank), collective_program, rank)
+    return ring_program(sched, rank)
+
+
 def ring_program(sched: Schedule, rank: int, steps: range | None = None) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for ``sched`` (its steps ``steps``; default all), as in
-    Note [Rank program]. Memoised on the schedule while it lives."""
+    """The instructions of ``rank`` for a ring schedule (its steps ``steps``; default all),
+    as in Note [Rank program]. Memoised on the schedule while it lives."""
     steps = range(sched.num_steps) if steps is None else steps
-    key = ("ring_program", rank, steps.start, steps.stop)
+    return _memo(sched, ("ring_program", rank, steps.start, steps.stop), _build, rank, steps)
+
+
+def _memo(
+    sched: Schedule, key: tuple[object, ...], build: Callable[..., Sequence[Op]], *args: object
+) -> tuple[Op, ...]:
     program = sched._memo.get(key)
     if program is None:
-        program = sched._memo[key] = _build(sched, rank, steps)
+        program = sched._memo[key] = tuple(build(sched, *args))
     assert isinstance(program, tuple)
     return program
+
+
+def _post(sched: Schedule, rank: int, step: int, after: int) -> Op:
+    """POST of slot ``(step, after)``: the slot's receives and sends of ``rank``."""
+    mine = (*sched.recvs(rank, step), *sched.sends(rank, step))
+    slot = tuple(tr for tr in mine if tr.after_segments == after)
+    return Op(kind=OpKind.POST, step=step, index=after, transfers=slot)
 
 
 def _recvs(sched: Schedule, rank: int, step: int, payload: Payload) -> tuple[Transfer, ...]:
@@ -130,15 +199,15 @@ def _step(
     n = len(sched.steps[rank][t].segments)
     slots = {tr.after_segments for tr in (*sched.sends(rank, t), *sched.recvs(rank, t))}
     ops = [Op(kind=OpKind.STEP, step=t, transfers=passing)]
-    ops += [Op(kind=OpKind.POST, step=t, index=0)] if 0 in slots else []
+    ops += [_post(sched, rank, t, 0)] if 0 in slots else []
     for k in range(n):
         ops.append(Op(kind=OpKind.COMPUTE, step=t, index=k))
         if k + 1 in slots and (not backward or k + 1 < n):
-            ops.append(Op(kind=OpKind.POST, step=t, index=k + 1))
+            ops.append(_post(sched, rank, t, k + 1))
     if backward:
         ops.append(Op(kind=OpKind.PASS, step=t, transfers=passing))
-        ops += [Op(kind=OpKind.POST, step=t, index=n)] if n > 0 and n in slots else []
-    ops += [Op(kind=OpKind.POST, step=t, index=after) for after in sorted(slots) if after > n]
+        ops += [_post(sched, rank, t, n)] if n > 0 and n in slots else []
+    ops += [_post(sched, rank, t, after) for after in sorted(slots) if after > n]
     if t >= first + 2:  # the returns of two steps ago: they had a whole step to arrive
         ops.append(_returns(sched, rank, t - 2))
     travel = tuple(tr for tr in sched.recvs(rank, t) if tr.payload.flow is Flow.TRAVEL)
@@ -156,9 +225,9 @@ def _returns(sched: Schedule, rank: int, step: int) -> Op:
     return Op(kind=OpKind.RETURNS, step=step, transfers=_recvs(sched, rank, step, returned))
 
 
-def _build(sched: Schedule, rank: int, steps: range) -> tuple[Op, ...]:
+def _build(sched: Schedule, rank: int, steps: range) -> list[Op]:
     backward = sched.pass_ is Pass.BACKWARD
-    program = [Op(kind=OpKind.DELTA)] if backward else []
+    program = [Op(kind=OpKind.DELTA, step=steps.start)] if backward else []
     passed: set[Transfer] = set()
     for t in steps:
         passing = _passing(sched, rank, t) if backward and t > steps.start else ()
@@ -171,4 +240,108 @@ def _build(sched: Schedule, rank: int, steps: range) -> tuple[Op, ...]:
         program.append(Op(kind=OpKind.HOME, transfers=tuple(home)))
     sends = tuple(tr for t in steps for tr in sched.sends(rank, t))
     program.append(Op(kind=OpKind.SENT_ALL, transfers=sends))
-    return tuple(program)
+    return program
+
+
+def collective_program(sched: Schedule, rank: int) -> list[Op]:
+    """The instructions of ``rank`` for Ulysses or all-gather K/V: Note [Collective rank
+    program]."""
+    backward = sched.pass_ is Pass.BACKWARD
+    recvs, sends = sched.recvs(rank, 0), sched.sends(rank, 0)
+    program = [Op(kind=OpKind.DELTA)] if backward else []
+    program.append(Op(kind=OpKind.STEP))
+    if sched.strategy is Strategy.ULYSSES:
+        program += _ulysses(sched, rank, recvs, sends)
+    else:
+        program += _allgather(sched, rank, recvs, sends, backward=backward)
+    return [*program, Op(kind=OpKind.END, step=1), Op(kind=OpKind.SENT_ALL, transfers=sends)]
+
+
+def _ulysses(
+    sched: Schedule, rank: int, recvs: Sequence[Transfer], sends: Sequence[Transfer]
+) -> list[Op]:
+    def flow(transfers: Sequence[Transfer], flow: Flow) -> tuple[Transfer, ...]:
+        return tuple(tr for tr in transfers if tr.payload.flow is flow)
+
+    def by_payload(transfers: Sequence[Transfer]) -> tuple[Transfer, ...]:  # then by source
+        return tuple(sorted(transfers, key=lambda tr: (tr.payload in _SECOND, tr.src)))
+
+    travel, back = flow(recvs, Flow.TRAVEL), flow(recvs, Flow.RETURN)
+    program = []
+    for index, (inbound, outbound) in enumerate(
+        ((travel, flow(sends, Flow.TRAVEL)), (back, flow(sends, Flow.RETURN)))
+    ):
+        if inbound or outbound:
+            program.append(Op(kind=OpKind.POST, index=index, transfers=(*inbound, *outbound)))
+        if index == 0:
+            program.append(Op(kind=OpKind.ARRIVE, transfers=by_payload(travel)))
+            num = len(sched.steps[rank][0].segments)
+            program += [Op(kind=OpKind.COMPUTE, index=k) for k in range(num)]
+    sent = Op(kind=OpKind.SENT, transfers=tuple(sends))  # before the shares are joined
+    return [*program, sent, Op(kind=OpKind.RETURNS, transfers=by_payload(back))]
+
+
+_SECOND = (Payload.KV, Payload.DKV)  # Ulysses takes q (or dq) from every peer, then K/V
+
+
+def _allgather(
+    sched: Schedule,
+    rank: int,
+    recvs: Sequence[Transfer],
+    sends: Sequence[Transfer],
+    *,
+    backward: bool,
+) -> list[Op]:
+    p, s = sched.world_size, sched.seq_local
+    segments = sched.steps[rank][0].segments
+    rounds: list[list[int]] = [[] for _ in range(p)]  # segment indices by round
+    for index, segment in enumerate(segments):
+        rounds[(segment.pieces[0].kv_rows[0] // s - rank) % p].append(index)
+
+    def mine(payload: Payload, k: int) -> tuple[Transfer, Transfer]:
+        """Round k's receive and send of ``payload`` (K/V: from r + k, to r - k)."""
+        sign = 1 if payload is Payload.KV else -1
+        (recv,) = (tr for tr in recvs if tr.payload is payload and tr.src == (rank + sign * k) % p)
+        (send,) = (tr for tr in sends if tr.payload is payload and tr.dst == (rank - sign * k) % p)
+        return recv, send
+
+    def post(payload: Payload, k: int) -> Op:
+        recv, send = mine(payload, k)
+        return Op(kind=OpKind.POST, index=send.after_segments, transfers=(recv, send))
+
+    program = [post(Payload.KV, 1)] if p > 1 else []
+    for k in range(p):
+        if k >= 1:
+            ahead = [post(Payload.KV, k + 1)] if k + 1 < p and not backward else []
+            program += [*ahead, Op(kind=OpKind.ARRIVE, transfers=mine(Payload.KV, k)[:1])]
+        program += [Op(kind=OpKind.COMPUTE, index=index) for index in rounds[k]]
+        if k >= 1 and backward:
+            program.append(post(Payload.DKV, k))
+            program += [post(Payload.KV, k + 1)] if k + 1 < p else []
+            program.append(Op(kind=OpKind.RETURNS, transfers=mine(Payload.DKV, k)[:1]))
+    return program
+
+
+def hybrid_program(sched: Schedule, rank: int) -> list[Op]:
+    """The instructions of ``rank`` for the hybrid: Note [Hybrid rank program]."""
+    n = sched.num_steps - 2
+
+    def all_to_all(t: int, take: OpKind) -> list[Op]:
+        recvs, sends = sched.recvs(rank, t), sched.sends(rank, t)
+        post = [Op(kind=OpKind.POST, step=t, transfers=(*recvs, *sends))] if recvs or sends else []
+        return [
+            Op(kind=OpKind.STEP, step=t),
+            *post,
+            Op(kind=take, step=t, transfers=recvs),
+            Op(kind=OpKind.SENT, step=t, transfers=sends),
+        ]
+
+    ring = [op for op in ring_program(sched, rank, range(1, n + 1)) if op.kind is not OpKind.END]
+    every = tuple(tr for t in range(n + 2) for tr in sched.sends(rank, t))
+    return [
+        *all_to_all(0, OpKind.ARRIVE),
+        *ring,
+        *all_to_all(n + 1, OpKind.RETURNS),
+        Op(kind=OpKind.END, step=n + 2),
+        Op(kind=OpKind.SENT_ALL, transfers=every),
+    ]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from tokenring.core.schedule import Flow, Payload, Transfer
+from tokenring.core.schedule import Payload, Transfer
 from tokenring.runtime.comm import Communicator, FieldSpec, Message, PendingRecv
 
 __all__ = ["Provide", "SlotPoster"]
@@ -59,8 +59,16 @@ class SlotPoster:
     def post(self, step: int, after: int, provide: Provide) -> dict[Transfer, PendingRecv]:
         """Post slot ``(step, after)``: its receives first, then its sends filled by
         ``provide``. Returns the receives it posted (also kept in :attr:`pending`)."""
-        recvs = [(tr, list(self.fields(tr))) for tr in self._recvs.get((step, after), ())]
-        sends = [(tr, provide(tr)) for tr in self._sends.get((step, after), ())]
+        key = (step, after)
+        return self.post_transfers((*self._recvs.get(key, ()), *self._sends.get(key, ())), provide)
+
+    def post_transfers(
+        self, transfers: Sequence[Transfer], provide: Provide
+    ) -> dict[Transfer, PendingRecv]:
+        """Post ``transfers`` (a program's POST): this rank's receives among them first, then
+        its sends filled by ``provide``, in one exchange."""
+        recvs = [(tr, list(self.fields(tr))) for tr in transfers if tr.dst == self.rank]
+        sends = [(tr, provide(tr)) for tr in transfers if tr.src == self.rank]
         if not recvs and not sends:
             return {}
         posted = self.comm.exchange(sends, recvs, device=self.device)
@@ -70,16 +78,6 @@ class SlotPoster:
     def last_slot(self, step: int) -> int:
         """The last ``after_segments`` of ``step`` with a transfer of this rank (0: none)."""
         return self._last.get(step, 0)
-
-    def post_rest(self, step: int, done: int, provide: Provide) -> None:
-        """Post the slots of ``step`` after slot ``done`` that this rank has no compute for."""
-        for after in range(done + 1, self.last_slot(step) + 1):
-            self.post(step, after, provide)
-
-    def travel_in(self, step: int) -> dict[int, PendingRecv]:
-        """The travelling blocks posted at ``step`` (arriving for ``step + 1``), by lane."""
-        keys = [tr for tr in self.pending if tr.step == step and tr.payload.flow is Flow.TRAVEL]
-        return {tr.lane: self.pending.pop(tr) for tr in keys}
 
     def take_ready(self, payload: Payload, before_step: int) -> list[PendingRecv]:
         """The receives of ``payload`` posted before ``before_step`` that have arrived."""
