@@ -20,9 +20,8 @@ the collectives' and the hybrid's too), one action per op: a COMPUTE is its piec
 over F (a Ulysses rank's over its head share; then the merge or dQ add of the rank's own
 rows), a POST marks its transfers posted at this end, ARRIVE / SENT / SENT_ALL wait for
 their transfers, and PASS / RETURNS / HOME wait for each and add its merge or accumulation.
-Memory-bound work (DELTA, merges, adds) is priced on the steps that run a ring program only
-(:func:`_ring_steps`): the collectives' gathers and adds and the hybrid's all-to-alls are
-waits, nothing more.
+Memory-bound work (DELTA, merges, adds) is priced on the steps that run a ring program only:
+the collectives' gathers and adds and the hybrid's all-to-alls are waits, nothing more.
 
 A transfer starts when both ends have posted it (a P2P send cannot progress before the
 matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
@@ -303,7 +302,9 @@ class _EventEngine:
         sched, mem, dims = self.sched, self.mem, self.ring_dims
         forward = sched.pass_ is Pass.FORWARD
         label = "attn" if forward else "attn_bwd"
-        ring_steps = _ring_steps(sched)
+        n = sched.num_steps  # the steps of a ring program: their merges and adds are priced
+        hybrid = sched.strategy is Strategy.HYBRID
+        ring_steps = range(1, n - 1) if hybrid else range(0 if sched.strategy.is_collective else n)
         share = 1.0  # a Ulysses rank's pieces cover only its query heads
         if sched.strategy is Strategy.ULYSSES:
             heads = ulysses_heads(
@@ -476,15 +477,6 @@ class _EventEngine:
         stuck = [r for r in range(p) if math.isnan(finish[r])]
         assert not stuck, f"simulation deadlocked on ranks {stuck}"
         return finish, step_start, events
-
-
-def _ring_steps(sched: Schedule) -> range:
-    """The steps of ``sched`` that run a ring strategy's program: the engine prices their
-    memory-bound work (delta, merges, adds). The collectives' (gathers, copies, dK/dV adds)
-    and the hybrid's all-to-alls' are not priced."""
-    if sched.strategy is Strategy.HYBRID:
-        return range(1, sched.num_steps - 1)
-    return range(0) if sched.strategy.is_collective else range(sched.num_steps)
 
 
 def _simulate_event(

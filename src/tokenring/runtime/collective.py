@@ -61,25 +61,42 @@ __all__ = ["collective_backward", "collective_forward", "residual_fields"]
 
 class _Collective(PassRunner):
     """What the collectives' runners share: the schedule, the communicator, the poster of
-    this rank's transfers and the compute bars of the timeline."""
+    this rank's transfers, the compute bars of the timeline and the pass's tensors:
+    ``inputs`` are q, k, v (forward) or dout, q, k, v, out, lse (backward), as
+    :func:`collective_forward` and :func:`collective_backward` take them; ``masking``: Note
+    [Collectives with masks]."""
 
     def __init__(
         self,
         sched: Schedule,
         comm: Communicator,
         kernel: BlockKernel,
-        q: torch.Tensor,
-        k: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
         *,
         scale: float,
+        masking: _Masking | None,
     ) -> None:
         self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
+        self.masking = masking
+        if sched.pass_ is Pass.BACKWARD:
+            self.dout, self.q, self.k, self.v, self.out, self.lse = inputs
+        else:
+            self.q, self.k, self.v = inputs
+        q, k = self.q, self.k
         self.rank, self.p, self.s = comm.rank, comm.world_size, q.shape[1]
+        self.acc = accumulation_dtype(q.dtype)
         shape = AttentionShape.of(q, k)
         self.poster = SlotPoster(
             sched.transfers, comm, functools.partial(message_fields, shape), q.device
         )
         self.timer = _ComputeTimer(comm, q.device)
+        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
+
+    def delta(self, op: Op) -> None:
+        """DELTA: rowsum(dout * out)."""
+        acc = self.acc
+        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
+        self.row_delta = self.row_delta.contiguous()  # (B, Hq, s)
 
     def take(
         self, op: Op, payload: Payload, own: Sequence[torch.Tensor]
@@ -109,31 +126,24 @@ class _UlyssesPlan:
     visible: PositionMask | None = None  # (S, S) mask over the gathered rows, as positions
 
     @staticmethod
-    def make(
-        comm: Communicator,
-        layout: Layout,
-        causal: bool,
-        shape_q: torch.Size,
-        heads_kv: int,
-        device: torch.device,
-        masking: _Masking | None = None,
-    ) -> _UlyssesPlan:
-        p, s, hq = comm.world_size, shape_q[1], shape_q[2]
+    def make(runner: _Collective) -> _UlyssesPlan:
+        """The plan of ``runner``'s rank, from its schedule, tensors and masks."""
+        sched, masking, device = runner.sched, runner.masking, runner.q.device
+        p, s, (_, _, hq, _), heads_kv = runner.p, runner.s, runner.q.shape, runner.k.shape[2]
         shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=heads_kv)
-        to_global = to_layout = None
-        visible = None
+        to_global = to_layout = visible = None
         if masking is not None:  # rows stay in rank order; the mask says who sees whom
             visible = masking.block(masking.all_positions, masking.all_positions)
-        elif causal and layout is not Layout.CONTIGUOUS and p > 1:
+        elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
             positions = torch.cat(
                 [
-                    global_positions(rank=j, world_size=p, seq_local=s, layout=layout)
+                    global_positions(rank=j, world_size=p, seq_local=s, layout=sched.layout)
                     for j in range(p)
                 ]
             ).to(device)  # (S,) global position of each gathered row
             to_layout = positions
             to_global = torch.argsort(positions)
-        mine = shares[comm.rank]
+        mine = shares[runner.rank]
         groups = hq // heads_kv
         local = [(h // groups) - mine.kv[0] for h in range(*mine.q)]
         kv_map = None
@@ -166,15 +176,10 @@ class _UlyssesPlan:
         )
 
 
-def _rows(heads: Rows | None) -> Rows:
-    assert heads is not None, "a Ulysses message carries a head share"
-    return heads
-
-
 def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
     """The heads ``heads`` of a (B, s, H, D) tensor."""
-    start, stop = _rows(heads)
-    return x[:, :, start:stop]
+    assert heads is not None, "a Ulysses message carries a head share"
+    return x[:, :, heads[0] : heads[1]]
 
 
 class _UlyssesForward(_Collective):
@@ -182,21 +187,9 @@ class _UlyssesForward(_Collective):
     tokenring.runtime.program): ARRIVE gathers its heads' rows, COMPUTE runs the kernel over
     them, RETURNS joins every share's out and lse of its own rows."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        plan: _UlyssesPlan,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> None:
-        super().__init__(sched, comm, kernel, q, k, scale=scale)
-        self.plan, self.causal, self.q, self.k, self.v = plan, causal, q, k, v
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan = plan = _UlyssesPlan.make(self)
         self.mine = plan.shares[self.rank]
         self.gathered: list[torch.Tensor] = []  # q, k, v (B, S, nq or nkv, D), global order
         self.back: list[torch.Tensor] = []  # out, lse (B, S, nq, D), (B, nq, S), layout order
@@ -227,7 +220,7 @@ class _UlyssesForward(_Collective):
             qg,
             plan.expand_kv(kg),
             plan.expand_kv(vg),
-            causal=self.causal and plan.visible is None,
+            causal=self.sched.causal and plan.visible is None,
             scale=self.scale,
             mask=plan.visible,
         )  # (B, S, nq, D), (B, nq, S)
@@ -240,18 +233,19 @@ class _UlyssesForward(_Collective):
         # this rank's rows of its heads stay here: views of ``back`` until joined below
         own = [self.back[0][:, rows], self.back[1][:, :, rows]] if self.back else []
         self.back = []  # sent
-        parts = self.take(op, Payload.OUT, own)
+        came = self.take(op, Payload.OUT, own)
         del own
-        outs, lses = [], []
-        for j, share in enumerate(self.plan.shares):
-            part = parts[j]
-            if share.num_q > 0:
-                assert part is not None, f"rank {j} sent no out"
-                outs.append(part[0])
-                lses.append(part[1])
-        del parts
-        self.out = torch.cat(outs, dim=2)  # (B, s, Hq, D): shares in head order
-        self.lse = torch.cat(lses, dim=1).contiguous()  # (B, Hq, s)
+        parts = _joined(_with_heads(came, self.plan.shares))
+        del came
+        self.out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): head order
+        self.lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
+
+
+def _with_heads(
+    parts: list[list[torch.Tensor] | None], shares: Sequence[HeadShare]
+) -> list[list[torch.Tensor] | None]:
+    """The parts of the ranks with heads (those that return something)."""
+    return [part for part, share in zip(parts, shares, strict=True) if share.num_q]
 
 
 def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
@@ -280,34 +274,17 @@ class _UlyssesBackward(_Collective):
     """One rank's Ulysses backward: gathers q, dout, lse, delta of its head share and the K/V
     they use again, like the forward, instead of keeping them (Note [Ulysses])."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        plan: _UlyssesPlan,
-        inputs: tuple[torch.Tensor, ...],
-        *,
-        causal: bool,
-        scale: float,
-    ) -> None:
-        """``inputs``: dout, q, k, v, out, lse as :func:`collective_backward` takes them."""
-        self.dout, self.q, self.k, self.v, self.out, self.lse = inputs
-        super().__init__(sched, comm, kernel, self.q, self.k, scale=scale)
-        self.plan, self.causal, self.acc = plan, causal, self.lse.dtype
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan = plan = _UlyssesPlan.make(self)
         self.mine = plan.shares[self.rank]
-        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
         self.gathered: list[torch.Tensor] = []  # q, dout, k, v, lse, delta of my heads
         self.back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order
         self.dq = self.dk = self.dv = torch.empty(0)  # (B, s, H, D), from RETURNS
 
-    def delta(self, op: Op) -> None:
-        acc = self.acc
-        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
-        self.row_delta = self.row_delta.contiguous()  # (B, Hq, s)
-
     def q_grad(self, heads: Rows | None) -> list[torch.Tensor]:  # Payload.Q_GRAD of these heads
-        h = slice(*_rows(heads))
+        assert heads is not None, "a Ulysses message carries a head share"
+        h = slice(*heads)
         return [self.q[:, :, h], self.dout[:, :, h], self.lse[:, h], self.row_delta[:, h]]
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
@@ -348,7 +325,7 @@ class _UlyssesBackward(_Collective):
             plan.expand_kv(vg),
             lse_g,
             delta_g,
-            causal=self.causal and plan.visible is None,
+            causal=self.sched.causal and plan.visible is None,
             scale=self.scale,
             mask=plan.visible,
         )
@@ -365,21 +342,18 @@ class _UlyssesBackward(_Collective):
         rows = slice(self.rank * self.s, (self.rank + 1) * self.s)
         own = [x[:, rows] for x in self.back]  # this rank's rows of its heads (views of back)
         self.back = []  # sent
-        dqs = self.take(op, Payload.DQ, own[:1])
-        dkvs = self.take(op, Payload.DKV, own[1:])
+        shares = self.plan.shares
+        parts = _joined(
+            _with_heads(self.take(op, Payload.DQ, own[:1]), shares),
+            _with_heads(self.take(op, Payload.DKV, own[1:]), shares),
+        )  # dq, dk, dv of each rank with heads
         del own
         self.dk = torch.zeros(self.k.shape, dtype=self.acc, device=self.k.device)  # (B, s, Hkv, D)
         self.dv = torch.zeros_like(self.dk)
-        dq_parts = []
-        for sh, dq_part, dkv_part in zip(self.plan.shares, dqs, dkvs, strict=True):
-            if sh.num_q == 0:
-                continue
-            assert dq_part is not None and dkv_part is not None, "a rank with heads returns them"
-            dq_parts.append(dq_part[0])
-            _heads(self.dk, sh.kv).add_(dkv_part[0])  # a kv head used by several ranks sums here
-            _heads(self.dv, sh.kv).add_(dkv_part[1])
-        del dqs, dkvs
-        self.dq = torch.cat(dq_parts, dim=2)  # (B, s, Hq, D)
+        for share, (_, dk, dv) in zip([sh for sh in shares if sh.num_q], parts, strict=True):
+            _heads(self.dk, share.kv).add_(dk)  # a kv head used by several ranks sums here
+            _heads(self.dv, share.kv).add_(dv)
+        self.dq = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D)
 
 
 # -- all-gather K/V ------------------------------------------------------------------------
@@ -390,26 +364,14 @@ class _AllGather(_Collective):
     of the round being computed, let go (and the sends that completed with it) once the
     round's last segment is computed."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float,
-        masking: _Masking | None,
-    ) -> None:
-        super().__init__(sched, comm, kernel, q, k, scale=scale)
-        self.q, self.k, self.v, self.masking = q, k, v, masking
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         last: dict[int, int] = {}  # the last segment of each round with any, by K/V owner
-        for index, segment in enumerate(sched.steps[self.rank][0].segments):
+        for index, segment in enumerate(self.sched.steps[self.rank][0].segments):
             last[segment.pieces[0].kv_rows[0] // self.s] = index
         self.last = last
         # (B, s, Hkv, D) x 2: the round's block (round 0: the own one); None between rounds
-        self.kv: tuple[torch.Tensor, torch.Tensor] | None = (k, v)
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = (self.k, self.v)
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         return kv_message(self.k, self.v)  # KV: this rank's block, to r - k
@@ -448,10 +410,11 @@ class _AllGatherForward(_AllGather):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        b, s, hq, d = self.q.shape
-        acc = accumulation_dtype(self.q.dtype)
-        self.out = torch.zeros((b, s, hq, d), dtype=acc, device=self.q.device)  # (B, s, Hq, D)
-        self.lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=self.q.device)
+        q, acc = self.q, self.acc
+        self.out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
+        self.lse = torch.full(
+            (q.shape[0], q.shape[2], self.s), float("-inf"), dtype=acc, device=q.device
+        )  # (B, Hq, s)
 
     def compute(self, op: Op) -> None:
         assert self.kv is not None, "the round's block has arrived"
@@ -476,32 +439,16 @@ class _AllGatherBackward(_AllGather):
     message that returns it to r + k, and r - k's partial of this rank's rows is added on
     return, before the next round."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        inputs: tuple[torch.Tensor, ...],
-        *,
-        scale: float,
-        masking: _Masking | None,
-    ) -> None:
-        """``inputs``: dout, q, k, v, out, lse as :func:`collective_backward` takes them."""
-        self.dout, q, k, v, self.out, self.lse = inputs
-        super().__init__(sched, comm, kernel, q, k, v, scale=scale, masking=masking)
-        self.acc = acc = self.lse.dtype
-        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        q, k, acc = self.q, self.k, self.acc
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         self.dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
         self.dv = torch.zeros_like(self.dk)
         self.grads: list[torch.Tensor] | None = [self.dk, self.dv]  # the round's dK/dV
         self.outbox: dict[Transfer, Message] = {}  # each round's dK/dV partial, to return
-        self.dkv_to = {tr.dst: tr for tr in sched.sends(self.rank, 0) if tr.payload is Payload.DKV}
-
-    def delta(self, op: Op) -> None:
-        acc = self.acc
-        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
-        self.row_delta = self.row_delta.contiguous()  # (B, Hq, s)
+        sends = self.sched.sends(self.rank, 0)
+        self.dkv_to = {tr.dst: tr for tr in sends if tr.payload is Payload.DKV}
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         return self.outbox.pop(tr) if tr.payload is Payload.DKV else super().provide(tr)
@@ -546,11 +493,16 @@ class _AllGatherBackward(_AllGather):
         self.comm.release_sends()
 
 
+_RUNNERS: dict[CollectiveStrategy, tuple[type[_Collective], type[_Collective]]] = {
+    CollectiveStrategy.ULYSSES: (_UlyssesForward, _UlyssesBackward),
+    CollectiveStrategy.ALLGATHER_KV: (_AllGatherForward, _AllGatherBackward),
+}  # forward, backward
+
+
 # -- entry points --------------------------------------------------------------------------
 # Forward and backward are separate calls joined by *residuals*, the tensors the backward keeps
 # beyond q, out and lse (see tokenring.runtime.op): the public API wires them into autograd
-# through a
-# custom operator, which must know their shapes before it runs (residual_fields).
+# through a custom operator, which must know their shapes before it runs (residual_fields).
 
 
 def residual_fields(
@@ -573,19 +525,9 @@ def residual_fields(
     Raises:
         ValueError: an unknown ``strategy_name``; Hkv not dividing Hq (Ulysses).
     """
-    strategy = CollectiveStrategy.parse(strategy_name)
-    if strategy is CollectiveStrategy.ALLGATHER_KV:
-        return []
-    ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)  # validates
+    if CollectiveStrategy.parse(strategy_name) is CollectiveStrategy.ULYSSES:
+        ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)  # validates
     return []
-
-
-def _masking(
-    sharding: Sharding | None, mask: MaskSpec | None, world_size: int, device: torch.device
-) -> _Masking | None:
-    if sharding is not None and mask is not None and (sharding.padded or not mask.plain):
-        return _Masking(sharding, mask, world_size, device)
-    return None
 
 
 def collective_forward(
@@ -631,20 +573,10 @@ def collective_forward(
         ValueError: an unknown ``strategy_name`` or layout.
         RuntimeError: a collective failed or outlasted ``comm.timeout`` (names this rank).
     """
-    strategy = CollectiveStrategy.parse(strategy_name)
-    layout = Layout.parse(layout)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    masking = _masking(sharding, mask, comm.world_size, q.device)
-    key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
-    sched = _build(strategy, Pass.FORWARD, *key)
-    runner: _UlyssesForward | _AllGatherForward
-    if strategy is CollectiveStrategy.ULYSSES:
-        plan = _UlyssesPlan.make(comm, layout, causal, q.shape, k.shape[2], q.device, masking)
-        runner = _UlyssesForward(sched, comm, kernel, plan, q, k, v, causal=causal, scale=scale)
-    else:
-        runner = _AllGatherForward(sched, comm, kernel, q, k, v, scale=scale, masking=masking)
-    execute(program_of(sched, comm.rank), runner)
-    runner.timer.flush()
+    runner = _run(
+        strategy_name, Pass.FORWARD, (q, k, v), causal=causal, scale=scale, layout=layout,
+        comm=comm, kernel=kernel, sharding=sharding, mask=mask,
+    )  # fmt: skip
     return runner.out.to(q.dtype), runner.lse, []
 
 
@@ -681,23 +613,46 @@ def collective_backward(
     Returns:
         dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in ``dtype``.
     """
-    strategy = CollectiveStrategy.parse(strategy_name)
-    layout = Layout.parse(layout)
-    dout = dout.contiguous()
-    masking = _masking(sharding, mask, comm.world_size, dout.device)
-    key = (layout, causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
-    sched = _build(strategy, Pass.BACKWARD, *key)
     assert not residuals, "the collectives keep no residuals"
-    inputs = tuple(x.contiguous() for x in (dout, q, k, v, out, lse))
-    runner: _UlyssesBackward | _AllGatherBackward
-    if strategy is CollectiveStrategy.ULYSSES:
-        plan = _UlyssesPlan.make(comm, layout, causal, dout.shape, k.shape[2], dout.device, masking)
-        runner = _UlyssesBackward(sched, comm, kernel, plan, inputs, causal=causal, scale=scale)
-    else:
-        runner = _AllGatherBackward(sched, comm, kernel, inputs, scale=scale, masking=masking)
+    runner = _run(
+        strategy_name, Pass.BACKWARD, (dout, q, k, v, out, lse), causal=causal, scale=scale,
+        layout=layout, comm=comm, kernel=kernel, sharding=sharding, mask=mask,
+    )  # fmt: skip
+    return runner.dq.to(dtype), runner.dk.to(dtype), runner.dv.to(dtype)
+
+
+def _run(
+    strategy_name: CollectiveStrategy | enum.Enum | str,
+    pass_: Pass,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    causal: bool,
+    scale: float,
+    layout: Layout | str,
+    comm: Communicator,
+    kernel: BlockKernel,
+    sharding: Sharding | None,
+    mask: MaskSpec | None,
+) -> Any:
+    """Run one pass of ``inputs`` (q, k, v; or dout, q, k, v, out, lse) on this rank's
+    program (Note [Collective rank program] in tokenring.runtime.program); the runner holds
+    the results."""
+    strategy = CollectiveStrategy.parse(strategy_name)
+    inputs = tuple(x.contiguous() for x in inputs)
+    q, k = inputs[:2] if pass_ is Pass.FORWARD else inputs[1:3]
+    masking = None
+    if sharding is not None and mask is not None and (sharding.padded or not mask.plain):
+        masking = _Masking(sharding, mask, comm.world_size, q.device)
+    key = (Layout.parse(layout), causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
+    sched = _build(strategy, pass_, *key)
+    ulysses = strategy is CollectiveStrategy.ULYSSES
+    runs = (
+        (_UlyssesForward, _UlyssesBackward) if ulysses else (_AllGatherForward, _AllGatherBackward)
+    )
+    runner = runs[pass_ is Pass.BACKWARD](sched, comm, kernel, inputs, scale=scale, masking=masking)
     execute(program_of(sched, comm.rank), runner)
     runner.timer.flush()
-    return runner.dq.to(dtype), runner.dk.to(dtype), runner.dv.to(dtype)
+    return runner
 
 
 class _Masking:

@@ -260,28 +260,26 @@ def collective_program(sched: Schedule, rank: int) -> list[Op]:
 def _ulysses(
     sched: Schedule, rank: int, recvs: Sequence[Transfer], sends: Sequence[Transfer]
 ) -> list[Op]:
-    def flow(transfers: Sequence[Transfer], flow: Flow) -> tuple[Transfer, ...]:
-        return tuple(tr for tr in transfers if tr.payload.flow is flow)
+    def slot(index: int, flow: Flow) -> tuple[list[Op], tuple[Transfer, ...]]:
+        """The POST of a slot (0: what travels, 1: what returns) and its receives: q (q_grad,
+        dq) of every peer first, then its K/V (dK/dV), as the runner joins them."""
+        inbound = sorted(
+            (tr for tr in recvs if tr.payload.flow is flow),
+            key=lambda tr: (tr.payload in (Payload.KV, Payload.DKV), tr.src),
+        )
+        mine = (*inbound, *(tr for tr in sends if tr.payload.flow is flow))
+        return [Op(kind=OpKind.POST, index=index, transfers=mine)] if mine else [], tuple(inbound)
 
-    def by_payload(transfers: Sequence[Transfer]) -> tuple[Transfer, ...]:  # then by source
-        return tuple(sorted(transfers, key=lambda tr: (tr.payload in _SECOND, tr.src)))
-
-    travel, back = flow(recvs, Flow.TRAVEL), flow(recvs, Flow.RETURN)
-    program = []
-    for index, (inbound, outbound) in enumerate(
-        ((travel, flow(sends, Flow.TRAVEL)), (back, flow(sends, Flow.RETURN)))
-    ):
-        if inbound or outbound:
-            program.append(Op(kind=OpKind.POST, index=index, transfers=(*inbound, *outbound)))
-        if index == 0:
-            program.append(Op(kind=OpKind.ARRIVE, transfers=by_payload(travel)))
-            num = len(sched.steps[rank][0].segments)
-            program += [Op(kind=OpKind.COMPUTE, index=k) for k in range(num)]
-    sent = Op(kind=OpKind.SENT, transfers=tuple(sends))  # before the shares are joined
-    return [*program, sent, Op(kind=OpKind.RETURNS, transfers=by_payload(back))]
-
-
-_SECOND = (Payload.KV, Payload.DKV)  # Ulysses takes q (or dq) from every peer, then K/V
+    (post_travel, travel), (post_back, back) = slot(0, Flow.TRAVEL), slot(1, Flow.RETURN)
+    computes = [Op(kind=OpKind.COMPUTE, index=k) for k in range(len(sched.steps[rank][0].segments))]
+    return [
+        *post_travel,
+        Op(kind=OpKind.ARRIVE, transfers=travel),
+        *computes,
+        *post_back,
+        Op(kind=OpKind.SENT, transfers=tuple(sends)),  # its buffers go before the join
+        Op(kind=OpKind.RETURNS, transfers=back),
+    ]
 
 
 def _allgather(
