@@ -150,7 +150,8 @@ def test_a_collective_program_takes_each_transfer_and_segment_once_in_order(stra
     program]), and where they wait: Ulysses' kernel after every receive of slot 0, its shares
     joined after every send; all-gather K/V's round k after the K/V of r + k arrived, that
     receive posted with the round's own send to r - k, at most two rounds in flight forward
-    and one backward, and each dK/dV partial of r - k added before the next round."""
+    and one backward (and two or four sends), and each dK/dV partial of r - k added before
+    the next round."""
     failures = []
     for name, pass_, layout, causal, p, hq, hkv in _collective_cases():
         if name != strategy:
@@ -191,6 +192,7 @@ def _check_allgather(sched: Schedule, rank: int, program: tuple[Op, ...]) -> lis
     problems = []
     in_flight: list[int] = []  # owners of the K/V posted and not arrived yet, in order
     arrived, added, most = {rank}, 0, 0
+    sending: set[object] = set()  # sends posted and not waited for
     segments = sched.steps[rank][0].segments
     for op in program:
         if op.kind is OpKind.POST:
@@ -199,6 +201,9 @@ def _check_allgather(sched: Schedule, rank: int, program: tuple[Op, ...]) -> lis
             if len(recvs) != 1 or len(sends) != 1 or recvs[0].payload is not sends[0].payload:
                 problems.append(f"a round posts one receive with its own send: {op.transfers}")
                 continue
+            sending.update(sends)
+            if len(sending) > (4 if backward else 2):
+                problems.append(f"{len(sending)} sends in flight")
             sign = 1 if recvs[0].payload is Payload.KV else -1  # K/V from r + k, dK/dV r - k
             k = sign * (recvs[0].src - rank) % p
             if sends[0].dst != (rank - sign * k) % p:
@@ -223,6 +228,8 @@ def _check_allgather(sched: Schedule, rank: int, program: tuple[Op, ...]) -> lis
                 problems.append(f"round of {owner} computed before the last dK/dV came back")
         elif op.kind is OpKind.RETURNS:
             added += len(op.transfers)
+        elif op.kind is OpKind.SENT:
+            sending.difference_update(op.transfers)
     if in_flight or len(arrived) != p or added != (p - 1 if backward else 0):
         problems.append("not every round arrived (and, backward, came back)")
     if most != min(1 if backward else 2, p - 1):

@@ -380,9 +380,7 @@ class _AllGather(_Collective):
         """ARRIVE: the K/V of round k (from r + k), kept while the round has segments."""
         (tr,) = op.transfers
         kv = kv_rows(self.poster.pending.pop(tr).wait()[0])  # (B, s, Hkv, D) x 2
-        self.kv = kv if tr.owner in self.last else None
-        if self.kv is None:  # a round with nothing to compute (causal)
-            self.comm.release_sends()
+        self.kv = kv if tr.owner in self.last else None  # None: nothing to compute (causal)
 
     def piece(self, op: Op) -> tuple[Piece, Rows, Rows, PositionMask | None]:
         """The piece of segment ``op.index``, its q rows and its kv rows in the round's block,
@@ -401,7 +399,6 @@ class _AllGather(_Collective):
         if self.last[owner] != op.index:
             return False
         self.kv = None
-        self.comm.release_sends()
         return True
 
 
@@ -490,7 +487,6 @@ class _AllGatherBackward(_AllGather):
         self.dk += dk_home
         self.dv += dv_home
         del dk_home, dv_home
-        self.comm.release_sends()
 
 
 _RUNNERS: dict[CollectiveStrategy, tuple[type[_Collective], type[_Collective]]] = {
