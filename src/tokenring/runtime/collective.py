@@ -361,8 +361,7 @@ class _UlyssesBackward(_Collective):
 
 class _AllGather(_Collective):
     """What both passes of all-gather K/V share (Note [All-gather K/V rounds]): the K/V block
-    of the round being computed, let go (and the sends that completed with it) once the
-    round's last segment is computed."""
+    of the round being computed, let go once the round's last segment is computed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -393,14 +392,6 @@ class _AllGather(_Collective):
             mask = self.masking.rows(self.rank, piece.q_rows, piece.kv_rows)
         return piece, piece.q_rows, kv_rows, mask
 
-    def round_end(self, op: Op, owner: int) -> bool:
-        """After segment ``op.index``: whether it was the last of its round, whose block is
-        then let go."""
-        if self.last[owner] != op.index:
-            return False
-        self.kv = None
-        return True
-
 
 class _AllGatherForward(_AllGather):
     """One rank's all-gather K/V forward: each piece merged into out and lse at once."""
@@ -428,7 +419,8 @@ class _AllGatherForward(_AllGather):
         merge_into(self.out, self.lse, piece.q_rows, *part)
         del part
         done()
-        self.round_end(op, piece.kv_rows[0] // self.s)
+        if self.last[piece.kv_rows[0] // self.s] == op.index:  # the round's last segment
+            self.kv = None
 
 
 class _AllGatherBackward(_AllGather):
@@ -477,8 +469,8 @@ class _AllGatherBackward(_AllGather):
             out=self.out[:, a:e],  # this rank's own queries
         )
         done()
-        if self.round_end(op, piece.kv_rows[0] // self.s):
-            self.grads = None  # the partial waits in the outbox
+        if self.last[piece.kv_rows[0] // self.s] == op.index:  # the partial waits in the outbox
+            self.kv = self.grads = None
 
     def returns(self, op: Op) -> None:
         """RETURNS: this rank's own rows of dK/dV as computed by r - k, added."""

@@ -319,12 +319,10 @@ def _allgather(
 
     program = [post(Payload.KV, 1)] if p > 1 else []
     for k in range(p):
-        if k >= 1 and not backward:  # round k+1 takes the buffers of round k-1
-            ahead = [*sent((Payload.KV, k - 1)), post(Payload.KV, k + 1)] if k + 1 < p else []
-            program += [*ahead, Op(kind=OpKind.ARRIVE, transfers=mine(Payload.KV, k)[:1])]
-        if k >= 1 and backward:
-            program.append(Op(kind=OpKind.ARRIVE, transfers=mine(Payload.KV, k)[:1]))
-        program += [Op(kind=OpKind.COMPUTE, index=index) for index in rounds[k]]
+        arrive = [Op(kind=OpKind.ARRIVE, transfers=mine(Payload.KV, k)[:1])] if k >= 1 else []
+        if not backward and 1 <= k < p - 1:  # round k+1 takes the buffers of round k-1
+            arrive = [*sent((Payload.KV, k - 1)), post(Payload.KV, k + 1), *arrive]
+        program += [*arrive, *(Op(kind=OpKind.COMPUTE, index=index) for index in rounds[k])]
         if k >= 1 and backward:
             program.append(post(Payload.DKV, k))
             program += [post(Payload.KV, k + 1)] if k + 1 < p else []
