@@ -270,14 +270,6 @@ class _EventEngine:
             self.flow_res.append(ids)
             self.flow_lat.append(lat)
             self.flow_bytes.append(float(tr.num_bytes(dims)))
-        # The hybrid's outer ring runs fewer heads over longer shards than the schedule's P
-        # ranks: its merges are priced with its own dims (Note [Hybrid rank program] in
-        # tokenring.runtime.program).
-        inner = getattr(sched, "inner", 1)
-        self.ring_dims = replace(
-            dims, heads_q=dims.heads_q // inner, heads_kv=dims.heads_kv // inner
-        )
-        self.ring_seq_local = inner * sched.seq_local
         self.programs = [self._actions(r) for r in range(p)]
 
     def busiest(self) -> tuple[str, int, float]:
@@ -299,7 +291,13 @@ class _EventEngine:
 
     def _actions(self, r: int) -> list[tuple[Any, ...]]:
         """The engine's actions for rank ``r``'s program (Note [Replaying the rank program])."""
-        sched, mem, dims = self.sched, self.mem, self.ring_dims
+        sched, mem = self.sched, self.mem
+        # The hybrid's outer ring runs fewer heads over longer shards than the schedule's P
+        # ranks: its merges are priced with its own dims (Note [Hybrid rank program]).
+        inner = getattr(sched, "inner", 1)
+        dims = replace(
+            self.dims, heads_q=self.dims.heads_q // inner, heads_kv=self.dims.heads_kv // inner
+        )
         forward = sched.pass_ is Pass.FORWARD
         label = "attn" if forward else "attn_bwd"
         n = sched.num_steps  # the steps of a ring program: their merges and adds are priced
@@ -330,7 +328,7 @@ class _EventEngine:
             kind, t = op.kind, op.step
             if kind is OpKind.DELTA:
                 if t in ring_steps:
-                    delta = _delta_bytes(self.ring_seq_local, dims) / mem
+                    delta = _delta_bytes(inner * sched.seq_local, dims) / mem
                     prog.append((_MERGE, delta, t, "delta"))
             elif kind in (OpKind.STEP, OpKind.END):
                 prog.append((_STEP, t))
