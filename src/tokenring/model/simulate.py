@@ -974,11 +974,8 @@ def _simulate_vectorised(
 
 # -- public entry points -----------------------------------------------------------------------
 def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardware) -> PassResult:
-    """Predict one pass of any schedule with the event engine (Note [Replaying the rank
-    program]).
-
-    For schedules built elsewhere than ``build_schedule`` (e.g. the collective strategies):
-    anything expressed as steps, segments and slot-posted transfers runs as is.
+    """Predict one pass of any strategy's schedule with the event engine, which replays
+    ``program_of`` of each rank (Note [Replaying the rank program]).
 
     Raises:
         ValueError: a dtype the hardware has no FLOP/s for.

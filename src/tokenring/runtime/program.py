@@ -52,9 +52,8 @@ step t: waiting for it at the end of step t put its flight and its merge on the 
 of every comm-bound step (the 4x A10 case of tests/test_costmodel.py: 5.6 ms a step instead
 of the paper's 4.6). A rank holds at most two steps' partials for it.
 
-A POST names the transfers it posts (a ring's: every transfer of its slot that this rank
-sends or receives), so that a program can post a receive elsewhere than in its sender's slot
-(all-gather K/V's rounds) and the engine needs no slot tables of its own.
+A POST names its transfers (a ring's: its slot's), so a receive can be posted outside its
+sender's slot (all-gather K/V's rounds) and the engine needs no slot tables.
 
 What the runtime does early is its own business as long as it is never later: a backward
 compute settles what it can of ``PASS t`` and ``RETURNS t-1`` after its first tile (Note
@@ -88,11 +87,9 @@ slot); ``index`` is the segments computed before it, its send's ``after_segments
                END 1  SENT_ALL
 
 so the forward has two rounds in flight and the backward one, and a round without segments
-(causal) still waits for its K/V before the next round is posted, as the runtime does. Each
-round's messages are copies (K/V in the wire layout; dK/dV partials): the SENTs let them go
-a round later (gloo's sends report completion only when waited for, so without them every
-round's copies stayed until SENT_ALL: 2.86x the minimum instead of 2.50x at P = 4, s = 4096,
-tokenring bench --mode memory), late enough that the engine's predictions did not move.
+(causal) still waits for its K/V before the next round is posted. The SENTs let each round's
+copies (K/V in the wire layout, dK/dV partials) go a round later: gloo's sends report
+completion only when waited for (until SENT_ALL: 2.86x the minimum, not 2.50x, at P = 4).
 
 Note [Hybrid rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~

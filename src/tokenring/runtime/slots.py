@@ -89,22 +89,15 @@ class SlotPoster:
         return [self.pending.pop(tr) for tr in keys]
 
     def take(
-        self,
-        payload: Payload,
-        step: int | None = None,
-        lane: int | None = None,
-        owner: int | None = None,
-        before_step: int | None = None,
+        self, payload: Payload, step: int | None = None, before_step: int | None = None
     ) -> list[PendingRecv]:
-        """The pending receives of ``payload`` (of ``step``, ``lane``, ``owner``, or posted
-        before ``before_step``, where given), in slot order."""
+        """The pending receives of ``payload`` (of ``step``, or posted before ``before_step``,
+        where given), in slot order."""
         keys = [
             tr
             for tr in self.pending
             if tr.payload is payload
             and (step is None or tr.step == step)
-            and (lane is None or tr.lane == lane)
-            and (owner is None or tr.owner == owner)
             and (before_step is None or tr.step < before_step)
         ]
         keys.sort(key=lambda tr: (tr.step, tr.after_segments))
