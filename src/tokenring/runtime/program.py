@@ -52,16 +52,44 @@ What the runtime does early is its own business as long as it is never later: a 
 compute settles what it can of ``PASS t`` and ``RETURNS t-1`` after its first tile (Note
 [Buffers in flight] in tokenring.runtime.ring); the op is where the program waits for the
 rest, and where the simulator prices it.
+
+:func:`cached_program` is the same vocabulary for a cached inference plan
+(``tokenring.strategies.cached``, run by ``_PlanRunner`` in tokenring.inference): a round is
+a step, a kernel block a segment::
+
+    op           runtime (inference)                          event engine
+    STEP t       a new profiler range                         marks the round's start
+    RETURNS t    only before a round whose slot (t, 0) sends  waits for each, its merge
+                 partials up (tree): the partials received
+                 in rounds < t merged, a subtree's before
+                 going up; after END: every partial left
+    POST t k     slot (t, k): receives first, then sends      as in the ring's
+    COMPUTE t k  block k of round t: a (q_owner, kv_holder)   its kernel time (FLOPs / F
+                 pair; merged here (own block, or any in      or bytes / memory bw, plus
+                 the tree) or kept for the send of (t, k+1)   a fixed cost per kernel
+                                                              call), then its merge
+    ARRIVE t     the Q blocks / K/V shards posted in round    waits for each
+                 t become held (used from round t + 1)
+    END          closes the last range                        marks the last round's end
+    SENT_ALL     every send done                              waits for each
+
+A round is ``STEP t, [RETURNS t], POST t 0, (COMPUTE t k, POST t k+1)..., POST t k...,
+ARRIVE t``; the call ends with ``END, RETURNS, SENT_ALL``. Slots and RETURNS with nothing
+of this rank's are left out.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenring.core.schedule import Flow, Pass, Payload, Schedule, Transfer
 
-__all__ = ["Op", "OpKind", "ring_program"]
+if TYPE_CHECKING:  # strategies.cached imports the runtime (through kvcache and api)
+    from tokenring.strategies.cached import CachedPlan
+
+__all__ = ["Op", "OpKind", "cached_program", "ring_program"]
 
 
 class OpKind(enum.Enum):
@@ -170,5 +198,39 @@ def _build(sched: Schedule, rank: int, steps: range) -> tuple[Op, ...]:
         home = [tr for t in steps for tr in _recvs(sched, rank, t, Payload.DKV) if tr not in passed]
         program.append(Op(kind=OpKind.HOME, transfers=tuple(home)))
     sends = tuple(tr for t in steps for tr in sched.sends(rank, t))
+    program.append(Op(kind=OpKind.SENT_ALL, transfers=sends))
+    return tuple(program)
+
+
+def cached_program(plan: CachedPlan, rank: int) -> tuple[Op, ...]:
+    """The instructions of ``rank`` for a cached inference plan, as in Note [Rank program]."""
+    mine = [tr for tr in plan.transfers if rank in (tr.src, tr.dst)]
+    partials = sorted(
+        (tr for tr in mine if tr.dst == rank and tr.payload is Payload.OUT),
+        key=lambda tr: (tr.step, tr.after_segments, tr.src),
+    )
+    program: list[Op] = []
+    for t in range(plan.num_rounds):
+        program.append(Op(kind=OpKind.STEP, step=t))
+        slots = sorted({tr.after_segments for tr in mine if tr.step == t})
+        first = [tr for tr in mine if (tr.step, tr.after_segments) == (t, 0)]
+        if any(tr.src == rank and tr.payload is Payload.OUT for tr in first):
+            # partials go up merged in slot (t, 0): merge what came from below first
+            taken = tuple(tr for tr in partials if tr.step < t)
+            partials = partials[len(taken) :]
+            program += [Op(kind=OpKind.RETURNS, step=t, transfers=taken)] if taken else []
+        program += [Op(kind=OpKind.POST, step=t, index=0)] if 0 in slots else []
+        n = len(plan.computes[rank][t])
+        for k in range(n):
+            program.append(Op(kind=OpKind.COMPUTE, step=t, index=k))
+            program += [Op(kind=OpKind.POST, step=t, index=k + 1)] if k + 1 in slots else []
+        program += [Op(kind=OpKind.POST, step=t, index=k) for k in slots if k > n]
+        blocks = [tr for tr in mine if tr.dst == rank and tr.step == t]
+        blocks = [tr for tr in blocks if tr.payload.flow is Flow.TRAVEL]
+        program.append(Op(kind=OpKind.ARRIVE, step=t, transfers=tuple(blocks)))
+    program.append(Op(kind=OpKind.END, step=plan.num_rounds))
+    if partials:
+        program.append(Op(kind=OpKind.RETURNS, step=plan.num_rounds, transfers=tuple(partials)))
+    sends = tuple(tr for tr in mine if tr.src == rank)
     program.append(Op(kind=OpKind.SENT_ALL, transfers=sends))
     return tuple(program)

@@ -246,6 +246,12 @@ class CachedPlan:
     transfers: tuple[CachedTransfer, ...]
     """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
 
+    def merges(self, rank: int, q_owner: int) -> bool:
+        """Whether ``rank`` merges its partial of ``q_owner``'s block into an accumulator
+        (its own block; any in the tree, whose partials go up merged) rather than sending it
+        back as computed."""
+        return q_owner == rank or self.strategy is CachedStrategy.TREE
+
 
 def _transfer(
     payload: Payload,
