@@ -12,6 +12,7 @@ Legend: P world size, B sequences, C cached and T new tokens per sequence.
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import pathlib
@@ -91,8 +92,7 @@ def _grid() -> list[dict[str, Any]]:
             world_size=world, batch=batch, cached=cached, new=new, block_size=block
         )
         dims = {"heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": "bfloat16"}
-        call_s = hw.kernel_call_s
-        choice = choose_cached_strategy(shards, **dims, hardware=hw, kernel_call_s=call_s)
+        choice = _choose(shards, **dims, hardware=hw)
         rows.append(
             {
                 "hardware": hw_name,
@@ -108,6 +108,14 @@ def _grid() -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _choose(shards: Any, **kwargs: Any) -> Any:
+    """``choose_cached_strategy``, charging the hardware's kernel call cost (the round model
+    took it as an argument)."""
+    if "kernel_call_s" in inspect.signature(choose_cached_strategy).parameters:
+        kwargs["kernel_call_s"] = kwargs["hardware"].kernel_call_s
+    return choose_cached_strategy(shards, **kwargs)
 
 
 def _heads(model: str) -> tuple[int, int, int]:
@@ -135,7 +143,9 @@ def _measured() -> list[dict[str, Any]]:
                 memory_bandwidth_bytes_per_s=cal["memory_bytes_per_s"],
                 dtype=row["dtype"],
                 topology=cal["topology"],
-                port_bandwidth_bytes_per_s=cal["link_bytes_per_s"],
+                port_bandwidth_bytes_per_s=(  # calibrate's 2 x two-way rate is not recorded
+                    cal["link_bytes_per_s"] if cal["topology"] == "switch" else None
+                ),
                 latency_s=cal["latency_s"],
                 kernel_call_s=cal["kernel_call_s"],
             )
@@ -149,14 +159,13 @@ def _measured() -> list[dict[str, Any]]:
                     new=row["new"],
                     block_size=row["block_size"],
                 )
-                choice = choose_cached_strategy(
+                choice = _choose(
                     shards,
                     heads_q=hq,
                     heads_kv=hkv,
                     head_dim=d,
                     dtype=row["dtype"],
                     hardware=hw,
-                    kernel_call_s=hw.kernel_call_s,
                 )
                 groups[key] = {
                     "file": path.name,

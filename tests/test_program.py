@@ -12,7 +12,7 @@ import pytest
 
 from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Schedule
 from tokenring.model.costmodel import PRESETS
-from tokenring.model.simulate import simulate_pass
+from tokenring.model.simulate import simulate_cached, simulate_pass
 from tokenring.runtime.program import Op, OpKind, cached_program, ring_program
 from tokenring.strategies import build_schedule
 from tokenring.strategies.cached import (
@@ -254,3 +254,29 @@ def _check_cached(plan: CachedPlan, rank: int, program: tuple[Op, ...]) -> list[
     if steps != list(range(plan.num_rounds)):
         problems.append(f"rounds {steps} != 0..{plan.num_rounds - 1}")
     return problems
+
+
+def test_the_event_engine_replays_the_cached_program() -> None:
+    """P = 4, every plan: the engine's timeline has one compute bar per COMPUTE op and one
+    merge bar per merged block and per partial a RETURNS takes; in the tree a partial goes
+    up only after the merges of the partials that came from below."""
+    shards = uniform_shards(world_size=4, batch=2, cached=13, new=9, block_size=4)
+    shape = AttentionShape(batch=1, heads_q=8, heads_kv=2, head_dim=16, dtype="float16")
+    for strategy in CachedStrategy:
+        plan = build_cached_plan(strategy, shards)
+        _, _, _, timeline = simulate_cached(plan, shards, shape=shape, hardware=PRESETS["a10-pcie"])
+        for rank, events in enumerate(timeline):
+            program = cached_program(plan, rank)
+            computes = [op for op in program if op.kind is OpKind.COMPUTE]
+            blocks = [plan.computes[rank][op.step][op.index] for op in computes]
+            returned = sum(len(op.transfers) for op in program if op.kind is OpKind.RETURNS)
+            merged = sum(1 for o, _ in blocks if plan.merges(rank, o))
+            assert [ev.step for ev in events if ev.kind == "compute"] == [
+                op.step for op in computes
+            ]
+            merges = [ev for ev in events if ev.kind == "merge"]
+            assert len(merges) == merged + returned, (strategy, rank)
+            ups = [ev for ev in events if ev.kind == "send" and ev.label == "out"]
+            for up in ups if strategy is CachedStrategy.TREE else []:
+                below = [ev for ev in merges if ev.step < up.step and ev.end_s > up.start_s]
+                assert not below, (rank, up, below)

@@ -16,8 +16,8 @@ Note [Cached attention call]
 ::
 
     1. append   this rank's new K/V go into its own shard (their owner caches them)
-    2. choose   "auto": the round model (cached_schedule.choose_cached_strategy) on the given
-                hardware, once per step (every layer reuses it)
+    2. choose   "auto": the simulated plans (strategies.cached.choose_cached_strategy) on the
+                given hardware, once per step (every layer reuses it)
     3. run      zigzag first prefill + pass_q / pass_kv: sequence_parallel_attn
                 (token_ring / ring, causal, zigzag); otherwise the plan's rank program
                 (tokenring.runtime.program.cached_program) through the one executor
@@ -149,11 +149,15 @@ class _PlanRunner(PassRunner):
     # -- compute and merge ---------------------------------------------------------------------
     def _acc(self, owner: int) -> tuple[torch.Tensor, torch.Tensor]:
         if owner not in self.accs:
-            n = self.shards.q_rows[owner]
-            out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
-            lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
-            self.accs[owner] = (out, lse)
+            self.accs[owner] = self._empty(self.shards.q_rows[owner])
         return self.accs[owner]
+
+    def _empty(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A partial of ``n`` rows no key has reached: out ``(1, n, Hq, D)`` 0, lse
+        ``(1, Hq, n)`` -inf, in the accumulation dtype."""
+        out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
+        lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
+        return out, lse
 
     def compute(self, op: Op) -> None:
         """COMPUTE: block ``op.index`` of round ``op.step``, merged here or kept to be sent."""
@@ -171,9 +175,7 @@ class _PlanRunner(PassRunner):
         attention call]."""
         q = self.q_blocks[q_owner]
         kv = self.kv_blocks[kv_holder]
-        n = q.shape[0]
-        out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
-        lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
+        out, lse = self._empty(q.shape[0])
         splits = self.shards.split(q_owner, kv_holder)
         qpos_all = self.shards.q_positions[q_owner]
         kpos_all = self.shards.kv_positions[kv_holder]
@@ -186,31 +188,16 @@ class _PlanRunner(PassRunner):
                 continue
             qb = q[rows[0] : rows[1]].unsqueeze(0)  # (1, t, Hq, D)
             kb, vb = kv[b]
-            pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-            if full > 0:
-                pieces.append(
-                    self.kernel.forward(
-                        qb,
-                        kb[:full].unsqueeze(0),
-                        vb[:full].unsqueeze(0),
-                        causal=False,
-                        scale=self.scale,
-                    )
+            masked = None
+            if stop > full:  # (t, stop - full)
+                masked = (kpos_all[b][full:stop][None] <= qpos_all[b][:, None]).to(self.device)
+            pieces = [
+                self.kernel.forward(
+                    qb, kb[lo:hi][None], vb[lo:hi][None], causal=False, scale=self.scale, mask=mask
                 )
-            if stop > full:
-                qpos = qpos_all[b]
-                kpos = kpos_all[b][full:stop]
-                mask = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)).to(self.device)  # (t, stop-full)
-                pieces.append(
-                    self.kernel.forward(
-                        qb,
-                        kb[full:stop].unsqueeze(0),
-                        vb[full:stop].unsqueeze(0),
-                        causal=False,
-                        scale=self.scale,
-                        mask=mask,
-                    )
-                )
+                for lo, hi, mask in ((0, full, None), (full, stop, masked))
+                if hi > lo
+            ]
             if len(pieces) == 1:
                 out[:, rows[0] : rows[1]] = pieces[0][0]
                 lse[:, :, rows[0] : rows[1]] = pieces[0][1]
@@ -278,9 +265,9 @@ def resolve_cached_strategy(
     device: torch.device,
     hardware: Hardware | str | None = None,
 ) -> CachedStrategy:
-    """``strategy`` itself, or for ``"auto"`` the cheapest by the round model (Note [Round
-    model] in tokenring.strategies.cached) on ``hardware`` (a ``Hardware``, e.g. from
-    ``tokenring.model.planner.calibrate``, whose ``kernel_call_s`` the round model charges per
+    """``strategy`` itself, or for ``"auto"`` the cheapest simulated plan
+    (``tokenring.strategies.cached.choose_cached_strategy``) on ``hardware`` (a ``Hardware``,
+    e.g. from ``tokenring.model.planner.calibrate``, whose ``kernel_call_s`` is charged per
     kernel call, or a preset name). A zigzag first prefill chooses between pass_q and pass_kv
     with the training planner (``tokenring.model.planner.explain``), as it runs on the
     ordinary path. Pure: no communication.
@@ -295,7 +282,6 @@ def resolve_cached_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if isinstance(hardware, str):
         hardware = preset(hardware)
-    call_s = hardware.kernel_call_s
     if step.zigzag:
         plan = explain(
             world_size=step.world_size,
@@ -318,7 +304,6 @@ def resolve_cached_strategy(
         head_dim=head_dim,
         dtype=dtype,
         hardware=hardware,
-        kernel_call_s=call_s,
     ).pick
 
 

@@ -10,7 +10,7 @@ model shape, C and T. Per row:
   ``prefill-cached`` mode;
 - bytes each rank sent on each flow (travel: Q or K/V; return: partials), the busiest rank's,
   and whether every rank's counts equal its plan's;
-- the round model's prediction (``cached_schedule.predict_cached``) on this run's own
+- the simulator's prediction (``strategies.cached.predict_cached``) on this run's own
   calibration (``planner.calibrate``), and the strategy ``"auto"`` picks;
 - max error against attention in float64 (every row verified).
 
@@ -240,7 +240,7 @@ def _case_rows(
     progress_path: str | None,
 ) -> list[dict[str, Any]]:
     """This rank's rows of one (model, C, T): each strategy timed, counted and verified."""
-    rank, call_s = comm.rank, hardware.kernel_call_s
+    rank = comm.rank
     hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
     seqs = _random_sequences(config.batch, cached + new, model, _DTYPES[config.dtype])
     cache, step = _filled_cache(config, comm, seqs, cached=cached, new=new, device=device)
@@ -251,12 +251,12 @@ def _case_rows(
     )
     shards = CachedShards.from_step(step)
     shape: dict[str, Any] = {"heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": config.dtype}
-    pick = choose_cached_strategy(shards, **shape, hardware=hardware, kernel_call_s=call_s).pick
+    pick = choose_cached_strategy(shards, **shape, hardware=hardware).pick
     dims = dataclasses.replace(model, batch=1, dtype=dtype_name(q.dtype))
     rows = []
     for strategy in config.strategies:
         plan = build_cached_plan(strategy, shards)
-        predicted = predict_cached(plan, shards, **shape, hardware=hardware, kernel_call_s=call_s)
+        predicted = predict_cached(plan, shards, **shape, hardware=hardware)
         out, times = _timed_calls(config, comm, q, cache, strategy, kernel)
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():

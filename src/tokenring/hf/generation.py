@@ -21,7 +21,7 @@ makes each forward compute this rank's rows only::
                           token has one owner rank
                 3 choose  the cached strategy, once per step: on the zigzag prefill pass-Q
                           (TokenRing) or pass-KV (Ring) by the planner, after it pass_q,
-                          pass_kv, direct or tree by the round model (or as forced)
+                          pass_kv, direct or tree by the simulator (or as forced)
                 4 shard   input_ids -> this rank's packed rows (1, n), position_ids their
                           global positions (RoPE), logits_to_keep the rows that end a sequence
       each attention layer: cache.update hands the new k, v back unchanged; the attention

@@ -187,9 +187,9 @@ class Hardware:
     """Whose collectives (the GPU presets: NCCL, DIRECT; a CPU machine measured with gloo:
     GLOO); decides only whether ``auto`` may pick Ulysses and all-gather K/V."""
     kernel_call_s: float = 0.0
-    """Fixed cost of one block-kernel call (launch, Python), which the cached plans' round
-    model charges per call (decode pays it per block); ``planner.calibrate`` measures it, the
-    presets leave it 0 (large blocks)."""
+    """Fixed cost of one block-kernel call (launch, Python), which the simulator charges per
+    kernel call of a cached plan's blocks (decode pays it per block); ``planner.calibrate``
+    measures it, the presets leave it 0 (large blocks)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))

@@ -77,8 +77,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -100,15 +101,19 @@ from tokenring.model.costmodel import (
     ScheduleArrays,
     exposed_transfers,
     merge_bytes,
+    route,
     schedule_arrays,
     transfer_route,
 )
 from tokenring.model.netlab import Topology
 from tokenring.runtime.comm import Event
-from tokenring.runtime.program import OpKind, ring_program
+from tokenring.runtime.program import OpKind, cached_program, ring_program
 from tokenring.strategies import build_schedule
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
+
+if TYPE_CHECKING:  # strategies.cached prices its plans here (it imports this module)
+    from tokenring.strategies.cached import CachedPlan, CachedShards
 
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",
@@ -116,6 +121,7 @@ __all__ = [
     "CallResult",
     "PassResult",
     "simulate",
+    "simulate_cached",
     "simulate_pass",
     "simulate_schedule",
     "strategy_schedule",
@@ -238,15 +244,25 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 
 
 class _EventEngine:
-    """See Note [Replaying the rank program] and Note [Sharing bandwidth]."""
+    """See Note [Replaying the rank program] and Note [Sharing bandwidth]: replays one action
+    list per rank (``programs``: a schedule's from :meth:`for_schedule`, a cached plan's from
+    :meth:`cached_program`) over ``transfers``."""
 
-    def __init__(
-        self, sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
+    sched: Schedule  # for_schedule's
+    flops_per_s: float
+
+    def __init__(  # recv_slot: the slot in which the receiver posts a transfer
+        self,
+        transfers: Sequence[Transfer],
+        world_size: int,
+        num_steps: int,
+        dims: AttentionShape,
+        hardware: Hardware,
+        recv_slot: Callable[[Transfer], int] = lambda tr: tr.after_segments,
     ) -> None:
-        self.sched, self.dims, self.hw, self.flops_per_s = sched, dims, hardware, flops_per_s
-        p = sched.world_size
+        self.world_size, self.num_steps, self.dims, self.hw = world_size, num_steps, dims, hardware
         self.mem = hardware.memory_bandwidth_bytes_per_s
-        self.transfers = list(sched.transfers)
+        self.transfers = list(transfers)
         self.fid = {tr: i for i, tr in enumerate(self.transfers)}
         # Flows: static data per transfer.
         self.res_index: dict[Resource, int] = {}
@@ -258,7 +274,7 @@ class _EventEngine:
         for tr in self.transfers:
             key = (tr.src, tr.dst)
             if key not in routes:
-                rt = transfer_route(hardware, sched, tr)
+                rt = route(hardware, tr.src, tr.dst, world_size)
                 ids = []
                 for res, cap in rt.resources:
                     if res not in self.res_index:
@@ -275,38 +291,51 @@ class _EventEngine:
         self.slot_recvs: dict[tuple[int, int, int], list[int]] = {}
         self.step_sends: dict[tuple[int, int], list[int]] = {}
         self.step_recvs: dict[tuple[int, int], list[int]] = {}
+        for i, tr in enumerate(self.transfers):
+            self.slot_sends.setdefault((tr.src, tr.step, tr.after_segments), []).append(i)
+            self.slot_recvs.setdefault((tr.dst, tr.step, recv_slot(tr)), []).append(i)
+            self.step_sends.setdefault((tr.src, tr.step), []).append(i)
+            self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
+        self.programs: list[list[tuple[Any, ...]]] = []
+
+    @classmethod
+    def for_schedule(
+        cls, sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
+    ) -> _EventEngine:
+        """The engine of one pass of ``sched``, with its ranks' programs."""
+        p = sched.world_size
         # All-gather K/V rounds are all-to-alls in which a rank sends to r - k and receives
         # from r + k (Note [All-gather K/V rounds]): its receive is posted with its own send.
         shift_posted = {
             (tr.payload, tr.src, tr.dst): tr.after_segments
-            for tr in self.transfers
+            for tr in sched.transfers
             if sched.strategy is Strategy.ALLGATHER_KV
         }
-        for i, tr in enumerate(self.transfers):
-            recv_after = shift_posted.get(
-                (tr.payload, tr.dst, (2 * tr.dst - tr.src) % sched.world_size), tr.after_segments
-            )
-            self.slot_sends.setdefault((tr.src, tr.step, tr.after_segments), []).append(i)
-            self.slot_recvs.setdefault((tr.dst, tr.step, recv_after), []).append(i)
-            self.step_sends.setdefault((tr.src, tr.step), []).append(i)
-            self.step_recvs.setdefault((tr.dst, tr.step), []).append(i)
+
+        def recv_slot(tr: Transfer) -> int:
+            key = (tr.payload, tr.dst, (2 * tr.dst - tr.src) % p)
+            return shift_posted.get(key, tr.after_segments)
+
+        engine = cls(sched.transfers, p, sched.num_steps, dims, hardware, recv_slot)
+        engine.sched, engine.flops_per_s = sched, flops_per_s
         if sched.strategy is Strategy.HYBRID:
-            self.programs = [self._hybrid_program(r) for r in range(p)]
+            engine.programs = [engine._hybrid_program(r) for r in range(p)]
         elif sched.strategy.is_collective:
-            self.programs = [self._collective_program(r) for r in range(p)]
+            engine.programs = [engine._collective_program(r) for r in range(p)]
         else:
-            self.programs = [
-                self._ring_program(r, range(sched.num_steps), dims, sched.seq_local)
+            engine.programs = [
+                engine._ring_program(r, range(sched.num_steps), dims, sched.seq_local)
                 for r in range(p)
             ]
+        return engine
 
-    def busiest(self) -> tuple[str, int, float]:
+    def busiest(self, exposed: Sequence[Transfer] = ()) -> tuple[str, int, float]:
         """(name, bytes, seconds) of the resource with the most bytes / bandwidth, counting
-        the transfers that can overlap compute (the exposed ones are priced separately)."""
+        the transfers but ``exposed`` (priced separately: nothing can overlap them)."""
         load = [0.0] * len(self.res_cap)
-        exposed = {self.fid[tr] for tr in exposed_transfers(self.sched)}
+        skip = {self.fid[tr] for tr in exposed}
         for i, (ids, num) in enumerate(zip(self.flow_res, self.flow_bytes, strict=True)):
-            if i in exposed:
+            if i in skip:
                 continue
             for index in ids:
                 load[index] += num
@@ -367,6 +396,57 @@ class _EventEngine:
             else:  # ARRIVE, SENT, SENT_ALL: the receives or sends have arrived
                 prog += waits(op.transfers)
         return prog
+
+    # A cached inference plan's program (Note [Rank program] in tokenring.runtime.program):
+    # a block's kernel time (the roofline of its FLOPs and bytes, plus the fixed cost of each
+    # kernel call), then its merge where it is merged; RETURNS waits for and merges each
+    # partial; ARRIVE and SENT_ALL wait.
+    def _cached_program(self, plan: CachedPlan, shards: CachedShards, r: int) -> list[Any]:
+        dims, mem = self.dims, self.mem
+        prog: list[tuple[Any, ...]] = []
+        for op in cached_program(plan, r):
+            kind, t = op.kind, op.step
+            if kind in (OpKind.STEP, OpKind.END):
+                prog.append((_STEP, t))
+            elif kind is OpKind.POST:
+                prog.append((_POST, t, op.index))
+            elif kind is OpKind.COMPUTE:
+                o, j = plan.computes[r][t][op.index]
+                prog.append((_COMPUTE, self._block_s(shards, o, j), t, "attn"))
+                if plan.merges(r, o):
+                    prog.append((_MERGE, merge_bytes(shards.q_rows[o], dims) / mem, t, "merge"))
+            elif kind is OpKind.RETURNS:
+                for tr in op.transfers:
+                    cost = merge_bytes(tr.num_rows, dims) / mem
+                    prog += [(_WAIT, self.fid[tr]), (_MERGE, cost, tr.step, "merge")]
+            else:  # ARRIVE, SENT_ALL
+                prog += [(_WAIT, self.fid[tr]) for tr in op.transfers]
+        return prog
+
+    def _block_s(self, shards: CachedShards, q_owner: int, kv_owner: int) -> float:
+        """Kernel time of one (Q block, K/V shard) pair: the roofline of its FLOPs (every
+        computed score, masked or not) and bytes, plus a fixed cost per kernel call (Note
+        [Cached attention call] in tokenring.inference: one or two calls per sequence)."""
+        hq, hkv, d, e = (
+            self.dims.heads_q,
+            self.dims.heads_kv,
+            self.dims.head_dim,
+            self.dims.elem_bytes,
+        )
+        flops = num_bytes = 0.0
+        calls = 0
+        for t, (full, stop) in zip(
+            shards.q_seq_rows[q_owner], shards.split(q_owner, kv_owner), strict=True
+        ):
+            if stop == 0 or t == 0:
+                continue
+            flops += 4.0 * hq * d * t * stop
+            num_bytes += stop * 2 * hkv * d * e + 2 * t * hq * d * e
+            calls += (full > 0) + (stop > full)
+        if calls == 0:
+            return 0.0
+        roofline = max(flops / self.flops_per_s, num_bytes / self.mem)
+        return roofline + calls * self.hw.kernel_call_s
 
     # Note [Hybrid rank program]: the inner all-to-all (step 0: post, wait for every receive),
     # the outer ring's program on steps 1..n with the per-rank heads and the outer shard's
@@ -441,7 +521,7 @@ class _EventEngine:
         return prog
 
     def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
-        p = self.sched.world_size
+        p = self.world_size
         n = len(self.transfers)
         sender_ready: list[float | None] = [None] * n
         receiver_ready: list[float | None] = [None] * n
@@ -459,7 +539,7 @@ class _EventEngine:
             sends_left[tr.src] += 1
         waiting_sends: set[int] = set()
         finish = [math.nan] * p
-        num_steps = self.sched.num_steps
+        num_steps = self.num_steps
         step_start: list[list[float]] = [[math.nan] * (num_steps + 1) for _ in range(p)]
         events: list[list[Event]] = [[] for _ in range(p)]
         heap: list[tuple[float, int, int, int, int]] = []
@@ -582,7 +662,7 @@ def _simulate_event(
 ) -> tuple[
     float, tuple[float, ...], tuple[tuple[Event, ...], ...], float, float, tuple[str, int, float]
 ]:
-    engine = _EventEngine(sched, dims, hardware, flops_per_s)
+    engine = _EventEngine.for_schedule(sched, dims, hardware, flops_per_s)
     finish, step_start, events = engine.run()
     p = sched.world_size
     steps = tuple(
@@ -594,7 +674,28 @@ def _simulate_event(
         for kind in ("compute", "merge")
     )
     timeline = tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
-    return max(finish), steps, timeline, kernels, merges, engine.busiest()
+    return max(finish), steps, timeline, kernels, merges, engine.busiest(exposed_transfers(sched))
+
+
+def simulate_cached(
+    plan: CachedPlan, shards: CachedShards, *, shape: AttentionShape, hardware: Hardware
+) -> tuple[float, float, float, tuple[tuple[Event, ...], ...]]:
+    """Predict a cached inference plan (``shape``: batch 1, the plan's rows hold every
+    sequence) with the event engine, replaying its ranks' ``cached_program``: ``(call_s,
+    compute_s, wire_s, timeline)``, the last rank's end, the busiest rank's kernels and
+    merges, the busiest link or port's bytes over its bandwidth, and per rank its events.
+
+    Raises:
+        ValueError: a dtype the hardware has no FLOP/s for.
+    """
+    engine = _EventEngine(plan.transfers, plan.world_size, plan.num_rounds, shape, hardware)
+    engine.flops_per_s = hardware.flops_per_s(Pass.FORWARD, shape.dtype)
+    engine.programs = [engine._cached_program(plan, shards, r) for r in range(plan.world_size)]
+    finish, _, events = engine.run()
+    work = ("compute", "merge")
+    busy = max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in work) for evs in events)
+    timeline = tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
+    return max(finish), busy, engine.busiest()[2], timeline
 
 
 # -- vectorised engine -------------------------------------------------------------------------

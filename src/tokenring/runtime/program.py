@@ -54,28 +54,16 @@ compute settles what it can of ``PASS t`` and ``RETURNS t-1`` after its first ti
 rest, and where the simulator prices it.
 
 :func:`cached_program` is the same vocabulary for a cached inference plan
-(``tokenring.strategies.cached``, run by ``_PlanRunner`` in tokenring.inference): a round is
-a step, a kernel block a segment::
+(``tokenring.strategies.cached``; ``_PlanRunner`` in tokenring.inference runs it): a round is
+a step, a kernel block a segment. A round is ``STEP t, [RETURNS t], POST t 0, (COMPUTE t k,
+POST t k+1)..., ARRIVE t``, the call ends with ``END, RETURNS, SENT_ALL``, and:
 
-    op           runtime (inference)                          event engine
-    STEP t       a new profiler range                         marks the round's start
-    RETURNS t    only before a round whose slot (t, 0) sends  waits for each, its merge
-                 partials up (tree): the partials received
-                 in rounds < t merged, a subtree's before
-                 going up; after END: every partial left
-    POST t k     slot (t, k): receives first, then sends      as in the ring's
-    COMPUTE t k  block k of round t: a (q_owner, kv_holder)   its kernel time (FLOPs / F
-                 pair; merged here (own block, or any in      or bytes / memory bw, plus
-                 the tree) or kept for the send of (t, k+1)   a fixed cost per kernel
-                                                              call), then its merge
-    ARRIVE t     the Q blocks / K/V shards posted in round    waits for each
-                 t become held (used from round t + 1)
-    END          closes the last range                        marks the last round's end
-    SENT_ALL     every send done                              waits for each
-
-A round is ``STEP t, [RETURNS t], POST t 0, (COMPUTE t k, POST t k+1)..., POST t k...,
-ARRIVE t``; the call ends with ``END, RETURNS, SENT_ALL``. Slots and RETURNS with nothing
-of this rank's are left out.
+- COMPUTE t k: block k of round t, a (q_owner, kv_holder) pair, merged here (its own block;
+  any in the tree) or kept for the send of slot (t, k+1); the engine adds a fixed cost per
+  kernel call (``Hardware.kernel_call_s``: decode pays it per block) to its roofline;
+- ARRIVE t: the Q blocks and K/V shards posted in round t, used from round t + 1;
+- RETURNS t: only before a round whose slot (t, 0) sends partials up merged (the tree
+  merges a subtree's before going up); every other partial after END.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ class SlotPoster:
         self.pending: dict[Transfer, PendingRecv] = {}
         self._sends: dict[tuple[int, int], list[Transfer]] = {}
         self._recvs: dict[tuple[int, int], list[Transfer]] = {}
-        self._last: dict[int, int] = {}  # step -> the last slot of the step with a transfer
         for tr in transfers:
             mine = (
                 self._sends if tr.src == self.rank else self._recvs if tr.dst == self.rank else None
@@ -54,7 +53,6 @@ class SlotPoster:
             if mine is None:
                 continue
             mine.setdefault((tr.step, tr.after_segments), []).append(tr)
-            self._last[tr.step] = max(self._last.get(tr.step, 0), tr.after_segments)
 
     def post(self, step: int, after: int, provide: Provide) -> dict[Transfer, PendingRecv]:
         """Post slot ``(step, after)``: its receives first, then its sends filled by
@@ -66,15 +64,6 @@ class SlotPoster:
         posted = self.comm.exchange(sends, recvs, device=self.device)
         self.pending.update(posted)
         return posted
-
-    def last_slot(self, step: int) -> int:
-        """The last ``after_segments`` of ``step`` with a transfer of this rank (0: none)."""
-        return self._last.get(step, 0)
-
-    def post_rest(self, step: int, done: int, provide: Provide) -> None:
-        """Post the slots of ``step`` after slot ``done`` that this rank has no compute for."""
-        for after in range(done + 1, self.last_slot(step) + 1):
-            self.post(step, after, provide)
 
     def travel_in(self, step: int) -> dict[int, PendingRecv]:
         """The travelling blocks posted at ``step`` (arriving for ``step + 1``), by lane."""

@@ -3,10 +3,10 @@
 This module owns *what happens* when T new tokens per sequence attend to a cache sharded over
 the ranks (``tokenring.kvcache``): which rank computes which new queries against which shard
 in which round, and which transfers carry what, as plain data (:class:`CachedPlan`). The
-runtime (``tokenring.inference``) executes the plan; :func:`predict_cached` prices the very
-same plan on a ``tokenring.model.costmodel.Hardware`` (routing and latency from
-``costmodel.route``, merges from ``costmodel.merge_bytes``), and :func:`choose_cached_strategy`
-picks the cheapest. Nothing here touches process groups.
+runtime (``tokenring.inference``) executes each rank's program of the plan
+(``tokenring.runtime.program.cached_program``); :func:`predict_cached` prices the very same
+programs with the simulator's event engine on a ``tokenring.model.costmodel.Hardware``, and
+:func:`choose_cached_strategy` picks the cheapest. Nothing here touches process groups.
 
 Legend: B sequences, T new tokens and C cached tokens of a sequence, P world size, Hq / Hkv
 query / key-value heads, D head dim, e bytes per element, a bytes per accumulator element
@@ -47,21 +47,6 @@ owners' trees use the same pair in a round and share one message; the reduce mir
 Rank r computes its own block in round 0 and the blocks that arrived in round k - 1 in round
 k, overlapping the next hop.
 
-Note [Round model]
-~~~~~~~~~~~~~~~~~~
-:func:`predict_cached` prices a plan round by round, as the runtime posts it (slot (t, 0) at
-the start of round t, slot (t, k) after the k-th compute of round t)::
-
-    window t   = transfers posted in (t, 0) and in (t-1, k >= 1) (returns of round t-1)
-    round t    = max(max over ranks of compute + merges in round t, wire(window t))
-    tail       = wire(returns posted in the last round) + merges left to the end
-    wire(W)    = max over resources of bytes / bandwidth + largest latency in W
-    compute    = max(FLOPs / F, bytes read and written / memory bandwidth) + calls x overhead
-
-``wire`` routes every transfer with ``costmodel.route`` (links, ports, NICs of the topology).
-It is a bulk-synchronous bound: a round waits for its slowest rank, and the returns of a
-``direct`` round are all priced in the tail although they overlap the later computes.
-
 Note [Pass-Q or pass-KV]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 In a steady ring round with the new tokens and the cache spread evenly, a rank sends::
@@ -78,7 +63,7 @@ which is Meta's context-parallel inference criterion (T/(T+P) < 2 * Hkv / Hq, wi
 our C) with the lse that rides along each partial. MHA: about 2, so pass-Q always (for C >=
 0); Llama-3 GQA 32/8: about 1/2. Where the kernel is slower than the links neither matters
 and the exposed tail (pass-Q's last return) decides; :func:`choose_cached_strategy` compares
-the whole round model, not just this ratio.
+the simulated calls, not just this ratio.
 """
 
 from __future__ import annotations
@@ -93,7 +78,8 @@ import torch
 from tokenring.core.enums import parse_enum
 from tokenring.core.schedule import DTYPE_BYTES, AttentionShape, Flow, Payload, Transfer
 from tokenring.kvcache import CacheStep, place_new_tokens
-from tokenring.model.costmodel import Hardware, merge_bytes, preset, route
+from tokenring.model.costmodel import Hardware, preset
+from tokenring.model.simulate import simulate_cached
 
 __all__ = [
     "CachedChoice",
@@ -415,32 +401,25 @@ def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
 # -- costs ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CachedPrediction:
-    """The round model's price of one plan (Note [Round model])."""
+    """The simulator's price of one plan (:func:`predict_cached`)."""
 
     strategy: CachedStrategy
     """Which strategy."""
     total_s: float
-    """Predicted time of the call."""
-    rounds_s: tuple[float, ...]
-    """Each round's time."""
-    tail_s: float
-    """After the last round: returns still flying and merges left to the end."""
+    """Predicted time of the call: the last rank's end."""
     compute_s: float
-    """Sum over rounds of the busiest rank's kernel and merge time."""
+    """The busiest rank's kernels and merges."""
     wire_s: float
-    """Sum over windows of their wire time."""
+    """The busiest link or port: its bytes over its bandwidth."""
     travel_bytes: int
     """Most bytes one rank sends on the travel flow (Q or K/V)."""
     return_bytes: int
     """Most bytes one rank sends on the return flow (partials)."""
-    busiest_pair_bytes: int
-    """Most bytes on one directed pair of ranks."""
-    num_messages: int
-    """Transfers in the plan."""
 
     @property
     def bound_by(self) -> str:
-        """``compute`` or ``comm``: which side of the max the rounds mostly took."""
+        """``compute`` or ``comm``: the larger of the busiest rank's work and the busiest
+        link's."""
         return "compute" if self.compute_s >= self.wire_s else "comm"
 
 
@@ -464,57 +443,6 @@ def _dims(heads_q: int, heads_kv: int, head_dim: int, dtype: str | torch.dtype) 
     )
 
 
-def _block_cost_s(
-    shards: CachedShards,
-    q_owner: int,
-    kv_owner: int,
-    dims: AttentionShape,
-    hardware: Hardware,
-    dtype: str,
-    kernel_call_s: float = 0.0,
-) -> float:
-    """Kernel time of one (q block, K/V shard) pair: the roofline of its FLOPs (every
-    computed score, masked or not) and bytes, plus a fixed cost per kernel call."""
-    hq, hkv, d, e = dims.heads_q, dims.heads_kv, dims.head_dim, dims.elem_bytes
-    flops = 0.0
-    num_bytes = 0.0
-    calls = 0
-    for t, (full, stop) in zip(
-        shards.q_seq_rows[q_owner], shards.split(q_owner, kv_owner), strict=True
-    ):
-        if stop == 0 or t == 0:
-            continue
-        flops += 4.0 * hq * d * t * stop
-        num_bytes += stop * 2 * hkv * d * e + 2 * t * hq * d * e
-        calls += (full > 0) + (stop > full)
-    if calls == 0:
-        return 0.0
-    return (
-        max(
-            flops / hardware.flops_per_s("forward", dtype),
-            num_bytes / hardware.memory_bandwidth_bytes_per_s,
-        )
-        + calls * kernel_call_s
-    )
-
-
-def _wire_s(
-    transfers: Sequence[CachedTransfer], dims: AttentionShape, hardware: Hardware, p: int
-) -> float:
-    if not transfers:
-        return 0.0
-    load: dict[object, float] = {}
-    cap: dict[object, float] = {}
-    latency = 0.0
-    for tr in transfers:
-        rt = route(hardware, tr.src, tr.dst, p)
-        latency = max(latency, rt.latency_s)
-        for res, bandwidth in rt.resources:
-            load[res] = load.get(res, 0.0) + tr.num_bytes(dims)
-            cap[res] = bandwidth
-    return max(load[res] / cap[res] for res in load) + latency
-
-
 def predict_cached(
     plan: CachedPlan,
     shards: CachedShards,
@@ -524,71 +452,27 @@ def predict_cached(
     head_dim: int,
     dtype: str | torch.dtype,
     hardware: Hardware,
-    kernel_call_s: float = 0.0,
 ) -> CachedPrediction:
-    """Price ``plan`` with the round model (Note [Round model]).
-
-    Args:
-        kernel_call_s: fixed cost of one kernel call (launch, Python); 0 for large blocks.
+    """Price ``plan`` with the simulator's event engine, which replays the program each rank
+    runs (``tokenring.model.simulate.simulate_cached``), charging ``hardware.kernel_call_s``
+    per kernel call.
 
     Raises:
         ValueError: bad head counts, an unknown dtype, or one the hardware has no FLOP/s for.
     """
     dims = _dims(heads_q, heads_kv, head_dim, dtype)
-    name = str(dtype).removeprefix("torch.")
-    hardware.flops_per_s("forward", name)
-    p, rounds = plan.world_size, plan.num_rounds
-    mem = hardware.memory_bandwidth_bytes_per_s
-    tree = plan.strategy is CachedStrategy.TREE
-    busy = [[0.0] * rounds for _ in range(p)]  # compute + merges per rank and round
-    final = [0.0] * p  # merges left to the end
-    for r in range(p):
-        for t in range(rounds):
-            for o, j in plan.computes[r][t]:
-                busy[r][t] += _block_cost_s(shards, o, j, dims, hardware, name, kernel_call_s)
-                if o == r or tree:
-                    busy[r][t] += merge_bytes(shards.q_rows[o], dims) / mem
-    for tr in plan.transfers:
-        if tr.payload is not Payload.OUT:
-            continue
-        cost = merge_bytes(tr.num_rows, dims) / mem
-        if tree and tr.step + 1 < rounds:
-            busy[tr.dst][tr.step + 1] += cost
-        else:
-            final[tr.dst] += cost
-    rounds_s = []
-    compute_s = wire_s = 0.0
-    for t in range(rounds):
-        window = [
-            tr
-            for tr in plan.transfers
-            if (tr.step == t and tr.after_segments == 0)
-            or (tr.step == t - 1 and tr.after_segments >= 1)
-        ]
-        wire = _wire_s(window, dims, hardware, p)
-        work = max(busy[r][t] for r in range(p))
-        compute_s += work
-        wire_s += wire
-        rounds_s.append(max(work, wire))
-    last = [tr for tr in plan.transfers if tr.step == rounds - 1 and tr.after_segments >= 1]
-    tail_s = _wire_s(last, dims, hardware, p) + max(final)
+    total_s, compute_s, wire_s, _ = simulate_cached(plan, shards, shape=dims, hardware=hardware)
+    p = plan.world_size
     sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
-    pair: dict[tuple[int, int], int] = {}
     for tr in plan.transfers:
-        n = tr.num_bytes(dims)
-        sent[tr.payload.flow][tr.src] += n
-        pair[(tr.src, tr.dst)] = pair.get((tr.src, tr.dst), 0) + n
+        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
     return CachedPrediction(
         strategy=plan.strategy,
-        total_s=sum(rounds_s) + tail_s,
-        rounds_s=tuple(rounds_s),
-        tail_s=tail_s,
+        total_s=total_s,
         compute_s=compute_s,
         wire_s=wire_s,
         travel_bytes=max(sent[Flow.TRAVEL]),
         return_bytes=max(sent[Flow.RETURN]),
-        busiest_pair_bytes=max(pair.values(), default=0),
-        num_messages=len(plan.transfers),
     )
 
 
@@ -626,9 +510,8 @@ def choose_cached_strategy(
     dtype: str | torch.dtype,
     hardware: Hardware,
     candidates: Sequence[CachedStrategy | str] | None = None,
-    kernel_call_s: float = 0.0,
 ) -> CachedChoice:
-    """Predict every candidate plan (Note [Round model]) and pick the fastest.
+    """Predict every candidate plan (:func:`predict_cached`) and pick the fastest.
 
     Deterministic: ties (within a relative 1e-9) go to the earlier strategy in
     ``CachedStrategy`` order, so every rank picks the same from the same inputs.
@@ -652,7 +535,6 @@ def choose_cached_strategy(
             head_dim=head_dim,
             dtype=dtype,
             hardware=hardware,
-            kernel_call_s=kernel_call_s,
         )
         for s in CachedStrategy
         if s in chosen
@@ -694,7 +576,6 @@ def explain_cached(
     dtype: str | torch.dtype = "bfloat16",
     block_size: int = 64,
     candidates: Sequence[CachedStrategy | str] | None = None,
-    kernel_call_s: float = 0.0,
 ) -> CachedChoice:
     """The pick for B sequences of ``cached`` tokens each adding ``new`` (block-cyclic, as the
     cache places them) on ``hardware`` (a ``Hardware`` or a preset name).
@@ -715,5 +596,4 @@ def explain_cached(
         dtype=dtype,
         hardware=hw,
         candidates=candidates,
-        kernel_call_s=kernel_call_s,
     )
