@@ -176,6 +176,7 @@ def test_a_cached_program_takes_each_transfer_and_block_once_in_order(world: int
             plan = build_cached_plan(strategy, shards)
             for rank in range(world):
                 program = cached_program(plan, rank)
+                assert program is cached_program(plan, rank), "memoised on the plan"
                 problems = _check_cached(plan, rank, program)
                 failures += [(cached, new, batch, strategy.value, rank, p) for p in problems]
     assert not failures, failures[:10]

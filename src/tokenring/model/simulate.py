@@ -21,7 +21,8 @@ the merge or dQ add of the rank's own rows), a POST starts the slot's transfers,
 SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for each and add its
 merge or accumulation. The collective strategies and the hybrid's all-to-alls have programs
 of their own here (Note [Collective rank program], Note [Hybrid rank program]); the hybrid's
-outer ring replays the ring program of its steps.
+outer ring replays the ring program of its steps, and a cached inference plan its ranks'
+``cached_program`` (:func:`simulate_cached`).
 
 A transfer starts when both ends have posted its slot (a P2P send cannot progress before the
 matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
@@ -246,7 +247,7 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 class _EventEngine:
     """See Note [Replaying the rank program] and Note [Sharing bandwidth]: replays one action
     list per rank (``programs``: a schedule's from :meth:`for_schedule`, a cached plan's from
-    :meth:`cached_program`) over ``transfers``."""
+    :meth:`_cached_program`) over ``transfers``."""
 
     sched: Schedule  # for_schedule's
     flops_per_s: float

@@ -56,7 +56,8 @@ rest, and where the simulator prices it.
 :func:`cached_program` is the same vocabulary for a cached inference plan
 (``tokenring.strategies.cached``; ``_PlanRunner`` in tokenring.inference runs it): a round is
 a step, a kernel block a segment. A round is ``STEP t, [RETURNS t], POST t 0, (COMPUTE t k,
-POST t k+1)..., ARRIVE t``, the call ends with ``END, RETURNS, SENT_ALL``, and:
+POST t k+1)...``, the slots after the last block, ``ARRIVE t``; the call ends with ``END,
+RETURNS, SENT_ALL``; and:
 
 - COMPUTE t k: block k of round t, a (q_owner, kv_holder) pair, merged here (its own block;
   any in the tree) or kept for the send of slot (t, k+1); the engine adds a fixed cost per
@@ -191,7 +192,16 @@ def _build(sched: Schedule, rank: int, steps: range) -> tuple[Op, ...]:
 
 
 def cached_program(plan: CachedPlan, rank: int) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for a cached inference plan, as in Note [Rank program]."""
+    """The instructions of ``rank`` for a cached inference plan, as in Note [Rank program].
+    Memoised on the plan while it lives (every layer of a step runs the same plan)."""
+    program = plan._memo.get(("cached_program", rank))
+    if program is None:
+        program = plan._memo[("cached_program", rank)] = _build_cached(plan, rank)
+    assert isinstance(program, tuple)
+    return program
+
+
+def _build_cached(plan: CachedPlan, rank: int) -> tuple[Op, ...]:
     mine = [tr for tr in plan.transfers if rank in (tr.src, tr.dst)]
     partials = sorted(
         (tr for tr in mine if tr.dst == rank and tr.payload is Payload.OUT),
@@ -213,9 +223,9 @@ def cached_program(plan: CachedPlan, rank: int) -> tuple[Op, ...]:
             program.append(Op(kind=OpKind.COMPUTE, step=t, index=k))
             program += [Op(kind=OpKind.POST, step=t, index=k + 1)] if k + 1 in slots else []
         program += [Op(kind=OpKind.POST, step=t, index=k) for k in slots if k > n]
-        blocks = [tr for tr in mine if tr.dst == rank and tr.step == t]
-        blocks = [tr for tr in blocks if tr.payload.flow is Flow.TRAVEL]
-        program.append(Op(kind=OpKind.ARRIVE, step=t, transfers=tuple(blocks)))
+        blocks = (tr for tr in mine if tr.dst == rank and tr.step == t)
+        travel = tuple(tr for tr in blocks if tr.payload.flow is Flow.TRAVEL)
+        program.append(Op(kind=OpKind.ARRIVE, step=t, transfers=travel))
     program.append(Op(kind=OpKind.END, step=plan.num_rounds))
     if partials:
         program.append(Op(kind=OpKind.RETURNS, step=plan.num_rounds, transfers=tuple(partials)))

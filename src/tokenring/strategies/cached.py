@@ -71,7 +71,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -231,6 +231,8 @@ class CachedPlan:
     """``[rank][round]``: ``(q_owner, kv_owner)`` of each kernel block, in order."""
     transfers: tuple[CachedTransfer, ...]
     """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
+    _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    """What readers derive from the plan and keep while it lives (the ranks' programs)."""
 
     def merges(self, rank: int, q_owner: int) -> bool:
         """Whether ``rank`` merges its partial of ``q_owner``'s block into an accumulator
