@@ -444,8 +444,6 @@ class _EventEngine:
             flops += 4.0 * hq * d * t * stop
             num_bytes += stop * 2 * hkv * d * e + 2 * t * hq * d * e
             calls += (full > 0) + (stop > full)
-        if calls == 0:
-            return 0.0
         roofline = max(flops / self.flops_per_s, num_bytes / self.mem)
         return roofline + calls * self.hw.kernel_call_s
 

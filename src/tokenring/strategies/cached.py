@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.schedule import DTYPE_BYTES, AttentionShape, Flow, Payload, Transfer
+from tokenring.core.schedule import AttentionShape, Flow, Payload, Transfer, dtype_name
 from tokenring.kvcache import CacheStep, place_new_tokens
 from tokenring.model.costmodel import Hardware, preset
 from tokenring.model.simulate import simulate_cached
@@ -425,26 +425,6 @@ class CachedPrediction:
         return "compute" if self.compute_s >= self.wire_s else "comm"
 
 
-def _dims(heads_q: int, heads_kv: int, head_dim: int, dtype: str | torch.dtype) -> AttentionShape:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}; got {dtype!r}")
-    for label, value in (("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim)):
-        if value < 1:
-            raise ValueError(f"{label} must be >= 1; got {value}")
-    if heads_q % heads_kv:
-        raise ValueError(
-            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
-        )
-    return AttentionShape(
-        batch=1,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=name,
-    )
-
-
 def predict_cached(
     plan: CachedPlan,
     shards: CachedShards,
@@ -462,7 +442,9 @@ def predict_cached(
     Raises:
         ValueError: bad head counts, an unknown dtype, or one the hardware has no FLOP/s for.
     """
-    dims = _dims(heads_q, heads_kv, head_dim, dtype)
+    dims = AttentionShape(
+        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
+    )
     total_s, compute_s, wire_s, _ = simulate_cached(plan, shards, shape=dims, hardware=hardware)
     p = plan.world_size
     sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
@@ -545,7 +527,9 @@ def choose_cached_strategy(
     for cand in predictions[1:]:
         if cand.total_s < best.total_s * (1 - 1e-9):
             best = cand
-    dims = _dims(heads_q, heads_kv, head_dim, dtype)
+    dims = AttentionShape(
+        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
+    )
     new = sum(shards.q_rows)
     total = sum(shards.kv_rows)
     fraction = new / total if total else 1.0
