@@ -22,10 +22,8 @@ from typing import Any
 
 from tokenring.cli.models import BENCH_MODELS
 from tokenring.model.costmodel import measured, preset
-from tokenring.strategies.cached import (
-    choose_cached_strategy,
-    uniform_shards,
-)
+from tokenring.model.planner import choose_cached_strategy
+from tokenring.strategies.cached import uniform_shards
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

@@ -26,14 +26,16 @@ from tokenring.core.schedule import Payload
 from tokenring.inference import cached_attn
 from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
 from tokenring.model.costmodel import measured
-from tokenring.strategies.cached import (
-    CachedShards,
-    CachedStrategy,
-    build_cached_plan,
+from tokenring.model.planner import (
     choose_cached_strategy,
     explain_cached,
     pass_q_threshold,
     predict_cached,
+)
+from tokenring.strategies.cached import (
+    CachedShards,
+    CachedStrategy,
+    build_cached_plan,
     uniform_shards,
 )
 from tokenring.tinylm import TinyCausalLM, TinyLMConfig, generate, generate_reference
@@ -778,3 +780,22 @@ def test_bench_decode_mode_rows(capsys: pytest.CaptureFixture[str], tmp_path: An
         assert (r["return_bytes_per_rank"] == 0) == (r["strategy"] == "pass_kv")
     text = md.read_text()
     assert "Reproduce with" in text and text.count("\n| ") == 1 + len(rows)
+
+
+def test_explain_cached_kernel_call_s_overrides_the_hardwares() -> None:
+    """``kernel_call_s=`` prices a kernel call as the hardware would with that value, and a
+    value the hardware does not have changes the prices (it is not ignored)."""
+    from dataclasses import replace
+
+    hw = _hardware("bfloat16")
+    case: dict[str, Any] = dict(
+        world_size=4, cached=1024, new=64, heads_q=8, heads_kv=2, head_dim=64, block_size=64
+    )
+    given = explain_cached(**case, hardware=hw, kernel_call_s=1e-3)
+    assert given == explain_cached(**case, hardware=replace(hw, kernel_call_s=1e-3))
+    plain = explain_cached(**case, hardware=replace(hw, kernel_call_s=0.0))
+    assert all(
+        a.total_s > b.total_s for a, b in zip(given.predictions, plain.predictions, strict=True)
+    )
+    with pytest.raises(ValueError, match="kernel_call_s must be a finite number >= 0; got -1"):
+        explain_cached(**case, hardware=hw, kernel_call_s=-1.0)

@@ -16,7 +16,7 @@ Note [Cached attention call]
 ::
 
     1. append   this rank's new K/V go into its own shard (their owner caches them)
-    2. choose   "auto": the simulated plans (strategies.cached.choose_cached_strategy) on the
+    2. choose   "auto": the simulated plans (model.planner.choose_cached_strategy) on the
                 given hardware, once per step (every layer reuses it)
     3. run      zigzag first prefill + pass_q / pass_kv: sequence_parallel_attn
                 (token_ring / ring, causal, zigzag); otherwise the plan's rank program
@@ -39,9 +39,9 @@ import torch
 from tokenring.api import AUTO_NEEDS_HARDWARE, sequence_parallel_attn
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import Payload, Strategy, Transfer
-from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware, preset
-from tokenring.model.planner import explain
+from tokenring.model.planner import choose_cached_strategy, explain
 from tokenring.runtime.comm import Communicator, FieldSpec
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
@@ -52,8 +52,8 @@ from tokenring.strategies.cached import (
     CachedShards,
     CachedStrategy,
     CachedTransfer,
+    CacheStep,
     build_cached_plan,
-    choose_cached_strategy,
 )
 
 __all__ = [
@@ -266,7 +266,7 @@ def resolve_cached_strategy(
     hardware: Hardware | str | None = None,
 ) -> CachedStrategy:
     """``strategy`` itself, or for ``"auto"`` the cheapest simulated plan
-    (``tokenring.strategies.cached.choose_cached_strategy``) on ``hardware`` (a ``Hardware``,
+    (``tokenring.model.planner.choose_cached_strategy``) on ``hardware`` (a ``Hardware``,
     e.g. from ``tokenring.model.planner.calibrate``, whose ``kernel_call_s`` is charged per
     kernel call, or a preset name). A zigzag first prefill chooses between pass_q and pass_kv
     with the training planner (``tokenring.model.planner.explain``), as it runs on the

@@ -10,7 +10,7 @@ model shape, C and T. Per row:
   ``prefill-cached`` mode;
 - bytes each rank sent on each flow (travel: Q or K/V; return: partials), the busiest rank's,
   and whether every rank's counts equal its plan's;
-- the simulator's prediction (``strategies.cached.predict_cached``) on this run's own
+- the simulator's prediction (``model.planner.predict_cached``) on this run's own
   calibration (``planner.calibrate``), and the strategy ``"auto"`` picks;
 - max error against attention in float64 (every row verified).
 
@@ -46,19 +46,22 @@ from tokenring.cli.ranks import (
 )
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
-from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
-from tokenring.model.planner import calibrate
+from tokenring.model.planner import (
+    calibrate,
+    choose_cached_strategy,
+    pass_q_threshold,
+    predict_cached,
+)
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
     CachedStrategy,
+    CacheStep,
     build_cached_plan,
-    choose_cached_strategy,
-    pass_q_threshold,
-    predict_cached,
 )
 
 __all__ = ["InferenceBenchConfig", "add_arguments", "check_args", "run", "run_rank"]

@@ -51,11 +51,11 @@ import torch
 
 from tokenring.hf.attention import ATTN_IMPLEMENTATIONS, SequenceParallel
 from tokenring.inference import cached_attn, resolve_cached_strategy
-from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
 from tokenring.runtime.comm import Communicator
-from tokenring.strategies.cached import CachedStrategy
+from tokenring.strategies.cached import CachedStrategy, CacheStep
 
 try:
     from transformers import Cache, GenerationConfig

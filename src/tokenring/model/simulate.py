@@ -80,7 +80,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -110,11 +110,9 @@ from tokenring.model.netlab import Topology
 from tokenring.runtime.comm import Event
 from tokenring.runtime.program import OpKind, cached_program, ring_program
 from tokenring.strategies import build_schedule
+from tokenring.strategies.cached import CachedPlan, CachedShards
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
-
-if TYPE_CHECKING:  # strategies.cached prices its plans here (it imports this module)
-    from tokenring.strategies.cached import CachedPlan, CachedShards
 
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",

@@ -71,12 +71,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tokenring.core.schedule import Flow, Pass, Payload, Schedule, Transfer
-
-if TYPE_CHECKING:  # strategies.cached imports the runtime (through kvcache and api)
-    from tokenring.strategies.cached import CachedPlan
+from tokenring.strategies.cached import CachedPlan
 
 __all__ = ["Op", "OpKind", "cached_program", "ring_program"]
 

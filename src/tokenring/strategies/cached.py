@@ -1,12 +1,13 @@
-"""Schedules of attention against a sharded KV cache, their costs, and the choice among them.
+"""Schedules of attention against a sharded KV cache: where new tokens go, and the plans.
 
 This module owns *what happens* when T new tokens per sequence attend to a cache sharded over
-the ranks (``tokenring.kvcache``): which rank computes which new queries against which shard
-in which round, and which transfers carry what, as plain data (:class:`CachedPlan`). The
-runtime (``tokenring.inference``) executes each rank's program of the plan
-(``tokenring.runtime.program.cached_program``); :func:`predict_cached` prices the very same
-programs with the simulator's event engine on a ``tokenring.model.costmodel.Hardware``, and
-:func:`choose_cached_strategy` picks the cheapest. Nothing here touches process groups.
+the ranks (``tokenring.kvcache`` stores it): which rank owns each new token
+(:func:`place_new_tokens`, :class:`CacheStep`), which rank computes which new queries against
+which shard in which round, and which transfers carry what, as plain data
+(:class:`CachedPlan`). The runtime (``tokenring.inference``) executes each rank's program of
+the plan (``tokenring.runtime.program.cached_program``); ``tokenring.model.planner``'s
+``predict_cached`` prices the very same programs with the simulator's event engine and
+``choose_cached_strategy`` picks the cheapest. Nothing here touches process groups.
 
 Legend: B sequences, T new tokens and C cached tokens of a sequence, P world size, Hq / Hkv
 query / key-value heads, D head dim, e bytes per element, a bytes per accumulator element
@@ -14,9 +15,27 @@ query / key-value heads, D head dim, e bytes per element, a bytes per accumulato
 rank, t a round. A rank's new queries of all sequences form one *Q block* (packed rows); its
 cached K/V of all sequences form one *K/V shard*.
 
+Note [Placement]
+~~~~~~~~~~~~~~~~
+A step appends T_b new tokens to each sequence b. Their owner (the rank that computes them,
+holds their Q and caches their K/V, so the append moves nothing) is decided once per step,
+identically on every rank, from the positions alone::
+
+    first prefill   every C_b = 0, every T_b = T, T % 2P == 0: the zigzag layout of the
+                    ordinary attention path (rank r owns chunks r and 2P-1-r of 2P)
+    otherwise       block-cyclic: position p of sequence b goes to rank (p // bs + b) mod P
+
+Block-cyclic keeps every rank within one block of the others for each sequence however long
+it grows (positions [a, a+m) put floor or ceil of m/bs blocks on each rank, and the zigzag
+prefix is exactly even), so no rank fills first; the ``+ b`` offset starts the sequences of a
+batch on different ranks, so a batch of short sequences is spread too. P = 3, bs = 4, b = 0::
+
+    position:  0-3  4-7  8-11  12-15  16-19  ...
+    rank:       0    1    2     0      1     ...
+
 Note [Cached strategies]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Every new token is owned by the rank that caches it (``kvcache`` Note [Placement]), so K/V
+Every new token is owned by the rank that caches it (Note [Placement]), so K/V
 never move to be appended; only attention moves data::
 
     strategy  what moves                                           rounds
@@ -62,7 +81,7 @@ so pass-Q moves fewer bytes on its busiest direction exactly when::
 which is Meta's context-parallel inference criterion (T/(T+P) < 2 * Hkv / Hq, with their P
 our C) with the lse that rides along each partial. MHA: about 2, so pass-Q always (for C >=
 0); Llama-3 GQA 32/8: about 1/2. Where the kernel is slower than the links neither matters
-and the exposed tail (pass-Q's last return) decides; :func:`choose_cached_strategy` compares
+and the exposed tail (pass-Q's last return) decides; ``choose_cached_strategy`` compares
 the simulated calls, not just this ratio.
 """
 
@@ -76,25 +95,96 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.schedule import AttentionShape, Flow, Payload, Transfer, dtype_name
-from tokenring.kvcache import CacheStep, place_new_tokens
-from tokenring.model.costmodel import Hardware, preset
-from tokenring.model.simulate import simulate_cached
+from tokenring.core.schedule import Payload, Transfer
 
 __all__ = [
-    "CachedChoice",
+    "CacheStep",
     "CachedPlan",
-    "CachedPrediction",
     "CachedShards",
     "CachedStrategy",
     "CachedTransfer",
     "build_cached_plan",
-    "choose_cached_strategy",
-    "explain_cached",
-    "pass_q_threshold",
-    "predict_cached",
+    "place_new_tokens",
     "uniform_shards",
 ]
+
+
+def place_new_tokens(
+    *,
+    cached: Sequence[int],
+    new: Sequence[int],
+    world_size: int,
+    block_size: int,
+    zigzag: bool,
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """The global positions of the new tokens each rank owns; see Note [Placement].
+
+    Args:
+        cached: C_b per sequence.
+        new: T_b per sequence.
+        zigzag: use the first-prefill zigzag layout (the caller checked that it applies).
+
+    Returns:
+        ``[rank][sequence]`` int64 tensors of increasing positions.
+    """
+    p = world_size
+    placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
+    for b, (c, t) in enumerate(zip(cached, new, strict=True)):
+        if zigzag:
+            chunk = t // (2 * p)
+            for r in range(p):
+                late = 2 * p - 1 - r
+                placed[r].append(
+                    torch.cat(
+                        [
+                            torch.arange(r * chunk, (r + 1) * chunk),
+                            torch.arange(late * chunk, (late + 1) * chunk),
+                        ]
+                    )
+                )
+            continue
+        pos = torch.arange(c, c + t, dtype=torch.int64)
+        owner = (pos // block_size + b) % p
+        for r in range(p):
+            placed[r].append(pos[owner == r])
+    return tuple(tuple(row) for row in placed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheStep:
+    """Where the new tokens of one step go and what every rank holds after it.
+
+    Identical on every rank. New tokens are passed to attention *packed*: this rank's rows of
+    sequence 0, then of sequence 1, ... (``seq_rows(rank)`` of each), each in position order.
+    """
+
+    index: int
+    """Steps begun before this one."""
+    world_size: int
+    """P."""
+    zigzag: bool
+    """The first prefill in the zigzag layout (the ordinary attention path)."""
+    cached: tuple[int, ...]
+    """C_b: tokens of each sequence cached before the step."""
+    new: tuple[int, ...]
+    """T_b: new tokens of each sequence."""
+    new_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: global positions of the new tokens the rank owns."""
+    kv_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: every position the rank caches after the step (new included)."""
+
+    def seq_rows(self, rank: int) -> tuple[int, ...]:
+        """How many new tokens of each sequence ``rank`` owns."""
+        return tuple(len(x) for x in self.new_positions[rank])
+
+    def num_rows(self, rank: int) -> int:
+        """Packed new rows of ``rank``: the first dimension of its q, k, v."""
+        return sum(self.seq_rows(rank))
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """``(n,)`` packed global positions of ``rank``'s new rows (for RoPE, token lookup)."""
+        parts = self.new_positions[rank]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 class CachedStrategy(enum.Enum):
@@ -398,188 +488,3 @@ def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
                     _transfer(Payload.OUT, r, (r - step) % p, got, rows, reduce_round, 0)
                 )
     return num_rounds, computes, transfers
-
-
-# -- costs ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CachedPrediction:
-    """The simulator's price of one plan (:func:`predict_cached`)."""
-
-    strategy: CachedStrategy
-    """Which strategy."""
-    total_s: float
-    """Predicted time of the call: the last rank's end."""
-    compute_s: float
-    """The busiest rank's kernels and merges."""
-    wire_s: float
-    """The busiest link or port: its bytes over its bandwidth."""
-    travel_bytes: int
-    """Most bytes one rank sends on the travel flow (Q or K/V)."""
-    return_bytes: int
-    """Most bytes one rank sends on the return flow (partials)."""
-
-    @property
-    def bound_by(self) -> str:
-        """``compute`` or ``comm``: the larger of the busiest rank's work and the busiest
-        link's."""
-        return "compute" if self.compute_s >= self.wire_s else "comm"
-
-
-def predict_cached(
-    plan: CachedPlan,
-    shards: CachedShards,
-    *,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: str | torch.dtype,
-    hardware: Hardware,
-) -> CachedPrediction:
-    """Price ``plan`` with the simulator's event engine, which replays the program each rank
-    runs (``tokenring.model.simulate.simulate_cached``), charging ``hardware.kernel_call_s``
-    per kernel call.
-
-    Raises:
-        ValueError: bad head counts, an unknown dtype, or one the hardware has no FLOP/s for.
-    """
-    dims = AttentionShape(
-        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
-    )
-    total_s, compute_s, wire_s, _ = simulate_cached(plan, shards, shape=dims, hardware=hardware)
-    p = plan.world_size
-    sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
-    for tr in plan.transfers:
-        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
-    return CachedPrediction(
-        strategy=plan.strategy,
-        total_s=total_s,
-        compute_s=compute_s,
-        wire_s=wire_s,
-        travel_bytes=max(sent[Flow.TRAVEL]),
-        return_bytes=max(sent[Flow.RETURN]),
-    )
-
-
-# -- the decision --------------------------------------------------------------------------------
-def pass_q_threshold(
-    *, heads_q: int, heads_kv: int, head_dim: int, elem_bytes: int, acc_bytes: int = 4
-) -> float:
-    """The new-token fraction T/(T+C) below which pass-Q's busiest direction carries fewer
-    bytes than pass-KV's; see Note [Pass-Q or pass-KV].
-
-    Returns:
-        ``2 * Hkv * D * e / (Hq * (D * e + a))``.
-    """
-    return 2 * heads_kv * head_dim * elem_bytes / (heads_q * (head_dim * elem_bytes + acc_bytes))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CachedChoice:
-    """What :func:`choose_cached_strategy` returns."""
-
-    pick: CachedStrategy
-    """The fastest predicted strategy."""
-    predictions: tuple[CachedPrediction, ...]
-    """Every candidate, in ``CachedStrategy`` order."""
-    reason: str
-    """One sentence: the times, the bytes and the threshold."""
-
-
-def choose_cached_strategy(
-    shards: CachedShards,
-    *,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: str | torch.dtype,
-    hardware: Hardware,
-    candidates: Sequence[CachedStrategy | str] | None = None,
-) -> CachedChoice:
-    """Predict every candidate plan (:func:`predict_cached`) and pick the fastest.
-
-    Deterministic: ties (within a relative 1e-9) go to the earlier strategy in
-    ``CachedStrategy`` order, so every rank picks the same from the same inputs.
-
-    Raises:
-        ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
-    """
-    chosen = (
-        {CachedStrategy.parse(c) for c in candidates}
-        if candidates is not None
-        else set(CachedStrategy)
-    )
-    if not chosen:
-        raise ValueError("candidates must name at least one strategy; got none")
-    predictions = tuple(
-        predict_cached(
-            build_cached_plan(s, shards),
-            shards,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-            head_dim=head_dim,
-            dtype=dtype,
-            hardware=hardware,
-        )
-        for s in CachedStrategy
-        if s in chosen
-    )
-    best = predictions[0]
-    for cand in predictions[1:]:
-        if cand.total_s < best.total_s * (1 - 1e-9):
-            best = cand
-    dims = AttentionShape(
-        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
-    )
-    new = sum(shards.q_rows)
-    total = sum(shards.kv_rows)
-    fraction = new / total if total else 1.0
-    threshold = pass_q_threshold(
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        elem_bytes=dims.elem_bytes,
-        acc_bytes=dims.acc_bytes,
-    )
-    times = ", ".join(f"{p.strategy.value} {1e3 * p.total_s:.3g} ms" for p in predictions)
-    reason = (
-        f"{best.strategy.value} predicted fastest on {hardware.name} ({times}); new-token "
-        f"fraction T/(T+C) = {fraction:.3f} vs pass-Q threshold {threshold:.3f} "
-        f"(2*Hkv*D*e / (Hq*(D*e+a))); {best.strategy.value} is {best.bound_by}-bound"
-    )
-    return CachedChoice(pick=best.strategy, predictions=predictions, reason=reason)
-
-
-def explain_cached(
-    *,
-    world_size: int,
-    cached: int,
-    new: int,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    hardware: Hardware | str,
-    batch: int = 1,
-    dtype: str | torch.dtype = "bfloat16",
-    block_size: int = 64,
-    candidates: Sequence[CachedStrategy | str] | None = None,
-) -> CachedChoice:
-    """The pick for B sequences of ``cached`` tokens each adding ``new`` (block-cyclic, as the
-    cache places them) on ``hardware`` (a ``Hardware`` or a preset name).
-
-    Raises:
-        ValueError: as :func:`uniform_shards` and :func:`choose_cached_strategy`, or an
-            unknown preset.
-    """
-    hw = preset(hardware) if isinstance(hardware, str) else hardware
-    shards = uniform_shards(
-        world_size=world_size, batch=batch, cached=cached, new=new, block_size=block_size
-    )
-    return choose_cached_strategy(
-        shards,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        hardware=hw,
-        candidates=candidates,
-    )
