@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import statistics
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -253,19 +254,15 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     return float(rate.item())
 
 
+Operands = tuple[tuple[torch.Tensor, ...], AttentionShape]  # q, k, v, dout; FLOP sizes
+
+
 def _compute_only(
-    fwd: Schedule,
-    bwd: Schedule,
-    kernel: BlockKernel,
-    rank: int,
-    pass_: str,
-    tensors: tuple[torch.Tensor, ...],
-    scale: float,
-    dims: AttentionShape,
+    case: _Case, kernel: BlockKernel, rank: int, backward: bool, operands: Operands
 ) -> tuple[float, float, float, float]:
     """This rank's kernel calls of the real run with no P2P: (forward s, backward s, forward
     FLOPs, backward FLOPs); the backward is 0 for a forward-only row."""
-    q, k, v, dout = tensors
+    (q, k, v, dout), dims = operands
     groups = q.shape[2] // max(1, k.shape[2])  # Ulysses with fewer heads than ranks: 0 here
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=accumulation_dtype(q.dtype))
     delta = torch.zeros_like(lse)
@@ -278,63 +275,50 @@ def _compute_only(
             return slice(*piece.q_heads), slice(a, b)
         return slice(a * groups, b * groups), slice(a, b)
 
-    start = time.perf_counter()
-    for plan in fwd.steps[rank]:
-        for piece in plan.pieces:
+    def run(sched: Schedule, pass_: Pass) -> tuple[float, float]:  # seconds, FLOPs
+        pieces = [pc for plan in sched.steps[rank] for pc in plan.pieces]
+        start = time.perf_counter()
+        for piece in pieces:
             (a, b), (c, d), (qh, kh) = piece.q_rows, piece.kv_rows, heads(piece)
-            kernel.forward(
-                q[:, a:b, qh], k[:, c:d, kh], v[:, c:d, kh], causal=piece.causal, scale=scale
-            )
-    forward_s = time.perf_counter() - start
-    forward_flops = sum(
-        piece_flops(pc, dims, Pass.FORWARD) for pl in fwd.steps[rank] for pc in pl.pieces
-    )
-    if pass_ != "fwd+bwd":
-        return forward_s, 0.0, forward_flops, 0.0
-    start = time.perf_counter()
-    for plan in bwd.steps[rank]:
-        for piece in plan.pieces:
-            (a, b), (c, d), (qh, kh) = piece.q_rows, piece.kv_rows, heads(piece)
-            kernel.backward(
-                dout[:, a:b, qh],
-                q[:, a:b, qh],
-                k[:, c:d, kh],
-                v[:, c:d, kh],
-                lse[:, qh, a:b],
-                delta[:, qh, a:b],
-                causal=piece.causal,
-                scale=scale,
-            )
-    backward_s = time.perf_counter() - start
-    backward_flops = sum(
-        piece_flops(pc, dims, Pass.BACKWARD) for pl in bwd.steps[rank] for pc in pl.pieces
-    )
+            blocks = (q[:, a:b, qh], k[:, c:d, kh], v[:, c:d, kh])
+            if pass_ is Pass.FORWARD:
+                kernel.forward(*blocks, causal=piece.causal, scale=case.scale)
+            else:
+                kernel.backward(
+                    dout[:, a:b, qh],
+                    *blocks,
+                    lse[:, qh, a:b],
+                    delta[:, qh, a:b],
+                    causal=piece.causal,
+                    scale=case.scale,
+                )
+        seconds = time.perf_counter() - start
+        return seconds, sum(piece_flops(pc, dims, pass_) for pc in pieces)
+
+    forward_s, forward_flops = run(case.scheds[0], Pass.FORWARD)
+    backward_s, backward_flops = run(case.scheds[1], Pass.BACKWARD) if backward else (0.0, 0.0)
     return forward_s, backward_s, forward_flops, backward_flops
 
 
-def _compute_operands(
-    strategy: Strategy,
-    scheds: list[Schedule],
-    rank: int,
-    dims: AttentionShape,
-    local: list[torch.Tensor],
-) -> tuple[tuple[torch.Tensor, ...], AttentionShape]:
+def _compute_operands(case: _Case, rank: int) -> Operands:
     """What a strategy's own kernel calls read, for its compute-only run, and the sizes their
     FLOPs count with. The ring strategies: the rank's shards. The others: random tensors of
     the shapes their pieces index -- Ulysses the whole sequence on the rank's head share (K/V
     repeated to one head per query head: the same FLOPs), all-gather K/V the gathered K/V,
     the hybrid the outer shard on all heads (each piece names its heads)."""
-    if strategy.is_ring:
-        return tuple(local), dims
-    pieces = [pc for sched in scheds for plan in sched.steps[rank] for pc in plan.pieces]
+    dims = case.dims
+    if case.strategy.is_ring:
+        return tuple(case.kernel_inputs), dims
+    pieces = [pc for sched in case.scheds for plan in sched.steps[rank] for pc in plan.pieces]
     q_len = max((pc.q_rows[1] for pc in pieces), default=1)
     kv_len = max((pc.kv_rows[1] for pc in pieces), default=1)
     heads_q, heads_kv = dims.heads_q, dims.heads_kv
-    if strategy is Strategy.ULYSSES:
-        share = ulysses_heads(world_size=scheds[0].world_size, heads_q=heads_q, heads_kv=heads_kv)
+    if case.strategy is Strategy.ULYSSES:
+        world = case.scheds[0].world_size
+        share = ulysses_heads(world_size=world, heads_q=heads_q, heads_kv=heads_kv)
         heads_q = heads_kv = share[rank].num_q
         dims = dataclasses.replace(dims, heads_q=heads_q, heads_kv=heads_kv)
-    q = local[0]
+    q = case.kernel_inputs[0]
     gen = torch.Generator().manual_seed(rank)
 
     def make(rows: int, heads: int) -> torch.Tensor:
@@ -739,20 +723,19 @@ def _measure_row(
     # Whose counters and timeline to read: the hybrid's inner and outer groups, mapped back to
     # global ranks; otherwise the default group's (group rank = global rank).
     counted = [(comm, list(range(comm.world_size)))]
+    attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
     if case.strategy is Strategy.HYBRID:
         assert mesh is not None
         counted = [
             (get_communicator(group), dist.get_process_group_ranks(group))
             for group in (mesh.inner, mesh.outer)
         ]
-    times, events, got = _timed_calls(config, comm, case, backward, mesh, counted)
-    for g, r in zip(got, case.reference, strict=False):
-        if g.shape != r.shape:
-            raise AssertionError(f"result shape {tuple(g.shape)} != reference {tuple(r.shape)}")
-    max_error = max(
-        (g.double().cpu() - r).abs().max().item() if g.numel() else 0.0
-        for g, r in zip(got, case.reference, strict=False)
-    )
+        attend = functools.partial(
+            hybrid_attn, mesh=mesh, outer_strategy=config.hybrid.outer_strategy
+        )
+    attend = functools.partial(attend, causal=case.causal, layout=case.layout, seq_len=config.seq)
+    times, events, got = _timed_calls(config, comm, case, backward, attend, counted)
+    max_error = _max_error(got, case.reference)
     sent = {flow: 0 for flow in ("travel", "return")}
     link: dict[int, int] = {}
     for c, global_rank in counted:
@@ -785,12 +768,23 @@ def _measure_row(
     )
 
 
+def _max_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Max abs error of the results against the float64 reference (0 for empty shards)."""
+    for g, r in zip(got, reference, strict=False):
+        if g.shape != r.shape:
+            raise AssertionError(f"result shape {tuple(g.shape)} != reference {tuple(r.shape)}")
+    return max(
+        (g.double().cpu() - r).abs().max().item() if g.numel() else 0.0
+        for g, r in zip(got, reference, strict=False)
+    )
+
+
 def _timed_calls(
     config: BenchConfig,
     comm: Communicator,
     case: _Case,
     backward: bool,
-    mesh: HybridMesh | None,
+    attend: Callable[..., Any],
     counted: list[tuple[Communicator, list[int]]],
 ) -> tuple[list[float], list[Event], list[torch.Tensor]]:
     """The seconds of each timed call, the last call's events (from its own start) and its
@@ -811,24 +805,7 @@ def _timed_calls(
         if q.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        if case.strategy is Strategy.HYBRID:
-            assert mesh is not None
-            result = hybrid_attn(
-                *inputs,
-                mesh=mesh,
-                outer_strategy=config.hybrid.outer_strategy,
-                causal=case.causal,
-                layout=case.layout,
-                seq_len=config.seq,
-            )
-        else:
-            result = sequence_parallel_attn(
-                *inputs,
-                strategy=case.strategy,
-                causal=case.causal,
-                layout=case.layout,
-                seq_len=config.seq,
-            )
+        result = attend(*inputs)
         assert isinstance(result, torch.Tensor)
         out = result
         if backward:
@@ -858,15 +835,9 @@ def _best_compute_only(
     them with the operators its tiles ran, e.g. ``cuda_sdpa[sdpa_flash]``."""
     q = case.local[0]
     kernel = select_kernel(q.device, q.dtype)
-    operands, flop_dims = _compute_operands(
-        case.strategy, case.scheds, rank, case.dims, case.kernel_inputs
-    )
-    fwd, bwd = case.scheds
+    operands = _compute_operands(case, rank)
     compute = min(
-        (
-            _compute_only(fwd, bwd, kernel, rank, pass_, operands, case.scale, flop_dims)
-            for _ in range(2)
-        ),
+        (_compute_only(case, kernel, rank, pass_ == "fwd+bwd", operands) for _ in range(2)),
         key=lambda c: c[0] + c[1],
     )
     return compute, f"{kernel.name}[{','.join(sorted(kernel.ran))}]"  # the call's pieces
@@ -965,7 +936,7 @@ def add_predictions(
     groups: dict[tuple[str, bool, str], list[int]] = {}
     for index, row in enumerate(rows):
         groups.setdefault((row["model"], row["causal"], row["pass"]), []).append(index)
-    for (model_name, causal, pass_), indices in groups.items():
+    for indices in groups.values():
         # Calibrate from the ring strategies' compute-only runs (the others have none).
         timed = [i for i in indices if rows[i]["ms_compute_only"] is not None]
         if not timed:
@@ -980,24 +951,8 @@ def add_predictions(
             layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
         ).seq_local
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
-            result = simulate(
-                row["strategy"],
-                passes="both" if pass_ == "fwd+bwd" else "forward",
-                hybrid=config.hybrid,
-                layout=group[0]["layout"],
-                causal=causal,
-                world_size=world_size,
-                seq_local=seq_local,
-                shape=config.models[model_name],
-                hardware=dataclasses.replace(
-                    hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
-                ),
-            )
-            row["model_ms"] = 1e3 * result.call_s
-            row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
-            row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
-        _add_planner_pick(group, config, hardware, world_size=world_size, seq_local=seq_local)
+        _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
+        _add_planner_pick(group, config, hardware, world_size, seq_local)
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
             row["calibration"] = {
@@ -1030,11 +985,40 @@ def _hardware(
     )
 
 
+def _add_model_times(
+    group: list[dict[str, Any]],
+    own_rates: list[tuple[float, float]],
+    config: BenchConfig,
+    hardware: Hardware,
+    world_size: int,
+    seq_local: int,
+) -> None:
+    """Add the simulator's prediction of each row of one (model, causal, pass) group, on
+    ``hardware`` with the row's own kernel FLOP/s (Note [Calibrating the model from the run])."""
+    first = group[0]
+    for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
+        result = simulate(
+            row["strategy"],
+            passes="both" if first["pass"] == "fwd+bwd" else "forward",
+            hybrid=config.hybrid,
+            layout=first["layout"],
+            causal=first["causal"],
+            world_size=world_size,
+            seq_local=seq_local,
+            shape=config.models[first["model"]],
+            hardware=dataclasses.replace(
+                hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+            ),
+        )
+        row["model_ms"] = 1e3 * result.call_s
+        row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+        row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
+
+
 def _add_planner_pick(
     group: list[dict[str, Any]],
     config: BenchConfig,
     hardware: Hardware,
-    *,
     world_size: int,
     seq_local: int,
 ) -> None:
