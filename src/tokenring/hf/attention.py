@@ -160,6 +160,15 @@ class SequenceParallel:
         return get_communicator(self.group)
 
 
+def as_sequence_parallel(value: Any, name: str = "sequence_parallel") -> SequenceParallel:
+    """``value``; ValueError naming ``name`` when it is not a :class:`SequenceParallel`."""
+    if not isinstance(value, SequenceParallel):
+        raise ValueError(
+            f"{name} must be a tokenring.hf.SequenceParallel; got {type(value).__name__}"
+        )
+    return value
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LocalBatch:
     """This rank's share of a global causal-LM batch (from :func:`shard_batch`)."""
@@ -490,10 +499,7 @@ def _check_call(
             f"attn_implementation={name!r} needs sequence_parallel=tokenring.hf.SequenceParallel"
             "(...) passed to the model's forward (it says which group and layout the shards use)"
         )
-    if not isinstance(sp, SequenceParallel):
-        raise ValueError(
-            f"sequence_parallel must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}"
-        )
+    sp = as_sequence_parallel(sp)
     if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
         raise NotImplementedError(
             f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
@@ -906,10 +912,7 @@ def _labels_loss(
     (from :func:`shard_batch`), if given, is used as is. Which one is decided from every
     rank's length, so all ranks take the same path.
     """
-    if not isinstance(sp, SequenceParallel):
-        raise ValueError(
-            f"sequence_parallel must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}"
-        )
+    sp = as_sequence_parallel(sp)
     if num_items_in_batch is not None:
         raise NotImplementedError(
             "num_items_in_batch is not supported with sequence_parallel: the loss already is the "
