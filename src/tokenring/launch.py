@@ -192,17 +192,7 @@ def launch(
         LaunchError: a rank raised or died (message: the first failing rank's traceback), or
             the deadline passed (message: which ranks had not finished, and their log tails).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s)):
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a finite number > 0; got {value}")
-    if getattr(fn, "__module__", None) == "__main__":
-        raise ValueError(
-            f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
-            "(move it into a module)"
-        )
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    _check_launch(fn, world_size, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
     ranks: list[_Rank] = []  # filled as they start, so that a signal mid-way ends those
     with _signals_end_the_run():
         workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
@@ -216,7 +206,7 @@ def launch(
                 store_path=os.path.join(workdir, "store"),
                 result_dir=workdir,
                 pg_timeout_s=pg_timeout_s,
-                threads=threads,
+                threads=threads_per_rank or max(1, (os.cpu_count() or 1) // world_size),
             )
             spec_path = os.path.join(workdir, "spec.pkl")
             with open(spec_path, "wb") as f:
@@ -226,6 +216,20 @@ def launch(
         finally:
             _end(ranks)
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _check_launch(fn: Any, world_size: int, **timeouts_s: float) -> None:
+    """:func:`launch`'s ValueErrors."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    for name, value in timeouts_s.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number > 0; got {value}")
+    if getattr(fn, "__module__", None) == "__main__":
+        raise ValueError(
+            f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
+            "(move it into a module)"
+        )
 
 
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -447,26 +451,8 @@ def _collect(
             # A failed rank writes its outcome before it ends; read it while it still runs.
             if r.rank not in outcomes and (found := _read_outcome(workdir, r.rank)) is not None:
                 outcomes[r.rank] = found
-            outcome = outcomes.get(r.rank)
-            if outcome is not None and not outcome.ok:
-                candidate = (outcome.failed_at_s, r.rank, outcome.error)
-            elif code is None:
-                continue
-            elif outcome is None:
-                candidate = (
-                    time.time(),
-                    r.rank,
-                    f"rank {r.rank} exited with {_exit_status(code)} without a result; log "
-                    "tail:\n" + _tail(r.log_path),
-                )
-            elif code != 0:
-                candidate = (
-                    time.time(),
-                    r.rank,
-                    f"rank {r.rank} returned its result but then exited with "
-                    f"{_exit_status(code)}; log tail:\n" + _tail(r.log_path),
-                )
-            else:
+            candidate = _failure(r, code, outcomes.get(r.rank))
+            if candidate is None:
                 continue
             if first_failure is None or candidate[0] < first_failure[0]:
                 first_failure = candidate
@@ -505,6 +491,20 @@ def _collect(
         assert outcome is not None and outcome.ok
         results.append(outcome.value)
     return results
+
+
+def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[float, int, str] | None:
+    """(when, rank, error) if rank ``r`` has failed: it reported an error, or it exited without
+    a result or with an error status after it; None while it runs or once it has succeeded."""
+    if outcome is not None and not outcome.ok:
+        return outcome.failed_at_s, r.rank, outcome.error
+    if code is None or (outcome is not None and code == 0):
+        return None
+    if outcome is None:
+        why = f"exited with {_exit_status(code)} without a result"
+    else:
+        why = f"returned its result but then exited with {_exit_status(code)}"
+    return time.time(), r.rank, f"rank {r.rank} {why}; log tail:\n" + _tail(r.log_path)
 
 
 def _exit_status(code: int) -> str:

@@ -421,14 +421,8 @@ def _reference(
     Returns:
         out, dq ``(B, n, Hq, D)``, dk, dv ``(B, n, Hkv, D)``, float64.
     """
-    ref = _Reference(
-        q=q,
-        k=k.double().permute(0, 2, 1, 3),
-        v=v.double().permute(0, 2, 1, 3),
-        dout=dout,
-        causal=causal,
-        scale=scale,
-    )
+    k64, v64 = (x.double().permute(0, 2, 1, 3) for x in (k, v))  # (B, Hkv, S, D)
+    ref = _Reference(q=q, k=k64, v=v64, dout=dout, causal=causal, scale=scale)
     out, dq, lse_all, delta_all = ref.my_rows(positions, grads=grads)
     if not grads:
         return [out]
