@@ -634,10 +634,8 @@ def flash_attn_varlen_func(
 ) -> Result:
     """flash-attn's ``flash_attn_varlen_func`` over packed documents sharded across ``group``.
 
-    ``cu_seqlens_q`` (equal to ``cu_seqlens_k``) holds the *global* boundaries ``(0, ..., T)``,
-    the value one process would pass; each rank passes its shard of the packed tokens, as
-    ``tokenring.shard(x, rank=..., world_size=..., layout=..., seq_dim=0, cu_seqlens=...)``
-    cuts it (any T; zigzag: every document on its own). See Note [Shim mapping].
+    ``cu_seqlens_q`` (equal to ``cu_seqlens_k``) holds the *global* boundaries ``(0, ..., T)``
+    and each rank its shard of the packed tokens (any T; Note [Shim mapping]).
 
     Args:
         q: ``(t, Hq, D)``; k, v: ``(t, Hkv, D)``.

@@ -208,10 +208,7 @@ def launch(
                 pg_timeout_s=pg_timeout_s,
                 threads=threads_per_rank or max(1, (os.cpu_count() or 1) // world_size),
             )
-            spec_path = os.path.join(workdir, "spec.pkl")
-            with open(spec_path, "wb") as f:
-                pickle.dump(spec, f)
-            _start(spec_path, workdir, world_size, wrap_command, rank_env, register_pid, ranks)
+            _start(spec, workdir, wrap_command, rank_env, register_pid, ranks)
             return _collect(ranks, workdir, timeout_s, poll)
         finally:
             _end(ranks)
@@ -279,20 +276,22 @@ def _signals_end_the_run() -> Iterator[None]:
 
 
 def _start(
-    spec_path: str,
+    spec: _Spec,
     workdir: str,
-    world_size: int,
     wrap_command: Callable[[int, list[str]], list[str]] | None,
     rank_env: Callable[[int], dict[str, str]] | None,
     register_pid: Callable[[int], None] | None,
     ranks: list[_Rank],
 ) -> None:
+    spec_path = os.path.join(workdir, "spec.pkl")
+    with open(spec_path, "wb") as f:
+        pickle.dump(spec, f)
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in base_env:
         base_env["GLOO_SOCKET_IFNAME"] = "lo"
     forked = wrap_command is None and rank_env is None and _zygote_can_fork()
-    for rank in range(world_size):
+    for rank in range(spec.world_size):
         log_path = os.path.join(workdir, f"rank{rank}.log")
         proc: _Proc
         if forked:

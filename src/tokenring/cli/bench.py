@@ -1709,15 +1709,13 @@ def _write_markdown(
             return f"{value:.2f}" if key == "overlap_efficiency" else f"{value:.1f}"
         return str(value)
 
-    labelled = [{**row, "strategy": _strategy_label(row)} for row in rows]
-    write_markdown(
-        path,
-        title=_title(settings),
-        argv=argv,
-        note=f"torch {settings['torch']}, git {settings['git_sha']}, "
-        f"{settings['warmup']} warm-up + {settings['iters']} timed calls per row; times are the "
-        "max over ranks of each rank's median.",
-        header=[title for _, title in _MD_COLUMNS],
-        rows=[[cell(k, row.get(k)) for k, _ in _MD_COLUMNS] for row in labelled],
-        footer=_planner_lines(rows),
+    note = (
+        f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
+        f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
+        "median."
     )
+    table = [[title for _, title in _MD_COLUMNS]] + [
+        [cell(k, {**row, "strategy": _strategy_label(row)}.get(k)) for k, _ in _MD_COLUMNS]
+        for row in rows
+    ]
+    write_markdown(path, _title(settings), argv, note, table, _planner_lines(rows))

@@ -526,6 +526,11 @@ _COLUMNS = [
 ]
 
 
+def _headers(config: InferenceBenchConfig) -> list[str]:
+    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
+    return [unit if key == "ms_median" else title for key, title in _COLUMNS]
+
+
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "-"
@@ -546,11 +551,7 @@ def _print_table(
     rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
 ) -> None:
 
-    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
-    table = make_table(
-        "tokenring bench " + _title(settings, config),
-        [unit if key == "ms_median" else title for key, title in _COLUMNS] + ["check"],
-    )
+    table = make_table("tokenring bench " + _title(settings, config), [*_headers(config), "check"])
     for r in rows:
         ok = r["verified"] and r["bytes_match_plan"]
         table.add_row(
@@ -585,16 +586,11 @@ def _write_markdown(
     config: InferenceBenchConfig,
     argv: list[str] | None,
 ) -> None:
-    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
-    write_markdown(
-        path,
-        title=_title(settings, config),
-        argv=argv,
-        note=f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up "
-        f"+ {settings['iters']} timed calls per row; times are the max over ranks of each rank's "
+    note = (
+        f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
+        f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
         "median. One attention layer, forward; bytes are what the busiest rank sent on each "
-        "flow (equal to the plan's on every rank in every row).",
-        header=[unit if k == "ms_median" else t for k, t in _COLUMNS],
-        rows=[[_cell(k, row.get(k)) for k, _ in _COLUMNS] for row in rows],
-        footer=_pick_lines(rows),
+        "flow (equal to the plan's on every rank in every row)."
     )
+    table = [_headers(config)] + [[_cell(k, row.get(k)) for k, _ in _COLUMNS] for row in rows]
+    write_markdown(path, _title(settings, config), argv, note, table, _pick_lines(rows))

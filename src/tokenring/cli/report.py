@@ -46,22 +46,15 @@ def write_records(records: list[dict[str, Any]], args: argparse.Namespace) -> No
 
 
 def write_markdown(
-    path: str,
-    *,
-    title: str,
-    argv: list[str] | None,
-    note: str,
-    header: Sequence[str],
-    rows: list[list[str]],
-    footer: list[str],
+    path: str, title: str, argv: list[str] | None, note: str, table: list[list[str]], end: list[str]
 ) -> None:
-    """``--markdown``: the title, the command that reproduces the run, a note, the table of
-    ``rows`` (cells as text) and the footer lines."""
+    """``--markdown``: the title, the command that reproduces the run, ``note``, the table of
+    cells (``table[0]``: the header) and the ``end`` lines."""
+    header, *rows = table
     lines = [f"# {title}", ""]
     if argv:
         lines += ["Reproduce with:", "", "```", "tokenring " + " ".join(argv), "```", ""]
     lines += [note, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    lines += ["", *footer]
+    lines += ["| " + " | ".join(row) + " |" for row in rows] + ["", *end]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenring.cli import ArgumentAdder, int_at_least, mem_available_bytes, output_path
-from tokenring.cli.console import rich_modules
+from tokenring.cli.console import progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
@@ -282,19 +282,11 @@ def _predict(
         for job in jobs:
             one(*job)
         return rows, results, notes
-    rich = rich_modules()
-    columns = (
-        rich.progress.TextColumn("{task.description}"),
-        rich.progress.BarColumn(),
-        rich.progress.MofNCompleteColumn(),
-        rich.progress.TimeElapsedColumn(),
-    )
-    with rich.progress.Progress(*columns, transient=True) as progress:
-        task = progress.add_task("simulating", total=len(jobs))
+    with progress(len(jobs), "simulating") as bar:
         for job in jobs:
-            progress.update(task, description=f"P={job[0]} S={job[1]} {job[3]}")
+            bar.update(bar.task_ids[0], description=f"P={job[0]} S={job[1]} {job[3]}")
             one(*job)
-            progress.advance(task)
+            bar.advance(bar.task_ids[0])
     return rows, results, notes
 
 

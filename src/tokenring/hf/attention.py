@@ -435,7 +435,10 @@ def _attention_forward(
     assert not isinstance(attention_mask, torch.Tensor)  # _check_call raised
     mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
     if sequence_parallel_cache is not None:  # a step of tokenring.hf.generate
-        return _generation_step(module, query, key, value, scaling, sequence_parallel_cache, mask)
+        out = sequence_parallel_cache.attention(
+            module, query, key, value, scaling=scaling, mask=mask
+        )
+        return out, None  # (1, n, Hq, D)
     _check_temperature_tuning(module, sp, query.shape[2])
     out = sequence_parallel_attn(
         query.transpose(1, 2),  # (B, s, Hq, D)
@@ -454,31 +457,6 @@ def _attention_forward(
     )
     assert isinstance(out, torch.Tensor)
     return out, None  # (B, s, Hq, D)
-
-
-def _generation_step(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling: float | None,
-    cache: Any,
-    mask: _ModelMask,
-) -> tuple[torch.Tensor, None]:
-    """One attention call of :func:`tokenring.hf.generate`: plain causal attention over its
-    KV cache (Note [Generation under sequence parallelism] in tokenring.hf.generation)."""
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-        raise NotImplementedError(
-            "attn_temperature_tuning (Llama 4's NoPE query scale) is not supported in generation"
-        )
-    if mask != _PLAIN_CAUSAL:
-        raise NotImplementedError(
-            f"generation runs plain causal attention over the KV cache; this layer asks for "
-            f"causal={mask.causal}, window_size={mask.window_size}, "
-            f"attention_chunk_size={mask.attention_chunk_size}"
-        )
-    out = cache.attention(module, query, key, value, scaling=scaling)
-    return out, None  # (1, n, Hq, D)
 
 
 def _check_call(

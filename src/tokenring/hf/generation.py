@@ -49,7 +49,12 @@ from typing import Any
 
 import torch
 
-from tokenring.hf.attention import ATTN_IMPLEMENTATIONS, as_sequence_parallel
+from tokenring.hf.attention import (
+    _PLAIN_CAUSAL,
+    ATTN_IMPLEMENTATIONS,
+    _ModelMask,
+    as_sequence_parallel,
+)
 from tokenring.inference import cached_attn, resolve_cached_strategy
 from tokenring.kvcache import CacheStep, DistributedKVCache
 from tokenring.model.costmodel import Hardware
@@ -308,9 +313,24 @@ class ShardedKVCache(Cache):
         value: torch.Tensor,
         *,
         scaling: float | None,
+        mask: _ModelMask = _PLAIN_CAUSAL,
     ) -> torch.Tensor:
         """The attention of the step's new rows of one layer: transformers' ``(1, H, n, D)``
-        in, ``(1, n, Hq, D)`` out (Note [Generation under sequence parallelism])."""
+        in, ``(1, n, Hq, D)`` out (Note [Generation under sequence parallelism]). Plain causal
+        attention only: ``mask`` is the layer's (``tokenring.hf.attention``)."""
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(
+            module, "use_rope", True
+        ):
+            raise NotImplementedError(
+                "attn_temperature_tuning (Llama 4's NoPE query scale) is not supported in "
+                "generation"
+            )
+        if mask != _PLAIN_CAUSAL:
+            raise NotImplementedError(
+                f"generation runs plain causal attention over the KV cache; this layer asks for "
+                f"causal={mask.causal}, window_size={mask.window_size}, "
+                f"attention_chunk_size={mask.attention_chunk_size}"
+            )
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
             raise NotImplementedError(
