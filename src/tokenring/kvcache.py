@@ -83,6 +83,24 @@ class _Growable:
         return self.data[: self.size]
 
 
+def _ranks(
+    group: Any, rank: int | None, world_size: int | None
+) -> tuple[Communicator | None, int, int]:
+    """The cache's communicator (None without a group), rank and world size."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(
+            f"rank and world_size must be given together; got rank={rank}, world_size={world_size}"
+        )
+    comm = None
+    if world_size is None:
+        comm = get_communicator(group)
+        rank, world_size = comm.rank, comm.world_size
+    assert rank is not None and world_size is not None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+    return comm, rank, world_size
+
+
 class DistributedKVCache:
     """K/V of a batch of B sequences for every layer, sharded over the ranks of a group.
 
@@ -141,19 +159,7 @@ class DistributedKVCache:
             )
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes}")
-        if (rank is None) != (world_size is None):
-            raise ValueError(
-                f"rank and world_size must be given together; got rank={rank}, "
-                f"world_size={world_size}"
-            )
-        self.comm: Communicator | None = None
-        if world_size is None:
-            self.comm = get_communicator(group)
-            rank, world_size = self.comm.rank, self.comm.world_size
-        assert rank is not None and world_size is not None
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-        self.rank, self.world_size = rank, world_size
+        self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -165,7 +171,10 @@ class DistributedKVCache:
         self._step: CacheStep | None = None
         # Replicated: [sequence][rank] positions held. Local: [layer][sequence] K and V.
         self._positions = [
-            [_Growable((), torch.int64, torch.device("cpu"), block_size) for _ in range(world_size)]
+            [
+                _Growable((), torch.int64, torch.device("cpu"), block_size)
+                for _ in range(self.world_size)
+            ]
             for _ in range(batch)
         ]
         tail = (heads_kv, head_dim)
@@ -301,24 +310,7 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        problem: Exception | None = None
-        try:
-            counts, zigzag, placed = self._placement(new)
-            missing = [layer for layer, done in enumerate(self._appended) if not done]
-            if missing:
-                raise RuntimeError(
-                    f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
-                    "every layer must run attention (or append) once per step"
-                )
-        except (ValueError, RuntimeError) as exc:
-            problem = exc
-        if check_ranks and self.comm is not None:
-            # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
-            signature = None if problem else {"new tokens": list(counts), "step": self._num_steps}
-            self.comm.agree(signature, problem, what="cache step")
-        elif problem is not None:
-            raise problem
-        new = counts
+        new, zigzag, placed = self._agreed_placement(new, check_ranks)
         if self.budget_bytes is not None:
             held = [
                 [self._positions[b][r].size + len(placed[r][b]) for b in range(self.batch)]
@@ -349,6 +341,30 @@ class DistributedKVCache:
         self._appended = [False] * self.num_layers
         self.memo.clear()
         return step
+
+    def _agreed_placement(
+        self, new: Sequence[int], check_ranks: bool
+    ) -> tuple[tuple[int, ...], bool, tuple[tuple[torch.Tensor, ...], ...]]:
+        """:meth:`_placement` of ``new``, once every rank knows that every rank's is valid and
+        the same (with ``check_ranks`` and a group); else this rank's error, raised."""
+        problem: Exception | None = None
+        try:
+            counts, zigzag, placed = self._placement(new)
+            missing = [layer for layer, done in enumerate(self._appended) if not done]
+            if missing:
+                raise RuntimeError(
+                    f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
+                    "every layer must run attention (or append) once per step"
+                )
+        except (ValueError, RuntimeError) as exc:
+            problem = exc
+        if check_ranks and self.comm is not None:
+            # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
+            signature = None if problem else {"new tokens": list(counts), "step": self._num_steps}
+            self.comm.agree(signature, problem, what="cache step")
+        elif problem is not None:
+            raise problem
+        return counts, zigzag, placed
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""
