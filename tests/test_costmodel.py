@@ -43,6 +43,7 @@ from typing import Any
 import pytest
 import torch
 
+from closed_forms import steady_step, step_costs
 from oracle import owned_positions
 from tokenring.cli import main
 from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Strategy
@@ -60,8 +61,6 @@ from tokenring.model.costmodel import (
     ring_path,
     route,
     schedule_arrays,
-    steady_step,
-    step_costs,
 )
 from tokenring.model.netlab import _ring_next_hop
 from tokenring.model.simulate import (

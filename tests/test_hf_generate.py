@@ -54,7 +54,7 @@ class Case:
 
 CASES = [
     Case(16),  # 2P divides 16: the prompt is prefilled in the zigzag layout, pass-Q or pass-KV
-    Case(13),  # odd: block-cyclic prefill, the round model picks
+    Case(13),  # odd: block-cyclic prefill, the simulator picks
     Case(16, strategy="pass_q"),
     Case(16, strategy="pass_kv"),
     Case(13, strategy="direct"),

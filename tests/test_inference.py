@@ -26,14 +26,16 @@ from tokenring.core.schedule import Payload
 from tokenring.inference import cached_attn
 from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
 from tokenring.model.costmodel import measured
-from tokenring.strategies.cached import (
-    CachedShards,
-    CachedStrategy,
-    build_cached_plan,
+from tokenring.model.planner import (
     choose_cached_strategy,
     explain_cached,
     pass_q_threshold,
     predict_cached,
+)
+from tokenring.strategies.cached import (
+    CachedShards,
+    CachedStrategy,
+    build_cached_plan,
     uniform_shards,
 )
 from tokenring.tinylm import TinyCausalLM, TinyLMConfig, generate, generate_reference
@@ -413,8 +415,9 @@ def test_plan_bytes_match_definitions_and_round_model() -> None:
             )
             assert pred.travel_bytes == max(s["travel"] for s in sent.values())
             assert pred.return_bytes == max(s["return"] for s in sent.values())
-    # Round model by hand: P = 2, pass_kv, comm only: round 0 carries each shard one hop
-    # (mesh: separate links), round 1 nothing; no tail.
+    # The simulator by hand: P = 2, pass_kv, comm only: round 0 carries each shard one hop
+    # (mesh: separate links), round 1's computes are free; the call is the biggest shard's
+    # flight, which is also the busiest link's load.
     shards = uniform_shards(world_size=2, batch=1, cached=6, new=2, block_size=BLOCK)
     pred = predict_cached(
         build_cached_plan("pass_kv", shards),
@@ -426,7 +429,29 @@ def test_plan_bytes_match_definitions_and_round_model() -> None:
         hardware=hw,
     )
     biggest = max(shards.kv_rows) * 2 * 2 * 16 * 2
-    assert pred.total_s == pytest.approx(biggest / 1e9) and pred.tail_s == 0.0
+    assert pred.total_s == pytest.approx(biggest / 1e9)
+    assert pred.wire_s == pytest.approx(biggest / 1e9) and pred.compute_s < 1e-20
+
+
+def test_the_simulator_overlaps_the_ranks_computes() -> None:
+    """P = 2, every new token on rank 0 (one 1024-token block), compute only: pass-Q sends
+    the Q block before rank 0 computes its own, so rank 1 computes beside it and the call
+    is the longer block; pass-KV computes both blocks on rank 0, one after the other."""
+    hw = _hardware(
+        "bfloat16",
+        link_bandwidth_bytes_per_s=1e30,
+        memory_bandwidth_bytes_per_s=1e30,
+        latency_s=0.0,
+    )
+    shards = uniform_shards(world_size=2, batch=1, cached=4096, new=16, block_size=1024)
+    assert shards.q_rows == (16, 0) and shards.kv_rows == (2064, 2048)
+    block_s = [4 * 8 * 64 * 16 * keys / 1e10 for keys in (2064, 2048)]  # 4 Hq D T keys / F
+    dims: dict[str, Any] = {"heads_q": 8, "heads_kv": 2, "head_dim": 64, "dtype": "bfloat16"}
+    want = {"pass_q": max(block_s), "pass_kv": sum(block_s)}
+    for strategy, want_s in want.items():
+        plan = build_cached_plan(strategy, shards)
+        pred = predict_cached(plan, shards, **dims, hardware=hw)
+        assert pred.total_s == pytest.approx(want_s, rel=1e-9), strategy
 
 
 def test_threshold_is_metas_criterion_and_the_pick_follows_it() -> None:
@@ -714,7 +739,7 @@ def test_cached_attention_generation_and_budget_on_ranks(
 
 def test_bench_decode_mode_rows(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
     """``tokenring bench --mode decode`` on 2 ranks: every row verified against float64, its
-    bytes equal to the plan's on every rank and to the round model's, and a pick."""
+    bytes equal to the plan's on every rank and to the prediction's, and a pick."""
     md = tmp_path / "decode.md"
     argv = [
         "bench",
@@ -755,3 +780,22 @@ def test_bench_decode_mode_rows(capsys: pytest.CaptureFixture[str], tmp_path: An
         assert (r["return_bytes_per_rank"] == 0) == (r["strategy"] == "pass_kv")
     text = md.read_text()
     assert "Reproduce with" in text and text.count("\n| ") == 1 + len(rows)
+
+
+def test_explain_cached_kernel_call_s_overrides_the_hardwares() -> None:
+    """``kernel_call_s=`` prices a kernel call as the hardware would with that value, and a
+    value the hardware does not have changes the prices (it is not ignored)."""
+    from dataclasses import replace
+
+    hw = _hardware("bfloat16")
+    case: dict[str, Any] = dict(
+        world_size=4, cached=1024, new=64, heads_q=8, heads_kv=2, head_dim=64, block_size=64
+    )
+    given = explain_cached(**case, hardware=hw, kernel_call_s=1e-3)
+    assert given == explain_cached(**case, hardware=replace(hw, kernel_call_s=1e-3))
+    plain = explain_cached(**case, hardware=replace(hw, kernel_call_s=0.0))
+    assert all(
+        a.total_s > b.total_s for a, b in zip(given.predictions, plain.predictions, strict=True)
+    )
+    with pytest.raises(ValueError, match="kernel_call_s must be a finite number >= 0; got -1"):
+        explain_cached(**case, hardware=hw, kernel_call_s=-1.0)

@@ -1,5 +1,6 @@
-"""The rank programs (Note [Rank program]) of every strategy: every transfer, segment and slot
-of a rank exactly once, in an order that can run, and the simulator replaying them."""
+"""The rank programs (Note [Rank program]) of every strategy and of the cached inference
+plans: every transfer, segment (block) and slot of a rank exactly once, in an order that can
+run, and the simulator replaying them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ import pytest
 
 from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Schedule, Strategy
 from tokenring.model.costmodel import PRESETS
-from tokenring.model.simulate import simulate_pass
-from tokenring.runtime.program import Op, OpKind, program_of, ring_program
+from tokenring.model.simulate import simulate_cached, simulate_pass
+from tokenring.runtime.program import Op, OpKind, cached_program, program_of, ring_program
 from tokenring.strategies import build_schedule
+from tokenring.strategies.cached import (
+    CachedPlan,
+    CachedStrategy,
+    build_cached_plan,
+    uniform_shards,
+)
 from tokenring.strategies.collective import build_collective_schedule
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
@@ -342,3 +349,130 @@ def test_the_event_engine_replays_a_collective_program() -> None:
                 assert bar.start_s >= came[("kv", (rank + k) % p)]
             if k >= 2:
                 assert bar.start_s >= came[("dkv", (rank - k + 1) % p)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_a_cached_program_takes_each_transfer_and_block_once_in_order(world: int) -> None:
+    """Per rank of every cached plan: every receive is waited for once (ARRIVE: Q and K/V;
+    RETURNS: partials) after its slot is posted; every send is posted once and waited for
+    by SENT_ALL; the blocks are computed in the plan's order; slots are posted in order, a
+    slot after block k of a round only once block k is computed; a block is held before it
+    is computed with or forwarded, and a partial sent up merged only after every partial of
+    its owners that reached this rank is merged."""
+    failures = []
+    for cached, new, batch in [(0, 5, 1), (3, 1, 2), (40, 1, 3), (13, 9, 2), (0, 1, 1)]:
+        shards = uniform_shards(world_size=world, batch=batch, cached=cached, new=new, block_size=4)
+        for strategy in CachedStrategy:
+            plan = build_cached_plan(strategy, shards)
+            for rank in range(world):
+                program = cached_program(plan, rank)
+                assert program is cached_program(plan, rank), "memoised on the plan"
+                problems = _check_cached(plan, rank, program)
+                failures += [(cached, new, batch, strategy.value, rank, p) for p in problems]
+    assert not failures, failures[:10]
+
+
+def _check_cached(plan: CachedPlan, rank: int, program: tuple[Op, ...]) -> list[str]:
+    problems: list[str] = []
+    posted: list[tuple[int, int]] = []
+    computed: list[tuple[int, int]] = []
+    received: Counter[object] = Counter()
+    sends_done: Counter[object] = Counter()
+    held_q, held_kv = {rank}, {rank}
+    merged: set[object] = set()
+    mine_in = [tr for tr in plan.transfers if tr.dst == rank]
+    mine_out = [tr for tr in plan.transfers if tr.src == rank]
+    for at, op in enumerate(program):
+        if op.kind is OpKind.POST:
+            posted.append((op.step, op.index))
+            slot = {
+                tr for tr in (*mine_in, *mine_out) if (tr.step, tr.after_segments) == posted[-1]
+            }
+            if set(op.transfers) != slot or len(op.transfers) != len(slot):
+                problems.append(f"POST {posted[-1]} posts {op.transfers}, not its slot's")
+            done = sum(1 for c in program[:at] if c.kind is OpKind.COMPUTE and c.step == op.step)
+            if done < min(op.index, len(plan.computes[rank][op.step])):
+                problems.append(f"slot {(op.step, op.index)} posted before its blocks")
+            for tr in mine_out:
+                if (tr.step, tr.after_segments) != (op.step, op.index):
+                    continue
+                held = {Payload.Q: held_q, Payload.KV: held_kv}.get(tr.payload)
+                if held is not None and not set(tr.owners) <= held:
+                    problems.append(f"{tr} forwards a block before it arrived")
+                below = [x for x in mine_in if x.payload is Payload.OUT]
+                if tr.payload is Payload.OUT and plan.merges(rank, tr.owner):
+                    late = [x for x in below if set(x.owners) & set(tr.owners) and x not in merged]
+                    if late:
+                        problems.append(f"{tr} goes up before {late} are merged")
+        elif op.kind is OpKind.COMPUTE:
+            computed.append((op.step, op.index))
+            o, j = plan.computes[rank][op.step][op.index]
+            if o not in held_q or j not in held_kv:
+                problems.append(f"block {(o, j)} computed before it arrived")
+        elif op.kind in (OpKind.ARRIVE, OpKind.RETURNS):
+            ahead = program[at + 1]
+            if op.kind is OpKind.RETURNS and ahead.kind is not OpKind.SENT_ALL:
+                up = [tr for tr in mine_out if tr.payload is Payload.OUT and tr.after_segments == 0]
+                if (ahead.kind, ahead.index) != (OpKind.POST, 0) or not [
+                    tr for tr in up if tr.step == ahead.step and plan.merges(rank, tr.owner)
+                ]:
+                    problems.append(f"RETURNS {op.step} waits neither at the end nor to go up")
+            for tr in op.transfers:
+                received[tr] += 1
+                if (tr.step, tr.after_segments) not in posted:
+                    problems.append(f"{op.kind} waits for {tr} before its slot is posted")
+                if (op.kind is OpKind.ARRIVE) != (tr.payload.flow is Flow.TRAVEL):
+                    problems.append(f"{op.kind} waits for a {tr.payload}")
+                held = held_q if tr.payload is Payload.Q else held_kv
+                held.update(tr.owners)
+                merged.add(tr)
+        elif op.kind is OpKind.SENT_ALL:
+            for tr in op.transfers:
+                sends_done[tr] += 1
+                if (tr.step, tr.after_segments) not in posted:
+                    problems.append(f"{op.kind} waits for {tr} before it is sent")
+        elif op.kind not in (OpKind.STEP, OpKind.END):
+            problems.append(f"a cached program has no {op.kind}")
+    if sorted(map(repr, received.elements())) != sorted(map(repr, mine_in)):
+        problems.append("receives waited for != the rank's receives (each once)")
+    if sorted(map(repr, sends_done.elements())) != sorted(map(repr, mine_out)):
+        problems.append("sends waited for != the rank's sends (each once)")
+    slots = sorted({(tr.step, tr.after_segments) for tr in (*mine_in, *mine_out)})
+    if sorted(posted) != slots or posted != sorted(posted):
+        problems.append(f"slots posted {posted} != the rank's slots in order {slots}")
+    blocks = [(t, k) for t in range(plan.num_rounds) for k in range(len(plan.computes[rank][t]))]
+    if computed != blocks:
+        problems.append(f"blocks computed {computed} != {blocks}")
+    kinds = [op.kind for op in program]
+    steps = [op.step for op in program if op.kind is OpKind.STEP]
+    if kinds[-1] is not OpKind.SENT_ALL or kinds.count(OpKind.END) != 1:
+        problems.append("a program ends with END ... SENT_ALL")
+    if steps != list(range(plan.num_rounds)):
+        problems.append(f"rounds {steps} != 0..{plan.num_rounds - 1}")
+    return problems
+
+
+def test_the_event_engine_replays_the_cached_program() -> None:
+    """P = 4, every plan: the engine's timeline has one compute bar per COMPUTE op and one
+    merge bar per merged block and per partial a RETURNS takes; in the tree a partial goes
+    up only after the merges of the partials that came from below."""
+    shards = uniform_shards(world_size=4, batch=2, cached=13, new=9, block_size=4)
+    shape = AttentionShape(batch=1, heads_q=8, heads_kv=2, head_dim=16, dtype="float16")
+    for strategy in CachedStrategy:
+        plan = build_cached_plan(strategy, shards)
+        _, _, _, timeline = simulate_cached(plan, shards, shape=shape, hardware=PRESETS["a10-pcie"])
+        for rank, events in enumerate(timeline):
+            program = cached_program(plan, rank)
+            computes = [op for op in program if op.kind is OpKind.COMPUTE]
+            blocks = [plan.computes[rank][op.step][op.index] for op in computes]
+            returned = sum(len(op.transfers) for op in program if op.kind is OpKind.RETURNS)
+            merged = sum(1 for o, _ in blocks if plan.merges(rank, o))
+            assert [ev.step for ev in events if ev.kind == "compute"] == [
+                op.step for op in computes
+            ]
+            merges = [ev for ev in events if ev.kind == "merge"]
+            assert len(merges) == merged + returned, (strategy, rank)
+            ups = [ev for ev in events if ev.kind == "send" and ev.label == "out"]
+            for up in ups if strategy is CachedStrategy.TREE else []:
+                below = [ev for ev in merges if ev.step < up.step and ev.end_s > up.start_s]
+                assert not below, (rank, up, below)

@@ -108,9 +108,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "tokenring.inference": ("cached_attn",),
     "tokenring.kvcache": ("DistributedKVCache", "KVCacheBudgetError"),
     "tokenring.launch": ("init_distributed", "launch"),
-    "tokenring.model.planner": ("explain",),
+    "tokenring.model.planner": ("explain", "explain_cached"),
     "tokenring.runtime.comm": ("Communicator",),
-    "tokenring.strategies.cached": ("CachedStrategy", "explain_cached"),
+    "tokenring.strategies.cached": ("CachedStrategy",),
 }
 # the submodules that loading the library binds here (what the eager package offered)
 _MODULES = frozenset(
@@ -145,9 +145,9 @@ if TYPE_CHECKING:  # the names, for type checkers; at run time _load binds them
     from tokenring.inference import cached_attn
     from tokenring.kvcache import DistributedKVCache, KVCacheBudgetError
     from tokenring.launch import init_distributed, launch
-    from tokenring.model.planner import explain
+    from tokenring.model.planner import explain, explain_cached
     from tokenring.runtime.comm import Communicator
-    from tokenring.strategies.cached import CachedStrategy, explain_cached
+    from tokenring.strategies.cached import CachedStrategy
 
 __all__ = [
     "MIN_TORCH",

@@ -69,6 +69,7 @@ import math
 import operator
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,34 +95,41 @@ Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
 
 # -- checks shared by every shim -----------------------------------------------------------------
-def _check_flash_options(
-    *,
-    dropout_p: float,
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    deterministic: bool,
-    return_attn_probs: bool,
-) -> None:
-    """The flash-attention options that have no counterpart: raise unless they are off."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float):
-        raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p!r}")
-    if not 0 <= dropout_p <= 1:
-        raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p}")
-    if dropout_p != 0:
-        raise NotImplementedError(
-            f"dropout_p must be 0: attention dropout is not supported; got {dropout_p}"
-        )
-    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
-        raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap!r}")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap}")
-    if softcap > 0:
-        raise NotImplementedError(f"softcap is not supported (pass 0.0); got {softcap}")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported (pass None)")
-    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool; got {flag!r}")
+@dataclass(frozen=True, slots=True)
+class _FlashOptions:
+    """The flash-attention options every shim takes, in the originals' order."""
+
+    dropout_p: float
+    softcap: float
+    alibi_slopes: torch.Tensor | None
+    deterministic: bool
+    return_attn_probs: bool
+
+    def check(self) -> None:
+        """Raise unless the options that have no counterpart are off."""
+        dropout_p, softcap = self.dropout_p, self.softcap
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float):
+            raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p!r}")
+        if not 0 <= dropout_p <= 1:
+            raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p}")
+        if dropout_p != 0:
+            raise NotImplementedError(
+                f"dropout_p must be 0: attention dropout is not supported; got {dropout_p}"
+            )
+        if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+            raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap!r}")
+        if not (math.isfinite(softcap) and softcap >= 0):
+            raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap}")
+        if softcap > 0:
+            raise NotImplementedError(f"softcap is not supported (pass 0.0); got {softcap}")
+        if self.alibi_slopes is not None:
+            raise NotImplementedError("alibi_slopes is not supported (pass None)")
+        for name, flag in (
+            ("deterministic", self.deterministic),
+            ("return_attn_probs", self.return_attn_probs),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool; got {flag!r}")
 
 
 def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -140,28 +148,39 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def _attend(
     comm: Communicator,
-    build: Callable[[], tuple[tuple[torch.Tensor, ...], dict[str, Any]]],
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    flash: _FlashOptions,
+    strategy: Strategy | str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: Layout | str,
+    window_size: Sequence[int],
     *,
-    packed: bool,
-    return_attn_probs: bool,
+    packed: bool = False,
+    check: Callable[[], dict[str, Any]] = dict,
+    **options: Any,
 ) -> Result:
-    """Run ``build()`` (this shim's checks and translation), then the attention call.
+    """Check ``flash`` and run ``check()`` (this shim's own checks, which return the options
+    they decide), then the attention call.
 
     A rank whose checks fail sends its reason through the attention call's rank check, where
     its peers are waiting, so every rank raises at once (Note [Rank agreement] in api.py).
     """
     try:
-        tensors, options = build()
+        flash.check()
+        options |= check()
     except (ValueError, NotImplementedError) as exc:
         comm.agree(None, exc, what=WHAT)
         raise  # agree raises exc on this rank; kept for the reader and for type checkers
-    q, k, v = (x.unsqueeze(0) for x in tensors) if packed else tensors
+    options |= {"strategy": strategy, "causal": causal, "softmax_scale": softmax_scale}
+    options |= {"layout": layout, "window_size": window_size}
+    q, k, v = (x.unsqueeze(0) for x in qkv) if packed else qkv
     result = sequence_parallel_attn(q, k, v, group=comm, return_lse=True, **options)
     assert isinstance(result, tuple)
     out, lse = result  # (B, s, Hq, D), (B, Hq, s)
     if packed:
         out, lse = out[0], lse[0]  # (t, Hq, D), (Hq, t)
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, None) if flash.return_attn_probs else out
 
 
 # -- ring-flash-attention ------------------------------------------------------------------------
@@ -196,25 +215,10 @@ def ring_flash_attn_func(
         ValueError: as :func:`tokenring.sequence_parallel_attn`.
     """
     comm = get_communicator(group)
-
-    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        _check_flash_options(
-            dropout_p=dropout_p,
-            softcap=0.0,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_attn_probs=return_attn_probs,
-        )
-        options = {
-            "strategy": strategy,
-            "causal": causal,
-            "softmax_scale": softmax_scale,
-            "layout": Layout.CONTIGUOUS,
-            "window_size": window_size,
-        }
-        return (q, k, v), options
-
-    return _attend(comm, build, packed=False, return_attn_probs=return_attn_probs)
+    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
+    return _attend(
+        comm, (q, k, v), flash, strategy, causal, softmax_scale, Layout.CONTIGUOUS, window_size
+    )
 
 
 def zigzag_ring_flash_attn_func(
@@ -250,25 +254,10 @@ def zigzag_ring_flash_attn_func(
         ValueError: an odd s, and as :func:`tokenring.sequence_parallel_attn`.
     """
     comm = get_communicator(group)
-
-    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        _check_flash_options(
-            dropout_p=dropout_p,
-            softcap=0.0,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_attn_probs=return_attn_probs,
-        )
-        options = {
-            "strategy": strategy,
-            "causal": causal,
-            "softmax_scale": softmax_scale,
-            "layout": Layout.ZIGZAG,
-            "window_size": window_size,
-        }
-        return (q, k, v), options
-
-    return _attend(comm, build, packed=False, return_attn_probs=return_attn_probs)
+    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
+    return _attend(
+        comm, (q, k, v), flash, strategy, causal, softmax_scale, Layout.ZIGZAG, window_size
+    )
 
 
 def llama3_flash_attn_prepare_cu_seqlens(
@@ -324,16 +313,10 @@ def llama3_flash_attn_prepare_cu_seqlens(
     cu_q = [0, *(b - lo for b in docs[1:-1]), length]
     cu_k = [0, *(b - k_start for b in docs[1:-1]), k_stop - k_start]
 
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-
-    return (
-        as_tensor(cu_q),
-        as_tensor(cu_k),
-        _longest(cu_q),
-        _longest(cu_k),
-        slice(k_start, k_stop),
+    q_bounds, k_bounds = (
+        torch.tensor(b, dtype=cu_seqlens.dtype, device=cu_seqlens.device) for b in (cu_q, cu_k)
     )
+    return q_bounds, k_bounds, _longest(cu_q), _longest(cu_k), slice(k_start, k_stop)
 
 
 def _longest(bounds: Sequence[int]) -> int:
@@ -403,11 +386,17 @@ def _llama3_global_cu_seqlens(
         start = row["k_start"]
         found |= {start} | {start + b for b in row["cu_k"][1:-1]}
     bounds = tuple(sorted(b for b in found if 0 <= b <= total))
+    _check_prepared(rows, bounds, causal)
+    return bounds
+
+
+def _check_prepared(rows: list[dict[str, Any]], bounds: tuple[int, ...], causal: bool) -> None:
+    """Raise ValueError when a rank's values (``rows``, by rank) are not what
+    :func:`llama3_flash_attn_prepare_cu_seqlens` gives it for the global ``bounds``."""
+    world_size = len(rows)
     cu = torch.tensor(bounds, dtype=torch.int64)
     for r, row in enumerate(rows):
-        cu_q, cu_k, _, _, k_slice = llama3_flash_attn_prepare_cu_seqlens(
-            cu, causal, r, comm.world_size
-        )
+        cu_q, cu_k, _, _, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, causal, r, world_size)
         expected = {
             "cu_seqlens_q": sorted(set(cu_q.tolist())),
             "cu_seqlens_k": sorted(set(cu_k.tolist())),
@@ -427,11 +416,10 @@ def _llama3_global_cu_seqlens(
             raise ValueError(
                 f"rank {r} passed " + ", ".join(diffs) + " : not what "
                 f"llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal={causal}, rank={r}, "
-                f"world_size={comm.world_size}) gives for the document boundaries the ranks "
+                f"world_size={world_size}) gives for the document boundaries the ranks "
                 f"hold together, {list(bounds)} (prepared for another rank, world size or "
                 "causal?)"
             )
-    return bounds
 
 
 def llama3_flash_attn_varlen_func(
@@ -479,76 +467,94 @@ def llama3_flash_attn_varlen_func(
     comm = get_communicator(group)
     local: dict[str, Any] | None = None
     problem: Exception | None = None
+    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
     try:
-        _check_flash_options(
-            dropout_p=dropout_p,
-            softcap=0.0,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_attn_probs=return_attn_probs,
+        flash.check()
+        local = _llama3_local(
+            q,
+            k,
+            v,
+            (cu_seqlens_q, cu_seqlens_k),
+            (max_seqlen_q, max_seqlen_k),
+            heads_k_stride,
+            local_k_slice,
+            causal,
         )
-        _check_packed(q, k, v)
-        if not isinstance(causal, bool):
-            raise ValueError(f"causal must be a bool; got {causal!r}")
-        hkv = k.shape[1]
-        if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
-            raise ValueError(
-                f"heads_k_stride must be an int dividing heads_kv; got {heads_k_stride!r}"
-            )
-        if heads_k_stride < 1 or hkv % heads_k_stride:
-            raise ValueError(f"heads_k_stride must divide heads_kv={hkv}; got {heads_k_stride}")
-        if not (
-            isinstance(local_k_slice, slice)
-            and all(isinstance(x, int) for x in (local_k_slice.start, local_k_slice.stop))
-            and local_k_slice.step in (None, 1)
-        ):
-            raise ValueError(
-                f"local_k_slice must be a slice(start, stop) of ints; got {local_k_slice!r}"
-            )
-        cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
-        cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
-        if len(cu_q) < 2 or cu_q[0] != 0 or cu_q[-1] != q.shape[0]:
-            raise ValueError(
-                f"cu_seqlens_q must run from 0 to q.shape[0]={q.shape[0]} (this rank's tokens); "
-                f"got {cu_q}"
-            )
-        if len(cu_k) != len(cu_q):
-            raise ValueError(
-                f"cu_seqlens_k must have as many entries as cu_seqlens_q ({len(cu_q)}); got {cu_k}"
-            )
-        for name, bound, values in (
-            ("max_seqlen_q", max_seqlen_q, cu_q),
-            ("max_seqlen_k", max_seqlen_k, cu_k),
-        ):
-            longest = _longest(values)
-            if isinstance(bound, bool) or not isinstance(bound, int) or bound < longest:
-                raise ValueError(
-                    f"{name} must be an int >= the longest document of cu_seqlens_"
-                    f"{name[-1]} ({longest}); got {bound!r}"
-                )
-        local = {
-            "length": q.shape[0],
-            "cu_q": cu_q,
-            "cu_k": cu_k,
-            "k_start": local_k_slice.start,
-            "k_stop": local_k_slice.stop,
-        }
     except (ValueError, NotImplementedError) as exc:
         problem = exc
     bounds = _llama3_global_cu_seqlens(comm, local, problem, causal)
+    return _attend(
+        comm,
+        (q, k, v),
+        flash,
+        strategy,
+        causal,
+        softmax_scale,
+        Layout.CONTIGUOUS,
+        window_size,
+        packed=True,
+        cu_seqlens=bounds,
+    )
 
-    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        options = {
-            "strategy": strategy,
-            "causal": causal,
-            "softmax_scale": softmax_scale,
-            "layout": Layout.CONTIGUOUS,
-            "window_size": window_size,
-            "cu_seqlens": bounds,
-        }
-        return (q, k, v), options
 
-    return _attend(comm, build, packed=True, return_attn_probs=return_attn_probs)
+def _llama3_local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor],
+    max_seqlen: tuple[int, int],
+    heads_k_stride: int,
+    local_k_slice: slice,
+    causal: bool,
+) -> dict[str, Any]:
+    """This rank's arguments of :func:`llama3_flash_attn_varlen_func`, checked one by one, as
+    :func:`_llama3_global_cu_seqlens` takes them."""
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    max_seqlen_q, max_seqlen_k = max_seqlen
+    _check_packed(q, k, v)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    hkv = k.shape[1]
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
+        raise ValueError(f"heads_k_stride must be an int dividing heads_kv; got {heads_k_stride!r}")
+    if heads_k_stride < 1 or hkv % heads_k_stride:
+        raise ValueError(f"heads_k_stride must divide heads_kv={hkv}; got {heads_k_stride}")
+    if not (
+        isinstance(local_k_slice, slice)
+        and all(isinstance(x, int) for x in (local_k_slice.start, local_k_slice.stop))
+        and local_k_slice.step in (None, 1)
+    ):
+        raise ValueError(
+            f"local_k_slice must be a slice(start, stop) of ints; got {local_k_slice!r}"
+        )
+    cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
+    if len(cu_q) < 2 or cu_q[0] != 0 or cu_q[-1] != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q must run from 0 to q.shape[0]={q.shape[0]} (this rank's tokens); "
+            f"got {cu_q}"
+        )
+    if len(cu_k) != len(cu_q):
+        raise ValueError(
+            f"cu_seqlens_k must have as many entries as cu_seqlens_q ({len(cu_q)}); got {cu_k}"
+        )
+    for name, bound, values in (
+        ("max_seqlen_q", max_seqlen_q, cu_q),
+        ("max_seqlen_k", max_seqlen_k, cu_k),
+    ):
+        longest = _longest(values)
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < longest:
+            raise ValueError(
+                f"{name} must be an int >= the longest document of cu_seqlens_"
+                f"{name[-1]} ({longest}); got {bound!r}"
+            )
+    return {
+        "length": q.shape[0],
+        "cu_q": cu_q,
+        "cu_k": cu_k,
+        "k_start": local_k_slice.start,
+        "k_stop": local_k_slice.stop,
+    }
 
 
 # -- flash-attn ----------------------------------------------------------------------------------
@@ -589,26 +595,19 @@ def flash_attn_func(
         ValueError: as :func:`tokenring.sequence_parallel_attn`.
     """
     comm = get_communicator(group)
-
-    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        _check_flash_options(
-            dropout_p=dropout_p,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_attn_probs=return_attn_probs,
-        )
-        options = {
-            "strategy": strategy,
-            "causal": causal,
-            "softmax_scale": softmax_scale,
-            "layout": layout,
-            "window_size": window_size,
-            "seq_len": seq_len,
-        }
-        return (q, k, v), options
-
-    return _attend(comm, build, packed=False, return_attn_probs=return_attn_probs)
+    flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _attend(
+        comm,
+        (q, k, v),
+        flash,
+        strategy,
+        causal,
+        softmax_scale,
+        layout,
+        window_size,
+        packed=False,
+        seq_len=seq_len,
+    )
 
 
 def flash_attn_varlen_func(
@@ -635,10 +634,8 @@ def flash_attn_varlen_func(
 ) -> Result:
     """flash-attn's ``flash_attn_varlen_func`` over packed documents sharded across ``group``.
 
-    ``cu_seqlens_q`` (equal to ``cu_seqlens_k``) holds the *global* boundaries ``(0, ..., T)``,
-    the value one process would pass; each rank passes its shard of the packed tokens, as
-    ``tokenring.shard(x, rank=..., world_size=..., layout=..., seq_dim=0, cu_seqlens=...)``
-    cuts it (any T; zigzag: every document on its own). See Note [Shim mapping].
+    ``cu_seqlens_q`` (equal to ``cu_seqlens_k``) holds the *global* boundaries ``(0, ..., T)``
+    and each rank its shard of the packed tokens (any T; Note [Shim mapping]).
 
     Args:
         q: ``(t, Hq, D)``; k, v: ``(t, Hkv, D)``.
@@ -657,52 +654,56 @@ def flash_attn_varlen_func(
     """
     comm = get_communicator(group)
 
-    def build() -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        _check_flash_options(
-            dropout_p=dropout_p,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_attn_probs=return_attn_probs,
-        )
+    def check() -> dict[str, Any]:  # the global documents, and this rank's share of them
         if block_table is not None:
             raise NotImplementedError("block_table (a paged KV cache) is not supported (pass None)")
         _check_packed(q, k, v)
-        cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
-        cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
-        if cu_q != cu_k:
-            raise NotImplementedError(
-                "cu_seqlens_k must equal cu_seqlens_q (self-attention over the same packed "
-                f"documents); got {cu_q} and {cu_k}"
-            )
-        seq_len = cu_q[-1] if cu_q else -1
-        bounds = normalize_cu_seqlens(cu_q, max(seq_len, 0), name="cu_seqlens_q")
-        longest = _longest(bounds)
-        for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if isinstance(bound, bool) or not isinstance(bound, int) or bound < longest:
-                raise ValueError(
-                    f"{name} must be an int >= the longest document ({longest}); got {bound!r}"
-                )
+        bounds = _varlen_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         sharding = make_sharding(
-            layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=bounds
+            layout=layout, world_size=comm.world_size, seq_len=bounds[-1], cu_seqlens=bounds
         )
         expected = sharding.local_len(comm.rank)
         if q.shape[0] != expected:
             raise ValueError(
                 f"q.shape[0] must be {expected} on rank {comm.rank}: its share of the "
-                f"{seq_len} packed tokens of cu_seqlens_q under layout "
+                f"{bounds[-1]} packed tokens of cu_seqlens_q under layout "
                 f"'{sharding.layout.value}' (see tokenring.shard with seq_dim=0); got "
                 f"{q.shape[0]}"
             )
-        options = {
-            "strategy": strategy,
-            "causal": causal,
-            "softmax_scale": softmax_scale,
-            "layout": layout,
-            "window_size": window_size,
-            "seq_len": seq_len,
-            "cu_seqlens": bounds,
-        }
-        return (q, k, v), options
+        return {"seq_len": bounds[-1], "cu_seqlens": bounds}
 
-    return _attend(comm, build, packed=True, return_attn_probs=return_attn_probs)
+    flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _attend(
+        comm,
+        (q, k, v),
+        flash,
+        strategy,
+        causal,
+        softmax_scale,
+        layout,
+        window_size,
+        packed=True,
+        check=check,
+    )
+
+
+def _varlen_bounds(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
+) -> tuple[int, ...]:
+    """The global document boundaries of :func:`flash_attn_varlen_func`, checked."""
+    cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
+    if cu_q != cu_k:
+        raise NotImplementedError(
+            "cu_seqlens_k must equal cu_seqlens_q (self-attention over the same packed "
+            f"documents); got {cu_q} and {cu_k}"
+        )
+    seq_len = cu_q[-1] if cu_q else -1
+    bounds = normalize_cu_seqlens(cu_q, max(seq_len, 0), name="cu_seqlens_q")
+    longest = _longest(bounds)
+    for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < longest:
+            raise ValueError(
+                f"{name} must be an int >= the longest document ({longest}); got {bound!r}"
+            )
+    return bounds

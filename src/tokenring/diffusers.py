@@ -216,20 +216,28 @@ def joint_attn(
 
     if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
         return attend(q, k, v)
-    # replicated text: a bias channel (Note [Joint attention with replicated text]), padded
-    # with zeros to 8 channels when D is a multiple of 8, so that the fused GPU kernels
-    # (which need D % 8 == 0) still serve the call
+    out = attend(*_text_bias(q, k, v, num_text, bias=-math.log(comm.world_size) / scale))
+    return out[..., : q.shape[3]]  # (B, t + s, Hq, D)
+
+
+def _text_bias(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_text: int, *, bias: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``(B, t + s, H, D + E)`` with the bias channel of replicated text (Note [Joint
+    attention with replicated text]): ``bias`` on the text keys, padded with zeros to E = 8
+    channels when D is a multiple of 8, so that the fused GPU kernels (which need D % 8 == 0)
+    still serve the call."""
     b, n, d = q.shape[0], q.shape[1], q.shape[3]
     extra = 8 if d % 8 == 0 else 1
     q_extra = q.new_zeros(b, n, q.shape[2], extra)  # (B, t + s, Hq, E)
     q_extra[..., 0] = 1
     k_extra = k.new_zeros(b, n, k.shape[2], extra)  # (B, t + s, Hkv, E)
-    k_extra[:, :num_text, :, 0] = -math.log(comm.world_size) / scale
-    q1 = torch.cat([q, q_extra], dim=-1)  # (B, t + s, Hq, D + E)
-    k1 = torch.cat([k, k_extra], dim=-1)
-    v1 = torch.cat([v, v.new_zeros(b, n, v.shape[2], extra)], dim=-1)
-    out = attend(q1, k1, v1)  # (B, t + s, Hq, D + E)
-    return out[..., :d]  # (B, t + s, Hq, D)
+    k_extra[:, :num_text, :, 0] = bias
+    return (
+        torch.cat([q, q_extra], dim=-1),  # (B, t + s, Hq, D + E)
+        torch.cat([k, k_extra], dim=-1),
+        torch.cat([v, v.new_zeros(b, n, v.shape[2], extra)], dim=-1),
+    )
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -357,32 +365,9 @@ class FluxSequenceParallelProcessor:
             from diffusers.models.embeddings import apply_rotary_emb
         except ImportError as exc:
             raise ImportError(DIFFUSERS_MISSING) from exc
-        if attention_mask is not None:
-            raise NotImplementedError(
-                "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
-                f"of shape {tuple(attention_mask.shape)}); Flux passes none"
-            )
-        if ip_hidden_states is not None or ip_adapter_masks is not None:
-            # FluxAttention drops these quietly for a processor without them: take and refuse
-            raise NotImplementedError(
-                "FluxSequenceParallelProcessor does not support IP-adapter inputs "
-                "(ip_hidden_states / ip_adapter_masks); got "
-                f"ip_hidden_states={type(ip_hidden_states).__name__}, "
-                f"ip_adapter_masks={type(ip_adapter_masks).__name__}"
-            )
+        _refuse_inputs(attention_mask, ip_hidden_states, ip_adapter_masks)
         text = TextPlacement.parse(self.text)
-        fused = getattr(attn, "fused_projections", False)
-        if fused:
-            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            query, key, value = (
-                attn.to_q(hidden_states),
-                attn.to_k(hidden_states),
-                attn.to_v(hidden_states),
-            )
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))  # (B, s, H, D)
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
+        query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
         if encoder_hidden_states is not None:
             if attn.added_kv_proj_dim is None:
                 raise NotImplementedError(
@@ -392,28 +377,12 @@ class FluxSequenceParallelProcessor:
             num_text = encoder_hidden_states.shape[1]
             if text_seq_len is not None and text is TextPlacement.REPLICATED:
                 _check_text_len(text_seq_len, num_text)
-            if fused:
-                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
-            else:
-                eq = attn.add_q_proj(encoder_hidden_states)
-                ek = attn.add_k_proj(encoder_hidden_states)
-                ev = attn.add_v_proj(encoder_hidden_states)
-            eq = attn.norm_added_q(eq.unflatten(-1, (-1, attn.head_dim)))  # (B, t, H, D)
-            ek = attn.norm_added_k(ek.unflatten(-1, (-1, attn.head_dim)))
-            ev = ev.unflatten(-1, (-1, attn.head_dim))
+            eq, ek, ev = _projections(attn, encoder_hidden_states, added=True)  # (B, t, H, D)
             query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
             key = torch.cat([ek, key], dim=1)
             value = torch.cat([ev, value], dim=1)
-        elif text is TextPlacement.REPLICATED:
-            if text_seq_len is None:
-                raise ValueError(
-                    "text_seq_len is required with text='replicated' in a single-stream "
-                    "block (the text rows are not told apart there): pass "
-                    "joint_attention_kwargs={'text_seq_len': T} to the model; got None"
-                )
-            num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
         else:
-            num_text = 0  # sharded: the local joint sequence is one block of the ring
+            num_text = _single_stream_text(text, text_seq_len, hidden_states.shape[1])
         if image_rotary_emb is not None:  # (cos, sin), each (t + s, D), from the local ids
             rotary: Any = image_rotary_emb  # diffusers annotates it as a 1-tuple
             query = apply_rotary_emb(query, rotary, sequence_dim=1)
@@ -434,6 +403,50 @@ class FluxSequenceParallelProcessor:
         text_out, image_out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)
         image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
         return image_out, attn.to_add_out(text_out.contiguous())
+
+
+def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
+    """Raise for the inputs of ``FluxAttnProcessor`` the processor does not take."""
+    if attention_mask is not None:
+        raise NotImplementedError(
+            "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
+            f"of shape {tuple(attention_mask.shape)}); Flux passes none"
+        )
+    if ip_hidden_states is not None or ip_adapter_masks is not None:
+        # FluxAttention drops these quietly for a processor without them: take and refuse
+        raise NotImplementedError(
+            "FluxSequenceParallelProcessor does not support IP-adapter inputs "
+            "(ip_hidden_states / ip_adapter_masks); got "
+            f"ip_hidden_states={type(ip_hidden_states).__name__}, "
+            f"ip_adapter_masks={type(ip_adapter_masks).__name__}"
+        )
+
+
+def _projections(attn: Any, x: torch.Tensor, *, added: bool) -> tuple[Any, Any, Any]:
+    """``FluxAttnProcessor``'s q, k, v ``(B, n, H, D)`` of ``x`` ``(B, n, C)`` (fused or not; q
+    and k RMS-normed); ``added``: the text stream's projections of a joint block."""
+    if getattr(attn, "fused_projections", False):
+        q, k, v = (attn.to_added_qkv if added else attn.to_qkv)(x).chunk(3, dim=-1)
+    elif added:
+        q, k, v = attn.add_q_proj(x), attn.add_k_proj(x), attn.add_v_proj(x)
+    else:
+        q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+    norm_q, norm_k = (attn.norm_added_q, attn.norm_added_k) if added else (attn.norm_q, attn.norm_k)
+    heads = (-1, attn.head_dim)
+    return norm_q(q.unflatten(-1, heads)), norm_k(k.unflatten(-1, heads)), v.unflatten(-1, heads)
+
+
+def _single_stream_text(text: TextPlacement, text_seq_len: int | None, length: int) -> int:
+    """The text rows at the start of a single-stream block's ``length`` local rows."""
+    if text is TextPlacement.SHARDED:
+        return 0  # the local joint sequence is one block of the ring
+    if text_seq_len is None:
+        raise ValueError(
+            "text_seq_len is required with text='replicated' in a single-stream "
+            "block (the text rows are not told apart there): pass "
+            "joint_attention_kwargs={'text_seq_len': T} to the model; got None"
+        )
+    return _check_text_len(text_seq_len, length, at_most=True)
 
 
 def _check_text_len(text_seq_len: Any, expected: int, *, at_most: bool = False) -> int:

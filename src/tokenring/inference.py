@@ -16,10 +16,11 @@ Note [Cached attention call]
 ::
 
     1. append   this rank's new K/V go into its own shard (their owner caches them)
-    2. choose   "auto": the round model (cached_schedule.choose_cached_strategy) on the given
-                hardware, once per step (every layer reuses it)
+    2. choose   "auto": the simulated plans (model.planner.choose_cached_strategy) on the
+                given hardware, once per step (every layer reuses it)
     3. run      zigzag first prefill + pass_q / pass_kv: sequence_parallel_attn
-                (token_ring / ring, causal, zigzag); otherwise the plan, slot by slot
+                (token_ring / ring, causal, zigzag); otherwise the plan's rank program
+                (tokenring.runtime.program.cached_program) through the one executor
 
 A Q block against a shard is computed per sequence in at most two kernel calls: the keys every
 query sees (positions up to the block's first query) without a mask, and the keys between the
@@ -38,19 +39,21 @@ import torch
 from tokenring.api import AUTO_NEEDS_HARDWARE, sequence_parallel_attn
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import Payload, Strategy, Transfer
-from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware, preset
-from tokenring.model.planner import explain
+from tokenring.model.planner import choose_cached_strategy, explain
 from tokenring.runtime.comm import Communicator, FieldSpec
+from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.runtime.program import Op, cached_program
 from tokenring.runtime.slots import SlotPoster
 from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
     CachedStrategy,
     CachedTransfer,
+    CacheStep,
     build_cached_plan,
-    choose_cached_strategy,
 )
 
 __all__ = [
@@ -62,10 +65,9 @@ __all__ = [
 
 
 # -- the runtime ---------------------------------------------------------------------------------
-class _PlanRunner:
-    """Executes one rank's part of a :class:`CachedPlan` (see Note [Slots] in
-    tokenring.runtime.comm:
-    slot (t, 0) at the start of round t, slot (t, k) after the k-th compute of the round)."""
+class _PlanRunner(PassRunner):
+    """One rank's part of a :class:`CachedPlan`, as ``execute`` runs its program
+    (``cached_program``, Note [Rank program] in tokenring.runtime.program)."""
 
     def __init__(
         self,
@@ -89,8 +91,12 @@ class _PlanRunner:
         self.kv_packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # holder -> (k, v)
         self.partial: tuple[torch.Tensor, torch.Tensor] | None = None  # the last one computed
         self.accs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # owner -> (1,n,H,D),(1,H,n)
-        self.poster = SlotPoster(plan.transfers, comm, self._fields, self.device)
-        self.block_recv: dict[tuple[Payload, int], Transfer] = {}
+        self.poster = SlotPoster(comm, self._fields, self.device)
+        self._acc(self.rank)
+
+    @property
+    def range_prefix(self) -> str:
+        return f"tokenring.cached.{self.plan.strategy.value}.round"
 
     # -- messages ------------------------------------------------------------------------------
     def _fields(self, tr: Transfer) -> list[FieldSpec]:
@@ -101,76 +107,75 @@ class _PlanRunner:
             return [((n, hkv, d), self.dtype)] * 2
         return [((n, hq, d), self.dtype), ((hq, n), self.acc)]
 
-    def _provide(self, tr: Transfer) -> list[torch.Tensor]:
+    def provide(self, tr: Transfer) -> list[torch.Tensor]:
         assert isinstance(tr, CachedTransfer)
-        if tr.payload is Payload.Q:  # forwarded blocks must have arrived first
-            blocks = [self._q_block(o) for o in tr.owners]
+        if tr.payload is Payload.Q:  # forwarded blocks arrived in an earlier round
+            blocks = [self.q_blocks[o] for o in tr.owners]
             return [blocks[0] if len(blocks) == 1 else torch.cat(blocks)]
         if tr.payload is Payload.KV:
             (j,) = tr.owners
             if j not in self.kv_packed:
-                pairs = self._kv_block(j)
+                pairs = self.kv_blocks[j]
                 self.kv_packed[j] = (
                     torch.cat([k for k, _ in pairs]),
                     torch.cat([v for _, v in pairs]),
                 )
             return list(self.kv_packed[j])
-        if self.plan.strategy is not CachedStrategy.TREE:
+        if not self.plan.merges(self.rank, tr.owner):  # the block just computed
             assert self.partial is not None
             return list(self.partial)
-        outs = [self.accs[o][0][0].to(self.dtype) for o in tr.owners]
+        outs = [self.accs[o][0][0].to(self.dtype) for o in tr.owners]  # merged: tree
         lses = [self.accs[o][1][0] for o in tr.owners]
         return [torch.cat(outs), torch.cat(lses, dim=1)]
 
-    def _post(self, step: int, after: int) -> None:
-        for tr in self.poster.post(step, after, self._provide):
+    def arrive(self, op: Op) -> None:
+        """ARRIVE: the Q blocks and K/V shards of a round, unpacked by owner."""
+        for tr in op.transfers:
             assert isinstance(tr, CachedTransfer)
-            if tr.payload is not Payload.OUT:
-                for o in tr.owners:
-                    self.block_recv[(tr.payload, o)] = tr
-
-    def _split_rows(self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> list[Any]:
-        return list(torch.split(tensor, list(sizes), dim=dim))
-
-    def _q_block(self, owner: int) -> torch.Tensor:
-        if owner not in self.q_blocks:
-            tr = self.block_recv[(Payload.Q, owner)]
-            assert isinstance(tr, CachedTransfer)
-            (packed,) = self.poster.pending.pop(tr).wait()
-            sizes = [self.shards.q_rows[o] for o in tr.owners]
-            for o, block in zip(tr.owners, self._split_rows(packed, sizes), strict=True):
-                self.q_blocks[o] = block
-        return self.q_blocks[owner]
-
-    def _kv_block(self, holder: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if holder not in self.kv_blocks:
-            tr = self.block_recv[(Payload.KV, holder)]
-            k, v = self.poster.pending.pop(tr).wait()
-            self.kv_packed[holder] = (k, v)
-            sizes = self.shards.kv_seq_rows[holder]
-            self.kv_blocks[holder] = list(
-                zip(self._split_rows(k, sizes), self._split_rows(v, sizes), strict=True)
-            )
-        return self.kv_blocks[holder]
+            tensors = self.poster.pending.pop(tr).wait()
+            if tr.payload is Payload.Q:
+                rows = [self.shards.q_rows[o] for o in tr.owners]
+                for o, block in zip(tr.owners, _split_rows(tensors[0], rows), strict=True):
+                    self.q_blocks[o] = block
+            else:
+                (j,) = tr.owners
+                k, v = tensors
+                self.kv_packed[j] = (k, v)
+                sizes = self.shards.kv_seq_rows[j]
+                self.kv_blocks[j] = list(
+                    zip(_split_rows(k, sizes), _split_rows(v, sizes), strict=True)
+                )
 
     # -- compute and merge ---------------------------------------------------------------------
     def _acc(self, owner: int) -> tuple[torch.Tensor, torch.Tensor]:
         if owner not in self.accs:
-            n = self.shards.q_rows[owner]
-            out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
-            lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
-            self.accs[owner] = (out, lse)
+            self.accs[owner] = self._empty(self.shards.q_rows[owner])
         return self.accs[owner]
 
-    def _compute(self, q_owner: int, kv_holder: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _empty(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A partial of ``n`` rows no key has reached: out ``(1, n, Hq, D)`` 0, lse
+        ``(1, Hq, n)`` -inf, in the accumulation dtype."""
+        out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
+        lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
+        return out, lse
+
+    def compute(self, op: Op) -> None:
+        """COMPUTE: block ``op.index`` of round ``op.step``, merged here or kept to be sent."""
+        o, j = self.plan.computes[self.rank][op.step][op.index]
+        out, lse = self._attend(o, j)
+        if self.plan.merges(self.rank, o):
+            acc_out, acc_lse = self._acc(o)
+            merge_into(acc_out, acc_lse, (0, out.shape[1]), out, lse)
+        else:
+            self.partial = (out[0].to(self.dtype), lse[0])
+
+    def _attend(self, q_owner: int, kv_holder: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The partial of ``q_owner``'s block against ``kv_holder``'s shard, in the
         accumulation dtype: ``(1, n_o, Hq, D)`` and ``(1, Hq, n_o)``; see Note [Cached
         attention call]."""
-        q = self._q_block(q_owner)
-        kv = self._kv_block(kv_holder)
-        n = q.shape[0]
-        out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
-        lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
+        q = self.q_blocks[q_owner]
+        kv = self.kv_blocks[kv_holder]
+        out, lse = self._empty(q.shape[0])
         splits = self.shards.split(q_owner, kv_holder)
         qpos_all = self.shards.q_positions[q_owner]
         kpos_all = self.shards.kv_positions[kv_holder]
@@ -183,31 +188,16 @@ class _PlanRunner:
                 continue
             qb = q[rows[0] : rows[1]].unsqueeze(0)  # (1, t, Hq, D)
             kb, vb = kv[b]
-            pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-            if full > 0:
-                pieces.append(
-                    self.kernel.forward(
-                        qb,
-                        kb[:full].unsqueeze(0),
-                        vb[:full].unsqueeze(0),
-                        causal=False,
-                        scale=self.scale,
-                    )
+            masked = None
+            if stop > full:  # (t, stop - full)
+                masked = (kpos_all[b][full:stop][None] <= qpos_all[b][:, None]).to(self.device)
+            pieces = [
+                self.kernel.forward(
+                    qb, kb[lo:hi][None], vb[lo:hi][None], causal=False, scale=self.scale, mask=mask
                 )
-            if stop > full:
-                qpos = qpos_all[b]
-                kpos = kpos_all[b][full:stop]
-                mask = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)).to(self.device)  # (t, stop-full)
-                pieces.append(
-                    self.kernel.forward(
-                        qb,
-                        kb[full:stop].unsqueeze(0),
-                        vb[full:stop].unsqueeze(0),
-                        causal=False,
-                        scale=self.scale,
-                        mask=mask,
-                    )
-                )
+                for lo, hi, mask in ((0, full, None), (full, stop, masked))
+                if hi > lo
+            ]
             if len(pieces) == 1:
                 out[:, rows[0] : rows[1]] = pieces[0][0]
                 lse[:, :, rows[0] : rows[1]] = pieces[0][1]
@@ -216,48 +206,22 @@ class _PlanRunner:
                     merge_into(out, lse, rows, part_out, part_lse)
         return out, lse
 
-    def _merge_received(self, before_round: int | None) -> None:
-        """Wait for and merge the partials posted before ``before_round`` (None: all)."""
-        ready = sorted(
-            self.poster.take(Payload.OUT, before_step=before_round),
-            key=lambda rec: (rec.transfer.step, rec.transfer.after_segments, rec.transfer.src),
-        )
-        for rec in ready:
-            tr = rec.transfer
+    def returns(self, op: Op) -> None:
+        """RETURNS: wait for the partials ``op`` names and merge them by owner."""
+        for tr in op.transfers:
             assert isinstance(tr, CachedTransfer)
-            out, lse = rec.wait()
+            out, lse = self.poster.pending.pop(tr).wait()
             sizes = [self.shards.q_rows[o] for o in tr.owners]
-            outs = self._split_rows(out, sizes)
-            lses = self._split_rows(lse, sizes, dim=1)
+            outs = _split_rows(out, sizes)
+            lses = _split_rows(lse, sizes, dim=1)
             for o, part_out, part_lse in zip(tr.owners, outs, lses, strict=True):
                 acc_out, acc_lse = self._acc(o)
                 rows = (0, part_out.shape[0])
                 merge_into(acc_out, acc_lse, rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        plan, me = self.plan, self.rank
-        tree = plan.strategy is CachedStrategy.TREE
-        self._acc(me)
-        for t in range(plan.num_rounds):
-            if tree and t > 0:
-                self._merge_received(before_round=t)  # a subtree's partials before going up
-            self._post(t, 0)
-            blocks = plan.computes[me][t]
-            for k, (o, j) in enumerate(blocks):
-                out, lse = self._compute(o, j)
-                if o == me or tree:
-                    acc_out, acc_lse = self._acc(o)
-                    merge_into(acc_out, acc_lse, (0, out.shape[1]), out, lse)
-                else:
-                    self.partial = (out[0].to(self.dtype), lse[0])
-                self._post(t, k + 1)
-            for after in range(len(blocks) + 1, self.poster.last_slot(t) + 1):
-                self._post(t, after)
-        self._merge_received(before_round=None)
-        assert not self.poster.pending, "every receive of the plan must have been consumed"
-        self.comm.wait_sends()
-        out, lse = self.accs[me]
-        return out[0].to(self.dtype), lse[0]
+
+def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+    return list(torch.split(tensor, list(sizes), dim=dim))
 
 
 def run_cached_plan(
@@ -281,7 +245,11 @@ def run_cached_plan(
         out ``(n, Hq, D)`` in q's dtype and lse ``(Hq, n)`` in the accumulation dtype (-inf and
         out 0 for a query that sees no key).
     """
-    return _PlanRunner(plan, shards, comm, kernel, q, kv, scale).run()
+    runner = _PlanRunner(plan, shards, comm, kernel, q, kv, scale)
+    execute(cached_program(plan, comm.rank), runner)
+    assert not runner.poster.pending, "every receive of the plan must have been consumed"
+    out, lse = runner.accs[comm.rank]
+    return out[0].to(q.dtype), lse[0]
 
 
 # -- choosing ------------------------------------------------------------------------------------
@@ -297,9 +265,9 @@ def resolve_cached_strategy(
     device: torch.device,
     hardware: Hardware | str | None = None,
 ) -> CachedStrategy:
-    """``strategy`` itself, or for ``"auto"`` the cheapest by the round model (Note [Round
-    model] in tokenring.strategies.cached) on ``hardware`` (a ``Hardware``, e.g. from
-    ``tokenring.model.planner.calibrate``, whose ``kernel_call_s`` the round model charges per
+    """``strategy`` itself, or for ``"auto"`` the cheapest simulated plan
+    (``tokenring.model.planner.choose_cached_strategy``) on ``hardware`` (a ``Hardware``,
+    e.g. from ``tokenring.model.planner.calibrate``, whose ``kernel_call_s`` is charged per
     kernel call, or a preset name). A zigzag first prefill chooses between pass_q and pass_kv
     with the training planner (``tokenring.model.planner.explain``), as it runs on the
     ordinary path. Pure: no communication.
@@ -314,7 +282,6 @@ def resolve_cached_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if isinstance(hardware, str):
         hardware = preset(hardware)
-    call_s = hardware.kernel_call_s
     if step.zigzag:
         plan = explain(
             world_size=step.world_size,
@@ -337,7 +304,6 @@ def resolve_cached_strategy(
         head_dim=head_dim,
         dtype=dtype,
         hardware=hardware,
-        kernel_call_s=call_s,
     ).pick
 
 

@@ -4,29 +4,12 @@ This module owns *where cached tokens live* and how much memory they take. Every
 the K/V of its own tokens (``(n, Hkv, D)`` per layer and sequence) and a replicated record of
 which global positions every rank holds, so each rank can derive the whole placement, every
 message size and every mask without asking the others. Attention over the cache is
-``tokenring.inference``; the schedules it runs and their costs are ``tokenring.strategies.cached``.
+``tokenring.inference``; where new tokens go (Note [Placement]) and the schedules attention runs
+are ``tokenring.strategies.cached``, their costs ``tokenring.model.planner``.
 
 Legend: B sequences in the batch, T new tokens of a sequence in a step, C cached tokens of a
 sequence before it, P world size, bs block size, L layers, Hkv key/value heads, D head dim,
 e bytes per element, n rows a rank holds.
-
-Note [Placement]
-~~~~~~~~~~~~~~~~
-A step appends T_b new tokens to each sequence b. Their owner (the rank that computes them,
-holds their Q and caches their K/V, so the append moves nothing) is decided once per step,
-identically on every rank, from the positions alone::
-
-    first prefill   every C_b = 0, every T_b = T, T % 2P == 0: the zigzag layout of the
-                    ordinary attention path (rank r owns chunks r and 2P-1-r of 2P)
-    otherwise       block-cyclic: position p of sequence b goes to rank (p // bs + b) mod P
-
-Block-cyclic keeps every rank within one block of the others for each sequence however long
-it grows (positions [a, a+m) put floor or ceil of m/bs blocks on each rank, and the zigzag
-prefix is exactly even), so no rank fills first; the ``+ b`` offset starts the sequences of a
-batch on different ranks, so a batch of short sequences is spread too. P = 3, bs = 4, b = 0::
-
-    position:  0-3  4-7  8-11  12-15  16-19  ...
-    rank:       0    1    2     0      1     ...
 
 Note [Memory accounting]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,13 +29,13 @@ for a peer that gave up).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tokenring.api import get_communicator
 from tokenring.runtime.comm import Communicator
+from tokenring.strategies.cached import CacheStep, place_new_tokens
 
 __all__ = ["CacheStep", "DistributedKVCache", "KVCacheBudgetError", "place_new_tokens"]
 
@@ -71,84 +54,6 @@ class KVCacheBudgetError(RuntimeError):
 
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
-
-
-def place_new_tokens(
-    *,
-    cached: Sequence[int],
-    new: Sequence[int],
-    world_size: int,
-    block_size: int,
-    zigzag: bool,
-) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """The global positions of the new tokens each rank owns; see Note [Placement].
-
-    Args:
-        cached: C_b per sequence.
-        new: T_b per sequence.
-        zigzag: use the first-prefill zigzag layout (the caller checked that it applies).
-
-    Returns:
-        ``[rank][sequence]`` int64 tensors of increasing positions.
-    """
-    p = world_size
-    placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
-    for b, (c, t) in enumerate(zip(cached, new, strict=True)):
-        if zigzag:
-            chunk = t // (2 * p)
-            for r in range(p):
-                late = 2 * p - 1 - r
-                placed[r].append(
-                    torch.cat(
-                        [
-                            torch.arange(r * chunk, (r + 1) * chunk),
-                            torch.arange(late * chunk, (late + 1) * chunk),
-                        ]
-                    )
-                )
-            continue
-        pos = torch.arange(c, c + t, dtype=torch.int64)
-        owner = (pos // block_size + b) % p
-        for r in range(p):
-            placed[r].append(pos[owner == r])
-    return tuple(tuple(row) for row in placed)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CacheStep:
-    """Where the new tokens of one step go and what every rank holds after it.
-
-    Identical on every rank. New tokens are passed to attention *packed*: this rank's rows of
-    sequence 0, then of sequence 1, ... (``seq_rows(rank)`` of each), each in position order.
-    """
-
-    index: int
-    """Steps begun before this one."""
-    world_size: int
-    """P."""
-    zigzag: bool
-    """The first prefill in the zigzag layout (the ordinary attention path)."""
-    cached: tuple[int, ...]
-    """C_b: tokens of each sequence cached before the step."""
-    new: tuple[int, ...]
-    """T_b: new tokens of each sequence."""
-    new_positions: tuple[tuple[torch.Tensor, ...], ...]
-    """``[rank][sequence]``: global positions of the new tokens the rank owns."""
-    kv_positions: tuple[tuple[torch.Tensor, ...], ...]
-    """``[rank][sequence]``: every position the rank caches after the step (new included)."""
-
-    def seq_rows(self, rank: int) -> tuple[int, ...]:
-        """How many new tokens of each sequence ``rank`` owns."""
-        return tuple(len(x) for x in self.new_positions[rank])
-
-    def num_rows(self, rank: int) -> int:
-        """Packed new rows of ``rank``: the first dimension of its q, k, v."""
-        return sum(self.seq_rows(rank))
-
-    def positions(self, rank: int) -> torch.Tensor:
-        """``(n,)`` packed global positions of ``rank``'s new rows (for RoPE, token lookup)."""
-        parts = self.new_positions[rank]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 class _Growable:
@@ -176,6 +81,24 @@ class _Growable:
 
     def view(self) -> torch.Tensor:
         return self.data[: self.size]
+
+
+def _ranks(
+    group: Any, rank: int | None, world_size: int | None
+) -> tuple[Communicator | None, int, int]:
+    """The cache's communicator (None without a group), rank and world size."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(
+            f"rank and world_size must be given together; got rank={rank}, world_size={world_size}"
+        )
+    comm = None
+    if world_size is None:
+        comm = get_communicator(group)
+        rank, world_size = comm.rank, comm.world_size
+    assert rank is not None and world_size is not None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+    return comm, rank, world_size
 
 
 class DistributedKVCache:
@@ -236,19 +159,7 @@ class DistributedKVCache:
             )
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes}")
-        if (rank is None) != (world_size is None):
-            raise ValueError(
-                f"rank and world_size must be given together; got rank={rank}, "
-                f"world_size={world_size}"
-            )
-        self.comm: Communicator | None = None
-        if world_size is None:
-            self.comm = get_communicator(group)
-            rank, world_size = self.comm.rank, self.comm.world_size
-        assert rank is not None and world_size is not None
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-        self.rank, self.world_size = rank, world_size
+        self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -260,7 +171,10 @@ class DistributedKVCache:
         self._step: CacheStep | None = None
         # Replicated: [sequence][rank] positions held. Local: [layer][sequence] K and V.
         self._positions = [
-            [_Growable((), torch.int64, torch.device("cpu"), block_size) for _ in range(world_size)]
+            [
+                _Growable((), torch.int64, torch.device("cpu"), block_size)
+                for _ in range(self.world_size)
+            ]
             for _ in range(batch)
         ]
         tail = (heads_kv, head_dim)
@@ -396,24 +310,7 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        problem: Exception | None = None
-        try:
-            counts, zigzag, placed = self._placement(new)
-            missing = [layer for layer, done in enumerate(self._appended) if not done]
-            if missing:
-                raise RuntimeError(
-                    f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
-                    "every layer must run attention (or append) once per step"
-                )
-        except (ValueError, RuntimeError) as exc:
-            problem = exc
-        if check_ranks and self.comm is not None:
-            # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
-            signature = None if problem else {"new tokens": list(counts), "step": self._num_steps}
-            self.comm.agree(signature, problem, what="cache step")
-        elif problem is not None:
-            raise problem
-        new = counts
+        new, zigzag, placed = self._agreed_placement(new, check_ranks)
         if self.budget_bytes is not None:
             held = [
                 [self._positions[b][r].size + len(placed[r][b]) for b in range(self.batch)]
@@ -444,6 +341,30 @@ class DistributedKVCache:
         self._appended = [False] * self.num_layers
         self.memo.clear()
         return step
+
+    def _agreed_placement(
+        self, new: Sequence[int], check_ranks: bool
+    ) -> tuple[tuple[int, ...], bool, tuple[tuple[torch.Tensor, ...], ...]]:
+        """:meth:`_placement` of ``new``, once every rank knows that every rank's is valid and
+        the same (with ``check_ranks`` and a group); else this rank's error, raised."""
+        problem: Exception | None = None
+        try:
+            counts, zigzag, placed = self._placement(new)
+            missing = [layer for layer, done in enumerate(self._appended) if not done]
+            if missing:
+                raise RuntimeError(
+                    f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
+                    "every layer must run attention (or append) once per step"
+                )
+        except (ValueError, RuntimeError) as exc:
+            problem = exc
+        if check_ranks and self.comm is not None:
+            # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
+            signature = None if problem else {"new tokens": list(counts), "step": self._num_steps}
+            self.comm.agree(signature, problem, what="cache step")
+        elif problem is not None:
+            raise problem
+        return counts, zigzag, placed
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""

@@ -192,17 +192,7 @@ def launch(
         LaunchError: a rank raised or died (message: the first failing rank's traceback), or
             the deadline passed (message: which ranks had not finished, and their log tails).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s)):
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a finite number > 0; got {value}")
-    if getattr(fn, "__module__", None) == "__main__":
-        raise ValueError(
-            f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
-            "(move it into a module)"
-        )
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    _check_launch(fn, world_size, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
     ranks: list[_Rank] = []  # filled as they start, so that a signal mid-way ends those
     with _signals_end_the_run():
         workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
@@ -216,16 +206,27 @@ def launch(
                 store_path=os.path.join(workdir, "store"),
                 result_dir=workdir,
                 pg_timeout_s=pg_timeout_s,
-                threads=threads,
+                threads=threads_per_rank or max(1, (os.cpu_count() or 1) // world_size),
             )
-            spec_path = os.path.join(workdir, "spec.pkl")
-            with open(spec_path, "wb") as f:
-                pickle.dump(spec, f)
-            _start(spec_path, workdir, world_size, wrap_command, rank_env, register_pid, ranks)
+            _start(spec, workdir, wrap_command, rank_env, register_pid, ranks)
             return _collect(ranks, workdir, timeout_s, poll)
         finally:
             _end(ranks)
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _check_launch(fn: Any, world_size: int, **timeouts_s: float) -> None:
+    """:func:`launch`'s ValueErrors."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    for name, value in timeouts_s.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number > 0; got {value}")
+    if getattr(fn, "__module__", None) == "__main__":
+        raise ValueError(
+            f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
+            "(move it into a module)"
+        )
 
 
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -275,20 +276,22 @@ def _signals_end_the_run() -> Iterator[None]:
 
 
 def _start(
-    spec_path: str,
+    spec: _Spec,
     workdir: str,
-    world_size: int,
     wrap_command: Callable[[int, list[str]], list[str]] | None,
     rank_env: Callable[[int], dict[str, str]] | None,
     register_pid: Callable[[int], None] | None,
     ranks: list[_Rank],
 ) -> None:
+    spec_path = os.path.join(workdir, "spec.pkl")
+    with open(spec_path, "wb") as f:
+        pickle.dump(spec, f)
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in base_env:
         base_env["GLOO_SOCKET_IFNAME"] = "lo"
     forked = wrap_command is None and rank_env is None and _zygote_can_fork()
-    for rank in range(world_size):
+    for rank in range(spec.world_size):
         log_path = os.path.join(workdir, f"rank{rank}.log")
         proc: _Proc
         if forked:
@@ -447,26 +450,8 @@ def _collect(
             # A failed rank writes its outcome before it ends; read it while it still runs.
             if r.rank not in outcomes and (found := _read_outcome(workdir, r.rank)) is not None:
                 outcomes[r.rank] = found
-            outcome = outcomes.get(r.rank)
-            if outcome is not None and not outcome.ok:
-                candidate = (outcome.failed_at_s, r.rank, outcome.error)
-            elif code is None:
-                continue
-            elif outcome is None:
-                candidate = (
-                    time.time(),
-                    r.rank,
-                    f"rank {r.rank} exited with {_exit_status(code)} without a result; log "
-                    "tail:\n" + _tail(r.log_path),
-                )
-            elif code != 0:
-                candidate = (
-                    time.time(),
-                    r.rank,
-                    f"rank {r.rank} returned its result but then exited with "
-                    f"{_exit_status(code)}; log tail:\n" + _tail(r.log_path),
-                )
-            else:
+            candidate = _failure(r, code, outcomes.get(r.rank))
+            if candidate is None:
                 continue
             if first_failure is None or candidate[0] < first_failure[0]:
                 first_failure = candidate
@@ -505,6 +490,20 @@ def _collect(
         assert outcome is not None and outcome.ok
         results.append(outcome.value)
     return results
+
+
+def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[float, int, str] | None:
+    """(when, rank, error) if rank ``r`` has failed: it reported an error, or it exited without
+    a result or with an error status after it; None while it runs or once it has succeeded."""
+    if outcome is not None and not outcome.ok:
+        return outcome.failed_at_s, r.rank, outcome.error
+    if code is None or (outcome is not None and code == 0):
+        return None
+    if outcome is None:
+        why = f"exited with {_exit_status(code)} without a result"
+    else:
+        why = f"returned its result but then exited with {_exit_status(code)}"
+    return time.time(), r.rank, f"rank {r.rank} {why}; log tail:\n" + _tail(r.log_path)
 
 
 def _exit_status(code: int) -> str:

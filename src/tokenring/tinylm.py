@@ -260,47 +260,57 @@ def generate(
     )
     if strategy == "auto" and hardware is None:  # once per call (Note [Calibration is passed in])
         hardware = calibrate(comm, dtype=model.embed.dtype, device=device)
-    me = comm.rank
     seqs = [list(p) for p in prompts]
-    new = [len(p) for p in prompts]
-    used: list[str] = []
-    chosen: CachedStrategy  # set at the start of every step; attend reads it when called
+    used = [_decode_step(model, cache, seqs, strategy, hardware) for _ in range(max_new_tokens)]
+    tokens = [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
+    return Generation(tokens=tokens, cache=cache, strategies=used)
+
+
+def _decode_step(
+    model: TinyCausalLM,
+    cache: DistributedKVCache,
+    seqs: list[list[int]],
+    strategy: CachedStrategy | str,
+    hardware: Hardware | str | None,
+) -> str:
+    """One step of :func:`generate`: the model on the new tokens this rank owns (a prompt's
+    first, then one per sequence), and the next token of every sequence appended to it (the
+    owner of its last token picks it, an all-reduce tells every rank). Returns the step's
+    strategy."""
+    comm, c, device = cache.comm, model.config, model.embed.device
+    assert comm is not None
+    step = cache.begin_step([len(s) - n for s, n in zip(seqs, cache.lengths, strict=True)])
+    chosen = resolve_cached_strategy(  # once per step; every layer runs the same
+        strategy,
+        step=step,
+        comm=comm,
+        heads_q=c.heads_q,
+        heads_kv=c.heads_kv,
+        head_dim=c.head_dim,
+        dtype=model.embed.dtype,
+        device=device,
+        hardware=hardware,
+    )
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = cached_attn(q, k, v, cache=cache, layer=layer, strategy=chosen)
         assert isinstance(out, torch.Tensor)
         return out
 
-    for _ in range(max_new_tokens):
-        step = cache.begin_step(new)
-        chosen = resolve_cached_strategy(  # once per step; every layer runs the same
-            strategy,
-            step=step,
-            comm=comm,
-            heads_q=c.heads_q,
-            heads_kv=c.heads_kv,
-            head_dim=c.head_dim,
-            dtype=model.embed.dtype,
-            device=device,
-            hardware=hardware,
-        )
-        used.append(chosen.value + (" (zigzag)" if step.zigzag else ""))
-        mine = step.new_positions[me]
-        ids = torch.tensor(
-            [seqs[b][p] for b in range(len(seqs)) for p in mine[b].tolist()],
-            dtype=torch.int64,
-            device=device,
-        )
-        logits = model(ids, step.positions(me), attend)  # (n, V)
-        picks = torch.zeros(len(seqs), dtype=torch.int64, device=device)
-        offset = 0
-        for b, pos in enumerate(mine):
-            offset += len(pos)
-            if len(pos) and int(pos[-1]) == len(seqs[b]) - 1:  # this rank owns the last token
-                picks[b] = int(logits[offset - 1].argmax()) + 1
-        comm.all_reduce(picks, label="next tokens").wait()
-        for b in range(len(seqs)):
-            seqs[b].append(int(picks[b]) - 1)
-        new = [1] * len(seqs)
-    tokens = [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
-    return Generation(tokens=tokens, cache=cache, strategies=used)
+    mine = step.new_positions[comm.rank]
+    ids = torch.tensor(
+        [seqs[b][p] for b in range(len(seqs)) for p in mine[b].tolist()],
+        dtype=torch.int64,
+        device=device,
+    )
+    logits = model(ids, step.positions(comm.rank), attend)  # (n, V)
+    picks = torch.zeros(len(seqs), dtype=torch.int64, device=device)
+    offset = 0
+    for b, pos in enumerate(mine):
+        offset += len(pos)
+        if len(pos) and int(pos[-1]) == len(seqs[b]) - 1:  # this rank owns the last token
+            picks[b] = int(logits[offset - 1].argmax()) + 1
+    comm.all_reduce(picks, label="next tokens").wait()
+    for b, seq in enumerate(seqs):
+        seq.append(int(picks[b]) - 1)
+    return chosen.value + (" (zigzag)" if step.zigzag else "")

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import functools
 import math
 import os
 import statistics
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import (
+    ArgumentAdder,
     check_heads,
     finite_float_at_least,
     int_at_least,
@@ -58,17 +60,20 @@ from tokenring.cli.bench_memory import add_arguments as add_memory_arguments
 from tokenring.cli.bench_memory import check_args as check_memory_mode
 from tokenring.cli.bench_memory import run as run_memory
 from tokenring.cli.console import make_table, print_table
-from tokenring.cli.models import BENCH_MODELS
+from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
 from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
 from tokenring.cli.ranks import (
     check_lab,
     collect_per_rank,
     git_sha,
     launch_with_progress,
+    rank_device,
+    row_done,
     under_torchrun,
     world_size_of,
 )
-from tokenring.core.layout import Layout, make_sharding, shard
+from tokenring.cli.report import call_ms, link_text, write_markdown, write_records
+from tokenring.core.layout import Layout, Sharding, make_sharding, shard
 from tokenring.core.schedule import (
     AttentionShape,
     Pass,
@@ -80,7 +85,7 @@ from tokenring.core.schedule import (
     piece_flops,
 )
 from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
-from tokenring.model.costmodel import CollectiveRouting, measured, resource_bytes
+from tokenring.model.costmodel import CollectiveRouting, Hardware, measured, resource_bytes
 from tokenring.model.planner import explain
 from tokenring.model.simulate import simulate, strategy_schedule
 from tokenring.runtime.comm import Communicator, Event, FieldSpec, Timeline
@@ -97,14 +102,6 @@ __all__ = [
     "run",
     "run_rank",
 ]
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 
 DEFAULT_HYBRID = HybridSpec(inner=2, outer_strategy=Strategy.TOKEN_RING)
@@ -148,8 +145,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq < 1:
             raise ValueError(f"batch and seq must be >= 1; got {self.batch}, {self.seq}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if self.warmup < 0 or self.iters < 1:
             raise ValueError(f"warmup must be >= 0 and iters >= 1; got {self.warmup}, {self.iters}")
         for p in self.passes:
@@ -257,19 +254,15 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     return float(rate.item())
 
 
+Operands = tuple[tuple[torch.Tensor, ...], AttentionShape]  # q, k, v, dout; FLOP sizes
+
+
 def _compute_only(
-    fwd: Schedule,
-    bwd: Schedule,
-    kernel: BlockKernel,
-    rank: int,
-    pass_: str,
-    tensors: tuple[torch.Tensor, ...],
-    scale: float,
-    dims: AttentionShape,
+    case: _Case, kernel: BlockKernel, rank: int, backward: bool, operands: Operands
 ) -> tuple[float, float, float, float]:
     """This rank's kernel calls of the real run with no P2P: (forward s, backward s, forward
     FLOPs, backward FLOPs); the backward is 0 for a forward-only row."""
-    q, k, v, dout = tensors
+    (q, k, v, dout), dims = operands
     groups = q.shape[2] // max(1, k.shape[2])  # Ulysses with fewer heads than ranks: 0 here
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=accumulation_dtype(q.dtype))
     delta = torch.zeros_like(lse)
@@ -282,63 +275,50 @@ def _compute_only(
             return slice(*piece.q_heads), slice(a, b)
         return slice(a * groups, b * groups), slice(a, b)
 
-    start = time.perf_counter()
-    for plan in fwd.steps[rank]:
-        for piece in plan.pieces:
+    def run(sched: Schedule, pass_: Pass) -> tuple[float, float]:  # seconds, FLOPs
+        pieces = [pc for plan in sched.steps[rank] for pc in plan.pieces]
+        start = time.perf_counter()
+        for piece in pieces:
             (a, b), (c, d), (qh, kh) = piece.q_rows, piece.kv_rows, heads(piece)
-            kernel.forward(
-                q[:, a:b, qh], k[:, c:d, kh], v[:, c:d, kh], causal=piece.causal, scale=scale
-            )
-    forward_s = time.perf_counter() - start
-    forward_flops = sum(
-        piece_flops(pc, dims, Pass.FORWARD) for pl in fwd.steps[rank] for pc in pl.pieces
-    )
-    if pass_ != "fwd+bwd":
-        return forward_s, 0.0, forward_flops, 0.0
-    start = time.perf_counter()
-    for plan in bwd.steps[rank]:
-        for piece in plan.pieces:
-            (a, b), (c, d), (qh, kh) = piece.q_rows, piece.kv_rows, heads(piece)
-            kernel.backward(
-                dout[:, a:b, qh],
-                q[:, a:b, qh],
-                k[:, c:d, kh],
-                v[:, c:d, kh],
-                lse[:, qh, a:b],
-                delta[:, qh, a:b],
-                causal=piece.causal,
-                scale=scale,
-            )
-    backward_s = time.perf_counter() - start
-    backward_flops = sum(
-        piece_flops(pc, dims, Pass.BACKWARD) for pl in bwd.steps[rank] for pc in pl.pieces
-    )
+            blocks = (q[:, a:b, qh], k[:, c:d, kh], v[:, c:d, kh])
+            if pass_ is Pass.FORWARD:
+                kernel.forward(*blocks, causal=piece.causal, scale=case.scale)
+            else:
+                kernel.backward(
+                    dout[:, a:b, qh],
+                    *blocks,
+                    lse[:, qh, a:b],
+                    delta[:, qh, a:b],
+                    causal=piece.causal,
+                    scale=case.scale,
+                )
+        seconds = time.perf_counter() - start
+        return seconds, sum(piece_flops(pc, dims, pass_) for pc in pieces)
+
+    forward_s, forward_flops = run(case.scheds[0], Pass.FORWARD)
+    backward_s, backward_flops = run(case.scheds[1], Pass.BACKWARD) if backward else (0.0, 0.0)
     return forward_s, backward_s, forward_flops, backward_flops
 
 
-def _compute_operands(
-    strategy: Strategy,
-    scheds: list[Schedule],
-    rank: int,
-    dims: AttentionShape,
-    local: list[torch.Tensor],
-) -> tuple[tuple[torch.Tensor, ...], AttentionShape]:
+def _compute_operands(case: _Case, rank: int) -> Operands:
     """What a strategy's own kernel calls read, for its compute-only run, and the sizes their
     FLOPs count with. The ring strategies: the rank's shards. The others: random tensors of
     the shapes their pieces index -- Ulysses the whole sequence on the rank's head share (K/V
     repeated to one head per query head: the same FLOPs), all-gather K/V the gathered K/V,
     the hybrid the outer shard on all heads (each piece names its heads)."""
-    if strategy.is_ring:
-        return tuple(local), dims
-    pieces = [pc for sched in scheds for plan in sched.steps[rank] for pc in plan.pieces]
+    dims = case.dims
+    if case.strategy.is_ring:
+        return tuple(case.kernel_inputs), dims
+    pieces = [pc for sched in case.scheds for plan in sched.steps[rank] for pc in plan.pieces]
     q_len = max((pc.q_rows[1] for pc in pieces), default=1)
     kv_len = max((pc.kv_rows[1] for pc in pieces), default=1)
     heads_q, heads_kv = dims.heads_q, dims.heads_kv
-    if strategy is Strategy.ULYSSES:
-        share = ulysses_heads(world_size=scheds[0].world_size, heads_q=heads_q, heads_kv=heads_kv)
+    if case.strategy is Strategy.ULYSSES:
+        world = case.scheds[0].world_size
+        share = ulysses_heads(world_size=world, heads_q=heads_q, heads_kv=heads_kv)
         heads_q = heads_kv = share[rank].num_q
         dims = dataclasses.replace(dims, heads_q=heads_q, heads_kv=heads_kv)
-    q = local[0]
+    q = case.kernel_inputs[0]
     gen = torch.Generator().manual_seed(rank)
 
     def make(rows: int, heads: int) -> torch.Tensor:
@@ -432,7 +412,7 @@ def _reference(
     only with gradients and also gives my rows' out and dq. Memory: the global inputs
     (every rank draws the same seeded tensors), K and V in float64, lse and delta of all
     rows, the rank's results and a tile. GQA: the G query heads of a K/V head are folded
-    into the tile's rows, so K/V are never repeated.
+    into the tile's rows, so K/V are never repeated (:class:`_Reference`).
 
     Args:
         q, dout: ``(B, S, Hq, D)``; k, v: ``(B, S, Hkv, D)``: the global tensors.
@@ -441,94 +421,130 @@ def _reference(
     Returns:
         out, dq ``(B, n, Hq, D)``, dk, dv ``(B, n, Hkv, D)``, float64.
     """
-    b, seq, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    k64 = k.double().permute(0, 2, 1, 3)  # (B, Hkv, S, D)
-    v64 = v.double().permute(0, 2, 1, 3)
-    n = positions.numel()
-    local = torch.full((seq,), -1, dtype=torch.long)  # global position -> local row
-    local[positions] = torch.arange(n)
+    k64, v64 = (x.double().permute(0, 2, 1, 3) for x in (k, v))  # (B, Hkv, S, D)
+    ref = _Reference(q=q, k=k64, v=v64, dout=dout, causal=causal, scale=scale)
+    out, dq, lse_all, delta_all = ref.my_rows(positions, grads=grads)
+    if not grads:
+        return [out]
+    return [out, dq, *ref.my_keys(positions, lse_all, delta_all)]
 
-    def rows_of(x: torch.Tensor, a: int, e: int) -> torch.Tensor:
+
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    return key_pos.view(1, -1) <= query_pos.view(-1, 1)  # (T, K)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Reference:
+    """The global inputs of :func:`_reference` and its passes over them in tiles. GQA: the G
+    query heads of a K/V head are folded into a tile's rows (G * T)."""
+
+    q: torch.Tensor  # (B, S, Hq, D)
+    k: torch.Tensor  # (B, Hkv, S, D) float64
+    v: torch.Tensor  # (B, Hkv, S, D) float64
+    dout: torch.Tensor  # (B, S, Hq, D)
+    causal: bool
+    scale: float
+
+    def fold(self, x: torch.Tensor, a: int, e: int) -> torch.Tensor:
         """Global rows [a, e) of (B, S, Hq, D) as (B, Hkv, G * T, D) float64 (may be a view
         of float64 inputs: never written in place)."""
-        t = e - a
+        b, _, hq, d = x.shape
+        hkv, t = self.k.shape[1], e - a
         return (
             x[:, a:e]
             .double()
-            .view(b, t, hkv, g, d)
+            .view(b, t, hkv, hq // hkv, d)
             .permute(0, 2, 3, 1, 4)
-            .reshape(b, hkv, g * t, d)
+            .reshape(b, hkv, hq // hkv * t, d)
         )
 
-    def back(y: torch.Tensor, t: int) -> torch.Tensor:  # (B, Hkv, G * T, D) -> (B, T, Hq, D)
-        return y.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    def unfold(self, y: torch.Tensor, t: int) -> torch.Tensor:
+        """(B, Hkv, G * T, D) -> (B, T, Hq, D)."""
+        b, hkv, _, d = y.shape
+        hq = self.q.shape[2]
+        return y.view(b, hkv, hq // hkv, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)
 
-    def visible(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        return key_pos.view(1, -1) <= query_pos.view(-1, 1)  # (T, K)
-
-    def attend(a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def attend(self, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """probs (B, Hkv, G*T, K), out (B, Hkv, G*T, D), lse (B, Hkv, G*T) of rows [a, e)."""
-        keys = e if causal else seq
-        scores = (rows_of(q, a, e) * scale) @ k64[:, :, :keys].transpose(-1, -2)
-        if causal:  # only the keys [a, e) can be ahead of a row of the tile
-            diagonal = scores.view(b, hkv, g, e - a, keys)[..., a:e]
-            diagonal.masked_fill_(~visible(torch.arange(a, e), torch.arange(a, e)), -math.inf)
+        b, seq, hq, _ = self.q.shape
+        hkv = self.k.shape[1]
+        keys = e if self.causal else seq
+        scores = (self.fold(self.q, a, e) * self.scale) @ self.k[:, :, :keys].transpose(-1, -2)
+        if self.causal:  # only the keys [a, e) can be ahead of a row of the tile
+            diagonal = scores.view(b, hkv, hq // hkv, e - a, keys)[..., a:e]
+            diagonal.masked_fill_(~_visible(torch.arange(a, e), torch.arange(a, e)), -math.inf)
         lse = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(lse.unsqueeze(-1)).exp_()
-        return probs, probs @ v64[:, :, :keys], lse, keys
+        return probs, probs @ self.v[:, :, :keys], lse, keys
 
-    out = torch.zeros(b, n, hq, d, dtype=torch.float64)
-    dq = torch.zeros_like(out)
-    tile = _tile_rows(b, hq, seq)
-    if grads:  # every row: its lse and delta; my rows: out and dq
-        spans = [(a, min(seq, a + tile)) for a in range(0, seq, tile)]
-    else:
-        spans = [(a, min(e, a + tile)) for lo, e in _runs(positions) for a in range(lo, e, tile)]
-    lse_all = torch.empty(b, hkv, g, seq if grads else 0, dtype=torch.float64)
-    delta_all = torch.empty_like(lse_all)
-    for a, e in spans:
-        t = e - a
-        probs, out_t, lse, keys = attend(a, e)
-        mine = local[a:e] >= 0
-        rows = torch.nonzero(mine).flatten()
-        if rows.numel():
-            out[:, local[a:e][rows]] = back(out_t, t)[:, rows]
-        if not grads:
-            continue
-        do = rows_of(dout, a, e)
-        delta = (do * out_t).sum(-1)  # (B, Hkv, G*T)
-        lse_all[..., a:e] = lse.view(b, hkv, g, t)
-        delta_all[..., a:e] = delta.view(b, hkv, g, t)
-        if rows.numel():
-            ds = probs.mul_((do @ v64[:, :, :keys].transpose(-1, -2)).sub_(delta.unsqueeze(-1)))
-            dq[:, local[a:e][rows]] = back(ds @ k64[:, :, :keys] * scale, t)[:, rows]
-    if not grads:
-        return [out]
+    def my_rows(
+        self, positions: torch.Tensor, *, grads: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """out, dq ``(B, n, Hq, D)`` of the rows at ``positions``; with ``grads`` also lse and
+        delta ``(B, Hkv, G, S)`` of every row (without: empty)."""
+        b, seq, hq, d = self.q.shape
+        hkv = self.k.shape[1]
+        n = positions.numel()
+        local = torch.full((seq,), -1, dtype=torch.long)  # global position -> local row
+        local[positions] = torch.arange(n)
+        out = torch.zeros(b, n, hq, d, dtype=torch.float64)
+        dq = torch.zeros_like(out)
+        tile = _tile_rows(b, hq, seq)
+        if grads:  # every row: its lse and delta; my rows: out and dq
+            spans = [(a, min(seq, a + tile)) for a in range(0, seq, tile)]
+        else:
+            spans = [
+                (a, min(e, a + tile)) for lo, e in _runs(positions) for a in range(lo, e, tile)
+            ]
+        lse_all = torch.empty(b, hkv, hq // hkv, seq if grads else 0, dtype=torch.float64)
+        delta_all = torch.empty_like(lse_all)
+        for a, e in spans:
+            t = e - a
+            probs, out_t, lse, keys = self.attend(a, e)
+            rows = torch.nonzero(local[a:e] >= 0).flatten()
+            if rows.numel():
+                out[:, local[a:e][rows]] = self.unfold(out_t, t)[:, rows]
+            if not grads:
+                continue
+            do = self.fold(self.dout, a, e)
+            delta = (do * out_t).sum(-1)  # (B, Hkv, G*T)
+            lse_all[..., a:e] = lse.view(b, hkv, -1, t)
+            delta_all[..., a:e] = delta.view(b, hkv, -1, t)
+            if rows.numel():
+                dp = do @ self.v[:, :, :keys].transpose(-1, -2)
+                ds = probs.mul_(dp.sub_(delta.unsqueeze(-1)))
+                dq_t = self.unfold(ds @ self.k[:, :, :keys] * self.scale, t)  # (B, T, Hq, D)
+                dq[:, local[a:e][rows]] = dq_t[:, rows]
+        return out, dq, lse_all, delta_all
 
-    k_mine, v_mine = k64[:, :, positions], v64[:, :, positions]  # (B, Hkv, n, D)
-    dk = torch.zeros(b, hkv, n, d, dtype=torch.float64)
-    dv = torch.zeros_like(dk)
-    first = int(positions.min()) if causal and n else 0  # no earlier query sees my keys
-    last = int(positions.max()) if n else 0
-    tile = _tile_rows(b, hq, max(n, 1))
-    for a in range(first, seq if n else 0, tile):
-        e = min(seq, a + tile)
-        t = e - a
-        qt = rows_of(q, a, e)
-        do = rows_of(dout, a, e)
-        scores = (qt * scale) @ k_mine.transpose(-1, -2)  # (B, Hkv, G*T, n)
-        if causal and last > a:  # some of my keys are ahead of some rows of the tile
-            mask = ~visible(torch.arange(a, e), positions)
-            scores.view(b, hkv, g, t, n).masked_fill_(mask, -math.inf)
-        lse = lse_all[..., a:e].reshape(b, hkv, g * t, 1)
-        probs = scores.sub_(lse).exp_()
-        dv += probs.transpose(-1, -2) @ do
-        delta = delta_all[..., a:e].reshape(b, hkv, g * t, 1)
-        ds = probs.mul_((do @ v_mine.transpose(-1, -2)).sub_(delta))
-        dk += ds.transpose(-1, -2) @ qt * scale
-    return [out, dq, dk.transpose(1, 2), dv.transpose(1, 2)]
+    def my_keys(
+        self, positions: torch.Tensor, lse_all: torch.Tensor, delta_all: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dk, dv ``(B, n, Hkv, D)`` of the keys at ``positions``: every query tile that can
+        see them, with its rows' lse and delta from :meth:`my_rows`."""
+        b, seq, hq, d = self.q.shape
+        hkv, g, n = self.k.shape[1], hq // self.k.shape[1], positions.numel()
+        k_mine, v_mine = self.k[:, :, positions], self.v[:, :, positions]  # (B, Hkv, n, D)
+        dk = torch.zeros(b, hkv, n, d, dtype=torch.float64)
+        dv = torch.zeros_like(dk)
+        first = int(positions.min()) if self.causal and n else 0  # no earlier query sees my keys
+        last = int(positions.max()) if n else 0
+        tile = _tile_rows(b, hq, max(n, 1))
+        for a in range(first, seq if n else 0, tile):
+            e = min(seq, a + tile)
+            t = e - a
+            qt, do = self.fold(self.q, a, e), self.fold(self.dout, a, e)
+            scores = (qt * self.scale) @ k_mine.transpose(-1, -2)  # (B, Hkv, G*T, n)
+            if self.causal and last > a:  # some of my keys are ahead of some rows of the tile
+                mask = ~_visible(torch.arange(a, e), positions)
+                scores.view(b, hkv, g, t, n).masked_fill_(mask, -math.inf)
+            lse = lse_all[..., a:e].reshape(b, hkv, g * t, 1)
+            probs = scores.sub_(lse).exp_()
+            dv += probs.transpose(-1, -2) @ do
+            delta = delta_all[..., a:e].reshape(b, hkv, g * t, 1)
+            ds = probs.mul_((do @ v_mine.transpose(-1, -2)).sub_(delta))
+            dk += ds.transpose(-1, -2) @ qt * self.scale
+        return dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _exposed_bytes(sched: Schedule, dims: AttentionShape, rank: int) -> dict[int, int]:
@@ -542,16 +558,31 @@ def _exposed_bytes(sched: Schedule, dims: AttentionShape, rank: int) -> dict[int
     return {last.dst: last.num_bytes(dims)}
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Case:
+    """One (model, causal, strategy) of the run on this rank: what its rows (one per pass)
+    run on and check against."""
+
+    model_name: str
+    dims: AttentionShape
+    causal: bool
+    layout: Layout
+    strategy: Strategy
+    scheds: list[Schedule]  # forward, backward
+    local: list[torch.Tensor]  # this rank's q, k, v, dout
+    reference: list[torch.Tensor]  # float64 out (dq, dk, dv) of the rank's rows
+    kernel_inputs: list[torch.Tensor]  # ``local`` in the (padded) buffer the pieces index
+
+    @property
+    def scale(self) -> float:
+        return float(self.dims.head_dim**-0.5)
+
+
 def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Run the whole benchmark on this rank (inside an initialised process group)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     config.check_world(world)
-    backend = str(dist.get_backend())
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
-        else torch.device("cpu")
-    )
+    device = rank_device()
     comm = get_communicator()
     mesh = None
     if Strategy.HYBRID in config.strategies:
@@ -559,8 +590,25 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
         mesh = hybrid_mesh(world // inner, inner, device_type=device.type)
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
-    grads = "fwd+bwd" in config.passes
     rows: list[RankRow] = []
+    for case in _cases(config, comm.rank, world, device):
+        for pass_ in config.passes:
+            rows.append(_measure_row(config, comm, case, pass_, mesh))
+            row_done(progress_path)
+    return {
+        "rank": comm.rank,
+        "bandwidth_bytes_per_s": bandwidth,
+        "memory_bytes_per_s": memory_bandwidth,
+        "rows": rows,
+        "backend": str(dist.get_backend()),
+        "device": str(device),
+        "comm_path": comm.path(device),  # nccl, gloo, or gloo-staged (CUDA through the host)
+    }
+
+
+def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> Iterator[_Case]:
+    """Every (model, causal, strategy) of the run in row order, on this rank's inputs."""
+    grads = "fwd+bwd" in config.passes
     for name, model in config.models.items():
         q, k, v, dout = _global_inputs(config, model)
         scale = model.head_dim**-0.5
@@ -576,61 +624,44 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
                 shard(x, rank=rank, world_size=world, layout=layout).to(device)
                 for x in (q, k, v, dout)
             ]
-            # What this rank's kernels read: the shards in the padded buffer the schedule's
-            # rows index (the shards themselves when every rank holds s = S / P tokens).
-            padded = local
-            if sharding.padded:
-                at = sharding.padded_rows(rank).to(device)
-                padded = [
-                    x.new_zeros((x.shape[0], sharding.seq_local, *x.shape[2:])).index_copy(1, at, x)
-                    for x in local
-                ]
+            padded = _padded(sharding, rank, local)
             for strategy in config.strategies:
-                scheds = _schedules(config, model, strategy, causal, world)
-                mine, want, kernel_inputs = local, reference, padded
+                case = _Case(
+                    model_name=name,
+                    dims=model,
+                    causal=causal,
+                    layout=layout,
+                    strategy=strategy,
+                    scheds=_schedules(config, model, strategy, causal, world),
+                    local=local,
+                    reference=reference,
+                    kernel_inputs=padded,
+                )
                 if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
                     mine, where = _hybrid_shards(config.hybrid, rank, world, layout, q, k, v, dout)
                     mine = [x.to(device) for x in mine]
                     want = _reference(q, k, v, dout, where, causal=causal, scale=scale, grads=grads)
-                    kernel_inputs = mine
-                for pass_ in config.passes:
-                    rows.append(
-                        _measure_row(
-                            config,
-                            comm,
-                            name,
-                            causal,
-                            layout,
-                            strategy,
-                            pass_,
-                            mine,
-                            want,
-                            scheds,
-                            model,
-                            scale,
-                            mesh,
-                            kernel_inputs,
-                        )
-                    )
-                    if progress_path is not None and rank == 0:
-                        with open(progress_path, "a") as f:
-                            f.write("row\n")
-    return {
-        "rank": rank,
-        "bandwidth_bytes_per_s": bandwidth,
-        "memory_bytes_per_s": memory_bandwidth,
-        "rows": rows,
-        "backend": backend,
-        "device": str(device),
-        "comm_path": comm.path(device),  # nccl, gloo, or gloo-staged (CUDA through the host)
-    }
+                    case = dataclasses.replace(case, local=mine, reference=want, kernel_inputs=mine)
+                yield case
+
+
+def _padded(sharding: Sharding, rank: int, local: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What this rank's kernels read: the shards in the padded buffer the schedule's rows
+    index (the shards themselves when every rank holds s = S / P tokens)."""
+    if not sharding.padded:
+        return local
+    at = sharding.padded_rows(rank).to(local[0].device)
+    return [
+        x.new_zeros((x.shape[0], sharding.seq_local, *x.shape[2:])).index_copy(1, at, x)
+        for x in local
+    ]
 
 
 def _global_inputs(config: BenchConfig, model: AttentionShape) -> list[torch.Tensor]:
     """The seeded global q, k, v, dout ``(B, S, H, D)`` in the run's dtype: the same on every
     rank, so every rank can compute the reference of its own rows."""
     gen = torch.Generator().manual_seed(1234)
-    dtype = _DTYPES[config.dtype]
+    dtype = DTYPES[config.dtype]
     return [
         torch.randn(model.batch, config.seq, h, model.head_dim, generator=gen).to(dtype)
         for h in (model.heads_q, model.heads_kv, model.heads_kv, model.heads_q)
@@ -677,40 +708,82 @@ def _hybrid_shards(
     return [hybrid_shard(x, **where) for x in inputs], positions
 
 
-def _hybrid_comms(mesh: HybridMesh) -> list[tuple[Communicator, list[int]]]:
-    """The hybrid's communicators, each with the global rank of every group rank."""
-    return [
-        (get_communicator(group), dist.get_process_group_ranks(group))
-        for group in (mesh.inner, mesh.outer)
-    ]
-
-
 def _measure_row(
-    config: BenchConfig,
-    comm: Communicator,
-    model_name: str,
-    causal: bool,
-    layout: Layout,
-    strategy: Strategy,
-    pass_: str,
-    local: list[torch.Tensor],
-    reference: list[torch.Tensor],
-    scheds: list[Schedule],
-    dims: AttentionShape,
-    scale: float,
-    mesh: HybridMesh | None = None,
-    kernel_inputs: list[torch.Tensor] | None = None,
+    config: BenchConfig, comm: Communicator, case: _Case, pass_: str, mesh: HybridMesh | None
 ) -> RankRow:
-    """One row on this rank. ``kernel_inputs``: what the kernels of ``scheds`` index (the
-    shards in their padded buffer), for the compute-only run; default ``local``."""
-    q, k, v, dout = local
+    """One row on this rank: its timed calls, checked against the reference, and its
+    compute-only run."""
     backward = pass_ == "fwd+bwd"
     # Whose counters and timeline to read: the hybrid's inner and outer groups, mapped back to
     # global ranks; otherwise the default group's (group rank = global rank).
     counted = [(comm, list(range(comm.world_size)))]
-    if strategy is Strategy.HYBRID:
+    attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
+    if case.strategy is Strategy.HYBRID:
         assert mesh is not None
-        counted = _hybrid_comms(mesh)
+        counted = [
+            (get_communicator(group), dist.get_process_group_ranks(group))
+            for group in (mesh.inner, mesh.outer)
+        ]
+        attend = functools.partial(
+            hybrid_attn, mesh=mesh, outer_strategy=config.hybrid.outer_strategy
+        )
+    attend = functools.partial(attend, causal=case.causal, layout=case.layout, seq_len=config.seq)
+    times, events, got = _timed_calls(config, comm, case, backward, attend, counted)
+    max_error = _max_error(got, case.reference)
+    sent = {flow: 0 for flow in ("travel", "return")}
+    link: dict[int, int] = {}
+    for c, global_rank in counted:
+        for (flow, peer), num in c.counter.sent_bytes.items():
+            sent[flow] += num
+            link[global_rank[peer]] = link.get(global_rank[peer], 0) + num
+    compute, kernel = _best_compute_only(case, comm.rank, pass_)
+    num_steps = case.scheds[0].num_steps
+    return RankRow(
+        model=case.model_name,
+        causal=case.causal,
+        strategy=case.strategy.value,
+        pass_=pass_,
+        layout=case.layout.value,
+        call_s=times,
+        step_fwd_s=_steady_step(events, "attn", num_steps),
+        step_bwd_s=_steady_step(events, "attn_bwd", num_steps) if backward else None,
+        compute_s=sum(ev.end_s - ev.start_s for ev in events if ev.kind == "compute"),
+        compute_only_s=compute[0] + compute[1],
+        compute_fwd_s=compute[0],
+        compute_bwd_s=compute[1],
+        flops_fwd=compute[2],
+        flops_bwd=compute[3],
+        sent_bytes=sent,
+        link_bytes=link,
+        exposed_bytes=_exposed_bytes(case.scheds[1 if backward else 0], case.dims, comm.rank),
+        max_error=max_error,
+        events=events if config.timeline_rows else [],
+        kernel=kernel,
+    )
+
+
+def _max_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Max abs error of the results against the float64 reference (0 for empty shards)."""
+    for g, r in zip(got, reference, strict=False):
+        if g.shape != r.shape:
+            raise AssertionError(f"result shape {tuple(g.shape)} != reference {tuple(r.shape)}")
+    return max(
+        (g.double().cpu() - r).abs().max().item() if g.numel() else 0.0
+        for g, r in zip(got, reference, strict=False)
+    )
+
+
+def _timed_calls(
+    config: BenchConfig,
+    comm: Communicator,
+    case: _Case,
+    backward: bool,
+    attend: Callable[..., Any],
+    counted: list[tuple[Communicator, list[int]]],
+) -> tuple[list[float], list[Event], list[torch.Tensor]]:
+    """The seconds of each timed call, the last call's events (from its own start) and its
+    results: out, and with ``backward`` dq, dk, dv."""
+    q, k, v, dout = case.local
     times: list[float] = []
     timeline = Timeline()
     out: torch.Tensor | None = None
@@ -726,20 +799,7 @@ def _measure_row(
         if q.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        if strategy is Strategy.HYBRID:
-            assert mesh is not None
-            result = hybrid_attn(
-                *inputs,
-                mesh=mesh,
-                outer_strategy=config.hybrid.outer_strategy,
-                causal=causal,
-                layout=layout,
-                seq_len=config.seq,
-            )
-        else:
-            result = sequence_parallel_attn(
-                *inputs, strategy=strategy, causal=causal, layout=layout, seq_len=config.seq
-            )
+        result = attend(*inputs)
         assert isinstance(result, torch.Tensor)
         out = result
         if backward:
@@ -759,66 +819,25 @@ def _measure_row(
     if backward:
         got += [x.grad for x in inputs if x.grad is not None]
         assert len(got) == 4, "every input must have a gradient"
-    for g, r in zip(got, reference, strict=False):
-        if g.shape != r.shape:
-            raise AssertionError(f"result shape {tuple(g.shape)} != reference {tuple(r.shape)}")
-    max_error = max(
-        (g.double().cpu() - r).abs().max().item() if g.numel() else 0.0
-        for g, r in zip(got, reference, strict=False)
-    )
-    sent = {flow: 0 for flow in ("travel", "return")}
-    link: dict[int, int] = {}
-    for c, global_rank in counted:
-        for (flow, peer), num in c.counter.sent_bytes.items():
-            sent[flow] += num
-            link[global_rank[peer]] = link.get(global_rank[peer], 0) + num
+    return times, list(timeline.events), got
+
+
+def _best_compute_only(
+    case: _Case, rank: int, pass_: str
+) -> tuple[tuple[float, float, float, float], str]:
+    """The faster of two compute-only runs (:func:`_compute_only`) and the kernel that ran
+    them with the operators its tiles ran, e.g. ``cuda_sdpa[sdpa_flash]``."""
+    q = case.local[0]
     kernel = select_kernel(q.device, q.dtype)
-    operands, flop_dims = _compute_operands(
-        strategy, scheds, comm.rank, dims, kernel_inputs if kernel_inputs is not None else local
-    )
+    operands = _compute_operands(case, rank)
     compute = min(
-        (
-            _compute_only(
-                scheds[0], scheds[1], kernel, comm.rank, pass_, operands, scale, flop_dims
-            )
-            for _ in range(2)
-        ),
+        (_compute_only(case, kernel, rank, pass_ == "fwd+bwd", operands) for _ in range(2)),
         key=lambda c: c[0] + c[1],
     )
-    ran = f"{kernel.name}[{','.join(sorted(kernel.ran))}]"  # the call's pieces, replayed
-    exposed = _exposed_bytes(scheds[1] if backward else scheds[0], dims, comm.rank)
-    num_steps = scheds[0].num_steps
-    return RankRow(
-        model=model_name,
-        causal=causal,
-        strategy=strategy.value,
-        pass_=pass_,
-        layout=layout.value,
-        call_s=times,
-        step_fwd_s=_steady_step(timeline.events, "attn", num_steps),
-        step_bwd_s=_steady_step(timeline.events, "attn_bwd", num_steps) if backward else None,
-        compute_s=sum(ev.end_s - ev.start_s for ev in timeline.events if ev.kind == "compute"),
-        compute_only_s=compute[0] + compute[1],
-        compute_fwd_s=compute[0],
-        compute_bwd_s=compute[1],
-        flops_fwd=compute[2],
-        flops_bwd=compute[3],
-        sent_bytes=sent,
-        link_bytes=link,
-        exposed_bytes=exposed,
-        max_error=max_error,
-        events=list(timeline.events) if config.timeline_rows else [],
-        kernel=ran,
-    )
+    return compute, f"{kernel.name}[{','.join(sorted(kernel.ran))}]"  # the call's pieces
 
 
 # -- aggregation (parent side) -------------------------------------------------------------------
-
-
-def _percentile(values: list[float], pct: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[str, Any]]:
@@ -843,7 +862,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
         bound_s = max(compute_only, comm_s) + exposed_s if modelled else math.nan
         steps_fwd = [r.step_fwd_s for r in rows if r.step_fwd_s is not None]
         steps_bwd = [r.step_bwd_s for r in rows if r.step_bwd_s is not None]
-        tol = config.tolerance if config.tolerance is not None else _TOLERANCE[config.dtype]
+        tol = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
         error = max(r.max_error for r in rows)
         results.append(
             {
@@ -857,9 +876,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                     else None
                 ),
                 "pass": first.pass_,
-                "ms_median": 1e3 * median_s,
-                "ms_p10": 1e3 * max(_percentile(r.call_s, 10) for r in rows),
-                "ms_p90": 1e3 * max(_percentile(r.call_s, 90) for r in rows),
+                **call_ms([r.call_s for r in rows]),
                 "ms_max": 1e3 * max(max(r.call_s) for r in rows),
                 "ms_step_fwd": 1e3 * max(steps_fwd) if steps_fwd else None,
                 "ms_step_bwd": 1e3 * max(steps_bwd) if steps_bwd else None,
@@ -906,97 +923,130 @@ def add_predictions(
     ``model_ms`` checks the schedule and the network, and the planner's hit rate what one
     rate costs.
     """
-
-    bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
-    memory = min(r["memory_bytes_per_s"] for r in per_rank)
+    probes = {
+        "link_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
+        "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in per_rank),
+    }
     groups: dict[tuple[str, bool, str], list[int]] = {}
     for index, row in enumerate(rows):
         groups.setdefault((row["model"], row["causal"], row["pass"]), []).append(index)
-    routing = CollectiveRouting.for_backend(per_rank[0]["backend"])
-    for (model_name, causal, pass_), all_indices in groups.items():
+    for indices in groups.values():
         # Calibrate from the ring strategies' compute-only runs (the others have none).
-        indices = [i for i in all_indices if rows[i]["ms_compute_only"] is not None]
-        if not indices:
+        timed = [i for i in indices if rows[i]["ms_compute_only"] is not None]
+        if not timed:
             continue
-        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
-        hardware = measured(
-            forward_flops_per_s=fwd_rate,
-            backward_flops_per_s=bwd_rate,
-            link_bandwidth_bytes_per_s=bandwidth if bandwidth != float("inf") else 1e15,
-            memory_bandwidth_bytes_per_s=memory,
-            dtype=config.dtype,
-            topology=topology,
-            port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
-            collectives=routing,
+        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in timed])
+        hardware = _hardware(
+            fwd_rate, bwd_rate, probes, config.dtype, topology, per_rank[0]["backend"]
         )
-        shape = config.models[model_name]
-        layout = rows[indices[0]]["layout"]
+        group = [rows[i] for i in indices]
         # rows per rank: S / P, or the padded buffer of uneven shards
         seq_local = make_sharding(
-            layout=layout, world_size=world_size, seq_len=config.seq
+            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
         ).seq_local
-        common = {
-            "layout": layout,
-            "causal": causal,
-            "world_size": world_size,
-            "seq_local": seq_local,
-            "shape": shape,
-            "hardware": hardware,
-        }
-        for i in all_indices:
-            own_fwd, own_bwd = _kernel_rates([r["rows"][i] for r in per_rank])
-            result = simulate(
-                rows[i]["strategy"],
-                passes="both" if pass_ == "fwd+bwd" else "forward",
-                hybrid=config.hybrid,
-                **{
-                    **common,
-                    "hardware": dataclasses.replace(
-                        hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
-                    ),
-                },
-            )
-            rows[i]["model_ms"] = 1e3 * result.call_s
-            rows[i]["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
-            rows[i]["model_error_pct"] = 100 * (rows[i]["ms_median"] / rows[i]["model_ms"] - 1)
-        plan = explain(
-            world_size=world_size,
-            seq_local=seq_local,
-            heads_q=shape.heads_q,
-            heads_kv=shape.heads_kv,
-            head_dim=shape.head_dim,
-            dtype=config.dtype,
-            causal=causal,
-            hardware=hardware,
-            layout=layout,
-            training=pass_ == "fwd+bwd",
-            batch=config.batch,
-            strategies=[rows[i]["strategy"] for i in all_indices],
-            hybrid=config.hybrid,
-        )
-        candidates = {p.strategy.value for p in plan.predictions}  # what the planner covers
-        planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}
-        fastest_row = min(
-            (rows[i] for i in all_indices if rows[i]["strategy"] in candidates),
-            key=lambda r: r["ms_median"],
-        )
-        pick_row = next(rows[i] for i in all_indices if rows[i]["strategy"] == plan.pick.value)
-        verdict, why = planner_verdict(pick_row, fastest_row)
-        for i in all_indices:
-            rows[i]["planner_pick"] = plan.pick.value
-            rows[i]["planner_candidate"] = rows[i]["strategy"] in candidates
-            rows[i]["planner_hit"] = pick_row["ms_median"] <= 1.05 * fastest_row["ms_median"]
-            rows[i]["planner_ms"] = planned.get(rows[i]["strategy"])
-            rows[i]["planner_verdict"] = verdict  # Note [Verdicts within noise]
-            rows[i]["planner_why"] = why
-            rows[i]["kernel_flops_per_s"] = _kernel_rates([r["rows"][i] for r in per_rank])
-            rows[i]["calibration"] = {
+        own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
+        _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
+        _add_planner_pick(group, config, hardware, world_size, seq_local)
+        for row, rates in zip(group, own_rates, strict=True):
+            row["kernel_flops_per_s"] = rates
+            row["calibration"] = {
                 "forward_flops_per_s": fwd_rate,
                 "backward_flops_per_s": bwd_rate,
-                "link_bytes_per_s": bandwidth,
-                "memory_bytes_per_s": memory,
+                **probes,
             }
     return rows
+
+
+def _hardware(
+    fwd_rate: float,
+    bwd_rate: float,
+    probes: dict[str, float],
+    dtype: str,
+    topology: str,
+    backend: str,
+) -> Hardware:
+    """The run's ``measured`` hardware (Note [Calibrating the model from the run])."""
+    bandwidth = probes["link_bytes_per_s"]
+    return measured(
+        forward_flops_per_s=fwd_rate,
+        backward_flops_per_s=bwd_rate,
+        link_bandwidth_bytes_per_s=bandwidth if bandwidth != float("inf") else 1e15,
+        memory_bandwidth_bytes_per_s=probes["memory_bytes_per_s"],
+        dtype=dtype,
+        topology=topology,
+        port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
+        collectives=CollectiveRouting.for_backend(backend),
+    )
+
+
+def _add_model_times(
+    group: list[dict[str, Any]],
+    own_rates: list[tuple[float, float]],
+    config: BenchConfig,
+    hardware: Hardware,
+    world_size: int,
+    seq_local: int,
+) -> None:
+    """Add the simulator's prediction of each row of one (model, causal, pass) group, on
+    ``hardware`` with the row's own kernel FLOP/s (Note [Calibrating the model from the run])."""
+    first = group[0]
+    for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
+        result = simulate(
+            row["strategy"],
+            passes="both" if first["pass"] == "fwd+bwd" else "forward",
+            hybrid=config.hybrid,
+            layout=first["layout"],
+            causal=first["causal"],
+            world_size=world_size,
+            seq_local=seq_local,
+            shape=config.models[first["model"]],
+            hardware=dataclasses.replace(
+                hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+            ),
+        )
+        row["model_ms"] = 1e3 * result.call_s
+        row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+        row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
+
+
+def _add_planner_pick(
+    group: list[dict[str, Any]],
+    config: BenchConfig,
+    hardware: Hardware,
+    world_size: int,
+    seq_local: int,
+) -> None:
+    """Add the planner's pick among one (model, causal, pass) group's strategies, and its
+    verdict against the measured fastest (Note [Verdicts within noise]), to each row."""
+    first = group[0]
+    shape = config.models[first["model"]]
+    plan = explain(
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=shape.heads_q,
+        heads_kv=shape.heads_kv,
+        head_dim=shape.head_dim,
+        dtype=config.dtype,
+        causal=first["causal"],
+        hardware=hardware,
+        layout=first["layout"],
+        training=first["pass"] == "fwd+bwd",
+        batch=config.batch,
+        strategies=[row["strategy"] for row in group],
+        hybrid=config.hybrid,
+    )
+    candidates = {p.strategy.value for p in plan.predictions}  # what the planner covers
+    planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}
+    fastest = min((r for r in group if r["strategy"] in candidates), key=lambda r: r["ms_median"])
+    pick = next(r for r in group if r["strategy"] == plan.pick.value)
+    verdict, why = planner_verdict(pick, fastest)
+    for row in group:
+        row["planner_pick"] = plan.pick.value
+        row["planner_candidate"] = row["strategy"] in candidates
+        row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
+        row["planner_ms"] = planned.get(row["strategy"])
+        row["planner_verdict"] = verdict
+        row["planner_why"] = why
 
 
 def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
@@ -1039,12 +1089,9 @@ def estimate_rank_bytes(
 
     With ``backend="nccl"`` the ``run`` part lives on the GPU, the rest on the host.
     """
-    acc = 8 if config.dtype == "float64" else 4
-    materialises = backend == "nccl"  # CUDA: reference-math backward, or float64 throughout
-    grads = "fwd+bwd" in config.passes
     b, seq = config.batch, config.seq
     best: dict[str, int] = {}
-    elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
     for model in config.models.values():
         hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
         inputs = b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4  # + fp32 draw
@@ -1057,35 +1104,21 @@ def estimate_rank_bytes(
             reference = (
                 2 * b * seq * hkv * d * 8  # K, V in float64
                 + b * n * (2 * hq + 2 * hkv) * d * 8  # the rank's out, dq, dk, dv
-                + (2 * b * hq * seq * 8 if grads else 0)  # lse, delta of every row
+                + (2 * b * hq * seq * 8 if "fwd+bwd" in config.passes else 0)  # lse, delta
                 + 4 * min(tile, b * hq * seq * seq * 8)  # scores, probs, dp, ds of a tile
             )
             # shards, padded copies, a call's inputs (cloned) with gradients and output
             local = 3 * b * n * (2 * hq + 2 * hkv) * d * elem
-            run = 0
-            for strategy in config.strategies:
-                scheds = _schedules(config, model, strategy, causal, world_size)
-                pieces = [pc for sc in scheds[: 2 if grads else 1] for pc in _pieces(sc)]
-                q_len = max((pc.q_rows[1] for pc in pieces), default=n)
-                kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
-                heads_q, heads_kv = hq, hkv
-                if strategy is Strategy.ULYSSES:
-                    share = ulysses_heads(world_size=world_size, heads_q=hq, heads_kv=hkv)
-                    heads_q = heads_kv = max(sh.num_q for sh in share)
-                # q side: q, dout, out, dq and a block in flight; k/v side: k, v, their
-                # gradients and a block in flight (the gathered K/V for all-gather K/V)
-                operands = b * d * elem * (5 * q_len * heads_q + 3 * 2 * kv_len * heads_kv)
-                accumulators = 2 * b * q_len * heads_q * (d + 2) * acc
-                masked = sharding.padded and not strategy.is_ring
-                kernel = 0
-                for pc in pieces:
-                    blocks = pc.num_q * pc.num_kv
-                    if pc.masked or masked:
-                        kernel = max(kernel, blocks * (1 + elem))  # bool mask + additive bias
-                    if materialises:
-                        heads = heads_q if pc.heads is None else (pc.heads[1] - pc.heads[0])
-                        kernel = max(kernel, 4 * b * heads * (hq // hkv) * blocks * acc)
-                run = max(run, operands + accumulators + kernel)
+            run = max(
+                _call_bytes(
+                    config,
+                    model,
+                    _schedules(config, model, strategy, causal, world_size),
+                    sharding,
+                    materialises=backend == "nccl",
+                )
+                for strategy in config.strategies
+            )
             parts = {
                 "inputs": inputs,
                 "reference": reference,
@@ -1095,6 +1128,45 @@ def estimate_rank_bytes(
             if sum(parts.values()) > sum(best.values()):
                 best = parts
     return best
+
+
+def _call_bytes(
+    config: BenchConfig,
+    model: AttentionShape,
+    scheds: list[Schedule],
+    sharding: Sharding,
+    *,
+    materialises: bool,
+) -> int:
+    """What one strategy's calls hold on a rank beyond its shards (:func:`estimate_rank_bytes`).
+    ``materialises``: the kernel makes whole score blocks (CUDA: reference-math backward, or
+    float64 throughout)."""
+    acc = 8 if config.dtype == "float64" else 4
+    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    b, n, d = config.batch, sharding.seq_local, model.head_dim
+    hq = heads_q = model.heads_q
+    hkv = heads_kv = model.heads_kv
+    pieces = [pc for sc in scheds[: 2 if "fwd+bwd" in config.passes else 1] for pc in _pieces(sc)]
+    q_len = max((pc.q_rows[1] for pc in pieces), default=n)
+    kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
+    strategy = scheds[0].strategy
+    if strategy is Strategy.ULYSSES:
+        share = ulysses_heads(world_size=scheds[0].world_size, heads_q=hq, heads_kv=hkv)
+        heads_q = heads_kv = max(sh.num_q for sh in share)
+    # q side: q, dout, out, dq and a block in flight; k/v side: k, v, their
+    # gradients and a block in flight (the gathered K/V for all-gather K/V)
+    operands = b * d * elem * (5 * q_len * heads_q + 3 * 2 * kv_len * heads_kv)
+    accumulators = 2 * b * q_len * heads_q * (d + 2) * acc
+    masked = sharding.padded and not strategy.is_ring
+    kernel = 0
+    for pc in pieces:
+        blocks = pc.num_q * pc.num_kv
+        if pc.masked or masked:
+            kernel = max(kernel, blocks * (1 + elem))  # bool mask + additive bias
+        if materialises:
+            heads = heads_q if pc.heads is None else (pc.heads[1] - pc.heads[0])
+            kernel = max(kernel, 4 * b * heads * (hq // hkv) * blocks * acc)
+    return operands + accumulators + kernel
 
 
 def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend: str) -> None:
@@ -1131,16 +1203,8 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     probe, over the link rate is a lower bound on the run's time."""
 
     rate = args.link / 8  # bytes/s
-    hardware = measured(
-        forward_flops_per_s=1.0,  # only the network is read
-        backward_flops_per_s=1.0,
-        link_bandwidth_bytes_per_s=rate,
-        memory_bandwidth_bytes_per_s=1.0,
-        dtype=config.dtype,
-        topology=args.topology,
-        port_bandwidth_bytes_per_s=rate if args.topology == "switch" else None,
-        collectives=CollectiveRouting.for_backend("gloo"),
-    )
+    probes = {"link_bytes_per_s": rate, "memory_bytes_per_s": 1.0}
+    hardware = _hardware(1.0, 1.0, probes, config.dtype, args.topology, "gloo")  # network only
     calls = config.warmup + config.iters
     # the probe: _PROBE_ROUNDS rounds of probe_bytes each way on each ring link (a port sends both)
     num_bytes = 0.0
@@ -1215,11 +1279,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     every.add_argument("--kv-heads", type=int_at_least(1), help="key/value heads")
     every.add_argument("--head-dim", type=int_at_least(1), default=64, help="head dimension D")
-    every.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="input dtype")
+    every.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
     every.add_argument(
         "--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed"
     )
-    attention = parser.add_argument_group("--mode attention")
+    _add_attention_arguments(parser.add_argument_group("--mode attention"))
+    timing = parser.add_argument_group("timing and checking (attention, decode, prefill-cached)")
+    timing.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
+    timing.add_argument("--iters", type=int_at_least(1), default=5, help="timed calls per row")
+    timing.add_argument(
+        "--tolerance",
+        type=finite_float_at_least(0),
+        help="max abs error vs float64 for a row to pass (default: by dtype)",
+    )
+    timing.add_argument("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
+    timing.add_argument(
+        "--topology",
+        default="mesh",
+        choices=["mesh", "ring", "switch"],
+        help="topology of the emulated links (with --link)",
+    )
+    add_inference_arguments(parser.add_argument_group("--mode decode, prefill-cached"))
+    add_memory_arguments(parser.add_argument_group("--mode memory"))
+    _add_output_arguments(parser.add_argument_group("output"))
+
+
+def _add_attention_arguments(attention: ArgumentAdder) -> None:
+    """The options of ``--mode attention`` (``--strategies`` and ``--causal`` also of memory)."""
     attention.add_argument(
         "--seq",
         type=int_at_least(1),
@@ -1256,24 +1342,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[s.value for s in Strategy if s.is_ring],
         help="ring strategy across the hybrid's islands",
     )
-    timing = parser.add_argument_group("timing and checking (attention, decode, prefill-cached)")
-    timing.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
-    timing.add_argument("--iters", type=int_at_least(1), default=5, help="timed calls per row")
-    timing.add_argument(
-        "--tolerance",
-        type=finite_float_at_least(0),
-        help="max abs error vs float64 for a row to pass (default: by dtype)",
-    )
-    timing.add_argument("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
-    timing.add_argument(
-        "--topology",
-        default="mesh",
-        choices=["mesh", "ring", "switch"],
-        help="topology of the emulated links (with --link)",
-    )
-    add_inference_arguments(parser.add_argument_group("--mode decode, prefill-cached"))
-    add_memory_arguments(parser.add_argument_group("--mode memory"))
-    output = parser.add_argument_group("output")
+
+
+def _add_output_arguments(output: ArgumentAdder) -> None:
+    """Where the results go, and in what form (every mode)."""
     output.add_argument(
         "--wide",
         action="store_true",
@@ -1298,13 +1370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
     check_heads(args)
-    models = {n: dataclasses.replace(m, head_dim=args.head_dim) for n, m in BENCH_MODELS.items()}
-    if args.heads is not None:
-        models = {
-            f"{args.heads}:{args.kv_heads}x{args.head_dim}": AttentionShape(
-                heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim
-            )
-        }
+    models = models_from_args(args)
     causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
     hybrid = HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer)
     passes = split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
@@ -1434,21 +1500,14 @@ def run(args: argparse.Namespace) -> int:
         "comm_path": per_rank[0]["comm_path"],
         "torch": torch.__version__,
         "git_sha": git_sha(),
-        "lab": args._lab,
+        "lab": lab,
         "link_probe_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "warmup": config.warmup,
         "iters": config.iters,
     }
     models = {name: asdict(m) for name, m in config.models.items()}
-    records = [{**settings, **row, "shape": models[row["model"]]} for row in rows]
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-    if args.json:
-        for rec in records:
-            print(json.dumps(rec))
-    else:
+    write_records([{**settings, **row, "shape": models[row["model"]]} for row in rows], args)
+    if not args.json:
         _print_table(rows, settings, wide=args.wide)
     if args.markdown:
         _write_markdown(args.markdown, rows, settings, getattr(args, "argv", None))
@@ -1464,13 +1523,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _title(settings: dict[str, Any]) -> str:
-    lab = settings["lab"]
-    link = (
-        f"{lab['topology']} {lab['rate_bits_per_s'] / 1e6:g} Mbit/s" if lab else "no link emulation"
-    )
     return (
         f"P={settings['world_size']} {settings['backend']} {settings['device']} "
-        f"S={settings['seq']} B={settings['batch']} {settings['dtype']}, {link}, "
+        f"S={settings['seq']} B={settings['batch']} {settings['dtype']}, "
+        f"{link_text(settings['lab'])}, "
         f"probe {settings['link_probe_bytes_per_s'] / 1e6:.0f} MB/s per direction"
     )
 
@@ -1653,20 +1709,13 @@ def _write_markdown(
             return f"{value:.2f}" if key == "overlap_efficiency" else f"{value:.1f}"
         return str(value)
 
-    lines = [f"# {_title(settings)}", ""]
-    if argv:
-        lines += ["Reproduce with:", "", "```", "tokenring " + " ".join(argv), "```", ""]
-    lines += [
-        f"torch {settings['torch']}, git {settings['git_sha']}, "
-        f"{settings['warmup']} warm-up + {settings['iters']} timed calls per row; times are the "
-        "max over ranks of each rank's median.",
-        "",
-        "| " + " | ".join(title for _, title in _MD_COLUMNS) + " |",
-        "|" + "---|" * len(_MD_COLUMNS),
+    note = (
+        f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
+        f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
+        "median."
+    )
+    table = [[title for _, title in _MD_COLUMNS]] + [
+        [cell(k, {**row, "strategy": _strategy_label(row)}.get(k)) for k, _ in _MD_COLUMNS]
+        for row in rows
     ]
-    for row in rows:
-        labelled = {**row, "strategy": _strategy_label(row)}
-        lines.append("| " + " | ".join(cell(k, labelled.get(k)) for k, _ in _MD_COLUMNS) + " |")
-    lines += ["", *_planner_lines(rows)]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(path, _title(settings), argv, note, table, _planner_lines(rows))

@@ -10,7 +10,7 @@ model shape, C and T. Per row:
   ``prefill-cached`` mode;
 - bytes each rank sent on each flow (travel: Q or K/V; return: partials), the busiest rank's,
   and whether every rank's counts equal its plan's;
-- the round model's prediction (``cached_schedule.predict_cached``) on this run's own
+- the simulator's prediction (``model.planner.predict_cached``) on this run's own
   calibration (``planner.calibrate``), and the strategy ``"auto"`` picks;
 - max error against attention in float64 (every row verified).
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import statistics
 import time
@@ -36,41 +35,40 @@ import torch.distributed as dist
 from tokenring.api import get_communicator
 from tokenring.cli import ArgumentAdder, check_heads, int_at_least, split_list
 from tokenring.cli.console import make_table, print_table
-from tokenring.cli.models import BENCH_MODELS
+from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
 from tokenring.cli.ranks import (
     check_lab,
     collect_per_rank,
     git_sha,
     launch_with_progress,
+    rank_device,
+    row_done,
     world_size_of,
 )
+from tokenring.cli.report import call_ms, link_text, write_markdown, write_records
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
-from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
-from tokenring.model.planner import calibrate
+from tokenring.model.planner import (
+    calibrate,
+    choose_cached_strategy,
+    pass_q_threshold,
+    predict_cached,
+)
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
     CachedStrategy,
+    CacheStep,
     build_cached_plan,
-    choose_cached_strategy,
-    pass_q_threshold,
-    predict_cached,
 )
 
 __all__ = ["InferenceBenchConfig", "add_arguments", "check_args", "run", "run_rank"]
 
 MODES = ("decode", "prefill-cached")
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 _DEFAULT_NEW = {"decode": "1,16,128", "prefill-cached": "256,1024,4096"}
 
 
@@ -108,8 +106,8 @@ class InferenceBenchConfig:
             raise ValueError(
                 f"batch and block_size must be >= 1; got {self.batch}, {self.block_size}"
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if any(c < 0 for c in self.cached) or any(t < 1 for t in self.new):
             raise ValueError(f"cached must be >= 0 and new >= 1; got {self.cached}, {self.new}")
         if not (self.cached and self.new and self.models and self.strategies):
@@ -240,9 +238,9 @@ def _case_rows(
     progress_path: str | None,
 ) -> list[dict[str, Any]]:
     """This rank's rows of one (model, C, T): each strategy timed, counted and verified."""
-    rank, call_s = comm.rank, hardware.kernel_call_s
+    rank = comm.rank
     hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
-    seqs = _random_sequences(config.batch, cached + new, model, _DTYPES[config.dtype])
+    seqs = _random_sequences(config.batch, cached + new, model, DTYPES[config.dtype])
     cache, step = _filled_cache(config, comm, seqs, cached=cached, new=new, device=device)
     mine = step.new_positions[rank]
     q = torch.cat([s[0][p] for s, p in zip(seqs, mine, strict=True)]).to(device)
@@ -251,12 +249,12 @@ def _case_rows(
     )
     shards = CachedShards.from_step(step)
     shape: dict[str, Any] = {"heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": config.dtype}
-    pick = choose_cached_strategy(shards, **shape, hardware=hardware, kernel_call_s=call_s).pick
+    pick = choose_cached_strategy(shards, **shape, hardware=hardware).pick
     dims = dataclasses.replace(model, batch=1, dtype=dtype_name(q.dtype))
     rows = []
     for strategy in config.strategies:
         plan = build_cached_plan(strategy, shards)
-        predicted = predict_cached(plan, shards, **shape, hardware=hardware, kernel_call_s=call_s)
+        predicted = predict_cached(plan, shards, **shape, hardware=hardware)
         out, times = _timed_calls(config, comm, q, cache, strategy, kernel)
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():
@@ -284,9 +282,7 @@ def _case_rows(
                 "pick": pick.value,
             }
         )
-        if progress_path is not None and rank == 0:
-            with open(progress_path, "a") as f:
-                f.write("row\n")
+        row_done(progress_path)
     return rows
 
 
@@ -294,14 +290,8 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
 
     comm = get_communicator()
-    rank = comm.rank
-    backend = str(dist.get_backend())
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend == "nccl"
-        else torch.device("cpu")
-    )
-    dtype = _DTYPES[config.dtype]
+    device = rank_device()
+    dtype = DTYPES[config.dtype]
     hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
     kernel = select_kernel(device, dtype)
     rows = []
@@ -321,9 +311,9 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
             progress_path=progress_path,
         )
     return {
-        "rank": rank,
+        "rank": comm.rank,
         "rows": rows,
-        "backend": backend,
+        "backend": str(dist.get_backend()),
         "device": str(device),
         "calibration": {
             "forward_flops_per_s": hardware.forward_flops_per_s,
@@ -336,19 +326,14 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     }
 
 
-def _percentile(values: list[float], pct: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))]
-
-
 def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> list[dict[str, Any]]:
     """One dict per row: the max over ranks of each rank's statistic."""
-    tolerance = config.tolerance if config.tolerance is not None else _TOLERANCE[config.dtype]
+    tolerance = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
     results = []
     for index, first in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][index] for r in per_rank]
         median_s = max(statistics.median(r["call_s"]) for r in rows)
-        elem = torch.empty((), dtype=_DTYPES[config.dtype]).element_size()
+        elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
         threshold = pass_q_threshold(
             heads_q=first["heads_q"],
             heads_kv=first["heads_kv"],
@@ -367,9 +352,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "new_fraction": first["new"] / (first["new"] + first["cached"]),
                 "pass_q_threshold": threshold,
                 "strategy": first["strategy"],
-                "ms_median": 1e3 * median_s,
-                "ms_p10": 1e3 * max(_percentile(r["call_s"], 10) for r in rows),
-                "ms_p90": 1e3 * max(_percentile(r["call_s"], 90) for r in rows),
+                **call_ms([r["call_s"] for r in rows]),
                 "travel_bytes_per_rank": max(r["sent_bytes"]["travel"] for r in rows),
                 "return_bytes_per_rank": max(r["sent_bytes"]["return"] for r in rows),
                 "busiest_pair_bytes": max(r["pair_bytes"] for r in rows),
@@ -440,20 +423,13 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
 
     check_heads(args)
-    models = {n: dataclasses.replace(m, head_dim=args.head_dim) for n, m in BENCH_MODELS.items()}
-    if args.heads is not None:
-        models = {
-            f"{args.heads}:{args.kv_heads}x{args.head_dim}": AttentionShape(
-                heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim
-            )
-        }
     names = ", ".join(s.value for s in CachedStrategy)
     return InferenceBenchConfig(
         mode=args.mode,
         batch=args.batch,
         cached=_ints(args.cached, "--cached", 0),
         new=_ints(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
-        models=models,
+        models=models_from_args(args),
         dtype=args.dtype,
         strategies=split_list(
             args.cached_strategies, "--cached-strategies", CachedStrategy.parse, names
@@ -506,15 +482,8 @@ def run(args: argparse.Namespace) -> int:
         "warmup": config.warmup,
         "iters": config.iters,
     }
-    records = [{**settings, **row} for row in rows]
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-    if args.json:
-        for rec in records:
-            print(json.dumps(rec))
-    else:
+    write_records([{**settings, **row} for row in rows], args)
+    if not args.json:
         _print_table(rows, settings, config)
     if args.markdown:
         _write_markdown(args.markdown, rows, settings, config, getattr(args, "argv", None))
@@ -529,14 +498,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _title(settings: dict[str, Any], config: InferenceBenchConfig) -> str:
-    lab = settings["lab"]
-    link = (
-        f"{lab['topology']} {lab['rate_bits_per_s'] / 1e6:g} Mbit/s" if lab else "no link emulation"
-    )
     cal = settings["calibration"]
     return (
         f"{config.mode}: P={settings['world_size']} {settings['backend']} {settings['device']} "
-        f"B={config.batch} {settings['dtype']} bs={settings['block_size']}, {link}; calibrated "
+        f"B={config.batch} {settings['dtype']} bs={settings['block_size']}, "
+        f"{link_text(settings['lab'])}; calibrated "
         f"{cal['link_bytes_per_s'] / 1e6:.0f} MB/s, {1e6 * cal['latency_s']:.0f} us latency, "
         f"{cal['forward_flops_per_s'] / 1e9:.1f} GFLOP/s, "
         f"{1e6 * cal['kernel_call_s']:.0f} us per kernel call"
@@ -563,6 +529,11 @@ _COLUMNS = [
 ]
 
 
+def _headers(config: InferenceBenchConfig) -> list[str]:
+    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
+    return [unit if key == "ms_median" else title for key, title in _COLUMNS]
+
+
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "-"
@@ -583,11 +554,7 @@ def _print_table(
     rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
 ) -> None:
 
-    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
-    table = make_table(
-        "tokenring bench " + _title(settings, config),
-        [unit if key == "ms_median" else title for key, title in _COLUMNS] + ["check"],
-    )
+    table = make_table("tokenring bench " + _title(settings, config), [*_headers(config), "check"])
     for r in rows:
         ok = r["verified"] and r["bytes_match_plan"]
         table.add_row(
@@ -622,21 +589,11 @@ def _write_markdown(
     config: InferenceBenchConfig,
     argv: list[str] | None,
 ) -> None:
-    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
-    lines = [f"# {_title(settings, config)}", ""]
-    if argv:
-        lines += ["Reproduce with:", "", "```", "tokenring " + " ".join(argv), "```", ""]
-    lines += [
+    note = (
         f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
         f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
         "median. One attention layer, forward; bytes are what the busiest rank sent on each "
-        "flow (equal to the plan's on every rank in every row).",
-        "",
-        "| " + " | ".join(unit if k == "ms_median" else t for k, t in _COLUMNS) + " |",
-        "|" + "---|" * len(_COLUMNS),
-    ]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(k, row.get(k)) for k, _ in _COLUMNS) + " |")
-    lines += ["", *_pick_lines(rows)]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        "flow (equal to the plan's on every rank in every row)."
+    )
+    table = [_headers(config)] + [[_cell(k, row.get(k)) for k, _ in _COLUMNS] for row in rows]
+    write_markdown(path, _title(settings, config), argv, note, table, _pick_lines(rows))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -42,7 +41,9 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import ArgumentAdder, check_heads, split_list
-from tokenring.cli.ranks import collect_per_rank, git_sha, launch_with_progress
+from tokenring.cli.models import DTYPES
+from tokenring.cli.ranks import collect_per_rank, git_sha, launch_with_progress, row_done
+from tokenring.cli.report import write_records
 from tokenring.core.schedule import Strategy
 
 __all__ = [
@@ -57,12 +58,6 @@ __all__ = [
 MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """Environment for CPU ranks whose peak memory is measured (Note [Measuring peak memory])."""
 
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
 # every strategy but the hybrid (a 2-D mesh: measured through its parts)
 DEFAULT_STRATEGIES = tuple(s for s in Strategy if s is not Strategy.HYBRID)
 
@@ -172,8 +167,8 @@ class MemoryBenchConfig:
             raise ValueError("strategies must not be empty")
         if Strategy.HYBRID in self.strategies:
             raise ValueError("strategy 'hybrid' runs on a 2-D mesh; measure it with its parts")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if min(self.batch, self.heads_q, self.heads_kv, self.head_dim) < 1:
             raise ValueError("batch, heads_q, heads_kv and head_dim must be >= 1")
         if self.heads_q % self.heads_kv:
@@ -194,7 +189,7 @@ def _device(config: MemoryBenchConfig) -> torch.device:
 def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: torch.device) -> int:
     """Peak bytes of one forward + backward above the inputs (q, k, v, dout) on this rank."""
 
-    dtype = _DTYPES[config.dtype]
+    dtype = DTYPES[config.dtype]
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
     b, hq, hkv, d = config.batch, config.heads_q, config.heads_kv, config.head_dim
 
@@ -231,16 +226,14 @@ def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dic
         for s in config.seq_locals:
             extra = _one_call(config, strategy, s, device)
             rows.append({"strategy": strategy.value, "seq_local": s, "extra_bytes": extra})
-            if progress_path is not None and dist.get_rank() == 0:
-                with open(progress_path, "a") as f:
-                    f.write("row\n")
+            row_done(progress_path)
     path = get_communicator().path(device)
     return {"rank": dist.get_rank(), "device": str(device), "comm_path": path, "rows": rows}
 
 
 def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list[dict[str, Any]]:
     """One row per (strategy, s): the busiest rank's peak beside the minimum."""
-    dtype = _DTYPES[config.dtype]
+    dtype = DTYPES[config.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
     world = len(per_rank)
     rows = []
@@ -361,15 +354,8 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "git_sha": git_sha(),
     }
-    records = [{**settings, **row} for row in rows]
-    if args.out:
-        with open(args.out, "a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-    if args.json:
-        for rec in records:
-            print(json.dumps(rec))
-    else:
+    write_records([{**settings, **row} for row in rows], args)
+    if not args.json:
         print(
             f"peak memory per rank, fwd+bwd: P={settings['world_size']} B={config.batch} "
             f"Hq={config.heads_q} Hkv={config.heads_kv} D={config.head_dim} {config.dtype} "

@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["make_table", "print_table", "progress"]
+__all__ = ["make_table", "print_table", "progress", "rich_modules"]
 
 
-def _rich() -> Any:
+def rich_modules() -> Any:
+    """The ``rich`` package with its console, progress and table modules loaded; ImportError
+    naming the extra."""
     try:
-        import rich
+        import rich.console
+        import rich.progress
+        import rich.table
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "the tokenring command line needs rich: pip install 'tokenring-attention[cli]'"
@@ -20,7 +24,7 @@ def _rich() -> Any:
 
 def make_table(title: str, columns: Sequence[str]) -> Any:
     """A rich Table with these column headers (put units in the names)."""
-    _rich()
+    rich_modules()
     from rich.table import Table
 
     table = Table(title=title)
@@ -32,7 +36,7 @@ def make_table(title: str, columns: Sequence[str]) -> Any:
 def print_table(table: Any) -> None:
     """Print at the terminal's width; into a pipe or file (no terminal to fit) at the table's
     own width, so no cell is folded in a log."""
-    _rich()
+    rich_modules()
     from rich.console import Console
 
     console = Console()
@@ -44,7 +48,7 @@ def print_table(table: Any) -> None:
 
 def progress(total: int, description: str) -> Any:
     """A rich Progress bar context manager; ``bar.advance(task)`` per unit of work."""
-    _rich()
+    rich_modules()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(

@@ -1,13 +1,27 @@
-"""The attention layers the command line knows by name: CPU-sized stand-ins for the benches,
-and the shapes of well-known models for the simulator."""
+"""The attention layers and dtypes the command line knows by name: CPU-sized stand-ins for the
+benches, and the shapes of well-known models for the simulator."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from tokenring.core.schedule import AttentionShape
 
-__all__ = ["BENCH_MODELS", "KNOWN_MODELS", "KnownModel"]
+__all__ = ["BENCH_MODELS", "DTYPES", "KNOWN_MODELS", "TOLERANCE", "KnownModel", "models_from_args"]
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+"""The benches' input dtypes, by ``--dtype`` name."""
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+"""Max abs error against float64 for a bench row to pass, by dtype name (``--tolerance``)."""
 
 # Llama2-7B has 32 heads of 128 and Llama3-8B 32 query / 8 kv heads of 128; the benches keep
 # their head ratios at a size two CPU cores run in about a minute.
@@ -16,6 +30,15 @@ BENCH_MODELS: dict[str, AttentionShape] = {
     "gqa-8/2": AttentionShape(heads_q=8, heads_kv=2, head_dim=64),
 }
 """The benches' default layers, by the label of their rows."""
+
+
+def models_from_args(args: argparse.Namespace) -> dict[str, AttentionShape]:
+    """The bench's layers: the built-in ones at ``--head-dim``, or the one custom layer of
+    ``--heads`` and ``--kv-heads``."""
+    if args.heads is None:
+        return {n: dataclasses.replace(m, head_dim=args.head_dim) for n, m in BENCH_MODELS.items()}
+    shape = AttentionShape(heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim)
+    return {f"{args.heads}:{args.kv_heads}x{args.head_dim}": shape}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,6 +23,7 @@ __all__ = [
     "curves_figure",
     "draw_timeline_lanes",
     "plot_timelines",
+    "pyplot",
     "timeline_figure",
     "timeline_trace",
     "write_figure",
@@ -46,7 +47,8 @@ Panel = tuple[str, Sequence[Sequence[Event]]]
 """(title, events of each rank): one strategy's pass, one lane group per rank."""
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files only); ImportError naming the extra."""
     try:
         import matplotlib
 
@@ -106,7 +108,7 @@ def draw_timeline_lanes(ax: Any, lanes: Sequence[Sequence[Event]], title: str) -
 def timeline_figure(panels: Sequence[Panel], title: str) -> Any:
     """One panel per strategy's pass, a shared time axis with its ticks on every panel, and
     a legend of the labels that occur (numbers on compute bars are steps)."""
-    plt = _pyplot()
+    plt = pyplot()
     num_lanes = sum(len(_rows(events)) for _, lanes in panels for events in lanes)
     fig, axes = plt.subplots(
         len(panels),
@@ -136,7 +138,7 @@ def timeline_figure(panels: Sequence[Panel], title: str) -> Any:
 
 def write_figure(fig: Any, path: str, *, dpi: int = 110) -> None:
     """Save a figure as PNG and free it."""
-    plt = _pyplot()
+    plt = pyplot()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
@@ -223,7 +225,7 @@ def curves_figure(rows: Sequence[dict[str, Any]]) -> Any:
     """``tokenring simulate --plot``: predicted ms per call against the sequence length (or
     the world size) per strategy; with a single point, bars relative to the best strategy
     (one point per line says nothing)."""
-    plt = _pyplot()
+    plt = pyplot()
     first = rows[0]
     title = f"{first['model']} on {first['hardware']} ({first['layout']}, pass: {first['pass']})"
     points = {(r["world_size"], r["seq"]) for r in rows}

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
@@ -23,6 +24,8 @@ __all__ = [
     "collect_per_rank",
     "git_sha",
     "launch_with_progress",
+    "rank_device",
+    "row_done",
     "under_torchrun",
     "world_size_of",
 ]
@@ -122,6 +125,21 @@ def launch_with_progress(
                     register_pid=lab.register_pid,
                     **kwargs,
                 )
+
+
+def row_done(progress_path: str | None) -> None:
+    """On rank 0, count one finished row in the progress file that
+    :func:`launch_with_progress` polls."""
+    if progress_path is not None and dist.get_rank() == 0:
+        with open(progress_path, "a") as f:
+            f.write("row\n")
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def collect_per_rank(

@@ -9,9 +9,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tokenring.cli import int_at_least, mem_available_bytes, output_path
+from tokenring.cli import ArgumentAdder, int_at_least, mem_available_bytes, output_path
+from tokenring.cli.console import progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS
-from tokenring.cli.plot import curves_figure, timeline_figure, write_figure, write_trace
+from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import AttentionShape, Strategy
 from tokenring.model.costmodel import PRESETS, Hardware
@@ -29,9 +30,45 @@ from tokenring.strategies.hybrid import HybridSpec
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring simulate``."""
 
-    call = parser.add_argument_group("the call: model, sizes, strategies")
+    _add_call_arguments(parser.add_argument_group("the call: model, sizes, strategies"))
     machine = parser.add_argument_group("the machine and the simulator")
-    output = parser.add_argument_group("output")
+    machine.add_argument(
+        "--hardware",
+        choices=sorted(PRESETS),
+        default="h100-nvswitch",
+        help="machine preset (default: h100-nvswitch)",
+    )
+    machine.add_argument(
+        "--mode",
+        choices=["auto", "event", "vectorised"],
+        default="auto",
+        help=f"simulator engine; auto: event up to {EVENT_MAX_WORLD_SIZE} ranks, else vectorised",
+    )
+    add = parser.add_argument_group("output").add_argument
+    add("--json", action="store_true", help="print one JSON object per row instead of a table")
+    add(
+        "--plot",
+        type=output_path,
+        metavar="PATH",
+        help="PNG of time per call vs sequence length (or world size) per strategy; at one "
+        "point, bars relative to the best strategy",
+    )
+    add(
+        "--timeline",
+        type=output_path,
+        metavar="PATH",
+        help="PNG of the simulated per-rank timelines (first P and S; event engine)",
+    )
+    add(
+        "--trace",
+        type=output_path,
+        metavar="PATH",
+        help="the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, ui.perfetto.dev)",
+    )
+
+
+def _add_call_arguments(call: ArgumentAdder) -> None:
+    """The call to predict: model, sizes, strategies."""
     add = call.add_argument
     add(
         "--model",
@@ -47,12 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="global sequence length(s) S in tokens (default: 131072)",
     )
     add("--world-size", type=int_at_least(1), nargs="+", default=[8], help="ranks P (default: 8)")
-    machine.add_argument(
-        "--hardware",
-        choices=sorted(PRESETS),
-        default="h100-nvswitch",
-        help="machine preset (default: h100-nvswitch)",
-    )
     add(
         "--strategies",
         nargs="+",
@@ -94,33 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits (default: 2)"
     )
-    machine.add_argument(
-        "--mode",
-        choices=["auto", "event", "vectorised"],
-        default="auto",
-        help=f"simulator engine; auto: event up to {EVENT_MAX_WORLD_SIZE} ranks, else vectorised",
-    )
-    add = output.add_argument
-    add("--json", action="store_true", help="print one JSON object per row instead of a table")
-    add(
-        "--plot",
-        type=output_path,
-        metavar="PATH",
-        help="PNG of time per call vs sequence length (or world size) per strategy; at one "
-        "point, bars relative to the best strategy",
-    )
-    add(
-        "--timeline",
-        type=output_path,
-        metavar="PATH",
-        help="PNG of the simulated per-rank timelines (first P and S; event engine)",
-    )
-    add(
-        "--trace",
-        type=output_path,
-        metavar="PATH",
-        help="the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, ui.perfetto.dev)",
-    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,9 +148,7 @@ class _Config:
     """The hybrid's factorisation when it is requested."""
 
     def __post_init__(self) -> None:
-        for world_size, seq, requested in self.points:
-            if world_size < 1:
-                raise ValueError(f"--world-size must be >= 1; got {world_size}")
+        for world_size, seq, requested in self.points:  # --world-size, --seq: >= 1 already
             if seq < 1:
                 parts = world_size * (2 if self.layout is Layout.ZIGZAG else 1)
                 raise ValueError(
@@ -160,10 +162,6 @@ def _config(args: argparse.Namespace) -> _Config:
     layout = Layout.parse(
         args.layout if args.layout != "auto" else ("zigzag" if model.causal else "contiguous")
     )
-    if args.batch < 1:
-        raise ValueError(f"--batch must be >= 1; got {args.batch}")
-    if args.splits < 1:
-        raise ValueError(f"--splits must be >= 1; got {args.splits}")
     points: list[tuple[int, int, int]] = []
     for world_size in args.world_size:
         parts = max(1, world_size) * (2 if layout is Layout.ZIGZAG else 1)
@@ -241,18 +239,6 @@ def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
     return longest
 
 
-def _rich() -> Any:
-    try:
-        import rich.console
-        import rich.progress
-        import rich.table
-    except ImportError as exc:
-        raise ImportError(
-            "tokenring simulate prints its table with rich: pip install 'tokenring-attention[cli]'"
-        ) from exc
-    return rich
-
-
 def _predict(
     cfg: _Config, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], list[CallResult], list[str]]:
@@ -296,24 +282,16 @@ def _predict(
         for job in jobs:
             one(*job)
         return rows, results, notes
-    rich = _rich()
-    columns = (
-        rich.progress.TextColumn("{task.description}"),
-        rich.progress.BarColumn(),
-        rich.progress.MofNCompleteColumn(),
-        rich.progress.TimeElapsedColumn(),
-    )
-    with rich.progress.Progress(*columns, transient=True) as progress:
-        task = progress.add_task("simulating", total=len(jobs))
+    with progress(len(jobs), "simulating") as bar:
         for job in jobs:
-            progress.update(task, description=f"P={job[0]} S={job[1]} {job[3]}")
+            bar.update(bar.task_ids[0], description=f"P={job[0]} S={job[1]} {job[3]}")
             one(*job)
-            progress.advance(task)
+            bar.advance(bar.task_ids[0])
     return rows, results, notes
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    rich = _rich()
+    rich = rich_modules()
     first = rows[0]
     engines = ", ".join(sorted({r["mode"] for r in rows}))
     table = rich.table.Table(
@@ -356,19 +334,6 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             f"engine 'vectorised': closed forms per rank and step (P > {EVENT_MAX_WORLD_SIZE} "
             "or --mode vectorised), no per-event timeline"
         )
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(
-            "tokenring simulate draws with matplotlib: pip install 'tokenring-attention[plot]'"
-        ) from exc
-    return plt
 
 
 def _timeline_panels(results: list[CallResult]) -> list[tuple[str, list[list[Event]]]]:
@@ -443,9 +408,9 @@ def run(args: argparse.Namespace) -> int:
         check_args(args)
     cfg: _Config = args._config
     if not args.json:
-        _rich()  # fail before any work when the table cannot be printed
+        rich_modules()  # fail before any work when the table cannot be printed
     if args.plot or args.timeline:
-        _pyplot()
+        pyplot()
     rows, results, notes = _predict(cfg, args)
     for note in notes:  # never drop a strategy silently
         print(note, file=sys.stderr if args.json else sys.stdout)

@@ -160,6 +160,15 @@ class SequenceParallel:
         return get_communicator(self.group)
 
 
+def as_sequence_parallel(value: Any, name: str = "sequence_parallel") -> SequenceParallel:
+    """``value``; ValueError naming ``name`` when it is not a :class:`SequenceParallel`."""
+    if not isinstance(value, SequenceParallel):
+        raise ValueError(
+            f"{name} must be a tokenring.hf.SequenceParallel; got {type(value).__name__}"
+        )
+    return value
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LocalBatch:
     """This rank's share of a global causal-LM batch (from :func:`shard_batch`)."""
@@ -227,6 +236,10 @@ class _ModelMask:
     attention_chunk_size: int | None
 
 
+_PLAIN_CAUSAL = _ModelMask(causal=True, window_size=(-1, 0), attention_chunk_size=None)
+"""What the attention call does without a mask."""
+
+
 def _global_mask(
     *,
     mask_function: Any = None,
@@ -251,8 +264,7 @@ def _global_mask(
     if mask_function is None:
         return None
     mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
-    plain = _ModelMask(causal=True, window_size=(-1, 0), attention_chunk_size=None)
-    return None if mask == plain else mask
+    return None if mask == _PLAIN_CAUSAL else mask
 
 
 @functools.lru_cache(maxsize=1)
@@ -338,29 +350,8 @@ def _model_mask(mask_function: Any, *, model: str | None = None) -> _ModelMask:
                     "attention; pack the sequences (SequenceParallel(cu_seqlens=...))"
                 )
             chunks.add(int(captured["chunk_size"]))
-        elif kind == "or":
-            extra = [_describe(f) for f in _closure(fn)["mask_functions"][1:]]
-            blockwise = any(
-                pieces.get(getattr(f, "__code__", None)) == "blockwise"
-                for f in _closure(fn)["mask_functions"]
-            )
-            option = "block_sequence_ids" if blockwise else "or_mask_function"
-            raise NotImplementedError(
-                f"the model's {option}{where} widens its mask with {extra}, which tokenring "
-                "attention cannot express (it takes causal, a sliding window, documents and "
-                "chunked attention)"
-            )
-        elif kind == "padding":
-            raise NotImplementedError(
-                f"a padding attention_mask{where} is not supported by tokenring attention"
-            )
         else:
-            raise NotImplementedError(
-                f"the model's mask{where} uses the mask function {_describe(fn)} (an "
-                "and_mask_function or a mask piece tokenring does not know), which tokenring "
-                "attention cannot express (it takes causal, a sliding window, documents and "
-                "chunked attention)"
-            )
+            raise _unsupported_piece(fn, kind, pieces, where)
     if len(chunks) > 1:
         raise NotImplementedError(
             f"the model's mask{where} asks for chunks of several sizes at once: {sorted(chunks)}"
@@ -371,6 +362,34 @@ def _model_mask(mask_function: Any, *, model: str | None = None) -> _ModelMask:
     )
     return _ModelMask(
         causal=causal, window_size=window, attention_chunk_size=chunks.pop() if chunks else None
+    )
+
+
+def _unsupported_piece(
+    fn: Any, kind: str | None, pieces: dict[Any, str], where: str
+) -> NotImplementedError:
+    """The error for a mask piece the library cannot express (Note [Model masks])."""
+    cannot = (
+        "which tokenring attention cannot express (it takes causal, a sliding window, "
+        "documents and chunked attention)"
+    )
+    if kind == "or":
+        extra = [_describe(f) for f in _closure(fn)["mask_functions"][1:]]
+        blockwise = any(
+            pieces.get(getattr(f, "__code__", None)) == "blockwise"
+            for f in _closure(fn)["mask_functions"]
+        )
+        option = "block_sequence_ids" if blockwise else "or_mask_function"
+        return NotImplementedError(
+            f"the model's {option}{where} widens its mask with {extra}, {cannot}"
+        )
+    if kind == "padding":
+        return NotImplementedError(
+            f"a padding attention_mask{where} is not supported by tokenring attention"
+        )
+    return NotImplementedError(
+        f"the model's mask{where} uses the mask function {_describe(fn)} (an "
+        f"and_mask_function or a mask piece tokenring does not know), {cannot}"
     )
 
 
@@ -389,14 +408,10 @@ def _attention_forward(
     strategy: str,
     name: str,
     scaling: float | None = None,
-    dropout: float = 0.0,
     sequence_parallel: SequenceParallel | None = None,
     sequence_parallel_cache: Any = None,
     sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
     is_causal: bool | None = None,
-    output_attentions: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: transformers' ``(B, H, s, D)`` in,
@@ -407,84 +422,22 @@ def _attention_forward(
     ``sliding_window``; when both are given they must agree), ``sequence_parallel``; dropout,
     softcap, sinks, attention weights, a KV cache and local packing kwargs raise.
     """
-    if sequence_parallel is None:
-        raise ValueError(
-            f"attn_implementation={name!r} needs sequence_parallel=tokenring.hf.SequenceParallel"
-            "(...) passed to the model's forward (it says which group and layout the shards use)"
-        )
-    if not isinstance(sequence_parallel, SequenceParallel):
-        raise ValueError(
-            "sequence_parallel must be a tokenring.hf.SequenceParallel; got "
-            f"{type(sequence_parallel).__name__}"
-        )
-    if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
-        raise NotImplementedError(
-            f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
-            f"shape {tuple(attention_mask.shape)}"
-        )
-    if sequence_parallel_cache is None and key.shape[2] != query.shape[2]:
-        raise NotImplementedError(
-            f"attn_implementation={name!r} takes no KV cache but tokenring.hf.generate's; got "
-            f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
-            "generate with tokenring.hf.generate)"
-        )
-    if dropout > 0:
-        raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
-    for option, unsupported in (
-        ("softcap", softcap is not None),
-        ("attention sinks (s_aux)", s_aux is not None),
-        ("output_attentions", output_attentions),
-        *(
-            (
-                f"{k} (local packing; pass SequenceParallel(cu_seqlens=...))",
-                kwargs.get(k) is not None,
-            )
-            for k in _PACKING_KWARGS
-        ),
-    ):
-        if unsupported:
-            raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
-    sp = sequence_parallel
-    if sp.hardware is not None and strategy != "auto" and sequence_parallel_cache is None:
-        raise ValueError(
-            f"SequenceParallel.hardware only chooses the strategy of "
-            f"attn_implementation='tokenring_auto'; got it with {name!r}"
-        )
-    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    window_size = (-1, 0 if causal else -1)
-    if sliding_window is not None:
-        # transformers' window holds sliding_window keys up to and including the query itself:
-        # flash-attention's window_size=(sliding_window - 1, 0) when causal.
-        window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    chunk = None
-    if attention_mask is not None:  # the model's mask for this layer (Note [Model masks])
-        given = "is_causal" if is_causal is not None else "the attention module's is_causal"
-        if causal != attention_mask.causal:
-            raise NotImplementedError(
-                f"the model's mask is {'' if attention_mask.causal else 'not '}causal but "
-                f"{given} is {causal}; tokenring attention cannot tell which one holds"
-            )
-        if sliding_window is not None and window_size != attention_mask.window_size:
-            raise NotImplementedError(
-                f"the model's mask has window_size={attention_mask.window_size} but its attention "
-                f"passes sliding_window={sliding_window} (window_size={window_size})"
-            )
-        window_size = attention_mask.window_size
-        chunk = attention_mask.attention_chunk_size
+    sp = _check_call(
+        name,
+        strategy,
+        sequence_parallel,
+        attention_mask,
+        query,
+        key,
+        sequence_parallel_cache,
+        kwargs,
+    )
+    assert not isinstance(attention_mask, torch.Tensor)  # _check_call raised
+    mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
     if sequence_parallel_cache is not None:  # a step of tokenring.hf.generate
-        if getattr(module, "attn_temperature_tuning", False) and not getattr(
-            module, "use_rope", True
-        ):
-            raise NotImplementedError(
-                "attn_temperature_tuning (Llama 4's NoPE query scale) is not supported in "
-                "generation"
-            )
-        if not causal or window_size != (-1, 0) or chunk is not None:
-            raise NotImplementedError(
-                f"generation runs plain causal attention over the KV cache; this layer asks for "
-                f"causal={causal}, window_size={window_size}, attention_chunk_size={chunk}"
-            )
-        out = sequence_parallel_cache.attention(module, query, key, value, scaling=scaling)
+        out = sequence_parallel_cache.attention(
+            module, query, key, value, scaling=scaling, mask=mask
+        )
         return out, None  # (1, n, Hq, D)
     _check_temperature_tuning(module, sp, query.shape[2])
     out = sequence_parallel_attn(
@@ -492,18 +445,104 @@ def _attention_forward(
         key.transpose(1, 2),  # (B, s, Hkv, D)
         value.transpose(1, 2),
         strategy=strategy,
-        causal=causal,
+        causal=mask.causal,
         softmax_scale=scaling,
         group=sp.group,
         layout=sp.layout,
         hardware=sp.hardware,
         seq_len=sp.seq_len,
         cu_seqlens=sp.cu_seqlens,
-        window_size=window_size,
-        attention_chunk_size=chunk,
+        window_size=mask.window_size,
+        attention_chunk_size=mask.attention_chunk_size,
     )
     assert isinstance(out, torch.Tensor)
     return out, None  # (B, s, Hq, D)
+
+
+def _check_call(
+    name: str,
+    strategy: str,
+    sp: SequenceParallel | None,
+    attention_mask: _ModelMask | torch.Tensor | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cache: Any,
+    options: dict[str, Any],
+) -> SequenceParallel:
+    """Raise for what :func:`_attention_forward` cannot honour: no ``sequence_parallel``, a
+    prepared mask tensor, a KV cache that is not ours, and the ``options`` (dropout, softcap,
+    sinks, attention weights, local packing) it does not support."""
+    if sp is None:
+        raise ValueError(
+            f"attn_implementation={name!r} needs sequence_parallel=tokenring.hf.SequenceParallel"
+            "(...) passed to the model's forward (it says which group and layout the shards use)"
+        )
+    sp = as_sequence_parallel(sp)
+    if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
+        raise NotImplementedError(
+            f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
+            f"shape {tuple(attention_mask.shape)}"
+        )
+    if cache is None and key.shape[2] != query.shape[2]:
+        raise NotImplementedError(
+            f"attn_implementation={name!r} takes no KV cache but tokenring.hf.generate's; got "
+            f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
+            "generate with tokenring.hf.generate)"
+        )
+    dropout = options.get("dropout", 0.0)
+    if dropout > 0:
+        raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
+    for option, unsupported in (
+        ("softcap", options.get("softcap") is not None),
+        ("attention sinks (s_aux)", options.get("s_aux") is not None),
+        ("output_attentions", options.get("output_attentions", False)),
+        *(
+            (
+                f"{k} (local packing; pass SequenceParallel(cu_seqlens=...))",
+                options.get(k) is not None,
+            )
+            for k in _PACKING_KWARGS
+        ),
+    ):
+        if unsupported:
+            raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
+    if sp.hardware is not None and strategy != "auto" and cache is None:
+        raise ValueError(
+            f"SequenceParallel.hardware only chooses the strategy of "
+            f"attn_implementation='tokenring_auto'; got it with {name!r}"
+        )
+    return sp
+
+
+def _layer_mask(
+    module: torch.nn.Module,
+    attention_mask: _ModelMask | None,
+    is_causal: bool | None,
+    sliding_window: int | None,
+) -> _ModelMask:
+    """The mask of one attention call: the model's for this layer (Note [Model masks]), which
+    ``is_causal`` (or ``module.is_causal``) and ``sliding_window`` must agree with, or else
+    theirs."""
+    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+    window_size = (-1, 0 if causal else -1)
+    if sliding_window is not None:
+        # transformers' window holds sliding_window keys up to and including the query itself:
+        # flash-attention's window_size=(sliding_window - 1, 0) when causal.
+        window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    if attention_mask is None:
+        return _ModelMask(causal=causal, window_size=window_size, attention_chunk_size=None)
+    given = "is_causal" if is_causal is not None else "the attention module's is_causal"
+    if causal != attention_mask.causal:
+        raise NotImplementedError(
+            f"the model's mask is {'' if attention_mask.causal else 'not '}causal but "
+            f"{given} is {causal}; tokenring attention cannot tell which one holds"
+        )
+    if sliding_window is not None and window_size != attention_mask.window_size:
+        raise NotImplementedError(
+            f"the model's mask has window_size={attention_mask.window_size} but its attention "
+            f"passes sliding_window={sliding_window} (window_size={window_size})"
+        )
+    return attention_mask
 
 
 def _check_temperature_tuning(
@@ -851,23 +890,38 @@ def _labels_loss(
     (from :func:`shard_batch`), if given, is used as is. Which one is decided from every
     rank's length, so all ranks take the same path.
     """
-    if not isinstance(sp, SequenceParallel):
-        raise ValueError(
-            f"sequence_parallel must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}"
-        )
+    sp = as_sequence_parallel(sp)
     if num_items_in_batch is not None:
         raise NotImplementedError(
             "num_items_in_batch is not supported with sequence_parallel: the loss already is the "
             "mean over every rank's counted tokens (scale it yourself for gradient accumulation)"
         )
-    b, s = logits.shape[:2]
+    b = logits.shape[0]
     if shift_labels is not None:
         return causal_lm_loss(sp, logits, shift_labels, ignore_index=ignore_index)
     if labels is None or labels.dim() != 2 or labels.shape[0] != b:
         shape = None if labels is None else tuple(labels.shape)
         raise ValueError(f"labels must have shape (batch={b}, seq); got {shape}")
+    global_labels = _global_labels(sp, labels, logits)  # (B, S)
+    shifted = _shift_global(global_labels, ignore_index=ignore_index, cu_seqlens=sp.cu_seqlens)
     comm = sp.communicator
-    seq_len = sp.seq_len if sp.seq_len is not None else s * comm.world_size
+    local = shard(
+        shifted,
+        rank=comm.rank,
+        world_size=comm.world_size,
+        layout=sp.layout,
+        cu_seqlens=sp.cu_seqlens,
+    )
+    return causal_lm_loss(sp, logits, local.to(logits.device), ignore_index=ignore_index)
+
+
+def _global_labels(
+    sp: SequenceParallel, labels: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """The global ``(B, S)`` labels from ``labels``: already global on every rank, or every
+    rank's shard ``(B, s_r)`` (gathered); which one is decided from every rank's length."""
+    comm = sp.communicator
+    seq_len = sp.seq_len if sp.seq_len is not None else logits.shape[1] * comm.world_size
     sharding = make_sharding(
         layout=sp.layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=sp.cu_seqlens
     )
@@ -878,20 +932,10 @@ def _labels_loss(
         lengths = [int(n.item()) for n in gathered]
     shards = [sharding.local_len(r) for r in range(comm.world_size)]
     if lengths == [seq_len] * comm.world_size:
-        global_labels = labels  # (B, S) on every rank
-    elif lengths == shards:
-        global_labels = gather_sequence(sp, labels)  # (B, S) from every rank's (B, s_r)
-    else:
-        raise ValueError(
-            f"labels must be every rank's shard (lengths {shards}) or the global labels (length "
-            f"{seq_len} on every rank); got lengths {lengths} over the ranks"
-        )
-    shifted = _shift_global(global_labels, ignore_index=ignore_index, cu_seqlens=sp.cu_seqlens)
-    local = shard(
-        shifted,
-        rank=comm.rank,
-        world_size=comm.world_size,
-        layout=sp.layout,
-        cu_seqlens=sp.cu_seqlens,
+        return labels
+    if lengths == shards:
+        return gather_sequence(sp, labels)
+    raise ValueError(
+        f"labels must be every rank's shard (lengths {shards}) or the global labels (length "
+        f"{seq_len} on every rank); got lengths {lengths} over the ranks"
     )
-    return causal_lm_loss(sp, logits, local.to(logits.device), ignore_index=ignore_index)

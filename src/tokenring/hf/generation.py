@@ -21,7 +21,7 @@ makes each forward compute this rank's rows only::
                           token has one owner rank
                 3 choose  the cached strategy, once per step: on the zigzag prefill pass-Q
                           (TokenRing) or pass-KV (Ring) by the planner, after it pass_q,
-                          pass_kv, direct or tree by the round model (or as forced)
+                          pass_kv, direct or tree by the simulator (or as forced)
                 4 shard   input_ids -> this rank's packed rows (1, n), position_ids their
                           global positions (RoPE), logits_to_keep the rows that end a sequence
       each attention layer: cache.update hands the new k, v back unchanged; the attention
@@ -49,13 +49,18 @@ from typing import Any
 
 import torch
 
-from tokenring.hf.attention import ATTN_IMPLEMENTATIONS, SequenceParallel
+from tokenring.hf.attention import (
+    _PLAIN_CAUSAL,
+    ATTN_IMPLEMENTATIONS,
+    _ModelMask,
+    as_sequence_parallel,
+)
 from tokenring.inference import cached_attn, resolve_cached_strategy
-from tokenring.kvcache import CacheStep, DistributedKVCache
+from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
 from tokenring.runtime.comm import Communicator
-from tokenring.strategies.cached import CachedStrategy
+from tokenring.strategies.cached import CachedStrategy, CacheStep
 
 try:
     from transformers import Cache, GenerationConfig
@@ -144,11 +149,7 @@ class ShardedKVCache(Cache):
         budget_bytes: int | None = None,
     ) -> None:
 
-        if not isinstance(sequence_parallel, SequenceParallel):
-            raise ValueError(
-                "sequence_parallel must be a tokenring.hf.SequenceParallel; got "
-                f"{type(sequence_parallel).__name__}"
-            )
+        sequence_parallel = as_sequence_parallel(sequence_parallel)
         if strategy != "auto":
             strategy = CachedStrategy.parse(strategy)
             if sequence_parallel.hardware is not None:
@@ -231,6 +232,42 @@ class ShardedKVCache(Cache):
         """Agree on the new ids over the group, place them and choose the strategy (Note
         [Generation under sequence parallelism], steps 1 to 3). Collective."""
         comm = self.communicator
+        self._agree_on_ids(input_ids)
+        batch, num_new = input_ids.shape
+        if self.kv is None:
+            block_size = self.block_size or min(64, -(-num_new // comm.world_size))
+            self.kv = DistributedKVCache(
+                num_layers=self.num_layers,
+                batch=batch,
+                heads_kv=self.heads_kv,
+                head_dim=self.head_dim,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                budget_bytes=self.budget_bytes,
+                group=comm,
+            )
+            if self.strategy == "auto" and self.hardware is None:  # once per cache
+                self.hardware = calibrate(comm, dtype=dtype, device=device)
+        step = self.kv.begin_step([num_new] * batch, check_ranks=False)  # agreed above
+        chosen = resolve_cached_strategy(
+            self.strategy,
+            step=step,
+            comm=comm,
+            heads_q=self.heads_q,
+            heads_kv=self.heads_kv,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            device=device,
+            hardware=self.hardware,
+        )
+        self.strategies.append(chosen)
+        return step
+
+    def _agree_on_ids(self, input_ids: torch.Tensor) -> None:
+        """Check ``input_ids`` and that every rank of the group holds the same ones (a
+        collective: a rank whose ids are wrong makes every rank raise)."""
+        comm = self.communicator
         problem: Exception | None = None
         signature: dict[str, Any] | None = None
         try:
@@ -263,36 +300,6 @@ class ShardedKVCache(Cache):
                     f"{exc}"
                 ) from exc
             raise
-        batch, num_new = input_ids.shape
-        if self.kv is None:
-            block_size = self.block_size or min(64, -(-num_new // comm.world_size))
-            self.kv = DistributedKVCache(
-                num_layers=self.num_layers,
-                batch=batch,
-                heads_kv=self.heads_kv,
-                head_dim=self.head_dim,
-                dtype=dtype,
-                device=device,
-                block_size=block_size,
-                budget_bytes=self.budget_bytes,
-                group=comm,
-            )
-            if self.strategy == "auto" and self.hardware is None:  # once per cache
-                self.hardware = calibrate(comm, dtype=dtype, device=device)
-        step = self.kv.begin_step([num_new] * batch, check_ranks=False)  # agreed above
-        chosen = resolve_cached_strategy(
-            self.strategy,
-            step=step,
-            comm=comm,
-            heads_q=self.heads_q,
-            heads_kv=self.heads_kv,
-            head_dim=self.head_dim,
-            dtype=dtype,
-            device=device,
-            hardware=self.hardware,
-        )
-        self.strategies.append(chosen)
-        return step
 
     def end_step(self) -> None:
         assert self.kv is not None
@@ -306,9 +313,24 @@ class ShardedKVCache(Cache):
         value: torch.Tensor,
         *,
         scaling: float | None,
+        mask: _ModelMask = _PLAIN_CAUSAL,
     ) -> torch.Tensor:
         """The attention of the step's new rows of one layer: transformers' ``(1, H, n, D)``
-        in, ``(1, n, Hq, D)`` out (Note [Generation under sequence parallelism])."""
+        in, ``(1, n, Hq, D)`` out (Note [Generation under sequence parallelism]). Plain causal
+        attention only: ``mask`` is the layer's (``tokenring.hf.attention``)."""
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(
+            module, "use_rope", True
+        ):
+            raise NotImplementedError(
+                "attn_temperature_tuning (Llama 4's NoPE query scale) is not supported in "
+                "generation"
+            )
+        if mask != _PLAIN_CAUSAL:
+            raise NotImplementedError(
+                f"generation runs plain causal attention over the KV cache; this layer asks for "
+                f"causal={mask.causal}, window_size={mask.window_size}, "
+                f"attention_chunk_size={mask.attention_chunk_size}"
+            )
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
             raise NotImplementedError(
@@ -412,8 +434,7 @@ def generate(
             window, chunked attention).
     """
 
-    if not isinstance(sp, SequenceParallel):
-        raise ValueError(f"sp must be a tokenring.hf.SequenceParallel; got {type(sp).__name__}")
+    sp = as_sequence_parallel(sp, "sp")
     if sp.seq_len is not None or sp.cu_seqlens is not None:
         raise ValueError(
             "generation places each step's tokens itself: pass a SequenceParallel without "
@@ -443,49 +464,13 @@ def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[
     state: dict[str, Any] = {}
 
     def before(
-        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if args:
-            raise ValueError("generate passes the model's inputs by keyword; got positional ones")
-        given = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-        if given is not cache:
-            raise ValueError("the model was called without its ShardedKVCache inside generate")
-        for option in ("output_attentions", "output_hidden_states"):
-            if kwargs.get(option):
-                raise NotImplementedError(f"tokenring.hf.generate does not support {option}")
-        input_ids = kwargs.get("input_ids")
-        if input_ids is None:
-            raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
-        mask = kwargs.pop("attention_mask", None)
-        if mask is not None and not bool(mask.all()):
-            raise NotImplementedError(
-                "a padding attention_mask is not supported under sequence parallelism"
-            )
-        batch, num_new = input_ids.shape
-        past = cache.get_seq_length()
-        positions = kwargs.pop("position_ids", None)
-        want = torch.arange(past, past + num_new, device=input_ids.device)
-        if positions is not None and not bool((positions == want).all()):
-            raise NotImplementedError(
-                "position_ids other than the token positions are not supported by "
-                "tokenring.hf.generate (it derives each rank's positions)"
-            )
-        dtype = module.dtype  # PreTrainedModel's
-        step = cache.begin_step(input_ids, dtype=dtype, device=input_ids.device)
-        rank = cache.communicator.rank
-        rows: list[torch.Tensor] = []
-        keep: list[int] = []  # local rows that end a sequence
-        ends: list[int] = []  # and which sequence each ends
-        offset = 0
-        for b, held in enumerate(step.new_positions[rank]):
-            rows.append(input_ids[b, (held - step.cached[b]).to(input_ids.device)])
-            if held.numel() and int(held[-1]) == step.cached[b] + step.new[b] - 1:
-                keep.append(offset + held.numel() - 1)
-                ends.append(b)
-            offset += held.numel()
-        state.update(batch=batch, ends=ends)
-        local_ids = torch.cat(rows).unsqueeze(0)  # (1, n)
-        local_positions = step.positions(rank).to(input_ids.device).unsqueeze(0)
+        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:  # module: the PreTrainedModel
+        input_ids = _step_input_ids(cache, args, kwargs)
+        step = cache.begin_step(input_ids, dtype=module.dtype, device=input_ids.device)
+        local_ids, keep, ends = _local_rows(step, cache.communicator.rank, input_ids)
+        state.update(batch=input_ids.shape[0], ends=ends)
+        local_positions = step.positions(cache.communicator.rank).to(input_ids.device).unsqueeze(0)
         cache._placeholder = local_ids.shape[1] == 0
         if cache._placeholder:
             local_ids = local_positions = input_ids.new_zeros(1, 1)
@@ -517,3 +502,54 @@ def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _step_input_ids(
+    cache: ShardedKVCache, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.Tensor:
+    """The global input ids ``(B, n)`` of one step's model call, checked; pops the
+    attention mask and position ids, which the step derives itself."""
+    if args:
+        raise ValueError("generate passes the model's inputs by keyword; got positional ones")
+    given = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+    if given is not cache:
+        raise ValueError("the model was called without its ShardedKVCache inside generate")
+    for option in ("output_attentions", "output_hidden_states"):
+        if kwargs.get(option):
+            raise NotImplementedError(f"tokenring.hf.generate does not support {option}")
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None:
+        raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None and not bool(mask.all()):
+        raise NotImplementedError(
+            "a padding attention_mask is not supported under sequence parallelism"
+        )
+    num_new = input_ids.shape[1]
+    past = cache.get_seq_length()
+    positions = kwargs.pop("position_ids", None)
+    want = torch.arange(past, past + num_new, device=input_ids.device)
+    if positions is not None and not bool((positions == want).all()):
+        raise NotImplementedError(
+            "position_ids other than the token positions are not supported by "
+            "tokenring.hf.generate (it derives each rank's positions)"
+        )
+    return input_ids
+
+
+def _local_rows(
+    step: CacheStep, rank: int, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """This rank's new ids ``(1, n)``, the local rows that end a sequence and which sequence
+    each ends."""
+    rows: list[torch.Tensor] = []
+    keep: list[int] = []  # local rows that end a sequence
+    ends: list[int] = []  # and which sequence each ends
+    offset = 0
+    for b, held in enumerate(step.new_positions[rank]):
+        rows.append(input_ids[b, (held - step.cached[b]).to(input_ids.device)])
+        if held.numel() and int(held[-1]) == step.cached[b] + step.new[b] - 1:
+            keep.append(offset + held.numel() - 1)
+            ends.append(b)
+        offset += held.numel()
+    return torch.cat(rows).unsqueeze(0), keep, ends

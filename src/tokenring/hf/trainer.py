@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from tokenring.hf.attention import (
     SequenceParallel,
+    as_sequence_parallel,
     broadcast_batch,
     causal_lm_loss,
     data_parallel_loss,
@@ -77,11 +78,7 @@ class SequenceParallelTrainer(Trainer):
     loss_is_scaled_for_ga = False  # a mean per micro-batch: Trainer divides by the GA steps
 
     def __init__(self, *args: Any, sequence_parallel: SequenceParallel, **kwargs: Any) -> None:
-        if not isinstance(sequence_parallel, SequenceParallel):
-            raise ValueError(
-                "sequence_parallel must be a tokenring.hf.SequenceParallel; got "
-                f"{type(sequence_parallel).__name__}"
-            )
+        as_sequence_parallel(sequence_parallel)
         register()
         super().__init__(*args, **kwargs)
         self.sequence_parallel = sequence_parallel

@@ -58,6 +58,7 @@ numbers. Two-way flows at under 3/4 of the one-way rate mean a shared port (SWIT
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import statistics
@@ -73,11 +74,13 @@ from tokenring.core.layout import Layout
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import (
     AttentionShape,
+    Flow,
     Pass,
     Payload,
     Piece,
     Strategy,
     Transfer,
+    dtype_name,
     piece_flops,
 )
 from tokenring.model.costmodel import (
@@ -86,18 +89,32 @@ from tokenring.model.costmodel import (
     Topology,
     measured,
     merge_bytes,
+    preset,
 )
-from tokenring.model.simulate import simulate
+from tokenring.model.simulate import simulate, simulate_cached
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.strategies.cached import (
+    CachedPlan,
+    CachedShards,
+    CachedStrategy,
+    build_cached_plan,
+    uniform_shards,
+)
 from tokenring.strategies.hybrid import HybridSpec
 
 __all__ = [
+    "CachedChoice",
+    "CachedPrediction",
     "Plan",
     "Prediction",
     "calibrate",
+    "choose_cached_strategy",
     "choose_strategy",
     "explain",
+    "explain_cached",
+    "pass_q_threshold",
+    "predict_cached",
 ]
 
 _log = logging.getLogger(__name__)
@@ -646,3 +663,195 @@ def _restore(comm: Communicator, saved: tuple[dict[Any, int], dict[Any, int], in
     c.recv_bytes.clear()
     c.recv_bytes.update(saved[1])
     c.sent_messages, c.recv_messages = saved[2], saved[3]
+
+
+# -- cached plans: their price and the pick -------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachedPrediction:
+    """The simulator's price of one plan (:func:`predict_cached`)."""
+
+    strategy: CachedStrategy
+    """Which strategy."""
+    total_s: float
+    """Predicted time of the call: the last rank's end."""
+    compute_s: float
+    """The busiest rank's kernels and merges."""
+    wire_s: float
+    """The busiest link or port: its bytes over its bandwidth."""
+    travel_bytes: int
+    """Most bytes one rank sends on the travel flow (Q or K/V)."""
+    return_bytes: int
+    """Most bytes one rank sends on the return flow (partials)."""
+
+    @property
+    def bound_by(self) -> str:
+        """``compute`` or ``comm``: the larger of the busiest rank's work and the busiest
+        link's."""
+        return "compute" if self.compute_s >= self.wire_s else "comm"
+
+
+def predict_cached(
+    plan: CachedPlan,
+    shards: CachedShards,
+    *,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    hardware: Hardware,
+) -> CachedPrediction:
+    """Price ``plan`` with the simulator's event engine, which replays the program each rank
+    runs (``tokenring.model.simulate.simulate_cached``), charging ``hardware.kernel_call_s``
+    per kernel call.
+
+    Raises:
+        ValueError: bad head counts, an unknown dtype, or one the hardware has no FLOP/s for.
+    """
+    dims = AttentionShape(
+        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
+    )
+    total_s, compute_s, wire_s, _ = simulate_cached(plan, shards, shape=dims, hardware=hardware)
+    p = plan.world_size
+    sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
+    for tr in plan.transfers:
+        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
+    return CachedPrediction(
+        strategy=plan.strategy,
+        total_s=total_s,
+        compute_s=compute_s,
+        wire_s=wire_s,
+        travel_bytes=max(sent[Flow.TRAVEL]),
+        return_bytes=max(sent[Flow.RETURN]),
+    )
+
+
+# -- the decision --------------------------------------------------------------------------------
+def pass_q_threshold(
+    *, heads_q: int, heads_kv: int, head_dim: int, elem_bytes: int, acc_bytes: int = 4
+) -> float:
+    """The new-token fraction T/(T+C) below which pass-Q's busiest direction carries fewer
+    bytes than pass-KV's; see Note [Pass-Q or pass-KV].
+
+    Returns:
+        ``2 * Hkv * D * e / (Hq * (D * e + a))``.
+    """
+    return 2 * heads_kv * head_dim * elem_bytes / (heads_q * (head_dim * elem_bytes + acc_bytes))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachedChoice:
+    """What :func:`choose_cached_strategy` returns."""
+
+    pick: CachedStrategy
+    """The fastest predicted strategy."""
+    predictions: tuple[CachedPrediction, ...]
+    """Every candidate, in ``CachedStrategy`` order."""
+    reason: str
+    """One sentence: the times, the bytes and the threshold."""
+
+
+def choose_cached_strategy(
+    shards: CachedShards,
+    *,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    hardware: Hardware,
+    candidates: Sequence[CachedStrategy | str] | None = None,
+) -> CachedChoice:
+    """Predict every candidate plan (:func:`predict_cached`) and pick the fastest.
+
+    Deterministic: ties (within a relative 1e-9) go to the earlier strategy in
+    ``CachedStrategy`` order, so every rank picks the same from the same inputs.
+
+    Raises:
+        ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
+    """
+    chosen = (
+        {CachedStrategy.parse(c) for c in candidates}
+        if candidates is not None
+        else set(CachedStrategy)
+    )
+    if not chosen:
+        raise ValueError("candidates must name at least one strategy; got none")
+    predictions = tuple(
+        predict_cached(
+            build_cached_plan(s, shards),
+            shards,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=head_dim,
+            dtype=dtype,
+            hardware=hardware,
+        )
+        for s in CachedStrategy
+        if s in chosen
+    )
+    best = predictions[0]
+    for cand in predictions[1:]:
+        if cand.total_s < best.total_s * (1 - 1e-9):
+            best = cand
+    dims = AttentionShape(
+        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
+    )
+    new = sum(shards.q_rows)
+    total = sum(shards.kv_rows)
+    fraction = new / total if total else 1.0
+    threshold = pass_q_threshold(
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        elem_bytes=dims.elem_bytes,
+        acc_bytes=dims.acc_bytes,
+    )
+    times = ", ".join(f"{p.strategy.value} {1e3 * p.total_s:.3g} ms" for p in predictions)
+    reason = (
+        f"{best.strategy.value} predicted fastest on {hardware.name} ({times}); new-token "
+        f"fraction T/(T+C) = {fraction:.3f} vs pass-Q threshold {threshold:.3f} "
+        f"(2*Hkv*D*e / (Hq*(D*e+a))); {best.strategy.value} is {best.bound_by}-bound"
+    )
+    return CachedChoice(pick=best.strategy, predictions=predictions, reason=reason)
+
+
+def explain_cached(
+    *,
+    world_size: int,
+    cached: int,
+    new: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    hardware: Hardware | str,
+    batch: int = 1,
+    dtype: str | torch.dtype = "bfloat16",
+    block_size: int = 64,
+    candidates: Sequence[CachedStrategy | str] | None = None,
+    kernel_call_s: float | None = None,
+) -> CachedChoice:
+    """The pick for B sequences of ``cached`` tokens each adding ``new`` (block-cyclic, as the
+    cache places them) on ``hardware`` (a ``Hardware`` or a preset name).
+
+    Args:
+        kernel_call_s: the fixed cost of one kernel call, in place of the hardware's
+            ``kernel_call_s``; None: the hardware's.
+
+    Raises:
+        ValueError: as ``uniform_shards`` and :func:`choose_cached_strategy`, an unknown
+            preset, or a negative ``kernel_call_s``.
+    """
+    hw = preset(hardware) if isinstance(hardware, str) else hardware
+    if kernel_call_s is not None:
+        hw = dataclasses.replace(hw, kernel_call_s=kernel_call_s)
+    shards = uniform_shards(
+        world_size=world_size, batch=batch, cached=cached, new=new, block_size=block_size
+    )
+    return choose_cached_strategy(
+        shards,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        hardware=hw,
+        candidates=candidates,
+    )

@@ -16,12 +16,13 @@ Note [Replaying the rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The event engine does not mirror the runtime: it replays each rank's own program, the tuple
 of ops the executor runs (``program_of``, Note [Rank program] in tokenring.runtime.program;
-the collectives' and the hybrid's too), one action per op: a COMPUTE is its pieces' FLOPs
-over F (a Ulysses rank's over its head share; then the merge or dQ add of the rank's own
-rows), a POST marks its transfers posted at this end, ARRIVE / SENT / SENT_ALL wait for
-their transfers, and PASS / RETURNS / HOME wait for each and add its merge or accumulation.
-Memory-bound work (DELTA, merges, adds) is priced on the steps that run a ring program only:
-the collectives' gathers and adds and the hybrid's all-to-alls are waits, nothing more.
+the collectives' and the hybrid's too, and a cached inference plan's ``cached_program``:
+:func:`simulate_cached`), one action per op: a COMPUTE is its pieces' FLOPs over F (a
+Ulysses rank's over its head share; then the merge or dQ add of the rank's own rows), a POST
+marks its transfers posted at this end, ARRIVE / SENT / SENT_ALL wait for their transfers,
+and PASS / RETURNS / HOME wait for each and add its merge or accumulation. Memory-bound work
+(DELTA, merges, adds) is priced on the steps that run a ring program only: the collectives'
+gathers and adds and the hybrid's all-to-alls are waits, nothing more.
 
 A transfer starts when both ends have posted it (a P2P send cannot progress before the
 matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
@@ -77,6 +78,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -100,13 +102,15 @@ from tokenring.model.costmodel import (
     ScheduleArrays,
     exposed_transfers,
     merge_bytes,
+    route,
     schedule_arrays,
     transfer_route,
 )
 from tokenring.model.netlab import Topology
 from tokenring.runtime.comm import Event
-from tokenring.runtime.program import OpKind, program_of
+from tokenring.runtime.program import Op, OpKind, cached_program, program_of
 from tokenring.strategies import build_schedule
+from tokenring.strategies.cached import CachedPlan, CachedShards
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
@@ -116,6 +120,7 @@ __all__ = [
     "CallResult",
     "PassResult",
     "simulate",
+    "simulate_cached",
     "simulate_pass",
     "simulate_schedule",
     "strategy_schedule",
@@ -238,15 +243,24 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 
 
 class _EventEngine:
-    """See Note [Replaying the rank program] and Note [Sharing bandwidth]."""
+    """See Note [Replaying the rank program] and Note [Sharing bandwidth]: replays one action
+    list per rank (``programs``: a schedule's from :meth:`for_schedule`, a cached plan's from
+    :meth:`_cached_program`) over ``transfers``."""
+
+    sched: Schedule  # for_schedule's
+    flops_per_s: float
 
     def __init__(
-        self, sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
+        self,
+        transfers: Sequence[Transfer],
+        world_size: int,
+        num_steps: int,
+        dims: AttentionShape,
+        hardware: Hardware,
     ) -> None:
-        self.sched, self.dims, self.hw, self.flops_per_s = sched, dims, hardware, flops_per_s
-        p = sched.world_size
+        self.world_size, self.num_steps, self.dims, self.hw = world_size, num_steps, dims, hardware
         self.mem = hardware.memory_bandwidth_bytes_per_s
-        self.transfers = list(sched.transfers)
+        self.transfers = list(transfers)
         self.fid = {tr: i for i, tr in enumerate(self.transfers)}
         # Flows: static data per transfer.
         self.res_index: dict[Resource, int] = {}
@@ -258,7 +272,7 @@ class _EventEngine:
         for tr in self.transfers:
             key = (tr.src, tr.dst)
             if key not in routes:
-                rt = transfer_route(hardware, sched, tr)
+                rt = route(hardware, tr.src, tr.dst, world_size)
                 ids = []
                 for res, cap in rt.resources:
                     if res not in self.res_index:
@@ -270,15 +284,25 @@ class _EventEngine:
             self.flow_res.append(ids)
             self.flow_lat.append(lat)
             self.flow_bytes.append(float(tr.num_bytes(dims)))
-        self.programs = [self._actions(r) for r in range(p)]
+        self.programs: list[list[tuple[Any, ...]]] = []
 
-    def busiest(self) -> tuple[str, int, float]:
+    @classmethod
+    def for_schedule(
+        cls, sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
+    ) -> _EventEngine:
+        """The engine of one pass of ``sched``, with its ranks' programs."""
+        engine = cls(sched.transfers, sched.world_size, sched.num_steps, dims, hardware)
+        engine.sched, engine.flops_per_s = sched, flops_per_s
+        engine.programs = [engine._actions(r) for r in range(sched.world_size)]
+        return engine
+
+    def busiest(self, exposed: Sequence[Transfer] = ()) -> tuple[str, int, float]:
         """(name, bytes, seconds) of the resource with the most bytes / bandwidth, counting
-        the transfers that can overlap compute (the exposed ones are priced separately)."""
+        the transfers but ``exposed`` (priced separately: nothing can overlap them)."""
         load = [0.0] * len(self.res_cap)
-        exposed = {self.fid[tr] for tr in exposed_transfers(self.sched)}
+        skip = {self.fid[tr] for tr in exposed}
         for i, (ids, num) in enumerate(zip(self.flow_res, self.flow_bytes, strict=True)):
-            if i in exposed:
+            if i in skip:
                 continue
             for index in ids:
                 load[index] += num
@@ -333,9 +357,7 @@ class _EventEngine:
             elif kind in (OpKind.STEP, OpKind.END):
                 prog.append((_STEP, t))
             elif kind is OpKind.POST:
-                sends = tuple(self.fid[tr] for tr in op.transfers if tr.src == r)
-                recvs = tuple(self.fid[tr] for tr in op.transfers if tr.dst == r)
-                prog.append((_POST, sends, recvs))
+                prog.append(self._post(op, r))
             elif kind is OpKind.COMPUTE:
                 plan = sched.steps[r][t]
                 segment = plan.segments[op.index]
@@ -353,8 +375,62 @@ class _EventEngine:
                 prog += [(_WAIT, self.fid[tr]) for tr in op.transfers]
         return prog
 
+    def _post(self, op: Op, r: int) -> tuple[Any, ...]:
+        """A POST of rank ``r``: its sends and its receives, ready at this end."""
+        sends = tuple(self.fid[tr] for tr in op.transfers if tr.src == r)
+        return (_POST, sends, tuple(self.fid[tr] for tr in op.transfers if tr.dst == r))
+
+    # A cached inference plan's program (Note [Rank program] in tokenring.runtime.program):
+    # a block's kernel time (the roofline of its FLOPs and bytes, plus the fixed cost of each
+    # kernel call), then its merge where it is merged; RETURNS waits for and merges each
+    # partial; ARRIVE and SENT_ALL wait.
+    def _cached_program(self, plan: CachedPlan, shards: CachedShards, r: int) -> list[Any]:
+        dims, mem = self.dims, self.mem
+        prog: list[tuple[Any, ...]] = []
+        for op in cached_program(plan, r):
+            kind, t = op.kind, op.step
+            if kind in (OpKind.STEP, OpKind.END):
+                prog.append((_STEP, t))
+            elif kind is OpKind.POST:
+                prog.append(self._post(op, r))
+            elif kind is OpKind.COMPUTE:
+                o, j = plan.computes[r][t][op.index]
+                prog.append((_COMPUTE, self._block_s(shards, o, j), t, "attn"))
+                if plan.merges(r, o):
+                    prog.append((_MERGE, merge_bytes(shards.q_rows[o], dims) / mem, t, "merge"))
+            elif kind is OpKind.RETURNS:
+                for tr in op.transfers:
+                    cost = merge_bytes(tr.num_rows, dims) / mem
+                    prog += [(_WAIT, self.fid[tr]), (_MERGE, cost, tr.step, "merge")]
+            else:  # ARRIVE, SENT_ALL
+                prog += [(_WAIT, self.fid[tr]) for tr in op.transfers]
+        return prog
+
+    def _block_s(self, shards: CachedShards, q_owner: int, kv_owner: int) -> float:
+        """Kernel time of one (Q block, K/V shard) pair: the roofline of its FLOPs (every
+        computed score, masked or not) and bytes, plus a fixed cost per kernel call (Note
+        [Cached attention call] in tokenring.inference: one or two calls per sequence)."""
+        hq, hkv, d, e = (
+            self.dims.heads_q,
+            self.dims.heads_kv,
+            self.dims.head_dim,
+            self.dims.elem_bytes,
+        )
+        flops = num_bytes = 0.0
+        calls = 0
+        for t, (full, stop) in zip(
+            shards.q_seq_rows[q_owner], shards.split(q_owner, kv_owner), strict=True
+        ):
+            if stop == 0 or t == 0:
+                continue
+            flops += 4.0 * hq * d * t * stop
+            num_bytes += stop * 2 * hkv * d * e + 2 * t * hq * d * e
+            calls += (full > 0) + (stop > full)
+        roofline = max(flops / self.flops_per_s, num_bytes / self.mem)
+        return roofline + calls * self.hw.kernel_call_s
+
     def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
-        p = self.sched.world_size
+        p = self.world_size
         n = len(self.transfers)
         sender_ready: list[float | None] = [None] * n
         receiver_ready: list[float | None] = [None] * n
@@ -368,7 +444,7 @@ class _EventEngine:
         pc = [0] * p
         waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
         finish = [math.nan] * p
-        num_steps = self.sched.num_steps
+        num_steps = self.num_steps
         step_start: list[list[float]] = [[math.nan] * (num_steps + 1) for _ in range(p)]
         events: list[list[Event]] = [[] for _ in range(p)]
         heap: list[tuple[float, int, int, int, int]] = []
@@ -482,7 +558,7 @@ def _simulate_event(
 ) -> tuple[
     float, tuple[float, ...], tuple[tuple[Event, ...], ...], float, float, tuple[str, int, float]
 ]:
-    engine = _EventEngine(sched, dims, hardware, flops_per_s)
+    engine = _EventEngine.for_schedule(sched, dims, hardware, flops_per_s)
     finish, step_start, events = engine.run()
     p = sched.world_size
     steps = tuple(
@@ -494,7 +570,28 @@ def _simulate_event(
         for kind in ("compute", "merge")
     )
     timeline = tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
-    return max(finish), steps, timeline, kernels, merges, engine.busiest()
+    return max(finish), steps, timeline, kernels, merges, engine.busiest(exposed_transfers(sched))
+
+
+def simulate_cached(
+    plan: CachedPlan, shards: CachedShards, *, shape: AttentionShape, hardware: Hardware
+) -> tuple[float, float, float, tuple[tuple[Event, ...], ...]]:
+    """Predict a cached inference plan (``shape``: batch 1, the plan's rows hold every
+    sequence) with the event engine, replaying its ranks' ``cached_program``: ``(call_s,
+    compute_s, wire_s, timeline)``, the last rank's end, the busiest rank's kernels and
+    merges, the busiest link or port's bytes over its bandwidth, and per rank its events.
+
+    Raises:
+        ValueError: a dtype the hardware has no FLOP/s for.
+    """
+    engine = _EventEngine(plan.transfers, plan.world_size, plan.num_rounds, shape, hardware)
+    engine.flops_per_s = hardware.flops_per_s(Pass.FORWARD, shape.dtype)
+    engine.programs = [engine._cached_program(plan, shards, r) for r in range(plan.world_size)]
+    finish, _, events = engine.run()
+    work = ("compute", "merge")
+    busy = max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in work) for evs in events)
+    timeline = tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
+    return max(finish), busy, engine.busiest()[2], timeline
 
 
 # -- vectorised engine -------------------------------------------------------------------------

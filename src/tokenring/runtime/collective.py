@@ -86,9 +86,7 @@ class _Collective(PassRunner):
         self.rank, self.p, self.s = comm.rank, comm.world_size, q.shape[1]
         self.acc = accumulation_dtype(q.dtype)
         shape = AttentionShape.of(q, k)
-        self.poster = SlotPoster(
-            sched.transfers, comm, functools.partial(message_fields, shape), q.device
-        )
+        self.poster = SlotPoster(comm, functools.partial(message_fields, shape), q.device)
         self.timer = _ComputeTimer(comm, q.device)
         self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
 

@@ -35,6 +35,11 @@ class PassRunner:
     comm: Communicator
     poster: SlotPoster
 
+    @property
+    def range_prefix(self) -> str:
+        """The profiler range of step t is ``<range_prefix><t>``."""
+        return f"tokenring.{self.sched.strategy.value}.{self.sched.pass_.value}.step"
+
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         """The tensors (or the message) of the send ``tr``, when its slot is posted."""
         raise NotImplementedError(f"{type(self).__name__} sends nothing")
@@ -68,11 +73,11 @@ def execute(program: Sequence[Op], runner: PassRunner) -> None:
     """Run ``program`` with ``runner``: POST, SENT and SENT_ALL here, every other op by the
     runner's method of its name; one profiler range per step."""
     comm, poster = runner.comm, runner.poster
-    with _StepRanges(runner.sched) as ranges:
+    with _StepRanges(runner.range_prefix) as ranges:
         for op in program:
             kind = op.kind
             if kind is OpKind.POST:
-                poster.post_transfers(op.transfers, runner.provide)
+                poster.post(op.transfers, runner.provide)
             elif kind is OpKind.COMPUTE:
                 runner.compute(op)
             elif kind is OpKind.STEP:
@@ -99,11 +104,11 @@ def execute(program: Sequence[Op], runner: PassRunner) -> None:
 
 
 class _StepRanges:
-    """The profiler range of each step, ``tokenring.<strategy>.<pass>.step<t>``: entered at a
-    program's STEP, left at the next STEP or END (or when the pass fails)."""
+    """The profiler range of each step, ``<prefix><t>``: entered at a program's STEP, left at
+    the next STEP or END (or when the pass fails)."""
 
-    def __init__(self, sched: Schedule) -> None:
-        self.prefix = f"tokenring.{sched.strategy.value}.{sched.pass_.value}.step"
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
         self.current: Any = None
 
     def __enter__(self) -> _StepRanges:

@@ -60,6 +60,19 @@ compute settles what it can of ``PASS t`` and ``RETURNS t-1`` after its first ti
 [Buffers in flight] in tokenring.runtime.ring); the op is where the program waits for the
 rest, and where the simulator prices it.
 
+:func:`cached_program` is the same vocabulary for a cached inference plan
+(``tokenring.strategies.cached``; ``_PlanRunner`` in tokenring.inference runs it): a round is
+a step, a kernel block a segment. A round is ``STEP t, [RETURNS t], POST t 0, (COMPUTE t k,
+POST t k+1)...``, the slots after the last block, ``ARRIVE t``; the call ends with ``END,
+RETURNS, SENT_ALL``; and:
+
+- COMPUTE t k: block k of round t, a (q_owner, kv_holder) pair, merged here (its own block;
+  any in the tree) or kept for the send of slot (t, k+1); the engine adds a fixed cost per
+  kernel call (``Hardware.kernel_call_s``: decode pays it per block) to its roofline;
+- ARRIVE t: the Q blocks and K/V shards posted in round t, used from round t + 1;
+- RETURNS t: only before a round whose slot (t, 0) sends partials up merged (the tree
+  merges a subtree's before going up); every other partial after END.
+
 Note [Collective rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The collectives' one step (Note [Collective schedules] in tokenring.strategies.collective)
@@ -109,8 +122,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenring.core.schedule import Flow, Pass, Payload, Schedule, Strategy, Transfer
+from tokenring.strategies.cached import CachedPlan
 
-__all__ = ["Op", "OpKind", "collective_program", "hybrid_program", "program_of", "ring_program"]
+__all__ = [
+    "Op",
+    "OpKind",
+    "cached_program",
+    "collective_program",
+    "hybrid_program",
+    "program_of",
+    "ring_program",
+]
 
 
 class OpKind(enum.Enum):
@@ -160,7 +182,10 @@ def ring_program(sched: Schedule, rank: int, steps: range | None = None) -> tupl
 
 
 def _memo(
-    sched: Schedule, key: tuple[object, ...], build: Callable[..., Sequence[Op]], *args: object
+    sched: Schedule | CachedPlan,
+    key: tuple[object, ...],
+    build: Callable[..., Sequence[Op]],
+    *args: object,
 ) -> tuple[Op, ...]:
     program = sched._memo.get(key)
     if program is None:
@@ -172,8 +197,12 @@ def _memo(
 def _post(sched: Schedule, rank: int, step: int, after: int) -> Op:
     """POST of slot ``(step, after)``: the slot's receives and sends of ``rank``."""
     mine = (*sched.recvs(rank, step), *sched.sends(rank, step))
-    slot = tuple(tr for tr in mine if tr.after_segments == after)
-    return Op(kind=OpKind.POST, step=step, index=after, transfers=slot)
+    return Op(kind=OpKind.POST, step=step, index=after, transfers=_slot(mine, step, after))
+
+
+def _slot(mine: Sequence[Transfer], step: int, after: int) -> tuple[Transfer, ...]:
+    """The transfers of slot ``(step, after)`` among ``mine``, in their order."""
+    return tuple(tr for tr in mine if (tr.step, tr.after_segments) == (step, after))
 
 
 def _recvs(sched: Schedule, rank: int, step: int, payload: Payload) -> tuple[Transfer, ...]:
@@ -351,3 +380,43 @@ def hybrid_program(sched: Schedule, rank: int) -> list[Op]:
         Op(kind=OpKind.END, step=n + 2),
         Op(kind=OpKind.SENT_ALL, transfers=every),
     ]
+
+
+def cached_program(plan: CachedPlan, rank: int) -> tuple[Op, ...]:
+    """The instructions of ``rank`` for a cached inference plan, as in Note [Rank program].
+    Memoised on the plan while it lives (every layer of a step runs the same plan)."""
+    return _memo(plan, ("cached_program", rank), _build_cached, rank)
+
+
+def _build_cached(plan: CachedPlan, rank: int) -> list[Op]:
+    mine = [tr for tr in plan.transfers if rank in (tr.src, tr.dst)]
+    partials = sorted(
+        (tr for tr in mine if tr.dst == rank and tr.payload is Payload.OUT),
+        key=lambda tr: (tr.step, tr.after_segments, tr.src),
+    )
+    program: list[Op] = []
+    for t in range(plan.num_rounds):
+        program.append(Op(kind=OpKind.STEP, step=t))
+        slots = sorted({tr.after_segments for tr in mine if tr.step == t})
+        first = [tr for tr in mine if (tr.step, tr.after_segments) == (t, 0)]
+        if any(tr.src == rank and tr.payload is Payload.OUT for tr in first):
+            # partials go up merged in slot (t, 0): merge what came from below first
+            taken = tuple(tr for tr in partials if tr.step < t)
+            partials = partials[len(taken) :]
+            program += [Op(kind=OpKind.RETURNS, step=t, transfers=taken)] if taken else []
+        post = [Op(kind=OpKind.POST, step=t, index=k, transfers=_slot(mine, t, k)) for k in slots]
+        program += post[:1] if 0 in slots else []
+        n = len(plan.computes[rank][t])
+        for k in range(n):
+            program.append(Op(kind=OpKind.COMPUTE, step=t, index=k))
+            program += [op for op in post if op.index == k + 1]
+        program += [op for op in post if op.index > n]
+        blocks = (tr for tr in mine if tr.dst == rank and tr.step == t)
+        travel = tuple(tr for tr in blocks if tr.payload.flow is Flow.TRAVEL)
+        program.append(Op(kind=OpKind.ARRIVE, step=t, transfers=travel))
+    program.append(Op(kind=OpKind.END, step=plan.num_rounds))
+    if partials:
+        program.append(Op(kind=OpKind.RETURNS, step=plan.num_rounds, transfers=tuple(partials)))
+    sends = tuple(tr for tr in mine if tr.src == rank)
+    program.append(Op(kind=OpKind.SENT_ALL, transfers=sends))
+    return program

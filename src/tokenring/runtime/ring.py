@@ -468,9 +468,7 @@ class _Forward(PassRunner):
         self.groups = q.shape[2] // k.shape[2]
         shape = AttentionShape.of(q, k)
         acc = shape.acc_dtype
-        self.poster = SlotPoster(
-            sched.transfers, comm, functools.partial(message_fields, shape), q.device
-        )
+        self.poster = SlotPoster(comm, functools.partial(message_fields, shape), q.device)
         # The first piece of step 0 is this rank's own block; when it covers every row and
         # head, its result is the accumulators' first value (a copy, not a merge into zeros).
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
@@ -606,9 +604,7 @@ class _Backward(PassRunner):
         self.groups = q.shape[2] // k.shape[2]
         self.acc = acc = lse.dtype
         shape = AttentionShape.of(q, k)
-        self.poster = SlotPoster(
-            sched.transfers, comm, functools.partial(message_fields, shape), q.device
-        )
+        self.poster = SlotPoster(comm, functools.partial(message_fields, shape), q.device)
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         # (B, s, Hkv, D); None once every row and head of them travels (pass-KV, step 0)
         self.dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)

@@ -1,17 +1,13 @@
-"""Posting one rank's transfers slot by slot, for every executor (Note [Slots] in
-tokenring.runtime.comm).
+"""Posting one rank's transfers, for every executor (Note [Slots] in tokenring.runtime.comm).
 
-A :class:`SlotPoster` holds the transfers a rank sends and receives in one pass -- the ring
-schedules' (``tokenring.runtime.ring``) and the cached inference plans'
-(``tokenring.inference``) alike -- indexed by slot ``(step, after_segments)``. The executor
-says when a slot is due and how to fill a send; the poster posts the slot's receives and
-sends through the communicator in one exchange and keeps the pending receives until the
-executor takes them.
+A :class:`SlotPoster` posts what a program's POST names (``tokenring.runtime.program``: a
+ring schedule's slot, a collective's round, a cached plan's slot) through the communicator
+in one exchange, receives first, and keeps the pending receives until the runner takes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,10 +21,9 @@ Provide = Callable[[Transfer], Sequence[torch.Tensor] | Message]
 
 
 class SlotPoster:
-    """One rank's transfers of one pass, posted slot by slot.
+    """One rank's transfers of one pass, posted as its program says.
 
     Args:
-        transfers: every transfer of the pass (the rank's own are picked out).
         comm: the communicator; its rank is this rank.
         fields: the ``(shape, dtype)`` of each tensor a receive carries.
         device: where receive buffers live.
@@ -36,7 +31,6 @@ class SlotPoster:
 
     def __init__(
         self,
-        transfers: Iterable[Transfer],
         comm: Communicator,
         fields: Callable[[Transfer], Sequence[FieldSpec]],
         device: torch.device,
@@ -44,29 +38,11 @@ class SlotPoster:
         self.comm, self.fields, self.device = comm, fields, device
         self.rank = comm.rank
         self.pending: dict[Transfer, PendingRecv] = {}
-        self._sends: dict[tuple[int, int], list[Transfer]] = {}
-        self._recvs: dict[tuple[int, int], list[Transfer]] = {}
-        self._last: dict[int, int] = {}  # step -> the last slot of the step with a transfer
-        for tr in transfers:
-            mine = (
-                self._sends if tr.src == self.rank else self._recvs if tr.dst == self.rank else None
-            )
-            if mine is None:
-                continue
-            mine.setdefault((tr.step, tr.after_segments), []).append(tr)
-            self._last[tr.step] = max(self._last.get(tr.step, 0), tr.after_segments)
 
-    def post(self, step: int, after: int, provide: Provide) -> dict[Transfer, PendingRecv]:
-        """Post slot ``(step, after)``: its receives first, then its sends filled by
-        ``provide``. Returns the receives it posted (also kept in :attr:`pending`)."""
-        key = (step, after)
-        return self.post_transfers((*self._recvs.get(key, ()), *self._sends.get(key, ())), provide)
-
-    def post_transfers(
-        self, transfers: Sequence[Transfer], provide: Provide
-    ) -> dict[Transfer, PendingRecv]:
+    def post(self, transfers: Sequence[Transfer], provide: Provide) -> dict[Transfer, PendingRecv]:
         """Post ``transfers`` (a program's POST): this rank's receives among them first, then
-        its sends filled by ``provide``, in one exchange."""
+        its sends filled by ``provide``, in one exchange. Returns the receives it posted (also
+        kept in :attr:`pending`)."""
         recvs = [(tr, list(self.fields(tr))) for tr in transfers if tr.dst == self.rank]
         sends = [(tr, provide(tr)) for tr in transfers if tr.src == self.rank]
         if not recvs and not sends:
@@ -74,10 +50,6 @@ class SlotPoster:
         posted = self.comm.exchange(sends, recvs, device=self.device)
         self.pending.update(posted)
         return posted
-
-    def last_slot(self, step: int) -> int:
-        """The last ``after_segments`` of ``step`` with a transfer of this rank (0: none)."""
-        return self._last.get(step, 0)
 
     def take_ready(self, payload: Payload, before_step: int) -> list[PendingRecv]:
         """The receives of ``payload`` posted before ``before_step`` that have arrived."""

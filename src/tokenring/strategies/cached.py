@@ -1,12 +1,13 @@
-"""Schedules of attention against a sharded KV cache, their costs, and the choice among them.
+"""Schedules of attention against a sharded KV cache: where new tokens go, and the plans.
 
 This module owns *what happens* when T new tokens per sequence attend to a cache sharded over
-the ranks (``tokenring.kvcache``): which rank computes which new queries against which shard
-in which round, and which transfers carry what, as plain data (:class:`CachedPlan`). The
-runtime (``tokenring.inference``) executes the plan; :func:`predict_cached` prices the very
-same plan on a ``tokenring.model.costmodel.Hardware`` (routing and latency from
-``costmodel.route``, merges from ``costmodel.merge_bytes``), and :func:`choose_cached_strategy`
-picks the cheapest. Nothing here touches process groups.
+the ranks (``tokenring.kvcache`` stores it): which rank owns each new token
+(:func:`place_new_tokens`, :class:`CacheStep`), which rank computes which new queries against
+which shard in which round, and which transfers carry what, as plain data
+(:class:`CachedPlan`). The runtime (``tokenring.inference``) executes each rank's program of
+the plan (``tokenring.runtime.program.cached_program``); ``tokenring.model.planner``'s
+``predict_cached`` prices the very same programs with the simulator's event engine and
+``choose_cached_strategy`` picks the cheapest. Nothing here touches process groups.
 
 Legend: B sequences, T new tokens and C cached tokens of a sequence, P world size, Hq / Hkv
 query / key-value heads, D head dim, e bytes per element, a bytes per accumulator element
@@ -14,9 +15,27 @@ query / key-value heads, D head dim, e bytes per element, a bytes per accumulato
 rank, t a round. A rank's new queries of all sequences form one *Q block* (packed rows); its
 cached K/V of all sequences form one *K/V shard*.
 
+Note [Placement]
+~~~~~~~~~~~~~~~~
+A step appends T_b new tokens to each sequence b. Their owner (the rank that computes them,
+holds their Q and caches their K/V, so the append moves nothing) is decided once per step,
+identically on every rank, from the positions alone::
+
+    first prefill   every C_b = 0, every T_b = T, T % 2P == 0: the zigzag layout of the
+                    ordinary attention path (rank r owns chunks r and 2P-1-r of 2P)
+    otherwise       block-cyclic: position p of sequence b goes to rank (p // bs + b) mod P
+
+Block-cyclic keeps every rank within one block of the others for each sequence however long
+it grows (positions [a, a+m) put floor or ceil of m/bs blocks on each rank, and the zigzag
+prefix is exactly even), so no rank fills first; the ``+ b`` offset starts the sequences of a
+batch on different ranks, so a batch of short sequences is spread too. P = 3, bs = 4, b = 0::
+
+    position:  0-3  4-7  8-11  12-15  16-19  ...
+    rank:       0    1    2     0      1     ...
+
 Note [Cached strategies]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Every new token is owned by the rank that caches it (``kvcache`` Note [Placement]), so K/V
+Every new token is owned by the rank that caches it (Note [Placement]), so K/V
 never move to be appended; only attention moves data::
 
     strategy  what moves                                           rounds
@@ -47,21 +66,6 @@ owners' trees use the same pair in a round and share one message; the reduce mir
 Rank r computes its own block in round 0 and the blocks that arrived in round k - 1 in round
 k, overlapping the next hop.
 
-Note [Round model]
-~~~~~~~~~~~~~~~~~~
-:func:`predict_cached` prices a plan round by round, as the runtime posts it (slot (t, 0) at
-the start of round t, slot (t, k) after the k-th compute of round t)::
-
-    window t   = transfers posted in (t, 0) and in (t-1, k >= 1) (returns of round t-1)
-    round t    = max(max over ranks of compute + merges in round t, wire(window t))
-    tail       = wire(returns posted in the last round) + merges left to the end
-    wire(W)    = max over resources of bytes / bandwidth + largest latency in W
-    compute    = max(FLOPs / F, bytes read and written / memory bandwidth) + calls x overhead
-
-``wire`` routes every transfer with ``costmodel.route`` (links, ports, NICs of the topology).
-It is a bulk-synchronous bound: a round waits for its slowest rank, and the returns of a
-``direct`` round are all priced in the tail although they overlap the later computes.
-
 Note [Pass-Q or pass-KV]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 In a steady ring round with the new tokens and the cache spread evenly, a rank sends::
@@ -77,8 +81,8 @@ so pass-Q moves fewer bytes on its busiest direction exactly when::
 which is Meta's context-parallel inference criterion (T/(T+P) < 2 * Hkv / Hq, with their P
 our C) with the lse that rides along each partial. MHA: about 2, so pass-Q always (for C >=
 0); Llama-3 GQA 32/8: about 1/2. Where the kernel is slower than the links neither matters
-and the exposed tail (pass-Q's last return) decides; :func:`choose_cached_strategy` compares
-the whole round model, not just this ratio.
+and the exposed tail (pass-Q's last return) decides; ``choose_cached_strategy`` compares
+the simulated calls, not just this ratio.
 """
 
 from __future__ import annotations
@@ -86,29 +90,101 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.schedule import DTYPE_BYTES, AttentionShape, Flow, Payload, Transfer
-from tokenring.kvcache import CacheStep, place_new_tokens
-from tokenring.model.costmodel import Hardware, merge_bytes, preset, route
+from tokenring.core.schedule import Payload, Transfer
 
 __all__ = [
-    "CachedChoice",
+    "CacheStep",
     "CachedPlan",
-    "CachedPrediction",
     "CachedShards",
     "CachedStrategy",
     "CachedTransfer",
     "build_cached_plan",
-    "choose_cached_strategy",
-    "explain_cached",
-    "pass_q_threshold",
-    "predict_cached",
+    "place_new_tokens",
     "uniform_shards",
 ]
+
+
+def place_new_tokens(
+    *,
+    cached: Sequence[int],
+    new: Sequence[int],
+    world_size: int,
+    block_size: int,
+    zigzag: bool,
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """The global positions of the new tokens each rank owns; see Note [Placement].
+
+    Args:
+        cached: C_b per sequence.
+        new: T_b per sequence.
+        zigzag: use the first-prefill zigzag layout (the caller checked that it applies).
+
+    Returns:
+        ``[rank][sequence]`` int64 tensors of increasing positions.
+    """
+    p = world_size
+    placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
+    for b, (c, t) in enumerate(zip(cached, new, strict=True)):
+        if zigzag:
+            chunk = t // (2 * p)
+            for r in range(p):
+                late = 2 * p - 1 - r
+                placed[r].append(
+                    torch.cat(
+                        [
+                            torch.arange(r * chunk, (r + 1) * chunk),
+                            torch.arange(late * chunk, (late + 1) * chunk),
+                        ]
+                    )
+                )
+            continue
+        pos = torch.arange(c, c + t, dtype=torch.int64)
+        owner = (pos // block_size + b) % p
+        for r in range(p):
+            placed[r].append(pos[owner == r])
+    return tuple(tuple(row) for row in placed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheStep:
+    """Where the new tokens of one step go and what every rank holds after it.
+
+    Identical on every rank. New tokens are passed to attention *packed*: this rank's rows of
+    sequence 0, then of sequence 1, ... (``seq_rows(rank)`` of each), each in position order.
+    """
+
+    index: int
+    """Steps begun before this one."""
+    world_size: int
+    """P."""
+    zigzag: bool
+    """The first prefill in the zigzag layout (the ordinary attention path)."""
+    cached: tuple[int, ...]
+    """C_b: tokens of each sequence cached before the step."""
+    new: tuple[int, ...]
+    """T_b: new tokens of each sequence."""
+    new_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: global positions of the new tokens the rank owns."""
+    kv_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: every position the rank caches after the step (new included)."""
+
+    def seq_rows(self, rank: int) -> tuple[int, ...]:
+        """How many new tokens of each sequence ``rank`` owns."""
+        return tuple(len(x) for x in self.new_positions[rank])
+
+    def num_rows(self, rank: int) -> int:
+        """Packed new rows of ``rank``: the first dimension of its q, k, v."""
+        return sum(self.seq_rows(rank))
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """``(n,)`` packed global positions of ``rank``'s new rows (for RoPE, token lookup)."""
+        parts = self.new_positions[rank]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 class CachedStrategy(enum.Enum):
@@ -245,6 +321,14 @@ class CachedPlan:
     """``[rank][round]``: ``(q_owner, kv_owner)`` of each kernel block, in order."""
     transfers: tuple[CachedTransfer, ...]
     """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
+    _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
+    """What readers derive from the plan and keep while it lives (the ranks' programs)."""
+
+    def merges(self, rank: int, q_owner: int) -> bool:
+        """Whether ``rank`` merges its partial of ``q_owner``'s block into an accumulator
+        (its own block; any in the tree, whose partials go up merged) rather than sending it
+        back as computed."""
+        return q_owner == rank or self.strategy is CachedStrategy.TREE
 
 
 def _transfer(
@@ -404,310 +488,3 @@ def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
                     _transfer(Payload.OUT, r, (r - step) % p, got, rows, reduce_round, 0)
                 )
     return num_rounds, computes, transfers
-
-
-# -- costs ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CachedPrediction:
-    """The round model's price of one plan (Note [Round model])."""
-
-    strategy: CachedStrategy
-    """Which strategy."""
-    total_s: float
-    """Predicted time of the call."""
-    rounds_s: tuple[float, ...]
-    """Each round's time."""
-    tail_s: float
-    """After the last round: returns still flying and merges left to the end."""
-    compute_s: float
-    """Sum over rounds of the busiest rank's kernel and merge time."""
-    wire_s: float
-    """Sum over windows of their wire time."""
-    travel_bytes: int
-    """Most bytes one rank sends on the travel flow (Q or K/V)."""
-    return_bytes: int
-    """Most bytes one rank sends on the return flow (partials)."""
-    busiest_pair_bytes: int
-    """Most bytes on one directed pair of ranks."""
-    num_messages: int
-    """Transfers in the plan."""
-
-    @property
-    def bound_by(self) -> str:
-        """``compute`` or ``comm``: which side of the max the rounds mostly took."""
-        return "compute" if self.compute_s >= self.wire_s else "comm"
-
-
-def _dims(heads_q: int, heads_kv: int, head_dim: int, dtype: str | torch.dtype) -> AttentionShape:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}; got {dtype!r}")
-    for label, value in (("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim)):
-        if value < 1:
-            raise ValueError(f"{label} must be >= 1; got {value}")
-    if heads_q % heads_kv:
-        raise ValueError(
-            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
-        )
-    return AttentionShape(
-        batch=1,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=name,
-    )
-
-
-def _block_cost_s(
-    shards: CachedShards,
-    q_owner: int,
-    kv_owner: int,
-    dims: AttentionShape,
-    hardware: Hardware,
-    dtype: str,
-    kernel_call_s: float = 0.0,
-) -> float:
-    """Kernel time of one (q block, K/V shard) pair: the roofline of its FLOPs (every
-    computed score, masked or not) and bytes, plus a fixed cost per kernel call."""
-    hq, hkv, d, e = dims.heads_q, dims.heads_kv, dims.head_dim, dims.elem_bytes
-    flops = 0.0
-    num_bytes = 0.0
-    calls = 0
-    for t, (full, stop) in zip(
-        shards.q_seq_rows[q_owner], shards.split(q_owner, kv_owner), strict=True
-    ):
-        if stop == 0 or t == 0:
-            continue
-        flops += 4.0 * hq * d * t * stop
-        num_bytes += stop * 2 * hkv * d * e + 2 * t * hq * d * e
-        calls += (full > 0) + (stop > full)
-    if calls == 0:
-        return 0.0
-    return (
-        max(
-            flops / hardware.flops_per_s("forward", dtype),
-            num_bytes / hardware.memory_bandwidth_bytes_per_s,
-        )
-        + calls * kernel_call_s
-    )
-
-
-def _wire_s(
-    transfers: Sequence[CachedTransfer], dims: AttentionShape, hardware: Hardware, p: int
-) -> float:
-    if not transfers:
-        return 0.0
-    load: dict[object, float] = {}
-    cap: dict[object, float] = {}
-    latency = 0.0
-    for tr in transfers:
-        rt = route(hardware, tr.src, tr.dst, p)
-        latency = max(latency, rt.latency_s)
-        for res, bandwidth in rt.resources:
-            load[res] = load.get(res, 0.0) + tr.num_bytes(dims)
-            cap[res] = bandwidth
-    return max(load[res] / cap[res] for res in load) + latency
-
-
-def predict_cached(
-    plan: CachedPlan,
-    shards: CachedShards,
-    *,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: str | torch.dtype,
-    hardware: Hardware,
-    kernel_call_s: float = 0.0,
-) -> CachedPrediction:
-    """Price ``plan`` with the round model (Note [Round model]).
-
-    Args:
-        kernel_call_s: fixed cost of one kernel call (launch, Python); 0 for large blocks.
-
-    Raises:
-        ValueError: bad head counts, an unknown dtype, or one the hardware has no FLOP/s for.
-    """
-    dims = _dims(heads_q, heads_kv, head_dim, dtype)
-    name = str(dtype).removeprefix("torch.")
-    hardware.flops_per_s("forward", name)
-    p, rounds = plan.world_size, plan.num_rounds
-    mem = hardware.memory_bandwidth_bytes_per_s
-    tree = plan.strategy is CachedStrategy.TREE
-    busy = [[0.0] * rounds for _ in range(p)]  # compute + merges per rank and round
-    final = [0.0] * p  # merges left to the end
-    for r in range(p):
-        for t in range(rounds):
-            for o, j in plan.computes[r][t]:
-                busy[r][t] += _block_cost_s(shards, o, j, dims, hardware, name, kernel_call_s)
-                if o == r or tree:
-                    busy[r][t] += merge_bytes(shards.q_rows[o], dims) / mem
-    for tr in plan.transfers:
-        if tr.payload is not Payload.OUT:
-            continue
-        cost = merge_bytes(tr.num_rows, dims) / mem
-        if tree and tr.step + 1 < rounds:
-            busy[tr.dst][tr.step + 1] += cost
-        else:
-            final[tr.dst] += cost
-    rounds_s = []
-    compute_s = wire_s = 0.0
-    for t in range(rounds):
-        window = [
-            tr
-            for tr in plan.transfers
-            if (tr.step == t and tr.after_segments == 0)
-            or (tr.step == t - 1 and tr.after_segments >= 1)
-        ]
-        wire = _wire_s(window, dims, hardware, p)
-        work = max(busy[r][t] for r in range(p))
-        compute_s += work
-        wire_s += wire
-        rounds_s.append(max(work, wire))
-    last = [tr for tr in plan.transfers if tr.step == rounds - 1 and tr.after_segments >= 1]
-    tail_s = _wire_s(last, dims, hardware, p) + max(final)
-    sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
-    pair: dict[tuple[int, int], int] = {}
-    for tr in plan.transfers:
-        n = tr.num_bytes(dims)
-        sent[tr.payload.flow][tr.src] += n
-        pair[(tr.src, tr.dst)] = pair.get((tr.src, tr.dst), 0) + n
-    return CachedPrediction(
-        strategy=plan.strategy,
-        total_s=sum(rounds_s) + tail_s,
-        rounds_s=tuple(rounds_s),
-        tail_s=tail_s,
-        compute_s=compute_s,
-        wire_s=wire_s,
-        travel_bytes=max(sent[Flow.TRAVEL]),
-        return_bytes=max(sent[Flow.RETURN]),
-        busiest_pair_bytes=max(pair.values(), default=0),
-        num_messages=len(plan.transfers),
-    )
-
-
-# -- the decision --------------------------------------------------------------------------------
-def pass_q_threshold(
-    *, heads_q: int, heads_kv: int, head_dim: int, elem_bytes: int, acc_bytes: int = 4
-) -> float:
-    """The new-token fraction T/(T+C) below which pass-Q's busiest direction carries fewer
-    bytes than pass-KV's; see Note [Pass-Q or pass-KV].
-
-    Returns:
-        ``2 * Hkv * D * e / (Hq * (D * e + a))``.
-    """
-    return 2 * heads_kv * head_dim * elem_bytes / (heads_q * (head_dim * elem_bytes + acc_bytes))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CachedChoice:
-    """What :func:`choose_cached_strategy` returns."""
-
-    pick: CachedStrategy
-    """The fastest predicted strategy."""
-    predictions: tuple[CachedPrediction, ...]
-    """Every candidate, in ``CachedStrategy`` order."""
-    reason: str
-    """One sentence: the times, the bytes and the threshold."""
-
-
-def choose_cached_strategy(
-    shards: CachedShards,
-    *,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: str | torch.dtype,
-    hardware: Hardware,
-    candidates: Sequence[CachedStrategy | str] | None = None,
-    kernel_call_s: float = 0.0,
-) -> CachedChoice:
-    """Predict every candidate plan (Note [Round model]) and pick the fastest.
-
-    Deterministic: ties (within a relative 1e-9) go to the earlier strategy in
-    ``CachedStrategy`` order, so every rank picks the same from the same inputs.
-
-    Raises:
-        ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
-    """
-    chosen = (
-        {CachedStrategy.parse(c) for c in candidates}
-        if candidates is not None
-        else set(CachedStrategy)
-    )
-    if not chosen:
-        raise ValueError("candidates must name at least one strategy; got none")
-    predictions = tuple(
-        predict_cached(
-            build_cached_plan(s, shards),
-            shards,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-            head_dim=head_dim,
-            dtype=dtype,
-            hardware=hardware,
-            kernel_call_s=kernel_call_s,
-        )
-        for s in CachedStrategy
-        if s in chosen
-    )
-    best = predictions[0]
-    for cand in predictions[1:]:
-        if cand.total_s < best.total_s * (1 - 1e-9):
-            best = cand
-    dims = _dims(heads_q, heads_kv, head_dim, dtype)
-    new = sum(shards.q_rows)
-    total = sum(shards.kv_rows)
-    fraction = new / total if total else 1.0
-    threshold = pass_q_threshold(
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        elem_bytes=dims.elem_bytes,
-        acc_bytes=dims.acc_bytes,
-    )
-    times = ", ".join(f"{p.strategy.value} {1e3 * p.total_s:.3g} ms" for p in predictions)
-    reason = (
-        f"{best.strategy.value} predicted fastest on {hardware.name} ({times}); new-token "
-        f"fraction T/(T+C) = {fraction:.3f} vs pass-Q threshold {threshold:.3f} "
-        f"(2*Hkv*D*e / (Hq*(D*e+a))); {best.strategy.value} is {best.bound_by}-bound"
-    )
-    return CachedChoice(pick=best.strategy, predictions=predictions, reason=reason)
-
-
-def explain_cached(
-    *,
-    world_size: int,
-    cached: int,
-    new: int,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    hardware: Hardware | str,
-    batch: int = 1,
-    dtype: str | torch.dtype = "bfloat16",
-    block_size: int = 64,
-    candidates: Sequence[CachedStrategy | str] | None = None,
-    kernel_call_s: float = 0.0,
-) -> CachedChoice:
-    """The pick for B sequences of ``cached`` tokens each adding ``new`` (block-cyclic, as the
-    cache places them) on ``hardware`` (a ``Hardware`` or a preset name).
-
-    Raises:
-        ValueError: as :func:`uniform_shards` and :func:`choose_cached_strategy`, or an
-            unknown preset.
-    """
-    hw = preset(hardware) if isinstance(hardware, str) else hardware
-    shards = uniform_shards(
-        world_size=world_size, batch=batch, cached=cached, new=new, block_size=block_size
-    )
-    return choose_cached_strategy(
-        shards,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        hardware=hw,
-        candidates=candidates,
-        kernel_call_s=kernel_call_s,
-    )

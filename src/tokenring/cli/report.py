@@ -1,0 +1,60 @@
+"""What every bench mode reports: per-row statistics over the ranks, JSON records and the
+markdown page."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["call_ms", "link_text", "write_markdown", "write_records"]
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))]
+
+
+def call_ms(call_s: Sequence[list[float]]) -> dict[str, float]:
+    """``ms_median``, ``ms_p10`` and ``ms_p90`` of one row: the max over ranks of each rank's
+    statistic of its call seconds."""
+    return {
+        "ms_median": 1e3 * max(statistics.median(c) for c in call_s),
+        "ms_p10": 1e3 * max(_percentile(c, 10) for c in call_s),
+        "ms_p90": 1e3 * max(_percentile(c, 90) for c in call_s),
+    }
+
+
+def link_text(lab: dict[str, Any] | None) -> str:
+    """The emulated link of a run's title (``args._lab``)."""
+    if not lab:
+        return "no link emulation"
+    return f"{lab['topology']} {lab['rate_bits_per_s'] / 1e6:g} Mbit/s"
+
+
+def write_records(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Append the records to ``--out`` (JSONL) and, with ``--json``, print one per line."""
+    if args.out:
+        with open(args.out, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    if args.json:
+        for rec in records:
+            print(json.dumps(rec))
+
+
+def write_markdown(
+    path: str, title: str, argv: list[str] | None, note: str, table: list[list[str]], end: list[str]
+) -> None:
+    """``--markdown``: the title, the command that reproduces the run, ``note``, the table of
+    cells (``table[0]``: the header) and the ``end`` lines."""
+    header, *rows = table
+    lines = [f"# {title}", ""]
+    if argv:
+        lines += ["Reproduce with:", "", "```", "tokenring " + " ".join(argv), "```", ""]
+    lines += [note, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows] + ["", *end]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
