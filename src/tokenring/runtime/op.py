@@ -22,9 +22,6 @@ output (hidden from the caller)::
                                                   Note [Ulysses] and Note [All-gather K/V
                                                   rounds] in tokenring.strategies.collective)
 
-Inputs the backward does not read would be saved as shape-only stand-ins (:func:`stand_in`);
-every backward reads all five now.
-
 Legend: B batch, S global seq, s local seq, s_pad padded local seq, Hq query heads, Hkv kv
 heads, D head dim, P world size.
 """
@@ -57,12 +54,10 @@ __all__ = [
     "group_handle",
     "object_handle",
     "pinned_handle",
-    "reads",
     "remember_group",
     "residual_fields",
     "resolve_group",
     "resolve_object",
-    "stand_in",
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
@@ -200,17 +195,6 @@ class Plan:
         return x if self.rows is None else x.index_select(dim, self.rows)
 
 
-def reads(strategy: Strategy) -> tuple[bool, bool, bool, bool, bool]:
-    """Which of q, k, v, out, lse the backward of ``strategy`` reads (Note [Residuals])."""
-    del strategy  # every backward reads all five (Note [Residuals])
-    return (True, True, True, True, True)
-
-
-def stand_in(x: torch.Tensor) -> torch.Tensor:
-    """Shape, dtype and device of ``x`` without its memory (one element, stride 0)."""
-    return x.new_empty(()).expand(x.shape)
-
-
 def residual_fields(
     strategy: Strategy,
     *,
@@ -244,7 +228,7 @@ def residual_fields(
             world_size=world_size,
             rank=rank,
         )
-    if padded and reads(strategy)[3]:
+    if padded:
         fields += [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
     return fields
 
@@ -280,7 +264,7 @@ def forward(
             v.contiguous(),
             scale=plan.scale,
         )
-    if plan.rows is not None and reads(plan.strategy)[3]:
+    if plan.rows is not None:
         residuals = [*residuals, out, lse]
     return plan.unpad(out), plan.unpad(lse, 2), residuals
 
@@ -295,20 +279,14 @@ def backward(
     lse: torch.Tensor,
     residuals: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`forward`'s out: dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``.
-
-    q, k, v, out and lse are the forward's inputs and outputs, or stand-ins for those the
-    strategy does not read (Note [Residuals]).
-    """
+    """Gradients of :func:`forward`'s out: dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``,
+    from the forward's inputs and outputs (q, k, v, out, lse) and residuals."""
     residuals = list(residuals)
-    if plan.rows is not None and reads(plan.strategy)[3]:
+    if plan.rows is not None:
         *residuals, out, lse = residuals  # the padded buffer's
     dout = plan.pad(dout).contiguous()
-    if reads(plan.strategy)[0]:  # not a stand-in
-        q = plan.pad(q)
+    q, k, v = (plan.pad(x) for x in (q, k, v))  # (B, s_pad, H, D)
     if plan.strategy.is_collective:
-        if reads(plan.strategy)[1]:  # not stand-ins
-            k, v = plan.pad(k), plan.pad(v)
         dq, dk, dv = collective_backward(
             plan.strategy.value,
             dout,
@@ -335,8 +313,8 @@ def backward(
             plan.kernel,
             dout,
             q.contiguous(),
-            plan.pad(k).contiguous(),
-            plan.pad(v).contiguous(),
+            k.contiguous(),
+            v.contiguous(),
             out,
             lse,
             scale=plan.scale,
