@@ -696,12 +696,7 @@ class Communicator:
         buffer = _pack(tr, tensors)
         op = dist.P2POp(dist.isend, self.to_wire(buffer), group=group, group_peer=tr.dst)
         num_bytes = buffer.numel() - HEADER_NUM_BYTES
-        self.counter.add(sent=True, flow=tr.payload.flow, peer=tr.dst, num_bytes=num_bytes)
-        if self.timeline is not None:
-            now = time.perf_counter()
-            self.timeline.events.append(
-                Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
-            )
+        self._count_send(tr.payload.flow, tr.payload.value, tr.step, tr.dst, num_bytes)
         return op
 
     def wait_sends(self) -> None:
@@ -860,12 +855,15 @@ class Communicator:
         """Count bytes a collective moves to and from ``peer`` (a send also goes on the
         timeline); for collectives whose routing only the caller knows."""
         if sent_bytes:
-            self.counter.add(sent=True, flow=flow, peer=peer, num_bytes=sent_bytes)
-            if self.timeline is not None:
-                now = time.perf_counter()
-                self.timeline.events.append(Event("send", label, 0, now, now, peer, sent_bytes))
+            self._count_send(flow, label, 0, peer, sent_bytes)
         if recv_bytes:
             self.counter.add(sent=False, flow=flow, peer=peer, num_bytes=recv_bytes)
+
+    def _count_send(self, flow: Flow, label: str, step: int, peer: int, num_bytes: int) -> None:
+        self.counter.add(sent=True, flow=flow, peer=peer, num_bytes=num_bytes)
+        if self.timeline is not None:
+            now = time.perf_counter()
+            self.timeline.events.append(Event("send", label, step, now, now, peer, num_bytes))
 
     def describe_group(self) -> str:
         """The group in words, for error messages: its description and global ranks."""
@@ -978,9 +976,7 @@ def _rows(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -
 def _split_bytes(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -> list[int]:
     """Bytes of each rank's block of ``x`` along dim 0."""
     row_bytes = x[0].numel() * x.element_size() if x.dim() > 0 and x.shape[0] else 0
-    if split_sizes is None:
-        return [x.shape[0] // world_size * row_bytes] * world_size
-    return [rows * row_bytes for rows in split_sizes]
+    return [rows * row_bytes for rows in _rows(x, split_sizes, world_size)]
 
 
 # Note [Channel pool]
