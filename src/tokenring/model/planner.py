@@ -93,7 +93,7 @@ from tokenring.model.costmodel import (
 )
 from tokenring.model.simulate import CallResult, simulate, simulate_cached
 from tokenring.runtime.comm import Communicator, TrafficCounter
-from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
@@ -506,31 +506,23 @@ def _probe(
 
 
 def _kernel_rates(
-    block: BlockKernel,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    block_rows: int,
-    repeats: int,
+    block: BlockKernel, dims: AttentionShape, device: torch.device, n: int, repeats: int
 ) -> tuple[float, float, float, float]:
     """This rank's forward and backward FLOP/s and merge bytes/s on one non-causal block of
-    block_rows x block_rows, and the seconds of one small call (the fixed cost per call)."""
-    acc = accumulation_dtype(dtype)
+    n x n rows of ``dims`` (batch 1), and the seconds of one small call (the fixed cost per
+    call)."""
+    dtype, acc = dims.torch_dtype, dims.acc_dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    n = block_rows
-    q, dout = rand(1, n, heads_q, head_dim), rand(1, n, heads_q, head_dim)
-    k, v = rand(1, n, heads_kv, head_dim), rand(1, n, heads_kv, head_dim)
-    scale = head_dim**-0.5
+    hq, hkv, d = dims.heads_q, dims.heads_kv, dims.head_dim
+    q, dout = rand(1, n, hq, d), rand(1, n, hq, d)
+    k, v = rand(1, n, hkv, d), rand(1, n, hkv, d)
+    scale = d**-0.5
     out, lse = block.forward(q, k, v, causal=False, scale=scale)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
-    dims = AttentionShape.of(q, k)
     piece = Piece((0, n), (0, n), False)
     fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
     bwd_s = _median_time(
@@ -626,16 +618,11 @@ def calibrate(
             else torch.device("cpu")
         )
     device = torch.device(device)
-    *local, call_s = _kernel_rates(
-        select_kernel(device, dtype, kernel),
-        device=device,
-        dtype=dtype,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        block_rows=block_rows,
-        repeats=repeats,
+    block = select_kernel(device, dtype, kernel)
+    dims = AttentionShape(
+        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
     )
+    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
     link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
     # Agree: the slowest rank's rates and the largest latency, identical on every rank.
     values = [-x for x in (*local, link, two_way)] + [latency if comm.world_size > 1 else 0.0]
