@@ -792,17 +792,19 @@ def sequence_parallel_attn(
     return (out, lse) if return_lse else out
 
 
-_PRIMITIVE_TYPES: dict[str, tuple[type, ...]] = {
-    "strategy": (str,),
-    "causal": (bool,),
-    "softmax_scale": (float, type(None)),
-    "layout": (str,),
-    "block_kernel": (str, type(None)),
-    "last_block_splits": (int,),
-    "check_ranks": (bool,),
-    "hardware": (str, type(None)),
-    "seq_len": (int, type(None)),
-    "attention_chunk_size": (int, type(None)),
+# name -> its primitive's type, and what the primitive holds while the value travels in the
+# raw record (None: None is a value of the primitive too)
+_PRIMITIVES: dict[str, tuple[type, Any]] = {
+    "strategy": (str, ""),
+    "causal": (bool, False),
+    "softmax_scale": (float, None),
+    "layout": (str, ""),
+    "block_kernel": (str, None),
+    "last_block_splits": (int, 0),
+    "check_ranks": (bool, False),
+    "hardware": (str, None),
+    "seq_len": (int, None),
+    "attention_chunk_size": (int, None),
 }
 
 
@@ -827,26 +829,19 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
                     )
                 raw[name] = value
             options[name] = primitive
-        elif type(value) in _PRIMITIVE_TYPES[name]:
-            options[name] = value
         else:
-            raw[name] = value
-            options[name] = None if type(None) in _PRIMITIVE_TYPES[name] else _PLACEHOLDERS[name]
+            kind, placeholder = _PRIMITIVES[name]
+            if type(value) is kind or (value is None and placeholder is None):
+                options[name] = value
+            else:
+                raw[name] = value
+                options[name] = placeholder
     if not raw:
         return {**options, "raw": None}, None
     if torch.compiler.is_compiling():  # a record for the life of the graph
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
     record = op.Record(raw)
     return {**options, "raw": op.object_handle(record)}, record
-
-
-_PLACEHOLDERS: dict[str, Any] = {
-    "strategy": "",
-    "causal": False,
-    "layout": "",
-    "last_block_splits": 0,
-    "check_ranks": False,
-}  # what a primitive holds while its value travels in the raw record
 
 
 def _int_list(value: Any) -> list[int] | None:
