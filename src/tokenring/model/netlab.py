@@ -596,13 +596,11 @@ class Lab:
         for ns in self.namespaces:
             settings = _sysctls(self._config.congestion_control, ns in plan.forwarding)
             _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *settings])
-        for phase in (plan.devices, plan.links, plan.routes):
+        phases = [("ip", plan.devices), ("ip", plan.links), ("ip", plan.routes)]
+        for tool, phase in [*phases, ("tc", plan.shaping)]:
             for ns, lines in phase.items():
                 if lines:
-                    _run(["ip", "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
-        for ns, lines in plan.shaping.items():
-            if lines:
-                _run(["tc", "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
+                    _run([tool, "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
 
     def _close(self, *, exc_in_flight: bool) -> None:
         self._restore_signal_handlers()
