@@ -253,9 +253,8 @@ def resolve_strategy(
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     return _choose_strategy(
-        q.shape,
-        k.shape[2],
-        q.dtype,
+        q,
+        k,
         causal=causal,
         layout=layout,
         world_size=comm.world_size,
@@ -266,9 +265,8 @@ def resolve_strategy(
 
 
 def _choose_strategy(
-    q_shape: Sequence[int],
-    heads_kv: int,
-    dtype: torch.dtype,
+    q: torch.Tensor,
+    k: torch.Tensor,
     *,
     causal: bool,
     layout: Layout,
@@ -280,14 +278,14 @@ def _choose_strategy(
 
     if isinstance(hardware, str):
         hardware = preset(hardware)
-    batch, seq_local, heads_q, head_dim = (int(x) for x in q_shape)  # traced: specialises
+    batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
     return planner.choose_strategy(
         world_size=world_size,
         seq_local=seq_local,
         heads_q=heads_q,
-        heads_kv=heads_kv,
+        heads_kv=k.shape[2],
         head_dim=head_dim,
-        dtype=dtype,
+        dtype=q.dtype,
         causal=causal,
         layout=layout,
         training=training,
@@ -646,9 +644,8 @@ def _strategy_of(q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]) -> S
     if hardware is None:  # the operator raises it on every rank (Note [Rank agreement])
         raise ValueError(AUTO_NEEDS_HARDWARE)
     return _choose_strategy(
-        q.shape,
-        k.shape[2],
-        q.dtype,
+        q,
+        k,
         causal=options["causal"],
         layout=Layout.parse(options["layout"]),
         world_size=_rank_and_size(group)[1],
