@@ -233,6 +233,12 @@ def residual_fields(
     return fields
 
 
+def _collective_options(plan: Plan) -> dict[str, Any]:
+    """The keywords the collective strategies' forward and backward take from a plan."""
+    names = ("causal", "scale", "layout", "comm", "kernel", "sharding", "mask")
+    return {name: getattr(plan, name) for name in names}
+
+
 def forward(
     plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -241,17 +247,7 @@ def forward(
     residuals: list[torch.Tensor] = []
     if plan.strategy.is_collective:
         out, lse, residuals = collective_forward(
-            plan.strategy.value,
-            q,
-            k,
-            v,
-            causal=plan.causal,
-            scale=plan.scale,
-            layout=plan.layout,
-            comm=plan.comm,
-            kernel=plan.kernel,
-            sharding=plan.sharding,
-            mask=plan.mask,
+            plan.strategy.value, q, k, v, **_collective_options(plan)
         )
     else:
         assert plan.schedules is not None
@@ -297,13 +293,7 @@ def backward(
             lse,
             residuals,
             dtype=q.dtype,
-            causal=plan.causal,
-            scale=plan.scale,
-            layout=plan.layout,
-            comm=plan.comm,
-            kernel=plan.kernel,
-            sharding=plan.sharding,
-            mask=plan.mask,
+            **_collective_options(plan),
         )
     else:
         assert plan.schedules is not None
