@@ -79,21 +79,10 @@ def _check_torch(installed: str | None = None) -> None:
 
 _check_torch()
 
-# module -> the public names it gives, in the order the library loads (api first, as always)
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "tokenring.api": (
-        "SequenceParallelAttention",
-        "allgather_kv_attn",
-        "bidir_ring_attn",
-        "bidir_token_ring_attn",
-        "close_communicators",
-        "get_communicator",
-        "resolve_strategy",
-        "ring_attn",
-        "sequence_parallel_attn",
-        "token_ring_attn",
-        "ulysses_attn",
-    ),
+# module -> the public names it gives (None: its __all__), in the order the library loads
+# (api first, as always)
+_EXPORTS: dict[str, tuple[str, ...] | None] = {
+    "tokenring.api": None,
     "tokenring.core.layout": (
         "Layout",
         "Sharding",
@@ -192,7 +181,7 @@ def _load() -> None:
     namespace = globals()
     for module_name, names in _EXPORTS.items():
         module = importlib.import_module(module_name)
-        for name in names:
+        for name in module.__all__ if names is None else names:
             namespace[name] = getattr(module, name)
 
 

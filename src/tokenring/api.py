@@ -104,15 +104,7 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
     """
     if isinstance(group, Communicator):
         return group
-    mesh_cls = _device_mesh_class()
-    if mesh_cls is not None and isinstance(group, mesh_cls):
-        mesh: Any = group
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"group must be a 1-D DeviceMesh; got a mesh with ndim={mesh.ndim} "
-                "(pass mesh[dim_name] for the sequence-parallel dimension)"
-            )
-        group = mesh.get_group()
+    group = _mesh_group(group)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(
             "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "
@@ -160,12 +152,20 @@ def close_communicators() -> None:
 atexit.register(close_communicators)
 
 
-def _device_mesh_class() -> type | None:
+def _mesh_group(group: GroupLike) -> GroupLike:
+    """A DeviceMesh's process group (ValueError unless the mesh is 1-D); else ``group``."""
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover - very old torch
-        return None
-    return DeviceMesh
+        return group
+    if not isinstance(group, DeviceMesh):
+        return group
+    if group.ndim != 1:
+        raise ValueError(
+            f"group must be a 1-D DeviceMesh; got a mesh with ndim={group.ndim} "
+            "(pass mesh[dim_name] for the sequence-parallel dimension)"
+        )
+    return group.get_group()
 
 
 # Note [Calibration is passed in]
@@ -253,9 +253,8 @@ def resolve_strategy(
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     return _choose_strategy(
-        q.shape,
-        k.shape[2],
-        q.dtype,
+        q,
+        k,
         causal=causal,
         layout=layout,
         world_size=comm.world_size,
@@ -266,9 +265,8 @@ def resolve_strategy(
 
 
 def _choose_strategy(
-    q_shape: Sequence[int],
-    heads_kv: int,
-    dtype: torch.dtype,
+    q: torch.Tensor,
+    k: torch.Tensor,
     *,
     causal: bool,
     layout: Layout,
@@ -280,14 +278,14 @@ def _choose_strategy(
 
     if isinstance(hardware, str):
         hardware = preset(hardware)
-    batch, seq_local, heads_q, head_dim = (int(x) for x in q_shape)  # traced: specialises
+    batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
     return planner.choose_strategy(
         world_size=world_size,
         seq_local=seq_local,
         heads_q=heads_q,
-        heads_kv=heads_kv,
+        heads_kv=k.shape[2],
         head_dim=head_dim,
-        dtype=dtype,
+        dtype=q.dtype,
         causal=causal,
         layout=layout,
         training=training,
@@ -355,30 +353,69 @@ def _prepare_call(
     v: torch.Tensor,
     *,
     comm: Communicator,
-    strategy: Strategy | str,
-    causal: bool,
-    softmax_scale: float | None,
-    layout: Layout | str,
-    kernel: str | BlockKernel | None,
-    last_block_splits: int,
-    hardware: Hardware | str | None,
-    seq_len: int | None,
-    cu_seqlens: Sequence[int] | torch.Tensor | None,
-    window_size: Sequence[int] | int | None,
-    attention_chunk_size: int | None,
+    options: dict[str, Any],
     needs_grad: bool,
 ) -> _Call:
     """Validate one rank's arguments (raising ValueError naming the argument) and build the
-    signature the ranks compare; pure: no communication. ``needs_grad``: grad mode is on and
-    q, k or v requires grad (decided by the caller: inside the operator it is always off)."""
-    layout = Layout.parse(layout)
-    _validate(q, k, v, softmax_scale)
+    signature the ranks compare; pure: no communication. ``options``: the operator's, with the
+    values of its record put back (:func:`_merged`). ``needs_grad``: grad mode is on and q, k
+    or v requires grad (decided by the caller: inside the operator it is always off)."""
+    layout = Layout.parse(options["layout"])
+    _validate(q, k, v, options["softmax_scale"])
+    requested = _requested_strategy(q, options)
+    sharding = _sharding(q, comm, layout, options["seq_len"], options["cu_seqlens"])
+    window = normalize_window(options["window_size"], causal=options["causal"])
+    mask_docs = chunk_documents(sharding.cu_seqlens, options["attention_chunk_size"])
+    mask = MaskSpec(options["causal"], window, mask_docs if len(mask_docs) > 2 else None)
+    _check_local_len(q, comm.rank, sharding)
+    block_kernel = select_kernel(q.device, q.dtype, options["block_kernel"])
+    softmax_scale = options["softmax_scale"]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    bounds = sharding.cu_seqlens
+    seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
+    signature: dict[str, Any] = {
+        "batch": q.shape[0],
+        ("seq_len" if seq_len_given else "seq_local"): seq_len if seq_len_given else q.shape[1],
+        "seq_len given": seq_len_given,
+        "heads_q": q.shape[2],
+        "heads_kv": k.shape[2],
+        "head_dim": q.shape[3],
+        "dtype": str(q.dtype),
+        "device type": q.device.type,
+        "causal": options["causal"],
+        "layout": layout.value,
+        "strategy": requested,
+        "hardware": None if options["hardware"] is None else repr(options["hardware"]),
+        "softmax_scale": float(scale).hex(),
+        "window_size": list(window),
+        "cu_seqlens": [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))],
+        "attention_chunk_size": options["attention_chunk_size"],
+        "last_block_splits": options["last_block_splits"],
+        "kernel": block_kernel.name,
+        "needs grad": needs_grad,
+    }
+    return _Call(
+        layout=layout,
+        sharding=sharding,
+        window=window,
+        mask=mask,
+        kernel=block_kernel,
+        scale=scale,
+        signature=signature,
+    )
+
+
+def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
+    """The strategy asked for ("auto" or a Strategy's value), after checking ``causal``,
+    ``last_block_splits`` and ``hardware``, which go with it."""
+    causal, last_block_splits = options["causal"], options["last_block_splits"]
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool; got {causal!r}")
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
         raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    strategy, hardware = options["strategy"], options["hardware"]
     requested = "auto" if strategy == "auto" else Strategy.parse(strategy).value
     if requested == Strategy.HYBRID.value:
         raise ValueError(
@@ -398,7 +435,17 @@ def _prepare_call(
         )
     if hardware is None and requested == "auto":
         raise ValueError(AUTO_NEEDS_HARDWARE)
-    seq_len_given = seq_len is not None
+    return requested
+
+
+def _sharding(
+    q: torch.Tensor,
+    comm: Communicator,
+    layout: Layout,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+) -> Sharding:
+    """The sharding of the call's global sequence (None seq_len: P equal shares of q's)."""
     if seq_len is None:
         if layout is Layout.ZIGZAG and q.shape[1] % 2:
             raise ValueError(
@@ -407,55 +454,20 @@ def _prepare_call(
             )
         validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
         seq_len = q.shape[1] * comm.world_size
-    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
-    sharding = make_sharding(
+    return make_sharding(  # raises for a seq_len that is not an int >= 0
         layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
-    window = normalize_window(window_size, causal=causal)
-    mask_docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
-    mask = MaskSpec(causal, window, mask_docs if len(mask_docs) > 2 else None)
-    expected = sharding.local_len(comm.rank)
+
+
+def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
+    expected = sharding.local_len(rank)
     if q.shape[1] != expected:
         raise ValueError(
-            f"q.shape[1] must be {expected} on rank {comm.rank}: its share of seq_len={seq_len} "
-            f"under layout '{layout.value}'"
+            f"q.shape[1] must be {expected} on rank {rank}: its share of "
+            f"seq_len={sharding.seq_len} under layout '{sharding.layout.value}'"
             + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
             + f" (see tokenring.shard); got {q.shape[1]}"
         )
-    block_kernel = select_kernel(q.device, q.dtype, kernel)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    bounds = sharding.cu_seqlens
-    signature: dict[str, Any] = {
-        "batch": q.shape[0],
-        ("seq_len" if seq_len_given else "seq_local"): seq_len if seq_len_given else q.shape[1],
-        "seq_len given": seq_len_given,
-        "heads_q": q.shape[2],
-        "heads_kv": k.shape[2],
-        "head_dim": q.shape[3],
-        "dtype": str(q.dtype),
-        "device type": q.device.type,
-        "causal": causal,
-        "layout": layout.value,
-        "strategy": requested,
-        "hardware": None if hardware is None else repr(hardware),
-        "softmax_scale": float(scale).hex(),
-        "window_size": list(window),
-        "cu_seqlens": [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))],
-        "attention_chunk_size": attention_chunk_size,
-        "last_block_splits": last_block_splits,
-        "kernel": block_kernel.name,
-        "needs grad": needs_grad,
-    }
-    return _Call(
-        layout=layout,
-        sharding=sharding,
-        window=window,
-        mask=mask,
-        kernel=block_kernel,
-        scale=scale,
-        signature=signature,
-    )
 
 
 # Note [Rank agreement]
@@ -521,27 +533,9 @@ def _attention(
     requires_grad: list[bool],
     raw: str | None,
 ) -> list[torch.Tensor]:
-    plan = _plan(
-        q,
-        k,
-        v,
-        group=group,
-        strategy=strategy,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        layout=layout,
-        kernel=block_kernel,
-        last_block_splits=last_block_splits,
-        check_ranks=check_ranks,
-        hardware=hardware,
-        seq_len=seq_len,
-        cu_seqlens=cu_seqlens,
-        window_size=window_size,
-        attention_chunk_size=attention_chunk_size,
-        requires_grad=requires_grad,
-        raw=raw,
-        backward=False,
-    )
+    # the signature is explicit (torch.library reads the schema from it); _plan takes it whole
+    options = {name: value for name, value in locals().items() if name not in ("q", "k", "v")}
+    plan = _plan(q, k, v, options, backward=False)
     out, lse, residuals = op.forward(plan, q, k, v)
     return [out.contiguous(), lse.contiguous(), *residuals]
 
@@ -591,27 +585,9 @@ def _attention_backward(
     requires_grad: list[bool],
     raw: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _plan(
-        q,
-        k,
-        v,
-        group=group,
-        strategy=strategy,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        layout=layout,
-        kernel=block_kernel,
-        last_block_splits=last_block_splits,
-        check_ranks=check_ranks,
-        hardware=hardware,
-        seq_len=seq_len,
-        cu_seqlens=cu_seqlens,
-        window_size=window_size,
-        attention_chunk_size=attention_chunk_size,
-        requires_grad=requires_grad,
-        raw=raw,
-        backward=True,
-    )
+    tensors = ("dout", "q", "k", "v", "out", "lse", "residuals")
+    options = {name: value for name, value in locals().items() if name not in tensors}
+    plan = _plan(q, k, v, options, backward=True)
     grads = op.backward(plan, dout, q, k, v, out, lse, residuals)
     dq, dk, dv = (x.contiguous() for x in grads)
     return dq, dk, dv
@@ -641,9 +617,7 @@ def _attention_setup(
     # the registry holds objects weakly (Note [Handles] in tokenring.runtime.op): the graph
     # holds them
     ctx.referents = [op.resolve_group(options["group"]), op.resolve_object(options["raw"])]
-    inputs_read = zip((q, k, v, out, lse), op.reads(strategy), strict=True)
-    kept = [x if read else op.stand_in(x) for x, read in inputs_read]
-    ctx.save_for_backward(*kept, *residuals)
+    ctx.save_for_backward(q, k, v, out, lse, *residuals)
     ctx.mark_non_differentiable(lse, *residuals)
 
 
@@ -661,29 +635,23 @@ def _merged(options: dict[str, Any]) -> dict[str, Any]:
     return options if raw is None else {**options, **raw.values}
 
 
-def _strategy_of(
-    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], *, tracing: bool = False
-) -> Strategy:
-    """The strategy an operator call runs, without running it (for the fake implementation
-    and the backward); the same pick as ``resolve_strategy`` in :func:`_plan`. ``tracing``:
-    called by the fake implementation, which cannot communicate."""
+def _strategy_of(q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]) -> Strategy:
+    """The strategy an operator call runs, without running it or communicating (for the fake
+    implementation and the backward); the same pick as ``resolve_strategy`` in :func:`_plan`."""
     if options["strategy"] != "auto":
         return Strategy.parse(options["strategy"])
-    group = op.resolve_group(options["group"])
-    hardware = options["hardware"]
-    training = any(options["requires_grad"][:2])
+    group, hardware = op.resolve_group(options["group"]), options["hardware"]
     if hardware is None:  # the operator raises it on every rank (Note [Rank agreement])
         raise ValueError(AUTO_NEEDS_HARDWARE)
     return _choose_strategy(
-        q.shape,
-        k.shape[2],
-        q.dtype,
+        q,
+        k,
         causal=options["causal"],
         layout=Layout.parse(options["layout"]),
         world_size=_rank_and_size(group)[1],
         hardware=hardware,
         last_block_splits=options["last_block_splits"],
-        training=training,
+        training=any(options["requires_grad"][:2]),
     )
 
 
@@ -691,10 +659,6 @@ def _rank_and_size(group: GroupLike) -> tuple[int, int]:
     """This rank and the world size of ``group``, without building its communicator."""
     if isinstance(group, Communicator):
         return group.rank, group.world_size
-    mesh_cls = _device_mesh_class()
-    if mesh_cls is not None and isinstance(group, mesh_cls):
-        mesh: Any = group
-        group = mesh.get_group()
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -703,7 +667,7 @@ def _residual_fields(
 ) -> list[op.FieldSpec]:
     """The residuals' shapes of an operator call (Note [Residuals] in tokenring.runtime.op)."""
     options = _merged(options)
-    strategy = _strategy_of(q, k, options, tracing=True)
+    strategy = _strategy_of(q, k, options)
     rank, world_size = _rank_and_size(op.resolve_group(options["group"]))
     seq_local, padded = q.shape[1], False
     if options["seq_len"] is not None or options["cu_seqlens"] is not None:
@@ -807,25 +771,12 @@ def sequence_parallel_attn(
         RuntimeError: under torch.compile, a ProcessGroup tokenring has not seen eagerly
             (call ``get_communicator(group)`` once first).
     """
+    values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group", "return_lse")}
+    values["block_kernel"] = values.pop("kernel")  # the operator's name for it
     for name, x in (("q", q), ("k", k), ("v", v)):  # the operator takes only tensors
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-    options, record = _op_options(
-        {
-            "strategy": strategy,
-            "causal": causal,
-            "softmax_scale": softmax_scale,
-            "layout": layout,
-            "block_kernel": kernel,
-            "last_block_splits": last_block_splits,
-            "check_ranks": check_ranks,
-            "hardware": hardware,
-            "seq_len": seq_len,
-            "cu_seqlens": cu_seqlens,
-            "window_size": window_size,
-            "attention_chunk_size": attention_chunk_size,
-        }
-    )
+    options, record = _op_options(values)
     out, lse, *_ = _attention(
         q,
         k,
@@ -838,17 +789,19 @@ def sequence_parallel_attn(
     return (out, lse) if return_lse else out
 
 
-_PRIMITIVE_TYPES: dict[str, tuple[type, ...]] = {
-    "strategy": (str,),
-    "causal": (bool,),
-    "softmax_scale": (float, type(None)),
-    "layout": (str,),
-    "block_kernel": (str, type(None)),
-    "last_block_splits": (int,),
-    "check_ranks": (bool,),
-    "hardware": (str, type(None)),
-    "seq_len": (int, type(None)),
-    "attention_chunk_size": (int, type(None)),
+# name -> its primitive's type, and what the primitive holds while the value travels in the
+# raw record (None: None is a value of the primitive too)
+_PRIMITIVES: dict[str, tuple[type, Any]] = {
+    "strategy": (str, ""),
+    "causal": (bool, False),
+    "softmax_scale": (float, None),
+    "layout": (str, ""),
+    "block_kernel": (str, None),
+    "last_block_splits": (int, 0),
+    "check_ranks": (bool, False),
+    "hardware": (str, None),
+    "seq_len": (int, None),
+    "attention_chunk_size": (int, None),
 }
 
 
@@ -873,26 +826,19 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
                     )
                 raw[name] = value
             options[name] = primitive
-        elif type(value) in _PRIMITIVE_TYPES[name]:
-            options[name] = value
         else:
-            raw[name] = value
-            options[name] = None if type(None) in _PRIMITIVE_TYPES[name] else _PLACEHOLDERS[name]
+            kind, placeholder = _PRIMITIVES[name]
+            if type(value) is kind or (value is None and placeholder is None):
+                options[name] = value
+            else:
+                raw[name] = value
+                options[name] = placeholder
     if not raw:
         return {**options, "raw": None}, None
     if torch.compiler.is_compiling():  # a record for the life of the graph
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
     record = op.Record(raw)
     return {**options, "raw": op.object_handle(record)}, record
-
-
-_PLACEHOLDERS: dict[str, Any] = {
-    "strategy": "",
-    "causal": False,
-    "layout": "",
-    "last_block_splits": 0,
-    "check_ranks": False,
-}  # what a primitive holds while its value travels in the raw record
 
 
 def _int_list(value: Any) -> list[int] | None:
@@ -910,117 +856,50 @@ def _group_handle(group: GroupLike) -> str:
         return op.DEFAULT_GROUP
     if isinstance(group, Communicator):
         return op.object_handle(group)
-    mesh_cls = _device_mesh_class()
-    if mesh_cls is not None and isinstance(group, mesh_cls):
-        mesh: Any = group
-        if mesh.ndim != 1:
-            get_communicator(mesh)  # raises, naming the fix (traceable: nothing is built)
-        group = mesh.get_group()
+    group = _mesh_group(group)  # raises for a mesh of more dimensions, naming the fix
     if not isinstance(group, dist.ProcessGroup):
         get_communicator(group)  # raises, naming what a group may be
     return op.group_handle(group)
 
 
 def _plan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group: str,
-    strategy: Strategy | str,
-    causal: bool,
-    softmax_scale: float | None,
-    layout: Layout | str,
-    kernel: str | BlockKernel | None,
-    last_block_splits: int,
-    check_ranks: bool,
-    hardware: Hardware | str | None,
-    seq_len: int | None,
-    cu_seqlens: Sequence[int] | torch.Tensor | None,
-    window_size: Sequence[int] | int | None,
-    attention_chunk_size: int | None,
-    requires_grad: list[bool],
-    raw: str | None,
-    backward: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any], *, backward: bool
 ) -> op.Plan:
-    """Validate an operator call, agree across ranks (``check_ranks``) and plan it: the body
-    of :func:`sequence_parallel_attn`, run by the operator. For the ``backward`` the ranks
-    agreed already and ``strategy`` is the one the forward ran."""
-    record = op.resolve_object(raw)
-    if record is not None:  # the values that are not of their primitive's type
-        values = record.values
-        strategy = values.get("strategy", strategy)
-        causal = values.get("causal", causal)
-        softmax_scale = values.get("softmax_scale", softmax_scale)
-        layout = values.get("layout", layout)
-        kernel = values.get("block_kernel", kernel)
-        last_block_splits = values.get("last_block_splits", last_block_splits)
-        check_ranks = values.get("check_ranks", check_ranks)
-        hardware = values.get("hardware", hardware)
-        seq_len = values.get("seq_len", seq_len)
-        cu_seqlens = values.get("cu_seqlens", cu_seqlens)
-        window_size = values.get("window_size", window_size)
-        attention_chunk_size = values.get("attention_chunk_size", attention_chunk_size)
-    if backward:
-        check_ranks, hardware = False, None  # no second agreement; no second pick
-    if not isinstance(check_ranks, bool):
-        raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
-    comm = get_communicator(op.resolve_group(group))
-    call: _Call | None = None
-    problem: Exception | None = None
-    try:
-        call = _prepare_call(
-            q,
-            k,
-            v,
-            comm=comm,
-            strategy=strategy,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            layout=layout,
-            kernel=kernel,
-            last_block_splits=last_block_splits,
-            hardware=hardware,
-            seq_len=seq_len,
-            cu_seqlens=cu_seqlens,
-            window_size=window_size,
-            attention_chunk_size=attention_chunk_size,
-            needs_grad=any(requires_grad),
-        )
-    except (ValueError, NotImplementedError) as exc:
-        problem = exc
-    if check_ranks:
-        comm.agree(None if call is None else call.signature, problem, what="attention call")
-    elif problem is not None:
-        raise problem
-    assert call is not None
-    layout, sharding, window, mask = call.layout, call.sharding, call.window, call.mask
-    block_kernel, scale = call.kernel, call.scale
-    seq_len = sharding.seq_len
+    """Validate an operator call (its keyword arguments: ``options``), agree across ranks
+    (``check_ranks``) and plan it: the body of :func:`sequence_parallel_attn`, run by the
+    operator. For the ``backward`` the ranks agreed already and ``strategy`` is the one the
+    forward ran."""
+    options = _merged(options)  # the values that are not of their primitive's type
+    if backward:  # no second agreement; no second pick
+        options = {**options, "check_ranks": False, "hardware": None}
+    if not isinstance(options["check_ranks"], bool):
+        raise ValueError(f"check_ranks must be a bool; got {options['check_ranks']!r}")
+    comm = get_communicator(op.resolve_group(options["group"]))
+    call = _agreed_call(q, k, v, comm, options)
     strategy = resolve_strategy(
-        strategy,
+        options["strategy"],
         q=q,
         k=k,
-        causal=causal,
-        layout=layout,
+        causal=options["causal"],
+        layout=call.layout,
         comm=comm,
-        hardware=hardware,
-        last_block_splits=last_block_splits,
-        training=any(requires_grad[:2]),
+        hardware=options["hardware"],
+        last_block_splits=options["last_block_splits"],
+        training=any(options["requires_grad"][:2]),
     )
-    rows = sharding.padded_rows(comm.rank).to(q.device) if sharding.padded else None
+    sharding = call.sharding
     schedules = None
     if not strategy.is_collective:
         key = (
-            layout,
-            causal,
+            call.layout,
+            options["causal"],
             comm.world_size,
-            seq_len,
+            sharding.seq_len,
             sharding.cu_seqlens,
-            window,
-            last_block_splits,
+            call.window,
+            options["last_block_splits"],
             k.shape[2],
-            attention_chunk_size,
+            options["attention_chunk_size"],
             q.shape[2],
         )
         schedules = (
@@ -1030,15 +909,35 @@ def _plan(
     return op.Plan(
         strategy=strategy,
         comm=comm,
-        kernel=block_kernel,
-        scale=scale,
-        layout=layout,
-        causal=causal,
+        kernel=call.kernel,
+        scale=call.scale,
+        layout=call.layout,
+        causal=options["causal"],
         sharding=sharding,
-        mask=mask,
+        mask=call.mask,
         schedules=schedules,
-        rows=rows,
+        rows=sharding.padded_rows(comm.rank).to(q.device) if sharding.padded else None,
     )
+
+
+def _agreed_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, options: dict[str, Any]
+) -> _Call:
+    """This rank's call, raising where it or (``check_ranks``) another rank's fails or the
+    ranks disagree (Note [Rank agreement])."""
+    call: _Call | None = None
+    problem: Exception | None = None
+    try:
+        needs_grad = any(options["requires_grad"])
+        call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
+    except (ValueError, NotImplementedError) as exc:
+        problem = exc
+    if options["check_ranks"]:
+        comm.agree(None if call is None else call.signature, problem, what="attention call")
+    elif problem is not None:
+        raise problem
+    assert call is not None
+    return call
 
 
 # One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword

@@ -109,12 +109,6 @@ def _check_seq_dim(x: torch.Tensor, seq_dim: int, name: str = "x") -> None:
         )
 
 
-def _validate_world(rank: int, world_size: int) -> None:
-    check_int("world_size", world_size, 1)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
-
-
 def global_positions(
     *,
     rank: int,
@@ -164,7 +158,9 @@ def position_ids(
 
 
 def _checked_rank(rank: int, world_size: int) -> int:
-    _validate_world(rank, world_size)
+    check_int("world_size", world_size, 1)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
     return rank
 
 

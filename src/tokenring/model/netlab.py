@@ -361,6 +361,14 @@ def _ring_next_hop(src: int, dst: int, world_size: int) -> int:
     return (src - 1) % world_size
 
 
+def _route(config: LabConfig, addr: Sequence[str], src: int, dst: int) -> str:
+    """The host route from rank ``src`` to ``dst`` over the links of a mesh or a ring."""
+    hop = dst if config.topology is Topology.MESH else _ring_next_hop(src, dst, config.world_size)
+    if hop == dst:
+        return f"route add {addr[dst]}/32 dev v{dst} src {addr[src]}"
+    return f"route add {addr[dst]}/32 via {addr[hop]} dev v{hop} onlink src {addr[src]}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Plan:
     """Commands that build a lab, in order; each dict maps a namespace to its batch lines."""
@@ -415,11 +423,11 @@ def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None
         for r, ns in enumerate(names):
             veth(ns, _SWITCH_UPLINK, switch_name, f"p{r}")
             routes[switch_name].append(f"link set p{r} master {_BRIDGE}")
-            for peer in range(p):
-                if peer != r:
-                    routes[ns].append(
-                        f"route add {addr[peer]}/32 dev {_SWITCH_UPLINK} src {addr[r]}"
-                    )
+            routes[ns] += [
+                f"route add {addr[peer]}/32 dev {_SWITCH_UPLINK} src {addr[r]}"
+                for peer in range(p)
+                if peer != r
+            ]
         return _Plan(
             forwarding=frozenset(), devices=devices, links=links, routes=routes, shaping=shaping
         )
@@ -431,16 +439,7 @@ def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None
     for a, b in sorted(pairs):
         veth(names[a], f"v{b}", names[b], f"v{a}")
     for r, ns in enumerate(names):
-        for peer in range(p):
-            if peer == r:
-                continue
-            hop = peer if config.topology is Topology.MESH else _ring_next_hop(r, peer, p)
-            if hop == peer:
-                routes[ns].append(f"route add {addr[peer]}/32 dev v{peer} src {addr[r]}")
-            else:
-                routes[ns].append(
-                    f"route add {addr[peer]}/32 via {addr[hop]} dev v{hop} onlink src {addr[r]}"
-                )
+        routes[ns] += [_route(config, addr, r, peer) for peer in range(p) if peer != r]
     forwarding = frozenset(names) if config.topology is Topology.RING and p > 3 else frozenset()
     return _Plan(
         forwarding=forwarding, devices=devices, links=links, routes=routes, shaping=shaping
@@ -597,13 +596,11 @@ class Lab:
         for ns in self.namespaces:
             settings = _sysctls(self._config.congestion_control, ns in plan.forwarding)
             _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *settings])
-        for phase in (plan.devices, plan.links, plan.routes):
+        phases = [("ip", plan.devices), ("ip", plan.links), ("ip", plan.routes)]
+        for tool, phase in [*phases, ("tc", plan.shaping)]:
             for ns, lines in phase.items():
                 if lines:
-                    _run(["ip", "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
-        for ns, lines in plan.shaping.items():
-            if lines:
-                _run(["tc", "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
+                    _run([tool, "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
 
     def _close(self, *, exc_in_flight: bool) -> None:
         self._restore_signal_handlers()

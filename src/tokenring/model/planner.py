@@ -91,9 +91,9 @@ from tokenring.model.costmodel import (
     merge_bytes,
     preset,
 )
-from tokenring.model.simulate import simulate, simulate_cached
-from tokenring.runtime.comm import Communicator
-from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
+from tokenring.model.simulate import CallResult, simulate, simulate_cached
+from tokenring.runtime.comm import Communicator, TrafficCounter
+from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
@@ -200,17 +200,8 @@ class Plan:
         }
 
 
-def _validate(
-    world_size: int, seq_local: int, heads_q: int, heads_kv: int, head_dim: int, batch: int
-) -> None:
-    for name, value in (
-        ("world_size", world_size),
-        ("seq_local", seq_local),
-        ("heads_q", heads_q),
-        ("heads_kv", heads_kv),
-        ("head_dim", head_dim),
-        ("batch", batch),
-    ):
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1; got {value}")
 
@@ -238,6 +229,7 @@ def _plan(
         if strategy is Strategy.HYBRID and hybrid is None:
             skipped.append((strategy, _NO_SPEC))
             continue
+        spec = hybrid if strategy is Strategy.HYBRID else None
         for layout in layouts:
             try:
                 call = simulate(
@@ -251,29 +243,55 @@ def _plan(
                     hardware=hardware,
                     last_block_splits=last_block_splits,
                     mode=mode,
-                    hybrid=hybrid if strategy is Strategy.HYBRID else None,
+                    hybrid=spec,
                 )
             except NotImplementedError as exc:  # e.g. no closed forms at this world size
                 if layout is layouts[0]:
                     skipped.append((strategy, str(exc)))
                 continue
-            fwd = call.passes[0]
-            predictions.append(
-                Prediction(
-                    strategy=strategy,
-                    layout=layout,
-                    forward_s=fwd.call_s,
-                    backward_s=call.passes[1].call_s if training else 0.0,
-                    bound_by="compute"
-                    if fwd.compute_s >= fwd.busiest_s
-                    else f"comm ({fwd.busiest_resource})",
-                    mode=fwd.mode,
-                    hybrid=hybrid if strategy is Strategy.HYBRID else None,
-                )
-            )
+            predictions.append(_prediction(strategy, layout, call, training, spec))
     if not predictions:
         reasons = "; ".join(reason for _, reason in skipped)
         raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
+    best, reason = _pick(predictions, shape, hardware, world_size, seq_local)
+    plan = Plan(
+        pick=best.strategy,
+        layout=best.layout,
+        predictions=tuple(predictions),
+        skipped=tuple(skipped),
+        reason=reason,
+        hardware=hardware.name,
+        world_size=world_size,
+    )
+    _log.info("tokenring planner: %s", reason)
+    for strategy, why in skipped:
+        _log.info("tokenring planner: %s not predicted: %s", strategy.value, why)
+    return plan
+
+
+def _prediction(
+    strategy: Strategy, layout: Layout, call: CallResult, training: bool, hybrid: HybridSpec | None
+) -> Prediction:
+    fwd = call.passes[0]
+    return Prediction(
+        strategy=strategy,
+        layout=layout,
+        forward_s=fwd.call_s,
+        backward_s=call.passes[1].call_s if training else 0.0,
+        bound_by="compute" if fwd.compute_s >= fwd.busiest_s else f"comm ({fwd.busiest_resource})",
+        mode=fwd.mode,
+        hybrid=hybrid,
+    )
+
+
+def _pick(
+    predictions: list[Prediction],
+    shape: AttentionShape,
+    hardware: Hardware,
+    world_size: int,
+    seq_local: int,
+) -> tuple[Prediction, str]:
+    """The fastest prediction (ties to the earlier: Note [Choosing]) and one sentence on why."""
     best = predictions[0]
     for cand in predictions[1:]:
         if cand.total_s < best.total_s * (1 - _TIE):
@@ -296,19 +314,7 @@ def _plan(
             f"{best.strategy.value} ({best.layout.value}) is the only candidate: "
             f"{1e3 * best.total_s:.4g} ms on {hardware.name}"
         )
-    plan = Plan(
-        pick=best.strategy,
-        layout=best.layout,
-        predictions=tuple(predictions),
-        skipped=tuple(skipped),
-        reason=reason,
-        hardware=hardware.name,
-        world_size=world_size,
-    )
-    _log.info("tokenring planner: %s", reason)
-    for strategy, why in skipped:
-        _log.info("tokenring planner: %s not predicted: %s", strategy.value, why)
-    return plan
+    return best, reason
 
 
 def explain(
@@ -353,20 +359,20 @@ def explain(
             layout, a seq_local the layout cannot split, a dtype the hardware has no FLOP/s
             for, or a ``hybrid`` that does not fit the world size and heads.
     """
-    _validate(world_size, seq_local, heads_q, heads_kv, head_dim, batch)
+    _check_sizes(
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        batch=batch,
+    )
     shape = AttentionShape(
         batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=str(dtype)
     )
     hardware.flops_per_s("forward", shape.dtype)  # fail early on an unsupported dtype
-    if layout is None:
-        layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
-    else:
-        layouts = (Layout.parse(layout),)
-    chosen = {Strategy.parse(s) for s in strategies} if strategies is not None else set(Strategy)
-    if not chosen:
-        raise ValueError("strategies must name at least one strategy; got none")
-    ordered = tuple(s for s in Strategy if s in chosen)
-    if hybrid is not None and Strategy.HYBRID in chosen:
+    layouts, ordered = _candidates(layout, seq_local, strategies)
+    if hybrid is not None and Strategy.HYBRID in ordered:
         hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     return _plan(
         world_size,
@@ -381,6 +387,20 @@ def explain(
         mode,
         hybrid,
     )
+
+
+def _candidates(
+    layout: Layout | str | None, seq_local: int, strategies: Sequence[Strategy | str] | None
+) -> tuple[tuple[Layout, ...], tuple[Strategy, ...]]:
+    """The layouts and strategies to predict, each in declaration order (Note [Choosing])."""
+    if layout is None:
+        layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
+    else:
+        layouts = (Layout.parse(layout),)
+    chosen = {Strategy.parse(s) for s in strategies} if strategies is not None else set(Strategy)
+    if not chosen:
+        raise ValueError("strategies must name at least one strategy; got none")
+    return layouts, tuple(s for s in Strategy if s in chosen)
 
 
 def choose_strategy(
@@ -486,31 +506,23 @@ def _probe(
 
 
 def _kernel_rates(
-    block: BlockKernel,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    block_rows: int,
-    repeats: int,
+    block: BlockKernel, dims: AttentionShape, device: torch.device, n: int, repeats: int
 ) -> tuple[float, float, float, float]:
     """This rank's forward and backward FLOP/s and merge bytes/s on one non-causal block of
-    block_rows x block_rows, and the seconds of one small call (the fixed cost per call)."""
-    acc = accumulation_dtype(dtype)
+    n x n rows of ``dims`` (batch 1), and the seconds of one small call (the fixed cost per
+    call)."""
+    dtype, acc = dims.torch_dtype, dims.acc_dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    n = block_rows
-    q, dout = rand(1, n, heads_q, head_dim), rand(1, n, heads_q, head_dim)
-    k, v = rand(1, n, heads_kv, head_dim), rand(1, n, heads_kv, head_dim)
-    scale = head_dim**-0.5
+    hq, hkv, d = dims.heads_q, dims.heads_kv, dims.head_dim
+    q, dout = rand(1, n, hq, d), rand(1, n, hq, d)
+    k, v = rand(1, n, hkv, d), rand(1, n, hkv, d)
+    scale = d**-0.5
     out, lse = block.forward(q, k, v, causal=False, scale=scale)
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
-    dims = AttentionShape.of(q, k)
     piece = Piece((0, n), (0, n), False)
     fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
     bwd_s = _median_time(
@@ -541,15 +553,14 @@ def _link_rates(
     alone), measured without touching the communicator's counter or timeline."""
     link = two_way = latency = float("inf")
     if comm.world_size > 1:
-        saved_counter = _snapshot(comm)
-        timeline, comm.timeline = comm.timeline, None
+        saved = comm.counter, comm.timeline  # the probe's traffic is not the caller's
+        comm.counter, comm.timeline = TrafficCounter(), None
         try:
             link = probe_bytes / _probe(comm, probe_bytes, device, two_way=False, repeats=repeats)
             two_way = probe_bytes / _probe(comm, probe_bytes, device, two_way=True, repeats=repeats)
             latency = _probe(comm, 8, device, two_way=False, repeats=repeats)
         finally:
-            comm.timeline = timeline
-            _restore(comm, saved_counter)
+            comm.counter, comm.timeline = saved
     return link, two_way, latency
 
 
@@ -588,16 +599,14 @@ def calibrate(
         ValueError: non-positive sizes or repeats, heads_kv not dividing heads_q.
     """
     heads_kv = heads_q if heads_kv is None else heads_kv
-    for name, value in (
-        ("heads_q", heads_q),
-        ("heads_kv", heads_kv),
-        ("head_dim", head_dim),
-        ("block_rows", block_rows),
-        ("probe_bytes", probe_bytes),
-        ("repeats", repeats),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1; got {value}")
+    _check_sizes(
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        block_rows=block_rows,
+        probe_bytes=probe_bytes,
+        repeats=repeats,
+    )
     if heads_q % heads_kv:
         raise ValueError(
             f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
@@ -609,16 +618,11 @@ def calibrate(
             else torch.device("cpu")
         )
     device = torch.device(device)
-    *local, call_s = _kernel_rates(
-        select_kernel(device, dtype, kernel),
-        device=device,
-        dtype=dtype,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        block_rows=block_rows,
-        repeats=repeats,
+    block = select_kernel(device, dtype, kernel)
+    dims = AttentionShape(
+        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
     )
+    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
     link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
     # Agree: the slowest rank's rates and the largest latency, identical on every rank.
     values = [-x for x in (*local, link, two_way)] + [latency if comm.world_size > 1 else 0.0]
@@ -626,16 +630,7 @@ def calibrate(
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
     fwd, bwd, mem, link, two_way, latency, call_s = (float(x) for x in agreed.cpu())
     fwd, bwd, mem, link, two_way = -fwd, -bwd, -mem, -link, -two_way
-    port: float | None = None
-    routing = CollectiveRouting.for_backend(comm.backend)
-    if topology is not None:
-        topo = Topology.parse(topology)
-        if topo is Topology.SWITCH:
-            port = 2 * two_way if comm.world_size > 1 else link
-    elif comm.world_size > 1 and two_way < 0.75 * link:
-        topo, port = Topology.SWITCH, 2 * two_way
-    else:
-        topo = Topology.MESH
+    topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
         forward_flops_per_s=fwd,
         backward_flops_per_s=bwd,
@@ -645,24 +640,24 @@ def calibrate(
         topology=topo,
         port_bandwidth_bytes_per_s=port,
         latency_s=max(latency, 0.0),
-        collectives=routing,
+        collectives=CollectiveRouting.for_backend(comm.backend),
         kernel_call_s=call_s,
     )
 
 
-def _snapshot(comm: Communicator) -> tuple[dict[Any, int], dict[Any, int], int, int]:
-    c = comm.counter
-    return dict(c.sent_bytes), dict(c.recv_bytes), c.sent_messages, c.recv_messages
-
-
-def _restore(comm: Communicator, saved: tuple[dict[Any, int], dict[Any, int], int, int]) -> None:
-    """Put the traffic counter back: the probe's bytes are not the caller's traffic."""
-    c = comm.counter
-    c.sent_bytes.clear()
-    c.sent_bytes.update(saved[0])
-    c.recv_bytes.clear()
-    c.recv_bytes.update(saved[1])
-    c.sent_messages, c.recv_messages = saved[2], saved[3]
+def _topology(
+    given: Topology | str | None, link: float, two_way: float, world_size: int
+) -> tuple[Topology, float | None]:
+    """The topology and its port bandwidth (None: no shared port): ``given``, else the guess
+    of Note [Calibration probe] from the one-way and two-way bytes/s."""
+    if given is not None:
+        topo = Topology.parse(given)
+        if topo is not Topology.SWITCH:
+            return topo, None
+        return topo, 2 * two_way if world_size > 1 else link
+    if world_size > 1 and two_way < 0.75 * link:
+        return Topology.SWITCH, 2 * two_way
+    return Topology.MESH, None
 
 
 # -- cached plans: their price and the pick -------------------------------------------------------

@@ -37,7 +37,7 @@ import struct
 import time
 import types
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -440,23 +440,48 @@ class Communicator:
                 f"rank {self.rank}: this communicator failed earlier and cannot be used for "
                 f"{what}: {self._broken}"
             )
-        mine = torch.zeros(frame_num_bytes, dtype=torch.uint8)
+        mine = torch.zeros(frame_num_bytes, dtype=torch.uint8)  # length (int64), then data
         mine[:8].view(torch.int64)[0] = len(data)
         if data:
             mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         peers = [r for r in range(self.world_size) if r != self.rank]
         frames = {r: torch.zeros(frame_num_bytes, dtype=torch.uint8) for r in peers}
+        silent, closed = self._swap_frames(mine, frames)
+        if silent or closed:
+            parts = []
+            if silent:
+                parts.append(
+                    f"rank(s) {silent} did not arrive within "
+                    f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the call, "
+                    "or called something else)"
+                )
+            for r, message in closed:
+                parts.append(f"rank {r} is gone (it exited or crashed): {message}")
+            self._broken = f"{what} failed"
+            raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
+        out = []
+        for r in range(self.world_size):
+            frame = mine if r == self.rank else frames[r]
+            num = int(frame[:8].view(torch.int64)[0])
+            out.append(bytes(frame[8 : 8 + num].tolist()))
+        return out
+
+    def _swap_frames(
+        self, mine: torch.Tensor, frames: dict[int, torch.Tensor]
+    ) -> tuple[list[int], list[tuple[int, str]]]:
+        """Send ``mine`` to every peer and receive each peer's frame into ``frames``; the peers
+        not heard from within the timeout, and those gone (with the error's first line)."""
         # Posted one by one, not as a batch: a peer whose connection is closed already fails
         # its own post, and is named.
         closed: list[tuple[int, str]] = []
         recvs: dict[int, Any] = {}
         sends: dict[int, Any] = {}
-        for r in peers:
+        for r, frame in frames.items():
             try:
-                recvs[r] = dist.irecv(frames[r], group=self._control, group_src=r)
+                recvs[r] = dist.irecv(frame, group=self._control, group_src=r)
             except Exception as exc:
                 closed.append((r, _first_line(exc)))
-        for r in peers:
+        for r in frames:
             try:
                 sends[r] = dist.isend(mine, group=self._control, group_dst=r)
             except Exception as exc:
@@ -480,24 +505,7 @@ class Communicator:
                     work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
                 except Exception as exc:
                     closed.append((r, _first_line(exc)))
-        if silent or closed:
-            parts = []
-            if silent:
-                parts.append(
-                    f"rank(s) {silent} did not arrive within "
-                    f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the call, "
-                    "or called something else)"
-                )
-            for r, message in closed:
-                parts.append(f"rank {r} is gone (it exited or crashed): {message}")
-            self._broken = f"{what} failed"
-            raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
-        out = []
-        for r in range(self.world_size):
-            frame = mine if r == self.rank else frames[r]
-            num = int(frame[:8].view(torch.int64)[0])
-            out.append(bytes(frame[8 : 8 + num].tolist()))
-        return out
+        return silent, closed
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Every rank's ``obj`` (picklable, any size), in group-rank order, within this
@@ -638,35 +646,14 @@ class Communicator:
         for channel in CHANNELS:
             flow = channel[0]
             group = self._groups[channel]
-            ops: list[dist.P2POp] = []
-            for tr, fields in recvs:
-                if _channel(tr) != channel:
-                    continue
-                num_bytes = _num_bytes(fields)
-                buffer = torch.empty(HEADER_NUM_BYTES + num_bytes, dtype=torch.uint8, device=device)
-                buffer[:HEADER_NUM_BYTES].zero_()  # a message that never arrives has no magic
-                rec = PendingRecv(self, tr, buffer, fields)
-                if self.path(device).endswith("staged"):
-                    rec._wire = self.wire_buffer(buffer.numel(), device)
-                pending[tr] = rec
-                ops.append(dist.P2POp(dist.irecv, rec._wire, group=group, group_peer=tr.src))
-                self.counter.add(sent=False, flow=flow, peer=tr.src, num_bytes=num_bytes)
-            send_transfers: list[Transfer] = []
-            for tr, tensors in sends:
-                if _channel(tr) != channel:
-                    continue
-                buffer = _pack(tr, tensors)
-                num_bytes = buffer.numel() - HEADER_NUM_BYTES
-                ops.append(
-                    dist.P2POp(dist.isend, self.to_wire(buffer), group=group, group_peer=tr.dst)
-                )
-                send_transfers.append(tr)
-                self.counter.add(sent=True, flow=flow, peer=tr.dst, num_bytes=num_bytes)
-                if self.timeline is not None:
-                    now = time.perf_counter()
-                    self.timeline.events.append(
-                        Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
-                    )
+            recv_list = [self._recv(tr, f, device) for tr, f in recvs if _channel(tr) == channel]
+            pending.update((rec.transfer, rec) for rec in recv_list)
+            ops = [
+                dist.P2POp(dist.irecv, rec._wire, group=group, group_peer=rec.transfer.src)
+                for rec in recv_list
+            ]
+            send_transfers = [tr for tr, _ in sends if _channel(tr) == channel]
+            ops += [self._send(tr, x, group) for tr, x in sends if _channel(tr) == channel]
             if not ops:
                 continue
             try:
@@ -679,17 +666,38 @@ class Communicator:
                     f"{(sends or recvs)[0][0].step} with ranks {peers} failed (a peer failed or "
                     f"exited): {_first_line(exc)}"
                 ) from exc
-            num_recv = len(ops) - len(send_transfers)
-            recv_list = [rec for rec in pending.values() if _channel(rec.transfer) == channel]
             if len(works) == len(ops):
-                for rec, work in zip(recv_list, works[:num_recv], strict=True):
+                for rec, work in zip(recv_list, works[: len(recv_list)], strict=True):
                     rec._work = work
-                self._pending_sends.extend(zip(works[num_recv:], send_transfers, strict=True))
+                self._pending_sends.extend(
+                    zip(works[len(recv_list) :], send_transfers, strict=True)
+                )
             else:  # coalesced into one work (NCCL): every op completes with it
                 for rec in recv_list:
                     rec._work = works[-1] if works else None
                 self._pending_sends.extend((works[-1], tr) for tr in send_transfers)
         return pending
+
+    def _recv(self, tr: Transfer, fields: list[FieldSpec], device: torch.device) -> PendingRecv:
+        """A receive of ``tr`` to post, counted."""
+        num_bytes = _num_bytes(fields)
+        buffer = torch.empty(HEADER_NUM_BYTES + num_bytes, dtype=torch.uint8, device=device)
+        buffer[:HEADER_NUM_BYTES].zero_()  # a message that never arrives has no magic
+        rec = PendingRecv(self, tr, buffer, fields)
+        if self.path(device).endswith("staged"):
+            rec._wire = self.wire_buffer(buffer.numel(), device)
+        self.counter.add(sent=False, flow=tr.payload.flow, peer=tr.src, num_bytes=num_bytes)
+        return rec
+
+    def _send(
+        self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message, group: dist.ProcessGroup
+    ) -> dist.P2POp:
+        """The send of ``tr``'s message to post on ``group``, counted."""
+        buffer = _pack(tr, tensors)
+        op = dist.P2POp(dist.isend, self.to_wire(buffer), group=group, group_peer=tr.dst)
+        num_bytes = buffer.numel() - HEADER_NUM_BYTES
+        self._count_send(tr.payload.flow, tr.payload.value, tr.step, tr.dst, num_bytes)
+        return op
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their buffers may be reused afterwards), and
@@ -706,35 +714,27 @@ class Communicator:
 
     def release_sends(self) -> None:
         """Forget the sends that have completed (their buffers may be freed); never blocks."""
-        later = []
-        for work, tr in self._pending_sends:
-            if work is None or work.is_completed():
-                self._wait(work, tr, "send")  # completed: raises if it failed
-            else:
-                later.append((work, tr))
-        self._pending_sends = later
+        # completed: _wait raises if it failed
+        self._wait_sends_if(lambda work, _: work is None or work.is_completed())
 
-    def wait_sends_through(self, step: int, flow: Flow | None = None) -> None:
-        """Wait for the sends of steps ``<= step`` (of ``flow``, or every flow) only, so the
-        runtime frees their packed buffers inside the step loop. On CUDA the wait orders the
-        current stream after the send: no host synchronisation."""
-        later = []
-        for work, tr in self._pending_sends:
-            if tr.step <= step and (flow is None or tr.payload.flow is flow):
-                self._wait(work, tr, "send")
-            else:
-                later.append((work, tr))
-        self._pending_sends = later
+    def wait_sends_through(self, step: int) -> None:
+        """Wait for the sends of steps ``<= step`` only, so the runtime frees their packed
+        buffers inside the step loop. On CUDA the wait orders the current stream after the
+        send: no host synchronisation."""
+        self._wait_sends_if(lambda _, tr: tr.step <= step)
 
     def wait_sent(self, transfers: Sequence[Transfer]) -> None:
         """Wait for the pending sends of ``transfers`` (a program's SENT: their buffers may be
         reused); the rest stay pending. On CUDA no host synchronisation, as above."""
-        if not transfers:
-            return
-        wanted = set(transfers)
+        if transfers:
+            wanted = set(transfers)
+            self._wait_sends_if(lambda _, tr: tr in wanted)
+
+    def _wait_sends_if(self, wanted: Callable[[Any, Transfer], bool]) -> None:
+        """Wait for the pending sends ``wanted(work, transfer)`` picks; keep the rest."""
         later = []
         for work, tr in self._pending_sends:
-            if tr in wanted:
+            if wanted(work, tr):
                 self._wait(work, tr, "send")
             else:
                 later.append((work, tr))
@@ -855,12 +855,15 @@ class Communicator:
         """Count bytes a collective moves to and from ``peer`` (a send also goes on the
         timeline); for collectives whose routing only the caller knows."""
         if sent_bytes:
-            self.counter.add(sent=True, flow=flow, peer=peer, num_bytes=sent_bytes)
-            if self.timeline is not None:
-                now = time.perf_counter()
-                self.timeline.events.append(Event("send", label, 0, now, now, peer, sent_bytes))
+            self._count_send(flow, label, 0, peer, sent_bytes)
         if recv_bytes:
             self.counter.add(sent=False, flow=flow, peer=peer, num_bytes=recv_bytes)
+
+    def _count_send(self, flow: Flow, label: str, step: int, peer: int, num_bytes: int) -> None:
+        self.counter.add(sent=True, flow=flow, peer=peer, num_bytes=num_bytes)
+        if self.timeline is not None:
+            now = time.perf_counter()
+            self.timeline.events.append(Event("send", label, step, now, now, peer, num_bytes))
 
     def describe_group(self) -> str:
         """The group in words, for error messages: its description and global ranks."""
@@ -973,9 +976,7 @@ def _rows(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -
 def _split_bytes(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -> list[int]:
     """Bytes of each rank's block of ``x`` along dim 0."""
     row_bytes = x[0].numel() * x.element_size() if x.dim() > 0 and x.shape[0] else 0
-    if split_sizes is None:
-        return [x.shape[0] // world_size * row_bytes] * world_size
-    return [rows * row_bytes for rows in split_sizes]
+    return [rows * row_bytes for rows in _rows(x, split_sizes, world_size)]
 
 
 # Note [Channel pool]

@@ -22,9 +22,6 @@ output (hidden from the caller)::
                                                   Note [Ulysses] and Note [All-gather K/V
                                                   rounds] in tokenring.strategies.collective)
 
-Inputs the backward does not read would be saved as shape-only stand-ins (:func:`stand_in`);
-every backward reads all five now.
-
 Legend: B batch, S global seq, s local seq, s_pad padded local seq, Hq query heads, Hkv kv
 heads, D head dim, P world size.
 """
@@ -57,12 +54,10 @@ __all__ = [
     "group_handle",
     "object_handle",
     "pinned_handle",
-    "reads",
     "remember_group",
     "residual_fields",
     "resolve_group",
     "resolve_object",
-    "stand_in",
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
@@ -200,17 +195,6 @@ class Plan:
         return x if self.rows is None else x.index_select(dim, self.rows)
 
 
-def reads(strategy: Strategy) -> tuple[bool, bool, bool, bool, bool]:
-    """Which of q, k, v, out, lse the backward of ``strategy`` reads (Note [Residuals])."""
-    del strategy  # every backward reads all five (Note [Residuals])
-    return (True, True, True, True, True)
-
-
-def stand_in(x: torch.Tensor) -> torch.Tensor:
-    """Shape, dtype and device of ``x`` without its memory (one element, stride 0)."""
-    return x.new_empty(()).expand(x.shape)
-
-
 def residual_fields(
     strategy: Strategy,
     *,
@@ -244,9 +228,15 @@ def residual_fields(
             world_size=world_size,
             rank=rank,
         )
-    if padded and reads(strategy)[3]:
+    if padded:
         fields += [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
     return fields
+
+
+def _collective_options(plan: Plan) -> dict[str, Any]:
+    """The keywords the collective strategies' forward and backward take from a plan."""
+    names = ("causal", "scale", "layout", "comm", "kernel", "sharding", "mask")
+    return {name: getattr(plan, name) for name in names}
 
 
 def forward(
@@ -257,17 +247,7 @@ def forward(
     residuals: list[torch.Tensor] = []
     if plan.strategy.is_collective:
         out, lse, residuals = collective_forward(
-            plan.strategy.value,
-            q,
-            k,
-            v,
-            causal=plan.causal,
-            scale=plan.scale,
-            layout=plan.layout,
-            comm=plan.comm,
-            kernel=plan.kernel,
-            sharding=plan.sharding,
-            mask=plan.mask,
+            plan.strategy.value, q, k, v, **_collective_options(plan)
         )
     else:
         assert plan.schedules is not None
@@ -280,7 +260,7 @@ def forward(
             v.contiguous(),
             scale=plan.scale,
         )
-    if plan.rows is not None and reads(plan.strategy)[3]:
+    if plan.rows is not None:
         residuals = [*residuals, out, lse]
     return plan.unpad(out), plan.unpad(lse, 2), residuals
 
@@ -295,20 +275,14 @@ def backward(
     lse: torch.Tensor,
     residuals: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`forward`'s out: dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``.
-
-    q, k, v, out and lse are the forward's inputs and outputs, or stand-ins for those the
-    strategy does not read (Note [Residuals]).
-    """
+    """Gradients of :func:`forward`'s out: dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``,
+    from the forward's inputs and outputs (q, k, v, out, lse) and residuals."""
     residuals = list(residuals)
-    if plan.rows is not None and reads(plan.strategy)[3]:
+    if plan.rows is not None:
         *residuals, out, lse = residuals  # the padded buffer's
     dout = plan.pad(dout).contiguous()
-    if reads(plan.strategy)[0]:  # not a stand-in
-        q = plan.pad(q)
+    q, k, v = (plan.pad(x) for x in (q, k, v))  # (B, s_pad, H, D)
     if plan.strategy.is_collective:
-        if reads(plan.strategy)[1]:  # not stand-ins
-            k, v = plan.pad(k), plan.pad(v)
         dq, dk, dv = collective_backward(
             plan.strategy.value,
             dout,
@@ -319,13 +293,7 @@ def backward(
             lse,
             residuals,
             dtype=q.dtype,
-            causal=plan.causal,
-            scale=plan.scale,
-            layout=plan.layout,
-            comm=plan.comm,
-            kernel=plan.kernel,
-            sharding=plan.sharding,
-            mask=plan.mask,
+            **_collective_options(plan),
         )
     else:
         assert plan.schedules is not None
@@ -335,8 +303,8 @@ def backward(
             plan.kernel,
             dout,
             q.contiguous(),
-            plan.pad(k).contiguous(),
-            plan.pad(v).contiguous(),
+            k.contiguous(),
+            v.contiguous(),
             out,
             lse,
             scale=plan.scale,
