@@ -28,7 +28,6 @@ dim, P world size, nq / nkv heads of one Ulysses rank.
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +37,12 @@ import torch
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import AttentionShape, Pass, Payload, Piece, Schedule, Transfer
+from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Transfer
 from tokenring.runtime.comm import Communicator, FieldSpec, Message
-from tokenring.runtime.executor import PassRunner, execute
+from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, program_of
-from tokenring.runtime.ring import _ComputeTimer, kv_message, kv_rows, message_fields
-from tokenring.runtime.slots import SlotPoster
+from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
 from tokenring.strategies.collective import (
     CollectiveStrategy,
     HeadShare,
@@ -59,12 +57,10 @@ __all__ = ["collective_backward", "collective_forward", "residual_fields"]
 # -- the runners ---------------------------------------------------------------------------
 
 
-class _Collective(PassRunner):
-    """What the collectives' runners share: the schedule, the communicator, the poster of
-    this rank's transfers, the compute bars of the timeline and the pass's tensors:
-    ``inputs`` are q, k, v (forward) or dout, q, k, v, out, lse (backward), as
-    :func:`collective_forward` and :func:`collective_backward` take them; ``masking``: Note
-    [Collectives with masks]."""
+class _Collective(SchedulePass):
+    """What the collectives' runners share beyond a ``SchedulePass`` (whose ``inputs`` are
+    as :func:`collective_forward` and :func:`collective_backward` take them): ``masking``
+    (Note [Collectives with masks]), P, s, the accumulation dtype and DELTA."""
 
     def __init__(
         self,
@@ -76,18 +72,10 @@ class _Collective(PassRunner):
         scale: float,
         masking: _Masking | None,
     ) -> None:
-        self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
+        super().__init__(sched, comm, kernel, inputs, scale=scale)
         self.masking = masking
-        if sched.pass_ is Pass.BACKWARD:
-            self.dout, self.q, self.k, self.v, self.out, self.lse = inputs
-        else:
-            self.q, self.k, self.v = inputs
-        q, k = self.q, self.k
-        self.rank, self.p, self.s = comm.rank, comm.world_size, q.shape[1]
-        self.acc = accumulation_dtype(q.dtype)
-        shape = AttentionShape.of(q, k)
-        self.poster = SlotPoster(comm, functools.partial(message_fields, shape), q.device)
-        self.timer = _ComputeTimer(comm, q.device)
+        self.p, self.s = comm.world_size, self.q.shape[1]
+        self.acc = accumulation_dtype(self.q.dtype)
         self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
 
     def delta(self, op: Op) -> None:

@@ -69,6 +69,7 @@ from tokenring.core.merge import merge_into
 from tokenring.core.schedule import (
     AttentionShape,
     Lane,
+    Pass,
     Payload,
     Piece,
     Schedule,
@@ -84,11 +85,19 @@ from tokenring.runtime.comm import (
     PendingRecv,
 )
 from tokenring.runtime.executor import PassRunner, execute
-from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask
+from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, ring_program
 from tokenring.runtime.slots import SlotPoster
 
-__all__ = ["kv_message", "kv_rows", "message_fields", "run_backward", "run_forward"]
+__all__ = [
+    "ComputeTimer",
+    "SchedulePass",
+    "kv_message",
+    "kv_rows",
+    "message_fields",
+    "run_backward",
+    "run_forward",
+]
 
 
 def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
@@ -181,7 +190,7 @@ class _Held:
         return [self.rows_of(i, rows) for i in range(len(self.tensors))]
 
 
-class _ComputeTimer:
+class ComputeTimer:
     """Compute bars of the timeline (when one is recorded). On CUDA the bars are GPU time from
     CUDA events, resolved after the pass (the step loop never waits for the device); their
     clock is aligned with the host's by one synchronisation before the loop."""
@@ -424,6 +433,41 @@ def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dic
     return held
 
 
+class SchedulePass(PassRunner):
+    """What every runner of a :class:`~tokenring.core.schedule.Schedule` (the ring
+    strategies' here, the collectives' in tokenring.runtime.collective) sets up alike: the
+    schedule, communicator, kernel and scale; the pass's tensors (``inputs``: q, k, v for the
+    forward, dout, q, k, v, out, lse for the backward, as the entry points take them); the
+    poster of this rank's transfers and the compute bars of the timeline."""
+
+    q: torch.Tensor  # (B, s, Hq, D)
+    k: torch.Tensor  # (B, s, Hkv, D)
+    v: torch.Tensor
+    dout: torch.Tensor  # backward: (B, s, Hq, D)
+    out: torch.Tensor
+    lse: torch.Tensor  # backward: (B, Hq, s)
+
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        inputs: tuple[torch.Tensor, ...],
+        *,
+        scale: float,
+    ) -> None:
+        self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
+        if sched.pass_ is Pass.BACKWARD:
+            self.dout, self.q, self.k, self.v, self.out, self.lse = inputs
+        else:
+            self.q, self.k, self.v = inputs
+        self.rank = comm.rank
+        shape = AttentionShape.of(self.q, self.k)
+        device = self.q.device
+        self.poster = SlotPoster(comm, functools.partial(message_fields, shape), device)
+        self.timer = ComputeTimer(comm, device)
+
+
 def run_forward(
     sched: Schedule,
     comm: Communicator,
@@ -442,33 +486,21 @@ def run_forward(
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the accumulation dtype.
     """
-    runner = _Forward(sched, comm, kernel, q, k, v, scale=scale)
+    runner = _Forward(sched, comm, kernel, (q, k, v), scale=scale)
     execute(ring_program(sched, comm.rank), runner)
     runner.timer.flush()
     return runner.out_acc.to(q.dtype), runner.lse_acc
 
 
-class _Forward(PassRunner):
+class _Forward(SchedulePass):
     """One rank's forward pass of ``sched``: the accumulators its program's ops fill."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float,
-    ) -> None:
-        self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
-        self.q, self.k, self.v = q, k, v
-        self.rank, s = comm.rank, q.shape[1]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        sched, q, k, v = self.sched, self.q, self.k, self.v
+        s = q.shape[1]
         self.groups = q.shape[2] // k.shape[2]
-        shape = AttentionShape.of(q, k)
-        acc = shape.acc_dtype
-        self.poster = SlotPoster(comm, functools.partial(message_fields, shape), q.device)
+        acc = accumulation_dtype(q.dtype)
         # The first piece of step 0 is this rank's own block; when it covers every row and
         # head, its result is the accumulators' first value (a copy, not a merge into zeros).
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
@@ -494,7 +526,6 @@ class _Forward(PassRunner):
             self.held = _lane_blocks(sched, self.rank, [k, v])
         self.partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
         self.masks = _Masks(sched)
-        self.timer = _ComputeTimer(comm, q.device)
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload is Payload.OUT:
@@ -577,7 +608,7 @@ def run_backward(
     return runner.dq_acc.to(q.dtype), runner.dk.to(k.dtype), runner.dv.to(v.dtype)
 
 
-class _Backward(PassRunner):
+class _Backward(SchedulePass):
     """One rank's backward pass of ``sched``: the state its program's ops work on, one method
     per op that has more to do than a call (Note [Rank program] in tokenring.runtime.program).
 
@@ -587,24 +618,12 @@ class _Backward(PassRunner):
     (:meth:`targets`); at step 0 our own dK/dV leave in new ones.
     """
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        inputs: tuple[torch.Tensor, ...],
-        *,
-        scale: float,
-    ) -> None:
-        """``inputs``: dout, q, k, v, out, lse as :func:`run_backward` takes them."""
-        self.sched, self.comm, self.kernel, self.scale = sched, comm, kernel, scale
-        self.dout, self.q, self.k, self.v, self.out, self.lse = inputs
-        q, k, v, lse = self.q, self.k, self.v, self.lse
-        self.rank, self.s = comm.rank, q.shape[1]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        sched, comm, q, k, v = self.sched, self.comm, self.q, self.k, self.v
+        self.s = q.shape[1]
         self.groups = q.shape[2] // k.shape[2]
-        self.acc = acc = lse.dtype
-        shape = AttentionShape.of(q, k)
-        self.poster = SlotPoster(comm, functools.partial(message_fields, shape), q.device)
+        self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         # (B, s, Hkv, D); None once every row and head of them travels (pass-KV, step 0)
         self.dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -615,7 +634,6 @@ class _Backward(PassRunner):
         self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
         self.dk = self.dv = torch.empty(0)  # (B, s, Hkv, D), from HOME
         self.masks = _Masks(sched)
-        self.timer = _ComputeTimer(comm, q.device)
         self.lane_messages: dict[int, Message] = {}  # the message of each lane's accumulator
         self.dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return
         self.dq_msg: Message | None = None  # the message it is accumulated in
