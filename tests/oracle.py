@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -324,6 +325,7 @@ def expected_bytes(
         lanes = [(+1, heads_kv, set(range(s)))]  # only higher ranks see a shard's keys
     else:
         lanes = [(-1, heads_kv, set(range(s)))]
+    lent = _lent_pairs(p, backward, heads_q, heads_kv, q_needed, kv_needed)
     for owner in range(p):
         for direction, lane_heads, lane_rows in lanes:
             lane_kv_row = kv_row * lane_heads // heads_kv
@@ -331,7 +333,8 @@ def expected_bytes(
             for h in range(1, p):
                 ahead = route[h:]
                 if strategy == "token_ring":
-                    need = set().union(*(q_needed(owner, r) for r in ahead))
+                    kept = [r for r in ahead if r not in lent or (r - 1) % p != owner]
+                    need = set().union(*(q_needed(owner, r) for r in kept))
                     row_bytes = (2 * q_row + 2 * per_head) if backward else q_row
                 else:
                     need = set().union(*(kv_needed(r, owner) & lane_rows for r in ahead))
@@ -350,12 +353,54 @@ def expected_bytes(
                     add("return", route[last], owner, lane_bytes)
         if strategy == "token_ring":
             for r in range(p):
-                if r != owner:
+                if r in lent and owner == (r - 1) % p:  # its K/V rows come here instead
+                    kv_rows = _cover(kv_needed(owner, r))
+                    add("travel", r, owner, kv_rows * kv_row)
+                    if backward:  # and their dK/dV go home in the accumulation dtype
+                        add("return", owner, r, kv_rows * kv_row * acc_bytes // elem_bytes)
+                elif r != owner:
                     need = q_needed(owner, r)
                     add(
                         "return", r, owner, _cover(need) * (q_row if backward else q_row + per_head)
                     )
     return total
+
+
+def _lent_pairs(
+    p: int,
+    backward: bool,
+    heads_q: int,
+    heads_kv: int,
+    q_needed: Callable[[int, int], set[int]],
+    kv_needed: Callable[[int, int], set[int]],
+) -> set[int]:
+    """TokenRing: the ranks r whose last pair (the Q of owner r - 1 against r's K/V) is
+    computed by the owner on r's K/V rows, sent to it in parts (one a step, steps 0 .. u-1;
+    u = P - 1 forward, 1 backward): when those rows cost no more than the Q rows and the
+    partial they save, and each part fits beside the link's own Q hop of that step under the
+    step's busiest hop (in elements of D per row: Q Hq, Q and dout 2 Hq, K and V 2 Hkv)."""
+    if p < (3 if backward else 2):
+        return set()
+    travel_heads = 2 * heads_q if backward else heads_q
+    steps = 1 if backward else p - 1
+    load: dict[tuple[int, int, int], int] = {}  # (src, dst, step): the Q hop's elements
+    for owner in range(p):
+        route = [(owner - h) % p for h in range(p)]
+        for h in range(1, p):
+            need = set().union(*(q_needed(owner, r) for r in route[h:]))
+            load[(route[h - 1], route[h], h - 1)] = _cover(need) * travel_heads
+    busiest = [max(n for (_, _, t), n in load.items() if t == u) for u in range(p - 1)]
+    lent = set()
+    for r in range(p):
+        owner = (r - 1) % p
+        q_rows, kv_rows = _cover(q_needed(owner, r)), _cover(kv_needed(owner, r))
+        if not q_rows:
+            continue
+        part = 2 * heads_kv * kv_rows / steps
+        fits = all(load[(r, owner, u)] + part <= busiest[u] for u in range(steps))
+        if 2 * heads_kv * kv_rows <= (travel_heads + heads_q) * q_rows and fits:
+            lent.add(r)
+    return lent
 
 
 def schedule_bytes_per_link(sched: Any, dims: Any) -> dict[tuple[str, int, int], int]:

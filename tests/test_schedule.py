@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from oracle import (
     sharded_positions,
     visible_mask,
 )
-from tokenring.core.schedule import AttentionShape, Pass, Piece, Strategy, piece_flops
+from tokenring.core.schedule import AttentionShape, Pass, Payload, Piece, Strategy, piece_flops
 from tokenring.strategies import build_schedule
 
 # One test per strategy; each loops over its grid and names every failing case at once.
@@ -26,27 +27,33 @@ GRID = list(itertools.product(("contiguous", "zigzag"), (False, True), (1, 2, 3,
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_needed_pair_computed_exactly_once(strategy: str) -> None:
-    """Each (query position, key position, kv head) the mask allows, exactly once."""
+    """Each (query position, key position, query head) the mask allows, exactly once, forward
+    and backward (with the heads known, so lent pairs and head slices are in)."""
     seq_local = 6
     failures = []
-    for (layout, causal, world_size), heads_kv in itertools.product(GRID, (1, 3)):
+    for (layout, causal, world_size), heads_kv, pass_ in itertools.product(GRID, (1, 3), Pass):
         seq = world_size * seq_local
         sched = build_schedule(
             strategy,
-            "forward",
+            pass_,
             layout=layout,
             causal=causal,
             world_size=world_size,
             seq_local=seq_local,
             heads_kv=heads_kv,
+            heads_q=2 * heads_kv,  # TokenRing lends some last pairs with the heads known
         )
         computed = []
         for rank, step in itertools.product(range(world_size), range(world_size)):
             plan = sched.steps[rank][step]
-            qpos = owned_positions(layout, plan.q_owner, world_size, seq)
             for piece in plan.pieces:
-                kpos = owned_positions(layout, plan.kv_owners[piece.lane], world_size, seq)
-                heads = range(*(piece.heads or (0, heads_kv)))
+                q_owner, kv_owner = plan.q_owner, plan.kv_owners[piece.lane]
+                if piece.kv_owner is not None:  # a borrowed pair: our queries, its K/V
+                    q_owner, kv_owner = rank, piece.kv_owner
+                qpos = owned_positions(layout, q_owner, world_size, seq)
+                kpos = owned_positions(layout, kv_owner, world_size, seq)
+                kv_heads = piece.heads or (0, heads_kv)  # as query heads: 2 per kv head
+                heads = range(*(piece.q_heads or (2 * kv_heads[0], 2 * kv_heads[1])))
                 for i in range(*piece.q_rows):
                     for j in range(*piece.kv_rows):
                         if piece.causal and j > i:
@@ -55,7 +62,7 @@ def test_every_needed_pair_computed_exactly_once(strategy: str) -> None:
         want = [
             (i, j, h)
             for i, j in covered_pairs(layout, causal, world_size, seq_local)
-            for h in range(heads_kv)
+            for h in range(2 * heads_kv)
         ]
         if mismatch := multiset_mismatch(computed, want):
             failures.append(f"{layout} causal={causal} P={world_size} Hkv={heads_kv}: {mismatch}")
@@ -83,6 +90,7 @@ def test_bytes_per_link_match_formula(strategy: str) -> None:
             world_size=world_size,
             seq_local=6,
             heads_kv=heads_kv,
+            heads_q=heads_q,
         )
         got = schedule_bytes_per_link(sched, dims)
         want = expected_bytes(
@@ -144,6 +152,7 @@ def test_masked_pairs_computed_exactly_once(strategy: str) -> None:
             cu_seqlens=cu_seqlens,
             window_size=window,
             heads_kv=heads_kv,
+            heads_q=2 * heads_kv,  # TokenRing lends some last pairs with the heads known
         )
         visible = visible_mask(seq_len, causal=causal, cu_seqlens=cu_seqlens, window=window)
         position_of = []
@@ -159,6 +168,8 @@ def test_masked_pairs_computed_exactly_once(strategy: str) -> None:
             for piece in plan.pieces:
                 qpos = position_of[plan.q_owner]
                 kpos = position_of[plan.kv_owners[piece.lane]]
+                if piece.kv_owner is not None:  # a borrowed pair: our queries, its K/V
+                    qpos, kpos = position_of[rank], position_of[piece.kv_owner]
                 heads = range(*(piece.heads or (0, heads_kv)))
                 for i in range(*piece.q_rows):
                     for j in range(*piece.kv_rows):
@@ -205,6 +216,7 @@ def test_masked_bytes_per_link_match_formula(strategy: str) -> None:
             cu_seqlens=cu_seqlens,
             window_size=window,
             heads_kv=heads_kv,
+            heads_q=heads_q,
         )
         got = schedule_bytes_per_link(sched, dims)
         want = expected_bytes(
@@ -229,6 +241,107 @@ def test_masked_bytes_per_link_match_formula(strategy: str) -> None:
                 f"backward={backward}: schedule {got} != formula {want}"
             )
     assert not failures, "\n".join(failures[:20])
+
+
+def test_tokenring_lends_the_last_pair_of_rank_zero() -> None:
+    """Note [Borrowed last pair], the lab's case (zigzag causal, MHA, P = 4, c = s / 2): rank 0
+    computes nothing at step 3; rank 3 computes its own queries (every row) against rank 0's
+    K/V rows [0, c), which arrive in three parts (steps 0, 1, 2) on the link 0 -> 3, after
+    its own slices of step 3; the Q3 hop 1 -> 0 and the return 0 -> 3 are gone. Backward: the
+    rows in one part at step 0, computed at step 1, their dK/dV home 3 -> 0 after them."""
+    p, s = 4, 8
+    c = s // 2
+    kw: dict[str, Any] = dict(
+        layout="zigzag", causal=True, world_size=p, seq_local=s, heads_q=8, heads_kv=8
+    )
+    for pass_, compute_step, parts in (
+        (Pass.FORWARD, 3, [(0, 1), (1, 2), (2, 4)]),
+        (Pass.BACKWARD, 1, [(0, 4)]),
+    ):
+        sched = build_schedule("token_ring", pass_, **kw)
+        plain = build_schedule("token_ring", pass_, borrow_last=False, **kw)
+        assert not list(sched.steps[0][3].pieces)
+        owner_plan = sched.steps[3][compute_step]
+        lent = owner_plan.segments[-1]
+        assert owner_plan.segments[:-1] == plain.steps[3][compute_step].segments
+        assert lent.q_rows == (0, s)
+        assert {pc.kv_owner for pc in lent.pieces} == {0}
+        assert sorted(pc.kv_rows for pc in lent.pieces) == parts
+        assert all(pc.q_rows == (0, s) and not pc.causal for pc in lent.pieces)
+        kv = [tr for tr in sched.transfers if tr.payload is Payload.KV]
+        assert [(tr.src, tr.dst, tr.owner, tr.step, tr.rows) for tr in kv] == [
+            (0, 3, 0, t, rows) for t, rows in enumerate(parts)
+        ]
+        assert sum(tr.num_rows for tr in kv) == c
+        gone = set(plain.transfers) - set(sched.transfers)
+        travel = Payload.Q if pass_ is Pass.FORWARD else Payload.Q_GRAD
+        back = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
+        assert {(tr.payload, tr.src, tr.dst, tr.step, tr.rows) for tr in gone} == {
+            (travel, 1, 0, 2, (0, s)),
+            *((back, 0, 3, 3, (0, s)) for _ in range(1)),
+        }
+        dkv = [tr for tr in sched.transfers if tr.payload is Payload.DKV]
+        if pass_ is Pass.FORWARD:
+            assert not dkv
+        else:
+            (home,) = dkv
+            assert (home.src, home.dst, home.owner, home.rows) == (3, 0, 0, (0, c))
+            assert (home.step, home.after_segments) == (1, len(owner_plan.segments))
+
+
+def test_tokenring_lends_only_where_it_pays() -> None:
+    """No mask: every link carries a full Q at every step, so a lent pair's K/V would slow
+    the step it rides in: nobody lends. P = 2 backward: the dK/dV home would be the exposed
+    tail: nobody lends. Causal MHA from P = 3: rank 0 lends. Without both head counts (the
+    rule weighs bytes) or with borrow_last=False, the plain schedule."""
+
+    def lends(**kw: Any) -> bool:
+        sched = build_schedule("token_ring", seq_local=8, **kw)
+        return any(tr.payload is Payload.KV for tr in sched.transfers)
+
+    for layout, p, pass_ in itertools.product(("zigzag", "contiguous"), (2, 3, 4, 8), Pass):
+        kw: dict[str, Any] = dict(layout=layout, world_size=p, pass_=pass_)
+        for heads in ((8, 8), (8, 2), (4, 1)):
+            hq, hkv = heads
+            assert not lends(causal=False, heads_q=hq, heads_kv=hkv, **kw), (kw, heads)
+            assert not lends(causal=True, heads_kv=hkv, **kw)
+            assert not lends(causal=True, heads_q=hq, heads_kv=hkv, borrow_last=False, **kw)
+        causal_mha = lends(causal=True, heads_q=8, heads_kv=8, **kw)
+        assert causal_mha == (p > 2), kw  # P = 2 forward: one step, the K/V would not fit
+
+
+def test_the_vectorised_engine_refuses_a_lent_pair() -> None:
+    """Its closed forms have the plain tail: it refuses a schedule that lends (naming the way
+    out) and prices the plain one; beyond the event engine's range nothing is lent."""
+    from tokenring.model.costmodel import PRESETS
+    from tokenring.model.simulate import EVENT_MAX_WORLD_SIZE, simulate_pass
+    from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE
+
+    assert LEND_MAX_WORLD_SIZE == EVENT_MAX_WORLD_SIZE
+    shape = AttentionShape(heads_q=8, heads_kv=8, head_dim=64, dtype="float16")
+    kw: dict[str, Any] = dict(
+        layout="zigzag",
+        causal=True,
+        world_size=4,
+        seq_local=64,
+        shape=shape,
+        hardware=PRESETS["a10-pcie"],
+        mode="vectorised",
+    )
+    with pytest.raises(NotImplementedError, match="borrow_last=False"):
+        simulate_pass("token_ring", "forward", **kw)
+    assert simulate_pass("token_ring", "forward", borrow_last=False, **kw).call_s > 0
+    big = build_schedule(
+        "token_ring",
+        "forward",
+        layout="zigzag",
+        causal=True,
+        world_size=LEND_MAX_WORLD_SIZE + 1,
+        seq_local=2,
+        heads_q=8,
+        heads_kv=8,
+    )
+    assert not [tr for tr in big.transfers if tr.payload is Payload.KV]
 
 
 def test_window_skips_far_steps_entirely() -> None:

@@ -247,6 +247,9 @@ class Piece:
     heads: Rows | None = None  # kv heads computed (query heads: the same range x group); all
     masked: bool = False  # explicit mask from the rows' positions (Note [Mask classes])
     q_heads: Rows | None = None  # query heads computed when not ``heads`` x group (MQA lanes)
+    # pass-Q: the rank's own queries against these rows of ``kv_owner``'s K/V, sent here
+    # (Note [Borrowed last pair] in tokenring.strategies.ring); None: the usual pair
+    kv_owner: int | None = None
 
     @property
     def num_q(self) -> int:

@@ -113,6 +113,7 @@ from tokenring.strategies import build_schedule
 from tokenring.strategies.cached import CachedPlan, CachedShards
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
+from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE
 
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",
@@ -1125,6 +1126,7 @@ def simulate_pass(
     last_block_splits: int = 2,
     mode: str = "auto",
     hybrid: HybridSpec | None = None,
+    borrow_last: bool = True,
 ) -> PassResult:
     """Predict one pass of one strategy.
 
@@ -1135,12 +1137,17 @@ def simulate_pass(
         hardware: the machine (``tokenring.model.costmodel.PRESETS`` or ``measured(...)``).
         mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
+        borrow_last: as ``build_schedule`` (TokenRing: Note [Borrowed last pair] in
+            tokenring.strategies.ring); the vectorised engine's closed forms have the plain
+            tail only.
 
     Raises:
         ValueError: unknown strategy/layout/mode, a seq_local the layout cannot split, a
             dtype the hardware has no FLOP/s for, or a hybrid without (a fitting) ``hybrid``.
         NotImplementedError: mode "vectorised" (or "auto" above EVENT_MAX_WORLD_SIZE ranks)
-            for a strategy without closed forms (see VECTORISED_STRATEGIES).
+            for a strategy without closed forms (see VECTORISED_STRATEGIES), or for a
+            TokenRing schedule that lends a last pair (``borrow_last=False`` prices the plain
+            one).
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
@@ -1172,10 +1179,28 @@ def simulate_pass(
                 heads_kv=shape.heads_kv,
                 last_block_splits=last_block_splits,
                 hybrid=hybrid,
+                borrow_last=borrow_last,
             ),
             shape=shape,
             hardware=hardware,
         )
+    if strategy is Strategy.TOKEN_RING and borrow_last and world_size <= LEND_MAX_WORLD_SIZE:
+        sched = build_schedule(  # at most 64 ranks: cheap
+            strategy,
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=world_size,
+            seq_local=seq_local,
+            heads_q=shape.heads_q,
+            heads_kv=shape.heads_kv,
+        )
+        if any(tr.payload is Payload.KV for tr in sched.transfers):
+            raise NotImplementedError(
+                "the vectorised engine's closed forms have TokenRing's plain tail, and this "
+                "schedule lends its last pair (Note [Borrowed last pair] in "
+                "tokenring.strategies.ring): use mode='event', or borrow_last=False"
+            )
     vec = _simulate_vectorised(
         strategy,
         pass_,
@@ -1224,6 +1249,7 @@ def strategy_schedule(
     last_block_splits: int = 2,
     hybrid: HybridSpec | None = None,
     seq_len: int | None = None,
+    borrow_last: bool = True,
 ) -> Schedule:
     """The schedule of one pass of any registered strategy: ``build_schedule`` for the ring
     strategies, ``build_collective_schedule`` and ``build_hybrid_schedule`` for the others.
@@ -1233,7 +1259,7 @@ def strategy_schedule(
     ``tokenring.shard`` splits it: the ring strategies get exactly the schedule the attention
     builds, the collectives that of the padded buffer the attention runs them on, the hybrid
     that of its padded outer shards split evenly over the inner ranks, an approximation
-    when P_in does not divide them).
+    when P_in does not divide them). ``borrow_last``: as ``build_schedule`` (ring strategies).
 
     Raises:
         ValueError: as the builders; a hybrid without ``hybrid``; both or neither of
@@ -1257,6 +1283,7 @@ def strategy_schedule(
             heads_q=heads_q,
             heads_kv=heads_kv,
             last_block_splits=last_block_splits,
+            borrow_last=borrow_last,
         )
     if seq_len is not None:
         if strategy is Strategy.HYBRID:
@@ -1293,7 +1320,9 @@ def strategy_schedule(
         )
     if strategy.is_collective:
         return build_collective_schedule(strategy.value, pass_, **common)
-    return build_schedule(strategy, pass_, last_block_splits=last_block_splits, **common)
+    return build_schedule(
+        strategy, pass_, last_block_splits=last_block_splits, borrow_last=borrow_last, **common
+    )
 
 
 _PASSES = {

@@ -74,6 +74,7 @@ from tokenring.core.schedule import (
     Piece,
     Schedule,
     Segment,
+    StepPlan,
     Transfer,
 )
 from tokenring.runtime.comm import (
@@ -331,6 +332,16 @@ class _InFlight:
             _rows_heads(self.dq_acc, rec.transfer)[...] += dq_part
 
 
+def _lent_home(sched: Schedule, rank: int, step: int, holder: int) -> Transfer:
+    """Backward: the transfer that sends the dK/dV of the pair borrowed from ``holder`` home
+    (Note [Borrowed last pair] in tokenring.strategies.ring)."""
+    return next(
+        tr
+        for tr in sched.sends(rank, step)
+        if tr.payload is Payload.DKV and tr.dst == holder and tr.owner == holder
+    )
+
+
 def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
     """The transfer that returns segment ``index`` of ``step`` to its q owner."""
     return next(
@@ -365,14 +376,21 @@ def _operands(
     k: torch.Tensor,
     v: torch.Tensor,
     held: dict[int, _Held],
+    borrowed: dict[int, list[_Held]],
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
     """What ``piece`` computes on: its query-side tensors (from ``own``, this rank's q, or
     q, dout, lse, delta), its k and v, and whose K/V they are. Step 0: the local block, every
     head. Pass-Q: the lane's visiting queries (its held block, on the piece's heads of it)
-    against our K/V. Pass-KV: our queries against the lane's visiting K/V."""
+    against our K/V, or our queries against the parts of a borrowed pair's K/V (Note
+    [Borrowed last pair] in tokenring.strategies.ring). Pass-KV: our queries against the
+    lane's visiting K/V."""
     c, d = piece.kv_rows
     if step == 0:
         return [_part(x, piece.q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], rank
+    if piece.kv_owner is not None:  # our queries against borrowed K/V (every head)
+        (part,) = [h for h in borrowed[piece.kv_owner] if h.rows[0] <= c and d <= h.rows[1]]
+        k_p, v_p = part.slice(piece.kv_rows)
+        return [_part(x, piece.q_rows, slice(None)) for x in own], k_p, v_p, piece.kv_owner
     if sched.strategy.passes_q:
         kvh = slice(None) if piece.heads is None else slice(*piece.heads)
         heads = _held_heads(sched, piece)
@@ -525,16 +543,19 @@ class _Forward(SchedulePass):
         else:
             self.held = _lane_blocks(sched, self.rank, [k, v])
         self.partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
         self.masks = _Masks(sched)
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload is Payload.OUT:
             return self.partials.pop(tr)
+        if tr.payload is Payload.KV and self.sched.strategy.passes_q:
+            return _own_kv(self.k, self.v, tr.rows)
         assert tr.owner == self.held[tr.lane].owner
         return self.held[tr.lane].send(tr.rows)
 
     def arrive(self, op: Op) -> None:
-        _arrive(op, self.poster, self.held)
+        _arrive(op, self.sched, self.poster, self.held, self.borrowed)
 
     def returns(self, op: Op) -> None:
         """RETURNS: merge the partials of a step into this rank's accumulators."""
@@ -558,9 +579,9 @@ class _Forward(SchedulePass):
         parts = []
         for piece in segment.pieces:
             qh = _q_heads(piece, self.groups)
-            q_owner = plan.lane_q_owner(piece.lane)
+            q_owner = _q_owner(plan, piece)
             (q_p,), k_p, v_p, kv_owner = _operands(
-                sched, rank, step, piece, [self.q], self.k, self.v, self.held
+                sched, rank, step, piece, [self.q], self.k, self.v, self.held, self.borrowed
             )
             mask = self.masks(piece, q_owner, kv_owner)
             part = self.kernel.forward(
@@ -578,6 +599,8 @@ class _Forward(SchedulePass):
         if parts:
             tr = _return_of(sched, rank, step, op.index)
             self.partials[tr] = _merge_parts(parts, segment.q_rows)
+        if segment.pieces and segment.pieces[0].kv_owner is not None:
+            del self.borrowed[segment.pieces[0].kv_owner]  # computed: its K/V go
         done()
 
 
@@ -631,6 +654,9 @@ class _Backward(SchedulePass):
         self.pass_q = sched.strategy.passes_q
         self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
         self.held: dict[int, _Held] = {}
+        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
+        # kv owner -> (the message that sends their dK/dV home, its dk and dv (B, n, Hkv, D))
+        self.lent_grads: dict[int, tuple[Message, list[torch.Tensor]]] = {}
         self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
         self.dk = self.dv = torch.empty(0)  # (B, s, Hkv, D), from HOME
         self.masks = _Masks(sched)
@@ -655,6 +681,8 @@ class _Backward(SchedulePass):
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload in (Payload.DQ, Payload.DKV):
             return self.outbox.pop(tr)
+        if tr.payload is Payload.KV and self.pass_q:
+            return _own_kv(self.k, self.v, tr.rows)
         assert tr.owner == self.held[tr.lane].owner
         return self.held[tr.lane].send(tr.rows)
 
@@ -668,7 +696,10 @@ class _Backward(SchedulePass):
         """STEP: the accumulators to pass on this step, settled from the first tile on."""
         step, passing = op.step, op.transfers
         sends = self.sched.sends(self.rank, step)
-        self.outgoing = {tr.lane: tr for tr in sends if tr.payload is Payload.DKV}
+        # pass-Q's dK/dV sends are those of borrowed pairs, sent from compute(), not PASS
+        self.outgoing = {
+            tr.lane: tr for tr in sends if tr.payload is Payload.DKV and not self.pass_q
+        }
         blocking = self.q.device.type == "cpu"
         self.inflight = inflight = _InFlight(
             self.comm, self.poster, step, self.dq_acc, self.lane_messages, blocking=blocking
@@ -676,13 +707,27 @@ class _Backward(SchedulePass):
         for tr in passing:  # the accumulators that followed each block here
             inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
 
+    def lent_grads_of(self, holder: int, step: int) -> tuple[Message, list[torch.Tensor]]:
+        """The dK/dV ``(B, n, Hkv, D)`` of the pair borrowed from ``holder``, zeroed, in the
+        message that sends them home (Note [Borrowed last pair] in tokenring.strategies.ring)."""
+        if holder not in self.lent_grads:
+            tr = _lent_home(self.sched, self.rank, step, holder)
+            shape = (self.k.shape[0], tr.num_rows, *self.k.shape[2:])
+            fields = [(shape, self.acc)] * 2
+            self.lent_grads[holder] = self.comm.message(fields, self.k.device)
+        return self.lent_grads[holder]
+
     def targets(self, piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
         """The piece's accumulators, fetched after its first tile (Note [Buffers in flight]):
         by then the dK/dV that followed the block here has arrived and becomes the lane's
         accumulator, and the returns of the last step are gone."""
         (a, b), (c, d) = piece.q_rows, piece.kv_rows
         qh = _q_heads(piece, self.groups)
-        if self.pass_q or step == 0:
+        if piece.kv_owner is not None:  # a borrowed pair: its dK/dV go home
+            row0 = _lent_home(self.sched, self.rank, step, piece.kv_owner).rows[0]
+            _, grads = self.lent_grads_of(piece.kv_owner, step)
+            dk_t, dv_t = (g[:, c - row0 : d - row0] for g in grads)
+        elif self.pass_q or step == 0:
             dk_acc, dv_acc = self.dk_acc, self.dv_acc
             assert dk_acc is not None and dv_acc is not None, "kept home while computed into"
             kvh = slice(None) if piece.heads is None or not self.pass_q else slice(*piece.heads)
@@ -715,10 +760,10 @@ class _Backward(SchedulePass):
         done = self.timer.span(step, "attn_bwd")
         self.dq_seg = self.dq_msg = None  # allocated by targets(), after the first tile
         for piece in segment.pieces:
-            q_owner = plan.lane_q_owner(piece.lane)
+            q_owner = _q_owner(plan, piece)
             blocks = [self.q, self.dout, self.lse, self.row_delta]
             (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = _operands(
-                sched, rank, step, piece, blocks, self.k, self.v, held
+                sched, rank, step, piece, blocks, self.k, self.v, held, self.borrowed
             )
             mask = self.masks(piece, q_owner, kv_owner)
             # Our own queries: the kernel takes their real out, not a stand-in built from
@@ -741,6 +786,12 @@ class _Backward(SchedulePass):
             )
             del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p, blocks
         done()
+        holder = segment.pieces[0].kv_owner if segment.pieces else None
+        if holder is not None:  # the borrowed pair is done: its dK/dV go home
+            message, _ = self.lent_grads_of(holder, step)
+            self.outbox[_lent_home(sched, rank, step, holder)] = message
+            del self.lent_grads[holder]
+            self.borrowed.pop(holder, None)
         if self.dq_seg is not None:
             back = self.dq_msg if self.dq_msg is not None else [self.dq_seg.to(self.q.dtype)]
             self.outbox[_return_of(sched, rank, step, index)] = back
@@ -766,7 +817,7 @@ class _Backward(SchedulePass):
             self.dk_acc = self.dv_acc = None  # every row and head travels: nothing stays home
 
     def arrive(self, op: Op) -> None:
-        _arrive(op, self.poster, self.held)
+        _arrive(op, self.sched, self.poster, self.held, self.borrowed)
 
     def end(self, op: Op) -> None:
         self.held.clear()
@@ -786,10 +837,32 @@ class _Backward(SchedulePass):
                 _rows_heads(self.dq_acc, tr)[...] += dq_part
 
 
-def _arrive(op: Op, poster: SlotPoster, held: dict[int, _Held]) -> None:
-    """ARRIVE: the travelling blocks of the step become the held ones of their lanes."""
+def _arrive(
+    op: Op,
+    sched: Schedule,
+    poster: SlotPoster,
+    held: dict[int, _Held],
+    borrowed: dict[int, list[_Held]],
+) -> None:
+    """ARRIVE: the travelling blocks of the step become the held ones of their lanes; pass-Q:
+    the parts of a borrowed pair's K/V are kept by their owner (the Q lane is untouched)."""
     for tr in op.transfers:
-        held[tr.lane] = _Held.arrived(poster.pending.pop(tr))
+        block = _Held.arrived(poster.pending.pop(tr))
+        if sched.strategy.passes_q and tr.payload is Payload.KV:
+            borrowed.setdefault(tr.owner, []).append(block)
+        else:
+            held[tr.lane] = block
+
+
+def _q_owner(plan: StepPlan, piece: Piece) -> int:
+    """Whose queries ``piece`` computes: ours for a borrowed pair (Note [Borrowed last
+    pair] in tokenring.strategies.ring), else the lane's visitor's."""
+    return plan.rank if piece.kv_owner is not None else plan.lane_q_owner(piece.lane)
+
+
+def _own_kv(k: torch.Tensor, v: torch.Tensor, rows: tuple[int, int]) -> Message:
+    """Pass-Q: ``rows`` of this rank's K/V, lent to a q owner (Note [Borrowed last pair])."""
+    return kv_message(k[:, rows[0] : rows[1]], v[:, rows[0] : rows[1]])
 
 
 def _leave_home(

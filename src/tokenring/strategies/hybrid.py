@@ -134,6 +134,7 @@ def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> Ste
                     _shift(pc.heads, nkv, i),
                     pc.masked,
                     None if pc.q_heads is None else _shift(pc.q_heads, nq, i),
+                    None if pc.kv_owner is None else pc.kv_owner * p_in + i,  # a lent pair's
                 )
                 for pc in seg.pieces
             ),

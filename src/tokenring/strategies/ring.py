@@ -18,10 +18,48 @@ the Q of owner o = (r + t) mod P, computes it against its own K/V, and sends the
     rank 3 holds:  Q3       Q0       Q1       Q2
     returns:       -        o<-r+1   o<-r+2   o<-r+3   (sent after the block is computed)
 
+(rank 0's Q3 at step 3 is usually computed by rank 3 instead: Note [Borrowed last pair].)
+
 Q for step t+1 is posted at the start of step t, so it flies while step t computes; the partial
 of step t flies while step t+1 computes. The partial of the last step cannot overlap with
 anything, so the last block is computed in ``last_block_splits`` slices, each returned as
 soon as it is done: only the last slice's return is exposed (Note [Last block by heads]).
+
+Note [Borrowed last pair]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The last step's partial cannot overlap anything, and neither can the hop that brings the last
+Q. Zigzag causal, P = 4: at step 3 rank 0 holds Q3 (owner 3 > 0), needs all its rows against
+its kv chunk 0 only, and its partial (every row) goes 0 -> 3 after the last compute, the call's
+tail; the hop bringing Q3 to rank 0 (1 -> 0 at step 2) is the busiest link's third full Q.
+Rows of K/V chunk 0 cost 2 * c * Hkv, the Q rows 2 * c * Hq: no more under MHA. So rank 0
+*lends* the pair: its K/V rows go to the q owner 3 in parts, one per step 0 .. 2 (on the wrap
+link 0 -> 3, which carries half Q blocks, so a part fits beside them), and rank 3 computes its
+own queries against them after its last-step slices, merged at once: no return, and the Q3
+hop 1 -> 0 at step 2 is dropped (nobody further needs it)::
+
+    step t:        0          1          2          3
+    rank 0:        Q0 own     Q1         Q2         -  (lent: K/V chunk 0 -> rank 3)
+    rank 3:        Q3 own     Q0         Q1         Q2 slices, then Q3 x K/V0 (borrowed)
+    sent 0 -> 3:   Q0[c,s) +  Q1[c,s) +  Q2[c,s) +
+                   K/V0 1/3   K/V0 2/3   K/V0 3/3
+
+``_lent_pairs`` decides per rank r, from bytes (in elements of D per row: Q Hq, the
+backward's q and dout 2 Hq, K and V 2 Hkv), over the pair (q owner r - 1, kv owner r) of the
+last step: r lends when the pair's K/V rows cost no more than what they save (the Q rows' hop
+and their partial), and each part, added to the link r -> r - 1's own hop of its step, stays
+under that step's busiest hop (a link that is already the busiest would slow the step: with
+no mask, or GQA on the link 1 -> 0, nobody lends). Pieces keep their masks (positions are
+global), so documents, windows and chunks lend as they are.
+
+The forward computes the borrowed pair at the last step, after the owner's own slices (so
+their returns leave first), its K/V in P - 1 parts. The backward computes it at step 1 (K/V
+in one part at step 0), so that its dK/dV, in the accumulation dtype, fly home during the
+later steps (``Payload.DKV`` owner -> kv owner, added at HOME); dQ stays local. With P = 2
+that step is the last and the dK/dV would be the exposed tail instead of the dQ: the backward
+lends from P = 3. Beyond ``LEND_MAX_WORLD_SIZE`` ranks nothing is lent (the closed forms
+of the vectorised engine have the plain tail). A lent pair is one segment of pieces with
+``Piece.kv_owner`` set: the rank's own queries against that owner's K/V rows, cut at the
+parts' rows; the K/V travel as ``Payload.KV`` transfers of the pass-Q schedule.
 
 Note [Last block by heads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -120,9 +158,15 @@ from tokenring.core.schedule import (
 )
 from tokenring.strategies.collective import build_collective_schedule
 
-__all__ = ["build_schedule"]
+__all__ = ["LEND_MAX_WORLD_SIZE", "build_schedule"]
 
 Rows = tuple[int, int]
+
+LEND_MAX_WORLD_SIZE = 64
+"""TokenRing lends last pairs (Note [Borrowed last pair]) up to this many ranks: what the
+event engine simulates (``tokenring.model.simulate.EVENT_MAX_WORLD_SIZE``). Beyond it the
+schedule keeps the plain tail, which the vectorised engine's closed forms price exactly; the
+pair saves at most one step's return, under 1/64 of the call there."""
 
 
 def _segments(pieces: tuple[Piece, ...], splits: int) -> tuple[Segment, ...]:
@@ -155,6 +199,7 @@ def build_schedule(
     cu_seqlens: Sequence[int] | None = None,
     window_size: Sequence[int] | int | None = None,
     attention_chunk_size: int | None = None,
+    borrow_last: bool = True,
 ) -> Schedule:
     """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
 
@@ -184,6 +229,9 @@ def build_schedule(
         heads_q: number of query heads; needed by ``Strategy.BIDIR_TOKEN_RING`` (with
             heads_kv) to split its lanes, and by the collective strategies (Ulysses splits
             them over the ranks). Their schedules come from ``tokenring.strategies.collective``.
+        borrow_last: TokenRing, with both head counts given: a rank whose last pair costs
+            less to compute at the q owner moves its K/V rows there instead of receiving the
+            Q (Note [Borrowed last pair]); False keeps every pair where it is.
 
     Raises:
         ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
@@ -237,10 +285,17 @@ def build_schedule(
         lanes = _query_lanes(heads_q, heads_kv)
     else:
         lanes = _lanes(strategy, layout, s, heads_kv, causal)
-    steps = _step_plans(strategy, lanes, sharding, mask, last_block_splits, heads_q, heads_kv)
+    plan = (strategy, lanes, sharding, mask, last_block_splits, heads_q, heads_kv)
+    steps = _step_plans(*plan, {}, 0)
     transfers = _travel_transfers(strategy, pass_, lanes, steps)
+    if strategy is Strategy.TOKEN_RING and borrow_last:
+        lent = _lent_pairs(pass_, sharding, mask, transfers, heads_q, heads_kv)
+        if lent:
+            steps = _step_plans(*plan, lent, _borrow_step(pass_, p))
+            transfers = _travel_transfers(strategy, pass_, lanes, steps)
     if strategy.passes_q:
         transfers += _return_transfers(pass_, lanes, steps)
+        transfers += _borrow_transfers(pass_, steps)
     elif pass_ is Pass.BACKWARD:
         transfers += _accumulator_transfers(lanes, steps, s)
     return Schedule(
@@ -266,6 +321,8 @@ def _step_plans(
     last_block_splits: int,
     heads_q: int | None,
     heads_kv: int | None,
+    lent: dict[int, Segment],
+    compute_step: int,
 ) -> list[list[StepPlan]]:
     """Who computes what: ``steps[r][t]``, rank r's pieces at step t (Note [TokenRing step
     table]); pass-Q's last block in ``last_block_splits`` slices (Note [Last block by
@@ -287,7 +344,11 @@ def _step_plans(
             splits = last_block_splits if t == p - 1 and t > 0 else 1
             if strategy is Strategy.TOKEN_RING:
                 q_owner = kv_owners[0]
-                segments = _sliced(pieces(q_owner, r), 0, lanes[0], splits, heads_q, heads_kv)
+                pair = () if t == p - 1 and r in lent else pieces(q_owner, r)
+                segments = _sliced(pair, 0, lanes[0], splits, heads_q, heads_kv)
+                holder = (r + 1) % p  # Note [Borrowed last pair]: its last pair is ours
+                if t == compute_step and holder in lent:
+                    segments += (lent[holder],)
                 row.append(StepPlan(r, t, q_owner, (r,), segments))
                 continue
             if strategy is Strategy.BIDIR_TOKEN_RING:  # Note [Bidirectional TokenRing]
@@ -315,6 +376,100 @@ def _step_plans(
     return steps
 
 
+def _lent_pairs(
+    pass_: Pass,
+    sharding: Sharding,
+    mask: MaskSpec,
+    travel: list[Transfer],
+    heads_q: int | None,
+    heads_kv: int | None,
+) -> dict[int, Segment]:
+    """Note [Borrowed last pair]: the ranks whose last pair is computed at its q owner (by
+    rank), each with that pair as the segment the owner computes, its pieces cut at the
+    parts in which the K/V rows travel."""
+    p = sharding.world_size
+    forward = pass_ is Pass.FORWARD
+    if not (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE or heads_q is None or heads_kv is None:
+        return {}  # the backward's dK/dV home must have later steps to fly in
+    compute_step = _borrow_step(pass_, p)
+    # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
+    travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
+    load: dict[tuple[int, int, int], int] = {}  # (src, dst, step) -> travel bytes
+    for tr in travel:
+        key = (tr.src, tr.dst, tr.step)
+        load[key] = load.get(key, 0) + tr.num_rows * travel_row
+    busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
+    lent: dict[int, Segment] = {}
+    for r in range(p):
+        owner = (r - 1) % p  # whose Q rank r holds at the last step
+        block = sharded_block_pieces(sharding, mask, owner, r)
+        q_rows = _union([pc.q_rows for pc in block])
+        kv_rows = _union([pc.kv_rows for pc in block])
+        if q_rows is None or kv_rows is None:
+            continue
+        kv_bytes = kv_row * (kv_rows[1] - kv_rows[0])
+        saved = (travel_row + return_row) * (q_rows[1] - q_rows[0])
+        part = kv_bytes / compute_step  # sent in parts, one a step before it is computed
+        fits = all(load.get((r, owner, t), 0) + part <= busiest[t] for t in range(compute_step))
+        if kv_bytes <= saved and fits:
+            parts = _split_rows(kv_rows, compute_step)
+            lent[r] = Segment(
+                q_rows,
+                tuple(
+                    Piece(pc.q_rows, (lo, hi), pc.causal, masked=pc.masked, kv_owner=r)
+                    for pc in block
+                    for lo, hi in ((max(pc.kv_rows[0], a), min(pc.kv_rows[1], b)) for a, b in parts)
+                    if lo < hi
+                ),
+            )
+    return lent
+
+
+def _borrow_step(pass_: Pass, world_size: int) -> int:
+    """The step at which a q owner computes a borrowed pair (Note [Borrowed last pair])."""
+    return world_size - 1 if pass_ is Pass.FORWARD else 1
+
+
+def _borrow_transfers(pass_: Pass, steps: list[list[StepPlan]]) -> list[Transfer]:
+    """Note [Borrowed last pair]: the K/V rows of each borrowed pair to its q owner, in parts
+    at steps 0 .. t-1 before the step t that computes it (backward: and their dK/dV home
+    after it)."""
+    transfers: list[Transfer] = []
+    for r, row in enumerate(steps):
+        for t, plan in enumerate(row):
+            for k, segment in enumerate(plan.segments):
+                holder = segment.pieces[0].kv_owner
+                if holder is None:
+                    continue
+                rows = _union([pc.kv_rows for pc in segment.pieces])
+                assert rows is not None
+                for send_step, part in enumerate(_split_rows(rows, t)):
+                    transfers.append(
+                        Transfer(
+                            payload=Payload.KV,
+                            src=holder,
+                            dst=r,
+                            owner=holder,
+                            rows=part,
+                            step=send_step,
+                            after_segments=0,
+                        )
+                    )
+                if pass_ is Pass.BACKWARD:
+                    transfers.append(
+                        Transfer(
+                            payload=Payload.DKV,
+                            src=r,
+                            dst=holder,
+                            owner=holder,
+                            rows=rows,
+                            step=t,
+                            after_segments=k + 1,
+                        )
+                    )
+    return transfers
+
+
 def _travel_transfers(
     strategy: Strategy, pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
 ) -> list[Transfer]:
@@ -334,7 +489,7 @@ def _travel_transfers(
                 for ahead in range(1, p - t):
                     plan = steps[(r + lane.direction * ahead) % p][t + ahead]
                     for piece in plan.pieces:
-                        if piece.lane == index:
+                        if piece.lane == index and piece.kv_owner is None:
                             needed.append(piece.kv_rows if travel is Payload.KV else piece.q_rows)
                 rows = _union(needed)
                 if rows is not None:
@@ -366,6 +521,8 @@ def _return_transfers(
             plan = steps[r][t]
             for k, segment in enumerate(plan.segments):
                 first = segment.pieces[0]  # a segment's pieces share their lane and heads
+                if first.kv_owner is not None:
+                    continue  # a borrowed pair: our own rows, merged here
                 index = first.lane
                 owner = plan.lane_q_owner(index)
                 transfers.append(
