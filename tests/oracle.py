@@ -256,8 +256,10 @@ def expected_bytes(
     cu_seqlens: list[int] | None = None,
     window: tuple[int, int] = (-1, -1),
     chunk: int | None = None,
+    lend: bool = False,
 ) -> dict[tuple[str, int, int], int]:
-    """Bytes per ``(flow, src, dst)`` of one pass.
+    """Bytes per ``(flow, src, dst)`` of one pass (``lend``: TokenRing lends its last pairs
+    where they pay, Note [Borrowed last pair]).
 
     A travelling block of ``owner`` visits ranks owner-1, owner-2, ... (mod P) (Ring on the
     contiguous causal layout: owner+1, owner+2, ...); the hop into a
@@ -325,7 +327,7 @@ def expected_bytes(
         lanes = [(+1, heads_kv, set(range(s)))]  # only higher ranks see a shard's keys
     else:
         lanes = [(-1, heads_kv, set(range(s)))]
-    lent = _lent_pairs(p, backward, heads_q, heads_kv, q_needed, kv_needed)
+    lent = _lent_pairs(p, backward, heads_q, heads_kv, q_needed, kv_needed) if lend else set()
     for owner in range(p):
         for direction, lane_heads, lane_rows in lanes:
             lane_kv_row = kv_row * lane_heads // heads_kv

@@ -39,6 +39,8 @@ def _case(case: str, out_dir: str) -> None:
     options: dict = {"causal": True, "layout": "zigzag", "group": comm}
     if case == "splits":  # an option that changes the schedule, on one rank only
         options["last_block_splits"] = 4 if rank == 1 else 2
+    elif case == "last pair":  # lending changes the schedule: one rank asking for it
+        options["last_pair"] = "lend" if rank == 1 else None
     elif case == "splits unchecked":
         options.update(last_block_splits=4 if rank == 1 else 2, check_ranks=False)
     elif case == "bad input":  # a different invalid input on ranks 1, 2 and 3; rank 0 is fine
@@ -83,7 +85,7 @@ def _run(case: str, tmp_path: Path, *, allow_launch_error: bool = False) -> dict
     return _results(tmp_path)
 
 
-RAISING_CASES = ["splits", "bad input"]
+RAISING_CASES = ["splits", "last pair", "bad input"]
 CACHE_CASES = ["step", "attn", "strategy"]
 
 
@@ -114,6 +116,12 @@ def test_an_option_on_one_rank_fails_on_every_rank_naming_it(raising_cases: dict
             in r["error"]
         )
         assert r["elapsed_s"] < 2.5  # the agreement, not a timeout (3 s)
+    for r in raising_cases["last pair"].values():
+        assert not r["ok"] and r["type"] == "ValueError"
+        assert (
+            "ranks disagree on this attention call: last_pair: rank 0 has None, rank 1 has"
+            in (r["error"])
+        )
 
 
 def test_unchecked_mismatch_is_never_a_wrong_number(tmp_path: Path) -> None:
@@ -306,6 +314,15 @@ def test_module_wrapper_takes_auto(single_rank_group: None) -> None:
         ({"check_ranks": "yes"}, "check_ranks must be a bool; got 'yes'"),
         ({"hardware": "h100-nvswitch"}, "hardware is only used with strategy='auto'"),
         ({"seq_len": True}, "seq_len must be an int >= 0; got True"),
+        ({"last_pair": "lend"}, "last_pair is TokenRing's .*strategy='ring'"),
+        ({"last_pair": "return"}, "last_pair is TokenRing's .*strategy='ring'"),
+        ({"strategy": "token_ring", "last_pair": "borrow"}, "last_pair must be None or one of"),
+        ({"strategy": "token_ring", "last_pair": 1}, "last_pair must be None or one of .*got 1"),
+        ({"strategy": "token_ring", "last_pair": "auto"}, "last_pair='auto' needs hardware="),
+        (
+            {"strategy": "token_ring", "hardware": "h100-nvswitch"},
+            "hardware is only used with strategy='auto' or last_pair='auto'",
+        ),
     ],
 )
 def test_options_of_the_wrong_type_are_rejected(
@@ -313,7 +330,7 @@ def test_options_of_the_wrong_type_are_rejected(
 ) -> None:
     q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
     with pytest.raises(ValueError, match=match):
-        tokenring.ring_attn(q, k, v, **kwargs)
+        tokenring.sequence_parallel_attn(q, k, v, **{"strategy": "ring", **kwargs})
 
 
 def _repeated_calls(out_dir: str) -> None:

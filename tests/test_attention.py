@@ -32,7 +32,9 @@ from oracle import (
 )
 
 HEADS = [(4, 4), (6, 2), (4, 1)]  # MHA, GQA (groups of 3), MQA
-STRATEGIES = ("token_ring", "ring", "bidir_ring", "bidir_token_ring")
+# "token_ring+lend": last_pair="lend" (Note [Borrowed last pair]; causal only: without a
+# mask nothing is lent, test_schedule)
+STRATEGIES = ("token_ring", "token_ring+lend", "ring", "bidir_ring", "bidir_token_ring")
 
 
 def _traffic(comm: tokenring.Communicator) -> dict[tuple[str, int, int], int]:
@@ -62,8 +64,10 @@ def _check_config(
     local = [x[:, idx].to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
     comm = tokenring.get_communicator()
     comm.counter.reset()
+    name, _, lend = strategy.partition("+")
+    options = {"last_pair": "lend"} if lend else {}
     out, lse = tokenring.sequence_parallel_attn(
-        *local, strategy=strategy, causal=causal, layout=layout, return_lse=True
+        *local, strategy=name, causal=causal, layout=layout, return_lse=True, **options
     )
     fwd_bytes = _traffic(comm)
     comm.counter.reset()
@@ -97,7 +101,8 @@ def _check_config(
     }
     for backward, counted in ((False, fwd_bytes), (True, bwd_bytes)):
         formula = expected_bytes(
-            strategy=strategy,
+            strategy=name,
+            lend=bool(lend),
             backward=backward,
             layout=layout,
             causal=causal,
@@ -122,12 +127,16 @@ def _grid(strategy: str) -> list[dict[str, Any]]:
     for layout, causal, heads, dtype_name in itertools.product(
         ("contiguous", "zigzag"), (False, True), HEADS, DTYPES
     ):
+        if strategy.endswith("+lend") and not causal:
+            continue
         results.append(_check_config(strategy, layout, causal, heads, dtype_name))
     return results
 
 
 def _determinism(strategy: str) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
+    strategy, _, lend = strategy.partition("+")
+    options = {"last_pair": "lend"} if lend else {}
     q, k, v, dout = make_inputs(
         seed=7, batch=1, seq_global=8 * world, heads_q=4, heads_kv=2, head_dim=8
     )
@@ -136,7 +145,7 @@ def _determinism(strategy: str) -> bool:
     for _ in range(2):
         local = [x[:, idx].float().requires_grad_(True) for x in (q, k, v)]
         out = tokenring.sequence_parallel_attn(
-            *local, strategy=strategy, causal=True, layout="zigzag"
+            *local, strategy=strategy, causal=True, layout="zigzag", **options
         )
         out.backward(dout[:, idx].float())
         runs.append([out.detach(), *(x.grad for x in local)])

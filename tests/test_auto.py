@@ -9,9 +9,12 @@ import torch
 import torch.distributed as dist
 
 import tokenring
-from oracle import make_inputs, oracle_with_grads, owned_positions
+from oracle import expected_bytes, make_inputs, oracle_with_grads, owned_positions
+from tokenring.core.schedule import AttentionShape
+from tokenring.model import planner
 from tokenring.model.costmodel import measured
 from tokenring.model.planner import calibrate
+from tokenring.model.simulate import simulate
 
 
 def auto_on_ranks(hardware: object) -> tuple[str, float]:
@@ -177,3 +180,98 @@ def test_auto_without_hardware_raises_on_every_rank() -> None:
         for message in messages:
             assert "strategy='auto' needs hardware=" in message, message
             assert "planner.calibrate(comm" in message and "got hardware=None" in message, message
+
+
+def _compute_bound() -> Any:
+    return measured(
+        forward_flops_per_s=1e9,
+        backward_flops_per_s=1e9,
+        link_bandwidth_bytes_per_s=1e12,
+        memory_bandwidth_bytes_per_s=1e12,
+        dtype="float64",
+    )
+
+
+LAST_PAIR_CALL: dict[str, Any] = dict(  # 3 ranks, s = 8, MHA 4 x 8, float64, causal zigzag
+    world_size=3, seq_local=8, heads_q=4, heads_kv=4, head_dim=8, causal=True, layout="zigzag"
+)
+
+
+def last_pair_on_ranks(hardware: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """TokenRing with last_pair="auto" on each description: what the planner said, the bytes
+    each pass sent per link, and the error against the float64 oracle."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq = LAST_PAIR_CALL["seq_local"] * world
+    q, k, v, dout = make_inputs(seed=9, batch=1, seq_global=seq, heads_q=4, heads_kv=4, head_dim=8)
+    idx = torch.tensor(owned_positions("zigzag", rank, world, seq))
+    ref = oracle_with_grads(q, k, v, dout, causal=True, scale=8**-0.5)
+    comm = tokenring.get_communicator()
+    found = {}
+    for name, hw in hardware.items():
+        lends = planner.lends_last_pair(
+            **LAST_PAIR_CALL, dtype=torch.float64, training=True, hardware=hw
+        )
+        local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
+        sent = []
+        comm.counter.reset()
+        out = tokenring.token_ring_attn(
+            *local, causal=True, layout="zigzag", last_pair="auto", hardware=hw
+        )
+        sent.append(dict(comm.counter.sent_bytes))
+        comm.counter.reset()
+        out.backward(dout[:, idx])
+        sent.append(dict(comm.counter.sent_bytes))
+        got = [out.detach(), *(x.grad for x in local)]
+        want = [ref[key][:, idx] for key in ("out", "dq", "dk", "dv")]
+        error = max((g - w).abs().max().item() for g, w in zip(got, want, strict=True))
+        bytes_ = [{(flow, rank, peer): n for (flow, peer), n in x.items() if n} for x in sent]
+        found[name] = {"lends": lends, "bytes": bytes_, "error": error}
+    return found
+
+
+def _last_pair_bytes(lend: bool, backward: bool) -> dict[tuple[str, int, int], int]:
+    formula = expected_bytes(
+        strategy="token_ring",
+        lend=lend,
+        backward=backward,
+        batch=1,
+        elem_bytes=8,
+        acc_bytes=8,
+        **LAST_PAIR_CALL,
+    )
+    return {key: n for key, n in formula.items() if n}
+
+
+def test_last_pair_auto_lends_where_links_set_the_pace() -> None:
+    """last_pair="auto" (Note [Borrowed last pair]): on a link-bound description the model
+    lends TokenRing's last pair, on a compute-bound one it does not (the faster of its two
+    predictions); the ranks run exactly that schedule, forward and backward (their bytes per
+    link are ``expected_bytes`` with or without the lent pairs, which differ here), and the
+    answer is exact either way."""
+    hardware = {"link-bound": _described(), "compute-bound": _compute_bound()}
+    per_rank = tokenring.launch(last_pair_on_ranks, hardware, world_size=3, timeout_s=300)
+    shape = AttentionShape(heads_q=4, heads_kv=4, head_dim=8, dtype="float64")
+    sim = {k: v for k, v in LAST_PAIR_CALL.items() if k not in ("heads_q", "heads_kv", "head_dim")}
+    for backward in (False, True):
+        assert _last_pair_bytes(True, backward) != _last_pair_bytes(False, backward)
+    for name, lend in (("link-bound", True), ("compute-bound", False)):
+        times = [
+            simulate(
+                "token_ring",
+                passes="both",
+                shape=shape,
+                hardware=hardware[name],
+                lend_last_pair=x,
+                **sim,
+            ).call_s
+            for x in (False, True)
+        ]
+        assert (times[1] < times[0]) is lend, (name, times)
+        for backward in (False, True):
+            got: dict = {}
+            for found in per_rank:
+                got |= found[name]["bytes"][backward]
+            assert got == _last_pair_bytes(lend, backward), (name, backward)
+        for found in per_rank:
+            assert found[name]["lends"] is lend, name
+            assert found[name]["error"] < 1e-10, name

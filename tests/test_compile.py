@@ -166,6 +166,7 @@ def test_operator_passes_opcheck(single_rank_group: None, strategy: str) -> None
         "layout": "zigzag",
         "block_kernel": None,
         "last_block_splits": 2,
+        "last_pair": None,
         "check_ranks": True,
         "hardware": None,
         "seq_len": None,

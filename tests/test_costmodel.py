@@ -524,7 +524,6 @@ def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> N
                 shape=shape,
                 hardware=hw,
                 mode=mode,
-                borrow_last=False,  # the closed forms' plain tail
             )
             for mode in ("event", "vectorised")
         }
@@ -579,9 +578,7 @@ def test_the_vectorised_engine_in_chunks_of_steps_gives_the_same_pass(
         got = []
         for cells in (p * p, 2 * p, 1):  # one chunk; 2 steps per chunk; 1 step per chunk
             monkeypatch.setattr(simulate_module, "_CHUNK_CELLS", cells)
-            result = simulate_pass(
-                strategy, pass_, shape=GQA, hardware=hw, mode="vectorised", borrow_last=False, **kw
-            )
+            result = simulate_pass(strategy, pass_, shape=GQA, hardware=hw, mode="vectorised", **kw)
             got.append(dataclasses.asdict(result))
         for other in got[1:]:
             assert other.keys() == got[0].keys()
@@ -690,10 +687,7 @@ def test_a10_reproduction() -> None:
         layout="zigzag", causal=True, world_size=4, seq_local=24000 // 4, shape=shape
     )
     ring = simulate_pass("ring", "forward", hardware=hw, mode="event", **kw)
-    # the paper's TokenRing: every pair where the Q visits (no borrowed last pair)
-    token = simulate_pass(
-        "token_ring", "forward", hardware=hw, mode="event", borrow_last=False, **kw
-    )
+    token = simulate_pass("token_ring", "forward", hardware=hw, mode="event", **kw)
     assert ring.timeline is not None and token.timeline is not None
 
     # Ring: steady steps are set by the K/V transfer (98.3 MB), not by the 4.3 ms of compute.

@@ -225,13 +225,10 @@ def test_schedule_computes_every_needed_pair_once(
     computed: dict[int, list[tuple[int, int]]] = {h: [] for h in range(hq)}
     for g in range(p):
         for plan in sched.steps[g]:
+            qpos = owned_positions(layout, plan.q_owner // inner, outer, seq)
             for piece in plan.pieces:
                 assert piece.heads is not None, "every piece names its heads"
-                q_owner, kv_owner = plan.q_owner, plan.kv_owners[piece.lane]
-                if piece.kv_owner is not None:  # a lent pair: our queries, its K/V
-                    q_owner, kv_owner = g, piece.kv_owner
-                qpos = owned_positions(layout, q_owner // inner, outer, seq)
-                kpos = owned_positions(layout, kv_owner // inner, outer, seq)
+                kpos = owned_positions(layout, plan.kv_owners[piece.lane] // inner, outer, seq)
                 for i, j in itertools.product(range(*piece.q_rows), range(*piece.kv_rows)):
                     if piece.causal and j - piece.kv_rows[0] > i - piece.q_rows[0]:
                         continue

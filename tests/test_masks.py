@@ -72,9 +72,11 @@ def _check(
     local = [x[:, idx].to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
     comm = tokenring.get_communicator()
     comm.counter.reset()
+    strategy, _, lend = strategy.partition("+")  # "token_ring+lend": last_pair="lend"
     out, lse = tokenring.sequence_parallel_attn(
         *local,
         strategy=strategy,
+        last_pair="lend" if lend else None,
         causal=causal,
         layout=layout,
         return_lse=True,
@@ -111,6 +113,7 @@ def _check(
     for backward, sent in zip((False, True), counted, strict=True):
         formula = expected_bytes(
             strategy=strategy,
+            lend=bool(lend),
             backward=backward,
             layout=layout,
             causal=causal,
@@ -162,6 +165,8 @@ ENTRIES = [
     ("ring", 4, ["float64", "float32"], True),
     ("bidir_ring", 4, ["float64", "float16"], True),
     ("token_ring", 3, ["float64"], False),
+    ("token_ring+lend", 4, ["float64", "float32"], False),
+    ("token_ring+lend", 3, ["float64"], False),
     ("ring", 2, ["float64"], False),
     ("bidir_ring", 3, ["float64"], False),
     ("bidir_token_ring", 4, ["float64", "float32"], True),

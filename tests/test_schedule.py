@@ -21,7 +21,20 @@ from tokenring.core.schedule import AttentionShape, Pass, Payload, Piece, Strate
 from tokenring.strategies import build_schedule
 
 # One test per strategy; each loops over its grid and names every failing case at once.
-STRATEGIES = ("token_ring", "ring", "bidir_ring")
+# "token_ring+lend": TokenRing with lend_last_pair (Note [Borrowed last pair]).
+STRATEGIES = ("token_ring", "token_ring+lend", "ring", "bidir_ring")
+
+
+def _build(strategy: str, pass_: Pass | str, **kw: Any) -> Any:
+    name, _, lend = strategy.partition("+")
+    return build_schedule(name, pass_, lend_last_pair=lend == "lend", **kw)
+
+
+def _expected(strategy: str, **kw: Any) -> dict[tuple[str, int, int], int]:
+    name, _, lend = strategy.partition("+")
+    return expected_bytes(strategy=name, lend=lend == "lend", **kw)
+
+
 GRID = list(itertools.product(("contiguous", "zigzag"), (False, True), (1, 2, 3, 4, 5)))
 
 
@@ -33,7 +46,7 @@ def test_every_needed_pair_computed_exactly_once(strategy: str) -> None:
     failures = []
     for (layout, causal, world_size), heads_kv, pass_ in itertools.product(GRID, (1, 3), Pass):
         seq = world_size * seq_local
-        sched = build_schedule(
+        sched = _build(
             strategy,
             pass_,
             layout=layout,
@@ -82,7 +95,7 @@ def test_bytes_per_link_match_formula(strategy: str) -> None:
             head_dim=8,
             dtype="bfloat16",
         )
-        sched = build_schedule(
+        sched = _build(
             strategy,
             Pass.BACKWARD if backward else Pass.FORWARD,
             layout=layout,
@@ -93,8 +106,8 @@ def test_bytes_per_link_match_formula(strategy: str) -> None:
             heads_q=heads_q,
         )
         got = schedule_bytes_per_link(sched, dims)
-        want = expected_bytes(
-            strategy=strategy,
+        want = _expected(
+            strategy,
             backward=backward,
             layout=layout,
             causal=causal,
@@ -142,7 +155,7 @@ def test_masked_pairs_computed_exactly_once(strategy: str) -> None:
         name = f"{layout} P={world_size} case={case} causal={causal}"
         seq_len, cu_seqlens, _ = case
         window = _window(case, causal)
-        sched = build_schedule(
+        sched = _build(
             strategy,
             "forward",
             layout=layout,
@@ -206,7 +219,7 @@ def test_masked_bytes_per_link_match_formula(strategy: str) -> None:
             head_dim=4,
             dtype="bfloat16",
         )
-        sched = build_schedule(
+        sched = _build(
             strategy,
             Pass.BACKWARD if backward else Pass.FORWARD,
             layout=layout,
@@ -219,8 +232,8 @@ def test_masked_bytes_per_link_match_formula(strategy: str) -> None:
             heads_q=heads_q,
         )
         got = schedule_bytes_per_link(sched, dims)
-        want = expected_bytes(
-            strategy=strategy,
+        want = _expected(
+            strategy,
             backward=backward,
             layout=layout,
             causal=causal,
@@ -254,12 +267,15 @@ def test_tokenring_lends_the_last_pair_of_rank_zero() -> None:
     kw: dict[str, Any] = dict(
         layout="zigzag", causal=True, world_size=p, seq_local=s, heads_q=8, heads_kv=8
     )
+    assert build_schedule("token_ring", "forward", **kw) == build_schedule(
+        "token_ring", "forward", lend_last_pair=False, **kw
+    ), "lending is asked for, never the default"
     for pass_, compute_step, parts in (
         (Pass.FORWARD, 3, [(0, 1), (1, 2), (2, 4)]),
         (Pass.BACKWARD, 1, [(0, 4)]),
     ):
-        sched = build_schedule("token_ring", pass_, **kw)
-        plain = build_schedule("token_ring", pass_, borrow_last=False, **kw)
+        sched = build_schedule("token_ring", pass_, lend_last_pair=True, **kw)
+        plain = build_schedule("token_ring", pass_, **kw)
         assert not list(sched.steps[0][3].pieces)
         owner_plan = sched.steps[3][compute_step]
         lent = owner_plan.segments[-1]
@@ -293,10 +309,10 @@ def test_tokenring_lends_only_where_it_pays() -> None:
     """No mask: every link carries a full Q at every step, so a lent pair's K/V would slow
     the step it rides in: nobody lends. P = 2 backward: the dK/dV home would be the exposed
     tail: nobody lends. Causal MHA from P = 3: rank 0 lends. Without both head counts (the
-    rule weighs bytes) or with borrow_last=False, the plain schedule."""
+    rule weighs bytes) or with lend_last_pair=False, the plain schedule."""
 
     def lends(**kw: Any) -> bool:
-        sched = build_schedule("token_ring", seq_local=8, **kw)
+        sched = build_schedule("token_ring", seq_local=8, **{"lend_last_pair": True, **kw})
         return any(tr.payload is Payload.KV for tr in sched.transfers)
 
     for layout, p, pass_ in itertools.product(("zigzag", "contiguous"), (2, 3, 4, 8), Pass):
@@ -305,7 +321,7 @@ def test_tokenring_lends_only_where_it_pays() -> None:
             hq, hkv = heads
             assert not lends(causal=False, heads_q=hq, heads_kv=hkv, **kw), (kw, heads)
             assert not lends(causal=True, heads_kv=hkv, **kw)
-            assert not lends(causal=True, heads_q=hq, heads_kv=hkv, borrow_last=False, **kw)
+            assert not lends(causal=True, heads_q=hq, heads_kv=hkv, lend_last_pair=False, **kw)
         causal_mha = lends(causal=True, heads_q=8, heads_kv=8, **kw)
         assert causal_mha == (p > 2), kw  # P = 2 forward: one step, the K/V would not fit
 
@@ -328,9 +344,9 @@ def test_the_vectorised_engine_refuses_a_lent_pair() -> None:
         hardware=PRESETS["a10-pcie"],
         mode="vectorised",
     )
-    with pytest.raises(NotImplementedError, match="borrow_last=False"):
-        simulate_pass("token_ring", "forward", **kw)
-    assert simulate_pass("token_ring", "forward", borrow_last=False, **kw).call_s > 0
+    with pytest.raises(NotImplementedError, match="lend_last_pair=False"):
+        simulate_pass("token_ring", "forward", lend_last_pair=True, **kw)
+    assert simulate_pass("token_ring", "forward", lend_last_pair=False, **kw).call_s > 0
     big = build_schedule(
         "token_ring",
         "forward",
@@ -340,6 +356,7 @@ def test_the_vectorised_engine_refuses_a_lent_pair() -> None:
         seq_local=2,
         heads_q=8,
         heads_kv=8,
+        lend_last_pair=True,
     )
     assert not [tr for tr in big.transfers if tr.payload is Payload.KV]
 
@@ -348,7 +365,7 @@ def test_window_skips_far_steps_entirely() -> None:
     """Contiguous causal, window 3 < s = 8: only the neighbour's keys are in reach, so steps
     2 and 3 of a 4-rank ring neither compute nor send anything."""
     for strategy in ("token_ring", "ring"):
-        sched = build_schedule(
+        sched = _build(
             strategy,
             "forward",
             layout="contiguous",

@@ -202,6 +202,7 @@ def _schedule(
     heads_kv: int,
     attention_chunk_size: int | None,
     heads_q: int | None = None,
+    lend_last_pair: bool = False,
 ) -> Schedule:
     return build_schedule(
         strategy,
@@ -216,6 +217,7 @@ def _schedule(
         heads_kv=heads_kv,
         attention_chunk_size=attention_chunk_size,
         heads_q=heads_q,
+        lend_last_pair=lend_last_pair,
     )
 
 
@@ -230,6 +232,7 @@ def resolve_strategy(
     hardware: Hardware | str | None = None,
     last_block_splits: int = 2,
     training: bool | None = None,
+    last_pair: str = "auto",
 ) -> Strategy:
     """The strategy a call runs: ``strategy`` itself, or for ``"auto"`` the planner's pick.
 
@@ -242,6 +245,7 @@ def resolve_strategy(
         hardware: for ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
             passed in]).
         training: whether a backward follows; None: grad mode is on and q or k requires grad.
+        last_pair: how ``"auto"`` prices TokenRing (``tokenring.model.planner.explain``).
 
     Raises:
         ValueError: ``"auto"`` without ``hardware``.
@@ -261,6 +265,7 @@ def resolve_strategy(
         hardware=hardware,
         last_block_splits=last_block_splits,
         training=training,
+        last_pair=last_pair,
     )
 
 
@@ -274,8 +279,8 @@ def _choose_strategy(
     hardware: Hardware | str,
     last_block_splits: int,
     training: bool,
+    last_pair: str,
 ) -> Strategy:
-
     if isinstance(hardware, str):
         hardware = preset(hardware)
     batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
@@ -292,7 +297,45 @@ def _choose_strategy(
         hardware=hardware,
         batch=batch,
         last_block_splits=last_block_splits,
+        last_pair=last_pair,
     )
+
+
+def _lends_last_pair(
+    strategy: Strategy, q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int
+) -> bool:
+    """Whether the call's TokenRing lends its last pair (Note [Borrowed last pair] in
+    tokenring.strategies.ring): ``last_pair`` "lend", or "auto" (also what None means with
+    ``strategy="auto"``) and the model says it is faster on ``hardware``. Pure, like the
+    strategy's pick; ``options`` validated (:func:`_requested_strategy`)."""
+    if strategy is not Strategy.TOKEN_RING:
+        return False
+    policy = _last_pair_policy(options)
+    if policy != "auto":
+        return policy == "lend"
+    hardware = options["hardware"]
+    batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
+    return planner.lends_last_pair(
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=heads_q,
+        heads_kv=int(k.shape[2]),
+        head_dim=head_dim,
+        dtype=q.dtype,
+        causal=options["causal"],
+        layout=Layout.parse(options["layout"]),
+        training=any(options["requires_grad"][:2]),
+        hardware=preset(hardware) if isinstance(hardware, str) else hardware,
+        batch=batch,
+        last_block_splits=options["last_block_splits"],
+    )
+
+
+def _last_pair_policy(options: dict[str, Any]) -> str:
+    """``last_pair`` as given, or for None: "auto" with ``strategy="auto"``, else "return"."""
+    if options["last_pair"] is not None:
+        return str(options["last_pair"])
+    return "auto" if options["strategy"] == "auto" else "return"
 
 
 def _validate(
@@ -391,6 +434,7 @@ def _prepare_call(
         "cu_seqlens": [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))],
         "attention_chunk_size": options["attention_chunk_size"],
         "last_block_splits": options["last_block_splits"],
+        "last_pair": options["last_pair"],
         "kernel": block_kernel.name,
         "needs grad": needs_grad,
     }
@@ -428,13 +472,25 @@ def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
             "strategy 'bidir_token_ring' sends half of the query heads each way round the "
             f"ring and needs heads_q >= 2; got q.shape[2]={q.shape[2]} (use 'token_ring')"
         )
-    if hardware is not None and requested != "auto":
+    last_pair = options["last_pair"]
+    if last_pair is not None and last_pair not in planner.LAST_PAIRS:
         raise ValueError(
-            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
-            f"strategy={requested!r}"
+            f"last_pair must be None or one of {planner.LAST_PAIRS}; got {last_pair!r}"
         )
-    if hardware is None and requested == "auto":
-        raise ValueError(AUTO_NEEDS_HARDWARE)
+    if last_pair is not None and requested not in ("auto", Strategy.TOKEN_RING.value):
+        raise ValueError(
+            f"last_pair is TokenRing's (Note [Borrowed last pair]); got last_pair={last_pair!r} "
+            f"with strategy={requested!r}"
+        )
+    planned = requested == "auto" or last_pair == "auto"
+    if hardware is not None and not planned:
+        raise ValueError(
+            f"hardware is only used with strategy='auto' or last_pair='auto'; got "
+            f"hardware={hardware!r} with strategy={requested!r}"
+        )
+    if hardware is None and planned:
+        what = "strategy='auto'" if requested == "auto" else "last_pair='auto'"
+        raise ValueError(AUTO_NEEDS_HARDWARE.replace("strategy='auto'", what))
     return requested
 
 
@@ -524,6 +580,7 @@ def _attention(
     layout: str,
     block_kernel: str | None,
     last_block_splits: int,
+    last_pair: str | None,
     check_ranks: bool,
     hardware: str | None,
     seq_len: int | None,
@@ -576,6 +633,7 @@ def _attention_backward(
     layout: str,
     block_kernel: str | None,
     last_block_splits: int,
+    last_pair: str | None,
     check_ranks: bool,
     hardware: str | None,
     seq_len: int | None,
@@ -611,9 +669,15 @@ def _attention_setup(
     q, k, v = inputs
     out, lse, *residuals = output
     options = keyword_only_inputs
-    # the backward runs the strategy the forward ran, without a second agreement
-    strategy = _strategy_of(q, k, _merged(options))
-    ctx.options = {**options, "strategy": strategy.value}
+    # the backward runs the strategy (and last pair) the forward ran, without a second
+    # agreement or pick
+    merged = _merged(options)
+    strategy = _strategy_of(q, k, merged)
+    last_pair = None
+    if strategy is Strategy.TOKEN_RING:
+        world_size = _rank_and_size(op.resolve_group(options["group"]))[1]
+        last_pair = "lend" if _lends_last_pair(strategy, q, k, merged, world_size) else "return"
+    ctx.options = {**options, "strategy": strategy.value, "last_pair": last_pair}
     # the registry holds objects weakly (Note [Handles] in tokenring.runtime.op): the graph
     # holds them
     ctx.referents = [op.resolve_group(options["group"]), op.resolve_object(options["raw"])]
@@ -652,6 +716,7 @@ def _strategy_of(q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]) -> S
         hardware=hardware,
         last_block_splits=options["last_block_splits"],
         training=any(options["requires_grad"][:2]),
+        last_pair=_last_pair_policy(options),
     )
 
 
@@ -703,6 +768,7 @@ def sequence_parallel_attn(
     return_lse: bool = False,
     kernel: str | BlockKernel | None = None,
     last_block_splits: int = 2,
+    last_pair: str | None = None,
     check_ranks: bool = True,
     hardware: Hardware | str | None = None,
     seq_len: int | None = None,
@@ -733,6 +799,14 @@ def sequence_parallel_attn(
             lse carries no gradient.
         kernel: block kernel name or instance; None picks one for the device and dtype.
         last_block_splits: TokenRing returns its last block in this many slices.
+        last_pair: TokenRing's last pair (Note [Borrowed last pair] in
+            tokenring.strategies.ring): ``"return"`` (computed where the Q visits, its
+            partial returned), ``"lend"`` (a rank whose last pair's K/V rows cost fewer bytes
+            than the Q hop and the partial sends them to the q owner during the earlier
+            steps, which computes the pair itself: faster where links set the pace, slower
+            where compute does), or ``"auto"``: the cost model decides on ``hardware`` (which
+            it needs). None: ``"auto"`` with ``strategy="auto"``, else ``"return"``; other
+            strategies take only None.
         check_ranks: all-gather a small signature first and raise a ValueError naming the
             difference if ranks disagree on shapes, dtype or options (one tiny collective).
         hardware: for ``strategy="auto"``, and needed by it: a
@@ -764,8 +838,9 @@ def sequence_parallel_attn(
         ValueError: mismatched shapes, dtypes or devices; Hkv not dividing Hq; a seq_local the
             layout cannot split (pass seq_len); a local length that does not match seq_len;
             bad cu_seqlens, window_size or attention_chunk_size; unknown strategy, layout or
-            kernel; strategy="auto" without hardware, or hardware with another strategy;
-            ranks that disagree.
+            kernel; strategy="auto" (or last_pair="auto") without hardware, or hardware
+            with neither; last_pair not None, "return", "lend" or "auto", or given to another
+            strategy than TokenRing; ranks that disagree.
         NotImplementedError: under torch.compile (which this function supports, fullgraph
             too), cu_seqlens as a tensor.
         RuntimeError: under torch.compile, a ProcessGroup tokenring has not seen eagerly
@@ -798,6 +873,7 @@ _PRIMITIVES: dict[str, tuple[type, Any]] = {
     "layout": (str, ""),
     "block_kernel": (str, None),
     "last_block_splits": (int, 0),
+    "last_pair": (str, None),
     "check_ranks": (bool, False),
     "hardware": (str, None),
     "seq_len": (int, None),
@@ -886,7 +962,9 @@ def _plan(
         hardware=options["hardware"],
         last_block_splits=options["last_block_splits"],
         training=any(options["requires_grad"][:2]),
+        last_pair=_last_pair_policy(options),
     )
+    lend = _lends_last_pair(strategy, q, k, options, comm.world_size)
     sharding = call.sharding
     schedules = None
     if not strategy.is_collective:
@@ -901,6 +979,7 @@ def _plan(
             k.shape[2],
             options["attention_chunk_size"],
             q.shape[2],
+            lend,
         )
         schedules = (
             _schedule(strategy, Pass.FORWARD, *key),

@@ -86,7 +86,7 @@ from tokenring.core.schedule import (
 )
 from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
 from tokenring.model.costmodel import CollectiveRouting, Hardware, measured, resource_bytes
-from tokenring.model.planner import explain
+from tokenring.model.planner import explain, lends_last_pair
 from tokenring.model.simulate import simulate, strategy_schedule
 from tokenring.runtime.comm import Communicator, Event, FieldSpec, Timeline
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
@@ -141,6 +141,9 @@ class BenchConfig:
     """Keep the per-rank timeline of the last call of each row (for --plot)."""
     tolerance: float | None = None
     """Max abs error against the float64 oracle for a row to pass; None: by dtype."""
+    last_pair: str = "return"
+    """TokenRing rows: ``"return"`` or ``"lend"`` (``last_pair`` of the attention; Note
+    [Borrowed last pair] in tokenring.strategies.ring)."""
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq < 1:
@@ -152,6 +155,8 @@ class BenchConfig:
         for p in self.passes:
             if p not in ("fwd", "fwd+bwd"):
                 raise ValueError(f"passes must be 'fwd' or 'fwd+bwd'; got {p!r}")
+        if self.last_pair not in ("return", "lend"):
+            raise ValueError(f"last_pair must be 'return' or 'lend'; got {self.last_pair!r}")
         if not self.models or not self.strategies or not self.causal or not self.passes:
             raise ValueError("models, strategies, causal and passes must each be non-empty")
         shapes = {
@@ -159,6 +164,11 @@ class BenchConfig:
             for n, m in self.models.items()
         }
         object.__setattr__(self, "models", shapes)
+
+    @property
+    def lends(self) -> bool:
+        """Whether the TokenRing rows lend their last pair."""
+        return self.last_pair == "lend"
 
     def layout_for(self, causal: bool) -> Layout:
         if self.layout is not None:
@@ -687,6 +697,7 @@ def _schedules(
             heads_kv=model.heads_kv,
             heads_q=model.heads_q,
             hybrid=config.hybrid,
+            lend_last_pair=config.lends,
         )
         for p in (Pass.FORWARD, Pass.BACKWARD)
     ]
@@ -718,6 +729,8 @@ def _measure_row(
     # global ranks; otherwise the default group's (group rank = global rank).
     counted = [(comm, list(range(comm.world_size)))]
     attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
+    if case.strategy is Strategy.TOKEN_RING:
+        attend = functools.partial(attend, last_pair=config.last_pair)
     if case.strategy is Strategy.HYBRID:
         assert mesh is not None
         counted = [
@@ -876,6 +889,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                     else None
                 ),
                 "pass": first.pass_,
+                "last_pair": config.last_pair if first.strategy == "token_ring" else None,
                 **call_ms([r.call_s for r in rows]),
                 "ms_max": 1e3 * max(max(r.call_s) for r in rows),
                 "ms_step_fwd": 1e3 * max(steps_fwd) if steps_fwd else None,
@@ -1003,6 +1017,7 @@ def _add_model_times(
             hardware=dataclasses.replace(
                 hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
             ),
+            lend_last_pair=config.lends,
         )
         row["model_ms"] = 1e3 * result.call_s
         row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
@@ -1020,7 +1035,7 @@ def _add_planner_pick(
     verdict against the measured fastest (Note [Verdicts within noise]), to each row."""
     first = group[0]
     shape = config.models[first["model"]]
-    plan = explain(
+    plan_of: dict[str, Any] = dict(
         world_size=world_size,
         seq_local=seq_local,
         heads_q=shape.heads_q,
@@ -1030,10 +1045,14 @@ def _add_planner_pick(
         causal=first["causal"],
         hardware=hardware,
         layout=first["layout"],
-        training=first["pass"] == "fwd+bwd",
         batch=config.batch,
+    )
+    plan = explain(
+        **plan_of,
+        training=first["pass"] == "fwd+bwd",
         strategies=[row["strategy"] for row in group],
         hybrid=config.hybrid,
+        last_pair=config.last_pair,  # as the rows ran
     )
     candidates = {p.strategy.value for p in plan.predictions}  # what the planner covers
     planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}
@@ -1047,6 +1066,9 @@ def _add_planner_pick(
         row["planner_ms"] = planned.get(row["strategy"])
         row["planner_verdict"] = verdict
         row["planner_why"] = why
+        if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
+            lends = lends_last_pair(**plan_of, training=first["pass"] == "fwd+bwd")
+            row["auto_last_pair"] = "lend" if lends else "return"
 
 
 def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
@@ -1342,6 +1364,13 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
         choices=[s.value for s in Strategy if s.is_ring],
         help="ring strategy across the hybrid's islands",
     )
+    attention.add_argument(
+        "--last-pair",
+        choices=["return", "lend"],
+        default="return",
+        help="TokenRing rows: return the last pair's partial, or lend the pair to its q owner "
+        "(last_pair of the attention); the rows' auto_last_pair says what 'auto' would run",
+    )
 
 
 def _add_output_arguments(output: ArgumentAdder) -> None:
@@ -1407,6 +1436,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         iters=args.iters,
         timeline_rows=args.plot is not None or args.trace is not None,
         tolerance=args.tolerance,
+        last_pair=args.last_pair,
     )
 
 

@@ -125,6 +125,12 @@ def _add_call_arguments(call: ArgumentAdder) -> None:
     add(
         "--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits (default: 2)"
     )
+    add(
+        "--lend-last-pair",
+        action="store_true",
+        help="TokenRing lends its last pair to the q owner (last_pair='lend'; Note [Borrowed "
+        "last pair])",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -269,6 +275,7 @@ def _predict(
                 last_block_splits=args.splits,
                 mode=args.mode,
                 hybrid=cfg.hybrid,
+                lend_last_pair=args.lend_last_pair,
             )
         except (NotImplementedError, ValueError) as exc:
             if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:

@@ -23,7 +23,9 @@ the links set the pace, the busiest direction carries per row and step::
 
 so TokenRing wins comm-bound MHA (ratio ~1/2) and Ring wins comm-bound GQA with
 Hq/Hkv > 2 (Llama-3-8B 32/8: ratio ~2); compute-bound shapes tie on kernel time, and the
-rest (exposed last return, merges, rendezvous waits) decides.
+rest (exposed last return, merges, rendezvous waits) decides. TokenRing is predicted with
+and without its last pair lent (``last_pair="auto"``; Note [Borrowed last pair] in
+tokenring.strategies.ring) and enters as the faster of the two.
 
 Note [Which candidates]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -113,6 +115,7 @@ __all__ = [
     "choose_strategy",
     "explain",
     "explain_cached",
+    "lends_last_pair",
     "pass_q_threshold",
     "predict_cached",
 ]
@@ -129,6 +132,11 @@ _NO_SPEC = (
     "outer_strategy=...) to explain, and run it with tokenring.hybrid_attn"
 )
 _TIE = 1e-9
+# last_pair -> the TokenRing variants to predict: lend its last pair or not (Note [Borrowed
+# last pair] in tokenring.strategies.ring); "auto" keeps the faster (ties: not lending)
+_LENDS = {"return": (False,), "lend": (True,), "auto": (False, True)}
+LAST_PAIRS = tuple(_LENDS)
+"""The values of ``last_pair`` (``sequence_parallel_attn``, :func:`explain`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,6 +157,9 @@ class Prediction:
     """Simulator engine: ``event`` or ``vectorised``."""
     hybrid: HybridSpec | None = None
     """The factorisation, for ``Strategy.HYBRID``."""
+    lends_last_pair: bool = False
+    """TokenRing: predicted with its last pair lent (Note [Borrowed last pair] in
+    tokenring.strategies.ring)."""
 
     @property
     def total_s(self) -> float:
@@ -219,6 +230,7 @@ def _plan(
     last_block_splits: int,
     mode: str,
     hybrid: HybridSpec | None,
+    last_pair: str,
 ) -> Plan:
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
@@ -230,30 +242,37 @@ def _plan(
             skipped.append((strategy, _NO_SPEC))
             continue
         spec = hybrid if strategy is Strategy.HYBRID else None
+        lends = _LENDS[last_pair] if strategy is Strategy.TOKEN_RING else (False,)
         for layout in layouts:
-            try:
-                call = simulate(
-                    strategy,
-                    passes="both" if training else "forward",
-                    layout=layout,
-                    causal=causal,
-                    world_size=world_size,
-                    seq_local=seq_local,
-                    shape=shape,
-                    hardware=hardware,
-                    last_block_splits=last_block_splits,
-                    mode=mode,
-                    hybrid=spec,
-                )
-            except NotImplementedError as exc:  # e.g. no closed forms at this world size
-                if layout is layouts[0]:
-                    skipped.append((strategy, str(exc)))
-                continue
-            predictions.append(_prediction(strategy, layout, call, training, spec))
+            variants: list[Prediction] = []
+            for lend in lends:
+                try:
+                    call = simulate(
+                        strategy,
+                        passes="both" if training else "forward",
+                        layout=layout,
+                        causal=causal,
+                        world_size=world_size,
+                        seq_local=seq_local,
+                        shape=shape,
+                        hardware=hardware,
+                        last_block_splits=last_block_splits,
+                        mode=mode,
+                        hybrid=spec,
+                        lend_last_pair=lend,
+                    )
+                except NotImplementedError as exc:  # e.g. no closed forms at this world size
+                    if layout is layouts[0] and not variants:
+                        skipped.append((strategy, str(exc)))
+                    continue
+                variants.append(_prediction(strategy, layout, call, training, spec, lend))
+            if variants:
+                predictions.append(_fastest(variants))
     if not predictions:
         reasons = "; ".join(reason for _, reason in skipped)
         raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
-    best, reason = _pick(predictions, shape, hardware, world_size, seq_local)
+    best = _fastest(predictions)
+    reason = _reason(best, predictions, shape, hardware, world_size, seq_local)
     plan = Plan(
         pick=best.strategy,
         layout=best.layout,
@@ -270,7 +289,12 @@ def _plan(
 
 
 def _prediction(
-    strategy: Strategy, layout: Layout, call: CallResult, training: bool, hybrid: HybridSpec | None
+    strategy: Strategy,
+    layout: Layout,
+    call: CallResult,
+    training: bool,
+    hybrid: HybridSpec | None,
+    lends_last_pair: bool,
 ) -> Prediction:
     fwd = call.passes[0]
     return Prediction(
@@ -281,21 +305,28 @@ def _prediction(
         bound_by="compute" if fwd.compute_s >= fwd.busiest_s else f"comm ({fwd.busiest_resource})",
         mode=fwd.mode,
         hybrid=hybrid,
+        lends_last_pair=lends_last_pair,
     )
 
 
-def _pick(
+def _fastest(predictions: list[Prediction]) -> Prediction:
+    """The fastest prediction, ties to the earlier (Note [Choosing])."""
+    best = predictions[0]
+    for cand in predictions[1:]:
+        if cand.total_s < best.total_s * (1 - _TIE):
+            best = cand
+    return best
+
+
+def _reason(
+    best: Prediction,
     predictions: list[Prediction],
     shape: AttentionShape,
     hardware: Hardware,
     world_size: int,
     seq_local: int,
-) -> tuple[Prediction, str]:
-    """The fastest prediction (ties to the earlier: Note [Choosing]) and one sentence on why."""
-    best = predictions[0]
-    for cand in predictions[1:]:
-        if cand.total_s < best.total_s * (1 - _TIE):
-            best = cand
+) -> str:
+    """One sentence on why ``best`` is the pick."""
     others = [p for p in predictions if p is not best and p.layout is best.layout]
     if others:
         runner = min(others, key=lambda p: p.total_s)
@@ -314,7 +345,9 @@ def _pick(
             f"{best.strategy.value} ({best.layout.value}) is the only candidate: "
             f"{1e3 * best.total_s:.4g} ms on {hardware.name}"
         )
-    return best, reason
+    if best.lends_last_pair:
+        reason += "; TokenRing lends its last pair (Note [Borrowed last pair])"
+    return reason
 
 
 def explain(
@@ -334,6 +367,7 @@ def explain(
     last_block_splits: int = 2,
     mode: str = "auto",
     hybrid: HybridSpec | None = None,
+    last_pair: str = "auto",
 ) -> Plan:
     """Predict every candidate strategy (and layout) and pick the fastest; see Note [Choosing]
     and Note [Which candidates].
@@ -349,6 +383,9 @@ def explain(
         mode: simulator engine (``auto``, ``event``, ``vectorised``).
         hybrid: the factorisation to predict ``Strategy.HYBRID`` with; None lists the hybrid
             as skipped.
+        last_pair: TokenRing's last pair: ``"return"`` (its partial returns), ``"lend"``
+            (Note [Borrowed last pair] in tokenring.strategies.ring) or ``"auto"`` (the
+            faster of the two; ``Prediction.lends_last_pair`` says which).
 
     Returns:
         A :class:`Plan`: the pick, every prediction and the reason. Logged once at INFO per
@@ -357,8 +394,11 @@ def explain(
     Raises:
         ValueError: non-positive sizes, heads_kv not dividing heads_q, an unknown strategy or
             layout, a seq_local the layout cannot split, a dtype the hardware has no FLOP/s
-            for, or a ``hybrid`` that does not fit the world size and heads.
+            for, a ``hybrid`` that does not fit the world size and heads, or an unknown
+            ``last_pair``.
     """
+    if last_pair not in _LENDS:
+        raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
     _check_sizes(
         world_size=world_size,
         seq_local=seq_local,
@@ -386,6 +426,7 @@ def explain(
         last_block_splits,
         mode,
         hybrid,
+        last_pair,
     )
 
 
@@ -418,6 +459,7 @@ def choose_strategy(
     batch: int = 1,
     last_block_splits: int = 2,
     strategies: Sequence[Strategy | str] | None = None,
+    last_pair: str = "auto",
 ) -> Strategy:
     """The strategy ``strategy="auto"`` runs: :func:`explain`'s pick for the caller's layout.
 
@@ -428,6 +470,7 @@ def choose_strategy(
     Args:
         strategies: the candidates (default: every strategy); e.g. only the ring strategies
             for a call the collectives do not support.
+        last_pair: how TokenRing is predicted (:func:`explain`).
 
     Raises:
         ValueError: as :func:`explain`; candidates that leave nothing to pick.
@@ -448,7 +491,50 @@ def choose_strategy(
         strategies=[
             s for s in (strategies or Strategy) if Strategy.parse(s) is not Strategy.HYBRID
         ],
+        last_pair=last_pair,
     ).pick
+
+
+def lends_last_pair(
+    *,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    causal: bool,
+    layout: Layout | str,
+    training: bool,
+    hardware: Hardware,
+    batch: int = 1,
+    last_block_splits: int = 2,
+) -> bool:
+    """Whether TokenRing should lend its last pair (Note [Borrowed last pair] in
+    tokenring.strategies.ring): what ``last_pair="auto"`` runs. True when the simulator
+    predicts the call (forward, plus backward when ``training``) faster with it than without;
+    ties keep the partial's return. Deterministic like :func:`choose_strategy`.
+
+    Raises:
+        ValueError: as :func:`explain`.
+    """
+    plan = explain(
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        causal=causal,
+        hardware=hardware,
+        layout=layout,
+        training=training,
+        batch=batch,
+        last_block_splits=last_block_splits,
+        strategies=[Strategy.TOKEN_RING],
+        last_pair="auto",
+    )
+    return plan.predictions[0].lends_last_pair
 
 
 # -- calibration -------------------------------------------------------------------------------

@@ -1126,7 +1126,7 @@ def simulate_pass(
     last_block_splits: int = 2,
     mode: str = "auto",
     hybrid: HybridSpec | None = None,
-    borrow_last: bool = True,
+    lend_last_pair: bool = False,
 ) -> PassResult:
     """Predict one pass of one strategy.
 
@@ -1137,7 +1137,7 @@ def simulate_pass(
         hardware: the machine (``tokenring.model.costmodel.PRESETS`` or ``measured(...)``).
         mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
-        borrow_last: as ``build_schedule`` (TokenRing: Note [Borrowed last pair] in
+        lend_last_pair: as ``build_schedule`` (TokenRing: Note [Borrowed last pair] in
             tokenring.strategies.ring); the vectorised engine's closed forms have the plain
             tail only.
 
@@ -1146,8 +1146,8 @@ def simulate_pass(
             dtype the hardware has no FLOP/s for, or a hybrid without (a fitting) ``hybrid``.
         NotImplementedError: mode "vectorised" (or "auto" above EVENT_MAX_WORLD_SIZE ranks)
             for a strategy without closed forms (see VECTORISED_STRATEGIES), or for a
-            TokenRing schedule that lends a last pair (``borrow_last=False`` prices the plain
-            one).
+            TokenRing schedule that lends a last pair (``lend_last_pair=False`` prices the
+            plain one).
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
@@ -1179,12 +1179,12 @@ def simulate_pass(
                 heads_kv=shape.heads_kv,
                 last_block_splits=last_block_splits,
                 hybrid=hybrid,
-                borrow_last=borrow_last,
+                lend_last_pair=lend_last_pair,
             ),
             shape=shape,
             hardware=hardware,
         )
-    if strategy is Strategy.TOKEN_RING and borrow_last and world_size <= LEND_MAX_WORLD_SIZE:
+    if strategy is Strategy.TOKEN_RING and lend_last_pair and world_size <= LEND_MAX_WORLD_SIZE:
         sched = build_schedule(  # at most 64 ranks: cheap
             strategy,
             pass_,
@@ -1194,12 +1194,13 @@ def simulate_pass(
             seq_local=seq_local,
             heads_q=shape.heads_q,
             heads_kv=shape.heads_kv,
+            lend_last_pair=True,
         )
         if any(tr.payload is Payload.KV for tr in sched.transfers):
             raise NotImplementedError(
                 "the vectorised engine's closed forms have TokenRing's plain tail, and this "
                 "schedule lends its last pair (Note [Borrowed last pair] in "
-                "tokenring.strategies.ring): use mode='event', or borrow_last=False"
+                "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
     vec = _simulate_vectorised(
         strategy,
@@ -1249,7 +1250,7 @@ def strategy_schedule(
     last_block_splits: int = 2,
     hybrid: HybridSpec | None = None,
     seq_len: int | None = None,
-    borrow_last: bool = True,
+    lend_last_pair: bool = False,
 ) -> Schedule:
     """The schedule of one pass of any registered strategy: ``build_schedule`` for the ring
     strategies, ``build_collective_schedule`` and ``build_hybrid_schedule`` for the others.
@@ -1259,7 +1260,7 @@ def strategy_schedule(
     ``tokenring.shard`` splits it: the ring strategies get exactly the schedule the attention
     builds, the collectives that of the padded buffer the attention runs them on, the hybrid
     that of its padded outer shards split evenly over the inner ranks, an approximation
-    when P_in does not divide them). ``borrow_last``: as ``build_schedule`` (ring strategies).
+    when P_in does not divide them). ``lend_last_pair``: as ``build_schedule`` (TokenRing).
 
     Raises:
         ValueError: as the builders; a hybrid without ``hybrid``; both or neither of
@@ -1283,7 +1284,7 @@ def strategy_schedule(
             heads_q=heads_q,
             heads_kv=heads_kv,
             last_block_splits=last_block_splits,
-            borrow_last=borrow_last,
+            lend_last_pair=lend_last_pair,
         )
     if seq_len is not None:
         if strategy is Strategy.HYBRID:
@@ -1321,7 +1322,11 @@ def strategy_schedule(
     if strategy.is_collective:
         return build_collective_schedule(strategy.value, pass_, **common)
     return build_schedule(
-        strategy, pass_, last_block_splits=last_block_splits, borrow_last=borrow_last, **common
+        strategy,
+        pass_,
+        last_block_splits=last_block_splits,
+        lend_last_pair=lend_last_pair,
+        **common,
     )
 
 
@@ -1345,6 +1350,7 @@ def simulate(
     last_block_splits: int = 2,
     mode: str = "auto",
     hybrid: HybridSpec | None = None,
+    lend_last_pair: bool = False,
 ) -> CallResult:
     """Predict a call: ``passes`` is ``forward``, ``backward`` or ``both`` (training).
 
@@ -1368,6 +1374,7 @@ def simulate(
                 last_block_splits=last_block_splits,
                 mode=mode,
                 hybrid=hybrid,
+                lend_last_pair=lend_last_pair,
             )
             for pass_ in _PASSES[passes]
         ),

@@ -18,7 +18,8 @@ the Q of owner o = (r + t) mod P, computes it against its own K/V, and sends the
     rank 3 holds:  Q3       Q0       Q1       Q2
     returns:       -        o<-r+1   o<-r+2   o<-r+3   (sent after the block is computed)
 
-(rank 0's Q3 at step 3 is usually computed by rank 3 instead: Note [Borrowed last pair].)
+(with ``lend_last_pair``, rank 0's Q3 at step 3 is computed by rank 3 instead: Note [Borrowed
+last pair].)
 
 Q for step t+1 is posted at the start of step t, so it flies while step t computes; the partial
 of step t flies while step t+1 computes. The partial of the last step cannot overlap with
@@ -60,6 +61,14 @@ lends from P = 3. Beyond ``LEND_MAX_WORLD_SIZE`` ranks nothing is lent (the clos
 of the vectorised engine have the plain tail). A lent pair is one segment of pieces with
 ``Piece.kv_owner`` set: the rank's own queries against that owner's K/V rows, cut at the
 parts' rows; the K/V travel as ``Payload.KV`` transfers of the pass-Q schedule.
+
+Lending puts one more block on the owner's critical path while the lender idles: it wins
+where links set the pace and loses where compute does (event simulator, forward, lend / keep:
+lab mesh at 12 MB/s, P = 4, MHA 8 x 64, s = 512, float32: 0.84x; h100-nvswitch, P = 8, GQA
+32/8 x 128, s = 16k: 1.10x; the paper's a10-pcie case: 1.16x). The schedule is built without
+the hardware, so lending is the call's choice (``last_pair`` of ``sequence_parallel_attn``):
+the caller's, or the model's with ``last_pair="auto"`` (``tokenring.model.planner.
+lends_last_pair`` prices the call both ways).
 
 Note [Last block by heads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -199,7 +208,7 @@ def build_schedule(
     cu_seqlens: Sequence[int] | None = None,
     window_size: Sequence[int] | int | None = None,
     attention_chunk_size: int | None = None,
-    borrow_last: bool = True,
+    lend_last_pair: bool = False,
 ) -> Schedule:
     """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
 
@@ -229,9 +238,11 @@ def build_schedule(
         heads_q: number of query heads; needed by ``Strategy.BIDIR_TOKEN_RING`` (with
             heads_kv) to split its lanes, and by the collective strategies (Ulysses splits
             them over the ranks). Their schedules come from ``tokenring.strategies.collective``.
-        borrow_last: TokenRing, with both head counts given: a rank whose last pair costs
-            less to compute at the q owner moves its K/V rows there instead of receiving the
-            Q (Note [Borrowed last pair]); False keeps every pair where it is.
+        lend_last_pair: TokenRing, with both head counts given: a rank whose last pair
+            costs fewer bytes to compute at the q owner sends its K/V rows there instead of
+            receiving the Q (Note [Borrowed last pair]). It shortens link-bound calls and
+            lengthens compute-bound ones, so the caller (or ``last_pair="auto"``, from the
+            model) decides; False keeps every pair where it is.
 
     Raises:
         ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
@@ -288,7 +299,7 @@ def build_schedule(
     plan = (strategy, lanes, sharding, mask, last_block_splits, heads_q, heads_kv)
     steps = _step_plans(*plan, {}, 0)
     transfers = _travel_transfers(strategy, pass_, lanes, steps)
-    if strategy is Strategy.TOKEN_RING and borrow_last:
+    if strategy is Strategy.TOKEN_RING and lend_last_pair:
         lent = _lent_pairs(pass_, sharding, mask, transfers, heads_q, heads_kv)
         if lent:
             steps = _step_plans(*plan, lent, _borrow_step(pass_, p))
