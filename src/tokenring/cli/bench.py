@@ -1719,6 +1719,8 @@ _MD_COLUMNS = [
     ("model_ms", "model ms"),
     ("model_error_pct", "vs model %"),
     ("planner_pick", "auto picks"),
+    ("last_pair", "last pair"),
+    ("auto_last_pair", "auto last pair"),
     ("max_error", "max err"),
 ]
 
