@@ -1021,7 +1021,7 @@ def _agreed_call(
 
 # One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword
 # (causal, softmax_scale, group, layout, return_lse, kernel, seq_len, cu_seqlens,
-# window_size, attention_chunk_size, last_block_splits, check_ranks) is passed through and
+# window_size, attention_chunk_size, last_block_splits, last_pair, check_ranks) is passed through and
 # checked there.
 
 
@@ -1102,7 +1102,7 @@ class SequenceParallelAttention(torch.nn.Module):
     """``nn.Module`` wrapper: ``forward(q, k, v) -> out`` with the options fixed at build time.
 
     Args: as :func:`sequence_parallel_attn` (strategy, causal, softmax_scale, group, layout,
-    kernel, last_block_splits, check_ranks).
+    kernel, last_block_splits, last_pair, check_ranks).
     """
 
     def __init__(
