@@ -1021,8 +1021,8 @@ def _agreed_call(
 
 # One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword
 # (causal, softmax_scale, group, layout, return_lse, kernel, seq_len, cu_seqlens,
-# window_size, attention_chunk_size, last_block_splits, last_pair, check_ranks) is passed through and
-# checked there.
+# window_size, attention_chunk_size, last_block_splits, last_pair, check_ranks) is passed
+# through and checked there.
 
 
 def token_ring_attn(
