@@ -1166,26 +1166,9 @@ def simulate_pass(
             f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
         )
     flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
-    if mode == "event":
-        return simulate_schedule(
-            strategy_schedule(
-                strategy,
-                pass_,
-                layout=layout,
-                causal=causal,
-                world_size=world_size,
-                seq_local=seq_local,
-                heads_q=shape.heads_q,
-                heads_kv=shape.heads_kv,
-                last_block_splits=last_block_splits,
-                hybrid=hybrid,
-                lend_last_pair=lend_last_pair,
-            ),
-            shape=shape,
-            hardware=hardware,
-        )
-    if strategy is Strategy.TOKEN_RING and lend_last_pair and world_size <= LEND_MAX_WORLD_SIZE:
-        sched = build_schedule(  # at most 64 ranks: cheap
+    lends = strategy is Strategy.TOKEN_RING and lend_last_pair
+    if mode == "event" or (lends and world_size <= LEND_MAX_WORLD_SIZE):
+        sched = strategy_schedule(
             strategy,
             pass_,
             layout=layout,
@@ -1194,9 +1177,13 @@ def simulate_pass(
             seq_local=seq_local,
             heads_q=shape.heads_q,
             heads_kv=shape.heads_kv,
-            lend_last_pair=True,
+            last_block_splits=last_block_splits,
+            hybrid=hybrid,
+            lend_last_pair=lend_last_pair,
         )
-        if any(tr.payload is Payload.KV for tr in sched.transfers):
+        if mode == "event":
+            return simulate_schedule(sched, shape=shape, hardware=hardware)
+        if any(tr.payload is Payload.KV for tr in sched.transfers):  # at most 64 ranks: cheap
             raise NotImplementedError(
                 "the vectorised engine's closed forms have TokenRing's plain tail, and this "
                 "schedule lends its last pair (Note [Borrowed last pair] in "
