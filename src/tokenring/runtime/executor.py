@@ -12,17 +12,33 @@ replays the same programs, so what is priced is what runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.profiler import record_function
 
 from tokenring.core.schedule import Schedule, Transfer
-from tokenring.runtime.comm import Communicator, Message
+from tokenring.runtime.comm import Message
 from tokenring.runtime.program import Op, OpKind
-from tokenring.runtime.slots import SlotPoster
+from tokenring.runtime.slots import Provide
 
-__all__ = ["PassRunner", "execute"]
+__all__ = ["PassRunner", "Poster", "SendWaits", "execute"]
+
+
+class Poster(Protocol):
+    """What :func:`execute` posts a POST's transfers through: a ``SlotPoster``, or the
+    hybrid's routes to the poster of each transfer's group."""
+
+    def post(self, transfers: Sequence[Transfer], provide: Provide) -> object: ...
+
+
+class SendWaits(Protocol):
+    """What :func:`execute` waits for this rank's sends on: a ``Communicator``, or the
+    hybrid's routes to the communicator of each send's group."""
+
+    def wait_sent(self, transfers: Sequence[Transfer]) -> None: ...
+
+    def wait_sends(self) -> None: ...
 
 
 class PassRunner:
@@ -32,8 +48,8 @@ class PassRunner:
     its runner does not implement fails loudly."""
 
     sched: Schedule
-    comm: Communicator
-    poster: SlotPoster
+    comm: SendWaits
+    poster: Poster
 
     @property
     def range_prefix(self) -> str:
