@@ -341,23 +341,8 @@ def _prepare(
     """Validate one rank's call (raising as :func:`hybrid_attn` says) and plan it; the
     signature the ranks compare. No communication."""
     p_in = mesh.inner_size
-    strategy = Strategy.parse(outer_strategy)
-    if not strategy.is_ring:
-        raise NotImplementedError(
-            f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
-        )
+    strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
     layout = Layout.parse(layout)
-    for name, x in (("q", q), ("k", k)):
-        if x.dim() != 4 or x.shape[2] % p_in:
-            raise NotImplementedError(
-                f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
-                f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
-            )
-    _validate(q, k, v, softmax_scale)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool; got {causal!r}")
-    if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
-        raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
     window = normalize_window(window_size, causal=causal)
     chunk_documents((0, 1), attention_chunk_size)  # validates it
     sharding = _outer_sharding(q, mesh, layout, seq_len, cu_seqlens)
@@ -401,3 +386,33 @@ def _prepare(
         "kernel": plan.kernel.name,
     }
     return plan, signature
+
+
+def _checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p_in: int,
+    outer_strategy: Strategy | str,
+    causal: bool,
+    softmax_scale: float | None,
+    last_block_splits: int,
+) -> Strategy:
+    """The outer strategy, once it and the tensors, causal and last_block_splits are checked."""
+    strategy = Strategy.parse(outer_strategy)
+    if not strategy.is_ring:
+        raise NotImplementedError(
+            f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
+        )
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != 4 or x.shape[2] % p_in:
+            raise NotImplementedError(
+                f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
+                f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
+            )
+    _validate(q, k, v, softmax_scale)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
+        raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
+    return strategy

@@ -3,10 +3,10 @@
 Every strategy's pass is a :class:`PassRunner`: the state its program's ops work on, with one
 method per op that touches tensors (compute, merge, take what arrived). :func:`execute`
 walks the program and does the rest itself, the same way for every strategy: it posts each
-POST's transfers through the runner's ``SlotPoster`` (receives first, sends filled by
-:meth:`PassRunner.provide`), waits for the sends an op names, and opens one profiler range
-per step (``tokenring.<strategy>.<pass>.step<t>``). The simulator (``tokenring.model.simulate``)
-replays the same programs, so what is priced is what runs.
+POST's transfers through the runner's poster (a ``SlotPoster``: receives first, sends filled
+by :meth:`PassRunner.provide`), waits for the sends an op names on its communicator, and
+opens one profiler range per step (``tokenring.<strategy>.<pass>.step<t>``). The simulator
+(``tokenring.model.simulate``) replays the same programs, so what is priced is what runs.
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ __all__ = ["PassRunner", "Poster", "SendWaits", "execute"]
 
 
 class Poster(Protocol):
-    """What :func:`execute` posts a POST's transfers through: a ``SlotPoster``, or the
-    hybrid's routes to the poster of each transfer's group."""
+    """A ``SlotPoster``, or the hybrid's routes to the poster of each transfer's group."""
 
     def post(self, transfers: Sequence[Transfer], provide: Provide) -> object: ...
 
 
 class SendWaits(Protocol):
-    """What :func:`execute` waits for this rank's sends on: a ``Communicator``, or the
-    hybrid's routes to the communicator of each send's group."""
+    """A ``Communicator``, or the hybrid's routes to the communicator of each send's group."""
 
     def wait_sent(self, transfers: Sequence[Transfer]) -> None: ...
 
