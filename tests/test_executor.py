@@ -1,18 +1,27 @@
 """The one executor (tokenring.runtime.executor): what it does itself for every strategy, what
-it hands to the pass's runner, and that SENT waits for exactly the sends it names."""
+it hands to the pass's runner, that the hybrid's passes run through it, and that SENT waits
+for exactly the sends it names."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from tokenring.core.schedule import Payload, Transfer
+import tokenring
+import tokenring.runtime.hybrid
+from tokenring.core.schedule import Pass, Payload, Strategy, Transfer
+from tokenring.hybrid import hybrid_attn, hybrid_mesh
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.executor import PassRunner, execute
-from tokenring.runtime.program import Op, OpKind, ring_program
+from tokenring.runtime.program import Op, OpKind, program_of, ring_program
 from tokenring.strategies import build_schedule
+
+RUNNER_OPS = ("begin", "compute", "arrive", "returns", "end", "delta", "pass_on", "home")
 
 
 class _Poster:
@@ -49,27 +58,86 @@ class _Recorder(PassRunner):
     begin = compute = arrive = returns = end = delta = pass_on = home = _record
 
 
-@pytest.mark.parametrize("pass_", ["forward", "backward"])
-@pytest.mark.parametrize("strategy", ["token_ring", "ring"])
-def test_execute_runs_every_op_once_in_program_order(strategy: str, pass_: str) -> None:
-    """POST goes to the poster with its transfers and the runner's provide, SENT to
-    comm.wait_sent with the op's own transfers, SENT_ALL to comm.wait_sends; every other op
-    to the runner, in order."""
-    sched = build_schedule(strategy, pass_, layout="zigzag", causal=True, world_size=3, seq_local=4)
-    program = ring_program(sched, 1)
-    runner = _Recorder(sched)
-    execute(program, runner)
+def _dispatched(program: Sequence[Op], provide: Callable[..., Any]) -> list[Any]:
+    """What execute hands on for ``program``: POST to the poster with its transfers and the
+    runner's provide, SENT to comm.wait_sent with the op's own transfers, SENT_ALL to
+    comm.wait_sends; every other op to the runner."""
     expected: list[Any] = []
     for op in program:
         if op.kind is OpKind.POST:
-            expected.append(("post", op.transfers, runner.provide))
+            expected.append(("post", op.transfers, provide))
         elif op.kind is OpKind.SENT:
             expected.append(("wait_sent", op.transfers))
         elif op.kind is OpKind.SENT_ALL:
             expected.append(("wait_sends",))
         else:
             expected.append(("runner", op))
-    assert runner.log == expected
+    return expected
+
+
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+@pytest.mark.parametrize("strategy", ["token_ring", "ring"])
+def test_execute_runs_every_op_once_in_program_order(strategy: str, pass_: str) -> None:
+    """Every op once, in order, to the poster, the communicator or the runner."""
+    sched = build_schedule(strategy, pass_, layout="zigzag", causal=True, world_size=3, seq_local=4)
+    program = ring_program(sched, 1)
+    runner = _Recorder(sched)
+    execute(program, runner)
+    assert runner.log == _dispatched(program, runner.provide)
+
+
+def hybrid_passes() -> list[str]:
+    """A 2 x 2 hybrid call, forward and backward, with every op execute hands on logged (the
+    real runner and routes still run it): how each pass differs from its program."""
+    mesh = hybrid_mesh(2, 2)
+    runs: list[tuple[Sequence[Op], Any, list[Any]]] = []
+
+    def recording(program: Sequence[Op], runner: Any) -> None:
+        log: list[Any] = []
+
+        def logged(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any) -> Any:
+                log.append((kind, *args))
+                return method(*args)
+
+            return call
+
+        for name in RUNNER_OPS:
+            setattr(runner, name, logged("runner", getattr(runner, name)))
+        for name in ("post", "wait_sent", "wait_sends"):  # runner.poster is runner.comm
+            setattr(runner.poster, name, logged(name, getattr(runner.poster, name)))
+        runs.append((program, runner, log))
+        execute(program, runner)
+
+    tokenring.runtime.hybrid.execute = recording  # type: ignore[assignment]
+    try:
+        q = torch.randn(1, 4, 4, 8, requires_grad=True)
+        kv = torch.randn(1, 4, 2, 8, requires_grad=True)
+        hybrid_attn(q, kv, kv, mesh=mesh, layout="zigzag", causal=True).sum().backward()
+    finally:
+        tokenring.runtime.hybrid.execute = execute
+    failures = [] if len(runs) == 2 else [f"{len(runs)} programs executed"]
+    for (program, runner, log), pass_ in zip(runs, Pass, strict=False):
+        sched = runner.sched
+        if sched.strategy is not Strategy.HYBRID or sched.pass_ is not pass_:
+            failures.append(f"{sched.strategy} {sched.pass_} run for the {pass_}")
+        if program != program_of(sched, dist.get_rank()):
+            failures.append(f"{pass_}: not the rank's program")
+        last = sched.num_steps - 1
+        if not all(
+            any(op.kind is OpKind.POST and op.step == t for op in program) for t in (0, last)
+        ):
+            failures.append(f"{pass_}: the inner all-to-alls are not ops of the program")
+        if log != _dispatched(program, runner.provide):
+            failures.append(f"{pass_}: ops not dispatched once each in program order")
+    return failures
+
+
+def test_hybrid_passes_run_their_programs_through_execute() -> None:
+    """Forward and backward of the hybrid are its rank programs, all-to-alls included, each
+    op dispatched by execute in program order."""
+    per_rank = tokenring.launch(hybrid_passes, world_size=4, timeout_s=300)
+    assert per_rank == [[]] * 4, per_rank
 
 
 def test_an_op_the_runner_lacks_fails_naming_it() -> None:

@@ -1,10 +1,11 @@
 """2-D sequence parallelism: Ulysses inside a fast island, a ring strategy across islands.
 
-This module runs the hybrid (USP-like) strategy whose schedule ``tokenring.strategies.hybrid``
-builds (Note [Hybrid schedule] there): the mesh (:class:`HybridMesh`), the layout of a
-rank's shard (Note [Hybrid layout]), and :func:`hybrid_attn`, which turns sequence shards into
-head shards on the inner group, runs a ring strategy over the outer group and turns the result
-back.
+This module is the public face of the hybrid (USP-like) strategy whose schedule
+``tokenring.strategies.hybrid`` builds (Note [Hybrid schedule] there): the mesh
+(:class:`HybridMesh`), the layout of a rank's shard (Note [Hybrid layout]), and
+:func:`hybrid_attn`, which validates and plans a call and runs each pass's rank program
+(``tokenring.runtime.hybrid``: sequence shards to head shards on the inner group, a ring
+strategy over the outer group, and back).
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P_out outer ranks,
 P_in inner ranks, nq = Hq / P_in and nkv = Hkv / P_in (heads of one inner rank).
@@ -39,7 +40,7 @@ block j), else NotImplementedError; Ulysses proper (``ulysses_attn``) handles un
 
 from __future__ import annotations
 
-import itertools
+import functools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -49,16 +50,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.api import _validate, get_communicator, sequence_parallel_attn
+from tokenring.api import _validate, get_communicator
 from tokenring.core.layout import Layout, Sharding, make_sharding, validate_seq_local
 from tokenring.core.masks import chunk_documents, normalize_window
-from tokenring.core.schedule import (
-    Flow,
-    Strategy,
+from tokenring.core.schedule import Pass, Strategy
+from tokenring.runtime.hybrid import HybridPlan, hybrid_attention
+from tokenring.runtime.kernels import BlockKernel, select_kernel
+from tokenring.strategies.hybrid import (
+    _OUTER_NAMES,
+    HybridSchedule,
+    HybridSpec,
+    build_hybrid_schedule,
+    inner_slices,
 )
-from tokenring.runtime.comm import Communicator
-from tokenring.runtime.kernels import BlockKernel
-from tokenring.strategies.hybrid import _OUTER_NAMES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,15 +120,6 @@ def hybrid_mesh(outer: int, inner: int, *, device_type: str = "cpu") -> HybridMe
     return HybridMesh(outer=mesh.get_group("outer"), inner=mesh.get_group("inner"))
 
 
-def _inner_slices(length: int, inner: int) -> list[tuple[int, int]]:
-    """The P_in consecutive slices of an outer shard of ``length`` rows: near-equal, the longer
-    ones first (Note [Hybrid layout])."""
-    bounds = [0]
-    for i in range(inner):
-        bounds.append(bounds[-1] + length // inner + (1 if i < length % inner else 0))
-    return list(itertools.pairwise(bounds))
-
-
 def _outer_lengths(
     layout: Layout | str,
     outer: int,
@@ -132,9 +127,9 @@ def _outer_lengths(
     seq_local: int | None,
     seq_len: int | None,
     cu_seqlens: Sequence[int] | torch.Tensor | None,
-) -> tuple[Sharding, int]:
-    """The outer sharding (over P_out ranks) and S, from exactly one of ``seq_local`` (every
-    rank holds that many tokens) and ``seq_len``."""
+) -> Sharding:
+    """The outer sharding (over P_out ranks), from exactly one of ``seq_local`` (every rank
+    holds that many tokens) and ``seq_len``."""
     layout = Layout.parse(layout)
     if (seq_local is None) == (seq_len is None):
         raise ValueError(
@@ -147,10 +142,7 @@ def _outer_lengths(
         validate_seq_local(seq_local * inner, layout, name="seq_local * inner (an outer shard)")
         seq_len = seq_local * inner * outer
     assert seq_len is not None
-    sharding = make_sharding(
-        layout=layout, world_size=outer, seq_len=seq_len, cu_seqlens=cu_seqlens
-    )
-    return sharding, seq_len
+    return make_sharding(layout=layout, world_size=outer, seq_len=seq_len, cu_seqlens=cu_seqlens)
 
 
 def hybrid_positions(
@@ -184,8 +176,8 @@ def hybrid_positions(
             f"need 0 <= outer_rank < outer and 0 <= inner_rank < inner; got outer_rank="
             f"{outer_rank}, outer={outer}, inner_rank={inner_rank}, inner={inner}"
         )
-    sharding, _ = _outer_lengths(layout, outer, inner, seq_local, seq_len, cu_seqlens)
-    lo, hi = _inner_slices(sharding.local_len(outer_rank), inner)[inner_rank]
+    sharding = _outer_lengths(layout, outer, inner, seq_local, seq_len, cu_seqlens)
+    lo, hi = inner_slices(sharding.local_len(outer_rank), inner)[inner_rank]
     return sharding.positions(outer_rank)[lo:hi]
 
 
@@ -222,145 +214,37 @@ def hybrid_shard(
     return x.index_select(seq_dim, index.to(x.device)).contiguous()
 
 
-def _communicator(group: dist.ProcessGroup) -> Communicator:
-
-    return get_communicator(group)
-
-
-class _AllToAll(torch.autograd.Function):
-    """All-to-all of a flat tensor, ``send_splits[j]`` elements to rank j and
-    ``recv_splits[j]`` from it, counted; its gradient is the reverse all-to-all of the
-    gradient (it only moves elements between ranks)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        send: torch.Tensor,
-        group: dist.ProcessGroup,
-        flow: Flow,
-        send_splits: list[int],
-        recv_splits: list[int],
-    ) -> torch.Tensor:
-        ctx.group, ctx.flow, ctx.splits = group, flow, (send_splits, recv_splits)
-        return _exchange(send, group, flow, send_splits, recv_splits)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        back = Flow.RETURN if ctx.flow is Flow.TRAVEL else Flow.TRAVEL
-        send_splits, recv_splits = ctx.splits
-        got = _exchange(grad.contiguous(), ctx.group, back, recv_splits, send_splits)
-        return got, None, None, None, None
-
-
-def _exchange(
-    send: torch.Tensor,
-    group: dist.ProcessGroup,
-    flow: Flow,
-    send_splits: list[int],
-    recv_splits: list[int],
-) -> torch.Tensor:
-    """All-to-all on the inner group's communicator: counted, bounded by its timeout."""
-    got = send.new_empty(sum(recv_splits))
-    _communicator(group).all_to_all_single(
-        got,
-        send,
-        output_split_sizes=recv_splits,
-        input_split_sizes=send_splits,
-        flow=flow,
-        label=f"inner {flow.value}",
-    ).wait()
-    return got
-
-
-def all_to_all_single(
-    send: torch.Tensor,
-    group: dist.ProcessGroup,
-    flow: Flow,
-    send_splits: list[int],
-    recv_splits: list[int],
-) -> torch.Tensor:
-    result: torch.Tensor = _AllToAll.apply(send, group, flow, send_splits, recv_splits)
-    return result
-
-
-def _seq_to_heads(
-    xs: list[torch.Tensor], group: dist.ProcessGroup, rows: list[int]
-) -> list[torch.Tensor]:
-    """[(B, s_i, H_x, D)] -> [(B, L_o, H_x / P_in, D)], differentiable, in one all-to-all: one
-    message per peer with all of them (q, k and v), as Note [Hybrid schedule] in
-    tokenring.strategies.hybrid lists.
-    ``rows[j]``: s_j, the rows of inner rank j (L_o = their sum)."""
-    p, me = len(rows), dist.get_rank(group)
-    b, s, _, d = xs[0].shape
-    widths = [x.shape[2] // p for x in xs]
-    w = sum(widths)
-    send = torch.cat(
-        [x.permute(2, 0, 1, 3).reshape(p, hw, b, s, d) for x, hw in zip(xs, widths, strict=True)],
-        dim=1,
-    )  # (P_in, sum of H_x / P_in, B, s_i, D) by destination
-    per_row = w * b * d
-    got = all_to_all_single(
-        send.reshape(-1), group, Flow.TRAVEL, [per_row * rows[me]] * p, [per_row * n for n in rows]
-    )
-    by_source = [
-        part.view(w, b, n, d)
-        for part, n in zip(got.split([per_row * n for n in rows]), rows, strict=True)
-    ]
-    whole = torch.cat(by_source, dim=2)  # (sum of H_x / P_in, B, L_o, D) in inner-rank order
-    return [part.permute(1, 2, 0, 3) for part in whole.split(widths, dim=0)]
-
-
-def _heads_to_seq(y: torch.Tensor, group: dist.ProcessGroup, rows: list[int]) -> torch.Tensor:
-    """(B, L_o, H / P_in, D) -> (B, s_i, H, D), differentiable."""
-    p, me = len(rows), dist.get_rank(group)
-    b, _, hp, d = y.shape
-    send = torch.cat(
-        [part.permute(2, 0, 1, 3).reshape(-1) for part in y.split(rows, dim=1)]
-    )  # by destination: (H / P_in, B, s_j, D) each
-    per_row = hp * b * d
-    got = all_to_all_single(
-        send, group, Flow.RETURN, [per_row * n for n in rows], [per_row * rows[me]] * p
-    )
-    s = rows[me]
-    return got.view(p, hp, b, s, d).permute(2, 3, 0, 1, 4).reshape(b, s, p * hp, d)
-
-
-def _lse_to_seq(lse: torch.Tensor, group: dist.ProcessGroup, rows: list[int]) -> torch.Tensor:
-    """(B, H / P_in, L_o) -> (B, H, s_i); lse carries no gradient."""
-    p, me = len(rows), dist.get_rank(group)
-    b, hp, _ = lse.shape
-    send = torch.cat([part.permute(1, 0, 2).reshape(-1) for part in lse.split(rows, dim=2)])
-    got = _exchange(send, group, Flow.RETURN, [hp * b * n for n in rows], [hp * b * rows[me]] * p)
-    s = rows[me]
-    return got.view(p, hp, b, s).permute(2, 0, 1, 3).reshape(b, p * hp, s)
-
-
-def _inner_rows(
+def _outer_sharding(
     q: torch.Tensor,
     mesh: HybridMesh,
     layout: Layout,
     seq_len: int | None,
     cu_seqlens: Sequence[int] | torch.Tensor | None,
-) -> tuple[list[int], tuple[int, ...]]:
-    """The local length of every rank of this inner group and the document boundaries, with
-    this rank's checked against ``q``'s (every rank holds s when seq_len is None)."""
+) -> Sharding:
+    """The outer sharding of the call, with this rank's length checked against ``q``'s (every
+    rank holds s when seq_len is None)."""
     p_in, p_out = mesh.inner_size, mesh.outer_size
     inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
     if seq_len is None:
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
-        return [q.shape[1]] * p_in, ()  # agreed by the caller
+        return _outer_lengths(layout, p_out, p_in, q.shape[1], None, cu_seqlens)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an int >= 0; got {seq_len!r}")
-    sharding, _ = _outer_lengths(layout, p_out, p_in, None, seq_len, cu_seqlens)
-    rows = [hi - lo for lo, hi in _inner_slices(sharding.local_len(outer_rank), p_in)]
-    if q.shape[1] != rows[inner_rank]:
+    sharding = _outer_lengths(layout, p_out, p_in, None, seq_len, cu_seqlens)
+    lo, hi = inner_slices(sharding.local_len(outer_rank), p_in)[inner_rank]
+    if q.shape[1] != hi - lo:
         raise ValueError(
-            f"q.shape[1] must be {rows[inner_rank]} on outer rank {outer_rank}, inner "
+            f"q.shape[1] must be {hi - lo} on outer rank {outer_rank}, inner "
             f"rank {inner_rank}: its share of seq_len={seq_len} (see "
             f"tokenring.hybrid_shard); got {q.shape[1]}"
         )
-    return rows, sharding.cu_seqlens
+    return sharding
+
+
+@functools.lru_cache(maxsize=64)
+def _schedules(spec: HybridSpec, **options: Any) -> tuple[HybridSchedule, HybridSchedule]:
+    """The forward and backward schedules of a call, built once per call shape."""
+    forward, backward = (build_hybrid_schedule(p, spec=spec, **options) for p in Pass)
+    return forward, backward
 
 
 def hybrid_attn(
@@ -390,9 +274,9 @@ def hybrid_attn(
         mesh: the outer and inner groups (:func:`hybrid_mesh`).
         outer_strategy: ring strategy across the outer axis: one whose ``Strategy.is_ring`` holds.
         layout: the outer axis' layout (zigzag balances causal work).
-        check_ranks: agree on a small signature first, on the inner group here and on the
-            outer group in :func:`tokenring.sequence_parallel_attn` (together: every rank),
-            raising a ValueError naming the difference.
+        check_ranks: agree on a small signature first, on the inner group and then on the
+            outer group (together: every rank), raising a ValueError naming the difference
+            on every rank.
         seq_len: the global length S when the ranks' lengths differ (any S, or documents);
             None: every rank holds s tokens and S = P * s.
         cu_seqlens: document boundaries ``(0, ..., S)`` (needs seq_len); shard with
@@ -411,74 +295,124 @@ def hybrid_attn(
         ValueError: a local length that is not this rank's share (see hybrid_shard); ranks
             that disagree; as :func:`tokenring.sequence_parallel_attn`.
     """
-
+    options = {
+        name: value
+        for name, value in locals().items()
+        if name not in ("q", "k", "v", "mesh", "return_lse", "check_ranks")
+    }  # what _prepare validates
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
-    p_in = mesh.inner_size
-    rows: list[int] = []
+    plan: HybridPlan | None = None
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
-    try:  # validate, then agree on the inner group (the outer call agrees on the outer one)
-        strategy = Strategy.parse(outer_strategy)
-        if not strategy.is_ring:
-            raise NotImplementedError(
-                f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
-            )
-        layout = Layout.parse(layout)
-        for name, x in (("q", q), ("k", k)):
-            if x.dim() != 4 or x.shape[2] % p_in:
-                raise NotImplementedError(
-                    f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
-                    f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
-                )
-        _validate(q, k, v, softmax_scale)
-        window = normalize_window(window_size, causal=causal)
-        chunk_documents((0, 1), attention_chunk_size)  # validates it
-        rows, docs = _inner_rows(q, mesh, layout, seq_len, cu_seqlens)
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        signature = {
-            "batch": q.shape[0],
-            ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],
-            "heads_q": q.shape[2],
-            "heads_kv": k.shape[2],
-            "head_dim": q.shape[3],
-            "dtype": str(q.dtype),
-            "causal": causal,
-            "layout": layout.value,
-            "outer_strategy": strategy.value,
-            "softmax_scale": float(scale).hex(),
-            "window_size": list(window),
-            "cu_seqlens": [len(docs), zlib.crc32(struct.pack(f"<{len(docs)}q", *docs))],
-            "attention_chunk_size": attention_chunk_size,
-            "last_block_splits": last_block_splits,
-        }
+    try:
+        plan, signature = _prepare(q, k, v, mesh, **options)
     except (ValueError, NotImplementedError) as exc:
         problem = exc
-    if check_ranks:
-        _communicator(mesh.inner).agree(signature, problem, what="hybrid attention call")
-    elif problem is not None:
+    for group in (mesh.inner, mesh.outer) if check_ranks else ():  # together: every rank
+        try:
+            get_communicator(group).agree(signature, problem, what="hybrid attention call")
+        except ValueError as exc:  # the outer group learns it too
+            problem, signature = problem or exc, None
+    if problem is not None:
         raise problem
-    if p_in > 1:
-        q, k, v = _seq_to_heads([q, k, v], mesh.inner, rows)
-    out, lse = sequence_parallel_attn(
-        q,
-        k,
-        v,
-        strategy=strategy,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        group=mesh.outer,
-        layout=layout,
-        return_lse=True,
-        kernel=kernel,
-        last_block_splits=last_block_splits,
-        check_ranks=check_ranks,
-        seq_len=seq_len,
-        cu_seqlens=cu_seqlens,
-        window_size=window_size,
-        attention_chunk_size=attention_chunk_size,
-    )
-    if p_in > 1:
-        out = _heads_to_seq(out, mesh.inner, rows)
-        lse = _lse_to_seq(lse, mesh.inner, rows)
+    assert plan is not None
+    out, lse = hybrid_attention(plan, q, k, v)
     return (out, lse) if return_lse else out
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: HybridMesh,
+    *,
+    outer_strategy: Strategy | str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: Layout | str,
+    kernel: str | BlockKernel | None,
+    last_block_splits: int,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+    window_size: Sequence[int] | int | None,
+    attention_chunk_size: int | None,
+) -> tuple[HybridPlan, dict[str, Any]]:
+    """Validate one rank's call (raising as :func:`hybrid_attn` says) and plan it; the
+    signature the ranks compare. No communication."""
+    p_in = mesh.inner_size
+    strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
+    layout = Layout.parse(layout)
+    window = normalize_window(window_size, causal=causal)
+    chunk_documents((0, 1), attention_chunk_size)  # validates it
+    sharding = _outer_sharding(q, mesh, layout, seq_len, cu_seqlens)
+    docs = sharding.cu_seqlens if seq_len is not None else ()
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    plan = HybridPlan(
+        schedules=_schedules(
+            HybridSpec(inner=p_in, outer_strategy=strategy),
+            layout=layout,
+            causal=causal,
+            world_size=p_in * mesh.outer_size,
+            heads_q=q.shape[2],
+            heads_kv=k.shape[2],
+            last_block_splits=last_block_splits,
+            seq_len=sharding.seq_len,
+            cu_seqlens=sharding.cu_seqlens,
+            window_size=window,
+            attention_chunk_size=attention_chunk_size,
+        ),
+        inner=get_communicator(mesh.inner),
+        outer=get_communicator(mesh.outer),
+        kernel=select_kernel(q.device, q.dtype, kernel),
+        scale=scale,
+        heads=(q.shape[2], k.shape[2]),
+    )
+    signature = {
+        "batch": q.shape[0],
+        ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],
+        "heads_q": q.shape[2],
+        "heads_kv": k.shape[2],
+        "head_dim": q.shape[3],
+        "dtype": str(q.dtype),
+        "causal": causal,
+        "layout": layout.value,
+        "outer_strategy": strategy.value,
+        "softmax_scale": float(scale).hex(),
+        "window_size": list(window),
+        "cu_seqlens": [len(docs), zlib.crc32(struct.pack(f"<{len(docs)}q", *docs))],
+        "attention_chunk_size": attention_chunk_size,
+        "last_block_splits": last_block_splits,
+        "kernel": plan.kernel.name,
+    }
+    return plan, signature
+
+
+def _checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p_in: int,
+    outer_strategy: Strategy | str,
+    causal: bool,
+    softmax_scale: float | None,
+    last_block_splits: int,
+) -> Strategy:
+    """The outer strategy, once it and the tensors, causal and last_block_splits are checked."""
+    strategy = Strategy.parse(outer_strategy)
+    if not strategy.is_ring:
+        raise NotImplementedError(
+            f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
+        )
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != 4 or x.shape[2] % p_in:
+            raise NotImplementedError(
+                f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
+                f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
+            )
+    _validate(q, k, v, softmax_scale)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
+        raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
+    return strategy

@@ -69,6 +69,9 @@ class _PlanRunner(PassRunner):
     """One rank's part of a :class:`CachedPlan`, as ``execute`` runs its program
     (``cached_program``, Note [Rank program] in tokenring.runtime.program)."""
 
+    comm: Communicator
+    poster: SlotPoster
+
     def __init__(
         self,
         plan: CachedPlan,

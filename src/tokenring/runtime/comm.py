@@ -696,7 +696,11 @@ class Communicator:
         buffer = _pack(tr, tensors)
         op = dist.P2POp(dist.isend, self.to_wire(buffer), group=group, group_peer=tr.dst)
         num_bytes = buffer.numel() - HEADER_NUM_BYTES
-        self._count_send(tr.payload.flow, tr.payload.value, tr.step, tr.dst, num_bytes)
+        self.counter.add(sent=True, flow=tr.payload.flow, peer=tr.dst, num_bytes=num_bytes)
+        if self.timeline is not None:
+            now = time.perf_counter()
+            event = Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
+            self.timeline.events.append(event)
         return op
 
     def wait_sends(self) -> None:
@@ -761,60 +765,13 @@ class Communicator:
     # group's own timeout, which may be 30 minutes), failing with the operation, this rank
     # and the group named.
 
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        output_split_sizes: Sequence[int] | None = None,
-        input_split_sizes: Sequence[int] | None = None,
-        flow: Flow,
-        label: str,
-    ) -> PendingCollective:
-        """Post an all-to-all along dim 0 and count it: each peer's split is one message,
-        posted as point-to-point messages on the flow's channel, receives first (Note
-        [All-to-all as messages]).
-
-        Args:
-            output, input: contiguous, as ``torch.distributed.all_to_all_single``; split sizes
-                in rows of dim 0 (None: equal splits).
-            flow: the flow the bytes are counted under and whose channel carries them.
-            label: names the transfer in the timeline and in errors (e.g. ``"inner travel"``).
-        """
-        self._check_open()
-        p = self.world_size
-        sent = _split_bytes(input, input_split_sizes, p)
-        received = _split_bytes(output, output_split_sizes, p)
-        outputs = output.split(_rows(output, output_split_sizes, p))
-        inputs = input.split(_rows(input, input_split_sizes, p))
-        outputs[self.rank].copy_(inputs[self.rank])
-        group = self._groups[(flow, 0)]
-        ops: list[dist.P2POp] = []
-        for peer in range(p):
-            if peer != self.rank:
-                self.count(
-                    flow=flow,
-                    label=label,
-                    peer=peer,
-                    sent_bytes=sent[peer],
-                    recv_bytes=received[peer],
-                )
-                if received[peer]:
-                    ops.append(dist.P2POp(dist.irecv, outputs[peer], group=group, group_peer=peer))
-        for peer in range(p):
-            if peer != self.rank and sent[peer]:
-                ops.append(dist.P2POp(dist.isend, inputs[peer], group=group, group_peer=peer))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return PendingCollective(self, _Works(works), "all-to-all", label)
-
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str
     ) -> PendingCollective:
         """Post ``dist.all_gather_into_tensor``: rank j's ``input`` lands at block j of
         ``output`` along dim 0 (``output.shape[0] == world_size * input.shape[0]``).
 
-        Not counted here: how the bytes travel depends on the backend's routing, which the
-        caller knows (``tokenring.strategies.collective`` counts them with ``count``).
+        Not counted: for control data (:meth:`all_gather`).
         """
         self._check_open()
         work = None
@@ -850,20 +807,6 @@ class Communicator:
         if self.world_size > 1:
             work = dist.barrier(group=self.group, async_op=True)
             PendingCollective(self, work, "barrier", label).wait()
-
-    def count(self, *, flow: Flow, label: str, peer: int, sent_bytes: int, recv_bytes: int) -> None:
-        """Count bytes a collective moves to and from ``peer`` (a send also goes on the
-        timeline); for collectives whose routing only the caller knows."""
-        if sent_bytes:
-            self._count_send(flow, label, 0, peer, sent_bytes)
-        if recv_bytes:
-            self.counter.add(sent=False, flow=flow, peer=peer, num_bytes=recv_bytes)
-
-    def _count_send(self, flow: Flow, label: str, step: int, peer: int, num_bytes: int) -> None:
-        self.counter.add(sent=True, flow=flow, peer=peer, num_bytes=num_bytes)
-        if self.timeline is not None:
-            now = time.perf_counter()
-            self.timeline.events.append(Event("send", label, step, now, now, peer, num_bytes))
 
     def describe_group(self) -> str:
         """The group in words, for error messages: its description and global ranks."""
@@ -942,41 +885,6 @@ class PendingCollective:
             comm.timeline.events.append(
                 Event("recv", self._label, 0, self._posted_s, time.perf_counter())
             )
-
-
-# Note [All-to-all as messages]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# gloo's all_to_all_single posts each send before the matching receive, so the two
-# directions of a pair take turns: 1.96x the time of the same bytes as point-to-point
-# messages posted receives first (lab mesh, P = 2-4; Note [Collective routing] in
-# tokenring.strategies.collective). So an all-to-all here is those messages: every receive,
-# then every send, in one batch on the flow's channel, and both directions of every pair
-# run at once on every backend. The collective strategies post their schedules' messages
-# through ``exchange`` instead; the hybrid's inner all-to-alls come here.
-
-
-class _Works:
-    """The works of one batch of point-to-point messages, waited for as one."""
-
-    def __init__(self, works: Sequence[Any]) -> None:
-        self.works = list(works)
-
-    def wait(self, timeout: timedelta) -> None:
-        for work in self.works:
-            work.wait(timeout)
-
-
-def _rows(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -> list[int]:
-    """Rows of each rank's block of ``x`` along dim 0."""
-    if split_sizes is None:
-        return [x.shape[0] // world_size] * world_size
-    return list(split_sizes)
-
-
-def _split_bytes(x: torch.Tensor, split_sizes: Sequence[int] | None, world_size: int) -> list[int]:
-    """Bytes of each rank's block of ``x`` along dim 0."""
-    row_bytes = x[0].numel() * x.element_size() if x.dim() > 0 and x.shape[0] else 0
-    return [rows * row_bytes for rows in _rows(x, split_sizes, world_size)]
 
 
 # Note [Channel pool]

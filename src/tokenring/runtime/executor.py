@@ -3,26 +3,40 @@
 Every strategy's pass is a :class:`PassRunner`: the state its program's ops work on, with one
 method per op that touches tensors (compute, merge, take what arrived). :func:`execute`
 walks the program and does the rest itself, the same way for every strategy: it posts each
-POST's transfers through the runner's ``SlotPoster`` (receives first, sends filled by
-:meth:`PassRunner.provide`), waits for the sends an op names, and opens one profiler range
-per step (``tokenring.<strategy>.<pass>.step<t>``). The simulator (``tokenring.model.simulate``)
-replays the same programs, so what is priced is what runs.
+POST's transfers through the runner's poster (a ``SlotPoster``: receives first, sends filled
+by :meth:`PassRunner.provide`), waits for the sends an op names on its communicator, and
+opens one profiler range per step (``tokenring.<strategy>.<pass>.step<t>``). The simulator
+(``tokenring.model.simulate``) replays the same programs, so what is priced is what runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.profiler import record_function
 
 from tokenring.core.schedule import Schedule, Transfer
-from tokenring.runtime.comm import Communicator, Message
+from tokenring.runtime.comm import Message
 from tokenring.runtime.program import Op, OpKind
-from tokenring.runtime.slots import SlotPoster
+from tokenring.runtime.slots import Provide
 
-__all__ = ["PassRunner", "execute"]
+__all__ = ["PassRunner", "Poster", "SendWaits", "execute"]
+
+
+class Poster(Protocol):
+    """A ``SlotPoster``, or the hybrid's routes to the poster of each transfer's group."""
+
+    def post(self, transfers: Sequence[Transfer], provide: Provide) -> object: ...
+
+
+class SendWaits(Protocol):
+    """A ``Communicator``, or the hybrid's routes to the communicator of each send's group."""
+
+    def wait_sent(self, transfers: Sequence[Transfer]) -> None: ...
+
+    def wait_sends(self) -> None: ...
 
 
 class PassRunner:
@@ -32,8 +46,8 @@ class PassRunner:
     its runner does not implement fails loudly."""
 
     sched: Schedule
-    comm: Communicator
-    poster: SlotPoster
+    comm: SendWaits
+    poster: Poster
 
     @property
     def range_prefix(self) -> str:

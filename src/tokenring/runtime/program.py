@@ -12,8 +12,9 @@ Note [Rank program]
 for Ulysses and all-gather K/V, Note [Hybrid rank program] for the hybrid. ``execute`` runs
 them in order with the pass's runner (POST, SENT, SENT_ALL and the step ranges itself, every
 other op by the runner's method of its name: ``_Forward`` / ``_Backward`` in
-tokenring.runtime.ring, the collectives' in tokenring.runtime.collective); the event engine
-of the simulator replays the same tuple, one action per op::
+tokenring.runtime.ring, the collectives' in tokenring.runtime.collective, the hybrid's in
+tokenring.runtime.hybrid); the event engine of the simulator replays the same tuple, one
+action per op::
 
     op         runtime, forward            runtime, backward            event engine
     DELTA      -                           delta = rowsum(dout * out)   its bytes / memory bw
@@ -106,13 +107,14 @@ completion only when waited for (until SENT_ALL: 2.86x the minimum, not 2.50x, a
 
 Note [Hybrid rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-The hybrid (Note [Hybrid schedule] in tokenring.strategies.hybrid) runs its inner all-to-alls
-as blocking calls around the outer ring (tokenring.hybrid), so its program is the all-to-all
-of step 0 (``STEP 0, POST 0 0, ARRIVE 0, SENT 0``: every receive and send of it done), the
-outer ring's program on steps 1 .. n (:func:`ring_program`, its END left out: the all-to-all
-back starts the next step), the all-to-all back (``STEP n+1, POST n+1 0, RETURNS n+1,
-SENT n+1``), ``END n+2`` and ``SENT_ALL``. Only the simulator replays it: the runtime runs
-the outer ring's own schedule with its executor between two ``all_to_all_single`` calls.
+The hybrid (Note [Hybrid schedule] in tokenring.strategies.hybrid) waits for all of an inner
+all-to-all at once, so its program is the all-to-all of step 0 (``STEP 0, POST 0 0,
+ARRIVE 0, SENT 0``: every receive and send of it done), the outer ring's program on steps
+1 .. n (:func:`ring_program`, its END left out: the all-to-all back starts the next step),
+the all-to-all back (``STEP n+1, POST n+1 0, RETURNS n+1, SENT n+1``), ``END n+2`` and
+``SENT_ALL``. ``execute`` runs it with the hybrid's runner (Note [Hybrid runner] in
+tokenring.runtime.hybrid: each transfer on its group, the ring steps by the outer
+strategy's runner), and the simulator replays it.
 """
 
 from __future__ import annotations

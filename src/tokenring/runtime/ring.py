@@ -458,6 +458,8 @@ class SchedulePass(PassRunner):
     forward, dout, q, k, v, out, lse for the backward, as the entry points take them); the
     poster of this rank's transfers and the compute bars of the timeline."""
 
+    comm: Communicator
+    poster: SlotPoster
     q: torch.Tensor  # (B, s, Hq, D)
     k: torch.Tensor  # (B, s, Hkv, D)
     v: torch.Tensor

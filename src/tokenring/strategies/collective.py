@@ -124,7 +124,7 @@ Note [Collective routing]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A schedule lists what goes on the wire. The library's all-to-alls (Ulysses, all-gather K/V's
 rounds, the hybrid's inner all-to-alls) are point-to-point messages, every receive posted
-before any send (``Communicator.exchange``, ``Communicator.all_to_all_single``): both
+before any send (``Communicator.exchange``): both
 directions of every pair run at once, on gloo as on NCCL, so the cost model prices them as
 direct sends. gloo's own collectives do not: measured on the lab (full mesh, 100 Mbit/s per
 directed link, X = 2 MiB per pair, X/B = 168 ms; median of 6 in units of X/B;

@@ -5,7 +5,8 @@ node) runs an all-to-all from sequence to heads, the outer axis runs any ring st
 resulting longer, narrower shards, and a second all-to-all brings the result back. This module
 owns the hybrid's entry in the strategy registry: ``Strategy.HYBRID`` with its options
 (:class:`HybridSpec`) and its schedule (:func:`build_hybrid_schedule`), which bench, the cost
-model and the planner read like every other strategy's. ``tokenring.hybrid`` runs it.
+model and the planner read like every other strategy's. ``tokenring.runtime.hybrid`` runs it
+(for ``tokenring.hybrid_attn``).
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P_out outer ranks,
 P_in inner ranks, nq = Hq / P_in and nkv = Hkv / P_in (heads of one inner rank), e bytes per
@@ -31,17 +32,25 @@ in it) and are listed as ``Payload.KV``, which weighs 2*nkv*D*e per row (:data:`
 listed as ``Payload.Q`` by ``tokenring.strategies.collective``). lse always travels with out, so the
 schedule does not depend on ``return_lse``. The all-to-alls are point-to-point messages,
 receives first (Note [Collective routing] in ``tokenring.strategies.collective``).
+
+With ``seq_len`` (any S, documents, windows, chunks) the outer strategy's schedule is built
+for S over P_out ranks, and rank g's all-to-all transfers carry its own number of rows: its
+slice of its outer shard (:func:`inner_slices`, Note [Hybrid layout] in tokenring.hybrid); a
+rank with no rows sends and receives none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import (
     Pass,
     Payload,
     Piece,
+    Schedule,
     Segment,
     StepPlan,
     Strategy,
@@ -55,6 +64,8 @@ __all__ = [
     "HybridSchedule",
     "HybridSpec",
     "build_hybrid_schedule",
+    "inner_slices",
+    "outer_transfers",
 ]
 
 Rows = tuple[int, int]
@@ -109,6 +120,32 @@ class HybridSchedule(CollectiveSchedule):
     """P_in."""
     outer_strategy: Strategy = Strategy.TOKEN_RING
     """The ring strategy of steps 1 .. n."""
+    outer: Schedule | None = field(default=None, compare=False, repr=False)
+    """The outer strategy's schedule over P_out ranks, whose steps 1 .. n lift."""
+
+
+def inner_slices(length: int, inner: int) -> list[tuple[int, int]]:
+    """The P_in consecutive slices of an outer shard of ``length`` rows: near-equal, the longer
+    ones first (Note [Hybrid layout] in tokenring.hybrid)."""
+    bounds = [0]
+    for i in range(inner):
+        bounds.append(bounds[-1] + length // inner + (1 if i < length % inner else 0))
+    return list(itertools.pairwise(bounds))
+
+
+def outer_transfers(
+    sched: HybridSchedule, rank: int, *, heads_q: int, heads_kv: int
+) -> dict[Transfer, Transfer]:
+    """``rank``'s sends and receives of steps 1 .. n, each with the outer schedule's transfer
+    it lifts (the one the outer group's ranks post)."""
+    assert sched.outer is not None
+    p_in, (o, i) = sched.inner, divmod(rank, sched.inner)
+    nq, nkv = heads_q // p_in, heads_kv // p_in
+    return {
+        _lifted_transfer(tr, i, p_in=p_in, nq=nq, nkv=nkv): tr
+        for tr in sched.outer.transfers
+        if o in (tr.src, tr.dst)
+    }
 
 
 def _shift(heads: Rows | None, width: int, i: int) -> Rows:
@@ -168,10 +205,10 @@ def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> T
 
 
 def _all_to_all_transfers(
-    g: int, *, forward: bool, p_in: int, seq_local: int, last_step: int, nq: int, nkv: int
+    g: int, *, forward: bool, p_in: int, rows: list[int], last_step: int, nq: int, nkv: int
 ) -> list[Transfer]:
     """What rank ``g`` sends in the inner all-to-alls: its rows of each peer's heads at step 0,
-    the peer's rows of its own heads at ``last_step``."""
+    the peer's rows of its own heads at ``last_step`` (``rows[g]``: rank g's rows)."""
     o, i = divmod(g, p_in)
     inbound = [(Payload.Q, nq), (Payload.KV, nkv)] if forward else [(DOUT, nq)]
     outbound = [(Payload.OUT, nq)] if forward else [(Payload.DQ, nq), (GRAD_KV, nkv)]
@@ -183,13 +220,15 @@ def _all_to_all_transfers(
         moves = [(payload, width, g, 0, j) for payload, width in inbound]  # my rows, j's heads
         moves += [(payload, width, peer, last_step, i) for payload, width in outbound]
         for payload, width, owner, step, share in moves:
+            if not rows[owner]:
+                continue
             transfers.append(
                 Transfer(
                     payload=payload,
                     src=g,
                     dst=peer,
                     owner=owner,
-                    rows=(0, seq_local),
+                    rows=(0, rows[owner]),
                     step=step,
                     after_segments=0,
                     heads=_shift(None, width, share),
@@ -205,10 +244,14 @@ def build_hybrid_schedule(
     layout: Layout | str,
     causal: bool,
     world_size: int,
-    seq_local: int,
     heads_q: int,
     heads_kv: int,
+    seq_local: int | None = None,
     last_block_splits: int = 2,
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | None = None,
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> HybridSchedule:
     """The schedule of one hybrid pass; see Note [Hybrid schedule]. Pure.
 
@@ -218,8 +261,10 @@ def build_hybrid_schedule(
         layout: the outer axis' layout.
         causal: causal mask over global positions.
         world_size: P = P_out * P_in.
-        seq_local: s, tokens per rank (the outer strategy runs on P_in * s).
         heads_q, heads_kv: Hq, Hkv (both divisible by P_in).
+        seq_local: s, tokens per rank (the outer strategy runs on P_in * s); or instead
+            ``seq_len``, S, with ``cu_seqlens``, ``window_size`` and ``attention_chunk_size``
+            as ``build_schedule`` takes them (``seq_local`` is then the longest rank's rows).
         last_block_splits: as ``build_schedule``, for an outer TokenRing.
 
     Raises:
@@ -230,18 +275,25 @@ def build_hybrid_schedule(
     p_in = spec.inner
     p_out = world_size // p_in
     nq, nkv = heads_q // p_in, heads_kv // p_in
-    s = seq_local
     outer = build_schedule(
         spec.outer_strategy,
         pass_,
         layout=layout,
         causal=causal,
         world_size=p_out,
-        seq_local=p_in * s,
+        seq_local=None if seq_local is None else p_in * seq_local,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
+        window_size=window_size,
+        attention_chunk_size=attention_chunk_size,
         last_block_splits=last_block_splits,
         heads_kv=nkv,
         heads_q=nq,
     )
+    assert outer.sharding is not None
+    rows = [
+        hi - lo for o in range(p_out) for lo, hi in inner_slices(outer.sharding.local_len(o), p_in)
+    ]  # rows[g]
     n = outer.num_steps
     steps: list[tuple[StepPlan, ...]] = []
     transfers: list[Transfer] = []
@@ -254,7 +306,7 @@ def build_hybrid_schedule(
             g,
             forward=pass_ is Pass.FORWARD,
             p_in=p_in,
-            seq_local=s,
+            rows=rows,
             last_step=n + 1,
             nq=nq,
             nkv=nkv,
@@ -270,10 +322,11 @@ def build_hybrid_schedule(
         layout=outer.layout,
         causal=causal,
         world_size=world_size,
-        seq_local=s,
+        seq_local=-(-outer.seq_local // p_in),
         lanes=outer.lanes,
         steps=tuple(steps),
         transfers=tuple(transfers),
         inner=p_in,
         outer_strategy=spec.outer_strategy,
+        outer=outer,
     )

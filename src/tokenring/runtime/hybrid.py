@@ -1,0 +1,302 @@
+"""Runs the hybrid strategy (``tokenring.strategies.hybrid``) on one rank: its rank program
+through ``execute``, the inner all-to-alls on the inner group's communicator and the outer
+ring's steps by the ring strategy's runner on the outer group's.
+
+Legend: B batch, s local seq (s_i: inner rank i's), L_o outer shard (the sum of its inner
+ranks' s_i), Hq / Hkv heads, D head dim, P_in inner ranks, nq = Hq / P_in, nkv = Hkv / P_in,
+n the outer strategy's steps.
+
+Note [Hybrid runner]
+~~~~~~~~~~~~~~~~~~~~
+The hybrid's program (Note [Hybrid rank program] in tokenring.runtime.program) names its
+transfers by rank g = o * P_in + i of all P ranks; each travels on one of two groups, under
+the name that group's ranks give it::
+
+    steps      transfers                  group and communicator   posted and waited for as
+    0, n + 1   the inner all-to-alls      inner                    inner ranks i -> j
+    1 .. n     the outer ring's, lifted   outer                    the outer schedule's o -> o'
+
+:class:`_Routes` is the poster and the communicator ``execute`` sees: it posts each POST's
+transfers on their group's poster and waits for each SENT's on their group's communicator
+(both count bytes and bound every wait by their timeouts). The ops of steps 1 .. n go to a
+ring runner of the outer schedule (``_Forward`` / ``_Backward`` of tokenring.runtime.ring),
+renamed to its step and transfers, so the outer ring runs exactly as on its own; the ops of
+steps 0 and n + 1 are the all-to-alls' own, the same in both passes::
+
+    op            step 0: sequence -> heads             step n + 1: heads -> sequence
+    POST          to j: my s_i rows of j's heads        to j: j's s_j rows of my heads
+    ARRIVE 0 /    rows of inner rank j <- from j:       heads of inner rank j <- from j:
+      RETURNS n+1 (B, L_o, nq|nkv, D), then the ring    (B, s_i, Hq|Hkv, D), lse (B, Hq, s_i)
+                  runner starts on them (padded)
+
+    pass      step 0 sends    the ring runner takes                     step n + 1 sends
+    forward   q, k, v         q, k, v                                   out, lse
+    backward  dout            dout; q, k, v, out, lse of the forward    dq, dk, dv
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tokenring.core.schedule import AttentionShape, Payload, Transfer
+from tokenring.runtime.comm import Communicator, Message
+from tokenring.runtime.executor import PassRunner, execute
+from tokenring.runtime.kernels import BlockKernel
+from tokenring.runtime.program import Op, program_of
+from tokenring.runtime.ring import (
+    _Backward,
+    _Forward,
+    _part,
+    kv_message,
+    kv_rows,
+    message_fields,
+)
+from tokenring.runtime.slots import Provide, SlotPoster
+from tokenring.strategies.hybrid import HybridSchedule, inner_slices, outer_transfers
+
+__all__ = ["HybridPlan", "hybrid_attention"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HybridPlan:
+    """One rank's validated hybrid call (``tokenring.hybrid_attn``): what both passes run."""
+
+    schedules: tuple[HybridSchedule, HybridSchedule]
+    """Forward and backward."""
+    inner: Communicator
+    outer: Communicator
+    kernel: BlockKernel
+    scale: float
+    heads: tuple[int, int]
+    """Hq, Hkv."""
+
+
+def hybrid_attention(
+    plan: HybridPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out ``(B, s, Hq, D)`` and lse ``(B, Hq, s)`` of a planned call on this rank's q
+    ``(B, s, Hq, D)`` and k, v ``(B, s, Hkv, D)``; differentiable in q, k and v (not lse)."""
+    out, lse = _HybridAttention.apply(q, k, v, plan)
+    return out, lse
+
+
+class _HybridAttention(torch.autograd.Function):
+    """Each pass is the hybrid's rank program, run by ``execute``; the backward takes what
+    the forward's ring ran on and made (q, k, v, out, lse of the outer ring, padded)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: HybridPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        runner = _HybridForward(plan, plan.schedules[0], {Payload.Q: [q], Payload.KV: [k, v]})
+        execute(program_of(runner.sched, runner.rank), runner)
+        out, lse = runner.result
+        ctx.plan = plan
+        ctx.save_for_backward(*runner.saved)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+        runner = _HybridBackward(ctx.plan, ctx.plan.schedules[1], {Payload.Q: [dout]})
+        runner.saved = ctx.saved_tensors
+        execute(program_of(runner.sched, runner.rank), runner)
+        return (*runner.result, None)
+
+
+class _HybridPass(PassRunner):
+    """One rank's hybrid pass (Note [Hybrid runner]); the forward and the backward differ in
+    the ring runner they start and what they send back."""
+
+    ring: _Forward | _Backward
+
+    def __init__(
+        self, plan: HybridPlan, sched: HybridSchedule, outbox: dict[Payload, list[torch.Tensor]]
+    ) -> None:
+        assert sched.outer is not None and sched.outer.sharding is not None
+        self.plan, self.sched, self.outbox = plan, sched, outbox
+        self.p_in, self.last = sched.inner, sched.num_steps - 1
+        self.me = plan.inner.rank
+        self.rank = plan.outer.rank * self.p_in + self.me
+        sharding = sched.outer.sharding
+        self.rows = inner_slices(sharding.local_len(plan.outer.rank), self.p_in)
+        self.pad_rows = None  # row of the outer ring's padded buffer of each of the L_o rows
+        x = outbox[Payload.Q][0]  # (B, s, Hq, D)
+        if sharding.padded:
+            self.pad_rows = sharding.padded_rows(plan.outer.rank).to(x.device)  # (L_o,)
+        self.seq_pad = sharding.seq_local
+        shape = AttentionShape.of(x, x)  # every all-to-all transfer names its heads
+        fields = functools.partial(message_fields, shape)
+        self.inner_poster = SlotPoster(plan.inner, fields, x.device)
+        self.ring_setup = (sched.outer, plan.outer, plan.kernel)
+        hq, hkv = plan.heads
+        self.names = outer_transfers(sched, self.rank, heads_q=hq, heads_kv=hkv)
+        for t in (0, self.last):  # the all-to-alls' transfers as the inner group names them
+            for tr in (*sched.sends(self.rank, t), *sched.recvs(self.rank, t)):
+                self.names[tr] = replace(
+                    tr, src=tr.src % self.p_in, dst=tr.dst % self.p_in, owner=tr.owner % self.p_in
+                )
+        self.comm = self.poster = _Routes(self)
+        self.saved: tuple[torch.Tensor, ...] = ()
+        self.result: list[torch.Tensor] = []
+
+    # -- steps 0 and n + 1: the all-to-alls ---------------------------------------------------
+
+    def view(self, x: torch.Tensor, j: int, step: int, *, sending: bool) -> torch.Tensor:
+        """Inner rank j's part of ``x`` ``(B, n, H, D)`` or ``(B, H, n)``: its share of the
+        heads when sending at step 0 or receiving at step n + 1, else its rows."""
+        if (step == 0) == sending:
+            heads = x.shape[2 if x.dim() == 4 else 1] // self.p_in
+            return _part(x, None, slice(j * heads, (j + 1) * heads))
+        return _part(x, self.rows[j], slice(None))
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        """An all-to-all's send to inner rank ``tr.dst`` (``tr`` as the inner group names it)."""
+        parts = [self.view(x, tr.dst, tr.step, sending=True) for x in self.outbox[tr.payload]]
+        return kv_message(*parts) if tr.payload is Payload.KV else parts
+
+    def gather(self, op: Op) -> list[torch.Tensor]:
+        """ARRIVE 0 or RETURNS n + 1: what the outbox holds, every inner rank's part of it in
+        its place (this rank's own from the outbox): ``(B, L_o, nq|nkv, D)`` at step 0,
+        ``(B, s_i, Hq|Hkv, D)`` or ``(B, Hq, s_i)`` at step n + 1."""
+        if self.p_in == 1:
+            return [x for xs in self.outbox.values() for x in xs]
+        step, me = op.step, self.me
+        gathered: dict[Payload, list[torch.Tensor]] = {}
+        for payload, xs in self.outbox.items():
+            gathered[payload] = []
+            for x in xs:
+                shape = list(x.shape)
+                rows, heads = (1, 2) if x.dim() == 4 else (2, 1)
+                shape[rows] = self.rows[me][1] - self.rows[me][0] if step else self.rows[-1][1]
+                shape[heads] = shape[heads] * self.p_in if step else shape[heads] // self.p_in
+                target = x.new_empty(shape)
+                own = self.view(x, me, step, sending=True)
+                self.view(target, me, step, sending=False).copy_(own)
+                gathered[payload].append(target)
+        for tr in op.transfers:
+            name = self.names[tr]
+            got = self.inner_poster.pending.pop(name).wait()
+            parts = kv_rows(got[0]) if tr.payload is Payload.KV else got
+            for target, part in zip(gathered[tr.payload], parts, strict=True):
+                self.view(target, name.src, step, sending=False).copy_(part)
+        return [x for xs in gathered.values() for x in xs]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, L_o, h, D)`` in the outer ring's zero padded buffer."""
+        if self.pad_rows is None:
+            return x
+        buffer = x.new_zeros((x.shape[0], self.seq_pad, *x.shape[2:]))
+        return buffer.index_copy(1, self.pad_rows, x)
+
+    def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The L_o rows of a padded ``x``, along ``dim``."""
+        return x if self.pad_rows is None else x.index_select(dim, self.pad_rows)
+
+    # -- the ops ------------------------------------------------------------------------------
+
+    def outer_op(self, op: Op) -> Op:
+        """A ring step's op as the ring runner runs it: the outer schedule's step and
+        transfers."""
+        transfers = tuple(self.names[tr] for tr in op.transfers)
+        return replace(op, step=op.step - 1, transfers=transfers)
+
+    def start_ring(self, gathered: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def begin(self, op: Op) -> None:
+        if op.step == self.last:  # the ring is done: what it made goes back
+            self.outbox = self.finish_ring()
+            self.ring.timer.flush()
+            del self.ring
+        elif op.step > 0:
+            self.ring.begin(self.outer_op(op))
+
+    def arrive(self, op: Op) -> None:
+        if op.step == 0:
+            self.start_ring(self.gather(op))
+        else:
+            self.ring.arrive(self.outer_op(op))
+
+    def returns(self, op: Op) -> None:
+        if op.step == self.last:
+            self.result = self.gather(op)
+        else:
+            self.ring.returns(self.outer_op(op))
+
+    def delta(self, op: Op) -> None:
+        self.ring.delta(self.outer_op(op))
+
+    def compute(self, op: Op) -> None:
+        self.ring.compute(self.outer_op(op))
+
+    def pass_on(self, op: Op) -> None:
+        self.ring.pass_on(self.outer_op(op))
+
+    def home(self, op: Op) -> None:
+        self.ring.home(self.outer_op(op))
+
+
+class _HybridForward(_HybridPass):
+    def start_ring(self, gathered: list[torch.Tensor]) -> None:
+        self.saved = tuple(self.pad(x).contiguous() for x in gathered)  # (B, s_pad, h, D)
+        self.ring = _Forward(*self.ring_setup, self.saved, scale=self.plan.scale)
+
+    def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
+        assert isinstance(self.ring, _Forward)
+        out, lse = self.ring.out_acc.to(self.saved[0].dtype), self.ring.lse_acc
+        self.saved += (out, lse)
+        return {Payload.OUT: [self.unpad(out), self.unpad(lse, 2)]}
+
+
+class _HybridBackward(_HybridPass):
+    def start_ring(self, gathered: list[torch.Tensor]) -> None:
+        (dout,) = gathered
+        inputs = (self.pad(dout).contiguous(), *self.saved)
+        self.ring = _Backward(*self.ring_setup, inputs, scale=self.plan.scale)
+
+    def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
+        assert isinstance(self.ring, _Backward)
+        dtype = self.saved[0].dtype
+        dq, dk, dv = self.ring.dq_acc.to(dtype), self.ring.dk.to(dtype), self.ring.dv.to(dtype)
+        return {Payload.DQ: [self.unpad(dq)], Payload.KV: [self.unpad(dk), self.unpad(dv)]}
+
+
+class _Routes:
+    """The poster and the communicator ``execute`` sees for a hybrid pass (Note [Hybrid
+    runner]): each transfer on its group, under that group's name for it."""
+
+    def __init__(self, runner: _HybridPass) -> None:
+        self.runner = runner
+
+    def split(self, transfers: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
+        """``transfers`` as the inner and the outer group name them."""
+        last, names = self.runner.last, self.runner.names
+        inner = [names[tr] for tr in transfers if tr.step in (0, last)]
+        outer = [names[tr] for tr in transfers if tr.step not in (0, last)]
+        return inner, outer
+
+    def post(self, transfers: Sequence[Transfer], provide: Provide) -> None:
+        runner = self.runner
+        inner, outer = self.split(transfers)
+        if inner:
+            runner.inner_poster.post(inner, provide)
+        if outer:
+            runner.ring.poster.post(outer, runner.ring.provide)
+
+    def wait_sent(self, transfers: Sequence[Transfer]) -> None:
+        inner, outer = self.split(transfers)
+        self.runner.plan.inner.wait_sent(inner)
+        self.runner.plan.outer.wait_sent(outer)
+
+    def wait_sends(self) -> None:
+        self.runner.plan.inner.wait_sends()
+        self.runner.plan.outer.wait_sends()
