@@ -245,7 +245,7 @@ def _plan(
                     mode=mode,
                     hybrid=spec,
                 )
-            except NotImplementedError as exc:  # e.g. no closed forms at this world size
+            except NotImplementedError as exc:  # e.g. no columns for it at this world size
                 if layout is layouts[0]:
                     skipped.append((strategy, str(exc)))
                 continue
