@@ -846,20 +846,6 @@ _CHUNK_CELLS = 1 << 19
 max(1, _CHUNK_CELLS // P), so its memory grows linearly with P (Note [Vectorised engine])."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Vectorised:
-    """What the vectorised engine returns about one pass."""
-
-    call_s: float
-    step_s: tuple[float, ...]
-    compute_s: float
-    merge_s: float
-    exposed_s: float
-    travel_bytes: int
-    return_bytes: int
-    net: _Network
-
-
 class _Replay:
     """The vectorised engine's clock (Note [Vectorised engine]): every rank's program,
     ``ring_step_order`` step by step, one op for all ranks at once. Times are ``(P,)``
@@ -1066,8 +1052,13 @@ def _step_durations(
 
 
 def _simulate_vectorised(
-    plan: RingPlan, dims: AttentionShape, hardware: Hardware, flops_per_s: float
-) -> _Vectorised:
+    plan: RingPlan,
+    layout: Layout,
+    causal: bool,
+    dims: AttentionShape,
+    hardware: Hardware,
+    flops_per_s: float,
+) -> PassResult:
     """Note [Vectorised engine]: price each chunk's windows, then replay its steps."""
     p = plan.world_size
     net, replay = _Network(hardware, p), _Replay(plan, dims, hardware, flops_per_s)
@@ -1108,15 +1099,26 @@ def _simulate_vectorised(
     # Flows that outlast their window pile up on a resource: the call cannot end before the
     # busiest one drains (plus the merge of what arrives last).
     call_s = max(float(replay.end().max()), net.drain() + last_merge)
-    return _Vectorised(
+    busiest_name, busiest_bytes, busiest_s = net.busiest()
+    return PassResult(
+        strategy=plan.strategy,
+        pass_=plan.pass_,
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=plan.seq_local,
+        mode="vectorised",
         call_s=call_s,
         step_s=tuple(replay.step_s),
         compute_s=float(replay.kernel_s.max()),
         merge_s=float(replay.memory_s.max()),
+        busiest_resource=busiest_name,
+        busiest_bytes=int(busiest_bytes),
+        busiest_s=busiest_s,
         exposed_s=float(tail.max()),
         travel_bytes=int(travel_sent.max()),
         return_bytes=int(return_sent.max()),
-        net=net,
+        timeline=None,
     )
 
 
@@ -1238,28 +1240,7 @@ def simulate_pass(
         heads_kv=shape.heads_kv,
         last_block_splits=last_block_splits,
     )
-    vec = _simulate_vectorised(plan, shape, hardware, flops_per_s)
-    busiest_name, busiest_num, busiest_s = vec.net.busiest()
-    return PassResult(
-        strategy=strategy,
-        pass_=pass_,
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        mode=mode,
-        call_s=vec.call_s,
-        step_s=vec.step_s,
-        compute_s=vec.compute_s,
-        merge_s=vec.merge_s,
-        busiest_resource=busiest_name,
-        busiest_bytes=int(busiest_num),
-        busiest_s=busiest_s,
-        exposed_s=vec.exposed_s,
-        travel_bytes=vec.travel_bytes,
-        return_bytes=vec.return_bytes,
-        timeline=None,
-    )
+    return _simulate_vectorised(plan, layout, causal, shape, hardware, flops_per_s)
 
 
 def strategy_schedule(
