@@ -43,10 +43,10 @@ from typing import Any
 import pytest
 import torch
 
-from closed_forms import steady_step, step_costs
+from closed_forms import schedule_arrays, steady_step, step_costs
 from oracle import owned_positions
 from tokenring.cli import main
-from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Strategy
+from tokenring.core.schedule import AttentionShape, Flow, Pass, Payload, Strategy, piece_flops
 from tokenring.model.costmodel import (
     PRESETS,
     Hardware,
@@ -60,7 +60,6 @@ from tokenring.model.costmodel import (
     resource_bytes,
     ring_path,
     route,
-    schedule_arrays,
 )
 from tokenring.model.netlab import _ring_next_hop
 from tokenring.model.simulate import (
@@ -72,6 +71,7 @@ from tokenring.model.simulate import (
 from tokenring.runtime.comm import Event
 from tokenring.strategies import build_schedule
 from tokenring.strategies.hybrid import HybridSpec
+from tokenring.strategies.ring import RingPlan, ring_plan
 
 MHA = AttentionShape(heads_q=4, heads_kv=4, head_dim=8, dtype="float16")
 GQA = AttentionShape(heads_q=8, heads_kv=2, head_dim=8, dtype="bfloat16")
@@ -222,6 +222,64 @@ def test_schedule_arrays_equal_the_schedule() -> None:
             assert returned[r, t].tolist() == rows + [0] * (splits - len(rows))
             dkv = [x.num_rows for x in sends if x.payload is Payload.DKV]
             assert int(arr.dkv_rows[r, t]) == sum(dkv)
+
+
+def test_ring_columns_equal_the_schedule() -> None:
+    """The columns the vectorised engine replays (Note [Ring columns]), entry by entry
+    against build_schedule: MHA, GQA (head slices) and one head (row slices), both Ring
+    directions."""
+    for strategy, pass_, layout, causal, p, s, splits, (hq, hkv) in itertools.product(
+        CLOSED,
+        Pass,
+        ("contiguous", "zigzag"),
+        (False, True),
+        range(1, 6),
+        (6, 7),
+        (1, 3),
+        ((1, 1), (8, 2), (4, 4)),
+    ):
+        if layout == "zigzag" and s % 2:
+            continue
+        kw: dict[str, Any] = dict(
+            layout=layout, causal=causal, world_size=p, seq_local=s, heads_q=hq, heads_kv=hkv
+        )
+        sched = build_schedule(strategy, pass_, last_block_splits=splits, **kw)
+        plan = ring_plan(strategy, pass_, last_block_splits=splits, **kw)
+        col = plan.columns(range(p))
+        unit = AttentionShape(heads_q=hq, heads_kv=hkv, head_dim=1)  # 4 FLOPs per pair
+        width = col.segment_rows.shape[2]
+        for r, t in itertools.product(range(p), range(p)):
+            case = (strategy, pass_, layout, causal, p, s, splits, hq, r, t)
+            step = sched.steps[r][t]
+            assert int(col.q_owner[r, t]) == step.q_owner
+            pad = [0] * (width - len(step.segments))
+            rows = [seg.q_rows[1] - seg.q_rows[0] for seg in step.segments]
+            assert col.segment_rows[r, t].tolist() == rows + pad, case
+            pairs = [
+                sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in seg.pieces)
+                for seg in step.segments
+            ]
+            assert col.segment_pairs[r, t].tolist() == pairs + pad, case
+            sends = sched.sends(r, t)
+            travel = [x for x in sends if x.payload.flow is Flow.TRAVEL]
+            assert int(col.travel_rows[r, t]) == sum(x.num_rows for x in travel), case
+            assert all(x.dst == (r + plan.direction) % p for x in travel), case
+            assert all(x.payload is plan.travel_payload for x in travel), case
+            rets = sorted(
+                (x for x in sends if x.payload in (Payload.OUT, Payload.DQ)),
+                key=lambda x: x.after_segments,
+            )
+            returned = [x.num_rows for x in rets]
+            assert col.return_rows[r, t].tolist() == returned + [0] * (width - len(rets)), case
+            for k, x in enumerate(rets):
+                assert (x.dst, x.after_segments) == (int(col.q_owner[r, t]), k + 1), case
+                heads = hq if x.heads is None else x.heads[1] - x.heads[0]
+                assert int(col.segment_heads[r, t, k]) == heads, case
+            dkv = [x for x in sends if x.payload is Payload.DKV]
+            assert int(col.dkv_rows[r, t]) == sum(x.num_rows for x in dkv), case
+            for x in dkv:
+                home = not any(y.owner == x.owner for y in sched.sends(x.dst, t + 1))
+                assert (x.dst, home) == (int(col.dkv_dst[r, t]), bool(col.dkv_home[r, t])), case
 
 
 # -- topology ----------------------------------------------------------------------------------
@@ -502,13 +560,18 @@ def test_event_timeline_is_consistent(topology: Topology) -> None:
 @pytest.mark.parametrize("topology", list(Topology))
 def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> None:
     """P = 8, comm-bound (links 1 GB/s: comm up to 2.4x compute) and compute-bound, MHA and
-    GQA: the same compute, merges, busiest resource and bytes exactly, and the call time
-    within 12% (40% for TokenRing's forward on a physical ring, whose returns cross up to
-    P - 1 hops and are waited for two steps later). The vectorised engine leaves out the
-    rendezvous waits that ripple from rank to rank when returns outlast a step and the
-    runtime's waits for the returns, so it may only err on the fast side."""
+    GQA, Ring's K/V travelling down and (contiguous causal) up: the same compute, merges,
+    busiest resource and bytes exactly, and the call time within 10% (25% for TokenRing's
+    forward on a physical ring, whose partials cross up to P - 1 hops and share them). Both
+    replay the same programs; the vectorised engine prices a window's flows as if they
+    started together (Note [Vectorised engine]), so it may only err on the fast side. (It
+    read closed forms and left out the programs' waits before: 12% and 40%.)"""
     for link, shape, strategy, pass_, (layout, causal) in itertools.product(
-        (1e9, 1e11), (MHA, GQA), CLOSED, Pass, (("zigzag", True), ("contiguous", False))
+        (1e9, 1e11),
+        (MHA, GQA),
+        CLOSED,
+        Pass,
+        (("zigzag", True), ("contiguous", False), ("contiguous", True)),
     ):
         hw = _hardware(
             topology, link=link, port=1.5 * link if topology is Topology.SWITCH else None
@@ -529,7 +592,7 @@ def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> N
         }
         event, vec = got["event"], got["vectorised"]
         multi_hop = topology is Topology.RING and strategy.passes_q and pass_ is Pass.FORWARD
-        rel = 0.40 if multi_hop else 0.12
+        rel = 0.25 if multi_hop else 0.10
         assert vec.call_s == pytest.approx(event.call_s, rel=rel), (link, strategy, pass_)
         assert vec.call_s <= event.call_s * 1.01, (link, strategy, pass_)
         if link > 1e10:  # compute-bound: the engines agree closely
@@ -542,23 +605,20 @@ def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> N
         assert vec.timeline is None
 
 
-def test_schedule_arrays_of_some_steps_are_those_columns() -> None:
-    """``steps=`` gives the columns of the full arrays, in the order asked for."""
+def test_ring_columns_of_some_steps_are_those_columns() -> None:
+    """``columns(steps)`` gives those columns of every step's, as the engine's chunks ask."""
     for strategy, pass_, (layout, causal) in itertools.product(
-        CLOSED, Pass, (("zigzag", True), ("contiguous", False))
+        CLOSED, Pass, (("zigzag", True), ("contiguous", False), ("contiguous", True))
     ):
         kw: dict[str, Any] = dict(layout=layout, causal=causal, world_size=5, seq_local=6)
-        full = schedule_arrays(strategy, pass_, last_block_splits=3, **kw)
-        for steps in ([4], [0, 1], [3, 4, 2], []):
-            part = schedule_arrays(strategy, pass_, last_block_splits=3, steps=steps, **kw)
-            assert part.steps.tolist() == steps
-            for name in ("q_owner", "kv_owner", "q_rows", "kv_rows", "diagonal", "pairs"):
-                assert torch.equal(getattr(part, name), getattr(full, name)[:, steps]), name
-            for name in ("slices", "travel_rows", "dkv_rows"):
-                assert torch.equal(getattr(part, name), getattr(full, name)[:, steps]), name
-            assert torch.equal(part.return_rows(), full.return_rows()[:, steps])
-    with pytest.raises(ValueError, match="steps must be in"):
-        schedule_arrays("ring", "forward", steps=[5], **kw)
+        plan = ring_plan(strategy, pass_, heads_q=8, heads_kv=2, last_block_splits=3, **kw)
+        full = plan.columns(range(5))
+        for steps in (range(4, 5), range(0, 2), range(2, 5), range(3, 3)):
+            part = plan.columns(steps)
+            for field in dataclasses.fields(full):
+                if field.name != "steps":
+                    want = getattr(full, field.name)[:, steps.start : steps.stop]
+                    assert torch.equal(getattr(part, field.name), want), field.name
 
 
 @pytest.mark.parametrize("topology", list(Topology))
@@ -600,19 +660,19 @@ def test_the_vectorised_engine_holds_a_chunk_of_steps_not_all(
     p, chunk = 200, 10
     monkeypatch.setattr(simulate_module, "_CHUNK_CELLS", p * chunk)
     widest: list[int] = []
-    original_arrays = simulate_module.schedule_arrays
+    original_columns = RingPlan.columns
     original_price = simulate_module._Network.price
 
-    def arrays(*args: Any, **kwargs: Any) -> Any:
-        result = original_arrays(*args, **kwargs)
-        widest.append(result.q_rows.shape[1])
+    def columns(self: RingPlan, steps: range) -> Any:
+        result = original_columns(self, steps)
+        widest.append(result.q_owner.shape[1])
         return result
 
     def price(self: Any, x: torch.Tensor, dst: torch.Tensor, **kwargs: Any) -> Any:
         widest.append(x.shape[0])
         return original_price(self, x, dst, **kwargs)
 
-    monkeypatch.setattr(simulate_module, "schedule_arrays", arrays)
+    monkeypatch.setattr(RingPlan, "columns", columns)
     monkeypatch.setattr(simulate_module._Network, "price", price)
     result = simulate_pass(
         "token_ring",

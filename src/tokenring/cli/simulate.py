@@ -338,8 +338,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             )
     if any(r["mode"] == "vectorised" for r in rows):
         console.print(
-            f"engine 'vectorised': closed forms per rank and step (P > {EVENT_MAX_WORLD_SIZE} "
-            "or --mode vectorised), no per-event timeline"
+            "engine 'vectorised': the rank programs, every rank at once "
+            f"(P > {EVENT_MAX_WORLD_SIZE} or --mode vectorised), no per-event timeline"
         )
 
 

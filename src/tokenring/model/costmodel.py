@@ -5,10 +5,8 @@ and NICs are wired (``Topology``), which physical resources a transfer between t
 (:func:`route`), and what a transfer or a merge weighs, read from the very
 :class:`~tokenring.core.schedule.Schedule` the runtime executes, so model and code cannot drift
 apart. Timing a call is the simulator's job (``tokenring.model.simulate``), which replays the
-ranks' programs; for world sizes where building the schedule object is too slow,
-:func:`schedule_arrays` gives its vectorised engine the same numbers per (rank, step) as
-closed forms on tensors (tests check them against ``build_schedule`` entry by entry). The
-per-step costs and the closed-form steady step that used to live here are test oracles now
+ranks' programs. The per-step costs, the closed-form steady step and the closed forms of the
+ring schedules per (rank, step) that used to live here are test oracles now
 (``tests/closed_forms.py``).
 
 Legend: B batch, s local seq (rows per rank), c = s // 2 (zigzag chunk), Hq query heads,
@@ -62,7 +60,6 @@ import enum
 import itertools
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -70,14 +67,11 @@ from typing import Any
 import torch
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.layout import Layout, validate_seq_local
 from tokenring.core.schedule import (
     AttentionShape,
     Flow,
     Pass,
-    Payload,
     Schedule,
-    Strategy,
     Transfer,
     dtype_name,
 )
@@ -91,7 +85,6 @@ __all__ = [
     "Resource",
     "ResourceKind",
     "Route",
-    "ScheduleArrays",
     "Topology",
     "exposed_transfers",
     "measured",
@@ -100,7 +93,6 @@ __all__ = [
     "resource_bytes",
     "ring_path",
     "route",
-    "schedule_arrays",
     "transfer_route",
 ]
 
@@ -589,220 +581,3 @@ def exposed_transfers(schedule: Schedule) -> tuple[Transfer, ...]:
             if tr.payload.flow is Flow.RETURN and tr.after_segments >= max(1, num_segments):
                 out.append(tr)
     return tuple(out)
-
-
-# -- the same numbers as closed forms ----------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ScheduleArrays:
-    """A schedule's sizes as ``(P, T)`` int64/float64 tensors indexed ``[rank, i]``, column i
-    holding step ``steps[i]`` (T = P, every step, unless a caller asked for fewer).
-
-    Closed forms of ``build_schedule`` for world sizes where the Schedule object is too big to
-    build (it is O(P^3) to derive); tests compare them with the schedule entry by entry.
-    """
-
-    strategy: Strategy
-    """Which strategy."""
-    pass_: Pass
-    """Which pass."""
-    world_size: int
-    """P."""
-    seq_local: int
-    """s."""
-    steps: torch.Tensor
-    """(T,) int64: the step of each column."""
-    q_owner: torch.Tensor
-    """o of the block computed at [r, t]."""
-    kv_owner: torch.Tensor
-    """j of the block computed at [r, t]."""
-    q_rows: torch.Tensor
-    """Rows of the q block computed at [r, t] (0: nothing computed)."""
-    kv_rows: torch.Tensor
-    """Rows of the kv block computed at [r, t]."""
-    diagonal: torch.Tensor
-    """bool: the block is a shard against itself (causal mask, q_rows*(q_rows+1)/2 pairs)."""
-    pairs: torch.Tensor
-    """float64: score entries computed (FLOPs = pairs * 4*B*Hq*D, x2.5 backward)."""
-    slices: torch.Tensor
-    """(P, T, K) int64: rows of each compute segment (K = last_block_splits; 0-padded)."""
-    travel_rows: torch.Tensor
-    """Rows of the travel transfer rank r posts at step t to r - 1 (0: none)."""
-    travel_payload: Payload
-    """What travels."""
-    return_payload: Payload | None
-    """What returns after each segment (OUT/DQ to the q owner for TokenRing; DKV to r - 1
-    for Ring backward; None for Ring forward)."""
-    dkv_rows: torch.Tensor
-    """Rows of the dK/dV accumulator rank r sends to r - 1 after step t (Ring backward)."""
-
-    def return_rows(self) -> torch.Tensor:
-        """(P, T, K): rows of the return posted after each segment (TokenRing, t >= 1)."""
-        if self.strategy is not Strategy.TOKEN_RING:
-            return torch.zeros_like(self.slices)
-        mine = self.q_owner == torch.arange(self.world_size).unsqueeze(1)
-        return torch.where(mine.unsqueeze(-1), 0, self.slices)
-
-
-def _split_sizes(rows: torch.Tensor, parts: int) -> torch.Tensor:
-    """(..., parts) sizes of ``rows`` split like ``schedule._split_rows`` (0 for empty)."""
-    n = rows.unsqueeze(-1)
-    k = torch.clamp(torch.minimum(n, torch.full_like(n, parts)), min=1)
-    i = torch.arange(parts + 1)
-    bounds = (n * i.clamp(max=k)) // k  # bounds[i] = n*i//k for i <= k, then n
-    sizes = bounds[..., 1:] - bounds[..., :-1]
-    return sizes
-
-
-def _block_rows(
-    q_owner: torch.Tensor, kv_owner: torch.Tensor, *, layout: Layout, causal: bool, s: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of q and of kv that meet in the block of (q_owner, kv_owner), and whether it is
-    a diagonal block (Note [Causal blocks per layout] in tokenring.core.schedule)."""
-    diagonal = q_owner == kv_owner
-    full = torch.full(q_owner.shape, s, dtype=torch.long)
-    if not causal:
-        return full, full.clone(), torch.zeros_like(diagonal)
-    if layout is Layout.CONTIGUOUS:
-        q_rows = torch.where((kv_owner < q_owner) | diagonal, s, 0)
-        return q_rows, q_rows.clone(), diagonal
-    c = s // 2
-    below = kv_owner < q_owner  # j < o: q whole, kv [0, c); j > o: q [c, s), kv whole
-    return torch.where(diagonal | below, s, s - c), torch.where(diagonal | ~below, s, c), diagonal
-
-
-def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]:
-    """What travels and what returns (None: nothing) in a TokenRing or Ring pass."""
-    if strategy is Strategy.TOKEN_RING:
-        return (Payload.Q, Payload.OUT) if pass_ is Pass.FORWARD else (Payload.Q_GRAD, Payload.DQ)
-    return Payload.KV, (Payload.DKV if pass_ is Pass.BACKWARD else None)
-
-
-def _travel_rows(
-    strategy: Strategy,
-    *,
-    layout: Layout,
-    causal: bool,
-    visitor: torch.Tensor,
-    step: torch.Tensor,
-    s: int,
-) -> torch.Tensor:
-    """Rows the block held at ``step`` forwards: what the ranks ahead still need.
-
-    Derivation (Note [Causal blocks per layout] in tokenring.core.schedule): the block of
-    owner o held at step t by rank o - t visits kv owners (TokenRing) or q owners (Ring)
-    o-t-1, ..., 0, P-1, ..., o+1 at the steps ahead. One of them is below o iff o >= t + 1
-    and one is above o iff o < P - 1, which decides whether the whole block or one chunk
-    (or nothing) is forwarded.
-    """
-    p, c = visitor.shape[0], s // 2
-    any_below = visitor >= step + 1
-    any_above = visitor < p - 1
-    if not causal:
-        travel = torch.full(visitor.shape, s, dtype=torch.long)
-    elif layout is Layout.CONTIGUOUS:
-        # TokenRing: kv j < o needs all q rows; Ring: q owner above j needs all kv rows.
-        needs = any_below if strategy is Strategy.TOKEN_RING else any_above
-        travel = torch.where(needs, s, 0)
-    elif strategy is Strategy.TOKEN_RING:
-        travel = torch.where(any_below, s, s - c)  # j < o: q [0, s); only j > o: q [c, s)
-    else:
-        travel = torch.where(any_below, s, c)  # a q owner below j needs kv [0, s); else [0, c)
-    return torch.where(step < p - 1, travel, 0)
-
-
-def schedule_arrays(
-    strategy: Strategy | str,
-    pass_: Pass | str,
-    *,
-    layout: Layout | str,
-    causal: bool,
-    world_size: int,
-    seq_local: int,
-    last_block_splits: int = 2,
-    steps: Sequence[int] | None = None,
-) -> ScheduleArrays:
-    """Closed forms of ``build_schedule(...)`` (same arguments) per rank and step.
-
-    ``steps``: only these steps' columns, in this order (None: all P), so that a caller can
-    walk the steps in chunks with memory linear in P. Travel rows: see ``_travel_rows``.
-
-    Raises:
-        ValueError: as ``build_schedule``.
-        NotImplementedError: a strategy other than TokenRing and Ring.
-    """
-    strategy = Strategy.parse(strategy)
-    pass_ = Pass(pass_)
-    layout = Layout.parse(layout)
-    _closed_form_strategy(strategy)
-    if strategy is Strategy.RING and causal and layout is Layout.CONTIGUOUS:
-        raise NotImplementedError(
-            "closed forms do not cover Ring on the contiguous causal layout (its K/V travel "
-            "up the ring there); simulate its schedule with the event engine instead"
-        )
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    validate_seq_local(seq_local, layout)
-    if last_block_splits < 1:
-        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
-    p, s = world_size, seq_local
-    columns = torch.arange(p) if steps is None else torch.as_tensor(list(steps), dtype=torch.long)
-    if columns.numel() and not (int(columns.min()) >= 0 and int(columns.max()) < p):
-        raise ValueError(f"steps must be in [0, {p}); got {columns.tolist()}")
-    num = columns.numel()
-    rank = torch.arange(p).unsqueeze(1)  # (P, 1)
-    step = columns.unsqueeze(0)  # (1, T)
-    visitor = (rank + step) % p  # owner of the block that travelled to r by step t
-    if strategy is Strategy.TOKEN_RING:
-        q_owner, kv_owner = visitor, rank.expand(p, num)
-    else:
-        q_owner, kv_owner = rank.expand(p, num), visitor
-    q_rows, kv_rows, diagonal = _block_rows(q_owner, kv_owner, layout=layout, causal=causal, s=s)
-    full = torch.full((p, num), s, dtype=torch.long)
-    pairs = torch.where(
-        diagonal,
-        q_rows.double() * (q_rows.double() + 1) / 2,
-        q_rows.double() * kv_rows.double(),
-    )
-    # Segments: one per non-empty block; TokenRing splits a single full (non-diagonal) piece
-    # of its last step (from step 1: there is a return to hide) into last_block_splits row
-    # slices. A schedule built with the heads slices by heads instead (Note [Last block by
-    # heads] in tokenring.strategies.ring): the same bytes and FLOPs when the heads split
-    # evenly, which is what these rows count.
-    k = last_block_splits
-    slices = torch.zeros((p, num, k), dtype=torch.long)
-    slices[..., 0] = q_rows
-    if strategy is Strategy.TOKEN_RING and k > 1:
-        split = (step == p - 1) & (step > 0) & ~diagonal & (q_rows > 0)  # (P, T): last blocks
-        slices = torch.where(split.unsqueeze(-1), _split_sizes(q_rows, k), slices)
-    travel = _travel_rows(strategy, layout=layout, causal=causal, visitor=visitor, step=step, s=s)
-    travel_payload, return_payload = _payloads(strategy, pass_)
-    # Ring backward: the accumulator of a K/V block leaves home after step 0 and moves on
-    # after every step, the last visitor sending it home (none when P = 1).
-    ring_backward = strategy is Strategy.RING and pass_ is Pass.BACKWARD
-    dkv_rows = full.clone() if ring_backward and p > 1 else torch.zeros((p, num), dtype=torch.long)
-    return ScheduleArrays(
-        strategy=strategy,
-        pass_=pass_,
-        world_size=p,
-        seq_local=s,
-        steps=columns,
-        q_owner=q_owner.contiguous(),
-        kv_owner=kv_owner.contiguous(),
-        q_rows=q_rows,
-        kv_rows=kv_rows,
-        diagonal=diagonal,
-        pairs=pairs,
-        slices=slices,
-        travel_rows=travel,
-        travel_payload=travel_payload,
-        return_payload=return_payload,
-        dkv_rows=dkv_rows,
-    )
-
-
-def _closed_form_strategy(strategy: Strategy) -> None:
-    if strategy not in (Strategy.TOKEN_RING, Strategy.RING):
-        raise NotImplementedError(
-            f"closed forms cover 'token_ring' and 'ring'; got strategy {strategy.value!r} "
-            "(simulate its schedule with the event engine instead)"
-        )

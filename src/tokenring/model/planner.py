@@ -261,7 +261,7 @@ def _plan(
                         hybrid=spec,
                         lend_last_pair=lend,
                     )
-                except NotImplementedError as exc:  # e.g. no closed forms at this world size
+                except NotImplementedError as exc:  # e.g. no columns for it at this world size
                     if layout is layouts[0] and not variants:
                         skipped.append((strategy, str(exc)))
                     continue

@@ -5,9 +5,9 @@ description (``tokenring.model.costmodel``), it plays one attention pass the way
 (``tokenring.runtime.ring``) executes it -- segment by segment, slot by slot, with flows sharing
 links and ports -- and returns per-rank timelines (``tokenring.runtime.comm.Event``, the bench's
 format, so the same plotting code draws both), the call time, per-step times, bytes per flow
-and the % of the bound. Two engines: an event-driven one for P <= 64 and a vectorised one
-(closed forms per rank and step, ``costmodel.schedule_arrays``) for larger P; the output says
-which ran. The CLI command ``tokenring simulate`` lives at the bottom.
+and the % of the bound. Two engines replay the same rank programs: an event-driven one for
+P <= 64 and a vectorised one (every rank at once, Note [Vectorised engine]) for larger P; the
+output says which ran. The CLI command ``tokenring simulate`` lives at the bottom.
 
 Legend: B batch, S global seq, s local seq, Hq query heads, Hkv key/value heads, D head dim,
 P world size, t step, r rank, F achieved FLOP/s.
@@ -43,35 +43,39 @@ one then speeds up, so only the overlap is priced pessimistically.
 
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-For P > 64 the event engine's O(P^2) transfers get slow; the vectorised engine walks the P
-steps once with tensors over ranks, from the closed forms of ``costmodel.schedule_arrays``
-(TokenRing and Ring; tests check them against the schedule entry by entry). Flows are
-grouped in *windows*: window t holds what flies during step t (travel of t, returns posted at
-the end of t-1, dK/dV of t-1, and on the last step the returns of its earlier slices). Window
-loads do not depend on timing, so all windows are priced at once; each flow gets
+For P > 64 the event engine's O(P^2) transfers get slow, and building the schedule's P^2
+objects does too. The vectorised engine replays the same program with every rank at once:
+the ring schedule as columns (``tokenring.strategies.ring.ring_plan``, Note [Ring columns]:
+the builder's own segments and transfer rules per (rank, step), tensors over ranks), and each
+step's ops in the executor's order (``ring_step_order``, which ``ring_program`` fills in for
+the executor), each op one tensor operation over ranks (:class:`_Replay`): a COMPUTE adds
+its segment's kernel and own merge, a POST starts its flows when both ends have posted
+(both post in the same op), ARRIVE / SENT / PASS / RETURNS / HOME / SENT_ALL wait for them,
+merging or adding as the event engine does. What it does not replay is the sharing of
+bandwidth event by event. Flows are grouped in *windows* instead: window t holds what flies
+during step t (travel of t, returns and accumulators posted in step t-1, and on the last
+step its returns but each rank's last, which with Ring's last accumulators form the exposed
+tail). Window loads do not depend on timing, so a chunk's windows are priced at once; each
+flow gets
 
     duration = latency + max over its resources of min(load, flows_on_it * bytes) / bandwidth
 
 (the equal-share finish time if the window's flows all started together: exact for the
 largest and the smallest flow on a resource). Ring hops are loaded with range sums and read
 with range maxima (a sparse table), so a return crossing P/2 hops costs O(log P), not O(P).
-Then, per step, rank r starts step t+1 at max(its compute and posts of step t, arrival of its
-travel input). Flows that outlast their window are caught by a drain bound: a resource with
-work L_w in window w is busy until at least max_w (start_w + sum_{v >= w} L_v), and the call
-cannot end before that. What this leaves out are the rendezvous waits that ripple from rank to
-rank when returns outlast a step, and the runtime's wait for each return two steps after it
-was sent (Note [Rank program] in tokenring.runtime.program), so the engine errs on the fast
-side: against the event engine at P = 8 it agrees within 1% when compute-bound and is up to
-~12% faster when links are ~2.4x slower than compute (tests/test_costmodel.py), ~17% with
-slow NICs between islands, and ~39% for TokenRing's forward on a physical ring, where the
-partial of step t crosses t hops and the owner waits for it at step t + 2.
+Flows that outlast their window are caught by a drain bound: a resource with work L_w in
+window w is busy until at least max_w (start_w + sum_{v >= w} L_v), and the call cannot end
+before that. Against the event engine (P = 8 to 48, tests/test_costmodel.py) it agrees to
+rounding where the links keep up or are one hop long, and is faster by up to ~30% only on a
+physical ring whose partials cross many hops and share them.
 
 Memory is linear in P: the engine walks the steps in chunks of ``_CHUNK_CELLS // P``, asking
-``schedule_arrays`` for those columns only (and the step before), pricing the chunk's windows
-and running its recurrence; the drain bound is kept as a running max (window starts never
-decrease), and per-pair byte totals only for the links to r-1 (every other pair carries one
-window's flows). With whole (P, P) tables ``--world-size 2000`` peaked at 2.4 GB and 10000
-would need ~60 GB; chunked, 10000 peaks under 1 GB.
+the plan for those columns only (and the step after: the chunk prices up to the window of
+the step after its last, whose returns it posts), pricing the chunk's windows and replaying
+its steps; the drain bound is kept as a running max (window starts never decrease), and
+per-pair byte totals only for the links to r-1 (every other pair carries one window's
+flows). With whole (P, P) tables ``--world-size 2000`` peaked at 2.4 GB and 10000 would need
+~60 GB; chunked, 10000 peaks under 1 GB.
 """
 
 from __future__ import annotations
@@ -99,21 +103,24 @@ from tokenring.model.costmodel import (
     Hardware,
     Resource,
     ResourceKind,
-    ScheduleArrays,
     exposed_transfers,
     merge_bytes,
     route,
-    schedule_arrays,
     transfer_route,
 )
 from tokenring.model.netlab import Topology
 from tokenring.runtime.comm import Event
-from tokenring.runtime.program import Op, OpKind, cached_program, program_of
+from tokenring.runtime.program import Op, OpKind, cached_program, program_of, ring_step_order
 from tokenring.strategies import build_schedule
 from tokenring.strategies.cached import CachedPlan, CachedShards
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
-from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE
+from tokenring.strategies.ring import (
+    LEND_MAX_WORLD_SIZE,
+    RingColumns,
+    RingPlan,
+    ring_plan,
+)
 
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",
@@ -131,7 +138,7 @@ EVENT_MAX_WORLD_SIZE = 64
 """mode="auto" runs the event engine up to this world size and the vectorised one above."""
 
 VECTORISED_STRATEGIES = (Strategy.TOKEN_RING, Strategy.RING)
-"""Strategies with closed forms (``costmodel.schedule_arrays``); the event engine runs any."""
+"""Strategies whose schedule ``ring_plan`` gives as columns; the event engine runs any."""
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -844,229 +851,279 @@ _CHUNK_CELLS = 1 << 19
 max(1, _CHUNK_CELLS // P), so its memory grows linearly with P (Note [Vectorised engine])."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Vectorised:
-    """What the vectorised engine returns about one pass."""
+class _Replay:
+    """The vectorised engine's clock (Note [Vectorised engine]): every rank's program,
+    ``ring_step_order`` step by step, one op for all ranks at once. Times are ``(P,)``
+    tensors; ``dur`` of a flow comes from its window's price (:func:`_window_flows`)."""
 
-    call_s: float
-    step_s: tuple[float, ...]
-    compute_s: float
-    merge_s: float
-    exposed_s: float
-    travel_bytes: int
-    return_bytes: int
-    net: _Network
+    def __init__(
+        self, plan: RingPlan, dims: AttentionShape, hardware: Hardware, flops_per_s: float
+    ) -> None:
+        p, mem = plan.world_size, hardware.memory_bandwidth_bytes_per_s
+        self.plan, self.p = plan, p
+        self.backward = plan.pass_ is Pass.BACKWARD
+        self.ranks = torch.arange(p)
+        self.up = (self.ranks + plan.direction) % p  # where the travelling blocks go
+        scale = 4.0 * dims.batch * dims.head_dim * (2.5 if self.backward else 1.0)
+        self.kernel_per_pair = scale / flops_per_s
+        own = merge_bytes(1, dims) if not self.backward else _add_bytes(1, dims.heads_q, dims)
+        self.own_merge_per_row = own / mem
+        ret = _add_bytes(1, 1, dims) if self.backward else merge_bytes(1, dims, 1)
+        self.return_merge_per_row_head = ret / mem  # a returned partial's merge or dQ add
+        self.dkv_add = _add_bytes(plan.seq_local, dims.heads_kv, dims, pairs=2) / mem
+        zeros = torch.zeros(p, dtype=torch.float64)
+        delta = _delta_bytes(plan.seq_local, dims) / mem if self.backward else 0.0
+        self.now, self.kernel_s, self.memory_s = zeros + delta, zeros.clone(), zeros + delta
+        self.send_done, self.travel_in, self.own_travel = zeros.clone(), zeros, zeros
+        self.returned: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by receiver
+        self.own_returns: dict[int, torch.Tensor] = {}  # per step: when r's returns arrived
+        self.passing = (zeros, zeros)  # accumulators to pass on: (arrival, has) by receiver
+        self.home = (torch.full((p,), -math.inf, dtype=torch.float64), zeros.clone())  # (A, C)
+        self.starts: list[float] = []  # per step: the earliest rank's start
+        self.step_s: list[float] = []
+        self.zeros = zeros
+
+    def _arrive(
+        self, dst: torch.Tensor, num_bytes: torch.Tensor, dur: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flows posted now by every rank to ``dst``: a flow starts when both ends have
+        posted it (both post in this op) and arrives ``dur`` later. Returns (arrival by
+        sender, has by sender) and counts the sends towards SENT_ALL."""
+        has = num_bytes > 0
+        arrival = torch.where(has, torch.maximum(self.now, self.now[dst]) + dur, 0.0)
+        self.send_done = torch.maximum(self.send_done, arrival)
+        return arrival, has
+
+    def _received(
+        self, dst: torch.Tensor, arrival: torch.Tensor, has: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(arrival, value) by receiver (values >= 0) of flows that reach every receiver at
+        most once."""
+        at = self.zeros.scatter_reduce(0, dst, torch.where(has, arrival, 0.0), "amax")
+        return at, self.zeros.scatter_reduce(0, dst, torch.where(has, value, 0.0), "amax")
+
+    def load(self, col: RingColumns, num_steps: int) -> None:
+        """Read the first ``num_steps`` columns of ``col`` (a chunk's steps): each segment's
+        kernel and own merge (``work`` (P, T, K) seconds), the segments and slots of each step."""
+        rows = col.segment_rows[:, :num_steps].double()  # (P, T, K)
+        kernel = col.segment_pairs[:, :num_steps] * self.kernel_per_pair
+        own = (col.q_owner[:, :num_steps] == self.ranks.unsqueeze(1)).unsqueeze(-1)
+        merge = torch.where(own, rows * self.own_merge_per_row, 0.0)
+        self.kernel_s += kernel.sum((1, 2))
+        self.memory_s += merge.sum((1, 2))
+        self.work = kernel + merge
+        self.num_segments = (rows > 0).sum(-1).amax(0).tolist()
+        self.sends_dkv = (col.dkv_rows[:, :num_steps] > 0).any(0).tolist()
+
+    def step(self, t: int, col: RingColumns, j: int, dur: dict[str, torch.Tensor]) -> None:
+        """Step ``t`` (column ``j`` of ``col``, :meth:`load` ed); ``dur``: its flows'
+        durations (``travel`` (P,), ``returns`` (P, K), ``dkv`` (P,))."""
+        self.starts.append(float(self.now.min()))
+        self.travel_in = self.own_travel = self.zeros
+        num, work = self.num_segments[j], self.work[:, j]
+        slots = {0} if t < self.p - 1 else set()
+        slots |= set(range(1, num + 1)) if self.plan.strategy.passes_q and t >= 1 else set()
+        slots |= {max(1, num)} if self.sends_dkv[j] else set()
+        start = self.now.clone()
+        for kind, index in ring_step_order(num, slots, backward=self.backward, returns=t >= 2):
+            if kind is OpKind.POST:
+                self._post(t, col, j, index, num, dur)
+            elif kind is OpKind.COMPUTE:
+                self.now = self.now + work[:, index]
+            elif kind is OpKind.PASS:
+                self._add(*self.passing, self.dkv_add)
+                self.passing = (self.zeros, self.zeros)
+            elif kind is OpKind.RETURNS:
+                for arrival, cost in self.returned.pop(t - 2, []):
+                    self._add(arrival, cost > 0, cost)
+            elif kind is OpKind.ARRIVE:
+                self.now = torch.maximum(self.now, self.travel_in)
+            elif kind is OpKind.SENT:
+                sent = self.own_returns.pop(t - 2, self.zeros)
+                self.now = torch.maximum(self.now, torch.maximum(self.own_travel, sent))
+        self.step_s.append(float((self.now - start).max()))
+
+    def _post(
+        self, t: int, col: RingColumns, j: int, after: int, num: int, dur: dict[str, torch.Tensor]
+    ) -> None:
+        """POST t ``after``: slot 0 the travelling block, slot k+1 TokenRing's partial of
+        segment k, slot max(1, n) Ring's accumulator (Note [Rank program])."""
+        plan = self.plan
+        if after == 0:
+            arrival, has = self._arrive(self.up, col.travel_rows[:, j], dur["travel"])
+            self.own_travel = arrival
+            self.travel_in, _ = self._received(self.up, arrival, has, arrival)
+        if plan.strategy.passes_q and 1 <= after <= num:
+            k, dst = after - 1, col.q_owner[:, j]
+            rows = col.return_rows[:, j, k].double()
+            arrival, has = self._arrive(dst, rows, dur["returns"][:, k])
+            cost = rows * col.segment_heads[:, j, k] * self.return_merge_per_row_head
+            self.returned.setdefault(t, []).append(self._received(dst, arrival, has, cost))
+            mine = self.own_returns.get(t, self.zeros)
+            self.own_returns[t] = torch.maximum(mine, arrival)
+        if plan.return_payload is Payload.DKV and after == max(1, num):
+            dst, home = col.dkv_dst[:, j], col.dkv_home[:, j]
+            arrival, has = self._arrive(dst, col.dkv_rows[:, j], dur["dkv"])
+            self.passing = self._received(dst, arrival, has & ~home, (has & ~home).double())
+            at, got = self._received(dst, arrival, has & home, (has & home).double())
+            reach, total = self.home  # HOME takes them in step order: fold max(x, a) + c
+            got_home = got > 0
+            self.home = (
+                torch.where(got_home, torch.maximum(reach, at) + self.dkv_add, reach),
+                torch.where(got_home, total + self.dkv_add, total),
+            )
+
+    def _add(self, arrival: torch.Tensor, has: torch.Tensor, cost: torch.Tensor | float) -> None:
+        """Wait for what arrives where ``has``, then merge or add it (``cost`` seconds)."""
+        has = has > 0
+        cost = torch.where(has, cost, 0.0)
+        self.now = torch.where(has, torch.maximum(self.now, arrival), self.now) + cost
+        self.memory_s += cost
+
+    def end(self) -> torch.Tensor:
+        """END, the RETURNS of the last two steps, HOME and SENT_ALL: each rank's end."""
+        for t in sorted(self.returned):
+            for arrival, cost in self.returned.pop(t):
+                self._add(arrival, cost > 0, cost)
+        reach, total = self.home
+        self.memory_s += total
+        self.now = torch.maximum(self.now + total, reach)
+        return torch.maximum(self.now, self.send_done)
+
+
+def _flow_bytes(
+    plan: RingPlan, col: RingColumns, dims: AttentionShape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bytes of each step's flows: travel (P, T), returns (P, T, K), accumulators (P, T)."""
+    travel = col.travel_rows.double() * dims.row_bytes(plan.travel_payload)
+    ret_payload = plan.return_payload
+    per_head = dims.row_bytes(ret_payload, 1) if plan.strategy.passes_q and ret_payload else 0
+    returns = (col.return_rows * col.segment_heads).double() * per_head
+    dkv = col.dkv_rows.double() * dims.row_bytes(Payload.DKV)
+    return travel, returns, dkv
+
+
+def _window_flows(
+    plan: RingPlan, col: RingColumns, dims: AttentionShape, windows: range
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flows of ``windows`` as ``(W, P, G)`` bytes and receivers for ``_Network.price``,
+    and ``(P, 2)`` the exposed ones of the last step (Note [Vectorised engine]): slot 0 the
+    travel of step w, 1..K the returns of step w-1, K+1..2K those of the last step but each
+    rank's last (in window P-1), 2K+1 the accumulators of step w-1."""
+    p, first = plan.world_size, col.steps.start
+    travel, returns, dkv = _flow_bytes(plan, col, dims)
+    k = returns.shape[2]
+    x = torch.zeros(len(windows), p, 2 * k + 2, dtype=torch.float64)
+    dst = ((torch.arange(p) + plan.direction) % p).view(1, p, 1).repeat(len(windows), 1, 2 * k + 2)
+    for i, w in enumerate(windows):
+        x[i, :, 0] = travel[:, w - first]
+        if 1 <= w <= p - 1 and w - 1 >= first:
+            j = w - 1 - first
+            x[i, :, 1 : k + 1], x[i, :, 2 * k + 1] = returns[:, j], dkv[:, j]
+            dst[i, :, 1 : k + 1] = col.q_owner[:, j, None]
+            dst[i, :, 2 * k + 1] = col.dkv_dst[:, j]
+    exposed = torch.zeros(p, 2, dtype=torch.float64)
+    if windows and windows[-1] == p - 1:
+        j = p - 1 - first
+        last = _last_segment(col, j)  # (P, K): each rank's last return is exposed
+        x[-1, :, k + 1 : 2 * k + 1] = torch.where(last, 0.0, returns[:, j])
+        dst[-1, :, k + 1 : 2 * k + 1] = col.q_owner[:, j, None]
+        exposed[:, 0] = torch.where(last, returns[:, j], 0.0).sum(-1)
+        exposed[:, 1] = dkv[:, j]
+    return x, dst, exposed
+
+
+def _last_segment(col: RingColumns, j: int) -> torch.Tensor:
+    """(P, K) bool: segment k is the last of rank r's segments at column j."""
+    num = (col.segment_rows[:, j] > 0).sum(-1, keepdim=True)
+    return torch.arange(col.segment_rows.shape[2]) == num - 1
+
+
+def _step_durations(
+    dur: torch.Tensor, tail: torch.Tensor, col: RingColumns, t: int, j: int
+) -> dict[str, torch.Tensor]:
+    """Durations of the flows of step t (window t is ``dur[j]``, step t column ``j``)
+    in the slots of :func:`_window_flows`: the returns and accumulators of step t fly in
+    window t + 1, those of the last step in its own window or, exposed, in ``tail``."""
+    k = col.segment_rows.shape[2]
+    if t < col.q_owner.shape[0] - 1:
+        return {
+            "travel": dur[j, :, 0],
+            "returns": dur[j + 1, :, 1 : k + 1],
+            "dkv": dur[j + 1, :, -1],
+        }
+    late = torch.where(_last_segment(col, j), tail[:, :1], dur[j, :, k + 1 : 2 * k + 1])
+    return {"travel": dur[j, :, 0], "returns": late, "dkv": tail[:, 1]}
 
 
 def _simulate_vectorised(
-    strategy: Strategy,
-    pass_: Pass,
-    *,
+    plan: RingPlan,
     layout: Layout,
     causal: bool,
-    world_size: int,
-    seq_local: int,
     dims: AttentionShape,
     hardware: Hardware,
     flops_per_s: float,
-    last_block_splits: int,
-) -> _Vectorised:
-    p, s = world_size, seq_local
-
-    def columns(first: int, stop: int) -> ScheduleArrays:  # steps [first, stop), (P, T) each
-        return schedule_arrays(
-            strategy,
-            pass_,
-            layout=layout,
-            causal=causal,
-            world_size=p,
-            seq_local=s,
-            last_block_splits=last_block_splits,
-            steps=range(first, stop),
-        )
-
-    head = columns(0, 0)  # the payloads
-    mem = hardware.memory_bandwidth_bytes_per_s
-    forward = pass_ is Pass.FORWARD
-    pass_q = strategy is Strategy.TOKEN_RING
-    ring_bwd = strategy is Strategy.RING and not forward and p > 1
-    per_pair = 4.0 * dims.batch * dims.heads_q * dims.head_dim * (1.0 if forward else 2.5)
-    ranks = torch.arange(p)
-    down = (ranks - 1) % p
-    row_merge = (merge_bytes(1, dims) if forward else _add_bytes(1, dims.heads_q, dims)) / mem
-    prologue = 0.0 if forward else _delta_bytes(s, dims) / mem
-    dkv_add = _add_bytes(s, dims.heads_kv, dims, pairs=2) / mem
-    travel_row = dims.row_bytes(head.travel_payload)
-    ret_row = dims.row_bytes(head.return_payload) if head.return_payload is not None else 0
-    num_slices = last_block_splits
-    net = _Network(hardware, p)
-    # Slots of window t: travel of step t; TokenRing's return of step t-1; Ring's dK/dV of
-    # step t-1. The last window (t = P-1) also carries the last step's slices but the last.
-    slots = ["travel"] + (["return"] if pass_q else []) + (["dkv"] if ring_bwd else [])
-    col = {name: g for g, name in enumerate(slots)}
-    num_extra = max(0, num_slices - 1) if pass_q and p > 1 else 0
-    width = len(slots) + num_extra
-
-    zeros = torch.zeros(p, dtype=torch.float64)
-    start = zeros + prologue
-    steps: list[float] = []
-    prev_post = start.clone()  # when step t-1's returns were posted
-    ret_arrival_max = zeros.clone()  # per owner
-    send_done = zeros.clone()
-    loop_end = start
-    kernel_s = zeros.clone()  # per rank, over the steps
-    memory_s = zeros.clone()
-    received_rows = zeros.clone()  # rows returned to each owner
-    travel_rows = torch.zeros(p, dtype=torch.long)  # rows each rank sends
-    return_rows = torch.zeros(p, dtype=torch.long)
+) -> PassResult:
+    """Note [Vectorised engine]: price each chunk's windows, then replay its steps."""
+    p = plan.world_size
+    net, replay = _Network(hardware, p), _Replay(plan, dims, hardware, flops_per_s)
     chunk = max(1, _CHUNK_CELLS // p)
-    last = head
+    travel_sent, return_sent = replay.zeros.clone(), replay.zeros.clone()
+    last_window: torch.Tensor | None = None  # durations of the previous chunk's last window
+    tail, tail_work = torch.zeros(1, p, 2, dtype=torch.float64), torch.zeros(1, 7, p)
     for c0 in range(0, p, chunk):
         c1 = min(p, c0 + chunk)
-        lo = max(0, c0 - 1)  # step c0 - 1 posts into window c0
-        arr = columns(lo, c1)
-        at = c0 - lo  # column of step c0
-        n = c1 - c0
-        kernel = arr.pairs[:, at:] * per_pair / flops_per_s  # (P, n) [rank, step]
-        own = arr.q_owner[:, at:] == ranks.unsqueeze(1)
-        memory = torch.where(own, arr.q_rows[:, at:].double() * row_merge, 0.0)
-        if ring_bwd:  # the accumulator of step t-1 arrives from r+1 and gets this step's share
-            prev = arr.dkv_rows[:, max(0, at - 1) : at + n - 1]  # steps max(0, c0-1) .. c1-2
-            memory[:, n - prev.shape[1] :] += torch.where(prev.roll(-1, 0) > 0, dkv_add, 0.0)
-        comp = kernel + memory
-        kernel_s += kernel.sum(1)
-        memory_s += memory.sum(1)
-        ret_cols = arr.return_rows()  # (P, T, K) [rank, step, slice]
-        received_rows.index_add_(
-            0, arr.q_owner[:, at:].reshape(-1), ret_cols[:, at:].sum(-1).reshape(-1).double()
-        )
-        travel_rows += arr.travel_rows[:, at:].sum(1)
-        return_rows += (ret_cols[:, at:].sum(-1) + arr.dkv_rows[:, at:]).sum(1)
-
-        # Phase 1: every flow of the chunk's windows, priced at once (loads do not depend on
-        # timing). x[i] is window c0 + i.
-        x = torch.zeros(n, p, width, dtype=torch.float64)  # [window, rank, slot]
-        dst = down.view(1, p, 1).repeat(n, 1, width)
-        travel_steps = slice(at, at + min(n, p - 1 - c0)) if c0 < p - 1 else slice(0, 0)
-        x[: travel_steps.stop - travel_steps.start, :, 0] = (
-            arr.travel_rows[:, travel_steps].T.double() * travel_row
-        )
-        first = max(c0, 2)  # returns of steps 1 .. P-2 go in windows 2 .. P-1
-        if pass_q and first < c1:
-            cols = slice(first - 1 - lo, c1 - 1 - lo)
-            x[first - c0 :, :, col["return"]] = ret_cols[:, cols].sum(-1).T.double() * ret_row
-            dst[first - c0 :, :, col["return"]] = arr.q_owner[:, cols].T
-        first = max(c0, 1)
-        if ring_bwd and first < c1:
-            cols = slice(first - 1 - lo, c1 - 1 - lo)
-            x[first - c0 :, :, col["dkv"]] = arr.dkv_rows[:, cols].T.double() * ret_row
-        if num_extra and c1 == p:
-            x[p - 1 - c0, :, len(slots) :] = ret_cols[:, -1, :num_extra].double() * ret_row
-            dst[p - 1 - c0, :, len(slots) :] = arr.q_owner[:, -1].unsqueeze(1)
-        dur, work = net.price(x, dst)
-        window_start = torch.zeros(n, dtype=torch.float64)
-
-        # Phase 2: the per-rank recurrence over steps (Note [Vectorised engine]).
+        col = plan.columns(range(c0, min(p, c1 + 1)))  # and the step after: its window
+        windows = range(0 if c0 == 0 else c0 + 1, min(p, c1 + 1))
+        x, dst, tail_x = _window_flows(plan, col, dims, windows)
+        used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
+        dur = torch.zeros_like(x)
+        dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used])
+        dur = dur if last_window is None else torch.cat([last_window, dur])
+        last_window = dur[-1:]
+        if windows and windows[-1] == p - 1:
+            tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
+            tail, tail_work = net.price(tail_x.unsqueeze(0), tail_dst, count=False)
+        travel, returns, dkv = _flow_bytes(plan, col, dims)
+        travel_sent += travel[:, : c1 - c0].sum(1)
+        return_sent += returns[:, : c1 - c0].sum((1, 2)) + dkv[:, : c1 - c0].sum(1)
+        replay.load(col, c1 - c0)
         for t in range(c0, c1):
-            i, j = t - c0, t - lo  # window index in x, column index in arr
-            window_start[i] = start.min()
-            compute_end = start + comp[:, i]
-            post = compute_end
-            if ring_bwd and t >= 1:
-                has = x[i, :, col["dkv"]] > 0
-                arrive = torch.maximum(prev_post, prev_post[down]) + dur[i, :, col["dkv"]]
-                send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-                dkv_arrival = zeros.clone()
-                dkv_arrival[down] = torch.where(has, arrive + dkv_add, 0.0)
-                post = torch.maximum(compute_end, dkv_arrival)
-            if pass_q and t >= 2:
-                owner = dst[i, :, col["return"]]
-                has = x[i, :, col["return"]] > 0
-                arrive = torch.maximum(prev_post, prev_post[owner]) + dur[i, :, col["return"]]
-                send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-                ret_arrival_max = ret_arrival_max.scatter_reduce(
-                    0, owner, torch.where(has, arrive, 0.0), "amax"
-                )
-            if num_extra and t == p - 1:
-                owner = arr.q_owner[:, j]
-                frac = torch.where(
-                    arr.q_rows[:, j].unsqueeze(1) > 0,
-                    arr.slices[:, j].double() / arr.q_rows[:, j].clamp(min=1).unsqueeze(1).double(),
-                    0.0,
-                )
-                ends = start.unsqueeze(1) + torch.cumsum(comp[:, i].unsqueeze(1) * frac, 1)
-                for k in range(num_extra):
-                    has = x[i, :, len(slots) + k] > 0
-                    arrive = torch.maximum(ends[:, k], ends[owner, k]) + dur[i, :, len(slots) + k]
-                    send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-                    ret_arrival_max = ret_arrival_max.scatter_reduce(
-                        0, owner, torch.where(has, arrive, 0.0), "amax"
-                    )
-            prev_post = post
-            if t < p - 1:
-                has = x[i, :, 0] > 0
-                arrive = torch.maximum(start, start[down]) + dur[i, :, 0]
-                send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-                travel_arrival = zeros.clone()
-                travel_arrival[down] = torch.where(has, arrive, 0.0)
-                nxt = torch.maximum(post, travel_arrival)
-                steps.append(float((nxt - start).max()))
-                start = nxt
-            else:
-                steps.append(float((post - start).max()))
-                loop_end = post
-        net.add_windows(work, window_start)
-        last = arr
+            j = t - c0  # dur[j]: window t
+            replay.step(t, col, j, _step_durations(dur, tail[0], col, t, j))
+        if windows:  # the last chunk's may be priced already (the chunk before looked ahead)
+            starts = replay.starts[windows.start :] + [float(replay.now.min())] * (c1 < p)
+            net.add_windows(work, torch.tensor(starts, dtype=torch.float64))
     # Exposed tail: the last return slice (TokenRing), the accumulator home (Ring backward).
-    end = loop_end
-    exposed = 0.0
-    tail_x = torch.zeros(1, p, 2, dtype=torch.float64)
-    tail_dst = torch.zeros(1, p, 2, dtype=torch.long)
-    last_ret = last.return_rows()[:, -1]  # (P, K): the last step's
-    if pass_q and p > 1:
-        tail_x[0, :, 0] = last_ret[:, -1].double() * ret_row
-        tail_dst[0, :, 0] = last.q_owner[:, -1]
-    if ring_bwd:
-        tail_x[0, :, 1] = last.dkv_rows[:, -1].double() * ret_row
-        tail_dst[0, :, 1] = down
-    tail, tail_work = net.price(tail_x, tail_dst, count=False)
-    net.add_windows(tail_work, loop_end.min().view(1))
-    for g in range(2):
-        has = tail_x[0, :, g] > 0
-        if not bool(has.any()):
-            continue
-        arrive = torch.maximum(loop_end, loop_end[tail_dst[0, :, g]]) + tail[0, :, g]
-        exposed = max(exposed, float(tail[0, :, g].max()))
-        send_done = torch.where(has, torch.maximum(send_done, arrive), send_done)
-        received = zeros.scatter_reduce(0, tail_dst[0, :, g], torch.where(has, arrive, 0.0), "amax")
-        if g == 1:  # the accumulator home is added to the rank's own share
-            received = torch.where(received > 0, received + dkv_add, 0.0)
-            home = zeros.index_add(0, tail_dst[0, :, g], has.double())
-            memory_s += home * dkv_add
-        end = torch.maximum(end, received)
-    merges = zeros
-    last_merge = 0.0
-    if pass_q:
-        merges = received_rows * row_merge
-        last_merge = float(last_ret[:, -1].double().max()) * row_merge
-        end = torch.maximum(loop_end + merges, torch.maximum(end, ret_arrival_max) + last_merge)
-    end = torch.maximum(end, send_done)
+    net.add_windows(tail_work, replay.now.min().view(1))
+    last = _last_segment(col, p - 1 - c0)
+    exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
+    last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
+    if plan.return_payload is Payload.DKV and p > 1:
+        last_merge += replay.dkv_add
     # Flows that outlast their window pile up on a resource: the call cannot end before the
     # busiest one drains (plus the merge of what arrives last).
-    drained = net.drain() + last_merge
-    if ring_bwd:
-        drained += dkv_add
-    end = torch.maximum(end, torch.full_like(end, drained))
-    ret_payload = head.return_payload
-    return _Vectorised(
-        call_s=float(end.max()),
-        step_s=tuple(steps),
-        compute_s=float(kernel_s.max()),
-        merge_s=float((memory_s + prologue + merges).max()),
-        exposed_s=exposed,
-        travel_bytes=int(travel_rows.max()) * travel_row,
-        return_bytes=int(return_rows.max()) * (dims.row_bytes(ret_payload) if ret_payload else 0),
-        net=net,
+    call_s = max(float(replay.end().max()), net.drain() + last_merge)
+    busiest_name, busiest_bytes, busiest_s = net.busiest()
+    return PassResult(
+        strategy=plan.strategy,
+        pass_=plan.pass_,
+        layout=layout,
+        causal=causal,
+        world_size=p,
+        seq_local=plan.seq_local,
+        mode="vectorised",
+        call_s=call_s,
+        step_s=tuple(replay.step_s),
+        compute_s=float(replay.kernel_s.max()),
+        merge_s=float(replay.memory_s.max()),
+        busiest_resource=busiest_name,
+        busiest_bytes=int(busiest_bytes),
+        busiest_s=busiest_s,
+        exposed_s=float(tail.max()),
+        travel_bytes=int(travel_sent.max()),
+        return_bytes=int(return_sent.max()),
+        timeline=None,
     )
 
 
@@ -1138,14 +1195,14 @@ def simulate_pass(
         mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
         lend_last_pair: as ``build_schedule`` (TokenRing: Note [Borrowed last pair] in
-            tokenring.strategies.ring); the vectorised engine's closed forms have the plain
-            tail only.
+            tokenring.strategies.ring); the vectorised engine's columns have the plain tail
+            only.
 
     Raises:
         ValueError: unknown strategy/layout/mode, a seq_local the layout cannot split, a
             dtype the hardware has no FLOP/s for, or a hybrid without (a fitting) ``hybrid``.
         NotImplementedError: mode "vectorised" (or "auto" above EVENT_MAX_WORLD_SIZE ranks)
-            for a strategy without closed forms (see VECTORISED_STRATEGIES), or for a
+            for a strategy without columns (see VECTORISED_STRATEGIES), or for a
             TokenRing schedule that lends a last pair (``lend_last_pair=False`` prices the
             plain one).
     """
@@ -1161,7 +1218,7 @@ def simulate_pass(
         mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
     if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
         raise NotImplementedError(
-            f"the vectorised engine has closed forms for "
+            f"the vectorised engine replays the columns of "
             f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
             f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
         )
@@ -1185,43 +1242,22 @@ def simulate_pass(
             return simulate_schedule(sched, shape=shape, hardware=hardware)
         if any(tr.payload is Payload.KV for tr in sched.transfers):  # at most 64 ranks: cheap
             raise NotImplementedError(
-                "the vectorised engine's closed forms have TokenRing's plain tail, and this "
+                "the vectorised engine's columns have TokenRing's plain tail, and this "
                 "schedule lends its last pair (Note [Borrowed last pair] in "
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
-    vec = _simulate_vectorised(
+    plan = ring_plan(
         strategy,
         pass_,
         layout=layout,
         causal=causal,
         world_size=world_size,
         seq_local=seq_local,
-        dims=shape,
-        hardware=hardware,
-        flops_per_s=flops_per_s,
+        heads_q=shape.heads_q,
+        heads_kv=shape.heads_kv,
         last_block_splits=last_block_splits,
     )
-    busiest_name, busiest_num, busiest_s = vec.net.busiest()
-    return PassResult(
-        strategy=strategy,
-        pass_=pass_,
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        mode=mode,
-        call_s=vec.call_s,
-        step_s=vec.step_s,
-        compute_s=vec.compute_s,
-        merge_s=vec.merge_s,
-        busiest_resource=busiest_name,
-        busiest_bytes=int(busiest_num),
-        busiest_s=busiest_s,
-        exposed_s=vec.exposed_s,
-        travel_bytes=vec.travel_bytes,
-        return_bytes=vec.return_bytes,
-        timeline=None,
-    )
+    return _simulate_vectorised(plan, layout, causal, shape, hardware, flops_per_s)
 
 
 def strategy_schedule(

@@ -120,7 +120,7 @@ strategy's runner), and the simulator replays it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from tokenring.core.schedule import Flow, Pass, Payload, Schedule, Strategy, Transfer
@@ -134,6 +134,7 @@ __all__ = [
     "hybrid_program",
     "program_of",
     "ring_program",
+    "ring_step_order",
 ]
 
 
@@ -225,6 +226,28 @@ def _passing(sched: Schedule, rank: int, step: int) -> tuple[Transfer, ...]:
     )
 
 
+def ring_step_order(
+    num_segments: int, slots: Collection[int], *, backward: bool, returns: bool
+) -> list[tuple[OpKind, int]]:
+    """``(kind, index)`` of each op of a ring step in order (Note [Rank program]): ``slots``
+    are the slots the rank posts in, ``returns`` whether it takes the returns of two steps
+    ago. :func:`ring_program` fills in the transfers; the simulator's vectorised engine
+    replays the same order with every rank at once (Note [Vectorised engine] in
+    tokenring.model.simulate)."""
+    n = num_segments
+    order = [(OpKind.STEP, 0)] + ([(OpKind.POST, 0)] if 0 in slots else [])
+    for k in range(n):
+        order.append((OpKind.COMPUTE, k))
+        if k + 1 in slots and (not backward or k + 1 < n):
+            order.append((OpKind.POST, k + 1))
+    if backward:
+        order.append((OpKind.PASS, 0))
+        order += [(OpKind.POST, n)] if n > 0 and n in slots else []
+    order += [(OpKind.POST, after) for after in sorted(slots) if after > n]
+    order += [(OpKind.RETURNS, 0)] if returns else []
+    return [*order, (OpKind.ARRIVE, 0), (OpKind.SENT, 0)]
+
+
 def _step(
     sched: Schedule, rank: int, t: int, first: int, passing: tuple[Transfer, ...]
 ) -> list[Op]:
@@ -232,25 +255,21 @@ def _step(
     backward = sched.pass_ is Pass.BACKWARD
     n = len(sched.steps[rank][t].segments)
     slots = {tr.after_segments for tr in (*sched.sends(rank, t), *sched.recvs(rank, t))}
-    ops = [Op(kind=OpKind.STEP, step=t, transfers=passing)]
-    ops += [_post(sched, rank, t, 0)] if 0 in slots else []
-    for k in range(n):
-        ops.append(Op(kind=OpKind.COMPUTE, step=t, index=k))
-        if k + 1 in slots and (not backward or k + 1 < n):
-            ops.append(_post(sched, rank, t, k + 1))
-    if backward:
-        ops.append(Op(kind=OpKind.PASS, step=t, transfers=passing))
-        ops += [_post(sched, rank, t, n)] if n > 0 and n in slots else []
-    ops += [_post(sched, rank, t, after) for after in sorted(slots) if after > n]
-    if t >= first + 2:  # the returns of two steps ago: they had a whole step to arrive
-        ops.append(_returns(sched, rank, t - 2))
     travel = tuple(tr for tr in sched.recvs(rank, t) if tr.payload.flow is Flow.TRAVEL)
-    ops.append(Op(kind=OpKind.ARRIVE, step=t, transfers=travel))
     sent = [tr for tr in sched.sends(rank, t) if tr.payload.flow is Flow.TRAVEL]
-    if t >= first + 2:
+    if t >= first + 2:  # the returns of two steps ago: they had a whole step to arrive
         sent += [tr for tr in sched.sends(rank, t - 2) if tr.payload.flow is Flow.RETURN]
-    ops.append(Op(kind=OpKind.SENT, step=t, transfers=tuple(sent)))
-    return ops
+    ops = {
+        OpKind.STEP: lambda k: Op(kind=OpKind.STEP, step=t, transfers=passing),
+        OpKind.POST: lambda k: _post(sched, rank, t, k),
+        OpKind.COMPUTE: lambda k: Op(kind=OpKind.COMPUTE, step=t, index=k),
+        OpKind.PASS: lambda k: Op(kind=OpKind.PASS, step=t, transfers=passing),
+        OpKind.RETURNS: lambda k: _returns(sched, rank, t - 2),
+        OpKind.ARRIVE: lambda k: Op(kind=OpKind.ARRIVE, step=t, transfers=travel),
+        OpKind.SENT: lambda k: Op(kind=OpKind.SENT, step=t, transfers=tuple(sent)),
+    }
+    order = ring_step_order(n, slots, backward=backward, returns=t >= first + 2)
+    return [ops[kind](index) for kind, index in order]
 
 
 def _returns(sched: Schedule, rank: int, step: int) -> Op:

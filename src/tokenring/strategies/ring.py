@@ -57,10 +57,10 @@ their returns leave first), its K/V in P - 1 parts. The backward computes it at 
 in one part at step 0), so that its dK/dV, in the accumulation dtype, fly home during the
 later steps (``Payload.DKV`` owner -> kv owner, added at HOME); dQ stays local. With P = 2
 that step is the last and the dK/dV would be the exposed tail instead of the dQ: the backward
-lends from P = 3. Beyond ``LEND_MAX_WORLD_SIZE`` ranks nothing is lent (the closed forms
-of the vectorised engine have the plain tail). A lent pair is one segment of pieces with
-``Piece.kv_owner`` set: the rank's own queries against that owner's K/V rows, cut at the
-parts' rows; the K/V travel as ``Payload.KV`` transfers of the pass-Q schedule.
+lends from P = 3. Beyond ``LEND_MAX_WORLD_SIZE`` ranks nothing is lent (``ring_plan``'s
+columns, which the vectorised engine replays, have the plain tail). A lent pair is one
+segment of pieces with ``Piece.kv_owner`` set: the rank's own queries against that owner's
+K/V rows, cut at the parts' rows; the K/V travel as ``Payload.KV`` transfers of the pass-Q schedule.
 
 Lending puts one more block on the owner's critical path while the lender idles: it wins
 where links set the pace and loses where compute does (event simulator, forward, lend / keep:
@@ -147,11 +147,22 @@ passed the ranks below o, so it moves more than lane 0 (P = 4: 7/6 of lane 0's r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 
-from tokenring.core.layout import Layout, Sharding, global_length, make_sharding
+import torch
+
+from tokenring.core.layout import (
+    Layout,
+    Sharding,
+    global_length,
+    make_sharding,
+    validate_seq_local,
+)
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
+    AttentionShape,
     Lane,
     Pass,
     Payload,
@@ -163,18 +174,19 @@ from tokenring.core.schedule import (
     Transfer,
     _split_rows,
     _union,
+    piece_flops,
     sharded_block_pieces,
 )
 from tokenring.strategies.collective import build_collective_schedule
 
-__all__ = ["LEND_MAX_WORLD_SIZE", "build_schedule"]
+__all__ = ["LEND_MAX_WORLD_SIZE", "RingColumns", "RingPlan", "build_schedule", "ring_plan"]
 
 Rows = tuple[int, int]
 
 LEND_MAX_WORLD_SIZE = 64
 """TokenRing lends last pairs (Note [Borrowed last pair]) up to this many ranks: what the
 event engine simulates (``tokenring.model.simulate.EVENT_MAX_WORLD_SIZE``). Beyond it the
-schedule keeps the plain tail, which the vectorised engine's closed forms price exactly; the
+schedule keeps the plain tail, which the vectorised engine's columns (``ring_plan``) hold; the
 pair saves at most one step's return, under 1/64 of the call there."""
 
 
@@ -347,44 +359,54 @@ def _step_plans(
             cache[key] = sharded_block_pieces(sharding, mask, q_owner, kv_owner)
         return cache[key]
 
-    steps: list[list[StepPlan]] = []
-    for r in range(p):
-        row: list[StepPlan] = []
-        for t in range(p):
-            kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
-            splits = last_block_splits if t == p - 1 and t > 0 else 1
-            if strategy is Strategy.TOKEN_RING:
-                q_owner = kv_owners[0]
-                pair = () if t == p - 1 and r in lent else pieces(q_owner, r)
-                segments = _sliced(pair, 0, lanes[0], splits, heads_q, heads_kv)
-                holder = (r + 1) % p  # Note [Borrowed last pair]: its last pair is ours
-                if t == compute_step and holder in lent:
-                    segments += (lent[holder],)
-                row.append(StepPlan(r, t, q_owner, (r,), segments))
-                continue
-            if strategy is Strategy.BIDIR_TOKEN_RING:  # Note [Bidirectional TokenRing]
-                q_owners = kv_owners  # the lanes carry Q: their visitors are q owners
-                if t == 0:  # the local block, once, on every head
-                    segments = _segments(pieces(r, r), 1)
-                else:
-                    segments = tuple(
-                        segment
-                        for index, lane in enumerate(lanes)
-                        for segment in _sliced(
-                            pieces(q_owners[index], r), index, lane, splits, heads_q, heads_kv
-                        )
-                    )
-                row.append(StepPlan(r, t, q_owners[0], (r,) * 2, segments, q_owners))
-                continue
-            block: list[Piece] = []
-            for index, lane in enumerate(lanes):
-                if t == 0 and index > 0:
-                    break  # the local block is computed once, by lane 0, on every head and row
-                for piece in pieces(r, kv_owners[index]):
-                    block += _lane_pieces(piece, index, lane, whole_block=t == 0)
-            row.append(StepPlan(r, t, r, kv_owners, _by_q_rows(block)))
-        steps.append(row)
+    cell = (strategy, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
+    steps = [[_cell_plan(*cell, r, t) for t in range(p)] for r in range(p)]
+    for holder in lent:  # Note [Borrowed last pair]: the lender computes nothing at the end
+        steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
+    for holder, pair in lent.items():  # and the q owner computes the pair at compute_step
+        owner = steps[(holder - 1) % p][compute_step]
+        steps[owner.rank][compute_step] = replace(owner, segments=(*owner.segments, pair))
     return steps
+
+
+def _cell_plan(
+    strategy: Strategy,
+    lanes: tuple[Lane, ...],
+    pieces: Callable[[int, int], tuple[Piece, ...]],
+    p: int,
+    last_block_splits: int,
+    heads_q: int | None,
+    heads_kv: int | None,
+    r: int,
+    t: int,
+) -> StepPlan:
+    """Rank r's plan at step t; ``pieces(q_owner, kv_owner)``: a block's kernel calls."""
+    kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
+    splits = last_block_splits if t == p - 1 and t > 0 else 1
+    if strategy is Strategy.TOKEN_RING:
+        q_owner = kv_owners[0]
+        segments = _sliced(pieces(q_owner, r), 0, lanes[0], splits, heads_q, heads_kv)
+        return StepPlan(r, t, q_owner, (r,), segments)
+    if strategy is Strategy.BIDIR_TOKEN_RING:  # Note [Bidirectional TokenRing]
+        q_owners = kv_owners  # the lanes carry Q: their visitors are q owners
+        if t == 0:  # the local block, once, on every head
+            segments = _segments(pieces(r, r), 1)
+        else:
+            segments = tuple(
+                segment
+                for index, lane in enumerate(lanes)
+                for segment in _sliced(
+                    pieces(q_owners[index], r), index, lane, splits, heads_q, heads_kv
+                )
+            )
+        return StepPlan(r, t, q_owners[0], (r,) * 2, segments, q_owners)
+    block: list[Piece] = []
+    for index, lane in enumerate(lanes):
+        if t == 0 and index > 0:
+            break  # the local block is computed once, by lane 0, on every head and row
+        for piece in pieces(r, kv_owners[index]):
+            block += _lane_pieces(piece, index, lane, whole_block=t == 0)
+    return StepPlan(r, t, r, kv_owners, _by_q_rows(block))
 
 
 def _lent_pairs(
@@ -489,9 +511,7 @@ def _travel_transfers(
     ranks ahead still need. Rows only shrink."""
     p = len(steps)
     pass_q = strategy.passes_q
-    travel = Payload.KV
-    if pass_q:
-        travel = Payload.Q if pass_ is Pass.FORWARD else Payload.Q_GRAD
+    travel = _travel_payload(strategy, pass_)
     transfers: list[Transfer] = []
     for index, lane in enumerate(lanes):
         for r in range(p):
@@ -518,6 +538,20 @@ def _travel_transfers(
                         )
                     )
     return transfers
+
+
+def _travel_payload(strategy: Strategy, pass_: Pass) -> Payload:
+    """What travels: Q (with its gradient inputs in the backward) or K/V."""
+    if strategy.passes_q:
+        return Payload.Q if pass_ is Pass.FORWARD else Payload.Q_GRAD
+    return Payload.KV
+
+
+def _return_payload(strategy: Strategy, pass_: Pass) -> Payload | None:
+    """What goes back: partials (pass-Q), dK/dV accumulators (pass-KV backward), nothing."""
+    if strategy.passes_q:
+        return Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
+    return Payload.DKV if pass_ is Pass.BACKWARD else None
 
 
 def _return_transfers(
@@ -704,3 +738,217 @@ def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
     for piece in block:
         groups.setdefault(piece.q_rows, []).append(piece)
     return tuple(Segment(rows, tuple(group)) for rows, group in groups.items())
+
+
+# -- the same plan as columns ------------------------------------------------------------------
+# Note [Ring columns]
+# ~~~~~~~~~~~~~~~~~~~
+# Past a few hundred ranks the P^2 step plans and transfers are too many objects to build, so
+# the simulator reads a one-lane ring schedule (TokenRing, Ring; a plain mask, s rows on every
+# rank) as (P, T) tensors instead, made from the builder's own parts: under a plain mask the
+# pieces of a block depend only on whether its kv owner is below, equal to or above its q
+# owner (Note [Causal blocks per layout] in tokenring.core.schedule), so :func:`_cell_plan`
+# runs once per *kind* of cell (that class, last step or not) and every cell takes its kind's
+# segments. The transfers follow the builder's rules: a travelling block forwards the hull of
+# the rows its later holders compute with (``_travel_transfers``; a kind is needed after step
+# t iff it occurs on the block's way after t), TokenRing returns each segment from step 1 on
+# (``_return_transfers``), Ring's backward accumulator goes on until the last holder that
+# computes, which sends it home (``_accumulator_transfers``). Tests compare every column with
+# the schedule entry by entry.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RingColumns:
+    """Steps ``steps`` of a one-lane ring schedule, ``[rank, column]`` (K: the most segments a
+    step has): what ``build_schedule``'s plans and transfers hold (Note [Ring columns])."""
+
+    steps: range
+    """The steps of the columns."""
+    q_owner: torch.Tensor
+    """(P, T) o of the block computed at [r, t]."""
+    segment_rows: torch.Tensor
+    """(P, T, K) q rows of each segment (0: none)."""
+    segment_pairs: torch.Tensor
+    """(P, T, K) float64: score entries x query heads of each segment (FLOPs = this *
+    4*B*D, x2.5 backward)."""
+    segment_heads: torch.Tensor
+    """(P, T, K) query heads of each segment (of its partial, for TokenRing's returns)."""
+    travel_rows: torch.Tensor
+    """(P, T) rows r sends to r + direction at the start of step t."""
+    return_rows: torch.Tensor
+    """(P, T, K) TokenRing: rows of segment k's partial sent to q_owner after it."""
+    dkv_rows: torch.Tensor
+    """(P, T) Ring backward: rows of the accumulator r sends after step t."""
+    dkv_dst: torch.Tensor
+    """(P, T) where it goes: r + direction, or its owner (home)."""
+    dkv_home: torch.Tensor
+    """(P, T) bool: it goes home."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RingPlan:
+    """A one-lane ring schedule by kinds of cell (Note [Ring columns]); :meth:`columns` gives
+    any steps of it. Built by :func:`ring_plan`."""
+
+    strategy: Strategy
+    pass_: Pass
+    world_size: int
+    seq_local: int
+    direction: int
+    """Where the blocks travel: rank r sends to r + direction."""
+    travel_payload: Payload
+    return_payload: Payload | None
+    """OUT / DQ (TokenRing), DKV (Ring backward), None."""
+    rows: torch.Tensor
+    """(C, K) per kind of cell: q rows of each segment; ``pairs``, ``heads`` likewise."""
+    pairs: torch.Tensor
+    heads: torch.Tensor
+    needs: torch.Tensor
+    """(C, 2) the hull (start, stop) of the travelling rows a kind computes with; (s, 0):
+    none."""
+    last_seen: torch.Tensor
+    """(C, P) per kind and block owner: the last step >= 1 its block is on a cell of that
+    kind (-1: never)."""
+
+    def columns(self, steps: range) -> RingColumns:
+        """The columns of ``steps`` ((P, len(steps)) each)."""
+        p, s = self.world_size, self.seq_local
+        rank = torch.arange(p).unsqueeze(1)
+        step = torch.as_tensor(list(steps), dtype=torch.long).unsqueeze(0)
+        kind, owner = _kinds(self.strategy, self.direction, p, rank, step)
+        q_owner = owner if self.strategy.passes_q else rank.expand_as(owner)
+        ahead = self.last_seen[:, owner] > step  # (C, P, T): the kind occurs after step t
+        start = torch.where(ahead, self.needs[:, 0, None, None], s).amin(0)
+        stop = torch.where(ahead, self.needs[:, 1, None, None], 0).amax(0)
+        travel = torch.where(step < p - 1, (stop - start).clamp(min=0), 0)
+        rows = self.rows[kind]
+        returned = self.strategy.passes_q and p > 1
+        computes = (self.rows.sum(1) > 0).unsqueeze(1)
+        last = torch.where(computes, self.last_seen, -1).amax(0)[owner]  # last step computed
+        dkv = self.return_payload is Payload.DKV and p > 1
+        has_dkv = (step <= last) & (last >= 1) if dkv else torch.zeros_like(kind, dtype=torch.bool)
+        home = has_dkv & (step == last)
+        return RingColumns(
+            steps=steps,
+            q_owner=q_owner,
+            segment_rows=rows,
+            segment_pairs=self.pairs[kind],
+            segment_heads=self.heads[kind],
+            travel_rows=travel,
+            return_rows=torch.where((step >= 1).unsqueeze(-1), rows, 0) if returned else 0 * rows,
+            dkv_rows=torch.where(has_dkv, s, 0),
+            dkv_dst=torch.where(home, owner, (rank + self.direction) % p),
+            dkv_home=home,
+        )
+
+
+def ring_plan(
+    strategy: Strategy | str,
+    pass_: Pass | str,
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    last_block_splits: int = 2,
+) -> RingPlan:
+    """The schedule ``build_schedule`` builds from these arguments, by kinds of cell (Note
+    [Ring columns]).
+
+    Raises:
+        ValueError: as ``build_schedule``.
+        NotImplementedError: a strategy other than TokenRing and Ring.
+    """
+    strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
+    if strategy not in (Strategy.TOKEN_RING, Strategy.RING):
+        raise NotImplementedError(
+            f"ring_plan covers 'token_ring' and 'ring'; got strategy {strategy.value!r}"
+        )
+    if world_size < 1 or last_block_splits < 1:
+        raise ValueError(
+            f"world_size and last_block_splits must be >= 1; got {world_size}, {last_block_splits}"
+        )
+    validate_seq_local(seq_local, layout)
+    p, s = world_size, seq_local
+    sharding = make_sharding(layout=layout, world_size=p, seq_len=p * s)
+    lanes = _lanes(strategy, layout, s, heads_kv, causal)
+    cell = (strategy, lanes, partial(sharded_block_pieces, sharding, MaskSpec(causal)), p)
+    direction = lanes[0].direction
+    # one cell of each kind: every kind occurs at step 0, 1 or P - 1
+    segments: dict[int, tuple[Segment, ...]] = {}
+    for t in sorted({0, min(1, p - 1), p - 1}):
+        kinds, _ = _kinds(strategy, direction, p, torch.arange(p), torch.tensor(t))
+        for r, kind in enumerate(kinds.tolist()):
+            if kind not in segments:
+                plan = _cell_plan(*cell, last_block_splits, heads_q, heads_kv, r, t)
+                segments[kind] = plan.segments
+    rows, pairs, heads, needs = _kind_tables(strategy, s, segments, heads_q, heads_kv)
+    return RingPlan(
+        strategy=strategy,
+        pass_=pass_,
+        world_size=p,
+        seq_local=s,
+        direction=direction,
+        travel_payload=_travel_payload(strategy, pass_),
+        return_payload=_return_payload(strategy, pass_),
+        rows=rows,
+        pairs=pairs,
+        heads=heads,
+        needs=needs,
+        last_seen=_last_seen(strategy, direction, p),
+    )
+
+
+def _kinds(
+    strategy: Strategy, direction: int, p: int, rank: torch.Tensor, step: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kind of cell, owner of the travelling block) at ``[rank, step]``: the order of the
+    kv owner against the q owner (0: equal, 1: above, 2: below), + 3 on the last step."""
+    visitor = (rank - direction * step) % p
+    q_owner, kv_owner = (visitor, rank) if strategy.passes_q else (rank, visitor)
+    return torch.sign(kv_owner - q_owner) % 3 + 3 * (step == p - 1), visitor
+
+
+def _kind_tables(
+    strategy: Strategy,
+    seq_local: int,
+    segments: dict[int, tuple[Segment, ...]],
+    heads_q: int,
+    heads_kv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows``, ``pairs``, ``heads`` and ``needs`` of :class:`RingPlan` from each kind's
+    segments."""
+    unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
+    width = max(1, *(len(segs) for segs in segments.values()))
+    rows = torch.zeros(6, width, dtype=torch.long)
+    heads = torch.zeros(6, width, dtype=torch.long)
+    pairs = torch.zeros(6, width, dtype=torch.float64)
+    needs = torch.tensor([[seq_local, 0]] * 6)
+    for kind, segs in segments.items():
+        for k, segment in enumerate(segs):
+            rows[kind, k] = segment.q_rows[1] - segment.q_rows[0]
+            first = segment.pieces[0].q_heads  # a segment's pieces share their heads
+            heads[kind, k] = heads_q if first is None else first[1] - first[0]
+            pairs[kind, k] = sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in segment.pieces)
+        q_travels = strategy.passes_q
+        hull = _union([pc.q_rows if q_travels else pc.kv_rows for seg in segs for pc in seg.pieces])
+        if hull is not None:
+            needs[kind] = torch.tensor(hull)
+    return rows, pairs, heads, needs
+
+
+def _last_seen(strategy: Strategy, direction: int, p: int) -> torch.Tensor:
+    """(6, P): per kind of cell and block owner o, the last step t >= 1 at which o's block
+    is held on a cell of that kind (-1: never), walking the steps in chunks (memory linear
+    in P)."""
+    owner = torch.arange(p).unsqueeze(1)
+    last = torch.full((6 * p,), -1, dtype=torch.long)
+    chunk = max(1, (1 << 19) // p)
+    for first in range(1, p, chunk):
+        step = torch.arange(first, min(p, first + chunk)).unsqueeze(0)
+        kind, _ = _kinds(strategy, direction, p, (owner + direction * step) % p, step)
+        index = (kind * p + owner).reshape(-1)
+        last.scatter_reduce_(0, index, step.expand_as(kind).reshape(-1), "amax")
+    return last.view(6, p)
