@@ -464,8 +464,9 @@ def _tile_class(
         return "causal", None
     if mask is None:
         return "full", None
+    sub: Mask
     if isinstance(mask, PositionMask):
-        sub: Mask = mask.tile(q_rows, kv_rows)
+        sub = mask.tile(q_rows, kv_rows)
         any_seen, all_seen = sub.visibility()
     else:  # a dense mask (the collectives'): already (sq, sk), so a tile of it is no worse
         sub = mask[q_rows[0] : q_rows[1], kv_rows[0] : kv_rows[1]]
