@@ -86,11 +86,8 @@ GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
 
 def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None) -> Communicator:
     """The communicator for ``group``: a ProcessGroup, a 1-D DeviceMesh, a Communicator (used
-    as is) or None (the default group). Built once per group and reused while the group
-    lives: once ``torch.distributed.destroy_process_group`` destroyed the group, the next call
-    closes its communicator and forgets it (a communicator over the same ranks reuses its
-    channel groups: Note [Channel pool] in tokenring.runtime.comm). When exactly an entry is
-    released: Note [Communicator cache].
+    as is) or None (the default group). Built once per group and reused while the group lives
+    (Note [Communicator cache]).
 
     Args:
         timeout_s: how long any transfer or collective of the group's communicator may take
@@ -133,13 +130,9 @@ def close_communicators() -> None:
     caller; Note [Channel pool] in tokenring.runtime.comm).
 
     Call it before ``torch.distributed.destroy_process_group()`` when a program ends
-    (``tokenring.launch`` does); it also runs at interpreter exit. Either way no gloo worker
-    thread of the library outlives the interpreter: one still alive while Python finalises
-    can abort the process ("terminate called without an active exception") after every
-    result was right (Note [Clean exit] in tokenring.launch). It also drops the references
-    to the default group that torch keeps in default arguments of functions imported after
-    ``init_process_group`` (Note [Groups in default arguments] in tokenring.runtime.comm), so
-    a group destroyed before the exit hook runs is freed with its threads.
+    (``tokenring.launch`` does); it also runs at interpreter exit, so no gloo worker thread of
+    the library outlives the interpreter (Note [Clean exit] in tokenring.launch; Note [Groups
+    in default arguments] in tokenring.runtime.comm).
     """
     cached = list(_COMMUNICATORS.values())
     _COMMUNICATORS.clear()
@@ -256,48 +249,36 @@ def resolve_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    return _choose_strategy(
-        q,
-        k,
-        causal=causal,
-        layout=layout,
-        world_size=comm.world_size,
-        hardware=hardware,
-        last_block_splits=last_block_splits,
-        training=training,
+    return planner.choose_strategy(
+        **_planner_args(
+            q,
+            k,
+            hardware,
+            causal=causal,
+            layout=layout,
+            world_size=comm.world_size,
+            last_block_splits=last_block_splits,
+            training=training,
+        ),
         last_pair=last_pair,
     )
 
 
-def _choose_strategy(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    causal: bool,
-    layout: Layout,
-    world_size: int,
-    hardware: Hardware | str,
-    last_block_splits: int,
-    training: bool,
-    last_pair: str,
-) -> Strategy:
-    if isinstance(hardware, str):
-        hardware = preset(hardware)
+def _planner_args(
+    q: torch.Tensor, k: torch.Tensor, hardware: Hardware | str, **call: Any
+) -> dict[str, Any]:
+    """The planner's description of a call (``call``: causal, layout, world_size, training,
+    last_block_splits), with its shapes from q and k and ``hardware`` resolved."""
     batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
-    return planner.choose_strategy(
-        world_size=world_size,
+    return dict(
+        call,
+        batch=batch,
         seq_local=seq_local,
         heads_q=heads_q,
-        heads_kv=k.shape[2],
+        heads_kv=int(k.shape[2]),
         head_dim=head_dim,
         dtype=q.dtype,
-        causal=causal,
-        layout=layout,
-        training=training,
-        hardware=hardware,
-        batch=batch,
-        last_block_splits=last_block_splits,
-        last_pair=last_pair,
+        hardware=preset(hardware) if isinstance(hardware, str) else hardware,
     )
 
 
@@ -313,21 +294,17 @@ def _lends_last_pair(
     policy = _last_pair_policy(options)
     if policy != "auto":
         return policy == "lend"
-    hardware = options["hardware"]
-    batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
     return planner.lends_last_pair(
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=heads_q,
-        heads_kv=int(k.shape[2]),
-        head_dim=head_dim,
-        dtype=q.dtype,
-        causal=options["causal"],
-        layout=Layout.parse(options["layout"]),
-        training=any(options["requires_grad"][:2]),
-        hardware=preset(hardware) if isinstance(hardware, str) else hardware,
-        batch=batch,
-        last_block_splits=options["last_block_splits"],
+        **_planner_args(
+            q,
+            k,
+            options["hardware"],
+            causal=options["causal"],
+            layout=Layout.parse(options["layout"]),
+            world_size=world_size,
+            last_block_splits=options["last_block_splits"],
+            training=any(options["requires_grad"][:2]),
+        )
     )
 
 
@@ -707,15 +684,17 @@ def _strategy_of(q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]) -> S
     group, hardware = op.resolve_group(options["group"]), options["hardware"]
     if hardware is None:  # the operator raises it on every rank (Note [Rank agreement])
         raise ValueError(AUTO_NEEDS_HARDWARE)
-    return _choose_strategy(
-        q,
-        k,
-        causal=options["causal"],
-        layout=Layout.parse(options["layout"]),
-        world_size=_rank_and_size(group)[1],
-        hardware=hardware,
-        last_block_splits=options["last_block_splits"],
-        training=any(options["requires_grad"][:2]),
+    return planner.choose_strategy(
+        **_planner_args(
+            q,
+            k,
+            hardware,
+            causal=options["causal"],
+            layout=Layout.parse(options["layout"]),
+            world_size=_rank_and_size(group)[1],
+            last_block_splits=options["last_block_splits"],
+            training=any(options["requires_grad"][:2]),
+        ),
         last_pair=_last_pair_policy(options),
     )
 
@@ -800,20 +779,14 @@ def sequence_parallel_attn(
         kernel: block kernel name or instance; None picks one for the device and dtype.
         last_block_splits: TokenRing returns its last block in this many slices.
         last_pair: TokenRing's last pair (Note [Borrowed last pair] in
-            tokenring.strategies.ring): ``"return"`` (computed where the Q visits, its
-            partial returned), ``"lend"`` (a rank whose last pair's K/V rows cost fewer bytes
-            than the Q hop and the partial sends them to the q owner during the earlier
-            steps, which computes the pair itself: faster where links set the pace, slower
-            where compute does), or ``"auto"``: the cost model decides on ``hardware`` (which
-            it needs). None: ``"auto"`` with ``strategy="auto"``, else ``"return"``; other
+            tokenring.strategies.ring): ``"return"`` (its partial returned), ``"lend"`` (its
+            K/V rows lent to the q owner) or ``"auto"`` (the cost model decides on
+            ``hardware``). None: ``"auto"`` with ``strategy="auto"``, else ``"return"``; other
             strategies take only None.
         check_ranks: all-gather a small signature first and raise a ValueError naming the
             difference if ranks disagree on shapes, dtype or options (one tiny collective).
-        hardware: for ``strategy="auto"``, and needed by it: a
-            ``tokenring.model.costmodel.Hardware`` (measure this machine once with
-            ``tokenring.model.planner.calibrate(comm, dtype=..., device=...)``, a collective)
-            or a preset name (``tokenring.model.costmodel.PRESETS``); see Note [Calibration
-            is passed in].
+        hardware: for ``strategy="auto"``, and needed by it: a ``Hardware`` or a preset
+            name (Note [Calibration is passed in]).
         seq_len: the global length S when the shards are uneven (any S: each rank passes the
             ``s_r`` tokens ``tokenring.shard`` gives it, and the library pads internally).
             None: every rank holds the same s and S = P * s.

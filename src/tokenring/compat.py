@@ -239,19 +239,8 @@ def zigzag_ring_flash_attn_func(
     """ring-flash-attention's ``zigzag_ring_flash_attn_func``: the sequence is cut into 2P
     chunks of s/2 tokens and rank r holds chunk r followed by chunk 2P-1-r (our
     ``layout="zigzag"``; ``tokenring.shard`` cuts it). ``causal=False`` works too (the
-    original asserts causal). See Note [Shim mapping].
-
-    Args:
-        q: ``(B, s, Hq, D)`` with s even; k, v: ``(B, s, Hkv, D)``.
-        strategy: keyword only, not in the original; see :func:`tokenring.sequence_parallel_attn`.
-
-    Returns:
-        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
-        ``return_attn_probs``.
-
-    Raises:
-        NotImplementedError: dropout_p != 0 or alibi_slopes given.
-        ValueError: an odd s, and as :func:`tokenring.sequence_parallel_attn`.
+    original asserts causal). Arguments, returns and errors as :func:`ring_flash_attn_func`,
+    with s even (ValueError otherwise). See Note [Shim mapping].
     """
     comm = get_communicator(group)
     flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)

@@ -283,31 +283,20 @@ def resolve_cached_strategy(
         return CachedStrategy.parse(strategy)
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
-    if isinstance(hardware, str):
-        hardware = preset(hardware)
+    shape: dict[str, Any] = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
+    shape["hardware"] = preset(hardware) if isinstance(hardware, str) else hardware
     if step.zigzag:
         plan = explain(
+            **shape,
             world_size=step.world_size,
             seq_local=step.num_rows(comm.rank) // len(step.new),
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-            head_dim=head_dim,
-            dtype=dtype,
             causal=True,
-            hardware=hardware,
             layout="zigzag",
             batch=len(step.new),
             strategies=("token_ring", "ring"),
         )
         return CachedStrategy.PASS_Q if plan.pick is Strategy.TOKEN_RING else CachedStrategy.PASS_KV
-    return choose_cached_strategy(
-        CachedShards.from_step(step),
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        hardware=hardware,
-    ).pick
+    return choose_cached_strategy(CachedShards.from_step(step), **shape).pick
 
 
 # -- the public call -----------------------------------------------------------------------------

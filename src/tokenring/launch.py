@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -76,20 +76,6 @@ class _Spec:
     threads: int
 
 
-class _Proc(Protocol):
-    """What the launcher needs of a rank's process: a ``subprocess.Popen`` or a
-    :class:`_ForkedProc`."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int | None: ...
-
-    def kill(self) -> None: ...
-
-
 class _ForkedProc:
     """A rank forked by the zygote, seen through the ``subprocess.Popen`` methods the
     launcher uses."""
@@ -111,6 +97,10 @@ class _ForkedProc:
 
     def kill(self) -> None:
         self._process.kill()
+
+
+_Proc: TypeAlias = "subprocess.Popen[bytes] | _ForkedProc"
+"""A rank's process: started fresh, or forked by the zygote."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -37,6 +37,7 @@ __all__ = [
     "check_heads",
     "finite_float_at_least",
     "int_at_least",
+    "int_list",
     "main",
     "mem_available_bytes",
     "output_path",
@@ -184,6 +185,18 @@ def split_list(text: str, flag: str, parse: Any, expected: str) -> tuple[Any, ..
         except ValueError:
             raise ValueError(f"{flag}: unknown {item!r}; expected any of {expected}") from None
     return tuple(out)
+
+
+def int_list(text: str, name: str, minimum: int) -> tuple[int, ...]:
+    """Comma-separated integers >= minimum; ValueError naming the flag."""
+    expected = f"comma-separated integers >= {minimum}"
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be {expected}; got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{name} must be {expected}; got {text!r}")
+    return values
 
 
 def check_heads(args: argparse.Namespace) -> None:

@@ -66,7 +66,6 @@ from tokenring.cli.ranks import (
     check_lab,
     collect_per_rank,
     git_sha,
-    launch_with_progress,
     rank_device,
     row_done,
     under_torchrun,
@@ -1489,12 +1488,6 @@ def check_args(args: argparse.Namespace) -> None:
     args._config = config
 
 
-def _launch_all(config: BenchConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
-    num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
-    title = f"bench: {num_rows} rows on {args.world_size} ranks"
-    return launch_with_progress(run_rank, config, num_rows=num_rows, title=title, args=args)
-
-
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "mode", "attention") == "memory":
         return run_memory(args)
@@ -1503,12 +1496,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "_config", None) is None:
         check_args(args)
     config: BenchConfig = args._config
-
-    def launch_all() -> list[Any]:
-        config.check_world(args.world_size)
-        return _launch_all(config, args)
-
-    per_rank = collect_per_rank(run_rank, config, args, launch_all)
+    config.check_world(world_size_of(args))
+    num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
+    title = f"bench: {num_rows} rows on {args.world_size} ranks"
+    per_rank = collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
     if per_rank is None:
         return 0
     rows = aggregate(per_rank, config)

@@ -33,14 +33,13 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
-from tokenring.cli import ArgumentAdder, check_heads, int_at_least, split_list
+from tokenring.cli import ArgumentAdder, check_heads, int_at_least, int_list, split_list
 from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
 from tokenring.cli.ranks import (
     check_lab,
     collect_per_rank,
     git_sha,
-    launch_with_progress,
     rank_device,
     row_done,
     world_size_of,
@@ -407,18 +406,6 @@ def add_arguments(parser: ArgumentAdder) -> None:
     )
 
 
-def _ints(text: str, name: str, minimum: int) -> tuple[int, ...]:
-    """Comma-separated integers >= minimum; ValueError naming the flag."""
-    expected = f"comma-separated integers >= {minimum}"
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"{name} must be {expected}; got {text!r}") from None
-    if not values or min(values) < minimum:
-        raise ValueError(f"{name} must be {expected}; got {text!r}")
-    return values
-
-
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
 
@@ -427,8 +414,8 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     return InferenceBenchConfig(
         mode=args.mode,
         batch=args.batch,
-        cached=_ints(args.cached, "--cached", 0),
-        new=_ints(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
+        cached=int_list(args.cached, "--cached", 0),
+        new=int_list(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
         models=models_from_args(args),
         dtype=args.dtype,
         strategies=split_list(
@@ -439,13 +426,6 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
         iters=args.iters,
         tolerance=args.tolerance,
     )
-
-
-def _launch(config: InferenceBenchConfig, args: argparse.Namespace) -> list[Any]:
-
-    num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
-    title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
-    return launch_with_progress(run_rank, config, num_rows=num_rows, title=title, args=args)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -464,7 +444,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "_config", None) is None:
         check_args(args)
     config: InferenceBenchConfig = args._config
-    per_rank = collect_per_rank(run_rank, config, args, lambda: _launch(config, args))
+    num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
+    title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
+    per_rank = collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
     if per_rank is None:
         return 0
     rows = aggregate(per_rank, config)

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.cli import ArgumentAdder, check_heads, split_list
+from tokenring.cli import ArgumentAdder, check_heads, int_list, split_list
 from tokenring.cli.models import DTYPES
-from tokenring.cli.ranks import collect_per_rank, git_sha, launch_with_progress, row_done
+from tokenring.cli.ranks import collect_per_rank, git_sha, row_done
 from tokenring.cli.report import write_records
 from tokenring.core.schedule import Strategy
 
@@ -286,12 +286,7 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
     if args.strategies is not None:
         names = ", ".join(s.value for s in DEFAULT_STRATEGIES)
         strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
-    try:
-        seq_locals = tuple(int(x) for x in args.seq_local.split(",") if x)
-    except ValueError:
-        raise ValueError(
-            f"--seq-local must be comma-separated integers; got {args.seq_local!r}"
-        ) from None
+    seq_locals = int_list(args.seq_local, "--seq-local", 2)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available on this machine")
     try:
@@ -315,25 +310,21 @@ def check_args(args: argparse.Namespace) -> None:
     args._config = config_from_args(args)
 
 
-def _launch(config: MemoryBenchConfig, args: argparse.Namespace) -> list[Any]:
-    num_rows = len(config.strategies) * len(config.seq_locals)
-    return launch_with_progress(
-        run_rank,
-        config,
-        num_rows=num_rows,
-        title=f"bench memory: {num_rows} rows on {args.world_size} ranks",
-        args=args,
-        rank_env=lambda rank: dict(MMAP_THRESHOLD_ENV),
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode memory``."""
 
     if getattr(args, "_config", None) is None:
         check_args(args)
     config: MemoryBenchConfig = args._config
-    per_rank = collect_per_rank(run_rank, config, args, lambda: _launch(config, args))
+    num_rows = len(config.strategies) * len(config.seq_locals)
+    per_rank = collect_per_rank(
+        run_rank,
+        config,
+        args,
+        num_rows=num_rows,
+        title=f"bench memory: {num_rows} rows on {args.world_size} ranks",
+        rank_env=lambda rank: dict(MMAP_THRESHOLD_ENV),
+    )
     if per_rank is None:
         return 0
     rows = aggregate(per_rank, config)

@@ -143,15 +143,23 @@ def rank_device() -> torch.device:
 
 
 def collect_per_rank(
-    fn: Any, config: Any, args: argparse.Namespace, launch_all: Any
+    fn: Any,
+    config: Any,
+    args: argparse.Namespace,
+    *,
+    num_rows: int,
+    title: str,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any] | None:
     """Every rank's ``fn(config)``: under torchrun this process is one rank (the results are
-    gathered, and only rank 0 gets them; the others get None), else ``launch_all()`` spawns
-    the ranks. Sets ``args._lab`` (None unless the launch ran in the lab)."""
+    gathered, and only rank 0 gets them; the others get None), else
+    :func:`launch_with_progress` spawns the ranks (``num_rows``, ``title`` and ``rank_env``
+    are its). Sets ``args._lab`` (None unless the launch ran in the lab)."""
     args._lab = None
     if not under_torchrun():
-        result: list[Any] = launch_all()
-        return result
+        return launch_with_progress(
+            fn, config, num_rows=num_rows, title=title, args=args, rank_env=rank_env
+        )
     init_distributed(timeout_s=args.timeout)
     try:
         mine = fn(config)

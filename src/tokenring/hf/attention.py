@@ -799,13 +799,8 @@ def causal_lm_loss(
 def data_parallel_loss(sp: SequenceParallel, loss: torch.Tensor) -> torch.Tensor:
     """``loss`` to back-propagate under DDP, FSDP or accelerate spanning every rank, whose
     gradient average over all ranks is then the mean over the sequence-parallel groups of
-    each group's gradient: the same value (log it), the gradient times the group size.
-
-    With N = dp x sp ranks, rank r's gradient from :func:`causal_lm_loss` is its share G_r
-    of its group's gradient; DDP takes 1/N sum over all ranks of sp G_r = 1/dp sum over the
-    groups of the group's gradient. Multiplying the loss itself by sp would give the same
-    gradient but log sp times the loss (Note [Trainer ranks and gradient scale] in
-    tokenring.hf.trainer).
+    each group's gradient: the same value (log it), the gradient times the group size (Note
+    [Trainer ranks and gradient scale] in tokenring.hf.trainer).
 
     Args:
         loss: a scalar from :func:`causal_lm_loss` (the same value on every rank of sp.group).

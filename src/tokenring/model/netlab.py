@@ -131,22 +131,13 @@ class LabConfig:
         if isinstance(ws, bool) or not isinstance(ws, int) or not 2 <= ws <= _MAX_WORLD_SIZE:
             raise ValueError(f"world_size must be an int in [2, {_MAX_WORLD_SIZE}]; got {ws!r}")
         rate = self.rate_bits_per_s
-        if (
-            isinstance(rate, bool)
-            or not isinstance(rate, int | float)
-            or not math.isfinite(rate)
-            or round(rate) < 1
-        ):
+        if not (_is_number(rate) and math.isfinite(rate) and round(rate) >= 1):
             raise ValueError(f"rate_bits_per_s must be a finite number >= 1; got {rate!r}")
         mtu = self.mtu
         if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be an int in [576, 65535]; got {mtu!r}")
         latency = self.queue_latency_s
-        if (
-            isinstance(latency, bool)
-            or not isinstance(latency, int | float)
-            or not 0 < latency <= 10
-        ):
+        if not (_is_number(latency) and 0 < latency <= 10):
             raise ValueError(f"queue_latency_s must be in (0, 10] seconds; got {latency!r}")
         cc = self.congestion_control
         if not isinstance(cc, str) or not _CONGESTION_CONTROL_RE.fullmatch(cc):
@@ -162,6 +153,10 @@ class LabConfig:
         """
         need = max(65536 + 2 * self.mtu, self.rate_bits_per_s / 8 * 1e-3)
         return math.ceil(need * 1.01)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _capabilities_effective() -> int:

@@ -295,20 +295,12 @@ class PendingRecv:
             else:  # checked in wait_sends, once per call: no host sync inside the step loop
                 self._comm._unchecked.append((self.transfer, header, expected))
             self._result = _unpack(self._buffer, self._fields)
-            timeline = self._comm.timeline
+            timeline, tr = self._comm.timeline, self.transfer
             if timeline is not None:
-                tr = self.transfer
-                timeline.events.append(
-                    Event(
-                        "recv",
-                        tr.payload.value,
-                        tr.step,
-                        self._posted_s,
-                        time.perf_counter(),
-                        tr.src,
-                        expected,
-                    )
-                )
+                end_s = time.perf_counter()
+                event = Event("recv", tr.payload.value, tr.step, self._posted_s, end_s, tr.src)
+                event.num_bytes = expected
+                timeline.events.append(event)
         return self._result
 
 

@@ -143,12 +143,6 @@ def _dense(
     return mask.to(q.device)
 
 
-def _tile_mask(mask: Mask, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> Mask:
-    if isinstance(mask, PositionMask):
-        return mask.tile(q_rows, kv_rows)
-    return mask[q_rows[0] : q_rows[1], kv_rows[0] : kv_rows[1]]
-
-
 class BlockKernel(abc.ABC):
     """Attention of one block, forward and backward, with the log-sum-exp of each row."""
 
@@ -470,10 +464,12 @@ def _tile_class(
         return "causal", None
     if mask is None:
         return "full", None
-    sub = _tile_mask(mask, q_rows, kv_rows)
-    if isinstance(sub, PositionMask):
+    sub: Mask
+    if isinstance(mask, PositionMask):
+        sub = mask.tile(q_rows, kv_rows)
         any_seen, all_seen = sub.visibility()
     else:  # a dense mask (the collectives'): already (sq, sk), so a tile of it is no worse
+        sub = mask[q_rows[0] : q_rows[1], kv_rows[0] : kv_rows[1]]
         any_seen, all_seen = bool(sub.any()), bool(sub.all())
     if not any_seen:
         return "empty", None
@@ -549,7 +545,6 @@ class TiledKernel(BlockKernel):
         scale: float,
         mask: Mask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-
         b, sq, hq, d = q.shape
         acc = accumulation_dtype(q.dtype)
         whole = sq <= self.tile_rows and k.shape[1] <= self.tile_rows
@@ -666,14 +661,8 @@ MATERIALISING = frozenset({"reference"})
 """Operators that hold a (sq, sk) tensor of the call; :func:`plan_block` names them for
 tiles only (the tiled reference)."""
 
-SDPA_FLASH, SDPA_EFFICIENT, FLASH_ATTN, FLEX, TILED_REFERENCE, CPU_FLASH = (
-    "sdpa_flash",
-    "sdpa_efficient",
-    "flash_attn",
-    "flex",
-    "tiled_reference",
-    "cpu_flash",
-)
+SDPA_FLASH, SDPA_EFFICIENT, FLASH_ATTN = "sdpa_flash", "sdpa_efficient", "flash_attn"
+FLEX, TILED_REFERENCE, CPU_FLASH = "flex", "tiled_reference", "cpu_flash"
 
 
 def plan_block(
