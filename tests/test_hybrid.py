@@ -326,9 +326,12 @@ def hybrid_traffic() -> dict[str, Any]:
         x, outer_rank=rank // 2, inner_rank=rank % 2, outer=2, inner=2, layout="zigzag"
     )
     disagreements = []
+    q_grad = q.detach().requires_grad_(rank != 3)  # rank 3 would build no backward
     for call in (
         lambda: hybrid_attn(q, kv, kv, mesh=mesh, layout="zigzag", causal=rank % 2 == 0),
         lambda: hybrid_attn(shards, shards, shards, mesh=mesh, layout="zigzag", causal=True),
+        lambda: hybrid_attn(q_grad, kv.detach(), kv.detach(), mesh=mesh, layout="zigzag"),
+        lambda: hybrid_attn(q[0], kv, kv, mesh=mesh),  # a rank's bad input: 3 dims
     ):
         try:
             call()
@@ -362,12 +365,15 @@ def test_counted_bytes_match_the_schedule_and_the_formula() -> None:
     per_rank = [found["traffic"] for found in _per_rank()]
     for rank, traffic in enumerate(per_rank):
         assert "q heads must be divisible by the inner size 2" in traffic["refused"]
-        mixed, uneven = traffic["disagreements"]
+        mixed, uneven, grads, bad = traffic["disagreements"]
         assert (
             "disagree on this hybrid attention call: causal: rank 0 has True, rank 1 has False"
             in mixed
         ), mixed
         assert "seq_local: rank 0 has 3, rank 1 has 2" in uneven, uneven
+        # (group ranks: island 1's inner ranks 0, 1 are global ranks 2, 3)
+        assert "disagree on this hybrid attention call: needs grad: rank 0 has True" in grads
+        assert "q must have 4 dims (batch, seq_local, heads, head_dim)" in bad, bad
         for name, pass_ in (("fwd", "forward"), ("bwd", "backward")):
             sched = build_hybrid_schedule(
                 pass_,

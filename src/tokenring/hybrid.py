@@ -375,6 +375,7 @@ def _prepare(
         "heads_kv": k.shape[2],
         "head_dim": q.shape[3],
         "dtype": str(q.dtype),
+        "device type": q.device.type,
         "causal": causal,
         "layout": layout.value,
         "outer_strategy": strategy.value,
@@ -384,6 +385,8 @@ def _prepare(
         "attention_chunk_size": attention_chunk_size,
         "last_block_splits": last_block_splits,
         "kernel": plan.kernel.name,
+        # every rank builds the backward, or none does (its all-to-alls need every rank)
+        "needs grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
     }
     return plan, signature
 
@@ -404,13 +407,13 @@ def _checked(
         raise NotImplementedError(
             f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
         )
+    _validate(q, k, v, softmax_scale)  # tensors, dims, dtypes, devices, heads, scale
     for name, x in (("q", q), ("k", k)):
-        if x.dim() != 4 or x.shape[2] % p_in:
+        if x.shape[2] % p_in:
             raise NotImplementedError(
                 f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
                 f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
             )
-    _validate(q, k, v, softmax_scale)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool; got {causal!r}")
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
