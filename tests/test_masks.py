@@ -165,7 +165,6 @@ ENTRIES = [
     ("ring", 4, ["float64", "float32"], True),
     ("bidir_ring", 4, ["float64", "float16"], True),
     ("token_ring", 3, ["float64"], False),
-    ("token_ring+lend", 4, ["float64", "float32"], False),
     ("token_ring+lend", 3, ["float64"], False),
     ("ring", 2, ["float64"], False),
     ("bidir_ring", 3, ["float64"], False),
