@@ -475,24 +475,9 @@ def choose_strategy(
     Raises:
         ValueError: as :func:`explain`; candidates that leave nothing to pick.
     """
-    return explain(
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        causal=causal,
-        hardware=hardware,
-        layout=layout,
-        training=training,
-        batch=batch,
-        last_block_splits=last_block_splits,
-        strategies=[
-            s for s in (strategies or Strategy) if Strategy.parse(s) is not Strategy.HYBRID
-        ],
-        last_pair=last_pair,
-    ).pick
+    call = {name: value for name, value in locals().items() if name != "strategies"}
+    candidates = [s for s in (strategies or Strategy) if Strategy.parse(s) is not Strategy.HYBRID]
+    return explain(**call, strategies=candidates).pick
 
 
 def lends_last_pair(
@@ -518,22 +503,7 @@ def lends_last_pair(
     Raises:
         ValueError: as :func:`explain`.
     """
-    plan = explain(
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        causal=causal,
-        hardware=hardware,
-        layout=layout,
-        training=training,
-        batch=batch,
-        last_block_splits=last_block_splits,
-        strategies=[Strategy.TOKEN_RING],
-        last_pair="auto",
-    )
+    plan = explain(**locals(), strategies=[Strategy.TOKEN_RING], last_pair="auto")
     return plan.predictions[0].lends_last_pair
 
 

@@ -1223,20 +1223,19 @@ def simulate_pass(
             f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
         )
     flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
+    call: dict[str, Any] = dict(
+        layout=layout,
+        causal=causal,
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=shape.heads_q,
+        heads_kv=shape.heads_kv,
+        last_block_splits=last_block_splits,
+    )
     lends = strategy is Strategy.TOKEN_RING and lend_last_pair
     if mode == "event" or (lends and world_size <= LEND_MAX_WORLD_SIZE):
         sched = strategy_schedule(
-            strategy,
-            pass_,
-            layout=layout,
-            causal=causal,
-            world_size=world_size,
-            seq_local=seq_local,
-            heads_q=shape.heads_q,
-            heads_kv=shape.heads_kv,
-            last_block_splits=last_block_splits,
-            hybrid=hybrid,
-            lend_last_pair=lend_last_pair,
+            strategy, pass_, hybrid=hybrid, lend_last_pair=lend_last_pair, **call
         )
         if mode == "event":
             return simulate_schedule(sched, shape=shape, hardware=hardware)
@@ -1246,17 +1245,7 @@ def simulate_pass(
                 "schedule lends its last pair (Note [Borrowed last pair] in "
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
-    plan = ring_plan(
-        strategy,
-        pass_,
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=shape.heads_q,
-        heads_kv=shape.heads_kv,
-        last_block_splits=last_block_splits,
-    )
+    plan = ring_plan(strategy, pass_, **call)
     return _simulate_vectorised(plan, layout, causal, shape, hardware, flops_per_s)
 
 
