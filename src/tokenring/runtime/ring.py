@@ -657,8 +657,9 @@ class _Backward(SchedulePass):
         self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
         self.held: dict[int, _Held] = {}
         self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
-        # kv owner -> (the message that sends their dK/dV home, its dk and dv (B, n, Hkv, D))
-        self.lent_grads: dict[int, tuple[Message, list[torch.Tensor]]] = {}
+        # kv owner -> (the transfer and the message that send their dK/dV home, its dk and dv
+        # (B, n, Hkv, D))
+        self.lent_grads: dict[int, tuple[Transfer, Message, list[torch.Tensor]]] = {}
         self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
         self.dk = self.dv = torch.empty(0)  # (B, s, Hkv, D), from HOME
         self.masks = _Masks(sched)
@@ -709,14 +710,15 @@ class _Backward(SchedulePass):
         for tr in passing:  # the accumulators that followed each block here
             inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
 
-    def lent_grads_of(self, holder: int, step: int) -> tuple[Message, list[torch.Tensor]]:
+    def lent_grads_of(self, holder: int, step: int) -> tuple[Transfer, Message, list[torch.Tensor]]:
         """The dK/dV ``(B, n, Hkv, D)`` of the pair borrowed from ``holder``, zeroed, in the
-        message that sends them home (Note [Borrowed last pair] in tokenring.strategies.ring)."""
+        message that sends them home, and that transfer (Note [Borrowed last pair] in
+        tokenring.strategies.ring)."""
         if holder not in self.lent_grads:
             tr = _lent_home(self.sched, self.rank, step, holder)
             shape = (self.k.shape[0], tr.num_rows, *self.k.shape[2:])
             fields = [(shape, self.acc)] * 2
-            self.lent_grads[holder] = self.comm.message(fields, self.k.device)
+            self.lent_grads[holder] = (tr, *self.comm.message(fields, self.k.device))
         return self.lent_grads[holder]
 
     def targets(self, piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
@@ -726,8 +728,8 @@ class _Backward(SchedulePass):
         (a, b), (c, d) = piece.q_rows, piece.kv_rows
         qh = _q_heads(piece, self.groups)
         if piece.kv_owner is not None:  # a borrowed pair: its dK/dV go home
-            row0 = _lent_home(self.sched, self.rank, step, piece.kv_owner).rows[0]
-            _, grads = self.lent_grads_of(piece.kv_owner, step)
+            home, _, grads = self.lent_grads_of(piece.kv_owner, step)
+            row0 = home.rows[0]
             dk_t, dv_t = (g[:, c - row0 : d - row0] for g in grads)
         elif self.pass_q or step == 0:
             dk_acc, dv_acc = self.dk_acc, self.dv_acc
@@ -790,8 +792,8 @@ class _Backward(SchedulePass):
         done()
         holder = segment.pieces[0].kv_owner if segment.pieces else None
         if holder is not None:  # the borrowed pair is done: its dK/dV go home
-            message, _ = self.lent_grads_of(holder, step)
-            self.outbox[_lent_home(sched, rank, step, holder)] = message
+            home, message, _ = self.lent_grads_of(holder, step)
+            self.outbox[home] = message
             del self.lent_grads[holder]
             self.borrowed.pop(holder, None)
         if self.dq_seg is not None:

@@ -308,13 +308,12 @@ def build_schedule(
         lanes = _query_lanes(heads_q, heads_kv)
     else:
         lanes = _lanes(strategy, layout, s, heads_kv, causal)
-    plan = (strategy, lanes, sharding, mask, last_block_splits, heads_q, heads_kv)
-    steps = _step_plans(*plan, {}, 0)
+    steps = _step_plans(strategy, lanes, sharding, mask, last_block_splits, heads_q, heads_kv)
     transfers = _travel_transfers(strategy, pass_, lanes, steps)
     if strategy is Strategy.TOKEN_RING and lend_last_pair:
         lent = _lent_pairs(pass_, sharding, mask, transfers, heads_q, heads_kv)
         if lent:
-            steps = _step_plans(*plan, lent, _borrow_step(pass_, p))
+            _lend(steps, lent, _borrow_step(pass_, p))
             transfers = _travel_transfers(strategy, pass_, lanes, steps)
     if strategy.passes_q:
         transfers += _return_transfers(pass_, lanes, steps)
@@ -344,8 +343,6 @@ def _step_plans(
     last_block_splits: int,
     heads_q: int | None,
     heads_kv: int | None,
-    lent: dict[int, Segment],
-    compute_step: int,
 ) -> list[list[StepPlan]]:
     """Who computes what: ``steps[r][t]``, rank r's pieces at step t (Note [TokenRing step
     table]); pass-Q's last block in ``last_block_splits`` slices (Note [Last block by
@@ -360,13 +357,18 @@ def _step_plans(
         return cache[key]
 
     cell = (strategy, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
-    steps = [[_cell_plan(*cell, r, t) for t in range(p)] for r in range(p)]
-    for holder in lent:  # Note [Borrowed last pair]: the lender computes nothing at the end
+    return [[_cell_plan(*cell, r, t) for t in range(p)] for r in range(p)]
+
+
+def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], compute_step: int) -> None:
+    """Note [Borrowed last pair], in place: each lender computes nothing at the last step,
+    and the q owner computes the lent pair at ``compute_step``, after its own segments."""
+    p = len(steps)
+    for holder in lent:
         steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
-    for holder, pair in lent.items():  # and the q owner computes the pair at compute_step
+    for holder, pair in lent.items():
         owner = steps[(holder - 1) % p][compute_step]
         steps[owner.rank][compute_step] = replace(owner, segments=(*owner.segments, pair))
-    return steps
 
 
 def _cell_plan(
