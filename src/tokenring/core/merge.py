@@ -11,6 +11,11 @@ Two partials (o1, l1) and (o2, l2) of the same rows over disjoint key sets combi
 A row that no key has reached yet has l = -inf and o = 0. Then l1 - l is (-inf) - (-inf) =
 NaN, so weights are taken as 0 wherever l = -inf: such rows stay (o = 0, l = -inf) and never
 turn into NaN.
+
+The two weights sum to 1 wherever l is finite, so ``o = o1 + w2 * (o2 - o1)``: one
+``lerp_`` pass over the rows when the partial is in the accumulation dtype, against a ``mul_``
+and an ``addcmul_`` pass (which stay for a partial in another dtype, read without a converted
+copy). Where l = -inf, w2 = 0 keeps o1 = 0.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ def merge_into(
     part_lse = lse_part.to(lse_acc.dtype)
     new_lse = torch.logaddexp(lse, part_lse)
     unreached = torch.isneginf(new_lse)
-    w_old = torch.where(unreached, 0.0, torch.exp(lse - new_lse))  # (B, H, n)
-    w_new = torch.where(unreached, 0.0, torch.exp(part_lse - new_lse))
-    out.mul_(w_old.transpose(1, 2).unsqueeze(-1))
-    # out_part in its own dtype: addcmul_ reads it in out_acc's, without a converted copy
-    out.addcmul_(out_part, w_new.transpose(1, 2).unsqueeze(-1))
+    w_new = torch.where(unreached, 0.0, torch.exp(part_lse - new_lse))  # (B, H, n)
+    if out_part.dtype == out.dtype:  # one pass (Note [Safe merge])
+        out.lerp_(out_part, w_new.transpose(1, 2).unsqueeze(-1))
+    else:  # out_part in its own dtype: addcmul_ reads it in out_acc's, without a converted copy
+        w_old = torch.where(unreached, 0.0, torch.exp(lse - new_lse))
+        out.mul_(w_old.transpose(1, 2).unsqueeze(-1))
+        out.addcmul_(out_part, w_new.transpose(1, 2).unsqueeze(-1))
     lse.copy_(new_lse)

@@ -565,7 +565,10 @@ class _Forward(SchedulePass):
                 q_p, k_p, v_p, causal=piece.causal, scale=self.scale, mask=mask
             )
             if self.fresh:  # the first piece: every row and head (see __init__)
-                self.out_acc.copy_(part[0])
+                if part[0].dtype == self.out_acc.dtype and part[0].is_contiguous():
+                    self.out_acc = part[0]  # the kernel's own result: no copy
+                else:
+                    self.out_acc.copy_(part[0])
                 self.lse_acc.copy_(part[1])
                 self.fresh = False
             elif q_owner == rank:  # merge straight into this rank's accumulators
