@@ -42,7 +42,7 @@ from tokenring.runtime.comm import Communicator, FieldSpec, Message
 from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, program_of
-from tokenring.runtime.ring import SchedulePass, kv_message
+from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
 from tokenring.strategies.collective import (
     CollectiveStrategy,
     HeadShare,
@@ -94,7 +94,7 @@ class _Collective(SchedulePass):
         for tr in op.transfers:
             if tr.payload is payload:
                 tensors = self.poster.pending.pop(tr).wait()
-                parts[tr.src] = tensors
+                parts[tr.src] = list(kv_rows(tensors[0])) if payload is Payload.KV else tensors
         return parts
 
 
@@ -364,8 +364,8 @@ class _AllGather(_Collective):
     def arrive(self, op: Op) -> None:
         """ARRIVE: the K/V of round k (from r + k), kept while the round has segments."""
         (tr,) = op.transfers
-        k, v = self.poster.pending.pop(tr).wait()  # (B, s, Hkv, D) x 2
-        self.kv = (k, v) if tr.owner in self.last else None  # None: nothing to compute (causal)
+        kv = kv_rows(self.poster.pending.pop(tr).wait()[0])  # (B, s, Hkv, D) x 2
+        self.kv = kv if tr.owner in self.last else None  # None: nothing to compute (causal)
 
     def piece(self, op: Op) -> tuple[Piece, Rows, Rows, PositionMask | None]:
         """The piece of segment ``op.index``, its q rows and its kv rows in the round's block,

@@ -39,16 +39,22 @@ as soon as its last use passes (README "Memory" has the measured table):
   loop variable would keep its last value for the whole pass).
 
 Note [K/V message layout]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-A K/V message is k, then v, each ``(B, n, Hkv, D)`` contiguous: what the fused kernels read
-fastest. Rows first with each row's k and v side by side (``(n, B, 2, Hkv, D)``) made any first
-rows of a block one slice at the front of the message, so a rank passing on only the first
-rows it holds (zigzag causal after the wrap: ``[0, c)``, Note [Causal blocks per layout] in
-tokenring.core.schedule) sent them without a copy; but every kernel call then read k and v at
-twice their row stride, 2.5-5% slower on the CPU operator (fp32 and bf16, forward and
-backward, ``benchmarks/results/cpu_breakdown.md``), on every block a rank receives. Now such a
-prefix is copied into its message (one pass over the rows sent); the bytes on the wire are the
-same in either layout.
+~~~~~~~~~~~~~~~~~~~~~~~~
+A K/V message is rows first, each row's k and v side by side: ``(n, B, 2, Hkv, D)``. Held
+k and v are strided ``(B, n, Hkv, D)`` views of it (the kernels take strided rows), and any
+first rows of the block are one slice at the front of the message. So a rank that passes on
+only the first rows of the block it holds (zigzag causal after the wrap: ``[0, c)``, Note
+[Causal blocks per layout] in tokenring.core.schedule) sends the front of the message it came in,
+its header rewritten in place: no copy. With k and v one after the other, that half was a
+copy of a q-sized tensor (~0.1x of the minimum on Ring, P = 4 causal). Other rows (masks)
+are still copied; the bytes on the wire are the same in every layout.
+
+The price is speed: the fused CPU kernel reads k and v at twice their row stride, 2.5-5%
+slower per received block than contiguous k then v (fp32 and bf16, forward and backward,
+measured standalone; Ring's kernel time 2-3% above the peer's in fp32,
+``benchmarks/results/cpu_breakdown.md``). Measured the other way round (k then v, the half
+copied), Ring's peak at P = 4 causal went from 1.86x to 1.98x of the minimum: memory was
+kept. The header is padded to 64 bytes, so the views start cache-line aligned either way.
 
 Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
 stream and a wait makes the current (compute) stream wait on it; compute bars of the
@@ -95,6 +101,7 @@ __all__ = [
     "ComputeTimer",
     "SchedulePass",
     "kv_message",
+    "kv_rows",
     "message_fields",
     "run_backward",
     "run_forward",
@@ -112,11 +119,11 @@ def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
             hq = tr.heads[1] - tr.heads[0]
     dtype, acc = shape.torch_dtype, shape.acc_dtype
     q_rows: FieldSpec = ((b, n, hq, d), dtype)
-    kv_rows: FieldSpec = ((b, n, hkv, d), dtype)  # Note [K/V message layout]
+    kv_pairs: FieldSpec = ((n, b, 2, hkv, d), dtype)  # Note [K/V message layout]
     per_head: FieldSpec = ((b, hq, n), acc)
     table: dict[Payload, list[FieldSpec]] = {
         Payload.Q: [q_rows],
-        Payload.KV: [kv_rows, kv_rows],
+        Payload.KV: [kv_pairs],
         Payload.OUT: [q_rows, per_head],
         Payload.Q_GRAD: [q_rows, q_rows, per_head, per_head],
         Payload.DQ: [q_rows],
@@ -128,12 +135,18 @@ def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
 def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
     """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout]): one
     copy of each into its place."""
-    num_bytes = k.numel() * k.element_size()
-    buffer = torch.empty(HEADER_NUM_BYTES + 2 * num_bytes, dtype=torch.uint8, device=k.device)
-    for i, x in enumerate((k, v)):
-        start = HEADER_NUM_BYTES + i * num_bytes
-        buffer[start : start + num_bytes].view(x.dtype).view(x.shape).copy_(x)
+    buffer = torch.empty(
+        HEADER_NUM_BYTES + 2 * k.numel() * k.element_size(), dtype=torch.uint8, device=k.device
+    )
+    pairs = buffer[HEADER_NUM_BYTES:].view(k.dtype).view(k.shape[1], k.shape[0], 2, *k.shape[2:])
+    pairs[:, :, 0].copy_(k.transpose(0, 1))  # (n, B, 2, Hkv, D)
+    pairs[:, :, 1].copy_(v.transpose(0, 1))
     return Message(buffer)
+
+
+def kv_rows(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k and v ``(B, n, Hkv, D)`` views of a received K/V message ``(n, B, 2, Hkv, D)``."""
+    return pairs[:, :, 0].transpose(0, 1), pairs[:, :, 1].transpose(0, 1)
 
 
 @dataclass(slots=True)
@@ -144,18 +157,37 @@ class _Held:
     rows: tuple[int, int]
     tensors: list[torch.Tensor]  # seq dim 1 for (B, n, H, D), dim 2 for (B, H, n)
     message: Message | None = None  # the message it came in, to pass on without a copy
+    pairs: torch.Tensor | None = None  # K/V as on the wire, (n, B, 2, Hkv, D); None: home
+    is_kv: bool = False  # a K/V block: it travels in Note [K/V message layout]
 
     @staticmethod
     def arrived(incoming: PendingRecv) -> _Held:
-        tr = incoming.transfer
-        return _Held(tr.owner, tr.rows, incoming.wait(), incoming.message())
+        tensors = incoming.wait()
+        return _Held.received(incoming.transfer, tensors, incoming.message())
+
+    @staticmethod
+    def received(tr: Transfer, tensors: list[torch.Tensor], message: Message) -> _Held:
+        """The block of ``tr`` from the tensors of its ``message`` (unpacked)."""
+        if tr.payload is not Payload.KV:
+            return _Held(tr.owner, tr.rows, tensors, message)
+        (pairs,) = tensors  # (n, B, 2, Hkv, D)
+        return _Held(tr.owner, tr.rows, list(kv_rows(pairs)), message, pairs, is_kv=True)
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
-        """What a transfer of ``rows`` of this block sends: the message it came in when the
-        rows are all of it, else the rows' slices (copied into the message)."""
+        """What a transfer of ``rows`` of this block sends: the message it came in when
+        the rows are all of it, or a K/V block's first rows (no copy), else the rows' slices."""
         if rows == self.rows and self.message is not None:
             return self.message
-        return self.slice(rows)
+        if not self.is_kv:
+            return self.slice(rows)
+        start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
+        assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
+        if self.pairs is None:  # home: one copy into the wire layout
+            return kv_message(*self.slice(rows))
+        if start == 0 and self.message is not None:  # a prefix: the front of the message
+            row_bytes = self.pairs[0].numel() * self.pairs.element_size()
+            return Message(self.message.buffer[: HEADER_NUM_BYTES + stop * row_bytes])
+        return [self.pairs[start:stop]]
 
     def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
@@ -422,7 +454,7 @@ def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dic
         rows = lane.kv_rows or (0, tensors[0].shape[1])
         heads = slice(*lane.kv_heads) if lane.kv_heads else slice(None)
         views = [x[:, rows[0] : rows[1], heads] for x in tensors]
-        held[index] = _Held(rank, rows, views)
+        held[index] = _Held(rank, rows, views, is_kv=True)
     return held
 
 
