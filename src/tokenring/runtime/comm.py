@@ -130,7 +130,7 @@ class TrafficCounter:
 # Note [Message header]
 # ~~~~~~~~~~~~~~~~~~~~~
 # Every message starts with HEADER_NUM_BYTES: four int64 (magic, payload bytes, the transfer's
-# id, the sender's rank). gloo completes a receive whose message is *shorter* than the posted
+# id, the sender's rank), padded to 64 bytes. gloo completes a receive whose message is *shorter* than the posted
 # buffer and leaves the rest of the buffer as it was, so without a header a peer that built a
 # different schedule would hand us stale memory as data. The receiver zeroes the header slot
 # before posting and checks all four fields on arrival: a different byte count, another
