@@ -130,12 +130,13 @@ class TrafficCounter:
 # Note [Message header]
 # ~~~~~~~~~~~~~~~~~~~~~
 # Every message starts with HEADER_NUM_BYTES: four int64 (magic, payload bytes, the transfer's
-# id, the sender's rank), padded to 64 bytes. gloo completes a receive whose message is *shorter* than the posted
-# buffer and leaves the rest of the buffer as it was, so without a header a peer that built a
-# different schedule would hand us stale memory as data. The receiver zeroes the header slot
-# before posting and checks all four fields on arrival: a different byte count, another
-# transfer or no header at all raise, naming the transfer, both sizes and the peer. The
-# header travels but is not counted: the counter holds payload bytes, as the schedule does.
+# id, the sender's rank), padded to 64 bytes. gloo completes a receive whose message is
+# *shorter* than the posted buffer and leaves the rest of the buffer as it was, so without a
+# header a peer that built a different schedule would hand us stale memory as data. The
+# receiver zeroes the header slot before posting and checks all four fields on arrival: a
+# different byte count, another transfer or no header at all raise, naming the transfer, both
+# sizes and the peer. The header travels but is not counted: the counter holds payload bytes,
+# as the schedule does.
 _MAGIC = 0x746F6B656E72696E  # "tokenrin"
 # The header's four int64 (magic, payload bytes, transfer id, sender), padded to a cache
 # line: the payload then starts 64-byte aligned, as a fresh tensor does. At offset 32 the

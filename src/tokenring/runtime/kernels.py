@@ -340,10 +340,12 @@ def _stand_in_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """out' with rowsum(dout * out') == delta, ``(B, Hq, sq, D)`` in dout's dtype; see Note
     [Backward from delta]."""
     acc = delta.dtype
-    do = _bhsd(dout)  # (B, Hq, sq, D)
-    norm2 = torch.linalg.vector_norm(do, dim=-1, dtype=acc).square_()  # (B, Hq, sq)
-    ratio = torch.where(norm2 > 0, delta / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
-    return (do.to(acc) * ratio.unsqueeze(-1)).to(dout.dtype)
+    # Both passes walk dout (B, sq, Hq, D) in memory order; the product is computed in acc and
+    # rounded once into dout's dtype (out=), as a product in acc then a cast would be.
+    norm2 = torch.linalg.vector_norm(dout, dim=-1, dtype=acc).square_()  # (B, sq, Hq)
+    ratio = torch.where(norm2 > 0, _bhsd(delta) / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
+    out = torch.empty_like(dout, memory_format=torch.contiguous_format)
+    return _bhsd(torch.mul(dout, ratio.unsqueeze(-1), out=out))
 
 
 def _out_of(out: torch.Tensor | None, dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
