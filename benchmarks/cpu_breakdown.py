@@ -154,7 +154,7 @@ def table(per_rank: list[dict[str, Any]]) -> str:
     ours = [c for c in per_rank[0] if c.split("|")[2] != peers.PEER]
     lines.append("| function | " + " | ".join(c.replace("|", " ") for c in ours) + " |")
     lines.append("|---|" + "---|" * len(ours))
-    for _, _, label in WRAPPED:
+    for label in [KERNEL, *(label for _, _, label in WRAPPED)]:
         cells = [per_rank[0][c].get(label, 0.0) for c in ours]
         lines.append(f"| {label} | " + " | ".join(f"{x:.2f}" for x in cells) + " |")
     return "\n".join(lines)
