@@ -660,10 +660,25 @@ class _Backward(SchedulePass):
         self.groups = q.shape[2] // k.shape[2]
         self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-        # (B, s, Hkv, D); None once every row and head of them travels (pass-KV, step 0)
-        self.dk_acc: torch.Tensor | None = torch.zeros(k.shape, dtype=acc, device=k.device)
-        self.dv_acc: torch.Tensor | None = torch.zeros(v.shape, dtype=acc, device=v.device)
         self.pass_q = sched.strategy.passes_q
+        # Pass-KV with one lane of every row and head (Ring) whose dK/dV leave at step 0: the
+        # step's gradients go straight into the accumulator that leaves, and no rank holds its
+        # own dK/dV until HOME. Else they leave home after step 0 (_leave_home).
+        (lane, *others) = sched.lanes
+        self.direct = (
+            not self.pass_q
+            and not others
+            and lane.kv_heads is None
+            and lane.kv_rows is None
+            and sched.num_steps > 0
+            and any(tr.payload is Payload.DKV for tr in sched.sends(self.rank, 0))
+        )
+        # (B, s, Hkv, D); None once every row and head of them travels (pass-KV, step 0)
+        self.dk_acc: torch.Tensor | None = None
+        self.dv_acc: torch.Tensor | None = None
+        if not self.direct:
+            self.dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+            self.dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
         self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
         self.held: dict[int, _Held] = {}
         self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
@@ -741,7 +756,7 @@ class _Backward(SchedulePass):
             home, _, grads = self.lent_grads_of(piece.kv_owner, step)
             row0 = home.rows[0]
             dk_t, dv_t = (g[:, c - row0 : d - row0] for g in grads)
-        elif self.pass_q or step == 0:
+        elif self.pass_q or (step == 0 and not self.direct):
             dk_acc, dv_acc = self.dk_acc, self.dv_acc
             assert dk_acc is not None and dv_acc is not None, "kept home while computed into"
             kvh = slice(None) if piece.heads is None or not self.pass_q else slice(*piece.heads)
@@ -822,7 +837,7 @@ class _Backward(SchedulePass):
             grads = lane_grads.pop(lane_index, None)
             if grads is None:  # no piece and no accumulator reached the block here
                 grads = self.new_lane_grads(lane_index)
-            if step == 0:  # the accumulator leaves home with our own dK/dV of the lane
+            if step == 0 and not self.direct:  # it leaves home with our dK/dV of the lane
                 assert self.dk_acc is not None and self.dv_acc is not None
                 _leave_home(grads, tr_out, self.dk_acc, self.dv_acc)
             self.outbox[tr_out] = self.lane_messages.pop(lane_index)
