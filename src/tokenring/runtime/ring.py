@@ -917,6 +917,13 @@ def _accumulators_home(
     """dK, dV ``(B, s, Hkv, D)`` in the accumulation dtype: what stayed home plus each lane's
     accumulator, home at last (pass-KV; TokenRing's never left). None: every row and head
     travelled, so they are made now, once the last accumulators sent are gone."""
+    if dk_acc is None and len(transfers) == 1:
+        (tr,) = transfers
+        if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
+            dk_home, dv_home = poster.pending.pop(tr).wait()  # came home: they are dK, dV
+            # views of one message; the operator's outputs may not alias each other, so one is
+            # copied when no cast to k's dtype will copy them anyway
+            return dk_home, dv_home.clone() if acc == k.dtype else dv_home
     if dk_acc is None or dv_acc is None:
         comm.wait_sends()
         dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
