@@ -1430,28 +1430,13 @@ def simulate(
 
     See :func:`simulate_pass` for the other arguments and errors.
     """
+    options = {name: value for name, value in locals().items() if name != "passes"}
     if passes not in _PASSES:
         raise ValueError(f"passes must be one of {sorted(_PASSES)}; got {passes!r}")
-    strategy = Strategy.parse(strategy)
+    options["strategy"] = Strategy.parse(strategy)
     return CallResult(
-        strategy=strategy,
-        passes=tuple(
-            simulate_pass(
-                strategy,
-                pass_,
-                layout=layout,
-                causal=causal,
-                world_size=world_size,
-                seq_local=seq_local,
-                shape=shape,
-                hardware=hardware,
-                last_block_splits=last_block_splits,
-                mode=mode,
-                hybrid=hybrid,
-                lend_last_pair=lend_last_pair,
-            )
-            for pass_ in _PASSES[passes]
-        ),
+        strategy=options["strategy"],
+        passes=tuple(simulate_pass(pass_=pass_, **options) for pass_ in _PASSES[passes]),
     )
 
 
