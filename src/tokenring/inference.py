@@ -342,6 +342,43 @@ def _validate(
     return step
 
 
+def _call_signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: DistributedKVCache,
+    layer: int,
+    strategy: CachedStrategy | str,
+    softmax_scale: float | None,
+    hardware: Hardware | str | None,
+    kernel: str | BlockKernel | None,
+) -> tuple[dict[str, Any], CachedStrategy | str, BlockKernel]:
+    """Check one :func:`cached_attn` call's arguments (raising as it documents): the options
+    every rank must agree on, the parsed strategy (or ``"auto"``) and the kernel."""
+    step = _validate(q, cache, layer, softmax_scale)
+    strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
+    if hardware is not None and strategy != "auto":
+        raise ValueError(
+            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
+            f"strategy={strategy!r}"
+        )
+    block_kernel = select_kernel(q.device, q.dtype, kernel)
+    cache.check_append(layer, k, v)
+    if hardware is None and strategy == "auto":  # after the arguments' own errors
+        raise ValueError(AUTO_NEEDS_HARDWARE)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    signature = {
+        "step": step.index,
+        "layer": layer,
+        "heads_q": q.shape[1],
+        "strategy": strategy if isinstance(strategy, str) else strategy.value,
+        "hardware": None if hardware is None else repr(hardware),
+        "softmax_scale": float(scale).hex(),
+        "kernel": block_kernel.name,
+    }
+    return signature, strategy, block_kernel
+
+
 def cached_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -397,29 +434,10 @@ def cached_attn(
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
-    try:
-        step = _validate(q, cache, layer, softmax_scale)
-        # fail before appending
-        strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
-        if hardware is not None and strategy != "auto":
-            raise ValueError(
-                f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
-                f"strategy={strategy!r}"
-            )
-        block_kernel = select_kernel(q.device, q.dtype, kernel)
-        cache.check_append(layer, k, v)
-        if hardware is None and strategy == "auto":  # after the arguments' own errors
-            raise ValueError(AUTO_NEEDS_HARDWARE)
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        signature = {
-            "step": step.index,
-            "layer": layer,
-            "heads_q": q.shape[1],
-            "strategy": strategy if isinstance(strategy, str) else strategy.value,
-            "hardware": None if hardware is None else repr(hardware),
-            "softmax_scale": float(scale).hex(),
-            "kernel": block_kernel.name,
-        }
+    try:  # fail before appending
+        signature, strategy, block_kernel = _call_signature(
+            q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
+        )
     except (ValueError, NotImplementedError) as exc:
         problem = exc
     if check_ranks:
@@ -474,30 +492,8 @@ def attend_cached(
             hardware=hardware,
         )
     chosen: CachedStrategy = cache.memo[key]
-    me = comm.rank
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
-        b = len(step.new)
-        rows = step.num_rows(me) // b
-        keys = [cache.shard(layer, s) for s in range(b)]
-        k4 = torch.stack([kk for kk, _ in keys])  # (B, s, Hkv, D)
-        v4 = torch.stack([vv for _, vv in keys])
-        result = sequence_parallel_attn(
-            q.reshape(b, rows, heads_q, head_dim),
-            k4,
-            v4,
-            strategy=Strategy.TOKEN_RING if chosen is CachedStrategy.PASS_Q else Strategy.RING,
-            causal=True,
-            softmax_scale=scale,
-            group=comm,
-            layout="zigzag",
-            return_lse=True,
-            kernel=kernel,
-            check_ranks=False,
-        )
-        out4, lse4 = result
-        return out4.reshape(b * rows, heads_q, head_dim), lse4.permute(1, 0, 2).reshape(
-            heads_q, b * rows
-        )
+        return _zigzag_ring(q, cache, layer, chosen, scale, kernel)
     plan_key = ("plan", chosen)
     if plan_key not in cache.memo:
         shards = CachedShards.from_step(step)
@@ -505,3 +501,39 @@ def attend_cached(
     plan, shards = cache.memo[plan_key]
     kv = [cache.shard(layer, s) for s in range(len(step.new))]
     return run_cached_plan(plan, shards, comm, kernel, q, kv, scale=scale)
+
+
+def _zigzag_ring(
+    q: torch.Tensor,
+    cache: DistributedKVCache,
+    layer: int,
+    chosen: CachedStrategy,
+    scale: float,
+    kernel: BlockKernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass-Q or pass-KV of a zigzag first prefill (equal lengths, nothing cached yet):
+    the training ring, TokenRing or Ring, over ``(B, s, H, D)``. Returns ``(out, lse)``
+    packed as :func:`attend_cached` returns them."""
+    step, comm = cache.step, cache.comm
+    assert step is not None and comm is not None
+    heads_q, head_dim = q.shape[1], q.shape[2]
+    b = len(step.new)
+    rows = step.num_rows(comm.rank) // b
+    keys = [cache.shard(layer, s) for s in range(b)]
+    k4 = torch.stack([kk for kk, _ in keys])  # (B, s, Hkv, D)
+    v4 = torch.stack([vv for _, vv in keys])
+    out4, lse4 = sequence_parallel_attn(
+        q.reshape(b, rows, heads_q, head_dim),
+        k4,
+        v4,
+        strategy=Strategy.TOKEN_RING if chosen is CachedStrategy.PASS_Q else Strategy.RING,
+        causal=True,
+        softmax_scale=scale,
+        group=comm,
+        layout="zigzag",
+        return_lse=True,
+        kernel=kernel,
+        check_ranks=False,
+    )
+    out = out4.reshape(b * rows, heads_q, head_dim)  # (n, Hq, D)
+    return out, lse4.permute(1, 0, 2).reshape(heads_q, b * rows)  # (Hq, n)

@@ -342,19 +342,6 @@ class _EventEngine:
             )
             share = heads[r].num_q / dims.heads_q
 
-        def added(tr: Transfer) -> list[tuple[Any, ...]]:  # wait for a return, merge or add it
-            if tr.step not in ring_steps:
-                return [(_WAIT, self.fid[tr])]
-            heads = tr.heads[1] - tr.heads[0] if tr.heads is not None else None
-            if tr.payload is Payload.OUT:
-                cost, what = merge_bytes(tr.num_rows, dims, heads), "merge"
-            elif tr.payload is Payload.DQ:
-                cost, what = _add_bytes(tr.num_rows, heads or dims.heads_q, dims), "dq_add"
-            else:
-                pairs = heads or dims.heads_kv
-                cost, what = _add_bytes(tr.num_rows, pairs, dims, pairs=2), "dkv_add"
-            return [(_WAIT, self.fid[tr]), (_MERGE, cost / mem, tr.step, what)]
-
         prog: list[tuple[Any, ...]] = []
         for op in program_of(sched, r):
             kind, t = op.kind, op.step
@@ -378,10 +365,25 @@ class _EventEngine:
                     )
                     prog.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
             elif kind in (OpKind.PASS, OpKind.RETURNS, OpKind.HOME):
-                prog += [action for tr in op.transfers for action in added(tr)]
+                for tr in op.transfers:
+                    prog.append((_WAIT, self.fid[tr]))
+                    if tr.step in ring_steps:
+                        prog.append(self._added(tr, dims))
             else:  # ARRIVE, SENT, SENT_ALL: the receives or sends have arrived
                 prog += [(_WAIT, self.fid[tr]) for tr in op.transfers]
         return prog
+
+    def _added(self, tr: Transfer, dims: AttentionShape) -> tuple[Any, ...]:
+        """The merge or accumulation of a partial (out, dQ or dK/dV) once it has arrived."""
+        heads = tr.heads[1] - tr.heads[0] if tr.heads is not None else None
+        if tr.payload is Payload.OUT:
+            cost, what = merge_bytes(tr.num_rows, dims, heads), "merge"
+        elif tr.payload is Payload.DQ:
+            cost, what = _add_bytes(tr.num_rows, heads or dims.heads_q, dims), "dq_add"
+        else:
+            pairs = heads or dims.heads_kv
+            cost, what = _add_bytes(tr.num_rows, pairs, dims, pairs=2), "dkv_add"
+        return (_MERGE, cost / self.mem, tr.step, what)
 
     def _post(self, op: Op, r: int) -> tuple[Any, ...]:
         """A POST of rank ``r``: its sends and its receives, ready at this end."""
@@ -438,103 +440,132 @@ class _EventEngine:
         return roofline + calls * self.hw.kernel_call_s
 
     def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
-        p = self.world_size
-        n = len(self.transfers)
-        sender_ready: list[float | None] = [None] * n
-        receiver_ready: list[float | None] = [None] * n
-        started: list[float | None] = [None] * n
-        arrival: list[float | None] = [None] * n
-        remaining = list(self.flow_bytes)
-        rate = [0.0] * n
-        last = [0.0] * n
-        version = [0] * n
-        active: list[set[int]] = [set() for _ in self.res_cap]
-        pc = [0] * p
-        waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
-        finish = [math.nan] * p
-        num_steps = self.num_steps
-        step_start: list[list[float]] = [[math.nan] * (num_steps + 1) for _ in range(p)]
-        events: list[list[Event]] = [[] for _ in range(p)]
-        heap: list[tuple[float, int, int, int, int]] = []
-        seq = 0
-        dirty: set[int] = set()
-        fresh: list[int] = []
+        """Play every rank's program: per rank its end, its step starts and its events."""
+        return _EventRun(self).run()
 
-        def push(time_s: float, kind: int, a: int, b: int = 0) -> None:
-            nonlocal seq
-            heapq.heappush(heap, (time_s, seq, kind, a, b))
-            seq += 1
 
-        def maybe_start(i: int, now: float) -> None:
-            if sender_ready[i] is None or receiver_ready[i] is None:
-                return
-            started[i] = now
-            last[i] = now
-            for res in self.flow_res[i]:
-                active[res].add(i)
-                dirty.add(res)
-            fresh.append(i)
+class _EventRun:
+    """The state of one :meth:`_EventEngine.run`: per flow when each end posted it, when it
+    started and arrived, and the bytes it has left at its rate (Note [Sharing bandwidth]);
+    per rank where it is in its program; the heap of pending events."""
 
-        def post(sends: tuple[int, ...], recvs: tuple[int, ...], now: float) -> None:
-            for i in sends:
-                sender_ready[i] = now
-                maybe_start(i, now)
-            for i in recvs:
-                receiver_ready[i] = now
-                maybe_start(i, now)
+    def __init__(self, engine: _EventEngine) -> None:
+        self.engine = engine
+        p, n = engine.world_size, len(engine.transfers)
+        self.sender_ready: list[float | None] = [None] * n
+        self.receiver_ready: list[float | None] = [None] * n
+        self.started: list[float | None] = [None] * n
+        self.arrival: list[float | None] = [None] * n
+        self.remaining = list(engine.flow_bytes)
+        self.rate = [0.0] * n
+        self.last = [0.0] * n
+        self.version = [0] * n
+        self.active: list[set[int]] = [set() for _ in engine.res_cap]
+        self.pc = [0] * p
+        self.waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
+        self.finish = [math.nan] * p
+        self.step_start = [[math.nan] * (engine.num_steps + 1) for _ in range(p)]
+        self.events: list[list[Event]] = [[] for _ in range(p)]
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.dirty: set[int] = set()
+        self.fresh: list[int] = []
 
-        def advance(r: int, now: float) -> None:
-            prog = self.programs[r]
-            while pc[r] < len(prog):
-                action = prog[pc[r]]
-                kind = action[0]
-                if kind == _STEP:
-                    step_start[r][action[1]] = now
-                elif kind == _POST:
-                    post(action[1], action[2], now)
-                elif kind in (_COMPUTE, _MERGE):
-                    duration = action[1]
-                    if duration > 0:
-                        label = action[3]
-                        ev_kind = "compute" if kind == _COMPUTE else "merge"
-                        events[r].append(Event(ev_kind, label, action[2], now, now + duration))
-                        pc[r] += 1
-                        push(now + duration, _RESUME, r)
-                        return
-                elif kind == _WAIT and arrival[action[1]] is None:
-                    waiting.setdefault(action[1], []).append(r)
+    def push(self, time_s: float, kind: int, a: int, b: int = 0) -> None:
+        heapq.heappush(self.heap, (time_s, self.seq, kind, a, b))
+        self.seq += 1
+
+    def maybe_start(self, i: int, now: float) -> None:
+        """Start flow ``i`` once both ends have posted it."""
+        if self.sender_ready[i] is None or self.receiver_ready[i] is None:
+            return
+        self.started[i] = now
+        self.last[i] = now
+        for res in self.engine.flow_res[i]:
+            self.active[res].add(i)
+            self.dirty.add(res)
+        self.fresh.append(i)
+
+    def post(self, sends: tuple[int, ...], recvs: tuple[int, ...], now: float) -> None:
+        for i in sends:
+            self.sender_ready[i] = now
+            self.maybe_start(i, now)
+        for i in recvs:
+            self.receiver_ready[i] = now
+            self.maybe_start(i, now)
+
+    def advance(self, r: int, now: float) -> None:
+        """Play rank ``r``'s program from where it stopped until it computes or waits."""
+        prog, pc = self.engine.programs[r], self.pc
+        while pc[r] < len(prog):
+            action = prog[pc[r]]
+            kind = action[0]
+            if kind == _STEP:
+                self.step_start[r][action[1]] = now
+            elif kind == _POST:
+                self.post(action[1], action[2], now)
+            elif kind in (_COMPUTE, _MERGE):
+                duration = action[1]
+                if duration > 0:
+                    label = action[3]
+                    ev_kind = "compute" if kind == _COMPUTE else "merge"
+                    self.events[r].append(Event(ev_kind, label, action[2], now, now + duration))
+                    pc[r] += 1
+                    self.push(now + duration, _RESUME, r)
                     return
-                pc[r] += 1
-            finish[r] = now
+            elif kind == _WAIT and self.arrival[action[1]] is None:
+                self.waiting.setdefault(action[1], []).append(r)
+                return
+            pc[r] += 1
+        self.finish[r] = now
 
-        def arrive(i: int, now: float) -> None:
-            arrival[i] = now
-            tr = self.transfers[i]
-            start = started[i]
-            assert start is not None
-            num = int(self.flow_bytes[i])
-            events[tr.src].append(Event("send", tr.payload.value, tr.step, start, now, tr.dst, num))
-            events[tr.dst].append(Event("recv", tr.payload.value, tr.step, start, now, tr.src, num))
-            for r in waiting.pop(i, ()):
-                pc[r] += 1
-                advance(r, now)
+    def arrive(self, i: int, now: float) -> None:
+        """Flow ``i`` has arrived: log it at both ends and wake the ranks waiting for it."""
+        self.arrival[i] = now
+        tr = self.engine.transfers[i]
+        start = self.started[i]
+        assert start is not None
+        num = int(self.engine.flow_bytes[i])
+        events = self.events
+        events[tr.src].append(Event("send", tr.payload.value, tr.step, start, now, tr.dst, num))
+        events[tr.dst].append(Event("recv", tr.payload.value, tr.step, start, now, tr.src, num))
+        for r in self.waiting.pop(i, ()):
+            self.pc[r] += 1
+            self.advance(r, now)
 
+    def reprice(self, now: float) -> None:
+        """New rates for the flows whose resources changed (Note [Sharing bandwidth])."""
+        engine, active, remaining, rate = self.engine, self.active, self.remaining, self.rate
+        touched = set(self.fresh)
+        for res in self.dirty:
+            touched.update(active[res])
+        self.dirty.clear()
+        self.fresh.clear()
+        for i in sorted(touched):  # all still moving bytes: finished flows left `active`
+            remaining[i] -= rate[i] * (now - self.last[i])
+            self.last[i] = now
+            rate[i] = min(engine.res_cap[res] / len(active[res]) for res in engine.flow_res[i])
+            self.version[i] += 1
+            self.push(now + max(remaining[i], 0.0) / rate[i], _FLOW_DONE, i, self.version[i])
+
+    def flow_done(self, i: int, now: float) -> None:
+        """Flow ``i`` has sent its last byte: it leaves its resources, arrives after latency."""
+        self.remaining[i] = 0.0
+        for res in self.engine.flow_res[i]:
+            self.active[res].discard(i)
+            self.dirty.add(res)
+        if self.engine.flow_lat[i] > 0:
+            self.push(now + self.engine.flow_lat[i], _ARRIVE, i)
+        else:
+            self.arrive(i, now)
+
+    def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
+        p, heap = self.engine.world_size, self.heap
         for r in range(p):
-            advance(r, 0.0)
+            self.advance(r, 0.0)
         now = 0.0
         while True:
-            # Rates of flows whose resources changed (Note [Sharing bandwidth]).
-            touched = set(fresh)
-            for res in dirty:
-                touched.update(active[res])
-            dirty.clear()
-            fresh.clear()
-            for i in sorted(touched):  # all still moving bytes: finished flows left `active`
-                remaining[i] -= rate[i] * (now - last[i])
-                last[i] = now
-                rate[i] = min(self.res_cap[res] / len(active[res]) for res in self.flow_res[i])
-                version[i] += 1
-                push(now + max(remaining[i], 0.0) / rate[i], _FLOW_DONE, i, version[i])
+            self.reprice(now)
             if not heap:
                 break
             now = heap[0][0]
@@ -542,23 +573,15 @@ class _EventEngine:
             while heap and heap[0][0] <= horizon:
                 _, _, kind, a, b = heapq.heappop(heap)
                 if kind == _RESUME:
-                    advance(a, now)
+                    self.advance(a, now)
                 elif kind == _FLOW_DONE:
-                    if b != version[a]:
-                        continue
-                    remaining[a] = 0.0
-                    for res in self.flow_res[a]:
-                        active[res].discard(a)
-                        dirty.add(res)
-                    if self.flow_lat[a] > 0:
-                        push(now + self.flow_lat[a], _ARRIVE, a)
-                    else:
-                        arrive(a, now)
+                    if b == self.version[a]:
+                        self.flow_done(a, now)
                 else:
-                    arrive(a, now)
-        stuck = [r for r in range(p) if math.isnan(finish[r])]
+                    self.arrive(a, now)
+        stuck = [r for r in range(p) if math.isnan(self.finish[r])]
         assert not stuck, f"simulation deadlocked on ranks {stuck}"
-        return finish, step_start, events
+        return self.finish, self.step_start, self.events
 
 
 def _simulate_event(
@@ -657,45 +680,70 @@ class _Network:
         Returns:
             ``(W, P, G)`` seconds per flow, ``(W, 7, P)`` seconds of work per family.
         """
-        f64 = torch.float64
         w_count, p, _ = x.shape
         src = torch.arange(p).view(1, p, 1).expand_as(dst)
         win = torch.arange(w_count).view(w_count, 1, 1).expand_as(dst)
         active = x > 0
         xa = torch.where(active, x, 0.0)
-        n = active.to(f64)
         inter = torch.zeros_like(active)
-        lat = torch.full(x.shape, self.lat, dtype=f64)
+        lat = torch.full(x.shape, self.lat, dtype=torch.float64)
         if self.dpn is not None and self.inter is not None:
             inter = (src // self.dpn) != (dst // self.dpn)
             lat = torch.where(inter, self.inter.latency_s, lat)
-        worst = torch.zeros(x.shape, dtype=f64)
         # (W, P) seconds of work per resource family: link to r-1, port out, port in, NIC out,
         # NIC in, ring hop up, ring hop down (the families used in more than one window).
-        work = torch.zeros(w_count, 7, p, dtype=f64)
+        work = torch.zeros(w_count, 7, p, dtype=torch.float64)
+        worst = self._price_pairs(src, dst, xa, work, count)
+        worst = torch.maximum(worst, self._price_ports(win, dst, xa, inter, work, count))
+        hops = torch.ones(x.shape, dtype=torch.long)
+        if self.ring:
+            on_hops, hops = self._price_hops(win, src, dst, xa, inter, work, count)
+            worst = torch.maximum(worst, on_hops)
+        return torch.where(active, worst + lat * hops, 0.0), work
 
-        # The pair's own link/path: flows of one window with the same (src, dst) share it.
-        if not self.ring or self.inter is not None:
-            pair_cap = torch.full(x.shape, math.inf if self.ring else self.link, dtype=f64)
-            if self.inter is not None:
-                pair_cap = torch.where(inter, self.inter.link_bandwidth_bytes_per_s, pair_cap)
-            pair_load = torch.zeros(x.shape, dtype=f64)
-            pair_n = torch.zeros(x.shape, dtype=f64)
-            for g in range(x.shape[2]):  # G is a handful of slots
-                same = dst == dst[:, :, g : g + 1]
-                pair_load += torch.where(same, xa[:, :, g : g + 1], 0.0)
-                pair_n += torch.where(same, n[:, :, g : g + 1], 0.0)
-            worst = torch.maximum(worst, torch.minimum(pair_load, pair_n * xa) / pair_cap)
-            # the link to r-1 is the only pair used in more than one window
-            down = dst == (src - 1) % p
-            work[:, 0] = torch.where(down, xa / pair_cap, 0.0).sum(-1)
-            if count:
-                self.down_totals.index_add_(0, src[down], xa[down])
-                self._count_other_pairs(
-                    src[~down & active], dst[~down & active], xa[~down & active]
-                )
+    def _price_pairs(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        xa: torch.Tensor,
+        work: torch.Tensor,
+        count: bool,
+    ) -> torch.Tensor:
+        """The pair's own link/path: flows of one window with the same (src, dst) share it.
+        Per flow its seconds there; fills family 0 of ``work``."""
+        if self.ring and self.inter is None:
+            return torch.zeros(xa.shape, dtype=torch.float64)
+        active = xa > 0
+        n = active.to(torch.float64)
+        pair_cap = self._pair_cap(src, dst)
+        pair_load = torch.zeros(xa.shape, dtype=torch.float64)
+        pair_n = torch.zeros(xa.shape, dtype=torch.float64)
+        for g in range(xa.shape[2]):  # G is a handful of slots
+            same = dst == dst[:, :, g : g + 1]
+            pair_load += torch.where(same, xa[:, :, g : g + 1], 0.0)
+            pair_n += torch.where(same, n[:, :, g : g + 1], 0.0)
+        # the link to r-1 is the only pair used in more than one window
+        down = dst == (src - 1) % self.p
+        work[:, 0] = torch.where(down, xa / pair_cap, 0.0).sum(-1)
+        if count:
+            self.down_totals.index_add_(0, src[down], xa[down])
+            self._count_other_pairs(src[~down & active], dst[~down & active], xa[~down & active])
+        return torch.minimum(pair_load, pair_n * xa) / pair_cap
 
-        # Ports (intra) and NICs (inter): what src sends and dst receives.
+    def _price_ports(
+        self,
+        win: torch.Tensor,
+        dst: torch.Tensor,
+        xa: torch.Tensor,
+        inter: torch.Tensor,
+        work: torch.Tensor,
+        count: bool,
+    ) -> torch.Tensor:
+        """Ports (intra) and NICs (inter): what src sends and dst receives. Per flow its
+        seconds there; fills families 1 to 4 of ``work``."""
+        w_count, p, _ = xa.shape
+        n = (xa > 0).to(torch.float64)
+        worst = torch.zeros(xa.shape, dtype=torch.float64)
         kinds: list[tuple[torch.Tensor, float, torch.Tensor, int]] = []
         if self.port is not None:
             kinds.append((~inter, self.port, self.port_totals, 1))
@@ -704,8 +752,9 @@ class _Network:
         for mask, cap, totals, family in kinds:
             xm, nm = xa * mask, n * mask
             out_load, out_n = xm.sum(-1), nm.sum(-1)  # (W, P) by src
-            in_load = torch.zeros(w_count, p, dtype=f64).index_put_((win, dst), xm, accumulate=True)
-            in_n = torch.zeros(w_count, p, dtype=f64).index_put_((win, dst), nm, accumulate=True)
+            zeros = torch.zeros(w_count, p, dtype=torch.float64)
+            in_load = zeros.index_put((win, dst), xm, accumulate=True)
+            in_n = zeros.index_put((win, dst), nm, accumulate=True)
             out_share = torch.minimum(out_load.unsqueeze(-1), out_n.unsqueeze(-1) * xa) / cap
             in_share = torch.minimum(in_load[win, dst], in_n[win, dst] * xa) / cap
             worst = torch.maximum(worst, torch.where(mask, torch.maximum(out_share, in_share), 0.0))
@@ -713,30 +762,40 @@ class _Network:
             if count:
                 totals[0] += out_load.sum(0)
                 totals[1] += in_load.sum(0)
+        return worst
 
-        hops = torch.ones(x.shape, dtype=torch.long)
-        if self.ring:
-            forward = (dst - src) % p
-            up = forward <= p - forward
-            hops = torch.where(up, forward, p - forward)
-            first = torch.where(up, src, (src - hops + 1) % p)  # origin of the first hop
-            for direction, mask in ((0, up), (1, ~up)):
-                sel = mask & active & (hops > 0) & ~inter
-                if not bool(sel.any()):
-                    continue
-                wi, st, h, xs = win[sel], first[sel], hops[sel], xa[sel]
-                load = _range_add(w_count, p, wi, st, h, xs)  # (W, P) per hop origin
-                flows = _range_add(w_count, p, wi, st, h, torch.ones_like(xs))
-                work[:, 5 + direction] = load / self.link
-                if count:
-                    self.hop_totals[direction] += load.sum(0)
-                max_load = _range_max(torch.cat([load, load], 1), wi, st, h)
-                max_flows = _range_max(torch.cat([flows, flows], 1), wi, st, h)
-                worst[sel] = torch.maximum(
-                    worst[sel], torch.minimum(max_load, max_flows * xs) / self.link
-                )
-            hops = hops.clamp(min=1)
-        return torch.where(active, worst + lat * hops, 0.0), work
+    def _price_hops(
+        self,
+        win: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        xa: torch.Tensor,
+        inter: torch.Tensor,
+        work: torch.Tensor,
+        count: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A physical ring's hops, each way round: per flow its seconds on its busiest hop
+        and its number of hops (at least 1); fills families 5 and 6 of ``work``."""
+        w_count, p, _ = xa.shape
+        worst = torch.zeros(xa.shape, dtype=torch.float64)
+        forward = (dst - src) % p
+        up = forward <= p - forward
+        hops = torch.where(up, forward, p - forward)
+        first = torch.where(up, src, (src - hops + 1) % p)  # origin of the first hop
+        for direction, mask in ((0, up), (1, ~up)):
+            sel = mask & (xa > 0) & (hops > 0) & ~inter
+            if not bool(sel.any()):
+                continue
+            wi, st, h, xs = win[sel], first[sel], hops[sel], xa[sel]
+            load = _range_add(w_count, p, wi, st, h, xs)  # (W, P) per hop origin
+            flows = _range_add(w_count, p, wi, st, h, torch.ones_like(xs))
+            work[:, 5 + direction] = load / self.link
+            if count:
+                self.hop_totals[direction] += load.sum(0)
+            max_load = _range_max(torch.cat([load, load], 1), wi, st, h)
+            max_flows = _range_max(torch.cat([flows, flows], 1), wi, st, h)
+            worst[sel] = torch.minimum(max_load, max_flows * xs) / self.link
+        return worst, hops.clamp(min=1)
 
     def _count_other_pairs(self, src: torch.Tensor, dst: torch.Tensor, xa: torch.Tensor) -> None:
         """Fold the flows of pairs other than (r, r - 1) into the busiest such pair."""
@@ -1056,6 +1115,17 @@ def _step_durations(
     return {"travel": dur[j, :, 0], "returns": late, "dkv": tail[:, 1]}
 
 
+def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) -> float:
+    """The merge or add of what arrives last (the exposed tail; the last chunk's columns
+    ``col`` start at step ``c0``)."""
+    last = _last_segment(col, plan.world_size - 1 - c0)
+    exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
+    last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
+    if plan.return_payload is Payload.DKV and plan.world_size > 1:
+        last_merge += replay.dkv_add
+    return last_merge
+
+
 def _simulate_vectorised(
     plan: RingPlan,
     layout: Layout,
@@ -1096,14 +1166,9 @@ def _simulate_vectorised(
             net.add_windows(work, torch.tensor(starts, dtype=torch.float64))
     # Exposed tail: the last return slice (TokenRing), the accumulator home (Ring backward).
     net.add_windows(tail_work, replay.now.min().view(1))
-    last = _last_segment(col, p - 1 - c0)
-    exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
-    last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
-    if plan.return_payload is Payload.DKV and p > 1:
-        last_merge += replay.dkv_add
     # Flows that outlast their window pile up on a resource: the call cannot end before the
     # busiest one drains (plus the merge of what arrives last).
-    call_s = max(float(replay.end().max()), net.drain() + last_merge)
+    call_s = max(float(replay.end().max()), net.drain() + _last_merge_s(plan, col, replay, c0))
     busiest_name, busiest_bytes, busiest_s = net.busiest()
     return PassResult(
         strategy=plan.strategy,
@@ -1212,16 +1277,7 @@ def simulate_pass(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     validate_seq_local(seq_local, layout)
-    if mode not in ("auto", "event", "vectorised"):
-        raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
-    if mode == "auto":
-        mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
-    if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
-        raise NotImplementedError(
-            f"the vectorised engine replays the columns of "
-            f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
-            f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
-        )
+    mode = _engine(mode, strategy, world_size)
     flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
     call: dict[str, Any] = dict(
         layout=layout,
@@ -1247,6 +1303,21 @@ def simulate_pass(
             )
     plan = ring_plan(strategy, pass_, **call)
     return _simulate_vectorised(plan, layout, causal, shape, hardware, flops_per_s)
+
+
+def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
+    """The engine ``mode`` asks for: ``event`` or ``vectorised`` (``auto`` by world size)."""
+    if mode not in ("auto", "event", "vectorised"):
+        raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
+    if mode == "auto":
+        mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
+    if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
+        raise NotImplementedError(
+            f"the vectorised engine replays the columns of "
+            f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
+            f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
+        )
+    return mode
 
 
 def strategy_schedule(
@@ -1285,43 +1356,22 @@ def strategy_schedule(
             f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
             f"seq_len={seq_len}"
         )
-    if seq_len is not None and strategy.is_ring:
+    common: dict[str, Any] = dict(
+        layout=layout, causal=causal, world_size=world_size, heads_q=heads_q, heads_kv=heads_kv
+    )
+    if strategy.is_ring:
         return build_schedule(
             strategy,
             pass_,
-            layout=layout,
-            causal=causal,
-            world_size=world_size,
+            seq_local=seq_local,
             seq_len=seq_len,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
             last_block_splits=last_block_splits,
             lend_last_pair=lend_last_pair,
+            **common,
         )
     if seq_len is not None:
-        if strategy is Strategy.HYBRID:
-            # The outer ring runs on the outer shards of S (padded to one size), each rank
-            # holding about 1/P_in of one: s rounded up to what the outer layout splits.
-            inner = hybrid.inner if hybrid is not None else 1
-            outer = make_sharding(
-                layout=layout, world_size=max(1, world_size // inner), seq_len=seq_len
-            )
-            seq_local = -(-outer.seq_local // inner)
-            if Layout.parse(layout) is Layout.ZIGZAG and inner * seq_local % 2:
-                seq_local += 1
-        else:
-            seq_local = make_sharding(
-                layout=layout, world_size=world_size, seq_len=seq_len
-            ).seq_local
+        seq_local = _padded_seq_local(strategy, layout, world_size, seq_len, hybrid)
     assert seq_local is not None
-    common: dict[str, Any] = dict(
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-    )
     if strategy is Strategy.HYBRID:
         if hybrid is None:
             raise ValueError(
@@ -1329,17 +1379,29 @@ def strategy_schedule(
                 "(a tokenring.strategies.hybrid.HybridSpec); got None"
             )
         return build_hybrid_schedule(
-            pass_, spec=hybrid, last_block_splits=last_block_splits, **common
+            pass_, spec=hybrid, last_block_splits=last_block_splits, seq_local=seq_local, **common
         )
-    if strategy.is_collective:
-        return build_collective_schedule(strategy.value, pass_, **common)
-    return build_schedule(
-        strategy,
-        pass_,
-        last_block_splits=last_block_splits,
-        lend_last_pair=lend_last_pair,
-        **common,
-    )
+    return build_collective_schedule(strategy.value, pass_, seq_local=seq_local, **common)
+
+
+def _padded_seq_local(
+    strategy: Strategy,
+    layout: Layout | str,
+    world_size: int,
+    seq_len: int,
+    hybrid: HybridSpec | None,
+) -> int:
+    """s of the padded buffer a collective or the hybrid runs S on (see strategy_schedule)."""
+    if strategy is not Strategy.HYBRID:
+        return make_sharding(layout=layout, world_size=world_size, seq_len=seq_len).seq_local
+    # The outer ring runs on the outer shards of S (padded to one size), each rank holding
+    # about 1/P_in of one: s rounded up to what the outer layout splits.
+    inner = hybrid.inner if hybrid is not None else 1
+    outer = make_sharding(layout=layout, world_size=max(1, world_size // inner), seq_len=seq_len)
+    seq_local = -(-outer.seq_local // inner)
+    if Layout.parse(layout) is Layout.ZIGZAG and inner * seq_local % 2:
+        seq_local += 1
+    return seq_local
 
 
 _PASSES = {
@@ -1368,28 +1430,13 @@ def simulate(
 
     See :func:`simulate_pass` for the other arguments and errors.
     """
+    options = {name: value for name, value in locals().items() if name != "passes"}
     if passes not in _PASSES:
         raise ValueError(f"passes must be one of {sorted(_PASSES)}; got {passes!r}")
-    strategy = Strategy.parse(strategy)
+    options["strategy"] = Strategy.parse(strategy)
     return CallResult(
-        strategy=strategy,
-        passes=tuple(
-            simulate_pass(
-                strategy,
-                pass_,
-                layout=layout,
-                causal=causal,
-                world_size=world_size,
-                seq_local=seq_local,
-                shape=shape,
-                hardware=hardware,
-                last_block_splits=last_block_splits,
-                mode=mode,
-                hybrid=hybrid,
-                lend_last_pair=lend_last_pair,
-            )
-            for pass_ in _PASSES[passes]
-        ),
+        strategy=options["strategy"],
+        passes=tuple(simulate_pass(pass_=pass_, **options) for pass_ in _PASSES[passes]),
     )
 
 

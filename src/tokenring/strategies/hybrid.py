@@ -290,32 +290,7 @@ def build_hybrid_schedule(
         heads_kv=nkv,
         heads_q=nq,
     )
-    assert outer.sharding is not None
-    rows = [
-        hi - lo for o in range(p_out) for lo, hi in inner_slices(outer.sharding.local_len(o), p_in)
-    ]  # rows[g]
-    n = outer.num_steps
-    steps: list[tuple[StepPlan, ...]] = []
-    transfers: list[Transfer] = []
-    for g in range(world_size):
-        lifted = [
-            _lifted_step(plan, g, p_in=p_in, nq=nq, nkv=nkv) for plan in outer.steps[g // p_in]
-        ]
-        steps.append((StepPlan(g, 0, g, (g,), ()), *lifted, StepPlan(g, n + 1, g, (g,), ())))
-        transfers += _all_to_all_transfers(
-            g,
-            forward=pass_ is Pass.FORWARD,
-            p_in=p_in,
-            rows=rows,
-            last_step=n + 1,
-            nq=nq,
-            nkv=nkv,
-        )
-    transfers += [
-        _lifted_transfer(tr, i, p_in=p_in, nq=nq, nkv=nkv)
-        for tr in outer.transfers
-        for i in range(p_in)
-    ]
+    steps, transfers = _lifted(outer, pass_, world_size=world_size, p_in=p_in, nq=nq, nkv=nkv)
     return HybridSchedule(
         strategy=Strategy.HYBRID,
         pass_=pass_,
@@ -330,3 +305,31 @@ def build_hybrid_schedule(
         outer_strategy=spec.outer_strategy,
         outer=outer,
     )
+
+
+def _lifted(
+    outer: Schedule, pass_: Pass, *, world_size: int, p_in: int, nq: int, nkv: int
+) -> tuple[list[tuple[StepPlan, ...]], list[Transfer]]:
+    """The outer schedule lifted onto the P ranks (Note [Hybrid schedule]): each rank's
+    steps between its two all-to-all steps, and every transfer."""
+    assert outer.sharding is not None
+    lengths = (outer.sharding.local_len(o) for o in range(outer.world_size))
+    rows = [hi - lo for length in lengths for lo, hi in inner_slices(length, p_in)]  # rows[g]
+    n = outer.num_steps
+    steps: list[tuple[StepPlan, ...]] = []
+    transfers: list[Transfer] = []
+    for g in range(world_size):
+        lifted = [
+            _lifted_step(plan, g, p_in=p_in, nq=nq, nkv=nkv) for plan in outer.steps[g // p_in]
+        ]
+        steps.append((StepPlan(g, 0, g, (g,), ()), *lifted, StepPlan(g, n + 1, g, (g,), ())))
+        forward = pass_ is Pass.FORWARD
+        transfers += _all_to_all_transfers(
+            g, forward=forward, p_in=p_in, rows=rows, last_step=n + 1, nq=nq, nkv=nkv
+        )
+    transfers += [
+        _lifted_transfer(tr, i, p_in=p_in, nq=nq, nkv=nkv)
+        for tr in outer.transfers
+        for i in range(p_in)
+    ]
+    return steps, transfers

@@ -283,27 +283,8 @@ def build_schedule(
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     if strategy.is_collective:
-        if heads_q is None or heads_kv is None:
-            raise ValueError(
-                f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
-                f"{heads_q}, {heads_kv}"
-            )
-        if sharding.padded or not mask.plain:
-            raise NotImplementedError(
-                f"strategy {strategy.value!r} supports neither documents, windows nor padded "
-                "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
-            )
-        return build_collective_schedule(
-            strategy.value,
-            pass_,
-            layout=layout,
-            causal=causal,
-            world_size=world_size,
-            seq_local=sharding.seq_local,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-        )
-    p, s = world_size, sharding.seq_local
+        return _collective_schedule(strategy, pass_, causal, sharding, mask, heads_q, heads_kv)
+    s = sharding.seq_local
     if strategy is Strategy.BIDIR_TOKEN_RING:
         lanes = _query_lanes(heads_q, heads_kv)
     else:
@@ -313,7 +294,7 @@ def build_schedule(
     if strategy is Strategy.TOKEN_RING and lend_last_pair:
         lent = _lent_pairs(pass_, sharding, mask, transfers, heads_q, heads_kv)
         if lent:
-            _lend(steps, lent, _borrow_step(pass_, p))
+            _lend(steps, lent, _borrow_step(pass_, world_size))
             transfers = _travel_transfers(strategy, pass_, lanes, steps)
     if strategy.passes_q:
         transfers += _return_transfers(pass_, lanes, steps)
@@ -325,13 +306,46 @@ def build_schedule(
         pass_=pass_,
         layout=layout,
         causal=causal,
-        world_size=p,
+        world_size=world_size,
         seq_local=s,
         lanes=lanes,
         steps=tuple(tuple(row) for row in steps),
         transfers=tuple(transfers),
         sharding=sharding,
         mask=mask,
+    )
+
+
+def _collective_schedule(
+    strategy: Strategy,
+    pass_: Pass,
+    causal: bool,
+    sharding: Sharding,
+    mask: MaskSpec,
+    heads_q: int | None,
+    heads_kv: int | None,
+) -> Schedule:
+    """``build_schedule`` of a collective strategy: checks what it supports, then
+    ``tokenring.strategies.collective`` builds it."""
+    if heads_q is None or heads_kv is None:
+        raise ValueError(
+            f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
+            f"{heads_q}, {heads_kv}"
+        )
+    if sharding.padded or not mask.plain:
+        raise NotImplementedError(
+            f"strategy {strategy.value!r} supports neither documents, windows nor padded "
+            "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
+        )
+    return build_collective_schedule(
+        strategy.value,
+        pass_,
+        layout=sharding.layout,
+        causal=causal,
+        world_size=sharding.world_size,
+        seq_local=sharding.seq_local,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
     )
 
 
