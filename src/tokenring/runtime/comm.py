@@ -646,16 +646,13 @@ class Communicator:
             group = self._groups[channel]
             recv_list = [self._recv(tr, f, device) for tr, f in recvs if _channel(tr) == channel]
             pending.update((rec.transfer, rec) for rec in recv_list)
-            ops = [
-                dist.P2POp(dist.irecv, rec._wire, group=group, group_peer=rec.transfer.src)
-                for rec in recv_list
-            ]
+            ops = [(False, rec._wire, rec.transfer.src) for rec in recv_list]
             send_transfers = [tr for tr, _ in sends if _channel(tr) == channel]
-            ops += [self._send(tr, x, group) for tr, x in sends if _channel(tr) == channel]
+            ops += [(True, *self._send(tr, x)) for tr, x in sends if _channel(tr) == channel]
             if not ops:
                 continue
             try:
-                works = dist.batch_isend_irecv(ops)
+                works = self._post(ops, group)
             except Exception as exc:
                 self._broken = "posting transfers failed"
                 peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
@@ -687,12 +684,29 @@ class Communicator:
         self.counter.add(sent=False, flow=tr.payload.flow, peer=tr.src, num_bytes=num_bytes)
         return rec
 
+    def _post(
+        self, ops: Sequence[tuple[bool, torch.Tensor, int]], group: dist.ProcessGroup
+    ) -> list[Any]:
+        """Post ``(is_send, tensor, group peer)`` in order on ``group``; their works. gloo
+        posts each operation as it comes (``batch_isend_irecv`` does the same for it, with
+        about 10 us more Python per operation); NCCL needs the batch, coalesced."""
+        if self.backend == "gloo":
+            return [
+                group.send([t], peer, 0) if is_send else group.recv([t], peer, 0)
+                for is_send, t, peer in ops
+            ]
+        p2p = [
+            dist.P2POp(dist.isend if is_send else dist.irecv, t, group=group, group_peer=peer)
+            for is_send, t, peer in ops
+        ]
+        return dist.batch_isend_irecv(p2p)
+
     def _send(
-        self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message, group: dist.ProcessGroup
-    ) -> dist.P2POp:
-        """The send of ``tr``'s message to post on ``group``, counted."""
+        self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message
+    ) -> tuple[torch.Tensor, int]:
+        """The wire buffer of ``tr``'s message and its group peer, counted."""
         buffer = _pack(tr, tensors)
-        op = dist.P2POp(dist.isend, self.to_wire(buffer), group=group, group_peer=tr.dst)
+        op = (self.to_wire(buffer), tr.dst)
         num_bytes = buffer.numel() - HEADER_NUM_BYTES
         self.counter.add(sent=True, flow=tr.payload.flow, peer=tr.dst, num_bytes=num_bytes)
         if self.timeline is not None:
