@@ -14,6 +14,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,17 +93,21 @@ CACHE_CASES = ["step", "attn", "strategy"]
 def _raising_cases(out_dir: str) -> None:
     _cases(RAISING_CASES, out_dir)
     _cache_cases(CACHE_CASES, str(Path(out_dir, "cache")))
+    _repeated_calls(str(Path(out_dir, "repeated")))
 
 
 @pytest.fixture(scope="module")
-def raising_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict]]:
-    """The cases that end in a ValueError on every rank share one launch: the attention
-    calls', then the cached path's (under "cache/")."""
+def raising_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, Any]]:
+    """The cases that end in a ValueError on every rank (and leave the ranks running) share
+    one launch: the attention calls', then the cached path's (under "cache/"), then the
+    repeated calls of :func:`_repeated_calls` (under "repeated")."""
     out_dir = tmp_path_factory.mktemp("raising")
     Path(out_dir, "cache").mkdir()
+    Path(out_dir, "repeated").mkdir()
     tokenring.launch(_raising_cases, str(out_dir), world_size=4, timeout_s=120, pg_timeout_s=60)
-    found = {case: _results(out_dir / case) for case in RAISING_CASES}
+    found: dict[str, dict[int, Any]] = {case: _results(out_dir / case) for case in RAISING_CASES}
     found |= {f"cache/{case}": _results(out_dir / "cache" / case) for case in CACHE_CASES}
+    found["repeated"] = _results(out_dir / "repeated")
     return found
 
 
@@ -375,15 +380,14 @@ def _repeated_calls(out_dir: str) -> None:
 
 
 def test_repeated_calls_agree_by_digest_and_still_name_a_differing_option(
-    tmp_path: Path,
+    raising_cases: dict,
 ) -> None:
     """Note [Agreement by digest] in tokenring.runtime.comm: a call whose ranks agree exchanges only
     the digest frames; an option that differs on one rank (one that would give a wrong
     number unchecked) still fails on every rank naming it, and the next call runs."""
     from tokenring.runtime.comm import AGREE_FRAME_NUM_BYTES, DIGEST_FRAME_NUM_BYTES
 
-    tokenring.launch(_repeated_calls, str(tmp_path), world_size=4, timeout_s=90, pg_timeout_s=60)
-    results = _results(tmp_path)
+    results = raising_cases["repeated"]  # on a communicator of its own, after those cases
     assert sorted(results) == [0, 1, 2, 3]
     for calls in results.values():
         for index in (0, 1, 3):

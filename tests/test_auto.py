@@ -70,16 +70,28 @@ def _latency_bound() -> Any:
     )
 
 
-def auto_cases(hardware: dict[str, Any]) -> dict[str, tuple[str, float]]:
-    return {name: auto_on_ranks(hw) for name, hw in hardware.items()}
+def auto_cases(hardware: dict[str, Any], last_pair_hardware: dict[str, Any]) -> dict[str, Any]:
+    """strategy="auto" on each description, then TokenRing's last_pair="auto" on each of
+    ``last_pair_hardware`` (:func:`last_pair_on_ranks`, under "last_pair")."""
+    found: dict[str, Any] = {name: auto_on_ranks(hw) for name, hw in hardware.items()}
+    found["last_pair"] = last_pair_on_ranks(last_pair_hardware)
+    return found
+
+
+def _last_pair_hardware() -> dict[str, Any]:
+    return {"link-bound": _described(), "compute-bound": _compute_bound()}
 
 
 @functools.cache
-def _per_rank() -> tuple[dict[str, tuple[str, float]], ...]:
+def _per_rank() -> tuple[dict[str, Any], ...]:
     """A description, this machine measured (hardware None: planner.calibrate on the ranks),
-    and a latency-bound description: all three on the same 3 ranks, one launch."""
+    and a latency-bound description: all three on the same 3 ranks, one launch, which also
+    runs test_last_pair_auto_lends_where_links_set_the_pace's calls."""
     hardware = {"described": _described(), "measured": None, "latency_bound": _latency_bound()}
-    return tuple(tokenring.launch(auto_cases, hardware, world_size=3, timeout_s=300))
+    launched = tokenring.launch(
+        auto_cases, hardware, _last_pair_hardware(), world_size=3, timeout_s=300
+    )
+    return tuple(launched)
 
 
 def test_auto_picks_the_same_strategy_on_every_rank_and_is_exact() -> None:
@@ -248,8 +260,8 @@ def test_last_pair_auto_lends_where_links_set_the_pace() -> None:
     predictions); the ranks run exactly that schedule, forward and backward (their bytes per
     link are ``expected_bytes`` with or without the lent pairs, which differ here), and the
     answer is exact either way."""
-    hardware = {"link-bound": _described(), "compute-bound": _compute_bound()}
-    per_rank = tokenring.launch(last_pair_on_ranks, hardware, world_size=3, timeout_s=300)
+    hardware = _last_pair_hardware()
+    per_rank = [found["last_pair"] for found in _per_rank()]  # 3 ranks, with the auto cases
     shape = AttentionShape(heads_q=4, heads_kv=4, head_dim=8, dtype="float64")
     sim = {k: v for k, v in LAST_PAIR_CALL.items() if k not in ("heads_q", "heads_kv", "head_dim")}
     for backward in (False, True):

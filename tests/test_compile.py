@@ -93,6 +93,10 @@ def compiled_grid() -> list[str]:
     # Compile in the rank itself: a pool of compile workers per rank costs more (each imports
     # torch) than it saves on these small graphs.
     inductor_config.compile_threads = 1
+    # Trust the vector ISAs the CPU reports instead of dry-compiling and dlopen-ing a probe
+    # program per ISA (about ten g++ runs, most of this test's time in a fresh cache dir).
+    # An ISA the compiler could not build for would fail the kernels' own build, loudly.
+    inductor_config.cpp.vec_isa_ok = True
     world = dist.get_world_size()
     groups = {
         "ring": dist.new_group(list(range(world))),  # known to the operator via the module

@@ -11,9 +11,11 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -148,10 +150,10 @@ def test_ring_next_hop(world_size: int, src: int, dst: int, hop: int) -> None:
 
 _FLOW_SCRIPT = textwrap.dedent(
     """
-    import json, socket, sys, time
-    mode, host, port, warmup, num_bytes, start_at, deadline = sys.argv[1:8]
-    port, warmup, num_bytes = int(port), int(warmup), int(num_bytes)
-    start_at, deadline = float(start_at), float(deadline)
+    import json, os, socket, sys, time
+    mode, host, port, warmup, num_bytes, ready_dir, senders, deadline = sys.argv[1:9]
+    port, warmup, num_bytes, senders = int(port), int(warmup), int(num_bytes), int(senders)
+    deadline = float(deadline)
     buf = memoryview(bytearray(1 << 20))
     if mode == "recv":
         srv = socket.socket()
@@ -181,7 +183,12 @@ _FLOW_SCRIPT = textwrap.dedent(
                     raise
                 time.sleep(0.02)
         sock.settimeout(deadline - time.time())
-        time.sleep(max(0.0, start_at - time.time()))
+        # Start together: once every sender is connected (each leaves a file in ready_dir).
+        open(os.path.join(ready_dir, str(port)), "w").close()
+        while len(os.listdir(ready_dir)) < senders:
+            if time.time() > deadline:
+                raise TimeoutError("the other senders did not connect")
+            time.sleep(0.002)
         left = warmup + num_bytes
         while left:
             n = min(left, len(buf))
@@ -201,13 +208,13 @@ def _run_flows(lab: Lab, flows: list[tuple[int, int]], num_bytes: int) -> list[d
         Per flow, as seen by the receiver: ``bytes`` received after the warm-up, the wall time
         ``t0`` when the warm-up was complete and ``t1`` when the last byte arrived.
     """
-    launched = time.time()
-    start_at, deadline = launched + 1.5, launched + DEADLINE_S
+    deadline = time.time() + DEADLINE_S
+    ready_dir = tempfile.mkdtemp(prefix="tokenring-flows-")  # the senders' start line
     procs: list[subprocess.Popen[str]] = []
 
     def spawn(rank: int, mode: str, host: str, port: int) -> subprocess.Popen[str]:
         argv = [sys.executable, "-c", _FLOW_SCRIPT, mode, host, str(port)]
-        argv += [str(WARMUP_BYTES), str(num_bytes), repr(start_at), repr(deadline)]
+        argv += [str(WARMUP_BYTES), str(num_bytes), ready_dir, str(len(flows)), repr(deadline)]
         proc = subprocess.Popen(
             lab.wrap_command(rank, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -232,6 +239,7 @@ def _run_flows(lab: Lab, flows: list[tuple[int, int]], num_bytes: int) -> list[d
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+        shutil.rmtree(ready_dir, ignore_errors=True)
     for result in results:
         assert result["total"] == WARMUP_BYTES + num_bytes
     return results
