@@ -367,6 +367,10 @@ def _forked_worker(
     if os.getppid() != parent or not _alive(launcher_pid):
         os._exit(1)  # the zygote or the launcher died before PR_SET_PDEATHSIG took effect
     os.setsid()  # its own session, as start_new_session gives a fresh interpreter
+    # What the zygote imported is never garbage here, and holds no process group (it ran
+    # before any existed): out of every collection and of clear_group_defaults' scan, which
+    # cut a 4-rank launch's teardown from 0.9 to 0.3 s (Note [Rank start]).
+    gc.freeze()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
