@@ -46,7 +46,6 @@ import tokenring.runtime.comm  # noqa: E402
 import tokenring.runtime.kernels  # noqa: E402
 import tokenring.runtime.ring  # noqa: E402
 from tokenring import launch  # noqa: E402
-from tokenring.core.layout import shard  # noqa: E402
 
 KERNEL = "fused kernel"
 THREAD_S: collections.defaultdict[str, float] = collections.defaultdict(float)
@@ -102,8 +101,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     scale = args.head_dim**-0.5
     out: dict[str, Any] = {}
     for dtype_name in args.dtypes:
-        q, k, v, dout = peers.global_inputs(args, peers.DTYPES[dtype_name])
-        local = [shard(x, rank=rank, world_size=world, layout="zigzag") for x in (q, k, v, dout)]
+        local = peers.local_inputs(args, dtype_name, rank, world)
         for pass_ in args.passes:
             backward = pass_ == "fwd+bwd"
             rows: dict[str, list[dict[str, float]]] = {n: [] for n in names}

@@ -69,6 +69,12 @@ def global_inputs(args: argparse.Namespace, dtype: torch.dtype) -> list[torch.Te
     return [torch.randn(*shape, generator=gen).to(dtype) for _ in range(4)]
 
 
+def local_inputs(args: argparse.Namespace, dtype_name: str, rank: int, world: int) -> list[Any]:
+    """This rank's zigzag shards of :func:`global_inputs` (q, k, v, dout ``(B, s, H, D)``)."""
+    xs = global_inputs(args, DTYPES[dtype_name])
+    return [shard(x, rank=rank, world_size=world, layout="zigzag") for x in xs]
+
+
 def _call(name: str, peer: Any, inputs: list[torch.Tensor], scale: float) -> torch.Tensor:
     q, k, v = inputs
     if name == PEER:

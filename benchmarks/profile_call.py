@@ -85,8 +85,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     comm = get_communicator()
     report: dict[str, Any] = {}
     for dtype_name in args.dtypes:
-        q, k, v, dout = peers.global_inputs(args, peers.DTYPES[dtype_name])
-        local = [shard(x, rank=rank, world_size=world, layout="zigzag") for x in (q, k, v, dout)]
+        local = peers.local_inputs(args, dtype_name, rank, world)
         for pass_ in args.passes:
             backward = pass_ == "fwd+bwd"
             for name in names:
