@@ -47,7 +47,9 @@ each tile:
     cpu     any          any        any           PyTorch's CPU flash op (dense mask per tile)
 
 The tiled reference materialises (B, Hq, T, T) scores per tile only; a masked tile builds its
-(T, T) mask from positions (:class:`PositionMask`), never the piece's.
+(T, T) mask from positions (:class:`PositionMask`), never the piece's. On the CPU a backward
+tile of a non-causal piece also has at most as many kv rows as q rows, and at least 512
+(``TiledKernel.backward_kv_tile_floor``): the CPU op's backward walks keys slower than queries.
 """
 
 from __future__ import annotations
