@@ -260,6 +260,28 @@ def test_tiled_cpu_flash_equals_one_call() -> None:
             torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
 
 
+def test_cpu_flash_backward_cuts_keys_to_the_query_tile() -> None:
+    """CpuFlashKernel's backward runs a non-causal piece with more kv rows than q rows as kv
+    tiles of the q tile's length (at least the floor), through ``backward`` and
+    ``backward_into`` alike; causal and taller pieces stay one call. Gradients as one call."""
+    kernel = CpuFlashKernel(tile_rows=16)  # floor min(512, 16) = 16
+    ref = select_kernel(torch.device("cpu"), torch.float64, "reference")
+    for sq, sk, causal, calls in ((8, 32, False, 2), (16, 16, True, 1), (16, 8, False, 1)):
+        q, k, v, do = _inputs(sq, sk, 4, 2, torch.float64, seed=sq + sk)
+        out, lse = ref.forward(q, k, v, causal=causal, scale=0.3)
+        delta = (do * out).sum(-1).transpose(1, 2)
+        want = ref.backward(do, q, k, v, lse, delta, causal=causal, scale=0.3)
+        kernel.ran.clear()
+        got = kernel.backward(do, q, k, v, lse, delta, causal=causal, scale=0.3)
+        assert kernel.ran["cpu_flash"] == calls, (sq, sk, causal, dict(kernel.ran))
+        into = [torch.zeros_like(x) for x in (q, k, v)]
+        kernel.backward_into(into, do, q, k, v, lse, delta, causal=causal, scale=0.3)
+        assert kernel.ran["cpu_flash"] == 2 * calls, (sq, sk, causal, dict(kernel.ran))
+        for g, i, w in zip(got, into, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+            torch.testing.assert_close(i, w, rtol=0, atol=1e-11)
+
+
 def test_position_mask_tiles_are_slices_of_the_mask() -> None:
     spec = MaskSpec(True, (4, 0), (0, 9, 30))
     mask = _positions_mask(spec, [*range(3, 20), -1, -1], list(range(25)))

@@ -706,14 +706,14 @@ class Communicator:
     ) -> tuple[torch.Tensor, int]:
         """The wire buffer of ``tr``'s message and its group peer, counted."""
         buffer = _pack(tr, tensors)
-        op = (self.to_wire(buffer), tr.dst)
+        wire = self.to_wire(buffer)
         num_bytes = buffer.numel() - HEADER_NUM_BYTES
         self.counter.add(sent=True, flow=tr.payload.flow, peer=tr.dst, num_bytes=num_bytes)
         if self.timeline is not None:
             now = time.perf_counter()
             event = Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
             self.timeline.events.append(event)
-        return op
+        return wire, tr.dst
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their buffers may be reused afterwards), and

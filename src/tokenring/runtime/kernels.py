@@ -493,6 +493,8 @@ class TiledKernel(BlockKernel):
         tile_plain_forward: cut the forward of an unmasked piece too. Fused kernels hold
             O(s) memory in the forward whatever the piece, so theirs run whole (tiles would
             only add lse merges); the tiled reference must cut it.
+        backward_kv_tile_floor: in the backward of a non-causal piece, cut the kv rows into
+            tiles as long as the q tile, but no shorter than this (None: T on both sides).
     """
 
     def __init__(
@@ -502,6 +504,7 @@ class TiledKernel(BlockKernel):
         tile_rows: int = 512,
         masked_inner: BlockKernel | None = None,
         tile_plain_forward: bool = True,
+        backward_kv_tile_floor: int | None = None,
         name: str = "tiled",
     ) -> None:
         super().__init__()
@@ -515,9 +518,7 @@ class TiledKernel(BlockKernel):
         self.tile_rows = tile_rows
         self.tile_plain_forward = tile_plain_forward
         self.name = name
-        # Backward of a non-causal piece with more keys than queries: kv tiles as long as its q
-        # tile, but not shorter than this (None: tile_rows on both sides).
-        self.backward_kv_tile_floor: int | None = None
+        self.backward_kv_tile_floor = backward_kv_tile_floor
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self.inner.supports(device, dtype) and self.masked_inner.supports(device, dtype)
@@ -600,7 +601,9 @@ class TiledKernel(BlockKernel):
         mask: Mask | None = None,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if q.shape[1] <= self.tile_rows and k.shape[1] <= self.tile_rows:
+        if q.shape[1] <= self.tile_rows and k.shape[1] <= self._backward_kv_tile(
+            q.shape[1], causal
+        ):  # one tile: the piece whole
             kind = "causal" if causal else ("full" if mask is None else "masked")
             return self._kernel(kind).backward(
                 dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
@@ -670,9 +673,12 @@ class CpuFlashKernel(TiledKernel):
 
     def __init__(self, *, tile_rows: int = 1024) -> None:
         super().__init__(
-            _CpuFlashOps(), tile_rows=tile_rows, tile_plain_forward=False, name="cpu_flash"
+            _CpuFlashOps(),
+            tile_rows=tile_rows,
+            tile_plain_forward=False,
+            backward_kv_tile_floor=min(512, tile_rows),
+            name="cpu_flash",
         )
-        self.backward_kv_tile_floor = min(512, tile_rows)
 
 
 # -- CUDA ----------------------------------------------------------------------------------------

@@ -529,7 +529,8 @@ class _Forward(SchedulePass):
         self.groups = q.shape[2] // k.shape[2]
         acc = accumulation_dtype(q.dtype)
         # The first piece of step 0 is this rank's own block; when it covers every row and
-        # head, its result is the accumulators' first value (a copy, not a merge into zeros).
+        # head, its result is the accumulators' first value (no merge into zeros; no copy when
+        # it is in the accumulation dtype already).
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
         segments = step0.segments if step0 is not None else ()
         first = segments[0].pieces[0] if segments and segments[0].pieces else None
@@ -541,11 +542,10 @@ class _Forward(SchedulePass):
             and first.heads is None
         )
         b, hq = q.shape[0], q.shape[2]
-        if self.fresh:
-            self.out_acc = torch.empty(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-            self.lse_acc = torch.empty((b, hq, s), dtype=acc, device=q.device)  # (B, Hq, s)
+        if self.fresh:  # set by the first piece (compute)
+            self.out_acc = self.lse_acc = torch.empty(0, dtype=acc, device=q.device)
         else:
-            self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+            self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
             self.lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
         if sched.strategy.passes_q:
             self.held = _query_blocks(sched, self.rank, [q])
@@ -597,11 +597,9 @@ class _Forward(SchedulePass):
                 q_p, k_p, v_p, causal=piece.causal, scale=self.scale, mask=mask
             )
             if self.fresh:  # the first piece: every row and head (see __init__)
-                if part[0].dtype == self.out_acc.dtype and part[0].is_contiguous():
-                    self.out_acc = part[0]  # the kernel's own result: no copy
-                else:
-                    self.out_acc.copy_(part[0])
-                self.lse_acc.copy_(part[1])
+                acc = self.out_acc.dtype
+                self.out_acc = part[0].to(acc).contiguous()  # (B, s, Hq, D)
+                self.lse_acc = part[1].to(acc).contiguous()  # (B, Hq, s)
                 self.fresh = False
             elif q_owner == rank:  # merge straight into this rank's accumulators
                 merge_into(self.out_acc[:, :, qh], self.lse_acc[:, qh], piece.q_rows, *part)
