@@ -24,7 +24,9 @@ rowsum(dout * out') = delta exactly in real arithmetic, and |out'| <= |out| (Cau
 so the stand-in is as well-scaled as the real out. It costs a few elementwise passes over the
 piece's q rows (measured, one thread, 1024 rows x 8 heads x 64: 2.0 ms in bfloat16, 0.3 ms in
 float32), so where the caller holds the real out (its own queries: every piece of Ring and
-the bidirectional ring, TokenRing's local block) it passes that instead (``out=``).
+the bidirectional ring, TokenRing's local block) it passes that instead (``out=``), and
+:class:`TiledKernel` builds it once for a piece whose q rows meet several kv tiles (a
+visiting half Q against both kv chunks: two backward tiles on the CPU), not once per tile.
 Kernels whose backward only exists through autograd (FlexAttention) recompute the block's own
 (out_b, lse_b) and pull the global gradient out of the local one (Note [Backward through
 autograd]).
@@ -149,6 +151,9 @@ class BlockKernel(abc.ABC):
     """Attention of one block, forward and backward, with the log-sum-exp of each row."""
 
     name: str = "abstract"
+    takes_out: bool = False
+    """Whether :meth:`backward` uses ``out`` (fused operators: they compute delta from it);
+    else it is ignored."""
 
     def __init__(self) -> None:
         self.ran: collections.Counter[str] = collections.Counter()
@@ -369,6 +374,7 @@ class _CpuFlashOps(BlockKernel):
     native; a masked tile gets a dense additive mask of its own size."""
 
     name = "cpu_flash_op"
+    takes_out = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -638,6 +644,11 @@ class TiledKernel(BlockKernel):
     ) -> None:
         targets = None if callable(grads) else grads
         grid = self._tile_grid(q.shape[1], k.shape[1], causal, mask, backward=True)
+        if out is None and any(
+            len(row) > 1 and any(self._kernel(kind).takes_out for _, kind, _ in row)
+            for _, row in grid
+        ):  # the stand-in of q rows that meet several kv tiles, once for all of them
+            out = _bhsd(_stand_in_out(dout, delta))  # (B, sq, Hq, D)
         for (qa, qb), row in grid:
             for (ka, kb), kind, sub in row:
                 parts = self._kernel(kind).backward(
@@ -752,6 +763,7 @@ class _SdpaOps(BlockKernel):
     delta]). ``op`` is what :func:`plan_block` named for the tile."""
 
     name = "cuda_sdpa_op"
+    takes_out = True
 
     def __init__(self, op: str) -> None:
         super().__init__()
@@ -1022,6 +1034,7 @@ class _FlashAttnOps(BlockKernel):
     backward gets the global lse and the stand-in out (Note [Backward from delta])."""
 
     name = "flash_attn_op"
+    takes_out = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -1108,6 +1121,7 @@ class _CudaDispatch(BlockKernel):
     """Runs each tile with the operator :func:`plan_block` names for it."""
 
     name = "cuda_dispatch"
+    takes_out = True
 
     def __init__(self, *, flash_attn: bool, flex: bool, capability: tuple[int, int] | None) -> None:
         super().__init__()
