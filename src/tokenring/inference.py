@@ -299,6 +299,29 @@ def resolve_cached_strategy(
     return choose_cached_strategy(CachedShards.from_step(step), **shape).pick
 
 
+def step_strategy(
+    strategy: CachedStrategy | str,
+    cache: DistributedKVCache,
+    *,
+    heads_q: int,
+    hardware: Hardware | str | None,
+) -> CachedStrategy:
+    """:func:`resolve_cached_strategy` for the current step of ``cache`` (its group, K/V heads,
+    head dim, dtype and device)."""
+    assert cache.step is not None and cache.comm is not None
+    return resolve_cached_strategy(
+        strategy,
+        step=cache.step,
+        comm=cache.comm,
+        heads_q=heads_q,
+        heads_kv=cache.heads_kv,
+        head_dim=cache.head_dim,
+        dtype=cache.dtype,
+        device=cache.device,
+        hardware=hardware,
+    )
+
+
 # -- the public call -----------------------------------------------------------------------------
 def _validate(
     q: torch.Tensor, cache: DistributedKVCache, layer: int, softmax_scale: float | None
@@ -474,23 +497,10 @@ def attend_cached(
     assert step is not None and comm is not None and cache.appended(layer)
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    key = (
-        "strategy",
-        str(strategy),
-        hardware if not isinstance(hardware, Hardware) else id(hardware),
-    )
+    hardware_key = hardware if not isinstance(hardware, Hardware) else id(hardware)
+    key = ("strategy", str(strategy), hardware_key)
     if key not in cache.memo:
-        cache.memo[key] = resolve_cached_strategy(
-            strategy,
-            step=step,
-            comm=comm,
-            heads_q=heads_q,
-            heads_kv=cache.heads_kv,
-            head_dim=head_dim,
-            dtype=q.dtype,
-            device=q.device,
-            hardware=hardware,
-        )
+        cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
     chosen: CachedStrategy = cache.memo[key]
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
         return _zigzag_ring(q, cache, layer, chosen, scale, kernel)
