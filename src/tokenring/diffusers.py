@@ -294,12 +294,13 @@ def cross_attn(
 def _local_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None
 ) -> torch.Tensor:
-    """SDPA in the (B, seq, H, D) layout, K/V heads repeated for GQA."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    """SDPA in the (B, seq, H, D) layout."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        scale=softmax_scale,
+        enable_gqa=True,
     )
     return out.transpose(1, 2)  # (B, s, Hq, D)
 

@@ -118,11 +118,8 @@ class _PlanRunner(PassRunner):
         if tr.payload is Payload.KV:
             (j,) = tr.owners
             if j not in self.kv_packed:
-                pairs = self.kv_blocks[j]
-                self.kv_packed[j] = (
-                    torch.cat([k for k, _ in pairs]),
-                    torch.cat([v for _, v in pairs]),
-                )
+                k, v = (torch.cat(blocks) for blocks in zip(*self.kv_blocks[j], strict=True))
+                self.kv_packed[j] = (k, v)
             return list(self.kv_packed[j])
         if not self.plan.merges(self.rank, tr.owner):  # the block just computed
             assert self.partial is not None
@@ -215,12 +212,10 @@ class _PlanRunner(PassRunner):
             assert isinstance(tr, CachedTransfer)
             out, lse = self.poster.pending.pop(tr).wait()
             sizes = [self.shards.q_rows[o] for o in tr.owners]
-            outs = _split_rows(out, sizes)
-            lses = _split_rows(lse, sizes, dim=1)
-            for o, part_out, part_lse in zip(tr.owners, outs, lses, strict=True):
-                acc_out, acc_lse = self._acc(o)
+            parts = zip(_split_rows(out, sizes), _split_rows(lse, sizes, dim=1), strict=True)
+            for o, (part_out, part_lse) in zip(tr.owners, parts, strict=True):
                 rows = (0, part_out.shape[0])
-                merge_into(acc_out, acc_lse, rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
+                merge_into(*self._acc(o), rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
 
 
 def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> list[Any]:

@@ -28,6 +28,7 @@ for a peer that gave up).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -241,9 +242,8 @@ class DistributedKVCache:
         return self.num_layers * tokens * self.token_bytes
 
     # -- steps -----------------------------------------------------------------------------------
-    def _placement(
-        self, new: Sequence[int]
-    ) -> tuple[tuple[int, ...], bool, tuple[tuple[torch.Tensor, ...], ...]]:
+    def _placement(self, new: Sequence[int]) -> CacheStep:
+        """The step that places ``new``, its ``kv_positions`` not filled in yet."""
         new = tuple(new)
         if len(new) != self.batch or any(not isinstance(t, int) or t < 0 for t in new):
             raise ValueError(
@@ -264,7 +264,15 @@ class DistributedKVCache:
             block_size=self.block_size,
             zigzag=zigzag,
         )
-        return new, zigzag, placed
+        return CacheStep(
+            index=self._num_steps,
+            world_size=p,
+            zigzag=zigzag,
+            cached=tuple(self._lengths),
+            new=new,
+            new_positions=placed,
+            kv_positions=(),
+        )
 
     def plan_step(self, new: Sequence[int]) -> CacheStep:
         """Where ``new`` tokens per sequence would go, without changing the cache.
@@ -272,22 +280,15 @@ class DistributedKVCache:
         Raises:
             ValueError: ``new`` is not B ints >= 0.
         """
-        new, zigzag, placed = self._placement(new)
+        step = self._placement(new)
         kv_positions = tuple(
             tuple(
-                torch.cat([self._positions[b][r].view(), placed[r][b]]) for b in range(self.batch)
+                torch.cat([self._positions[b][r].view(), placed_b])
+                for b, placed_b in enumerate(step.new_positions[r])
             )
             for r in range(self.world_size)
         )
-        return CacheStep(
-            index=self._num_steps,
-            world_size=self.world_size,
-            zigzag=zigzag,
-            cached=tuple(self._lengths),
-            new=new,
-            new_positions=placed,
-            kv_positions=kv_positions,
-        )
+        return dataclasses.replace(step, kv_positions=kv_positions)
 
     def begin_step(self, new: Sequence[int], *, check_ranks: bool = True) -> CacheStep:
         """Place ``new`` tokens per sequence, check the budget and make this the current step.
@@ -310,46 +311,36 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        new, zigzag, placed = self._agreed_placement(new, check_ranks)
+        step = self._agreed_placement(new, check_ranks)
+        placed = step.new_positions
         if self.budget_bytes is not None:
             held = [
                 [self._positions[b][r].size + len(placed[r][b]) for b in range(self.batch)]
                 for r in range(self.world_size)
             ]
-            self._check_budget(held, new)
-        cached = tuple(self._lengths)
+            self._check_budget(held, step.new)
         for b in range(self.batch):
             for r in range(self.world_size):
                 self._positions[b][r].extend(placed[r][b])
-            self._lengths[b] += new[b]
+            self._lengths[b] += step.new[b]
         # Views, not copies: later appends write past their end or into a new buffer.
         kv_positions = tuple(
             tuple(self._positions[b][r].view() for b in range(self.batch))
             for r in range(self.world_size)
         )
-        step = CacheStep(
-            index=self._num_steps,
-            world_size=self.world_size,
-            zigzag=zigzag,
-            cached=cached,
-            new=new,
-            new_positions=placed,
-            kv_positions=kv_positions,
-        )
+        step = dataclasses.replace(step, kv_positions=kv_positions)
         self._num_steps += 1
         self._step = step
         self._appended = [False] * self.num_layers
         self.memo.clear()
         return step
 
-    def _agreed_placement(
-        self, new: Sequence[int], check_ranks: bool
-    ) -> tuple[tuple[int, ...], bool, tuple[tuple[torch.Tensor, ...], ...]]:
+    def _agreed_placement(self, new: Sequence[int], check_ranks: bool) -> CacheStep:
         """:meth:`_placement` of ``new``, once every rank knows that every rank's is valid and
         the same (with ``check_ranks`` and a group); else this rank's error, raised."""
         problem: Exception | None = None
         try:
-            counts, zigzag, placed = self._placement(new)
+            step = self._placement(new)
             missing = [layer for layer, done in enumerate(self._appended) if not done]
             if missing:
                 raise RuntimeError(
@@ -360,11 +351,11 @@ class DistributedKVCache:
             problem = exc
         if check_ranks and self.comm is not None:
             # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
-            signature = None if problem else {"new tokens": list(counts), "step": self._num_steps}
+            signature = None if problem else {"new tokens": list(step.new), "step": self._num_steps}
             self.comm.agree(signature, problem, what="cache step")
         elif problem is not None:
             raise problem
-        return counts, zigzag, placed
+        return step
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""

@@ -149,13 +149,8 @@ class TinyCausalLM(torch.nn.Module):
 
 def _full_causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention of a whole sequence (one process)."""
-    groups = q.shape[1] // k.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0),
-        v.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-    )  # (1, Hq, n, D)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, n, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

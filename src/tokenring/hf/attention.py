@@ -64,6 +64,7 @@ Legend: B batch, S global seq, s local seq, H heads, D head dim, V vocab, P worl
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -301,8 +302,7 @@ def _mask_pieces() -> dict[Any, str]:
 
 def _closure(fn: Any) -> dict[str, Any]:
     """The variables a closure captured, by name."""
-    cells = fn.__closure__ or ()
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells), strict=True))
+    return dict(inspect.getclosurevars(fn).nonlocals)
 
 
 def _describe(fn: Any) -> str:
