@@ -524,9 +524,8 @@ def _zigzag_ring(
     heads_q, head_dim = q.shape[1], q.shape[2]
     b = len(step.new)
     rows = step.num_rows(comm.rank) // b
-    keys = [cache.shard(layer, s) for s in range(b)]
-    k4 = torch.stack([kk for kk, _ in keys])  # (B, s, Hkv, D)
-    v4 = torch.stack([vv for _, vv in keys])
+    shards = zip(*(cache.shard(layer, s) for s in range(b)), strict=True)
+    k4, v4 = (torch.stack(x) for x in shards)  # (B, s, Hkv, D)
     out4, lse4 = sequence_parallel_attn(
         q.reshape(b, rows, heads_q, head_dim),
         k4,

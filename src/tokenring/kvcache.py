@@ -211,21 +211,19 @@ class DistributedKVCache:
 
     def tokens_held(self) -> list[list[int]]:
         """``[rank][sequence]``: tokens each rank holds (replicated knowledge)."""
-        return [
-            [self._positions[b][r].size for b in range(self.batch)] for r in range(self.world_size)
-        ]
+        return [self._held(r) for r in range(self.world_size)]
 
     def reserved_bytes(self, rank: int | None = None) -> int:
         """Bytes ``rank`` (default: this one) reserves for K/V; see Note [Memory accounting]."""
-        r = self.rank if rank is None else rank
-        held = [self._positions[b][r].size for b in range(self.batch)]
-        return self._reserve(held)
+        return self._reserve(self._held(self.rank if rank is None else rank))
 
     def used_bytes(self, rank: int | None = None) -> int:
         """Bytes of the K/V rows ``rank`` (default: this one) actually holds, all layers."""
-        r = self.rank if rank is None else rank
-        held = sum(self._positions[b][r].size for b in range(self.batch))
+        held = sum(self._held(self.rank if rank is None else rank))
         return self.num_layers * held * self.token_bytes
+
+    def _held(self, rank: int) -> list[int]:
+        return [self._positions[b][rank].size for b in range(self.batch)]
 
     def allocated_bytes(self) -> int:
         """Bytes of this rank's K/V tensors as allocated (equals ``reserved_bytes()`` once

@@ -290,9 +290,7 @@ def _start(
             argv = [sys.executable, "-c", _WORKER_CODE, spec_path, str(rank), str(os.getpid())]
             if wrap_command is not None:
                 argv = wrap_command(rank, argv)
-            env = dict(base_env)
-            if rank_env is not None:
-                env.update(rank_env(rank))
+            env = base_env if rank_env is None else {**base_env, **rank_env(rank)}
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
                     argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -193,8 +193,7 @@ class ShardedKVCache(Cache):
     @property
     def communicator(self) -> Communicator:
         """The group's communicator."""
-        comm: Communicator = self.sequence_parallel.communicator
-        return comm
+        return self.sequence_parallel.communicator
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens of each sequence cached before the step in progress (all sequences are
