@@ -393,8 +393,7 @@ def _check_prepared(rows: list[dict[str, Any]], bounds: tuple[int, ...], causal:
 
 
 def _prepared(cu_q: list[int], cu_k: list[int], k_start: int, k_stop: int) -> dict[str, list[int]]:
-    """Prepared values as :func:`_check_prepared` compares them (repeated boundaries of empty
-    documents do not count)."""
+    """The values :func:`_check_prepared` compares (repeats of empty documents dropped)."""
     return {
         "cu_seqlens_q": sorted(set(cu_q)),
         "cu_seqlens_k": sorted(set(cu_k)),

@@ -171,11 +171,9 @@ class DistributedKVCache:
         self._num_steps = 0
         self._step: CacheStep | None = None
         # Replicated: [sequence][rank] positions held. Local: [layer][sequence] K and V.
+        cpu = torch.device("cpu")
         self._positions = [
-            [
-                _Growable((), torch.int64, torch.device("cpu"), block_size)
-                for _ in range(self.world_size)
-            ]
+            [_Growable((), torch.int64, cpu, block_size) for _ in range(self.world_size)]
             for _ in range(batch)
         ]
         tail = (heads_kv, head_dim)
