@@ -185,8 +185,7 @@ class DistributedKVCache:
             [_Growable(tail, dtype, self.device, block_size) for _ in range(batch)]
             for _ in range(num_layers)
         ]
-        # Per layer: whether it has appended the current step's K/V.
-        self._appended = [True] * num_layers
+        self._appended = [True] * num_layers  # per layer: appended the current step's K/V
         self.memo: dict[Any, Any] = {}
         """Per-step results that every layer reuses (plans, the strategy pick); cleared by
         each ``begin_step``."""
