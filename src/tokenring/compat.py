@@ -64,10 +64,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import math
 import operator
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,9 +73,9 @@ from typing import Any
 import torch
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.core.layout import Layout, make_sharding, normalize_cu_seqlens
+from tokenring.core.layout import Layout, check_int, make_sharding, normalize_cu_seqlens
 from tokenring.core.schedule import Strategy
-from tokenring.runtime.comm import AGREE_FRAME_NUM_BYTES, Communicator
+from tokenring.runtime.comm import Communicator
 
 __all__ = [
     "flash_attn_func",
@@ -97,29 +95,32 @@ Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 # -- checks shared by every shim -----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _FlashOptions:
-    """The flash-attention options every shim takes, in the originals' order."""
+    """The flash-attention options every shim takes."""
 
     dropout_p: float
-    softcap: float
+    softmax_scale: float | None
+    causal: bool
+    window_size: Sequence[int]
     alibi_slopes: torch.Tensor | None
     deterministic: bool
     return_attn_probs: bool
+    softcap: float = 0.0
 
     def check(self) -> None:
         """Raise unless the options that have no counterpart are off."""
         dropout_p, softcap = self.dropout_p, self.softcap
-        if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float):
-            raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p!r}")
-        if not 0 <= dropout_p <= 1:
-            raise ValueError(f"dropout_p must be a number in [0, 1]; got {dropout_p}")
+        for name, value, want, valid in (
+            ("dropout_p", dropout_p, "a number in [0, 1]", lambda x: 0 <= x <= 1),
+            ("softcap", softcap, "a number >= 0 (0: off)", lambda x: math.isfinite(x) and x >= 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be {want}; got {value!r}")
+            if not valid(value):
+                raise ValueError(f"{name} must be {want}; got {value}")
         if dropout_p != 0:
             raise NotImplementedError(
                 f"dropout_p must be 0: attention dropout is not supported; got {dropout_p}"
             )
-        if isinstance(softcap, bool) or not isinstance(softcap, int | float):
-            raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap!r}")
-        if not (math.isfinite(softcap) and softcap >= 0):
-            raise ValueError(f"softcap must be a number >= 0 (0: off); got {softcap}")
         if softcap > 0:
             raise NotImplementedError(f"softcap is not supported (pass 0.0); got {softcap}")
         if self.alibi_slopes is not None:
@@ -151,10 +152,7 @@ def _attend(
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     flash: _FlashOptions,
     strategy: Strategy | str,
-    causal: bool,
-    softmax_scale: float | None,
     layout: Layout | str,
-    window_size: Sequence[int],
     *,
     packed: bool = False,
     check: Callable[[], dict[str, Any]] = dict,
@@ -172,8 +170,8 @@ def _attend(
     except (ValueError, NotImplementedError) as exc:
         comm.agree(None, exc, what=WHAT)
         raise  # agree raises exc on this rank; kept for the reader and for type checkers
-    options |= {"strategy": strategy, "causal": causal, "softmax_scale": softmax_scale}
-    options |= {"layout": layout, "window_size": window_size}
+    options |= {"strategy": strategy, "causal": flash.causal, "softmax_scale": flash.softmax_scale}
+    options |= {"layout": layout, "window_size": flash.window_size}
     q, k, v = (x.unsqueeze(0) for x in qkv) if packed else qkv
     result = sequence_parallel_attn(q, k, v, group=comm, return_lse=True, **options)
     assert isinstance(result, tuple)
@@ -214,11 +212,16 @@ def ring_flash_attn_func(
         NotImplementedError: dropout_p != 0 or alibi_slopes given.
         ValueError: as :func:`tokenring.sequence_parallel_attn`.
     """
-    comm = get_communicator(group)
-    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
-    return _attend(
-        comm, (q, k, v), flash, strategy, causal, softmax_scale, Layout.CONTIGUOUS, window_size
+    flash = _FlashOptions(
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
     )
+    return _attend(get_communicator(group), (q, k, v), flash, strategy, Layout.CONTIGUOUS)
 
 
 def zigzag_ring_flash_attn_func(
@@ -242,11 +245,16 @@ def zigzag_ring_flash_attn_func(
     original asserts causal). Arguments, returns and errors as :func:`ring_flash_attn_func`,
     with s even (ValueError otherwise). See Note [Shim mapping].
     """
-    comm = get_communicator(group)
-    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
-    return _attend(
-        comm, (q, k, v), flash, strategy, causal, softmax_scale, Layout.ZIGZAG, window_size
+    flash = _FlashOptions(
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
     )
+    return _attend(get_communicator(group), (q, k, v), flash, strategy, Layout.ZIGZAG)
 
 
 def llama3_flash_attn_prepare_cu_seqlens(
@@ -278,8 +286,7 @@ def llama3_flash_attn_prepare_cu_seqlens(
         )
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool; got {causal!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    check_int("world_size", world_size, 1)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
     raw = _int_list("cu_seqlens", cu_seqlens)  # keeps empty documents, as the original does
@@ -328,19 +335,6 @@ def _int_list(name: str, x: torch.Tensor | Sequence[int]) -> list[int]:
         ) from None
 
 
-def _all_gather_large(comm: Communicator, data: bytes, *, what: str) -> list[bytes]:
-    """``Communicator.all_gather_bytes`` for data of any size: frames of the largest size it
-    takes, as many rounds as the longest rank needs (every rank learns that from round one)."""
-    room = AGREE_FRAME_NUM_BYTES - 16  # all_gather_bytes takes FRAME - 8; 8 more: our length
-    rows = comm.all_gather_bytes(struct.pack("<q", len(data)) + data[:room], what=what)
-    sizes = [struct.unpack("<q", row[:8])[0] for row in rows]
-    parts = [[row[8:]] for row in rows]
-    for i in range(1, -(-max(sizes) // room)):
-        for r, row in enumerate(comm.all_gather_bytes(data[i * room : (i + 1) * room], what=what)):
-            parts[r].append(row)
-    return [b"".join(p) for p in parts]
-
-
 def _llama3_global_cu_seqlens(
     comm: Communicator, local: dict[str, Any] | None, problem: Exception | None, causal: bool
 ) -> tuple[int, ...]:
@@ -349,10 +343,7 @@ def _llama3_global_cu_seqlens(
     :func:`llama3_flash_attn_prepare_cu_seqlens` gives for it (a rank whose own checks failed
     re-raises its error; the others name it)."""
     mine = {"invalid": str(problem)} if local is None else local
-    rows = [
-        json.loads(b)
-        for b in _all_gather_large(comm, json.dumps(mine).encode(), what="the llama3 boundaries")
-    ]
+    rows = comm.all_gather_object(mine, what="the llama3 boundaries")
     if problem is not None:
         raise problem
     invalid = [(r, row["invalid"]) for r, row in enumerate(rows) if "invalid" in row]
@@ -386,20 +377,10 @@ def _check_prepared(rows: list[dict[str, Any]], bounds: tuple[int, ...], causal:
     cu = torch.tensor(bounds, dtype=torch.int64)
     for r, row in enumerate(rows):
         cu_q, cu_k, _, _, k_slice = llama3_flash_attn_prepare_cu_seqlens(cu, causal, r, world_size)
-        expected = {
-            "cu_seqlens_q": sorted(set(cu_q.tolist())),
-            "cu_seqlens_k": sorted(set(cu_k.tolist())),
-            "local_k_slice": [k_slice.start, k_slice.stop],
-        }
-        got = {
-            "cu_seqlens_q": sorted(set(row["cu_q"])),
-            "cu_seqlens_k": sorted(set(row["cu_k"])),
-            "local_k_slice": [row["k_start"], row["k_stop"]],
-        }
+        expected = _prepared(cu_q.tolist(), cu_k.tolist(), k_slice.start, k_slice.stop)
+        got = _prepared(row["cu_q"], row["cu_k"], row["k_start"], row["k_stop"])
         diffs = [
-            f"{name} {got[name]} (expected {expected[name]})"
-            for name in expected
-            if got[name] != expected[name]
+            f"{n} {got[n]} (expected {want})" for n, want in expected.items() if got[n] != want
         ]
         if diffs:
             raise ValueError(
@@ -409,6 +390,15 @@ def _check_prepared(rows: list[dict[str, Any]], bounds: tuple[int, ...], causal:
                 f"hold together, {list(bounds)} (prepared for another rank, world size or "
                 "causal?)"
             )
+
+
+def _prepared(cu_q: list[int], cu_k: list[int], k_start: int, k_stop: int) -> dict[str, list[int]]:
+    """The values :func:`_check_prepared` compares (repeats of empty documents dropped)."""
+    return {
+        "cu_seqlens_q": sorted(set(cu_q)),
+        "cu_seqlens_k": sorted(set(cu_k)),
+        "local_k_slice": [k_start, k_stop],
+    }
 
 
 def llama3_flash_attn_varlen_func(
@@ -456,7 +446,15 @@ def llama3_flash_attn_varlen_func(
     comm = get_communicator(group)
     local: dict[str, Any] | None = None
     problem: Exception | None = None
-    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
+    flash = _FlashOptions(
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
     try:
         flash.check()
         local = _llama3_local(
@@ -473,16 +471,7 @@ def llama3_flash_attn_varlen_func(
         problem = exc
     bounds = _llama3_global_cu_seqlens(comm, local, problem, causal)
     return _attend(
-        comm,
-        (q, k, v),
-        flash,
-        strategy,
-        causal,
-        softmax_scale,
-        Layout.CONTIGUOUS,
-        window_size,
-        packed=True,
-        cu_seqlens=bounds,
+        comm, (q, k, v), flash, strategy, Layout.CONTIGUOUS, packed=True, cu_seqlens=bounds
     )
 
 
@@ -583,20 +572,17 @@ def flash_attn_func(
         NotImplementedError: dropout_p != 0, softcap > 0 or alibi_slopes given.
         ValueError: as :func:`tokenring.sequence_parallel_attn`.
     """
-    comm = get_communicator(group)
-    flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _attend(
-        comm,
-        (q, k, v),
-        flash,
-        strategy,
-        causal,
+    flash = _FlashOptions(
+        dropout_p,
         softmax_scale,
-        layout,
+        causal,
         window_size,
-        packed=False,
-        seq_len=seq_len,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        softcap,
     )
+    return _attend(get_communicator(group), (q, k, v), flash, strategy, layout, seq_len=seq_len)
 
 
 def flash_attn_varlen_func(
@@ -661,19 +647,17 @@ def flash_attn_varlen_func(
             )
         return {"seq_len": bounds[-1], "cu_seqlens": bounds}
 
-    flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _attend(
-        comm,
-        (q, k, v),
-        flash,
-        strategy,
-        causal,
+    flash = _FlashOptions(
+        dropout_p,
         softmax_scale,
-        layout,
+        causal,
         window_size,
-        packed=True,
-        check=check,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        softcap,
     )
+    return _attend(comm, (q, k, v), flash, strategy, layout, packed=True, check=check)
 
 
 def _varlen_bounds(

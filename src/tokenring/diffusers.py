@@ -89,7 +89,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -199,24 +199,12 @@ def joint_attn(
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     comm = get_communicator(group)
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = sequence_parallel_attn(
-            q,
-            k,
-            v,
-            group=comm,
-            strategy=strategy,
-            hardware=hardware,
-            causal=False,
-            layout="contiguous",
-            softmax_scale=scale,
-        )
-        assert isinstance(out, torch.Tensor)  # no return_lse
-        return out
-
+    options: dict[str, Any] = {"strategy": strategy, "hardware": hardware, "softmax_scale": scale}
+    options |= {"group": comm, "causal": False, "layout": "contiguous"}
     if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
-        return attend(q, k, v)
-    out = attend(*_text_bias(q, k, v, num_text, bias=-math.log(comm.world_size) / scale))
+        return cast(torch.Tensor, sequence_parallel_attn(q, k, v, **options))  # no return_lse
+    biased = _text_bias(q, k, v, num_text, bias=-math.log(comm.world_size) / scale)
+    out = cast(torch.Tensor, sequence_parallel_attn(*biased, **options))
     return out[..., : q.shape[3]]  # (B, t + s, Hq, D)
 
 
@@ -306,12 +294,13 @@ def cross_attn(
 def _local_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None
 ) -> torch.Tensor:
-    """SDPA in the (B, seq, H, D) layout, K/V heads repeated for GQA."""
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    """SDPA in the (B, seq, H, D) layout."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        scale=softmax_scale,
+        enable_gqa=True,
     )
     return out.transpose(1, 2)  # (B, s, Hq, D)
 
@@ -385,8 +374,7 @@ class FluxSequenceParallelProcessor:
             num_text = _single_stream_text(text, text_seq_len, hidden_states.shape[1])
         if image_rotary_emb is not None:  # (cos, sin), each (t + s, D), from the local ids
             rotary: Any = image_rotary_emb  # diffusers annotates it as a 1-tuple
-            query = apply_rotary_emb(query, rotary, sequence_dim=1)
-            key = apply_rotary_emb(key, rotary, sequence_dim=1)
+            query, key = (apply_rotary_emb(x, rotary, sequence_dim=1) for x in (query, key))
         out = joint_attn(
             query,
             key,

@@ -118,11 +118,8 @@ class _PlanRunner(PassRunner):
         if tr.payload is Payload.KV:
             (j,) = tr.owners
             if j not in self.kv_packed:
-                pairs = self.kv_blocks[j]
-                self.kv_packed[j] = (
-                    torch.cat([k for k, _ in pairs]),
-                    torch.cat([v for _, v in pairs]),
-                )
+                k, v = (torch.cat(blocks) for blocks in zip(*self.kv_blocks[j], strict=True))
+                self.kv_packed[j] = (k, v)
             return list(self.kv_packed[j])
         if not self.plan.merges(self.rank, tr.owner):  # the block just computed
             assert self.partial is not None
@@ -215,12 +212,10 @@ class _PlanRunner(PassRunner):
             assert isinstance(tr, CachedTransfer)
             out, lse = self.poster.pending.pop(tr).wait()
             sizes = [self.shards.q_rows[o] for o in tr.owners]
-            outs = _split_rows(out, sizes)
-            lses = _split_rows(lse, sizes, dim=1)
-            for o, part_out, part_lse in zip(tr.owners, outs, lses, strict=True):
-                acc_out, acc_lse = self._acc(o)
+            parts = zip(_split_rows(out, sizes), _split_rows(lse, sizes, dim=1), strict=True)
+            for o, (part_out, part_lse) in zip(tr.owners, parts, strict=True):
                 rows = (0, part_out.shape[0])
-                merge_into(acc_out, acc_lse, rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
+                merge_into(*self._acc(o), rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
 
 
 def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> list[Any]:
@@ -297,6 +292,29 @@ def resolve_cached_strategy(
         )
         return CachedStrategy.PASS_Q if plan.pick is Strategy.TOKEN_RING else CachedStrategy.PASS_KV
     return choose_cached_strategy(CachedShards.from_step(step), **shape).pick
+
+
+def step_strategy(
+    strategy: CachedStrategy | str,
+    cache: DistributedKVCache,
+    *,
+    heads_q: int,
+    hardware: Hardware | str | None,
+) -> CachedStrategy:
+    """:func:`resolve_cached_strategy` for the current step of ``cache`` (its group, K/V heads,
+    head dim, dtype and device)."""
+    assert cache.step is not None and cache.comm is not None
+    return resolve_cached_strategy(
+        strategy,
+        step=cache.step,
+        comm=cache.comm,
+        heads_q=heads_q,
+        heads_kv=cache.heads_kv,
+        head_dim=cache.head_dim,
+        dtype=cache.dtype,
+        device=cache.device,
+        hardware=hardware,
+    )
 
 
 # -- the public call -----------------------------------------------------------------------------
@@ -474,23 +492,10 @@ def attend_cached(
     assert step is not None and comm is not None and cache.appended(layer)
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    key = (
-        "strategy",
-        str(strategy),
-        hardware if not isinstance(hardware, Hardware) else id(hardware),
-    )
+    hardware_key = hardware if not isinstance(hardware, Hardware) else id(hardware)
+    key = ("strategy", str(strategy), hardware_key)
     if key not in cache.memo:
-        cache.memo[key] = resolve_cached_strategy(
-            strategy,
-            step=step,
-            comm=comm,
-            heads_q=heads_q,
-            heads_kv=cache.heads_kv,
-            head_dim=head_dim,
-            dtype=q.dtype,
-            device=q.device,
-            hardware=hardware,
-        )
+        cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
     chosen: CachedStrategy = cache.memo[key]
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
         return _zigzag_ring(q, cache, layer, chosen, scale, kernel)
@@ -519,9 +524,8 @@ def _zigzag_ring(
     heads_q, head_dim = q.shape[1], q.shape[2]
     b = len(step.new)
     rows = step.num_rows(comm.rank) // b
-    keys = [cache.shard(layer, s) for s in range(b)]
-    k4 = torch.stack([kk for kk, _ in keys])  # (B, s, Hkv, D)
-    v4 = torch.stack([vv for _, vv in keys])
+    shards = zip(*(cache.shard(layer, s) for s in range(b)), strict=True)
+    k4, v4 = (torch.stack(x) for x in shards)  # (B, s, Hkv, D)
     out4, lse4 = sequence_parallel_attn(
         q.reshape(b, rows, heads_q, head_dim),
         k4,

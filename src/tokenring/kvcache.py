@@ -28,6 +28,7 @@ for a peer that gave up).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -170,11 +171,9 @@ class DistributedKVCache:
         self._num_steps = 0
         self._step: CacheStep | None = None
         # Replicated: [sequence][rank] positions held. Local: [layer][sequence] K and V.
+        cpu = torch.device("cpu")
         self._positions = [
-            [
-                _Growable((), torch.int64, torch.device("cpu"), block_size)
-                for _ in range(self.world_size)
-            ]
+            [_Growable((), torch.int64, cpu, block_size) for _ in range(self.world_size)]
             for _ in range(batch)
         ]
         tail = (heads_kv, head_dim)
@@ -186,8 +185,7 @@ class DistributedKVCache:
             [_Growable(tail, dtype, self.device, block_size) for _ in range(batch)]
             for _ in range(num_layers)
         ]
-        # Per layer: whether it has appended the current step's K/V.
-        self._appended = [True] * num_layers
+        self._appended = [True] * num_layers  # per layer: appended the current step's K/V
         self.memo: dict[Any, Any] = {}
         """Per-step results that every layer reuses (plans, the strategy pick); cleared by
         each ``begin_step``."""
@@ -210,21 +208,19 @@ class DistributedKVCache:
 
     def tokens_held(self) -> list[list[int]]:
         """``[rank][sequence]``: tokens each rank holds (replicated knowledge)."""
-        return [
-            [self._positions[b][r].size for b in range(self.batch)] for r in range(self.world_size)
-        ]
+        return [self._held(r) for r in range(self.world_size)]
 
     def reserved_bytes(self, rank: int | None = None) -> int:
         """Bytes ``rank`` (default: this one) reserves for K/V; see Note [Memory accounting]."""
-        r = self.rank if rank is None else rank
-        held = [self._positions[b][r].size for b in range(self.batch)]
-        return self._reserve(held)
+        return self._reserve(self._held(self.rank if rank is None else rank))
 
     def used_bytes(self, rank: int | None = None) -> int:
         """Bytes of the K/V rows ``rank`` (default: this one) actually holds, all layers."""
-        r = self.rank if rank is None else rank
-        held = sum(self._positions[b][r].size for b in range(self.batch))
+        held = sum(self._held(self.rank if rank is None else rank))
         return self.num_layers * held * self.token_bytes
+
+    def _held(self, rank: int) -> list[int]:
+        return [self._positions[b][rank].size for b in range(self.batch)]
 
     def allocated_bytes(self) -> int:
         """Bytes of this rank's K/V tensors as allocated (equals ``reserved_bytes()`` once
@@ -241,9 +237,8 @@ class DistributedKVCache:
         return self.num_layers * tokens * self.token_bytes
 
     # -- steps -----------------------------------------------------------------------------------
-    def _placement(
-        self, new: Sequence[int]
-    ) -> tuple[tuple[int, ...], bool, tuple[tuple[torch.Tensor, ...], ...]]:
+    def _placement(self, new: Sequence[int]) -> CacheStep:
+        """The step that places ``new``, its ``kv_positions`` not filled in yet."""
         new = tuple(new)
         if len(new) != self.batch or any(not isinstance(t, int) or t < 0 for t in new):
             raise ValueError(
@@ -264,7 +259,15 @@ class DistributedKVCache:
             block_size=self.block_size,
             zigzag=zigzag,
         )
-        return new, zigzag, placed
+        return CacheStep(
+            index=self._num_steps,
+            world_size=p,
+            zigzag=zigzag,
+            cached=tuple(self._lengths),
+            new=new,
+            new_positions=placed,
+            kv_positions=(),
+        )
 
     def plan_step(self, new: Sequence[int]) -> CacheStep:
         """Where ``new`` tokens per sequence would go, without changing the cache.
@@ -272,22 +275,15 @@ class DistributedKVCache:
         Raises:
             ValueError: ``new`` is not B ints >= 0.
         """
-        new, zigzag, placed = self._placement(new)
+        step = self._placement(new)
         kv_positions = tuple(
             tuple(
-                torch.cat([self._positions[b][r].view(), placed[r][b]]) for b in range(self.batch)
+                torch.cat([self._positions[b][r].view(), placed_b])
+                for b, placed_b in enumerate(step.new_positions[r])
             )
             for r in range(self.world_size)
         )
-        return CacheStep(
-            index=self._num_steps,
-            world_size=self.world_size,
-            zigzag=zigzag,
-            cached=tuple(self._lengths),
-            new=new,
-            new_positions=placed,
-            kv_positions=kv_positions,
-        )
+        return dataclasses.replace(step, kv_positions=kv_positions)
 
     def begin_step(self, new: Sequence[int], *, check_ranks: bool = True) -> CacheStep:
         """Place ``new`` tokens per sequence, check the budget and make this the current step.
@@ -310,46 +306,36 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        new, zigzag, placed = self._agreed_placement(new, check_ranks)
+        step = self._agreed_placement(new, check_ranks)
+        placed = step.new_positions
         if self.budget_bytes is not None:
             held = [
                 [self._positions[b][r].size + len(placed[r][b]) for b in range(self.batch)]
                 for r in range(self.world_size)
             ]
-            self._check_budget(held, new)
-        cached = tuple(self._lengths)
+            self._check_budget(held, step.new)
         for b in range(self.batch):
             for r in range(self.world_size):
                 self._positions[b][r].extend(placed[r][b])
-            self._lengths[b] += new[b]
+            self._lengths[b] += step.new[b]
         # Views, not copies: later appends write past their end or into a new buffer.
         kv_positions = tuple(
             tuple(self._positions[b][r].view() for b in range(self.batch))
             for r in range(self.world_size)
         )
-        step = CacheStep(
-            index=self._num_steps,
-            world_size=self.world_size,
-            zigzag=zigzag,
-            cached=cached,
-            new=new,
-            new_positions=placed,
-            kv_positions=kv_positions,
-        )
+        step = dataclasses.replace(step, kv_positions=kv_positions)
         self._num_steps += 1
         self._step = step
         self._appended = [False] * self.num_layers
         self.memo.clear()
         return step
 
-    def _agreed_placement(
-        self, new: Sequence[int], check_ranks: bool
-    ) -> tuple[tuple[int, ...], bool, tuple[tuple[torch.Tensor, ...], ...]]:
+    def _agreed_placement(self, new: Sequence[int], check_ranks: bool) -> CacheStep:
         """:meth:`_placement` of ``new``, once every rank knows that every rank's is valid and
         the same (with ``check_ranks`` and a group); else this rank's error, raised."""
         problem: Exception | None = None
         try:
-            counts, zigzag, placed = self._placement(new)
+            step = self._placement(new)
             missing = [layer for layer, done in enumerate(self._appended) if not done]
             if missing:
                 raise RuntimeError(
@@ -360,11 +346,11 @@ class DistributedKVCache:
             problem = exc
         if check_ranks and self.comm is not None:
             # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
-            signature = None if problem else {"new tokens": list(counts), "step": self._num_steps}
+            signature = None if problem else {"new tokens": list(step.new), "step": self._num_steps}
             self.comm.agree(signature, problem, what="cache step")
         elif problem is not None:
             raise problem
-        return counts, zigzag, placed
+        return step
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""

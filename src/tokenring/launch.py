@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -115,7 +115,7 @@ class _Outcome:
     ok: bool
     value: Any = None
     error: str = ""
-    failed_at_s: float = field(default=0.0)
+    failed_at_s: float = 0.0
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) -> Communicator:
@@ -290,9 +290,7 @@ def _start(
             argv = [sys.executable, "-c", _WORKER_CODE, spec_path, str(rank), str(os.getpid())]
             if wrap_command is not None:
                 argv = wrap_command(rank, argv)
-            env = dict(base_env)
-            if rank_env is not None:
-                env.update(rank_env(rank))
+            env = base_env if rank_env is None else {**base_env, **rank_env(rank)}
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
                     argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -445,14 +443,11 @@ def _collect(
             if r.rank not in outcomes and (found := _read_outcome(workdir, r.rank)) is not None:
                 outcomes[r.rank] = found
             candidate = _failure(r, code, outcomes.get(r.rank))
-            if candidate is None:
-                continue
-            if first_failure is None or candidate[0] < first_failure[0]:
-                first_failure = candidate
-            if grace_until is None:
+            if candidate is not None:  # the earliest failure, by time
+                first_failure = min(first_failure or candidate, candidate)
                 # Give peers a moment to report their own errors (to pick the earliest), then
                 # end them: they would otherwise sit in a P2P wait until their timeout.
-                grace_until = now + 1.0
+                grace_until = grace_until or now + 1.0
         if first_failure is not None and (not running or (grace_until and now > grace_until)):
             _end(ranks)
             _, rank, error = first_failure
@@ -524,11 +519,10 @@ def _worker(spec_path: str, rank: int) -> int:
         spec: _Spec = pickle.load(f)
     try:
         outcome = _Outcome(ok=True, value=_run_rank(spec, rank))
-        data = pickle.dumps(outcome)
+        data = pickle.dumps(outcome)  # inside the try: a result that does not pickle fails
     except BaseException:
-        outcome = _Outcome(
-            ok=False, error=f"rank {rank}: {traceback.format_exc()}", failed_at_s=time.time()
-        )
+        error = f"rank {rank}: {traceback.format_exc()}"
+        outcome = _Outcome(ok=False, error=error, failed_at_s=time.time())
         data = pickle.dumps(outcome)
     result_path = os.path.join(spec.result_dir, f"result{rank}.pkl")
     with open(result_path + ".tmp", "wb") as f:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tokenring.api import get_communicator
-from tokenring.inference import cached_attn, resolve_cached_strategy
+from tokenring.inference import cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
@@ -97,16 +97,12 @@ class TinyCausalLM(torch.nn.Module):
         gen = torch.Generator().manual_seed(seed)
         c = config
 
-        def weight(rows: int, cols: int) -> torch.nn.Parameter:
-            w = torch.randn(rows, cols, generator=gen, dtype=torch.float64) / rows**0.5
+        def weight(rows: int, cols: int, scale: float | None = None) -> torch.nn.Parameter:
+            w = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+            w = w / rows**0.5 if scale is None else w * scale
             return torch.nn.Parameter(w.to(device=device, dtype=dtype), requires_grad=False)
 
-        self.embed = torch.nn.Parameter(
-            torch.randn(c.vocab_size, c.dim, generator=gen, dtype=torch.float64).to(
-                device=device, dtype=dtype
-            ),
-            requires_grad=False,
-        )
+        self.embed = weight(c.vocab_size, c.dim, scale=1.0)
         self.layers = [
             {
                 "wq": weight(c.dim, c.heads_q * c.head_dim),
@@ -153,13 +149,8 @@ class TinyCausalLM(torch.nn.Module):
 
 def _full_causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention of a whole sequence (one process)."""
-    groups = q.shape[1] // k.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0),
-        v.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-    )  # (1, Hq, n, D)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, n, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
@@ -280,17 +271,8 @@ def _decode_step(
     comm, c, device = cache.comm, model.config, model.embed.device
     assert comm is not None
     step = cache.begin_step([len(s) - n for s, n in zip(seqs, cache.lengths, strict=True)])
-    chosen = resolve_cached_strategy(  # once per step; every layer runs the same
-        strategy,
-        step=step,
-        comm=comm,
-        heads_q=c.heads_q,
-        heads_kv=c.heads_kv,
-        head_dim=c.head_dim,
-        dtype=model.embed.dtype,
-        device=device,
-        hardware=hardware,
-    )
+    # once per step; every layer runs the same
+    chosen = step_strategy(strategy, cache, heads_q=c.heads_q, hardware=hardware)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = cached_attn(q, k, v, cache=cache, layer=layer, strategy=chosen)

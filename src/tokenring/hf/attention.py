@@ -64,7 +64,7 @@ Legend: B batch, S global seq, s local seq, H heads, D head dim, V vocab, P worl
 from __future__ import annotations
 
 import functools
-import json
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import (
     Layout,
+    Sharding,
     make_sharding,
     normalize_cu_seqlens,
     position_ids,
@@ -301,8 +302,7 @@ def _mask_pieces() -> dict[Any, str]:
 
 def _closure(fn: Any) -> dict[str, Any]:
     """The variables a closure captured, by name."""
-    cells = fn.__closure__ or ()
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells), strict=True))
+    return dict(inspect.getclosurevars(fn).nonlocals)
 
 
 def _describe(fn: Any) -> str:
@@ -555,14 +555,12 @@ def _check_temperature_tuning(
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return
     floor_scale = int(module.floor_scale)  # type: ignore[arg-type]
-    comm = sp.communicator
-    seq_len = sp.seq_len if sp.seq_len is not None else seq_local * comm.world_size
+    world_size = sp.communicator.world_size
+    seq_len = sp.seq_len if sp.seq_len is not None else seq_local * world_size
     if seq_len < floor_scale:  # every position, local or global, gets the scale of 1
         return
-    sharding = make_sharding(
-        layout=sp.layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=sp.cu_seqlens
-    )
-    for rank in range(comm.world_size):
+    _, sharding = _sharding(sp, seq_local)
+    for rank in range(world_size):
         positions = sharding.positions(rank)
         local = torch.arange(positions.numel())
         if not torch.equal((positions + 1) // floor_scale, (local + 1) // floor_scale):
@@ -571,6 +569,16 @@ def _check_temperature_tuning(
                 f"row index as the position: wrong on rank {rank}'s shard for seq_len={seq_len} "
                 f">= floor_scale={floor_scale}; not supported by tokenring attention"
             )
+
+
+def _sharding(sp: SequenceParallel, seq_local: int) -> tuple[int, Sharding]:
+    """S and the sharding of a call with ``seq_local`` rows on this rank."""
+    world_size = sp.communicator.world_size
+    seq_len = sp.seq_len if sp.seq_len is not None else seq_local * world_size
+    sharding = make_sharding(
+        layout=sp.layout, world_size=world_size, seq_len=seq_len, cu_seqlens=sp.cu_seqlens
+    )
+    return seq_len, sharding
 
 
 def shift_labels(
@@ -646,20 +654,24 @@ def shard_batch(
             f"cut into {num_chunks} equal chunks; pass SequenceParallel(seq_len={seq_len}) for "
             "uneven shards"
         )
-
-    def local(x: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, s)
-        return shard(x, rank=rank, world_size=world_size, layout=sp.layout, cu_seqlens=cu_seqlens)
-
     positions = position_ids(
-        rank=rank, world_size=world_size, layout=sp.layout, seq_len=seq_len, cu_seqlens=cu_seqlens
+        rank=rank, world_size=world_size, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
     shifted = None
     if labels is not None:
-        shifted = local(shift_labels(labels, ignore_index=ignore_index, cu_seqlens=cu_seqlens))
+        shifted = _local(sp, shift_labels(labels, ignore_index=ignore_index, cu_seqlens=cu_seqlens))
     return LocalBatch(
-        input_ids=local(input_ids),
+        input_ids=_local(sp, input_ids),
         position_ids=positions.to(input_ids.device).unsqueeze(0),
         shift_labels=shifted,
+    )
+
+
+def _local(sp: SequenceParallel, x: torch.Tensor) -> torch.Tensor:
+    """This rank's shard ``(B, s)`` of ``x`` ``(B, S)``."""
+    comm = sp.communicator
+    return shard(
+        x, rank=comm.rank, world_size=comm.world_size, layout=sp.layout, cu_seqlens=sp.cu_seqlens
     )
 
 
@@ -689,18 +701,17 @@ def broadcast_batch(
         if not isinstance(value, torch.Tensor)
     ]
     comm = sp.communicator
-    if comm.world_size == 1 and wrong:
-        raise ValueError(wrong[0])
     if comm.world_size == 1:
+        if wrong:
+            raise ValueError(wrong[0])
         return dict(batch)
-    mine: dict[str, Any] = {"error": wrong[0]} if wrong else {"tensors": {}}
-    if not wrong:
-        for name, t in batch.items():
-            mine["tensors"][name] = [list(t.shape), str(t.dtype).removeprefix("torch.")]
-    rows = [  # every rank learns every rank's error: all raise, none waits
-        json.loads(b)
-        for b in comm.all_gather_bytes(json.dumps(mine).encode(), what="broadcast_batch")
-    ]
+    mine = (
+        {"error": wrong[0]}
+        if wrong
+        else {"tensors": {n: (t.shape, t.dtype) for n, t in batch.items()}}
+    )
+    # every rank learns every rank's error: all raise, none waits
+    rows = comm.all_gather_object(mine, what="broadcast_batch")
     errors = [f"rank {r}: {row['error']}" for r, row in enumerate(rows) if "error" in row]
     if errors:
         raise ValueError("; ".join(errors))
@@ -709,8 +720,7 @@ def broadcast_batch(
         raise ValueError(f"every rank must give the same batch names; got {names} by rank")
     out = {}
     for name in names[0]:
-        shape, dtype_name = rows[0]["tensors"][name]
-        dtype = getattr(torch, dtype_name)
+        shape, dtype = rows[0]["tensors"][name]
         wire = torch.int64 if dtype == torch.bool else dtype  # gloo sums no bool
         if comm.rank == 0:
             t = batch[name].to(wire).clone()
@@ -737,9 +747,7 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     x = x.detach().contiguous()
     if comm.world_size == 1:
         return x
-    lengths = torch.tensor([x.shape[seq_dim]], dtype=torch.int64, device=x.device)
-    all_lengths = comm.all_gather(lengths, label="gather_sequence lengths")
-    sizes = [int(n.item()) for n in all_lengths]
+    sizes = _all_lengths(comm, x.shape[seq_dim], x.device, label="gather_sequence lengths")
     padded_shape = list(x.shape)
     padded_shape[seq_dim] = max(sizes)
     padded = x.new_zeros(padded_shape)
@@ -747,6 +755,12 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     gathered = comm.all_gather(padded, label="gather_sequence")
     shards = [g.narrow(seq_dim, 0, n) for g, n in zip(gathered, sizes, strict=True)]
     return unshard(shards, layout=sp.layout, seq_dim=seq_dim, cu_seqlens=sp.cu_seqlens)
+
+
+def _all_lengths(comm: Communicator, n: int, device: torch.device, *, label: str) -> list[int]:
+    """Every rank's ``n``, in rank order."""
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    return [int(x) for x in comm.all_gather(mine, label=label)]
 
 
 def causal_lm_loss(
@@ -837,11 +851,8 @@ def all_reduce_gradients(
             torch.promote_types(dtype, torch.float32)
         )
         comm.all_reduce(flat, label=f"all_reduce_gradients {dtype}").wait()
-        offset = 0
-        for g in group:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
+        for g, summed in zip(group, flat.split([g.numel() for g in group]), strict=True):
+            g.copy_(summed.view_as(g))
 
 
 class _SequenceParallelLoss:
@@ -899,15 +910,8 @@ def _labels_loss(
         raise ValueError(f"labels must have shape (batch={b}, seq); got {shape}")
     global_labels = _global_labels(sp, labels, logits)  # (B, S)
     shifted = _shift_global(global_labels, ignore_index=ignore_index, cu_seqlens=sp.cu_seqlens)
-    comm = sp.communicator
-    local = shard(
-        shifted,
-        rank=comm.rank,
-        world_size=comm.world_size,
-        layout=sp.layout,
-        cu_seqlens=sp.cu_seqlens,
-    )
-    return causal_lm_loss(sp, logits, local.to(logits.device), ignore_index=ignore_index)
+    local = _local(sp, shifted).to(logits.device)
+    return causal_lm_loss(sp, logits, local, ignore_index=ignore_index)
 
 
 def _global_labels(
@@ -916,15 +920,10 @@ def _global_labels(
     """The global ``(B, S)`` labels from ``labels``: already global on every rank, or every
     rank's shard ``(B, s_r)`` (gathered); which one is decided from every rank's length."""
     comm = sp.communicator
-    seq_len = sp.seq_len if sp.seq_len is not None else logits.shape[1] * comm.world_size
-    sharding = make_sharding(
-        layout=sp.layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=sp.cu_seqlens
-    )
+    seq_len, sharding = _sharding(sp, logits.shape[1])
     lengths = [labels.shape[1]]
     if comm.world_size > 1:
-        mine = torch.tensor([labels.shape[1]], dtype=torch.int64, device=logits.device)
-        gathered = comm.all_gather(mine, label="labels lengths")
-        lengths = [int(n.item()) for n in gathered]
+        lengths = _all_lengths(comm, labels.shape[1], logits.device, label="labels lengths")
     shards = [sharding.local_len(r) for r in range(comm.world_size)]
     if lengths == [seq_len] * comm.world_size:
         return labels

@@ -55,7 +55,7 @@ from tokenring.hf.attention import (
     _ModelMask,
     as_sequence_parallel,
 )
-from tokenring.inference import cached_attn, resolve_cached_strategy
+from tokenring.inference import cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
@@ -193,8 +193,7 @@ class ShardedKVCache(Cache):
     @property
     def communicator(self) -> Communicator:
         """The group's communicator."""
-        comm: Communicator = self.sequence_parallel.communicator
-        return comm
+        return self.sequence_parallel.communicator
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens of each sequence cached before the step in progress (all sequences are
@@ -250,17 +249,7 @@ class ShardedKVCache(Cache):
             if self.strategy == "auto" and self.hardware is None:  # once per cache
                 self.hardware = calibrate(comm, dtype=dtype, device=device)
         step = self.kv.begin_step([num_new] * batch, check_ranks=False)  # agreed above
-        chosen = resolve_cached_strategy(
-            self.strategy,
-            step=step,
-            comm=comm,
-            heads_q=self.heads_q,
-            heads_kv=self.heads_kv,
-            head_dim=self.head_dim,
-            dtype=dtype,
-            device=device,
-            hardware=self.hardware,
-        )
+        chosen = step_strategy(self.strategy, self.kv, heads_q=self.heads_q, hardware=self.hardware)
         self.strategies.append(chosen)
         return step
 
