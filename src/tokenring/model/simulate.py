@@ -472,12 +472,10 @@ class _EventRun:
         self.fresh.append(i)
 
     def post(self, sends: tuple[int, ...], recvs: tuple[int, ...], now: float) -> None:
-        for i in sends:
-            self.sender_ready[i] = now
-            self.maybe_start(i, now)
-        for i in recvs:
-            self.receiver_ready[i] = now
-            self.maybe_start(i, now)
+        for ready, flows in ((self.sender_ready, sends), (self.receiver_ready, recvs)):
+            for i in flows:
+                ready[i] = now
+                self.maybe_start(i, now)
 
     def advance(self, r: int, now: float) -> None:
         """Play rank ``r``'s program from where it stopped until it computes or waits."""
