@@ -67,14 +67,7 @@ from typing import Any
 import torch
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.schedule import (
-    AttentionShape,
-    Flow,
-    Pass,
-    Schedule,
-    Transfer,
-    dtype_name,
-)
+from tokenring.core.schedule import AttentionShape, Flow, Pass, Schedule, Transfer, dtype_name
 from tokenring.model.netlab import Topology
 
 __all__ = [
@@ -190,9 +183,8 @@ class Hardware:
             raise ValueError(
                 f"kernel_call_s must be a finite number >= 0; got {self.kernel_call_s}"
             )
-        _positive("forward_flops_per_s", self.forward_flops_per_s)
-        _positive("backward_flops_per_s", self.backward_flops_per_s)
-        _positive("memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        for name in ("forward_flops_per_s", "backward_flops_per_s", "memory_bandwidth_bytes_per_s"):
+            _positive(name, getattr(self, name))
         if not self.dtypes:
             raise ValueError("dtypes must name at least one dtype; got ()")
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
@@ -227,13 +219,22 @@ class Hardware:
                 f"hardware {self.name!r} has attention FLOP/s for {', '.join(self.dtypes)}; got "
                 f"dtype {name!r} (calibrate for it or describe it with measured(...))"
             )
-        return (
-            self.forward_flops_per_s if Pass(pass_) is Pass.FORWARD else (self.backward_flops_per_s)
-        )
+        forward = Pass(pass_) is Pass.FORWARD
+        return self.forward_flops_per_s if forward else self.backward_flops_per_s
 
 
 _GB = 1e9
 _TFLOPS = 1e12
+
+
+def _switch(*, link_gb_per_s: float, port_gb_per_s: float, latency_s: float) -> Interconnect:
+    return Interconnect(
+        topology=Topology.SWITCH,
+        link_bandwidth_bytes_per_s=link_gb_per_s * _GB,
+        port_bandwidth_bytes_per_s=port_gb_per_s * _GB,
+        latency_s=latency_s,
+    )
+
 
 # Sources and assumptions. Peaks are vendor datasheet numbers (dense, no sparsity); "achieved"
 # is what a fused attention kernel reaches at D = 128 on long blocks, as a fraction of peak.
@@ -243,12 +244,7 @@ _TFLOPS = 1e12
 # HBM3 3.35 TB/s, 85% achieved.
 _H100_NVSWITCH = Hardware(
     name="h100-nvswitch",
-    interconnect=Interconnect(
-        topology=Topology.SWITCH,
-        link_bandwidth_bytes_per_s=370 * _GB,
-        port_bandwidth_bytes_per_s=370 * _GB,
-        latency_s=8e-6,
-    ),
+    interconnect=_switch(link_gb_per_s=370, port_gb_per_s=370, latency_s=8e-6),
     forward_flops_per_s=500 * _TFLOPS,
     backward_flops_per_s=400 * _TFLOPS,
     memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
@@ -312,12 +308,7 @@ PRESETS: dict[str, Hardware] = {
     # Memory: 600 GB/s GDDR6 peak, 80% achieved. Latency: ~10 us per NCCL P2P message on PCIe.
     "a10-pcie": Hardware(
         name="a10-pcie",
-        interconnect=Interconnect(
-            topology=Topology.SWITCH,
-            link_bandwidth_bytes_per_s=13.5 * _GB,
-            port_bandwidth_bytes_per_s=22.0 * _GB,
-            latency_s=10e-6,
-        ),
+        interconnect=_switch(link_gb_per_s=13.5, port_gb_per_s=22.0, latency_s=10e-6),
         forward_flops_per_s=0.55 * 125 * _TFLOPS,
         backward_flops_per_s=0.45 * 125 * _TFLOPS,
         memory_bandwidth_bytes_per_s=0.8 * 600 * _GB,
@@ -329,12 +320,7 @@ PRESETS: dict[str, Hardware] = {
     # HBM2e 2039 GB/s, 85% achieved. ~8 us per NCCL message over NVLink.
     "a100-nvswitch": Hardware(
         name="a100-nvswitch",
-        interconnect=Interconnect(
-            topology=Topology.SWITCH,
-            link_bandwidth_bytes_per_s=240 * _GB,
-            port_bandwidth_bytes_per_s=240 * _GB,
-            latency_s=8e-6,
-        ),
+        interconnect=_switch(link_gb_per_s=240, port_gb_per_s=240, latency_s=8e-6),
         forward_flops_per_s=220 * _TFLOPS,
         backward_flops_per_s=180 * _TFLOPS,
         memory_bandwidth_bytes_per_s=0.85 * 2039 * _GB,
@@ -356,9 +342,7 @@ PRESETS: dict[str, Hardware] = {
     "ascend910b-hccs": Hardware(
         name="ascend910b-hccs",
         interconnect=Interconnect(
-            topology=Topology.MESH,
-            link_bandwidth_bytes_per_s=0.85 * 28 * _GB,
-            latency_s=10e-6,
+            topology=Topology.MESH, link_bandwidth_bytes_per_s=0.85 * 28 * _GB, latency_s=10e-6
         ),
         forward_flops_per_s=175 * _TFLOPS,
         backward_flops_per_s=140 * _TFLOPS,
@@ -367,24 +351,11 @@ PRESETS: dict[str, Hardware] = {
     # Islands of 8 H100 (NVSwitch inside, as h100-nvswitch) joined by 400 Gb/s NDR InfiniBand,
     # one NIC per GPU (rail-optimised, non-blocking fat tree): 50 GB/s per direction, ~90%
     # achieved by NCCL; ~12 us per message across the fabric.
-    "h100-ib-islands": Hardware(
+    "h100-ib-islands": replace(
+        _H100_NVSWITCH,
         name="h100-ib-islands",
-        interconnect=Interconnect(
-            topology=Topology.SWITCH,
-            link_bandwidth_bytes_per_s=370 * _GB,
-            port_bandwidth_bytes_per_s=370 * _GB,
-            latency_s=8e-6,
-        ),
-        forward_flops_per_s=500 * _TFLOPS,
-        backward_flops_per_s=400 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
         devices_per_node=8,
-        inter=Interconnect(
-            topology=Topology.SWITCH,
-            link_bandwidth_bytes_per_s=45 * _GB,
-            port_bandwidth_bytes_per_s=45 * _GB,
-            latency_s=12e-6,
-        ),
+        inter=_switch(link_gb_per_s=45, port_gb_per_s=45, latency_s=12e-6),
     ),
 }
 
@@ -480,11 +451,9 @@ class Route:
 
 def ring_path(src: int, dst: int, world_size: int) -> list[int]:
     """Ranks from ``src`` to ``dst`` along the shortest way round a ring (ties: src + 1)."""
-    if src == dst:
-        return [src]
     forward = (dst - src) % world_size
     step = 1 if forward <= world_size - forward else -1
-    hops = forward if step == 1 else world_size - forward
+    hops = min(forward, world_size - forward)
     return [(src + step * i) % world_size for i in range(hops + 1)]
 
 
@@ -505,19 +474,13 @@ def route(hardware: Hardware, src: int, dst: int, world_size: int) -> Route:
     if dpn is not None and hardware.inter is not None and src // dpn != dst // dpn:
         net = hardware.inter
         out_kind, in_kind = ResourceKind.NIC_OUT, ResourceKind.NIC_IN
+    # MESH: the direct link; SWITCH: the pair's path through the fabric; RING: every hop
+    path = ring_path(src, dst, world_size) if net.topology is Topology.RING else [src, dst]
     link = net.link_bandwidth_bytes_per_s
-    resources: list[tuple[Resource, float]] = []
-    if net.topology is Topology.RING:
-        path = ring_path(src, dst, world_size)
-        for a, b in itertools.pairwise(path):
-            resources.append((Resource(ResourceKind.LINK, (a, b)), link))
-    else:  # MESH: the direct link; SWITCH: the pair's path through the fabric
-        resources.append((Resource(ResourceKind.LINK, (src, dst)), link))
+    resources = [(Resource(ResourceKind.LINK, hop), link) for hop in itertools.pairwise(path)]
     hops = len(resources)
-    if net.port_bandwidth_bytes_per_s is not None:
-        port = net.port_bandwidth_bytes_per_s
-        resources.append((Resource(out_kind, (src,)), port))
-        resources.append((Resource(in_kind, (dst,)), port))
+    if (port := net.port_bandwidth_bytes_per_s) is not None:
+        resources += [(Resource(out_kind, (src,)), port), (Resource(in_kind, (dst,)), port)]
     return Route(
         resources=tuple(resources),
         flow_cap_bytes_per_s=min(cap for _, cap in resources),
@@ -574,10 +537,10 @@ def exposed_transfers(schedule: Schedule) -> tuple[Transfer, ...]:
     compute of the ranks that read them).
     """
     last = schedule.num_steps - 1
-    out = []
-    for r in range(schedule.world_size):
-        num_segments = len(schedule.steps[r][last].segments)
-        for tr in schedule.sends(r, last):
-            if tr.payload.flow is Flow.RETURN and tr.after_segments >= max(1, num_segments):
-                out.append(tr)
-    return tuple(out)
+    return tuple(
+        tr
+        for r in range(schedule.world_size)
+        for tr in schedule.sends(r, last)
+        if tr.payload.flow is Flow.RETURN
+        and tr.after_segments >= max(1, len(schedule.steps[r][last].segments))
+    )

@@ -382,14 +382,17 @@ class _Plan:
 
 def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None) -> _Plan:
     """Turn a config into setup commands; pure, so the wiring can be read without root."""
-    p = config.world_size
-    mtu = config.mtu
+    p, mtu, topology = config.world_size, config.mtu, config.topology
     addr = [f"{_ADDRESS_PREFIX}{r + 1}" for r in range(p)]
     everyone = [*names, *([switch_name] if switch_name else [])]
-    devices: dict[str, list[str]] = {ns: ["link set lo up"] for ns in everyone}
-    links: dict[str, list[str]] = {ns: [] for ns in everyone}
-    routes: dict[str, list[str]] = {ns: [] for ns in everyone}
-    shaping: dict[str, list[str]] = {ns: [] for ns in everyone}
+    plan = _Plan(
+        forwarding=frozenset(names) if topology is Topology.RING and p > 3 else frozenset(),
+        devices={ns: ["link set lo up"] for ns in everyone},
+        links={ns: [] for ns in everyone},
+        routes={ns: [] for ns in everyone},
+        shaping={ns: [] for ns in everyone},
+    )
+    devices, links, routes, shaping = plan.devices, plan.links, plan.routes, plan.shaping
     tbf = (
         f"root tbf rate {round(config.rate_bits_per_s)}bit burst {config.burst_bytes} "
         f"latency {round(config.queue_latency_s * 1e6)}us"
@@ -409,7 +412,7 @@ def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None
             routes[ns].append(f"link set {dev} up")
             shaping[ns].append(f"qdisc replace dev {dev} {tbf}")
 
-    if config.topology is Topology.SWITCH:
+    if topology is Topology.SWITCH:
         assert switch_name is not None
         devices[switch_name] += [
             f"link add {_BRIDGE} mtu {mtu} type bridge stp_state 0",
@@ -423,11 +426,9 @@ def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None
                 for peer in range(p)
                 if peer != r
             ]
-        return _Plan(
-            forwarding=frozenset(), devices=devices, links=links, routes=routes, shaping=shaping
-        )
+        return plan
 
-    if config.topology is Topology.MESH:
+    if topology is Topology.MESH:
         pairs = {(a, b) for a in range(p) for b in range(a + 1, p)}
     else:
         pairs = {(min(a, (a + 1) % p), max(a, (a + 1) % p)) for a in range(p)}
@@ -435,10 +436,7 @@ def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None
         veth(names[a], f"v{b}", names[b], f"v{a}")
     for r, ns in enumerate(names):
         routes[ns] += [_route(config, addr, r, peer) for peer in range(p) if peer != r]
-    forwarding = frozenset(names) if config.topology is Topology.RING and p > 3 else frozenset()
-    return _Plan(
-        forwarding=forwarding, devices=devices, links=links, routes=routes, shaping=shaping
-    )
+    return plan
 
 
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None

@@ -67,7 +67,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -234,6 +234,16 @@ def _plan(
 ) -> Plan:
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
+    call: dict[str, Any] = dict(
+        passes="both" if training else "forward",
+        causal=causal,
+        world_size=world_size,
+        seq_local=seq_local,
+        shape=shape,
+        hardware=hardware,
+        last_block_splits=last_block_splits,
+        mode=mode,
+    )
     for strategy in strategies:
         if strategy.is_collective and hardware.collectives not in _VALIDATED_ROUTINGS:
             skipped.append((strategy, _UNVALIDATED.format(routing=hardware.collectives.value)))
@@ -243,31 +253,7 @@ def _plan(
             continue
         spec = hybrid if strategy is Strategy.HYBRID else None
         lends = _LENDS[last_pair] if strategy is Strategy.TOKEN_RING else (False,)
-        for layout in layouts:
-            variants: list[Prediction] = []
-            for lend in lends:
-                try:
-                    call = simulate(
-                        strategy,
-                        passes="both" if training else "forward",
-                        layout=layout,
-                        causal=causal,
-                        world_size=world_size,
-                        seq_local=seq_local,
-                        shape=shape,
-                        hardware=hardware,
-                        last_block_splits=last_block_splits,
-                        mode=mode,
-                        hybrid=spec,
-                        lend_last_pair=lend,
-                    )
-                except NotImplementedError as exc:  # e.g. no columns for it at this world size
-                    if layout is layouts[0] and not variants:
-                        skipped.append((strategy, str(exc)))
-                    continue
-                variants.append(_prediction(strategy, layout, call, training, spec, lend))
-            if variants:
-                predictions.append(_fastest(variants))
+        predictions += _predict(strategy, layouts, lends, spec, call, skipped)
     if not predictions:
         reasons = "; ".join(reason for _, reason in skipped)
         raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
@@ -288,11 +274,38 @@ def _plan(
     return plan
 
 
+def _predict(
+    strategy: Strategy,
+    layouts: tuple[Layout, ...],
+    lends: tuple[bool, ...],
+    hybrid: HybridSpec | None,
+    call: dict[str, Any],
+    skipped: list[tuple[Strategy, str]],
+) -> list[Prediction]:
+    """Per layout, the faster of ``strategy``'s variants (lent last pair or not); the first
+    reason the simulator cannot predict it goes to ``skipped``."""
+    predictions = []
+    for layout in layouts:
+        variants: list[Prediction] = []
+        for lend in lends:
+            try:
+                result = simulate(
+                    strategy, layout=layout, hybrid=hybrid, lend_last_pair=lend, **call
+                )
+            except NotImplementedError as exc:  # e.g. no columns for it at this world size
+                if layout is layouts[0] and not variants:
+                    skipped.append((strategy, str(exc)))
+                continue
+            variants.append(_prediction(strategy, layout, result, hybrid, lend))
+        if variants:
+            predictions.append(_fastest(variants))
+    return predictions
+
+
 def _prediction(
     strategy: Strategy,
     layout: Layout,
     call: CallResult,
-    training: bool,
     hybrid: HybridSpec | None,
     lends_last_pair: bool,
 ) -> Prediction:
@@ -301,7 +314,7 @@ def _prediction(
         strategy=strategy,
         layout=layout,
         forward_s=fwd.call_s,
-        backward_s=call.passes[1].call_s if training else 0.0,
+        backward_s=sum((p.call_s for p in call.passes[1:]), 0.0),
         bound_by="compute" if fwd.compute_s >= fwd.busiest_s else f"comm ({fwd.busiest_resource})",
         mode=fwd.mode,
         hybrid=hybrid,
@@ -309,7 +322,10 @@ def _prediction(
     )
 
 
-def _fastest(predictions: list[Prediction]) -> Prediction:
+_P = TypeVar("_P", "Prediction", "CachedPrediction")
+
+
+def _fastest(predictions: Sequence[_P]) -> _P:
     """The fastest prediction, ties to the earlier (Note [Choosing])."""
     best = predictions[0]
     for cand in predictions[1:]:
@@ -668,11 +684,8 @@ def calibrate(
             f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
         )
     if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if comm.backend == "nccl"
-            else torch.device("cpu")
-        )
+        nccl = comm.backend == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     device = torch.device(device)
     block = select_kernel(device, dtype, kernel)
     dims = AttentionShape(
@@ -680,12 +693,9 @@ def calibrate(
     )
     *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
     link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
-    # Agree: the slowest rank's rates and the largest latency, identical on every rank.
-    values = [-x for x in (*local, link, two_way)] + [latency if comm.world_size > 1 else 0.0]
-    agreed = torch.tensor([*values, call_s], dtype=torch.float64, device=device)
-    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
-    fwd, bwd, mem, link, two_way, latency, call_s = (float(x) for x in agreed.cpu())
-    fwd, bwd, mem, link, two_way = -fwd, -bwd, -mem, -link, -two_way
+    latency = latency if comm.world_size > 1 else 0.0
+    agreed = _agree(comm, [*local, link, two_way], [latency, call_s], device)
+    fwd, bwd, mem, link, two_way, latency, call_s = agreed
     topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
         forward_flops_per_s=fwd,
@@ -699,6 +709,17 @@ def calibrate(
         collectives=CollectiveRouting.for_backend(comm.backend),
         kernel_call_s=call_s,
     )
+
+
+def _agree(
+    comm: Communicator, rates: list[float], most: list[float], device: torch.device
+) -> list[float]:
+    """The slowest rank's ``rates`` and the largest ``most`` (latency, call time), identical
+    on every rank: one ``all_reduce(MAX)``."""
+    agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
+    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
+    values = [float(x) for x in agreed.cpu()]
+    return [-x for x in values[: len(rates)]] + values[len(rates) :]
 
 
 def _topology(
@@ -820,9 +841,7 @@ def choose_cached_strategy(
         ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
     """
     chosen = (
-        {CachedStrategy.parse(c) for c in candidates}
-        if candidates is not None
-        else set(CachedStrategy)
+        set(CachedStrategy) if candidates is None else set(map(CachedStrategy.parse, candidates))
     )
     if not chosen:
         raise ValueError("candidates must name at least one strategy; got none")
@@ -839,16 +858,12 @@ def choose_cached_strategy(
         for s in CachedStrategy
         if s in chosen
     )
-    best = predictions[0]
-    for cand in predictions[1:]:
-        if cand.total_s < best.total_s * (1 - 1e-9):
-            best = cand
+    best = _fastest(predictions)
     dims = AttentionShape(
         heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
     )
-    new = sum(shards.q_rows)
     total = sum(shards.kv_rows)
-    fraction = new / total if total else 1.0
+    fraction = sum(shards.q_rows) / total if total else 1.0
     threshold = pass_q_threshold(
         heads_q=heads_q,
         heads_kv=heads_kv,

@@ -7,7 +7,7 @@ links and ports -- and returns per-rank timelines (``tokenring.runtime.comm.Even
 format, so the same plotting code draws both), the call time, per-step times, bytes per flow
 and the % of the bound. Two engines replay the same rank programs: an event-driven one for
 P <= 64 and a vectorised one (every rank at once, Note [Vectorised engine]) for larger P; the
-output says which ran. The CLI command ``tokenring simulate`` lives at the bottom.
+output says which ran. Its command line is ``tokenring.cli.simulate``.
 
 Legend: B batch, S global seq, s local seq, Hq query heads, Hkv key/value heads, D head dim,
 P world size, t step, r rank, F achieved FLOP/s.
@@ -87,6 +87,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from tokenring.core.layout import Layout, make_sharding, validate_seq_local
 from tokenring.core.schedule import (
@@ -115,12 +116,7 @@ from tokenring.strategies import build_schedule
 from tokenring.strategies.cached import CachedPlan, CachedShards
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
-from tokenring.strategies.ring import (
-    LEND_MAX_WORLD_SIZE,
-    RingColumns,
-    RingPlan,
-    ring_plan,
-)
+from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE, RingColumns, RingPlan, ring_plan
 
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",
@@ -198,8 +194,7 @@ class PassResult:
     @property
     def steady_step_s(self) -> float:
         """A representative steady step: the median over steps 1..P-2 (all steps if P < 3)."""
-        steps = list(self.step_s[1:-1]) or list(self.step_s)
-        steps.sort()
+        steps = sorted(self.step_s[1:-1] or self.step_s)
         return steps[len(steps) // 2] if steps else 0.0
 
 
@@ -231,12 +226,8 @@ class CallResult:
 # -- shared helpers ----------------------------------------------------------------------------
 def _delta_bytes(seq_local: int, dims: AttentionShape) -> int:
     """Backward prologue: delta = rowsum(dout * out): read dout and out, write delta."""
-    return (
-        seq_local
-        * dims.batch
-        * dims.heads_q
-        * (2 * dims.head_dim * dims.elem_bytes + dims.acc_bytes)
-    )
+    row_head = 2 * dims.head_dim * dims.elem_bytes + dims.acc_bytes
+    return seq_local * dims.batch * dims.heads_q * row_head
 
 
 def _add_bytes(num_rows: int, heads: int, dims: AttentionShape, *, pairs: int = 1) -> int:
@@ -314,12 +305,10 @@ class _EventEngine:
                 continue
             for index in ids:
                 load[index] += num
-        best = ("none", 0, 0.0)
-        for resource, index in sorted(self.res_index.items(), key=lambda kv: kv[1]):
-            seconds = load[index] / self.res_cap[index]
-            if seconds > best[2]:
-                best = (str(resource), int(load[index]), seconds)
-        return best
+        candidates = [
+            (str(res), int(load[i]), load[i] / self.res_cap[i]) for res, i in self.res_index.items()
+        ]
+        return max([("none", 0, 0.0), *candidates], key=lambda c: c[2])  # the first of equals
 
     def _actions(self, r: int) -> list[tuple[Any, ...]]:
         """The engine's actions for rank ``r``'s program (Note [Replaying the rank program])."""
@@ -420,12 +409,8 @@ class _EventEngine:
         """Kernel time of one (Q block, K/V shard) pair: the roofline of its FLOPs (every
         computed score, masked or not) and bytes, plus a fixed cost per kernel call (Note
         [Cached attention call] in tokenring.inference: one or two calls per sequence)."""
-        hq, hkv, d, e = (
-            self.dims.heads_q,
-            self.dims.heads_kv,
-            self.dims.head_dim,
-            self.dims.elem_bytes,
-        )
+        dims = self.dims
+        hq, hkv, d, e = dims.heads_q, dims.heads_kv, dims.head_dim, dims.elem_bytes
         flops = num_bytes = 0.0
         calls = 0
         for t, (full, stop) in zip(
@@ -487,12 +472,10 @@ class _EventRun:
         self.fresh.append(i)
 
     def post(self, sends: tuple[int, ...], recvs: tuple[int, ...], now: float) -> None:
-        for i in sends:
-            self.sender_ready[i] = now
-            self.maybe_start(i, now)
-        for i in recvs:
-            self.receiver_ready[i] = now
-            self.maybe_start(i, now)
+        for ready, flows in ((self.sender_ready, sends), (self.receiver_ready, recvs)):
+            for i in flows:
+                ready[i] = now
+                self.maybe_start(i, now)
 
     def advance(self, r: int, now: float) -> None:
         """Play rank ``r``'s program from where it stopped until it computes or waits."""
@@ -584,24 +567,13 @@ class _EventRun:
         return self.finish, self.step_start, self.events
 
 
-def _simulate_event(
-    sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
-) -> tuple[
-    float, tuple[float, ...], tuple[tuple[Event, ...], ...], float, float, tuple[str, int, float]
-]:
-    engine = _EventEngine.for_schedule(sched, dims, hardware, flops_per_s)
-    finish, step_start, events = engine.run()
-    p = sched.world_size
-    steps = tuple(
-        max(step_start[r][t + 1] - step_start[r][t] for r in range(p))
-        for t in range(sched.num_steps)
-    )
-    kernels, merges = (
-        max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind == kind) for evs in events)
-        for kind in ("compute", "merge")
-    )
-    timeline = tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
-    return max(finish), steps, timeline, kernels, merges, engine.busiest(exposed_transfers(sched))
+def _busy_s(events: list[list[Event]], *kinds: str) -> float:
+    """The busiest rank's seconds in events of ``kinds``."""
+    return max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in kinds) for evs in events)
+
+
+def _timeline(events: list[list[Event]]) -> tuple[tuple[Event, ...], ...]:
+    return tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
 
 
 def simulate_cached(
@@ -619,10 +591,8 @@ def simulate_cached(
     engine.flops_per_s = hardware.flops_per_s(Pass.FORWARD, shape.dtype)
     engine.programs = [engine._cached_program(plan, shards, r) for r in range(plan.world_size)]
     finish, _, events = engine.run()
-    work = ("compute", "merge")
-    busy = max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in work) for evs in events)
-    timeline = tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
-    return max(finish), busy, engine.busiest()[2], timeline
+    busy = _busy_s(events, "compute", "merge")
+    return max(finish), busy, engine.busiest()[2], _timeline(events)
 
 
 # -- vectorised engine -------------------------------------------------------------------------
@@ -635,12 +605,10 @@ class _Network:
     """
 
     def __init__(self, hardware: Hardware, world_size: int) -> None:
-        self.hw, self.p = hardware, world_size
+        self.p = p = world_size
         net = hardware.interconnect
-        p = world_size
         self.ring = net.topology is Topology.RING
         self.link = net.link_bandwidth_bytes_per_s
-        self.port = net.port_bandwidth_bytes_per_s
         self.lat = net.latency_s
         self.dpn = hardware.devices_per_node
         self.inter = hardware.inter
@@ -650,24 +618,29 @@ class _Network:
         # the busiest of them is known per call of price() and no (P, P) table is kept.
         self.down_totals = torch.zeros(p, dtype=f64)  # pair (r, r - 1)
         self.other_best: tuple[float, int, float] = (-1.0, -1, 0.0)  # (seconds, src*P+dst, bytes)
-        self.port_totals = torch.zeros(2, p, dtype=f64)  # [out, in]
-        self.nic_totals = torch.zeros(2, p, dtype=f64)
+        # Ports (intra-island flows) and NICs (inter): (inter?, bandwidth, [out, in] byte
+        # totals per rank, their first family in price()'s work, their resource kinds).
+        self.ports: list[tuple[bool, float, Tensor, int, tuple[ResourceKind, ...]]] = []
+        if (port := net.port_bandwidth_bytes_per_s) is not None:
+            kinds = (ResourceKind.PORT_OUT, ResourceKind.PORT_IN)
+            self.ports.append((False, port, torch.zeros(2, p, dtype=f64), 1, kinds))
+        if self.inter is not None and (nic := self.inter.port_bandwidth_bytes_per_s) is not None:
+            kinds = (ResourceKind.NIC_OUT, ResourceKind.NIC_IN)
+            self.ports.append((True, nic, torch.zeros(2, p, dtype=f64), 3, kinds))
         self.hop_totals = torch.zeros(2, p, dtype=f64)  # [up, down] per origin rank
         # Streaming drain(): per resource family and rank, the bytes-seconds of work so far and
         # max over windows with work of (window start - work before it).
         self.work_before = torch.zeros(7, p, dtype=f64)
         self.best_start = torch.full((7, p), -math.inf, dtype=f64)
 
-    def _pair_cap(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    def _pair_cap(self, src: Tensor, dst: Tensor) -> Tensor:
         cap = torch.full(src.shape, math.inf if self.ring else self.link, dtype=torch.float64)
         if self.inter is not None and self.dpn is not None:
             across = (src // self.dpn) != (dst // self.dpn)
             cap = torch.where(across, self.inter.link_bandwidth_bytes_per_s, cap)
         return cap
 
-    def price(
-        self, x: torch.Tensor, dst: torch.Tensor, *, count: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def price(self, x: Tensor, dst: Tensor, *, count: bool = True) -> tuple[Tensor, Tensor]:
         """Per flow: latency + its equal-share finish time among the flows of its window;
         and per window the seconds of work each resource family gets (for :meth:`drain`).
 
@@ -702,13 +675,8 @@ class _Network:
         return torch.where(active, worst + lat * hops, 0.0), work
 
     def _price_pairs(
-        self,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        xa: torch.Tensor,
-        work: torch.Tensor,
-        count: bool,
-    ) -> torch.Tensor:
+        self, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
+    ) -> Tensor:
         """The pair's own link/path: flows of one window with the same (src, dst) share it.
         Per flow its seconds there; fills family 0 of ``work``."""
         if self.ring and self.inter is None:
@@ -731,25 +699,15 @@ class _Network:
         return torch.minimum(pair_load, pair_n * xa) / pair_cap
 
     def _price_ports(
-        self,
-        win: torch.Tensor,
-        dst: torch.Tensor,
-        xa: torch.Tensor,
-        inter: torch.Tensor,
-        work: torch.Tensor,
-        count: bool,
-    ) -> torch.Tensor:
+        self, win: Tensor, dst: Tensor, xa: Tensor, inter: Tensor, work: Tensor, count: bool
+    ) -> Tensor:
         """Ports (intra) and NICs (inter): what src sends and dst receives. Per flow its
         seconds there; fills families 1 to 4 of ``work``."""
         w_count, p, _ = xa.shape
         n = (xa > 0).to(torch.float64)
         worst = torch.zeros(xa.shape, dtype=torch.float64)
-        kinds: list[tuple[torch.Tensor, float, torch.Tensor, int]] = []
-        if self.port is not None:
-            kinds.append((~inter, self.port, self.port_totals, 1))
-        if self.inter is not None and self.inter.port_bandwidth_bytes_per_s is not None:
-            kinds.append((inter, self.inter.port_bandwidth_bytes_per_s, self.nic_totals, 3))
-        for mask, cap, totals, family in kinds:
+        for across, cap, totals, family, _ in self.ports:
+            mask = inter if across else ~inter
             xm, nm = xa * mask, n * mask
             out_load, out_n = xm.sum(-1), nm.sum(-1)  # (W, P) by src
             zeros = torch.zeros(w_count, p, dtype=torch.float64)
@@ -766,14 +724,14 @@ class _Network:
 
     def _price_hops(
         self,
-        win: torch.Tensor,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        xa: torch.Tensor,
-        inter: torch.Tensor,
-        work: torch.Tensor,
+        win: Tensor,
+        src: Tensor,
+        dst: Tensor,
+        xa: Tensor,
+        inter: Tensor,
+        work: Tensor,
         count: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         """A physical ring's hops, each way round: per flow its seconds on its busiest hop
         and its number of hops (at least 1); fills families 5 and 6 of ``work``."""
         w_count, p, _ = xa.shape
@@ -797,7 +755,7 @@ class _Network:
             worst[sel] = torch.minimum(max_load, max_flows * xs) / self.link
         return worst, hops.clamp(min=1)
 
-    def _count_other_pairs(self, src: torch.Tensor, dst: torch.Tensor, xa: torch.Tensor) -> None:
+    def _count_other_pairs(self, src: Tensor, dst: Tensor, xa: Tensor) -> None:
         """Fold the flows of pairs other than (r, r - 1) into the busiest such pair."""
         if not src.numel():
             return
@@ -809,7 +767,7 @@ class _Network:
         if (best[0], -best[1]) > (self.other_best[0], -self.other_best[1]):
             self.other_best = best
 
-    def add_windows(self, work: torch.Tensor, window_start: torch.Tensor) -> None:
+    def add_windows(self, work: Tensor, window_start: Tensor) -> None:
         """Fold the work of consecutive windows (``(W, 7, P)`` from :meth:`price`, in window
         order, each window once) starting at ``window_start`` ``(W,)`` into :meth:`drain`."""
         before = self.work_before + work.cumsum(0) - work  # (W, 7, P): work before window w
@@ -833,30 +791,14 @@ class _Network:
         if not self.ring or self.inter is not None:
             ranks = torch.arange(p)
             seconds = self.down_totals / self._pair_cap(ranks, (ranks - 1) % p)
-            i = int(torch.argmax(seconds))
-            down = (float(seconds[i]), i * p + (i - 1) % p, float(self.down_totals[i]))
-            if p > 1:  # the first of equals in pair order, as one (P, P) table would give it
-                ties = seconds == seconds[i]
-                index = ranks * p + (ranks - 1) % p
-                j = int(torch.argmin(torch.where(ties, index, p * p)))
-                down = (float(seconds[j]), int(index[j]), float(self.down_totals[j]))
+            index = ranks * p + (ranks - 1) % p
+            # the first of equals in pair order, as one (P, P) table would give it
+            j = int(torch.argmin(torch.where(seconds == seconds.max(), index, p * p)))
+            down = (float(seconds[j]), int(index[j]), float(self.down_totals[j]))
             best = max(down, self.other_best, key=lambda c: (c[0], -c[1]))
             name = str(Resource(ResourceKind.LINK, divmod(best[1], p)))
             candidates.append((name, best[2], best[0]))
-        tables = []
-        if self.port is not None:
-            tables.append(
-                (self.port_totals, self.port, (ResourceKind.PORT_OUT, ResourceKind.PORT_IN))
-            )
-        if self.inter is not None and self.inter.port_bandwidth_bytes_per_s is not None:
-            tables.append(
-                (
-                    self.nic_totals,
-                    self.inter.port_bandwidth_bytes_per_s,
-                    (ResourceKind.NIC_OUT, ResourceKind.NIC_IN),
-                )
-            )
-        for totals, cap, kinds in tables:
+        for _, cap, totals, _, kinds in self.ports:
             i = int(torch.argmax(totals.reshape(-1)))
             side, rank = divmod(i, p)
             num = float(totals.reshape(-1)[i])
@@ -872,13 +814,8 @@ class _Network:
 
 
 def _range_add(
-    num_windows: int,
-    size: int,
-    window: torch.Tensor,
-    start: torch.Tensor,
-    length: torch.Tensor,
-    value: torch.Tensor,
-) -> torch.Tensor:
+    num_windows: int, size: int, window: Tensor, start: Tensor, length: Tensor, value: Tensor
+) -> Tensor:
     """(W, size): per window, the sum of ``value`` over circular ranges [start, start+length)."""
     diff = torch.zeros(num_windows, 2 * size + 1, dtype=torch.float64)
     diff.index_put_((window, start), value, accumulate=True)
@@ -887,9 +824,7 @@ def _range_add(
     return cum[:, :size] + cum[:, size : 2 * size]
 
 
-def _range_max(
-    values: torch.Tensor, window: torch.Tensor, start: torch.Tensor, length: torch.Tensor
-) -> torch.Tensor:
+def _range_max(values: Tensor, window: Tensor, start: Tensor, length: Tensor) -> Tensor:
     """max(values[window, start : start + length]) per query (length >= 1): a sparse table."""
     out = torch.empty(start.shape, dtype=torch.float64)
     level = torch.floor(torch.log2(length.double())).long()
@@ -934,17 +869,15 @@ class _Replay:
         delta = _delta_bytes(plan.seq_local, dims) / mem if self.backward else 0.0
         self.now, self.kernel_s, self.memory_s = zeros + delta, zeros.clone(), zeros + delta
         self.send_done, self.travel_in, self.own_travel = zeros.clone(), zeros, zeros
-        self.returned: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by receiver
-        self.own_returns: dict[int, torch.Tensor] = {}  # per step: when r's returns arrived
+        self.returned: dict[int, list[tuple[Tensor, Tensor]]] = {}  # by receiver
+        self.own_returns: dict[int, Tensor] = {}  # per step: when r's returns arrived
         self.passing = (zeros, zeros)  # accumulators to pass on: (arrival, has) by receiver
         self.home = (torch.full((p,), -math.inf, dtype=torch.float64), zeros.clone())  # (A, C)
         self.starts: list[float] = []  # per step: the earliest rank's start
         self.step_s: list[float] = []
         self.zeros = zeros
 
-    def _arrive(
-        self, dst: torch.Tensor, num_bytes: torch.Tensor, dur: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _arrive(self, dst: Tensor, num_bytes: Tensor, dur: Tensor) -> tuple[Tensor, Tensor]:
         """Flows posted now by every rank to ``dst``: a flow starts when both ends have
         posted it (both post in this op) and arrives ``dur`` later. Returns (arrival by
         sender, has by sender) and counts the sends towards SENT_ALL."""
@@ -954,8 +887,8 @@ class _Replay:
         return arrival, has
 
     def _received(
-        self, dst: torch.Tensor, arrival: torch.Tensor, has: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, dst: Tensor, arrival: Tensor, has: Tensor, value: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """(arrival, value) by receiver (values >= 0) of flows that reach every receiver at
         most once."""
         at = self.zeros.scatter_reduce(0, dst, torch.where(has, arrival, 0.0), "amax")
@@ -974,7 +907,7 @@ class _Replay:
         self.num_segments = (rows > 0).sum(-1).amax(0).tolist()
         self.sends_dkv = (col.dkv_rows[:, :num_steps] > 0).any(0).tolist()
 
-    def step(self, t: int, col: RingColumns, j: int, dur: dict[str, torch.Tensor]) -> None:
+    def step(self, t: int, col: RingColumns, j: int, dur: dict[str, Tensor]) -> None:
         """Step ``t`` (column ``j`` of ``col``, :meth:`load` ed); ``dur``: its flows'
         durations (``travel`` (P,), ``returns`` (P, K), ``dkv`` (P,))."""
         self.starts.append(float(self.now.min()))
@@ -1003,7 +936,7 @@ class _Replay:
         self.step_s.append(float((self.now - start).max()))
 
     def _post(
-        self, t: int, col: RingColumns, j: int, after: int, num: int, dur: dict[str, torch.Tensor]
+        self, t: int, col: RingColumns, j: int, after: int, num: int, dur: dict[str, Tensor]
     ) -> None:
         """POST t ``after``: slot 0 the travelling block, slot k+1 TokenRing's partial of
         segment k, slot max(1, n) Ring's accumulator (Note [Rank program])."""
@@ -1032,14 +965,14 @@ class _Replay:
                 torch.where(got_home, total + self.dkv_add, total),
             )
 
-    def _add(self, arrival: torch.Tensor, has: torch.Tensor, cost: torch.Tensor | float) -> None:
+    def _add(self, arrival: Tensor, has: Tensor, cost: Tensor | float) -> None:
         """Wait for what arrives where ``has``, then merge or add it (``cost`` seconds)."""
         has = has > 0
         cost = torch.where(has, cost, 0.0)
         self.now = torch.where(has, torch.maximum(self.now, arrival), self.now) + cost
         self.memory_s += cost
 
-    def end(self) -> torch.Tensor:
+    def end(self) -> Tensor:
         """END, the RETURNS of the last two steps, HOME and SENT_ALL: each rank's end."""
         for t in sorted(self.returned):
             for arrival, cost in self.returned.pop(t):
@@ -1052,7 +985,7 @@ class _Replay:
 
 def _flow_bytes(
     plan: RingPlan, col: RingColumns, dims: AttentionShape
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Bytes of each step's flows: travel (P, T), returns (P, T, K), accumulators (P, T)."""
     travel = col.travel_rows.double() * dims.row_bytes(plan.travel_payload)
     ret_payload = plan.return_payload
@@ -1064,7 +997,7 @@ def _flow_bytes(
 
 def _window_flows(
     plan: RingPlan, col: RingColumns, dims: AttentionShape, windows: range
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """The flows of ``windows`` as ``(W, P, G)`` bytes and receivers for ``_Network.price``,
     and ``(P, 2)`` the exposed ones of the last step (Note [Vectorised engine]): slot 0 the
     travel of step w, 1..K the returns of step w-1, K+1..2K those of the last step but each
@@ -1092,15 +1025,15 @@ def _window_flows(
     return x, dst, exposed
 
 
-def _last_segment(col: RingColumns, j: int) -> torch.Tensor:
+def _last_segment(col: RingColumns, j: int) -> Tensor:
     """(P, K) bool: segment k is the last of rank r's segments at column j."""
     num = (col.segment_rows[:, j] > 0).sum(-1, keepdim=True)
     return torch.arange(col.segment_rows.shape[2]) == num - 1
 
 
 def _step_durations(
-    dur: torch.Tensor, tail: torch.Tensor, col: RingColumns, t: int, j: int
-) -> dict[str, torch.Tensor]:
+    dur: Tensor, tail: Tensor, col: RingColumns, t: int, j: int
+) -> dict[str, Tensor]:
     """Durations of the flows of step t (window t is ``dur[j]``, step t column ``j``)
     in the slots of :func:`_window_flows`: the returns and accumulators of step t fly in
     window t + 1, those of the last step in its own window or, exposed, in ``tail``."""
@@ -1126,6 +1059,21 @@ def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) ->
     return last_merge
 
 
+def _price_windows(
+    net: _Network, plan: RingPlan, col: RingColumns, dims: AttentionShape, windows: range
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """``windows``' flow durations ``(W, P, G)`` and work (``_Network.price``), and the
+    exposed tail's ``((1, P, 2), (1, 7, P))`` when the last window is among them."""
+    x, dst, tail_x = _window_flows(plan, col, dims, windows)
+    used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
+    dur = torch.zeros_like(x)
+    dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used])
+    if not windows or windows[-1] != plan.world_size - 1:
+        return dur, work, None
+    tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
+    return dur, work, net.price(tail_x.unsqueeze(0), tail_dst, count=False)
+
+
 def _simulate_vectorised(
     plan: RingPlan,
     layout: Layout,
@@ -1139,21 +1087,17 @@ def _simulate_vectorised(
     net, replay = _Network(hardware, p), _Replay(plan, dims, hardware, flops_per_s)
     chunk = max(1, _CHUNK_CELLS // p)
     travel_sent, return_sent = replay.zeros.clone(), replay.zeros.clone()
-    last_window: torch.Tensor | None = None  # durations of the previous chunk's last window
+    last_window: Tensor | None = None  # durations of the previous chunk's last window
     tail, tail_work = torch.zeros(1, p, 2, dtype=torch.float64), torch.zeros(1, 7, p)
     for c0 in range(0, p, chunk):
         c1 = min(p, c0 + chunk)
         col = plan.columns(range(c0, min(p, c1 + 1)))  # and the step after: its window
         windows = range(0 if c0 == 0 else c0 + 1, min(p, c1 + 1))
-        x, dst, tail_x = _window_flows(plan, col, dims, windows)
-        used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
-        dur = torch.zeros_like(x)
-        dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used])
+        dur, work, priced_tail = _price_windows(net, plan, col, dims, windows)
         dur = dur if last_window is None else torch.cat([last_window, dur])
         last_window = dur[-1:]
-        if windows and windows[-1] == p - 1:
-            tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
-            tail, tail_work = net.price(tail_x.unsqueeze(0), tail_dst, count=False)
+        if priced_tail is not None:
+            tail, tail_work = priced_tail
         travel, returns, dkv = _flow_bytes(plan, col, dims)
         travel_sent += travel[:, : c1 - c0].sum(1)
         return_sent += returns[:, : c1 - c0].sum((1, 2)) + dkv[:, : c1 - c0].sum(1)
@@ -1202,12 +1146,12 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     """
     p = sched.world_size
     flops_per_s = hardware.flops_per_s(sched.pass_, shape.dtype)
-    call_s, steps, timeline, compute_s, merge_s, busiest = _simulate_event(
-        sched, shape, hardware, flops_per_s
-    )
-    busiest_name, busiest_bytes, busiest_s = busiest
+    engine = _EventEngine.for_schedule(sched, shape, hardware, flops_per_s)
+    finish, step_start, events = engine.run()
+    exposed = exposed_transfers(sched)
+    busiest_name, busiest_bytes, busiest_s = engine.busiest(exposed)
     exposed_s = 0.0
-    for tr in exposed_transfers(sched):
+    for tr in exposed:
         rt = transfer_route(hardware, sched, tr)
         exposed_s = max(exposed_s, tr.num_bytes(shape) / rt.flow_cap_bytes_per_s + rt.latency_s)
     sent: dict[Flow, list[int]] = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
@@ -1221,17 +1165,20 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
         world_size=p,
         seq_local=sched.seq_local,
         mode="event",
-        call_s=call_s,
-        step_s=steps,
-        compute_s=compute_s,
-        merge_s=merge_s,
+        call_s=max(finish),
+        step_s=tuple(
+            max(step_start[r][t + 1] - step_start[r][t] for r in range(p))
+            for t in range(sched.num_steps)
+        ),
+        compute_s=_busy_s(events, "compute"),
+        merge_s=_busy_s(events, "merge"),
         busiest_resource=busiest_name,
         busiest_bytes=busiest_bytes,
         busiest_s=busiest_s,
         exposed_s=exposed_s,
         travel_bytes=max(sent[Flow.TRAVEL]),
         return_bytes=max(sent[Flow.RETURN]),
-        timeline=timeline,
+        timeline=_timeline(events),
     )
 
 
@@ -1295,14 +1242,20 @@ def simulate_pass(
         )
         if mode == "event":
             return simulate_schedule(sched, shape=shape, hardware=hardware)
-        if any(tr.payload is Payload.KV for tr in sched.transfers):  # at most 64 ranks: cheap
-            raise NotImplementedError(
-                "the vectorised engine's columns have TokenRing's plain tail, and this "
-                "schedule lends its last pair (Note [Borrowed last pair] in "
-                "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
-            )
+        _check_plain_tail(sched)
     plan = ring_plan(strategy, pass_, **call)
     return _simulate_vectorised(plan, layout, causal, shape, hardware, flops_per_s)
+
+
+def _check_plain_tail(sched: Schedule) -> None:
+    """Raise NotImplementedError when TokenRing's ``sched`` lends its last pair, which the
+    vectorised engine's columns do not replay."""
+    if any(tr.payload is Payload.KV for tr in sched.transfers):  # at most 64 ranks: cheap
+        raise NotImplementedError(
+            "the vectorised engine's columns have TokenRing's plain tail, and this "
+            "schedule lends its last pair (Note [Borrowed last pair] in "
+            "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
+        )
 
 
 def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
@@ -1438,6 +1391,3 @@ def simulate(
         strategy=options["strategy"],
         passes=tuple(simulate_pass(pass_=pass_, **options) for pass_ in _PASSES[passes]),
     )
-
-
-# -- CLI ---------------------------------------------------------------------------------------
