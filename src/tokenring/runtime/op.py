@@ -40,10 +40,10 @@ from tokenring.core.layout import Layout, Sharding
 from tokenring.core.masks import MaskSpec
 from tokenring.core.schedule import Schedule, Strategy
 from tokenring.runtime.collective import collective_backward, collective_forward
-from tokenring.runtime.collective import residual_fields as collective_residual_fields
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype
 from tokenring.runtime.ring import run_backward, run_forward
+from tokenring.strategies.collective import ulysses_heads
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -215,22 +215,11 @@ def residual_fields(
         ValueError: inputs Ulysses cannot split (Hkv not dividing Hq).
     """
     b, _, hq, d = q_shape
-    fields: list[FieldSpec] = []
-    if strategy.is_collective:
-        fields = collective_residual_fields(
-            strategy.value,
-            batch=b,
-            seq_local=seq_local,
-            heads_q=hq,
-            heads_kv=heads_kv,
-            head_dim=d,
-            dtype=dtype,
-            world_size=world_size,
-            rank=rank,
-        )
-    if padded:
-        fields += [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
-    return fields
+    if strategy is Strategy.ULYSSES:  # the collectives keep none; this validates the split
+        ulysses_heads(world_size=world_size, heads_q=hq, heads_kv=heads_kv)
+    if not padded:
+        return []
+    return [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
 
 
 def _collective_options(plan: Plan) -> dict[str, Any]:
