@@ -63,6 +63,7 @@ __all__ = [
     "normalize_cu_seqlens",
     "position_ids",
     "shard",
+    "split_evenly",
     "unshard",
     "validate_seq_local",
 ]
@@ -343,12 +344,12 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _split(length: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` near-equal consecutive ranges of ``range(length)`` (earlier ones longer)."""
+def split_evenly(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` near-equal consecutive ranges of ``range(length)``, the longer ones first."""
     bounds = [0]
     for i in range(parts):
         bounds.append(bounds[-1] + length // parts + (1 if i < length % parts else 0))
-    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+    return list(itertools.pairwise(bounds))
 
 
 def normalize_cu_seqlens(
@@ -405,7 +406,7 @@ def _make_sharding(
     runs: list[list[Run]] = [[] for _ in range(p)]
     if layout is Layout.CONTIGUOUS:
         width = -(-seq_len // p) if seq_len else 0
-        for r, (lo, hi) in enumerate(_split(seq_len, p)):
+        for r, (lo, hi) in enumerate(split_evenly(seq_len, p)):
             for d, (a, b) in enumerate(docs):  # cut the rank's range at document boundaries
                 start, stop = max(lo, a), min(hi, b)
                 if start < stop:
@@ -416,7 +417,7 @@ def _make_sharding(
         half = sum(widths)
         offset = 0
         for d, ((a, b), width) in enumerate(zip(docs, widths, strict=True)):
-            chunks = _split(b - a, 2 * p)
+            chunks = split_evenly(b - a, 2 * p)
             for r in range(p):
                 for base, chunk in ((0, r), (half, 2 * p - 1 - r)):
                     lo, hi = chunks[chunk]
