@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -312,25 +312,16 @@ class Sharding:
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global position of each token of ``rank`` in local order: ``(s_r,)`` int64."""
-        return _cat(
-            [torch.arange(r.global_start, r.global_start + r.length) for r in self.runs[rank]]
-        )
+        return _aranges((r.global_start, r.length) for r in self.runs[rank])
 
     def doc_positions(self, rank: int) -> torch.Tensor:
         """Position inside its document of each token of ``rank``: ``(s_r,)`` int64."""
         starts = self.cu_seqlens
-        return _cat(
-            [
-                torch.arange(r.global_start, r.global_start + r.length) - starts[r.doc]
-                for r in self.runs[rank]
-            ]
-        )
+        return _aranges((r.global_start - starts[r.doc], r.length) for r in self.runs[rank])
 
     def padded_rows(self, rank: int) -> torch.Tensor:
         """Row of the padded local buffer of each token of ``rank``: ``(s_r,)`` int64."""
-        return _cat(
-            [torch.arange(r.local_start, r.local_start + r.length) for r in self.runs[rank]]
-        )
+        return _aranges((r.local_start, r.length) for r in self.runs[rank])
 
     def padded_positions(self, rank: int) -> torch.Tensor:
         """Global position held by each row of the padded buffer, -1 for padding:
@@ -340,7 +331,9 @@ class Sharding:
         return out
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+def _aranges(ranges: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """The ranges ``[start, start + length)`` one after another: ``(n,)`` int64."""
+    parts = [torch.arange(start, start + length) for start, length in ranges]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 

@@ -457,24 +457,19 @@ def _merge_rectangles(rects: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]
     """Merge (q rows, kv rows) rectangles that share one side and touch on the other, until
     none do. The union is unchanged; only the number of kernel calls drops."""
     rects = sorted(rects)
-    changed = True
-    while changed:
-        changed = False
-        for i, (qa, ka) in enumerate(rects):
-            for j in range(i + 1, len(rects)):
-                qb, kb = rects[j]
-                joined = None
-                if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
-                    joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
-                elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
-                    joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
-                if joined is not None:
-                    rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
-                    changed = True
-                    break
-            if changed:
-                break
-    return rects
+    while True:
+        for i, j in itertools.combinations(range(len(rects)), 2):
+            (qa, ka), (qb, kb) = rects[i], rects[j]
+            if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
+                joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
+            elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
+                joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
+            else:
+                continue
+            rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
+            break
+        else:
+            return rects
 
 
 def _union(rows: list[Rows]) -> Rows | None:
