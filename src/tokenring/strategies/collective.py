@@ -149,8 +149,6 @@ import enum
 import functools
 from dataclasses import dataclass
 
-import torch
-
 from tokenring.core.enums import parse_enum
 from tokenring.core.layout import Layout, split_evenly, validate_seq_local
 from tokenring.core.schedule import (
@@ -175,7 +173,6 @@ __all__ = [
 ]
 
 Rows = tuple[int, int]
-FieldSpec = tuple[tuple[int, ...], torch.dtype]
 
 DOUT = Payload.Q
 """Payload kind of dout rows in schedules: the bytes (Hq*D*e per row) and flow (travel) of q."""

@@ -257,14 +257,13 @@ def build_hybrid_schedule(
     pass_ = Pass(pass_)
     spec.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     p_in = spec.inner
-    p_out = world_size // p_in
     nq, nkv = heads_q // p_in, heads_kv // p_in
     outer = build_schedule(
         spec.outer_strategy,
         pass_,
         layout=layout,
         causal=causal,
-        world_size=p_out,
+        world_size=world_size // p_in,
         seq_local=None if seq_local is None else p_in * seq_local,
         seq_len=seq_len,
         cu_seqlens=cu_seqlens,
@@ -274,35 +273,19 @@ def build_hybrid_schedule(
         heads_kv=nkv,
         heads_q=nq,
     )
-    steps, transfers = _lifted(outer, pass_, world_size=world_size, p_in=p_in, nq=nq, nkv=nkv)
-    return HybridSchedule(
-        strategy=Strategy.HYBRID,
-        pass_=pass_,
-        layout=outer.layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=-(-outer.seq_local // p_in),
-        lanes=outer.lanes,
-        steps=tuple(steps),
-        transfers=tuple(transfers),
-        inner=p_in,
-        outer_strategy=spec.outer_strategy,
-        outer=outer,
-    )
+    return _lifted(outer, world_size=world_size, p_in=p_in, nq=nq, nkv=nkv)
 
 
-def _lifted(
-    outer: Schedule, pass_: Pass, *, world_size: int, p_in: int, nq: int, nkv: int
-) -> tuple[list[tuple[StepPlan, ...]], list[Transfer]]:
-    """The outer schedule lifted onto the P ranks (Note [Hybrid schedule]): each rank's
-    steps between its two all-to-all steps, and every transfer."""
+def _lifted(outer: Schedule, *, world_size: int, p_in: int, nq: int, nkv: int) -> HybridSchedule:
+    """The hybrid schedule of ``outer`` lifted onto the P ranks (Note [Hybrid schedule]):
+    each rank's steps between its two all-to-all steps, and every transfer."""
     assert outer.sharding is not None
     lengths = (outer.sharding.local_len(o) for o in range(outer.world_size))
     rows = [hi - lo for length in lengths for lo, hi in inner_slices(length, p_in)]  # rows[g]
     n = outer.num_steps
     steps: list[tuple[StepPlan, ...]] = []
     transfers: list[Transfer] = []
-    forward = pass_ is Pass.FORWARD
+    forward = outer.pass_ is Pass.FORWARD
     for g in range(world_size):
         lifted = [
             _lifted_step(plan, g, p_in=p_in, nq=nq, nkv=nkv) for plan in outer.steps[g // p_in]
@@ -316,4 +299,17 @@ def _lifted(
         for tr in outer.transfers
         for i in range(p_in)
     ]
-    return steps, transfers
+    return HybridSchedule(
+        strategy=Strategy.HYBRID,
+        pass_=outer.pass_,
+        layout=outer.layout,
+        causal=outer.causal,
+        world_size=world_size,
+        seq_local=-(-outer.seq_local // p_in),
+        lanes=outer.lanes,
+        steps=tuple(steps),
+        transfers=tuple(transfers),
+        inner=p_in,
+        outer_strategy=outer.strategy,
+        outer=outer,
+    )

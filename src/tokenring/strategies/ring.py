@@ -499,7 +499,7 @@ def _travel_transfers(
     visitor's block at step t and forwards to the next rank of the lane whatever rows the
     ranks ahead still need. Rows only shrink."""
     p = len(steps)
-    travel = _travel_payload(strategy, pass_)
+    travel, _ = _payloads(strategy, pass_)
     transfers: list[Transfer] = []
     for index, lane in enumerate(lanes):
         heads = lane.q_heads if strategy.passes_q else lane.kv_heads
@@ -518,18 +518,13 @@ def _travel_transfers(
     return transfers
 
 
-def _travel_payload(strategy: Strategy, pass_: Pass) -> Payload:
-    """What travels: Q (with its gradient inputs in the backward) or K/V."""
+def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]:
+    """What travels: Q (with its gradient inputs in the backward) or K/V; and what goes back:
+    partials (pass-Q), dK/dV accumulators (pass-KV backward) or nothing."""
+    forward = pass_ is Pass.FORWARD
     if strategy.passes_q:
-        return Payload.Q if pass_ is Pass.FORWARD else Payload.Q_GRAD
-    return Payload.KV
-
-
-def _return_payload(strategy: Strategy, pass_: Pass) -> Payload | None:
-    """What goes back: partials (pass-Q), dK/dV accumulators (pass-KV backward), nothing."""
-    if strategy.passes_q:
-        return Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
-    return Payload.DKV if pass_ is Pass.BACKWARD else None
+        return (Payload.Q, Payload.OUT) if forward else (Payload.Q_GRAD, Payload.DQ)
+    return Payload.KV, None if forward else Payload.DKV
 
 
 def _return_transfers(
@@ -838,14 +833,15 @@ def ring_plan(
                 plan = _cell_plan(*cell, last_block_splits, heads_q, heads_kv, r, t)
                 segments[kind] = plan.segments
     rows, pairs, heads, needs = _kind_tables(strategy, s, segments, heads_q, heads_kv)
+    payloads = _payloads(strategy, pass_)
     return RingPlan(
         strategy=strategy,
         pass_=pass_,
         world_size=p,
         seq_local=s,
         direction=direction,
-        travel_payload=_travel_payload(strategy, pass_),
-        return_payload=_return_payload(strategy, pass_),
+        travel_payload=payloads[0],
+        return_payload=payloads[1],
         rows=rows,
         pairs=pairs,
         heads=heads,
