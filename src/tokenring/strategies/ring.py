@@ -147,6 +147,7 @@ passed the ranks below o, so it moves more than lane 0 (P = 4: 7/6 of lane 0's r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
@@ -177,7 +178,8 @@ from tokenring.core.schedule import (
     piece_flops,
     sharded_block_pieces,
 )
-from tokenring.strategies.collective import build_collective_schedule
+from tokenring.strategies.collective import CollectiveStrategy
+from tokenring.strategies.collective import _build as _build_collective
 
 __all__ = ["LEND_MAX_WORLD_SIZE", "RingColumns", "RingPlan", "build_schedule", "ring_plan"]
 
@@ -281,7 +283,7 @@ def build_schedule(
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     if strategy.is_collective:
-        return _collective_schedule(strategy, pass_, causal, sharding, mask, heads_q, heads_kv)
+        return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
     splits, lend = last_block_splits, lend_last_pair
     return _ring_schedule(strategy, pass_, sharding, mask, splits, heads_q, heads_kv, lend)
 
@@ -332,7 +334,6 @@ def _ring_schedule(
 def _collective_schedule(
     strategy: Strategy,
     pass_: Pass,
-    causal: bool,
     sharding: Sharding,
     mask: MaskSpec,
     heads_q: int | None,
@@ -350,16 +351,10 @@ def _collective_schedule(
             f"strategy {strategy.value!r} supports neither documents, windows nor padded "
             "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
         )
-    return build_collective_schedule(
-        strategy.value,
-        pass_,
-        layout=sharding.layout,
-        causal=causal,
-        world_size=sharding.world_size,
-        seq_local=sharding.seq_local,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-    )
+    p, s = sharding.world_size, sharding.seq_local
+    kind = CollectiveStrategy(strategy.value)
+    causal = bool(mask.causal)
+    return _build_collective(kind, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
 
 
 def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], pass_: Pass) -> None:
@@ -433,10 +428,9 @@ def _lent_pairs(
     compute_step = _borrow_step(pass_, p)
     # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
     travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
-    load: dict[tuple[int, int, int], int] = {}  # (src, dst, step) -> travel bytes
+    load: Counter[tuple[int, int, int]] = Counter()  # (src, dst, step) -> travel bytes
     for tr in _travel_transfers(Strategy.TOKEN_RING, pass_, lanes, steps):
-        key = (tr.src, tr.dst, tr.step)
-        load[key] = load.get(key, 0) + tr.num_rows * travel_row
+        load[(tr.src, tr.dst, tr.step)] += tr.num_rows * travel_row
     busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
     lent: dict[int, Segment] = {}
     for r in range(p):
@@ -449,7 +443,7 @@ def _lent_pairs(
         kv_bytes = kv_row * (kv_rows[1] - kv_rows[0])
         saved = (travel_row + return_row) * (q_rows[1] - q_rows[0])
         part = kv_bytes / compute_step  # sent in parts, one a step before it is computed
-        fits = all(load.get((r, owner, t), 0) + part <= busiest[t] for t in range(compute_step))
+        fits = all(load[(r, owner, t)] + part <= busiest[t] for t in range(compute_step))
         if kv_bytes <= saved and fits:
             parts = _split_rows(kv_rows, compute_step)
             lent[r] = Segment(
@@ -672,8 +666,7 @@ def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> 
         return [piece]
     if lane.kv_rows is None:
         return [replace(piece, lane=index, heads=lane.kv_heads)]
-    lo = max(piece.kv_rows[0], lane.kv_rows[0])
-    hi = min(piece.kv_rows[1], lane.kv_rows[1])
+    lo, hi = max(piece.kv_rows[0], lane.kv_rows[0]), min(piece.kv_rows[1], lane.kv_rows[1])
     if lo >= hi:
         return []
     assert not piece.causal, "only the local block (step 0) is causal, and lane 0 owns it"
