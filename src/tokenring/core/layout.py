@@ -398,13 +398,12 @@ def _make_sharding(
     docs = list(itertools.pairwise(cu_seqlens))
     runs: list[list[Run]] = [[] for _ in range(p)]
     if layout is Layout.CONTIGUOUS:
-        width = -(-seq_len // p) if seq_len else 0
         for r, (lo, hi) in enumerate(split_evenly(seq_len, p)):
             for d, (a, b) in enumerate(docs):  # cut the rank's range at document boundaries
                 start, stop = max(lo, a), min(hi, b)
                 if start < stop:
                     runs[r].append(Run(start - lo, stop - start, start, d))
-        seq_local = max(width, 1)
+        seq_local = max(-(-seq_len // p), 1)  # the longest rank's
     else:
         widths = [-(-(b - a) // (2 * p)) for a, b in docs]  # padded chunk size per document
         half = sum(widths)

@@ -131,7 +131,8 @@ def place_new_tokens(
     placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
     for b, (c, t) in enumerate(zip(cached, new, strict=True)):
         if zigzag:  # rank r: chunks r and 2P-1-r of 2P
-            chunks = torch.arange(t // (2 * p) * 2 * p).view(2 * p, -1)
+            chunk = t // (2 * p)
+            chunks = torch.arange(2 * p * chunk).view(2 * p, chunk)
             for r in range(p):
                 placed[r].append(chunks[[r, 2 * p - 1 - r]].reshape(-1))
             continue

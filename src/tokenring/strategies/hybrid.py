@@ -204,20 +204,20 @@ def _all_to_all_transfers(
         moves = [(payload, width, g, 0, j) for payload, width in inbound]  # my rows, j's heads
         moves += [(payload, width, peer, last_step, i) for payload, width in outbound]
         for payload, width, owner, step, share in moves:
-            if rows[owner]:
-                heads = _shift(None, width, share)
-                transfers.append(
-                    Transfer(
-                        payload=payload,
-                        src=g,
-                        dst=peer,
-                        owner=owner,
-                        rows=(0, rows[owner]),
-                        step=step,
-                        after_segments=0,
-                        heads=heads,
-                    )
+            if not rows[owner]:
+                continue
+            transfers.append(
+                Transfer(
+                    payload=payload,
+                    src=g,
+                    dst=peer,
+                    owner=owner,
+                    rows=(0, rows[owner]),
+                    step=step,
+                    after_segments=0,
+                    heads=_shift(None, width, share),
                 )
+            )
     return transfers
 
 

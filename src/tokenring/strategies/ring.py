@@ -284,8 +284,9 @@ def build_schedule(
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     if strategy.is_collective:
         return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
-    splits, lend = last_block_splits, lend_last_pair
-    return _ring_schedule(strategy, pass_, sharding, mask, splits, heads_q, heads_kv, lend)
+    return _ring_schedule(
+        strategy, pass_, sharding, mask, last_block_splits, heads_q, heads_kv, lend_last_pair
+    )
 
 
 def _ring_schedule(
