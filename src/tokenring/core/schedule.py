@@ -131,9 +131,7 @@ class Payload(enum.Enum):
 
     @property
     def flow(self) -> Flow:
-        if self in (Payload.Q, Payload.KV, Payload.Q_GRAD):
-            return Flow.TRAVEL
-        return Flow.RETURN
+        return Flow.TRAVEL if self in (Payload.Q, Payload.KV, Payload.Q_GRAD) else Flow.RETURN
 
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -433,14 +431,8 @@ def sharded_block_pieces(
             if kind is MaskKind.FULL:
                 full.append((q_run.rows, kv_run.rows))
             elif kind is not MaskKind.EMPTY:
-                other.append(
-                    Piece(
-                        q_run.rows,
-                        kv_run.rows,
-                        kind is MaskKind.CAUSAL,
-                        masked=kind is MaskKind.MASKED,
-                    )
-                )
+                causal, masked = kind is MaskKind.CAUSAL, kind is MaskKind.MASKED
+                other.append(Piece(q_run.rows, kv_run.rows, causal, masked=masked))
     merged = [Piece(q_rows, kv_rows, False) for q_rows, kv_rows in _merge_rectangles(full)]
     return tuple(sorted(merged + other, key=lambda p: (p.q_rows, p.kv_rows)))
 
