@@ -302,6 +302,20 @@ def hybrid_attn(
     }  # what _prepare validates
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
+    out, lse = hybrid_attention(_agreed_plan(q, k, v, mesh, check_ranks, options), q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def _agreed_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: HybridMesh,
+    check_ranks: bool,
+    options: dict[str, Any],
+) -> HybridPlan:
+    """This rank's plan of the call, once every rank found its own call valid and (with
+    ``check_ranks``) the same; else each rank raises its problem or the difference."""
     plan: HybridPlan | None = None
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
@@ -317,8 +331,7 @@ def hybrid_attn(
     if problem is not None:
         raise problem
     assert plan is not None
-    out, lse = hybrid_attention(plan, q, k, v)
-    return (out, lse) if return_lse else out
+    return plan
 
 
 def _prepare(
@@ -368,14 +381,7 @@ def _prepare(
         scale=scale,
         heads=(q.shape[2], k.shape[2]),
     )
-    signature = {
-        "batch": q.shape[0],
-        ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],
-        "heads_q": q.shape[2],
-        "heads_kv": k.shape[2],
-        "head_dim": q.shape[3],
-        "dtype": str(q.dtype),
-        "device type": q.device.type,
+    options = {
         "causal": causal,
         "layout": layout.value,
         "outer_strategy": strategy.value,
@@ -384,11 +390,33 @@ def _prepare(
         "cu_seqlens": [len(docs), zlib.crc32(struct.pack(f"<{len(docs)}q", *docs))],
         "attention_chunk_size": attention_chunk_size,
         "last_block_splits": last_block_splits,
+    }
+    return plan, _signature(q, k, v, seq_len, options, plan)
+
+
+def _signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int | None,
+    options: dict[str, Any],
+    plan: HybridPlan,
+) -> dict[str, Any]:
+    """What the ranks compare: the tensors' shapes, dtype and device, the call's ``options``
+    (normalised), the kernel, and whether the backward will run."""
+    return {
+        "batch": q.shape[0],
+        ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],
+        "heads_q": q.shape[2],
+        "heads_kv": k.shape[2],
+        "head_dim": q.shape[3],
+        "dtype": str(q.dtype),
+        "device type": q.device.type,
+        **options,
         "kernel": plan.kernel.name,
         # every rank builds the backward, or none does (its all-to-alls need every rank)
         "needs grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
     }
-    return plan, signature
 
 
 def _checked(

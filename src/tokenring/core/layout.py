@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,7 @@ __all__ = [
     "normalize_cu_seqlens",
     "position_ids",
     "shard",
+    "split_evenly",
     "unshard",
     "validate_seq_local",
 ]
@@ -311,25 +312,16 @@ class Sharding:
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global position of each token of ``rank`` in local order: ``(s_r,)`` int64."""
-        return _cat(
-            [torch.arange(r.global_start, r.global_start + r.length) for r in self.runs[rank]]
-        )
+        return _aranges((r.global_start, r.length) for r in self.runs[rank])
 
     def doc_positions(self, rank: int) -> torch.Tensor:
         """Position inside its document of each token of ``rank``: ``(s_r,)`` int64."""
         starts = self.cu_seqlens
-        return _cat(
-            [
-                torch.arange(r.global_start, r.global_start + r.length) - starts[r.doc]
-                for r in self.runs[rank]
-            ]
-        )
+        return _aranges((r.global_start - starts[r.doc], r.length) for r in self.runs[rank])
 
     def padded_rows(self, rank: int) -> torch.Tensor:
         """Row of the padded local buffer of each token of ``rank``: ``(s_r,)`` int64."""
-        return _cat(
-            [torch.arange(r.local_start, r.local_start + r.length) for r in self.runs[rank]]
-        )
+        return _aranges((r.local_start, r.length) for r in self.runs[rank])
 
     def padded_positions(self, rank: int) -> torch.Tensor:
         """Global position held by each row of the padded buffer, -1 for padding:
@@ -339,16 +331,18 @@ class Sharding:
         return out
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+def _aranges(ranges: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """The ranges ``[start, start + length)`` one after another: ``(n,)`` int64."""
+    parts = [torch.arange(start, start + length) for start, length in ranges]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _split(length: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` near-equal consecutive ranges of ``range(length)`` (earlier ones longer)."""
+def split_evenly(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` near-equal consecutive ranges of ``range(length)``, the longer ones first."""
     bounds = [0]
     for i in range(parts):
         bounds.append(bounds[-1] + length // parts + (1 if i < length % parts else 0))
-    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+    return list(itertools.pairwise(bounds))
 
 
 def normalize_cu_seqlens(
@@ -404,19 +398,18 @@ def _make_sharding(
     docs = list(itertools.pairwise(cu_seqlens))
     runs: list[list[Run]] = [[] for _ in range(p)]
     if layout is Layout.CONTIGUOUS:
-        width = -(-seq_len // p) if seq_len else 0
-        for r, (lo, hi) in enumerate(_split(seq_len, p)):
+        for r, (lo, hi) in enumerate(split_evenly(seq_len, p)):
             for d, (a, b) in enumerate(docs):  # cut the rank's range at document boundaries
                 start, stop = max(lo, a), min(hi, b)
                 if start < stop:
                     runs[r].append(Run(start - lo, stop - start, start, d))
-        seq_local = max(width, 1)
+        seq_local = max(-(-seq_len // p), 1)  # the longest rank's
     else:
         widths = [-(-(b - a) // (2 * p)) for a, b in docs]  # padded chunk size per document
         half = sum(widths)
         offset = 0
         for d, ((a, b), width) in enumerate(zip(docs, widths, strict=True)):
-            chunks = _split(b - a, 2 * p)
+            chunks = split_evenly(b - a, 2 * p)
             for r in range(p):
                 for base, chunk in ((0, r), (half, 2 * p - 1 - r)):
                     lo, hi = chunks[chunk]

@@ -131,9 +131,7 @@ class Payload(enum.Enum):
 
     @property
     def flow(self) -> Flow:
-        if self in (Payload.Q, Payload.KV, Payload.Q_GRAD):
-            return Flow.TRAVEL
-        return Flow.RETURN
+        return Flow.TRAVEL if self in (Payload.Q, Payload.KV, Payload.Q_GRAD) else Flow.RETURN
 
 
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -433,14 +431,8 @@ def sharded_block_pieces(
             if kind is MaskKind.FULL:
                 full.append((q_run.rows, kv_run.rows))
             elif kind is not MaskKind.EMPTY:
-                other.append(
-                    Piece(
-                        q_run.rows,
-                        kv_run.rows,
-                        kind is MaskKind.CAUSAL,
-                        masked=kind is MaskKind.MASKED,
-                    )
-                )
+                causal, masked = kind is MaskKind.CAUSAL, kind is MaskKind.MASKED
+                other.append(Piece(q_run.rows, kv_run.rows, causal, masked=masked))
     merged = [Piece(q_rows, kv_rows, False) for q_rows, kv_rows in _merge_rectangles(full)]
     return tuple(sorted(merged + other, key=lambda p: (p.q_rows, p.kv_rows)))
 
@@ -457,24 +449,19 @@ def _merge_rectangles(rects: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]
     """Merge (q rows, kv rows) rectangles that share one side and touch on the other, until
     none do. The union is unchanged; only the number of kernel calls drops."""
     rects = sorted(rects)
-    changed = True
-    while changed:
-        changed = False
-        for i, (qa, ka) in enumerate(rects):
-            for j in range(i + 1, len(rects)):
-                qb, kb = rects[j]
-                joined = None
-                if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
-                    joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
-                elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
-                    joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
-                if joined is not None:
-                    rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
-                    changed = True
-                    break
-            if changed:
-                break
-    return rects
+    while True:
+        for i, j in itertools.combinations(range(len(rects)), 2):
+            (qa, ka), (qb, kb) = rects[i], rects[j]
+            if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
+                joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
+            elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
+                joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
+            else:
+                continue
+            rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
+            break
+        else:
+            return rects
 
 
 def _union(rows: list[Rows]) -> Rows | None:

@@ -38,7 +38,7 @@ from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Transfer
-from tokenring.runtime.comm import Communicator, FieldSpec, Message
+from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, program_of
@@ -51,7 +51,7 @@ from tokenring.strategies.collective import (
     ulysses_heads,
 )
 
-__all__ = ["collective_backward", "collective_forward", "residual_fields"]
+__all__ = ["collective_backward", "collective_forward"]
 
 
 # -- the runners ---------------------------------------------------------------------------
@@ -168,15 +168,29 @@ def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
     return x[:, :, heads[0] : heads[1]]
 
 
-class _UlyssesForward(_Collective):
+class _Ulysses(_Collective):
+    """What both Ulysses passes share: the plan, this rank's head share, and views of its
+    k, v heads and of rank j's rows of the gathered sequence."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan = _UlyssesPlan.make(self)
+        self.mine = self.plan.shares[self.rank]
+
+    def kv_heads(self, heads: Rows | None) -> list[torch.Tensor]:
+        return [_heads(self.k, heads), _heads(self.v, heads)]
+
+    def rows_of(self, j: int) -> slice:
+        return slice(j * self.s, (j + 1) * self.s)
+
+
+class _UlyssesForward(_Ulysses):
     """One rank's Ulysses forward (Note [Collective rank program] in
     tokenring.runtime.program): ARRIVE gathers its heads' rows, COMPUTE runs the kernel over
     them, RETURNS joins every share's out and lse of its own rows."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.plan = plan = _UlyssesPlan.make(self)
-        self.mine = plan.shares[self.rank]
         self.gathered: list[torch.Tensor] = []  # q, k, v (B, S, nq or nkv, D), global order
         self.back: list[torch.Tensor] = []  # out, lse (B, S, nq, D), (B, nq, S), layout order
         self.out = self.lse = torch.empty(0)  # (B, s, Hq, D), (B, Hq, s), from RETURNS
@@ -185,16 +199,15 @@ class _UlyssesForward(_Collective):
         if tr.payload is Payload.Q:  # my rows of the destination's heads
             return [_heads(self.q, tr.heads)]
         if tr.payload is Payload.KV:  # the k, v heads they use
-            return kv_message(_heads(self.k, tr.heads), _heads(self.v, tr.heads))
-        rows = slice(tr.dst * self.s, (tr.dst + 1) * self.s)  # OUT: their rows of my heads
+            return kv_message(*self.kv_heads(tr.heads))
+        rows = self.rows_of(tr.dst)  # OUT: their rows of my heads
         return [self.back[0][:, rows], self.back[1][:, :, rows]]
 
     def arrive(self, op: Op) -> None:
         if self.mine.num_q == 0:
             return
         qs = self.take(op, Payload.Q, [_heads(self.q, self.mine.q)])
-        own_kv = [_heads(self.k, self.mine.kv), _heads(self.v, self.mine.kv)]
-        kvs = self.take(op, Payload.KV, own_kv)
+        kvs = self.take(op, Payload.KV, self.kv_heads(self.mine.kv))
         self.gathered = _gathered(_joined(qs, kvs), self.plan, 3)
 
     def compute(self, op: Op) -> None:
@@ -215,7 +228,7 @@ class _UlyssesForward(_Collective):
         self.back = [plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)]
 
     def returns(self, op: Op) -> None:
-        rows = slice(self.rank * self.s, (self.rank + 1) * self.s)
+        rows = self.rows_of(self.rank)
         # this rank's rows of its heads stay here: views of ``back`` until joined below
         own = [self.back[0][:, rows], self.back[1][:, :, rows]] if self.back else []
         self.back = []  # sent
@@ -256,14 +269,12 @@ def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> 
     return joined
 
 
-class _UlyssesBackward(_Collective):
+class _UlyssesBackward(_Ulysses):
     """One rank's Ulysses backward: gathers q, dout, lse, delta of its head share and the K/V
     they use again, like the forward, instead of keeping them (Note [Ulysses])."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.plan = plan = _UlyssesPlan.make(self)
-        self.mine = plan.shares[self.rank]
         self.gathered: list[torch.Tensor] = []  # q, dout, k, v, lse, delta of my heads
         self.back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order
         self.dq = self.dk = self.dv = torch.empty(0)  # (B, s, H, D), from RETURNS
@@ -277,8 +288,8 @@ class _UlyssesBackward(_Collective):
         if tr.payload is Payload.Q_GRAD:  # q, dout, lse, delta of the destination's heads
             return self.q_grad(tr.heads)
         if tr.payload is Payload.KV:
-            return kv_message(_heads(self.k, tr.heads), _heads(self.v, tr.heads))
-        rows = slice(tr.dst * self.s, (tr.dst + 1) * self.s)  # their rows of my heads
+            return kv_message(*self.kv_heads(tr.heads))
+        rows = self.rows_of(tr.dst)  # their rows of my heads
         if tr.payload is Payload.DQ:
             return [self.back[0][:, rows]]
         return [self.back[1][:, rows], self.back[2][:, rows]]  # DKV, in the accumulation dtype
@@ -288,7 +299,7 @@ class _UlyssesBackward(_Collective):
             return
         plan, mine = self.plan, self.mine
         grads = self.take(op, Payload.Q_GRAD, self.q_grad(mine.q))
-        kvs = self.take(op, Payload.KV, [_heads(self.k, mine.kv), _heads(self.v, mine.kv)])
+        kvs = self.take(op, Payload.KV, self.kv_heads(mine.kv))
         parts = _joined(grads, kvs)  # q, dout, lse, delta, k, v of each source
         del grads, kvs
         lse_g, delta_g = (
@@ -325,7 +336,7 @@ class _UlyssesBackward(_Collective):
         del dk_x, dv_x
 
     def returns(self, op: Op) -> None:
-        rows = slice(self.rank * self.s, (self.rank + 1) * self.s)
+        rows = self.rows_of(self.rank)
         own = [x[:, rows] for x in self.back]  # this rank's rows of its heads (views of back)
         self.back = []  # sent
         shares = self.plan.shares
@@ -475,33 +486,7 @@ _RUNNERS: dict[CollectiveStrategy, tuple[type[_Collective], type[_Collective]]] 
 
 # -- entry points --------------------------------------------------------------------------
 # Forward and backward are separate calls joined by *residuals*, the tensors the backward keeps
-# beyond q, out and lse (see tokenring.runtime.op): the public API wires them into autograd
-# through a custom operator, which must know their shapes before it runs (residual_fields).
-
-
-def residual_fields(
-    strategy_name: CollectiveStrategy | enum.Enum | str,
-    *,
-    batch: int,
-    seq_local: int,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    world_size: int,
-    rank: int,
-) -> list[FieldSpec]:
-    """Shapes and dtypes of the residuals :func:`collective_forward` returns on ``rank``.
-
-    None: both backwards gather again what they need (Note [Ulysses], Note [All-gather K/V
-    rounds]).
-
-    Raises:
-        ValueError: an unknown ``strategy_name``; Hkv not dividing Hq (Ulysses).
-    """
-    if CollectiveStrategy.parse(strategy_name) is CollectiveStrategy.ULYSSES:
-        ulysses_heads(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)  # validates
-    return []
+# beyond q, out and lse (Note [Residuals] in tokenring.runtime.op): the collectives keep none.
 
 
 def collective_forward(
@@ -541,7 +526,7 @@ def collective_forward(
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype
         (float32; float64 for float64 inputs), and the residuals for
-        :func:`collective_backward`, contiguous, shaped as :func:`residual_fields` says.
+        :func:`collective_backward` (none: both backwards gather again what they need).
 
     Raises:
         ValueError: an unknown ``strategy_name`` or layout.
@@ -619,11 +604,9 @@ def _run(
         masking = _Masking(sharding, mask, comm.world_size, q.device)
     key = (Layout.parse(layout), causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
     sched = _build(strategy, pass_, *key)
-    ulysses = strategy is CollectiveStrategy.ULYSSES
-    runs = (
-        (_UlyssesForward, _UlyssesBackward) if ulysses else (_AllGatherForward, _AllGatherBackward)
+    runner = _RUNNERS[strategy][pass_ is Pass.BACKWARD](
+        sched, comm, kernel, inputs, scale=scale, masking=masking
     )
-    runner = runs[pass_ is Pass.BACKWARD](sched, comm, kernel, inputs, scale=scale, masking=masking)
     execute(program_of(sched, comm.rank), runner)
     runner.timer.flush()
     return runner

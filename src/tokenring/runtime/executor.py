@@ -58,63 +58,47 @@ class PassRunner:
         """The tensors (or the message) of the send ``tr``, when its slot is posted."""
         raise NotImplementedError(f"{type(self).__name__} sends nothing")
 
-    def delta(self, op: Op) -> None:
+    def _missing(self, op: Op) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
+
+    delta = compute = pass_on = arrive = returns = home = _missing
 
     def begin(self, op: Op) -> None:
         """STEP: whatever the step needs before its first slot (nothing by default)."""
 
-    def compute(self, op: Op) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
-
-    def pass_on(self, op: Op) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
-
-    def arrive(self, op: Op) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
-
-    def returns(self, op: Op) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
-
     def end(self, op: Op) -> None:
         """END: after the last step (nothing by default)."""
-
-    def home(self, op: Op) -> None:
-        raise NotImplementedError(f"{type(self).__name__} has no {op.kind}")
 
 
 def execute(program: Sequence[Op], runner: PassRunner) -> None:
     """Run ``program`` with ``runner``: POST, SENT and SENT_ALL here, every other op by the
     runner's method of its name; one profiler range per step."""
     comm, poster = runner.comm, runner.poster
+    methods = {
+        OpKind.COMPUTE: runner.compute,
+        OpKind.STEP: runner.begin,
+        OpKind.ARRIVE: runner.arrive,
+        OpKind.RETURNS: runner.returns,
+        OpKind.PASS: runner.pass_on,
+        OpKind.DELTA: runner.delta,
+        OpKind.END: runner.end,
+        OpKind.HOME: runner.home,
+    }
     with _StepRanges(runner.range_prefix) as ranges:
         for op in program:
             kind = op.kind
             if kind is OpKind.POST:
                 poster.post(op.transfers, runner.provide)
-            elif kind is OpKind.COMPUTE:
-                runner.compute(op)
-            elif kind is OpKind.STEP:
-                ranges.enter(op.step)
-                runner.begin(op)
-            elif kind is OpKind.ARRIVE:
-                runner.arrive(op)
             elif kind is OpKind.SENT:
                 comm.wait_sent(op.transfers)
-            elif kind is OpKind.RETURNS:
-                runner.returns(op)
-            elif kind is OpKind.PASS:
-                runner.pass_on(op)
-            elif kind is OpKind.DELTA:
-                runner.delta(op)
-            elif kind is OpKind.END:
-                ranges.exit()
-                runner.end(op)
-            elif kind is OpKind.HOME:
-                runner.home(op)
-            else:
-                assert kind is OpKind.SENT_ALL, kind
+            elif kind is OpKind.SENT_ALL:
                 comm.wait_sends()
+            else:
+                if kind is OpKind.STEP:
+                    ranges.enter(op.step)
+                elif kind is OpKind.END:
+                    ranges.exit()
+                methods[kind](op)
 
 
 class _StepRanges:

@@ -40,10 +40,10 @@ from tokenring.core.layout import Layout, Sharding
 from tokenring.core.masks import MaskSpec
 from tokenring.core.schedule import Schedule, Strategy
 from tokenring.runtime.collective import collective_backward, collective_forward
-from tokenring.runtime.collective import residual_fields as collective_residual_fields
-from tokenring.runtime.comm import Communicator
+from tokenring.runtime.comm import Communicator, FieldSpec
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype
 from tokenring.runtime.ring import run_backward, run_forward
+from tokenring.strategies.collective import ulysses_heads
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -59,8 +59,6 @@ __all__ = [
     "resolve_group",
     "resolve_object",
 ]
-
-FieldSpec = tuple[tuple[int, ...], torch.dtype]
 
 # Note [Handles]
 # ~~~~~~~~~~~~~~
@@ -215,22 +213,11 @@ def residual_fields(
         ValueError: inputs Ulysses cannot split (Hkv not dividing Hq).
     """
     b, _, hq, d = q_shape
-    fields: list[FieldSpec] = []
-    if strategy.is_collective:
-        fields = collective_residual_fields(
-            strategy.value,
-            batch=b,
-            seq_local=seq_local,
-            heads_q=hq,
-            heads_kv=heads_kv,
-            head_dim=d,
-            dtype=dtype,
-            world_size=world_size,
-            rank=rank,
-        )
-    if padded:
-        fields += [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
-    return fields
+    if strategy is Strategy.ULYSSES:  # the collectives keep none; this validates the split
+        ulysses_heads(world_size=world_size, heads_q=hq, heads_kv=heads_kv)
+    if not padded:
+        return []
+    return [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
 
 
 def _collective_options(plan: Plan) -> dict[str, Any]:
@@ -243,23 +230,14 @@ def forward(
     plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Run ``call``: out ``(B, s, Hq, D)``, lse ``(B, Hq, s)`` and the residuals."""
-    q, k, v = (plan.pad(x) for x in (q, k, v))  # (B, s_pad, H, D)
+    q, k, v = (plan.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
     residuals: list[torch.Tensor] = []
     if plan.strategy.is_collective:
-        out, lse, residuals = collective_forward(
-            plan.strategy.value, q, k, v, **_collective_options(plan)
-        )
+        options = _collective_options(plan)
+        out, lse, residuals = collective_forward(plan.strategy.value, q, k, v, **options)
     else:
         assert plan.schedules is not None
-        out, lse = run_forward(
-            plan.schedules[0],
-            plan.comm,
-            plan.kernel,
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            scale=plan.scale,
-        )
+        out, lse = run_forward(plan.schedules[0], plan.comm, plan.kernel, q, k, v, scale=plan.scale)
     if plan.rows is not None:
         residuals = [*residuals, out, lse]
     return plan.unpad(out), plan.unpad(lse, 2), residuals
@@ -281,32 +259,16 @@ def backward(
     if plan.rows is not None:
         *residuals, out, lse = residuals  # the padded buffer's
     dout = plan.pad(dout).contiguous()
-    q, k, v = (plan.pad(x) for x in (q, k, v))  # (B, s_pad, H, D)
+    q, k, v = (plan.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
     if plan.strategy.is_collective:
+        options = _collective_options(plan)
         dq, dk, dv = collective_backward(
-            plan.strategy.value,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            residuals,
-            dtype=q.dtype,
-            **_collective_options(plan),
+            plan.strategy.value, dout, q, k, v, out, lse, residuals, dtype=q.dtype, **options
         )
     else:
         assert plan.schedules is not None
+        sched = plan.schedules[1]
         dq, dk, dv = run_backward(
-            plan.schedules[1],
-            plan.comm,
-            plan.kernel,
-            dout,
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out,
-            lse,
-            scale=plan.scale,
+            sched, plan.comm, plan.kernel, dout, q, k, v, out, lse, scale=plan.scale
         )
     return plan.unpad(dq), plan.unpad(dk), plan.unpad(dv)

@@ -88,9 +88,9 @@ the simulated calls, not just this ratio.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -130,18 +130,11 @@ def place_new_tokens(
     p = world_size
     placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
     for b, (c, t) in enumerate(zip(cached, new, strict=True)):
-        if zigzag:
+        if zigzag:  # rank r: chunks r and 2P-1-r of 2P
             chunk = t // (2 * p)
+            chunks = torch.arange(2 * p * chunk).view(2 * p, chunk)
             for r in range(p):
-                late = 2 * p - 1 - r
-                placed[r].append(
-                    torch.cat(
-                        [
-                            torch.arange(r * chunk, (r + 1) * chunk),
-                            torch.arange(late * chunk, (late + 1) * chunk),
-                        ]
-                    )
-                )
+                placed[r].append(chunks[[r, 2 * p - 1 - r]].reshape(-1))
             continue
         pos = torch.arange(c, c + t, dtype=torch.int64)
         owner = (pos // block_size + b) % p
@@ -277,20 +270,9 @@ def uniform_shards(
     ):
         if value < low:
             raise ValueError(f"{name} must be >= {low}; got {value}")
-    old = place_new_tokens(
-        cached=[0] * batch,
-        new=[cached] * batch,
-        world_size=world_size,
-        block_size=block_size,
-        zigzag=False,
-    )
-    fresh = place_new_tokens(
-        cached=[cached] * batch,
-        new=[new] * batch,
-        world_size=world_size,
-        block_size=block_size,
-        zigzag=False,
-    )
+    place = partial(place_new_tokens, world_size=world_size, block_size=block_size, zigzag=False)
+    old = place(cached=[0] * batch, new=[cached] * batch)
+    fresh = place(cached=[cached] * batch, new=[new] * batch)
     kv = [
         [torch.cat([a, b]) for a, b in zip(old_r, new_r, strict=True)]
         for old_r, new_r in zip(old, fresh, strict=True)
@@ -354,7 +336,7 @@ def _transfer(
 
 
 def _tree_depth(world_size: int) -> int:
-    return max(0, math.ceil(math.log2(world_size))) if world_size > 1 else 0
+    return (world_size - 1).bit_length() if world_size > 1 else 0  # ceil(log2 P)
 
 
 def _subtree(rel: int, level: int, world_size: int) -> range:

@@ -149,10 +149,8 @@ import enum
 import functools
 from dataclasses import dataclass
 
-import torch
-
 from tokenring.core.enums import parse_enum
-from tokenring.core.layout import Layout, validate_seq_local
+from tokenring.core.layout import Layout, split_evenly, validate_seq_local
 from tokenring.core.schedule import (
     Pass,
     Payload,
@@ -175,7 +173,6 @@ __all__ = [
 ]
 
 Rows = tuple[int, int]
-FieldSpec = tuple[tuple[int, ...], torch.dtype]
 
 DOUT = Payload.Q
 """Payload kind of dout rows in schedules: the bytes (Hq*D*e per row) and flow (travel) of q."""
@@ -191,11 +188,6 @@ class CollectiveStrategy(enum.Enum):
     def parse(cls, value: CollectiveStrategy | enum.Enum | str) -> CollectiveStrategy:
         """Accept a member or its value; raise ValueError naming the options."""
         return parse_enum(cls, value, "strategy_name")
-
-
-def _schedule_tag(strategy: CollectiveStrategy) -> Strategy:
-    """The ``Schedule.strategy`` of a collective schedule: the registry's member."""
-    return Strategy(strategy.value)
 
 
 # -- head shares ---------------------------------------------------------------------------
@@ -229,16 +221,11 @@ def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[Head
         raise ValueError(
             f"heads_kv must be >= 1 and divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
         )
-    groups = heads_q // heads_kv
-    base, extra = divmod(heads_q, world_size)
-    shares = []
-    start = 0
-    for rank in range(world_size):
-        stop = start + base + (1 if rank < extra else 0)
-        kv = (start // groups, (stop - 1) // groups + 1) if stop > start else (0, 0)
-        shares.append(HeadShare((start, stop), kv))
-        start = stop
-    return tuple(shares)
+    g = heads_q // heads_kv
+    return tuple(
+        HeadShare((start, stop), (start // g, (stop - 1) // g + 1) if stop > start else (0, 0))
+        for start, stop in split_evenly(heads_q, world_size)
+    )
 
 
 # -- schedules -----------------------------------------------------------------------------
@@ -278,16 +265,9 @@ def build_collective_schedule(
         ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local
             the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
     """
-    strategy = CollectiveStrategy.parse(strategy_name)
+    strategy, layout = CollectiveStrategy.parse(strategy_name), Layout.parse(layout)
     return _build(
-        strategy,
-        Pass(pass_),
-        Layout.parse(layout),
-        bool(causal),
-        world_size,
-        seq_local,
-        heads_q,
-        heads_kv,
+        strategy, Pass(pass_), layout, bool(causal), world_size, seq_local, heads_q, heads_kv
     )
 
 
@@ -316,7 +296,7 @@ def _build(
         transfers += sends
         steps.append((StepPlan(r, 0, r, (r,), segments),))
     return CollectiveSchedule(
-        strategy=_schedule_tag(strategy),
+        strategy=Strategy(strategy.value),  # the registry's member
         pass_=pass_,
         layout=layout,
         causal=causal,
@@ -339,6 +319,7 @@ def _ulysses_rank(
     if shares[r].num_q > 0:
         segments = (Segment(whole, (Piece(whole, whole, causal),)),)
     transfers = []
+    send = functools.partial(Transfer, src=r, rows=(0, s), step=0)
     for j in range(p):
         if j == r:
             continue
@@ -354,16 +335,7 @@ def _ulysses_rank(
         for payload, heads, owner, after in moves:
             if heads[1] > heads[0]:
                 transfers.append(
-                    Transfer(
-                        payload=payload,
-                        src=r,
-                        dst=j,
-                        owner=owner,
-                        rows=(0, s),
-                        step=0,
-                        after_segments=after,
-                        heads=heads,
-                    )
+                    send(payload=payload, dst=j, owner=owner, after_segments=after, heads=heads)
                 )
     return segments, transfers
 
@@ -377,31 +349,14 @@ def _allgather_rank(
     segments = tuple(seg for round_ in rounds for seg in round_)
     cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
     transfers = []
+    send = functools.partial(Transfer, src=r, rows=(0, s), step=0)
     for k in range(1, p):  # Note [All-gather K/V rounds]
-        gather_after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
-        transfers.append(
-            Transfer(
-                payload=Payload.KV,
-                src=r,
-                dst=(r - k) % p,
-                owner=r,
-                rows=(0, s),
-                step=0,
-                after_segments=gather_after,
-            )
-        )
+        after = cum[k - 1] if forward else (0 if k == 1 else cum[k])
+        transfers.append(send(payload=Payload.KV, dst=(r - k) % p, owner=r, after_segments=after))
         if not forward:
             owner = (r + k) % p
             transfers.append(
-                Transfer(
-                    payload=Payload.DKV,
-                    src=r,
-                    dst=owner,
-                    owner=owner,
-                    rows=(0, s),
-                    step=0,
-                    after_segments=cum[k + 1],
-                )
+                send(payload=Payload.DKV, dst=owner, owner=owner, after_segments=cum[k + 1])
             )
     return segments, transfers
 

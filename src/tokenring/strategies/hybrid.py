@@ -41,11 +41,10 @@ rank with no rows sends and receives none.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tokenring.core.layout import Layout
+from tokenring.core.layout import Layout, split_evenly
 from tokenring.core.schedule import (
     Pass,
     Payload,
@@ -127,10 +126,7 @@ class HybridSchedule(CollectiveSchedule):
 def inner_slices(length: int, inner: int) -> list[tuple[int, int]]:
     """The P_in consecutive slices of an outer shard of ``length`` rows: near-equal, the longer
     ones first (Note [Hybrid layout] in tokenring.hybrid)."""
-    bounds = [0]
-    for i in range(inner):
-        bounds.append(bounds[-1] + length // inner + (1 if i < length % inner else 0))
-    return list(itertools.pairwise(bounds))
+    return split_evenly(length, inner)
 
 
 def outer_transfers(
@@ -159,25 +155,16 @@ def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> Ste
     """An outer strategy's step as rank ``g`` runs it: one step later, outer ranks o mapped
     to o * P_in + i and every piece on inner rank i's heads."""
     i = g % p_in
-    segments = tuple(
-        Segment(
-            seg.q_rows,
-            tuple(
-                Piece(
-                    pc.q_rows,
-                    pc.kv_rows,
-                    pc.causal,
-                    pc.lane,
-                    _shift(pc.heads, nkv, i),
-                    pc.masked,
-                    None if pc.q_heads is None else _shift(pc.q_heads, nq, i),
-                    None if pc.kv_owner is None else pc.kv_owner * p_in + i,  # a lent pair's
-                )
-                for pc in seg.pieces
-            ),
+
+    def lifted(pc: Piece) -> Piece:
+        return replace(
+            pc,
+            heads=_shift(pc.heads, nkv, i),
+            q_heads=None if pc.q_heads is None else _shift(pc.q_heads, nq, i),
+            kv_owner=None if pc.kv_owner is None else pc.kv_owner * p_in + i,  # a lent pair's
         )
-        for seg in plan.segments
-    )
+
+    segments = tuple(Segment(seg.q_rows, tuple(map(lifted, seg.pieces))) for seg in plan.segments)
     return StepPlan(
         g,
         plan.step + 1,
@@ -191,16 +178,13 @@ def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> Ste
 def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> Transfer:
     """An outer strategy's transfer as inner rank ``i``'s copy of it sends it: one step later,
     between ranks o * P_in + i, on inner rank i's heads."""
-    return Transfer(
-        payload=tr.payload,
+    return replace(
+        tr,
         src=tr.src * p_in + i,
         dst=tr.dst * p_in + i,
         owner=tr.owner * p_in + i,
-        rows=tr.rows,
         step=tr.step + 1,
-        after_segments=tr.after_segments,
         heads=_shift(tr.heads, nkv if tr.payload.heads_kind == "kv" else nq, i),
-        lane=tr.lane,
     )
 
 
@@ -273,14 +257,13 @@ def build_hybrid_schedule(
     pass_ = Pass(pass_)
     spec.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     p_in = spec.inner
-    p_out = world_size // p_in
     nq, nkv = heads_q // p_in, heads_kv // p_in
     outer = build_schedule(
         spec.outer_strategy,
         pass_,
         layout=layout,
         causal=causal,
-        world_size=p_out,
+        world_size=world_size // p_in,
         seq_local=None if seq_local is None else p_in * seq_local,
         seq_len=seq_len,
         cu_seqlens=cu_seqlens,
@@ -290,40 +273,24 @@ def build_hybrid_schedule(
         heads_kv=nkv,
         heads_q=nq,
     )
-    steps, transfers = _lifted(outer, pass_, world_size=world_size, p_in=p_in, nq=nq, nkv=nkv)
-    return HybridSchedule(
-        strategy=Strategy.HYBRID,
-        pass_=pass_,
-        layout=outer.layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=-(-outer.seq_local // p_in),
-        lanes=outer.lanes,
-        steps=tuple(steps),
-        transfers=tuple(transfers),
-        inner=p_in,
-        outer_strategy=spec.outer_strategy,
-        outer=outer,
-    )
+    return _lifted(outer, world_size=world_size, p_in=p_in, nq=nq, nkv=nkv)
 
 
-def _lifted(
-    outer: Schedule, pass_: Pass, *, world_size: int, p_in: int, nq: int, nkv: int
-) -> tuple[list[tuple[StepPlan, ...]], list[Transfer]]:
-    """The outer schedule lifted onto the P ranks (Note [Hybrid schedule]): each rank's
-    steps between its two all-to-all steps, and every transfer."""
+def _lifted(outer: Schedule, *, world_size: int, p_in: int, nq: int, nkv: int) -> HybridSchedule:
+    """The hybrid schedule of ``outer`` lifted onto the P ranks (Note [Hybrid schedule]):
+    each rank's steps between its two all-to-all steps, and every transfer."""
     assert outer.sharding is not None
     lengths = (outer.sharding.local_len(o) for o in range(outer.world_size))
     rows = [hi - lo for length in lengths for lo, hi in inner_slices(length, p_in)]  # rows[g]
     n = outer.num_steps
     steps: list[tuple[StepPlan, ...]] = []
     transfers: list[Transfer] = []
+    forward = outer.pass_ is Pass.FORWARD
     for g in range(world_size):
         lifted = [
             _lifted_step(plan, g, p_in=p_in, nq=nq, nkv=nkv) for plan in outer.steps[g // p_in]
         ]
         steps.append((StepPlan(g, 0, g, (g,), ()), *lifted, StepPlan(g, n + 1, g, (g,), ())))
-        forward = pass_ is Pass.FORWARD
         transfers += _all_to_all_transfers(
             g, forward=forward, p_in=p_in, rows=rows, last_step=n + 1, nq=nq, nkv=nkv
         )
@@ -332,4 +299,17 @@ def _lifted(
         for tr in outer.transfers
         for i in range(p_in)
     ]
-    return steps, transfers
+    return HybridSchedule(
+        strategy=Strategy.HYBRID,
+        pass_=outer.pass_,
+        layout=outer.layout,
+        causal=outer.causal,
+        world_size=world_size,
+        seq_local=-(-outer.seq_local // p_in),
+        lanes=outer.lanes,
+        steps=tuple(steps),
+        transfers=tuple(transfers),
+        inner=p_in,
+        outer_strategy=outer.strategy,
+        outer=outer,
+    )

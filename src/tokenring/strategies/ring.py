@@ -147,9 +147,10 @@ passed the ranks below o, so it moves more than lane 0 (P = 4: 7/6 of lane 0's r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cache, partial
 
 import torch
 
@@ -177,7 +178,8 @@ from tokenring.core.schedule import (
     piece_flops,
     sharded_block_pieces,
 )
-from tokenring.strategies.collective import build_collective_schedule
+from tokenring.strategies.collective import CollectiveStrategy
+from tokenring.strategies.collective import _build as _build_collective
 
 __all__ = ["LEND_MAX_WORLD_SIZE", "RingColumns", "RingPlan", "build_schedule", "ring_plan"]
 
@@ -263,9 +265,7 @@ def build_schedule(
         NotImplementedError: documents, windows, chunks or padding with a collective strategy;
             ``BIDIR_TOKEN_RING`` with a single query head.
     """
-    strategy = Strategy.parse(strategy)
-    pass_ = Pass(pass_)
-    layout = Layout.parse(layout)
+    strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     sharding = make_sharding(
@@ -283,30 +283,46 @@ def build_schedule(
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     if strategy.is_collective:
-        return _collective_schedule(strategy, pass_, causal, sharding, mask, heads_q, heads_kv)
-    s = sharding.seq_local
+        return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
+    return _ring_schedule(
+        strategy, pass_, sharding, mask, last_block_splits, heads_q, heads_kv, lend_last_pair
+    )
+
+
+def _ring_schedule(
+    strategy: Strategy,
+    pass_: Pass,
+    sharding: Sharding,
+    mask: MaskSpec,
+    last_block_splits: int,
+    heads_q: int | None,
+    heads_kv: int | None,
+    lend_last_pair: bool,
+) -> Schedule:
+    """``build_schedule`` of a ring strategy: who computes what, ``steps[r][t]`` (Note
+    [TokenRing step table]; pass-Q's last block in slices, Note [Last block by heads]), the
+    lent pairs, then what travels and what returns."""
+    p, s, layout = sharding.world_size, sharding.seq_local, sharding.layout
     if strategy is Strategy.BIDIR_TOKEN_RING:
         lanes = _query_lanes(heads_q, heads_kv)
     else:
-        lanes = _lanes(strategy, layout, s, heads_kv, causal)
-    steps = _step_plans(strategy, lanes, sharding, mask, last_block_splits, heads_q, heads_kv)
-    transfers = _travel_transfers(strategy, pass_, lanes, steps)
+        lanes = _lanes(strategy, layout, s, heads_kv, mask.causal)
+    pieces = cache(partial(sharded_block_pieces, sharding, mask))
+    cell = (strategy, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
+    steps = [[_cell_plan(*cell, r, t) for t in range(p)] for r in range(p)]
     if strategy is Strategy.TOKEN_RING and lend_last_pair:
-        lent = _lent_pairs(pass_, sharding, mask, transfers, heads_q, heads_kv)
-        if lent:
-            _lend(steps, lent, _borrow_step(pass_, world_size))
-            transfers = _travel_transfers(strategy, pass_, lanes, steps)
+        _lend(steps, _lent_pairs(pass_, sharding, mask, lanes, steps, heads_q, heads_kv), pass_)
+    transfers = _travel_transfers(strategy, pass_, lanes, steps)
     if strategy.passes_q:
-        transfers += _return_transfers(pass_, lanes, steps)
-        transfers += _borrow_transfers(pass_, steps)
+        transfers += _return_transfers(pass_, lanes, steps) + _borrow_transfers(pass_, steps)
     elif pass_ is Pass.BACKWARD:
         transfers += _accumulator_transfers(lanes, steps, s)
     return Schedule(
         strategy=strategy,
         pass_=pass_,
         layout=layout,
-        causal=causal,
-        world_size=world_size,
+        causal=mask.causal,
+        world_size=p,
         seq_local=s,
         lanes=lanes,
         steps=tuple(tuple(row) for row in steps),
@@ -319,7 +335,6 @@ def build_schedule(
 def _collective_schedule(
     strategy: Strategy,
     pass_: Pass,
-    causal: bool,
     sharding: Sharding,
     mask: MaskSpec,
     heads_q: int | None,
@@ -337,47 +352,17 @@ def _collective_schedule(
             f"strategy {strategy.value!r} supports neither documents, windows nor padded "
             "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
         )
-    return build_collective_schedule(
-        strategy.value,
-        pass_,
-        layout=sharding.layout,
-        causal=causal,
-        world_size=sharding.world_size,
-        seq_local=sharding.seq_local,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-    )
+    p, s = sharding.world_size, sharding.seq_local
+    kind = CollectiveStrategy(strategy.value)
+    causal = bool(mask.causal)
+    return _build_collective(kind, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
 
 
-def _step_plans(
-    strategy: Strategy,
-    lanes: tuple[Lane, ...],
-    sharding: Sharding,
-    mask: MaskSpec,
-    last_block_splits: int,
-    heads_q: int | None,
-    heads_kv: int | None,
-) -> list[list[StepPlan]]:
-    """Who computes what: ``steps[r][t]``, rank r's pieces at step t (Note [TokenRing step
-    table]); pass-Q's last block in ``last_block_splits`` slices (Note [Last block by
-    heads])."""
-    p = sharding.world_size
-    cache: dict[tuple[int, int], tuple[Piece, ...]] = {}
-
-    def pieces(q_owner: int, kv_owner: int) -> tuple[Piece, ...]:
-        key = (q_owner, kv_owner)
-        if key not in cache:
-            cache[key] = sharded_block_pieces(sharding, mask, q_owner, kv_owner)
-        return cache[key]
-
-    cell = (strategy, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
-    return [[_cell_plan(*cell, r, t) for t in range(p)] for r in range(p)]
-
-
-def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], compute_step: int) -> None:
+def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], pass_: Pass) -> None:
     """Note [Borrowed last pair], in place: each lender computes nothing at the last step,
-    and the q owner computes the lent pair at ``compute_step``, after its own segments."""
+    and the q owner computes the lent pair at ``_borrow_step``, after its own segments."""
     p = len(steps)
+    compute_step = _borrow_step(pass_, p)
     for holder in lent:
         steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
     for holder, pair in lent.items():
@@ -429,7 +414,8 @@ def _lent_pairs(
     pass_: Pass,
     sharding: Sharding,
     mask: MaskSpec,
-    travel: list[Transfer],
+    lanes: tuple[Lane, ...],
+    steps: list[list[StepPlan]],
     heads_q: int | None,
     heads_kv: int | None,
 ) -> dict[int, Segment]:
@@ -443,10 +429,9 @@ def _lent_pairs(
     compute_step = _borrow_step(pass_, p)
     # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
     travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
-    load: dict[tuple[int, int, int], int] = {}  # (src, dst, step) -> travel bytes
-    for tr in travel:
-        key = (tr.src, tr.dst, tr.step)
-        load[key] = load.get(key, 0) + tr.num_rows * travel_row
+    load: Counter[tuple[int, int, int]] = Counter()  # (src, dst, step) -> travel bytes
+    for tr in _travel_transfers(Strategy.TOKEN_RING, pass_, lanes, steps):
+        load[(tr.src, tr.dst, tr.step)] += tr.num_rows * travel_row
     busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
     lent: dict[int, Segment] = {}
     for r in range(p):
@@ -459,7 +444,7 @@ def _lent_pairs(
         kv_bytes = kv_row * (kv_rows[1] - kv_rows[0])
         saved = (travel_row + return_row) * (q_rows[1] - q_rows[0])
         part = kv_bytes / compute_step  # sent in parts, one a step before it is computed
-        fits = all(load.get((r, owner, t), 0) + part <= busiest[t] for t in range(compute_step))
+        fits = all(load[(r, owner, t)] + part <= busiest[t] for t in range(compute_step))
         if kv_bytes <= saved and fits:
             parts = _split_rows(kv_rows, compute_step)
             lent[r] = Segment(
@@ -484,38 +469,21 @@ def _borrow_transfers(pass_: Pass, steps: list[list[StepPlan]]) -> list[Transfer
     at steps 0 .. t-1 before the step t that computes it (backward: and their dK/dV home
     after it)."""
     transfers: list[Transfer] = []
-    for r, row in enumerate(steps):
-        for t, plan in enumerate(row):
-            for k, segment in enumerate(plan.segments):
-                holder = segment.pieces[0].kv_owner
-                if holder is None:
-                    continue
-                rows = _union([pc.kv_rows for pc in segment.pieces])
-                assert rows is not None
-                for send_step, part in enumerate(_split_rows(rows, t)):
-                    transfers.append(
-                        Transfer(
-                            payload=Payload.KV,
-                            src=holder,
-                            dst=r,
-                            owner=holder,
-                            rows=part,
-                            step=send_step,
-                            after_segments=0,
-                        )
-                    )
-                if pass_ is Pass.BACKWARD:
-                    transfers.append(
-                        Transfer(
-                            payload=Payload.DKV,
-                            src=r,
-                            dst=holder,
-                            owner=holder,
-                            rows=rows,
-                            step=t,
-                            after_segments=k + 1,
-                        )
-                    )
+    for plan in (plan for row in steps for plan in row):
+        for k, segment in enumerate(plan.segments):
+            holder = segment.pieces[0].kv_owner
+            if holder is None:
+                continue
+            r, t, rows = plan.rank, plan.step, _union([pc.kv_rows for pc in segment.pieces])
+            assert rows is not None
+            kv = partial(Transfer, payload=Payload.KV, src=holder, dst=r, owner=holder)
+            transfers += [
+                kv(rows=part, step=u, after_segments=0)
+                for u, part in enumerate(_split_rows(rows, t))
+            ]
+            if pass_ is Pass.BACKWARD:
+                back = partial(Transfer, payload=Payload.DKV, src=r, dst=holder, owner=holder)
+                transfers.append(back(rows=rows, step=t, after_segments=k + 1))
     return transfers
 
 
@@ -526,10 +494,11 @@ def _travel_transfers(
     visitor's block at step t and forwards to the next rank of the lane whatever rows the
     ranks ahead still need. Rows only shrink."""
     p = len(steps)
-    pass_q = strategy.passes_q
-    travel = _travel_payload(strategy, pass_)
+    travel, _ = _payloads(strategy, pass_)
     transfers: list[Transfer] = []
     for index, lane in enumerate(lanes):
+        heads = lane.q_heads if strategy.passes_q else lane.kv_heads
+        send = partial(Transfer, payload=travel, after_segments=0, heads=heads, lane=index)
         for r in range(p):
             for t in range(p - 1):
                 needed: list[Rows] = []
@@ -538,36 +507,19 @@ def _travel_transfers(
                     for piece in plan.pieces:
                         if piece.lane == index and piece.kv_owner is None:
                             needed.append(piece.kv_rows if travel is Payload.KV else piece.q_rows)
-                rows = _union(needed)
+                rows, dst, owner = _union(needed), (r + lane.direction) % p, lane.visitor(r, t, p)
                 if rows is not None:
-                    transfers.append(
-                        Transfer(
-                            payload=travel,
-                            src=r,
-                            dst=(r + lane.direction) % p,
-                            owner=lane.visitor(r, t, p),
-                            rows=rows,
-                            step=t,
-                            after_segments=0,
-                            heads=lane.q_heads if pass_q else lane.kv_heads,
-                            lane=index,
-                        )
-                    )
+                    transfers.append(send(src=r, dst=dst, owner=owner, rows=rows, step=t))
     return transfers
 
 
-def _travel_payload(strategy: Strategy, pass_: Pass) -> Payload:
-    """What travels: Q (with its gradient inputs in the backward) or K/V."""
+def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]:
+    """What travels: Q (with its gradient inputs in the backward) or K/V; and what goes back:
+    partials (pass-Q), dK/dV accumulators (pass-KV backward) or nothing."""
+    forward = pass_ is Pass.FORWARD
     if strategy.passes_q:
-        return Payload.Q if pass_ is Pass.FORWARD else Payload.Q_GRAD
-    return Payload.KV
-
-
-def _return_payload(strategy: Strategy, pass_: Pass) -> Payload | None:
-    """What goes back: partials (pass-Q), dK/dV accumulators (pass-KV backward), nothing."""
-    if strategy.passes_q:
-        return Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
-    return Payload.DKV if pass_ is Pass.BACKWARD else None
+        return (Payload.Q, Payload.OUT) if forward else (Payload.Q_GRAD, Payload.DQ)
+    return Payload.KV, None if forward else Payload.DKV
 
 
 def _return_transfers(
@@ -575,30 +527,19 @@ def _return_transfers(
 ) -> list[Transfer]:
     """Pass-Q: each segment's partial (out and lse, or dq) straight back to its q owner as
     soon as the segment is computed."""
-    ret = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
+    payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
     transfers: list[Transfer] = []
-    for r in range(len(steps)):
-        for t in range(1, len(steps)):
-            plan = steps[r][t]
-            for k, segment in enumerate(plan.segments):
-                first = segment.pieces[0]  # a segment's pieces share their lane and heads
-                if first.kv_owner is not None:
-                    continue  # a borrowed pair: our own rows, merged here
-                index = first.lane
-                owner = plan.lane_q_owner(index)
-                transfers.append(
-                    Transfer(
-                        payload=ret,
-                        src=r,
-                        dst=owner,
-                        owner=owner,
-                        rows=segment.q_rows,
-                        step=t,
-                        after_segments=k + 1,
-                        heads=first.q_heads or lanes[index].q_heads,
-                        lane=index,
-                    )
-                )
+    for plan in (plan for row in steps for plan in row[1:]):
+        send = partial(Transfer, payload=payload, src=plan.rank, step=plan.step)
+        for k, segment in enumerate(plan.segments):
+            first = segment.pieces[0]  # a segment's pieces share their lane and heads
+            if first.kv_owner is not None:
+                continue  # a borrowed pair: our own rows, merged here
+            lane, to = first.lane, plan.lane_q_owner(first.lane)
+            rows, heads = segment.q_rows, first.q_heads or lanes[lane].q_heads
+            transfers.append(
+                send(dst=to, owner=to, rows=rows, after_segments=k + 1, heads=heads, lane=lane)
+            )
     return transfers
 
 
@@ -610,6 +551,8 @@ def _accumulator_transfers(
     p = len(steps)
     transfers: list[Transfer] = []
     for index, lane in enumerate(lanes):
+        rows = lane.kv_rows or (0, seq_local)
+        send = partial(Transfer, payload=Payload.DKV, rows=rows, heads=lane.kv_heads, lane=index)
         for owner in range(p):
             holders = [(owner + lane.direction * t) % p for t in range(p)]
             computing = [
@@ -620,21 +563,10 @@ def _accumulator_transfers(
             if not computing:
                 continue
             last = computing[-1]
-            for t in range(last + 1):
-                plan = steps[holders[t]][t]
-                transfers.append(
-                    Transfer(
-                        payload=Payload.DKV,
-                        src=holders[t],
-                        dst=holders[t + 1] if t < last else owner,
-                        owner=owner,
-                        rows=lane.kv_rows or (0, seq_local),
-                        step=t,
-                        after_segments=max(1, len(plan.segments)),
-                        heads=lane.kv_heads,
-                        lane=index,
-                    )
-                )
+            for t, src in enumerate(holders[: last + 1]):
+                dst = holders[t + 1] if t < last else owner
+                after = max(1, len(steps[src][t].segments))
+                transfers.append(send(src=src, dst=dst, owner=owner, step=t, after_segments=after))
     return transfers
 
 
@@ -703,12 +635,9 @@ def _sliced(
     return tuple(
         Segment(
             segment.q_rows,
-            tuple(
-                Piece(p.q_rows, p.kv_rows, p.causal, index, kv_heads, p.masked, q_heads)
-                for p in segment.pieces
-            ),
+            tuple(replace(p, lane=index, heads=kv, q_heads=q) for p in segment.pieces),
         )
-        for kv_heads, q_heads in slices
+        for kv, q in slices
         for segment in segments
     )
 
@@ -737,15 +666,12 @@ def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> 
     if whole_block:
         return [piece]
     if lane.kv_rows is None:
-        return [
-            Piece(piece.q_rows, piece.kv_rows, piece.causal, index, lane.kv_heads, piece.masked)
-        ]
-    lo = max(piece.kv_rows[0], lane.kv_rows[0])
-    hi = min(piece.kv_rows[1], lane.kv_rows[1])
+        return [replace(piece, lane=index, heads=lane.kv_heads)]
+    lo, hi = max(piece.kv_rows[0], lane.kv_rows[0]), min(piece.kv_rows[1], lane.kv_rows[1])
     if lo >= hi:
         return []
     assert not piece.causal, "only the local block (step 0) is causal, and lane 0 owns it"
-    return [Piece(piece.q_rows, (lo, hi), False, index, lane.kv_heads, piece.masked)]
+    return [replace(piece, kv_rows=(lo, hi), lane=index, heads=lane.kv_heads)]
 
 
 def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
@@ -901,14 +827,15 @@ def ring_plan(
                 plan = _cell_plan(*cell, last_block_splits, heads_q, heads_kv, r, t)
                 segments[kind] = plan.segments
     rows, pairs, heads, needs = _kind_tables(strategy, s, segments, heads_q, heads_kv)
+    payloads = _payloads(strategy, pass_)
     return RingPlan(
         strategy=strategy,
         pass_=pass_,
         world_size=p,
         seq_local=s,
         direction=direction,
-        travel_payload=_travel_payload(strategy, pass_),
-        return_payload=_return_payload(strategy, pass_),
+        travel_payload=payloads[0],
+        return_payload=payloads[1],
         rows=rows,
         pairs=pairs,
         heads=heads,
