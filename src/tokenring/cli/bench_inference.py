@@ -44,7 +44,7 @@ from tokenring.cli.ranks import (
     row_done,
     world_size_of,
 )
-from tokenring.cli.report import call_ms, link_text, write_markdown, write_records
+from tokenring.cli.report import call_ms, group_by, link_text, write_markdown, write_records
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
 from tokenring.kvcache import DistributedKVCache
@@ -332,7 +332,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
     for index, first in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][index] for r in per_rank]
         median_s = max(statistics.median(r["call_s"]) for r in rows)
-        elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+        elem = DTYPES[config.dtype].itemsize
         threshold = pass_q_threshold(
             heads_q=first["heads_q"],
             heads_kv=first["heads_kv"],
@@ -369,41 +369,37 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "verified": error <= tolerance,
             }
         )
-    # The measured fastest of each (model, C, T) group, to score the pick.
-    for row in results:
-        group = [
-            r
-            for r in results
-            if (r["model"], r["cached"], r["new"]) == (row["model"], row["cached"], row["new"])
-        ]
+    for group in group_by(results, _case_key):  # the measured fastest, to score the pick
         fastest = min(group, key=lambda r: r["ms_median"])
-        picked = next((r for r in group if r["strategy"] == row["auto_pick"]), None)
-        row["fastest"] = fastest["strategy"]
-        row["pick_within_10pct"] = (
-            picked is not None and picked["ms_median"] <= 1.1 * fastest["ms_median"]
-        )
+        picked = next((r for r in group if r["strategy"] == group[0]["auto_pick"]), None)
+        for row in group:
+            row["fastest"] = fastest["strategy"]
+            row["pick_within_10pct"] = (
+                picked is not None and picked["ms_median"] <= 1.1 * fastest["ms_median"]
+            )
     return results
+
+
+def _case_key(row: dict[str, Any]) -> tuple[str, int, int]:
+    return row["model"], row["cached"], row["new"]
 
 
 # -- CLI (hooked into tokenring bench) -----------------------------------------------------------
 def add_arguments(parser: ArgumentAdder) -> None:
     """The inference options of ``tokenring bench`` (``--mode`` selects them)."""
-    parser.add_argument(
-        "--cached", default="4096", help="cached tokens per sequence, comma-separated"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--cached", default="4096", help="cached tokens per sequence, comma-separated")
+    add(
         "--new",
         help="new tokens per sequence per call, comma-separated (default: decode "
         f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})",
     )
-    parser.add_argument(
+    add(
         "--cached-strategies",
         default=",".join(s.value for s in CachedStrategy),
         help="comma-separated cached strategies to compare",
     )
-    parser.add_argument(
-        "--block-size", type=int_at_least(1), default=64, help="KV cache block size in tokens"
-    )
+    add("--block-size", type=int_at_least(1), default=64, help="KV cache block size in tokens")
 
 
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
@@ -441,8 +437,6 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode decode|prefill-cached``."""
 
-    if getattr(args, "_config", None) is None:
-        check_args(args)
     config: InferenceBenchConfig = args._config
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
     title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
@@ -468,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         _print_table(rows, settings, config)
     if args.markdown:
-        _write_markdown(args.markdown, rows, settings, config, getattr(args, "argv", None))
+        _write_markdown(args.markdown, rows, settings, config, args.argv)
     failed = [r for r in rows if not (r["verified"] and r["bytes_match_plan"])]
     if failed:
         print(
@@ -549,19 +543,11 @@ def _print_table(
 
 
 def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    seen: set[tuple[str, int, int]] = set()
-    for r in rows:
-        key = (r["model"], r["cached"], r["new"])
-        if key in seen:
-            continue
-        seen.add(key)
-        lines.append(
-            f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; "
-            f"measured fastest {r['fastest']}; "
-            f"{'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
-        )
-    return lines
+    return [
+        f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; measured "
+        f"fastest {r['fastest']}; {'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
+        for r, *_ in group_by(rows, _case_key)
+    ]
 
 
 def _write_markdown(

@@ -74,7 +74,7 @@ def minimum_bytes(
 ) -> int:
     """Bytes of one rank's inputs + outputs (+ gradients): q, k, v, out, lse (+ dout, dq,
     dk, dv). lse is in the accumulation dtype (float64 for float64, else float32)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     acc = 8 if dtype == torch.float64 else 4
     q_bytes = batch * seq_local * heads_q * head_dim * elem
     kv_bytes = batch * seq_local * heads_kv * head_dim * elem
@@ -234,7 +234,7 @@ def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dic
 def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list[dict[str, Any]]:
     """One row per (strategy, s): the busiest rank's peak beside the minimum."""
     dtype = DTYPES[config.dtype]
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     world = len(per_rank)
     rows = []
     for index, first in enumerate(per_rank[0]["rows"]):
@@ -266,12 +266,13 @@ def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list
 
 def add_arguments(parser: ArgumentAdder) -> None:
     """The options of ``--mode memory`` (the shared ones come from ``tokenring bench``)."""
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--seq-local",
         default="4096,16384,65536",
         help="comma-separated tokens per rank (S = P * s)",
     )
-    parser.add_argument(
+    add(
         "--device",
         choices=["cpu", "cuda"],
         help="where the ranks' tensors live (default: cuda when available)",
@@ -307,14 +308,16 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
 
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; keeps the config on ``args``."""
+    if args.link is not None:  # peak memory does not depend on the link
+        raise ValueError(
+            "--link is for --mode attention, decode or prefill-cached; got --mode memory"
+        )
     args._config = config_from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode memory``."""
 
-    if getattr(args, "_config", None) is None:
-        check_args(args)
     config: MemoryBenchConfig = args._config
     num_rows = len(config.strategies) * len(config.seq_locals)
     per_rank = collect_per_rank(

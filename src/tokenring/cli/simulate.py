@@ -33,10 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_call_arguments(parser.add_argument_group("the call: model, sizes, strategies"))
     machine = parser.add_argument_group("the machine and the simulator")
     machine.add_argument(
-        "--hardware",
-        choices=sorted(PRESETS),
-        default="h100-nvswitch",
-        help="machine preset (default: h100-nvswitch)",
+        "--hardware", choices=sorted(PRESETS), default="h100-nvswitch", help="machine preset"
     )
     machine.add_argument(
         "--mode",
@@ -46,36 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add = parser.add_argument_group("output").add_argument
     add("--json", action="store_true", help="print one JSON object per row instead of a table")
-    add(
-        "--plot",
-        type=output_path,
-        metavar="PATH",
-        help="PNG of time per call vs sequence length (or world size) per strategy; at one "
+    for flag, text in {
+        "--plot": "PNG of time per call vs sequence length (or world size) per strategy; at one "
         "point, bars relative to the best strategy",
-    )
-    add(
-        "--timeline",
-        type=output_path,
-        metavar="PATH",
-        help="PNG of the simulated per-rank timelines (first P and S; event engine)",
-    )
-    add(
-        "--trace",
-        type=output_path,
-        metavar="PATH",
-        help="the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, ui.perfetto.dev)",
-    )
+        "--timeline": "PNG of the simulated per-rank timelines (first P and S; event engine)",
+        "--trace": "the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, "
+        "ui.perfetto.dev)",
+    }.items():
+        add(flag, type=output_path, metavar="PATH", help=text)
 
 
 def _add_call_arguments(call: ArgumentAdder) -> None:
     """The call to predict: model, sizes, strategies."""
     add = call.add_argument
-    add(
-        "--model",
-        choices=sorted(KNOWN_MODELS),
-        default="llama2-7b",
-        help="attention shape preset (default: llama2-7b)",
-    )
+    add("--model", choices=sorted(KNOWN_MODELS), default="llama2-7b", help="attention shape preset")
     add(
         "--seq",
         type=int_at_least(1),
@@ -100,20 +81,20 @@ def _add_call_arguments(call: ArgumentAdder) -> None:
         "--hybrid-outer",
         default=Strategy.TOKEN_RING.value,
         choices=[s.value for s in Strategy if s.is_ring],
-        help="ring strategy across the hybrid's islands (default: token_ring)",
+        help="ring strategy across the hybrid's islands",
     )
     add(
         "--dtype",
         default="bfloat16",
         choices=["float16", "bfloat16"],
-        help="input dtype; the presets' FLOP/s are for 16-bit inputs (default: bfloat16)",
+        help="input dtype; the presets' FLOP/s are for 16-bit inputs",
     )
     add(
         "--pass",
         dest="passes",
         choices=sorted(_PASSES),
         default="forward",
-        help="forward, backward, or both = training (default: forward)",
+        help="forward, backward, or both = training",
     )
     add(
         "--layout",
@@ -121,10 +102,8 @@ def _add_call_arguments(call: ArgumentAdder) -> None:
         default="auto",
         help="auto: zigzag for causal models, contiguous otherwise",
     )
-    add("--batch", type=int_at_least(1), default=1, help="batch size B (default: 1)")
-    add(
-        "--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits (default: 2)"
-    )
+    add("--batch", type=int_at_least(1), default=1, help="batch size B")
+    add("--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits")
     add(
         "--lend-last-pair",
         action="store_true",
@@ -411,8 +390,6 @@ def run(args: argparse.Namespace) -> int:
         ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
         NotImplementedError: no requested strategy can be predicted at these world sizes.
     """
-    if getattr(args, "_config", None) is None:
-        check_args(args)
     cfg: _Config = args._config
     if not args.json:
         rich_modules()  # fail before any work when the table cannot be printed
