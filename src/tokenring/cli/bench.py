@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import statistics
@@ -168,6 +169,13 @@ class BenchConfig:
         if self.layout is not None:
             return self.layout
         return Layout.ZIGZAG if causal else Layout.CONTIGUOUS
+
+    def cases(self) -> Iterator[tuple[str, AttentionShape, bool, Strategy]]:
+        """Every (model label, shape, causal, strategy) of the run, in row order."""
+        for (name, model), causal, strategy in itertools.product(
+            self.models.items(), self.causal, self.strategies
+        ):
+            yield name, model, causal, strategy
 
     def check_world(self, world_size: int) -> None:
         """Raise ValueError when a row cannot run on ``world_size`` ranks. Any ``seq`` runs
@@ -695,15 +703,11 @@ def _hybrid_shards(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """This rank's hybrid-layout shards of the global inputs, and their global positions."""
     outer_rank, inner_rank = divmod(rank, spec.inner)
-    where: dict[str, Any] = {
-        "outer_rank": outer_rank,
-        "inner_rank": inner_rank,
-        "outer": world // spec.inner,
-        "inner": spec.inner,
-        "layout": layout,
-    }
-    positions = hybrid_positions(**where, seq_len=inputs[0].shape[1])
-    return [hybrid_shard(x, **where) for x in inputs], positions
+    where: dict[str, Any] = dict(
+        outer_rank=outer_rank, inner_rank=inner_rank, outer=world // spec.inner, inner=spec.inner
+    )
+    positions = hybrid_positions(**where, layout=layout, seq_len=inputs[0].shape[1])
+    return [hybrid_shard(x, **where, layout=layout) for x in inputs], positions
 
 
 def _measure_row(
@@ -1215,15 +1219,11 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     num_bytes = 0.0
     if world_size > 1:
         num_bytes = _PROBE_ROUNDS * config.probe_bytes * (2 if args.topology == "switch" else 1)
-    for dims in config.models.values():
-        for causal in config.causal:
-            for strategy in config.strategies:
-                scheds = _schedules(config, dims, strategy, causal, world_size)
-                busiest = [
-                    max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds
-                ]
-                for pass_ in config.passes:
-                    num_bytes += calls * (busiest[0] + (busiest[1] if pass_ == "fwd+bwd" else 0))
+    for _, dims, causal, strategy in config.cases():
+        scheds = _schedules(config, dims, strategy, causal, world_size)
+        busiest = [max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds]
+        for pass_ in config.passes:
+            num_bytes += calls * (busiest[0] + (busiest[1] if pass_ == "fwd+bwd" else 0))
     seconds = num_bytes / rate
     if seconds > args.timeout:
         raise ValueError(
@@ -1377,37 +1377,20 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
     check_heads(args)
     models = models_from_args(args)
-    causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
-    hybrid = HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer)
     passes = split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
-    layout = None if args.layout == "auto" else Layout.parse(args.layout)
-    names = ", ".join(s.value for s in Strategy)
+    strategies = tuple(Strategy)
     if args.strategies is not None:
+        names = ", ".join(s.value for s in Strategy)
         strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
-    else:  # all of them; the hybrid only where it fits, and then said so
-        strategies = tuple(Strategy)
-        trial = BenchConfig(
-            seq=args.seq,
-            models=models,
-            strategies=(Strategy.HYBRID,),
-            hybrid=hybrid,
-            causal=causal,
-            layout=layout,
-        )
-        try:
-            trial.check_world(world_size_of(args))
-        except ValueError as exc:
-            print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
-            strategies = strategies[:-1]
-    return BenchConfig(
+    config = BenchConfig(
         batch=args.batch,
         seq=args.seq,
         models=models,
         dtype=args.dtype,
         strategies=strategies,
-        hybrid=hybrid,
-        causal=causal,
-        layout=layout,
+        hybrid=HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer),
+        causal={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal],
+        layout=None if args.layout == "auto" else Layout.parse(args.layout),
         passes=passes,
         warmup=args.warmup,
         iters=args.iters,
@@ -1415,6 +1398,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tolerance=args.tolerance,
         last_pair=args.last_pair,
     )
+    if args.strategies is None:  # all of them; the hybrid only where it fits, and then said so
+        try:
+            config.check_world(world_size_of(args))
+        except ValueError as exc:
+            print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
+            config = dataclasses.replace(config, strategies=strategies[:-1])
+    return config
 
 
 def _parse_pass(text: str) -> str:
@@ -1441,15 +1431,13 @@ def check_args(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
     backend = "nccl" if under_torchrun() and torch.cuda.is_available() else "gloo"
-    for name, model in config.models.items():  # what the ranks would build first: fail here
-        for causal in config.causal:
-            for strategy in config.strategies:
-                try:
-                    _schedules(config, model, strategy, causal, world)
-                except (ValueError, NotImplementedError) as exc:
-                    raise ValueError(
-                        f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
-                    ) from None
+    for name, model, causal, strategy in config.cases():  # what the ranks build first
+        try:
+            _schedules(config, model, strategy, causal, world)
+        except (ValueError, NotImplementedError) as exc:
+            raise ValueError(
+                f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
+            ) from None
     if args.link is not None:
         check_lab(args, world)
         _check_link_time(config, args, world)
@@ -1475,13 +1463,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = aggregate(per_rank, config)
     lab = args._lab
-    add_predictions(
-        rows,
-        per_rank,
-        config,
-        world_size=args.world_size,
-        topology=lab["topology"] if lab else "mesh",
-    )
+    topology = lab["topology"] if lab else "mesh"
+    add_predictions(rows, per_rank, config, world_size=args.world_size, topology=topology)
     settings = {
         "world_size": args.world_size,
         "batch": config.batch,

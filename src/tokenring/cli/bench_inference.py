@@ -26,6 +26,7 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,22 +227,20 @@ def _timed_calls(
 def _case_rows(
     config: InferenceBenchConfig,
     comm: Communicator,
-    *,
-    name: str,
-    model: AttentionShape,
-    cached: int,
-    new: int,
     hardware: Hardware,
     kernel: BlockKernel,
     device: torch.device,
-    progress_path: str | None,
-) -> list[dict[str, Any]]:
+    *,
+    name: str,
+    cached: int,
+    new: int,
+) -> Iterator[dict[str, Any]]:
     """This rank's rows of one (model, C, T): each strategy timed, counted and verified."""
-    rank = comm.rank
+    model = config.models[name]
     hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
     seqs = _random_sequences(config.batch, cached + new, model, DTYPES[config.dtype])
     cache, step = _filled_cache(config, comm, seqs, cached=cached, new=new, device=device)
-    mine = step.new_positions[rank]
+    mine = step.new_positions[comm.rank]
     q = torch.cat([s[0][p] for s, p in zip(seqs, mine, strict=True)]).to(device)
     want = torch.cat(
         [_oracle_rows(s[0], s[1], s[2], p, d**-0.5) for s, p in zip(seqs, mine, strict=True)]
@@ -250,7 +249,6 @@ def _case_rows(
     shape: dict[str, Any] = {"heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": config.dtype}
     pick = choose_cached_strategy(shards, **shape, hardware=hardware).pick
     dims = dataclasses.replace(model, batch=1, dtype=dtype_name(q.dtype))
-    rows = []
     for strategy in config.strategies:
         plan = build_cached_plan(strategy, shards)
         predicted = predict_cached(plan, shards, **shape, hardware=hardware)
@@ -258,31 +256,23 @@ def _case_rows(
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():
             sent[flow] += num
-        error = (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0
-        rows.append(
-            {
-                "model": name,
-                "heads_q": hq,
-                "heads_kv": hkv,
-                "head_dim": d,
-                "cached": cached,
-                "new": new,
-                "strategy": strategy.value,
-                "call_s": times,
-                "sent_bytes": sent,
-                "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
-                "bytes_match_plan": _planned_bytes(plan, rank, dims)
-                == dict(comm.counter.sent_bytes),
-                "max_error": error,
-                "model_s": predicted.total_s,
-                "model_travel_bytes": predicted.travel_bytes,
-                "model_return_bytes": predicted.return_bytes,
-                "model_bound_by": predicted.bound_by,
-                "pick": pick.value,
-            }
-        )
-        row_done(progress_path)
-    return rows
+        yield {
+            "model": name,
+            "cached": cached,
+            "new": new,
+            "strategy": strategy.value,
+            "call_s": times,
+            "sent_bytes": sent,
+            "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
+            "bytes_match_plan": _planned_bytes(plan, comm.rank, dims)
+            == dict(comm.counter.sent_bytes),
+            "max_error": (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0,
+            "model_s": predicted.total_s,
+            "model_travel_bytes": predicted.travel_bytes,
+            "model_return_bytes": predicted.return_bytes,
+            "model_bound_by": predicted.bound_by,
+            "pick": pick.value,
+        }
 
 
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
@@ -294,21 +284,11 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
     kernel = select_kernel(device, dtype)
     rows = []
-    for (name, model), cached, new in itertools.product(
-        config.models.items(), config.cached, config.new
-    ):
-        rows += _case_rows(
-            config,
-            comm,
-            name=name,
-            model=model,
-            cached=cached,
-            new=new,
-            hardware=hardware,
-            kernel=kernel,
-            device=device,
-            progress_path=progress_path,
-        )
+    for name, cached, new in itertools.product(config.models, config.cached, config.new):
+        case = _case_rows(config, comm, hardware, kernel, device, name=name, cached=cached, new=new)
+        for row in case:
+            rows.append(row)
+            row_done(progress_path)
     return {
         "rank": comm.rank,
         "rows": rows,
@@ -332,12 +312,12 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
     for index, first in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][index] for r in per_rank]
         median_s = max(statistics.median(r["call_s"]) for r in rows)
-        elem = DTYPES[config.dtype].itemsize
+        model = config.models[first["model"]]
         threshold = pass_q_threshold(
-            heads_q=first["heads_q"],
-            heads_kv=first["heads_kv"],
-            head_dim=first["head_dim"],
-            elem_bytes=elem,
+            heads_q=model.heads_q,
+            heads_kv=model.heads_kv,
+            head_dim=model.head_dim,
+            elem_bytes=DTYPES[config.dtype].itemsize,
             acc_bytes=8 if config.dtype == "float64" else 4,
         )
         error = max(r["max_error"] for r in rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -224,6 +225,31 @@ def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
     return longest
 
 
+def _simulate(
+    cfg: _Config, args: argparse.Namespace, world_size: int, seq: int, name: str
+) -> CallResult:
+    """One strategy at one point (P, S)."""
+    if name == Strategy.HYBRID.value:
+        assert cfg.hybrid is not None
+        cfg.hybrid.check(
+            world_size=world_size, heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv
+        )
+    return simulate(
+        name,
+        passes=args.passes,
+        layout=cfg.layout,
+        causal=cfg.causal,
+        world_size=world_size,
+        seq_local=seq // world_size,
+        shape=cfg.shape,
+        hardware=cfg.hardware,
+        last_block_splits=args.splits,
+        mode=args.mode,
+        hybrid=cfg.hybrid,
+        lend_last_pair=args.lend_last_pair,
+    )
+
+
 def _predict(
     cfg: _Config, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], list[CallResult], list[str]]:
@@ -232,47 +258,22 @@ def _predict(
     rows: list[dict[str, Any]] = []
     results: list[CallResult] = []
     notes: list[str] = []
-
-    def one(world_size: int, seq: int, requested: int, name: str) -> None:
-        try:
-            if name == Strategy.HYBRID.value:
-                assert cfg.hybrid is not None
-                cfg.hybrid.check(
-                    world_size=world_size,
-                    heads_q=cfg.shape.heads_q,
-                    heads_kv=cfg.shape.heads_kv,
-                )
-            result = simulate(
-                name,
-                passes=args.passes,
-                layout=cfg.layout,
-                causal=cfg.causal,
-                world_size=world_size,
-                seq_local=seq // world_size,
-                shape=cfg.shape,
-                hardware=cfg.hardware,
-                last_block_splits=args.splits,
-                mode=args.mode,
-                hybrid=cfg.hybrid,
-                lend_last_pair=args.lend_last_pair,
-            )
-        except (NotImplementedError, ValueError) as exc:
-            if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
-                raise
-            notes.append(f"{name} at P={world_size} not predicted: {exc}")
-            return
-        results.append(result)
-        rows.append(_row(cfg, args, seq, requested, result))
-
-    if args.json:
-        for job in jobs:
-            one(*job)
-        return rows, results, notes
-    with progress(len(jobs), "simulating") as bar:
-        for job in jobs:
-            bar.update(bar.task_ids[0], description=f"P={job[0]} S={job[1]} {job[3]}")
-            one(*job)
-            bar.advance(bar.task_ids[0])
+    bar = None if args.json else progress(len(jobs), "simulating")
+    with bar or contextlib.nullcontext():
+        for world_size, seq, requested, name in jobs:
+            if bar is not None:
+                bar.update(bar.task_ids[0], description=f"P={world_size} S={seq} {name}")
+            try:
+                result = _simulate(cfg, args, world_size, seq, name)
+            except (NotImplementedError, ValueError) as exc:
+                if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
+                    raise
+                notes.append(f"{name} at P={world_size} not predicted: {exc}")
+            else:
+                results.append(result)
+                rows.append(_row(cfg, args, seq, requested, result))
+            if bar is not None:
+                bar.advance(bar.task_ids[0])
     return rows, results, notes
 
 
