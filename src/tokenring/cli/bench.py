@@ -203,7 +203,6 @@ class RankRow:
     step_fwd_s: float | None
     step_bwd_s: float | None
     compute_s: float
-    compute_only_s: float  # forward + backward kernels, no P2P
     compute_fwd_s: float
     compute_bwd_s: float
     flops_fwd: float
@@ -752,7 +751,6 @@ def _measure_row(
         step_fwd_s=_steady_step(events, "attn", num_steps),
         step_bwd_s=_steady_step(events, "attn_bwd", num_steps) if backward else None,
         compute_s=sum(ev.end_s - ev.start_s for ev in events if ev.kind == "compute"),
-        compute_only_s=compute[0] + compute[1],
         compute_fwd_s=compute[0],
         compute_bwd_s=compute[1],
         flops_fwd=compute[2],
@@ -790,22 +788,18 @@ def _timed_calls(
     q, k, v, dout = case.local
     times: list[float] = []
     timeline = Timeline()
-    out: torch.Tensor | None = None
-    inputs: list[torch.Tensor] = []
-    for i in range(config.warmup + config.iters):
+    for i in range(config.warmup + config.iters):  # iters >= 1: out and start get set
         inputs = [x.detach().clone().requires_grad_(backward) for x in (q, k, v)]
-        last = i == config.warmup + config.iters - 1
         timeline.clear()
         for c, _ in counted:
             c.counter.reset()
-            c.timeline = timeline if last else None
+            c.timeline = timeline if i == config.warmup + config.iters - 1 else None
         comm.barrier(label="bench")
         if q.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = attend(*inputs)
-        assert isinstance(result, torch.Tensor)
-        out = result
+        out = attend(*inputs)
+        assert isinstance(out, torch.Tensor)
         if backward:
             out.backward(dout)
         if q.is_cuda:
@@ -815,7 +809,6 @@ def _timed_calls(
             c.timeline = None
         if i >= config.warmup:
             times.append(elapsed)
-    assert out is not None
     for ev in timeline.events:  # align this rank's events at its own call start
         ev.start_s -= start
         ev.end_s -= start
@@ -853,7 +846,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
         rows: list[RankRow] = [r["rows"][index] for r in per_rank]
         median_s = max(statistics.median(r.call_s) for r in rows)
         busiest_link = max((max(r.link_bytes.values(), default=0) for r in rows), default=0)
-        compute_only = max(r.compute_only_s for r in rows)
+        compute_only = max(r.compute_fwd_s + r.compute_bwd_s for r in rows)  # kernels, no P2P
         # Bytes that can overlap compute: everything but the exposed tail, per directed link.
         overlappable = max(
             (n - r.exposed_bytes.get(peer, 0) for r in rows for peer, n in r.link_bytes.items()),
@@ -948,13 +941,10 @@ def add_predictions(
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
         _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
         _add_planner_pick(group, config, hardware, world_size, seq_local)
+        calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
-            row["calibration"] = {
-                "forward_flops_per_s": fwd_rate,
-                "backward_flops_per_s": bwd_rate,
-                **probes,
-            }
+            row["calibration"] = dict(calibration)
     return rows
 
 
@@ -1285,9 +1275,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
     add("--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed")
     _add_attention_arguments(parser.add_argument_group("--mode attention"))
-    add = parser.add_argument_group(
-        "timing and checking (attention, decode, prefill-cached)"
-    ).add_argument
+    timing = parser.add_argument_group("timing and checking (attention, decode, prefill-cached)")
+    add = timing.add_argument
     add("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
     add("--iters", type=int_at_least(1), default=5, help="timed calls per row")
     add(
@@ -1648,10 +1637,7 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 _MD_COLUMNS = [
-    ("model", "model"),
-    ("causal", "causal"),
-    ("strategy", "strategy"),
-    ("pass", "pass"),
+    *((key, key) for key in ("model", "causal", "strategy", "pass")),
     ("ms_median", "ms/call"),
     ("ms_p10", "p10"),
     ("ms_p90", "p90"),
