@@ -76,55 +76,45 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- argument types: argparse reports their errors as "argument --flag: <message>" -------------
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``minimum``."""
+def _checked(
+    cast: Callable[[str], Any], expected: str, ok: Callable[[Any], bool]
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``cast(text)`` where it is ``ok``, else "must be <expected>"."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer >= {minimum}; got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
         return value
 
     return parse
 
 
-def _finite(text: str, expected: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}") from None
+def _finite(text: str) -> float:
+    value = float(text)
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
+        raise ValueError(text)
     return value
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``."""
+    return _checked(int, f"an integer >= {minimum}", lambda v: v >= minimum)
 
 
 def positive_seconds(text: str) -> float:
     """An argparse ``type``: a finite number of seconds > 0 (nan and inf would disable a
     deadline without a word)."""
-    expected = "a finite number of seconds > 0"
-    value = _finite(text, expected)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
-    return value
+    return float(_checked(_finite, "a finite number of seconds > 0", lambda v: v > 0)(text))
 
 
 def finite_float_at_least(minimum: float) -> Callable[[str], float]:
     """An argparse ``type``: a finite number >= ``minimum`` (nan compares false with every
     bound, so a nan tolerance would pass or fail every row without saying why)."""
-    expected = f"a finite number >= {minimum:g}"
-
-    def parse(text: str) -> float:
-        value = _finite(text, expected)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
-        return value
-
-    return parse
+    return _checked(_finite, f"a finite number >= {minimum:g}", lambda v: v >= minimum)
 
 
 def output_path(text: str) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import statistics
@@ -44,6 +45,8 @@ import torch.distributed as dist
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import (
     ArgumentAdder,
+    bench_inference,
+    bench_memory,
     check_heads,
     finite_float_at_least,
     int_at_least,
@@ -52,13 +55,6 @@ from tokenring.cli import (
     positive_seconds,
     split_list,
 )
-from tokenring.cli.bench_inference import MODES
-from tokenring.cli.bench_inference import add_arguments as add_inference_arguments
-from tokenring.cli.bench_inference import check_args as check_inference
-from tokenring.cli.bench_inference import run as run_inference
-from tokenring.cli.bench_memory import add_arguments as add_memory_arguments
-from tokenring.cli.bench_memory import check_args as check_memory_mode
-from tokenring.cli.bench_memory import run as run_memory
 from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
 from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
@@ -71,7 +67,7 @@ from tokenring.cli.ranks import (
     under_torchrun,
     world_size_of,
 )
-from tokenring.cli.report import call_ms, link_text, write_markdown, write_records
+from tokenring.cli.report import call_ms, group_by, link_text, write_markdown, write_records
 from tokenring.core.layout import Layout, Sharding, make_sharding, shard
 from tokenring.core.schedule import (
     AttentionShape,
@@ -174,6 +170,13 @@ class BenchConfig:
             return self.layout
         return Layout.ZIGZAG if causal else Layout.CONTIGUOUS
 
+    def cases(self) -> Iterator[tuple[str, AttentionShape, bool, Strategy]]:
+        """Every (model label, shape, causal, strategy) of the run, in row order."""
+        for (name, model), causal, strategy in itertools.product(
+            self.models.items(), self.causal, self.strategies
+        ):
+            yield name, model, causal, strategy
+
     def check_world(self, world_size: int) -> None:
         """Raise ValueError when a row cannot run on ``world_size`` ranks. Any ``seq`` runs
         (uneven shards, as ``tokenring.shard`` and ``hybrid_shard`` give them); the hybrid
@@ -200,7 +203,6 @@ class RankRow:
     step_fwd_s: float | None
     step_bwd_s: float | None
     compute_s: float
-    compute_only_s: float  # forward + backward kernels, no P2P
     compute_fwd_s: float
     compute_bwd_s: float
     flops_fwd: float
@@ -253,14 +255,18 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
         for rec in pending.values():
             rec.wait()
         comm.wait_sends()
-        if i > 0:  # the first round fills the token bucket and warms the sockets
+        if i > 0:
             times.append(time.perf_counter() - start)
     comm.counter.reset()
     # The fastest round (a slower one likely met TCP slow start after the barrier's idle gap; the
     # median of 3 read 10.6 or 12.3 MB/s from run to run on the 12.5 MB/s lab links).
-    rate = torch.tensor([num_bytes / min(times)], dtype=torch.float64)
-    comm.all_reduce(rate, op=dist.ReduceOp.MIN, label="bench rate").wait()
-    return float(rate.item())
+    return _min_over_ranks(comm, num_bytes / min(times))
+
+
+def _min_over_ranks(comm: Communicator, rate: float) -> float:
+    value = torch.tensor([rate], dtype=torch.float64)
+    comm.all_reduce(value, op=dist.ReduceOp.MIN, label="bench rate").wait()
+    return float(value.item())
 
 
 Operands = tuple[tuple[torch.Tensor, ...], AttentionShape]  # q, k, v, dout; FLOP sizes
@@ -330,16 +336,9 @@ def _compute_operands(case: _Case, rank: int) -> Operands:
     q = case.kernel_inputs[0]
     gen = torch.Generator().manual_seed(rank)
 
-    def make(rows: int, heads: int) -> torch.Tensor:
-        x = torch.randn(q.shape[0], rows, heads, q.shape[3], generator=gen)
-        return x.to(device=q.device, dtype=q.dtype)
-
-    return (
-        make(q_len, heads_q),
-        make(kv_len, heads_kv),
-        make(kv_len, heads_kv),
-        make(q_len, heads_q),
-    ), dims
+    sizes = ((q_len, heads_q), (kv_len, heads_kv), (kv_len, heads_kv), (q_len, heads_q))
+    operands = (torch.randn(q.shape[0], n, h, q.shape[3], generator=gen) for n, h in sizes)
+    return tuple(x.to(device=q.device, dtype=q.dtype) for x in operands), dims
 
 
 def _probe_memory_bandwidth(comm: Communicator, device: torch.device) -> float:
@@ -351,11 +350,7 @@ def _probe_memory_bandwidth(comm: Communicator, device: torch.device) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
-    rate = torch.tensor(
-        [2 * src.numel() * src.element_size() / statistics.median(times)], dtype=torch.float64
-    )
-    comm.all_reduce(rate, op=dist.ReduceOp.MIN, label="bench rate").wait()
-    return float(rate.item())
+    return _min_over_ranks(comm, 2 * src.numel() * src.element_size() / statistics.median(times))
 
 
 def _steady_step(events: list[Event], label: str, num_steps: int) -> float | None:
@@ -707,15 +702,11 @@ def _hybrid_shards(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """This rank's hybrid-layout shards of the global inputs, and their global positions."""
     outer_rank, inner_rank = divmod(rank, spec.inner)
-    where: dict[str, Any] = {
-        "outer_rank": outer_rank,
-        "inner_rank": inner_rank,
-        "outer": world // spec.inner,
-        "inner": spec.inner,
-        "layout": layout,
-    }
-    positions = hybrid_positions(**where, seq_len=inputs[0].shape[1])
-    return [hybrid_shard(x, **where) for x in inputs], positions
+    where: dict[str, Any] = dict(
+        outer_rank=outer_rank, inner_rank=inner_rank, outer=world // spec.inner, inner=spec.inner
+    )
+    positions = hybrid_positions(**where, layout=layout, seq_len=inputs[0].shape[1])
+    return [hybrid_shard(x, **where, layout=layout) for x in inputs], positions
 
 
 def _measure_row(
@@ -760,7 +751,6 @@ def _measure_row(
         step_fwd_s=_steady_step(events, "attn", num_steps),
         step_bwd_s=_steady_step(events, "attn_bwd", num_steps) if backward else None,
         compute_s=sum(ev.end_s - ev.start_s for ev in events if ev.kind == "compute"),
-        compute_only_s=compute[0] + compute[1],
         compute_fwd_s=compute[0],
         compute_bwd_s=compute[1],
         flops_fwd=compute[2],
@@ -798,22 +788,18 @@ def _timed_calls(
     q, k, v, dout = case.local
     times: list[float] = []
     timeline = Timeline()
-    out: torch.Tensor | None = None
-    inputs: list[torch.Tensor] = []
-    for i in range(config.warmup + config.iters):
+    for i in range(config.warmup + config.iters):  # iters >= 1: out and start get set
         inputs = [x.detach().clone().requires_grad_(backward) for x in (q, k, v)]
-        last = i == config.warmup + config.iters - 1
         timeline.clear()
         for c, _ in counted:
             c.counter.reset()
-            c.timeline = timeline if last else None
+            c.timeline = timeline if i == config.warmup + config.iters - 1 else None
         comm.barrier(label="bench")
         if q.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = attend(*inputs)
-        assert isinstance(result, torch.Tensor)
-        out = result
+        out = attend(*inputs)
+        assert isinstance(out, torch.Tensor)
         if backward:
             out.backward(dout)
         if q.is_cuda:
@@ -823,7 +809,6 @@ def _timed_calls(
             c.timeline = None
         if i >= config.warmup:
             times.append(elapsed)
-    assert out is not None
     for ev in timeline.events:  # align this rank's events at its own call start
         ev.start_s -= start
         ev.end_s -= start
@@ -855,26 +840,25 @@ def _best_compute_only(
 def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[str, Any]]:
     """One dict per row: max over ranks of each rank's statistic, the bound and its %."""
     bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
+    tol = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
     results = []
     for index, first in enumerate(per_rank[0]["rows"]):
         rows: list[RankRow] = [r["rows"][index] for r in per_rank]
         median_s = max(statistics.median(r.call_s) for r in rows)
         busiest_link = max((max(r.link_bytes.values(), default=0) for r in rows), default=0)
-        compute_only = max(r.compute_only_s for r in rows)
+        compute_only = max(r.compute_fwd_s + r.compute_bwd_s for r in rows)  # kernels, no P2P
         # Bytes that can overlap compute: everything but the exposed tail, per directed link.
         overlappable = max(
             (n - r.exposed_bytes.get(peer, 0) for r in rows for peer, n in r.link_bytes.items()),
             default=0,
         )
         exposed = max(sum(r.exposed_bytes.values()) for r in rows)
-        finite = bandwidth != float("inf")
-        comm_s = overlappable / bandwidth if finite else 0.0
-        exposed_s = exposed / bandwidth if finite else 0.0
-        modelled = not math.isnan(compute_only)  # collectives: no compute-only run yet
-        bound_s = max(compute_only, comm_s) + exposed_s if modelled else math.nan
+        # bytes / inf = 0 on one rank; nan stays nan (collectives: no compute-only run yet)
+        bound_s = max(compute_only, overlappable / bandwidth) + exposed / bandwidth
+        modelled = not math.isnan(compute_only)
         steps_fwd = [r.step_fwd_s for r in rows if r.step_fwd_s is not None]
         steps_bwd = [r.step_bwd_s for r in rows if r.step_bwd_s is not None]
-        tol = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
+        travel, back = (max(r.sent_bytes[flow] for r in rows) for flow in ("travel", "return"))
         error = max(r.max_error for r in rows)
         results.append(
             {
@@ -893,11 +877,11 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "ms_max": 1e3 * max(max(r.call_s) for r in rows),
                 "ms_step_fwd": 1e3 * max(steps_fwd) if steps_fwd else None,
                 "ms_step_bwd": 1e3 * max(steps_bwd) if steps_bwd else None,
-                "travel_bytes_per_rank": max(r.sent_bytes["travel"] for r in rows),
-                "return_bytes_per_rank": max(r.sent_bytes["return"] for r in rows),
+                "travel_bytes_per_rank": travel,
+                "return_bytes_per_rank": back,
                 "busiest_link_bytes": busiest_link,
-                "travel_MBps": max(r.sent_bytes["travel"] for r in rows) / median_s / 1e6,
-                "return_MBps": max(r.sent_bytes["return"] for r in rows) / median_s / 1e6,
+                "travel_MBps": travel / median_s / 1e6,
+                "return_MBps": back / median_s / 1e6,
                 "overlap_efficiency": min(r.compute_s / statistics.median(r.call_s) for r in rows),
                 "ms_compute_only": 1e3 * compute_only if modelled else None,
                 "ms_bound": 1e3 * bound_s if modelled else None,
@@ -940,10 +924,7 @@ def add_predictions(
         "link_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in per_rank),
     }
-    groups: dict[tuple[str, bool, str], list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault((row["model"], row["causal"], row["pass"]), []).append(index)
-    for indices in groups.values():
+    for indices in group_by(range(len(rows)), lambda i: _group_key(rows[i])):
         # Calibrate from the ring strategies' compute-only runs (the others have none).
         timed = [i for i in indices if rows[i]["ms_compute_only"] is not None]
         if not timed:
@@ -960,13 +941,10 @@ def add_predictions(
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
         _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
         _add_planner_pick(group, config, hardware, world_size, seq_local)
+        calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
-            row["calibration"] = {
-                "forward_flops_per_s": fwd_rate,
-                "backward_flops_per_s": bwd_rate,
-                **probes,
-            }
+            row["calibration"] = dict(calibration)
     return rows
 
 
@@ -1112,7 +1090,7 @@ def estimate_rank_bytes(
     """
     b, seq = config.batch, config.seq
     best: dict[str, int] = {}
-    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    elem = DTYPES[config.dtype].itemsize
     for model in config.models.values():
         hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
         inputs = b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4  # + fp32 draw
@@ -1163,7 +1141,7 @@ def _call_bytes(
     ``materialises``: the kernel makes whole score blocks (CUDA: reference-math backward, or
     float64 throughout)."""
     acc = 8 if config.dtype == "float64" else 4
-    elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+    elem = DTYPES[config.dtype].itemsize
     b, n, d = config.batch, sharding.seq_local, model.head_dim
     hq = heads_q = model.heads_q
     hkv = heads_kv = model.heads_kv
@@ -1231,15 +1209,11 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     num_bytes = 0.0
     if world_size > 1:
         num_bytes = _PROBE_ROUNDS * config.probe_bytes * (2 if args.topology == "switch" else 1)
-    for dims in config.models.values():
-        for causal in config.causal:
-            for strategy in config.strategies:
-                scheds = _schedules(config, dims, strategy, causal, world_size)
-                busiest = [
-                    max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds
-                ]
-                for pass_ in config.passes:
-                    num_bytes += calls * (busiest[0] + (busiest[1] if pass_ == "fwd+bwd" else 0))
+    for _, dims, causal, strategy in config.cases():
+        scheds = _schedules(config, dims, strategy, causal, world_size)
+        busiest = [max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds]
+        for pass_ in config.passes:
+            num_bytes += calls * (busiest[0] + (busiest[1] if pass_ == "fwd+bwd" else 0))
     seconds = num_bytes / rate
     if seconds > args.timeout:
         raise ValueError(
@@ -1283,87 +1257,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         default="attention",
-        choices=["attention", *MODES, "memory"],
+        choices=["attention", *bench_inference.MODES, "memory"],
         help="attention: the training strategies; decode / prefill-cached: attention of new "
         "tokens against a sharded KV cache; memory: peak memory per rank beside inputs + "
         "outputs + gradients",
     )
-    every = parser.add_argument_group("ranks and shape (every mode)")
-    every.add_argument(
-        "--world-size", type=int_at_least(1), default=4, help="ranks to spawn (not under torchrun)"
-    )
-    every.add_argument("--batch", type=int_at_least(1), default=1, help="batch size B")
-    every.add_argument(
+    add = parser.add_argument_group("ranks and shape (every mode)").add_argument
+    add("--world-size", type=int_at_least(1), default=4, help="ranks to spawn (not under torchrun)")
+    add("--batch", type=int_at_least(1), default=1, help="batch size B")
+    add(
         "--heads",
         type=int_at_least(1),
         help="query heads (with --kv-heads: one custom model instead of the built-in ones)",
     )
-    every.add_argument("--kv-heads", type=int_at_least(1), help="key/value heads")
-    every.add_argument("--head-dim", type=int_at_least(1), default=64, help="head dimension D")
-    every.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
-    every.add_argument(
-        "--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed"
-    )
+    add("--kv-heads", type=int_at_least(1), help="key/value heads")
+    add("--head-dim", type=int_at_least(1), default=64, help="head dimension D")
+    add("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
+    add("--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed")
     _add_attention_arguments(parser.add_argument_group("--mode attention"))
     timing = parser.add_argument_group("timing and checking (attention, decode, prefill-cached)")
-    timing.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
-    timing.add_argument("--iters", type=int_at_least(1), default=5, help="timed calls per row")
-    timing.add_argument(
+    add = timing.add_argument
+    add("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
+    add("--iters", type=int_at_least(1), default=5, help="timed calls per row")
+    add(
         "--tolerance",
         type=finite_float_at_least(0),
         help="max abs error vs float64 for a row to pass (default: by dtype)",
     )
-    timing.add_argument("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
-    timing.add_argument(
+    add("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
+    add(
         "--topology",
         default="mesh",
         choices=["mesh", "ring", "switch"],
         help="topology of the emulated links (with --link)",
     )
-    add_inference_arguments(parser.add_argument_group("--mode decode, prefill-cached"))
-    add_memory_arguments(parser.add_argument_group("--mode memory"))
+    bench_inference.add_arguments(parser.add_argument_group("--mode decode, prefill-cached"))
+    bench_memory.add_arguments(parser.add_argument_group("--mode memory"))
     _add_output_arguments(parser.add_argument_group("output"))
 
 
 def _add_attention_arguments(attention: ArgumentAdder) -> None:
     """The options of ``--mode attention`` (``--strategies`` and ``--causal`` also of memory)."""
-    attention.add_argument(
+    add = attention.add_argument
+    add(
         "--seq",
         type=int_at_least(1),
         default=1024,
         help="global sequence length (any: uneven shards as tokenring.shard gives them)",
     )
-    attention.add_argument(
+    add(
         "--strategies",
         help="comma-separated strategies, also for --mode memory (default: all; the hybrid "
         "where --hybrid-inner fits)",
     )
-    attention.add_argument(
+    add(
         "--causal",
         choices=["both", "yes", "no"],
         default="both",
         help="causal masks to run (memory: yes unless no)",
     )
-    attention.add_argument(
+    add(
         "--layout",
         choices=["auto", "contiguous", "zigzag"],
         default="auto",
         help="auto: zigzag when causal, contiguous otherwise",
     )
-    attention.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
-    attention.add_argument(
+    add("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
+    add(
         "--hybrid-inner",
         type=int_at_least(1),
         default=2,
         help="ranks per island of the hybrid rows (divides the world size and heads)",
     )
-    attention.add_argument(
+    add(
         "--hybrid-outer",
         default=Strategy.TOKEN_RING.value,
         choices=[s.value for s in Strategy if s.is_ring],
         help="ring strategy across the hybrid's islands",
     )
-    attention.add_argument(
+    add(
         "--last-pair",
         choices=["return", "lend"],
         default="return",
@@ -1381,55 +1353,33 @@ def _add_output_arguments(output: ArgumentAdder) -> None:
         "default table fits 120 columns, and --json / --markdown always have everything",
     )
     output.add_argument("--json", action="store_true", help="print one JSON object per row")
-    output.add_argument(
-        "--out", type=output_path, help="also append the JSON rows to this JSONL file"
-    )
-    output.add_argument("--plot", type=output_path, help="write a timeline PNG here (attention)")
-    output.add_argument(
-        "--trace",
-        type=output_path,
-        help="write the timelines as a Chrome/Perfetto trace JSON here (attention)",
-    )
-    output.add_argument(
-        "--markdown", type=output_path, help="write the table as markdown here, with the command"
-    )
+    for flag, text in {
+        "--out": "also append the JSON rows to this JSONL file",
+        "--plot": "write a timeline PNG here (attention)",
+        "--trace": "write the timelines as a Chrome/Perfetto trace JSON here (attention)",
+        "--markdown": "write the table as markdown here, with the command",
+    }.items():
+        output.add_argument(flag, type=output_path, help=text)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
     check_heads(args)
     models = models_from_args(args)
-    causal = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
-    hybrid = HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer)
     passes = split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
-    layout = None if args.layout == "auto" else Layout.parse(args.layout)
-    names = ", ".join(s.value for s in Strategy)
+    strategies = tuple(Strategy)
     if args.strategies is not None:
+        names = ", ".join(s.value for s in Strategy)
         strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
-    else:  # all of them; the hybrid only where it fits, and then said so
-        strategies = tuple(Strategy)
-        trial = BenchConfig(
-            seq=args.seq,
-            models=models,
-            strategies=(Strategy.HYBRID,),
-            hybrid=hybrid,
-            causal=causal,
-            layout=layout,
-        )
-        try:
-            trial.check_world(world_size_of(args))
-        except ValueError as exc:
-            print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
-            strategies = strategies[:-1]
-    return BenchConfig(
+    config = BenchConfig(
         batch=args.batch,
         seq=args.seq,
         models=models,
         dtype=args.dtype,
         strategies=strategies,
-        hybrid=hybrid,
-        causal=causal,
-        layout=layout,
+        hybrid=HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer),
+        causal={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal],
+        layout=None if args.layout == "auto" else Layout.parse(args.layout),
         passes=passes,
         warmup=args.warmup,
         iters=args.iters,
@@ -1437,6 +1387,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tolerance=args.tolerance,
         last_pair=args.last_pair,
     )
+    if args.strategies is None:  # all of them; the hybrid only where it fits, and then said so
+        try:
+            config.check_world(world_size_of(args))
+        except ValueError as exc:
+            print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
+            config = dataclasses.replace(config, strategies=strategies[:-1])
+    return config
 
 
 def _parse_pass(text: str) -> str:
@@ -1449,20 +1406,12 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
-    mode = getattr(args, "mode", "attention")
-    only_attention = [("--plot", args.plot), ("--trace", args.trace), ("--wide", args.wide)]
-    given = [flag for flag, value in only_attention if value]
-    if mode != "attention" and given:
-        raise ValueError(f"{given[0]} is for --mode attention; got --mode {mode}")
-    if mode == "memory":
-        if args.link is not None:  # peak memory does not depend on the link
-            raise ValueError(
-                "--link is for --mode attention, decode or prefill-cached; got --mode memory"
-            )
-        check_memory_mode(args)
-        return
-    if getattr(args, "mode", "attention") != "attention":
-        check_inference(args)
+    if args.mode != "attention":
+        only_attention = [("--plot", args.plot), ("--trace", args.trace), ("--wide", args.wide)]
+        given = [flag for flag, value in only_attention if value]
+        if given:
+            raise ValueError(f"{given[0]} is for --mode attention; got --mode {args.mode}")
+        _mode_module(args).check_args(args)
         return
     config = config_from_args(args)
     world = world_size_of(args)
@@ -1471,15 +1420,13 @@ def check_args(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
     backend = "nccl" if under_torchrun() and torch.cuda.is_available() else "gloo"
-    for name, model in config.models.items():  # what the ranks would build first: fail here
-        for causal in config.causal:
-            for strategy in config.strategies:
-                try:
-                    _schedules(config, model, strategy, causal, world)
-                except (ValueError, NotImplementedError) as exc:
-                    raise ValueError(
-                        f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
-                    ) from None
+    for name, model, causal, strategy in config.cases():  # what the ranks build first
+        try:
+            _schedules(config, model, strategy, causal, world)
+        except (ValueError, NotImplementedError) as exc:
+            raise ValueError(
+                f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
+            ) from None
     if args.link is not None:
         check_lab(args, world)
         _check_link_time(config, args, world)
@@ -1488,15 +1435,16 @@ def check_args(args: argparse.Namespace) -> None:
     args._config = config
 
 
+def _mode_module(args: argparse.Namespace) -> Any:
+    """The module of a ``--mode`` other than attention."""
+    return bench_memory if args.mode == "memory" else bench_inference
+
+
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "mode", "attention") == "memory":
-        return run_memory(args)
-    if getattr(args, "mode", "attention") != "attention":
-        return run_inference(args)
-    if getattr(args, "_config", None) is None:
-        check_args(args)
+    if args.mode != "attention":
+        status: int = _mode_module(args).run(args)
+        return status
     config: BenchConfig = args._config
-    config.check_world(world_size_of(args))
     num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
     title = f"bench: {num_rows} rows on {args.world_size} ranks"
     per_rank = collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
@@ -1504,13 +1452,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = aggregate(per_rank, config)
     lab = args._lab
-    add_predictions(
-        rows,
-        per_rank,
-        config,
-        world_size=args.world_size,
-        topology=lab["topology"] if lab else "mesh",
-    )
+    topology = lab["topology"] if lab else "mesh"
+    add_predictions(rows, per_rank, config, world_size=args.world_size, topology=topology)
     settings = {
         "world_size": args.world_size,
         "batch": config.batch,
@@ -1531,7 +1474,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         _print_table(rows, settings, wide=args.wide)
     if args.markdown:
-        _write_markdown(args.markdown, rows, settings, getattr(args, "argv", None))
+        _write_markdown(args.markdown, rows, settings, args.argv)
     if args.plot:
         plot_timelines(per_rank, config, args.plot, title=_title(settings))
     if args.trace:
@@ -1654,18 +1597,20 @@ def planner_verdict(pick: dict[str, Any], fastest: dict[str, Any]) -> tuple[str,
     )
 
 
+def _group_key(row: dict[str, Any]) -> tuple[str, bool, str]:
+    """The rows that compete: one (model, causal, pass)."""
+    return row["model"], row["causal"], row["pass"]
+
+
 def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
     """One line per (model, causal, pass) group: the planner's pick against the fastest
     (Note [Verdicts within noise]), and a summary."""
     lines = []
     verdicts: list[str] = []
-    seen: set[tuple[str, bool, str]] = set()
-    for r in rows:
-        key = (r["model"], r["causal"], r["pass"])
-        if "planner_pick" not in r or key in seen:
+    for group in group_by(rows, _group_key):
+        r = group[0]
+        if "planner_pick" not in r:
             continue
-        seen.add(key)
-        group = [g for g in rows if (g["model"], g["causal"], g["pass"]) == key]
         covered = [g for g in group if g.get("planner_candidate", "model_ms" in g)]
         fastest = min(covered, key=lambda g: g["ms_median"])
         overall = min(group, key=lambda g: g["ms_median"])
@@ -1682,7 +1627,7 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"measured fastest {fastest['strategy']} ({fastest['ms_median']:.1f} ms){unmodelled}"
             f"; {verdict.upper() if verdict == 'miss' else verdict}{': ' + why if why else ''}"
         )
-    if seen:
+    if verdicts:
         lines.append(
             f"planner: {verdicts.count('hit')} hit, {verdicts.count('noise')} within noise "
             f"(p10-p90), {verdicts.count('miss')} miss of {len(verdicts)} (hit: within 5% of "
@@ -1692,10 +1637,7 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 _MD_COLUMNS = [
-    ("model", "model"),
-    ("causal", "causal"),
-    ("strategy", "strategy"),
-    ("pass", "pass"),
+    *((key, key) for key in ("model", "causal", "strategy", "pass")),
     ("ms_median", "ms/call"),
     ("ms_p10", "p10"),
     ("ms_p90", "p90"),

@@ -26,6 +26,7 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ from tokenring.cli.ranks import (
     row_done,
     world_size_of,
 )
-from tokenring.cli.report import call_ms, link_text, write_markdown, write_records
+from tokenring.cli.report import call_ms, group_by, link_text, write_markdown, write_records
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
 from tokenring.kvcache import DistributedKVCache
@@ -226,22 +227,20 @@ def _timed_calls(
 def _case_rows(
     config: InferenceBenchConfig,
     comm: Communicator,
-    *,
-    name: str,
-    model: AttentionShape,
-    cached: int,
-    new: int,
     hardware: Hardware,
     kernel: BlockKernel,
     device: torch.device,
-    progress_path: str | None,
-) -> list[dict[str, Any]]:
+    *,
+    name: str,
+    cached: int,
+    new: int,
+) -> Iterator[dict[str, Any]]:
     """This rank's rows of one (model, C, T): each strategy timed, counted and verified."""
-    rank = comm.rank
+    model = config.models[name]
     hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
     seqs = _random_sequences(config.batch, cached + new, model, DTYPES[config.dtype])
     cache, step = _filled_cache(config, comm, seqs, cached=cached, new=new, device=device)
-    mine = step.new_positions[rank]
+    mine = step.new_positions[comm.rank]
     q = torch.cat([s[0][p] for s, p in zip(seqs, mine, strict=True)]).to(device)
     want = torch.cat(
         [_oracle_rows(s[0], s[1], s[2], p, d**-0.5) for s, p in zip(seqs, mine, strict=True)]
@@ -250,7 +249,6 @@ def _case_rows(
     shape: dict[str, Any] = {"heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": config.dtype}
     pick = choose_cached_strategy(shards, **shape, hardware=hardware).pick
     dims = dataclasses.replace(model, batch=1, dtype=dtype_name(q.dtype))
-    rows = []
     for strategy in config.strategies:
         plan = build_cached_plan(strategy, shards)
         predicted = predict_cached(plan, shards, **shape, hardware=hardware)
@@ -258,31 +256,23 @@ def _case_rows(
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():
             sent[flow] += num
-        error = (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0
-        rows.append(
-            {
-                "model": name,
-                "heads_q": hq,
-                "heads_kv": hkv,
-                "head_dim": d,
-                "cached": cached,
-                "new": new,
-                "strategy": strategy.value,
-                "call_s": times,
-                "sent_bytes": sent,
-                "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
-                "bytes_match_plan": _planned_bytes(plan, rank, dims)
-                == dict(comm.counter.sent_bytes),
-                "max_error": error,
-                "model_s": predicted.total_s,
-                "model_travel_bytes": predicted.travel_bytes,
-                "model_return_bytes": predicted.return_bytes,
-                "model_bound_by": predicted.bound_by,
-                "pick": pick.value,
-            }
-        )
-        row_done(progress_path)
-    return rows
+        yield {
+            "model": name,
+            "cached": cached,
+            "new": new,
+            "strategy": strategy.value,
+            "call_s": times,
+            "sent_bytes": sent,
+            "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
+            "bytes_match_plan": _planned_bytes(plan, comm.rank, dims)
+            == dict(comm.counter.sent_bytes),
+            "max_error": (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0,
+            "model_s": predicted.total_s,
+            "model_travel_bytes": predicted.travel_bytes,
+            "model_return_bytes": predicted.return_bytes,
+            "model_bound_by": predicted.bound_by,
+            "pick": pick.value,
+        }
 
 
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
@@ -294,21 +284,11 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
     kernel = select_kernel(device, dtype)
     rows = []
-    for (name, model), cached, new in itertools.product(
-        config.models.items(), config.cached, config.new
-    ):
-        rows += _case_rows(
-            config,
-            comm,
-            name=name,
-            model=model,
-            cached=cached,
-            new=new,
-            hardware=hardware,
-            kernel=kernel,
-            device=device,
-            progress_path=progress_path,
-        )
+    for name, cached, new in itertools.product(config.models, config.cached, config.new):
+        case = _case_rows(config, comm, hardware, kernel, device, name=name, cached=cached, new=new)
+        for row in case:
+            rows.append(row)
+            row_done(progress_path)
     return {
         "rank": comm.rank,
         "rows": rows,
@@ -332,12 +312,12 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
     for index, first in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][index] for r in per_rank]
         median_s = max(statistics.median(r["call_s"]) for r in rows)
-        elem = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
+        model = config.models[first["model"]]
         threshold = pass_q_threshold(
-            heads_q=first["heads_q"],
-            heads_kv=first["heads_kv"],
-            head_dim=first["head_dim"],
-            elem_bytes=elem,
+            heads_q=model.heads_q,
+            heads_kv=model.heads_kv,
+            head_dim=model.head_dim,
+            elem_bytes=DTYPES[config.dtype].itemsize,
             acc_bytes=8 if config.dtype == "float64" else 4,
         )
         error = max(r["max_error"] for r in rows)
@@ -369,41 +349,37 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "verified": error <= tolerance,
             }
         )
-    # The measured fastest of each (model, C, T) group, to score the pick.
-    for row in results:
-        group = [
-            r
-            for r in results
-            if (r["model"], r["cached"], r["new"]) == (row["model"], row["cached"], row["new"])
-        ]
+    for group in group_by(results, _case_key):  # the measured fastest, to score the pick
         fastest = min(group, key=lambda r: r["ms_median"])
-        picked = next((r for r in group if r["strategy"] == row["auto_pick"]), None)
-        row["fastest"] = fastest["strategy"]
-        row["pick_within_10pct"] = (
-            picked is not None and picked["ms_median"] <= 1.1 * fastest["ms_median"]
-        )
+        picked = next((r for r in group if r["strategy"] == group[0]["auto_pick"]), None)
+        for row in group:
+            row["fastest"] = fastest["strategy"]
+            row["pick_within_10pct"] = (
+                picked is not None and picked["ms_median"] <= 1.1 * fastest["ms_median"]
+            )
     return results
+
+
+def _case_key(row: dict[str, Any]) -> tuple[str, int, int]:
+    return row["model"], row["cached"], row["new"]
 
 
 # -- CLI (hooked into tokenring bench) -----------------------------------------------------------
 def add_arguments(parser: ArgumentAdder) -> None:
     """The inference options of ``tokenring bench`` (``--mode`` selects them)."""
-    parser.add_argument(
-        "--cached", default="4096", help="cached tokens per sequence, comma-separated"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--cached", default="4096", help="cached tokens per sequence, comma-separated")
+    add(
         "--new",
         help="new tokens per sequence per call, comma-separated (default: decode "
         f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})",
     )
-    parser.add_argument(
+    add(
         "--cached-strategies",
         default=",".join(s.value for s in CachedStrategy),
         help="comma-separated cached strategies to compare",
     )
-    parser.add_argument(
-        "--block-size", type=int_at_least(1), default=64, help="KV cache block size in tokens"
-    )
+    add("--block-size", type=int_at_least(1), default=64, help="KV cache block size in tokens")
 
 
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
@@ -441,8 +417,6 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode decode|prefill-cached``."""
 
-    if getattr(args, "_config", None) is None:
-        check_args(args)
     config: InferenceBenchConfig = args._config
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
     title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
@@ -468,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         _print_table(rows, settings, config)
     if args.markdown:
-        _write_markdown(args.markdown, rows, settings, config, getattr(args, "argv", None))
+        _write_markdown(args.markdown, rows, settings, config, args.argv)
     failed = [r for r in rows if not (r["verified"] and r["bytes_match_plan"])]
     if failed:
         print(
@@ -549,19 +523,11 @@ def _print_table(
 
 
 def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    seen: set[tuple[str, int, int]] = set()
-    for r in rows:
-        key = (r["model"], r["cached"], r["new"])
-        if key in seen:
-            continue
-        seen.add(key)
-        lines.append(
-            f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; "
-            f"measured fastest {r['fastest']}; "
-            f"{'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
-        )
-    return lines
+    return [
+        f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; measured "
+        f"fastest {r['fastest']}; {'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
+        for r, *_ in group_by(rows, _case_key)
+    ]
 
 
 def _write_markdown(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import sys
 from collections.abc import Iterator
@@ -74,7 +75,7 @@ def minimum_bytes(
 ) -> int:
     """Bytes of one rank's inputs + outputs (+ gradients): q, k, v, out, lse (+ dout, dq,
     dk, dv). lse is in the accumulation dtype (float64 for float64, else float32)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     acc = 8 if dtype == torch.float64 else 4
     q_bytes = batch * seq_local * heads_q * head_dim * elem
     kv_bytes = batch * seq_local * heads_kv * head_dim * elem
@@ -222,56 +223,55 @@ def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dic
 
     device = _device(config)
     rows = []
-    for strategy in config.strategies:
-        for s in config.seq_locals:
-            extra = _one_call(config, strategy, s, device)
-            rows.append({"strategy": strategy.value, "seq_local": s, "extra_bytes": extra})
-            row_done(progress_path)
+    for strategy, s in itertools.product(config.strategies, config.seq_locals):
+        extra = _one_call(config, strategy, s, device)
+        rows.append({"strategy": strategy.value, "seq_local": s, "extra_bytes": extra})
+        row_done(progress_path)
     path = get_communicator().path(device)
     return {"rank": dist.get_rank(), "device": str(device), "comm_path": path, "rows": rows}
 
 
 def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list[dict[str, Any]]:
     """One row per (strategy, s): the busiest rank's peak beside the minimum."""
-    dtype = DTYPES[config.dtype]
-    elem = torch.empty((), dtype=dtype).element_size()
     world = len(per_rank)
     rows = []
     for index, first in enumerate(per_rank[0]["rows"]):
         s = first["seq_local"]
-        minimum = minimum_bytes(
+        shape: dict[str, Any] = dict(
             batch=config.batch,
             seq_local=s,
             heads_q=config.heads_q,
             heads_kv=config.heads_kv,
             head_dim=config.head_dim,
-            dtype=dtype,
+            dtype=DTYPES[config.dtype],
         )
-        q_bytes = config.batch * s * config.heads_q * config.head_dim * elem
-        kv_bytes = config.batch * s * config.heads_kv * config.head_dim * elem
-        inputs = 2 * q_bytes + 2 * kv_bytes  # q, dout; k, v: allocated before the call
+        minimum = minimum_bytes(**shape)
+        # q, dout, k, v, allocated before the call: as many bytes as dout, dq, dk, dv
+        inputs = minimum - minimum_bytes(**shape, backward=False)
         peak = inputs + max(r["rows"][index]["extra_bytes"] for r in per_rank)
-        row = {
-            "strategy": first["strategy"],
-            "world_size": world,
-            "seq_local": s,
-            "seq": world * s,
-            "peak_bytes": peak,
-            "minimum_bytes": minimum,
-            "ratio": peak / minimum,
-        }
-        rows.append(row)
+        rows.append(
+            {
+                "strategy": first["strategy"],
+                "world_size": world,
+                "seq_local": s,
+                "seq": world * s,
+                "peak_bytes": peak,
+                "minimum_bytes": minimum,
+                "ratio": peak / minimum,
+            }
+        )
     return rows
 
 
 def add_arguments(parser: ArgumentAdder) -> None:
     """The options of ``--mode memory`` (the shared ones come from ``tokenring bench``)."""
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--seq-local",
         default="4096,16384,65536",
         help="comma-separated tokens per rank (S = P * s)",
     )
-    parser.add_argument(
+    add(
         "--device",
         choices=["cpu", "cuda"],
         help="where the ranks' tensors live (default: cuda when available)",
@@ -307,14 +307,16 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
 
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; keeps the config on ``args``."""
+    if args.link is not None:  # peak memory does not depend on the link
+        raise ValueError(
+            "--link is for --mode attention, decode or prefill-cached; got --mode memory"
+        )
     args._config = config_from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode memory``."""
 
-    if getattr(args, "_config", None) is None:
-        check_args(args)
     config: MemoryBenchConfig = args._config
     num_rows = len(config.strategies) * len(config.seq_locals)
     per_rank = collect_per_rank(

@@ -19,19 +19,14 @@ __all__ = ["add_arguments", "check_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int_at_least(1), default=4, help="CPU ranks to spawn")
-    parser.add_argument(
-        "--seq", type=int_at_least(1), default=1024, help="global sequence length (any)"
-    )
-    parser.add_argument("--heads", type=int_at_least(1), default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int_at_least(1), default=8, help="key/value heads")
-    parser.add_argument("--head-dim", type=int_at_least(1), default=64)
-    parser.add_argument(
-        "--iters", type=int_at_least(1), default=3, help="timed iterations per strategy"
-    )
-    parser.add_argument(
-        "--timeout", type=positive_seconds, default=900, help="seconds before ranks are killed"
-    )
+    add = parser.add_argument
+    add("--world-size", type=int_at_least(1), default=4, help="CPU ranks to spawn")
+    add("--seq", type=int_at_least(1), default=1024, help="global sequence length (any)")
+    add("--heads", type=int_at_least(1), default=8, help="query heads")
+    add("--kv-heads", type=int_at_least(1), default=8, help="key/value heads")
+    add("--head-dim", type=int_at_least(1), default=64)
+    add("--iters", type=int_at_least(1), default=3, help="timed iterations per strategy")
+    add("--timeout", type=positive_seconds, default=900, help="seconds before ranks are killed")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -54,8 +49,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    if getattr(args, "_config", None) is None:
-        check_args(args)
     config: BenchConfig = args._config
     args.link = None  # the demo runs on this machine's own links
     num_rows = len(config.strategies) * len(config.passes)  # one model, one causality

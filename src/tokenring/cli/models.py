@@ -52,17 +52,12 @@ class KnownModel:
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
-    "llama2-7b": KnownModel(
-        shape=AttentionShape(heads_q=32, heads_kv=32, head_dim=128), causal=True
-    ),
-    "llama3-8b": KnownModel(
-        shape=AttentionShape(heads_q=32, heads_kv=8, head_dim=128), causal=True
-    ),
-    "llama3-70b": KnownModel(
-        shape=AttentionShape(heads_q=64, heads_kv=8, head_dim=128), causal=True
-    ),
-    "flux-dit": KnownModel(
-        shape=AttentionShape(heads_q=24, heads_kv=24, head_dim=128), causal=False
-    ),
+    name: KnownModel(shape=AttentionShape(heads_q=hq, heads_kv=hkv, head_dim=128), causal=causal)
+    for name, hq, hkv, causal in (
+        ("llama2-7b", 32, 32, True),
+        ("llama3-8b", 32, 8, True),
+        ("llama3-70b", 64, 8, True),
+        ("flux-dit", 24, 24, False),
+    )
 }
 """``tokenring simulate --model``."""

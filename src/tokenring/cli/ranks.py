@@ -9,6 +9,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -85,9 +86,9 @@ def launch_with_progress(
     row appends a line to the progress file) behind a progress bar, inside the emulated lab
     when ``args.link`` is set (then ``args._lab`` describes it). ``rank_env(rank)``: extra
     environment variables of a rank (beside the lab's). Returns every rank's value."""
-    with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp, ExitStack() as stack:
         progress_path = os.path.join(tmp, "progress")
-        bar = progress(num_rows, title)
+        bar = stack.enter_context(progress(num_rows, title))
 
         def poll() -> None:
             try:
@@ -97,34 +98,29 @@ def launch_with_progress(
                 done = 0
             bar.update(bar.task_ids[0], completed=done)
 
-        kwargs: dict[str, Any] = {
-            "world_size": args.world_size,
-            "timeout_s": args.timeout,
-            "pg_timeout_s": max(60.0, args.timeout / 4),
-            "poll": poll,
-        }
-        with bar:
-            if args.link is None:
-                return launch(fn, config, progress_path, rank_env=rank_env, **kwargs)
-            reason = lab_unavailable_reason()
-            if reason is not None:
-                raise SystemExit(f"--link needs the emulated-interconnect lab: {reason}")
+        in_lab: dict[str, Any] = {"rank_env": rank_env}
+        if args.link is not None:
+            topology = Topology.parse(args.topology)
             lab_config = LabConfig(
-                world_size=args.world_size,
-                rate_bits_per_s=args.link,
-                topology=Topology.parse(args.topology),
+                world_size=args.world_size, rate_bits_per_s=args.link, topology=topology
             )
-            with Lab(lab_config) as lab:
-                args._lab = lab.describe()
-                return launch(
-                    fn,
-                    config,
-                    progress_path,
-                    wrap_command=lab.wrap_command,
-                    rank_env=lambda rank: {**lab.env(rank), **(rank_env(rank) if rank_env else {})},
-                    register_pid=lab.register_pid,
-                    **kwargs,
-                )
+            lab = stack.enter_context(Lab(lab_config))
+            args._lab = lab.describe()
+            in_lab = {
+                "wrap_command": lab.wrap_command,
+                "rank_env": lambda rank: {**lab.env(rank), **(rank_env(rank) if rank_env else {})},
+                "register_pid": lab.register_pid,
+            }
+        return launch(
+            fn,
+            config,
+            progress_path,
+            world_size=args.world_size,
+            timeout_s=args.timeout,
+            pg_timeout_s=max(60.0, args.timeout / 4),
+            poll=poll,
+            **in_lab,
+        )
 
 
 def row_done(progress_path: str | None) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["call_ms", "link_text", "write_markdown", "write_records"]
+__all__ = ["call_ms", "group_by", "link_text", "write_markdown", "write_records"]
+
+T = TypeVar("T")
 
 
 def _percentile(values: list[float], pct: float) -> float:
@@ -25,6 +27,14 @@ def call_ms(call_s: Sequence[list[float]]) -> dict[str, float]:
         "ms_p10": 1e3 * max(_percentile(c, 10) for c in call_s),
         "ms_p90": 1e3 * max(_percentile(c, 90) for c in call_s),
     }
+
+
+def group_by(items: Iterable[T], key: Callable[[T], Hashable]) -> list[list[T]]:
+    """The items with equal ``key``, in the order each key first occurs."""
+    groups: dict[Hashable, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
 
 
 def link_text(lab: dict[str, Any] | None) -> str:

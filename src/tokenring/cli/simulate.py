@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -33,10 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_call_arguments(parser.add_argument_group("the call: model, sizes, strategies"))
     machine = parser.add_argument_group("the machine and the simulator")
     machine.add_argument(
-        "--hardware",
-        choices=sorted(PRESETS),
-        default="h100-nvswitch",
-        help="machine preset (default: h100-nvswitch)",
+        "--hardware", choices=sorted(PRESETS), default="h100-nvswitch", help="machine preset"
     )
     machine.add_argument(
         "--mode",
@@ -46,36 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add = parser.add_argument_group("output").add_argument
     add("--json", action="store_true", help="print one JSON object per row instead of a table")
-    add(
-        "--plot",
-        type=output_path,
-        metavar="PATH",
-        help="PNG of time per call vs sequence length (or world size) per strategy; at one "
+    for flag, text in {
+        "--plot": "PNG of time per call vs sequence length (or world size) per strategy; at one "
         "point, bars relative to the best strategy",
-    )
-    add(
-        "--timeline",
-        type=output_path,
-        metavar="PATH",
-        help="PNG of the simulated per-rank timelines (first P and S; event engine)",
-    )
-    add(
-        "--trace",
-        type=output_path,
-        metavar="PATH",
-        help="the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, ui.perfetto.dev)",
-    )
+        "--timeline": "PNG of the simulated per-rank timelines (first P and S; event engine)",
+        "--trace": "the --timeline as a Chrome/Perfetto trace JSON (chrome://tracing, "
+        "ui.perfetto.dev)",
+    }.items():
+        add(flag, type=output_path, metavar="PATH", help=text)
 
 
 def _add_call_arguments(call: ArgumentAdder) -> None:
     """The call to predict: model, sizes, strategies."""
     add = call.add_argument
-    add(
-        "--model",
-        choices=sorted(KNOWN_MODELS),
-        default="llama2-7b",
-        help="attention shape preset (default: llama2-7b)",
-    )
+    add("--model", choices=sorted(KNOWN_MODELS), default="llama2-7b", help="attention shape preset")
     add(
         "--seq",
         type=int_at_least(1),
@@ -100,20 +82,20 @@ def _add_call_arguments(call: ArgumentAdder) -> None:
         "--hybrid-outer",
         default=Strategy.TOKEN_RING.value,
         choices=[s.value for s in Strategy if s.is_ring],
-        help="ring strategy across the hybrid's islands (default: token_ring)",
+        help="ring strategy across the hybrid's islands",
     )
     add(
         "--dtype",
         default="bfloat16",
         choices=["float16", "bfloat16"],
-        help="input dtype; the presets' FLOP/s are for 16-bit inputs (default: bfloat16)",
+        help="input dtype; the presets' FLOP/s are for 16-bit inputs",
     )
     add(
         "--pass",
         dest="passes",
         choices=sorted(_PASSES),
         default="forward",
-        help="forward, backward, or both = training (default: forward)",
+        help="forward, backward, or both = training",
     )
     add(
         "--layout",
@@ -121,10 +103,8 @@ def _add_call_arguments(call: ArgumentAdder) -> None:
         default="auto",
         help="auto: zigzag for causal models, contiguous otherwise",
     )
-    add("--batch", type=int_at_least(1), default=1, help="batch size B (default: 1)")
-    add(
-        "--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits (default: 2)"
-    )
+    add("--batch", type=int_at_least(1), default=1, help="batch size B")
+    add("--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits")
     add(
         "--lend-last-pair",
         action="store_true",
@@ -245,6 +225,31 @@ def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
     return longest
 
 
+def _simulate(
+    cfg: _Config, args: argparse.Namespace, world_size: int, seq: int, name: str
+) -> CallResult:
+    """One strategy at one point (P, S)."""
+    if name == Strategy.HYBRID.value:
+        assert cfg.hybrid is not None
+        cfg.hybrid.check(
+            world_size=world_size, heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv
+        )
+    return simulate(
+        name,
+        passes=args.passes,
+        layout=cfg.layout,
+        causal=cfg.causal,
+        world_size=world_size,
+        seq_local=seq // world_size,
+        shape=cfg.shape,
+        hardware=cfg.hardware,
+        last_block_splits=args.splits,
+        mode=args.mode,
+        hybrid=cfg.hybrid,
+        lend_last_pair=args.lend_last_pair,
+    )
+
+
 def _predict(
     cfg: _Config, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], list[CallResult], list[str]]:
@@ -253,47 +258,22 @@ def _predict(
     rows: list[dict[str, Any]] = []
     results: list[CallResult] = []
     notes: list[str] = []
-
-    def one(world_size: int, seq: int, requested: int, name: str) -> None:
-        try:
-            if name == Strategy.HYBRID.value:
-                assert cfg.hybrid is not None
-                cfg.hybrid.check(
-                    world_size=world_size,
-                    heads_q=cfg.shape.heads_q,
-                    heads_kv=cfg.shape.heads_kv,
-                )
-            result = simulate(
-                name,
-                passes=args.passes,
-                layout=cfg.layout,
-                causal=cfg.causal,
-                world_size=world_size,
-                seq_local=seq // world_size,
-                shape=cfg.shape,
-                hardware=cfg.hardware,
-                last_block_splits=args.splits,
-                mode=args.mode,
-                hybrid=cfg.hybrid,
-                lend_last_pair=args.lend_last_pair,
-            )
-        except (NotImplementedError, ValueError) as exc:
-            if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
-                raise
-            notes.append(f"{name} at P={world_size} not predicted: {exc}")
-            return
-        results.append(result)
-        rows.append(_row(cfg, args, seq, requested, result))
-
-    if args.json:
-        for job in jobs:
-            one(*job)
-        return rows, results, notes
-    with progress(len(jobs), "simulating") as bar:
-        for job in jobs:
-            bar.update(bar.task_ids[0], description=f"P={job[0]} S={job[1]} {job[3]}")
-            one(*job)
-            bar.advance(bar.task_ids[0])
+    bar = None if args.json else progress(len(jobs), "simulating")
+    with bar or contextlib.nullcontext():
+        for world_size, seq, requested, name in jobs:
+            if bar is not None:
+                bar.update(bar.task_ids[0], description=f"P={world_size} S={seq} {name}")
+            try:
+                result = _simulate(cfg, args, world_size, seq, name)
+            except (NotImplementedError, ValueError) as exc:
+                if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
+                    raise
+                notes.append(f"{name} at P={world_size} not predicted: {exc}")
+            else:
+                results.append(result)
+                rows.append(_row(cfg, args, seq, requested, result))
+            if bar is not None:
+                bar.advance(bar.task_ids[0])
     return rows, results, notes
 
 
@@ -411,8 +391,6 @@ def run(args: argparse.Namespace) -> int:
         ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
         NotImplementedError: no requested strategy can be predicted at these world sizes.
     """
-    if getattr(args, "_config", None) is None:
-        check_args(args)
     cfg: _Config = args._config
     if not args.json:
         rich_modules()  # fail before any work when the table cannot be printed
