@@ -25,8 +25,9 @@ so the stand-in is as well-scaled as the real out. It costs a few elementwise pa
 piece's q rows (measured, one thread, 1024 rows x 8 heads x 64: 2.0 ms in bfloat16, 0.3 ms in
 float32), so where the caller holds the real out (its own queries: every piece of Ring and
 the bidirectional ring, TokenRing's local block) it passes that instead (``out=``), and
-:class:`TiledKernel` builds it once for a piece whose q rows meet several kv tiles (a
-visiting half Q against both kv chunks: two backward tiles on the CPU), not once per tile.
+:class:`TiledKernel` builds it once per q tile that meets several kv tiles (a visiting
+half Q against both kv chunks: two backward tiles on the CPU), not once per tile; never for
+more rows than a tile's, so a call's memory stays its tile's (Note [Kernel plan]).
 Kernels whose backward only exists through autograd (FlexAttention) recompute the block's own
 (out_b, lse_b) and pull the global gradient out of the local one (Note [Backward through
 autograd]).
@@ -644,12 +645,11 @@ class TiledKernel(BlockKernel):
     ) -> None:
         targets = None if callable(grads) else grads
         grid = self._tile_grid(q.shape[1], k.shape[1], causal, mask, backward=True)
-        if out is None and any(
-            len(row) > 1 and any(self._kernel(kind).takes_out for _, kind, _ in row)
-            for _, row in grid
-        ):  # the stand-in of q rows that meet several kv tiles, once for all of them
-            out = _bhsd(_stand_in_out(dout, delta))  # (B, sq, Hq, D)
         for (qa, qb), row in grid:
+            out_t = None if out is None else out[:, qa:qb]
+            if out_t is None and len(row) > 1 and any(self._kernel(t[1]).takes_out for t in row):
+                # the stand-in of a q tile that meets several kv tiles, once for all of them
+                out_t = _bhsd(_stand_in_out(dout[:, qa:qb], delta[:, :, qa:qb]))
             for (ka, kb), kind, sub in row:
                 parts = self._kernel(kind).backward(
                     dout[:, qa:qb],
@@ -661,7 +661,7 @@ class TiledKernel(BlockKernel):
                     causal=kind == "causal",
                     scale=scale,
                     mask=sub,
-                    out=None if out is None else out[:, qa:qb],
+                    out=out_t,
                 )
                 if poll is not None:
                     poll()
