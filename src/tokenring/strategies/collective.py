@@ -155,6 +155,7 @@ from tokenring.core.schedule import (
     Pass,
     Payload,
     Piece,
+    Rows,
     Schedule,
     Segment,
     StepPlan,
@@ -172,7 +173,6 @@ __all__ = [
     "ulysses_heads",
 ]
 
-Rows = tuple[int, int]
 
 DOUT = Payload.Q
 """Payload kind of dout rows in schedules: the bytes (Hq*D*e per row) and flow (travel) of q."""

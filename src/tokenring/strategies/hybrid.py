@@ -49,6 +49,7 @@ from tokenring.core.schedule import (
     Pass,
     Payload,
     Piece,
+    Rows,
     Schedule,
     Segment,
     StepPlan,
@@ -67,7 +68,6 @@ __all__ = [
     "outer_transfers",
 ]
 
-Rows = tuple[int, int]
 
 GRAD_KV = Payload.KV
 """Payload kind of the dk, dv rows the backward's inner all-to-all returns in the input dtype:

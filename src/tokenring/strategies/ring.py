@@ -168,6 +168,7 @@ from tokenring.core.schedule import (
     Pass,
     Payload,
     Piece,
+    Rows,
     Schedule,
     Segment,
     StepPlan,
@@ -183,7 +184,6 @@ from tokenring.strategies.collective import _build as _build_collective
 
 __all__ = ["LEND_MAX_WORLD_SIZE", "RingColumns", "RingPlan", "build_schedule", "ring_plan"]
 
-Rows = tuple[int, int]
 
 LEND_MAX_WORLD_SIZE = 64
 """TokenRing lends last pairs (Note [Borrowed last pair]) up to this many ranks: what the
