@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tokenring.core.layout import Layout, Sharding, make_sharding, validate_seq_local
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
-from tokenring.core.schedule import Pass, Schedule, Strategy
+from tokenring.core.schedule import Pass, Strategy
 from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, preset
 from tokenring.runtime import op
@@ -181,37 +181,8 @@ AUTO_NEEDS_HARDWARE = (
 )
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule(
-    strategy: Strategy,
-    pass_: Pass,
-    layout: Layout,
-    causal: bool,
-    world_size: int,
-    seq_len: int,
-    cu_seqlens: tuple[int, ...],
-    window: tuple[int, int],
-    last_block_splits: int,
-    heads_kv: int,
-    attention_chunk_size: int | None,
-    heads_q: int | None = None,
-    lend_last_pair: bool = False,
-) -> Schedule:
-    return build_schedule(
-        strategy,
-        pass_,
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_len=seq_len,
-        cu_seqlens=cu_seqlens,
-        window_size=window,
-        last_block_splits=last_block_splits,
-        heads_kv=heads_kv,
-        attention_chunk_size=attention_chunk_size,
-        heads_q=heads_q,
-        lend_last_pair=lend_last_pair,
-    )
+# build_schedule is pure (same arguments, same schedule): a call builds each schedule once.
+_schedule = functools.lru_cache(maxsize=256)(build_schedule)
 
 
 def resolve_strategy(
@@ -941,22 +912,22 @@ def _plan(
     sharding = call.sharding
     schedules = None
     if not strategy.is_collective:
-        key = (
-            call.layout,
-            options["causal"],
-            comm.world_size,
-            sharding.seq_len,
-            sharding.cu_seqlens,
-            call.window,
-            options["last_block_splits"],
-            k.shape[2],
-            options["attention_chunk_size"],
-            q.shape[2],
-            lend,
+        key = dict(
+            layout=call.layout,
+            causal=options["causal"],
+            world_size=comm.world_size,
+            seq_len=sharding.seq_len,
+            cu_seqlens=sharding.cu_seqlens,
+            window_size=call.window,
+            last_block_splits=options["last_block_splits"],
+            heads_kv=k.shape[2],
+            attention_chunk_size=options["attention_chunk_size"],
+            heads_q=q.shape[2],
+            lend_last_pair=lend,
         )
         schedules = (
-            _schedule(strategy, Pass.FORWARD, *key),
-            _schedule(strategy, Pass.BACKWARD, *key),
+            _schedule(strategy, Pass.FORWARD, **key),
+            _schedule(strategy, Pass.BACKWARD, **key),
         )
     return op.Plan(
         strategy=strategy,
