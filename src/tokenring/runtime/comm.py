@@ -579,13 +579,12 @@ class Communicator:
 
     @staticmethod
     def message(
-        fields: Sequence[FieldSpec], device: torch.device
+        fields: Sequence[FieldSpec], device: torch.device, *, zeroed: bool = True
     ) -> tuple[Message, list[torch.Tensor]]:
-        """A zeroed message of ``fields`` and views of its tensors: fill them, then send the
-        message itself (no copy when it leaves)."""
-        buffer = torch.zeros(
-            HEADER_NUM_BYTES + _num_bytes(fields), dtype=torch.uint8, device=device
-        )
+        """A message of ``fields`` (zeroed, or uninitialised to be written whole) and views
+        of its tensors: fill them, then send the message itself (no copy when it leaves)."""
+        new = torch.zeros if zeroed else torch.empty
+        buffer = new(HEADER_NUM_BYTES + _num_bytes(fields), dtype=torch.uint8, device=device)
         return Message(buffer), _unpack(buffer, fields)
 
     # -- the staged path (Note [Staged path]) ---------------------------------------------------

@@ -820,7 +820,12 @@ class _Backward(SchedulePass):
             del self.lent_grads[holder]
             self.borrowed.pop(holder, None)
         if self.dq_seg is not None:
-            back = self.dq_msg if self.dq_msg is not None else [self.dq_seg.to(self.q.dtype)]
+            back = self.dq_msg
+            if back is None:  # accumulated in acc: rounded into the message that returns it
+                field = (tuple(self.dq_seg.shape), self.q.dtype)
+                back, (dq_out,) = self.comm.message([field], self.q.device, zeroed=False)
+                dq_out.copy_(self.dq_seg)
+                del dq_out
             self.outbox[_return_of(sched, rank, step, index)] = back
             del back
         self.dq_seg = self.dq_msg = None
