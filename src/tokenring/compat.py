@@ -95,16 +95,14 @@ Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 # -- checks shared by every shim -----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _FlashOptions:
-    """The flash-attention options every shim takes."""
+    """The flash-attention options that have no counterpart here (checked off), in the
+    originals' order."""
 
     dropout_p: float
-    softmax_scale: float | None
-    causal: bool
-    window_size: Sequence[int]
+    softcap: float
     alibi_slopes: torch.Tensor | None
     deterministic: bool
     return_attn_probs: bool
-    softcap: float = 0.0
 
     def check(self) -> None:
         """Raise unless the options that have no counterpart are off."""
@@ -151,6 +149,7 @@ def _attend(
     comm: Communicator,
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     flash: _FlashOptions,
+    call: tuple[bool, float | None, Sequence[int]],
     strategy: Strategy | str,
     layout: Layout | str,
     *,
@@ -159,7 +158,8 @@ def _attend(
     **options: Any,
 ) -> Result:
     """Check ``flash`` and run ``check()`` (this shim's own checks, which return the options
-    they decide), then the attention call.
+    they decide), then the attention call with ``call = (causal, softmax_scale,
+    window_size)``.
 
     A rank whose checks fail sends its reason through the attention call's rank check, where
     its peers are waiting, so every rank raises at once (Note [Rank agreement] in api.py).
@@ -170,8 +170,9 @@ def _attend(
     except (ValueError, NotImplementedError) as exc:
         comm.agree(None, exc, what=WHAT)
         raise  # agree raises exc on this rank; kept for the reader and for type checkers
-    options |= {"strategy": strategy, "causal": flash.causal, "softmax_scale": flash.softmax_scale}
-    options |= {"layout": layout, "window_size": flash.window_size}
+    causal, softmax_scale, window_size = call
+    options |= {"strategy": strategy, "causal": causal, "softmax_scale": softmax_scale}
+    options |= {"layout": layout, "window_size": window_size}
     q, k, v = (x.unsqueeze(0) for x in qkv) if packed else qkv
     result = sequence_parallel_attn(q, k, v, group=comm, return_lse=True, **options)
     assert isinstance(result, tuple)
@@ -212,16 +213,9 @@ def ring_flash_attn_func(
         NotImplementedError: dropout_p != 0 or alibi_slopes given.
         ValueError: as :func:`tokenring.sequence_parallel_attn`.
     """
-    flash = _FlashOptions(
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-    )
-    return _attend(get_communicator(group), (q, k, v), flash, strategy, Layout.CONTIGUOUS)
+    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
+    call = (causal, softmax_scale, window_size)
+    return _attend(get_communicator(group), (q, k, v), flash, call, strategy, Layout.CONTIGUOUS)
 
 
 def zigzag_ring_flash_attn_func(
@@ -245,16 +239,9 @@ def zigzag_ring_flash_attn_func(
     original asserts causal). Arguments, returns and errors as :func:`ring_flash_attn_func`,
     with s even (ValueError otherwise). See Note [Shim mapping].
     """
-    flash = _FlashOptions(
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-    )
-    return _attend(get_communicator(group), (q, k, v), flash, strategy, Layout.ZIGZAG)
+    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
+    call = (causal, softmax_scale, window_size)
+    return _attend(get_communicator(group), (q, k, v), flash, call, strategy, Layout.ZIGZAG)
 
 
 def llama3_flash_attn_prepare_cu_seqlens(
@@ -446,15 +433,8 @@ def llama3_flash_attn_varlen_func(
     comm = get_communicator(group)
     local: dict[str, Any] | None = None
     problem: Exception | None = None
-    flash = _FlashOptions(
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-    )
+    flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
+    call = (causal, softmax_scale, window_size)
     try:
         flash.check()
         local = _llama3_local(
@@ -471,7 +451,7 @@ def llama3_flash_attn_varlen_func(
         problem = exc
     bounds = _llama3_global_cu_seqlens(comm, local, problem, causal)
     return _attend(
-        comm, (q, k, v), flash, strategy, Layout.CONTIGUOUS, packed=True, cu_seqlens=bounds
+        comm, (q, k, v), flash, call, strategy, Layout.CONTIGUOUS, packed=True, cu_seqlens=bounds
     )
 
 
@@ -572,17 +552,11 @@ def flash_attn_func(
         NotImplementedError: dropout_p != 0, softcap > 0 or alibi_slopes given.
         ValueError: as :func:`tokenring.sequence_parallel_attn`.
     """
-    flash = _FlashOptions(
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        softcap,
+    flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    call = (causal, softmax_scale, window_size)
+    return _attend(
+        get_communicator(group), (q, k, v), flash, call, strategy, layout, seq_len=seq_len
     )
-    return _attend(get_communicator(group), (q, k, v), flash, strategy, layout, seq_len=seq_len)
 
 
 def flash_attn_varlen_func(
@@ -647,17 +621,9 @@ def flash_attn_varlen_func(
             )
         return {"seq_len": bounds[-1], "cu_seqlens": bounds}
 
-    flash = _FlashOptions(
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        softcap,
-    )
-    return _attend(comm, (q, k, v), flash, strategy, layout, packed=True, check=check)
+    flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    call = (causal, softmax_scale, window_size)
+    return _attend(comm, (q, k, v), flash, call, strategy, layout, packed=True, check=check)
 
 
 def _varlen_bounds(
