@@ -282,7 +282,7 @@ def test_cpu_flash_backward_cuts_keys_to_the_query_tile() -> None:
             torch.testing.assert_close(i, w, rtol=0, atol=1e-11)
 
 
-def test_cpu_flash_backward_builds_one_stand_in_per_piece(monkeypatch) -> None:
+def test_cpu_flash_backward_builds_one_stand_in_per_q_tile(monkeypatch) -> None:
     """Without ``out`` (a visiting Q), the stand-in out of Note [Backward from delta] is
     built once per q tile, not once per kv tile, and never for more rows than a tile's (a
     whole piece's stand-in raised Ulysses' peak memory to 2.0x); the gradients stay the

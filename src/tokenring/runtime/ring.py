@@ -529,8 +529,8 @@ class _Forward(SchedulePass):
         self.groups = q.shape[2] // k.shape[2]
         acc = accumulation_dtype(q.dtype)
         # The first piece of step 0 is this rank's own block; when it covers every row and
-        # head, its result is the accumulators' first value (no merge into zeros; no copy when
-        # it is in the accumulation dtype already).
+        # head, its result is the accumulators' first value (no merge into zeros: one pass that
+        # converts it and lays it out contiguously, none when it already is both).
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
         segments = step0.segments if step0 is not None else ()
         first = segments[0].pieces[0] if segments and segments[0].pieces else None
@@ -598,8 +598,8 @@ class _Forward(SchedulePass):
             )
             if self.fresh:  # the first piece: every row and head (see __init__)
                 acc = self.out_acc.dtype
-                self.out_acc = part[0].to(acc).contiguous()  # (B, s, Hq, D)
-                self.lse_acc = part[1].to(acc).contiguous()  # (B, Hq, s)
+                self.out_acc = _contiguous_in(part[0], acc)  # (B, s, Hq, D)
+                self.lse_acc = _contiguous_in(part[1], acc)  # (B, Hq, s)
                 self.fresh = False
             elif q_owner == rank:  # merge straight into this rank's accumulators
                 merge_into(self.out_acc[:, :, qh], self.lse_acc[:, qh], piece.q_rows, *part)
@@ -612,6 +612,15 @@ class _Forward(SchedulePass):
         if segment.pieces and segment.pieces[0].kv_owner is not None:
             del self.borrowed[segment.pieces[0].kv_owner]  # computed: its K/V go
         done()
+
+
+def _contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, contiguous, in one pass (none if it is both already). ``Tensor.to``
+    ignores ``memory_format`` when the dtype is unchanged, and ``.to(dtype).contiguous()``
+    keeps a transposed view's strides through the cast, then copies again."""
+    if x.dtype == dtype:
+        return x.contiguous()
+    return x.to(dtype, memory_format=torch.contiguous_format)
 
 
 def run_backward(
