@@ -144,7 +144,8 @@ def _short_message(case: str) -> str:
     """Rank 0 sends a message that differs from what rank 1 posted a receive for."""
     from tokenring.core.schedule import Payload, Transfer
 
-    comm = tokenring.Communicator(None, timeout_s=10)
+    # "other layout" leaves the sender's last frame unmatched: its send times out
+    comm = tokenring.Communicator(None, timeout_s=3 if case == "other layout" else 10)
     expected = Transfer(
         payload=Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=0, after_segments=0
     )
@@ -157,12 +158,19 @@ def _short_message(case: str) -> str:
         sent = Transfer(
             payload=Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=1, after_segments=0
         )
-    fields = [((1, 8, 2, 4), torch.float32)]
-    data = torch.arange(64, dtype=torch.float32).view(1, 8, 2, 4)
+    # "framed": one field over APART_MIN_BYTES, a frame of its own (Note [Message frames])
+    width = 4096 if case in ("same, framed", "other layout") else 4
+    fields = [((1, 8, 2, width), torch.float32)]
+    data = torch.arange(16 * width, dtype=torch.float32).view(1, 8, 2, width)
+    tensors = [data[:, : sent.num_rows]]
+    if case == "other layout":  # the same bytes as two frames
+        tensors = [data[..., : width // 2].contiguous(), data[..., width // 2 :].contiguous()]
     if comm.rank == 0:
-        num = sent.num_rows
-        comm.exchange([(sent, [data[:, :num]])], [], device=torch.device("cpu"))
-        comm.wait_sends()
+        comm.exchange([(sent, tensors)], [], device=torch.device("cpu"))
+        try:
+            comm.wait_sends()
+        except RuntimeError as exc:
+            return str(exc)
         return "sent"
     pending = comm.exchange([], [(expected, fields)], device=torch.device("cpu"))
     try:
@@ -189,6 +197,22 @@ def test_a_receive_checks_the_bytes_that_arrived() -> None:
     _, messages = tokenring.launch(_short_messages, list(expected), world_size=2, timeout_s=60)
     for (case, want), got in zip(expected.items(), messages, strict=True):
         assert want in got, (case, got)
+
+
+def test_a_receive_checks_the_sizes_of_its_frames() -> None:
+    """A message whose big fields travel as frames of their own (Note [Message frames] in
+    tokenring.runtime.comm) arrives whole; the same bytes in other frames raise, from the
+    header frame, before the receiver waits for the rest, and the sender's frame that nobody
+    receives fails its send within the timeout. One launch; the mismatch last."""
+    expected = {
+        "same, framed": "equal",
+        "other layout": "the message's fields have other sizes than this rank expected",
+    }
+    sender, messages = tokenring.launch(_short_messages, list(expected), world_size=2, timeout_s=60)
+    for (case, want), got in zip(expected.items(), messages, strict=True):
+        assert want in got, (case, got)
+    assert sender[0] == "sent"
+    assert "send of 'q' rows (0, 8) of owner 0 to rank 1 at step 0 failed" in sender[1]
 
 
 def test_bad_input_on_some_ranks_fails_everywhere_within_seconds(raising_cases: dict) -> None:

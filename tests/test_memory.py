@@ -63,15 +63,16 @@ def test_peak_memory_is_at_most_twice_the_minimum() -> None:
 
 def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     """Zigzag causal Ring: a rank that holds a whole K/V block and passes on only its first
-    rows sends the front of the message the block came in (Note [K/V message layout] in
-    tokenring.runtime.ring), and what arrives is exactly those rows of k and v. Before, that half
-    was packed into a new message (a q-sized copy: Ring peaked at 2.01x at P = 4, causal)."""
+    rows sends them as a slice of the message the block came in (Note [K/V message layout] in
+    tokenring.runtime.ring, Note [Message frames] in tokenring.runtime.comm), and what arrives
+    is exactly those rows of k and v. Before, that half was packed into a new message (a
+    q-sized copy: Ring peaked at 2.01x at P = 4, causal)."""
     from tokenring.core.schedule import AttentionShape, Payload
-    from tokenring.runtime.comm import _unpack
+    from tokenring.runtime.comm import APART_MIN_BYTES, Message, _pack, _unpack
     from tokenring.runtime.ring import _Held, _lane_blocks, message_fields
     from tokenring.strategies import build_schedule
 
-    s, c = 8, 4
+    s, c = 128, 64
     sched = build_schedule(
         "ring", "backward", layout="zigzag", causal=True, world_size=4, seq_local=s
     )
@@ -89,21 +90,23 @@ def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     ]
     assert halves, "zigzag causal Ring passes on half a block after the wrap"
     first, then = halves[0]
-    b, h, d = 2, 3, 5
+    b, h, d = 2, 4, 32
+    assert c * b * 2 * h * d * 4 >= APART_MIN_BYTES, "the half block is a frame of its own"
     shape = AttentionShape(batch=b, heads_q=h, heads_kv=h, head_dim=d, dtype="float32")
     k, v = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
     home = _lane_blocks(sched, first.owner, [k, v])[0]
     sent = home.send(first.rows)
-    assert not isinstance(sent, list)
-    held = _Held.received(first, _unpack(sent.buffer, message_fields(shape, first)), sent)
+    assert isinstance(sent, Message)
+    frames = _pack(first, sent)
+    arrived_first = Message(frames[0], tuple(frames[1:]))
+    held = _Held.received(first, _unpack(arrived_first, message_fields(shape, first)), sent)
     torch.testing.assert_close(held.tensors, [k, v], rtol=0, atol=0)
     assert held.tensors[0].data_ptr() % 64 == 0, "the payload starts cache-line aligned"
 
-    passed_on = held.send(then.rows)
-    assert not isinstance(passed_on, list), "the first half was copied"
-    assert passed_on.buffer.data_ptr() == sent.buffer.data_ptr()
-    assert passed_on.buffer.numel() < sent.buffer.numel()
-    arrived = _Held.received(
-        then, _unpack(passed_on.buffer, message_fields(shape, then)), passed_on
-    )
+    header, *halves_frames = _pack(then, held.send(then.rows))
+    (frame,) = halves_frames
+    assert frame.data_ptr() == sent.apart[0].data_ptr(), "the first half was copied"
+    assert frame.numel() * 2 == sent.apart[0].numel()
+    passed_on = Message(header, (frame,))
+    arrived = _Held.received(then, _unpack(passed_on, message_fields(shape, then)), passed_on)
     torch.testing.assert_close(arrived.tensors, [k[:, :c], v[:, :c]], rtol=0, atol=0)

@@ -5,7 +5,8 @@ blocks moving round the ring; ``Flow.RETURN``: partials going home, or accumulat
 of a lane (the bidirectional ring has two, turning opposite ways). So both directions of a
 link carry traffic at once on gloo (separate sockets) and NCCL (separate communicators and
 streams). It
-packs each :class:`~tokenring.core.schedule.Transfer` into one message, posts batched P2P with the
+lays out each :class:`~tokenring.core.schedule.Transfer` as one message (a header frame, and
+each big field as a frame of its own: Note [Message frames]), posts batched P2P with the
 receives first, counts messages and bytes per flow and peer, and optionally records a timeline.
 
 Note [Staged path]
@@ -129,20 +130,36 @@ class TrafficCounter:
 
 # Note [Message header]
 # ~~~~~~~~~~~~~~~~~~~~~
-# Every message starts with HEADER_NUM_BYTES: four int64 (magic, payload bytes, the transfer's
-# id, the sender's rank), padded to 64 bytes. gloo completes a receive whose message is
-# *shorter* than the posted buffer and leaves the rest of the buffer as it was, so without a
-# header a peer that built a different schedule would hand us stale memory as data. The
-# receiver zeroes the header slot before posting and checks all four fields on arrival: a
-# different byte count, another transfer or no header at all raise, naming the transfer, both
-# sizes and the peer. The header travels but is not counted: the counter holds payload bytes,
-# as the schedule does.
+# Every message starts with HEADER_NUM_BYTES: five int64 (magic, payload bytes, the transfer's
+# id, the sender's rank, a digest of the frames' sizes), padded to 64 bytes. gloo completes a
+# receive whose message is *shorter* than the posted buffer and leaves the rest of the buffer
+# as it was, so without a header a peer that built a different schedule would hand us stale
+# memory as data. The receiver zeroes the header slot before posting and checks every field
+# on arrival, before it waits for the message's other frames: a different byte count or
+# layout, another transfer or no header at all raise, naming the transfer, both sizes and the
+# peer. The header travels but is not counted: the counter holds payload bytes, as the
+# schedule does.
+#
+# Note [Message frames]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A message is its header frame (the header, then the fields under APART_MIN_BYTES back to
+# back) and, after it, each field of APART_MIN_BYTES or more as a frame of its own, in field
+# order, posted on the same channel (gloo and NCCL deliver a pair's operations in order). Both
+# ends derive the split from the fields' sizes alone. So a tensor that is already contiguous
+# leaves as it is: a kernel's partial out (its ``(B, H, n, D)`` result is ``(B, n, H, D)`` in
+# memory), rows of a ``(1, s, H, D)`` shard, any rows of a K/V message (Note [K/V message
+# layout] in tokenring.runtime.ring). With every field in one buffer, TokenRing copied each
+# partial and each first Q block into its message: 0.9-3.8 ms per call of rank 0's CPU at
+# P = 4, S = 4096 (``benchmarks/cpu_breakdown.py``). A big field's frame costs one more
+# posted operation, about 10-20 us on gloo. Small fields (lse, delta) are copied into the
+# header frame: one frame for them all.
 _MAGIC = 0x746F6B656E72696E  # "tokenrin"
-# The header's four int64 (magic, payload bytes, transfer id, sender), padded to a cache
-# line: the payload then starts 64-byte aligned, as a fresh tensor does. At offset 32 the
-# fused CPU kernel read a received K/V 2-6% slower (fp32; benchmarks/results/cpu_breakdown.md).
+# The header's int64 fields, padded to a cache line: the payload then starts 64-byte aligned,
+# as a fresh tensor does. At offset 32 the fused CPU kernel read a received K/V 2-6% slower
+# (fp32; benchmarks/results/cpu_breakdown.md).
 HEADER_NUM_BYTES = 64
-_HEADER_FIELDS = 4
+_HEADER_FIELDS = 5
+APART_MIN_BYTES = 64 * 1024  # a field this big travels as a frame of its own
 AGREE_FRAME_NUM_BYTES = 4096  # one message of Communicator.all_gather_bytes
 DIGEST_NUM_BYTES = 16  # blake2b digest of a call's signature (Note [Agreement by digest])
 DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
@@ -170,60 +187,102 @@ def _transfer_id(tr: Transfer) -> int:
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
-def _header(tr: Transfer, num_bytes: int, device: torch.device) -> torch.Tensor:
-    fields = [_MAGIC, num_bytes, _transfer_id(tr), tr.src]
+def _header(tr: Transfer, num_bytes: int, layout: int, device: torch.device) -> torch.Tensor:
+    fields = [_MAGIC, num_bytes, _transfer_id(tr), tr.src, layout]
     fields += [0] * (HEADER_NUM_BYTES // 8 - _HEADER_FIELDS)
     return torch.tensor(fields, dtype=torch.int64, device=device).view(torch.uint8)
 
 
+def _layout_id(inline_bytes: int, apart: Sequence[int]) -> int:
+    """A digest of a message's frame sizes (Note [Message frames])."""
+    return zlib.crc32(",".join(map(str, (inline_bytes, *apart))).encode()) & 0x7FFFFFFF
+
+
 class Message:
-    """A message already laid out for the wire: ``buffer`` is HEADER_NUM_BYTES of room, then
-    the payload. Sent as it is, with its header written in place: no copy. A received block
+    """A message already laid out for the wire (Note [Message frames]): ``buffer`` is
+    HEADER_NUM_BYTES of room, then the small fields; ``apart`` holds each big field's frame
+    (uint8, 1-D). Sent as it is, with its header written in place: no copy. A received block
     passed on as it came (``PendingRecv.message``) and accumulators allocated as messages
     (``Communicator.message``) travel so (Note [Buffers in flight] in tokenring.runtime.ring)."""
 
-    __slots__ = ("buffer",)
+    __slots__ = ("apart", "buffer")
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, apart: tuple[torch.Tensor, ...] = ()) -> None:
         assert buffer.dtype == torch.uint8 and buffer.dim() == 1
         self.buffer = buffer
+        self.apart = apart
+
+    @property
+    def frames(self) -> list[torch.Tensor]:
+        return [self.buffer, *self.apart]
+
+    @property
+    def num_bytes(self) -> int:
+        """Payload bytes (the header not counted)."""
+        return sum(f.numel() for f in self.frames) - HEADER_NUM_BYTES
 
 
-def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> torch.Tensor:
-    """One uint8 message: the header, then the tensors (any dtypes) back to back."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch.Tensor]:
+    """The frames of ``tr``'s message, its header written: the small tensors (any dtypes)
+    copied back to back after the header, each big one a frame of its own, not copied when
+    it is contiguous (Note [Message frames])."""
     if isinstance(tensors, Message):
-        buffer = tensors.buffer
-        num_bytes = buffer.numel() - HEADER_NUM_BYTES
-        buffer[:HEADER_NUM_BYTES].copy_(_header(tr, num_bytes, buffer.device))
-        return buffer
-    # One pass per tensor, strided or not: each is copied into its place in the message
-    # (a contiguous copy and then a cat would be two for a strided one, such as a kernel's
-    # (B, n, H, D) view of its (B, H, n, D) output).
-    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    buffer = torch.empty(HEADER_NUM_BYTES + num_bytes, dtype=torch.uint8, device=tensors[0].device)
-    buffer[:HEADER_NUM_BYTES].copy_(_header(tr, num_bytes, buffer.device))
-    offset = HEADER_NUM_BYTES
-    for t in tensors:
-        size = t.numel() * t.element_size()
-        buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t)
-        offset += size
-    return buffer
+        message = tensors
+    else:
+        small = [t for t in tensors if _nbytes(t) < APART_MIN_BYTES]
+        # One pass per small tensor, strided or not, into its place in the header frame.
+        buffer = torch.empty(
+            HEADER_NUM_BYTES + sum(map(_nbytes, small)), dtype=torch.uint8, device=tensors[0].device
+        )
+        offset = HEADER_NUM_BYTES
+        for t in small:
+            size = _nbytes(t)
+            buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t)
+            offset += size
+        apart = tuple(
+            t.contiguous().reshape(-1).view(torch.uint8)
+            for t in tensors
+            if _nbytes(t) >= APART_MIN_BYTES
+        )
+        message = Message(buffer, apart)
+    inline = message.buffer.numel() - HEADER_NUM_BYTES
+    layout = _layout_id(inline, [f.numel() for f in message.apart])
+    header = _header(tr, message.num_bytes, layout, message.buffer.device)
+    message.buffer[:HEADER_NUM_BYTES].copy_(header)
+    return message.frames
 
 
-def _unpack(buffer: torch.Tensor, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
-    """The tensors of a received message (views of ``buffer`` after its header)."""
+def _sizes(fields: Sequence[FieldSpec]) -> list[int]:
+    return [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in fields]
+
+
+def _split(fields: Sequence[FieldSpec]) -> tuple[int, list[int]]:
+    """The bytes of a message's small fields (its header frame's payload) and of each big
+    field's frame (Note [Message frames])."""
+    sizes = _sizes(fields)
+    return sum(n for n in sizes if n < APART_MIN_BYTES), [n for n in sizes if n >= APART_MIN_BYTES]
+
+
+def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
+    """The tensors of a message (views of its frames)."""
     out: list[torch.Tensor] = []
     offset = HEADER_NUM_BYTES
-    for shape, dtype in fields:
-        num = torch.Size(shape).numel() * dtype.itemsize
-        out.append(buffer[offset : offset + num].view(dtype).view(shape))
-        offset += num
-    assert offset == buffer.numel(), "receive buffer size differs from the fields"
+    apart = iter(message.apart)
+    for (shape, dtype), num in zip(fields, _sizes(fields), strict=True):
+        if num >= APART_MIN_BYTES:
+            frame = next(apart)
+            assert frame.numel() == num, "a frame's size differs from its field"
+        else:
+            frame = message.buffer[offset : offset + num]
+            offset += num
+        out.append(frame.view(dtype).view(shape))
+    assert offset == message.buffer.numel(), "receive buffer size differs from the fields"
+    assert next(apart, None) is None, "more frames than big fields"
     return out
-
-
-def _num_bytes(fields: Sequence[FieldSpec]) -> int:
-    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in fields)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -231,9 +290,12 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:300] if lines else type(exc).__name__
 
 
-def _check_header(rank: int, tr: Transfer, header: list[int], expected_bytes: int) -> None:
-    """Raise unless ``header`` (as received) announces ``tr`` with ``expected_bytes``."""
-    magic, num_bytes, transfer_id, sender = header[:_HEADER_FIELDS]
+def _check_header(
+    rank: int, tr: Transfer, header: list[int], expected_bytes: int, expected_layout: int
+) -> None:
+    """Raise unless ``header`` (as received) announces ``tr`` with ``expected_bytes`` in
+    frames of the expected sizes."""
+    magic, num_bytes, transfer_id, sender, layout = header[:_HEADER_FIELDS]
     what = (
         f"rank {rank}: receive of {tr.payload.value!r} rows {tr.rows} of owner {tr.owner} "
         f"from rank {tr.src} at step {tr.step}"
@@ -254,6 +316,11 @@ def _check_header(rank: int, tr: Transfer, header: list[int], expected_bytes: in
             f"{what}: rank {sender} sent a different transfer of the same size (the ranks "
             "built different schedules)"
         )
+    if layout != expected_layout:
+        raise RuntimeError(
+            f"{what}: the message's fields have other sizes than this rank expected (same "
+            "total bytes; the ranks built different shapes)"
+        )
 
 
 def comm_path(backend: str, device: torch.device) -> str:
@@ -268,46 +335,61 @@ class PendingRecv:
     """A posted receive; ``wait()`` returns the unpacked tensors."""
 
     def __init__(
-        self, comm: Communicator, transfer: Transfer, buffer: torch.Tensor, fields: list[FieldSpec]
+        self, comm: Communicator, transfer: Transfer, message: Message, fields: list[FieldSpec]
     ) -> None:
         self.transfer = transfer
         self._comm = comm
-        self._buffer = buffer
+        self._message = message
         self._fields = fields
-        self._work: Any = None
+        self._works: list[Any] = []  # one per frame, posted in frame order
         self._posted_s = time.perf_counter()
         self._result: list[torch.Tensor] | None = None
-        self._wire: torch.Tensor = buffer  # what the backend fills (a host buffer if staged)
+        self._wires = message.frames  # what the backend fills (host buffers if staged)
 
     def message(self) -> Message:
         """The received message, to pass on as it came (after :meth:`wait`): no copy."""
         assert self._result is not None, "wait() first"
-        return Message(self._buffer)
+        return self._message
 
     def ready(self) -> bool:
         """Whether ``wait()`` would return at once (never blocks; no host sync on CUDA)."""
-        return self._result is not None or self._work is None or self._work.is_completed()
+        return self._result is not None or all(
+            work is None or work.is_completed() for work in self._works
+        )
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
-            self._comm._wait(self._work, self.transfer, "receive")
-            if self._wire is not self._buffer:  # staged: host -> device, on the current stream
-                self._buffer.copy_(self._wire, non_blocking=True)
-            # a copy: the buffer's header slot may carry this block on (Message)
-            header = self._buffer[:HEADER_NUM_BYTES].view(torch.int64).clone()
-            expected = self._buffer.numel() - HEADER_NUM_BYTES
-            if self._buffer.device.type == "cpu":
-                _check_header(self._comm.rank, self.transfer, header.tolist(), expected)
-            else:  # checked in wait_sends, once per call: no host sync inside the step loop
-                self._comm._unchecked.append((self.transfer, header, expected))
-            self._result = _unpack(self._buffer, self._fields)
-            timeline, tr = self._comm.timeline, self.transfer
+            comm, tr, frames = self._comm, self.transfer, self._message.frames
+            works = self._works or [None] * len(frames)
+            posted = zip(frames, self._wires, works, strict=True)
+            for index, (frame, wire, work) in enumerate(posted):
+                comm._wait(work, tr, "receive")
+                if wire is not frame:  # staged: host -> device, on the current stream
+                    frame.copy_(wire, non_blocking=True)
+                if index == 0:  # the header frame: checked before waiting for the rest
+                    self._check()
+            self._result = _unpack(self._message, self._fields)
+            timeline = comm.timeline
             if timeline is not None:
                 end_s = time.perf_counter()
                 event = Event("recv", tr.payload.value, tr.step, self._posted_s, end_s, tr.src)
-                event.num_bytes = expected
+                event.num_bytes = self._message.num_bytes
                 timeline.events.append(event)
         return self._result
+
+    def _check(self) -> None:
+        buffer = self._message.buffer
+        # a copy: the buffer's header slot may carry this block on (Message)
+        header = buffer[:HEADER_NUM_BYTES].view(torch.int64).clone()
+        inline = buffer.numel() - HEADER_NUM_BYTES
+        expected = (
+            self._message.num_bytes,
+            _layout_id(inline, [f.numel() for f in self._message.apart]),
+        )
+        if buffer.device.type == "cpu":
+            _check_header(self._comm.rank, self.transfer, header.tolist(), *expected)
+        else:  # checked in wait_sends, once per call: no host sync inside the step loop
+            self._comm._unchecked.append((self.transfer, header, expected))
 
 
 class Communicator:
@@ -369,7 +451,7 @@ class Communicator:
         self.counter = TrafficCounter()
         self.timeline: Timeline | None = None
         self._pending_sends: list[tuple[Any, Transfer]] = []
-        self._unchecked: list[tuple[Transfer, torch.Tensor, int]] = []
+        self._unchecked: list[tuple[Transfer, torch.Tensor, tuple[int, int]]] = []
         self._broken: str | None = None
         self.stage_through_host = stage_through_host
         self._copy_stream: Any = None
@@ -584,8 +666,10 @@ class Communicator:
         """A message of ``fields`` (zeroed, or uninitialised to be written whole) and views
         of its tensors: fill them, then send the message itself (no copy when it leaves)."""
         new = torch.zeros if zeroed else torch.empty
-        buffer = new(HEADER_NUM_BYTES + _num_bytes(fields), dtype=torch.uint8, device=device)
-        return Message(buffer), _unpack(buffer, fields)
+        inline, apart = _split(fields)
+        buffer = new(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
+        message = Message(buffer, tuple(new(n, dtype=torch.uint8, device=device) for n in apart))
+        return message, _unpack(message, fields)
 
     # -- the staged path (Note [Staged path]) ---------------------------------------------------
     def path(self, device: torch.device) -> str:
@@ -645,9 +729,9 @@ class Communicator:
             group = self._groups[channel]
             recv_list = [self._recv(tr, f, device) for tr, f in recvs if _channel(tr) == channel]
             pending.update((rec.transfer, rec) for rec in recv_list)
-            ops = [(False, rec._wire, rec.transfer.src) for rec in recv_list]
-            send_transfers = [tr for tr, _ in sends if _channel(tr) == channel]
-            ops += [(True, *self._send(tr, x)) for tr, x in sends if _channel(tr) == channel]
+            sending = [(tr, self._send(tr, x)) for tr, x in sends if _channel(tr) == channel]
+            ops = [(False, wire, rec.transfer.src) for rec in recv_list for wire in rec._wires]
+            ops += [(True, wire, tr.dst) for tr, wires in sending for wire in wires]
             if not ops:
                 continue
             try:
@@ -660,26 +744,25 @@ class Communicator:
                     f"{(sends or recvs)[0][0].step} with ranks {peers} failed (a peer failed or "
                     f"exited): {_first_line(exc)}"
                 ) from exc
-            if len(works) == len(ops):
-                for rec, work in zip(recv_list, works[: len(recv_list)], strict=True):
-                    rec._work = work
-                self._pending_sends.extend(
-                    zip(works[len(recv_list) :], send_transfers, strict=True)
-                )
-            else:  # coalesced into one work (NCCL): every op completes with it
-                for rec in recv_list:
-                    rec._work = works[-1] if works else None
-                self._pending_sends.extend((works[-1], tr) for tr in send_transfers)
+            if len(works) != len(ops):  # coalesced into one work (NCCL): all complete with it
+                works = [works[-1] if works else None] * len(ops)
+            by_op = iter(works)
+            for rec in recv_list:
+                rec._works = [next(by_op) for _ in rec._wires]
+            for tr, wires in sending:
+                self._pending_sends.extend((next(by_op), tr) for _ in wires)
         return pending
 
     def _recv(self, tr: Transfer, fields: list[FieldSpec], device: torch.device) -> PendingRecv:
         """A receive of ``tr`` to post, counted."""
-        num_bytes = _num_bytes(fields)
-        buffer = torch.empty(HEADER_NUM_BYTES + num_bytes, dtype=torch.uint8, device=device)
+        inline, apart = _split(fields)
+        buffer = torch.empty(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
         buffer[:HEADER_NUM_BYTES].zero_()  # a message that never arrives has no magic
-        rec = PendingRecv(self, tr, buffer, fields)
+        frames = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in apart)
+        rec = PendingRecv(self, tr, Message(buffer, frames), fields)
         if self.path(device).endswith("staged"):
-            rec._wire = self.wire_buffer(buffer.numel(), device)
+            rec._wires = [self.wire_buffer(f.numel(), device) for f in rec._wires]
+        num_bytes = inline + sum(apart)
         self.counter.add(sent=False, flow=tr.payload.flow, peer=tr.src, num_bytes=num_bytes)
         return rec
 
@@ -700,19 +783,16 @@ class Communicator:
         ]
         return dist.batch_isend_irecv(p2p)
 
-    def _send(
-        self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message
-    ) -> tuple[torch.Tensor, int]:
-        """The wire buffer of ``tr``'s message and its group peer, counted."""
-        buffer = _pack(tr, tensors)
-        wire = self.to_wire(buffer)
-        num_bytes = buffer.numel() - HEADER_NUM_BYTES
+    def _send(self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch.Tensor]:
+        """The wire buffers of ``tr``'s message (Note [Message frames]), counted."""
+        frames = _pack(tr, tensors)
+        num_bytes = sum(f.numel() for f in frames) - HEADER_NUM_BYTES
         self.counter.add(sent=True, flow=tr.payload.flow, peer=tr.dst, num_bytes=num_bytes)
         if self.timeline is not None:
             now = time.perf_counter()
             event = Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
             self.timeline.events.append(event)
-        return wire, tr.dst
+        return [self.to_wire(f) for f in frames]
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their buffers may be reused afterwards), and
@@ -725,7 +805,7 @@ class Communicator:
             checks = [(tr, n) for tr, _, n in self._unchecked]
             self._unchecked.clear()
             for (tr, expected), header in zip(checks, headers, strict=True):
-                _check_header(self.rank, tr, header, expected)
+                _check_header(self.rank, tr, header, *expected)
 
     def release_sends(self) -> None:
         """Forget the sends that have completed (their buffers may be freed); never blocks."""

@@ -42,19 +42,21 @@ Note [K/V message layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A K/V message is rows first, each row's k and v side by side: ``(n, B, 2, Hkv, D)``. Held
 k and v are strided ``(B, n, Hkv, D)`` views of it (the kernels take strided rows), and any
-first rows of the block are one slice at the front of the message. So a rank that passes on
-only the first rows of the block it holds (zigzag causal after the wrap: ``[0, c)``, Note
-[Causal blocks per layout] in tokenring.core.schedule) sends the front of the message it came in,
-its header rewritten in place: no copy. With k and v one after the other, that half was a
-copy of a q-sized tensor (~0.1x of the minimum on Ring, P = 4 causal). Other rows (masks)
-are still copied; the bytes on the wire are the same in every layout.
+rows of the block are one contiguous slice of it. So a rank that passes on only some rows of
+the block it holds (zigzag causal after the wrap: ``[0, c)``, Note [Causal blocks per
+layout] in tokenring.core.schedule; masks) sends that slice as its message's frame (Note
+[Message frames] in tokenring.runtime.comm): no copy, but for a block under APART_MIN_BYTES,
+copied into its header frame. With k and v one after the other, that half was a copy of a
+q-sized tensor (~0.1x of the minimum on Ring, P = 4 causal). The bytes on the wire are the
+same in every layout.
 
 The price is speed: the fused CPU kernel reads k and v at twice their row stride, 2.5-5%
 slower per received block than contiguous k then v (fp32 and bf16, forward and backward,
 measured standalone; Ring's kernel time 2-3% above the peer's in fp32,
 ``benchmarks/results/cpu_breakdown.md``). Measured the other way round (k then v, the half
 copied), Ring's peak at P = 4 causal went from 1.86x to 1.98x of the minimum: memory was
-kept. The header is padded to 64 bytes, so the views start cache-line aligned either way.
+kept. The header is padded to 64 bytes, so views into a header frame start cache-line
+aligned, as a frame of its own does.
 
 Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
 stream and a wait makes the current (compute) stream wait on it; compute bars of the
@@ -85,7 +87,6 @@ from tokenring.core.schedule import (
     Transfer,
 )
 from tokenring.runtime.comm import (
-    HEADER_NUM_BYTES,
     Communicator,
     Event,
     FieldSpec,
@@ -135,13 +136,12 @@ def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
 def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
     """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout]): one
     copy of each into its place."""
-    buffer = torch.empty(
-        HEADER_NUM_BYTES + 2 * k.numel() * k.element_size(), dtype=torch.uint8, device=k.device
-    )
-    pairs = buffer[HEADER_NUM_BYTES:].view(k.dtype).view(k.shape[1], k.shape[0], 2, *k.shape[2:])
+    b, n = k.shape[:2]
+    field: FieldSpec = ((n, b, 2, *k.shape[2:]), k.dtype)
+    message, (pairs,) = Communicator.message([field], k.device, zeroed=False)
     pairs[:, :, 0].copy_(k.transpose(0, 1))  # (n, B, 2, Hkv, D)
     pairs[:, :, 1].copy_(v.transpose(0, 1))
-    return Message(buffer)
+    return message
 
 
 def kv_rows(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +175,9 @@ class _Held:
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
         """What a transfer of ``rows`` of this block sends: the message it came in when
-        the rows are all of it, or a K/V block's first rows (no copy), else the rows' slices."""
+        the rows are all of it, or a received K/V block's rows (contiguous: a frame of their
+        own, not copied, when big; Note [Message frames] in tokenring.runtime.comm), else the
+        rows' slices."""
         if rows == self.rows and self.message is not None:
             return self.message
         if not self.is_kv:
@@ -184,9 +186,6 @@ class _Held:
         assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
         if self.pairs is None:  # home: one copy into the wire layout
             return kv_message(*self.slice(rows))
-        if start == 0 and self.message is not None:  # a prefix: the front of the message
-            row_bytes = self.pairs[0].numel() * self.pairs.element_size()
-            return Message(self.message.buffer[: HEADER_NUM_BYTES + stop * row_bytes])
         return [self.pairs[start:stop]]
 
     def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
@@ -933,9 +932,11 @@ def _accumulators_home(
         (tr,) = transfers
         if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
             dk_home, dv_home = poster.pending.pop(tr).wait()  # came home: they are dK, dV
-            # views of one message; the operator's outputs may not alias each other, so one is
-            # copied when no cast to k's dtype will copy them anyway
-            return dk_home, dv_home.clone() if acc == k.dtype else dv_home
+            # small ones are views of one frame (Note [Message frames] in
+            # tokenring.runtime.comm); the operator's outputs may not alias each other, so one
+            # is copied then, when no cast to k's dtype will copy them anyway
+            shared = dk_home.untyped_storage().data_ptr() == dv_home.untyped_storage().data_ptr()
+            return dk_home, dv_home.clone() if shared and acc == k.dtype else dv_home
     if dk_acc is None or dv_acc is None:
         comm.wait_sends()
         dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
