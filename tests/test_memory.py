@@ -91,7 +91,7 @@ def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     assert halves, "zigzag causal Ring passes on half a block after the wrap"
     first, then = halves[0]
     b, h, d = 2, 4, 32
-    assert c * b * 2 * h * d * 4 >= APART_MIN_BYTES, "the half block is a frame of its own"
+    assert c * b * h * d * 4 >= APART_MIN_BYTES, "half a block's k (and v) is a frame of its own"
     shape = AttentionShape(batch=b, heads_q=h, heads_kv=h, head_dim=d, dtype="float32")
     k, v = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
     home = _lane_blocks(sched, first.owner, [k, v])[0]
@@ -103,10 +103,10 @@ def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     torch.testing.assert_close(held.tensors, [k, v], rtol=0, atol=0)
     assert held.tensors[0].data_ptr() % 64 == 0, "the payload starts cache-line aligned"
 
-    header, *halves_frames = _pack(then, held.send(then.rows))
-    (frame,) = halves_frames
-    assert frame.data_ptr() == sent.apart[0].data_ptr(), "the first half was copied"
-    assert frame.numel() * 2 == sent.apart[0].numel()
-    passed_on = Message(header, (frame,))
+    header, *halves = _pack(then, held.send(then.rows))
+    for frame, whole in zip(halves, sent.apart, strict=True):  # k's, v's
+        assert frame.data_ptr() == whole.data_ptr(), "the first half was copied"
+        assert frame.numel() * 2 == whole.numel()
+    passed_on = Message(header, tuple(halves))
     arrived = _Held.received(then, _unpack(passed_on, message_fields(shape, then)), passed_on)
     torch.testing.assert_close(arrived.tensors, [k[:, :c], v[:, :c]], rtol=0, atol=0)

@@ -94,7 +94,7 @@ class _Collective(SchedulePass):
         for tr in op.transfers:
             if tr.payload is payload:
                 tensors = self.poster.pending.pop(tr).wait()
-                parts[tr.src] = list(kv_rows(tensors[0])) if payload is Payload.KV else tensors
+                parts[tr.src] = list(kv_rows(*tensors)) if payload is Payload.KV else tensors
         return parts
 
 
@@ -375,7 +375,7 @@ class _AllGather(_Collective):
     def arrive(self, op: Op) -> None:
         """ARRIVE: the K/V of round k (from r + k), kept while the round has segments."""
         (tr,) = op.transfers
-        kv = kv_rows(self.poster.pending.pop(tr).wait()[0])  # (B, s, Hkv, D) x 2
+        kv = kv_rows(*self.poster.pending.pop(tr).wait())  # (B, s, Hkv, D) x 2
         self.kv = kv if tr.owner in self.last else None  # None: nothing to compute (causal)
 
     def piece(self, op: Op) -> tuple[Piece, Rows, Rows, PositionMask | None]:

@@ -182,7 +182,7 @@ class _HybridPass(PassRunner):
         for tr in op.transfers:
             name = self.names[tr]
             got = self.inner_poster.pending.pop(name).wait()
-            parts = kv_rows(got[0]) if tr.payload is Payload.KV else got
+            parts = kv_rows(*got) if tr.payload is Payload.KV else got
             for target, part in zip(gathered[tr.payload], parts, strict=True):
                 self.view(target, name.src, step, sending=False).copy_(part)
         return [x for xs in gathered.values() for x in xs]

@@ -39,24 +39,23 @@ as soon as its last use passes (README "Memory" has the measured table):
   loop variable would keep its last value for the whole pass).
 
 Note [K/V message layout]
-~~~~~~~~~~~~~~~~~~~~~~~~
-A K/V message is rows first, each row's k and v side by side: ``(n, B, 2, Hkv, D)``. Held
-k and v are strided ``(B, n, Hkv, D)`` views of it (the kernels take strided rows), and any
-rows of the block are one contiguous slice of it. So a rank that passes on only some rows of
-the block it holds (zigzag causal after the wrap: ``[0, c)``, Note [Causal blocks per
-layout] in tokenring.core.schedule; masks) sends that slice as its message's frame (Note
-[Message frames] in tokenring.runtime.comm): no copy, but for a block under APART_MIN_BYTES,
-copied into its header frame. With k and v one after the other, that half was a copy of a
-q-sized tensor (~0.1x of the minimum on Ring, P = 4 causal). The bytes on the wire are the
-same in every layout.
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A K/V message is two fields, k and then v, each rows first: ``(n, B, Hkv, D)``. Held k and
+v are ``(B, n, Hkv, D)`` views of them (the kernels take strided rows; for B = 1 they are
+contiguous), and any rows of the block are one contiguous slice of each. So a rank that
+passes on only some rows of the block it holds (zigzag causal after the wrap: ``[0, c)``,
+Note [Causal blocks per layout] in tokenring.core.schedule; masks) sends those slices as
+its message's frames (Note [Message frames] in tokenring.runtime.comm): no copy, but for a
+block under APART_MIN_BYTES a field, copied into its header frame. The bytes on the wire are
+the same in every layout.
 
-The price is speed: the fused CPU kernel reads k and v at twice their row stride, 2.5-5%
-slower per received block than contiguous k then v (fp32 and bf16, forward and backward,
-measured standalone; Ring's kernel time 2-3% above the peer's in fp32,
-``benchmarks/results/cpu_breakdown.md``). Measured the other way round (k then v, the half
-copied), Ring's peak at P = 4 causal went from 1.86x to 1.98x of the minimum: memory was
-kept. The header is padded to 64 bytes, so views into a header frame start cache-line
-aligned, as a frame of its own does.
+Two layouts came before. k then v, each ``(B, n, Hkv, D)``, in one buffer made the first rows
+of a block two pieces apart, so passing on half a block was a copy of a q-sized tensor
+(~0.1x of the minimum on Ring, P = 4 causal). Each row's k and v side by side,
+``(n, B, 2, Hkv, D)``, made that half the front of the message, but the fused CPU kernel
+read k and v at twice their row stride, 2.5-5% slower per received block (fp32 and bf16,
+forward and backward, measured standalone; Ring's kernel time was 2-6% above the peer's,
+``benchmarks/cpu_breakdown.py``). Frames give both: contiguous rows, slices without a copy.
 
 Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
 stream and a wait makes the current (compute) stream wait on it; compute bars of the
@@ -120,11 +119,11 @@ def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
             hq = tr.heads[1] - tr.heads[0]
     dtype, acc = shape.torch_dtype, shape.acc_dtype
     q_rows: FieldSpec = ((b, n, hq, d), dtype)
-    kv_pairs: FieldSpec = ((n, b, 2, hkv, d), dtype)  # Note [K/V message layout]
+    kv_rows_first: FieldSpec = ((n, b, hkv, d), dtype)  # Note [K/V message layout]
     per_head: FieldSpec = ((b, hq, n), acc)
     table: dict[Payload, list[FieldSpec]] = {
         Payload.Q: [q_rows],
-        Payload.KV: [kv_pairs],
+        Payload.KV: [kv_rows_first] * 2,
         Payload.OUT: [q_rows, per_head],
         Payload.Q_GRAD: [q_rows, q_rows, per_head, per_head],
         Payload.DQ: [q_rows],
@@ -137,16 +136,17 @@ def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
     """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout]): one
     copy of each into its place."""
     b, n = k.shape[:2]
-    field: FieldSpec = ((n, b, 2, *k.shape[2:]), k.dtype)
-    message, (pairs,) = Communicator.message([field], k.device, zeroed=False)
-    pairs[:, :, 0].copy_(k.transpose(0, 1))  # (n, B, 2, Hkv, D)
-    pairs[:, :, 1].copy_(v.transpose(0, 1))
+    field: FieldSpec = ((n, b, *k.shape[2:]), k.dtype)
+    message, fields = Communicator.message([field] * 2, k.device, zeroed=False)
+    for rows_first, x in zip(fields, (k, v), strict=True):
+        rows_first.copy_(x.transpose(0, 1))  # (n, B, Hkv, D)
     return message
 
 
-def kv_rows(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k and v ``(B, n, Hkv, D)`` views of a received K/V message ``(n, B, 2, Hkv, D)``."""
-    return pairs[:, :, 0].transpose(0, 1), pairs[:, :, 1].transpose(0, 1)
+def kv_rows(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k and v ``(B, n, Hkv, D)`` views of a received K/V message's ``(n, B, Hkv, D)``
+    fields."""
+    return k_rows.transpose(0, 1), v_rows.transpose(0, 1)
 
 
 @dataclass(slots=True)
@@ -157,7 +157,8 @@ class _Held:
     rows: tuple[int, int]
     tensors: list[torch.Tensor]  # seq dim 1 for (B, n, H, D), dim 2 for (B, H, n)
     message: Message | None = None  # the message it came in, to pass on without a copy
-    pairs: torch.Tensor | None = None  # K/V as on the wire, (n, B, 2, Hkv, D); None: home
+    # K/V as on the wire, k and v (n, B, Hkv, D) (Note [K/V message layout]); empty: home
+    wire: tuple[torch.Tensor, ...] = ()
     is_kv: bool = False  # a K/V block: it travels in Note [K/V message layout]
 
     @staticmethod
@@ -170,8 +171,8 @@ class _Held:
         """The block of ``tr`` from the tensors of its ``message`` (unpacked)."""
         if tr.payload is not Payload.KV:
             return _Held(tr.owner, tr.rows, tensors, message)
-        (pairs,) = tensors  # (n, B, 2, Hkv, D)
-        return _Held(tr.owner, tr.rows, list(kv_rows(pairs)), message, pairs, is_kv=True)
+        wire = tuple(tensors)  # k and v, (n, B, Hkv, D)
+        return _Held(tr.owner, tr.rows, list(kv_rows(*wire)), message, wire, is_kv=True)
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
         """What a transfer of ``rows`` of this block sends: the message it came in when
@@ -184,9 +185,9 @@ class _Held:
             return self.slice(rows)
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
         assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
-        if self.pairs is None:  # home: one copy into the wire layout
+        if not self.wire:  # home: one copy into the wire layout
             return kv_message(*self.slice(rows))
-        return [self.pairs[start:stop]]
+        return [x[start:stop] for x in self.wire]
 
     def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
