@@ -903,6 +903,12 @@ class Communicator:
             self.agree(signature, None, what=what)
         return result
 
+    def all_gather_int(self, value: int, device: torch.device, *, label: str) -> list[int]:
+        """Every rank's ``value``, in group-rank order: one :meth:`all_gather` of an int64 on
+        ``device`` (a device the group's backend takes). For control data (not counted)."""
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        return [int(x) for x in self.all_gather(mine, label=label)]
+
 
 class PendingCollective:
     """A posted collective; ``wait()`` returns when it completed or raises after the
