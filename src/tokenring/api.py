@@ -941,7 +941,7 @@ def _plan(
         sharding=sharding,
         mask=call.mask,
         schedules=schedules,
-        rows=sharding.padded_rows(comm.rank).to(q.device) if sharding.padded else None,
+        padding=sharding.padding(comm.rank, q.device),
     )
 
 

@@ -55,6 +55,7 @@ from tokenring.core.enums import parse_enum
 
 __all__ = [
     "Layout",
+    "Padding",
     "Run",
     "Sharding",
     "global_length",
@@ -329,6 +330,33 @@ class Sharding:
         out = torch.full((self.seq_local,), -1, dtype=torch.int64)
         out[self.padded_rows(rank)] = self.positions(rank)
         return out
+
+    def padding(self, rank: int, device: torch.device) -> Padding:
+        """How ``rank``'s tokens go into its padded buffer and back, on ``device``."""
+        rows = self.padded_rows(rank).to(device) if self.padded else None
+        return Padding(rows, self.seq_local)
+
+
+@dataclass(frozen=True, slots=True)
+class Padding:
+    """One rank's tokens in and out of the padded local buffer of a :class:`Sharding` (Note
+    [Documents and padding]); does nothing where no rank has padding."""
+
+    rows: torch.Tensor | None
+    """Row of the padded buffer of each local token ``(s,)``; None without padding."""
+    seq_local: int
+    """s_pad, the rows of the padded buffer."""
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, s, H, D) in the zero padded buffer (B, s_pad, H, D)."""
+        if self.rows is None:
+            return x
+        buffer = x.new_zeros((x.shape[0], self.seq_local, *x.shape[2:]))
+        return buffer.index_copy(1, self.rows, x)
+
+    def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The local tokens' rows of a padded ``x``, along ``dim``."""
+        return x if self.rows is None else x.index_select(dim, self.rows)
 
 
 def _aranges(ranges: Iterable[tuple[int, int]]) -> torch.Tensor:
