@@ -167,20 +167,30 @@ def _checked_rank(rank: int, world_size: int) -> int:
 
 
 def global_length(
-    world_size: int, seq_local: int | None, seq_len: int | None, layout: Layout
+    world_size: int,
+    seq_local: int | None,
+    seq_len: int | None,
+    layout: Layout,
+    *,
+    inner: int = 1,
 ) -> int:
-    """S from exactly one of ``seq_local`` (equal shards: S = P * s, checked against the
-    layout) and ``seq_len``; ValueError otherwise."""
+    """S from exactly one of ``seq_local`` and ``seq_len``; ValueError otherwise.
+
+    With ``seq_local`` the shards are equal: each of the P shards is held by ``inner`` ranks
+    of s tokens (the hybrid's inner group, Note [Hybrid layout] in tokenring.hybrid; else 1),
+    so S = P * inner * s, and the layout is checked against a shard of inner * s tokens.
+    """
     if (seq_local is None) == (seq_len is None):
         raise ValueError(
             f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
             f"seq_len={seq_len}"
         )
     if seq_local is not None:
-        validate_seq_local(seq_local, layout)
+        name = "seq_local" if inner == 1 else "seq_local * inner (an outer shard)"
+        validate_seq_local(seq_local * inner, layout, name=name)
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1; got {world_size}")
-        return seq_local * world_size
+        return seq_local * inner * world_size
     assert seq_len is not None
     return seq_len
 
