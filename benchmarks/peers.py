@@ -51,7 +51,7 @@ if HERE not in sys.path:
 import flash_attn_cpu  # noqa: E402  (benchmarks/, beside this file)
 
 from tokenring import launch, sequence_parallel_attn  # noqa: E402
-from tokenring.cli.bench import _reference  # noqa: E402
+from tokenring.cli.bench import per_rank_reference  # noqa: E402
 from tokenring.cli.ranks import git_sha  # noqa: E402
 from tokenring.core.layout import make_sharding, shard  # noqa: E402
 
@@ -100,7 +100,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
         q, k, v, dout = global_inputs(args, dtype)
         grads = "fwd+bwd" in args.passes
         want = (
-            _reference(q, k, v, dout, positions, causal=True, scale=scale, grads=grads)
+            per_rank_reference(q, k, v, dout, positions, causal=True, scale=scale, grads=grads)
             if args.check
             else []
         )

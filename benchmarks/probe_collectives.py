@@ -71,14 +71,14 @@ def probe(num_bytes: int) -> dict[str, list[float]]:
 
 
 def main(argv: list[str]) -> None:
-    from tokenring.cli.bench import _parse_rate
+    from tokenring.cli import rate_bits_per_s
     from tokenring.launch import launch
     from tokenring.model.netlab import Lab, LabConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--bytes", type=int, default=2 << 20, help="X, bytes per pair")
-    parser.add_argument("--rate", type=_parse_rate, default=100e6)
+    parser.add_argument("--rate", type=rate_bits_per_s, default=100e6)
     args = parser.parse_args(argv)
     unit_s = args.bytes / (args.rate / 8)
     print("# gloo's collectives on the emulated full mesh\n")

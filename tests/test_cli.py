@@ -242,8 +242,10 @@ def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatc
             rows = torch.tensor(sharded_positions(layout, rank, world, seq), dtype=torch.long)
             for tiles in (whole_tiles, lambda *_: 3):
                 monkeypatch.setattr(bench, "_tile_rows", tiles)
-                got = bench._reference(q, k, v, dout, rows, causal=causal, scale=0.3, grads=True)
-                (out,) = bench._reference(
+                got = bench.per_rank_reference(
+                    q, k, v, dout, rows, causal=causal, scale=0.3, grads=True
+                )
+                (out,) = bench.per_rank_reference(
                     q, k, v, dout, rows, causal=causal, scale=0.3, grads=False
                 )
                 torch.testing.assert_close(out, want["out"][:, rows], rtol=0, atol=1e-12)

@@ -488,7 +488,9 @@ def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
 #      -> ranks 0 and 1 raise within the communicator's timeout, naming rank 2
 #
 # ``Communicator.agree`` exchanges them point-to-point over the communicator's control group
-# (CPU, gloo), bounded by the communicator's timeout, never the process group's. Behind it the
+# (CPU, gloo), bounded by the communicator's timeout, never the process group's; every checked
+# call (this one, a cache step, a generation step) runs its checks through
+# ``Communicator.agreed``, which sends a failure in place of the signature. Behind it the
 # message headers (Note [Message header] in tokenring.runtime.comm) catch what
 # check_ranks=False lets by.
 
@@ -939,7 +941,7 @@ def _plan(
         sharding=sharding,
         mask=call.mask,
         schedules=schedules,
-        rows=sharding.padded_rows(comm.rank).to(q.device) if sharding.padded else None,
+        padding=sharding.padding(comm.rank, q.device),
     )
 
 
@@ -948,19 +950,13 @@ def _agreed_call(
 ) -> _Call:
     """This rank's call, raising where it or (``check_ranks``) another rank's fails or the
     ranks disagree (Note [Rank agreement])."""
-    call: _Call | None = None
-    problem: Exception | None = None
-    try:
+
+    def validate() -> tuple[_Call, dict[str, Any]]:
         needs_grad = any(options["requires_grad"])
         call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
-    except (ValueError, NotImplementedError) as exc:
-        problem = exc
-    if options["check_ranks"]:
-        comm.agree(None if call is None else call.signature, problem, what="attention call")
-    elif problem is not None:
-        raise problem
-    assert call is not None
-    return call
+        return call, call.signature
+
+    return comm.agreed(validate, what="attention call", check_ranks=options["check_ranks"])
 
 
 # One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword

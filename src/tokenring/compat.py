@@ -164,12 +164,12 @@ def _attend(
     A rank whose checks fail sends its reason through the attention call's rank check, where
     its peers are waiting, so every rank raises at once (Note [Rank agreement] in api.py).
     """
-    try:
+
+    def validate() -> tuple[dict[str, Any], None]:
         flash.check()
-        options |= check()
-    except (ValueError, NotImplementedError) as exc:
-        comm.agree(None, exc, what=WHAT)
-        raise  # agree raises exc on this rank; kept for the reader and for type checkers
+        return check(), None  # no signature: the attention call's check compares them
+
+    options |= comm.agreed(validate, what=WHAT)
     causal, softmax_scale, window_size = call
     options |= {"strategy": strategy, "causal": causal, "softmax_scale": softmax_scale}
     options |= {"layout": layout, "window_size": window_size}

@@ -279,11 +279,7 @@ def cross_attn(
         raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
     if placement is KVPlacement.SHARDED:
         comm = get_communicator(group)
-        sizes = comm.all_gather(
-            torch.tensor([k.shape[1]], dtype=torch.int64, device=k.device),
-            label="cross-attention K/V lengths",
-        )
-        lengths = [int(x) for x in sizes]
+        lengths = comm.all_gather_int(k.shape[1], k.device, label="cross-attention K/V lengths")
         if sum(lengths) == 0:  # every rank raises: they all see the same lengths
             raise ValueError("k and v must hold at least one key on some rank; got none on any")
         k = _GatherSequence.apply(k.contiguous(), comm, lengths)  # (B, Skv, Hkv, D)

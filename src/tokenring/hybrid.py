@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import _validate, get_communicator
-from tokenring.core.layout import Layout, Sharding, make_sharding, validate_seq_local
+from tokenring.core.layout import Layout, Sharding, global_length, make_sharding
 from tokenring.core.masks import chunk_documents, normalize_window
 from tokenring.core.schedule import Pass, Strategy
 from tokenring.runtime.hybrid import HybridPlan, hybrid_attention
@@ -131,17 +131,9 @@ def _outer_lengths(
     """The outer sharding (over P_out ranks), from exactly one of ``seq_local`` (every rank
     holds that many tokens) and ``seq_len``."""
     layout = Layout.parse(layout)
-    if (seq_local is None) == (seq_len is None):
-        raise ValueError(
-            f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
-            f"seq_len={seq_len}"
-        )
-    if seq_local is not None:
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
-        validate_seq_local(seq_local * inner, layout, name="seq_local * inner (an outer shard)")
-        seq_len = seq_local * inner * outer
-    assert seq_len is not None
+    seq_len = global_length(outer, seq_local, seq_len, layout, inner=inner)
+    if seq_local is not None and cu_seqlens is not None:
+        raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
     return make_sharding(layout=layout, world_size=outer, seq_len=seq_len, cu_seqlens=cu_seqlens)
 
 

@@ -30,6 +30,7 @@ partials merge by lse, so a mask never grows with the cache.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -370,9 +371,9 @@ def _call_signature(
     softmax_scale: float | None,
     hardware: Hardware | str | None,
     kernel: str | BlockKernel | None,
-) -> tuple[dict[str, Any], CachedStrategy | str, BlockKernel]:
-    """Check one :func:`cached_attn` call's arguments (raising as it documents): the options
-    every rank must agree on, the parsed strategy (or ``"auto"``) and the kernel."""
+) -> tuple[tuple[CachedStrategy | str, BlockKernel], dict[str, Any]]:
+    """Check one :func:`cached_attn` call's arguments (raising as it documents): the parsed
+    strategy (or ``"auto"``) and the kernel, and the options every rank must agree on."""
     step = _validate(q, cache, layer, softmax_scale)
     strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
     if hardware is not None and strategy != "auto":
@@ -394,7 +395,7 @@ def _call_signature(
         "softmax_scale": float(scale).hex(),
         "kernel": block_kernel.name,
     }
-    return signature, strategy, block_kernel
+    return (strategy, block_kernel), signature
 
 
 def cached_attn(
@@ -450,18 +451,12 @@ def cached_attn(
     assert cache.comm is not None
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
-    signature: dict[str, Any] | None = None
-    problem: Exception | None = None
-    try:  # fail before appending
-        signature, strategy, block_kernel = _call_signature(
-            q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
-        )
-    except (ValueError, NotImplementedError) as exc:
-        problem = exc
-    if check_ranks:
-        cache.comm.agree(signature, problem, what="cached attention call")
-    elif problem is not None:
-        raise problem
+    validate = functools.partial(
+        _call_signature, q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
+    )
+    strategy, block_kernel = cache.comm.agreed(  # before appending: every rank or none
+        validate, what="cached attention call", check_ranks=check_ranks
+    )
     cache.append(layer, k, v)
     out, lse = attend_cached(
         q,

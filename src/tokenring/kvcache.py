@@ -29,6 +29,7 @@ for a peer that gave up).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -333,24 +334,25 @@ class DistributedKVCache:
     def _agreed_placement(self, new: Sequence[int], check_ranks: bool) -> CacheStep:
         """:meth:`_placement` of ``new``, once every rank knows that every rank's is valid and
         the same (with ``check_ranks`` and a group); else this rank's error, raised."""
-        problem: Exception | None = None
-        try:
-            step = self._placement(new)
-            missing = [layer for layer, done in enumerate(self._appended) if not done]
-            if missing:
-                raise RuntimeError(
-                    f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
-                    "every layer must run attention (or append) once per step"
-                )
-        except (ValueError, RuntimeError) as exc:
-            problem = exc
-        if check_ranks and self.comm is not None:
-            # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
-            signature = None if problem else {"new tokens": list(step.new), "step": self._num_steps}
-            self.comm.agree(signature, problem, what="cache step")
-        elif problem is not None:
-            raise problem
-        return step
+        validate = functools.partial(self._checked_placement, new)
+        if self.comm is None:  # no group to agree over
+            return validate()[0]
+        # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
+        return self.comm.agreed(
+            validate, what="cache step", check_ranks=check_ranks, errors=(ValueError, RuntimeError)
+        )
+
+    def _checked_placement(self, new: Sequence[int]) -> tuple[CacheStep, dict[str, Any]]:
+        """:meth:`_placement` of ``new`` once every layer appended the last step, and its
+        signature (:meth:`Communicator.agree`)."""
+        step = self._placement(new)
+        missing = [layer for layer, done in enumerate(self._appended) if not done]
+        if missing:
+            raise RuntimeError(
+                f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
+                "every layer must run attention (or append) once per step"
+            )
+        return step, {"new tokens": list(step.new), "step": self._num_steps}
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""

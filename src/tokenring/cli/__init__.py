@@ -42,6 +42,7 @@ __all__ = [
     "mem_available_bytes",
     "output_path",
     "positive_seconds",
+    "rate_bits_per_s",
     "split_list",
 ]
 
@@ -135,6 +136,24 @@ def output_path(text: str) -> str:
     elif not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"directory {parent!r} is not writable (for {text!r})")
     return text
+
+
+def rate_bits_per_s(text: str) -> float:
+    """An argparse ``type``: a link rate, '100mbit', '1gbit', '400M', '2.5e8' -> bits per
+    second (finite, >= 1)."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "g": 1e9, "m": 1e6, "k": 1e3, "bit": 1.0}
+    lowered = text.strip().lower()
+    suffix = next((u for u in units if lowered.endswith(u)), "")
+    number, scale = lowered[: len(lowered) - len(suffix)], units.get(suffix, 1.0)
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(
+            f"must be a rate of at least 1 bit/s like 100mbit or 1gbit; got {text!r}"
+        )
+    return value
 
 
 def mem_available_bytes() -> int | None:

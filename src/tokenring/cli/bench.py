@@ -53,6 +53,7 @@ from tokenring.cli import (
     mem_available_bytes,
     output_path,
     positive_seconds,
+    rate_bits_per_s,
     split_list,
 )
 from tokenring.cli.console import make_table, print_table
@@ -94,6 +95,7 @@ __all__ = [
     "check_args",
     "check_memory",
     "estimate_rank_bytes",
+    "per_rank_reference",
     "run",
     "run_rank",
 ]
@@ -387,7 +389,7 @@ def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-def _reference(
+def per_rank_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -439,7 +441,7 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Reference:
-    """The global inputs of :func:`_reference` and its passes over them in tiles. GQA: the G
+    """The global inputs of :func:`per_rank_reference` and its passes over them in tiles. GQA: the G
     query heads of a K/V head are folded into a tile's rows (G * T)."""
 
     q: torch.Tensor  # (B, S, Hq, D)
@@ -621,7 +623,7 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
             # Any S: uneven shards (tokenring.shard) and seq_len= to the attention.
             sharding = make_sharding(layout=layout, world_size=world, seq_len=config.seq)
             positions = sharding.positions(rank)
-            reference = _reference(
+            reference = per_rank_reference(
                 q, k, v, dout, positions, causal=causal, scale=scale, grads=grads
             )
             local = [
@@ -644,7 +646,9 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
                 if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
                     mine, where = _hybrid_shards(config.hybrid, rank, world, layout, q, k, v, dout)
                     mine = [x.to(device) for x in mine]
-                    want = _reference(q, k, v, dout, where, causal=causal, scale=scale, grads=grads)
+                    want = per_rank_reference(
+                        q, k, v, dout, where, causal=causal, scale=scale, grads=grads
+                    )
                     case = dataclasses.replace(case, local=mine, reference=want, kernel_inputs=mine)
                 yield case
 
@@ -1234,23 +1238,6 @@ def _rate_text(bits_per_s: float) -> str:
     return f"{bits_per_s:g} bit/s"
 
 
-def _parse_rate(text: str) -> float:
-    """'100mbit', '1gbit', '400M', '2.5e8' -> bits per second (finite, >= 1)."""
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "g": 1e9, "m": 1e6, "k": 1e3, "bit": 1.0}
-    lowered = text.strip().lower()
-    suffix = next((u for u in units if lowered.endswith(u)), "")
-    number, scale = lowered[: len(lowered) - len(suffix)], units.get(suffix, 1.0)
-    try:
-        value = float(number) * scale
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 1):
-        raise argparse.ArgumentTypeError(
-            f"must be a rate of at least 1 bit/s like 100mbit or 1gbit; got {text!r}"
-        )
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring bench``, grouped by the ``--mode`` they apply to."""
 
@@ -1284,7 +1271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=finite_float_at_least(0),
         help="max abs error vs float64 for a row to pass (default: by dtype)",
     )
-    add("--link", type=_parse_rate, help="emulate links of this rate, e.g. 100mbit")
+    add("--link", type=rate_bits_per_s, help="emulate links of this rate, e.g. 100mbit")
     add(
         "--topology",
         default="mesh",

@@ -55,6 +55,7 @@ from tokenring.core.enums import parse_enum
 
 __all__ = [
     "Layout",
+    "Padding",
     "Run",
     "Sharding",
     "global_length",
@@ -166,20 +167,30 @@ def _checked_rank(rank: int, world_size: int) -> int:
 
 
 def global_length(
-    world_size: int, seq_local: int | None, seq_len: int | None, layout: Layout
+    world_size: int,
+    seq_local: int | None,
+    seq_len: int | None,
+    layout: Layout,
+    *,
+    inner: int = 1,
 ) -> int:
-    """S from exactly one of ``seq_local`` (equal shards: S = P * s, checked against the
-    layout) and ``seq_len``; ValueError otherwise."""
+    """S from exactly one of ``seq_local`` and ``seq_len``; ValueError otherwise.
+
+    With ``seq_local`` the shards are equal: each of the P shards is held by ``inner`` ranks
+    of s tokens (the hybrid's inner group, Note [Hybrid layout] in tokenring.hybrid; else 1),
+    so S = P * inner * s, and the layout is checked against a shard of inner * s tokens.
+    """
     if (seq_local is None) == (seq_len is None):
         raise ValueError(
             f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
             f"seq_len={seq_len}"
         )
     if seq_local is not None:
-        validate_seq_local(seq_local, layout)
+        name = "seq_local" if inner == 1 else "seq_local * inner (an outer shard)"
+        validate_seq_local(seq_local * inner, layout, name=name)
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1; got {world_size}")
-        return seq_local * world_size
+        return seq_local * inner * world_size
     assert seq_len is not None
     return seq_len
 
@@ -329,6 +340,33 @@ class Sharding:
         out = torch.full((self.seq_local,), -1, dtype=torch.int64)
         out[self.padded_rows(rank)] = self.positions(rank)
         return out
+
+    def padding(self, rank: int, device: torch.device) -> Padding:
+        """How ``rank``'s tokens go into its padded buffer and back, on ``device``."""
+        rows = self.padded_rows(rank).to(device) if self.padded else None
+        return Padding(rows, self.seq_local)
+
+
+@dataclass(frozen=True, slots=True)
+class Padding:
+    """One rank's tokens in and out of the padded local buffer of a :class:`Sharding` (Note
+    [Documents and padding]); does nothing where no rank has padding."""
+
+    rows: torch.Tensor | None
+    """Row of the padded buffer of each local token ``(s,)``; None without padding."""
+    seq_local: int
+    """s_pad, the rows of the padded buffer."""
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, s, H, D) in the zero padded buffer (B, s_pad, H, D)."""
+        if self.rows is None:
+            return x
+        buffer = x.new_zeros((x.shape[0], self.seq_local, *x.shape[2:]))
+        return buffer.index_copy(1, self.rows, x)
+
+    def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The local tokens' rows of a padded ``x``, along ``dim``."""
+        return x if self.rows is None else x.index_select(dim, self.rows)
 
 
 def _aranges(ranges: Iterable[tuple[int, int]]) -> torch.Tensor:

@@ -747,7 +747,7 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     x = x.detach().contiguous()
     if comm.world_size == 1:
         return x
-    sizes = _all_lengths(comm, x.shape[seq_dim], x.device, label="gather_sequence lengths")
+    sizes = comm.all_gather_int(x.shape[seq_dim], x.device, label="gather_sequence lengths")
     padded_shape = list(x.shape)
     padded_shape[seq_dim] = max(sizes)
     padded = x.new_zeros(padded_shape)
@@ -755,12 +755,6 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     gathered = comm.all_gather(padded, label="gather_sequence")
     shards = [g.narrow(seq_dim, 0, n) for g, n in zip(gathered, sizes, strict=True)]
     return unshard(shards, layout=sp.layout, seq_dim=seq_dim, cu_seqlens=sp.cu_seqlens)
-
-
-def _all_lengths(comm: Communicator, n: int, device: torch.device, *, label: str) -> list[int]:
-    """Every rank's ``n``, in rank order."""
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
-    return [int(x) for x in comm.all_gather(mine, label=label)]
 
 
 def causal_lm_loss(
@@ -923,7 +917,7 @@ def _global_labels(
     seq_len, sharding = _sharding(sp, logits.shape[1])
     lengths = [labels.shape[1]]
     if comm.world_size > 1:
-        lengths = _all_lengths(comm, labels.shape[1], logits.device, label="labels lengths")
+        lengths = comm.all_gather_int(labels.shape[1], logits.device, label="labels lengths")
     shards = [sharding.local_len(r) for r in range(comm.world_size)]
     if lengths == [seq_len] * comm.world_size:
         return labels

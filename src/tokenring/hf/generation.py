@@ -43,6 +43,7 @@ P world size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -256,32 +257,11 @@ class ShardedKVCache(Cache):
     def _agree_on_ids(self, input_ids: torch.Tensor) -> None:
         """Check ``input_ids`` and that every rank of the group holds the same ones (a
         collective: a rank whose ids are wrong makes every rank raise)."""
-        comm = self.communicator
-        problem: Exception | None = None
-        signature: dict[str, Any] | None = None
+        validate = functools.partial(self._ids_signature, input_ids)
         try:
-            if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-                raise ValueError(
-                    f"input_ids must have shape (batch, new tokens >= 1); got "
-                    f"{tuple(input_ids.shape)}"
-                )
-            if self.kv is not None and input_ids.shape[0] != self.kv.batch:
-                raise ValueError(
-                    f"the cache holds {self.kv.batch} sequences; got input_ids of batch "
-                    f"{input_ids.shape[0]}"
-                )
-            ids = input_ids.detach().to("cpu", torch.int64).contiguous()
-            signature = {
-                "shape": list(ids.shape),
-                "cached": self._seen,
-                "ids sha1": hashlib.sha1(ids.numpy().tobytes()).hexdigest(),
-            }
+            self.communicator.agreed(validate, what="generation step", errors=(ValueError,))
         except ValueError as exc:
-            problem = exc
-        try:
-            comm.agree(signature, problem, what="generation step")
-        except ValueError as exc:
-            if problem is None and "ids sha1" in str(exc):
+            if "ids sha1" in str(exc):  # the ranks differ (no check's own error says this)
                 raise ValueError(
                     "the ranks hold different token ids at this generation step: every rank "
                     "must pass the same input_ids, and with do_sample=True seed every rank "
@@ -289,6 +269,24 @@ class ShardedKVCache(Cache):
                     f"{exc}"
                 ) from exc
             raise
+
+    def _ids_signature(self, input_ids: torch.Tensor) -> tuple[None, dict[str, Any]]:
+        """Check ``input_ids`` on this rank; their signature (a digest of the ids)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(
+                f"input_ids must have shape (batch, new tokens >= 1); got {tuple(input_ids.shape)}"
+            )
+        if self.kv is not None and input_ids.shape[0] != self.kv.batch:
+            raise ValueError(
+                f"the cache holds {self.kv.batch} sequences; got input_ids of batch "
+                f"{input_ids.shape[0]}"
+            )
+        ids = input_ids.detach().to("cpu", torch.int64).contiguous()
+        return None, {
+            "shape": list(ids.shape),
+            "cached": self._seen,
+            "ids sha1": hashlib.sha1(ids.numpy().tobytes()).hexdigest(),
+        }
 
     def end_step(self) -> None:
         assert self.kv is not None

@@ -27,7 +27,6 @@ dim, P world size, nq / nkv heads of one Ulysses rank.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,17 +36,17 @@ import torch
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Transfer
+from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Transfer
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, program_of
 from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
 from tokenring.strategies.collective import (
-    CollectiveStrategy,
     HeadShare,
     Rows,
     _build,
+    parse_collective,
     ulysses_heads,
 )
 
@@ -478,9 +477,9 @@ class _AllGatherBackward(_AllGather):
         del dk_home, dv_home
 
 
-_RUNNERS: dict[CollectiveStrategy, tuple[type[_Collective], type[_Collective]]] = {
-    CollectiveStrategy.ULYSSES: (_UlyssesForward, _UlyssesBackward),
-    CollectiveStrategy.ALLGATHER_KV: (_AllGatherForward, _AllGatherBackward),
+_RUNNERS: dict[Strategy, tuple[type[_Collective], type[_Collective]]] = {
+    Strategy.ULYSSES: (_UlyssesForward, _UlyssesBackward),
+    Strategy.ALLGATHER_KV: (_AllGatherForward, _AllGatherBackward),
 }  # forward, backward
 
 
@@ -490,7 +489,7 @@ _RUNNERS: dict[CollectiveStrategy, tuple[type[_Collective], type[_Collective]]] 
 
 
 def collective_forward(
-    strategy_name: CollectiveStrategy | enum.Enum | str,
+    strategy_name: Strategy | str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -540,7 +539,7 @@ def collective_forward(
 
 
 def collective_backward(
-    strategy_name: CollectiveStrategy | enum.Enum | str,
+    strategy_name: Strategy | str,
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -581,7 +580,7 @@ def collective_backward(
 
 
 def _run(
-    strategy_name: CollectiveStrategy | enum.Enum | str,
+    strategy_name: Strategy | str,
     pass_: Pass,
     inputs: tuple[torch.Tensor, ...],
     *,
@@ -596,7 +595,7 @@ def _run(
     """Run one pass of ``inputs`` (q, k, v; or dout, q, k, v, out, lse) on this rank's
     program (Note [Collective rank program] in tokenring.runtime.program); the runner holds
     the results."""
-    strategy = CollectiveStrategy.parse(strategy_name)
+    strategy = parse_collective(strategy_name)
     inputs = tuple(x.contiguous() for x in inputs)
     q, k = inputs[:2] if pass_ is Pass.FORWARD else inputs[1:3]
     masking = None

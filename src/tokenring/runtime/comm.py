@@ -41,7 +41,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
+_T = TypeVar("_T")
 
 # (flow, lane): each gets its own process group. Lane 0 is the only lane of TokenRing and Ring;
 # the bidirectional ring's lane 1 turns the other way round the ring.
@@ -947,6 +948,46 @@ class Communicator:
                 "(close() ran, or its group was destroyed); use tokenring.get_communicator("
                 "group) with a live group, or build a new Communicator"
             )
+
+    # -- checked calls -----------------------------------------------------------------------
+    def agreed(
+        self,
+        validate: Callable[[], tuple[_T, dict[str, Any] | None]],
+        *,
+        what: str,
+        check_ranks: bool = True,
+        errors: tuple[type[Exception], ...] = (ValueError, NotImplementedError),
+    ) -> _T:
+        """What ``validate()`` returns, once every rank found its call valid and the same
+        (:meth:`agree`; Note [Rank agreement] in tokenring.api); else raise on every rank.
+
+        Args:
+            validate: this rank's checks of the call; returns what the call needs and its
+                signature (see :meth:`agree`), or None for the signature where a later check
+                of the same call compares them (the peers wait there): then only a failure is
+                sent, into that check.
+            what: the call, for messages ("cache step").
+            check_ranks: False: nothing is exchanged and this rank's error is raised here.
+            errors: what ``validate`` raises for an invalid call; others propagate at once.
+
+        Raises:
+            As :meth:`agree`; with ``check_ranks=False``, this rank's error.
+        """
+        try:
+            result, signature = validate()
+        except errors as exc:
+            if check_ranks:
+                self.agree(None, exc, what=what)  # raises exc here; the peers learn it
+            raise
+        if check_ranks and signature is not None:
+            self.agree(signature, None, what=what)
+        return result
+
+    def all_gather_int(self, value: int, device: torch.device, *, label: str) -> list[int]:
+        """Every rank's ``value``, in group-rank order: one :meth:`all_gather` of an int64 on
+        ``device`` (a device the group's backend takes). For control data (not counted)."""
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        return [int(x) for x in self.all_gather(mine, label=label)]
 
 
 class PendingCollective:

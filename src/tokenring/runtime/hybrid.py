@@ -125,11 +125,8 @@ class _HybridPass(PassRunner):
         self.rank = plan.outer.rank * self.p_in + self.me
         sharding = sched.outer.sharding
         self.rows = inner_slices(sharding.local_len(plan.outer.rank), self.p_in)
-        self.pad_rows = None  # row of the outer ring's padded buffer of each of the L_o rows
         x = outbox[Payload.Q][0]  # (B, s, Hq, D)
-        if sharding.padded:
-            self.pad_rows = sharding.padded_rows(plan.outer.rank).to(x.device)  # (L_o,)
-        self.seq_pad = sharding.seq_local
+        self.padding = sharding.padding(plan.outer.rank, x.device)  # the L_o rows in s_pad
         shape = AttentionShape.of(x, x)  # every all-to-all transfer names its heads
         fields = functools.partial(message_fields, shape)
         self.inner_poster = SlotPoster(plan.inner, fields, x.device)
@@ -187,17 +184,6 @@ class _HybridPass(PassRunner):
                 self.view(target, name.src, step, sending=False).copy_(part)
         return [x for xs in gathered.values() for x in xs]
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(B, L_o, h, D)`` in the outer ring's zero padded buffer."""
-        if self.pad_rows is None:
-            return x
-        buffer = x.new_zeros((x.shape[0], self.seq_pad, *x.shape[2:]))
-        return buffer.index_copy(1, self.pad_rows, x)
-
-    def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The L_o rows of a padded ``x``, along ``dim``."""
-        return x if self.pad_rows is None else x.index_select(dim, self.pad_rows)
-
     # -- the ops ------------------------------------------------------------------------------
 
     def outer_op(self, op: Op) -> Op:
@@ -247,27 +233,30 @@ class _HybridPass(PassRunner):
 
 class _HybridForward(_HybridPass):
     def start_ring(self, gathered: list[torch.Tensor]) -> None:
-        self.saved = tuple(self.pad(x).contiguous() for x in gathered)  # (B, s_pad, h, D)
+        self.saved = tuple(self.padding.pad(x).contiguous() for x in gathered)  # (B, s_pad, h, D)
         self.ring = _Forward(*self.ring_setup, self.saved, scale=self.plan.scale)
 
     def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
         assert isinstance(self.ring, _Forward)
         out, lse = self.ring.out_acc.to(self.saved[0].dtype), self.ring.lse_acc
         self.saved += (out, lse)
-        return {Payload.OUT: [self.unpad(out), self.unpad(lse, 2)]}
+        return {Payload.OUT: [self.padding.unpad(out), self.padding.unpad(lse, 2)]}
 
 
 class _HybridBackward(_HybridPass):
     def start_ring(self, gathered: list[torch.Tensor]) -> None:
         (dout,) = gathered
-        inputs = (self.pad(dout).contiguous(), *self.saved)
+        inputs = (self.padding.pad(dout).contiguous(), *self.saved)
         self.ring = _Backward(*self.ring_setup, inputs, scale=self.plan.scale)
 
     def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
         assert isinstance(self.ring, _Backward)
         dtype = self.saved[0].dtype
         dq, dk, dv = self.ring.dq_acc.to(dtype), self.ring.dk.to(dtype), self.ring.dv.to(dtype)
-        return {Payload.DQ: [self.unpad(dq)], Payload.KV: [self.unpad(dk), self.unpad(dv)]}
+        return {
+            Payload.DQ: [self.padding.unpad(dq)],
+            Payload.KV: [self.padding.unpad(dk), self.padding.unpad(dv)],
+        }
 
 
 class _Routes:

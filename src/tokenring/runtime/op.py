@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.core.layout import Layout, Sharding
+from tokenring.core.layout import Layout, Padding, Sharding
 from tokenring.core.masks import MaskSpec
 from tokenring.core.schedule import Schedule, Strategy
 from tokenring.runtime.collective import collective_backward, collective_forward
@@ -178,19 +178,8 @@ class Plan:
     mask: MaskSpec
     schedules: tuple[Schedule, Schedule] | None
     """Forward and backward schedules of the ring strategies; None for the collectives."""
-    rows: torch.Tensor | None
-    """With padding: row of the padded buffer of each local token ``(s,)``; else None."""
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (B, s, H, D) in the zero padded buffer (B, s_pad, H, D)."""
-        if self.rows is None:
-            return x
-        buffer = x.new_zeros((x.shape[0], self.sharding.seq_local, *x.shape[2:]))
-        return buffer.index_copy(1, self.rows, x)
-
-    def unpad(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The local tokens' rows of a padded ``x``, along ``dim``."""
-        return x if self.rows is None else x.index_select(dim, self.rows)
+    padding: Padding
+    """This rank's tokens in the padded buffer the schedules run on."""
 
 
 def residual_fields(
@@ -230,7 +219,7 @@ def forward(
     plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Run ``call``: out ``(B, s, Hq, D)``, lse ``(B, Hq, s)`` and the residuals."""
-    q, k, v = (plan.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
+    q, k, v = (plan.padding.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
     residuals: list[torch.Tensor] = []
     if plan.strategy.is_collective:
         options = _collective_options(plan)
@@ -238,9 +227,9 @@ def forward(
     else:
         assert plan.schedules is not None
         out, lse = run_forward(plan.schedules[0], plan.comm, plan.kernel, q, k, v, scale=plan.scale)
-    if plan.rows is not None:
+    if plan.padding.rows is not None:
         residuals = [*residuals, out, lse]
-    return plan.unpad(out), plan.unpad(lse, 2), residuals
+    return plan.padding.unpad(out), plan.padding.unpad(lse, 2), residuals
 
 
 def backward(
@@ -256,10 +245,10 @@ def backward(
     """Gradients of :func:`forward`'s out: dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``,
     from the forward's inputs and outputs (q, k, v, out, lse) and residuals."""
     residuals = list(residuals)
-    if plan.rows is not None:
+    if plan.padding.rows is not None:
         *residuals, out, lse = residuals  # the padded buffer's
-    dout = plan.pad(dout).contiguous()
-    q, k, v = (plan.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
+    dout = plan.padding.pad(dout).contiguous()
+    q, k, v = (plan.padding.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
     if plan.strategy.is_collective:
         options = _collective_options(plan)
         dq, dk, dv = collective_backward(
@@ -271,4 +260,4 @@ def backward(
         dq, dk, dv = run_backward(
             sched, plan.comm, plan.kernel, dout, q, k, v, out, lse, scale=plan.scale
         )
-    return plan.unpad(dq), plan.unpad(dk), plan.unpad(dv)
+    return plan.padding.unpad(dq), plan.padding.unpad(dk), plan.padding.unpad(dv)

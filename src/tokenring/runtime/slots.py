@@ -51,26 +51,27 @@ class SlotPoster:
         self.pending.update(posted)
         return posted
 
-    def take_ready(self, payload: Payload, before_step: int) -> list[PendingRecv]:
-        """The receives of ``payload`` posted before ``before_step`` that have arrived."""
+    def take(
+        self,
+        payload: Payload,
+        step: int | None = None,
+        before_step: int | None = None,
+        *,
+        arrived: bool = False,
+    ) -> list[PendingRecv]:
+        """The pending receives of ``payload`` (of ``step``, or posted before ``before_step``,
+        where given; with ``arrived``, only those that have arrived), in slot order."""
         keys = [
             tr
             for tr, rec in self.pending.items()
-            if tr.payload is payload and tr.step < before_step and rec.ready()
-        ]
-        return [self.pending.pop(tr) for tr in keys]
-
-    def take(
-        self, payload: Payload, step: int | None = None, before_step: int | None = None
-    ) -> list[PendingRecv]:
-        """The pending receives of ``payload`` (of ``step``, or posted before ``before_step``,
-        where given), in slot order."""
-        keys = [
-            tr
-            for tr in self.pending
             if tr.payload is payload
             and (step is None or tr.step == step)
             and (before_step is None or tr.step < before_step)
+            and (not arrived or rec.ready())
         ]
         keys.sort(key=lambda tr: (tr.step, tr.after_segments))
         return [self.pending.pop(tr) for tr in keys]
+
+    def take_ready(self, payload: Payload, before_step: int) -> list[PendingRecv]:
+        """The receives of ``payload`` posted before ``before_step`` that have arrived."""
+        return self.take(payload, before_step=before_step, arrived=True)

@@ -145,7 +145,6 @@ receives first take half the time on gloo.
 
 from __future__ import annotations
 
-import enum
 import functools
 from dataclasses import dataclass
 
@@ -167,9 +166,9 @@ from tokenring.core.schedule import (
 __all__ = [
     "DOUT",
     "CollectiveSchedule",
-    "CollectiveStrategy",
     "HeadShare",
     "build_collective_schedule",
+    "parse_collective",
     "ulysses_heads",
 ]
 
@@ -178,16 +177,13 @@ DOUT = Payload.Q
 """Payload kind of dout rows in schedules: the bytes (Hq*D*e per row) and flow (travel) of q."""
 
 
-class CollectiveStrategy(enum.Enum):
-    """The strategies this module runs."""
+_COLLECTIVE = tuple(s for s in Strategy if s.is_collective)
+"""The strategies this module builds: Ulysses and all-gather K/V."""
 
-    ULYSSES = "ulysses"
-    ALLGATHER_KV = "allgather_kv"
 
-    @classmethod
-    def parse(cls, value: CollectiveStrategy | enum.Enum | str) -> CollectiveStrategy:
-        """Accept a member or its value; raise ValueError naming the options."""
-        return parse_enum(cls, value, "strategy_name")
+def parse_collective(value: Strategy | str) -> Strategy:
+    """A collective ``Strategy`` from a member or its value; ValueError naming the options."""
+    return parse_enum(Strategy, value, "strategy_name", among=_COLLECTIVE)
 
 
 # -- head shares ---------------------------------------------------------------------------
@@ -238,7 +234,7 @@ class CollectiveSchedule(Schedule):
 
 
 def build_collective_schedule(
-    strategy_name: CollectiveStrategy | enum.Enum | str,
+    strategy_name: Strategy | str,
     pass_: Pass | str,
     *,
     layout: Layout | str,
@@ -265,7 +261,7 @@ def build_collective_schedule(
         ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local
             the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
     """
-    strategy, layout = CollectiveStrategy.parse(strategy_name), Layout.parse(layout)
+    strategy, layout = parse_collective(strategy_name), Layout.parse(layout)
     return _build(
         strategy, Pass(pass_), layout, bool(causal), world_size, seq_local, heads_q, heads_kv
     )
@@ -273,7 +269,7 @@ def build_collective_schedule(
 
 @functools.lru_cache(maxsize=256)
 def _build(
-    strategy: CollectiveStrategy,
+    strategy: Strategy,
     pass_: Pass,
     layout: Layout,
     causal: bool,
@@ -289,14 +285,14 @@ def _build(
     steps: list[tuple[StepPlan, ...]] = []
     transfers: list[Transfer] = []
     for r in range(p):
-        if strategy is CollectiveStrategy.ULYSSES:
+        if strategy is Strategy.ULYSSES:
             segments, sends = _ulysses_rank(r, shares, causal=causal, forward=forward, s=s)
         else:
             segments, sends = _allgather_rank(r, layout, causal=causal, forward=forward, p=p, s=s)
         transfers += sends
         steps.append((StepPlan(r, 0, r, (r,), segments),))
     return CollectiveSchedule(
-        strategy=Strategy(strategy.value),  # the registry's member
+        strategy=strategy,
         pass_=pass_,
         layout=layout,
         causal=causal,

@@ -179,7 +179,6 @@ from tokenring.core.schedule import (
     piece_flops,
     sharded_block_pieces,
 )
-from tokenring.strategies.collective import CollectiveStrategy
 from tokenring.strategies.collective import _build as _build_collective
 
 __all__ = ["LEND_MAX_WORLD_SIZE", "RingColumns", "RingPlan", "build_schedule", "ring_plan"]
@@ -353,9 +352,8 @@ def _collective_schedule(
             "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
         )
     p, s = sharding.world_size, sharding.seq_local
-    kind = CollectiveStrategy(strategy.value)
     causal = bool(mask.causal)
-    return _build_collective(kind, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
+    return _build_collective(strategy, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
 
 
 def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], pass_: Pass) -> None:
