@@ -334,7 +334,7 @@ class _InFlight:
             self.comm.release_sends()
         self.add_arrived(block=block)
         done = self.poster.take(Payload.DQ, self.step - 1) if block else []
-        for rec in done + self.poster.take_ready(Payload.DQ, self.step):
+        for rec in done + self.poster.take(Payload.DQ, before_step=self.step, arrived=True):
             (dq_part,) = rec.wait()
             _rows_heads(self.dq_acc, rec.transfer)[...] += dq_part
 

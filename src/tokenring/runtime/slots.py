@@ -71,7 +71,3 @@ class SlotPoster:
         ]
         keys.sort(key=lambda tr: (tr.step, tr.after_segments))
         return [self.pending.pop(tr) for tr in keys]
-
-    def take_ready(self, payload: Payload, before_step: int) -> list[PendingRecv]:
-        """The receives of ``payload`` posted before ``before_step`` that have arrived."""
-        return self.take(payload, before_step=before_step, arrived=True)
