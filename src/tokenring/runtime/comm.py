@@ -189,10 +189,23 @@ def _transfer_id(tr: Transfer) -> int:
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
-def _header(tr: Transfer, num_bytes: int, layout: int, device: torch.device) -> torch.Tensor:
+_HEADER_STRUCT = struct.Struct(f"<{HEADER_NUM_BYTES // 8}q")
+
+
+def _write_header(buffer: torch.Tensor, tr: Transfer, num_bytes: int, layout: int) -> None:
+    """Write the header of ``tr``'s message into the front of ``buffer`` (uint8)."""
     fields = [_MAGIC, num_bytes, _transfer_id(tr), tr.src, layout]
     fields += [0] * (HEADER_NUM_BYTES // 8 - _HEADER_FIELDS)
-    return torch.tensor(fields, dtype=torch.int64, device=device).view(torch.uint8)
+    if buffer.device.type == "cpu":  # no tensor operations: on every message's path
+        ctypes.memmove(buffer.data_ptr(), _HEADER_STRUCT.pack(*fields), HEADER_NUM_BYTES)
+        return
+    header = torch.tensor(fields, dtype=torch.int64, device=buffer.device)
+    buffer[:HEADER_NUM_BYTES].copy_(header.view(torch.uint8))
+
+
+def _read_header(buffer: torch.Tensor) -> list[int]:
+    """The header at the front of a CPU ``buffer`` (uint8) as it arrived."""
+    return list(_HEADER_STRUCT.unpack(ctypes.string_at(buffer.data_ptr(), HEADER_NUM_BYTES)))
 
 
 def _layout_id(inline_bytes: int, apart: Sequence[int]) -> int:
@@ -253,8 +266,7 @@ def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch
         message = Message(buffer, apart)
     inline = message.buffer.numel() - HEADER_NUM_BYTES
     layout = _layout_id(inline, [f.numel() for f in message.apart])
-    header = _header(tr, message.num_bytes, layout, message.buffer.device)
-    message.buffer[:HEADER_NUM_BYTES].copy_(header)
+    _write_header(message.buffer, tr, message.num_bytes, layout)
     return message.frames
 
 
@@ -381,16 +393,16 @@ class PendingRecv:
 
     def _check(self) -> None:
         buffer = self._message.buffer
-        # a copy: the buffer's header slot may carry this block on (Message)
-        header = buffer[:HEADER_NUM_BYTES].view(torch.int64).clone()
         inline = buffer.numel() - HEADER_NUM_BYTES
         expected = (
             self._message.num_bytes,
             _layout_id(inline, [f.numel() for f in self._message.apart]),
         )
         if buffer.device.type == "cpu":
-            _check_header(self._comm.rank, self.transfer, header.tolist(), *expected)
+            _check_header(self._comm.rank, self.transfer, _read_header(buffer), *expected)
         else:  # checked in wait_sends, once per call: no host sync inside the step loop
+            # a copy: the buffer's header slot may carry this block on (Message)
+            header = buffer[:HEADER_NUM_BYTES].view(torch.int64).clone()
             self._comm._unchecked.append((self.transfer, header, expected))
 
 
@@ -732,23 +744,26 @@ class Communicator:
         """
         self._check_open()
         pending: dict[Transfer, PendingRecv] = {}
-        for channel in CHANNELS:
-            flow = channel[0]
-            group = self._groups[channel]
-            recv_list = [self._recv(tr, f, device) for tr, f in recvs if _channel(tr) == channel]
-            pending.update((rec.transfer, rec) for rec in recv_list)
-            sending = [(tr, self._send(tr, x)) for tr, x in sends if _channel(tr) == channel]
+        # By channel: its receives, then its sends with their wire buffers.
+        batches: dict[tuple[Flow, int], tuple[list[PendingRecv], list[Any]]] = {}
+        for tr, f in recvs:
+            pending[tr] = rec = self._recv(tr, f, device)
+            batches.setdefault(_channel(tr), ([], []))[0].append(rec)
+        for tr, x in sends:
+            batches.setdefault(_channel(tr), ([], []))[1].append((tr, self._send(tr, x)))
+        for channel in CHANNELS:  # the same order on every rank
+            if channel not in batches:
+                continue
+            recv_list, sending = batches[channel]
             ops = [(False, wire, rec.transfer.src) for rec in recv_list for wire in rec._wires]
             ops += [(True, wire, tr.dst) for tr, wires in sending for wire in wires]
-            if not ops:
-                continue
             try:
-                works = self._post(ops, group)
+                works = self._post(ops, self._groups[channel])
             except Exception as exc:
                 self._broken = "posting transfers failed"
                 peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
                 raise RuntimeError(
-                    f"rank {self.rank}: posting the {flow.value!r} transfers of step "
+                    f"rank {self.rank}: posting the {channel[0].value!r} transfers of step "
                     f"{(sends or recvs)[0][0].step} with ranks {peers} failed (a peer failed or "
                     f"exited): {_first_line(exc)}"
                 ) from exc
@@ -765,7 +780,11 @@ class Communicator:
         """A receive of ``tr`` to post, counted."""
         inline, apart = _split(fields)
         buffer = torch.empty(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
-        buffer[:HEADER_NUM_BYTES].zero_()  # a message that never arrives has no magic
+        # a message that never arrives has no magic
+        if device.type == "cpu":
+            ctypes.memset(buffer.data_ptr(), 0, HEADER_NUM_BYTES)
+        else:
+            buffer[:HEADER_NUM_BYTES].zero_()
         frames = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in apart)
         rec = PendingRecv(self, tr, Message(buffer, frames), fields)
         if self.path(device).endswith("staged"):
