@@ -158,13 +158,18 @@ def _short_message(case: str) -> str:
         sent = Transfer(
             payload=Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=1, after_segments=0
         )
-    # "framed": one field over APART_MIN_BYTES, a frame of its own (Note [Message frames])
-    width = 4096 if case in ("same, framed", "other layout") else 4
-    fields = [((1, 8, 2, width), torch.float32)]
+    # "framed": two fields over APART_MIN_BYTES, each a frame of its own (Note [Message
+    # frames]); "other layout": the same bytes in three frames
+    framed = case in ("same, framed", "other layout")
+    width = 2048 if framed else 4
     data = torch.arange(16 * width, dtype=torch.float32).view(1, 8, 2, width)
+    fields = [((1, 8, 2, width), torch.float32)]
     tensors = [data[:, : sent.num_rows]]
-    if case == "other layout":  # the same bytes as two frames
-        tensors = [data[..., : width // 2].contiguous(), data[..., width // 2 :].contiguous()]
+    if framed:
+        data = torch.stack([data, -data])
+        fields, tensors = fields * 2, list(data)
+    if case == "other layout":
+        tensors = [data[0, :, :4], data[0, :, 4:], data[1]]
     if comm.rank == 0:
         comm.exchange([(sent, tensors)], [], device=torch.device("cpu"))
         try:
@@ -174,9 +179,11 @@ def _short_message(case: str) -> str:
         return "sent"
     pending = comm.exchange([], [(expected, fields)], device=torch.device("cpu"))
     try:
-        (got,) = pending[expected].wait()
+        got = torch.stack(pending[expected].wait())
     except RuntimeError as exc:
         return str(exc)
+    if not framed:
+        got = got[0]
     return "equal" if torch.equal(got, data) else "DIFFERENT DATA"
 
 

@@ -144,17 +144,22 @@ class TrafficCounter:
 #
 # Note [Message frames]
 # ~~~~~~~~~~~~~~~~~~~~~
-# A message is its header frame (the header, then the fields under APART_MIN_BYTES back to
-# back) and, after it, each field of APART_MIN_BYTES or more as a frame of its own, in field
-# order, posted on the same channel (gloo and NCCL deliver a pair's operations in order). Both
-# ends derive the split from the fields' sizes alone. So a tensor that is already contiguous
-# leaves as it is: a kernel's partial out (its ``(B, H, n, D)`` result is ``(B, n, H, D)`` in
-# memory), rows of a ``(1, s, H, D)`` shard, any rows of a K/V message (Note [K/V message
-# layout] in tokenring.runtime.ring). With every field in one buffer, TokenRing copied each
-# partial and each first Q block into its message: 0.9-3.8 ms per call of rank 0's CPU at
-# P = 4, S = 4096 (``benchmarks/cpu_breakdown.py``). A big field's frame costs one more
-# posted operation, about 10-20 us on gloo. Small fields (lse, delta) are copied into the
-# header frame: one frame for them all.
+# A message of two fields or more is its header frame (the header, then the fields under
+# APART_MIN_BYTES back to back) and, after it, each field of APART_MIN_BYTES or more as a
+# frame of its own, in field order, posted on the same channel (gloo and NCCL deliver a
+# pair's operations in order). Both ends derive the split from the fields' sizes alone. So a
+# tensor that is already contiguous leaves as it is: a kernel's partial out (its
+# ``(B, H, n, D)`` result is ``(B, n, H, D)`` in memory) beside its lse, any rows of a K/V
+# block's k and v (Note [K/V message layout] in tokenring.runtime.ring). With every field in
+# one buffer, TokenRing copied each partial into its message (0.5-2 ms per call of rank 0's
+# CPU at P = 4, S = 4096, ``benchmarks/cpu_breakdown.py``), and k and v could not be both
+# contiguous and sliced by rows without a copy.
+#
+# A message of one field travels whole, in its header frame: it is a block passed on as it
+# came, an accumulator allocated as its message, or a copy either way. Each frame is one more
+# operation to post and, on gloo, one more ready-to-receive notice: Q blocks in two frames
+# made bidir_token_ring's call on the 100 Mbit/s lab mesh 8-14% slower (forward, S = 2048;
+# 237-254 ms against 217-222), and whole again 216-219 ms.
 _MAGIC = 0x746F6B656E72696E  # "tokenrin"
 # The header's int64 fields, padded to a cache line: the payload then starts 64-byte aligned,
 # as a fresh tensor does. At offset 32 the fused CPU kernel read a received K/V 2-6% slower
@@ -241,6 +246,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _apart(sizes: Sequence[int]) -> list[bool]:
+    """Which fields of a message travel as frames of their own (Note [Message frames])."""
+    return [len(sizes) > 1 and n >= APART_MIN_BYTES for n in sizes]
+
+
 def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch.Tensor]:
     """The frames of ``tr``'s message, its header written: the small tensors (any dtypes)
     copied back to back after the header, each big one a frame of its own, not copied when
@@ -248,7 +258,8 @@ def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch
     if isinstance(tensors, Message):
         message = tensors
     else:
-        small = [t for t in tensors if _nbytes(t) < APART_MIN_BYTES]
+        apart = _apart([_nbytes(t) for t in tensors])
+        small = [t for t, own in zip(tensors, apart, strict=True) if not own]
         # One pass per small tensor, strided or not, into its place in the header frame.
         buffer = torch.empty(
             HEADER_NUM_BYTES + sum(map(_nbytes, small)), dtype=torch.uint8, device=tensors[0].device
@@ -258,12 +269,12 @@ def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch
             size = _nbytes(t)
             buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t)
             offset += size
-        apart = tuple(
+        frames = tuple(
             t.contiguous().reshape(-1).view(torch.uint8)
-            for t in tensors
-            if _nbytes(t) >= APART_MIN_BYTES
+            for t, own in zip(tensors, apart, strict=True)
+            if own
         )
-        message = Message(buffer, apart)
+        message = Message(buffer, frames)
     inline = message.buffer.numel() - HEADER_NUM_BYTES
     layout = _layout_id(inline, [f.numel() for f in message.apart])
     _write_header(message.buffer, tr, message.num_bytes, layout)
@@ -275,10 +286,12 @@ def _sizes(fields: Sequence[FieldSpec]) -> list[int]:
 
 
 def _split(fields: Sequence[FieldSpec]) -> tuple[int, list[int]]:
-    """The bytes of a message's small fields (its header frame's payload) and of each big
-    field's frame (Note [Message frames])."""
+    """The bytes of a message's header frame's payload and of each other frame (Note
+    [Message frames])."""
     sizes = _sizes(fields)
-    return sum(n for n in sizes if n < APART_MIN_BYTES), [n for n in sizes if n >= APART_MIN_BYTES]
+    apart = _apart(sizes)
+    inline = sum(n for n, own in zip(sizes, apart, strict=True) if not own)
+    return inline, [n for n, own in zip(sizes, apart, strict=True) if own]
 
 
 def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
@@ -286,8 +299,9 @@ def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]
     out: list[torch.Tensor] = []
     offset = HEADER_NUM_BYTES
     apart = iter(message.apart)
-    for (shape, dtype), num in zip(fields, _sizes(fields), strict=True):
-        if num >= APART_MIN_BYTES:
+    sizes = _sizes(fields)
+    for (shape, dtype), num, own in zip(fields, sizes, _apart(sizes), strict=True):
+        if own:
             frame = next(apart)
             assert frame.numel() == num, "a frame's size differs from its field"
         else:
