@@ -213,11 +213,6 @@ def _read_header(buffer: torch.Tensor) -> list[int]:
     return list(_HEADER_STRUCT.unpack(ctypes.string_at(buffer.data_ptr(), HEADER_NUM_BYTES)))
 
 
-def _layout_id(inline_bytes: int, apart: Sequence[int]) -> int:
-    """A digest of a message's frame sizes (Note [Message frames])."""
-    return zlib.crc32(",".join(map(str, (inline_bytes, *apart))).encode()) & 0x7FFFFFFF
-
-
 class Message:
     """A message already laid out for the wire (Note [Message frames]): ``buffer`` is
     HEADER_NUM_BYTES of room, then the small fields; ``apart`` holds each big field's frame
@@ -241,6 +236,12 @@ class Message:
         """Payload bytes (the header not counted)."""
         return sum(f.numel() for f in self.frames) - HEADER_NUM_BYTES
 
+    @property
+    def layout(self) -> int:
+        """A digest of the frames' sizes, as the header carries it (Note [Message frames])."""
+        sizes = ",".join(str(f.numel()) for f in self.frames)
+        return zlib.crc32(sizes.encode()) & 0x7FFFFFFF
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -251,8 +252,8 @@ def _apart(sizes: Sequence[int]) -> list[bool]:
     return [len(sizes) > 1 and n >= APART_MIN_BYTES for n in sizes]
 
 
-def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch.Tensor]:
-    """The frames of ``tr``'s message, its header written: the small tensors (any dtypes)
+def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> Message:
+    """``tr``'s message, its header written: the small tensors (any dtypes)
     copied back to back after the header, each big one a frame of its own, not copied when
     it is contiguous (Note [Message frames])."""
     if isinstance(tensors, Message):
@@ -275,10 +276,8 @@ def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch
             if own
         )
         message = Message(buffer, frames)
-    inline = message.buffer.numel() - HEADER_NUM_BYTES
-    layout = _layout_id(inline, [f.numel() for f in message.apart])
-    _write_header(message.buffer, tr, message.num_bytes, layout)
-    return message.frames
+    _write_header(message.buffer, tr, message.num_bytes, message.layout)
+    return message
 
 
 def _sizes(fields: Sequence[FieldSpec]) -> list[int]:
@@ -407,11 +406,7 @@ class PendingRecv:
 
     def _check(self) -> None:
         buffer = self._message.buffer
-        inline = buffer.numel() - HEADER_NUM_BYTES
-        expected = (
-            self._message.num_bytes,
-            _layout_id(inline, [f.numel() for f in self._message.apart]),
-        )
+        expected = (self._message.num_bytes, self._message.layout)
         if buffer.device.type == "cpu":
             _check_header(self._comm.rank, self.transfer, _read_header(buffer), *expected)
         else:  # checked in wait_sends, once per call: no host sync inside the step loop
@@ -826,14 +821,14 @@ class Communicator:
 
     def _send(self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch.Tensor]:
         """The wire buffers of ``tr``'s message (Note [Message frames]), counted."""
-        frames = _pack(tr, tensors)
-        num_bytes = sum(f.numel() for f in frames) - HEADER_NUM_BYTES
+        message = _pack(tr, tensors)
+        num_bytes = message.num_bytes
         self.counter.add(sent=True, flow=tr.payload.flow, peer=tr.dst, num_bytes=num_bytes)
         if self.timeline is not None:
             now = time.perf_counter()
             event = Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
             self.timeline.events.append(event)
-        return [self.to_wire(f) for f in frames]
+        return [self.to_wire(f) for f in message.frames]
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their buffers may be reused afterwards), and
