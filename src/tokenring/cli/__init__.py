@@ -1,23 +1,18 @@
 """Command line: ``tokenring <command> [options]``.
 
-A thin layer: each command lives in its own module exposing ``add_arguments(parser)``,
-optionally ``check_args(args)``, and ``run(args) -> int``; algorithms never import this
-module. ``main(argv) -> int`` is what tests call in-process.
+A thin layer: each command's module has ``add_arguments(parser)``, optionally
+``check_args(args)``, and ``run(args) -> int``, and is imported only when its command runs;
+algorithms never import this package. ``main(argv) -> int`` is what tests call in-process.
 
 Note [Bad input at the command line]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every mistake in the arguments ends the command before any work starts (before a rank is
-spawned or a simulation allocates), the way argparse ends it: one line on stderr naming the
-argument, the value and what was expected, and exit status 2. Two places catch them:
-
-- one argument alone: the ``type=`` functions below (``int_at_least``, ``positive_seconds``,
-  ``output_path``, ...), which argparse calls while parsing;
-- arguments together (a sequence the layout cannot split, a link too slow to finish in the
-  timeout, a run that cannot fit in memory): the command's ``check_args(args)``, which
-  raises ``ValueError``; :func:`main` turns that into the same one-line error.
-
-The usage text stays behind ``--help``: a bench's usage is a screen long, and the line that
-matters is the error.
+spawned or a simulation allocates), as argparse ends it: one line on stderr naming the
+argument, the value and what was expected, exit status 2, the usage left behind ``--help``.
+One argument alone is checked by the ``type=`` functions below (``int_at_least``,
+``output_path``, ...) while parsing; arguments together (a sequence the layout cannot
+split, a link too slow for the timeout, a run that cannot fit in memory) by the command's
+``check_args(args)``, whose ``ValueError`` :func:`main` turns into the same one-line error.
 """
 
 from __future__ import annotations
@@ -86,19 +81,17 @@ def _checked(
         try:
             value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}") from None
-        if not ok(value):
+            value = None
+        if value is None or not ok(value):
             raise argparse.ArgumentTypeError(f"must be {expected}; got {text!r}")
         return value
 
     return parse
 
 
-def _finite(text: str) -> float:
+def _finite(text: str) -> float | None:
     value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
+    return value if math.isfinite(value) else None
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -107,20 +100,18 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 def positive_seconds(text: str) -> float:
-    """An argparse ``type``: a finite number of seconds > 0 (nan and inf would disable a
-    deadline without a word)."""
+    """An argparse ``type``: a finite number of seconds > 0 (inf or nan: no deadline)."""
     return float(_checked(_finite, "a finite number of seconds > 0", lambda v: v > 0)(text))
 
 
 def finite_float_at_least(minimum: float) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number >= ``minimum`` (nan compares false with every
-    bound, so a nan tolerance would pass or fail every row without saying why)."""
+    """An argparse ``type``: a finite number >= ``minimum`` (a nan bound passes nothing)."""
     return _checked(_finite, f"a finite number >= {minimum:g}", lambda v: v >= minimum)
 
 
 def output_path(text: str) -> str:
     """An argparse ``type``: a file the command can write when it is done, checked before any
-    work (a missing directory found after an hour's run loses the hour)."""
+    work (not after an hour's run)."""
     if not text:
         raise argparse.ArgumentTypeError("must be a file path; got ''")
     if os.path.isdir(text):
@@ -139,8 +130,7 @@ def output_path(text: str) -> str:
 
 
 def rate_bits_per_s(text: str) -> float:
-    """An argparse ``type``: a link rate, '100mbit', '1gbit', '400M', '2.5e8' -> bits per
-    second (finite, >= 1)."""
+    """An argparse ``type``: a link rate, '100mbit', '1gbit', '400M', '2.5e8' -> bits/s >= 1."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "g": 1e9, "m": 1e6, "k": 1e3, "bit": 1.0}
     lowered = text.strip().lower()
     suffix = next((u for u in units if lowered.endswith(u)), "")
@@ -157,8 +147,8 @@ def rate_bits_per_s(text: str) -> float:
 
 
 def mem_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes: what the kernel can hand out without swapping;
-    None where there is no /proc/meminfo (then no memory check can be made)."""
+    """MemAvailable of /proc/meminfo in bytes (what the kernel can hand out without
+    swapping); None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -169,7 +159,6 @@ def mem_available_bytes() -> int | None:
     return None
 
 
-# -- the command line ----------------------------------------------------------------------------
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each option's default, unless the help already says it or there is
     none to say (None, False)."""

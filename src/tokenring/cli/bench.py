@@ -1,25 +1,15 @@
 """``tokenring bench``: every strategy side by side, verified, against its bound.
 
-Spawns ``--world-size`` ranks (gloo on CPU; or runs under torchrun with the launcher's ranks,
-NCCL on CUDA), optionally inside the emulated-interconnect lab (``--link``), and for each model
-shape, causality, strategy and pass (forward, forward+backward) measures:
-
-- ms per call (median, p10, p90 over iterations; max over ranks), ms per steady step;
-- bytes sent per rank on each flow (travel: q/kv/(q, dout, lse, delta) down the ring; return:
-  partials home, or dK/dV accumulators), and the achieved rate of each flow;
-- overlap efficiency: time in block kernels / wall time of the call;
-- % of the bound: the call can be no faster than
-  ``max(compute-only time, busiest directed link's bytes / link bandwidth) + exposed``,
-  where compute-only time is the same per-rank kernel calls run without communication,
-  link bandwidth is a P2P probe in both directions at once in the same run, and ``exposed`` is
-  the transfer the strategy cannot overlap (TokenRing's last returned slice; Ring's final dK/dV
-  hop home in the backward);
-- max error against full attention in float64 (every row is verified; a wrong row fails the
-  command and is shown as WRONG).
-
-The hybrid (``Strategy.HYBRID``) runs as ``hybrid_attn`` on a ``P / inner x inner`` mesh
-(``--hybrid-inner``, ``--hybrid-outer``), on hybrid-layout shards; its bytes are counted on the
-inner and outer groups' communicators and reported per global peer.
+Spawns ``--world-size`` ranks (gloo on CPU; under torchrun the launcher's ranks, NCCL on CUDA),
+inside the emulated-interconnect lab with ``--link``. Per model, causality, strategy and pass
+(fwd, fwd+bwd): ms per call (median, p10, p90; max over ranks) and per steady step; bytes each
+rank sends per flow (travel: q/kv/(q, dout, lse, delta) down the ring; return: partials or
+dK/dV home) and their rate; overlap (kernel time / wall time); % of the bound
+``max(compute-only time, busiest directed link's bytes / probed bandwidth) + exposed``, where
+compute-only runs the rank's kernel calls without communication and ``exposed`` is the
+transfer nothing can overlap (TokenRing's last returned slice, Ring's final dK/dV hop); and
+the max error against float64 attention (a WRONG row fails the command). The hybrid runs as
+``hybrid_attn`` on a ``P / inner x inner`` mesh, its bytes counted on both groups per peer.
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P world size.
 """
@@ -68,7 +58,14 @@ from tokenring.cli.ranks import (
     under_torchrun,
     world_size_of,
 )
-from tokenring.cli.report import call_ms, group_by, link_text, write_markdown, write_records
+from tokenring.cli.report import (
+    call_ms,
+    group_by,
+    link_text,
+    timing_note,
+    write_markdown,
+    write_records,
+)
 from tokenring.core.layout import Layout, Sharding, make_sharding, shard
 from tokenring.core.schedule import (
     AttentionShape,
@@ -100,9 +97,9 @@ __all__ = [
     "run_rank",
 ]
 
-
 DEFAULT_HYBRID = HybridSpec(inner=2, outer_strategy=Strategy.TOKEN_RING)
 """The hybrid rows' default: islands of 2 ranks, TokenRing across them (2x2 on 4 ranks)."""
+PASSES = ("fwd", "fwd+bwd")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,8 +111,7 @@ class BenchConfig:
     seq: int = 1024
     """S, global sequence length."""
     models: dict[str, AttentionShape] = field(default_factory=lambda: dict(BENCH_MODELS))
-    """Attention shapes to run, by the label of their rows; their batch and dtype are the
-    run's (``batch``, ``dtype``)."""
+    """Attention shapes by the label of their rows; their batch and dtype become the run's."""
     dtype: str = "float32"
     """Input dtype name."""
     strategies: tuple[Strategy, ...] = tuple(s for s in Strategy if s is not Strategy.HYBRID)
@@ -126,7 +122,7 @@ class BenchConfig:
     """Causal settings to run."""
     layout: Layout | None = None
     """None: zigzag for causal rows, contiguous for non-causal rows."""
-    passes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    passes: tuple[str, ...] = PASSES
     """What one timed call does."""
     warmup: int = 1
     """Untimed calls per row."""
@@ -139,8 +135,7 @@ class BenchConfig:
     tolerance: float | None = None
     """Max abs error against the float64 oracle for a row to pass; None: by dtype."""
     last_pair: str = "return"
-    """TokenRing rows: ``"return"`` or ``"lend"`` (``last_pair`` of the attention; Note
-    [Borrowed last pair] in tokenring.strategies.ring)."""
+    """TokenRing rows: ``"return"`` or ``"lend"`` (Note [Borrowed last pair])."""
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq < 1:
@@ -150,7 +145,7 @@ class BenchConfig:
         if self.warmup < 0 or self.iters < 1:
             raise ValueError(f"warmup must be >= 0 and iters >= 1; got {self.warmup}, {self.iters}")
         for p in self.passes:
-            if p not in ("fwd", "fwd+bwd"):
+            if p not in PASSES:
                 raise ValueError(f"passes must be 'fwd' or 'fwd+bwd'; got {p!r}")
         if self.last_pair not in ("return", "lend"):
             raise ValueError(f"last_pair must be 'return' or 'lend'; got {self.last_pair!r}")
@@ -164,8 +159,12 @@ class BenchConfig:
 
     @property
     def lends(self) -> bool:
-        """Whether the TokenRing rows lend their last pair."""
         return self.last_pair == "lend"
+
+    @property
+    def grads(self) -> bool:
+        """Whether any row runs the backward."""
+        return "fwd+bwd" in self.passes
 
     def layout_for(self, causal: bool) -> Layout:
         if self.layout is not None:
@@ -180,16 +179,33 @@ class BenchConfig:
             yield name, model, causal, strategy
 
     def check_world(self, world_size: int) -> None:
-        """Raise ValueError when a row cannot run on ``world_size`` ranks. Any ``seq`` runs
-        (uneven shards, as ``tokenring.shard`` and ``hybrid_shard`` give them); the hybrid
-        needs its factorisation to fit."""
+        """Raise ValueError when a row cannot run on ``world_size`` ranks (any ``seq`` runs;
+        the hybrid needs its factorisation to fit)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1; got {world_size}")
         if Strategy.HYBRID in self.strategies:
-            for model in self.models.values():
-                self.hybrid.check(
-                    world_size=world_size, heads_q=model.heads_q, heads_kv=model.heads_kv
-                )
+            for m in self.models.values():
+                self.hybrid.check(world_size=world_size, heads_q=m.heads_q, heads_kv=m.heads_kv)
+
+    def schedules(
+        self, model: AttentionShape, strategy: Strategy, causal: bool, world_size: int
+    ) -> list[Schedule]:
+        """The forward and backward schedules one row runs (what the library builds for it)."""
+        return [
+            strategy_schedule(
+                strategy,
+                p,
+                layout=self.layout_for(causal),
+                causal=causal,
+                world_size=world_size,
+                seq_len=self.seq,
+                heads_kv=model.heads_kv,
+                heads_q=model.heads_q,
+                hybrid=self.hybrid,
+                lend_last_pair=self.lends,
+            )
+            for p in (Pass.FORWARD, Pass.BACKWARD)
+        ]
 
 
 @dataclass(slots=True)
@@ -218,50 +234,40 @@ class RankRow:
 
 
 # -- the rank side -----------------------------------------------------------------------------
+_PROBE_ROUNDS = 6  # the first fills the token bucket and warms the sockets; 5 timed
 
 
 def _probe_transfer(payload: Payload, src: int, dst: int, *, step: int) -> Transfer:
-    """One message of the bandwidth probe: Q down posted at the step's start, OUT up after
-    its one (empty) segment, each owned by its sender."""
+    """One probe message: Q down posted at the step's start, OUT up after its (empty) segment."""
     after = 0 if payload is Payload.Q else 1
     return Transfer(
         payload=payload, src=src, dst=dst, owner=src, rows=(0, 1), step=step, after_segments=after
     )
 
 
-_PROBE_ROUNDS = 6  # the first fills the token bucket and warms the sockets; 5 timed
-
-
 def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -> float:
     """Bytes/s per direction with both directions of each ring link busy (min over ranks)."""
     if comm.world_size == 1:
         return float("inf")
-
-    down = (comm.rank - 1) % comm.world_size
-    up = (comm.rank + 1) % comm.world_size
+    rank, world = comm.rank, comm.world_size
+    down, up = (rank - 1) % world, (rank + 1) % world
     payload = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     spec: list[FieldSpec] = [((num_bytes,), torch.uint8)]
     times = []
     for i in range(_PROBE_ROUNDS):
-        send_down = _probe_transfer(Payload.Q, comm.rank, down, step=i)
-        recv_up = _probe_transfer(Payload.Q, up, comm.rank, step=i)
-        send_up = _probe_transfer(Payload.OUT, comm.rank, up, step=i)
-        recv_down = _probe_transfer(Payload.OUT, down, comm.rank, step=i)
+        sends = [(_probe_transfer(Payload.Q, rank, down, step=i), [payload])]
+        sends.append((_probe_transfer(Payload.OUT, rank, up, step=i), [payload]))
+        recvs = [(_probe_transfer(Payload.Q, up, rank, step=i), spec)]
+        recvs.append((_probe_transfer(Payload.OUT, down, rank, step=i), spec))
         comm.barrier(label="bench")
         start = time.perf_counter()
-        pending = comm.exchange(
-            [(send_down, [payload]), (send_up, [payload])],
-            [(recv_up, spec), (recv_down, spec)],
-            device=device,
-        )
-        for rec in pending.values():
+        for rec in comm.exchange(sends, recvs, device=device).values():
             rec.wait()
         comm.wait_sends()
         if i > 0:
             times.append(time.perf_counter() - start)
     comm.counter.reset()
-    # The fastest round (a slower one likely met TCP slow start after the barrier's idle gap; the
-    # median of 3 read 10.6 or 12.3 MB/s from run to run on the 12.5 MB/s lab links).
+    # the fastest round: a slower one likely met TCP slow start after the barrier's idle gap
     return _min_over_ranks(comm, num_bytes / min(times))
 
 
@@ -271,13 +277,25 @@ def _min_over_ranks(comm: Communicator, rate: float) -> float:
     return float(value.item())
 
 
+def _probe_memory_bandwidth(comm: Communicator, device: torch.device) -> float:
+    """Bytes/s of a large copy (read + write), min over ranks: what merges run at."""
+    src = torch.ones(8 << 20, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return _min_over_ranks(comm, 2 * src.numel() * src.element_size() / statistics.median(times))
+
+
 Operands = tuple[tuple[torch.Tensor, ...], AttentionShape]  # q, k, v, dout; FLOP sizes
 
 
 def _compute_only(
     case: _Case, kernel: BlockKernel, rank: int, backward: bool, operands: Operands
 ) -> tuple[float, float, float, float]:
-    """This rank's kernel calls of the real run with no P2P: (forward s, backward s, forward
+    """This rank's kernel calls of the real run without P2P: (forward s, backward s, forward
     FLOPs, backward FLOPs); the backward is 0 for a forward-only row."""
     (q, k, v, dout), dims = operands
     groups = q.shape[2] // max(1, k.shape[2])  # Ulysses with fewer heads than ranks: 0 here
@@ -301,13 +319,9 @@ def _compute_only(
             if pass_ is Pass.FORWARD:
                 kernel.forward(*blocks, causal=piece.causal, scale=case.scale)
             else:
+                row_stats = (lse[:, qh, a:b], delta[:, qh, a:b])
                 kernel.backward(
-                    dout[:, a:b, qh],
-                    *blocks,
-                    lse[:, qh, a:b],
-                    delta[:, qh, a:b],
-                    causal=piece.causal,
-                    scale=case.scale,
+                    dout[:, a:b, qh], *blocks, *row_stats, causal=piece.causal, scale=case.scale
                 )
         seconds = time.perf_counter() - start
         return seconds, sum(piece_flops(pc, dims, pass_) for pc in pieces)
@@ -318,11 +332,11 @@ def _compute_only(
 
 
 def _compute_operands(case: _Case, rank: int) -> Operands:
-    """What a strategy's own kernel calls read, for its compute-only run, and the sizes their
-    FLOPs count with. The ring strategies: the rank's shards. The others: random tensors of
-    the shapes their pieces index -- Ulysses the whole sequence on the rank's head share (K/V
-    repeated to one head per query head: the same FLOPs), all-gather K/V the gathered K/V,
-    the hybrid the outer shard on all heads (each piece names its heads)."""
+    """What a strategy's own kernel calls read in its compute-only run, and the sizes their
+    FLOPs count with: the ring strategies' shards; for the others random tensors of the
+    shapes their pieces index (Ulysses: the whole sequence on the rank's head share, K/V
+    repeated to one head per query head; all-gather K/V: the gathered K/V; the hybrid: the
+    outer shard on all heads)."""
     dims = case.dims
     if case.strategy.is_ring:
         return tuple(case.kernel_inputs), dims
@@ -337,25 +351,13 @@ def _compute_operands(case: _Case, rank: int) -> Operands:
         dims = dataclasses.replace(dims, heads_q=heads_q, heads_kv=heads_kv)
     q = case.kernel_inputs[0]
     gen = torch.Generator().manual_seed(rank)
-
     sizes = ((q_len, heads_q), (kv_len, heads_kv), (kv_len, heads_kv), (q_len, heads_q))
     operands = (torch.randn(q.shape[0], n, h, q.shape[3], generator=gen) for n, h in sizes)
     return tuple(x.to(device=q.device, dtype=q.dtype) for x in operands), dims
 
 
-def _probe_memory_bandwidth(comm: Communicator, device: torch.device) -> float:
-    """Bytes/s of a large copy (read + write), min over ranks: what merges run at."""
-    src = torch.ones(8 << 20, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(4):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return _min_over_ranks(comm, 2 * src.numel() * src.element_size() / statistics.median(times))
-
-
 def _steady_step(events: list[Event], label: str, num_steps: int) -> float | None:
+    """Median gap between the starts of consecutive steps' ``label`` compute."""
     starts: dict[int, float] = {}
     for ev in events:
         if ev.kind == "compute" and ev.label == label:
@@ -365,8 +367,7 @@ def _steady_step(events: list[Event], label: str, num_steps: int) -> float | Non
     ]
     if not diffs:
         return None
-    middle = diffs[1:] if len(diffs) > 2 else diffs  # step 0 is local; skip it when we can
-    return statistics.median(middle)
+    return statistics.median(diffs[1:] if len(diffs) > 2 else diffs)  # step 0 is local: skip it
 
 
 _TILE_BYTES = 32 << 20
@@ -405,20 +406,19 @@ def per_rank_reference(
 
     Note [Per-rank reference]
     ~~~~~~~~~~~~~~~~~~~~~~~~~
-    Every rank checks its own rows, so it needs the float64 answer for s of the S rows, not
-    full attention's global out and gradients (and float64 copies of every input). Scores
-    are made in tiles of at most ``_TILE_BYTES`` (query rows x keys), never (S, S)::
+    Every rank checks its own s of the S rows, so it needs neither full attention's global
+    results nor float64 copies of every input. Scores are made in tiles of at most
+    ``_TILE_BYTES`` (query rows x keys), never (S, S)::
 
         out (and dq) of my rows   query tiles of my rows   x keys up to the tile's last row
         lse, delta of all rows    every query tile         x keys up to the tile's last row
         dk, dv of my rows         every query tile         x my keys
 
     (non-causal: every key). dk and dv of a key sum over every query that sees it, with that
-    query's lse and delta = rowsum(dout * out): hence the pass over all rows, which runs
-    only with gradients and also gives my rows' out and dq. Memory: the global inputs
-    (every rank draws the same seeded tensors), K and V in float64, lse and delta of all
-    rows, the rank's results and a tile. GQA: the G query heads of a K/V head are folded
-    into the tile's rows, so K/V are never repeated (:class:`_Reference`).
+    query's lse and delta = rowsum(dout * out): hence the pass over all rows (only with
+    gradients; it also gives my rows' out and dq). Memory: the global inputs, K and V in
+    float64, lse and delta of all rows, the rank's results and a tile. GQA: the G query
+    heads of a K/V head are folded into the tile's rows, so K/V are never repeated.
 
     Args:
         q, dout: ``(B, S, Hq, D)``; k, v: ``(B, S, Hkv, D)``: the global tensors.
@@ -441,8 +441,8 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Reference:
-    """The global inputs of :func:`per_rank_reference` and its passes over them in tiles. GQA: the G
-    query heads of a K/V head are folded into a tile's rows (G * T)."""
+    """The global inputs of :func:`per_rank_reference` and its passes over them in tiles;
+    a tile of T rows is (B, Hkv, G * T, .) with the G query heads of a K/V head folded in."""
 
     q: torch.Tensor  # (B, S, Hq, D)
     k: torch.Tensor  # (B, Hkv, S, D) float64
@@ -556,8 +556,9 @@ class _Reference:
 def _exposed_bytes(sched: Schedule, dims: AttentionShape, rank: int) -> dict[int, int]:
     """Bytes per destination of the transfer posted after the rank's last compute: nothing is
     left to overlap it with (TokenRing's last returned slice, Ring's final dK/dV hop)."""
-    last_step = sched.num_steps - 1
-    tail = [tr for tr in sched.sends(rank, last_step) if tr.payload.flow.value == "return"]
+    tail = [
+        tr for tr in sched.sends(rank, sched.num_steps - 1) if tr.payload.flow.value == "return"
+    ]
     if not tail:
         return {}
     last = max(tail, key=lambda tr: tr.after_segments)
@@ -566,8 +567,7 @@ def _exposed_bytes(sched: Schedule, dims: AttentionShape, rank: int) -> dict[int
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Case:
-    """One (model, causal, strategy) of the run on this rank: what its rows (one per pass)
-    run on and check against."""
+    """One (model, causal, strategy) on this rank: what its rows (one per pass) run on."""
 
     model_name: str
     dims: AttentionShape
@@ -592,8 +592,9 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     comm = get_communicator()
     mesh = None
     if Strategy.HYBRID in config.strategies:
-        inner = config.hybrid.inner
-        mesh = hybrid_mesh(world // inner, inner, device_type=device.type)
+        mesh = hybrid_mesh(
+            world // config.hybrid.inner, config.hybrid.inner, device_type=device.type
+        )
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
     rows: list[RankRow] = []
@@ -614,21 +615,17 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
 
 def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> Iterator[_Case]:
     """Every (model, causal, strategy) of the run in row order, on this rank's inputs."""
-    grads = "fwd+bwd" in config.passes
     for name, model in config.models.items():
-        q, k, v, dout = _global_inputs(config, model)
-        scale = model.head_dim**-0.5
+        q, k, v, dout = inputs = _global_inputs(config, model)
+        check = dict(scale=model.head_dim**-0.5, grads=config.grads)
         for causal in config.causal:
             layout = config.layout_for(causal)
-            # Any S: uneven shards (tokenring.shard) and seq_len= to the attention.
             sharding = make_sharding(layout=layout, world_size=world, seq_len=config.seq)
-            positions = sharding.positions(rank)
-            reference = per_rank_reference(
-                q, k, v, dout, positions, causal=causal, scale=scale, grads=grads
+            want = per_rank_reference(
+                q, k, v, dout, sharding.positions(rank), causal=causal, **check
             )
             local = [
-                shard(x, rank=rank, world_size=world, layout=layout).to(device)
-                for x in (q, k, v, dout)
+                shard(x, rank=rank, world_size=world, layout=layout).to(device) for x in inputs
             ]
             padded = _padded(sharding, rank, local)
             for strategy in config.strategies:
@@ -638,24 +635,24 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
                     causal=causal,
                     layout=layout,
                     strategy=strategy,
-                    scheds=_schedules(config, model, strategy, causal, world),
+                    scheds=config.schedules(model, strategy, causal, world),
                     local=local,
-                    reference=reference,
+                    reference=want,
                     kernel_inputs=padded,
                 )
                 if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
-                    mine, where = _hybrid_shards(config.hybrid, rank, world, layout, q, k, v, dout)
+                    mine, at = _hybrid_shards(config.hybrid, rank, world, layout, *inputs)
                     mine = [x.to(device) for x in mine]
-                    want = per_rank_reference(
-                        q, k, v, dout, where, causal=causal, scale=scale, grads=grads
+                    hybrid_want = per_rank_reference(q, k, v, dout, at, causal=causal, **check)
+                    case = dataclasses.replace(
+                        case, local=mine, reference=hybrid_want, kernel_inputs=mine
                     )
-                    case = dataclasses.replace(case, local=mine, reference=want, kernel_inputs=mine)
                 yield case
 
 
 def _padded(sharding: Sharding, rank: int, local: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What this rank's kernels read: the shards in the padded buffer the schedule's rows
-    index (the shards themselves when every rank holds s = S / P tokens)."""
+    """The shards in the padded buffer the schedule's rows index (the shards themselves when
+    every rank holds s = S / P tokens)."""
     if not sharding.padded:
         return local
     at = sharding.padded_rows(rank).to(local[0].device)
@@ -666,38 +663,13 @@ def _padded(sharding: Sharding, rank: int, local: list[torch.Tensor]) -> list[to
 
 
 def _global_inputs(config: BenchConfig, model: AttentionShape) -> list[torch.Tensor]:
-    """The seeded global q, k, v, dout ``(B, S, H, D)`` in the run's dtype: the same on every
-    rank, so every rank can compute the reference of its own rows."""
+    """The seeded global q, k, v, dout ``(B, S, H, D)`` in the run's dtype, the same on every
+    rank (each computes the reference of its own rows)."""
     gen = torch.Generator().manual_seed(1234)
     dtype = DTYPES[config.dtype]
     return [
         torch.randn(model.batch, config.seq, h, model.head_dim, generator=gen).to(dtype)
         for h in (model.heads_q, model.heads_kv, model.heads_kv, model.heads_q)
-    ]
-
-
-def _schedules(
-    config: BenchConfig,
-    model: AttentionShape,
-    strategy: Strategy,
-    causal: bool,
-    world_size: int,
-) -> list[Schedule]:
-    """The forward and backward schedules one row runs (what the library builds for it)."""
-    return [
-        strategy_schedule(
-            strategy,
-            p,
-            layout=config.layout_for(causal),
-            causal=causal,
-            world_size=world_size,
-            seq_len=config.seq,
-            heads_kv=model.heads_kv,
-            heads_q=model.heads_q,
-            hybrid=config.hybrid,
-            lend_last_pair=config.lends,
-        )
-        for p in (Pass.FORWARD, Pass.BACKWARD)
     ]
 
 
@@ -713,31 +685,39 @@ def _hybrid_shards(
     return [hybrid_shard(x, **where, layout=layout) for x in inputs], positions
 
 
-def _measure_row(
-    config: BenchConfig, comm: Communicator, case: _Case, pass_: str, mesh: HybridMesh | None
-) -> RankRow:
-    """One row on this rank: its timed calls, checked against the reference, and its
-    compute-only run."""
-    backward = pass_ == "fwd+bwd"
-    # Whose counters and timeline to read: the hybrid's inner and outer groups, mapped back to
-    # global ranks; otherwise the default group's (group rank = global rank).
+Counted = list[tuple[Communicator, list[int]]]  # communicators and their group -> global rank
+
+
+def _attention(
+    config: BenchConfig, comm: Communicator, case: _Case, mesh: HybridMesh | None
+) -> tuple[Callable[..., Any], Counted]:
+    """The call one row times, and whose counters and timeline to read: the hybrid's inner
+    and outer groups, else the default group's."""
     counted = [(comm, list(range(comm.world_size)))]
     attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
     if case.strategy is Strategy.TOKEN_RING:
         attend = functools.partial(attend, last_pair=config.last_pair)
     if case.strategy is Strategy.HYBRID:
         assert mesh is not None
-        counted = [
-            (get_communicator(group), dist.get_process_group_ranks(group))
-            for group in (mesh.inner, mesh.outer)
-        ]
+        groups = (mesh.inner, mesh.outer)
+        counted = [(get_communicator(g), dist.get_process_group_ranks(g)) for g in groups]
         attend = functools.partial(
             hybrid_attn, mesh=mesh, outer_strategy=config.hybrid.outer_strategy
         )
     attend = functools.partial(attend, causal=case.causal, layout=case.layout, seq_len=config.seq)
+    return attend, counted
+
+
+def _measure_row(
+    config: BenchConfig, comm: Communicator, case: _Case, pass_: str, mesh: HybridMesh | None
+) -> RankRow:
+    """One row on this rank: its timed calls, checked against the reference, and its
+    compute-only run."""
+    backward = pass_ == "fwd+bwd"
+    attend, counted = _attention(config, comm, case, mesh)
     times, events, got = _timed_calls(config, comm, case, backward, attend, counted)
     max_error = _max_error(got, case.reference)
-    sent = {flow: 0 for flow in ("travel", "return")}
+    sent = {"travel": 0, "return": 0}
     link: dict[int, int] = {}
     for c, global_rank in counted:
         for (flow, peer), num in c.counter.sent_bytes.items():
@@ -785,19 +765,20 @@ def _timed_calls(
     case: _Case,
     backward: bool,
     attend: Callable[..., Any],
-    counted: list[tuple[Communicator, list[int]]],
+    counted: Counted,
 ) -> tuple[list[float], list[Event], list[torch.Tensor]]:
     """The seconds of each timed call, the last call's events (from its own start) and its
     results: out, and with ``backward`` dq, dk, dv."""
     q, k, v, dout = case.local
     times: list[float] = []
     timeline = Timeline()
-    for i in range(config.warmup + config.iters):  # iters >= 1: out and start get set
+    calls = config.warmup + config.iters  # >= 1: out and start get set
+    for i in range(calls):
         inputs = [x.detach().clone().requires_grad_(backward) for x in (q, k, v)]
         timeline.clear()
         for c, _ in counted:
             c.counter.reset()
-            c.timeline = timeline if i == config.warmup + config.iters - 1 else None
+            c.timeline = timeline if i == calls - 1 else None
         comm.barrier(label="bench")
         if q.is_cuda:
             torch.cuda.synchronize()
@@ -835,12 +816,10 @@ def _best_compute_only(
         (_compute_only(case, kernel, rank, pass_ == "fwd+bwd", operands) for _ in range(2)),
         key=lambda c: c[0] + c[1],
     )
-    return compute, f"{kernel.name}[{','.join(sorted(kernel.ran))}]"  # the call's pieces
+    return compute, f"{kernel.name}[{','.join(sorted(kernel.ran))}]"
 
 
 # -- aggregation (parent side) -------------------------------------------------------------------
-
-
 def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[str, Any]]:
     """One dict per row: max over ranks of each rank's statistic, the bound and its %."""
     bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
@@ -849,32 +828,27 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
     for index, first in enumerate(per_rank[0]["rows"]):
         rows: list[RankRow] = [r["rows"][index] for r in per_rank]
         median_s = max(statistics.median(r.call_s) for r in rows)
-        busiest_link = max((max(r.link_bytes.values(), default=0) for r in rows), default=0)
         compute_only = max(r.compute_fwd_s + r.compute_bwd_s for r in rows)  # kernels, no P2P
-        # Bytes that can overlap compute: everything but the exposed tail, per directed link.
+        # bytes that can overlap compute: all but the exposed tail, per directed link
         overlappable = max(
             (n - r.exposed_bytes.get(peer, 0) for r in rows for peer, n in r.link_bytes.items()),
             default=0,
         )
         exposed = max(sum(r.exposed_bytes.values()) for r in rows)
-        # bytes / inf = 0 on one rank; nan stays nan (collectives: no compute-only run yet)
+        # bandwidth is inf on one rank: its bytes take 0 s
         bound_s = max(compute_only, overlappable / bandwidth) + exposed / bandwidth
-        modelled = not math.isnan(compute_only)
         steps_fwd = [r.step_fwd_s for r in rows if r.step_fwd_s is not None]
         steps_bwd = [r.step_bwd_s for r in rows if r.step_bwd_s is not None]
         travel, back = (max(r.sent_bytes[flow] for r in rows) for flow in ("travel", "return"))
         error = max(r.max_error for r in rows)
+        is_hybrid = first.strategy == Strategy.HYBRID.value
         results.append(
             {
                 "model": first.model,
                 "causal": first.causal,
                 "layout": first.layout,
                 "strategy": first.strategy,
-                "hybrid": (
-                    config.hybrid.label(len(per_rank))
-                    if first.strategy == Strategy.HYBRID.value
-                    else None
-                ),
+                "hybrid": config.hybrid.label(len(per_rank)) if is_hybrid else None,
                 "pass": first.pass_,
                 "last_pair": config.last_pair if first.strategy == "token_ring" else None,
                 **call_ms([r.call_s for r in rows]),
@@ -883,13 +857,15 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "ms_step_bwd": 1e3 * max(steps_bwd) if steps_bwd else None,
                 "travel_bytes_per_rank": travel,
                 "return_bytes_per_rank": back,
-                "busiest_link_bytes": busiest_link,
+                "busiest_link_bytes": max(
+                    (max(r.link_bytes.values(), default=0) for r in rows), default=0
+                ),
                 "travel_MBps": travel / median_s / 1e6,
                 "return_MBps": back / median_s / 1e6,
                 "overlap_efficiency": min(r.compute_s / statistics.median(r.call_s) for r in rows),
-                "ms_compute_only": 1e3 * compute_only if modelled else None,
-                "ms_bound": 1e3 * bound_s if modelled else None,
-                "pct_of_bound": 100 * bound_s / median_s if modelled else None,
+                "ms_compute_only": 1e3 * compute_only,
+                "ms_bound": 1e3 * bound_s,
+                "pct_of_bound": 100 * bound_s / median_s,
                 "max_error": error,
                 "tolerance": tol,
                 "verified": error <= tol,
@@ -919,28 +895,24 @@ def add_predictions(
     measured within 5% of the group's fastest. The simulator predicts each row
     (``model_ms``, ``model_step_fwd_ms``) with the same description but that strategy's own
     kernel FLOP/s (``kernel_flops_per_s``): on CPU a kernel's rate depends on its block
-    shapes (a causal diagonal block runs at about half the rate of a full one; Ulysses' one
-    S x S call faster than a ring's s x s/2 blocks), which one rate per pass cannot hold, so
-    ``model_ms`` checks the schedule and the network, and the planner's hit rate what one
-    rate costs.
+    shapes (a causal diagonal block runs at about half the rate of a full one), which one
+    rate per pass cannot hold, so ``model_ms`` checks the schedule and the network, and the
+    planner's hit rate what one rate costs.
     """
     probes = {
         "link_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in per_rank),
     }
     for indices in group_by(range(len(rows)), lambda i: _group_key(rows[i])):
-        # Calibrate from the ring strategies' compute-only runs (the others have none).
-        timed = [i for i in indices if rows[i]["ms_compute_only"] is not None]
-        if not timed:
-            continue
-        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in timed])
+        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
         hardware = _hardware(
             fwd_rate, bwd_rate, probes, config.dtype, topology, per_rank[0]["backend"]
         )
         group = [rows[i] for i in indices]
         # rows per rank: S / P, or the padded buffer of uneven shards
+        layout = group[0]["layout"]
         seq_local = make_sharding(
-            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
+            layout=layout, world_size=world_size, seq_len=config.seq
         ).seq_local
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
         _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
@@ -982,8 +954,8 @@ def _add_model_times(
     world_size: int,
     seq_local: int,
 ) -> None:
-    """Add the simulator's prediction of each row of one (model, causal, pass) group, on
-    ``hardware`` with the row's own kernel FLOP/s (Note [Calibrating the model from the run])."""
+    """Add the simulator's prediction of each row of one (model, causal, pass) group, with
+    the row's own kernel FLOP/s (Note [Calibrating the model from the run])."""
     first = group[0]
     for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
         result = simulate(
@@ -1012,10 +984,11 @@ def _add_planner_pick(
     world_size: int,
     seq_local: int,
 ) -> None:
-    """Add the planner's pick among one (model, causal, pass) group's strategies, and its
-    verdict against the measured fastest (Note [Verdicts within noise]), to each row."""
+    """Add the planner's pick among one group's strategies, and its verdict against the
+    measured fastest (Note [Verdicts within noise]), to each row."""
     first = group[0]
     shape = config.models[first["model"]]
+    training = first["pass"] == "fwd+bwd"
     plan_of: dict[str, Any] = dict(
         world_size=world_size,
         seq_local=seq_local,
@@ -1027,29 +1000,25 @@ def _add_planner_pick(
         hardware=hardware,
         layout=first["layout"],
         batch=config.batch,
+        training=training,
     )
+    strategies = [row["strategy"] for row in group]
     plan = explain(
-        **plan_of,
-        training=first["pass"] == "fwd+bwd",
-        strategies=[row["strategy"] for row in group],
-        hybrid=config.hybrid,
-        last_pair=config.last_pair,  # as the rows ran
+        **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
     )
-    candidates = {p.strategy.value for p in plan.predictions}  # what the planner covers
-    planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}
-    fastest = min((r for r in group if r["strategy"] in candidates), key=lambda r: r["ms_median"])
+    planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
+    fastest = min((r for r in group if r["strategy"] in planned), key=lambda r: r["ms_median"])
     pick = next(r for r in group if r["strategy"] == plan.pick.value)
     verdict, why = planner_verdict(pick, fastest)
     for row in group:
         row["planner_pick"] = plan.pick.value
-        row["planner_candidate"] = row["strategy"] in candidates
+        row["planner_candidate"] = row["strategy"] in planned
         row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
         row["planner_ms"] = planned.get(row["strategy"])
         row["planner_verdict"] = verdict
         row["planner_why"] = why
         if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
-            lends = lends_last_pair(**plan_of, training=first["pass"] == "fwd+bwd")
-            row["auto_last_pair"] = "lend" if lends else "return"
+            row["auto_last_pair"] = "lend" if lends_last_pair(**plan_of) else "return"
 
 
 def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
@@ -1061,18 +1030,12 @@ def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
 
 
 # -- size guards (before any rank starts) -------------------------------------------------------
-
 _PROCESS_BYTES = 320 << 20
-"""What a rank holds before its first tensor: the interpreter, torch and a gloo group
-(230 MiB peak RSS measured with torch 2.x on Linux), with some headroom."""
+"""What a rank holds before its first tensor: the interpreter, torch and a gloo group."""
 
 
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.3g} GiB"
-
-
-def _pieces(sched: Schedule) -> list[Piece]:
-    return [pc for steps in sched.steps for plan in steps for pc in plan.pieces]
 
 
 def estimate_rank_bytes(
@@ -1084,10 +1047,8 @@ def estimate_rank_bytes(
     - ``inputs``: the seeded global q, k, v, dout (every rank draws them all);
     - ``reference``: K and V in float64, lse and delta of every row, the rank's float64
       results and one score tile (Note [Per-rank reference]);
-    - ``run``: the rank's shards, and for the strategy that needs the most, what its calls
-      hold (inputs, gradients, outputs, blocks in flight, fp32 accumulators), its kernel's
-      blocks (masks of padded or masked pieces; whole score blocks where the kernel
-      materialises them: the reference kernel, the CUDA backward) and its compute-only run;
+    - ``run``: the rank's shards, and what the strategy that needs the most holds in its
+      calls, its kernel's blocks and its compute-only run (:func:`_call_bytes`);
     - ``process``: the interpreter, torch and the process group.
 
     With ``backend="nccl"`` the ``run`` part lives on the GPU, the rest on the host.
@@ -1095,41 +1056,37 @@ def estimate_rank_bytes(
     b, seq = config.batch, config.seq
     best: dict[str, int] = {}
     elem = DTYPES[config.dtype].itemsize
-    for model in config.models.values():
+    for model, causal in itertools.product(config.models.values(), config.causal):
         hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
-        inputs = b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4  # + fp32 draw
-        for causal in config.causal:
-            sharding = make_sharding(
-                layout=config.layout_for(causal), world_size=world_size, seq_len=seq
+        layout = config.layout_for(causal)
+        sharding = make_sharding(layout=layout, world_size=world_size, seq_len=seq)
+        n = sharding.seq_local
+        tile = _tile_rows(b, hq, seq) * b * hq * seq * 8
+        reference = (
+            2 * b * seq * hkv * d * 8  # K, V in float64
+            + b * n * (2 * hq + 2 * hkv) * d * 8  # the rank's out, dq, dk, dv
+            + (2 * b * hq * seq * 8 if config.grads else 0)  # lse, delta
+            + 4 * min(tile, b * hq * seq * seq * 8)  # scores, probs, dp, ds of a tile
+        )
+        run = max(
+            _call_bytes(
+                config,
+                model,
+                config.schedules(model, s, causal, world_size),
+                sharding,
+                materialises=backend == "nccl",
             )
-            n = sharding.seq_local
-            tile = _tile_rows(b, hq, seq) * b * hq * seq * 8
-            reference = (
-                2 * b * seq * hkv * d * 8  # K, V in float64
-                + b * n * (2 * hq + 2 * hkv) * d * 8  # the rank's out, dq, dk, dv
-                + (2 * b * hq * seq * 8 if "fwd+bwd" in config.passes else 0)  # lse, delta
-                + 4 * min(tile, b * hq * seq * seq * 8)  # scores, probs, dp, ds of a tile
-            )
+            for s in config.strategies
+        )
+        parts = {
+            "inputs": b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4,  # + fp32 draw
+            "reference": reference,
             # shards, padded copies, a call's inputs (cloned) with gradients and output
-            local = 3 * b * n * (2 * hq + 2 * hkv) * d * elem
-            run = max(
-                _call_bytes(
-                    config,
-                    model,
-                    _schedules(config, model, strategy, causal, world_size),
-                    sharding,
-                    materialises=backend == "nccl",
-                )
-                for strategy in config.strategies
-            )
-            parts = {
-                "inputs": inputs,
-                "reference": reference,
-                "run": local + run,
-                "process": _PROCESS_BYTES,
-            }
-            if sum(parts.values()) > sum(best.values()):
-                best = parts
+            "run": 3 * b * n * (2 * hq + 2 * hkv) * d * elem + run,
+            "process": _PROCESS_BYTES,
+        }
+        if sum(parts.values()) > sum(best.values()):
+            best = parts
     return best
 
 
@@ -1141,23 +1098,29 @@ def _call_bytes(
     *,
     materialises: bool,
 ) -> int:
-    """What one strategy's calls hold on a rank beyond its shards (:func:`estimate_rank_bytes`).
-    ``materialises``: the kernel makes whole score blocks (CUDA: reference-math backward, or
-    float64 throughout)."""
+    """What one strategy's calls hold on a rank beyond its shards: operands, fp32
+    accumulators, the kernel's masks of padded or masked pieces and, where it
+    ``materialises`` whole score blocks (CUDA: reference-math backward, float64), those."""
     acc = 8 if config.dtype == "float64" else 4
     elem = DTYPES[config.dtype].itemsize
     b, n, d = config.batch, sharding.seq_local, model.head_dim
     hq = heads_q = model.heads_q
     hkv = heads_kv = model.heads_kv
-    pieces = [pc for sc in scheds[: 2 if "fwd+bwd" in config.passes else 1] for pc in _pieces(sc)]
+    pieces = [
+        pc
+        for sc in scheds[: 2 if config.grads else 1]
+        for steps in sc.steps
+        for plan in steps
+        for pc in plan.pieces
+    ]
     q_len = max((pc.q_rows[1] for pc in pieces), default=n)
     kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
     strategy = scheds[0].strategy
     if strategy is Strategy.ULYSSES:
         share = ulysses_heads(world_size=scheds[0].world_size, heads_q=hq, heads_kv=hkv)
         heads_q = heads_kv = max(sh.num_q for sh in share)
-    # q side: q, dout, out, dq and a block in flight; k/v side: k, v, their
-    # gradients and a block in flight (the gathered K/V for all-gather K/V)
+    # q side: q, dout, out, dq and a block in flight; k/v side: k, v, their gradients and a
+    # block in flight (the gathered K/V for all-gather K/V)
     operands = b * d * elem * (5 * q_len * heads_q + 3 * 2 * kv_len * heads_kv)
     accumulators = 2 * b * q_len * heads_q * (d + 2) * acc
     masked = sharding.padded and not strategy.is_ring
@@ -1176,7 +1139,6 @@ def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend:
     """Raise ValueError when the ranks on this machine cannot fit (Note [Per-rank
     reference]): host memory against MemAvailable; with NCCL the GPU part against the
     device's free memory."""
-
     parts = estimate_rank_bytes(config, world_size, backend=backend)
     on_gpu = backend == "nccl"
     host = sum(v for k, v in parts.items() if not (on_gpu and k == "run"))
@@ -1202,9 +1164,8 @@ def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend:
 def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: int) -> None:
     """Raise ValueError when ``--link`` is too slow for the run to end within ``--timeout``:
     the bytes each row's schedules put on the busiest emulated link or port (the cost
-    model's routing of the lab's topology), times the calls per row, plus the bandwidth
-    probe, over the link rate is a lower bound on the run's time."""
-
+    model's routing of the lab's topology) times the calls per row, plus the bandwidth
+    probe's, over the link rate is a lower bound on the run's time."""
     rate = args.link / 8  # bytes/s
     probes = {"link_bytes_per_s": rate, "memory_bytes_per_s": 1.0}
     hardware = _hardware(1.0, 1.0, probes, config.dtype, args.topology, "gloo")  # network only
@@ -1214,7 +1175,7 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     if world_size > 1:
         num_bytes = _PROBE_ROUNDS * config.probe_bytes * (2 if args.topology == "switch" else 1)
     for _, dims, causal, strategy in config.cases():
-        scheds = _schedules(config, dims, strategy, causal, world_size)
+        scheds = config.schedules(dims, strategy, causal, world_size)
         busiest = [max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds]
         for pass_ in config.passes:
             num_bytes += calls * (busiest[0] + (busiest[1] if pass_ == "fwd+bwd" else 0))
@@ -1228,9 +1189,6 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
         )
 
 
-# -- CLI -----------------------------------------------------------------------------------------
-
-
 def _rate_text(bits_per_s: float) -> str:
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits_per_s >= scale:
@@ -1238,9 +1196,9 @@ def _rate_text(bits_per_s: float) -> str:
     return f"{bits_per_s:g} bit/s"
 
 
+# -- CLI -----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring bench``, grouped by the ``--mode`` they apply to."""
-
     parser.add_argument(
         "--mode",
         default="attention",
@@ -1262,8 +1220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
     add("--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed")
     _add_attention_arguments(parser.add_argument_group("--mode attention"))
-    timing = parser.add_argument_group("timing and checking (attention, decode, prefill-cached)")
-    add = timing.add_argument
+    add = parser.add_argument_group(
+        "timing and checking (attention, decode, prefill-cached)"
+    ).add_argument
     add("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
     add("--iters", type=int_at_least(1), default=5, help="timed calls per row")
     add(
@@ -1280,7 +1239,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     bench_inference.add_arguments(parser.add_argument_group("--mode decode, prefill-cached"))
     bench_memory.add_arguments(parser.add_argument_group("--mode memory"))
-    _add_output_arguments(parser.add_argument_group("output"))
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column in the terminal table (per-step times, bytes, rates, overlap); the "
+        "default table fits 120 columns, and --json / --markdown always have everything",
+    )
+    output.add_argument("--json", action="store_true", help="print one JSON object per row")
+    for flag, text in {
+        "--out": "also append the JSON rows to this JSONL file",
+        "--plot": "write a timeline PNG here (attention)",
+        "--trace": "write the timelines as a Chrome/Perfetto trace JSON here (attention)",
+        "--markdown": "write the table as markdown here, with the command",
+    }.items():
+        output.add_argument(flag, type=output_path, help=text)
 
 
 def _add_attention_arguments(attention: ArgumentAdder) -> None:
@@ -1297,18 +1270,10 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
         help="comma-separated strategies, also for --mode memory (default: all; the hybrid "
         "where --hybrid-inner fits)",
     )
-    add(
-        "--causal",
-        choices=["both", "yes", "no"],
-        default="both",
-        help="causal masks to run (memory: yes unless no)",
-    )
-    add(
-        "--layout",
-        choices=["auto", "contiguous", "zigzag"],
-        default="auto",
-        help="auto: zigzag when causal, contiguous otherwise",
-    )
+    causal_help = "causal masks to run (memory: yes unless no)"
+    add("--causal", choices=["both", "yes", "no"], default="both", help=causal_help)
+    layout_help = "auto: zigzag when causal, contiguous otherwise"
+    add("--layout", choices=["auto", "contiguous", "zigzag"], default="auto", help=layout_help)
     add("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
     add(
         "--hybrid-inner",
@@ -1331,29 +1296,10 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
     )
 
 
-def _add_output_arguments(output: ArgumentAdder) -> None:
-    """Where the results go, and in what form (every mode)."""
-    output.add_argument(
-        "--wide",
-        action="store_true",
-        help="every column in the terminal table (per-step times, bytes, rates, overlap); the "
-        "default table fits 120 columns, and --json / --markdown always have everything",
-    )
-    output.add_argument("--json", action="store_true", help="print one JSON object per row")
-    for flag, text in {
-        "--out": "also append the JSON rows to this JSONL file",
-        "--plot": "write a timeline PNG here (attention)",
-        "--trace": "write the timelines as a Chrome/Perfetto trace JSON here (attention)",
-        "--markdown": "write the table as markdown here, with the command",
-    }.items():
-        output.add_argument(flag, type=output_path, help=text)
-
-
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
     check_heads(args)
-    models = models_from_args(args)
-    passes = split_list(args.passes, "--passes", _parse_pass, "fwd, fwd+bwd")
+    passes = split_list(args.passes, "--passes", _parse_pass, ", ".join(PASSES))
     strategies = tuple(Strategy)
     if args.strategies is not None:
         names = ", ".join(s.value for s in Strategy)
@@ -1361,7 +1307,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     config = BenchConfig(
         batch=args.batch,
         seq=args.seq,
-        models=models,
+        models=models_from_args(args),
         dtype=args.dtype,
         strategies=strategies,
         hybrid=HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer),
@@ -1384,7 +1330,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def _parse_pass(text: str) -> str:
-    if text not in ("fwd", "fwd+bwd"):
+    if text not in PASSES:
         raise ValueError(text)
     return text
 
@@ -1406,10 +1352,9 @@ def check_args(args: argparse.Namespace) -> None:
         config.check_world(world)
     except ValueError as exc:
         raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
-    backend = "nccl" if under_torchrun() and torch.cuda.is_available() else "gloo"
     for name, model, causal, strategy in config.cases():  # what the ranks build first
         try:
-            _schedules(config, model, strategy, causal, world)
+            config.schedules(model, strategy, causal, world)
         except (ValueError, NotImplementedError) as exc:
             raise ValueError(
                 f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
@@ -1418,6 +1363,7 @@ def check_args(args: argparse.Namespace) -> None:
         check_lab(args, world)
         _check_link_time(config, args, world)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
+    backend = "nccl" if under_torchrun() and torch.cuda.is_available() else "gloo"
     check_memory(config, world, ranks_here, backend)
     args._config = config
 
@@ -1482,6 +1428,7 @@ def _title(settings: dict[str, Any]) -> str:
     )
 
 
+# -- the terminal table, the planner's verdicts, markdown ----------------------------------------
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -1528,7 +1475,6 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
     times, bytes, rates, overlap and the model's ms. ``--json``, ``--out`` and
     ``--markdown`` always carry every field.
     """
-
     columns = _WIDE_COLUMNS if wide else _NARROW_COLUMNS
     table = make_table("tokenring bench: " + _title(settings), [name for name, _ in columns])
     for r in rows:
@@ -1537,7 +1483,6 @@ def results_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide:
 
 
 def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide: bool) -> None:
-
     print_table(results_table(rows, settings, wide=wide))
     for line in _planner_lines(rows):  # a verdict's reason folds under it (Note [First screen])
         print(textwrap.fill(line, width=SCREEN_COLUMNS, subsequent_indent="    "))
@@ -1567,20 +1512,20 @@ def planner_verdict(pick: dict[str, Any], fastest: dict[str, Any]) -> tuple[str,
         return "hit", ""
     if gap_ms <= spread_ms:
         return "noise", f"{gap_ms:.1f} ms slower, within the p10-p90 spread of {spread_ms:.1f} ms"
+    slower = f"{gap_ms:.1f} ms slower (spread {spread_ms:.1f} ms)"
     own_pick, own_fastest = pick.get("model_ms"), fastest.get("model_ms")
     if own_pick is not None and own_fastest is not None and own_fastest < own_pick:
         return "miss", (
-            f"{gap_ms:.1f} ms slower (spread {spread_ms:.1f} ms): with each strategy's own "
-            f"kernel rate the model ranks {fastest['strategy']} first ({own_fastest:.1f} vs "
-            f"{own_pick:.1f} ms); the planner's one rate per pass does not"
+            f"{slower}: with each strategy's own kernel rate the model ranks "
+            f"{fastest['strategy']} first ({own_fastest:.1f} vs {own_pick:.1f} ms); the "
+            "planner's one rate per pass does not"
         )
     off = max((pick, fastest), key=lambda r: abs(r.get("model_error_pct", 0.0)))
     if "model_ms" not in off:
-        return "miss", f"{gap_ms:.1f} ms slower (spread {spread_ms:.1f} ms); no model to compare"
+        return "miss", f"{slower}; no model to compare"
     return "miss", (
-        f"{gap_ms:.1f} ms slower (spread {spread_ms:.1f} ms): the model prices "
-        f"{off['strategy']} at {off['model_ms']:.1f} ms, measured {off['ms_median']:.1f} ms "
-        f"({off['model_error_pct']:+.0f}%)"
+        f"{slower}: the model prices {off['strategy']} at {off['model_ms']:.1f} ms, measured "
+        f"{off['ms_median']:.1f} ms ({off['model_error_pct']:+.0f}%)"
     )
 
 
@@ -1604,11 +1549,11 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
         pick = next(g for g in group if g["strategy"] == r["planner_pick"])
         verdict, why = planner_verdict(pick, fastest)
         verdicts.append(verdict)
-        unmodelled = (
-            f" (non-candidate {overall['strategy']} was faster: {overall['ms_median']:.1f} ms)"
-            if overall is not fastest
-            else ""
-        )
+        unmodelled = ""
+        if overall is not fastest:
+            unmodelled = (
+                f" (non-candidate {overall['strategy']} was faster: {overall['ms_median']:.1f} ms)"
+            )
         lines.append(
             f"auto ({r['model']}, causal={r['causal']}, {r['pass']}): picks {r['planner_pick']}; "
             f"measured fastest {fastest['strategy']} ({fastest['ms_median']:.1f} ms){unmodelled}"
@@ -1645,29 +1590,25 @@ _MD_COLUMNS = [
 ]
 
 
+def _md_cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "busiest_link_bytes":
+        return f"{value / 1e6:.2f}"
+    if key == "max_error":
+        return f"{value:.1e}"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.2f}" if key == "overlap_efficiency" else f"{value:.1f}"
+    return str(value)
+
+
 def _write_markdown(
     path: str, rows: list[dict[str, Any]], settings: dict[str, Any], argv: list[str] | None
 ) -> None:
-    def cell(key: str, value: Any) -> str:
-        if value is None:
-            return "-"
-        if key == "busiest_link_bytes":
-            return f"{value / 1e6:.2f}"
-        if key == "max_error":
-            return f"{value:.1e}"
-        if isinstance(value, bool):
-            return "yes" if value else "no"
-        if isinstance(value, float):
-            return f"{value:.2f}" if key == "overlap_efficiency" else f"{value:.1f}"
-        return str(value)
-
-    note = (
-        f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
-        f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
-        "median."
-    )
     table = [[title for _, title in _MD_COLUMNS]] + [
-        [cell(k, {**row, "strategy": _strategy_label(row)}.get(k)) for k, _ in _MD_COLUMNS]
+        [_md_cell(k, {**row, "strategy": _strategy_label(row)}.get(k)) for k, _ in _MD_COLUMNS]
         for row in rows
     ]
-    write_markdown(path, _title(settings), argv, note, table, _planner_lines(rows))
+    write_markdown(path, _title(settings), argv, timing_note(settings), table, _planner_lines(rows))

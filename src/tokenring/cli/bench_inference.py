@@ -1,21 +1,15 @@
 """``tokenring bench --mode decode|prefill-cached``: attention against a sharded KV cache.
 
-Spawns ``--world-size`` ranks (or runs under torchrun), fills a ``DistributedKVCache`` with C
-cached tokens per sequence, appends T new ones, and times the attention of the new tokens
-(``tokenring.inference``) with every cached strategy (pass_q, pass_kv, direct, tree), for each
-model shape, C and T. Per row:
+Fills a ``DistributedKVCache`` with C cached tokens per sequence on ``--world-size`` ranks (or
+torchrun's), appends T new ones, and times the new tokens' attention (``tokenring.inference``)
+with every cached strategy, per model, C and T: ms per call (median, p10, p90; max over
+ranks), per decode step or per prefill chunk; bytes sent per flow (travel: Q or K/V; return:
+partials), checked against the plan on every rank; the simulator's prediction
+(``predict_cached``) on this run's own calibration and the strategy ``"auto"`` picks; the max
+error against float64 attention. One layer, forward only.
 
-- ms per call (median, p10, p90 over iterations; max over ranks of each rank's statistic):
-  per decode step (T new tokens per sequence) in ``decode`` mode, per chunk in
-  ``prefill-cached`` mode;
-- bytes each rank sent on each flow (travel: Q or K/V; return: partials), the busiest rank's,
-  and whether every rank's counts equal its plan's;
-- the simulator's prediction (``model.planner.predict_cached``) on this run's own
-  calibration (``planner.calibrate``), and the strategy ``"auto"`` picks;
-- max error against attention in float64 (every row verified).
-
-One layer, forward only. Legend: B sequences, C cached and T new tokens per sequence, Hq / Hkv
-heads, D head dim, P world size.
+Legend: B sequences, C cached and T new tokens per sequence, Hq / Hkv heads, D head dim,
+P world size.
 """
 
 from __future__ import annotations
@@ -45,7 +39,14 @@ from tokenring.cli.ranks import (
     row_done,
     world_size_of,
 )
-from tokenring.cli.report import call_ms, group_by, link_text, write_markdown, write_records
+from tokenring.cli.report import (
+    call_ms,
+    group_by,
+    link_text,
+    timing_note,
+    write_markdown,
+    write_records,
+)
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
 from tokenring.kvcache import DistributedKVCache
@@ -277,7 +278,6 @@ def _case_rows(
 
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
-
     comm = get_communicator()
     device = rank_device()
     dtype = DTYPES[config.dtype]
@@ -384,7 +384,6 @@ def add_arguments(parser: ArgumentAdder) -> None:
 
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
-
     check_heads(args)
     names = ", ".join(s.value for s in CachedStrategy)
     return InferenceBenchConfig(
@@ -416,7 +415,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``tokenring bench --mode decode|prefill-cached``."""
-
     config: InferenceBenchConfig = args._config
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
     title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
@@ -509,7 +507,6 @@ def _cell(key: str, value: Any) -> str:
 def _print_table(
     rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
 ) -> None:
-
     table = make_table("tokenring bench " + _title(settings, config), [*_headers(config), "check"])
     for r in rows:
         ok = r["verified"] and r["bytes_match_plan"]
@@ -537,11 +534,10 @@ def _write_markdown(
     config: InferenceBenchConfig,
     argv: list[str] | None,
 ) -> None:
-    note = (
-        f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
-        f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
-        "median. One attention layer, forward; bytes are what the busiest rank sent on each "
-        "flow (equal to the plan's on every rank in every row)."
+    note = timing_note(
+        settings,
+        " One attention layer, forward; bytes are what the busiest rank sent on each flow "
+        "(equal to the plan's on every rank in every row).",
     )
     table = [_headers(config)] + [[_cell(k, row.get(k)) for k, _ in _COLUMNS] for row in rows]
     write_markdown(path, _title(settings, config), argv, note, table, _pick_lines(rows))

@@ -1,28 +1,25 @@
 """``tokenring bench --mode memory``: peak memory per rank beside what the tensors need.
 
-For each strategy and local length s, every rank runs one forward + backward of attention on
-its shard and measures its peak memory (Note [Measuring peak memory]); the row puts the peak
-beside the minimum any implementation needs, the inputs + outputs + gradients of the call::
+Per strategy and local length s, every rank runs one forward + backward on its shard and
+measures its peak (Note [Measuring peak memory]); each row puts the busiest rank's peak beside
+the minimum any implementation needs, and their ratio (the goal: at most 2, README "Memory")::
 
     minimum = q + k + v + out + lse + dout + dq + dk + dv     (bytes, this rank's shards)
-
-and the ratio of the two (the goal: at most 2, README "Memory").
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P world size.
 
 Note [Measuring peak memory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: the bytes of
-live tensors in PyTorch's caching allocator (not its cache, not NCCL's own buffers).
+CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: live tensors in
+PyTorch's caching allocator (not its cache, not NCCL's buffers).
 
 CPU: PyTorch's CPU allocator keeps no counters, so we read the kernel's. The resident-set
 high-water mark is reset (``5`` into ``/proc/self/clear_refs``, Linux >= 4.0) right before the
 call and read (``VmHWM`` in ``/proc/self/status``) right after; the peak is the inputs' bytes
-plus ``VmHWM - VmRSS`` at the reset. This is honest only when freed tensors leave the
-resident set: glibc's heap keeps freed blocks, so the ranks run with
-``MALLOC_MMAP_THRESHOLD_=65536`` (every block above 64 KiB is its own mapping, returned to the
-kernel when freed; set by the launcher, checked here). What remains over-counts a little:
-pages, Python objects, gloo's socket buffers (a few MiB in all).
+plus ``VmHWM - VmRSS`` at the reset. Freed tensors must leave the resident set, but glibc's
+heap keeps freed blocks: the ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (every block
+above 64 KiB its own mapping, returned when freed; set by the launcher, checked here). Pages,
+Python objects and gloo's socket buffers still over-count a little (a few MiB).
 """
 
 from __future__ import annotations
@@ -59,6 +56,10 @@ __all__ = [
 MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """Environment for CPU ranks whose peak memory is measured (Note [Measuring peak memory])."""
 
+_METHODS = {
+    "cuda": "torch.cuda.max_memory_allocated",
+    "cpu": "VmHWM (MALLOC_MMAP_THRESHOLD_=65536)",
+}
 # every strategy but the hybrid (a 2-D mesh: measured through its parts)
 DEFAULT_STRATEGIES = tuple(s for s in Strategy if s is not Strategy.HYBRID)
 
@@ -119,7 +120,7 @@ def peak_memory(device: torch.device) -> Iterator[PeakMemory]:
         yield result
         torch.cuda.synchronize(device)
         result.extra_bytes = torch.cuda.max_memory_allocated(device) - base
-        result.method = "torch.cuda.max_memory_allocated"
+        result.method = _METHODS["cuda"]
         return
     if device.type != "cpu":
         raise RuntimeError(f"peak memory is measured on cpu and cuda; got device {device}")
@@ -137,7 +138,7 @@ def peak_memory(device: torch.device) -> Iterator[PeakMemory]:
     base = _proc_status_bytes("VmRSS")
     yield result
     result.extra_bytes = max(0, _proc_status_bytes("VmHWM") - base)
-    result.method = "VmHWM (MALLOC_MMAP_THRESHOLD_=65536)"
+    result.method = _METHODS["cpu"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -341,9 +342,7 @@ def run(args: argparse.Namespace) -> int:
         "causal": config.causal,
         "device": per_rank[0]["device"],
         "comm_path": per_rank[0]["comm_path"],
-        "method": "torch.cuda.max_memory_allocated"
-        if per_rank[0]["device"].startswith("cuda")
-        else "VmHWM (MALLOC_MMAP_THRESHOLD_=65536)",
+        "method": _METHODS[per_rank[0]["device"].split(":")[0]],
         "torch": torch.__version__,
         "git_sha": git_sha(),
     }

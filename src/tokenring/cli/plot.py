@@ -1,12 +1,9 @@
 """Timeline pictures and traces: per rank, per step, compute and each flow on a time axis.
 
-The same pictures for measured runs (``tokenring bench --plot/--trace``: events recorded
-inside the runtime) and simulated ones (``tokenring simulate --timeline/--trace``), and the
-simulator's curves (``tokenring simulate --plot``). matplotlib is imported lazily (the
-``plot`` extra); the Chrome/Perfetto trace needs nothing beyond the standard library.
-
-Receive bars span from when the receive was posted to when the rank saw it complete, so a
-bar that ends late may have waited for the rank rather than for the wire.
+The same pictures for measured runs (``tokenring bench --plot/--trace``: events recorded by the
+runtime) and simulated ones (``tokenring simulate --timeline/--trace``), and the simulator's
+curves (``simulate --plot``). matplotlib is imported lazily (the ``plot`` extra). A receive bar
+spans from its posting to when the rank saw it complete: a late end may be the rank's wait.
 """
 
 from __future__ import annotations

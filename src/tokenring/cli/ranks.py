@@ -82,10 +82,10 @@ def launch_with_progress(
     args: argparse.Namespace,
     rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any]:
-    """Spawn ``args.world_size`` ranks running ``fn(config, progress_path)`` (each finished
-    row appends a line to the progress file) behind a progress bar, inside the emulated lab
-    when ``args.link`` is set (then ``args._lab`` describes it). ``rank_env(rank)``: extra
-    environment variables of a rank (beside the lab's). Returns every rank's value."""
+    """Every rank's ``fn(config, progress_path)`` (a finished row appends a line to the progress
+    file) on ``args.world_size`` spawned ranks behind a progress bar, inside the emulated lab
+    with ``args.link`` (``args._lab`` describes it); ``rank_env(rank)``: a rank's extra
+    environment."""
     with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp, ExitStack() as stack:
         progress_path = os.path.join(tmp, "progress")
         bar = stack.enter_context(progress(num_rows, title))
@@ -124,8 +124,7 @@ def launch_with_progress(
 
 
 def row_done(progress_path: str | None) -> None:
-    """On rank 0, count one finished row in the progress file that
-    :func:`launch_with_progress` polls."""
+    """On rank 0, count one finished row in the progress file (:func:`launch_with_progress`)."""
     if progress_path is not None and dist.get_rank() == 0:
         with open(progress_path, "a") as f:
             f.write("row\n")
@@ -147,10 +146,9 @@ def collect_per_rank(
     title: str,
     rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any] | None:
-    """Every rank's ``fn(config)``: under torchrun this process is one rank (the results are
-    gathered, and only rank 0 gets them; the others get None), else
-    :func:`launch_with_progress` spawns the ranks (``num_rows``, ``title`` and ``rank_env``
-    are its). Sets ``args._lab`` (None unless the launch ran in the lab)."""
+    """Every rank's ``fn(config)``: under torchrun this process is one rank (rank 0 gets the
+    gathered results, the others None), else :func:`launch_with_progress` spawns the ranks.
+    Sets ``args._lab`` (None outside the lab)."""
     args._lab = None
     if not under_torchrun():
         return launch_with_progress(

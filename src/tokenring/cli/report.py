@@ -68,3 +68,12 @@ def write_markdown(
     lines += ["| " + " | ".join(row) + " |" for row in rows] + ["", *end]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def timing_note(settings: dict[str, Any], extra: str = "") -> str:
+    """The markdown page's line on how the times were taken."""
+    return (
+        f"torch {settings['torch']}, git {settings['git_sha']}, {settings['warmup']} warm-up + "
+        f"{settings['iters']} timed calls per row; times are the max over ranks of each rank's "
+        f"median.{extra}"
+    )

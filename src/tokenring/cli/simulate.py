@@ -30,7 +30,6 @@ from tokenring.strategies.hybrid import HybridSpec
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring simulate``."""
-
     _add_call_arguments(parser.add_argument_group("the call: model, sizes, strategies"))
     machine = parser.add_argument_group("the machine and the simulator")
     machine.add_argument(
@@ -117,30 +116,13 @@ def _add_call_arguments(call: ArgumentAdder) -> None:
 class _Config:
     """The CLI's arguments, validated."""
 
-    model: str
-    """Key of KNOWN_MODELS (tokenring.cli.models)."""
+    model: str  # a key of KNOWN_MODELS
     hardware: Hardware
-    """The machine."""
     shape: AttentionShape
-    """Per-rank shape."""
     layout: Layout
-    """Sequence layout."""
-    causal: bool
-    """From the model."""
-    points: tuple[tuple[int, int, int], ...]
-    """(world_size, seq, requested seq): seq is the request rounded down to a multiple the
-    layout can split over world_size (the table says when it differs)."""
-    hybrid: HybridSpec | None = None
-    """The hybrid's factorisation when it is requested."""
-
-    def __post_init__(self) -> None:
-        for world_size, seq, requested in self.points:  # --world-size, --seq: >= 1 already
-            if seq < 1:
-                parts = world_size * (2 if self.layout is Layout.ZIGZAG else 1)
-                raise ValueError(
-                    f"--seq must be at least {parts} for layout '{self.layout.value}' with "
-                    f"world size {world_size}; got {requested}"
-                )
+    causal: bool  # the model's
+    points: tuple[tuple[int, int, int], ...]  # (P, S rounded down to what the layout splits, S)
+    hybrid: HybridSpec | None = None  # when the hybrid is requested
 
 
 def _config(args: argparse.Namespace) -> _Config:
@@ -148,20 +130,23 @@ def _config(args: argparse.Namespace) -> _Config:
     layout = Layout.parse(
         args.layout if args.layout != "auto" else ("zigzag" if model.causal else "contiguous")
     )
-    points: list[tuple[int, int, int]] = []
-    for world_size in args.world_size:
-        parts = max(1, world_size) * (2 if layout is Layout.ZIGZAG else 1)
-        points.extend((world_size, seq // parts * parts, seq) for seq in args.seq)
+    parts = {p: p * (2 if layout is Layout.ZIGZAG else 1) for p in args.world_size}
+    points = [(p, seq // parts[p] * parts[p], seq) for p in args.world_size for seq in args.seq]
     hybrid = None
     if Strategy.HYBRID.value in args.strategies:
-        hardware = PRESETS[args.hardware]
-        inner = args.hybrid_inner or hardware.devices_per_node
+        inner = args.hybrid_inner or PRESETS[args.hardware].devices_per_node
         if inner is None:
             raise ValueError(
                 f"--hybrid-inner must be given for the hybrid on {args.hardware!r} (it has no "
                 "islands to default to)"
             )
         hybrid = HybridSpec(inner=inner, outer_strategy=args.hybrid_outer)
+    for world_size, seq, requested in points:
+        if seq < 1:
+            raise ValueError(
+                f"--seq must be at least {parts[world_size]} for layout '{layout.value}' with "
+                f"world size {world_size}; got {requested}"
+            )
     return _Config(
         hybrid=hybrid,
         model=args.model,
@@ -346,14 +331,12 @@ def _timeline_panels(results: list[CallResult]) -> list[tuple[str, list[list[Eve
 
 _EVENT_BYTES_PER_CELL = 5 << 10
 """Memory of the event engine per (rank, step) of one pass: the Schedule's pieces and
-transfers and the timeline's events (measured: peak RSS grows by ~1.3 GB from P = 64 to
-P = 512 for one TokenRing forward pass, about 5 KiB per cell)."""
+transfers and the timeline's events (measured for a TokenRing forward pass)."""
 
 
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
-
     cfg = _config(args)
     if args.timeline or args.trace:
         first = args.world_size[0]
@@ -363,14 +346,13 @@ def check_args(args: argparse.Namespace) -> None:
                 f"{EVENT_MAX_WORLD_SIZE} or --mode vectorised); use --mode event or a smaller "
                 "first --world-size"
             )
-    # The vectorised engine's memory is linear in P (Note [Vectorised engine]); the event
-    # engine's grows with P^2, and every result keeps its timeline.
+    # The event engine's memory grows with P^2 and every result keeps its timeline; the
+    # vectorised engine's is linear in P (Note [Vectorised engine]).
     event_points = [
         p for p, _, _ in cfg.points if args.mode == "event" or p <= EVENT_MAX_WORLD_SIZE
     ]
     passes = len(_PASSES[args.passes])
-    need = sum(p * p for p in event_points) * passes * len(args.strategies)
-    need *= _EVENT_BYTES_PER_CELL
+    need = sum(p * p for p in event_points) * passes * len(args.strategies) * _EVENT_BYTES_PER_CELL
     available = mem_available_bytes()
     if available is not None and need > available:
         biggest = max(event_points)
