@@ -41,20 +41,11 @@ __all__ = [
     "split_list",
 ]
 
-# command name -> (module, one-line help). Modules are imported only when their command runs.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": (
-        "tokenring.cli.demo",
-        "check every strategy against the oracle on CPU ranks and time it",
-    ),
-    "bench": (
-        "tokenring.cli.bench",
-        "every strategy side by side: verified, timed, against its bound",
-    ),
-    "simulate": (
-        "tokenring.cli.simulate",
-        "predict every strategy's time on a described machine",
-    ),
+# command -> its one-line help; its module, tokenring.cli.<command>, is imported only when it runs
+COMMANDS: dict[str, str] = {
+    "demo": "check every strategy against the oracle on CPU ranks and time it",
+    "bench": "every strategy side by side: verified, timed, against its bound",
+    "simulate": "predict every strategy's time on a described machine",
 }
 
 
@@ -216,11 +207,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, help_text in COMMANDS.items():
         if name != command:
             sub.add_parser(name, help=help_text)
             continue
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(f"tokenring.cli.{name}")
         summary = (module.__doc__ or help_text).split("\n\n")[0]  # the Notes stay in the code
         parser_of_command = sub.add_parser(
             name, help=help_text, description=summary, formatter_class=HelpFormatter
