@@ -348,7 +348,7 @@ def _prepare_call(
         "hardware": None if options["hardware"] is None else repr(options["hardware"]),
         "softmax_scale": float(scale).hex(),
         "window_size": list(window),
-        "cu_seqlens": [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))],
+        "cu_seqlens": _bounds_digest(bounds),
         "attention_chunk_size": options["attention_chunk_size"],
         "last_block_splits": options["last_block_splits"],
         "last_pair": options["last_pair"],
@@ -364,6 +364,11 @@ def _prepare_call(
         scale=scale,
         signature=signature,
     )
+
+
+def _bounds_digest(bounds: Sequence[int]) -> list[int]:
+    """Document boundaries as a signature field: their count and CRC-32."""
+    return [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))]
 
 
 def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
