@@ -67,6 +67,7 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _COMMUNICATORS: dict[dist.ProcessGroup, Communicator] = {}
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
+_Out = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # out, or (out, lse)
 
 
 def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None) -> Communicator:
@@ -187,29 +188,20 @@ def resolve_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    call = dict(causal=causal, layout=layout, last_block_splits=last_block_splits)
+    call |= dict(hardware=hardware, requires_grad=[training, training])
     return planner.choose_strategy(
-        **_planner_args(
-            q,
-            k,
-            hardware,
-            causal=causal,
-            layout=layout,
-            world_size=comm.world_size,
-            last_block_splits=last_block_splits,
-            training=training,
-        ),
-        last_pair=last_pair,
+        **_planner_args(q, k, call, comm.world_size), last_pair=last_pair
     )
 
 
 def _planner_args(
-    q: torch.Tensor, k: torch.Tensor, hardware: Hardware | str, **call: Any
+    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int
 ) -> dict[str, Any]:
-    """The planner's description of a call (``call``: causal, layout, world_size, training,
-    last_block_splits), with q's and k's shapes and ``hardware`` resolved."""
+    """The planner's description of a call (``options``: the operator's keyword arguments)."""
     batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
+    hardware = options["hardware"]
     return dict(
-        call,
         batch=batch,
         seq_local=seq_local,
         heads_q=heads_q,
@@ -217,17 +209,6 @@ def _planner_args(
         head_dim=head_dim,
         dtype=q.dtype,
         hardware=preset(hardware) if isinstance(hardware, str) else hardware,
-    )
-
-
-def _op_planner_args(
-    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int
-) -> dict[str, Any]:
-    """:func:`_planner_args` of an operator call (``options``: its keyword arguments)."""
-    return _planner_args(
-        q,
-        k,
-        options["hardware"],
         causal=options["causal"],
         layout=Layout.parse(options["layout"]),
         world_size=world_size,
@@ -246,7 +227,7 @@ def _lends_last_pair(
     policy = _last_pair_policy(options)
     if policy != "auto":
         return policy == "lend"
-    return planner.lends_last_pair(**_op_planner_args(q, k, options, world_size))
+    return planner.lends_last_pair(**_planner_args(q, k, options, world_size))
 
 
 def _last_pair_policy(options: dict[str, Any]) -> str:
@@ -605,7 +586,7 @@ def _strategy_of(
     if world_size is None:
         world_size = _rank_and_size(op.resolve_group(options["group"]))[1]
     return planner.choose_strategy(
-        **_op_planner_args(q, k, options, world_size), last_pair=_last_pair_policy(options)
+        **_planner_args(q, k, options, world_size), last_pair=_last_pair_policy(options)
     )
 
 
@@ -664,7 +645,7 @@ def sequence_parallel_attn(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     window_size: Sequence[int] | int | None = None,
     attention_chunk_size: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> _Out:
     """Attention over a sequence sharded across the ranks of ``group``: every rank passes its
     shard and gets its shard of full attention over the global sequence.
 
@@ -807,7 +788,14 @@ def _plan(
     if not isinstance(options["check_ranks"], bool):
         raise ValueError(f"check_ranks must be a bool; got {options['check_ranks']!r}")
     comm = get_communicator(op.resolve_group(options["group"]))
-    call = _agreed_call(q, k, v, comm, options)
+
+    def validate() -> tuple[_Call, dict[str, Any]]:
+        needs_grad = any(options["requires_grad"])
+        call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
+        return call, call.signature
+
+    what, check_ranks = "attention call", options["check_ranks"]
+    call = comm.agreed(validate, what=what, check_ranks=check_ranks)  # Note [Rank agreement]
     strategy = _strategy_of(q, k, options, comm.world_size)
     lend = _lends_last_pair(strategy, q, k, options, comm.world_size)
     sharding = call.sharding
@@ -844,101 +832,52 @@ def _plan(
     )
 
 
-def _agreed_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, options: dict[str, Any]
-) -> _Call:
-    """This rank's call, once the ranks agree (Note [Rank agreement])."""
-
-    def validate() -> tuple[_Call, dict[str, Any]]:
-        needs_grad = any(options["requires_grad"])
-        call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
-        return call, call.signature
-
-    return comm.agreed(validate, what="attention call", check_ranks=options["check_ranks"])
-
-
 # One function per strategy: sequence_parallel_attn with the strategy fixed.
 
 
-def token_ring_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """TokenRing attention (pass-Q): Q blocks travel the ring, partial (out, lse) return
-    straight to their owner on the other direction (Note [TokenRing step table] in
-    tokenring.strategies.ring; the loop is ``tokenring.runtime.ring.run_forward``).
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def token_ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """TokenRing (pass-Q): Q blocks travel the ring, partials return straight to their owner
+    (Note [TokenRing step table] in tokenring.strategies.ring). As
+    :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.TOKEN_RING, **options)
 
 
-def ring_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention (pass-KV): K/V blocks travel the ring, queries stay home.
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """Ring attention (pass-KV): K/V blocks travel, queries stay. As
+    :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.RING, **options)
 
 
-def bidir_ring_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Bidirectional Ring attention: pass-KV on two counter-rotating rings, each carrying half
-    of the kv heads (with one kv head: half of the K/V rows), so both directions of every link
-    carry K/V and there is no exposed return.
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def bidir_ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """Pass-KV on two counter-rotating rings, each with half of the kv heads (one kv head: half
+    of the rows). As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_RING, **options)
 
 
 def bidir_token_ring_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Bidirectional TokenRing attention: pass-Q on two counter-rotating rings, each carrying
-    half of the query heads (whole GQA groups; with one kv head, half of the query heads), so
-    both directions of every link carry Q and partials, and each partial returns straight to
-    its owner (Note [Bidirectional TokenRing] in tokenring.strategies.ring).
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-
-    Raises:
-        NotImplementedError: a single query head (nothing to split; use token_ring_attn).
-    """
+) -> _Out:
+    """Pass-Q on two counter-rotating rings, each with half of the query heads (Note
+    [Bidirectional TokenRing] in tokenring.strategies.ring). As :func:`sequence_parallel_attn`;
+    one query head raises NotImplementedError."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_TOKEN_RING, **options)
 
 
-def ulysses_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ulysses attention: all-to-all from sequence to head shards, local attention over the
-    whole sequence, all-to-all back; heads that do not divide the world size are split
-    unevenly (ceil/floor shares in rank order).
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def ulysses_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """Ulysses: all-to-all from sequence to head shards (uneven heads: ceil/floor shares),
+    local attention, all-to-all back. As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ULYSSES, **options)
 
 
-def allgather_kv_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """All-gather K/V attention (Llama-3 style): K/V are all-gathered while the local block
-    computes, queries stay local; the backward reduce-scatters dK/dV.
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def allgather_kv_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """All-gather K/V (Llama-3 style) while the local block computes; the backward
+    reduce-scatters dK/dV. As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ALLGATHER_KV, **options)
 
 
 class SequenceParallelAttention(torch.nn.Module):
-    """``nn.Module`` wrapper: ``forward(q, k, v) -> out`` with the options fixed at build time.
-
-    Args: as :func:`sequence_parallel_attn` (strategy, causal, softmax_scale, group, layout,
-    kernel, last_block_splits, last_pair, check_ranks).
-    """
+    """``nn.Module``: ``forward(q, k, v) -> out`` with :func:`sequence_parallel_attn`'s
+    options fixed at build time."""
 
     def __init__(
         self,
