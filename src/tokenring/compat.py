@@ -179,12 +179,11 @@ def ring_flash_attn_func(
         strategy: not in the original; see :func:`tokenring.sequence_parallel_attn`.
 
     Returns:
-        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
-        ``return_attn_probs``.
+        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)``.
 
     Raises:
-        NotImplementedError: dropout_p != 0 or alibi_slopes given.
-        ValueError: as :func:`tokenring.sequence_parallel_attn`.
+        NotImplementedError: dropout_p != 0 or alibi_slopes; ValueError: as
+            :func:`tokenring.sequence_parallel_attn`.
     """
     flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
     call = (causal, softmax_scale, window_size)
@@ -499,12 +498,11 @@ def flash_attn_func(
             :func:`tokenring.sequence_parallel_attn`.
 
     Returns:
-        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
-        ``return_attn_probs``.
+        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)``.
 
     Raises:
-        NotImplementedError: dropout_p != 0, softcap > 0 or alibi_slopes given.
-        ValueError: as :func:`tokenring.sequence_parallel_attn`.
+        NotImplementedError: dropout_p != 0, softcap > 0 or alibi_slopes; ValueError: as
+            :func:`tokenring.sequence_parallel_attn`.
     """
     flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     call = (causal, softmax_scale, window_size)

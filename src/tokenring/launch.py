@@ -468,9 +468,7 @@ def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[floa
 
 
 def _exit_status(code: int) -> str:
-    if code < 0:
-        return f"signal {signal.Signals(-code).name}"
-    return f"code {code}"
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
 
 def _end(ranks: Sequence[_Rank]) -> None:
