@@ -154,7 +154,7 @@ AUTO_NEEDS_HARDWARE = (
 )
 
 
-_schedule = functools.lru_cache(maxsize=256)(build_schedule)
+_schedule = functools.lru_cache(maxsize=256)(build_schedule)  # pure: one build per shape
 
 
 def resolve_strategy(

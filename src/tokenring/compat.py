@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from tokenring.api import get_communicator, sequence_parallel_attn
+from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import Layout, check_int, make_sharding, normalize_cu_seqlens
 from tokenring.core.schedule import Strategy
 from tokenring.runtime.comm import Communicator
@@ -64,7 +64,6 @@ __all__ = [
     "zigzag_ring_flash_attn_func",
 ]
 
-GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
 WHAT = "attention call"  # the rank check of sequence_parallel_attn, which the shims join
 
 Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]

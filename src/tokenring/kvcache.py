@@ -30,13 +30,11 @@ from typing import Any
 
 import torch
 
-from tokenring.api import get_communicator
+from tokenring.api import _DTYPES, get_communicator
 from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CacheStep, place_new_tokens
 
 __all__ = ["CacheStep", "DistributedKVCache", "KVCacheBudgetError", "place_new_tokens"]
-
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 class KVCacheBudgetError(RuntimeError):
