@@ -1,39 +1,25 @@
 """tokenring: sequence-parallel attention on torch.distributed.
 
 TokenRing (pass-Q: Q blocks travel the ring, partial outputs return on the other direction)
-and Ring attention (pass-KV), forward and backward, on CPU (gloo) and GPU (NCCL).
-
-The distribution is named ``tokenring-attention``; the import name is ``tokenring``.
+and Ring attention (pass-KV), forward and backward, on CPU (gloo) and GPU (NCCL). The
+distribution is named ``tokenring-attention``; the import name is ``tokenring``.
 
 Note [Lazy package]
 ~~~~~~~~~~~~~~~~~~~
-``import tokenring`` imports neither torch nor the
-library: it checks the torch floor against the installed distribution's metadata
-(``_check_torch``) and defines ``__version__``. The first public name a program uses
-(``tokenring.ring_attn``, ``from tokenring import launch``, any name of ``__all__``, or one
-of the submodules the library's import binds, ``tokenring.runtime``) loads the whole library
-at once (PEP 562 ``__getattr__``: :func:`_load`); from then on the names are plain
-attributes; ``dir(tokenring)`` lists them without loading. So ``tokenring --help`` runs
-without torch: the command line imports a command's module only when that command runs
-(``tokenring.cli``).
+``import tokenring`` imports neither torch nor the library: it checks the torch floor against
+the installed metadata (``_check_torch``) and defines ``__version__``. The first public name
+used (any name of ``__all__`` or a submodule the library binds, ``tokenring.runtime``) loads
+the whole library (PEP 562 ``__getattr__``: :func:`_load`); ``dir(tokenring)`` lists the names
+without loading. So ``tokenring --help`` runs without torch.
 
-The package was eager once, for a measured reason: lazy, a program that imports torch and
-tokenring, calls ``init_process_group`` and only then uses the library ended with the
-default group's gloo threads alive past ``destroy_process_group``, and a gloo thread alive
-while Python finalises can abort the process after every result was right (Note [Clean
-exit] in tokenring.launch). The cause: loading the library imports torch._dynamo, which
-imports torch.distributed.nn.functional, whose functions take ``group=group.WORLD`` as a
-default argument, evaluated at import; imported after ``init_process_group`` they hold the
-default group for good (Note [Groups in default arguments] in tokenring.runtime.comm). The
-library's exit hook, ``close_communicators``, sets those defaults back to None before
-Python finalises, so the order of the imports no longer matters at exit
-(``test_user_program_exits_cleanly`` runs both orders). Until then a destroyed default
-group keeps its threads; ``close_communicators()`` before ``destroy_process_group()``
-releases them at once.
+Loading imports torch._dynamo, whose torch.distributed.nn.functional holds
+``group=group.WORLD`` in default arguments when imported after ``init_process_group``; the
+exit hook ``close_communicators`` clears them (Note [Groups in default arguments] in
+tokenring.runtime.comm), so the import order does not matter at exit (Note [Clean exit] in
+tokenring.launch).
 
-``tokenring.launch`` is the function, as it always was, even once the submodule of the same
-name is imported: the import system binds each submodule it imports on its package, and
-``_Package.__setattr__`` leaves the public names to the library's objects.
+``tokenring.launch`` stays the function once the submodule of that name is imported:
+``_Package.__setattr__`` never binds a module over a public name.
 """
 
 from __future__ import annotations
@@ -50,8 +36,7 @@ MIN_TORCH = "2.6"  # the floor in pyproject.toml; dist.P2POp(..., group_peer=...
 
 
 def _installed_torch() -> str:
-    """The torch in use: the imported module's version, else the installed distribution's
-    (read from its metadata, without importing torch)."""
+    """The torch in use: the imported module's version, else the installed distribution's."""
     loaded = sys.modules.get("torch")
     if loaded is not None:
         return str(loaded.__version__)
@@ -65,8 +50,8 @@ def _installed_torch() -> str:
 
 
 def _check_torch(installed: str | None = None) -> None:
-    """Raise ImportError naming both versions when ``installed`` (default: the torch in
-    use, :func:`_installed_torch`) is older than MIN_TORCH."""
+    """Raise ImportError naming both versions when ``installed`` (default: the torch in use)
+    is older than MIN_TORCH."""
     installed = _installed_torch() if installed is None else installed
     match = re.match(r"(\d+)\.(\d+)", installed)
     floor = tuple(int(x) for x in MIN_TORCH.split("."))
@@ -79,8 +64,7 @@ def _check_torch(installed: str | None = None) -> None:
 
 _check_torch()
 
-# module -> the public names it gives (None: its __all__), in the order the library loads
-# (api first, as always)
+# module -> the public names it gives (None: its __all__), in load order
 _EXPORTS: dict[str, tuple[str, ...] | None] = {
     "tokenring.api": None,
     "tokenring.core.layout": (
@@ -101,7 +85,7 @@ _EXPORTS: dict[str, tuple[str, ...] | None] = {
     "tokenring.runtime.comm": ("Communicator",),
     "tokenring.strategies.cached": ("CachedStrategy",),
 }
-# the submodules that loading the library binds here (what the eager package offered)
+# the submodules that loading the library binds here
 _MODULES = frozenset(
     {"api", "core", "hybrid", "inference", "kvcache", "model", "runtime", "strategies"}
 )
@@ -176,8 +160,7 @@ __all__ = [
 
 
 def _load() -> None:
-    """Import the library (and torch) and bind every public name here (Note [Lazy
-    package]). Idempotent."""
+    """Import the library and bind every public name here (Note [Lazy package])."""
     namespace = globals()
     for module_name, names in _EXPORTS.items():
         module = importlib.import_module(module_name)
@@ -198,15 +181,13 @@ if not TYPE_CHECKING:  # to a type checker, a module __getattr__ makes every nam
 
 
 def __dir__() -> list[str]:
-    """The public names too before they are loaded (listing them loads nothing)."""
+    """The public names too, without loading them."""
     return sorted({*globals(), *__all__, *_MODULES})
 
 
 class _Package(types.ModuleType):
-    """This package's module type (Note [Lazy package]). Importing a submodule binds it on
-    its package; for the submodule ``tokenring.launch`` that would replace the function
-    ``launch``, or, imported before the library is loaded, stand in for it. A public name
-    is never bound to a module, so it stays (or is loaded as) the library's object."""
+    """This package's module type: a public name is never bound to a submodule (such as
+    ``tokenring.launch`` over the function ``launch``; Note [Lazy package])."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in __all__ and isinstance(value, types.ModuleType):

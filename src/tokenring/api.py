@@ -1,11 +1,6 @@
-"""Public entry points: ``token_ring_attn``, ``ring_attn``, ``sequence_parallel_attn`` and the
-``SequenceParallelAttention`` module.
-
-This module owns input validation (once, at the boundary), the cross-rank agreement check,
-and the autograd wiring: the attention is the custom operator ``tokenring::attention`` (its
-backward ``tokenring::attention_backward``), so ``torch.compile`` traces through it with and
-without ``fullgraph`` and eager calls take the same path (Note [The attention operator]). The
-work itself is the schedule (``tokenring.core.schedule``) executed by ``tokenring.runtime.ring``.
+"""Public entry points (``sequence_parallel_attn``, one function per strategy, the
+``SequenceParallelAttention`` module): validation at the boundary, the ranks' agreement, and the
+custom operators that autograd and torch.compile see (Note [The attention operator]).
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size.
 """
@@ -53,47 +48,35 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 # Note [Communicator cache]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
-# Every public call takes ``group=`` (a ProcessGroup, a 1-D DeviceMesh, a Communicator, or
-# None for the default group) and runs on that group's Communicator. A Communicator passed
-# in is used as it is and never cached. For a ProcessGroup (a mesh: its group; None: the
-# default group) ``get_communicator`` keeps one Communicator per group object in
-# ``_COMMUNICATORS``, so that the channel groups it made (Note [Channel pool] in
-# tokenring.runtime.comm) and its timeout are built once, not per call. Who fills it:
+# A Communicator passed as ``group=`` is used as it is, never cached. For a ProcessGroup (a
+# mesh: its group; None: the default group) ``get_communicator`` keeps one Communicator per
+# group in ``_COMMUNICATORS``, so its channel groups (Note [Channel pool] in
+# tokenring.runtime.comm) and timeout are built once. Who fills it:
 #
 #     get_communicator(group)     every attention, KV-cache and hybrid call, and you
 #     init_distributed()          the default group's, with its timeout (and returns it)
 #     launch's ranks              the default group's, with pg_timeout_s, before fn runs
 #
-# An entry is released (the Communicator closed, its channel groups pooled, the entry
-# dropped), exactly:
+# An entry is released (closed, its channel groups pooled, dropped):
 #
-#     1. by the first get_communicator call, for any group, after
-#        torch.distributed.destroy_process_group destroyed the entry's group (each attention
-#        call makes one, so the next call of the library releases it);
+#     1. by the first get_communicator call after destroy_process_group destroyed its group
+#        (torch.distributed has no destruction hook; until then the Communicator refuses
+#        every call: ``group_alive`` is False);
 #     2. by close_communicators() (every entry; launch runs it before destroying its groups);
 #     3. at interpreter exit (atexit runs close_communicators).
-#
-# torch.distributed (2.13) has no hook that runs when a group is destroyed, so release (1)
-# is the first library call after the destruction rather than the destruction itself; a
-# Communicator of a destroyed group refuses every call in between (``group_alive`` is False),
-# and nothing else reads the cache. To release at a moment of your choosing, call
-# close_communicators() before destroy_process_group, or pass your own Communicator and
-# close() it.
 _COMMUNICATORS: dict[dist.ProcessGroup, Communicator] = {}
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
+_Out = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # out, or (out, lse)
 
 
 def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None) -> Communicator:
     """The communicator for ``group``: a ProcessGroup, a 1-D DeviceMesh, a Communicator (used
-    as is) or None (the default group). Built once per group and reused while the group lives
-    (Note [Communicator cache]).
+    as is) or None (the default group); built once per group (Note [Communicator cache]).
 
     Args:
-        timeout_s: how long any transfer or collective of the group's communicator may take
-            from now on (when it is built here: default 300 s). ``tokenring.init_distributed``
-            and ``tokenring.launch`` build the default group's communicator with their
-            process-group timeout.
+        timeout_s: the limit of any transfer or collective of it from now on (default 300 s
+            when it is built here).
 
     Raises:
         ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
@@ -125,14 +108,9 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
 
 
 def close_communicators() -> None:
-    """Close every communicator ``get_communicator`` built, forget them, and destroy the
-    channel process groups they made (never the groups passed in, which belong to the
-    caller; Note [Channel pool] in tokenring.runtime.comm).
-
-    Call it before ``torch.distributed.destroy_process_group()`` when a program ends
-    (``tokenring.launch`` does); it also runs at interpreter exit, so no gloo worker thread of
-    the library outlives the interpreter (Note [Clean exit] in tokenring.launch; Note [Groups
-    in default arguments] in tokenring.runtime.comm).
+    """Close and forget every communicator ``get_communicator`` built and destroy their
+    channel groups (never the caller's groups). Call it before ``destroy_process_group()``;
+    it also runs at exit (Note [Clean exit] in tokenring.launch).
     """
     cached = list(_COMMUNICATORS.values())
     _COMMUNICATORS.clear()
@@ -163,17 +141,12 @@ def _mesh_group(group: GroupLike) -> GroupLike:
 
 # Note [Calibration is passed in]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# strategy="auto" plans for the hardware= the caller passes: a preset name
-# (tokenring.model.costmodel.PRESETS) or a Hardware, typically measured once with
-# tokenring.model.planner.calibrate(comm, dtype=..., device=...), a collective of a few
-# seconds on CPU whose numbers every rank shares. The library never measures behind a call:
-# it keeps no calibration per group, and an attention or cached-attention call with
-# strategy="auto" and hardware=None raises ValueError on every rank (it is part of the
-# validation the ranks agree on: Note [Rank agreement]). Measuring on every call instead
-# would hide a multi-second collective in each forward (each decode step for the cached
-# path), and a preset picked for the caller would plan for a machine they do not have.
-# Loops that own their calls measure once per loop when given no hardware, and say so in
-# their docstrings: tokenring.tinylm.generate and tokenring.hf.generate.
+# strategy="auto" plans for the hardware= the caller passes: a preset name or a Hardware
+# measured once with tokenring.model.planner.calibrate (a collective of a few seconds).
+# The library never measures behind a call (that would hide a multi-second collective in
+# every forward), so strategy="auto" with hardware=None raises ValueError on every rank.
+# Loops that own their calls (tokenring.tinylm.generate, tokenring.hf.generate) measure
+# once per loop when given no hardware.
 AUTO_NEEDS_HARDWARE = (
     "strategy='auto' needs hardware=: a preset name (tokenring.model.costmodel.PRESETS) or a "
     "Hardware measured once with tokenring.model.planner.calibrate(comm, dtype=..., "
@@ -181,8 +154,7 @@ AUTO_NEEDS_HARDWARE = (
 )
 
 
-# build_schedule is pure (same arguments, same schedule): a call builds each schedule once.
-_schedule = functools.lru_cache(maxsize=256)(build_schedule)
+_schedule = functools.lru_cache(maxsize=256)(build_schedule)  # pure: one build per shape
 
 
 def resolve_strategy(
@@ -198,12 +170,8 @@ def resolve_strategy(
     training: bool | None = None,
     last_pair: str = "auto",
 ) -> Strategy:
-    """The strategy a call runs: ``strategy`` itself, or for ``"auto"`` the planner's pick.
-
-    The pick is a pure function of the call's shape and ``hardware``, so ranks given the same
-    description pick the same strategy (``tokenring.model.planner.calibrate`` agrees its
-    measurements across ranks). The planner logs its choice and the predicted time of each
-    alternative once, at INFO (logger ``tokenring.model.planner``).
+    """``strategy`` itself, or for ``"auto"`` the planner's pick: a pure function of the
+    call's shape and ``hardware``, so every rank picks the same (logged once at INFO).
 
     Args:
         hardware: for ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
@@ -220,29 +188,20 @@ def resolve_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    call = dict(causal=causal, layout=layout, last_block_splits=last_block_splits)
+    call |= dict(hardware=hardware, requires_grad=[training, training])
     return planner.choose_strategy(
-        **_planner_args(
-            q,
-            k,
-            hardware,
-            causal=causal,
-            layout=layout,
-            world_size=comm.world_size,
-            last_block_splits=last_block_splits,
-            training=training,
-        ),
-        last_pair=last_pair,
+        **_planner_args(q, k, call, comm.world_size), last_pair=last_pair
     )
 
 
 def _planner_args(
-    q: torch.Tensor, k: torch.Tensor, hardware: Hardware | str, **call: Any
+    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int
 ) -> dict[str, Any]:
-    """The planner's description of a call (``call``: causal, layout, world_size, training,
-    last_block_splits), with its shapes from q and k and ``hardware`` resolved."""
+    """The planner's description of a call (``options``: the operator's keyword arguments)."""
     batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
+    hardware = options["hardware"]
     return dict(
-        call,
         batch=batch,
         seq_local=seq_local,
         heads_q=heads_q,
@@ -250,6 +209,11 @@ def _planner_args(
         head_dim=head_dim,
         dtype=q.dtype,
         hardware=preset(hardware) if isinstance(hardware, str) else hardware,
+        causal=options["causal"],
+        layout=Layout.parse(options["layout"]),
+        world_size=world_size,
+        last_block_splits=options["last_block_splits"],
+        training=any(options["requires_grad"][:2]),
     )
 
 
@@ -257,26 +221,13 @@ def _lends_last_pair(
     strategy: Strategy, q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int
 ) -> bool:
     """Whether the call's TokenRing lends its last pair (Note [Borrowed last pair] in
-    tokenring.strategies.ring): ``last_pair`` "lend", or "auto" (also what None means with
-    ``strategy="auto"``) and the model says it is faster on ``hardware``. Pure, like the
-    strategy's pick; ``options`` validated (:func:`_requested_strategy`)."""
+    tokenring.strategies.ring): ``last_pair`` "lend", or "auto" and the model says so."""
     if strategy is not Strategy.TOKEN_RING:
         return False
     policy = _last_pair_policy(options)
     if policy != "auto":
         return policy == "lend"
-    return planner.lends_last_pair(
-        **_planner_args(
-            q,
-            k,
-            options["hardware"],
-            causal=options["causal"],
-            layout=Layout.parse(options["layout"]),
-            world_size=world_size,
-            last_block_splits=options["last_block_splits"],
-            training=any(options["requires_grad"][:2]),
-        )
-    )
+    return planner.lends_last_pair(**_planner_args(q, k, options, world_size))
 
 
 def _last_pair_policy(options: dict[str, Any]) -> str:
@@ -347,10 +298,9 @@ def _prepare_call(
     options: dict[str, Any],
     needs_grad: bool,
 ) -> _Call:
-    """Validate one rank's arguments (raising ValueError naming the argument) and build the
-    signature the ranks compare; pure: no communication. ``options``: the operator's, with the
-    values of its record put back (:func:`_merged`). ``needs_grad``: grad mode is on and q, k
-    or v requires grad (decided by the caller: inside the operator it is always off)."""
+    """Validate one rank's call (``options``: the operator's, :func:`_merged`) and build the
+    signature the ranks compare; no communication. ``needs_grad``: decided by the caller
+    (inside the operator grad mode is off)."""
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
     requested = _requested_strategy(q, options)
@@ -379,7 +329,7 @@ def _prepare_call(
         "hardware": None if options["hardware"] is None else repr(options["hardware"]),
         "softmax_scale": float(scale).hex(),
         "window_size": list(window),
-        "cu_seqlens": [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))],
+        "cu_seqlens": _bounds_digest(bounds),
         "attention_chunk_size": options["attention_chunk_size"],
         "last_block_splits": options["last_block_splits"],
         "last_pair": options["last_pair"],
@@ -397,9 +347,14 @@ def _prepare_call(
     )
 
 
+def _bounds_digest(bounds: Sequence[int]) -> list[int]:
+    """Document boundaries as a signature field: their count and CRC-32."""
+    return [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))]
+
+
 def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
-    """The strategy asked for ("auto" or a Strategy's value), after checking ``causal``,
-    ``last_block_splits`` and ``hardware``, which go with it."""
+    """The strategy asked for ("auto" or a Strategy's value); checks the options that go
+    with it."""
     causal, last_block_splits = options["causal"], options["last_block_splits"]
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool; got {causal!r}")
@@ -476,9 +431,9 @@ def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
 
 # Note [Rank agreement]
 # ~~~~~~~~~~~~~~~~~~~~~
-# Every argument that changes the schedule, the message sizes or the numbers is in the
-# signature of a call (``_prepare_call``); a rank whose arguments fail validation sends the
-# reason instead. The ranks exchange these before any collective or transfer of the call, so:
+# Every argument that changes the schedule, the message sizes or the numbers is in a call's
+# signature (``_prepare_call``); a rank that fails validation sends the reason instead. The
+# ranks exchange these before any transfer of the call:
 #
 #   rank 0: valid, sig A     rank 1: invalid: "q.shape[1] must be 6 ..."     rank 2: valid, sig A
 #      -> rank 1 raises its own ValueError; ranks 0 and 2 raise "rank 1 cannot run ...: ..."
@@ -487,12 +442,9 @@ def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
 #   rank 2 frozen or dead before the call
 #      -> ranks 0 and 1 raise within the communicator's timeout, naming rank 2
 #
-# ``Communicator.agree`` exchanges them point-to-point over the communicator's control group
-# (CPU, gloo), bounded by the communicator's timeout, never the process group's; every checked
-# call (this one, a cache step, a generation step) runs its checks through
-# ``Communicator.agreed``, which sends a failure in place of the signature. Behind it the
-# message headers (Note [Message header] in tokenring.runtime.comm) catch what
-# check_ranks=False lets by.
+# ``Communicator.agreed`` runs the checks and exchanges the results point-to-point on the
+# control group (CPU, gloo) within the communicator's timeout; the message headers (Note
+# [Message header] in tokenring.runtime.comm) catch what check_ranks=False lets by.
 
 
 # Note [The attention operator]
@@ -506,42 +458,31 @@ def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
 #       tokenring::attention_backward
 #                                _plan without the agreement, then op.backward
 #
-# torch.compile traces only the first line and sees each operator as one call whose outputs
-# the fake implementations shape; everything that validates or communicates runs when the
-# operator runs, so fullgraph=True works and a rank's bad input fails as it fails eagerly, on
-# every rank. A value that is not of its primitive's type (causal=1, a kernel instance, a
-# cu_seqlens tensor) travels as it is, in a record behind the ``raw`` handle, so validation
-# sees exactly what the caller passed. The backward is an operator too, so compiled autograd
-# graphs hold it like any other op. strategy="auto" is picked in the fake implementation as
-# well, from the ``hardware`` it needs (Note [Calibration is passed in]).
+# torch.compile traces only the first line and sees each operator as one call shaped by its
+# fake implementation; everything that validates or communicates runs inside the operator,
+# so fullgraph=True works and bad input fails as it does eagerly, on every rank. A value not
+# of its primitive's type (causal=1, a kernel instance, a cu_seqlens tensor) travels as it is
+# in a record behind the ``raw`` handle, so validation sees what the caller passed.
 
 
-@torch.library.custom_op("tokenring::attention", mutates_args=())
+# the operators' keyword arguments: sequence_parallel_attn's options as primitives
+_OPTIONS_SCHEMA = (
+    "str group, str strategy, bool causal, float? softmax_scale, str layout, "
+    "str? block_kernel, int last_block_splits, str? last_pair, bool check_ranks, "
+    "str? hardware, int? seq_len, int[]? cu_seqlens, int[]? window_size, "
+    "int? attention_chunk_size, bool[] requires_grad, str? raw"
+)
+
+
+@torch.library.custom_op(
+    "tokenring::attention",
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, *, {_OPTIONS_SCHEMA}) -> Tensor[]",
+)
 @torch.compiler.disable  # run eagerly after a graph break: dynamo must not trace into it
 def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group: str,
-    strategy: str,
-    causal: bool,
-    softmax_scale: float | None,
-    layout: str,
-    block_kernel: str | None,
-    last_block_splits: int,
-    last_pair: str | None,
-    check_ranks: bool,
-    hardware: str | None,
-    seq_len: int | None,
-    cu_seqlens: list[int] | None,
-    window_size: list[int] | None,
-    attention_chunk_size: int | None,
-    requires_grad: list[bool],
-    raw: str | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> list[torch.Tensor]:
-    # the signature is explicit (torch.library reads the schema from it); _plan takes it whole
-    options = {name: value for name, value in locals().items() if name not in ("q", "k", "v")}
     plan = _plan(q, k, v, options, backward=False)
     out, lse, residuals = op.forward(plan, q, k, v)
     return [out.contiguous(), lse.contiguous(), *residuals]
@@ -565,7 +506,12 @@ def _attention_fake(
     return [torch.empty(q.shape, dtype=q.dtype, device=q.device), lse, *residuals]
 
 
-@torch.library.custom_op("tokenring::attention_backward", mutates_args=())
+@torch.library.custom_op(
+    "tokenring::attention_backward",
+    mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"Tensor[] residuals, *, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+)
 @torch.compiler.disable
 def _attention_backward(
     dout: torch.Tensor,
@@ -575,26 +521,8 @@ def _attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     residuals: list[torch.Tensor],
-    *,
-    group: str,
-    strategy: str,
-    causal: bool,
-    softmax_scale: float | None,
-    layout: str,
-    block_kernel: str | None,
-    last_block_splits: int,
-    last_pair: str | None,
-    check_ranks: bool,
-    hardware: str | None,
-    seq_len: int | None,
-    cu_seqlens: list[int] | None,
-    window_size: list[int] | None,
-    attention_chunk_size: int | None,
-    requires_grad: list[bool],
-    raw: str | None,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tensors = ("dout", "q", "k", "v", "out", "lse", "residuals")
-    options = {name: value for name, value in locals().items() if name not in tensors}
     plan = _plan(q, k, v, options, backward=True)
     grads = op.backward(plan, dout, q, k, v, out, lse, residuals)
     dq, dk, dv = (x.contiguous() for x in grads)
@@ -619,8 +547,7 @@ def _attention_setup(
     q, k, v = inputs
     out, lse, *residuals = output
     options = keyword_only_inputs
-    # the backward runs the strategy (and last pair) the forward ran, without a second
-    # agreement or pick
+    # the backward runs the forward's strategy and last pair, without a second agreement
     merged = _merged(options)
     strategy = _strategy_of(q, k, merged)
     last_pair = None
@@ -628,8 +555,7 @@ def _attention_setup(
         world_size = _rank_and_size(op.resolve_group(options["group"]))[1]
         last_pair = "lend" if _lends_last_pair(strategy, q, k, merged, world_size) else "return"
     ctx.options = {**options, "strategy": strategy.value, "last_pair": last_pair}
-    # the registry holds objects weakly (Note [Handles] in tokenring.runtime.op): the graph
-    # holds them
+    # the registry holds objects weakly (Note [Handles] in tokenring.runtime.op)
     ctx.referents = [op.resolve_group(options["group"]), op.resolve_object(options["raw"])]
     ctx.save_for_backward(q, k, v, out, lse, *residuals)
     ctx.mark_non_differentiable(lse, *residuals)
@@ -649,26 +575,18 @@ def _merged(options: dict[str, Any]) -> dict[str, Any]:
     return options if raw is None else {**options, **raw.values}
 
 
-def _strategy_of(q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]) -> Strategy:
-    """The strategy an operator call runs, without running it or communicating (for the fake
-    implementation and the backward); the same pick as ``resolve_strategy`` in :func:`_plan`."""
+def _strategy_of(
+    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int | None = None
+) -> Strategy:
+    """The strategy an operator call runs; pure (None ``world_size``: its group's)."""
     if options["strategy"] != "auto":
         return Strategy.parse(options["strategy"])
-    group, hardware = op.resolve_group(options["group"]), options["hardware"]
-    if hardware is None:  # the operator raises it on every rank (Note [Rank agreement])
+    if options["hardware"] is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
+    if world_size is None:
+        world_size = _rank_and_size(op.resolve_group(options["group"]))[1]
     return planner.choose_strategy(
-        **_planner_args(
-            q,
-            k,
-            hardware,
-            causal=options["causal"],
-            layout=Layout.parse(options["layout"]),
-            world_size=_rank_and_size(group)[1],
-            last_block_splits=options["last_block_splits"],
-            training=any(options["requires_grad"][:2]),
-        ),
-        last_pair=_last_pair_policy(options),
+        **_planner_args(q, k, options, world_size), last_pair=_last_pair_policy(options)
     )
 
 
@@ -727,70 +645,53 @@ def sequence_parallel_attn(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     window_size: Sequence[int] | int | None = None,
     attention_chunk_size: int | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention over a sequence sharded across the ranks of ``group``.
-
-    Every rank passes its own shard; the result is this rank's shard of the output of full
-    attention over the global sequence.
+) -> _Out:
+    """Attention over a sequence sharded across the ranks of ``group``: every rank passes its
+    shard and gets its shard of full attention over the global sequence.
 
     Args:
         q: ``(B, s, Hq, D)`` this rank's queries.
-        k, v: ``(B, s, Hkv, D)``; Hkv divides Hq (GQA/MQA; K/V heads are never repeated on
-            the wire).
-        strategy: ``"token_ring"`` (pass-Q, partials return on the other direction),
-            ``"ring"`` (pass-KV), ``"bidir_ring"`` (pass-KV on two counter-rotating rings),
-            ``"bidir_token_ring"`` (pass-Q on two counter-rotating rings, half of the query
-            heads each; needs Hq >= 2),
-            ``"ulysses"`` (all-to-all over heads), ``"allgather_kv"`` (all-gathered K/V),
-            or ``"auto"``: the fastest by the cost model (see :func:`resolve_strategy`).
-        causal: causal mask over *global* positions (see ``tokenring.core.layout``).
+        k, v: ``(B, s, Hkv, D)``; Hkv divides Hq (GQA/MQA, never repeated on the wire).
+        strategy: ``"token_ring"`` (pass-Q), ``"ring"`` (pass-KV), ``"bidir_ring"``,
+            ``"bidir_token_ring"`` (needs Hq >= 2), ``"ulysses"``, ``"allgather_kv"``, or
+            ``"auto"``: the cost model's pick (:func:`resolve_strategy`).
+        causal: causal mask over *global* positions.
         softmax_scale: defaults to ``1 / sqrt(D)``.
         group: ProcessGroup, 1-D DeviceMesh, Communicator, or None (default group).
-        layout: how the caller sharded the sequence: ``"contiguous"`` or ``"zigzag"``.
-        return_lse: also return lse ``(B, Hq, s)`` (float32; float64 for float64 inputs).
-            lse carries no gradient.
+        layout: how the sequence is sharded: ``"contiguous"`` or ``"zigzag"``.
+        return_lse: also return lse ``(B, Hq, s)`` (float32; float64 for float64 inputs; no
+            gradient).
         kernel: block kernel name or instance; None picks one for the device and dtype.
         last_block_splits: TokenRing returns its last block in this many slices.
         last_pair: TokenRing's last pair (Note [Borrowed last pair] in
-            tokenring.strategies.ring): ``"return"`` (its partial returned), ``"lend"`` (its
-            K/V rows lent to the q owner) or ``"auto"`` (the cost model decides on
-            ``hardware``). None: ``"auto"`` with ``strategy="auto"``, else ``"return"``; other
-            strategies take only None.
-        check_ranks: all-gather a small signature first and raise a ValueError naming the
-            difference if ranks disagree on shapes, dtype or options (one tiny collective).
-        hardware: for ``strategy="auto"``, and needed by it: a ``Hardware`` or a preset
-            name (Note [Calibration is passed in]).
-        seq_len: the global length S when the shards are uneven (any S: each rank passes the
-            ``s_r`` tokens ``tokenring.shard`` gives it, and the library pads internally).
-            None: every rank holds the same s and S = P * s.
-        cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence (the same for
-            every batch row; list or 1-D integer tensor): attention never crosses them. Shard
-            with ``tokenring.shard(..., cu_seqlens=...)``: with the zigzag layout every
-            document is zigzagged on its own. The ring strategies skip the blocks no document
-            or window reaches; Ulysses and all-gather K/V compute them under an explicit mask.
-        window_size: sliding window ``(left, right)`` as in flash-attention (-1: unbounded;
-            an int w means (w, w)); with ``causal`` right is 0. Ring steps outside every
-            window are skipped (no compute, no transfer); the contiguous layout suits windows
-            (every query does the same work).
+            tokenring.strategies.ring): ``"return"``, ``"lend"`` or ``"auto"`` (the cost model
+            decides on ``hardware``). None: ``"auto"`` with ``strategy="auto"``, else
+            ``"return"``; other strategies take only None.
+        check_ranks: exchange a small signature first and raise a ValueError naming the
+            difference on every rank if ranks disagree (Note [Rank agreement]).
+        hardware: needed by ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
+            passed in]).
+        seq_len: the global length S of uneven shards (each rank passes the ``s_r`` tokens
+            ``tokenring.shard`` gives it); None: S = P * s.
+        cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence (list or 1-D int
+            tensor, the same for every batch row); shard with ``tokenring.shard(...,
+            cu_seqlens=...)`` (zigzag: per document).
+        window_size: sliding window ``(left, right)`` as in flash-attention (-1: unbounded; an
+            int w means (w, w)); with ``causal`` right is 0.
         attention_chunk_size: chunked attention (Llama 4): a query sees only the keys of its
-            own chunk of this many tokens, counted from its document's start; combines with
-            ``causal``, ``window_size`` and ``cu_seqlens`` (which alone decide the sharding).
-            Ring steps between chunks that never meet are skipped like other documents.
+            chunk of this many tokens, counted from its document's start.
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
 
     Raises:
-        ValueError: mismatched shapes, dtypes or devices; Hkv not dividing Hq; a seq_local the
-            layout cannot split (pass seq_len); a local length that does not match seq_len;
-            bad cu_seqlens, window_size or attention_chunk_size; unknown strategy, layout or
-            kernel; strategy="auto" (or last_pair="auto") without hardware, or hardware
-            with neither; last_pair not None, "return", "lend" or "auto", or given to another
-            strategy than TokenRing; ranks that disagree.
-        NotImplementedError: under torch.compile (which this function supports, fullgraph
-            too), cu_seqlens as a tensor.
-        RuntimeError: under torch.compile, a ProcessGroup tokenring has not seen eagerly
-            (call ``get_communicator(group)`` once first).
+        ValueError: mismatched shapes, dtypes or devices; a local length the layout or
+            seq_len does not give this rank; bad cu_seqlens, window_size,
+            attention_chunk_size, strategy, layout, kernel or last_pair; "auto" without
+            hardware, or hardware without "auto"; ranks that disagree.
+        NotImplementedError: under torch.compile, cu_seqlens as a tensor.
+        RuntimeError: under torch.compile, a ProcessGroup not seen eagerly (call
+            ``get_communicator(group)`` once first).
     """
     values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group", "return_lse")}
     values["block_kernel"] = values.pop("kernel")  # the operator's name for it
@@ -798,20 +699,14 @@ def sequence_parallel_attn(
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     options, record = _op_options(values)
-    out, lse, *_ = _attention(
-        q,
-        k,
-        v,
-        group=_group_handle(group),
-        requires_grad=[torch.is_grad_enabled() and x.requires_grad for x in (q, k, v)],
-        **options,
-    )  # Note [The attention operator]
+    handle = _group_handle(group)
+    requires_grad = [torch.is_grad_enabled() and x.requires_grad for x in (q, k, v)]
+    out, lse, *_ = _attention(q, k, v, group=handle, requires_grad=requires_grad, **options)
     del record  # held through the call: the registry holds it weakly
     return (out, lse) if return_lse else out
 
 
-# name -> its primitive's type, and what the primitive holds while the value travels in the
-# raw record (None: None is a value of the primitive too)
+# name -> (its primitive's type, the placeholder while the value travels in the raw record)
 _PRIMITIVES: dict[str, tuple[type, Any]] = {
     "strategy": (str, ""),
     "causal": (bool, False),
@@ -828,10 +723,9 @@ _PRIMITIVES: dict[str, tuple[type, Any]] = {
 
 
 def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | None]:
-    """The operator's keyword arguments for the public ones, ``raw`` the handle of a record of
-    those that are not of their primitive's type (Note [The attention operator]), and that
-    record where the caller must hold it (eager). Dynamo traces this, so it never validates:
-    ``_plan`` does, on every rank."""
+    """The operator's keyword arguments, ``raw`` the handle of a record of those not of their
+    primitive's type, and that record where the caller must hold it (eager). Traced by
+    dynamo, so it never validates (Note [The attention operator])."""
     options: dict[str, Any] = {}
     raw: dict[str, Any] = {}
     for name, value in values.items():
@@ -871,9 +765,8 @@ def _int_list(value: Any) -> list[int] | None:
 
 
 def _group_handle(group: GroupLike) -> str:
-    """The operator's name for ``group`` (Note [Handles] in tokenring.runtime.op); dynamo traces
-    this. An unsupported group raises here, as it does before any agreement: without a
-    group there is no one to agree with."""
+    """The operator's name for ``group`` (Note [Handles] in tokenring.runtime.op); traced. An
+    unsupported group raises here: without a group there is no one to agree with."""
     if group is None:
         return op.DEFAULT_GROUP
     if isinstance(group, Communicator):
@@ -887,29 +780,23 @@ def _group_handle(group: GroupLike) -> str:
 def _plan(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any], *, backward: bool
 ) -> op.Plan:
-    """Validate an operator call (its keyword arguments: ``options``), agree across ranks
-    (``check_ranks``) and plan it: the body of :func:`sequence_parallel_attn`, run by the
-    operator. For the ``backward`` the ranks agreed already and ``strategy`` is the one the
-    forward ran."""
+    """Validate an operator call (``options``: its keyword arguments), agree across ranks and
+    plan it. The ``backward`` skips the agreement and runs the forward's strategy."""
     options = _merged(options)  # the values that are not of their primitive's type
     if backward:  # no second agreement; no second pick
         options = {**options, "check_ranks": False, "hardware": None}
     if not isinstance(options["check_ranks"], bool):
         raise ValueError(f"check_ranks must be a bool; got {options['check_ranks']!r}")
     comm = get_communicator(op.resolve_group(options["group"]))
-    call = _agreed_call(q, k, v, comm, options)
-    strategy = resolve_strategy(
-        options["strategy"],
-        q=q,
-        k=k,
-        causal=options["causal"],
-        layout=call.layout,
-        comm=comm,
-        hardware=options["hardware"],
-        last_block_splits=options["last_block_splits"],
-        training=any(options["requires_grad"][:2]),
-        last_pair=_last_pair_policy(options),
-    )
+
+    def validate() -> tuple[_Call, dict[str, Any]]:
+        needs_grad = any(options["requires_grad"])
+        call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
+        return call, call.signature
+
+    what, check_ranks = "attention call", options["check_ranks"]
+    call = comm.agreed(validate, what=what, check_ranks=check_ranks)  # Note [Rank agreement]
+    strategy = _strategy_of(q, k, options, comm.world_size)
     lend = _lends_last_pair(strategy, q, k, options, comm.world_size)
     sharding = call.sharding
     schedules = None
@@ -945,105 +832,52 @@ def _plan(
     )
 
 
-def _agreed_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, options: dict[str, Any]
-) -> _Call:
-    """This rank's call, raising where it or (``check_ranks``) another rank's fails or the
-    ranks disagree (Note [Rank agreement])."""
-
-    def validate() -> tuple[_Call, dict[str, Any]]:
-        needs_grad = any(options["requires_grad"])
-        call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
-        return call, call.signature
-
-    return comm.agreed(validate, what="attention call", check_ranks=options["check_ranks"])
+# One function per strategy: sequence_parallel_attn with the strategy fixed.
 
 
-# One function per strategy: sequence_parallel_attn with the strategy fixed. Every keyword
-# (causal, softmax_scale, group, layout, return_lse, kernel, seq_len, cu_seqlens,
-# window_size, attention_chunk_size, last_block_splits, last_pair, check_ranks) is passed
-# through and checked there.
-
-
-def token_ring_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """TokenRing attention (pass-Q): Q blocks travel the ring, partial (out, lse) return
-    straight to their owner on the other direction (Note [TokenRing step table] in
-    tokenring.strategies.ring; the loop is ``tokenring.runtime.ring.run_forward``).
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def token_ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """TokenRing (pass-Q): Q blocks travel the ring, partials return straight to their owner
+    (Note [TokenRing step table] in tokenring.strategies.ring). As
+    :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.TOKEN_RING, **options)
 
 
-def ring_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention (pass-KV): K/V blocks travel the ring, queries stay home.
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """Ring attention (pass-KV): K/V blocks travel, queries stay. As
+    :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.RING, **options)
 
 
-def bidir_ring_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Bidirectional Ring attention: pass-KV on two counter-rotating rings, each carrying half
-    of the kv heads (with one kv head: half of the K/V rows), so both directions of every link
-    carry K/V and there is no exposed return.
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def bidir_ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """Pass-KV on two counter-rotating rings, each with half of the kv heads (one kv head: half
+    of the rows). As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_RING, **options)
 
 
 def bidir_token_ring_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Bidirectional TokenRing attention: pass-Q on two counter-rotating rings, each carrying
-    half of the query heads (whole GQA groups; with one kv head, half of the query heads), so
-    both directions of every link carry Q and partials, and each partial returns straight to
-    its owner (Note [Bidirectional TokenRing] in tokenring.strategies.ring).
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-
-    Raises:
-        NotImplementedError: a single query head (nothing to split; use token_ring_attn).
-    """
+) -> _Out:
+    """Pass-Q on two counter-rotating rings, each with half of the query heads (Note
+    [Bidirectional TokenRing] in tokenring.strategies.ring). As :func:`sequence_parallel_attn`;
+    one query head raises NotImplementedError."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_TOKEN_RING, **options)
 
 
-def ulysses_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ulysses attention: all-to-all from sequence to head shards, local attention over the
-    whole sequence, all-to-all back; heads that do not divide the world size are split
-    unevenly (ceil/floor shares in rank order).
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def ulysses_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """Ulysses: all-to-all from sequence to head shards (uneven heads: ceil/floor shares),
+    local attention, all-to-all back. As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ULYSSES, **options)
 
 
-def allgather_kv_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """All-gather K/V attention (Llama-3 style): K/V are all-gathered while the local block
-    computes, queries stay local; the backward reduce-scatters dK/dV.
-
-    See :func:`sequence_parallel_attn` for the shapes and every keyword.
-    """
+def allgather_kv_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+    """All-gather K/V (Llama-3 style) while the local block computes; the backward
+    reduce-scatters dK/dV. As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ALLGATHER_KV, **options)
 
 
 class SequenceParallelAttention(torch.nn.Module):
-    """``nn.Module`` wrapper: ``forward(q, k, v) -> out`` with the options fixed at build time.
-
-    Args: as :func:`sequence_parallel_attn` (strategy, causal, softmax_scale, group, layout,
-    kernel, last_block_splits, last_pair, check_ranks).
-    """
+    """``nn.Module``: ``forward(q, k, v) -> out`` with :func:`sequence_parallel_attn`'s
+    options fixed at build time."""
 
     def __init__(
         self,

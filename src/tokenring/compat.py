@@ -1,27 +1,19 @@
-"""Drop-in functions with the signatures and return values of ring-flash-attention and flash-attn.
+"""Drop-in functions with the signatures and returns of ring-flash-attention and flash-attn.
 
-Switching is one import line; the call stays as it was::
+This module owns only the translation (parameter names, defaults, return tuples, lse shapes)
+onto :func:`tokenring.sequence_parallel_attn`, which does the work and the validation::
 
     # from ring_flash_attn import zigzag_ring_flash_attn_func
     from tokenring.compat import zigzag_ring_flash_attn_func
-    out = zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
-
-This module owns only the translation: parameter names, defaults, return tuples and lse shapes
-of the originals (ring-flash-attention's ``ring_flash_attn_func``,
-``zigzag_ring_flash_attn_func``, ``llama3_flash_attn_prepare_cu_seqlens``,
-``llama3_flash_attn_varlen_func``; flash-attn 2's ``flash_attn_func``,
-``flash_attn_varlen_func``) onto :func:`tokenring.sequence_parallel_attn`, which does the work
-and the validation.
 
 Legend: B batch, S global seq, s local seq, T packed tokens of the whole group, t packed tokens
 of this rank, Hq query heads, Hkv kv heads, D head dim, P world size.
 
 Note [Shim mapping]
 ~~~~~~~~~~~~~~~~~~~
-Each function keeps the original's parameters (same names, order, defaults) and adds
-keyword-only ones after them (``strategy``; the flash-attn pair also ``group`` and ``layout``).
-The default strategy of a ring-flash-attention shim is the algorithm it replaces, so the
-traffic stays what it was; pass ``strategy="token_ring"`` or ``"auto"`` to change it::
+Each function keeps the original's parameters (names, order, defaults) and adds keyword-only
+ones after them (``strategy``; the flash-attn pair also ``group`` and ``layout``). A
+ring-flash-attention shim defaults to the algorithm it replaces, so the traffic stays::
 
     function                        tensors          layout               default strategy
     ring_flash_attn_func            (B, s, H, D)     contiguous           ring (pass-KV)
@@ -30,34 +22,20 @@ traffic stays what it was; pass ``strategy="token_ring"`` or ``"auto"`` to chang
     flash_attn_func                 (B, s, H, D)     layout= (contig.)    token_ring
     flash_attn_varlen_func          (t, H, D)        layout= (contig.)    token_ring
 
-Returns follow the originals: ``out``, or with ``return_attn_probs=True`` the tuple
-``(out, softmax_lse, None)``; softmax_lse is ``(B, Hq, s)`` for the padded functions and
-``(Hq, t)`` for the varlen ones, float32 (float64 for float64 inputs), without gradient. The
-third element is None: the attention probabilities are never formed. The lse of the rows a
-rank owns is that of attention over the *global* sequence, as in ring-flash-attention.
+Returns: ``out``, or with ``return_attn_probs=True`` ``(out, softmax_lse, None)``; softmax_lse
+is ``(B, Hq, s)`` (padded) or ``(Hq, t)`` (varlen), float32 (float64 for float64 inputs), the
+lse over the *global* sequence, without gradient. ``dropout_p != 0``, ``alibi_slopes`` and
+``softcap > 0`` raise ``NotImplementedError``; ``deterministic`` is accepted (the backward is
+deterministic anyway). A rank whose arguments fail tells its peers through the attention
+call's rank check (Note [Rank agreement] in ``tokenring.api``), so no rank waits for it.
 
-What maps and what raises: ``dropout_p`` must be 0 (``NotImplementedError`` otherwise);
-``alibi_slopes`` and ``softcap > 0`` raise ``NotImplementedError``; ``window_size`` is our
-``window_size`` (flash-attention's convention); ``deterministic`` is accepted (the backward is
-deterministic anyway: a fixed schedule and order of accumulation). ``group`` is any group
-:func:`tokenring.get_communicator` takes. A rank whose arguments fail here tells its peers
-through the rank check of the attention call (Note [Rank agreement] in ``tokenring.api``), so
-no rank waits for it.
-
-The varlen functions differ in what ``cu_seqlens`` means:
-
-- ``flash_attn_varlen_func`` takes the *global* document boundaries ``(0, ..., T)``, the same
-  on every rank (the value one process would pass), and this rank's shard of the packed tokens
-  (``tokenring.shard(x, ..., seq_dim=0, cu_seqlens=...)``); the zigzag layout zigzags every
-  document on its own. Self-attention: ``cu_seqlens_q`` must equal ``cu_seqlens_k``.
-- ``llama3_flash_attn_varlen_func`` takes the *local* values that
-  ``llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size)`` returns for
-  rank r's contiguous slice ``[r*T/P, (r+1)*T/P)``, as ring-flash-attention does. The global
-  boundaries are rebuilt from every rank's local values (one small exchange on the
-  communicator's control group, like the rank check) and the local values are checked against
-  them: values that :func:`llama3_flash_attn_prepare_cu_seqlens` would not give (another rank,
-  another ``causal``) raise ``ValueError`` on every rank. ``heads_k_stride`` is checked (it
-  must divide Hkv) and otherwise unused: the schedule decides the memory.
+``cu_seqlens`` of ``flash_attn_varlen_func`` are the *global* boundaries ``(0, ..., T)`` on
+every rank, with this rank's shard of the tokens (``tokenring.shard(x, ..., seq_dim=0,
+cu_seqlens=...)``), self-attention only. ``llama3_flash_attn_varlen_func`` takes the *local*
+values of ``llama3_flash_attn_prepare_cu_seqlens`` for rank r's slice ``[r*T/P, (r+1)*T/P)``;
+the global boundaries are rebuilt from every rank's values (one small exchange) and values it
+would not give (another rank, another ``causal``) raise ``ValueError`` on every rank.
+``heads_k_stride`` must divide Hkv and is otherwise unused.
 """
 
 from __future__ import annotations
@@ -72,7 +50,7 @@ from typing import Any
 
 import torch
 
-from tokenring.api import get_communicator, sequence_parallel_attn
+from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import Layout, check_int, make_sharding, normalize_cu_seqlens
 from tokenring.core.schedule import Strategy
 from tokenring.runtime.comm import Communicator
@@ -86,7 +64,6 @@ __all__ = [
     "zigzag_ring_flash_attn_func",
 ]
 
-GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
 WHAT = "attention call"  # the rank check of sequence_parallel_attn, which the shims join
 
 Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
@@ -95,8 +72,7 @@ Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 # -- checks shared by every shim -----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _FlashOptions:
-    """The flash-attention options that have no counterpart here (checked off), in the
-    originals' order."""
+    """The flash-attention options that have no counterpart here, in the originals' order."""
 
     dropout_p: float
     softcap: float
@@ -157,13 +133,9 @@ def _attend(
     check: Callable[[], dict[str, Any]] = dict,
     **options: Any,
 ) -> Result:
-    """Check ``flash`` and run ``check()`` (this shim's own checks, which return the options
-    they decide), then the attention call with ``call = (causal, softmax_scale,
-    window_size)``.
-
-    A rank whose checks fail sends its reason through the attention call's rank check, where
-    its peers are waiting, so every rank raises at once (Note [Rank agreement] in api.py).
-    """
+    """Check ``flash`` and run ``check()`` (the shim's checks, returning the options they
+    decide) inside the attention call's rank check, then the call with ``call = (causal,
+    softmax_scale, window_size)``."""
 
     def validate() -> tuple[dict[str, Any], None]:
         flash.check()
@@ -199,19 +171,18 @@ def ring_flash_attn_func(
     strategy: Strategy | str = Strategy.RING,
 ) -> Result:
     """ring-flash-attention's ``ring_flash_attn_func``: rank r holds the contiguous tokens
-    ``[r*s, (r+1)*s)`` of the global sequence. See Note [Shim mapping].
+    ``[r*s, (r+1)*s)``. See Note [Shim mapping].
 
     Args:
         q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``.
-        strategy: keyword only, not in the original; see :func:`tokenring.sequence_parallel_attn`.
+        strategy: not in the original; see :func:`tokenring.sequence_parallel_attn`.
 
     Returns:
-        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
-        ``return_attn_probs``.
+        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)``.
 
     Raises:
-        NotImplementedError: dropout_p != 0 or alibi_slopes given.
-        ValueError: as :func:`tokenring.sequence_parallel_attn`.
+        NotImplementedError: dropout_p != 0 or alibi_slopes; ValueError: as
+            :func:`tokenring.sequence_parallel_attn`.
     """
     flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
     call = (causal, softmax_scale, window_size)
@@ -233,11 +204,9 @@ def zigzag_ring_flash_attn_func(
     *,
     strategy: Strategy | str = Strategy.RING,
 ) -> Result:
-    """ring-flash-attention's ``zigzag_ring_flash_attn_func``: the sequence is cut into 2P
-    chunks of s/2 tokens and rank r holds chunk r followed by chunk 2P-1-r (our
-    ``layout="zigzag"``; ``tokenring.shard`` cuts it). ``causal=False`` works too (the
-    original asserts causal). Arguments, returns and errors as :func:`ring_flash_attn_func`,
-    with s even (ValueError otherwise). See Note [Shim mapping].
+    """ring-flash-attention's ``zigzag_ring_flash_attn_func``: rank r holds chunks r and
+    2P-1-r of 2P (``layout="zigzag"``); ``causal=False`` works too. As
+    :func:`ring_flash_attn_func`, with s even (ValueError otherwise).
     """
     flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
     call = (causal, softmax_scale, window_size)
@@ -248,20 +217,18 @@ def llama3_flash_attn_prepare_cu_seqlens(
     cu_seqlens: torch.Tensor, causal: bool, rank: int, world_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, slice]:
     """ring-flash-attention's ``llama3_flash_attn_prepare_cu_seqlens``: the local arguments of
-    :func:`llama3_flash_attn_varlen_func` for rank ``rank``, which holds the contiguous packed
-    tokens ``[rank*L, (rank+1)*L)``, L = T / world_size.
+    :func:`llama3_flash_attn_varlen_func` for ``rank``, which holds the packed tokens
+    ``[rank*L, (rank+1)*L)``, L = T / world_size.
 
     Args:
         cu_seqlens: ``(num_docs + 1,)`` integer tensor, the global boundaries ``(0, ..., T)``.
-        causal: whether the attention will be causal (the keys of the last document then end
-            at this rank's last token; otherwise at the document's end).
+        causal: whether the keys of the last document end at this rank's last token.
 
     Returns:
-        ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice)``:
-        cu_seqlens_q: the documents cut to this rank's tokens, from 0 to L (cu_seqlens' dtype
-        and device); cu_seqlens_k: the same documents from the start of the first one to the
-        end of the keys; max_seqlen_q, max_seqlen_k: the longest of each (ints);
-        local_k_slice: the global token range of the keys.
+        ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice)``: the
+        documents cut to this rank's tokens (0 to L, cu_seqlens' dtype and device), the same
+        from the first document's start to the keys' end, the longest of each, and the
+        keys' global token range.
 
     Raises:
         ValueError: cu_seqlens not a 1-D integer tensor from 0, non-decreasing; T not a
@@ -326,9 +293,7 @@ def _llama3_global_cu_seqlens(
     comm: Communicator, local: dict[str, Any] | None, problem: Exception | None, causal: bool
 ) -> tuple[int, ...]:
     """The global boundaries ``(0, ..., T)`` from every rank's prepared values; every rank
-    raises the same ValueError when a rank's values are not what
-    :func:`llama3_flash_attn_prepare_cu_seqlens` gives for it (a rank whose own checks failed
-    re-raises its error; the others name it)."""
+    raises when a rank's values are wrong (the failing rank its own error)."""
     mine = {"invalid": str(problem)} if local is None else local
     rows = comm.all_gather_object(mine, what="the llama3 boundaries")
     if problem is not None:
@@ -346,8 +311,7 @@ def _llama3_global_cu_seqlens(
         )
     length = lengths.pop()
     total = length * comm.world_size
-    # Every boundary b is seen by the rank whose tokens hold it: as the start of its keys when
-    # b is that rank's first token, else as an inner boundary of its documents.
+    # each boundary is a key start or an inner boundary of the rank whose tokens hold it
     found = {0, total}
     for row in rows:
         start = row["k_start"]
@@ -358,8 +322,8 @@ def _llama3_global_cu_seqlens(
 
 
 def _check_prepared(rows: list[dict[str, Any]], bounds: tuple[int, ...], causal: bool) -> None:
-    """Raise ValueError when a rank's values (``rows``, by rank) are not what
-    :func:`llama3_flash_attn_prepare_cu_seqlens` gives it for the global ``bounds``."""
+    """Raise ValueError when a rank's ``rows`` are not what
+    :func:`llama3_flash_attn_prepare_cu_seqlens` gives it for ``bounds``."""
     world_size = len(rows)
     cu = torch.tensor(bounds, dtype=torch.int64)
     for r, row in enumerate(rows):
@@ -409,50 +373,41 @@ def llama3_flash_attn_varlen_func(
     *,
     strategy: Strategy | str = Strategy.ALLGATHER_KV,
 ) -> Result:
-    """ring-flash-attention's ``llama3_flash_attn_varlen_func``: packed documents, rank r
-    holding the contiguous tokens ``[r*L, (r+1)*L)`` of T = P*L, with the local values of
-    :func:`llama3_flash_attn_prepare_cu_seqlens`. See Note [Shim mapping].
+    """ring-flash-attention's ``llama3_flash_attn_varlen_func``: rank r holds the packed
+    tokens ``[r*L, (r+1)*L)`` of T = P*L. See Note [Shim mapping].
 
     Args:
         q: ``(L, Hq, D)``; k, v: ``(L, Hkv, D)``.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, local_k_slice: as
-            :func:`llama3_flash_attn_prepare_cu_seqlens` returns them for this rank and
-            ``causal``; the max lengths may be larger (upper bounds).
+            :func:`llama3_flash_attn_prepare_cu_seqlens` returns them (max lengths: upper
+            bounds).
         heads_k_stride: must divide Hkv; unused otherwise.
-        strategy: keyword only, not in the original; see :func:`tokenring.sequence_parallel_attn`.
+        strategy: not in the original; see :func:`tokenring.sequence_parallel_attn`.
 
     Returns:
         out ``(L, Hq, D)``, or ``(out, softmax_lse (Hq, L), None)`` with ``return_attn_probs``.
 
     Raises:
         NotImplementedError: dropout_p != 0 or alibi_slopes given.
-        ValueError: on every rank: local values that do not fit together (see Note [Shim
-            mapping]); ranks holding different numbers of tokens; and as
-            :func:`tokenring.sequence_parallel_attn`.
+        ValueError: on every rank: local values that do not fit together; ranks holding
+            different numbers of tokens; and as :func:`tokenring.sequence_parallel_attn`.
     """
     comm = get_communicator(group)
     local: dict[str, Any] | None = None
     problem: Exception | None = None
     flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
-    call = (causal, softmax_scale, window_size)
+    cu_seqlens, max_seqlen = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)
     try:
         flash.check()
         local = _llama3_local(
-            q,
-            k,
-            v,
-            (cu_seqlens_q, cu_seqlens_k),
-            (max_seqlen_q, max_seqlen_k),
-            heads_k_stride,
-            local_k_slice,
-            causal,
+            q, k, v, cu_seqlens, max_seqlen, heads_k_stride, local_k_slice, causal
         )
     except (ValueError, NotImplementedError) as exc:
         problem = exc
     bounds = _llama3_global_cu_seqlens(comm, local, problem, causal)
-    return _attend(
-        comm, (q, k, v), flash, call, strategy, Layout.CONTIGUOUS, packed=True, cu_seqlens=bounds
-    )
+    call = (causal, softmax_scale, window_size)
+    layout = Layout.CONTIGUOUS
+    return _attend(comm, (q, k, v), flash, call, strategy, layout, packed=True, cu_seqlens=bounds)
 
 
 def _llama3_local(
@@ -465,8 +420,7 @@ def _llama3_local(
     local_k_slice: slice,
     causal: bool,
 ) -> dict[str, Any]:
-    """This rank's arguments of :func:`llama3_flash_attn_varlen_func`, checked one by one, as
-    :func:`_llama3_global_cu_seqlens` takes them."""
+    """This rank's arguments of :func:`llama3_flash_attn_varlen_func`, checked."""
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
     max_seqlen_q, max_seqlen_k = max_seqlen
     _check_packed(q, k, v)
@@ -534,23 +488,20 @@ def flash_attn_func(
     strategy: Strategy | str = Strategy.TOKEN_RING,
     seq_len: int | None = None,
 ) -> Result:
-    """flash-attn's ``flash_attn_func`` over a sequence sharded across ``group``: each rank
-    passes its shard and gets its rows of attention over the global sequence. See Note [Shim
-    mapping].
+    """flash-attn's ``flash_attn_func`` over a sequence sharded across ``group``. See Note
+    [Shim mapping].
 
     Args:
         q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``.
-        group, layout, strategy, seq_len: keyword only, not in the original; see
-            :func:`tokenring.sequence_parallel_attn` (``seq_len``: the global S of uneven
-            shards).
+        group, layout, strategy, seq_len: not in the original; see
+            :func:`tokenring.sequence_parallel_attn`.
 
     Returns:
-        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)`` with
-        ``return_attn_probs``.
+        out ``(B, s, Hq, D)``, or ``(out, softmax_lse (B, Hq, s), None)``.
 
     Raises:
-        NotImplementedError: dropout_p != 0, softcap > 0 or alibi_slopes given.
-        ValueError: as :func:`tokenring.sequence_parallel_attn`.
+        NotImplementedError: dropout_p != 0, softcap > 0 or alibi_slopes; ValueError: as
+            :func:`tokenring.sequence_parallel_attn`.
     """
     flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     call = (causal, softmax_scale, window_size)
@@ -581,15 +532,14 @@ def flash_attn_varlen_func(
     layout: Layout | str = Layout.CONTIGUOUS,
     strategy: Strategy | str = Strategy.TOKEN_RING,
 ) -> Result:
-    """flash-attn's ``flash_attn_varlen_func`` over packed documents sharded across ``group``.
-
-    ``cu_seqlens_q`` (equal to ``cu_seqlens_k``) holds the *global* boundaries ``(0, ..., T)``
-    and each rank its shard of the packed tokens (any T; Note [Shim mapping]).
+    """flash-attn's ``flash_attn_varlen_func`` over packed documents sharded across ``group``:
+    ``cu_seqlens_q`` (equal to ``cu_seqlens_k``) holds the *global* boundaries (Note [Shim
+    mapping]).
 
     Args:
         q: ``(t, Hq, D)``; k, v: ``(t, Hkv, D)``.
         max_seqlen_q, max_seqlen_k: at least the longest document.
-        group, layout, strategy: keyword only, not in the original; see
+        group, layout, strategy: not in the original; see
             :func:`tokenring.sequence_parallel_attn`.
 
     Returns:

@@ -1,21 +1,11 @@
 """Diffusion transformers: joint text+image attention, cross-attention and a diffusers processor.
 
-This module owns the attention patterns of diffusion transformers (DiTs) under sequence
-parallelism and their bridge to diffusers (``pip install "tokenring-attention[diffusers]"``):
-
-- :func:`joint_attn`: MMDiT-style joint attention (text tokens concatenated with image or video
-  tokens, non-causal), the text part either replicated on every rank or sharded with the rest.
-- :func:`cross_attn`: queries attend to K/V of another length (text conditioning): K/V
-  replicated (local attention, no communication) or sharded (gathered over the group).
-- :class:`FluxSequenceParallelProcessor`: the attention processor of diffusers'
-  ``FluxTransformer2DModel`` (double- and single-stream blocks), set through its public
-  ``model.set_attn_processor(...)``. Importing this module does not import diffusers; calling
-  the processor does.
-
-Image (or video) tokens are always sharded contiguously (non-causal work is balanced without
-zigzag): rank r holds tokens ``[r * s, (r + 1) * s)`` of the image sequence
-(``tokenring.shard(x, rank=r, world_size=P, layout="contiguous")``), with their own position
-ids, so RoPE is applied per token before attention.
+This module owns the attention patterns of diffusion transformers under sequence parallelism:
+:func:`joint_attn` (MMDiT joint text+image attention, text replicated or sharded),
+:func:`cross_attn` (K/V of another length, replicated or sharded) and
+:class:`FluxSequenceParallelProcessor` for diffusers' ``FluxTransformer2DModel`` (diffusers is
+imported only when the processor runs: ``pip install "tokenring-attention[diffusers]"``).
+Image tokens are always sharded contiguously, with their own position ids (RoPE per token).
 
 Legend: B batch, T text tokens (global), t text tokens on this rank, S image tokens (global),
 s image tokens on this rank, Skv cross-attention keys, H heads, D head dim, C hidden size,
@@ -23,65 +13,47 @@ P world size.
 
 Note [Joint attention with replicated text]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every rank holds the whole text (T tokens) and its shard of the image (s = S / P tokens). The
-target: every query (text or image) attends to all T + S keys. Each rank gives the ring its
-local sequence ``[text (T), image shard (s)]``; the ring then sees a global sequence of
-P * (T + s) tokens in which every text key appears P times::
+Every rank holds the whole text and its image shard, and gives the ring ``[text (T), image
+shard (s)]``, so the ring sees every text key P times::
 
     rank:            0              1         ...        P-1
     local seq:   [T | img_0]    [T | img_1]   ...    [T | img_P-1]
     keys seen:   P copies of each text key, one copy of each image key
 
-P copies of a key with logit z weigh as one key of logit z + log P, so each text key gets a
-logit bias of -log P through one extra head channel (q gets a 1, a text key gets
--log(P) / softmax_scale, an image key 0, v gets 0 and that output channel is dropped)::
+P copies of a key with logit z weigh as one of logit z + log P, so one extra head channel
+biases each text key by -log P (q gets 1, a text key -log(P) / scale, an image key 0, v 0;
+that output channel is dropped)::
 
     logit(q, k_text) = scale * (q . k + 1 * (-log P / scale)) = scale * q . k - log P
     sum over the P copies: P * exp(scale * q . k - log P) = exp(scale * q . k)
 
-so the result is exactly attention over T + S keys, for the image queries and for the (now
-replicated) text queries alike, and its forward and backward are the library's own
-(``sequence_parallel_attn``, non-causal, contiguous). Why not split the call (image queries:
-ring over image K/V plus local text K/V, merged by lse; text queries: local partials reduced
-over the ranks by lse): the lse that ``sequence_parallel_attn`` returns carries no gradient,
-so the merge's gradient through it (which is not zero) would need a hand-written backward that
-re-runs the ring backward with the merged output; the bias channel needs none. Costs: head dim
-D + 8 (the bias channel and 7 zeros, keeping D % 8 == 0 for the fused GPU kernels; D + 1 when
-D is not a multiple of 8; past D + 8 = 256 the GPU path is the tiled reference), and the text
-rides in every travelling block. Gradients of the replicated text (and of
-every replicated parameter) are partial on each rank: their sum over the ranks is the gradient
-(as for any replicated tensor under sequence parallelism). In bfloat16/float16 the bias is
-rounded to the input dtype: a logit error up to about log(P) * 2**-8.
+so the result is exactly attention over T + S keys, forward and backward by
+``sequence_parallel_attn`` (splitting the call and merging by lse would need a hand-written
+backward: the returned lse carries no gradient). Costs: head dim D + 8 (bias and 7 zeros,
+keeping D % 8 == 0 for the fused GPU kernels; D + 1 otherwise) and the text in every
+travelling block. Gradients of replicated tensors are partial per rank (their sum is the
+gradient); in bf16/fp16 the rounded bias costs a logit error up to about log(P) * 2**-8.
 
 Note [Which text placement is cheaper]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Sharded text (``text="sharded"``): rank r holds its text shard t = T / P and image shard s and
-passes the local ``[text_r, image_r]`` to one non-causal call; the global order of the tokens
-does not matter without a causal mask (RoPE is already in q and k). Per rank, per layer::
+Sharded text: rank r passes ``[text_r, image_r]`` to one non-causal call (token order does not
+matter without a causal mask). Per rank, per layer::
 
                       keys per query    tokens per travelling block    text rows computed
     sharded           T + S             (T + S) / P                    T / P
     replicated        P * T + S         T + S / P                      T (every rank)
 
-Sharded text is never more work in attention; it needs T and S divisible by P (every rank's
-local length equal) and the text stream sharded through the model. Replicated text pays
-(P - 1) * T extra keys per query and T * (1 - 1/P) extra tokens per block: negligible when
-T << S / P (a 512-token prompt against 100k video tokens on 8 ranks: +4% keys), and the text
-stream and its outputs stay whole on every rank, with any T.
+Sharded is never more attention work but needs T and S divisible by P; replicated is
+negligibly dearer when T << S / P and keeps the text stream whole on every rank, with any T.
 
 Note [Cross-attention with K/V of another length]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``sequence_parallel_attn`` needs k and v of q's local length (a ring step pairs equal
-blocks), so :func:`cross_attn` does not go round the ring::
+A ring step pairs equal blocks, so :func:`cross_attn` does not go round the ring::
 
     kv="replicated"   every rank has all Skv keys: local attention, no communication
-    kv="sharded"      rank r has its Skv_r keys (any lengths): all-gather K/V over the
-                      group's Communicator (each rank sends Skv_r tokens, receives the rest),
-                      then local attention; the backward sums the K/V gradients over the
-                      ranks and keeps this rank's rows
-
-The all-gather moves (P - 1) / P of K/V once per call, the same bytes a ring would move, in
-one collective; for text conditioning Skv is small (77 to 512 tokens).
+    kv="sharded"      rank r has its Skv_r keys (any lengths): all-gather K/V, then local
+                      attention; the backward sums the K/V gradients over the ranks and
+                      keeps this rank's rows
 """
 
 from __future__ import annotations
@@ -174,10 +146,8 @@ def joint_attn(
     """Non-causal joint attention over text and image tokens, image tokens sharded.
 
     Args:
-        q, k, v: ``(B, t + s, H, D)``: this rank's text rows first (t = ``num_text``), then
-            its image shard. k/v may have fewer heads (GQA). With ``text="replicated"`` the
-            text rows are the whole text (t = T, the same on every rank); with
-            ``text="sharded"`` they are this rank's text shard.
+        q, k, v: ``(B, t + s, H, D)``: this rank's text rows (all T with ``text="replicated"``)
+            then its image shard; k/v may have fewer heads (GQA).
         num_text: t, the number of text rows at the start of the local sequence.
         text: ``"replicated"`` or ``"sharded"`` (Note [Which text placement is cheaper]).
         group, strategy, hardware: as for :func:`tokenring.sequence_parallel_attn`.
@@ -211,10 +181,8 @@ def joint_attn(
 def _text_bias(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_text: int, *, bias: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``(B, t + s, H, D + E)`` with the bias channel of replicated text (Note [Joint
-    attention with replicated text]): ``bias`` on the text keys, padded with zeros to E = 8
-    channels when D is a multiple of 8, so that the fused GPU kernels (which need D % 8 == 0)
-    still serve the call."""
+    """q, k, v ``(B, t + s, H, D + E)`` with the bias channel (Note [Joint attention with
+    replicated text]): E = 8 when 8 divides D, else 1."""
     b, n, d = q.shape[0], q.shape[1], q.shape[3]
     extra = 8 if d % 8 == 0 else 1
     q_extra = q.new_zeros(b, n, q.shape[2], extra)  # (B, t + s, Hq, E)
@@ -306,17 +274,13 @@ def _local_attn(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FluxSequenceParallelProcessor:
-    """diffusers' ``FluxAttnProcessor`` with its attention split over a group.
+    """diffusers' ``FluxAttnProcessor`` (0.42) with its attention split over a group.
 
-    Set it with ``model.set_attn_processor(FluxSequenceParallelProcessor(group=...))`` on a
-    ``FluxTransformer2DModel`` and call the model on this rank's image shard
-    (``hidden_states`` and ``img_ids``, contiguous) and the text (``encoder_hidden_states``,
-    ``txt_ids``): all of it with ``text="replicated"``, its contiguous shard with
-    ``text="sharded"``. With replicated text the single-stream blocks need the text length:
-    pass ``joint_attention_kwargs={"text_seq_len": T}`` to the model. The math is
-    ``FluxAttnProcessor``'s (diffusers 0.42): q/k/v projections (fused or not), RMS norms of
-    q and k, text first in the joint sequence, RoPE over the local joint ids, then
-    :func:`joint_attn`. Attention masks and IP-adapter inputs raise NotImplementedError.
+    ``model.set_attn_processor(FluxSequenceParallelProcessor(group=...))``, then call the
+    model on this rank's image shard (``hidden_states``, ``img_ids``) and the text (all of it,
+    or with ``text="sharded"`` its shard). With replicated text pass
+    ``joint_attention_kwargs={"text_seq_len": T}`` for the single-stream blocks. Attention
+    masks and IP-adapter inputs raise NotImplementedError.
     """
 
     group: GroupLike = None
@@ -396,8 +360,7 @@ def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks:
             "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
             f"of shape {tuple(attention_mask.shape)}); Flux passes none"
         )
-    if ip_hidden_states is not None or ip_adapter_masks is not None:
-        # FluxAttention drops these quietly for a processor without them: take and refuse
+    if ip_hidden_states is not None or ip_adapter_masks is not None:  # else dropped silently
         raise NotImplementedError(
             "FluxSequenceParallelProcessor does not support IP-adapter inputs "
             "(ip_hidden_states / ip_adapter_masks); got "

@@ -1,48 +1,40 @@
 """2-D sequence parallelism: Ulysses inside a fast island, a ring strategy across islands.
 
-This module is the public face of the hybrid (USP-like) strategy whose schedule
-``tokenring.strategies.hybrid`` builds (Note [Hybrid schedule] there): the mesh
-(:class:`HybridMesh`), the layout of a rank's shard (Note [Hybrid layout]), and
-:func:`hybrid_attn`, which validates and plans a call and runs each pass's rank program
-(``tokenring.runtime.hybrid``: sequence shards to head shards on the inner group, a ring
-strategy over the outer group, and back).
+This module is the public face of the hybrid (USP-like) strategy (Note [Hybrid schedule] in
+``tokenring.strategies.hybrid``): the mesh, the layout of a rank's shard (Note [Hybrid
+layout]), and :func:`hybrid_attn`, which validates, plans and runs a call
+(``tokenring.runtime.hybrid``).
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P_out outer ranks,
 P_in inner ranks, nq = Hq / P_in and nkv = Hkv / P_in (heads of one inner rank).
 
 Note [Hybrid layout]
 ~~~~~~~~~~~~~~~~~~~~
-The outer axis owns the sequence in the caller's layout over P_out shards (zigzag for causal
-balance); inside an outer shard the P_in inner ranks hold consecutive slices. The inner
-all-to-all concatenates the slices in inner-rank order, so after it every inner rank holds the
-whole outer shard, in the outer layout's local order, for Hq / P_in query heads -- exactly
-what the ring strategy expects from an outer rank. P_out = 2, P_in = 2, zigzag, 8 chunks::
+The outer axis shards the sequence in the caller's layout over P_out ranks; inside an outer
+shard the P_in inner ranks hold consecutive slices, so the inner all-to-all gives every inner
+rank the whole outer shard for Hq / P_in heads: what the ring expects. P_out = P_in = 2,
+zigzag, 8 chunks::
 
     outer rank 0 shard: c0 c7   ->  inner 0: first half of (c0 c7) = c0,  inner 1: c7
     outer rank 1 shard: c1 c6   ->  inner 0: c1,                          inner 1: c6
 
     after the inner all-to-all, each rank of outer rank 0 holds (c0 c7) for half the heads
 
-Any length and packed documents (``seq_len``, ``cu_seqlens``) follow the same rule: the outer
-layout shards the sequence over P_out ranks (zigzag per document, Note [Documents and padding]
-in ``tokenring.core.layout``), and each outer shard of L_o tokens is cut into P_in consecutive
-slices of near-equal length, the longer ones first (:func:`hybrid_positions`). The inner
-all-to-all then has uneven splits: each rank sends its own rows to every inner peer and gets
-each peer's, and the outer strategy sees exactly the outer shard it expects for
-``seq_len``/``cu_seqlens``. Documents d0 = 5, d1 = 6 tokens, P_out = 2, P_in = 2, zigzag::
+Any length and packed documents follow the same rule (Note [Documents and padding] in
+``tokenring.core.layout``): each outer shard of L_o tokens is cut into P_in consecutive slices
+of near-equal length, longer first, and the inner all-to-all has uneven splits. Documents
+d0 = 5, d1 = 6 tokens, P_out = P_in = 2, zigzag::
 
     outer rank 0 shard (L_0 = 6): d0[0:2] d1[0:2] | d0[4:5] d1[5:6]  ->  inner 0: 3 rows, 1: 3
     outer rank 1 shard (L_1 = 5): d0[2:3] d1[2:4] | d0[3:4] d1[4:5]  ->  inner 0: 3 rows, 1: 2
 
-Heads split evenly: Hq and Hkv must both be divisible by P_in (query head block j uses kv head
-block j), else NotImplementedError; Ulysses proper (``ulysses_attn``) handles uneven splits.
+Hq and Hkv must both be divisible by P_in, else NotImplementedError (``ulysses_attn`` splits
+heads unevenly).
 """
 
 from __future__ import annotations
 
 import functools
-import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.api import _validate, get_communicator
+from tokenring.api import _bounds_digest, _validate, get_communicator
 from tokenring.core.layout import Layout, Sharding, global_length, make_sharding
 from tokenring.core.masks import chunk_documents, normalize_window
 from tokenring.core.schedule import Pass, Strategy
@@ -76,9 +68,8 @@ class HybridMesh:
 
     @classmethod
     def from_device_mesh(cls, mesh: Any) -> HybridMesh:
-        """The groups of a 2-D ``DeviceMesh`` ``(outer, inner)``: its two dimensions in that
-        order, e.g. ``world_mesh["sp_outer", "sp_inner"]``, a slice of a larger mesh whose
-        other dimensions (data parallel, ...) hold other replicas.
+        """The groups of a 2-D ``DeviceMesh`` ``(outer, inner)``, e.g.
+        ``world_mesh["sp_outer", "sp_inner"]``.
 
         Raises:
             ValueError: not a DeviceMesh of 2 dimensions.
@@ -100,8 +91,8 @@ class HybridMesh:
 
 
 def hybrid_mesh(outer: int, inner: int, *, device_type: str = "cpu") -> HybridMesh:
-    """Build the groups from the default group: rank = outer_rank * inner + inner_rank (inner
-    ranks are neighbours, e.g. the GPUs of one node). Collective over all ranks.
+    """The groups of the default group, rank = outer_rank * inner + inner_rank (inner ranks are
+    neighbours, e.g. one node's GPUs). Collective.
 
     Raises:
         ValueError: outer * inner differs from the world size, or a size < 1.
@@ -148,13 +139,9 @@ def hybrid_positions(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Global positions of one rank's shard (Note [Hybrid layout]); use them for RoPE (with
-    ``cu_seqlens``, subtract each token's document start, as ``tokenring.position_ids``).
-
-    Give ``seq_local`` (every rank holds that many tokens, S = P_out * P_in * s) or
-    ``seq_len`` (any S; the ranks' lengths may differ by a few tokens), and with ``seq_len``
-    optionally ``cu_seqlens``: the outer layout is then applied per document. Pass the same
-    ``seq_len`` and ``cu_seqlens`` to :func:`hybrid_attn`.
+    """Global positions of one rank's shard (Note [Hybrid layout]), e.g. for RoPE. Give
+    ``seq_local`` (S = P_out * P_in * s) or ``seq_len`` (any S; optionally ``cu_seqlens``),
+    as :func:`hybrid_attn` will get them.
 
     Returns:
         int64 ``(s_r,)``, this rank's number of tokens.
@@ -184,12 +171,9 @@ def hybrid_shard(
     seq_dim: int = 1,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One rank's shard of a global ``(B, S, H, D)`` tensor under the hybrid layout (Note
-    [Hybrid layout]).
-
-    Any S works; unless ``P_out * P_in`` (zigzag: ``2 * P_out * P_in``) divides S and there
-    are no documents, the ranks' lengths differ and :func:`hybrid_attn` needs ``seq_len=S``
-    (and the same ``cu_seqlens``).
+    """One rank's shard of a global ``(B, S, H, D)`` tensor (Note [Hybrid layout]). Any S;
+    unless ``P_out * P_in`` (zigzag: twice that) divides S and there are no documents,
+    :func:`hybrid_attn` needs ``seq_len=S`` (and the same ``cu_seqlens``).
 
     Returns:
         ``(B, s_r, H, D)``, contiguous.
@@ -213,8 +197,7 @@ def _outer_sharding(
     seq_len: int | None,
     cu_seqlens: Sequence[int] | torch.Tensor | None,
 ) -> Sharding:
-    """The outer sharding of the call, with this rank's length checked against ``q``'s (every
-    rank holds s when seq_len is None)."""
+    """The outer sharding of the call, with this rank's length checked against ``q``'s."""
     p_in, p_out = mesh.inner_size, mesh.outer_size
     inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
     if seq_len is None:
@@ -266,20 +249,14 @@ def hybrid_attn(
         mesh: the outer and inner groups (:func:`hybrid_mesh`).
         outer_strategy: ring strategy across the outer axis: one whose ``Strategy.is_ring`` holds.
         layout: the outer axis' layout (zigzag balances causal work).
-        check_ranks: agree on a small signature first, on the inner group and then on the
-            outer group (together: every rank), raising a ValueError naming the difference
-            on every rank.
-        seq_len: the global length S when the ranks' lengths differ (any S, or documents);
-            None: every rank holds s tokens and S = P * s.
-        cu_seqlens: document boundaries ``(0, ..., S)`` (needs seq_len); shard with
-            ``hybrid_shard(..., cu_seqlens=...)``.
+        check_ranks: agree on the call first, on the inner then the outer group.
+        seq_len: the global length S when the ranks' lengths differ; None: S = P * s.
+        cu_seqlens: document boundaries ``(0, ..., S)`` (needs seq_len).
         kernel, last_block_splits, window_size, attention_chunk_size: as
-            :func:`tokenring.sequence_parallel_attn`, for the outer axis (the masks are over
-            global positions).
+            :func:`tokenring.sequence_parallel_attn` (masks over global positions).
 
     Returns:
-        out ``(B, s, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, s)``. lse travels
-        back with out either way (Note [Hybrid schedule] in tokenring.strategies.hybrid).
+        out ``(B, s, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, s)``.
 
     Raises:
         NotImplementedError: Hq or Hkv not divisible by the inner size; a collective strategy
@@ -306,8 +283,7 @@ def _agreed_plan(
     check_ranks: bool,
     options: dict[str, Any],
 ) -> HybridPlan:
-    """This rank's plan of the call, once every rank found its own call valid and (with
-    ``check_ranks``) the same; else each rank raises its problem or the difference."""
+    """This rank's plan of the call, once the ranks agree (with ``check_ranks``)."""
     plan: HybridPlan | None = None
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
@@ -343,8 +319,7 @@ def _prepare(
     window_size: Sequence[int] | int | None,
     attention_chunk_size: int | None,
 ) -> tuple[HybridPlan, dict[str, Any]]:
-    """Validate one rank's call (raising as :func:`hybrid_attn` says) and plan it; the
-    signature the ranks compare. No communication."""
+    """Validate and plan one rank's call; its signature. No communication."""
     p_in = mesh.inner_size
     strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
     layout = Layout.parse(layout)
@@ -379,7 +354,7 @@ def _prepare(
         "outer_strategy": strategy.value,
         "softmax_scale": float(scale).hex(),
         "window_size": list(window),
-        "cu_seqlens": [len(docs), zlib.crc32(struct.pack(f"<{len(docs)}q", *docs))],
+        "cu_seqlens": _bounds_digest(docs),
         "attention_chunk_size": attention_chunk_size,
         "last_block_splits": last_block_splits,
     }
@@ -394,8 +369,7 @@ def _signature(
     options: dict[str, Any],
     plan: HybridPlan,
 ) -> dict[str, Any]:
-    """What the ranks compare: the tensors' shapes, dtype and device, the call's ``options``
-    (normalised), the kernel, and whether the backward will run."""
+    """What the ranks compare: shapes, dtype, device, ``options``, kernel, needs grad."""
     return {
         "batch": q.shape[0],
         ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],

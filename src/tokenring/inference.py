@@ -1,15 +1,11 @@
 """Attention of new tokens against the sharded KV cache: prefill with a cache, and decode.
 
-This module owns the inference call :func:`cached_attn` and the runtime of the cached
-schedules (``tokenring.strategies.cached``): it appends the new K/V to the cache
-(``tokenring.kvcache``), picks a strategy, and executes its plan with the communicator, so
-every byte is counted. The first prefill in the zigzag layout runs the ordinary training-style
-path (``sequence_parallel_attn``, TokenRing for pass-Q and Ring for pass-KV).
+This module owns :func:`cached_attn` and the runtime of the cached schedules
+(``tokenring.strategies.cached``): append the new K/V, pick a strategy, execute its plan.
 
-Legend: B sequences, n packed new rows of this rank, Hq / Hkv heads, D head dim, P world
-size, o the owner of a Q block, j the holder of a K/V shard. New tokens are *packed*: this
-rank's rows of sequence 0, then of sequence 1, ... (``CacheStep.seq_rows``), so q is
-``(n, Hq, D)`` and lse ``(Hq, n)``, flash-attention's varlen convention.
+Legend: B sequences, n packed new rows of this rank (sequence 0's, then sequence 1's, ...:
+``CacheStep.seq_rows``), Hq / Hkv heads, D head dim, P world size, o the owner of a Q block,
+j the holder of a K/V shard. q is ``(n, Hq, D)``, lse ``(Hq, n)`` (flash-attention's varlen).
 
 Note [Cached attention call]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -22,10 +18,9 @@ Note [Cached attention call]
                 (token_ring / ring, causal, zigzag); otherwise the plan's rank program
                 (tokenring.runtime.program.cached_program) through the one executor
 
-A Q block against a shard is computed per sequence in at most two kernel calls: the keys every
-query sees (positions up to the block's first query) without a mask, and the keys between the
-first and the last query with a position mask; keys after the last query are skipped. The two
-partials merge by lse, so a mask never grows with the cache.
+A Q block against a shard takes at most two kernel calls per sequence: the keys every query
+sees (up to the block's first query) without a mask, and the keys up to its last query with a
+position mask (later keys skipped); the partials merge by lse, so no mask grows with the cache.
 """
 
 from __future__ import annotations
@@ -67,8 +62,8 @@ __all__ = [
 
 # -- the runtime ---------------------------------------------------------------------------------
 class _PlanRunner(PassRunner):
-    """One rank's part of a :class:`CachedPlan`, as ``execute`` runs its program
-    (``cached_program``, Note [Rank program] in tokenring.runtime.program)."""
+    """One rank's part of a :class:`CachedPlan` (Note [Rank program] in
+    tokenring.runtime.program)."""
 
     comm: Communicator
     poster: SlotPoster
@@ -154,8 +149,7 @@ class _PlanRunner(PassRunner):
         return self.accs[owner]
 
     def _empty(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A partial of ``n`` rows no key has reached: out ``(1, n, Hq, D)`` 0, lse
-        ``(1, Hq, n)`` -inf, in the accumulation dtype."""
+        """A partial no key has reached: out 0 ``(1, n, Hq, D)``, lse -inf ``(1, Hq, n)``."""
         out = torch.zeros(1, n, self.heads_q, self.head_dim, dtype=self.acc, device=self.device)
         lse = torch.full((1, self.heads_q, n), -math.inf, dtype=self.acc, device=self.device)
         return out, lse
@@ -171,9 +165,8 @@ class _PlanRunner(PassRunner):
             self.partial = (out[0].to(self.dtype), lse[0])
 
     def _attend(self, q_owner: int, kv_holder: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The partial of ``q_owner``'s block against ``kv_holder``'s shard, in the
-        accumulation dtype: ``(1, n_o, Hq, D)`` and ``(1, Hq, n_o)``; see Note [Cached
-        attention call]."""
+        """``q_owner``'s block against ``kv_holder``'s shard: ``(1, n_o, Hq, D)``, ``(1, Hq,
+        n_o)`` in the accumulation dtype (Note [Cached attention call])."""
         q = self.q_blocks[q_owner]
         kv = self.kv_blocks[kv_holder]
         out, lse = self._empty(q.shape[0])
@@ -264,12 +257,9 @@ def resolve_cached_strategy(
     device: torch.device,
     hardware: Hardware | str | None = None,
 ) -> CachedStrategy:
-    """``strategy`` itself, or for ``"auto"`` the cheapest simulated plan
-    (``tokenring.model.planner.choose_cached_strategy``) on ``hardware`` (a ``Hardware``,
-    e.g. from ``tokenring.model.planner.calibrate``, whose ``kernel_call_s`` is charged per
-    kernel call, or a preset name). A zigzag first prefill chooses between pass_q and pass_kv
-    with the training planner (``tokenring.model.planner.explain``), as it runs on the
-    ordinary path. Pure: no communication.
+    """``strategy`` itself, or for ``"auto"`` the cheapest simulated plan on ``hardware`` (a
+    ``Hardware`` or a preset name); a zigzag first prefill asks the training planner, as it
+    runs on the ordinary path. Pure: no communication.
 
     Raises:
         ValueError: ``"auto"`` without ``hardware`` (Note [Calibration is passed in] in
@@ -372,8 +362,7 @@ def _call_signature(
     hardware: Hardware | str | None,
     kernel: str | BlockKernel | None,
 ) -> tuple[tuple[CachedStrategy | str, BlockKernel], dict[str, Any]]:
-    """Check one :func:`cached_attn` call's arguments (raising as it documents): the parsed
-    strategy (or ``"auto"``) and the kernel, and the options every rank must agree on."""
+    """Check a :func:`cached_attn` call: (strategy or ``"auto"``, kernel) and the signature."""
     step = _validate(q, cache, layer, softmax_scale)
     strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
     if hardware is not None and strategy != "auto":
@@ -413,30 +402,23 @@ def cached_attn(
     check_ranks: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this step's new tokens against everything cached before them and
-    themselves, with the K/V sharded over the cache's ranks; see Note [Cached attention call].
-
-    Call it once per layer and step, on every rank of the cache's group, after
-    ``cache.begin_step(new)``. Prefill with a cache (T new tokens per sequence on top of C
-    cached), the first prefill (C = 0) and decode (T of 1 to a few) are the same call.
+    themselves (Note [Cached attention call]). Call it once per layer and step on every rank,
+    after ``cache.begin_step(new)``; prefill and decode are the same call.
 
     Args:
-        q: ``(n, Hq, D)`` this rank's packed new queries (``cache.step.seq_rows(rank)`` rows of
-            each sequence, in position order; positions from ``cache.step.positions(rank)``).
+        q: ``(n, Hq, D)`` this rank's packed new queries (positions:
+            ``cache.step.positions(rank)``).
         k, v: ``(n, Hkv, D)`` their keys and values (appended to the cache here).
         cache: the cache; its group runs the attention.
         layer: which layer's cache.
         strategy: ``"pass_q"``, ``"pass_kv"``, ``"direct"``, ``"tree"`` (Note [Cached
-            strategies] in tokenring.strategies.cached) or ``"auto"``. Every rank must pass
-            the same.
+            strategies] in tokenring.strategies.cached) or ``"auto"``; the same on every rank.
         softmax_scale: defaults to ``1 / sqrt(D)``.
-        hardware: for ``"auto"``, and needed by it: a ``Hardware`` (measure this machine
-            once with ``tokenring.model.planner.calibrate``, a collective) or a preset name
-            (Note [Calibration is passed in] in tokenring.api).
+        hardware: needed by ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
+            passed in] in tokenring.api).
         kernel: block kernel name or instance; None picks one for the device and dtype.
         return_lse: also return lse ``(Hq, n)`` (float32; float64 for float64 inputs).
-        check_ranks: exchange this call's options (or this rank's error) with every rank
-            first and raise on every rank if any is invalid or they differ (one small
-            point-to-point round per call: Note [Rank agreement] in tokenring.api).
+        check_ranks: agree on the call first (Note [Rank agreement] in tokenring.api).
 
     Returns:
         out ``(n, Hq, D)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
@@ -480,8 +462,7 @@ def attend_cached(
     hardware: Hardware | str | None = None,
     kernel: BlockKernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention half of :func:`cached_attn`, with this step's K/V already appended for
-    ``layer`` (the benchmark repeats it on one cache). Returns ``(out, lse)``."""
+    """:func:`cached_attn` after the append (the benchmark repeats it). Returns ``(out, lse)``."""
     step = cache.step
     comm = cache.comm
     assert step is not None and comm is not None and cache.appended(layer)
@@ -511,9 +492,7 @@ def _zigzag_ring(
     scale: float,
     kernel: BlockKernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass-Q or pass-KV of a zigzag first prefill (equal lengths, nothing cached yet):
-    the training ring, TokenRing or Ring, over ``(B, s, H, D)``. Returns ``(out, lse)``
-    packed as :func:`attend_cached` returns them."""
+    """A zigzag first prefill on the training ring (pass_q: TokenRing, pass_kv: Ring)."""
     step, comm = cache.step, cache.comm
     assert step is not None and comm is not None
     heads_q, head_dim = q.shape[1], q.shape[2]

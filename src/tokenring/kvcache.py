@@ -1,11 +1,9 @@
 """The distributed KV cache: per layer, the K/V of a batch of sequences sharded over the ranks.
 
-This module owns *where cached tokens live* and how much memory they take. Every rank keeps
-the K/V of its own tokens (``(n, Hkv, D)`` per layer and sequence) and a replicated record of
-which global positions every rank holds, so each rank can derive the whole placement, every
-message size and every mask without asking the others. Attention over the cache is
-``tokenring.inference``; where new tokens go (Note [Placement]) and the schedules attention runs
-are ``tokenring.strategies.cached``, their costs ``tokenring.model.planner``.
+This module owns where cached tokens live and how much memory they take. Every rank keeps the
+K/V of its own tokens and a replicated record of which positions every rank holds, so each
+rank derives every placement, message size and mask without asking. Attention over it is
+``tokenring.inference``; placement (Note [Placement]) is ``tokenring.strategies.cached``.
 
 Legend: B sequences in the batch, T new tokens of a sequence in a step, C cached tokens of a
 sequence before it, P world size, bs block size, L layers, Hkv key/value heads, D head dim,
@@ -13,17 +11,14 @@ e bytes per element, n rows a rank holds.
 
 Note [Memory accounting]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-A rank stores each (layer, sequence) shard of n rows in one tensor per K and V whose capacity
-is n rounded up to a whole block: growing by one block at a time copies the shard once per bs
-appended rows, which a decode step (reading all n rows) amortises to 1/bs extra traffic. So the
-reserved bytes of rank r are exactly::
+Each (layer, sequence) shard of n rows lives in one tensor per K and V whose capacity is n
+rounded up to a whole block (growing a block at a time copies once per bs rows). So::
 
     reserved(r) = L * sum_b roundup(n_rb, bs) * 2 * Hkv * D * e
 
-which every rank computes for every rank from the replicated positions. ``begin_step`` checks
-it for the positions after the step against ``budget_bytes`` before anything is allocated or
-sent, so all ranks raise the same :class:`KVCacheBudgetError` at the same step (no rank waits
-for a peer that gave up).
+which every rank computes for every rank. ``begin_step`` checks it against ``budget_bytes``
+before anything is allocated or sent, so all ranks raise the same :class:`KVCacheBudgetError`
+at the same step.
 """
 
 from __future__ import annotations
@@ -35,13 +30,11 @@ from typing import Any
 
 import torch
 
-from tokenring.api import get_communicator
+from tokenring.api import _DTYPES, get_communicator
 from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CacheStep, place_new_tokens
 
 __all__ = ["CacheStep", "DistributedKVCache", "KVCacheBudgetError", "place_new_tokens"]
-
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 class KVCacheBudgetError(RuntimeError):
@@ -106,10 +99,8 @@ def _ranks(
 class DistributedKVCache:
     """K/V of a batch of B sequences for every layer, sharded over the ranks of a group.
 
-    Use it in steps: ``begin_step(new)`` places the new tokens of every sequence (Note
-    [Placement]) and checks the memory budget; then, for each layer, attention
-    (``tokenring.inference.cached_attn``) appends this rank's new K/V and attends to every
-    rank's shard.
+    Use it in steps: ``begin_step(new)`` places the new tokens (Note [Placement]) and checks
+    the budget; then each layer's ``tokenring.inference.cached_attn`` appends and attends.
 
     Args:
         num_layers: L.
@@ -120,10 +111,9 @@ class DistributedKVCache:
         budget_bytes: the most K/V bytes one rank may reserve (all layers); None: no limit.
         group: ProcessGroup, 1-D DeviceMesh, Communicator or None (default group); attention
             runs on its communicator.
-        rank, world_size: give both instead of a group to use the cache's bookkeeping without
-            a process group (tests, planning); attention then cannot run.
-        zigzag_first_prefill: place a first prefill of equal lengths in the zigzag layout so
-            that it runs on the ordinary attention path.
+        rank, world_size: both instead of a group: bookkeeping only (attention cannot run).
+        zigzag_first_prefill: place a first prefill of equal lengths in the zigzag layout (it
+            runs on the ordinary attention path).
 
     Raises:
         ValueError: a size below 1, an unsupported dtype, rank outside [0, world_size), or
@@ -178,14 +168,13 @@ class DistributedKVCache:
             for _ in range(batch)
         ]
         tail = (heads_kv, head_dim)
-        self._keys = [
-            [_Growable(tail, dtype, self.device, block_size) for _ in range(batch)]
-            for _ in range(num_layers)
-        ]
-        self._values = [
-            [_Growable(tail, dtype, self.device, block_size) for _ in range(batch)]
-            for _ in range(num_layers)
-        ]
+        self._keys, self._values = (
+            [
+                [_Growable(tail, dtype, self.device, block_size) for _ in range(batch)]
+                for _ in range(num_layers)
+            ]
+            for _ in range(2)
+        )
         self._appended = [True] * num_layers  # per layer: appended the current step's K/V
         self.memo: dict[Any, Any] = {}
         """Per-step results that every layer reuses (plans, the strategy pick); cleared by
@@ -224,8 +213,7 @@ class DistributedKVCache:
         return [self._positions[b][rank].size for b in range(self.batch)]
 
     def allocated_bytes(self) -> int:
-        """Bytes of this rank's K/V tensors as allocated (equals ``reserved_bytes()`` once
-        every layer has appended the current step)."""
+        """Bytes of this rank's K/V tensors as allocated."""
         return sum(
             buf.data.numel() * buf.data.element_size()
             for store in (self._keys, self._values)
@@ -287,16 +275,12 @@ class DistributedKVCache:
         return dataclasses.replace(step, kv_positions=kv_positions)
 
     def begin_step(self, new: Sequence[int], *, check_ranks: bool = True) -> CacheStep:
-        """Place ``new`` tokens per sequence, check the budget and make this the current step.
-
-        Every rank must call it with the same ``new``. After it, attention of each layer
-        appends its K/V (``tokenring.inference.cached_attn``).
+        """Place ``new`` tokens per sequence, check the budget and make this the current step
+        (the same ``new`` on every rank).
 
         Args:
             new: T_b per sequence (0 for a sequence that does not advance).
-            check_ranks: exchange ``new`` (or this rank's error) first and raise on every rank
-                if any rank is invalid or they disagree (``Communicator.agree``; only with a
-                process group).
+            check_ranks: agree on ``new`` first (with a group; ``Communicator.agree``).
 
         Returns:
             The step: positions per rank, packed-row counts (``CacheStep``).
@@ -332,19 +316,17 @@ class DistributedKVCache:
         return step
 
     def _agreed_placement(self, new: Sequence[int], check_ranks: bool) -> CacheStep:
-        """:meth:`_placement` of ``new``, once every rank knows that every rank's is valid and
-        the same (with ``check_ranks`` and a group); else this rank's error, raised."""
+        """:meth:`_placement` of ``new``, once the ranks agree (with ``check_ranks``)."""
         validate = functools.partial(self._checked_placement, new)
         if self.comm is None:  # no group to agree over
             return validate()[0]
-        # Every rank learns every rank's error (Note [Rank agreement] in tokenring.api).
+        # Note [Rank agreement] in tokenring.api
         return self.comm.agreed(
             validate, what="cache step", check_ranks=check_ranks, errors=(ValueError, RuntimeError)
         )
 
     def _checked_placement(self, new: Sequence[int]) -> tuple[CacheStep, dict[str, Any]]:
-        """:meth:`_placement` of ``new`` once every layer appended the last step, and its
-        signature (:meth:`Communicator.agree`)."""
+        """:meth:`_placement` of ``new`` (every layer appended the last step) and its signature."""
         step = self._placement(new)
         missing = [layer for layer, done in enumerate(self._appended) if not done]
         if missing:
@@ -395,8 +377,7 @@ class DistributedKVCache:
         self._appended[layer] = True
 
     def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> CacheStep:
-        """The current step, if :meth:`append` would take ``k``, ``v`` for ``layer``; raises
-        :meth:`append`'s ValueError otherwise (and changes nothing)."""
+        """The current step if :meth:`append` would take ``k``, ``v``; else its ValueError."""
         step = self._step
         if step is None:
             raise ValueError("no cache step has begun; call cache.begin_step(new) first")

@@ -1,22 +1,16 @@
 """Spawning a gloo (or NCCL) process group on one machine, with deadlines and root causes.
 
 This module owns the worker processes of tests, the demo and the benchmark: each rank is a
-process of its own, forked from a warm zygote that imported the library once, or a fresh
-interpreter where it must be (Note [Rank start]); rendezvous goes through a FileStore in a
-private temp dir (no fixed ports), every process group gets a timeout, and an outer deadline
-kills every worker. When a rank fails, the
-others are ended at once and the error names the rank that failed *first* with its own
-traceback, not the "connection closed" of its peers.
+process, forked from a warm zygote or a fresh interpreter (Note [Rank start]); rendezvous
+goes through a FileStore in a private temp dir, every process group gets a timeout, and an
+outer deadline kills every worker. When a rank fails, the others are ended at once and the
+error names the rank that failed *first*, with its own traceback.
 
-Nothing outlives a launch. SIGTERM and SIGHUP become ``SystemExit(128 + signum)`` while
-``launch`` runs, so every ``finally`` runs: the ranks are ended and the temp dir removed (and
-an enclosing lab or temp dir of the caller is cleaned up too); SIGINT does the same through
-KeyboardInterrupt. A launcher killed outright (SIGKILL) takes its ranks with it: each rank
-asks the kernel for SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``; a forked rank's
-parent is the zygote, which ends when the launcher does). A rank that
-succeeded tears down in order (a closing barrier, the library's communicators, the process
-group) before Python finalises, and a rank that returned its result but then exited with an
-error or a signal fails the launch.
+Nothing outlives a launch: SIGTERM and SIGHUP become ``SystemExit(128 + signum)`` while
+``launch`` runs (SIGINT: KeyboardInterrupt), so every ``finally`` ends the ranks and removes
+the temp dir; a launcher killed outright takes its ranks with it (``PR_SET_PDEATHSIG``). A rank
+that succeeded tears down in order (Note [Clean exit]); one that returned its result but then
+exited with an error or a signal fails the launch.
 """
 
 from __future__ import annotations
@@ -77,8 +71,7 @@ class _Spec:
 
 
 class _ForkedProc:
-    """A rank forked by the zygote, seen through the ``subprocess.Popen`` methods the
-    launcher uses."""
+    """A rank forked by the zygote, behind the ``subprocess.Popen`` methods the launcher uses."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
         self._process = process
@@ -119,17 +112,14 @@ class _Outcome:
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) -> Communicator:
-    """Initialise the default process group from the launcher's environment (torchrun).
-
-    Uses NCCL when CUDA is available, gloo otherwise, unless ``backend`` is given; sets
-    the CUDA device from LOCAL_RANK. Always with a timeout, which the default group's
-    communicator inherits.
+    """Initialise the default process group from the launcher's environment (torchrun), with
+    a timeout: NCCL when CUDA is available, else gloo, unless ``backend`` is given; the CUDA
+    device from LOCAL_RANK.
 
     Returns:
-        The default group's communicator: the one ``get_communicator(None)`` and every call
-        with ``group=None`` use (Note [Communicator cache] in tokenring.api). When
-        torch.distributed is initialised already, nothing is initialised and that
-        communicator is returned as it is (its timeout unchanged).
+        The default group's communicator (Note [Communicator cache] in tokenring.api), with
+        this timeout; when torch.distributed is initialised already, that communicator as it
+        is.
     """
     if dist.is_initialized():
         return get_communicator(None)
@@ -159,11 +149,8 @@ def launch(
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes joined in a process group
-    (forked from a warm zygote, or fresh interpreters with ``rank_env``/``wrap_command``:
-    Note [Rank start]).
-
-    ``fn`` must be importable by reference (a module-level function). Inside it,
-    ``torch.distributed`` is initialised (``dist.get_rank()`` is the rank).
+    (Note [Rank start]). ``fn`` must be a module-level function; inside it
+    ``torch.distributed`` is initialised.
 
     Args:
         timeout_s: outer deadline for the whole run; every worker is killed past it.
@@ -224,13 +211,10 @@ _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 @contextlib.contextmanager
 def _signals_end_the_run() -> Iterator[None]:
-    """While the block runs (in the main thread), SIGTERM and SIGHUP end it through its
-    ``finally`` clauses instead of killing the process on the spot.
-
-    A handler installed before that is Python code runs instead (a ``netlab.Lab`` tears its
-    namespaces down and then raises SystemExit itself); otherwise the handler raises
-    ``SystemExit(128 + signum)``, the exit status a shell reports for that signal. A signal
-    that was ignored stays ignored. The handlers installed before are back afterwards.
+    """While the block runs (main thread), SIGTERM and SIGHUP raise ``SystemExit(128 +
+    signum)`` so its ``finally`` clauses run; a Python handler installed before runs instead
+    (a ``netlab.Lab`` tears down and exits itself), an ignored signal stays ignored, and the
+    previous handlers are back afterwards.
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers can only be set from the main thread; PR_SET_PDEATHSIG still holds
@@ -302,24 +286,16 @@ def _start(
 
 # Note [Rank start]
 # ~~~~~~~~~~~~~~~~~
-# A rank started as a fresh interpreter spends about 2.5 s of CPU importing torch and the
-# library before it does anything (measured: `import tokenring` 2.6 s user time on the 2-core
-# CI box), so four ranks on two cores wait about 5 s per launch, and the test suite, which
-# launches about a hundred times, spent about half of its time there. So a rank is forked
-# from a zygote: multiprocessing's fork server, started on the first launch with this
-# module preloaded (torch, torch._dynamo and the library imported once, before any process
-# group exists: Note [Lazy package] in tokenring). The fork inherits nothing of the
-# launcher but what it is sent: its environment and sys.path are set from the launcher's
-# at each launch, so variables read when a rank runs (GLOO_SOCKET_IFNAME, TORCH_*, ...)
-# take effect, while those read when an interpreter starts (MALLOC_*, LD_PRELOAD,
-# PYTHON*) are the zygote's. A launch with ``rank_env`` (which may set such variables, as
-# the memory benchmark's malloc threshold does) or ``wrap_command`` (a rank started inside
-# a network namespace must be exec'ed there), or where fork is not the platform's way
-# (not Linux), starts fresh interpreters as before. The zygote imports no CUDA state, and
-# it has one thread (fork is safe). A forked rank ends with os._exit after its atexit
-# handlers ran, so what Python's finalisation would do (Note [Clean exit]) is never at
-# the mercy of a live gloo thread. The zygote lives as long as the launcher (one process of
-# about the size of an idle rank) and ends with it.
+# A fresh interpreter spends seconds importing torch and the library, so a rank is forked
+# from a zygote: multiprocessing's fork server, started on the first launch with this module
+# preloaded (imported once, before any process group exists: Note [Lazy package] in
+# tokenring; no CUDA state, one thread, so fork is safe). Each launch sends the launcher's
+# environment and sys.path: variables read when a rank runs take effect, those read at
+# interpreter start (MALLOC_*, LD_PRELOAD, PYTHON*) are the zygote's. So a launch with
+# ``rank_env`` or ``wrap_command`` (a network namespace must exec the rank), or off Linux,
+# starts fresh interpreters. A forked rank ends with os._exit after its atexit handlers, so
+# finalisation never races a gloo thread (Note [Clean exit]). The zygote ends with the
+# launcher.
 _ZYGOTE_PRELOAD = ["tokenring.launch"]
 
 
@@ -351,10 +327,9 @@ def _forked_worker(
     path: list[str],
 ) -> None:
     """A rank forked by the zygote: the same start as ``_WORKER_CODE``, then ``_worker``."""
-    # The fork server hands every child the launcher's end of the pipe whose closing tells
-    # the server that its launcher is gone (CPython keeps it as the private
-    # ``_forkserver_alive_fd``); a rank holding it would keep the server, its parent, alive
-    # past a killed launcher, and so itself (PR_SET_PDEATHSIG below).
+    # Every child inherits the pipe end whose closing tells the fork server its launcher is
+    # gone (CPython's private ``_forkserver_alive_fd``); held, it would keep the server (and
+    # so this rank) alive past a killed launcher.
     server = multiprocessing.forkserver._forkserver
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
     if alive_fd is not None:
@@ -365,9 +340,8 @@ def _forked_worker(
     if os.getppid() != parent or not _alive(launcher_pid):
         os._exit(1)  # the zygote or the launcher died before PR_SET_PDEATHSIG took effect
     os.setsid()  # its own session, as start_new_session gives a fresh interpreter
-    # What the zygote imported is never garbage here, and holds no process group (it ran
-    # before any existed): out of every collection and of clear_group_defaults' scan, which
-    # cut a 4-rank launch's teardown from 0.9 to 0.3 s (Note [Rank start]).
+    # What the zygote imported is never garbage and holds no process group: keep it out of
+    # every collection and of clear_group_defaults' scan (a faster teardown).
     gc.freeze()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -394,8 +368,7 @@ def _die_with_parent() -> None:
 
 
 def _name_process(rank: int) -> None:
-    """Name the process ``tokenring-rN``, what ps, top and /proc/PID/comm show (Linux
-    PR_SET_NAME = 15; ``_WORKER_CODE`` does the same)."""
+    """Name the process ``tokenring-rN`` for ps and top (Linux PR_SET_NAME = 15)."""
     ctypes.CDLL(None).prctl(15, f"tokenring-r{rank}".encode(), 0, 0, 0)
 
 
@@ -445,8 +418,7 @@ def _collect(
             candidate = _failure(r, code, outcomes.get(r.rank))
             if candidate is not None:  # the earliest failure, by time
                 first_failure = min(first_failure or candidate, candidate)
-                # Give peers a moment to report their own errors (to pick the earliest), then
-                # end them: they would otherwise sit in a P2P wait until their timeout.
+                # let peers report their own errors (to pick the earliest), then end them
                 grace_until = grace_until or now + 1.0
         if first_failure is not None and (not running or (grace_until and now > grace_until)):
             _end(ranks)
@@ -482,8 +454,8 @@ def _collect(
 
 
 def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[float, int, str] | None:
-    """(when, rank, error) if rank ``r`` has failed: it reported an error, or it exited without
-    a result or with an error status after it; None while it runs or once it has succeeded."""
+    """(when, rank, error) if rank ``r`` reported an error or exited without a result or with
+    an error status; else None."""
     if outcome is not None and not outcome.ok:
         return outcome.failed_at_s, r.rank, outcome.error
     if code is None or (outcome is not None and code == 0):
@@ -496,9 +468,7 @@ def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[floa
 
 
 def _exit_status(code: int) -> str:
-    if code < 0:
-        return f"signal {signal.Signals(-code).name}"
-    return f"code {code}"
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
 
 def _end(ranks: Sequence[_Rank]) -> None:
@@ -529,9 +499,7 @@ def _worker(spec_path: str, rank: int) -> int:
         f.write(data)
     os.replace(result_path + ".tmp", result_path)
     if not outcome.ok:
-        # Its groups may hold collectives that peers never joined: tearing them down (and
-        # Python finalising) would wait for those. The launcher has the error and ends the
-        # other ranks; this one ends now.
+        # its groups may hold collectives peers never joined: tearing them down would wait
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
@@ -540,9 +508,8 @@ def _worker(spec_path: str, rank: int) -> int:
 
 def _run_rank(spec: _Spec, rank: int) -> Any:
     """Join the group, run ``fn``, then tear down in order (Note [Clean exit])."""
-    # The library (and torch._dynamo) is imported before the group exists; imported after
-    # it, torch keeps the group in default arguments until close_communicators clears them
-    # (Note [Groups in default arguments] in tokenring.runtime.comm).
+    # the library is imported before the group exists (Note [Groups in default arguments]
+    # in tokenring.runtime.comm)
     torch.set_num_threads(spec.threads)
     store = dist.FileStore(spec.store_path, spec.world_size)
     store.set_timeout(timedelta(seconds=spec.pg_timeout_s))  # group creation waits too
@@ -558,16 +525,11 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     value = spec.fn(*spec.args, **spec.kwargs)
     # Note [Clean exit]
     # ~~~~~~~~~~~~~~~~~
-    # A gloo group's worker threads live as long as its ProcessGroup object, not as long as it
-    # is registered: destroy_process_group() only forgets it (gloo has no shutdown), and the
-    # communicator cache used to keep the objects alive. A worker thread that drops a
-    # finished collective's tensors while Python finalises must take the GIL to free them,
-    # and a thread that takes the GIL then is ended inside C++ code that cannot unwind:
-    # "terminate called without an active exception", SIGABRT, after every result was
-    # right (seen with the collective strategies, whose all-to-all and all-gather ran on the
-    # cached default group). So: wait until every rank is done talking, close the library's
-    # communicators (their channel groups), destroy the rest, and free the objects, which
-    # joins their threads while the interpreter is still whole.
+    # A gloo group's worker threads live as long as its ProcessGroup object
+    # (destroy_process_group only forgets it), and a thread that takes the GIL while Python
+    # finalises aborts the process (SIGABRT) after every result was right. So: wait until
+    # every rank is done talking, close the library's communicators, destroy the rest, and
+    # free the objects, which joins their threads while the interpreter is still whole.
     if dist.is_initialized():
         if spec.world_size > 1:
             get_communicator(None).barrier(label="end of launch")
@@ -579,9 +541,8 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     return value
 
 
-# Before anything else (importing torch takes seconds), the rank asks the kernel for SIGKILL
-# when its parent, the launcher, dies however it dies (Linux PR_SET_PDEATHSIG = 1), then
-# checks that the launcher did not die before that took effect.
+# Before importing torch: SIGKILL when the launcher dies (PR_SET_PDEATHSIG = 1), then check
+# that it did not die before that took effect.
 _WORKER_CODE = """
 import os, signal, sys
 if sys.platform.startswith("linux"):

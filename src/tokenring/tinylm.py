@@ -1,14 +1,8 @@
 """A tiny causal language model and greedy generation, on one process or over the KV cache.
 
-This module owns the end-to-end check of inference: :func:`generate` decodes greedily with
-the K/V sharded over the ranks (``tokenring.kvcache``, ``tokenring.inference``) and must
-return exactly the tokens of :func:`generate_reference`, the same model on one process with
-plain causal attention over the whole sequence, recomputed every step (no cache at all).
-
-The model is Llama-shaped and small: token embedding, then per layer RMS norm, q/k/v
-projections with rotary position embedding (RoPE, half-split), GQA attention, output
-projection, RMS norm and a SiLU MLP, each with a residual; a final norm and the LM head.
-Weights are drawn from a seeded generator, so every rank builds the same model.
+This module owns the end-to-end check of inference: :func:`generate` (K/V sharded over the
+ranks) must return exactly the tokens of :func:`generate_reference` (one process, no cache).
+The model is a small seeded Llama: RMS norms, RoPE (half-split), GQA attention, a SiLU MLP.
 
 Legend: n packed tokens of this rank, E model dim, V vocabulary, Hq / Hkv heads, D head dim,
 L layers, B sequences.
@@ -32,8 +26,7 @@ from tokenring.strategies.cached import CachedStrategy
 __all__ = ["Generation", "TinyCausalLM", "TinyLMConfig", "generate", "generate_reference"]
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(layer, q (n, Hq, D), k (n, Hkv, D), v (n, Hkv, D)) -> out (n, Hq, D)``: causal
-attention of the n tokens (after RoPE) against everything before them and themselves."""
+"""``(layer, q (n, Hq, D), k (n, Hkv, D), v (n, Hkv, D)) -> out (n, Hq, D)``, causal."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,8 +68,8 @@ def _rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class TinyCausalLM(torch.nn.Module):
-    """The tiny model; ``forward`` takes any tokens with their global positions and an
-    attention function, so one process and many ranks run the same code around attention.
+    """The tiny model; ``forward`` takes tokens, their global positions and an attention
+    function, so one process and many ranks run the same code around attention.
 
     Args:
         config: sizes.
@@ -169,8 +162,8 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_to
 def generate_reference(
     model: TinyCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> list[list[int]]:
-    """Greedy continuation of each prompt on one process, recomputing the whole sequence with
-    plain causal attention at every step (the oracle of :func:`generate`).
+    """Greedy continuation of each prompt on one process, recomputing the whole sequence every
+    step (the oracle of :func:`generate`).
 
     Returns:
         ``max_new_tokens`` new tokens per prompt.
@@ -212,19 +205,14 @@ def generate(
     strategy: CachedStrategy | str = "auto",
     hardware: Hardware | str | None = None,
 ) -> Generation:
-    """Greedy decoding with the K/V cache sharded over the ranks of ``group``.
-
-    Every rank calls it with the same model and prompts. Step 0 prefills every prompt (the
-    first prefill; zigzag on the ordinary path when the prompts have equal lengths that
-    2 x world size divides), each later step decodes one token per sequence. A rank runs the
-    model on the tokens it owns (``kvcache`` Note [Placement]); the owner of a sequence's last
-    token picks the next one and an all-reduce of B integers tells every rank.
+    """Greedy decoding with the K/V cache sharded over the ranks of ``group`` (every rank
+    calls it with the same model and prompts): step 0 prefills, each later step decodes one
+    token per sequence; the owner of a sequence's last token picks the next.
 
     Args:
         block_size, budget_bytes: of the ``DistributedKVCache``.
-        strategy, hardware: of ``cached_attn`` (``"auto"``: the cost model's pick per step;
-            with hardware None this machine is measured once, at the start of this call, with
-            ``tokenring.model.planner.calibrate``: a collective, a few seconds on CPU).
+        strategy, hardware: of ``cached_attn``; ``"auto"`` with hardware None measures this
+            machine once per call (``tokenring.model.planner.calibrate``, a collective).
 
     Returns:
         The new tokens per prompt and the cache.
@@ -264,10 +252,8 @@ def _decode_step(
     strategy: CachedStrategy | str,
     hardware: Hardware | str | None,
 ) -> str:
-    """One step of :func:`generate`: the model on the new tokens this rank owns (a prompt's
-    first, then one per sequence), and the next token of every sequence appended to it (the
-    owner of its last token picks it, an all-reduce tells every rank). Returns the step's
-    strategy."""
+    """One step of :func:`generate` (the model on the new tokens this rank owns, the next
+    tokens appended); returns the step's strategy."""
     comm, c, device = cache.comm, model.config, model.embed.device
     assert comm is not None
     step = cache.begin_step([len(s) - n for s, n in zip(seqs, cache.lengths, strict=True)])
