@@ -2,12 +2,9 @@
 
 Legend: B batch, S global seq, s local seq (S // P), H heads, D head dim, P world size.
 
-Two layouts:
-- ``Layout.CONTIGUOUS``: rank r owns positions [r*s, (r+1)*s). Any s >= 1. Balanced for
-  non-causal attention (DiT); unbalanced for causal (rank P-1 does P times rank 0's work).
-- ``Layout.ZIGZAG``: the sequence is cut into 2P chunks of c = s/2 tokens; rank r owns chunk r
-  followed by chunk 2P-1-r. Every rank gets one early and one late chunk, so causal work is
-  balanced. Needs an even s.
+``Layout.CONTIGUOUS``: rank r owns positions [r*s, (r+1)*s) (causal work unbalanced).
+``Layout.ZIGZAG``: 2P chunks of c = s/2 tokens; rank r owns chunks r and 2P-1-r, one early and
+one late, so causal work is balanced. Needs an even s.
 
 Note [Zigzag chunks]
 ~~~~~~~~~~~~~~~~~~~~
@@ -18,27 +15,22 @@ P = 3, 2P = 6 chunks of c tokens::
     rank 1:  | c1 | c4 |
     rank 2:  | c2 | c3 |
 
-Local row i of rank r sits at global position ``chunk_start + (i mod c)``; positions inside a
-shard are increasing, so a causal mask over one rank's own shard is the plain top-left causal
-mask.
+Positions inside a shard increase, so the causal mask of a rank's own shard is top-left.
 
 Note [Documents and padding]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Any global length S works, and so do packed documents (``cu_seqlens``). The sequence (zigzag:
-every document on its own) is cut into near-equal pieces, longer ones first; every rank keeps
-its pieces in a padded local buffer of ``seq_local`` rows, the same size on every rank, so the
-ring's blocks line up. A :class:`Sharding` lists each rank's *runs* (consecutive tokens of one
-document in consecutive rows); rows outside every run are padding, never computed and never
-seen. Zigzag with documents d0 (10 tokens) and d1 (4 tokens), P = 2, 4 pieces per document
-(d0: 3 3 2 2, d1: 1 1 1 1), padded piece sizes 3 and 1::
+Any global length S and packed documents (``cu_seqlens``) work. The sequence (zigzag: each
+document on its own) is cut into near-equal pieces, longer first, kept in a padded local buffer
+of ``seq_local`` rows on every rank. A :class:`Sharding` lists each rank's *runs* (consecutive
+tokens of one document in consecutive rows); other rows are padding, never computed or seen.
+Zigzag, d0 (10 tokens) and d1 (4 tokens), P = 2, pieces d0: 3 3 2 2, d1: 1 1 1 1::
 
     rank 0 rows:  d0[0:3] d1[0:1] | d0[8:10] pad d1[3:4]     early pieces, then late pieces
     rank 1 rows:  d0[3:6] d1[1:2] | d0[6:8]  pad d1[2:3]
 
-Every rank gets piece r and piece 2P-1-r of every document, so causal work stays balanced per
-document; the early pieces of all documents come first, so the rows a late query block needs
-stay one range. The attention functions take each rank's tokens (``s_r`` rows, the caller's
-length) and scatter them into the buffer themselves.
+Every rank gets pieces r and 2P-1-r of every document; early pieces come first, so the rows
+a late query block needs stay one range. Callers pass ``s_r`` rows; the attention functions
+pad them.
 """
 
 from __future__ import annotations
@@ -120,12 +112,8 @@ def global_positions(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Global token positions held by ``rank``, in local order.
-
-    Give ``seq_local`` (every rank holds that many tokens, S = P * s) or ``seq_len`` (any
-    global length; shards may differ by a few tokens, see :class:`Sharding`). With
-    ``cu_seqlens`` the zigzag is per document (Note [Documents and padding]). For RoPE use
-    :func:`position_ids`, which restarts at every document.
+    """Global token positions held by ``rank``, in local order, from ``seq_local`` (S = P * s)
+    or ``seq_len`` (Note [Documents and padding]). For RoPE use :func:`position_ids`.
 
     Returns:
         int64 tensor of shape ``(s_r,)``, this rank's number of tokens.
@@ -147,8 +135,6 @@ def position_ids(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Position of each of ``rank``'s tokens inside its document (RoPE ``position_ids``).
-
-    Without ``cu_seqlens`` this equals :func:`global_positions`.
 
     Returns:
         int64 tensor of shape ``(s_r,)``.
@@ -174,11 +160,8 @@ def global_length(
     *,
     inner: int = 1,
 ) -> int:
-    """S from exactly one of ``seq_local`` and ``seq_len``; ValueError otherwise.
-
-    With ``seq_local`` the shards are equal: each of the P shards is held by ``inner`` ranks
-    of s tokens (the hybrid's inner group, Note [Hybrid layout] in tokenring.hybrid; else 1),
-    so S = P * inner * s, and the layout is checked against a shard of inner * s tokens.
+    """S from exactly one of ``seq_local`` and ``seq_len``; ValueError otherwise. Each of the
+    P shards is held by ``inner`` ranks of s tokens (Note [Hybrid layout] in tokenring.hybrid).
     """
     if (seq_local is None) == (seq_len is None):
         raise ValueError(
@@ -204,12 +187,8 @@ def shard(
     seq_dim: int = 1,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Take ``rank``'s shard of a global tensor along ``seq_dim``.
-
-    Any global length works: shards differ by at most a few tokens when the layout's chunk
-    count does not divide it (the attention functions then need ``seq_len=``). With
-    ``cu_seqlens`` (document boundaries of a packed sequence) and the zigzag layout, every
-    document is zigzagged on its own.
+    """``rank``'s shard of a global tensor along ``seq_dim``, any length (Note [Documents and
+    padding]; uneven shards need ``seq_len=`` in the attention functions).
 
     Args:
         x: global tensor, e.g. ``(B, S, H, D)`` with ``seq_dim=1``.
@@ -291,11 +270,8 @@ class Run:
 
 @dataclass(frozen=True, slots=True)
 class Sharding:
-    """Where every global token lives: per rank, runs of tokens in a padded local buffer of
-    ``seq_local`` rows (the same on every rank). Pure data; build with :func:`make_sharding`.
-
-    See Note [Documents and padding].
-    """
+    """Where every global token lives: per rank, runs in a padded buffer of ``seq_local`` rows
+    (Note [Documents and padding]). Build with :func:`make_sharding`."""
 
     layout: Layout
     world_size: int
@@ -349,8 +325,7 @@ class Sharding:
 
 @dataclass(frozen=True, slots=True)
 class Padding:
-    """One rank's tokens in and out of the padded local buffer of a :class:`Sharding` (Note
-    [Documents and padding]); does nothing where no rank has padding."""
+    """One rank's tokens in and out of a :class:`Sharding`'s padded buffer (no-op unpadded)."""
 
     rows: torch.Tensor | None
     """Row of the padded buffer of each local token ``(s,)``; None without padding."""
@@ -406,7 +381,7 @@ def normalize_cu_seqlens(
         )
     if any(b < a for a, b in itertools.pairwise(values)):
         raise ValueError(f"{name} must be non-decreasing; got {list(values)}")
-    # empty documents change nothing; drop them so equal packings give equal shardings
+    # drop empty documents: equal packings give equal shardings
     return (0, *sorted(set(values[1:]) - {0})) if seq_len > 0 else (0, 0)
 
 
