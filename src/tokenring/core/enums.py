@@ -12,12 +12,7 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def parse_enum(
-    cls: type[E],
-    value: object,
-    argument: str,
-    *,
-    also: str = "",
-    among: Sequence[E] | None = None,
+    cls: type[E], value: object, argument: str, *, also: str = "", among: Sequence[E] | None = None
 ) -> E:
     """``value`` (a member, a member of another enum with the same value, or a value) as a
     member of ``cls`` among ``among`` (default all); else ValueError naming ``argument``, the

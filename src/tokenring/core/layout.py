@@ -153,12 +153,7 @@ def _checked_rank(rank: int, world_size: int) -> int:
 
 
 def global_length(
-    world_size: int,
-    seq_local: int | None,
-    seq_len: int | None,
-    layout: Layout,
-    *,
-    inner: int = 1,
+    world_size: int, seq_local: int | None, seq_len: int | None, layout: Layout, *, inner: int = 1
 ) -> int:
     """S from exactly one of ``seq_local`` and ``seq_len``; ValueError otherwise. Each of the
     P shards is held by ``inner`` ranks of s tokens (Note [Hybrid layout] in tokenring.hybrid).

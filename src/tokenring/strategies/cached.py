@@ -95,12 +95,7 @@ __all__ = [
 
 
 def place_new_tokens(
-    *,
-    cached: Sequence[int],
-    new: Sequence[int],
-    world_size: int,
-    block_size: int,
-    zigzag: bool,
+    *, cached: Sequence[int], new: Sequence[int], world_size: int, block_size: int, zigzag: bool
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
     """The global positions of the new tokens each rank owns; see Note [Placement].
 

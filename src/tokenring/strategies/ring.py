@@ -116,13 +116,7 @@ from functools import cache, partial
 
 import torch
 
-from tokenring.core.layout import (
-    Layout,
-    Sharding,
-    global_length,
-    make_sharding,
-    validate_seq_local,
-)
+from tokenring.core.layout import Layout, Sharding, global_length, make_sharding, validate_seq_local
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
