@@ -267,11 +267,8 @@ def _describe(fn: Any) -> str:
 
 
 def _model_mask(mask_function: Any, *, model: str | None = None) -> _ModelMask:
-    """Read transformers' ``mask_function`` into the library's mask (Note [Model masks]).
-
-    Raises:
-        NotImplementedError: a piece the library cannot express, named.
-    """
+    """Read ``mask_function`` into the library's mask, or raise naming a piece it cannot
+    express (Note [Model masks])."""
     pieces = _mask_pieces()
     where = f" (model_type {model!r})" if model else ""
     causal = False
@@ -468,8 +465,7 @@ def _layer_mask(
     is_causal: bool | None,
     sliding_window: int | None,
 ) -> _ModelMask:
-    """The mask of one call: the model's (which ``is_causal`` and ``sliding_window`` must agree
-    with), or else theirs."""
+    """The model's mask (``is_causal``, ``sliding_window`` must agree), or else theirs."""
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
     window_size = (-1, 0 if causal else -1)
     if sliding_window is not None:
@@ -799,9 +795,7 @@ def _labels_loss(
     shift_labels: torch.Tensor | None = None,
     **_: Any,
 ) -> torch.Tensor:
-    """``model(..., labels=..., sequence_parallel=sp).loss``: :func:`causal_lm_loss` with
-    ``labels`` (this rank's shard or the global ``(B, S)``) shifted over the global sequence;
-    ``shift_labels`` (from :func:`shard_batch`) is used as is."""
+    """``model(..., labels=..., sequence_parallel=sp).loss``: labels shifted globally."""
     sp = as_sequence_parallel(sp)
     if num_items_in_batch is not None:
         raise NotImplementedError(
@@ -823,8 +817,7 @@ def _labels_loss(
 def _global_labels(
     sp: SequenceParallel, labels: torch.Tensor, logits: torch.Tensor
 ) -> torch.Tensor:
-    """The global ``(B, S)`` labels: ``labels`` itself, or every rank's shard gathered
-    (decided from every rank's length, so all ranks take the same path)."""
+    """The global ``(B, S)`` labels: ``labels``, or every rank's shard of them gathered."""
     comm = sp.communicator
     seq_len, sharding = _sharding(sp, logits.shape[1])
     lengths = [labels.shape[1]]

@@ -72,8 +72,7 @@ _CACHE_KWARGS = ("cache", "past_key_values")  # the cache's name in the forward 
 
 
 class _ShardedLayer(CacheLayerMixin):
-    """One layer of a :class:`ShardedKVCache`: the attention function appends to the
-    DistributedKVCache, so ``update`` hands the new rows back unchanged."""
+    """A layer of a :class:`ShardedKVCache`: ``update`` hands the new rows back unchanged."""
 
     is_compileable = False
     is_croppable = False

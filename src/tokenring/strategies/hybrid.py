@@ -136,8 +136,7 @@ def _shift(heads: Rows | None, width: int, i: int) -> Rows:
 
 
 def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> StepPlan:
-    """An outer step as rank ``g`` runs it: one step later, ranks o -> o * P_in + i, on inner
-    rank i's heads."""
+    """An outer step as rank ``g`` = o * P_in + i runs it, on inner rank i's heads."""
     i = g % p_in
 
     def lifted(pc: Piece) -> Piece:
@@ -174,8 +173,7 @@ def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> T
 def _all_to_all_transfers(
     g: int, *, forward: bool, p_in: int, rows: list[int], last_step: int, nq: int, nkv: int
 ) -> list[Transfer]:
-    """Rank ``g``'s all-to-all sends: its rows of each peer's heads at step 0, the peer's rows
-    of its heads at ``last_step``."""
+    """Rank ``g``'s all-to-all sends at step 0 and ``last_step``."""
     o, i = divmod(g, p_in)
     inbound = [(Payload.Q, nq), (Payload.KV, nkv)] if forward else [(DOUT, nq)]
     outbound = [(Payload.OUT, nq)] if forward else [(Payload.DQ, nq), (GRAD_KV, nkv)]

@@ -391,8 +391,7 @@ def _borrow_step(pass_: Pass, world_size: int) -> int:
 
 
 def _borrow_transfers(pass_: Pass, steps: list[list[StepPlan]]) -> list[Transfer]:
-    """Each borrowed pair's K/V to its q owner in parts at steps 0 .. t-1 (backward: and
-    their dK/dV home after step t)."""
+    """Each borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
     transfers: list[Transfer] = []
     for plan in (plan for row in steps for plan in row):
         for k, segment in enumerate(plan.segments):
@@ -543,8 +542,7 @@ def _sliced(
     heads_q: int | None,
     heads_kv: int | None,
 ) -> tuple[Segment, ...]:
-    """A pass-Q block on lane ``index``'s heads, in ``splits`` slices (Note [Last block by
-    heads])."""
+    """A pass-Q block on lane ``index``'s heads in ``splits`` slices."""
     heads = _head_slices(lane, splits, heads_q, heads_kv) if pieces and splits > 1 else None
     slices: Sequence[tuple[Rows | None, Rows | None]] = heads or [(lane.kv_heads, lane.q_heads)]
     segments = _segments(pieces, 1 if heads else splits)
