@@ -84,10 +84,14 @@ def validate_seq_local(seq_local: int, layout: Layout, *, name: str = "seq_local
         )
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``; ValueError naming it otherwise."""
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum`` (or None if ``optional``);
+    ValueError naming it otherwise."""
+    if optional and value is None:
+        return value  # type: ignore[return-value]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+        extra = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{extra}; got {value!r}")
     return value
 
 
@@ -112,12 +116,8 @@ def global_positions(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Global token positions held by ``rank``, in local order, from ``seq_local`` (S = P * s)
-    or ``seq_len`` (Note [Documents and padding]). For RoPE use :func:`position_ids`.
-
-    Returns:
-        int64 tensor of shape ``(s_r,)``, this rank's number of tokens.
-    """
+    """``(s_r,)`` int64 global positions held by ``rank`` in local order, from ``seq_local``
+    (S = P * s) or ``seq_len`` (Note [Documents and padding]). RoPE: :func:`position_ids`."""
     return make_sharding(
         layout=layout,
         world_size=world_size,
@@ -134,11 +134,7 @@ def position_ids(
     seq_len: int,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Position of each of ``rank``'s tokens inside its document (RoPE ``position_ids``).
-
-    Returns:
-        int64 tensor of shape ``(s_r,)``.
-    """
+    """``(s_r,)`` int64: each of ``rank``'s tokens' position in its document (RoPE)."""
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
@@ -182,15 +178,8 @@ def shard(
     seq_dim: int = 1,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``rank``'s shard of a global tensor along ``seq_dim``, any length (Note [Documents and
-    padding]; uneven shards need ``seq_len=`` in the attention functions).
-
-    Args:
-        x: global tensor, e.g. ``(B, S, H, D)`` with ``seq_dim=1``.
-
-    Returns:
-        ``(B, s_r, H, D)`` (``S`` replaced by this rank's length), contiguous.
-    """
+    """``rank``'s shard ``(B, s_r, H, D)`` (contiguous) of a global ``x`` ``(B, S, H, D)``
+    along ``seq_dim``, any S (Note [Documents and padding])."""
     _check_seq_dim(x, seq_dim)
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=x.shape[seq_dim], cu_seqlens=cu_seqlens
@@ -206,15 +195,8 @@ def unshard(
     seq_dim: int = 1,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`shard`: put every rank's shard back in global order.
-
-    Args:
-        shards: one ``(B, s_r, H, D)`` tensor per rank, in rank order.
-        cu_seqlens: the document boundaries given to :func:`shard`, if any.
-
-    Returns:
-        ``(B, S, H, D)``.
-    """
+    """Inverse of :func:`shard`: ``shards``, one ``(B, s_r, H, D)`` per rank, as ``(B, S, H,
+    D)`` in global order (``cu_seqlens``: those given to :func:`shard`)."""
     world_size = len(shards)
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank; got an empty sequence")
@@ -387,11 +369,8 @@ def make_sharding(
     seq_len: int,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> Sharding:
-    """The :class:`Sharding` of a global sequence of ``seq_len`` tokens.
-
-    Raises:
-        ValueError: world_size < 1, seq_len < 0, or malformed cu_seqlens.
-    """
+    """The :class:`Sharding` of ``seq_len`` tokens; ValueError on world_size < 1, seq_len < 0
+    or malformed cu_seqlens."""
     layout = Layout.parse(layout)
     check_int("world_size", world_size, 1)
     check_int("seq_len", seq_len, 0)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenring.core.layout import Run
+from tokenring.core.layout import Run, check_int
 
 __all__ = ["MaskKind", "MaskSpec", "chunk_documents", "normalize_window"]
 
@@ -80,9 +80,7 @@ def chunk_documents(cu_seqlens: Sequence[int], attention_chunk_size: int | None)
     """
     if attention_chunk_size is None:
         return tuple(cu_seqlens)
-    c = attention_chunk_size
-    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-        raise ValueError(f"attention_chunk_size must be an int >= 1 or None; got {c!r}")
+    c = check_int("attention_chunk_size", attention_chunk_size, 1, optional=True)
     bounds = [0]
     for a, b in itertools.pairwise(cu_seqlens):
         bounds += [*range(a + c, b, c), b]

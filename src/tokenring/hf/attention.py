@@ -61,6 +61,7 @@ from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import (
     Layout,
     Sharding,
+    check_int,
     make_sharding,
     normalize_cu_seqlens,
     position_ids,
@@ -118,10 +119,7 @@ class SequenceParallel:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", Layout.parse(self.layout))
-        if self.seq_len is not None and (
-            isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1
-        ):
-            raise ValueError(f"seq_len must be an int >= 1 or None; got {self.seq_len!r}")
+        check_int("seq_len", self.seq_len, 1, optional=True)
         if self.cu_seqlens is not None:
             if self.seq_len is None:
                 raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
@@ -132,6 +130,15 @@ class SequenceParallel:
     def communicator(self) -> Communicator:
         """The group's communicator (built on first use; a collective on every rank)."""
         return get_communicator(self.group)
+
+
+def refuse_padding(mask: Any, hint: str = "") -> None:
+    """NotImplementedError when a padding ``attention_mask`` has zeros."""
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        raise NotImplementedError(
+            "a padding attention_mask is not supported under sequence parallelism; pack the "
+            f"sequences (SequenceParallel(cu_seqlens=...)){hint and ' or ' + hint}"
+        )
 
 
 def as_sequence_parallel(value: Any, name: str = "sequence_parallel") -> SequenceParallel:
@@ -214,12 +221,8 @@ def _global_mask(
 ) -> _ModelMask | None:
     """The ``AttentionMaskInterface`` function: None for plain causal, else a
     :class:`_ModelMask` (Note [Model masks]); a padding mask raises."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise NotImplementedError(
-            "tokenring attention does not take a padding attention_mask; pack the sequences "
-            "(SequenceParallel(cu_seqlens=...)) or pad at the end and set the padded labels "
-            "to ignore_index"
-        )
+    if attention_mask is not None and attention_mask.dim() == 2:
+        refuse_padding(attention_mask, "pad at the end and set the padded labels to ignore_index")
     if mask_function is None:
         return None
     mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
@@ -525,16 +528,9 @@ def shift_labels(
     ignore_index: int = -100,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next-token labels over the global sequence, ``out[:, t] = labels[:, t + 1]`` (shift
-    *before* sharding); the last token of the sequence and of every document gets
-    ``ignore_index``.
-
-    Args:
-        labels: ``(B, S)`` global labels (usually the input ids).
-
-    Returns:
-        ``(B, S)``.
-    """
+    """Next-token labels ``(B, S)`` over the global ``labels`` ``(B, S)``: ``out[:, t] =
+    labels[:, t + 1]`` (shift *before* sharding), ``ignore_index`` at the end of the sequence
+    and of every document."""
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape (batch, seq); got {tuple(labels.shape)}")
     out = torch.full_like(labels, ignore_index)
@@ -555,16 +551,8 @@ def shard_batch(
     *,
     ignore_index: int = -100,
 ) -> LocalBatch:
-    """This rank's share of a global batch: input ids, RoPE positions, shifted labels.
-
-    Args:
-        sp: the split; ``sp.seq_len``, when set, must equal S.
-        input_ids: ``(B, S)`` global token ids, the same on every rank.
-        labels: ``(B, S)`` global labels (usually ``input_ids``, with ``ignore_index`` on
-            tokens that must not be predicted), or None.
-
-    Returns:
-        A :class:`LocalBatch` of ``(B, s)`` tensors (``(1, s)`` positions).
+    """This rank's :class:`LocalBatch` of ``input_ids`` ``(B, S)`` (the same on every rank)
+    and ``labels`` ``(B, S)`` (``ignore_index`` where not counted) or None.
 
     Raises:
         ValueError: input_ids not 2-D, labels of another shape, S != sp.seq_len, or uneven
@@ -664,14 +652,8 @@ def broadcast_batch(
 
 
 def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) -> torch.Tensor:
-    """Every rank's shard put back in global order, on every rank (no gradient).
-
-    Args:
-        x: this rank's ``(B, s, ...)`` shard (e.g. logits ``(B, s, V)``) along ``seq_dim``.
-
-    Returns:
-        ``(B, S, ...)``.
-    """
+    """Every rank's shard ``x`` ``(B, s, ...)`` (along ``seq_dim``) put back in global order
+    ``(B, S, ...)`` on every rank, without gradient."""
     if not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim must be a dim of x (shape {tuple(x.shape)}); got {seq_dim}")
     seq_dim %= x.dim()
@@ -696,17 +678,10 @@ def causal_lm_loss(
     *,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Cross-entropy averaged over every counted token of every rank (not a mean of means).
-
-    Args:
-        logits: ``(B, s, V)`` this rank's logits.
-        shift_labels: ``(B, s)`` from :func:`shard_batch` (already shifted globally).
-
-    Returns:
-        A scalar, the global mean on every rank (0 when no token counts), whose gradient is
-        this rank's share: summed over the group (:func:`all_reduce_gradients`) it is the
-        gradient of the global mean.
-    """
+    """Cross-entropy of ``logits`` ``(B, s, V)`` against ``shift_labels`` ``(B, s)`` (from
+    :func:`shard_batch`), averaged over every counted token of every rank: the global mean on
+    every rank (0 when no token counts), whose gradient is this rank's share (summed by
+    :func:`all_reduce_gradients`)."""
     if logits.shape[:2] != shift_labels.shape:
         raise ValueError(
             f"logits (B, s, V) and shift_labels (B, s) must agree; got {tuple(logits.shape)} and "

@@ -44,11 +44,13 @@ from typing import Any
 
 import torch
 
+from tokenring.core.layout import check_int
 from tokenring.hf.attention import (
     _PLAIN_CAUSAL,
     ATTN_IMPLEMENTATIONS,
     _ModelMask,
     as_sequence_parallel,
+    refuse_padding,
 )
 from tokenring.inference import cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
@@ -143,10 +145,7 @@ class ShardedKVCache(Cache):
                     "SequenceParallel.hardware only plans strategy='auto'; got hardware="
                     f"{sequence_parallel.hardware!r} with strategy={strategy.value!r}"
                 )
-        if block_size is not None and (
-            isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
-        ):
-            raise ValueError(f"block_size must be an int >= 1 or None; got {block_size!r}")
+        check_int("block_size", block_size, 1, optional=True)
         text = (
             config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         )
@@ -355,12 +354,7 @@ def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
                 f"continuing from a cache ({name}=...) is not supported; tokenring.hf.generate "
                 "makes a ShardedKVCache per call"
             )
-    mask = gen_kwargs.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        raise NotImplementedError(
-            "a padding attention_mask is not supported under sequence parallelism; generate "
-            "prompts of different lengths in separate calls"
-        )
+    refuse_padding(gen_kwargs.get("attention_mask"), "generate each length in its own call")
 
 
 def generate(
@@ -479,11 +473,7 @@ def _step_input_ids(
     input_ids = kwargs.get("input_ids")
     if input_ids is None:
         raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
-    mask = kwargs.pop("attention_mask", None)
-    if mask is not None and not bool(mask.all()):
-        raise NotImplementedError(
-            "a padding attention_mask is not supported under sequence parallelism"
-        )
+    refuse_padding(kwargs.pop("attention_mask", None))
     num_new = input_ids.shape[1]
     past = cache.get_seq_length()
     positions = kwargs.pop("position_ids", None)

@@ -35,6 +35,7 @@ from tokenring.hf.attention import (
     broadcast_batch,
     causal_lm_loss,
     data_parallel_loss,
+    refuse_padding,
     register,
     shard_batch,
 )
@@ -98,12 +99,7 @@ class SequenceParallelTrainer(Trainer):
             raise NotImplementedError(
                 f"SequenceParallelTrainer takes input_ids, labels and attention_mask; got {extra}"
             )
-        mask = inputs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise NotImplementedError(
-                "a padding attention_mask is not supported under sequence parallelism; pad at "
-                "the end and set the padded labels to -100, or pack the sequences"
-            )
+        refuse_padding(inputs.get("attention_mask"), "pad at the end, labels -100")
         input_ids = inputs["input_ids"]
         labels = inputs.get("labels")
         batch = broadcast_batch(

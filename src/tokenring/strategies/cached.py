@@ -97,16 +97,9 @@ __all__ = [
 def place_new_tokens(
     *, cached: Sequence[int], new: Sequence[int], world_size: int, block_size: int, zigzag: bool
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """The global positions of the new tokens each rank owns; see Note [Placement].
-
-    Args:
-        cached: C_b per sequence.
-        new: T_b per sequence.
-        zigzag: use the first-prefill zigzag layout (the caller checked that it applies).
-
-    Returns:
-        ``[rank][sequence]`` int64 tensors of increasing positions.
-    """
+    """``[rank][sequence]`` int64 increasing positions of the new tokens each rank owns (Note
+    [Placement]), from C_b ``cached`` and T_b ``new`` per sequence; ``zigzag``: the first
+    prefill's layout (the caller checked that it applies)."""
     p = world_size
     placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
     for b, (c, t) in enumerate(zip(cached, new, strict=True)):
@@ -173,12 +166,8 @@ class CachedStrategy(enum.Enum):
 
 # -- who holds what ----------------------------------------------------------------------------
 class CachedShards:
-    """New query positions and cached key positions of every rank: the input of every plan.
-
-    Args:
-        q_positions: ``[rank][sequence]`` increasing positions of the new tokens a rank owns.
-        kv_positions: ``[rank][sequence]`` increasing positions a rank caches (new included).
-    """
+    """The input of every plan: ``[rank][sequence]`` increasing positions of the new tokens a
+    rank owns (``q_positions``) and of all it caches (``kv_positions``, new included)."""
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from tokenring.core.layout import Layout, split_evenly
+from tokenring.core.layout import Layout, check_int, split_evenly
 from tokenring.core.schedule import (
     Pass,
     Payload,
@@ -75,8 +75,7 @@ class HybridSpec:
     """The ring strategy across islands: token_ring, ring or bidir_ring."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.inner, bool) or not isinstance(self.inner, int) or self.inner < 1:
-            raise ValueError(f"inner must be an int >= 1; got {self.inner!r}")
+        check_int("inner", self.inner, 1)
         strategy = Strategy.parse(self.outer_strategy)
         if not strategy.is_ring:
             raise ValueError(
@@ -224,9 +223,8 @@ def build_hybrid_schedule(
         spec: inner size and outer strategy.
         world_size: P = P_out * P_in.
         heads_q, heads_kv: Hq, Hkv (both divisible by P_in).
-        seq_local: s, tokens per rank (the outer strategy runs on P_in * s).
-        pass_, layout, causal, last_block_splits, seq_len, cu_seqlens, window_size,
-            attention_chunk_size: as ``tokenring.strategies.build_schedule``.
+        seq_local: s, tokens per rank (the outer strategy runs on P_in * s); the rest as
+            ``tokenring.strategies.build_schedule``.
 
     Raises:
         ValueError: a factorisation that does not fit, or what ``build_schedule`` raises.
