@@ -37,19 +37,12 @@ against them after its last-step slices, and the Q3 hop 1 -> 0 at step 2 is drop
     sent 0 -> 3:   Q0[c,s) +  Q1[c,s) +  Q2[c,s) +
                    K/V0 1/3   K/V0 2/3   K/V0 3/3
 
-``_lent_pairs`` decides per rank r over the last step's pair (q owner r - 1, kv owner r), in
-elements of D per row (Q Hq, backward q and dout 2 Hq, K and V 2 Hkv): r lends when the K/V
-rows cost no more than the Q rows' hop and partial they save, and each part, added to the
-link r -> r-1's own hop of its step, stays under that step's busiest hop (with no mask, or
-GQA, nobody lends). Pieces keep their masks (positions are global).
-
-The forward computes the borrowed pair at the last step in P - 1 parts; the backward at step
-1 (K/V in one part at step 0), so its dK/dV (``Payload.DKV``, accumulation dtype) fly home
-during later steps; hence the backward lends from P = 3. Beyond ``LEND_MAX_WORLD_SIZE``
-nothing is lent. A lent pair is one segment of pieces with ``Piece.kv_owner`` set; its K/V
-travel as ``Payload.KV`` transfers. Lending wins where links set the pace and loses where
-compute does, so the caller decides (``last_pair`` of ``sequence_parallel_attn``, or
-``"auto"``: ``tokenring.model.planner.lends_last_pair``).
+``_lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no more
+bytes than the Q hop and partial they save, and each part fits under its step's busiest hop.
+The forward computes it at the last step; the backward at step 1 (K/V sent at step 0) so its
+dK/dV (``Payload.DKV``) fly home during later steps, hence from P = 3. A lent pair is one
+segment of pieces with ``Piece.kv_owner`` set. Lending wins where links set the pace and
+loses where compute does, so the caller decides (``last_pair`` of ``sequence_parallel_attn``).
 
 Note [Last block by heads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -61,13 +54,11 @@ sliced only with one query head (or heads not given), and then only a single ful
 
 Note [Backward]
 ~~~~~~~~~~~~~~~
-TokenRing: K/V and their gradient accumulators stay home; (q, dout, lse, delta) travel like q
-in the forward, each rank adds dK, dV of its own K/V from every visiting Q, and partial dQ
-returns like ``out``. Pass-KV (Ring, bidirectional Ring): K/V travel like the forward. The
-fp32 accumulator of each lane of a block leaves home after step 0 with the owner's own dK/dV,
-follows the block one step behind on the return group (each visitor adds into it), and the
-last visitor that computes sends it straight home. No rank keeps its own dK/dV during the
-steps (Note [Buffers in flight] in tokenring.runtime.ring).
+TokenRing: (q, dout, lse, delta) travel like q in the forward, each rank adds into dK, dV of
+its own K/V, and partial dQ returns like ``out``. Pass-KV: K/V travel like the forward; each
+lane's fp32 dK/dV accumulator leaves home after step 0, follows its block one step behind on
+the return group, and the last visitor that computes sends it home (Note [Buffers in flight]
+in tokenring.runtime.ring).
 
 Note [Bidirectional ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -312,23 +303,17 @@ def _cell_plan(
     """Rank r's plan at step t; ``pieces(q_owner, kv_owner)``: a block's kernel calls."""
     kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
     splits = last_block_splits if t == p - 1 and t > 0 else 1
-    if strategy is Strategy.TOKEN_RING:
-        q_owner = kv_owners[0]
-        segments = _sliced(pieces(q_owner, r), 0, lanes[0], splits, heads_q, heads_kv)
-        return StepPlan(r, t, q_owner, (r,), segments)
-    if strategy is Strategy.BIDIR_TOKEN_RING:  # Note [Bidirectional TokenRing]
-        q_owners = kv_owners  # the lanes carry Q: their visitors are q owners
+    if strategy.passes_q:  # the lanes carry Q: their visitors are q owners
         if t == 0:  # the local block, once, on every head
             segments = _segments(pieces(r, r), 1)
         else:
             segments = tuple(
                 segment
-                for index, lane in enumerate(lanes)
-                for segment in _sliced(
-                    pieces(q_owners[index], r), index, lane, splits, heads_q, heads_kv
-                )
+                for i, (lane, o) in enumerate(zip(lanes, kv_owners, strict=True))
+                for segment in _sliced(pieces(o, r), i, lane, splits, heads_q, heads_kv)
             )
-        return StepPlan(r, t, q_owners[0], (r,) * 2, segments, q_owners)
+        q_owners = kv_owners if len(lanes) > 1 else ()
+        return StepPlan(r, t, kv_owners[0], (r,) * len(lanes), segments, q_owners)
     block: list[Piece] = []
     for index, lane in enumerate(lanes):
         if t == 0 and index > 0:
@@ -621,8 +606,7 @@ class RingColumns:
     segment_rows: torch.Tensor
     """(P, T, K) q rows of each segment (0: none)."""
     segment_pairs: torch.Tensor
-    """(P, T, K) float64: score entries x query heads of each segment (FLOPs = this *
-    4*B*D, x2.5 backward)."""
+    """(P, T, K) float64: score entries x query heads of each segment (FLOPs / (4*B*D))."""
     segment_heads: torch.Tensor
     """(P, T, K) query heads of each segment (of its partial, for TokenRing's returns)."""
     travel_rows: torch.Tensor
@@ -655,11 +639,9 @@ class RingPlan:
     pairs: torch.Tensor
     heads: torch.Tensor
     needs: torch.Tensor
-    """(C, 2) the hull (start, stop) of the travelling rows a kind computes with; (s, 0):
-    none."""
+    """(C, 2) the hull of the travelling rows a kind computes with; (s, 0): none."""
     last_seen: torch.Tensor
-    """(C, P) per kind and block owner: the last step >= 1 its block is on a cell of that
-    kind (-1: never)."""
+    """(C, P) per kind and owner: the last step >= 1 its block is on that kind (-1: never)."""
 
     def columns(self, steps: range) -> RingColumns:
         """The columns of ``steps`` ((P, len(steps)) each)."""
