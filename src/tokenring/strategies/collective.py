@@ -14,12 +14,9 @@ P = 2, Hq = 4 (rows in layout order, h = query heads)::
     rank 0:   rows_0 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h0,1  ->  rows_0 x h0..3
     rank 1:   rows_1 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h2,3  ->  rows_1 x h0..3
 
-The gathered rows arrive in layout order; causal attention permutes them to global order
-before the kernel (then the mask is top-left causal) and back after it; non-causal skips both
-permutations. Forward: q of the destination's heads and the K/V heads they use travel; out and
-its lse return. The forward keeps nothing: the backward gathers q, dout, lse and delta
-(``Payload.Q_GRAD``) with the K/V heads again, and dq, dk, dv return, dK/dV in the
-accumulation dtype (a kv head used by several ranks sums their partials).
+Causal attention permutes the gathered rows (layout order) to global order around the kernel;
+non-causal skips it. The forward keeps nothing: the backward gathers q, dout, lse, delta
+(``Payload.Q_GRAD``) and K/V again; dq and dK/dV (accumulation dtype) return.
 
 Note [Ulysses head split]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -34,15 +31,13 @@ dK/dV partials are summed on the way home. Hq = 6, Hkv = 3 (g = 2), P = 4::
     2      4         2          kv head 2 goes to ranks 2 and 3; both dK/dV partials
     3      5         2          of it are summed by the owner of each row
 
-Where a share does not line up with the groups (Hq = 6, Hkv = 3, P = 2: q heads 0 1 2 use kv
-heads 0 0 1), K/V are repeated locally, never on the wire, and their gradients summed back.
+A share that does not line up with the groups repeats K/V locally, never on the wire.
 
 Note [All-gather K/V]
 ~~~~~~~~~~~~~~~~~~~~~
-Every rank attends with its own Q over every rank's K/V, gathered in rounds (Note [All-gather
-K/V rounds]) so at most two blocks of others' K/V are held at once; nothing is kept for the
-backward. Which rows meet is Note [Causal blocks per layout] of ``tokenring.core.schedule``;
-each piece is one kernel call on a view of its round's buffer, merged by lse.
+Every rank attends with its own Q over every rank's K/V, gathered in rounds (at most two
+blocks of others' K/V held at once, nothing kept for the backward); which rows meet is Note
+[Causal blocks per layout]; each piece is a kernel call on a view of its round's buffer.
 
 Note [All-gather K/V rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -58,9 +53,8 @@ receive posted first. P = 4, rank 0 ("k/v j" = owner j's K/V)::
                rounds 0..1 (each k)     dK/dV of round k to 0 + k,    round k, its dK/dV
                                         then k/v round k + 1          partial from zero
 
-The forward keeps two rounds in flight, hiding transfers behind compute; the backward keeps
-one and waits for each return before the next round, since a round holds the K/V and two
-dK/dV partials in the accumulation dtype.
+The forward keeps two rounds in flight; the backward one (a round holds K/V and two dK/dV
+partials).
 
 Note [Collective schedules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
