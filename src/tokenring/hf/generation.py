@@ -380,8 +380,7 @@ def generate(
             the options of ``_REFUSED_OPTIONS`` raise.
 
     Returns:
-        What ``model.generate`` returns: ``(B, S + new)`` ids, or its output object with
-        ``return_dict_in_generate=True`` (whose cache is the :class:`ShardedKVCache`).
+        What ``model.generate`` returns: ``(B, S + new)`` ids, or its output object.
 
     Raises:
         ValueError: a model without a tokenring attention, input_ids not 2-D, use_cache=False,

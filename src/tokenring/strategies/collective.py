@@ -163,11 +163,8 @@ class HeadShare:
 
 
 def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[HeadShare, ...]:
-    """Each rank's query heads and the kv heads they use; see Note [Ulysses head split].
-
-    Raises:
-        ValueError: world_size < 1, heads < 1, or heads_kv not dividing heads_q.
-    """
+    """Each rank's query heads and the kv heads they use (Note [Ulysses head split]);
+    ValueError on world_size < 1, heads < 1, or heads_kv not dividing heads_q."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv != 0:
@@ -198,17 +195,12 @@ def build_collective_schedule(
     heads_q: int,
     heads_kv: int,
 ) -> CollectiveSchedule:
-    """The schedule of one pass of Ulysses or all-gather K/V (Note [Collective schedules]).
-
-    Args:
-        strategy_name: ``"ulysses"`` or ``"allgather_kv"``.
-        pass_, layout, causal, world_size: as ``tokenring.strategies.build_schedule``.
-        seq_local: s, tokens per rank.
-        heads_q, heads_kv: Hq and Hkv (Hkv divides Hq).
+    """The schedule of one pass of ``strategy_name`` (``"ulysses"`` or ``"allgather_kv"``;
+    Note [Collective schedules]); the rest as ``tokenring.strategies.build_schedule``.
 
     Raises:
-        ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local
-            the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
+        ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local the layout
+            cannot split; heads < 1 or heads_kv not dividing heads_q.
     """
     strategy, layout = parse_collective(strategy_name), Layout.parse(layout)
     return _build(
