@@ -133,11 +133,11 @@ class SequenceParallel:
 
 
 def refuse_padding(mask: Any, hint: str = "") -> None:
-    """NotImplementedError when a padding ``attention_mask`` has zeros."""
+    """NotImplementedError (with ``hint``) when a padding ``attention_mask`` has zeros."""
     if mask is not None and not bool(torch.as_tensor(mask).all()):
+        suffix = f"; {hint}" if hint else ""
         raise NotImplementedError(
-            "a padding attention_mask is not supported under sequence parallelism; pack the "
-            f"sequences (SequenceParallel(cu_seqlens=...)){hint and ' or ' + hint}"
+            f"a padding attention_mask is not supported under sequence parallelism{suffix}"
         )
 
 
@@ -222,7 +222,11 @@ def _global_mask(
     """The ``AttentionMaskInterface`` function: None for plain causal, else a
     :class:`_ModelMask` (Note [Model masks]); a padding mask raises."""
     if attention_mask is not None and attention_mask.dim() == 2:
-        refuse_padding(attention_mask, "pad at the end and set the padded labels to ignore_index")
+        refuse_padding(
+            attention_mask,
+            "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
+            "the padded labels to ignore_index",
+        )
     if mask_function is None:
         return None
     mask = _model_mask(mask_function, model=getattr(config, "model_type", None))

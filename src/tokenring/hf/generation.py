@@ -354,7 +354,8 @@ def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
                 f"continuing from a cache ({name}=...) is not supported; tokenring.hf.generate "
                 "makes a ShardedKVCache per call"
             )
-    refuse_padding(gen_kwargs.get("attention_mask"), "generate each length in its own call")
+    hint = "generate prompts of different lengths in separate calls"
+    refuse_padding(gen_kwargs.get("attention_mask"), hint)
 
 
 def generate(

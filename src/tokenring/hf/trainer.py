@@ -99,7 +99,8 @@ class SequenceParallelTrainer(Trainer):
             raise NotImplementedError(
                 f"SequenceParallelTrainer takes input_ids, labels and attention_mask; got {extra}"
             )
-        refuse_padding(inputs.get("attention_mask"), "pad at the end, labels -100")
+        hint = "pad at the end and set the padded labels to -100, or pack the sequences"
+        refuse_padding(inputs.get("attention_mask"), hint)
         input_ids = inputs["input_ids"]
         labels = inputs.get("labels")
         batch = broadcast_batch(
