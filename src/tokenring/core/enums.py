@@ -12,24 +12,11 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def parse_enum(
-    cls: type[E],
-    value: object,
-    argument: str,
-    *,
-    also: str = "",
-    among: Sequence[E] | None = None,
+    cls: type[E], value: object, argument: str, *, also: str = "", among: Sequence[E] | None = None
 ) -> E:
-    """``value`` as a member of ``cls``: a member itself, a member of another enum with the
-    same value, or a value.
-
-    Args:
-        argument: the argument's name in the error.
-        also: other accepted spellings to list in the error (e.g. ``" or 'auto'"``).
-        among: the members accepted (default all), e.g. the collective ``Strategy`` members.
-
-    Raises:
-        ValueError: naming ``argument``, every option and the value given.
-    """
+    """``value`` (a member, a member of another enum with the same value, or a value) as a
+    member of ``cls`` among ``among`` (default all); else ValueError naming ``argument``, the
+    options (and ``also``, e.g. ``" or 'auto'"``) and the value."""
     options = tuple(cls) if among is None else tuple(among)
     if isinstance(value, cls) and value in options:
         return value

@@ -2,12 +2,9 @@
 
 Legend: B batch, S global seq, s local seq (S // P), H heads, D head dim, P world size.
 
-Two layouts:
-- ``Layout.CONTIGUOUS``: rank r owns positions [r*s, (r+1)*s). Any s >= 1. Balanced for
-  non-causal attention (DiT); unbalanced for causal (rank P-1 does P times rank 0's work).
-- ``Layout.ZIGZAG``: the sequence is cut into 2P chunks of c = s/2 tokens; rank r owns chunk r
-  followed by chunk 2P-1-r. Every rank gets one early and one late chunk, so causal work is
-  balanced. Needs an even s.
+``Layout.CONTIGUOUS``: rank r owns positions [r*s, (r+1)*s) (causal work unbalanced).
+``Layout.ZIGZAG``: 2P chunks of c = s/2 tokens; rank r owns chunks r and 2P-1-r, one early and
+one late, so causal work is balanced. Needs an even s.
 
 Note [Zigzag chunks]
 ~~~~~~~~~~~~~~~~~~~~
@@ -18,27 +15,22 @@ P = 3, 2P = 6 chunks of c tokens::
     rank 1:  | c1 | c4 |
     rank 2:  | c2 | c3 |
 
-Local row i of rank r sits at global position ``chunk_start + (i mod c)``; positions inside a
-shard are increasing, so a causal mask over one rank's own shard is the plain top-left causal
-mask.
+Positions inside a shard increase, so the causal mask of a rank's own shard is top-left.
 
 Note [Documents and padding]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Any global length S works, and so do packed documents (``cu_seqlens``). The sequence (zigzag:
-every document on its own) is cut into near-equal pieces, longer ones first; every rank keeps
-its pieces in a padded local buffer of ``seq_local`` rows, the same size on every rank, so the
-ring's blocks line up. A :class:`Sharding` lists each rank's *runs* (consecutive tokens of one
-document in consecutive rows); rows outside every run are padding, never computed and never
-seen. Zigzag with documents d0 (10 tokens) and d1 (4 tokens), P = 2, 4 pieces per document
-(d0: 3 3 2 2, d1: 1 1 1 1), padded piece sizes 3 and 1::
+Any global length S and packed documents (``cu_seqlens``) work. The sequence (zigzag: each
+document on its own) is cut into near-equal pieces, longer first, kept in a padded local buffer
+of ``seq_local`` rows on every rank. A :class:`Sharding` lists each rank's *runs* (consecutive
+tokens of one document in consecutive rows); other rows are padding, never computed or seen.
+Zigzag, d0 (10 tokens) and d1 (4 tokens), P = 2, pieces d0: 3 3 2 2, d1: 1 1 1 1::
 
     rank 0 rows:  d0[0:3] d1[0:1] | d0[8:10] pad d1[3:4]     early pieces, then late pieces
     rank 1 rows:  d0[3:6] d1[1:2] | d0[6:8]  pad d1[2:3]
 
-Every rank gets piece r and piece 2P-1-r of every document, so causal work stays balanced per
-document; the early pieces of all documents come first, so the rows a late query block needs
-stay one range. The attention functions take each rank's tokens (``s_r`` rows, the caller's
-length) and scatter them into the buffer themselves.
+Every rank gets pieces r and 2P-1-r of every document; early pieces come first, so the rows
+a late query block needs stay one range. Callers pass ``s_r`` rows; the attention functions
+pad them.
 """
 
 from __future__ import annotations
@@ -92,10 +84,14 @@ def validate_seq_local(seq_local: int, layout: Layout, *, name: str = "seq_local
         )
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``; ValueError naming it otherwise."""
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum`` (or None if ``optional``);
+    ValueError naming it otherwise."""
+    if optional and value is None:
+        return value  # type: ignore[return-value]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+        extra = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{extra}; got {value!r}")
     return value
 
 
@@ -120,16 +116,8 @@ def global_positions(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Global token positions held by ``rank``, in local order.
-
-    Give ``seq_local`` (every rank holds that many tokens, S = P * s) or ``seq_len`` (any
-    global length; shards may differ by a few tokens, see :class:`Sharding`). With
-    ``cu_seqlens`` the zigzag is per document (Note [Documents and padding]). For RoPE use
-    :func:`position_ids`, which restarts at every document.
-
-    Returns:
-        int64 tensor of shape ``(s_r,)``, this rank's number of tokens.
-    """
+    """``(s_r,)`` int64 global positions held by ``rank`` in local order, from ``seq_local``
+    (S = P * s) or ``seq_len`` (Note [Documents and padding]). RoPE: :func:`position_ids`."""
     return make_sharding(
         layout=layout,
         world_size=world_size,
@@ -146,13 +134,7 @@ def position_ids(
     seq_len: int,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Position of each of ``rank``'s tokens inside its document (RoPE ``position_ids``).
-
-    Without ``cu_seqlens`` this equals :func:`global_positions`.
-
-    Returns:
-        int64 tensor of shape ``(s_r,)``.
-    """
+    """``(s_r,)`` int64: each of ``rank``'s tokens' position in its document (RoPE)."""
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
@@ -167,18 +149,10 @@ def _checked_rank(rank: int, world_size: int) -> int:
 
 
 def global_length(
-    world_size: int,
-    seq_local: int | None,
-    seq_len: int | None,
-    layout: Layout,
-    *,
-    inner: int = 1,
+    world_size: int, seq_local: int | None, seq_len: int | None, layout: Layout, *, inner: int = 1
 ) -> int:
-    """S from exactly one of ``seq_local`` and ``seq_len``; ValueError otherwise.
-
-    With ``seq_local`` the shards are equal: each of the P shards is held by ``inner`` ranks
-    of s tokens (the hybrid's inner group, Note [Hybrid layout] in tokenring.hybrid; else 1),
-    so S = P * inner * s, and the layout is checked against a shard of inner * s tokens.
+    """S from exactly one of ``seq_local`` and ``seq_len``; ValueError otherwise. Each of the
+    P shards is held by ``inner`` ranks of s tokens (Note [Hybrid layout] in tokenring.hybrid).
     """
     if (seq_local is None) == (seq_len is None):
         raise ValueError(
@@ -204,19 +178,8 @@ def shard(
     seq_dim: int = 1,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Take ``rank``'s shard of a global tensor along ``seq_dim``.
-
-    Any global length works: shards differ by at most a few tokens when the layout's chunk
-    count does not divide it (the attention functions then need ``seq_len=``). With
-    ``cu_seqlens`` (document boundaries of a packed sequence) and the zigzag layout, every
-    document is zigzagged on its own.
-
-    Args:
-        x: global tensor, e.g. ``(B, S, H, D)`` with ``seq_dim=1``.
-
-    Returns:
-        ``(B, s_r, H, D)`` (``S`` replaced by this rank's length), contiguous.
-    """
+    """``rank``'s shard ``(B, s_r, H, D)`` (contiguous) of a global ``x`` ``(B, S, H, D)``
+    along ``seq_dim``, any S (Note [Documents and padding])."""
     _check_seq_dim(x, seq_dim)
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=x.shape[seq_dim], cu_seqlens=cu_seqlens
@@ -232,15 +195,8 @@ def unshard(
     seq_dim: int = 1,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`shard`: put every rank's shard back in global order.
-
-    Args:
-        shards: one ``(B, s_r, H, D)`` tensor per rank, in rank order.
-        cu_seqlens: the document boundaries given to :func:`shard`, if any.
-
-    Returns:
-        ``(B, S, H, D)``.
-    """
+    """Inverse of :func:`shard`: ``shards``, one ``(B, s_r, H, D)`` per rank, as ``(B, S, H,
+    D)`` in global order (``cu_seqlens``: those given to :func:`shard`)."""
     world_size = len(shards)
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank; got an empty sequence")
@@ -291,11 +247,8 @@ class Run:
 
 @dataclass(frozen=True, slots=True)
 class Sharding:
-    """Where every global token lives: per rank, runs of tokens in a padded local buffer of
-    ``seq_local`` rows (the same on every rank). Pure data; build with :func:`make_sharding`.
-
-    See Note [Documents and padding].
-    """
+    """Where every global token lives: per rank, runs in a padded buffer of ``seq_local`` rows
+    (Note [Documents and padding]). Build with :func:`make_sharding`."""
 
     layout: Layout
     world_size: int
@@ -349,8 +302,7 @@ class Sharding:
 
 @dataclass(frozen=True, slots=True)
 class Padding:
-    """One rank's tokens in and out of the padded local buffer of a :class:`Sharding` (Note
-    [Documents and padding]); does nothing where no rank has padding."""
+    """One rank's tokens in and out of a :class:`Sharding`'s padded buffer (no-op unpadded)."""
 
     rows: torch.Tensor | None
     """Row of the padded buffer of each local token ``(s,)``; None without padding."""
@@ -406,7 +358,7 @@ def normalize_cu_seqlens(
         )
     if any(b < a for a, b in itertools.pairwise(values)):
         raise ValueError(f"{name} must be non-decreasing; got {list(values)}")
-    # empty documents change nothing; drop them so equal packings give equal shardings
+    # drop empty documents: equal packings give equal shardings
     return (0, *sorted(set(values[1:]) - {0})) if seq_len > 0 else (0, 0)
 
 
@@ -417,11 +369,8 @@ def make_sharding(
     seq_len: int,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> Sharding:
-    """The :class:`Sharding` of a global sequence of ``seq_len`` tokens.
-
-    Raises:
-        ValueError: world_size < 1, seq_len < 0, or malformed cu_seqlens.
-    """
+    """The :class:`Sharding` of ``seq_len`` tokens; ValueError on world_size < 1, seq_len < 0
+    or malformed cu_seqlens."""
     layout = Layout.parse(layout)
     check_int("world_size", world_size, 1)
     check_int("seq_len", seq_len, 0)

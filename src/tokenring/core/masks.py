@@ -1,10 +1,6 @@
-"""Which (query, key) pairs may see each other, and how a block of them is computed.
-
-This module owns the attention mask as plain data (:class:`MaskSpec`: causal, a sliding
-window, packed documents, chunked attention) and its classification of runs of tokens
-(``tokenring.core.layout.Run``) into kernel calls: skipped, full, top-left causal, or an explicit
-mask built from positions.
-The schedule reads the classification, so a block nobody can see is neither computed nor sent.
+"""The attention mask as plain data (:class:`MaskSpec`: causal, sliding window, documents,
+chunks) and its classification of runs of tokens into kernel calls: skipped, full, top-left
+causal, or an explicit mask from positions.
 
 Legend: S global seq, sq / sk rows of a query / key run, P world size.
 
@@ -20,24 +16,17 @@ of the same document::
     CAUSAL  same run, right = 0, left >= its length - 1     the kernels' top-left causal flag
     MASKED  anything else                                   bool mask from the positions
 
-Runs of different documents are EMPTY. Chunked attention (Llama 4's ``attention_chunk_size``:
-a query sees only the keys of its own chunk of c tokens, counted from its document's start) is
-documents of the mask only: :func:`chunk_documents` cuts every document into chunks, and the
-runs of the layout (whose documents stay the packed ones, so one sharding serves chunked and
-full layers alike) are cut at the mask's boundaries by :meth:`MaskSpec.split` before they are
-paired. Documents d0 = [0, 10), d1 = [10, 16), c = 4::
+Runs of different documents are EMPTY. Chunked attention (a query sees only its own chunk of c
+tokens from its document's start) is documents of the mask only: :func:`chunk_documents` cuts
+the documents, and :meth:`MaskSpec.split` cuts the layout's runs (whose documents stay the
+packed ones) at the mask's boundaries before pairing. d0 = [0, 10), d1 = [10, 16), c = 4::
 
     layout documents:  0 ........................ 10 ............... 16
     mask documents:    0 ....... 4 ....... 8 .... 10 ....... 14 .... 16
 
-Before classifying, both runs are trimmed to the
-queries that see some key and the keys that some query sees (:meth:`MaskSpec.trim`), so a
-window's edge costs neither compute nor bytes for rows that see nothing. Under a window the
-query runs are first cut into tiles about as long as the band is wide, so each piece's key
-rows follow the band (a whole diagonal block under a short window would compute s^2 pairs for
-s * w visible ones). Padding rows belong
-to no run, so they are never computed and never seen (Note [Documents and padding] in
-``tokenring.core.layout``).
+Before classifying, both runs are trimmed to the rows that see something (:meth:`MaskSpec.trim`).
+Under a window the query runs are first cut into tiles about as wide as the band, so each
+piece's key rows follow it (not s^2 pairs for s * w visible). Padding rows belong to no run.
 """
 
 from __future__ import annotations
@@ -50,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenring.core.layout import Run
+from tokenring.core.layout import Run, check_int
 
 __all__ = ["MaskKind", "MaskSpec", "chunk_documents", "normalize_window"]
 
@@ -65,8 +54,8 @@ class MaskKind(enum.Enum):
 
 
 def normalize_window(window_size: Sequence[int] | int | None, *, causal: bool) -> tuple[int, int]:
-    """flash-attention's ``window_size=(left, right)`` (-1: unbounded) as a checked tuple;
-    an int ``w`` means ``(w, w)`` (``(w, 0)`` when causal). ``causal`` forces right to 0."""
+    """flash-attention's ``window_size=(left, right)`` (-1: unbounded; an int w: (w, w)) as a
+    checked tuple; ``causal`` forces right to 0."""
     if window_size is None:
         window = (-1, -1)
     elif isinstance(window_size, int):
@@ -83,18 +72,15 @@ def normalize_window(window_size: Sequence[int] | int | None, *, causal: bool) -
 
 
 def chunk_documents(cu_seqlens: Sequence[int], attention_chunk_size: int | None) -> tuple[int, ...]:
-    """Document boundaries ``(0, ..., S)`` cut further into chunks of ``attention_chunk_size``
-    tokens from each document's start (the last chunk of a document may be shorter); the
-    boundaries themselves when None. See Note [Mask classes].
+    """Document boundaries ``(0, ..., S)`` cut into chunks of ``attention_chunk_size`` tokens
+    from each document's start (Note [Mask classes]); unchanged when None.
 
     Raises:
         ValueError: attention_chunk_size not an int >= 1 or None.
     """
     if attention_chunk_size is None:
         return tuple(cu_seqlens)
-    c = attention_chunk_size
-    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-        raise ValueError(f"attention_chunk_size must be an int >= 1 or None; got {c!r}")
+    c = check_int("attention_chunk_size", attention_chunk_size, 1, optional=True)
     bounds = [0]
     for a, b in itertools.pairwise(cu_seqlens):
         bounds += [*range(a + c, b, c), b]
@@ -108,12 +94,10 @@ class MaskSpec:
     causal: bool
     """Key j visible only from queries i >= j."""
     window: tuple[int, int] = (-1, -1)
-    """(left, right): key j visible from queries i with i - left <= j <= i + right (-1:
-    unbounded). Normalised by :func:`normalize_window` (right = 0 when causal)."""
+    """(left, right) from :func:`normalize_window`: i - left <= j <= i + right (-1: unbounded)."""
     cu_seqlens: tuple[int, ...] | None = None
-    """Document boundaries (0, ..., S) of the mask: the packed documents, cut into chunks
-    under chunked attention (:func:`chunk_documents`); None: one document. Runs are indexed
-    by these documents after :meth:`split`."""
+    """The mask's document boundaries (0, ..., S), chunks included (:func:`chunk_documents`);
+    None: one document."""
 
     @property
     def _left(self) -> float:
@@ -132,8 +116,7 @@ class MaskSpec:
         return unbounded and (self.cu_seqlens is None or len(self.cu_seqlens) <= 2)
 
     def split(self, run: Run) -> tuple[Run, ...]:
-        """``run`` cut at this mask's document boundaries, each part carrying the index of its
-        mask document (the layout's documents may be coarser: chunked attention)."""
+        """``run`` cut at this mask's document boundaries, each part with its mask document."""
         if self.cu_seqlens is None or len(self.cu_seqlens) <= 2 or run.length == 0:
             return (run,)
         start, stop = run.global_start, run.global_start + run.length
@@ -148,9 +131,7 @@ class MaskSpec:
         return tuple(parts)
 
     def band_tile(self) -> int | None:
-        """Query rows per piece under a window: about the band's width (at least 32 rows, so
-        kernel calls stay large), so a piece computes at most about twice the pairs it needs
-        (Note [Mask classes]); None without a window."""
+        """Query rows per piece under a window: the band's width, at least 32 (None: no window)."""
         width = self._left + self._right + 1
         if width == float("inf"):
             return None
@@ -172,9 +153,8 @@ class MaskSpec:
         return MaskKind.MASKED
 
     def trim(self, q_run: Run, kv_run: Run) -> tuple[Run, Run] | None:
-        """The parts of two runs that see something of each other: the queries with at least
-        one visible key and the keys seen by at least one query (each one range, since the
-        visible band of a window is one range per row), or None when nothing is visible."""
+        """The queries that see some key and the keys some query sees (each one range), or
+        None when nothing is visible."""
         if q_run.length == 0 or kv_run.length == 0 or q_run.doc != kv_run.doc:
             return None
         qa, qb = q_run.global_start, q_run.global_start + q_run.length

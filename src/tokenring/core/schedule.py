@@ -1,15 +1,12 @@
-"""The vocabulary of schedules: strategies, passes, payloads, pieces, transfers, as plain data.
+"""The vocabulary of schedules as plain data: strategies, passes, payloads, pieces, transfers.
 
-A :class:`Schedule` says *what happens* in one pass: at each step, which Q shard meets which
-K/V shard on which rank (and which rows of them), and which rows of which payload travel
-from whom to whom. The strategies (``tokenring.strategies``) build schedules, the runtime
-(``tokenring.runtime.ring``) executes them, and the cost model and the simulator
-(``tokenring.model``) read the very same objects. Nothing here touches tensors or process
-groups.
+A :class:`Schedule` says what happens in one pass: at each step which rows of which Q shard
+meet which K/V rows on which rank, and which rows of which payload travel from whom to whom.
+``tokenring.strategies`` builds schedules, the runtime executes them, the cost model and the
+simulator read the same objects.
 
 Legend: B batch, s local seq, Hq query heads, Hkv key/value heads, D head dim, P world size,
-c = s // 2 (zigzag chunk). Rows are half-open ``(start, stop)`` ranges of an owner's local
-shard.
+c = s // 2 (zigzag chunk). Rows are half-open ``(start, stop)`` ranges of an owner's shard.
 
 Note [Causal blocks per layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -23,17 +20,13 @@ For the Q shard of owner o and the K/V shard of owner j (c = s/2):
     zigzag       j > o     [c, s)      [0, s)      full  (only q chunk 2P-1-o is after kv)
     non-causal   any       [0, s)      [0, s)      full
 
-Zigzag gives every rank half a block of work at every step but the first. Because Q travels
-down the ring, the owner o's Q first visits ranks o-1, ..., 0 (j < o: all rows needed) and then
-P-1, ..., o+1 (j > o: only rows [c, s)). The rows a rank forwards are the union of what every
-rank still ahead of it needs, so they only ever shrink: after the wrap TokenRing sends half of
-Q and gets half a partial back. Ring (pass-KV) uses the same mechanism for K/V, moving down as
-well: K/V first visit j-1..0 (needs [0, s)), then P-1..j+1 (needs [0, c)). On the contiguous
-causal layout only ranks above j see j's keys, so there Ring's K/V move up (j+1, j+2, ...).
+Q travels down the ring, so owner o's Q visits ranks o-1 .. 0 (all rows needed), then
+P-1 .. o+1 (rows [c, s) only). A rank forwards the union of what the ranks ahead need, so the
+rows only shrink: after the wrap TokenRing sends half of Q and gets half a partial back. Ring's
+K/V likewise (first [0, s), then [0, c)); on the contiguous causal layout they move up.
 
-With documents, windows or padding (Note [Mask classes] in ``tokenring.core.masks``) a block is
-one piece per visible pair of runs instead; a block nobody sees has no piece, and rows nobody
-ahead needs are not sent, so a short window ends the ring after the steps it reaches.
+With documents, windows or padding (Note [Mask classes] in ``tokenring.core.masks``) a block
+is one piece per visible pair of runs; a block nobody sees has no piece.
 """
 
 from __future__ import annotations
@@ -76,7 +69,6 @@ class Strategy(enum.Enum):
     TOKEN_RING = "token_ring"
     RING = "ring"
     BIDIR_RING = "bidir_ring"
-    # pass-Q on two lanes: Note [Bidirectional TokenRing] in tokenring.strategies.ring
     BIDIR_TOKEN_RING = "bidir_token_ring"
     ULYSSES = "ulysses"
     ALLGATHER_KV = "allgather_kv"
@@ -89,8 +81,7 @@ class Strategy(enum.Enum):
 
     @property
     def is_ring(self) -> bool:
-        """Runs round a ring of P ranks step by step (what the hybrid can run across its
-        islands): neither a collective nor the hybrid itself."""
+        """Runs round a ring step by step (what the hybrid can run across its islands)."""
         return not self.is_collective and self is not Strategy.HYBRID
 
     @property
@@ -148,12 +139,8 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AttentionShape:
-    """The attention layer of a call: the library's one shape type.
-
-    The schedules turn rows into bytes and FLOPs with it, the runtime lays out its messages
-    with it, the cost model, the simulator and the planner price it, and the command line
-    describes its models with it. Per-rank shapes follow from P and the layout.
-    """
+    """The attention layer of a call, the library's one shape type: schedules turn rows into
+    bytes and FLOPs with it, the runtime lays out messages with it, the model prices it."""
 
     batch: int = 1
     """B."""
@@ -164,8 +151,7 @@ class AttentionShape:
     head_dim: int
     """D."""
     dtype: str = "bfloat16"
-    """Input dtype: float16, bfloat16, float32 or float64 (a torch.dtype is taken too and
-    stored by name)."""
+    """Input dtype: float16, bfloat16, float32 or float64 (a torch.dtype is stored by name)."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "head_dim"):
@@ -210,19 +196,14 @@ class AttentionShape:
         return 8 if self.dtype == "float64" else 4
 
     def row_bytes(self, payload: Payload, num_heads: int | None = None) -> int:
-        """Bytes of one sequence row of ``payload`` (all batch entries).
-
-        Args:
-            num_heads: carry only this many heads of the payload's kind (query heads for
-                q/out/q_grad/dq, key/value heads for kv/dkv); None: all of them.
-        """
+        """Bytes of one sequence row of ``payload`` (all batch entries), on ``num_heads`` heads
+        of the payload's kind (``Payload.heads_kind``; None: all)."""
         b, hq, hkv, d = self.batch, self.heads_q, self.heads_kv, self.head_dim
         elem, acc = self.elem_bytes, self.acc_bytes
-        if num_heads is not None:
-            if payload.heads_kind == "kv":
-                hkv = num_heads
-            else:
-                hq = num_heads
+        if num_heads is not None and payload.heads_kind == "kv":
+            hkv = num_heads
+        elif num_heads is not None:
+            hq = num_heads
         per_row = {
             Payload.Q: hq * d * elem,
             Payload.KV: 2 * hkv * d * elem,
@@ -269,12 +250,9 @@ class Segment:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Transfer:
-    """``rows`` of ``owner``'s shard of ``payload`` going from ``src`` to ``dst``.
-
-    Posted by the sender at step ``step`` after ``after_segments`` of its compute segments of
-    that step (0: at the start of the step, overlapping the whole step's compute). The receiver
-    posts its receive at the start of the same step.
-    """
+    """``rows`` of ``owner``'s shard of ``payload`` from ``src`` to ``dst``, posted at ``step``
+    after ``after_segments`` of the sender's segments (0: at the start); received from the
+    start of the step."""
 
     payload: Payload
     src: int
@@ -352,8 +330,7 @@ class Schedule:
     mask: MaskSpec | None = None  # None: plain (``causal`` only)
     _sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
     _recvs: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict, repr=False)
-    # what readers derive from the schedule and keep while it lives (the runtime's rank
-    # programs: tokenring.runtime.program)
+    # what readers derive and keep while it lives (tokenring.runtime.program)
     _memo: dict[tuple[object, ...], object] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -381,11 +358,8 @@ class Schedule:
 def block_pieces(
     *, layout: Layout, causal: bool, world_size: int, seq_local: int, q_owner: int, kv_owner: int
 ) -> tuple[Piece, ...]:
-    """The kernel calls for the Q shard of ``q_owner`` against the K/V shard of ``kv_owner``
-    when every rank holds ``seq_local`` tokens and only ``causal`` masks.
-
-    See Note [Causal blocks per layout].
-    """
+    """The kernel calls of ``q_owner``'s Q against ``kv_owner``'s K/V with ``seq_local`` tokens
+    per rank and a plain mask (Note [Causal blocks per layout])."""
     sharding = make_sharding(layout=layout, world_size=world_size, seq_len=seq_local * world_size)
     return sharded_block_pieces(sharding, MaskSpec(causal), q_owner, kv_owner)
 
@@ -393,13 +367,8 @@ def block_pieces(
 def sharded_block_pieces(
     sharding: Sharding, mask: MaskSpec, q_owner: int, kv_owner: int
 ) -> tuple[Piece, ...]:
-    """The kernel calls for the Q rows of ``q_owner`` against the K/V rows of ``kv_owner``:
-    one piece per visible pair of runs (Note [Mask classes]), full pieces that tile a larger
-    rectangle merged into one.
-
-    A rank's own block under a plain causal mask, without padding, is one causal piece over
-    the whole shard: positions increase along its rows (Note [Causal blocks per layout]).
-    """
+    """The kernel calls of ``q_owner``'s Q rows against ``kv_owner``'s K/V rows: one piece per
+    visible pair of runs (Note [Mask classes]), full pieces that tile a rectangle merged."""
     q_runs, kv_runs = sharding.runs[q_owner], sharding.runs[kv_owner]
     n = sharding.local_len(q_owner)
     if (
@@ -446,8 +415,7 @@ def _tiles(run: Run, tile: int) -> list[Run]:
 
 
 def _merge_rectangles(rects: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]:
-    """Merge (q rows, kv rows) rectangles that share one side and touch on the other, until
-    none do. The union is unchanged; only the number of kernel calls drops."""
+    """Merge (q rows, kv rows) rectangles that share one side and touch on the other."""
     rects = sorted(rects)
     while True:
         for i, j in itertools.combinations(range(len(rects)), 2):
@@ -481,11 +449,8 @@ def _split_rows(rows: Rows, parts: int) -> list[Rows]:
 
 
 def piece_flops(piece: Piece, dims: AttentionShape, pass_: Pass) -> float:
-    """Matmul FLOPs of one piece: 4*B*Hq*sq*sk*D forward (QK^T and PV), 2.5x that backward.
-
-    A causal piece counts only the unmasked (i >= j) entries; a piece on a subset of heads
-    counts only those heads.
-    """
+    """Matmul FLOPs of one piece: 4*B*Hq*sq*sk*D forward (QK^T and PV), 2.5x that backward;
+    only the unmasked entries of a causal piece and only its heads."""
     sq, sk = piece.num_q, piece.num_kv
     pairs = sq * (sq + 1) / 2 if piece.causal else sq * sk
     heads_q = dims.heads_q

@@ -1,13 +1,7 @@
-"""Hugging Face transformers integration (``pip install "tokenring-attention[hf]"``).
-
-- ``attention``: tokenring as a model's attention implementation (:func:`register`,
-  :class:`SequenceParallel`), the batch and loss helpers of a training loop. Importing it does
-  not import transformers; :func:`register` does.
-- ``generation``: :func:`generate` (``model.generate`` over a sharded KV cache) and
-  :class:`ShardedKVCache`. It imports transformers, so this package reaches it on first use.
-- ``trainer``: :class:`tokenring.hf.trainer.SequenceParallelTrainer` (transformers' ``Trainer``
-  on sequence shards; imports transformers and accelerate).
-"""
+"""Hugging Face transformers integration (``pip install "tokenring-attention[hf]"``):
+``attention`` (:func:`register`, :class:`SequenceParallel`, training helpers; transformers is
+imported by :func:`register`), ``generation`` (:func:`generate`, :class:`ShardedKVCache`;
+loaded on first use) and ``trainer`` (``SequenceParallelTrainer``)."""
 
 from __future__ import annotations
 
@@ -48,8 +42,7 @@ _GENERATION = frozenset({"generate", "ShardedKVCache"})
 
 
 def __getattr__(name: str) -> Any:
-    """``generate`` and ``ShardedKVCache`` live in ``tokenring.hf.generation``, which imports
-    transformers: load it when first asked for (PEP 562), not when this package is imported."""
+    """Load ``tokenring.hf.generation`` (it imports transformers) on first use (PEP 562)."""
     if name in _GENERATION:
         return getattr(importlib.import_module("tokenring.hf.generation"), name)
     raise AttributeError(f"module 'tokenring.hf' has no attribute {name!r}")

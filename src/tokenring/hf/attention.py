@@ -1,13 +1,12 @@
 """Hugging Face transformers integration: tokenring as a model's attention implementation.
 
-This module owns the bridge between transformers' public registries (``AttentionInterface``
-for the attention function, ``AttentionMaskInterface`` for the mask the model builds, and the
-loss functions of ``transformers.loss.loss_utils.LOSS_MAPPING`` for ``labels=``) and
-:func:`tokenring.sequence_parallel_attn`, and the helpers a training loop needs around it:
-sharding a batch (labels shifted over the *global* sequence first), gathering logits, the
-token-count-weighted loss over the ranks and the gradient sum.
+Owns the bridge between transformers' registries (``AttentionInterface``,
+``AttentionMaskInterface``, the losses of ``LOSS_MAPPING``) and
+:func:`tokenring.sequence_parallel_attn`, and a training loop's helpers: sharding a batch
+(labels shifted over the *global* sequence), gathering logits, the token-weighted loss over the
+ranks and the gradient sum. transformers is imported only by :func:`register`.
 
-transformers is imported only by :func:`register` (``pip install "tokenring-attention[hf]"``).
+Legend: B batch, S global seq, s local seq, H heads, D head dim, V vocab, P world size.
 
 Note [How a model call reaches the ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -17,48 +16,33 @@ Note [How a model call reaches the ring]
     from_pretrained(..., attn_implementation=name) (or from_config, set_attn_implementation)
     model(input_ids=local_ids,          (B, s): this rank's shard (shard_batch)
           position_ids=local_pos,       (1, s): global / in-document positions, for RoPE
-          sequence_parallel=sp)         the SequenceParallel below; transformers hands model
-                                        kwargs down to every attention call
-      create_causal_mask -> our mask function -> None: the model builds no local mask (a
-          local causal mask is wrong for a zigzag shard); causality is over global positions
-      create_chunked_causal_mask / create_sliding_window_causal_mask / ... -> our mask function
-          reads transformers' mask_function (Note [Model masks]) -> a _ModelMask: causal,
-          window, attention_chunk_size over global positions, or NotImplementedError
-      LlamaAttention -> our attention function -> sequence_parallel_attn(q, k, v,
-          strategy from the name, causal/window/chunk from the _ModelMask (or is_causal and
-          sliding_window), group/layout/seq_len/cu_seqlens from sp)
-      labels= -> the model's loss function (ForCausalLM) -> ours when sequence_parallel is
-          given: labels shifted over the global sequence, the token-weighted global mean
-    generate(sp, model, ids)            transformers' generate over a ShardedKVCache: the
-                                        attention call gets sequence_parallel_cache= and runs
-                                        cached attention (Note [Generation under sequence
-                                        parallelism] in tokenring.hf.generation)
+          sequence_parallel=sp)         handed down to every attention call
+      create_*_mask -> our mask function -> None for plain causal (a local causal mask is
+          wrong for a zigzag shard), else a _ModelMask read from transformers' mask_function
+          (Note [Model masks]), or NotImplementedError
+      LlamaAttention -> our attention function -> sequence_parallel_attn(q, k, v, strategy
+          from the name, mask from the _ModelMask or is_causal / sliding_window, rest from sp)
+      labels= -> the model's loss function -> ours with sequence_parallel: labels shifted over
+          the global sequence, the token-weighted global mean
+    generate(sp, model, ids)            over a ShardedKVCache: attention gets
+                                        sequence_parallel_cache= (tokenring.hf.generation)
 
 Note [Model masks]
 ~~~~~~~~~~~~~~~~~~
-transformers hands the mask function (``AttentionMaskInterface``) a ``mask_function`` built
-from its own pieces in ``transformers.masking_utils``; a shard cannot use it directly (it is
-over local rows), so :func:`_model_mask` reads it back into the library's mask classes. The
-pieces are recognised by their code objects, never by names or repr::
+A shard cannot use transformers' ``mask_function`` (it is over local rows), so
+:func:`_model_mask` reads it back into the library's mask, recognising the pieces of
+``transformers.masking_utils`` by their code objects, never by names::
 
     causal_mask_function              causal
     bidirectional_mask_function       not causal
     sliding_window_overlay(w)         window (w - 1, .)   keys i - w < j
     sliding_window_bidirectional(w)   window (w, w)       |i - j| <= w
-    chunked_overlay(c, left_padding)  attention_chunk_size=c (left padding must be 0):
-                                      chunks of c from each document's start, as transformers
-                                      gives for packed position_ids
+    chunked_overlay(c, left_padding)  attention_chunk_size=c (left padding must be 0)
     and_masks(...)                    all of them at once
     remap_positions_for_packed_sequence, packed_sequence_mask_function
-                                      the model's local view of packing: documents come from
-                                      SequenceParallel.cu_seqlens
+                                      ignored: documents come from SequenceParallel.cu_seqlens
     or_masks(...) (or_mask_function, block_sequence_ids), and_mask_function of the model,
     anything else                     NotImplementedError naming it
-
-A plain causal mask gives None (what the attention call does by default); anything else a
-``_ModelMask``, which the model hands to every attention call of that layer type.
-
-Legend: B batch, S global seq, s local seq, H heads, D head dim, V vocab, P world size.
 """
 
 from __future__ import annotations
@@ -77,6 +61,7 @@ from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import (
     Layout,
     Sharding,
+    check_int,
     make_sharding,
     normalize_cu_seqlens,
     position_ids,
@@ -101,9 +86,7 @@ __all__ = [
     "shift_labels",
 ]
 
-MIN_TRANSFORMERS = "4.53"
-"""The first release with ``AttentionMaskInterface`` (masking_utils) and model kwargs passed
-down to the attention function."""
+MIN_TRANSFORMERS = "4.53"  # AttentionMaskInterface, model kwargs passed down to attention
 
 ATTN_IMPLEMENTATIONS: Mapping[str, str] = MappingProxyType(
     {
@@ -118,37 +101,25 @@ ATTN_IMPLEMENTATIONS: Mapping[str, str] = MappingProxyType(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SequenceParallel:
-    """How a model's sequence is split over the ranks of a group.
-
-    Pass it to the model's forward as ``sequence_parallel=`` (transformers hands it to every
-    attention call) and to the helpers of this module. One per global batch shape: it is
-    small and immutable.
-    """
+    """How a model's sequence is split over the ranks of a group: pass it to the model's
+    forward as ``sequence_parallel=`` and to this module's helpers."""
 
     group: GroupLike = None
     """ProcessGroup, 1-D DeviceMesh, ``tokenring.Communicator``, or None (default group)."""
     layout: Layout | str = Layout.ZIGZAG
     """How the sequence is sharded: ``"zigzag"`` (balances causal work) or ``"contiguous"``."""
     seq_len: int | None = None
-    """S, the global length. None: every rank holds the same s tokens and S = P * s. Needed
-    when the shards differ in length (S not divisible by the layout's chunk count, or
-    ``cu_seqlens``)."""
+    """S, the global length; None: S = P * s. Needed for shards of unequal length."""
     cu_seqlens: Sequence[int] | torch.Tensor | None = None
-    """Global document boundaries ``(0, ..., S)`` of a packed sequence, the same for every
-    batch row (kept as a tuple): attention never crosses them, RoPE positions restart at each,
-    and the layout is applied per document. Needs ``seq_len``."""
+    """Document boundaries ``(0, ..., S)`` of a packed sequence, for every batch row: attention
+    never crosses them, RoPE positions restart at each. Needs ``seq_len``."""
     hardware: Hardware | str | None = None
-    """For ``"tokenring_auto"``, and needed by it: a ``tokenring.model.costmodel.Hardware``
-    (``tokenring.model.planner.calibrate``) or preset name (see
-    :func:`tokenring.resolve_strategy`). ``tokenring.hf.generate`` measures this machine once
-    per call when it is None."""
+    """For ``"tokenring_auto"`` (needed by it): a ``Hardware`` or preset name
+    (:func:`tokenring.resolve_strategy`); ``tokenring.hf.generate`` measures it when None."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", Layout.parse(self.layout))
-        if self.seq_len is not None and (
-            isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1
-        ):
-            raise ValueError(f"seq_len must be an int >= 1 or None; got {self.seq_len!r}")
+        check_int("seq_len", self.seq_len, 1, optional=True)
         if self.cu_seqlens is not None:
             if self.seq_len is None:
                 raise ValueError("cu_seqlens needs seq_len (the global length it ends at)")
@@ -159,6 +130,15 @@ class SequenceParallel:
     def communicator(self) -> Communicator:
         """The group's communicator (built on first use; a collective on every rank)."""
         return get_communicator(self.group)
+
+
+def refuse_padding(mask: Any, hint: str = "") -> None:
+    """NotImplementedError (with ``hint``) when a padding ``attention_mask`` has zeros."""
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        suffix = f"; {hint}" if hint else ""
+        raise NotImplementedError(
+            f"a padding attention_mask is not supported under sequence parallelism{suffix}"
+        )
 
 
 def as_sequence_parallel(value: Any, name: str = "sequence_parallel") -> SequenceParallel:
@@ -177,25 +157,17 @@ class LocalBatch:
     input_ids: torch.Tensor
     """``(B, s)`` token ids."""
     position_ids: torch.Tensor
-    """``(1, s)`` int64: each token's position in the global sequence, or inside its
-    document with ``cu_seqlens`` (RoPE)."""
+    """``(1, s)`` int64: global positions, or in-document ones with ``cu_seqlens`` (RoPE)."""
     shift_labels: torch.Tensor | None
-    """``(B, s)``: the label of each local token, i.e. the *next* global token's label
-    (shifted before sharding); ``ignore_index`` where there is none."""
+    """``(B, s)``: the *next* global token's label (shifted before sharding)."""
 
 
 def register() -> tuple[str, ...]:
-    """Register tokenring with transformers' ``AttentionInterface`` and
-    ``AttentionMaskInterface``, and make its loss functions sequence-parallel aware;
-    idempotent.
-
-    After this, ``attn_implementation=name`` works for every name of
-    :data:`ATTN_IMPLEMENTATIONS`: ``"tokenring"`` (TokenRing), ``"tokenring_<strategy>"``
-    for each :class:`tokenring.Strategy`, and ``"tokenring_auto"``. Every loss function of
-    ``transformers.loss.loss_utils.LOSS_MAPPING`` is wrapped: unchanged without
-    ``sequence_parallel=``; with it, the causal-LM loss of ``model(..., labels=...)`` shifts
-    the labels over the global sequence and returns the global mean (as
-    :func:`causal_lm_loss`), and every other loss type raises ``NotImplementedError``.
+    """Register every name of :data:`ATTN_IMPLEMENTATIONS` with transformers'
+    ``AttentionInterface`` and ``AttentionMaskInterface``, and wrap every loss of
+    ``LOSS_MAPPING``: unchanged without ``sequence_parallel=``; with it the causal-LM loss is
+    :func:`causal_lm_loss` over the global sequence and other losses raise
+    ``NotImplementedError``. Idempotent.
 
     Returns:
         The registered names.
@@ -227,9 +199,8 @@ def register() -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _ModelMask:
-    """The mask a model asked for, over global positions (Note [Model masks]). The mask
-    function returns it in place of a mask tensor; the model hands it to the attention
-    calls of that layer type as ``attention_mask``."""
+    """The mask a model asked for, over global positions (Note [Model masks]): our mask
+    function's result, handed to the layer's attention calls as ``attention_mask``."""
 
     causal: bool
     window_size: tuple[int, int]
@@ -248,19 +219,13 @@ def _global_mask(
     config: Any = None,
     **_: Any,
 ) -> _ModelMask | None:
-    """The mask function for ``AttentionMaskInterface``: no mask tensor at all.
-
-    A mask over a rank's local rows is wrong for sharded sequences; the attention call masks
-    over global positions (and documents) itself, from what ``mask_function`` says (Note
-    [Model masks]): None for a plain causal mask, else a :class:`_ModelMask`. A padding mask
-    with zeros cannot be honoured, so it raises instead of being dropped; so does a mask the
-    library cannot express.
-    """
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise NotImplementedError(
-            "tokenring attention does not take a padding attention_mask; pack the sequences "
-            "(SequenceParallel(cu_seqlens=...)) or pad at the end and set the padded labels "
-            "to ignore_index"
+    """The ``AttentionMaskInterface`` function: None for plain causal, else a
+    :class:`_ModelMask` (Note [Model masks]); a padding mask raises."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        refuse_padding(
+            attention_mask,
+            "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
+            "the padded labels to ignore_index",
         )
     if mask_function is None:
         return None
@@ -270,8 +235,7 @@ def _global_mask(
 
 @functools.lru_cache(maxsize=1)
 def _mask_pieces() -> dict[Any, str]:
-    """Code object -> name of each piece of ``transformers.masking_utils`` (Note [Model
-    masks]); a piece missing from the installed version is simply not recognised."""
+    """Code object -> name of each piece of ``transformers.masking_utils`` this version has."""
     from transformers import masking_utils
 
     mu: Any = masking_utils  # its pieces differ between versions; a missing one is skipped
@@ -310,11 +274,8 @@ def _describe(fn: Any) -> str:
 
 
 def _model_mask(mask_function: Any, *, model: str | None = None) -> _ModelMask:
-    """Read transformers' ``mask_function`` into the library's mask (Note [Model masks]).
-
-    Raises:
-        NotImplementedError: a piece the library cannot express, named.
-    """
+    """Read ``mask_function`` into the library's mask, or raise naming a piece it cannot
+    express (Note [Model masks])."""
     pieces = _mask_pieces()
     where = f" (model_type {model!r})" if model else ""
     causal = False
@@ -393,9 +354,8 @@ def _unsupported_piece(
     )
 
 
+# local packing (flash-attention's varlen); ours is global: SequenceParallel(cu_seqlens=...)
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-"""Model kwargs that describe a local packing (flash-attention's varlen): under sequence
-parallelism documents are global, ``SequenceParallel(cu_seqlens=...)``."""
 
 
 def _attention_forward(
@@ -414,14 +374,8 @@ def _attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` function: transformers' ``(B, H, s, D)`` in,
-    ``(B, s, Hq, D)`` out (and no attention weights).
-
-    Every argument reaches the attention call or raises: ``scaling`` (softmax_scale), the mask
-    (:class:`_ModelMask` from our mask function, or ``is_causal``/``module.is_causal`` and
-    ``sliding_window``; when both are given they must agree), ``sequence_parallel``; dropout,
-    softcap, sinks, attention weights, a KV cache and local packing kwargs raise.
-    """
+    """The ``AttentionInterface`` function: ``(B, H, s, D)`` in, ``(B, s, Hq, D)`` out, no
+    weights. Every argument reaches the attention call or raises."""
     sp = _check_call(
         name,
         strategy,
@@ -469,9 +423,7 @@ def _check_call(
     cache: Any,
     options: dict[str, Any],
 ) -> SequenceParallel:
-    """Raise for what :func:`_attention_forward` cannot honour: no ``sequence_parallel``, a
-    prepared mask tensor, a KV cache that is not ours, and the ``options`` (dropout, softcap,
-    sinks, attention weights, local packing) it does not support."""
+    """Raise for what :func:`_attention_forward` cannot honour; ``sp`` checked."""
     if sp is None:
         raise ValueError(
             f"attn_implementation={name!r} needs sequence_parallel=tokenring.hf.SequenceParallel"
@@ -520,14 +472,11 @@ def _layer_mask(
     is_causal: bool | None,
     sliding_window: int | None,
 ) -> _ModelMask:
-    """The mask of one attention call: the model's for this layer (Note [Model masks]), which
-    ``is_causal`` (or ``module.is_causal``) and ``sliding_window`` must agree with, or else
-    theirs."""
+    """The model's mask (``is_causal``, ``sliding_window`` must agree), or else theirs."""
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
     window_size = (-1, 0 if causal else -1)
     if sliding_window is not None:
-        # transformers' window holds sliding_window keys up to and including the query itself:
-        # flash-attention's window_size=(sliding_window - 1, 0) when causal.
+        # sliding_window keys up to and including the query itself
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
     if attention_mask is None:
         return _ModelMask(causal=causal, window_size=window_size, attention_chunk_size=None)
@@ -548,19 +497,15 @@ def _layer_mask(
 def _check_temperature_tuning(
     module: torch.nn.Module, sp: SequenceParallel, seq_local: int
 ) -> None:
-    """Llama 4's NoPE layers scale queries by ``log1p(floor((i + 1) / floor_scale))`` of the
-    position i, which the model takes as ``arange(s)`` of the rank's own rows: right on a
-    shard only when that gives every rank the same scales as its global positions. Decided
-    from the layout alone, so every rank raises or none does."""
+    """Llama 4's NoPE query scale uses the local row index as the position: raise where that
+    differs from the global one (from the layout alone: every rank raises or none does)."""
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return
     floor_scale = int(module.floor_scale)  # type: ignore[arg-type]
-    world_size = sp.communicator.world_size
-    seq_len = sp.seq_len if sp.seq_len is not None else seq_local * world_size
+    seq_len, sharding = _sharding(sp, seq_local)
     if seq_len < floor_scale:  # every position, local or global, gets the scale of 1
         return
-    _, sharding = _sharding(sp, seq_local)
-    for rank in range(world_size):
+    for rank in range(sharding.world_size):
         positions = sharding.positions(rank)
         local = torch.arange(positions.numel())
         if not torch.equal((positions + 1) // floor_scale, (local + 1) // floor_scale):
@@ -587,18 +532,9 @@ def shift_labels(
     ignore_index: int = -100,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next-token labels over the global sequence: ``out[:, t] = labels[:, t + 1]``.
-
-    Shift *before* sharding: after it, a rank's last token needs the first token of another
-    rank's shard. The last position, and with ``cu_seqlens`` the last token of every document
-    (its next token starts another document), get ``ignore_index``.
-
-    Args:
-        labels: ``(B, S)`` global labels (usually the input ids).
-
-    Returns:
-        ``(B, S)``.
-    """
+    """Next-token labels ``(B, S)`` over the global ``labels`` ``(B, S)``: ``out[:, t] =
+    labels[:, t + 1]`` (shift *before* sharding), ``ignore_index`` at the end of the sequence
+    and of every document."""
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape (batch, seq); got {tuple(labels.shape)}")
     out = torch.full_like(labels, ignore_index)
@@ -619,16 +555,8 @@ def shard_batch(
     *,
     ignore_index: int = -100,
 ) -> LocalBatch:
-    """This rank's share of a global batch: input ids, RoPE positions, shifted labels.
-
-    Args:
-        sp: the split; ``sp.seq_len``, when set, must equal S.
-        input_ids: ``(B, S)`` global token ids, the same on every rank.
-        labels: ``(B, S)`` global labels (usually ``input_ids``, with ``ignore_index`` on
-            tokens that must not be predicted), or None.
-
-    Returns:
-        A :class:`LocalBatch` of ``(B, s)`` tensors (``(1, s)`` positions).
+    """This rank's :class:`LocalBatch` of ``input_ids`` ``(B, S)`` (the same on every rank)
+    and ``labels`` ``(B, S)`` (``ignore_index`` where not counted) or None.
 
     Raises:
         ValueError: input_ids not 2-D, labels of another shape, S != sp.seq_len, or uneven
@@ -678,22 +606,18 @@ def _local(sp: SequenceParallel, x: torch.Tensor) -> torch.Tensor:
 def broadcast_batch(
     sp: SequenceParallel, batch: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The batch of the group's first rank, on every rank of the group.
-
-    The ranks of a sequence-parallel group must work on the same sequences, but a data loader
-    (a ``Trainer``'s) gives each rank its own batch: this makes them the group's first rank's
-    (the other ranks' are dropped), exactly (a sum with zeros).
+    """The batch of the group's first rank on every rank (a data loader gives each rank its
+    own; the others' are dropped), exactly (a sum with zeros).
 
     Args:
-        batch: name -> tensor (e.g. ``input_ids``, ``labels`` ``(B, S)``); every rank must give
-            the same names; shapes and dtypes may differ (the first rank's are taken).
+        batch: name -> tensor (e.g. ``input_ids``, ``labels`` ``(B, S)``), the same names on
+            every rank (the first rank's shapes and dtypes are taken).
 
     Returns:
         name -> the first rank's tensor, on this rank's device for that name.
 
     Raises:
-        ValueError: a value that is not a tensor, or ranks that give different names (on
-            every rank).
+        ValueError: on every rank, when a value is not a tensor or the names differ.
     """
     wrong = [
         f"batch[{name!r}] must be a tensor; got {type(value).__name__}"
@@ -732,14 +656,8 @@ def broadcast_batch(
 
 
 def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) -> torch.Tensor:
-    """Every rank's shard put back in global order, on every rank (no gradient).
-
-    Args:
-        x: this rank's ``(B, s, ...)`` shard (e.g. logits ``(B, s, V)``) along ``seq_dim``.
-
-    Returns:
-        ``(B, S, ...)``.
-    """
+    """Every rank's shard ``x`` ``(B, s, ...)`` (along ``seq_dim``) put back in global order
+    ``(B, S, ...)`` on every rank, without gradient."""
     if not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim must be a dim of x (shape {tuple(x.shape)}); got {seq_dim}")
     seq_dim %= x.dim()
@@ -764,21 +682,10 @@ def causal_lm_loss(
     *,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Cross-entropy averaged over every counted token of every rank (token-count weighted).
-
-    Ranks hold different numbers of counted tokens (``ignore_index``), so a mean of per-rank
-    means would be wrong; this sums on each rank and divides by the global count.
-
-    Args:
-        logits: ``(B, s, V)`` this rank's logits.
-        shift_labels: ``(B, s)`` from :func:`shard_batch` (already shifted globally).
-
-    Returns:
-        A scalar whose value on every rank is the global mean, and whose gradient is this
-        rank's share of it: after ``backward()``, the parameter gradients summed over the
-        group (:func:`all_reduce_gradients`) are the gradient of the global mean. 0 when no
-        token is counted.
-    """
+    """Cross-entropy of ``logits`` ``(B, s, V)`` against ``shift_labels`` ``(B, s)`` (from
+    :func:`shard_batch`), averaged over every counted token of every rank: the global mean on
+    every rank (0 when no token counts), whose gradient is this rank's share (summed by
+    :func:`all_reduce_gradients`)."""
     if logits.shape[:2] != shift_labels.shape:
         raise ValueError(
             f"logits (B, s, V) and shift_labels (B, s) must agree; got {tuple(logits.shape)} and "
@@ -799,24 +706,14 @@ def causal_lm_loss(
         comm.all_reduce(totals, label="causal_lm_loss totals").wait()
     global_sum, num_tokens = totals.to(acc).unbind()
     num_tokens = num_tokens.clamp(min=1)
-    # value: global_sum / num_tokens, bitwise the same on every rank; gradient: only through
-    # this rank's local_sum (the added term is exactly zero)
+    # the same value on every rank; the gradient only through this rank's local_sum
     return global_sum / num_tokens + (local_sum - local_sum.detach()) / num_tokens
 
 
 def data_parallel_loss(sp: SequenceParallel, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` to back-propagate under DDP, FSDP or accelerate spanning every rank, whose
-    gradient average over all ranks is then the mean over the sequence-parallel groups of
-    each group's gradient: the same value (log it), the gradient times the group size (Note
-    [Trainer ranks and gradient scale] in tokenring.hf.trainer).
-
-    Args:
-        loss: a scalar from :func:`causal_lm_loss` (the same value on every rank of sp.group).
-
-    Returns:
-        A scalar equal to ``loss`` (exactly) whose gradient is ``sp.group``'s size times
-        ``loss``'s.
-    """
+    """``loss`` (a scalar from :func:`causal_lm_loss`) to back-propagate under DDP, FSDP or
+    accelerate over every rank: the same value, the gradient times ``sp.group``'s size (Note
+    [Trainer ranks and gradient scale] in tokenring.hf.trainer)."""
     scale = sp.communicator.world_size
     return loss + (scale - 1) * (loss - loss.detach())  # the added term is exactly 0
 
@@ -824,12 +721,9 @@ def data_parallel_loss(sp: SequenceParallel, loss: torch.Tensor) -> torch.Tensor
 def all_reduce_gradients(
     sp: SequenceParallel, parameters: Iterable[torch.nn.Parameter] | torch.nn.Module
 ) -> None:
-    """Sum every ``.grad`` over the group, in place (what DDP would do, but a sum).
-
-    Each rank's gradients come from its own tokens only; with :func:`causal_lm_loss` their
-    sum is the full gradient. (DDP and FSDP *average* over their group: with them, back-propagate
-    :func:`data_parallel_loss` instead of calling this.) Reduces in float32 or wider. Every rank
-    must hold gradients for the same parameters (one flat all-reduce per dtype).
+    """Sum every ``.grad`` over the group in place, in float32 or wider (with
+    :func:`causal_lm_loss`, the full gradient; under DDP or FSDP, which average, use
+    :func:`data_parallel_loss` instead). Every rank must hold the same parameters' gradients.
     """
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
@@ -850,8 +744,7 @@ def all_reduce_gradients(
 
 
 class _SequenceParallelLoss:
-    """A loss function of ``transformers.loss.loss_utils.LOSS_MAPPING``, made aware of
-    ``sequence_parallel=`` (see :func:`register`): without it, the original, unchanged."""
+    """A loss of ``LOSS_MAPPING`` aware of ``sequence_parallel=`` (see :func:`register`)."""
 
     def __init__(self, loss_type: str, original: Any) -> None:
         self.loss_type = loss_type
@@ -881,15 +774,7 @@ def _labels_loss(
     shift_labels: torch.Tensor | None = None,
     **_: Any,
 ) -> torch.Tensor:
-    """``model(..., labels=..., sequence_parallel=sp).loss``: :func:`causal_lm_loss` with the
-    labels shifted over the global sequence (transformers' own loss shifts inside the shard:
-    a rank's last token would predict its own next row, not the next global token).
-
-    ``labels`` may be this rank's shard ``(B, s)`` of the unshifted global labels (gathered
-    from every rank to shift them: one collective) or the global ``(B, S)``; ``shift_labels``
-    (from :func:`shard_batch`), if given, is used as is. Which one is decided from every
-    rank's length, so all ranks take the same path.
-    """
+    """``model(..., labels=..., sequence_parallel=sp).loss``: labels shifted globally."""
     sp = as_sequence_parallel(sp)
     if num_items_in_batch is not None:
         raise NotImplementedError(
@@ -911,8 +796,7 @@ def _labels_loss(
 def _global_labels(
     sp: SequenceParallel, labels: torch.Tensor, logits: torch.Tensor
 ) -> torch.Tensor:
-    """The global ``(B, S)`` labels from ``labels``: already global on every rank, or every
-    rank's shard ``(B, s_r)`` (gathered); which one is decided from every rank's length."""
+    """The global ``(B, S)`` labels: ``labels``, or every rank's shard of them gathered."""
     comm = sp.communicator
     seq_len, sharding = _sharding(sp, logits.shape[1])
     lengths = [labels.shape[1]]

@@ -1,10 +1,9 @@
-"""Generation with transformers under sequence parallelism: ``model.generate`` over a
-:class:`tokenring.DistributedKVCache`, through transformers' public ``Cache`` interface.
+"""``model.generate`` under sequence parallelism: :class:`ShardedKVCache` (a
+``transformers.Cache`` over a :class:`tokenring.DistributedKVCache`) and :func:`generate`, each
+rank computing only its own tokens. Imports transformers: reach it through ``tokenring.hf``.
 
-This module owns :class:`ShardedKVCache` (a ``transformers.Cache`` whose K/V live sharded over
-the ranks of a group) and :func:`generate`, which runs ``model.generate`` with it, each rank
-computing only its own tokens. It imports transformers at the top: reach it through
-``tokenring.hf.generate`` and ``tokenring.hf.ShardedKVCache``.
+Legend: B sequences, T new tokens per sequence in a step, n this rank's new rows, V vocab,
+P world size.
 
 Note [Generation under sequence parallelism]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -30,14 +29,9 @@ makes each forward compute this rank's rows only::
       post-hook           logits of the rows that end a sequence -> (B, 1, V) on every rank
                           (a sum over the group, zeros elsewhere: exact)
 
-A rank may own no new row in a step (decode with B < P); it still runs every layer because
-it holds part of the cache. Models reshape with ``view(..., -1, D)``, which a 0-row input
-cannot take, so such a rank runs one placeholder row (token 0 at position 0): its attention
-passes 0 rows to ``cached_attn`` and gives the placeholder a zero output, and its logits are
-never computed (``logits_to_keep``).
-
-Legend: B sequences, T new tokens per sequence in a step, n this rank's new rows, V vocab,
-P world size.
+A rank may own no new row in a step (decode with B < P) but still runs every layer (it holds
+part of the cache); models cannot reshape 0 rows, so it runs one placeholder row (token 0 at
+position 0) whose attention passes 0 rows to ``cached_attn`` and returns zeros.
 """
 
 from __future__ import annotations
@@ -50,11 +44,13 @@ from typing import Any
 
 import torch
 
+from tokenring.core.layout import check_int
 from tokenring.hf.attention import (
     _PLAIN_CAUSAL,
     ATTN_IMPLEMENTATIONS,
     _ModelMask,
     as_sequence_parallel,
+    refuse_padding,
 )
 from tokenring.inference import cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
@@ -74,13 +70,11 @@ except ImportError as exc:  # pragma: no cover - tokenring.hf checks first
 
 __all__ = ["ShardedKVCache", "generate"]
 
-_CACHE_KWARGS = ("cache", "past_key_values")
-"""What generate calls the cache in the model's forward (transformers 5, 4.x)."""
+_CACHE_KWARGS = ("cache", "past_key_values")  # the cache's name in the forward (5, 4.x)
 
 
 class _ShardedLayer(CacheLayerMixin):
-    """One layer of a :class:`ShardedKVCache`: its K/V live in the DistributedKVCache, which
-    the attention function appends to, so ``update`` hands the new rows back unchanged."""
+    """A layer of a :class:`ShardedKVCache`: ``update`` hands the new rows back unchanged."""
 
     is_compileable = False
     is_croppable = False
@@ -115,24 +109,18 @@ class _ShardedLayer(CacheLayerMixin):
 
 
 class ShardedKVCache(Cache):
-    """A ``transformers.Cache`` whose K/V are a :class:`tokenring.DistributedKVCache` sharded
-    over the ranks of ``sequence_parallel.group`` (Note [Generation under sequence
-    parallelism]). :func:`generate` makes one per call; it is returned with
-    ``return_dict_in_generate=True`` (``.cache`` / ``.past_key_values``), e.g. to read
-    :attr:`kv` (bytes per rank) or :attr:`strategies`.
+    """A ``transformers.Cache`` whose K/V are a :class:`tokenring.DistributedKVCache` over
+    ``sequence_parallel.group`` (Note [Generation under sequence parallelism]);
+    :func:`generate` makes one per call and returns it with ``return_dict_in_generate=True``.
 
     Args:
         config: the model's config (its text config: layers, heads, head dim).
-        sequence_parallel: a ``tokenring.hf.SequenceParallel``; its group holds the cache
-            (``layout``, ``seq_len`` and ``cu_seqlens`` do not apply: the cache places tokens
-            itself), its ``hardware`` is what ``strategy="auto"`` plans for (None: this
-            machine, measured once by this cache's first step with
-            ``tokenring.model.planner.calibrate``, a collective; see :attr:`hardware`).
+        sequence_parallel: a ``tokenring.hf.SequenceParallel``: its group, and its
+            ``hardware`` for ``strategy="auto"`` (None: measured by the first step).
         strategy: ``"auto"`` or a cached strategy (``"pass_q"``, ``"pass_kv"``, ``"direct"``,
             ``"tree"``) for every step.
-        block_size: of the DistributedKVCache (tokens per placement block and allocation
-            unit). None: ``min(64, ceil(T / P))`` for a first prefill of T tokens, so that a
-            short prompt that the zigzag layout cannot take is still spread over every rank.
+        block_size: of the DistributedKVCache; None: ``min(64, ceil(T / P))`` for a first
+            prefill of T tokens, so a short prompt is still spread over every rank.
         budget_bytes: the most K/V bytes a rank may reserve (None: no limit).
 
     Raises:
@@ -149,7 +137,6 @@ class ShardedKVCache(Cache):
         block_size: int | None = None,
         budget_bytes: int | None = None,
     ) -> None:
-
         sequence_parallel = as_sequence_parallel(sequence_parallel)
         if strategy != "auto":
             strategy = CachedStrategy.parse(strategy)
@@ -158,10 +145,7 @@ class ShardedKVCache(Cache):
                     "SequenceParallel.hardware only plans strategy='auto'; got hardware="
                     f"{sequence_parallel.hardware!r} with strategy={strategy.value!r}"
                 )
-        if block_size is not None and (
-            isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
-        ):
-            raise ValueError(f"block_size must be an int >= 1 or None; got {block_size!r}")
+        check_int("block_size", block_size, 1, optional=True)
         text = (
             config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         )
@@ -179,8 +163,7 @@ class ShardedKVCache(Cache):
         self.sequence_parallel = sequence_parallel
         self.strategy: CachedStrategy | str = strategy
         self.hardware: Hardware | str | None = sequence_parallel.hardware
-        """What ``"auto"`` plans for: ``sequence_parallel.hardware``, or when that is None this
-        machine, measured once by the first step (``tokenring.model.planner.calibrate``)."""
+        """What ``"auto"`` plans for (None until the first step measures this machine)."""
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.kv: DistributedKVCache | None = None
@@ -197,8 +180,7 @@ class ShardedKVCache(Cache):
         return self.sequence_parallel.communicator
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens of each sequence cached before the step in progress (all sequences are
-        equally long)."""
+        """Tokens of each sequence cached before the step in progress."""
         return self._seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -225,12 +207,10 @@ class ShardedKVCache(Cache):
     def reset(self) -> None:
         raise self._unsupported("resetting the cache (make a new one)")
 
-    # -- the steps (called by the forward hooks of generate) ------------------------------------
     def begin_step(
         self, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device
     ) -> CacheStep:
-        """Agree on the new ids over the group, place them and choose the strategy (Note
-        [Generation under sequence parallelism], steps 1 to 3). Collective."""
+        """Steps 1 to 3 of Note [Generation under sequence parallelism]. Collective."""
         comm = self.communicator
         self._agree_on_ids(input_ids)
         batch, num_new = input_ids.shape
@@ -255,8 +235,7 @@ class ShardedKVCache(Cache):
         return step
 
     def _agree_on_ids(self, input_ids: torch.Tensor) -> None:
-        """Check ``input_ids`` and that every rank of the group holds the same ones (a
-        collective: a rank whose ids are wrong makes every rank raise)."""
+        """Check ``input_ids`` and that every rank holds the same ones, or every rank raises."""
         validate = functools.partial(self._ids_signature, input_ids)
         try:
             self.communicator.agreed(validate, what="generation step", errors=(ValueError,))
@@ -302,9 +281,8 @@ class ShardedKVCache(Cache):
         scaling: float | None,
         mask: _ModelMask = _PLAIN_CAUSAL,
     ) -> torch.Tensor:
-        """The attention of the step's new rows of one layer: transformers' ``(1, H, n, D)``
-        in, ``(1, n, Hq, D)`` out (Note [Generation under sequence parallelism]). Plain causal
-        attention only: ``mask`` is the layer's (``tokenring.hf.attention``)."""
+        """One layer's attention of the step's new rows: ``(1, H, n, D)`` in, ``(1, n, Hq, D)``
+        out. Plain causal only (``mask``: the layer's)."""
         if getattr(module, "attn_temperature_tuning", False) and not getattr(
             module, "use_rope", True
         ):
@@ -376,12 +354,8 @@ def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
                 f"continuing from a cache ({name}=...) is not supported; tokenring.hf.generate "
                 "makes a ShardedKVCache per call"
             )
-    mask = gen_kwargs.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        raise NotImplementedError(
-            "a padding attention_mask is not supported under sequence parallelism; generate "
-            "prompts of different lengths in separate calls"
-        )
+    hint = "generate prompts of different lengths in separate calls"
+    refuse_padding(gen_kwargs.get("attention_mask"), hint)
 
 
 def generate(
@@ -395,8 +369,7 @@ def generate(
     **gen_kwargs: Any,
 ) -> Any:
     """``model.generate(input_ids, **gen_kwargs)`` with the KV cache sharded over ``sp.group``
-    (Note [Generation under sequence parallelism]). Call it on every rank of the group with
-    the same arguments; every rank returns the same tokens.
+    (Note [Generation under sequence parallelism]), on every rank with the same arguments.
 
     Args:
         sp: a ``tokenring.hf.SequenceParallel`` (its group; ``hardware`` for ``"auto"``).
@@ -404,23 +377,18 @@ def generate(
             (``tokenring.hf.register()``).
         input_ids: ``(B, S)`` prompts of equal length, the same on every rank.
         strategy, block_size, budget_bytes: of the :class:`ShardedKVCache`.
-        gen_kwargs: ``model.generate``'s. Greedy search and sampling run (sampling draws on
-            every rank: seed every rank alike, or every rank raises at the first step where
-            they drew differently); the options of ``_REFUSED_OPTIONS`` raise.
+        gen_kwargs: ``model.generate``'s: greedy search and sampling (seed every rank alike);
+            the options of ``_REFUSED_OPTIONS`` raise.
 
     Returns:
-        What ``model.generate`` returns: ``(B, S + new)`` ids, or its output object with
-        ``return_dict_in_generate=True`` (whose cache is the :class:`ShardedKVCache`).
+        What ``model.generate`` returns: ``(B, S + new)`` ids, or its output object.
 
     Raises:
         ValueError: a model without a tokenring attention, input_ids not 2-D, use_cache=False,
             sp with seq_len or cu_seqlens, or ranks whose token ids differ.
-        NotImplementedError: beam search, assisted or prompt-lookup decoding, a padding
-            attention_mask, inputs_embeds, attention weights or hidden states, a cache to
-            continue from, or a model option the cached attention cannot express (a sliding
-            window, chunked attention).
+        NotImplementedError: an option of ``_REFUSED_OPTIONS``, a padding attention_mask, a
+            cache to continue from, or a sliding window or chunked attention.
     """
-
     sp = as_sequence_parallel(sp, "sp")
     if sp.seq_len is not None or sp.cu_seqlens is not None:
         raise ValueError(
@@ -446,8 +414,7 @@ def generate(
 
 @contextlib.contextmanager
 def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[None]:
-    """Hook ``model``'s forward for the steps of one generate call (the pre-hook and
-    post-hook of Note [Generation under sequence parallelism])."""
+    """Hook ``model``'s forward (Note [Generation under sequence parallelism])."""
     state: dict[str, Any] = {}
 
     def before(
@@ -494,8 +461,7 @@ def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[
 def _step_input_ids(
     cache: ShardedKVCache, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> torch.Tensor:
-    """The global input ids ``(B, n)`` of one step's model call, checked; pops the
-    attention mask and position ids, which the step derives itself."""
+    """The checked global input ids ``(B, T)`` of a step; pops the mask and position ids."""
     if args:
         raise ValueError("generate passes the model's inputs by keyword; got positional ones")
     given = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
@@ -507,11 +473,7 @@ def _step_input_ids(
     input_ids = kwargs.get("input_ids")
     if input_ids is None:
         raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
-    mask = kwargs.pop("attention_mask", None)
-    if mask is not None and not bool(mask.all()):
-        raise NotImplementedError(
-            "a padding attention_mask is not supported under sequence parallelism"
-        )
+    refuse_padding(kwargs.pop("attention_mask", None))
     num_new = input_ids.shape[1]
     past = cache.get_seq_length()
     positions = kwargs.pop("position_ids", None)
@@ -527,11 +489,10 @@ def _step_input_ids(
 def _local_rows(
     step: CacheStep, rank: int, input_ids: torch.Tensor
 ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """This rank's new ids ``(1, n)``, the local rows that end a sequence and which sequence
-    each ends."""
+    """This rank's new ids ``(1, n)``, the local rows that end a sequence and which one."""
     rows: list[torch.Tensor] = []
-    keep: list[int] = []  # local rows that end a sequence
-    ends: list[int] = []  # and which sequence each ends
+    keep: list[int] = []
+    ends: list[int] = []
     offset = 0
     for b, held in enumerate(step.new_positions[rank]):
         rows.append(input_ids[b, (held - step.cached[b]).to(input_ids.device)])

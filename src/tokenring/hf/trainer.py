@@ -1,14 +1,12 @@
-"""The Hugging Face ``Trainer`` under sequence parallelism, composed with its data parallelism.
+""":class:`SequenceParallelTrainer`: a ``transformers.Trainer`` whose causal-LM loss runs on
+sequence shards, composed with its data parallelism (needs transformers and accelerate).
 
-This module owns :class:`SequenceParallelTrainer`: a ``transformers.Trainer`` whose causal-LM
-loss runs on sequence shards. It imports transformers (and, through its ``Trainer``,
-accelerate) at the top: ``pip install "tokenring-attention[hf]" accelerate``.
+Legend: N world size, dp data-parallel replicas, sp ranks per sequence-parallel group.
 
 Note [Trainer ranks and gradient scale]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The world of N = dp x sp ranks is cut into dp sequence-parallel groups of sp ranks (e.g. the
-``"sp"`` dimension of a 2-D ``DeviceMesh`` ``("dp", "sp")``); the Trainer's DDP spans all N
-ranks, as it does by default. Per step and group g::
+N = dp x sp ranks form dp sequence-parallel groups of sp ranks (e.g. ``mesh["sp"]`` of a
+``("dp", "sp")`` mesh); the Trainer's DDP spans all N. Per step and group g::
 
     the loader          gives every rank its own batch
     broadcast_batch     the group's first rank's batch on each of its ranks (the others' dropped)
@@ -22,8 +20,6 @@ ranks, as it does by default. Per step and group g::
                         the mean over groups, what data parallelism over dp replicas computes
     logged loss         the Trainer's mean over ranks of L_g = the mean over groups, the true
                         loss (no factor of N or sp)
-
-Legend: N world size, dp data-parallel replicas, sp ranks per sequence-parallel group.
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ from tokenring.hf.attention import (
     broadcast_batch,
     causal_lm_loss,
     data_parallel_loss,
+    refuse_padding,
     register,
     shard_batch,
 )
@@ -56,18 +53,14 @@ _INPUTS = frozenset({"input_ids", "labels", "attention_mask"})
 
 
 class SequenceParallelTrainer(Trainer):
-    """A ``transformers.Trainer`` for causal LMs whose sequences are sharded over the ranks of
-    ``sequence_parallel.group`` (Note [Trainer ranks and gradient scale]).
-
-    The model must use a tokenring attention (``attn_implementation="tokenring"``, ...). Use
-    it like ``Trainer`` (DDP over every rank, as ``torchrun`` gives); batches hold
-    ``input_ids`` and optionally ``labels`` (unshifted, ``-100`` where not counted) and an
-    all-ones ``attention_mask``.
+    """A ``transformers.Trainer`` for causal LMs (with a tokenring ``attn_implementation``)
+    whose sequences are sharded over ``sequence_parallel.group`` (Note [Trainer ranks and
+    gradient scale]). Batches hold ``input_ids``, optionally ``labels`` (unshifted, ``-100``
+    where not counted) and an all-ones ``attention_mask``.
 
     Args:
-        sequence_parallel: the group (a ProcessGroup or a 1-D ``DeviceMesh`` such as
-            ``mesh["sp"]``) and layout; every rank's group must have the same size, a divisor
-            of the world size.
+        sequence_parallel: the group and layout; every rank's group has the same size, a
+            divisor of the world size.
         args, kwargs: ``Trainer``'s.
 
     Raises:
@@ -98,21 +91,16 @@ class SequenceParallelTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        """The group's token-weighted mean loss, with the gradient scaled for DDP's average
-        (Note [Trainer ranks and gradient scale]); ``num_items_in_batch`` is not needed (the
-        loss already counts every token of the group)."""
+        """The group's token-weighted mean loss, its gradient scaled for DDP's average (Note
+        [Trainer ranks and gradient scale]); ``num_items_in_batch`` is not needed."""
         sp = self.sequence_parallel
         extra = sorted(set(inputs) - _INPUTS)
         if extra:
             raise NotImplementedError(
                 f"SequenceParallelTrainer takes input_ids, labels and attention_mask; got {extra}"
             )
-        mask = inputs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise NotImplementedError(
-                "a padding attention_mask is not supported under sequence parallelism; pad at "
-                "the end and set the padded labels to -100, or pack the sequences"
-            )
+        hint = "pad at the end and set the padded labels to -100, or pack the sequences"
+        refuse_padding(inputs.get("attention_mask"), hint)
         input_ids = inputs["input_ids"]
         labels = inputs.get("labels")
         batch = broadcast_batch(
@@ -136,8 +124,7 @@ class SequenceParallelTrainer(Trainer):
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor, None, None]:
-        """The evaluation loss only (each rank holds logits of its own shard: gather them with
-        ``tokenring.hf.gather_sequence`` where needed)."""
+        """The evaluation loss only (logits are per shard: ``tokenring.hf.gather_sequence``)."""
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None

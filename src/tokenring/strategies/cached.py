@@ -1,13 +1,7 @@
-"""Schedules of attention against a sharded KV cache: where new tokens go, and the plans.
-
-This module owns *what happens* when T new tokens per sequence attend to a cache sharded over
-the ranks (``tokenring.kvcache`` stores it): which rank owns each new token
-(:func:`place_new_tokens`, :class:`CacheStep`), which rank computes which new queries against
-which shard in which round, and which transfers carry what, as plain data
-(:class:`CachedPlan`). The runtime (``tokenring.inference``) executes each rank's program of
-the plan (``tokenring.runtime.program.cached_program``); ``tokenring.model.planner``'s
-``predict_cached`` prices the very same programs with the simulator's event engine and
-``choose_cached_strategy`` picks the cheapest. Nothing here touches process groups.
+"""Schedules of attention against a sharded KV cache, as plain data: which rank owns each new
+token (:func:`place_new_tokens`, :class:`CacheStep`), and who computes which new queries
+against which shard in which round, with the transfers (:class:`CachedPlan`). The runtime
+(``tokenring.inference``) executes them; ``tokenring.model.planner`` prices the same plans.
 
 Legend: B sequences, T new tokens and C cached tokens of a sequence, P world size, Hq / Hkv
 query / key-value heads, D head dim, e bytes per element, a bytes per accumulator element
@@ -17,26 +11,22 @@ cached K/V of all sequences form one *K/V shard*.
 
 Note [Placement]
 ~~~~~~~~~~~~~~~~
-A step appends T_b new tokens to each sequence b. Their owner (the rank that computes them,
-holds their Q and caches their K/V, so the append moves nothing) is decided once per step,
-identically on every rank, from the positions alone::
+A step appends T_b new tokens to each sequence b. Their owner computes them, holds their Q
+and caches their K/V (the append moves nothing); every rank decides it alike::
 
     first prefill   every C_b = 0, every T_b = T, T % 2P == 0: the zigzag layout of the
                     ordinary attention path (rank r owns chunks r and 2P-1-r of 2P)
     otherwise       block-cyclic: position p of sequence b goes to rank (p // bs + b) mod P
 
-Block-cyclic keeps every rank within one block of the others for each sequence however long
-it grows (positions [a, a+m) put floor or ceil of m/bs blocks on each rank, and the zigzag
-prefix is exactly even), so no rank fills first; the ``+ b`` offset starts the sequences of a
-batch on different ranks, so a batch of short sequences is spread too. P = 3, bs = 4, b = 0::
+Block-cyclic keeps every rank within one block of the others however long a sequence grows,
+so no rank fills first; ``+ b`` spreads a batch of short sequences. P = 3, bs = 4, b = 0::
 
     position:  0-3  4-7  8-11  12-15  16-19  ...
     rank:       0    1    2     0      1     ...
 
 Note [Cached strategies]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Every new token is owned by the rank that caches it (Note [Placement]), so K/V
-never move to be appended; only attention moves data::
+K/V never move to be appended (Note [Placement]); only attention moves data::
 
     strategy  what moves                                           rounds
     pass_q    Q blocks down the ring (r -> r-1) while each rank     P
@@ -49,11 +39,9 @@ never move to be appended; only attention moves data::
     tree      each Q block down a binomial tree rooted at its       2 ceil(log2 P) + 1
               owner; partials merged (by lse) on the way back up
 
-Blocks nobody needs are not sent: a Q block goes on only while a rank ahead has a key it can
-see, and a rank computes (and returns) only a block with a visible key. ``direct`` and
-``tree`` are pass-Q too; they trade the ring's P - 1 hops for one round (``direct``: the
-owner's link carries P - 1 copies) or log P rounds (``tree``: one copy per link and round),
-which is what decode (T of 1 to a few) needs.
+A block goes on only while a rank ahead sees one of its keys, and only blocks with a visible
+key are computed. ``direct`` and ``tree`` trade the ring's P - 1 hops for one round (P - 1
+copies on the owner's link) or log P rounds (one copy per link and round), for decode.
 
 Binomial tree of owner o, P = 6 (3 levels, rounds 0-6), rel = (r - o) mod P::
 
@@ -61,10 +49,9 @@ Binomial tree of owner o, P = 6 (3 levels, rounds 0-6), rel = (r - o) mod P::
     compute    round 0: rel 0           round 1: 1    round 2: 2, 3    round 3: 4, 5
     reduce     round 4: 4 -> 0, 5 -> 1  round 5: 2 -> 0, 3 -> 1     round 6: 1 -> 0
 
-In broadcast round k a rank sends every block it holds with rel < 2^k to r + 2^k, so all
-owners' trees use the same pair in a round and share one message; the reduce mirrors it.
-Rank r computes its own block in round 0 and the blocks that arrived in round k - 1 in round
-k, overlapping the next hop.
+In broadcast round k a rank sends every block it holds with rel < 2^k to r + 2^k (all
+owners' trees share one message per pair); the reduce mirrors it. Round k computes the
+blocks that arrived in round k - 1, overlapping the next hop.
 
 Note [Pass-Q or pass-KV]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -78,11 +65,9 @@ so pass-Q moves fewer bytes on its busiest direction exactly when::
 
     T / (T + C)  <  2 * Hkv * D * e / (Hq * (D*e + a))  =  pass_q_threshold(...)
 
-which is Meta's context-parallel inference criterion (T/(T+P) < 2 * Hkv / Hq, with their P
-our C) with the lse that rides along each partial. MHA: about 2, so pass-Q always (for C >=
-0); Llama-3 GQA 32/8: about 1/2. Where the kernel is slower than the links neither matters
-and the exposed tail (pass-Q's last return) decides; ``choose_cached_strategy`` compares
-the simulated calls, not just this ratio.
+Meta's context-parallel inference criterion with the lse riding along each partial (MHA:
+about 2, always pass-Q; GQA 32/8: about 1/2). ``choose_cached_strategy`` compares simulated
+calls, not just this ratio.
 """
 
 from __future__ import annotations
@@ -110,23 +95,11 @@ __all__ = [
 
 
 def place_new_tokens(
-    *,
-    cached: Sequence[int],
-    new: Sequence[int],
-    world_size: int,
-    block_size: int,
-    zigzag: bool,
+    *, cached: Sequence[int], new: Sequence[int], world_size: int, block_size: int, zigzag: bool
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """The global positions of the new tokens each rank owns; see Note [Placement].
-
-    Args:
-        cached: C_b per sequence.
-        new: T_b per sequence.
-        zigzag: use the first-prefill zigzag layout (the caller checked that it applies).
-
-    Returns:
-        ``[rank][sequence]`` int64 tensors of increasing positions.
-    """
+    """``[rank][sequence]`` int64 increasing positions of the new tokens each rank owns (Note
+    [Placement]), from C_b ``cached`` and T_b ``new`` per sequence; ``zigzag``: the first
+    prefill's layout (the caller checked that it applies)."""
     p = world_size
     placed: list[list[torch.Tensor]] = [[] for _ in range(p)]
     for b, (c, t) in enumerate(zip(cached, new, strict=True)):
@@ -145,11 +118,8 @@ def place_new_tokens(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CacheStep:
-    """Where the new tokens of one step go and what every rank holds after it.
-
-    Identical on every rank. New tokens are passed to attention *packed*: this rank's rows of
-    sequence 0, then of sequence 1, ... (``seq_rows(rank)`` of each), each in position order.
-    """
+    """Where the new tokens of one step go and what every rank holds after it; identical on
+    every rank. New tokens are *packed*: a rank's rows of sequence 0, then 1, ..."""
 
     index: int
     """Steps begun before this one."""
@@ -196,12 +166,8 @@ class CachedStrategy(enum.Enum):
 
 # -- who holds what ----------------------------------------------------------------------------
 class CachedShards:
-    """New query positions and cached key positions of every rank: the input of every plan.
-
-    Args:
-        q_positions: ``[rank][sequence]`` increasing positions of the new tokens a rank owns.
-        kv_positions: ``[rank][sequence]`` increasing positions a rank caches (new included).
-    """
+    """The input of every plan: ``[rank][sequence]`` increasing positions of the new tokens a
+    rank owns (``q_positions``) and of all it caches (``kv_positions``, new included)."""
 
     def __init__(
         self,
@@ -225,9 +191,8 @@ class CachedShards:
         self._splits: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
 
     def split(self, q_owner: int, kv_owner: int) -> tuple[tuple[int, int], ...]:
-        """Per sequence ``(n_full, n_stop)``: keys ``[0, n_full)`` of the shard are visible to
-        every new query of the block, ``[n_full, n_stop)`` to some (masked), the rest to none.
-        """
+        """Per sequence ``(n_full, n_stop)``: keys ``[0, n_full)`` are visible to every new
+        query of the block, ``[n_full, n_stop)`` to some, the rest to none."""
         key = (q_owner, kv_owner)
         if key not in self._splits:
             parts = []
@@ -255,8 +220,8 @@ class CachedShards:
 def uniform_shards(
     *, world_size: int, batch: int, cached: int, new: int, block_size: int = 64
 ) -> CachedShards:
-    """The shards of B sequences that each hold ``cached`` tokens and add ``new``, placed
-    block-cyclically as ``DistributedKVCache`` places them (for planning without a cache).
+    """The shards of B sequences of ``cached`` tokens adding ``new``, placed block-cyclically
+    as ``DistributedKVCache`` does (for planning without a cache).
 
     Raises:
         ValueError: a size below 0 (1 for world_size, batch, block_size).
@@ -304,23 +269,16 @@ class CachedPlan:
     transfers: tuple[CachedTransfer, ...]
     """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
     _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
-    """What readers derive from the plan and keep while it lives (the ranks' programs)."""
+    """What readers derive and keep while the plan lives (the ranks' programs)."""
 
     def merges(self, rank: int, q_owner: int) -> bool:
-        """Whether ``rank`` merges its partial of ``q_owner``'s block into an accumulator
-        (its own block; any in the tree, whose partials go up merged) rather than sending it
-        back as computed."""
+        """Whether ``rank`` merges its partial of ``q_owner``'s block into an accumulator (its
+        own block; any in the tree) rather than sending it back."""
         return q_owner == rank or self.strategy is CachedStrategy.TREE
 
 
 def _transfer(
-    payload: Payload,
-    src: int,
-    dst: int,
-    owners: Sequence[int],
-    num_rows: int,
-    round_: int,
-    after: int,
+    payload: Payload, src: int, dst: int, owners: Sequence[int], rows: int, round_: int, after: int
 ) -> CachedTransfer:
     owners = tuple(sorted(owners))
     return CachedTransfer(
@@ -328,7 +286,7 @@ def _transfer(
         src=src,
         dst=dst,
         owner=owners[0],
-        rows=(0, num_rows),
+        rows=(0, rows),
         step=round_,
         after_segments=after,
         owners=owners,
@@ -340,8 +298,7 @@ def _tree_depth(world_size: int) -> int:
 
 
 def _subtree(rel: int, level: int, world_size: int) -> range:
-    """Relative ranks below (and including) node ``rel`` that joined the tree in round
-    ``level``: rel + m * 2^(level+1) (see Note [Cached strategies])."""
+    """Relative ranks in the subtree of ``rel``, which joined in round ``level``."""
     return range(rel, world_size, 2 ** (level + 1))
 
 
@@ -370,10 +327,8 @@ def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> C
     )
 
 
-_Computes = list[list[tuple[tuple[int, int], ...]]]
-"""computes[rank][round]: the (q_owner, kv_owner) blocks a rank computes in a round."""
-_Rounds = tuple[int, _Computes, list["CachedTransfer"]]
-"""What a strategy's planner returns: the number of rounds, the computes, the transfers."""
+_Computes = list[list[tuple[tuple[int, int], ...]]]  # [rank][round]: (q_owner, kv_owner) blocks
+_Rounds = tuple[int, _Computes, list["CachedTransfer"]]  # (number of rounds, computes, transfers)
 
 
 def _ring_plan(pass_q: bool, shards: CachedShards, needs: list[list[bool]]) -> _Rounds:

@@ -1,14 +1,9 @@
-"""Collective strategies as schedules: Ulysses (all-to-all sequence <-> heads) and all-gather K/V.
-
-This module owns both strategies' pure schedules (:func:`build_collective_schedule`, plain
-data the cost model reads like the ring schedules, routed the way the backend's collectives
-route; Note [Collective routing]). ``tokenring.runtime.collective`` executes them on
-collectives through the communicator.
+"""Collective strategies as pure schedules: Ulysses (all-to-all sequence <-> heads) and
+all-gather K/V. ``tokenring.runtime.collective`` executes them through the communicator.
 
 Legend: B batch, S global seq (P * s), s local seq, c = s // 2 (zigzag chunk), Hq query heads,
-Hkv key/value heads, g = Hq // Hkv (query heads per kv head), D head dim, P world size,
-nq / nkv heads of one Ulysses rank, e bytes per element, a bytes per accumulator element (4; 8
-for float64).
+Hkv key/value heads, g = Hq // Hkv, D head dim, P world size, nq / nkv heads of one Ulysses
+rank, e bytes per element, a bytes per accumulator element (4; 8 for float64).
 
 Note [Ulysses]
 ~~~~~~~~~~~~~~
@@ -19,31 +14,16 @@ P = 2, Hq = 4 (rows in layout order, h = query heads)::
     rank 0:   rows_0 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h0,1  ->  rows_0 x h0..3
     rank 1:   rows_1 x h0..3  ->  rows_0,1 x h0,1  ->  S x S on h2,3  ->  rows_1 x h0..3
 
-The gathered rows arrive in rank order, which is layout order. Causal attention needs global
-order: zigzag with P = 2 arrives as chunks c0 c3 c1 c2, so the rows are permuted to
-c0 c1 c2 c3 before the kernel (then the mask is the plain top-left causal mask) and back after
-it. Non-causal attention does not care about the order of keys and maps a permutation of the
-queries to the same permutation of the outputs, so it skips both permutations.
-
-Forward: travel q rows of the destination's heads plus the K/V heads they use; return out of
-my heads for the destination's rows plus their lse (lse is returned like the ring strategies,
-so out and lse always travel together). The forward keeps nothing gathered: the backward
-gathers q, dout, lse and delta = rowsum(dout * out) of the destination's heads (TokenRing's
-``Payload.Q_GRAD``) with the K/V heads they use, one all-to-all, and dq, dk, dv return.
-Keeping the gathered q, k, v, out, lse instead would save the q and K/V part of that
-all-to-all but hold four q-sized tensors from the forward to the end of the backward (README
-"Memory"). dK/dV return in the accumulation dtype (as the Ring strategy's accumulators do)
-because a kv head can be used by several ranks and its gradient is a sum; see Note [Ulysses
-head split].
+Causal attention permutes the gathered rows (layout order) to global order around the kernel;
+non-causal skips it. The forward keeps nothing: the backward gathers q, dout, lse, delta
+(``Payload.Q_GRAD``) and K/V again; dq and dK/dV (accumulation dtype) return.
 
 Note [Ulysses head split]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-Heads are never padded and Hq % P != 0 is never refused: rank j gets a contiguous share of
-ceil(Hq / P) query heads if j < Hq % P, else floor(Hq / P), in rank order (with Hq < P the
-last ranks get none and only relay). A rank receives exactly the kv heads its query heads use,
-h // g for each of its heads h, a contiguous range; a kv head used by several ranks is sent to
-each of them once, and in the backward its dK/dV partials from those ranks are summed on the
-way home (every rank owns the rows of every head). Hq = 6, Hkv = 3 (g = 2), P = 4::
+Heads are never padded and Hq % P != 0 is never refused: rank j gets ceil(Hq / P) contiguous
+query heads if j < Hq % P, else floor(Hq / P) (with Hq < P the last ranks only relay), and
+exactly the kv heads h // g they use; a kv head used by several ranks is sent to each, and its
+dK/dV partials are summed on the way home. Hq = 6, Hkv = 3 (g = 2), P = 4::
 
     rank   q heads   kv heads   note
     0      0 1       0
@@ -51,26 +31,19 @@ way home (every rank owns the rows of every head). Hq = 6, Hkv = 3 (g = 2), P = 
     2      4         2          kv head 2 goes to ranks 2 and 3; both dK/dV partials
     3      5         2          of it are summed by the owner of each row
 
-The kernel maps local query head i to local kv head i // (nq // nkv). When a share does not
-line up with the groups (Hq = 6, Hkv = 3, P = 2: rank 0 has q heads 0 1 2 using kv heads
-0 0 1), K/V are repeated locally to one head per query head, never on the wire, and their
-gradients are summed back per kv head before they return.
+A share that does not line up with the groups repeats K/V locally, never on the wire.
 
 Note [All-gather K/V]
 ~~~~~~~~~~~~~~~~~~~~~
-Every rank attends with its own Q over every rank's K/V, gathered in rounds (Note [All-gather
-K/V rounds]) so that at most two blocks of others' K/V are held at once, and nothing is kept
-for the backward. Which rows of Q_r meet which rows of KV_j is Note [Causal blocks per layout]
-of ``tokenring.core.schedule`` (contiguous causal: j > r is empty; zigzag causal: j < r meets kv
-rows [0, c), j > r only q rows [c, s)); each piece is one kernel call on views of its round's
-buffer (no index copies), merged in fp32 by lse (tokenring.core.merge).
+Every rank attends with its own Q over every rank's K/V, gathered in rounds (at most two
+blocks of others' K/V held at once, nothing kept for the backward); which rows meet is Note
+[Causal blocks per layout]; each piece is a kernel call on a view of its round's buffer.
 
 Note [All-gather K/V rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Round k (k = 0 .. P-1) of rank r computes against the K/V of owner r + k (mod P); round 0 is
-its own block, no transfer. Round k >= 1 is one exchange in which every rank sends its own
-K/V to r - k and receives those of r + k, both messages posted together, the receive first.
-P = 4, rank 0 (rows: what happens in order; "k/v j" = owner j's K/V)::
+Round k of rank r computes against the K/V of owner r + k (mod P); round 0 is its own block.
+Round k >= 1 is one exchange: r sends its K/V to r - k and receives those of r + k, the
+receive posted first. P = 4, rank 0 ("k/v j" = owner j's K/V)::
 
     pass       slot (segments before)   posts                         computes
     forward    0                        k/v round 1 (from 1, to 3)     own block (causal)
@@ -80,18 +53,13 @@ P = 4, rank 0 (rows: what happens in order; "k/v j" = owner j's K/V)::
                rounds 0..1 (each k)     dK/dV of round k to 0 + k,    round k, its dK/dV
                                         then k/v round k + 1          partial from zero
 
-The forward keeps two rounds in flight (round k + 1 lands in the buffer of round k - 1), so
-its transfers hide behind compute; the backward keeps one (the K/V buffer is refilled only
-after its round is computed) and waits for each return before the next round, because a
-round holds the K/V, the dK/dV partial it sends and the one it receives (accumulation dtype,
-added into this rank's dk, dv). Gathering again costs the backward the forward's K/V bytes
-once more; keeping every rank's K/V and their gradients cost ~6.8x the minimum at P = 4
-(README "Memory").
+The forward keeps two rounds in flight; the backward one (a round holds K/V and two dK/dV
+partials).
 
 Note [Collective schedules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-:func:`build_collective_schedule` returns a ``tokenring.core.schedule.Schedule`` with one step.
-``steps[r][0]`` is what rank r computes, with ``q_owner = kv_owner = r``, and its rows are:
+:func:`build_collective_schedule` returns a ``Schedule`` with one step; ``steps[r][0]`` is
+what rank r computes (``q_owner = kv_owner = r``)::
 
     strategy       q rows                        kv rows
     ulysses        gathered sequence, global     gathered sequence, global order, [0, S),
@@ -99,11 +67,10 @@ Note [Collective schedules]
     allgather_kv   r's own local rows [0, s)     the gathered K/V in rank order: row i of
                                                  owner j is j * s + i
 
-Pieces of a Ulysses rank cover only its head share, so the FLOPs of rank r are
-``piece_flops(piece, dims, pass_) * share.num_q / Hq`` with ``share = ulysses_heads(...)[r]``.
-``transfers`` lists every point-to-point message of the collectives, all at step 0
-(``after_segments``: 0 for travel, the segments computed before it is posted for a return),
-with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B):
+A Ulysses rank's FLOPs are ``piece_flops(piece, dims, pass_) * share.num_q / Hq``.
+``transfers`` lists every point-to-point message, all at step 0 (``after_segments``: 0 for
+travel, the segments computed before it for a return), ``heads`` the head range carried.
+Bytes per row (x B), s rows each::
 
     strategy       pass       payload       flow     r -> j (j != r), bytes per row
     ulysses        forward    q             travel   nq_j*D*e           (q of j's heads)
@@ -117,30 +84,23 @@ with ``heads`` set to the head range carried. Payload kinds, bytes per row (x B)
     allgather_kv   backward   kv            travel   2*Hkv*D*e          (gathered again)
                               dkv           return   2*Hkv*D*a          (round (j - r) mod P)
 
-with s rows each. All-gather K/V's ``after_segments`` are its rounds' slots (Note [All-gather
-K/V rounds]); its segments are one piece each, in round order.
+All-gather K/V's ``after_segments`` are its rounds' slots; its segments are one piece each.
 
 Note [Collective routing]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-A schedule lists what goes on the wire. The library's all-to-alls (Ulysses, all-gather K/V's
-rounds, the hybrid's inner all-to-alls) are point-to-point messages, every receive posted
-before any send (``Communicator.exchange``): both
-directions of every pair run at once, on gloo as on NCCL, so the cost model prices them as
-direct sends. gloo's own collectives do not: measured on the lab (full mesh, 100 Mbit/s per
-directed link, X = 2 MiB per pair, X/B = 168 ms; median of 6 in units of X/B;
-benchmarks/results/gloo_collectives.md)::
+The library's all-to-alls (Ulysses, all-gather K/V's rounds, the hybrid's inner all-to-alls)
+are point-to-point messages, every receive posted before any send (``Communicator.exchange``),
+so both directions of a pair run at once and the cost model prices them as direct sends.
+gloo's own collectives do not (lab mesh, 100 Mbit/s links, 2 MiB per pair, in units of one
+pair's transfer time; benchmarks/results/gloo_collectives.md)::
 
     P    P2P, receives first   all_to_all_single (equal / uneven)   all_gather_into_tensor
     2    1.00                  1.96 / 1.96                          1.47 (1.0-1.5: a race)
     3    1.00                  1.95 / 1.94                          2.01
     4    1.01                  1.96 / 1.95                          3.03
 
-gloo's all-to-all posts each send before the matching receive, and the peer's "ready to
-receive" notice then queues behind the data going the other way (../shared/netlab-notes.md,
-pitfall 1), so a pair's two directions run one after the other; its all-gather sends only to
-r+1, round a ring. Until 2026-12 Ulysses and all-gather K/V ran on ``all_to_all_single`` and
-the model gave each pair one resource shared by both directions; the same messages posted
-receives first take half the time on gloo.
+gloo's all-to-all posts each send before the matching receive, so a pair's two directions run
+one after the other (../shared/netlab-notes.md, pitfall 1); its all-gather is a ring.
 """
 
 from __future__ import annotations
@@ -186,9 +146,6 @@ def parse_collective(value: Strategy | str) -> Strategy:
     return parse_enum(Strategy, value, "strategy_name", among=_COLLECTIVE)
 
 
-# -- head shares ---------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class HeadShare:
     """The heads one Ulysses rank attends over: half-open ranges of global head indices."""
@@ -206,11 +163,8 @@ class HeadShare:
 
 
 def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[HeadShare, ...]:
-    """Each rank's query heads and the kv heads they use; see Note [Ulysses head split].
-
-    Raises:
-        ValueError: world_size < 1, heads < 1, or heads_kv not dividing heads_q.
-    """
+    """Each rank's query heads and the kv heads they use (Note [Ulysses head split]);
+    ValueError on world_size < 1, heads < 1, or heads_kv not dividing heads_q."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv != 0:
@@ -222,9 +176,6 @@ def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[Head
         HeadShare((start, stop), (start // g, (stop - 1) // g + 1) if stop > start else (0, 0))
         for start, stop in split_evenly(heads_q, world_size)
     )
-
-
-# -- schedules -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,22 +195,12 @@ def build_collective_schedule(
     heads_q: int,
     heads_kv: int,
 ) -> CollectiveSchedule:
-    """The schedule of one pass of Ulysses or all-gather K/V. Pure: no tensors, no groups.
-
-    See Note [Collective schedules] for the row conventions and payloads.
-
-    Args:
-        strategy_name: ``"ulysses"`` or ``"allgather_kv"``.
-        pass_: forward or backward.
-        layout: how the sequence is sharded (see ``tokenring.core.layout``).
-        causal: causal mask over global positions.
-        world_size: P >= 1.
-        seq_local: s, tokens per rank.
-        heads_q, heads_kv: Hq and Hkv (Hkv divides Hq); Ulysses splits heads by them.
+    """The schedule of one pass of ``strategy_name`` (``"ulysses"`` or ``"allgather_kv"``;
+    Note [Collective schedules]); the rest as ``tokenring.strategies.build_schedule``.
 
     Raises:
-        ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local
-            the layout cannot split; heads < 1 or heads_kv not dividing heads_q.
+        ValueError: unknown strategy, pass or layout; world_size < 1; a seq_local the layout
+            cannot split; heads < 1 or heads_kv not dividing heads_q.
     """
     strategy, layout = parse_collective(strategy_name), Layout.parse(layout)
     return _build(
@@ -307,8 +248,7 @@ def _build(
 def _ulysses_rank(
     r: int, shares: tuple[HeadShare, ...], *, causal: bool, forward: bool, s: int
 ) -> tuple[tuple[Segment, ...], list[Transfer]]:
-    """Rank r's one Ulysses step: its segment over all P * s rows of its heads, and what it
-    sends each peer j (my rows of j's heads before, j's rows of my heads after)."""
+    """Rank r's segment over all P * s rows of its heads, and what it sends each peer."""
     p = len(shares)
     whole = (0, p * s)
     segments: tuple[Segment, ...] = ()
@@ -339,8 +279,7 @@ def _ulysses_rank(
 def _allgather_rank(
     r: int, layout: Layout, *, causal: bool, forward: bool, p: int, s: int
 ) -> tuple[tuple[Segment, ...], list[Transfer]]:
-    """Rank r's one all-gather K/V step: its rounds' segments (k = 0 the own block, round k
-    the K/V of owner r + k) and its K/V (and, backward, dK/dV) transfers."""
+    """Rank r's rounds' segments and its K/V (backward: and dK/dV) transfers."""
     rounds = _allgather_rounds(layout, causal, p, s, r)
     segments = tuple(seg for round_ in rounds for seg in round_)
     cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
@@ -360,9 +299,7 @@ def _allgather_rank(
 def _allgather_rounds(
     layout: Layout, causal: bool, p: int, s: int, rank: int
 ) -> tuple[tuple[Segment, ...], ...]:
-    """The segments of each round of one all-gather K/V rank: round k computes against the
-    K/V of owner (rank + k) % P, one segment per piece (kv rows of the gathered sequence, so
-    every piece is a view of one round's buffer)."""
+    """Per round k, one segment per piece against owner rank + k's K/V (gathered rows)."""
     rounds = []
     for k in range(p):
         owner = (rank + k) % p

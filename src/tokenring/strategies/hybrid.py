@@ -1,12 +1,7 @@
-"""The hybrid (2-D) strategy's schedule: Ulysses inside fast islands, a ring strategy across.
-
-A 2-D mesh ``outer x inner`` of P = P_out * P_in ranks: the inner axis (e.g. the GPUs of one
-node) runs an all-to-all from sequence to heads, the outer axis runs any ring strategy on the
-resulting longer, narrower shards, and a second all-to-all brings the result back. This module
-owns the hybrid's entry in the strategy registry: ``Strategy.HYBRID`` with its options
-(:class:`HybridSpec`) and its schedule (:func:`build_hybrid_schedule`), which bench, the cost
-model and the planner read like every other strategy's. ``tokenring.runtime.hybrid`` runs it
-(for ``tokenring.hybrid_attn``).
+"""The hybrid (2-D) strategy's options (:class:`HybridSpec`) and schedule: on a mesh of
+P = P_out * P_in ranks the inner axis runs an all-to-all from sequence to heads, the outer axis
+any ring strategy on the longer, narrower shards, and a second all-to-all brings the result
+back. ``tokenring.runtime.hybrid`` runs it.
 
 Legend: B batch, S global seq, s local seq, Hq / Hkv heads, D head dim, P_out outer ranks,
 P_in inner ranks, nq = Hq / P_in and nkv = Hkv / P_in (heads of one inner rank), e bytes per
@@ -27,16 +22,11 @@ n + 2 steps, n being the outer strategy's steps (P_out)::
                                                         bwd: dq, dk, dv of my heads (j's rows)
 
 Every transfer and piece carries its head range, so bytes and FLOPs read with the global
-``AttentionShape``. dk and dv return in the input dtype (the outer strategy hands them back
-in it) and are listed as ``Payload.KV``, which weighs 2*nkv*D*e per row (:data:`GRAD_KV`; as dout is
-listed as ``Payload.Q`` by ``tokenring.strategies.collective``). lse always travels with out, so the
-schedule does not depend on ``return_lse``. The all-to-alls are point-to-point messages,
-receives first (Note [Collective routing] in ``tokenring.strategies.collective``).
-
-With ``seq_len`` (any S, documents, windows, chunks) the outer strategy's schedule is built
-for S over P_out ranks, and rank g's all-to-all transfers carry its own number of rows: its
-slice of its outer shard (:func:`inner_slices`, Note [Hybrid layout] in tokenring.hybrid); a
-rank with no rows sends and receives none.
+``AttentionShape``. dk, dv return in the input dtype as ``Payload.KV`` (:data:`GRAD_KV`; dout
+as ``Payload.Q``); lse always travels with out. The all-to-alls are point-to-point messages,
+receives first (Note [Collective routing]). With ``seq_len`` the outer schedule covers S over
+P_out ranks and rank g's all-to-all carries its slice of its outer shard (:func:`inner_slices`,
+Note [Hybrid layout] in tokenring.hybrid).
 """
 
 from __future__ import annotations
@@ -44,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from tokenring.core.layout import Layout, split_evenly
+from tokenring.core.layout import Layout, check_int, split_evenly
 from tokenring.core.schedule import (
     Pass,
     Payload,
@@ -70,11 +60,8 @@ __all__ = [
 
 
 GRAD_KV = Payload.KV
-"""Payload kind of the dk, dv rows the backward's inner all-to-all returns in the input dtype:
-the bytes of k, v (Note [Hybrid schedule])."""
+"""Payload kind of the dk, dv rows the backward's all-to-all returns (input dtype)."""
 
-
-# the strategies that can run across the islands: every ring strategy
 _OUTER_NAMES = ", ".join(s.value for s in Strategy if s.is_ring)
 
 
@@ -88,8 +75,7 @@ class HybridSpec:
     """The ring strategy across islands: token_ring, ring or bidir_ring."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.inner, bool) or not isinstance(self.inner, int) or self.inner < 1:
-            raise ValueError(f"inner must be an int >= 1; got {self.inner!r}")
+        check_int("inner", self.inner, 1)
         strategy = Strategy.parse(self.outer_strategy)
         if not strategy.is_ring:
             raise ValueError(
@@ -124,16 +110,14 @@ class HybridSchedule(CollectiveSchedule):
 
 
 def inner_slices(length: int, inner: int) -> list[tuple[int, int]]:
-    """The P_in consecutive slices of an outer shard of ``length`` rows: near-equal, the longer
-    ones first (Note [Hybrid layout] in tokenring.hybrid)."""
+    """The P_in near-equal slices of an outer shard, longer first (Note [Hybrid layout])."""
     return split_evenly(length, inner)
 
 
 def outer_transfers(
     sched: HybridSchedule, rank: int, *, heads_q: int, heads_kv: int
 ) -> dict[Transfer, Transfer]:
-    """``rank``'s sends and receives of steps 1 .. n, each with the outer schedule's transfer
-    it lifts (the one the outer group's ranks post)."""
+    """``rank``'s sends and receives of steps 1 .. n -> the outer transfer each lifts."""
     assert sched.outer is not None
     p_in, (o, i) = sched.inner, divmod(rank, sched.inner)
     nq, nkv = heads_q // p_in, heads_kv // p_in
@@ -145,15 +129,13 @@ def outer_transfers(
 
 
 def _shift(heads: Rows | None, width: int, i: int) -> Rows:
-    """Head range ``heads`` of one share of ``width`` heads (all of them when None), moved to
-    inner rank ``i``'s share."""
+    """``heads`` of a share of ``width`` (None: all), moved to inner rank ``i``'s share."""
     lo, hi = heads if heads is not None else (0, width)
     return (i * width + lo, i * width + hi)
 
 
 def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> StepPlan:
-    """An outer strategy's step as rank ``g`` runs it: one step later, outer ranks o mapped
-    to o * P_in + i and every piece on inner rank i's heads."""
+    """An outer step as rank ``g`` = o * P_in + i runs it, on inner rank i's heads."""
     i = g % p_in
 
     def lifted(pc: Piece) -> Piece:
@@ -176,8 +158,7 @@ def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> Ste
 
 
 def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> Transfer:
-    """An outer strategy's transfer as inner rank ``i``'s copy of it sends it: one step later,
-    between ranks o * P_in + i, on inner rank i's heads."""
+    """An outer transfer as inner rank ``i`` sends it (as :func:`_lifted_step`)."""
     return replace(
         tr,
         src=tr.src * p_in + i,
@@ -191,8 +172,7 @@ def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> T
 def _all_to_all_transfers(
     g: int, *, forward: bool, p_in: int, rows: list[int], last_step: int, nq: int, nkv: int
 ) -> list[Transfer]:
-    """What rank ``g`` sends in the inner all-to-alls: its rows of each peer's heads at step 0,
-    the peer's rows of its own heads at ``last_step`` (``rows[g]``: rank g's rows)."""
+    """Rank ``g``'s all-to-all sends at step 0 and ``last_step``."""
     o, i = divmod(g, p_in)
     inbound = [(Payload.Q, nq), (Payload.KV, nkv)] if forward else [(DOUT, nq)]
     outbound = [(Payload.OUT, nq)] if forward else [(Payload.DQ, nq), (GRAD_KV, nkv)]
@@ -237,19 +217,14 @@ def build_hybrid_schedule(
     window_size: Sequence[int] | int | None = None,
     attention_chunk_size: int | None = None,
 ) -> HybridSchedule:
-    """The schedule of one hybrid pass; see Note [Hybrid schedule]. Pure.
+    """The schedule of one hybrid pass (Note [Hybrid schedule]).
 
     Args:
-        pass_: forward or backward.
         spec: inner size and outer strategy.
-        layout: the outer axis' layout.
-        causal: causal mask over global positions.
         world_size: P = P_out * P_in.
         heads_q, heads_kv: Hq, Hkv (both divisible by P_in).
-        seq_local: s, tokens per rank (the outer strategy runs on P_in * s); or instead
-            ``seq_len``, S, with ``cu_seqlens``, ``window_size`` and ``attention_chunk_size``
-            as ``build_schedule`` takes them (``seq_local`` is then the longest rank's rows).
-        last_block_splits: as ``build_schedule``, for an outer TokenRing.
+        seq_local: s, tokens per rank (the outer strategy runs on P_in * s); the rest as
+            ``tokenring.strategies.build_schedule``.
 
     Raises:
         ValueError: a factorisation that does not fit, or what ``build_schedule`` raises.
@@ -277,8 +252,7 @@ def build_hybrid_schedule(
 
 
 def _lifted(outer: Schedule, *, world_size: int, p_in: int, nq: int, nkv: int) -> HybridSchedule:
-    """The hybrid schedule of ``outer`` lifted onto the P ranks (Note [Hybrid schedule]):
-    each rank's steps between its two all-to-all steps, and every transfer."""
+    """``outer`` lifted onto the P ranks (Note [Hybrid schedule])."""
     assert outer.sharding is not None
     lengths = (outer.sharding.local_len(o) for o in range(outer.world_size))
     rows = [hi - lo for length in lengths for lo, hi in inner_slices(length, p_in)]  # rows[g]

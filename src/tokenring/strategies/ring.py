@@ -1,15 +1,14 @@
-"""The ring strategies' schedules: TokenRing (pass-Q), Ring (pass-KV) and their bidirectional
-forms, as plain data (``tokenring.core.schedule``).
+"""The ring strategies' schedules as plain data: TokenRing (pass-Q), Ring (pass-KV) and their
+bidirectional forms.
 
 Legend: B batch, s local seq, Hq query heads, Hkv key/value heads, D head dim, P world size,
-c = s // 2 (zigzag chunk). Rows are half-open ``(start, stop)`` ranges of an owner's local
-shard.
+c = s // 2 (zigzag chunk). Rows are half-open ``(start, stop)`` ranges of an owner's shard.
 
 Note [TokenRing step table]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Q blocks travel "down" the ring (rank r sends to r-1); K/V never move. At step t rank r holds
-the Q of owner o = (r + t) mod P, computes it against its own K/V, and sends the partial
-(out, lse) straight back to o -- the "up" direction, a different process group. P = 4::
+Q blocks travel "down" (r -> r-1); K/V never move. At step t rank r holds the Q of owner
+o = (r + t) mod P, computes it against its own K/V and sends the partial (out, lse) straight
+back to o on the return process group. P = 4::
 
     step t:        0        1        2        3
     rank 0 holds:  Q0       Q1       Q2       Q3
@@ -18,25 +17,19 @@ the Q of owner o = (r + t) mod P, computes it against its own K/V, and sends the
     rank 3 holds:  Q3       Q0       Q1       Q2
     returns:       -        o<-r+1   o<-r+2   o<-r+3   (sent after the block is computed)
 
-(with ``lend_last_pair``, rank 0's Q3 at step 3 is computed by rank 3 instead: Note [Borrowed
-last pair].)
-
-Q for step t+1 is posted at the start of step t, so it flies while step t computes; the partial
-of step t flies while step t+1 computes. The partial of the last step cannot overlap with
-anything, so the last block is computed in ``last_block_splits`` slices, each returned as
-soon as it is done: only the last slice's return is exposed (Note [Last block by heads]).
+Q for step t+1 flies while step t computes; the partial of step t while step t+1 computes.
+The last partial overlaps nothing, so the last block is computed in ``last_block_splits``
+slices, each returned when done (Note [Last block by heads]; with ``lend_last_pair``, Note
+[Borrowed last pair]).
 
 Note [Borrowed last pair]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-The last step's partial cannot overlap anything, and neither can the hop that brings the last
-Q. Zigzag causal, P = 4: at step 3 rank 0 holds Q3 (owner 3 > 0), needs all its rows against
-its kv chunk 0 only, and its partial (every row) goes 0 -> 3 after the last compute, the call's
-tail; the hop bringing Q3 to rank 0 (1 -> 0 at step 2) is the busiest link's third full Q.
-Rows of K/V chunk 0 cost 2 * c * Hkv, the Q rows 2 * c * Hq: no more under MHA. So rank 0
-*lends* the pair: its K/V rows go to the q owner 3 in parts, one per step 0 .. 2 (on the wrap
-link 0 -> 3, which carries half Q blocks, so a part fits beside them), and rank 3 computes its
-own queries against them after its last-step slices, merged at once: no return, and the Q3
-hop 1 -> 0 at step 2 is dropped (nobody further needs it)::
+Neither the last step's partial nor the hop that brings the last Q overlaps anything. Zigzag
+causal, P = 4: at step 3 rank 0 holds Q3, needs all its rows against kv chunk 0 only, and
+returns every row 0 -> 3 as the call's tail. K/V chunk 0 costs 2 * c * Hkv per D, the Q rows
+2 * c * Hq, so rank 0 *lends* the pair: its K/V rows go to q owner 3 in parts, one per step
+0 .. 2 (on the wrap link 0 -> 3, which carries half Q blocks), rank 3 computes its own queries
+against them after its last-step slices, and the Q3 hop 1 -> 0 at step 2 is dropped::
 
     step t:        0          1          2          3
     rank 0:        Q0 own     Q1         Q2         -  (lent: K/V chunk 0 -> rank 3)
@@ -44,61 +37,28 @@ hop 1 -> 0 at step 2 is dropped (nobody further needs it)::
     sent 0 -> 3:   Q0[c,s) +  Q1[c,s) +  Q2[c,s) +
                    K/V0 1/3   K/V0 2/3   K/V0 3/3
 
-``_lent_pairs`` decides per rank r, from bytes (in elements of D per row: Q Hq, the
-backward's q and dout 2 Hq, K and V 2 Hkv), over the pair (q owner r - 1, kv owner r) of the
-last step: r lends when the pair's K/V rows cost no more than what they save (the Q rows' hop
-and their partial), and each part, added to the link r -> r - 1's own hop of its step, stays
-under that step's busiest hop (a link that is already the busiest would slow the step: with
-no mask, or GQA on the link 1 -> 0, nobody lends). Pieces keep their masks (positions are
-global), so documents, windows and chunks lend as they are.
-
-The forward computes the borrowed pair at the last step, after the owner's own slices (so
-their returns leave first), its K/V in P - 1 parts. The backward computes it at step 1 (K/V
-in one part at step 0), so that its dK/dV, in the accumulation dtype, fly home during the
-later steps (``Payload.DKV`` owner -> kv owner, added at HOME); dQ stays local. With P = 2
-that step is the last and the dK/dV would be the exposed tail instead of the dQ: the backward
-lends from P = 3. Beyond ``LEND_MAX_WORLD_SIZE`` ranks nothing is lent (``ring_plan``'s
-columns, which the vectorised engine replays, have the plain tail). A lent pair is one
-segment of pieces with ``Piece.kv_owner`` set: the rank's own queries against that owner's
-K/V rows, cut at the parts' rows; the K/V travel as ``Payload.KV`` transfers of the pass-Q schedule.
-
-Lending puts one more block on the owner's critical path while the lender idles: it wins
-where links set the pace and loses where compute does (event simulator, forward, lend / keep:
-lab mesh at 12 MB/s, P = 4, MHA 8 x 64, s = 512, float32: 0.84x; h100-nvswitch, P = 8, GQA
-32/8 x 128, s = 16k: 1.10x; the paper's a10-pcie case: 1.16x). The schedule is built without
-the hardware, so lending is the call's choice (``last_pair`` of ``sequence_parallel_attn``):
-the caller's, or the model's with ``last_pair="auto"`` (``tokenring.model.planner.
-lends_last_pair`` prices the call both ways).
+``_lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no more
+bytes than the Q hop and partial they save, and each part fits under its step's busiest hop.
+The forward computes it at the last step; the backward at step 1 (K/V sent at step 0) so its
+dK/dV (``Payload.DKV``) fly home during later steps, hence from P = 3. A lent pair is one
+segment of pieces with ``Piece.kv_owner`` set. Lending wins where links set the pace and
+loses where compute does, so the caller decides (``last_pair`` of ``sequence_parallel_attn``).
 
 Note [Last block by heads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-The slices of the last block are head groups, not row ranges, when the heads allow: whole
-GQA groups (kv heads split, their query heads with them), or query heads over the one kv
-head of MQA; a slice is every row of the block on some heads. A row slice runs the kernel on
-fewer query rows, and fused kernels lose speed with them (PyTorch's CPU flash operator
-splits q into tiles of 256 rows from 768 rows up, of 64 below). Measured on the 2-core CI
-box, P = 4, S = 4096, 8 heads x 64, causal zigzag, float32, main-thread CPU time of a
-TokenRing forward, mean over the ranks, two launches each: two head slices 82.8 / 84.6 ms,
-two row slices 85.4 / 92.9 ms, no slices 87.8 / 84.0 ms (launches differ by up to 5%). A
-head slice is the same kernel call on fewer heads, which the kernels run one after another
-anyway. Bytes
-and FLOPs per slice are the same either way, and a block of several pieces (documents,
-windows) slices too. Rows are sliced only when there is one query head (or the
-heads are not given), as before: then only a single full piece is split.
+The slices of the last block are head groups where the heads allow (whole GQA groups, or
+query heads over the one kv head of MQA): every row of the block on some heads. Row slices
+run the kernel on fewer query rows, which fused kernels run slower; head slices are the same
+kernel call on fewer heads. Bytes and FLOPs per slice are the same either way. Rows are
+sliced only with one query head (or heads not given), and then only a single full piece.
 
 Note [Backward]
 ~~~~~~~~~~~~~~~
-TokenRing: K/V and their gradient accumulators stay home. (q, dout, lse, delta) travel exactly
-like q in the forward; each rank adds dK, dV of its own K/V from every visiting Q; partial dQ
-goes back to its owner like ``out``. Pass-KV (Ring, bidirectional Ring): K/V travel like the
-forward. The fp32 accumulator of each lane of a block leaves home after step 0 with the
-owner's own dK/dV of the lane's heads and rows, follows the block one step behind on the
-return process group (same direction; each visitor adds into it), and the last visitor that
-computes with it sends it straight home: P hops of the lane's rows per block when every
-visitor computes (the last hop is then the ring's own link home), fewer under a window.
-No rank keeps its own dK/dV during the steps, only accumulators in flight (Note [Buffers in
-flight] in tokenring.runtime.ring): one more hop per block than starting the accumulator at the
-first visitor, overlapped with step 1, for two K/V-sized buffers less on every rank.
+TokenRing: (q, dout, lse, delta) travel like q in the forward, each rank adds into dK, dV of
+its own K/V, and partial dQ returns like ``out``. Pass-KV: K/V travel like the forward; each
+lane's fp32 dK/dV accumulator leaves home after step 0, follows its block one step behind on
+the return group, and the last visitor that computes sends it home (Note [Buffers in flight]
+in tokenring.runtime.ring).
 
 Note [Bidirectional ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -111,20 +71,17 @@ of K/V, turning opposite ways so both directions of every link carry K/V::
               early and the late chunk), and both lanes' partials merge by lse.
 
 At step t rank r holds lane 0's block of owner (r + t) mod P and lane 1's of (r - t) mod P.
-The local block (step 0) is computed once, on every head and row. Per step each direction
-carries half of Ring's K/V bytes, and nothing is left to return at the end, unlike TokenRing.
+The local block (step 0) is computed once, on every head and row.
 
 Note [Bidirectional TokenRing]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``Strategy.BIDIR_TOKEN_RING`` is pass-Q on two lanes turning opposite ways, each carrying
-half of the query heads; K/V stay home, and each partial goes straight back to its owner on
-its lane's return group (so both directions of every link carry Q and partials)::
+half of the query heads; K/V stay home and each partial returns to its owner on its lane's
+return group::
 
     Hkv >= 2: lane 0 carries the query heads of kv heads [0, Hkv/2) down (r -> r-1),
-              lane 1 those of [Hkv/2, Hkv) up (r -> r+1): whole GQA groups, so a lane's
-              pieces read only its own kv heads (odd Hkv splits unevenly: 3 -> 1 + 2).
-    Hkv == 1: lane 0 carries query heads [0, Hq/2) down, lane 1 [Hq/2, Hq) up; both read
-              the one kv head (it never moves, so sharing it costs nothing).
+              lane 1 those of [Hkv/2, Hkv) up (r -> r+1): whole GQA groups (3 -> 1 + 2).
+    Hkv == 1: lane 0 carries query heads [0, Hq/2) down, lane 1 [Hq/2, Hq) up.
     Hq == 1:  nothing to split: NotImplementedError naming token_ring (no fallback).
 
 At step t rank r holds lane 0's Q of owner (r + t) mod P and lane 1's of (r - t) mod P.
@@ -135,14 +92,10 @@ P = 4 (h0, h1: the lanes' heads)::
     rank 1 holds:    Q1 all heads Q2h0 Q0h1 Q3h0 Q3h1 Q0h0 Q2h1
     returns of t:    -            r+1, r-1  r+2, r-2  r+3, r-3 (each lane to its owner)
 
-Step 0 computes the local block once, on every head (one segment, lane 0, like the
-bidirectional ring). A step's segments are lane 0's then lane 1's; the last step splits each
-lane's block in ``last_block_splits`` slices (of its heads where it has two or more, else of
-its rows; Note [Last block by heads]), so only one slice of half the heads is
-exposed, and the first hop moves half of Q on each direction. Zigzag causal: lane 0 meets
-the kv owners below o first (all q rows) and sends half rows after the wrap, as TokenRing;
-lane 1 meets those above o first (rows [c, s) only) but must carry every row until it has
-passed the ranks below o, so it moves more than lane 0 (P = 4: 7/6 of lane 0's rows).
+Step 0 computes the local block once on every head (one segment, lane 0). A step's segments
+are lane 0's then lane 1's; the last step slices each lane's block (Note [Last block by
+heads]). Zigzag causal: lane 1 meets the kv owners above o first (rows [c, s) only) but must
+carry every row until it has passed those below o, so it moves more than lane 0.
 """
 
 from __future__ import annotations
@@ -154,13 +107,7 @@ from functools import cache, partial
 
 import torch
 
-from tokenring.core.layout import (
-    Layout,
-    Sharding,
-    global_length,
-    make_sharding,
-    validate_seq_local,
-)
+from tokenring.core.layout import Layout, Sharding, global_length, make_sharding, validate_seq_local
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
@@ -185,10 +132,8 @@ __all__ = ["LEND_MAX_WORLD_SIZE", "RingColumns", "RingPlan", "build_schedule", "
 
 
 LEND_MAX_WORLD_SIZE = 64
-"""TokenRing lends last pairs (Note [Borrowed last pair]) up to this many ranks: what the
-event engine simulates (``tokenring.model.simulate.EVENT_MAX_WORLD_SIZE``). Beyond it the
-schedule keeps the plain tail, which the vectorised engine's columns (``ring_plan``) hold; the
-pair saves at most one step's return, under 1/64 of the call there."""
+"""TokenRing lends last pairs (Note [Borrowed last pair]) up to this many ranks, what the event
+engine simulates; beyond it the plain tail, which ``ring_plan``'s columns hold."""
 
 
 def _segments(pieces: tuple[Piece, ...], splits: int) -> tuple[Segment, ...]:
@@ -223,44 +168,27 @@ def build_schedule(
     attention_chunk_size: int | None = None,
     lend_last_pair: bool = False,
 ) -> Schedule:
-    """Build the schedule of one pass. Pure: same inputs, same schedule, on every rank.
+    """Build the schedule of one pass of any strategy but the hybrid. Pure.
 
     Args:
-        strategy: a ring strategy: ``Strategy.TOKEN_RING`` (pass-Q), ``Strategy.RING``
-            (pass-KV), ``BIDIR_RING`` or ``BIDIR_TOKEN_RING`` (two lanes).
+        strategy: ``TOKEN_RING`` (pass-Q), ``RING`` (pass-KV), ``BIDIR_RING``,
+            ``BIDIR_TOKEN_RING``, or a collective one (``tokenring.strategies.collective``).
         pass_: forward or backward.
-        layout: how the sequence is sharded (see ``tokenring.core.layout``).
+        layout: how the sequence is sharded (``tokenring.core.layout``).
         causal: causal mask over global positions.
         world_size: P >= 1.
-        seq_local: s, tokens per rank when every rank holds the same number (S = P * s).
-        seq_len: instead of ``seq_local``: the global length S, any S >= 0 (the shards are
-            padded to a common size; see Note [Documents and padding] in tokenring.core.layout).
-        cu_seqlens: document boundaries of a packed sequence (0, ..., S); attention never
-            crosses them, and with the zigzag layout every document is zigzagged on its own.
-        window_size: flash-attention's sliding window ``(left, right)`` (-1: unbounded).
-            Blocks outside every window are not computed, and rows nobody ahead needs are
-            not sent, so ring steps beyond the window cost nothing.
-        attention_chunk_size: chunked attention: queries see only the keys of their own chunk
-            of this many tokens from their document's start (Note [Mask classes]); the
-            sharding still follows ``cu_seqlens``.
-        last_block_splits: TokenRing computes its last block in this many slices (head
-            groups where the heads are given and allow, else rows) and returns each as soon
-            as it is done (see Note [TokenRing step table], Note [Last block by heads]).
-        heads_kv: number of K/V heads; needed by ``Strategy.BIDIR_RING`` to split its lanes
-            and by the collective strategies.
-        heads_q: number of query heads; needed by ``Strategy.BIDIR_TOKEN_RING`` (with
-            heads_kv) to split its lanes, and by the collective strategies (Ulysses splits
-            them over the ranks). Their schedules come from ``tokenring.strategies.collective``.
-        lend_last_pair: TokenRing, with both head counts given: a rank whose last pair
-            costs fewer bytes to compute at the q owner sends its K/V rows there instead of
-            receiving the Q (Note [Borrowed last pair]). It shortens link-bound calls and
-            lengthens compute-bound ones, so the caller (or ``last_pair="auto"``, from the
-            model) decides; False keeps every pair where it is.
+        seq_local: s, tokens per rank (S = P * s); or instead ``seq_len``, any S >= 0 (shards
+            padded to a common size: Note [Documents and padding] in tokenring.core.layout).
+        cu_seqlens, window_size, attention_chunk_size: documents (0, ..., S), flash-attention's
+            ``(left, right)`` window (-1: unbounded) and chunks (Note [Mask classes]).
+        last_block_splits: slices of TokenRing's last block (Note [Last block by heads]).
+        heads_kv, heads_q: K/V and query heads; needed to split the lanes of ``BIDIR_RING``
+            (heads_kv) and ``BIDIR_TOKEN_RING`` (both), and by the collective strategies.
+        lend_last_pair: TokenRing with both head counts: lend last pairs whose K/V cost fewer
+            bytes than their Q (Note [Borrowed last pair]).
 
     Raises:
-        ValueError: on an unknown strategy/layout, world_size < 1, a seq_local the layout
-            cannot split, both or neither of seq_local and seq_len, bad cu_seqlens,
-            window_size or attention_chunk_size, or last_block_splits < 1.
+        ValueError: a bad argument (each named), or both or neither of seq_local and seq_len.
         NotImplementedError: documents, windows, chunks or padding with a collective strategy;
             ``BIDIR_TOKEN_RING`` with a single query head.
     """
@@ -273,12 +201,9 @@ def build_schedule(
         seq_len=global_length(world_size, seq_local, seq_len, layout),
         cu_seqlens=cu_seqlens,
     )
-    mask_docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
-    mask = MaskSpec(
-        causal,
-        normalize_window(window_size, causal=causal),
-        mask_docs if len(mask_docs) > 2 else None,
-    )
+    docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
+    window = normalize_window(window_size, causal=causal)
+    mask = MaskSpec(causal, window, docs if len(docs) > 2 else None)
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
     if strategy.is_collective:
@@ -298,9 +223,7 @@ def _ring_schedule(
     heads_kv: int | None,
     lend_last_pair: bool,
 ) -> Schedule:
-    """``build_schedule`` of a ring strategy: who computes what, ``steps[r][t]`` (Note
-    [TokenRing step table]; pass-Q's last block in slices, Note [Last block by heads]), the
-    lent pairs, then what travels and what returns."""
+    """``build_schedule`` of a ring strategy: ``steps[r][t]``, lent pairs, then transfers."""
     p, s, layout = sharding.world_size, sharding.seq_local, sharding.layout
     if strategy is Strategy.BIDIR_TOKEN_RING:
         lanes = _query_lanes(heads_q, heads_kv)
@@ -339,8 +262,7 @@ def _collective_schedule(
     heads_q: int | None,
     heads_kv: int | None,
 ) -> Schedule:
-    """``build_schedule`` of a collective strategy: checks what it supports, then
-    ``tokenring.strategies.collective`` builds it."""
+    """``build_schedule`` of a collective strategy (``tokenring.strategies.collective``)."""
     if heads_q is None or heads_kv is None:
         raise ValueError(
             f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
@@ -357,8 +279,7 @@ def _collective_schedule(
 
 
 def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], pass_: Pass) -> None:
-    """Note [Borrowed last pair], in place: each lender computes nothing at the last step,
-    and the q owner computes the lent pair at ``_borrow_step``, after its own segments."""
+    """Move each lent pair to its q owner at ``_borrow_step``, in place."""
     p = len(steps)
     compute_step = _borrow_step(pass_, p)
     for holder in lent:
@@ -382,23 +303,17 @@ def _cell_plan(
     """Rank r's plan at step t; ``pieces(q_owner, kv_owner)``: a block's kernel calls."""
     kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
     splits = last_block_splits if t == p - 1 and t > 0 else 1
-    if strategy is Strategy.TOKEN_RING:
-        q_owner = kv_owners[0]
-        segments = _sliced(pieces(q_owner, r), 0, lanes[0], splits, heads_q, heads_kv)
-        return StepPlan(r, t, q_owner, (r,), segments)
-    if strategy is Strategy.BIDIR_TOKEN_RING:  # Note [Bidirectional TokenRing]
-        q_owners = kv_owners  # the lanes carry Q: their visitors are q owners
+    if strategy.passes_q:  # the lanes carry Q: their visitors are q owners
         if t == 0:  # the local block, once, on every head
             segments = _segments(pieces(r, r), 1)
         else:
             segments = tuple(
                 segment
-                for index, lane in enumerate(lanes)
-                for segment in _sliced(
-                    pieces(q_owners[index], r), index, lane, splits, heads_q, heads_kv
-                )
+                for i, (lane, o) in enumerate(zip(lanes, kv_owners, strict=True))
+                for segment in _sliced(pieces(o, r), i, lane, splits, heads_q, heads_kv)
             )
-        return StepPlan(r, t, q_owners[0], (r,) * 2, segments, q_owners)
+        q_owners = kv_owners if len(lanes) > 1 else ()
+        return StepPlan(r, t, kv_owners[0], (r,) * len(lanes), segments, q_owners)
     block: list[Piece] = []
     for index, lane in enumerate(lanes):
         if t == 0 and index > 0:
@@ -417,9 +332,7 @@ def _lent_pairs(
     heads_q: int | None,
     heads_kv: int | None,
 ) -> dict[int, Segment]:
-    """Note [Borrowed last pair]: the ranks whose last pair is computed at its q owner (by
-    rank), each with that pair as the segment the owner computes, its pieces cut at the
-    parts in which the K/V rows travel."""
+    """Lender rank -> the segment its q owner computes (Note [Borrowed last pair])."""
     p = sharding.world_size
     forward = pass_ is Pass.FORWARD
     if not (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE or heads_q is None or heads_kv is None:
@@ -458,14 +371,12 @@ def _lent_pairs(
 
 
 def _borrow_step(pass_: Pass, world_size: int) -> int:
-    """The step at which a q owner computes a borrowed pair (Note [Borrowed last pair])."""
+    """The step at which a q owner computes a borrowed pair."""
     return world_size - 1 if pass_ is Pass.FORWARD else 1
 
 
 def _borrow_transfers(pass_: Pass, steps: list[list[StepPlan]]) -> list[Transfer]:
-    """Note [Borrowed last pair]: the K/V rows of each borrowed pair to its q owner, in parts
-    at steps 0 .. t-1 before the step t that computes it (backward: and their dK/dV home
-    after it)."""
+    """Each borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
     transfers: list[Transfer] = []
     for plan in (plan for row in steps for plan in row):
         for k, segment in enumerate(plan.segments):
@@ -488,9 +399,7 @@ def _borrow_transfers(pass_: Pass, steps: list[list[StepPlan]]) -> list[Transfer
 def _travel_transfers(
     strategy: Strategy, pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
 ) -> list[Transfer]:
-    """The travelling blocks (Q, Q and its gradient inputs, or K/V): rank r holds the
-    visitor's block at step t and forwards to the next rank of the lane whatever rows the
-    ranks ahead still need. Rows only shrink."""
+    """The travelling blocks: rank r forwards the rows the ranks ahead still need."""
     p = len(steps)
     travel, _ = _payloads(strategy, pass_)
     transfers: list[Transfer] = []
@@ -512,8 +421,7 @@ def _travel_transfers(
 
 
 def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]:
-    """What travels: Q (with its gradient inputs in the backward) or K/V; and what goes back:
-    partials (pass-Q), dK/dV accumulators (pass-KV backward) or nothing."""
+    """(what travels, what goes back or None)."""
     forward = pass_ is Pass.FORWARD
     if strategy.passes_q:
         return (Payload.Q, Payload.OUT) if forward else (Payload.Q_GRAD, Payload.DQ)
@@ -523,8 +431,7 @@ def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]
 def _return_transfers(
     pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
 ) -> list[Transfer]:
-    """Pass-Q: each segment's partial (out and lse, or dq) straight back to its q owner as
-    soon as the segment is computed."""
+    """Pass-Q: each segment's partial straight back to its q owner once computed."""
     payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
     transfers: list[Transfer] = []
     for plan in (plan for row in steps for plan in row[1:]):
@@ -544,8 +451,7 @@ def _return_transfers(
 def _accumulator_transfers(
     lanes: tuple[Lane, ...], steps: list[list[StepPlan]], seq_local: int
 ) -> list[Transfer]:
-    """Pass-KV backward (Note [Backward]): the accumulator of a K/V block leaves home with the
-    owner's own dK/dV, follows the block, and the last visitor that computes sends it home."""
+    """Pass-KV backward's dK/dV accumulators (Note [Backward])."""
     p = len(steps)
     transfers: list[Transfer] = []
     for index, lane in enumerate(lanes):
@@ -571,9 +477,8 @@ def _accumulator_transfers(
 def _lanes(
     strategy: Strategy, layout: Layout, seq_local: int, heads_kv: int | None, causal: bool
 ) -> tuple[Lane, ...]:
-    """See Note [Bidirectional ring]. Ring's K/V travel down (like TokenRing's Q) except on
-    the contiguous causal layout, where only higher ranks see a shard's keys: there they
-    travel up, so a sliding window's ring ends after the neighbours it reaches."""
+    """Note [Bidirectional ring]. Ring's K/V travel up on the contiguous causal layout, where
+    only higher ranks see a shard's keys; down otherwise."""
     if strategy is not Strategy.BIDIR_RING:
         up = strategy is Strategy.RING and causal and layout is Layout.CONTIGUOUS
         return (Lane(+1 if up else -1),)
@@ -622,9 +527,7 @@ def _sliced(
     heads_q: int | None,
     heads_kv: int | None,
 ) -> tuple[Segment, ...]:
-    """A pass-Q block on the heads of ``lane`` (number ``index``): one segment, or
-    ``splits`` head slices where the heads allow, else row slices (Note [Last block by
-    heads])."""
+    """A pass-Q block on lane ``index``'s heads in ``splits`` slices."""
     heads = _head_slices(lane, splits, heads_q, heads_kv) if pieces and splits > 1 else None
     slices: Sequence[tuple[Rows | None, Rows | None]] = heads or [(lane.kv_heads, lane.q_heads)]
     segments = _segments(pieces, 1 if heads else splits)
@@ -643,9 +546,7 @@ def _sliced(
 def _head_slices(
     lane: Lane, splits: int, heads_q: int | None, heads_kv: int | None
 ) -> list[tuple[Rows, Rows]] | None:
-    """``(kv heads, query heads)`` of each of up to ``splits`` head slices of ``lane``'s
-    heads: whole GQA groups, else query heads over one kv head; None when there is only one
-    query head or the heads are not given (Note [Last block by heads])."""
+    """``(kv heads, query heads)`` of up to ``splits`` head slices of ``lane``, or None."""
     if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
         return None
     groups = heads_q // heads_kv
@@ -659,8 +560,7 @@ def _head_slices(
 
 
 def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> list[Piece]:
-    """The part of ``piece`` a lane computes: its kv heads, or its kv rows (split a causal
-    diagonal into the full and causal parts the row range leaves)."""
+    """The part of ``piece`` a lane computes: its kv heads or its kv rows."""
     if whole_block:
         return [piece]
     if lane.kv_rows is None:
@@ -683,24 +583,21 @@ def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
 # -- the same plan as columns ------------------------------------------------------------------
 # Note [Ring columns]
 # ~~~~~~~~~~~~~~~~~~~
-# Past a few hundred ranks the P^2 step plans and transfers are too many objects to build, so
-# the simulator reads a one-lane ring schedule (TokenRing, Ring; a plain mask, s rows on every
-# rank) as (P, T) tensors instead, made from the builder's own parts: under a plain mask the
-# pieces of a block depend only on whether its kv owner is below, equal to or above its q
-# owner (Note [Causal blocks per layout] in tokenring.core.schedule), so :func:`_cell_plan`
-# runs once per *kind* of cell (that class, last step or not) and every cell takes its kind's
-# segments. The transfers follow the builder's rules: a travelling block forwards the hull of
-# the rows its later holders compute with (``_travel_transfers``; a kind is needed after step
-# t iff it occurs on the block's way after t), TokenRing returns each segment from step 1 on
-# (``_return_transfers``), Ring's backward accumulator goes on until the last holder that
-# computes, which sends it home (``_accumulator_transfers``). Tests compare every column with
-# the schedule entry by entry.
+# Past a few hundred ranks P^2 step plans are too many objects, so the simulator reads a
+# one-lane ring schedule (TokenRing, Ring; plain mask, no padding) as (P, T) tensors. Under a
+# plain mask a block's pieces depend only on whether its kv owner is below, equal to or above
+# its q owner (Note [Causal blocks per layout]), so :func:`_cell_plan` runs once per *kind* of
+# cell (that class, last step or not). Transfers follow the builder's rules: a block forwards
+# the hull of the rows later holders need (a kind is needed after step t iff it occurs on the
+# block's way after t), TokenRing returns each segment from step 1, Ring's backward
+# accumulator goes on to the last holder that computes. Tests compare every column with the
+# schedule.
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RingColumns:
     """Steps ``steps`` of a one-lane ring schedule, ``[rank, column]`` (K: the most segments a
-    step has): what ``build_schedule``'s plans and transfers hold (Note [Ring columns])."""
+    step has; Note [Ring columns])."""
 
     steps: range
     """The steps of the columns."""
@@ -709,8 +606,7 @@ class RingColumns:
     segment_rows: torch.Tensor
     """(P, T, K) q rows of each segment (0: none)."""
     segment_pairs: torch.Tensor
-    """(P, T, K) float64: score entries x query heads of each segment (FLOPs = this *
-    4*B*D, x2.5 backward)."""
+    """(P, T, K) float64: score entries x query heads of each segment (FLOPs / (4*B*D))."""
     segment_heads: torch.Tensor
     """(P, T, K) query heads of each segment (of its partial, for TokenRing's returns)."""
     travel_rows: torch.Tensor
@@ -727,8 +623,7 @@ class RingColumns:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RingPlan:
-    """A one-lane ring schedule by kinds of cell (Note [Ring columns]); :meth:`columns` gives
-    any steps of it. Built by :func:`ring_plan`."""
+    """A one-lane ring schedule by kinds of cell (Note [Ring columns]); see :func:`ring_plan`."""
 
     strategy: Strategy
     pass_: Pass
@@ -744,11 +639,9 @@ class RingPlan:
     pairs: torch.Tensor
     heads: torch.Tensor
     needs: torch.Tensor
-    """(C, 2) the hull (start, stop) of the travelling rows a kind computes with; (s, 0):
-    none."""
+    """(C, 2) the hull of the travelling rows a kind computes with; (s, 0): none."""
     last_seen: torch.Tensor
-    """(C, P) per kind and block owner: the last step >= 1 its block is on a cell of that
-    kind (-1: never)."""
+    """(C, P) per kind and owner: the last step >= 1 its block is on that kind (-1: never)."""
 
     def columns(self, steps: range) -> RingColumns:
         """The columns of ``steps`` ((P, len(steps)) each)."""
@@ -794,8 +687,7 @@ def ring_plan(
     heads_kv: int,
     last_block_splits: int = 2,
 ) -> RingPlan:
-    """The schedule ``build_schedule`` builds from these arguments, by kinds of cell (Note
-    [Ring columns]).
+    """``build_schedule``'s schedule by kinds of cell (Note [Ring columns]).
 
     Raises:
         ValueError: as ``build_schedule``.
@@ -845,8 +737,8 @@ def ring_plan(
 def _kinds(
     strategy: Strategy, direction: int, p: int, rank: torch.Tensor, step: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kind of cell, owner of the travelling block) at ``[rank, step]``: the order of the
-    kv owner against the q owner (0: equal, 1: above, 2: below), + 3 on the last step."""
+    """(kind of cell, travelling block's owner) at ``[rank, step]``: kv owner vs q owner (0:
+    equal, 1: above, 2: below), + 3 on the last step."""
     visitor = (rank - direction * step) % p
     q_owner, kv_owner = (visitor, rank) if strategy.passes_q else (rank, visitor)
     return torch.sign(kv_owner - q_owner) % 3 + 3 * (step == p - 1), visitor
@@ -859,8 +751,7 @@ def _kind_tables(
     heads_q: int,
     heads_kv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``rows``, ``pairs``, ``heads`` and ``needs`` of :class:`RingPlan` from each kind's
-    segments."""
+    """:class:`RingPlan`'s ``rows``, ``pairs``, ``heads`` and ``needs``."""
     unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
     width = max(1, *(len(segs) for segs in segments.values()))
     rows = torch.zeros(6, width, dtype=torch.long)
@@ -881,9 +772,7 @@ def _kind_tables(
 
 
 def _last_seen(strategy: Strategy, direction: int, p: int) -> torch.Tensor:
-    """(6, P): per kind of cell and block owner o, the last step t >= 1 at which o's block
-    is held on a cell of that kind (-1: never), walking the steps in chunks (memory linear
-    in P)."""
+    """:class:`RingPlan`'s ``last_seen``, walking the steps in chunks (memory linear in P)."""
     owner = torch.arange(p).unsqueeze(1)
     last = torch.full((6 * p,), -1, dtype=torch.long)
     chunk = max(1, (1 << 19) // p)
