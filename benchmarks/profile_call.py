@@ -141,17 +141,20 @@ def agree_main(args: argparse.Namespace) -> dict[str, float]:
     after a barrier, median over ``--agree`` repetitions on this rank."""
     import json
 
-    from tokenring.api import _prepare_call
+    from tokenring.api import _merged, _op_options, _prepare_call
 
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = get_communicator()
     q = peers.global_inputs(args, peers.DTYPES[args.dtypes[0]])[0]
     q = shard(q, rank=rank, world_size=world, layout="zigzag")
-    call = _prepare_call(
-        q, q, q, comm=comm, strategy="ring", causal=True, softmax_scale=None,
-        layout="zigzag", kernel=None, last_block_splits=2, hardware=None, seq_len=None,
-        cu_seqlens=None, window_size=None, attention_chunk_size=None, needs_grad=True,
+    # sequence_parallel_attn's keywords, as it hands them to the operator
+    values = dict(
+        strategy="ring", causal=True, softmax_scale=None, layout="zigzag", block_kernel=None,
+        last_block_splits=2, last_pair=None, check_ranks=True, hardware=None, seq_len=None,
+        cu_seqlens=None, window_size=None, attention_chunk_size=None,
     )  # fmt: skip
+    options, _record = _op_options(values)
+    call = _prepare_call(q, q, q, comm=comm, options=_merged(options), needs_grad=True)
     data = json.dumps({"signature": call.signature}, sort_keys=True).encode()
     times: dict[str, list[float]] = {w: [] for w in ("digest", "rows", "digest cpu", "rows cpu")}
     for _ in range(args.agree):
