@@ -1,81 +1,59 @@
 """Predict a call of every strategy on a described machine: ``tokenring simulate``.
 
-This module owns the *clock*: given a schedule (``tokenring.core.schedule``) and a hardware
-description (``tokenring.model.costmodel``), it plays one attention pass the way the runtime
-(``tokenring.runtime.ring``) executes it -- segment by segment, slot by slot, with flows sharing
-links and ports -- and returns per-rank timelines (``tokenring.runtime.comm.Event``, the bench's
-format, so the same plotting code draws both), the call time, per-step times, bytes per flow
-and the % of the bound. Two engines replay the same rank programs: an event-driven one for
-P <= 64 and a vectorised one (every rank at once, Note [Vectorised engine]) for larger P; the
-output says which ran. Its command line is ``tokenring.cli.simulate``.
+This module owns the *clock*: given a schedule and a hardware description, it plays one pass
+the way the runtime executes it -- segment by segment, slot by slot, flows sharing links and
+ports -- and returns per-rank timelines (``tokenring.runtime.comm.Event``, as the bench
+records them), the call time, per-step times, bytes per flow and the % of the bound. An
+event-driven engine runs up to P = 64, a vectorised one (Note [Vectorised engine]) above.
 
 Legend: B batch, S global seq, s local seq, Hq query heads, Hkv key/value heads, D head dim,
 P world size, t step, r rank, F achieved FLOP/s.
 
 Note [Replaying the rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The event engine does not mirror the runtime: it replays each rank's own program, the tuple
-of ops the executor runs (``program_of``, Note [Rank program] in tokenring.runtime.program;
-the collectives' and the hybrid's too, and a cached inference plan's ``cached_program``:
-:func:`simulate_cached`), one action per op: a COMPUTE is its pieces' FLOPs over F (a
-Ulysses rank's over its head share; then the merge or dQ add of the rank's own rows), a POST
-marks its transfers posted at this end, ARRIVE / SENT / SENT_ALL wait for their transfers,
-and PASS / RETURNS / HOME wait for each and add its merge or accumulation. Memory-bound work
-(DELTA, merges, adds) is priced on the steps that run a ring program only: the collectives'
-gathers and adds and the hybrid's all-to-alls are waits, nothing more.
-
-A transfer starts when both ends have posted it (a P2P send cannot progress before the
-matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
-Merges and accumulations are memory-bound: their bytes (``costmodel.merge_bytes``) over the
-device's memory bandwidth.
+The event engine replays each rank's own program, the ops the executor runs (``program_of``,
+Note [Rank program] in tokenring.runtime.program; a cached plan's ``cached_program``), one
+action per op: a COMPUTE is its pieces' FLOPs over F (a Ulysses rank's over its head share;
+then the merge or dQ add of the rank's own rows), a POST marks its transfers posted at this
+end, ARRIVE / SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for
+each and add its merge or accumulation. Memory-bound work (DELTA, merges, adds: bytes over
+memory bandwidth, ``costmodel.merge_bytes``) is priced on the steps of a ring program only;
+the collectives' gathers and the hybrid's all-to-alls are waits. A transfer starts when both
+ends have posted it (a P2P send cannot progress before its receive is posted) and arrives
+``latency`` after its last byte left.
 
 Note [Sharing bandwidth]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Max-min fair sharing is the textbook model but needs a progressive-filling pass over every
-flow after every event. We use *bottleneck equal share* instead: a flow's rate is the smallest
-``bandwidth / flows on it`` over the resources it loads. A rate then only depends on the
-counts on its own resources, so an event updates just the flows that share a resource with
-the one that started or ended. It never exceeds max-min (max-min gives every flow at least
-its equal share on its bottleneck) and equals it whenever the flows on a resource are alike,
-which is the common case here: every rank posts the same kind of transfer in the same slot.
-Where it differs (a half block beside a whole one) the short flow ends first and the long
-one then speeds up, so only the overlap is priced pessimistically.
+Instead of max-min fair sharing (a progressive-filling pass over every flow per event) we use
+*bottleneck equal share*: a flow's rate is the smallest ``bandwidth / flows on it`` over its
+resources, so an event updates only the flows sharing a resource with the one that started
+or ended. It never exceeds max-min and equals it when the flows on a resource are alike (the
+common case: every rank posts the same kind of transfer in the same slot); otherwise the
+short flow ends first and the long one speeds up, so only the overlap is pessimistic.
 
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-For P > 64 the event engine's O(P^2) transfers get slow, and building the schedule's P^2
-objects does too. The vectorised engine replays the same program with every rank at once:
-the ring schedule as columns (``tokenring.strategies.ring.ring_plan``, Note [Ring columns]:
-the builder's own segments and transfer rules per (rank, step), tensors over ranks), and each
-step's ops in the executor's order (``ring_step_order``, which ``ring_program`` fills in for
-the executor), each op one tensor operation over ranks (:class:`_Replay`): a COMPUTE adds
-its segment's kernel and own merge, a POST starts its flows when both ends have posted
-(both post in the same op), ARRIVE / SENT / PASS / RETURNS / HOME / SENT_ALL wait for them,
-merging or adding as the event engine does. What it does not replay is the sharing of
-bandwidth event by event. Flows are grouped in *windows* instead: window t holds what flies
-during step t (travel of t, returns and accumulators posted in step t-1, and on the last
+For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine replays the
+same program with every rank at once: the ring schedule as columns (``ring_plan``, Note [Ring
+columns] in tokenring.strategies.ring), each step's ops in the executor's order
+(``ring_step_order``), each op one tensor operation over ranks (:class:`_Replay`). Bandwidth
+is not shared event by event; flows are grouped in *windows* instead: window t holds what
+flies during step t (travel of t, returns and accumulators posted in step t-1; on the last
 step its returns but each rank's last, which with Ring's last accumulators form the exposed
-tail). Window loads do not depend on timing, so a chunk's windows are priced at once; each
-flow gets
+tail). Window loads do not depend on timing, so a chunk's windows are priced at once::
 
     duration = latency + max over its resources of min(load, flows_on_it * bytes) / bandwidth
 
-(the equal-share finish time if the window's flows all started together: exact for the
-largest and the smallest flow on a resource). Ring hops are loaded with range sums and read
-with range maxima (a sparse table), so a return crossing P/2 hops costs O(log P), not O(P).
-Flows that outlast their window are caught by a drain bound: a resource with work L_w in
-window w is busy until at least max_w (start_w + sum_{v >= w} L_v), and the call cannot end
-before that. Against the event engine (P = 8 to 48, tests/test_costmodel.py) it agrees to
-rounding where the links keep up or are one hop long, and is faster by up to ~30% only on a
-physical ring whose partials cross many hops and share them.
+(the equal-share finish time if the window's flows started together: exact for the largest
+and smallest flow on a resource). Ring hops are loaded with range sums and read with range
+maxima (a sparse table): O(log P) per flow. Flows outlasting their window are caught by a
+drain bound: a resource with work L_w in window w is busy until at least
+max_w (start_w + sum_{v >= w} L_v). Against the event engine (tests/test_costmodel.py) it
+agrees to rounding except on a physical ring whose partials share many hops (up to ~30%).
 
-Memory is linear in P: the engine walks the steps in chunks of ``_CHUNK_CELLS // P``, asking
-the plan for those columns only (and the step after: the chunk prices up to the window of
-the step after its last, whose returns it posts), pricing the chunk's windows and replaying
-its steps; the drain bound is kept as a running max (window starts never decrease), and
-per-pair byte totals only for the links to r-1 (every other pair carries one window's
-flows). With whole (P, P) tables ``--world-size 2000`` peaked at 2.4 GB and 10000 would need
-~60 GB; chunked, 10000 peaks under 1 GB.
+Memory is linear in P: steps are walked in chunks of ``_CHUNK_CELLS // P`` columns (and the
+step after, whose window the chunk prices), the drain bound is a running max, and per-pair
+byte totals are kept only for the links to r-1 (every other pair carries one window's flows).
 """
 
 from __future__ import annotations
@@ -143,17 +121,11 @@ class PassResult:
     """The prediction of one pass (forward or backward) of one strategy."""
 
     strategy: Strategy
-    """Which strategy."""
     pass_: Pass
-    """Forward or backward."""
     layout: Layout
-    """Sequence layout."""
     causal: bool
-    """Causal mask."""
     world_size: int
-    """P."""
     seq_local: int
-    """s."""
     mode: str
     """Engine that produced it: ``event`` or ``vectorised`` (Note [Vectorised engine])."""
     call_s: float
@@ -167,8 +139,7 @@ class PassResult:
     busiest_resource: str
     """The resource carrying the most bytes relative to its bandwidth (e.g. ``link3->2``)."""
     busiest_bytes: int
-    """Bytes that resource carries over the pass, less the exposed transfers (counted in
-    ``exposed_s``)."""
+    """Bytes that resource carries over the pass, less the exposed transfers."""
     busiest_s: float
     """Those bytes / its bandwidth."""
     exposed_s: float
@@ -178,8 +149,8 @@ class PassResult:
     return_bytes: int
     """Bytes the busiest rank sends on the return flow over the pass."""
     timeline: tuple[tuple[Event, ...], ...] | None
-    """Per rank, compute/merge/send events in seconds from the call's start; None when the
-    vectorised engine ran."""
+    """Per rank, compute/merge/send events in seconds from the call's start; None when
+    vectorised."""
 
     @property
     def bound_s(self) -> float:
@@ -203,7 +174,6 @@ class CallResult:
     """One call: the forward pass, the backward pass, or both one after the other."""
 
     strategy: Strategy
-    """Which strategy."""
     passes: tuple[PassResult, ...]
     """In execution order."""
 
@@ -570,6 +540,14 @@ class _EventRun:
 def _busy_s(events: list[list[Event]], *kinds: str) -> float:
     """The busiest rank's seconds in events of ``kinds``."""
     return max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in kinds) for evs in events)
+
+
+def _max_sent(transfers: Sequence[Transfer], p: int, dims: AttentionShape) -> tuple[int, int]:
+    """The most bytes one rank sends on the travel flow, and on the return flow."""
+    sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
+    for tr in transfers:
+        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
+    return max(sent[Flow.TRAVEL]), max(sent[Flow.RETURN])
 
 
 def _timeline(events: list[list[Event]]) -> tuple[tuple[Event, ...], ...]:
@@ -1154,9 +1132,7 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     for tr in exposed:
         rt = transfer_route(hardware, sched, tr)
         exposed_s = max(exposed_s, tr.num_bytes(shape) / rt.flow_cap_bytes_per_s + rt.latency_s)
-    sent: dict[Flow, list[int]] = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
-    for tr in sched.transfers:
-        sent[tr.payload.flow][tr.src] += tr.num_bytes(shape)
+    travel_bytes, return_bytes = _max_sent(sched.transfers, p, shape)
     return PassResult(
         strategy=sched.strategy,
         pass_=sched.pass_,
@@ -1176,8 +1152,8 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
         busiest_bytes=busiest_bytes,
         busiest_s=busiest_s,
         exposed_s=exposed_s,
-        travel_bytes=max(sent[Flow.TRAVEL]),
-        return_bytes=max(sent[Flow.RETURN]),
+        travel_bytes=travel_bytes,
+        return_bytes=return_bytes,
         timeline=_timeline(events),
     )
 
