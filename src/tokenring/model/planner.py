@@ -795,10 +795,11 @@ def choose_cached_strategy(
     )
     if not chosen:
         raise ValueError("candidates must name at least one strategy; got none")
-    heads: dict[str, int] = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
-    common: dict[str, Any] = dict(dtype=dtype, hardware=hardware)
+    heads: dict[str, Any] = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
     predictions = tuple(
-        predict_cached(build_cached_plan(s, shards), shards, **heads, **common)
+        predict_cached(
+            build_cached_plan(s, shards), shards, dtype=dtype, hardware=hardware, **heads
+        )
         for s in CachedStrategy
         if s in chosen
     )
