@@ -392,18 +392,7 @@ def explain(
     """
     if last_pair not in _LENDS:
         raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
-    _check_sizes(
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        batch=batch,
-    )
-    shape = AttentionShape(
-        batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=str(dtype)
-    )
-    hardware.flops_per_s("forward", shape.dtype)  # fail early on an unsupported dtype
+    shape = _call_shape(world_size, seq_local, heads_q, heads_kv, head_dim, dtype, batch, hardware)
     layouts, ordered = _candidates(layout, seq_local, strategies)
     if hybrid is not None and Strategy.HYBRID in ordered:
         hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
@@ -421,6 +410,24 @@ def explain(
         hybrid,
         last_pair,
     )
+
+
+def _call_shape(
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    batch: int,
+    hardware: Hardware,
+) -> AttentionShape:
+    """The call's shape, its sizes checked and its dtype one ``hardware`` has FLOP/s for."""
+    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
+    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
+    shape = AttentionShape(dtype=str(dtype), **sizes)
+    hardware.flops_per_s("forward", shape.dtype)
+    return shape
 
 
 def _candidates(
@@ -610,21 +617,19 @@ def calibrate(
     topology: Topology | str | None = None,
     kernel: str | BlockKernel | None = None,
 ) -> Hardware:
-    """Measure this machine and return it as a ``measured`` hardware description.
-
-    Every rank must call it (it runs collectives); every rank gets the same numbers: the
-    slowest rank's rates and the largest latency. See Note [Calibration probe].
+    """Measure this machine as a ``measured`` hardware description: a collective, every rank
+    gets the slowest rank's rates and the largest latency (Note [Calibration probe]).
 
     Args:
         comm: the communicator the strategies will use (its ranks form the ring).
         dtype: input dtype the FLOP/s are measured for (the description holds only for it).
         device: where tensors live; default CUDA's current device for NCCL, else CPU.
-        heads_q, heads_kv, head_dim, block_rows: the representative non-causal block of
-            block_rows x block_rows; heads_kv defaults to heads_q.
-        probe_bytes: bytes per P2P probe message (above ~1 MiB: bandwidth dominates).
-        repeats: timed repetitions (median) of every measurement.
-        topology: skip the guess (Note [Calibration probe]) and use this one.
-        kernel: block kernel, as ``sequence_parallel_attn``'s ``kernel``.
+        heads_q, heads_kv, head_dim, block_rows: the representative non-causal block
+            (block_rows x block_rows); heads_kv defaults to heads_q.
+        probe_bytes, repeats: bytes per probe message (above ~1 MiB: bandwidth dominates);
+            timed repetitions (median) of every measurement.
+        topology, kernel: use this topology instead of the guess; the block kernel, as
+            ``sequence_parallel_attn``'s ``kernel``.
 
     Raises:
         ValueError: non-positive sizes or repeats, heads_kv not dividing heads_q.
@@ -650,10 +655,14 @@ def calibrate(
     dims = AttentionShape(
         heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
     )
-    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
-    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
-    latency = latency if comm.world_size > 1 else 0.0
-    agreed = _agree(comm, [*local, link, two_way], [latency, call_s], device)
+    agreed = _measure(comm, block, dims, device, block_rows, probe_bytes, repeats)
+    return _described(agreed, topology, dtype, comm)
+
+
+def _described(
+    agreed: list[float], topology: Topology | str | None, dtype: torch.dtype, comm: Communicator
+) -> Hardware:
+    """The ``measured`` description of :func:`_measure`'s numbers."""
     fwd, bwd, mem, link, two_way, latency, call_s = agreed
     topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
@@ -670,11 +679,21 @@ def calibrate(
     )
 
 
-def _agree(
-    comm: Communicator, rates: list[float], most: list[float], device: torch.device
+def _measure(
+    comm: Communicator,
+    block: BlockKernel,
+    dims: AttentionShape,
+    device: torch.device,
+    block_rows: int,
+    probe_bytes: int,
+    repeats: int,
 ) -> list[float]:
-    """The slowest rank's ``rates`` and the largest ``most`` (latency, call time), identical
-    on every rank: one ``all_reduce(MAX)``."""
+    """Forward and backward FLOP/s, memory, one-way and two-way link bytes/s, latency and
+    call seconds, identical on every rank: the slowest rank's rates, the largest times."""
+    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
+    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
+    latency = latency if comm.world_size > 1 else 0.0
+    rates, most = [*local, link, two_way], [latency, call_s]
     agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
     values = [float(x) for x in agreed.cpu()]

@@ -1131,15 +1131,9 @@ def simulate_pass(
     validate_seq_local(seq_local, layout)
     mode = _engine(mode, strategy, world_size)
     flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
-    call: dict[str, Any] = dict(
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=shape.heads_q,
-        heads_kv=shape.heads_kv,
-        last_block_splits=last_block_splits,
-    )
+    call: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
+    call |= dict(seq_local=seq_local, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
+    call["last_block_splits"] = last_block_splits
     lends = strategy is Strategy.TOKEN_RING and lend_last_pair
     if mode == "event" or (lends and world_size <= LEND_MAX_WORLD_SIZE):
         sched = strategy_schedule(
