@@ -198,12 +198,10 @@ def _pids_inside(namespaces: Sequence[str]) -> set[int]:
         with contextlib.suppress(OSError):
             inodes.add(os.stat(os.path.join(_NETNS_DIR, ns)).st_ino)
     pids: set[int] = set()
-    if inodes:
-        for entry in os.listdir("/proc"):
-            # A zombie's namespaces are released already, so stat fails and it is skipped.
-            with contextlib.suppress(OSError, ValueError):
-                if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
-                    pids.add(int(entry))
+    for entry in os.listdir("/proc") if inodes else ():
+        with contextlib.suppress(OSError, ValueError):  # a zombie's stat fails: skipped
+            if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+                pids.add(int(entry))
     pids.discard(os.getpid())
     return pids
 
@@ -228,9 +226,9 @@ def _delete_namespaces(namespaces: Sequence[str]) -> list[str]:
     _end_processes(lambda: _pids_inside(namespaces))
     leftovers = []
     for ns in namespaces:
-        if os.path.exists(os.path.join(_NETNS_DIR, ns)):
+        if os.path.exists(path := os.path.join(_NETNS_DIR, ns)):
             _delete_namespace(ns)
-        if os.path.exists(os.path.join(_NETNS_DIR, ns)):
+        if os.path.exists(path):
             leftovers.append(ns)
     return leftovers
 
@@ -255,17 +253,11 @@ def remove_stale_labs() -> list[str]:
         return []
     stale = []
     for name in sorted(names):
-        match = _NAME_RE.fullmatch(name)
-        if match is None:
-            continue
-        pid, start = int(match[1]), match[2]
-        now = _process_start_time(pid)
-        if now is None or (start is not None and int(start) != now):
-            stale.append(name)
-    if not stale:
-        return []
-    leftovers = _delete_namespaces(stale)
-    if leftovers:
+        if (match := _NAME_RE.fullmatch(name)) is not None:
+            now = _process_start_time(int(match[1]))
+            if now is None or (match[2] is not None and int(match[2]) != now):
+                stale.append(name)
+    if stale and (leftovers := _delete_namespaces(stale)):
         raise RuntimeError(f"netlab: could not delete stale lab namespaces {leftovers}")
     return stale
 

@@ -83,7 +83,7 @@ from tokenring.model.costmodel import (
     merge_bytes,
     preset,
 )
-from tokenring.model.simulate import CallResult, _max_sent, simulate, simulate_cached
+from tokenring.model.simulate import _max_sent, simulate, simulate_cached
 from tokenring.runtime.comm import Communicator, TrafficCounter
 from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
@@ -216,16 +216,9 @@ def _plan(
 ) -> Plan:
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
-    call: dict[str, Any] = dict(
-        passes="both" if training else "forward",
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        shape=shape,
-        hardware=hardware,
-        last_block_splits=last_block_splits,
-        mode=mode,
-    )
+    call: dict[str, Any] = dict(causal=causal, world_size=world_size, seq_local=seq_local)
+    call |= dict(shape=shape, hardware=hardware, last_block_splits=last_block_splits, mode=mode)
+    call["passes"] = "both" if training else "forward"
     for strategy in strategies:
         if strategy.is_collective and hardware.collectives not in _VALIDATED_ROUTINGS:
             skipped.append((strategy, _UNVALIDATED.format(routing=hardware.collectives.value)))
@@ -278,30 +271,23 @@ def _predict(
                 if layout is layouts[0] and not variants:
                     skipped.append((strategy, str(exc)))
                 continue
-            variants.append(_prediction(strategy, layout, result, hybrid, lend))
+            fwd = result.passes[0]
+            comm = f"comm ({fwd.busiest_resource})"
+            variants.append(
+                Prediction(
+                    strategy=strategy,
+                    layout=layout,
+                    forward_s=fwd.call_s,
+                    backward_s=sum((p.call_s for p in result.passes[1:]), 0.0),
+                    bound_by="compute" if fwd.compute_s >= fwd.busiest_s else comm,
+                    mode=fwd.mode,
+                    hybrid=hybrid,
+                    lends_last_pair=lend,
+                )
+            )
         if variants:
             predictions.append(_fastest(variants))
     return predictions
-
-
-def _prediction(
-    strategy: Strategy,
-    layout: Layout,
-    call: CallResult,
-    hybrid: HybridSpec | None,
-    lends_last_pair: bool,
-) -> Prediction:
-    fwd = call.passes[0]
-    return Prediction(
-        strategy=strategy,
-        layout=layout,
-        forward_s=fwd.call_s,
-        backward_s=sum((p.call_s for p in call.passes[1:]), 0.0),
-        bound_by="compute" if fwd.compute_s >= fwd.busiest_s else f"comm ({fwd.busiest_resource})",
-        mode=fwd.mode,
-        hybrid=hybrid,
-        lends_last_pair=lends_last_pair,
-    )
 
 
 _P = TypeVar("_P", "Prediction", "CachedPrediction")
