@@ -215,7 +215,7 @@ _GB = 1e9
 _TFLOPS = 1e12
 
 
-def _switch(*, link_gb_per_s: float, port_gb_per_s: float, latency_s: float) -> Interconnect:
+def _switch(link_gb_per_s: float, port_gb_per_s: float, latency_s: float) -> Interconnect:
     return Interconnect(
         topology=Topology.SWITCH,
         link_bandwidth_bytes_per_s=link_gb_per_s * _GB,
@@ -224,16 +224,22 @@ def _switch(*, link_gb_per_s: float, port_gb_per_s: float, latency_s: float) -> 
     )
 
 
+def _preset(
+    name: str, net: Interconnect, forward_tflops: float, backward_tflops: float, memory_gb: float
+) -> Hardware:
+    return Hardware(
+        name=name,
+        interconnect=net,
+        forward_flops_per_s=forward_tflops * _TFLOPS,
+        backward_flops_per_s=backward_tflops * _TFLOPS,
+        memory_bandwidth_bytes_per_s=memory_gb * _GB,
+    )
+
+
 # Peaks are datasheet numbers (dense); "achieved" is what a fused attention kernel reaches at
 # D = 128 on long blocks. 8x H100 SXM5 behind NVSwitch: 989 TFLOP/s fp16 peak, FA2 ~350 and
 # FA3 ~600-750 forward -> 500 / 400; NVLink 4 450 GB/s per direction, NCCL ~370; HBM3 85%.
-_H100_NVSWITCH = Hardware(
-    name="h100-nvswitch",
-    interconnect=_switch(link_gb_per_s=370, port_gb_per_s=370, latency_s=8e-6),
-    forward_flops_per_s=500 * _TFLOPS,
-    backward_flops_per_s=400 * _TFLOPS,
-    memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
-)
+_H100_NVSWITCH = _preset("h100-nvswitch", _switch(370, 370, 8e-6), 500, 400, 0.85 * 3350)
 
 KERNEL_RATES_DIR = Path(__file__).parent / "kernel_rates"
 """Measured block-kernel rates, one JSON file per preset (``benchmarks/kernel_rates.py``)."""
@@ -278,54 +284,38 @@ def _with_measured_rates(hardware: Hardware) -> Hardware:
     )
 
 
+_HCCS = Interconnect(
+    topology=Topology.MESH, link_bandwidth_bytes_per_s=0.85 * 28 * _GB, latency_s=1e-5
+)
+
+# _preset(name, interconnect, forward TFLOP/s, backward TFLOP/s, memory GB/s)
 PRESETS: dict[str, Hardware] = {
-    # 4x A10 (150 W) on PCIe 4.0 x16 into the host bridge (a SWITCH): the seeds' box. 125
-    # TFLOP/s peak; FA2 at 55% forward, 45% backward under the power cap. The bandwidths are
-    # read off the seeds' own timings (Note [A10 reproduction] in tests/test_costmodel.py):
-    # 13.5 GB/s per flow, ~22 GB/s per port. GDDR6 600 GB/s at 80%; ~10 us per P2P message.
-    "a10-pcie": Hardware(
-        name="a10-pcie",
-        interconnect=_switch(link_gb_per_s=13.5, port_gb_per_s=22.0, latency_s=10e-6),
-        forward_flops_per_s=0.55 * 125 * _TFLOPS,
-        backward_flops_per_s=0.45 * 125 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.8 * 600 * _GB,
-    ),
-    # 8x A100 SXM4 behind NVSwitch: FA2 ~220 / ~180 TFLOP/s at D = 128 (FA2 paper); NVLink 3
-    # 300 GB/s per direction, NCCL ~240, one flow can use the whole port; HBM2e 85%; ~8 us.
-    "a100-nvswitch": Hardware(
-        name="a100-nvswitch",
-        interconnect=_switch(link_gb_per_s=240, port_gb_per_s=240, latency_s=8e-6),
-        forward_flops_per_s=220 * _TFLOPS,
-        backward_flops_per_s=180 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.85 * 2039 * _GB,
-    ),
-    "h100-nvswitch": _H100_NVSWITCH,
-    # 8x H200: NVLink 4 as the H100, HBM3e 4.8 TB/s at 85%; compute as measured by
-    # scripts/device_check.sh (kernel_rates/h200-nvswitch.json), else the H100's estimate.
-    "h200-nvswitch": _with_measured_rates(
-        replace(
-            _H100_NVSWITCH, name="h200-nvswitch", memory_bandwidth_bytes_per_s=0.85 * 4800 * _GB
-        )
-    ),
-    # 8x Ascend 910B (Atlas 800T A2): HCCS full mesh, 28 GB/s per direction per link at 85%;
-    # fp16 peak ~350 TFLOP/s, fused attention at ~50% -> 175 / 140; HBM2e 1.6 TB/s at 80%.
-    "ascend910b-hccs": Hardware(
-        name="ascend910b-hccs",
-        interconnect=Interconnect(
-            topology=Topology.MESH, link_bandwidth_bytes_per_s=0.85 * 28 * _GB, latency_s=10e-6
-        ),
-        forward_flops_per_s=175 * _TFLOPS,
-        backward_flops_per_s=140 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.8 * 1600 * _GB,
-    ),
-    # Islands of 8 H100 (as h100-nvswitch) on 400 Gb/s NDR InfiniBand, one NIC per GPU
-    # (non-blocking fat tree): 50 GB/s per direction at ~90%; ~12 us per message.
-    "h100-ib-islands": replace(
+    hardware.name: hardware
+    for hardware in (
+        # 4x A10 (150 W) on PCIe 4.0 x16 into the host bridge (a SWITCH): the seeds' box. 125
+        # TFLOP/s peak; FA2 at 55% forward, 45% backward under the power cap. The bandwidths
+        # are read off the seeds' own timings (Note [A10 reproduction] in
+        # tests/test_costmodel.py): 13.5 GB/s per flow, ~22 GB/s per port. GDDR6 600 GB/s at
+        # 80%; ~10 us per P2P message.
+        _preset("a10-pcie", _switch(13.5, 22.0, 10e-6), 0.55 * 125, 0.45 * 125, 0.8 * 600),
+        # 8x A100 SXM4 behind NVSwitch: FA2 ~220 / ~180 TFLOP/s at D = 128 (FA2 paper); NVLink
+        # 3 300 GB/s per direction, NCCL ~240, one flow can use the whole port; HBM2e 85%.
+        _preset("a100-nvswitch", _switch(240, 240, 8e-6), 220, 180, 0.85 * 2039),
         _H100_NVSWITCH,
-        name="h100-ib-islands",
-        devices_per_node=8,
-        inter=_switch(link_gb_per_s=45, port_gb_per_s=45, latency_s=12e-6),
-    ),
+        # 8x H200: NVLink 4 as the H100, HBM3e 4.8 TB/s at 85%; compute as measured by
+        # scripts/device_check.sh (kernel_rates/h200-nvswitch.json), else the H100's estimate.
+        _with_measured_rates(
+            _preset("h200-nvswitch", _H100_NVSWITCH.interconnect, 500, 400, 0.85 * 4800)
+        ),
+        # 8x Ascend 910B (Atlas 800T A2): HCCS full mesh, 28 GB/s per direction per link at
+        # 85%; fp16 peak ~350 TFLOP/s, fused attention at ~50%; HBM2e 1.6 TB/s at 80%.
+        _preset("ascend910b-hccs", _HCCS, 175, 140, 0.8 * 1600),
+        # Islands of 8 H100 (as h100-nvswitch) on 400 Gb/s NDR InfiniBand, one NIC per GPU
+        # (non-blocking fat tree): 50 GB/s per direction at ~90%; ~12 us per message.
+        replace(
+            _H100_NVSWITCH, name="h100-ib-islands", devices_per_node=8, inter=_switch(45, 45, 12e-6)
+        ),
+    )
 }
 
 
