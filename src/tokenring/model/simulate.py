@@ -571,7 +571,7 @@ class _Network:
         self.best_start = torch.full((7, p), -math.inf, dtype=f64)
 
     def _pair_cap(self, src: Tensor, dst: Tensor) -> Tensor:
-        cap = torch.full(src.shape, math.inf if self.ring else self.link, dtype=torch.float64)
+        cap = torch.full(src.shape, self.link, dtype=torch.float64)
         if self.inter is not None and self.dpn is not None:
             across = (src // self.dpn) != (dst // self.dpn)
             cap = torch.where(across, self.inter.link_bandwidth_bytes_per_s, cap)
@@ -597,8 +597,8 @@ class _Network:
         worst = self._price_pairs(src, dst, xa, work, count)
         worst = torch.maximum(worst, self._price_ports(win, dst, xa, inter, work, count))
         hops = torch.ones(x.shape, dtype=torch.long)
-        if self.ring:
-            on_hops, hops = self._price_hops(win, src, dst, xa, inter, work, count)
+        if self.ring:  # no islands on a ring (Hardware): every flow is intra
+            on_hops, hops = self._price_hops(win, src, dst, xa, work, count)
             worst = torch.maximum(worst, on_hops)
         return torch.where(active, worst + lat * hops, 0.0), work
 
@@ -606,7 +606,7 @@ class _Network:
         self, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
     ) -> Tensor:
         """Per flow its seconds on its pair's link or path; fills family 0 of ``work``."""
-        if self.ring and self.inter is None:
+        if self.ring:
             return torch.zeros(xa.shape, dtype=torch.float64)
         active = xa > 0
         n = active.to(torch.float64)
@@ -648,14 +648,7 @@ class _Network:
         return worst
 
     def _price_hops(
-        self,
-        win: Tensor,
-        src: Tensor,
-        dst: Tensor,
-        xa: Tensor,
-        inter: Tensor,
-        work: Tensor,
-        count: bool,
+        self, win: Tensor, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
     ) -> tuple[Tensor, Tensor]:
         """Per flow its seconds on its busiest ring hop and its hops (at least 1); fills
         families 5 and 6."""
@@ -666,7 +659,7 @@ class _Network:
         hops = torch.where(up, forward, p - forward)
         first = torch.where(up, src, (src - hops + 1) % p)  # origin of the first hop
         for direction, mask in ((0, up), (1, ~up)):
-            sel = mask & (xa > 0) & (hops > 0) & ~inter
+            sel = mask & (xa > 0) & (hops > 0)
             if not bool(sel.any()):
                 continue
             wi, st, h, xs = win[sel], first[sel], hops[sel], xa[sel]
@@ -710,7 +703,7 @@ class _Network:
         """(name, bytes, seconds) of the resource with the largest bytes / bandwidth."""
         p = self.p
         candidates: list[tuple[str, float, float]] = []
-        if not self.ring or self.inter is not None:
+        if not self.ring:
             ranks = torch.arange(p)
             seconds = self.down_totals / self._pair_cap(ranks, (ranks - 1) % p)
             index = ranks * p + (ranks - 1) % p
