@@ -92,8 +92,8 @@ def _positive(name: str, value: float) -> None:
 # -- hardware ----------------------------------------------------------------------------------
 class CollectiveRouting(enum.Enum):
     """Which backend's collectives a machine runs. Both price alike; ``auto`` picks the
-    collective strategies only on routings checked against measurements (Note [Which
-    candidates] in ``tokenring.model.planner``)."""
+    collective strategies only on routings checked against measurements
+    (Note [Which candidates] in ``tokenring.model.planner``)."""
 
     DIRECT = "direct"
     """NCCL and the other backends: not measured yet."""

@@ -19,8 +19,8 @@ carries per row and step::
 
 so TokenRing wins comm-bound MHA (ratio ~1/2) and Ring wins comm-bound GQA with Hq/Hkv > 2;
 compute-bound shapes tie on kernel time and the rest (exposed last return, merges) decides.
-TokenRing enters as the faster of lending its last pair or not (``last_pair="auto"``; Note
-[Borrowed last pair] in tokenring.strategies.ring).
+TokenRing enters as the faster of lending its last pair (Note [Borrowed last pair] in
+tokenring.strategies.ring) or not: ``last_pair="auto"``.
 
 Note [Which candidates]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -365,8 +365,8 @@ def explain(
         last_block_splits: as ``sequence_parallel_attn``.
         mode: simulator engine (``auto``, ``event``, ``vectorised``).
         hybrid: the factorisation to predict ``Strategy.HYBRID`` with; None: skipped.
-        last_pair: TokenRing's last pair: ``"return"``, ``"lend"`` (Note [Borrowed last
-            pair]) or ``"auto"`` (the faster; ``Prediction.lends_last_pair`` says which).
+        last_pair: TokenRing's last pair: ``"return"``, ``"lend"``
+            (Note [Borrowed last pair]) or ``"auto"`` (the faster, as lends_last_pair says).
 
     Returns:
         A :class:`Plan`; logged once at INFO per distinct input.

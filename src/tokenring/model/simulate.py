@@ -11,11 +11,11 @@ P world size, t step, r rank, F achieved FLOP/s.
 
 Note [Replaying the rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The event engine replays each rank's own program, the ops the executor runs (``program_of``,
-Note [Rank program] in tokenring.runtime.program; a cached plan's ``cached_program``), one
-action per op: a COMPUTE is its pieces' FLOPs over F (a Ulysses rank's over its head share;
-then the merge or dQ add of the rank's own rows), a POST marks its transfers posted at this
-end, ARRIVE / SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for
+The event engine replays each rank's own program: the ops the executor runs (``program_of``;
+see the Note [Rank program] in tokenring.runtime.program; a cached plan's ``cached_program``),
+one action per op. A COMPUTE is its pieces' FLOPs over F (a Ulysses rank's over its head
+share; then the merge or dQ add of the rank's own rows), a POST marks its transfers posted at
+this end, ARRIVE / SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for
 each and add its merge or accumulation. Memory-bound work (DELTA, merges, adds: bytes over
 memory bandwidth, ``costmodel.merge_bytes``) is priced on the steps of a ring program only;
 the collectives' gathers and the hybrid's all-to-alls are waits. A transfer starts when both
@@ -34,9 +34,9 @@ short flow ends first and the long one speeds up, so only the overlap is pessimi
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine replays the
-same program with every rank at once: the ring schedule as columns (``ring_plan``, Note [Ring
-columns] in tokenring.strategies.ring), each step's ops in the executor's order
-(``ring_step_order``), each op one tensor operation over ranks (:class:`_Replay`). Bandwidth
+same program with every rank at once: the ring schedule as columns (``ring_plan``, as the
+tokenring.strategies.ring Note [Ring columns] lays them out), each step's ops in the order
+of ``ring_step_order``, each op one tensor operation over ranks (:class:`_Replay`). Bandwidth
 is not shared event by event; flows are grouped in *windows* instead: window t holds what
 flies during step t (travel of t, returns and accumulators posted in step t-1; on the last
 step its returns but each rank's last, which with Ring's last accumulators form the exposed
@@ -211,8 +211,8 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 
 
 class _EventEngine:
-    """Replays one action list per rank (``programs``) over ``transfers``: Note [Replaying the
-    rank program] and Note [Sharing bandwidth]."""
+    """Replays one action list per rank (``programs``) over ``transfers``:
+    Note [Replaying the rank program] and Note [Sharing bandwidth]."""
 
     def __init__(
         self,
