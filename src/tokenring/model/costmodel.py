@@ -1,13 +1,10 @@
 """Cost model: hardware descriptions, and what every strategy costs on them.
 
 This module owns the *price list*: how fast a device computes attention, how its links, ports
-and NICs are wired (``Topology``), which physical resources a transfer between two ranks loads
-(:func:`route`), and what a transfer or a merge weighs, read from the very
-:class:`~tokenring.core.schedule.Schedule` the runtime executes, so model and code cannot drift
-apart. Timing a call is the simulator's job (``tokenring.model.simulate``), which replays the
-ranks' programs. The per-step costs, the closed-form steady step and the closed forms of the
-ring schedules per (rank, step) that used to live here are test oracles now
-(``tests/closed_forms.py``).
+and NICs are wired (``Topology``), which resources a transfer loads (:func:`route`), and what a
+transfer or a merge weighs, read from the :class:`~tokenring.core.schedule.Schedule` the runtime
+executes. Timing a call is ``tokenring.model.simulate``'s job; the closed forms per step are
+test oracles (``tests/closed_forms.py``).
 
 Legend: B batch, s local seq (rows per rank), c = s // 2 (zigzag chunk), Hq query heads,
 Hkv key/value heads, D head dim, P world size, e bytes per element, a bytes per accumulator
@@ -16,8 +13,8 @@ element (4; 8 for float64), t step, r rank, o q owner, j kv owner.
 Note [Topologies]
 ~~~~~~~~~~~~~~~~~
 A transfer from ``src`` to ``dst`` is a *flow*. It loads a set of directed resources, each
-with a bandwidth shared by the flows on it, and it never goes faster than the interconnect's
-``link_bandwidth_bytes_per_s`` (what one flow between two devices reaches)::
+with a bandwidth shared by the flows on it, and never goes faster than
+``link_bandwidth_bytes_per_s``::
 
     topology  resources of src -> dst                         latency
     MESH      link (src, dst)                                 1 x latency_s
@@ -26,14 +23,12 @@ with a bandwidth shared by the flows on it, and it never goes faster than the in
     SWITCH    the pair's path (src, dst) at link bandwidth,   1 x latency_s
               port out of src, port in of dst
 
-``port_bandwidth_bytes_per_s`` (one port per device and direction, shared by all its flows:
-a PCIe x16 slot, an NVSwitch port) is required for SWITCH and optional for MESH and RING,
-where it adds the device's ports to every flow. A multi-node machine (``devices_per_node``
-and ``inter``) is islands of the intra topology; a flow between islands is routed by
-``inter`` instead (a non-blocking SWITCH fabric whose ports are one NIC per device).
-Every transfer is a point-to-point message, the collectives' included (Note [Collective
-routing] in ``tokenring.strategies.collective``). That is the whole network model; how flows
-share a resource is the simulator's Note.
+``port_bandwidth_bytes_per_s`` (one port per device and direction, shared by all its flows)
+is required for SWITCH and optional for MESH and RING. A multi-node machine
+(``devices_per_node`` and ``inter``) is islands of the intra topology; a flow between islands
+is routed by ``inter`` (a non-blocking SWITCH whose ports are one NIC per device). Collectives
+are point-to-point messages too (Note [Collective routing] in
+``tokenring.strategies.collective``); how flows share a resource is the simulator's Note.
 
 Note [Bytes per step]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -47,11 +42,10 @@ Per row (x B) the payloads weigh (``AttentionShape.row_bytes``)::
     kv        travel   2*Hkv*D*e                Ring forward and backward
     dkv       return   2*Hkv*D*a                Ring backward (same direction as kv)
 
-so on the busiest direction of a steady step TokenRing forward moves Hq*D*e + Hq*a bytes per
-row where Ring moves 2*Hkv*D*e: about Hq / (2*Hkv) times Ring's bytes (half for MHA, twice for
-Llama-3-8B's 32/8). Travel transfers posted at the start of step t overlap step t's compute;
-returns posted after a segment overlap the rest of that step and the next one; what is posted
-after the last segment of the last step overlaps nothing (:func:`exposed_transfers`).
+so TokenRing forward's busiest direction carries about Hq / (2*Hkv) times Ring's bytes (half
+for MHA, twice for Llama-3-8B's 32/8). Travel posted at the start of step t overlaps step t's
+compute; returns overlap the rest of their step and the next; what is posted after the last
+segment of the last step overlaps nothing (:func:`exposed_transfers`).
 """
 
 from __future__ import annotations
@@ -97,10 +91,8 @@ def _positive(name: str, value: float) -> None:
 
 # -- hardware ----------------------------------------------------------------------------------
 class CollectiveRouting(enum.Enum):
-    """Which backend's collectives a machine runs. The library's all-to-alls are
-    point-to-point messages on every backend and price alike under both (Note [Collective
-    routing] in ``tokenring.strategies.collective``); the planner lets ``auto`` pick the
-    collective strategies only where their predictions were checked against measurements
+    """Which backend's collectives a machine runs. Both price alike; ``auto`` picks the
+    collective strategies only on routings checked against measurements
     (Note [Which candidates] in ``tokenring.model.planner``)."""
 
     DIRECT = "direct"
@@ -110,7 +102,7 @@ class CollectiveRouting(enum.Enum):
 
     @classmethod
     def for_backend(cls, backend: str) -> CollectiveRouting:
-        """The routing of a ``torch.distributed`` backend name: gloo's, else DIRECT."""
+        """GLOO for a ``torch.distributed`` backend named gloo, else DIRECT."""
         return cls.GLOO if str(backend).lower() == "gloo" else cls.DIRECT
 
     @classmethod
@@ -126,11 +118,10 @@ class Interconnect:
     topology: Topology
     """MESH, RING or SWITCH."""
     link_bandwidth_bytes_per_s: float
-    """Per direction: a direct link (MESH, each RING hop), or the most one flow between two
-    devices reaches through the fabric (SWITCH)."""
+    """Per direction: a direct link or RING hop, or the most one flow reaches (SWITCH)."""
     port_bandwidth_bytes_per_s: float | None = None
-    """Per device and direction, shared by all of its flows (switch port, PCIe slot, NIC).
-    Required for SWITCH; on MESH/RING None means no limit beyond the links."""
+    """Per device and direction, shared by its flows (switch port, PCIe slot, NIC). Required
+    for SWITCH; None on MESH/RING: no limit beyond the links."""
     latency_s: float = 0.0
     """Per message and hop: the time before the first byte arrives."""
 
@@ -157,12 +148,11 @@ class Hardware:
     interconnect: Interconnect
     """Inside an island (the whole machine when ``devices_per_node`` is None)."""
     forward_flops_per_s: float
-    """Achieved FLOP/s of the block attention kernel, forward (matmul FLOPs as counted by
-    ``tokenring.core.schedule.piece_flops``)."""
+    """Achieved FLOP/s of the block kernel, forward (FLOPs as ``piece_flops`` counts them)."""
     backward_flops_per_s: float
-    """Achieved FLOP/s of the block attention kernel, backward."""
+    """Achieved FLOP/s of the block kernel, backward."""
     memory_bandwidth_bytes_per_s: float
-    """Achieved device memory bandwidth, for merges and accumulations (memory-bound)."""
+    """Achieved device memory bandwidth, for merges and accumulations."""
     dtypes: tuple[str, ...] = ("float16", "bfloat16")
     """Input dtypes the FLOP/s figures hold for; others raise instead of guessing."""
     devices_per_node: int | None = None
@@ -170,12 +160,10 @@ class Hardware:
     inter: Interconnect | None = None
     """Between islands (SWITCH: one NIC per device). Given exactly when devices_per_node is."""
     collectives: CollectiveRouting = CollectiveRouting.DIRECT
-    """Whose collectives (the GPU presets: NCCL, DIRECT; a CPU machine measured with gloo:
-    GLOO); decides only whether ``auto`` may pick Ulysses and all-gather K/V."""
+    """Whose collectives; decides only whether ``auto`` may pick Ulysses and all-gather K/V."""
     kernel_call_s: float = 0.0
-    """Fixed cost of one block-kernel call (launch, Python), which the simulator charges per
-    kernel call of a cached plan's blocks (decode pays it per block); ``planner.calibrate``
-    measures it, the presets leave it 0 (large blocks)."""
+    """Fixed cost of one block-kernel call, charged per kernel call of a cached plan;
+    ``planner.calibrate`` measures it, the presets leave it 0 (large blocks)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
@@ -227,7 +215,7 @@ _GB = 1e9
 _TFLOPS = 1e12
 
 
-def _switch(*, link_gb_per_s: float, port_gb_per_s: float, latency_s: float) -> Interconnect:
+def _switch(link_gb_per_s: float, port_gb_per_s: float, latency_s: float) -> Interconnect:
     return Interconnect(
         topology=Topology.SWITCH,
         link_bandwidth_bytes_per_s=link_gb_per_s * _GB,
@@ -236,19 +224,22 @@ def _switch(*, link_gb_per_s: float, port_gb_per_s: float, latency_s: float) -> 
     )
 
 
-# Sources and assumptions. Peaks are vendor datasheet numbers (dense, no sparsity); "achieved"
-# is what a fused attention kernel reaches at D = 128 on long blocks, as a fraction of peak.
-# 8x H100 SXM5 behind NVSwitch (DGX/HGX H100). 989 TFLOP/s fp16 dense peak; FA2 reaches
-# ~350 TFLOP/s forward, FA3/cuDNN ~600-750; we take 500 forward, 400 backward.
-# NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction; NCCL reaches ~370 GB/s.
-# HBM3 3.35 TB/s, 85% achieved.
-_H100_NVSWITCH = Hardware(
-    name="h100-nvswitch",
-    interconnect=_switch(link_gb_per_s=370, port_gb_per_s=370, latency_s=8e-6),
-    forward_flops_per_s=500 * _TFLOPS,
-    backward_flops_per_s=400 * _TFLOPS,
-    memory_bandwidth_bytes_per_s=0.85 * 3350 * _GB,
-)
+def _preset(
+    name: str, net: Interconnect, forward_tflops: float, backward_tflops: float, memory_gb: float
+) -> Hardware:
+    return Hardware(
+        name=name,
+        interconnect=net,
+        forward_flops_per_s=forward_tflops * _TFLOPS,
+        backward_flops_per_s=backward_tflops * _TFLOPS,
+        memory_bandwidth_bytes_per_s=memory_gb * _GB,
+    )
+
+
+# Peaks are datasheet numbers (dense); "achieved" is what a fused attention kernel reaches at
+# D = 128 on long blocks. 8x H100 SXM5 behind NVSwitch: 989 TFLOP/s fp16 peak, FA2 ~350 and
+# FA3 ~600-750 forward -> 500 / 400; NVLink 4 450 GB/s per direction, NCCL ~370; HBM3 85%.
+_H100_NVSWITCH = _preset("h100-nvswitch", _switch(370, 370, 8e-6), 500, 400, 0.85 * 3350)
 
 KERNEL_RATES_DIR = Path(__file__).parent / "kernel_rates"
 """Measured block-kernel rates, one JSON file per preset (``benchmarks/kernel_rates.py``)."""
@@ -281,8 +272,7 @@ def load_kernel_rates(path: str | Path) -> dict[str, Any]:
 
 
 def _with_measured_rates(hardware: Hardware) -> Hardware:
-    """``hardware`` with the block-kernel rates measured for it (bfloat16 full blocks; the
-    preset's fp16/bf16 figures), when ``KERNEL_RATES_DIR`` has them."""
+    """``hardware`` with its measured bfloat16 full-block rates, if KERNEL_RATES_DIR has them."""
     path = KERNEL_RATES_DIR / f"{hardware.name}.json"
     if not path.exists():
         return hardware
@@ -294,69 +284,38 @@ def _with_measured_rates(hardware: Hardware) -> Hardware:
     )
 
 
+_HCCS = Interconnect(
+    topology=Topology.MESH, link_bandwidth_bytes_per_s=0.85 * 28 * _GB, latency_s=1e-5
+)
+
+# _preset(name, interconnect, forward TFLOP/s, backward TFLOP/s, memory GB/s)
 PRESETS: dict[str, Hardware] = {
-    # 4x NVIDIA A10 (24 GB, 150 W) on PCIe 4.0 x16, no NVLink: the seeds' box.
-    # Compute: 125 TFLOP/s fp16/bf16 tensor peak (A10 datasheet). FlashAttention-2 reaches
-    # ~50-73% of peak forward on Ampere; the A10's 150 W cap lowers sustained clocks, so we take
-    # 55% forward and 45% backward (FA2's backward runs ~20% below its forward).
-    # Links: every GPU has one x16 slot (31.5 GB/s raw per direction) into the host bridge, so
-    # this is a SWITCH. The two bandwidths are NOT independent figures: they are read off the
-    # seeds' own timings (see Note [A10 reproduction] in tests/test_costmodel.py): one P2P flow
-    # moved 98.3 MB in 7.6 ms (12.9 GB/s) and 49.2 MB in 3.5 ms (14.0 GB/s) -> 13.5 GB/s per
-    # flow; two flows leaving one GPU moved 99.1 MB in 4.6 ms -> ~22 GB/s per port, ~70% of
-    # the slot's raw rate, plausible for GPU P2P through a CPU root complex.
-    # Memory: 600 GB/s GDDR6 peak, 80% achieved. Latency: ~10 us per NCCL P2P message on PCIe.
-    "a10-pcie": Hardware(
-        name="a10-pcie",
-        interconnect=_switch(link_gb_per_s=13.5, port_gb_per_s=22.0, latency_s=10e-6),
-        forward_flops_per_s=0.55 * 125 * _TFLOPS,
-        backward_flops_per_s=0.45 * 125 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.8 * 600 * _GB,
-    ),
-    # 8x A100 SXM4 80 GB behind NVSwitch (DGX/HGX A100). 312 TFLOP/s fp16 peak; FA2 reports
-    # ~220 TFLOP/s forward and ~180 backward at D = 128 (FlashAttention-2 paper, A100).
-    # NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction per GPU; NCCL reaches ~240 GB/s
-    # (nccl-tests bus bandwidth on DGX A100), and one flow can use the whole port.
-    # HBM2e 2039 GB/s, 85% achieved. ~8 us per NCCL message over NVLink.
-    "a100-nvswitch": Hardware(
-        name="a100-nvswitch",
-        interconnect=_switch(link_gb_per_s=240, port_gb_per_s=240, latency_s=8e-6),
-        forward_flops_per_s=220 * _TFLOPS,
-        backward_flops_per_s=180 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.85 * 2039 * _GB,
-    ),
-    "h100-nvswitch": _H100_NVSWITCH,
-    # 8x H200: NVLink 4 as the H100, HBM3e at 4.8 TB/s (85% achieved). Compute: the block
-    # kernels' rates measured on an H200 by scripts/device_check.sh (bfloat16, full blocks,
-    # written to kernel_rates/h200-nvswitch.json) when that file exists; the H100's estimate
-    # until then.
-    "h200-nvswitch": _with_measured_rates(
-        replace(
-            _H100_NVSWITCH, name="h200-nvswitch", memory_bandwidth_bytes_per_s=0.85 * 4800 * _GB
-        )
-    ),
-    # 8x Ascend 910B in one Atlas 800T A2 box: HCCS full mesh, 7 links per NPU of 56 GB/s
-    # both directions together (392 GB/s per NPU) -> 28 GB/s per direction per link, 85%
-    # achieved. fp16 peak ~350 TFLOP/s (figures for 910B variants range ~280-400); the fused
-    # attention operator at ~50% -> 175 forward, 140 backward. HBM2e 1.6 TB/s, 80% achieved.
-    "ascend910b-hccs": Hardware(
-        name="ascend910b-hccs",
-        interconnect=Interconnect(
-            topology=Topology.MESH, link_bandwidth_bytes_per_s=0.85 * 28 * _GB, latency_s=10e-6
-        ),
-        forward_flops_per_s=175 * _TFLOPS,
-        backward_flops_per_s=140 * _TFLOPS,
-        memory_bandwidth_bytes_per_s=0.8 * 1600 * _GB,
-    ),
-    # Islands of 8 H100 (NVSwitch inside, as h100-nvswitch) joined by 400 Gb/s NDR InfiniBand,
-    # one NIC per GPU (rail-optimised, non-blocking fat tree): 50 GB/s per direction, ~90%
-    # achieved by NCCL; ~12 us per message across the fabric.
-    "h100-ib-islands": replace(
+    hardware.name: hardware
+    for hardware in (
+        # 4x A10 (150 W) on PCIe 4.0 x16 into the host bridge (a SWITCH): the seeds' box. 125
+        # TFLOP/s peak; FA2 at 55% forward, 45% backward under the power cap. The bandwidths
+        # are read off the seeds' own timings (Note [A10 reproduction] in
+        # tests/test_costmodel.py): 13.5 GB/s per flow, ~22 GB/s per port. GDDR6 600 GB/s at
+        # 80%; ~10 us per P2P message.
+        _preset("a10-pcie", _switch(13.5, 22.0, 10e-6), 0.55 * 125, 0.45 * 125, 0.8 * 600),
+        # 8x A100 SXM4 behind NVSwitch: FA2 ~220 / ~180 TFLOP/s at D = 128 (FA2 paper); NVLink
+        # 3 300 GB/s per direction, NCCL ~240, one flow can use the whole port; HBM2e 85%.
+        _preset("a100-nvswitch", _switch(240, 240, 8e-6), 220, 180, 0.85 * 2039),
         _H100_NVSWITCH,
-        name="h100-ib-islands",
-        devices_per_node=8,
-        inter=_switch(link_gb_per_s=45, port_gb_per_s=45, latency_s=12e-6),
-    ),
+        # 8x H200: NVLink 4 as the H100, HBM3e 4.8 TB/s at 85%; compute as measured by
+        # scripts/device_check.sh (kernel_rates/h200-nvswitch.json), else the H100's estimate.
+        _with_measured_rates(
+            _preset("h200-nvswitch", _H100_NVSWITCH.interconnect, 500, 400, 0.85 * 4800)
+        ),
+        # 8x Ascend 910B (Atlas 800T A2): HCCS full mesh, 28 GB/s per direction per link at
+        # 85%; fp16 peak ~350 TFLOP/s, fused attention at ~50%; HBM2e 1.6 TB/s at 80%.
+        _preset("ascend910b-hccs", _HCCS, 175, 140, 0.8 * 1600),
+        # Islands of 8 H100 (as h100-nvswitch) on 400 Gb/s NDR InfiniBand, one NIC per GPU
+        # (non-blocking fat tree): 50 GB/s per direction at ~90%; ~12 us per message.
+        replace(
+            _H100_NVSWITCH, name="h100-ib-islands", devices_per_node=8, inter=_switch(45, 45, 12e-6)
+        ),
+    )
 }
 
 
@@ -385,7 +344,7 @@ def measured(
     collectives: CollectiveRouting | str = CollectiveRouting.DIRECT,
     kernel_call_s: float = 0.0,
 ) -> Hardware:
-    """A hardware description from calibration numbers (``tokenring.model.planner.calibrate``).
+    """A hardware description from calibration numbers (``planner.calibrate``).
 
     Args:
         dtype: the input dtype the FLOP/s were measured with (the only one they hold for).
@@ -424,10 +383,9 @@ class ResourceKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Resource:
-    """One directed, shared piece of the network (a dict key; positional like ``Piece``)."""
+    """One directed, shared piece of the network (a dict key)."""
 
     kind: ResourceKind
-    """Link, port or NIC, and which way."""
     ends: tuple[int, ...]
     """``(a, b)`` for a link from a to b, ``(r,)`` for device r's port or NIC."""
 
@@ -474,7 +432,6 @@ def route(hardware: Hardware, src: int, dst: int, world_size: int) -> Route:
     if dpn is not None and hardware.inter is not None and src // dpn != dst // dpn:
         net = hardware.inter
         out_kind, in_kind = ResourceKind.NIC_OUT, ResourceKind.NIC_IN
-    # MESH: the direct link; SWITCH: the pair's path through the fabric; RING: every hop
     path = ring_path(src, dst, world_size) if net.topology is Topology.RING else [src, dst]
     link = net.link_bandwidth_bytes_per_s
     resources = [(Resource(ResourceKind.LINK, hop), link) for hop in itertools.pairwise(path)]
@@ -496,11 +453,9 @@ def transfer_route(hardware: Hardware, schedule: Schedule, tr: Transfer) -> Rout
 
 # -- costs read from the schedule --------------------------------------------------------------
 def merge_bytes(num_rows: int, dims: AttentionShape, num_heads: int | None = None) -> int:
-    """Device memory traffic of merging a partial of ``num_rows`` rows into the accumulators.
-
-    ``tokenring.core.merge.merge_into`` scales the fp32 accumulator (read + write), adds the part
-    (read the part, read + write the accumulator again) and updates lse (a few passes over
-    Hq accumulators per row): D * (4*a + e) + 6*a bytes per row and head.
+    """Device memory traffic of ``merge_into`` a partial of ``num_rows`` rows: scale the
+    accumulator (read + write), add the part (read it, read + write the accumulator) and update
+    lse: D * (4*a + e) + 6*a bytes per row and head.
 
     Args:
         num_heads: the partial's query heads (a lane's share); None: all of them.
@@ -529,13 +484,9 @@ def resource_bytes(
 
 
 def exposed_transfers(schedule: Schedule) -> tuple[Transfer, ...]:
-    """Returns posted after their sender's last compute of the pass: nothing overlaps them.
-
-    TokenRing: the return of the last slice of the last block; Ring backward: the dK/dV
-    accumulator's hop home. A travel transfer is never exposed: its receiver computes with it
-    (all-gather K/V's later rounds, posted after a causal rank's last segment, overlap the
-    compute of the ranks that read them).
-    """
+    """Returns posted after their sender's last compute of the pass: nothing overlaps them
+    (TokenRing's last slice, Ring backward's dK/dV hop home). Travel is never exposed: its
+    receiver computes with it."""
     last = schedule.num_steps - 1
     return tuple(
         tr

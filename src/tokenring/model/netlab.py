@@ -1,26 +1,21 @@
 """Emulated interconnect: network namespaces joined by rate-limited virtual links.
 
 This module owns the lab that ``tokenring bench --link`` runs in: one Linux network namespace
-per rank, virtual Ethernet (veth) links between them shaped with a token bucket (``tc tbf``) to
-a set rate, and the addressing that lets gloo connect the ranks. It builds the lab, tells the
-caller how to start a rank inside it (``wrap_command``, ``env``) and tears it down again on
-normal exit, on error and on SIGINT/SIGTERM. A lab whose owner died without tearing down
-(SIGKILL) is removed by the next lab that starts: namespace names carry the owner's PID and
-start time. It does not start ranks or time anything itself.
-
-Needs Linux, root (or CAP_NET_ADMIN plus CAP_SYS_ADMIN), ``ip``/``tc`` from iproute2 and
-``sysctl``; ``lab_unavailable_reason()`` says what is missing.
+per rank, veth links between them shaped with ``tc tbf``, and the addressing that lets gloo
+connect the ranks. It builds the lab, tells the caller how to start a rank inside it
+(``wrap_command``, ``env``) and tears it down on exit, error and SIGINT/SIGTERM; namespace
+names carry the owner's PID and start time, so the next lab removes those of a dead owner.
+It does not start ranks or time anything. Needs Linux, root (or CAP_NET_ADMIN plus
+CAP_SYS_ADMIN), iproute2 and ``sysctl``; ``lab_unavailable_reason()`` says what is missing.
 
 Note [Emulated interconnect]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every rank r lives in namespace ``ns[r]`` and owns one identity address ``10.201.0.(r+1)/32``
-on an ``ifb`` device of its own (``tr-ident``; the kernel of the target machines has no
-``dummy`` device, an idle ifb device serves the same purpose). Links carry no addresses; a /32
-host route per peer sends traffic out of the right link with the identity address as source.
-``GLOO_SOCKET_IFNAME=tr-ident`` makes gloo advertise the identity address, and rank 0's
-identity address hosts the TCP store (``MASTER_ADDR``). ``a:dev <-> b:dev`` is one veth pair
-between namespaces a and b; every device named below has a tbf at ``rate_bits_per_s`` on its
-egress, so each direction of each pair is shaped once::
+Rank r lives in namespace ``ns[r]`` with the identity address ``10.201.0.(r+1)/32`` on an
+``ifb`` device (``tr-ident``; the target kernels have no ``dummy`` device). Links carry no
+addresses; a /32 host route per peer picks the link, with the identity address as source.
+``GLOO_SOCKET_IFNAME=tr-ident`` makes gloo advertise it; rank 0's hosts the TCP store.
+``a:dev <-> b:dev`` is one veth pair; every device below has a tbf at ``rate_bits_per_s`` on
+its egress, so each direction of each pair is shaped once::
 
     mesh, P = 3            ring, P = 4                  switch, P = 3
     r0:v1 <-> r1:v0        r0:v1 <-> r1:v0              r0:tr-sw <-> sw:p0 \
@@ -29,19 +24,16 @@ egress, so each direction of each pair is shaped once::
                            r3:v0 <-> r0:v3
                            r0 -> r2: out of r0:v1, r1 forwards out of r1:v2
 
-- mesh: one veth pair per rank pair; each direction of each pair carries the full rate
-  independently (full duplex).
-- ring: veth pairs only between ring neighbours; a non-neighbour is reached along the shortest
-  way round the ring (ties go towards rank + 1) by kernel IP forwarding in the ranks between
-  (``ip_forward=1``), so a relayed flow occupies every hop it crosses.
-- switch: one veth pair per rank into a Linux bridge in a namespace of its own. The rank end
-  (``tr-sw``) limits what the rank sends, the bridge port (``p<r>``) what it receives: each
-  rank has the full rate in and the full rate out, shared by all its peers.
+- mesh: one veth pair per rank pair, full rate each way.
+- ring: pairs only between neighbours; a non-neighbour is reached the shortest way round
+  (ties towards rank + 1) by IP forwarding in the ranks between, so a relayed flow occupies
+  every hop it crosses.
+- switch: one pair per rank into a bridge in its own namespace; ``tr-sw`` limits what the
+  rank sends, ``p<r>`` what it receives, each shared by all its peers.
 
-Every namespace uses reno congestion control: the host default (BBR) is unstable with two-way
-traffic through tbf. tbf's burst is at least 64 KiB + 2 MTU so that full-size GSO frames pass;
-MTU 9000 keeps header overhead (which tbf counts) near 0.5%. The bucket starts full: the first
-``burst_bytes`` of a flow pass at once, so time transfers well above that size.
+Reno congestion control: BBR is unstable with two-way traffic through tbf. tbf's burst is at
+least 64 KiB + 2 MTU so GSO frames pass; MTU 9000 keeps header overhead near 0.5%. The bucket
+starts full: time transfers well above ``burst_bytes``.
 """
 
 from __future__ import annotations
@@ -79,8 +71,7 @@ _KILL_GRACE_S = 2.0
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
 _CONGESTION_CONTROL_RE = re.compile(r"[a-z][a-z0-9_]*")
-# tokenring-[probe-]<owner pid>-<owner start time>-<random>[-<rank>|-switch]; names made
-# before the start time was added lack it (then only the PID is checked).
+# tokenring-[probe-]<owner pid>-[<owner start time>-]<random>[-<rank>|-switch]
 _NAME_RE = re.compile(r"tokenring-(?:probe-)?(\d+)-(?:(\d+)-)?[0-9a-f]{6}(?:-\d+|-switch)?")
 
 
@@ -93,11 +84,8 @@ class Topology(enum.Enum):
 
     @classmethod
     def parse(cls, value: Topology | str) -> Topology:
-        """Accept a ``Topology`` or its string value; raise ValueError naming the options.
-
-        The same as ``tokenring.core.enums.parse_enum``, written out: this module imports
-        nothing of the package, so that a lab's helper processes load it by path without
-        importing torch."""
+        """Accept a ``Topology`` or its value; raise ValueError naming the options. (Not
+        ``parse_enum``: lab helpers load this module by path, without the package.)"""
         if isinstance(value, Topology):
             return value
         try:
@@ -114,16 +102,15 @@ class LabConfig:
     world_size: int
     """Number of ranks, one namespace each; 2 to 250."""
     rate_bits_per_s: float
-    """Rate of every shaped link direction in bits per second (tc counts IP headers too)."""
+    """Rate of every shaped link direction (tc counts IP headers too)."""
     topology: Topology
     """Wiring of the ranks; a ``Topology`` or its string value."""
     mtu: int = 9000
-    """MTU of every link in bytes; 576 to 65535. Below 9000 header overhead costs rate."""
+    """MTU of every link in bytes; 576 to 65535."""
     queue_latency_s: float = 0.05
-    """Longest a packet may wait in a link's tbf queue before it is dropped; sets the queue
-    length to ``rate * queue_latency_s`` bytes. At most 10 s."""
+    """Longest a packet waits in a tbf queue before it is dropped; at most 10 s."""
     congestion_control: str = "reno"
-    """TCP congestion control set inside every namespace; must be built into the kernel."""
+    """TCP congestion control inside every namespace; must be built into the kernel."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "topology", Topology.parse(self.topology))
@@ -147,10 +134,8 @@ class LabConfig:
 
     @property
     def burst_bytes(self) -> int:
-        """tbf bucket size: 64 KiB + 2 MTU, or 1 ms at the set rate if that is more.
-
-        Plus 1%: tc stores the bucket as a transmit time and rounds it down a little.
-        """
+        """tbf bucket size: 64 KiB + 2 MTU, or 1 ms at the rate if more; plus 1% (tc stores
+        the bucket as a transmit time and rounds it down)."""
         need = max(65536 + 2 * self.mtu, self.rate_bits_per_s / 8 * 1e-3)
         return math.ceil(need * 1.01)
 
@@ -202,8 +187,7 @@ def _process_start_time(pid: int) -> int | None:
 
 
 def _owner_tag() -> str:
-    """``<pid>-<start time>`` of this process: names its namespaces so that a later lab can
-    tell whether the owner still runs (a reused PID has another start time)."""
+    """``<pid>-<start time>`` of this process (a reused PID has another start time)."""
     return f"{os.getpid()}-{_process_start_time(os.getpid())}"
 
 
@@ -214,12 +198,10 @@ def _pids_inside(namespaces: Sequence[str]) -> set[int]:
         with contextlib.suppress(OSError):
             inodes.add(os.stat(os.path.join(_NETNS_DIR, ns)).st_ino)
     pids: set[int] = set()
-    if inodes:
-        for entry in os.listdir("/proc"):
-            # A zombie's namespaces are released already, so stat fails and it is skipped.
-            with contextlib.suppress(OSError, ValueError):
-                if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
-                    pids.add(int(entry))
+    for entry in os.listdir("/proc") if inodes else ():
+        with contextlib.suppress(OSError, ValueError):  # a zombie's stat fails: skipped
+            if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+                pids.add(int(entry))
     pids.discard(os.getpid())
     return pids
 
@@ -239,28 +221,25 @@ def _end_processes(find: Callable[[], set[int]]) -> None:
 
 
 def _delete_namespaces(namespaces: Sequence[str]) -> list[str]:
-    """End the processes inside, delete the namespaces (their links and qdiscs go with
-    them); returns those that still exist."""
-    # Also the processes inside: a namespace that still holds one loses its name on delete
-    # but lives on, and so do its links.
+    """End the processes inside (else a deleted namespace lives on), delete the namespaces;
+    returns those that still exist."""
     _end_processes(lambda: _pids_inside(namespaces))
     leftovers = []
     for ns in namespaces:
-        if os.path.exists(os.path.join(_NETNS_DIR, ns)):
-            subprocess.run(
-                ["ip", "netns", "del", ns], capture_output=True, timeout=_COMMAND_TIMEOUT_S
-            )
-        if os.path.exists(os.path.join(_NETNS_DIR, ns)):
+        if os.path.exists(path := os.path.join(_NETNS_DIR, ns)):
+            _delete_namespace(ns)
+        if os.path.exists(path):
             leftovers.append(ns)
     return leftovers
 
 
-def remove_stale_labs() -> list[str]:
-    """Delete the namespaces of labs whose owner process is gone, and what runs inside them.
+def _delete_namespace(ns: str) -> None:
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=_COMMAND_TIMEOUT_S)
 
-    A lab owner killed with SIGKILL cannot tear down; its namespaces (with their links,
-    qdiscs and any process left in them) stay until this runs. ``Lab`` calls it on enter.
-    A lab of a live process is never touched. Needs what ``Lab`` needs.
+
+def remove_stale_labs() -> list[str]:
+    """Delete the namespaces of labs whose owner process is gone (killed with SIGKILL), and
+    what runs inside them; ``Lab`` calls it on enter. Needs what ``Lab`` needs.
 
     Returns:
         The names of the namespaces deleted.
@@ -274,30 +253,21 @@ def remove_stale_labs() -> list[str]:
         return []
     stale = []
     for name in sorted(names):
-        match = _NAME_RE.fullmatch(name)
-        if match is None:
-            continue
-        pid, start = int(match[1]), match[2]
-        now = _process_start_time(pid)
-        if now is None or (start is not None and int(start) != now):
-            stale.append(name)
-    if not stale:
-        return []
-    leftovers = _delete_namespaces(stale)
-    if leftovers:
+        if (match := _NAME_RE.fullmatch(name)) is not None:
+            now = _process_start_time(int(match[1]))
+            if now is None or (match[2] is not None and int(match[2]) != now):
+                stale.append(name)
+    if stale and (leftovers := _delete_namespaces(stale)):
         raise RuntimeError(f"netlab: could not delete stale lab namespaces {leftovers}")
     return stale
 
 
 def lab_unavailable_reason() -> str | None:
-    """Say why a ``Lab`` cannot be built here, or None when it can.
+    """Say why a ``Lab`` cannot be built here (a sentence), or None when it can.
 
-    Checks the platform, the tools, the privileges, and then creates (and deletes) a probe
-    namespace holding an ifb device and a veth pair shaped with tbf, so that a missing kernel
-    feature shows here rather than half-way through ``Lab.__enter__``. Takes a few tens of ms.
-
-    Returns:
-        None when the lab can run; otherwise a sentence for a skip reason or an error message.
+    Checks the platform, tools and privileges, then builds and deletes a probe namespace
+    with the kernel features a lab uses, so a missing one shows here, not half-way through
+    ``Lab.__enter__``.
     """
     if not sys.platform.startswith("linux"):
         return f"netlab needs Linux network namespaces; this platform is {sys.platform!r}"
@@ -321,19 +291,13 @@ def lab_unavailable_reason() -> str | None:
                 f"link add {_BRIDGE} type bridge\n"
             ),
         )
-        _run(
-            [
-                *("tc", "-n", probe, "qdisc", "replace", "dev", "pa", "root", "tbf"),
-                *("rate", "1000000bit", "burst", "83968", "latency", "50ms"),
-            ]
-        )
+        tbf = "root tbf rate 1000000bit burst 83968 latency 50ms"
+        _run(["tc", "-n", probe, "qdisc", "replace", "dev", "pa", *tbf.split()])
         _run(["ip", "netns", "exec", probe, "sysctl", "-q", "-w", *_sysctls("reno", True)])
     except RuntimeError as e:
         return f"netlab's kernel features (ifb, veth, bridge, tbf, reno) are not usable: {e}"
     finally:
-        subprocess.run(
-            ["ip", "netns", "del", probe], capture_output=True, timeout=_COMMAND_TIMEOUT_S
-        )
+        _delete_namespace(probe)
     return None
 
 
@@ -341,7 +305,7 @@ def _sysctls(congestion_control: str, forward: bool) -> list[str]:
     return [
         f"net.ipv4.tcp_congestion_control={congestion_control}",
         f"net.ipv4.ip_forward={int(forward)}",
-        # Relayed ring traffic may take a different way back; never drop it as spoofed.
+        # relayed ring traffic may come back another way: never drop it as spoofed
         "net.ipv4.conf.all.rp_filter=0",
         "net.ipv4.conf.default.rp_filter=0",
     ]
@@ -371,13 +335,13 @@ class _Plan:
     forwarding: frozenset[str]
     """Namespaces that route for others (``ip_forward=1``)."""
     devices: dict[str, list[str]]
-    """``ip -batch`` lines: loopback, identity device, bridge."""
+    """``ip``: loopback, identity device, bridge."""
     links: dict[str, list[str]]
-    """``ip -batch`` lines creating veth pairs (the peer end goes to another namespace)."""
+    """``ip``: veth pairs (the peer end goes to another namespace)."""
     routes: dict[str, list[str]]
-    """``ip -batch`` lines: links up, bridge ports, host routes."""
+    """``ip``: links up, bridge ports, host routes."""
     shaping: dict[str, list[str]]
-    """``tc -batch`` lines: one tbf per shaped device."""
+    """``tc``: one tbf per shaped device."""
 
 
 def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None) -> _Plan:
@@ -456,13 +420,12 @@ class Lab:
                 lab.register_pid(proc.pid)
             ...
 
-    Namespace names are ``tokenring-<pid>-<start time>-<random>-<rank>`` (and ``...-switch``)
-    of the owning process, so concurrent labs never collide and a lab whose owner is gone is
-    recognised: entering a lab first removes those (``remove_stale_labs``, with a
-    RuntimeWarning naming them). A lab is single-use. While it is active (between enter and
-    exit) and entered from the main thread, SIGINT and SIGTERM first tear it down and then run
-    the handler that was installed before; where that is the default action, they raise
-    ``SystemExit(128 + signum)`` instead, so that the caller's own clean-up runs too.
+    Namespace names are ``tokenring-<pid>-<start time>-<random>-<rank>`` (and ``...-switch``):
+    concurrent labs never collide, and entering a lab removes those of dead owners
+    (``remove_stale_labs``, with a RuntimeWarning). A lab is single-use. While active and
+    entered from the main thread, SIGINT and SIGTERM tear it down, then run the previous
+    handler; the default action becomes ``SystemExit(128 + signum)`` so the caller's own
+    clean-up runs too.
 
     Args:
         config: What to emulate.
@@ -479,7 +442,6 @@ class Lab:
         self._previous_handlers: dict[int, _SignalHandler] = {}
 
     # -- what ranks need --------------------------------------------------------------------
-
     @property
     def config(self) -> LabConfig:
         """The configuration this lab was built from."""
@@ -504,11 +466,8 @@ class Lab:
         return _IDENT_DEVICE
 
     def wrap_command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` prefixed so that it runs inside rank ``rank``'s namespace.
-
-        The process started from the result has the PID of the command itself (``ip netns
-        exec`` execs it), so pass that PID to ``register_pid``.
-        """
+        """``argv`` prefixed to run inside rank ``rank``'s namespace (``ip netns exec`` execs
+        it: pass the process's PID to ``register_pid``)."""
         if isinstance(argv, str) or not argv:
             raise ValueError(f"argv must be a non-empty list of strings; got {argv!r}")
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
@@ -518,13 +477,8 @@ class Lab:
         return {"GLOO_SOCKET_IFNAME": self.interface(rank), "MASTER_ADDR": self.address(0)}
 
     def register_pid(self, pid: int) -> None:
-        """Remember a process started for the lab so that teardown ends it if it still runs.
-
-        Register right after starting it: teardown also ends a registered process that has not
-        entered its namespace yet. The process's start time is recorded with it, so a PID that
-        the kernel reuses for an unrelated process after exit is never signalled. Processes in
-        the lab's namespaces are ended at teardown whether registered or not.
-        """
+        """Remember a process started for the lab so that teardown ends it, even before it
+        enters its namespace; its start time is kept, so a reused PID is never signalled."""
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             raise ValueError(f"pid must be a positive int; got {pid!r}")
         start = _process_start_time(pid)
@@ -552,7 +506,6 @@ class Lab:
         return rank
 
     # -- lifecycle --------------------------------------------------------------------------
-
     def __enter__(self) -> Lab:
         if self._state != "new":
             raise RuntimeError(f"a Lab can be entered only once; this one is {self._state}")
@@ -607,11 +560,8 @@ class Lab:
                 raise RuntimeError(message)
 
     def _teardown(self) -> list[str]:
-        """End processes inside the lab, delete its namespaces; idempotent.
-
-        Returns:
-            Names of namespaces that still exist afterwards (empty on success).
-        """
+        """End processes inside the lab, delete its namespaces; idempotent. Returns the
+        namespaces that still exist."""
         self._state = "closed"
         if not self._created:
             return []
@@ -627,7 +577,6 @@ class Lab:
         return pids | _pids_inside(self._created)
 
     # -- signals ----------------------------------------------------------------------------
-
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
@@ -654,6 +603,5 @@ class Lab:
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
-            # The default action would end the process on the spot, skipping the caller's
-            # own clean-up (temp dirs, ranks); end it through the finally clauses instead.
+            # the default action would skip the caller's clean-up: exit through it instead
             raise SystemExit(128 + signum)

@@ -1,49 +1,40 @@
 """Choosing a strategy: ``strategy="auto"``, ``explain(...)`` and calibration.
 
-This module owns the *decision*: it predicts every implemented strategy (and layout) with the
-simulator (``tokenring.model.simulate``) on a hardware description
-(``tokenring.model.costmodel``), picks
-the fastest, says why, and measures the local machine (:func:`calibrate`) so that the
-description can come from the run itself. The decision is a pure function of its inputs;
-:func:`calibrate` agrees its measurements across ranks before returning, so every rank decides
-from identical numbers and picks the same strategy.
+This module owns the *decision*: it predicts every strategy (and layout) with the simulator on
+a hardware description, picks the fastest and says why; :func:`calibrate` measures the local
+machine and agrees the numbers across ranks, so every rank picks the same strategy.
 
 Legend: B batch, s local seq, Hq query heads, Hkv key/value heads, D head dim, P world size.
 
 Note [Choosing]
 ~~~~~~~~~~~~~~~
 For every candidate (strategy, layout) the simulator predicts the forward pass, and the
-backward pass too when training; the pick is the smallest predicted total. Ties (within a
-relative 1e-9) go to the earlier candidate in a fixed order -- ``Strategy`` then ``Layout``
-in declaration order -- so equal inputs give equal picks on every rank and every run. Where
-the links set the pace, the busiest direction carries per row and step::
+backward too when training; the pick is the smallest predicted total. Ties (within a relative
+1e-9) go to the earlier candidate in ``Strategy`` then ``Layout`` declaration order, so equal
+inputs give equal picks everywhere. Where the links set the pace, the busiest direction
+carries per row and step::
 
     TokenRing   Hq*D*e + Hq*4   (partial out + lse; q alone is Hq*D*e)
     Ring        2*Hkv*D*e       (k and v)
 
-so TokenRing wins comm-bound MHA (ratio ~1/2) and Ring wins comm-bound GQA with
-Hq/Hkv > 2 (Llama-3-8B 32/8: ratio ~2); compute-bound shapes tie on kernel time, and the
-rest (exposed last return, merges, rendezvous waits) decides. TokenRing is predicted with
-and without its last pair lent (``last_pair="auto"``; Note [Borrowed last pair] in
-tokenring.strategies.ring) and enters as the faster of the two.
+so TokenRing wins comm-bound MHA (ratio ~1/2) and Ring wins comm-bound GQA with Hq/Hkv > 2;
+compute-bound shapes tie on kernel time and the rest (exposed last return, merges) decides.
+TokenRing enters as the faster of lending its last pair (Note [Borrowed last pair] in
+tokenring.strategies.ring) or not: ``last_pair="auto"``.
 
 Note [Which candidates]
 ~~~~~~~~~~~~~~~~~~~~~~~
-- Ulysses and all-gather K/V are candidates where the model of their collectives has been
-  checked against measurements: ``Hardware.collectives`` GLOO (the lab, with their messages
-  point to point: Ulysses +10..+15%, all-gather K/V -5..-1%; benchmarks/results/README.md).
-  With DIRECT (NCCL) the
-  prediction has not been measured, so they are listed as skipped with that reason and
-  ``auto`` does not pick them.
-- The hybrid needs its factorisation (``hybrid=HybridSpec(...)``) and a 2-D mesh to run
-  (``tokenring.hybrid_attn``): :func:`explain` predicts it when given a spec, and
-  :func:`choose_strategy` (what ``strategy="auto"`` runs through ``sequence_parallel_attn``,
-  which takes one group) never picks it.
+- Ulysses and all-gather K/V are candidates only where the model of their collectives was
+  checked against measurements: ``Hardware.collectives`` GLOO (the lab;
+  benchmarks/results/README.md). With DIRECT (NCCL) they are listed as skipped with that
+  reason.
+- The hybrid needs its factorisation and a 2-D mesh (``tokenring.hybrid_attn``):
+  :func:`explain` predicts it when given a ``hybrid`` spec; :func:`choose_strategy` (one
+  group) never picks it.
 
 Note [Calibration probe]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-All ranks run the same probe through the caller's ``Communicator`` (both of its process
-groups)::
+All ranks run the same probe through the caller's ``Communicator``::
 
     probe       every rank sends                      measures
     kernel      (local) block forward and backward     FLOP/s per pass
@@ -76,7 +67,6 @@ from tokenring.core.layout import Layout
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import (
     AttentionShape,
-    Flow,
     Pass,
     Payload,
     Piece,
@@ -93,7 +83,7 @@ from tokenring.model.costmodel import (
     merge_bytes,
     preset,
 )
-from tokenring.model.simulate import CallResult, simulate, simulate_cached
+from tokenring.model.simulate import _max_sent, simulate, simulate_cached
 from tokenring.runtime.comm import Communicator, TrafficCounter
 from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
@@ -121,7 +111,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-# Note [Which candidates]: the collective routings whose predictions were measured.
 _VALIDATED_ROUTINGS = frozenset({CollectiveRouting.GLOO})
 _UNVALIDATED = (
     "not validated: the model of the {routing!r} collective routing has not been checked "
@@ -132,8 +121,7 @@ _NO_SPEC = (
     "outer_strategy=...) to explain, and run it with tokenring.hybrid_attn"
 )
 _TIE = 1e-9
-# last_pair -> the TokenRing variants to predict: lend its last pair or not (Note [Borrowed
-# last pair] in tokenring.strategies.ring); "auto" keeps the faster (ties: not lending)
+# last_pair -> lend TokenRing's last pair or not; "auto" keeps the faster (ties: not lending)
 _LENDS = {"return": (False,), "lend": (True,), "auto": (False, True)}
 LAST_PAIRS = tuple(_LENDS)
 """The values of ``last_pair`` (``sequence_parallel_attn``, :func:`explain`)."""
@@ -144,13 +132,10 @@ class Prediction:
     """The predicted time of one candidate."""
 
     strategy: Strategy
-    """Which strategy."""
     layout: Layout
-    """Which layout."""
     forward_s: float
-    """Forward pass."""
     backward_s: float
-    """Backward pass (0 when not training)."""
+    """0 when not training."""
     bound_by: str
     """``compute`` or ``comm (<busiest resource>)`` for the forward pass."""
     mode: str
@@ -158,8 +143,7 @@ class Prediction:
     hybrid: HybridSpec | None = None
     """The factorisation, for ``Strategy.HYBRID``."""
     lends_last_pair: bool = False
-    """TokenRing: predicted with its last pair lent (Note [Borrowed last pair] in
-    tokenring.strategies.ring)."""
+    """TokenRing: predicted with its last pair lent (Note [Borrowed last pair])."""
 
     @property
     def total_s(self) -> float:
@@ -178,14 +162,12 @@ class Plan:
     predictions: tuple[Prediction, ...]
     """Every candidate, in the fixed candidate order."""
     skipped: tuple[tuple[Strategy, str], ...]
-    """Candidates the simulator cannot predict here, with the reason (not silently dropped:
-    also in ``as_dict`` and the log)."""
+    """Candidates the simulator cannot predict here, with the reason (also logged)."""
     reason: str
     """One sentence: times, ratio and what bounds the loser."""
     hardware: str
     """Name of the hardware description used."""
     world_size: int = 0
-    """P of the call."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able data."""
@@ -234,16 +216,9 @@ def _plan(
 ) -> Plan:
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
-    call: dict[str, Any] = dict(
-        passes="both" if training else "forward",
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        shape=shape,
-        hardware=hardware,
-        last_block_splits=last_block_splits,
-        mode=mode,
-    )
+    call: dict[str, Any] = dict(causal=causal, world_size=world_size, seq_local=seq_local)
+    call |= dict(shape=shape, hardware=hardware, last_block_splits=last_block_splits, mode=mode)
+    call["passes"] = "both" if training else "forward"
     for strategy in strategies:
         if strategy.is_collective and hardware.collectives not in _VALIDATED_ROUTINGS:
             skipped.append((strategy, _UNVALIDATED.format(routing=hardware.collectives.value)))
@@ -282,8 +257,8 @@ def _predict(
     call: dict[str, Any],
     skipped: list[tuple[Strategy, str]],
 ) -> list[Prediction]:
-    """Per layout, the faster of ``strategy``'s variants (lent last pair or not); the first
-    reason the simulator cannot predict it goes to ``skipped``."""
+    """Per layout, the faster of ``strategy``'s variants; the first reason the simulator
+    cannot predict it goes to ``skipped``."""
     predictions = []
     for layout in layouts:
         variants: list[Prediction] = []
@@ -292,34 +267,27 @@ def _predict(
                 result = simulate(
                     strategy, layout=layout, hybrid=hybrid, lend_last_pair=lend, **call
                 )
-            except NotImplementedError as exc:  # e.g. no columns for it at this world size
+            except NotImplementedError as exc:
                 if layout is layouts[0] and not variants:
                     skipped.append((strategy, str(exc)))
                 continue
-            variants.append(_prediction(strategy, layout, result, hybrid, lend))
+            fwd = result.passes[0]
+            comm = f"comm ({fwd.busiest_resource})"
+            variants.append(
+                Prediction(
+                    strategy=strategy,
+                    layout=layout,
+                    forward_s=fwd.call_s,
+                    backward_s=sum((p.call_s for p in result.passes[1:]), 0.0),
+                    bound_by="compute" if fwd.compute_s >= fwd.busiest_s else comm,
+                    mode=fwd.mode,
+                    hybrid=hybrid,
+                    lends_last_pair=lend,
+                )
+            )
         if variants:
             predictions.append(_fastest(variants))
     return predictions
-
-
-def _prediction(
-    strategy: Strategy,
-    layout: Layout,
-    call: CallResult,
-    hybrid: HybridSpec | None,
-    lends_last_pair: bool,
-) -> Prediction:
-    fwd = call.passes[0]
-    return Prediction(
-        strategy=strategy,
-        layout=layout,
-        forward_s=fwd.call_s,
-        backward_s=sum((p.call_s for p in call.passes[1:]), 0.0),
-        bound_by="compute" if fwd.compute_s >= fwd.busiest_s else f"comm ({fwd.busiest_resource})",
-        mode=fwd.mode,
-        hybrid=hybrid,
-        lends_last_pair=lends_last_pair,
-    )
 
 
 _P = TypeVar("_P", "Prediction", "CachedPrediction")
@@ -390,43 +358,27 @@ def explain(
 
     Args:
         world_size, seq_local, heads_q, heads_kv, head_dim, dtype, causal, batch: the call.
-        hardware: a preset (``tokenring.model.costmodel.PRESETS``), ``measured(...)`` or the result
-            of :func:`calibrate`.
+        hardware: a preset (``costmodel.PRESETS``), ``measured(...)`` or :func:`calibrate`'s.
         layout: the caller's layout; None compares every layout ``seq_local`` allows.
         training: also predict the backward pass (the pick minimises forward + backward).
         strategies: candidates (default: every ``Strategy``), kept in ``Strategy`` order.
         last_block_splits: as ``sequence_parallel_attn``.
         mode: simulator engine (``auto``, ``event``, ``vectorised``).
-        hybrid: the factorisation to predict ``Strategy.HYBRID`` with; None lists the hybrid
-            as skipped.
-        last_pair: TokenRing's last pair: ``"return"`` (its partial returns), ``"lend"``
-            (Note [Borrowed last pair] in tokenring.strategies.ring) or ``"auto"`` (the
-            faster of the two; ``Prediction.lends_last_pair`` says which).
+        hybrid: the factorisation to predict ``Strategy.HYBRID`` with; None: skipped.
+        last_pair: TokenRing's last pair: ``"return"``, ``"lend"``
+            (Note [Borrowed last pair]) or ``"auto"`` (the faster, as lends_last_pair says).
 
     Returns:
-        A :class:`Plan`: the pick, every prediction and the reason. Logged once at INFO per
-        distinct input.
+        A :class:`Plan`; logged once at INFO per distinct input.
 
     Raises:
-        ValueError: non-positive sizes, heads_kv not dividing heads_q, an unknown strategy or
-            layout, a seq_local the layout cannot split, a dtype the hardware has no FLOP/s
-            for, a ``hybrid`` that does not fit the world size and heads, or an unknown
-            ``last_pair``.
+        ValueError: non-positive sizes, heads_kv not dividing heads_q, an unknown strategy,
+            layout or ``last_pair``, a seq_local the layout cannot split, a dtype the
+            hardware has no FLOP/s for, or a ``hybrid`` that does not fit.
     """
     if last_pair not in _LENDS:
         raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
-    _check_sizes(
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        batch=batch,
-    )
-    shape = AttentionShape(
-        batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=str(dtype)
-    )
-    hardware.flops_per_s("forward", shape.dtype)  # fail early on an unsupported dtype
+    shape = _call_shape(world_size, seq_local, heads_q, heads_kv, head_dim, dtype, batch, hardware)
     layouts, ordered = _candidates(layout, seq_local, strategies)
     if hybrid is not None and Strategy.HYBRID in ordered:
         hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
@@ -444,6 +396,24 @@ def explain(
         hybrid,
         last_pair,
     )
+
+
+def _call_shape(
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    batch: int,
+    hardware: Hardware,
+) -> AttentionShape:
+    """The call's shape, its sizes checked and its dtype one ``hardware`` has FLOP/s for."""
+    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
+    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
+    shape = AttentionShape(dtype=str(dtype), **sizes)
+    hardware.flops_per_s("forward", shape.dtype)
+    return shape
 
 
 def _candidates(
@@ -477,15 +447,11 @@ def choose_strategy(
     strategies: Sequence[Strategy | str] | None = None,
     last_pair: str = "auto",
 ) -> Strategy:
-    """The strategy ``strategy="auto"`` runs: :func:`explain`'s pick for the caller's layout.
-
-    Deterministic: identical arguments give the identical strategy on every rank (pass the
-    same ``hardware`` everywhere, e.g. from :func:`calibrate`, which agrees across ranks).
-    Never the hybrid (Note [Which candidates]).
+    """The strategy ``strategy="auto"`` runs: :func:`explain`'s pick for the caller's layout,
+    never the hybrid. Deterministic given the same ``hardware`` on every rank.
 
     Args:
-        strategies: the candidates (default: every strategy); e.g. only the ring strategies
-            for a call the collectives do not support.
+        strategies: the candidates (default: every strategy).
         last_pair: how TokenRing is predicted (:func:`explain`).
 
     Raises:
@@ -511,10 +477,8 @@ def lends_last_pair(
     batch: int = 1,
     last_block_splits: int = 2,
 ) -> bool:
-    """Whether TokenRing should lend its last pair (Note [Borrowed last pair] in
-    tokenring.strategies.ring): what ``last_pair="auto"`` runs. True when the simulator
-    predicts the call (forward, plus backward when ``training``) faster with it than without;
-    ties keep the partial's return. Deterministic like :func:`choose_strategy`.
+    """Whether TokenRing should lend its last pair (Note [Borrowed last pair]), as
+    ``last_pair="auto"`` decides: True when predicted faster with it (ties: not lending).
 
     Raises:
         ValueError: as :func:`explain`.
@@ -524,21 +488,16 @@ def lends_last_pair(
 
 
 # -- calibration -------------------------------------------------------------------------------
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    _synchronize(device)
+    """Median seconds of ``fn()`` after one warm-up call."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         start = time.perf_counter()
         fn()
-        _synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def _probe(
@@ -580,9 +539,8 @@ def _probe(
 def _kernel_rates(
     block: BlockKernel, dims: AttentionShape, device: torch.device, n: int, repeats: int
 ) -> tuple[float, float, float, float]:
-    """This rank's forward and backward FLOP/s and merge bytes/s on one non-causal block of
-    n x n rows of ``dims`` (batch 1), and the seconds of one small call (the fixed cost per
-    call)."""
+    """This rank's forward and backward FLOP/s and merge bytes/s on one non-causal n x n
+    block (batch 1), and the seconds of one small call (the fixed cost per call)."""
     dtype, acc = dims.torch_dtype, dims.acc_dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -597,19 +555,14 @@ def _kernel_rates(
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
     piece = Piece((0, n), (0, n), False)
     fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
-    bwd_s = _median_time(
-        lambda: block.backward(dout, q, k, v, lse, delta, causal=False, scale=scale),
-        device,
-        repeats,
-    )
+    bwd = functools.partial(block.backward, dout, q, k, v, lse, delta, causal=False, scale=scale)
+    bwd_s = _median_time(bwd, device, repeats)
     out_acc = torch.zeros(q.shape, dtype=acc, device=device)  # (B, n, Hq, D)
     lse_acc = torch.full(lse.shape, float("-inf"), dtype=acc, device=device)  # (B, Hq, n)
     merge_s = _median_time(lambda: merge_into(out_acc, lse_acc, (0, n), out, lse), device, repeats)
-    # one small call (a decode block: 1 query, 16 keys): its time is the fixed cost per call
-    q1, k16 = rand(1, 1, 8, 64), rand(1, 16, 8, 64)
-    call_s = _median_time(
-        lambda: block.forward(q1, k16, k16, causal=False, scale=0.125), device, 10
-    )
+    q1, k16 = rand(1, 1, 8, 64), rand(1, 16, 8, 64)  # a decode block: the fixed cost per call
+    small = functools.partial(block.forward, q1, k16, k16, causal=False, scale=0.125)
+    call_s = _median_time(small, device, 10)
     return (
         piece_flops(piece, dims, Pass.FORWARD) / fwd_s,
         piece_flops(piece, dims, Pass.BACKWARD) / bwd_s,
@@ -622,7 +575,7 @@ def _link_rates(
     comm: Communicator, probe_bytes: int, device: torch.device, repeats: int
 ) -> tuple[float, float, float]:
     """This rank's one-way and two-way bytes/s to its ring neighbours and its latency (inf
-    alone), measured without touching the communicator's counter or timeline."""
+    alone), leaving the communicator's counter and timeline untouched."""
     link = two_way = latency = float("inf")
     if comm.world_size > 1:
         saved = comm.counter, comm.timeline  # the probe's traffic is not the caller's
@@ -650,22 +603,19 @@ def calibrate(
     topology: Topology | str | None = None,
     kernel: str | BlockKernel | None = None,
 ) -> Hardware:
-    """Measure this machine and return it as a ``measured`` hardware description.
-
-    Every rank must call it (it runs collectives); every rank gets the same numbers: the
-    slowest rank's rates and the largest latency. See Note [Calibration probe].
+    """Measure this machine as a ``measured`` hardware description: a collective, every rank
+    gets the slowest rank's rates and the largest latency (Note [Calibration probe]).
 
     Args:
         comm: the communicator the strategies will use (its ranks form the ring).
         dtype: input dtype the FLOP/s are measured for (the description holds only for it).
         device: where tensors live; default CUDA's current device for NCCL, else CPU.
-        heads_q, heads_kv, head_dim, block_rows: the representative block (one non-causal
-            piece of block_rows x block_rows); heads_kv defaults to heads_q.
-        probe_bytes: bytes per P2P probe message; above ~1 MiB so bandwidth, not latency,
-            dominates.
-        repeats: timed repetitions (median) of every measurement.
-        topology: skip the guess (Note [Calibration probe]) and use this one.
-        kernel: block kernel, as ``sequence_parallel_attn``'s ``kernel``.
+        heads_q, heads_kv, head_dim, block_rows: the representative non-causal block
+            (block_rows x block_rows); heads_kv defaults to heads_q.
+        probe_bytes, repeats: bytes per probe message (above ~1 MiB: bandwidth dominates);
+            timed repetitions (median) of every measurement.
+        topology, kernel: use this topology instead of the guess; the block kernel, as
+            ``sequence_parallel_attn``'s ``kernel``.
 
     Raises:
         ValueError: non-positive sizes or repeats, heads_kv not dividing heads_q.
@@ -691,10 +641,14 @@ def calibrate(
     dims = AttentionShape(
         heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
     )
-    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
-    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
-    latency = latency if comm.world_size > 1 else 0.0
-    agreed = _agree(comm, [*local, link, two_way], [latency, call_s], device)
+    agreed = _measure(comm, block, dims, device, block_rows, probe_bytes, repeats)
+    return _described(agreed, topology, dtype, comm)
+
+
+def _described(
+    agreed: list[float], topology: Topology | str | None, dtype: torch.dtype, comm: Communicator
+) -> Hardware:
+    """The ``measured`` description of :func:`_measure`'s numbers."""
     fwd, bwd, mem, link, two_way, latency, call_s = agreed
     topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
@@ -711,11 +665,21 @@ def calibrate(
     )
 
 
-def _agree(
-    comm: Communicator, rates: list[float], most: list[float], device: torch.device
+def _measure(
+    comm: Communicator,
+    block: BlockKernel,
+    dims: AttentionShape,
+    device: torch.device,
+    block_rows: int,
+    probe_bytes: int,
+    repeats: int,
 ) -> list[float]:
-    """The slowest rank's ``rates`` and the largest ``most`` (latency, call time), identical
-    on every rank: one ``all_reduce(MAX)``."""
+    """Forward and backward FLOP/s, memory, one-way and two-way link bytes/s, latency and
+    call seconds, identical on every rank: the slowest rank's rates, the largest times."""
+    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
+    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
+    latency = latency if comm.world_size > 1 else 0.0
+    rates, most = [*local, link, two_way], [latency, call_s]
     agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
     values = [float(x) for x in agreed.cpu()]
@@ -743,7 +707,6 @@ class CachedPrediction:
     """The simulator's price of one plan (:func:`predict_cached`)."""
 
     strategy: CachedStrategy
-    """Which strategy."""
     total_s: float
     """Predicted time of the call: the last rank's end."""
     compute_s: float
@@ -757,8 +720,7 @@ class CachedPrediction:
 
     @property
     def bound_by(self) -> str:
-        """``compute`` or ``comm``: the larger of the busiest rank's work and the busiest
-        link's."""
+        """``compute`` or ``comm``, whichever of compute_s and wire_s is larger."""
         return "compute" if self.compute_s >= self.wire_s else "comm"
 
 
@@ -772,9 +734,7 @@ def predict_cached(
     dtype: str | torch.dtype,
     hardware: Hardware,
 ) -> CachedPrediction:
-    """Price ``plan`` with the simulator's event engine, which replays the program each rank
-    runs (``tokenring.model.simulate.simulate_cached``), charging ``hardware.kernel_call_s``
-    per kernel call.
+    """Price ``plan`` with ``simulate.simulate_cached`` (``hardware.kernel_call_s`` per call).
 
     Raises:
         ValueError: bad head counts, an unknown dtype, or one the hardware has no FLOP/s for.
@@ -783,17 +743,14 @@ def predict_cached(
         heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
     )
     total_s, compute_s, wire_s, _ = simulate_cached(plan, shards, shape=dims, hardware=hardware)
-    p = plan.world_size
-    sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
-    for tr in plan.transfers:
-        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
+    travel, returned = _max_sent(plan.transfers, plan.world_size, dims)
     return CachedPrediction(
         strategy=plan.strategy,
         total_s=total_s,
         compute_s=compute_s,
         wire_s=wire_s,
-        travel_bytes=max(sent[Flow.TRAVEL]),
-        return_bytes=max(sent[Flow.RETURN]),
+        travel_bytes=travel,
+        return_bytes=returned,
     )
 
 
@@ -832,10 +789,8 @@ def choose_cached_strategy(
     hardware: Hardware,
     candidates: Sequence[CachedStrategy | str] | None = None,
 ) -> CachedChoice:
-    """Predict every candidate plan (:func:`predict_cached`) and pick the fastest.
-
-    Deterministic: ties (within a relative 1e-9) go to the earlier strategy in
-    ``CachedStrategy`` order, so every rank picks the same from the same inputs.
+    """Predict every candidate plan (:func:`predict_cached`) and pick the fastest; ties
+    (within a relative 1e-9) go to the earlier in ``CachedStrategy`` order.
 
     Raises:
         ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
@@ -845,32 +800,19 @@ def choose_cached_strategy(
     )
     if not chosen:
         raise ValueError("candidates must name at least one strategy; got none")
+    heads: dict[str, Any] = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
     predictions = tuple(
         predict_cached(
-            build_cached_plan(s, shards),
-            shards,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-            head_dim=head_dim,
-            dtype=dtype,
-            hardware=hardware,
+            build_cached_plan(s, shards), shards, dtype=dtype, hardware=hardware, **heads
         )
         for s in CachedStrategy
         if s in chosen
     )
     best = _fastest(predictions)
-    dims = AttentionShape(
-        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
-    )
+    dims = AttentionShape(dtype=dtype_name(dtype), **heads)
     total = sum(shards.kv_rows)
     fraction = sum(shards.q_rows) / total if total else 1.0
-    threshold = pass_q_threshold(
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        elem_bytes=dims.elem_bytes,
-        acc_bytes=dims.acc_bytes,
-    )
+    threshold = pass_q_threshold(elem_bytes=dims.elem_bytes, acc_bytes=dims.acc_bytes, **heads)
     times = ", ".join(f"{p.strategy.value} {1e3 * p.total_s:.3g} ms" for p in predictions)
     reason = (
         f"{best.strategy.value} predicted fastest on {hardware.name} ({times}); new-token "
@@ -912,12 +854,5 @@ def explain_cached(
     shards = uniform_shards(
         world_size=world_size, batch=batch, cached=cached, new=new, block_size=block_size
     )
-    return choose_cached_strategy(
-        shards,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        hardware=hw,
-        candidates=candidates,
-    )
+    heads = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
+    return choose_cached_strategy(shards, dtype=dtype, hardware=hw, candidates=candidates, **heads)

@@ -1,81 +1,59 @@
 """Predict a call of every strategy on a described machine: ``tokenring simulate``.
 
-This module owns the *clock*: given a schedule (``tokenring.core.schedule``) and a hardware
-description (``tokenring.model.costmodel``), it plays one attention pass the way the runtime
-(``tokenring.runtime.ring``) executes it -- segment by segment, slot by slot, with flows sharing
-links and ports -- and returns per-rank timelines (``tokenring.runtime.comm.Event``, the bench's
-format, so the same plotting code draws both), the call time, per-step times, bytes per flow
-and the % of the bound. Two engines replay the same rank programs: an event-driven one for
-P <= 64 and a vectorised one (every rank at once, Note [Vectorised engine]) for larger P; the
-output says which ran. Its command line is ``tokenring.cli.simulate``.
+This module owns the *clock*: given a schedule and a hardware description, it plays one pass
+the way the runtime executes it -- segment by segment, slot by slot, flows sharing links and
+ports -- and returns per-rank timelines (``tokenring.runtime.comm.Event``, as the bench
+records them), the call time, per-step times, bytes per flow and the % of the bound. An
+event-driven engine runs up to P = 64, a vectorised one (Note [Vectorised engine]) above.
 
 Legend: B batch, S global seq, s local seq, Hq query heads, Hkv key/value heads, D head dim,
 P world size, t step, r rank, F achieved FLOP/s.
 
 Note [Replaying the rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The event engine does not mirror the runtime: it replays each rank's own program, the tuple
-of ops the executor runs (``program_of``, Note [Rank program] in tokenring.runtime.program;
-the collectives' and the hybrid's too, and a cached inference plan's ``cached_program``:
-:func:`simulate_cached`), one action per op: a COMPUTE is its pieces' FLOPs over F (a
-Ulysses rank's over its head share; then the merge or dQ add of the rank's own rows), a POST
-marks its transfers posted at this end, ARRIVE / SENT / SENT_ALL wait for their transfers,
-and PASS / RETURNS / HOME wait for each and add its merge or accumulation. Memory-bound work
-(DELTA, merges, adds) is priced on the steps that run a ring program only: the collectives'
-gathers and adds and the hybrid's all-to-alls are waits, nothing more.
-
-A transfer starts when both ends have posted it (a P2P send cannot progress before the
-matching receive is posted, on gloo or NCCL) and arrives ``latency`` after its last byte left.
-Merges and accumulations are memory-bound: their bytes (``costmodel.merge_bytes``) over the
-device's memory bandwidth.
+The event engine replays each rank's own program: the ops the executor runs (``program_of``;
+see the Note [Rank program] in tokenring.runtime.program; a cached plan's ``cached_program``),
+one action per op. A COMPUTE is its pieces' FLOPs over F (a Ulysses rank's over its head
+share; then the merge or dQ add of the rank's own rows), a POST marks its transfers posted at
+this end, ARRIVE / SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for
+each and add its merge or accumulation. Memory-bound work (DELTA, merges, adds: bytes over
+memory bandwidth, ``costmodel.merge_bytes``) is priced on the steps of a ring program only;
+the collectives' gathers and the hybrid's all-to-alls are waits. A transfer starts when both
+ends have posted it (a P2P send cannot progress before its receive is posted) and arrives
+``latency`` after its last byte left.
 
 Note [Sharing bandwidth]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Max-min fair sharing is the textbook model but needs a progressive-filling pass over every
-flow after every event. We use *bottleneck equal share* instead: a flow's rate is the smallest
-``bandwidth / flows on it`` over the resources it loads. A rate then only depends on the
-counts on its own resources, so an event updates just the flows that share a resource with
-the one that started or ended. It never exceeds max-min (max-min gives every flow at least
-its equal share on its bottleneck) and equals it whenever the flows on a resource are alike,
-which is the common case here: every rank posts the same kind of transfer in the same slot.
-Where it differs (a half block beside a whole one) the short flow ends first and the long
-one then speeds up, so only the overlap is priced pessimistically.
+Instead of max-min fair sharing (a progressive-filling pass over every flow per event) we use
+*bottleneck equal share*: a flow's rate is the smallest ``bandwidth / flows on it`` over its
+resources, so an event updates only the flows sharing a resource with the one that started
+or ended. It never exceeds max-min and equals it when the flows on a resource are alike (the
+common case: every rank posts the same kind of transfer in the same slot); otherwise the
+short flow ends first and the long one speeds up, so only the overlap is pessimistic.
 
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-For P > 64 the event engine's O(P^2) transfers get slow, and building the schedule's P^2
-objects does too. The vectorised engine replays the same program with every rank at once:
-the ring schedule as columns (``tokenring.strategies.ring.ring_plan``, Note [Ring columns]:
-the builder's own segments and transfer rules per (rank, step), tensors over ranks), and each
-step's ops in the executor's order (``ring_step_order``, which ``ring_program`` fills in for
-the executor), each op one tensor operation over ranks (:class:`_Replay`): a COMPUTE adds
-its segment's kernel and own merge, a POST starts its flows when both ends have posted
-(both post in the same op), ARRIVE / SENT / PASS / RETURNS / HOME / SENT_ALL wait for them,
-merging or adding as the event engine does. What it does not replay is the sharing of
-bandwidth event by event. Flows are grouped in *windows* instead: window t holds what flies
-during step t (travel of t, returns and accumulators posted in step t-1, and on the last
+For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine replays the
+same program with every rank at once: the ring schedule as columns (``ring_plan``, as the
+tokenring.strategies.ring Note [Ring columns] lays them out), each step's ops in the order
+of ``ring_step_order``, each op one tensor operation over ranks (:class:`_Replay`). Bandwidth
+is not shared event by event; flows are grouped in *windows* instead: window t holds what
+flies during step t (travel of t, returns and accumulators posted in step t-1; on the last
 step its returns but each rank's last, which with Ring's last accumulators form the exposed
-tail). Window loads do not depend on timing, so a chunk's windows are priced at once; each
-flow gets
+tail). Window loads do not depend on timing, so a chunk's windows are priced at once::
 
     duration = latency + max over its resources of min(load, flows_on_it * bytes) / bandwidth
 
-(the equal-share finish time if the window's flows all started together: exact for the
-largest and the smallest flow on a resource). Ring hops are loaded with range sums and read
-with range maxima (a sparse table), so a return crossing P/2 hops costs O(log P), not O(P).
-Flows that outlast their window are caught by a drain bound: a resource with work L_w in
-window w is busy until at least max_w (start_w + sum_{v >= w} L_v), and the call cannot end
-before that. Against the event engine (P = 8 to 48, tests/test_costmodel.py) it agrees to
-rounding where the links keep up or are one hop long, and is faster by up to ~30% only on a
-physical ring whose partials cross many hops and share them.
+(the equal-share finish time if the window's flows started together: exact for the largest
+and smallest flow on a resource). Ring hops are loaded with range sums and read with range
+maxima (a sparse table): O(log P) per flow. Flows outlasting their window are caught by a
+drain bound: a resource with work L_w in window w is busy until at least
+max_w (start_w + sum_{v >= w} L_v). Against the event engine (tests/test_costmodel.py) it
+agrees to rounding except on a physical ring whose partials share many hops (up to ~30%).
 
-Memory is linear in P: the engine walks the steps in chunks of ``_CHUNK_CELLS // P``, asking
-the plan for those columns only (and the step after: the chunk prices up to the window of
-the step after its last, whose returns it posts), pricing the chunk's windows and replaying
-its steps; the drain bound is kept as a running max (window starts never decrease), and
-per-pair byte totals only for the links to r-1 (every other pair carries one window's
-flows). With whole (P, P) tables ``--world-size 2000`` peaked at 2.4 GB and 10000 would need
-~60 GB; chunked, 10000 peaks under 1 GB.
+Memory is linear in P: steps are walked in chunks of ``_CHUNK_CELLS // P`` columns (and the
+step after, whose window the chunk prices), the drain bound is a running max, and per-pair
+byte totals are kept only for the links to r-1 (every other pair carries one window's flows).
 """
 
 from __future__ import annotations
@@ -143,17 +121,11 @@ class PassResult:
     """The prediction of one pass (forward or backward) of one strategy."""
 
     strategy: Strategy
-    """Which strategy."""
     pass_: Pass
-    """Forward or backward."""
     layout: Layout
-    """Sequence layout."""
     causal: bool
-    """Causal mask."""
     world_size: int
-    """P."""
     seq_local: int
-    """s."""
     mode: str
     """Engine that produced it: ``event`` or ``vectorised`` (Note [Vectorised engine])."""
     call_s: float
@@ -167,8 +139,7 @@ class PassResult:
     busiest_resource: str
     """The resource carrying the most bytes relative to its bandwidth (e.g. ``link3->2``)."""
     busiest_bytes: int
-    """Bytes that resource carries over the pass, less the exposed transfers (counted in
-    ``exposed_s``)."""
+    """Bytes that resource carries over the pass, less the exposed transfers."""
     busiest_s: float
     """Those bytes / its bandwidth."""
     exposed_s: float
@@ -178,8 +149,8 @@ class PassResult:
     return_bytes: int
     """Bytes the busiest rank sends on the return flow over the pass."""
     timeline: tuple[tuple[Event, ...], ...] | None
-    """Per rank, compute/merge/send events in seconds from the call's start; None when the
-    vectorised engine ran."""
+    """Per rank, compute/merge/send events in seconds from the call's start; None when
+    vectorised."""
 
     @property
     def bound_s(self) -> float:
@@ -203,7 +174,6 @@ class CallResult:
     """One call: the forward pass, the backward pass, or both one after the other."""
 
     strategy: Strategy
-    """Which strategy."""
     passes: tuple[PassResult, ...]
     """In execution order."""
 
@@ -231,8 +201,7 @@ def _delta_bytes(seq_local: int, dims: AttentionShape) -> int:
 
 
 def _add_bytes(num_rows: int, heads: int, dims: AttentionShape, *, pairs: int = 1) -> int:
-    """``acc += part`` over num_rows rows of ``pairs`` tensors of ``heads`` heads: read both,
-    write one, in the accumulation dtype."""
+    """``acc += part`` over ``pairs`` tensors in the accumulation dtype: read both, write one."""
     return num_rows * dims.batch * heads * dims.head_dim * pairs * 3 * dims.acc_bytes
 
 
@@ -242,12 +211,8 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 
 
 class _EventEngine:
-    """See Note [Replaying the rank program] and Note [Sharing bandwidth]: replays one action
-    list per rank (``programs``: a schedule's from :meth:`for_schedule`, a cached plan's from
-    :meth:`_cached_program`) over ``transfers``."""
-
-    sched: Schedule  # for_schedule's
-    flops_per_s: float
+    """Replays one action list per rank (``programs``) over ``transfers``:
+    Note [Replaying the rank program] and Note [Sharing bandwidth]."""
 
     def __init__(
         self,
@@ -256,48 +221,32 @@ class _EventEngine:
         num_steps: int,
         dims: AttentionShape,
         hardware: Hardware,
+        flops_per_s: float,
     ) -> None:
         self.world_size, self.num_steps, self.dims, self.hw = world_size, num_steps, dims, hardware
-        self.mem = hardware.memory_bandwidth_bytes_per_s
+        self.mem, self.flops_per_s = hardware.memory_bandwidth_bytes_per_s, flops_per_s
         self.transfers = list(transfers)
         self.fid = {tr: i for i, tr in enumerate(self.transfers)}
-        # Flows: static data per transfer.
         self.res_index: dict[Resource, int] = {}
         self.res_cap: list[float] = []
-        self.flow_res: list[list[int]] = []
-        self.flow_lat: list[float] = []
-        self.flow_bytes: list[float] = []
         routes: dict[tuple[int, int], tuple[list[int], float]] = {}
         for tr in self.transfers:
-            key = (tr.src, tr.dst)
-            if key not in routes:
+            if (tr.src, tr.dst) not in routes:
                 rt = route(hardware, tr.src, tr.dst, world_size)
-                ids = []
                 for res, cap in rt.resources:
                     if res not in self.res_index:
                         self.res_index[res] = len(self.res_cap)
                         self.res_cap.append(cap)
-                    ids.append(self.res_index[res])
-                routes[key] = (ids, rt.latency_s)
-            ids, lat = routes[key]
-            self.flow_res.append(ids)
-            self.flow_lat.append(lat)
-            self.flow_bytes.append(float(tr.num_bytes(dims)))
+                ids = [self.res_index[res] for res, _ in rt.resources]
+                routes[tr.src, tr.dst] = (ids, rt.latency_s)
+        self.flow_res = [routes[tr.src, tr.dst][0] for tr in self.transfers]
+        self.flow_lat = [routes[tr.src, tr.dst][1] for tr in self.transfers]
+        self.flow_bytes = [float(tr.num_bytes(dims)) for tr in self.transfers]
         self.programs: list[list[tuple[Any, ...]]] = []
 
-    @classmethod
-    def for_schedule(
-        cls, sched: Schedule, dims: AttentionShape, hardware: Hardware, flops_per_s: float
-    ) -> _EventEngine:
-        """The engine of one pass of ``sched``, with its ranks' programs."""
-        engine = cls(sched.transfers, sched.world_size, sched.num_steps, dims, hardware)
-        engine.sched, engine.flops_per_s = sched, flops_per_s
-        engine.programs = [engine._actions(r) for r in range(sched.world_size)]
-        return engine
-
     def busiest(self, exposed: Sequence[Transfer] = ()) -> tuple[str, int, float]:
-        """(name, bytes, seconds) of the resource with the most bytes / bandwidth, counting
-        the transfers but ``exposed`` (priced separately: nothing can overlap them)."""
+        """(name, bytes, seconds) of the resource with the most bytes / bandwidth, not counting
+        the ``exposed`` transfers."""
         load = [0.0] * len(self.res_cap)
         skip = {self.fid[tr] for tr in exposed}
         for i, (ids, num) in enumerate(zip(self.flow_res, self.flow_bytes, strict=True)):
@@ -310,18 +259,17 @@ class _EventEngine:
         ]
         return max([("none", 0, 0.0), *candidates], key=lambda c: c[2])  # the first of equals
 
-    def _actions(self, r: int) -> list[tuple[Any, ...]]:
-        """The engine's actions for rank ``r``'s program (Note [Replaying the rank program])."""
-        sched, mem = self.sched, self.mem
-        # The hybrid's outer ring runs fewer heads over longer shards than the schedule's P
-        # ranks: its merges are priced with its own dims (Note [Hybrid rank program]).
+    def _actions(self, sched: Schedule, r: int) -> list[tuple[Any, ...]]:
+        """The actions of rank ``r``'s program (Note [Replaying the rank program])."""
+        mem = self.mem
+        # the hybrid's outer ring merges its own heads (Note [Hybrid rank program])
         inner = getattr(sched, "inner", 1)
         dims = replace(
             self.dims, heads_q=self.dims.heads_q // inner, heads_kv=self.dims.heads_kv // inner
         )
         forward = sched.pass_ is Pass.FORWARD
         label = "attn" if forward else "attn_bwd"
-        n = sched.num_steps  # the steps of a ring program: their merges and adds are priced
+        n = sched.num_steps  # merges and adds are priced on the steps of a ring program
         hybrid = sched.strategy is Strategy.HYBRID
         ring_steps = range(1, n - 1) if hybrid else range(0 if sched.strategy.is_collective else n)
         share = 1.0  # a Ulysses rank's pieces cover only its query heads
@@ -379,11 +327,9 @@ class _EventEngine:
         sends = tuple(self.fid[tr] for tr in op.transfers if tr.src == r)
         return (_POST, sends, tuple(self.fid[tr] for tr in op.transfers if tr.dst == r))
 
-    # A cached inference plan's program (Note [Rank program] in tokenring.runtime.program):
-    # a block's kernel time (the roofline of its FLOPs and bytes, plus the fixed cost of each
-    # kernel call), then its merge where it is merged; RETURNS waits for and merges each
-    # partial; ARRIVE and SENT_ALL wait.
     def _cached_program(self, plan: CachedPlan, shards: CachedShards, r: int) -> list[Any]:
+        """The actions of rank ``r``'s ``cached_program``: each block's kernel (then its merge
+        where it is merged); RETURNS waits for and merges each partial."""
         dims, mem = self.dims, self.mem
         prog: list[tuple[Any, ...]] = []
         for op in cached_program(plan, r):
@@ -406,9 +352,9 @@ class _EventEngine:
         return prog
 
     def _block_s(self, shards: CachedShards, q_owner: int, kv_owner: int) -> float:
-        """Kernel time of one (Q block, K/V shard) pair: the roofline of its FLOPs (every
-        computed score, masked or not) and bytes, plus a fixed cost per kernel call (Note
-        [Cached attention call] in tokenring.inference: one or two calls per sequence)."""
+        """Kernel time of one (Q block, K/V shard) pair: the roofline of its FLOPs (masked
+        scores too) and bytes, plus ``kernel_call_s`` per call (Note [Cached attention call]
+        in tokenring.inference)."""
         dims = self.dims
         hq, hkv, d, e = dims.heads_q, dims.heads_kv, dims.head_dim, dims.elem_bytes
         flops = num_bytes = 0.0
@@ -424,15 +370,10 @@ class _EventEngine:
         roofline = max(flops / self.flops_per_s, num_bytes / self.mem)
         return roofline + calls * self.hw.kernel_call_s
 
-    def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
-        """Play every rank's program: per rank its end, its step starts and its events."""
-        return _EventRun(self).run()
-
 
 class _EventRun:
-    """The state of one :meth:`_EventEngine.run`: per flow when each end posted it, when it
-    started and arrived, and the bytes it has left at its rate (Note [Sharing bandwidth]);
-    per rank where it is in its program; the heap of pending events."""
+    """The state of one run of an engine's programs: per flow its posts, start, arrival, rate and
+    bytes left; per rank its place in its program; the heap of pending events."""
 
     def __init__(self, engine: _EventEngine) -> None:
         self.engine = engine
@@ -471,12 +412,6 @@ class _EventRun:
             self.dirty.add(res)
         self.fresh.append(i)
 
-    def post(self, sends: tuple[int, ...], recvs: tuple[int, ...], now: float) -> None:
-        for ready, flows in ((self.sender_ready, sends), (self.receiver_ready, recvs)):
-            for i in flows:
-                ready[i] = now
-                self.maybe_start(i, now)
-
     def advance(self, r: int, now: float) -> None:
         """Play rank ``r``'s program from where it stopped until it computes or waits."""
         prog, pc = self.engine.programs[r], self.pc
@@ -486,16 +421,17 @@ class _EventRun:
             if kind == _STEP:
                 self.step_start[r][action[1]] = now
             elif kind == _POST:
-                self.post(action[1], action[2], now)
-            elif kind in (_COMPUTE, _MERGE):
-                duration = action[1]
-                if duration > 0:
-                    label = action[3]
-                    ev_kind = "compute" if kind == _COMPUTE else "merge"
-                    self.events[r].append(Event(ev_kind, label, action[2], now, now + duration))
-                    pc[r] += 1
-                    self.push(now + duration, _RESUME, r)
-                    return
+                sends, recvs = action[1], action[2]
+                for ready, flows in ((self.sender_ready, sends), (self.receiver_ready, recvs)):
+                    for i in flows:
+                        ready[i] = now
+                        self.maybe_start(i, now)
+            elif kind in (_COMPUTE, _MERGE) and (duration := action[1]) > 0:
+                ev_kind = "compute" if kind == _COMPUTE else "merge"
+                self.events[r].append(Event(ev_kind, action[3], action[2], now, now + duration))
+                pc[r] += 1
+                self.push(now + duration, _RESUME, r)
+                return
             elif kind == _WAIT and self.arrival[action[1]] is None:
                 self.waiting.setdefault(action[1], []).append(r)
                 return
@@ -505,13 +441,11 @@ class _EventRun:
     def arrive(self, i: int, now: float) -> None:
         """Flow ``i`` has arrived: log it at both ends and wake the ranks waiting for it."""
         self.arrival[i] = now
-        tr = self.engine.transfers[i]
-        start = self.started[i]
+        tr, start = self.engine.transfers[i], self.started[i]
         assert start is not None
-        num = int(self.engine.flow_bytes[i])
-        events = self.events
-        events[tr.src].append(Event("send", tr.payload.value, tr.step, start, now, tr.dst, num))
-        events[tr.dst].append(Event("recv", tr.payload.value, tr.step, start, now, tr.src, num))
+        num, what = int(self.engine.flow_bytes[i]), tr.payload.value
+        self.events[tr.src].append(Event("send", what, tr.step, start, now, tr.dst, num))
+        self.events[tr.dst].append(Event("recv", what, tr.step, start, now, tr.src, num))
         for r in self.waiting.pop(i, ()):
             self.pc[r] += 1
             self.advance(r, now)
@@ -543,6 +477,7 @@ class _EventRun:
             self.arrive(i, now)
 
     def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
+        """Play every rank's program: per rank its end, its step starts and its events."""
         p, heap = self.engine.world_size, self.heap
         for r in range(p):
             self.advance(r, 0.0)
@@ -572,6 +507,14 @@ def _busy_s(events: list[list[Event]], *kinds: str) -> float:
     return max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in kinds) for evs in events)
 
 
+def _max_sent(transfers: Sequence[Transfer], p: int, dims: AttentionShape) -> tuple[int, int]:
+    """The most bytes one rank sends on the travel flow, and on the return flow."""
+    sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
+    for tr in transfers:
+        sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
+    return max(sent[Flow.TRAVEL]), max(sent[Flow.RETURN])
+
+
 def _timeline(events: list[list[Event]]) -> tuple[tuple[Event, ...], ...]:
     return tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
 
@@ -580,29 +523,26 @@ def simulate_cached(
     plan: CachedPlan, shards: CachedShards, *, shape: AttentionShape, hardware: Hardware
 ) -> tuple[float, float, float, tuple[tuple[Event, ...], ...]]:
     """Predict a cached inference plan (``shape``: batch 1, the plan's rows hold every
-    sequence) with the event engine, replaying its ranks' ``cached_program``: ``(call_s,
-    compute_s, wire_s, timeline)``, the last rank's end, the busiest rank's kernels and
-    merges, the busiest link or port's bytes over its bandwidth, and per rank its events.
+    sequence) with the event engine: ``(call_s, compute_s, wire_s, timeline)``, the last
+    rank's end, the busiest rank's kernels and merges, the busiest link or port's bytes over
+    its bandwidth, and per rank its events.
 
     Raises:
         ValueError: a dtype the hardware has no FLOP/s for.
     """
-    engine = _EventEngine(plan.transfers, plan.world_size, plan.num_rounds, shape, hardware)
-    engine.flops_per_s = hardware.flops_per_s(Pass.FORWARD, shape.dtype)
-    engine.programs = [engine._cached_program(plan, shards, r) for r in range(plan.world_size)]
-    finish, _, events = engine.run()
+    flops_per_s = hardware.flops_per_s(Pass.FORWARD, shape.dtype)
+    p = plan.world_size
+    engine = _EventEngine(plan.transfers, p, plan.num_rounds, shape, hardware, flops_per_s)
+    engine.programs = [engine._cached_program(plan, shards, r) for r in range(p)]
+    finish, _, events = _EventRun(engine).run()
     busy = _busy_s(events, "compute", "merge")
     return max(finish), busy, engine.busiest()[2], _timeline(events)
 
 
 # -- vectorised engine -------------------------------------------------------------------------
 class _Network:
-    """Prices flows laid out as ``(W, P, G)`` tensors: window, sending rank, slot.
-
-    See Note [Vectorised engine]. Resources follow ``costmodel.route``: the pair (src, dst)
-    (MESH link / SWITCH path / inter-island path), ports or NICs out of src and into dst, and
-    RING hops (range sums and range maxima over the hops a flow crosses).
-    """
+    """Prices flows laid out as ``(W, P, G)`` tensors (window, sending rank, slot) on the
+    resources of ``costmodel.route``; Note [Vectorised engine]."""
 
     def __init__(self, hardware: Hardware, world_size: int) -> None:
         self.p = p = world_size
@@ -613,13 +553,11 @@ class _Network:
         self.dpn = hardware.devices_per_node
         self.inter = hardware.inter
         f64 = torch.float64
-        # Bytes per pair: the link to r - 1 carries flows of every window; any other pair
-        # (TokenRing's return from r to its q owner r + t - 1) those of one window only, so
-        # the busiest of them is known per call of price() and no (P, P) table is kept.
+        # Only the pair (r, r - 1) carries flows of more than one window: no (P, P) table.
         self.down_totals = torch.zeros(p, dtype=f64)  # pair (r, r - 1)
         self.other_best: tuple[float, int, float] = (-1.0, -1, 0.0)  # (seconds, src*P+dst, bytes)
-        # Ports (intra-island flows) and NICs (inter): (inter?, bandwidth, [out, in] byte
-        # totals per rank, their first family in price()'s work, their resource kinds).
+        # Ports (intra) and NICs (inter): (inter?, bandwidth, [out, in] byte totals per rank,
+        # their first family in price()'s work, their resource kinds).
         self.ports: list[tuple[bool, float, Tensor, int, tuple[ResourceKind, ...]]] = []
         if (port := net.port_bandwidth_bytes_per_s) is not None:
             kinds = (ResourceKind.PORT_OUT, ResourceKind.PORT_IN)
@@ -628,31 +566,22 @@ class _Network:
             kinds = (ResourceKind.NIC_OUT, ResourceKind.NIC_IN)
             self.ports.append((True, nic, torch.zeros(2, p, dtype=f64), 3, kinds))
         self.hop_totals = torch.zeros(2, p, dtype=f64)  # [up, down] per origin rank
-        # Streaming drain(): per resource family and rank, the bytes-seconds of work so far and
-        # max over windows with work of (window start - work before it).
+        # drain(): per family and rank, the work so far and max of (window start - work before)
         self.work_before = torch.zeros(7, p, dtype=f64)
         self.best_start = torch.full((7, p), -math.inf, dtype=f64)
 
     def _pair_cap(self, src: Tensor, dst: Tensor) -> Tensor:
-        cap = torch.full(src.shape, math.inf if self.ring else self.link, dtype=torch.float64)
+        cap = torch.full(src.shape, self.link, dtype=torch.float64)
         if self.inter is not None and self.dpn is not None:
             across = (src // self.dpn) != (dst // self.dpn)
             cap = torch.where(across, self.inter.link_bandwidth_bytes_per_s, cap)
         return cap
 
     def price(self, x: Tensor, dst: Tensor, *, count: bool = True) -> tuple[Tensor, Tensor]:
-        """Per flow: latency + its equal-share finish time among the flows of its window;
-        and per window the seconds of work each resource family gets (for :meth:`drain`).
-
-        Args:
-            x: ``(W, P, G)`` bytes (0: no flow); ``[w, r, g]`` is sent by rank r.
-            dst: ``(W, P, G)`` receiving ranks.
-            count: add the bytes to the pass totals (False for exposed transfers, which the
-                bound counts separately).
-
-        Returns:
-            ``(W, P, G)`` seconds per flow, ``(W, 7, P)`` seconds of work per family.
-        """
+        """Per flow ``(W, P, G)``: latency + its equal-share finish time in its window; per
+        window ``(W, 7, P)``: the seconds of work of each resource family (for :meth:`drain`).
+        ``x``: bytes (0: no flow) sent by rank r to ``dst``; ``count``: add them to the pass
+        totals (False for the exposed transfers)."""
         w_count, p, _ = x.shape
         src = torch.arange(p).view(1, p, 1).expand_as(dst)
         win = torch.arange(w_count).view(w_count, 1, 1).expand_as(dst)
@@ -663,23 +592,21 @@ class _Network:
         if self.dpn is not None and self.inter is not None:
             inter = (src // self.dpn) != (dst // self.dpn)
             lat = torch.where(inter, self.inter.latency_s, lat)
-        # (W, P) seconds of work per resource family: link to r-1, port out, port in, NIC out,
-        # NIC in, ring hop up, ring hop down (the families used in more than one window).
+        # families: link to r-1, port out, port in, NIC out, NIC in, ring hop up, hop down
         work = torch.zeros(w_count, 7, p, dtype=torch.float64)
         worst = self._price_pairs(src, dst, xa, work, count)
         worst = torch.maximum(worst, self._price_ports(win, dst, xa, inter, work, count))
         hops = torch.ones(x.shape, dtype=torch.long)
-        if self.ring:
-            on_hops, hops = self._price_hops(win, src, dst, xa, inter, work, count)
+        if self.ring:  # no islands on a ring (Hardware): every flow is intra
+            on_hops, hops = self._price_hops(win, src, dst, xa, work, count)
             worst = torch.maximum(worst, on_hops)
         return torch.where(active, worst + lat * hops, 0.0), work
 
     def _price_pairs(
         self, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
     ) -> Tensor:
-        """The pair's own link/path: flows of one window with the same (src, dst) share it.
-        Per flow its seconds there; fills family 0 of ``work``."""
-        if self.ring and self.inter is None:
+        """Per flow its seconds on its pair's link or path; fills family 0 of ``work``."""
+        if self.ring:
             return torch.zeros(xa.shape, dtype=torch.float64)
         active = xa > 0
         n = active.to(torch.float64)
@@ -690,7 +617,6 @@ class _Network:
             same = dst == dst[:, :, g : g + 1]
             pair_load += torch.where(same, xa[:, :, g : g + 1], 0.0)
             pair_n += torch.where(same, n[:, :, g : g + 1], 0.0)
-        # the link to r-1 is the only pair used in more than one window
         down = dst == (src - 1) % self.p
         work[:, 0] = torch.where(down, xa / pair_cap, 0.0).sum(-1)
         if count:
@@ -701,8 +627,7 @@ class _Network:
     def _price_ports(
         self, win: Tensor, dst: Tensor, xa: Tensor, inter: Tensor, work: Tensor, count: bool
     ) -> Tensor:
-        """Ports (intra) and NICs (inter): what src sends and dst receives. Per flow its
-        seconds there; fills families 1 to 4 of ``work``."""
+        """Per flow its seconds on its ports (intra) or NICs (inter); fills families 1 to 4."""
         w_count, p, _ = xa.shape
         n = (xa > 0).to(torch.float64)
         worst = torch.zeros(xa.shape, dtype=torch.float64)
@@ -723,17 +648,10 @@ class _Network:
         return worst
 
     def _price_hops(
-        self,
-        win: Tensor,
-        src: Tensor,
-        dst: Tensor,
-        xa: Tensor,
-        inter: Tensor,
-        work: Tensor,
-        count: bool,
+        self, win: Tensor, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
     ) -> tuple[Tensor, Tensor]:
-        """A physical ring's hops, each way round: per flow its seconds on its busiest hop
-        and its number of hops (at least 1); fills families 5 and 6 of ``work``."""
+        """Per flow its seconds on its busiest ring hop and its hops (at least 1); fills
+        families 5 and 6."""
         w_count, p, _ = xa.shape
         worst = torch.zeros(xa.shape, dtype=torch.float64)
         forward = (dst - src) % p
@@ -741,7 +659,7 @@ class _Network:
         hops = torch.where(up, forward, p - forward)
         first = torch.where(up, src, (src - hops + 1) % p)  # origin of the first hop
         for direction, mask in ((0, up), (1, ~up)):
-            sel = mask & (xa > 0) & (hops > 0) & ~inter
+            sel = mask & (xa > 0) & (hops > 0)
             if not bool(sel.any()):
                 continue
             wi, st, h, xs = win[sel], first[sel], hops[sel], xa[sel]
@@ -768,19 +686,16 @@ class _Network:
             self.other_best = best
 
     def add_windows(self, work: Tensor, window_start: Tensor) -> None:
-        """Fold the work of consecutive windows (``(W, 7, P)`` from :meth:`price`, in window
-        order, each window once) starting at ``window_start`` ``(W,)`` into :meth:`drain`."""
+        """Fold the work ``(W, 7, P)`` of consecutive windows starting at ``window_start``
+        ``(W,)`` into :meth:`drain`."""
         before = self.work_before + work.cumsum(0) - work  # (W, 7, P): work before window w
         start = torch.where(work > 0, window_start.view(-1, 1, 1) - before, -math.inf)
         self.best_start = torch.maximum(self.best_start, start.amax(0))
         self.work_before = self.work_before + work.sum(0)
 
     def drain(self) -> float:
-        """When the busiest resource can have carried everything: a resource that gets work
-        L_w in window w (starting at T_w) is busy until at least max_w (T_w + sum_{v>=w} L_v).
-        This catches flows that outlast their window (Note [Vectorised engine]). Window starts
-        never decrease, so the max over windows with work (L_w > 0) is the max over all, and
-        sum_{v>=w} L_v = total - work before w: no (W, P) table is kept."""
+        """The drain bound of Note [Vectorised engine]; window starts never decrease, so
+        sum_{v>=w} L_v = total - work before w and no (W, P) table is kept."""
         busy = torch.where(self.best_start > -math.inf, self.work_before + self.best_start, 0.0)
         return float(busy.max())
 
@@ -788,11 +703,10 @@ class _Network:
         """(name, bytes, seconds) of the resource with the largest bytes / bandwidth."""
         p = self.p
         candidates: list[tuple[str, float, float]] = []
-        if not self.ring or self.inter is not None:
+        if not self.ring:
             ranks = torch.arange(p)
             seconds = self.down_totals / self._pair_cap(ranks, (ranks - 1) % p)
             index = ranks * p + (ranks - 1) % p
-            # the first of equals in pair order, as one (P, P) table would give it
             j = int(torch.argmin(torch.where(seconds == seconds.max(), index, p * p)))
             down = (float(seconds[j]), int(index[j]), float(self.down_totals[j]))
             best = max(down, self.other_best, key=lambda c: (c[0], -c[1]))
@@ -840,15 +754,12 @@ def _range_max(values: Tensor, window: Tensor, start: Tensor, length: Tensor) ->
     return out
 
 
-_CHUNK_CELLS = 1 << 19
-"""(rank, step) cells the vectorised engine holds at once: it walks the steps in chunks of
-max(1, _CHUNK_CELLS // P), so its memory grows linearly with P (Note [Vectorised engine])."""
+_CHUNK_CELLS = 1 << 19  # (rank, step) cells the vectorised engine holds at once
 
 
 class _Replay:
-    """The vectorised engine's clock (Note [Vectorised engine]): every rank's program,
-    ``ring_step_order`` step by step, one op for all ranks at once. Times are ``(P,)``
-    tensors; ``dur`` of a flow comes from its window's price (:func:`_window_flows`)."""
+    """The vectorised engine's clock: ``ring_step_order`` step by step, one op for all ranks
+    at once, times as ``(P,)`` tensors (Note [Vectorised engine])."""
 
     def __init__(
         self, plan: RingPlan, dims: AttentionShape, hardware: Hardware, flops_per_s: float
@@ -878,9 +789,8 @@ class _Replay:
         self.zeros = zeros
 
     def _arrive(self, dst: Tensor, num_bytes: Tensor, dur: Tensor) -> tuple[Tensor, Tensor]:
-        """Flows posted now by every rank to ``dst``: a flow starts when both ends have
-        posted it (both post in this op) and arrives ``dur`` later. Returns (arrival by
-        sender, has by sender) and counts the sends towards SENT_ALL."""
+        """Flows posted now by every rank to ``dst`` (both ends post in this op): (arrival,
+        has) by sender; counts the sends towards SENT_ALL."""
         has = num_bytes > 0
         arrival = torch.where(has, torch.maximum(self.now, self.now[dst]) + dur, 0.0)
         self.send_done = torch.maximum(self.send_done, arrival)
@@ -889,14 +799,13 @@ class _Replay:
     def _received(
         self, dst: Tensor, arrival: Tensor, has: Tensor, value: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """(arrival, value) by receiver (values >= 0) of flows that reach every receiver at
-        most once."""
+        """(arrival, value >= 0) by receiver of flows reaching each receiver at most once."""
         at = self.zeros.scatter_reduce(0, dst, torch.where(has, arrival, 0.0), "amax")
         return at, self.zeros.scatter_reduce(0, dst, torch.where(has, value, 0.0), "amax")
 
     def load(self, col: RingColumns, num_steps: int) -> None:
-        """Read the first ``num_steps`` columns of ``col`` (a chunk's steps): each segment's
-        kernel and own merge (``work`` (P, T, K) seconds), the segments and slots of each step."""
+        """Read a chunk's first ``num_steps`` columns: each segment's kernel and own merge
+        (``work`` (P, T, K) seconds), and each step's segments and slots."""
         rows = col.segment_rows[:, :num_steps].double()  # (P, T, K)
         kernel = col.segment_pairs[:, :num_steps] * self.kernel_per_pair
         own = (col.q_owner[:, :num_steps] == self.ranks.unsqueeze(1)).unsqueeze(-1)
@@ -908,8 +817,7 @@ class _Replay:
         self.sends_dkv = (col.dkv_rows[:, :num_steps] > 0).any(0).tolist()
 
     def step(self, t: int, col: RingColumns, j: int, dur: dict[str, Tensor]) -> None:
-        """Step ``t`` (column ``j`` of ``col``, :meth:`load` ed); ``dur``: its flows'
-        durations (``travel`` (P,), ``returns`` (P, K), ``dkv`` (P,))."""
+        """Step ``t`` (column ``j``); ``dur``: ``travel`` (P,), ``returns`` (P, K), ``dkv`` (P,)."""
         self.starts.append(float(self.now.min()))
         self.travel_in = self.own_travel = self.zeros
         num, work = self.num_segments[j], self.work[:, j]
@@ -938,8 +846,8 @@ class _Replay:
     def _post(
         self, t: int, col: RingColumns, j: int, after: int, num: int, dur: dict[str, Tensor]
     ) -> None:
-        """POST t ``after``: slot 0 the travelling block, slot k+1 TokenRing's partial of
-        segment k, slot max(1, n) Ring's accumulator (Note [Rank program])."""
+        """POST t ``after``: 0 the travelling block, k+1 TokenRing's partial of segment k,
+        max(1, n) Ring's accumulator (Note [Rank program])."""
         plan = self.plan
         if after == 0:
             arrival, has = self._arrive(self.up, col.travel_rows[:, j], dur["travel"])
@@ -998,10 +906,10 @@ def _flow_bytes(
 def _window_flows(
     plan: RingPlan, col: RingColumns, dims: AttentionShape, windows: range
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The flows of ``windows`` as ``(W, P, G)`` bytes and receivers for ``_Network.price``,
-    and ``(P, 2)`` the exposed ones of the last step (Note [Vectorised engine]): slot 0 the
-    travel of step w, 1..K the returns of step w-1, K+1..2K those of the last step but each
-    rank's last (in window P-1), 2K+1 the accumulators of step w-1."""
+    """The flows of ``windows`` as ``(W, P, G)`` bytes and receivers, and ``(P, 2)`` the
+    exposed ones of the last step. Slots: 0 the travel of step w, 1..K the returns of step
+    w-1, K+1..2K those of the last step but each rank's last (window P-1), 2K+1 the
+    accumulators of step w-1."""
     p, first = plan.world_size, col.steps.start
     travel, returns, dkv = _flow_bytes(plan, col, dims)
     k = returns.shape[2]
@@ -1034,9 +942,8 @@ def _last_segment(col: RingColumns, j: int) -> Tensor:
 def _step_durations(
     dur: Tensor, tail: Tensor, col: RingColumns, t: int, j: int
 ) -> dict[str, Tensor]:
-    """Durations of the flows of step t (window t is ``dur[j]``, step t column ``j``)
-    in the slots of :func:`_window_flows`: the returns and accumulators of step t fly in
-    window t + 1, those of the last step in its own window or, exposed, in ``tail``."""
+    """Durations of step t's flows (window t is ``dur[j]``): its returns and accumulators fly
+    in window t + 1, the last step's in its own window or, exposed, in ``tail``."""
     k = col.segment_rows.shape[2]
     if t < col.q_owner.shape[0] - 1:
         return {
@@ -1049,8 +956,7 @@ def _step_durations(
 
 
 def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) -> float:
-    """The merge or add of what arrives last (the exposed tail; the last chunk's columns
-    ``col`` start at step ``c0``)."""
+    """The merge or add of the exposed tail (``col``: the last chunk's, from step ``c0``)."""
     last = _last_segment(col, plan.world_size - 1 - c0)
     exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
     last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
@@ -1062,8 +968,8 @@ def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) ->
 def _price_windows(
     net: _Network, plan: RingPlan, col: RingColumns, dims: AttentionShape, windows: range
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """``windows``' flow durations ``(W, P, G)`` and work (``_Network.price``), and the
-    exposed tail's ``((1, P, 2), (1, 7, P))`` when the last window is among them."""
+    """``windows``' flow durations and work (``_Network.price``), and the exposed tail's
+    when the last window is among them."""
     x, dst, tail_x = _window_flows(plan, col, dims, windows)
     used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
     dur = torch.zeros_like(x)
@@ -1108,10 +1014,7 @@ def _simulate_vectorised(
         if windows:  # the last chunk's may be priced already (the chunk before looked ahead)
             starts = replay.starts[windows.start :] + [float(replay.now.min())] * (c1 < p)
             net.add_windows(work, torch.tensor(starts, dtype=torch.float64))
-    # Exposed tail: the last return slice (TokenRing), the accumulator home (Ring backward).
     net.add_windows(tail_work, replay.now.min().view(1))
-    # Flows that outlast their window pile up on a resource: the call cannot end before the
-    # busiest one drains (plus the merge of what arrives last).
     call_s = max(float(replay.end().max()), net.drain() + _last_merge_s(plan, col, replay, c0))
     busiest_name, busiest_bytes, busiest_s = net.busiest()
     return PassResult(
@@ -1146,17 +1049,16 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     """
     p = sched.world_size
     flops_per_s = hardware.flops_per_s(sched.pass_, shape.dtype)
-    engine = _EventEngine.for_schedule(sched, shape, hardware, flops_per_s)
-    finish, step_start, events = engine.run()
+    engine = _EventEngine(sched.transfers, p, sched.num_steps, shape, hardware, flops_per_s)
+    engine.programs = [engine._actions(sched, r) for r in range(p)]
+    finish, step_start, events = _EventRun(engine).run()
     exposed = exposed_transfers(sched)
     busiest_name, busiest_bytes, busiest_s = engine.busiest(exposed)
     exposed_s = 0.0
     for tr in exposed:
         rt = transfer_route(hardware, sched, tr)
         exposed_s = max(exposed_s, tr.num_bytes(shape) / rt.flow_cap_bytes_per_s + rt.latency_s)
-    sent: dict[Flow, list[int]] = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
-    for tr in sched.transfers:
-        sent[tr.payload.flow][tr.src] += tr.num_bytes(shape)
+    travel_bytes, return_bytes = _max_sent(sched.transfers, p, shape)
     return PassResult(
         strategy=sched.strategy,
         pass_=sched.pass_,
@@ -1176,8 +1078,8 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
         busiest_bytes=busiest_bytes,
         busiest_s=busiest_s,
         exposed_s=exposed_s,
-        travel_bytes=max(sent[Flow.TRAVEL]),
-        return_bytes=max(sent[Flow.RETURN]),
+        travel_bytes=travel_bytes,
+        return_bytes=return_bytes,
         timeline=_timeline(events),
     )
 
@@ -1200,23 +1102,19 @@ def simulate_pass(
     """Predict one pass of one strategy.
 
     Args:
-        strategy, pass_, layout, causal, world_size, seq_local, last_block_splits: as
-            ``tokenring.strategies.build_schedule``.
+        strategy, pass_, layout, causal, world_size, seq_local, last_block_splits,
+            lend_last_pair: as ``tokenring.strategies.build_schedule``.
         shape: batch, heads, head dim and dtype.
-        hardware: the machine (``tokenring.model.costmodel.PRESETS`` or ``measured(...)``).
+        hardware: the machine (``costmodel.PRESETS`` or ``measured(...)``).
         mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
-        lend_last_pair: as ``build_schedule`` (TokenRing: Note [Borrowed last pair] in
-            tokenring.strategies.ring); the vectorised engine's columns have the plain tail
-            only.
 
     Raises:
         ValueError: unknown strategy/layout/mode, a seq_local the layout cannot split, a
             dtype the hardware has no FLOP/s for, or a hybrid without (a fitting) ``hybrid``.
-        NotImplementedError: mode "vectorised" (or "auto" above EVENT_MAX_WORLD_SIZE ranks)
-            for a strategy without columns (see VECTORISED_STRATEGIES), or for a
-            TokenRing schedule that lends a last pair (``lend_last_pair=False`` prices the
-            plain one).
+        NotImplementedError: the vectorised engine (``mode``, or ``auto`` above
+            EVENT_MAX_WORLD_SIZE) for a strategy not in VECTORISED_STRATEGIES, or for a
+            TokenRing schedule that lends its last pair.
     """
     strategy = Strategy.parse(strategy)
     pass_ = Pass(pass_)
@@ -1226,15 +1124,9 @@ def simulate_pass(
     validate_seq_local(seq_local, layout)
     mode = _engine(mode, strategy, world_size)
     flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
-    call: dict[str, Any] = dict(
-        layout=layout,
-        causal=causal,
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=shape.heads_q,
-        heads_kv=shape.heads_kv,
-        last_block_splits=last_block_splits,
-    )
+    call: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
+    call |= dict(seq_local=seq_local, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
+    call["last_block_splits"] = last_block_splits
     lends = strategy is Strategy.TOKEN_RING and lend_last_pair
     if mode == "event" or (lends and world_size <= LEND_MAX_WORLD_SIZE):
         sched = strategy_schedule(
@@ -1242,20 +1134,14 @@ def simulate_pass(
         )
         if mode == "event":
             return simulate_schedule(sched, shape=shape, hardware=hardware)
-        _check_plain_tail(sched)
+        if any(tr.payload is Payload.KV for tr in sched.transfers):  # it lends its last pair
+            raise NotImplementedError(
+                "the vectorised engine's columns have TokenRing's plain tail, and this "
+                "schedule lends its last pair (Note [Borrowed last pair] in "
+                "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
+            )
     plan = ring_plan(strategy, pass_, **call)
     return _simulate_vectorised(plan, layout, causal, shape, hardware, flops_per_s)
-
-
-def _check_plain_tail(sched: Schedule) -> None:
-    """Raise NotImplementedError when TokenRing's ``sched`` lends its last pair, which the
-    vectorised engine's columns do not replay."""
-    if any(tr.payload is Payload.KV for tr in sched.transfers):  # at most 64 ranks: cheap
-        raise NotImplementedError(
-            "the vectorised engine's columns have TokenRing's plain tail, and this "
-            "schedule lends its last pair (Note [Borrowed last pair] in "
-            "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
-        )
 
 
 def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
@@ -1288,15 +1174,12 @@ def strategy_schedule(
     seq_len: int | None = None,
     lend_last_pair: bool = False,
 ) -> Schedule:
-    """The schedule of one pass of any registered strategy: ``build_schedule`` for the ring
-    strategies, ``build_collective_schedule`` and ``build_hybrid_schedule`` for the others.
-    What the event engine plays and bench reads.
+    """The schedule of one pass of any strategy (``build_schedule``, or the collective or
+    hybrid builder): what the event engine plays and bench reads.
 
-    Give ``seq_local`` (every rank holds s tokens) or ``seq_len`` (any S, as
-    ``tokenring.shard`` splits it: the ring strategies get exactly the schedule the attention
-    builds, the collectives that of the padded buffer the attention runs them on, the hybrid
-    that of its padded outer shards split evenly over the inner ranks, an approximation
-    when P_in does not divide them). ``lend_last_pair``: as ``build_schedule`` (TokenRing).
+    Give ``seq_local`` (every rank holds s tokens) or ``seq_len`` (any S, as ``tokenring.shard``
+    splits it: the collectives get the padded buffer they run on, the hybrid its padded outer
+    shards split evenly over the inner ranks, approximate when P_in does not divide them).
 
     Raises:
         ValueError: as the builders; a hybrid without ``hybrid``; both or neither of
@@ -1347,8 +1230,7 @@ def _padded_seq_local(
     """s of the padded buffer a collective or the hybrid runs S on (see strategy_schedule)."""
     if strategy is not Strategy.HYBRID:
         return make_sharding(layout=layout, world_size=world_size, seq_len=seq_len).seq_local
-    # The outer ring runs on the outer shards of S (padded to one size), each rank holding
-    # about 1/P_in of one: s rounded up to what the outer layout splits.
+    # each rank holds about 1/P_in of a padded outer shard, rounded up to what the layout splits
     inner = hybrid.inner if hybrid is not None else 1
     outer = make_sharding(layout=layout, world_size=max(1, world_size // inner), seq_len=seq_len)
     seq_local = -(-outer.seq_local // inner)
