@@ -42,13 +42,7 @@ from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, program_of
 from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
-from tokenring.strategies.collective import (
-    HeadShare,
-    Rows,
-    _build,
-    parse_collective,
-    ulysses_heads,
-)
+from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
 
 __all__ = ["collective_backward", "collective_forward"]
 

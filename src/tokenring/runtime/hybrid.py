@@ -48,14 +48,7 @@ from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel
 from tokenring.runtime.program import Op, program_of
-from tokenring.runtime.ring import (
-    _Backward,
-    _Forward,
-    _part,
-    kv_message,
-    kv_rows,
-    message_fields,
-)
+from tokenring.runtime.ring import _Backward, _Forward, _part, kv_message, kv_rows, message_fields
 from tokenring.runtime.slots import Provide, SlotPoster
 from tokenring.strategies.hybrid import HybridSchedule, inner_slices, outer_transfers
 

@@ -1,10 +1,8 @@
 """Local block kernels: attention of one Q block against one K/V block, with lse.
 
-This module owns the per-block math. A kernel maps ``q, k, v -> (out, lse)`` and back; the
-strategies call it once per piece of their schedule. Kernels are pluggable and chosen by
-:func:`select_kernel` from what the device and dtype support; a kernel asked for explicitly
-that cannot run raises instead of silently running another. Which fused operator serves
-which call is the pure function :func:`plan_block` (Note [Kernel plan]).
+A kernel maps ``q, k, v -> (out, lse)`` and back; :func:`select_kernel` picks one the device
+and dtype support (a kernel asked for by name that cannot run raises), and the pure function
+:func:`plan_block` names the fused operator of each tile (Note [Kernel plan]).
 
 Legend: B batch, sq query rows, sk key rows, Hq query heads, Hkv key/value heads (divides Hq),
 D head dim, T tile rows. Public tensors are ``(B, rows, H, D)``; lse and delta are
@@ -13,34 +11,26 @@ D head dim, T tile rows. Public tensors are ``(B, rows, H, D)``; lse and delta a
 Note [Backward from delta]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 The block backward needs P = exp(S - lse) with the *global* lse and delta = rowsum(dout * out)
-with the *global* out. TokenRing ships delta (one number per row and head) instead of out
-(D numbers), because out is not needed otherwise. Fused ops (PyTorch's CPU and CUDA flash
-backward) take ``out`` and compute delta themselves, so we hand them a stand-in out' with the
-same row sums against dout::
+with the *global* out. TokenRing ships delta (one number per row and head) instead of out.
+Fused backward ops take ``out`` and compute delta themselves, so they get a stand-in out' with
+the same row sums against dout::
 
     out' = dout * delta / |dout|^2      (0 where |dout| = 0, where delta is 0 too)
 
-rowsum(dout * out') = delta exactly in real arithmetic, and |out'| <= |out| (Cauchy-Schwarz),
-so the stand-in is as well-scaled as the real out. It costs a few elementwise passes over the
-piece's q rows (measured, one thread, 1024 rows x 8 heads x 64: 2.0 ms in bfloat16, 0.3 ms in
-float32), so where the caller holds the real out (its own queries: every piece of Ring and
-the bidirectional ring, TokenRing's local block) it passes that instead (``out=``), and
-:class:`TiledKernel` builds it once per q tile that meets several kv tiles (a visiting
-half Q against both kv chunks: two backward tiles on the CPU), not once per tile; never for
-more rows than a tile's, so a call's memory stays its tile's (Note [Kernel plan]).
-Kernels whose backward only exists through autograd (FlexAttention) recompute the block's own
-(out_b, lse_b) and pull the global gradient out of the local one (Note [Backward through
-autograd]).
+rowsum(dout * out') = delta, and |out'| <= |out| (Cauchy-Schwarz), so it is as well-scaled as
+out. It costs a few elementwise passes, so a caller that holds the real out (its own queries)
+passes it (``out=``), and :class:`TiledKernel` builds the stand-in once per q tile that meets
+several kv tiles, never for more rows than a tile's. Kernels whose backward only exists
+through autograd (FlexAttention) use Note [Backward through autograd].
 
 Note [Kernel plan]
 ~~~~~~~~~~~~~~~~~~
-No call allocates a (sq, sk) tensor on CUDA. :class:`TiledKernel` cuts every piece into
-tiles of at most T x T and classifies each tile as the schedule classifies pieces (Note [Mask
-classes] in tokenring.core.masks): skipped, full, causal (a diagonal tile of a causal piece), or
-masked. Gradients of a tile are added straight into the caller's accumulators, so the memory
-of a call is its tile's, whatever the piece's length (the forward of an unmasked piece runs
-whole in the fused kernels: it holds O(s) anyway). :func:`plan_block` names the operator of
-each tile:
+No call allocates a (sq, sk) tensor on CUDA. :class:`TiledKernel` cuts every piece into tiles
+of at most T x T and classifies each as the schedule classifies pieces (Note [Mask classes] in
+tokenring.core.masks): skipped, full, causal (a diagonal tile of a causal piece) or masked.
+Tile gradients are added straight into the caller's accumulators, so a call's memory is its
+tile's (the forward of an unmasked piece runs whole in the fused kernels: it holds O(s)
+anyway). :func:`plan_block` names the operator of each tile:
 
     device  dtype        D          mask class    operator
     cuda    fp16, bf16   %8, <=256  full, causal  flash-attn 2 package, else SDPA flash (sm80+)
@@ -50,20 +40,22 @@ each tile:
     cpu     any          any        any           PyTorch's CPU flash op (dense mask per tile)
 
 The tiled reference materialises (B, Hq, T, T) scores per tile only; a masked tile builds its
-(T, T) mask from positions (:class:`PositionMask`), never the piece's. On the CPU a backward
-tile of a non-causal piece also has at most as many kv rows as q rows, and at least 512
-(``TiledKernel.backward_kv_tile_floor``): the CPU op's backward walks keys slower than queries.
+(T, T) mask from positions (:class:`PositionMask`). On the CPU a backward tile of a non-causal
+piece has at most as many kv rows as q rows, and at least 512 (``backward_kv_tile_floor``):
+the CPU op's backward walks keys slower than queries.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
+from torch import Tensor
 
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
@@ -91,19 +83,18 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class PositionMask:
-    """A block's mask as positions, not as a matrix: query row i sees key j when
-    ``spec.visible(q_positions[i], kv_positions[j])``. Positions stay on the CPU, so tiles
-    are cut and classified without a device synchronisation and without building the mask."""
+    """A block's mask as positions: query row i sees key j when ``spec.visible(q_positions[i],
+    kv_positions[j])``. On the CPU, so tiles are classified without a device sync."""
 
     spec: MaskSpec
-    q_positions: torch.Tensor  # (sq,) int64 on the CPU, -1 for padding
-    kv_positions: torch.Tensor  # (sk,)
+    q_positions: Tensor  # (sq,) int64 on the CPU, -1 for padding
+    kv_positions: Tensor  # (sk,)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q_positions.numel(), self.kv_positions.numel())
 
-    def dense(self, device: torch.device | None = None) -> torch.Tensor:
+    def dense(self, device: torch.device | None = None) -> Tensor:
         """The ``(sq, sk)`` bool mask (a tile's, when cut first), on ``device``."""
         visible = self.spec.visible(self.q_positions, self.kv_positions)
         return visible if device is None else visible.to(device, non_blocking=True)
@@ -116,8 +107,7 @@ class PositionMask:
         )
 
     def visibility(self, strip_rows: int = 256) -> tuple[bool, bool]:
-        """(any pair visible, every pair visible), evaluated ``strip_rows`` query rows at a
-        time (memory: one strip)."""
+        """(any pair visible, every pair visible), ``strip_rows`` query rows at a time."""
         any_seen, all_seen = False, True
         for a in range(0, self.shape[0], strip_rows):
             strip = self.spec.visible(self.q_positions[a : a + strip_rows], self.kv_positions)
@@ -126,17 +116,14 @@ class PositionMask:
         return any_seen, all_seen and self.shape[0] > 0
 
 
-Mask: TypeAlias = "torch.Tensor | PositionMask"
+Mask: TypeAlias = "Tensor | PositionMask"
 """A block mask: bool ``(sq, sk)`` (True: visible), or positions."""
-Grads: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Grads: TypeAlias = tuple[Tensor, Tensor, Tensor]
 """Gradient accumulators of a block: dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``."""
 
 
-def _dense(
-    mask: Mask | None, q: torch.Tensor, k: torch.Tensor, causal: bool
-) -> torch.Tensor | None:
-    """The bool ``(sq, sk)`` mask on q's device, checked (an internal contract: the runtime
-    builds masks from positions)."""
+def _dense(mask: Mask | None, q: Tensor, k: Tensor, causal: bool) -> Tensor | None:
+    """The bool ``(sq, sk)`` mask on q's device, checked."""
     if mask is None:
         return None
     assert not causal, "a block gets either the causal flag or an explicit mask"
@@ -153,8 +140,7 @@ class BlockKernel(abc.ABC):
 
     name: str = "abstract"
     takes_out: bool = False
-    """Whether :meth:`backward` uses ``out`` (fused operators: they compute delta from it);
-    else it is ignored."""
+    """Whether :meth:`backward` uses ``out`` (fused ops compute delta from it)."""
 
     def __init__(self) -> None:
         self.ran: collections.Counter[str] = collections.Counter()
@@ -166,15 +152,9 @@ class BlockKernel(abc.ABC):
 
     @abc.abstractmethod
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Block attention.
 
         Args:
@@ -192,19 +172,9 @@ class BlockKernel(abc.ABC):
 
     @abc.abstractmethod
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
         """Gradients of one block given the global ``lse`` and ``delta`` of the q rows.
 
         Args:
@@ -222,28 +192,14 @@ class BlockKernel(abc.ABC):
         """
 
     def backward_into(
-        self,
-        grads: Grads | Callable[[], Grads],
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-        poll: Callable[[], None] | None = None,
-    ) -> None:
+        self, grads: Grads | Callable[[], Grads], dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+        lse: Tensor, delta: Tensor, *, causal: bool, scale: float, mask: Mask | None = None,
+        out: Tensor | None = None, poll: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         """:meth:`backward`, added into ``grads = (dq, dk, dv)`` (same shapes, any float
-        dtype, typically accumulators in the accumulation dtype). ``poll`` is called after
-        each tile, before its gradients are added (the runtime frees buffers whose transfers
-        have completed). ``grads`` may be a function that returns them: it is called once,
-        after the first tile and its ``poll``, and never if no tile is computed, so the
-        caller allocates (or receives) them only when buffers of the last step are gone
-        (Note [Buffers in flight] in tokenring.runtime.ring)."""
+        dtype). ``poll`` runs after each tile, before its gradients are added. ``grads`` may be
+        a function returning them, called once after the first tile and its ``poll`` (never
+        if no tile is computed): Note [Buffers in flight] in tokenring.runtime.ring."""
         parts = self.backward(
             dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
         )
@@ -253,14 +209,18 @@ class BlockKernel(abc.ABC):
             acc += part
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
+def _bhsd(x: Tensor) -> Tensor:
     return x.transpose(1, 2)
 
 
+def _kind(causal: bool, mask: Mask | None) -> str:
+    """The tile class of a whole piece (Note [Kernel plan])."""
+    return "causal" if causal else ("full" if mask is None else "masked")
+
+
 class ReferenceKernel(BlockKernel):
-    """Plain torch matmuls in the accumulation dtype; any device, any dtype. Materialises the
-    ``(B, Hq, sq, sk)`` score matrix: the obviously-correct baseline, and the math inside
-    :class:`TiledKernel`'s tiles (where sq, sk <= T)."""
+    """Plain torch matmuls in the accumulation dtype; any device and dtype. Materialises the
+    ``(B, Hq, sq, sk)`` scores: the baseline, and the math of :class:`TiledKernel`'s tiles."""
 
     name = "reference"
 
@@ -268,9 +228,7 @@ class ReferenceKernel(BlockKernel):
         return dtype.is_floating_point
 
     @staticmethod
-    def _scores(
-        q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, visible: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, visible: Tensor | None) -> Tensor:
         """``(B, Hkv, G*sq, sk)`` scores (G = Hq / Hkv query heads per kv head, no repeat)."""
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -290,15 +248,9 @@ class ReferenceKernel(BlockKernel):
         return scores
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -310,19 +262,9 @@ class ReferenceKernel(BlockKernel):
         return _bhsd(out).to(q.dtype), lse.view(b, hq, sq)
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
         self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -344,7 +286,7 @@ class ReferenceKernel(BlockKernel):
         return _bhsd(dq).to(q.dtype), _bhsd(dk).to(k.dtype), _bhsd(dv).to(v.dtype)
 
 
-def _stand_in_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
     """out' with rowsum(dout * out') == delta, ``(B, Hq, sq, D)`` in dout's dtype; see Note
     [Backward from delta]."""
     acc = delta.dtype
@@ -356,14 +298,14 @@ def _stand_in_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return _bhsd(torch.mul(dout, ratio.unsqueeze(-1), out=out))
 
 
-def _out_of(out: torch.Tensor | None, dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def _out_of(out: Tensor | None, dout: Tensor, delta: Tensor) -> Tensor:
     """What a fused backward takes as ``out``, ``(B, Hq, sq, D)``: the block's rows of the
     global out when the caller holds them (its own queries), else the stand-in of Note
     [Backward from delta] (a visiting Q, which travels with delta instead of out)."""
     return _bhsd(out) if out is not None else _stand_in_out(dout, delta)
 
 
-def _finite_lse(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _finite_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
     """lse for a fused backward: a row with lse -inf sees no key anywhere, so every score of
     its tile is masked and any finite lse gives P = 0 there (-inf would give NaN)."""
     out = lse.to(dtype)
@@ -384,37 +326,19 @@ class _CpuFlashOps(BlockKernel):
         self._bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return (
-            self._fwd is not None
-            and self._bwd is not None
-            and device.type == "cpu"
-            and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-        )
+        ok = self._fwd is not None and self._bwd is not None and device.type == "cpu"
+        return ok and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         assert self._fwd is not None
         self.ran["cpu_flash"] += 1
         visible = _dense(mask, q, k, causal)
         bias = None if visible is None else _additive(visible, q.dtype)
-        result = _named(
-            self._fwd.default,
-            _bhsd(q),
-            _bhsd(k),
-            _bhsd(v),
-            0.0,
-            causal,
-            attn_mask=bias,
-            scale=scale,
-        )
+        qkv = (_bhsd(q), _bhsd(k), _bhsd(v))
+        result = _named(self._fwd.default, *qkv, 0.0, causal, attn_mask=bias, scale=scale)
         out, lse = result["output"], result["logsumexp"]  # (B, Hq, sq, D), (B, Hq, sq)
         lse = lse.to(accumulation_dtype(q.dtype))
         if visible is not None:  # the op reports lse 0 for a row that sees no key
@@ -422,37 +346,17 @@ class _CpuFlashOps(BlockKernel):
         return _bhsd(out), lse
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
         assert self._bwd is not None
         self.ran["cpu_flash"] += 1
         visible = _dense(mask, q, k, causal)
         bias = None if visible is None else _additive(visible, q.dtype)
-        result = _named(
-            self._bwd.default,
-            _bhsd(dout),
-            _bhsd(q),
-            _bhsd(k),
-            _bhsd(v),
-            _out_of(out, dout, delta),
-            _finite_lse(lse, accumulation_dtype(q.dtype)),
-            0.0,
-            causal,
-            attn_mask=bias,
-            scale=scale,
-        )
-        return _bhsd(result["grad_query"]), _bhsd(result["grad_key"]), _bhsd(result["grad_value"])
+        args = (_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _out_of(out, dout, delta))
+        lse_op = _finite_lse(lse, accumulation_dtype(q.dtype))
+        r = _named(self._bwd.default, *args, lse_op, 0.0, causal, attn_mask=bias, scale=scale)
+        return _bhsd(r["grad_query"]), _bhsd(r["grad_key"]), _bhsd(r["grad_value"])
 
 
 # -- the tiles ---------------------------------------------------------------------------------
@@ -555,39 +459,29 @@ class TiledKernel(BlockKernel):
     def _kernel(self, kind: str) -> BlockKernel:
         return self.masked_inner if kind == "masked" else self.inner
 
-    def _plain_forward_whole(self, q: torch.Tensor, causal: bool) -> bool:
+    def _plain_forward_whole(self, q: Tensor, causal: bool) -> bool:
         """Whether the forward of an unmasked piece runs in one call."""
         return not self.tile_plain_forward
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         b, sq, hq, d = q.shape
         acc = accumulation_dtype(q.dtype)
         whole = sq <= self.tile_rows and k.shape[1] <= self.tile_rows
         if whole or (mask is None and self._plain_forward_whole(q, causal)):
-            kind = "causal" if causal else ("full" if mask is None else "masked")
-            return self._kernel(kind).forward(q, k, v, causal=causal, scale=scale, mask=mask)
+            kernel = self._kernel(_kind(causal, mask))
+            return kernel.forward(q, k, v, causal=causal, scale=scale, mask=mask)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, sq, Hq, D)
         lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)
         for (qa, qb), row in self._tile_grid(sq, k.shape[1], causal, mask):
+            q_t = q[:, qa:qb]
             out_t = torch.zeros((b, qb - qa, hq, d), dtype=acc, device=q.device)
             lse_t = torch.full((b, hq, qb - qa), float("-inf"), dtype=acc, device=q.device)
             for (ka, kb), kind, sub in row:
                 part = self._kernel(kind).forward(
-                    q[:, qa:qb],
-                    k[:, ka:kb],
-                    v[:, ka:kb],
-                    causal=kind == "causal",
-                    scale=scale,
-                    mask=sub,
+                    q_t, k[:, ka:kb], v[:, ka:kb], causal=kind == "causal", scale=scale, mask=sub
                 )
                 merge_into(out_t, lse_t, (0, qb - qa), *part)
             out[:, qa:qb] = out_t
@@ -595,74 +489,42 @@ class TiledKernel(BlockKernel):
         return out, lse
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
         if q.shape[1] <= self.tile_rows and k.shape[1] <= self._backward_kv_tile(
             q.shape[1], causal
         ):  # one tile: the piece whole
-            kind = "causal" if causal else ("full" if mask is None else "masked")
-            return self._kernel(kind).backward(
+            kernel = self._kernel(_kind(causal, mask))
+            return kernel.backward(
                 dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
             )
         acc = accumulation_dtype(q.dtype)
-        grads = (
-            torch.zeros(q.shape, dtype=acc, device=q.device),
-            torch.zeros(k.shape, dtype=acc, device=k.device),
-            torch.zeros(v.shape, dtype=acc, device=v.device),
-        )
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         self.backward_into(
-            grads, dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
+            (dq, dk, dv), dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
         )
-        dq, dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def backward_into(
-        self,
-        grads: Grads | Callable[[], Grads],
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-        poll: Callable[[], None] | None = None,
-    ) -> None:
+        self, grads: Grads | Callable[[], Grads], dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+        lse: Tensor, delta: Tensor, *, causal: bool, scale: float, mask: Mask | None = None,
+        out: Tensor | None = None, poll: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         targets = None if callable(grads) else grads
         grid = self._tile_grid(q.shape[1], k.shape[1], causal, mask, backward=True)
         for (qa, qb), row in grid:
+            q_side = (dout[:, qa:qb], q[:, qa:qb])
+            stats = (lse[:, :, qa:qb], delta[:, :, qa:qb])
             out_t = None if out is None else out[:, qa:qb]
             if out_t is None and len(row) > 1 and any(self._kernel(t[1]).takes_out for t in row):
                 # the stand-in of a q tile that meets several kv tiles, once for all of them
-                out_t = _bhsd(_stand_in_out(dout[:, qa:qb], delta[:, :, qa:qb]))
+                out_t = _bhsd(_stand_in_out(q_side[0], stats[1]))
             for (ka, kb), kind, sub in row:
                 parts = self._kernel(kind).backward(
-                    dout[:, qa:qb],
-                    q[:, qa:qb],
-                    k[:, ka:kb],
-                    v[:, ka:kb],
-                    lse[:, :, qa:qb],
-                    delta[:, :, qa:qb],
-                    causal=kind == "causal",
-                    scale=scale,
-                    mask=sub,
-                    out=out_t,
-                )
+                    *q_side, k[:, ka:kb], v[:, ka:kb], *stats,
+                    causal=kind == "causal", scale=scale, mask=sub, out=out_t,
+                )  # fmt: skip
                 if poll is not None:
                     poll()
                 if targets is None:
@@ -677,10 +539,8 @@ class TiledKernel(BlockKernel):
 
 class CpuFlashKernel(TiledKernel):
     """PyTorch's fused CPU flash ops: the backward and masked pieces tile by tile (T =
-    ``tile_rows``; below 1024 rows the op loses half its speed and more), the forward of
-    an unmasked piece whole. The op's backward walks keys slower than queries: a 512 x 1024
-    piece is 5-9% faster as two 512 x 512 tiles (fp32 and bf16; 1024 x 512 is not), so a
-    backward tile has at most as many kv rows as q rows, and at least 512."""
+    ``tile_rows``; below 1024 rows the op slows down sharply), the forward of an unmasked
+    piece whole; backward tiles have at most as many kv rows as q rows, and at least 512."""
 
     def __init__(self, *, tile_rows: int = 1024) -> None:
         super().__init__(
@@ -712,8 +572,8 @@ def plan_block(
     flash_attn: bool = False,
     flex: bool = False,
 ) -> str:
-    """The operator that computes one tile (Note [Kernel plan]). Pure: the device is
-    described, not queried, so every row of the table is testable without a GPU.
+    """The operator that computes one tile (Note [Kernel plan]); the device is described,
+    not queried, so every row is testable without a GPU.
 
     Args:
         device_type: ``"cuda"`` or ``"cpu"``.
@@ -745,22 +605,21 @@ def plan_block(
     return TILED_REFERENCE
 
 
-def _expand_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
+def _expand_kv(x: Tensor, heads_q: int) -> Tensor:
     """``(B, H, s, D)`` with kv heads repeated to ``heads_q`` (the SDPA ops take equal heads)."""
     groups = heads_q // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _reduce_kv(dx: torch.Tensor, heads_kv: int) -> torch.Tensor:
+def _reduce_kv(dx: Tensor, heads_kv: int) -> Tensor:
     """Sum ``(B, Hq, s, D)`` gradients of repeated kv heads back to ``heads_kv``."""
     b, hq, s, d = dx.shape
     return dx if hq == heads_kv else dx.view(b, heads_kv, hq // heads_kv, s, d).sum(2)
 
 
 class _SdpaOps(BlockKernel):
-    """One unmasked tile through PyTorch's fused CUDA SDPA operators (flash or
-    memory-efficient), forward and backward, with the global lse (Note [Backward from
-    delta]). ``op`` is what :func:`plan_block` named for the tile."""
+    """One unmasked tile through PyTorch's fused CUDA SDPA operators; ``op`` is what
+    :func:`plan_block` named (flash or memory-efficient)."""
 
     name = "cuda_sdpa_op"
     takes_out = True
@@ -774,15 +633,9 @@ class _SdpaOps(BlockKernel):
         return device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[self.op] += 1
         ops = torch.ops.aten
@@ -816,19 +669,9 @@ class _SdpaOps(BlockKernel):
         return _bhsd(r["output"]), lse
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[self.op] += 1
         ops = torch.ops.aten
@@ -890,18 +733,16 @@ def _flex_attention() -> Callable[..., Any] | None:
 
 
 class _FlexOps(BlockKernel):
-    """Masked tiles through FlexAttention (compiled on CUDA): the mask is a ``mask_mod`` over
-    the tile's positions, so nothing of size (sq, sk) is kept beyond its block mask. The
-    backward recomputes the tile (Note [Backward through autograd]).
+    """Masked tiles through FlexAttention (compiled on CUDA), the mask a ``mask_mod`` over the
+    tile's positions; the backward recomputes the tile.
 
     Note [Backward through autograd]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    A kernel with only an autograd backward gives gradients of its own (out_b, lse_b), whose
+    An autograd backward gives gradients of the tile's own (out_b, lse_b), whose
     P_b = exp(S - lse_b) differs from the global P = w * P_b, w = exp(lse_b - lse) per row.
-    Pulling the global gradient out of the local one: with upstream gradients
-    g_out = w * dout and g_lse = w * (rowsum(dout * out_b) - delta),
-    dS = P_b * (g_out . v - g_out . out_b) + P_b * g_lse = P * (dout . v - delta), which is
-    the global dS; dV = P_b^T g_out = P^T dout. One extra forward per tile.
+    With upstream gradients g_out = w * dout and g_lse = w * (rowsum(dout * out_b) - delta),
+    dS = P_b * (g_out . v - g_out . out_b) + P_b * g_lse = P * (dout . v - delta), the global
+    dS; dV = P_b^T g_out = P^T dout. One extra forward per tile.
     """
 
     name = "flex_op"
@@ -915,8 +756,8 @@ class _FlexOps(BlockKernel):
         return self._flex is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def _call(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PositionMask, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, mask: PositionMask, scale: float
+    ) -> tuple[Tensor, Tensor]:
         from torch.nn.attention.flex_attention import create_block_mask
 
         assert self._flex is not None
@@ -960,34 +801,18 @@ class _FlexOps(BlockKernel):
         return out, lse  # (B, Hq, sq, D), (B, Hq, sq) float32
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
         self.ran[FLEX] += 1
         out, lse = self._call(q, k, v, mask, scale)
         return _bhsd(out), lse.float()
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
         assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
         self.ran[FLEX] += 1
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
@@ -998,13 +823,13 @@ class _FlexOps(BlockKernel):
 
 
 def _global_grads(
-    out_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    leaves: list[torch.Tensor],
-) -> tuple[torch.Tensor, ...]:
+    out_b: Tensor,
+    lse_b: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    leaves: list[Tensor],
+) -> tuple[Tensor, ...]:
     """Note [Backward through autograd]: the global gradients of a tile from the autograd
     graph of its own ``out_b (B, Hq, sq, D)`` and ``lse_b (B, Hq, sq)``."""
     acc = delta.dtype
@@ -1030,37 +855,25 @@ def _flash_attn_ops() -> Any:
 
 
 class _FlashAttnOps(BlockKernel):
-    """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native); the
-    backward gets the global lse and the stand-in out (Note [Backward from delta])."""
+    """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native)."""
 
     name = "flash_attn_op"
     takes_out = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ops: Any = None
-
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
-    def _load(self) -> Any:
-        if self._ops is None:
-            self._ops = _flash_attn_ops()
-        return self._ops
+    @functools.cached_property
+    def _ops(self) -> Any:
+        return _flash_attn_ops()
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
-        out, lse, _, _ = self._load()._flash_attn_forward(
+        out, lse, _, _ = self._ops._flash_attn_forward(
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
@@ -1076,25 +889,15 @@ class _FlashAttnOps(BlockKernel):
         return out, lse.float()  # (B, sq, Hq, D), (B, Hq, sq)
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        self._load()._flash_attn_backward(
+        self._ops._flash_attn_backward(
             dout.contiguous(),
             q.contiguous(),
             k.contiguous(),
@@ -1131,7 +934,7 @@ class _CudaDispatch(BlockKernel):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype.is_floating_point
 
-    def plan(self, q: torch.Tensor, kind: str, mask: Mask | None) -> str:
+    def plan(self, q: Tensor, kind: str, mask: Mask | None) -> str:
         """:func:`plan_block` for this tile (a dense mask cannot go to FlexAttention)."""
         capability = self.capability or torch.cuda.get_device_capability(q.device)
         name = plan_block(
@@ -1162,45 +965,26 @@ class _CudaDispatch(BlockKernel):
         return self._ops[name]
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = "causal" if causal else ("full" if mask is None else "masked")
-        op = self.op(self.plan(q, kind, mask))
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        op = self.op(self.plan(q, _kind(causal, mask), mask))
         return op.forward(q, k, v, causal=causal, scale=scale, mask=mask)
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kind = "causal" if causal else ("full" if mask is None else "masked")
-        op = self.op(self.plan(q, kind, mask))
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
+        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
+    ) -> Grads:  # fmt: skip
+        op = self.op(self.plan(q, _kind(causal, mask), mask))
         return op.backward(
             dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
         )
 
 
 class CudaFusedKernel(TiledKernel):
-    """Fused CUDA kernels per tile (Note [Kernel plan]): tiles of ``tile_rows`` (the fused
-    operators hold O(T) memory; tiling bounds their gradient outputs), masked tiles cut finer
-    (``masked_tile_rows``, the tiled reference's (T, T) scores) or through FlexAttention
-    (``flex=True``). ``capability`` overrides the device's (for tests without a GPU)."""
+    """Fused CUDA kernels per tile (Note [Kernel plan]): tiles of ``tile_rows``, masked tiles
+    cut finer (``masked_tile_rows``) or through FlexAttention (``flex=True``).
+    ``capability`` overrides the device's (for tests without a GPU)."""
 
     def __init__(
         self,
@@ -1224,10 +1008,9 @@ class CudaFusedKernel(TiledKernel):
             name=name,
         )
 
-    def _plain_forward_whole(self, q: torch.Tensor, causal: bool) -> bool:
+    def _plain_forward_whole(self, q: Tensor, causal: bool) -> bool:
         # whole only through a fused operator: the reference must be cut into tiles
-        kind = "causal" if causal else "full"
-        return self.dispatch.plan(q, kind, None) != TILED_REFERENCE
+        return self.dispatch.plan(q, _kind(causal, None), None) != TILED_REFERENCE
 
 
 class FlashAttnKernel(CudaFusedKernel):
@@ -1241,7 +1024,7 @@ class FlashAttnKernel(CudaFusedKernel):
         super().__init__(tile_rows=tile_rows, masked_tile_rows=masked_tile_rows, flash_attn=True)
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
     """0 where visible, -inf elsewhere, in ``dtype`` (the fused CPU op wants q's dtype)."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
         ~visible, float("-inf")

@@ -85,13 +85,7 @@ from tokenring.core.schedule import (
     StepPlan,
     Transfer,
 )
-from tokenring.runtime.comm import (
-    Communicator,
-    Event,
-    FieldSpec,
-    Message,
-    PendingRecv,
-)
+from tokenring.runtime.comm import Communicator, Event, FieldSpec, Message, PendingRecv
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, ring_program
