@@ -5,21 +5,15 @@ API runs them after validation and wires them into autograd.
 
 Note [Collectives point to point]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Both strategies send exactly the transfers of their own schedules
-(``build_collective_schedule``), each pass a ``PassRunner`` that ``execute`` drives through
-the rank's program (Note [Collective rank program] in tokenring.runtime.program): Ulysses
-posts q or q_grad and K/V of each peer's heads, then, after its kernel, out, or dq and
-dK/dV, of each peer's rows; all-gather K/V posts one round at a time, its send to r - k
-with its receive from r + k (Note [All-gather K/V rounds]). So every message is a
-point-to-point message posted receives first (both directions of a pair at once on gloo,
-where ``all_to_all_single`` lets them take turns: Note [Collective routing]), laid out as
-``tokenring.runtime.ring.message_fields`` says (K/V in Note [K/V message layout]), with a
-header the receiver checks, counted by the communicator per flow and peer, and bounded by
-its timeout; a receive that does not arrive names its payload, owner, rows and peer. The
-backward's reduce-scatter of dK/dV is each owner's block sent home and summed there: P - 1
-blocks out per rank, the volume of a real reduce-scatter (gloo's ``reduce_scatter_tensor``
-is an all-reduce and a local chunk, pytorch PR 118911). The algorithms: Note [Ulysses], Note
-[All-gather K/V] and Note [All-gather K/V rounds] in ``tokenring.strategies.collective``.
+Both strategies send exactly the transfers of their own schedules, each pass a ``PassRunner``
+that ``execute`` drives (Note [Collective rank program] in tokenring.runtime.program):
+Ulysses posts q or q_grad and K/V of each peer's heads, then out, or dq and dK/dV, of each
+peer's rows; all-gather K/V posts one round at a time (Note [All-gather K/V rounds]). So
+every message is P2P, receives first (both directions of a pair at once on gloo, where
+``all_to_all_single`` takes turns: Note [Collective routing]), laid out by
+``tokenring.runtime.ring.message_fields``, header-checked, counted per flow and peer, and
+bounded by the timeout. The backward's reduce-scatter of dK/dV is each owner's block sent
+home and summed there: the volume of a real reduce-scatter (gloo's is an all-reduce).
 
 Legend: B batch, S global seq (P * s), s local seq, Hq query heads, Hkv key/value heads, D head
 dim, P world size, nq / nkv heads of one Ulysses rank.
@@ -51,9 +45,8 @@ __all__ = ["collective_backward", "collective_forward"]
 
 
 class _Collective(SchedulePass):
-    """What the collectives' runners share beyond a ``SchedulePass`` (whose ``inputs`` are
-    as :func:`collective_forward` and :func:`collective_backward` take them): ``masking``
-    (Note [Collectives with masks]), P, s, the accumulation dtype and DELTA."""
+    """What the collectives' runners share beyond a ``SchedulePass``: ``masking`` (Note
+    [Collectives with masks]), P, s, the accumulation dtype and DELTA."""
 
     def __init__(
         self,
@@ -415,8 +408,7 @@ class _AllGatherForward(_AllGather):
 
 class _AllGatherBackward(_AllGather):
     """One rank's all-gather K/V backward: round k's dK/dV partial is accumulated in the
-    message that returns it to r + k, and r - k's partial of this rank's rows is added on
-    return, before the next round."""
+    message that returns it to r + k; r - k's partial of our rows is added on return."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -496,10 +488,8 @@ def collective_forward(
     sharding: Sharding | None = None,
     mask: MaskSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Ulysses or all-gather K/V attention over this rank's shard, without autograd.
-
-    The caller has validated the inputs (``tokenring.api``): same dtype and device, Hkv
-    dividing Hq, a seq_local the layout can split, the same arguments on every rank.
+    """Ulysses or all-gather K/V attention over this rank's shard, without autograd; the
+    inputs are validated by the caller (``tokenring.api``).
 
     Args:
         strategy_name: ``"ulysses"`` (Note [Ulysses]) or ``"allgather_kv"``
@@ -509,17 +499,15 @@ def collective_forward(
         causal: causal mask over global positions.
         scale: softmax scale.
         layout: how the sequence is sharded.
-        comm: the communicator of the group; collectives run on ``comm.group`` and every
-            message is counted in ``comm.counter``.
+        comm: the communicator of the group (every message counted in ``comm.counter``).
         kernel: the block kernel.
-        sharding, mask: with padding, documents or a window (not ``mask.plain``): q, k, v are
-            the padded buffers of ``sharding`` and every kernel call gets the explicit mask
-            of its rows' positions (Note [Collectives with masks]).
+        sharding, mask: with padding, documents or a window: q, k, v are the padded buffers
+            of ``sharding`` and each kernel call gets its rows' mask (Note [Collectives with
+            masks]).
 
     Returns:
-        out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype
-        (float32; float64 for float64 inputs), and the residuals for
-        :func:`collective_backward` (none: both backwards gather again what they need).
+        out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype,
+        and the residuals for :func:`collective_backward` (none).
 
     Raises:
         ValueError: an unknown ``strategy_name`` or layout.
@@ -555,9 +543,7 @@ def collective_backward(
 
     Args:
         dout: ``(B, s, Hq, D)`` gradient of out.
-        q, k, v, out, lse: the forward's inputs (padded like them) and outputs; both
-            strategies read all five (they gather again; Note [Ulysses], Note [All-gather K/V
-            rounds]).
+        q, k, v, out, lse: the forward's inputs and outputs (both strategies gather again).
         residuals: what :func:`collective_forward` returned with them.
         dtype: the dtype of q, k and v.
         causal, scale, layout, comm, kernel, sharding, mask: as given to the forward.
@@ -587,8 +573,7 @@ def _run(
     mask: MaskSpec | None,
 ) -> Any:
     """Run one pass of ``inputs`` (q, k, v; or dout, q, k, v, out, lse) on this rank's
-    program (Note [Collective rank program] in tokenring.runtime.program); the runner holds
-    the results."""
+    program; the runner holds the results."""
     strategy = parse_collective(strategy_name)
     inputs = tuple(x.contiguous() for x in inputs)
     q, k = inputs[:2] if pass_ is Pass.FORWARD else inputs[1:3]
@@ -610,14 +595,11 @@ class _Masking:
 
     Note [Collectives with masks]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    With padding, documents or a window the collectives keep their plain schedules, built for
-    the padded ``seq_local``: their blocks stay supersets of what is visible, because padding
-    and documents keep the order of the layout's chunks and windows and documents only remove
-    pairs. Each kernel call gets the mask of its rows' global positions as positions
-    (``tokenring.runtime.kernels.PositionMask``; padding rows see nothing and are seen by nothing),
-    which the kernel cuts into tiles, skipping the tiles nobody sees. They move the same
-    bytes as without a mask. The ring strategies skip whole blocks nobody sees (Note [Mask
-    classes] in tokenring.core.masks).
+    With padding, documents or a window the collectives keep their plain schedules for the
+    padded ``seq_local``: their blocks stay supersets of what is visible (padding and documents
+    keep the chunks' order; windows and documents only remove pairs). Each kernel call gets
+    its rows' global positions as a ``PositionMask`` (padding sees nothing and is seen by
+    nothing), whose empty tiles the kernel skips. The bytes moved are as without a mask.
     """
 
     def __init__(

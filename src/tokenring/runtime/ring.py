@@ -1,66 +1,49 @@
 """Executes a :class:`~tokenring.core.schedule.Schedule` on one rank: kernels, merges and P2P.
 
-The schedule says what to compute and what to send in which slot, and the rank's program
-(``tokenring.runtime.program``, the same ops the simulator replays) says in which order;
-this module only moves tensors accordingly. Every strategy shares the slot machinery
-(``tokenring.runtime.slots.SlotPoster``). Pass-Q
-(TokenRing, bidirectional TokenRing) keeps K/V home, moves one Q block per lane (each lane
-carrying some query heads) and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
-home and moves one block per lane (``Schedule.lanes``), each lane carrying some kv heads or
-some kv rows.
+The schedule says what to compute and send in which slot, and the rank's program
+(``tokenring.runtime.program``, which the simulator replays) says in which order; this module
+only moves tensors accordingly. Pass-Q (TokenRing, bidirectional TokenRing) keeps K/V home,
+moves one Q block per lane and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
+home and moves one K/V block per lane (``Schedule.lanes``: some kv heads or rows each).
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size, n rows
 of a transfer.
 
 Note [Buffers in flight]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Peak memory is the inputs, outputs and gradients plus what is in flight; each buffer goes
-as soon as its last use passes (README "Memory" has the measured table):
+Peak memory is the inputs, outputs and gradients plus what is in flight; each buffer goes as
+soon as its last use passes (README "Memory"):
 
-- a block sent on step t is waited for at the end of step t (its peer's copy has arrived by
-  then: ours has), so at most the held block and the incoming one exist; a received block is
-  passed on as the message it came in, and dQ partials and dK/dV accumulators are
-  allocated as the messages that return them (``tokenring.runtime.comm.Message``: no copy);
+- a block sent on step t is waited for at the end of step t, so at most the held block and
+  the incoming one exist; a received block is passed on as the message it came in, and dQ
+  partials and dK/dV accumulators are allocated as the messages that return them (no copy);
 - forward: partials sent on step t-2, and those received, are settled after the compute of
   step t (the program's RETURNS and SENT; Note [Rank program] in tokenring.runtime.program);
 - backward: dQ / dK+dV returns sent on step t-1, and those received, are settled after the
-  first tile of step t (a tile's time to arrive; gloo's works report completion only when
-  waited for; on CUDA only what has completed is released, without waiting);
-- gradients of a piece are added tile by tile into the accumulators
-  (``BlockKernel.backward_into``), so kernel outputs are tile-sized, and the accumulators are
+  first tile of step t (on CUDA only what has completed, without waiting);
+- gradients are added tile by tile into the accumulators (``BlockKernel.backward_into``),
   fetched only after the first tile (``targets``): a dQ partial is allocated once the returns
   of step t-1 are gone, and the dK/dV accumulator that followed a block here *becomes* this
-  step's accumulator (no second one);
+  step's accumulator;
 - pass-KV: each rank's own dK/dV leaves home in the accumulators after step 0 (Note
-  [Backward] in tokenring.core.schedule), so at the first tile of a step a rank holds the block,
-  the next one, the accumulator arriving and the one sent: four K/V-sized buffers, and
-  nothing of its own dK/dV until the accumulators come home after the last step;
-- no variable keeps a view of a block past its piece (``del`` at the end of each piece; a
-  loop variable would keep its last value for the whole pass).
+  [Backward] in tokenring.core.schedule): at the first tile of a step a rank holds four
+  K/V-sized buffers (the block, the next one, the accumulator arriving and the one sent);
+- no variable keeps a view of a block past its piece (``del`` at the end of each piece).
 
 Note [K/V message layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-A K/V message is two fields, k and then v, each rows first: ``(n, B, Hkv, D)``. Held k and
-v are ``(B, n, Hkv, D)`` views of them (the kernels take strided rows; for B = 1 they are
-contiguous), and any rows of the block are one contiguous slice of each. So a rank that
-passes on only some rows of the block it holds (zigzag causal after the wrap: ``[0, c)``,
-Note [Causal blocks per layout] in tokenring.core.schedule; masks) sends those slices as
-its message's frames (Note [Message frames] in tokenring.runtime.comm): no copy, but for a
-block under APART_MIN_BYTES a field, copied into its header frame. The bytes on the wire are
-the same in every layout.
+A K/V message is two fields, k then v, each rows first: ``(n, B, Hkv, D)``. Held k and v are
+``(B, n, Hkv, D)`` views of them (the kernels take strided rows), and any rows of the block
+are one contiguous slice of each. So a rank that passes on only some rows of its block (zigzag
+causal after the wrap: ``[0, c)``, Note [Causal blocks per layout] in
+tokenring.core.schedule) sends those slices as its message's frames (Note [Message frames] in
+tokenring.runtime.comm): no copy (under APART_MIN_BYTES a field, copied into the header
+frame). k and v in one buffer made half a block a copy; rows of k and v side by side made the
+fused CPU kernel read them at twice their row stride (2.5-5% slower).
 
-Two layouts came before. k then v, each ``(B, n, Hkv, D)``, in one buffer made the first rows
-of a block two pieces apart, so passing on half a block was a copy of a q-sized tensor
-(~0.1x of the minimum on Ring, P = 4 causal). Each row's k and v side by side,
-``(n, B, 2, Hkv, D)``, made that half the front of the message, but the fused CPU kernel
-read k and v at twice their row stride, 2.5-5% slower per received block (fp32 and bf16,
-forward and backward, measured standalone; Ring's kernel time was 2-6% above the peer's,
-``benchmarks/cpu_breakdown.py``). Frames give both: contiguous rows, slices without a copy.
-
-Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
-stream and a wait makes the current (compute) stream wait on it; compute bars of the
-timeline are CUDA events, resolved after the pass; every step is a ``record_function``
-range (``tokenring.<strategy>.<pass>.step<t>``) in the user's ``torch.profiler`` traces.
+Waits never synchronise the host on CUDA: a wait makes the compute stream wait on the
+transfer's; compute bars of the timeline are CUDA events resolved after the pass; every step
+is a ``record_function`` range (``tokenring.<strategy>.<pass>.step<t>``).
 """
 
 from __future__ import annotations
@@ -127,8 +110,7 @@ def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
 
 
 def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
-    """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout]): one
-    copy of each into its place."""
+    """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout])."""
     b, n = k.shape[:2]
     field: FieldSpec = ((n, b, *k.shape[2:]), k.dtype)
     message, fields = Communicator.message([field] * 2, k.device, zeroed=False)
@@ -138,8 +120,7 @@ def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
 
 
 def kv_rows(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k and v ``(B, n, Hkv, D)`` views of a received K/V message's ``(n, B, Hkv, D)``
-    fields."""
+    """The ``(B, n, Hkv, D)`` views of a K/V message's ``(n, B, Hkv, D)`` fields."""
     return k_rows.transpose(0, 1), v_rows.transpose(0, 1)
 
 
@@ -169,10 +150,8 @@ class _Held:
         return _Held(tr.owner, tr.rows, list(kv_rows(*wire)), message, wire, is_kv=True)
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
-        """What a transfer of ``rows`` of this block sends: the message it came in when
-        the rows are all of it, or a received K/V block's rows (contiguous: a frame of their
-        own, not copied, when big; Note [Message frames] in tokenring.runtime.comm), else the
-        rows' slices."""
+        """What a transfer of ``rows`` of this block sends: the message it came in when the
+        rows are all of it, else the rows' slices (K/V: Note [K/V message layout])."""
         if rows == self.rows and self.message is not None:
             return self.message
         if not self.is_kv:
@@ -193,9 +172,8 @@ class _Held:
 
 
 class ComputeTimer:
-    """Compute bars of the timeline (when one is recorded). On CUDA the bars are GPU time from
-    CUDA events, resolved after the pass (the step loop never waits for the device); their
-    clock is aligned with the host's by one synchronisation before the loop."""
+    """Compute bars of the timeline (when one is recorded); on CUDA from CUDA events resolved
+    after the pass, aligned with the host's clock by one sync before the loop."""
 
     def __init__(self, comm: Communicator, device: torch.device) -> None:
         self.comm = comm
@@ -247,8 +225,8 @@ def _nothing() -> None:
 def _merge_parts(
     parts: list[tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]], rows: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One partial (out, lse) over the segment's ``rows`` from its pieces (each over its own q
-    rows inside them), merged in the accumulation dtype; rows no piece covers get lse -inf."""
+    """One partial (out, lse) over ``rows`` from its pieces, merged in the accumulation dtype;
+    rows no piece covers get lse -inf."""
     if len(parts) == 1 and parts[0][0] == rows:
         return parts[0][1]
     out0, lse0 = parts[0][1]
@@ -263,8 +241,7 @@ def _merge_parts(
 
 
 class _Masks:
-    """The masks of a schedule's masked pieces, as positions (``tokenring.runtime.kernels``
-    cuts them into tiles; nothing of size (sq, sk) is built here)."""
+    """The masks of a schedule's masked pieces, as positions."""
 
     def __init__(self, sched: Schedule) -> None:
         self.sched = sched
@@ -317,9 +294,8 @@ class _InFlight:
                 recs.remove(rec)
 
     def poll(self) -> None:
-        """Called between tiles: after the first tile of a step, what was sent and received
-        one step ago has had a tile's time to arrive; settle it (on CUDA: only what has
-        completed, never waiting)."""
+        """Between tiles: settle what was sent and received one step ago (blocking after the
+        step's first tile on gloo; on CUDA only what has completed)."""
         block = self.blocking and not self.settled
         self.settled = True
         if block:
@@ -379,12 +355,9 @@ def _operands(
     held: dict[int, _Held],
     borrowed: dict[int, list[_Held]],
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
-    """What ``piece`` computes on: its query-side tensors (from ``own``, this rank's q, or
-    q, dout, lse, delta), its k and v, and whose K/V they are. Step 0: the local block, every
-    head. Pass-Q: the lane's visiting queries (its held block, on the piece's heads of it)
-    against our K/V, or our queries against the parts of a borrowed pair's K/V (Note
-    [Borrowed last pair] in tokenring.strategies.ring). Pass-KV: our queries against the
-    lane's visiting K/V."""
+    """What ``piece`` computes on: its query-side tensors (from ``own``: q, or q, dout, lse,
+    delta), its k and v, and whose K/V they are (Note [Borrowed last pair] in
+    tokenring.strategies.ring for a borrowed pair)."""
     c, d = piece.kv_rows
     if step == 0:
         return [_part(x, piece.q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], rank
@@ -405,9 +378,8 @@ def _operands(
 
 
 def _held_heads(sched: Schedule, piece: Piece) -> slice:
-    """The query heads of a pass-Q ``piece`` inside its lane's held block, which holds the
-    lane's query heads (all for TokenRing): fewer for a slice of the last block (Note [Last
-    block by heads] in tokenring.strategies.ring)."""
+    """The query heads of a pass-Q ``piece`` inside its lane's held block (Note [Last block
+    by heads] in tokenring.strategies.ring)."""
     lane = sched.lanes[piece.lane]
     if piece.q_heads is None or piece.q_heads == lane.q_heads:
         return slice(None)
@@ -453,11 +425,9 @@ def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dic
 
 
 class SchedulePass(PassRunner):
-    """What every runner of a :class:`~tokenring.core.schedule.Schedule` (the ring
-    strategies' here, the collectives' in tokenring.runtime.collective) sets up alike: the
-    schedule, communicator, kernel and scale; the pass's tensors (``inputs``: q, k, v for the
-    forward, dout, q, k, v, out, lse for the backward, as the entry points take them); the
-    poster of this rank's transfers and the compute bars of the timeline."""
+    """What every runner of a :class:`~tokenring.core.schedule.Schedule` sets up alike: the
+    pass's tensors (``inputs``: q, k, v; backward: dout, q, k, v, out, lse), the poster of
+    this rank's transfers and the compute bars of the timeline."""
 
     comm: Communicator
     poster: SlotPoster
@@ -522,9 +492,8 @@ class _Forward(SchedulePass):
         s = q.shape[1]
         self.groups = q.shape[2] // k.shape[2]
         acc = accumulation_dtype(q.dtype)
-        # The first piece of step 0 is this rank's own block; when it covers every row and
-        # head, its result is the accumulators' first value (no merge into zeros: one pass that
-        # converts it and lays it out contiguously, none when it already is both).
+        # When step 0's first piece (the own block) covers every row and head, its result is
+        # the accumulators' first value: no merge into zeros.
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
         segments = step0.segments if step0 is not None else ()
         first = segments[0].pieces[0] if segments and segments[0].pieces else None
@@ -609,9 +578,8 @@ class _Forward(SchedulePass):
 
 
 def _contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in ``dtype``, contiguous, in one pass (none if it is both already). ``Tensor.to``
-    ignores ``memory_format`` when the dtype is unchanged, and ``.to(dtype).contiguous()``
-    keeps a transposed view's strides through the cast, then copies again."""
+    """``x`` in ``dtype``, contiguous, in one pass (``Tensor.to`` ignores ``memory_format``
+    when the dtype is unchanged)."""
     if x.dtype == dtype:
         return x.contiguous()
     return x.to(dtype, memory_format=torch.contiguous_format)
@@ -645,14 +613,9 @@ def run_backward(
 
 
 class _Backward(SchedulePass):
-    """One rank's backward pass of ``sched``: the state its program's ops work on, one method
-    per op that has more to do than a call (Note [Rank program] in tokenring.runtime.program).
-
-    Pass-KV: each step's dK/dV for each lane's visiting block (lane heads and rows) is
-    accumulated for the lanes whose block this rank computes with, which it then passes on.
-    The accumulator that followed the block here becomes this step's after the first tile
-    (:meth:`targets`); at step 0 our own dK/dV leave in new ones.
-    """
+    """One rank's backward pass of ``sched`` (Note [Rank program] in
+    tokenring.runtime.program). Pass-KV: the accumulator that followed a block here becomes
+    this step's after the first tile (:meth:`targets`); at step 0 our own dK/dV leave."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -662,9 +625,8 @@ class _Backward(SchedulePass):
         self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         self.pass_q = sched.strategy.passes_q
-        # Pass-KV with one lane of every row and head (Ring) whose dK/dV leave at step 0: the
-        # step's gradients go straight into the accumulator that leaves, and no rank holds its
-        # own dK/dV until HOME. Else they leave home after step 0 (_leave_home).
+        # Ring (one lane of every row and head, dK/dV leaving at step 0): gradients go straight
+        # into the accumulator that leaves; else they leave home after step 0 (_leave_home).
         (lane, *others) = sched.lanes
         self.direct = (
             not self.pass_q
@@ -737,9 +699,8 @@ class _Backward(SchedulePass):
             inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
 
     def lent_grads_of(self, holder: int, step: int) -> tuple[Transfer, Message, list[torch.Tensor]]:
-        """The dK/dV ``(B, n, Hkv, D)`` of the pair borrowed from ``holder``, zeroed, in the
-        message that sends them home, and that transfer (Note [Borrowed last pair] in
-        tokenring.strategies.ring)."""
+        """The transfer, message and zeroed dK/dV ``(B, n, Hkv, D)`` that send the pair
+        borrowed from ``holder`` home (Note [Borrowed last pair] in tokenring.strategies.ring)."""
         if holder not in self.lent_grads:
             tr = _lent_home(self.sched, self.rank, step, holder)
             shape = (self.k.shape[0], tr.num_rows, *self.k.shape[2:])
@@ -748,9 +709,7 @@ class _Backward(SchedulePass):
         return self.lent_grads[holder]
 
     def targets(self, piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
-        """The piece's accumulators, fetched after its first tile (Note [Buffers in flight]):
-        by then the dK/dV that followed the block here has arrived and becomes the lane's
-        accumulator, and the returns of the last step are gone."""
+        """The piece's accumulators, fetched after its first tile (Note [Buffers in flight])."""
         (a, b), (c, d) = piece.q_rows, piece.kv_rows
         qh = _q_heads(piece, self.groups)
         if piece.kv_owner is not None:  # a borrowed pair: its dK/dV go home
@@ -796,8 +755,7 @@ class _Backward(SchedulePass):
                 sched, rank, step, piece, blocks, self.k, self.v, held, self.borrowed
             )
             mask = self.masks(piece, q_owner, kv_owner)
-            # Our own queries: the kernel takes their real out, not a stand-in built from
-            # delta (Note [Backward from delta] in tokenring.runtime.kernels).
+            # own queries: their real out (Note [Backward from delta] in runtime.kernels)
             qh = _q_heads(piece, self.groups)
             out_p = _part(self.out, piece.q_rows, qh) if q_owner == rank else None
             self.kernel.backward_into(
@@ -879,8 +837,8 @@ def _arrive(
     held: dict[int, _Held],
     borrowed: dict[int, list[_Held]],
 ) -> None:
-    """ARRIVE: the travelling blocks of the step become the held ones of their lanes; pass-Q:
-    the parts of a borrowed pair's K/V are kept by their owner (the Q lane is untouched)."""
+    """ARRIVE: the step's travelling blocks become their lanes' held ones (a borrowed pair's
+    K/V parts are kept by owner)."""
     for tr in op.transfers:
         block = _Held.arrived(poster.pending.pop(tr))
         if sched.strategy.passes_q and tr.payload is Payload.KV:
@@ -903,8 +861,8 @@ def _own_kv(k: torch.Tensor, v: torch.Tensor, rows: tuple[int, int]) -> Message:
 def _leave_home(
     grads: list[torch.Tensor], tr: Transfer, dk_acc: torch.Tensor, dv_acc: torch.Tensor
 ) -> None:
-    """Pass-KV backward, step 0: a lane's accumulator leaves home with this rank's own dK/dV
-    of the lane's rows and heads, which stay 0 here: they come back in the accumulator."""
+    """Pass-KV backward, step 0: a lane's accumulator leaves home with our own dK/dV of the
+    lane's rows and heads (zeroed here: they come back in it)."""
     rows, heads = tr.rows, slice(*tr.heads) if tr.heads else slice(None)
     for grad, own in zip(grads, (dk_acc, dv_acc), strict=True):
         grad.copy_(own[:, rows[0] : rows[1], heads])
@@ -921,15 +879,13 @@ def _accumulators_home(
     acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV ``(B, s, Hkv, D)`` in the accumulation dtype: what stayed home plus each lane's
-    accumulator, home at last (pass-KV; TokenRing's never left). None: every row and head
-    travelled, so they are made now, once the last accumulators sent are gone."""
+    accumulator, home at last (``dk_acc`` None: every row and head travelled)."""
     if dk_acc is None and len(transfers) == 1:
         (tr,) = transfers
         if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
             dk_home, dv_home = poster.pending.pop(tr).wait()  # came home: they are dK, dV
-            # small ones are views of one frame (Note [Message frames] in
-            # tokenring.runtime.comm); the operator's outputs may not alias each other, so one
-            # is copied then, when no cast to k's dtype will copy them anyway
+            # small ones share a frame, and the operator's outputs may not alias: copy one
+            # unless the cast to k's dtype will
             shared = dk_home.untyped_storage().data_ptr() == dv_home.untyped_storage().data_ptr()
             return dk_home, dv_home.clone() if shared and acc == k.dtype else dv_home
     if dk_acc is None or dv_acc is None:
