@@ -151,9 +151,9 @@ class _HybridPass(PassRunner):
         return kv_message(*parts) if tr.payload is Payload.KV else parts
 
     def gather(self, op: Op) -> list[torch.Tensor]:
-        """ARRIVE 0 or RETURNS n + 1: what the outbox holds, every inner rank's part of it in
-        its place (this rank's own from the outbox): ``(B, L_o, nq|nkv, D)`` at step 0,
-        ``(B, s_i, Hq|Hkv, D)`` or ``(B, Hq, s_i)`` at step n + 1."""
+        """ARRIVE 0 or RETURNS n + 1: every inner rank's part of the outbox's tensors in its
+        place: ``(B, L_o, nq|nkv, D)`` at step 0, ``(B, s_i, Hq|Hkv, D)`` or ``(B, Hq, s_i)``
+        at step n + 1."""
         if self.p_in == 1:
             return [x for xs in self.outbox.values() for x in xs]
         step, me = op.step, self.me
@@ -180,8 +180,7 @@ class _HybridPass(PassRunner):
     # -- the ops ------------------------------------------------------------------------------
 
     def outer_op(self, op: Op) -> Op:
-        """A ring step's op as the ring runner runs it: the outer schedule's step and
-        transfers."""
+        """A ring step's op in the outer schedule's step and transfers."""
         transfers = tuple(self.names[tr] for tr in op.transfers)
         return replace(op, step=op.step - 1, transfers=transfers)
 

@@ -1,9 +1,9 @@
 """What the ``tokenring::attention`` custom operator carries and runs.
 
-``tokenring.api`` registers the attention as two custom operators (``torch.library``):
-``tokenring::attention`` and ``tokenring::attention_backward``, so ``torch.compile`` sees one
-opaque call with known output shapes, with or without ``fullgraph``, and eager calls take the
-same path. Operators take only tensors and primitives; this module owns the rest:
+``tokenring.api`` registers ``tokenring::attention`` and ``tokenring::attention_backward``
+(``torch.library``), so ``torch.compile`` sees one opaque call with known output shapes, and
+eager calls take the same path. Operators take only tensors and primitives; this module owns
+the rest:
 
 - handles (Note [Handles]): a process group travels as its ``group_name``, a Communicator and
   a :class:`Record` of values that are not primitives as keys into registries of this process;
@@ -76,10 +76,9 @@ __all__ = [
 #     Record             "<Record ...>"           eager: _OBJECTS (the call and its autograd
 #                                                 node hold it); compiled: _PINNED
 #
-# Keys of objects come from ``object_handle`` / ``pinned_handle``, which torch.compile calls
-# once while tracing (``torch.compiler.assume_constant_result``: it guards on the arguments)
-# and bakes into the graph. A group never seen eagerly cannot be named: the error says to call
-# tokenring.get_communicator(group) first.
+# torch.compile calls ``object_handle`` / ``pinned_handle`` once while tracing
+# (``assume_constant_result``) and bakes the key into the graph. A group never seen eagerly
+# cannot be named: the error says to call tokenring.get_communicator(group) first.
 DEFAULT_GROUP = "default"
 _GROUP_PREFIX = "group:"
 _GROUPS: weakref.WeakValueDictionary[str, dist.ProcessGroup] = weakref.WeakValueDictionary()
@@ -114,9 +113,8 @@ class Record:
 
 @torch.compiler.assume_constant_result
 def pinned_handle(names: tuple[str, ...], *values: Any) -> str:
-    """A key for a :class:`Record` of ``names`` and ``values`` that stays valid for the life
-    of the process: torch.compile calls this once while tracing and bakes the key into the
-    graph (Note [Handles])."""
+    """A key for a :class:`Record` of ``names`` and ``values``, valid for the life of the
+    process (Note [Handles])."""
     record = Record(dict(zip(names, values, strict=True)))
     key = _key(record)
     _PINNED[key] = record
