@@ -152,9 +152,15 @@ class BlockKernel(abc.ABC):
 
     @abc.abstractmethod
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         """Block attention.
 
         Args:
@@ -172,9 +178,19 @@ class BlockKernel(abc.ABC):
 
     @abc.abstractmethod
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         """Gradients of one block given the global ``lse`` and ``delta`` of the q rows.
 
         Args:
@@ -192,10 +208,21 @@ class BlockKernel(abc.ABC):
         """
 
     def backward_into(
-        self, grads: Grads | Callable[[], Grads], dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
-        lse: Tensor, delta: Tensor, *, causal: bool, scale: float, mask: Mask | None = None,
-        out: Tensor | None = None, poll: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        grads: Grads | Callable[[], Grads],
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+        poll: Callable[[], None] | None = None,
+    ) -> None:
         """:meth:`backward`, added into ``grads = (dq, dk, dv)`` (same shapes, any float
         dtype). ``poll`` runs after each tile, before its gradients are added. ``grads`` may be
         a function returning them, called once after the first tile and its ``poll`` (never
@@ -248,9 +275,15 @@ class ReferenceKernel(BlockKernel):
         return scores
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -262,9 +295,19 @@ class ReferenceKernel(BlockKernel):
         return _bhsd(out).to(q.dtype), lse.view(b, hq, sq)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -330,9 +373,15 @@ class _CpuFlashOps(BlockKernel):
         return ok and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         assert self._fwd is not None
         self.ran["cpu_flash"] += 1
         visible = _dense(mask, q, k, causal)
@@ -346,9 +395,19 @@ class _CpuFlashOps(BlockKernel):
         return _bhsd(out), lse
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         assert self._bwd is not None
         self.ran["cpu_flash"] += 1
         visible = _dense(mask, q, k, causal)
@@ -464,9 +523,15 @@ class TiledKernel(BlockKernel):
         return not self.tile_plain_forward
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         b, sq, hq, d = q.shape
         acc = accumulation_dtype(q.dtype)
         whole = sq <= self.tile_rows and k.shape[1] <= self.tile_rows
@@ -489,9 +554,19 @@ class TiledKernel(BlockKernel):
         return out, lse
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         if q.shape[1] <= self.tile_rows and k.shape[1] <= self._backward_kv_tile(
             q.shape[1], causal
         ):  # one tile: the piece whole
@@ -507,10 +582,21 @@ class TiledKernel(BlockKernel):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def backward_into(
-        self, grads: Grads | Callable[[], Grads], dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
-        lse: Tensor, delta: Tensor, *, causal: bool, scale: float, mask: Mask | None = None,
-        out: Tensor | None = None, poll: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        grads: Grads | Callable[[], Grads],
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+        poll: Callable[[], None] | None = None,
+    ) -> None:
         targets = None if callable(grads) else grads
         grid = self._tile_grid(q.shape[1], k.shape[1], causal, mask, backward=True)
         for (qa, qb), row in grid:
@@ -522,9 +608,15 @@ class TiledKernel(BlockKernel):
                 out_t = _bhsd(_stand_in_out(q_side[0], stats[1]))
             for (ka, kb), kind, sub in row:
                 parts = self._kernel(kind).backward(
-                    *q_side, k[:, ka:kb], v[:, ka:kb], *stats,
-                    causal=kind == "causal", scale=scale, mask=sub, out=out_t,
-                )  # fmt: skip
+                    *q_side,
+                    k[:, ka:kb],
+                    v[:, ka:kb],
+                    *stats,
+                    causal=kind == "causal",
+                    scale=scale,
+                    mask=sub,
+                    out=out_t,
+                )
                 if poll is not None:
                     poll()
                 if targets is None:
@@ -633,9 +725,15 @@ class _SdpaOps(BlockKernel):
         return device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[self.op] += 1
         ops = torch.ops.aten
@@ -669,9 +767,19 @@ class _SdpaOps(BlockKernel):
         return _bhsd(r["output"]), lse
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[self.op] += 1
         ops = torch.ops.aten
@@ -801,18 +909,34 @@ class _FlexOps(BlockKernel):
         return out, lse  # (B, Hq, sq, D), (B, Hq, sq) float32
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
         self.ran[FLEX] += 1
         out, lse = self._call(q, k, v, mask, scale)
         return _bhsd(out), lse.float()
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
         self.ran[FLEX] += 1
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
@@ -868,9 +992,15 @@ class _FlashAttnOps(BlockKernel):
         return _flash_attn_ops()
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
         out, lse, _, _ = self._ops._flash_attn_forward(
@@ -889,9 +1019,19 @@ class _FlashAttnOps(BlockKernel):
         return out, lse.float()  # (B, sq, Hq, D), (B, Hq, sq)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -965,16 +1105,32 @@ class _CudaDispatch(BlockKernel):
         return self._ops[name]
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
         mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         op = self.op(self.plan(q, _kind(causal, mask), mask))
         return op.forward(q, k, v, causal=causal, scale=scale, mask=mask)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-        causal: bool, scale: float, mask: Mask | None = None, out: Tensor | None = None,
-    ) -> Grads:  # fmt: skip
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
         op = self.op(self.plan(q, _kind(causal, mask), mask))
         return op.backward(
             dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
