@@ -46,7 +46,7 @@ __all__ = ["collective_backward", "collective_forward"]
 
 class _Collective(SchedulePass):
     """What the collectives' runners share beyond a ``SchedulePass``: ``masking`` (Note
-    [Collectives with masks]), P, s, the accumulation dtype and DELTA."""
+    [Collectives with masks]), P, s and the accumulation dtype."""
 
     def __init__(
         self,
@@ -62,13 +62,7 @@ class _Collective(SchedulePass):
         self.masking = masking
         self.p, self.s = comm.world_size, self.q.shape[1]
         self.acc = accumulation_dtype(self.q.dtype)
-        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
-
-    def delta(self, op: Op) -> None:
-        """DELTA: rowsum(dout * out)."""
-        acc = self.acc
-        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
-        self.row_delta = self.row_delta.contiguous()  # (B, Hq, s)
+        self.row_delta = torch.empty(0)
 
     def take(
         self, op: Op, payload: Payload, own: Sequence[torch.Tensor]

@@ -1,20 +1,17 @@
 """The communicator: every byte a strategy moves goes through one of these.
 
-It owns a process group over the same ranks for each *channel*: a flow (``Flow.TRAVEL``:
-blocks moving round the ring; ``Flow.RETURN``: partials going home, or accumulators following)
-of a lane (the bidirectional ring has two), so both directions of a link carry traffic at once
-(gloo: separate sockets; NCCL: separate communicators and streams). It lays out each
-:class:`~tokenring.core.schedule.Transfer` as one message (Note [Message frames]), posts
-batched P2P with the receives first, counts messages and bytes per flow and peer, and
-optionally records a timeline.
+It owns a process group per *channel* (a flow, ``Flow.TRAVEL`` or ``Flow.RETURN``, of a lane),
+so both directions of a link carry traffic at once; lays out each
+:class:`~tokenring.core.schedule.Transfer` as one message (Note [Message frames]); posts
+batched P2P, receives first; counts messages and bytes per flow and peer; and may record a
+timeline.
 
 Note [Staged path]
 ~~~~~~~~~~~~~~~~~~
-NCCL refuses two ranks on one device, and some machines have no NCCL peer access. There,
-CUDA tensors travel over gloo through host buffers (``path == "gloo-staged"``): a message is
-copied to a pinned host buffer on a side stream (the host waits for that copy), sent; a
-receive lands in a host buffer and is copied to the device on the current stream when waited
-for. For checking correctness of P ranks on one GPU, not for speed.
+Where NCCL cannot run (two ranks on one device, no peer access), CUDA tensors travel over
+gloo through pinned host buffers (``path == "gloo-staged"``): a send is copied to the host on
+a side stream first, a receive copied to the device on the current stream when waited for.
+For correctness checks of P ranks on one GPU, not for speed.
 
 Note [Slots]
 ~~~~~~~~~~~~
@@ -62,8 +59,7 @@ __all__ = [
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
 _T = TypeVar("_T")
 
-# (flow, lane): each gets its own process group. Lane 0 is the only lane of TokenRing and Ring;
-# the bidirectional ring's lane 1 turns the other way round the ring.
+# (flow, lane), each with its own process group; lane 1: the bidirectional ring's other way
 CHANNELS: tuple[tuple[Flow, int], ...] = (
     (Flow.TRAVEL, 0),
     (Flow.RETURN, 0),
@@ -129,13 +125,11 @@ class TrafficCounter:
 
 # Note [Message header]
 # ~~~~~~~~~~~~~~~~~~~~~
-# Every message starts with HEADER_NUM_BYTES: five int64 (magic, payload bytes, the transfer's
-# id, the sender's rank, a digest of the frames' sizes), padded to 64 bytes. gloo completes a
-# receive of a *shorter* message and leaves the rest of the buffer as it was, so without a
-# header a peer that built another schedule would hand us stale memory. The receiver zeroes
-# the header slot before posting and checks every field on arrival, before waiting for the
-# other frames; a mismatch raises naming the transfer, both sizes and the peer. The header is
-# not counted: the counter holds payload bytes, as the schedule does.
+# Every message starts with HEADER_NUM_BYTES: five int64 (magic, payload bytes, transfer id,
+# sender rank, a digest of the frames' sizes), padded to 64 bytes. gloo completes a receive of
+# a *shorter* message and leaves the rest of the buffer stale, so the receiver zeroes the
+# header slot before posting and checks every field on arrival, before the other frames; a
+# mismatch raises naming the transfer, both sizes and the peer. Counters hold payload bytes.
 #
 # Note [Message frames]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -147,12 +141,9 @@ class TrafficCounter:
 # a K/V block's k and v (Note [K/V message layout] in tokenring.runtime.ring).
 #
 # A message of one field travels whole, in its header frame: each frame is one more operation
-# to post and, on gloo, one more ready-to-receive notice (Q blocks in two frames made
-# bidir_token_ring 8-14% slower on a 100 Mbit/s mesh).
+# to post and, on gloo, one more ready-to-receive notice.
 _MAGIC = 0x746F6B656E72696E  # "tokenrin"
-# Padded to a cache line: the payload starts 64-byte aligned, as a fresh tensor does (the
-# fused CPU kernel reads a K/V at offset 32 2-6% slower).
-HEADER_NUM_BYTES = 64
+HEADER_NUM_BYTES = 64  # a cache line: the payload starts 64-byte aligned, as a fresh tensor
 _HEADER_FIELDS = 5
 APART_MIN_BYTES = 64 * 1024  # a field this big travels as a frame of its own
 AGREE_FRAME_NUM_BYTES = 4096  # one message of Communicator.all_gather_bytes
@@ -161,10 +152,9 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 
 # Note [Agreement by digest]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``Communicator.agree`` runs before every checked call, so its steady-state cost is one
-# exchange of 16-byte digests (blake2b of the signature's JSON, or of the rank's validation
-# error) over the control (gloo, CPU) group. Every rank sees every digest, so all take the
-# same branch:
+# ``Communicator.agree`` runs before every checked call: one exchange of 16-byte blake2b
+# digests (of the signature's JSON, or of the validation error) over the control (gloo)
+# group. Every rank sees every digest, so all take the same branch:
 #
 #   all digests equal, no problem here  -> done (the signatures are equal)
 #   any digest differs, or a problem    -> every rank exchanges the JSON rows (4 KiB frames)
@@ -199,9 +189,8 @@ def _read_header(buffer: torch.Tensor) -> list[int]:
 
 
 class Message:
-    """A message laid out for the wire (Note [Message frames]): ``buffer`` is HEADER_NUM_BYTES
-    of room, then the small fields; ``apart`` holds each big field's frame (uint8, 1-D). Sent
-    as it is, its header written in place: no copy."""
+    """A message laid out for the wire (Note [Message frames]): ``buffer`` is the header, then
+    the small fields; ``apart`` each big field's frame (uint8, 1-D). Sent without a copy."""
 
     __slots__ = ("apart", "buffer")
 
@@ -329,8 +318,7 @@ def _check_header(
 
 
 def comm_path(backend: str, device: torch.device) -> str:
-    """How messages of tensors on ``device`` travel: ``"nccl"``, ``"gloo"`` (CPU tensors) or
-    ``"gloo-staged"`` (CUDA tensors over gloo through host buffers; Note [Staged path])."""
+    """How messages of tensors on ``device`` travel: nccl, gloo or gloo-staged."""
     if backend == "gloo" and device.type == "cuda":
         return "gloo-staged"
     return backend
@@ -549,9 +537,7 @@ class Communicator:
     def _swap_frames(
         self, mine: torch.Tensor, frames: dict[int, torch.Tensor]
     ) -> tuple[list[int], list[tuple[int, str]]]:
-        """Send ``mine`` to every peer, receive each peer's frame into ``frames``; the peers
-        silent within the timeout, and those gone. Posted one by one, so a closed peer fails
-        its own post."""
+        """Swap ``mine`` for every peer's frame; the peers silent and those gone (with why)."""
         closed: list[tuple[int, str]] = []
         recvs: dict[int, Any] = {}
         sends: dict[int, Any] = {}
@@ -773,8 +759,7 @@ class Communicator:
     def _post(
         self, ops: Sequence[tuple[bool, torch.Tensor, int]], group: dist.ProcessGroup
     ) -> list[Any]:
-        """Post ``(is_send, tensor, group peer)`` in order on ``group``; their works. gloo
-        posts each as it comes (as ``batch_isend_irecv`` would, slower); NCCL coalesced."""
+        """Post ``(is_send, tensor, group peer)`` in order on ``group``; their works."""
         if self.backend == "gloo":
             return [
                 group.send([t], peer, 0) if is_send else group.recv([t], peer, 0)
@@ -798,8 +783,7 @@ class Communicator:
         return [self.to_wire(f) for f in message.frames]
 
     def wait_sends(self) -> None:
-        """Wait for every send posted so far (their buffers may be reused afterwards), and
-        check the headers of receives on devices other than the CPU (one host sync)."""
+        """Wait for every send posted so far; check the pending device headers (one sync)."""
         for work, tr in self._pending_sends:
             self._wait(work, tr, "send")
         self._pending_sends.clear()
@@ -820,8 +804,7 @@ class Communicator:
         self._wait_sends_if(lambda _, tr: tr.step <= step)
 
     def wait_sent(self, transfers: Sequence[Transfer]) -> None:
-        """Wait for the pending sends of ``transfers`` (a program's SENT); the rest stay
-        pending. On CUDA no host sync."""
+        """Wait for the pending sends of ``transfers`` (a program's SENT); no host sync."""
         if transfers:
             wanted = set(transfers)
             self._wait_sends_if(lambda _, tr: tr in wanted)
@@ -856,8 +839,7 @@ class Communicator:
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str
     ) -> PendingCollective:
-        """Post ``dist.all_gather_into_tensor``: rank j's ``input`` lands at block j of
-        ``output`` along dim 0. Control data: not counted."""
+        """Post ``dist.all_gather_into_tensor`` (rank j's at block j of dim 0). Not counted."""
         self._check_open()
         work = None
         if self.world_size > 1:
@@ -971,8 +953,7 @@ class Communicator:
 
 
 class PendingCollective:
-    """A posted collective; ``wait()`` returns when it completed or raises after the
-    communicator's timeout, naming the operation, this rank and the group."""
+    """A posted collective; ``wait()`` raises after the timeout, naming op, rank and group."""
 
     def __init__(self, comm: Communicator, work: Any, op: str, label: str) -> None:
         self._comm, self._work, self._op, self._label = comm, work, op, label
@@ -1001,14 +982,13 @@ class PendingCollective:
 
 # Note [Channel pool]
 # ~~~~~~~~~~~~~~~~~~~
-# The groups a closed communicator made (channels and control) wait here for the next
-# communicator over the same ranks, backend, timeout and channel layout instead of being
-# destroyed, so a program that makes a group per step keeps a flat number of sockets and
-# threads; those of a failed communicator are never reused. Destroying them would also invite
-# a torch naming clash: a group made with use_local_synchronization is named after its ranks
-# and the number of live groups, so after a destroy a new one can get a live group's name
-# ("already been created") or a destroyed one's, whose stale store addresses it then reads
-# ("Connection refused"). Groups over every rank avoid that (torch numbers those).
+# The groups a closed communicator made wait here for the next communicator over the same
+# ranks, backend, timeout and channel layout instead of being destroyed, so a program that
+# makes a group per step keeps a flat number of sockets and threads (a failed communicator's
+# are never reused). Destroying them also invites a torch naming clash: a group made with
+# use_local_synchronization is named after its ranks and the number of live groups, so a new
+# one can get a live group's name ("already been created") or a destroyed one's stale store
+# addresses ("Connection refused").
 _PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
 _OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
 _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
@@ -1024,8 +1004,7 @@ def _take_idle_groups(key: _PoolKey) -> _OwnGroups | None:
 
 
 def destroy_idle_groups() -> None:
-    """Destroy the pooled process groups of closed communicators (Note [Channel pool]); for
-    the end of a program."""
+    """Destroy the pooled process groups of closed communicators (Note [Channel pool])."""
     pooled = [
         g for idle in _IDLE_GROUPS.values() for own in idle for g in (*own[0].values(), own[1])
     ]
@@ -1037,18 +1016,13 @@ def destroy_idle_groups() -> None:
 
 # Note [Groups in default arguments]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A gloo group's worker threads end when its last Python reference goes, and one alive while
-# Python finalises can abort the process after every result was right (Note [Clean exit] in
-# tokenring.launch). Some torch functions take the default group as a default argument,
-# ``def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD)``
-# (torch.distributed.nn.functional and others), evaluated at import: imported after
-# init_process_group (torch._dynamo imports it, and this library imports dynamo), the default
-# ProcessGroup is kept in their ``__defaults__`` for the life of the interpreter.
-#
-# ``clear_group_defaults`` (run by tokenring.close_communicators, and so at interpreter exit)
-# sets such a default back to None, what every torch.distributed call reads as the default
-# group, for the default group and for a group no longer registered; a default naming another
-# live group is kept. Only functions of torch's own modules are touched.
+# A gloo group alive while Python finalises can abort the process after every result was
+# right (Note [Clean exit] in tokenring.launch). Some torch functions take the default group
+# as a default argument (``group=group.WORLD`` in torch.distributed.nn.functional and others),
+# evaluated at import: imported after init_process_group, they keep it in ``__defaults__``.
+# ``clear_group_defaults`` (run by tokenring.close_communicators, so at interpreter exit) sets
+# such a default (the default group, or one no longer registered) back to None, which torch
+# reads as the default group. Only functions of torch's own modules are touched.
 
 
 def clear_group_defaults() -> None:

@@ -1,16 +1,15 @@
 """One rank's instructions for a schedule: what ``tokenring.runtime.executor.execute`` runs
-and the simulator (``tokenring.model.simulate``) prices, one stream for both.
+and the simulator (``tokenring.model.simulate``) prices.
 
 Legend: P world size, t step, k segment (or slot: transfers posted after k segments), r rank,
 n the steps of the hybrid's outer ring.
 
 Note [Rank program]
 ~~~~~~~~~~~~~~~~~~~
-:func:`program_of` turns any schedule into each rank's instructions, from the schedule alone:
-:func:`ring_program` for the ring strategies, Note [Collective rank program] and Note [Hybrid
-rank program] for the others. ``execute`` runs them with the pass's runner (POST, SENT,
-SENT_ALL and the step ranges itself, every other op by the runner's method of its name); the
-simulator's event engine replays the same tuple, one action per op::
+:func:`program_of` turns any schedule into each rank's instructions (:func:`ring_program`;
+Note [Collective rank program], Note [Hybrid rank program]). ``execute`` runs POST, SENT and
+SENT_ALL itself and every other op by the runner's method of its name; the simulator's event
+engine replays the same tuple::
 
     op         runtime, forward            runtime, backward            event engine
     DELTA      -                           delta = rowsum(dout * out)   its bytes / memory bw
@@ -43,13 +42,11 @@ last two steps, ``HOME`` and ``SENT_ALL``. In the backward, slot ``(t, n)`` of a
 segments comes after ``PASS t`` (the accumulators it sends are passed on there). Slots in
 which this rank neither sends nor receives are left out.
 
-Returns are taken two steps behind, after the step's compute, so a partial sent at the end of
-step t-1 (flying during step t) never holds up step t; a rank holds at most two steps'
-partials. A POST names its transfers, so a receive can be posted outside its sender's slot
-(all-gather K/V's rounds). The runtime may settle things early, never later: a backward
-compute settles what it can of ``PASS t`` and ``RETURNS t-1`` after its first tile (Note
-[Buffers in flight] in tokenring.runtime.ring); the op is where the program waits for the
-rest, and where the simulator prices it.
+Returns are taken two steps behind, so a partial sent at the end of step t-1 never holds up
+step t. A POST names its transfers, so a receive can be posted outside its sender's slot. The
+runtime may settle things early, never later (Note [Buffers in flight] in
+tokenring.runtime.ring); the op is where the program waits for the rest, and the simulator
+prices it.
 
 :func:`cached_program` is the same vocabulary for a cached inference plan
 (``tokenring.strategies.cached``): a round is a step, a kernel block a segment. A round is
@@ -89,8 +86,7 @@ slot); ``index`` is the segments computed before it, its send's ``after_segments
                END 1  SENT_ALL
 
 so the forward has two rounds in flight and the backward one; a round without segments
-(causal) still waits for its K/V. The SENTs free each round's copies a round later (gloo's
-sends report completion only when waited for).
+(causal) still waits for its K/V. The SENTs free each round's copies a round later.
 
 Note [Hybrid rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -151,8 +147,7 @@ class Op:
 
 
 def program_of(sched: Schedule, rank: int) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for any schedule (Note [Rank program]): what the executor
-    runs and the simulator replays. Memoised on the schedule while it lives."""
+    """The instructions of ``rank`` for any schedule (Note [Rank program]), memoised."""
     if sched.strategy is Strategy.HYBRID:
         return _memo(sched, ("hybrid_program", rank), hybrid_program, rank)
     if sched.strategy.is_collective:
@@ -161,8 +156,7 @@ def program_of(sched: Schedule, rank: int) -> tuple[Op, ...]:
 
 
 def ring_program(sched: Schedule, rank: int, steps: range | None = None) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for a ring schedule (its steps ``steps``; default all),
-    as in Note [Rank program]. Memoised on the schedule while it lives."""
+    """The instructions of ``rank`` for ``steps`` (default all) of a ring schedule, memoised."""
     steps = range(sched.num_steps) if steps is None else steps
     return _memo(sched, ("ring_program", rank, steps.start, steps.stop), _build, rank, steps)
 
@@ -198,8 +192,7 @@ def _recvs(sched: Schedule, rank: int, step: int, payload: Payload) -> tuple[Tra
 
 
 def _passing(sched: Schedule, rank: int, step: int) -> tuple[Transfer, ...]:
-    """Backward: the dK/dV accumulators that followed the blocks of ``step`` here (sent at
-    ``step - 1``), one per lane that passes one on at ``step``."""
+    """Backward: the dK/dV accumulators (sent at ``step - 1``) that ``step`` passes on."""
     outgoing = {tr.lane for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
     owners = sched.steps[rank][step].kv_owners
     return tuple(
@@ -278,8 +271,7 @@ def _build(sched: Schedule, rank: int, steps: range) -> list[Op]:
 
 
 def collective_program(sched: Schedule, rank: int) -> list[Op]:
-    """The instructions of ``rank`` for Ulysses or all-gather K/V: Note [Collective rank
-    program]."""
+    """The instructions of ``rank`` for a collective: Note [Collective rank program]."""
     backward = sched.pass_ is Pass.BACKWARD
     recvs, sends = sched.recvs(rank, 0), sched.sends(rank, 0)
     program = [Op(kind=OpKind.DELTA)] if backward else []
@@ -295,8 +287,7 @@ def _ulysses(
     sched: Schedule, rank: int, recvs: Sequence[Transfer], sends: Sequence[Transfer]
 ) -> list[Op]:
     def slot(index: int, flow: Flow) -> tuple[list[Op], tuple[Transfer, ...]]:
-        """The POST of a slot (0: what travels, 1: what returns) and its receives: q (q_grad,
-        dq) of every peer first, then its K/V (dK/dV), as the runner joins them."""
+        """The POST of slot 0 (travel) or 1 (return) and its receives, q-side before K/V."""
         inbound = sorted(
             (tr for tr in recvs if tr.payload.flow is flow),
             key=lambda tr: (tr.payload in (Payload.KV, Payload.DKV), tr.src),
@@ -385,8 +376,7 @@ def hybrid_program(sched: Schedule, rank: int) -> list[Op]:
 
 
 def cached_program(plan: CachedPlan, rank: int) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for a cached inference plan, as in Note [Rank program].
-    Memoised on the plan while it lives (every layer of a step runs the same plan)."""
+    """The instructions of ``rank`` for a cached inference plan, memoised (Note [Rank program])."""
     return _memo(plan, ("cached_program", rank), _build_cached, rank)
 
 

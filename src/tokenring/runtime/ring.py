@@ -1,49 +1,42 @@
 """Executes a :class:`~tokenring.core.schedule.Schedule` on one rank: kernels, merges and P2P.
 
-The schedule says what to compute and send in which slot, and the rank's program
-(``tokenring.runtime.program``, which the simulator replays) says in which order; this module
-only moves tensors accordingly. Pass-Q (TokenRing, bidirectional TokenRing) keeps K/V home,
-moves one Q block per lane and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
-home and moves one K/V block per lane (``Schedule.lanes``: some kv heads or rows each).
+The schedule says what to compute and send in which slot, the rank program
+(``tokenring.runtime.program``) in which order. Pass-Q (TokenRing, bidirectional TokenRing)
+keeps K/V home, moves one Q block per lane and returns partials; pass-KV (Ring, bidirectional
+Ring) keeps Q home and moves one K/V block per lane (``Schedule.lanes``).
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size, n rows
 of a transfer.
 
 Note [Buffers in flight]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Peak memory is the inputs, outputs and gradients plus what is in flight; each buffer goes as
-soon as its last use passes (README "Memory"):
+Peak memory is the inputs, outputs and gradients plus what is in flight (README "Memory"):
 
-- a block sent on step t is waited for at the end of step t, so at most the held block and
+- a block sent at step t is waited for at the end of step t, so at most the held block and
   the incoming one exist; a received block is passed on as the message it came in, and dQ
-  partials and dK/dV accumulators are allocated as the messages that return them (no copy);
-- forward: partials sent on step t-2, and those received, are settled after the compute of
-  step t (the program's RETURNS and SENT; Note [Rank program] in tokenring.runtime.program);
-- backward: dQ / dK+dV returns sent on step t-1, and those received, are settled after the
-  first tile of step t (on CUDA only what has completed, without waiting);
-- gradients are added tile by tile into the accumulators (``BlockKernel.backward_into``),
-  fetched only after the first tile (``targets``): a dQ partial is allocated once the returns
-  of step t-1 are gone, and the dK/dV accumulator that followed a block here *becomes* this
-  step's accumulator;
-- pass-KV: each rank's own dK/dV leaves home in the accumulators after step 0 (Note
-  [Backward] in tokenring.core.schedule): at the first tile of a step a rank holds four
-  K/V-sized buffers (the block, the next one, the accumulator arriving and the one sent);
-- no variable keeps a view of a block past its piece (``del`` at the end of each piece).
+  partials and dK/dV accumulators are allocated as the messages that return them;
+- forward: partials sent at step t-2, and those received, are settled after the compute of
+  step t (RETURNS and SENT; Note [Rank program] in tokenring.runtime.program);
+- backward: returns sent at step t-1, and those received, are settled after the first tile
+  of step t (on CUDA only what has completed);
+- gradients are added tile by tile (``BlockKernel.backward_into``) into accumulators fetched
+  after the first tile (``targets``): a dQ partial is allocated once the returns of step t-1
+  are gone, and the dK/dV accumulator that followed a block here becomes this step's;
+- pass-KV: our own dK/dV leave home in the accumulators after step 0 (Note [Backward] in
+  tokenring.core.schedule), so at a step's first tile a rank holds four K/V-sized buffers;
+- no variable keeps a view of a block past its piece (``del`` after each piece).
 
 Note [K/V message layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-A K/V message is two fields, k then v, each rows first: ``(n, B, Hkv, D)``. Held k and v are
-``(B, n, Hkv, D)`` views of them (the kernels take strided rows), and any rows of the block
-are one contiguous slice of each. So a rank that passes on only some rows of its block (zigzag
-causal after the wrap: ``[0, c)``, Note [Causal blocks per layout] in
-tokenring.core.schedule) sends those slices as its message's frames (Note [Message frames] in
-tokenring.runtime.comm): no copy (under APART_MIN_BYTES a field, copied into the header
-frame). k and v in one buffer made half a block a copy; rows of k and v side by side made the
-fused CPU kernel read them at twice their row stride (2.5-5% slower).
+A K/V message is two fields, k then v, each rows first ``(n, B, Hkv, D)``; held k and v are
+``(B, n, Hkv, D)`` views of them, so any rows of a block are one contiguous slice of each. A
+rank that passes on only some rows (zigzag causal after the wrap, Note [Causal blocks per
+layout] in tokenring.core.schedule) sends those slices as its message's frames (Note [Message
+frames] in tokenring.runtime.comm) without a copy. One buffer for k and v would make half a
+block a copy; k and v rows side by side would double the CPU kernel's row stride.
 
-Waits never synchronise the host on CUDA: a wait makes the compute stream wait on the
-transfer's; compute bars of the timeline are CUDA events resolved after the pass; every step
-is a ``record_function`` range (``tokenring.<strategy>.<pass>.step<t>``).
+Waits never synchronise the host on CUDA; compute bars are CUDA events resolved after the
+pass; every step is a ``record_function`` range (``tokenring.<strategy>.<pass>.step<t>``).
 """
 
 from __future__ import annotations
@@ -150,30 +143,29 @@ class _Held:
         return _Held(tr.owner, tr.rows, list(kv_rows(*wire)), message, wire, is_kv=True)
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
-        """What a transfer of ``rows`` of this block sends: the message it came in when the
-        rows are all of it, else the rows' slices (K/V: Note [K/V message layout])."""
+        """What a send of ``rows`` of this block carries: the message it came in, or slices."""
         if rows == self.rows and self.message is not None:
             return self.message
         if not self.is_kv:
             return self.slice(rows)
-        start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
-        assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
         if not self.wire:  # home: one copy into the wire layout
             return kv_message(*self.slice(rows))
+        start, stop = self._local(rows)
         return [x[start:stop] for x in self.wire]
 
-    def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
+    def _local(self, rows: tuple[int, int]) -> tuple[int, int]:
+        """``rows`` counted from this block's first row (checked to lie inside it)."""
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
         assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
-        return _part(self.tensors[index], (start, stop), slice(None))
+        return start, stop
 
     def slice(self, rows: tuple[int, int]) -> list[torch.Tensor]:
-        return [self.rows_of(i, rows) for i in range(len(self.tensors))]
+        local = self._local(rows)
+        return [_part(x, local, slice(None)) for x in self.tensors]
 
 
 class ComputeTimer:
-    """Compute bars of the timeline (when one is recorded); on CUDA from CUDA events resolved
-    after the pass, aligned with the host's clock by one sync before the loop."""
+    """Compute bars of the timeline, if recorded (CUDA: events resolved after the pass)."""
 
     def __init__(self, comm: Communicator, device: torch.device) -> None:
         self.comm = comm
@@ -225,8 +217,7 @@ def _nothing() -> None:
 def _merge_parts(
     parts: list[tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]], rows: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One partial (out, lse) over ``rows`` from its pieces, merged in the accumulation dtype;
-    rows no piece covers get lse -inf."""
+    """One partial (out, lse) over ``rows`` from its pieces (uncovered rows: lse -inf)."""
     if len(parts) == 1 and parts[0][0] == rows:
         return parts[0][1]
     out0, lse0 = parts[0][1]
@@ -260,8 +251,7 @@ class _Masks:
 
 
 class _InFlight:
-    """One backward step's returns in flight (Note [Buffers in flight]): dQ partials and dK/dV
-    accumulators that arrived, added as soon as they may be, and sends released."""
+    """One backward step's returns in flight, settled early (Note [Buffers in flight])."""
 
     def __init__(
         self,
@@ -281,8 +271,7 @@ class _InFlight:
         self.dkv_in: dict[int, list[PendingRecv]] = {}
 
     def add_arrived(self, *, block: bool) -> None:
-        """Take the dK/dV accumulators that followed this step's blocks (all if ``block``):
-        the first of a lane becomes its accumulator, the rest are added into it."""
+        """Take the arrived dK/dV accumulators (all if ``block``) into each lane's first."""
         for lane, recs in self.dkv_in.items():
             for rec in [r for r in recs if block or r.ready()]:
                 if lane not in self.lane_grads:  # it becomes the accumulator: no copy
@@ -294,8 +283,7 @@ class _InFlight:
                 recs.remove(rec)
 
     def poll(self) -> None:
-        """Between tiles: settle what was sent and received one step ago (blocking after the
-        step's first tile on gloo; on CUDA only what has completed)."""
+        """Between tiles: settle what was sent and received one step ago."""
         block = self.blocking and not self.settled
         self.settled = True
         if block:
@@ -310,8 +298,7 @@ class _InFlight:
 
 
 def _lent_home(sched: Schedule, rank: int, step: int, holder: int) -> Transfer:
-    """Backward: the transfer that sends the dK/dV of the pair borrowed from ``holder`` home
-    (Note [Borrowed last pair] in tokenring.strategies.ring)."""
+    """Backward: the send home of the dK/dV of the pair borrowed from ``holder``."""
     return next(
         tr
         for tr in sched.sends(rank, step)
@@ -338,8 +325,7 @@ def _q_heads(piece: Piece, groups: int) -> slice:
 
 
 def _part(x: torch.Tensor, rows: tuple[int, int] | None, heads: slice) -> torch.Tensor:
-    """Rows (None: all) and heads of ``x``: ``(B, n, H, D)`` (rows dim 1) or ``(B, H, n)``
-    (rows dim 2)."""
+    """Rows (None: all) and heads of ``x`` ``(B, n, H, D)`` or ``(B, H, n)``."""
     r = slice(None) if rows is None else slice(*rows)
     return x[:, r, heads] if x.dim() == 4 else x[:, heads, r]
 
@@ -355,9 +341,7 @@ def _operands(
     held: dict[int, _Held],
     borrowed: dict[int, list[_Held]],
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
-    """What ``piece`` computes on: its query-side tensors (from ``own``: q, or q, dout, lse,
-    delta), its k and v, and whose K/V they are (Note [Borrowed last pair] in
-    tokenring.strategies.ring for a borrowed pair)."""
+    """``piece``'s query-side tensors (of ``own``), its k and v, and whose K/V they are."""
     c, d = piece.kv_rows
     if step == 0:
         return [_part(x, piece.q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], rank
@@ -378,8 +362,7 @@ def _operands(
 
 
 def _held_heads(sched: Schedule, piece: Piece) -> slice:
-    """The query heads of a pass-Q ``piece`` inside its lane's held block (Note [Last block
-    by heads] in tokenring.strategies.ring)."""
+    """The query heads of a pass-Q ``piece`` inside its lane's held block."""
     lane = sched.lanes[piece.lane]
     if piece.q_heads is None or piece.q_heads == lane.q_heads:
         return slice(None)
@@ -394,8 +377,7 @@ def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
 
 
 def _query_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dict[int, _Held]:
-    """Pass-Q: each lane's block at step 0, this rank's rows on the lane's query heads
-    (``tensors``: (B, s, Hq, D) or (B, Hq, s))."""
+    """Pass-Q: each lane's block at step 0, this rank's rows on the lane's query heads."""
     held = {}
     for index, lane in enumerate(sched.lanes):
         views = tensors
@@ -425,9 +407,8 @@ def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dic
 
 
 class SchedulePass(PassRunner):
-    """What every runner of a :class:`~tokenring.core.schedule.Schedule` sets up alike: the
-    pass's tensors (``inputs``: q, k, v; backward: dout, q, k, v, out, lse), the poster of
-    this rank's transfers and the compute bars of the timeline."""
+    """A runner of a ring schedule's pass: ``inputs`` (q, k, v; backward: dout, q, k, v,
+    out, lse), this rank's poster and timer."""
 
     comm: Communicator
     poster: SlotPoster
@@ -437,6 +418,8 @@ class SchedulePass(PassRunner):
     dout: torch.Tensor  # backward: (B, s, Hq, D)
     out: torch.Tensor
     lse: torch.Tensor  # backward: (B, Hq, s)
+    acc: torch.dtype  # backward: the accumulation dtype
+    row_delta: torch.Tensor  # backward: (B, Hq, s), from DELTA
 
     def __init__(
         self,
@@ -457,6 +440,12 @@ class SchedulePass(PassRunner):
         device = self.q.device
         self.poster = SlotPoster(comm, functools.partial(message_fields, shape), device)
         self.timer = ComputeTimer(comm, device)
+
+    def delta(self, op: Op) -> None:
+        """DELTA: delta = rowsum(dout * out) ``(B, Hq, s)`` in the accumulation dtype."""
+        acc = self.acc
+        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
+        self.row_delta = self.row_delta.contiguous()
 
 
 def run_forward(
@@ -492,8 +481,7 @@ class _Forward(SchedulePass):
         s = q.shape[1]
         self.groups = q.shape[2] // k.shape[2]
         acc = accumulation_dtype(q.dtype)
-        # When step 0's first piece (the own block) covers every row and head, its result is
-        # the accumulators' first value: no merge into zeros.
+        # step 0's first piece covering every row and head sets the accumulators (no merge)
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
         segments = step0.segments if step0 is not None else ()
         first = segments[0].pieces[0] if segments and segments[0].pieces else None
@@ -578,8 +566,7 @@ class _Forward(SchedulePass):
 
 
 def _contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in ``dtype``, contiguous, in one pass (``Tensor.to`` ignores ``memory_format``
-    when the dtype is unchanged)."""
+    """``x`` in ``dtype``, contiguous, in one pass."""
     if x.dtype == dtype:
         return x.contiguous()
     return x.to(dtype, memory_format=torch.contiguous_format)
@@ -613,9 +600,7 @@ def run_backward(
 
 
 class _Backward(SchedulePass):
-    """One rank's backward pass of ``sched`` (Note [Rank program] in
-    tokenring.runtime.program). Pass-KV: the accumulator that followed a block here becomes
-    this step's after the first tile (:meth:`targets`); at step 0 our own dK/dV leave."""
+    """One rank's backward pass of ``sched`` (Note [Buffers in flight])."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -625,8 +610,7 @@ class _Backward(SchedulePass):
         self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         self.pass_q = sched.strategy.passes_q
-        # Ring (one lane of every row and head, dK/dV leaving at step 0): gradients go straight
-        # into the accumulator that leaves; else they leave home after step 0 (_leave_home).
+        # Ring: gradients go straight into the accumulator that leaves; else _leave_home
         (lane, *others) = sched.lanes
         self.direct = (
             not self.pass_q
@@ -642,11 +626,10 @@ class _Backward(SchedulePass):
         if not self.direct:
             self.dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             self.dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
+        self.row_delta = torch.empty(0)
         self.held: dict[int, _Held] = {}
         self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
-        # kv owner -> (the transfer and the message that send their dK/dV home, its dk and dv
-        # (B, n, Hkv, D))
+        # kv owner -> (transfer, message, [dk, dv]) that send its dK/dV home
         self.lent_grads: dict[int, tuple[Transfer, Message, list[torch.Tensor]]] = {}
         self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
         self.dk = self.dv = torch.empty(0)  # (B, s, Hkv, D), from HOME
@@ -660,11 +643,10 @@ class _Backward(SchedulePass):
         )
 
     def delta(self, op: Op) -> None:
-        """DELTA: delta = rowsum(dout * out) (B, Hq, s), and the blocks this rank holds."""
-        dout, out, acc = self.dout, self.out, self.acc
-        self.row_delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+        """DELTA: delta, and the blocks this rank holds."""
+        super().delta(op)
         if self.pass_q:
-            blocks = [self.q, dout, self.lse, self.row_delta]
+            blocks = [self.q, self.dout, self.lse, self.row_delta]
             self.held = _query_blocks(self.sched, self.rank, blocks)
         else:
             self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
@@ -699,8 +681,7 @@ class _Backward(SchedulePass):
             inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
 
     def lent_grads_of(self, holder: int, step: int) -> tuple[Transfer, Message, list[torch.Tensor]]:
-        """The transfer, message and zeroed dK/dV ``(B, n, Hkv, D)`` that send the pair
-        borrowed from ``holder`` home (Note [Borrowed last pair] in tokenring.strategies.ring)."""
+        """The transfer, message and dK/dV that send the pair borrowed from ``holder`` home."""
         if holder not in self.lent_grads:
             tr = _lent_home(self.sched, self.rank, step, holder)
             shape = (self.k.shape[0], tr.num_rows, *self.k.shape[2:])
@@ -740,8 +721,7 @@ class _Backward(SchedulePass):
         return self.dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]], dk_t, dv_t
 
     def compute(self, op: Op) -> None:
-        """COMPUTE: segment ``op.index`` of ``op.step``, its gradients into their
-        accumulators."""
+        """COMPUTE: segment ``op.index`` of ``op.step`` into its accumulators."""
         sched, rank, held = self.sched, self.rank, self.held
         step, index = op.step, op.index
         plan = sched.steps[rank][step]
@@ -792,8 +772,7 @@ class _Backward(SchedulePass):
         self.dq_seg = self.dq_msg = None
 
     def pass_on(self, op: Op) -> None:
-        """PASS: take the accumulator that followed each block (from step 2 on: the first
-        visitor created it) and pass it on; Note [Backward] in tokenring.strategies.ring."""
+        """PASS: pass on the accumulator that followed each block here."""
         step = op.step
         self.inflight.add_arrived(block=True)
         lane_grads = self.inflight.lane_grads
@@ -837,8 +816,7 @@ def _arrive(
     held: dict[int, _Held],
     borrowed: dict[int, list[_Held]],
 ) -> None:
-    """ARRIVE: the step's travelling blocks become their lanes' held ones (a borrowed pair's
-    K/V parts are kept by owner)."""
+    """ARRIVE: the step's blocks become held (a borrowed pair's parts, by owner)."""
     for tr in op.transfers:
         block = _Held.arrived(poster.pending.pop(tr))
         if sched.strategy.passes_q and tr.payload is Payload.KV:
@@ -848,8 +826,7 @@ def _arrive(
 
 
 def _q_owner(plan: StepPlan, piece: Piece) -> int:
-    """Whose queries ``piece`` computes: ours for a borrowed pair (Note [Borrowed last
-    pair] in tokenring.strategies.ring), else the lane's visitor's."""
+    """Whose queries ``piece`` computes: ours for a borrowed pair, else the visitor's."""
     return plan.rank if piece.kv_owner is not None else plan.lane_q_owner(piece.lane)
 
 
@@ -861,8 +838,7 @@ def _own_kv(k: torch.Tensor, v: torch.Tensor, rows: tuple[int, int]) -> Message:
 def _leave_home(
     grads: list[torch.Tensor], tr: Transfer, dk_acc: torch.Tensor, dv_acc: torch.Tensor
 ) -> None:
-    """Pass-KV backward, step 0: a lane's accumulator leaves home with our own dK/dV of the
-    lane's rows and heads (zeroed here: they come back in it)."""
+    """Pass-KV backward, step 0: our dK/dV of a lane move into its leaving accumulator."""
     rows, heads = tr.rows, slice(*tr.heads) if tr.heads else slice(None)
     for grad, own in zip(grads, (dk_acc, dv_acc), strict=True):
         grad.copy_(own[:, rows[0] : rows[1], heads])
@@ -878,14 +854,12 @@ def _accumulators_home(
     k: torch.Tensor,
     acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK, dV ``(B, s, Hkv, D)`` in the accumulation dtype: what stayed home plus each lane's
-    accumulator, home at last (``dk_acc`` None: every row and head travelled)."""
+    """dK, dV ``(B, s, Hkv, D)``: what stayed home plus each lane's returned accumulator."""
     if dk_acc is None and len(transfers) == 1:
         (tr,) = transfers
         if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
             dk_home, dv_home = poster.pending.pop(tr).wait()  # came home: they are dK, dV
-            # small ones share a frame, and the operator's outputs may not alias: copy one
-            # unless the cast to k's dtype will
+            # small ones share a frame and the operator's outputs may not alias: copy one
             shared = dk_home.untyped_storage().data_ptr() == dv_home.untyped_storage().data_ptr()
             return dk_home, dv_home.clone() if shared and acc == k.dtype else dv_home
     if dk_acc is None or dv_acc is None:
