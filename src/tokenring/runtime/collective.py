@@ -1,19 +1,14 @@
 """Runs the collective strategies (``tokenring.strategies.collective``) on one rank.
 
-:func:`collective_forward` and :func:`collective_backward` are joined by residuals; the public
-API runs them after validation and wires them into autograd.
-
 Note [Collectives point to point]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Both strategies send exactly the transfers of their own schedules, each pass a ``PassRunner``
-that ``execute`` drives (Note [Collective rank program] in tokenring.runtime.program):
-Ulysses posts q or q_grad and K/V of each peer's heads, then out, or dq and dK/dV, of each
-peer's rows; all-gather K/V posts one round at a time (Note [All-gather K/V rounds]). So
-every message is P2P, receives first (both directions of a pair at once on gloo, where
-``all_to_all_single`` takes turns: Note [Collective routing]), laid out by
-``tokenring.runtime.ring.message_fields``, header-checked, counted per flow and peer, and
-bounded by the timeout. The backward's reduce-scatter of dK/dV is each owner's block sent
-home and summed there: the volume of a real reduce-scatter (gloo's is an all-reduce).
+Both strategies send exactly the transfers of their schedules, each pass a ``PassRunner``
+that ``execute`` drives (Note [Collective rank program] in tokenring.runtime.program): Ulysses
+posts q or q_grad and K/V of each peer's heads, then out, or dq and dK/dV, of each peer's
+rows; all-gather K/V one round at a time (Note [All-gather K/V rounds]). So every message is
+P2P, receives first (Note [Collective routing]), header-checked, counted and bounded by the
+timeout. The backward's reduce-scatter of dK/dV is each owner's block sent home and summed
+there: a real reduce-scatter's volume (gloo's is an all-reduce).
 
 Legend: B batch, S global seq (P * s), s local seq, Hq query heads, Hkv key/value heads, D head
 dim, P world size, nq / nkv heads of one Ulysses rank.
@@ -67,8 +62,7 @@ class _Collective(SchedulePass):
     def take(
         self, op: Op, payload: Payload, own: Sequence[torch.Tensor]
     ) -> list[list[torch.Tensor] | None]:
-        """Every rank's message of ``payload`` among the receives of ``op``, in rank order
-        (this rank's: ``own``; None: a rank that sends none, having no heads for it)."""
+        """Every rank's ``payload`` received in ``op`` by rank (ours: ``own``; None: none)."""
         parts: list[list[torch.Tensor] | None] = [None] * self.p
         parts[self.rank] = list(own)
         for tr in op.transfers:
@@ -149,8 +143,7 @@ def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
 
 
 class _Ulysses(_Collective):
-    """What both Ulysses passes share: the plan, this rank's head share, and views of its
-    k, v heads and of rank j's rows of the gathered sequence."""
+    """What both Ulysses passes share: the plan and this rank's head share."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -165,9 +158,7 @@ class _Ulysses(_Collective):
 
 
 class _UlyssesForward(_Ulysses):
-    """One rank's Ulysses forward (Note [Collective rank program] in
-    tokenring.runtime.program): ARRIVE gathers its heads' rows, COMPUTE runs the kernel over
-    them, RETURNS joins every share's out and lse of its own rows."""
+    """One rank's Ulysses forward (Note [Collective rank program] in runtime.program)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -228,8 +219,7 @@ def _with_heads(
 
 
 def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
-    """Each source's tensors of several payloads, one list per source: every rank sends
-    them to a rank with heads."""
+    """Each source's tensors of several payloads, one list per source."""
     joined = []
     for parts in zip(*by_source, strict=True):
         assert all(part is not None for part in parts), "every rank sends to a rank with heads"
@@ -238,8 +228,7 @@ def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tens
 
 
 def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> list[torch.Tensor]:
-    """The first ``num`` fields of every rank's part, each joined over the sequence in global
-    order (B, S, ...): the received buffer is let go as soon as the last one is built."""
+    """The first ``num`` fields of every part, joined over the sequence in global order."""
     joined = []
     for i in range(num):
         pieces = [part[i] for part in parts]
@@ -250,8 +239,7 @@ def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> 
 
 
 class _UlyssesBackward(_Ulysses):
-    """One rank's Ulysses backward: gathers q, dout, lse, delta of its head share and the K/V
-    they use again, like the forward, instead of keeping them (Note [Ulysses])."""
+    """One rank's Ulysses backward: gathers its heads again, like the forward."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -337,8 +325,7 @@ class _UlyssesBackward(_Ulysses):
 
 
 class _AllGather(_Collective):
-    """What both passes of all-gather K/V share (Note [All-gather K/V rounds]): the K/V block
-    of the round being computed, let go once the round's last segment is computed."""
+    """What both passes of all-gather K/V share: the block of the round being computed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -359,8 +346,7 @@ class _AllGather(_Collective):
         self.kv = kv if tr.owner in self.last else None  # None: nothing to compute (causal)
 
     def piece(self, op: Op) -> tuple[Piece, Rows, Rows, PositionMask | None]:
-        """The piece of segment ``op.index``, its q rows and its kv rows in the round's block,
-        and its mask (Note [Collectives with masks])."""
+        """Segment ``op.index``'s piece, q rows, kv rows in the round's block and mask."""
         (piece,) = self.sched.steps[self.rank][0].segments[op.index].pieces
         offset = piece.kv_rows[0] // self.s * self.s
         kv_rows = (piece.kv_rows[0] - offset, piece.kv_rows[1] - offset)
@@ -401,8 +387,7 @@ class _AllGatherForward(_AllGather):
 
 
 class _AllGatherBackward(_AllGather):
-    """One rank's all-gather K/V backward: round k's dK/dV partial is accumulated in the
-    message that returns it to r + k; r - k's partial of our rows is added on return."""
+    """One rank's all-gather K/V backward: round k's dK/dV partial goes back to r + k."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -419,8 +404,7 @@ class _AllGatherBackward(_AllGather):
         return self.outbox.pop(tr) if tr.payload is Payload.DKV else super().provide(tr)
 
     def arrive(self, op: Op) -> None:
-        """ARRIVE: round k's K/V, and its dK/dV partial from zero, in the message that returns
-        it."""
+        """ARRIVE: round k's K/V, and the message its dK/dV partial returns in."""
         super().arrive(op)
         (tr,) = op.transfers
         message, grads = self.comm.message([(tuple(self.k.shape), self.acc)] * 2, self.k.device)
@@ -463,9 +447,7 @@ _RUNNERS: dict[Strategy, tuple[type[_Collective], type[_Collective]]] = {
 }  # forward, backward
 
 
-# -- entry points --------------------------------------------------------------------------
-# Forward and backward are separate calls joined by *residuals*, the tensors the backward keeps
-# beyond q, out and lse (Note [Residuals] in tokenring.runtime.op): the collectives keep none.
+# -- entry points (joined by residuals, Note [Residuals] in tokenring.runtime.op: none) -------
 
 
 def collective_forward(
@@ -566,8 +548,7 @@ def _run(
     sharding: Sharding | None,
     mask: MaskSpec | None,
 ) -> Any:
-    """Run one pass of ``inputs`` (q, k, v; or dout, q, k, v, out, lse) on this rank's
-    program; the runner holds the results."""
+    """Run one pass of ``inputs`` on this rank's program; the runner holds the results."""
     strategy = parse_collective(strategy_name)
     inputs = tuple(x.contiguous() for x in inputs)
     q, k = inputs[:2] if pass_ is Pass.FORWARD else inputs[1:3]
@@ -590,9 +571,8 @@ class _Masking:
     Note [Collectives with masks]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     With padding, documents or a window the collectives keep their plain schedules for the
-    padded ``seq_local``: their blocks stay supersets of what is visible (padding and documents
-    keep the chunks' order; windows and documents only remove pairs). Each kernel call gets
-    its rows' global positions as a ``PositionMask`` (padding sees nothing and is seen by
+    padded ``seq_local`` (their blocks stay supersets of what is visible); each kernel call
+    gets its rows' global positions as a ``PositionMask`` (padding sees nothing and is seen by
     nothing), whose empty tiles the kernel skips. The bytes moved are as without a mask.
     """
 

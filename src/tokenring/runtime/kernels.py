@@ -1,8 +1,7 @@
 """Local block kernels: attention of one Q block against one K/V block, with lse.
 
-A kernel maps ``q, k, v -> (out, lse)`` and back; :func:`select_kernel` picks one the device
-and dtype support (a kernel asked for by name that cannot run raises), and the pure function
-:func:`plan_block` names the fused operator of each tile (Note [Kernel plan]).
+A kernel maps ``q, k, v -> (out, lse)`` and back; :func:`select_kernel` picks one for a
+device and dtype, and the pure function :func:`plan_block` names each tile's operator.
 
 Legend: B batch, sq query rows, sk key rows, Hq query heads, Hkv key/value heads (divides Hq),
 D head dim, T tile rows. Public tensors are ``(B, rows, H, D)``; lse and delta are
@@ -17,20 +16,17 @@ the same row sums against dout::
 
     out' = dout * delta / |dout|^2      (0 where |dout| = 0, where delta is 0 too)
 
-rowsum(dout * out') = delta, and |out'| <= |out| (Cauchy-Schwarz), so it is as well-scaled as
-out. It costs a few elementwise passes, so a caller that holds the real out (its own queries)
-passes it (``out=``), and :class:`TiledKernel` builds the stand-in once per q tile that meets
-several kv tiles, never for more rows than a tile's. Kernels whose backward only exists
-through autograd (FlexAttention) use Note [Backward through autograd].
+rowsum(dout * out') = delta, and |out'| <= |out| (Cauchy-Schwarz). A caller that holds the
+real out (its own queries) passes it (``out=``); :class:`TiledKernel` builds the stand-in once
+per q tile that meets several kv tiles. FlexAttention uses Note [Backward through autograd].
 
 Note [Kernel plan]
 ~~~~~~~~~~~~~~~~~~
 No call allocates a (sq, sk) tensor on CUDA. :class:`TiledKernel` cuts every piece into tiles
-of at most T x T and classifies each as the schedule classifies pieces (Note [Mask classes] in
-tokenring.core.masks): skipped, full, causal (a diagonal tile of a causal piece) or masked.
-Tile gradients are added straight into the caller's accumulators, so a call's memory is its
-tile's (the forward of an unmasked piece runs whole in the fused kernels: it holds O(s)
-anyway). :func:`plan_block` names the operator of each tile:
+of at most T x T, each skipped, full, causal (a diagonal tile) or masked (Note [Mask classes]
+in tokenring.core.masks), and adds tile gradients straight into the caller's accumulators
+(fused kernels run the forward of an unmasked piece whole: it holds O(s) anyway).
+:func:`plan_block` names the operator of each tile:
 
     device  dtype        D          mask class    operator
     cuda    fp16, bf16   %8, <=256  full, causal  flash-attn 2 package, else SDPA flash (sm80+)
@@ -39,10 +35,9 @@ anyway). :func:`plan_block` names the operator of each tile:
     cuda    fp64, or a head dim no fused op takes the tiled reference
     cpu     any          any        any           PyTorch's CPU flash op (dense mask per tile)
 
-The tiled reference materialises (B, Hq, T, T) scores per tile only; a masked tile builds its
-(T, T) mask from positions (:class:`PositionMask`). On the CPU a backward tile of a non-causal
-piece has at most as many kv rows as q rows, and at least 512 (``backward_kv_tile_floor``):
-the CPU op's backward walks keys slower than queries.
+The tiled reference materialises (B, Hq, T, T) scores per tile; a masked tile builds its
+(T, T) mask from positions (:class:`PositionMask`). The CPU op's backward walks keys slower
+than queries, so its non-causal tiles have at most as many kv rows as q rows (and >= 512).
 """
 
 from __future__ import annotations
@@ -83,8 +78,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class PositionMask:
-    """A block's mask as positions: query row i sees key j when ``spec.visible(q_positions[i],
-    kv_positions[j])``. On the CPU, so tiles are classified without a device sync."""
+    """A block's mask as positions (on the CPU: tiles are classified without a device sync):
+    row i sees key j when ``spec.visible(q_positions[i], kv_positions[j])``."""
 
     spec: MaskSpec
     q_positions: Tensor  # (sq,) int64 on the CPU, -1 for padding
@@ -223,10 +218,9 @@ class BlockKernel(abc.ABC):
         out: Tensor | None = None,
         poll: Callable[[], None] | None = None,
     ) -> None:
-        """:meth:`backward`, added into ``grads = (dq, dk, dv)`` (same shapes, any float
-        dtype). ``poll`` runs after each tile, before its gradients are added. ``grads`` may be
-        a function returning them, called once after the first tile and its ``poll`` (never
-        if no tile is computed): Note [Buffers in flight] in tokenring.runtime.ring."""
+        """:meth:`backward` added into ``grads = (dq, dk, dv)`` (any float dtype), or into
+        what ``grads()`` returns, called after the first tile; ``poll`` runs after each tile
+        (Note [Buffers in flight] in tokenring.runtime.ring)."""
         parts = self.backward(
             dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
         )
@@ -246,8 +240,8 @@ def _kind(causal: bool, mask: Mask | None) -> str:
 
 
 class ReferenceKernel(BlockKernel):
-    """Plain torch matmuls in the accumulation dtype; any device and dtype. Materialises the
-    ``(B, Hq, sq, sk)`` scores: the baseline, and the math of :class:`TiledKernel`'s tiles."""
+    """Plain torch matmuls in the accumulation dtype, materialising ``(B, Hq, sq, sk)``
+    scores; any device and dtype."""
 
     name = "reference"
 
@@ -330,11 +324,9 @@ class ReferenceKernel(BlockKernel):
 
 
 def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
-    """out' with rowsum(dout * out') == delta, ``(B, Hq, sq, D)`` in dout's dtype; see Note
-    [Backward from delta]."""
+    """out' ``(B, Hq, sq, D)`` of Note [Backward from delta], in dout's dtype."""
     acc = delta.dtype
-    # Both passes walk dout (B, sq, Hq, D) in memory order; the product is computed in acc and
-    # rounded once into dout's dtype (out=), as a product in acc then a cast would be.
+    # both passes walk dout in memory order; the product is rounded once into dout's dtype
     norm2 = torch.linalg.vector_norm(dout, dim=-1, dtype=acc).square_()  # (B, sq, Hq)
     ratio = torch.where(norm2 > 0, _bhsd(delta) / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
     out = torch.empty_like(dout, memory_format=torch.contiguous_format)
@@ -342,22 +334,18 @@ def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
 
 
 def _out_of(out: Tensor | None, dout: Tensor, delta: Tensor) -> Tensor:
-    """What a fused backward takes as ``out``, ``(B, Hq, sq, D)``: the block's rows of the
-    global out when the caller holds them (its own queries), else the stand-in of Note
-    [Backward from delta] (a visiting Q, which travels with delta instead of out)."""
+    """A fused backward's ``out`` ``(B, Hq, sq, D)``: the real one, or the stand-in."""
     return _bhsd(out) if out is not None else _stand_in_out(dout, delta)
 
 
 def _finite_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
-    """lse for a fused backward: a row with lse -inf sees no key anywhere, so every score of
-    its tile is masked and any finite lse gives P = 0 there (-inf would give NaN)."""
+    """lse with -inf (rows that see no key: P = 0 anyway) as 0, which gives no NaN."""
     out = lse.to(dtype)
     return out.masked_fill(torch.isneginf(out), 0.0).contiguous()
 
 
 class _CpuFlashOps(BlockKernel):
-    """PyTorch's fused CPU flash-attention ops on one tile (they return logsumexp); GQA
-    native; a masked tile gets a dense additive mask of its own size."""
+    """PyTorch's fused CPU flash-attention ops on one tile (a masked one: an additive mask)."""
 
     name = "cpu_flash_op"
     takes_out = True
@@ -454,17 +442,16 @@ def _tile_class(
 
 class TiledKernel(BlockKernel):
     """Any kernel, run tile by tile so a call's memory is bounded by its tile (Note [Kernel
-    plan]): forward tiles merge by lse, backward tiles add into the caller's accumulators.
+    plan]).
 
     Args:
         inner: the kernel of one tile (default: :class:`ReferenceKernel`, the tiled
             reference); ``masked_inner`` serves the masked tiles (default: ``inner``).
         tile_rows: T, rows of a tile on both sides.
-        tile_plain_forward: cut the forward of an unmasked piece too. Fused kernels hold
-            O(s) memory in the forward whatever the piece, so theirs run whole (tiles would
-            only add lse merges); the tiled reference must cut it.
-        backward_kv_tile_floor: in the backward of a non-causal piece, cut the kv rows into
-            tiles as long as the q tile, but no shorter than this (None: T on both sides).
+        tile_plain_forward: cut the forward of an unmasked piece too (False for fused
+            kernels, which hold O(s) in the forward anyway).
+        backward_kv_tile_floor: backward of a non-causal piece: kv tiles as long as the q
+            tile, but no shorter than this (None: T on both sides).
     """
 
     def __init__(
@@ -630,9 +617,8 @@ class TiledKernel(BlockKernel):
 
 
 class CpuFlashKernel(TiledKernel):
-    """PyTorch's fused CPU flash ops: the backward and masked pieces tile by tile (T =
-    ``tile_rows``; below 1024 rows the op slows down sharply), the forward of an unmasked
-    piece whole; backward tiles have at most as many kv rows as q rows, and at least 512."""
+    """PyTorch's fused CPU flash ops (Note [Kernel plan]): the backward and masked pieces tile
+    by tile (T = ``tile_rows``), the forward of an unmasked piece whole."""
 
     def __init__(self, *, tile_rows: int = 1024) -> None:
         super().__init__(
@@ -647,8 +633,7 @@ class CpuFlashKernel(TiledKernel):
 # -- CUDA ----------------------------------------------------------------------------------------
 
 MATERIALISING = frozenset({"reference"})
-"""Operators that hold a (sq, sk) tensor of the call; :func:`plan_block` names them for
-tiles only (the tiled reference)."""
+"""Operators that hold a (sq, sk) tensor (:func:`plan_block` names them for tiles only)."""
 
 SDPA_FLASH, SDPA_EFFICIENT, FLASH_ATTN = "sdpa_flash", "sdpa_efficient", "flash_attn"
 FLEX, TILED_REFERENCE, CPU_FLASH = "flex", "tiled_reference", "cpu_flash"
@@ -664,8 +649,7 @@ def plan_block(
     flash_attn: bool = False,
     flex: bool = False,
 ) -> str:
-    """The operator that computes one tile (Note [Kernel plan]); the device is described,
-    not queried, so every row is testable without a GPU.
+    """The operator of one tile (Note [Kernel plan]), for a described device (no GPU query).
 
     Args:
         device_type: ``"cuda"`` or ``"cpu"``.
@@ -710,8 +694,7 @@ def _reduce_kv(dx: Tensor, heads_kv: int) -> Tensor:
 
 
 class _SdpaOps(BlockKernel):
-    """One unmasked tile through PyTorch's fused CUDA SDPA operators; ``op`` is what
-    :func:`plan_block` named (flash or memory-efficient)."""
+    """One unmasked tile through the fused CUDA SDPA operator ``op`` (flash or efficient)."""
 
     name = "cuda_sdpa_op"
     takes_out = True
@@ -738,30 +721,13 @@ class _SdpaOps(BlockKernel):
         self.ran[self.op] += 1
         ops = torch.ops.aten
         hq, sq = q.shape[2], q.shape[1]
-        qh, kh, vh = _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq)
+        qkv = (_bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq))
         if self.op == SDPA_FLASH:
-            r = _named(
-                ops._scaled_dot_product_flash_attention.default,
-                qh,
-                kh,
-                vh,
-                dropout_p=0.0,
-                is_causal=causal,
-                return_debug_mask=False,
-                scale=scale,
-            )
-        else:
-            r = _named(
-                ops._scaled_dot_product_efficient_attention.default,
-                qh,
-                kh,
-                vh,
-                None,
-                True,
-                dropout_p=0.0,
-                is_causal=causal,
-                scale=scale,
-            )
+            fwd = ops._scaled_dot_product_flash_attention.default
+            r = _named(fwd, *qkv, dropout_p=0.0, is_causal=causal, scale=scale)
+        else:  # attn_bias None, compute_log_sumexp True
+            fwd = ops._scaled_dot_product_efficient_attention.default
+            r = _named(fwd, *qkv, None, True, dropout_p=0.0, is_causal=causal, scale=scale)
         lse_key = "logsumexp" if "logsumexp" in r else "log_sumexp"
         lse = r[lse_key][..., :sq].float()  # memory-efficient pads rows to a multiple of 32
         return _bhsd(r["output"]), lse
@@ -841,8 +807,7 @@ def _flex_attention() -> Callable[..., Any] | None:
 
 
 class _FlexOps(BlockKernel):
-    """Masked tiles through FlexAttention (compiled on CUDA), the mask a ``mask_mod`` over the
-    tile's positions; the backward recomputes the tile.
+    """Masked tiles through FlexAttention (compiled on CUDA); the backward recomputes them.
 
     Note [Backward through autograd]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -954,8 +919,7 @@ def _global_grads(
     delta: Tensor,
     leaves: list[Tensor],
 ) -> tuple[Tensor, ...]:
-    """Note [Backward through autograd]: the global gradients of a tile from the autograd
-    graph of its own ``out_b (B, Hq, sq, D)`` and ``lse_b (B, Hq, sq)``."""
+    """A tile's global gradients from its own out_b, lse_b (Note [Backward through autograd])."""
     acc = delta.dtype
     seen = ~(torch.isneginf(lse_b) | torch.isneginf(lse))
     w = torch.where(seen, torch.exp(lse_b.detach().to(acc) - lse.to(acc)), 0.0)  # (B, Hq, sq)
@@ -976,6 +940,12 @@ def _flash_attn_ops() -> Any:
             "--no-build-isolation; CUDA only)"
         ) from exc
     return torch.ops.flashattn
+
+
+# the flash-attn 2 operators' options this library leaves off: dropout, window, softcap, ALiBi
+_FLASH_ATTN_PLAIN: dict[str, Any] = dict(
+    dropout_p=0.0, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None
+)
 
 
 class _FlashAttnOps(BlockKernel):
@@ -1003,18 +973,9 @@ class _FlashAttnOps(BlockKernel):
     ) -> tuple[Tensor, Tensor]:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
+        qkv = [x.contiguous() for x in (q, k, v)]
         out, lse, _, _ = self._ops._flash_attn_forward(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
+            *qkv, softmax_scale=scale, causal=causal, return_softmax=False, **_FLASH_ATTN_PLAIN
         )
         return out, lse.float()  # (B, sq, Hq, D), (B, Hq, sq)
 
@@ -1034,28 +995,19 @@ class _FlashAttnOps(BlockKernel):
     ) -> Grads:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        inputs = [x.contiguous() for x in (dout, q, k, v, _bhsd(_out_of(out, dout, delta)))]
         self._ops._flash_attn_backward(
-            dout.contiguous(),
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            _bhsd(_out_of(out, dout, delta)).contiguous(),
+            *inputs,
             _finite_lse(lse, torch.float32),
             dq,
             dk,
             dv,
-            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
             deterministic=False,
             rng_state=None,
+            **_FLASH_ATTN_PLAIN,
         )
         return dq, dk, dv
 
@@ -1138,9 +1090,8 @@ class _CudaDispatch(BlockKernel):
 
 
 class CudaFusedKernel(TiledKernel):
-    """Fused CUDA kernels per tile (Note [Kernel plan]): tiles of ``tile_rows``, masked tiles
-    cut finer (``masked_tile_rows``) or through FlexAttention (``flex=True``).
-    ``capability`` overrides the device's (for tests without a GPU)."""
+    """Fused CUDA kernels per tile (Note [Kernel plan]); masked tiles cut finer
+    (``masked_tile_rows``) or through FlexAttention (``flex``); ``capability`` for tests."""
 
     def __init__(
         self,
