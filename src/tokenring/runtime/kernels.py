@@ -751,49 +751,24 @@ class _SdpaOps(BlockKernel):
         ops = torch.ops.aten
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        qh, kh, vh = _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq)
+        grad_in = (_bhsd(dout), _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq))
         out = _out_of(out, dout, delta)  # (B, Hq, sq, D)
         lse_op = _finite_lse(lse, torch.float32)  # (B, Hq, sq)
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: unused
         if self.op == SDPA_FLASH:
-            r = _named(
-                ops._scaled_dot_product_flash_attention_backward.default,
-                _bhsd(dout),
-                qh,
-                kh,
-                vh,
-                out,
-                lse_op,
-                None,  # cum_seq_q: undefined for dense batches
-                None,
-                sq,
-                sk,
-                0.0,
-                causal,
-                no_rng,
-                no_rng,
-                scale=scale,
-            )
+            bwd = ops._scaled_dot_product_flash_attention_backward.default
+            # cum_seq_q, cum_seq_k undefined for dense batches; max_q, max_k; dropout_p
+            args = (*grad_in, out, lse_op, None, None, sq, sk, 0.0, causal, no_rng, no_rng)
+            r = _named(bwd, *args, scale=scale)
             dq, dk, dv = r["grad_query"], r["grad_key"], r["grad_value"]
         else:
             rows = -(-sq // 32) * 32  # the op reads lse padded to a multiple of 32 rows
             lse_pad = torch.zeros((b, hq, rows), dtype=torch.float32, device=q.device)
             lse_pad[..., :sq] = lse_op
-            grads = ops._scaled_dot_product_efficient_attention_backward.default(
-                _bhsd(dout),
-                qh,
-                kh,
-                vh,
-                None,  # attn_bias
-                out,
-                lse_pad,
-                no_rng,
-                no_rng,
-                0.0,
-                [True, True, True, False],
-                causal,
-                scale=scale,
-            )
+            bwd = ops._scaled_dot_product_efficient_attention_backward.default
+            wanted = [True, True, True, False]  # grads of q, k, v, not of attn_bias (None)
+            args = (*grad_in, None, out, lse_pad, no_rng, no_rng, 0.0, wanted, causal)
+            grads = bwd(*args, scale=scale)
             dq, dk, dv = grads[0], grads[1], grads[2]
         return _bhsd(dq), _bhsd(_reduce_kv(dk, hkv)), _bhsd(_reduce_kv(dv, hkv))
 
