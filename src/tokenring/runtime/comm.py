@@ -325,7 +325,7 @@ def comm_path(backend: str, device: torch.device) -> str:
 
 
 class PendingRecv:
-    """A posted receive; ``wait()`` returns the unpacked tensors."""
+    """A posted receive; ``wait()`` returns its tensors."""
 
     def __init__(
         self, comm: Communicator, transfer: Transfer, message: Message, fields: list[FieldSpec]
@@ -385,19 +385,16 @@ class Communicator:
     """Batched, counted P2P over one process group per channel of the same ranks.
 
     Args:
-        group: the sequence-parallel process group (its ranks, in group-rank order, form the
-            ring). ``None``: the default group.
+        group: the sequence-parallel process group, its ranks in order forming the ring
+            (group ranks everywhere, never global ranks). ``None``: the default group.
         timeout_s: how long any single transfer may take before the call fails.
-        separate_groups: give each channel (flow x lane) its own process group (default);
-            False: everything shares ``group`` (experiments on gloo's ordering).
+        separate_groups: one process group per channel (default); False: all share ``group``.
         stage_through_host: move messages through host buffers (Note [Staged path]). None:
-            exactly for CUDA tensors on gloo; True on the CPU stages through host copies.
+            exactly for CUDA tensors on gloo.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
         ValueError: ``timeout_s`` is not a finite number of seconds > 0.
-
-    Group ranks are used everywhere (``Transfer.src``/``dst``), never global ranks.
     """
 
     def __init__(
@@ -453,8 +450,7 @@ class Communicator:
             channels[channel] = self._new_group(
                 ranks, f"{flow.value}_{lane}", f"the {flow.value!r} process group of lane {lane}"
             )
-        # agreements go over a gloo group of their own: no device sync, never queued behind
-        # transfers
+        # agreements: a gloo group of their own, no device sync, never queued behind transfers
         control = self._new_group(ranks, "control", "the control (gloo) group", backend="gloo")
         return channels, control
 
@@ -483,13 +479,12 @@ class Communicator:
     def all_gather_bytes(
         self, data: bytes, *, what: str, frame_num_bytes: int = AGREE_FRAME_NUM_BYTES
     ) -> list[bytes]:
-        """Every rank's ``data``, in group-rank order: P2P over the control group within the
-        timeout, so a peer that does not arrive is named.
+        """Every rank's ``data`` (at most ``frame_num_bytes - 8`` bytes), in group-rank order,
+        over the control group within the timeout.
 
         Args:
-            data: at most ``frame_num_bytes - 8`` bytes.
             what: what the ranks agree on, for the error message.
-            frame_num_bytes: the size of each message; every rank must pass the same.
+            frame_num_bytes: the size of each message; the same on every rank.
 
         Raises:
             ValueError: ``data`` is too long.
@@ -507,8 +502,7 @@ class Communicator:
                 f"rank {self.rank}: this communicator failed earlier and cannot be used for "
                 f"{what}: {self._broken}"
             )
-        # Row r: rank r's frame, its length (int64) then its data; through ctypes, as tensor
-        # operations would cost more than the exchange on every call's path.
+        # row r: rank r's length (int64) then data; ctypes: tensor ops cost more than the swap
         table = torch.zeros(self.world_size, frame_num_bytes, dtype=torch.uint8)
         mine = table[self.rank]
         framed = struct.pack("<q", len(data)) + data
@@ -576,12 +570,8 @@ class Communicator:
         return silent, closed
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
-        """Every rank's picklable ``obj``, in group-rank order: two rounds of
-        :meth:`all_gather_bytes` (the sizes, then the pickles). Control data: not counted.
-
-        Args:
-            what: what is gathered, for the error message.
-        """
+        """Every rank's picklable ``obj`` in group-rank order (``what``: for errors); two rounds
+        of :meth:`all_gather_bytes`, the sizes then the pickles. Not counted."""
         data = pickle.dumps(obj)
         sizes = self.all_gather_bytes(struct.pack("<q", len(data)), what=f"{what} (sizes)")
         frame_num_bytes = 8 + max(struct.unpack("<q", size)[0] for size in sizes)
@@ -595,8 +585,7 @@ class Communicator:
 
         Args:
             signature: this rank's JSON-able description of the call (None when invalid).
-            problem: this rank's validation error, or None; re-raised here on this rank
-                after the exchange, so the other ranks learn it.
+            problem: this rank's validation error, or None; re-raised after the exchange.
             what: the call, for messages ("attention call", "cache step").
 
         Raises:
@@ -647,8 +636,7 @@ class Communicator:
     def message(
         fields: Sequence[FieldSpec], device: torch.device, *, zeroed: bool = True
     ) -> tuple[Message, list[torch.Tensor]]:
-        """A message of ``fields`` (zeroed, or uninitialised) and views of its tensors: fill
-        them, then send the message itself (no copy)."""
+        """A message of ``fields`` (zeroed or not) and views of its tensors, to fill and send."""
         new = torch.zeros if zeroed else torch.empty
         inline, apart = _split(fields)
         buffer = new(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
@@ -694,20 +682,18 @@ class Communicator:
         *,
         device: torch.device,
     ) -> dict[Transfer, PendingRecv]:
-        """Post one slot's receives and sends (receives first), one batch per flow.
+        """Post one slot's receives and sends (receives first), one batch per channel.
 
         Args:
-            sends: each transfer with the tensors that make up its message, or the message
-                itself (:class:`Message`: sent without a copy).
+            sends: each transfer with its tensors, or its :class:`Message` (no copy).
             recvs: each transfer with ``(shape, dtype)`` of the tensors to receive.
-            device: where receive buffers live (the tensors' device).
+            device: where receive buffers live.
 
         Returns:
             The pending receives by transfer.
         """
         self._check_open()
         pending: dict[Transfer, PendingRecv] = {}
-        # By channel: its receives, then its sends with their wire buffers.
         batches: dict[tuple[Flow, int], tuple[list[PendingRecv], list[Any]]] = {}
         for tr, f in recvs:
             pending[tr] = rec = self._recv(tr, f, device)
@@ -889,10 +875,9 @@ class Communicator:
         return _registered(self.group)
 
     def close(self) -> None:
-        """Release the process groups this communicator made (to the pool of Note [Channel
-        pool], unless it failed); afterwards every call raises. Idempotent. ``group`` is the
-        caller's and left alone. Call it on every rank, once every transfer was waited for.
-        """
+        """Release the groups this communicator made (to Note [Channel pool] unless it failed;
+        ``group`` is the caller's); afterwards every call raises. Idempotent; call it on every
+        rank once every transfer was waited for."""
         if self.closed:
             return
         self._closed = True
@@ -926,11 +911,10 @@ class Communicator:
         (:meth:`agree`; Note [Rank agreement] in tokenring.api); else raise on every rank.
 
         Args:
-            validate: this rank's checks; returns what the call needs and its signature (see
-                :meth:`agree`), or None for the signature where a later check compares them
-                (then only a failure is sent, into that check).
+            validate: this rank's checks; returns the result and its signature (None: only a
+                failure is exchanged, a later check compares signatures).
             what: the call, for messages ("cache step").
-            check_ranks: False: nothing is exchanged and this rank's error is raised here.
+            check_ranks: False: nothing is exchanged.
             errors: what ``validate`` raises for an invalid call; others propagate at once.
 
         Raises:

@@ -758,8 +758,8 @@ class _SdpaOps(BlockKernel):
         if self.op == SDPA_FLASH:
             bwd = ops._scaled_dot_product_flash_attention_backward.default
             # cum_seq_q, cum_seq_k undefined for dense batches; max_q, max_k; dropout_p
-            args = (*grad_in, out, lse_op, None, None, sq, sk, 0.0, causal, no_rng, no_rng)
-            r = _named(bwd, *args, scale=scale)
+            flash = (*grad_in, out, lse_op, None, None, sq, sk, 0.0, causal, no_rng, no_rng)
+            r = _named(bwd, *flash, scale=scale)
             dq, dk, dv = r["grad_query"], r["grad_key"], r["grad_value"]
         else:
             rows = -(-sq // 32) * 32  # the op reads lse padded to a multiple of 32 rows
@@ -767,8 +767,8 @@ class _SdpaOps(BlockKernel):
             lse_pad[..., :sq] = lse_op
             bwd = ops._scaled_dot_product_efficient_attention_backward.default
             wanted = [True, True, True, False]  # grads of q, k, v, not of attn_bias (None)
-            args = (*grad_in, None, out, lse_pad, no_rng, no_rng, 0.0, wanted, causal)
-            grads = bwd(*args, scale=scale)
+            efficient = (*grad_in, None, out, lse_pad, no_rng, no_rng, 0.0, wanted, causal)
+            grads = bwd(*efficient, scale=scale)
             dq, dk, dv = grads[0], grads[1], grads[2]
         return _bhsd(dq), _bhsd(_reduce_kv(dk, hkv)), _bhsd(_reduce_kv(dv, hkv))
 
