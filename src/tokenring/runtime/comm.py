@@ -517,7 +517,7 @@ class Communicator:
                     f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the call, "
                     "or called something else)"
                 )
-            for r, message in closed:
+            for r, message in closed.items():
                 parts.append(f"rank {r} is gone (it exited or crashed): {message}")
             self._broken = f"{what} failed"
             raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
@@ -530,43 +530,37 @@ class Communicator:
 
     def _swap_frames(
         self, mine: torch.Tensor, frames: dict[int, torch.Tensor]
-    ) -> tuple[list[int], list[tuple[int, str]]]:
+    ) -> tuple[list[int], dict[int, str]]:
         """Swap ``mine`` for every peer's frame; the peers silent and those gone (with why)."""
-        closed: list[tuple[int, str]] = []
-        recvs: dict[int, Any] = {}
-        sends: dict[int, Any] = {}
         control = self._control
         assert control is not None
-        # the group's own send and recv: dist.isend / irecv add Python checks
-        for r, frame in frames.items():
-            try:
-                recvs[r] = control.recv([frame], r, 0)
-            except Exception as exc:
-                closed.append((r, _first_line(exc)))
-        for r in frames:
-            try:
-                sends[r] = control.send([mine], r, 0)
-            except Exception as exc:
-                if r in recvs:
-                    closed.append((r, _first_line(exc)))
-        deadline = time.monotonic() + self.timeout.total_seconds()
         silent: list[int] = []
-        # A peer gone already: this exchange cannot complete; say so at once.
-        for r, work in recvs.items() if not closed else ():
-            remaining_s = max(deadline - time.monotonic(), 0.01)
+        closed: dict[int, str] = {}
+
+        def attempt(r: int, call: Callable[..., Any], *args: Any, waiting: bool = False) -> Any:
+            """``call(*args)``; on failure None, with ``r`` silent (a wait timed out) or gone."""
             try:
-                work.wait(timedelta(seconds=remaining_s))
+                return call(*args)
             except Exception as exc:
-                if "imed out" in str(exc):
+                if waiting and "imed out" in str(exc):
                     silent.append(r)
                 else:
-                    closed.append((r, _first_line(exc)))
-        if not silent and not closed:
-            for r, work in sends.items():
-                try:
-                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
-                except Exception as exc:
-                    closed.append((r, _first_line(exc)))
+                    closed.setdefault(r, _first_line(exc))
+                return None
+
+        # the group's own send and recv: dist.isend / irecv add Python checks
+        recvs = {r: attempt(r, control.recv, [frame], r, 0) for r, frame in frames.items()}
+        sends = {r: attempt(r, control.send, [mine], r, 0) for r in frames}
+        deadline = time.monotonic() + self.timeout.total_seconds()
+
+        def left() -> timedelta:
+            return timedelta(seconds=max(deadline - time.monotonic(), 0.01))
+
+        # A peer gone already: this exchange cannot complete; say so at once.
+        for r, work in recvs.items() if not closed else ():
+            attempt(r, work.wait, left(), waiting=True)
+        for r, work in sends.items() if not silent and not closed else ():
+            attempt(r, work.wait, left())
         return silent, closed
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:

@@ -448,6 +448,44 @@ class SchedulePass(PassRunner):
         self.row_delta = self.row_delta.contiguous()
 
 
+class _RingPass(SchedulePass):
+    """What both passes of a ring schedule share: the blocks held and borrowed, the returns
+    to send, and the masks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups = self.q.shape[2] // self.k.shape[2]
+        self.pass_q = self.sched.strategy.passes_q
+        self.held: dict[int, _Held] = {}
+        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
+        self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
+        self.masks = _Masks(self.sched)
+
+    def hold(self, q_side: list[torch.Tensor]) -> None:
+        """The blocks of step 0: ``q_side`` (pass-Q) or K/V (pass-KV), by lane."""
+        if self.pass_q:
+            self.held = _query_blocks(self.sched, self.rank, q_side)
+        else:
+            self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        if tr.payload in (Payload.OUT, Payload.DQ, Payload.DKV):
+            return self.outbox.pop(tr)
+        if tr.payload is Payload.KV and self.pass_q:
+            return _own_kv(self.k, self.v, tr.rows)
+        assert tr.owner == self.held[tr.lane].owner
+        return self.held[tr.lane].send(tr.rows)
+
+    def arrive(self, op: Op) -> None:
+        """ARRIVE: the step's blocks become held (a borrowed pair's parts, by owner)."""
+        for tr in op.transfers:
+            block = _Held.arrived(self.poster.pending.pop(tr))
+            if self.pass_q and tr.payload is Payload.KV:
+                self.borrowed.setdefault(tr.owner, []).append(block)
+            else:
+                self.held[tr.lane] = block
+
+
 def run_forward(
     sched: Schedule,
     comm: Communicator,
@@ -472,14 +510,13 @@ def run_forward(
     return runner.out_acc.to(q.dtype), runner.lse_acc
 
 
-class _Forward(SchedulePass):
+class _Forward(_RingPass):
     """One rank's forward pass of ``sched``: the accumulators its program's ops fill."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        sched, q, k, v = self.sched, self.q, self.k, self.v
+        sched, q = self.sched, self.q
         s = q.shape[1]
-        self.groups = q.shape[2] // k.shape[2]
         acc = accumulation_dtype(q.dtype)
         # step 0's first piece covering every row and head sets the accumulators (no merge)
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
@@ -498,24 +535,7 @@ class _Forward(SchedulePass):
         else:
             self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
             self.lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
-        if sched.strategy.passes_q:
-            self.held = _query_blocks(sched, self.rank, [q])
-        else:
-            self.held = _lane_blocks(sched, self.rank, [k, v])
-        self.partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
-        self.masks = _Masks(sched)
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload is Payload.OUT:
-            return self.partials.pop(tr)
-        if tr.payload is Payload.KV and self.sched.strategy.passes_q:
-            return _own_kv(self.k, self.v, tr.rows)
-        assert tr.owner == self.held[tr.lane].owner
-        return self.held[tr.lane].send(tr.rows)
-
-    def arrive(self, op: Op) -> None:
-        _arrive(op, self.sched, self.poster, self.held, self.borrowed)
+        self.hold([q])
 
     def returns(self, op: Op) -> None:
         """RETURNS: merge the partials of a step into this rank's accumulators."""
@@ -559,7 +579,7 @@ class _Forward(SchedulePass):
             del part, q_p, k_p, v_p, mask  # views of blocks that may leave next
         if parts:
             tr = _return_of(sched, rank, step, op.index)
-            self.partials[tr] = _merge_parts(parts, segment.q_rows)
+            self.outbox[tr] = _merge_parts(parts, segment.q_rows)
         if segment.pieces and segment.pieces[0].kv_owner is not None:
             del self.borrowed[segment.pieces[0].kv_owner]  # computed: its K/V go
         done()
@@ -599,17 +619,15 @@ def run_backward(
     return runner.dq_acc.to(q.dtype), runner.dk.to(k.dtype), runner.dv.to(v.dtype)
 
 
-class _Backward(SchedulePass):
+class _Backward(_RingPass):
     """One rank's backward pass of ``sched`` (Note [Buffers in flight])."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         sched, comm, q, k, v = self.sched, self.comm, self.q, self.k, self.v
         self.s = q.shape[1]
-        self.groups = q.shape[2] // k.shape[2]
         self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-        self.pass_q = sched.strategy.passes_q
         # Ring: gradients go straight into the accumulator that leaves; else _leave_home
         (lane, *others) = sched.lanes
         self.direct = (
@@ -627,13 +645,9 @@ class _Backward(SchedulePass):
             self.dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             self.dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
         self.row_delta = torch.empty(0)
-        self.held: dict[int, _Held] = {}
-        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
         # kv owner -> (transfer, message, [dk, dv]) that send its dK/dV home
         self.lent_grads: dict[int, tuple[Transfer, Message, list[torch.Tensor]]] = {}
-        self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
         self.dk = self.dv = torch.empty(0)  # (B, s, Hkv, D), from HOME
-        self.masks = _Masks(sched)
         self.lane_messages: dict[int, Message] = {}  # the message of each lane's accumulator
         self.dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return
         self.dq_msg: Message | None = None  # the message it is accumulated in
@@ -645,19 +659,7 @@ class _Backward(SchedulePass):
     def delta(self, op: Op) -> None:
         """DELTA: delta, and the blocks this rank holds."""
         super().delta(op)
-        if self.pass_q:
-            blocks = [self.q, self.dout, self.lse, self.row_delta]
-            self.held = _query_blocks(self.sched, self.rank, blocks)
-        else:
-            self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload in (Payload.DQ, Payload.DKV):
-            return self.outbox.pop(tr)
-        if tr.payload is Payload.KV and self.pass_q:
-            return _own_kv(self.k, self.v, tr.rows)
-        assert tr.owner == self.held[tr.lane].owner
-        return self.held[tr.lane].send(tr.rows)
+        self.hold([self.q, self.dout, self.lse, self.row_delta])
 
     def new_lane_grads(self, lane: int) -> list[torch.Tensor]:
         """A lane's dK/dV accumulator, allocated as the message that passes it on."""
@@ -788,9 +790,6 @@ class _Backward(SchedulePass):
         if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
             self.dk_acc = self.dv_acc = None  # every row and head travels: nothing stays home
 
-    def arrive(self, op: Op) -> None:
-        _arrive(op, self.sched, self.poster, self.held, self.borrowed)
-
     def end(self, op: Op) -> None:
         self.held.clear()
 
@@ -807,22 +806,6 @@ class _Backward(SchedulePass):
             if rec is not None:
                 (dq_part,) = rec.wait()
                 _rows_heads(self.dq_acc, tr)[...] += dq_part
-
-
-def _arrive(
-    op: Op,
-    sched: Schedule,
-    poster: SlotPoster,
-    held: dict[int, _Held],
-    borrowed: dict[int, list[_Held]],
-) -> None:
-    """ARRIVE: the step's blocks become held (a borrowed pair's parts, by owner)."""
-    for tr in op.transfers:
-        block = _Held.arrived(poster.pending.pop(tr))
-        if sched.strategy.passes_q and tr.payload is Payload.KV:
-            borrowed.setdefault(tr.owner, []).append(block)
-        else:
-            held[tr.lane] = block
 
 
 def _q_owner(plan: StepPlan, piece: Piece) -> int:
