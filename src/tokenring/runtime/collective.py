@@ -25,7 +25,7 @@ import torch
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Transfer
+from tokenring.core.schedule import Pass, Payload, Piece, Strategy, Transfer
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
@@ -43,19 +43,10 @@ class _Collective(SchedulePass):
     """What the collectives' runners share beyond a ``SchedulePass``: ``masking`` (Note
     [Collectives with masks]), P, s and the accumulation dtype."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        inputs: tuple[torch.Tensor, ...],
-        *,
-        scale: float,
-        masking: _Masking | None,
-    ) -> None:
-        super().__init__(sched, comm, kernel, inputs, scale=scale)
+    def __init__(self, *args: Any, masking: _Masking | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # as SchedulePass
         self.masking = masking
-        self.p, self.s = comm.world_size, self.q.shape[1]
+        self.p, self.s = self.comm.world_size, self.q.shape[1]
         self.acc = accumulation_dtype(self.q.dtype)
         self.row_delta = torch.empty(0)
 
@@ -470,16 +461,11 @@ def collective_forward(
     Args:
         strategy_name: ``"ulysses"`` (Note [Ulysses]) or ``"allgather_kv"``
             (Note [All-gather K/V]).
-        q: ``(B, s, Hq, D)`` this rank's queries.
-        k, v: ``(B, s, Hkv, D)``.
-        causal: causal mask over global positions.
-        scale: softmax scale.
-        layout: how the sequence is sharded.
-        comm: the communicator of the group (every message counted in ``comm.counter``).
-        kernel: the block kernel.
+        q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``: this rank's shards.
+        causal, scale, layout: the causal flag (global positions), softmax scale and layout.
+        comm, kernel: the group's communicator (it counts every message) and block kernel.
         sharding, mask: with padding, documents or a window: q, k, v are the padded buffers
-            of ``sharding`` and each kernel call gets its rows' mask (Note [Collectives with
-            masks]).
+            of ``sharding`` (Note [Collectives with masks]).
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype,
