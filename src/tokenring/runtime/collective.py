@@ -16,6 +16,7 @@ dim, P world size, nq / nkv heads of one Ulysses rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,24 +87,17 @@ class _UlyssesPlan:
         if masking is not None:  # rows stay in rank order; the mask says who sees whom
             visible = masking.block(masking.all_positions, masking.all_positions)
         elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
-            positions = torch.cat(
-                [
-                    global_positions(rank=j, world_size=p, seq_local=s, layout=sched.layout)
-                    for j in range(p)
-                ]
-            ).to(device)  # (S,) global position of each gathered row
-            to_layout = positions
-            to_global = torch.argsort(positions)
+            positions_of = functools.partial(global_positions, world_size=p, seq_local=s)
+            rows = [positions_of(rank=j, layout=sched.layout) for j in range(p)]
+            to_layout = torch.cat(rows).to(device)  # (S,) global position of each gathered row
+            to_global = torch.argsort(to_layout)
         mine = shares[runner.rank]
         groups = hq // heads_kv
         local = [(h // groups) - mine.kv[0] for h in range(*mine.q)]
         kv_map = None
-        if mine.num_q > 0:
+        if mine.num_q > 0:  # the kernel's own GQA maps q head i to kv head i // per
             per = mine.num_q // mine.num_kv
-            native = mine.num_q % mine.num_kv == 0 and local == [
-                i // per for i in range(mine.num_q)
-            ]
-            if not native:
+            if mine.num_q % mine.num_kv or local != [i // per for i in range(mine.num_q)]:
                 kv_map = torch.tensor(local, dtype=torch.long, device=device)
         return _UlyssesPlan(shares, to_global, to_layout, kv_map, visible)
 

@@ -257,15 +257,11 @@ class ReferenceKernel(BlockKernel):
         qh = _bhsd(q).to(acc).reshape(b, hkv, (hq // hkv) * sq, d)  # (B, Hkv, G*sq, D)
         kh = _bhsd(k).to(acc)  # (B, Hkv, sk, D)
         scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # (B, Hkv, G*sq, sk)
-        hidden = None
+        hidden = None if visible is None else ~visible  # (sq, sk); never with causal (_dense)
         if causal:
-            sk = k.shape[1]
-            hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
-        if visible is not None:
-            hidden = ~visible
+            hidden = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
         if hidden is not None:
-            g = hq // hkv
-            scores.view(b, hkv, g, sq, -1).masked_fill_(hidden, float("-inf"))
+            scores.view(b, hkv, hq // hkv, sq, -1).masked_fill_(hidden, float("-inf"))
         return scores
 
     def forward(
