@@ -1,25 +1,14 @@
 """Runs the collective strategies (``tokenring.strategies.collective``) on one rank.
 
-:func:`collective_forward` and :func:`collective_backward` are joined by residuals; the public
-API runs them after validation and wires them into autograd.
-
 Note [Collectives point to point]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Both strategies send exactly the transfers of their own schedules
-(``build_collective_schedule``), each pass a ``PassRunner`` that ``execute`` drives through
-the rank's program (Note [Collective rank program] in tokenring.runtime.program): Ulysses
-posts q or q_grad and K/V of each peer's heads, then, after its kernel, out, or dq and
-dK/dV, of each peer's rows; all-gather K/V posts one round at a time, its send to r - k
-with its receive from r + k (Note [All-gather K/V rounds]). So every message is a
-point-to-point message posted receives first (both directions of a pair at once on gloo,
-where ``all_to_all_single`` lets them take turns: Note [Collective routing]), laid out as
-``tokenring.runtime.ring.message_fields`` says (K/V in Note [K/V message layout]), with a
-header the receiver checks, counted by the communicator per flow and peer, and bounded by
-its timeout; a receive that does not arrive names its payload, owner, rows and peer. The
-backward's reduce-scatter of dK/dV is each owner's block sent home and summed there: P - 1
-blocks out per rank, the volume of a real reduce-scatter (gloo's ``reduce_scatter_tensor``
-is an all-reduce and a local chunk, pytorch PR 118911). The algorithms: Note [Ulysses], Note
-[All-gather K/V] and Note [All-gather K/V rounds] in ``tokenring.strategies.collective``.
+Both strategies send exactly the transfers of their schedules, each pass a ``PassRunner``
+that ``execute`` drives (Note [Collective rank program] in tokenring.runtime.program): Ulysses
+posts q or q_grad and K/V of each peer's heads, then out, or dq and dK/dV, of each peer's
+rows; all-gather K/V one round at a time (Note [All-gather K/V rounds]). So every message is
+P2P, receives first (Note [Collective routing]), header-checked, counted and bounded by the
+timeout. The backward's reduce-scatter of dK/dV is each owner's block sent home and summed
+there: a real reduce-scatter's volume (gloo's is an all-reduce).
 
 Legend: B batch, S global seq (P * s), s local seq, Hq query heads, Hkv key/value heads, D head
 dim, P world size, nq / nkv heads of one Ulysses rank.
@@ -27,6 +16,7 @@ dim, P world size, nq / nkv heads of one Ulysses rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,19 +26,13 @@ import torch
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Transfer
+from tokenring.core.schedule import Pass, Payload, Piece, Strategy, Transfer
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, program_of
 from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
-from tokenring.strategies.collective import (
-    HeadShare,
-    Rows,
-    _build,
-    parse_collective,
-    ulysses_heads,
-)
+from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
 
 __all__ = ["collective_backward", "collective_forward"]
 
@@ -57,37 +41,20 @@ __all__ = ["collective_backward", "collective_forward"]
 
 
 class _Collective(SchedulePass):
-    """What the collectives' runners share beyond a ``SchedulePass`` (whose ``inputs`` are
-    as :func:`collective_forward` and :func:`collective_backward` take them): ``masking``
-    (Note [Collectives with masks]), P, s, the accumulation dtype and DELTA."""
+    """What the collectives' runners share beyond a ``SchedulePass``: ``masking`` (Note
+    [Collectives with masks]), P, s and the accumulation dtype."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        inputs: tuple[torch.Tensor, ...],
-        *,
-        scale: float,
-        masking: _Masking | None,
-    ) -> None:
-        super().__init__(sched, comm, kernel, inputs, scale=scale)
+    def __init__(self, *args: Any, masking: _Masking | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # as SchedulePass
         self.masking = masking
-        self.p, self.s = comm.world_size, self.q.shape[1]
+        self.p, self.s = self.comm.world_size, self.q.shape[1]
         self.acc = accumulation_dtype(self.q.dtype)
-        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
-
-    def delta(self, op: Op) -> None:
-        """DELTA: rowsum(dout * out)."""
-        acc = self.acc
-        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
-        self.row_delta = self.row_delta.contiguous()  # (B, Hq, s)
+        self.row_delta = torch.empty(0)
 
     def take(
         self, op: Op, payload: Payload, own: Sequence[torch.Tensor]
     ) -> list[list[torch.Tensor] | None]:
-        """Every rank's message of ``payload`` among the receives of ``op``, in rank order
-        (this rank's: ``own``; None: a rank that sends none, having no heads for it)."""
+        """Every rank's ``payload`` received in ``op`` by rank (ours: ``own``; None: none)."""
         parts: list[list[torch.Tensor] | None] = [None] * self.p
         parts[self.rank] = list(own)
         for tr in op.transfers:
@@ -120,24 +87,17 @@ class _UlyssesPlan:
         if masking is not None:  # rows stay in rank order; the mask says who sees whom
             visible = masking.block(masking.all_positions, masking.all_positions)
         elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
-            positions = torch.cat(
-                [
-                    global_positions(rank=j, world_size=p, seq_local=s, layout=sched.layout)
-                    for j in range(p)
-                ]
-            ).to(device)  # (S,) global position of each gathered row
-            to_layout = positions
-            to_global = torch.argsort(positions)
+            positions_of = functools.partial(global_positions, world_size=p, seq_local=s)
+            rows = [positions_of(rank=j, layout=sched.layout) for j in range(p)]
+            to_layout = torch.cat(rows).to(device)  # (S,) global position of each gathered row
+            to_global = torch.argsort(to_layout)
         mine = shares[runner.rank]
         groups = hq // heads_kv
         local = [(h // groups) - mine.kv[0] for h in range(*mine.q)]
         kv_map = None
-        if mine.num_q > 0:
+        if mine.num_q > 0:  # the kernel's own GQA maps q head i to kv head i // per
             per = mine.num_q // mine.num_kv
-            native = mine.num_q % mine.num_kv == 0 and local == [
-                i // per for i in range(mine.num_q)
-            ]
-            if not native:
+            if mine.num_q % mine.num_kv or local != [i // per for i in range(mine.num_q)]:
                 kv_map = torch.tensor(local, dtype=torch.long, device=device)
         return _UlyssesPlan(shares, to_global, to_layout, kv_map, visible)
 
@@ -168,8 +128,7 @@ def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
 
 
 class _Ulysses(_Collective):
-    """What both Ulysses passes share: the plan, this rank's head share, and views of its
-    k, v heads and of rank j's rows of the gathered sequence."""
+    """What both Ulysses passes share: the plan and this rank's head share."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -184,9 +143,7 @@ class _Ulysses(_Collective):
 
 
 class _UlyssesForward(_Ulysses):
-    """One rank's Ulysses forward (Note [Collective rank program] in
-    tokenring.runtime.program): ARRIVE gathers its heads' rows, COMPUTE runs the kernel over
-    them, RETURNS joins every share's out and lse of its own rows."""
+    """One rank's Ulysses forward (Note [Collective rank program] in runtime.program)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -247,8 +204,7 @@ def _with_heads(
 
 
 def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
-    """Each source's tensors of several payloads, one list per source: every rank sends
-    them to a rank with heads."""
+    """Each source's tensors of several payloads, one list per source."""
     joined = []
     for parts in zip(*by_source, strict=True):
         assert all(part is not None for part in parts), "every rank sends to a rank with heads"
@@ -257,8 +213,7 @@ def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tens
 
 
 def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> list[torch.Tensor]:
-    """The first ``num`` fields of every rank's part, each joined over the sequence in global
-    order (B, S, ...): the received buffer is let go as soon as the last one is built."""
+    """The first ``num`` fields of every part, joined over the sequence in global order."""
     joined = []
     for i in range(num):
         pieces = [part[i] for part in parts]
@@ -269,8 +224,7 @@ def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> 
 
 
 class _UlyssesBackward(_Ulysses):
-    """One rank's Ulysses backward: gathers q, dout, lse, delta of its head share and the K/V
-    they use again, like the forward, instead of keeping them (Note [Ulysses])."""
+    """One rank's Ulysses backward: gathers its heads again, like the forward."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -356,8 +310,7 @@ class _UlyssesBackward(_Ulysses):
 
 
 class _AllGather(_Collective):
-    """What both passes of all-gather K/V share (Note [All-gather K/V rounds]): the K/V block
-    of the round being computed, let go once the round's last segment is computed."""
+    """What both passes of all-gather K/V share: the block of the round being computed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -378,8 +331,7 @@ class _AllGather(_Collective):
         self.kv = kv if tr.owner in self.last else None  # None: nothing to compute (causal)
 
     def piece(self, op: Op) -> tuple[Piece, Rows, Rows, PositionMask | None]:
-        """The piece of segment ``op.index``, its q rows and its kv rows in the round's block,
-        and its mask (Note [Collectives with masks])."""
+        """Segment ``op.index``'s piece, q rows, kv rows in the round's block and mask."""
         (piece,) = self.sched.steps[self.rank][0].segments[op.index].pieces
         offset = piece.kv_rows[0] // self.s * self.s
         kv_rows = (piece.kv_rows[0] - offset, piece.kv_rows[1] - offset)
@@ -420,9 +372,7 @@ class _AllGatherForward(_AllGather):
 
 
 class _AllGatherBackward(_AllGather):
-    """One rank's all-gather K/V backward: round k's dK/dV partial is accumulated in the
-    message that returns it to r + k, and r - k's partial of this rank's rows is added on
-    return, before the next round."""
+    """One rank's all-gather K/V backward: round k's dK/dV partial goes back to r + k."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -439,8 +389,7 @@ class _AllGatherBackward(_AllGather):
         return self.outbox.pop(tr) if tr.payload is Payload.DKV else super().provide(tr)
 
     def arrive(self, op: Op) -> None:
-        """ARRIVE: round k's K/V, and its dK/dV partial from zero, in the message that returns
-        it."""
+        """ARRIVE: round k's K/V, and the message its dK/dV partial returns in."""
         super().arrive(op)
         (tr,) = op.transfers
         message, grads = self.comm.message([(tuple(self.k.shape), self.acc)] * 2, self.k.device)
@@ -483,9 +432,7 @@ _RUNNERS: dict[Strategy, tuple[type[_Collective], type[_Collective]]] = {
 }  # forward, backward
 
 
-# -- entry points --------------------------------------------------------------------------
-# Forward and backward are separate calls joined by *residuals*, the tensors the backward keeps
-# beyond q, out and lse (Note [Residuals] in tokenring.runtime.op): the collectives keep none.
+# -- entry points (joined by residuals, Note [Residuals] in tokenring.runtime.op: none) -------
 
 
 def collective_forward(
@@ -502,30 +449,21 @@ def collective_forward(
     sharding: Sharding | None = None,
     mask: MaskSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Ulysses or all-gather K/V attention over this rank's shard, without autograd.
-
-    The caller has validated the inputs (``tokenring.api``): same dtype and device, Hkv
-    dividing Hq, a seq_local the layout can split, the same arguments on every rank.
+    """Ulysses or all-gather K/V attention over this rank's shard, without autograd; the
+    inputs are validated by the caller (``tokenring.api``).
 
     Args:
         strategy_name: ``"ulysses"`` (Note [Ulysses]) or ``"allgather_kv"``
             (Note [All-gather K/V]).
-        q: ``(B, s, Hq, D)`` this rank's queries.
-        k, v: ``(B, s, Hkv, D)``.
-        causal: causal mask over global positions.
-        scale: softmax scale.
-        layout: how the sequence is sharded.
-        comm: the communicator of the group; collectives run on ``comm.group`` and every
-            message is counted in ``comm.counter``.
-        kernel: the block kernel.
-        sharding, mask: with padding, documents or a window (not ``mask.plain``): q, k, v are
-            the padded buffers of ``sharding`` and every kernel call gets the explicit mask
-            of its rows' positions (Note [Collectives with masks]).
+        q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``: this rank's shards.
+        causal, scale, layout: the causal flag (global positions), softmax scale and layout.
+        comm, kernel: the group's communicator (it counts every message) and block kernel.
+        sharding, mask: with padding, documents or a window: q, k, v are the padded buffers
+            of ``sharding`` (Note [Collectives with masks]).
 
     Returns:
-        out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype
-        (float32; float64 for float64 inputs), and the residuals for
-        :func:`collective_backward` (none: both backwards gather again what they need).
+        out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype,
+        and the residuals for :func:`collective_backward` (none).
 
     Raises:
         ValueError: an unknown ``strategy_name`` or layout.
@@ -561,9 +499,7 @@ def collective_backward(
 
     Args:
         dout: ``(B, s, Hq, D)`` gradient of out.
-        q, k, v, out, lse: the forward's inputs (padded like them) and outputs; both
-            strategies read all five (they gather again; Note [Ulysses], Note [All-gather K/V
-            rounds]).
+        q, k, v, out, lse: the forward's inputs and outputs (both strategies gather again).
         residuals: what :func:`collective_forward` returned with them.
         dtype: the dtype of q, k and v.
         causal, scale, layout, comm, kernel, sharding, mask: as given to the forward.
@@ -592,9 +528,7 @@ def _run(
     sharding: Sharding | None,
     mask: MaskSpec | None,
 ) -> Any:
-    """Run one pass of ``inputs`` (q, k, v; or dout, q, k, v, out, lse) on this rank's
-    program (Note [Collective rank program] in tokenring.runtime.program); the runner holds
-    the results."""
+    """Run one pass of ``inputs`` on this rank's program; the runner holds the results."""
     strategy = parse_collective(strategy_name)
     inputs = tuple(x.contiguous() for x in inputs)
     q, k = inputs[:2] if pass_ is Pass.FORWARD else inputs[1:3]
@@ -616,14 +550,10 @@ class _Masking:
 
     Note [Collectives with masks]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    With padding, documents or a window the collectives keep their plain schedules, built for
-    the padded ``seq_local``: their blocks stay supersets of what is visible, because padding
-    and documents keep the order of the layout's chunks and windows and documents only remove
-    pairs. Each kernel call gets the mask of its rows' global positions as positions
-    (``tokenring.runtime.kernels.PositionMask``; padding rows see nothing and are seen by nothing),
-    which the kernel cuts into tiles, skipping the tiles nobody sees. They move the same
-    bytes as without a mask. The ring strategies skip whole blocks nobody sees (Note [Mask
-    classes] in tokenring.core.masks).
+    With padding, documents or a window the collectives keep their plain schedules for the
+    padded ``seq_local`` (their blocks stay supersets of what is visible); each kernel call
+    gets its rows' global positions as a ``PositionMask`` (padding sees nothing and is seen by
+    nothing), whose empty tiles the kernel skips. The bytes moved are as without a mask.
     """
 
     def __init__(

@@ -1,30 +1,24 @@
 """The communicator: every byte a strategy moves goes through one of these.
 
-It owns a process group over the same ranks for each *channel*: a flow (``Flow.TRAVEL``:
-blocks moving round the ring; ``Flow.RETURN``: partials going home, or accumulators following)
-of a lane (the bidirectional ring has two, turning opposite ways). So both directions of a
-link carry traffic at once on gloo (separate sockets) and NCCL (separate communicators and
-streams). It
-lays out each :class:`~tokenring.core.schedule.Transfer` as one message (a header frame, and
-each big field as a frame of its own: Note [Message frames]), posts batched P2P with the
-receives first, counts messages and bytes per flow and peer, and optionally records a timeline.
+It owns a process group per *channel* (a flow, ``Flow.TRAVEL`` or ``Flow.RETURN``, of a lane),
+so both directions of a link carry traffic at once; lays out each
+:class:`~tokenring.core.schedule.Transfer` as one message (Note [Message frames]); posts
+batched P2P, receives first; counts messages and bytes per flow and peer; and may record a
+timeline.
 
 Note [Staged path]
 ~~~~~~~~~~~~~~~~~~
-NCCL refuses two ranks on one device, and some machines have no NCCL peer access. There,
-CUDA tensors travel over gloo through host buffers (``path == "gloo-staged"``): a message is
-packed on the device, copied to a pinned host buffer on a side stream (the host waits for
-that copy: gloo reads host memory), sent; a receive lands in a host buffer and is copied to
-the device on the current stream when waited for. It is for checking correctness of P ranks
-on one GPU, not for speed. :func:`comm_path` says which path a device takes.
+Where NCCL cannot run (two ranks on one device, no peer access), CUDA tensors travel over
+gloo through pinned host buffers (``path == "gloo-staged"``): a send is copied to the host on
+a side stream first, a receive copied to the device on the current stream when waited for.
+For correctness checks of P ranks on one GPU, not for speed.
 
 Note [Slots]
 ~~~~~~~~~~~~
 P2P is posted in *slots* ``(step, after_segments)``: a rank posts, in one batch per flow, the
 receives of transfers whose sender posts them in that slot and its own sends of that slot. All
 ranks walk the slots in the same order, so NCCL's in-order streams cannot form a circular wait,
-and gloo sees every receive posted no later than the matching send's batch (receives first in
-each batch: see netlab-notes, "gloo serialises the two directions...").
+and gloo sees every receive posted no later than the matching send's batch (receives first).
 """
 
 from __future__ import annotations
@@ -65,8 +59,7 @@ __all__ = [
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
 _T = TypeVar("_T")
 
-# (flow, lane): each gets its own process group. Lane 0 is the only lane of TokenRing and Ring;
-# the bidirectional ring's lane 1 turns the other way round the ring.
+# (flow, lane), each with its own process group; lane 1: the bidirectional ring's other way
 CHANNELS: tuple[tuple[Flow, int], ...] = (
     (Flow.TRAVEL, 0),
     (Flow.RETURN, 0),
@@ -132,39 +125,25 @@ class TrafficCounter:
 
 # Note [Message header]
 # ~~~~~~~~~~~~~~~~~~~~~
-# Every message starts with HEADER_NUM_BYTES: five int64 (magic, payload bytes, the transfer's
-# id, the sender's rank, a digest of the frames' sizes), padded to 64 bytes. gloo completes a
-# receive whose message is *shorter* than the posted buffer and leaves the rest of the buffer
-# as it was, so without a header a peer that built a different schedule would hand us stale
-# memory as data. The receiver zeroes the header slot before posting and checks every field
-# on arrival, before it waits for the message's other frames: a different byte count or
-# layout, another transfer or no header at all raise, naming the transfer, both sizes and the
-# peer. The header travels but is not counted: the counter holds payload bytes, as the
-# schedule does.
+# Every message starts with HEADER_NUM_BYTES: five int64 (magic, payload bytes, transfer id,
+# sender rank, a digest of the frames' sizes), padded to 64 bytes. gloo completes a receive of
+# a *shorter* message and leaves the rest of the buffer stale, so the receiver zeroes the
+# header slot before posting and checks every field on arrival, before the other frames; a
+# mismatch raises naming the transfer, both sizes and the peer. Counters hold payload bytes.
 #
 # Note [Message frames]
 # ~~~~~~~~~~~~~~~~~~~~~
 # A message of two fields or more is its header frame (the header, then the fields under
 # APART_MIN_BYTES back to back) and, after it, each field of APART_MIN_BYTES or more as a
-# frame of its own, in field order, posted on the same channel (gloo and NCCL deliver a
-# pair's operations in order). Both ends derive the split from the fields' sizes alone. So a
-# tensor that is already contiguous leaves as it is: a kernel's partial out (its
-# ``(B, H, n, D)`` result is ``(B, n, H, D)`` in memory) beside its lse, any rows of a K/V
-# block's k and v (Note [K/V message layout] in tokenring.runtime.ring). With every field in
-# one buffer, TokenRing copied each partial into its message (0.5-2 ms per call of rank 0's
-# CPU at P = 4, S = 4096, ``benchmarks/cpu_breakdown.py``), and k and v could not be both
-# contiguous and sliced by rows without a copy.
+# frame of its own, in field order, on the same channel (gloo and NCCL deliver a pair's
+# operations in order). Both ends derive the split from the fields' sizes alone. So a
+# contiguous tensor leaves without a copy: a kernel's partial out beside its lse, any rows of
+# a K/V block's k and v (Note [K/V message layout] in tokenring.runtime.ring).
 #
-# A message of one field travels whole, in its header frame: it is a block passed on as it
-# came, an accumulator allocated as its message, or a copy either way. Each frame is one more
-# operation to post and, on gloo, one more ready-to-receive notice: Q blocks in two frames
-# made bidir_token_ring's call on the 100 Mbit/s lab mesh 8-14% slower (forward, S = 2048;
-# 237-254 ms against 217-222), and whole again 216-219 ms.
+# A message of one field travels whole, in its header frame: each frame is one more operation
+# to post and, on gloo, one more ready-to-receive notice.
 _MAGIC = 0x746F6B656E72696E  # "tokenrin"
-# The header's int64 fields, padded to a cache line: the payload then starts 64-byte aligned,
-# as a fresh tensor does. At offset 32 the fused CPU kernel read a received K/V 2-6% slower
-# (fp32; benchmarks/results/cpu_breakdown.md).
-HEADER_NUM_BYTES = 64
+HEADER_NUM_BYTES = 64  # a cache line: the payload starts 64-byte aligned, as a fresh tensor
 _HEADER_FIELDS = 5
 APART_MIN_BYTES = 64 * 1024  # a field this big travels as a frame of its own
 AGREE_FRAME_NUM_BYTES = 4096  # one message of Communicator.all_gather_bytes
@@ -173,17 +152,13 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 
 # Note [Agreement by digest]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``Communicator.agree`` runs before every call that checks its ranks, so its steady-state
-# cost is one exchange of 16-byte digests (blake2b of the signature's JSON, or of the rank's
-# validation error) over the control group: P - 1 tiny messages each way per rank, no JSON
-# rows to parse. Every rank sees every digest, so every rank takes the same branch:
+# ``Communicator.agree`` runs before every checked call: one exchange of 16-byte blake2b
+# digests (of the signature's JSON, or of the validation error) over the control (gloo)
+# group. Every rank sees every digest, so all take the same branch:
 #
 #   all digests equal, no problem here  -> done (the signatures are equal)
 #   any digest differs, or a problem    -> every rank exchanges the JSON rows (4 KiB frames)
 #                                          and raises naming the field, the value and the ranks
-#
-# A frozen or dead rank is named by the first exchange, as before. The control group is a
-# CPU (gloo) group: no host synchronisation with a CUDA device.
 
 
 @functools.lru_cache(maxsize=4096)
@@ -214,11 +189,8 @@ def _read_header(buffer: torch.Tensor) -> list[int]:
 
 
 class Message:
-    """A message already laid out for the wire (Note [Message frames]): ``buffer`` is
-    HEADER_NUM_BYTES of room, then the small fields; ``apart`` holds each big field's frame
-    (uint8, 1-D). Sent as it is, with its header written in place: no copy. A received block
-    passed on as it came (``PendingRecv.message``) and accumulators allocated as messages
-    (``Communicator.message``) travel so (Note [Buffers in flight] in tokenring.runtime.ring)."""
+    """A message laid out for the wire (Note [Message frames]): ``buffer`` is the header, then
+    the small fields; ``apart`` each big field's frame (uint8, 1-D). Sent without a copy."""
 
     __slots__ = ("apart", "buffer")
 
@@ -253,15 +225,12 @@ def _apart(sizes: Sequence[int]) -> list[bool]:
 
 
 def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> Message:
-    """``tr``'s message, its header written: the small tensors (any dtypes)
-    copied back to back after the header, each big one a frame of its own, not copied when
-    it is contiguous (Note [Message frames])."""
+    """``tr``'s message, its header written (Note [Message frames])."""
     if isinstance(tensors, Message):
         message = tensors
     else:
         apart = _apart([_nbytes(t) for t in tensors])
         small = [t for t, own in zip(tensors, apart, strict=True) if not own]
-        # One pass per small tensor, strided or not, into its place in the header frame.
         buffer = torch.empty(
             HEADER_NUM_BYTES + sum(map(_nbytes, small)), dtype=torch.uint8, device=tensors[0].device
         )
@@ -285,8 +254,7 @@ def _sizes(fields: Sequence[FieldSpec]) -> list[int]:
 
 
 def _split(fields: Sequence[FieldSpec]) -> tuple[int, list[int]]:
-    """The bytes of a message's header frame's payload and of each other frame (Note
-    [Message frames])."""
+    """The payload bytes of a message's header frame and of each other frame."""
     sizes = _sizes(fields)
     apart = _apart(sizes)
     inline = sum(n for n, own in zip(sizes, apart, strict=True) if not own)
@@ -320,8 +288,7 @@ def _first_line(exc: BaseException) -> str:
 def _check_header(
     rank: int, tr: Transfer, header: list[int], expected_bytes: int, expected_layout: int
 ) -> None:
-    """Raise unless ``header`` (as received) announces ``tr`` with ``expected_bytes`` in
-    frames of the expected sizes."""
+    """Raise unless ``header`` announces ``tr`` with the expected bytes and frames."""
     magic, num_bytes, transfer_id, sender, layout = header[:_HEADER_FIELDS]
     what = (
         f"rank {rank}: receive of {tr.payload.value!r} rows {tr.rows} of owner {tr.owner} "
@@ -351,15 +318,14 @@ def _check_header(
 
 
 def comm_path(backend: str, device: torch.device) -> str:
-    """How messages of tensors on ``device`` travel: ``"nccl"``, ``"gloo"`` (CPU tensors) or
-    ``"gloo-staged"`` (CUDA tensors over gloo through host buffers; Note [Staged path])."""
+    """How messages of tensors on ``device`` travel: nccl, gloo or gloo-staged."""
     if backend == "gloo" and device.type == "cuda":
         return "gloo-staged"
     return backend
 
 
 class PendingRecv:
-    """A posted receive; ``wait()`` returns the unpacked tensors."""
+    """A posted receive; ``wait()`` returns its tensors."""
 
     def __init__(
         self, comm: Communicator, transfer: Transfer, message: Message, fields: list[FieldSpec]
@@ -416,20 +382,19 @@ class PendingRecv:
 
 
 class Communicator:
-    """Batched, counted P2P over two process groups (travel and return) of the same ranks.
+    """Batched, counted P2P over one process group per channel of the same ranks.
 
     Args:
-        group: the sequence-parallel process group (its ranks, in group-rank order, form the
-            ring). ``None``: the default group.
+        group: the sequence-parallel process group, its ranks in order forming the ring
+            (group ranks everywhere, never global ranks). ``None``: the default group.
         timeout_s: how long any single transfer may take before the call fails.
-        separate_groups: give each channel (flow x lane) its own process group (default).
-            With False everything shares ``group`` (for experiments on the gloo ordering
-            effect: both directions of a pair then share one socket).
-        stage_through_host: move messages through host buffers (Note [Staged path]).
-            None: exactly when the tensors are on CUDA and the backend is gloo. True on the
-            CPU runs the staging logic with plain host copies (tests).
+        separate_groups: one process group per channel (default); False: all share ``group``.
+        stage_through_host: move messages through host buffers (Note [Staged path]). None:
+            exactly for CUDA tensors on gloo.
 
-    Group ranks are used everywhere (``Transfer.src``/``dst``), never global ranks.
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: ``timeout_s`` is not a finite number of seconds > 0.
     """
 
     def __init__(
@@ -457,8 +422,7 @@ class Communicator:
         ranks = dist.get_process_group_ranks(base)
         self.global_ranks = tuple(ranks)  # for messages: the group may be destroyed later
         self._closed = False
-        # The groups made for this communicator (channels, control), or those of a closed one
-        # over the same ranks (Note [Channel pool]).
+        # (channels, control) made for this communicator or pooled (Note [Channel pool])
         self._pool_key: _PoolKey | None = None
         self._own: _OwnGroups | None = None
         if self.world_size > 1 and (separate_groups or self.backend != "gloo"):
@@ -482,15 +446,11 @@ class Communicator:
     def _make_groups(self, ranks: list[int], separate_groups: bool) -> _OwnGroups:
         channels: dict[tuple[Flow, int], dist.ProcessGroup] = {}
         for channel in CHANNELS if separate_groups else ():
-            # A fresh group per channel, so each flow of each lane gets its own sockets
-            # (gloo) or communicator and stream (NCCL); only members take part in creating it.
             flow, lane = channel
             channels[channel] = self._new_group(
                 ranks, f"{flow.value}_{lane}", f"the {flow.value!r} process group of lane {lane}"
             )
-        # Small host-side agreements (the ranks' call signatures) go over a gloo group of their
-        # own: CPU tensors, so no device sync on CUDA, and never queued behind our transfers.
-        # (Not made for gloo without separate groups: the agreements use ``group`` then.)
+        # agreements: a gloo group of their own, no device sync, never queued behind transfers
         control = self._new_group(ranks, "control", "the control (gloo) group", backend="gloo")
         return channels, control
 
@@ -502,8 +462,7 @@ class Communicator:
                 ranks=ranks,
                 timeout=self.timeout,
                 backend=backend,
-                # Only members make a group of some of the ranks; a group of all of them gets
-                # a name torch never reuses (Note [Channel pool]).
+                # Note [Channel pool]
                 use_local_synchronization=len(ranks) < dist.get_world_size(),
                 group_desc=f"tokenring_{name}",
             )
@@ -520,16 +479,16 @@ class Communicator:
     def all_gather_bytes(
         self, data: bytes, *, what: str, frame_num_bytes: int = AGREE_FRAME_NUM_BYTES
     ) -> list[bytes]:
-        """Every rank's ``data``, in group-rank order, within this communicator's timeout.
-
-        Point-to-point over the control group (one message per peer, receives posted first),
-        so a peer that does not arrive is named: ``RuntimeError`` lists the ranks that were
-        not heard from within the timeout and those whose connection closed (they died).
+        """Every rank's ``data`` (at most ``frame_num_bytes - 8`` bytes), in group-rank order,
+        over the control group within the timeout.
 
         Args:
-            data: at most ``frame_num_bytes - 8`` bytes.
             what: what the ranks agree on, for the error message.
-            frame_num_bytes: the size of each message; every rank must pass the same.
+            frame_num_bytes: the size of each message; the same on every rank.
+
+        Raises:
+            ValueError: ``data`` is too long.
+            RuntimeError: ranks not heard from within the timeout, or gone (named).
         """
         if len(data) > frame_num_bytes - 8:
             raise ValueError(
@@ -543,9 +502,7 @@ class Communicator:
                 f"rank {self.rank}: this communicator failed earlier and cannot be used for "
                 f"{what}: {self._broken}"
             )
-        # Row r: rank r's frame, its length (int64) and then its data. Written and read
-        # through ctypes: a call's agreement is on every call's path, and a dozen small tensor
-        # operations per frame cost more than the exchange (Note [Agreement by digest]).
+        # row r: rank r's length (int64) then data; ctypes: tensor ops cost more than the swap
         table = torch.zeros(self.world_size, frame_num_bytes, dtype=torch.uint8)
         mine = table[self.rank]
         framed = struct.pack("<q", len(data)) + data
@@ -560,7 +517,7 @@ class Communicator:
                     f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the call, "
                     "or called something else)"
                 )
-            for r, message in closed:
+            for r, message in closed.items():
                 parts.append(f"rank {r} is gone (it exited or crashed): {message}")
             self._broken = f"{what} failed"
             raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
@@ -573,59 +530,42 @@ class Communicator:
 
     def _swap_frames(
         self, mine: torch.Tensor, frames: dict[int, torch.Tensor]
-    ) -> tuple[list[int], list[tuple[int, str]]]:
-        """Send ``mine`` to every peer and receive each peer's frame into ``frames``; the peers
-        not heard from within the timeout, and those gone (with the error's first line)."""
-        # Posted one by one, not as a batch: a peer whose connection is closed already fails
-        # its own post, and is named.
-        closed: list[tuple[int, str]] = []
-        recvs: dict[int, Any] = {}
-        sends: dict[int, Any] = {}
+    ) -> tuple[list[int], dict[int, str]]:
+        """Swap ``mine`` for every peer's frame; the peers silent and those gone (with why)."""
         control = self._control
         assert control is not None
-        # The process group's own send and recv (group ranks): dist.isend and dist.irecv add
-        # about 15 us of Python checks each.
-        for r, frame in frames.items():
-            try:
-                recvs[r] = control.recv([frame], r, 0)
-            except Exception as exc:
-                closed.append((r, _first_line(exc)))
-        for r in frames:
-            try:
-                sends[r] = control.send([mine], r, 0)
-            except Exception as exc:
-                if r in recvs:
-                    closed.append((r, _first_line(exc)))
-        deadline = time.monotonic() + self.timeout.total_seconds()
         silent: list[int] = []
-        # A peer gone already: this exchange cannot complete; say so at once.
-        for r, work in recvs.items() if not closed else ():
-            remaining_s = max(deadline - time.monotonic(), 0.01)
+        closed: dict[int, str] = {}
+
+        def attempt(r: int, call: Callable[..., Any], *args: Any, waiting: bool = False) -> Any:
+            """``call(*args)``; on failure None, with ``r`` silent (a wait timed out) or gone."""
             try:
-                work.wait(timedelta(seconds=remaining_s))
+                return call(*args)
             except Exception as exc:
-                if "imed out" in str(exc):
+                if waiting and "imed out" in str(exc):
                     silent.append(r)
                 else:
-                    closed.append((r, _first_line(exc)))
-        if not silent and not closed:
-            for r, work in sends.items():
-                try:
-                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
-                except Exception as exc:
-                    closed.append((r, _first_line(exc)))
+                    closed.setdefault(r, _first_line(exc))
+                return None
+
+        # the group's own send and recv: dist.isend / irecv add Python checks
+        recvs = {r: attempt(r, control.recv, [frame], r, 0) for r, frame in frames.items()}
+        sends = {r: attempt(r, control.send, [mine], r, 0) for r in frames}
+        deadline = time.monotonic() + self.timeout.total_seconds()
+
+        def left() -> timedelta:
+            return timedelta(seconds=max(deadline - time.monotonic(), 0.01))
+
+        # A peer gone already: this exchange cannot complete; say so at once.
+        for r, work in recvs.items() if not closed else ():
+            attempt(r, work.wait, left(), waiting=True)
+        for r, work in sends.items() if not silent and not closed else ():
+            attempt(r, work.wait, left())
         return silent, closed
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
-        """Every rank's ``obj`` (picklable, any size), in group-rank order, within this
-        communicator's timeout: two rounds of :meth:`all_gather_bytes` over the control group
-        (the sizes, then the pickles in frames of the largest size), so a peer that does not
-        arrive is named as there. For results and other control data: not counted (the
-        counter holds the strategies' traffic, which tests compare with the cost model).
-
-        Args:
-            what: what is gathered, for the error message.
-        """
+        """Every rank's picklable ``obj`` in group-rank order (``what``: for errors); two rounds
+        of :meth:`all_gather_bytes`, the sizes then the pickles. Not counted."""
         data = pickle.dumps(obj)
         sizes = self.all_gather_bytes(struct.pack("<q", len(data)), what=f"{what} (sizes)")
         frame_num_bytes = 8 + max(struct.unpack("<q", size)[0] for size in sizes)
@@ -639,8 +579,7 @@ class Communicator:
 
         Args:
             signature: this rank's JSON-able description of the call (None when invalid).
-            problem: this rank's validation error, or None; re-raised here on this rank
-                after the exchange, so the other ranks learn it.
+            problem: this rank's validation error, or None; re-raised after the exchange.
             what: the call, for messages ("attention call", "cache step").
 
         Raises:
@@ -656,8 +595,7 @@ class Communicator:
         if signature is None:
             mine = {"invalid": str(problem)}
         data = json.dumps(mine, sort_keys=True).encode()
-        # Note [Agreement by digest]: the digests first (tiny messages); the rows only when
-        # they differ, so that the error names the field and the ranks.
+        # Note [Agreement by digest]
         digest = hashlib.blake2b(data, digest_size=DIGEST_NUM_BYTES).digest()
         digests = self.all_gather_bytes(
             digest, what=f"the {what} check", frame_num_bytes=DIGEST_FRAME_NUM_BYTES
@@ -692,8 +630,7 @@ class Communicator:
     def message(
         fields: Sequence[FieldSpec], device: torch.device, *, zeroed: bool = True
     ) -> tuple[Message, list[torch.Tensor]]:
-        """A message of ``fields`` (zeroed, or uninitialised to be written whole) and views
-        of its tensors: fill them, then send the message itself (no copy when it leaves)."""
+        """A message of ``fields`` (zeroed or not) and views of its tensors, to fill and send."""
         new = torch.zeros if zeroed else torch.empty
         inline, apart = _split(fields)
         buffer = new(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
@@ -716,8 +653,7 @@ class Communicator:
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def to_wire(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``buffer`` as the backend can send it: itself, or a host copy if staged (the host
-        waits for the copy, made on a side stream after the work queued so far)."""
+        """``buffer`` as the backend can send it: itself, or a host copy if staged."""
         if not self.path(buffer.device).endswith("staged"):
             return buffer
         host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=buffer.is_cuda)
@@ -740,20 +676,18 @@ class Communicator:
         *,
         device: torch.device,
     ) -> dict[Transfer, PendingRecv]:
-        """Post one slot's receives and sends (receives first), one batch per flow.
+        """Post one slot's receives and sends (receives first), one batch per channel.
 
         Args:
-            sends: each transfer with the tensors that make up its message, or the message
-                itself (:class:`Message`: sent without a copy).
+            sends: each transfer with its tensors, or its :class:`Message` (no copy).
             recvs: each transfer with ``(shape, dtype)`` of the tensors to receive.
-            device: where receive buffers live (the tensors' device).
+            device: where receive buffers live.
 
         Returns:
             The pending receives by transfer.
         """
         self._check_open()
         pending: dict[Transfer, PendingRecv] = {}
-        # By channel: its receives, then its sends with their wire buffers.
         batches: dict[tuple[Flow, int], tuple[list[PendingRecv], list[Any]]] = {}
         for tr, f in recvs:
             pending[tr] = rec = self._recv(tr, f, device)
@@ -805,9 +739,7 @@ class Communicator:
     def _post(
         self, ops: Sequence[tuple[bool, torch.Tensor, int]], group: dist.ProcessGroup
     ) -> list[Any]:
-        """Post ``(is_send, tensor, group peer)`` in order on ``group``; their works. gloo
-        posts each operation as it comes (``batch_isend_irecv`` does the same for it, with
-        about 10 us more Python per operation); NCCL needs the batch, coalesced."""
+        """Post ``(is_send, tensor, group peer)`` in order on ``group``; their works."""
         if self.backend == "gloo":
             return [
                 group.send([t], peer, 0) if is_send else group.recv([t], peer, 0)
@@ -831,8 +763,7 @@ class Communicator:
         return [self.to_wire(f) for f in message.frames]
 
     def wait_sends(self) -> None:
-        """Wait for every send posted so far (their buffers may be reused afterwards), and
-        check the headers of receives on devices other than the CPU (one host sync)."""
+        """Wait for every send posted so far; check the pending device headers (one sync)."""
         for work, tr in self._pending_sends:
             self._wait(work, tr, "send")
         self._pending_sends.clear()
@@ -849,14 +780,11 @@ class Communicator:
         self._wait_sends_if(lambda work, _: work is None or work.is_completed())
 
     def wait_sends_through(self, step: int) -> None:
-        """Wait for the sends of steps ``<= step`` only, so the runtime frees their packed
-        buffers inside the step loop. On CUDA the wait orders the current stream after the
-        send: no host synchronisation."""
+        """Wait for the sends of steps ``<= step`` only (on CUDA: no host sync)."""
         self._wait_sends_if(lambda _, tr: tr.step <= step)
 
     def wait_sent(self, transfers: Sequence[Transfer]) -> None:
-        """Wait for the pending sends of ``transfers`` (a program's SENT: their buffers may be
-        reused); the rest stay pending. On CUDA no host synchronisation, as above."""
+        """Wait for the pending sends of ``transfers`` (a program's SENT); no host sync."""
         if transfers:
             wanted = set(transfers)
             self._wait_sends_if(lambda _, tr: tr in wanted)
@@ -886,20 +814,12 @@ class Communicator:
                 f"{self.timeout.total_seconds():.0f} s): {exc}"
             ) from exc
 
-    # -- collectives -------------------------------------------------------------------------
-    # Every collective the library issues outside the ring's P2P goes through these: posted
-    # asynchronously on ``group`` and waited for at most ``timeout`` (never the process
-    # group's own timeout, which may be 30 minutes), failing with the operation, this rank
-    # and the group named.
+    # -- collectives: posted async on ``group``, waited for at most ``timeout`` --------------
 
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str
     ) -> PendingCollective:
-        """Post ``dist.all_gather_into_tensor``: rank j's ``input`` lands at block j of
-        ``output`` along dim 0 (``output.shape[0] == world_size * input.shape[0]``).
-
-        Not counted: for control data (:meth:`all_gather`).
-        """
+        """Post ``dist.all_gather_into_tensor`` (rank j's at block j of dim 0). Not counted."""
         self._check_open()
         work = None
         if self.world_size > 1:
@@ -909,8 +829,7 @@ class Communicator:
         return PendingCollective(self, work, "all-gather", label)
 
     def all_gather(self, tensor: torch.Tensor, *, label: str) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape and dtype on every rank), in group-rank order;
-        blocks for at most ``timeout``. For small control data (not counted)."""
+        """Every rank's ``tensor`` (same shape and dtype), in group-rank order. Not counted."""
         flat = tensor.contiguous().reshape(-1)
         gathered = flat.new_empty(self.world_size * flat.numel())  # rank j's at block j
         self.all_gather_into_tensor(gathered, flat, label=label).wait()
@@ -920,8 +839,7 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, label: str
     ) -> PendingCollective:
-        """Post ``dist.all_reduce`` of ``tensor`` in place. For small control data (not
-        counted)."""
+        """Post ``dist.all_reduce`` of ``tensor`` in place. Not counted."""
         self._check_open()
         work = None
         if self.world_size > 1:
@@ -947,23 +865,13 @@ class Communicator:
 
     @property
     def group_alive(self) -> bool:
-        """Whether ``group`` is still registered with torch.distributed (it is not once
-        ``destroy_process_group`` destroyed it, or all groups)."""
+        """Whether ``group`` is still registered with torch.distributed."""
         return _registered(self.group)
 
     def close(self) -> None:
-        """Release the process groups this communicator made; afterwards every call raises.
-        Idempotent.
-
-        They go to a pool that the next communicator over the same ranks takes them from, and
-        ``destroy_idle_groups`` (run by ``tokenring.close_communicators``, and so at
-        interpreter exit) destroys them; see Note [Channel pool]. Those of a communicator
-        that failed (a transfer or collective that did not complete may still be posted on
-        them) are never reused. ``group`` itself belongs to the caller and is left alone.
-        Call it on every rank of the group, once every transfer was waited for (the
-        library's calls wait before they return). ``tokenring.get_communicator`` closes
-        its cached communicators when their group is destroyed.
-        """
+        """Release the groups this communicator made (to Note [Channel pool] unless it failed;
+        ``group`` is the caller's); afterwards every call raises. Idempotent; call it on every
+        rank once every transfer was waited for."""
         if self.closed:
             return
         self._closed = True
@@ -997,12 +905,10 @@ class Communicator:
         (:meth:`agree`; Note [Rank agreement] in tokenring.api); else raise on every rank.
 
         Args:
-            validate: this rank's checks of the call; returns what the call needs and its
-                signature (see :meth:`agree`), or None for the signature where a later check
-                of the same call compares them (the peers wait there): then only a failure is
-                sent, into that check.
+            validate: this rank's checks; returns the result and its signature (None: only a
+                failure is exchanged, a later check compares signatures).
             what: the call, for messages ("cache step").
-            check_ranks: False: nothing is exchanged and this rank's error is raised here.
+            check_ranks: False: nothing is exchanged.
             errors: what ``validate`` raises for an invalid call; others propagate at once.
 
         Raises:
@@ -1019,15 +925,13 @@ class Communicator:
         return result
 
     def all_gather_int(self, value: int, device: torch.device, *, label: str) -> list[int]:
-        """Every rank's ``value``, in group-rank order: one :meth:`all_gather` of an int64 on
-        ``device`` (a device the group's backend takes). For control data (not counted)."""
+        """Every rank's ``value``, in group-rank order (an int64 on ``device``). Not counted."""
         mine = torch.tensor([value], dtype=torch.int64, device=device)
         return [int(x) for x in self.all_gather(mine, label=label)]
 
 
 class PendingCollective:
-    """A posted collective; ``wait()`` returns when it completed or raises after the
-    communicator's timeout, naming the operation, this rank and the group."""
+    """A posted collective; ``wait()`` raises after the timeout, naming op, rank and group."""
 
     def __init__(self, comm: Communicator, work: Any, op: str, label: str) -> None:
         self._comm, self._work, self._op, self._label = comm, work, op, label
@@ -1056,17 +960,13 @@ class PendingCollective:
 
 # Note [Channel pool]
 # ~~~~~~~~~~~~~~~~~~~
-# The groups a closed communicator made (its channels and control group) wait here for the
-# next communicator over the same ranks, backend, timeout and channel layout instead of being
-# destroyed, so a program that makes and destroys a group once per step keeps a flat number
-# of sockets and threads. A live communicator never shares them, and those of a
-# communicator that failed are never reused. Destroying them would also invite a torch naming
-# clash: a group made with use_local_synchronization (needed when only some ranks make it)
-# is named after its ranks and the number of live groups, so once any group is destroyed a
-# new one can get the name of a live group ("already been created") or of a destroyed one,
-# whose stale addresses its rendezvous then reads from the store ("Connection refused").
-# Channel groups over every rank avoid that (torch numbers those); over some ranks the
-# pool keeps new ones rare, and a clash fails the creation with torch's message.
+# The groups a closed communicator made wait here for the next communicator over the same
+# ranks, backend, timeout and channel layout instead of being destroyed, so a program that
+# makes a group per step keeps a flat number of sockets and threads (a failed communicator's
+# are never reused). Destroying them also invites a torch naming clash: a group made with
+# use_local_synchronization is named after its ranks and the number of live groups, so a new
+# one can get a live group's name ("already been created") or a destroyed one's stale store
+# addresses ("Connection refused").
 _PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
 _OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
 _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
@@ -1082,11 +982,7 @@ def _take_idle_groups(key: _PoolKey) -> _OwnGroups | None:
 
 
 def destroy_idle_groups() -> None:
-    """Destroy the pooled process groups of closed communicators (Note [Channel pool]).
-
-    For the end of a program: afterwards a new communicator makes new groups, whose names
-    may collide with the destroyed ones'.
-    """
+    """Destroy the pooled process groups of closed communicators (Note [Channel pool])."""
     pooled = [
         g for idle in _IDLE_GROUPS.values() for own in idle for g in (*own[0].values(), own[1])
     ]
@@ -1098,37 +994,21 @@ def destroy_idle_groups() -> None:
 
 # Note [Groups in default arguments]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A gloo group's worker threads (gloo_tcp_loop, pt_gloo_runloop) end when its last Python
-# reference goes, and one still alive while Python finalises can abort the process after
-# every result was right (Note [Clean exit] in tokenring.launch). torch holds one reference
-# that destroy_process_group() does not drop: a few of its functions take the default group
-# as a default argument, ``def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD)``
-# (torch.distributed.nn.functional, ten functions in torch 2.13; also
-# torch.distributed.optim.zero_redundancy_optimizer and fsdp.sharded_grad_scaler), and a
-# default is evaluated when the ``def`` runs, i.e. when the module is imported. Imported
-# before init_process_group, ``group.WORLD`` is None there; imported after, it is the
-# default ProcessGroup, kept for the life of the interpreter. torch._dynamo imports
-# torch.distributed.nn.functional (through torch.distributed._shard), and this library
-# imports dynamo, so a program whose first use of the library comes after
-# init_process_group ends with the default group's threads alive (measured, torch 2.13:
-# ten references, the functions' ``__defaults__``, found by a refcount watch during the
-# import; gc.get_referrers does not see them, a tuple of untracked objects is untracked).
-#
-# ``clear_group_defaults`` (run by tokenring.close_communicators, and so at interpreter exit)
-# sets such a default back to None, what it is when the module is imported first and what
-# every torch.distributed call reads as the default group, for the default group and for a
-# group no longer registered; a default naming another live group is kept. Only functions
-# of torch's own modules are touched.
+# A gloo group alive while Python finalises can abort the process after every result was
+# right (Note [Clean exit] in tokenring.launch). Some torch functions take the default group
+# as a default argument (``group=group.WORLD`` in torch.distributed.nn.functional and others),
+# evaluated at import: imported after init_process_group, they keep it in ``__defaults__``.
+# ``clear_group_defaults`` (run by tokenring.close_communicators, so at interpreter exit) sets
+# such a default (the default group, or one no longer registered) back to None, which torch
+# reads as the default group. Only functions of torch's own modules are touched.
 
 
 def clear_group_defaults() -> None:
-    """Set to None each default argument of a torch function that holds the default
-    process group or a destroyed one (Note [Groups in default arguments]), so that nothing
-    of torch keeps a destroyed group, and its gloo threads, alive."""
+    """Set to None each default argument of a torch function that holds the default process
+    group or a destroyed one (Note [Groups in default arguments])."""
 
     def stale(value: Any) -> bool:
-        # type(), not isinstance: isinstance reads __class__, which some torch objects
-        # (deprecated aliases) answer with a warning
+        # type(), not isinstance: some torch objects answer __class__ with a warning
         return issubclass(type(value), dist.ProcessGroup) and (
             value is dist.group.WORLD or not _registered(value)
         )

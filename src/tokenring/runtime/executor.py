@@ -1,12 +1,10 @@
 """The one executor: runs a rank program (``tokenring.runtime.program``) on this rank.
 
-Every strategy's pass is a :class:`PassRunner`: the state its program's ops work on, with one
-method per op that touches tensors (compute, merge, take what arrived). :func:`execute`
-walks the program and does the rest itself, the same way for every strategy: it posts each
-POST's transfers through the runner's poster (a ``SlotPoster``: receives first, sends filled
-by :meth:`PassRunner.provide`), waits for the sends an op names on its communicator, and
-opens one profiler range per step (``tokenring.<strategy>.<pass>.step<t>``). The simulator
-(``tokenring.model.simulate``) replays the same programs, so what is priced is what runs.
+Every strategy's pass is a :class:`PassRunner`: the state its program's ops work on, one
+method per op that touches tensors. :func:`execute` does the rest the same way for every
+strategy: posts each POST through the runner's poster (sends filled by
+:meth:`PassRunner.provide`), waits for the sends an op names, and opens one profiler range per
+step (``tokenring.<strategy>.<pass>.step<t>``). The simulator replays the same programs.
 """
 
 from __future__ import annotations
@@ -40,10 +38,9 @@ class SendWaits(Protocol):
 
 
 class PassRunner:
-    """One pass of one strategy on one rank, as :func:`execute` drives it (Note [Rank program]
-    in tokenring.runtime.program has what each op means). Subclasses set ``sched``, ``comm``
-    and ``poster`` and override the ops their programs contain; an op a program contains but
-    its runner does not implement fails loudly."""
+    """One pass of one strategy on one rank (Note [Rank program] in tokenring.runtime.program).
+    Subclasses set ``sched``, ``comm`` and ``poster`` and override their programs' ops; an op
+    not implemented raises NotImplementedError."""
 
     sched: Schedule
     comm: SendWaits

@@ -1,6 +1,5 @@
-"""Runs the hybrid strategy (``tokenring.strategies.hybrid``) on one rank: its rank program
-through ``execute``, the inner all-to-alls on the inner group's communicator and the outer
-ring's steps by the ring strategy's runner on the outer group's.
+"""Runs the hybrid strategy (``tokenring.strategies.hybrid``) on one rank: the inner
+all-to-alls on the inner group, the outer ring's steps by a ring runner on the outer group.
 
 Legend: B batch, s local seq (s_i: inner rank i's), L_o outer shard (the sum of its inner
 ranks' s_i), Hq / Hkv heads, D head dim, P_in inner ranks, nq = Hq / P_in, nkv = Hkv / P_in,
@@ -9,19 +8,17 @@ n the outer strategy's steps.
 Note [Hybrid runner]
 ~~~~~~~~~~~~~~~~~~~~
 The hybrid's program (Note [Hybrid rank program] in tokenring.runtime.program) names its
-transfers by rank g = o * P_in + i of all P ranks; each travels on one of two groups, under
-the name that group's ranks give it::
+transfers by global rank g = o * P_in + i; each travels on one of two groups, under that
+group's name for it::
 
     steps      transfers                  group and communicator   posted and waited for as
     0, n + 1   the inner all-to-alls      inner                    inner ranks i -> j
     1 .. n     the outer ring's, lifted   outer                    the outer schedule's o -> o'
 
-:class:`_Routes` is the poster and the communicator ``execute`` sees: it posts each POST's
-transfers on their group's poster and waits for each SENT's on their group's communicator
-(both count bytes and bound every wait by their timeouts). The ops of steps 1 .. n go to a
-ring runner of the outer schedule (``_Forward`` / ``_Backward`` of tokenring.runtime.ring),
-renamed to its step and transfers, so the outer ring runs exactly as on its own; the ops of
-steps 0 and n + 1 are the all-to-alls' own, the same in both passes::
+:class:`_Routes`, the poster and communicator ``execute`` sees, posts and waits for each
+transfer on its group. Steps 1 .. n go to a ring runner of the outer schedule, renamed to its
+steps and transfers, so the outer ring runs exactly as on its own; steps 0 and n + 1 are the
+all-to-alls, the same in both passes::
 
     op            step 0: sequence -> heads             step n + 1: heads -> sequence
     POST          to j: my s_i rows of j's heads        to j: j's s_j rows of my heads
@@ -48,14 +45,7 @@ from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel
 from tokenring.runtime.program import Op, program_of
-from tokenring.runtime.ring import (
-    _Backward,
-    _Forward,
-    _part,
-    kv_message,
-    kv_rows,
-    message_fields,
-)
+from tokenring.runtime.ring import _Backward, _Forward, _part, kv_message, kv_rows, message_fields
 from tokenring.runtime.slots import Provide, SlotPoster
 from tokenring.strategies.hybrid import HybridSchedule, inner_slices, outer_transfers
 
@@ -86,8 +76,8 @@ def hybrid_attention(
 
 
 class _HybridAttention(torch.autograd.Function):
-    """Each pass is the hybrid's rank program, run by ``execute``; the backward takes what
-    the forward's ring ran on and made (q, k, v, out, lse of the outer ring, padded)."""
+    """Both passes run the hybrid's rank program; the backward gets the forward ring's
+    padded q, k, v, out and lse."""
 
     @staticmethod
     def forward(
@@ -110,8 +100,7 @@ class _HybridAttention(torch.autograd.Function):
 
 
 class _HybridPass(PassRunner):
-    """One rank's hybrid pass (Note [Hybrid runner]); the forward and the backward differ in
-    the ring runner they start and what they send back."""
+    """One rank's hybrid pass (Note [Hybrid runner])."""
 
     ring: _Forward | _Backward
 
@@ -145,8 +134,7 @@ class _HybridPass(PassRunner):
     # -- steps 0 and n + 1: the all-to-alls ---------------------------------------------------
 
     def view(self, x: torch.Tensor, j: int, step: int, *, sending: bool) -> torch.Tensor:
-        """Inner rank j's part of ``x`` ``(B, n, H, D)`` or ``(B, H, n)``: its share of the
-        heads when sending at step 0 or receiving at step n + 1, else its rows."""
+        """Inner rank j's heads (sending at step 0, receiving at n + 1) or rows of ``x``."""
         if (step == 0) == sending:
             heads = x.shape[2 if x.dim() == 4 else 1] // self.p_in
             return _part(x, None, slice(j * heads, (j + 1) * heads))
@@ -158,9 +146,7 @@ class _HybridPass(PassRunner):
         return kv_message(*parts) if tr.payload is Payload.KV else parts
 
     def gather(self, op: Op) -> list[torch.Tensor]:
-        """ARRIVE 0 or RETURNS n + 1: what the outbox holds, every inner rank's part of it in
-        its place (this rank's own from the outbox): ``(B, L_o, nq|nkv, D)`` at step 0,
-        ``(B, s_i, Hq|Hkv, D)`` or ``(B, Hq, s_i)`` at step n + 1."""
+        """ARRIVE 0 or RETURNS n + 1: every inner rank's part of the outbox, in place."""
         if self.p_in == 1:
             return [x for xs in self.outbox.values() for x in xs]
         step, me = op.step, self.me
@@ -187,8 +173,7 @@ class _HybridPass(PassRunner):
     # -- the ops ------------------------------------------------------------------------------
 
     def outer_op(self, op: Op) -> Op:
-        """A ring step's op as the ring runner runs it: the outer schedule's step and
-        transfers."""
+        """A ring step's op in the outer schedule's step and transfers."""
         transfers = tuple(self.names[tr] for tr in op.transfers)
         return replace(op, step=op.step - 1, transfers=transfers)
 
@@ -260,8 +245,7 @@ class _HybridBackward(_HybridPass):
 
 
 class _Routes:
-    """The poster and the communicator ``execute`` sees for a hybrid pass (Note [Hybrid
-    runner]): each transfer on its group, under that group's name for it."""
+    """The poster and communicator of a hybrid pass: each transfer on its group."""
 
     def __init__(self, runner: _HybridPass) -> None:
         self.runner = runner

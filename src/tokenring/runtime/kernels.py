@@ -1,10 +1,7 @@
 """Local block kernels: attention of one Q block against one K/V block, with lse.
 
-This module owns the per-block math. A kernel maps ``q, k, v -> (out, lse)`` and back; the
-strategies call it once per piece of their schedule. Kernels are pluggable and chosen by
-:func:`select_kernel` from what the device and dtype support; a kernel asked for explicitly
-that cannot run raises instead of silently running another. Which fused operator serves
-which call is the pure function :func:`plan_block` (Note [Kernel plan]).
+A kernel maps ``q, k, v -> (out, lse)`` and back; :func:`select_kernel` picks one for a
+device and dtype, and the pure function :func:`plan_block` names each tile's operator.
 
 Legend: B batch, sq query rows, sk key rows, Hq query heads, Hkv key/value heads (divides Hq),
 D head dim, T tile rows. Public tensors are ``(B, rows, H, D)``; lse and delta are
@@ -13,34 +10,23 @@ D head dim, T tile rows. Public tensors are ``(B, rows, H, D)``; lse and delta a
 Note [Backward from delta]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 The block backward needs P = exp(S - lse) with the *global* lse and delta = rowsum(dout * out)
-with the *global* out. TokenRing ships delta (one number per row and head) instead of out
-(D numbers), because out is not needed otherwise. Fused ops (PyTorch's CPU and CUDA flash
-backward) take ``out`` and compute delta themselves, so we hand them a stand-in out' with the
-same row sums against dout::
+with the *global* out. TokenRing ships delta (one number per row and head) instead of out.
+Fused backward ops take ``out`` and compute delta themselves, so they get a stand-in out' with
+the same row sums against dout::
 
     out' = dout * delta / |dout|^2      (0 where |dout| = 0, where delta is 0 too)
 
-rowsum(dout * out') = delta exactly in real arithmetic, and |out'| <= |out| (Cauchy-Schwarz),
-so the stand-in is as well-scaled as the real out. It costs a few elementwise passes over the
-piece's q rows (measured, one thread, 1024 rows x 8 heads x 64: 2.0 ms in bfloat16, 0.3 ms in
-float32), so where the caller holds the real out (its own queries: every piece of Ring and
-the bidirectional ring, TokenRing's local block) it passes that instead (``out=``), and
-:class:`TiledKernel` builds it once per q tile that meets several kv tiles (a visiting
-half Q against both kv chunks: two backward tiles on the CPU), not once per tile; never for
-more rows than a tile's, so a call's memory stays its tile's (Note [Kernel plan]).
-Kernels whose backward only exists through autograd (FlexAttention) recompute the block's own
-(out_b, lse_b) and pull the global gradient out of the local one (Note [Backward through
-autograd]).
+rowsum(dout * out') = delta, and |out'| <= |out| (Cauchy-Schwarz). A caller that holds the
+real out (its own queries) passes it (``out=``); :class:`TiledKernel` builds the stand-in once
+per q tile that meets several kv tiles. FlexAttention uses Note [Backward through autograd].
 
 Note [Kernel plan]
 ~~~~~~~~~~~~~~~~~~
-No call allocates a (sq, sk) tensor on CUDA. :class:`TiledKernel` cuts every piece into
-tiles of at most T x T and classifies each tile as the schedule classifies pieces (Note [Mask
-classes] in tokenring.core.masks): skipped, full, causal (a diagonal tile of a causal piece), or
-masked. Gradients of a tile are added straight into the caller's accumulators, so the memory
-of a call is its tile's, whatever the piece's length (the forward of an unmasked piece runs
-whole in the fused kernels: it holds O(s) anyway). :func:`plan_block` names the operator of
-each tile:
+No call allocates a (sq, sk) tensor on CUDA. :class:`TiledKernel` cuts every piece into tiles
+of at most T x T, each skipped, full, causal (a diagonal tile) or masked (Note [Mask classes]
+in tokenring.core.masks), and adds tile gradients straight into the caller's accumulators
+(fused kernels run the forward of an unmasked piece whole: it holds O(s) anyway).
+:func:`plan_block` names the operator of each tile:
 
     device  dtype        D          mask class    operator
     cuda    fp16, bf16   %8, <=256  full, causal  flash-attn 2 package, else SDPA flash (sm80+)
@@ -49,21 +35,22 @@ each tile:
     cuda    fp64, or a head dim no fused op takes the tiled reference
     cpu     any          any        any           PyTorch's CPU flash op (dense mask per tile)
 
-The tiled reference materialises (B, Hq, T, T) scores per tile only; a masked tile builds its
-(T, T) mask from positions (:class:`PositionMask`), never the piece's. On the CPU a backward
-tile of a non-causal piece also has at most as many kv rows as q rows, and at least 512
-(``TiledKernel.backward_kv_tile_floor``): the CPU op's backward walks keys slower than queries.
+The tiled reference materialises (B, Hq, T, T) scores per tile; a masked tile builds its
+(T, T) mask from positions (:class:`PositionMask`). The CPU op's backward walks keys slower
+than queries, so its non-causal tiles have at most as many kv rows as q rows (and >= 512).
 """
 
 from __future__ import annotations
 
 import abc
 import collections
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
+from torch import Tensor
 
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
@@ -91,19 +78,18 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class PositionMask:
-    """A block's mask as positions, not as a matrix: query row i sees key j when
-    ``spec.visible(q_positions[i], kv_positions[j])``. Positions stay on the CPU, so tiles
-    are cut and classified without a device synchronisation and without building the mask."""
+    """A block's mask as positions (on the CPU: tiles are classified without a device sync):
+    row i sees key j when ``spec.visible(q_positions[i], kv_positions[j])``."""
 
     spec: MaskSpec
-    q_positions: torch.Tensor  # (sq,) int64 on the CPU, -1 for padding
-    kv_positions: torch.Tensor  # (sk,)
+    q_positions: Tensor  # (sq,) int64 on the CPU, -1 for padding
+    kv_positions: Tensor  # (sk,)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q_positions.numel(), self.kv_positions.numel())
 
-    def dense(self, device: torch.device | None = None) -> torch.Tensor:
+    def dense(self, device: torch.device | None = None) -> Tensor:
         """The ``(sq, sk)`` bool mask (a tile's, when cut first), on ``device``."""
         visible = self.spec.visible(self.q_positions, self.kv_positions)
         return visible if device is None else visible.to(device, non_blocking=True)
@@ -116,8 +102,7 @@ class PositionMask:
         )
 
     def visibility(self, strip_rows: int = 256) -> tuple[bool, bool]:
-        """(any pair visible, every pair visible), evaluated ``strip_rows`` query rows at a
-        time (memory: one strip)."""
+        """(any pair visible, every pair visible), ``strip_rows`` query rows at a time."""
         any_seen, all_seen = False, True
         for a in range(0, self.shape[0], strip_rows):
             strip = self.spec.visible(self.q_positions[a : a + strip_rows], self.kv_positions)
@@ -126,17 +111,14 @@ class PositionMask:
         return any_seen, all_seen and self.shape[0] > 0
 
 
-Mask: TypeAlias = "torch.Tensor | PositionMask"
+Mask: TypeAlias = "Tensor | PositionMask"
 """A block mask: bool ``(sq, sk)`` (True: visible), or positions."""
-Grads: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Grads: TypeAlias = tuple[Tensor, Tensor, Tensor]
 """Gradient accumulators of a block: dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``."""
 
 
-def _dense(
-    mask: Mask | None, q: torch.Tensor, k: torch.Tensor, causal: bool
-) -> torch.Tensor | None:
-    """The bool ``(sq, sk)`` mask on q's device, checked (an internal contract: the runtime
-    builds masks from positions)."""
+def _dense(mask: Mask | None, q: Tensor, k: Tensor, causal: bool) -> Tensor | None:
+    """The bool ``(sq, sk)`` mask on q's device, checked."""
     if mask is None:
         return None
     assert not causal, "a block gets either the causal flag or an explicit mask"
@@ -153,8 +135,7 @@ class BlockKernel(abc.ABC):
 
     name: str = "abstract"
     takes_out: bool = False
-    """Whether :meth:`backward` uses ``out`` (fused operators: they compute delta from it);
-    else it is ignored."""
+    """Whether :meth:`backward` uses ``out`` (fused ops compute delta from it)."""
 
     def __init__(self) -> None:
         self.ran: collections.Counter[str] = collections.Counter()
@@ -167,14 +148,14 @@ class BlockKernel(abc.ABC):
     @abc.abstractmethod
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         """Block attention.
 
         Args:
@@ -193,18 +174,18 @@ class BlockKernel(abc.ABC):
     @abc.abstractmethod
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: Tensor | None = None,
+    ) -> Grads:
         """Gradients of one block given the global ``lse`` and ``delta`` of the q rows.
 
         Args:
@@ -224,25 +205,21 @@ class BlockKernel(abc.ABC):
     def backward_into(
         self,
         grads: Grads | Callable[[], Grads],
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
+        out: Tensor | None = None,
         poll: Callable[[], None] | None = None,
     ) -> None:
-        """:meth:`backward`, added into ``grads = (dq, dk, dv)`` (same shapes, any float
-        dtype, typically accumulators in the accumulation dtype). ``poll`` is called after
-        each tile, before its gradients are added (the runtime frees buffers whose transfers
-        have completed). ``grads`` may be a function that returns them: it is called once,
-        after the first tile and its ``poll``, and never if no tile is computed, so the
-        caller allocates (or receives) them only when buffers of the last step are gone
+        """:meth:`backward` added into ``grads = (dq, dk, dv)`` (any float dtype), or into
+        what ``grads()`` returns, called after the first tile; ``poll`` runs after each tile
         (Note [Buffers in flight] in tokenring.runtime.ring)."""
         parts = self.backward(
             dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
@@ -253,14 +230,18 @@ class BlockKernel(abc.ABC):
             acc += part
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
+def _bhsd(x: Tensor) -> Tensor:
     return x.transpose(1, 2)
 
 
+def _kind(causal: bool, mask: Mask | None) -> str:
+    """The tile class of a whole piece (Note [Kernel plan])."""
+    return "causal" if causal else ("full" if mask is None else "masked")
+
+
 class ReferenceKernel(BlockKernel):
-    """Plain torch matmuls in the accumulation dtype; any device, any dtype. Materialises the
-    ``(B, Hq, sq, sk)`` score matrix: the obviously-correct baseline, and the math inside
-    :class:`TiledKernel`'s tiles (where sq, sk <= T)."""
+    """Plain torch matmuls in the accumulation dtype, materialising ``(B, Hq, sq, sk)``
+    scores; any device and dtype."""
 
     name = "reference"
 
@@ -268,9 +249,7 @@ class ReferenceKernel(BlockKernel):
         return dtype.is_floating_point
 
     @staticmethod
-    def _scores(
-        q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, visible: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, visible: Tensor | None) -> Tensor:
         """``(B, Hkv, G*sq, sk)`` scores (G = Hq / Hkv query heads per kv head, no repeat)."""
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -278,27 +257,23 @@ class ReferenceKernel(BlockKernel):
         qh = _bhsd(q).to(acc).reshape(b, hkv, (hq // hkv) * sq, d)  # (B, Hkv, G*sq, D)
         kh = _bhsd(k).to(acc)  # (B, Hkv, sk, D)
         scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # (B, Hkv, G*sq, sk)
-        hidden = None
+        hidden = None if visible is None else ~visible  # (sq, sk); never with causal (_dense)
         if causal:
-            sk = k.shape[1]
-            hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
-        if visible is not None:
-            hidden = ~visible
+            hidden = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
         if hidden is not None:
-            g = hq // hkv
-            scores.view(b, hkv, g, sq, -1).masked_fill_(hidden, float("-inf"))
+            scores.view(b, hkv, hq // hkv, sq, -1).masked_fill_(hidden, float("-inf"))
         return scores
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -311,18 +286,18 @@ class ReferenceKernel(BlockKernel):
 
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: Tensor | None = None,
+    ) -> Grads:
         self.ran["reference"] += 1
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
@@ -344,35 +319,29 @@ class ReferenceKernel(BlockKernel):
         return _bhsd(dq).to(q.dtype), _bhsd(dk).to(k.dtype), _bhsd(dv).to(v.dtype)
 
 
-def _stand_in_out(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """out' with rowsum(dout * out') == delta, ``(B, Hq, sq, D)`` in dout's dtype; see Note
-    [Backward from delta]."""
+def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
+    """out' ``(B, Hq, sq, D)`` of Note [Backward from delta], in dout's dtype."""
     acc = delta.dtype
-    # Both passes walk dout (B, sq, Hq, D) in memory order; the product is computed in acc and
-    # rounded once into dout's dtype (out=), as a product in acc then a cast would be.
+    # both passes walk dout in memory order; the product is rounded once into dout's dtype
     norm2 = torch.linalg.vector_norm(dout, dim=-1, dtype=acc).square_()  # (B, sq, Hq)
     ratio = torch.where(norm2 > 0, _bhsd(delta) / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
     out = torch.empty_like(dout, memory_format=torch.contiguous_format)
     return _bhsd(torch.mul(dout, ratio.unsqueeze(-1), out=out))
 
 
-def _out_of(out: torch.Tensor | None, dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """What a fused backward takes as ``out``, ``(B, Hq, sq, D)``: the block's rows of the
-    global out when the caller holds them (its own queries), else the stand-in of Note
-    [Backward from delta] (a visiting Q, which travels with delta instead of out)."""
+def _out_of(out: Tensor | None, dout: Tensor, delta: Tensor) -> Tensor:
+    """A fused backward's ``out`` ``(B, Hq, sq, D)``: the real one, or the stand-in."""
     return _bhsd(out) if out is not None else _stand_in_out(dout, delta)
 
 
-def _finite_lse(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """lse for a fused backward: a row with lse -inf sees no key anywhere, so every score of
-    its tile is masked and any finite lse gives P = 0 there (-inf would give NaN)."""
+def _finite_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
+    """lse with -inf (rows that see no key: P = 0 anyway) as 0, which gives no NaN."""
     out = lse.to(dtype)
     return out.masked_fill(torch.isneginf(out), 0.0).contiguous()
 
 
 class _CpuFlashOps(BlockKernel):
-    """PyTorch's fused CPU flash-attention ops on one tile (they return logsumexp); GQA
-    native; a masked tile gets a dense additive mask of its own size."""
+    """PyTorch's fused CPU flash-attention ops on one tile (a masked one: an additive mask)."""
 
     name = "cpu_flash_op"
     takes_out = True
@@ -384,37 +353,25 @@ class _CpuFlashOps(BlockKernel):
         self._bwd = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return (
-            self._fwd is not None
-            and self._bwd is not None
-            and device.type == "cpu"
-            and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-        )
+        ok = self._fwd is not None and self._bwd is not None and device.type == "cpu"
+        return ok and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         assert self._fwd is not None
         self.ran["cpu_flash"] += 1
         visible = _dense(mask, q, k, causal)
         bias = None if visible is None else _additive(visible, q.dtype)
-        result = _named(
-            self._fwd.default,
-            _bhsd(q),
-            _bhsd(k),
-            _bhsd(v),
-            0.0,
-            causal,
-            attn_mask=bias,
-            scale=scale,
-        )
+        qkv = (_bhsd(q), _bhsd(k), _bhsd(v))
+        result = _named(self._fwd.default, *qkv, 0.0, causal, attn_mask=bias, scale=scale)
         out, lse = result["output"], result["logsumexp"]  # (B, Hq, sq, D), (B, Hq, sq)
         lse = lse.to(accumulation_dtype(q.dtype))
         if visible is not None:  # the op reports lse 0 for a row that sees no key
@@ -423,36 +380,26 @@ class _CpuFlashOps(BlockKernel):
 
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: Tensor | None = None,
+    ) -> Grads:
         assert self._bwd is not None
         self.ran["cpu_flash"] += 1
         visible = _dense(mask, q, k, causal)
         bias = None if visible is None else _additive(visible, q.dtype)
-        result = _named(
-            self._bwd.default,
-            _bhsd(dout),
-            _bhsd(q),
-            _bhsd(k),
-            _bhsd(v),
-            _out_of(out, dout, delta),
-            _finite_lse(lse, accumulation_dtype(q.dtype)),
-            0.0,
-            causal,
-            attn_mask=bias,
-            scale=scale,
-        )
-        return _bhsd(result["grad_query"]), _bhsd(result["grad_key"]), _bhsd(result["grad_value"])
+        args = (_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _out_of(out, dout, delta))
+        lse_op = _finite_lse(lse, accumulation_dtype(q.dtype))
+        r = _named(self._bwd.default, *args, lse_op, 0.0, causal, attn_mask=bias, scale=scale)
+        return _bhsd(r["grad_query"]), _bhsd(r["grad_key"]), _bhsd(r["grad_value"])
 
 
 # -- the tiles ---------------------------------------------------------------------------------
@@ -491,17 +438,16 @@ def _tile_class(
 
 class TiledKernel(BlockKernel):
     """Any kernel, run tile by tile so a call's memory is bounded by its tile (Note [Kernel
-    plan]): forward tiles merge by lse, backward tiles add into the caller's accumulators.
+    plan]).
 
     Args:
         inner: the kernel of one tile (default: :class:`ReferenceKernel`, the tiled
             reference); ``masked_inner`` serves the masked tiles (default: ``inner``).
         tile_rows: T, rows of a tile on both sides.
-        tile_plain_forward: cut the forward of an unmasked piece too. Fused kernels hold
-            O(s) memory in the forward whatever the piece, so theirs run whole (tiles would
-            only add lse merges); the tiled reference must cut it.
-        backward_kv_tile_floor: in the backward of a non-causal piece, cut the kv rows into
-            tiles as long as the q tile, but no shorter than this (None: T on both sides).
+        tile_plain_forward: cut the forward of an unmasked piece too (False for fused
+            kernels, which hold O(s) in the forward anyway).
+        backward_kv_tile_floor: backward of a non-causal piece: kv tiles as long as the q
+            tile, but no shorter than this (None: T on both sides).
     """
 
     def __init__(
@@ -555,39 +501,35 @@ class TiledKernel(BlockKernel):
     def _kernel(self, kind: str) -> BlockKernel:
         return self.masked_inner if kind == "masked" else self.inner
 
-    def _plain_forward_whole(self, q: torch.Tensor, causal: bool) -> bool:
+    def _plain_forward_whole(self, q: Tensor, causal: bool) -> bool:
         """Whether the forward of an unmasked piece runs in one call."""
         return not self.tile_plain_forward
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         b, sq, hq, d = q.shape
         acc = accumulation_dtype(q.dtype)
         whole = sq <= self.tile_rows and k.shape[1] <= self.tile_rows
         if whole or (mask is None and self._plain_forward_whole(q, causal)):
-            kind = "causal" if causal else ("full" if mask is None else "masked")
-            return self._kernel(kind).forward(q, k, v, causal=causal, scale=scale, mask=mask)
+            kernel = self._kernel(_kind(causal, mask))
+            return kernel.forward(q, k, v, causal=causal, scale=scale, mask=mask)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, sq, Hq, D)
         lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)
         for (qa, qb), row in self._tile_grid(sq, k.shape[1], causal, mask):
+            q_t = q[:, qa:qb]
             out_t = torch.zeros((b, qb - qa, hq, d), dtype=acc, device=q.device)
             lse_t = torch.full((b, hq, qb - qa), float("-inf"), dtype=acc, device=q.device)
             for (ka, kb), kind, sub in row:
                 part = self._kernel(kind).forward(
-                    q[:, qa:qb],
-                    k[:, ka:kb],
-                    v[:, ka:kb],
-                    causal=kind == "causal",
-                    scale=scale,
-                    mask=sub,
+                    q_t, k[:, ka:kb], v[:, ka:kb], causal=kind == "causal", scale=scale, mask=sub
                 )
                 merge_into(out_t, lse_t, (0, qb - qa), *part)
             out[:, qa:qb] = out_t
@@ -596,68 +538,63 @@ class TiledKernel(BlockKernel):
 
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: Tensor | None = None,
+    ) -> Grads:
         if q.shape[1] <= self.tile_rows and k.shape[1] <= self._backward_kv_tile(
             q.shape[1], causal
         ):  # one tile: the piece whole
-            kind = "causal" if causal else ("full" if mask is None else "masked")
-            return self._kernel(kind).backward(
+            kernel = self._kernel(_kind(causal, mask))
+            return kernel.backward(
                 dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
             )
         acc = accumulation_dtype(q.dtype)
-        grads = (
-            torch.zeros(q.shape, dtype=acc, device=q.device),
-            torch.zeros(k.shape, dtype=acc, device=k.device),
-            torch.zeros(v.shape, dtype=acc, device=v.device),
-        )
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         self.backward_into(
-            grads, dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
+            (dq, dk, dv), dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
         )
-        dq, dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def backward_into(
         self,
         grads: Grads | Callable[[], Grads],
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
+        out: Tensor | None = None,
         poll: Callable[[], None] | None = None,
     ) -> None:
         targets = None if callable(grads) else grads
         grid = self._tile_grid(q.shape[1], k.shape[1], causal, mask, backward=True)
         for (qa, qb), row in grid:
+            q_side = (dout[:, qa:qb], q[:, qa:qb])
+            stats = (lse[:, :, qa:qb], delta[:, :, qa:qb])
             out_t = None if out is None else out[:, qa:qb]
             if out_t is None and len(row) > 1 and any(self._kernel(t[1]).takes_out for t in row):
                 # the stand-in of a q tile that meets several kv tiles, once for all of them
-                out_t = _bhsd(_stand_in_out(dout[:, qa:qb], delta[:, :, qa:qb]))
+                out_t = _bhsd(_stand_in_out(q_side[0], stats[1]))
             for (ka, kb), kind, sub in row:
                 parts = self._kernel(kind).backward(
-                    dout[:, qa:qb],
-                    q[:, qa:qb],
+                    *q_side,
                     k[:, ka:kb],
                     v[:, ka:kb],
-                    lse[:, :, qa:qb],
-                    delta[:, :, qa:qb],
+                    *stats,
                     causal=kind == "causal",
                     scale=scale,
                     mask=sub,
@@ -676,11 +613,8 @@ class TiledKernel(BlockKernel):
 
 
 class CpuFlashKernel(TiledKernel):
-    """PyTorch's fused CPU flash ops: the backward and masked pieces tile by tile (T =
-    ``tile_rows``; below 1024 rows the op loses half its speed and more), the forward of
-    an unmasked piece whole. The op's backward walks keys slower than queries: a 512 x 1024
-    piece is 5-9% faster as two 512 x 512 tiles (fp32 and bf16; 1024 x 512 is not), so a
-    backward tile has at most as many kv rows as q rows, and at least 512."""
+    """PyTorch's fused CPU flash ops (Note [Kernel plan]): the backward and masked pieces tile
+    by tile (T = ``tile_rows``), the forward of an unmasked piece whole."""
 
     def __init__(self, *, tile_rows: int = 1024) -> None:
         super().__init__(
@@ -695,8 +629,7 @@ class CpuFlashKernel(TiledKernel):
 # -- CUDA ----------------------------------------------------------------------------------------
 
 MATERIALISING = frozenset({"reference"})
-"""Operators that hold a (sq, sk) tensor of the call; :func:`plan_block` names them for
-tiles only (the tiled reference)."""
+"""Operators that hold a (sq, sk) tensor (:func:`plan_block` names them for tiles only)."""
 
 SDPA_FLASH, SDPA_EFFICIENT, FLASH_ATTN = "sdpa_flash", "sdpa_efficient", "flash_attn"
 FLEX, TILED_REFERENCE, CPU_FLASH = "flex", "tiled_reference", "cpu_flash"
@@ -712,8 +645,7 @@ def plan_block(
     flash_attn: bool = False,
     flex: bool = False,
 ) -> str:
-    """The operator that computes one tile (Note [Kernel plan]). Pure: the device is
-    described, not queried, so every row of the table is testable without a GPU.
+    """The operator of one tile (Note [Kernel plan]), for a described device (no GPU query).
 
     Args:
         device_type: ``"cuda"`` or ``"cpu"``.
@@ -745,22 +677,20 @@ def plan_block(
     return TILED_REFERENCE
 
 
-def _expand_kv(x: torch.Tensor, heads_q: int) -> torch.Tensor:
+def _expand_kv(x: Tensor, heads_q: int) -> Tensor:
     """``(B, H, s, D)`` with kv heads repeated to ``heads_q`` (the SDPA ops take equal heads)."""
     groups = heads_q // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _reduce_kv(dx: torch.Tensor, heads_kv: int) -> torch.Tensor:
+def _reduce_kv(dx: Tensor, heads_kv: int) -> Tensor:
     """Sum ``(B, Hq, s, D)`` gradients of repeated kv heads back to ``heads_kv``."""
     b, hq, s, d = dx.shape
     return dx if hq == heads_kv else dx.view(b, heads_kv, hq // heads_kv, s, d).sum(2)
 
 
 class _SdpaOps(BlockKernel):
-    """One unmasked tile through PyTorch's fused CUDA SDPA operators (flash or
-    memory-efficient), forward and backward, with the global lse (Note [Backward from
-    delta]). ``op`` is what :func:`plan_block` named for the tile."""
+    """One unmasked tile through the fused CUDA SDPA operator ``op`` (flash or efficient)."""
 
     name = "cuda_sdpa_op"
     takes_out = True
@@ -775,108 +705,66 @@ class _SdpaOps(BlockKernel):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[self.op] += 1
         ops = torch.ops.aten
         hq, sq = q.shape[2], q.shape[1]
-        qh, kh, vh = _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq)
+        qkv = (_bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq))
         if self.op == SDPA_FLASH:
-            r = _named(
-                ops._scaled_dot_product_flash_attention.default,
-                qh,
-                kh,
-                vh,
-                dropout_p=0.0,
-                is_causal=causal,
-                return_debug_mask=False,
-                scale=scale,
-            )
-        else:
-            r = _named(
-                ops._scaled_dot_product_efficient_attention.default,
-                qh,
-                kh,
-                vh,
-                None,
-                True,
-                dropout_p=0.0,
-                is_causal=causal,
-                scale=scale,
-            )
+            fwd = ops._scaled_dot_product_flash_attention.default
+            r = _named(fwd, *qkv, dropout_p=0.0, is_causal=causal, scale=scale)
+        else:  # attn_bias None, compute_log_sumexp True
+            fwd = ops._scaled_dot_product_efficient_attention.default
+            r = _named(fwd, *qkv, None, True, dropout_p=0.0, is_causal=causal, scale=scale)
         lse_key = "logsumexp" if "logsumexp" in r else "log_sumexp"
         lse = r[lse_key][..., :sq].float()  # memory-efficient pads rows to a multiple of 32
         return _bhsd(r["output"]), lse
 
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: Tensor | None = None,
+    ) -> Grads:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[self.op] += 1
         ops = torch.ops.aten
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        qh, kh, vh = _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq)
+        grad_in = (_bhsd(dout), _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq))
         out = _out_of(out, dout, delta)  # (B, Hq, sq, D)
         lse_op = _finite_lse(lse, torch.float32)  # (B, Hq, sq)
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: unused
         if self.op == SDPA_FLASH:
-            r = _named(
-                ops._scaled_dot_product_flash_attention_backward.default,
-                _bhsd(dout),
-                qh,
-                kh,
-                vh,
-                out,
-                lse_op,
-                None,  # cum_seq_q: undefined for dense batches
-                None,
-                sq,
-                sk,
-                0.0,
-                causal,
-                no_rng,
-                no_rng,
-                scale=scale,
-            )
+            bwd = ops._scaled_dot_product_flash_attention_backward.default
+            # cum_seq_q, cum_seq_k undefined for dense batches; max_q, max_k; dropout_p
+            flash = (*grad_in, out, lse_op, None, None, sq, sk, 0.0, causal, no_rng, no_rng)
+            r = _named(bwd, *flash, scale=scale)
             dq, dk, dv = r["grad_query"], r["grad_key"], r["grad_value"]
         else:
             rows = -(-sq // 32) * 32  # the op reads lse padded to a multiple of 32 rows
             lse_pad = torch.zeros((b, hq, rows), dtype=torch.float32, device=q.device)
             lse_pad[..., :sq] = lse_op
-            grads = ops._scaled_dot_product_efficient_attention_backward.default(
-                _bhsd(dout),
-                qh,
-                kh,
-                vh,
-                None,  # attn_bias
-                out,
-                lse_pad,
-                no_rng,
-                no_rng,
-                0.0,
-                [True, True, True, False],
-                causal,
-                scale=scale,
-            )
+            bwd = ops._scaled_dot_product_efficient_attention_backward.default
+            wanted = [True, True, True, False]  # grads of q, k, v, not of attn_bias (None)
+            efficient = (*grad_in, None, out, lse_pad, no_rng, no_rng, 0.0, wanted, causal)
+            grads = bwd(*efficient, scale=scale)
             dq, dk, dv = grads[0], grads[1], grads[2]
         return _bhsd(dq), _bhsd(_reduce_kv(dk, hkv)), _bhsd(_reduce_kv(dv, hkv))
 
@@ -890,18 +778,15 @@ def _flex_attention() -> Callable[..., Any] | None:
 
 
 class _FlexOps(BlockKernel):
-    """Masked tiles through FlexAttention (compiled on CUDA): the mask is a ``mask_mod`` over
-    the tile's positions, so nothing of size (sq, sk) is kept beyond its block mask. The
-    backward recomputes the tile (Note [Backward through autograd]).
+    """Masked tiles through FlexAttention (compiled on CUDA); the backward recomputes them.
 
     Note [Backward through autograd]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    A kernel with only an autograd backward gives gradients of its own (out_b, lse_b), whose
+    An autograd backward gives gradients of the tile's own (out_b, lse_b), whose
     P_b = exp(S - lse_b) differs from the global P = w * P_b, w = exp(lse_b - lse) per row.
-    Pulling the global gradient out of the local one: with upstream gradients
-    g_out = w * dout and g_lse = w * (rowsum(dout * out_b) - delta),
-    dS = P_b * (g_out . v - g_out . out_b) + P_b * g_lse = P * (dout . v - delta), which is
-    the global dS; dV = P_b^T g_out = P^T dout. One extra forward per tile.
+    With upstream gradients g_out = w * dout and g_lse = w * (rowsum(dout * out_b) - delta),
+    dS = P_b * (g_out . v - g_out . out_b) + P_b * g_lse = P * (dout . v - delta), the global
+    dS; dV = P_b^T g_out = P^T dout. One extra forward per tile.
     """
 
     name = "flex_op"
@@ -915,8 +800,8 @@ class _FlexOps(BlockKernel):
         return self._flex is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def _call(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: PositionMask, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, mask: PositionMask, scale: float
+    ) -> tuple[Tensor, Tensor]:
         from torch.nn.attention.flex_attention import create_block_mask
 
         assert self._flex is not None
@@ -961,14 +846,14 @@ class _FlexOps(BlockKernel):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
         self.ran[FLEX] += 1
         out, lse = self._call(q, k, v, mask, scale)
@@ -976,18 +861,18 @@ class _FlexOps(BlockKernel):
 
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: Tensor | None = None,
+    ) -> Grads:
         assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
         self.ran[FLEX] += 1
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
@@ -998,15 +883,14 @@ class _FlexOps(BlockKernel):
 
 
 def _global_grads(
-    out_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    leaves: list[torch.Tensor],
-) -> tuple[torch.Tensor, ...]:
-    """Note [Backward through autograd]: the global gradients of a tile from the autograd
-    graph of its own ``out_b (B, Hq, sq, D)`` and ``lse_b (B, Hq, sq)``."""
+    out_b: Tensor,
+    lse_b: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    leaves: list[Tensor],
+) -> tuple[Tensor, ...]:
+    """A tile's global gradients from its own out_b, lse_b (Note [Backward through autograd])."""
     acc = delta.dtype
     seen = ~(torch.isneginf(lse_b) | torch.isneginf(lse))
     w = torch.where(seen, torch.exp(lse_b.detach().to(acc) - lse.to(acc)), 0.0)  # (B, Hq, sq)
@@ -1029,90 +913,72 @@ def _flash_attn_ops() -> Any:
     return torch.ops.flashattn
 
 
+# the flash-attn 2 operators' options this library leaves off: dropout, window, softcap, ALiBi
+_FLASH_ATTN_PLAIN: dict[str, Any] = dict(
+    dropout_p=0.0, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None
+)
+
+
 class _FlashAttnOps(BlockKernel):
-    """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native); the
-    backward gets the global lse and the stand-in out (Note [Backward from delta])."""
+    """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native)."""
 
     name = "flash_attn_op"
     takes_out = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._ops: Any = None
-
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
-    def _load(self) -> Any:
-        if self._ops is None:
-            self._ops = _flash_attn_ops()
-        return self._ops
+    @functools.cached_property
+    def _ops(self) -> Any:
+        return _flash_attn_ops()
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
-        out, lse, _, _ = self._load()._flash_attn_forward(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
+        qkv = [x.contiguous() for x in (q, k, v)]
+        out, lse, _, _ = self._ops._flash_attn_forward(
+            *qkv, softmax_scale=scale, causal=causal, return_softmax=False, **_FLASH_ATTN_PLAIN
         )
         return out, lse.float()  # (B, sq, Hq, D), (B, Hq, sq)
 
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: Tensor | None = None,
+    ) -> Grads:
         assert mask is None, "masked tiles go to the masked kernel"
         self.ran[FLASH_ATTN] += 1
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        self._load()._flash_attn_backward(
-            dout.contiguous(),
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            _bhsd(_out_of(out, dout, delta)).contiguous(),
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+        inputs = [x.contiguous() for x in (dout, q, k, v, _bhsd(_out_of(out, dout, delta)))]
+        self._ops._flash_attn_backward(
+            *inputs,
             _finite_lse(lse, torch.float32),
             dq,
             dk,
             dv,
-            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
             deterministic=False,
             rng_state=None,
+            **_FLASH_ATTN_PLAIN,
         )
         return dq, dk, dv
 
@@ -1131,7 +997,7 @@ class _CudaDispatch(BlockKernel):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype.is_floating_point
 
-    def plan(self, q: torch.Tensor, kind: str, mask: Mask | None) -> str:
+    def plan(self, q: Tensor, kind: str, mask: Mask | None) -> str:
         """:func:`plan_block` for this tile (a dense mask cannot go to FlexAttention)."""
         capability = self.capability or torch.cuda.get_device_capability(q.device)
         name = plan_block(
@@ -1163,44 +1029,40 @@ class _CudaDispatch(BlockKernel):
 
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = "causal" if causal else ("full" if mask is None else "masked")
-        op = self.op(self.plan(q, kind, mask))
+    ) -> tuple[Tensor, Tensor]:
+        op = self.op(self.plan(q, _kind(causal, mask), mask))
         return op.forward(q, k, v, causal=causal, scale=scale, mask=mask)
 
     def backward(
         self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
         *,
         causal: bool,
         scale: float,
         mask: Mask | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kind = "causal" if causal else ("full" if mask is None else "masked")
-        op = self.op(self.plan(q, kind, mask))
+        out: Tensor | None = None,
+    ) -> Grads:
+        op = self.op(self.plan(q, _kind(causal, mask), mask))
         return op.backward(
             dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
         )
 
 
 class CudaFusedKernel(TiledKernel):
-    """Fused CUDA kernels per tile (Note [Kernel plan]): tiles of ``tile_rows`` (the fused
-    operators hold O(T) memory; tiling bounds their gradient outputs), masked tiles cut finer
-    (``masked_tile_rows``, the tiled reference's (T, T) scores) or through FlexAttention
-    (``flex=True``). ``capability`` overrides the device's (for tests without a GPU)."""
+    """Fused CUDA kernels per tile (Note [Kernel plan]); masked tiles cut finer
+    (``masked_tile_rows``) or through FlexAttention (``flex``); ``capability`` for tests."""
 
     def __init__(
         self,
@@ -1224,10 +1086,9 @@ class CudaFusedKernel(TiledKernel):
             name=name,
         )
 
-    def _plain_forward_whole(self, q: torch.Tensor, causal: bool) -> bool:
+    def _plain_forward_whole(self, q: Tensor, causal: bool) -> bool:
         # whole only through a fused operator: the reference must be cut into tiles
-        kind = "causal" if causal else "full"
-        return self.dispatch.plan(q, kind, None) != TILED_REFERENCE
+        return self.dispatch.plan(q, _kind(causal, None), None) != TILED_REFERENCE
 
 
 class FlashAttnKernel(CudaFusedKernel):
@@ -1241,7 +1102,7 @@ class FlashAttnKernel(CudaFusedKernel):
         super().__init__(tile_rows=tile_rows, masked_tile_rows=masked_tile_rows, flash_attn=True)
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
     """0 where visible, -inf elsewhere, in ``dtype`` (the fused CPU op wants q's dtype)."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
         ~visible, float("-inf")

@@ -1,15 +1,10 @@
 """What the ``tokenring::attention`` custom operator carries and runs.
 
-``tokenring.api`` registers the attention as two custom operators (``torch.library``):
-``tokenring::attention`` and ``tokenring::attention_backward``, so ``torch.compile`` sees one
-opaque call with known output shapes, with or without ``fullgraph``, and eager calls take the
-same path. Operators take only tensors and primitives; this module owns the rest:
-
-- handles (Note [Handles]): a process group travels as its ``group_name``, a Communicator and
-  a :class:`Record` of values that are not primitives as keys into registries of this process;
-- :class:`Plan`: one planned call, and :func:`forward` / :func:`backward`, which run it and
-  hand over the *residuals*: the tensors the backward needs beyond q, k, v, out and lse;
-- :func:`residual_fields`: the residuals' shapes, which the fake implementation returns.
+``tokenring.api`` registers ``tokenring::attention`` and its backward (``torch.library``), so
+``torch.compile`` sees one opaque call; eager calls take the same path. Operators take only
+tensors and primitives; this module owns the rest: handles for everything else (Note
+[Handles]), :class:`Plan` with :func:`forward` / :func:`backward`, and the residuals' shapes
+(:func:`residual_fields`) for the fake implementation.
 
 Note [Residuals]
 ~~~~~~~~~~~~~~~~
@@ -62,9 +57,8 @@ __all__ = [
 
 # Note [Handles]
 # ~~~~~~~~~~~~~~
-# Under torch.compile a ProcessGroup or DeviceMesh is a script object that dynamo can read
-# ``group_name`` from but cannot hand to an operator or a Python function, and building a
-# Communicator (new process groups) cannot be traced. So the operators get strings and
+# Under torch.compile dynamo can read a ProcessGroup's ``group_name`` but not hand the group to
+# an operator, and building a Communicator cannot be traced. So the operators get strings and
 # resolve them when they run:
 #
 #     value              handle                   resolved from
@@ -76,10 +70,9 @@ __all__ = [
 #     Record             "<Record ...>"           eager: _OBJECTS (the call and its autograd
 #                                                 node hold it); compiled: _PINNED
 #
-# Keys of objects come from ``object_handle`` / ``pinned_handle``, which torch.compile calls
-# once while tracing (``torch.compiler.assume_constant_result``: it guards on the arguments)
-# and bakes into the graph. A group never seen eagerly cannot be named: the error says to call
-# tokenring.get_communicator(group) first.
+# torch.compile calls ``object_handle`` / ``pinned_handle`` once while tracing
+# (``assume_constant_result``) and bakes the key into the graph. A group never seen eagerly
+# cannot be named: the error says to call tokenring.get_communicator(group) first.
 DEFAULT_GROUP = "default"
 _GROUP_PREFIX = "group:"
 _GROUPS: weakref.WeakValueDictionary[str, dist.ProcessGroup] = weakref.WeakValueDictionary()
@@ -98,8 +91,7 @@ def _key(obj: Any) -> str:
 
 @torch.compiler.assume_constant_result
 def object_handle(obj: Any) -> str:
-    """A key for ``obj`` that :func:`resolve_object` turns back into it while ``obj`` lives
-    (Note [Handles])."""
+    """A key that :func:`resolve_object` turns back into ``obj`` while it lives."""
     key = _key(obj)
     _OBJECTS[key] = obj
     return key
@@ -114,9 +106,7 @@ class Record:
 
 @torch.compiler.assume_constant_result
 def pinned_handle(names: tuple[str, ...], *values: Any) -> str:
-    """A key for a :class:`Record` of ``names`` and ``values`` that stays valid for the life
-    of the process: torch.compile calls this once while tracing and bakes the key into the
-    graph (Note [Handles])."""
+    """A key for a :class:`Record` of ``names`` and ``values``, valid for the process's life."""
     record = Record(dict(zip(names, values, strict=True)))
     key = _key(record)
     _PINNED[key] = record
@@ -242,8 +232,7 @@ def backward(
     lse: torch.Tensor,
     residuals: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`forward`'s out: dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``,
-    from the forward's inputs and outputs (q, k, v, out, lse) and residuals."""
+    """dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)`` of :func:`forward`'s call."""
     residuals = list(residuals)
     if plan.padding.rows is not None:
         *residuals, out, lse = residuals  # the padded buffer's

@@ -1,20 +1,15 @@
-"""One rank's list of instructions for a schedule: what the executor
-(``tokenring.runtime.executor.execute``) runs and what the simulator
-(``tokenring.model.simulate``) prices, one stream for both.
+"""One rank's instructions for a schedule: what ``tokenring.runtime.executor.execute`` runs
+and the simulator (``tokenring.model.simulate``) prices.
 
 Legend: P world size, t step, k segment (or slot: transfers posted after k segments), r rank,
 n the steps of the hybrid's outer ring.
 
 Note [Rank program]
 ~~~~~~~~~~~~~~~~~~~
-:func:`program_of` turns any schedule into each rank's instructions, from the schedule alone
-(no tensors): :func:`ring_program` for the ring strategies, Note [Collective rank program]
-for Ulysses and all-gather K/V, Note [Hybrid rank program] for the hybrid. ``execute`` runs
-them in order with the pass's runner (POST, SENT, SENT_ALL and the step ranges itself, every
-other op by the runner's method of its name: ``_Forward`` / ``_Backward`` in
-tokenring.runtime.ring, the collectives' in tokenring.runtime.collective, the hybrid's in
-tokenring.runtime.hybrid); the event engine of the simulator replays the same tuple, one
-action per op::
+:func:`program_of` turns any schedule into each rank's instructions (:func:`ring_program`;
+Note [Collective rank program], Note [Hybrid rank program]). ``execute`` runs POST, SENT and
+SENT_ALL itself and every other op by the runner's method of its name; the simulator's event
+engine replays the same tuple::
 
     op         runtime, forward            runtime, backward            event engine
     DELTA      -                           delta = rowsum(dout * out)   its bytes / memory bw
@@ -47,29 +42,19 @@ last two steps, ``HOME`` and ``SENT_ALL``. In the backward, slot ``(t, n)`` of a
 segments comes after ``PASS t`` (the accumulators it sends are passed on there). Slots in
 which this rank neither sends nor receives are left out.
 
-Returns are taken two steps behind, after the compute of the step, so that a partial sent at
-the end of step t-1 (it flies during step t, beside the next travelling block) never holds up
-step t: waiting for it at the end of step t put its flight and its merge on the critical path
-of every comm-bound step (the 4x A10 case of tests/test_costmodel.py: 5.6 ms a step instead
-of the paper's 4.6). A rank holds at most two steps' partials for it.
-
-A POST names its transfers (a ring's: its slot's), so a receive can be posted outside its
-sender's slot (all-gather K/V's rounds) and the engine needs no slot tables.
-
-What the runtime does early is its own business as long as it is never later: a backward
-compute settles what it can of ``PASS t`` and ``RETURNS t-1`` after its first tile (Note
-[Buffers in flight] in tokenring.runtime.ring); the op is where the program waits for the
-rest, and where the simulator prices it.
+Returns are taken two steps behind, so a partial sent at the end of step t-1 never holds up
+step t. A POST names its transfers, so a receive can be posted outside its sender's slot. The
+runtime may settle things early, never later (Note [Buffers in flight] in
+tokenring.runtime.ring); the op is where the program waits for the rest, and the simulator
+prices it.
 
 :func:`cached_program` is the same vocabulary for a cached inference plan
-(``tokenring.strategies.cached``; ``_PlanRunner`` in tokenring.inference runs it): a round is
-a step, a kernel block a segment. A round is ``STEP t, [RETURNS t], POST t 0, (COMPUTE t k,
-POST t k+1)...``, the slots after the last block, ``ARRIVE t``; the call ends with ``END,
-RETURNS, SENT_ALL``; and:
+(``tokenring.strategies.cached``): a round is a step, a kernel block a segment. A round is
+``STEP t, [RETURNS t], POST t 0, (COMPUTE t k, POST t k+1)...``, the slots after the last
+block, ``ARRIVE t``; the call ends with ``END, RETURNS, SENT_ALL``; and:
 
-- COMPUTE t k: block k of round t, a (q_owner, kv_holder) pair, merged here (its own block;
-  any in the tree) or kept for the send of slot (t, k+1); the engine adds a fixed cost per
-  kernel call (``Hardware.kernel_call_s``: decode pays it per block) to its roofline;
+- COMPUTE t k: block k of round t, a (q_owner, kv_holder) pair, merged here or kept for the
+  send of slot (t, k+1); the engine adds ``Hardware.kernel_call_s`` per kernel call;
 - ARRIVE t: the Q blocks and K/V shards posted in round t, used from round t + 1;
 - RETURNS t: only before a round whose slot (t, 0) sends partials up merged (the tree
   merges a subtree's before going up); every other partial after END.
@@ -100,10 +85,8 @@ slot); ``index`` is the segments computed before it, its send's ``after_segments
                SENT K/V of round k, dK/dV of round k-1
                END 1  SENT_ALL
 
-so the forward has two rounds in flight and the backward one, and a round without segments
-(causal) still waits for its K/V before the next round is posted. The SENTs let each round's
-copies (K/V in the wire layout, dK/dV partials) go a round later: gloo's sends report
-completion only when waited for (until SENT_ALL: 2.86x the minimum, not 2.50x, at P = 4).
+so the forward has two rounds in flight and the backward one; a round without segments
+(causal) still waits for its K/V. The SENTs free each round's copies a round later.
 
 Note [Hybrid rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -112,9 +95,7 @@ all-to-all at once, so its program is the all-to-all of step 0 (``STEP 0, POST 0
 ARRIVE 0, SENT 0``: every receive and send of it done), the outer ring's program on steps
 1 .. n (:func:`ring_program`, its END left out: the all-to-all back starts the next step),
 the all-to-all back (``STEP n+1, POST n+1 0, RETURNS n+1, SENT n+1``), ``END n+2`` and
-``SENT_ALL``. ``execute`` runs it with the hybrid's runner (Note [Hybrid runner] in
-tokenring.runtime.hybrid: each transfer on its group, the ring steps by the outer
-strategy's runner), and the simulator replays it.
+``SENT_ALL``; run by Note [Hybrid runner] in tokenring.runtime.hybrid.
 """
 
 from __future__ import annotations
@@ -156,10 +137,8 @@ class OpKind(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Op:
-    """One instruction: ``kind`` at ``step``; ``index`` is the slot of a POST (the segments
-    of its step computed before it) and the segment of a COMPUTE; ``transfers`` are what a
-    POST posts and what any other op waits for (receives, or for SENT and SENT_ALL this
-    rank's sends), in the order it takes them."""
+    """One instruction: ``kind`` at ``step``; ``index`` is a POST's slot or a COMPUTE's
+    segment; ``transfers`` are what a POST posts and any other op waits for, in order."""
 
     kind: OpKind
     step: int = 0
@@ -168,8 +147,7 @@ class Op:
 
 
 def program_of(sched: Schedule, rank: int) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for any schedule (Note [Rank program]): what the executor
-    runs and the simulator replays. Memoised on the schedule while it lives."""
+    """The instructions of ``rank`` for any schedule (Note [Rank program]), memoised."""
     if sched.strategy is Strategy.HYBRID:
         return _memo(sched, ("hybrid_program", rank), hybrid_program, rank)
     if sched.strategy.is_collective:
@@ -178,8 +156,7 @@ def program_of(sched: Schedule, rank: int) -> tuple[Op, ...]:
 
 
 def ring_program(sched: Schedule, rank: int, steps: range | None = None) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for a ring schedule (its steps ``steps``; default all),
-    as in Note [Rank program]. Memoised on the schedule while it lives."""
+    """The instructions of ``rank`` for ``steps`` (default all) of a ring schedule, memoised."""
     steps = range(sched.num_steps) if steps is None else steps
     return _memo(sched, ("ring_program", rank, steps.start, steps.stop), _build, rank, steps)
 
@@ -215,8 +192,7 @@ def _recvs(sched: Schedule, rank: int, step: int, payload: Payload) -> tuple[Tra
 
 
 def _passing(sched: Schedule, rank: int, step: int) -> tuple[Transfer, ...]:
-    """Backward: the dK/dV accumulators that followed the blocks of ``step`` here (sent at
-    ``step - 1``), one per lane that passes one on at ``step``."""
+    """Backward: the dK/dV accumulators (sent at ``step - 1``) that ``step`` passes on."""
     outgoing = {tr.lane for tr in sched.sends(rank, step) if tr.payload is Payload.DKV}
     owners = sched.steps[rank][step].kv_owners
     return tuple(
@@ -231,9 +207,7 @@ def ring_step_order(
 ) -> list[tuple[OpKind, int]]:
     """``(kind, index)`` of each op of a ring step in order (Note [Rank program]): ``slots``
     are the slots the rank posts in, ``returns`` whether it takes the returns of two steps
-    ago. :func:`ring_program` fills in the transfers; the simulator's vectorised engine
-    replays the same order with every rank at once (Note [Vectorised engine] in
-    tokenring.model.simulate)."""
+    ago. Shared with the simulator's vectorised engine (Note [Vectorised engine])."""
     n = num_segments
     order = [(OpKind.STEP, 0)] + ([(OpKind.POST, 0)] if 0 in slots else [])
     for k in range(n):
@@ -297,8 +271,7 @@ def _build(sched: Schedule, rank: int, steps: range) -> list[Op]:
 
 
 def collective_program(sched: Schedule, rank: int) -> list[Op]:
-    """The instructions of ``rank`` for Ulysses or all-gather K/V: Note [Collective rank
-    program]."""
+    """The instructions of ``rank`` for a collective: Note [Collective rank program]."""
     backward = sched.pass_ is Pass.BACKWARD
     recvs, sends = sched.recvs(rank, 0), sched.sends(rank, 0)
     program = [Op(kind=OpKind.DELTA)] if backward else []
@@ -314,8 +287,7 @@ def _ulysses(
     sched: Schedule, rank: int, recvs: Sequence[Transfer], sends: Sequence[Transfer]
 ) -> list[Op]:
     def slot(index: int, flow: Flow) -> tuple[list[Op], tuple[Transfer, ...]]:
-        """The POST of a slot (0: what travels, 1: what returns) and its receives: q (q_grad,
-        dq) of every peer first, then its K/V (dK/dV), as the runner joins them."""
+        """The POST of slot 0 (travel) or 1 (return) and its receives, q-side before K/V."""
         inbound = sorted(
             (tr for tr in recvs if tr.payload.flow is flow),
             key=lambda tr: (tr.payload in (Payload.KV, Payload.DKV), tr.src),
@@ -404,8 +376,7 @@ def hybrid_program(sched: Schedule, rank: int) -> list[Op]:
 
 
 def cached_program(plan: CachedPlan, rank: int) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for a cached inference plan, as in Note [Rank program].
-    Memoised on the plan while it lives (every layer of a step runs the same plan)."""
+    """The instructions of ``rank`` for a cached inference plan, memoised (Note [Rank program])."""
     return _memo(plan, ("cached_program", rank), _build_cached, rank)
 
 

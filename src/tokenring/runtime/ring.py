@@ -1,66 +1,42 @@
 """Executes a :class:`~tokenring.core.schedule.Schedule` on one rank: kernels, merges and P2P.
 
-The schedule says what to compute and what to send in which slot, and the rank's program
-(``tokenring.runtime.program``, the same ops the simulator replays) says in which order;
-this module only moves tensors accordingly. Every strategy shares the slot machinery
-(``tokenring.runtime.slots.SlotPoster``). Pass-Q
-(TokenRing, bidirectional TokenRing) keeps K/V home, moves one Q block per lane (each lane
-carrying some query heads) and returns partials; pass-KV (Ring, bidirectional Ring) keeps Q
-home and moves one block per lane (``Schedule.lanes``), each lane carrying some kv heads or
-some kv rows.
+The schedule says what to compute and send in which slot, the rank program
+(``tokenring.runtime.program``) in which order. Pass-Q (TokenRing, bidirectional TokenRing)
+keeps K/V home, moves one Q block per lane and returns partials; pass-KV (Ring, bidirectional
+Ring) keeps Q home and moves one K/V block per lane (``Schedule.lanes``).
 
 Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world size, n rows
 of a transfer.
 
 Note [Buffers in flight]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Peak memory is the inputs, outputs and gradients plus what is in flight; each buffer goes
-as soon as its last use passes (README "Memory" has the measured table):
+Peak memory is the inputs, outputs and gradients plus what is in flight (README "Memory"):
 
-- a block sent on step t is waited for at the end of step t (its peer's copy has arrived by
-  then: ours has), so at most the held block and the incoming one exist; a received block is
-  passed on as the message it came in, and dQ partials and dK/dV accumulators are
-  allocated as the messages that return them (``tokenring.runtime.comm.Message``: no copy);
-- forward: partials sent on step t-2, and those received, are settled after the compute of
-  step t (the program's RETURNS and SENT; Note [Rank program] in tokenring.runtime.program);
-- backward: dQ / dK+dV returns sent on step t-1, and those received, are settled after the
-  first tile of step t (a tile's time to arrive; gloo's works report completion only when
-  waited for; on CUDA only what has completed is released, without waiting);
-- gradients of a piece are added tile by tile into the accumulators
-  (``BlockKernel.backward_into``), so kernel outputs are tile-sized, and the accumulators are
-  fetched only after the first tile (``targets``): a dQ partial is allocated once the returns
-  of step t-1 are gone, and the dK/dV accumulator that followed a block here *becomes* this
-  step's accumulator (no second one);
-- pass-KV: each rank's own dK/dV leaves home in the accumulators after step 0 (Note
-  [Backward] in tokenring.core.schedule), so at the first tile of a step a rank holds the block,
-  the next one, the accumulator arriving and the one sent: four K/V-sized buffers, and
-  nothing of its own dK/dV until the accumulators come home after the last step;
-- no variable keeps a view of a block past its piece (``del`` at the end of each piece; a
-  loop variable would keep its last value for the whole pass).
+- a block sent at step t is waited for at the end of step t, so at most the held block and
+  the incoming one exist; a received block is passed on as the message it came in, and dQ
+  partials and dK/dV accumulators are allocated as the messages that return them;
+- forward: partials sent at step t-2, and those received, are settled after the compute of
+  step t (RETURNS and SENT; Note [Rank program] in tokenring.runtime.program);
+- backward: returns sent at step t-1, and those received, are settled after the first tile
+  of step t (on CUDA only what has completed);
+- gradients are added tile by tile (``BlockKernel.backward_into``) into accumulators fetched
+  after the first tile (``targets``): a dQ partial is allocated once the returns of step t-1
+  are gone, and the dK/dV accumulator that followed a block here becomes this step's;
+- pass-KV: our own dK/dV leave home in the accumulators after step 0 (Note [Backward] in
+  tokenring.core.schedule), so at a step's first tile a rank holds four K/V-sized buffers;
+- no variable keeps a view of a block past its piece (``del`` after each piece).
 
 Note [K/V message layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-A K/V message is two fields, k and then v, each rows first: ``(n, B, Hkv, D)``. Held k and
-v are ``(B, n, Hkv, D)`` views of them (the kernels take strided rows; for B = 1 they are
-contiguous), and any rows of the block are one contiguous slice of each. So a rank that
-passes on only some rows of the block it holds (zigzag causal after the wrap: ``[0, c)``,
-Note [Causal blocks per layout] in tokenring.core.schedule; masks) sends those slices as
-its message's frames (Note [Message frames] in tokenring.runtime.comm): no copy, but for a
-block under APART_MIN_BYTES a field, copied into its header frame. The bytes on the wire are
-the same in every layout.
+A K/V message is two fields, k then v, each rows first ``(n, B, Hkv, D)``; held k and v are
+``(B, n, Hkv, D)`` views of them, so any rows of a block are one contiguous slice of each. A
+rank that passes on only some rows (zigzag causal after the wrap, Note [Causal blocks per
+layout] in tokenring.core.schedule) sends those slices as its message's frames (Note [Message
+frames] in tokenring.runtime.comm) without a copy. One buffer for k and v would make half a
+block a copy; k and v rows side by side would double the CPU kernel's row stride.
 
-Two layouts came before. k then v, each ``(B, n, Hkv, D)``, in one buffer made the first rows
-of a block two pieces apart, so passing on half a block was a copy of a q-sized tensor
-(~0.1x of the minimum on Ring, P = 4 causal). Each row's k and v side by side,
-``(n, B, 2, Hkv, D)``, made that half the front of the message, but the fused CPU kernel
-read k and v at twice their row stride, 2.5-5% slower per received block (fp32 and bf16,
-forward and backward, measured standalone; Ring's kernel time was 2-6% above the peer's,
-``benchmarks/cpu_breakdown.py``). Frames give both: contiguous rows, slices without a copy.
-
-Waits never synchronise the host on CUDA: NCCL transfers run on their process group's
-stream and a wait makes the current (compute) stream wait on it; compute bars of the
-timeline are CUDA events, resolved after the pass; every step is a ``record_function``
-range (``tokenring.<strategy>.<pass>.step<t>``) in the user's ``torch.profiler`` traces.
+Waits never synchronise the host on CUDA; compute bars are CUDA events resolved after the
+pass; every step is a ``record_function`` range (``tokenring.<strategy>.<pass>.step<t>``).
 """
 
 from __future__ import annotations
@@ -85,13 +61,7 @@ from tokenring.core.schedule import (
     StepPlan,
     Transfer,
 )
-from tokenring.runtime.comm import (
-    Communicator,
-    Event,
-    FieldSpec,
-    Message,
-    PendingRecv,
-)
+from tokenring.runtime.comm import Communicator, Event, FieldSpec, Message, PendingRecv
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op, ring_program
@@ -133,8 +103,7 @@ def message_fields(shape: AttentionShape, tr: Transfer) -> list[FieldSpec]:
 
 
 def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
-    """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout]): one
-    copy of each into its place."""
+    """K and v rows ``(B, n, Hkv, D)`` as one K/V message (Note [K/V message layout])."""
     b, n = k.shape[:2]
     field: FieldSpec = ((n, b, *k.shape[2:]), k.dtype)
     message, fields = Communicator.message([field] * 2, k.device, zeroed=False)
@@ -144,8 +113,7 @@ def kv_message(k: torch.Tensor, v: torch.Tensor) -> Message:
 
 
 def kv_rows(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k and v ``(B, n, Hkv, D)`` views of a received K/V message's ``(n, B, Hkv, D)``
-    fields."""
+    """The ``(B, n, Hkv, D)`` views of a K/V message's ``(n, B, Hkv, D)`` fields."""
     return k_rows.transpose(0, 1), v_rows.transpose(0, 1)
 
 
@@ -175,33 +143,29 @@ class _Held:
         return _Held(tr.owner, tr.rows, list(kv_rows(*wire)), message, wire, is_kv=True)
 
     def send(self, rows: tuple[int, int]) -> Sequence[torch.Tensor] | Message:
-        """What a transfer of ``rows`` of this block sends: the message it came in when
-        the rows are all of it, or a received K/V block's rows (contiguous: a frame of their
-        own, not copied, when big; Note [Message frames] in tokenring.runtime.comm), else the
-        rows' slices."""
+        """What a send of ``rows`` of this block carries: the message it came in, or slices."""
         if rows == self.rows and self.message is not None:
             return self.message
         if not self.is_kv:
             return self.slice(rows)
-        start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
-        assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
         if not self.wire:  # home: one copy into the wire layout
             return kv_message(*self.slice(rows))
+        start, stop = self._local(rows)
         return [x[start:stop] for x in self.wire]
 
-    def rows_of(self, index: int, rows: tuple[int, int]) -> torch.Tensor:
+    def _local(self, rows: tuple[int, int]) -> tuple[int, int]:
+        """``rows`` counted from this block's first row (checked to lie inside it)."""
         start, stop = rows[0] - self.rows[0], rows[1] - self.rows[0]
         assert 0 <= start <= stop <= self.rows[1] - self.rows[0], (rows, self.rows)
-        return _part(self.tensors[index], (start, stop), slice(None))
+        return start, stop
 
     def slice(self, rows: tuple[int, int]) -> list[torch.Tensor]:
-        return [self.rows_of(i, rows) for i in range(len(self.tensors))]
+        local = self._local(rows)
+        return [_part(x, local, slice(None)) for x in self.tensors]
 
 
 class ComputeTimer:
-    """Compute bars of the timeline (when one is recorded). On CUDA the bars are GPU time from
-    CUDA events, resolved after the pass (the step loop never waits for the device); their
-    clock is aligned with the host's by one synchronisation before the loop."""
+    """Compute bars of the timeline, if recorded (CUDA: events resolved after the pass)."""
 
     def __init__(self, comm: Communicator, device: torch.device) -> None:
         self.comm = comm
@@ -253,8 +217,7 @@ def _nothing() -> None:
 def _merge_parts(
     parts: list[tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]], rows: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One partial (out, lse) over the segment's ``rows`` from its pieces (each over its own q
-    rows inside them), merged in the accumulation dtype; rows no piece covers get lse -inf."""
+    """One partial (out, lse) over ``rows`` from its pieces (uncovered rows: lse -inf)."""
     if len(parts) == 1 and parts[0][0] == rows:
         return parts[0][1]
     out0, lse0 = parts[0][1]
@@ -269,8 +232,7 @@ def _merge_parts(
 
 
 class _Masks:
-    """The masks of a schedule's masked pieces, as positions (``tokenring.runtime.kernels``
-    cuts them into tiles; nothing of size (sq, sk) is built here)."""
+    """The masks of a schedule's masked pieces, as positions."""
 
     def __init__(self, sched: Schedule) -> None:
         self.sched = sched
@@ -289,8 +251,7 @@ class _Masks:
 
 
 class _InFlight:
-    """One backward step's returns in flight (Note [Buffers in flight]): dQ partials and dK/dV
-    accumulators that arrived, added as soon as they may be, and sends released."""
+    """One backward step's returns in flight, settled early (Note [Buffers in flight])."""
 
     def __init__(
         self,
@@ -310,8 +271,7 @@ class _InFlight:
         self.dkv_in: dict[int, list[PendingRecv]] = {}
 
     def add_arrived(self, *, block: bool) -> None:
-        """Take the dK/dV accumulators that followed this step's blocks (all if ``block``):
-        the first of a lane becomes its accumulator, the rest are added into it."""
+        """Take the arrived dK/dV accumulators (all if ``block``) into each lane's first."""
         for lane, recs in self.dkv_in.items():
             for rec in [r for r in recs if block or r.ready()]:
                 if lane not in self.lane_grads:  # it becomes the accumulator: no copy
@@ -323,9 +283,7 @@ class _InFlight:
                 recs.remove(rec)
 
     def poll(self) -> None:
-        """Called between tiles: after the first tile of a step, what was sent and received
-        one step ago has had a tile's time to arrive; settle it (on CUDA: only what has
-        completed, never waiting)."""
+        """Between tiles: settle what was sent and received one step ago."""
         block = self.blocking and not self.settled
         self.settled = True
         if block:
@@ -340,8 +298,7 @@ class _InFlight:
 
 
 def _lent_home(sched: Schedule, rank: int, step: int, holder: int) -> Transfer:
-    """Backward: the transfer that sends the dK/dV of the pair borrowed from ``holder`` home
-    (Note [Borrowed last pair] in tokenring.strategies.ring)."""
+    """Backward: the send home of the dK/dV of the pair borrowed from ``holder``."""
     return next(
         tr
         for tr in sched.sends(rank, step)
@@ -368,8 +325,7 @@ def _q_heads(piece: Piece, groups: int) -> slice:
 
 
 def _part(x: torch.Tensor, rows: tuple[int, int] | None, heads: slice) -> torch.Tensor:
-    """Rows (None: all) and heads of ``x``: ``(B, n, H, D)`` (rows dim 1) or ``(B, H, n)``
-    (rows dim 2)."""
+    """Rows (None: all) and heads of ``x`` ``(B, n, H, D)`` or ``(B, H, n)``."""
     r = slice(None) if rows is None else slice(*rows)
     return x[:, r, heads] if x.dim() == 4 else x[:, heads, r]
 
@@ -385,12 +341,7 @@ def _operands(
     held: dict[int, _Held],
     borrowed: dict[int, list[_Held]],
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
-    """What ``piece`` computes on: its query-side tensors (from ``own``, this rank's q, or
-    q, dout, lse, delta), its k and v, and whose K/V they are. Step 0: the local block, every
-    head. Pass-Q: the lane's visiting queries (its held block, on the piece's heads of it)
-    against our K/V, or our queries against the parts of a borrowed pair's K/V (Note
-    [Borrowed last pair] in tokenring.strategies.ring). Pass-KV: our queries against the
-    lane's visiting K/V."""
+    """``piece``'s query-side tensors (of ``own``), its k and v, and whose K/V they are."""
     c, d = piece.kv_rows
     if step == 0:
         return [_part(x, piece.q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], rank
@@ -411,9 +362,7 @@ def _operands(
 
 
 def _held_heads(sched: Schedule, piece: Piece) -> slice:
-    """The query heads of a pass-Q ``piece`` inside its lane's held block, which holds the
-    lane's query heads (all for TokenRing): fewer for a slice of the last block (Note [Last
-    block by heads] in tokenring.strategies.ring)."""
+    """The query heads of a pass-Q ``piece`` inside its lane's held block."""
     lane = sched.lanes[piece.lane]
     if piece.q_heads is None or piece.q_heads == lane.q_heads:
         return slice(None)
@@ -428,8 +377,7 @@ def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
 
 
 def _query_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dict[int, _Held]:
-    """Pass-Q: each lane's block at step 0, this rank's rows on the lane's query heads
-    (``tensors``: (B, s, Hq, D) or (B, Hq, s))."""
+    """Pass-Q: each lane's block at step 0, this rank's rows on the lane's query heads."""
     held = {}
     for index, lane in enumerate(sched.lanes):
         views = tensors
@@ -459,11 +407,8 @@ def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dic
 
 
 class SchedulePass(PassRunner):
-    """What every runner of a :class:`~tokenring.core.schedule.Schedule` (the ring
-    strategies' here, the collectives' in tokenring.runtime.collective) sets up alike: the
-    schedule, communicator, kernel and scale; the pass's tensors (``inputs``: q, k, v for the
-    forward, dout, q, k, v, out, lse for the backward, as the entry points take them); the
-    poster of this rank's transfers and the compute bars of the timeline."""
+    """A runner of a ring schedule's pass: ``inputs`` (q, k, v; backward: dout, q, k, v,
+    out, lse), this rank's poster and timer."""
 
     comm: Communicator
     poster: SlotPoster
@@ -473,6 +418,8 @@ class SchedulePass(PassRunner):
     dout: torch.Tensor  # backward: (B, s, Hq, D)
     out: torch.Tensor
     lse: torch.Tensor  # backward: (B, Hq, s)
+    acc: torch.dtype  # backward: the accumulation dtype
+    row_delta: torch.Tensor  # backward: (B, Hq, s), from DELTA
 
     def __init__(
         self,
@@ -493,6 +440,50 @@ class SchedulePass(PassRunner):
         device = self.q.device
         self.poster = SlotPoster(comm, functools.partial(message_fields, shape), device)
         self.timer = ComputeTimer(comm, device)
+
+    def delta(self, op: Op) -> None:
+        """DELTA: delta = rowsum(dout * out) ``(B, Hq, s)`` in the accumulation dtype."""
+        acc = self.acc
+        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
+        self.row_delta = self.row_delta.contiguous()
+
+
+class _RingPass(SchedulePass):
+    """What both passes of a ring schedule share: the blocks held and borrowed, the returns
+    to send, and the masks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups = self.q.shape[2] // self.k.shape[2]
+        self.pass_q = self.sched.strategy.passes_q
+        self.held: dict[int, _Held] = {}
+        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
+        self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
+        self.masks = _Masks(self.sched)
+
+    def hold(self, q_side: list[torch.Tensor]) -> None:
+        """The blocks of step 0: ``q_side`` (pass-Q) or K/V (pass-KV), by lane."""
+        if self.pass_q:
+            self.held = _query_blocks(self.sched, self.rank, q_side)
+        else:
+            self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        if tr.payload in (Payload.OUT, Payload.DQ, Payload.DKV):
+            return self.outbox.pop(tr)
+        if tr.payload is Payload.KV and self.pass_q:
+            return _own_kv(self.k, self.v, tr.rows)
+        assert tr.owner == self.held[tr.lane].owner
+        return self.held[tr.lane].send(tr.rows)
+
+    def arrive(self, op: Op) -> None:
+        """ARRIVE: the step's blocks become held (a borrowed pair's parts, by owner)."""
+        for tr in op.transfers:
+            block = _Held.arrived(self.poster.pending.pop(tr))
+            if self.pass_q and tr.payload is Payload.KV:
+                self.borrowed.setdefault(tr.owner, []).append(block)
+            else:
+                self.held[tr.lane] = block
 
 
 def run_forward(
@@ -519,18 +510,15 @@ def run_forward(
     return runner.out_acc.to(q.dtype), runner.lse_acc
 
 
-class _Forward(SchedulePass):
+class _Forward(_RingPass):
     """One rank's forward pass of ``sched``: the accumulators its program's ops fill."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        sched, q, k, v = self.sched, self.q, self.k, self.v
+        sched, q = self.sched, self.q
         s = q.shape[1]
-        self.groups = q.shape[2] // k.shape[2]
         acc = accumulation_dtype(q.dtype)
-        # The first piece of step 0 is this rank's own block; when it covers every row and
-        # head, its result is the accumulators' first value (no merge into zeros: one pass that
-        # converts it and lays it out contiguously, none when it already is both).
+        # step 0's first piece covering every row and head sets the accumulators (no merge)
         step0 = sched.steps[self.rank][0] if sched.num_steps else None
         segments = step0.segments if step0 is not None else ()
         first = segments[0].pieces[0] if segments and segments[0].pieces else None
@@ -547,24 +535,7 @@ class _Forward(SchedulePass):
         else:
             self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
             self.lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
-        if sched.strategy.passes_q:
-            self.held = _query_blocks(sched, self.rank, [q])
-        else:
-            self.held = _lane_blocks(sched, self.rank, [k, v])
-        self.partials: dict[Transfer, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
-        self.masks = _Masks(sched)
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload is Payload.OUT:
-            return self.partials.pop(tr)
-        if tr.payload is Payload.KV and self.sched.strategy.passes_q:
-            return _own_kv(self.k, self.v, tr.rows)
-        assert tr.owner == self.held[tr.lane].owner
-        return self.held[tr.lane].send(tr.rows)
-
-    def arrive(self, op: Op) -> None:
-        _arrive(op, self.sched, self.poster, self.held, self.borrowed)
+        self.hold([q])
 
     def returns(self, op: Op) -> None:
         """RETURNS: merge the partials of a step into this rank's accumulators."""
@@ -608,16 +579,14 @@ class _Forward(SchedulePass):
             del part, q_p, k_p, v_p, mask  # views of blocks that may leave next
         if parts:
             tr = _return_of(sched, rank, step, op.index)
-            self.partials[tr] = _merge_parts(parts, segment.q_rows)
+            self.outbox[tr] = _merge_parts(parts, segment.q_rows)
         if segment.pieces and segment.pieces[0].kv_owner is not None:
             del self.borrowed[segment.pieces[0].kv_owner]  # computed: its K/V go
         done()
 
 
 def _contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in ``dtype``, contiguous, in one pass (none if it is both already). ``Tensor.to``
-    ignores ``memory_format`` when the dtype is unchanged, and ``.to(dtype).contiguous()``
-    keeps a transposed view's strides through the cast, then copies again."""
+    """``x`` in ``dtype``, contiguous, in one pass."""
     if x.dtype == dtype:
         return x.contiguous()
     return x.to(dtype, memory_format=torch.contiguous_format)
@@ -650,27 +619,16 @@ def run_backward(
     return runner.dq_acc.to(q.dtype), runner.dk.to(k.dtype), runner.dv.to(v.dtype)
 
 
-class _Backward(SchedulePass):
-    """One rank's backward pass of ``sched``: the state its program's ops work on, one method
-    per op that has more to do than a call (Note [Rank program] in tokenring.runtime.program).
-
-    Pass-KV: each step's dK/dV for each lane's visiting block (lane heads and rows) is
-    accumulated for the lanes whose block this rank computes with, which it then passes on.
-    The accumulator that followed the block here becomes this step's after the first tile
-    (:meth:`targets`); at step 0 our own dK/dV leave in new ones.
-    """
+class _Backward(_RingPass):
+    """One rank's backward pass of ``sched`` (Note [Buffers in flight])."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         sched, comm, q, k, v = self.sched, self.comm, self.q, self.k, self.v
         self.s = q.shape[1]
-        self.groups = q.shape[2] // k.shape[2]
         self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-        self.pass_q = sched.strategy.passes_q
-        # Pass-KV with one lane of every row and head (Ring) whose dK/dV leave at step 0: the
-        # step's gradients go straight into the accumulator that leaves, and no rank holds its
-        # own dK/dV until HOME. Else they leave home after step 0 (_leave_home).
+        # Ring: gradients go straight into the accumulator that leaves; else _leave_home
         (lane, *others) = sched.lanes
         self.direct = (
             not self.pass_q
@@ -686,15 +644,10 @@ class _Backward(SchedulePass):
         if not self.direct:
             self.dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             self.dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-        self.row_delta = torch.empty(0)  # (B, Hq, s), from DELTA
-        self.held: dict[int, _Held] = {}
-        self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
-        # kv owner -> (the transfer and the message that send their dK/dV home, its dk and dv
-        # (B, n, Hkv, D))
+        self.row_delta = torch.empty(0)
+        # kv owner -> (transfer, message, [dk, dv]) that send its dK/dV home
         self.lent_grads: dict[int, tuple[Transfer, Message, list[torch.Tensor]]] = {}
-        self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
         self.dk = self.dv = torch.empty(0)  # (B, s, Hkv, D), from HOME
-        self.masks = _Masks(sched)
         self.lane_messages: dict[int, Message] = {}  # the message of each lane's accumulator
         self.dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return
         self.dq_msg: Message | None = None  # the message it is accumulated in
@@ -704,22 +657,9 @@ class _Backward(SchedulePass):
         )
 
     def delta(self, op: Op) -> None:
-        """DELTA: delta = rowsum(dout * out) (B, Hq, s), and the blocks this rank holds."""
-        dout, out, acc = self.dout, self.out, self.acc
-        self.row_delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
-        if self.pass_q:
-            blocks = [self.q, dout, self.lse, self.row_delta]
-            self.held = _query_blocks(self.sched, self.rank, blocks)
-        else:
-            self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload in (Payload.DQ, Payload.DKV):
-            return self.outbox.pop(tr)
-        if tr.payload is Payload.KV and self.pass_q:
-            return _own_kv(self.k, self.v, tr.rows)
-        assert tr.owner == self.held[tr.lane].owner
-        return self.held[tr.lane].send(tr.rows)
+        """DELTA: delta, and the blocks this rank holds."""
+        super().delta(op)
+        self.hold([self.q, self.dout, self.lse, self.row_delta])
 
     def new_lane_grads(self, lane: int) -> list[torch.Tensor]:
         """A lane's dK/dV accumulator, allocated as the message that passes it on."""
@@ -743,9 +683,7 @@ class _Backward(SchedulePass):
             inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
 
     def lent_grads_of(self, holder: int, step: int) -> tuple[Transfer, Message, list[torch.Tensor]]:
-        """The dK/dV ``(B, n, Hkv, D)`` of the pair borrowed from ``holder``, zeroed, in the
-        message that sends them home, and that transfer (Note [Borrowed last pair] in
-        tokenring.strategies.ring)."""
+        """The transfer, message and dK/dV that send the pair borrowed from ``holder`` home."""
         if holder not in self.lent_grads:
             tr = _lent_home(self.sched, self.rank, step, holder)
             shape = (self.k.shape[0], tr.num_rows, *self.k.shape[2:])
@@ -754,9 +692,7 @@ class _Backward(SchedulePass):
         return self.lent_grads[holder]
 
     def targets(self, piece: Piece, segment: Segment, step: int, q_owner: int) -> Grads:
-        """The piece's accumulators, fetched after its first tile (Note [Buffers in flight]):
-        by then the dK/dV that followed the block here has arrived and becomes the lane's
-        accumulator, and the returns of the last step are gone."""
+        """The piece's accumulators, fetched after its first tile (Note [Buffers in flight])."""
         (a, b), (c, d) = piece.q_rows, piece.kv_rows
         qh = _q_heads(piece, self.groups)
         if piece.kv_owner is not None:  # a borrowed pair: its dK/dV go home
@@ -787,8 +723,7 @@ class _Backward(SchedulePass):
         return self.dq_seg[:, a - segment.q_rows[0] : b - segment.q_rows[0]], dk_t, dv_t
 
     def compute(self, op: Op) -> None:
-        """COMPUTE: segment ``op.index`` of ``op.step``, its gradients into their
-        accumulators."""
+        """COMPUTE: segment ``op.index`` of ``op.step`` into its accumulators."""
         sched, rank, held = self.sched, self.rank, self.held
         step, index = op.step, op.index
         plan = sched.steps[rank][step]
@@ -802,8 +737,7 @@ class _Backward(SchedulePass):
                 sched, rank, step, piece, blocks, self.k, self.v, held, self.borrowed
             )
             mask = self.masks(piece, q_owner, kv_owner)
-            # Our own queries: the kernel takes their real out, not a stand-in built from
-            # delta (Note [Backward from delta] in tokenring.runtime.kernels).
+            # own queries: their real out (Note [Backward from delta] in runtime.kernels)
             qh = _q_heads(piece, self.groups)
             out_p = _part(self.out, piece.q_rows, qh) if q_owner == rank else None
             self.kernel.backward_into(
@@ -840,8 +774,7 @@ class _Backward(SchedulePass):
         self.dq_seg = self.dq_msg = None
 
     def pass_on(self, op: Op) -> None:
-        """PASS: take the accumulator that followed each block (from step 2 on: the first
-        visitor created it) and pass it on; Note [Backward] in tokenring.strategies.ring."""
+        """PASS: pass on the accumulator that followed each block here."""
         step = op.step
         self.inflight.add_arrived(block=True)
         lane_grads = self.inflight.lane_grads
@@ -856,9 +789,6 @@ class _Backward(SchedulePass):
             del grads
         if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
             self.dk_acc = self.dv_acc = None  # every row and head travels: nothing stays home
-
-    def arrive(self, op: Op) -> None:
-        _arrive(op, self.sched, self.poster, self.held, self.borrowed)
 
     def end(self, op: Op) -> None:
         self.held.clear()
@@ -878,26 +808,8 @@ class _Backward(SchedulePass):
                 _rows_heads(self.dq_acc, tr)[...] += dq_part
 
 
-def _arrive(
-    op: Op,
-    sched: Schedule,
-    poster: SlotPoster,
-    held: dict[int, _Held],
-    borrowed: dict[int, list[_Held]],
-) -> None:
-    """ARRIVE: the travelling blocks of the step become the held ones of their lanes; pass-Q:
-    the parts of a borrowed pair's K/V are kept by their owner (the Q lane is untouched)."""
-    for tr in op.transfers:
-        block = _Held.arrived(poster.pending.pop(tr))
-        if sched.strategy.passes_q and tr.payload is Payload.KV:
-            borrowed.setdefault(tr.owner, []).append(block)
-        else:
-            held[tr.lane] = block
-
-
 def _q_owner(plan: StepPlan, piece: Piece) -> int:
-    """Whose queries ``piece`` computes: ours for a borrowed pair (Note [Borrowed last
-    pair] in tokenring.strategies.ring), else the lane's visitor's."""
+    """Whose queries ``piece`` computes: ours for a borrowed pair, else the visitor's."""
     return plan.rank if piece.kv_owner is not None else plan.lane_q_owner(piece.lane)
 
 
@@ -909,8 +821,7 @@ def _own_kv(k: torch.Tensor, v: torch.Tensor, rows: tuple[int, int]) -> Message:
 def _leave_home(
     grads: list[torch.Tensor], tr: Transfer, dk_acc: torch.Tensor, dv_acc: torch.Tensor
 ) -> None:
-    """Pass-KV backward, step 0: a lane's accumulator leaves home with this rank's own dK/dV
-    of the lane's rows and heads, which stay 0 here: they come back in the accumulator."""
+    """Pass-KV backward, step 0: our dK/dV of a lane move into its leaving accumulator."""
     rows, heads = tr.rows, slice(*tr.heads) if tr.heads else slice(None)
     for grad, own in zip(grads, (dk_acc, dv_acc), strict=True):
         grad.copy_(own[:, rows[0] : rows[1], heads])
@@ -926,16 +837,12 @@ def _accumulators_home(
     k: torch.Tensor,
     acc: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK, dV ``(B, s, Hkv, D)`` in the accumulation dtype: what stayed home plus each lane's
-    accumulator, home at last (pass-KV; TokenRing's never left). None: every row and head
-    travelled, so they are made now, once the last accumulators sent are gone."""
+    """dK, dV ``(B, s, Hkv, D)``: what stayed home plus each lane's returned accumulator."""
     if dk_acc is None and len(transfers) == 1:
         (tr,) = transfers
         if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
             dk_home, dv_home = poster.pending.pop(tr).wait()  # came home: they are dK, dV
-            # small ones are views of one frame (Note [Message frames] in
-            # tokenring.runtime.comm); the operator's outputs may not alias each other, so one
-            # is copied then, when no cast to k's dtype will copy them anyway
+            # small ones share a frame and the operator's outputs may not alias: copy one
             shared = dk_home.untyped_storage().data_ptr() == dv_home.untyped_storage().data_ptr()
             return dk_home, dv_home.clone() if shared and acc == k.dtype else dv_home
     if dk_acc is None or dv_acc is None:
