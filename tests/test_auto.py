@@ -287,3 +287,34 @@ def test_last_pair_auto_lends_where_links_set_the_pace() -> None:
         for found in per_rank:
             assert found[name]["lends"] is lend, name
             assert found[name]["error"] < 1e-10, name
+
+
+def test_resolve_strategy_checks_the_layout_where_the_planner_does() -> None:
+    """``resolve_strategy`` hands its ``layout`` to the planner as given: with an unknown
+    layout and a dtype the hardware has no FLOP/s for, the dtype is named first (as the
+    planner checks them), and an unknown layout alone is named."""
+    import types
+
+    import pytest
+
+    comm: Any = types.SimpleNamespace(world_size=2)  # all that the pick reads of it
+    k = torch.zeros(1, 8, 2, 16, dtype=torch.float16)
+
+    def pick(dtype: torch.dtype, layout: str) -> tokenring.Strategy:
+        q = torch.zeros(1, 8, 4, 16, dtype=dtype)
+        return tokenring.resolve_strategy(
+            "auto",
+            q=q,
+            k=k.to(dtype),
+            causal=True,
+            layout=layout,  # type: ignore[arg-type]
+            comm=comm,
+            hardware="a10-pcie",
+            training=True,
+        )
+
+    with pytest.raises(ValueError, match="has attention FLOP/s for float16, bfloat16"):
+        pick(torch.float32, "zz")
+    with pytest.raises(ValueError, match="layout must be one of 'contiguous', 'zigzag'; got 'zz'"):
+        pick(torch.float16, "zz")
+    assert pick(torch.float16, "zigzag") is pick(torch.float16, tokenring.Layout.ZIGZAG)

@@ -188,11 +188,11 @@ def resolve_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    call = dict(causal=causal, layout=layout, last_block_splits=last_block_splits)
+    call = dict(causal=causal, layout=Layout.CONTIGUOUS, last_block_splits=last_block_splits)
     call |= dict(hardware=hardware, requires_grad=[training, training])
-    return planner.choose_strategy(
-        **_planner_args(q, k, call, comm.world_size), last_pair=last_pair
-    )
+    args = _planner_args(q, k, call, comm.world_size)
+    args["layout"] = layout  # as given: the planner checks it after the sizes and dtype
+    return planner.choose_strategy(**args, last_pair=last_pair)
 
 
 def _planner_args(
