@@ -163,7 +163,8 @@ class ShardedKVCache(Cache):
         self.sequence_parallel = sequence_parallel
         self.strategy: CachedStrategy | str = strategy
         self.hardware: Hardware | str | None = sequence_parallel.hardware
-        """What ``"auto"`` plans for (None until the first step measures this machine)."""
+        """What ``"auto"`` plans for: ``sequence_parallel.hardware``, or when that is None this
+        machine, measured once by the first step (``tokenring.model.planner.calibrate``)."""
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.kv: DistributedKVCache | None = None
