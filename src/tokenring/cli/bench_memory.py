@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         "causal": config.causal,
         "device": per_rank[0]["device"],
         "comm_path": per_rank[0]["comm_path"],
-        "method": _METHODS[per_rank[0]["device"].split(":")[0]],
+        "method": _METHODS["cuda" if per_rank[0]["device"].startswith("cuda") else "cpu"],
         "torch": torch.__version__,
         "git_sha": git_sha(),
     }
