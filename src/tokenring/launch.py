@@ -3,8 +3,9 @@
 This module owns the worker processes of tests, the demo and the benchmark: each rank is a
 process, forked from a warm zygote or a fresh interpreter (Note [Rank start]); rendezvous
 goes through a FileStore in a private temp dir, every process group gets a timeout, and an
-outer deadline kills every worker. When a rank fails, the others are ended at once and the
-error names the rank that failed *first*, with its own traceback.
+outer deadline kills every worker. When a rank fails, the others get 3 s to report their own
+errors and are then ended; the error names the rank that failed *first*, with its own
+traceback.
 
 Nothing outlives a launch: SIGTERM and SIGHUP become ``SystemExit(128 + signum)`` while
 ``launch`` runs (SIGINT: KeyboardInterrupt), so every ``finally`` ends the ranks and removes
@@ -400,6 +401,12 @@ def _tail(path: str, num_chars: int = 3000) -> str:
     return data[-num_chars:].decode(errors="replace")
 
 
+_REPORT_GRACE_S = 3.0
+"""After the first failure, how long the other ranks get to report their own error before they
+are ended (1 s was too short for a peer descheduled on a loaded machine: it was ended before
+it could name the dead rank)."""
+
+
 def _collect(
     ranks: list[_Rank], workdir: str, timeout_s: float, poll: Callable[[], None] | None
 ) -> list[Any]:
@@ -419,7 +426,7 @@ def _collect(
             if candidate is not None:  # the earliest failure, by time
                 first_failure = min(first_failure or candidate, candidate)
                 # let peers report their own errors (to pick the earliest), then end them
-                grace_until = grace_until or now + 1.0
+                grace_until = grace_until or now + _REPORT_GRACE_S
         if first_failure is not None and (not running or (grace_until and now > grace_until)):
             _end(ranks)
             _, rank, error = first_failure
