@@ -67,7 +67,6 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _COMMUNICATORS: dict[dist.ProcessGroup, Communicator] = {}
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
-_Out = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # out, or (out, lse)
 
 
 def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None) -> Communicator:
@@ -645,7 +644,7 @@ def sequence_parallel_attn(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     window_size: Sequence[int] | int | None = None,
     attention_chunk_size: int | None = None,
-) -> _Out:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence sharded across the ranks of ``group``: every rank passes its
     shard and gets its shard of full attention over the global sequence.
 
@@ -835,20 +834,27 @@ def _plan(
 # One function per strategy: sequence_parallel_attn with the strategy fixed.
 
 
-def token_ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
-    """TokenRing (pass-Q): Q blocks travel the ring, partials return straight to their owner
-    (Note [TokenRing step table] in tokenring.strategies.ring). As
+def token_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """TokenRing (pass-Q): Q blocks travel the ring, partial (out, lse) return straight to
+    their owner on the other direction (Note [TokenRing step table] in
+    tokenring.strategies.ring; the loop is ``tokenring.runtime.ring.run_forward``). As
     :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.TOKEN_RING, **options)
 
 
-def ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+def ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ring attention (pass-KV): K/V blocks travel, queries stay. As
     :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.RING, **options)
 
 
-def bidir_ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+def bidir_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pass-KV on two counter-rotating rings, each with half of the kv heads (one kv head: half
     of the rows). As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_RING, **options)
@@ -856,20 +862,24 @@ def bidir_ring_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options
 
 def bidir_token_ring_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-) -> _Out:
-    """Pass-Q on two counter-rotating rings, each with half of the query heads (Note
-    [Bidirectional TokenRing] in tokenring.strategies.ring). As :func:`sequence_parallel_attn`;
-    one query head raises NotImplementedError."""
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Pass-Q on two counter-rotating rings, each with half of the query heads
+    (Note [Bidirectional TokenRing] in tokenring.strategies.ring). As
+    :func:`sequence_parallel_attn`; one query head raises NotImplementedError."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_TOKEN_RING, **options)
 
 
-def ulysses_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+def ulysses_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ulysses: all-to-all from sequence to head shards (uneven heads: ceil/floor shares),
     local attention, all-to-all back. As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ULYSSES, **options)
 
 
-def allgather_kv_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> _Out:
+def allgather_kv_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """All-gather K/V (Llama-3 style) while the local block computes; the backward
     reduce-scatters dK/dV. As :func:`sequence_parallel_attn`."""
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ALLGATHER_KV, **options)
