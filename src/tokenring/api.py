@@ -442,8 +442,8 @@ def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
 #      -> ranks 0 and 1 raise within the communicator's timeout, naming rank 2
 #
 # ``Communicator.agreed`` runs the checks and exchanges the results point-to-point on the
-# control group (CPU, gloo) within the communicator's timeout; the message headers (Note
-# [Message header] in tokenring.runtime.comm) catch what check_ranks=False lets by.
+# control group (CPU, gloo) within the communicator's timeout; the message headers
+# (Note [Message header] in tokenring.runtime.comm) catch what check_ranks=False lets by.
 
 
 # Note [The attention operator]

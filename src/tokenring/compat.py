@@ -488,8 +488,8 @@ def flash_attn_func(
     strategy: Strategy | str = Strategy.TOKEN_RING,
     seq_len: int | None = None,
 ) -> Result:
-    """flash-attn's ``flash_attn_func`` over a sequence sharded across ``group``. See Note
-    [Shim mapping].
+    """flash-attn's ``flash_attn_func`` over a sequence sharded across ``group``. See
+    Note [Shim mapping].
 
     Args:
         q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``.

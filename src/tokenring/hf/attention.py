@@ -712,8 +712,8 @@ def causal_lm_loss(
 
 def data_parallel_loss(sp: SequenceParallel, loss: torch.Tensor) -> torch.Tensor:
     """``loss`` (a scalar from :func:`causal_lm_loss`) to back-propagate under DDP, FSDP or
-    accelerate over every rank: the same value, the gradient times ``sp.group``'s size (Note
-    [Trainer ranks and gradient scale] in tokenring.hf.trainer)."""
+    accelerate over every rank: the same value, the gradient times ``sp.group``'s size
+    (Note [Trainer ranks and gradient scale] in tokenring.hf.trainer)."""
     scale = sp.communicator.world_size
     return loss + (scale - 1) * (loss - loss.detach())  # the added term is exactly 0
 

@@ -91,8 +91,8 @@ class SequenceParallelTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        """The group's token-weighted mean loss, its gradient scaled for DDP's average (Note
-        [Trainer ranks and gradient scale]); ``num_items_in_batch`` is not needed."""
+        """The group's token-weighted mean loss, its gradient scaled for DDP's average
+        (Note [Trainer ranks and gradient scale]); ``num_items_in_batch`` is not needed."""
         sp = self.sequence_parallel
         extra = sorted(set(inputs) - _INPUTS)
         if extra:

@@ -41,8 +41,8 @@ __all__ = ["collective_backward", "collective_forward"]
 
 
 class _Collective(SchedulePass):
-    """What the collectives' runners share beyond a ``SchedulePass``: ``masking`` (Note
-    [Collectives with masks]), P, s and the accumulation dtype."""
+    """What the collectives' runners share beyond a ``SchedulePass``: ``masking``
+    (Note [Collectives with masks]), P, s and the accumulation dtype."""
 
     def __init__(self, *args: Any, masking: _Masking | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # as SchedulePass

@@ -2,8 +2,8 @@
 
 ``tokenring.api`` registers ``tokenring::attention`` and its backward (``torch.library``), so
 ``torch.compile`` sees one opaque call; eager calls take the same path. Operators take only
-tensors and primitives; this module owns the rest: handles for everything else (Note
-[Handles]), :class:`Plan` with :func:`forward` / :func:`backward`, and the residuals' shapes
+tensors and primitives; this module owns the rest: handles for everything else
+(Note [Handles]), :class:`Plan` with :func:`forward` / :func:`backward`, and the residuals' shapes
 (:func:`residual_fields`) for the fake implementation.
 
 Note [Residuals]

@@ -97,8 +97,8 @@ __all__ = [
 def place_new_tokens(
     *, cached: Sequence[int], new: Sequence[int], world_size: int, block_size: int, zigzag: bool
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """``[rank][sequence]`` int64 increasing positions of the new tokens each rank owns (Note
-    [Placement]), from C_b ``cached`` and T_b ``new`` per sequence; ``zigzag``: the first
+    """``[rank][sequence]`` int64 increasing positions of the new tokens each rank owns
+    (Note [Placement]), from C_b ``cached`` and T_b ``new`` per sequence; ``zigzag``: the first
     prefill's layout (the caller checked that it applies)."""
     p = world_size
     placed: list[list[torch.Tensor]] = [[] for _ in range(p)]

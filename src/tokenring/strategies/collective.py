@@ -36,8 +36,8 @@ A share that does not line up with the groups repeats K/V locally, never on the 
 Note [All-gather K/V]
 ~~~~~~~~~~~~~~~~~~~~~
 Every rank attends with its own Q over every rank's K/V, gathered in rounds (at most two
-blocks of others' K/V held at once, nothing kept for the backward); which rows meet is Note
-[Causal blocks per layout]; each piece is a kernel call on a view of its round's buffer.
+blocks of others' K/V held at once, nothing kept for the backward); which rows meet is
+Note [Causal blocks per layout]; each piece is a kernel call on a view of its round's buffer.
 
 Note [All-gather K/V rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -180,8 +180,8 @@ def ulysses_heads(*, world_size: int, heads_q: int, heads_kv: int) -> tuple[Head
 
 @dataclass(frozen=True, slots=True)
 class CollectiveSchedule(Schedule):
-    """A ``Schedule`` of a collective strategy: one step of point-to-point messages (Note
-    [Collective schedules], Note [Collective routing])."""
+    """A ``Schedule`` of a collective strategy: one step of point-to-point messages
+    (Note [Collective schedules], Note [Collective routing])."""
 
 
 def build_collective_schedule(

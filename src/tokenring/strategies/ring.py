@@ -19,8 +19,8 @@ back to o on the return process group. P = 4::
 
 Q for step t+1 flies while step t computes; the partial of step t while step t+1 computes.
 The last partial overlaps nothing, so the last block is computed in ``last_block_splits``
-slices, each returned when done (Note [Last block by heads]; with ``lend_last_pair``, Note
-[Borrowed last pair]).
+slices, each returned when done (Note [Last block by heads]; with ``lend_last_pair``,
+Note [Borrowed last pair]).
 
 Note [Borrowed last pair]
 ~~~~~~~~~~~~~~~~~~~~~~~~
