@@ -84,15 +84,14 @@ def validate_seq_local(seq_local: int, layout: Layout, *, name: str = "seq_local
         )
 
 
-def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum`` (or None if ``optional``);
-    ValueError naming it otherwise."""
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    """ValueError naming ``value`` unless it is an int (not a bool) >= ``minimum`` (or None if
+    ``optional``)."""
     if optional and value is None:
-        return value  # type: ignore[return-value]
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         extra = " or None" if optional else ""
         raise ValueError(f"{name} must be an int >= {minimum}{extra}; got {value!r}")
-    return value
 
 
 def _check_seq_dim(x: torch.Tensor, seq_dim: int, name: str = "x") -> None:

@@ -80,7 +80,8 @@ def chunk_documents(cu_seqlens: Sequence[int], attention_chunk_size: int | None)
     """
     if attention_chunk_size is None:
         return tuple(cu_seqlens)
-    c = check_int("attention_chunk_size", attention_chunk_size, 1, optional=True)
+    check_int("attention_chunk_size", attention_chunk_size, 1, optional=True)
+    c = attention_chunk_size
     bounds = [0]
     for a, b in itertools.pairwise(cu_seqlens):
         bounds += [*range(a + c, b, c), b]
