@@ -85,7 +85,7 @@ from tokenring.model.costmodel import (
 )
 from tokenring.model.simulate import _max_sent, simulate, simulate_cached
 from tokenring.runtime.comm import Communicator, TrafficCounter
-from tokenring.runtime.kernels import BlockKernel, select_kernel
+from tokenring.runtime.kernels import BlockKernel, row_delta, select_kernel
 from tokenring.strategies.cached import (
     CachedPlan,
     CachedShards,
@@ -552,7 +552,7 @@ def _kernel_rates(
     k, v = rand(1, n, hkv, d), rand(1, n, hkv, d)
     scale = d**-0.5
     out, lse = block.forward(q, k, v, causal=False, scale=scale)
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, n)
+    delta = row_delta(dout, out, acc)  # (B, Hq, n)
     piece = Piece((0, n), (0, n), False)
     fwd_s = _median_time(lambda: block.forward(q, k, v, causal=False, scale=scale), device, repeats)
     bwd = functools.partial(block.backward, dout, q, k, v, lse, delta, causal=False, scale=scale)

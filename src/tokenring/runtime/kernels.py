@@ -67,6 +67,7 @@ __all__ = [
     "accumulation_dtype",
     "available_kernels",
     "plan_block",
+    "row_delta",
     "select_kernel",
 ]
 
@@ -74,6 +75,12 @@ __all__ = [
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 for float64 inputs; float32 for everything else."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_delta(dout: Tensor, out: Tensor, acc: torch.dtype) -> Tensor:
+    """delta = rowsum(dout * out) ``(B, Hq, s)`` in ``acc`` from ``(B, s, Hq, D)`` dout and
+    out (Note [Backward from delta])."""
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True, slots=True)

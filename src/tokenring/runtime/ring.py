@@ -63,7 +63,13 @@ from tokenring.core.schedule import (
 )
 from tokenring.runtime.comm import Communicator, Event, FieldSpec, Message, PendingRecv
 from tokenring.runtime.executor import PassRunner, execute
-from tokenring.runtime.kernels import BlockKernel, Grads, PositionMask, accumulation_dtype
+from tokenring.runtime.kernels import (
+    BlockKernel,
+    Grads,
+    PositionMask,
+    accumulation_dtype,
+    row_delta,
+)
 from tokenring.runtime.program import Op, ring_program
 from tokenring.runtime.slots import SlotPoster
 
@@ -443,9 +449,7 @@ class SchedulePass(PassRunner):
 
     def delta(self, op: Op) -> None:
         """DELTA: delta = rowsum(dout * out) ``(B, Hq, s)`` in the accumulation dtype."""
-        acc = self.acc
-        self.row_delta = (self.dout.to(acc) * self.out.to(acc)).sum(-1).transpose(1, 2)
-        self.row_delta = self.row_delta.contiguous()
+        self.row_delta = row_delta(self.dout, self.out, self.acc)
 
 
 class _RingPass(SchedulePass):
