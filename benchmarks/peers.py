@@ -58,6 +58,7 @@ from tokenring.core.layout import make_sharding, shard  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # max abs error vs float64 (tokenring bench's)
 OURS = {"tokenring ring_attn zigzag": "ring", "tokenring token_ring_attn zigzag": "token_ring"}
+UNCHECKED = ", check_ranks=False"  # a row's suffix with --without-rank-check
 PEER = "ring-flash-attn zigzag_ring_flash_attn_func"
 ONE_PROCESS = "one process, SDPA, whole sequence"
 
@@ -80,8 +81,16 @@ def _call(name: str, peer: Any, inputs: list[torch.Tensor], scale: float) -> tor
     if name == PEER:
         out = peer.zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
     else:
+        ours, checked = name.removesuffix(UNCHECKED), not name.endswith(UNCHECKED)
         out = sequence_parallel_attn(
-            q, k, v, strategy=OURS[name], causal=True, layout="zigzag", softmax_scale=scale
+            q,
+            k,
+            v,
+            strategy=OURS[ours],
+            causal=True,
+            layout="zigzag",
+            softmax_scale=scale,
+            check_ranks=checked,
         )
     assert isinstance(out, torch.Tensor)
     return out
@@ -91,7 +100,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     """One rank: every (dtype, pass, implementation), in turns; times and errors."""
     rank, world = dist.get_rank(), dist.get_world_size()
     peer, peer_version = flash_attn_cpu.load_ring_flash_attn()
-    names = [*OURS, PEER]
+    names = [*OURS, *(n + UNCHECKED for n in OURS if args.without_rank_check), PEER]
     positions = make_sharding(layout="zigzag", world_size=world, seq_len=args.seq).positions(rank)
     scale = args.head_dim**-0.5
     results: list[dict[str, Any]] = []
@@ -278,6 +287,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         dest="check",
         action="store_false",
         help="skip the float64 check (its per-rank reference takes minutes at S >= 8192)",
+    )
+    p.add_argument(
+        "--without-rank-check",
+        action="store_true",
+        help="add rows of tokenring's two strategies with check_ranks=False (what the per-call "
+        "rank check costs in wall time)",
     )
     p.add_argument("--out", help="write the rows as JSONL here")
     p.add_argument("--markdown", help="write the table as markdown here, with the command")
