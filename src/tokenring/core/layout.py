@@ -95,13 +95,10 @@ def check_int(name: str, value: object, minimum: int, *, optional: bool = False)
 
 
 def _check_seq_dim(x: torch.Tensor, seq_dim: int, name: str = "x") -> None:
-    if (
-        isinstance(seq_dim, bool)
-        or not isinstance(seq_dim, int)
-        or not -x.dim() <= seq_dim < x.dim()
-    ):
+    dims = x.dim()
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or not -dims <= seq_dim < dims:
         raise ValueError(
-            f"seq_dim must be an int in [{-x.dim()}, {x.dim()}) for {name} of shape "
+            f"seq_dim must be an int in [{-dims}, {dims}) for {name} of shape "
             f"{tuple(x.shape)}; got {seq_dim!r}"
         )
 
@@ -230,14 +227,10 @@ def unshard(
 class Run:
     """Consecutive global tokens of one document held in consecutive local rows."""
 
-    local_start: int
-    """First local row (in the padded local buffer)."""
-    length: int
-    """Number of tokens (>= 0)."""
-    global_start: int
-    """Global position of the first token."""
-    doc: int
-    """Index of the document (0 without documents)."""
+    local_start: int  # first local row (in the padded local buffer)
+    length: int  # number of tokens (>= 0)
+    global_start: int  # global position of the first token
+    doc: int  # index of the document (0 without documents)
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -251,14 +244,11 @@ class Sharding:
 
     layout: Layout
     world_size: int
-    seq_len: int
-    """S, the caller's global length."""
+    seq_len: int  # S, the caller's global length
     cu_seqlens: tuple[int, ...]
     """Document boundaries ``(0, ..., S)``; ``(0, S)`` without documents."""
-    seq_local: int
-    """Rows per rank after padding."""
-    runs: tuple[tuple[Run, ...], ...]
-    """Per rank, its runs in local order."""
+    seq_local: int  # rows per rank after padding
+    runs: tuple[tuple[Run, ...], ...]  # per rank, its runs in local order
 
     def local_len(self, rank: int) -> int:
         """Tokens rank ``rank`` holds (its caller-visible local length)."""
@@ -305,8 +295,7 @@ class Padding:
 
     rows: torch.Tensor | None
     """Row of the padded buffer of each local token ``(s,)``; None without padding."""
-    seq_local: int
-    """s_pad, the rows of the padded buffer."""
+    seq_local: int  # s_pad, the rows of the padded buffer
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, s, H, D) in the zero padded buffer (B, s_pad, H, D)."""
