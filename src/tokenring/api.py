@@ -12,7 +12,7 @@ import functools
 import math
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -840,54 +840,55 @@ def _plan(
 # One function per strategy: sequence_parallel_attn with the strategy fixed.
 
 
-def _with_strategy(
-    strategy: Strategy, doc: str
-) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`sequence_parallel_attn` with ``strategy`` fixed, named after it."""
-
-    def attn(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return sequence_parallel_attn(q, k, v, strategy=strategy, **options)
-
-    attn.__name__ = attn.__qualname__ = f"{strategy.value}_attn"
-    attn.__doc__ = doc
-    return attn
-
-
-token_ring_attn = _with_strategy(
-    Strategy.TOKEN_RING,
+def token_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TokenRing (pass-Q): Q blocks travel the ring, partial (out, lse) return straight to
     their owner on the other direction (Note [TokenRing step table] in
     tokenring.strategies.ring; the loop is ``tokenring.runtime.ring.run_forward``). As
-    :func:`sequence_parallel_attn`.""",
-)
-ring_attn = _with_strategy(
-    Strategy.RING,
+    :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.TOKEN_RING, **options)
+
+
+def ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ring attention (pass-KV): K/V blocks travel, queries stay. As
-    :func:`sequence_parallel_attn`.""",
-)
-bidir_ring_attn = _with_strategy(
-    Strategy.BIDIR_RING,
+    :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.RING, **options)
+
+
+def bidir_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pass-KV on two counter-rotating rings, each with half of the kv heads (one kv head: half
-    of the rows). As :func:`sequence_parallel_attn`.""",
-)
-bidir_token_ring_attn = _with_strategy(
-    Strategy.BIDIR_TOKEN_RING,
+    of the rows). As :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_RING, **options)
+
+
+def bidir_token_ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pass-Q on two counter-rotating rings, each with half of the query heads
     (Note [Bidirectional TokenRing] in tokenring.strategies.ring). As
-    :func:`sequence_parallel_attn`; one query head raises NotImplementedError.""",
-)
-ulysses_attn = _with_strategy(
-    Strategy.ULYSSES,
+    :func:`sequence_parallel_attn`; one query head raises NotImplementedError."""
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_TOKEN_RING, **options)
+
+
+def ulysses_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ulysses: all-to-all from sequence to head shards (uneven heads: ceil/floor shares),
-    local attention, all-to-all back. As :func:`sequence_parallel_attn`.""",
-)
-allgather_kv_attn = _with_strategy(
-    Strategy.ALLGATHER_KV,
+    local attention, all-to-all back. As :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.ULYSSES, **options)
+
+
+def allgather_kv_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """All-gather K/V (Llama-3 style) while the local block computes; the backward
-    reduce-scatters dK/dV. As :func:`sequence_parallel_attn`.""",
-)
+    reduce-scatters dK/dV. As :func:`sequence_parallel_attn`."""
+    return sequence_parallel_attn(q, k, v, strategy=Strategy.ALLGATHER_KV, **options)
 
 
 class SequenceParallelAttention(torch.nn.Module):
