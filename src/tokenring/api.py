@@ -285,7 +285,7 @@ def _validate(
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class _Call:
     """One rank's validated attention call: everything the schedule and the kernels need."""
 
@@ -312,16 +312,33 @@ def _prepare_call(
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
     requested = _requested_strategy(q, options)
-    sharding = _sharding(q, comm, layout, options["seq_len"], options["cu_seqlens"])
+    seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
+    if not seq_len_given:  # P equal shares of q's length
+        if layout is Layout.ZIGZAG and q.shape[1] % 2:
+            raise ValueError(
+                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
+                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
+            )
+        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
+    sharding = make_sharding(  # raises for a seq_len that is not an int >= 0
+        layout=layout,
+        world_size=comm.world_size,
+        seq_len=seq_len if seq_len_given else q.shape[1] * comm.world_size,
+        cu_seqlens=options["cu_seqlens"],
+    )
     window = normalize_window(options["window_size"], causal=options["causal"])
     mask_docs = chunk_documents(sharding.cu_seqlens, options["attention_chunk_size"])
     mask = MaskSpec(options["causal"], window, mask_docs if len(mask_docs) > 2 else None)
-    _check_local_len(q, comm.rank, sharding)
+    if q.shape[1] != sharding.local_len(comm.rank):
+        raise ValueError(
+            f"q.shape[1] must be {sharding.local_len(comm.rank)} on rank {comm.rank}: its share "
+            f"of seq_len={sharding.seq_len} under layout '{layout.value}'"
+            + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
+            + f" (see tokenring.shard); got {q.shape[1]}"
+        )
     block_kernel = select_kernel(q.device, q.dtype, options["block_kernel"])
     softmax_scale = options["softmax_scale"]
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    bounds = sharding.cu_seqlens
-    seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
     signature: dict[str, Any] = {
         "batch": q.shape[0],
         ("seq_len" if seq_len_given else "seq_local"): seq_len if seq_len_given else q.shape[1],
@@ -337,21 +354,14 @@ def _prepare_call(
         "hardware": None if options["hardware"] is None else repr(options["hardware"]),
         "softmax_scale": float(scale).hex(),
         "window_size": list(window),
-        "cu_seqlens": _bounds_digest(bounds),
+        "cu_seqlens": _bounds_digest(sharding.cu_seqlens),
         "attention_chunk_size": options["attention_chunk_size"],
         "last_block_splits": options["last_block_splits"],
         "last_pair": options["last_pair"],
         "kernel": block_kernel.name,
         "needs grad": needs_grad,
     }
-    return _Call(
-        layout=layout,
-        sharding=sharding,
-        mask=mask,
-        kernel=block_kernel,
-        scale=scale,
-        signature=signature,
-    )
+    return _Call(layout, sharding, mask, block_kernel, scale, signature)
 
 
 def _bounds_digest(bounds: Sequence[int]) -> list[int]:
@@ -402,38 +412,6 @@ def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
         what = "strategy='auto'" if requested == "auto" else "last_pair='auto'"
         raise ValueError(AUTO_NEEDS_HARDWARE.replace("strategy='auto'", what))
     return requested
-
-
-def _sharding(
-    q: torch.Tensor,
-    comm: Communicator,
-    layout: Layout,
-    seq_len: int | None,
-    cu_seqlens: Sequence[int] | torch.Tensor | None,
-) -> Sharding:
-    """The sharding of the call's global sequence (None seq_len: P equal shares of q's)."""
-    if seq_len is None:
-        if layout is Layout.ZIGZAG and q.shape[1] % 2:
-            raise ValueError(
-                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
-                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
-            )
-        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
-        seq_len = q.shape[1] * comm.world_size
-    return make_sharding(  # raises for a seq_len that is not an int >= 0
-        layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-    )
-
-
-def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
-    expected = sharding.local_len(rank)
-    if q.shape[1] != expected:
-        raise ValueError(
-            f"q.shape[1] must be {expected} on rank {rank}: its share of "
-            f"seq_len={sharding.seq_len} under layout '{sharding.layout.value}'"
-            + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
-            + f" (see tokenring.shard); got {q.shape[1]}"
-        )
 
 
 # Note [Rank agreement]
@@ -739,7 +717,8 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         if (name, type(value)) in (("strategy", Strategy), ("layout", Layout)):
             value = value.value
         if name in ("cu_seqlens", "window_size"):
-            primitive = _int_list(value)
+            ints = isinstance(value, list | tuple) and all(type(x) is int for x in value)
+            primitive = list(value) if ints else None  # a list or tuple of ints as a list
             if primitive is None and value is not None:
                 if torch.compiler.is_compiling() and isinstance(value, torch.Tensor):
                     raise NotImplementedError(
@@ -762,13 +741,6 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
     record = op.Record(raw)
     return {**options, "raw": op.object_handle(record)}, record
-
-
-def _int_list(value: Any) -> list[int] | None:
-    """A list or tuple of ints as a list; None for anything else."""
-    if isinstance(value, list | tuple) and all(type(x) is int for x in value):
-        return list(value)
-    return None
 
 
 def _group_handle(group: GroupLike) -> str:
@@ -821,8 +793,10 @@ def _plan(
             heads_q=q.shape[2],
             lend_last_pair=lend,
         )
-        forward, backward = (_schedule(strategy, pass_, **key) for pass_ in Pass)
-        schedules = (forward, backward)
+        schedules = (
+            _schedule(strategy, Pass.FORWARD, **key),
+            _schedule(strategy, Pass.BACKWARD, **key),
+        )
     return op.Plan(
         strategy=strategy,
         comm=comm,

@@ -268,19 +268,7 @@ def hybrid_attn(
     }  # what _prepare validates
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
-    out, lse = hybrid_attention(_agreed_plan(q, k, v, mesh, check_ranks, options), q, k, v)
-    return (out, lse) if return_lse else out
-
-
-def _agreed_plan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mesh: HybridMesh,
-    check_ranks: bool,
-    options: dict[str, Any],
-) -> HybridPlan:
-    """This rank's plan of the call, once the ranks agree (with ``check_ranks``)."""
+    # this rank's plan, once the ranks agree on the call (with check_ranks)
     plan: HybridPlan | None = None
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
@@ -296,7 +284,8 @@ def _agreed_plan(
     if problem is not None:
         raise problem
     assert plan is not None
-    return plan
+    out, lse = hybrid_attention(plan, q, k, v)
+    return (out, lse) if return_lse else out
 
 
 def _prepare(
