@@ -124,10 +124,8 @@ atexit.register(close_communicators)
 
 def _mesh_group(group: GroupLike) -> GroupLike:
     """A DeviceMesh's process group (ValueError unless the mesh is 1-D); else ``group``."""
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - very old torch
-        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
     if not isinstance(group, DeviceMesh):
         return group
     if group.ndim != 1:

@@ -188,30 +188,6 @@ def hybrid_shard(
     return x.index_select(seq_dim, index.to(x.device)).contiguous()
 
 
-def _outer_sharding(
-    q: torch.Tensor,
-    mesh: HybridMesh,
-    layout: Layout,
-    seq_len: int | None,
-    cu_seqlens: Sequence[int] | torch.Tensor | None,
-) -> Sharding:
-    """The outer sharding of the call, with this rank's length checked against ``q``'s."""
-    p_in, p_out = mesh.inner_size, mesh.outer_size
-    inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
-    if seq_len is None:
-        return _outer_lengths(layout, p_out, p_in, q.shape[1], None, cu_seqlens)
-    check_int("seq_len", seq_len, 0)
-    sharding = _outer_lengths(layout, p_out, p_in, None, seq_len, cu_seqlens)
-    lo, hi = inner_slices(sharding.local_len(outer_rank), p_in)[inner_rank]
-    if q.shape[1] != hi - lo:
-        raise ValueError(
-            f"q.shape[1] must be {hi - lo} on outer rank {outer_rank}, inner "
-            f"rank {inner_rank}: its share of seq_len={seq_len} (see "
-            f"tokenring.hybrid_shard); got {q.shape[1]}"
-        )
-    return sharding
-
-
 @functools.lru_cache(maxsize=64)
 def _schedules(spec: HybridSpec, **options: Any) -> tuple[HybridSchedule, HybridSchedule]:
     """The forward and backward schedules of a call, built once per call shape."""
@@ -327,7 +303,18 @@ def _prepare(
     layout = Layout.parse(layout)
     window = normalize_window(window_size, causal=causal)
     chunk_documents((0, 1), attention_chunk_size)  # validates it
-    sharding = _outer_sharding(q, mesh, layout, seq_len, cu_seqlens)
+    inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
+    if seq_len is not None:
+        check_int("seq_len", seq_len, 0)
+    seq_local = q.shape[1] if seq_len is None else None  # None: S = P * s
+    sharding = _outer_lengths(layout, mesh.outer_size, p_in, seq_local, seq_len, cu_seqlens)
+    lo, hi = inner_slices(sharding.local_len(outer_rank), p_in)[inner_rank]
+    if q.shape[1] != hi - lo:  # always equal without seq_len
+        raise ValueError(
+            f"q.shape[1] must be {hi - lo} on outer rank {outer_rank}, inner "
+            f"rank {inner_rank}: its share of seq_len={seq_len} (see "
+            f"tokenring.hybrid_shard); got {q.shape[1]}"
+        )
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     plan = HybridPlan(
         schedules=_schedules(

@@ -131,10 +131,9 @@ def position_ids(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(s_r,)`` int64: each of ``rank``'s tokens' position in its document (RoPE)."""
-    sharding = make_sharding(
+    return make_sharding(
         layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-    )
-    return sharding.doc_positions(_checked_rank(rank, world_size))
+    ).doc_positions(_checked_rank(rank, world_size))
 
 
 def _checked_rank(rank: int, world_size: int) -> int:
@@ -177,11 +176,10 @@ def shard(
     """``rank``'s shard ``(B, s_r, H, D)`` (contiguous) of a global ``x`` ``(B, S, H, D)``
     along ``seq_dim``, any S (Note [Documents and padding])."""
     _check_seq_dim(x, seq_dim)
-    sharding = make_sharding(
+    index = make_sharding(
         layout=layout, world_size=world_size, seq_len=x.shape[seq_dim], cu_seqlens=cu_seqlens
-    )
-    index = sharding.positions(_checked_rank(rank, world_size)).to(x.device)
-    return x.index_select(seq_dim, index).contiguous()
+    ).positions(_checked_rank(rank, world_size))
+    return x.index_select(seq_dim, index.to(x.device)).contiguous()
 
 
 def unshard(
@@ -218,9 +216,7 @@ def unshard(
             )
     stacked = torch.cat(list(shards), dim=seq_dim)
     positions = torch.cat([sharding.positions(r) for r in range(world_size)]).to(stacked.device)
-    inverse = torch.empty_like(positions)
-    inverse[positions] = torch.arange(positions.numel(), device=positions.device)
-    return stacked.index_select(seq_dim, inverse)
+    return stacked.index_select(seq_dim, torch.argsort(positions))  # the inverse permutation
 
 
 @dataclass(frozen=True, slots=True)
