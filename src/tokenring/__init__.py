@@ -64,19 +64,27 @@ def _check_torch(installed: str | None = None) -> None:
 
 _check_torch()
 
-# the modules that give the public names (those of __all__ they hold), in load order
-_SOURCES = (
-    "tokenring.api",
-    "tokenring.core.layout",
-    "tokenring.core.schedule",
-    "tokenring.hybrid",
-    "tokenring.inference",
-    "tokenring.kvcache",
-    "tokenring.launch",
-    "tokenring.model.planner",
-    "tokenring.runtime.comm",
-    "tokenring.strategies.cached",
-)
+# module -> the public names it gives (None: its __all__), in load order
+_EXPORTS: dict[str, tuple[str, ...] | None] = {
+    "tokenring.api": None,
+    "tokenring.core.layout": (
+        "Layout",
+        "Sharding",
+        "global_positions",
+        "make_sharding",
+        "position_ids",
+        "shard",
+        "unshard",
+    ),
+    "tokenring.core.schedule": ("Strategy",),
+    "tokenring.hybrid": ("HybridMesh", "hybrid_attn", "hybrid_mesh", "hybrid_shard"),
+    "tokenring.inference": ("cached_attn",),
+    "tokenring.kvcache": ("DistributedKVCache", "KVCacheBudgetError"),
+    "tokenring.launch": ("init_distributed", "launch"),
+    "tokenring.model.planner": ("explain", "explain_cached"),
+    "tokenring.runtime.comm": ("Communicator",),
+    "tokenring.strategies.cached": ("CachedStrategy",),
+}
 # the submodules that loading the library binds here
 _MODULES = frozenset(
     {"api", "core", "hybrid", "inference", "kvcache", "model", "runtime", "strategies"}
@@ -154,9 +162,10 @@ __all__ = [
 def _load() -> None:
     """Import the library and bind every public name here (Note [Lazy package])."""
     namespace = globals()
-    for module_name in _SOURCES:
-        held = vars(importlib.import_module(module_name))
-        namespace.update({name: held[name] for name in __all__ if name in held})
+    for module_name, names in _EXPORTS.items():
+        module = importlib.import_module(module_name)
+        for name in module.__all__ if names is None else names:
+            namespace[name] = getattr(module, name)
 
 
 if not TYPE_CHECKING:  # to a type checker, a module __getattr__ makes every name valid

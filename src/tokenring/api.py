@@ -766,13 +766,12 @@ def _plan(
         raise ValueError(f"check_ranks must be a bool; got {options['check_ranks']!r}")
     comm = get_communicator(op.resolve_group(options["group"]))
 
-    def validate() -> tuple[_Call, dict[str, Any]]:
+    def validate() -> tuple[_Call, dict[str, Any]]:  # Note [Rank agreement]
         needs_grad = any(options["requires_grad"])
         call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
         return call, call.signature
 
-    what, check_ranks = "attention call", options["check_ranks"]
-    call = comm.agreed(validate, what=what, check_ranks=check_ranks)  # Note [Rank agreement]
+    call = comm.agreed(validate, what="attention call", check_ranks=options["check_ranks"])
     strategy = _strategy_of(q, k, options, comm.world_size)
     lend = _lends_last_pair(strategy, q, k, options, comm.world_size)
     sharding = call.sharding
