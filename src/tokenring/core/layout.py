@@ -333,9 +333,8 @@ def normalize_cu_seqlens(
                 f"{name} must be a 1-D integer tensor; got dtype {cu_seqlens.dtype}, shape "
                 f"{tuple(cu_seqlens.shape)}"
             )
-        values = tuple(int(x) for x in cu_seqlens.tolist())
-    else:
-        values = tuple(int(x) for x in cu_seqlens)
+        cu_seqlens = cu_seqlens.tolist()
+    values = tuple(int(x) for x in cu_seqlens)
     if len(values) < 2 or values[0] != 0 or values[-1] != seq_len:
         raise ValueError(
             f"{name} must start at 0 and end at the global length {seq_len}; got {list(values)}"
