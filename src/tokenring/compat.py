@@ -536,7 +536,16 @@ def flash_attn_varlen_func(
         if block_table is not None:
             raise NotImplementedError("block_table (a paged KV cache) is not supported (pass None)")
         _check_packed(q, k, v)
-        bounds = _varlen_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
+        cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
+        if cu_q != cu_k:
+            raise NotImplementedError(
+                "cu_seqlens_k must equal cu_seqlens_q (self-attention over the same packed "
+                f"documents); got {cu_q} and {cu_k}"
+            )
+        bounds = normalize_cu_seqlens(cu_q, max(cu_q[-1], 0) if cu_q else 0, name="cu_seqlens_q")
+        _check_max_seqlen("max_seqlen_q", max_seqlen_q, bounds)
+        _check_max_seqlen("max_seqlen_k", max_seqlen_k, bounds)
         sharding = make_sharding(
             layout=layout, world_size=comm.world_size, seq_len=bounds[-1], cu_seqlens=bounds
         )
@@ -553,21 +562,3 @@ def flash_attn_varlen_func(
     flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     call = (causal, softmax_scale, window_size)
     return _attend(comm, (q, k, v), flash, call, strategy, layout, packed=True, check=check)
-
-
-def _varlen_bounds(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
-) -> tuple[int, ...]:
-    """The global document boundaries of :func:`flash_attn_varlen_func`, checked."""
-    cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
-    cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
-    if cu_q != cu_k:
-        raise NotImplementedError(
-            "cu_seqlens_k must equal cu_seqlens_q (self-attention over the same packed "
-            f"documents); got {cu_q} and {cu_k}"
-        )
-    seq_len = cu_q[-1] if cu_q else -1
-    bounds = normalize_cu_seqlens(cu_q, max(seq_len, 0), name="cu_seqlens_q")
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q, bounds)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k, bounds)
-    return bounds

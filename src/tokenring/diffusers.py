@@ -173,27 +173,20 @@ def joint_attn(
     options |= {"group": comm, "causal": False, "layout": "contiguous"}
     if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
         return cast(torch.Tensor, sequence_parallel_attn(q, k, v, **options))  # no return_lse
-    biased = _text_bias(q, k, v, num_text, bias=-math.log(comm.world_size) / scale)
-    out = cast(torch.Tensor, sequence_parallel_attn(*biased, **options))
-    return out[..., : q.shape[3]]  # (B, t + s, Hq, D)
-
-
-def _text_bias(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_text: int, *, bias: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``(B, t + s, H, D + E)`` with the bias channel (Note [Joint attention with
-    replicated text]): E = 8 when 8 divides D, else 1."""
+    # the bias channel (Note [Joint attention with replicated text]): E = 8 when 8 divides D
     b, n, d = q.shape[0], q.shape[1], q.shape[3]
     extra = 8 if d % 8 == 0 else 1
     q_extra = q.new_zeros(b, n, q.shape[2], extra)  # (B, t + s, Hq, E)
     q_extra[..., 0] = 1
     k_extra = k.new_zeros(b, n, k.shape[2], extra)  # (B, t + s, Hkv, E)
-    k_extra[:, :num_text, :, 0] = bias
-    return (
+    k_extra[:, :num_text, :, 0] = -math.log(comm.world_size) / scale
+    out = sequence_parallel_attn(
         torch.cat([q, q_extra], dim=-1),  # (B, t + s, Hq, D + E)
         torch.cat([k, k_extra], dim=-1),
         torch.cat([v, v.new_zeros(b, n, v.shape[2], extra)], dim=-1),
+        **options,
     )
+    return cast(torch.Tensor, out)[..., :d]  # (B, t + s, Hq, D)
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -444,10 +444,8 @@ def _layer_mask(
 ) -> _ModelMask:
     """The model's mask (``is_causal``, ``sliding_window`` must agree), or else theirs."""
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    window_size = (-1, 0 if causal else -1)
-    if sliding_window is not None:
-        # sliding_window keys up to and including the query itself
-        window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    left = -1 if sliding_window is None else sliding_window - 1  # keys up to the query itself
+    window_size = (left, 0 if causal else left)
     if attention_mask is None:
         return _ModelMask(causal=causal, window_size=window_size, attention_chunk_size=None)
     given = "is_causal" if is_causal is not None else "the attention module's is_causal"
