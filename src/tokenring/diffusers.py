@@ -335,7 +335,7 @@ class FluxSequenceParallelProcessor:
             "hardware": self.hardware,
         }
         out = joint_attn(query, key, value, num_text=num_text, text=text, **options)
-        out = out.flatten(2, 3).to(query.dtype)  # (B, t + s, C)
+        out = out.flatten(2, 3).to(query.dtype)  # (B, t + s, H, D) -> (B, t + s, C)
         if encoder_hidden_states is None:
             return out
         text_out, image_out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)

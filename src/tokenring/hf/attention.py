@@ -394,17 +394,12 @@ def _attention_forward(
     dropout = kwargs.get("dropout", 0.0)
     if dropout > 0:
         raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
+    packing = " (local packing; pass SequenceParallel(cu_seqlens=...))"
     for option, unsupported in (
         ("softcap", kwargs.get("softcap") is not None),
         ("attention sinks (s_aux)", kwargs.get("s_aux") is not None),
         ("output_attentions", kwargs.get("output_attentions", False)),
-        *(
-            (
-                f"{k} (local packing; pass SequenceParallel(cu_seqlens=...))",
-                kwargs.get(k) is not None,
-            )
-            for k in _PACKING_KWARGS
-        ),
+        *((k + packing, kwargs.get(k) is not None) for k in _PACKING_KWARGS),
     ):
         if unsupported:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
