@@ -26,11 +26,10 @@ import torch
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Pass, Payload, Piece, Strategy, Transfer
+from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Transfer
 from tokenring.runtime.comm import Communicator, Message
-from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
-from tokenring.runtime.program import Op, program_of
+from tokenring.runtime.program import Op
 from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
 from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
 
@@ -44,9 +43,20 @@ class _Collective(SchedulePass):
     """What the collectives' runners share beyond a ``SchedulePass``: ``masking``
     (Note [Collectives with masks]), P, s and the accumulation dtype."""
 
-    def __init__(self, *args: Any, masking: _Masking | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # as SchedulePass
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        inputs: tuple[torch.Tensor, ...],
+        *,
+        scale: float,
+        masking: _Masking | None,
+    ) -> None:
         self.masking = masking
+        super().__init__(sched, comm, kernel, inputs, scale=scale)
+
+    def setup(self) -> None:
         self.p, self.s = self.comm.world_size, self.q.shape[1]
         self.acc = accumulation_dtype(self.q.dtype)
         self.row_delta = torch.empty(0)
@@ -130,8 +140,8 @@ def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
 class _Ulysses(_Collective):
     """What both Ulysses passes share: the plan and this rank's head share."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.plan = _UlyssesPlan.make(self)
         self.mine = self.plan.shares[self.rank]
 
@@ -145,8 +155,8 @@ class _Ulysses(_Collective):
 class _UlyssesForward(_Ulysses):
     """One rank's Ulysses forward (Note [Collective rank program] in runtime.program)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.gathered: list[torch.Tensor] = []  # q, k, v (B, S, nq or nkv, D), global order
         self.back: list[torch.Tensor] = []  # out, lse (B, S, nq, D), (B, nq, S), layout order
         self.out = self.lse = torch.empty(0)  # (B, s, Hq, D), (B, Hq, s), from RETURNS
@@ -226,8 +236,8 @@ def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> 
 class _UlyssesBackward(_Ulysses):
     """One rank's Ulysses backward: gathers its heads again, like the forward."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.gathered: list[torch.Tensor] = []  # q, dout, k, v, lse, delta of my heads
         self.back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order
         self.dq = self.dk = self.dv = torch.empty(0)  # (B, s, H, D), from RETURNS
@@ -312,8 +322,8 @@ class _UlyssesBackward(_Ulysses):
 class _AllGather(_Collective):
     """What both passes of all-gather K/V share: the block of the round being computed."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         last: dict[int, int] = {}  # the last segment of each round with any, by K/V owner
         for index, segment in enumerate(self.sched.steps[self.rank][0].segments):
             last[segment.pieces[0].kv_rows[0] // self.s] = index
@@ -344,8 +354,8 @@ class _AllGather(_Collective):
 class _AllGatherForward(_AllGather):
     """One rank's all-gather K/V forward: each piece merged into out and lse at once."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         q, acc = self.q, self.acc
         self.out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         self.lse = torch.full(
@@ -374,8 +384,8 @@ class _AllGatherForward(_AllGather):
 class _AllGatherBackward(_AllGather):
     """One rank's all-gather K/V backward: round k's dK/dV partial goes back to r + k."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         q, k, acc = self.q, self.k, self.acc
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         self.dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
@@ -540,8 +550,7 @@ def _run(
     runner = _RUNNERS[strategy][pass_ is Pass.BACKWARD](
         sched, comm, kernel, inputs, scale=scale, masking=masking
     )
-    execute(program_of(sched, comm.rank), runner)
-    runner.timer.flush()
+    runner.run()
     return runner
 
 
