@@ -30,7 +30,7 @@ from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Tr
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op
-from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
+from tokenring.runtime.ring import SchedulePass, _part, kv_message, kv_rows
 from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
 
 __all__ = ["collective_backward", "collective_forward"]
@@ -132,24 +132,74 @@ class _UlyssesPlan:
 
 
 def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
-    """The heads ``heads`` of a (B, s, H, D) tensor."""
+    """The heads ``heads`` of a (B, s, H, D) or (B, H, s) tensor."""
     assert heads is not None, "a Ulysses message carries a head share"
-    return x[:, :, heads[0] : heads[1]]
+    return _part(x, None, slice(*heads))
+
+
+# What a Ulysses pass sends back, as a slice of its ``back``: forward out and lse; backward dq,
+# then dk and dv.
+_RETURNED = {Payload.OUT: slice(None), Payload.DQ: slice(0, 1), Payload.DKV: slice(1, None)}
 
 
 class _Ulysses(_Collective):
-    """What both Ulysses passes share: the plan and this rank's head share."""
+    """What both Ulysses passes share: the plan, this rank's head share, the all-to-all of
+    the queries' side and K/V there, and the all-to-all of the results back."""
 
     def setup(self) -> None:
         super().setup()
         self.plan = _UlyssesPlan.make(self)
         self.mine = self.plan.shares[self.rank]
+        self.backward = self.sched.pass_ is Pass.BACKWARD
+        # the queries' side then k, v of my heads, every rank's rows in global order: forward
+        # q (B, S, nq, D); backward q, dout (B, S, nq, D), lse, delta (B, nq, S); k, v (B, S,
+        # nkv, D)
+        self.gathered: list[torch.Tensor] = []
+        self.back: list[torch.Tensor] = []  # what returns (_RETURNED), in layout order
 
     def kv_heads(self, heads: Rows | None) -> list[torch.Tensor]:
         return [_heads(self.k, heads), _heads(self.v, heads)]
 
-    def rows_of(self, j: int) -> slice:
-        return slice(j * self.s, (j + 1) * self.s)
+    def query_side(self, heads: Rows | None) -> list[torch.Tensor]:
+        """The heads ``heads`` of q (backward: of q, dout, lse and delta)."""
+        if not self.backward:
+            return [_heads(self.q, heads)]
+        return [_heads(x, heads) for x in (self.q, self.dout, self.lse, self.row_delta)]
+
+    def rows_of(self, j: int) -> Rows:
+        return (j * self.s, (j + 1) * self.s)
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        if tr.payload is Payload.KV:  # the k, v heads they use
+            return kv_message(*self.kv_heads(tr.heads))
+        if tr.payload in (Payload.Q, Payload.Q_GRAD):  # my rows of the destination's heads
+            return self.query_side(tr.heads)
+        rows = self.rows_of(tr.dst)  # their rows of my heads
+        return [_part(x, rows, slice(None)) for x in self.back[_RETURNED[tr.payload]]]
+
+    def arrive(self, op: Op) -> None:
+        if self.mine.num_q == 0:
+            return
+        payload = Payload.Q_GRAD if self.backward else Payload.Q
+        queries = self.take(op, payload, self.query_side(self.mine.q))
+        kvs = self.take(op, Payload.KV, self.kv_heads(self.mine.kv))
+        parts = _joined(queries, kvs)
+        del queries, kvs
+        for i in range(len(parts[0])):  # each field joined over the sequence, global order
+            pieces = [part[i] for part in parts]
+            dim = 1 if pieces[0].dim() == 4 else 2
+            self.gathered.append(self.plan.global_order(torch.cat(pieces, dim=dim), dim))
+            del pieces
+        parts.clear()
+
+    def came_back(self, op: Op) -> list[list[torch.Tensor]]:
+        """RETURNS: what each rank with heads sent back, its fields in ``_RETURNED`` order."""
+        own = [_part(x, self.rows_of(self.rank), slice(None)) for x in self.back]  # views
+        self.back = []  # sent
+        payloads = (Payload.DQ, Payload.DKV) if self.backward else (Payload.OUT,)
+        came = [self.take(op, payload, own[_RETURNED[payload]]) for payload in payloads]
+        del own
+        return _joined(*(_with_heads(parts, self.plan.shares) for parts in came))
 
 
 class _UlyssesForward(_Ulysses):
@@ -157,24 +207,7 @@ class _UlyssesForward(_Ulysses):
 
     def setup(self) -> None:
         super().setup()
-        self.gathered: list[torch.Tensor] = []  # q, k, v (B, S, nq or nkv, D), global order
-        self.back: list[torch.Tensor] = []  # out, lse (B, S, nq, D), (B, nq, S), layout order
         self.out = self.lse = torch.empty(0)  # (B, s, Hq, D), (B, Hq, s), from RETURNS
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload is Payload.Q:  # my rows of the destination's heads
-            return [_heads(self.q, tr.heads)]
-        if tr.payload is Payload.KV:  # the k, v heads they use
-            return kv_message(*self.kv_heads(tr.heads))
-        rows = self.rows_of(tr.dst)  # OUT: their rows of my heads
-        return [self.back[0][:, rows], self.back[1][:, :, rows]]
-
-    def arrive(self, op: Op) -> None:
-        if self.mine.num_q == 0:
-            return
-        qs = self.take(op, Payload.Q, [_heads(self.q, self.mine.q)])
-        kvs = self.take(op, Payload.KV, self.kv_heads(self.mine.kv))
-        self.gathered = _gathered(_joined(qs, kvs), self.plan, 3)
 
     def compute(self, op: Op) -> None:
         plan = self.plan
@@ -194,14 +227,7 @@ class _UlyssesForward(_Ulysses):
         self.back = [plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)]
 
     def returns(self, op: Op) -> None:
-        rows = self.rows_of(self.rank)
-        # this rank's rows of its heads stay here: views of ``back`` until joined below
-        own = [self.back[0][:, rows], self.back[1][:, :, rows]] if self.back else []
-        self.back = []  # sent
-        came = self.take(op, Payload.OUT, own)
-        del own
-        parts = _joined(_with_heads(came, self.plan.shares))
-        del came
+        parts = self.came_back(op)
         self.out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): head order
         self.lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
 
@@ -222,60 +248,16 @@ def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tens
     return joined
 
 
-def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> list[torch.Tensor]:
-    """The first ``num`` fields of every part, joined over the sequence in global order."""
-    joined = []
-    for i in range(num):
-        pieces = [part[i] for part in parts]
-        joined.append(plan.global_order(torch.cat(pieces, dim=1)))
-        del pieces
-    parts.clear()
-    return joined
-
-
 class _UlyssesBackward(_Ulysses):
     """One rank's Ulysses backward: gathers its heads again, like the forward."""
 
     def setup(self) -> None:
         super().setup()
-        self.gathered: list[torch.Tensor] = []  # q, dout, k, v, lse, delta of my heads
-        self.back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order
         self.dq = self.dk = self.dv = torch.empty(0)  # (B, s, H, D), from RETURNS
-
-    def q_grad(self, heads: Rows | None) -> list[torch.Tensor]:  # Payload.Q_GRAD of these heads
-        assert heads is not None, "a Ulysses message carries a head share"
-        h = slice(*heads)
-        return [self.q[:, :, h], self.dout[:, :, h], self.lse[:, h], self.row_delta[:, h]]
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload is Payload.Q_GRAD:  # q, dout, lse, delta of the destination's heads
-            return self.q_grad(tr.heads)
-        if tr.payload is Payload.KV:
-            return kv_message(*self.kv_heads(tr.heads))
-        rows = self.rows_of(tr.dst)  # their rows of my heads
-        if tr.payload is Payload.DQ:
-            return [self.back[0][:, rows]]
-        return [self.back[1][:, rows], self.back[2][:, rows]]  # DKV, in the accumulation dtype
-
-    def arrive(self, op: Op) -> None:
-        if self.mine.num_q == 0:
-            return
-        plan, mine = self.plan, self.mine
-        grads = self.take(op, Payload.Q_GRAD, self.q_grad(mine.q))
-        kvs = self.take(op, Payload.KV, self.kv_heads(mine.kv))
-        parts = _joined(grads, kvs)  # q, dout, lse, delta, k, v of each source
-        del grads, kvs
-        lse_g, delta_g = (
-            plan.global_order(torch.cat([part[i] for part in parts], dim=2), 2) for i in (2, 3)
-        )  # (B, nq, S) x 2
-        rows4 = [[part[0], part[1], part[4], part[5]] for part in parts]
-        del parts
-        # (B, S, nq, D) x 2, (B, S, nkv, D) x 2
-        self.gathered = [*_gathered(rows4, plan, 4), lse_g, delta_g]
 
     def compute(self, op: Op) -> None:
         plan = self.plan
-        qg, dout_g, kg, vg, lse_g, delta_g = self.gathered
+        qg, dout_g, lse_g, delta_g, kg, vg = self.gathered
         self.gathered = []
         done = self.timer.span(0, "attn_bwd")
         dq_g, dk_x, dv_x = self.kernel.backward(
@@ -299,18 +281,11 @@ class _UlyssesBackward(_Ulysses):
         del dk_x, dv_x
 
     def returns(self, op: Op) -> None:
-        rows = self.rows_of(self.rank)
-        own = [x[:, rows] for x in self.back]  # this rank's rows of its heads (views of back)
-        self.back = []  # sent
-        shares = self.plan.shares
-        parts = _joined(
-            _with_heads(self.take(op, Payload.DQ, own[:1]), shares),
-            _with_heads(self.take(op, Payload.DKV, own[1:]), shares),
-        )  # dq, dk, dv of each rank with heads
-        del own
+        parts = self.came_back(op)  # dq, dk, dv of each rank with heads
         self.dk = torch.zeros(self.k.shape, dtype=self.acc, device=self.k.device)  # (B, s, Hkv, D)
         self.dv = torch.zeros_like(self.dk)
-        for share, (_, dk, dv) in zip([sh for sh in shares if sh.num_q], parts, strict=True):
+        shares = [share for share in self.plan.shares if share.num_q]
+        for share, (_, dk, dv) in zip(shares, parts, strict=True):
             _heads(self.dk, share.kv).add_(dk)  # a kv head used by several ranks sums here
             _heads(self.dv, share.kv).add_(dv)
         self.dq = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D)
