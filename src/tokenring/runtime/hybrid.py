@@ -15,7 +15,7 @@ group's name for it::
     0, n + 1   the inner all-to-alls      inner                    inner ranks i -> j
     1 .. n     the outer ring's, lifted   outer                    the outer schedule's o -> o'
 
-:class:`_Routes`, the poster and communicator ``execute`` sees, posts and waits for each
+The runner, also the poster and communicator ``execute`` sees, posts and waits for each
 transfer on its group. Steps 1 .. n go to a ring runner of the outer schedule, renamed to its
 steps and transfers, so the outer ring runs exactly as on its own; steps 0 and n + 1 are the
 all-to-alls, the same in both passes::
@@ -127,7 +127,7 @@ class _HybridPass(PassRunner):
                 self.names[tr] = replace(
                     tr, src=tr.src % self.p_in, dst=tr.dst % self.p_in, owner=tr.owner % self.p_in
                 )
-        self.comm = self.poster = _Routes(self)
+        self.comm = self.poster = self  # each transfer posted and waited for on its group
         self.saved: tuple[torch.Tensor, ...] = ()
         self.result: list[torch.Tensor] = []
 
@@ -169,6 +169,30 @@ class _HybridPass(PassRunner):
             for target, part in zip(gathered[tr.payload], parts, strict=True):
                 self.view(target, name.src, step, sending=False).copy_(part)
         return [x for xs in gathered.values() for x in xs]
+
+    # -- the poster and communicator ``execute`` sees -----------------------------------------
+
+    def split(self, transfers: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
+        """``transfers`` as the inner and the outer group name them."""
+        inner = [self.names[tr] for tr in transfers if tr.step in (0, self.last)]
+        outer = [self.names[tr] for tr in transfers if tr.step not in (0, self.last)]
+        return inner, outer
+
+    def post(self, transfers: Sequence[Transfer], provide: Provide) -> None:
+        inner, outer = self.split(transfers)
+        if inner:
+            self.inner_poster.post(inner, provide)
+        if outer:
+            self.ring.poster.post(outer, self.ring.provide)
+
+    def wait_sent(self, transfers: Sequence[Transfer]) -> None:
+        inner, outer = self.split(transfers)
+        self.plan.inner.wait_sent(inner)
+        self.plan.outer.wait_sent(outer)
+
+    def wait_sends(self) -> None:
+        self.plan.inner.wait_sends()
+        self.plan.outer.wait_sends()
 
     # -- the ops ------------------------------------------------------------------------------
 
@@ -242,34 +266,3 @@ class _HybridBackward(_HybridPass):
             Payload.DQ: [self.padding.unpad(dq)],
             Payload.KV: [self.padding.unpad(dk), self.padding.unpad(dv)],
         }
-
-
-class _Routes:
-    """The poster and communicator of a hybrid pass: each transfer on its group."""
-
-    def __init__(self, runner: _HybridPass) -> None:
-        self.runner = runner
-
-    def split(self, transfers: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
-        """``transfers`` as the inner and the outer group name them."""
-        last, names = self.runner.last, self.runner.names
-        inner = [names[tr] for tr in transfers if tr.step in (0, last)]
-        outer = [names[tr] for tr in transfers if tr.step not in (0, last)]
-        return inner, outer
-
-    def post(self, transfers: Sequence[Transfer], provide: Provide) -> None:
-        runner = self.runner
-        inner, outer = self.split(transfers)
-        if inner:
-            runner.inner_poster.post(inner, provide)
-        if outer:
-            runner.ring.poster.post(outer, runner.ring.provide)
-
-    def wait_sent(self, transfers: Sequence[Transfer]) -> None:
-        inner, outer = self.split(transfers)
-        self.runner.plan.inner.wait_sent(inner)
-        self.runner.plan.outer.wait_sent(outer)
-
-    def wait_sends(self) -> None:
-        self.runner.plan.inner.wait_sends()
-        self.runner.plan.outer.wait_sends()
