@@ -235,12 +235,8 @@ class _InFlight:
     """One backward step's returns in flight, settled early (Note [Buffers in flight])."""
 
     def __init__(self, runner: _Backward, step: int, *, blocking: bool) -> None:
-        self.comm, self.poster, self.step, self.dq_acc = (
-            runner.comm,
-            runner.poster,
-            step,
-            runner.dq_acc,
-        )
+        self.comm, self.poster, self.dq_acc = runner.comm, runner.poster, runner.dq_acc
+        self.step = step
         self.lane_messages = runner.lane_messages  # the message of each lane's accumulator
         self.blocking = blocking  # gloo: works report completion only when waited for
         self.settled = False
@@ -400,12 +396,9 @@ class _RingPass(SchedulePass):
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload in (Payload.OUT, Payload.DQ, Payload.DKV):
             return self.outbox.pop(tr)
-        if (
-            tr.payload is Payload.KV and self.pass_q
-        ):  # lent to a q owner (Note [Borrowed last pair])
-            return kv_message(
-                self.k[:, tr.rows[0] : tr.rows[1]], self.v[:, tr.rows[0] : tr.rows[1]]
-            )
+        if tr.payload is Payload.KV and self.pass_q:  # lent (Note [Borrowed last pair])
+            rows = slice(*tr.rows)
+            return kv_message(self.k[:, rows], self.v[:, rows])
         assert tr.owner == self.held[tr.lane].owner
         return self.held[tr.lane].send(tr.rows)
 
