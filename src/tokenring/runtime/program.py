@@ -389,20 +389,18 @@ def _build_cached(plan: CachedPlan, rank: int) -> list[Op]:
     program: list[Op] = []
     for t in range(plan.num_rounds):
         program.append(Op(kind=OpKind.STEP, step=t))
-        slots = sorted({tr.after_segments for tr in mine if tr.step == t})
+        slots = {tr.after_segments for tr in mine if tr.step == t}
         first = [tr for tr in mine if (tr.step, tr.after_segments) == (t, 0)]
         if any(tr.src == rank and tr.payload is Payload.OUT for tr in first):
             # partials go up merged in slot (t, 0): merge what came from below first
             taken = tuple(tr for tr in partials if tr.step < t)
             partials = partials[len(taken) :]
             program += [Op(kind=OpKind.RETURNS, step=t, transfers=taken)] if taken else []
-        post = [Op(kind=OpKind.POST, step=t, index=k, transfers=_slot(mine, t, k)) for k in slots]
-        program += post[:1] if 0 in slots else []
-        n = len(plan.computes[rank][t])
-        for k in range(n):
-            program.append(Op(kind=OpKind.COMPUTE, step=t, index=k))
-            program += [op for op in post if op.index == k + 1]
-        program += [op for op in post if op.index > n]
+        # a ring step's POSTs and COMPUTEs (Note [Rank program]), without STEP, ARRIVE and SENT
+        order = ring_step_order(len(plan.computes[rank][t]), slots, backward=False, returns=False)
+        for kind, k in order[1:-2]:
+            transfers = _slot(mine, t, k) if kind is OpKind.POST else ()
+            program.append(Op(kind=kind, step=t, index=k, transfers=transfers))
         blocks = (tr for tr in mine if tr.dst == rank and tr.step == t)
         travel = tuple(tr for tr in blocks if tr.payload.flow is Flow.TRAVEL)
         program.append(Op(kind=OpKind.ARRIVE, step=t, transfers=travel))
