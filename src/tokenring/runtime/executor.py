@@ -25,13 +25,13 @@ __all__ = ["PassRunner", "Poster", "SendWaits", "execute"]
 
 
 class Poster(Protocol):
-    """A ``SlotPoster``, or the hybrid's routes to the poster of each transfer's group."""
+    """A ``SlotPoster``, or the hybrid runner (it posts each transfer on its group)."""
 
     def post(self, transfers: Sequence[Transfer], provide: Provide) -> object: ...
 
 
 class SendWaits(Protocol):
-    """A ``Communicator``, or the hybrid's routes to the communicator of each send's group."""
+    """A ``Communicator``, or the hybrid runner (it waits for each send on its group)."""
 
     def wait_sent(self, transfers: Sequence[Transfer]) -> None: ...
 
