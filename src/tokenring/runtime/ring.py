@@ -429,27 +429,21 @@ class _RingPass(SchedulePass):
         self, step: int, piece: Piece, own: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
         """``piece``'s query-side tensors (of ``own``), its k and v, and whose K/V they are."""
-        k, v, (c, d) = self.k, self.v, piece.kv_rows
+        k, v, q_rows, (c, d) = self.k, self.v, piece.q_rows, piece.kv_rows
         if step == 0:
-            return (
-                [_part(x, piece.q_rows, slice(None)) for x in own],
-                k[:, c:d],
-                v[:, c:d],
-                self.rank,
-            )
+            return [_part(x, q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], self.rank
         if piece.kv_owner is not None:  # our queries against borrowed K/V (every head)
-            (part,) = [
-                h for h in self.borrowed[piece.kv_owner] if h.rows[0] <= c and d <= h.rows[1]
-            ]
+            borrowed = self.borrowed[piece.kv_owner]
+            (part,) = [h for h in borrowed if h.rows[0] <= c and d <= h.rows[1]]
             k_p, v_p = part.slice(piece.kv_rows)
-            return [_part(x, piece.q_rows, slice(None)) for x in own], k_p, v_p, piece.kv_owner
+            return [_part(x, q_rows, slice(None)) for x in own], k_p, v_p, piece.kv_owner
         held = self.held[piece.lane]
         if self.pass_q:
             kvh = slice(None) if piece.heads is None else slice(*piece.heads)
             heads = _held_heads(self.sched, piece)
             q_side = [_part(x, None, heads) for x in held.slice(piece.q_rows)]
             return q_side, k[:, c:d, kvh], v[:, c:d, kvh], self.rank
-        q_side = [_part(x, piece.q_rows, _q_heads(piece, self.groups)) for x in own]
+        q_side = [_part(x, q_rows, _q_heads(piece, self.groups)) for x in own]
         k_p, v_p = held.slice(piece.kv_rows)
         return q_side, k_p, v_p, held.owner
 
@@ -482,7 +476,8 @@ class _Forward(_RingPass):
 
     def setup(self) -> None:
         super().setup()
-        q, s, acc = self.q, self.q.shape[1], accumulation_dtype(self.q.dtype)
+        q, acc = self.q, accumulation_dtype(self.q.dtype)
+        b, s, hq = q.shape[:3]
         # step 0's first piece covering every row and head sets the accumulators (no merge)
         plan = self.sched.steps[self.rank][0] if self.sched.num_steps else None
         pieces = plan.segments[0].pieces if plan is not None and plan.segments else ()
@@ -497,9 +492,7 @@ class _Forward(_RingPass):
             self.out_acc = self.lse_acc = torch.empty(0, dtype=acc, device=q.device)
         else:
             self.out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-            self.lse_acc = torch.full(
-                (q.shape[0], q.shape[2], s), float("-inf"), dtype=acc, device=q.device
-            )  # (B, Hq, s)
+            self.lse_acc = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
         self.hold([q])
 
     def returns(self, op: Op) -> None:
@@ -590,8 +583,7 @@ class _Backward(_RingPass):
         self.s = q.shape[1]
         self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-        # Ring: gradients go straight into the accumulator that leaves; else they leave home
-        # in pass_on
+        # Ring: gradients go straight into the accumulator that leaves (else: see pass_on)
         (lane, *others) = sched.lanes
         self.direct = (
             not self.pass_q
@@ -767,13 +759,10 @@ class _Backward(_RingPass):
             if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
                 dk_home, dv_home = self.poster.pending.pop(tr).wait()  # they are dK, dV
                 # small ones share a frame and the operator's outputs may not alias: copy one
-                shared = (
-                    dk_home.untyped_storage().data_ptr() == dv_home.untyped_storage().data_ptr()
-                )
-                self.dk, self.dv = (
-                    dk_home,
-                    dv_home.clone() if shared and acc == k.dtype else dv_home,
-                )
+                dk_storage = dk_home.untyped_storage().data_ptr()
+                if dk_storage == dv_home.untyped_storage().data_ptr() and acc == k.dtype:
+                    dv_home = dv_home.clone()
+                self.dk, self.dv = dk_home, dv_home
                 return
         if self.dk_acc is None or self.dv_acc is None:
             self.comm.wait_sends()
