@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,60 +76,6 @@ class _Collective(SchedulePass):
 # -- Ulysses -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _UlyssesPlan:
-    """What one rank needs to run Ulysses: head shares, row order, local kv head map."""
-
-    shares: tuple[HeadShare, ...]
-    to_global: torch.Tensor | None  # gathered row index of each global position; None: as is
-    to_layout: torch.Tensor | None  # global position of each gathered row
-    kv_map: torch.Tensor | None  # local kv head of each local q head; None: kernel's own GQA
-    visible: PositionMask | None = None  # (S, S) mask over the gathered rows, as positions
-
-    @staticmethod
-    def make(runner: _Collective) -> _UlyssesPlan:
-        """The plan of ``runner``'s rank, from its schedule, tensors and masks."""
-        sched, masking, device = runner.sched, runner.masking, runner.q.device
-        p, s, (_, _, hq, _), heads_kv = runner.p, runner.s, runner.q.shape, runner.k.shape[2]
-        shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=heads_kv)
-        to_global = to_layout = visible = None
-        if masking is not None:  # rows stay in rank order; the mask says who sees whom
-            visible = masking.block(masking.all_positions, masking.all_positions)
-        elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
-            positions_of = functools.partial(global_positions, world_size=p, seq_local=s)
-            rows = [positions_of(rank=j, layout=sched.layout) for j in range(p)]
-            to_layout = torch.cat(rows).to(device)  # (S,) global position of each gathered row
-            to_global = torch.argsort(to_layout)
-        mine = shares[runner.rank]
-        groups = hq // heads_kv
-        local = [(h // groups) - mine.kv[0] for h in range(*mine.q)]
-        kv_map = None
-        if mine.num_q > 0:  # the kernel's own GQA maps q head i to kv head i // per
-            per = mine.num_q // mine.num_kv
-            if mine.num_q % mine.num_kv or local != [i // per for i in range(mine.num_q)]:
-                kv_map = torch.tensor(local, dtype=torch.long, device=device)
-        return _UlyssesPlan(shares, to_global, to_layout, kv_map, visible)
-
-    def global_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return x if self.to_global is None else x.index_select(dim, self.to_global)
-
-    def layout_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return x if self.to_layout is None else x.index_select(dim, self.to_layout)
-
-    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, nkv, D) -> the kv head of every local q head where the kernel needs it."""
-        return x if self.kv_map is None else x.index_select(2, self.kv_map)
-
-    def reduce_kv(self, dx: torch.Tensor, num_kv: int, acc: torch.dtype) -> torch.Tensor:
-        """Gradient of :meth:`expand_kv`: (B, S, nq or nkv, D) -> (B, S, nkv, D) in ``acc``."""
-        if self.kv_map is None:
-            return dx.to(acc)
-        shape = (dx.shape[0], dx.shape[1], num_kv, dx.shape[3])
-        return torch.zeros(shape, dtype=acc, device=dx.device).index_add_(
-            2, self.kv_map, dx.to(acc)
-        )
-
-
 def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
     """The heads ``heads`` of a (B, s, H, D) or (B, H, s) tensor."""
     assert heads is not None, "a Ulysses message carries a head share"
@@ -143,19 +88,56 @@ _RETURNED = {Payload.OUT: slice(None), Payload.DQ: slice(0, 1), Payload.DKV: sli
 
 
 class _Ulysses(_Collective):
-    """What both Ulysses passes share: the plan, this rank's head share, the all-to-all of
-    the queries' side and K/V there, and the all-to-all of the results back."""
+    """What both Ulysses passes share: head shares, row order, local kv head map; the
+    all-to-all of the queries' side and K/V there, and of the results back."""
 
     def setup(self) -> None:
         super().setup()
-        self.plan = _UlyssesPlan.make(self)
-        self.mine = self.plan.shares[self.rank]
-        self.backward = self.sched.pass_ is Pass.BACKWARD
+        sched, masking, device, p, s = self.sched, self.masking, self.q.device, self.p, self.s
+        hq, heads_kv = self.q.shape[2], self.k.shape[2]
+        self.shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=heads_kv)
+        self.mine = mine = self.shares[self.rank]
+        self.to_global: torch.Tensor | None = None  # gathered row of each global position
+        self.to_layout: torch.Tensor | None = None  # global position of each gathered row
+        self.visible: PositionMask | None = None  # (S, S) mask over the gathered rows
+        if masking is not None:  # rows stay in rank order; the mask says who sees whom
+            self.visible = masking.block(masking.all_positions, masking.all_positions)
+        elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
+            positions_of = functools.partial(global_positions, world_size=p, seq_local=s)
+            rows = [positions_of(rank=j, layout=sched.layout) for j in range(p)]
+            self.to_layout = torch.cat(rows).to(device)  # (S,)
+            self.to_global = torch.argsort(self.to_layout)
+        local = [(h // (hq // heads_kv)) - mine.kv[0] for h in range(*mine.q)]
+        self.kv_map: torch.Tensor | None = None  # local kv head of each local q head
+        if mine.num_q > 0:  # None: the kernel's own GQA maps q head i to kv head i // per
+            per = mine.num_q // mine.num_kv
+            if mine.num_q % mine.num_kv or local != [i // per for i in range(mine.num_q)]:
+                self.kv_map = torch.tensor(local, dtype=torch.long, device=device)
+        self.backward = sched.pass_ is Pass.BACKWARD
         # the queries' side then k, v of my heads, every rank's rows in global order: forward
         # q (B, S, nq, D); backward q, dout (B, S, nq, D), lse, delta (B, nq, S); k, v (B, S,
         # nkv, D)
         self.gathered: list[torch.Tensor] = []
         self.back: list[torch.Tensor] = []  # what returns (_RETURNED), in layout order
+
+    def global_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x if self.to_global is None else x.index_select(dim, self.to_global)
+
+    def layout_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x if self.to_layout is None else x.index_select(dim, self.to_layout)
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, nkv, D) -> the kv head of every local q head where the kernel needs it."""
+        return x if self.kv_map is None else x.index_select(2, self.kv_map)
+
+    def reduce_kv(self, dx: torch.Tensor) -> torch.Tensor:
+        """Gradient of :meth:`expand_kv`: (B, S, nq or nkv, D) -> (B, S, nkv, D) in ``acc``."""
+        if self.kv_map is None:
+            return dx.to(self.acc)
+        shape = (dx.shape[0], dx.shape[1], self.mine.num_kv, dx.shape[3])
+        return torch.zeros(shape, dtype=self.acc, device=dx.device).index_add_(
+            2, self.kv_map, dx.to(self.acc)
+        )
 
     def kv_heads(self, heads: Rows | None) -> list[torch.Tensor]:
         return [_heads(self.k, heads), _heads(self.v, heads)]
@@ -188,7 +170,7 @@ class _Ulysses(_Collective):
         for i in range(len(parts[0])):  # each field joined over the sequence, global order
             pieces = [part[i] for part in parts]
             dim = 1 if pieces[0].dim() == 4 else 2
-            self.gathered.append(self.plan.global_order(torch.cat(pieces, dim=dim), dim))
+            self.gathered.append(self.global_order(torch.cat(pieces, dim=dim), dim))
             del pieces
         parts.clear()
 
@@ -199,7 +181,7 @@ class _Ulysses(_Collective):
         payloads = (Payload.DQ, Payload.DKV) if self.backward else (Payload.OUT,)
         came = [self.take(op, payload, own[_RETURNED[payload]]) for payload in payloads]
         del own
-        return _joined(*(_with_heads(parts, self.plan.shares) for parts in came))
+        return _joined(*(_with_heads(parts, self.shares) for parts in came))
 
 
 class _UlyssesForward(_Ulysses):
@@ -210,21 +192,20 @@ class _UlyssesForward(_Ulysses):
         self.out = self.lse = torch.empty(0)  # (B, s, Hq, D), (B, Hq, s), from RETURNS
 
     def compute(self, op: Op) -> None:
-        plan = self.plan
         qg, kg, vg = self.gathered  # (B, S, nq, D), (B, S, nkv, D) x 2
         self.gathered = []
         done = self.timer.span(0, "attn")
         out_g, lse_g = self.kernel.forward(
             qg,
-            plan.expand_kv(kg),
-            plan.expand_kv(vg),
-            causal=self.sched.causal and plan.visible is None,
+            self.expand_kv(kg),
+            self.expand_kv(vg),
+            causal=self.sched.causal and self.visible is None,
             scale=self.scale,
-            mask=plan.visible,
+            mask=self.visible,
         )  # (B, S, nq, D), (B, nq, S)
         done()
         del qg, kg, vg
-        self.back = [plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)]
+        self.back = [self.layout_order(out_g, 1), self.layout_order(lse_g, 2)]
 
     def returns(self, op: Op) -> None:
         parts = self.came_back(op)
@@ -256,35 +237,33 @@ class _UlyssesBackward(_Ulysses):
         self.dq = self.dk = self.dv = torch.empty(0)  # (B, s, H, D), from RETURNS
 
     def compute(self, op: Op) -> None:
-        plan = self.plan
         qg, dout_g, lse_g, delta_g, kg, vg = self.gathered
         self.gathered = []
         done = self.timer.span(0, "attn_bwd")
         dq_g, dk_x, dv_x = self.kernel.backward(
             dout_g,
             qg,
-            plan.expand_kv(kg),
-            plan.expand_kv(vg),
+            self.expand_kv(kg),
+            self.expand_kv(vg),
             lse_g,
             delta_g,
-            causal=self.sched.causal and plan.visible is None,
+            causal=self.sched.causal and self.visible is None,
             scale=self.scale,
-            mask=plan.visible,
+            mask=self.visible,
         )
         done()
         del qg, kg, vg, dout_g, lse_g, delta_g
-        self.back.append(plan.layout_order(dq_g))
+        self.back.append(self.layout_order(dq_g))
         del dq_g
-        nkv = self.mine.num_kv
-        self.back.append(plan.layout_order(plan.reduce_kv(dk_x, nkv, self.acc)))  # (B, S, nkv, D)
-        self.back.append(plan.layout_order(plan.reduce_kv(dv_x, nkv, self.acc)))
+        self.back.append(self.layout_order(self.reduce_kv(dk_x)))  # (B, S, nkv, D)
+        self.back.append(self.layout_order(self.reduce_kv(dv_x)))
         del dk_x, dv_x
 
     def returns(self, op: Op) -> None:
         parts = self.came_back(op)  # dq, dk, dv of each rank with heads
         self.dk = torch.zeros(self.k.shape, dtype=self.acc, device=self.k.device)  # (B, s, Hkv, D)
         self.dv = torch.zeros_like(self.dk)
-        shares = [share for share in self.plan.shares if share.num_q]
+        shares = [share for share in self.shares if share.num_q]
         for share, (_, dk, dv) in zip(shares, parts, strict=True):
             _heads(self.dk, share.kv).add_(dk)  # a kv head used by several ranks sums here
             _heads(self.dv, share.kv).add_(dv)

@@ -174,12 +174,6 @@ def _memo(
     return program
 
 
-def _post(sched: Schedule, rank: int, step: int, after: int) -> Op:
-    """POST of slot ``(step, after)``: the slot's receives and sends of ``rank``."""
-    mine = (*sched.recvs(rank, step), *sched.sends(rank, step))
-    return Op(kind=OpKind.POST, step=step, index=after, transfers=_slot(mine, step, after))
-
-
 def _slot(mine: Sequence[Transfer], step: int, after: int) -> tuple[Transfer, ...]:
     """The transfers of slot ``(step, after)`` among ``mine``, in their order."""
     return tuple(tr for tr in mine if (tr.step, tr.after_segments) == (step, after))
@@ -228,14 +222,15 @@ def _step(
     """The ops of step ``t`` (``first``: the program's first step)."""
     backward = sched.pass_ is Pass.BACKWARD
     n = len(sched.steps[rank][t].segments)
-    slots = {tr.after_segments for tr in (*sched.sends(rank, t), *sched.recvs(rank, t))}
+    mine = (*sched.recvs(rank, t), *sched.sends(rank, t))
+    slots = {tr.after_segments for tr in mine}
     travel = tuple(tr for tr in sched.recvs(rank, t) if tr.payload.flow is Flow.TRAVEL)
     sent = [tr for tr in sched.sends(rank, t) if tr.payload.flow is Flow.TRAVEL]
     if t >= first + 2:  # the returns of two steps ago: they had a whole step to arrive
         sent += [tr for tr in sched.sends(rank, t - 2) if tr.payload.flow is Flow.RETURN]
     ops = {
         OpKind.STEP: lambda k: Op(kind=OpKind.STEP, step=t, transfers=passing),
-        OpKind.POST: lambda k: _post(sched, rank, t, k),
+        OpKind.POST: lambda k: Op(kind=OpKind.POST, step=t, index=k, transfers=_slot(mine, t, k)),
         OpKind.COMPUTE: lambda k: Op(kind=OpKind.COMPUTE, step=t, index=k),
         OpKind.PASS: lambda k: Op(kind=OpKind.PASS, step=t, transfers=passing),
         OpKind.RETURNS: lambda k: _returns(sched, rank, t - 2),
