@@ -232,12 +232,12 @@ def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> Message:
         apart = _apart([_nbytes(t) for t in tensors])
         small = [t for t, own in zip(tensors, apart, strict=True) if not own]
         fields = [(tuple(t.shape), t.dtype) for t in small]
-        inline, views = Communicator.message(fields, tensors[0].device, zeroed=False)
+        header_frame, views = Communicator.message(fields, tensors[0].device, zeroed=False)
         for view, t in zip(views, small, strict=True):
             view.copy_(t)
         own_frames = zip(tensors, apart, strict=True)
         frames = tuple(t.contiguous().reshape(-1).view(torch.uint8) for t, own in own_frames if own)
-        message = Message(inline.buffer, frames)
+        message = Message(header_frame.buffer, frames)
     _write_header(message.buffer, tr, message.num_bytes, message.layout)
     return message
 
@@ -361,10 +361,9 @@ class PendingRecv:
             self._result = _unpack(self._message, self._fields)
             timeline = comm.timeline
             if timeline is not None:
-                end_s, num_bytes = time.perf_counter(), self._message.num_bytes
-                event = Event(
-                    "recv", tr.payload.value, tr.step, self._posted_s, end_s, tr.src, num_bytes
-                )
+                end_s = time.perf_counter()
+                event = Event("recv", tr.payload.value, tr.step, self._posted_s, end_s, tr.src)
+                event.num_bytes = self._message.num_bytes
                 timeline.events.append(event)
         return self._result
 
@@ -515,9 +514,8 @@ class Communicator:
                     f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the call, "
                     "or called something else)"
                 )
-            parts += [
-                f"rank {r} is gone (it exited or crashed): {why}" for r, why in closed.items()
-            ]
+            for r, message in closed.items():
+                parts.append(f"rank {r} is gone (it exited or crashed): {message}")
             self._broken = f"{what} failed"
             raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
         out = []
@@ -636,9 +634,11 @@ class Communicator:
     # -- the staged path (Note [Staged path]) ---------------------------------------------------
     def path(self, device: torch.device) -> str:
         """How this communicator's messages of tensors on ``device`` travel."""
-        if self.stage_through_host is None:
-            return comm_path(self.backend, device)
-        return f"{self.backend}-staged" if self.stage_through_host else self.backend
+        if self.stage_through_host:
+            return f"{self.backend}-staged"
+        if self.stage_through_host is False:
+            return self.backend
+        return comm_path(self.backend, device)
 
     def _staged(self, device: torch.device) -> bool:
         return self.path(device).endswith("staged")
