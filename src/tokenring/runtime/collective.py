@@ -82,6 +82,22 @@ def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
     return _part(x, None, slice(*heads))
 
 
+def _with_heads(
+    parts: list[list[torch.Tensor] | None], shares: Sequence[HeadShare]
+) -> list[list[torch.Tensor] | None]:
+    """The parts of the ranks with heads (those that return something)."""
+    return [part for part, share in zip(parts, shares, strict=True) if share.num_q]
+
+
+def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
+    """Each source's tensors of several payloads, one list per source."""
+    joined = []
+    for parts in zip(*by_source, strict=True):
+        assert all(part is not None for part in parts), "every rank sends to a rank with heads"
+        joined.append([x for part in parts if part is not None for x in part])
+    return joined
+
+
 # What a Ulysses pass sends back, as a slice of its ``back``: forward out and lse; backward dq,
 # then dk and dv.
 _RETURNED = {Payload.OUT: slice(None), Payload.DQ: slice(0, 1), Payload.DKV: slice(1, None)}
@@ -211,22 +227,6 @@ class _UlyssesForward(_Ulysses):
         parts = self.came_back(op)
         self.out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): head order
         self.lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
-
-
-def _with_heads(
-    parts: list[list[torch.Tensor] | None], shares: Sequence[HeadShare]
-) -> list[list[torch.Tensor] | None]:
-    """The parts of the ranks with heads (those that return something)."""
-    return [part for part, share in zip(parts, shares, strict=True) if share.num_q]
-
-
-def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
-    """Each source's tensors of several payloads, one list per source."""
-    joined = []
-    for parts in zip(*by_source, strict=True):
-        assert all(part is not None for part in parts), "every rank sends to a rank with heads"
-        joined.append([x for part in parts if part is not None for x in part])
-    return joined
 
 
 class _UlyssesBackward(_Ulysses):
