@@ -124,10 +124,8 @@ atexit.register(close_communicators)
 
 def _mesh_group(group: GroupLike) -> GroupLike:
     """A DeviceMesh's process group (ValueError unless the mesh is 1-D); else ``group``."""
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - very old torch
-        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
     if not isinstance(group, DeviceMesh):
         return group
     if group.ndim != 1:
@@ -285,13 +283,12 @@ def _validate(
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class _Call:
     """One rank's validated attention call: everything the schedule and the kernels need."""
 
     layout: Layout
     sharding: Sharding
-    window: tuple[int, int]
     mask: MaskSpec
     kernel: BlockKernel
     scale: float
@@ -313,16 +310,33 @@ def _prepare_call(
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
     requested = _requested_strategy(q, options)
-    sharding = _sharding(q, comm, layout, options["seq_len"], options["cu_seqlens"])
+    seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
+    if not seq_len_given:  # P equal shares of q's length
+        if layout is Layout.ZIGZAG and q.shape[1] % 2:
+            raise ValueError(
+                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
+                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
+            )
+        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
+    sharding = make_sharding(  # raises for a seq_len that is not an int >= 0
+        layout=layout,
+        world_size=comm.world_size,
+        seq_len=seq_len if seq_len_given else q.shape[1] * comm.world_size,
+        cu_seqlens=options["cu_seqlens"],
+    )
     window = normalize_window(options["window_size"], causal=options["causal"])
     mask_docs = chunk_documents(sharding.cu_seqlens, options["attention_chunk_size"])
     mask = MaskSpec(options["causal"], window, mask_docs if len(mask_docs) > 2 else None)
-    _check_local_len(q, comm.rank, sharding)
+    if q.shape[1] != sharding.local_len(comm.rank):
+        raise ValueError(
+            f"q.shape[1] must be {sharding.local_len(comm.rank)} on rank {comm.rank}: its share "
+            f"of seq_len={sharding.seq_len} under layout '{layout.value}'"
+            + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
+            + f" (see tokenring.shard); got {q.shape[1]}"
+        )
     block_kernel = select_kernel(q.device, q.dtype, options["block_kernel"])
     softmax_scale = options["softmax_scale"]
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    bounds = sharding.cu_seqlens
-    seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
     signature: dict[str, Any] = {
         "batch": q.shape[0],
         ("seq_len" if seq_len_given else "seq_local"): seq_len if seq_len_given else q.shape[1],
@@ -338,22 +352,14 @@ def _prepare_call(
         "hardware": None if options["hardware"] is None else repr(options["hardware"]),
         "softmax_scale": float(scale).hex(),
         "window_size": list(window),
-        "cu_seqlens": _bounds_digest(bounds),
+        "cu_seqlens": _bounds_digest(sharding.cu_seqlens),
         "attention_chunk_size": options["attention_chunk_size"],
         "last_block_splits": options["last_block_splits"],
         "last_pair": options["last_pair"],
         "kernel": block_kernel.name,
         "needs grad": needs_grad,
     }
-    return _Call(
-        layout=layout,
-        sharding=sharding,
-        window=window,
-        mask=mask,
-        kernel=block_kernel,
-        scale=scale,
-        signature=signature,
-    )
+    return _Call(layout, sharding, mask, block_kernel, scale, signature)
 
 
 def _bounds_digest(bounds: Sequence[int]) -> list[int]:
@@ -404,38 +410,6 @@ def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
         what = "strategy='auto'" if requested == "auto" else "last_pair='auto'"
         raise ValueError(AUTO_NEEDS_HARDWARE.replace("strategy='auto'", what))
     return requested
-
-
-def _sharding(
-    q: torch.Tensor,
-    comm: Communicator,
-    layout: Layout,
-    seq_len: int | None,
-    cu_seqlens: Sequence[int] | torch.Tensor | None,
-) -> Sharding:
-    """The sharding of the call's global sequence (None seq_len: P equal shares of q's)."""
-    if seq_len is None:
-        if layout is Layout.ZIGZAG and q.shape[1] % 2:
-            raise ValueError(
-                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
-                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
-            )
-        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
-        seq_len = q.shape[1] * comm.world_size
-    return make_sharding(  # raises for a seq_len that is not an int >= 0
-        layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-    )
-
-
-def _check_local_len(q: torch.Tensor, rank: int, sharding: Sharding) -> None:
-    expected = sharding.local_len(rank)
-    if q.shape[1] != expected:
-        raise ValueError(
-            f"q.shape[1] must be {expected} on rank {rank}: its share of "
-            f"seq_len={sharding.seq_len} under layout '{sharding.layout.value}'"
-            + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
-            + f" (see tokenring.shard); got {q.shape[1]}"
-        )
 
 
 # Note [Rank agreement]
@@ -741,7 +715,8 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         if (name, type(value)) in (("strategy", Strategy), ("layout", Layout)):
             value = value.value
         if name in ("cu_seqlens", "window_size"):
-            primitive = _int_list(value)
+            ints = isinstance(value, list | tuple) and all(type(x) is int for x in value)
+            primitive = list(value) if ints else None  # a list or tuple of ints as a list
             if primitive is None and value is not None:
                 if torch.compiler.is_compiling() and isinstance(value, torch.Tensor):
                     raise NotImplementedError(
@@ -764,13 +739,6 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
     record = op.Record(raw)
     return {**options, "raw": op.object_handle(record)}, record
-
-
-def _int_list(value: Any) -> list[int] | None:
-    """A list or tuple of ints as a list; None for anything else."""
-    if isinstance(value, list | tuple) and all(type(x) is int for x in value):
-        return list(value)
-    return None
 
 
 def _group_handle(group: GroupLike) -> str:
@@ -798,13 +766,12 @@ def _plan(
         raise ValueError(f"check_ranks must be a bool; got {options['check_ranks']!r}")
     comm = get_communicator(op.resolve_group(options["group"]))
 
-    def validate() -> tuple[_Call, dict[str, Any]]:
+    def validate() -> tuple[_Call, dict[str, Any]]:  # Note [Rank agreement]
         needs_grad = any(options["requires_grad"])
         call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
         return call, call.signature
 
-    what, check_ranks = "attention call", options["check_ranks"]
-    call = comm.agreed(validate, what=what, check_ranks=check_ranks)  # Note [Rank agreement]
+    call = comm.agreed(validate, what="attention call", check_ranks=options["check_ranks"])
     strategy = _strategy_of(q, k, options, comm.world_size)
     lend = _lends_last_pair(strategy, q, k, options, comm.world_size)
     sharding = call.sharding
@@ -816,7 +783,7 @@ def _plan(
             world_size=comm.world_size,
             seq_len=sharding.seq_len,
             cu_seqlens=sharding.cu_seqlens,
-            window_size=call.window,
+            window_size=call.mask.window,
             last_block_splits=options["last_block_splits"],
             heads_kv=k.shape[2],
             attention_chunk_size=options["attention_chunk_size"],

@@ -173,27 +173,20 @@ def joint_attn(
     options |= {"group": comm, "causal": False, "layout": "contiguous"}
     if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
         return cast(torch.Tensor, sequence_parallel_attn(q, k, v, **options))  # no return_lse
-    biased = _text_bias(q, k, v, num_text, bias=-math.log(comm.world_size) / scale)
-    out = cast(torch.Tensor, sequence_parallel_attn(*biased, **options))
-    return out[..., : q.shape[3]]  # (B, t + s, Hq, D)
-
-
-def _text_bias(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_text: int, *, bias: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``(B, t + s, H, D + E)`` with the bias channel (Note [Joint attention with
-    replicated text]): E = 8 when 8 divides D, else 1."""
+    # the bias channel (Note [Joint attention with replicated text]): E = 8 when 8 divides D
     b, n, d = q.shape[0], q.shape[1], q.shape[3]
     extra = 8 if d % 8 == 0 else 1
     q_extra = q.new_zeros(b, n, q.shape[2], extra)  # (B, t + s, Hq, E)
     q_extra[..., 0] = 1
     k_extra = k.new_zeros(b, n, k.shape[2], extra)  # (B, t + s, Hkv, E)
-    k_extra[:, :num_text, :, 0] = bias
-    return (
+    k_extra[:, :num_text, :, 0] = -math.log(comm.world_size) / scale
+    out = sequence_parallel_attn(
         torch.cat([q, q_extra], dim=-1),  # (B, t + s, Hq, D + E)
         torch.cat([k, k_extra], dim=-1),
         torch.cat([v, v.new_zeros(b, n, v.shape[2], extra)], dim=-1),
+        **options,
     )
+    return cast(torch.Tensor, out)[..., :d]  # (B, t + s, Hq, D)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -252,20 +245,8 @@ def cross_attn(
             raise ValueError("k and v must hold at least one key on some rank; got none on any")
         k = _GatherSequence.apply(k.contiguous(), comm, lengths)  # (B, Skv, Hkv, D)
         v = _GatherSequence.apply(v.contiguous(), comm, lengths)
-    return _local_attn(q, k, v, softmax_scale)
-
-
-def _local_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None
-) -> torch.Tensor:
-    """SDPA in the (B, seq, H, D) layout."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        scale=softmax_scale,
-        enable_gqa=True,
-    )
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, seq, D)
+    out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, enable_gqa=True)
     return out.transpose(1, 2)  # (B, s, Hq, D)
 
 
@@ -314,7 +295,18 @@ class FluxSequenceParallelProcessor:
             from diffusers.models.embeddings import apply_rotary_emb
         except ImportError as exc:
             raise ImportError(DIFFUSERS_MISSING) from exc
-        _refuse_inputs(attention_mask, ip_hidden_states, ip_adapter_masks)
+        if attention_mask is not None:
+            raise NotImplementedError(
+                "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
+                f"of shape {tuple(attention_mask.shape)}); Flux passes none"
+            )
+        if ip_hidden_states is not None or ip_adapter_masks is not None:  # else dropped silently
+            raise NotImplementedError(
+                "FluxSequenceParallelProcessor does not support IP-adapter inputs "
+                "(ip_hidden_states / ip_adapter_masks); got "
+                f"ip_hidden_states={type(ip_hidden_states).__name__}, "
+                f"ip_adapter_masks={type(ip_adapter_masks).__name__}"
+            )
         text = TextPlacement.parse(self.text)
         query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
         if encoder_hidden_states is not None:
@@ -330,43 +322,25 @@ class FluxSequenceParallelProcessor:
             query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
             key = torch.cat([ek, key], dim=1)
             value = torch.cat([ev, value], dim=1)
-        else:
-            num_text = _single_stream_text(text, text_seq_len, hidden_states.shape[1])
+        elif text is TextPlacement.SHARDED:
+            num_text = 0  # the local joint sequence is one block of the ring
+        else:  # text rows at the start of a single-stream block's local rows
+            num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
         if image_rotary_emb is not None:  # (cos, sin), each (t + s, D), from the local ids
             rotary: Any = image_rotary_emb  # diffusers annotates it as a 1-tuple
             query, key = (apply_rotary_emb(x, rotary, sequence_dim=1) for x in (query, key))
-        out = joint_attn(
-            query,
-            key,
-            value,
-            num_text=num_text,
-            text=text,
-            group=self.group,
-            strategy=self.strategy,
-            hardware=self.hardware,
-        )  # (B, t + s, H, D)
-        out = out.flatten(2, 3).to(query.dtype)  # (B, t + s, C)
+        options: dict[str, Any] = {
+            "group": self.group,
+            "strategy": self.strategy,
+            "hardware": self.hardware,
+        }
+        out = joint_attn(query, key, value, num_text=num_text, text=text, **options)
+        out = out.flatten(2, 3).to(query.dtype)  # (B, t + s, H, D) -> (B, t + s, C)
         if encoder_hidden_states is None:
             return out
         text_out, image_out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)
         image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
         return image_out, attn.to_add_out(text_out.contiguous())
-
-
-def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
-    """Raise for the inputs of ``FluxAttnProcessor`` the processor does not take."""
-    if attention_mask is not None:
-        raise NotImplementedError(
-            "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
-            f"of shape {tuple(attention_mask.shape)}); Flux passes none"
-        )
-    if ip_hidden_states is not None or ip_adapter_masks is not None:  # else dropped silently
-        raise NotImplementedError(
-            "FluxSequenceParallelProcessor does not support IP-adapter inputs "
-            "(ip_hidden_states / ip_adapter_masks); got "
-            f"ip_hidden_states={type(ip_hidden_states).__name__}, "
-            f"ip_adapter_masks={type(ip_adapter_masks).__name__}"
-        )
 
 
 def _projections(attn: Any, x: torch.Tensor, *, added: bool) -> tuple[Any, Any, Any]:
@@ -383,20 +357,15 @@ def _projections(attn: Any, x: torch.Tensor, *, added: bool) -> tuple[Any, Any, 
     return norm_q(q.unflatten(-1, heads)), norm_k(k.unflatten(-1, heads)), v.unflatten(-1, heads)
 
 
-def _single_stream_text(text: TextPlacement, text_seq_len: int | None, length: int) -> int:
-    """The text rows at the start of a single-stream block's ``length`` local rows."""
-    if text is TextPlacement.SHARDED:
-        return 0  # the local joint sequence is one block of the ring
-    if text_seq_len is None:
+def _check_text_len(text_seq_len: Any, expected: int, *, at_most: bool = False) -> int:
+    """``text_seq_len`` checked against the text rows of a joint block (``expected``) or the
+    joint length of a single-stream block (``at_most``)."""
+    if text_seq_len is None:  # only a single-stream block calls with None
         raise ValueError(
             "text_seq_len is required with text='replicated' in a single-stream "
             "block (the text rows are not told apart there): pass "
             "joint_attention_kwargs={'text_seq_len': T} to the model; got None"
         )
-    return _check_text_len(text_seq_len, length, at_most=True)
-
-
-def _check_text_len(text_seq_len: Any, expected: int, *, at_most: bool = False) -> int:
     if isinstance(text_seq_len, bool) or not isinstance(text_seq_len, int) or text_seq_len < 0:
         raise ValueError(f"text_seq_len must be an int >= 0; got {text_seq_len!r}")
     if (text_seq_len > expected) if at_most else (text_seq_len != expected):

@@ -337,7 +337,9 @@ def _forked_worker(
         os.close(alive_fd)
         setattr(server, "_forkserver_alive_fd", None)  # noqa: B010  (private, untyped)
     parent = os.getppid()
-    _die_with_parent()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG: when the parent dies
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent or not _alive(launcher_pid):
         os._exit(1)  # the zygote or the launcher died before PR_SET_PDEATHSIG took effect
     os.setsid()  # its own session, as start_new_session gives a fresh interpreter
@@ -351,7 +353,7 @@ def _forked_worker(
     os.environ.clear()
     os.environ.update(env)
     sys.path[:] = path
-    _name_process(rank)
+    libc.prctl(15, f"tokenring-r{rank}".encode(), 0, 0, 0)  # PR_SET_NAME, for ps and top
     code = 1
     try:
         code = _worker(spec_path, rank)
@@ -360,17 +362,6 @@ def _forked_worker(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the parent dies (Linux PR_SET_PDEATHSIG = 1)."""
-    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-
-
-def _name_process(rank: int) -> None:
-    """Name the process ``tokenring-rN`` for ps and top (Linux PR_SET_NAME = 15)."""
-    ctypes.CDLL(None).prctl(15, f"tokenring-r{rank}".encode(), 0, 0, 0)
 
 
 def _alive(pid: int) -> bool:

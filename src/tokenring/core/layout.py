@@ -95,13 +95,10 @@ def check_int(name: str, value: object, minimum: int, *, optional: bool = False)
 
 
 def _check_seq_dim(x: torch.Tensor, seq_dim: int, name: str = "x") -> None:
-    if (
-        isinstance(seq_dim, bool)
-        or not isinstance(seq_dim, int)
-        or not -x.dim() <= seq_dim < x.dim()
-    ):
+    dims = x.dim()
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or not -dims <= seq_dim < dims:
         raise ValueError(
-            f"seq_dim must be an int in [{-x.dim()}, {x.dim()}) for {name} of shape "
+            f"seq_dim must be an int in [{-dims}, {dims}) for {name} of shape "
             f"{tuple(x.shape)}; got {seq_dim!r}"
         )
 
@@ -134,10 +131,9 @@ def position_ids(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(s_r,)`` int64: each of ``rank``'s tokens' position in its document (RoPE)."""
-    sharding = make_sharding(
+    return make_sharding(
         layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-    )
-    return sharding.doc_positions(_checked_rank(rank, world_size))
+    ).doc_positions(_checked_rank(rank, world_size))
 
 
 def _checked_rank(rank: int, world_size: int) -> int:
@@ -180,11 +176,10 @@ def shard(
     """``rank``'s shard ``(B, s_r, H, D)`` (contiguous) of a global ``x`` ``(B, S, H, D)``
     along ``seq_dim``, any S (Note [Documents and padding])."""
     _check_seq_dim(x, seq_dim)
-    sharding = make_sharding(
+    index = make_sharding(
         layout=layout, world_size=world_size, seq_len=x.shape[seq_dim], cu_seqlens=cu_seqlens
-    )
-    index = sharding.positions(_checked_rank(rank, world_size)).to(x.device)
-    return x.index_select(seq_dim, index).contiguous()
+    ).positions(_checked_rank(rank, world_size))
+    return x.index_select(seq_dim, index.to(x.device)).contiguous()
 
 
 def unshard(
@@ -221,23 +216,17 @@ def unshard(
             )
     stacked = torch.cat(list(shards), dim=seq_dim)
     positions = torch.cat([sharding.positions(r) for r in range(world_size)]).to(stacked.device)
-    inverse = torch.empty_like(positions)
-    inverse[positions] = torch.arange(positions.numel(), device=positions.device)
-    return stacked.index_select(seq_dim, inverse)
+    return stacked.index_select(seq_dim, torch.argsort(positions))  # the inverse permutation
 
 
 @dataclass(frozen=True, slots=True)
 class Run:
     """Consecutive global tokens of one document held in consecutive local rows."""
 
-    local_start: int
-    """First local row (in the padded local buffer)."""
-    length: int
-    """Number of tokens (>= 0)."""
-    global_start: int
-    """Global position of the first token."""
-    doc: int
-    """Index of the document (0 without documents)."""
+    local_start: int  # first local row (in the padded local buffer)
+    length: int  # number of tokens (>= 0)
+    global_start: int  # global position of the first token
+    doc: int  # index of the document (0 without documents)
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -251,14 +240,11 @@ class Sharding:
 
     layout: Layout
     world_size: int
-    seq_len: int
-    """S, the caller's global length."""
+    seq_len: int  # S, the caller's global length
     cu_seqlens: tuple[int, ...]
     """Document boundaries ``(0, ..., S)``; ``(0, S)`` without documents."""
-    seq_local: int
-    """Rows per rank after padding."""
-    runs: tuple[tuple[Run, ...], ...]
-    """Per rank, its runs in local order."""
+    seq_local: int  # rows per rank after padding
+    runs: tuple[tuple[Run, ...], ...]  # per rank, its runs in local order
 
     def local_len(self, rank: int) -> int:
         """Tokens rank ``rank`` holds (its caller-visible local length)."""
@@ -305,8 +291,7 @@ class Padding:
 
     rows: torch.Tensor | None
     """Row of the padded buffer of each local token ``(s,)``; None without padding."""
-    seq_local: int
-    """s_pad, the rows of the padded buffer."""
+    seq_local: int  # s_pad, the rows of the padded buffer
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, s, H, D) in the zero padded buffer (B, s_pad, H, D)."""
@@ -348,9 +333,8 @@ def normalize_cu_seqlens(
                 f"{name} must be a 1-D integer tensor; got dtype {cu_seqlens.dtype}, shape "
                 f"{tuple(cu_seqlens.shape)}"
             )
-        values = tuple(int(x) for x in cu_seqlens.tolist())
-    else:
-        values = tuple(int(x) for x in cu_seqlens)
+        cu_seqlens = cu_seqlens.tolist()
+    values = tuple(int(x) for x in cu_seqlens)
     if len(values) < 2 or values[0] != 0 or values[-1] != seq_len:
         raise ValueError(
             f"{name} must start at 0 and end at the global length {seq_len}; got {list(values)}"

@@ -92,8 +92,7 @@ def chunk_documents(cu_seqlens: Sequence[int], attention_chunk_size: int | None)
 class MaskSpec:
     """The attention mask over global positions. Pure data, hashable."""
 
-    causal: bool
-    """Key j visible only from queries i >= j."""
+    causal: bool  # key j visible only from queries i >= j
     window: tuple[int, int] = (-1, -1)
     """(left, right) from :func:`normalize_window`: i - left <= j <= i + right (-1: unbounded)."""
     cu_seqlens: tuple[int, ...] | None = None
@@ -140,13 +139,11 @@ class MaskSpec:
 
     def classify(self, q_run: Run, kv_run: Run) -> MaskKind:
         """See Note [Mask classes]."""
-        if q_run.length == 0 or kv_run.length == 0 or q_run.doc != kv_run.doc:
+        if self.trim(q_run, kv_run) is None:  # no pair visible
             return MaskKind.EMPTY
         qa, qb = q_run.global_start, q_run.global_start + q_run.length
         ka, kb = kv_run.global_start, kv_run.global_start + kv_run.length
         left, right = self._left, self._right
-        if kb - 1 < qa - left or ka > qb - 1 + right:
-            return MaskKind.EMPTY
         if ka >= qb - 1 - left and kb - 1 <= qa + right:
             return MaskKind.FULL
         if (qa, qb) == (ka, kb) and right == 0 and left >= qb - qa - 1:

@@ -47,6 +47,7 @@ A shard cannot use transformers' ``mask_function`` (it is over local rows), so
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
@@ -289,12 +290,10 @@ def _model_mask(mask_function: Any, *, model: str | None = None) -> _ModelMask:
             pending += list(_closure(fn)["mask_functions"])
         elif kind == "remap":
             pending.append(_closure(fn)["mask_function"])
-        elif kind == "packed":
-            continue  # documents come from SequenceParallel.cu_seqlens
+        elif kind in ("packed", "bidirectional"):
+            continue  # packed: documents come from SequenceParallel.cu_seqlens
         elif kind == "causal":
             causal = True
-        elif kind == "bidirectional":
-            continue
         elif kind in ("sliding", "sliding_bidirectional"):
             w = int(_closure(fn)["sliding_window"])
             if w < 1:
@@ -335,11 +334,9 @@ def _unsupported_piece(
         "documents and chunked attention)"
     )
     if kind == "or":
-        extra = [_describe(f) for f in _closure(fn)["mask_functions"][1:]]
-        blockwise = any(
-            pieces.get(getattr(f, "__code__", None)) == "blockwise"
-            for f in _closure(fn)["mask_functions"]
-        )
+        functions = _closure(fn)["mask_functions"]
+        extra = [_describe(f) for f in functions[1:]]
+        blockwise = any(pieces.get(getattr(f, "__code__", None)) == "blockwise" for f in functions)
         option = "block_sequence_ids" if blockwise else "or_mask_function"
         return NotImplementedError(
             f"the model's {option}{where} widens its mask with {extra}, {cannot}"
@@ -376,60 +373,13 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: ``(B, H, s, D)`` in, ``(B, s, Hq, D)`` out, no
     weights. Every argument reaches the attention call or raises."""
-    sp = _check_call(
-        name,
-        strategy,
-        sequence_parallel,
-        attention_mask,
-        query,
-        key,
-        sequence_parallel_cache,
-        kwargs,
-    )
-    assert not isinstance(attention_mask, torch.Tensor)  # _check_call raised
-    mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
-    if sequence_parallel_cache is not None:  # a step of tokenring.hf.generate
-        out = sequence_parallel_cache.attention(
-            module, query, key, value, scaling=scaling, mask=mask
-        )
-        return out, None  # (1, n, Hq, D)
-    _check_temperature_tuning(module, sp, query.shape[2])
-    out = sequence_parallel_attn(
-        query.transpose(1, 2),  # (B, s, Hq, D)
-        key.transpose(1, 2),  # (B, s, Hkv, D)
-        value.transpose(1, 2),
-        strategy=strategy,
-        causal=mask.causal,
-        softmax_scale=scaling,
-        group=sp.group,
-        layout=sp.layout,
-        hardware=sp.hardware,
-        seq_len=sp.seq_len,
-        cu_seqlens=sp.cu_seqlens,
-        window_size=mask.window_size,
-        attention_chunk_size=mask.attention_chunk_size,
-    )
-    assert isinstance(out, torch.Tensor)
-    return out, None  # (B, s, Hq, D)
-
-
-def _check_call(
-    name: str,
-    strategy: str,
-    sp: SequenceParallel | None,
-    attention_mask: _ModelMask | torch.Tensor | None,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cache: Any,
-    options: dict[str, Any],
-) -> SequenceParallel:
-    """Raise for what :func:`_attention_forward` cannot honour; ``sp`` checked."""
-    if sp is None:
+    cache = sequence_parallel_cache
+    if sequence_parallel is None:
         raise ValueError(
             f"attn_implementation={name!r} needs sequence_parallel=tokenring.hf.SequenceParallel"
             "(...) passed to the model's forward (it says which group and layout the shards use)"
         )
-    sp = as_sequence_parallel(sp)
+    sp = as_sequence_parallel(sequence_parallel)
     if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
         raise NotImplementedError(
             f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
@@ -441,20 +391,15 @@ def _check_call(
             f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
             "generate with tokenring.hf.generate)"
         )
-    dropout = options.get("dropout", 0.0)
+    dropout = kwargs.get("dropout", 0.0)
     if dropout > 0:
         raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
+    packing = " (local packing; pass SequenceParallel(cu_seqlens=...))"
     for option, unsupported in (
-        ("softcap", options.get("softcap") is not None),
-        ("attention sinks (s_aux)", options.get("s_aux") is not None),
-        ("output_attentions", options.get("output_attentions", False)),
-        *(
-            (
-                f"{k} (local packing; pass SequenceParallel(cu_seqlens=...))",
-                options.get(k) is not None,
-            )
-            for k in _PACKING_KWARGS
-        ),
+        ("softcap", kwargs.get("softcap") is not None),
+        ("attention sinks (s_aux)", kwargs.get("s_aux") is not None),
+        ("output_attentions", kwargs.get("output_attentions", False)),
+        *((k + packing, kwargs.get(k) is not None) for k in _PACKING_KWARGS),
     ):
         if unsupported:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
@@ -463,7 +408,27 @@ def _check_call(
             f"SequenceParallel.hardware only chooses the strategy of "
             f"attn_implementation='tokenring_auto'; got it with {name!r}"
         )
-    return sp
+    mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
+    if cache is not None:  # a step of tokenring.hf.generate
+        out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
+        return out, None  # (1, n, Hq, D)
+    _check_temperature_tuning(module, sp, query.shape[2])
+    out = sequence_parallel_attn(
+        query.transpose(1, 2),  # (B, s, Hq, D)
+        key.transpose(1, 2),  # (B, s, Hkv, D)
+        value.transpose(1, 2),
+        strategy=strategy,
+        softmax_scale=scaling,
+        **_fields(sp),  # group, layout, seq_len, cu_seqlens, hardware
+        **_fields(mask),  # causal, window_size, attention_chunk_size
+    )
+    assert isinstance(out, torch.Tensor)
+    return out, None  # (B, s, Hq, D)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields by name, not copied (unlike ``dataclasses.asdict``)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def _layer_mask(
@@ -474,10 +439,8 @@ def _layer_mask(
 ) -> _ModelMask:
     """The model's mask (``is_causal``, ``sliding_window`` must agree), or else theirs."""
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    window_size = (-1, 0 if causal else -1)
-    if sliding_window is not None:
-        # sliding_window keys up to and including the query itself
-        window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    left = -1 if sliding_window is None else sliding_window - 1  # keys up to the query itself
+    window_size = (left, 0 if causal else left)
     if attention_mask is None:
         return _ModelMask(causal=causal, window_size=window_size, attention_chunk_size=None)
     given = "is_causal" if is_causal is not None else "the attention module's is_causal"
@@ -787,27 +750,21 @@ def _labels_loss(
     if labels is None or labels.dim() != 2 or labels.shape[0] != b:
         shape = None if labels is None else tuple(labels.shape)
         raise ValueError(f"labels must have shape (batch={b}, seq); got {shape}")
-    global_labels = _global_labels(sp, labels, logits)  # (B, S)
-    shifted = _shift_global(global_labels, ignore_index=ignore_index, cu_seqlens=sp.cu_seqlens)
-    local = _local(sp, shifted).to(logits.device)
-    return causal_lm_loss(sp, logits, local, ignore_index=ignore_index)
-
-
-def _global_labels(
-    sp: SequenceParallel, labels: torch.Tensor, logits: torch.Tensor
-) -> torch.Tensor:
-    """The global ``(B, S)`` labels: ``labels``, or every rank's shard of them gathered."""
+    # the global (B, S) labels: labels, or every rank's shard of them gathered
     comm = sp.communicator
     seq_len, sharding = _sharding(sp, logits.shape[1])
     lengths = [labels.shape[1]]
     if comm.world_size > 1:
         lengths = comm.all_gather_int(labels.shape[1], logits.device, label="labels lengths")
     shards = [sharding.local_len(r) for r in range(comm.world_size)]
-    if lengths == [seq_len] * comm.world_size:
-        return labels
-    if lengths == shards:
-        return gather_sequence(sp, labels)
-    raise ValueError(
-        f"labels must be every rank's shard (lengths {shards}) or the global labels (length "
-        f"{seq_len} on every rank); got lengths {lengths} over the ranks"
-    )
+    whole = [seq_len] * comm.world_size
+    if lengths not in (whole, shards):
+        raise ValueError(
+            f"labels must be every rank's shard (lengths {shards}) or the global labels (length "
+            f"{seq_len} on every rank); got lengths {lengths} over the ranks"
+        )
+    if lengths != whole:
+        labels = gather_sequence(sp, labels)
+    shifted = _shift_global(labels, ignore_index=ignore_index, cu_seqlens=sp.cu_seqlens)
+    local = _local(sp, shifted).to(logits.device)
+    return causal_lm_loss(sp, logits, local, ignore_index=ignore_index)

@@ -37,7 +37,6 @@ position 0) whose attention passes 0 rows to ``cached_attn`` and returns zeros.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -237,7 +236,22 @@ class ShardedKVCache(Cache):
 
     def _agree_on_ids(self, input_ids: torch.Tensor) -> None:
         """Check ``input_ids`` and that every rank holds the same ones, or every rank raises."""
-        validate = functools.partial(self._ids_signature, input_ids)
+
+        def validate() -> tuple[None, dict[str, Any]]:  # the signature: a digest of the ids
+            if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+                raise ValueError(
+                    "input_ids must have shape (batch, new tokens >= 1); got "
+                    f"{tuple(input_ids.shape)}"
+                )
+            if self.kv is not None and input_ids.shape[0] != self.kv.batch:
+                raise ValueError(
+                    f"the cache holds {self.kv.batch} sequences; got input_ids of batch "
+                    f"{input_ids.shape[0]}"
+                )
+            ids = input_ids.detach().to("cpu", torch.int64).contiguous()
+            digest = hashlib.sha1(ids.numpy().tobytes()).hexdigest()
+            return None, {"shape": list(ids.shape), "cached": self._seen, "ids sha1": digest}
+
         try:
             self.communicator.agreed(validate, what="generation step", errors=(ValueError,))
         except ValueError as exc:
@@ -249,24 +263,6 @@ class ShardedKVCache(Cache):
                     f"{exc}"
                 ) from exc
             raise
-
-    def _ids_signature(self, input_ids: torch.Tensor) -> tuple[None, dict[str, Any]]:
-        """Check ``input_ids`` on this rank; their signature (a digest of the ids)."""
-        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-            raise ValueError(
-                f"input_ids must have shape (batch, new tokens >= 1); got {tuple(input_ids.shape)}"
-            )
-        if self.kv is not None and input_ids.shape[0] != self.kv.batch:
-            raise ValueError(
-                f"the cache holds {self.kv.batch} sequences; got input_ids of batch "
-                f"{input_ids.shape[0]}"
-            )
-        ids = input_ids.detach().to("cpu", torch.int64).contiguous()
-        return None, {
-            "shape": list(ids.shape),
-            "cached": self._seen,
-            "ids sha1": hashlib.sha1(ids.numpy().tobytes()).hexdigest(),
-        }
 
     def end_step(self) -> None:
         assert self.kv is not None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,12 +25,11 @@ import torch
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Pass, Payload, Piece, Strategy, Transfer
+from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Transfer
 from tokenring.runtime.comm import Communicator, Message
-from tokenring.runtime.executor import execute
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
-from tokenring.runtime.program import Op, program_of
-from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows
+from tokenring.runtime.program import Op
+from tokenring.runtime.ring import SchedulePass, _part, kv_message, kv_rows
 from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
 
 __all__ = ["collective_backward", "collective_forward"]
@@ -44,9 +42,20 @@ class _Collective(SchedulePass):
     """What the collectives' runners share beyond a ``SchedulePass``: ``masking``
     (Note [Collectives with masks]), P, s and the accumulation dtype."""
 
-    def __init__(self, *args: Any, masking: _Masking | None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # as SchedulePass
+    def __init__(
+        self,
+        sched: Schedule,
+        comm: Communicator,
+        kernel: BlockKernel,
+        inputs: tuple[torch.Tensor, ...],
+        *,
+        scale: float,
+        masking: _Masking | None,
+    ) -> None:
         self.masking = masking
+        super().__init__(sched, comm, kernel, inputs, scale=scale)
+
+    def setup(self) -> None:
         self.p, self.s = self.comm.world_size, self.q.shape[1]
         self.acc = accumulation_dtype(self.q.dtype)
         self.row_delta = torch.empty(0)
@@ -67,133 +76,10 @@ class _Collective(SchedulePass):
 # -- Ulysses -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _UlyssesPlan:
-    """What one rank needs to run Ulysses: head shares, row order, local kv head map."""
-
-    shares: tuple[HeadShare, ...]
-    to_global: torch.Tensor | None  # gathered row index of each global position; None: as is
-    to_layout: torch.Tensor | None  # global position of each gathered row
-    kv_map: torch.Tensor | None  # local kv head of each local q head; None: kernel's own GQA
-    visible: PositionMask | None = None  # (S, S) mask over the gathered rows, as positions
-
-    @staticmethod
-    def make(runner: _Collective) -> _UlyssesPlan:
-        """The plan of ``runner``'s rank, from its schedule, tensors and masks."""
-        sched, masking, device = runner.sched, runner.masking, runner.q.device
-        p, s, (_, _, hq, _), heads_kv = runner.p, runner.s, runner.q.shape, runner.k.shape[2]
-        shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=heads_kv)
-        to_global = to_layout = visible = None
-        if masking is not None:  # rows stay in rank order; the mask says who sees whom
-            visible = masking.block(masking.all_positions, masking.all_positions)
-        elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
-            positions_of = functools.partial(global_positions, world_size=p, seq_local=s)
-            rows = [positions_of(rank=j, layout=sched.layout) for j in range(p)]
-            to_layout = torch.cat(rows).to(device)  # (S,) global position of each gathered row
-            to_global = torch.argsort(to_layout)
-        mine = shares[runner.rank]
-        groups = hq // heads_kv
-        local = [(h // groups) - mine.kv[0] for h in range(*mine.q)]
-        kv_map = None
-        if mine.num_q > 0:  # the kernel's own GQA maps q head i to kv head i // per
-            per = mine.num_q // mine.num_kv
-            if mine.num_q % mine.num_kv or local != [i // per for i in range(mine.num_q)]:
-                kv_map = torch.tensor(local, dtype=torch.long, device=device)
-        return _UlyssesPlan(shares, to_global, to_layout, kv_map, visible)
-
-    def global_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return x if self.to_global is None else x.index_select(dim, self.to_global)
-
-    def layout_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return x if self.to_layout is None else x.index_select(dim, self.to_layout)
-
-    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, nkv, D) -> the kv head of every local q head where the kernel needs it."""
-        return x if self.kv_map is None else x.index_select(2, self.kv_map)
-
-    def reduce_kv(self, dx: torch.Tensor, num_kv: int, acc: torch.dtype) -> torch.Tensor:
-        """Gradient of :meth:`expand_kv`: (B, S, nq or nkv, D) -> (B, S, nkv, D) in ``acc``."""
-        if self.kv_map is None:
-            return dx.to(acc)
-        shape = (dx.shape[0], dx.shape[1], num_kv, dx.shape[3])
-        return torch.zeros(shape, dtype=acc, device=dx.device).index_add_(
-            2, self.kv_map, dx.to(acc)
-        )
-
-
 def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
-    """The heads ``heads`` of a (B, s, H, D) tensor."""
+    """The heads ``heads`` of a (B, s, H, D) or (B, H, s) tensor."""
     assert heads is not None, "a Ulysses message carries a head share"
-    return x[:, :, heads[0] : heads[1]]
-
-
-class _Ulysses(_Collective):
-    """What both Ulysses passes share: the plan and this rank's head share."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.plan = _UlyssesPlan.make(self)
-        self.mine = self.plan.shares[self.rank]
-
-    def kv_heads(self, heads: Rows | None) -> list[torch.Tensor]:
-        return [_heads(self.k, heads), _heads(self.v, heads)]
-
-    def rows_of(self, j: int) -> slice:
-        return slice(j * self.s, (j + 1) * self.s)
-
-
-class _UlyssesForward(_Ulysses):
-    """One rank's Ulysses forward (Note [Collective rank program] in runtime.program)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.gathered: list[torch.Tensor] = []  # q, k, v (B, S, nq or nkv, D), global order
-        self.back: list[torch.Tensor] = []  # out, lse (B, S, nq, D), (B, nq, S), layout order
-        self.out = self.lse = torch.empty(0)  # (B, s, Hq, D), (B, Hq, s), from RETURNS
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload is Payload.Q:  # my rows of the destination's heads
-            return [_heads(self.q, tr.heads)]
-        if tr.payload is Payload.KV:  # the k, v heads they use
-            return kv_message(*self.kv_heads(tr.heads))
-        rows = self.rows_of(tr.dst)  # OUT: their rows of my heads
-        return [self.back[0][:, rows], self.back[1][:, :, rows]]
-
-    def arrive(self, op: Op) -> None:
-        if self.mine.num_q == 0:
-            return
-        qs = self.take(op, Payload.Q, [_heads(self.q, self.mine.q)])
-        kvs = self.take(op, Payload.KV, self.kv_heads(self.mine.kv))
-        self.gathered = _gathered(_joined(qs, kvs), self.plan, 3)
-
-    def compute(self, op: Op) -> None:
-        plan = self.plan
-        qg, kg, vg = self.gathered  # (B, S, nq, D), (B, S, nkv, D) x 2
-        self.gathered = []
-        done = self.timer.span(0, "attn")
-        out_g, lse_g = self.kernel.forward(
-            qg,
-            plan.expand_kv(kg),
-            plan.expand_kv(vg),
-            causal=self.sched.causal and plan.visible is None,
-            scale=self.scale,
-            mask=plan.visible,
-        )  # (B, S, nq, D), (B, nq, S)
-        done()
-        del qg, kg, vg
-        self.back = [plan.layout_order(out_g, 1), plan.layout_order(lse_g, 2)]
-
-    def returns(self, op: Op) -> None:
-        rows = self.rows_of(self.rank)
-        # this rank's rows of its heads stay here: views of ``back`` until joined below
-        own = [self.back[0][:, rows], self.back[1][:, :, rows]] if self.back else []
-        self.back = []  # sent
-        came = self.take(op, Payload.OUT, own)
-        del own
-        parts = _joined(_with_heads(came, self.plan.shares))
-        del came
-        self.out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): head order
-        self.lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
+    return _part(x, None, slice(*heads))
 
 
 def _with_heads(
@@ -212,95 +98,173 @@ def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tens
     return joined
 
 
-def _gathered(parts: list[list[torch.Tensor]], plan: _UlyssesPlan, num: int) -> list[torch.Tensor]:
-    """The first ``num`` fields of every part, joined over the sequence in global order."""
-    joined = []
-    for i in range(num):
-        pieces = [part[i] for part in parts]
-        joined.append(plan.global_order(torch.cat(pieces, dim=1)))
-        del pieces
-    parts.clear()
-    return joined
+# What a Ulysses pass sends back, as a slice of its ``back``: forward out and lse; backward dq,
+# then dk and dv.
+_RETURNED = {Payload.OUT: slice(None), Payload.DQ: slice(0, 1), Payload.DKV: slice(1, None)}
+
+
+class _Ulysses(_Collective):
+    """What both Ulysses passes share: head shares, row order, local kv head map; the
+    all-to-all of the queries' side and K/V there, and of the results back."""
+
+    def setup(self) -> None:
+        super().setup()
+        sched, masking, device, p, s = self.sched, self.masking, self.q.device, self.p, self.s
+        hq, heads_kv = self.q.shape[2], self.k.shape[2]
+        self.shares = ulysses_heads(world_size=p, heads_q=hq, heads_kv=heads_kv)
+        self.mine = mine = self.shares[self.rank]
+        self.to_global: torch.Tensor | None = None  # gathered row of each global position
+        self.to_layout: torch.Tensor | None = None  # global position of each gathered row
+        self.visible: PositionMask | None = None  # (S, S) mask over the gathered rows
+        if masking is not None:  # rows stay in rank order; the mask says who sees whom
+            self.visible = masking.block(masking.all_positions, masking.all_positions)
+        elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
+            positions_of = functools.partial(global_positions, world_size=p, seq_local=s)
+            rows = [positions_of(rank=j, layout=sched.layout) for j in range(p)]
+            self.to_layout = torch.cat(rows).to(device)  # (S,)
+            self.to_global = torch.argsort(self.to_layout)
+        local = [(h // (hq // heads_kv)) - mine.kv[0] for h in range(*mine.q)]
+        self.kv_map: torch.Tensor | None = None  # local kv head of each local q head
+        if mine.num_q > 0:  # None: the kernel's own GQA maps q head i to kv head i // per
+            per = mine.num_q // mine.num_kv
+            if mine.num_q % mine.num_kv or local != [i // per for i in range(mine.num_q)]:
+                self.kv_map = torch.tensor(local, dtype=torch.long, device=device)
+        self.backward = sched.pass_ is Pass.BACKWARD
+        # the queries' side then k, v of my heads, every rank's rows in global order: forward
+        # q (B, S, nq, D); backward q, dout (B, S, nq, D), lse, delta (B, nq, S); k, v (B, S,
+        # nkv, D)
+        self.gathered: list[torch.Tensor] = []
+        self.back: list[torch.Tensor] = []  # what returns (_RETURNED), in layout order
+
+    def global_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x if self.to_global is None else x.index_select(dim, self.to_global)
+
+    def layout_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x if self.to_layout is None else x.index_select(dim, self.to_layout)
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, nkv, D) -> the kv head of every local q head where the kernel needs it."""
+        return x if self.kv_map is None else x.index_select(2, self.kv_map)
+
+    def reduce_kv(self, dx: torch.Tensor) -> torch.Tensor:
+        """Gradient of :meth:`expand_kv`: (B, S, nq or nkv, D) -> (B, S, nkv, D) in ``acc``."""
+        if self.kv_map is None:
+            return dx.to(self.acc)
+        shape = (dx.shape[0], dx.shape[1], self.mine.num_kv, dx.shape[3])
+        return torch.zeros(shape, dtype=self.acc, device=dx.device).index_add_(
+            2, self.kv_map, dx.to(self.acc)
+        )
+
+    def kv_heads(self, heads: Rows | None) -> list[torch.Tensor]:
+        return [_heads(self.k, heads), _heads(self.v, heads)]
+
+    def query_side(self, heads: Rows | None) -> list[torch.Tensor]:
+        """The heads ``heads`` of q (backward: of q, dout, lse and delta)."""
+        if not self.backward:
+            return [_heads(self.q, heads)]
+        return [_heads(x, heads) for x in (self.q, self.dout, self.lse, self.row_delta)]
+
+    def rows_of(self, j: int) -> Rows:
+        return (j * self.s, (j + 1) * self.s)
+
+    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
+        if tr.payload is Payload.KV:  # the k, v heads they use
+            return kv_message(*self.kv_heads(tr.heads))
+        if tr.payload in (Payload.Q, Payload.Q_GRAD):  # my rows of the destination's heads
+            return self.query_side(tr.heads)
+        rows = self.rows_of(tr.dst)  # their rows of my heads
+        return [_part(x, rows, slice(None)) for x in self.back[_RETURNED[tr.payload]]]
+
+    def arrive(self, op: Op) -> None:
+        if self.mine.num_q == 0:
+            return
+        payload = Payload.Q_GRAD if self.backward else Payload.Q
+        queries = self.take(op, payload, self.query_side(self.mine.q))
+        kvs = self.take(op, Payload.KV, self.kv_heads(self.mine.kv))
+        parts = _joined(queries, kvs)
+        del queries, kvs
+        for i in range(len(parts[0])):  # each field joined over the sequence, global order
+            pieces = [part[i] for part in parts]
+            dim = 1 if pieces[0].dim() == 4 else 2
+            self.gathered.append(self.global_order(torch.cat(pieces, dim=dim), dim))
+            del pieces
+        parts.clear()
+
+    def came_back(self, op: Op) -> list[list[torch.Tensor]]:
+        """RETURNS: what each rank with heads sent back, its fields in ``_RETURNED`` order."""
+        own = [_part(x, self.rows_of(self.rank), slice(None)) for x in self.back]  # views
+        self.back = []  # sent
+        payloads = (Payload.DQ, Payload.DKV) if self.backward else (Payload.OUT,)
+        came = [self.take(op, payload, own[_RETURNED[payload]]) for payload in payloads]
+        del own
+        return _joined(*(_with_heads(parts, self.shares) for parts in came))
+
+
+class _UlyssesForward(_Ulysses):
+    """One rank's Ulysses forward (Note [Collective rank program] in runtime.program)."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.out = self.lse = torch.empty(0)  # (B, s, Hq, D), (B, Hq, s), from RETURNS
+
+    def compute(self, op: Op) -> None:
+        qg, kg, vg = self.gathered  # (B, S, nq, D), (B, S, nkv, D) x 2
+        self.gathered = []
+        done = self.timer.span(0, "attn")
+        out_g, lse_g = self.kernel.forward(
+            qg,
+            self.expand_kv(kg),
+            self.expand_kv(vg),
+            causal=self.sched.causal and self.visible is None,
+            scale=self.scale,
+            mask=self.visible,
+        )  # (B, S, nq, D), (B, nq, S)
+        done()
+        del qg, kg, vg
+        self.back = [self.layout_order(out_g, 1), self.layout_order(lse_g, 2)]
+
+    def returns(self, op: Op) -> None:
+        parts = self.came_back(op)
+        self.out = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D): head order
+        self.lse = torch.cat([part[1] for part in parts], dim=1).contiguous()  # (B, Hq, s)
 
 
 class _UlyssesBackward(_Ulysses):
     """One rank's Ulysses backward: gathers its heads again, like the forward."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.gathered: list[torch.Tensor] = []  # q, dout, k, v, lse, delta of my heads
-        self.back: list[torch.Tensor] = []  # dq, dk, dv (B, S, ., D) in layout order
+    def setup(self) -> None:
+        super().setup()
         self.dq = self.dk = self.dv = torch.empty(0)  # (B, s, H, D), from RETURNS
 
-    def q_grad(self, heads: Rows | None) -> list[torch.Tensor]:  # Payload.Q_GRAD of these heads
-        assert heads is not None, "a Ulysses message carries a head share"
-        h = slice(*heads)
-        return [self.q[:, :, h], self.dout[:, :, h], self.lse[:, h], self.row_delta[:, h]]
-
-    def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
-        if tr.payload is Payload.Q_GRAD:  # q, dout, lse, delta of the destination's heads
-            return self.q_grad(tr.heads)
-        if tr.payload is Payload.KV:
-            return kv_message(*self.kv_heads(tr.heads))
-        rows = self.rows_of(tr.dst)  # their rows of my heads
-        if tr.payload is Payload.DQ:
-            return [self.back[0][:, rows]]
-        return [self.back[1][:, rows], self.back[2][:, rows]]  # DKV, in the accumulation dtype
-
-    def arrive(self, op: Op) -> None:
-        if self.mine.num_q == 0:
-            return
-        plan, mine = self.plan, self.mine
-        grads = self.take(op, Payload.Q_GRAD, self.q_grad(mine.q))
-        kvs = self.take(op, Payload.KV, self.kv_heads(mine.kv))
-        parts = _joined(grads, kvs)  # q, dout, lse, delta, k, v of each source
-        del grads, kvs
-        lse_g, delta_g = (
-            plan.global_order(torch.cat([part[i] for part in parts], dim=2), 2) for i in (2, 3)
-        )  # (B, nq, S) x 2
-        rows4 = [[part[0], part[1], part[4], part[5]] for part in parts]
-        del parts
-        # (B, S, nq, D) x 2, (B, S, nkv, D) x 2
-        self.gathered = [*_gathered(rows4, plan, 4), lse_g, delta_g]
-
     def compute(self, op: Op) -> None:
-        plan = self.plan
-        qg, dout_g, kg, vg, lse_g, delta_g = self.gathered
+        qg, dout_g, lse_g, delta_g, kg, vg = self.gathered
         self.gathered = []
         done = self.timer.span(0, "attn_bwd")
         dq_g, dk_x, dv_x = self.kernel.backward(
             dout_g,
             qg,
-            plan.expand_kv(kg),
-            plan.expand_kv(vg),
+            self.expand_kv(kg),
+            self.expand_kv(vg),
             lse_g,
             delta_g,
-            causal=self.sched.causal and plan.visible is None,
+            causal=self.sched.causal and self.visible is None,
             scale=self.scale,
-            mask=plan.visible,
+            mask=self.visible,
         )
         done()
         del qg, kg, vg, dout_g, lse_g, delta_g
-        self.back.append(plan.layout_order(dq_g))
+        self.back.append(self.layout_order(dq_g))
         del dq_g
-        nkv = self.mine.num_kv
-        self.back.append(plan.layout_order(plan.reduce_kv(dk_x, nkv, self.acc)))  # (B, S, nkv, D)
-        self.back.append(plan.layout_order(plan.reduce_kv(dv_x, nkv, self.acc)))
+        self.back.append(self.layout_order(self.reduce_kv(dk_x)))  # (B, S, nkv, D)
+        self.back.append(self.layout_order(self.reduce_kv(dv_x)))
         del dk_x, dv_x
 
     def returns(self, op: Op) -> None:
-        rows = self.rows_of(self.rank)
-        own = [x[:, rows] for x in self.back]  # this rank's rows of its heads (views of back)
-        self.back = []  # sent
-        shares = self.plan.shares
-        parts = _joined(
-            _with_heads(self.take(op, Payload.DQ, own[:1]), shares),
-            _with_heads(self.take(op, Payload.DKV, own[1:]), shares),
-        )  # dq, dk, dv of each rank with heads
-        del own
+        parts = self.came_back(op)  # dq, dk, dv of each rank with heads
         self.dk = torch.zeros(self.k.shape, dtype=self.acc, device=self.k.device)  # (B, s, Hkv, D)
         self.dv = torch.zeros_like(self.dk)
-        for share, (_, dk, dv) in zip([sh for sh in shares if sh.num_q], parts, strict=True):
+        shares = [share for share in self.shares if share.num_q]
+        for share, (_, dk, dv) in zip(shares, parts, strict=True):
             _heads(self.dk, share.kv).add_(dk)  # a kv head used by several ranks sums here
             _heads(self.dv, share.kv).add_(dv)
         self.dq = torch.cat([part[0] for part in parts], dim=2)  # (B, s, Hq, D)
@@ -312,8 +276,8 @@ class _UlyssesBackward(_Ulysses):
 class _AllGather(_Collective):
     """What both passes of all-gather K/V share: the block of the round being computed."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         last: dict[int, int] = {}  # the last segment of each round with any, by K/V owner
         for index, segment in enumerate(self.sched.steps[self.rank][0].segments):
             last[segment.pieces[0].kv_rows[0] // self.s] = index
@@ -344,8 +308,8 @@ class _AllGather(_Collective):
 class _AllGatherForward(_AllGather):
     """One rank's all-gather K/V forward: each piece merged into out and lse at once."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         q, acc = self.q, self.acc
         self.out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         self.lse = torch.full(
@@ -374,8 +338,8 @@ class _AllGatherForward(_AllGather):
 class _AllGatherBackward(_AllGather):
     """One rank's all-gather K/V backward: round k's dK/dV partial goes back to r + k."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         q, k, acc = self.q, self.k, self.acc
         self.dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
         self.dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # (B, s, Hkv, D)
@@ -540,8 +504,7 @@ def _run(
     runner = _RUNNERS[strategy][pass_ is Pass.BACKWARD](
         sched, comm, kernel, inputs, scale=scale, masking=masking
     )
-    execute(program_of(sched, comm.rank), runner)
-    runner.timer.flush()
+    runner.run()
     return runner
 
 

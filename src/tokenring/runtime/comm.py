@@ -231,20 +231,13 @@ def _pack(tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> Message:
     else:
         apart = _apart([_nbytes(t) for t in tensors])
         small = [t for t, own in zip(tensors, apart, strict=True) if not own]
-        buffer = torch.empty(
-            HEADER_NUM_BYTES + sum(map(_nbytes, small)), dtype=torch.uint8, device=tensors[0].device
-        )
-        offset = HEADER_NUM_BYTES
-        for t in small:
-            size = _nbytes(t)
-            buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t)
-            offset += size
-        frames = tuple(
-            t.contiguous().reshape(-1).view(torch.uint8)
-            for t, own in zip(tensors, apart, strict=True)
-            if own
-        )
-        message = Message(buffer, frames)
+        fields = [(tuple(t.shape), t.dtype) for t in small]
+        header_frame, views = Communicator.message(fields, tensors[0].device, zeroed=False)
+        for view, t in zip(views, small, strict=True):
+            view.copy_(t)
+        own_frames = zip(tensors, apart, strict=True)
+        frames = tuple(t.contiguous().reshape(-1).view(torch.uint8) for t, own in own_frames if own)
+        message = Message(header_frame.buffer, frames)
     _write_header(message.buffer, tr, message.num_bytes, message.layout)
     return message
 
@@ -253,12 +246,16 @@ def _sizes(fields: Sequence[FieldSpec]) -> list[int]:
     return [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in fields]
 
 
-def _split(fields: Sequence[FieldSpec]) -> tuple[int, list[int]]:
-    """The payload bytes of a message's header frame and of each other frame."""
+def _blank(
+    fields: Sequence[FieldSpec], device: torch.device, new: Callable[..., torch.Tensor]
+) -> Message:
+    """A message of ``fields``, its frames made by ``new`` (Note [Message frames])."""
     sizes = _sizes(fields)
-    apart = _apart(sizes)
-    inline = sum(n for n, own in zip(sizes, apart, strict=True) if not own)
-    return inline, [n for n, own in zip(sizes, apart, strict=True) if own]
+    split = list(zip(sizes, _apart(sizes), strict=True))
+    inline = sum(n for n, own in split if not own)
+    buffer = new(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
+    frames = tuple(new(n, dtype=torch.uint8, device=device) for n, own in split if own)
+    return Message(buffer, frames)
 
 
 def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
@@ -631,30 +628,30 @@ class Communicator:
         fields: Sequence[FieldSpec], device: torch.device, *, zeroed: bool = True
     ) -> tuple[Message, list[torch.Tensor]]:
         """A message of ``fields`` (zeroed or not) and views of its tensors, to fill and send."""
-        new = torch.zeros if zeroed else torch.empty
-        inline, apart = _split(fields)
-        buffer = new(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
-        message = Message(buffer, tuple(new(n, dtype=torch.uint8, device=device) for n in apart))
+        message = _blank(fields, device, torch.zeros if zeroed else torch.empty)
         return message, _unpack(message, fields)
 
     # -- the staged path (Note [Staged path]) ---------------------------------------------------
     def path(self, device: torch.device) -> str:
         """How this communicator's messages of tensors on ``device`` travel."""
         if self.stage_through_host:
-            return "gloo-staged" if self.backend == "gloo" else f"{self.backend}-staged"
+            return f"{self.backend}-staged"
         if self.stage_through_host is False:
             return self.backend
         return comm_path(self.backend, device)
 
+    def _staged(self, device: torch.device) -> bool:
+        return self.path(device).endswith("staged")
+
     def wire_buffer(self, num_bytes: int, device: torch.device) -> torch.Tensor:
         """A receive buffer the backend can fill: on ``device``, or on the host if staged."""
-        if not self.path(device).endswith("staged"):
+        if not self._staged(device):
             return torch.empty(num_bytes, dtype=torch.uint8, device=device)
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def to_wire(self, buffer: torch.Tensor) -> torch.Tensor:
         """``buffer`` as the backend can send it: itself, or a host copy if staged."""
-        if not self.path(buffer.device).endswith("staged"):
+        if not self._staged(buffer.device):
             return buffer
         host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=buffer.is_cuda)
         if not buffer.is_cuda:
@@ -721,18 +718,16 @@ class Communicator:
 
     def _recv(self, tr: Transfer, fields: list[FieldSpec], device: torch.device) -> PendingRecv:
         """A receive of ``tr`` to post, counted."""
-        inline, apart = _split(fields)
-        buffer = torch.empty(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
+        message = _blank(fields, device, torch.empty)
         # a message that never arrives has no magic
         if device.type == "cpu":
-            ctypes.memset(buffer.data_ptr(), 0, HEADER_NUM_BYTES)
+            ctypes.memset(message.buffer.data_ptr(), 0, HEADER_NUM_BYTES)
         else:
-            buffer[:HEADER_NUM_BYTES].zero_()
-        frames = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in apart)
-        rec = PendingRecv(self, tr, Message(buffer, frames), fields)
-        if self.path(device).endswith("staged"):
+            message.buffer[:HEADER_NUM_BYTES].zero_()
+        rec = PendingRecv(self, tr, message, fields)
+        if self._staged(device):
             rec._wires = [self.wire_buffer(f.numel(), device) for f in rec._wires]
-        num_bytes = inline + sum(apart)
+        num_bytes = message.num_bytes
         self.counter.add(sent=False, flow=tr.payload.flow, peer=tr.src, num_bytes=num_bytes)
         return rec
 
@@ -764,9 +759,7 @@ class Communicator:
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far; check the pending device headers (one sync)."""
-        for work, tr in self._pending_sends:
-            self._wait(work, tr, "send")
-        self._pending_sends.clear()
+        self._wait_sends_if(lambda work, tr: True)
         if self._unchecked:
             headers = torch.stack([h for _, h, _ in self._unchecked]).tolist()
             checks = [(tr, n) for tr, _, n in self._unchecked]

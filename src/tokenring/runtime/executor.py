@@ -9,8 +9,9 @@ step (``tokenring.<strategy>.<pass>.step<t>``). The simulator replays the same p
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch.profiler import record_function
@@ -24,13 +25,13 @@ __all__ = ["PassRunner", "Poster", "SendWaits", "execute"]
 
 
 class Poster(Protocol):
-    """A ``SlotPoster``, or the hybrid's routes to the poster of each transfer's group."""
+    """A ``SlotPoster``, or the hybrid runner (it posts each transfer on its group)."""
 
     def post(self, transfers: Sequence[Transfer], provide: Provide) -> object: ...
 
 
 class SendWaits(Protocol):
-    """A ``Communicator``, or the hybrid's routes to the communicator of each send's group."""
+    """A ``Communicator``, or the hybrid runner (it waits for each send on its group)."""
 
     def wait_sent(self, transfers: Sequence[Transfer]) -> None: ...
 
@@ -81,7 +82,7 @@ def execute(program: Sequence[Op], runner: PassRunner) -> None:
         OpKind.END: runner.end,
         OpKind.HOME: runner.home,
     }
-    with _StepRanges(runner.range_prefix) as ranges:
+    with contextlib.ExitStack() as step_range:  # left at the next STEP, at END, or on failure
         for op in program:
             kind = op.kind
             if kind is OpKind.POST:
@@ -91,33 +92,8 @@ def execute(program: Sequence[Op], runner: PassRunner) -> None:
             elif kind is OpKind.SENT_ALL:
                 comm.wait_sends()
             else:
+                if kind is OpKind.STEP or kind is OpKind.END:
+                    step_range.close()
                 if kind is OpKind.STEP:
-                    ranges.enter(op.step)
-                elif kind is OpKind.END:
-                    ranges.exit()
+                    step_range.enter_context(record_function(f"{runner.range_prefix}{op.step}"))
                 methods[kind](op)
-
-
-class _StepRanges:
-    """The profiler range of each step, ``<prefix><t>``: entered at a program's STEP, left at
-    the next STEP or END (or when the pass fails)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.current: Any = None
-
-    def __enter__(self) -> _StepRanges:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.exit()
-
-    def enter(self, step: int) -> None:
-        self.exit()
-        self.current = record_function(f"{self.prefix}{step}")
-        self.current.__enter__()
-
-    def exit(self) -> None:
-        if self.current is not None:
-            self.current.__exit__(None, None, None)
-            self.current = None

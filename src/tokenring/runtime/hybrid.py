@@ -15,7 +15,7 @@ group's name for it::
     0, n + 1   the inner all-to-alls      inner                    inner ranks i -> j
     1 .. n     the outer ring's, lifted   outer                    the outer schedule's o -> o'
 
-:class:`_Routes`, the poster and communicator ``execute`` sees, posts and waits for each
+The runner, also the poster and communicator ``execute`` sees, posts and waits for each
 transfer on its group. Steps 1 .. n go to a ring runner of the outer schedule, renamed to its
 steps and transfers, so the outer ring runs exactly as on its own; steps 0 and n + 1 are the
 all-to-alls, the same in both passes::
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from tokenring.core.schedule import AttentionShape, Payload, Transfer
+from tokenring.core.schedule import AttentionShape, Pass, Payload, Transfer
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel
@@ -83,7 +83,7 @@ class _HybridAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: HybridPlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        runner = _HybridForward(plan, plan.schedules[0], {Payload.Q: [q], Payload.KV: [k, v]})
+        runner = _HybridPass(plan, plan.schedules[0], {Payload.Q: [q], Payload.KV: [k, v]})
         execute(program_of(runner.sched, runner.rank), runner)
         out, lse = runner.result
         ctx.plan = plan
@@ -93,7 +93,7 @@ class _HybridAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
-        runner = _HybridBackward(ctx.plan, ctx.plan.schedules[1], {Payload.Q: [dout]})
+        runner = _HybridPass(ctx.plan, ctx.plan.schedules[1], {Payload.Q: [dout]})
         runner.saved = ctx.saved_tensors
         execute(program_of(runner.sched, runner.rank), runner)
         return (*runner.result, None)
@@ -127,7 +127,7 @@ class _HybridPass(PassRunner):
                 self.names[tr] = replace(
                     tr, src=tr.src % self.p_in, dst=tr.dst % self.p_in, owner=tr.owner % self.p_in
                 )
-        self.comm = self.poster = _Routes(self)
+        self.comm = self.poster = self  # each transfer posted and waited for on its group
         self.saved: tuple[torch.Tensor, ...] = ()
         self.result: list[torch.Tensor] = []
 
@@ -170,6 +170,30 @@ class _HybridPass(PassRunner):
                 self.view(target, name.src, step, sending=False).copy_(part)
         return [x for xs in gathered.values() for x in xs]
 
+    # -- the poster and communicator ``execute`` sees -----------------------------------------
+
+    def split(self, transfers: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
+        """``transfers`` as the inner and the outer group name them."""
+        inner = [self.names[tr] for tr in transfers if tr.step in (0, self.last)]
+        outer = [self.names[tr] for tr in transfers if tr.step not in (0, self.last)]
+        return inner, outer
+
+    def post(self, transfers: Sequence[Transfer], provide: Provide) -> None:
+        inner, outer = self.split(transfers)
+        if inner:
+            self.inner_poster.post(inner, provide)
+        if outer:
+            self.ring.poster.post(outer, self.ring.provide)
+
+    def wait_sent(self, transfers: Sequence[Transfer]) -> None:
+        inner, outer = self.split(transfers)
+        self.plan.inner.wait_sent(inner)
+        self.plan.outer.wait_sent(outer)
+
+    def wait_sends(self) -> None:
+        self.plan.inner.wait_sends()
+        self.plan.outer.wait_sends()
+
     # -- the ops ------------------------------------------------------------------------------
 
     def outer_op(self, op: Op) -> Op:
@@ -178,10 +202,23 @@ class _HybridPass(PassRunner):
         return replace(op, step=op.step - 1, transfers=transfers)
 
     def start_ring(self, gathered: list[torch.Tensor]) -> None:
-        raise NotImplementedError
+        """ARRIVE 0: the ring runner of this pass, on the gathered rows padded to s_pad."""
+        padded = tuple(self.padding.pad(x).contiguous() for x in gathered)  # (B, s_pad, h, D)
+        if self.sched.pass_ is Pass.BACKWARD:  # dout; q, k, v, out, lse of the forward
+            self.ring = _Backward(*self.ring_setup, padded + self.saved, scale=self.plan.scale)
+        else:
+            self.saved = padded
+            self.ring = _Forward(*self.ring_setup, self.saved, scale=self.plan.scale)
 
     def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
-        raise NotImplementedError
+        """STEP n + 1: what the ring made, to go back (the forward keeps out and lse)."""
+        ring, unpad, dtype = self.ring, self.padding.unpad, self.saved[0].dtype
+        if isinstance(ring, _Backward):
+            dq, dk, dv = ring.dq_acc.to(dtype), ring.dk.to(dtype), ring.dv.to(dtype)
+            return {Payload.DQ: [unpad(dq)], Payload.KV: [unpad(dk), unpad(dv)]}
+        out, lse = ring.out_acc.to(dtype), ring.lse_acc
+        self.saved += (out, lse)
+        return {Payload.OUT: [unpad(out), unpad(lse, 2)]}
 
     def begin(self, op: Op) -> None:
         if op.step == self.last:  # the ring is done: what it made goes back
@@ -214,62 +251,3 @@ class _HybridPass(PassRunner):
 
     def home(self, op: Op) -> None:
         self.ring.home(self.outer_op(op))
-
-
-class _HybridForward(_HybridPass):
-    def start_ring(self, gathered: list[torch.Tensor]) -> None:
-        self.saved = tuple(self.padding.pad(x).contiguous() for x in gathered)  # (B, s_pad, h, D)
-        self.ring = _Forward(*self.ring_setup, self.saved, scale=self.plan.scale)
-
-    def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
-        assert isinstance(self.ring, _Forward)
-        out, lse = self.ring.out_acc.to(self.saved[0].dtype), self.ring.lse_acc
-        self.saved += (out, lse)
-        return {Payload.OUT: [self.padding.unpad(out), self.padding.unpad(lse, 2)]}
-
-
-class _HybridBackward(_HybridPass):
-    def start_ring(self, gathered: list[torch.Tensor]) -> None:
-        (dout,) = gathered
-        inputs = (self.padding.pad(dout).contiguous(), *self.saved)
-        self.ring = _Backward(*self.ring_setup, inputs, scale=self.plan.scale)
-
-    def finish_ring(self) -> dict[Payload, list[torch.Tensor]]:
-        assert isinstance(self.ring, _Backward)
-        dtype = self.saved[0].dtype
-        dq, dk, dv = self.ring.dq_acc.to(dtype), self.ring.dk.to(dtype), self.ring.dv.to(dtype)
-        return {
-            Payload.DQ: [self.padding.unpad(dq)],
-            Payload.KV: [self.padding.unpad(dk), self.padding.unpad(dv)],
-        }
-
-
-class _Routes:
-    """The poster and communicator of a hybrid pass: each transfer on its group."""
-
-    def __init__(self, runner: _HybridPass) -> None:
-        self.runner = runner
-
-    def split(self, transfers: Sequence[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
-        """``transfers`` as the inner and the outer group name them."""
-        last, names = self.runner.last, self.runner.names
-        inner = [names[tr] for tr in transfers if tr.step in (0, last)]
-        outer = [names[tr] for tr in transfers if tr.step not in (0, last)]
-        return inner, outer
-
-    def post(self, transfers: Sequence[Transfer], provide: Provide) -> None:
-        runner = self.runner
-        inner, outer = self.split(transfers)
-        if inner:
-            runner.inner_poster.post(inner, provide)
-        if outer:
-            runner.ring.poster.post(outer, runner.ring.provide)
-
-    def wait_sent(self, transfers: Sequence[Transfer]) -> None:
-        inner, outer = self.split(transfers)
-        self.runner.plan.inner.wait_sent(inner)
-        self.runner.plan.outer.wait_sent(outer)
-
-    def wait_sends(self) -> None:
-        self.runner.plan.inner.wait_sends()
-        self.runner.plan.outer.wait_sends()

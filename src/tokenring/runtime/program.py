@@ -174,12 +174,6 @@ def _memo(
     return program
 
 
-def _post(sched: Schedule, rank: int, step: int, after: int) -> Op:
-    """POST of slot ``(step, after)``: the slot's receives and sends of ``rank``."""
-    mine = (*sched.recvs(rank, step), *sched.sends(rank, step))
-    return Op(kind=OpKind.POST, step=step, index=after, transfers=_slot(mine, step, after))
-
-
 def _slot(mine: Sequence[Transfer], step: int, after: int) -> tuple[Transfer, ...]:
     """The transfers of slot ``(step, after)`` among ``mine``, in their order."""
     return tuple(tr for tr in mine if (tr.step, tr.after_segments) == (step, after))
@@ -228,14 +222,15 @@ def _step(
     """The ops of step ``t`` (``first``: the program's first step)."""
     backward = sched.pass_ is Pass.BACKWARD
     n = len(sched.steps[rank][t].segments)
-    slots = {tr.after_segments for tr in (*sched.sends(rank, t), *sched.recvs(rank, t))}
+    mine = (*sched.recvs(rank, t), *sched.sends(rank, t))
+    slots = {tr.after_segments for tr in mine}
     travel = tuple(tr for tr in sched.recvs(rank, t) if tr.payload.flow is Flow.TRAVEL)
     sent = [tr for tr in sched.sends(rank, t) if tr.payload.flow is Flow.TRAVEL]
     if t >= first + 2:  # the returns of two steps ago: they had a whole step to arrive
         sent += [tr for tr in sched.sends(rank, t - 2) if tr.payload.flow is Flow.RETURN]
     ops = {
         OpKind.STEP: lambda k: Op(kind=OpKind.STEP, step=t, transfers=passing),
-        OpKind.POST: lambda k: _post(sched, rank, t, k),
+        OpKind.POST: lambda k: Op(kind=OpKind.POST, step=t, index=k, transfers=_slot(mine, t, k)),
         OpKind.COMPUTE: lambda k: Op(kind=OpKind.COMPUTE, step=t, index=k),
         OpKind.PASS: lambda k: Op(kind=OpKind.PASS, step=t, transfers=passing),
         OpKind.RETURNS: lambda k: _returns(sched, rank, t - 2),
@@ -389,20 +384,18 @@ def _build_cached(plan: CachedPlan, rank: int) -> list[Op]:
     program: list[Op] = []
     for t in range(plan.num_rounds):
         program.append(Op(kind=OpKind.STEP, step=t))
-        slots = sorted({tr.after_segments for tr in mine if tr.step == t})
+        slots = {tr.after_segments for tr in mine if tr.step == t}
         first = [tr for tr in mine if (tr.step, tr.after_segments) == (t, 0)]
         if any(tr.src == rank and tr.payload is Payload.OUT for tr in first):
             # partials go up merged in slot (t, 0): merge what came from below first
             taken = tuple(tr for tr in partials if tr.step < t)
             partials = partials[len(taken) :]
             program += [Op(kind=OpKind.RETURNS, step=t, transfers=taken)] if taken else []
-        post = [Op(kind=OpKind.POST, step=t, index=k, transfers=_slot(mine, t, k)) for k in slots]
-        program += post[:1] if 0 in slots else []
-        n = len(plan.computes[rank][t])
-        for k in range(n):
-            program.append(Op(kind=OpKind.COMPUTE, step=t, index=k))
-            program += [op for op in post if op.index == k + 1]
-        program += [op for op in post if op.index > n]
+        # a ring step's POSTs and COMPUTEs (Note [Rank program]), without STEP, ARRIVE and SENT
+        order = ring_step_order(len(plan.computes[rank][t]), slots, backward=False, returns=False)
+        for kind, k in order[1:-2]:
+            transfers = _slot(mine, t, k) if kind is OpKind.POST else ()
+            program.append(Op(kind=kind, step=t, index=k, transfers=transfers))
         blocks = (tr for tr in mine if tr.dst == rank and tr.step == t)
         travel = tuple(tr for tr in blocks if tr.payload.flow is Flow.TRAVEL)
         program.append(Op(kind=OpKind.ARRIVE, step=t, transfers=travel))

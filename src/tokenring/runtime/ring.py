@@ -52,7 +52,6 @@ import torch
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import (
     AttentionShape,
-    Lane,
     Pass,
     Payload,
     Piece,
@@ -70,7 +69,7 @@ from tokenring.runtime.kernels import (
     accumulation_dtype,
     row_delta,
 )
-from tokenring.runtime.program import Op, ring_program
+from tokenring.runtime.program import Op, program_of
 from tokenring.runtime.slots import SlotPoster
 
 __all__ = [
@@ -134,11 +133,6 @@ class _Held:
     # K/V as on the wire, k and v (n, B, Hkv, D) (Note [K/V message layout]); empty: home
     wire: tuple[torch.Tensor, ...] = ()
     is_kv: bool = False  # a K/V block: it travels in Note [K/V message layout]
-
-    @staticmethod
-    def arrived(incoming: PendingRecv) -> _Held:
-        tensors = incoming.wait()
-        return _Held.received(incoming.transfer, tensors, incoming.message())
 
     @staticmethod
     def received(tr: Transfer, tensors: list[torch.Tensor], message: Message) -> _Held:
@@ -237,40 +231,13 @@ def _merge_parts(
     return out.to(out0.dtype), lse
 
 
-class _Masks:
-    """The masks of a schedule's masked pieces, as positions."""
-
-    def __init__(self, sched: Schedule) -> None:
-        self.sched = sched
-        self.positions: dict[int, torch.Tensor] = {}
-
-    def __call__(self, piece: Piece, q_owner: int, kv_owner: int) -> PositionMask | None:
-        if not piece.masked:
-            return None
-        assert self.sched.sharding is not None and self.sched.mask is not None
-        for owner in (q_owner, kv_owner):
-            if owner not in self.positions:  # on the CPU: tiles are classified there
-                self.positions[owner] = self.sched.sharding.padded_positions(owner).cpu()
-        q_pos = self.positions[q_owner][piece.q_rows[0] : piece.q_rows[1]]
-        kv_pos = self.positions[kv_owner][piece.kv_rows[0] : piece.kv_rows[1]]
-        return PositionMask(self.sched.mask, q_pos, kv_pos)
-
-
 class _InFlight:
     """One backward step's returns in flight, settled early (Note [Buffers in flight])."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        poster: SlotPoster,
-        step: int,
-        dq_acc: torch.Tensor,
-        lane_messages: dict[int, Message],
-        *,
-        blocking: bool,
-    ) -> None:
-        self.comm, self.poster, self.step, self.dq_acc = comm, poster, step, dq_acc
-        self.lane_messages = lane_messages  # the message of each lane's accumulator
+    def __init__(self, runner: _Backward, step: int, *, blocking: bool) -> None:
+        self.comm, self.poster, self.dq_acc = runner.comm, runner.poster, runner.dq_acc
+        self.step = step
+        self.lane_messages = runner.lane_messages  # the message of each lane's accumulator
         self.blocking = blocking  # gloo: works report completion only when waited for
         self.settled = False
         self.lane_grads: dict[int, list[torch.Tensor]] = {}
@@ -303,15 +270,6 @@ class _InFlight:
             _rows_heads(self.dq_acc, rec.transfer)[...] += dq_part
 
 
-def _lent_home(sched: Schedule, rank: int, step: int, holder: int) -> Transfer:
-    """Backward: the send home of the dK/dV of the pair borrowed from ``holder``."""
-    return next(
-        tr
-        for tr in sched.sends(rank, step)
-        if tr.payload is Payload.DKV and tr.dst == holder and tr.owner == holder
-    )
-
-
 def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
     """The transfer that returns segment ``index`` of ``step`` to its q owner."""
     return next(
@@ -336,37 +294,6 @@ def _part(x: torch.Tensor, rows: tuple[int, int] | None, heads: slice) -> torch.
     return x[:, r, heads] if x.dim() == 4 else x[:, heads, r]
 
 
-def _operands(
-    sched: Schedule,
-    rank: int,
-    step: int,
-    piece: Piece,
-    own: list[torch.Tensor],
-    k: torch.Tensor,
-    v: torch.Tensor,
-    held: dict[int, _Held],
-    borrowed: dict[int, list[_Held]],
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
-    """``piece``'s query-side tensors (of ``own``), its k and v, and whose K/V they are."""
-    c, d = piece.kv_rows
-    if step == 0:
-        return [_part(x, piece.q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], rank
-    if piece.kv_owner is not None:  # our queries against borrowed K/V (every head)
-        (part,) = [h for h in borrowed[piece.kv_owner] if h.rows[0] <= c and d <= h.rows[1]]
-        k_p, v_p = part.slice(piece.kv_rows)
-        return [_part(x, piece.q_rows, slice(None)) for x in own], k_p, v_p, piece.kv_owner
-    if sched.strategy.passes_q:
-        kvh = slice(None) if piece.heads is None else slice(*piece.heads)
-        heads = _held_heads(sched, piece)
-        visiting = held[piece.lane].slice(piece.q_rows)
-        q_side = [_part(x, None, heads) for x in visiting]
-        return q_side, k[:, c:d, kvh], v[:, c:d, kvh], rank
-    groups = own[0].shape[2] // k.shape[2]
-    q_side = [_part(x, piece.q_rows, _q_heads(piece, groups)) for x in own]
-    k_p, v_p = held[piece.lane].slice(piece.kv_rows)
-    return q_side, k_p, v_p, held[piece.lane].owner
-
-
 def _held_heads(sched: Schedule, piece: Piece) -> slice:
     """The query heads of a pass-Q ``piece`` inside its lane's held block."""
     lane = sched.lanes[piece.lane]
@@ -382,25 +309,6 @@ def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
     return rows if tr.heads is None else rows[:, :, tr.heads[0] : tr.heads[1]]
 
 
-def _query_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dict[int, _Held]:
-    """Pass-Q: each lane's block at step 0, this rank's rows on the lane's query heads."""
-    held = {}
-    for index, lane in enumerate(sched.lanes):
-        views = tensors
-        if lane.q_heads is not None:
-            views = [_part(x, None, slice(*lane.q_heads)) for x in tensors]
-        held[index] = _Held(rank, (0, tensors[0].shape[1]), views)
-    return held
-
-
-def _lane_shape(lane: Lane, k: torch.Tensor) -> tuple[int, ...]:
-    """Shape of a lane's dK (or dV) accumulator: the lane's rows and kv heads of ``k``."""
-    b, s, hkv, d = k.shape
-    rows = lane.kv_rows or (0, s)
-    heads = lane.kv_heads or (0, hkv)
-    return (b, rows[1] - rows[0], heads[1] - heads[0], d)
-
-
 def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dict[int, _Held]:
     """Each lane's block at step 0: the local shard restricted to the lane's heads and rows."""
     held = {}
@@ -413,8 +321,8 @@ def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dic
 
 
 class SchedulePass(PassRunner):
-    """A runner of a ring schedule's pass: ``inputs`` (q, k, v; backward: dout, q, k, v,
-    out, lse), this rank's poster and timer."""
+    """A runner of a schedule's pass: ``inputs`` (q, k, v; backward: dout, q, k, v, out,
+    lse), this rank's poster and timer. Subclasses add their state in :meth:`setup`."""
 
     comm: Communicator
     poster: SlotPoster
@@ -446,6 +354,15 @@ class SchedulePass(PassRunner):
         device = self.q.device
         self.poster = SlotPoster(comm, functools.partial(message_fields, shape), device)
         self.timer = ComputeTimer(comm, device)
+        self.setup()
+
+    def setup(self) -> None:
+        """A subclass's own state, once the inputs are set (nothing here)."""
+
+    def run(self) -> None:
+        """Run this rank's program of the schedule; then the timeline's compute bars."""
+        execute(program_of(self.sched, self.rank), self)
+        self.timer.flush()
 
     def delta(self, op: Op) -> None:
         """DELTA: delta = rowsum(dout * out) ``(B, Hq, s)`` in the accumulation dtype."""
@@ -456,38 +373,79 @@ class _RingPass(SchedulePass):
     """What both passes of a ring schedule share: the blocks held and borrowed, the returns
     to send, and the masks."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.groups = self.q.shape[2] // self.k.shape[2]
         self.pass_q = self.sched.strategy.passes_q
         self.held: dict[int, _Held] = {}
         self.borrowed: dict[int, list[_Held]] = {}  # kv owner -> parts of its K/V lent here
         self.outbox: dict[Transfer, Sequence[torch.Tensor] | Message] = {}  # returns to send
-        self.masks = _Masks(self.sched)
+        self.positions: dict[int, torch.Tensor] = {}  # of each owner's rows, for the masks
 
     def hold(self, q_side: list[torch.Tensor]) -> None:
         """The blocks of step 0: ``q_side`` (pass-Q) or K/V (pass-KV), by lane."""
-        if self.pass_q:
-            self.held = _query_blocks(self.sched, self.rank, q_side)
-        else:
+        if not self.pass_q:
             self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
+            return
+        self.held = {}
+        for index, lane in enumerate(self.sched.lanes):  # this rank's rows, the lane's q heads
+            views = q_side
+            if lane.q_heads is not None:
+                views = [_part(x, None, slice(*lane.q_heads)) for x in q_side]
+            self.held[index] = _Held(self.rank, (0, q_side[0].shape[1]), views)
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload in (Payload.OUT, Payload.DQ, Payload.DKV):
             return self.outbox.pop(tr)
-        if tr.payload is Payload.KV and self.pass_q:
-            return _own_kv(self.k, self.v, tr.rows)
+        if tr.payload is Payload.KV and self.pass_q:  # lent (Note [Borrowed last pair])
+            rows = slice(*tr.rows)
+            return kv_message(self.k[:, rows], self.v[:, rows])
         assert tr.owner == self.held[tr.lane].owner
         return self.held[tr.lane].send(tr.rows)
 
     def arrive(self, op: Op) -> None:
         """ARRIVE: the step's blocks become held (a borrowed pair's parts, by owner)."""
         for tr in op.transfers:
-            block = _Held.arrived(self.poster.pending.pop(tr))
+            incoming = self.poster.pending.pop(tr)
+            block = _Held.received(tr, incoming.wait(), incoming.message())
             if self.pass_q and tr.payload is Payload.KV:
                 self.borrowed.setdefault(tr.owner, []).append(block)
             else:
                 self.held[tr.lane] = block
+
+    def mask(self, piece: Piece, q_owner: int, kv_owner: int) -> PositionMask | None:
+        """The mask of a masked ``piece``, as positions."""
+        if not piece.masked:
+            return None
+        sharding, spec = self.sched.sharding, self.sched.mask
+        assert sharding is not None and spec is not None
+        for owner in (q_owner, kv_owner):
+            if owner not in self.positions:  # on the CPU: tiles are classified there
+                self.positions[owner] = sharding.padded_positions(owner).cpu()
+        q_pos = self.positions[q_owner][piece.q_rows[0] : piece.q_rows[1]]
+        kv_pos = self.positions[kv_owner][piece.kv_rows[0] : piece.kv_rows[1]]
+        return PositionMask(spec, q_pos, kv_pos)
+
+    def operands(
+        self, step: int, piece: Piece, own: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
+        """``piece``'s query-side tensors (of ``own``), its k and v, and whose K/V they are."""
+        k, v, q_rows, (c, d) = self.k, self.v, piece.q_rows, piece.kv_rows
+        if step == 0:
+            return [_part(x, q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], self.rank
+        if piece.kv_owner is not None:  # our queries against borrowed K/V (every head)
+            borrowed = self.borrowed[piece.kv_owner]
+            (part,) = [h for h in borrowed if h.rows[0] <= c and d <= h.rows[1]]
+            k_p, v_p = part.slice(piece.kv_rows)
+            return [_part(x, q_rows, slice(None)) for x in own], k_p, v_p, piece.kv_owner
+        held = self.held[piece.lane]
+        if self.pass_q:
+            kvh = slice(None) if piece.heads is None else slice(*piece.heads)
+            heads = _held_heads(self.sched, piece)
+            q_side = [_part(x, None, heads) for x in held.slice(piece.q_rows)]
+            return q_side, k[:, c:d, kvh], v[:, c:d, kvh], self.rank
+        q_side = [_part(x, q_rows, _q_heads(piece, self.groups)) for x in own]
+        k_p, v_p = held.slice(piece.kv_rows)
+        return q_side, k_p, v_p, held.owner
 
 
 def run_forward(
@@ -509,31 +467,27 @@ def run_forward(
         out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the accumulation dtype.
     """
     runner = _Forward(sched, comm, kernel, (q, k, v), scale=scale)
-    execute(ring_program(sched, comm.rank), runner)
-    runner.timer.flush()
+    runner.run()
     return runner.out_acc.to(q.dtype), runner.lse_acc
 
 
 class _Forward(_RingPass):
     """One rank's forward pass of ``sched``: the accumulators its program's ops fill."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        sched, q = self.sched, self.q
-        s = q.shape[1]
-        acc = accumulation_dtype(q.dtype)
+    def setup(self) -> None:
+        super().setup()
+        q, acc = self.q, accumulation_dtype(self.q.dtype)
+        b, s, hq = q.shape[:3]
         # step 0's first piece covering every row and head sets the accumulators (no merge)
-        step0 = sched.steps[self.rank][0] if sched.num_steps else None
-        segments = step0.segments if step0 is not None else ()
-        first = segments[0].pieces[0] if segments and segments[0].pieces else None
+        plan = self.sched.steps[self.rank][0] if self.sched.num_steps else None
+        pieces = plan.segments[0].pieces if plan is not None and plan.segments else ()
         self.fresh = (
-            first is not None
-            and step0 is not None
-            and step0.lane_q_owner(first.lane) == self.rank
-            and first.q_rows == (0, s)
-            and first.heads is None
+            plan is not None
+            and len(pieces) > 0
+            and plan.lane_q_owner(pieces[0].lane) == self.rank
+            and pieces[0].q_rows == (0, s)
+            and pieces[0].heads is None
         )
-        b, hq = q.shape[0], q.shape[2]
         if self.fresh:  # set by the first piece (compute)
             self.out_acc = self.lse_acc = torch.empty(0, dtype=acc, device=q.device)
         else:
@@ -556,22 +510,20 @@ class _Forward(_RingPass):
     def compute(self, op: Op) -> None:
         """COMPUTE: segment ``op.index`` of ``op.step``; own rows merged at once, the rest
         kept as the partial that returns."""
-        sched, rank, step = self.sched, self.rank, op.step
-        plan = sched.steps[rank][step]
+        rank, step = self.rank, op.step
+        plan = self.sched.steps[rank][step]
         segment = plan.segments[op.index]
         done = self.timer.span(step, "attn")
         parts = []
         for piece in segment.pieces:
             qh = _q_heads(piece, self.groups)
             q_owner = _q_owner(plan, piece)
-            (q_p,), k_p, v_p, kv_owner = _operands(
-                sched, rank, step, piece, [self.q], self.k, self.v, self.held, self.borrowed
-            )
-            mask = self.masks(piece, q_owner, kv_owner)
+            (q_p,), k_p, v_p, kv_owner = self.operands(step, piece, [self.q])
+            mask = self.mask(piece, q_owner, kv_owner)
             part = self.kernel.forward(
                 q_p, k_p, v_p, causal=piece.causal, scale=self.scale, mask=mask
             )
-            if self.fresh:  # the first piece: every row and head (see __init__)
+            if self.fresh:  # the first piece: every row and head (see setup)
                 acc = self.out_acc.dtype
                 self.out_acc = _contiguous_in(part[0], acc)  # (B, s, Hq, D)
                 self.lse_acc = _contiguous_in(part[1], acc)  # (B, Hq, s)
@@ -582,7 +534,7 @@ class _Forward(_RingPass):
                 parts.append((piece.q_rows, part))
             del part, q_p, k_p, v_p, mask  # views of blocks that may leave next
         if parts:
-            tr = _return_of(sched, rank, step, op.index)
+            tr = _return_of(self.sched, rank, step, op.index)
             self.outbox[tr] = _merge_parts(parts, segment.q_rows)
         if segment.pieces and segment.pieces[0].kv_owner is not None:
             del self.borrowed[segment.pieces[0].kv_owner]  # computed: its K/V go
@@ -618,21 +570,20 @@ def run_backward(
         dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in the inputs' dtypes.
     """
     runner = _Backward(sched, comm, kernel, (dout, q, k, v, out, lse), scale=scale)
-    execute(ring_program(sched, comm.rank), runner)
-    runner.timer.flush()
+    runner.run()
     return runner.dq_acc.to(q.dtype), runner.dk.to(k.dtype), runner.dv.to(v.dtype)
 
 
 class _Backward(_RingPass):
     """One rank's backward pass of ``sched`` (Note [Buffers in flight])."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        sched, comm, q, k, v = self.sched, self.comm, self.q, self.k, self.v
+    def setup(self) -> None:
+        super().setup()
+        sched, q, k, v = self.sched, self.q, self.k, self.v
         self.s = q.shape[1]
         self.acc = acc = self.lse.dtype
         self.dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, s, Hq, D)
-        # Ring: gradients go straight into the accumulator that leaves; else _leave_home
+        # Ring: gradients go straight into the accumulator that leaves (else: see pass_on)
         (lane, *others) = sched.lanes
         self.direct = (
             not self.pass_q
@@ -656,9 +607,7 @@ class _Backward(_RingPass):
         self.dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return
         self.dq_msg: Message | None = None  # the message it is accumulated in
         self.outgoing: dict[int, Transfer] = {}  # this step's dK/dV sends, by lane
-        self.inflight = _InFlight(
-            comm, self.poster, 0, self.dq_acc, self.lane_messages, blocking=False
-        )
+        self.inflight = _InFlight(self, 0, blocking=False)
 
     def delta(self, op: Op) -> None:
         """DELTA: delta, and the blocks this rank holds."""
@@ -666,8 +615,12 @@ class _Backward(_RingPass):
         self.hold([self.q, self.dout, self.lse, self.row_delta])
 
     def new_lane_grads(self, lane: int) -> list[torch.Tensor]:
-        """A lane's dK/dV accumulator, allocated as the message that passes it on."""
-        shape = _lane_shape(self.sched.lanes[lane], self.k)
+        """A lane's dK/dV accumulator (its rows and kv heads), allocated as the message that
+        passes it on."""
+        b, s, hkv, d = self.k.shape
+        rows = self.sched.lanes[lane].kv_rows or (0, s)
+        heads = self.sched.lanes[lane].kv_heads or (0, hkv)
+        shape = (b, rows[1] - rows[0], heads[1] - heads[0], d)
         self.lane_messages[lane], grads = self.comm.message([(shape, self.acc)] * 2, self.k.device)
         return grads
 
@@ -680,16 +633,15 @@ class _Backward(_RingPass):
             tr.lane: tr for tr in sends if tr.payload is Payload.DKV and not self.pass_q
         }
         blocking = self.q.device.type == "cpu"
-        self.inflight = inflight = _InFlight(
-            self.comm, self.poster, step, self.dq_acc, self.lane_messages, blocking=blocking
-        )
+        self.inflight = inflight = _InFlight(self, step, blocking=blocking)
         for tr in passing:  # the accumulators that followed each block here
             inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
 
     def lent_grads_of(self, holder: int, step: int) -> tuple[Transfer, Message, list[torch.Tensor]]:
         """The transfer, message and dK/dV that send the pair borrowed from ``holder`` home."""
         if holder not in self.lent_grads:
-            tr = _lent_home(self.sched, self.rank, step, holder)
+            sends = self.sched.sends(self.rank, step)
+            tr = next(t for t in sends if t.payload is Payload.DKV and t.dst == t.owner == holder)
             shape = (self.k.shape[0], tr.num_rows, *self.k.shape[2:])
             fields = [(shape, self.acc)] * 2
             self.lent_grads[holder] = (tr, *self.comm.message(fields, self.k.device))
@@ -728,19 +680,16 @@ class _Backward(_RingPass):
 
     def compute(self, op: Op) -> None:
         """COMPUTE: segment ``op.index`` of ``op.step`` into its accumulators."""
-        sched, rank, held = self.sched, self.rank, self.held
-        step, index = op.step, op.index
-        plan = sched.steps[rank][step]
+        rank, step, index = self.rank, op.step, op.index
+        plan = self.sched.steps[rank][step]
         segment = plan.segments[index]
         done = self.timer.span(step, "attn_bwd")
         self.dq_seg = self.dq_msg = None  # allocated by targets(), after the first tile
         for piece in segment.pieces:
             q_owner = _q_owner(plan, piece)
             blocks = [self.q, self.dout, self.lse, self.row_delta]
-            (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = _operands(
-                sched, rank, step, piece, blocks, self.k, self.v, held, self.borrowed
-            )
-            mask = self.masks(piece, q_owner, kv_owner)
+            (q_p, do_p, lse_p, delta_p), k_p, v_p, kv_owner = self.operands(step, piece, blocks)
+            mask = self.mask(piece, q_owner, kv_owner)
             # own queries: their real out (Note [Backward from delta] in runtime.kernels)
             qh = _q_heads(piece, self.groups)
             out_p = _part(self.out, piece.q_rows, qh) if q_owner == rank else None
@@ -773,7 +722,7 @@ class _Backward(_RingPass):
                 back, (dq_out,) = self.comm.message([field], self.q.device, zeroed=False)
                 dq_out.copy_(self.dq_seg)
                 del dq_out
-            self.outbox[_return_of(sched, rank, step, index)] = back
+            self.outbox[_return_of(self.sched, rank, step, index)] = back
             del back
         self.dq_seg = self.dq_msg = None
 
@@ -788,7 +737,11 @@ class _Backward(_RingPass):
                 grads = self.new_lane_grads(lane_index)
             if step == 0 and not self.direct:  # it leaves home with our dK/dV of the lane
                 assert self.dk_acc is not None and self.dv_acc is not None
-                _leave_home(grads, tr_out, self.dk_acc, self.dv_acc)
+                rows = slice(*tr_out.rows)
+                heads = slice(*tr_out.heads) if tr_out.heads else slice(None)
+                for grad, own in zip(grads, (self.dk_acc, self.dv_acc), strict=True):
+                    grad.copy_(own[:, rows, heads])
+                    own[:, rows, heads] = 0
             self.outbox[tr_out] = self.lane_messages.pop(lane_index)
             del grads
         if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
@@ -798,10 +751,31 @@ class _Backward(_RingPass):
         self.held.clear()
 
     def home(self, op: Op) -> None:
-        """HOME: the dK/dV accumulators of the last steps home at last."""
-        self.dk, self.dv = _accumulators_home(
-            self.comm, self.poster, op.transfers, self.dk_acc, self.dv_acc, self.k, self.acc
-        )
+        """HOME: dK, dV ``(B, s, Hkv, D)``, what stayed home plus each lane's accumulator of
+        the last steps, home at last."""
+        k, acc, transfers = self.k, self.acc, op.transfers
+        if self.dk_acc is None and len(transfers) == 1:
+            (tr,) = transfers
+            if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
+                dk_home, dv_home = self.poster.pending.pop(tr).wait()  # they are dK, dV
+                # small ones share a frame and the operator's outputs may not alias: copy one
+                dk_storage = dk_home.untyped_storage().data_ptr()
+                if dk_storage == dv_home.untyped_storage().data_ptr() and acc == k.dtype:
+                    dv_home = dv_home.clone()
+                self.dk, self.dv = dk_home, dv_home
+                return
+        if self.dk_acc is None or self.dv_acc is None:
+            self.comm.wait_sends()
+            self.dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+            self.dv_acc = torch.zeros_like(self.dk_acc)
+        for tr in transfers:
+            rec = self.poster.pending.pop(tr)
+            rows, heads = slice(*tr.rows), slice(*tr.heads) if tr.heads else slice(None)
+            dk_home, dv_home = rec.wait()
+            self.dk_acc[:, rows, heads] += dk_home
+            self.dv_acc[:, rows, heads] += dv_home
+            del rec, dk_home, dv_home
+        self.dk, self.dv = self.dk_acc, self.dv_acc
 
     def returns(self, op: Op) -> None:
         """RETURNS: the dQ partials of a step, those the compute's poll has not added yet."""
@@ -815,49 +789,3 @@ class _Backward(_RingPass):
 def _q_owner(plan: StepPlan, piece: Piece) -> int:
     """Whose queries ``piece`` computes: ours for a borrowed pair, else the visitor's."""
     return plan.rank if piece.kv_owner is not None else plan.lane_q_owner(piece.lane)
-
-
-def _own_kv(k: torch.Tensor, v: torch.Tensor, rows: tuple[int, int]) -> Message:
-    """Pass-Q: ``rows`` of this rank's K/V, lent to a q owner (Note [Borrowed last pair])."""
-    return kv_message(k[:, rows[0] : rows[1]], v[:, rows[0] : rows[1]])
-
-
-def _leave_home(
-    grads: list[torch.Tensor], tr: Transfer, dk_acc: torch.Tensor, dv_acc: torch.Tensor
-) -> None:
-    """Pass-KV backward, step 0: our dK/dV of a lane move into its leaving accumulator."""
-    rows, heads = tr.rows, slice(*tr.heads) if tr.heads else slice(None)
-    for grad, own in zip(grads, (dk_acc, dv_acc), strict=True):
-        grad.copy_(own[:, rows[0] : rows[1], heads])
-        own[:, rows[0] : rows[1], heads] = 0
-
-
-def _accumulators_home(
-    comm: Communicator,
-    poster: SlotPoster,
-    transfers: Sequence[Transfer],
-    dk_acc: torch.Tensor | None,
-    dv_acc: torch.Tensor | None,
-    k: torch.Tensor,
-    acc: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK, dV ``(B, s, Hkv, D)``: what stayed home plus each lane's returned accumulator."""
-    if dk_acc is None and len(transfers) == 1:
-        (tr,) = transfers
-        if tr.rows == (0, k.shape[1]) and tr.heads is None:  # every row and head (Ring)
-            dk_home, dv_home = poster.pending.pop(tr).wait()  # came home: they are dK, dV
-            # small ones share a frame and the operator's outputs may not alias: copy one
-            shared = dk_home.untyped_storage().data_ptr() == dv_home.untyped_storage().data_ptr()
-            return dk_home, dv_home.clone() if shared and acc == k.dtype else dv_home
-    if dk_acc is None or dv_acc is None:
-        comm.wait_sends()
-        dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv_acc = torch.zeros_like(dk_acc)
-    for tr in transfers:
-        rec = poster.pending.pop(tr)
-        heads = slice(*tr.heads) if tr.heads else slice(None)
-        dk_home, dv_home = rec.wait()
-        dk_acc[:, tr.rows[0] : tr.rows[1], heads] += dk_home
-        dv_acc[:, tr.rows[0] : tr.rows[1], heads] += dv_home
-        del rec, dk_home, dv_home
-    return dk_acc, dv_acc
