@@ -33,14 +33,22 @@ AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 class TinyLMConfig:
     """Sizes of the tiny model."""
 
-    vocab_size: int = 96  # V
-    dim: int = 64  # E
-    num_layers: int = 2  # L
-    heads_q: int = 4  # Hq
-    heads_kv: int = 2  # Hkv; divides Hq
-    head_dim: int = 16  # D; even (RoPE rotates pairs)
-    mlp_dim: int = 128  # hidden width of the MLP
-    rope_base: float = 10000.0  # RoPE frequency base
+    vocab_size: int = 96
+    """V."""
+    dim: int = 64
+    """E."""
+    num_layers: int = 2
+    """L."""
+    heads_q: int = 4
+    """Hq."""
+    heads_kv: int = 2
+    """Hkv; divides Hq."""
+    head_dim: int = 16
+    """D; even (RoPE rotates pairs)."""
+    mlp_dim: int = 128
+    """Hidden width of the MLP."""
+    rope_base: float = 10000.0
+    """RoPE frequency base."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "heads_q", "heads_kv", "mlp_dim"):
@@ -177,7 +185,8 @@ def generate_reference(
 class Generation:
     """What :func:`generate` returns."""
 
-    tokens: list[list[int]]  # the new tokens of each sequence (the same on every rank)
+    tokens: list[list[int]]
+    """The new tokens of each sequence (the same on every rank)."""
     cache: DistributedKVCache
     """The cache after the last step (its lengths, per-rank tokens and bytes)."""
     strategies: list[str]

@@ -223,10 +223,14 @@ def unshard(
 class Run:
     """Consecutive global tokens of one document held in consecutive local rows."""
 
-    local_start: int  # first local row (in the padded local buffer)
-    length: int  # number of tokens (>= 0)
-    global_start: int  # global position of the first token
-    doc: int  # index of the document (0 without documents)
+    local_start: int
+    """First local row (in the padded local buffer)."""
+    length: int
+    """Number of tokens (>= 0)."""
+    global_start: int
+    """Global position of the first token."""
+    doc: int
+    """Index of the document (0 without documents)."""
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -240,11 +244,14 @@ class Sharding:
 
     layout: Layout
     world_size: int
-    seq_len: int  # S, the caller's global length
+    seq_len: int
+    """S, the caller's global length."""
     cu_seqlens: tuple[int, ...]
     """Document boundaries ``(0, ..., S)``; ``(0, S)`` without documents."""
-    seq_local: int  # rows per rank after padding
-    runs: tuple[tuple[Run, ...], ...]  # per rank, its runs in local order
+    seq_local: int
+    """s_pad, the rows of the padded buffer."""
+    runs: tuple[tuple[Run, ...], ...]
+    """Per rank, its runs in local order."""
 
     def local_len(self, rank: int) -> int:
         """Tokens rank ``rank`` holds (its caller-visible local length)."""
@@ -291,7 +298,8 @@ class Padding:
 
     rows: torch.Tensor | None
     """Row of the padded buffer of each local token ``(s,)``; None without padding."""
-    seq_local: int  # s_pad, the rows of the padded buffer
+    seq_local: int
+    """s_pad, the rows of the padded buffer."""
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, s, H, D) in the zero padded buffer (B, s_pad, H, D)."""

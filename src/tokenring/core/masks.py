@@ -92,7 +92,8 @@ def chunk_documents(cu_seqlens: Sequence[int], attention_chunk_size: int | None)
 class MaskSpec:
     """The attention mask over global positions. Pure data, hashable."""
 
-    causal: bool  # key j visible only from queries i >= j
+    causal: bool
+    """Key j visible only from queries i >= j."""
     window: tuple[int, int] = (-1, -1)
     """(left, right) from :func:`normalize_window`: i - left <= j <= i + right (-1: unbounded)."""
     cu_seqlens: tuple[int, ...] | None = None

@@ -142,10 +142,14 @@ class AttentionShape:
     """The attention layer of a call, the library's one shape type: schedules turn rows into
     bytes and FLOPs with it, the runtime lays out messages with it, the model prices it."""
 
-    batch: int = 1  # B
-    heads_q: int  # Hq
-    heads_kv: int  # Hkv; divides Hq
-    head_dim: int  # D
+    batch: int = 1
+    """B."""
+    heads_q: int
+    """Hq."""
+    heads_kv: int
+    """Hkv; divides Hq."""
+    head_dim: int
+    """D."""
     dtype: str = "bfloat16"
     """Input dtype: float16, bfloat16, float32 or float64 (a torch.dtype is stored by name)."""
 
