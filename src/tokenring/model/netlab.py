@@ -144,14 +144,6 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _capabilities_effective() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return int(line.split()[1], 16)
-    return 0
-
-
 def _run(argv: Sequence[str], *, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run one setup command; raise RuntimeError with its stderr when it fails."""
     try:
@@ -269,7 +261,8 @@ def lab_unavailable_reason() -> str | None:
     for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("sysctl", "procps")):
         if shutil.which(tool) is None:
             return f"netlab needs `{tool}` on PATH (package {package}); it was not found"
-    caps = _capabilities_effective()
+    with open("/proc/self/status", encoding="ascii") as f:
+        caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
     if os.geteuid() != 0 and not (caps >> _CAP_NET_ADMIN & 1 and caps >> _CAP_SYS_ADMIN & 1):
         return "netlab needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces"
     probe = f"tokenring-probe-{_owner_tag()}-{secrets.token_hex(3)}"
@@ -329,11 +322,9 @@ _Phases = list[tuple[str, dict[str, list[str]]]]
 def _build_plan(
     config: LabConfig, names: Sequence[str], switch_name: str | None
 ) -> tuple[frozenset[str], _Phases]:
-    """A config's setup commands; pure, so the wiring can be read without root. Returns the
-    namespaces that route for others (``ip_forward=1``) and, in order, each phase's tool and
-    per namespace its batch lines: ``ip`` loopback, identity device and bridge; ``ip`` veth
-    pairs (the peer end goes to another namespace); ``ip`` links up, bridge ports and host
-    routes; ``tc`` one tbf per shaped device."""
+    """A config's setup commands, pure (the wiring reads without root): the namespaces that
+    route for others (``ip_forward=1``), and the phases in order, each a tool and per namespace
+    its batch lines (ip: devices, veth pairs, links up and routes; tc: a tbf per device)."""
     p, mtu, topology = config.world_size, config.mtu, config.topology
     addr = [f"{_ADDRESS_PREFIX}{r + 1}" for r in range(p)]
     everyone = [*names, *([switch_name] if switch_name else [])]
