@@ -26,11 +26,9 @@ Note [Which candidates]
 ~~~~~~~~~~~~~~~~~~~~~~~
 - Ulysses and all-gather K/V are candidates only where the model of their collectives was
   checked against measurements: ``Hardware.collectives`` GLOO (the lab;
-  benchmarks/results/README.md). With DIRECT (NCCL) they are listed as skipped with that
-  reason.
+  benchmarks/results/README.md); with DIRECT (NCCL) they are skipped with that reason.
 - The hybrid needs its factorisation and a 2-D mesh (``tokenring.hybrid_attn``):
-  :func:`explain` predicts it when given a ``hybrid`` spec; :func:`choose_strategy` (one
-  group) never picks it.
+  :func:`explain` predicts it given a ``hybrid`` spec; :func:`choose_strategy` never picks it.
 
 Note [Calibration probe]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -214,6 +212,7 @@ def _plan(
     hybrid: HybridSpec | None,
     last_pair: str,
 ) -> Plan:
+    """:func:`explain`'s comparison, cached per distinct input (Note [Choosing])."""
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
     call: dict[str, Any] = dict(causal=causal, world_size=world_size, seq_local=seq_local)
@@ -580,14 +579,8 @@ def calibrate(
         ValueError: non-positive sizes or repeats, heads_kv not dividing heads_q.
     """
     heads_kv = heads_q if heads_kv is None else heads_kv
-    _check_sizes(
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        block_rows=block_rows,
-        probe_bytes=probe_bytes,
-        repeats=repeats,
-    )
+    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
+    _check_sizes(**sizes, block_rows=block_rows, probe_bytes=probe_bytes, repeats=repeats)
     if heads_q % heads_kv:
         raise ValueError(
             f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
@@ -597,9 +590,7 @@ def calibrate(
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     device = torch.device(device)
     block = select_kernel(device, dtype, kernel)
-    dims = AttentionShape(
-        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
-    )
+    dims = AttentionShape(dtype=dtype_name(dtype), **sizes)
     # the slowest rank's rates and the largest times, identical on every rank
     *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
     link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
