@@ -32,9 +32,9 @@ common case); otherwise only the overlap is pessimistic (the short flow ends fir
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine replays the
-same program with every rank at once: the ring schedule as columns (``ring_plan``; the Note
-[Ring columns] in tokenring.strategies.ring), each step's ops in ``ring_step_order``, each op
-one tensor operation over ranks (:class:`_Replay`). Flows are grouped in *windows* instead of
+same program with every rank at once: the ring schedule as columns (``ring_plan``;
+Note [Ring columns] in tokenring.strategies.ring), each step's ops in ``ring_step_order``, each
+op one tensor operation over ranks (:class:`_Replay`). Flows are grouped in *windows* instead of
 sharing bandwidth event by event: window t holds what flies during step t (travel of t,
 returns and accumulators posted in step t-1; on the last step its returns but each rank's
 last, which with Ring's last accumulators form the exposed tail). Window loads do not depend
