@@ -144,24 +144,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _capabilities_effective() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return int(line.split()[1], 16)
-    return 0
-
-
 def _run(argv: Sequence[str], *, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run one setup command; raise RuntimeError with its stderr when it fails."""
     try:
         result = subprocess.run(
-            list(argv),
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=_COMMAND_TIMEOUT_S,
-            check=False,
+            list(argv), input=stdin, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"netlab: `{' '.join(argv)}` did not run: {e}") from e
@@ -274,7 +261,8 @@ def lab_unavailable_reason() -> str | None:
     for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("sysctl", "procps")):
         if shutil.which(tool) is None:
             return f"netlab needs `{tool}` on PATH (package {package}); it was not found"
-    caps = _capabilities_effective()
+    with open("/proc/self/status", encoding="ascii") as f:
+        caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
     if os.geteuid() != 0 and not (caps >> _CAP_NET_ADMIN & 1 and caps >> _CAP_SYS_ADMIN & 1):
         return "netlab needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces"
     probe = f"tokenring-probe-{_owner_tag()}-{secrets.token_hex(3)}"
@@ -328,35 +316,24 @@ def _route(config: LabConfig, addr: Sequence[str], src: int, dst: int) -> str:
     return f"route add {addr[dst]}/32 via {addr[hop]} dev v{hop} onlink src {addr[src]}"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Plan:
-    """Commands that build a lab, in order; each dict maps a namespace to its batch lines."""
-
-    forwarding: frozenset[str]
-    """Namespaces that route for others (``ip_forward=1``)."""
-    devices: dict[str, list[str]]
-    """``ip``: loopback, identity device, bridge."""
-    links: dict[str, list[str]]
-    """``ip``: veth pairs (the peer end goes to another namespace)."""
-    routes: dict[str, list[str]]
-    """``ip``: links up, bridge ports, host routes."""
-    shaping: dict[str, list[str]]
-    """``tc``: one tbf per shaped device."""
+_Phases = list[tuple[str, dict[str, list[str]]]]
 
 
-def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None) -> _Plan:
-    """Turn a config into setup commands; pure, so the wiring can be read without root."""
+def _build_plan(
+    config: LabConfig, names: Sequence[str], switch_name: str | None
+) -> tuple[frozenset[str], _Phases]:
+    """A config's setup commands, pure (the wiring reads without root): the namespaces that
+    route for others (``ip_forward=1``), and the phases in order, each a tool and per namespace
+    its batch lines (ip: devices, veth pairs, links up and routes; tc: a tbf per device)."""
     p, mtu, topology = config.world_size, config.mtu, config.topology
     addr = [f"{_ADDRESS_PREFIX}{r + 1}" for r in range(p)]
     everyone = [*names, *([switch_name] if switch_name else [])]
-    plan = _Plan(
-        forwarding=frozenset(names) if topology is Topology.RING and p > 3 else frozenset(),
-        devices={ns: ["link set lo up"] for ns in everyone},
-        links={ns: [] for ns in everyone},
-        routes={ns: [] for ns in everyone},
-        shaping={ns: [] for ns in everyone},
-    )
-    devices, links, routes, shaping = plan.devices, plan.links, plan.routes, plan.shaping
+    forwarding = frozenset(names) if topology is Topology.RING and p > 3 else frozenset()
+    devices: dict[str, list[str]] = {ns: ["link set lo up"] for ns in everyone}
+    links: dict[str, list[str]] = {ns: [] for ns in everyone}
+    routes: dict[str, list[str]] = {ns: [] for ns in everyone}
+    shaping: dict[str, list[str]] = {ns: [] for ns in everyone}
+    phases = [("ip", devices), ("ip", links), ("ip", routes), ("tc", shaping)]
     tbf = (
         f"root tbf rate {round(config.rate_bits_per_s)}bit burst {config.burst_bytes} "
         f"latency {round(config.queue_latency_s * 1e6)}us"
@@ -390,7 +367,7 @@ def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None
                 for peer in range(p)
                 if peer != r
             ]
-        return plan
+        return forwarding, phases
 
     if topology is Topology.MESH:
         pairs = {(a, b) for a in range(p) for b in range(a + 1, p)}
@@ -400,7 +377,7 @@ def _build_plan(config: LabConfig, names: Sequence[str], switch_name: str | None
         veth(names[a], f"v{b}", names[b], f"v{a}")
     for r, ns in enumerate(names):
         routes[ns] += [_route(config, addr, r, peer) for peer in range(p) if peer != r]
-    return plan
+    return forwarding, phases
 
 
 _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -535,15 +512,14 @@ class Lab:
         self._close(exc_in_flight=exc is not None)
 
     def _build(self) -> None:
-        plan = _build_plan(self._config, self._rank_names, self._switch_name)
+        forwarding, phases = _build_plan(self._config, self._rank_names, self._switch_name)
         for ns in self.namespaces:
             self._created.append(ns)  # before `add`: teardown must try it even if add half-fails
             _run(["ip", "netns", "add", ns])
         for ns in self.namespaces:
-            settings = _sysctls(self._config.congestion_control, ns in plan.forwarding)
+            settings = _sysctls(self._config.congestion_control, ns in forwarding)
             _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *settings])
-        phases = [("ip", plan.devices), ("ip", plan.links), ("ip", plan.routes)]
-        for tool, phase in [*phases, ("tc", plan.shaping)]:
+        for tool, phase in phases:
             for ns, lines in phase.items():
                 if lines:
                     _run([tool, "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")

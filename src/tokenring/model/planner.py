@@ -26,11 +26,9 @@ Note [Which candidates]
 ~~~~~~~~~~~~~~~~~~~~~~~
 - Ulysses and all-gather K/V are candidates only where the model of their collectives was
   checked against measurements: ``Hardware.collectives`` GLOO (the lab;
-  benchmarks/results/README.md). With DIRECT (NCCL) they are listed as skipped with that
-  reason.
+  benchmarks/results/README.md); with DIRECT (NCCL) they are skipped with that reason.
 - The hybrid needs its factorisation and a 2-D mesh (``tokenring.hybrid_attn``):
-  :func:`explain` predicts it when given a ``hybrid`` spec; :func:`choose_strategy` (one
-  group) never picks it.
+  :func:`explain` predicts it given a ``hybrid`` spec; :func:`choose_strategy` never picks it.
 
 Note [Calibration probe]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -214,6 +212,7 @@ def _plan(
     hybrid: HybridSpec | None,
     last_pair: str,
 ) -> Plan:
+    """:func:`explain`'s comparison, cached per distinct input (Note [Choosing])."""
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
     call: dict[str, Any] = dict(causal=causal, world_size=world_size, seq_local=seq_local)
@@ -226,15 +225,42 @@ def _plan(
         if strategy is Strategy.HYBRID and hybrid is None:
             skipped.append((strategy, _NO_SPEC))
             continue
-        spec = hybrid if strategy is Strategy.HYBRID else None
+        call["hybrid"] = hybrid if strategy is Strategy.HYBRID else None
         lends = _LENDS[last_pair] if strategy is Strategy.TOKEN_RING else (False,)
-        predictions += _predict(strategy, layouts, lends, spec, call, skipped)
+        for layout in layouts:  # per layout the faster variant; skipped: the first reason
+            variants: list[Prediction] = []
+            for lend in lends:
+                try:
+                    result = simulate(strategy, layout=layout, lend_last_pair=lend, **call)
+                except NotImplementedError as exc:
+                    if layout is layouts[0] and not variants:
+                        skipped.append((strategy, str(exc)))
+                    continue
+                fwd = result.passes[0]
+                comm = f"comm ({fwd.busiest_resource})"
+                variants.append(
+                    Prediction(
+                        strategy=strategy,
+                        layout=layout,
+                        forward_s=fwd.call_s,
+                        backward_s=sum((p.call_s for p in result.passes[1:]), 0.0),
+                        bound_by="compute" if fwd.compute_s >= fwd.busiest_s else comm,
+                        mode=fwd.mode,
+                        hybrid=call["hybrid"],
+                        lends_last_pair=lend,
+                    )
+                )
+            if variants:
+                predictions.append(_fastest(variants))
     if not predictions:
         reasons = "; ".join(reason for _, reason in skipped)
         raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
     best = _fastest(predictions)
     reason = _reason(best, predictions, shape, hardware, world_size, seq_local)
-    plan = Plan(
+    _log.info("tokenring planner: %s", reason)
+    for strategy, why in skipped:
+        _log.info("tokenring planner: %s not predicted: %s", strategy.value, why)
+    return Plan(
         pick=best.strategy,
         layout=best.layout,
         predictions=tuple(predictions),
@@ -243,51 +269,6 @@ def _plan(
         hardware=hardware.name,
         world_size=world_size,
     )
-    _log.info("tokenring planner: %s", reason)
-    for strategy, why in skipped:
-        _log.info("tokenring planner: %s not predicted: %s", strategy.value, why)
-    return plan
-
-
-def _predict(
-    strategy: Strategy,
-    layouts: tuple[Layout, ...],
-    lends: tuple[bool, ...],
-    hybrid: HybridSpec | None,
-    call: dict[str, Any],
-    skipped: list[tuple[Strategy, str]],
-) -> list[Prediction]:
-    """Per layout, the faster of ``strategy``'s variants; the first reason the simulator
-    cannot predict it goes to ``skipped``."""
-    predictions = []
-    for layout in layouts:
-        variants: list[Prediction] = []
-        for lend in lends:
-            try:
-                result = simulate(
-                    strategy, layout=layout, hybrid=hybrid, lend_last_pair=lend, **call
-                )
-            except NotImplementedError as exc:
-                if layout is layouts[0] and not variants:
-                    skipped.append((strategy, str(exc)))
-                continue
-            fwd = result.passes[0]
-            comm = f"comm ({fwd.busiest_resource})"
-            variants.append(
-                Prediction(
-                    strategy=strategy,
-                    layout=layout,
-                    forward_s=fwd.call_s,
-                    backward_s=sum((p.call_s for p in result.passes[1:]), 0.0),
-                    bound_by="compute" if fwd.compute_s >= fwd.busiest_s else comm,
-                    mode=fwd.mode,
-                    hybrid=hybrid,
-                    lends_last_pair=lend,
-                )
-            )
-        if variants:
-            predictions.append(_fastest(variants))
-    return predictions
 
 
 _P = TypeVar("_P", "Prediction", "CachedPrediction")
@@ -315,14 +296,13 @@ def _reason(
     if others:
         runner = min(others, key=lambda p: p.total_s)
         ratio = runner.total_s / best.total_s if best.total_s > 0 else 1.0
-        tr_row = shape.row_bytes(Payload.OUT)
-        ring_row = shape.row_bytes(Payload.KV)
         reason = (
             f"{best.strategy.value} ({best.layout.value}) predicted {1e3 * best.total_s:.4g} ms"
             f" vs {runner.strategy.value} {1e3 * runner.total_s:.4g} ms ({ratio:.2f}x) on "
             f"{hardware.name}, P={world_size}, s={seq_local}; {runner.strategy.value} is bound "
-            f"by {runner.bound_by}; busiest-direction bytes per row: token_ring {tr_row}, "
-            f"ring {ring_row} (Hq/(2*Hkv) = {shape.heads_q / (2 * shape.heads_kv):.2f})"
+            f"by {runner.bound_by}; busiest-direction bytes per row: token_ring "
+            f"{shape.row_bytes(Payload.OUT)}, ring {shape.row_bytes(Payload.KV)} "
+            f"(Hq/(2*Hkv) = {shape.heads_q / (2 * shape.heads_kv):.2f})"
         )
     else:
         reason = (
@@ -378,8 +358,18 @@ def explain(
     """
     if last_pair not in _LENDS:
         raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
-    shape = _call_shape(world_size, seq_local, heads_q, heads_kv, head_dim, dtype, batch, hardware)
-    layouts, ordered = _candidates(layout, seq_local, strategies)
+    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
+    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
+    shape = AttentionShape(dtype=str(dtype), **sizes)
+    hardware.flops_per_s("forward", shape.dtype)  # a dtype it has FLOP/s for
+    if layout is None:
+        layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
+    else:
+        layouts = (Layout.parse(layout),)
+    chosen = {Strategy.parse(s) for s in strategies} if strategies is not None else set(Strategy)
+    if not chosen:
+        raise ValueError("strategies must name at least one strategy; got none")
+    ordered = tuple(s for s in Strategy if s in chosen)  # Note [Choosing]
     if hybrid is not None and Strategy.HYBRID in ordered:
         hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     return _plan(
@@ -396,38 +386,6 @@ def explain(
         hybrid,
         last_pair,
     )
-
-
-def _call_shape(
-    world_size: int,
-    seq_local: int,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: str | torch.dtype,
-    batch: int,
-    hardware: Hardware,
-) -> AttentionShape:
-    """The call's shape, its sizes checked and its dtype one ``hardware`` has FLOP/s for."""
-    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
-    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
-    shape = AttentionShape(dtype=str(dtype), **sizes)
-    hardware.flops_per_s("forward", shape.dtype)
-    return shape
-
-
-def _candidates(
-    layout: Layout | str | None, seq_local: int, strategies: Sequence[Strategy | str] | None
-) -> tuple[tuple[Layout, ...], tuple[Strategy, ...]]:
-    """The layouts and strategies to predict, each in declaration order (Note [Choosing])."""
-    if layout is None:
-        layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
-    else:
-        layouts = (Layout.parse(layout),)
-    chosen = {Strategy.parse(s) for s in strategies} if strategies is not None else set(Strategy)
-    if not chosen:
-        raise ValueError("strategies must name at least one strategy; got none")
-    return layouts, tuple(s for s in Strategy if s in chosen)
 
 
 def choose_strategy(
@@ -621,14 +579,8 @@ def calibrate(
         ValueError: non-positive sizes or repeats, heads_kv not dividing heads_q.
     """
     heads_kv = heads_q if heads_kv is None else heads_kv
-    _check_sizes(
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        block_rows=block_rows,
-        probe_bytes=probe_bytes,
-        repeats=repeats,
-    )
+    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
+    _check_sizes(**sizes, block_rows=block_rows, probe_bytes=probe_bytes, repeats=repeats)
     if heads_q % heads_kv:
         raise ValueError(
             f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
@@ -638,18 +590,17 @@ def calibrate(
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     device = torch.device(device)
     block = select_kernel(device, dtype, kernel)
-    dims = AttentionShape(
-        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
-    )
-    agreed = _measure(comm, block, dims, device, block_rows, probe_bytes, repeats)
-    return _described(agreed, topology, dtype, comm)
-
-
-def _described(
-    agreed: list[float], topology: Topology | str | None, dtype: torch.dtype, comm: Communicator
-) -> Hardware:
-    """The ``measured`` description of :func:`_measure`'s numbers."""
-    fwd, bwd, mem, link, two_way, latency, call_s = agreed
+    dims = AttentionShape(dtype=dtype_name(dtype), **sizes)
+    # the slowest rank's rates and the largest times, identical on every rank
+    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
+    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
+    latency = latency if comm.world_size > 1 else 0.0
+    rates, most = [*local, link, two_way], [latency, call_s]
+    agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
+    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
+    values = [float(x) for x in agreed.cpu()]
+    fwd, bwd, mem, link, two_way = [-x for x in values[: len(rates)]]
+    latency, call_s = values[len(rates) :]
     topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
         forward_flops_per_s=fwd,
@@ -663,27 +614,6 @@ def _described(
         collectives=CollectiveRouting.for_backend(comm.backend),
         kernel_call_s=call_s,
     )
-
-
-def _measure(
-    comm: Communicator,
-    block: BlockKernel,
-    dims: AttentionShape,
-    device: torch.device,
-    block_rows: int,
-    probe_bytes: int,
-    repeats: int,
-) -> list[float]:
-    """Forward and backward FLOP/s, memory, one-way and two-way link bytes/s, latency and
-    call seconds, identical on every rank: the slowest rank's rates, the largest times."""
-    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
-    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
-    latency = latency if comm.world_size > 1 else 0.0
-    rates, most = [*local, link, two_way], [latency, call_s]
-    agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
-    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
-    values = [float(x) for x in agreed.cpu()]
-    return [-x for x in values[: len(rates)]] + values[len(rates) :]
 
 
 def _topology(

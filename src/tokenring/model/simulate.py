@@ -1,46 +1,44 @@
 """Predict a call of every strategy on a described machine: ``tokenring simulate``.
 
-This module owns the *clock*: given a schedule and a hardware description, it plays one pass
-the way the runtime executes it -- segment by segment, slot by slot, flows sharing links and
-ports -- and returns per-rank timelines (``tokenring.runtime.comm.Event``, as the bench
-records them), the call time, per-step times, bytes per flow and the % of the bound. An
-event-driven engine runs up to P = 64, a vectorised one (Note [Vectorised engine]) above.
+This module owns the *clock*: it plays one pass of a schedule on a hardware description the
+way the runtime executes it (segment by segment, slot by slot, flows sharing links and ports)
+and returns per-rank timelines (``tokenring.runtime.comm.Event``, as the bench records them),
+the call time, per-step times, bytes per flow and the % of the bound. An event-driven engine
+runs up to P = 64, a vectorised one (Note [Vectorised engine]) above.
 
 Legend: B batch, S global seq, s local seq, Hq query heads, Hkv key/value heads, D head dim,
 P world size, t step, r rank, F achieved FLOP/s.
 
 Note [Replaying the rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The event engine replays each rank's own program: the ops the executor runs (``program_of``;
-see the Note [Rank program] in tokenring.runtime.program; a cached plan's ``cached_program``),
-one action per op. A COMPUTE is its pieces' FLOPs over F (a Ulysses rank's over its head
-share; then the merge or dQ add of the rank's own rows), a POST marks its transfers posted at
-this end, ARRIVE / SENT / SENT_ALL wait for their transfers, and PASS / RETURNS / HOME wait for
-each and add its merge or accumulation. Memory-bound work (DELTA, merges, adds: bytes over
-memory bandwidth, ``costmodel.merge_bytes``) is priced on the steps of a ring program only;
-the collectives' gathers and the hybrid's all-to-alls are waits. A transfer starts when both
-ends have posted it (a P2P send cannot progress before its receive is posted) and arrives
-``latency`` after its last byte left.
+The event engine replays each rank's own program, one action per op: the ops the executor
+runs (``program_of``, Note [Rank program] in tokenring.runtime.program; ``cached_program``).
+A COMPUTE is its pieces' FLOPs over F (a Ulysses rank's over its head share; then the merge or
+dQ add of its own rows), a POST posts its transfers at this end, ARRIVE / SENT / SENT_ALL wait
+for theirs, PASS / RETURNS / HOME wait for each and add its merge or accumulation.
+Memory-bound work (DELTA, merges, adds: bytes over memory bandwidth, ``costmodel.merge_bytes``)
+is priced on the steps of a ring program only; the collectives' gathers and the hybrid's
+all-to-alls are waits. A transfer starts once both ends have posted it (a P2P send cannot
+progress before its receive is posted) and arrives ``latency`` after its last byte left.
 
 Note [Sharing bandwidth]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-Instead of max-min fair sharing (a progressive-filling pass over every flow per event) we use
+Not max-min fair sharing (a progressive-filling pass over every flow per event) but
 *bottleneck equal share*: a flow's rate is the smallest ``bandwidth / flows on it`` over its
-resources, so an event updates only the flows sharing a resource with the one that started
-or ended. It never exceeds max-min and equals it when the flows on a resource are alike (the
-common case: every rank posts the same kind of transfer in the same slot); otherwise the
-short flow ends first and the long one speeds up, so only the overlap is pessimistic.
+resources, so an event updates only the flows sharing a resource with the one that started or
+ended. It never exceeds max-min and equals it when the flows on a resource are alike (the
+common case); otherwise only the overlap is pessimistic (the short flow ends first).
 
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine replays the
-same program with every rank at once: the ring schedule as columns (``ring_plan``, as the
-tokenring.strategies.ring Note [Ring columns] lays them out), each step's ops in the order
-of ``ring_step_order``, each op one tensor operation over ranks (:class:`_Replay`). Bandwidth
-is not shared event by event; flows are grouped in *windows* instead: window t holds what
-flies during step t (travel of t, returns and accumulators posted in step t-1; on the last
-step its returns but each rank's last, which with Ring's last accumulators form the exposed
-tail). Window loads do not depend on timing, so a chunk's windows are priced at once::
+same program with every rank at once: the ring schedule as columns (``ring_plan``;
+Note [Ring columns] in tokenring.strategies.ring), each step's ops in ``ring_step_order``, each
+op one tensor operation over ranks (:class:`_Replay`). Flows are grouped in *windows* instead of
+sharing bandwidth event by event: window t holds what flies during step t (travel of t,
+returns and accumulators posted in step t-1; on the last step its returns but each rank's
+last, which with Ring's last accumulators form the exposed tail). Window loads do not depend
+on timing, so a chunk's windows are priced at once::
 
     duration = latency + max over its resources of min(load, flows_on_it * bytes) / bandwidth
 
@@ -48,8 +46,8 @@ tail). Window loads do not depend on timing, so a chunk's windows are priced at 
 and smallest flow on a resource). Ring hops are loaded with range sums and read with range
 maxima (a sparse table): O(log P) per flow. Flows outlasting their window are caught by a
 drain bound: a resource with work L_w in window w is busy until at least
-max_w (start_w + sum_{v >= w} L_v). Against the event engine (tests/test_costmodel.py) it
-agrees to rounding except on a physical ring whose partials share many hops (up to ~30%).
+max_w (start_w + sum_{v >= w} L_v). It agrees with the event engine (tests/test_costmodel.py)
+to rounding except on a physical ring whose partials share many hops (up to ~30%).
 
 Memory is linear in P: steps are walked in chunks of ``_CHUNK_CELLS // P`` columns (and the
 step after, whose window the chunk prices), the drain bound is a running max, and per-pair
@@ -149,8 +147,7 @@ class PassResult:
     return_bytes: int
     """Bytes the busiest rank sends on the return flow over the pass."""
     timeline: tuple[tuple[Event, ...], ...] | None
-    """Per rank, compute/merge/send events in seconds from the call's start; None when
-    vectorised."""
+    """Per rank, compute/merge/send events in seconds from the call's start (None: vectorised)."""
 
     @property
     def bound_s(self) -> float:
@@ -211,8 +208,8 @@ _RESUME, _FLOW_DONE, _ARRIVE = range(3)
 
 
 class _EventEngine:
-    """Replays one action list per rank (``programs``) over ``transfers``:
-    Note [Replaying the rank program] and Note [Sharing bandwidth]."""
+    """Replays one action list per rank over ``transfers``, once (Note [Sharing bandwidth],
+    Note [Replaying the rank program])."""
 
     def __init__(
         self,
@@ -221,10 +218,11 @@ class _EventEngine:
         num_steps: int,
         dims: AttentionShape,
         hardware: Hardware,
-        flops_per_s: float,
+        pass_: Pass,
     ) -> None:
-        self.world_size, self.num_steps, self.dims, self.hw = world_size, num_steps, dims, hardware
-        self.mem, self.flops_per_s = hardware.memory_bandwidth_bytes_per_s, flops_per_s
+        self.flops_per_s = hardware.flops_per_s(pass_, dims.dtype)
+        self.world_size, self.dims, self.hw = world_size, dims, hardware
+        self.mem = hardware.memory_bandwidth_bytes_per_s
         self.transfers = list(transfers)
         self.fid = {tr: i for i, tr in enumerate(self.transfers)}
         self.res_index: dict[Resource, int] = {}
@@ -242,11 +240,30 @@ class _EventEngine:
         self.flow_res = [routes[tr.src, tr.dst][0] for tr in self.transfers]
         self.flow_lat = [routes[tr.src, tr.dst][1] for tr in self.transfers]
         self.flow_bytes = [float(tr.num_bytes(dims)) for tr in self.transfers]
-        self.programs: list[list[tuple[Any, ...]]] = []
+        # the run: per flow its posts, start, arrival, rate and bytes left; per rank its place
+        # in its program; the heap of pending events
+        n = len(self.transfers)
+        self.sender_ready: list[float | None] = [None] * n
+        self.receiver_ready: list[float | None] = [None] * n
+        self.started: list[float | None] = [None] * n
+        self.arrival: list[float | None] = [None] * n
+        self.remaining = list(self.flow_bytes)
+        self.rate = [0.0] * n
+        self.last = [0.0] * n
+        self.version = [0] * n
+        self.active: list[set[int]] = [set() for _ in self.res_cap]
+        self.pc = [0] * world_size
+        self.waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
+        self.finish = [math.nan] * world_size
+        self.step_start = [[math.nan] * (num_steps + 1) for _ in range(world_size)]
+        self.events: list[list[Event]] = [[] for _ in range(world_size)]
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.dirty: set[int] = set()
+        self.fresh: list[int] = []
 
     def busiest(self, exposed: Sequence[Transfer] = ()) -> tuple[str, int, float]:
-        """(name, bytes, seconds) of the resource with the most bytes / bandwidth, not counting
-        the ``exposed`` transfers."""
+        """(name, bytes, seconds) of the resource of most bytes / bandwidth, less ``exposed``."""
         load = [0.0] * len(self.res_cap)
         skip = {self.fid[tr] for tr in exposed}
         for i, (ids, num) in enumerate(zip(self.flow_res, self.flow_bytes, strict=True)):
@@ -328,8 +345,7 @@ class _EventEngine:
         return (_POST, sends, tuple(self.fid[tr] for tr in op.transfers if tr.dst == r))
 
     def _cached_program(self, plan: CachedPlan, shards: CachedShards, r: int) -> list[Any]:
-        """The actions of rank ``r``'s ``cached_program``: each block's kernel (then its merge
-        where it is merged); RETURNS waits for and merges each partial."""
+        """The actions of rank ``r``'s ``cached_program`` (each partial merged as it returns)."""
         dims, mem = self.dims, self.mem
         prog: list[tuple[Any, ...]] = []
         for op in cached_program(plan, r):
@@ -370,33 +386,6 @@ class _EventEngine:
         roofline = max(flops / self.flops_per_s, num_bytes / self.mem)
         return roofline + calls * self.hw.kernel_call_s
 
-
-class _EventRun:
-    """The state of one run of an engine's programs: per flow its posts, start, arrival, rate and
-    bytes left; per rank its place in its program; the heap of pending events."""
-
-    def __init__(self, engine: _EventEngine) -> None:
-        self.engine = engine
-        p, n = engine.world_size, len(engine.transfers)
-        self.sender_ready: list[float | None] = [None] * n
-        self.receiver_ready: list[float | None] = [None] * n
-        self.started: list[float | None] = [None] * n
-        self.arrival: list[float | None] = [None] * n
-        self.remaining = list(engine.flow_bytes)
-        self.rate = [0.0] * n
-        self.last = [0.0] * n
-        self.version = [0] * n
-        self.active: list[set[int]] = [set() for _ in engine.res_cap]
-        self.pc = [0] * p
-        self.waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
-        self.finish = [math.nan] * p
-        self.step_start = [[math.nan] * (engine.num_steps + 1) for _ in range(p)]
-        self.events: list[list[Event]] = [[] for _ in range(p)]
-        self.heap: list[tuple[float, int, int, int, int]] = []
-        self.seq = 0
-        self.dirty: set[int] = set()
-        self.fresh: list[int] = []
-
     def push(self, time_s: float, kind: int, a: int, b: int = 0) -> None:
         heapq.heappush(self.heap, (time_s, self.seq, kind, a, b))
         self.seq += 1
@@ -407,14 +396,14 @@ class _EventRun:
             return
         self.started[i] = now
         self.last[i] = now
-        for res in self.engine.flow_res[i]:
+        for res in self.flow_res[i]:
             self.active[res].add(i)
             self.dirty.add(res)
         self.fresh.append(i)
 
     def advance(self, r: int, now: float) -> None:
         """Play rank ``r``'s program from where it stopped until it computes or waits."""
-        prog, pc = self.engine.programs[r], self.pc
+        prog, pc = self.programs[r], self.pc
         while pc[r] < len(prog):
             action = prog[pc[r]]
             kind = action[0]
@@ -441,9 +430,9 @@ class _EventRun:
     def arrive(self, i: int, now: float) -> None:
         """Flow ``i`` has arrived: log it at both ends and wake the ranks waiting for it."""
         self.arrival[i] = now
-        tr, start = self.engine.transfers[i], self.started[i]
+        tr, start = self.transfers[i], self.started[i]
         assert start is not None
-        num, what = int(self.engine.flow_bytes[i]), tr.payload.value
+        num, what = int(self.flow_bytes[i]), tr.payload.value
         self.events[tr.src].append(Event("send", what, tr.step, start, now, tr.dst, num))
         self.events[tr.dst].append(Event("recv", what, tr.step, start, now, tr.src, num))
         for r in self.waiting.pop(i, ()):
@@ -452,7 +441,7 @@ class _EventRun:
 
     def reprice(self, now: float) -> None:
         """New rates for the flows whose resources changed (Note [Sharing bandwidth])."""
-        engine, active, remaining, rate = self.engine, self.active, self.remaining, self.rate
+        active, remaining, rate = self.active, self.remaining, self.rate
         touched = set(self.fresh)
         for res in self.dirty:
             touched.update(active[res])
@@ -461,24 +450,27 @@ class _EventRun:
         for i in sorted(touched):  # all still moving bytes: finished flows left `active`
             remaining[i] -= rate[i] * (now - self.last[i])
             self.last[i] = now
-            rate[i] = min(engine.res_cap[res] / len(active[res]) for res in engine.flow_res[i])
+            rate[i] = min(self.res_cap[res] / len(active[res]) for res in self.flow_res[i])
             self.version[i] += 1
             self.push(now + max(remaining[i], 0.0) / rate[i], _FLOW_DONE, i, self.version[i])
 
     def flow_done(self, i: int, now: float) -> None:
         """Flow ``i`` has sent its last byte: it leaves its resources, arrives after latency."""
         self.remaining[i] = 0.0
-        for res in self.engine.flow_res[i]:
+        for res in self.flow_res[i]:
             self.active[res].discard(i)
             self.dirty.add(res)
-        if self.engine.flow_lat[i] > 0:
-            self.push(now + self.engine.flow_lat[i], _ARRIVE, i)
+        if self.flow_lat[i] > 0:
+            self.push(now + self.flow_lat[i], _ARRIVE, i)
         else:
             self.arrive(i, now)
 
-    def run(self) -> tuple[list[float], list[list[float]], list[list[Event]]]:
+    def run(
+        self, programs: list[list[tuple[Any, ...]]]
+    ) -> tuple[list[float], list[list[float]], list[list[Event]]]:
         """Play every rank's program: per rank its end, its step starts and its events."""
-        p, heap = self.engine.world_size, self.heap
+        self.programs = programs
+        p, heap = self.world_size, self.heap
         for r in range(p):
             self.advance(r, 0.0)
         now = 0.0
@@ -530,11 +522,9 @@ def simulate_cached(
     Raises:
         ValueError: a dtype the hardware has no FLOP/s for.
     """
-    flops_per_s = hardware.flops_per_s(Pass.FORWARD, shape.dtype)
     p = plan.world_size
-    engine = _EventEngine(plan.transfers, p, plan.num_rounds, shape, hardware, flops_per_s)
-    engine.programs = [engine._cached_program(plan, shards, r) for r in range(p)]
-    finish, _, events = _EventRun(engine).run()
+    engine = _EventEngine(plan.transfers, p, plan.num_rounds, shape, hardware, Pass.FORWARD)
+    finish, _, events = engine.run([engine._cached_program(plan, shards, r) for r in range(p)])
     busy = _busy_s(events, "compute", "merge")
     return max(finish), busy, engine.busiest()[2], _timeline(events)
 
@@ -761,16 +751,14 @@ class _Replay:
     """The vectorised engine's clock: ``ring_step_order`` step by step, one op for all ranks
     at once, times as ``(P,)`` tensors (Note [Vectorised engine])."""
 
-    def __init__(
-        self, plan: RingPlan, dims: AttentionShape, hardware: Hardware, flops_per_s: float
-    ) -> None:
+    def __init__(self, plan: RingPlan, dims: AttentionShape, hardware: Hardware) -> None:
         p, mem = plan.world_size, hardware.memory_bandwidth_bytes_per_s
         self.plan, self.p = plan, p
         self.backward = plan.pass_ is Pass.BACKWARD
         self.ranks = torch.arange(p)
         self.up = (self.ranks + plan.direction) % p  # where the travelling blocks go
         scale = 4.0 * dims.batch * dims.head_dim * (2.5 if self.backward else 1.0)
-        self.kernel_per_pair = scale / flops_per_s
+        self.kernel_per_pair = scale / hardware.flops_per_s(plan.pass_, dims.dtype)
         own = merge_bytes(1, dims) if not self.backward else _add_bytes(1, dims.heads_q, dims)
         self.own_merge_per_row = own / mem
         ret = _add_bytes(1, 1, dims) if self.backward else merge_bytes(1, dims, 1)
@@ -955,42 +943,13 @@ def _step_durations(
     return {"travel": dur[j, :, 0], "returns": late, "dkv": tail[:, 1]}
 
 
-def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) -> float:
-    """The merge or add of the exposed tail (``col``: the last chunk's, from step ``c0``)."""
-    last = _last_segment(col, plan.world_size - 1 - c0)
-    exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
-    last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
-    if plan.return_payload is Payload.DKV and plan.world_size > 1:
-        last_merge += replay.dkv_add
-    return last_merge
-
-
-def _price_windows(
-    net: _Network, plan: RingPlan, col: RingColumns, dims: AttentionShape, windows: range
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """``windows``' flow durations and work (``_Network.price``), and the exposed tail's
-    when the last window is among them."""
-    x, dst, tail_x = _window_flows(plan, col, dims, windows)
-    used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
-    dur = torch.zeros_like(x)
-    dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used])
-    if not windows or windows[-1] != plan.world_size - 1:
-        return dur, work, None
-    tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
-    return dur, work, net.price(tail_x.unsqueeze(0), tail_dst, count=False)
-
-
 def _simulate_vectorised(
-    plan: RingPlan,
-    layout: Layout,
-    causal: bool,
-    dims: AttentionShape,
-    hardware: Hardware,
-    flops_per_s: float,
+    plan: RingPlan, layout: Layout, causal: bool, dims: AttentionShape, hardware: Hardware
 ) -> PassResult:
-    """Note [Vectorised engine]: price each chunk's windows, then replay its steps."""
+    """Note [Vectorised engine]: price each chunk's windows (``_Network.price``; the exposed
+    tail's with the last), then replay its steps."""
     p = plan.world_size
-    net, replay = _Network(hardware, p), _Replay(plan, dims, hardware, flops_per_s)
+    net, replay = _Network(hardware, p), _Replay(plan, dims, hardware)
     chunk = max(1, _CHUNK_CELLS // p)
     travel_sent, return_sent = replay.zeros.clone(), replay.zeros.clone()
     last_window: Tensor | None = None  # durations of the previous chunk's last window
@@ -999,11 +958,15 @@ def _simulate_vectorised(
         c1 = min(p, c0 + chunk)
         col = plan.columns(range(c0, min(p, c1 + 1)))  # and the step after: its window
         windows = range(0 if c0 == 0 else c0 + 1, min(p, c1 + 1))
-        dur, work, priced_tail = _price_windows(net, plan, col, dims, windows)
+        x, dst, tail_x = _window_flows(plan, col, dims, windows)
+        used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
+        dur = torch.zeros_like(x)
+        dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used])
+        if windows and windows[-1] == p - 1:  # and the exposed tail
+            tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
+            tail, tail_work = net.price(tail_x.unsqueeze(0), tail_dst, count=False)
         dur = dur if last_window is None else torch.cat([last_window, dur])
         last_window = dur[-1:]
-        if priced_tail is not None:
-            tail, tail_work = priced_tail
         travel, returns, dkv = _flow_bytes(plan, col, dims)
         travel_sent += travel[:, : c1 - c0].sum(1)
         return_sent += returns[:, : c1 - c0].sum((1, 2)) + dkv[:, : c1 - c0].sum(1)
@@ -1015,7 +978,12 @@ def _simulate_vectorised(
             starts = replay.starts[windows.start :] + [float(replay.now.min())] * (c1 < p)
             net.add_windows(work, torch.tensor(starts, dtype=torch.float64))
     net.add_windows(tail_work, replay.now.min().view(1))
-    call_s = max(float(replay.end().max()), net.drain() + _last_merge_s(plan, col, replay, c0))
+    last = _last_segment(col, p - 1 - c0)  # the merge or add of the exposed tail
+    exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
+    last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
+    if plan.return_payload is Payload.DKV and p > 1:
+        last_merge += replay.dkv_add
+    call_s = max(float(replay.end().max()), net.drain() + last_merge)
     busiest_name, busiest_bytes, busiest_s = net.busiest()
     return PassResult(
         strategy=plan.strategy,
@@ -1048,10 +1016,8 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
         ValueError: a dtype the hardware has no FLOP/s for.
     """
     p = sched.world_size
-    flops_per_s = hardware.flops_per_s(sched.pass_, shape.dtype)
-    engine = _EventEngine(sched.transfers, p, sched.num_steps, shape, hardware, flops_per_s)
-    engine.programs = [engine._actions(sched, r) for r in range(p)]
-    finish, step_start, events = _EventRun(engine).run()
+    engine = _EventEngine(sched.transfers, p, sched.num_steps, shape, hardware, sched.pass_)
+    finish, step_start, events = engine.run([engine._actions(sched, r) for r in range(p)])
     exposed = exposed_transfers(sched)
     busiest_name, busiest_bytes, busiest_s = engine.busiest(exposed)
     exposed_s = 0.0
@@ -1122,8 +1088,17 @@ def simulate_pass(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     validate_seq_local(seq_local, layout)
-    mode = _engine(mode, strategy, world_size)
-    flops_per_s = hardware.flops_per_s(pass_, shape.dtype)
+    if mode not in ("auto", "event", "vectorised"):
+        raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
+    if mode == "auto":
+        mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
+    if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
+        raise NotImplementedError(
+            f"the vectorised engine replays the columns of "
+            f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
+            f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
+        )
+    hardware.flops_per_s(pass_, shape.dtype)  # a dtype it has FLOP/s for, before the schedule
     call: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
     call |= dict(seq_local=seq_local, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
     call["last_block_splits"] = last_block_splits
@@ -1141,22 +1116,7 @@ def simulate_pass(
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
     plan = ring_plan(strategy, pass_, **call)
-    return _simulate_vectorised(plan, layout, causal, shape, hardware, flops_per_s)
-
-
-def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
-    """The engine ``mode`` asks for: ``event`` or ``vectorised`` (``auto`` by world size)."""
-    if mode not in ("auto", "event", "vectorised"):
-        raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
-    if mode == "auto":
-        mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
-    if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
-        raise NotImplementedError(
-            f"the vectorised engine replays the columns of "
-            f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
-            f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
-        )
-    return mode
+    return _simulate_vectorised(plan, layout, causal, shape, hardware)
 
 
 def strategy_schedule(
@@ -1196,17 +1156,17 @@ def strategy_schedule(
         layout=layout, causal=causal, world_size=world_size, heads_q=heads_q, heads_kv=heads_kv
     )
     if strategy.is_ring:
-        return build_schedule(
-            strategy,
-            pass_,
-            seq_local=seq_local,
-            seq_len=seq_len,
-            last_block_splits=last_block_splits,
-            lend_last_pair=lend_last_pair,
-            **common,
-        )
-    if seq_len is not None:
-        seq_local = _padded_seq_local(strategy, layout, world_size, seq_len, hybrid)
+        common |= dict(last_block_splits=last_block_splits, lend_last_pair=lend_last_pair)
+        return build_schedule(strategy, pass_, seq_local=seq_local, seq_len=seq_len, **common)
+    if seq_len is not None and strategy is not Strategy.HYBRID:  # the padded buffer
+        seq_local = make_sharding(layout=layout, world_size=world_size, seq_len=seq_len).seq_local
+    elif seq_len is not None:  # about 1/P_in of a padded outer shard, as the layout splits it
+        inner = hybrid.inner if hybrid is not None else 1
+        outer_size = max(1, world_size // inner)
+        outer = make_sharding(layout=layout, world_size=outer_size, seq_len=seq_len)
+        seq_local = -(-outer.seq_local // inner)
+        if Layout.parse(layout) is Layout.ZIGZAG and inner * seq_local % 2:
+            seq_local += 1
     assert seq_local is not None
     if strategy is Strategy.HYBRID:
         if hybrid is None:
@@ -1218,25 +1178,6 @@ def strategy_schedule(
             pass_, spec=hybrid, last_block_splits=last_block_splits, seq_local=seq_local, **common
         )
     return build_collective_schedule(strategy.value, pass_, seq_local=seq_local, **common)
-
-
-def _padded_seq_local(
-    strategy: Strategy,
-    layout: Layout | str,
-    world_size: int,
-    seq_len: int,
-    hybrid: HybridSpec | None,
-) -> int:
-    """s of the padded buffer a collective or the hybrid runs S on (see strategy_schedule)."""
-    if strategy is not Strategy.HYBRID:
-        return make_sharding(layout=layout, world_size=world_size, seq_len=seq_len).seq_local
-    # each rank holds about 1/P_in of a padded outer shard, rounded up to what the layout splits
-    inner = hybrid.inner if hybrid is not None else 1
-    outer = make_sharding(layout=layout, world_size=max(1, world_size // inner), seq_len=seq_len)
-    seq_local = -(-outer.seq_local // inner)
-    if Layout.parse(layout) is Layout.ZIGZAG and inner * seq_local % 2:
-        seq_local += 1
-    return seq_local
 
 
 _PASSES = {
