@@ -91,36 +91,23 @@ PASSES = ("fwd", "fwd+bwd")
 class BenchConfig:
     """Everything one benchmark run measures; the same object is sent to every rank."""
 
-    batch: int = 1
-    """B."""
-    seq: int = 1024
-    """S, global sequence length."""
+    batch: int = 1  # B
+    seq: int = 1024  # S, global sequence length
+    # attention shapes by the label of their rows; their batch and dtype become the run's
     models: dict[str, AttentionShape] = field(default_factory=lambda: dict(BENCH_MODELS))
-    """Attention shapes by the label of their rows; their batch and dtype become the run's."""
-    dtype: str = "float32"
-    """Input dtype name."""
+    dtype: str = "float32"  # input dtype name
     strategies: tuple[Strategy, ...] = tuple(s for s in Strategy if s is not Strategy.HYBRID)
-    """Strategies to compare."""
-    hybrid: HybridSpec = DEFAULT_HYBRID
-    """Factorisation and outer strategy of the hybrid rows (when ``strategies`` has it)."""
-    causal: tuple[bool, ...] = (True, False)
-    """Causal settings to run."""
-    layout: Layout | None = None
-    """None: zigzag for causal rows, contiguous for non-causal rows."""
-    passes: tuple[str, ...] = PASSES
-    """What one timed call does."""
-    warmup: int = 1
-    """Untimed calls per row."""
-    iters: int = 5
-    """Timed calls per row."""
-    probe_bytes: int = 4 << 20
-    """Message size of the link-bandwidth probe."""
-    timeline_rows: bool = True
-    """Keep the per-rank timeline of the last call of each row (for --plot)."""
+    hybrid: HybridSpec = DEFAULT_HYBRID  # factorisation and outer strategy of the hybrid rows
+    causal: tuple[bool, ...] = (True, False)  # causal settings to run
+    layout: Layout | None = None  # None: zigzag for causal rows, contiguous for non-causal rows
+    passes: tuple[str, ...] = PASSES  # what one timed call does
+    warmup: int = 1  # untimed calls per row
+    iters: int = 5  # timed calls per row
+    probe_bytes: int = 4 << 20  # message size of the link-bandwidth probe
+    timeline_rows: bool = True  # keep each row's last call's per-rank timeline (for --plot)
+    # max abs error against the float64 oracle for a row to pass; None: by dtype
     tolerance: float | None = None
-    """Max abs error against the float64 oracle for a row to pass; None: by dtype."""
-    last_pair: str = "return"
-    """TokenRing rows: ``"return"`` or ``"lend"`` (Note [Borrowed last pair])."""
+    last_pair: str = "return"  # TokenRing rows: "return" or "lend" (Note [Borrowed last pair])
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq < 1:
@@ -158,10 +145,8 @@ class BenchConfig:
 
     def cases(self) -> Iterator[tuple[str, AttentionShape, bool, Strategy]]:
         """Every (model label, shape, causal, strategy) of the run, in row order."""
-        for (name, model), causal, strategy in itertools.product(
-            self.models.items(), self.causal, self.strategies
-        ):
-            yield name, model, causal, strategy
+        product = itertools.product(self.models.items(), self.causal, self.strategies)
+        return ((name, model, causal, strategy) for (name, model), causal, strategy in product)
 
     def check_world(self, world_size: int) -> None:
         """Raise ValueError when a row cannot run on ``world_size`` ranks (any ``seq`` runs;
@@ -888,22 +873,68 @@ def add_predictions(
         "link_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in per_rank),
     }
+    backend = per_rank[0]["backend"]
     for indices in report.group_by(range(len(rows)), lambda i: _group_key(rows[i])):
-        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
-        hardware = _hardware(
-            fwd_rate, bwd_rate, probes, config.dtype, topology, per_rank[0]["backend"]
-        )
         group = [rows[i] for i in indices]
+        first, shape = group[0], config.models[group[0]["model"]]
+        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
+        hardware = _hardware(fwd_rate, bwd_rate, probes, config.dtype, topology, backend)
         # rows per rank: S / P, or the padded buffer of uneven shards
-        layout = group[0]["layout"]
+        layout = first["layout"]
         seq_local = make_sharding(
             layout=layout, world_size=world_size, seq_len=config.seq
         ).seq_local
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
-        _add_planner_pick(group, config, hardware, world_size, seq_local)
+        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
+            result = simulate(
+                row["strategy"],
+                passes="both" if first["pass"] == "fwd+bwd" else "forward",
+                hybrid=config.hybrid,
+                layout=layout,
+                causal=first["causal"],
+                world_size=world_size,
+                seq_local=seq_local,
+                shape=shape,
+                hardware=dataclasses.replace(
+                    hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+                ),
+                lend_last_pair=config.lends,
+            )
+            row["model_ms"] = 1e3 * result.call_s
+            row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+            row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
+        # the planner's pick, against the measured fastest (Note [Verdicts within noise])
+        plan_of: dict[str, Any] = dict(
+            world_size=world_size,
+            seq_local=seq_local,
+            heads_q=shape.heads_q,
+            heads_kv=shape.heads_kv,
+            head_dim=shape.head_dim,
+            dtype=config.dtype,
+            causal=first["causal"],
+            hardware=hardware,
+            layout=layout,
+            batch=config.batch,
+            training=first["pass"] == "fwd+bwd",
+        )
+        strategies = [row["strategy"] for row in group]
+        plan = explain(
+            **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
+        )
+        planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
+        fastest = min((r for r in group if r["strategy"] in planned), key=lambda r: r["ms_median"])
+        pick = next(r for r in group if r["strategy"] == plan.pick.value)
+        verdict, why = planner_verdict(pick, fastest)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
+            row["planner_pick"] = plan.pick.value
+            row["planner_candidate"] = row["strategy"] in planned
+            row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
+            row["planner_ms"] = planned.get(row["strategy"])
+            row["planner_verdict"] = verdict
+            row["planner_why"] = why
+            if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
+                row["auto_last_pair"] = "lend" if lends_last_pair(**plan_of) else "return"
             row["kernel_flops_per_s"] = rates
             row["calibration"] = dict(calibration)
     return rows
@@ -929,81 +960,6 @@ def _hardware(
         port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
         collectives=CollectiveRouting.for_backend(backend),
     )
-
-
-def _add_model_times(
-    group: list[dict[str, Any]],
-    own_rates: list[tuple[float, float]],
-    config: BenchConfig,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-) -> None:
-    """Add the simulator's prediction of each row of one (model, causal, pass) group, with
-    the row's own kernel FLOP/s (Note [Calibrating the model from the run])."""
-    first = group[0]
-    for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
-        result = simulate(
-            row["strategy"],
-            passes="both" if first["pass"] == "fwd+bwd" else "forward",
-            hybrid=config.hybrid,
-            layout=first["layout"],
-            causal=first["causal"],
-            world_size=world_size,
-            seq_local=seq_local,
-            shape=config.models[first["model"]],
-            hardware=dataclasses.replace(
-                hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
-            ),
-            lend_last_pair=config.lends,
-        )
-        row["model_ms"] = 1e3 * result.call_s
-        row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
-        row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
-
-
-def _add_planner_pick(
-    group: list[dict[str, Any]],
-    config: BenchConfig,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-) -> None:
-    """Add the planner's pick among one group's strategies, and its verdict against the
-    measured fastest (Note [Verdicts within noise]), to each row."""
-    first = group[0]
-    shape = config.models[first["model"]]
-    training = first["pass"] == "fwd+bwd"
-    plan_of: dict[str, Any] = dict(
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=shape.heads_q,
-        heads_kv=shape.heads_kv,
-        head_dim=shape.head_dim,
-        dtype=config.dtype,
-        causal=first["causal"],
-        hardware=hardware,
-        layout=first["layout"],
-        batch=config.batch,
-        training=training,
-    )
-    strategies = [row["strategy"] for row in group]
-    plan = explain(
-        **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
-    )
-    planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
-    fastest = min((r for r in group if r["strategy"] in planned), key=lambda r: r["ms_median"])
-    pick = next(r for r in group if r["strategy"] == plan.pick.value)
-    verdict, why = planner_verdict(pick, fastest)
-    for row in group:
-        row["planner_pick"] = plan.pick.value
-        row["planner_candidate"] = row["strategy"] in planned
-        row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
-        row["planner_ms"] = planned.get(row["strategy"])
-        row["planner_verdict"] = verdict
-        row["planner_why"] = why
-        if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
-            row["auto_last_pair"] = "lend" if lends_last_pair(**plan_of) else "return"
 
 
 def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:

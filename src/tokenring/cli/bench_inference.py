@@ -28,25 +28,17 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
-from tokenring.cli import ArgumentAdder, check_heads, int_at_least, int_list, split_list
+from tokenring.cli import (
+    ArgumentAdder,
+    check_heads,
+    int_at_least,
+    int_list,
+    ranks,
+    report,
+    split_list,
+)
 from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
-from tokenring.cli.ranks import (
-    check_lab,
-    collect_per_rank,
-    git_sha,
-    rank_device,
-    row_done,
-    world_size_of,
-)
-from tokenring.cli.report import (
-    call_ms,
-    group_by,
-    link_text,
-    timing_note,
-    write_markdown,
-    write_records,
-)
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
 from tokenring.kvcache import DistributedKVCache
@@ -77,28 +69,18 @@ _DEFAULT_NEW = {"decode": "1,16,128", "prefill-cached": "256,1024,4096"}
 class InferenceBenchConfig:
     """Everything one inference benchmark run measures; the same object goes to every rank."""
 
-    mode: str
-    """``decode`` or ``prefill-cached`` (labels; both time the same call)."""
-    batch: int = 1
-    """B."""
-    cached: tuple[int, ...] = (4096,)
-    """C values."""
-    new: tuple[int, ...] = (1,)
-    """T values."""
+    mode: str  # decode or prefill-cached (labels; both time the same call)
+    batch: int = 1  # B
+    cached: tuple[int, ...] = (4096,)  # C values
+    new: tuple[int, ...] = (1,)  # T values
+    # attention shapes to run, by the label of their rows (their heads and head dim)
     models: dict[str, AttentionShape] = field(default_factory=lambda: dict(BENCH_MODELS))
-    """Attention shapes to run, by the label of their rows (their heads and head dim)."""
-    dtype: str = "float32"
-    """Input dtype name."""
-    strategies: tuple[CachedStrategy, ...] = tuple(CachedStrategy)
-    """Strategies to compare."""
-    block_size: int = 64
-    """Cache placement block."""
-    warmup: int = 2
-    """Untimed calls per row."""
-    iters: int = 10
-    """Timed calls per row."""
-    tolerance: float | None = None
-    """Max abs error against float64; None: by dtype."""
+    dtype: str = "float32"  # input dtype name
+    strategies: tuple[CachedStrategy, ...] = tuple(CachedStrategy)  # to compare
+    block_size: int = 64  # cache placement block
+    warmup: int = 2  # untimed calls per row
+    iters: int = 10  # timed calls per row
+    tolerance: float | None = None  # max abs error against float64; None: by dtype
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -141,16 +123,14 @@ def _random_sequences(
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Seeded global q ``(C + T, Hq, D)``, k and v ``(C + T, Hkv, D)`` of each sequence, the
     same on every rank."""
-    hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
     gen = torch.Generator().manual_seed(1234)
-    return [
-        (
-            torch.randn(total, hq, d, generator=gen, dtype=torch.float64).to(dtype),
-            torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
-            torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
-        )
-        for _ in range(batch)
-    ]
+
+    def randn(heads: int) -> torch.Tensor:
+        drawn = torch.randn(total, heads, model.head_dim, generator=gen, dtype=torch.float64)
+        return drawn.to(dtype)
+
+    hq, hkv = model.heads_q, model.heads_kv
+    return [(randn(hq), randn(hkv), randn(hkv)) for _ in range(batch)]
 
 
 def _planned_bytes(plan: CachedPlan, rank: int, dims: AttentionShape) -> dict[tuple[str, int], int]:
@@ -279,7 +259,7 @@ def _case_rows(
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
     comm = get_communicator()
-    device = rank_device()
+    device = ranks.rank_device()
     dtype = DTYPES[config.dtype]
     hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
     kernel = select_kernel(device, dtype)
@@ -288,7 +268,7 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
         case = _case_rows(config, comm, hardware, kernel, device, name=name, cached=cached, new=new)
         for row in case:
             rows.append(row)
-            row_done(progress_path)
+            ranks.row_done(progress_path)
     return {
         "rank": comm.rank,
         "rows": rows,
@@ -331,7 +311,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "new_fraction": first["new"] / (first["new"] + first["cached"]),
                 "pass_q_threshold": threshold,
                 "strategy": first["strategy"],
-                **call_ms([r["call_s"] for r in rows]),
+                **report.call_ms([r["call_s"] for r in rows]),
                 "travel_bytes_per_rank": max(r["sent_bytes"]["travel"] for r in rows),
                 "return_bytes_per_rank": max(r["sent_bytes"]["return"] for r in rows),
                 "busiest_pair_bytes": max(r["pair_bytes"] for r in rows),
@@ -349,7 +329,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "verified": error <= tolerance,
             }
         )
-    for group in group_by(results, _case_key):  # the measured fastest, to score the pick
+    for group in report.group_by(results, _case_key):  # the measured fastest, to score the pick
         fastest = min(group, key=lambda r: r["ms_median"])
         picked = next((r for r in group if r["strategy"] == group[0]["auto_pick"]), None)
         for row in group:
@@ -369,16 +349,13 @@ def add_arguments(parser: ArgumentAdder) -> None:
     """The inference options of ``tokenring bench`` (``--mode`` selects them)."""
     add = parser.add_argument
     add("--cached", default="4096", help="cached tokens per sequence, comma-separated")
-    add(
-        "--new",
-        help="new tokens per sequence per call, comma-separated (default: decode "
-        f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})",
+    new_help = (
+        "new tokens per sequence per call, comma-separated (default: decode "
+        f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})"
     )
-    add(
-        "--cached-strategies",
-        default=",".join(s.value for s in CachedStrategy),
-        help="comma-separated cached strategies to compare",
-    )
+    add("--new", help=new_help)
+    names = ",".join(s.value for s in CachedStrategy)
+    add("--cached-strategies", default=names, help="comma-separated cached strategies to compare")
     add("--block-size", type=int_at_least(1), default=64, help="KV cache block size in tokens")
 
 
@@ -409,7 +386,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     config = config_from_args(args)
     if args.link is not None:
-        check_lab(args, world_size_of(args))
+        ranks.check_lab(args, ranks.world_size_of(args))
     args._config = config
 
 
@@ -418,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
     config: InferenceBenchConfig = args._config
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
     title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
-    per_rank = collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
+    per_rank = ranks.collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
     if per_rank is None:
         return 0
     rows = aggregate(per_rank, config)
@@ -430,13 +407,13 @@ def run(args: argparse.Namespace) -> int:
         "backend": per_rank[0]["backend"],
         "device": per_rank[0]["device"],
         "torch": torch.__version__,
-        "git_sha": git_sha(),
+        "git_sha": ranks.git_sha(),
         "lab": lab,
         "calibration": per_rank[0]["calibration"],
         "warmup": config.warmup,
         "iters": config.iters,
     }
-    write_records([{**settings, **row} for row in rows], args)
+    report.write_records([{**settings, **row} for row in rows], args)
     if not args.json:
         _print_table(rows, settings, config)
     if args.markdown:
@@ -456,7 +433,7 @@ def _title(settings: dict[str, Any], config: InferenceBenchConfig) -> str:
     return (
         f"{config.mode}: P={settings['world_size']} {settings['backend']} {settings['device']} "
         f"B={config.batch} {settings['dtype']} bs={settings['block_size']}, "
-        f"{link_text(settings['lab'])}; calibrated "
+        f"{report.link_text(settings['lab'])}; calibrated "
         f"{cal['link_bytes_per_s'] / 1e6:.0f} MB/s, {1e6 * cal['latency_s']:.0f} us latency, "
         f"{cal['forward_flops_per_s'] / 1e9:.1f} GFLOP/s, "
         f"{1e6 * cal['kernel_call_s']:.0f} us per kernel call"
@@ -523,7 +500,7 @@ def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [
         f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; measured "
         f"fastest {r['fastest']}; {'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
-        for r, *_ in group_by(rows, _case_key)
+        for r, *_ in report.group_by(rows, _case_key)
     ]
 
 
@@ -534,10 +511,10 @@ def _write_markdown(
     config: InferenceBenchConfig,
     argv: list[str] | None,
 ) -> None:
-    note = timing_note(
+    note = report.timing_note(
         settings,
         " One attention layer, forward; bytes are what the busiest rank sent on each flow "
         "(equal to the plan's on every rank in every row).",
     )
     table = [_headers(config)] + [[_cell(k, row.get(k)) for k, _ in _COLUMNS] for row in rows]
-    write_markdown(path, _title(settings, config), argv, note, table, _pick_lines(rows))
+    report.write_markdown(path, _title(settings, config), argv, note, table, _pick_lines(rows))

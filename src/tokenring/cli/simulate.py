@@ -167,31 +167,6 @@ def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
     return longest
 
 
-def _simulate(
-    cfg: _Config, args: argparse.Namespace, world_size: int, seq: int, name: str
-) -> CallResult:
-    """One strategy at one point (P, S)."""
-    if name == Strategy.HYBRID.value:
-        assert cfg.hybrid is not None
-        cfg.hybrid.check(
-            world_size=world_size, heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv
-        )
-    return simulate(
-        name,
-        passes=args.passes,
-        layout=cfg.layout,
-        causal=cfg.causal,
-        world_size=world_size,
-        seq_local=seq // world_size,
-        shape=cfg.shape,
-        hardware=cfg.hardware,
-        last_block_splits=args.splits,
-        mode=args.mode,
-        hybrid=cfg.hybrid,
-        lend_last_pair=args.lend_last_pair,
-    )
-
-
 def _predict(
     cfg: _Config, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], list[CallResult], list[str]]:
@@ -206,7 +181,24 @@ def _predict(
             if bar is not None:
                 bar.update(bar.task_ids[0], description=f"P={world_size} S={seq} {name}")
             try:
-                result = _simulate(cfg, args, world_size, seq, name)
+                if name == Strategy.HYBRID.value:
+                    assert cfg.hybrid is not None
+                    heads = dict(heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv)
+                    cfg.hybrid.check(world_size=world_size, **heads)
+                result = simulate(
+                    name,
+                    passes=args.passes,
+                    layout=cfg.layout,
+                    causal=cfg.causal,
+                    world_size=world_size,
+                    seq_local=seq // world_size,
+                    shape=cfg.shape,
+                    hardware=cfg.hardware,
+                    last_block_splits=args.splits,
+                    mode=args.mode,
+                    hybrid=cfg.hybrid,
+                    lend_last_pair=args.lend_last_pair,
+                )
             except (NotImplementedError, ValueError) as exc:
                 if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
                     raise
