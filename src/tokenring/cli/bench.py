@@ -693,7 +693,15 @@ def _measure_row(
         for (flow, peer), num in c.counter.sent_bytes.items():
             sent[flow] += num
             link[global_rank[peer]] = link.get(global_rank[peer], 0) + num
-    compute, kernel = _best_compute_only(case, comm.rank, pass_)
+    # the faster of two compute-only runs, and the kernel with the operators its tiles ran
+    q = case.local[0]
+    block_kernel = select_kernel(q.device, q.dtype)
+    operands = _compute_operands(case, comm.rank)
+    compute = min(
+        (_compute_only(case, block_kernel, comm.rank, backward, operands) for _ in range(2)),
+        key=lambda c: c[0] + c[1],
+    )
+    kernel = f"{block_kernel.name}[{','.join(sorted(block_kernel.ran))}]"
     num_steps = case.scheds[0].num_steps
     return RankRow(
         model=case.model_name,
@@ -772,21 +780,6 @@ def _timed_calls(
         got += [x.grad for x in inputs if x.grad is not None]
         assert len(got) == 4, "every input must have a gradient"
     return times, list(timeline.events), got
-
-
-def _best_compute_only(
-    case: _Case, rank: int, pass_: str
-) -> tuple[tuple[float, float, float, float], str]:
-    """The faster of two compute-only runs (:func:`_compute_only`) and the kernel that ran
-    them with the operators its tiles ran, e.g. ``cuda_sdpa[sdpa_flash]``."""
-    q = case.local[0]
-    kernel = select_kernel(q.device, q.dtype)
-    operands = _compute_operands(case, rank)
-    compute = min(
-        (_compute_only(case, kernel, rank, pass_ == "fwd+bwd", operands) for _ in range(2)),
-        key=lambda c: c[0] + c[1],
-    )
-    return compute, f"{kernel.name}[{','.join(sorted(kernel.ran))}]"
 
 
 # -- aggregation (parent side) -------------------------------------------------------------------

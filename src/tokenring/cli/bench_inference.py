@@ -100,11 +100,7 @@ class InferenceBenchConfig:
 
 
 def _oracle_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Float64 causal attention of the queries at ``positions`` of one sequence (global
     ``q`` ``(S, Hq, D)``, ``k``/``v`` ``(S, Hkv, D)``): ``(len(positions), Hq, D)``."""
@@ -488,8 +484,7 @@ def _print_table(
     for r in rows:
         ok = r["verified"] and r["bytes_match_plan"]
         table.add_row(
-            *(_cell(key, r.get(key)) for key, _ in _COLUMNS),
-            "ok" if ok else "[bold red]WRONG[/]",
+            *(_cell(key, r.get(key)) for key, _ in _COLUMNS), "ok" if ok else "[bold red]WRONG[/]"
         )
     print_table(table)
     for line in _pick_lines(rows):

@@ -17,13 +17,7 @@ from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_fig
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import AttentionShape, Strategy
 from tokenring.model.costmodel import PRESETS, Hardware
-from tokenring.model.simulate import (
-    _PASSES,
-    EVENT_MAX_WORLD_SIZE,
-    CallResult,
-    PassResult,
-    simulate,
-)
+from tokenring.model.simulate import _PASSES, EVENT_MAX_WORLD_SIZE, CallResult, PassResult, simulate
 from tokenring.runtime.comm import Event
 from tokenring.strategies.hybrid import HybridSpec
 
