@@ -658,34 +658,13 @@ def _hybrid_shards(
 Counted = list[tuple[Communicator, list[int]]]  # communicators and their group -> global rank
 
 
-def _attention(
-    config: BenchConfig, comm: Communicator, case: _Case, mesh: HybridMesh | None
-) -> tuple[Callable[..., Any], Counted]:
-    """The call one row times, and whose counters and timeline to read: the hybrid's inner
-    and outer groups, else the default group's."""
-    counted = [(comm, list(range(comm.world_size)))]
-    attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
-    if case.strategy is Strategy.TOKEN_RING:
-        attend = functools.partial(attend, last_pair=config.last_pair)
-    if case.strategy is Strategy.HYBRID:
-        assert mesh is not None
-        groups = (mesh.inner, mesh.outer)
-        counted = [(get_communicator(g), dist.get_process_group_ranks(g)) for g in groups]
-        attend = functools.partial(
-            hybrid_attn, mesh=mesh, outer_strategy=config.hybrid.outer_strategy
-        )
-    attend = functools.partial(attend, causal=case.causal, layout=case.layout, seq_len=config.seq)
-    return attend, counted
-
-
 def _measure_row(
     config: BenchConfig, comm: Communicator, case: _Case, pass_: str, mesh: HybridMesh | None
 ) -> RankRow:
     """One row on this rank: its timed calls, checked against the reference, and its
     compute-only run."""
     backward = pass_ == "fwd+bwd"
-    attend, counted = _attention(config, comm, case, mesh)
-    times, events, got = _timed_calls(config, comm, case, backward, attend, counted)
+    times, events, got, counted = _timed_calls(config, comm, case, backward, mesh)
     max_error = _max_error(got, case.reference)
     sent = {"travel": 0, "return": 0}
     link: dict[int, int] = {}
@@ -738,15 +717,23 @@ def _max_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
 
 
 def _timed_calls(
-    config: BenchConfig,
-    comm: Communicator,
-    case: _Case,
-    backward: bool,
-    attend: Callable[..., Any],
-    counted: Counted,
-) -> tuple[list[float], list[Event], list[torch.Tensor]]:
-    """The seconds of each timed call, the last call's events (from its own start) and its
-    results: out, and with ``backward`` dq, dk, dv."""
+    config: BenchConfig, comm: Communicator, case: _Case, backward: bool, mesh: HybridMesh | None
+) -> tuple[list[float], list[Event], list[torch.Tensor], Counted]:
+    """The seconds of each timed call, the last call's events (from its own start), its
+    results (out, and with ``backward`` dq, dk, dv), and whose counters and timeline it read:
+    the hybrid's inner and outer groups, else the default group's."""
+    counted = [(comm, list(range(comm.world_size)))]
+    attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
+    if case.strategy is Strategy.TOKEN_RING:
+        attend = functools.partial(attend, last_pair=config.last_pair)
+    if case.strategy is Strategy.HYBRID:
+        assert mesh is not None
+        groups = (mesh.inner, mesh.outer)
+        counted = [(get_communicator(g), dist.get_process_group_ranks(g)) for g in groups]
+        attend = functools.partial(
+            hybrid_attn, mesh=mesh, outer_strategy=config.hybrid.outer_strategy
+        )
+    attend = functools.partial(attend, causal=case.causal, layout=case.layout, seq_len=config.seq)
     q, k, v, dout = case.local
     times: list[float] = []
     timeline = Timeline()
@@ -779,7 +766,7 @@ def _timed_calls(
     if backward:
         got += [x.grad for x in inputs if x.grad is not None]
         assert len(got) == 4, "every input must have a gradient"
-    return times, list(timeline.events), got
+    return times, list(timeline.events), got, counted
 
 
 # -- aggregation (parent side) -------------------------------------------------------------------
@@ -1002,16 +989,9 @@ def estimate_rank_bytes(
             + (2 * b * hq * seq * 8 if config.grads else 0)  # lse, delta
             + 4 * min(tile, b * hq * seq * seq * 8)  # scores, probs, dp, ds of a tile
         )
-        run = max(
-            _call_bytes(
-                config,
-                model,
-                config.schedules(model, s, causal, world_size),
-                sharding,
-                materialises=backend == "nccl",
-            )
-            for s in config.strategies
-        )
+        scheds = [config.schedules(model, s, causal, world_size) for s in config.strategies]
+        on_gpu = backend == "nccl"
+        run = max(_call_bytes(config, model, sc, sharding, materialises=on_gpu) for sc in scheds)
         parts = {
             "inputs": b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4,  # + fp32 draw
             "reference": reference,

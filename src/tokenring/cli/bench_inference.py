@@ -410,14 +410,26 @@ def run(args: argparse.Namespace) -> int:
         "iters": config.iters,
     }
     report.write_records([{**settings, **row} for row in rows], args)
+    title, headers, lines = _title(settings, config), _headers(config), _pick_lines(rows)
+    cells = [[_cell(key, row.get(key)) for key, _ in _COLUMNS] for row in rows]
+    ok = [row["verified"] and row["bytes_match_plan"] for row in rows]
     if not args.json:
-        _print_table(rows, settings, config)
+        table = make_table("tokenring bench " + title, [*headers, "check"])
+        for row_cells, row_ok in zip(cells, ok, strict=True):
+            table.add_row(*row_cells, "ok" if row_ok else "[bold red]WRONG[/]")
+        print_table(table)
+        for line in lines:
+            print(line)
     if args.markdown:
-        _write_markdown(args.markdown, rows, settings, config, args.argv)
-    failed = [r for r in rows if not (r["verified"] and r["bytes_match_plan"])]
-    if failed:
+        note = report.timing_note(
+            settings,
+            " One attention layer, forward; bytes are what the busiest rank sent on each flow "
+            "(equal to the plan's on every rank in every row).",
+        )
+        report.write_markdown(args.markdown, title, args.argv, note, [headers, *cells], lines)
+    if not all(ok):
         print(
-            f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance or bytes "
+            f"VERIFICATION FAILED for {ok.count(False)} row(s): error above tolerance or bytes "
             "different from the plan"
         )
         return 1
@@ -477,39 +489,9 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
-def _print_table(
-    rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
-) -> None:
-    table = make_table("tokenring bench " + _title(settings, config), [*_headers(config), "check"])
-    for r in rows:
-        ok = r["verified"] and r["bytes_match_plan"]
-        table.add_row(
-            *(_cell(key, r.get(key)) for key, _ in _COLUMNS), "ok" if ok else "[bold red]WRONG[/]"
-        )
-    print_table(table)
-    for line in _pick_lines(rows):
-        print(line)
-
-
 def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [
         f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; measured "
         f"fastest {r['fastest']}; {'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
         for r, *_ in report.group_by(rows, _case_key)
     ]
-
-
-def _write_markdown(
-    path: str,
-    rows: list[dict[str, Any]],
-    settings: dict[str, Any],
-    config: InferenceBenchConfig,
-    argv: list[str] | None,
-) -> None:
-    note = report.timing_note(
-        settings,
-        " One attention layer, forward; bytes are what the busiest rank sent on each flow "
-        "(equal to the plan's on every rank in every row).",
-    )
-    table = [_headers(config)] + [[_cell(k, row.get(k)) for k, _ in _COLUMNS] for row in rows]
-    report.write_markdown(path, _title(settings, config), argv, note, table, _pick_lines(rows))
