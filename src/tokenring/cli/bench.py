@@ -865,7 +865,7 @@ def add_predictions(
             layout=layout, world_size=world_size, seq_len=config.seq
         ).seq_local
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
+        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):  # its own FLOP/s
             result = simulate(
                 row["strategy"],
                 passes="both" if first["pass"] == "fwd+bwd" else "forward",
