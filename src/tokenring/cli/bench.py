@@ -91,23 +91,36 @@ PASSES = ("fwd", "fwd+bwd")
 class BenchConfig:
     """Everything one benchmark run measures; the same object is sent to every rank."""
 
-    batch: int = 1  # B
-    seq: int = 1024  # S, global sequence length
-    # attention shapes by the label of their rows; their batch and dtype become the run's
+    batch: int = 1
+    """B."""
+    seq: int = 1024
+    """S, global sequence length."""
     models: dict[str, AttentionShape] = field(default_factory=lambda: dict(BENCH_MODELS))
-    dtype: str = "float32"  # input dtype name
+    """Attention shapes by the label of their rows; their batch and dtype become the run's."""
+    dtype: str = "float32"
+    """Input dtype name."""
     strategies: tuple[Strategy, ...] = tuple(s for s in Strategy if s is not Strategy.HYBRID)
-    hybrid: HybridSpec = DEFAULT_HYBRID  # factorisation and outer strategy of the hybrid rows
-    causal: tuple[bool, ...] = (True, False)  # causal settings to run
-    layout: Layout | None = None  # None: zigzag for causal rows, contiguous for non-causal rows
-    passes: tuple[str, ...] = PASSES  # what one timed call does
-    warmup: int = 1  # untimed calls per row
-    iters: int = 5  # timed calls per row
-    probe_bytes: int = 4 << 20  # message size of the link-bandwidth probe
-    timeline_rows: bool = True  # keep each row's last call's per-rank timeline (for --plot)
-    # max abs error against the float64 oracle for a row to pass; None: by dtype
+    """Strategies to compare."""
+    hybrid: HybridSpec = DEFAULT_HYBRID
+    """Factorisation and outer strategy of the hybrid rows (when ``strategies`` has it)."""
+    causal: tuple[bool, ...] = (True, False)
+    """Causal settings to run."""
+    layout: Layout | None = None
+    """None: zigzag for causal rows, contiguous for non-causal rows."""
+    passes: tuple[str, ...] = PASSES
+    """What one timed call does."""
+    warmup: int = 1
+    """Untimed calls per row."""
+    iters: int = 5
+    """Timed calls per row."""
+    probe_bytes: int = 4 << 20
+    """Message size of the link-bandwidth probe."""
+    timeline_rows: bool = True
+    """Keep the per-rank timeline of the last call of each row (for --plot)."""
     tolerance: float | None = None
-    last_pair: str = "return"  # TokenRing rows: "return" or "lend" (Note [Borrowed last pair])
+    """Max abs error against the float64 oracle for a row to pass; None: by dtype."""
+    last_pair: str = "return"
+    """TokenRing rows: ``"return"`` or ``"lend"`` (Note [Borrowed last pair])."""
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq < 1:

@@ -69,18 +69,28 @@ _DEFAULT_NEW = {"decode": "1,16,128", "prefill-cached": "256,1024,4096"}
 class InferenceBenchConfig:
     """Everything one inference benchmark run measures; the same object goes to every rank."""
 
-    mode: str  # decode or prefill-cached (labels; both time the same call)
-    batch: int = 1  # B
-    cached: tuple[int, ...] = (4096,)  # C values
-    new: tuple[int, ...] = (1,)  # T values
-    # attention shapes to run, by the label of their rows (their heads and head dim)
+    mode: str
+    """``decode`` or ``prefill-cached`` (labels; both time the same call)."""
+    batch: int = 1
+    """B."""
+    cached: tuple[int, ...] = (4096,)
+    """C values."""
+    new: tuple[int, ...] = (1,)
+    """T values."""
     models: dict[str, AttentionShape] = field(default_factory=lambda: dict(BENCH_MODELS))
-    dtype: str = "float32"  # input dtype name
-    strategies: tuple[CachedStrategy, ...] = tuple(CachedStrategy)  # to compare
-    block_size: int = 64  # cache placement block
-    warmup: int = 2  # untimed calls per row
-    iters: int = 10  # timed calls per row
-    tolerance: float | None = None  # max abs error against float64; None: by dtype
+    """Attention shapes to run, by the label of their rows (their heads and head dim)."""
+    dtype: str = "float32"
+    """Input dtype name."""
+    strategies: tuple[CachedStrategy, ...] = tuple(CachedStrategy)
+    """Strategies to compare."""
+    block_size: int = 64
+    """Cache placement block."""
+    warmup: int = 2
+    """Untimed calls per row."""
+    iters: int = 10
+    """Timed calls per row."""
+    tolerance: float | None = None
+    """Max abs error against float64; None: by dtype."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

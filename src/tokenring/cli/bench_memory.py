@@ -144,17 +144,20 @@ def peak_memory(device: torch.device) -> Iterator[PeakMemory]:
 class MemoryBenchConfig:
     """What ``--mode memory`` measures."""
 
-    seq_locals: tuple[int, ...]  # local lengths s (tokens per rank); S = P * s
-    strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES  # one row per (strategy, s)
+    seq_locals: tuple[int, ...]
+    """Local lengths s (tokens per rank); S = P * s."""
+    strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
+    """Strategies to measure, one row per (strategy, s)."""
     batch: int = 1
     heads_q: int = 8
     heads_kv: int = 8
     head_dim: int = 64
     dtype: str = "float32"
-    causal: bool = True  # causal attention (zigzag layout) or full attention (contiguous)
-    # cpu or cuda (rank r on GPU r mod the GPU count: with fewer GPUs than ranks the ranks
-    # share them over the staged path, Note [Staged path] in tokenring.runtime.comm)
+    causal: bool = True
+    """Causal attention (zigzag layout) or full attention (contiguous)."""
     device: str = "cpu"
+    """``cpu`` or ``cuda`` (rank r on GPU r mod the GPU count: with fewer GPUs than ranks the
+    ranks share them over the staged path, Note [Staged path] in tokenring.runtime.comm)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
