@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import (
-    ArgumentAdder,
+    add_hybrid_arguments,
     bench_inference,
     bench_memory,
     check_heads,
@@ -43,29 +43,14 @@ from tokenring.cli import (
     mem_available_bytes,
     output_path,
     positive_seconds,
+    ranks,
     rate_bits_per_s,
+    report,
     split_list,
 )
 from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
 from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
-from tokenring.cli.ranks import (
-    check_lab,
-    collect_per_rank,
-    git_sha,
-    rank_device,
-    row_done,
-    under_torchrun,
-    world_size_of,
-)
-from tokenring.cli.report import (
-    call_ms,
-    group_by,
-    link_text,
-    timing_note,
-    write_markdown,
-    write_records,
-)
 from tokenring.core.layout import Layout, Sharding, make_sharding, shard
 from tokenring.core.schedule import (
     AttentionShape,
@@ -173,10 +158,8 @@ class BenchConfig:
 
     def cases(self) -> Iterator[tuple[str, AttentionShape, bool, Strategy]]:
         """Every (model label, shape, causal, strategy) of the run, in row order."""
-        for (name, model), causal, strategy in itertools.product(
-            self.models.items(), self.causal, self.strategies
-        ):
-            yield name, model, causal, strategy
+        product = itertools.product(self.models.items(), self.causal, self.strategies)
+        return ((name, model, causal, strategy) for (name, model), causal, strategy in product)
 
     def check_world(self, world_size: int) -> None:
         """Raise ValueError when a row cannot run on ``world_size`` ranks (any ``seq`` runs;
@@ -588,7 +571,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     """Run the whole benchmark on this rank (inside an initialised process group)."""
     world = dist.get_world_size()
     config.check_world(world)
-    device = rank_device()
+    device = ranks.rank_device()
     comm = get_communicator()
     mesh = None
     if Strategy.HYBRID in config.strategies:
@@ -601,7 +584,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     for case in _cases(config, comm.rank, world, device):
         for pass_ in config.passes:
             rows.append(_measure_row(config, comm, case, pass_, mesh))
-            row_done(progress_path)
+            ranks.row_done(progress_path)
     return {
         "rank": comm.rank,
         "bandwidth_bytes_per_s": bandwidth,
@@ -688,34 +671,13 @@ def _hybrid_shards(
 Counted = list[tuple[Communicator, list[int]]]  # communicators and their group -> global rank
 
 
-def _attention(
-    config: BenchConfig, comm: Communicator, case: _Case, mesh: HybridMesh | None
-) -> tuple[Callable[..., Any], Counted]:
-    """The call one row times, and whose counters and timeline to read: the hybrid's inner
-    and outer groups, else the default group's."""
-    counted = [(comm, list(range(comm.world_size)))]
-    attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
-    if case.strategy is Strategy.TOKEN_RING:
-        attend = functools.partial(attend, last_pair=config.last_pair)
-    if case.strategy is Strategy.HYBRID:
-        assert mesh is not None
-        groups = (mesh.inner, mesh.outer)
-        counted = [(get_communicator(g), dist.get_process_group_ranks(g)) for g in groups]
-        attend = functools.partial(
-            hybrid_attn, mesh=mesh, outer_strategy=config.hybrid.outer_strategy
-        )
-    attend = functools.partial(attend, causal=case.causal, layout=case.layout, seq_len=config.seq)
-    return attend, counted
-
-
 def _measure_row(
     config: BenchConfig, comm: Communicator, case: _Case, pass_: str, mesh: HybridMesh | None
 ) -> RankRow:
     """One row on this rank: its timed calls, checked against the reference, and its
     compute-only run."""
     backward = pass_ == "fwd+bwd"
-    attend, counted = _attention(config, comm, case, mesh)
-    times, events, got = _timed_calls(config, comm, case, backward, attend, counted)
+    times, events, got, counted = _timed_calls(config, comm, case, backward, mesh)
     max_error = _max_error(got, case.reference)
     sent = {"travel": 0, "return": 0}
     link: dict[int, int] = {}
@@ -723,7 +685,15 @@ def _measure_row(
         for (flow, peer), num in c.counter.sent_bytes.items():
             sent[flow] += num
             link[global_rank[peer]] = link.get(global_rank[peer], 0) + num
-    compute, kernel = _best_compute_only(case, comm.rank, pass_)
+    # the faster of two compute-only runs, and the kernel with the operators its tiles ran
+    q = case.local[0]
+    block_kernel = select_kernel(q.device, q.dtype)
+    operands = _compute_operands(case, comm.rank)
+    compute = min(
+        (_compute_only(case, block_kernel, comm.rank, backward, operands) for _ in range(2)),
+        key=lambda c: c[0] + c[1],
+    )
+    kernel = f"{block_kernel.name}[{','.join(sorted(block_kernel.ran))}]"
     num_steps = case.scheds[0].num_steps
     return RankRow(
         model=case.model_name,
@@ -760,15 +730,23 @@ def _max_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
 
 
 def _timed_calls(
-    config: BenchConfig,
-    comm: Communicator,
-    case: _Case,
-    backward: bool,
-    attend: Callable[..., Any],
-    counted: Counted,
-) -> tuple[list[float], list[Event], list[torch.Tensor]]:
-    """The seconds of each timed call, the last call's events (from its own start) and its
-    results: out, and with ``backward`` dq, dk, dv."""
+    config: BenchConfig, comm: Communicator, case: _Case, backward: bool, mesh: HybridMesh | None
+) -> tuple[list[float], list[Event], list[torch.Tensor], Counted]:
+    """The seconds of each timed call, the last call's events (from its own start), its
+    results (out, and with ``backward`` dq, dk, dv), and whose counters and timeline it read:
+    the hybrid's inner and outer groups, else the default group's."""
+    counted = [(comm, list(range(comm.world_size)))]
+    attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
+    if case.strategy is Strategy.TOKEN_RING:
+        attend = functools.partial(attend, last_pair=config.last_pair)
+    if case.strategy is Strategy.HYBRID:
+        assert mesh is not None
+        groups = (mesh.inner, mesh.outer)
+        counted = [(get_communicator(g), dist.get_process_group_ranks(g)) for g in groups]
+        attend = functools.partial(
+            hybrid_attn, mesh=mesh, outer_strategy=config.hybrid.outer_strategy
+        )
+    attend = functools.partial(attend, causal=case.causal, layout=case.layout, seq_len=config.seq)
     q, k, v, dout = case.local
     times: list[float] = []
     timeline = Timeline()
@@ -801,22 +779,7 @@ def _timed_calls(
     if backward:
         got += [x.grad for x in inputs if x.grad is not None]
         assert len(got) == 4, "every input must have a gradient"
-    return times, list(timeline.events), got
-
-
-def _best_compute_only(
-    case: _Case, rank: int, pass_: str
-) -> tuple[tuple[float, float, float, float], str]:
-    """The faster of two compute-only runs (:func:`_compute_only`) and the kernel that ran
-    them with the operators its tiles ran, e.g. ``cuda_sdpa[sdpa_flash]``."""
-    q = case.local[0]
-    kernel = select_kernel(q.device, q.dtype)
-    operands = _compute_operands(case, rank)
-    compute = min(
-        (_compute_only(case, kernel, rank, pass_ == "fwd+bwd", operands) for _ in range(2)),
-        key=lambda c: c[0] + c[1],
-    )
-    return compute, f"{kernel.name}[{','.join(sorted(kernel.ran))}]"
+    return times, list(timeline.events), got, counted
 
 
 # -- aggregation (parent side) -------------------------------------------------------------------
@@ -851,7 +814,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "hybrid": config.hybrid.label(len(per_rank)) if is_hybrid else None,
                 "pass": first.pass_,
                 "last_pair": config.last_pair if first.strategy == "token_ring" else None,
-                **call_ms([r.call_s for r in rows]),
+                **report.call_ms([r.call_s for r in rows]),
                 "ms_max": 1e3 * max(max(r.call_s) for r in rows),
                 "ms_step_fwd": 1e3 * max(steps_fwd) if steps_fwd else None,
                 "ms_step_bwd": 1e3 * max(steps_bwd) if steps_bwd else None,
@@ -903,22 +866,68 @@ def add_predictions(
         "link_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in per_rank),
     }
-    for indices in group_by(range(len(rows)), lambda i: _group_key(rows[i])):
-        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
-        hardware = _hardware(
-            fwd_rate, bwd_rate, probes, config.dtype, topology, per_rank[0]["backend"]
-        )
+    backend = per_rank[0]["backend"]
+    for indices in report.group_by(range(len(rows)), lambda i: _group_key(rows[i])):
         group = [rows[i] for i in indices]
+        first, shape = group[0], config.models[group[0]["model"]]
+        fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
+        hardware = _hardware(fwd_rate, bwd_rate, probes, config.dtype, topology, backend)
         # rows per rank: S / P, or the padded buffer of uneven shards
-        layout = group[0]["layout"]
+        layout = first["layout"]
         seq_local = make_sharding(
             layout=layout, world_size=world_size, seq_len=config.seq
         ).seq_local
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
-        _add_planner_pick(group, config, hardware, world_size, seq_local)
+        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):  # its own FLOP/s
+            result = simulate(
+                row["strategy"],
+                passes="both" if first["pass"] == "fwd+bwd" else "forward",
+                hybrid=config.hybrid,
+                layout=layout,
+                causal=first["causal"],
+                world_size=world_size,
+                seq_local=seq_local,
+                shape=shape,
+                hardware=dataclasses.replace(
+                    hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+                ),
+                lend_last_pair=config.lends,
+            )
+            row["model_ms"] = 1e3 * result.call_s
+            row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+            row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
+        # the planner's pick, against the measured fastest (Note [Verdicts within noise])
+        plan_of: dict[str, Any] = dict(
+            world_size=world_size,
+            seq_local=seq_local,
+            heads_q=shape.heads_q,
+            heads_kv=shape.heads_kv,
+            head_dim=shape.head_dim,
+            dtype=config.dtype,
+            causal=first["causal"],
+            hardware=hardware,
+            layout=layout,
+            batch=config.batch,
+            training=first["pass"] == "fwd+bwd",
+        )
+        strategies = [row["strategy"] for row in group]
+        plan = explain(
+            **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
+        )
+        planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
+        fastest = min((r for r in group if r["strategy"] in planned), key=lambda r: r["ms_median"])
+        pick = next(r for r in group if r["strategy"] == plan.pick.value)
+        verdict, why = planner_verdict(pick, fastest)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
+            row["planner_pick"] = plan.pick.value
+            row["planner_candidate"] = row["strategy"] in planned
+            row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
+            row["planner_ms"] = planned.get(row["strategy"])
+            row["planner_verdict"] = verdict
+            row["planner_why"] = why
+            if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
+                row["auto_last_pair"] = "lend" if lends_last_pair(**plan_of) else "return"
             row["kernel_flops_per_s"] = rates
             row["calibration"] = dict(calibration)
     return rows
@@ -944,81 +953,6 @@ def _hardware(
         port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
         collectives=CollectiveRouting.for_backend(backend),
     )
-
-
-def _add_model_times(
-    group: list[dict[str, Any]],
-    own_rates: list[tuple[float, float]],
-    config: BenchConfig,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-) -> None:
-    """Add the simulator's prediction of each row of one (model, causal, pass) group, with
-    the row's own kernel FLOP/s (Note [Calibrating the model from the run])."""
-    first = group[0]
-    for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
-        result = simulate(
-            row["strategy"],
-            passes="both" if first["pass"] == "fwd+bwd" else "forward",
-            hybrid=config.hybrid,
-            layout=first["layout"],
-            causal=first["causal"],
-            world_size=world_size,
-            seq_local=seq_local,
-            shape=config.models[first["model"]],
-            hardware=dataclasses.replace(
-                hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
-            ),
-            lend_last_pair=config.lends,
-        )
-        row["model_ms"] = 1e3 * result.call_s
-        row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
-        row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
-
-
-def _add_planner_pick(
-    group: list[dict[str, Any]],
-    config: BenchConfig,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-) -> None:
-    """Add the planner's pick among one group's strategies, and its verdict against the
-    measured fastest (Note [Verdicts within noise]), to each row."""
-    first = group[0]
-    shape = config.models[first["model"]]
-    training = first["pass"] == "fwd+bwd"
-    plan_of: dict[str, Any] = dict(
-        world_size=world_size,
-        seq_local=seq_local,
-        heads_q=shape.heads_q,
-        heads_kv=shape.heads_kv,
-        head_dim=shape.head_dim,
-        dtype=config.dtype,
-        causal=first["causal"],
-        hardware=hardware,
-        layout=first["layout"],
-        batch=config.batch,
-        training=training,
-    )
-    strategies = [row["strategy"] for row in group]
-    plan = explain(
-        **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
-    )
-    planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
-    fastest = min((r for r in group if r["strategy"] in planned), key=lambda r: r["ms_median"])
-    pick = next(r for r in group if r["strategy"] == plan.pick.value)
-    verdict, why = planner_verdict(pick, fastest)
-    for row in group:
-        row["planner_pick"] = plan.pick.value
-        row["planner_candidate"] = row["strategy"] in planned
-        row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
-        row["planner_ms"] = planned.get(row["strategy"])
-        row["planner_verdict"] = verdict
-        row["planner_why"] = why
-        if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
-            row["auto_last_pair"] = "lend" if lends_last_pair(**plan_of) else "return"
 
 
 def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
@@ -1068,16 +1002,9 @@ def estimate_rank_bytes(
             + (2 * b * hq * seq * 8 if config.grads else 0)  # lse, delta
             + 4 * min(tile, b * hq * seq * seq * 8)  # scores, probs, dp, ds of a tile
         )
-        run = max(
-            _call_bytes(
-                config,
-                model,
-                config.schedules(model, s, causal, world_size),
-                sharding,
-                materialises=backend == "nccl",
-            )
-            for s in config.strategies
-        )
+        scheds = [config.schedules(model, s, causal, world_size) for s in config.strategies]
+        on_gpu = backend == "nccl"
+        run = max(_call_bytes(config, model, sc, sharding, materialises=on_gpu) for sc in scheds)
         parts = {
             "inputs": b * seq * (2 * hq + 2 * hkv) * d * elem + b * seq * hq * d * 4,  # + fp32 draw
             "reference": reference,
@@ -1199,101 +1126,71 @@ def _rate_text(bits_per_s: float) -> str:
 # -- CLI -----------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring bench``, grouped by the ``--mode`` they apply to."""
-    parser.add_argument(
-        "--mode",
-        default="attention",
-        choices=["attention", *bench_inference.MODES, "memory"],
-        help="attention: the training strategies; decode / prefill-cached: attention of new "
-        "tokens against a sharded KV cache; memory: peak memory per rank beside inputs + "
-        "outputs + gradients",
+    mode_help = (
+        "attention: the training strategies; decode / prefill-cached: attention of new tokens "
+        "against a sharded KV cache; memory: peak memory per rank beside inputs + outputs + "
+        "gradients"
     )
+    modes = ["attention", *bench_inference.MODES, "memory"]
+    parser.add_argument("--mode", default="attention", choices=modes, help=mode_help)
     add = parser.add_argument_group("ranks and shape (every mode)").add_argument
     add("--world-size", type=int_at_least(1), default=4, help="ranks to spawn (not under torchrun)")
     add("--batch", type=int_at_least(1), default=1, help="batch size B")
-    add(
-        "--heads",
-        type=int_at_least(1),
-        help="query heads (with --kv-heads: one custom model instead of the built-in ones)",
-    )
+    heads_help = "query heads (with --kv-heads: one custom model instead of the built-in ones)"
+    add("--heads", type=int_at_least(1), help=heads_help)
     add("--kv-heads", type=int_at_least(1), help="key/value heads")
     add("--head-dim", type=int_at_least(1), default=64, help="head dimension D")
     add("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
     add("--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed")
-    _add_attention_arguments(parser.add_argument_group("--mode attention"))
-    add = parser.add_argument_group(
-        "timing and checking (attention, decode, prefill-cached)"
-    ).add_argument
+
+    attention = parser.add_argument_group("--mode attention")
+    add = attention.add_argument
+    seq_help = "global sequence length (any: uneven shards as tokenring.shard gives them)"
+    add("--seq", type=int_at_least(1), default=1024, help=seq_help)
+    strategies_help = (
+        "comma-separated strategies, also for --mode memory (default: all; the hybrid where "
+        "--hybrid-inner fits)"
+    )
+    add("--strategies", help=strategies_help)
+    causal_help = "causal masks to run (memory: yes unless no)"
+    add("--causal", choices=["both", "yes", "no"], default="both", help=causal_help)
+    layout_help = "auto: zigzag when causal, contiguous otherwise"
+    add("--layout", choices=["auto", "contiguous", "zigzag"], default="auto", help=layout_help)
+    add("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
+    inner_help = "ranks per island of the hybrid rows (divides the world size and heads)"
+    add_hybrid_arguments(attention, default=2, help=inner_help)
+    last_pair_help = (
+        "TokenRing rows: return the last pair's partial, or lend the pair to its q owner "
+        "(last_pair of the attention); the rows' auto_last_pair says what 'auto' would run"
+    )
+    add("--last-pair", choices=["return", "lend"], default="return", help=last_pair_help)
+
+    timing = "timing and checking (attention, decode, prefill-cached)"
+    add = parser.add_argument_group(timing).add_argument
     add("--warmup", type=int_at_least(0), default=1, help="untimed calls per row")
     add("--iters", type=int_at_least(1), default=5, help="timed calls per row")
-    add(
-        "--tolerance",
-        type=finite_float_at_least(0),
-        help="max abs error vs float64 for a row to pass (default: by dtype)",
-    )
+    tolerance_help = "max abs error vs float64 for a row to pass (default: by dtype)"
+    add("--tolerance", type=finite_float_at_least(0), help=tolerance_help)
     add("--link", type=rate_bits_per_s, help="emulate links of this rate, e.g. 100mbit")
-    add(
-        "--topology",
-        default="mesh",
-        choices=["mesh", "ring", "switch"],
-        help="topology of the emulated links (with --link)",
-    )
+    topology_help = "topology of the emulated links (with --link)"
+    add("--topology", default="mesh", choices=["mesh", "ring", "switch"], help=topology_help)
     bench_inference.add_arguments(parser.add_argument_group("--mode decode, prefill-cached"))
     bench_memory.add_arguments(parser.add_argument_group("--mode memory"))
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--wide",
-        action="store_true",
-        help="every column in the terminal table (per-step times, bytes, rates, overlap); the "
-        "default table fits 120 columns, and --json / --markdown always have everything",
+
+    add = parser.add_argument_group("output").add_argument
+    wide_help = (
+        "every column in the terminal table (per-step times, bytes, rates, overlap); the default "
+        "table fits 120 columns, and --json / --markdown always have everything"
     )
-    output.add_argument("--json", action="store_true", help="print one JSON object per row")
+    add("--wide", action="store_true", help=wide_help)
+    add("--json", action="store_true", help="print one JSON object per row")
     for flag, text in {
         "--out": "also append the JSON rows to this JSONL file",
         "--plot": "write a timeline PNG here (attention)",
         "--trace": "write the timelines as a Chrome/Perfetto trace JSON here (attention)",
         "--markdown": "write the table as markdown here, with the command",
     }.items():
-        output.add_argument(flag, type=output_path, help=text)
-
-
-def _add_attention_arguments(attention: ArgumentAdder) -> None:
-    """The options of ``--mode attention`` (``--strategies`` and ``--causal`` also of memory)."""
-    add = attention.add_argument
-    add(
-        "--seq",
-        type=int_at_least(1),
-        default=1024,
-        help="global sequence length (any: uneven shards as tokenring.shard gives them)",
-    )
-    add(
-        "--strategies",
-        help="comma-separated strategies, also for --mode memory (default: all; the hybrid "
-        "where --hybrid-inner fits)",
-    )
-    causal_help = "causal masks to run (memory: yes unless no)"
-    add("--causal", choices=["both", "yes", "no"], default="both", help=causal_help)
-    layout_help = "auto: zigzag when causal, contiguous otherwise"
-    add("--layout", choices=["auto", "contiguous", "zigzag"], default="auto", help=layout_help)
-    add("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
-    add(
-        "--hybrid-inner",
-        type=int_at_least(1),
-        default=2,
-        help="ranks per island of the hybrid rows (divides the world size and heads)",
-    )
-    add(
-        "--hybrid-outer",
-        default=Strategy.TOKEN_RING.value,
-        choices=[s.value for s in Strategy if s.is_ring],
-        help="ring strategy across the hybrid's islands",
-    )
-    add(
-        "--last-pair",
-        choices=["return", "lend"],
-        default="return",
-        help="TokenRing rows: return the last pair's partial, or lend the pair to its q owner "
-        "(last_pair of the attention); the rows' auto_last_pair says what 'auto' would run",
-    )
+        add(flag, type=output_path, help=text)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -1322,7 +1219,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
     if args.strategies is None:  # all of them; the hybrid only where it fits, and then said so
         try:
-            config.check_world(world_size_of(args))
+            config.check_world(ranks.world_size_of(args))
         except ValueError as exc:
             print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
             config = dataclasses.replace(config, strategies=strategies[:-1])
@@ -1347,7 +1244,7 @@ def check_args(args: argparse.Namespace) -> None:
         _mode_module(args).check_args(args)
         return
     config = config_from_args(args)
-    world = world_size_of(args)
+    world = ranks.world_size_of(args)
     try:
         config.check_world(world)
     except ValueError as exc:
@@ -1360,10 +1257,10 @@ def check_args(args: argparse.Namespace) -> None:
                 f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
             ) from None
     if args.link is not None:
-        check_lab(args, world)
+        ranks.check_lab(args, world)
         _check_link_time(config, args, world)
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
-    backend = "nccl" if under_torchrun() and torch.cuda.is_available() else "gloo"
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if ranks.under_torchrun() else world
+    backend = "nccl" if ranks.under_torchrun() and torch.cuda.is_available() else "gloo"
     check_memory(config, world, ranks_here, backend)
     args._config = config
 
@@ -1380,7 +1277,7 @@ def run(args: argparse.Namespace) -> int:
     config: BenchConfig = args._config
     num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
     title = f"bench: {num_rows} rows on {args.world_size} ranks"
-    per_rank = collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
+    per_rank = ranks.collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
     if per_rank is None:
         return 0
     rows = aggregate(per_rank, config)
@@ -1396,14 +1293,14 @@ def run(args: argparse.Namespace) -> int:
         "device": per_rank[0]["device"],
         "comm_path": per_rank[0]["comm_path"],
         "torch": torch.__version__,
-        "git_sha": git_sha(),
+        "git_sha": ranks.git_sha(),
         "lab": lab,
         "link_probe_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "warmup": config.warmup,
         "iters": config.iters,
     }
     models = {name: asdict(m) for name, m in config.models.items()}
-    write_records([{**settings, **row, "shape": models[row["model"]]} for row in rows], args)
+    report.write_records([{**settings, **row, "shape": models[row["model"]]} for row in rows], args)
     if not args.json:
         _print_table(rows, settings, wide=args.wide)
     if args.markdown:
@@ -1423,7 +1320,7 @@ def _title(settings: dict[str, Any]) -> str:
     return (
         f"P={settings['world_size']} {settings['backend']} {settings['device']} "
         f"S={settings['seq']} B={settings['batch']} {settings['dtype']}, "
-        f"{link_text(settings['lab'])}, "
+        f"{report.link_text(settings['lab'])}, "
         f"probe {settings['link_probe_bytes_per_s'] / 1e6:.0f} MB/s per direction"
     )
 
@@ -1539,7 +1436,7 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
     (Note [Verdicts within noise]), and a summary."""
     lines = []
     verdicts: list[str] = []
-    for group in group_by(rows, _group_key):
+    for group in report.group_by(rows, _group_key):
         r = group[0]
         if "planner_pick" not in r:
             continue
@@ -1611,4 +1508,6 @@ def _write_markdown(
         [_md_cell(k, {**row, "strategy": _strategy_label(row)}.get(k)) for k, _ in _MD_COLUMNS]
         for row in rows
     ]
-    write_markdown(path, _title(settings), argv, timing_note(settings), table, _planner_lines(rows))
+    report.write_markdown(
+        path, _title(settings), argv, report.timing_note(settings), table, _planner_lines(rows)
+    )

@@ -28,25 +28,17 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
-from tokenring.cli import ArgumentAdder, check_heads, int_at_least, int_list, split_list
+from tokenring.cli import (
+    ArgumentAdder,
+    check_heads,
+    int_at_least,
+    int_list,
+    ranks,
+    report,
+    split_list,
+)
 from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
-from tokenring.cli.ranks import (
-    check_lab,
-    collect_per_rank,
-    git_sha,
-    rank_device,
-    row_done,
-    world_size_of,
-)
-from tokenring.cli.report import (
-    call_ms,
-    group_by,
-    link_text,
-    timing_note,
-    write_markdown,
-    write_records,
-)
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
 from tokenring.kvcache import DistributedKVCache
@@ -118,11 +110,7 @@ class InferenceBenchConfig:
 
 
 def _oracle_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Float64 causal attention of the queries at ``positions`` of one sequence (global
     ``q`` ``(S, Hq, D)``, ``k``/``v`` ``(S, Hkv, D)``): ``(len(positions), Hq, D)``."""
@@ -141,16 +129,14 @@ def _random_sequences(
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Seeded global q ``(C + T, Hq, D)``, k and v ``(C + T, Hkv, D)`` of each sequence, the
     same on every rank."""
-    hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
     gen = torch.Generator().manual_seed(1234)
-    return [
-        (
-            torch.randn(total, hq, d, generator=gen, dtype=torch.float64).to(dtype),
-            torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
-            torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype),
-        )
-        for _ in range(batch)
-    ]
+
+    def randn(heads: int) -> torch.Tensor:
+        drawn = torch.randn(total, heads, model.head_dim, generator=gen, dtype=torch.float64)
+        return drawn.to(dtype)
+
+    hq, hkv = model.heads_q, model.heads_kv
+    return [(randn(hq), randn(hkv), randn(hkv)) for _ in range(batch)]
 
 
 def _planned_bytes(plan: CachedPlan, rank: int, dims: AttentionShape) -> dict[tuple[str, int], int]:
@@ -279,7 +265,7 @@ def _case_rows(
 def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Run the whole inference benchmark on this rank (inside an initialised process group)."""
     comm = get_communicator()
-    device = rank_device()
+    device = ranks.rank_device()
     dtype = DTYPES[config.dtype]
     hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
     kernel = select_kernel(device, dtype)
@@ -288,7 +274,7 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
         case = _case_rows(config, comm, hardware, kernel, device, name=name, cached=cached, new=new)
         for row in case:
             rows.append(row)
-            row_done(progress_path)
+            ranks.row_done(progress_path)
     return {
         "rank": comm.rank,
         "rows": rows,
@@ -331,7 +317,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "new_fraction": first["new"] / (first["new"] + first["cached"]),
                 "pass_q_threshold": threshold,
                 "strategy": first["strategy"],
-                **call_ms([r["call_s"] for r in rows]),
+                **report.call_ms([r["call_s"] for r in rows]),
                 "travel_bytes_per_rank": max(r["sent_bytes"]["travel"] for r in rows),
                 "return_bytes_per_rank": max(r["sent_bytes"]["return"] for r in rows),
                 "busiest_pair_bytes": max(r["pair_bytes"] for r in rows),
@@ -349,7 +335,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "verified": error <= tolerance,
             }
         )
-    for group in group_by(results, _case_key):  # the measured fastest, to score the pick
+    for group in report.group_by(results, _case_key):  # the measured fastest, to score the pick
         fastest = min(group, key=lambda r: r["ms_median"])
         picked = next((r for r in group if r["strategy"] == group[0]["auto_pick"]), None)
         for row in group:
@@ -369,16 +355,13 @@ def add_arguments(parser: ArgumentAdder) -> None:
     """The inference options of ``tokenring bench`` (``--mode`` selects them)."""
     add = parser.add_argument
     add("--cached", default="4096", help="cached tokens per sequence, comma-separated")
-    add(
-        "--new",
-        help="new tokens per sequence per call, comma-separated (default: decode "
-        f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})",
+    new_help = (
+        "new tokens per sequence per call, comma-separated (default: decode "
+        f"{_DEFAULT_NEW['decode']}; prefill-cached {_DEFAULT_NEW['prefill-cached']})"
     )
-    add(
-        "--cached-strategies",
-        default=",".join(s.value for s in CachedStrategy),
-        help="comma-separated cached strategies to compare",
-    )
+    add("--new", help=new_help)
+    names = ",".join(s.value for s in CachedStrategy)
+    add("--cached-strategies", default=names, help="comma-separated cached strategies to compare")
     add("--block-size", type=int_at_least(1), default=64, help="KV cache block size in tokens")
 
 
@@ -409,7 +392,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     config = config_from_args(args)
     if args.link is not None:
-        check_lab(args, world_size_of(args))
+        ranks.check_lab(args, ranks.world_size_of(args))
     args._config = config
 
 
@@ -418,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
     config: InferenceBenchConfig = args._config
     num_rows = len(config.models) * len(config.cached) * len(config.new) * len(config.strategies)
     title = f"bench {config.mode}: {num_rows} rows on {args.world_size} ranks"
-    per_rank = collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
+    per_rank = ranks.collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
     if per_rank is None:
         return 0
     rows = aggregate(per_rank, config)
@@ -430,21 +413,33 @@ def run(args: argparse.Namespace) -> int:
         "backend": per_rank[0]["backend"],
         "device": per_rank[0]["device"],
         "torch": torch.__version__,
-        "git_sha": git_sha(),
+        "git_sha": ranks.git_sha(),
         "lab": lab,
         "calibration": per_rank[0]["calibration"],
         "warmup": config.warmup,
         "iters": config.iters,
     }
-    write_records([{**settings, **row} for row in rows], args)
+    report.write_records([{**settings, **row} for row in rows], args)
+    title, headers, lines = _title(settings, config), _headers(config), _pick_lines(rows)
+    cells = [[_cell(key, row.get(key)) for key, _ in _COLUMNS] for row in rows]
+    ok = [row["verified"] and row["bytes_match_plan"] for row in rows]
     if not args.json:
-        _print_table(rows, settings, config)
+        table = make_table("tokenring bench " + title, [*headers, "check"])
+        for row_cells, row_ok in zip(cells, ok, strict=True):
+            table.add_row(*row_cells, "ok" if row_ok else "[bold red]WRONG[/]")
+        print_table(table)
+        for line in lines:
+            print(line)
     if args.markdown:
-        _write_markdown(args.markdown, rows, settings, config, args.argv)
-    failed = [r for r in rows if not (r["verified"] and r["bytes_match_plan"])]
-    if failed:
+        note = report.timing_note(
+            settings,
+            " One attention layer, forward; bytes are what the busiest rank sent on each flow "
+            "(equal to the plan's on every rank in every row).",
+        )
+        report.write_markdown(args.markdown, title, args.argv, note, [headers, *cells], lines)
+    if not all(ok):
         print(
-            f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance or bytes "
+            f"VERIFICATION FAILED for {ok.count(False)} row(s): error above tolerance or bytes "
             "different from the plan"
         )
         return 1
@@ -456,7 +451,7 @@ def _title(settings: dict[str, Any], config: InferenceBenchConfig) -> str:
     return (
         f"{config.mode}: P={settings['world_size']} {settings['backend']} {settings['device']} "
         f"B={config.batch} {settings['dtype']} bs={settings['block_size']}, "
-        f"{link_text(settings['lab'])}; calibrated "
+        f"{report.link_text(settings['lab'])}; calibrated "
         f"{cal['link_bytes_per_s'] / 1e6:.0f} MB/s, {1e6 * cal['latency_s']:.0f} us latency, "
         f"{cal['forward_flops_per_s'] / 1e9:.1f} GFLOP/s, "
         f"{1e6 * cal['kernel_call_s']:.0f} us per kernel call"
@@ -504,40 +499,9 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
-def _print_table(
-    rows: list[dict[str, Any]], settings: dict[str, Any], config: InferenceBenchConfig
-) -> None:
-    table = make_table("tokenring bench " + _title(settings, config), [*_headers(config), "check"])
-    for r in rows:
-        ok = r["verified"] and r["bytes_match_plan"]
-        table.add_row(
-            *(_cell(key, r.get(key)) for key, _ in _COLUMNS),
-            "ok" if ok else "[bold red]WRONG[/]",
-        )
-    print_table(table)
-    for line in _pick_lines(rows):
-        print(line)
-
-
 def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [
         f"auto ({r['model']}, C={r['cached']}, T={r['new']}): picks {r['auto_pick']}; measured "
         f"fastest {r['fastest']}; {'hit' if r['pick_within_10pct'] else 'MISS'} (within 10%)"
-        for r, *_ in group_by(rows, _case_key)
+        for r, *_ in report.group_by(rows, _case_key)
     ]
-
-
-def _write_markdown(
-    path: str,
-    rows: list[dict[str, Any]],
-    settings: dict[str, Any],
-    config: InferenceBenchConfig,
-    argv: list[str] | None,
-) -> None:
-    note = timing_note(
-        settings,
-        " One attention layer, forward; bytes are what the busiest rank sent on each flow "
-        "(equal to the plan's on every rank in every row).",
-    )
-    table = [_headers(config)] + [[_cell(k, row.get(k)) for k, _ in _COLUMNS] for row in rows]
-    write_markdown(path, _title(settings, config), argv, note, table, _pick_lines(rows))

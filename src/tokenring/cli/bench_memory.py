@@ -38,9 +38,8 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.cli import ArgumentAdder, check_heads, int_list, split_list
+from tokenring.cli import ArgumentAdder, check_heads, int_list, ranks, split_list
 from tokenring.cli.models import DTYPES
-from tokenring.cli.ranks import collect_per_rank, git_sha, row_done
 from tokenring.cli.report import write_records
 from tokenring.core.schedule import Strategy
 
@@ -227,7 +226,7 @@ def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dic
     for strategy, s in itertools.product(config.strategies, config.seq_locals):
         extra = _one_call(config, strategy, s, device)
         rows.append({"strategy": strategy.value, "seq_local": s, "extra_bytes": extra})
-        row_done(progress_path)
+        ranks.row_done(progress_path)
     path = get_communicator().path(device)
     return {"rank": dist.get_rank(), "device": str(device), "comm_path": path, "rows": rows}
 
@@ -267,16 +266,10 @@ def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list
 def add_arguments(parser: ArgumentAdder) -> None:
     """The options of ``--mode memory`` (the shared ones come from ``tokenring bench``)."""
     add = parser.add_argument
-    add(
-        "--seq-local",
-        default="4096,16384,65536",
-        help="comma-separated tokens per rank (S = P * s)",
-    )
-    add(
-        "--device",
-        choices=["cpu", "cuda"],
-        help="where the ranks' tensors live (default: cuda when available)",
-    )
+    seq_local_help = "comma-separated tokens per rank (S = P * s)"
+    add("--seq-local", default="4096,16384,65536", help=seq_local_help)
+    device_help = "where the ranks' tensors live (default: cuda when available)"
+    add("--device", choices=["cpu", "cuda"], help=device_help)
 
 
 def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
@@ -320,13 +313,10 @@ def run(args: argparse.Namespace) -> int:
 
     config: MemoryBenchConfig = args._config
     num_rows = len(config.strategies) * len(config.seq_locals)
-    per_rank = collect_per_rank(
-        run_rank,
-        config,
-        args,
-        num_rows=num_rows,
-        title=f"bench memory: {num_rows} rows on {args.world_size} ranks",
-        rank_env=lambda rank: dict(MMAP_THRESHOLD_ENV),
+    title = f"bench memory: {num_rows} rows on {args.world_size} ranks"
+    env = MMAP_THRESHOLD_ENV
+    per_rank = ranks.collect_per_rank(
+        run_rank, config, args, num_rows=num_rows, title=title, rank_env=lambda rank: dict(env)
     )
     if per_rank is None:
         return 0
@@ -344,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         "comm_path": per_rank[0]["comm_path"],
         "method": _METHODS["cuda" if per_rank[0]["device"].startswith("cuda") else "cpu"],
         "torch": torch.__version__,
-        "git_sha": git_sha(),
+        "git_sha": ranks.git_sha(),
     }
     write_records([{**settings, **row} for row in rows], args)
     if not args.json:

@@ -52,13 +52,8 @@ def run(args: argparse.Namespace) -> int:
     config: BenchConfig = args._config
     args.link = None  # the demo runs on this machine's own links
     num_rows = len(config.strategies) * len(config.passes)  # one model, one causality
-    per_rank = launch_with_progress(
-        run_rank,
-        config,
-        num_rows=num_rows,
-        title=f"demo: {num_rows} strategies on {args.world_size} ranks",
-        args=args,
-    )
+    title = f"demo: {num_rows} strategies on {args.world_size} ranks"
+    per_rank = launch_with_progress(run_rank, config, num_rows=num_rows, title=title, args=args)
     rows = aggregate(per_rank, config)
     table = make_table(
         f"tokenring demo: {args.world_size} CPU ranks (gloo), causal zigzag, float32, "

@@ -107,13 +107,8 @@ def timeline_figure(panels: Sequence[Panel], title: str) -> Any:
     a legend of the labels that occur (numbers on compute bars are steps)."""
     plt = pyplot()
     num_lanes = sum(len(_rows(events)) for _, lanes in panels for events in lanes)
-    fig, axes = plt.subplots(
-        len(panels),
-        1,
-        figsize=(13, 1.4 + 0.28 * num_lanes + 0.9 * len(panels)),
-        squeeze=False,
-        sharex=True,
-    )
+    height = 1.4 + 0.28 * num_lanes + 0.9 * len(panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, height), squeeze=False, sharex=True)
     drawn: set[str] = set()
     for ax, (panel_title, lanes) in zip(axes[:, 0], panels, strict=True):
         drawn |= draw_timeline_lanes(ax, lanes, panel_title)

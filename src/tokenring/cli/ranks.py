@@ -60,13 +60,9 @@ def check_lab(args: argparse.Namespace, world_size: int) -> None:
 def git_sha() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
+        command = ["git", "rev-parse", "--short", "HEAD"]
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
+            command, cwd=here, capture_output=True, text=True, timeout=5, check=False
         )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):

@@ -10,37 +10,47 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tokenring.cli import ArgumentAdder, int_at_least, mem_available_bytes, output_path
+from tokenring.cli import add_hybrid_arguments, int_at_least, mem_available_bytes, output_path
 from tokenring.cli.console import progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import AttentionShape, Strategy
 from tokenring.model.costmodel import PRESETS, Hardware
-from tokenring.model.simulate import (
-    _PASSES,
-    EVENT_MAX_WORLD_SIZE,
-    CallResult,
-    PassResult,
-    simulate,
-)
+from tokenring.model.simulate import _PASSES, EVENT_MAX_WORLD_SIZE, CallResult, PassResult, simulate
 from tokenring.runtime.comm import Event
 from tokenring.strategies.hybrid import HybridSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenring simulate``."""
-    _add_call_arguments(parser.add_argument_group("the call: model, sizes, strategies"))
-    machine = parser.add_argument_group("the machine and the simulator")
-    machine.add_argument(
-        "--hardware", choices=sorted(PRESETS), default="h100-nvswitch", help="machine preset"
+    call = parser.add_argument_group("the call: model, sizes, strategies")
+    add = call.add_argument
+    add("--model", choices=sorted(KNOWN_MODELS), default="llama2-7b", help="attention shape preset")
+    seq_help = "global sequence length(s) S in tokens (default: 131072)"
+    add("--seq", type=int_at_least(1), nargs="+", default=[131072], help=seq_help)
+    add("--world-size", type=int_at_least(1), nargs="+", default=[8], help="ranks P (default: 8)")
+    rings, names = [s.value for s in Strategy if s.is_ring], [s.value for s in Strategy]
+    strategies_help = "strategies to predict (default: the ring strategies)"
+    add("--strategies", nargs="+", default=rings, choices=names, help=strategies_help)
+    inner_help = "ranks per island of the hybrid (default: the hardware's devices per node)"
+    add_hybrid_arguments(call, help=inner_help)
+    dtype_help = "input dtype; the presets' FLOP/s are for 16-bit inputs"
+    add("--dtype", default="bfloat16", choices=["float16", "bfloat16"], help=dtype_help)
+    pass_help = "forward, backward, or both = training"
+    add("--pass", dest="passes", choices=sorted(_PASSES), default="forward", help=pass_help)
+    layout_help = "auto: zigzag for causal models, contiguous otherwise"
+    add("--layout", choices=["auto", *(m.value for m in Layout)], default="auto", help=layout_help)
+    add("--batch", type=int_at_least(1), default=1, help="batch size B")
+    add("--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits")
+    lend_help = (
+        "TokenRing lends its last pair to the q owner (last_pair='lend'; Note [Borrowed last pair])"
     )
-    machine.add_argument(
-        "--mode",
-        choices=["auto", "event", "vectorised"],
-        default="auto",
-        help=f"simulator engine; auto: event up to {EVENT_MAX_WORLD_SIZE} ranks, else vectorised",
-    )
+    add("--lend-last-pair", action="store_true", help=lend_help)
+    add = parser.add_argument_group("the machine and the simulator").add_argument
+    add("--hardware", choices=sorted(PRESETS), default="h100-nvswitch", help="machine preset")
+    mode_help = f"simulator engine; auto: event up to {EVENT_MAX_WORLD_SIZE} ranks, else vectorised"
+    add("--mode", choices=["auto", "event", "vectorised"], default="auto", help=mode_help)
     add = parser.add_argument_group("output").add_argument
     add("--json", action="store_true", help="print one JSON object per row instead of a table")
     for flag, text in {
@@ -51,65 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ui.perfetto.dev)",
     }.items():
         add(flag, type=output_path, metavar="PATH", help=text)
-
-
-def _add_call_arguments(call: ArgumentAdder) -> None:
-    """The call to predict: model, sizes, strategies."""
-    add = call.add_argument
-    add("--model", choices=sorted(KNOWN_MODELS), default="llama2-7b", help="attention shape preset")
-    add(
-        "--seq",
-        type=int_at_least(1),
-        nargs="+",
-        default=[131072],
-        help="global sequence length(s) S in tokens (default: 131072)",
-    )
-    add("--world-size", type=int_at_least(1), nargs="+", default=[8], help="ranks P (default: 8)")
-    add(
-        "--strategies",
-        nargs="+",
-        default=[s.value for s in Strategy if s.is_ring],
-        choices=[s.value for s in Strategy],
-        help="strategies to predict (default: the ring strategies)",
-    )
-    add(
-        "--hybrid-inner",
-        type=int_at_least(1),
-        help="ranks per island of the hybrid (default: the hardware's devices per node)",
-    )
-    add(
-        "--hybrid-outer",
-        default=Strategy.TOKEN_RING.value,
-        choices=[s.value for s in Strategy if s.is_ring],
-        help="ring strategy across the hybrid's islands",
-    )
-    add(
-        "--dtype",
-        default="bfloat16",
-        choices=["float16", "bfloat16"],
-        help="input dtype; the presets' FLOP/s are for 16-bit inputs",
-    )
-    add(
-        "--pass",
-        dest="passes",
-        choices=sorted(_PASSES),
-        default="forward",
-        help="forward, backward, or both = training",
-    )
-    add(
-        "--layout",
-        choices=["auto", *(m.value for m in Layout)],
-        default="auto",
-        help="auto: zigzag for causal models, contiguous otherwise",
-    )
-    add("--batch", type=int_at_least(1), default=1, help="batch size B")
-    add("--splits", type=int_at_least(1), default=2, help="TokenRing last_block_splits")
-    add(
-        "--lend-last-pair",
-        action="store_true",
-        help="TokenRing lends its last pair to the q owner (last_pair='lend'; Note [Borrowed "
-        "last pair])",
-    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,31 +161,6 @@ def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
     return longest
 
 
-def _simulate(
-    cfg: _Config, args: argparse.Namespace, world_size: int, seq: int, name: str
-) -> CallResult:
-    """One strategy at one point (P, S)."""
-    if name == Strategy.HYBRID.value:
-        assert cfg.hybrid is not None
-        cfg.hybrid.check(
-            world_size=world_size, heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv
-        )
-    return simulate(
-        name,
-        passes=args.passes,
-        layout=cfg.layout,
-        causal=cfg.causal,
-        world_size=world_size,
-        seq_local=seq // world_size,
-        shape=cfg.shape,
-        hardware=cfg.hardware,
-        last_block_splits=args.splits,
-        mode=args.mode,
-        hybrid=cfg.hybrid,
-        lend_last_pair=args.lend_last_pair,
-    )
-
-
 def _predict(
     cfg: _Config, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], list[CallResult], list[str]]:
@@ -249,7 +175,24 @@ def _predict(
             if bar is not None:
                 bar.update(bar.task_ids[0], description=f"P={world_size} S={seq} {name}")
             try:
-                result = _simulate(cfg, args, world_size, seq, name)
+                if name == Strategy.HYBRID.value:
+                    assert cfg.hybrid is not None
+                    heads = dict(heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv)
+                    cfg.hybrid.check(world_size=world_size, **heads)
+                result = simulate(
+                    name,
+                    passes=args.passes,
+                    layout=cfg.layout,
+                    causal=cfg.causal,
+                    world_size=world_size,
+                    seq_local=seq // world_size,
+                    shape=cfg.shape,
+                    hardware=cfg.hardware,
+                    last_block_splits=args.splits,
+                    mode=args.mode,
+                    hybrid=cfg.hybrid,
+                    lend_last_pair=args.lend_last_pair,
+                )
             except (NotImplementedError, ValueError) as exc:
                 if isinstance(exc, ValueError) and name != Strategy.HYBRID.value:
                     raise
