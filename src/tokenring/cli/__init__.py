@@ -28,7 +28,6 @@ from typing import Any, NoReturn, Protocol
 __all__ = [
     "ArgumentAdder",
     "HelpFormatter",
-    "add_hybrid_arguments",
     "build_parser",
     "check_heads",
     "finite_float_at_least",
@@ -187,18 +186,6 @@ def int_list(text: str, name: str, minimum: int) -> tuple[int, ...]:
     if not values or min(values) < minimum:
         raise ValueError(f"{name} must be {expected}; got {text!r}")
     return values
-
-
-def add_hybrid_arguments(group: ArgumentAdder, **inner: Any) -> None:
-    """``--hybrid-inner`` (``inner``: its default and help) and ``--hybrid-outer``."""
-    from tokenring.core.schedule import Strategy  # torch: not for ``tokenring --help``
-
-    group.add_argument("--hybrid-inner", type=int_at_least(1), **inner)
-    rings = [s.value for s in Strategy if s.is_ring]
-    outer_help = "ring strategy across the hybrid's islands"
-    group.add_argument(
-        "--hybrid-outer", default=Strategy.TOKEN_RING.value, choices=rings, help=outer_help
-    )
 
 
 def check_heads(args: argparse.Namespace) -> None:

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import (
-    add_hybrid_arguments,
     bench_inference,
     bench_memory,
     check_heads,
@@ -49,7 +48,13 @@ from tokenring.cli import (
     split_list,
 )
 from tokenring.cli.console import make_table, print_table
-from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
+from tokenring.cli.models import (
+    BENCH_MODELS,
+    DTYPES,
+    TOLERANCE,
+    add_hybrid_arguments,
+    models_from_args,
+)
 from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
 from tokenring.core.layout import Layout, Sharding, make_sharding, shard
 from tokenring.core.schedule import (

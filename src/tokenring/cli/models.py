@@ -6,12 +6,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tokenring.core.schedule import AttentionShape
+from tokenring.cli import ArgumentAdder, int_at_least
+from tokenring.core.schedule import AttentionShape, Strategy
 
-__all__ = ["BENCH_MODELS", "DTYPES", "KNOWN_MODELS", "TOLERANCE", "KnownModel", "models_from_args"]
+__all__ = [
+    "BENCH_MODELS",
+    "DTYPES",
+    "KNOWN_MODELS",
+    "TOLERANCE",
+    "KnownModel",
+    "add_hybrid_arguments",
+    "models_from_args",
+]
 
 DTYPES = {
     "float32": torch.float32,
@@ -61,3 +71,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     )
 }
 """``tokenring simulate --model``."""
+
+
+def add_hybrid_arguments(group: ArgumentAdder, **inner: Any) -> None:
+    """``--hybrid-inner`` (``inner``: its default and help) and ``--hybrid-outer``."""
+    group.add_argument("--hybrid-inner", type=int_at_least(1), **inner)
+    rings = [s.value for s in Strategy if s.is_ring]
+    outer_help = "ring strategy across the hybrid's islands"
+    group.add_argument(
+        "--hybrid-outer", default=Strategy.TOKEN_RING.value, choices=rings, help=outer_help
+    )

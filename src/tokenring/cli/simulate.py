@@ -10,9 +10,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tokenring.cli import add_hybrid_arguments, int_at_least, mem_available_bytes, output_path
+from tokenring.cli import int_at_least, mem_available_bytes, output_path
 from tokenring.cli.console import progress, rich_modules
-from tokenring.cli.models import KNOWN_MODELS
+from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import AttentionShape, Strategy
