@@ -73,7 +73,7 @@ calls, not just this ratio.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -293,15 +293,6 @@ def _transfer(
     )
 
 
-def _tree_depth(world_size: int) -> int:
-    return (world_size - 1).bit_length() if world_size > 1 else 0  # ceil(log2 P)
-
-
-def _subtree(rel: int, level: int, world_size: int) -> range:
-    """Relative ranks in the subtree of ``rel``, which joined in round ``level``."""
-    return range(rel, world_size, 2 ** (level + 1))
-
-
 def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> CachedPlan:
     """The plan of ``strategy`` for ``shards``; see Note [Cached strategies].
 
@@ -311,13 +302,7 @@ def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> C
     strategy = CachedStrategy.parse(strategy)
     p = shards.world_size
     needs = [[shards.needs(o, j) for j in range(p)] for o in range(p)]
-    if strategy in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
-        rounds = _ring_plan(strategy is CachedStrategy.PASS_Q, shards, needs)
-    elif strategy is CachedStrategy.DIRECT:
-        rounds = _direct_plan(shards, needs)
-    else:
-        rounds = _tree_plan(shards, needs)
-    num_rounds, computes, transfers = rounds
+    num_rounds, computes, transfers = _PLANS[strategy](shards, needs)
     return CachedPlan(
         strategy=strategy,
         world_size=p,
@@ -331,7 +316,7 @@ _Computes = list[list[tuple[tuple[int, int], ...]]]  # [rank][round]: (q_owner, 
 _Rounds = tuple[int, _Computes, list["CachedTransfer"]]  # (number of rounds, computes, transfers)
 
 
-def _ring_plan(pass_q: bool, shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
+def _ring_plan(shards: CachedShards, needs: list[list[bool]], *, pass_q: bool) -> _Rounds:
     """Pass-Q or pass-KV: P rounds, the travelling block one rank down the ring each."""
     p = shards.world_size
     q_rows, kv_rows = shards.q_rows, shards.kv_rows
@@ -383,38 +368,30 @@ def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
     p = shards.world_size
     q_rows = shards.q_rows
     transfers: list[CachedTransfer] = []
-    depth = _tree_depth(p)
+    depth = (p - 1).bit_length()  # ceil(log2 P)
     num_rounds = 2 * depth + 1
     computes: _Computes = [[() for _ in range(num_rounds)] for _ in range(p)]
 
-    def subtree_needs(o: int, rel: int, level: int) -> bool:
-        return any(needs[o][(o + x) % p] for x in _subtree(rel, level, p))
+    def wants(o: int, rel: int, level: int) -> bool:
+        """Whether o's block has rows and a rank in the subtree of ``rel`` (joined in round
+        ``level``) needs it."""
+        return q_rows[o] > 0 and any(needs[o][(o + x) % p] for x in range(rel, p, 2 ** (level + 1)))
 
     for r in range(p):
         if needs[r][r]:
             computes[r][0] = ((r, r),)
+        rel = [(r - o) % p for o in range(p)]  # r's place in each owner's tree
         for k in range(depth):
             step = 2**k
             # Broadcast round k: blocks with rel < 2^k go to r + 2^k.
             sent = [
-                o
-                for o in range(p)
-                if (r - o) % p < step
-                and (r - o) % p + step < p
-                and q_rows[o] > 0
-                and subtree_needs(o, (r - o) % p + step, k)
+                o for o in range(p) if rel[o] < step < p - rel[o] and wants(o, rel[o] + step, k)
             ]
             if sent:
                 rows = sum(q_rows[o] for o in sent)
                 transfers.append(_transfer(Payload.Q, r, (r + step) % p, sent, rows, k, 0))
             # Computed in round k + 1: the blocks received in round k.
-            got = [
-                o
-                for o in range(p)
-                if step <= (r - o) % p < 2 * step
-                and q_rows[o] > 0
-                and subtree_needs(o, (r - o) % p, k)
-            ]
+            got = [o for o in range(p) if step <= rel[o] < 2 * step and wants(o, rel[o], k)]
             computes[r][k + 1] = tuple((o, r) for o in got if needs[o][r])
             # Reduce: level k runs in round depth + 1 + (depth - 1 - k); ranks that joined
             # in broadcast round k send their merged partials back to r - 2^k.
@@ -425,3 +402,11 @@ def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
                     _transfer(Payload.OUT, r, (r - step) % p, got, rows, reduce_round, 0)
                 )
     return num_rounds, computes, transfers
+
+
+_PLANS: dict[CachedStrategy, Callable[[CachedShards, list[list[bool]]], _Rounds]] = {
+    CachedStrategy.PASS_Q: partial(_ring_plan, pass_q=True),
+    CachedStrategy.PASS_KV: partial(_ring_plan, pass_q=False),
+    CachedStrategy.DIRECT: _direct_plan,
+    CachedStrategy.TREE: _tree_plan,
+}

@@ -37,7 +37,7 @@ against them after its last-step slices, and the Q3 hop 1 -> 0 at step 2 is drop
     sent 0 -> 3:   Q0[c,s) +  Q1[c,s) +  Q2[c,s) +
                    K/V0 1/3   K/V0 2/3   K/V0 3/3
 
-``_lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no more
+``_Ring.lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no more
 bytes than the Q hop and partial they save, and each part fits under its step's busiest hop.
 The forward computes it at the last step; the backward at step 1 (K/V sent at step 0) so its
 dK/dV (``Payload.DKV``) fly home during later steps, hence from P = 3. A lent pair is one
@@ -107,7 +107,7 @@ from functools import cache, partial
 
 import torch
 
-from tokenring.core.layout import Layout, Sharding, global_length, make_sharding, validate_seq_local
+from tokenring.core.layout import Layout, global_length, make_sharding, validate_seq_local
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
@@ -206,39 +206,31 @@ def build_schedule(
     mask = MaskSpec(causal, window, docs if len(docs) > 2 else None)
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
-    if strategy.is_collective:
-        return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
-    return _ring_schedule(
-        strategy, pass_, sharding, mask, last_block_splits, heads_q, heads_kv, lend_last_pair
-    )
-
-
-def _ring_schedule(
-    strategy: Strategy,
-    pass_: Pass,
-    sharding: Sharding,
-    mask: MaskSpec,
-    last_block_splits: int,
-    heads_q: int | None,
-    heads_kv: int | None,
-    lend_last_pair: bool,
-) -> Schedule:
-    """``build_schedule`` of a ring strategy: ``steps[r][t]``, lent pairs, then transfers."""
-    p, s, layout = sharding.world_size, sharding.seq_local, sharding.layout
-    if strategy is Strategy.BIDIR_TOKEN_RING:
-        lanes = _query_lanes(heads_q, heads_kv)
-    else:
-        lanes = _lanes(strategy, layout, s, heads_kv, mask.causal)
+    p, s = sharding.world_size, sharding.seq_local
+    if strategy.is_collective:  # tokenring.strategies.collective
+        if heads_q is None or heads_kv is None:
+            raise ValueError(
+                f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
+                f"{heads_q}, {heads_kv}"
+            )
+        if sharding.padded or not mask.plain:
+            raise NotImplementedError(
+                f"strategy {strategy.value!r} supports neither documents, windows nor padded "
+                "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
+            )
+        causal = bool(mask.causal)
+        return _build_collective(strategy, pass_, layout, causal, p, s, heads_q, heads_kv)
+    lanes = _lanes(strategy, layout, s, heads_q, heads_kv, mask.causal)
     pieces = cache(partial(sharded_block_pieces, sharding, mask))
-    cell = (strategy, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
-    steps = [[_cell_plan(*cell, r, t) for t in range(p)] for r in range(p)]
+    ring = _Ring(strategy, pass_, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
+    steps = [[ring.cell_plan(r, t) for t in range(p)] for r in range(p)]
     if strategy is Strategy.TOKEN_RING and lend_last_pair:
-        _lend(steps, _lent_pairs(pass_, sharding, mask, lanes, steps, heads_q, heads_kv), pass_)
-    transfers = _travel_transfers(strategy, pass_, lanes, steps)
+        ring.lend(steps)
+    transfers = ring.travel_transfers(steps)
     if strategy.passes_q:
-        transfers += _return_transfers(pass_, lanes, steps) + _borrow_transfers(pass_, steps)
+        transfers += ring.return_transfers(steps) + ring.borrow_transfers(steps)
     elif pass_ is Pass.BACKWARD:
-        transfers += _accumulator_transfers(lanes, steps, s)
+        transfers += ring.accumulator_transfers(steps, s)
     return Schedule(
         strategy=strategy,
         pass_=pass_,
@@ -254,231 +246,268 @@ def _ring_schedule(
     )
 
 
-def _collective_schedule(
-    strategy: Strategy,
-    pass_: Pass,
-    sharding: Sharding,
-    mask: MaskSpec,
-    heads_q: int | None,
-    heads_kv: int | None,
-) -> Schedule:
-    """``build_schedule`` of a collective strategy (``tokenring.strategies.collective``)."""
-    if heads_q is None or heads_kv is None:
-        raise ValueError(
-            f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
-            f"{heads_q}, {heads_kv}"
-        )
-    if sharding.padded or not mask.plain:
-        raise NotImplementedError(
-            f"strategy {strategy.value!r} supports neither documents, windows nor padded "
-            "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
-        )
-    p, s = sharding.world_size, sharding.seq_local
-    causal = bool(mask.causal)
-    return _build_collective(strategy, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
+@dataclass(frozen=True)
+class _Ring:
+    """What every step plan and transfer of one ring schedule reads."""
 
+    strategy: Strategy
+    pass_: Pass
+    lanes: tuple[Lane, ...]
+    pieces: Callable[[int, int], tuple[Piece, ...]]
+    """``pieces(q_owner, kv_owner)``: a block's kernel calls."""
+    p: int
+    splits: int
+    """Slices of the last block (``last_block_splits``)."""
+    heads_q: int | None
+    heads_kv: int | None
 
-def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], pass_: Pass) -> None:
-    """Move each lent pair to its q owner at ``_borrow_step``, in place."""
-    p = len(steps)
-    compute_step = _borrow_step(pass_, p)
-    for holder in lent:
-        steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
-    for holder, pair in lent.items():
-        owner = steps[(holder - 1) % p][compute_step]
-        steps[owner.rank][compute_step] = replace(owner, segments=(*owner.segments, pair))
+    @property
+    def payloads(self) -> tuple[Payload, Payload | None]:
+        """(what travels, what goes back or None)."""
+        forward = self.pass_ is Pass.FORWARD
+        if self.strategy.passes_q:
+            return (Payload.Q, Payload.OUT) if forward else (Payload.Q_GRAD, Payload.DQ)
+        return Payload.KV, None if forward else Payload.DKV
 
+    @property
+    def borrow_step(self) -> int:
+        """The step at which a q owner computes a borrowed pair."""
+        return self.p - 1 if self.pass_ is Pass.FORWARD else 1
 
-def _cell_plan(
-    strategy: Strategy,
-    lanes: tuple[Lane, ...],
-    pieces: Callable[[int, int], tuple[Piece, ...]],
-    p: int,
-    last_block_splits: int,
-    heads_q: int | None,
-    heads_kv: int | None,
-    r: int,
-    t: int,
-) -> StepPlan:
-    """Rank r's plan at step t; ``pieces(q_owner, kv_owner)``: a block's kernel calls."""
-    kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
-    splits = last_block_splits if t == p - 1 and t > 0 else 1
-    if strategy.passes_q:  # the lanes carry Q: their visitors are q owners
-        if t == 0:  # the local block, once, on every head
-            segments = _segments(pieces(r, r), 1)
-        else:
-            segments = tuple(
-                segment
-                for i, (lane, o) in enumerate(zip(lanes, kv_owners, strict=True))
-                for segment in _sliced(pieces(o, r), i, lane, splits, heads_q, heads_kv)
+    def cell_plan(self, r: int, t: int) -> StepPlan:
+        """Rank r's plan at step t."""
+        p, lanes = self.p, self.lanes
+        kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
+        splits = self.splits if t == p - 1 and t > 0 else 1
+        if self.strategy.passes_q:  # the lanes carry Q: their visitors are q owners
+            if t == 0:  # the local block, once, on every head
+                segments = _segments(self.pieces(r, r), 1)
+            else:
+                segments = tuple(
+                    segment
+                    for i, (lane, o) in enumerate(zip(lanes, kv_owners, strict=True))
+                    for segment in self.sliced(self.pieces(o, r), i, lane, splits)
+                )
+            q_owners = kv_owners if len(lanes) > 1 else ()
+            return StepPlan(r, t, kv_owners[0], (r,) * len(lanes), segments, q_owners)
+        block: list[Piece] = []
+        for index, lane in enumerate(lanes):
+            if t == 0 and index > 0:
+                break  # the local block is computed once, by lane 0, on every head and row
+            for piece in self.pieces(r, kv_owners[index]):
+                block += _lane_pieces(piece, index, lane, whole_block=t == 0)
+        return StepPlan(r, t, r, kv_owners, _by_q_rows(block))
+
+    def sliced(
+        self, pieces: tuple[Piece, ...], index: int, lane: Lane, splits: int
+    ) -> tuple[Segment, ...]:
+        """A pass-Q block on lane ``index``'s heads in ``splits`` slices."""
+        heads = self.head_slices(lane, splits) if pieces and splits > 1 else None
+        slices: Sequence[tuple[Rows | None, Rows | None]] = heads or [(lane.kv_heads, lane.q_heads)]
+        segments = _segments(pieces, 1 if heads else splits)
+        if heads is None and lane.q_heads is None:
+            return segments
+        return tuple(
+            Segment(
+                segment.q_rows,
+                tuple(replace(p, lane=index, heads=kv, q_heads=q) for p in segment.pieces),
             )
-        q_owners = kv_owners if len(lanes) > 1 else ()
-        return StepPlan(r, t, kv_owners[0], (r,) * len(lanes), segments, q_owners)
-    block: list[Piece] = []
-    for index, lane in enumerate(lanes):
-        if t == 0 and index > 0:
-            break  # the local block is computed once, by lane 0, on every head and row
-        for piece in pieces(r, kv_owners[index]):
-            block += _lane_pieces(piece, index, lane, whole_block=t == 0)
-    return StepPlan(r, t, r, kv_owners, _by_q_rows(block))
+            for kv, q in slices
+            for segment in segments
+        )
 
+    def head_slices(self, lane: Lane, splits: int) -> list[tuple[Rows, Rows]] | None:
+        """``(kv heads, query heads)`` of up to ``splits`` head slices of ``lane``, or None."""
+        heads_q, heads_kv = self.heads_q, self.heads_kv
+        if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
+            return None
+        groups = heads_q // heads_kv
+        kv = lane.kv_heads or (0, heads_kv)
+        q = lane.q_heads or (kv[0] * groups, kv[1] * groups)
+        if kv[1] - kv[0] >= 2:
+            return [(h, (h[0] * groups, h[1] * groups)) for h in _split_rows(kv, splits)]
+        if q[1] - q[0] >= 2:
+            return [(kv, h) for h in _split_rows(q, splits)]
+        return None
 
-def _lent_pairs(
-    pass_: Pass,
-    sharding: Sharding,
-    mask: MaskSpec,
-    lanes: tuple[Lane, ...],
-    steps: list[list[StepPlan]],
-    heads_q: int | None,
-    heads_kv: int | None,
-) -> dict[int, Segment]:
-    """Lender rank -> the segment its q owner computes (Note [Borrowed last pair])."""
-    p = sharding.world_size
-    forward = pass_ is Pass.FORWARD
-    if not (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE or heads_q is None or heads_kv is None:
-        return {}  # the backward's dK/dV home must have later steps to fly in
-    compute_step = _borrow_step(pass_, p)
-    # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
-    travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
-    load: Counter[tuple[int, int, int]] = Counter()  # (src, dst, step) -> travel bytes
-    for tr in _travel_transfers(Strategy.TOKEN_RING, pass_, lanes, steps):
-        load[(tr.src, tr.dst, tr.step)] += tr.num_rows * travel_row
-    busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
-    lent: dict[int, Segment] = {}
-    for r in range(p):
-        owner = (r - 1) % p  # whose Q rank r holds at the last step
-        block = sharded_block_pieces(sharding, mask, owner, r)
-        q_rows = _union([pc.q_rows for pc in block])
-        kv_rows = _union([pc.kv_rows for pc in block])
-        if q_rows is None or kv_rows is None:
-            continue
-        kv_bytes = kv_row * (kv_rows[1] - kv_rows[0])
-        saved = (travel_row + return_row) * (q_rows[1] - q_rows[0])
-        part = kv_bytes / compute_step  # sent in parts, one a step before it is computed
-        fits = all(load[(r, owner, t)] + part <= busiest[t] for t in range(compute_step))
-        if kv_bytes <= saved and fits:
-            parts = _split_rows(kv_rows, compute_step)
-            lent[r] = Segment(
-                q_rows,
-                tuple(
-                    Piece(pc.q_rows, (lo, hi), pc.causal, masked=pc.masked, kv_owner=r)
-                    for pc in block
-                    for lo, hi in ((max(pc.kv_rows[0], a), min(pc.kv_rows[1], b)) for a, b in parts)
-                    if lo < hi
-                ),
-            )
-    return lent
+    def lend(self, steps: list[list[StepPlan]]) -> None:
+        """Move each lent pair (:meth:`lent_pairs`) to its q owner at ``borrow_step``, in place."""
+        p, compute_step = self.p, self.borrow_step
+        lent = self.lent_pairs(steps)
+        for holder in lent:
+            steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
+        for holder, pair in lent.items():
+            owner = steps[(holder - 1) % p][compute_step]
+            steps[owner.rank][compute_step] = replace(owner, segments=(*owner.segments, pair))
 
-
-def _borrow_step(pass_: Pass, world_size: int) -> int:
-    """The step at which a q owner computes a borrowed pair."""
-    return world_size - 1 if pass_ is Pass.FORWARD else 1
-
-
-def _borrow_transfers(pass_: Pass, steps: list[list[StepPlan]]) -> list[Transfer]:
-    """Each borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
-    transfers: list[Transfer] = []
-    for plan in (plan for row in steps for plan in row):
-        for k, segment in enumerate(plan.segments):
-            holder = segment.pieces[0].kv_owner
-            if holder is None:
-                continue
-            r, t, rows = plan.rank, plan.step, _union([pc.kv_rows for pc in segment.pieces])
-            assert rows is not None
-            kv = partial(Transfer, payload=Payload.KV, src=holder, dst=r, owner=holder)
-            transfers += [
-                kv(rows=part, step=u, after_segments=0)
-                for u, part in enumerate(_split_rows(rows, t))
-            ]
-            if pass_ is Pass.BACKWARD:
-                back = partial(Transfer, payload=Payload.DKV, src=r, dst=holder, owner=holder)
-                transfers.append(back(rows=rows, step=t, after_segments=k + 1))
-    return transfers
-
-
-def _travel_transfers(
-    strategy: Strategy, pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
-) -> list[Transfer]:
-    """The travelling blocks: rank r forwards the rows the ranks ahead still need."""
-    p = len(steps)
-    travel, _ = _payloads(strategy, pass_)
-    transfers: list[Transfer] = []
-    for index, lane in enumerate(lanes):
-        heads = lane.q_heads if strategy.passes_q else lane.kv_heads
-        send = partial(Transfer, payload=travel, after_segments=0, heads=heads, lane=index)
+    def lent_pairs(self, steps: list[list[StepPlan]]) -> dict[int, Segment]:
+        """Lender rank -> the segment its q owner computes (Note [Borrowed last pair])."""
+        p, heads_q, heads_kv = self.p, self.heads_q, self.heads_kv
+        forward = self.pass_ is Pass.FORWARD
+        if (
+            not (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE
+            or heads_q is None
+            or heads_kv is None
+        ):
+            return {}  # the backward's dK/dV home must have later steps to fly in
+        compute_step = self.borrow_step
+        # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
+        travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
+        load: Counter[tuple[int, int, int]] = Counter()  # (src, dst, step) -> travel bytes
+        for tr in self.travel_transfers(steps):
+            load[(tr.src, tr.dst, tr.step)] += tr.num_rows * travel_row
+        busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
+        lent: dict[int, Segment] = {}
         for r in range(p):
-            for t in range(p - 1):
-                needed: list[Rows] = []
-                for ahead in range(1, p - t):
-                    plan = steps[(r + lane.direction * ahead) % p][t + ahead]
-                    for piece in plan.pieces:
-                        if piece.lane == index and piece.kv_owner is None:
-                            needed.append(piece.kv_rows if travel is Payload.KV else piece.q_rows)
-                rows, dst, owner = _union(needed), (r + lane.direction) % p, lane.visitor(r, t, p)
-                if rows is not None:
-                    transfers.append(send(src=r, dst=dst, owner=owner, rows=rows, step=t))
-    return transfers
-
-
-def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]:
-    """(what travels, what goes back or None)."""
-    forward = pass_ is Pass.FORWARD
-    if strategy.passes_q:
-        return (Payload.Q, Payload.OUT) if forward else (Payload.Q_GRAD, Payload.DQ)
-    return Payload.KV, None if forward else Payload.DKV
-
-
-def _return_transfers(
-    pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
-) -> list[Transfer]:
-    """Pass-Q: each segment's partial straight back to its q owner once computed."""
-    payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
-    transfers: list[Transfer] = []
-    for plan in (plan for row in steps for plan in row[1:]):
-        send = partial(Transfer, payload=payload, src=plan.rank, step=plan.step)
-        for k, segment in enumerate(plan.segments):
-            first = segment.pieces[0]  # a segment's pieces share their lane and heads
-            if first.kv_owner is not None:
-                continue  # a borrowed pair: our own rows, merged here
-            lane, to = first.lane, plan.lane_q_owner(first.lane)
-            rows, heads = segment.q_rows, first.q_heads or lanes[lane].q_heads
-            transfers.append(
-                send(dst=to, owner=to, rows=rows, after_segments=k + 1, heads=heads, lane=lane)
-            )
-    return transfers
-
-
-def _accumulator_transfers(
-    lanes: tuple[Lane, ...], steps: list[list[StepPlan]], seq_local: int
-) -> list[Transfer]:
-    """Pass-KV backward's dK/dV accumulators (Note [Backward])."""
-    p = len(steps)
-    transfers: list[Transfer] = []
-    for index, lane in enumerate(lanes):
-        rows = lane.kv_rows or (0, seq_local)
-        send = partial(Transfer, payload=Payload.DKV, rows=rows, heads=lane.kv_heads, lane=index)
-        for owner in range(p):
-            holders = [(owner + lane.direction * t) % p for t in range(p)]
-            computing = [
-                t
-                for t in range(1, p)
-                if any(piece.lane == index for piece in steps[holders[t]][t].pieces)
-            ]
-            if not computing:
+            owner = (r - 1) % p  # whose Q rank r holds at the last step
+            block = self.pieces(owner, r)
+            q_rows = _union([pc.q_rows for pc in block])
+            kv_rows = _union([pc.kv_rows for pc in block])
+            if q_rows is None or kv_rows is None:
                 continue
-            last = computing[-1]
-            for t, src in enumerate(holders[: last + 1]):
-                dst = holders[t + 1] if t < last else owner
-                after = max(1, len(steps[src][t].segments))
-                transfers.append(send(src=src, dst=dst, owner=owner, step=t, after_segments=after))
-    return transfers
+            kv_bytes = kv_row * (kv_rows[1] - kv_rows[0])
+            saved = (travel_row + return_row) * (q_rows[1] - q_rows[0])
+            part = kv_bytes / compute_step  # sent in parts, one a step before it is computed
+            fits = all(load[(r, owner, t)] + part <= busiest[t] for t in range(compute_step))
+            if kv_bytes <= saved and fits:
+                parts = _split_rows(kv_rows, compute_step)
+                lent[r] = Segment(
+                    q_rows,
+                    tuple(
+                        Piece(pc.q_rows, (lo, hi), pc.causal, masked=pc.masked, kv_owner=r)
+                        for pc in block
+                        for lo, hi in (
+                            (max(pc.kv_rows[0], a), min(pc.kv_rows[1], b)) for a, b in parts
+                        )
+                        if lo < hi
+                    ),
+                )
+        return lent
+
+    def borrow_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
+        """Each borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
+        transfers: list[Transfer] = []
+        for plan in (plan for row in steps for plan in row):
+            for k, segment in enumerate(plan.segments):
+                holder = segment.pieces[0].kv_owner
+                if holder is None:
+                    continue
+                r, t, rows = plan.rank, plan.step, _union([pc.kv_rows for pc in segment.pieces])
+                assert rows is not None
+                kv = partial(Transfer, payload=Payload.KV, src=holder, dst=r, owner=holder)
+                transfers += [
+                    kv(rows=part, step=u, after_segments=0)
+                    for u, part in enumerate(_split_rows(rows, t))
+                ]
+                if self.pass_ is Pass.BACKWARD:
+                    back = partial(Transfer, payload=Payload.DKV, src=r, dst=holder, owner=holder)
+                    transfers.append(back(rows=rows, step=t, after_segments=k + 1))
+        return transfers
+
+    def travel_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
+        """The travelling blocks: rank r forwards the rows the ranks ahead still need."""
+        p, (travel, _) = self.p, self.payloads
+        transfers: list[Transfer] = []
+        for index, lane in enumerate(self.lanes):
+            heads = lane.q_heads if self.strategy.passes_q else lane.kv_heads
+            send = partial(Transfer, payload=travel, after_segments=0, heads=heads, lane=index)
+            for r in range(p):
+                for t in range(p - 1):
+                    needed: list[Rows] = []
+                    for ahead in range(1, p - t):
+                        plan = steps[(r + lane.direction * ahead) % p][t + ahead]
+                        for piece in plan.pieces:
+                            if piece.lane == index and piece.kv_owner is None:
+                                needed.append(
+                                    piece.kv_rows if travel is Payload.KV else piece.q_rows
+                                )
+                    rows, dst, owner = (
+                        _union(needed),
+                        (r + lane.direction) % p,
+                        lane.visitor(r, t, p),
+                    )
+                    if rows is not None:
+                        transfers.append(send(src=r, dst=dst, owner=owner, rows=rows, step=t))
+        return transfers
+
+    def return_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
+        """Pass-Q: each segment's partial straight back to its q owner once computed."""
+        payload = Payload.OUT if self.pass_ is Pass.FORWARD else Payload.DQ
+        transfers: list[Transfer] = []
+        for plan in (plan for row in steps for plan in row[1:]):
+            send = partial(Transfer, payload=payload, src=plan.rank, step=plan.step)
+            for k, segment in enumerate(plan.segments):
+                first = segment.pieces[0]  # a segment's pieces share their lane and heads
+                if first.kv_owner is not None:
+                    continue  # a borrowed pair: our own rows, merged here
+                lane, to = first.lane, plan.lane_q_owner(first.lane)
+                rows, heads = segment.q_rows, first.q_heads or self.lanes[lane].q_heads
+                transfers.append(
+                    send(dst=to, owner=to, rows=rows, after_segments=k + 1, heads=heads, lane=lane)
+                )
+        return transfers
+
+    def accumulator_transfers(self, steps: list[list[StepPlan]], seq_local: int) -> list[Transfer]:
+        """Pass-KV backward's dK/dV accumulators (Note [Backward])."""
+        p = self.p
+        transfers: list[Transfer] = []
+        for index, lane in enumerate(self.lanes):
+            rows = lane.kv_rows or (0, seq_local)
+            send = partial(
+                Transfer, payload=Payload.DKV, rows=rows, heads=lane.kv_heads, lane=index
+            )
+            for owner in range(p):
+                holders = [(owner + lane.direction * t) % p for t in range(p)]
+                computing = [
+                    t
+                    for t in range(1, p)
+                    if any(piece.lane == index for piece in steps[holders[t]][t].pieces)
+                ]
+                if not computing:
+                    continue
+                last = computing[-1]
+                for t, src in enumerate(holders[: last + 1]):
+                    dst = holders[t + 1] if t < last else owner
+                    after = max(1, len(steps[src][t].segments))
+                    transfers.append(
+                        send(src=src, dst=dst, owner=owner, step=t, after_segments=after)
+                    )
+        return transfers
 
 
 def _lanes(
-    strategy: Strategy, layout: Layout, seq_local: int, heads_kv: int | None, causal: bool
+    strategy: Strategy,
+    layout: Layout,
+    seq_local: int,
+    heads_q: int | None,
+    heads_kv: int | None,
+    causal: bool,
 ) -> tuple[Lane, ...]:
-    """Note [Bidirectional ring]. Ring's K/V travel up on the contiguous causal layout, where
-    only higher ranks see a shard's keys; down otherwise."""
+    """Note [Bidirectional ring] and Note [Bidirectional TokenRing]. Ring's K/V travel up on
+    the contiguous causal layout, where only higher ranks see a shard's keys; down otherwise."""
+    if strategy is Strategy.BIDIR_TOKEN_RING:
+        if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
+            raise ValueError(
+                "heads_q and heads_kv must be given (heads_kv >= 1 dividing heads_q) for strategy "
+                f"'bidir_token_ring'; got heads_q={heads_q}, heads_kv={heads_kv}"
+            )
+        if heads_q < 2:
+            raise NotImplementedError(
+                "strategy 'bidir_token_ring' sends half of the query heads each way round the "
+                f"ring and needs heads_q >= 2; got heads_q={heads_q} (use 'token_ring')"
+            )
+        groups = heads_q // heads_kv
+        if heads_kv >= 2:  # whole kv groups: each lane's query heads share their K/V heads
+            half = heads_kv // 2
+            return (
+                Lane(-1, kv_heads=(0, half), q_heads=(0, half * groups)),
+                Lane(+1, kv_heads=(half, heads_kv), q_heads=(half * groups, heads_q)),
+            )
+        half = heads_q // 2  # one kv head: both lanes' query heads read it
+        return (
+            Lane(-1, kv_heads=(0, 1), q_heads=(0, half)),
+            Lane(+1, kv_heads=(0, 1), q_heads=(half, heads_q)),
+        )
     if strategy is not Strategy.BIDIR_RING:
         up = strategy is Strategy.RING and causal and layout is Layout.CONTIGUOUS
         return (Lane(+1 if up else -1),)
@@ -491,72 +520,6 @@ def _lanes(
         return (Lane(-1),)  # one kv head and one row per rank: nothing to split, one ring
     half = seq_local // 2  # zigzag: exactly the early and the late chunk
     return (Lane(-1, kv_rows=(0, half)), Lane(+1, kv_rows=(half, seq_local)))
-
-
-def _query_lanes(heads_q: int | None, heads_kv: int | None) -> tuple[Lane, ...]:
-    """The two lanes of ``Strategy.BIDIR_TOKEN_RING``: see Note [Bidirectional TokenRing]."""
-    if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
-        raise ValueError(
-            "heads_q and heads_kv must be given (heads_kv >= 1 dividing heads_q) for strategy "
-            f"'bidir_token_ring'; got heads_q={heads_q}, heads_kv={heads_kv}"
-        )
-    if heads_q < 2:
-        raise NotImplementedError(
-            "strategy 'bidir_token_ring' sends half of the query heads each way round the "
-            f"ring and needs heads_q >= 2; got heads_q={heads_q} (use 'token_ring')"
-        )
-    groups = heads_q // heads_kv
-    if heads_kv >= 2:  # whole kv groups: each lane's query heads share their K/V heads
-        half = heads_kv // 2
-        return (
-            Lane(-1, kv_heads=(0, half), q_heads=(0, half * groups)),
-            Lane(+1, kv_heads=(half, heads_kv), q_heads=(half * groups, heads_q)),
-        )
-    half = heads_q // 2  # one kv head: both lanes' query heads read it
-    return (
-        Lane(-1, kv_heads=(0, 1), q_heads=(0, half)),
-        Lane(+1, kv_heads=(0, 1), q_heads=(half, heads_q)),
-    )
-
-
-def _sliced(
-    pieces: tuple[Piece, ...],
-    index: int,
-    lane: Lane,
-    splits: int,
-    heads_q: int | None,
-    heads_kv: int | None,
-) -> tuple[Segment, ...]:
-    """A pass-Q block on lane ``index``'s heads in ``splits`` slices."""
-    heads = _head_slices(lane, splits, heads_q, heads_kv) if pieces and splits > 1 else None
-    slices: Sequence[tuple[Rows | None, Rows | None]] = heads or [(lane.kv_heads, lane.q_heads)]
-    segments = _segments(pieces, 1 if heads else splits)
-    if heads is None and lane.q_heads is None:
-        return segments
-    return tuple(
-        Segment(
-            segment.q_rows,
-            tuple(replace(p, lane=index, heads=kv, q_heads=q) for p in segment.pieces),
-        )
-        for kv, q in slices
-        for segment in segments
-    )
-
-
-def _head_slices(
-    lane: Lane, splits: int, heads_q: int | None, heads_kv: int | None
-) -> list[tuple[Rows, Rows]] | None:
-    """``(kv heads, query heads)`` of up to ``splits`` head slices of ``lane``, or None."""
-    if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
-        return None
-    groups = heads_q // heads_kv
-    kv = lane.kv_heads or (0, heads_kv)
-    q = lane.q_heads or (kv[0] * groups, kv[1] * groups)
-    if kv[1] - kv[0] >= 2:
-        return [(h, (h[0] * groups, h[1] * groups)) for h in _split_rows(kv, splits)]
-    if q[1] - q[0] >= 2:
-        return [(kv, h) for h in _split_rows(q, splits)]
-    return None
 
 
 def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> list[Piece]:
@@ -581,12 +544,13 @@ def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
 
 
 # -- the same plan as columns ------------------------------------------------------------------
+# -- the same plan as columns ------------------------------------------------------------------
 # Note [Ring columns]
 # ~~~~~~~~~~~~~~~~~~~
 # Past a few hundred ranks P^2 step plans are too many objects, so the simulator reads a
 # one-lane ring schedule (TokenRing, Ring; plain mask, no padding) as (P, T) tensors. Under a
 # plain mask a block's pieces depend only on whether its kv owner is below, equal to or above
-# its q owner (Note [Causal blocks per layout]), so :func:`_cell_plan` runs once per *kind* of
+# its q owner (Note [Causal blocks per layout]), so ``_Ring.cell_plan`` runs once per *kind* of
 # cell (that class, last step or not). Transfers follow the builder's rules: a block forwards
 # the hull of the rows later holders need (a kind is needed after step t iff it occurs on the
 # block's way after t), TokenRing returns each segment from step 1, Ring's backward
@@ -705,8 +669,9 @@ def ring_plan(
     validate_seq_local(seq_local, layout)
     p, s = world_size, seq_local
     sharding = make_sharding(layout=layout, world_size=p, seq_len=p * s)
-    lanes = _lanes(strategy, layout, s, heads_kv, causal)
-    cell = (strategy, lanes, partial(sharded_block_pieces, sharding, MaskSpec(causal)), p)
+    lanes = _lanes(strategy, layout, s, heads_q, heads_kv, causal)
+    pieces = partial(sharded_block_pieces, sharding, MaskSpec(causal))
+    ring = _Ring(strategy, pass_, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
     direction = lanes[0].direction
     # one cell of each kind: every kind occurs at step 0, 1 or P - 1
     segments: dict[int, tuple[Segment, ...]] = {}
@@ -714,10 +679,9 @@ def ring_plan(
         kinds, _ = _kinds(strategy, direction, p, torch.arange(p), torch.tensor(t))
         for r, kind in enumerate(kinds.tolist()):
             if kind not in segments:
-                plan = _cell_plan(*cell, last_block_splits, heads_q, heads_kv, r, t)
-                segments[kind] = plan.segments
+                segments[kind] = ring.cell_plan(r, t).segments
     rows, pairs, heads, needs = _kind_tables(strategy, s, segments, heads_q, heads_kv)
-    payloads = _payloads(strategy, pass_)
+    payloads = ring.payloads
     return RingPlan(
         strategy=strategy,
         pass_=pass_,
