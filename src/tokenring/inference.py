@@ -462,9 +462,9 @@ def attend_cached(
     hardware: Hardware | str | None = None,
     kernel: BlockKernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cached_attn` after the append (the benchmark repeats it). Returns ``(out, lse)``."""
-    step = cache.step
-    comm = cache.comm
+    """:func:`cached_attn` after the append (the benchmark repeats it). Returns ``(out, lse)``;
+    a zigzag first prefill with pass_q or pass_kv runs on the training ring."""
+    step, comm = cache.step, cache.comm
     assert step is not None and comm is not None and cache.appended(layer)
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -473,45 +473,29 @@ def attend_cached(
     if key not in cache.memo:
         cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
     chosen: CachedStrategy = cache.memo[key]
+    kv = [cache.shard(layer, s) for s in range(len(step.new))]  # per sequence
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
-        return _zigzag_ring(q, cache, layer, chosen, scale, kernel)
+        b = len(kv)  # the training ring (pass_q: TokenRing, pass_kv: Ring)
+        rows = step.num_rows(comm.rank) // b
+        k4, v4 = (torch.stack(x) for x in zip(*kv, strict=True))  # (B, s, Hkv, D)
+        out4, lse4 = sequence_parallel_attn(
+            q.reshape(b, rows, heads_q, head_dim),
+            k4,
+            v4,
+            strategy=Strategy.TOKEN_RING if chosen is CachedStrategy.PASS_Q else Strategy.RING,
+            causal=True,
+            softmax_scale=scale,
+            group=comm,
+            layout="zigzag",
+            return_lse=True,
+            kernel=kernel,
+            check_ranks=False,
+        )
+        out = out4.reshape(b * rows, heads_q, head_dim)  # (n, Hq, D)
+        return out, lse4.permute(1, 0, 2).reshape(heads_q, b * rows)  # (Hq, n)
     plan_key = ("plan", chosen)
     if plan_key not in cache.memo:
         shards = CachedShards.from_step(step)
         cache.memo[plan_key] = (build_cached_plan(chosen, shards), shards)
     plan, shards = cache.memo[plan_key]
-    kv = [cache.shard(layer, s) for s in range(len(step.new))]
     return run_cached_plan(plan, shards, comm, kernel, q, kv, scale=scale)
-
-
-def _zigzag_ring(
-    q: torch.Tensor,
-    cache: DistributedKVCache,
-    layer: int,
-    chosen: CachedStrategy,
-    scale: float,
-    kernel: BlockKernel,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zigzag first prefill on the training ring (pass_q: TokenRing, pass_kv: Ring)."""
-    step, comm = cache.step, cache.comm
-    assert step is not None and comm is not None
-    heads_q, head_dim = q.shape[1], q.shape[2]
-    b = len(step.new)
-    rows = step.num_rows(comm.rank) // b
-    shards = zip(*(cache.shard(layer, s) for s in range(b)), strict=True)
-    k4, v4 = (torch.stack(x) for x in shards)  # (B, s, Hkv, D)
-    out4, lse4 = sequence_parallel_attn(
-        q.reshape(b, rows, heads_q, head_dim),
-        k4,
-        v4,
-        strategy=Strategy.TOKEN_RING if chosen is CachedStrategy.PASS_Q else Strategy.RING,
-        causal=True,
-        softmax_scale=scale,
-        group=comm,
-        layout="zigzag",
-        return_lse=True,
-        kernel=kernel,
-        check_ranks=False,
-    )
-    out = out4.reshape(b * rows, heads_q, head_dim)  # (n, Hq, D)
-    return out, lse4.permute(1, 0, 2).reshape(heads_q, b * rows)  # (Hq, n)

@@ -78,24 +78,6 @@ class _Growable:
         return self.data[: self.size]
 
 
-def _ranks(
-    group: Any, rank: int | None, world_size: int | None
-) -> tuple[Communicator | None, int, int]:
-    """The cache's communicator (None without a group), rank and world size."""
-    if (rank is None) != (world_size is None):
-        raise ValueError(
-            f"rank and world_size must be given together; got rank={rank}, world_size={world_size}"
-        )
-    comm = None
-    if world_size is None:
-        comm = get_communicator(group)
-        rank, world_size = comm.rank, comm.world_size
-    assert rank is not None and world_size is not None
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-    return comm, rank, world_size
-
-
 class DistributedKVCache:
     """K/V of a batch of B sequences for every layer, sharded over the ranks of a group.
 
@@ -151,7 +133,19 @@ class DistributedKVCache:
             )
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes}")
-        self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
+        if (rank is None) != (world_size is None):
+            raise ValueError(
+                "rank and world_size must be given together; got "
+                f"rank={rank}, world_size={world_size}"
+            )
+        self.comm: Communicator | None = None
+        if world_size is None:
+            self.comm = get_communicator(group)
+            rank, world_size = self.comm.rank, self.comm.world_size
+        assert rank is not None and world_size is not None
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+        self.rank, self.world_size = rank, world_size
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -291,7 +285,16 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        step = self._agreed_placement(new, check_ranks)
+        validate = functools.partial(self._checked_placement, new)
+        if self.comm is None:  # no group to agree over
+            step = validate()[0]
+        else:  # Note [Rank agreement] in tokenring.api
+            step = self.comm.agreed(
+                validate,
+                what="cache step",
+                check_ranks=check_ranks,
+                errors=(ValueError, RuntimeError),
+            )
         placed = step.new_positions
         if self.budget_bytes is not None:
             held = [
@@ -314,16 +317,6 @@ class DistributedKVCache:
         self._appended = [False] * self.num_layers
         self.memo.clear()
         return step
-
-    def _agreed_placement(self, new: Sequence[int], check_ranks: bool) -> CacheStep:
-        """:meth:`_placement` of ``new``, once the ranks agree (with ``check_ranks``)."""
-        validate = functools.partial(self._checked_placement, new)
-        if self.comm is None:  # no group to agree over
-            return validate()[0]
-        # Note [Rank agreement] in tokenring.api
-        return self.comm.agreed(
-            validate, what="cache step", check_ranks=check_ranks, errors=(ValueError, RuntimeError)
-        )
 
     def _checked_placement(self, new: Sequence[int]) -> tuple[CacheStep, dict[str, Any]]:
         """:meth:`_placement` of ``new`` (every layer appended the last step) and its signature."""

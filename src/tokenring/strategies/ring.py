@@ -17,10 +17,9 @@ back to o on the return process group. P = 4::
     rank 3 holds:  Q3       Q0       Q1       Q2
     returns:       -        o<-r+1   o<-r+2   o<-r+3   (sent after the block is computed)
 
-Q for step t+1 flies while step t computes; the partial of step t while step t+1 computes.
-The last partial overlaps nothing, so the last block is computed in ``last_block_splits``
-slices, each returned when done (Note [Last block by heads]; with ``lend_last_pair``,
-Note [Borrowed last pair]).
+Step t computes while Q of step t+1 and the partial of step t-1 fly. The last partial overlaps
+nothing, so the last block is computed in ``last_block_splits`` slices, each returned when done
+(Note [Last block by heads]; with ``lend_last_pair``, Note [Borrowed last pair]).
 
 Note [Borrowed last pair]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -37,19 +36,18 @@ against them after its last-step slices, and the Q3 hop 1 -> 0 at step 2 is drop
     sent 0 -> 3:   Q0[c,s) +  Q1[c,s) +  Q2[c,s) +
                    K/V0 1/3   K/V0 2/3   K/V0 3/3
 
-``_Ring.lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no more
-bytes than the Q hop and partial they save, and each part fits under its step's busiest hop.
-The forward computes it at the last step; the backward at step 1 (K/V sent at step 0) so its
-dK/dV (``Payload.DKV``) fly home during later steps, hence from P = 3. A lent pair is one
-segment of pieces with ``Piece.kv_owner`` set. Lending wins where links set the pace and
-loses where compute does, so the caller decides (``last_pair`` of ``sequence_parallel_attn``).
+``_Ring.lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no
+more bytes than the Q hop and partial they save, and each part fits under its step's busiest
+hop. The forward computes it at the last step, the backward at step 1 (K/V sent at step 0) so
+its dK/dV (``Payload.DKV``) fly home later, hence from P = 3. A lent pair is one segment of
+pieces with ``Piece.kv_owner`` set. It wins where links set the pace and loses where compute
+does, so the caller decides (``last_pair`` of ``sequence_parallel_attn``).
 
 Note [Last block by heads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-The slices of the last block are head groups where the heads allow (whole GQA groups, or
-query heads over the one kv head of MQA): every row of the block on some heads. Row slices
-run the kernel on fewer query rows, which fused kernels run slower; head slices are the same
-kernel call on fewer heads. Bytes and FLOPs per slice are the same either way. Rows are
+The last block's slices are head groups where the heads allow (whole GQA groups, or query
+heads over MQA's one kv head): every row on some heads, the same kernel call on fewer heads
+(row slices run fused kernels slower on fewer rows; bytes and FLOPs are the same). Rows are
 sliced only with one query head (or heads not given), and then only a single full piece.
 
 Note [Backward]
@@ -84,8 +82,7 @@ return group::
     Hkv == 1: lane 0 carries query heads [0, Hq/2) down, lane 1 [Hq/2, Hq) up.
     Hq == 1:  nothing to split: NotImplementedError naming token_ring (no fallback).
 
-At step t rank r holds lane 0's Q of owner (r + t) mod P and lane 1's of (r - t) mod P.
-P = 4 (h0, h1: the lanes' heads)::
+Lanes hold owners as in Note [Bidirectional ring]. P = 4 (h0, h1: the lanes' heads)::
 
     step t:          0            1         2         3
     rank 0 holds:    Q0 all heads Q1h0 Q3h1 Q2h0 Q2h1 Q3h0 Q1h1
@@ -253,11 +250,9 @@ class _Ring:
     strategy: Strategy
     pass_: Pass
     lanes: tuple[Lane, ...]
-    pieces: Callable[[int, int], tuple[Piece, ...]]
-    """``pieces(q_owner, kv_owner)``: a block's kernel calls."""
+    pieces: Callable[[int, int], tuple[Piece, ...]]  # (q_owner, kv_owner) -> kernel calls
     p: int
-    splits: int
-    """Slices of the last block (``last_block_splits``)."""
+    splits: int  # last_block_splits
     heads_q: int | None
     heads_kv: int | None
 
@@ -544,7 +539,6 @@ def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
 
 
 # -- the same plan as columns ------------------------------------------------------------------
-# -- the same plan as columns ------------------------------------------------------------------
 # Note [Ring columns]
 # ~~~~~~~~~~~~~~~~~~~
 # Past a few hundred ranks P^2 step plans are too many objects, so the simulator reads a
@@ -564,25 +558,15 @@ class RingColumns:
     step has; Note [Ring columns])."""
 
     steps: range
-    """The steps of the columns."""
-    q_owner: torch.Tensor
-    """(P, T) o of the block computed at [r, t]."""
-    segment_rows: torch.Tensor
-    """(P, T, K) q rows of each segment (0: none)."""
-    segment_pairs: torch.Tensor
-    """(P, T, K) float64: score entries x query heads of each segment (FLOPs / (4*B*D))."""
-    segment_heads: torch.Tensor
-    """(P, T, K) query heads of each segment (of its partial, for TokenRing's returns)."""
-    travel_rows: torch.Tensor
-    """(P, T) rows r sends to r + direction at the start of step t."""
-    return_rows: torch.Tensor
-    """(P, T, K) TokenRing: rows of segment k's partial sent to q_owner after it."""
-    dkv_rows: torch.Tensor
-    """(P, T) Ring backward: rows of the accumulator r sends after step t."""
-    dkv_dst: torch.Tensor
-    """(P, T) where it goes: r + direction, or its owner (home)."""
-    dkv_home: torch.Tensor
-    """(P, T) bool: it goes home."""
+    q_owner: torch.Tensor  # (P, T) o of the block computed at [r, t]
+    segment_rows: torch.Tensor  # (P, T, K) q rows of each segment (0: none)
+    segment_pairs: torch.Tensor  # (P, T, K) float64: score entries x query heads (FLOPs/(4*B*D))
+    segment_heads: torch.Tensor  # (P, T, K) query heads of each segment (of its partial)
+    travel_rows: torch.Tensor  # (P, T) rows r sends to r + direction at the start of step t
+    return_rows: torch.Tensor  # (P, T, K) TokenRing: rows of segment k's partial sent after it
+    dkv_rows: torch.Tensor  # (P, T) Ring backward: rows of the accumulator r sends after step t
+    dkv_dst: torch.Tensor  # (P, T) where it goes: r + direction, or its owner (home)
+    dkv_home: torch.Tensor  # (P, T) bool: it goes home
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -593,19 +577,16 @@ class RingPlan:
     pass_: Pass
     world_size: int
     seq_local: int
-    direction: int
-    """Where the blocks travel: rank r sends to r + direction."""
+    direction: int  # where the blocks travel: rank r sends to r + direction
     travel_payload: Payload
-    return_payload: Payload | None
-    """OUT / DQ (TokenRing), DKV (Ring backward), None."""
-    rows: torch.Tensor
-    """(C, K) per kind of cell: q rows of each segment; ``pairs``, ``heads`` likewise."""
+    return_payload: Payload | None  # OUT / DQ (TokenRing), DKV (Ring backward), None
+    rows: torch.Tensor  # (C, K) per kind of cell: q rows of each segment; pairs, heads likewise
     pairs: torch.Tensor
     heads: torch.Tensor
-    needs: torch.Tensor
-    """(C, 2) the hull of the travelling rows a kind computes with; (s, 0): none."""
-    last_seen: torch.Tensor
-    """(C, P) per kind and owner: the last step >= 1 its block is on that kind (-1: never)."""
+    needs: torch.Tensor  # (C, 2) the hull of the travelling rows a kind computes with; (s, 0): none
+    last_seen: (
+        torch.Tensor
+    )  # (C, P) per kind and owner: last step >= 1 its block is on it (-1: never)
 
     def columns(self, steps: range) -> RingColumns:
         """The columns of ``steps`` ((P, len(steps)) each)."""
