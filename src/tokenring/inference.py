@@ -26,8 +26,10 @@ position mask (later keys skipped); the partials merge by lse, so no mask grows 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,25 +63,22 @@ __all__ = [
 
 
 # -- the runtime ---------------------------------------------------------------------------------
+@dataclass(eq=False)
 class _PlanRunner(PassRunner):
     """One rank's part of a :class:`CachedPlan` (Note [Rank program] in
     tokenring.runtime.program)."""
 
+    plan: CachedPlan
+    shards: CachedShards
     comm: Communicator
-    poster: SlotPoster
+    kernel: BlockKernel
+    q: torch.Tensor  # (n, Hq, D) this rank's packed new queries
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per sequence, its cached (k, v)
+    scale: float
+    poster: SlotPoster = field(init=False)
 
-    def __init__(
-        self,
-        plan: CachedPlan,
-        shards: CachedShards,
-        comm: Communicator,
-        kernel: BlockKernel,
-        q: torch.Tensor,
-        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        scale: float,
-    ) -> None:
-        self.plan, self.shards, self.comm = plan, shards, comm
-        self.kernel, self.scale = kernel, scale
+    def __post_init__(self) -> None:
+        q, kv, comm = self.q, self.kv, self.comm
         self.rank = comm.rank
         self.dtype, self.device = q.dtype, q.device
         self.acc = accumulation_dtype(q.dtype)
@@ -167,18 +166,14 @@ class _PlanRunner(PassRunner):
     def _attend(self, q_owner: int, kv_holder: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_owner``'s block against ``kv_holder``'s shard: ``(1, n_o, Hq, D)``, ``(1, Hq,
         n_o)`` in the accumulation dtype (Note [Cached attention call])."""
-        q = self.q_blocks[q_owner]
-        kv = self.kv_blocks[kv_holder]
+        q, kv = self.q_blocks[q_owner], self.kv_blocks[kv_holder]
         out, lse = self._empty(q.shape[0])
-        splits = self.shards.split(q_owner, kv_holder)
         qpos_all = self.shards.q_positions[q_owner]
         kpos_all = self.shards.kv_positions[kv_holder]
-        start = 0
-        for b, (full, stop) in enumerate(splits):
-            t = self.shards.q_seq_rows[q_owner][b]
-            rows = (start, start + t)
-            start += t
-            if t == 0 or stop == 0:
+        starts = [0, *itertools.accumulate(self.shards.q_seq_rows[q_owner])]  # packed rows of b
+        for b, (full, stop) in enumerate(self.shards.split(q_owner, kv_holder)):
+            rows = (starts[b], starts[b + 1])
+            if rows[0] == rows[1] or stop == 0:
                 continue
             qb = q[rows[0] : rows[1]].unsqueeze(0)  # (1, t, Hq, D)
             kb, vb = kv[b]
@@ -295,16 +290,10 @@ def step_strategy(
     """:func:`resolve_cached_strategy` for the current step of ``cache`` (its group, K/V heads,
     head dim, dtype and device)."""
     assert cache.step is not None and cache.comm is not None
+    shape = {name: getattr(cache, name) for name in ("heads_kv", "head_dim", "dtype", "device")}
+    step, comm = cache.step, cache.comm
     return resolve_cached_strategy(
-        strategy,
-        step=cache.step,
-        comm=cache.comm,
-        heads_q=heads_q,
-        heads_kv=cache.heads_kv,
-        head_dim=cache.head_dim,
-        dtype=cache.dtype,
-        device=cache.device,
-        hardware=hardware,
+        strategy, step=step, comm=comm, heads_q=heads_q, hardware=hardware, **shape
     )
 
 

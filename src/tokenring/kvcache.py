@@ -171,8 +171,7 @@ class DistributedKVCache:
         )
         self._appended = [True] * num_layers  # per layer: appended the current step's K/V
         self.memo: dict[Any, Any] = {}
-        """Per-step results that every layer reuses (plans, the strategy pick); cleared by
-        each ``begin_step``."""
+        """Per-step results every layer reuses (plans, the strategy pick); ``begin_step`` clears."""
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -228,13 +227,8 @@ class DistributedKVCache:
                 f"new must be {self.batch} ints >= 0 (new tokens per sequence); got {new!r}"
             )
         p = self.world_size
-        zigzag = (
-            self.zigzag_first_prefill
-            and all(n == 0 for n in self._lengths)
-            and len(set(new)) == 1
-            and new[0] > 0
-            and new[0] % (2 * p) == 0
-        )
+        first = not any(self._lengths) and len(set(new)) == 1  # a first prefill, equal lengths
+        zigzag = self.zigzag_first_prefill and first and new[0] > 0 and new[0] % (2 * p) == 0
         placed = place_new_tokens(
             cached=self._lengths,
             new=new,
@@ -289,12 +283,8 @@ class DistributedKVCache:
         if self.comm is None:  # no group to agree over
             step = validate()[0]
         else:  # Note [Rank agreement] in tokenring.api
-            step = self.comm.agreed(
-                validate,
-                what="cache step",
-                check_ranks=check_ranks,
-                errors=(ValueError, RuntimeError),
-            )
+            what, errors = "cache step", (ValueError, RuntimeError)
+            step = self.comm.agreed(validate, what=what, check_ranks=check_ranks, errors=errors)
         placed = step.new_positions
         if self.budget_bytes is not None:
             held = [

@@ -121,20 +121,13 @@ class CacheStep:
     """Where the new tokens of one step go and what every rank holds after it; identical on
     every rank. New tokens are *packed*: a rank's rows of sequence 0, then 1, ..."""
 
-    index: int
-    """Steps begun before this one."""
-    world_size: int
-    """P."""
-    zigzag: bool
-    """The first prefill in the zigzag layout (the ordinary attention path)."""
-    cached: tuple[int, ...]
-    """C_b: tokens of each sequence cached before the step."""
-    new: tuple[int, ...]
-    """T_b: new tokens of each sequence."""
-    new_positions: tuple[tuple[torch.Tensor, ...], ...]
-    """``[rank][sequence]``: global positions of the new tokens the rank owns."""
-    kv_positions: tuple[tuple[torch.Tensor, ...], ...]
-    """``[rank][sequence]``: every position the rank caches after the step (new included)."""
+    index: int  # steps begun before this one
+    world_size: int  # P
+    zigzag: bool  # the first prefill in the zigzag layout (the ordinary attention path)
+    cached: tuple[int, ...]  # C_b: tokens of each sequence cached before the step
+    new: tuple[int, ...]  # T_b: new tokens of each sequence
+    new_positions: tuple[tuple[torch.Tensor, ...], ...]  # [rank][seq]: positions of its new tokens
+    kv_positions: tuple[tuple[torch.Tensor, ...], ...]  # [rank][seq]: positions held after the step
 
     def seq_rows(self, rank: int) -> tuple[int, ...]:
         """How many new tokens of each sequence ``rank`` owns."""
@@ -236,13 +229,8 @@ def uniform_shards(
         if value < low:
             raise ValueError(f"{name} must be >= {low}; got {value}")
     place = partial(place_new_tokens, world_size=world_size, block_size=block_size, zigzag=False)
-    old = place(cached=[0] * batch, new=[cached] * batch)
-    fresh = place(cached=[cached] * batch, new=[new] * batch)
-    kv = [
-        [torch.cat([a, b]) for a, b in zip(old_r, new_r, strict=True)]
-        for old_r, new_r in zip(old, fresh, strict=True)
-    ]
-    return CachedShards(fresh, kv)
+    everything = place(cached=[0] * batch, new=[cached + new] * batch)  # placed alike
+    return CachedShards(place(cached=[cached] * batch, new=[new] * batch), everything)
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -259,15 +247,11 @@ class CachedPlan:
     """Who computes what in which round and what moves, for one strategy."""
 
     strategy: CachedStrategy
-    """Which strategy."""
-    world_size: int
-    """P."""
-    num_rounds: int
-    """Rounds (slots ``(t, k)`` are posted in round order)."""
+    world_size: int  # P
+    num_rounds: int  # slots (t, k) are posted in round order
     computes: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
     """``[rank][round]``: ``(q_owner, kv_owner)`` of each kernel block, in order."""
-    transfers: tuple[CachedTransfer, ...]
-    """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
+    transfers: tuple[CachedTransfer, ...]  # step: the round, after_segments: the slot in it
     _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
     """What readers derive and keep while the plan lives (the ranks' programs)."""
 

@@ -255,10 +255,10 @@ def _ulysses_rank(
     if shares[r].num_q > 0:
         segments = (Segment(whole, (Piece(whole, whole, causal),)),)
     transfers = []
-    send = functools.partial(Transfer, src=r, rows=(0, s), step=0)
     for j in range(p):
         if j == r:
             continue
+        send = functools.partial(Transfer, src=r, dst=j, rows=(0, s), step=0)
         mine, theirs = shares[r], shares[j]
         if forward:
             travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
@@ -271,7 +271,7 @@ def _ulysses_rank(
         for payload, heads, owner, after in moves:
             if heads[1] > heads[0]:
                 transfers.append(
-                    send(payload=payload, dst=j, owner=owner, after_segments=after, heads=heads)
+                    send(payload=payload, owner=owner, after_segments=after, heads=heads)
                 )
     return segments, transfers
 

@@ -36,7 +36,7 @@ against them after its last-step slices, and the Q3 hop 1 -> 0 at step 2 is drop
     sent 0 -> 3:   Q0[c,s) +  Q1[c,s) +  Q2[c,s) +
                    K/V0 1/3   K/V0 2/3   K/V0 3/3
 
-``_Ring.lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no
+``_Ring.lend``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no
 more bytes than the Q hop and partial they save, and each part fits under its step's busiest
 hop. The forward computes it at the last step, the backward at step 1 (K/V sent at step 0) so
 its dK/dV (``Payload.DKV``) fly home later, hence from P = 3. A lent pair is one segment of
@@ -225,7 +225,7 @@ def build_schedule(
         ring.lend(steps)
     transfers = ring.travel_transfers(steps)
     if strategy.passes_q:
-        transfers += ring.return_transfers(steps) + ring.borrow_transfers(steps)
+        transfers += ring.return_transfers(steps)
     elif pass_ is Pass.BACKWARD:
         transfers += ring.accumulator_transfers(steps, s)
     return Schedule(
@@ -326,25 +326,13 @@ class _Ring:
         return None
 
     def lend(self, steps: list[list[StepPlan]]) -> None:
-        """Move each lent pair (:meth:`lent_pairs`) to its q owner at ``borrow_step``, in place."""
-        p, compute_step = self.p, self.borrow_step
-        lent = self.lent_pairs(steps)
-        for holder in lent:
-            steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
-        for holder, pair in lent.items():
-            owner = steps[(holder - 1) % p][compute_step]
-            steps[owner.rank][compute_step] = replace(owner, segments=(*owner.segments, pair))
-
-    def lent_pairs(self, steps: list[list[StepPlan]]) -> dict[int, Segment]:
-        """Lender rank -> the segment its q owner computes (Note [Borrowed last pair])."""
+        """Move the last pairs worth lending (Note [Borrowed last pair]) to their q owners'
+        ``borrow_step``, in place."""
         p, heads_q, heads_kv = self.p, self.heads_q, self.heads_kv
         forward = self.pass_ is Pass.FORWARD
-        if (
-            not (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE
-            or heads_q is None
-            or heads_kv is None
-        ):
-            return {}  # the backward's dK/dV home must have later steps to fly in
+        lendable = (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE
+        if not lendable or heads_q is None or heads_kv is None:
+            return  # the backward's dK/dV home must have later steps to fly in
         compute_step = self.borrow_step
         # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
         travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
@@ -352,7 +340,7 @@ class _Ring:
         for tr in self.travel_transfers(steps):
             load[(tr.src, tr.dst, tr.step)] += tr.num_rows * travel_row
         busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
-        lent: dict[int, Segment] = {}
+        lent: dict[int, Segment] = {}  # lender rank -> the segment its q owner computes
         for r in range(p):
             owner = (r - 1) % p  # whose Q rank r holds at the last step
             block = self.pieces(owner, r)
@@ -377,27 +365,11 @@ class _Ring:
                         if lo < hi
                     ),
                 )
-        return lent
-
-    def borrow_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
-        """Each borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
-        transfers: list[Transfer] = []
-        for plan in (plan for row in steps for plan in row):
-            for k, segment in enumerate(plan.segments):
-                holder = segment.pieces[0].kv_owner
-                if holder is None:
-                    continue
-                r, t, rows = plan.rank, plan.step, _union([pc.kv_rows for pc in segment.pieces])
-                assert rows is not None
-                kv = partial(Transfer, payload=Payload.KV, src=holder, dst=r, owner=holder)
-                transfers += [
-                    kv(rows=part, step=u, after_segments=0)
-                    for u, part in enumerate(_split_rows(rows, t))
-                ]
-                if self.pass_ is Pass.BACKWARD:
-                    back = partial(Transfer, payload=Payload.DKV, src=r, dst=holder, owner=holder)
-                    transfers.append(back(rows=rows, step=t, after_segments=k + 1))
-        return transfers
+        for holder in lent:
+            steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
+        for holder, pair in lent.items():
+            plan = steps[(holder - 1) % p][compute_step]  # the q owner's
+            steps[plan.rank][compute_step] = replace(plan, segments=(*plan.segments, pair))
 
     def travel_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
         """The travelling blocks: rank r forwards the rows the ranks ahead still need."""
@@ -426,21 +398,38 @@ class _Ring:
         return transfers
 
     def return_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
-        """Pass-Q: each segment's partial straight back to its q owner once computed."""
-        payload = Payload.OUT if self.pass_ is Pass.FORWARD else Payload.DQ
-        transfers: list[Transfer] = []
-        for plan in (plan for row in steps for plan in row[1:]):
-            send = partial(Transfer, payload=payload, src=plan.rank, step=plan.step)
+        """Pass-Q: each segment's partial straight back to its q owner once computed; then each
+        borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
+        backward = self.pass_ is Pass.BACKWARD
+        returns: list[Transfer] = []
+        borrows: list[Transfer] = []
+        for plan in (plan for row in steps for plan in row):
+            r, t = plan.rank, plan.step
             for k, segment in enumerate(plan.segments):
                 first = segment.pieces[0]  # a segment's pieces share their lane and heads
-                if first.kv_owner is not None:
-                    continue  # a borrowed pair: our own rows, merged here
-                lane, to = first.lane, plan.lane_q_owner(first.lane)
-                rows, heads = segment.q_rows, first.q_heads or self.lanes[lane].q_heads
-                transfers.append(
-                    send(dst=to, owner=to, rows=rows, after_segments=k + 1, heads=heads, lane=lane)
-                )
-        return transfers
+                holder = first.kv_owner
+                if holder is None and t > 0:
+                    lane, to = first.lane, plan.lane_q_owner(first.lane)
+                    heads = first.q_heads or self.lanes[lane].q_heads
+                    payload = Payload.DQ if backward else Payload.OUT
+                    send = partial(Transfer, payload=payload, src=r, dst=to, owner=to, step=t)
+                    returns.append(
+                        send(rows=segment.q_rows, after_segments=k + 1, heads=heads, lane=lane)
+                    )
+                elif holder is not None:  # a borrowed pair: our own rows, merged here
+                    rows = _union([pc.kv_rows for pc in segment.pieces])
+                    assert rows is not None
+                    kv = partial(Transfer, payload=Payload.KV, src=holder, dst=r, owner=holder)
+                    borrows += [
+                        kv(rows=part, step=u, after_segments=0)
+                        for u, part in enumerate(_split_rows(rows, t))
+                    ]
+                    if backward:
+                        back = partial(
+                            Transfer, payload=Payload.DKV, src=r, dst=holder, owner=holder
+                        )
+                        borrows.append(back(rows=rows, step=t, after_segments=k + 1))
+        return returns + borrows
 
     def accumulator_transfers(self, steps: list[list[StepPlan]], seq_local: int) -> list[Transfer]:
         """Pass-KV backward's dK/dV accumulators (Note [Backward])."""
@@ -661,7 +650,23 @@ def ring_plan(
         for r, kind in enumerate(kinds.tolist()):
             if kind not in segments:
                 segments[kind] = ring.cell_plan(r, t).segments
-    rows, pairs, heads, needs = _kind_tables(strategy, s, segments, heads_q, heads_kv)
+    # the tables by kind: q rows, score entries x query heads, query heads of each segment
+    unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
+    width = max(1, *(len(segs) for segs in segments.values()))
+    rows = torch.zeros(6, width, dtype=torch.long)
+    heads = torch.zeros(6, width, dtype=torch.long)
+    pairs = torch.zeros(6, width, dtype=torch.float64)
+    needs = torch.tensor([[s, 0]] * 6)
+    for kind, segs in segments.items():
+        for k, segment in enumerate(segs):
+            rows[kind, k] = segment.q_rows[1] - segment.q_rows[0]
+            first = segment.pieces[0].q_heads  # a segment's pieces share their heads
+            heads[kind, k] = heads_q if first is None else first[1] - first[0]
+            pairs[kind, k] = sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in segment.pieces)
+        q_travels = strategy.passes_q
+        hull = _union([pc.q_rows if q_travels else pc.kv_rows for seg in segs for pc in seg.pieces])
+        if hull is not None:
+            needs[kind] = torch.tensor(hull)
     payloads = ring.payloads
     return RingPlan(
         strategy=strategy,
@@ -687,33 +692,6 @@ def _kinds(
     visitor = (rank - direction * step) % p
     q_owner, kv_owner = (visitor, rank) if strategy.passes_q else (rank, visitor)
     return torch.sign(kv_owner - q_owner) % 3 + 3 * (step == p - 1), visitor
-
-
-def _kind_tables(
-    strategy: Strategy,
-    seq_local: int,
-    segments: dict[int, tuple[Segment, ...]],
-    heads_q: int,
-    heads_kv: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:class:`RingPlan`'s ``rows``, ``pairs``, ``heads`` and ``needs``."""
-    unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
-    width = max(1, *(len(segs) for segs in segments.values()))
-    rows = torch.zeros(6, width, dtype=torch.long)
-    heads = torch.zeros(6, width, dtype=torch.long)
-    pairs = torch.zeros(6, width, dtype=torch.float64)
-    needs = torch.tensor([[seq_local, 0]] * 6)
-    for kind, segs in segments.items():
-        for k, segment in enumerate(segs):
-            rows[kind, k] = segment.q_rows[1] - segment.q_rows[0]
-            first = segment.pieces[0].q_heads  # a segment's pieces share their heads
-            heads[kind, k] = heads_q if first is None else first[1] - first[0]
-            pairs[kind, k] = sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in segment.pieces)
-        q_travels = strategy.passes_q
-        hull = _union([pc.q_rows if q_travels else pc.kv_rows for seg in segs for pc in seg.pieces])
-        if hull is not None:
-            needs[kind] = torch.tensor(hull)
-    return rows, pairs, heads, needs
 
 
 def _last_seen(strategy: Strategy, direction: int, p: int) -> torch.Tensor:
