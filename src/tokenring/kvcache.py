@@ -352,11 +352,10 @@ class DistributedKVCache:
                 step, or k/v of the wrong shape, dtype or device.
         """
         step = self.check_append(layer, k, v)
-        start = 0
-        for b, n in enumerate(step.seq_rows(self.rank)):
-            self._keys[layer][b].extend(k[start : start + n])
-            self._values[layer][b].extend(v[start : start + n])
-            start += n
+        sizes = list(step.seq_rows(self.rank))
+        for b, (k_b, v_b) in enumerate(zip(k.split(sizes), v.split(sizes), strict=True)):
+            self._keys[layer][b].extend(k_b)
+            self._values[layer][b].extend(v_b)
         self._appended[layer] = True
 
     def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> CacheStep:

@@ -177,10 +177,8 @@ class CachedShards:
         self.kv_positions = tuple(tuple(x) for x in kv_positions)
         self.q_seq_rows = tuple(tuple(len(x) for x in row) for row in self.q_positions)
         self.kv_seq_rows = tuple(tuple(len(x) for x in row) for row in self.kv_positions)
-        self.q_rows = tuple(sum(row) for row in self.q_seq_rows)
-        """Rows of each rank's Q block."""
-        self.kv_rows = tuple(sum(row) for row in self.kv_seq_rows)
-        """Rows of each rank's K/V shard."""
+        self.q_rows = tuple(sum(row) for row in self.q_seq_rows)  # of each rank's Q block
+        self.kv_rows = tuple(sum(row) for row in self.kv_seq_rows)  # of each rank's K/V shard
         self._splits: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
 
     def split(self, q_owner: int, kv_owner: int) -> tuple[tuple[int, int], ...]:

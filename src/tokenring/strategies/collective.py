@@ -35,9 +35,10 @@ A share that does not line up with the groups repeats K/V locally, never on the 
 
 Note [All-gather K/V]
 ~~~~~~~~~~~~~~~~~~~~~
-Every rank attends with its own Q over every rank's K/V, gathered in rounds (at most two
-blocks of others' K/V held at once, nothing kept for the backward); which rows meet is
-Note [Causal blocks per layout]; each piece is a kernel call on a view of its round's buffer.
+Every rank attends with its own Q over every rank's K/V, gathered in rounds (the forward keeps
+two in flight, the backward one, holding K/V and two dK/dV partials; nothing is kept for the
+backward); which rows meet is Note [Causal blocks per layout]; each piece is a kernel call on a
+view of its round's buffer.
 
 Note [All-gather K/V rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -52,9 +53,6 @@ receive posted first. P = 4, rank 0 ("k/v j" = owner j's K/V)::
     backward   0                        k/v round 1                   own block: dq, dk, dv
                rounds 0..1 (each k)     dK/dV of round k to 0 + k,    round k, its dK/dV
                                         then k/v round k + 1          partial from zero
-
-The forward keeps two rounds in flight; the backward one (a round holds K/V and two dK/dV
-partials).
 
 Note [Collective schedules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -255,10 +253,10 @@ def _ulysses_rank(
     if shares[r].num_q > 0:
         segments = (Segment(whole, (Piece(whole, whole, causal),)),)
     transfers = []
+    send = functools.partial(Transfer, src=r, rows=(0, s), step=0)
     for j in range(p):
         if j == r:
             continue
-        send = functools.partial(Transfer, src=r, dst=j, rows=(0, s), step=0)
         mine, theirs = shares[r], shares[j]
         if forward:
             travel = [(Payload.Q, theirs.q), (Payload.KV, theirs.kv)]
@@ -271,7 +269,7 @@ def _ulysses_rank(
         for payload, heads, owner, after in moves:
             if heads[1] > heads[0]:
                 transfers.append(
-                    send(payload=payload, owner=owner, after_segments=after, heads=heads)
+                    send(payload=payload, dst=j, owner=owner, after_segments=after, heads=heads)
                 )
     return segments, transfers
 

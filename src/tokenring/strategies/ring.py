@@ -380,20 +380,16 @@ class _Ring:
             send = partial(Transfer, payload=travel, after_segments=0, heads=heads, lane=index)
             for r in range(p):
                 for t in range(p - 1):
-                    needed: list[Rows] = []
-                    for ahead in range(1, p - t):
-                        plan = steps[(r + lane.direction * ahead) % p][t + ahead]
-                        for piece in plan.pieces:
-                            if piece.lane == index and piece.kv_owner is None:
-                                needed.append(
-                                    piece.kv_rows if travel is Payload.KV else piece.q_rows
-                                )
-                    rows, dst, owner = (
-                        _union(needed),
-                        (r + lane.direction) % p,
-                        lane.visitor(r, t, p),
+                    rows = _union(
+                        [
+                            piece.kv_rows if travel is Payload.KV else piece.q_rows
+                            for ahead in range(1, p - t)
+                            for piece in steps[(r + lane.direction * ahead) % p][t + ahead].pieces
+                            if piece.lane == index and piece.kv_owner is None
+                        ]
                     )
                     if rows is not None:
+                        dst, owner = (r + lane.direction) % p, lane.visitor(r, t, p)
                         transfers.append(send(src=r, dst=dst, owner=owner, rows=rows, step=t))
         return transfers
 
