@@ -54,12 +54,7 @@ from tokenring.strategies.cached import (
     build_cached_plan,
 )
 
-__all__ = [
-    "attend_cached",
-    "cached_attn",
-    "resolve_cached_strategy",
-    "run_cached_plan",
-]
+__all__ = ["attend_cached", "cached_attn", "resolve_cached_strategy", "run_cached_plan"]
 
 
 # -- the runtime ---------------------------------------------------------------------------------

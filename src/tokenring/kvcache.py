@@ -230,11 +230,7 @@ class DistributedKVCache:
         first = not any(self._lengths) and len(set(new)) == 1  # a first prefill, equal lengths
         zigzag = self.zigzag_first_prefill and first and new[0] > 0 and new[0] % (2 * p) == 0
         placed = place_new_tokens(
-            cached=self._lengths,
-            new=new,
-            world_size=p,
-            block_size=self.block_size,
-            zigzag=zigzag,
+            cached=self._lengths, new=new, world_size=p, block_size=self.block_size, zigzag=zigzag
         )
         return CacheStep(
             index=self._num_steps,

@@ -144,14 +144,9 @@ def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> Ste
         )
 
     segments = tuple(Segment(seg.q_rows, tuple(map(lifted, seg.pieces))) for seg in plan.segments)
-    return StepPlan(
-        g,
-        plan.step + 1,
-        plan.q_owner * p_in + i,
-        tuple(kv * p_in + i for kv in plan.kv_owners),
-        segments,
-        tuple(q * p_in + i for q in plan.q_owners),  # bidirectional TokenRing's
-    )
+    kv_owners = tuple(kv * p_in + i for kv in plan.kv_owners)
+    q_owners = tuple(q * p_in + i for q in plan.q_owners)  # bidirectional TokenRing's
+    return StepPlan(g, plan.step + 1, plan.q_owner * p_in + i, kv_owners, segments, q_owners)
 
 
 def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> Transfer:

@@ -192,11 +192,9 @@ def build_schedule(
     strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
+    length = global_length(world_size, seq_local, seq_len, layout)
     sharding = make_sharding(
-        layout=layout,
-        world_size=world_size,
-        seq_len=global_length(world_size, seq_local, seq_len, layout),
-        cu_seqlens=cu_seqlens,
+        layout=layout, world_size=world_size, seq_len=length, cu_seqlens=cu_seqlens
     )
     docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
     window = normalize_window(window_size, causal=causal)
