@@ -26,8 +26,10 @@ position mask (later keys skipped); the partials merge by lse, so no mask grows 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,34 +54,26 @@ from tokenring.strategies.cached import (
     build_cached_plan,
 )
 
-__all__ = [
-    "attend_cached",
-    "cached_attn",
-    "resolve_cached_strategy",
-    "run_cached_plan",
-]
+__all__ = ["attend_cached", "cached_attn", "resolve_cached_strategy", "run_cached_plan"]
 
 
 # -- the runtime ---------------------------------------------------------------------------------
+@dataclass(eq=False)
 class _PlanRunner(PassRunner):
     """One rank's part of a :class:`CachedPlan` (Note [Rank program] in
     tokenring.runtime.program)."""
 
+    plan: CachedPlan
+    shards: CachedShards
     comm: Communicator
-    poster: SlotPoster
+    kernel: BlockKernel
+    q: torch.Tensor  # (n, Hq, D) this rank's packed new queries
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per sequence, its cached (k, v)
+    scale: float
+    poster: SlotPoster = field(init=False)
 
-    def __init__(
-        self,
-        plan: CachedPlan,
-        shards: CachedShards,
-        comm: Communicator,
-        kernel: BlockKernel,
-        q: torch.Tensor,
-        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        scale: float,
-    ) -> None:
-        self.plan, self.shards, self.comm = plan, shards, comm
-        self.kernel, self.scale = kernel, scale
+    def __post_init__(self) -> None:
+        q, kv, comm = self.q, self.kv, self.comm
         self.rank = comm.rank
         self.dtype, self.device = q.dtype, q.device
         self.acc = accumulation_dtype(q.dtype)
@@ -167,18 +161,14 @@ class _PlanRunner(PassRunner):
     def _attend(self, q_owner: int, kv_holder: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_owner``'s block against ``kv_holder``'s shard: ``(1, n_o, Hq, D)``, ``(1, Hq,
         n_o)`` in the accumulation dtype (Note [Cached attention call])."""
-        q = self.q_blocks[q_owner]
-        kv = self.kv_blocks[kv_holder]
+        q, kv = self.q_blocks[q_owner], self.kv_blocks[kv_holder]
         out, lse = self._empty(q.shape[0])
-        splits = self.shards.split(q_owner, kv_holder)
         qpos_all = self.shards.q_positions[q_owner]
         kpos_all = self.shards.kv_positions[kv_holder]
-        start = 0
-        for b, (full, stop) in enumerate(splits):
-            t = self.shards.q_seq_rows[q_owner][b]
-            rows = (start, start + t)
-            start += t
-            if t == 0 or stop == 0:
+        starts = [0, *itertools.accumulate(self.shards.q_seq_rows[q_owner])]  # packed rows of b
+        for b, (full, stop) in enumerate(self.shards.split(q_owner, kv_holder)):
+            rows = (starts[b], starts[b + 1])
+            if rows[0] == rows[1] or stop == 0:
                 continue
             qb = q[rows[0] : rows[1]].unsqueeze(0)  # (1, t, Hq, D)
             kb, vb = kv[b]
@@ -295,16 +285,10 @@ def step_strategy(
     """:func:`resolve_cached_strategy` for the current step of ``cache`` (its group, K/V heads,
     head dim, dtype and device)."""
     assert cache.step is not None and cache.comm is not None
+    shape = {name: getattr(cache, name) for name in ("heads_kv", "head_dim", "dtype", "device")}
+    step, comm = cache.step, cache.comm
     return resolve_cached_strategy(
-        strategy,
-        step=cache.step,
-        comm=cache.comm,
-        heads_q=heads_q,
-        heads_kv=cache.heads_kv,
-        head_dim=cache.head_dim,
-        dtype=cache.dtype,
-        device=cache.device,
-        hardware=hardware,
+        strategy, step=step, comm=comm, heads_q=heads_q, hardware=hardware, **shape
     )
 
 
@@ -462,9 +446,9 @@ def attend_cached(
     hardware: Hardware | str | None = None,
     kernel: BlockKernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cached_attn` after the append (the benchmark repeats it). Returns ``(out, lse)``."""
-    step = cache.step
-    comm = cache.comm
+    """:func:`cached_attn` after the append (the benchmark repeats it). Returns ``(out, lse)``;
+    a zigzag first prefill with pass_q or pass_kv runs on the training ring."""
+    step, comm = cache.step, cache.comm
     assert step is not None and comm is not None and cache.appended(layer)
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -473,45 +457,29 @@ def attend_cached(
     if key not in cache.memo:
         cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
     chosen: CachedStrategy = cache.memo[key]
+    kv = [cache.shard(layer, s) for s in range(len(step.new))]  # per sequence
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
-        return _zigzag_ring(q, cache, layer, chosen, scale, kernel)
+        b = len(kv)  # the training ring (pass_q: TokenRing, pass_kv: Ring)
+        rows = step.num_rows(comm.rank) // b
+        k4, v4 = (torch.stack(x) for x in zip(*kv, strict=True))  # (B, s, Hkv, D)
+        out4, lse4 = sequence_parallel_attn(
+            q.reshape(b, rows, heads_q, head_dim),
+            k4,
+            v4,
+            strategy=Strategy.TOKEN_RING if chosen is CachedStrategy.PASS_Q else Strategy.RING,
+            causal=True,
+            softmax_scale=scale,
+            group=comm,
+            layout="zigzag",
+            return_lse=True,
+            kernel=kernel,
+            check_ranks=False,
+        )
+        out = out4.reshape(b * rows, heads_q, head_dim)  # (n, Hq, D)
+        return out, lse4.permute(1, 0, 2).reshape(heads_q, b * rows)  # (Hq, n)
     plan_key = ("plan", chosen)
     if plan_key not in cache.memo:
         shards = CachedShards.from_step(step)
         cache.memo[plan_key] = (build_cached_plan(chosen, shards), shards)
     plan, shards = cache.memo[plan_key]
-    kv = [cache.shard(layer, s) for s in range(len(step.new))]
     return run_cached_plan(plan, shards, comm, kernel, q, kv, scale=scale)
-
-
-def _zigzag_ring(
-    q: torch.Tensor,
-    cache: DistributedKVCache,
-    layer: int,
-    chosen: CachedStrategy,
-    scale: float,
-    kernel: BlockKernel,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zigzag first prefill on the training ring (pass_q: TokenRing, pass_kv: Ring)."""
-    step, comm = cache.step, cache.comm
-    assert step is not None and comm is not None
-    heads_q, head_dim = q.shape[1], q.shape[2]
-    b = len(step.new)
-    rows = step.num_rows(comm.rank) // b
-    shards = zip(*(cache.shard(layer, s) for s in range(b)), strict=True)
-    k4, v4 = (torch.stack(x) for x in shards)  # (B, s, Hkv, D)
-    out4, lse4 = sequence_parallel_attn(
-        q.reshape(b, rows, heads_q, head_dim),
-        k4,
-        v4,
-        strategy=Strategy.TOKEN_RING if chosen is CachedStrategy.PASS_Q else Strategy.RING,
-        causal=True,
-        softmax_scale=scale,
-        group=comm,
-        layout="zigzag",
-        return_lse=True,
-        kernel=kernel,
-        check_ranks=False,
-    )
-    out = out4.reshape(b * rows, heads_q, head_dim)  # (n, Hq, D)
-    return out, lse4.permute(1, 0, 2).reshape(heads_q, b * rows)  # (Hq, n)

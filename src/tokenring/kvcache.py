@@ -78,24 +78,6 @@ class _Growable:
         return self.data[: self.size]
 
 
-def _ranks(
-    group: Any, rank: int | None, world_size: int | None
-) -> tuple[Communicator | None, int, int]:
-    """The cache's communicator (None without a group), rank and world size."""
-    if (rank is None) != (world_size is None):
-        raise ValueError(
-            f"rank and world_size must be given together; got rank={rank}, world_size={world_size}"
-        )
-    comm = None
-    if world_size is None:
-        comm = get_communicator(group)
-        rank, world_size = comm.rank, comm.world_size
-    assert rank is not None and world_size is not None
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-    return comm, rank, world_size
-
-
 class DistributedKVCache:
     """K/V of a batch of B sequences for every layer, sharded over the ranks of a group.
 
@@ -151,7 +133,19 @@ class DistributedKVCache:
             )
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes}")
-        self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
+        if (rank is None) != (world_size is None):
+            raise ValueError(
+                "rank and world_size must be given together; got "
+                f"rank={rank}, world_size={world_size}"
+            )
+        self.comm: Communicator | None = None
+        if world_size is None:
+            self.comm = get_communicator(group)
+            rank, world_size = self.comm.rank, self.comm.world_size
+        assert rank is not None and world_size is not None
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+        self.rank, self.world_size = rank, world_size
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -177,8 +171,7 @@ class DistributedKVCache:
         )
         self._appended = [True] * num_layers  # per layer: appended the current step's K/V
         self.memo: dict[Any, Any] = {}
-        """Per-step results that every layer reuses (plans, the strategy pick); cleared by
-        each ``begin_step``."""
+        """Per-step results every layer reuses (plans, the strategy pick); ``begin_step`` clears."""
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -234,19 +227,10 @@ class DistributedKVCache:
                 f"new must be {self.batch} ints >= 0 (new tokens per sequence); got {new!r}"
             )
         p = self.world_size
-        zigzag = (
-            self.zigzag_first_prefill
-            and all(n == 0 for n in self._lengths)
-            and len(set(new)) == 1
-            and new[0] > 0
-            and new[0] % (2 * p) == 0
-        )
+        first = not any(self._lengths) and len(set(new)) == 1  # a first prefill, equal lengths
+        zigzag = self.zigzag_first_prefill and first and new[0] > 0 and new[0] % (2 * p) == 0
         placed = place_new_tokens(
-            cached=self._lengths,
-            new=new,
-            world_size=p,
-            block_size=self.block_size,
-            zigzag=zigzag,
+            cached=self._lengths, new=new, world_size=p, block_size=self.block_size, zigzag=zigzag
         )
         return CacheStep(
             index=self._num_steps,
@@ -291,7 +275,12 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        step = self._agreed_placement(new, check_ranks)
+        validate = functools.partial(self._checked_placement, new)
+        if self.comm is None:  # no group to agree over
+            step = validate()[0]
+        else:  # Note [Rank agreement] in tokenring.api
+            what, errors = "cache step", (ValueError, RuntimeError)
+            step = self.comm.agreed(validate, what=what, check_ranks=check_ranks, errors=errors)
         placed = step.new_positions
         if self.budget_bytes is not None:
             held = [
@@ -314,16 +303,6 @@ class DistributedKVCache:
         self._appended = [False] * self.num_layers
         self.memo.clear()
         return step
-
-    def _agreed_placement(self, new: Sequence[int], check_ranks: bool) -> CacheStep:
-        """:meth:`_placement` of ``new``, once the ranks agree (with ``check_ranks``)."""
-        validate = functools.partial(self._checked_placement, new)
-        if self.comm is None:  # no group to agree over
-            return validate()[0]
-        # Note [Rank agreement] in tokenring.api
-        return self.comm.agreed(
-            validate, what="cache step", check_ranks=check_ranks, errors=(ValueError, RuntimeError)
-        )
 
     def _checked_placement(self, new: Sequence[int]) -> tuple[CacheStep, dict[str, Any]]:
         """:meth:`_placement` of ``new`` (every layer appended the last step) and its signature."""
@@ -369,11 +348,10 @@ class DistributedKVCache:
                 step, or k/v of the wrong shape, dtype or device.
         """
         step = self.check_append(layer, k, v)
-        start = 0
-        for b, n in enumerate(step.seq_rows(self.rank)):
-            self._keys[layer][b].extend(k[start : start + n])
-            self._values[layer][b].extend(v[start : start + n])
-            start += n
+        sizes = list(step.seq_rows(self.rank))
+        for b, (k_b, v_b) in enumerate(zip(k.split(sizes), v.split(sizes), strict=True)):
+            self._keys[layer][b].extend(k_b)
+            self._values[layer][b].extend(v_b)
         self._appended[layer] = True
 
     def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> CacheStep:

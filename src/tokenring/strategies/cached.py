@@ -73,7 +73,7 @@ calls, not just this ratio.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -121,20 +121,13 @@ class CacheStep:
     """Where the new tokens of one step go and what every rank holds after it; identical on
     every rank. New tokens are *packed*: a rank's rows of sequence 0, then 1, ..."""
 
-    index: int
-    """Steps begun before this one."""
-    world_size: int
-    """P."""
-    zigzag: bool
-    """The first prefill in the zigzag layout (the ordinary attention path)."""
-    cached: tuple[int, ...]
-    """C_b: tokens of each sequence cached before the step."""
-    new: tuple[int, ...]
-    """T_b: new tokens of each sequence."""
-    new_positions: tuple[tuple[torch.Tensor, ...], ...]
-    """``[rank][sequence]``: global positions of the new tokens the rank owns."""
-    kv_positions: tuple[tuple[torch.Tensor, ...], ...]
-    """``[rank][sequence]``: every position the rank caches after the step (new included)."""
+    index: int  # steps begun before this one
+    world_size: int  # P
+    zigzag: bool  # the first prefill in the zigzag layout (the ordinary attention path)
+    cached: tuple[int, ...]  # C_b: tokens of each sequence cached before the step
+    new: tuple[int, ...]  # T_b: new tokens of each sequence
+    new_positions: tuple[tuple[torch.Tensor, ...], ...]  # [rank][seq]: positions of its new tokens
+    kv_positions: tuple[tuple[torch.Tensor, ...], ...]  # [rank][seq]: positions held after the step
 
     def seq_rows(self, rank: int) -> tuple[int, ...]:
         """How many new tokens of each sequence ``rank`` owns."""
@@ -184,10 +177,8 @@ class CachedShards:
         self.kv_positions = tuple(tuple(x) for x in kv_positions)
         self.q_seq_rows = tuple(tuple(len(x) for x in row) for row in self.q_positions)
         self.kv_seq_rows = tuple(tuple(len(x) for x in row) for row in self.kv_positions)
-        self.q_rows = tuple(sum(row) for row in self.q_seq_rows)
-        """Rows of each rank's Q block."""
-        self.kv_rows = tuple(sum(row) for row in self.kv_seq_rows)
-        """Rows of each rank's K/V shard."""
+        self.q_rows = tuple(sum(row) for row in self.q_seq_rows)  # of each rank's Q block
+        self.kv_rows = tuple(sum(row) for row in self.kv_seq_rows)  # of each rank's K/V shard
         self._splits: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
 
     def split(self, q_owner: int, kv_owner: int) -> tuple[tuple[int, int], ...]:
@@ -236,13 +227,8 @@ def uniform_shards(
         if value < low:
             raise ValueError(f"{name} must be >= {low}; got {value}")
     place = partial(place_new_tokens, world_size=world_size, block_size=block_size, zigzag=False)
-    old = place(cached=[0] * batch, new=[cached] * batch)
-    fresh = place(cached=[cached] * batch, new=[new] * batch)
-    kv = [
-        [torch.cat([a, b]) for a, b in zip(old_r, new_r, strict=True)]
-        for old_r, new_r in zip(old, fresh, strict=True)
-    ]
-    return CachedShards(fresh, kv)
+    everything = place(cached=[0] * batch, new=[cached + new] * batch)  # placed alike
+    return CachedShards(place(cached=[cached] * batch, new=[new] * batch), everything)
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -259,15 +245,11 @@ class CachedPlan:
     """Who computes what in which round and what moves, for one strategy."""
 
     strategy: CachedStrategy
-    """Which strategy."""
-    world_size: int
-    """P."""
-    num_rounds: int
-    """Rounds (slots ``(t, k)`` are posted in round order)."""
+    world_size: int  # P
+    num_rounds: int  # slots (t, k) are posted in round order
     computes: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
     """``[rank][round]``: ``(q_owner, kv_owner)`` of each kernel block, in order."""
-    transfers: tuple[CachedTransfer, ...]
-    """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
+    transfers: tuple[CachedTransfer, ...]  # step: the round, after_segments: the slot in it
     _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
     """What readers derive and keep while the plan lives (the ranks' programs)."""
 
@@ -293,15 +275,6 @@ def _transfer(
     )
 
 
-def _tree_depth(world_size: int) -> int:
-    return (world_size - 1).bit_length() if world_size > 1 else 0  # ceil(log2 P)
-
-
-def _subtree(rel: int, level: int, world_size: int) -> range:
-    """Relative ranks in the subtree of ``rel``, which joined in round ``level``."""
-    return range(rel, world_size, 2 ** (level + 1))
-
-
 def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> CachedPlan:
     """The plan of ``strategy`` for ``shards``; see Note [Cached strategies].
 
@@ -311,13 +284,7 @@ def build_cached_plan(strategy: CachedStrategy | str, shards: CachedShards) -> C
     strategy = CachedStrategy.parse(strategy)
     p = shards.world_size
     needs = [[shards.needs(o, j) for j in range(p)] for o in range(p)]
-    if strategy in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
-        rounds = _ring_plan(strategy is CachedStrategy.PASS_Q, shards, needs)
-    elif strategy is CachedStrategy.DIRECT:
-        rounds = _direct_plan(shards, needs)
-    else:
-        rounds = _tree_plan(shards, needs)
-    num_rounds, computes, transfers = rounds
+    num_rounds, computes, transfers = _PLANS[strategy](shards, needs)
     return CachedPlan(
         strategy=strategy,
         world_size=p,
@@ -331,7 +298,7 @@ _Computes = list[list[tuple[tuple[int, int], ...]]]  # [rank][round]: (q_owner, 
 _Rounds = tuple[int, _Computes, list["CachedTransfer"]]  # (number of rounds, computes, transfers)
 
 
-def _ring_plan(pass_q: bool, shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
+def _ring_plan(shards: CachedShards, needs: list[list[bool]], *, pass_q: bool) -> _Rounds:
     """Pass-Q or pass-KV: P rounds, the travelling block one rank down the ring each."""
     p = shards.world_size
     q_rows, kv_rows = shards.q_rows, shards.kv_rows
@@ -383,38 +350,30 @@ def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
     p = shards.world_size
     q_rows = shards.q_rows
     transfers: list[CachedTransfer] = []
-    depth = _tree_depth(p)
+    depth = (p - 1).bit_length()  # ceil(log2 P)
     num_rounds = 2 * depth + 1
     computes: _Computes = [[() for _ in range(num_rounds)] for _ in range(p)]
 
-    def subtree_needs(o: int, rel: int, level: int) -> bool:
-        return any(needs[o][(o + x) % p] for x in _subtree(rel, level, p))
+    def wants(o: int, rel: int, level: int) -> bool:
+        """Whether o's block has rows and a rank in the subtree of ``rel`` (joined in round
+        ``level``) needs it."""
+        return q_rows[o] > 0 and any(needs[o][(o + x) % p] for x in range(rel, p, 2 ** (level + 1)))
 
     for r in range(p):
         if needs[r][r]:
             computes[r][0] = ((r, r),)
+        rel = [(r - o) % p for o in range(p)]  # r's place in each owner's tree
         for k in range(depth):
             step = 2**k
             # Broadcast round k: blocks with rel < 2^k go to r + 2^k.
             sent = [
-                o
-                for o in range(p)
-                if (r - o) % p < step
-                and (r - o) % p + step < p
-                and q_rows[o] > 0
-                and subtree_needs(o, (r - o) % p + step, k)
+                o for o in range(p) if rel[o] < step < p - rel[o] and wants(o, rel[o] + step, k)
             ]
             if sent:
                 rows = sum(q_rows[o] for o in sent)
                 transfers.append(_transfer(Payload.Q, r, (r + step) % p, sent, rows, k, 0))
             # Computed in round k + 1: the blocks received in round k.
-            got = [
-                o
-                for o in range(p)
-                if step <= (r - o) % p < 2 * step
-                and q_rows[o] > 0
-                and subtree_needs(o, (r - o) % p, k)
-            ]
+            got = [o for o in range(p) if step <= rel[o] < 2 * step and wants(o, rel[o], k)]
             computes[r][k + 1] = tuple((o, r) for o in got if needs[o][r])
             # Reduce: level k runs in round depth + 1 + (depth - 1 - k); ranks that joined
             # in broadcast round k send their merged partials back to r - 2^k.
@@ -425,3 +384,11 @@ def _tree_plan(shards: CachedShards, needs: list[list[bool]]) -> _Rounds:
                     _transfer(Payload.OUT, r, (r - step) % p, got, rows, reduce_round, 0)
                 )
     return num_rounds, computes, transfers
+
+
+_PLANS: dict[CachedStrategy, Callable[[CachedShards, list[list[bool]]], _Rounds]] = {
+    CachedStrategy.PASS_Q: partial(_ring_plan, pass_q=True),
+    CachedStrategy.PASS_KV: partial(_ring_plan, pass_q=False),
+    CachedStrategy.DIRECT: _direct_plan,
+    CachedStrategy.TREE: _tree_plan,
+}

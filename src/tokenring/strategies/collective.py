@@ -35,9 +35,10 @@ A share that does not line up with the groups repeats K/V locally, never on the 
 
 Note [All-gather K/V]
 ~~~~~~~~~~~~~~~~~~~~~
-Every rank attends with its own Q over every rank's K/V, gathered in rounds (at most two
-blocks of others' K/V held at once, nothing kept for the backward); which rows meet is
-Note [Causal blocks per layout]; each piece is a kernel call on a view of its round's buffer.
+Every rank attends with its own Q over every rank's K/V, gathered in rounds (the forward keeps
+two in flight, the backward one, holding K/V and two dK/dV partials; nothing is kept for the
+backward); which rows meet is Note [Causal blocks per layout]; each piece is a kernel call on a
+view of its round's buffer.
 
 Note [All-gather K/V rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -52,9 +53,6 @@ receive posted first. P = 4, rank 0 ("k/v j" = owner j's K/V)::
     backward   0                        k/v round 1                   own block: dq, dk, dv
                rounds 0..1 (each k)     dK/dV of round k to 0 + k,    round k, its dK/dV
                                         then k/v round k + 1          partial from zero
-
-The forward keeps two rounds in flight; the backward one (a round holds K/V and two dK/dV
-partials).
 
 Note [Collective schedules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -279,10 +277,21 @@ def _ulysses_rank(
 def _allgather_rank(
     r: int, layout: Layout, *, causal: bool, forward: bool, p: int, s: int
 ) -> tuple[tuple[Segment, ...], list[Transfer]]:
-    """Rank r's rounds' segments and its K/V (backward: and dK/dV) transfers."""
-    rounds = _allgather_rounds(layout, causal, p, s, r)
-    segments = tuple(seg for round_ in rounds for seg in round_)
-    cum = [sum(len(round_) for round_ in rounds[:k]) for k in range(p + 1)]
+    """Rank r's segments, one per piece of each round k against owner r + k's K/V (gathered
+    rows), and its K/V (backward: and dK/dV) transfers."""
+    segments: list[Segment] = []
+    cum = [0]  # segments before round k
+    for k in range(p):
+        owner = (r + k) % p
+        pieces = block_pieces(
+            layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=r, kv_owner=owner
+        )
+        assert k == 0 or not any(piece.causal for piece in pieces), "only the diagonal is causal"
+        for pc in pieces:
+            kv_rows = (pc.kv_rows[0] + owner * s, pc.kv_rows[1] + owner * s)
+            segments.append(Segment(pc.q_rows, (Piece(pc.q_rows, kv_rows, pc.causal),)))
+        cum.append(len(segments))
+    assert cum[1] == 1, "the own block is one piece"
     transfers = []
     send = functools.partial(Transfer, src=r, rows=(0, s), step=0)
     for k in range(1, p):  # Note [All-gather K/V rounds]
@@ -293,29 +302,4 @@ def _allgather_rank(
             transfers.append(
                 send(payload=Payload.DKV, dst=owner, owner=owner, after_segments=cum[k + 1])
             )
-    return segments, transfers
-
-
-def _allgather_rounds(
-    layout: Layout, causal: bool, p: int, s: int, rank: int
-) -> tuple[tuple[Segment, ...], ...]:
-    """Per round k, one segment per piece against owner rank + k's K/V (gathered rows)."""
-    rounds = []
-    for k in range(p):
-        owner = (rank + k) % p
-        pieces = block_pieces(
-            layout=layout, causal=causal, world_size=p, seq_local=s, q_owner=rank, kv_owner=owner
-        )
-        assert k == 0 or not any(piece.causal for piece in pieces), "only the diagonal is causal"
-        rounds.append(
-            tuple(
-                Segment(pc.q_rows, (Piece(pc.q_rows, _shift(pc.kv_rows, owner * s), pc.causal),))
-                for pc in pieces
-            )
-        )
-    assert len(rounds[0]) == 1, "the own block is one piece"
-    return tuple(rounds)
-
-
-def _shift(rows: Rows, offset: int) -> Rows:
-    return (rows[0] + offset, rows[1] + offset)
+    return tuple(segments), transfers

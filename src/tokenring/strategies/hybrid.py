@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from tokenring.core.layout import Layout, check_int, split_evenly
 from tokenring.core.schedule import (
@@ -69,10 +70,8 @@ _OUTER_NAMES = ", ".join(s.value for s in Strategy if s.is_ring)
 class HybridSpec:
     """The options of ``Strategy.HYBRID``: how the P ranks factor, and the outer strategy."""
 
-    inner: int
-    """P_in: ranks per island, running the all-to-all; divides P, Hq and Hkv."""
-    outer_strategy: Strategy = Strategy.TOKEN_RING
-    """The ring strategy across islands: token_ring, ring or bidir_ring."""
+    inner: int  # P_in: ranks per island, running the all-to-all; divides P, Hq and Hkv
+    outer_strategy: Strategy = Strategy.TOKEN_RING  # the ring strategy across islands
 
     def __post_init__(self) -> None:
         check_int("inner", self.inner, 1)
@@ -101,10 +100,8 @@ class HybridSpec:
 class HybridSchedule(CollectiveSchedule):
     """One pass of the hybrid on all P ranks (Note [Hybrid schedule])."""
 
-    inner: int = 1
-    """P_in."""
-    outer_strategy: Strategy = Strategy.TOKEN_RING
-    """The ring strategy of steps 1 .. n."""
+    inner: int = 1  # P_in
+    outer_strategy: Strategy = Strategy.TOKEN_RING  # the ring strategy of steps 1 .. n
     outer: Schedule | None = field(default=None, compare=False, repr=False)
     """The outer strategy's schedule over P_out ranks, whose steps 1 .. n lift."""
 
@@ -147,14 +144,9 @@ def _lifted_step(plan: StepPlan, g: int, *, p_in: int, nq: int, nkv: int) -> Ste
         )
 
     segments = tuple(Segment(seg.q_rows, tuple(map(lifted, seg.pieces))) for seg in plan.segments)
-    return StepPlan(
-        g,
-        plan.step + 1,
-        plan.q_owner * p_in + i,
-        tuple(kv * p_in + i for kv in plan.kv_owners),
-        segments,
-        tuple(q * p_in + i for q in plan.q_owners),  # bidirectional TokenRing's
-    )
+    kv_owners = tuple(kv * p_in + i for kv in plan.kv_owners)
+    q_owners = tuple(q * p_in + i for q in plan.q_owners)  # bidirectional TokenRing's
+    return StepPlan(g, plan.step + 1, plan.q_owner * p_in + i, kv_owners, segments, q_owners)
 
 
 def _lifted_transfer(tr: Transfer, i: int, *, p_in: int, nq: int, nkv: int) -> Transfer:
@@ -176,29 +168,19 @@ def _all_to_all_transfers(
     o, i = divmod(g, p_in)
     inbound = [(Payload.Q, nq), (Payload.KV, nkv)] if forward else [(DOUT, nq)]
     outbound = [(Payload.OUT, nq)] if forward else [(Payload.DQ, nq), (GRAD_KV, nkv)]
-    transfers = []
+    sends = []
     for j in range(p_in):
         if j == i:
             continue
         peer = o * p_in + j
+        send = partial(Transfer, src=g, dst=peer, after_segments=0)
         moves = [(payload, width, g, 0, j) for payload, width in inbound]  # my rows, j's heads
         moves += [(payload, width, peer, last_step, i) for payload, width in outbound]
         for payload, width, owner, step, share in moves:
-            if not rows[owner]:
-                continue
-            transfers.append(
-                Transfer(
-                    payload=payload,
-                    src=g,
-                    dst=peer,
-                    owner=owner,
-                    rows=(0, rows[owner]),
-                    step=step,
-                    after_segments=0,
-                    heads=_shift(None, width, share),
-                )
-            )
-    return transfers
+            if rows[owner]:
+                span, heads = (0, rows[owner]), _shift(None, width, share)
+                sends.append(send(payload=payload, owner=owner, rows=span, step=step, heads=heads))
+    return sends
 
 
 def build_hybrid_schedule(
@@ -248,25 +230,19 @@ def build_hybrid_schedule(
         heads_kv=nkv,
         heads_q=nq,
     )
-    return _lifted(outer, world_size=world_size, p_in=p_in, nq=nq, nkv=nkv)
-
-
-def _lifted(outer: Schedule, *, world_size: int, p_in: int, nq: int, nkv: int) -> HybridSchedule:
-    """``outer`` lifted onto the P ranks (Note [Hybrid schedule])."""
     assert outer.sharding is not None
     lengths = (outer.sharding.local_len(o) for o in range(outer.world_size))
     rows = [hi - lo for length in lengths for lo, hi in inner_slices(length, p_in)]  # rows[g]
     n = outer.num_steps
     steps: list[tuple[StepPlan, ...]] = []
     transfers: list[Transfer] = []
-    forward = outer.pass_ is Pass.FORWARD
     for g in range(world_size):
         lifted = [
             _lifted_step(plan, g, p_in=p_in, nq=nq, nkv=nkv) for plan in outer.steps[g // p_in]
         ]
         steps.append((StepPlan(g, 0, g, (g,), ()), *lifted, StepPlan(g, n + 1, g, (g,), ())))
         transfers += _all_to_all_transfers(
-            g, forward=forward, p_in=p_in, rows=rows, last_step=n + 1, nq=nq, nkv=nkv
+            g, forward=pass_ is Pass.FORWARD, p_in=p_in, rows=rows, last_step=n + 1, nq=nq, nkv=nkv
         )
     transfers += [
         _lifted_transfer(tr, i, p_in=p_in, nq=nq, nkv=nkv)

@@ -17,10 +17,9 @@ back to o on the return process group. P = 4::
     rank 3 holds:  Q3       Q0       Q1       Q2
     returns:       -        o<-r+1   o<-r+2   o<-r+3   (sent after the block is computed)
 
-Q for step t+1 flies while step t computes; the partial of step t while step t+1 computes.
-The last partial overlaps nothing, so the last block is computed in ``last_block_splits``
-slices, each returned when done (Note [Last block by heads]; with ``lend_last_pair``,
-Note [Borrowed last pair]).
+Step t computes while Q of step t+1 and the partial of step t-1 fly. The last partial overlaps
+nothing, so the last block is computed in ``last_block_splits`` slices, each returned when done
+(Note [Last block by heads]; with ``lend_last_pair``, Note [Borrowed last pair]).
 
 Note [Borrowed last pair]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -37,19 +36,18 @@ against them after its last-step slices, and the Q3 hop 1 -> 0 at step 2 is drop
     sent 0 -> 3:   Q0[c,s) +  Q1[c,s) +  Q2[c,s) +
                    K/V0 1/3   K/V0 2/3   K/V0 3/3
 
-``_lent_pairs``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no more
-bytes than the Q hop and partial they save, and each part fits under its step's busiest hop.
-The forward computes it at the last step; the backward at step 1 (K/V sent at step 0) so its
-dK/dV (``Payload.DKV``) fly home during later steps, hence from P = 3. A lent pair is one
-segment of pieces with ``Piece.kv_owner`` set. Lending wins where links set the pace and
-loses where compute does, so the caller decides (``last_pair`` of ``sequence_parallel_attn``).
+``_Ring.lend``: rank r lends its last pair (q owner r - 1) when its K/V rows cost no
+more bytes than the Q hop and partial they save, and each part fits under its step's busiest
+hop. The forward computes it at the last step, the backward at step 1 (K/V sent at step 0) so
+its dK/dV (``Payload.DKV``) fly home later, hence from P = 3. A lent pair is one segment of
+pieces with ``Piece.kv_owner`` set. It wins where links set the pace and loses where compute
+does, so the caller decides (``last_pair`` of ``sequence_parallel_attn``).
 
 Note [Last block by heads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-The slices of the last block are head groups where the heads allow (whole GQA groups, or
-query heads over the one kv head of MQA): every row of the block on some heads. Row slices
-run the kernel on fewer query rows, which fused kernels run slower; head slices are the same
-kernel call on fewer heads. Bytes and FLOPs per slice are the same either way. Rows are
+The last block's slices are head groups where the heads allow (whole GQA groups, or query
+heads over MQA's one kv head): every row on some heads, the same kernel call on fewer heads
+(row slices run fused kernels slower on fewer rows; bytes and FLOPs are the same). Rows are
 sliced only with one query head (or heads not given), and then only a single full piece.
 
 Note [Backward]
@@ -84,8 +82,7 @@ return group::
     Hkv == 1: lane 0 carries query heads [0, Hq/2) down, lane 1 [Hq/2, Hq) up.
     Hq == 1:  nothing to split: NotImplementedError naming token_ring (no fallback).
 
-At step t rank r holds lane 0's Q of owner (r + t) mod P and lane 1's of (r - t) mod P.
-P = 4 (h0, h1: the lanes' heads)::
+Lanes hold owners as in Note [Bidirectional ring]. P = 4 (h0, h1: the lanes' heads)::
 
     step t:          0            1         2         3
     rank 0 holds:    Q0 all heads Q1h0 Q3h1 Q2h0 Q2h1 Q3h0 Q1h1
@@ -107,7 +104,7 @@ from functools import cache, partial
 
 import torch
 
-from tokenring.core.layout import Layout, Sharding, global_length, make_sharding, validate_seq_local
+from tokenring.core.layout import Layout, global_length, make_sharding, validate_seq_local
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
@@ -195,50 +192,40 @@ def build_schedule(
     strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
+    length = global_length(world_size, seq_local, seq_len, layout)
     sharding = make_sharding(
-        layout=layout,
-        world_size=world_size,
-        seq_len=global_length(world_size, seq_local, seq_len, layout),
-        cu_seqlens=cu_seqlens,
+        layout=layout, world_size=world_size, seq_len=length, cu_seqlens=cu_seqlens
     )
     docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
     window = normalize_window(window_size, causal=causal)
     mask = MaskSpec(causal, window, docs if len(docs) > 2 else None)
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
-    if strategy.is_collective:
-        return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
-    return _ring_schedule(
-        strategy, pass_, sharding, mask, last_block_splits, heads_q, heads_kv, lend_last_pair
-    )
-
-
-def _ring_schedule(
-    strategy: Strategy,
-    pass_: Pass,
-    sharding: Sharding,
-    mask: MaskSpec,
-    last_block_splits: int,
-    heads_q: int | None,
-    heads_kv: int | None,
-    lend_last_pair: bool,
-) -> Schedule:
-    """``build_schedule`` of a ring strategy: ``steps[r][t]``, lent pairs, then transfers."""
-    p, s, layout = sharding.world_size, sharding.seq_local, sharding.layout
-    if strategy is Strategy.BIDIR_TOKEN_RING:
-        lanes = _query_lanes(heads_q, heads_kv)
-    else:
-        lanes = _lanes(strategy, layout, s, heads_kv, mask.causal)
+    p, s = sharding.world_size, sharding.seq_local
+    if strategy.is_collective:  # tokenring.strategies.collective
+        if heads_q is None or heads_kv is None:
+            raise ValueError(
+                f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
+                f"{heads_q}, {heads_kv}"
+            )
+        if sharding.padded or not mask.plain:
+            raise NotImplementedError(
+                f"strategy {strategy.value!r} supports neither documents, windows nor padded "
+                "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
+            )
+        causal = bool(mask.causal)
+        return _build_collective(strategy, pass_, layout, causal, p, s, heads_q, heads_kv)
+    lanes = _lanes(strategy, layout, s, heads_q, heads_kv, mask.causal)
     pieces = cache(partial(sharded_block_pieces, sharding, mask))
-    cell = (strategy, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
-    steps = [[_cell_plan(*cell, r, t) for t in range(p)] for r in range(p)]
+    ring = _Ring(strategy, pass_, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
+    steps = [[ring.cell_plan(r, t) for t in range(p)] for r in range(p)]
     if strategy is Strategy.TOKEN_RING and lend_last_pair:
-        _lend(steps, _lent_pairs(pass_, sharding, mask, lanes, steps, heads_q, heads_kv), pass_)
-    transfers = _travel_transfers(strategy, pass_, lanes, steps)
+        ring.lend(steps)
+    transfers = ring.travel_transfers(steps)
     if strategy.passes_q:
-        transfers += _return_transfers(pass_, lanes, steps) + _borrow_transfers(pass_, steps)
+        transfers += ring.return_transfers(steps)
     elif pass_ is Pass.BACKWARD:
-        transfers += _accumulator_transfers(lanes, steps, s)
+        transfers += ring.accumulator_transfers(steps, s)
     return Schedule(
         strategy=strategy,
         pass_=pass_,
@@ -254,231 +241,251 @@ def _ring_schedule(
     )
 
 
-def _collective_schedule(
-    strategy: Strategy,
-    pass_: Pass,
-    sharding: Sharding,
-    mask: MaskSpec,
-    heads_q: int | None,
-    heads_kv: int | None,
-) -> Schedule:
-    """``build_schedule`` of a collective strategy (``tokenring.strategies.collective``)."""
-    if heads_q is None or heads_kv is None:
-        raise ValueError(
-            f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
-            f"{heads_q}, {heads_kv}"
-        )
-    if sharding.padded or not mask.plain:
-        raise NotImplementedError(
-            f"strategy {strategy.value!r} supports neither documents, windows nor padded "
-            "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
-        )
-    p, s = sharding.world_size, sharding.seq_local
-    causal = bool(mask.causal)
-    return _build_collective(strategy, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
+@dataclass(frozen=True)
+class _Ring:
+    """What every step plan and transfer of one ring schedule reads."""
 
+    strategy: Strategy
+    pass_: Pass
+    lanes: tuple[Lane, ...]
+    pieces: Callable[[int, int], tuple[Piece, ...]]  # (q_owner, kv_owner) -> kernel calls
+    p: int
+    splits: int  # last_block_splits
+    heads_q: int | None
+    heads_kv: int | None
 
-def _lend(steps: list[list[StepPlan]], lent: dict[int, Segment], pass_: Pass) -> None:
-    """Move each lent pair to its q owner at ``_borrow_step``, in place."""
-    p = len(steps)
-    compute_step = _borrow_step(pass_, p)
-    for holder in lent:
-        steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
-    for holder, pair in lent.items():
-        owner = steps[(holder - 1) % p][compute_step]
-        steps[owner.rank][compute_step] = replace(owner, segments=(*owner.segments, pair))
+    @property
+    def payloads(self) -> tuple[Payload, Payload | None]:
+        """(what travels, what goes back or None)."""
+        forward = self.pass_ is Pass.FORWARD
+        if self.strategy.passes_q:
+            return (Payload.Q, Payload.OUT) if forward else (Payload.Q_GRAD, Payload.DQ)
+        return Payload.KV, None if forward else Payload.DKV
 
+    @property
+    def borrow_step(self) -> int:
+        """The step at which a q owner computes a borrowed pair."""
+        return self.p - 1 if self.pass_ is Pass.FORWARD else 1
 
-def _cell_plan(
-    strategy: Strategy,
-    lanes: tuple[Lane, ...],
-    pieces: Callable[[int, int], tuple[Piece, ...]],
-    p: int,
-    last_block_splits: int,
-    heads_q: int | None,
-    heads_kv: int | None,
-    r: int,
-    t: int,
-) -> StepPlan:
-    """Rank r's plan at step t; ``pieces(q_owner, kv_owner)``: a block's kernel calls."""
-    kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
-    splits = last_block_splits if t == p - 1 and t > 0 else 1
-    if strategy.passes_q:  # the lanes carry Q: their visitors are q owners
-        if t == 0:  # the local block, once, on every head
-            segments = _segments(pieces(r, r), 1)
-        else:
-            segments = tuple(
-                segment
-                for i, (lane, o) in enumerate(zip(lanes, kv_owners, strict=True))
-                for segment in _sliced(pieces(o, r), i, lane, splits, heads_q, heads_kv)
+    def cell_plan(self, r: int, t: int) -> StepPlan:
+        """Rank r's plan at step t."""
+        p, lanes = self.p, self.lanes
+        kv_owners = tuple(lane.visitor(r, t, p) for lane in lanes)
+        splits = self.splits if t == p - 1 and t > 0 else 1
+        if self.strategy.passes_q:  # the lanes carry Q: their visitors are q owners
+            if t == 0:  # the local block, once, on every head
+                segments = _segments(self.pieces(r, r), 1)
+            else:
+                segments = tuple(
+                    segment
+                    for i, (lane, o) in enumerate(zip(lanes, kv_owners, strict=True))
+                    for segment in self.sliced(self.pieces(o, r), i, lane, splits)
+                )
+            q_owners = kv_owners if len(lanes) > 1 else ()
+            return StepPlan(r, t, kv_owners[0], (r,) * len(lanes), segments, q_owners)
+        block: list[Piece] = []
+        for index, lane in enumerate(lanes):
+            if t == 0 and index > 0:
+                break  # the local block is computed once, by lane 0, on every head and row
+            for piece in self.pieces(r, kv_owners[index]):
+                block += _lane_pieces(piece, index, lane, whole_block=t == 0)
+        return StepPlan(r, t, r, kv_owners, _by_q_rows(block))
+
+    def sliced(
+        self, pieces: tuple[Piece, ...], index: int, lane: Lane, splits: int
+    ) -> tuple[Segment, ...]:
+        """A pass-Q block on lane ``index``'s heads in ``splits`` slices."""
+        heads = self.head_slices(lane, splits) if pieces and splits > 1 else None
+        slices: Sequence[tuple[Rows | None, Rows | None]] = heads or [(lane.kv_heads, lane.q_heads)]
+        segments = _segments(pieces, 1 if heads else splits)
+        if heads is None and lane.q_heads is None:
+            return segments
+        return tuple(
+            Segment(
+                segment.q_rows,
+                tuple(replace(p, lane=index, heads=kv, q_heads=q) for p in segment.pieces),
             )
-        q_owners = kv_owners if len(lanes) > 1 else ()
-        return StepPlan(r, t, kv_owners[0], (r,) * len(lanes), segments, q_owners)
-    block: list[Piece] = []
-    for index, lane in enumerate(lanes):
-        if t == 0 and index > 0:
-            break  # the local block is computed once, by lane 0, on every head and row
-        for piece in pieces(r, kv_owners[index]):
-            block += _lane_pieces(piece, index, lane, whole_block=t == 0)
-    return StepPlan(r, t, r, kv_owners, _by_q_rows(block))
+            for kv, q in slices
+            for segment in segments
+        )
 
+    def head_slices(self, lane: Lane, splits: int) -> list[tuple[Rows, Rows]] | None:
+        """``(kv heads, query heads)`` of up to ``splits`` head slices of ``lane``, or None."""
+        heads_q, heads_kv = self.heads_q, self.heads_kv
+        if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
+            return None
+        groups = heads_q // heads_kv
+        kv = lane.kv_heads or (0, heads_kv)
+        q = lane.q_heads or (kv[0] * groups, kv[1] * groups)
+        if kv[1] - kv[0] >= 2:
+            return [(h, (h[0] * groups, h[1] * groups)) for h in _split_rows(kv, splits)]
+        if q[1] - q[0] >= 2:
+            return [(kv, h) for h in _split_rows(q, splits)]
+        return None
 
-def _lent_pairs(
-    pass_: Pass,
-    sharding: Sharding,
-    mask: MaskSpec,
-    lanes: tuple[Lane, ...],
-    steps: list[list[StepPlan]],
-    heads_q: int | None,
-    heads_kv: int | None,
-) -> dict[int, Segment]:
-    """Lender rank -> the segment its q owner computes (Note [Borrowed last pair])."""
-    p = sharding.world_size
-    forward = pass_ is Pass.FORWARD
-    if not (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE or heads_q is None or heads_kv is None:
-        return {}  # the backward's dK/dV home must have later steps to fly in
-    compute_step = _borrow_step(pass_, p)
-    # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
-    travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
-    load: Counter[tuple[int, int, int]] = Counter()  # (src, dst, step) -> travel bytes
-    for tr in _travel_transfers(Strategy.TOKEN_RING, pass_, lanes, steps):
-        load[(tr.src, tr.dst, tr.step)] += tr.num_rows * travel_row
-    busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
-    lent: dict[int, Segment] = {}
-    for r in range(p):
-        owner = (r - 1) % p  # whose Q rank r holds at the last step
-        block = sharded_block_pieces(sharding, mask, owner, r)
-        q_rows = _union([pc.q_rows for pc in block])
-        kv_rows = _union([pc.kv_rows for pc in block])
-        if q_rows is None or kv_rows is None:
-            continue
-        kv_bytes = kv_row * (kv_rows[1] - kv_rows[0])
-        saved = (travel_row + return_row) * (q_rows[1] - q_rows[0])
-        part = kv_bytes / compute_step  # sent in parts, one a step before it is computed
-        fits = all(load[(r, owner, t)] + part <= busiest[t] for t in range(compute_step))
-        if kv_bytes <= saved and fits:
-            parts = _split_rows(kv_rows, compute_step)
-            lent[r] = Segment(
-                q_rows,
-                tuple(
-                    Piece(pc.q_rows, (lo, hi), pc.causal, masked=pc.masked, kv_owner=r)
-                    for pc in block
-                    for lo, hi in ((max(pc.kv_rows[0], a), min(pc.kv_rows[1], b)) for a, b in parts)
-                    if lo < hi
-                ),
-            )
-    return lent
-
-
-def _borrow_step(pass_: Pass, world_size: int) -> int:
-    """The step at which a q owner computes a borrowed pair."""
-    return world_size - 1 if pass_ is Pass.FORWARD else 1
-
-
-def _borrow_transfers(pass_: Pass, steps: list[list[StepPlan]]) -> list[Transfer]:
-    """Each borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
-    transfers: list[Transfer] = []
-    for plan in (plan for row in steps for plan in row):
-        for k, segment in enumerate(plan.segments):
-            holder = segment.pieces[0].kv_owner
-            if holder is None:
-                continue
-            r, t, rows = plan.rank, plan.step, _union([pc.kv_rows for pc in segment.pieces])
-            assert rows is not None
-            kv = partial(Transfer, payload=Payload.KV, src=holder, dst=r, owner=holder)
-            transfers += [
-                kv(rows=part, step=u, after_segments=0)
-                for u, part in enumerate(_split_rows(rows, t))
-            ]
-            if pass_ is Pass.BACKWARD:
-                back = partial(Transfer, payload=Payload.DKV, src=r, dst=holder, owner=holder)
-                transfers.append(back(rows=rows, step=t, after_segments=k + 1))
-    return transfers
-
-
-def _travel_transfers(
-    strategy: Strategy, pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
-) -> list[Transfer]:
-    """The travelling blocks: rank r forwards the rows the ranks ahead still need."""
-    p = len(steps)
-    travel, _ = _payloads(strategy, pass_)
-    transfers: list[Transfer] = []
-    for index, lane in enumerate(lanes):
-        heads = lane.q_heads if strategy.passes_q else lane.kv_heads
-        send = partial(Transfer, payload=travel, after_segments=0, heads=heads, lane=index)
+    def lend(self, steps: list[list[StepPlan]]) -> None:
+        """Move the last pairs worth lending (Note [Borrowed last pair]) to their q owners'
+        ``borrow_step``, in place."""
+        p, heads_q, heads_kv = self.p, self.heads_q, self.heads_kv
+        forward = self.pass_ is Pass.FORWARD
+        lendable = (2 if forward else 3) <= p <= LEND_MAX_WORLD_SIZE
+        if not lendable or heads_q is None or heads_kv is None:
+            return  # the backward's dK/dV home must have later steps to fly in
+        compute_step = self.borrow_step
+        # bytes per row in elements of D: what travels (q; q and dout), what returns, K and V
+        travel_row, return_row, kv_row = heads_q * (1 if forward else 2), heads_q, 2 * heads_kv
+        load: Counter[tuple[int, int, int]] = Counter()  # (src, dst, step) -> travel bytes
+        for tr in self.travel_transfers(steps):
+            load[(tr.src, tr.dst, tr.step)] += tr.num_rows * travel_row
+        busiest = [max((n for (_, _, u), n in load.items() if u == t), default=0) for t in range(p)]
+        lent: dict[int, Segment] = {}  # lender rank -> the segment its q owner computes
         for r in range(p):
-            for t in range(p - 1):
-                needed: list[Rows] = []
-                for ahead in range(1, p - t):
-                    plan = steps[(r + lane.direction * ahead) % p][t + ahead]
-                    for piece in plan.pieces:
-                        if piece.lane == index and piece.kv_owner is None:
-                            needed.append(piece.kv_rows if travel is Payload.KV else piece.q_rows)
-                rows, dst, owner = _union(needed), (r + lane.direction) % p, lane.visitor(r, t, p)
-                if rows is not None:
-                    transfers.append(send(src=r, dst=dst, owner=owner, rows=rows, step=t))
-    return transfers
-
-
-def _payloads(strategy: Strategy, pass_: Pass) -> tuple[Payload, Payload | None]:
-    """(what travels, what goes back or None)."""
-    forward = pass_ is Pass.FORWARD
-    if strategy.passes_q:
-        return (Payload.Q, Payload.OUT) if forward else (Payload.Q_GRAD, Payload.DQ)
-    return Payload.KV, None if forward else Payload.DKV
-
-
-def _return_transfers(
-    pass_: Pass, lanes: tuple[Lane, ...], steps: list[list[StepPlan]]
-) -> list[Transfer]:
-    """Pass-Q: each segment's partial straight back to its q owner once computed."""
-    payload = Payload.OUT if pass_ is Pass.FORWARD else Payload.DQ
-    transfers: list[Transfer] = []
-    for plan in (plan for row in steps for plan in row[1:]):
-        send = partial(Transfer, payload=payload, src=plan.rank, step=plan.step)
-        for k, segment in enumerate(plan.segments):
-            first = segment.pieces[0]  # a segment's pieces share their lane and heads
-            if first.kv_owner is not None:
-                continue  # a borrowed pair: our own rows, merged here
-            lane, to = first.lane, plan.lane_q_owner(first.lane)
-            rows, heads = segment.q_rows, first.q_heads or lanes[lane].q_heads
-            transfers.append(
-                send(dst=to, owner=to, rows=rows, after_segments=k + 1, heads=heads, lane=lane)
-            )
-    return transfers
-
-
-def _accumulator_transfers(
-    lanes: tuple[Lane, ...], steps: list[list[StepPlan]], seq_local: int
-) -> list[Transfer]:
-    """Pass-KV backward's dK/dV accumulators (Note [Backward])."""
-    p = len(steps)
-    transfers: list[Transfer] = []
-    for index, lane in enumerate(lanes):
-        rows = lane.kv_rows or (0, seq_local)
-        send = partial(Transfer, payload=Payload.DKV, rows=rows, heads=lane.kv_heads, lane=index)
-        for owner in range(p):
-            holders = [(owner + lane.direction * t) % p for t in range(p)]
-            computing = [
-                t
-                for t in range(1, p)
-                if any(piece.lane == index for piece in steps[holders[t]][t].pieces)
-            ]
-            if not computing:
+            owner = (r - 1) % p  # whose Q rank r holds at the last step
+            block = self.pieces(owner, r)
+            q_rows = _union([pc.q_rows for pc in block])
+            kv_rows = _union([pc.kv_rows for pc in block])
+            if q_rows is None or kv_rows is None:
                 continue
-            last = computing[-1]
-            for t, src in enumerate(holders[: last + 1]):
-                dst = holders[t + 1] if t < last else owner
-                after = max(1, len(steps[src][t].segments))
-                transfers.append(send(src=src, dst=dst, owner=owner, step=t, after_segments=after))
-    return transfers
+            kv_bytes = kv_row * (kv_rows[1] - kv_rows[0])
+            saved = (travel_row + return_row) * (q_rows[1] - q_rows[0])
+            part = kv_bytes / compute_step  # sent in parts, one a step before it is computed
+            fits = all(load[(r, owner, t)] + part <= busiest[t] for t in range(compute_step))
+            if kv_bytes <= saved and fits:
+                parts = _split_rows(kv_rows, compute_step)
+                lent[r] = Segment(
+                    q_rows,
+                    tuple(
+                        Piece(pc.q_rows, (lo, hi), pc.causal, masked=pc.masked, kv_owner=r)
+                        for pc in block
+                        for lo, hi in (
+                            (max(pc.kv_rows[0], a), min(pc.kv_rows[1], b)) for a, b in parts
+                        )
+                        if lo < hi
+                    ),
+                )
+        for holder in lent:
+            steps[holder][p - 1] = replace(steps[holder][p - 1], segments=())
+        for holder, pair in lent.items():
+            plan = steps[(holder - 1) % p][compute_step]  # the q owner's
+            steps[plan.rank][compute_step] = replace(plan, segments=(*plan.segments, pair))
+
+    def travel_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
+        """The travelling blocks: rank r forwards the rows the ranks ahead still need."""
+        p, (travel, _) = self.p, self.payloads
+        transfers: list[Transfer] = []
+        for index, lane in enumerate(self.lanes):
+            heads = lane.q_heads if self.strategy.passes_q else lane.kv_heads
+            send = partial(Transfer, payload=travel, after_segments=0, heads=heads, lane=index)
+            for r in range(p):
+                for t in range(p - 1):
+                    rows = _union(
+                        [
+                            piece.kv_rows if travel is Payload.KV else piece.q_rows
+                            for ahead in range(1, p - t)
+                            for piece in steps[(r + lane.direction * ahead) % p][t + ahead].pieces
+                            if piece.lane == index and piece.kv_owner is None
+                        ]
+                    )
+                    if rows is not None:
+                        dst, owner = (r + lane.direction) % p, lane.visitor(r, t, p)
+                        transfers.append(send(src=r, dst=dst, owner=owner, rows=rows, step=t))
+        return transfers
+
+    def return_transfers(self, steps: list[list[StepPlan]]) -> list[Transfer]:
+        """Pass-Q: each segment's partial straight back to its q owner once computed; then each
+        borrowed pair's K/V to its q owner (backward: and its dK/dV back)."""
+        backward = self.pass_ is Pass.BACKWARD
+        returns: list[Transfer] = []
+        borrows: list[Transfer] = []
+        for plan in (plan for row in steps for plan in row):
+            r, t = plan.rank, plan.step
+            for k, segment in enumerate(plan.segments):
+                first = segment.pieces[0]  # a segment's pieces share their lane and heads
+                holder = first.kv_owner
+                if holder is None and t > 0:
+                    lane, to = first.lane, plan.lane_q_owner(first.lane)
+                    heads = first.q_heads or self.lanes[lane].q_heads
+                    payload = Payload.DQ if backward else Payload.OUT
+                    send = partial(Transfer, payload=payload, src=r, dst=to, owner=to, step=t)
+                    returns.append(
+                        send(rows=segment.q_rows, after_segments=k + 1, heads=heads, lane=lane)
+                    )
+                elif holder is not None:  # a borrowed pair: our own rows, merged here
+                    rows = _union([pc.kv_rows for pc in segment.pieces])
+                    assert rows is not None
+                    kv = partial(Transfer, payload=Payload.KV, src=holder, dst=r, owner=holder)
+                    borrows += [
+                        kv(rows=part, step=u, after_segments=0)
+                        for u, part in enumerate(_split_rows(rows, t))
+                    ]
+                    if backward:
+                        back = partial(
+                            Transfer, payload=Payload.DKV, src=r, dst=holder, owner=holder
+                        )
+                        borrows.append(back(rows=rows, step=t, after_segments=k + 1))
+        return returns + borrows
+
+    def accumulator_transfers(self, steps: list[list[StepPlan]], seq_local: int) -> list[Transfer]:
+        """Pass-KV backward's dK/dV accumulators (Note [Backward])."""
+        p = self.p
+        transfers: list[Transfer] = []
+        for index, lane in enumerate(self.lanes):
+            rows = lane.kv_rows or (0, seq_local)
+            send = partial(
+                Transfer, payload=Payload.DKV, rows=rows, heads=lane.kv_heads, lane=index
+            )
+            for owner in range(p):
+                holders = [(owner + lane.direction * t) % p for t in range(p)]
+                computing = [
+                    t
+                    for t in range(1, p)
+                    if any(piece.lane == index for piece in steps[holders[t]][t].pieces)
+                ]
+                if not computing:
+                    continue
+                last = computing[-1]
+                for t, src in enumerate(holders[: last + 1]):
+                    dst = holders[t + 1] if t < last else owner
+                    after = max(1, len(steps[src][t].segments))
+                    transfers.append(
+                        send(src=src, dst=dst, owner=owner, step=t, after_segments=after)
+                    )
+        return transfers
 
 
 def _lanes(
-    strategy: Strategy, layout: Layout, seq_local: int, heads_kv: int | None, causal: bool
+    strategy: Strategy,
+    layout: Layout,
+    seq_local: int,
+    heads_q: int | None,
+    heads_kv: int | None,
+    causal: bool,
 ) -> tuple[Lane, ...]:
-    """Note [Bidirectional ring]. Ring's K/V travel up on the contiguous causal layout, where
-    only higher ranks see a shard's keys; down otherwise."""
+    """Note [Bidirectional ring] and Note [Bidirectional TokenRing]. Ring's K/V travel up on
+    the contiguous causal layout, where only higher ranks see a shard's keys; down otherwise."""
+    if strategy is Strategy.BIDIR_TOKEN_RING:
+        if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
+            raise ValueError(
+                "heads_q and heads_kv must be given (heads_kv >= 1 dividing heads_q) for strategy "
+                f"'bidir_token_ring'; got heads_q={heads_q}, heads_kv={heads_kv}"
+            )
+        if heads_q < 2:
+            raise NotImplementedError(
+                "strategy 'bidir_token_ring' sends half of the query heads each way round the "
+                f"ring and needs heads_q >= 2; got heads_q={heads_q} (use 'token_ring')"
+            )
+        groups = heads_q // heads_kv
+        if heads_kv >= 2:  # whole kv groups: each lane's query heads share their K/V heads
+            half = heads_kv // 2
+            return (
+                Lane(-1, kv_heads=(0, half), q_heads=(0, half * groups)),
+                Lane(+1, kv_heads=(half, heads_kv), q_heads=(half * groups, heads_q)),
+            )
+        half = heads_q // 2  # one kv head: both lanes' query heads read it
+        return (
+            Lane(-1, kv_heads=(0, 1), q_heads=(0, half)),
+            Lane(+1, kv_heads=(0, 1), q_heads=(half, heads_q)),
+        )
     if strategy is not Strategy.BIDIR_RING:
         up = strategy is Strategy.RING and causal and layout is Layout.CONTIGUOUS
         return (Lane(+1 if up else -1),)
@@ -491,72 +498,6 @@ def _lanes(
         return (Lane(-1),)  # one kv head and one row per rank: nothing to split, one ring
     half = seq_local // 2  # zigzag: exactly the early and the late chunk
     return (Lane(-1, kv_rows=(0, half)), Lane(+1, kv_rows=(half, seq_local)))
-
-
-def _query_lanes(heads_q: int | None, heads_kv: int | None) -> tuple[Lane, ...]:
-    """The two lanes of ``Strategy.BIDIR_TOKEN_RING``: see Note [Bidirectional TokenRing]."""
-    if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
-        raise ValueError(
-            "heads_q and heads_kv must be given (heads_kv >= 1 dividing heads_q) for strategy "
-            f"'bidir_token_ring'; got heads_q={heads_q}, heads_kv={heads_kv}"
-        )
-    if heads_q < 2:
-        raise NotImplementedError(
-            "strategy 'bidir_token_ring' sends half of the query heads each way round the "
-            f"ring and needs heads_q >= 2; got heads_q={heads_q} (use 'token_ring')"
-        )
-    groups = heads_q // heads_kv
-    if heads_kv >= 2:  # whole kv groups: each lane's query heads share their K/V heads
-        half = heads_kv // 2
-        return (
-            Lane(-1, kv_heads=(0, half), q_heads=(0, half * groups)),
-            Lane(+1, kv_heads=(half, heads_kv), q_heads=(half * groups, heads_q)),
-        )
-    half = heads_q // 2  # one kv head: both lanes' query heads read it
-    return (
-        Lane(-1, kv_heads=(0, 1), q_heads=(0, half)),
-        Lane(+1, kv_heads=(0, 1), q_heads=(half, heads_q)),
-    )
-
-
-def _sliced(
-    pieces: tuple[Piece, ...],
-    index: int,
-    lane: Lane,
-    splits: int,
-    heads_q: int | None,
-    heads_kv: int | None,
-) -> tuple[Segment, ...]:
-    """A pass-Q block on lane ``index``'s heads in ``splits`` slices."""
-    heads = _head_slices(lane, splits, heads_q, heads_kv) if pieces and splits > 1 else None
-    slices: Sequence[tuple[Rows | None, Rows | None]] = heads or [(lane.kv_heads, lane.q_heads)]
-    segments = _segments(pieces, 1 if heads else splits)
-    if heads is None and lane.q_heads is None:
-        return segments
-    return tuple(
-        Segment(
-            segment.q_rows,
-            tuple(replace(p, lane=index, heads=kv, q_heads=q) for p in segment.pieces),
-        )
-        for kv, q in slices
-        for segment in segments
-    )
-
-
-def _head_slices(
-    lane: Lane, splits: int, heads_q: int | None, heads_kv: int | None
-) -> list[tuple[Rows, Rows]] | None:
-    """``(kv heads, query heads)`` of up to ``splits`` head slices of ``lane``, or None."""
-    if heads_q is None or heads_kv is None or heads_kv < 1 or heads_q % heads_kv:
-        return None
-    groups = heads_q // heads_kv
-    kv = lane.kv_heads or (0, heads_kv)
-    q = lane.q_heads or (kv[0] * groups, kv[1] * groups)
-    if kv[1] - kv[0] >= 2:
-        return [(h, (h[0] * groups, h[1] * groups)) for h in _split_rows(kv, splits)]
-    if q[1] - q[0] >= 2:
-        return [(kv, h) for h in _split_rows(q, splits)]
-    return None
 
 
 def _lane_pieces(piece: Piece, index: int, lane: Lane, *, whole_block: bool) -> list[Piece]:
@@ -586,7 +527,7 @@ def _by_q_rows(block: list[Piece]) -> tuple[Segment, ...]:
 # Past a few hundred ranks P^2 step plans are too many objects, so the simulator reads a
 # one-lane ring schedule (TokenRing, Ring; plain mask, no padding) as (P, T) tensors. Under a
 # plain mask a block's pieces depend only on whether its kv owner is below, equal to or above
-# its q owner (Note [Causal blocks per layout]), so :func:`_cell_plan` runs once per *kind* of
+# its q owner (Note [Causal blocks per layout]), so ``_Ring.cell_plan`` runs once per *kind* of
 # cell (that class, last step or not). Transfers follow the builder's rules: a block forwards
 # the hull of the rows later holders need (a kind is needed after step t iff it occurs on the
 # block's way after t), TokenRing returns each segment from step 1, Ring's backward
@@ -600,25 +541,15 @@ class RingColumns:
     step has; Note [Ring columns])."""
 
     steps: range
-    """The steps of the columns."""
-    q_owner: torch.Tensor
-    """(P, T) o of the block computed at [r, t]."""
-    segment_rows: torch.Tensor
-    """(P, T, K) q rows of each segment (0: none)."""
-    segment_pairs: torch.Tensor
-    """(P, T, K) float64: score entries x query heads of each segment (FLOPs / (4*B*D))."""
-    segment_heads: torch.Tensor
-    """(P, T, K) query heads of each segment (of its partial, for TokenRing's returns)."""
-    travel_rows: torch.Tensor
-    """(P, T) rows r sends to r + direction at the start of step t."""
-    return_rows: torch.Tensor
-    """(P, T, K) TokenRing: rows of segment k's partial sent to q_owner after it."""
-    dkv_rows: torch.Tensor
-    """(P, T) Ring backward: rows of the accumulator r sends after step t."""
-    dkv_dst: torch.Tensor
-    """(P, T) where it goes: r + direction, or its owner (home)."""
-    dkv_home: torch.Tensor
-    """(P, T) bool: it goes home."""
+    q_owner: torch.Tensor  # (P, T) o of the block computed at [r, t]
+    segment_rows: torch.Tensor  # (P, T, K) q rows of each segment (0: none)
+    segment_pairs: torch.Tensor  # (P, T, K) float64: score entries x query heads (FLOPs/(4*B*D))
+    segment_heads: torch.Tensor  # (P, T, K) query heads of each segment (of its partial)
+    travel_rows: torch.Tensor  # (P, T) rows r sends to r + direction at the start of step t
+    return_rows: torch.Tensor  # (P, T, K) TokenRing: rows of segment k's partial sent after it
+    dkv_rows: torch.Tensor  # (P, T) Ring backward: rows of the accumulator r sends after step t
+    dkv_dst: torch.Tensor  # (P, T) where it goes: r + direction, or its owner (home)
+    dkv_home: torch.Tensor  # (P, T) bool: it goes home
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -629,19 +560,16 @@ class RingPlan:
     pass_: Pass
     world_size: int
     seq_local: int
-    direction: int
-    """Where the blocks travel: rank r sends to r + direction."""
+    direction: int  # where the blocks travel: rank r sends to r + direction
     travel_payload: Payload
-    return_payload: Payload | None
-    """OUT / DQ (TokenRing), DKV (Ring backward), None."""
-    rows: torch.Tensor
-    """(C, K) per kind of cell: q rows of each segment; ``pairs``, ``heads`` likewise."""
+    return_payload: Payload | None  # OUT / DQ (TokenRing), DKV (Ring backward), None
+    rows: torch.Tensor  # (C, K) per kind of cell: q rows of each segment; pairs, heads likewise
     pairs: torch.Tensor
     heads: torch.Tensor
-    needs: torch.Tensor
-    """(C, 2) the hull of the travelling rows a kind computes with; (s, 0): none."""
-    last_seen: torch.Tensor
-    """(C, P) per kind and owner: the last step >= 1 its block is on that kind (-1: never)."""
+    needs: torch.Tensor  # (C, 2) the hull of the travelling rows a kind computes with; (s, 0): none
+    last_seen: (
+        torch.Tensor
+    )  # (C, P) per kind and owner: last step >= 1 its block is on it (-1: never)
 
     def columns(self, steps: range) -> RingColumns:
         """The columns of ``steps`` ((P, len(steps)) each)."""
@@ -705,8 +633,9 @@ def ring_plan(
     validate_seq_local(seq_local, layout)
     p, s = world_size, seq_local
     sharding = make_sharding(layout=layout, world_size=p, seq_len=p * s)
-    lanes = _lanes(strategy, layout, s, heads_kv, causal)
-    cell = (strategy, lanes, partial(sharded_block_pieces, sharding, MaskSpec(causal)), p)
+    lanes = _lanes(strategy, layout, s, heads_q, heads_kv, causal)
+    pieces = partial(sharded_block_pieces, sharding, MaskSpec(causal))
+    ring = _Ring(strategy, pass_, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
     direction = lanes[0].direction
     # one cell of each kind: every kind occurs at step 0, 1 or P - 1
     segments: dict[int, tuple[Segment, ...]] = {}
@@ -714,10 +643,25 @@ def ring_plan(
         kinds, _ = _kinds(strategy, direction, p, torch.arange(p), torch.tensor(t))
         for r, kind in enumerate(kinds.tolist()):
             if kind not in segments:
-                plan = _cell_plan(*cell, last_block_splits, heads_q, heads_kv, r, t)
-                segments[kind] = plan.segments
-    rows, pairs, heads, needs = _kind_tables(strategy, s, segments, heads_q, heads_kv)
-    payloads = _payloads(strategy, pass_)
+                segments[kind] = ring.cell_plan(r, t).segments
+    # the tables by kind: q rows, score entries x query heads, query heads of each segment
+    unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
+    width = max(1, *(len(segs) for segs in segments.values()))
+    rows = torch.zeros(6, width, dtype=torch.long)
+    heads = torch.zeros(6, width, dtype=torch.long)
+    pairs = torch.zeros(6, width, dtype=torch.float64)
+    needs = torch.tensor([[s, 0]] * 6)
+    for kind, segs in segments.items():
+        for k, segment in enumerate(segs):
+            rows[kind, k] = segment.q_rows[1] - segment.q_rows[0]
+            first = segment.pieces[0].q_heads  # a segment's pieces share their heads
+            heads[kind, k] = heads_q if first is None else first[1] - first[0]
+            pairs[kind, k] = sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in segment.pieces)
+        q_travels = strategy.passes_q
+        hull = _union([pc.q_rows if q_travels else pc.kv_rows for seg in segs for pc in seg.pieces])
+        if hull is not None:
+            needs[kind] = torch.tensor(hull)
+    payloads = ring.payloads
     return RingPlan(
         strategy=strategy,
         pass_=pass_,
@@ -742,33 +686,6 @@ def _kinds(
     visitor = (rank - direction * step) % p
     q_owner, kv_owner = (visitor, rank) if strategy.passes_q else (rank, visitor)
     return torch.sign(kv_owner - q_owner) % 3 + 3 * (step == p - 1), visitor
-
-
-def _kind_tables(
-    strategy: Strategy,
-    seq_local: int,
-    segments: dict[int, tuple[Segment, ...]],
-    heads_q: int,
-    heads_kv: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:class:`RingPlan`'s ``rows``, ``pairs``, ``heads`` and ``needs``."""
-    unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
-    width = max(1, *(len(segs) for segs in segments.values()))
-    rows = torch.zeros(6, width, dtype=torch.long)
-    heads = torch.zeros(6, width, dtype=torch.long)
-    pairs = torch.zeros(6, width, dtype=torch.float64)
-    needs = torch.tensor([[seq_local, 0]] * 6)
-    for kind, segs in segments.items():
-        for k, segment in enumerate(segs):
-            rows[kind, k] = segment.q_rows[1] - segment.q_rows[0]
-            first = segment.pieces[0].q_heads  # a segment's pieces share their heads
-            heads[kind, k] = heads_q if first is None else first[1] - first[0]
-            pairs[kind, k] = sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in segment.pieces)
-        q_travels = strategy.passes_q
-        hull = _union([pc.q_rows if q_travels else pc.kv_rows for seg in segs for pc in seg.pieces])
-        if hull is not None:
-            needs[kind] = torch.tensor(hull)
-    return rows, pairs, heads, needs
 
 
 def _last_seen(strategy: Strategy, direction: int, p: int) -> torch.Tensor:
