@@ -121,13 +121,20 @@ class CacheStep:
     """Where the new tokens of one step go and what every rank holds after it; identical on
     every rank. New tokens are *packed*: a rank's rows of sequence 0, then 1, ..."""
 
-    index: int  # steps begun before this one
-    world_size: int  # P
-    zigzag: bool  # the first prefill in the zigzag layout (the ordinary attention path)
-    cached: tuple[int, ...]  # C_b: tokens of each sequence cached before the step
-    new: tuple[int, ...]  # T_b: new tokens of each sequence
-    new_positions: tuple[tuple[torch.Tensor, ...], ...]  # [rank][seq]: positions of its new tokens
-    kv_positions: tuple[tuple[torch.Tensor, ...], ...]  # [rank][seq]: positions held after the step
+    index: int
+    """Steps begun before this one."""
+    world_size: int
+    """P."""
+    zigzag: bool
+    """The first prefill in the zigzag layout (the ordinary attention path)."""
+    cached: tuple[int, ...]
+    """C_b: tokens of each sequence cached before the step."""
+    new: tuple[int, ...]
+    """T_b: new tokens of each sequence."""
+    new_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: global positions of the new tokens the rank owns."""
+    kv_positions: tuple[tuple[torch.Tensor, ...], ...]
+    """``[rank][sequence]``: every position the rank caches after the step (new included)."""
 
     def seq_rows(self, rank: int) -> tuple[int, ...]:
         """How many new tokens of each sequence ``rank`` owns."""
@@ -245,11 +252,14 @@ class CachedPlan:
     """Who computes what in which round and what moves, for one strategy."""
 
     strategy: CachedStrategy
-    world_size: int  # P
-    num_rounds: int  # slots (t, k) are posted in round order
+    world_size: int
+    """P."""
+    num_rounds: int
+    """Rounds (slots ``(t, k)`` are posted in round order)."""
     computes: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
     """``[rank][round]``: ``(q_owner, kv_owner)`` of each kernel block, in order."""
-    transfers: tuple[CachedTransfer, ...]  # step: the round, after_segments: the slot in it
+    transfers: tuple[CachedTransfer, ...]
+    """Every transfer; ``step`` is its round, ``after_segments`` its slot in the round."""
     _memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
     """What readers derive and keep while the plan lives (the ranks' programs)."""
 

@@ -70,8 +70,10 @@ _OUTER_NAMES = ", ".join(s.value for s in Strategy if s.is_ring)
 class HybridSpec:
     """The options of ``Strategy.HYBRID``: how the P ranks factor, and the outer strategy."""
 
-    inner: int  # P_in: ranks per island, running the all-to-all; divides P, Hq and Hkv
-    outer_strategy: Strategy = Strategy.TOKEN_RING  # the ring strategy across islands
+    inner: int
+    """P_in: ranks per island, running the all-to-all; divides P, Hq and Hkv."""
+    outer_strategy: Strategy = Strategy.TOKEN_RING
+    """The ring strategy of steps 1 .. n."""
 
     def __post_init__(self) -> None:
         check_int("inner", self.inner, 1)
@@ -100,8 +102,10 @@ class HybridSpec:
 class HybridSchedule(CollectiveSchedule):
     """One pass of the hybrid on all P ranks (Note [Hybrid schedule])."""
 
-    inner: int = 1  # P_in
-    outer_strategy: Strategy = Strategy.TOKEN_RING  # the ring strategy of steps 1 .. n
+    inner: int = 1
+    """P_in."""
+    outer_strategy: Strategy = Strategy.TOKEN_RING
+    """The ring strategy of steps 1 .. n."""
     outer: Schedule | None = field(default=None, compare=False, repr=False)
     """The outer strategy's schedule over P_out ranks, whose steps 1 .. n lift."""
 

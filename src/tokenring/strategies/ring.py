@@ -541,15 +541,24 @@ class RingColumns:
     step has; Note [Ring columns])."""
 
     steps: range
-    q_owner: torch.Tensor  # (P, T) o of the block computed at [r, t]
-    segment_rows: torch.Tensor  # (P, T, K) q rows of each segment (0: none)
-    segment_pairs: torch.Tensor  # (P, T, K) float64: score entries x query heads (FLOPs/(4*B*D))
-    segment_heads: torch.Tensor  # (P, T, K) query heads of each segment (of its partial)
-    travel_rows: torch.Tensor  # (P, T) rows r sends to r + direction at the start of step t
-    return_rows: torch.Tensor  # (P, T, K) TokenRing: rows of segment k's partial sent after it
-    dkv_rows: torch.Tensor  # (P, T) Ring backward: rows of the accumulator r sends after step t
-    dkv_dst: torch.Tensor  # (P, T) where it goes: r + direction, or its owner (home)
-    dkv_home: torch.Tensor  # (P, T) bool: it goes home
+    q_owner: torch.Tensor
+    """(P, T) o of the block computed at [r, t]."""
+    segment_rows: torch.Tensor
+    """(P, T, K) q rows of each segment (0: none)."""
+    segment_pairs: torch.Tensor
+    """(P, T, K) float64: score entries x query heads of each segment (FLOPs / (4*B*D))."""
+    segment_heads: torch.Tensor
+    """(P, T, K) query heads of each segment (of its partial, for TokenRing's returns)."""
+    travel_rows: torch.Tensor
+    """(P, T) rows r sends to r + direction at the start of step t."""
+    return_rows: torch.Tensor
+    """(P, T, K) TokenRing: rows of segment k's partial sent to q_owner after it."""
+    dkv_rows: torch.Tensor
+    """(P, T) Ring backward: rows of the accumulator r sends after step t."""
+    dkv_dst: torch.Tensor
+    """(P, T) where it goes: r + direction, or its owner (home)."""
+    dkv_home: torch.Tensor
+    """(P, T) bool: it goes home."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -560,13 +569,17 @@ class RingPlan:
     pass_: Pass
     world_size: int
     seq_local: int
-    direction: int  # where the blocks travel: rank r sends to r + direction
+    direction: int
+    """Where the blocks travel: rank r sends to r + direction."""
     travel_payload: Payload
-    return_payload: Payload | None  # OUT / DQ (TokenRing), DKV (Ring backward), None
-    rows: torch.Tensor  # (C, K) per kind of cell: q rows of each segment; pairs, heads likewise
+    return_payload: Payload | None
+    """OUT / DQ (TokenRing), DKV (Ring backward), None."""
+    rows: torch.Tensor
+    """(C, K) per kind of cell: q rows of each segment; ``pairs``, ``heads`` likewise."""
     pairs: torch.Tensor
     heads: torch.Tensor
-    needs: torch.Tensor  # (C, 2) the hull of the travelling rows a kind computes with; (s, 0): none
+    needs: torch.Tensor
+    """(C, 2) the hull of the travelling rows a kind computes with; (s, 0): none."""
     last_seen: (
         torch.Tensor
     )  # (C, P) per kind and owner: last step >= 1 its block is on it (-1: never)
