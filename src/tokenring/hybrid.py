@@ -61,8 +61,10 @@ from tokenring.strategies.hybrid import (
 class HybridMesh:
     """The two process groups of a 2-D sequence-parallel mesh."""
 
-    outer: dist.ProcessGroup  # across islands: the ring strategy runs here
-    inner: dist.ProcessGroup  # inside an island: the all-to-all runs here
+    outer: dist.ProcessGroup
+    """Across islands: the ring strategy runs here."""
+    inner: dist.ProcessGroup
+    """Inside an island: the all-to-all runs here."""
 
     @classmethod
     def from_device_mesh(cls, mesh: Any) -> HybridMesh:
