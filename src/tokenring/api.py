@@ -283,7 +283,7 @@ def _validate(
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class _Call:
     """One rank's validated attention call: everything the schedule and the kernels need."""
 
@@ -359,7 +359,14 @@ def _prepare_call(
         "kernel": block_kernel.name,
         "needs grad": needs_grad,
     }
-    return _Call(layout, sharding, mask, block_kernel, scale, signature)
+    return _Call(
+        layout=layout,
+        sharding=sharding,
+        mask=mask,
+        kernel=block_kernel,
+        scale=scale,
+        signature=signature,
+    )
 
 
 def _bounds_digest(bounds: Sequence[int]) -> list[int]:
