@@ -345,14 +345,12 @@ class ReferenceKernel(_Op):
         return scores
 
     def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
-        q = call.q
+        q, acc = call.q, accumulation_dtype(call.q.dtype)
         b, sq, hq, d = q.shape
         scores = self._scores(call)
         lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G*sq)
         probs = scores.sub_(lse.unsqueeze(-1)).exp_().nan_to_num_(0.0)  # in place
-        out = torch.matmul(
-            probs, _bhsd(call.v).to(accumulation_dtype(q.dtype))
-        )  # (B, Hkv, G*sq, D)
+        out = torch.matmul(probs, _bhsd(call.v).to(acc))  # (B, Hkv, G*sq, D)
         return _bhsd(out.view(b, hq, sq, d)).to(q.dtype), lse.view(b, hq, sq)
 
     def _backward(
@@ -508,12 +506,9 @@ class TiledKernel(_Op):
             raise ValueError(f"tile_rows must be >= 1; got {tile_rows}")
         self.inner = inner if inner is not None else ReferenceKernel()
         self.masked_inner = masked_inner if masked_inner is not None else self.inner
-        self.ran = self.inner.ran  # one count per operator, whoever runs it
-        if self.masked_inner is not self.inner:
-            self.masked_inner.ran = self.ran
-        self.tile_rows = tile_rows
+        self.ran = self.masked_inner.ran = self.inner.ran  # one count per operator, whoever runs it
+        self.tile_rows, self.name = tile_rows, name
         self.tile_plain_forward = tile_plain_forward
-        self.name = name
         self.backward_kv_tile_floor = backward_kv_tile_floor
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -526,12 +521,8 @@ class TiledKernel(_Op):
         for q_rows in _tiles(sq, self.tile_rows):
             num = q_rows[1] - q_rows[0]
             kv_tile = self._backward_kv_tile(num, causal) if backward else self.tile_rows
-            row = []
-            for kv_rows in _tiles(sk, kv_tile):
-                kind, sub = _tile_class(causal, mask, q_rows, kv_rows)
-                if kind != "empty":
-                    row.append((kv_rows, kind, sub))
-            grid.append((q_rows, row))
+            row = [(kv, *_tile_class(causal, mask, q_rows, kv)) for kv in _tiles(sk, kv_tile)]
+            grid.append((q_rows, [tile for tile in row if tile[1] != "empty"]))
         return grid
 
     def _backward_kv_tile(self, q_tile_rows: int, causal: bool) -> int:
