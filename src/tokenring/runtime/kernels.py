@@ -875,8 +875,8 @@ class _FlashAttnOps(_Op):
 
     def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
         qkv = [x.contiguous() for x in (call.q, call.k, call.v)]
-        options = {"softmax_scale": call.scale, "causal": call.causal, **_FLASH_ATTN_PLAIN}
-        out, lse, _, _ = self._ops._flash_attn_forward(*qkv, return_softmax=False, **options)
+        options = {"softmax_scale": call.scale, "causal": call.causal, "return_softmax": False}
+        out, lse, _, _ = self._ops._flash_attn_forward(*qkv, **options, **_FLASH_ATTN_PLAIN)
         return out, lse.float()  # (B, sq, Hq, D), (B, Hq, sq)
 
     def _backward(
@@ -885,10 +885,10 @@ class _FlashAttnOps(_Op):
         q, k, v = call.q, call.k, call.v
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         inputs = [x.contiguous() for x in (dout, q, k, v, _bhsd(_out_of(out, dout, delta)))]
-        options = {"softmax_scale": call.scale, "causal": call.causal, **_FLASH_ATTN_PLAIN}
+        options = {"softmax_scale": call.scale, "causal": call.causal, "deterministic": False}
         lse_op = _finite_lse(lse, torch.float32)
         self._ops._flash_attn_backward(
-            *inputs, lse_op, dq, dk, dv, deterministic=False, rng_state=None, **options
+            *inputs, lse_op, dq, dk, dv, **options, rng_state=None, **_FLASH_ATTN_PLAIN
         )
         return dq, dk, dv
 
