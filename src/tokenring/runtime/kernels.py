@@ -44,10 +44,11 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 from torch import Tensor
@@ -102,11 +103,8 @@ class PositionMask:
         return visible if device is None else visible.to(device, non_blocking=True)
 
     def tile(self, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> PositionMask:
-        return PositionMask(
-            self.spec,
-            self.q_positions[q_rows[0] : q_rows[1]],
-            self.kv_positions[kv_rows[0] : kv_rows[1]],
-        )
+        q_pos, kv_pos = self.q_positions[slice(*q_rows)], self.kv_positions[slice(*kv_rows)]
+        return PositionMask(self.spec, q_pos, kv_pos)
 
     def visibility(self, strip_rows: int = 256) -> tuple[bool, bool]:
         """(any pair visible, every pair visible), ``strip_rows`` query rows at a time."""
@@ -246,30 +244,29 @@ def _kind(causal: bool, mask: Mask | None) -> str:
     return "causal" if causal else ("full" if mask is None else "masked")
 
 
-class ReferenceKernel(BlockKernel):
-    """Plain torch matmuls in the accumulation dtype, materialising ``(B, Hq, sq, sk)``
-    scores; any device and dtype."""
+class _Call(NamedTuple):
+    """One kernel call's arguments but the gradient inputs."""
 
-    name = "reference"
+    q: Tensor  # (B, sq, Hq, D)
+    k: Tensor  # (B, sk, Hkv, D)
+    v: Tensor  # (B, sk, Hkv, D)
+    causal: bool
+    scale: float
+    mask: Mask | None
 
-    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return dtype.is_floating_point
+    def options(self) -> dict[str, Any]:
+        """The keywords of the call (``causal``, ``scale``, ``mask``)."""
+        return {"causal": self.causal, "scale": self.scale, "mask": self.mask}
 
-    @staticmethod
-    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, visible: Tensor | None) -> Tensor:
-        """``(B, Hkv, G*sq, sk)`` scores (G = Hq / Hkv query heads per kv head, no repeat)."""
-        acc = accumulation_dtype(q.dtype)
-        b, sq, hq, d = q.shape
-        hkv = k.shape[2]
-        qh = _bhsd(q).to(acc).reshape(b, hkv, (hq // hkv) * sq, d)  # (B, Hkv, G*sq, D)
-        kh = _bhsd(k).to(acc)  # (B, Hkv, sk, D)
-        scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # (B, Hkv, G*sq, sk)
-        hidden = None if visible is None else ~visible  # (sq, sk); never with causal (_dense)
-        if causal:
-            hidden = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
-        if hidden is not None:
-            scores.view(b, hkv, hq // hkv, sq, -1).masked_fill_(hidden, float("-inf"))
-        return scores
+
+class _Op(BlockKernel):
+    """A kernel of one operator: :meth:`forward` and :meth:`backward` check the tile against
+    ``tiles``, count the call in ``ran[op]`` and run the ``_forward`` / ``_backward`` hooks."""
+
+    op = ""
+    """The operator's name in ``ran`` ("": a dispatcher; the operators it runs count)."""
+    tiles = "any"
+    """The tiles it takes: "any" (a mask or none), "unmasked", "masked" (a PositionMask)."""
 
     def forward(
         self,
@@ -281,15 +278,8 @@ class ReferenceKernel(BlockKernel):
         scale: float,
         mask: Mask | None = None,
     ) -> tuple[Tensor, Tensor]:
-        self.ran["reference"] += 1
-        acc = accumulation_dtype(q.dtype)
-        b, sq, hq, d = q.shape
-        scores = self._scores(q, k, causal, scale, _dense(mask, q, k, causal))
-        lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G*sq)
-        probs = scores.sub_(lse.unsqueeze(-1)).exp_().nan_to_num_(0.0)  # in place
-        out = torch.matmul(probs, _bhsd(v).to(acc))  # (B, Hkv, G*sq, D)
-        out = out.view(b, hq, sq, d)
-        return _bhsd(out).to(q.dtype), lse.view(b, hq, sq)
+        self._start(causal, mask)
+        return self._forward(_Call(q, k, v, causal, scale, mask))
 
     def backward(
         self,
@@ -305,12 +295,73 @@ class ReferenceKernel(BlockKernel):
         mask: Mask | None = None,
         out: Tensor | None = None,
     ) -> Grads:
-        self.ran["reference"] += 1
+        self._start(causal, mask)
+        return self._backward(_Call(q, k, v, causal, scale, mask), dout, lse, delta, out)
+
+    def _start(self, causal: bool, mask: Mask | None) -> None:
+        if self.tiles == "unmasked":
+            assert mask is None, "masked tiles go to the masked kernel"
+        elif self.tiles == "masked":
+            assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
+        if self.op:
+            self.ran[self.op] += 1
+
+    @abc.abstractmethod
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of a checked call."""
+
+    @abc.abstractmethod
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
+    ) -> Grads:
+        """:meth:`backward` of a checked call."""
+
+
+class ReferenceKernel(_Op):
+    """Plain torch matmuls in the accumulation dtype, materialising ``(B, Hq, sq, sk)``
+    scores; any device and dtype."""
+
+    name = op = "reference"
+
+    def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point
+
+    @staticmethod
+    def _scores(call: _Call) -> Tensor:
+        """``(B, Hkv, G*sq, sk)`` scores (G = Hq / Hkv query heads per kv head, no repeat)."""
+        q, k, _, causal, scale, mask = call
+        visible = _dense(mask, q, k, causal)
+        acc = accumulation_dtype(q.dtype)
+        b, sq, hq, d = q.shape
+        hkv = k.shape[2]
+        qh = _bhsd(q).to(acc).reshape(b, hkv, (hq // hkv) * sq, d)  # (B, Hkv, G*sq, D)
+        kh = _bhsd(k).to(acc)  # (B, Hkv, sk, D)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # (B, Hkv, G*sq, sk)
+        hidden = None if visible is None else ~visible  # (sq, sk); never with causal (_dense)
+        if causal:
+            hidden = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
+        if hidden is not None:
+            scores.view(b, hkv, hq // hkv, sq, -1).masked_fill_(hidden, float("-inf"))
+        return scores
+
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        q, acc = call.q, accumulation_dtype(call.q.dtype)
+        b, sq, hq, d = q.shape
+        scores = self._scores(call)
+        lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G*sq)
+        probs = scores.sub_(lse.unsqueeze(-1)).exp_().nan_to_num_(0.0)  # in place
+        out = torch.matmul(probs, _bhsd(call.v).to(acc))  # (B, Hkv, G*sq, D)
+        return _bhsd(out.view(b, hq, sq, d)).to(q.dtype), lse.view(b, hq, sq)
+
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
+    ) -> Grads:
+        q, k, v = call.q, call.k, call.v
         acc = accumulation_dtype(q.dtype)
         b, sq, hq, d = q.shape
         hkv = k.shape[2]
         flat = (b, hkv, (hq // hkv) * sq)
-        scores = self._scores(q, k, causal, scale, _dense(mask, q, k, causal))
+        scores = self._scores(call)
         lse_f = lse.to(acc).reshape(flat)
         # A row with lse -inf sees no key anywhere: its scores are all -inf too, P = 0.
         lse_f = lse_f.masked_fill(torch.isneginf(lse_f), 0.0)
@@ -321,8 +372,8 @@ class ReferenceKernel(BlockKernel):
         ds = torch.matmul(doh, _bhsd(v).to(acc).transpose(-1, -2))  # dP (B, Hkv, G*sq, sk)
         ds.sub_(delta.to(acc).reshape(flat).unsqueeze(-1)).mul_(probs)
         del probs
-        dq = torch.matmul(ds, _bhsd(k).to(acc)).mul_(scale).view(b, hq, sq, d)
-        dk = torch.matmul(ds.transpose(-1, -2), qh).mul_(scale)  # (B, Hkv, sk, D)
+        dq = torch.matmul(ds, _bhsd(k).to(acc)).mul_(call.scale).view(b, hq, sq, d)
+        dk = torch.matmul(ds.transpose(-1, -2), qh).mul_(call.scale)  # (B, Hkv, sk, D)
         return _bhsd(dq).to(q.dtype), _bhsd(dk).to(k.dtype), _bhsd(dv).to(v.dtype)
 
 
@@ -347,10 +398,11 @@ def _finite_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
     return out.masked_fill(torch.isneginf(out), 0.0).contiguous()
 
 
-class _CpuFlashOps(BlockKernel):
+class _CpuFlashOps(_Op):
     """PyTorch's fused CPU flash-attention ops on one tile (a masked one: an additive mask)."""
 
     name = "cpu_flash_op"
+    op = "cpu_flash"
     takes_out = True
 
     def __init__(self) -> None:
@@ -363,49 +415,31 @@ class _CpuFlashOps(BlockKernel):
         ok = self._fwd is not None and self._bwd is not None and device.type == "cpu"
         return ok and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
         assert self._fwd is not None
-        self.ran["cpu_flash"] += 1
-        visible = _dense(mask, q, k, causal)
+        q = call.q
+        visible = _dense(call.mask, q, call.k, call.causal)
         bias = None if visible is None else _additive(visible, q.dtype)
-        qkv = (_bhsd(q), _bhsd(k), _bhsd(v))
-        result = _named(self._fwd.default, *qkv, 0.0, causal, attn_mask=bias, scale=scale)
+        qkv = (_bhsd(q), _bhsd(call.k), _bhsd(call.v))
+        fwd = self._fwd.default
+        result = _named(fwd, *qkv, 0.0, call.causal, attn_mask=bias, scale=call.scale)
         out, lse = result["output"], result["logsumexp"]  # (B, Hq, sq, D), (B, Hq, sq)
         lse = lse.to(accumulation_dtype(q.dtype))
         if visible is not None:  # the op reports lse 0 for a row that sees no key
             lse = lse.masked_fill(~visible.any(-1), float("-inf"))
         return _bhsd(out), lse
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        lse: Tensor,
-        delta: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: Tensor | None = None,
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
     ) -> Grads:
         assert self._bwd is not None
-        self.ran["cpu_flash"] += 1
-        visible = _dense(mask, q, k, causal)
+        q, k, v = call.q, call.k, call.v
+        visible = _dense(call.mask, q, k, call.causal)
         bias = None if visible is None else _additive(visible, q.dtype)
         args = (_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _out_of(out, dout, delta))
         lse_op = _finite_lse(lse, accumulation_dtype(q.dtype))
-        r = _named(self._bwd.default, *args, lse_op, 0.0, causal, attn_mask=bias, scale=scale)
+        bwd = self._bwd.default
+        r = _named(bwd, *args, lse_op, 0.0, call.causal, attn_mask=bias, scale=call.scale)
         return _bhsd(r["grad_query"]), _bhsd(r["grad_key"]), _bhsd(r["grad_value"])
 
 
@@ -443,7 +477,7 @@ def _tile_class(
     return "masked", sub
 
 
-class TiledKernel(BlockKernel):
+class TiledKernel(_Op):
     """Any kernel, run tile by tile so a call's memory is bounded by its tile (Note [Kernel
     plan]).
 
@@ -472,12 +506,9 @@ class TiledKernel(BlockKernel):
             raise ValueError(f"tile_rows must be >= 1; got {tile_rows}")
         self.inner = inner if inner is not None else ReferenceKernel()
         self.masked_inner = masked_inner if masked_inner is not None else self.inner
-        self.ran = self.inner.ran  # one count per operator, whoever runs it
-        if self.masked_inner is not self.inner:
-            self.masked_inner.ran = self.ran
-        self.tile_rows = tile_rows
+        self.ran = self.masked_inner.ran = self.inner.ran  # one count per operator, whoever runs it
+        self.tile_rows, self.name = tile_rows, name
         self.tile_plain_forward = tile_plain_forward
-        self.name = name
         self.backward_kv_tile_floor = backward_kv_tile_floor
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -490,12 +521,8 @@ class TiledKernel(BlockKernel):
         for q_rows in _tiles(sq, self.tile_rows):
             num = q_rows[1] - q_rows[0]
             kv_tile = self._backward_kv_tile(num, causal) if backward else self.tile_rows
-            row = []
-            for kv_rows in _tiles(sk, kv_tile):
-                kind, sub = _tile_class(causal, mask, q_rows, kv_rows)
-                if kind != "empty":
-                    row.append((kv_rows, kind, sub))
-            grid.append((q_rows, row))
+            row = [(kv, *_tile_class(causal, mask, q_rows, kv)) for kv in _tiles(sk, kv_tile)]
+            grid.append((q_rows, [tile for tile in row if tile[1] != "empty"]))
         return grid
 
     def _backward_kv_tile(self, q_tile_rows: int, causal: bool) -> int:
@@ -512,63 +539,37 @@ class TiledKernel(BlockKernel):
         """Whether the forward of an unmasked piece runs in one call."""
         return not self.tile_plain_forward
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        q, k, v, causal, scale, mask = call
         b, sq, hq, d = q.shape
         acc = accumulation_dtype(q.dtype)
         whole = sq <= self.tile_rows and k.shape[1] <= self.tile_rows
         if whole or (mask is None and self._plain_forward_whole(q, causal)):
-            kernel = self._kernel(_kind(causal, mask))
-            return kernel.forward(q, k, v, causal=causal, scale=scale, mask=mask)
+            return self._kernel(_kind(causal, mask)).forward(q, k, v, **call.options())
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, sq, Hq, D)
         lse = torch.empty((b, hq, sq), dtype=acc, device=q.device)
         for (qa, qb), row in self._tile_grid(sq, k.shape[1], causal, mask):
-            q_t = q[:, qa:qb]
             out_t = torch.zeros((b, qb - qa, hq, d), dtype=acc, device=q.device)
             lse_t = torch.full((b, hq, qb - qa), float("-inf"), dtype=acc, device=q.device)
             for (ka, kb), kind, sub in row:
-                part = self._kernel(kind).forward(
-                    q_t, k[:, ka:kb], v[:, ka:kb], causal=kind == "causal", scale=scale, mask=sub
-                )
+                tile: dict[str, Any] = {"causal": kind == "causal", "scale": scale, "mask": sub}
+                part = self._kernel(kind).forward(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], **tile)
                 merge_into(out_t, lse_t, (0, qb - qa), *part)
             out[:, qa:qb] = out_t
             lse[:, :, qa:qb] = lse_t
         return out, lse
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        lse: Tensor,
-        delta: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: Tensor | None = None,
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
     ) -> Grads:
-        if q.shape[1] <= self.tile_rows and k.shape[1] <= self._backward_kv_tile(
-            q.shape[1], causal
-        ):  # one tile: the piece whole
-            kernel = self._kernel(_kind(causal, mask))
-            return kernel.backward(
-                dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
-            )
+        q, k, v = call.q, call.k, call.v
+        sq, sk = q.shape[1], k.shape[1]
+        if sq <= self.tile_rows and sk <= self._backward_kv_tile(sq, call.causal):  # one tile
+            kernel = self._kernel(_kind(call.causal, call.mask))
+            return kernel.backward(dout, q, k, v, lse, delta, out=out, **call.options())
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-        self.backward_into(
-            (dq, dk, dv), dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
-        )
+        self.backward_into((dq, dk, dv), dout, q, k, v, lse, delta, out=out, **call.options())
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def backward_into(
@@ -597,16 +598,9 @@ class TiledKernel(BlockKernel):
                 # the stand-in of a q tile that meets several kv tiles, once for all of them
                 out_t = _bhsd(_stand_in_out(q_side[0], stats[1]))
             for (ka, kb), kind, sub in row:
-                parts = self._kernel(kind).backward(
-                    *q_side,
-                    k[:, ka:kb],
-                    v[:, ka:kb],
-                    *stats,
-                    causal=kind == "causal",
-                    scale=scale,
-                    mask=sub,
-                    out=out_t,
-                )
+                kv = (k[:, ka:kb], v[:, ka:kb])
+                tile: dict[str, Any] = {"causal": kind == "causal", "scale": scale, "mask": sub}
+                parts = self._kernel(kind).backward(*q_side, *kv, *stats, out=out_t, **tile)
                 if poll is not None:
                     poll()
                 if targets is None:
@@ -696,11 +690,12 @@ def _reduce_kv(dx: Tensor, heads_kv: int) -> Tensor:
     return dx if hq == heads_kv else dx.view(b, heads_kv, hq // heads_kv, s, d).sum(2)
 
 
-class _SdpaOps(BlockKernel):
+class _SdpaOps(_Op):
     """One unmasked tile through the fused CUDA SDPA operator ``op`` (flash or efficient)."""
 
     name = "cuda_sdpa_op"
     takes_out = True
+    tiles = "unmasked"
 
     def __init__(self, op: str) -> None:
         super().__init__()
@@ -710,48 +705,24 @@ class _SdpaOps(BlockKernel):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        assert mask is None, "masked tiles go to the masked kernel"
-        self.ran[self.op] += 1
-        ops = torch.ops.aten
-        hq, sq = q.shape[2], q.shape[1]
-        qkv = (_bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq))
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        hq, sq = call.q.shape[2], call.q.shape[1]
+        qkv = (_bhsd(call.q), _expand_kv(_bhsd(call.k), hq), _expand_kv(_bhsd(call.v), hq))
+        options = {"dropout_p": 0.0, "is_causal": call.causal, "scale": call.scale}
         if self.op == SDPA_FLASH:
-            fwd = ops._scaled_dot_product_flash_attention.default
-            r = _named(fwd, *qkv, dropout_p=0.0, is_causal=causal, scale=scale)
+            fwd = torch.ops.aten._scaled_dot_product_flash_attention.default
+            r = _named(fwd, *qkv, **options)
         else:  # attn_bias None, compute_log_sumexp True
-            fwd = ops._scaled_dot_product_efficient_attention.default
-            r = _named(fwd, *qkv, None, True, dropout_p=0.0, is_causal=causal, scale=scale)
+            fwd = torch.ops.aten._scaled_dot_product_efficient_attention.default
+            r = _named(fwd, *qkv, None, True, **options)
         lse_key = "logsumexp" if "logsumexp" in r else "log_sumexp"
         lse = r[lse_key][..., :sq].float()  # memory-efficient pads rows to a multiple of 32
         return _bhsd(r["output"]), lse
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        lse: Tensor,
-        delta: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: Tensor | None = None,
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
     ) -> Grads:
-        assert mask is None, "masked tiles go to the masked kernel"
-        self.ran[self.op] += 1
-        ops = torch.ops.aten
+        q, k, v, causal, scale, _ = call
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         grad_in = (_bhsd(dout), _bhsd(q), _expand_kv(_bhsd(k), hq), _expand_kv(_bhsd(v), hq))
@@ -759,7 +730,7 @@ class _SdpaOps(BlockKernel):
         lse_op = _finite_lse(lse, torch.float32)  # (B, Hq, sq)
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout 0: unused
         if self.op == SDPA_FLASH:
-            bwd = ops._scaled_dot_product_flash_attention_backward.default
+            bwd = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
             # cum_seq_q, cum_seq_k undefined for dense batches; max_q, max_k; dropout_p
             flash = (*grad_in, out, lse_op, None, None, sq, sk, 0.0, causal, no_rng, no_rng)
             r = _named(bwd, *flash, scale=scale)
@@ -768,23 +739,14 @@ class _SdpaOps(BlockKernel):
             rows = -(-sq // 32) * 32  # the op reads lse padded to a multiple of 32 rows
             lse_pad = torch.zeros((b, hq, rows), dtype=torch.float32, device=q.device)
             lse_pad[..., :sq] = lse_op
-            bwd = ops._scaled_dot_product_efficient_attention_backward.default
+            bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
             wanted = [True, True, True, False]  # grads of q, k, v, not of attn_bias (None)
             efficient = (*grad_in, None, out, lse_pad, no_rng, no_rng, 0.0, wanted, causal)
-            grads = bwd(*efficient, scale=scale)
-            dq, dk, dv = grads[0], grads[1], grads[2]
+            dq, dk, dv, _ = bwd(*efficient, scale=scale)
         return _bhsd(dq), _bhsd(_reduce_kv(dk, hkv)), _bhsd(_reduce_kv(dv, hkv))
 
 
-def _flex_attention() -> Callable[..., Any] | None:
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
-    except ImportError:
-        return None
-    return flex_attention
-
-
-class _FlexOps(BlockKernel):
+class _FlexOps(_Op):
     """Masked tiles through FlexAttention (compiled on CUDA); the backward recomputes them.
 
     Note [Backward through autograd]
@@ -797,11 +759,17 @@ class _FlexOps(BlockKernel):
     """
 
     name = "flex_op"
+    op = FLEX
+    tiles = "masked"
 
     def __init__(self) -> None:
         super().__init__()
-        self._flex = _flex_attention()
+        self._flex: Callable[..., Any] | None = None
         self._compiled: Any = None
+        with contextlib.suppress(ImportError):
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = flex_attention
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self._flex is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -814,10 +782,8 @@ class _FlexOps(BlockKernel):
         assert self._flex is not None
         spec = mask.spec
         q_pos, kv_pos = (x.to(q.device) for x in (mask.q_positions, mask.kv_positions))
-        bounds = torch.tensor((spec.cu_seqlens or (0,))[1:-1], dtype=torch.int64)
-        q_doc, kv_doc = (
-            torch.bucketize(x, bounds.to(q.device), right=True) for x in (q_pos, kv_pos)
-        )
+        bounds = torch.tensor((spec.cu_seqlens or (0,))[1:-1], dtype=torch.int64).to(q.device)
+        q_doc, kv_doc = (torch.bucketize(x, bounds, right=True) for x in (q_pos, kv_pos))
         left, right = spec.window
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -840,62 +806,28 @@ class _FlexOps(BlockKernel):
             if self._compiled is None:
                 self._compiled = torch.compile(self._flex, dynamic=True)
             fn = self._compiled
-        out, lse = fn(
-            _bhsd(q),
-            _bhsd(k),
-            _bhsd(v),
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-            return_lse=True,
-        )
+        qkv, gqa = (_bhsd(q), _bhsd(k), _bhsd(v)), q.shape[2] != k.shape[2]
+        out, lse = fn(*qkv, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
         return out, lse  # (B, Hq, sq, D), (B, Hq, sq) float32
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
-        self.ran[FLEX] += 1
-        out, lse = self._call(q, k, v, mask, scale)
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        assert isinstance(call.mask, PositionMask)
+        out, lse = self._call(call.q, call.k, call.v, call.mask, call.scale)
         return _bhsd(out), lse.float()
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        lse: Tensor,
-        delta: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: Tensor | None = None,
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
     ) -> Grads:
-        assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
-        self.ran[FLEX] += 1
-        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        assert isinstance(call.mask, PositionMask)
+        leaves = [x.detach().requires_grad_(True) for x in (call.q, call.k, call.v)]
         with torch.enable_grad():
-            out_b, lse_b = self._call(leaves[0], leaves[1], leaves[2], mask, scale)
-        grads = _global_grads(out_b, lse_b, dout, lse, delta, leaves)
-        return grads[0], grads[1], grads[2]
+            out_b, lse_b = self._call(leaves[0], leaves[1], leaves[2], call.mask, call.scale)
+        dq, dk, dv = _global_grads(out_b, lse_b, dout, lse, delta, leaves)
+        return dq, dk, dv
 
 
 def _global_grads(
-    out_b: Tensor,
-    lse_b: Tensor,
-    dout: Tensor,
-    lse: Tensor,
-    delta: Tensor,
-    leaves: list[Tensor],
+    out_b: Tensor, lse_b: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, leaves: list[Tensor]
 ) -> tuple[Tensor, ...]:
     """A tile's global gradients from its own out_b, lse_b (Note [Backward through autograd])."""
     acc = delta.dtype
@@ -926,11 +858,13 @@ _FLASH_ATTN_PLAIN: dict[str, Any] = dict(
 )
 
 
-class _FlashAttnOps(BlockKernel):
+class _FlashAttnOps(_Op):
     """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native)."""
 
     name = "flash_attn_op"
+    op = FLASH_ATTN
     takes_out = True
+    tiles = "unmasked"
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
@@ -939,58 +873,37 @@ class _FlashAttnOps(BlockKernel):
     def _ops(self) -> Any:
         return _flash_attn_ops()
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        assert mask is None, "masked tiles go to the masked kernel"
-        self.ran[FLASH_ATTN] += 1
-        qkv = [x.contiguous() for x in (q, k, v)]
-        out, lse, _, _ = self._ops._flash_attn_forward(
-            *qkv, softmax_scale=scale, causal=causal, return_softmax=False, **_FLASH_ATTN_PLAIN
-        )
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        qkv = [x.contiguous() for x in (call.q, call.k, call.v)]
+        options = {"softmax_scale": call.scale, "causal": call.causal, "return_softmax": False}
+        out, lse, _, _ = self._ops._flash_attn_forward(*qkv, **options, **_FLASH_ATTN_PLAIN)
         return out, lse.float()  # (B, sq, Hq, D), (B, Hq, sq)
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        lse: Tensor,
-        delta: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: Tensor | None = None,
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
     ) -> Grads:
-        assert mask is None, "masked tiles go to the masked kernel"
-        self.ran[FLASH_ATTN] += 1
+        q, k, v = call.q, call.k, call.v
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         inputs = [x.contiguous() for x in (dout, q, k, v, _bhsd(_out_of(out, dout, delta)))]
+        options = {"softmax_scale": call.scale, "causal": call.causal, "deterministic": False}
+        lse_op = _finite_lse(lse, torch.float32)
         self._ops._flash_attn_backward(
-            *inputs,
-            _finite_lse(lse, torch.float32),
-            dq,
-            dk,
-            dv,
-            softmax_scale=scale,
-            causal=causal,
-            deterministic=False,
-            rng_state=None,
-            **_FLASH_ATTN_PLAIN,
+            *inputs, lse_op, dq, dk, dv, **options, rng_state=None, **_FLASH_ATTN_PLAIN
         )
         return dq, dk, dv
 
 
-class _CudaDispatch(BlockKernel):
+_CUDA_OPS: dict[str, Callable[[], BlockKernel]] = {
+    SDPA_FLASH: functools.partial(_SdpaOps, SDPA_FLASH),
+    SDPA_EFFICIENT: functools.partial(_SdpaOps, SDPA_EFFICIENT),
+    FLASH_ATTN: _FlashAttnOps,
+    FLEX: _FlexOps,
+    TILED_REFERENCE: ReferenceKernel,  # on a tile (TiledKernel cut it)
+}
+"""The operators :func:`plan_block` names on CUDA, by name."""
+
+
+class _CudaDispatch(_Op):
     """Runs each tile with the operator :func:`plan_block` names for it."""
 
     name = "cuda_dispatch"
@@ -1018,53 +931,22 @@ class _CudaDispatch(BlockKernel):
         )
         return TILED_REFERENCE if name == FLEX and not isinstance(mask, PositionMask) else name
 
-    def op(self, name: str) -> BlockKernel:
+    def _pick(self, call: _Call) -> BlockKernel:
+        """The operator of this tile, made on first use."""
+        name = self.plan(call.q, _kind(call.causal, call.mask), call.mask)
         if name not in self._ops:
-            made: BlockKernel
-            if name in (SDPA_FLASH, SDPA_EFFICIENT):
-                made = _SdpaOps(name)
-            elif name == FLASH_ATTN:
-                made = _FlashAttnOps()
-            elif name == FLEX:
-                made = _FlexOps()
-            else:
-                assert name == TILED_REFERENCE, name
-                made = ReferenceKernel()  # on a tile (TiledKernel cut it)
-            made.ran = self.ran
-            self._ops[name] = made
+            self._ops[name] = _CUDA_OPS[name]()
+            self._ops[name].ran = self.ran
         return self._ops[name]
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        op = self.op(self.plan(q, _kind(causal, mask), mask))
-        return op.forward(q, k, v, causal=causal, scale=scale, mask=mask)
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        return self._pick(call).forward(call.q, call.k, call.v, **call.options())
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        lse: Tensor,
-        delta: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: Tensor | None = None,
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
     ) -> Grads:
-        op = self.op(self.plan(q, _kind(causal, mask), mask))
-        return op.backward(
-            dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
-        )
+        op = self._pick(call)
+        return op.backward(dout, call.q, call.k, call.v, lse, delta, out=out, **call.options())
 
 
 class CudaFusedKernel(TiledKernel):
@@ -1163,9 +1045,9 @@ def select_kernel(
             if candidate.supports(device, dtype):
                 return candidate
         raise ValueError(f"no block kernel supports device {device} with dtype {dtype}")
+    elif kernel not in _KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(_KERNELS)}; got {kernel!r}")
     else:
-        if kernel not in _KERNELS:
-            raise ValueError(f"kernel must be one of {sorted(_KERNELS)}; got {kernel!r}")
         chosen = _KERNELS[kernel]()
     if not chosen.supports(device, dtype):
         raise ValueError(

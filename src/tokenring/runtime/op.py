@@ -236,8 +236,7 @@ def backward(
     residuals = list(residuals)
     if plan.padding.rows is not None:
         *residuals, out, lse = residuals  # the padded buffer's
-    dout = plan.padding.pad(dout).contiguous()
-    q, k, v = (plan.padding.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
+    dout, q, k, v = (plan.padding.pad(x).contiguous() for x in (dout, q, k, v))  # (B, s_pad, H, D)
     if plan.strategy.is_collective:
         options = _collective_options(plan)
         dq, dk, dv = collective_backward(
@@ -245,8 +244,7 @@ def backward(
         )
     else:
         assert plan.schedules is not None
-        sched = plan.schedules[1]
         dq, dk, dv = run_backward(
-            sched, plan.comm, plan.kernel, dout, q, k, v, out, lse, scale=plan.scale
+            plan.schedules[1], plan.comm, plan.kernel, dout, q, k, v, out, lse, scale=plan.scale
         )
     return plan.padding.unpad(dq), plan.padding.unpad(dk), plan.padding.unpad(dv)
