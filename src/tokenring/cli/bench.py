@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import (
+    ArgumentAdder,
     bench_inference,
     bench_memory,
     check_heads,
@@ -874,68 +875,94 @@ def add_predictions(
     backend = per_rank[0]["backend"]
     for indices in report.group_by(range(len(rows)), lambda i: _group_key(rows[i])):
         group = [rows[i] for i in indices]
-        first, shape = group[0], config.models[group[0]["model"]]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
         hardware = _hardware(fwd_rate, bwd_rate, probes, config.dtype, topology, backend)
         # rows per rank: S / P, or the padded buffer of uneven shards
-        layout = first["layout"]
+        layout = group[0]["layout"]
         seq_local = make_sharding(
             layout=layout, world_size=world_size, seq_len=config.seq
         ).seq_local
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):  # its own FLOP/s
-            result = simulate(
-                row["strategy"],
-                passes="both" if first["pass"] == "fwd+bwd" else "forward",
-                hybrid=config.hybrid,
-                layout=layout,
-                causal=first["causal"],
-                world_size=world_size,
-                seq_local=seq_local,
-                shape=shape,
-                hardware=dataclasses.replace(
-                    hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
-                ),
-                lend_last_pair=config.lends,
-            )
-            row["model_ms"] = 1e3 * result.call_s
-            row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
-            row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
-        # the planner's pick, against the measured fastest (Note [Verdicts within noise])
-        plan_of: dict[str, Any] = dict(
-            world_size=world_size,
-            seq_local=seq_local,
-            heads_q=shape.heads_q,
-            heads_kv=shape.heads_kv,
-            head_dim=shape.head_dim,
-            dtype=config.dtype,
-            causal=first["causal"],
-            hardware=hardware,
-            layout=layout,
-            batch=config.batch,
-            training=first["pass"] == "fwd+bwd",
-        )
-        strategies = [row["strategy"] for row in group]
-        plan = explain(
-            **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
-        )
-        planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
-        fastest = min((r for r in group if r["strategy"] in planned), key=lambda r: r["ms_median"])
-        pick = next(r for r in group if r["strategy"] == plan.pick.value)
-        verdict, why = planner_verdict(pick, fastest)
+        _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
+        _add_planner_pick(group, config, hardware, world_size, seq_local)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
-            row["planner_pick"] = plan.pick.value
-            row["planner_candidate"] = row["strategy"] in planned
-            row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
-            row["planner_ms"] = planned.get(row["strategy"])
-            row["planner_verdict"] = verdict
-            row["planner_why"] = why
-            if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
-                row["auto_last_pair"] = "lend" if lends_last_pair(**plan_of) else "return"
             row["kernel_flops_per_s"] = rates
             row["calibration"] = dict(calibration)
     return rows
+
+
+def _add_model_times(
+    group: list[dict[str, Any]],
+    own_rates: list[tuple[float, float]],
+    config: BenchConfig,
+    hardware: Hardware,
+    world_size: int,
+    seq_local: int,
+) -> None:
+    """Add the simulator's prediction of each row of one group, at the row's own FLOP/s."""
+    first = group[0]
+    for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
+        result = simulate(
+            row["strategy"],
+            passes="both" if first["pass"] == "fwd+bwd" else "forward",
+            hybrid=config.hybrid,
+            layout=first["layout"],
+            causal=first["causal"],
+            world_size=world_size,
+            seq_local=seq_local,
+            shape=config.models[first["model"]],
+            hardware=dataclasses.replace(
+                hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+            ),
+            lend_last_pair=config.lends,
+        )
+        row["model_ms"] = 1e3 * result.call_s
+        row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+        row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
+
+
+def _add_planner_pick(
+    group: list[dict[str, Any]],
+    config: BenchConfig,
+    hardware: Hardware,
+    world_size: int,
+    seq_local: int,
+) -> None:
+    """Add the planner's pick among one group's strategies, and its verdict, to each row."""
+    first = group[0]
+    shape = config.models[first["model"]]
+    plan_of: dict[str, Any] = dict(
+        world_size=world_size,
+        seq_local=seq_local,
+        heads_q=shape.heads_q,
+        heads_kv=shape.heads_kv,
+        head_dim=shape.head_dim,
+        dtype=config.dtype,
+        causal=first["causal"],
+        hardware=hardware,
+        layout=first["layout"],
+        batch=config.batch,
+        training=first["pass"] == "fwd+bwd",
+    )
+    strategies = [row["strategy"] for row in group]
+    plan = explain(
+        **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
+    )
+    planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
+    # against the measured fastest (Note [Verdicts within noise])
+    fastest = min((r for r in group if r["strategy"] in planned), key=lambda r: r["ms_median"])
+    pick = next(r for r in group if r["strategy"] == plan.pick.value)
+    verdict, why = planner_verdict(pick, fastest)
+    for row in group:
+        row["planner_pick"] = plan.pick.value
+        row["planner_candidate"] = row["strategy"] in planned
+        row["planner_hit"] = pick["ms_median"] <= 1.05 * fastest["ms_median"]
+        row["planner_ms"] = planned.get(row["strategy"])
+        row["planner_verdict"] = verdict
+        row["planner_why"] = why
+        if row["strategy"] == Strategy.TOKEN_RING.value:  # what last_pair="auto" would run
+            row["auto_last_pair"] = "lend" if lends_last_pair(**plan_of) else "return"
 
 
 def _hardware(
@@ -1148,27 +1175,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
     add("--timeout", type=positive_seconds, default=1800, help="seconds before ranks are killed")
 
-    attention = parser.add_argument_group("--mode attention")
-    add = attention.add_argument
-    seq_help = "global sequence length (any: uneven shards as tokenring.shard gives them)"
-    add("--seq", type=int_at_least(1), default=1024, help=seq_help)
-    strategies_help = (
-        "comma-separated strategies, also for --mode memory (default: all; the hybrid where "
-        "--hybrid-inner fits)"
-    )
-    add("--strategies", help=strategies_help)
-    causal_help = "causal masks to run (memory: yes unless no)"
-    add("--causal", choices=["both", "yes", "no"], default="both", help=causal_help)
-    layout_help = "auto: zigzag when causal, contiguous otherwise"
-    add("--layout", choices=["auto", "contiguous", "zigzag"], default="auto", help=layout_help)
-    add("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
-    inner_help = "ranks per island of the hybrid rows (divides the world size and heads)"
-    add_hybrid_arguments(attention, default=2, help=inner_help)
-    last_pair_help = (
-        "TokenRing rows: return the last pair's partial, or lend the pair to its q owner "
-        "(last_pair of the attention); the rows' auto_last_pair says what 'auto' would run"
-    )
-    add("--last-pair", choices=["return", "lend"], default="return", help=last_pair_help)
+    _add_attention_arguments(parser.add_argument_group("--mode attention"))
 
     timing = "timing and checking (attention, decode, prefill-cached)"
     add = parser.add_argument_group(timing).add_argument
@@ -1196,6 +1203,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--markdown": "write the table as markdown here, with the command",
     }.items():
         add(flag, type=output_path, help=text)
+
+
+def _add_attention_arguments(attention: ArgumentAdder) -> None:
+    """The options of ``--mode attention`` (``--strategies`` and ``--causal`` also of memory)."""
+    add = attention.add_argument
+    seq_help = "global sequence length (any: uneven shards as tokenring.shard gives them)"
+    add("--seq", type=int_at_least(1), default=1024, help=seq_help)
+    strategies_help = (
+        "comma-separated strategies, also for --mode memory (default: all; the hybrid where "
+        "--hybrid-inner fits)"
+    )
+    add("--strategies", help=strategies_help)
+    causal_help = "causal masks to run (memory: yes unless no)"
+    add("--causal", choices=["both", "yes", "no"], default="both", help=causal_help)
+    layout_help = "auto: zigzag when causal, contiguous otherwise"
+    add("--layout", choices=["auto", "contiguous", "zigzag"], default="auto", help=layout_help)
+    add("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
+    inner_help = "ranks per island of the hybrid rows (divides the world size and heads)"
+    add_hybrid_arguments(attention, default=2, help=inner_help)
+    last_pair_help = (
+        "TokenRing rows: return the last pair's partial, or lend the pair to its q owner "
+        "(last_pair of the attention); the rows' auto_last_pair says what 'auto' would run"
+    )
+    add("--last-pair", choices=["return", "lend"], default="return", help=last_pair_help)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
