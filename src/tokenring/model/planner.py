@@ -225,33 +225,9 @@ def _plan(
         if strategy is Strategy.HYBRID and hybrid is None:
             skipped.append((strategy, _NO_SPEC))
             continue
-        call["hybrid"] = hybrid if strategy is Strategy.HYBRID else None
+        spec = hybrid if strategy is Strategy.HYBRID else None
         lends = _LENDS[last_pair] if strategy is Strategy.TOKEN_RING else (False,)
-        for layout in layouts:  # per layout the faster variant; skipped: the first reason
-            variants: list[Prediction] = []
-            for lend in lends:
-                try:
-                    result = simulate(strategy, layout=layout, lend_last_pair=lend, **call)
-                except NotImplementedError as exc:
-                    if layout is layouts[0] and not variants:
-                        skipped.append((strategy, str(exc)))
-                    continue
-                fwd = result.passes[0]
-                comm = f"comm ({fwd.busiest_resource})"
-                variants.append(
-                    Prediction(
-                        strategy=strategy,
-                        layout=layout,
-                        forward_s=fwd.call_s,
-                        backward_s=sum((p.call_s for p in result.passes[1:]), 0.0),
-                        bound_by="compute" if fwd.compute_s >= fwd.busiest_s else comm,
-                        mode=fwd.mode,
-                        hybrid=call["hybrid"],
-                        lends_last_pair=lend,
-                    )
-                )
-            if variants:
-                predictions.append(_fastest(variants))
+        predictions += _predict(strategy, layouts, lends, spec, call, skipped)
     if not predictions:
         reasons = "; ".join(reason for _, reason in skipped)
         raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
@@ -269,6 +245,46 @@ def _plan(
         hardware=hardware.name,
         world_size=world_size,
     )
+
+
+def _predict(
+    strategy: Strategy,
+    layouts: tuple[Layout, ...],
+    lends: tuple[bool, ...],
+    hybrid: HybridSpec | None,
+    call: dict[str, Any],
+    skipped: list[tuple[Strategy, str]],
+) -> list[Prediction]:
+    """Per layout, the faster of ``strategy``'s variants; ``skipped``: the first reason for none."""
+    predictions = []
+    for layout in layouts:
+        variants: list[Prediction] = []
+        for lend in lends:
+            try:
+                result = simulate(
+                    strategy, layout=layout, hybrid=hybrid, lend_last_pair=lend, **call
+                )
+            except NotImplementedError as exc:
+                if layout is layouts[0] and not variants:
+                    skipped.append((strategy, str(exc)))
+                continue
+            fwd = result.passes[0]
+            comm = f"comm ({fwd.busiest_resource})"
+            variants.append(
+                Prediction(
+                    strategy=strategy,
+                    layout=layout,
+                    forward_s=fwd.call_s,
+                    backward_s=sum((p.call_s for p in result.passes[1:]), 0.0),
+                    bound_by="compute" if fwd.compute_s >= fwd.busiest_s else comm,
+                    mode=fwd.mode,
+                    hybrid=hybrid,
+                    lends_last_pair=lend,
+                )
+            )
+        if variants:
+            predictions.append(_fastest(variants))
+    return predictions
 
 
 _P = TypeVar("_P", "Prediction", "CachedPrediction")
@@ -358,18 +374,8 @@ def explain(
     """
     if last_pair not in _LENDS:
         raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
-    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
-    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
-    shape = AttentionShape(dtype=str(dtype), **sizes)
-    hardware.flops_per_s("forward", shape.dtype)  # a dtype it has FLOP/s for
-    if layout is None:
-        layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
-    else:
-        layouts = (Layout.parse(layout),)
-    chosen = {Strategy.parse(s) for s in strategies} if strategies is not None else set(Strategy)
-    if not chosen:
-        raise ValueError("strategies must name at least one strategy; got none")
-    ordered = tuple(s for s in Strategy if s in chosen)  # Note [Choosing]
+    shape = _call_shape(world_size, seq_local, heads_q, heads_kv, head_dim, dtype, batch, hardware)
+    layouts, ordered = _candidates(layout, seq_local, strategies)
     if hybrid is not None and Strategy.HYBRID in ordered:
         hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     return _plan(
@@ -386,6 +392,38 @@ def explain(
         hybrid,
         last_pair,
     )
+
+
+def _call_shape(
+    world_size: int,
+    seq_local: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    batch: int,
+    hardware: Hardware,
+) -> AttentionShape:
+    """The call's shape, its sizes checked and its dtype one ``hardware`` has FLOP/s for."""
+    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
+    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
+    shape = AttentionShape(dtype=str(dtype), **sizes)
+    hardware.flops_per_s("forward", shape.dtype)
+    return shape
+
+
+def _candidates(
+    layout: Layout | str | None, seq_local: int, strategies: Sequence[Strategy | str] | None
+) -> tuple[tuple[Layout, ...], tuple[Strategy, ...]]:
+    """The layouts and strategies to predict, each in declaration order (Note [Choosing])."""
+    if layout is None:
+        layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
+    else:
+        layouts = (Layout.parse(layout),)
+    chosen = {Strategy.parse(s) for s in strategies} if strategies is not None else set(Strategy)
+    if not chosen:
+        raise ValueError("strategies must name at least one strategy; got none")
+    return layouts, tuple(s for s in Strategy if s in chosen)
 
 
 def choose_strategy(
@@ -591,16 +629,8 @@ def calibrate(
     device = torch.device(device)
     block = select_kernel(device, dtype, kernel)
     dims = AttentionShape(dtype=dtype_name(dtype), **sizes)
-    # the slowest rank's rates and the largest times, identical on every rank
-    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
-    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
-    latency = latency if comm.world_size > 1 else 0.0
-    rates, most = [*local, link, two_way], [latency, call_s]
-    agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
-    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
-    values = [float(x) for x in agreed.cpu()]
-    fwd, bwd, mem, link, two_way = [-x for x in values[: len(rates)]]
-    latency, call_s = values[len(rates) :]
+    agreed = _measure(comm, block, dims, device, block_rows, probe_bytes, repeats)
+    fwd, bwd, mem, link, two_way, latency, call_s = agreed
     topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
         forward_flops_per_s=fwd,
@@ -614,6 +644,26 @@ def calibrate(
         collectives=CollectiveRouting.for_backend(comm.backend),
         kernel_call_s=call_s,
     )
+
+
+def _measure(
+    comm: Communicator,
+    block: BlockKernel,
+    dims: AttentionShape,
+    device: torch.device,
+    block_rows: int,
+    probe_bytes: int,
+    repeats: int,
+) -> list[float]:
+    """The slowest rank's rates, the largest latency and call seconds: identical on every rank."""
+    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
+    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
+    latency = latency if comm.world_size > 1 else 0.0
+    rates, most = [*local, link, two_way], [latency, call_s]
+    agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
+    comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()
+    values = [float(x) for x in agreed.cpu()]
+    return [-x for x in values[: len(rates)]] + values[len(rates) :]
 
 
 def _topology(

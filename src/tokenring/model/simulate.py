@@ -943,6 +943,16 @@ def _step_durations(
     return {"travel": dur[j, :, 0], "returns": late, "dkv": tail[:, 1]}
 
 
+def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) -> float:
+    """The merge or add of the exposed tail (``col``: the last chunk's, from step ``c0``)."""
+    last = _last_segment(col, plan.world_size - 1 - c0)
+    exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
+    last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
+    if plan.return_payload is Payload.DKV and plan.world_size > 1:
+        last_merge += replay.dkv_add
+    return last_merge
+
+
 def _simulate_vectorised(
     plan: RingPlan, layout: Layout, causal: bool, dims: AttentionShape, hardware: Hardware
 ) -> PassResult:
@@ -978,12 +988,7 @@ def _simulate_vectorised(
             starts = replay.starts[windows.start :] + [float(replay.now.min())] * (c1 < p)
             net.add_windows(work, torch.tensor(starts, dtype=torch.float64))
     net.add_windows(tail_work, replay.now.min().view(1))
-    last = _last_segment(col, p - 1 - c0)  # the merge or add of the exposed tail
-    exposed_rows = torch.where(last, col.return_rows[:, -1] * col.segment_heads[:, -1], 0)
-    last_merge = float(exposed_rows.sum(-1).max()) * replay.return_merge_per_row_head
-    if plan.return_payload is Payload.DKV and p > 1:
-        last_merge += replay.dkv_add
-    call_s = max(float(replay.end().max()), net.drain() + last_merge)
+    call_s = max(float(replay.end().max()), net.drain() + _last_merge_s(plan, col, replay, c0))
     busiest_name, busiest_bytes, busiest_s = net.busiest()
     return PassResult(
         strategy=plan.strategy,
@@ -1088,16 +1093,7 @@ def simulate_pass(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     validate_seq_local(seq_local, layout)
-    if mode not in ("auto", "event", "vectorised"):
-        raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
-    if mode == "auto":
-        mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
-    if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
-        raise NotImplementedError(
-            f"the vectorised engine replays the columns of "
-            f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
-            f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
-        )
+    mode = _engine(mode, strategy, world_size)
     hardware.flops_per_s(pass_, shape.dtype)  # a dtype it has FLOP/s for, before the schedule
     call: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
     call |= dict(seq_local=seq_local, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
@@ -1117,6 +1113,21 @@ def simulate_pass(
             )
     plan = ring_plan(strategy, pass_, **call)
     return _simulate_vectorised(plan, layout, causal, shape, hardware)
+
+
+def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
+    """The engine ``mode`` asks for: ``event`` or ``vectorised`` (``auto`` by world size)."""
+    if mode not in ("auto", "event", "vectorised"):
+        raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
+    if mode == "auto":
+        mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
+    if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
+        raise NotImplementedError(
+            f"the vectorised engine replays the columns of "
+            f"{', '.join(s.value for s in VECTORISED_STRATEGIES)}; got strategy "
+            f"{strategy.value!r} (the event engine runs it up to {EVENT_MAX_WORLD_SIZE} ranks)"
+        )
+    return mode
 
 
 def strategy_schedule(
