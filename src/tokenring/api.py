@@ -310,20 +310,7 @@ def _prepare_call(
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
     requested = _requested_strategy(q, options)
-    seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
-    if not seq_len_given:  # P equal shares of q's length
-        if layout is Layout.ZIGZAG and q.shape[1] % 2:
-            raise ValueError(
-                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
-                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
-            )
-        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
-    sharding = make_sharding(  # raises for a seq_len that is not an int >= 0
-        layout=layout,
-        world_size=comm.world_size,
-        seq_len=seq_len if seq_len_given else q.shape[1] * comm.world_size,
-        cu_seqlens=options["cu_seqlens"],
-    )
+    sharding = _sharding(q, comm, layout, options["seq_len"], options["cu_seqlens"])
     window = normalize_window(options["window_size"], causal=options["causal"])
     mask_docs = chunk_documents(sharding.cu_seqlens, options["attention_chunk_size"])
     mask = MaskSpec(options["causal"], window, mask_docs if len(mask_docs) > 2 else None)
@@ -337,6 +324,7 @@ def _prepare_call(
     block_kernel = select_kernel(q.device, q.dtype, options["block_kernel"])
     softmax_scale = options["softmax_scale"]
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
     signature: dict[str, Any] = {
         "batch": q.shape[0],
         ("seq_len" if seq_len_given else "seq_local"): seq_len if seq_len_given else q.shape[1],
@@ -366,6 +354,27 @@ def _prepare_call(
         kernel=block_kernel,
         scale=scale,
         signature=signature,
+    )
+
+
+def _sharding(
+    q: torch.Tensor,
+    comm: Communicator,
+    layout: Layout,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+) -> Sharding:
+    """The sharding of the call's global sequence (None seq_len: P equal shares of q's)."""
+    if seq_len is None:
+        if layout is Layout.ZIGZAG and q.shape[1] % 2:
+            raise ValueError(
+                f"q.shape[1] (seq_local) must be even for layout 'zigzag' when every rank holds "
+                f"the same number of tokens; got {q.shape[1]} (pass seq_len= for any length)"
+            )
+        validate_seq_local(q.shape[1], layout, name="q.shape[1] (seq_local)")
+        seq_len = q.shape[1] * comm.world_size
+    return make_sharding(  # raises for a seq_len that is not an int >= 0
+        layout=layout, world_size=comm.world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
 
 

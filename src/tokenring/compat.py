@@ -392,51 +392,63 @@ def llama3_flash_attn_varlen_func(
     """
     comm = get_communicator(group)
     flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
-
-    def local_values() -> dict[str, Any]:  # this rank's arguments, checked
-        flash.check()
-        _check_packed(q, k, v)
-        if not isinstance(causal, bool):
-            raise ValueError(f"causal must be a bool; got {causal!r}")
-        hkv = k.shape[1]
-        if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
-            raise ValueError(
-                f"heads_k_stride must be an int dividing heads_kv; got {heads_k_stride!r}"
-            )
-        if heads_k_stride < 1 or hkv % heads_k_stride:
-            raise ValueError(f"heads_k_stride must divide heads_kv={hkv}; got {heads_k_stride}")
-        if not (
-            isinstance(local_k_slice, slice)
-            and all(isinstance(x, int) for x in (local_k_slice.start, local_k_slice.stop))
-            and local_k_slice.step in (None, 1)
-        ):
-            raise ValueError(
-                f"local_k_slice must be a slice(start, stop) of ints; got {local_k_slice!r}"
-            )
-        cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
-        cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
-        if len(cu_q) < 2 or cu_q[0] != 0 or cu_q[-1] != q.shape[0]:
-            raise ValueError(
-                f"cu_seqlens_q must run from 0 to q.shape[0]={q.shape[0]} (this rank's tokens); "
-                f"got {cu_q}"
-            )
-        if len(cu_k) != len(cu_q):
-            raise ValueError(
-                f"cu_seqlens_k must have as many entries as cu_seqlens_q ({len(cu_q)}); got {cu_k}"
-            )
-        _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, " of cu_seqlens_q")
-        _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, " of cu_seqlens_k")
-        start, stop = local_k_slice.start, local_k_slice.stop
-        return {"length": q.shape[0], "cu_q": cu_q, "cu_k": cu_k, "k_start": start, "k_stop": stop}
-
+    cu_seqlens, max_seqlen = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)
     try:
-        mine, problem = local_values(), None
+        flash.check()
+        mine = _llama3_local(q, k, v, cu_seqlens, max_seqlen, heads_k_stride, local_k_slice, causal)
+        problem = None
     except (ValueError, NotImplementedError) as exc:
         mine, problem = {"invalid": str(exc)}, exc
     bounds = _llama3_global_cu_seqlens(comm, mine, problem, causal)
     call = (causal, softmax_scale, window_size)
     layout = Layout.CONTIGUOUS
     return _attend(comm, (q, k, v), flash, call, strategy, layout, packed=True, cu_seqlens=bounds)
+
+
+def _llama3_local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor],
+    max_seqlen: tuple[int, int],
+    heads_k_stride: int,
+    local_k_slice: slice,
+    causal: bool,
+) -> dict[str, Any]:
+    """This rank's arguments of :func:`llama3_flash_attn_varlen_func`, checked."""
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    max_seqlen_q, max_seqlen_k = max_seqlen
+    _check_packed(q, k, v)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    hkv = k.shape[1]
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
+        raise ValueError(f"heads_k_stride must be an int dividing heads_kv; got {heads_k_stride!r}")
+    if heads_k_stride < 1 or hkv % heads_k_stride:
+        raise ValueError(f"heads_k_stride must divide heads_kv={hkv}; got {heads_k_stride}")
+    if not (
+        isinstance(local_k_slice, slice)
+        and all(isinstance(x, int) for x in (local_k_slice.start, local_k_slice.stop))
+        and local_k_slice.step in (None, 1)
+    ):
+        raise ValueError(
+            f"local_k_slice must be a slice(start, stop) of ints; got {local_k_slice!r}"
+        )
+    cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
+    if len(cu_q) < 2 or cu_q[0] != 0 or cu_q[-1] != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q must run from 0 to q.shape[0]={q.shape[0]} (this rank's tokens); "
+            f"got {cu_q}"
+        )
+    if len(cu_k) != len(cu_q):
+        raise ValueError(
+            f"cu_seqlens_k must have as many entries as cu_seqlens_q ({len(cu_q)}); got {cu_k}"
+        )
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, " of cu_seqlens_q")
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, " of cu_seqlens_k")
+    start, stop = local_k_slice.start, local_k_slice.stop
+    return {"length": q.shape[0], "cu_q": cu_q, "cu_k": cu_k, "k_start": start, "k_stop": stop}
 
 
 def _check_max_seqlen(name: str, bound: object, bounds: Sequence[int], of: str = "") -> None:
@@ -536,16 +548,7 @@ def flash_attn_varlen_func(
         if block_table is not None:
             raise NotImplementedError("block_table (a paged KV cache) is not supported (pass None)")
         _check_packed(q, k, v)
-        cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
-        cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
-        if cu_q != cu_k:
-            raise NotImplementedError(
-                "cu_seqlens_k must equal cu_seqlens_q (self-attention over the same packed "
-                f"documents); got {cu_q} and {cu_k}"
-            )
-        bounds = normalize_cu_seqlens(cu_q, max(cu_q[-1], 0) if cu_q else 0, name="cu_seqlens_q")
-        _check_max_seqlen("max_seqlen_q", max_seqlen_q, bounds)
-        _check_max_seqlen("max_seqlen_k", max_seqlen_k, bounds)
+        bounds = _varlen_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         sharding = make_sharding(
             layout=layout, world_size=comm.world_size, seq_len=bounds[-1], cu_seqlens=bounds
         )
@@ -562,3 +565,20 @@ def flash_attn_varlen_func(
     flash = _FlashOptions(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     call = (causal, softmax_scale, window_size)
     return _attend(comm, (q, k, v), flash, call, strategy, layout, packed=True, check=check)
+
+
+def _varlen_bounds(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int
+) -> tuple[int, ...]:
+    """The global document boundaries of :func:`flash_attn_varlen_func`, checked."""
+    cu_q = _int_list("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _int_list("cu_seqlens_k", cu_seqlens_k)
+    if cu_q != cu_k:
+        raise NotImplementedError(
+            "cu_seqlens_k must equal cu_seqlens_q (self-attention over the same packed "
+            f"documents); got {cu_q} and {cu_k}"
+        )
+    bounds = normalize_cu_seqlens(cu_q, max(cu_q[-1], 0) if cu_q else 0, name="cu_seqlens_q")
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, bounds)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, bounds)
+    return bounds

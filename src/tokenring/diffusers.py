@@ -295,18 +295,7 @@ class FluxSequenceParallelProcessor:
             from diffusers.models.embeddings import apply_rotary_emb
         except ImportError as exc:
             raise ImportError(DIFFUSERS_MISSING) from exc
-        if attention_mask is not None:
-            raise NotImplementedError(
-                "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
-                f"of shape {tuple(attention_mask.shape)}); Flux passes none"
-            )
-        if ip_hidden_states is not None or ip_adapter_masks is not None:  # else dropped silently
-            raise NotImplementedError(
-                "FluxSequenceParallelProcessor does not support IP-adapter inputs "
-                "(ip_hidden_states / ip_adapter_masks); got "
-                f"ip_hidden_states={type(ip_hidden_states).__name__}, "
-                f"ip_adapter_masks={type(ip_adapter_masks).__name__}"
-            )
+        _refuse_inputs(attention_mask, ip_hidden_states, ip_adapter_masks)
         text = TextPlacement.parse(self.text)
         query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
         if encoder_hidden_states is not None:
@@ -341,6 +330,22 @@ class FluxSequenceParallelProcessor:
         text_out, image_out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)
         image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
         return image_out, attn.to_add_out(text_out.contiguous())
+
+
+def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
+    """Raise for the inputs of ``FluxAttnProcessor`` the processor does not take."""
+    if attention_mask is not None:
+        raise NotImplementedError(
+            "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
+            f"of shape {tuple(attention_mask.shape)}); Flux passes none"
+        )
+    if ip_hidden_states is not None or ip_adapter_masks is not None:  # else dropped silently
+        raise NotImplementedError(
+            "FluxSequenceParallelProcessor does not support IP-adapter inputs "
+            "(ip_hidden_states / ip_adapter_masks); got "
+            f"ip_hidden_states={type(ip_hidden_states).__name__}, "
+            f"ip_adapter_masks={type(ip_adapter_masks).__name__}"
+        )
 
 
 def _projections(attn: Any, x: torch.Tensor, *, added: bool) -> tuple[Any, Any, Any]:

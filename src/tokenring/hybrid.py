@@ -246,7 +246,19 @@ def hybrid_attn(
     }  # what _prepare validates
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
-    # this rank's plan, once the ranks agree on the call (with check_ranks)
+    out, lse = hybrid_attention(_agreed_plan(q, k, v, mesh, check_ranks, options), q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def _agreed_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: HybridMesh,
+    check_ranks: bool,
+    options: dict[str, Any],
+) -> HybridPlan:
+    """This rank's plan of the call, once the ranks agree (with ``check_ranks``)."""
     plan: HybridPlan | None = None
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
@@ -262,8 +274,7 @@ def hybrid_attn(
     if problem is not None:
         raise problem
     assert plan is not None
-    out, lse = hybrid_attention(plan, q, k, v)
-    return (out, lse) if return_lse else out
+    return plan
 
 
 def _prepare(
@@ -286,37 +297,11 @@ def _prepare(
     """Validate and plan one rank's call; its signature (what the ranks compare). No
     communication."""
     p_in = mesh.inner_size
-    strategy = Strategy.parse(outer_strategy)
-    if not strategy.is_ring:
-        raise NotImplementedError(
-            f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
-        )
-    _validate(q, k, v, softmax_scale)  # tensors, dims, dtypes, devices, heads, scale
-    for name, x in (("q", q), ("k", k)):
-        if x.shape[2] % p_in:
-            raise NotImplementedError(
-                f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
-                f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
-            )
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool; got {causal!r}")
-    if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
-        raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
+    strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
     layout = Layout.parse(layout)
     window = normalize_window(window_size, causal=causal)
     chunk_documents((0, 1), attention_chunk_size)  # validates it
-    inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
-    if seq_len is not None:
-        check_int("seq_len", seq_len, 0)
-    seq_local = q.shape[1] if seq_len is None else None  # None: S = P * s
-    sharding = _outer_lengths(layout, mesh.outer_size, p_in, seq_local, seq_len, cu_seqlens)
-    lo, hi = inner_slices(sharding.local_len(outer_rank), p_in)[inner_rank]
-    if q.shape[1] != hi - lo:  # always equal without seq_len
-        raise ValueError(
-            f"q.shape[1] must be {hi - lo} on outer rank {outer_rank}, inner "
-            f"rank {inner_rank}: its share of seq_len={seq_len} (see "
-            f"tokenring.hybrid_shard); got {q.shape[1]}"
-        )
+    sharding = _outer_sharding(q, mesh, layout, seq_len, cu_seqlens)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     plan = HybridPlan(
         schedules=_schedules(
@@ -338,14 +323,7 @@ def _prepare(
         scale=scale,
         heads=(q.shape[2], k.shape[2]),
     )
-    return plan, {
-        "batch": q.shape[0],
-        ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],
-        "heads_q": q.shape[2],
-        "heads_kv": k.shape[2],
-        "head_dim": q.shape[3],
-        "dtype": str(q.dtype),
-        "device type": q.device.type,
+    options = {
         "causal": causal,
         "layout": layout.value,
         "outer_strategy": strategy.value,
@@ -354,7 +332,83 @@ def _prepare(
         "cu_seqlens": _bounds_digest(sharding.cu_seqlens if seq_len is not None else ()),
         "attention_chunk_size": attention_chunk_size,
         "last_block_splits": last_block_splits,
+    }
+    return plan, _signature(q, k, v, seq_len, options, plan)
+
+
+def _signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int | None,
+    options: dict[str, Any],
+    plan: HybridPlan,
+) -> dict[str, Any]:
+    """What the ranks compare: shapes, dtype, device, ``options``, kernel, needs grad."""
+    return {
+        "batch": q.shape[0],
+        ("seq_len" if seq_len is not None else "seq_local"): seq_len or q.shape[1],
+        "heads_q": q.shape[2],
+        "heads_kv": k.shape[2],
+        "head_dim": q.shape[3],
+        "dtype": str(q.dtype),
+        "device type": q.device.type,
+        **options,
         "kernel": plan.kernel.name,
         # every rank builds the backward, or none does (its all-to-alls need every rank)
         "needs grad": torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
     }
+
+
+def _checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p_in: int,
+    outer_strategy: Strategy | str,
+    causal: bool,
+    softmax_scale: float | None,
+    last_block_splits: int,
+) -> Strategy:
+    """The outer strategy, once it and the tensors, causal and last_block_splits are checked."""
+    strategy = Strategy.parse(outer_strategy)
+    if not strategy.is_ring:
+        raise NotImplementedError(
+            f"outer_strategy must be a ring strategy ({_OUTER_NAMES}); got {strategy.value!r}"
+        )
+    _validate(q, k, v, softmax_scale)  # tensors, dims, dtypes, devices, heads, scale
+    for name, x in (("q", q), ("k", k)):
+        if x.shape[2] % p_in:
+            raise NotImplementedError(
+                f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
+                f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
+            )
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
+        raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
+    return strategy
+
+
+def _outer_sharding(
+    q: torch.Tensor,
+    mesh: HybridMesh,
+    layout: Layout,
+    seq_len: int | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None,
+) -> Sharding:
+    """The outer sharding of the call, with this rank's length checked against ``q``'s."""
+    p_in = mesh.inner_size
+    inner_rank, outer_rank = dist.get_rank(mesh.inner), dist.get_rank(mesh.outer)
+    if seq_len is not None:
+        check_int("seq_len", seq_len, 0)
+    seq_local = q.shape[1] if seq_len is None else None  # None: S = P * s
+    sharding = _outer_lengths(layout, mesh.outer_size, p_in, seq_local, seq_len, cu_seqlens)
+    lo, hi = inner_slices(sharding.local_len(outer_rank), p_in)[inner_rank]
+    if q.shape[1] != hi - lo:  # always equal without seq_len
+        raise ValueError(
+            f"q.shape[1] must be {hi - lo} on outer rank {outer_rank}, inner "
+            f"rank {inner_rank}: its share of seq_len={seq_len} (see "
+            f"tokenring.hybrid_shard); got {q.shape[1]}"
+        )
+    return sharding

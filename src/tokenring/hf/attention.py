@@ -391,18 +391,7 @@ def _attention_forward(
             f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
             "generate with tokenring.hf.generate)"
         )
-    dropout = kwargs.get("dropout", 0.0)
-    if dropout > 0:
-        raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
-    packing = " (local packing; pass SequenceParallel(cu_seqlens=...))"
-    for option, unsupported in (
-        ("softcap", kwargs.get("softcap") is not None),
-        ("attention sinks (s_aux)", kwargs.get("s_aux") is not None),
-        ("output_attentions", kwargs.get("output_attentions", False)),
-        *((k + packing, kwargs.get(k) is not None) for k in _PACKING_KWARGS),
-    ):
-        if unsupported:
-            raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
+    _check_kwargs(name, kwargs)
     if sp.hardware is not None and strategy != "auto" and cache is None:
         raise ValueError(
             f"SequenceParallel.hardware only chooses the strategy of "
@@ -424,6 +413,22 @@ def _attention_forward(
     )
     assert isinstance(out, torch.Tensor)
     return out, None  # (B, s, Hq, D)
+
+
+def _check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    """Raise NotImplementedError for the attention options in ``kwargs`` the call cannot honour."""
+    dropout = kwargs.get("dropout", 0.0)
+    if dropout > 0:
+        raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
+    packing = " (local packing; pass SequenceParallel(cu_seqlens=...))"
+    for option, unsupported in (
+        ("softcap", kwargs.get("softcap") is not None),
+        ("attention sinks (s_aux)", kwargs.get("s_aux") is not None),
+        ("output_attentions", kwargs.get("output_attentions", False)),
+        *((k + packing, kwargs.get(k) is not None) for k in _PACKING_KWARGS),
+    ):
+        if unsupported:
+            raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
 
 
 def _fields(obj: Any) -> dict[str, Any]:
