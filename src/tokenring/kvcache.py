@@ -78,6 +78,24 @@ class _Growable:
         return self.data[: self.size]
 
 
+def _ranks(
+    group: Any, rank: int | None, world_size: int | None
+) -> tuple[Communicator | None, int, int]:
+    """The cache's communicator (None without a group), rank and world size."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(
+            f"rank and world_size must be given together; got rank={rank}, world_size={world_size}"
+        )
+    comm = None
+    if world_size is None:
+        comm = get_communicator(group)
+        rank, world_size = comm.rank, comm.world_size
+    assert rank is not None and world_size is not None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+    return comm, rank, world_size
+
+
 class DistributedKVCache:
     """K/V of a batch of B sequences for every layer, sharded over the ranks of a group.
 
@@ -133,19 +151,7 @@ class DistributedKVCache:
             )
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes}")
-        if (rank is None) != (world_size is None):
-            raise ValueError(
-                "rank and world_size must be given together; got "
-                f"rank={rank}, world_size={world_size}"
-            )
-        self.comm: Communicator | None = None
-        if world_size is None:
-            self.comm = get_communicator(group)
-            rank, world_size = self.comm.rank, self.comm.world_size
-        assert rank is not None and world_size is not None
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-        self.rank, self.world_size = rank, world_size
+        self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
         self.dtype, self.device = dtype, torch.device(device)

@@ -234,19 +234,25 @@ def build_hybrid_schedule(
         heads_kv=nkv,
         heads_q=nq,
     )
+    return _lifted(outer, world_size=world_size, p_in=p_in, nq=nq, nkv=nkv)
+
+
+def _lifted(outer: Schedule, *, world_size: int, p_in: int, nq: int, nkv: int) -> HybridSchedule:
+    """``outer`` lifted onto the P ranks (Note [Hybrid schedule])."""
     assert outer.sharding is not None
     lengths = (outer.sharding.local_len(o) for o in range(outer.world_size))
     rows = [hi - lo for length in lengths for lo, hi in inner_slices(length, p_in)]  # rows[g]
     n = outer.num_steps
     steps: list[tuple[StepPlan, ...]] = []
     transfers: list[Transfer] = []
+    forward = outer.pass_ is Pass.FORWARD
     for g in range(world_size):
         lifted = [
             _lifted_step(plan, g, p_in=p_in, nq=nq, nkv=nkv) for plan in outer.steps[g // p_in]
         ]
         steps.append((StepPlan(g, 0, g, (g,), ()), *lifted, StepPlan(g, n + 1, g, (g,), ())))
         transfers += _all_to_all_transfers(
-            g, forward=pass_ is Pass.FORWARD, p_in=p_in, rows=rows, last_step=n + 1, nq=nq, nkv=nkv
+            g, forward=forward, p_in=p_in, rows=rows, last_step=n + 1, nq=nq, nkv=nkv
         )
     transfers += [
         _lifted_transfer(tr, i, p_in=p_in, nq=nq, nkv=nkv)

@@ -104,7 +104,7 @@ from functools import cache, partial
 
 import torch
 
-from tokenring.core.layout import Layout, global_length, make_sharding, validate_seq_local
+from tokenring.core.layout import Layout, Sharding, global_length, make_sharding, validate_seq_local
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
@@ -201,20 +201,25 @@ def build_schedule(
     mask = MaskSpec(causal, window, docs if len(docs) > 2 else None)
     if last_block_splits < 1:
         raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
-    p, s = sharding.world_size, sharding.seq_local
-    if strategy.is_collective:  # tokenring.strategies.collective
-        if heads_q is None or heads_kv is None:
-            raise ValueError(
-                f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
-                f"{heads_q}, {heads_kv}"
-            )
-        if sharding.padded or not mask.plain:
-            raise NotImplementedError(
-                f"strategy {strategy.value!r} supports neither documents, windows nor padded "
-                "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
-            )
-        causal = bool(mask.causal)
-        return _build_collective(strategy, pass_, layout, causal, p, s, heads_q, heads_kv)
+    if strategy.is_collective:
+        return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
+    return _ring_schedule(
+        strategy, pass_, sharding, mask, last_block_splits, heads_q, heads_kv, lend_last_pair
+    )
+
+
+def _ring_schedule(
+    strategy: Strategy,
+    pass_: Pass,
+    sharding: Sharding,
+    mask: MaskSpec,
+    last_block_splits: int,
+    heads_q: int | None,
+    heads_kv: int | None,
+    lend_last_pair: bool,
+) -> Schedule:
+    """``build_schedule`` of a ring strategy: ``steps[r][t]``, lent pairs, then transfers."""
+    p, s, layout = sharding.world_size, sharding.seq_local, sharding.layout
     lanes = _lanes(strategy, layout, s, heads_q, heads_kv, mask.causal)
     pieces = cache(partial(sharded_block_pieces, sharding, mask))
     ring = _Ring(strategy, pass_, lanes, pieces, p, last_block_splits, heads_q, heads_kv)
@@ -239,6 +244,30 @@ def build_schedule(
         sharding=sharding,
         mask=mask,
     )
+
+
+def _collective_schedule(
+    strategy: Strategy,
+    pass_: Pass,
+    sharding: Sharding,
+    mask: MaskSpec,
+    heads_q: int | None,
+    heads_kv: int | None,
+) -> Schedule:
+    """``build_schedule`` of a collective strategy (``tokenring.strategies.collective``)."""
+    if heads_q is None or heads_kv is None:
+        raise ValueError(
+            f"heads_q and heads_kv must be given for strategy {strategy.value!r}; got "
+            f"{heads_q}, {heads_kv}"
+        )
+    if sharding.padded or not mask.plain:
+        raise NotImplementedError(
+            f"strategy {strategy.value!r} supports neither documents, windows nor padded "
+            "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
+        )
+    p, s = sharding.world_size, sharding.seq_local
+    causal = bool(mask.causal)
+    return _build_collective(strategy, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
 
 
 @dataclass(frozen=True)
@@ -657,23 +686,7 @@ def ring_plan(
         for r, kind in enumerate(kinds.tolist()):
             if kind not in segments:
                 segments[kind] = ring.cell_plan(r, t).segments
-    # the tables by kind: q rows, score entries x query heads, query heads of each segment
-    unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
-    width = max(1, *(len(segs) for segs in segments.values()))
-    rows = torch.zeros(6, width, dtype=torch.long)
-    heads = torch.zeros(6, width, dtype=torch.long)
-    pairs = torch.zeros(6, width, dtype=torch.float64)
-    needs = torch.tensor([[s, 0]] * 6)
-    for kind, segs in segments.items():
-        for k, segment in enumerate(segs):
-            rows[kind, k] = segment.q_rows[1] - segment.q_rows[0]
-            first = segment.pieces[0].q_heads  # a segment's pieces share their heads
-            heads[kind, k] = heads_q if first is None else first[1] - first[0]
-            pairs[kind, k] = sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in segment.pieces)
-        q_travels = strategy.passes_q
-        hull = _union([pc.q_rows if q_travels else pc.kv_rows for seg in segs for pc in seg.pieces])
-        if hull is not None:
-            needs[kind] = torch.tensor(hull)
+    rows, pairs, heads, needs = _kind_tables(strategy, s, segments, heads_q, heads_kv)
     payloads = ring.payloads
     return RingPlan(
         strategy=strategy,
@@ -699,6 +712,33 @@ def _kinds(
     visitor = (rank - direction * step) % p
     q_owner, kv_owner = (visitor, rank) if strategy.passes_q else (rank, visitor)
     return torch.sign(kv_owner - q_owner) % 3 + 3 * (step == p - 1), visitor
+
+
+def _kind_tables(
+    strategy: Strategy,
+    seq_local: int,
+    segments: dict[int, tuple[Segment, ...]],
+    heads_q: int,
+    heads_kv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`RingPlan`'s ``rows``, ``pairs``, ``heads`` and ``needs``."""
+    unit = AttentionShape(heads_q=heads_q, heads_kv=heads_kv, head_dim=1)  # 4 FLOPs a pair
+    width = max(1, *(len(segs) for segs in segments.values()))
+    rows = torch.zeros(6, width, dtype=torch.long)
+    heads = torch.zeros(6, width, dtype=torch.long)
+    pairs = torch.zeros(6, width, dtype=torch.float64)
+    needs = torch.tensor([[seq_local, 0]] * 6)
+    for kind, segs in segments.items():
+        for k, segment in enumerate(segs):
+            rows[kind, k] = segment.q_rows[1] - segment.q_rows[0]
+            first = segment.pieces[0].q_heads  # a segment's pieces share their heads
+            heads[kind, k] = heads_q if first is None else first[1] - first[0]
+            pairs[kind, k] = sum(piece_flops(pc, unit, Pass.FORWARD) / 4 for pc in segment.pieces)
+        q_travels = strategy.passes_q
+        hull = _union([pc.q_rows if q_travels else pc.kv_rows for seg in segs for pc in seg.pieces])
+        if hull is not None:
+            needs[kind] = torch.tensor(hull)
+    return rows, pairs, heads, needs
 
 
 def _last_seen(strategy: Strategy, direction: int, p: int) -> torch.Tensor:
