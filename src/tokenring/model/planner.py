@@ -81,7 +81,7 @@ from tokenring.model.costmodel import (
     merge_bytes,
     preset,
 )
-from tokenring.model.simulate import _max_sent, simulate, simulate_cached
+from tokenring.model.simulate import max_sent, simulate, simulate_cached
 from tokenring.runtime.comm import Communicator, TrafficCounter
 from tokenring.runtime.kernels import BlockKernel, row_delta, select_kernel
 from tokenring.strategies.cached import (
@@ -723,7 +723,7 @@ def predict_cached(
         heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype)
     )
     total_s, compute_s, wire_s, _ = simulate_cached(plan, shards, shape=dims, hardware=hardware)
-    travel, returned = _max_sent(plan.transfers, plan.world_size, dims)
+    travel, returned = max_sent(plan.transfers, plan.world_size, dims)
     return CachedPrediction(
         strategy=plan.strategy,
         total_s=total_s,

@@ -99,6 +99,7 @@ __all__ = [
     "VECTORISED_STRATEGIES",
     "CallResult",
     "PassResult",
+    "max_sent",
     "simulate",
     "simulate_cached",
     "simulate_pass",
@@ -499,7 +500,7 @@ def _busy_s(events: list[list[Event]], *kinds: str) -> float:
     return max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in kinds) for evs in events)
 
 
-def _max_sent(transfers: Sequence[Transfer], p: int, dims: AttentionShape) -> tuple[int, int]:
+def max_sent(transfers: Sequence[Transfer], p: int, dims: AttentionShape) -> tuple[int, int]:
     """The most bytes one rank sends on the travel flow, and on the return flow."""
     sent = {Flow.TRAVEL: [0] * p, Flow.RETURN: [0] * p}
     for tr in transfers:
@@ -1029,7 +1030,7 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     for tr in exposed:
         rt = transfer_route(hardware, sched, tr)
         exposed_s = max(exposed_s, tr.num_bytes(shape) / rt.flow_cap_bytes_per_s + rt.latency_s)
-    travel_bytes, return_bytes = _max_sent(sched.transfers, p, shape)
+    travel_bytes, return_bytes = max_sent(sched.transfers, p, shape)
     return PassResult(
         strategy=sched.strategy,
         pass_=sched.pass_,

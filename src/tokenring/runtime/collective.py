@@ -29,7 +29,7 @@ from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Tr
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op
-from tokenring.runtime.ring import SchedulePass, _part, kv_message, kv_rows
+from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows, rows_heads
 from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
 
 __all__ = ["collective_backward", "collective_forward"]
@@ -79,7 +79,7 @@ class _Collective(SchedulePass):
 def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
     """The heads ``heads`` of a (B, s, H, D) or (B, H, s) tensor."""
     assert heads is not None, "a Ulysses message carries a head share"
-    return _part(x, None, slice(*heads))
+    return rows_heads(x, None, slice(*heads))
 
 
 def _with_heads(
@@ -173,7 +173,7 @@ class _Ulysses(_Collective):
         if tr.payload in (Payload.Q, Payload.Q_GRAD):  # my rows of the destination's heads
             return self.query_side(tr.heads)
         rows = self.rows_of(tr.dst)  # their rows of my heads
-        return [_part(x, rows, slice(None)) for x in self.back[_RETURNED[tr.payload]]]
+        return [rows_heads(x, rows, slice(None)) for x in self.back[_RETURNED[tr.payload]]]
 
     def arrive(self, op: Op) -> None:
         if self.mine.num_q == 0:
@@ -192,7 +192,7 @@ class _Ulysses(_Collective):
 
     def came_back(self, op: Op) -> list[list[torch.Tensor]]:
         """RETURNS: what each rank with heads sent back, its fields in ``_RETURNED`` order."""
-        own = [_part(x, self.rows_of(self.rank), slice(None)) for x in self.back]  # views
+        own = [rows_heads(x, self.rows_of(self.rank), slice(None)) for x in self.back]  # views
         self.back = []  # sent
         payloads = (Payload.DQ, Payload.DKV) if self.backward else (Payload.OUT,)
         came = [self.take(op, payload, own[_RETURNED[payload]]) for payload in payloads]

@@ -45,7 +45,14 @@ from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel
 from tokenring.runtime.program import Op, program_of
-from tokenring.runtime.ring import _Backward, _Forward, _part, kv_message, kv_rows, message_fields
+from tokenring.runtime.ring import (
+    _Backward,
+    _Forward,
+    kv_message,
+    kv_rows,
+    message_fields,
+    rows_heads,
+)
 from tokenring.runtime.slots import Provide, SlotPoster
 from tokenring.strategies.hybrid import HybridSchedule, inner_slices, outer_transfers
 
@@ -137,8 +144,8 @@ class _HybridPass(PassRunner):
         """Inner rank j's heads (sending at step 0, receiving at n + 1) or rows of ``x``."""
         if (step == 0) == sending:
             heads = x.shape[2 if x.dim() == 4 else 1] // self.p_in
-            return _part(x, None, slice(j * heads, (j + 1) * heads))
-        return _part(x, self.rows[j], slice(None))
+            return rows_heads(x, None, slice(j * heads, (j + 1) * heads))
+        return rows_heads(x, self.rows[j], slice(None))
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         """An all-to-all's send to inner rank ``tr.dst`` (``tr`` as the inner group names it)."""

@@ -78,6 +78,7 @@ __all__ = [
     "kv_message",
     "kv_rows",
     "message_fields",
+    "rows_heads",
     "run_backward",
     "run_forward",
 ]
@@ -161,7 +162,7 @@ class _Held:
 
     def slice(self, rows: tuple[int, int]) -> list[torch.Tensor]:
         local = self._local(rows)
-        return [_part(x, local, slice(None)) for x in self.tensors]
+        return [rows_heads(x, local, slice(None)) for x in self.tensors]
 
 
 class ComputeTimer:
@@ -288,7 +289,7 @@ def _q_heads(piece: Piece, groups: int) -> slice:
     return slice(piece.heads[0] * groups, piece.heads[1] * groups)
 
 
-def _part(x: torch.Tensor, rows: tuple[int, int] | None, heads: slice) -> torch.Tensor:
+def rows_heads(x: torch.Tensor, rows: tuple[int, int] | None, heads: slice) -> torch.Tensor:
     """Rows (None: all) and heads of ``x`` ``(B, n, H, D)`` or ``(B, H, n)``."""
     r = slice(None) if rows is None else slice(*rows)
     return x[:, r, heads] if x.dim() == 4 else x[:, heads, r]
@@ -390,7 +391,7 @@ class _RingPass(SchedulePass):
         for index, lane in enumerate(self.sched.lanes):  # this rank's rows, the lane's q heads
             views = q_side
             if lane.q_heads is not None:
-                views = [_part(x, None, slice(*lane.q_heads)) for x in q_side]
+                views = [rows_heads(x, None, slice(*lane.q_heads)) for x in q_side]
             self.held[index] = _Held(self.rank, (0, q_side[0].shape[1]), views)
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
@@ -429,21 +430,21 @@ class _RingPass(SchedulePass):
         self, step: int, piece: Piece, own: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
         """``piece``'s query-side tensors (of ``own``), its k and v, and whose K/V they are."""
-        k, v, q_rows, (c, d) = self.k, self.v, piece.q_rows, piece.kv_rows
-        if step == 0:
-            return [_part(x, q_rows, slice(None)) for x in own], k[:, c:d], v[:, c:d], self.rank
-        if piece.kv_owner is not None:  # our queries against borrowed K/V (every head)
-            borrowed = self.borrowed[piece.kv_owner]
-            (part,) = [h for h in borrowed if h.rows[0] <= c and d <= h.rows[1]]
-            k_p, v_p = part.slice(piece.kv_rows)
-            return [_part(x, q_rows, slice(None)) for x in own], k_p, v_p, piece.kv_owner
+        k, v, q_rows, (c, d), lender = self.k, self.v, piece.q_rows, piece.kv_rows, piece.kv_owner
+        if step == 0 or lender is not None:  # our own queries' rows, every head
+            every_head = [rows_heads(x, q_rows, slice(None)) for x in own]
+            if lender is None:  # the local block
+                return every_head, k[:, c:d], v[:, c:d], self.rank
+            (part,) = [h for h in self.borrowed[lender] if h.rows[0] <= c and d <= h.rows[1]]
+            k_p, v_p = part.slice(piece.kv_rows)  # K/V lent to us
+            return every_head, k_p, v_p, lender
         held = self.held[piece.lane]
         if self.pass_q:
             kvh = slice(None) if piece.heads is None else slice(*piece.heads)
             heads = _held_heads(self.sched, piece)
-            q_side = [_part(x, None, heads) for x in held.slice(piece.q_rows)]
+            q_side = [rows_heads(x, None, heads) for x in held.slice(piece.q_rows)]
             return q_side, k[:, c:d, kvh], v[:, c:d, kvh], self.rank
-        q_side = [_part(x, q_rows, _q_heads(piece, self.groups)) for x in own]
+        q_side = [rows_heads(x, q_rows, _q_heads(piece, self.groups)) for x in own]
         k_p, v_p = held.slice(piece.kv_rows)
         return q_side, k_p, v_p, held.owner
 
@@ -692,7 +693,7 @@ class _Backward(_RingPass):
             mask = self.mask(piece, q_owner, kv_owner)
             # own queries: their real out (Note [Backward from delta] in runtime.kernels)
             qh = _q_heads(piece, self.groups)
-            out_p = _part(self.out, piece.q_rows, qh) if q_owner == rank else None
+            out_p = rows_heads(self.out, piece.q_rows, qh) if q_owner == rank else None
             self.kernel.backward_into(
                 functools.partial(self.targets, piece, segment, step, q_owner),
                 do_p,
