@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -226,20 +226,14 @@ class _EventEngine:
         self.mem = hardware.memory_bandwidth_bytes_per_s
         self.transfers = list(transfers)
         self.fid = {tr: i for i, tr in enumerate(self.transfers)}
-        self.res_index: dict[Resource, int] = {}
-        self.res_cap: list[float] = []
-        routes: dict[tuple[int, int], tuple[list[int], float]] = {}
-        for tr in self.transfers:
-            if (tr.src, tr.dst) not in routes:
-                rt = route(hardware, tr.src, tr.dst, world_size)
-                for res, cap in rt.resources:
-                    if res not in self.res_index:
-                        self.res_index[res] = len(self.res_cap)
-                        self.res_cap.append(cap)
-                ids = [self.res_index[res] for res, _ in rt.resources]
-                routes[tr.src, tr.dst] = (ids, rt.latency_s)
-        self.flow_res = [routes[tr.src, tr.dst][0] for tr in self.transfers]
-        self.flow_lat = [routes[tr.src, tr.dst][1] for tr in self.transfers]
+        pairs = dict.fromkeys((tr.src, tr.dst) for tr in self.transfers)  # in first-seen order
+        routes = {pair: route(hardware, *pair, world_size) for pair in pairs}
+        caps = dict(res_cap for rt in routes.values() for res_cap in rt.resources)
+        self.res_index = {res: i for i, res in enumerate(caps)}
+        self.res_cap = list(caps.values())
+        flow_routes = [routes[tr.src, tr.dst] for tr in self.transfers]
+        self.flow_res = [[self.res_index[res] for res, _ in rt.resources] for rt in flow_routes]
+        self.flow_lat = [rt.latency_s for rt in flow_routes]
         self.flow_bytes = [float(tr.num_bytes(dims)) for tr in self.transfers]
         # the run: per flow its posts, start, arrival, rate and bytes left; per rank its place
         # in its program; the heap of pending events
@@ -277,8 +271,36 @@ class _EventEngine:
         ]
         return max([("none", 0, 0.0), *candidates], key=lambda c: c[2])  # the first of equals
 
+    def _program(
+        self,
+        ops: Sequence[Op],
+        r: int,
+        dims: AttentionShape,
+        ring_steps: range,
+        compute: Callable[[Op], list[tuple[Any, ...]]],
+    ) -> list[tuple[Any, ...]]:
+        """Rank ``r``'s actions for ``ops`` (Note [Replaying the rank program]): ``compute``
+        prices a COMPUTE or DELTA; partials are merged or added on ``ring_steps`` only."""
+        prog: list[tuple[Any, ...]] = []
+        for op in ops:
+            kind = op.kind
+            if kind in (OpKind.STEP, OpKind.END):
+                prog.append((_STEP, op.step))
+            elif kind is OpKind.POST:
+                sends = tuple(self.fid[tr] for tr in op.transfers if tr.src == r)
+                recvs = tuple(self.fid[tr] for tr in op.transfers if tr.dst == r)
+                prog.append((_POST, sends, recvs))
+            elif kind in (OpKind.COMPUTE, OpKind.DELTA):
+                prog += compute(op)
+            else:  # ARRIVE, SENT, SENT_ALL wait; PASS, RETURNS, HOME add what they waited for
+                for tr in op.transfers:
+                    prog.append((_WAIT, self.fid[tr]))
+                    if kind in (OpKind.PASS, OpKind.RETURNS, OpKind.HOME) and tr.step in ring_steps:
+                        prog.append(self._added(tr, dims))
+        return prog
+
     def _actions(self, sched: Schedule, r: int) -> list[tuple[Any, ...]]:
-        """The actions of rank ``r``'s program (Note [Replaying the rank program])."""
+        """The actions of rank ``r``'s ``program_of`` (Note [Replaying the rank program])."""
         mem = self.mem
         # the hybrid's outer ring merges its own heads (Note [Hybrid rank program])
         inner = getattr(sched, "inner", 1)
@@ -286,7 +308,6 @@ class _EventEngine:
             self.dims, heads_q=self.dims.heads_q // inner, heads_kv=self.dims.heads_kv // inner
         )
         forward = sched.pass_ is Pass.FORWARD
-        label = "attn" if forward else "attn_bwd"
         n = sched.num_steps  # merges and adds are priced on the steps of a ring program
         hybrid = sched.strategy is Strategy.HYBRID
         ring_steps = range(1, n - 1) if hybrid else range(0 if sched.strategy.is_collective else n)
@@ -297,36 +318,23 @@ class _EventEngine:
             )
             share = heads[r].num_q / dims.heads_q
 
-        prog: list[tuple[Any, ...]] = []
-        for op in program_of(sched, r):
-            kind, t = op.kind, op.step
-            if kind is OpKind.DELTA:
-                if t in ring_steps:
-                    delta = _delta_bytes(inner * sched.seq_local, dims) / mem
-                    prog.append((_MERGE, delta, t, "delta"))
-            elif kind in (OpKind.STEP, OpKind.END):
-                prog.append((_STEP, t))
-            elif kind is OpKind.POST:
-                prog.append(self._post(op, r))
-            elif kind is OpKind.COMPUTE:
-                plan = sched.steps[r][t]
-                segment = plan.segments[op.index]
-                flops = share * sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
-                prog.append((_COMPUTE, flops / self.flops_per_s, t, label))
-                if plan.q_owner == r and t in ring_steps:  # own rows merged (dQ added) at once
-                    rows = segment.q_rows[1] - segment.q_rows[0]
-                    own = (
-                        merge_bytes(rows, dims) if forward else _add_bytes(rows, dims.heads_q, dims)
-                    )
-                    prog.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
-            elif kind in (OpKind.PASS, OpKind.RETURNS, OpKind.HOME):
-                for tr in op.transfers:
-                    prog.append((_WAIT, self.fid[tr]))
-                    if tr.step in ring_steps:
-                        prog.append(self._added(tr, dims))
-            else:  # ARRIVE, SENT, SENT_ALL: the receives or sends have arrived
-                prog += [(_WAIT, self.fid[tr]) for tr in op.transfers]
-        return prog
+        def compute(op: Op) -> list[tuple[Any, ...]]:
+            t = op.step
+            if op.kind is OpKind.DELTA:
+                delta = _delta_bytes(inner * sched.seq_local, dims) / mem
+                return [(_MERGE, delta, t, "delta")] if t in ring_steps else []
+            plan = sched.steps[r][t]
+            segment = plan.segments[op.index]
+            flops = share * sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+            label = "attn" if forward else "attn_bwd"
+            actions = [(_COMPUTE, flops / self.flops_per_s, t, label)]
+            if plan.q_owner == r and t in ring_steps:  # own rows merged (dQ added) at once
+                rows = segment.q_rows[1] - segment.q_rows[0]
+                own = merge_bytes(rows, dims) if forward else _add_bytes(rows, dims.heads_q, dims)
+                actions.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
+            return actions
+
+        return self._program(program_of(sched, r), r, dims, ring_steps, compute)
 
     def _added(self, tr: Transfer, dims: AttentionShape) -> tuple[Any, ...]:
         """The merge or accumulation of a partial (out, dQ or dK/dV) once it has arrived."""
@@ -340,33 +348,19 @@ class _EventEngine:
             cost, what = _add_bytes(tr.num_rows, pairs, dims, pairs=2), "dkv_add"
         return (_MERGE, cost / self.mem, tr.step, what)
 
-    def _post(self, op: Op, r: int) -> tuple[Any, ...]:
-        """A POST of rank ``r``: its sends and its receives, ready at this end."""
-        sends = tuple(self.fid[tr] for tr in op.transfers if tr.src == r)
-        return (_POST, sends, tuple(self.fid[tr] for tr in op.transfers if tr.dst == r))
-
     def _cached_program(self, plan: CachedPlan, shards: CachedShards, r: int) -> list[Any]:
         """The actions of rank ``r``'s ``cached_program`` (each partial merged as it returns)."""
-        dims, mem = self.dims, self.mem
-        prog: list[tuple[Any, ...]] = []
-        for op in cached_program(plan, r):
-            kind, t = op.kind, op.step
-            if kind in (OpKind.STEP, OpKind.END):
-                prog.append((_STEP, t))
-            elif kind is OpKind.POST:
-                prog.append(self._post(op, r))
-            elif kind is OpKind.COMPUTE:
-                o, j = plan.computes[r][t][op.index]
-                prog.append((_COMPUTE, self._block_s(shards, o, j), t, "attn"))
-                if plan.merges(r, o):
-                    prog.append((_MERGE, merge_bytes(shards.q_rows[o], dims) / mem, t, "merge"))
-            elif kind is OpKind.RETURNS:
-                for tr in op.transfers:
-                    cost = merge_bytes(tr.num_rows, dims) / mem
-                    prog += [(_WAIT, self.fid[tr]), (_MERGE, cost, tr.step, "merge")]
-            else:  # ARRIVE, SENT_ALL
-                prog += [(_WAIT, self.fid[tr]) for tr in op.transfers]
-        return prog
+
+        def compute(op: Op) -> list[tuple[Any, ...]]:
+            o, j = plan.computes[r][op.step][op.index]
+            actions = [(_COMPUTE, self._block_s(shards, o, j), op.step, "attn")]
+            if plan.merges(r, o):
+                merge = merge_bytes(shards.q_rows[o], self.dims) / self.mem
+                actions.append((_MERGE, merge, op.step, "merge"))
+            return actions
+
+        ops = cached_program(plan, r)
+        return self._program(ops, r, self.dims, range(plan.num_rounds), compute)
 
     def _block_s(self, shards: CachedShards, q_owner: int, kv_owner: int) -> float:
         """Kernel time of one (Q block, K/V shard) pair: the roofline of its FLOPs (masked
