@@ -887,14 +887,14 @@ def _flow_bytes(
 
 
 def _window_flows(
-    plan: RingPlan, col: RingColumns, dims: AttentionShape, windows: range
+    plan: RingPlan, col: RingColumns, flows: tuple[Tensor, Tensor, Tensor], windows: range
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The flows of ``windows`` as ``(W, P, G)`` bytes and receivers, and ``(P, 2)`` the
-    exposed ones of the last step. Slots: 0 the travel of step w, 1..K the returns of step
-    w-1, K+1..2K those of the last step but each rank's last (window P-1), 2K+1 the
-    accumulators of step w-1."""
+    """The ``flows`` (``_flow_bytes``) of ``windows`` as ``(W, P, G)`` bytes and receivers, and
+    ``(P, 2)`` the exposed ones of the last step. Slots: 0 the travel of step w, 1..K the
+    returns of step w-1, K+1..2K those of the last step but each rank's last (window P-1),
+    2K+1 the accumulators of step w-1."""
     p, first = plan.world_size, col.steps.start
-    travel, returns, dkv = _flow_bytes(plan, col, dims)
+    travel, returns, dkv = flows
     k = returns.shape[2]
     x = torch.zeros(len(windows), p, 2 * k + 2, dtype=torch.float64)
     dst = ((torch.arange(p) + plan.direction) % p).view(1, p, 1).repeat(len(windows), 1, 2 * k + 2)
@@ -963,7 +963,8 @@ def _simulate_vectorised(
         c1 = min(p, c0 + chunk)
         col = plan.columns(range(c0, min(p, c1 + 1)))  # and the step after: its window
         windows = range(0 if c0 == 0 else c0 + 1, min(p, c1 + 1))
-        x, dst, tail_x = _window_flows(plan, col, dims, windows)
+        flows = _flow_bytes(plan, col, dims)
+        x, dst, tail_x = _window_flows(plan, col, flows, windows)
         used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
         dur = torch.zeros_like(x)
         dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used])
@@ -972,7 +973,7 @@ def _simulate_vectorised(
             tail, tail_work = net.price(tail_x.unsqueeze(0), tail_dst, count=False)
         dur = dur if last_window is None else torch.cat([last_window, dur])
         last_window = dur[-1:]
-        travel, returns, dkv = _flow_bytes(plan, col, dims)
+        travel, returns, dkv = flows
         travel_sent += travel[:, : c1 - c0].sum(1)
         return_sent += returns[:, : c1 - c0].sum((1, 2)) + dkv[:, : c1 - c0].sum(1)
         replay.load(col, c1 - c0)
