@@ -420,8 +420,9 @@ def run(args: argparse.Namespace) -> int:
         "iters": config.iters,
     }
     report.write_records([{**settings, **row} for row in rows], args)
-    title, headers, lines = _title(settings, config), _headers(config), _pick_lines(rows)
-    cells = [[_cell(key, row.get(key)) for key, _ in _COLUMNS] for row in rows]
+    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
+    headers = [unit if key == "ms_median" else title for key, title, _ in _COLUMNS]
+    title, cells, lines = _title(settings, config), [_cells(row) for row in rows], _pick_lines(rows)
     ok = [row["verified"] and row["bytes_match_plan"] for row in rows]
     if not args.json:
         table = make_table("tokenring bench " + title, [*headers, "check"])
@@ -459,44 +460,31 @@ def _title(settings: dict[str, Any], config: InferenceBenchConfig) -> str:
 
 
 _COLUMNS = [
-    ("model", "model"),
-    ("cached", "C"),
-    ("new", "T"),
-    ("new_fraction", "T/(T+C)"),
-    ("pass_q_threshold", "pass-Q below"),
-    ("strategy", "strategy"),
-    ("ms_median", "ms/call"),
-    ("ms_p10", "p10"),
-    ("ms_p90", "p90"),
-    ("travel_bytes_per_rank", "MB travel/rank"),
-    ("return_bytes_per_rank", "MB return/rank"),
-    ("model_ms", "model ms"),
-    ("model_error_pct", "vs model %"),
-    ("auto_pick", "auto picks"),
-    ("fastest", "fastest"),
-    ("max_error", "max err"),
+    ("model", "model", "{}"),
+    ("cached", "C", "{}"),
+    ("new", "T", "{}"),
+    ("new_fraction", "T/(T+C)", "{:.3f}"),
+    ("pass_q_threshold", "pass-Q below", "{:.3f}"),
+    ("strategy", "strategy", "{}"),
+    ("ms_median", "ms/call", "{:.2f}"),
+    ("ms_p10", "p10", "{:.2f}"),
+    ("ms_p90", "p90", "{:.2f}"),
+    ("travel_MB_per_rank", "MB travel/rank", "{:.3f}"),
+    ("return_MB_per_rank", "MB return/rank", "{:.3f}"),
+    ("model_ms", "model ms", "{:.2f}"),
+    ("model_error_pct", "vs model %", "{:+.0f}"),
+    ("auto_pick", "auto picks", "{}"),
+    ("fastest", "fastest", "{}"),
+    ("max_error", "max err", "{:.1e}"),
 ]
+"""(row key, header, format) of the table's columns (``report.cell``)."""
 
 
-def _headers(config: InferenceBenchConfig) -> list[str]:
-    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
-    return [unit if key == "ms_median" else title for key, title in _COLUMNS]
-
-
-def _cell(key: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if key.endswith("bytes_per_rank"):
-        return f"{value / 1e6:.3f}"
-    if key == "max_error":
-        return f"{value:.1e}"
-    if key in ("new_fraction", "pass_q_threshold"):
-        return f"{value:.3f}"
-    if key == "model_error_pct":
-        return f"{value:+.0f}"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
+def _cells(row: dict[str, Any]) -> list[str]:
+    shown = {**row}
+    for flow in ("travel", "return"):
+        shown[f"{flow}_MB_per_rank"] = row[f"{flow}_bytes_per_rank"] / 1e6
+    return [report.cell(shown.get(key), fmt) for key, _, fmt in _COLUMNS]
 
 
 def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:
