@@ -1222,7 +1222,8 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
+    """The run the arguments describe, with hybrid rows where they fit. Raises ValueError
+    naming the flag that is wrong."""
     check_heads(args)
     passes = split_list(args.passes, "--passes", _parse_pass, ", ".join(PASSES))
     strategies = tuple(Strategy)
@@ -1245,12 +1246,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tolerance=args.tolerance,
         last_pair=args.last_pair,
     )
-    if args.strategies is None:  # all of them; the hybrid only where it fits, and then said so
-        try:
-            config.check_world(ranks.world_size_of(args))
-        except ValueError as exc:
-            print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
-            config = dataclasses.replace(config, strategies=strategies[:-1])
+    try:  # by default the hybrid only where it fits, and then said so
+        config.check_world(ranks.world_size_of(args))
+    except ValueError as exc:
+        if args.strategies is not None:
+            raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
+        print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
+        config = dataclasses.replace(config, strategies=strategies[:-1])
     return config
 
 
@@ -1273,10 +1275,6 @@ def check_args(args: argparse.Namespace) -> None:
         return
     config = config_from_args(args)
     world = ranks.world_size_of(args)
-    try:
-        config.check_world(world)
-    except ValueError as exc:
-        raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
     for name, model, causal, strategy in config.cases():  # what the ranks build first
         try:
             config.schedules(model, strategy, causal, world)
