@@ -1325,7 +1325,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         _print_table(rows, settings, wide=args.wide)
     if args.markdown:
-        _write_markdown(args.markdown, rows, settings, args.argv)
+        table = [[title for _, title, _ in _MD_COLUMNS]]
+        for row in rows:
+            shown = {**row, "strategy": _strategy_label(row)}
+            shown["busiest_link_MB"] = row["busiest_link_bytes"] / 1e6
+            table.append([report.cell(shown.get(k), fmt) for k, _, fmt in _MD_COLUMNS])
+        note = report.timing_note(settings)
+        lines = _planner_lines(rows)
+        report.write_markdown(args.markdown, _title(settings), args.argv, note, table, lines)
     if args.plot:
         plot_timelines(per_rank, config, args.plot, title=_title(settings))
     if args.trace:
@@ -1503,16 +1510,3 @@ _MD_COLUMNS = [
     ("max_error", "max err", "{:.1e}"),
 ]
 """(row key, header, format) of the markdown table's columns (``report.cell``)."""
-
-
-def _write_markdown(
-    path: str, rows: list[dict[str, Any]], settings: dict[str, Any], argv: list[str] | None
-) -> None:
-    table = [[title for _, title, _ in _MD_COLUMNS]]
-    for row in rows:
-        shown = {**row, "strategy": _strategy_label(row)}
-        shown["busiest_link_MB"] = row["busiest_link_bytes"] / 1e6
-        table.append([report.cell(shown.get(k), fmt) for k, _, fmt in _MD_COLUMNS])
-    report.write_markdown(
-        path, _title(settings), argv, report.timing_note(settings), table, _planner_lines(rows)
-    )

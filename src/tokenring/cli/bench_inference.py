@@ -52,7 +52,6 @@ from tokenring.model.planner import (
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
-    CachedPlan,
     CachedShards,
     CachedStrategy,
     CacheStep,
@@ -137,16 +136,6 @@ def _random_sequences(
 
     hq, hkv = model.heads_q, model.heads_kv
     return [(randn(hq), randn(hkv), randn(hkv)) for _ in range(batch)]
-
-
-def _planned_bytes(plan: CachedPlan, rank: int, dims: AttentionShape) -> dict[tuple[str, int], int]:
-    """Bytes ``rank`` sends per (flow, dst) in ``plan``: what its counter must show."""
-    planned: dict[tuple[str, int], int] = {}
-    for tr in plan.transfers:
-        if tr.src == rank:
-            key = (tr.payload.flow.value, tr.dst)
-            planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
-    return planned
 
 
 def _filled_cache(
@@ -243,6 +232,11 @@ def _case_rows(
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():
             sent[flow] += num
+        planned: dict[tuple[str, int], int] = {}  # bytes per (flow, dst) the counter must show
+        for tr in plan.transfers:
+            if tr.src == comm.rank:
+                key = (tr.payload.flow.value, tr.dst)
+                planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
         yield {
             "model": name,
             "cached": cached,
@@ -251,8 +245,7 @@ def _case_rows(
             "call_s": times,
             "sent_bytes": sent,
             "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
-            "bytes_match_plan": _planned_bytes(plan, comm.rank, dims)
-            == dict(comm.counter.sent_bytes),
+            "bytes_match_plan": planned == dict(comm.counter.sent_bytes),
             "max_error": (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0,
             "model_s": predicted.total_s,
             "model_travel_bytes": predicted.travel_bytes,

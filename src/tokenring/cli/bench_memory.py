@@ -176,14 +176,6 @@ class MemoryBenchConfig:
         AttentionShape(**{k: getattr(self, k) for k in _HEADS})  # heads_kv must divide heads_q
 
 
-def _device(config: MemoryBenchConfig) -> torch.device:
-    if config.device == "cpu":
-        return torch.device("cpu")
-    index = dist.get_rank() % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
 def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: torch.device) -> int:
     """Peak bytes of one forward + backward above the inputs (q, k, v, dout) on this rank."""
 
@@ -217,8 +209,10 @@ def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: tor
 
 def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Measure every (strategy, s) of ``config`` on this rank."""
-
-    device = _device(config)
+    device = torch.device("cpu")
+    if config.device == "cuda":
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     rows = []
     for strategy, s in itertools.product(config.strategies, config.seq_locals):
         extra = _one_call(config, strategy, s, device)
