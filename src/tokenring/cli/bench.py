@@ -872,11 +872,10 @@ def add_predictions(
         group = [rows[i] for i in indices]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
         hardware = _hardware(fwd_rate, bwd_rate, probes, config.dtype, topology, backend)
-        # rows per rank: S / P, or the padded buffer of uneven shards
-        layout = group[0]["layout"]
-        seq_local = make_sharding(
-            layout=layout, world_size=world_size, seq_len=config.seq
-        ).seq_local
+        sharding = make_sharding(
+            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
+        )
+        seq_local = sharding.seq_local  # S / P, or the padded buffer of uneven shards
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
         _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
         _add_planner_pick(group, config, hardware, world_size, seq_local)
