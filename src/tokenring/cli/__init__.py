@@ -178,13 +178,12 @@ def split_list(text: str, flag: str, parse: Any, expected: str) -> tuple[Any, ..
 
 def int_list(text: str, name: str, minimum: int) -> tuple[int, ...]:
     """Comma-separated integers >= minimum; ValueError naming the flag."""
-    expected = f"comma-separated integers >= {minimum}"
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"{name} must be {expected}; got {text!r}") from None
+        values = ()
     if not values or min(values) < minimum:
-        raise ValueError(f"{name} must be {expected}; got {text!r}")
+        raise ValueError(f"{name} must be comma-separated integers >= {minimum}; got {text!r}")
     return values
 
 

@@ -91,6 +91,8 @@ __all__ = [
 DEFAULT_HYBRID = HybridSpec(inner=2, outer_strategy=Strategy.TOKEN_RING)
 """The hybrid rows' default: islands of 2 ranks, TokenRing across them (2x2 on 4 ranks)."""
 PASSES = ("fwd", "fwd+bwd")
+_MODE_MODULES = {"memory": bench_memory, **dict.fromkeys(bench_inference.MODES, bench_inference)}
+"""The module of each ``--mode`` other than attention."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -321,11 +323,8 @@ def _compute_only(
 
 
 def _compute_operands(case: _Case, rank: int) -> Operands:
-    """What a strategy's own kernel calls read in its compute-only run, and the sizes their
-    FLOPs count with: the ring strategies' shards; for the others random tensors of the
-    shapes their pieces index (Ulysses: the whole sequence on the rank's head share, K/V
-    repeated to one head per query head; all-gather K/V: the gathered K/V; the hybrid: the
-    outer shard on all heads)."""
+    """What a strategy's kernel calls read in its compute-only run, and the sizes their FLOPs
+    count with: the ring strategies' shards, else random tensors of the shapes pieces index."""
     dims = case.dims
     if case.strategy.is_ring:
         return tuple(case.kernel_inputs), dims
@@ -618,25 +617,22 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
             ]
             padded = _padded(sharding, rank, local)
             for strategy in config.strategies:
-                case = _Case(
+                mine, reference, kernel_inputs = local, want, padded
+                if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
+                    mine, at = _hybrid_shards(config.hybrid, rank, world, layout, *inputs)
+                    mine = kernel_inputs = [x.to(device) for x in mine]
+                    reference = per_rank_reference(q, k, v, dout, at, causal=causal, **check)
+                yield _Case(
                     model_name=name,
                     dims=model,
                     causal=causal,
                     layout=layout,
                     strategy=strategy,
                     scheds=config.schedules(model, strategy, causal, world),
-                    local=local,
-                    reference=want,
-                    kernel_inputs=padded,
+                    local=mine,
+                    reference=reference,
+                    kernel_inputs=kernel_inputs,
                 )
-                if strategy is Strategy.HYBRID:  # its own layout (tokenring.hybrid)
-                    mine, at = _hybrid_shards(config.hybrid, rank, world, layout, *inputs)
-                    mine = [x.to(device) for x in mine]
-                    hybrid_want = per_rank_reference(q, k, v, dout, at, causal=causal, **check)
-                    case = dataclasses.replace(
-                        case, local=mine, reference=hybrid_want, kernel_inputs=mine
-                    )
-                yield case
 
 
 def _padded(sharding: Sharding, rank: int, local: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -738,9 +734,8 @@ def _max_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
 def _timed_calls(
     config: BenchConfig, comm: Communicator, case: _Case, backward: bool, mesh: HybridMesh | None
 ) -> tuple[list[float], list[Event], list[torch.Tensor], Counted]:
-    """The seconds of each timed call, the last call's events (from its own start), its
-    results (out, and with ``backward`` dq, dk, dv), and whose counters and timeline it read:
-    the hybrid's inner and outer groups, else the default group's."""
+    """Seconds of each timed call; the last call's events (from its start), results (out
+    [, dq, dk, dv]) and the (communicator, group ranks) whose counters it read."""
     counted = [(comm, list(range(comm.world_size)))]
     attend: Callable[..., Any] = functools.partial(sequence_parallel_attn, strategy=case.strategy)
     if case.strategy is Strategy.TOKEN_RING:
@@ -877,11 +872,10 @@ def add_predictions(
         group = [rows[i] for i in indices]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
         hardware = _hardware(fwd_rate, bwd_rate, probes, config.dtype, topology, backend)
-        # rows per rank: S / P, or the padded buffer of uneven shards
-        layout = group[0]["layout"]
-        seq_local = make_sharding(
-            layout=layout, world_size=world_size, seq_len=config.seq
-        ).seq_local
+        sharding = make_sharding(
+            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
+        )
+        seq_local = sharding.seq_local  # S / P, or the padded buffer of uneven shards
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
         _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
         _add_planner_pick(group, config, hardware, world_size, seq_local)
@@ -1057,9 +1051,8 @@ def _call_bytes(
     *,
     materialises: bool,
 ) -> int:
-    """What one strategy's calls hold on a rank beyond its shards: operands, fp32
-    accumulators, the kernel's masks of padded or masked pieces and, where it
-    ``materialises`` whole score blocks (CUDA: reference-math backward, float64), those."""
+    """What one strategy's calls hold on a rank beyond its shards: operands, accumulators,
+    masks of padded or masked pieces, and whole score blocks where it ``materialises`` them."""
     acc = 8 if config.dtype == "float64" else 4
     elem = DTYPES[config.dtype].itemsize
     b, n, d = config.batch, sharding.seq_local, model.head_dim
@@ -1121,10 +1114,8 @@ def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend:
 
 
 def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: int) -> None:
-    """Raise ValueError when ``--link`` is too slow for the run to end within ``--timeout``:
-    the bytes each row's schedules put on the busiest emulated link or port (the cost
-    model's routing of the lab's topology) times the calls per row, plus the bandwidth
-    probe's, over the link rate is a lower bound on the run's time."""
+    """Raise ValueError when the busiest emulated link's bytes (every call's and the probe's)
+    over the ``--link`` rate, a lower bound on the run's time, exceed ``--timeout``."""
     rate = args.link / 8  # bytes/s
     probes = {"link_bytes_per_s": rate, "memory_bytes_per_s": 1.0}
     hardware = _hardware(1.0, 1.0, probes, config.dtype, args.topology, "gloo")  # network only
@@ -1230,7 +1221,8 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
+    """The run the arguments describe, with hybrid rows where they fit. Raises ValueError
+    naming the flag that is wrong."""
     check_heads(args)
     passes = split_list(args.passes, "--passes", _parse_pass, ", ".join(PASSES))
     strategies = tuple(Strategy)
@@ -1253,12 +1245,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tolerance=args.tolerance,
         last_pair=args.last_pair,
     )
-    if args.strategies is None:  # all of them; the hybrid only where it fits, and then said so
-        try:
-            config.check_world(ranks.world_size_of(args))
-        except ValueError as exc:
-            print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
-            config = dataclasses.replace(config, strategies=strategies[:-1])
+    try:  # by default the hybrid only where it fits, and then said so
+        config.check_world(ranks.world_size_of(args))
+    except ValueError as exc:
+        if args.strategies is not None:
+            raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
+        print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
+        config = dataclasses.replace(config, strategies=strategies[:-1])
     return config
 
 
@@ -1277,14 +1270,10 @@ def check_args(args: argparse.Namespace) -> None:
         given = [flag for flag, value in only_attention if value]
         if given:
             raise ValueError(f"{given[0]} is for --mode attention; got --mode {args.mode}")
-        _mode_module(args).check_args(args)
+        _MODE_MODULES[args.mode].check_args(args)
         return
     config = config_from_args(args)
     world = ranks.world_size_of(args)
-    try:
-        config.check_world(world)
-    except ValueError as exc:
-        raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
     for name, model, causal, strategy in config.cases():  # what the ranks build first
         try:
             config.schedules(model, strategy, causal, world)
@@ -1301,14 +1290,9 @@ def check_args(args: argparse.Namespace) -> None:
     args._config = config
 
 
-def _mode_module(args: argparse.Namespace) -> Any:
-    """The module of a ``--mode`` other than attention."""
-    return bench_memory if args.mode == "memory" else bench_inference
-
-
 def run(args: argparse.Namespace) -> int:
     if args.mode != "attention":
-        status: int = _mode_module(args).run(args)
+        status: int = _MODE_MODULES[args.mode].run(args)
         return status
     config: BenchConfig = args._config
     num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
@@ -1340,7 +1324,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         _print_table(rows, settings, wide=args.wide)
     if args.markdown:
-        _write_markdown(args.markdown, rows, settings, args.argv)
+        table = [[title for _, title, _ in _MD_COLUMNS]]
+        for row in rows:
+            shown = {**row, "strategy": _strategy_label(row)}
+            shown["busiest_link_MB"] = row["busiest_link_bytes"] / 1e6
+            table.append([report.cell(shown.get(k), fmt) for k, _, fmt in _MD_COLUMNS])
+        note = report.timing_note(settings)
+        lines = _planner_lines(rows)
+        report.write_markdown(args.markdown, _title(settings), args.argv, note, table, lines)
     if args.plot:
         plot_timelines(per_rank, config, args.plot, title=_title(settings))
     if args.trace:
@@ -1362,8 +1353,9 @@ def _title(settings: dict[str, Any]) -> str:
 
 
 # -- the terminal table, the planner's verdicts, markdown ----------------------------------------
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _strategy_label(row: dict[str, Any]) -> str:
+    """The strategy's name, with the hybrid's factorisation (e.g. ``hybrid 2x2 token_ring``)."""
+    return f"{row['strategy']} {row['hybrid']}" if row.get("hybrid") else row["strategy"]
 
 
 SCREEN_COLUMNS = 120
@@ -1373,9 +1365,9 @@ SCREEN_COLUMNS = 120
 _NARROW_COLUMNS: list[tuple[str, Any]] = [
     ("model", lambda r: r["model"]),
     ("causal", lambda r: "yes" if r["causal"] else "no"),
-    ("strategy", lambda r: _strategy_label(r)),
+    ("strategy", _strategy_label),
     ("pass", lambda r: r["pass"]),
-    ("ms/call", lambda r: _ms(r["ms_median"])),
+    ("ms/call", lambda r: report.cell(r["ms_median"], "{:.1f}")),
     ("p10-p90", lambda r: f"{r['ms_p10']:.0f}-{r['ms_p90']:.0f}"),
     ("% bound", lambda r: "-" if r["pct_of_bound"] is None else f"{r['pct_of_bound']:.0f}%"),
     ("vs model", lambda r: f"{r['model_error_pct']:+.0f}%" if "model_error_pct" in r else "-"),
@@ -1384,15 +1376,15 @@ _NARROW_COLUMNS: list[tuple[str, Any]] = [
 ]
 _WIDE_COLUMNS: list[tuple[str, Any]] = [
     *_NARROW_COLUMNS[:6],
-    ("ms/step fwd", lambda r: _ms(r["ms_step_fwd"])),
-    ("ms/step bwd", lambda r: _ms(r["ms_step_bwd"])),
+    ("ms/step fwd", lambda r: report.cell(r["ms_step_fwd"], "{:.1f}")),
+    ("ms/step bwd", lambda r: report.cell(r["ms_step_bwd"], "{:.1f}")),
     ("MB out travel", lambda r: f"{r['travel_bytes_per_rank'] / 1e6:.2f}"),
     ("MB out return", lambda r: f"{r['return_bytes_per_rank'] / 1e6:.2f}"),
     ("MB/s travel", lambda r: f"{r['travel_MBps']:.1f}"),
     ("MB/s return", lambda r: f"{r['return_MBps']:.1f}"),
     ("overlap", lambda r: f"{r['overlap_efficiency']:.2f}"),
     _NARROW_COLUMNS[6],
-    ("model ms", lambda r: _ms(r.get("model_ms"))),
+    ("model ms", lambda r: report.cell(r.get("model_ms"), "{:.1f}")),
     *_NARROW_COLUMNS[7:],
 ]
 
@@ -1419,11 +1411,6 @@ def _print_table(rows: list[dict[str, Any]], settings: dict[str, Any], *, wide: 
     print_table(results_table(rows, settings, wide=wide))
     for line in _planner_lines(rows):  # a verdict's reason folds under it (Note [First screen])
         print(textwrap.fill(line, width=SCREEN_COLUMNS, subsequent_indent="    "))
-
-
-def _strategy_label(row: dict[str, Any]) -> str:
-    """The strategy's name, with the hybrid's factorisation (e.g. ``hybrid 2x2 token_ring``)."""
-    return f"{row['strategy']} {row['hybrid']}" if row.get("hybrid") else row["strategy"]
 
 
 def planner_verdict(pick: dict[str, Any], fastest: dict[str, Any]) -> tuple[str, str]:
@@ -1502,48 +1489,23 @@ def _planner_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 _MD_COLUMNS = [
-    *((key, key) for key in ("model", "causal", "strategy", "pass")),
-    ("ms_median", "ms/call"),
-    ("ms_p10", "p10"),
-    ("ms_p90", "p90"),
-    ("ms_step_fwd", "ms/step fwd"),
-    ("ms_step_bwd", "ms/step bwd"),
-    ("busiest_link_bytes", "busiest link MB"),
-    ("overlap_efficiency", "overlap"),
-    ("ms_compute_only", "compute-only ms"),
-    ("ms_bound", "bound ms"),
-    ("pct_of_bound", "% of bound"),
-    ("model_step_fwd_ms", "model ms/step fwd"),
-    ("model_ms", "model ms"),
-    ("model_error_pct", "vs model %"),
-    ("planner_pick", "auto picks"),
-    ("last_pair", "last pair"),
-    ("auto_last_pair", "auto last pair"),
-    ("max_error", "max err"),
+    *((key, key, "{}") for key in ("model", "causal", "strategy", "pass")),
+    ("ms_median", "ms/call", "{:.1f}"),
+    ("ms_p10", "p10", "{:.1f}"),
+    ("ms_p90", "p90", "{:.1f}"),
+    ("ms_step_fwd", "ms/step fwd", "{:.1f}"),
+    ("ms_step_bwd", "ms/step bwd", "{:.1f}"),
+    ("busiest_link_MB", "busiest link MB", "{:.2f}"),
+    ("overlap_efficiency", "overlap", "{:.2f}"),
+    ("ms_compute_only", "compute-only ms", "{:.1f}"),
+    ("ms_bound", "bound ms", "{:.1f}"),
+    ("pct_of_bound", "% of bound", "{:.1f}"),
+    ("model_step_fwd_ms", "model ms/step fwd", "{:.1f}"),
+    ("model_ms", "model ms", "{:.1f}"),
+    ("model_error_pct", "vs model %", "{:.1f}"),
+    ("planner_pick", "auto picks", "{}"),
+    ("last_pair", "last pair", "{}"),
+    ("auto_last_pair", "auto last pair", "{}"),
+    ("max_error", "max err", "{:.1e}"),
 ]
-
-
-def _md_cell(key: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if key == "busiest_link_bytes":
-        return f"{value / 1e6:.2f}"
-    if key == "max_error":
-        return f"{value:.1e}"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.2f}" if key == "overlap_efficiency" else f"{value:.1f}"
-    return str(value)
-
-
-def _write_markdown(
-    path: str, rows: list[dict[str, Any]], settings: dict[str, Any], argv: list[str] | None
-) -> None:
-    table = [[title for _, title in _MD_COLUMNS]] + [
-        [_md_cell(k, {**row, "strategy": _strategy_label(row)}.get(k)) for k, _ in _MD_COLUMNS]
-        for row in rows
-    ]
-    report.write_markdown(
-        path, _title(settings), argv, report.timing_note(settings), table, _planner_lines(rows)
-    )
+"""(row key, header, format) of the markdown table's columns (``report.cell``)."""

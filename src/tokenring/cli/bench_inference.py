@@ -52,7 +52,6 @@ from tokenring.model.planner import (
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.kernels import BlockKernel, select_kernel
 from tokenring.strategies.cached import (
-    CachedPlan,
     CachedShards,
     CachedStrategy,
     CacheStep,
@@ -137,16 +136,6 @@ def _random_sequences(
 
     hq, hkv = model.heads_q, model.heads_kv
     return [(randn(hq), randn(hkv), randn(hkv)) for _ in range(batch)]
-
-
-def _planned_bytes(plan: CachedPlan, rank: int, dims: AttentionShape) -> dict[tuple[str, int], int]:
-    """Bytes ``rank`` sends per (flow, dst) in ``plan``: what its counter must show."""
-    planned: dict[tuple[str, int], int] = {}
-    for tr in plan.transfers:
-        if tr.src == rank:
-            key = (tr.payload.flow.value, tr.dst)
-            planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
-    return planned
 
 
 def _filled_cache(
@@ -243,6 +232,11 @@ def _case_rows(
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():
             sent[flow] += num
+        planned: dict[tuple[str, int], int] = {}  # bytes per (flow, dst) the counter must show
+        for tr in plan.transfers:
+            if tr.src == comm.rank:
+                key = (tr.payload.flow.value, tr.dst)
+                planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
         yield {
             "model": name,
             "cached": cached,
@@ -251,8 +245,7 @@ def _case_rows(
             "call_s": times,
             "sent_bytes": sent,
             "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
-            "bytes_match_plan": _planned_bytes(plan, comm.rank, dims)
-            == dict(comm.counter.sent_bytes),
+            "bytes_match_plan": planned == dict(comm.counter.sent_bytes),
             "max_error": (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0,
             "model_s": predicted.total_s,
             "model_travel_bytes": predicted.travel_bytes,
@@ -420,8 +413,9 @@ def run(args: argparse.Namespace) -> int:
         "iters": config.iters,
     }
     report.write_records([{**settings, **row} for row in rows], args)
-    title, headers, lines = _title(settings, config), _headers(config), _pick_lines(rows)
-    cells = [[_cell(key, row.get(key)) for key, _ in _COLUMNS] for row in rows]
+    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
+    headers = [unit if key == "ms_median" else title for key, title, _ in _COLUMNS]
+    title, cells, lines = _title(settings, config), [_cells(row) for row in rows], _pick_lines(rows)
     ok = [row["verified"] and row["bytes_match_plan"] for row in rows]
     if not args.json:
         table = make_table("tokenring bench " + title, [*headers, "check"])
@@ -459,44 +453,31 @@ def _title(settings: dict[str, Any], config: InferenceBenchConfig) -> str:
 
 
 _COLUMNS = [
-    ("model", "model"),
-    ("cached", "C"),
-    ("new", "T"),
-    ("new_fraction", "T/(T+C)"),
-    ("pass_q_threshold", "pass-Q below"),
-    ("strategy", "strategy"),
-    ("ms_median", "ms/call"),
-    ("ms_p10", "p10"),
-    ("ms_p90", "p90"),
-    ("travel_bytes_per_rank", "MB travel/rank"),
-    ("return_bytes_per_rank", "MB return/rank"),
-    ("model_ms", "model ms"),
-    ("model_error_pct", "vs model %"),
-    ("auto_pick", "auto picks"),
-    ("fastest", "fastest"),
-    ("max_error", "max err"),
+    ("model", "model", "{}"),
+    ("cached", "C", "{}"),
+    ("new", "T", "{}"),
+    ("new_fraction", "T/(T+C)", "{:.3f}"),
+    ("pass_q_threshold", "pass-Q below", "{:.3f}"),
+    ("strategy", "strategy", "{}"),
+    ("ms_median", "ms/call", "{:.2f}"),
+    ("ms_p10", "p10", "{:.2f}"),
+    ("ms_p90", "p90", "{:.2f}"),
+    ("travel_MB_per_rank", "MB travel/rank", "{:.3f}"),
+    ("return_MB_per_rank", "MB return/rank", "{:.3f}"),
+    ("model_ms", "model ms", "{:.2f}"),
+    ("model_error_pct", "vs model %", "{:+.0f}"),
+    ("auto_pick", "auto picks", "{}"),
+    ("fastest", "fastest", "{}"),
+    ("max_error", "max err", "{:.1e}"),
 ]
+"""(row key, header, format) of the table's columns (``report.cell``)."""
 
 
-def _headers(config: InferenceBenchConfig) -> list[str]:
-    unit = "ms/step" if config.mode == "decode" else "ms/chunk"
-    return [unit if key == "ms_median" else title for key, title in _COLUMNS]
-
-
-def _cell(key: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if key.endswith("bytes_per_rank"):
-        return f"{value / 1e6:.3f}"
-    if key == "max_error":
-        return f"{value:.1e}"
-    if key in ("new_fraction", "pass_q_threshold"):
-        return f"{value:.3f}"
-    if key == "model_error_pct":
-        return f"{value:+.0f}"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
+def _cells(row: dict[str, Any]) -> list[str]:
+    shown = {**row}
+    for flow in ("travel", "return"):
+        shown[f"{flow}_MB_per_rank"] = row[f"{flow}_bytes_per_rank"] / 1e6
+    return [report.cell(shown.get(key), fmt) for key, _, fmt in _COLUMNS]
 
 
 def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -41,7 +41,7 @@ from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import ArgumentAdder, check_heads, int_list, ranks, split_list
 from tokenring.cli.models import DTYPES
 from tokenring.cli.report import write_records
-from tokenring.core.schedule import Strategy
+from tokenring.core.schedule import AttentionShape, Strategy
 
 __all__ = [
     "MMAP_THRESHOLD_ENV",
@@ -59,6 +59,7 @@ _METHODS = {
     "cuda": "torch.cuda.max_memory_allocated",
     "cpu": "VmHWM (MALLOC_MMAP_THRESHOLD_=65536)",
 }
+_HEADS = ("heads_q", "heads_kv", "head_dim")
 # every strategy but the hybrid (a 2-D mesh: measured through its parts)
 DEFAULT_STRATEGIES = tuple(s for s in Strategy if s is not Strategy.HYBRID)
 
@@ -172,19 +173,7 @@ class MemoryBenchConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if min(self.batch, self.heads_q, self.heads_kv, self.head_dim) < 1:
             raise ValueError("batch, heads_q, heads_kv and head_dim must be >= 1")
-        if self.heads_q % self.heads_kv:
-            raise ValueError(
-                f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
-                f"heads_kv={self.heads_kv}"
-            )
-
-
-def _device(config: MemoryBenchConfig) -> torch.device:
-    if config.device == "cpu":
-        return torch.device("cpu")
-    index = dist.get_rank() % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+        AttentionShape(**{k: getattr(self, k) for k in _HEADS})  # heads_kv must divide heads_q
 
 
 def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: torch.device) -> int:
@@ -220,8 +209,10 @@ def _one_call(config: MemoryBenchConfig, strategy: Strategy, s: int, device: tor
 
 def run_rank(config: MemoryBenchConfig, progress_path: str | None = None) -> dict[str, Any]:
     """Measure every (strategy, s) of ``config`` on this rank."""
-
-    device = _device(config)
+    device = torch.device("cpu")
+    if config.device == "cuda":
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     rows = []
     for strategy, s in itertools.product(config.strategies, config.seq_locals):
         extra = _one_call(config, strategy, s, device)
@@ -237,14 +228,8 @@ def aggregate(per_rank: list[dict[str, Any]], config: MemoryBenchConfig) -> list
     rows = []
     for index, first in enumerate(per_rank[0]["rows"]):
         s = first["seq_local"]
-        shape: dict[str, Any] = dict(
-            batch=config.batch,
-            seq_local=s,
-            heads_q=config.heads_q,
-            heads_kv=config.heads_kv,
-            head_dim=config.head_dim,
-            dtype=DTYPES[config.dtype],
-        )
+        shape: dict[str, Any] = {k: getattr(config, k) for k in ("batch", *_HEADS)}
+        shape.update(seq_local=s, dtype=DTYPES[config.dtype])
         minimum = minimum_bytes(**shape)
         # q, dout, k, v, allocated before the call: as many bytes as dout, dq, dk, dv
         inputs = minimum - minimum_bytes(**shape, backward=False)

@@ -24,10 +24,7 @@ def rich_modules() -> Any:
 
 def make_table(title: str, columns: Sequence[str]) -> Any:
     """A rich Table with these column headers (put units in the names)."""
-    rich_modules()
-    from rich.table import Table
-
-    table = Table(title=title)
+    table = rich_modules().table.Table(title=title)
     for column in columns:
         table.add_column(column, overflow="fold")
     return table
@@ -36,26 +33,22 @@ def make_table(title: str, columns: Sequence[str]) -> Any:
 def print_table(table: Any) -> None:
     """Print at the terminal's width; into a pipe or file (no terminal to fit) at the table's
     own width, so no cell is folded in a log."""
-    rich_modules()
-    from rich.console import Console
-
-    console = Console()
+    rich = rich_modules()
+    console = rich.console.Console()
     if not console.is_terminal:
-        natural = Console(width=10_000).measure(table).maximum
-        console = Console(width=max(console.width, natural))
+        natural = rich.console.Console(width=10_000).measure(table).maximum
+        console = rich.console.Console(width=max(console.width, natural))
     console.print(table)
 
 
 def progress(total: int, description: str) -> Any:
     """A rich Progress bar context manager; ``bar.advance(task)`` per unit of work."""
-    rich_modules()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
+    rich = rich_modules()
+    bar = rich.progress.Progress(
+        rich.progress.TextColumn("{task.description}"),
+        rich.progress.BarColumn(),
+        rich.progress.TextColumn("{task.completed}/{task.total}"),
+        rich.progress.TimeElapsedColumn(),
         transient=True,
     )
     bar.add_task(description, total=total)

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["call_ms", "group_by", "link_text", "write_markdown", "write_records"]
+__all__ = ["call_ms", "cell", "group_by", "link_text", "write_markdown", "write_records"]
 
 T = TypeVar("T")
 
@@ -27,6 +27,15 @@ def call_ms(call_s: Sequence[list[float]]) -> dict[str, float]:
         "ms_p10": 1e3 * max(_percentile(c, 10) for c in call_s),
         "ms_p90": 1e3 * max(_percentile(c, 90) for c in call_s),
     }
+
+
+def cell(value: Any, fmt: str = "{}") -> str:
+    """A table cell: "-" for None, yes / no for a bool, else ``fmt.format(value)``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return fmt.format(value)
 
 
 def group_by(items: Iterable[T], key: Callable[[T], Hashable]) -> list[list[T]]:

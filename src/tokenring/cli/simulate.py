@@ -113,11 +113,11 @@ def _row(
     cfg: _Config, args: argparse.Namespace, seq: int, requested: int, result: CallResult
 ) -> dict[str, Any]:
     first = result.passes[0]
-    hybrid = None
+    strategy = result.strategy.value
     if result.strategy is Strategy.HYBRID and cfg.hybrid is not None:
-        hybrid = cfg.hybrid.label(first.world_size)
+        strategy = f"hybrid {cfg.hybrid.label(first.world_size)}"
     return {
-        "strategy": result.strategy.value if hybrid is None else f"hybrid {hybrid}",
+        "strategy": strategy,
         "model": cfg.model,
         "hardware": cfg.hardware.name,
         "world_size": first.world_size,
