@@ -185,42 +185,36 @@ def resolve_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    args = _planner_args(
-        q,
-        k,
-        hardware,
-        world_size=comm.world_size,
-        causal=causal,
-        layout=layout,  # as given: the planner checks it after the sizes and dtype
-        last_block_splits=last_block_splits,
-        training=training,
+    # layout as given: the planner checks it after the sizes and dtype
+    call = dict(
+        hardware=hardware, causal=causal, layout=layout, last_block_splits=last_block_splits
     )
+    args = _planner_args(q, k, call, world_size=comm.world_size, training=training)
     return planner.choose_strategy(**args, last_pair=last_pair)
 
 
 def _planner_args(
-    q: torch.Tensor, k: torch.Tensor, hardware: Hardware | str, **call: Any
+    q: torch.Tensor,
+    k: torch.Tensor,
+    options: dict[str, Any],
+    *,
+    world_size: int,
+    training: bool | None = None,
 ) -> dict[str, Any]:
-    """The planner's description of a call: q's and k's shapes, ``hardware``, and ``call``."""
+    """The planner's description of a call: q's and k's shapes and ``options``' hardware,
+    causal, layout and last_block_splits (None ``training``: an operator's requires_grad)."""
     batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
-    hardware = preset(hardware) if isinstance(hardware, str) else hardware
+    hardware = options["hardware"]
+    call = {name: options[name] for name in ("causal", "layout", "last_block_splits")}
     shape = dict(batch=batch, seq_local=seq_local, heads_q=heads_q, heads_kv=int(k.shape[2]))
-    return dict(shape, head_dim=head_dim, dtype=q.dtype, hardware=hardware, **call)
-
-
-def _op_planner_args(
-    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int
-) -> dict[str, Any]:
-    """:func:`_planner_args` of an operator call (``options``: its keyword arguments)."""
-    return _planner_args(
-        q,
-        k,
-        options["hardware"],
+    return dict(
+        shape,
+        head_dim=head_dim,
+        dtype=q.dtype,
+        hardware=preset(hardware) if isinstance(hardware, str) else hardware,
         world_size=world_size,
-        causal=options["causal"],
-        layout=Layout.parse(options["layout"]),
-        last_block_splits=options["last_block_splits"],
-        training=any(options["requires_grad"][:2]),
+        training=any(options["requires_grad"][:2]) if training is None else training,
+        **call,
     )
 
 
@@ -234,7 +228,7 @@ def _lends_last_pair(
     policy = _last_pair_policy(options)
     if policy != "auto":
         return policy == "lend"
-    return planner.lends_last_pair(**_op_planner_args(q, k, options, world_size))
+    return planner.lends_last_pair(**_planner_args(q, k, options, world_size=world_size))
 
 
 def _last_pair_policy(options: dict[str, Any]) -> str:
@@ -585,7 +579,8 @@ def _strategy_of(
     if world_size is None:
         world_size = _rank_and_size(op.resolve_group(options["group"]))[1]
     return planner.choose_strategy(
-        **_op_planner_args(q, k, options, world_size), last_pair=_last_pair_policy(options)
+        **_planner_args(q, k, options, world_size=world_size),
+        last_pair=_last_pair_policy(options),
     )
 
 
