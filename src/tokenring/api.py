@@ -286,7 +286,6 @@ class _Call:
     mask: MaskSpec
     kernel: BlockKernel
     scale: float
-    signature: dict[str, Any]  # what every rank must agree on (Note [Rank agreement])
 
 
 def _prepare_call(
@@ -296,11 +295,9 @@ def _prepare_call(
     *,
     comm: Communicator,
     options: dict[str, Any],
-    needs_grad: bool,
-) -> _Call:
+) -> tuple[_Call, dict[str, Any]]:
     """Validate one rank's call (``options``: the operator's, :func:`_merged`) and build the
-    signature the ranks compare; no communication. ``needs_grad``: decided by the caller
-    (inside the operator grad mode is off)."""
+    signature the ranks compare (Note [Rank agreement]); no communication."""
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
     requested = _requested_strategy(q, options)
@@ -339,7 +336,7 @@ def _prepare_call(
         "last_block_splits": options["last_block_splits"],
         "last_pair": options["last_pair"],
         "kernel": block_kernel.name,
-        "needs grad": needs_grad,
+        "needs grad": any(options["requires_grad"]),  # inside the operator grad mode is off
     }
     return _Call(
         layout=layout,
@@ -347,8 +344,7 @@ def _prepare_call(
         mask=mask,
         kernel=block_kernel,
         scale=scale,
-        signature=signature,
-    )
+    ), signature
 
 
 def _sharding(
@@ -777,11 +773,7 @@ def _plan(
         raise ValueError(f"check_ranks must be a bool; got {options['check_ranks']!r}")
     comm = get_communicator(op.resolve_group(options["group"]))
 
-    def validate() -> tuple[_Call, dict[str, Any]]:  # Note [Rank agreement]
-        needs_grad = any(options["requires_grad"])
-        call = _prepare_call(q, k, v, comm=comm, options=options, needs_grad=needs_grad)
-        return call, call.signature
-
+    validate = functools.partial(_prepare_call, q, k, v, comm=comm, options=options)
     call = comm.agreed(validate, what="attention call", check_ranks=options["check_ranks"])
     strategy = _strategy_of(q, k, options, comm.world_size)
     lend = _lends_last_pair(strategy, q, k, options, comm.world_size)
