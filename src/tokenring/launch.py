@@ -528,13 +528,11 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     # finalises aborts the process (SIGABRT) after every result was right. So: wait until
     # every rank is done talking, close the library's communicators, destroy the rest, and
     # free the objects, which joins their threads while the interpreter is still whole.
+    if dist.is_initialized() and spec.world_size > 1:
+        get_communicator(None).barrier(label="end of launch")
+    close_communicators()
     if dist.is_initialized():
-        if spec.world_size > 1:
-            get_communicator(None).barrier(label="end of launch")
-        close_communicators()
         dist.destroy_process_group()
-    else:
-        close_communicators()
     gc.collect()
     return value
 
