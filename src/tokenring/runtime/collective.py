@@ -32,7 +32,7 @@ from tokenring.runtime.program import Op
 from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows, rows_heads
 from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
 
-__all__ = ["collective_backward", "collective_forward"]
+__all__ = ["collective_forward", "collective_pass"]
 
 
 # -- the runners ---------------------------------------------------------------------------
@@ -427,59 +427,20 @@ def collective_forward(
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype,
-        and the residuals for :func:`collective_backward` (none).
+        and the residuals of the backward (none: it gathers q, k, v, out and lse again).
 
     Raises:
         ValueError: an unknown ``strategy_name`` or layout.
         RuntimeError: a collective failed or outlasted ``comm.timeout`` (names this rank).
     """
-    runner = _run(
+    out, lse = collective_pass(
         strategy_name, Pass.FORWARD, (q, k, v), causal=causal, scale=scale, layout=layout,
         comm=comm, kernel=kernel, sharding=sharding, mask=mask,
     )  # fmt: skip
-    return runner.out.to(q.dtype), runner.lse, []
+    return out, lse, []
 
 
-def collective_backward(
-    strategy_name: Strategy | str,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    residuals: Sequence[torch.Tensor],
-    *,
-    dtype: torch.dtype,
-    causal: bool,
-    scale: float,
-    layout: Layout | str,
-    comm: Communicator,
-    kernel: BlockKernel,
-    sharding: Sharding | None = None,
-    mask: MaskSpec | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of :func:`collective_forward` from its residuals.
-
-    Args:
-        dout: ``(B, s, Hq, D)`` gradient of out.
-        q, k, v, out, lse: the forward's inputs and outputs (both strategies gather again).
-        residuals: what :func:`collective_forward` returned with them.
-        dtype: the dtype of q, k and v.
-        causal, scale, layout, comm, kernel, sharding, mask: as given to the forward.
-
-    Returns:
-        dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in ``dtype``.
-    """
-    assert not residuals, "the collectives keep no residuals"
-    runner = _run(
-        strategy_name, Pass.BACKWARD, (dout, q, k, v, out, lse), causal=causal, scale=scale,
-        layout=layout, comm=comm, kernel=kernel, sharding=sharding, mask=mask,
-    )  # fmt: skip
-    return runner.dq.to(dtype), runner.dk.to(dtype), runner.dv.to(dtype)
-
-
-def _run(
+def collective_pass(
     strategy_name: Strategy | str,
     pass_: Pass,
     inputs: tuple[torch.Tensor, ...],
@@ -489,10 +450,20 @@ def _run(
     layout: Layout | str,
     comm: Communicator,
     kernel: BlockKernel,
-    sharding: Sharding | None,
-    mask: MaskSpec | None,
-) -> Any:
-    """Run one pass of ``inputs`` on this rank's program; the runner holds the results."""
+    sharding: Sharding | None = None,
+    mask: MaskSpec | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """One pass of :func:`collective_forward`'s call on this rank's program.
+
+    Args:
+        inputs: forward q, k, v; backward dout ``(B, s, Hq, D)`` and the forward's q, k, v,
+            out and lse.
+        Others: as in :func:`collective_forward`; the same in both passes.
+
+    Returns:
+        Forward out and lse as :func:`collective_forward`; backward dq ``(B, s, Hq, D)``, dk
+        and dv ``(B, s, Hkv, D)``, in q's dtype.
+    """
     strategy = parse_collective(strategy_name)
     inputs = tuple(x.contiguous() for x in inputs)
     q, k = inputs[:2] if pass_ is Pass.FORWARD else inputs[1:3]
@@ -501,11 +472,13 @@ def _run(
         masking = _Masking(sharding, mask, comm.world_size, q.device)
     key = (Layout.parse(layout), causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
     sched = _build(strategy, pass_, *key)
-    runner = _RUNNERS[strategy][pass_ is Pass.BACKWARD](
+    runner: Any = _RUNNERS[strategy][pass_ is Pass.BACKWARD](
         sched, comm, kernel, inputs, scale=scale, masking=masking
     )
     runner.run()
-    return runner
+    if pass_ is Pass.FORWARD:
+        return runner.out.to(q.dtype), runner.lse
+    return runner.dq.to(q.dtype), runner.dk.to(q.dtype), runner.dv.to(q.dtype)
 
 
 class _Masking:
