@@ -305,7 +305,7 @@ def _held_heads(sched: Schedule, piece: Piece) -> slice:
 
 
 def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
-    """The rows and query heads of ``acc`` ``(B, s, Hq, D)`` that the return ``tr`` carries."""
+    """The rows and heads of ``acc`` ``(B, s, H, D)`` that ``tr`` carries (a return, dK/dV)."""
     rows = acc[:, tr.rows[0] : tr.rows[1]]
     return rows if tr.heads is None else rows[:, :, tr.heads[0] : tr.heads[1]]
 
@@ -738,11 +738,9 @@ class _Backward(_RingPass):
                 grads = self.new_lane_grads(lane_index)
             if step == 0 and not self.direct:  # it leaves home with our dK/dV of the lane
                 assert self.dk_acc is not None and self.dv_acc is not None
-                rows = slice(*tr_out.rows)
-                heads = slice(*tr_out.heads) if tr_out.heads else slice(None)
                 for grad, own in zip(grads, (self.dk_acc, self.dv_acc), strict=True):
-                    grad.copy_(own[:, rows, heads])
-                    own[:, rows, heads] = 0
+                    grad.copy_(_rows_heads(own, tr_out))
+                    _rows_heads(own, tr_out).zero_()
             self.outbox[tr_out] = self.lane_messages.pop(lane_index)
             del grads
         if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
@@ -770,12 +768,10 @@ class _Backward(_RingPass):
             self.dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             self.dv_acc = torch.zeros_like(self.dk_acc)
         for tr in transfers:
-            rec = self.poster.pending.pop(tr)
-            rows, heads = slice(*tr.rows), slice(*tr.heads) if tr.heads else slice(None)
-            dk_home, dv_home = rec.wait()
-            self.dk_acc[:, rows, heads] += dk_home
-            self.dv_acc[:, rows, heads] += dv_home
-            del rec, dk_home, dv_home
+            dk_home, dv_home = self.poster.pending.pop(tr).wait()
+            _rows_heads(self.dk_acc, tr).add_(dk_home)
+            _rows_heads(self.dv_acc, tr).add_(dv_home)
+            del dk_home, dv_home
         self.dk, self.dv = self.dk_acc, self.dv_acc
 
     def returns(self, op: Op) -> None:
