@@ -30,9 +30,9 @@ from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op
 from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows, rows_heads
-from tokenring.strategies.collective import HeadShare, Rows, _build, parse_collective, ulysses_heads
+from tokenring.strategies.collective import Rows, _build, parse_collective, ulysses_heads
 
-__all__ = ["collective_backward", "collective_forward"]
+__all__ = ["collective_forward", "collective_pass"]
 
 
 # -- the runners ---------------------------------------------------------------------------
@@ -82,13 +82,6 @@ def _heads(x: torch.Tensor, heads: Rows | None) -> torch.Tensor:
     return rows_heads(x, None, slice(*heads))
 
 
-def _with_heads(
-    parts: list[list[torch.Tensor] | None], shares: Sequence[HeadShare]
-) -> list[list[torch.Tensor] | None]:
-    """The parts of the ranks with heads (those that return something)."""
-    return [part for part, share in zip(parts, shares, strict=True) if share.num_q]
-
-
 def _joined(*by_source: list[list[torch.Tensor] | None]) -> list[list[torch.Tensor]]:
     """Each source's tensors of several payloads, one list per source."""
     joined = []
@@ -115,9 +108,9 @@ class _Ulysses(_Collective):
         self.mine = mine = self.shares[self.rank]
         self.to_global: torch.Tensor | None = None  # gathered row of each global position
         self.to_layout: torch.Tensor | None = None  # global position of each gathered row
-        self.visible: PositionMask | None = None  # (S, S) mask over the gathered rows
+        visible: PositionMask | None = None  # (S, S) mask over the gathered rows
         if masking is not None:  # rows stay in rank order; the mask says who sees whom
-            self.visible = masking.block(masking.all_positions, masking.all_positions)
+            visible = masking.block(masking.all_positions, masking.all_positions)
         elif sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1:
             positions_of = functools.partial(global_positions, world_size=p, seq_local=s)
             rows = [positions_of(rank=j, layout=sched.layout) for j in range(p)]
@@ -130,6 +123,9 @@ class _Ulysses(_Collective):
             if mine.num_q % mine.num_kv or local != [i // per for i in range(mine.num_q)]:
                 self.kv_map = torch.tensor(local, dtype=torch.long, device=device)
         self.backward = sched.pass_ is Pass.BACKWARD
+        # the kernel's keywords, the same in both passes
+        causal = sched.causal and visible is None
+        self.options: dict[str, Any] = {"causal": causal, "scale": self.scale, "mask": visible}
         # the queries' side then k, v of my heads, every rank's rows in global order: forward
         # q (B, S, nq, D); backward q, dout (B, S, nq, D), lse, delta (B, nq, S); k, v (B, S,
         # nkv, D)
@@ -197,7 +193,8 @@ class _Ulysses(_Collective):
         payloads = (Payload.DQ, Payload.DKV) if self.backward else (Payload.OUT,)
         came = [self.take(op, payload, own[_RETURNED[payload]]) for payload in payloads]
         del own
-        return _joined(*(_with_heads(parts, self.shares) for parts in came))
+        senders = [j for j, share in enumerate(self.shares) if share.num_q]  # ranks with heads
+        return _joined(*([parts[j] for j in senders] for parts in came))
 
 
 class _UlyssesForward(_Ulysses):
@@ -211,16 +208,10 @@ class _UlyssesForward(_Ulysses):
         qg, kg, vg = self.gathered  # (B, S, nq, D), (B, S, nkv, D) x 2
         self.gathered = []
         done = self.timer.span(0, "attn")
-        out_g, lse_g = self.kernel.forward(
-            qg,
-            self.expand_kv(kg),
-            self.expand_kv(vg),
-            causal=self.sched.causal and self.visible is None,
-            scale=self.scale,
-            mask=self.visible,
-        )  # (B, S, nq, D), (B, nq, S)
+        kv = (self.expand_kv(kg), self.expand_kv(vg))
+        out_g, lse_g = self.kernel.forward(qg, *kv, **self.options)  # (B, S, nq, D), (B, nq, S)
         done()
-        del qg, kg, vg
+        del qg, kg, vg, kv
         self.back = [self.layout_order(out_g, 1), self.layout_order(lse_g, 2)]
 
     def returns(self, op: Op) -> None:
@@ -240,19 +231,10 @@ class _UlyssesBackward(_Ulysses):
         qg, dout_g, lse_g, delta_g, kg, vg = self.gathered
         self.gathered = []
         done = self.timer.span(0, "attn_bwd")
-        dq_g, dk_x, dv_x = self.kernel.backward(
-            dout_g,
-            qg,
-            self.expand_kv(kg),
-            self.expand_kv(vg),
-            lse_g,
-            delta_g,
-            causal=self.sched.causal and self.visible is None,
-            scale=self.scale,
-            mask=self.visible,
-        )
+        kv = (self.expand_kv(kg), self.expand_kv(vg))
+        dq_g, dk_x, dv_x = self.kernel.backward(dout_g, qg, *kv, lse_g, delta_g, **self.options)
         done()
-        del qg, kg, vg, dout_g, lse_g, delta_g
+        del qg, kg, vg, kv, dout_g, lse_g, delta_g
         self.back.append(self.layout_order(dq_g))
         del dq_g
         self.back.append(self.layout_order(self.reduce_kv(dk_x)))  # (B, S, nkv, D)
@@ -294,15 +276,17 @@ class _AllGather(_Collective):
         kv = kv_rows(*self.poster.pending.pop(tr).wait())  # (B, s, Hkv, D) x 2
         self.kv = kv if tr.owner in self.last else None  # None: nothing to compute (causal)
 
-    def piece(self, op: Op) -> tuple[Piece, Rows, Rows, PositionMask | None]:
-        """Segment ``op.index``'s piece, q rows, kv rows in the round's block and mask."""
+    def piece(self, op: Op) -> tuple[Piece, Rows, Rows, dict[str, Any]]:
+        """Segment ``op.index``'s piece, q rows, kv rows in the round's block and the kernel's
+        keywords (causal, scale, mask)."""
         (piece,) = self.sched.steps[self.rank][0].segments[op.index].pieces
         offset = piece.kv_rows[0] // self.s * self.s
         kv_rows = (piece.kv_rows[0] - offset, piece.kv_rows[1] - offset)
         mask = None
         if self.masking is not None:
             mask = self.masking.rows(self.rank, piece.q_rows, piece.kv_rows)
-        return piece, piece.q_rows, kv_rows, mask
+        options = {"causal": piece.causal and mask is None, "scale": self.scale, "mask": mask}
+        return piece, piece.q_rows, kv_rows, options
 
 
 class _AllGatherForward(_AllGather):
@@ -318,15 +302,10 @@ class _AllGatherForward(_AllGather):
 
     def compute(self, op: Op) -> None:
         assert self.kv is not None, "the round's block has arrived"
-        piece, (a, e), (c, f), mask = self.piece(op)
+        piece, (a, e), (c, f), options = self.piece(op)
         done = self.timer.span(0, "attn")
         part = self.kernel.forward(
-            self.q[:, a:e],
-            self.kv[0][:, c:f],
-            self.kv[1][:, c:f],
-            causal=piece.causal and mask is None,
-            scale=self.scale,
-            mask=mask,
+            self.q[:, a:e], self.kv[0][:, c:f], self.kv[1][:, c:f], **options
         )
         merge_into(self.out, self.lse, piece.q_rows, *part)
         del part
@@ -362,21 +341,15 @@ class _AllGatherBackward(_AllGather):
 
     def compute(self, op: Op) -> None:
         assert self.kv is not None and self.grads is not None, "the round's block has arrived"
-        piece, (a, e), (c, f), mask = self.piece(op)
+        piece, (a, e), (c, f), options = self.piece(op)
         done = self.timer.span(0, "attn_bwd")
-        self.kernel.backward_into(
-            (self.dq[:, a:e], self.grads[0][:, c:f], self.grads[1][:, c:f]),
-            self.dout[:, a:e],
-            self.q[:, a:e],
-            self.kv[0][:, c:f],
-            self.kv[1][:, c:f],
-            self.lse[:, :, a:e],
-            self.row_delta[:, :, a:e],
-            causal=piece.causal and mask is None,
-            scale=self.scale,
-            mask=mask,
-            out=self.out[:, a:e],  # this rank's own queries
-        )
+        grads = (self.dq[:, a:e], self.grads[0][:, c:f], self.grads[1][:, c:f])
+        q_side = (self.dout[:, a:e], self.q[:, a:e])
+        kv = (self.kv[0][:, c:f], self.kv[1][:, c:f])
+        stats = (self.lse[:, :, a:e], self.row_delta[:, :, a:e])
+        out = self.out[:, a:e]  # this rank's own queries
+        self.kernel.backward_into(grads, *q_side, *kv, *stats, out=out, **options)
+        del grads, q_side, kv, stats, out
         done()
         if self.last[piece.kv_rows[0] // self.s] == op.index:  # the partial waits in the outbox
             self.kv = self.grads = None
@@ -427,59 +400,20 @@ def collective_forward(
 
     Returns:
         out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype,
-        and the residuals for :func:`collective_backward` (none).
+        and the residuals of the backward (none: it gathers q, k, v, out and lse again).
 
     Raises:
         ValueError: an unknown ``strategy_name`` or layout.
         RuntimeError: a collective failed or outlasted ``comm.timeout`` (names this rank).
     """
-    runner = _run(
+    out, lse = collective_pass(
         strategy_name, Pass.FORWARD, (q, k, v), causal=causal, scale=scale, layout=layout,
         comm=comm, kernel=kernel, sharding=sharding, mask=mask,
     )  # fmt: skip
-    return runner.out.to(q.dtype), runner.lse, []
+    return out, lse, []
 
 
-def collective_backward(
-    strategy_name: Strategy | str,
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    residuals: Sequence[torch.Tensor],
-    *,
-    dtype: torch.dtype,
-    causal: bool,
-    scale: float,
-    layout: Layout | str,
-    comm: Communicator,
-    kernel: BlockKernel,
-    sharding: Sharding | None = None,
-    mask: MaskSpec | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of :func:`collective_forward` from its residuals.
-
-    Args:
-        dout: ``(B, s, Hq, D)`` gradient of out.
-        q, k, v, out, lse: the forward's inputs and outputs (both strategies gather again).
-        residuals: what :func:`collective_forward` returned with them.
-        dtype: the dtype of q, k and v.
-        causal, scale, layout, comm, kernel, sharding, mask: as given to the forward.
-
-    Returns:
-        dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in ``dtype``.
-    """
-    assert not residuals, "the collectives keep no residuals"
-    runner = _run(
-        strategy_name, Pass.BACKWARD, (dout, q, k, v, out, lse), causal=causal, scale=scale,
-        layout=layout, comm=comm, kernel=kernel, sharding=sharding, mask=mask,
-    )  # fmt: skip
-    return runner.dq.to(dtype), runner.dk.to(dtype), runner.dv.to(dtype)
-
-
-def _run(
+def collective_pass(
     strategy_name: Strategy | str,
     pass_: Pass,
     inputs: tuple[torch.Tensor, ...],
@@ -489,10 +423,20 @@ def _run(
     layout: Layout | str,
     comm: Communicator,
     kernel: BlockKernel,
-    sharding: Sharding | None,
-    mask: MaskSpec | None,
-) -> Any:
-    """Run one pass of ``inputs`` on this rank's program; the runner holds the results."""
+    sharding: Sharding | None = None,
+    mask: MaskSpec | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """One pass of :func:`collective_forward`'s call on this rank's program.
+
+    Args:
+        inputs: forward q, k, v; backward dout ``(B, s, Hq, D)`` and the forward's q, k, v,
+            out and lse.
+        Others: as in :func:`collective_forward`; the same in both passes.
+
+    Returns:
+        Forward out and lse as :func:`collective_forward`; backward dq ``(B, s, Hq, D)``, dk
+        and dv ``(B, s, Hkv, D)``, in q's dtype.
+    """
     strategy = parse_collective(strategy_name)
     inputs = tuple(x.contiguous() for x in inputs)
     q, k = inputs[:2] if pass_ is Pass.FORWARD else inputs[1:3]
@@ -501,11 +445,13 @@ def _run(
         masking = _Masking(sharding, mask, comm.world_size, q.device)
     key = (Layout.parse(layout), causal, comm.world_size, q.shape[1], q.shape[2], k.shape[2])
     sched = _build(strategy, pass_, *key)
-    runner = _RUNNERS[strategy][pass_ is Pass.BACKWARD](
+    runner: Any = _RUNNERS[strategy][pass_ is Pass.BACKWARD](
         sched, comm, kernel, inputs, scale=scale, masking=masking
     )
     runner.run()
-    return runner
+    if pass_ is Pass.FORWARD:
+        return runner.out.to(q.dtype), runner.lse
+    return runner.dq.to(q.dtype), runner.dk.to(q.dtype), runner.dv.to(q.dtype)
 
 
 class _Masking:

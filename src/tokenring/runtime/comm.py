@@ -643,12 +643,6 @@ class Communicator:
     def _staged(self, device: torch.device) -> bool:
         return self.path(device).endswith("staged")
 
-    def wire_buffer(self, num_bytes: int, device: torch.device) -> torch.Tensor:
-        """A receive buffer the backend can fill: on ``device``, or on the host if staged."""
-        if not self._staged(device):
-            return torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-
     def to_wire(self, buffer: torch.Tensor) -> torch.Tensor:
         """``buffer`` as the backend can send it: itself, or a host copy if staged."""
         if not self._staged(buffer.device):
@@ -725,8 +719,11 @@ class Communicator:
         else:
             message.buffer[:HEADER_NUM_BYTES].zero_()
         rec = PendingRecv(self, tr, message, fields)
-        if self._staged(device):
-            rec._wires = [self.wire_buffer(f.numel(), device) for f in rec._wires]
+        if self._staged(device):  # the host buffers the backend fills
+            pin = device.type == "cuda"
+            rec._wires = [
+                torch.empty(f.numel(), dtype=torch.uint8, pin_memory=pin) for f in rec._wires
+            ]
         num_bytes = message.num_bytes
         self.counter.add(sent=False, flow=tr.payload.flow, peer=tr.src, num_bytes=num_bytes)
         return rec

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from tokenring.core.layout import Layout, Padding, Sharding
 from tokenring.core.masks import MaskSpec
-from tokenring.core.schedule import Schedule, Strategy
-from tokenring.runtime.collective import collective_backward, collective_forward
+from tokenring.core.schedule import Pass, Schedule, Strategy
+from tokenring.runtime.collective import collective_pass
 from tokenring.runtime.comm import Communicator, FieldSpec
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype
 from tokenring.runtime.ring import run_backward, run_forward
@@ -199,10 +199,17 @@ def residual_fields(
     return [((b, seq_local, hq, d), dtype), ((b, hq, seq_local), accumulation_dtype(dtype))]
 
 
-def _collective_options(plan: Plan) -> dict[str, Any]:
-    """The keywords the collective strategies' forward and backward take from a plan."""
-    names = ("causal", "scale", "layout", "comm", "kernel", "sharding", "mask")
-    return {name: getattr(plan, name) for name in names}
+def _run(plan: Plan, pass_: Pass, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """One pass of ``plan`` on the padded ``inputs`` (forward q, k, v; backward dout, q, k, v,
+    out, lse): forward out and lse, backward dq, dk and dv."""
+    if plan.strategy.is_collective:
+        names = ("causal", "scale", "layout", "comm", "kernel", "sharding", "mask")
+        options = {name: getattr(plan, name) for name in names}
+        return collective_pass(plan.strategy.value, pass_, inputs, **options)
+    assert plan.schedules is not None
+    if pass_ is Pass.FORWARD:
+        return run_forward(plan.schedules[0], plan.comm, plan.kernel, *inputs, scale=plan.scale)
+    return run_backward(plan.schedules[1], plan.comm, plan.kernel, *inputs, scale=plan.scale)
 
 
 def forward(
@@ -210,15 +217,8 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Run ``call``: out ``(B, s, Hq, D)``, lse ``(B, Hq, s)`` and the residuals."""
     q, k, v = (plan.padding.pad(x).contiguous() for x in (q, k, v))  # (B, s_pad, H, D)
-    residuals: list[torch.Tensor] = []
-    if plan.strategy.is_collective:
-        options = _collective_options(plan)
-        out, lse, residuals = collective_forward(plan.strategy.value, q, k, v, **options)
-    else:
-        assert plan.schedules is not None
-        out, lse = run_forward(plan.schedules[0], plan.comm, plan.kernel, q, k, v, scale=plan.scale)
-    if plan.padding.rows is not None:
-        residuals = [*residuals, out, lse]
+    out, lse = _run(plan, Pass.FORWARD, (q, k, v))
+    residuals = [out, lse] if plan.padding.rows is not None else []
     return plan.padding.unpad(out), plan.padding.unpad(lse, 2), residuals
 
 
@@ -233,18 +233,8 @@ def backward(
     residuals: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)`` of :func:`forward`'s call."""
-    residuals = list(residuals)
     if plan.padding.rows is not None:
-        *residuals, out, lse = residuals  # the padded buffer's
+        out, lse = residuals  # the padded buffer's
     dout, q, k, v = (plan.padding.pad(x).contiguous() for x in (dout, q, k, v))  # (B, s_pad, H, D)
-    if plan.strategy.is_collective:
-        options = _collective_options(plan)
-        dq, dk, dv = collective_backward(
-            plan.strategy.value, dout, q, k, v, out, lse, residuals, dtype=q.dtype, **options
-        )
-    else:
-        assert plan.schedules is not None
-        dq, dk, dv = run_backward(
-            plan.schedules[1], plan.comm, plan.kernel, dout, q, k, v, out, lse, scale=plan.scale
-        )
+    dq, dk, dv = _run(plan, Pass.BACKWARD, (dout, q, k, v, out, lse))
     return plan.padding.unpad(dq), plan.padding.unpad(dk), plan.padding.unpad(dv)

@@ -232,45 +232,6 @@ def _merge_parts(
     return out.to(out0.dtype), lse
 
 
-class _InFlight:
-    """One backward step's returns in flight, settled early (Note [Buffers in flight])."""
-
-    def __init__(self, runner: _Backward, step: int, *, blocking: bool) -> None:
-        self.comm, self.poster, self.dq_acc = runner.comm, runner.poster, runner.dq_acc
-        self.step = step
-        self.lane_messages = runner.lane_messages  # the message of each lane's accumulator
-        self.blocking = blocking  # gloo: works report completion only when waited for
-        self.settled = False
-        self.lane_grads: dict[int, list[torch.Tensor]] = {}
-        self.dkv_in: dict[int, list[PendingRecv]] = {}
-
-    def add_arrived(self, *, block: bool) -> None:
-        """Take the arrived dK/dV accumulators (all if ``block``) into each lane's first."""
-        for lane, recs in self.dkv_in.items():
-            for rec in [r for r in recs if block or r.ready()]:
-                if lane not in self.lane_grads:  # it becomes the accumulator: no copy
-                    self.lane_grads[lane] = rec.wait()
-                    self.lane_messages[lane] = rec.message()
-                else:
-                    for grad, arrived in zip(self.lane_grads[lane], rec.wait(), strict=True):
-                        grad += arrived
-                recs.remove(rec)
-
-    def poll(self) -> None:
-        """Between tiles: settle what was sent and received one step ago."""
-        block = self.blocking and not self.settled
-        self.settled = True
-        if block:
-            self.comm.wait_sends_through(self.step - 1)
-        else:
-            self.comm.release_sends()
-        self.add_arrived(block=block)
-        done = self.poster.take(Payload.DQ, self.step - 1) if block else []
-        for rec in done + self.poster.take(Payload.DQ, before_step=self.step, arrived=True):
-            (dq_part,) = rec.wait()
-            _rows_heads(self.dq_acc, rec.transfer)[...] += dq_part
-
-
 def _return_of(sched: Schedule, rank: int, step: int, index: int) -> Transfer:
     """The transfer that returns segment ``index`` of ``step`` to its q owner."""
     return next(
@@ -305,7 +266,7 @@ def _held_heads(sched: Schedule, piece: Piece) -> slice:
 
 
 def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
-    """The rows and query heads of ``acc`` ``(B, s, Hq, D)`` that the return ``tr`` carries."""
+    """The rows and heads of ``acc`` ``(B, s, H, D)`` that ``tr`` carries (a return, dK/dV)."""
     rows = acc[:, tr.rows[0] : tr.rows[1]]
     return rows if tr.heads is None else rows[:, :, tr.heads[0] : tr.heads[1]]
 
@@ -608,7 +569,11 @@ class _Backward(_RingPass):
         self.dq_seg: torch.Tensor | None = None  # this segment's dQ partial, to return
         self.dq_msg: Message | None = None  # the message it is accumulated in
         self.outgoing: dict[int, Transfer] = {}  # this step's dK/dV sends, by lane
-        self.inflight = _InFlight(self, 0, blocking=False)
+        # this step's returns in flight, settled early (Note [Buffers in flight]; begin())
+        self.current_step, self.settled = 0, False
+        self.blocking = False  # gloo: works report completion only when waited for
+        self.lane_grads: dict[int, list[torch.Tensor]] = {}  # the lanes' dK/dV accumulators
+        self.dkv_in: dict[int, list[PendingRecv]] = {}  # those that followed the blocks here
 
     def delta(self, op: Op) -> None:
         """DELTA: delta, and the blocks this rank holds."""
@@ -633,10 +598,38 @@ class _Backward(_RingPass):
         self.outgoing = {
             tr.lane: tr for tr in sends if tr.payload is Payload.DKV and not self.pass_q
         }
-        blocking = self.q.device.type == "cpu"
-        self.inflight = inflight = _InFlight(self, step, blocking=blocking)
+        self.current_step, self.settled = step, False
+        self.blocking = self.q.device.type == "cpu"
+        self.lane_grads, self.dkv_in = {}, {}
         for tr in passing:  # the accumulators that followed each block here
-            inflight.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
+            self.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
+
+    def add_arrived(self, *, block: bool) -> None:
+        """Take the arrived dK/dV accumulators (all if ``block``) into each lane's first."""
+        for lane, recs in self.dkv_in.items():
+            for rec in [r for r in recs if block or r.ready()]:
+                if lane not in self.lane_grads:  # it becomes the accumulator: no copy
+                    self.lane_grads[lane] = rec.wait()
+                    self.lane_messages[lane] = rec.message()
+                else:
+                    for grad, arrived in zip(self.lane_grads[lane], rec.wait(), strict=True):
+                        grad += arrived
+                recs.remove(rec)
+
+    def poll(self) -> None:
+        """Between tiles: settle what was sent and received one step ago."""
+        block = self.blocking and not self.settled
+        self.settled = True
+        step = self.current_step
+        if block:
+            self.comm.wait_sends_through(step - 1)
+        else:
+            self.comm.release_sends()
+        self.add_arrived(block=block)
+        done = self.poster.take(Payload.DQ, step - 1) if block else []
+        for rec in done + self.poster.take(Payload.DQ, before_step=step, arrived=True):
+            (dq_part,) = rec.wait()
+            _rows_heads(self.dq_acc, rec.transfer)[...] += dq_part
 
     def lent_grads_of(self, holder: int, step: int) -> tuple[Transfer, Message, list[torch.Tensor]]:
         """The transfer, message and dK/dV that send the pair borrowed from ``holder`` home."""
@@ -662,7 +655,7 @@ class _Backward(_RingPass):
             kvh = slice(None) if piece.heads is None or not self.pass_q else slice(*piece.heads)
             dk_t, dv_t = dk_acc[:, c:d, kvh], dv_acc[:, c:d, kvh]
         else:
-            lane_grads = self.inflight.lane_grads
+            lane_grads = self.lane_grads
             if piece.lane not in lane_grads:
                 lane_grads[piece.lane] = self.new_lane_grads(piece.lane)
             row0 = (self.sched.lanes[piece.lane].kv_rows or (0, self.s))[0]
@@ -705,7 +698,7 @@ class _Backward(_RingPass):
                 causal=piece.causal,
                 scale=self.scale,
                 mask=mask,
-                poll=self.inflight.poll,
+                poll=self.poll,
                 out=out_p,
             )
             del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p, blocks
@@ -730,19 +723,17 @@ class _Backward(_RingPass):
     def pass_on(self, op: Op) -> None:
         """PASS: pass on the accumulator that followed each block here."""
         step = op.step
-        self.inflight.add_arrived(block=True)
-        lane_grads = self.inflight.lane_grads
+        self.add_arrived(block=True)
+        lane_grads = self.lane_grads
         for lane_index, tr_out in self.outgoing.items():
             grads = lane_grads.pop(lane_index, None)
             if grads is None:  # no piece and no accumulator reached the block here
                 grads = self.new_lane_grads(lane_index)
             if step == 0 and not self.direct:  # it leaves home with our dK/dV of the lane
                 assert self.dk_acc is not None and self.dv_acc is not None
-                rows = slice(*tr_out.rows)
-                heads = slice(*tr_out.heads) if tr_out.heads else slice(None)
                 for grad, own in zip(grads, (self.dk_acc, self.dv_acc), strict=True):
-                    grad.copy_(own[:, rows, heads])
-                    own[:, rows, heads] = 0
+                    grad.copy_(_rows_heads(own, tr_out))
+                    _rows_heads(own, tr_out).zero_()
             self.outbox[tr_out] = self.lane_messages.pop(lane_index)
             del grads
         if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
@@ -770,12 +761,10 @@ class _Backward(_RingPass):
             self.dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             self.dv_acc = torch.zeros_like(self.dk_acc)
         for tr in transfers:
-            rec = self.poster.pending.pop(tr)
-            rows, heads = slice(*tr.rows), slice(*tr.heads) if tr.heads else slice(None)
-            dk_home, dv_home = rec.wait()
-            self.dk_acc[:, rows, heads] += dk_home
-            self.dv_acc[:, rows, heads] += dv_home
-            del rec, dk_home, dv_home
+            dk_home, dv_home = self.poster.pending.pop(tr).wait()
+            _rows_heads(self.dk_acc, tr).add_(dk_home)
+            _rows_heads(self.dv_acc, tr).add_(dv_home)
+            del dk_home, dv_home
         self.dk, self.dv = self.dk_acc, self.dv_acc
 
     def returns(self, op: Op) -> None:
