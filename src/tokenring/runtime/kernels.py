@@ -136,17 +136,11 @@ def _dense(mask: Mask | None, q: Tensor, k: Tensor, causal: bool) -> Tensor | No
 
 
 class BlockKernel(abc.ABC):
-    """Attention of one block, forward and backward, with the log-sum-exp of each row.
-    :meth:`forward` and :meth:`backward` check the tile against ``tiles``, count the call in
-    ``ran[op]`` and run the ``_forward`` / ``_backward`` hooks."""
+    """Attention of one block, forward and backward, with the log-sum-exp of each row."""
 
     name: str = "abstract"
     takes_out: bool = False
     """Whether :meth:`backward` uses ``out`` (fused ops compute delta from it)."""
-    op = ""
-    """The operator's name in ``ran`` ("": a dispatcher; the operators it runs count)."""
-    tiles = "any"
-    """The tiles it takes: "any" (a mask or none), "unmasked", "masked" (a PositionMask)."""
 
     def __init__(self) -> None:
         self.ran: collections.Counter[str] = collections.Counter()
@@ -156,6 +150,7 @@ class BlockKernel(abc.ABC):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs for tensors on ``device`` with ``dtype``."""
 
+    @abc.abstractmethod
     def forward(
         self,
         q: Tensor,
@@ -180,9 +175,8 @@ class BlockKernel(abc.ABC):
         Returns:
             out ``(B, sq, Hq, D)`` in q's dtype, lse ``(B, Hq, sq)`` in the accumulation dtype.
         """
-        self._start(causal, mask)
-        return self._forward(_Call(q, k, v, causal, scale, mask))
 
+    @abc.abstractmethod
     def backward(
         self,
         dout: Tensor,
@@ -212,26 +206,6 @@ class BlockKernel(abc.ABC):
         Returns:
             dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``, in q's dtype.
         """
-        self._start(causal, mask)
-        return self._backward(_Call(q, k, v, causal, scale, mask), dout, lse, delta, out)
-
-    def _start(self, causal: bool, mask: Mask | None) -> None:
-        if self.tiles == "unmasked":
-            assert mask is None, "masked tiles go to the masked kernel"
-        elif self.tiles == "masked":
-            assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
-        if self.op:
-            self.ran[self.op] += 1
-
-    @abc.abstractmethod
-    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
-        """:meth:`forward` of a checked call."""
-
-    @abc.abstractmethod
-    def _backward(
-        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
-    ) -> Grads:
-        """:meth:`backward` of a checked call."""
 
     def backward_into(
         self,
@@ -285,7 +259,65 @@ class _Call(NamedTuple):
         return {"causal": self.causal, "scale": self.scale, "mask": self.mask}
 
 
-class ReferenceKernel(BlockKernel):
+class _Op(BlockKernel):
+    """A kernel of one operator: :meth:`forward` and :meth:`backward` check the tile against
+    ``tiles``, count the call in ``ran[op]`` and run the ``_forward`` / ``_backward`` hooks."""
+
+    op = ""
+    """The operator's name in ``ran`` ("": a dispatcher; the operators it runs count)."""
+    tiles = "any"
+    """The tiles it takes: "any" (a mask or none), "unmasked", "masked" (a PositionMask)."""
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        self._start(causal, mask)
+        return self._forward(_Call(q, k, v, causal, scale, mask))
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
+        self._start(causal, mask)
+        return self._backward(_Call(q, k, v, causal, scale, mask), dout, lse, delta, out)
+
+    def _start(self, causal: bool, mask: Mask | None) -> None:
+        if self.tiles == "unmasked":
+            assert mask is None, "masked tiles go to the masked kernel"
+        elif self.tiles == "masked":
+            assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
+        if self.op:
+            self.ran[self.op] += 1
+
+    @abc.abstractmethod
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of a checked call."""
+
+    @abc.abstractmethod
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
+    ) -> Grads:
+        """:meth:`backward` of a checked call."""
+
+
+class ReferenceKernel(_Op):
     """Plain torch matmuls in the accumulation dtype, materialising ``(B, Hq, sq, sk)``
     scores; any device and dtype."""
 
@@ -366,7 +398,7 @@ def _finite_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
     return out.masked_fill(torch.isneginf(out), 0.0).contiguous()
 
 
-class _CpuFlashOps(BlockKernel):
+class _CpuFlashOps(_Op):
     """PyTorch's fused CPU flash-attention ops on one tile (a masked one: an additive mask)."""
 
     name = "cpu_flash_op"
@@ -445,7 +477,7 @@ def _tile_class(
     return "masked", sub
 
 
-class TiledKernel(BlockKernel):
+class TiledKernel(_Op):
     """Any kernel, run tile by tile so a call's memory is bounded by its tile (Note [Kernel
     plan]).
 
@@ -658,7 +690,7 @@ def _reduce_kv(dx: Tensor, heads_kv: int) -> Tensor:
     return dx if hq == heads_kv else dx.view(b, heads_kv, hq // heads_kv, s, d).sum(2)
 
 
-class _SdpaOps(BlockKernel):
+class _SdpaOps(_Op):
     """One unmasked tile through the fused CUDA SDPA operator ``op`` (flash or efficient)."""
 
     name = "cuda_sdpa_op"
@@ -714,7 +746,7 @@ class _SdpaOps(BlockKernel):
         return _bhsd(dq), _bhsd(_reduce_kv(dk, hkv)), _bhsd(_reduce_kv(dv, hkv))
 
 
-class _FlexOps(BlockKernel):
+class _FlexOps(_Op):
     """Masked tiles through FlexAttention (compiled on CUDA); the backward recomputes them.
 
     Note [Backward through autograd]
@@ -826,7 +858,7 @@ _FLASH_ATTN_PLAIN: dict[str, Any] = dict(
 )
 
 
-class _FlashAttnOps(BlockKernel):
+class _FlashAttnOps(_Op):
     """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native)."""
 
     name = "flash_attn_op"
@@ -871,7 +903,7 @@ _CUDA_OPS: dict[str, Callable[[], BlockKernel]] = {
 """The operators :func:`plan_block` names on CUDA, by name."""
 
 
-class _CudaDispatch(BlockKernel):
+class _CudaDispatch(_Op):
     """Runs each tile with the operator :func:`plan_block` names for it."""
 
     name = "cuda_dispatch"
