@@ -80,6 +80,7 @@ __all__ = [
     "all_reduce_gradients",
     "broadcast_batch",
     "causal_lm_loss",
+    "check_model",
     "data_parallel_loss",
     "gather_sequence",
     "register",
@@ -351,6 +352,69 @@ def _unsupported_piece(
     )
 
 
+# Note [Layers that mix tokens]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Only attention exchanges tokens across the sequence split. Any other layer that mixes tokens
+# (a convolution over the sequence, a state-space or linear-attention block, a recurrence)
+# would see only this rank's shard and silently compute something else, so a model with one
+# raises. What is read:
+#
+#     config.layer_types, layers_block_type,   full_attention, sliding_attention,
+#       block_types (what transformers calls     chunked_attention, attention, and the MLP
+#       each layer)                              kinds dense, sparse, moe, mlp pass; any other
+#                                                kind raises (conv, linear_attention, hybrid,
+#                                                recurrent, indexed_attention, ...)
+#     config fields mamba_* or ssm_*, or        state-space blocks in every layer (Falcon-H1,
+#       state_size with conv_kernel              Jamba, Bamba, Mamba): raise
+#     a torch.nn.Conv1d of kernel > 1           raises (check_model only: it sees the modules)
+#
+# The attention function checks its module's config on every call; check_model (run by the
+# Trainer, generate and all_reduce_gradients) also catches models that never call attention.
+_TOKENWISE_LAYERS = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+    | {"dense", "sparse", "moe", "mlp"}
+)
+
+
+def _unsupported_layers(config: Any) -> str | None:
+    """Why a model of ``config`` cannot be split over the sequence (Note [Layers that mix
+    tokens]), or None when every layer that mixes tokens is attention."""
+    for field in ("layer_types", "layers_block_type", "block_types"):
+        kinds = {str(kind) for kind in getattr(config, field, None) or ()}
+        if kinds - _TOKENWISE_LAYERS:
+            return f"its {field} include {sorted(kinds - _TOKENWISE_LAYERS)}"
+    fields = set(getattr(config, "__dict__", {}))
+    ssm = sorted(name for name in fields if name.startswith(("mamba_", "ssm_")))
+    if ssm or {"state_size", "conv_kernel"} <= fields:
+        return f"it has state-space blocks ({', '.join(ssm[:2] or ['state_size', 'conv_kernel'])})"
+    return None
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise NotImplementedError if a layer of ``model`` mixes tokens other than by attention
+    (Note [Layers that mix tokens]): its shard would not see the rest of the sequence."""
+    config = getattr(model, "config", None)
+    reason = _unsupported_layers(config)
+    for path, module in model.named_modules() if reason is None else ():
+        if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
+            reason = f"its module {path!r} is a convolution over the sequence"
+            break
+    if reason is not None:
+        _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
+
+
+def _refuse_layers(name: str, config: Any, reason: str) -> None:
+    """The error of :func:`check_model` and of the attention function for ``reason``."""
+    model = getattr(config, "model_type", None)
+    which = f"model_type {model!r}" if model else "this model"
+    raise NotImplementedError(
+        f"attn_implementation={name!r} cannot split {which} over the sequence: {reason}. "
+        "Only attention layers see the other ranks' tokens; any "
+        "other layer that mixes tokens (convolution, state-space, linear attention, "
+        "recurrence) would see this rank's shard alone"
+    )
+
+
 # local packing (flash-attention's varlen); ours is global: SequenceParallel(cu_seqlens=...)
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -392,6 +456,9 @@ def _attention_forward(
             "generate with tokenring.hf.generate)"
         )
     _check_kwargs(name, kwargs)
+    reason = _unsupported_layers(getattr(module, "config", None))
+    if reason is not None:
+        _refuse_layers(name, module.config, reason)
     if sp.hardware is not None and strategy != "auto" and cache is None:
         raise ValueError(
             f"SequenceParallel.hardware only chooses the strategy of "
@@ -692,8 +759,12 @@ def all_reduce_gradients(
     """Sum every ``.grad`` over the group in place, in float32 or wider (with
     :func:`causal_lm_loss`, the full gradient; under DDP or FSDP, which average, use
     :func:`data_parallel_loss` instead). Every rank must hold the same parameters' gradients.
+
+    Raises:
+        NotImplementedError: given a model, as :func:`check_model`.
     """
     if isinstance(parameters, torch.nn.Module):
+        check_model(parameters)
         parameters = parameters.parameters()
     grads = [p.grad for p in parameters if p.grad is not None]
     comm = sp.communicator

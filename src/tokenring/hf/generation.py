@@ -49,6 +49,7 @@ from tokenring.hf.attention import (
     ATTN_IMPLEMENTATIONS,
     _ModelMask,
     as_sequence_parallel,
+    check_model,
     refuse_padding,
 )
 from tokenring.inference import cached_attn, step_strategy
@@ -384,7 +385,8 @@ def generate(
         ValueError: a model without a tokenring attention, input_ids not 2-D, use_cache=False,
             sp with seq_len or cu_seqlens, or ranks whose token ids differ.
         NotImplementedError: an option of ``_REFUSED_OPTIONS``, a padding attention_mask, a
-            cache to continue from, or a sliding window or chunked attention.
+            cache to continue from, a sliding window or chunked attention, or a layer that
+            mixes tokens other than by attention (``check_model``).
     """
     sp = as_sequence_parallel(sp, "sp")
     if sp.seq_len is not None or sp.cu_seqlens is not None:
@@ -398,6 +400,7 @@ def generate(
             "model must run a tokenring attention (attn_implementation one of "
             f"{sorted(ATTN_IMPLEMENTATIONS)}, after tokenring.hf.register()); got {impl!r}"
         )
+    check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"input_ids must be a (batch, seq) tensor; got {shape!r}")

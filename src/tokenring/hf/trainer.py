@@ -34,6 +34,7 @@ from tokenring.hf.attention import (
     as_sequence_parallel,
     broadcast_batch,
     causal_lm_loss,
+    check_model,
     data_parallel_loss,
     refuse_padding,
     register,
@@ -66,6 +67,8 @@ class SequenceParallelTrainer(Trainer):
     Raises:
         ValueError: sequence_parallel is not a SequenceParallel, or its group size does not
             divide the number of processes.
+        NotImplementedError: a layer of the model mixes tokens other than by attention
+            (``tokenring.hf.check_model``).
     """
 
     loss_is_scaled_for_ga = False  # a mean per micro-batch: Trainer divides by the GA steps
@@ -74,6 +77,8 @@ class SequenceParallelTrainer(Trainer):
         as_sequence_parallel(sequence_parallel)
         register()
         super().__init__(*args, **kwargs)
+        if self.model is not None:  # with model_init: each trial's model is not checked
+            check_model(self.model)
         self.sequence_parallel = sequence_parallel
         sp_size = sequence_parallel.communicator.world_size
         num_processes = self.accelerator.num_processes

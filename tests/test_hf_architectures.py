@@ -1,0 +1,170 @@
+"""transformers architectures beyond Llama through tokenring attention: the ones whose only
+token mixing is attention match one process, the ones with other token-mixing layers raise.
+
+The oracle is the same tiny model (AutoConfig.for_model, seeded weights) in one process with
+transformers' own SDPA attention and masks, float64, within 1e-10 (../shared/STYLE.md). An
+architecture the installed transformers does not know is skipped by name.
+
+Legend: B batch, S global seq, V vocab, P world size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import tokenring
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
+)
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+
+from tokenring import hf  # noqa: E402
+
+FP64 = 1e-10
+SEQ = 16
+WINDOW = 5  # sliding window of the configs that have one: shorter than S, so it matters
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    use_cache=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# what each adds to Llama: Qwen2/3 q/k norms or biases, Gemma's query_pre_attn_scalar scale,
+# Gemma 3's alternating sliding-window and full layers, Granite's attention_multiplier scale,
+# Cohere 2's sliding layers with parallel blocks, Phi's partial rotary, GPT-NeoX's fused qkv,
+# OLMo 2's q/k norm after projection, SmolLM 3's NoPE layers, Mixtral's experts
+MATCHING = (
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma3_text",
+    "granite",
+    "cohere2",
+    "phi",
+    "gpt_neox",
+    "olmo2",
+    "smollm3",
+)
+# (model_type, changes to the config, what the error names): each has a layer that mixes
+# tokens other than by attention (Note [Layers that mix tokens] in tokenring.hf.attention)
+REFUSED = (
+    ("lfm2", {"layer_types": ["conv", "full_attention"]}, "'conv'"),
+    ("nemotron_h", {}, "'linear_attention'"),
+    ("falcon_h1", {}, "'hybrid'"),
+)
+
+
+def _config(name: str, **changes: Any) -> Any:
+    if name not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    config = AutoConfig.for_model(name, **COMMON)
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = WINDOW
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def _models(name: str, dtype: torch.dtype, **changes: Any) -> tuple[Any, Any]:
+    """The seeded model with SDPA (the oracle) and the same weights with tokenring attention."""
+    hf.register()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        oracle = AutoModelForCausalLM.from_config(
+            _config(name, **changes), attn_implementation="sdpa"
+        )
+        ours = AutoModelForCausalLM.from_config(
+            _config(name, **changes), attn_implementation="tokenring"
+        )
+    ours.load_state_dict(oracle.state_dict())
+    return oracle.to(dtype).eval(), ours.to(dtype).eval()
+
+
+def _input_ids() -> torch.Tensor:
+    return torch.randint(
+        3, COMMON["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(0)
+    )
+
+
+def rank_logits(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Inside a rank: each model's logits ``(B, S, V)`` gathered from the zigzag shards."""
+    out = {}
+    for name in names:
+        _, model = _models(name, torch.float64)
+        sp = hf.SequenceParallel(layout="zigzag")
+        batch = hf.shard_batch(sp, _input_ids())
+        with torch.no_grad():
+            logits = model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
+            ).logits
+        out[name] = hf.gather_sequence(sp, logits)
+    return out
+
+
+def test_attention_only_architectures_match_one_process() -> None:
+    names = tuple(name for name in MATCHING if name in CONFIG_MAPPING)
+    assert len(names) >= len(MATCHING) // 2, f"transformers knows too few of {MATCHING}"
+    per_rank = tokenring.launch(rank_logits, names, world_size=2, timeout_s=300)
+    for name in names:
+        oracle, _ = _models(name, torch.float64)
+        with torch.no_grad():
+            want = oracle(_input_ids()).logits
+        for rank, got in enumerate(per_rank):
+            err = float((got[name] - want).abs().max())
+            assert err < FP64, f"{name}: rank {rank} logits differ from one process by {err}"
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize(("name", "changes", "named"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_layers_that_mix_tokens_otherwise_raise(name: str, changes: dict, named: str) -> None:
+    _, model = _models(name, torch.float32, **changes)
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    with pytest.raises(NotImplementedError, match=f"cannot split model_type '{name}'.*{named}"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+    with pytest.raises(NotImplementedError, match=named):
+        hf.check_model(model)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_check_model_catches_models_whose_attention_never_runs() -> None:
+    # two layers of a hybrid whose first attention layer comes later: no attention call ever
+    # sees the config, so only the model check can refuse it
+    for name in ("qwen3_next", "recurrent_gemma", "jamba", "mamba"):
+        if name not in CONFIG_MAPPING:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(_config(name))
+        with pytest.raises(NotImplementedError, match=f"cannot split model_type '{name}'"):
+            hf.check_model(model)
+        sp = hf.SequenceParallel()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        with pytest.raises(NotImplementedError, match=f"cannot split model_type '{name}'"):
+            hf.all_reduce_gradients(sp, model)
+
+    class ConvOverTokens(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mix = torch.nn.Conv1d(4, 4, kernel_size=3, padding=1)
+
+    with pytest.raises(NotImplementedError, match="'mix' is a convolution over the sequence"):
+        hf.check_model(ConvOverTokens())
+    for name in MATCHING[:3]:
+        if name in CONFIG_MAPPING:
+            hf.check_model(_models(name, torch.float32)[1])  # attention only: no error
