@@ -541,3 +541,30 @@ def test_forked_ranks_get_the_launchers_environment_and_path_of_each_launch(
         if sys.platform == "linux":
             assert comm == f"tokenring-r{rank}", comm
             assert parent != os.getpid(), "forked by the zygote, not started by the launcher"
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_a_script_without_the_main_guard_is_named_not_an_empty_log(
+    tmp_path: Path, guarded: bool
+) -> None:
+    """A forked rank re-runs the main script before its log opens (multiprocessing does): a
+    script calling launch at top level got "exited with code 1 ...; log tail:" and nothing."""
+    (tmp_path / "rank_fn.py").write_text("def f():\n    return 7\n")
+    call = "print(tokenring.launch(rank_fn.f, world_size=2))"
+    body = f'if __name__ == "__main__":\n    {call}\n' if guarded else call + "\n"
+    (tmp_path / "script.py").write_text("import rank_fn\nimport tokenring\n" + body)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), SRC]))
+    done = subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if guarded:
+        assert done.returncode == 0 and done.stdout.strip() == "[7, 7]", done.stderr[-2000:]
+        return
+    assert done.returncode != 0
+    assert "launch was called while a new rank re-ran the main script" in done.stderr
+    assert "without a result and an empty log; it failed before its log opened" in done.stderr

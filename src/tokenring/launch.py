@@ -167,6 +167,8 @@ def launch(
 
     Raises:
         ValueError: world_size < 1 or timeouts <= 0.
+        RuntimeError: called by a rank re-running the main script (it lacks the
+            ``if __name__ == "__main__":`` guard).
         LaunchError: a rank raised or died (message: the first failing rank's traceback), or
             the deadline passed (message: which ranks had not finished, and their log tails).
     """
@@ -205,6 +207,20 @@ def _check_launch(fn: Any, world_size: int, **timeouts_s: float) -> None:
             f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
             "(move it into a module)"
         )
+    importing = sys.modules.get("__mp_main__")
+    if importing is not None and importing is not sys.modules.get("__main__"):
+        raise RuntimeError(_RERUN_MAIN)
+
+
+_RERUN_MAIN = (
+    "tokenring.launch was called while a new rank re-ran the main script: ranks start as "
+    "multiprocessing starts its children, which import the main script again, so a script "
+    'that calls launch when it runs must do so under `if __name__ == "__main__":`'
+)
+_EMPTY_LOG = (
+    "it failed before its log opened, so its error is on this process's stderr (a script "
+    'that calls launch without `if __name__ == "__main__":` does that: each rank re-runs it)'
+)
 
 
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -458,11 +474,14 @@ def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[floa
         return outcome.failed_at_s, r.rank, outcome.error
     if code is None or (outcome is not None and code == 0):
         return None
+    tail = _tail(r.log_path)
     if outcome is None:
         why = f"exited with {_exit_status(code)} without a result"
     else:
         why = f"returned its result but then exited with {_exit_status(code)}"
-    return time.time(), r.rank, f"rank {r.rank} {why}; log tail:\n" + _tail(r.log_path)
+    if not tail.strip():  # it failed before its log opened
+        return time.time(), r.rank, f"rank {r.rank} {why} and an empty log; {_EMPTY_LOG}"
+    return time.time(), r.rank, f"rank {r.rank} {why}; log tail:\n" + tail
 
 
 def _exit_status(code: int) -> str:
