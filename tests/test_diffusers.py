@@ -30,6 +30,7 @@ pytest.importorskip(
     "diffusers", reason="diffusers is not installed (pip install 'tokenring-attention[diffusers]')"
 )
 from diffusers import FluxTransformer2DModel
+from diffusers.models.attention_processor import Attention
 
 from tokenring import diffusers as tr_diffusers
 
@@ -268,6 +269,12 @@ def refusals() -> list[str]:
         with pytest.raises(exc) as info:
             proc(attn, x, **kwargs)
         messages.append(str(info.value))
+    # another model's attention (SD3's, PixArt's: diffusers' Attention) failed inside with
+    # an AttributeError; its projections and norms are not Flux's
+    other = Attention(query_dim=16, heads=2, dim_head=8)
+    with pytest.raises(NotImplementedError) as info:
+        proc(other, x)
+    messages.append(str(info.value))
     return messages
 
 
@@ -328,6 +335,8 @@ def test_flux_processor_matches_one_process(world_size: int) -> None:
                 )
         assert "attention_mask" in res["refused"][0]
         assert "text_seq_len" in res["refused"][1]
+        assert "runs diffusers' FluxAttention" in res["refused"][2]
+        assert res["refused"][2].endswith("got Attention")
 
 
 def test_unknown_placements_are_named() -> None:

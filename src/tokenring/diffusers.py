@@ -261,7 +261,8 @@ class FluxSequenceParallelProcessor:
     model on this rank's image shard (``hidden_states``, ``img_ids``) and the text (all of it,
     or with ``text="sharded"`` its shard). With replicated text pass
     ``joint_attention_kwargs={"text_seq_len": T}`` for the single-stream blocks. Attention
-    masks and IP-adapter inputs raise NotImplementedError.
+    masks, IP-adapter inputs and an attention other than diffusers' ``FluxAttention`` raise
+    NotImplementedError.
     """
 
     group: GroupLike = None
@@ -293,8 +294,14 @@ class FluxSequenceParallelProcessor:
         ``encoder_hidden_states``, else ``(B, t + s, C)``."""
         try:
             from diffusers.models.embeddings import apply_rotary_emb
+            from diffusers.models.transformers.transformer_flux import FluxAttention
         except ImportError as exc:
             raise ImportError(DIFFUSERS_MISSING) from exc
+        if not isinstance(attn, FluxAttention):  # another model's projections, norms, outputs
+            raise NotImplementedError(
+                "FluxSequenceParallelProcessor runs diffusers' FluxAttention (Flux and the "
+                f"models built on its blocks); got {type(attn).__name__}"
+            )
         _refuse_inputs(attention_mask, ip_hidden_states, ip_adapter_masks)
         text = TextPlacement.parse(self.text)
         query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
