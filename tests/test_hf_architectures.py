@@ -168,3 +168,13 @@ def test_check_model_catches_models_whose_attention_never_runs() -> None:
     for name in MATCHING[:3]:
         if name in CONFIG_MAPPING:
             hf.check_model(_models(name, torch.float32)[1])  # attention only: no error
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_model_that_drops_sequence_parallel_raises_saying_so() -> None:
+    # StableLM's decoder layers do not pass the forward's keyword arguments to attention
+    _, model = _models("stablelm", torch.float32)
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    with pytest.raises(ValueError, match="does not hand its forward's keyword arguments down"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)

@@ -441,7 +441,9 @@ def _attention_forward(
     if sequence_parallel is None:
         raise ValueError(
             f"attn_implementation={name!r} needs sequence_parallel=tokenring.hf.SequenceParallel"
-            "(...) passed to the model's forward (it says which group and layout the shards use)"
+            "(...) passed to the model's forward (it says which group and layout the shards use)."
+            " If it was passed, this model does not hand its forward's keyword arguments down "
+            "to its attention layers (StableLM, for one) and cannot run sequence-parallel"
         )
     sp = as_sequence_parallel(sequence_parallel)
     if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
