@@ -21,7 +21,7 @@ import tokenring
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
 )
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
 from tokenring import hf  # noqa: E402
@@ -113,6 +113,61 @@ def rank_logits(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
             ).logits
         out[name] = hf.gather_sequence(sp, logits)
     return out
+
+
+# encoders (bidirectional attention): BERT, ModernBERT's alternating local and global layers,
+# RoBERTa, whose positions count from pad_token_id + 1 (README: pass the offset)
+ENCODERS = ("bert", "modernbert", "roberta")
+
+
+def _encoders(name: str) -> tuple[Any, Any]:
+    """An encoder with SDPA (the oracle) and the same weights with tokenring attention."""
+    hf.register()
+    extra = {"local_attention": 6, "global_attn_every_n_layers": 2} if name == "modernbert" else {}
+    if name not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    common = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "use_cache")}
+    with warnings.catch_warnings():  # one config each: a model keeps its config's attention
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        oracle = AutoModelForMaskedLM.from_config(
+            AutoConfig.for_model(name, **common, **extra), attn_implementation="sdpa"
+        )
+        ours = AutoModelForMaskedLM.from_config(
+            AutoConfig.for_model(name, **common, **extra), attn_implementation="tokenring"
+        )
+    ours.load_state_dict(oracle.state_dict())
+    return oracle.double().eval(), ours.double().eval()
+
+
+def rank_encoder_logits(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Inside a rank: each encoder's logits ``(B, S, V)`` gathered from contiguous shards."""
+    out = {}
+    for name in names:
+        _, model = _encoders(name)
+        sp = hf.SequenceParallel(layout="contiguous")
+        batch = hf.shard_batch(sp, _input_ids())
+        offset = model.config.pad_token_id + 1 if name == "roberta" else 0
+        with torch.no_grad():
+            logits = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids + offset,
+                sequence_parallel=sp,
+            ).logits
+        out[name] = hf.gather_sequence(sp, logits)
+    return out
+
+
+def test_encoders_match_one_process() -> None:
+    names = tuple(name for name in ENCODERS if name in CONFIG_MAPPING)
+    per_rank = tokenring.launch(rank_encoder_logits, names, world_size=2, timeout_s=300)
+    for name in names:
+        oracle, _ = _encoders(name)
+        with torch.no_grad():
+            want = oracle(_input_ids()).logits
+        for rank, got in enumerate(per_rank):
+            err = float((got[name] - want).abs().max())
+            assert err < FP64, f"{name}: rank {rank} logits differ from one process by {err}"
 
 
 def test_attention_only_architectures_match_one_process() -> None:
