@@ -457,10 +457,7 @@ def _attention_forward(
             f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
             "generate with tokenring.hf.generate)"
         )
-    _check_kwargs(name, kwargs)
-    reason = _unsupported_layers(getattr(module, "config", None))
-    if reason is not None:
-        _refuse_layers(name, module.config, reason)
+    _check_options(name, module, kwargs)
     if sp.hardware is not None and strategy != "auto" and cache is None:
         raise ValueError(
             f"SequenceParallel.hardware only chooses the strategy of "
@@ -484,8 +481,12 @@ def _attention_forward(
     return out, None  # (B, s, Hq, D)
 
 
-def _check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
-    """Raise NotImplementedError for the attention options in ``kwargs`` the call cannot honour."""
+def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise NotImplementedError for a layer kind (Note [Layers that mix tokens]) or an
+    attention option in ``kwargs`` the call cannot honour."""
+    reason = _unsupported_layers(getattr(module, "config", None))
+    if reason is not None:
+        _refuse_layers(name, getattr(module, "config", None), reason)
     dropout = kwargs.get("dropout", 0.0)
     if dropout > 0:
         raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
