@@ -68,9 +68,19 @@ REFUSED = (
 )
 
 
-def _config(name: str, **changes: Any) -> Any:
+# encoders (bidirectional attention): BERT, ModernBERT's alternating local and global layers,
+# RoBERTa, whose positions count from pad_token_id + 1 (README: pass the offset)
+ENCODERS = ("bert", "modernbert", "roberta")
+
+
+def _config(name: str, *, encoder: bool = False, **changes: Any) -> Any:
     if name not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    if encoder:
+        common = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "use_cache")}
+        if name == "modernbert":
+            common |= {"local_attention": 6, "global_attn_every_n_layers": 2}
+        return AutoConfig.for_model(name, **common)
     config = AutoConfig.for_model(name, **COMMON)
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = WINDOW
@@ -79,17 +89,22 @@ def _config(name: str, **changes: Any) -> Any:
     return config
 
 
-def _models(name: str, dtype: torch.dtype, **changes: Any) -> tuple[Any, Any]:
-    """The seeded model with SDPA (the oracle) and the same weights with tokenring attention."""
+def _models(
+    name: str, dtype: torch.dtype, *, encoder: bool = False, **changes: Any
+) -> tuple[Any, Any]:
+    """The seeded model with SDPA (the oracle) and the same weights with tokenring attention
+    (a causal LM, or with ``encoder`` a masked LM); one config each, as a model keeps its
+    config's attention."""
     hf.register()
+    auto = AutoModelForMaskedLM if encoder else AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
-        oracle = AutoModelForCausalLM.from_config(
-            _config(name, **changes), attn_implementation="sdpa"
+        oracle = auto.from_config(
+            _config(name, encoder=encoder, **changes), attn_implementation="sdpa"
         )
-        ours = AutoModelForCausalLM.from_config(
-            _config(name, **changes), attn_implementation="tokenring"
+        ours = auto.from_config(
+            _config(name, encoder=encoder, **changes), attn_implementation="tokenring"
         )
     ours.load_state_dict(oracle.state_dict())
     return oracle.to(dtype).eval(), ours.to(dtype).eval()
@@ -101,52 +116,13 @@ def _input_ids() -> torch.Tensor:
     )
 
 
-def rank_logits(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Inside a rank: each model's logits ``(B, S, V)`` gathered from the zigzag shards."""
+def rank_logits(names: tuple[str, ...], encoder: bool) -> dict[str, torch.Tensor]:
+    """Inside a rank: each model's logits ``(B, S, V)`` gathered from its shards (zigzag for
+    causal LMs, contiguous for encoders)."""
     out = {}
     for name in names:
-        _, model = _models(name, torch.float64)
-        sp = hf.SequenceParallel(layout="zigzag")
-        batch = hf.shard_batch(sp, _input_ids())
-        with torch.no_grad():
-            logits = model(
-                input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
-            ).logits
-        out[name] = hf.gather_sequence(sp, logits)
-    return out
-
-
-# encoders (bidirectional attention): BERT, ModernBERT's alternating local and global layers,
-# RoBERTa, whose positions count from pad_token_id + 1 (README: pass the offset)
-ENCODERS = ("bert", "modernbert", "roberta")
-
-
-def _encoders(name: str) -> tuple[Any, Any]:
-    """An encoder with SDPA (the oracle) and the same weights with tokenring attention."""
-    hf.register()
-    extra = {"local_attention": 6, "global_attn_every_n_layers": 2} if name == "modernbert" else {}
-    if name not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
-    common = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "use_cache")}
-    with warnings.catch_warnings():  # one config each: a model keeps its config's attention
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        oracle = AutoModelForMaskedLM.from_config(
-            AutoConfig.for_model(name, **common, **extra), attn_implementation="sdpa"
-        )
-        ours = AutoModelForMaskedLM.from_config(
-            AutoConfig.for_model(name, **common, **extra), attn_implementation="tokenring"
-        )
-    ours.load_state_dict(oracle.state_dict())
-    return oracle.double().eval(), ours.double().eval()
-
-
-def rank_encoder_logits(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Inside a rank: each encoder's logits ``(B, S, V)`` gathered from contiguous shards."""
-    out = {}
-    for name in names:
-        _, model = _encoders(name)
-        sp = hf.SequenceParallel(layout="contiguous")
+        _, model = _models(name, torch.float64, encoder=encoder)
+        sp = hf.SequenceParallel(layout="contiguous" if encoder else "zigzag")
         batch = hf.shard_batch(sp, _input_ids())
         offset = model.config.pad_token_id + 1 if name == "roberta" else 0
         with torch.no_grad():
@@ -159,29 +135,25 @@ def rank_encoder_logits(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_encoders_match_one_process() -> None:
-    names = tuple(name for name in ENCODERS if name in CONFIG_MAPPING)
-    per_rank = tokenring.launch(rank_encoder_logits, names, world_size=2, timeout_s=300)
-    for name in names:
-        oracle, _ = _encoders(name)
+def _check_two_ranks_match_one_process(names: tuple[str, ...], *, encoder: bool) -> None:
+    known = tuple(name for name in names if name in CONFIG_MAPPING)
+    assert len(known) >= len(names) // 2, f"transformers knows too few of {names}"
+    per_rank = tokenring.launch(rank_logits, known, encoder, world_size=2, timeout_s=300)
+    for name in known:
+        oracle, _ = _models(name, torch.float64, encoder=encoder)
         with torch.no_grad():
             want = oracle(_input_ids()).logits
         for rank, got in enumerate(per_rank):
             err = float((got[name] - want).abs().max())
             assert err < FP64, f"{name}: rank {rank} logits differ from one process by {err}"
+
+
+def test_encoders_match_one_process() -> None:
+    _check_two_ranks_match_one_process(ENCODERS, encoder=True)
 
 
 def test_attention_only_architectures_match_one_process() -> None:
-    names = tuple(name for name in MATCHING if name in CONFIG_MAPPING)
-    assert len(names) >= len(MATCHING) // 2, f"transformers knows too few of {MATCHING}"
-    per_rank = tokenring.launch(rank_logits, names, world_size=2, timeout_s=300)
-    for name in names:
-        oracle, _ = _models(name, torch.float64)
-        with torch.no_grad():
-            want = oracle(_input_ids()).logits
-        for rank, got in enumerate(per_rank):
-            err = float((got[name] - want).abs().max())
-            assert err < FP64, f"{name}: rank {rank} logits differ from one process by {err}"
+    _check_two_ranks_match_one_process(MATCHING, encoder=False)
 
 
 @pytest.mark.usefixtures("single_rank_group")
@@ -200,9 +172,9 @@ def test_layers_that_mix_tokens_otherwise_raise(name: str, changes: dict, named:
 def test_check_model_catches_models_whose_attention_never_runs() -> None:
     # two layers of a hybrid whose first attention layer comes later: no attention call ever
     # sees the config, so only the model check can refuse it
-    for name in ("qwen3_next", "recurrent_gemma", "jamba", "mamba"):
-        if name not in CONFIG_MAPPING:
-            continue
+    known = [n for n in ("qwen3_next", "recurrent_gemma", "jamba", "mamba") if n in CONFIG_MAPPING]
+    assert known, "transformers knows none of the hybrids and state-space models"
+    for name in known:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(_config(name))

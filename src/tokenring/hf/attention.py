@@ -484,9 +484,10 @@ def _attention_forward(
 def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Raise NotImplementedError for a layer kind (Note [Layers that mix tokens]) or an
     attention option in ``kwargs`` the call cannot honour."""
-    reason = _unsupported_layers(getattr(module, "config", None))
+    config = getattr(module, "config", None)
+    reason = _unsupported_layers(config)
     if reason is not None:
-        _refuse_layers(name, getattr(module, "config", None), reason)
+        _refuse_layers(name, config, reason)
     dropout = kwargs.get("dropout", 0.0)
     if dropout > 0:
         raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")

@@ -732,8 +732,9 @@ class _Backward(_RingPass):
             if step == 0 and not self.direct:  # it leaves home with our dK/dV of the lane
                 assert self.dk_acc is not None and self.dv_acc is not None
                 for grad, own in zip(grads, (self.dk_acc, self.dv_acc), strict=True):
-                    grad.copy_(_rows_heads(own, tr_out))
-                    _rows_heads(own, tr_out).zero_()
+                    leaving = _rows_heads(own, tr_out)
+                    grad.copy_(leaving)
+                    leaving.zero_()
             self.outbox[tr_out] = self.lane_messages.pop(lane_index)
             del grads
         if step == 0 and self.outgoing and len(self.outgoing) == len(self.sched.lanes):
