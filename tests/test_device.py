@@ -200,6 +200,6 @@ def test_every_strategy_on_one_device(world_size: int) -> None:
     )
     paths = {r["path"] for r in per_rank}
     print(f"P={world_size}: path {sorted(paths)}")
-    assert paths == {"gloo-staged" if DEVICE == "cuda" else "gloo"}
+    assert paths == {"gloo-staged" if DEVICE == "cuda" else "gloo-shm"}
     failures = [f for r in per_rank for f in r["failures"]]
     assert not failures, "\n".join(failures[:40])

@@ -24,7 +24,7 @@ def _staged_equals_direct() -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     staged = Communicator(stage_through_host=True)
     assert staged.path(torch.device("cpu")) == "gloo-staged"
-    assert tokenring.get_communicator().path(torch.device("cpu")) == "gloo"
+    assert tokenring.get_communicator().path(torch.device("cpu")) == "gloo-shm"
     q, k, v, dout = make_inputs(
         seed=3, batch=1, seq_global=8 * world, heads_q=4, heads_kv=2, head_dim=8
     )

@@ -108,7 +108,11 @@ def test_lab_names_addresses_and_env_before_enter() -> None:
     owner = rf"tokenring-{os.getpid()}-\d+-[0-9a-f]{{6}}-"
     assert all(re.fullmatch(owner + r"(\d|switch)", ns) for ns in lab.namespaces), lab.namespaces
     assert [lab.address(r) for r in range(3)] == ["10.201.0.1", "10.201.0.2", "10.201.0.3"]
-    assert lab.env(2) == {"GLOO_SOCKET_IFNAME": lab.interface(2), "MASTER_ADDR": "10.201.0.1"}
+    assert lab.env(2) == {
+        "GLOO_SOCKET_IFNAME": lab.interface(2),
+        "MASTER_ADDR": "10.201.0.1",
+        "TOKENRING_SHARED_MEMORY": "0",  # the emulated links carry every byte
+    }
     assert lab.wrap_command(1, ["python", "-V"]) == [
         *("ip", "netns", "exec", lab.namespaces[1], "python", "-V")
     ]

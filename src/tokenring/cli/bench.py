@@ -597,7 +597,7 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
         "rows": rows,
         "backend": str(dist.get_backend()),
         "device": str(device),
-        "comm_path": comm.path(device),  # nccl, gloo, or gloo-staged (CUDA through the host)
+        "comm_path": comm.path(device),  # nccl, gloo, gloo-shm, or gloo-staged
     }
 
 
@@ -1300,8 +1300,10 @@ def run(args: argparse.Namespace) -> int:
     per_rank = ranks.collect_per_rank(run_rank, config, args, num_rows=num_rows, title=title)
     if per_rank is None:
         return 0
-    rows = aggregate(per_rank, config)
     lab = args._lab
+    if lab and any(r["comm_path"] == "gloo-shm" for r in per_rank):  # the lab's env forbids it
+        raise RuntimeError("the lab's ranks exchanged through shared memory, not its links")
+    rows = aggregate(per_rank, config)
     topology = lab["topology"] if lab else "mesh"
     add_predictions(rows, per_rank, config, world_size=args.world_size, topology=topology)
     settings = {

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from tokenring.runtime.shm import ENV_VAR
+
 __all__ = ["Lab", "LabConfig", "Topology", "lab_unavailable_reason", "remove_stale_labs"]
 
 _IDENT_DEVICE = "tr-ident"  # holds the identity address inside every rank namespace
@@ -450,8 +452,14 @@ class Lab:
         return ["ip", "netns", "exec", self.namespace(rank), *argv]
 
     def env(self, rank: int) -> dict[str, str]:
-        """Environment variables that make gloo and the TCP store use the lab's addresses."""
-        return {"GLOO_SOCKET_IFNAME": self.interface(rank), "MASTER_ADDR": self.address(0)}
+        """Environment variables that make gloo and the TCP store use the lab's addresses, and
+        keep every byte on the emulated links (no shared memory between the ranks: Note
+        [Shared-memory transport] in tokenring.runtime.shm)."""
+        return {
+            "GLOO_SOCKET_IFNAME": self.interface(rank),
+            "MASTER_ADDR": self.address(0),
+            ENV_VAR: "0",
+        }
 
     def register_pid(self, pid: int) -> None:
         """Remember a process started for the lab so that teardown ends it, even before it

@@ -23,12 +23,15 @@ and gloo sees every receive posted no later than the matching send's batch (rece
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
 import hashlib
 import json
+import os
 import pickle
+import secrets
 import struct
 import time
 import types
@@ -42,6 +45,13 @@ import torch
 import torch.distributed as dist
 
 from tokenring.core.schedule import Flow, Transfer
+from tokenring.runtime.shm import (
+    SHM_MIN_BYTES,
+    SharedMemoryLinks,
+    read_probe,
+    shm_wanted,
+    write_probe,
+)
 
 __all__ = [
     "HEADER_NUM_BYTES",
@@ -126,7 +136,9 @@ class TrafficCounter:
 # Note [Message header]
 # ~~~~~~~~~~~~~~~~~~~~~
 # Every message starts with HEADER_NUM_BYTES: five int64 (magic, payload bytes, transfer id,
-# sender rank, a digest of the frames' sizes), padded to 64 bytes. gloo completes a receive of
+# sender rank, a digest of the frames' sizes), then three that say where a payload sent
+# through shared memory is (Note [Shared-memory transport] in tokenring.runtime.shm; zero
+# otherwise), 64 bytes in all. gloo completes a receive of
 # a *shorter* message and leaves the rest of the buffer stale, so the receiver zeroes the
 # header slot before posting and checks every field on arrival, before the other frames; a
 # mismatch raises naming the transfer, both sizes and the peer. Counters hold payload bytes.
@@ -170,6 +182,7 @@ def _transfer_id(tr: Transfer) -> int:
 
 
 _HEADER_STRUCT = struct.Struct(f"<{HEADER_NUM_BYTES // 8}q")
+_SHM_FIELDS = struct.Struct("<3q")  # (token, segment index, use) after the five fields
 
 
 def _write_header(buffer: torch.Tensor, tr: Transfer, num_bytes: int, layout: int) -> None:
@@ -211,8 +224,7 @@ class Message:
     @property
     def layout(self) -> int:
         """A digest of the frames' sizes, as the header carries it (Note [Message frames])."""
-        sizes = ",".join(str(f.numel()) for f in self.frames)
-        return zlib.crc32(sizes.encode()) & 0x7FFFFFFF
+        return _layout([f.numel() for f in self.frames])
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -250,12 +262,8 @@ def _blank(
     fields: Sequence[FieldSpec], device: torch.device, new: Callable[..., torch.Tensor]
 ) -> Message:
     """A message of ``fields``, its frames made by ``new`` (Note [Message frames])."""
-    sizes = _sizes(fields)
-    split = list(zip(sizes, _apart(sizes), strict=True))
-    inline = sum(n for n, own in split if not own)
-    buffer = new(HEADER_NUM_BYTES + inline, dtype=torch.uint8, device=device)
-    frames = tuple(new(n, dtype=torch.uint8, device=device) for n, own in split if own)
-    return Message(buffer, frames)
+    frames = [new(n, dtype=torch.uint8, device=device) for n in _frame_sizes(fields)]
+    return Message(frames[0], tuple(frames[1:]))
 
 
 def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
@@ -275,6 +283,19 @@ def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]
     assert offset == message.buffer.numel(), "receive buffer size differs from the fields"
     assert next(apart, None) is None, "more frames than big fields"
     return out
+
+
+def _frame_sizes(fields: Sequence[FieldSpec]) -> list[int]:
+    """Bytes of each frame of a message of ``fields``, the header frame first."""
+    sizes = _sizes(fields)
+    split = list(zip(sizes, _apart(sizes), strict=True))
+    inline = sum(n for n, own in split if not own)
+    return [HEADER_NUM_BYTES + inline, *(n for n, own in split if own)]
+
+
+def _layout(frame_sizes: Sequence[int]) -> int:
+    """A digest of the frames' sizes, as the header carries it (Note [Message frames])."""
+    return zlib.crc32(",".join(str(n) for n in frame_sizes).encode()) & 0x7FFFFFFF
 
 
 def _first_line(exc: BaseException) -> str:
@@ -325,7 +346,13 @@ class PendingRecv:
     """A posted receive; ``wait()`` returns its tensors."""
 
     def __init__(
-        self, comm: Communicator, transfer: Transfer, message: Message, fields: list[FieldSpec]
+        self,
+        comm: Communicator,
+        transfer: Transfer,
+        message: Message,
+        fields: list[FieldSpec],
+        *,
+        shared: bool = False,
     ) -> None:
         self.transfer = transfer
         self._comm = comm
@@ -334,7 +361,10 @@ class PendingRecv:
         self._works: list[Any] = []  # one per frame, posted in frame order
         self._posted_s = time.perf_counter()
         self._result: list[torch.Tensor] | None = None
-        self._wires = message.frames  # what the backend fills (host buffers if staged)
+        # what the backend fills: the frames, host buffers if staged, or with shared memory
+        # the header alone (``message`` is then the header; wait() makes the whole message)
+        self._wires = message.frames
+        self._shared = shared
 
     def message(self) -> Message:
         """The received message, to pass on as it came (after :meth:`wait`): no copy."""
@@ -350,8 +380,12 @@ class PendingRecv:
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
             comm, tr, frames = self._comm, self.transfer, self._message.frames
-            works = self._works or [None] * len(frames)
-            posted = zip(frames, self._wires, works, strict=True)
+            works = self._works or [None] * len(self._wires)
+            if self._shared:  # the header, then the message in the sender's segment
+                comm._wait(works[0], tr, "receive")
+                self._check()
+                self._message = self._view_shared()
+            posted = zip(frames, self._wires, works, strict=True) if not self._shared else ()
             for index, (frame, wire, work) in enumerate(posted):
                 comm._wait(work, tr, "receive")
                 if wire is not frame:  # staged: host -> device, on the current stream
@@ -367,9 +401,24 @@ class PendingRecv:
                 timeline.events.append(event)
         return self._result
 
+    def _view_shared(self) -> Message:
+        """The message in the sender's segment (Note [Shared-memory transport])."""
+        comm, tr, header = self._comm, self.transfer, self._message.buffer
+        offset = _HEADER_FIELDS * 8
+        where = _SHM_FIELDS.unpack(ctypes.string_at(header.data_ptr() + offset, 24))
+        if where[0] == 0 or comm.shared is None:
+            raise RuntimeError(
+                f"rank {comm.rank}: receive of {tr.payload.value!r} from rank {tr.src} at step "
+                f"{tr.step}: the sender did not send it through shared memory, as this rank "
+                "expected (the ranks disagree on the transport)"
+            )
+        frames = comm.shared.view(tr.src, where, _frame_sizes(self._fields))
+        return Message(frames[0], tuple(frames[1:]))
+
     def _check(self) -> None:
         buffer = self._message.buffer
-        expected = (self._message.num_bytes, self._message.layout)
+        sizes = _frame_sizes(self._fields)
+        expected = (sum(sizes) - HEADER_NUM_BYTES, _layout(sizes))
         if buffer.device.type == "cpu":
             _check_header(self._comm.rank, self.transfer, _read_header(buffer), *expected)
         else:  # checked in wait_sends, once per call: no host sync inside the step loop
@@ -388,6 +437,11 @@ class Communicator:
         separate_groups: one process group per channel (default); False: all share ``group``.
         stage_through_host: move messages through host buffers (Note [Staged path]). None:
             exactly for CUDA tensors on gloo.
+        shared_memory: send CPU payloads through shared memory when every rank of a gloo
+            group sees the same /dev/shm (Note [Shared-memory transport] in
+            tokenring.runtime.shm); on only if every rank asks for it. None: the environment
+            variable TOKENRING_SHARED_MEMORY (default 1). Building the communicator is then
+            a collective over the group.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -401,6 +455,7 @@ class Communicator:
         timeout_s: float = 300.0,
         separate_groups: bool = True,
         stage_through_host: bool | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -439,6 +494,38 @@ class Communicator:
         self._broken: str | None = None
         self.stage_through_host = stage_through_host
         self._copy_stream: Any = None
+        self.shared: SharedMemoryLinks | None = None
+        if self._own is not None and self.backend == "gloo":
+            wanted = shm_wanted(shared_memory) and not stage_through_host
+            pids = self._probe_shared_memory(wanted)
+            self.shared = SharedMemoryLinks(self.rank, pids) if pids is not None else None
+
+    def _probe_shared_memory(self, wanted: bool) -> tuple[int, ...] | None:
+        """Every rank's process id if every rank wants the shared-memory transport and maps
+        every other rank's probe file, else None (Note [Shared-memory transport])."""
+        token = secrets.randbits(62) + 1
+        fd = -1
+        with contextlib.suppress(OSError):
+            fd = write_probe(token) if wanted else -1
+        try:
+            what = "the shared-memory probe"
+            mine = struct.pack("<4q", fd >= 0, os.getpid(), fd, token)
+            rows = [struct.unpack("<4q", row) for row in self.all_gather_bytes(mine, what=what)]
+            seen = all(
+                want and (r == self.rank or read_probe(pid, peer_fd, peer_token))
+                for r, (want, pid, peer_fd, peer_token) in enumerate(rows)
+            )
+            verdicts = self.all_gather_bytes(bytes([seen]), what=what)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return tuple(row[1] for row in rows) if all(v == b"\x01" for v in verdicts) else None
+
+    def _uses_shm(self, num_bytes: int, device: torch.device) -> bool:
+        """Whether a message of ``num_bytes`` payload on ``device`` travels through shared
+        memory (Note [Shared-memory transport])."""
+        cpu = device.type == "cpu"
+        return self.shared is not None and cpu and num_bytes >= SHM_MIN_BYTES
 
     def _make_groups(self, ranks: list[int], separate_groups: bool) -> _OwnGroups:
         channels: dict[tuple[Flow, int], dist.ProcessGroup] = {}
@@ -633,7 +720,10 @@ class Communicator:
 
     # -- the staged path (Note [Staged path]) ---------------------------------------------------
     def path(self, device: torch.device) -> str:
-        """How this communicator's messages of tensors on ``device`` travel."""
+        """How this communicator's messages of tensors on ``device`` travel: nccl, gloo,
+        gloo-shm (Note [Shared-memory transport]) or gloo-staged."""
+        if self.shared is not None and device.type == "cpu":
+            return "gloo-shm"
         if self.stage_through_host:
             return f"{self.backend}-staged"
         if self.stage_through_host is False:
@@ -712,19 +802,23 @@ class Communicator:
 
     def _recv(self, tr: Transfer, fields: list[FieldSpec], device: torch.device) -> PendingRecv:
         """A receive of ``tr`` to post, counted."""
-        message = _blank(fields, device, torch.empty)
+        num_bytes = sum(_sizes(fields))
+        shared = self._uses_shm(num_bytes, device)
+        if shared:  # only the header travels over gloo
+            message = Message(torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8))
+        else:
+            message = _blank(fields, device, torch.empty)
         # a message that never arrives has no magic
         if device.type == "cpu":
             ctypes.memset(message.buffer.data_ptr(), 0, HEADER_NUM_BYTES)
         else:
             message.buffer[:HEADER_NUM_BYTES].zero_()
-        rec = PendingRecv(self, tr, message, fields)
+        rec = PendingRecv(self, tr, message, fields, shared=shared)
         if self._staged(device):  # the host buffers the backend fills
             pin = device.type == "cuda"
             rec._wires = [
                 torch.empty(f.numel(), dtype=torch.uint8, pin_memory=pin) for f in rec._wires
             ]
-        num_bytes = message.num_bytes
         self.counter.add(sent=False, flow=tr.payload.flow, peer=tr.src, num_bytes=num_bytes)
         return rec
 
@@ -752,6 +846,12 @@ class Communicator:
             now = time.perf_counter()
             event = Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
             self.timeline.events.append(event)
+        if self._uses_shm(num_bytes, message.buffer.device):
+            assert self.shared is not None
+            where = self.shared.write(tr.dst, message.frames)
+            offset = message.buffer.data_ptr() + _HEADER_FIELDS * 8
+            ctypes.memmove(offset, _SHM_FIELDS.pack(*where), _SHM_FIELDS.size)
+            return [message.buffer[:HEADER_NUM_BYTES]]  # the header, now naming the segment
         return [self.to_wire(f) for f in message.frames]
 
     def wait_sends(self) -> None:
@@ -868,6 +968,8 @@ class Communicator:
         own, self._own = self._own, None
         self._groups, self._control = {}, None
         self._pending_sends.clear()
+        if self.shared is not None:
+            self.shared.close()
         if own is None or self._pool_key is None or self._broken is not None:
             return
         channels, control = own

@@ -1,0 +1,151 @@
+"""The shared-memory transport (Note [Shared-memory transport] in tokenring.runtime.shm): the
+same bits as sockets, the float64 oracle, the same counted bytes, segments reused and released,
+and every rank on one transport.
+
+Legend: B batch, S global seq, H heads, D head dim, P world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+from oracle import make_inputs, oracle_with_grads, owned_positions
+from tokenring.runtime.comm import Communicator
+from tokenring.runtime.shm import ENV_VAR, SHM_MIN_BYTES, shm_wanted
+
+P2P_STRATEGIES = ("token_ring", "ring", "bidir_ring", "bidir_token_ring")
+
+
+def _memfds() -> int:
+    """This process's open shared-memory segments."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum("memfd:tokenring-" in name for name in names)
+
+
+def _both_transports() -> list[str]:
+    """Every ring strategy, causal or not, zigzag and contiguous, through a shared-memory
+    communicator and a socket one: bitwise equal, within 1e-10 of the oracle, the same bytes
+    counted; messages big enough to go through shared memory."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shared = Communicator(shared_memory=True, timeout_s=60)
+    sockets = Communicator(shared_memory=False, timeout_s=60)
+    assert shared.path(torch.device("cpu")) == "gloo-shm", "shared memory not taken"
+    assert sockets.path(torch.device("cpu")) == "gloo"
+    seq = 64 * world
+    q, k, v, dout = make_inputs(seed=5, batch=1, seq_global=seq, heads_q=4, heads_kv=2, head_dim=16)
+    assert q[:, :32].numel() * 8 >= SHM_MIN_BYTES  # a travelling block goes through a segment
+    problems = []
+    for strategy in P2P_STRATEGIES:
+        for layout in ("zigzag", "contiguous"):
+            for causal in (True, False):
+                idx = torch.tensor(owned_positions(layout, rank, world, seq))
+                want = oracle_with_grads(q, k, v, dout, causal=causal, scale=16**-0.5)
+                results = []
+                for comm in (shared, sockets):
+                    comm.counter.reset()
+                    local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
+                    out = tokenring.sequence_parallel_attn(
+                        *local, strategy=strategy, causal=causal, layout=layout, group=comm
+                    )
+                    out.backward(dout[:, idx])
+                    got = [out.detach(), *(x.grad for x in local)]
+                    counted = (dict(comm.counter.sent_bytes), dict(comm.counter.recv_bytes))
+                    results.append((got, counted))
+                case = f"rank {rank} {strategy} {layout} causal={causal}"
+                (got, counted), (other, other_counted) = results
+                if not all(torch.equal(a, b) for a, b in zip(got, other, strict=True)):
+                    problems.append(f"{case}: shared memory differs from sockets")
+                if counted != other_counted:
+                    problems.append(f"{case}: bytes counted {counted} vs {other_counted}")
+                for name, x in zip(("out", "dq", "dk", "dv"), got, strict=True):
+                    err = (x - want[name][:, idx]).abs().max().item()
+                    if err > 1e-10:
+                        problems.append(f"{case}: {name} off by {err:.3g}")
+    links = shared.shared
+    assert links is not None
+    if links.num_written == 0 or links.num_viewed == 0:
+        problems.append(f"rank {rank}: no message went through shared memory")
+    gc.collect()
+    if links.num_lent:
+        problems.append(f"rank {rank}: {links.num_lent} segments still held after the calls")
+    for comm in (shared, sockets):
+        comm.close()
+    return problems
+
+
+def test_every_ring_strategy_gives_the_same_bits_through_shared_memory() -> None:
+    per_rank = tokenring.launch(_both_transports, world_size=3, timeout_s=300)
+    problems = [p for rank in per_rank for p in rank]
+    assert not problems, "\n".join(problems[:20])
+
+
+def _segments_per_call(num_calls: int) -> dict[str, object]:
+    """Segments made over repeated calls, and descriptors left after close."""
+    comm = Communicator(shared_memory=True, timeout_s=60)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq = 128 * world
+    q, k, v, dout = make_inputs(seed=2, batch=1, seq_global=seq, heads_q=4, heads_kv=4, head_dim=16)
+    idx = torch.tensor(owned_positions("zigzag", rank, world, seq))
+    counts, messages = [], 0
+    for _ in range(num_calls):
+        comm.counter.reset()
+        local = [x[:, idx].float().requires_grad_(True) for x in (q, k, v)]
+        out = tokenring.token_ring_attn(*local, causal=True, layout="zigzag", group=comm)
+        out.backward(dout[:, idx].float())
+        links = comm.shared
+        assert links is not None
+        counts.append(links.num_segments)
+        messages = max(messages, comm.counter.sent_messages)
+    before_close = _memfds()
+    comm.barrier(label="all calls done")
+    comm.close()
+    gc.collect()
+    after_close = _memfds()
+    return {"counts": counts, "messages": messages, "before": before_close, "after": after_close}
+
+
+def test_segments_are_reused_and_their_descriptors_closed() -> None:
+    """Segments are reused: over 6 calls a rank makes fewer than one call sends messages
+    (without reuse: 6 times as many). A closed communicator's descriptors are closed once
+    every receiver has mapped its segments (here: all were)."""
+    per_rank = tokenring.launch(_segments_per_call, 6, world_size=3, timeout_s=120)
+    for rank, result in enumerate(per_rank):
+        counts, messages = result["counts"], result["messages"]
+        assert 0 < counts[0][0] <= counts[-1][0] < messages, (rank, counts, messages)
+        assert result["before"] > 0, (rank, result)
+        assert result["after"] == 0, (rank, result)
+
+
+def _paths_when_one_rank_refuses() -> str:
+    option = False if dist.get_rank() == 1 else None
+    return Communicator(shared_memory=option, timeout_s=30).path(torch.device("cpu"))
+
+
+def test_one_rank_asking_for_sockets_puts_every_rank_on_sockets() -> None:
+    assert tokenring.launch(_paths_when_one_rank_refuses, world_size=3) == ["gloo"] * 3
+
+
+def _path_from_environment() -> str:
+    return tokenring.get_communicator().path(torch.device("cpu"))
+
+
+def test_the_environment_variable_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert tokenring.launch(_path_from_environment, world_size=2) == ["gloo"] * 2
+
+
+def test_a_bad_environment_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match="TOKENRING_SHARED_MEMORY must be 0 or 1; got 'maybe'"):
+        shm_wanted(None)
+    assert shm_wanted(False) is False
