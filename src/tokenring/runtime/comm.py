@@ -262,7 +262,7 @@ def _blank(
     fields: Sequence[FieldSpec], device: torch.device, new: Callable[..., torch.Tensor]
 ) -> Message:
     """A message of ``fields``, its frames made by ``new`` (Note [Message frames])."""
-    frames = [new(n, dtype=torch.uint8, device=device) for n in _frame_sizes(fields)]
+    frames = [new(n, dtype=torch.uint8, device=device) for n in _frame_sizes(_sizes(fields))]
     return Message(frames[0], tuple(frames[1:]))
 
 
@@ -285,12 +285,19 @@ def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]
     return out
 
 
-def _frame_sizes(fields: Sequence[FieldSpec]) -> list[int]:
-    """Bytes of each frame of a message of ``fields``, the header frame first."""
-    sizes = _sizes(fields)
+def _frame_sizes(sizes: Sequence[int]) -> list[int]:
+    """Bytes of each frame of a message of fields of ``sizes`` bytes, the header frame first."""
     split = list(zip(sizes, _apart(sizes), strict=True))
     inline = sum(n for n, own in split if not own)
     return [HEADER_NUM_BYTES + inline, *(n for n, own in split if own)]
+
+
+def _in_frame_order(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as their bytes follow each other in a message's frames: those inline in the
+    header frame, then those that travel as frames of their own (Note [Message frames])."""
+    apart = _apart([_nbytes(t) for t in tensors])
+    inline = [t for t, own in zip(tensors, apart, strict=True) if not own]
+    return inline + [t for t, own in zip(tensors, apart, strict=True) if own]
 
 
 def _layout(frame_sizes: Sequence[int]) -> int:
@@ -412,12 +419,12 @@ class PendingRecv:
                 f"{tr.step}: the sender did not send it through shared memory, as this rank "
                 "expected (the ranks disagree on the transport)"
             )
-        frames = comm.shared.view(tr.src, where, _frame_sizes(self._fields))
+        frames = comm.shared.view(tr.src, where, _frame_sizes(_sizes(self._fields)))
         return Message(frames[0], tuple(frames[1:]))
 
     def _check(self) -> None:
         buffer = self._message.buffer
-        sizes = _frame_sizes(self._fields)
+        sizes = _frame_sizes(_sizes(self._fields))
         expected = (sum(sizes) - HEADER_NUM_BYTES, _layout(sizes))
         if buffer.device.type == "cpu":
             _check_header(self._comm.rank, self.transfer, _read_header(buffer), *expected)
@@ -839,20 +846,38 @@ class Communicator:
 
     def _send(self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message) -> list[torch.Tensor]:
         """The wire buffers of ``tr``'s message (Note [Message frames]), counted."""
-        message = _pack(tr, tensors)
-        num_bytes = message.num_bytes
+        if isinstance(tensors, Message):
+            num_bytes, device = tensors.num_bytes, tensors.buffer.device
+        else:
+            num_bytes, device = sum(_nbytes(t) for t in tensors), tensors[0].device
         self.counter.add(sent=True, flow=tr.payload.flow, peer=tr.dst, num_bytes=num_bytes)
         if self.timeline is not None:
             now = time.perf_counter()
             event = Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
             self.timeline.events.append(event)
-        if self._uses_shm(num_bytes, message.buffer.device):
-            assert self.shared is not None
-            where = self.shared.write(tr.dst, message.frames)
-            offset = message.buffer.data_ptr() + _HEADER_FIELDS * 8
-            ctypes.memmove(offset, _SHM_FIELDS.pack(*where), _SHM_FIELDS.size)
-            return [message.buffer[:HEADER_NUM_BYTES]]  # the header, now naming the segment
-        return [self.to_wire(f) for f in message.frames]
+        if self._uses_shm(num_bytes, device):
+            return [self._send_shared(tr, tensors, num_bytes)]
+        return [self.to_wire(f) for f in _pack(tr, tensors).frames]
+
+    def _send_shared(
+        self, tr: Transfer, tensors: Sequence[torch.Tensor] | Message, num_bytes: int
+    ) -> torch.Tensor:
+        """Copy ``tr``'s message into a segment to its receiver (tensors straight from where
+        they lie: one copy); the header to post, naming the segment (Note [Shared-memory
+        transport] in tokenring.runtime.shm)."""
+        assert self.shared is not None
+        if isinstance(tensors, Message):
+            message = _pack(tr, tensors)
+            header, parts = message.buffer[:HEADER_NUM_BYTES], message.frames
+        else:
+            header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)
+            layout = _layout(_frame_sizes([_nbytes(t) for t in tensors]))
+            _write_header(header, tr, num_bytes, layout)
+            parts = [header, *_in_frame_order(tensors)]
+        where = self.shared.write(tr.dst, parts)
+        offset = header.data_ptr() + _HEADER_FIELDS * 8
+        ctypes.memmove(offset, _SHM_FIELDS.pack(*where), _SHM_FIELDS.size)
+        return header
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far; check the pending device headers (one sync)."""

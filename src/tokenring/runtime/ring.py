@@ -149,8 +149,8 @@ class _Held:
             return self.message
         if not self.is_kv:
             return self.slice(rows)
-        if not self.wire:  # home: one copy into the wire layout
-            return kv_message(*self.slice(rows))
+        if not self.wire:  # home: in the wire layout (one copy, as the communicator packs)
+            return [x.transpose(0, 1) for x in self.slice(rows)]
         start, stop = self._local(rows)
         return [x[start:stop] for x in self.wire]
 

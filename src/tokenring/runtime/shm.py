@@ -20,14 +20,14 @@ receiver and bounds every wait by the timeout:
                                                     the message's tensors are views of it
 
 A receive costs no copy. The receiver marks a use consumed when no tensor holds its memory any
-more (a K/V block passed on, a partial merged; the views hang off one ctypes array that
-``torch.frombuffer`` keeps alive exactly as long as their storage), and a segment is free for
-its sender again once its last use is consumed. A sender with no free segment big enough makes
-a new one, so a send never waits on shared memory: a peer that fails leaves this rank waiting
-only on gloo, bounded as before. Segments have no names, so nothing is left behind however a
-process ends; a sender closes a segment's descriptor once its receiver has mapped it (a closed
-communicator's unmapped ones wait in _UNMAPPED). Space is reserved when a segment is made
-(``posix_fallocate``): no room raises there, naming it, instead of a SIGBUS later.
+more (a K/V block passed on, a partial merged): each frame is a ctypes array over its bytes,
+which ``torch.frombuffer`` keeps alive exactly as long as the frame's storage. A segment is free
+for its sender again once its last use is consumed; a sender with no free segment big enough
+makes a new one, so a send never waits on shared memory, and a peer that fails leaves this rank
+waiting only on gloo, bounded as before. Segments have no names, so nothing is left behind
+however a process ends; a sender closes a segment's descriptor once its receiver has mapped it
+(a closed communicator's unmapped ones wait in _UNMAPPED). Space is reserved when a segment is
+made (``posix_fallocate``): no room raises there, naming it, instead of a SIGBUS later.
 
 The consumed mark is a plain store after the receiver's last read: it relies on stores not
 passing earlier loads (x86-64), so the transport is used only there. It is off for CUDA tensors
@@ -109,10 +109,13 @@ class _Segment:
         return int(_USE.unpack_from(self.map, 8)[0])
 
 
-def _consumed(segment: _Segment, use: int) -> None:
-    """The receiver is done with ``use``: its sender may write the segment again."""
-    segment.lent = False
-    _USE.pack_into(segment.map, 8, use)
+def _released(segment: _Segment, use_left: list[int]) -> None:
+    """One frame of a use is no longer held; with its last the use is consumed, and the
+    sender may write the segment again."""
+    use_left[1] -= 1
+    if use_left[1] == 0:
+        segment.lent = False
+        _USE.pack_into(segment.map, 8, use_left[0])
 
 
 # Segments of closed senders that their receiver has not mapped yet: their descriptors stay
@@ -158,10 +161,11 @@ class SharedMemoryLinks:
         self.num_written = self.num_viewed = 0  # messages through shared memory
         self._finalizer = weakref.finalize(self, _release, self._out)
 
-    def write(self, dst: int, frames: Sequence[torch.Tensor]) -> tuple[int, int, int]:
-        """Copy ``frames`` (uint8, 1-D) back to back into a free segment to ``dst``;
-        ``(fd + 1, index, use)`` for the header."""
-        num_bytes = sum(f.numel() for f in frames)
+    def write(self, dst: int, parts: Sequence[torch.Tensor]) -> tuple[int, int, int]:
+        """Copy the bytes of ``parts`` (any dtype and strides) back to back into a free segment
+        to ``dst``; ``(fd + 1, index, use)`` for the header."""
+        sizes = [t.numel() * t.element_size() for t in parts]
+        num_bytes = sum(sizes)
         pool = self._out.setdefault(dst, [])
         segment = next(
             (s for s in pool if s.capacity >= num_bytes and s.consumed() == s.written), None
@@ -172,9 +176,10 @@ class SharedMemoryLinks:
         elif segment.fd >= 0:  # once mapped, its receiver needs the descriptor no more
             _close_mapped([segment])
         offset = _CONTROL_NUM_BYTES
-        for frame in frames:
-            segment.data[offset : offset + frame.numel()].copy_(frame)
-            offset += frame.numel()
+        for part, size in zip(parts, sizes, strict=True):
+            target = segment.data[offset : offset + size]
+            target.view(part.dtype).view(part.shape).copy_(part)
+            offset += size
         segment.written += 1
         _USE.pack_into(segment.map, 0, segment.written)
         self.num_written += 1
@@ -198,7 +203,7 @@ class SharedMemoryLinks:
 
     def view(self, src: int, where: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
         """Use ``where = (fd + 1, index, use)`` of ``src``'s segment as frames of ``sizes``
-        bytes (uint8, 1-D, back to back), without a copy; consumed once no tensor holds them.
+        bytes (uint8, 1-D, back to back), without a copy; consumed once no tensor holds any.
 
         Raises:
             RuntimeError: the segment cannot be mapped or holds another use (the sender
@@ -215,11 +220,16 @@ class SharedMemoryLinks:
                 f"{written} where the header announced {use}, or that segment is still in use "
                 "here (the sender wrote over a message in use)"
             )
-        window = (ctypes.c_uint8 * sum(sizes)).from_buffer(segment.map, _CONTROL_NUM_BYTES)
         segment.lent = True
-        weakref.finalize(window, _consumed, segment, use)
+        use_left = [use, len(sizes)]  # the use, and its frames still held
+        frames, offset = [], _CONTROL_NUM_BYTES
+        for size in sizes:  # a storage per frame, as a receive from a socket makes them
+            window = (ctypes.c_uint8 * size).from_buffer(segment.map, offset)
+            weakref.finalize(window, _released, segment, use_left)
+            frames.append(torch.frombuffer(window, dtype=torch.uint8))
+            offset += size
         self.num_viewed += 1
-        return list(torch.frombuffer(window, dtype=torch.uint8).split(list(sizes)))
+        return frames
 
     def _open(self, src: int, fd: int, index: int) -> _Segment:
         path = _peer_file(self.pids[src], fd)
