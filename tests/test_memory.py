@@ -95,15 +95,17 @@ def test_ring_passes_on_the_first_half_of_a_block_without_a_copy() -> None:
     shape = AttentionShape(batch=b, heads_q=h, heads_kv=h, head_dim=d, dtype="float32")
     k, v = torch.randn(b, s, h, d), torch.randn(b, s, h, d)
     home = _lane_blocks(sched, first.owner, [k, v])[0]
-    sent = home.send(first.rows)
-    assert isinstance(sent, Message)
+    sent = home.send(first.rows)  # k and v in the wire layout, as views: packed on sending
+    assert not isinstance(sent, Message)
+    assert [x.data_ptr() for x in sent] == [k.data_ptr(), v.data_ptr()]
     arrived_first = _pack(first, sent)
-    held = _Held.received(first, _unpack(arrived_first, message_fields(shape, first)), sent)
+    fields = message_fields(shape, first)
+    held = _Held.received(first, _unpack(arrived_first, fields), arrived_first)
     torch.testing.assert_close(held.tensors, [k, v], rtol=0, atol=0)
     assert held.tensors[0].data_ptr() % 64 == 0, "the payload starts cache-line aligned"
 
     passed_on = _pack(then, held.send(then.rows))
-    for frame, whole in zip(passed_on.apart, sent.apart, strict=True):  # k's, v's
+    for frame, whole in zip(passed_on.apart, arrived_first.apart, strict=True):  # k's, v's
         assert frame.data_ptr() == whole.data_ptr(), "the first half was copied"
         assert frame.numel() * 2 == whole.numel()
     arrived = _Held.received(then, _unpack(passed_on, message_fields(shape, then)), passed_on)
