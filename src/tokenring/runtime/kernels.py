@@ -590,6 +590,7 @@ class TiledKernel(_Op):
     ) -> None:
         targets = None if callable(grads) else grads
         grid = self._tile_grid(q.shape[1], k.shape[1], causal, mask, backward=True)
+        add = _Accumulate()
         for (qa, qb), row in grid:
             q_side = (dout[:, qa:qb], q[:, qa:qb])
             stats = (lse[:, :, qa:qb], delta[:, :, qa:qb])
@@ -607,10 +608,28 @@ class TiledKernel(_Op):
                     assert callable(grads)
                     targets = grads()
                 dq, dk, dv = targets
-                dq[:, qa:qb] += parts[0]
-                dk[:, ka:kb] += parts[1]
-                dv[:, ka:kb] += parts[2]
+                add(dq[:, qa:qb], parts[0])
+                add(dk[:, ka:kb], parts[1])
+                add(dv[:, ka:kb], parts[2])
                 del parts, dq, dk, dv
+
+
+class _Accumulate:
+    """``target += part`` for one backward's tiles. A part in another dtype is cast into a
+    buffer reused across the tiles first: the implicit cast would allocate a temporary per
+    tile, which on CPU costs as much again as the add (page faults). The same bits."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], Tensor] = {}
+
+    def __call__(self, target: Tensor, part: Tensor) -> None:
+        if part.dtype != target.dtype:
+            key = (tuple(part.shape), part.stride(), target.dtype)
+            buffer = self.buffers.get(key)
+            if buffer is None:  # laid out as the part, so the cast reads and writes in order
+                buffer = self.buffers[key] = torch.empty_like(part, dtype=target.dtype)
+            part = buffer.copy_(part)
+        target += part
 
 
 class CpuFlashKernel(TiledKernel):
