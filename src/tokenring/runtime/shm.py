@@ -186,14 +186,17 @@ class SharedMemoryLinks:
         return segment.fd + 1 if segment.fd >= 0 else -1, segment.index, segment.written
 
     def _make(self, dst: int, index: int, num_bytes: int) -> _Segment:
-        capacity = max(_MIN_CAPACITY, 1 << (num_bytes - 1).bit_length())
-        size = _CONTROL_NUM_BYTES + capacity
-        fd = os.memfd_create(f"tokenring-{self.rank}-to-{dst}-{index}")
+        # size classes an eighth of a power of two apart: a little waste, few distinct sizes
+        granule = max(_MIN_CAPACITY, (1 << max(num_bytes - 1, 1).bit_length()) >> 3)
+        size = _CONTROL_NUM_BYTES + -(-num_bytes // granule) * granule
+        fd = -1
         try:
+            fd = os.memfd_create(f"tokenring-{self.rank}-to-{dst}-{index}")
             os.posix_fallocate(fd, 0, size)  # reserve now: no room raises here, not later
             mapped = mmap.mmap(fd, size)
         except OSError as exc:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             raise RuntimeError(
                 f"rank {self.rank}: making a {size}-byte shared-memory segment for messages "
                 f"to rank {dst} failed ({exc}); free memory, or set {ENV_VAR}=0 to send every "
