@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -18,18 +21,19 @@ import torch.distributed as dist
 import tokenring
 from oracle import make_inputs, oracle_with_grads, owned_positions
 from tokenring.runtime.comm import Communicator
-from tokenring.runtime.shm import ENV_VAR, SHM_MIN_BYTES, shm_wanted
+from tokenring.runtime.shm import ENV_VAR, SharedMemoryLinks, make_inboxes, shm_wanted
 
 P2P_STRATEGIES = ("token_ring", "ring", "bidir_ring", "bidir_token_ring")
 
 
 def _memfds() -> int:
-    """This process's open shared-memory segments."""
+    """This process's open descriptors of message segments (not of inboxes: the launcher's
+    default communicator keeps its own)."""
     names = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor is gone
             names.append(os.readlink(f"/proc/self/fd/{fd}"))
-    return sum("memfd:tokenring-" in name for name in names)
+    return sum("memfd:tokenring-" in name and "-to-" in name for name in names)
 
 
 def _both_transports() -> list[str]:
@@ -43,7 +47,6 @@ def _both_transports() -> list[str]:
     assert sockets.path(torch.device("cpu")) == "gloo"
     seq = 64 * world
     q, k, v, dout = make_inputs(seed=5, batch=1, seq_global=seq, heads_q=4, heads_kv=2, head_dim=16)
-    assert q[:, :32].numel() * 8 >= SHM_MIN_BYTES  # a travelling block goes through a segment
     problems = []
     for strategy in P2P_STRATEGIES:
         for layout in ("zigzag", "contiguous"):
@@ -149,3 +152,53 @@ def test_a_bad_environment_value_is_named(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match="TOKENRING_SHARED_MEMORY must be 0 or 1; got 'maybe'"):
         shm_wanted(None)
     assert shm_wanted(False) is False
+
+
+def _loopback(pid: int) -> tuple[SharedMemoryLinks, torch.Tensor]:
+    """Links whose one peer is this process's own inbox (rank 1 sends to itself), the peer's
+    process id ``pid``; and a header to send."""
+    fd, inboxes = make_inboxes(2, token=7)
+    os.close(fd)
+    links = SharedMemoryLinks(1, [0, pid], inboxes, {1: inboxes})
+    return links, torch.arange(64, dtype=torch.uint8)
+
+
+def _ended_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_an_inbox_delivers_in_order_and_bounds_every_wait() -> None:
+    links, header = _loopback(os.getpid())
+    got = torch.zeros(64, dtype=torch.uint8)
+    links.post(1, header, timeout_s=1)
+    links.post(1, header + 1, timeout_s=1)
+    assert [links.expect(1), links.expect(1), links.expect(1)] == [0, 1, 2]
+    assert links.arrived(1, 1) and not links.arrived(1, 2)
+    links.wait(1, 1, got, timeout_s=1)  # out of order: the second first
+    assert torch.equal(got, header + 1)
+    links.wait(1, 0, got, timeout_s=1)
+    assert torch.equal(got, header)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no message within 0\.3 s"):
+        links.wait(1, 2, got, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 2
+
+
+def test_a_gone_sender_is_named_within_a_fraction_of_a_second() -> None:
+    links, _ = _loopback(_ended_pid())
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="rank 1 is gone"):
+        links.wait(1, 0, torch.zeros(64, dtype=torch.uint8), timeout_s=60)
+    assert time.monotonic() - start < 2
+
+
+def test_a_full_inbox_fails_the_send_within_the_timeout() -> None:
+    links, header = _loopback(os.getpid())
+    for _ in range(512):  # the inbox's slots, none read
+        links.post(1, header, timeout_s=1)
+    with pytest.raises(RuntimeError, match=r"rank 1 left 512 messages unread for 0\.2 s"):
+        links.post(1, header, timeout_s=0.2)
+    links.wait(1, links.expect(1), torch.zeros(64, dtype=torch.uint8), timeout_s=1)
+    links.post(1, header, timeout_s=0.2)  # one read: room for one more

@@ -45,13 +45,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.core.schedule import Flow, Transfer
-from tokenring.runtime.shm import (
-    SHM_MIN_BYTES,
-    SharedMemoryLinks,
-    read_probe,
-    shm_wanted,
-    write_probe,
-)
+from tokenring.runtime.shm import SharedMemoryLinks, make_inboxes, open_inboxes, shm_wanted
 
 __all__ = [
     "HEADER_NUM_BYTES",
@@ -372,6 +366,9 @@ class PendingRecv:
         # the header alone (``message`` is then the header; wait() makes the whole message)
         self._wires = message.frames
         self._shared = shared
+        self._seq = -1  # shared: the message's number from its sender, set when posted
+        if shared:  # nothing to post: the message's header comes to this rank's inbox
+            self._wires = []
 
     def message(self) -> Message:
         """The received message, to pass on as it came (after :meth:`wait`): no copy."""
@@ -380,6 +377,9 @@ class PendingRecv:
 
     def ready(self) -> bool:
         """Whether ``wait()`` would return at once (never blocks; no host sync on CUDA)."""
+        if self._shared and self._result is None:
+            assert self._comm.shared is not None
+            return self._comm.shared.arrived(self.transfer.src, self._seq)
         return self._result is not None or all(
             work is None or work.is_completed() for work in self._works
         )
@@ -388,8 +388,13 @@ class PendingRecv:
         if self._result is None:
             comm, tr, frames = self._comm, self.transfer, self._message.frames
             works = self._works or [None] * len(self._wires)
-            if self._shared:  # the header, then the message in the sender's segment
-                comm._wait(works[0], tr, "receive")
+            if self._shared:  # the header from the inbox, then the message in its segment
+                assert comm.shared is not None
+                try:
+                    timeout_s = comm.timeout.total_seconds()
+                    comm.shared.wait(tr.src, self._seq, self._message.buffer, timeout_s)
+                except (TimeoutError, ConnectionError) as exc:
+                    raise comm._failed(tr, "receive", exc) from exc
                 self._check()
                 self._message = self._view_shared()
             posted = zip(frames, self._wires, works, strict=True) if not self._shared else ()
@@ -504,35 +509,38 @@ class Communicator:
         self.shared: SharedMemoryLinks | None = None
         if self._own is not None and self.backend == "gloo":
             wanted = shm_wanted(shared_memory) and not stage_through_host
-            pids = self._probe_shared_memory(wanted)
-            self.shared = SharedMemoryLinks(self.rank, pids) if pids is not None else None
+            self.shared = self._probe_shared_memory(wanted)
 
-    def _probe_shared_memory(self, wanted: bool) -> tuple[int, ...] | None:
-        """Every rank's process id if every rank wants the shared-memory transport and maps
-        every other rank's probe file, else None (Note [Shared-memory transport])."""
-        token = secrets.randbits(62) + 1
-        fd = -1
-        with contextlib.suppress(OSError):
-            fd = write_probe(token) if wanted else -1
+    def _probe_shared_memory(self, wanted: bool) -> SharedMemoryLinks | None:
+        """The shared-memory links if every rank wants them and maps every other rank's inbox
+        file, else None (Note [Shared-memory transport] in tokenring.runtime.shm)."""
+        token, fd, inboxes = secrets.randbits(62) + 1, -1, None
+        if wanted:
+            with contextlib.suppress(OSError):
+                fd, inboxes = make_inboxes(self.world_size, token)
         try:
             what = "the shared-memory probe"
             mine = struct.pack("<4q", fd >= 0, os.getpid(), fd, token)
             rows = [struct.unpack("<4q", row) for row in self.all_gather_bytes(mine, what=what)]
-            seen = all(
-                want and (r == self.rank or read_probe(pid, peer_fd, peer_token))
+            peers = {
+                r: open_inboxes(pid, peer_fd, peer_token) if want and fd >= 0 else None
                 for r, (want, pid, peer_fd, peer_token) in enumerate(rows)
-            )
+                if r != self.rank
+            }
+            seen = fd >= 0 and all(m is not None for m in peers.values())
             verdicts = self.all_gather_bytes(bytes([seen]), what=what)
         finally:
-            if fd >= 0:
+            if fd >= 0:  # every peer that could map it has (the verdicts came after)
                 os.close(fd)
-        return tuple(row[1] for row in rows) if all(v == b"\x01" for v in verdicts) else None
+        if inboxes is None or not all(v == b"\x01" for v in verdicts):
+            return None
+        pids = [row[1] for row in rows]
+        return SharedMemoryLinks(self.rank, pids, inboxes, {r: m for r, m in peers.items() if m})
 
-    def _uses_shm(self, num_bytes: int, device: torch.device) -> bool:
-        """Whether a message of ``num_bytes`` payload on ``device`` travels through shared
-        memory (Note [Shared-memory transport])."""
-        cpu = device.type == "cpu"
-        return self.shared is not None and cpu and num_bytes >= SHM_MIN_BYTES
+    def _uses_shm(self, device: torch.device) -> bool:
+        """Whether messages of tensors on ``device`` travel through shared memory (Note
+        [Shared-memory transport] in tokenring.runtime.shm)."""
+        return self.shared is not None and device.type == "cpu"
 
     def _make_groups(self, ranks: list[int], separate_groups: bool) -> _OwnGroups:
         channels: dict[tuple[Flow, int], dist.ProcessGroup] = {}
@@ -786,6 +794,9 @@ class Communicator:
             if channel not in batches:
                 continue
             recv_list, sending = batches[channel]
+            if self.shared is not None and device.type == "cpu":  # in this order on both ends
+                self._post_shared(recv_list, sending)
+                continue
             ops = [(False, wire, rec.transfer.src) for rec in recv_list for wire in rec._wires]
             ops += [(True, wire, tr.dst) for tr, wires in sending for wire in wires]
             try:
@@ -807,11 +818,26 @@ class Communicator:
                 self._pending_sends.extend((next(by_op), tr) for _ in wires)
         return pending
 
+    def _post_shared(
+        self, recv_list: list[PendingRecv], sending: list[tuple[Transfer, list[torch.Tensor]]]
+    ) -> None:
+        """Number one channel's receives and put its sends' headers into their receivers'
+        inboxes (Note [Shared-memory transport] in tokenring.runtime.shm)."""
+        shared = self.shared
+        assert shared is not None
+        for rec in recv_list:
+            rec._seq = shared.expect(rec.transfer.src)
+        for tr, (header,) in sending:
+            try:
+                shared.post(tr.dst, header, self.timeout.total_seconds())
+            except RuntimeError as exc:
+                raise self._failed(tr, "send", exc) from exc
+
     def _recv(self, tr: Transfer, fields: list[FieldSpec], device: torch.device) -> PendingRecv:
         """A receive of ``tr`` to post, counted."""
         num_bytes = sum(_sizes(fields))
-        shared = self._uses_shm(num_bytes, device)
-        if shared:  # only the header travels over gloo
+        shared = self._uses_shm(device)
+        if shared:  # the header comes to the inbox, the rest is a view of a segment
             message = Message(torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8))
         else:
             message = _blank(fields, device, torch.empty)
@@ -855,7 +881,7 @@ class Communicator:
             now = time.perf_counter()
             event = Event("send", tr.payload.value, tr.step, now, now, tr.dst, num_bytes)
             self.timeline.events.append(event)
-        if self._uses_shm(num_bytes, device):
+        if self._uses_shm(device):  # the header, posted to the receiver's inbox
             return [self._send_shared(tr, tensors, num_bytes)]
         return [self.to_wire(f) for f in _pack(tr, tensors).frames]
 
@@ -920,14 +946,19 @@ class Communicator:
         try:
             work.wait(self.timeout)
         except Exception as exc:
-            self._broken = f"a {what} failed"  # its groups may hold unmatched operations
-            peer = tr.src if what == "receive" else tr.dst
-            raise RuntimeError(
-                f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
-                f"{tr.owner} {'from' if what == 'receive' else 'to'} rank {peer} at step "
-                f"{tr.step} failed (peer failed, mismatched, or slower than "
-                f"{self.timeout.total_seconds():.0f} s): {exc}"
-            ) from exc
+            raise self._failed(tr, what, exc) from exc
+
+    def _failed(self, tr: Transfer, what: str, exc: Exception) -> RuntimeError:
+        """The error of a failed ``what`` ("send", "receive") of ``tr``; marks this
+        communicator broken (its groups may hold unmatched operations)."""
+        self._broken = f"a {what} failed"
+        peer = tr.src if what == "receive" else tr.dst
+        return RuntimeError(
+            f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
+            f"{tr.owner} {'from' if what == 'receive' else 'to'} rank {peer} at step "
+            f"{tr.step} failed (peer failed, mismatched, or slower than "
+            f"{self.timeout.total_seconds():.0f} s): {exc}"
+        )
 
     # -- collectives: posted async on ``group``, waited for at most ``timeout`` --------------
 

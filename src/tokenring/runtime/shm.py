@@ -1,38 +1,46 @@
-"""Same-host transport: a message through shared memory, its header also through gloo.
+"""Same-host transport: every message through shared memory, gloo only to build the group.
 
 Legend: a *segment* is one anonymous shared-memory file (``memfd``) that one sender writes and
-one receiver maps; a *use* is one message carried by a segment (numbered 1, 2, ... per segment).
+one receiver maps; a *use* is one message carried by a segment (numbered 1, 2, ... per segment);
+an *inbox* is a ring of message headers that one sender fills for one receiver.
 
 Note [Shared-memory transport]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 gloo moves every byte through the kernel's TCP stack even between processes on one host: about
 0.4 ms of CPU per MiB each way on a 2-core box (the sender's write, the receiver's read, gloo's
-I/O threads), where copying a MiB in memory costs under 0.05 ms. When every rank of a group can
-map the others' memory files (each rank opens the others' probe files through /proc when the
-communicator is built), a message of SHM_MIN_BYTES or more travels through a segment, and only
-its 64-byte header (Note [Message header]) over gloo, which still orders the messages, wakes the
-receiver and bounds every wait by the timeout:
+I/O threads), and posting one operation costs about 0.1 ms however small, where copying a MiB
+in memory costs under 0.05 ms. When every rank of a group can map the others' files (each
+rank maps the others' inbox files through /proc when the communicator is built, a collective
+over its control group), point-to-point messages of CPU tensors leave gloo altogether:
 
     sender                                        receiver
-    copy the message into a free segment            (header receive posted, as before)
-    header: + (segment fd, index, use); post  --->  header arrives and is checked
+    copy the message into a free segment            (receive numbered k-th from this sender)
+    its header (+ segment fd, index, use) into      wait: futex on the inbox's written count,
+      slot k of the receiver's inbox; count k+1;      0.1 s at a time, checking the sender lives
+      futex wake                              --->  header from slot k, checked (as over gloo)
                                                     map the segment (once, via /proc/pid/fd)
                                                     the message's tensors are views of it
 
-A receive costs no copy. The receiver marks a use consumed when no tensor holds its memory any
-more (a K/V block passed on, a partial merged): each frame is a ctypes array over its bytes,
-which ``torch.frombuffer`` keeps alive exactly as long as the frame's storage. A segment is free
-for its sender again once its last use is consumed; a sender with no free segment big enough
-makes a new one, so a send never waits on shared memory, and a peer that fails leaves this rank
-waiting only on gloo, bounded as before. Segments have no names, so nothing is left behind
-however a process ends; a sender closes a segment's descriptor once its receiver has mapped it
-(a closed communicator's unmapped ones wait in _UNMAPPED). Space is reserved when a segment is
-made (``posix_fallocate``): no room raises there, naming it, instead of a SIGBUS later.
+Messages match in posting order, as gloo matches them per pair: both ends number a pair's
+messages walking the slots, then the channels, in the same order (Note [Slots] in
+tokenring.runtime.comm). A receive costs no copy and no system call when its message is there.
+The receiver marks a use consumed when no tensor holds its memory any more (a K/V block passed
+on, a partial merged): each frame is a ctypes array over its bytes, which
+``torch.frombuffer`` keeps alive exactly as long as the frame's storage. A segment is free for
+its sender again once its last use is consumed; a sender with no free segment big enough makes
+a new one, so a send never waits on a segment. It waits on an inbox only when its receiver has
+left _SLOTS headers unread, bounded by the timeout. Every wait is bounded by the communicator's
+timeout, and a peer that exits or crashes is named within 0.1 s. Segments have no names, so
+nothing is left behind however a process ends; a sender closes a segment's descriptor once its
+receiver has mapped it (a closed communicator's unmapped ones wait in _UNMAPPED), and every
+mapping holds a descriptor of its own (CPython's mmap keeps one). Space is reserved when a file
+is made (``posix_fallocate``): no room raises there, naming it, instead of a SIGBUS later.
 
-The consumed mark is a plain store after the receiver's last read: it relies on stores not
-passing earlier loads (x86-64), so the transport is used only there. It is off for CUDA tensors
-(the staged path), for the lab (its emulated links must carry the bytes: the lab sets
-TOKENRING_SHARED_MEMORY=0), and when any rank asks for it off.
+Stores are published in order and a consumed mark follows the receiver's last read of a use:
+both rely on x86-64's ordering (stores are not reordered with earlier loads or stores), so the
+transport is used only there. It is off for CUDA tensors (the staged path), for the lab (its
+emulated links must carry the bytes: the lab sets TOKENRING_SHARED_MEMORY=0), and when any rank
+asks for it off; collectives (all-gather, all-reduce, the rank check) stay on gloo.
 """
 
 from __future__ import annotations
@@ -42,15 +50,15 @@ import mmap
 import os
 import platform
 import struct
+import time
 import weakref
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ENV_VAR", "SHM_MIN_BYTES", "SharedMemoryLinks", "shm_wanted"]
+__all__ = ["ENV_VAR", "SharedMemoryLinks", "make_inboxes", "open_inboxes", "shm_wanted"]
 
 ENV_VAR = "TOKENRING_SHARED_MEMORY"
-SHM_MIN_BYTES = 4096  # smaller messages ride whole in the header frame over gloo
 # (last use written, last use consumed, mapped by the receiver) as int64, padded to a cache line
 _CONTROL_NUM_BYTES = 64
 _MIN_CAPACITY = 1 << 20
@@ -77,20 +85,92 @@ def _peer_file(pid: int, fd: int) -> str:
     return f"/proc/{pid}/fd/{fd}"
 
 
-def write_probe(token: int) -> int:
-    """A memory file holding ``token``; its descriptor (the caller closes it)."""
-    fd = os.memfd_create("tokenring-probe")
-    os.write(fd, _USE.pack(token))
-    return fd
+# Inboxes: one file per rank, made before the probe (its first 8 bytes: the probe's token),
+# then one inbox per sender: (messages written, u32: the futex word) at 0, (messages read, u32)
+# at 64, then _SLOTS message headers of 64 bytes.
+_SLOTS = 512
+_HEADER_NUM_BYTES = 64
+_INBOX_NUM_BYTES = 128 + _SLOTS * _HEADER_NUM_BYTES
+_FILE_HEADER_NUM_BYTES = 64
+_MASK = 0xFFFFFFFF
 
 
-def read_probe(pid: int, fd: int, token: int) -> bool:
-    """Whether process ``pid``'s descriptor ``fd`` opens here and holds ``token``."""
+def make_inboxes(world_size: int, token: int) -> tuple[int, mmap.mmap]:
+    """This rank's inbox file, holding ``token``: its descriptor and mapping."""
+    fd = os.memfd_create("tokenring-inboxes")
+    size = _FILE_HEADER_NUM_BYTES + world_size * _INBOX_NUM_BYTES
     try:
-        with open(_peer_file(pid, fd), "rb") as f:
-            return f.read(_USE.size) == _USE.pack(token)
+        os.posix_fallocate(fd, 0, size)
+        mapped = mmap.mmap(fd, size)
     except OSError:
+        os.close(fd)
+        raise
+    _USE.pack_into(mapped, 0, token)
+    return fd, mapped
+
+
+def open_inboxes(pid: int, fd: int, token: int) -> mmap.mmap | None:
+    """Process ``pid``'s inbox file (its descriptor ``fd``) mapped here if it holds ``token``."""
+    try:
+        local = os.open(_peer_file(pid, fd), os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(local).st_size
+        mapped = mmap.mmap(local, size) if size >= _FILE_HEADER_NUM_BYTES else None
+    except OSError:
+        mapped = None
+    finally:
+        os.close(local)
+    if mapped is None or _USE.unpack_from(mapped, 0)[0] != token:
+        return None
+    return mapped
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 (the transport is used only there)
+
+
+def _futex(address: int, op: int, value: int, timeout_s: float | None = None) -> None:
+    """futex(2) on a word of shared memory (not FUTEX_PRIVATE: the word is in two processes)."""
+    timeout = None
+    if timeout_s is not None:
+        timeout = ctypes.byref(_Timespec(int(timeout_s), int(timeout_s % 1 * 1e9)))
+    word, long = ctypes.c_void_p(address), ctypes.c_long
+    _LIBC.syscall(long(_SYS_FUTEX), word, long(op), long(value), timeout, None, long(0))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not exited, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
         return False
+
+
+class _Box:
+    """One inbox: written by its sender, read by its receiver (Note [Shared-memory transport])."""
+
+    __slots__ = ("address", "read", "written")
+
+    def __init__(self, mapped: mmap.mmap, index: int) -> None:
+        base = _FILE_HEADER_NUM_BYTES + index * _INBOX_NUM_BYTES
+        self.written = ctypes.c_uint32.from_buffer(mapped, base)
+        self.read = ctypes.c_uint32.from_buffer(mapped, base + 64)
+        self.address = ctypes.addressof(self.written)
+
+    def slot(self, k: int) -> int:
+        """The address of message ``k``'s header."""
+        return self.address + 128 + (k % _SLOTS) * _HEADER_NUM_BYTES
+
+    def holds(self, k: int) -> bool:
+        """Whether message ``k`` (counted from 0) was written."""
+        return 0 < (self.written.value - k) & _MASK < 1 << 31
 
 
 class _Segment:
@@ -154,8 +234,16 @@ class SharedMemoryLinks:
         pids: every rank's process id, in group-rank order.
     """
 
-    def __init__(self, rank: int, pids: Sequence[int]) -> None:
+    def __init__(
+        self, rank: int, pids: Sequence[int], inboxes: mmap.mmap, peers: dict[int, mmap.mmap]
+    ) -> None:
         self.rank, self.pids = rank, tuple(pids)
+        self._inboxes = {src: _Box(inboxes, src) for src in peers}  # read here
+        self._outboxes = {dst: _Box(peer, rank) for dst, peer in peers.items()}  # written here
+        self._num_sent = dict.fromkeys(peers, 0)
+        self._num_expected = dict.fromkeys(peers, 0)
+        self._num_read = dict.fromkeys(peers, 0)
+        self._read_early: dict[int, set[int]] = {src: set() for src in peers}
         self._out: dict[int, list[_Segment]] = {}
         self._in: dict[tuple[int, int], _Segment] = {}  # (src, index)
         self.num_written = self.num_viewed = 0  # messages through shared memory
@@ -250,6 +338,62 @@ class SharedMemoryLinks:
         _USE.pack_into(segment.map, 16, 1)  # its sender may close the descriptor now
         return segment
 
+    # -- inboxes -------------------------------------------------------------------------------
+    def post(self, dst: int, header: torch.Tensor, timeout_s: float) -> None:
+        """Put a message's 64-byte header (CPU, uint8) into ``dst``'s inbox and wake it.
+
+        Raises:
+            RuntimeError: ``dst`` left _SLOTS messages unread for ``timeout_s``, or is gone.
+        """
+        box, k = self._outboxes[dst], self._num_sent[dst]
+        deadline = time.monotonic() + timeout_s
+        while (k - box.read.value) & _MASK >= _SLOTS:  # full: wait for the reader (rare)
+            if time.monotonic() > deadline or not _alive(self.pids[dst]):
+                raise RuntimeError(
+                    f"rank {self.rank}: rank {dst} left {_SLOTS} messages unread for "
+                    f"{timeout_s:g} s (it failed, or waits for something else)"
+                )
+            time.sleep(0.001)
+        ctypes.memmove(box.slot(k), header.data_ptr(), _HEADER_NUM_BYTES)
+        box.written.value = (k + 1) & _MASK  # after the header: x86-64 keeps stores in order
+        self._num_sent[dst] = k + 1
+        _futex(box.address, _FUTEX_WAKE, 1)
+
+    def expect(self, src: int) -> int:
+        """The number of the next message from ``src`` (messages match in posting order)."""
+        k = self._num_expected[src]
+        self._num_expected[src] = k + 1
+        return k
+
+    def arrived(self, src: int, k: int) -> bool:
+        return self._inboxes[src].holds(k)
+
+    def wait(self, src: int, k: int, header: torch.Tensor, timeout_s: float) -> None:
+        """Wait for message ``k`` from ``src`` and copy its header into ``header``.
+
+        Raises:
+            TimeoutError: it did not come within ``timeout_s``.
+            ConnectionError: ``src`` is gone (exited or crashed) and it did not come.
+        """
+        box = self._inboxes[src]
+        deadline = time.monotonic() + timeout_s
+        while not box.holds(k):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no message within {timeout_s:g} s")
+            written = box.written.value
+            if not box.holds(k):  # sleeps unless the word moved on since it was read
+                _futex(box.address, _FUTEX_WAIT, written, min(left, 0.1))
+            if not box.holds(k) and not _alive(self.pids[src]):
+                raise ConnectionError(f"rank {src} is gone (it exited or crashed)")
+        ctypes.memmove(header.data_ptr(), box.slot(k), _HEADER_NUM_BYTES)
+        early = self._read_early[src]
+        early.add(k)
+        while self._num_read[src] in early:  # the sender reuses slots read in order
+            early.discard(self._num_read[src])
+            self._num_read[src] += 1
+        box.read.value = self._num_read[src] & _MASK
+
     @property
     def num_segments(self) -> tuple[int, int]:
         """Segments this rank writes and those it has mapped."""
@@ -267,3 +411,5 @@ class SharedMemoryLinks:
         self._finalizer()
         self._out.clear()
         self._in.clear()
+        self._inboxes.clear()  # each mapping holds a descriptor (mmap keeps one) until freed
+        self._outboxes.clear()
