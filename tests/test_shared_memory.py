@@ -202,3 +202,39 @@ def test_a_full_inbox_fails_the_send_within_the_timeout() -> None:
         links.post(1, header, timeout_s=0.2)
     links.wait(1, links.expect(1), torch.zeros(64, dtype=torch.uint8), timeout_s=1)
     links.post(1, header, timeout_s=0.2)  # one read: room for one more
+
+
+def _idle_segments_after_a_pass(idle_num_bytes: int) -> tuple[int, int, int]:
+    """Segments written and mapped, and descriptors open, after two calls that end with
+    ``idle_num_bytes`` of idle segments allowed (a receiver unmaps what its senders retired at
+    its own next release: one pass later)."""
+    comm = Communicator(shared_memory=True, timeout_s=60)
+    assert comm.shared is not None
+    comm.shared.idle_num_bytes = idle_num_bytes
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq = 128 * world
+    q, k, v, dout = make_inputs(seed=4, batch=1, seq_global=seq, heads_q=4, heads_kv=4, head_dim=16)
+    idx = torch.tensor(owned_positions("zigzag", rank, world, seq))
+    for _ in range(2):
+        local = [x[:, idx].float().requires_grad_(True) for x in (q, k, v)]
+        out = tokenring.ring_attn(*local, causal=True, layout="zigzag", group=comm)
+        out.backward(dout[:, idx].float())
+        del local, out
+        gc.collect()
+        comm.barrier(label="every rank consumed its messages")
+        comm.wait_sends()  # a pass's end: releases
+    comm.barrier(label="every sender retired what it does not keep")
+    comm.wait_sends()  # a receiver unmaps what its senders retired at their last release
+    written, mapped = comm.shared.num_segments
+    return written, mapped, _memfds()
+
+
+def test_idle_segments_are_released_at_a_pass_end() -> None:
+    """With no idle memory allowed, nothing stays between calls: no segment written or mapped,
+    no descriptor open; with the default budget the segments stay to be written again."""
+    for rank, got in enumerate(tokenring.launch(_idle_segments_after_a_pass, 0, world_size=3)):
+        assert got == (0, 0, 0), (rank, got)
+    for rank, got in enumerate(
+        tokenring.launch(_idle_segments_after_a_pass, 64 << 20, world_size=3)
+    ):
+        assert got[0] > 0 and got[2] > 0, (rank, got)

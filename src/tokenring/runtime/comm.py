@@ -906,8 +906,11 @@ class Communicator:
         return header
 
     def wait_sends(self) -> None:
-        """Wait for every send posted so far; check the pending device headers (one sync)."""
+        """Wait for every send posted so far; check the pending device headers (one sync);
+        release idle shared memory (Note [Shared-memory transport] in tokenring.runtime.shm)."""
         self._wait_sends_if(lambda work, tr: True)
+        if self.shared is not None:
+            self.shared.release_idle()
         if self._unchecked:
             headers = torch.stack([h for _, h, _ in self._unchecked]).tolist()
             checks = [(tr, n) for tr, _, n in self._unchecked]

@@ -31,9 +31,12 @@ its sender again once its last use is consumed; a sender with no free segment bi
 a new one, so a send never waits on a segment. It waits on an inbox only when its receiver has
 left _SLOTS headers unread, bounded by the timeout. Every wait is bounded by the communicator's
 timeout, and a peer that exits or crashes is named within 0.1 s. Segments have no names, so
-nothing is left behind however a process ends; a sender closes a segment's descriptor once its
-receiver has mapped it (a closed communicator's unmapped ones wait in _UNMAPPED), and every
-mapping holds a descriptor of its own (CPython's mmap keeps one). Space is reserved when a file
+nothing is left behind however a process ends. At the end of each pass (``wait_sends``) a
+sender keeps at most IDLE_NUM_BYTES of idle segments to write again and retires the rest
+(marked, descriptor closed); a receiver unmaps the retired ones it no longer uses, so between
+calls the transport holds at most that much per communicator. A closed communicator's segments
+that a receiver may still read keep their descriptors until consumed (_IN_FLIGHT). Every
+mapping also holds a descriptor (CPython's mmap keeps one). Space is reserved when a file
 is made (``posix_fallocate``): no room raises there, naming it, instead of a SIGBUS later.
 
 Stores are published in order and a consumed mark follows the receiver's last read of a use:
@@ -59,8 +62,9 @@ import torch
 __all__ = ["ENV_VAR", "SharedMemoryLinks", "make_inboxes", "open_inboxes", "shm_wanted"]
 
 ENV_VAR = "TOKENRING_SHARED_MEMORY"
-# (last use written, last use consumed, mapped by the receiver) as int64, padded to a cache line
+# (last use written, last use consumed, retired by the sender) as int64, padded to a cache line
 _CONTROL_NUM_BYTES = 64
+IDLE_NUM_BYTES = 64 << 20  # idle segments kept to write again, per communicator
 _MIN_CAPACITY = 1 << 20
 _USE = struct.Struct("<q")
 
@@ -198,30 +202,39 @@ def _released(segment: _Segment, use_left: list[int]) -> None:
         _USE.pack_into(segment.map, 8, use_left[0])
 
 
-# Segments of closed senders that their receiver has not mapped yet: their descriptors stay
-# open (the receiver opens them through /proc) until it has. Swept whenever links close.
-_UNMAPPED: list[_Segment] = []
+# Segments of closed senders whose last message was not consumed yet: their descriptors stay
+# open (a receiver opens a segment through /proc) until it is. Swept whenever links release.
+_IN_FLIGHT: list[_Segment] = []
 
 
-def _mapped(segment: _Segment) -> bool:
-    return bool(_USE.unpack_from(segment.map, 16)[0])
+def _idle(segment: _Segment) -> bool:
+    """Whether a sender's segment holds no message its receiver may still read."""
+    return segment.consumed() == segment.written
 
 
-def _close_mapped(segments: list[_Segment]) -> list[_Segment]:
-    """Close the descriptors of ``segments`` their receiver has mapped; the others."""
-    left = []
+def _retire(segment: _Segment) -> None:
+    """A sender is done with ``segment``: marked (its receiver unmaps it when it next
+    releases), its descriptor closed; the memory goes with the last mapping."""
+    _USE.pack_into(segment.map, 16, 1)
+    if segment.fd >= 0:
+        os.close(segment.fd)
+        segment.fd = -1
+
+
+def _sweep(segments: list[_Segment]) -> list[_Segment]:
+    """Retire the idle ``segments``; the others."""
+    busy = []
     for segment in segments:
-        if segment.fd >= 0 and _mapped(segment):
-            os.close(segment.fd)
-            segment.fd = -1
-        if segment.fd >= 0:
-            left.append(segment)
-    return left
+        if _idle(segment):
+            _retire(segment)
+        else:
+            busy.append(segment)
+    return busy
 
 
 def _release(out: dict[int, list[_Segment]]) -> None:
-    """A sender's segments go: close what was mapped, keep the rest for their receivers."""
-    _UNMAPPED[:] = _close_mapped(_UNMAPPED + [s for pool in out.values() for s in pool])
+    """A sender's segments go: the idle ones now, the others once consumed."""
+    _IN_FLIGHT[:] = _sweep(_IN_FLIGHT + [s for pool in out.values() for s in pool])
     out.clear()
 
 
@@ -245,6 +258,8 @@ class SharedMemoryLinks:
         self._num_read = dict.fromkeys(peers, 0)
         self._read_early: dict[int, set[int]] = {src: set() for src in peers}
         self._out: dict[int, list[_Segment]] = {}
+        self._num_made: dict[int, int] = {}  # segments made per receiver: the next one's index
+        self.idle_num_bytes = IDLE_NUM_BYTES
         self._in: dict[tuple[int, int], _Segment] = {}  # (src, index)
         self.num_written = self.num_viewed = 0  # messages through shared memory
         self._finalizer = weakref.finalize(self, _release, self._out)
@@ -259,10 +274,9 @@ class SharedMemoryLinks:
             (s for s in pool if s.capacity >= num_bytes and s.consumed() == s.written), None
         )
         if segment is None:
-            segment = self._make(dst, len(pool), num_bytes)
+            self._num_made[dst] = index = self._num_made.get(dst, 0) + 1
+            segment = self._make(dst, index, num_bytes)
             pool.append(segment)
-        elif segment.fd >= 0:  # once mapped, its receiver needs the descriptor no more
-            _close_mapped([segment])
         offset = _CONTROL_NUM_BYTES
         for part, size in zip(parts, sizes, strict=True):
             target = segment.data[offset : offset + size]
@@ -271,7 +285,7 @@ class SharedMemoryLinks:
         segment.written += 1
         _USE.pack_into(segment.map, 0, segment.written)
         self.num_written += 1
-        return segment.fd + 1 if segment.fd >= 0 else -1, segment.index, segment.written
+        return segment.fd + 1, segment.index, segment.written
 
     def _make(self, dst: int, index: int, num_bytes: int) -> _Segment:
         # size classes an eighth of a power of two apart: a little waste, few distinct sizes
@@ -332,11 +346,29 @@ class SharedMemoryLinks:
                 f"cannot be opened ({exc}); the sender failed"
             ) from exc
         try:
-            segment = _Segment(index, mmap.mmap(local, os.fstat(local).st_size))
+            return _Segment(index, mmap.mmap(local, os.fstat(local).st_size))
         finally:
             os.close(local)
-        _USE.pack_into(segment.map, 16, 1)  # its sender may close the descriptor now
-        return segment
+
+    def release_idle(self) -> None:
+        """Keep at most ``idle_num_bytes`` of idle segments to write again, retire the others, and
+        unmap the segments their senders retired that no tensor here holds: between calls the
+        transport holds little memory (run by ``Communicator.wait_sends``, at a pass's end)."""
+        _IN_FLIGHT[:] = _sweep(_IN_FLIGHT)
+        kept = 0
+        for dst, pool in self._out.items():
+            keep = []
+            for segment in pool:
+                idle = _idle(segment)
+                if idle and kept + segment.capacity > self.idle_num_bytes:
+                    _retire(segment)
+                    continue
+                kept += segment.capacity if idle else 0
+                keep.append(segment)
+            self._out[dst] = keep
+        for key, segment in list(self._in.items()):
+            if not segment.lent and _USE.unpack_from(segment.map, 16)[0]:
+                del self._in[key]
 
     # -- inboxes -------------------------------------------------------------------------------
     def post(self, dst: int, header: torch.Tensor, timeout_s: float) -> None:
@@ -406,8 +438,8 @@ class SharedMemoryLinks:
 
     def close(self) -> None:
         """Drop every mapping this object holds (tensors that still view a segment keep its
-        memory) and close the descriptors of the segments their receivers have mapped (the
-        others once they have). Idempotent."""
+        memory) and retire the segments it wrote (those a receiver may still read once they
+        are consumed). Idempotent."""
         self._finalizer()
         self._out.clear()
         self._in.clear()
