@@ -243,8 +243,11 @@ def test_communicators_go_with_their_groups() -> None:
     assert {s: signal.getsignal(s) for s in handlers} == handlers
     for rank, got in enumerate(results):
         assert got["error"] < 1e-10, (rank, got["error"])
+        # flat: the last group's communicator, closed at the next lookup, holds its
+        # shared-memory segments until then, 2 to 4 per peer as the ranks' timing falls (a
+        # descriptor leaked per cycle would spread them by 25 or more)
         fds = got["fds"]
-        assert fds[-1] == fds[0], f"rank {rank}: descriptors after each of 25 cycles: {fds}"
+        assert max(fds) - min(fds) <= 12, f"rank {rank}: descriptors after each cycle: {fds}"
         assert "this Communicator of group" in got["closed"], got["closed"]
         assert "was closed" in got["closed"], got["closed"]
 
