@@ -239,12 +239,18 @@ def _release(out: dict[int, list[_Segment]]) -> None:
 
 
 class SharedMemoryLinks:
-    """This rank's segments: those it writes, per receiver, and those it maps, per sender
-    (Note [Shared-memory transport]).
+    """This rank's end of the transport (Note [Shared-memory transport]): the segments it
+    writes, per receiver, and those it maps, per sender; its inboxes and the peers' it writes.
 
     Args:
         rank: this rank, for messages.
         pids: every rank's process id, in group-rank order.
+        inboxes: this rank's inbox file, mapped (one inbox per sender).
+        peers: each peer's inbox file, mapped here, by the peer's rank.
+
+    Attributes:
+        idle_num_bytes: the idle segments kept at a pass's end to write again (IDLE_NUM_BYTES).
+        num_written, num_viewed: messages sent and received through shared memory.
     """
 
     def __init__(
@@ -270,9 +276,7 @@ class SharedMemoryLinks:
         sizes = [t.numel() * t.element_size() for t in parts]
         num_bytes = sum(sizes)
         pool = self._out.setdefault(dst, [])
-        segment = next(
-            (s for s in pool if s.capacity >= num_bytes and s.consumed() == s.written), None
-        )
+        segment = next((s for s in pool if s.capacity >= num_bytes and _idle(s)), None)
         if segment is None:
             self._num_made[dst] = index = self._num_made.get(dst, 0) + 1
             segment = self._make(dst, index, num_bytes)
