@@ -580,14 +580,15 @@ class _Backward(_RingPass):
         super().delta(op)
         self.hold([self.q, self.dout, self.lse, self.row_delta])
 
-    def new_lane_grads(self, lane: int) -> list[torch.Tensor]:
+    def new_lane_grads(self, lane: int, *, zeroed: bool = True) -> list[torch.Tensor]:
         """A lane's dK/dV accumulator (its rows and kv heads), allocated as the message that
-        passes it on."""
+        passes it on (not zeroed: the caller writes all of it)."""
         b, s, hkv, d = self.k.shape
         rows = self.sched.lanes[lane].kv_rows or (0, s)
         heads = self.sched.lanes[lane].kv_heads or (0, hkv)
         shape = (b, rows[1] - rows[0], heads[1] - heads[0], d)
-        self.lane_messages[lane], grads = self.comm.message([(shape, self.acc)] * 2, self.k.device)
+        fields = [(shape, self.acc)] * 2
+        self.lane_messages[lane], grads = self.comm.message(fields, self.k.device, zeroed=zeroed)
         return grads
 
     def begin(self, op: Op) -> None:
@@ -725,11 +726,12 @@ class _Backward(_RingPass):
         step = op.step
         self.add_arrived(block=True)
         lane_grads = self.lane_grads
+        leaves_home = step == 0 and not self.direct
         for lane_index, tr_out in self.outgoing.items():
             grads = lane_grads.pop(lane_index, None)
             if grads is None:  # no piece and no accumulator reached the block here
-                grads = self.new_lane_grads(lane_index)
-            if step == 0 and not self.direct:  # it leaves home with our dK/dV of the lane
+                grads = self.new_lane_grads(lane_index, zeroed=not leaves_home)
+            if leaves_home:  # it leaves home with our dK/dV of the lane: a copy of all of it
                 assert self.dk_acc is not None and self.dv_acc is not None
                 for grad, own in zip(grads, (self.dk_acc, self.dv_acc), strict=True):
                     leaving = _rows_heads(own, tr_out)
