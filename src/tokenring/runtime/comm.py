@@ -176,7 +176,7 @@ def _transfer_id(tr: Transfer) -> int:
 
 
 _HEADER_STRUCT = struct.Struct(f"<{HEADER_NUM_BYTES // 8}q")
-_SHM_FIELDS = struct.Struct("<3q")  # (token, segment index, use) after the five fields
+_SHM_FIELDS = struct.Struct("<3q")  # (segment fd + 1, index, use) after the five fields
 
 
 def _write_header(buffer: torch.Tensor, tr: Transfer, num_bytes: int, layout: int) -> None:
@@ -449,11 +449,11 @@ class Communicator:
         separate_groups: one process group per channel (default); False: all share ``group``.
         stage_through_host: move messages through host buffers (Note [Staged path]). None:
             exactly for CUDA tensors on gloo.
-        shared_memory: send CPU payloads through shared memory when every rank of a gloo
-            group sees the same /dev/shm (Note [Shared-memory transport] in
-            tokenring.runtime.shm); on only if every rank asks for it. None: the environment
-            variable TOKENRING_SHARED_MEMORY (default 1). Building the communicator is then
-            a collective over the group.
+        shared_memory: send point-to-point messages of CPU tensors through shared memory
+            when every rank of a gloo group can map the others' memory files, i.e. shares
+            the host (Note [Shared-memory transport] in tokenring.runtime.shm); on only if
+            every rank asks for it. None: the environment variable TOKENRING_SHARED_MEMORY
+            (default 1). Building a gloo communicator checks this, a collective.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
