@@ -6,12 +6,14 @@ an *inbox* is a ring of message headers that one sender fills for one receiver.
 
 Note [Shared-memory transport]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-gloo moves every byte through the kernel's TCP stack even between processes on one host: about
-0.4 ms of CPU per MiB each way on a 2-core box (the sender's write, the receiver's read, gloo's
-I/O threads), and posting one operation costs about 0.1 ms however small, where copying a MiB
-in memory costs under 0.05 ms. When every rank of a group can map the others' files (each
-rank maps the others' inbox files through /proc when the communicator is built, a collective
-over its control group), point-to-point messages of CPU tensors leave gloo altogether:
+gloo moves every byte through the kernel's TCP stack even between processes on one host: on a
+2-core box, two ranks swapping 2-8 MiB messages through the communicator's socket path pay
+1.2-1.5 ms of CPU per MiB sent (packing, fresh receive buffers, the sender's write, the
+receiver's read, gloo's I/O threads) and 0.2 ms per swap however small; through shared memory
+0.1-0.2 ms per MiB and 0.13-0.15 ms (``benchmarks/transport.py``, ``results/transport.md``).
+When every rank of a group can map the others' files (each rank maps the others' inbox files
+through /proc when the communicator is built, a collective over its control group),
+point-to-point messages of CPU tensors leave gloo altogether:
 
     sender                                        receiver
     copy the message into a free segment            (receive numbered k-th from this sender)
