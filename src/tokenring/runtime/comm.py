@@ -286,14 +286,6 @@ def _frame_sizes(sizes: Sequence[int]) -> list[int]:
     return [HEADER_NUM_BYTES + inline, *(n for n, own in split if own)]
 
 
-def _in_frame_order(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` as their bytes follow each other in a message's frames: those inline in the
-    header frame, then those that travel as frames of their own (Note [Message frames])."""
-    apart = _apart([_nbytes(t) for t in tensors])
-    inline = [t for t, own in zip(tensors, apart, strict=True) if not own]
-    return inline + [t for t, own in zip(tensors, apart, strict=True) if own]
-
-
 def _layout(frame_sizes: Sequence[int]) -> int:
     """A digest of the frames' sizes, as the header carries it (Note [Message frames])."""
     return zlib.crc32(",".join(str(n) for n in frame_sizes).encode()) & 0x7FFFFFFF
@@ -359,6 +351,7 @@ class PendingRecv:
         self._comm = comm
         self._message = message
         self._fields = fields
+        self._frame_sizes = _frame_sizes(_sizes(fields))  # what the header must announce
         self._works: list[Any] = []  # one per frame, posted in frame order
         self._posted_s = time.perf_counter()
         self._result: list[torch.Tensor] | None = None
@@ -386,24 +379,18 @@ class PendingRecv:
 
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
-            comm, tr, frames = self._comm, self.transfer, self._message.frames
-            works = self._works or [None] * len(self._wires)
-            if self._shared:  # the header from the inbox, then the message in its segment
-                assert comm.shared is not None
-                try:
-                    timeout_s = comm.timeout.total_seconds()
-                    comm.shared.wait(tr.src, self._seq, self._message.buffer, timeout_s)
-                except (TimeoutError, ConnectionError) as exc:
-                    raise comm._failed(tr, "receive", exc) from exc
-                self._check()
-                self._message = self._view_shared()
-            posted = zip(frames, self._wires, works, strict=True) if not self._shared else ()
-            for index, (frame, wire, work) in enumerate(posted):
-                comm._wait(work, tr, "receive")
-                if wire is not frame:  # staged: host -> device, on the current stream
-                    frame.copy_(wire, non_blocking=True)
-                if index == 0:  # the header frame: checked before waiting for the rest
-                    self._check()
+            comm, tr = self._comm, self.transfer
+            if self._shared:
+                self._wait_shared()
+            else:
+                frames, works = self._message.frames, self._works or [None] * len(self._wires)
+                posted = zip(frames, self._wires, works, strict=True)
+                for index, (frame, wire, work) in enumerate(posted):
+                    comm._wait(work, tr, "receive")
+                    if wire is not frame:  # staged: host -> device, on the current stream
+                        frame.copy_(wire, non_blocking=True)
+                    if index == 0:  # the header frame: checked before waiting for the rest
+                        self._check()
             self._result = _unpack(self._message, self._fields)
             timeline = comm.timeline
             if timeline is not None:
@@ -413,23 +400,24 @@ class PendingRecv:
                 timeline.events.append(event)
         return self._result
 
-    def _view_shared(self) -> Message:
-        """The message in the sender's segment (Note [Shared-memory transport])."""
+    def _wait_shared(self) -> None:
+        """The header from this rank's inbox, checked; then the message as views of the
+        sender's segment (Note [Shared-memory transport] in tokenring.runtime.shm)."""
         comm, tr, header = self._comm, self.transfer, self._message.buffer
-        offset = _HEADER_FIELDS * 8
-        where = _SHM_FIELDS.unpack(ctypes.string_at(header.data_ptr() + offset, 24))
-        if where[0] == 0 or comm.shared is None:
-            raise RuntimeError(
-                f"rank {comm.rank}: receive of {tr.payload.value!r} from rank {tr.src} at step "
-                f"{tr.step}: the sender did not send it through shared memory, as this rank "
-                "expected (the ranks disagree on the transport)"
-            )
-        frames = comm.shared.view(tr.src, where, _frame_sizes(_sizes(self._fields)))
-        return Message(frames[0], tuple(frames[1:]))
+        assert comm.shared is not None
+        try:
+            comm.shared.wait(tr.src, self._seq, header, comm.timeout.total_seconds())
+        except (TimeoutError, ConnectionError) as exc:
+            raise comm._failed(tr, "receive", exc) from exc
+        self._check()
+        offset = header.data_ptr() + _HEADER_FIELDS * 8
+        where = _SHM_FIELDS.unpack(ctypes.string_at(offset, _SHM_FIELDS.size))
+        frames = comm.shared.view(tr.src, where, self._frame_sizes)
+        self._message = Message(frames[0], tuple(frames[1:]))
 
     def _check(self) -> None:
         buffer = self._message.buffer
-        sizes = _frame_sizes(_sizes(self._fields))
+        sizes = self._frame_sizes
         expected = (sum(sizes) - HEADER_NUM_BYTES, _layout(sizes))
         if buffer.device.type == "cpu":
             _check_header(self._comm.rank, self.transfer, _read_header(buffer), *expected)
@@ -737,7 +725,7 @@ class Communicator:
     def path(self, device: torch.device) -> str:
         """How this communicator's messages of tensors on ``device`` travel: nccl, gloo,
         gloo-shm (Note [Shared-memory transport]) or gloo-staged."""
-        if self.shared is not None and device.type == "cpu":
+        if self._uses_shm(device):
             return "gloo-shm"
         if self.stage_through_host:
             return f"{self.backend}-staged"
@@ -794,7 +782,7 @@ class Communicator:
             if channel not in batches:
                 continue
             recv_list, sending = batches[channel]
-            if self.shared is not None and device.type == "cpu":  # in this order on both ends
+            if self._uses_shm(device):  # numbered and posted in this order on both ends
                 self._post_shared(recv_list, sending)
                 continue
             ops = [(False, wire, rec.transfer.src) for rec in recv_list for wire in rec._wires]
@@ -895,11 +883,13 @@ class Communicator:
         if isinstance(tensors, Message):
             message = _pack(tr, tensors)
             header, parts = message.buffer[:HEADER_NUM_BYTES], message.frames
-        else:
+        else:  # laid out as _pack lays it out, without packing it first
+            sizes = [_nbytes(t) for t in tensors]
             header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)
-            layout = _layout(_frame_sizes([_nbytes(t) for t in tensors]))
-            _write_header(header, tr, num_bytes, layout)
-            parts = [header, *_in_frame_order(tensors)]
+            _write_header(header, tr, num_bytes, _layout(_frame_sizes(sizes)))
+            apart = _apart(sizes)
+            inline = [t for t, own in zip(tensors, apart, strict=True) if not own]
+            parts = [header, *inline, *(t for t, own in zip(tensors, apart, strict=True) if own)]
         where = self.shared.write(tr.dst, parts)
         offset = header.data_ptr() + _HEADER_FIELDS * 8
         ctypes.memmove(offset, _SHM_FIELDS.pack(*where), _SHM_FIELDS.size)
