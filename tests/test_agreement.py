@@ -10,6 +10,7 @@ rank, also when the launcher ends the job because one rank died.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -260,6 +261,44 @@ def test_a_frozen_rank_is_named_within_the_library_timeout(tmp_path: Path) -> No
     assert results[2]["elapsed_s"] < 2.5
 
 
+def _deferred(shared_memory: bool) -> dict[str, str]:
+    """Deferred checks (Note [Deferred agreement]) whose ranks agree or differ, completed by a
+    failing block (``settled_on_error``), by the next collective, or left pending at close."""
+    rank = dist.get_rank()
+    outcomes = {}
+    for differ, end in itertools.product((False, True), ("error", "barrier", "close")):
+        comm = tokenring.Communicator(None, timeout_s=10, shared_memory=shared_memory)
+        signature = {"option": int(differ and rank == 1)}
+        comm.agreed(lambda sig=signature: (None, sig), what="test call", deferred=True)
+        try:
+            if end == "error":
+                with comm.settled_on_error():
+                    raise KeyError("local failure")
+            elif end == "barrier":
+                comm.barrier(label="after the call")
+            else:
+                comm.close()
+            outcome = "ok"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        outcomes[f"{'differ' if differ else 'agree'} {end}"] = outcome
+        dist.barrier()  # the ranks close their communicators together
+        comm.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["sockets", "shared_memory"])
+def test_a_deferred_check_raises_the_disagreement_first(shared_memory: bool) -> None:
+    """A deferred check completes at the next collective or when the call fails: a
+    disagreement is what every rank raises, a local error when the ranks agree."""
+    disagree = "ValueError: ranks disagree on this test call: option: rank 0 has 0, rank 1 has 1"
+    for outcomes in tokenring.launch(_deferred, shared_memory, world_size=2, timeout_s=120):
+        assert outcomes["agree error"] == "KeyError: 'local failure'", outcomes
+        assert outcomes["differ error"] == disagree, outcomes
+        assert outcomes["agree barrier"] == "ok" and outcomes["differ barrier"] == disagree
+        assert outcomes["agree close"] == outcomes["differ close"] == "ok", outcomes
+
+
 def test_a_dead_rank_is_named_at_once(tmp_path: Path) -> None:
     results = _run("dead", tmp_path, allow_launch_error=True)
     assert sorted(results) == [0, 1, 3]
@@ -387,19 +426,20 @@ def _repeated_calls(out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = tokenring.Communicator(None, timeout_s=3)
     frames: list[int] = []
-    exchange = comm.all_gather_bytes
+    exchange = comm._post_gather  # every exchange of bytes, posted now or waited for at once
 
     def recorded(data: bytes, *, what: str, frame_num_bytes: int = AGREE_FRAME_NUM_BYTES):
         frames.append(frame_num_bytes)
         return exchange(data, what=what, frame_num_bytes=frame_num_bytes)
 
-    comm.all_gather_bytes = recorded  # type: ignore[method-assign]
+    comm._post_gather = recorded  # type: ignore[method-assign]
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, S, H, D, dtype=torch.float64) for _ in range(3))
     rows = sharded_positions("zigzag", rank, world, S)
     calls = []
     for index, scale in enumerate([0.25, 0.25, 0.5 if rank == 3 else 0.25, 0.25]):
         frames.clear()
+        comm.counter.reset()
         ref, _ = full_attention(q, k, v, causal=True, scale=scale)
         result: dict = {"frames": None}
         start = time.monotonic()
@@ -415,6 +455,7 @@ def _repeated_calls(out_dir: str) -> None:
         except Exception as exc:
             result.update(ok=False, type=type(exc).__name__, error=str(exc))
         result.update(frames=list(frames), elapsed_s=time.monotonic() - start, call=index)
+        result.update(messages=comm.counter.sent_messages + comm.counter.recv_messages)
         calls.append(result)
     Path(out_dir, f"{rank}.json").write_text(json.dumps(calls))
 
@@ -438,4 +479,6 @@ def test_repeated_calls_agree_by_digest_and_still_name_a_differing_option(
         assert "ranks disagree on this attention call: softmax_scale: rank 0 has" in bad["error"]
         assert "rank 3 has" in bad["error"]
         assert bad["frames"] == [DIGEST_FRAME_NUM_BYTES, AGREE_FRAME_NUM_BYTES], bad
+        # the check completes before the call's first transfer (Note [Deferred agreement])
+        assert bad["messages"] == 0 < calls[0]["messages"], bad
         assert bad["elapsed_s"] < 2.5  # the agreement, not a timeout (3 s)

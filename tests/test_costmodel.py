@@ -565,17 +565,20 @@ def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> N
     forward on a physical ring, whose partials cross up to P - 1 hops and share them). Both
     replay the same programs; the vectorised engine prices a window's flows as if they
     started together (Note [Vectorised engine]), so it may only err on the fast side. (It
-    read closed forms and left out the programs' waits before: 12% and 40%.)"""
-    for link, shape, strategy, pass_, (layout, causal) in itertools.product(
+    read closed forms and left out the programs' waits before: 12% and 40%.) Both with the
+    host computing (CPU: the forward's first segment before its first send) and not."""
+    for link, shape, strategy, pass_, (layout, causal), host in itertools.product(
         (1e9, 1e11),
         (MHA, GQA),
         CLOSED,
         Pass,
         (("zigzag", True), ("contiguous", False), ("contiguous", True)),
+        (False, True),
     ):
         hw = _hardware(
             topology, link=link, port=1.5 * link if topology is Topology.SWITCH else None
         )
+        hw = dataclasses.replace(hw, host_computes=host)
         got = {
             mode: simulate_pass(
                 strategy,

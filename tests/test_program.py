@@ -4,6 +4,7 @@ run, and the simulator replaying them."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from typing import Any
@@ -40,7 +41,8 @@ def test_a_program_takes_each_transfer_and_segment_once_in_order(strategy: str) 
     """Per rank: every receive is waited for by exactly one op of the right kind, after the
     slot that posts it; every send is posted once and waited for (SENT or SENT_ALL) after
     its slot; every segment is computed once, in step and segment order; slots are posted in
-    order, and a slot after segment k only once segment k is computed."""
+    order, and a slot after segment k only once segment k is computed; where the host
+    computes, the forward's slot 0 only after its first segment (Note [Rank program])."""
     failures = []
     for name, pass_, layout, causal, p, heads_kv in _cases():
         if name != strategy:
@@ -54,10 +56,15 @@ def test_a_program_takes_each_transfer_and_segment_once_in_order(strategy: str) 
             program = ring_program(sched, rank)
             assert program is ring_program(sched, rank), "memoised on the schedule"
             failures += [(case, rank, what) for what in _check(sched, rank, program)]
+            program = ring_program(sched, rank, host_computes=True)
+            found = _check(sched, rank, program, host_computes=True)
+            failures += [(case, rank, "host computes", what) for what in found]
     assert not failures, failures[:10]
 
 
-def _check(sched: Schedule, rank: int, program: tuple[Op, ...]) -> list[str]:
+def _check(
+    sched: Schedule, rank: int, program: tuple[Op, ...], *, host_computes: bool = False
+) -> list[str]:
     problems: list[str] = []
     posted: list[tuple[int, int]] = []
     posts: Counter[object] = Counter()
@@ -79,8 +86,11 @@ def _check(sched: Schedule, rank: int, program: tuple[Op, ...]) -> list[str]:
                 mine = tr.src == rank or (tr.dst == rank and tr.step in ring_steps)
                 if tr.step != op.step or (mine and tr.after_segments != op.index):
                     problems.append(f"POST {(op.step, op.index)} posts {tr}")
-                if tr.src == rank and done != min(tr.after_segments, n):
-                    problems.append(f"{tr} posted after {done} segments")
+                want = min(tr.after_segments, n)
+                if host_computes and not backward and op.step == 0:
+                    want = max(want, min(n, 1))  # Note [Deferred agreement]
+                if tr.src == rank and done != want:
+                    problems.append(f"{tr} posted after {done} segments, not {want}")
         elif op.kind is OpKind.COMPUTE:
             computed.append((op.step, op.index))
         elif op.kind in WAITS_FOR_RECEIVES:
@@ -323,6 +333,34 @@ def test_the_event_engine_replays_the_program() -> None:
                 for tr in op.transfers:
                     later = start_of[op.step + 2]
                     assert [ev for ev in merges if ev.step == tr.step and ev.start_s >= later]
+
+
+@pytest.mark.parametrize("strategy", RING_STRATEGIES)
+def test_where_the_host_computes_the_first_send_follows_the_first_segment(strategy: str) -> None:
+    """Note [Rank program]: on a GPU preset every rank's first send starts at 0 (its kernels
+    run beside the host); with ``host_computes`` (CPU ranks) when its first segment (one
+    compute bar and its merge) is done, and the backward is the same program either way."""
+    shape = AttentionShape(heads_q=8, heads_kv=8, head_dim=64, dtype="float16")
+    kw: dict[str, Any] = dict(layout="zigzag", causal=True, world_size=4, seq_local=1024)
+    gpu = PRESETS["a10-pcie"]
+    for host in (False, True):
+        hw = dataclasses.replace(gpu, host_computes=host)
+        result = simulate_pass(strategy, "forward", shape=shape, hardware=hw, mode="event", **kw)
+        assert result.timeline is not None
+        for rank, events in enumerate(result.timeline):
+            first_send = min(ev.start_s for ev in events if ev.kind == "send")
+            before = [
+                ev
+                for ev in events
+                if ev.kind in ("compute", "merge") and ev.end_s <= first_send + 1e-12
+            ]
+            if not host:
+                assert first_send == 0.0, (host, rank)
+                continue
+            assert [ev.kind for ev in before].count("compute") == 1, (rank, before)
+            assert first_send == pytest.approx(max(ev.end_s for ev in before), abs=1e-12)
+    sched = build_schedule(strategy, "backward", heads_q=8, heads_kv=8, **kw)
+    assert ring_program(sched, 0, host_computes=True) == ring_program(sched, 0)
 
 
 def test_the_event_engine_replays_a_collective_program() -> None:

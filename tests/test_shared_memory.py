@@ -12,6 +12,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -202,6 +203,75 @@ def test_a_full_inbox_fails_the_send_within_the_timeout() -> None:
         links.post(1, header, timeout_s=0.2)
     links.wait(1, links.expect(1), torch.zeros(64, dtype=torch.uint8), timeout_s=1)
     links.post(1, header, timeout_s=0.2)  # one read: room for one more
+
+
+def test_a_rank_that_gave_up_is_named_at_once() -> None:
+    """A waiting receive wakes when its sender's communicator gives up (a futex wake), and a
+    send to a full inbox of a rank that gave up fails at once, both naming the rank."""
+    links, header = _loopback(os.getpid())
+    got = torch.zeros(64, dtype=torch.uint8)
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            links.wait(1, links.expect(1), got, timeout_s=60)
+        except ConnectionError as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    start = time.monotonic()
+    waiter.start()
+    time.sleep(0.2)
+    assert not links.gave_up(1) and waiter.is_alive()
+    links.give_up()
+    waiter.join(timeout=5)
+    assert links.gave_up(1) and not waiter.is_alive()
+    assert time.monotonic() - start < 1.5
+    assert "rank 1 is gone from this communicator" in str(raised[0])
+    for _ in range(512):  # fill the inbox: the next send waits for a reader that gave up
+        links.post(1, header, timeout_s=1)
+    with pytest.raises(RuntimeError, match="rank 1 is gone from this communicator"):
+        links.post(1, header, timeout_s=30)
+
+
+def _exchanges(shared_memory: bool) -> dict[str, object]:
+    """``all_gather_bytes`` of several sizes (a digest frame up to 2 MiB), with the messages
+    that went through shared memory; then ranks that disagree on the frame size."""
+    comm = Communicator(shared_memory=shared_memory, timeout_s=10)
+    rank = dist.get_rank()
+    links = comm.shared
+    before = links.num_written if links is not None else 0
+    gathered = [
+        comm.all_gather_bytes(bytes([rank + 1]) * n, what="sizes", frame_num_bytes=n + 8)
+        for n in (16, 4088, 2 << 20)
+    ]
+    written = (links.num_written if links is not None else 0) - before
+    mismatch = "not tried"  # over gloo's sockets a size mismatch aborts the process
+    try:
+        if links is not None:
+            comm.all_gather_bytes(b"x", what="mismatch", frame_num_bytes=24 if rank else 4096)
+            mismatch = "ok"
+    except RuntimeError as exc:
+        mismatch = str(exc)
+    return {"gathered": gathered, "written": written, "mismatch": mismatch}
+
+
+def test_exchanges_of_bytes_go_through_the_inboxes() -> None:
+    """Note [Exchanges through shared memory]: every rank gets every rank's bytes, as over
+    sockets, one message per peer and exchange through shared memory; there, frames of
+    different sizes fail on both ends, naming the peer."""
+    world = 3
+    for shared_memory in (True, False):
+        per_rank = tokenring.launch(_exchanges, shared_memory, world_size=world, timeout_s=120)
+        for rank, got in enumerate(per_rank):
+            want = [[bytes([r + 1]) * n for r in range(world)] for n in (16, 4088, 2 << 20)]
+            assert got["gathered"] == want, rank
+            if not shared_memory:
+                assert got["written"] == 0
+                continue
+            assert got["written"] == 3 * (world - 1), (rank, got["written"])
+            assert "sent another message" in str(got["mismatch"]), (rank, got["mismatch"])
+            assert "runs other code" in str(got["mismatch"]), (rank, got["mismatch"])
 
 
 def _idle_segments_after_a_pass(idle_num_bytes: int) -> tuple[int, int, int]:

@@ -432,8 +432,11 @@ def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
 #      -> ranks 0 and 1 raise within the communicator's timeout, naming rank 2
 #
 # ``Communicator.agreed`` runs the checks and exchanges the results point-to-point on the
-# control group (CPU, gloo) within the communicator's timeout; the message headers
-# (Note [Message header] in tokenring.runtime.comm) catch what check_ranks=False lets by.
+# control group (CPU, gloo; or the shared-memory inboxes) within the communicator's timeout;
+# an attention call's exchange completes before its first transfer, while the rank plans and
+# computes its first segment (Note [Deferred agreement] in tokenring.runtime.comm). The
+# message headers (Note [Message header] in tokenring.runtime.comm) catch what
+# check_ranks=False lets by.
 
 
 # Note [The attention operator]
@@ -473,7 +476,9 @@ def _attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> list[torch.Tensor]:
     plan = _plan(q, k, v, options, backward=False)
-    out, lse, residuals = op.forward(plan, q, k, v)
+    with plan.comm.settled_on_error():  # Note [Deferred agreement] in tokenring.runtime.comm
+        out, lse, residuals = op.forward(plan, q, k, v)
+        plan.comm.settle()  # done at its first transfer; here if it made none
     return [out.contiguous(), lse.contiguous(), *residuals]
 
 
@@ -774,7 +779,16 @@ def _plan(
     comm = get_communicator(op.resolve_group(options["group"]))
 
     validate = functools.partial(_prepare_call, q, k, v, comm=comm, options=options)
-    call = comm.agreed(validate, what="attention call", check_ranks=options["check_ranks"])
+    check_ranks = options["check_ranks"]
+    call = comm.agreed(validate, what="attention call", check_ranks=check_ranks, deferred=True)
+    with comm.settled_on_error():
+        return _planned(q, k, options, comm, call)
+
+
+def _planned(
+    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], comm: Communicator, call: _Call
+) -> op.Plan:
+    """The plan of a validated call (``call``: what ``_prepare_call`` returned)."""
     strategy = _strategy_of(q, k, options, comm.world_size)
     lend = _lends_last_pair(strategy, q, k, options, comm.world_size)
     sharding = call.sharding

@@ -872,6 +872,7 @@ def add_predictions(
         group = [rows[i] for i in indices]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
         hardware = _hardware(fwd_rate, bwd_rate, probes, config.dtype, topology, backend)
+        hardware = dataclasses.replace(hardware, host_computes=per_rank[0]["device"] == "cpu")
         sharding = make_sharding(
             layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
         )

@@ -164,6 +164,10 @@ class Hardware:
     kernel_call_s: float = 0.0
     """Fixed cost of one block-kernel call, charged per kernel call of a cached plan;
     ``planner.calibrate`` measures it, the presets leave it 0 (large blocks)."""
+    host_computes: bool = False
+    """Whether a rank's own thread runs the block kernel (CPU ranks), so it posts nothing while
+    it computes; a GPU's kernels run beside the host. Decides the forward's first step
+    (Note [Rank program] in tokenring.runtime.program)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
@@ -343,6 +347,7 @@ def measured(
     name: str = "measured",
     collectives: CollectiveRouting | str = CollectiveRouting.DIRECT,
     kernel_call_s: float = 0.0,
+    host_computes: bool = False,
 ) -> Hardware:
     """A hardware description from calibration numbers (``planner.calibrate``).
 
@@ -367,6 +372,7 @@ def measured(
         dtypes=(dtype_name(dtype),),
         collectives=CollectiveRouting.parse(collectives),
         kernel_call_s=kernel_call_s,
+        host_computes=host_computes,
     )
 
 

@@ -643,6 +643,7 @@ def calibrate(
         latency_s=max(latency, 0.0),
         collectives=CollectiveRouting.for_backend(comm.backend),
         kernel_call_s=call_s,
+        host_computes=device.type == "cpu",
     )
 
 

@@ -334,7 +334,8 @@ class _EventEngine:
                 actions.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
             return actions
 
-        return self._program(program_of(sched, r), r, dims, ring_steps, compute)
+        program = program_of(sched, r, host_computes=self.hw.host_computes)
+        return self._program(program, r, dims, ring_steps, compute)
 
     def _added(self, tr: Transfer, dims: AttentionShape) -> tuple[Any, ...]:
         """The merge or accumulation of a partial (out, dQ or dK/dV) once it has arrived."""
@@ -750,6 +751,7 @@ class _Replay:
         p, mem = plan.world_size, hardware.memory_bandwidth_bytes_per_s
         self.plan, self.p = plan, p
         self.backward = plan.pass_ is Pass.BACKWARD
+        self.host_computes = hardware.host_computes
         self.ranks = torch.arange(p)
         self.up = (self.ranks + plan.direction) % p  # where the travelling blocks go
         scale = 4.0 * dims.batch * dims.head_dim * (2.5 if self.backward else 1.0)
@@ -808,7 +810,9 @@ class _Replay:
         slots |= set(range(1, num + 1)) if self.plan.strategy.passes_q and t >= 1 else set()
         slots |= {max(1, num)} if self.sends_dkv[j] else set()
         start = self.now.clone()
-        for kind, index in ring_step_order(num, slots, backward=self.backward, returns=t >= 2):
+        first = t == 0 and self.host_computes
+        order = ring_step_order(num, slots, backward=self.backward, returns=t >= 2, first=first)
+        for kind, index in order:
             if kind is OpKind.POST:
                 self._post(t, col, j, index, num, dur)
             elif kind is OpKind.COMPUTE:

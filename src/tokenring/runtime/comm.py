@@ -36,7 +36,7 @@ import struct
 import time
 import types
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -165,6 +165,33 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 #   all digests equal, no problem here  -> done (the signatures are equal)
 #   any digest differs, or a problem    -> every rank exchanges the JSON rows (4 KiB frames)
 #                                          and raises naming the field, the value and the ranks
+#
+# Note [Deferred agreement]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# An attention call posts its digest and goes on (``agreed(..., deferred=True)``); the
+# exchange completes, and raises as above, at the communicator's next transfer, collective or
+# ``settle()``, whichever comes first. So no message of a call leaves before its ranks agree,
+# and a rank does not wait for the slowest one before it has work of its own to do: the
+# planning, and the forward's first segment (the program computes it before posting slot 0:
+# Note [Rank program] in tokenring.runtime.program). Where the ranks arrive apart (four ranks
+# sharing two cores: 1.5-3.5 ms; the exchange done 2-10 ms after the first arrival), a check
+# before the first segment made every rank wait for the last. A call that fails before it
+# settles settles first (``settled_on_error``): a disagreement is the cause to report. A
+# communicator closed with a check pending is not pooled (its exchange may still be posted).
+# The backward, cache steps and the hybrid check before anything else, as before.
+#
+# Note [Exchanges through shared memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With the shared-memory transport (Note [Shared-memory transport] in tokenring.runtime.shm),
+# ``all_gather_bytes`` (the rank check's digests and rows) goes through the inboxes too: each
+# frame is copied into a segment and announced by a header with _EXCHANGE_MAGIC, numbered in
+# posting order with the pair's other messages; a frame of another size or kind names the
+# peer ("it runs other code"). A waiting rank sleeps on the inbox's futex instead of on gloo's
+# sockets and I/O threads: a 4-rank check on 2 cores, 0.85 -> 0.63 ms of wall time. Because a
+# send completes at once, a rank that gave up (timed out in a check, any failed transfer)
+# marks its inbox file (``SharedMemoryLinks.give_up``): its peers' waits on it fail at once,
+# naming it, and an exchange whose frame came from a rank that gave up fails too, as gloo's
+# closed sockets did. The probe that sets the transport up runs over gloo.
 
 
 @functools.lru_cache(maxsize=4096)
@@ -176,6 +203,7 @@ def _transfer_id(tr: Transfer) -> int:
 
 
 _HEADER_STRUCT = struct.Struct(f"<{HEADER_NUM_BYTES // 8}q")
+_EXCHANGE_MAGIC = 0x65676E6168637865  # "exchange": a frame of Communicator.all_gather_bytes
 _SHM_FIELDS = struct.Struct("<3q")  # (segment fd + 1, index, use) after the five fields
 
 
@@ -490,6 +518,7 @@ class Communicator:
         self.counter = TrafficCounter()
         self.timeline: Timeline | None = None
         self._pending_sends: list[tuple[Any, Transfer]] = []
+        self._agreeing: Callable[[], None] | None = None  # Note [Deferred agreement]
         self._unchecked: list[tuple[Transfer, torch.Tensor, tuple[int, int]]] = []
         self._broken: str | None = None
         self.stage_through_host = stage_through_host
@@ -567,7 +596,8 @@ class Communicator:
         self, data: bytes, *, what: str, frame_num_bytes: int = AGREE_FRAME_NUM_BYTES
     ) -> list[bytes]:
         """Every rank's ``data`` (at most ``frame_num_bytes - 8`` bytes), in group-rank order,
-        over the control group within the timeout.
+        over the control group (or the inboxes: Note [Exchanges through shared memory])
+        within the timeout.
 
         Args:
             what: what the ranks agree on, for the error message.
@@ -577,13 +607,20 @@ class Communicator:
             ValueError: ``data`` is too long.
             RuntimeError: ranks not heard from within the timeout, or gone (named).
         """
+        return self._post_gather(data, what=what, frame_num_bytes=frame_num_bytes)()
+
+    def _post_gather(
+        self, data: bytes, *, what: str, frame_num_bytes: int
+    ) -> Callable[[], list[bytes]]:
+        """:meth:`all_gather_bytes`, posted: what waits for it and returns every rank's data."""
+        self.settle()
         if len(data) > frame_num_bytes - 8:
             raise ValueError(
                 f"data for {what} must be at most {frame_num_bytes - 8} bytes; got {len(data)}"
             )
         self._check_open()
         if self.world_size == 1:
-            return [data]
+            return lambda: [data]
         if self._broken is not None:
             raise RuntimeError(
                 f"rank {self.rank}: this communicator failed earlier and cannot be used for "
@@ -595,30 +632,38 @@ class Communicator:
         framed = struct.pack("<q", len(data)) + data
         ctypes.memmove(mine.data_ptr(), framed, len(framed))
         frames = {r: table[r] for r in range(self.world_size) if r != self.rank}
-        silent, closed = self._swap_frames(mine, frames)
-        if silent or closed:
-            parts = []
-            if silent:
-                parts.append(
-                    f"rank(s) {silent} did not arrive within "
-                    f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the call, "
-                    "or called something else)"
-                )
-            for r, message in closed.items():
-                parts.append(f"rank {r} is gone (it exited or crashed): {message}")
-            self._broken = f"{what} failed"
-            raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
-        out = []
-        for r in range(self.world_size):
-            start = table.data_ptr() + r * frame_num_bytes
-            (num,) = struct.unpack("<q", ctypes.string_at(start, 8))
-            out.append(ctypes.string_at(start + 8, min(max(num, 0), frame_num_bytes - 8)))
-        return out
+        swapped = self._post_swap(mine, frames)
 
-    def _swap_frames(
+        def finish() -> list[bytes]:
+            silent, closed = swapped()
+            if silent or closed:
+                parts = []
+                if silent:
+                    parts.append(
+                        f"rank(s) {silent} did not arrive within "
+                        f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the "
+                        "call, or called something else)"
+                    )
+                parts.extend(closed.values())
+                self._break(f"{what} failed")
+                raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
+            out = []
+            for r in range(self.world_size):
+                start = table.data_ptr() + r * frame_num_bytes
+                (num,) = struct.unpack("<q", ctypes.string_at(start, 8))
+                out.append(ctypes.string_at(start + 8, min(max(num, 0), frame_num_bytes - 8)))
+            return out
+
+        return finish
+
+    def _post_swap(
         self, mine: torch.Tensor, frames: dict[int, torch.Tensor]
-    ) -> tuple[list[int], dict[int, str]]:
-        """Swap ``mine`` for every peer's frame; the peers silent and those gone (with why)."""
+    ) -> Callable[[], tuple[list[int], dict[int, str]]]:
+        """Post the swap of ``mine`` for every peer's frame; what waits for it (within the
+        timeout, from when it is called) and returns the peers silent, and those gone with
+        why. Through the inboxes when this communicator has them (:meth:`_post_shared_swap`)."""
+        if self.shared is not None:
+            return self._post_shared_swap(mine, frames)
         control = self._control
         assert control is not None
         silent: list[int] = []
@@ -632,22 +677,84 @@ class Communicator:
                 if waiting and "imed out" in str(exc):
                     silent.append(r)
                 else:
-                    closed.setdefault(r, _first_line(exc))
+                    why = _first_line(exc)
+                    closed.setdefault(r, f"rank {r} is gone (it exited or crashed): {why}")
                 return None
 
         # the group's own send and recv: dist.isend / irecv add Python checks
         recvs = {r: attempt(r, control.recv, [frame], r, 0) for r, frame in frames.items()}
         sends = {r: attempt(r, control.send, [mine], r, 0) for r in frames}
+
+        def wait() -> tuple[list[int], dict[int, str]]:
+            deadline = time.monotonic() + self.timeout.total_seconds()
+
+            def left() -> timedelta:
+                return timedelta(seconds=max(deadline - time.monotonic(), 0.01))
+
+            # A peer gone already: this exchange cannot complete; say so at once.
+            for r, work in recvs.items() if not closed else ():
+                attempt(r, work.wait, left(), waiting=True)
+            for r, work in sends.items() if not silent and not closed else ():
+                attempt(r, work.wait, left())
+            return silent, closed
+
+        return wait
+
+    def _post_shared_swap(
+        self, mine: torch.Tensor, frames: dict[int, torch.Tensor]
+    ) -> Callable[[], tuple[list[int], dict[int, str]]]:
+        """:meth:`_post_swap` through the inboxes (Note [Exchanges through shared memory])."""
+        shared = self.shared
+        assert shared is not None
+        silent: list[int] = []
+        closed: dict[int, str] = {}
+        num_bytes = mine.numel()
+        seqs = {r: shared.expect(r) for r in frames}
+        for r in frames:
+            header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)
+            where = shared.write(r, [mine])
+            fields = (_EXCHANGE_MAGIC, num_bytes, 0, self.rank, 0, *where)
+            ctypes.memmove(header.data_ptr(), _HEADER_STRUCT.pack(*fields), HEADER_NUM_BYTES)
+            try:
+                shared.post(r, header, self.timeout.total_seconds())
+            except RuntimeError as exc:
+                closed[r] = _first_line(exc).removeprefix(f"rank {self.rank}: ")
+        return functools.partial(self._wait_shared_swap, frames, seqs, silent, closed)
+
+    def _wait_shared_swap(
+        self,
+        frames: dict[int, torch.Tensor],
+        seqs: dict[int, int],
+        silent: list[int],
+        closed: dict[int, str],
+    ) -> tuple[list[int], dict[int, str]]:
+        """Wait for the frames of :meth:`_post_shared_swap` (numbered ``seqs``) and copy them."""
+        shared = self.shared
+        assert shared is not None
+        num_bytes = next(iter(frames.values())).numel()
         deadline = time.monotonic() + self.timeout.total_seconds()
-
-        def left() -> timedelta:
-            return timedelta(seconds=max(deadline - time.monotonic(), 0.01))
-
-        # A peer gone already: this exchange cannot complete; say so at once.
-        for r, work in recvs.items() if not closed else ():
-            attempt(r, work.wait, left(), waiting=True)
-        for r, work in sends.items() if not silent and not closed else ():
-            attempt(r, work.wait, left())
+        header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)
+        for r, frame in frames.items() if not closed else ():
+            try:
+                shared.wait(r, seqs[r], header, max(deadline - time.monotonic(), 0.01))
+            except TimeoutError:
+                silent.append(r)
+                continue
+            except ConnectionError as exc:
+                closed[r] = str(exc)
+                continue
+            magic, size, _, sender, _, *where = _read_header(header)
+            if (magic, size, sender) != (_EXCHANGE_MAGIC, num_bytes, r):
+                closed[r] = (
+                    f"rank {r} sent another message ({size} bytes from rank {sender}) where "
+                    f"this rank expected a {num_bytes}-byte exchange frame: it runs other code"
+                )
+                continue
+            (view,) = shared.view(r, where, [num_bytes])
+            frame.copy_(view)
+            del view  # consumed: the sender may write the segment again
+            if shared.gave_up(r):  # it sent, then gave up waiting (for this rank, maybe)
+                closed[r] = shared.gone(r) or ""
         return silent, closed
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
@@ -674,24 +781,41 @@ class Communicator:
                 {what}: {problem}"; on every rank the fields where signatures differ.
             RuntimeError: a rank did not arrive within the timeout, or is gone.
         """
+        self._post_agree(signature, problem, what=what)()
+
+    def _post_agree(
+        self, signature: dict[str, Any] | None, problem: Exception | None, *, what: str
+    ) -> Callable[[], None]:
+        """:meth:`agree` with its digests posted (Note [Agreement by digest]): what waits for
+        them and raises as :meth:`agree` does."""
         if self.world_size == 1:
             if problem is not None:
                 raise problem
-            return
+            return lambda: None
         mine: dict[str, Any] = {"signature": signature}
         if signature is None:
             mine = {"invalid": str(problem)}
         data = json.dumps(mine, sort_keys=True).encode()
-        # Note [Agreement by digest]
         digest = hashlib.blake2b(data, digest_size=DIGEST_NUM_BYTES).digest()
-        digests = self.all_gather_bytes(
-            digest, what=f"the {what} check", frame_num_bytes=DIGEST_FRAME_NUM_BYTES
-        )
+        check = f"the {what} check"
+        gather = self._post_gather(digest, what=check, frame_num_bytes=DIGEST_FRAME_NUM_BYTES)
+        return functools.partial(self._finish_agree, gather, digest, data, problem, what)
+
+    def _finish_agree(
+        self,
+        gather: Callable[[], list[bytes]],
+        digest: bytes,
+        data: bytes,
+        problem: Exception | None,
+        what: str,
+    ) -> None:
+        """The rest of :meth:`agree` once its digests are posted."""
+        digests = gather()
         if problem is None and all(d == digest for d in digests):
             return
         if len(data) > AGREE_FRAME_NUM_BYTES - 8:  # an unusually long error or signature
-            mine = {"invalid": str(problem)[:1000]}
-            if signature is not None:
+            mine: dict[str, Any] = {"invalid": str(problem)[:1000]}
+            if problem is None:
                 mine = {"signature": {"digest": zlib.crc32(data)}}
             data = json.dumps(mine).encode()
         rows = [json.loads(b) for b in self.all_gather_bytes(data, what=f"the {what} check")]
@@ -771,6 +895,7 @@ class Communicator:
             The pending receives by transfer.
         """
         self._check_open()
+        self.settle()
         pending: dict[Transfer, PendingRecv] = {}
         batches: dict[tuple[Flow, int], tuple[list[PendingRecv], list[Any]]] = {}
         for tr, f in recvs:
@@ -790,7 +915,7 @@ class Communicator:
             try:
                 works = self._post(ops, self._groups[channel])
             except Exception as exc:
-                self._broken = "posting transfers failed"
+                self._break("posting transfers failed")
                 peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
                 raise RuntimeError(
                     f"rank {self.rank}: posting the {channel[0].value!r} transfers of step "
@@ -897,7 +1022,9 @@ class Communicator:
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far; check the pending device headers (one sync);
-        release idle shared memory (Note [Shared-memory transport] in tokenring.runtime.shm)."""
+        release idle shared memory (Note [Shared-memory transport] in tokenring.runtime.shm).
+        A deferred rank check completes first (Note [Deferred agreement])."""
+        self.settle()
         self._wait_sends_if(lambda work, tr: True)
         if self.shared is not None:
             self.shared.release_idle()
@@ -944,7 +1071,7 @@ class Communicator:
     def _failed(self, tr: Transfer, what: str, exc: Exception) -> RuntimeError:
         """The error of a failed ``what`` ("send", "receive") of ``tr``; marks this
         communicator broken (its groups may hold unmatched operations)."""
-        self._broken = f"a {what} failed"
+        self._break(f"a {what} failed")
         peer = tr.src if what == "receive" else tr.dst
         return RuntimeError(
             f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
@@ -960,6 +1087,7 @@ class Communicator:
     ) -> PendingCollective:
         """Post ``dist.all_gather_into_tensor`` (rank j's at block j of dim 0). Not counted."""
         self._check_open()
+        self.settle()
         work = None
         if self.world_size > 1:
             work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
@@ -980,6 +1108,7 @@ class Communicator:
     ) -> PendingCollective:
         """Post ``dist.all_reduce`` of ``tensor`` in place. Not counted."""
         self._check_open()
+        self.settle()
         work = None
         if self.world_size > 1:
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
@@ -988,6 +1117,7 @@ class Communicator:
     def barrier(self, *, label: str) -> None:
         """Wait until every rank of the group reached this barrier, for at most ``timeout``."""
         self._check_open()
+        self.settle()
         if self.world_size > 1:
             work = dist.barrier(group=self.group, async_op=True)
             PendingCollective(self, work, "barrier", label).wait()
@@ -1017,6 +1147,9 @@ class Communicator:
         own, self._own = self._own, None
         self._groups, self._control = {}, None
         self._pending_sends.clear()
+        if self._agreeing is not None:  # its exchange is still posted: never pooled
+            self._agreeing = None
+            self._broken = self._broken or "closed with a deferred rank check pending"
         if self.shared is not None:
             self.shared.close()
         if own is None or self._pool_key is None or self._broken is not None:
@@ -1024,6 +1157,13 @@ class Communicator:
         channels, control = own
         if all(_registered(g) for g in (*channels.values(), control)):
             _IDLE_GROUPS.setdefault(self._pool_key, []).append(own)
+
+    def _break(self, why: str) -> None:
+        """Mark this communicator failed (its groups may hold unmatched operations; it is
+        never pooled) and tell the peers that wait on it through shared memory."""
+        self._broken = why
+        if self.shared is not None:
+            self.shared.give_up()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -1041,6 +1181,7 @@ class Communicator:
         what: str,
         check_ranks: bool = True,
         errors: tuple[type[Exception], ...] = (ValueError, NotImplementedError),
+        deferred: bool = False,
     ) -> _T:
         """What ``validate()`` returns, once every rank found its call valid and the same
         (:meth:`agree`; Note [Rank agreement] in tokenring.api); else raise on every rank.
@@ -1051,6 +1192,9 @@ class Communicator:
             what: the call, for messages ("cache step").
             check_ranks: False: nothing is exchanged.
             errors: what ``validate`` raises for an invalid call; others propagate at once.
+            deferred: a valid call returns at once and the check completes before this
+                communicator's next transfer, collective or :meth:`settle` (Note [Deferred
+                agreement]); it raises there.
 
         Raises:
             As :meth:`agree`; with ``check_ranks=False``, this rank's error.
@@ -1062,8 +1206,32 @@ class Communicator:
                 self.agree(None, exc, what=what)  # raises exc here; the peers learn it
             raise
         if check_ranks and signature is not None:
-            self.agree(signature, None, what=what)
+            finish = self._post_agree(signature, None, what=what)
+            if deferred:
+                self._agreeing = finish
+            else:
+                finish()
         return result
+
+    def settle(self) -> None:
+        """Complete the deferred rank check, if one is pending (Note [Deferred agreement]).
+
+        Raises:
+            As :meth:`agree`.
+        """
+        finish, self._agreeing = self._agreeing, None
+        if finish is not None:
+            finish()
+
+    @contextlib.contextmanager
+    def settled_on_error(self) -> Iterator[None]:
+        """If the block raises, complete the deferred rank check first: when the ranks
+        disagree, that is the cause to report (the block's error chained to it)."""
+        try:
+            yield
+        except BaseException:
+            self.settle()
+            raise
 
     def all_gather_int(self, value: int, device: torch.device, *, label: str) -> list[int]:
         """Every rank's ``value``, in group-rank order (an int64 on ``device``). Not counted."""
@@ -1085,7 +1253,7 @@ class PendingCollective:
         try:
             self._work.wait(comm.timeout)
         except Exception as exc:
-            comm._broken = f"the {self._op} {self._label!r} failed"
+            comm._break(f"the {self._op} {self._label!r} failed")
             raise RuntimeError(
                 f"rank {comm.rank}: the {self._op} {self._label!r} over "
                 f"{comm.describe_group()} failed or did not complete within the "

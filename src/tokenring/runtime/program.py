@@ -38,9 +38,14 @@ engine replays the same tuple::
 
 A step is ``STEP t, POST t 0, (COMPUTE t k, POST t k+1)...``, then the slots after the last
 segment, ``RETURNS t-2, ARRIVE t, SENT t``; the call ends with ``END``, the ``RETURNS`` of the
-last two steps, ``HOME`` and ``SENT_ALL``. In the backward, slot ``(t, n)`` of a step with n
-segments comes after ``PASS t`` (the accumulators it sends are passed on there). Slots in
-which this rank neither sends nor receives are left out.
+last two steps, ``HOME`` and ``SENT_ALL``. Where the rank's own thread runs the kernels
+(``host_computes``: CPU ranks), the forward's step 0 computes its first segment before
+``POST 0 0``: the rank check, posted before the call, completes meanwhile, before any
+transfer, instead of holding every rank until the slowest arrives (Note [Deferred agreement]
+in tokenring.runtime.comm). A GPU rank only queues its kernels, so it posts first. In the
+backward, slot ``(t, n)`` of a step with n segments comes after ``PASS t`` (the accumulators
+it sends are passed on there). Slots in which this rank neither sends nor receives are left
+out.
 
 Returns are taken two steps behind, so a partial sent at the end of step t-1 never holds up
 step t. A POST names its transfers, so a receive can be posted outside its sender's slot. The
@@ -146,19 +151,23 @@ class Op:
     transfers: tuple[Transfer, ...] = ()
 
 
-def program_of(sched: Schedule, rank: int) -> tuple[Op, ...]:
-    """The instructions of ``rank`` for any schedule (Note [Rank program]), memoised."""
+def program_of(sched: Schedule, rank: int, *, host_computes: bool = False) -> tuple[Op, ...]:
+    """The instructions of ``rank`` for any schedule (Note [Rank program]), memoised;
+    ``host_computes``: the rank's thread runs the kernels (CPU; ``Hardware.host_computes``)."""
     if sched.strategy is Strategy.HYBRID:
         return _memo(sched, ("hybrid_program", rank), hybrid_program, rank)
     if sched.strategy.is_collective:
         return _memo(sched, ("collective_program", rank), collective_program, rank)
-    return ring_program(sched, rank)
+    return ring_program(sched, rank, host_computes=host_computes)
 
 
-def ring_program(sched: Schedule, rank: int, steps: range | None = None) -> tuple[Op, ...]:
+def ring_program(
+    sched: Schedule, rank: int, steps: range | None = None, *, host_computes: bool = False
+) -> tuple[Op, ...]:
     """The instructions of ``rank`` for ``steps`` (default all) of a ring schedule, memoised."""
     steps = range(sched.num_steps) if steps is None else steps
-    return _memo(sched, ("ring_program", rank, steps.start, steps.stop), _build, rank, steps)
+    key = ("ring_program", rank, steps.start, steps.stop, host_computes)
+    return _memo(sched, key, _build, rank, steps, host_computes)
 
 
 def _memo(
@@ -197,15 +206,24 @@ def _passing(sched: Schedule, rank: int, step: int) -> tuple[Transfer, ...]:
 
 
 def ring_step_order(
-    num_segments: int, slots: Collection[int], *, backward: bool, returns: bool
+    num_segments: int,
+    slots: Collection[int],
+    *,
+    backward: bool,
+    returns: bool,
+    first: bool = False,
 ) -> list[tuple[OpKind, int]]:
     """``(kind, index)`` of each op of a ring step in order (Note [Rank program]): ``slots``
     are the slots the rank posts in, ``returns`` whether it takes the returns of two steps
-    ago. Shared with the simulator's vectorised engine (Note [Vectorised engine])."""
+    ago, ``first`` whether it is a forward's step 0 (its first segment before slot 0).
+    Shared with the simulator's vectorised engine (Note [Vectorised engine])."""
     n = num_segments
-    order = [(OpKind.STEP, 0)] + ([(OpKind.POST, 0)] if 0 in slots else [])
+    lead = first and not backward and n > 0 and 0 in slots
+    order = [(OpKind.STEP, 0)] + ([(OpKind.POST, 0)] if 0 in slots and not lead else [])
     for k in range(n):
         order.append((OpKind.COMPUTE, k))
+        if lead and k == 0:
+            order.append((OpKind.POST, 0))
         if k + 1 in slots and (not backward or k + 1 < n):
             order.append((OpKind.POST, k + 1))
     if backward:
@@ -217,7 +235,12 @@ def ring_step_order(
 
 
 def _step(
-    sched: Schedule, rank: int, t: int, first: int, passing: tuple[Transfer, ...]
+    sched: Schedule,
+    rank: int,
+    t: int,
+    first: int,
+    passing: tuple[Transfer, ...],
+    host_computes: bool,
 ) -> list[Op]:
     """The ops of step ``t`` (``first``: the program's first step)."""
     backward = sched.pass_ is Pass.BACKWARD
@@ -237,7 +260,8 @@ def _step(
         OpKind.ARRIVE: lambda k: Op(kind=OpKind.ARRIVE, step=t, transfers=travel),
         OpKind.SENT: lambda k: Op(kind=OpKind.SENT, step=t, transfers=tuple(sent)),
     }
-    order = ring_step_order(n, slots, backward=backward, returns=t >= first + 2)
+    lead = host_computes and t == 0
+    order = ring_step_order(n, slots, backward=backward, returns=t >= first + 2, first=lead)
     return [ops[kind](index) for kind, index in order]
 
 
@@ -247,14 +271,14 @@ def _returns(sched: Schedule, rank: int, step: int) -> Op:
     return Op(kind=OpKind.RETURNS, step=step, transfers=_recvs(sched, rank, step, returned))
 
 
-def _build(sched: Schedule, rank: int, steps: range) -> list[Op]:
+def _build(sched: Schedule, rank: int, steps: range, host_computes: bool) -> list[Op]:
     backward = sched.pass_ is Pass.BACKWARD
     program = [Op(kind=OpKind.DELTA, step=steps.start)] if backward else []
     passed: set[Transfer] = set()
     for t in steps:
         passing = _passing(sched, rank, t) if backward and t > steps.start else ()
         passed.update(passing)
-        program += _step(sched, rank, t, steps.start, passing)
+        program += _step(sched, rank, t, steps.start, passing, host_computes)
     program.append(Op(kind=OpKind.END, step=steps.stop))
     program += [_returns(sched, rank, t) for t in steps[-2:]]
     if backward:

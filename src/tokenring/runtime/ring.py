@@ -323,7 +323,8 @@ class SchedulePass(PassRunner):
 
     def run(self) -> None:
         """Run this rank's program of the schedule; then the timeline's compute bars."""
-        execute(program_of(self.sched, self.rank), self)
+        host_computes = self.q.device.type == "cpu"  # Note [Rank program]
+        execute(program_of(self.sched, self.rank, host_computes=host_computes), self)
         self.timer.flush()
 
     def delta(self, op: Op) -> None:

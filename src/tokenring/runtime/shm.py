@@ -45,7 +45,10 @@ Stores are published in order and a consumed mark follows the receiver's last re
 both rely on x86-64's ordering (stores are not reordered with earlier loads or stores), so the
 transport is used only there. It is off for CUDA tensors (the staged path), for the lab (its
 emulated links must carry the bytes: the lab sets TOKENRING_SHARED_MEMORY=0), and when any rank
-asks for it off; collectives (all-gather, all-reduce, the rank check) stay on gloo.
+asks for it off; collectives (all-gather, all-reduce) stay on gloo. The rank check's small
+exchanges come through the inboxes too (Note [Exchanges through shared memory] in
+tokenring.runtime.comm); a rank whose communicator failed says so in its inbox file, so a
+peer waiting on it fails at once instead of at the timeout (``give_up``).
 """
 
 from __future__ import annotations
@@ -91,14 +94,16 @@ def _peer_file(pid: int, fd: int) -> str:
     return f"/proc/{pid}/fd/{fd}"
 
 
-# Inboxes: one file per rank, made before the probe (its first 8 bytes: the probe's token),
-# then one inbox per sender: (messages written, u32: the futex word) at 0, (messages read, u32)
-# at 64, then _SLOTS message headers of 64 bytes.
+# Inboxes: one file per rank, made before the probe (its first 8 bytes: the probe's token, the
+# next 8: whether its communicator gave up), then one inbox per sender: (messages written, u32:
+# the futex word) at 0, (messages read, u32) at 64, then _SLOTS message headers of 64 bytes.
 _SLOTS = 512
 _HEADER_NUM_BYTES = 64
 _INBOX_NUM_BYTES = 128 + _SLOTS * _HEADER_NUM_BYTES
 _FILE_HEADER_NUM_BYTES = 64
 _MASK = 0xFFFFFFFF
+_GAVE_UP_OFFSET = 8  # in a rank's inbox file: nonzero once its communicator failed
+_WAKE_ALL = 0x7FFFFFFF
 
 
 def make_inboxes(world_size: int, token: int) -> tuple[int, mmap.mmap]:
@@ -259,6 +264,7 @@ class SharedMemoryLinks:
         self, rank: int, pids: Sequence[int], inboxes: mmap.mmap, peers: dict[int, mmap.mmap]
     ) -> None:
         self.rank, self.pids = rank, tuple(pids)
+        self._files = {**peers, rank: inboxes}  # each file's header says if its rank gave up
         self._inboxes = {src: _Box(inboxes, src) for src in peers}  # read here
         self._outboxes = {dst: _Box(peer, rank) for dst, peer in peers.items()}  # written here
         self._num_sent = dict.fromkeys(peers, 0)
@@ -386,7 +392,10 @@ class SharedMemoryLinks:
         box, k = self._outboxes[dst], self._num_sent[dst]
         deadline = time.monotonic() + timeout_s
         while (k - box.read.value) & _MASK >= _SLOTS:  # full: wait for the reader (rare)
-            if time.monotonic() > deadline or not _alive(self.pids[dst]):
+            gone = self.gone(dst)
+            if gone is not None:
+                raise RuntimeError(f"rank {self.rank}: {gone}")
+            if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"rank {self.rank}: rank {dst} left {_SLOTS} messages unread for "
                     f"{timeout_s:g} s (it failed, or waits for something else)"
@@ -396,6 +405,28 @@ class SharedMemoryLinks:
         box.written.value = (k + 1) & _MASK  # after the header: x86-64 keeps stores in order
         self._num_sent[dst] = k + 1
         _futex(box.address, _FUTEX_WAKE, 1)
+
+    def give_up(self) -> None:
+        """Say that this rank's communicator failed: every wait on it through these links
+        (a receive, a full inbox) fails at once, naming this rank. Idempotent."""
+        mine = self._files.get(self.rank)
+        if mine is None:  # closed
+            return
+        _USE.pack_into(mine, _GAVE_UP_OFFSET, 1)
+        for box in self._outboxes.values():
+            _futex(box.address, _FUTEX_WAKE, _WAKE_ALL)
+
+    def gave_up(self, rank: int) -> bool:
+        """Whether ``rank``'s communicator failed (:meth:`give_up`)."""
+        return _USE.unpack_from(self._files[rank], _GAVE_UP_OFFSET)[0] != 0
+
+    def gone(self, rank: int) -> str | None:
+        """Why ``rank`` will not send or read any more messages, or None."""
+        if self.gave_up(rank):
+            return f"rank {rank} is gone from this communicator (a transfer or check failed there)"
+        if not _alive(self.pids[rank]):
+            return f"rank {rank} is gone (it exited or crashed)"
+        return None
 
     def expect(self, src: int) -> int:
         """The number of the next message from ``src`` (messages match in posting order)."""
@@ -422,8 +453,9 @@ class SharedMemoryLinks:
             written = box.written.value
             if not box.holds(k):  # sleeps unless the word moved on since it was read
                 _futex(box.address, _FUTEX_WAIT, written, min(left, 0.1))
-            if not box.holds(k) and not _alive(self.pids[src]):
-                raise ConnectionError(f"rank {src} is gone (it exited or crashed)")
+            gone = None if box.holds(k) else self.gone(src)
+            if gone is not None:
+                raise ConnectionError(gone)
         ctypes.memmove(header.data_ptr(), box.slot(k), _HEADER_NUM_BYTES)
         early = self._read_early[src]
         early.add(k)
@@ -449,5 +481,6 @@ class SharedMemoryLinks:
         self._finalizer()
         self._out.clear()
         self._in.clear()
+        self._files.clear()
         self._inboxes.clear()  # each mapping holds a descriptor (mmap keeps one) until freed
         self._outboxes.clear()
