@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import make_inputs, oracle_with_grads, owned_positions
+from tokenring.launch import LaunchError
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.shm import ENV_VAR, SharedMemoryLinks, make_inboxes, shm_wanted
 
@@ -272,6 +274,35 @@ def test_exchanges_of_bytes_go_through_the_inboxes() -> None:
             assert got["written"] == 3 * (world - 1), (rank, got["written"])
             assert "sent another message" in str(got["mismatch"]), (rank, got["mismatch"])
             assert "runs other code" in str(got["mismatch"]), (rank, got["mismatch"])
+
+
+def _sender_exits_after_sending(out_file: str) -> None:
+    """Rank 1 posts its exchange frame and exits at once; rank 0 then finds the frame in its
+    inbox but the segment gone with its sender, and writes what it raised."""
+    comm = Communicator(shared_memory=True, timeout_s=20)
+    if dist.get_rank() == 1:
+        comm._post_gather(b"sent", what="an exchange", frame_num_bytes=64)
+        os._exit(0)
+    time.sleep(1.0)  # rank 1 has exited by now
+    start = time.monotonic()
+    try:
+        comm.all_gather_bytes(b"mine", what="an exchange", frame_num_bytes=64)
+        outcome = "ok"
+    except RuntimeError as exc:
+        outcome = str(exc)
+    with open(out_file, "w") as f:
+        f.write(f"{time.monotonic() - start:.3f} {outcome}")
+
+
+def test_a_frame_whose_sender_exited_names_the_sender(tmp_path: Path) -> None:
+    """An exchange frame announced by a rank that exited before it was read: its segment went
+    with it; the exchange fails at once naming that rank (not an error about the file)."""
+    out_file = tmp_path / "rank0.txt"
+    with contextlib.suppress(LaunchError):  # rank 1 exits without a result
+        tokenring.launch(_sender_exits_after_sending, str(out_file), world_size=2, timeout_s=60)
+    elapsed, outcome = out_file.read_text().split(" ", 1)
+    assert "rank 0: an exchange: rank 1 is gone (it exited or crashed)" in outcome, outcome
+    assert float(elapsed) < 2
 
 
 def _idle_segments_after_a_pass(idle_num_bytes: int) -> tuple[int, int, int]:

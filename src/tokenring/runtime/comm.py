@@ -750,7 +750,11 @@ class Communicator:
                     f"this rank expected a {num_bytes}-byte exchange frame: it runs other code"
                 )
                 continue
-            (view,) = shared.view(r, where, [num_bytes])
+            try:
+                (view,) = shared.view(r, where, [num_bytes])
+            except RuntimeError as exc:  # sent, then exited: its segment went with it
+                closed[r] = shared.gone(r) or _first_line(exc).removeprefix(f"rank {self.rank}: ")
+                continue
             frame.copy_(view)
             del view  # consumed: the sender may write the segment again
             if shared.gave_up(r):  # it sent, then gave up waiting (for this rank, maybe)
