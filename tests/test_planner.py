@@ -212,6 +212,7 @@ def test_calibrate_agrees_across_ranks() -> None:
     results = launch(_calibrate_worker, world_size=2, timeout_s=120.0)
     first = results[0]["hardware"]
     assert all(r["hardware"] == first for r in results)  # identical, not just close
+    assert first.host_computes  # CPU ranks compute on their own thread (Note [Rank program])
     assert all(r["pick"] is results[0]["pick"] for r in results)
     assert all(r["counter_kept"] for r in results)  # the probe is not the caller's traffic
     assert first.name == "measured" and first.dtypes == ("float32",)
