@@ -42,7 +42,8 @@ def _memfds() -> int:
 def _both_transports() -> list[str]:
     """Every ring strategy, causal or not, zigzag and contiguous, through a shared-memory
     communicator and a socket one: bitwise equal, within 1e-10 of the oracle, the same bytes
-    counted; messages big enough to go through shared memory."""
+    counted; messages big enough to go through shared memory. The same schedule on both: the
+    last block in 2 slices (left to the transport, shared memory takes 1)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shared = Communicator(shared_memory=True, timeout_s=60)
     sockets = Communicator(shared_memory=False, timeout_s=60)
@@ -61,8 +62,9 @@ def _both_transports() -> list[str]:
                     comm.counter.reset()
                     local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
                     out = tokenring.sequence_parallel_attn(
-                        *local, strategy=strategy, causal=causal, layout=layout, group=comm
-                    )
+                        *local, strategy=strategy, causal=causal, layout=layout, group=comm,
+                        last_block_splits=2,
+                    )  # fmt: skip
                     out.backward(dout[:, idx])
                     got = [out.detach(), *(x.grad for x in local)]
                     counted = (dict(comm.counter.sent_bytes), dict(comm.counter.recv_bytes))
@@ -303,6 +305,41 @@ def test_a_frame_whose_sender_exited_names_the_sender(tmp_path: Path) -> None:
     elapsed, outcome = out_file.read_text().split(" ", 1)
     assert "rank 0: an exchange: rank 1 is gone (it exited or crashed)" in outcome, outcome
     assert float(elapsed) < 2
+
+
+def _messages_per_split() -> dict[str, object]:
+    """Messages a TokenRing forward sends with ``last_block_splits`` left to the transport or
+    given, through shared memory and through sockets, and its distance from the oracle."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq = 32 * world
+    q, k, v, _ = make_inputs(seed=9, batch=1, seq_global=seq, heads_q=4, heads_kv=2, head_dim=8)
+    idx = torch.tensor(owned_positions("zigzag", rank, world, seq))
+    want = oracle_with_grads(q, k, v, torch.zeros_like(q), causal=True, scale=8**-0.5)["out"]
+    found: dict[str, object] = {}
+    for transport in ("shared", "sockets"):
+        comm = Communicator(shared_memory=transport == "shared", timeout_s=60)
+        for splits in (None, 1, 2):
+            comm.counter.reset()
+            out = tokenring.token_ring_attn(
+                *(x[:, idx] for x in (q, k, v)), causal=True, layout="zigzag", group=comm,
+                last_block_splits=splits,
+            )  # fmt: skip
+            found[f"{transport} {splits}"] = comm.counter.sent_messages
+            found[f"{transport} {splits} error"] = float((out - want[:, idx]).abs().max())
+        comm.close()
+    return found
+
+
+def test_the_last_block_is_one_slice_through_shared_memory() -> None:
+    """Note [Last block slices] in tokenring.api: left to the transport, TokenRing returns its
+    last block whole through shared memory and in two slices over sockets (one message more
+    per rank); an int given is used on both; every result matches the oracle."""
+    for rank, found in enumerate(tokenring.launch(_messages_per_split, world_size=3)):
+        assert found["shared None"] == found["shared 1"] == found["sockets 1"], (rank, found)
+        assert found["sockets None"] == found["sockets 2"] == found["shared 2"], (rank, found)
+        assert found["sockets 2"] == found["sockets 1"] + 1, (rank, found)
+        errors = [v for key, v in found.items() if key.endswith("error")]
+        assert max(errors) < 1e-10, (rank, found)
 
 
 def _idle_segments_after_a_pass(idle_num_bytes: int) -> tuple[int, int, int]:
