@@ -9,7 +9,8 @@ than cores spends). Operators are put in groups by exact name: the fused kernel,
 lse math, copies and casts, allocations, posting P2P; the library's own operators' self
 time is their Python and the blocking waits for transfers (gloo's waits are no operators);
 "outside any operator" is the call's time minus all operators'. ``--peer`` adds
-ring-flash-attn's zigzag function; ``--agree N`` times the rank check instead.
+ring-flash-attn's zigzag function; ``--agree N`` times the rank check instead (through the
+communicator's transport: ``TOKENRING_SHARED_MEMORY=0`` for gloo's sockets).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/profile_call.py --dtypes bfloat16 \
         --passes fwd,fwd+bwd
@@ -154,13 +155,14 @@ def agree_main(args: argparse.Namespace) -> dict[str, float]:
         cu_seqlens=None, window_size=None, attention_chunk_size=None,
     )  # fmt: skip
     options, _record = _op_options(values)
-    call = _prepare_call(q, q, q, comm=comm, options=_merged(options), needs_grad=True)
-    data = json.dumps({"signature": call.signature}, sort_keys=True).encode()
+    options = {**_merged(options), "requires_grad": [True] * 3}  # as the operator gets them
+    _call, signature = _prepare_call(q, q, q, comm=comm, options=options)
+    data = json.dumps({"signature": signature}, sort_keys=True).encode()
     times: dict[str, list[float]] = {w: [] for w in ("digest", "rows", "digest cpu", "rows cpu")}
     for _ in range(args.agree):
         dist.barrier()
         start, cpu = time.perf_counter(), time.process_time()
-        comm.agree(call.signature, None, what="attention call")
+        comm.agree(signature, None, what="attention call")
         times["digest"].append(time.perf_counter() - start)
         times["digest cpu"].append(time.process_time() - cpu)
         dist.barrier()

@@ -94,8 +94,7 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
         cached.close()
     if group is not None:
         op.remember_group(group)  # a compiled call names its group (Note [Handles] in op)
-    key = group if group is not None else dist.group.WORLD  # None: not initialised
-    comm = _COMMUNICATORS.get(key) if key is not None else None
+    comm = _cached(group)
     if comm is None:
         comm = Communicator(group, timeout_s=timeout_s if timeout_s is not None else 300.0)
         _COMMUNICATORS[comm.group] = comm
@@ -104,6 +103,12 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
             raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
         comm.timeout = timedelta(seconds=timeout_s)
     return comm
+
+
+def _cached(group: dist.ProcessGroup | None) -> Communicator | None:
+    """The cached communicator of ``group`` (None: the default group), if any."""
+    key = group if group is not None else dist.group.WORLD  # None: not initialised
+    return _COMMUNICATORS.get(key) if key is not None else None
 
 
 def close_communicators() -> None:
@@ -599,10 +604,7 @@ def _with_splits(
 def _built(handle: str) -> Communicator | None:
     """The communicator of an operator's group if one was built; never builds one."""
     group = op.resolve_group(handle)
-    if isinstance(group, Communicator):
-        return group
-    key = _mesh_group(group) if group is not None else dist.group.WORLD
-    return _COMMUNICATORS.get(key) if key is not None else None
+    return group if isinstance(group, Communicator) else _cached(_mesh_group(group))
 
 
 def _strategy_of(

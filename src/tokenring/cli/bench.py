@@ -871,8 +871,10 @@ def add_predictions(
     for indices in report.group_by(range(len(rows)), lambda i: _group_key(rows[i])):
         group = [rows[i] for i in indices]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
-        hardware = _hardware(fwd_rate, bwd_rate, probes, config.dtype, topology, backend)
-        hardware = dataclasses.replace(hardware, host_computes=per_rank[0]["device"] == "cpu")
+        host_computes = per_rank[0]["device"] == "cpu"
+        hardware = _hardware(
+            fwd_rate, bwd_rate, probes, config.dtype, topology, backend, host_computes
+        )
         sharding = make_sharding(
             layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
         )
@@ -967,8 +969,10 @@ def _hardware(
     dtype: str,
     topology: str,
     backend: str,
+    host_computes: bool = False,
 ) -> Hardware:
-    """The run's ``measured`` hardware (Note [Calibrating the model from the run])."""
+    """The run's ``measured`` hardware (Note [Calibrating the model from the run]);
+    ``host_computes``: its ranks ran on CPUs."""
     bandwidth = probes["link_bytes_per_s"]
     return measured(
         forward_flops_per_s=fwd_rate,
@@ -979,6 +983,7 @@ def _hardware(
         topology=topology,
         port_bandwidth_bytes_per_s=bandwidth if topology == "switch" else None,
         collectives=CollectiveRouting.for_backend(backend),
+        host_computes=host_computes,
     )
 
 

@@ -810,8 +810,10 @@ class _Replay:
         slots |= set(range(1, num + 1)) if self.plan.strategy.passes_q and t >= 1 else set()
         slots |= {max(1, num)} if self.sends_dkv[j] else set()
         start = self.now.clone()
-        first = t == 0 and self.host_computes
-        order = ring_step_order(num, slots, backward=self.backward, returns=t >= 2, first=first)
+        lead = t == 0 and self.host_computes
+        order = ring_step_order(
+            num, slots, backward=self.backward, returns=t >= 2, compute_first=lead
+        )
         for kind, index in order:
             if kind is OpKind.POST:
                 self._post(t, col, j, index, num, dur)

@@ -174,8 +174,10 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 # and a rank does not wait for the slowest one before it has work of its own to do: the
 # planning, and the forward's first segment (the program computes it before posting slot 0:
 # Note [Rank program] in tokenring.runtime.program). Where the ranks arrive apart (four ranks
-# sharing two cores: 1.5-3.5 ms; the exchange done 2-10 ms after the first arrival), a check
-# before the first segment made every rank wait for the last. A call that fails before it
+# sharing two cores), a check before the first segment made every rank wait for the last: it
+# is 0.3 ms of CPU, yet calls with it took 4-6 ms longer than without (bf16 forward,
+# benchmarks/results/peers_shm.md); deferred, a rank waits 0.14-1.2 ms for it
+# (benchmarks/rank_waits.py, results/rank_waits.md). A call that fails before it
 # settles settles first (``settled_on_error``): a disagreement is the cause to report. A
 # communicator closed with a check pending is not pooled (its exchange may still be posted).
 # The backward, cache steps and the hybrid check before anything else, as before.
@@ -187,7 +189,8 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 # frame is copied into a segment and announced by a header with _EXCHANGE_MAGIC, numbered in
 # posting order with the pair's other messages; a frame of another size or kind names the
 # peer ("it runs other code"). A waiting rank sleeps on the inbox's futex instead of on gloo's
-# sockets and I/O threads: a 4-rank check on 2 cores, 0.85 -> 0.63 ms of wall time. Because a
+# sockets and I/O threads: a 4-rank check on 2 cores, 0.89-1.09 -> 0.61-0.69 ms of wall time
+# (``benchmarks/profile_call.py --agree``, results/rank_waits.md). Because a
 # send completes at once, a rank that gave up (timed out in a check, any failed transfer)
 # marks its inbox file (``SharedMemoryLinks.give_up``): its peers' waits on it fail at once,
 # naming it, and an exchange whose frame came from a rank that gave up fails too, as gloo's

@@ -211,14 +211,15 @@ def ring_step_order(
     *,
     backward: bool,
     returns: bool,
-    first: bool = False,
+    compute_first: bool = False,
 ) -> list[tuple[OpKind, int]]:
     """``(kind, index)`` of each op of a ring step in order (Note [Rank program]): ``slots``
     are the slots the rank posts in, ``returns`` whether it takes the returns of two steps
-    ago, ``first`` whether it is a forward's step 0 (its first segment before slot 0).
-    Shared with the simulator's vectorised engine (Note [Vectorised engine])."""
+    ago, ``compute_first`` whether a forward step computes its first segment before slot 0
+    (step 0 where the host computes). Shared with the simulator's vectorised engine (Note
+    [Vectorised engine])."""
     n = num_segments
-    lead = first and not backward and n > 0 and 0 in slots
+    lead = compute_first and not backward and n > 0 and 0 in slots
     order = [(OpKind.STEP, 0)] + ([(OpKind.POST, 0)] if 0 in slots and not lead else [])
     for k in range(n):
         order.append((OpKind.COMPUTE, k))
@@ -261,7 +262,7 @@ def _step(
         OpKind.SENT: lambda k: Op(kind=OpKind.SENT, step=t, transfers=tuple(sent)),
     }
     lead = host_computes and t == 0
-    order = ring_step_order(n, slots, backward=backward, returns=t >= first + 2, first=lead)
+    order = ring_step_order(n, slots, backward=backward, returns=t >= first + 2, compute_first=lead)
     return [ops[kind](index) for kind, index in order]
 
 
