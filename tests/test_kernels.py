@@ -260,6 +260,47 @@ def test_tiled_cpu_flash_equals_one_call() -> None:
             torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
 
 
+def test_cpu_flash_cuts_masked_tiles_finer(monkeypatch) -> None:
+    """CpuFlashKernel(T = 16, masked tiles 8): every mask class still equals one reference
+    call, forward, backward and backward_into, while no call of the operator with a mask
+    sees more than 8 x 8 (a masked 16-row tile is cut again, so its empty and full parts are
+    skipped or run without a mask); unmasked backward tiles keep 16 rows."""
+    masked_shapes: list[tuple[int, int]] = []
+    plain_rows: list[int] = []
+    real = kernels._dense
+
+    def recorded(mask, q, k, causal):
+        visible = real(mask, q, k, causal)
+        if visible is None:
+            plain_rows.append(q.shape[1])
+        else:
+            masked_shapes.append(tuple(visible.shape))
+        return visible
+
+    kernel = CpuFlashKernel(tile_rows=16, masked_tile_rows=8)
+    whole = select_kernel(torch.device("cpu"), torch.float64, "reference")
+    for case in _MASK_CASES:
+        causal, mask, _ = _case(*case)
+        q, k, v, do = _inputs(37, 37, 4, 2, torch.float64, seed=7)
+        ref_out, ref_lse = whole.forward(q, k, v, causal=causal, scale=0.4, mask=mask)
+        delta = (do * ref_out).sum(-1).transpose(1, 2)
+        want = whole.backward(do, q, k, v, ref_lse, delta, causal=causal, scale=0.4, mask=mask)
+        monkeypatch.setattr(kernels, "_dense", recorded)  # the tiled kernel's calls only
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=0.4, mask=mask)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+        got = kernel.backward(do, q, k, v, ref_lse, delta, causal=causal, scale=0.4, mask=mask)
+        into = [torch.zeros_like(x) for x in (q, k, v)]
+        kernel.backward_into(into, do, q, k, v, ref_lse, delta, causal=causal, scale=0.4, mask=mask)
+        for g, i, w in zip(got, into, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+            torch.testing.assert_close(i, w, rtol=0, atol=1e-11)
+        monkeypatch.setattr(kernels, "_dense", real)
+    assert masked_shapes, "the mask cases include masked tiles"
+    assert max(max(s) for s in masked_shapes) <= 8, sorted(set(masked_shapes))
+    assert 16 in plain_rows, sorted(set(plain_rows))  # unmasked backward tiles: T rows
+
+
 def test_cpu_flash_backward_cuts_keys_to_the_query_tile() -> None:
     """CpuFlashKernel's backward runs a non-causal piece with more kv rows than q rows as kv
     tiles of the q tile's length (at least the floor), through ``backward`` and

@@ -38,6 +38,10 @@ in tokenring.core.masks), and adds tile gradients straight into the caller's acc
 The tiled reference materialises (B, Hq, T, T) scores per tile; a masked tile builds its
 (T, T) mask from positions (:class:`PositionMask`). The CPU op's backward walks keys slower
 than queries, so its non-causal tiles have at most as many kv rows as q rows (and >= 512).
+On CPU T = 2048, masked tiles 1024: with two processes sharing the cores, the op's backward
+of a rank's pieces at s = 4096 takes 3-7% (bf16) and 1-6% (fp32) less in 2048-row tiles than
+in 1024-row ones (``benchmarks/backward_tiles.py``); what a tile adds to a rank's memory (its
+dq, dk, dv) grows with T.
 """
 
 from __future__ import annotations
@@ -634,12 +638,23 @@ class _Accumulate:
 
 class CpuFlashKernel(TiledKernel):
     """PyTorch's fused CPU flash ops (Note [Kernel plan]): the backward and masked pieces tile
-    by tile (T = ``tile_rows``), the forward of an unmasked piece whole."""
+    by tile (T = ``tile_rows``), the forward of an unmasked piece whole; masked tiles cut
+    finer (``masked_tile_rows``, at most T), so that their empty and full parts are skipped or
+    run without a mask."""
 
-    def __init__(self, *, tile_rows: int = 1024) -> None:
+    def __init__(self, *, tile_rows: int = 2048, masked_tile_rows: int = 1024) -> None:
+        ops, finer = _CpuFlashOps(), min(masked_tile_rows, tile_rows)
+        masked = TiledKernel(
+            ops,
+            tile_rows=finer,
+            tile_plain_forward=False,
+            backward_kv_tile_floor=min(512, finer),
+            name="cpu_flash_masked",
+        )
         super().__init__(
-            _CpuFlashOps(),
+            ops,
             tile_rows=tile_rows,
+            masked_inner=masked,
             tile_plain_forward=False,
             backward_kv_tile_floor=min(512, tile_rows),
             name="cpu_flash",
