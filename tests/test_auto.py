@@ -297,7 +297,8 @@ def test_resolve_strategy_checks_the_layout_where_the_planner_does() -> None:
 
     import pytest
 
-    comm: Any = types.SimpleNamespace(world_size=2)  # all that the pick reads of it
+    # all that the pick reads of it: its size and its path (for last_block_splits)
+    comm: Any = types.SimpleNamespace(world_size=2, path=lambda device: "gloo")
     k = torch.zeros(1, 8, 2, 16, dtype=torch.float16)
 
     def pick(dtype: torch.dtype, layout: str) -> tokenring.Strategy:
@@ -318,3 +319,50 @@ def test_resolve_strategy_checks_the_layout_where_the_planner_does() -> None:
     with pytest.raises(ValueError, match="layout must be one of 'contiguous', 'zigzag'; got 'zz'"):
         pick(torch.float16, "zz")
     assert pick(torch.float16, "zigzag") is pick(torch.float16, tokenring.Layout.ZIGZAG)
+
+
+def _splits_priced(shared: bool) -> dict[str, Any]:
+    """The ``last_block_splits`` the planner was handed by ``resolve_strategy`` (left to the
+    transport, as the operator leaves it) and by an operator call with ``strategy="auto"``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, _ = make_inputs(
+        seed=5, batch=1, seq_global=8 * world, heads_q=4, heads_kv=4, head_dim=8
+    )
+    idx = torch.tensor(owned_positions("zigzag", rank, world, 8 * world))
+    local = [x[:, idx] for x in (q, k, v)]
+    comm = tokenring.Communicator(shared_memory=shared, timeout_s=60)
+    priced: list[int] = []
+    real = planner.choose_strategy
+
+    def recorded(**kwargs: Any) -> Any:
+        priced.append(kwargs["last_block_splits"])
+        return real(**kwargs)
+
+    planner.choose_strategy = recorded
+    try:
+        tokenring.resolve_strategy(
+            "auto", q=local[0], k=local[1], causal=True, layout=tokenring.Layout.ZIGZAG,
+            comm=comm, hardware=_described(),
+        )  # fmt: skip
+        by_resolve = list(priced)
+        tokenring.sequence_parallel_attn(
+            *local, strategy="auto", causal=True, layout="zigzag", hardware=_described(), group=comm
+        )
+    finally:
+        planner.choose_strategy = real
+        comm.close()
+    return {
+        "path": comm.path(q.device),
+        "resolve": by_resolve,
+        "operator": priced[len(by_resolve) :],
+    }
+
+
+def test_resolve_strategy_prices_the_slices_the_call_takes() -> None:
+    """``resolve_strategy`` with ``last_block_splits`` left out prices TokenRing's last block in
+    the slices the operator resolves for the same communicator (Note [Last block slices] in
+    tokenring.api): 1 through shared memory, 2 over sockets."""
+    for shared, want in ((True, 1), (False, 2)):
+        for found in tokenring.launch(_splits_priced, shared, world_size=2):
+            assert found["resolve"] == [want], (shared, found)
+            assert found["operator"] and set(found["operator"]) == {want}, (shared, found)

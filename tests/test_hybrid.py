@@ -401,3 +401,41 @@ def test_hybrid_refuses_collective_outer_axis(single_rank_group: None) -> None:
         hybrid_attn(q, q, q, mesh=mesh, outer_strategy="ulysses")
     with pytest.raises(ValueError, match="outer x inner must equal the world size 1"):
         hybrid_mesh(2, 1)
+
+
+def _outer_messages_per_split() -> dict[str, object]:
+    """Messages the outer group's communicator counts for one TokenRing hybrid forward with
+    ``last_block_splits`` left to the transport or given, its path, and the distance from
+    the oracle (2 outer x 1 inner: every message is the outer ring's)."""
+    rank = dist.get_rank()
+    mesh = hybrid_mesh(2, 1)
+    seq = 64
+    q, k, v, _ = make_inputs(seed=11, batch=1, seq_global=seq, heads_q=4, heads_kv=2, head_dim=8)
+    want = oracle_with_grads(q, k, v, torch.zeros_like(q), causal=True, scale=8**-0.5)["out"]
+    idx = torch.tensor(_positions("zigzag", rank, 0, 2, 1, seq), dtype=torch.long)
+    outer = tokenring.get_communicator(mesh.outer)
+    found: dict[str, object] = {"path": outer.path(q.device)}
+    for splits in (None, 1, 2):
+        outer.counter.reset()
+        out = hybrid_attn(
+            *(x[:, idx] for x in (q, k, v)), mesh=mesh, outer_strategy="token_ring",
+            causal=True, layout="zigzag", last_block_splits=splits,
+        )  # fmt: skip
+        found[str(splits)] = outer.counter.sent_messages
+        found[f"{splits} error"] = float((out - want[:, idx]).abs().max())
+    return found
+
+
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_the_outer_ring_takes_the_transports_last_block_slices(shared_memory: str) -> None:
+    """Note [Last block slices] in tokenring.api holds for ``hybrid_attn``'s outer ring: left
+    to the transport, its last block returns whole through shared memory and in two slices
+    over sockets (one message more); an int given is used; every result is the oracle's."""
+    env = {"TOKENRING_SHARED_MEMORY": shared_memory}
+    for rank, found in enumerate(tokenring.launch(
+        _outer_messages_per_split, world_size=2, rank_env=lambda rank: dict(env)
+    )):  # fmt: skip
+        assert found["path"] == ("gloo-shm" if shared_memory == "1" else "gloo"), found
+        assert found["2"] == found["1"] + 1, (rank, found)
+        assert found["None"] == found["1" if shared_memory == "1" else "2"], (rank, found)
+        assert max(v for key, v in found.items() if key.endswith("error")) < 1e-10, found

@@ -168,7 +168,7 @@ def resolve_strategy(
     layout: Layout,
     comm: Communicator,
     hardware: Hardware | str | None = None,
-    last_block_splits: int = 2,
+    last_block_splits: int | None = None,
     training: bool | None = None,
     last_pair: str = "auto",
 ) -> Strategy:
@@ -179,6 +179,8 @@ def resolve_strategy(
         hardware: for ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
             passed in]).
         training: whether a backward follows; None: grad mode is on and q or k requires grad.
+        last_block_splits: as :func:`sequence_parallel_attn` (None: what the call would take
+            through ``comm``).
         last_pair: how ``"auto"`` prices TokenRing (``tokenring.model.planner.explain``).
 
     Raises:
@@ -190,6 +192,8 @@ def resolve_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if last_block_splits is None:
+        last_block_splits = last_block_splits_for(comm.path(q.device))
     # layout as given: the planner checks it after the sizes and dtype
     call = dict(
         hardware=hardware, causal=causal, layout=layout, last_block_splits=last_block_splits
@@ -584,12 +588,20 @@ def _merged(options: dict[str, Any]) -> dict[str, Any]:
 # communicator's path for the tensors is gloo-shm (the same on every rank: the transport is
 # agreed when the communicator is built). Measured on 4 ranks sharing 2 cores, S = 4096, bf16
 # forward: 1 slice 63.9-66.5 ms against 2 slices 66.9-68.5 (Ring 63.3-64.7). The resolved
-# value is in the call's signature and its schedules; an int given is used as it is.
+# value is in the call's signature and its schedules; an int given is used as it is. The same
+# rule (``last_block_splits_for``) serves hybrid_attn's outer ring, resolve_strategy's pricing
+# and ``tokenring bench``'s model rows (from the path its ranks report).
 #
 # The operator's fake and its autograd setup run where no communicator may be built (while
 # torch.compile traces): they read the communicator the forward built (``_built``), and
 # without one (tracing before any call) take 2. Only "auto"'s picks read the value there:
 # the strategy, for Ulysses' residual shapes, and the last pair the backward runs.
+def last_block_splits_for(path: str | None) -> int:
+    """TokenRing's default ``last_block_splits`` for a communicator path
+    (``Communicator.path``; None: not known yet): Note [Last block slices]."""
+    return 1 if path == "gloo-shm" else 2
+
+
 def _with_splits(
     options: dict[str, Any], comm: Communicator | None, device: torch.device
 ) -> dict[str, Any]:
@@ -597,8 +609,8 @@ def _with_splits(
     (no communicator: 2)."""
     if options["last_block_splits"] is not None:
         return options
-    shared = comm is not None and comm.path(device) == "gloo-shm"
-    return {**options, "last_block_splits": 1 if shared else 2}
+    path = None if comm is None else comm.path(device)
+    return {**options, "last_block_splits": last_block_splits_for(path)}
 
 
 def _built(handle: str) -> Communicator | None:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.api import _bounds_digest, _validate, get_communicator
+from tokenring.api import _bounds_digest, _validate, get_communicator, last_block_splits_for
 from tokenring.core.layout import Layout, Sharding, check_int, global_length, make_sharding
 from tokenring.core.masks import chunk_documents, normalize_window
 from tokenring.core.schedule import Pass, Strategy
@@ -209,7 +209,7 @@ def hybrid_attn(
     layout: Layout | str = Layout.CONTIGUOUS,
     return_lse: bool = False,
     kernel: str | BlockKernel | None = None,
-    last_block_splits: int = 2,
+    last_block_splits: int | None = None,
     check_ranks: bool = True,
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
@@ -228,7 +228,8 @@ def hybrid_attn(
         seq_len: the global length S when the ranks' lengths differ; None: S = P * s.
         cu_seqlens: document boundaries ``(0, ..., S)`` (needs seq_len).
         kernel, last_block_splits, window_size, attention_chunk_size: as
-            :func:`tokenring.sequence_parallel_attn` (masks over global positions).
+            :func:`tokenring.sequence_parallel_attn` (masks over global positions; None
+            ``last_block_splits``: what the outer group's communicator path takes).
 
     Returns:
         out ``(B, s, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, s)``.
@@ -288,7 +289,7 @@ def _prepare(
     softmax_scale: float | None,
     layout: Layout | str,
     kernel: str | BlockKernel | None,
-    last_block_splits: int,
+    last_block_splits: int | None,
     seq_len: int | None,
     cu_seqlens: Sequence[int] | torch.Tensor | None,
     window_size: Sequence[int] | int | None,
@@ -297,6 +298,8 @@ def _prepare(
     """Validate and plan one rank's call; its signature (what the ranks compare). No
     communication."""
     p_in = mesh.inner_size
+    if last_block_splits is None:  # Note [Last block slices] in tokenring.api
+        last_block_splits = last_block_splits_for(get_communicator(mesh.outer).path(q.device))
     strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
     layout = Layout.parse(layout)
     window = normalize_window(window_size, causal=causal)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.api import get_communicator, sequence_parallel_attn
+from tokenring.api import get_communicator, last_block_splits_for, sequence_parallel_attn
 from tokenring.cli import (
     ArgumentAdder,
     bench_inference,
@@ -868,6 +868,7 @@ def add_predictions(
         "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in per_rank),
     }
     backend = per_rank[0]["backend"]
+    splits = last_block_splits_for(per_rank[0]["comm_path"])  # what the run's calls took
     for indices in report.group_by(range(len(rows)), lambda i: _group_key(rows[i])):
         group = [rows[i] for i in indices]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
@@ -880,8 +881,8 @@ def add_predictions(
         )
         seq_local = sharding.seq_local  # S / P, or the padded buffer of uneven shards
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        _add_model_times(group, own_rates, config, hardware, world_size, seq_local)
-        _add_planner_pick(group, config, hardware, world_size, seq_local)
+        _add_model_times(group, own_rates, config, hardware, world_size, seq_local, splits)
+        _add_planner_pick(group, config, hardware, world_size, seq_local, splits)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
@@ -896,6 +897,7 @@ def _add_model_times(
     hardware: Hardware,
     world_size: int,
     seq_local: int,
+    last_block_splits: int,
 ) -> None:
     """Add the simulator's prediction of each row of one group, at the row's own FLOP/s."""
     first = group[0]
@@ -913,6 +915,7 @@ def _add_model_times(
                 hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
             ),
             lend_last_pair=config.lends,
+            last_block_splits=last_block_splits,
         )
         row["model_ms"] = 1e3 * result.call_s
         row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
@@ -925,6 +928,7 @@ def _add_planner_pick(
     hardware: Hardware,
     world_size: int,
     seq_local: int,
+    last_block_splits: int,
 ) -> None:
     """Add the planner's pick among one group's strategies, and its verdict, to each row."""
     first = group[0]
@@ -941,6 +945,7 @@ def _add_planner_pick(
         layout=first["layout"],
         batch=config.batch,
         training=first["pass"] == "fwd+bwd",
+        last_block_splits=last_block_splits,
     )
     strategies = [row["strategy"] for row in group]
     plan = explain(
