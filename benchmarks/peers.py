@@ -18,6 +18,11 @@ over rounds. Every output and gradient is checked against float64 full attention
 rank's own rows (tokenring.cli.bench's per-rank reference) and reported as measured: a wrong
 answer is a row with ok = False, never skipped or patched.
 
+With ``--link RATE`` (``--topology``) the P ranks run inside the emulated-interconnect lab
+of ``tokenring bench --link`` (tokenring.model.netlab: one network namespace per rank, links
+of that rate, every byte on them: the lab's environment turns the shared-memory transport
+off, and each rank reports its communicator's path); the one-process row stays outside.
+
 Needs ``pip install --no-deps ring-flash-attn`` (the ``peers`` extra). Example::
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/peers.py --world-size 4 --seq 4096 \
@@ -50,10 +55,13 @@ if HERE not in sys.path:
 
 import flash_attn_cpu  # noqa: E402  (benchmarks/, beside this file)
 
-from tokenring import launch, sequence_parallel_attn  # noqa: E402
+from tokenring import get_communicator, launch, sequence_parallel_attn  # noqa: E402
+from tokenring.cli import rate_bits_per_s  # noqa: E402
 from tokenring.cli.bench import per_rank_reference  # noqa: E402
 from tokenring.cli.ranks import git_sha  # noqa: E402
+from tokenring.cli.report import link_text  # noqa: E402
 from tokenring.core.layout import make_sharding, shard  # noqa: E402
+from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # max abs error vs float64 (tokenring bench's)
@@ -152,7 +160,8 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
                         "max_error": errors.get(name, {}),
                     }
                 )
-    return {"rows": results, "peer_version": peer_version}
+    path = get_communicator().path(torch.device("cpu"))
+    return {"rows": results, "peer_version": peer_version, "comm_path": path}
 
 
 def one_process_main(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -229,7 +238,8 @@ def table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines = [
         f"P = {settings['world_size']} gloo ranks x {settings['threads_per_rank']} thread, "
         f"S = {settings['seq']}, B = {settings['batch']}, {settings['heads']} heads x "
-        f"{settings['head_dim']}, causal zigzag, no link emulation; one process: "
+        f"{settings['head_dim']}, causal zigzag, {link_text(settings['lab'])} (tokenring's "
+        f"path: {settings['comm_path']}); one process: "
         f"{settings['one_process_threads']} threads; {settings['cpus']} cores. "
         f"torch {settings['torch']}, ring-flash-attn {settings['peer_version']}, "
         f"git {settings['git']}, {settings['rounds']} rounds "
@@ -294,6 +304,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add rows of tokenring's two strategies with check_ranks=False (what the per-call "
         "rank check costs in wall time)",
     )
+    p.add_argument(
+        "--link", type=rate_bits_per_s, help="run the ranks in the lab, links of this rate"
+    )
+    p.add_argument("--topology", default="mesh", choices=[t.value for t in Topology])
     p.add_argument("--out", help="write the rows as JSONL here")
     p.add_argument("--markdown", help="write the table as markdown here, with the command")
     args = p.parse_args(argv)
@@ -309,7 +323,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--seq must be divisible by 2 * world_size for zigzag; got {args.seq}")
     if args.iters < 1 or args.warmup < 0:
         p.error(f"--iters must be >= 1 and --warmup >= 0; got {args.iters}, {args.warmup}")
+    if args.link is not None:
+        try:
+            LabConfig(world_size=args.world_size, rate_bits_per_s=args.link, topology=args.topology)
+        except ValueError as exc:
+            p.error(f"--link: {exc}")
+        reason = lab_unavailable_reason()
+        if reason is not None:
+            p.error(f"--link needs the emulated-interconnect lab: {reason}")
     return args
+
+
+def launch_ranks(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Every rank's :func:`rank_main`, inside the lab with ``--link``; and the lab's description."""
+    common = dict(world_size=args.world_size, threads_per_rank=1, timeout_s=args.timeout)
+    if args.link is None:
+        return launch(rank_main, args, **common), None
+    config = LabConfig(
+        world_size=args.world_size, rate_bits_per_s=args.link, topology=args.topology
+    )
+    with Lab(config) as lab:
+        per_rank = launch(
+            rank_main, args, **common, wrap_command=lab.wrap_command, rank_env=lab.env,
+            register_pid=lab.register_pid, pg_timeout_s=max(60.0, args.timeout / 4),
+        )  # fmt: skip
+        described = lab.describe()
+    paths = {r["comm_path"] for r in per_rank}
+    if paths != {"gloo"}:  # the lab's environment turns shared memory off
+        raise RuntimeError(f"the lab's ranks did not keep every byte on its links: {paths}")
+    return per_rank, described
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         [HERE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     )
     loadavg = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    per_rank = launch(
-        rank_main, args, world_size=args.world_size, threads_per_rank=1, timeout_s=args.timeout
-    )
+    per_rank, lab = launch_ranks(args)
     one = launch(
         one_process_main,
         args,
@@ -343,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         "head_dim": args.head_dim,
         "torch": torch.__version__,
         "peer_version": per_rank[0]["peer_version"],
+        "comm_path": per_rank[0]["comm_path"],
+        "lab": lab,
         "git": git_sha(),
         "rounds": args.iters,
         "warmup": args.warmup,
