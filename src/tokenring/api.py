@@ -594,8 +594,10 @@ def _merged(options: dict[str, Any]) -> dict[str, Any]:
 #
 # The operator's fake and its autograd setup run where no communicator may be built (while
 # torch.compile traces): they read the communicator the forward built (``_built``), and
-# without one (tracing before any call) take 2. Only "auto"'s picks read the value there:
-# the strategy, for Ulysses' residual shapes, and the last pair the backward runs.
+# without one (tracing before any call) take 2. Only "auto"'s picks read the value there,
+# and none of them can change an answer: the fake's pick only validates Ulysses' head split
+# (the residuals depend on padding alone, not on the strategy), and the setup's picks, the
+# backward's strategy and last pair, schedule the same gradients of the same out and lse.
 def last_block_splits_for(path: str | None) -> int:
     """TokenRing's default ``last_block_splits`` for a communicator path
     (``Communicator.path``; None: not known yet): Note [Last block slices]."""
