@@ -118,8 +118,7 @@ _NO_LAB = lab_unavailable_reason()
 def test_peers_benchmark_runs_inside_the_lab(tmp_path) -> None:
     """``--link``: the ranks run inside the emulated-interconnect lab (tokenring's messages on
     gloo's sockets over the emulated links, not shared memory), every row of ours and the
-    peer's forward still match float64, and the rows name the lab. At 20 Mbit/s a ring of 2
-    moves its 8 KiB K/V block in about 3 ms, so the calls take longer than without the lab."""
+    peer's forward still match float64, and the rows name the lab."""
     import json
 
     import peers
@@ -137,6 +136,5 @@ def test_peers_benchmark_runs_inside_the_lab(tmp_path) -> None:
         assert r["settings"]["comm_path"] == "gloo", r["settings"]
         if r["impl"] in peers.OURS:
             assert r["ok"] is True, r
-            assert r["median_ms"] > 2.0, r  # at least one block over a 20 Mbit/s link
         if r["impl"] == peers.PEER:
             assert r["max_error"]["out"] <= peers.TOLERANCE["float32"], r
