@@ -505,3 +505,33 @@ def test_flex_forward_matches_reference_on_cpu() -> None:
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     seen = torch.isfinite(want_lse)
     torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_tiles_grow_with_the_ranks_rows(single_rank_group: None, monkeypatch) -> None:
+    """Note [Kernel plan]: the CPU flash kernel a call picks cuts its backward into 2048-row
+    tiles where a rank holds at least 4096 rows and into 1024-row tiles below (a tile's
+    gradients stay within half a rank's rows); a kernel given by instance keeps its own T."""
+    import tokenring
+
+    assert [kernels.cpu_tile_rows(s) for s in (None, 1024, 4095, 4096, 65536)] == [
+        1024, 1024, 1024, 2048, 2048,
+    ]  # fmt: skip
+    cpu = torch.device("cpu")
+    for name in (None, "cpu_flash"):
+        got = [select_kernel(cpu, torch.float32, name, seq_local=s).tile_rows for s in (2048, 4096)]
+        assert got == [1024, 2048], (name, got)
+    mine = CpuFlashKernel(tile_rows=16)
+    assert select_kernel(cpu, torch.float32, mine, seq_local=8192) is mine
+    tiles: list[int] = []
+    real = kernels._tiles
+
+    def recorded(n: int, tile: int) -> list[tuple[int, int]]:
+        tiles.append(tile)
+        return real(n, tile)
+
+    monkeypatch.setattr(kernels, "_tiles", recorded)
+    for seq, want in ((2048, 1024), (4096, 2048)):
+        tiles.clear()
+        q, k, v = (torch.randn(1, seq, 1, 8, requires_grad=True) for _ in range(3))
+        tokenring.token_ring_attn(q, k, v, causal=True).sum().backward()
+        assert tiles and set(tiles) == {want}, (seq, sorted(set(tiles)))

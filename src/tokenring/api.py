@@ -321,7 +321,9 @@ def _prepare_call(
             + (" and the given cu_seqlens" if sharding.num_docs > 1 else "")
             + f" (see tokenring.shard); got {q.shape[1]}"
         )
-    block_kernel = select_kernel(q.device, q.dtype, options["block_kernel"])
+    block_kernel = select_kernel(
+        q.device, q.dtype, options["block_kernel"], seq_local=sharding.seq_local
+    )
     softmax_scale = options["softmax_scale"]
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None

@@ -322,7 +322,7 @@ def _prepare(
         ),
         inner=get_communicator(mesh.inner),
         outer=get_communicator(mesh.outer),
-        kernel=select_kernel(q.device, q.dtype, kernel),
+        kernel=select_kernel(q.device, q.dtype, kernel, seq_local=sharding.seq_local),
         scale=scale,
         heads=(q.shape[2], k.shape[2]),
     )

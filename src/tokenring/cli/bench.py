@@ -689,7 +689,7 @@ def _measure_row(
             link[global_rank[peer]] = link.get(global_rank[peer], 0) + num
     # the faster of two compute-only runs, and the kernel with the operators its tiles ran
     q = case.local[0]
-    block_kernel = select_kernel(q.device, q.dtype)
+    block_kernel = select_kernel(q.device, q.dtype, seq_local=q.shape[1])  # as the calls'
     operands = _compute_operands(case, comm.rank)
     compute = min(
         (_compute_only(case, block_kernel, comm.rank, backward, operands) for _ in range(2)),

@@ -38,10 +38,12 @@ in tokenring.core.masks), and adds tile gradients straight into the caller's acc
 The tiled reference materialises (B, Hq, T, T) scores per tile; a masked tile builds its
 (T, T) mask from positions (:class:`PositionMask`). The CPU op's backward walks keys slower
 than queries, so its non-causal tiles have at most as many kv rows as q rows (and >= 512).
-On CPU T = 2048, masked tiles 1024: with two processes sharing the cores, the op's backward
-of a rank's pieces at s = 4096 takes 3-7% (bf16) and 1-6% (fp32) less in 2048-row tiles than
-in 1024-row ones (``benchmarks/backward_tiles.py``); what a tile adds to a rank's memory (its
-dq, dk, dv) grows with T.
+On CPU T = 1024, or 2048 where a rank holds s >= 4096 rows (:func:`cpu_tile_rows`; masked
+tiles stay 1024): with two processes sharing the cores, the op's backward of a rank's pieces
+at s = 4096 takes 1-8% (bf16) and 3-6% (fp32) less in 2048-row tiles than in 1024-row ones
+(``benchmarks/backward_tiles.py``). A tile's dq, dk and dv are held beside the accumulators, so
+T stays at most s / 2: at s = 2048, 2048-row tiles took Ulysses and all-gather K/V from 1.91x
+and 1.96x of the minimum memory to 2.04x and 2.02x (``tokenring bench --mode memory``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ __all__ = [
     "TiledKernel",
     "accumulation_dtype",
     "available_kernels",
+    "cpu_tile_rows",
     "plan_block",
     "row_delta",
     "select_kernel",
@@ -642,7 +645,7 @@ class CpuFlashKernel(TiledKernel):
     finer (``masked_tile_rows``, at most T), so that their empty and full parts are skipped or
     run without a mask."""
 
-    def __init__(self, *, tile_rows: int = 2048, masked_tile_rows: int = 1024) -> None:
+    def __init__(self, *, tile_rows: int = 1024, masked_tile_rows: int = 1024) -> None:
         ops, finer = _CpuFlashOps(), min(masked_tile_rows, tile_rows)
         masked = TiledKernel(
             ops,
@@ -1051,13 +1054,29 @@ _KERNELS: dict[str, Callable[[], BlockKernel]] = {
 _AUTO_ORDER = ("cpu_flash", "cuda_sdpa", "tiled")
 
 
+def _made(name: str, seq_local: int | None) -> BlockKernel:
+    if name == CPU_FLASH and seq_local is not None:
+        return CpuFlashKernel(tile_rows=cpu_tile_rows(seq_local))
+    return _KERNELS[name]()
+
+
 def available_kernels() -> dict[str, Callable[[], BlockKernel]]:
     """Kernel factories by name."""
     return dict(_KERNELS)
 
 
+def cpu_tile_rows(seq_local: int | None) -> int:
+    """T of :class:`CpuFlashKernel` for ranks of ``seq_local`` rows (Note [Kernel plan]):
+    2048 from 4096 rows on, else (or unknown) 1024."""
+    return 2048 if seq_local is not None and seq_local >= 4096 else 1024
+
+
 def select_kernel(
-    device: torch.device, dtype: torch.dtype, kernel: str | BlockKernel | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    kernel: str | BlockKernel | None = None,
+    *,
+    seq_local: int | None = None,
 ) -> BlockKernel:
     """The kernel to use for ``device``/``dtype``.
 
@@ -1066,6 +1085,9 @@ def select_kernel(
             cuda_sdpa (which runs float64 tiles through the tiled reference), tiled; a name
             or an instance forces that kernel. ``"reference"`` materialises each piece's
             scores (tests and tiny blocks only).
+        seq_local: the rows a rank holds (the same on every rank: the padded length), for
+            the tile size of a cpu_flash kernel picked by name or by default
+            (:func:`cpu_tile_rows`); None: its default.
 
     Raises:
         ValueError: unknown kernel name, or a forced kernel that cannot run these inputs.
@@ -1075,14 +1097,14 @@ def select_kernel(
         chosen = kernel
     elif kernel is None:
         for name in _AUTO_ORDER:
-            candidate = _KERNELS[name]()
+            candidate = _made(name, seq_local)
             if candidate.supports(device, dtype):
                 return candidate
         raise ValueError(f"no block kernel supports device {device} with dtype {dtype}")
     elif kernel not in _KERNELS:
         raise ValueError(f"kernel must be one of {sorted(_KERNELS)}; got {kernel!r}")
     else:
-        chosen = _KERNELS[kernel]()
+        chosen = _made(kernel, seq_local)
     if not chosen.supports(device, dtype):
         raise ValueError(
             f"kernel {chosen.name!r} does not support device {device} with dtype {dtype}"
