@@ -8,7 +8,7 @@ import torch
 
 import tokenring
 from tokenring.cli.bench_memory import (
-    MMAP_THRESHOLD_ENV,
+    RANK_ENV,
     MemoryBenchConfig,
     aggregate,
     minimum_bytes,
@@ -53,9 +53,10 @@ def test_peak_memory_is_at_most_twice_the_minimum() -> None:
         config,
         world_size=2,
         timeout_s=300,
-        rank_env=lambda rank: dict(MMAP_THRESHOLD_ENV),
+        rank_env=lambda rank: dict(RANK_ENV),  # as tokenring bench --mode memory runs them
     )
     rows = aggregate(per_rank, config)
+    assert {r["comm_path"] for r in per_rank} == {"gloo"}, "measured on gloo's sockets"
     assert [r["strategy"] for r in rows] == [s.value for s in strategies]
     over = [f"{r['strategy']}: {r['ratio']:.2f}x" for r in rows if r["ratio"] > 2.0]
     assert not over, f"peak / minimum above 2: {over}"
