@@ -43,6 +43,7 @@ import shlex
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -56,12 +57,12 @@ if HERE not in sys.path:
 import flash_attn_cpu  # noqa: E402  (benchmarks/, beside this file)
 
 from tokenring import get_communicator, launch, sequence_parallel_attn  # noqa: E402
-from tokenring.cli import rate_bits_per_s  # noqa: E402
+from tokenring.cli import ranks, rate_bits_per_s  # noqa: E402
 from tokenring.cli.bench import per_rank_reference  # noqa: E402
 from tokenring.cli.ranks import git_sha  # noqa: E402
 from tokenring.cli.report import link_text  # noqa: E402
 from tokenring.core.layout import make_sharding, shard  # noqa: E402
-from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason  # noqa: E402
+from tokenring.model.netlab import Topology  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # max abs error vs float64 (tokenring bench's)
@@ -325,33 +326,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--iters must be >= 1 and --warmup >= 0; got {args.iters}, {args.warmup}")
     if args.link is not None:
         try:
-            LabConfig(world_size=args.world_size, rate_bits_per_s=args.link, topology=args.topology)
+            ranks.check_lab(args, args.world_size)
         except ValueError as exc:
-            p.error(f"--link: {exc}")
-        reason = lab_unavailable_reason()
-        if reason is not None:
-            p.error(f"--link needs the emulated-interconnect lab: {reason}")
+            p.error(str(exc))
     return args
 
 
 def launch_ranks(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Every rank's :func:`rank_main`, inside the lab with ``--link``; and the lab's description."""
-    common = dict(world_size=args.world_size, threads_per_rank=1, timeout_s=args.timeout)
-    if args.link is None:
-        return launch(rank_main, args, **common), None
-    config = LabConfig(
-        world_size=args.world_size, rate_bits_per_s=args.link, topology=args.topology
-    )
-    with Lab(config) as lab:
+    with ExitStack() as stack:
         per_rank = launch(
-            rank_main, args, **common, wrap_command=lab.wrap_command, rank_env=lab.env,
-            register_pid=lab.register_pid, pg_timeout_s=max(60.0, args.timeout / 4),
+            rank_main, args, world_size=args.world_size, threads_per_rank=1,
+            timeout_s=args.timeout, pg_timeout_s=max(60.0, args.timeout / 4),
+            **ranks.lab_options(stack, args),
         )  # fmt: skip
-        described = lab.describe()
-    paths = {r["comm_path"] for r in per_rank}
-    if paths != {"gloo"}:  # the lab's environment turns shared memory off
-        raise RuntimeError(f"the lab's ranks did not keep every byte on its links: {paths}")
-    return per_rank, described
+    if args._lab and any(r["comm_path"] == "gloo-shm" for r in per_rank):  # as tokenring bench
+        raise RuntimeError("the lab's ranks exchanged through shared memory, not its links")
+    return per_rank, args._lab
 
 
 def main(argv: list[str] | None = None) -> int:

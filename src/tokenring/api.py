@@ -553,7 +553,7 @@ def _attention_setup(
     out, lse, *residuals = output
     options = keyword_only_inputs
     # the backward runs the forward's strategy and last pair, without a second agreement
-    merged = _with_splits(_merged(options), _built(options["group"]), q.device)
+    merged = _traced_options(options, q.device)
     strategy = _strategy_of(q, k, merged)
     last_pair = None
     if strategy is Strategy.TOKEN_RING:
@@ -617,6 +617,12 @@ def _with_splits(
     return {**options, "last_block_splits": last_block_splits_for(path)}
 
 
+def _traced_options(options: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """An operator's options as its fake and its autograd setup see them: merged, with the
+    slice count of the communicator the forward built (never building one)."""
+    return _with_splits(_merged(options), _built(options["group"]), device)
+
+
 def _built(handle: str) -> Communicator | None:
     """The communicator of an operator's group if one was built; never builds one."""
     group = op.resolve_group(handle)
@@ -650,7 +656,7 @@ def _residual_fields(
     q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]
 ) -> list[op.FieldSpec]:
     """The residuals' shapes of an operator call (Note [Residuals] in tokenring.runtime.op)."""
-    options = _with_splits(_merged(options), _built(options["group"]), q.device)
+    options = _traced_options(options, q.device)
     strategy = _strategy_of(q, k, options)
     rank, world_size = _rank_and_size(op.resolve_group(options["group"]))
     seq_local, padded = q.shape[1], False

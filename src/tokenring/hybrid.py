@@ -298,8 +298,9 @@ def _prepare(
     """Validate and plan one rank's call; its signature (what the ranks compare). No
     communication."""
     p_in = mesh.inner_size
+    outer = get_communicator(mesh.outer)
     if last_block_splits is None:  # Note [Last block slices] in tokenring.api
-        last_block_splits = last_block_splits_for(get_communicator(mesh.outer).path(q.device))
+        last_block_splits = last_block_splits_for(outer.path(q.device))
     strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
     layout = Layout.parse(layout)
     window = normalize_window(window_size, causal=causal)
@@ -321,7 +322,7 @@ def _prepare(
             attention_chunk_size=attention_chunk_size,
         ),
         inner=get_communicator(mesh.inner),
-        outer=get_communicator(mesh.outer),
+        outer=outer,
         kernel=select_kernel(q.device, q.dtype, kernel, seq_local=sharding.seq_local),
         scale=scale,
         heads=(q.shape[2], k.shape[2]),

@@ -24,6 +24,7 @@ __all__ = [
     "check_lab",
     "collect_per_rank",
     "git_sha",
+    "lab_options",
     "launch_with_progress",
     "rank_device",
     "row_done",
@@ -94,19 +95,6 @@ def launch_with_progress(
                 done = 0
             bar.update(bar.task_ids[0], completed=done)
 
-        in_lab: dict[str, Any] = {"rank_env": rank_env}
-        if args.link is not None:
-            topology = Topology.parse(args.topology)
-            lab_config = LabConfig(
-                world_size=args.world_size, rate_bits_per_s=args.link, topology=topology
-            )
-            lab = stack.enter_context(Lab(lab_config))
-            args._lab = lab.describe()
-            in_lab = {
-                "wrap_command": lab.wrap_command,
-                "rank_env": lambda rank: {**lab.env(rank), **(rank_env(rank) if rank_env else {})},
-                "register_pid": lab.register_pid,
-            }
         return launch(
             fn,
             config,
@@ -115,8 +103,30 @@ def launch_with_progress(
             timeout_s=args.timeout,
             pg_timeout_s=max(60.0, args.timeout / 4),
             poll=poll,
-            **in_lab,
+            **lab_options(stack, args, rank_env),
         )
+
+
+def lab_options(
+    stack: ExitStack,
+    args: argparse.Namespace,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
+) -> dict[str, Any]:
+    """``launch``'s keywords for ``args.world_size`` ranks, inside the emulated lab with
+    ``args.link`` (``args.topology``; the lab entered on ``stack``, ``args._lab`` describing it,
+    None without); ``rank_env(rank)``: a rank's extra environment."""
+    args._lab = None
+    if args.link is None:
+        return {"rank_env": rank_env}
+    topology = Topology.parse(args.topology)
+    lab_config = LabConfig(world_size=args.world_size, rate_bits_per_s=args.link, topology=topology)
+    lab = stack.enter_context(Lab(lab_config))
+    args._lab = lab.describe()
+    return {
+        "wrap_command": lab.wrap_command,
+        "rank_env": lambda rank: {**lab.env(rank), **(rank_env(rank) if rank_env else {})},
+        "register_pid": lab.register_pid,
+    }
 
 
 def row_done(progress_path: str | None) -> None:

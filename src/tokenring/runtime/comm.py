@@ -713,8 +713,8 @@ class Communicator:
         closed: dict[int, str] = {}
         num_bytes = mine.numel()
         seqs = {r: shared.expect(r) for r in frames}
+        header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)  # post copies it
         for r in frames:
-            header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)
             where = shared.write(r, [mine])
             fields = (_EXCHANGE_MAGIC, num_bytes, 0, self.rank, 0, *where)
             ctypes.memmove(header.data_ptr(), _HEADER_STRUCT.pack(*fields), HEADER_NUM_BYTES)
