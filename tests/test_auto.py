@@ -9,7 +9,14 @@ import torch
 import torch.distributed as dist
 
 import tokenring
-from oracle import expected_bytes, make_inputs, oracle_with_grads, owned_positions
+from oracle import (
+    expected_bytes,
+    make_inputs,
+    oracle_with_grads,
+    owned_positions,
+    sharded_positions,
+    visible_mask,
+)
 from tokenring.core.schedule import AttentionShape
 from tokenring.model import planner
 from tokenring.model.costmodel import measured
@@ -366,3 +373,65 @@ def test_resolve_strategy_prices_the_slices_the_call_takes() -> None:
         for found in tokenring.launch(_splits_priced, shared, world_size=2):
             assert found["resolve"] == [want], (shared, found)
             assert found["operator"] and set(found["operator"]) == {want}, (shared, found)
+
+
+# 24 tokens, three documents, zigzag per document over 3 ranks: the ranks hold 9, 8 and 7
+UNEVEN_SEQ_LEN, UNEVEN_DOCS = 24, [0, 21, 23, 24]
+
+
+def _uneven_auto() -> dict[str, Any]:
+    """strategy="auto" and TokenRing's last_pair="auto" on uneven shards (seq_len and
+    cu_seqlens): the seq_local each planner call priced, the picks and the errors."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = make_inputs(
+        seed=9, batch=1, seq_global=UNEVEN_SEQ_LEN, heads_q=4, heads_kv=2, head_dim=8
+    )
+    idx = torch.tensor(sharded_positions("zigzag", rank, world, UNEVEN_SEQ_LEN, UNEVEN_DOCS))
+    mask = visible_mask(UNEVEN_SEQ_LEN, causal=True, cu_seqlens=UNEVEN_DOCS)
+    ref = oracle_with_grads(q, k, v, dout, causal=True, scale=8**-0.5, mask=mask)
+    shards = dict(seq_len=UNEVEN_SEQ_LEN, cu_seqlens=UNEVEN_DOCS)
+    priced: list[int] = []
+    real = (planner.choose_strategy, planner.lends_last_pair)
+
+    def recorded(what: Any) -> Any:
+        def call(**kwargs: Any) -> Any:
+            priced.append(kwargs["seq_local"])
+            return what(**kwargs)
+
+        return call
+
+    planner.choose_strategy, planner.lends_last_pair = (recorded(f) for f in real)
+    errors: list[float] = []
+    try:
+        pick = tokenring.resolve_strategy(
+            "auto", q=q[:, idx], k=k[:, idx], causal=True, layout=tokenring.Layout.ZIGZAG,
+            comm=tokenring.get_communicator(), hardware=_described(), **shards,
+        )  # fmt: skip
+        for options in ({"strategy": "auto"}, {"strategy": "token_ring", "last_pair": "auto"}):
+            local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
+            out = tokenring.sequence_parallel_attn(
+                *local, causal=True, layout="zigzag", hardware=_described(), **shards, **options
+            )
+            out.backward(dout[:, idx])
+            got = (out.detach(), *(x.grad for x in local))
+            want = (ref[name][:, idx] for name in ("out", "dq", "dk", "dv"))
+            errors += [(a - b).abs().max().item() for a, b in zip(got, want, strict=True)]
+    finally:
+        planner.choose_strategy, planner.lends_last_pair = real
+    return {"held": len(idx), "priced": priced, "pick": pick.value, "errors": errors}
+
+
+def test_auto_prices_uneven_shards_by_the_rows_every_rank_holds() -> None:
+    """With seq_len and cu_seqlens the ranks hold 9, 8 and 7 tokens, but the planner must be
+    handed the same call on every rank: the padded rows of the sharding, not the rank's own
+    count (which gave ranks different picks, and an odd zigzag count raised on one rank
+    while the others went on)."""
+    padded = tokenring.make_sharding(
+        layout="zigzag", world_size=3, seq_len=UNEVEN_SEQ_LEN, cu_seqlens=UNEVEN_DOCS
+    ).seq_local
+    found = tokenring.launch(_uneven_auto, world_size=3, timeout_s=300)
+    assert sorted(f["held"] for f in found) == [7, 8, 9]
+    assert len({f["pick"] for f in found}) == 1, found
+    for f in found:
+        assert f["priced"] and set(f["priced"]) == {padded}, found
+        assert max(f["errors"]) < 1e-10, found

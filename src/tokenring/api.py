@@ -171,6 +171,8 @@ def resolve_strategy(
     last_block_splits: int | None = None,
     training: bool | None = None,
     last_pair: str = "auto",
+    seq_len: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> Strategy:
     """``strategy`` itself, or for ``"auto"`` the planner's pick: a pure function of the
     call's shape and ``hardware``, so every rank picks the same (logged once at INFO).
@@ -182,6 +184,8 @@ def resolve_strategy(
         last_block_splits: as :func:`sequence_parallel_attn` (None: what the call would take
             through ``comm``).
         last_pair: how ``"auto"`` prices TokenRing (``tokenring.model.planner.explain``).
+        seq_len, cu_seqlens: as :func:`sequence_parallel_attn`: uneven shards are priced by
+            the padded rows every rank holds, so every rank picks the same.
 
     Raises:
         ValueError: ``"auto"`` without ``hardware``.
@@ -196,7 +200,12 @@ def resolve_strategy(
         last_block_splits = last_block_splits_for(comm.path(q.device))
     # layout as given: the planner checks it after the sizes and dtype
     call = dict(
-        hardware=hardware, causal=causal, layout=layout, last_block_splits=last_block_splits
+        hardware=hardware,
+        causal=causal,
+        layout=layout,
+        last_block_splits=last_block_splits,
+        seq_len=seq_len,
+        cu_seqlens=cu_seqlens,
     )
     args = _planner_args(q, k, call, world_size=comm.world_size, training=training)
     return planner.choose_strategy(**args, last_pair=last_pair)
@@ -210,9 +219,14 @@ def _planner_args(
     world_size: int,
     training: bool | None = None,
 ) -> dict[str, Any]:
-    """The planner's description of a call: q's and k's shapes and ``options``' hardware,
-    causal, layout and last_block_splits (None ``training``: an operator's requires_grad)."""
-    batch, seq_local, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
+    """The planner's description of a call: q's and k's shapes, ``options``' hardware,
+    causal, layout and last_block_splits, and their seq_len and cu_seqlens where given (None
+    ``training``: an operator's requires_grad)."""
+    batch, _, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
+    sharding = _call_sharding(options, world_size)
+    # the padded rows every rank holds, not this rank's tokens: uneven shards price the same
+    # call on every rank, so every rank picks the same (Note [Documents and padding])
+    seq_local = int(q.shape[1]) if sharding is None else sharding.seq_local
     hardware = options["hardware"]
     call = {name: options[name] for name in ("causal", "layout", "last_block_splits")}
     shape = dict(batch=batch, seq_local=seq_local, heads_q=heads_q, heads_kv=int(k.shape[2]))
@@ -224,6 +238,19 @@ def _planner_args(
         world_size=world_size,
         training=any(options["requires_grad"][:2]) if training is None else training,
         **call,
+    )
+
+
+def _call_sharding(options: dict[str, Any], world_size: int) -> Sharding | None:
+    """The call's sharding where ``options`` give seq_len or cu_seqlens (the same on every
+    rank; pure); None: every rank holds the same number of tokens."""
+    seq_len, cu_seqlens = options.get("seq_len"), options.get("cu_seqlens")
+    if seq_len is None:
+        if cu_seqlens is None:
+            return None
+        seq_len = int(cu_seqlens[-1])  # a valid call's: _sharding checks it is P * s
+    return make_sharding(
+        layout=options["layout"], world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
 
 
@@ -659,14 +686,10 @@ def _residual_fields(
     options = _traced_options(options, q.device)
     strategy = _strategy_of(q, k, options)
     rank, world_size = _rank_and_size(op.resolve_group(options["group"]))
-    seq_local, padded = q.shape[1], False
-    if options["seq_len"] is not None or options["cu_seqlens"] is not None:
-        cu_seqlens = options["cu_seqlens"]
-        seq_len = options["seq_len"] if options["seq_len"] is not None else cu_seqlens[-1]
-        sharding = make_sharding(
-            layout=options["layout"], world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-        )
-        seq_local, padded = sharding.seq_local, sharding.padded
+    sharding = _call_sharding(options, world_size)
+    seq_local, padded = (
+        (q.shape[1], False) if sharding is None else (sharding.seq_local, sharding.padded)
+    )
     return op.residual_fields(
         strategy,
         # heads decide Ulysses' shares, so they are specialised when traced as dynamic
