@@ -4,6 +4,7 @@ columns, honest planner verdicts."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
@@ -16,6 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 
+import tokenring.cli.bench
 import tokenring.cli.console
 import tokenring.launch  # so sys.modules has it below (the package exports launch())
 from tokenring.cli import main
@@ -298,6 +300,47 @@ def test_a_link_is_refused_for_the_memory_mode(capsys: pytest.CaptureFixture[str
         main(["bench", "--mode", "memory", "--link", "100mbit"])
     assert exit_info.value.code == 2
     assert "--link is for --mode attention, decode or prefill-cached" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq-local", "8"], "--seq-local is for --mode memory; got --mode attention"),
+        (["--device", "cpu"], "--device is for --mode memory; got --mode attention"),
+        (
+            ["--cached", "64"],
+            "--cached is for --mode decode or prefill-cached; got --mode attention",
+        ),
+        (["--mode", "decode", "--seq", "64"], "--seq is for --mode attention; got --mode decode"),
+        (
+            ["--mode", "prefill-cached", "--strategies", "ring"],
+            "--strategies is for --mode attention or memory; got --mode prefill-cached",
+        ),
+        (
+            ["--mode", "memory", "--iters", "3"],
+            "--iters is for --mode attention, decode or prefill-cached; got --mode memory",
+        ),
+        (["--mode", "memory", "--layout", "zigzag"], "--layout is for --mode attention"),
+        (["--topology", "ring"], "--topology is for the emulated links; got --topology ring"),
+    ],
+)
+def test_an_option_the_mode_does_not_read_is_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every option reaches the run or raises: one that --mode would drop is an error."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_decode_bench_keeps_a_warmup_of_zero() -> None:
+    from tokenring.cli import bench_inference
+
+    parser = argparse.ArgumentParser()
+    tokenring.cli.bench.add_arguments(parser)
+    args = parser.parse_args(["--mode", "decode", "--warmup", "0", "--cached", "64"])
+    assert bench_inference.config_from_args(args).warmup == 0
 
 
 def test_the_torch_floor_reads_the_installed_version() -> None:

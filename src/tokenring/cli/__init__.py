@@ -238,8 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check(args)
         except ValueError as exc:
             args._parser.error(str(exc))
-    status: int = args._module.run(args)
-    return status
+    return int(args._module.run(args))
 
 
 if __name__ == "__main__":

@@ -484,12 +484,8 @@ class _Reference:
         out = torch.zeros(b, n, hq, d, dtype=torch.float64)
         dq = torch.zeros_like(out)
         tile = _tile_rows(b, hq, seq)
-        if grads:  # every row: its lse and delta; my rows: out and dq
-            spans = [(a, min(seq, a + tile)) for a in range(0, seq, tile)]
-        else:
-            spans = [
-                (a, min(e, a + tile)) for lo, e in _runs(positions) for a in range(lo, e, tile)
-            ]
+        runs = [(0, seq)] if grads else _runs(positions)  # grads: every row's lse and delta
+        spans = [(a, min(e, a + tile)) for lo, e in runs for a in range(lo, e, tile)]
         lse_all = torch.empty(b, hkv, hq // hkv, seq if grads else 0, dtype=torch.float64)
         delta_all = torch.empty_like(lse_all)
         for a, e in spans:
@@ -578,11 +574,9 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     config.check_world(world)
     device = ranks.rank_device()
     comm = get_communicator()
-    mesh = None
+    mesh, inner = None, config.hybrid.inner
     if Strategy.HYBRID in config.strategies:
-        mesh = hybrid_mesh(
-            world // config.hybrid.inner, config.hybrid.inner, device_type=device.type
-        )
+        mesh = hybrid_mesh(world // inner, inner, device_type=device.type)
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
     rows: list[RankRow] = []
@@ -867,59 +861,43 @@ def add_predictions(
         "link_bytes_per_s": min(r["bandwidth_bytes_per_s"] for r in per_rank),
         "memory_bytes_per_s": min(r["memory_bytes_per_s"] for r in per_rank),
     }
-    backend = per_rank[0]["backend"]
+    backend, host_computes = per_rank[0]["backend"], per_rank[0]["device"] == "cpu"
     splits = last_block_splits_for(per_rank[0]["comm_path"])  # what the run's calls took
     for indices in report.group_by(range(len(rows)), lambda i: _group_key(rows[i])):
         group = [rows[i] for i in indices]
+        first = group[0]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
-        host_computes = per_rank[0]["device"] == "cpu"
         hardware = _hardware(
             fwd_rate, bwd_rate, probes, config.dtype, topology, backend, host_computes
         )
-        sharding = make_sharding(
-            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
-        )
+        sharding = make_sharding(layout=first["layout"], world_size=world_size, seq_len=config.seq)
         seq_local = sharding.seq_local  # S / P, or the padded buffer of uneven shards
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        _add_model_times(group, own_rates, config, hardware, world_size, seq_local, splits)
+        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):  # at its own FLOP/s
+            result = simulate(
+                row["strategy"],
+                passes="both" if first["pass"] == "fwd+bwd" else "forward",
+                hybrid=config.hybrid,
+                layout=first["layout"],
+                causal=first["causal"],
+                world_size=world_size,
+                seq_local=seq_local,
+                shape=config.models[first["model"]],
+                hardware=dataclasses.replace(
+                    hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+                ),
+                lend_last_pair=config.lends,
+                last_block_splits=splits,
+            )
+            row["model_ms"] = 1e3 * result.call_s
+            row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+            row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
         _add_planner_pick(group, config, hardware, world_size, seq_local, splits)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
             row["calibration"] = dict(calibration)
     return rows
-
-
-def _add_model_times(
-    group: list[dict[str, Any]],
-    own_rates: list[tuple[float, float]],
-    config: BenchConfig,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-    last_block_splits: int,
-) -> None:
-    """Add the simulator's prediction of each row of one group, at the row's own FLOP/s."""
-    first = group[0]
-    for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
-        result = simulate(
-            row["strategy"],
-            passes="both" if first["pass"] == "fwd+bwd" else "forward",
-            hybrid=config.hybrid,
-            layout=first["layout"],
-            causal=first["causal"],
-            world_size=world_size,
-            seq_local=seq_local,
-            shape=config.models[first["model"]],
-            hardware=dataclasses.replace(
-                hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
-            ),
-            lend_last_pair=config.lends,
-            last_block_splits=last_block_splits,
-        )
-        row["model_ms"] = 1e3 * result.call_s
-        row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
-        row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
 
 
 def _add_planner_pick(
@@ -1272,15 +1250,43 @@ def _parse_pass(text: str) -> str:
     return text
 
 
+_DECODE = tuple(bench_inference.MODES)
+# the modes that read each option; every other option is read by every mode
+_MODES_OF_FLAG: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("seq", "layout", "passes", "hybrid_inner", "hybrid_outer", "last_pair"), ("attention",)
+    ),
+    **dict.fromkeys(("plot", "trace", "wide"), ("attention",)),
+    **dict.fromkeys(("strategies", "causal"), ("attention", "memory")),
+    **dict.fromkeys(("warmup", "iters", "tolerance", "link", "topology"), ("attention", *_DECODE)),
+    **dict.fromkeys(("cached", "new", "cached_strategies", "block_size"), _DECODE),
+    **dict.fromkeys(("seq_local", "device"), ("memory",)),
+}
+
+
+def _check_flags_of_mode(args: argparse.Namespace) -> None:
+    """No option is dropped: one that ``--mode`` does not read, given a value other than its
+    default, raises naming the modes that read it; so does --topology without --link."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    for name, modes in _MODES_OF_FLAG.items():
+        if args.mode not in modes and getattr(args, name) != getattr(defaults, name):
+            flag = "--" + name.replace("_", "-")
+            names = modes[0] if len(modes) == 1 else f"{', '.join(modes[:-1])} or {modes[-1]}"
+            raise ValueError(f"{flag} is for --mode {names}; got --mode {args.mode}")
+    if args.topology != defaults.topology and args.link is None:
+        raise ValueError(
+            f"--topology is for the emulated links; got --topology {args.topology} without --link"
+        )
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
+    _check_flags_of_mode(args)
     if args.mode != "attention":
-        only_attention = [("--plot", args.plot), ("--trace", args.trace), ("--wide", args.wide)]
-        given = [flag for flag, value in only_attention if value]
-        if given:
-            raise ValueError(f"{given[0]} is for --mode attention; got --mode {args.mode}")
         _MODE_MODULES[args.mode].check_args(args)
         return
     config = config_from_args(args)
@@ -1303,8 +1309,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.mode != "attention":
-        status: int = _MODE_MODULES[args.mode].run(args)
-        return status
+        return int(_MODE_MODULES[args.mode].run(args))
     config: BenchConfig = args._config
     num_rows = len(config.models) * len(config.causal) * len(config.strategies) * len(config.passes)
     title = f"bench: {num_rows} rows on {args.world_size} ranks"

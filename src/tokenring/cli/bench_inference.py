@@ -167,8 +167,7 @@ def _filled_cache(
             continue
         step = cache.begin_step(count)
         mine = step.new_positions[comm.rank]
-        k = torch.cat([s[1][p] for s, p in zip(seqs, mine, strict=True)])
-        v = torch.cat([s[2][p] for s, p in zip(seqs, mine, strict=True)])
+        k, v = (torch.cat([s[i][p] for s, p in zip(seqs, mine, strict=True)]) for i in (1, 2))
         cache.append(0, k.to(device), v.to(device))
     assert step is not None
     return cache, step
@@ -373,7 +372,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
             args.cached_strategies, "--cached-strategies", CachedStrategy.parse, names
         ),
         block_size=args.block_size,
-        warmup=max(args.warmup, 1),
+        warmup=args.warmup,
         iters=args.iters,
         tolerance=args.tolerance,
     )

@@ -298,10 +298,6 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
 
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; keeps the config on ``args``."""
-    if args.link is not None:  # peak memory does not depend on the link
-        raise ValueError(
-            "--link is for --mode attention, decode or prefill-cached; got --mode memory"
-        )
     args._config = config_from_args(args)
 
 
@@ -311,9 +307,8 @@ def run(args: argparse.Namespace) -> int:
     config: MemoryBenchConfig = args._config
     num_rows = len(config.strategies) * len(config.seq_locals)
     title = f"bench memory: {num_rows} rows on {args.world_size} ranks"
-    env = RANK_ENV
     per_rank = ranks.collect_per_rank(
-        run_rank, config, args, num_rows=num_rows, title=title, rank_env=lambda rank: dict(env)
+        run_rank, config, args, num_rows=num_rows, title=title, rank_env=lambda _: dict(RANK_ENV)
     )
     if per_rank is None:
         return 0

@@ -62,9 +62,7 @@ def git_sha() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         command = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(
-            command, cwd=here, capture_output=True, text=True, timeout=5, check=False
-        )
+        out = subprocess.run(command, cwd=here, capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
