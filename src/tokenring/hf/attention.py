@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -88,7 +89,25 @@ __all__ = [
     "shift_labels",
 ]
 
-MIN_TRANSFORMERS = "4.53"  # AttentionMaskInterface, model kwargs passed down to attention
+# The oldest transformers this integration is checked on: tests/test_hf*.py pass on 5.24 and
+# 5.25; on 5.23 and older the mask functions and the cache layers have other signatures
+# (create_causal_mask's cache keyword, get_mask_sizes, get_max_cache_shape), and on 5.20 and
+# older a Llama 4 chunked model with packed documents gave other logits than one process.
+MIN_TRANSFORMERS = "5.24"
+
+
+def _check_transformers(installed: str) -> None:
+    """Raise ImportError naming both versions when ``installed`` is older than
+    MIN_TRANSFORMERS."""
+    match = re.match(r"(\d+)\.(\d+)", installed)
+    floor = tuple(int(x) for x in MIN_TRANSFORMERS.split("."))
+    if match is None or tuple(int(x) for x in match.groups()) < floor:
+        raise ImportError(
+            f"tokenring.hf needs transformers >= {MIN_TRANSFORMERS}; transformers {installed} "
+            f"is installed (pip install 'transformers>={MIN_TRANSFORMERS}'): older versions "
+            "build masks and caches through other signatures"
+        )
+
 
 ATTN_IMPLEMENTATIONS: Mapping[str, str] = MappingProxyType(
     {
@@ -178,6 +197,7 @@ def register() -> tuple[str, ...]:
         ImportError: transformers is missing or older than :data:`MIN_TRANSFORMERS`.
     """
     try:
+        import transformers
         from transformers import AttentionInterface
         from transformers.loss.loss_utils import LOSS_MAPPING
         from transformers.masking_utils import AttentionMaskInterface
@@ -187,6 +207,7 @@ def register() -> tuple[str, ...]:
             f"{MIN_TRANSFORMERS} (AttentionInterface, AttentionMaskInterface): "
             "pip install 'tokenring-attention[hf]'"
         ) from exc
+    _check_transformers(transformers.__version__)
     for name, strategy in ATTN_IMPLEMENTATIONS.items():
         AttentionInterface.register(
             name, functools.partial(_attention_forward, strategy=strategy, name=name)

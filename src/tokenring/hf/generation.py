@@ -47,6 +47,8 @@ from tokenring.core.layout import check_int
 from tokenring.hf.attention import (
     _PLAIN_CAUSAL,
     ATTN_IMPLEMENTATIONS,
+    MIN_TRANSFORMERS,
+    _check_transformers,
     _ModelMask,
     as_sequence_parallel,
     check_model,
@@ -60,13 +62,15 @@ from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CachedStrategy, CacheStep
 
 try:
+    import transformers
     from transformers import Cache, GenerationConfig
     from transformers.cache_utils import CacheLayerMixin
 except ImportError as exc:  # pragma: no cover - tokenring.hf checks first
     raise ImportError(
-        "tokenring.hf.generate needs transformers with the Cache layers API (>= 4.56): "
+        f"tokenring.hf.generate needs transformers >= {MIN_TRANSFORMERS}: "
         "pip install 'tokenring-attention[hf]'"
     ) from exc
+_check_transformers(transformers.__version__)
 
 __all__ = ["ShardedKVCache", "generate"]
 
@@ -474,10 +478,9 @@ def _step_input_ids(
     if input_ids is None:
         raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
     refuse_padding(kwargs.pop("attention_mask", None))
-    num_new = input_ids.shape[1]
     past = cache.get_seq_length()
     positions = kwargs.pop("position_ids", None)
-    want = torch.arange(past, past + num_new, device=input_ids.device)
+    want = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
     if positions is not None and not bool((positions == want).all()):
         raise NotImplementedError(
             "position_ids other than the token positions are not supported by "
