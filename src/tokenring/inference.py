@@ -286,9 +286,8 @@ def step_strategy(
     head dim, dtype and device)."""
     assert cache.step is not None and cache.comm is not None
     shape = {name: getattr(cache, name) for name in ("heads_kv", "head_dim", "dtype", "device")}
-    step, comm = cache.step, cache.comm
     return resolve_cached_strategy(
-        strategy, step=step, comm=comm, heads_q=heads_q, hardware=hardware, **shape
+        strategy, step=cache.step, comm=cache.comm, heads_q=heads_q, hardware=hardware, **shape
     )
 
 

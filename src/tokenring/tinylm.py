@@ -266,11 +266,8 @@ def _decode_step(
         return out
 
     mine = step.new_positions[comm.rank]
-    ids = torch.tensor(
-        [seqs[b][p] for b in range(len(seqs)) for p in mine[b].tolist()],
-        dtype=torch.int64,
-        device=device,
-    )
+    held = [seqs[b][p] for b, positions in enumerate(mine) for p in positions.tolist()]
+    ids = torch.tensor(held, dtype=torch.int64, device=device)  # (n,)
     logits = model(ids, step.positions(comm.rank), attend)  # (n, V)
     picks = torch.zeros(len(seqs), dtype=torch.int64, device=device)
     offset = 0

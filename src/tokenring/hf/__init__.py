@@ -8,39 +8,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tokenring.hf.attention import (
-    ATTN_IMPLEMENTATIONS,
-    LocalBatch,
-    SequenceParallel,
-    all_reduce_gradients,
-    broadcast_batch,
-    causal_lm_loss,
-    check_model,
-    data_parallel_loss,
-    gather_sequence,
-    register,
-    shard_batch,
-    shift_labels,
-)
+from tokenring.hf import attention
+from tokenring.hf.attention import *  # noqa: F403  (every name of attention.__all__)
 
-__all__ = [
-    "ATTN_IMPLEMENTATIONS",
-    "LocalBatch",
-    "SequenceParallel",
-    "ShardedKVCache",
-    "all_reduce_gradients",
-    "broadcast_batch",
-    "causal_lm_loss",
-    "check_model",
-    "data_parallel_loss",
-    "gather_sequence",
-    "generate",
-    "register",
-    "shard_batch",
-    "shift_labels",
-]
-
-_GENERATION = frozenset({"generate", "ShardedKVCache"})
+_GENERATION = ("ShardedKVCache", "generate")  # loaded by __getattr__
+__all__ = [*attention.__all__, *_GENERATION]
 
 
 def __getattr__(name: str) -> Any:
