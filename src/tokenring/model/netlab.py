@@ -466,8 +466,7 @@ class Lab:
         enters its namespace; its start time is kept, so a reused PID is never signalled."""
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             raise ValueError(f"pid must be a positive int; got {pid!r}")
-        start = _process_start_time(pid)
-        if start is not None:  # None: already gone, nothing to end
+        if (start := _process_start_time(pid)) is not None:  # None: gone, nothing to end
             self._pids[pid] = start
 
     def describe(self) -> dict[str, object]:
@@ -498,8 +497,7 @@ class Lab:
         self._install_signal_handlers()
         atexit.register(self._teardown)
         try:
-            removed = remove_stale_labs()
-            if removed:
+            if removed := remove_stale_labs():
                 warnings.warn(
                     f"netlab: removed namespaces of labs whose owner process is gone: {removed}",
                     RuntimeWarning,
@@ -533,15 +531,18 @@ class Lab:
                     _run([tool, "-n", ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
 
     def _close(self, *, exc_in_flight: bool) -> None:
-        self._restore_signal_handlers()
-        atexit.unregister(self._teardown)
-        leftovers = self._teardown()
-        if leftovers:
+        if leftovers := self._shutdown():
             message = f"netlab: could not delete network namespaces {leftovers}"
             if exc_in_flight:
                 warnings.warn(message, RuntimeWarning, stacklevel=3)
             else:
                 raise RuntimeError(message)
+
+    def _shutdown(self) -> list[str]:
+        """Hand the signals back, then :meth:`_teardown` (no longer at exit)."""
+        self._restore_signal_handlers()
+        atexit.unregister(self._teardown)
+        return self._teardown()
 
     def _teardown(self) -> list[str]:
         """End processes inside the lab, delete its namespaces; idempotent. Returns the
@@ -579,10 +580,7 @@ class Lab:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
-        self._restore_signal_handlers()
-        atexit.unregister(self._teardown)
-        leftovers = self._teardown()
-        if leftovers:
+        if leftovers := self._shutdown():
             print(f"netlab: could not delete network namespaces {leftovers}", file=sys.stderr)
         if callable(previous):
             previous(signum, frame)

@@ -567,24 +567,6 @@ def _kernel_rates(
     )
 
 
-def _link_rates(
-    comm: Communicator, probe_bytes: int, device: torch.device, repeats: int
-) -> tuple[float, float, float]:
-    """This rank's one-way and two-way bytes/s to its ring neighbours and its latency (inf
-    alone), leaving the communicator's counter and timeline untouched."""
-    link = two_way = latency = float("inf")
-    if comm.world_size > 1:
-        saved = comm.counter, comm.timeline  # the probe's traffic is not the caller's
-        comm.counter, comm.timeline = TrafficCounter(), None
-        try:
-            link = probe_bytes / _probe(comm, probe_bytes, device, two_way=False, repeats=repeats)
-            two_way = probe_bytes / _probe(comm, probe_bytes, device, two_way=True, repeats=repeats)
-            latency = _probe(comm, 8, device, two_way=False, repeats=repeats)
-        finally:
-            comm.counter, comm.timeline = saved
-    return link, two_way, latency
-
-
 def calibrate(
     comm: Communicator,
     *,
@@ -656,10 +638,21 @@ def _measure(
     probe_bytes: int,
     repeats: int,
 ) -> list[float]:
-    """The slowest rank's rates, the largest latency and call seconds: identical on every rank."""
+    """The slowest rank's rates, the largest latency and call seconds: identical on every rank.
+    The one-way and two-way bytes/s to the ring neighbours (inf alone) and the latency (0
+    alone) leave the communicator's counter and timeline untouched."""
     *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
-    link, two_way, latency = _link_rates(comm, probe_bytes, device, repeats)
-    latency = latency if comm.world_size > 1 else 0.0
+    link = two_way = float("inf")
+    latency = 0.0
+    if comm.world_size > 1:
+        saved = comm.counter, comm.timeline  # the probe's traffic is not the caller's
+        comm.counter, comm.timeline = TrafficCounter(), None
+        try:
+            link = probe_bytes / _probe(comm, probe_bytes, device, two_way=False, repeats=repeats)
+            two_way = probe_bytes / _probe(comm, probe_bytes, device, two_way=True, repeats=repeats)
+            latency = _probe(comm, 8, device, two_way=False, repeats=repeats)
+        finally:
+            comm.counter, comm.timeline = saved
     rates, most = [*local, link, two_way], [latency, call_s]
     agreed = torch.tensor([-x for x in rates] + most, dtype=torch.float64, device=device)
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX, label="calibration").wait()

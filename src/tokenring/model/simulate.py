@@ -238,8 +238,7 @@ class _EventEngine:
         # the run: per flow its posts, start, arrival, rate and bytes left; per rank its place
         # in its program; the heap of pending events
         n = len(self.transfers)
-        self.sender_ready: list[float | None] = [None] * n
-        self.receiver_ready: list[float | None] = [None] * n
+        self.posted = [0] * n  # ends that have posted the flow: it starts at 2
         self.started: list[float | None] = [None] * n
         self.arrival: list[float | None] = [None] * n
         self.remaining = list(self.flow_bytes)
@@ -287,9 +286,8 @@ class _EventEngine:
             if kind in (OpKind.STEP, OpKind.END):
                 prog.append((_STEP, op.step))
             elif kind is OpKind.POST:
-                sends = tuple(self.fid[tr] for tr in op.transfers if tr.src == r)
-                recvs = tuple(self.fid[tr] for tr in op.transfers if tr.dst == r)
-                prog.append((_POST, sends, recvs))
+                ends = tuple(self.fid[tr] for tr in op.transfers if r in (tr.src, tr.dst))
+                prog.append((_POST, ends))  # its sends and receives
             elif kind in (OpKind.COMPUTE, OpKind.DELTA):
                 prog += compute(op)
             else:  # ARRIVE, SENT, SENT_ALL wait; PASS, RETURNS, HOME add what they waited for
@@ -360,8 +358,7 @@ class _EventEngine:
                 actions.append((_MERGE, merge, op.step, "merge"))
             return actions
 
-        ops = cached_program(plan, r)
-        return self._program(ops, r, self.dims, range(plan.num_rounds), compute)
+        return self._program(cached_program(plan, r), r, self.dims, range(plan.num_rounds), compute)
 
     def _block_s(self, shards: CachedShards, q_owner: int, kv_owner: int) -> float:
         """Kernel time of one (Q block, K/V shard) pair: the roofline of its FLOPs (masked
@@ -388,7 +385,7 @@ class _EventEngine:
 
     def maybe_start(self, i: int, now: float) -> None:
         """Start flow ``i`` once both ends have posted it."""
-        if self.sender_ready[i] is None or self.receiver_ready[i] is None:
+        if self.posted[i] < 2:
             return
         self.started[i] = now
         self.last[i] = now
@@ -406,11 +403,9 @@ class _EventEngine:
             if kind == _STEP:
                 self.step_start[r][action[1]] = now
             elif kind == _POST:
-                sends, recvs = action[1], action[2]
-                for ready, flows in ((self.sender_ready, sends), (self.receiver_ready, recvs)):
-                    for i in flows:
-                        ready[i] = now
-                        self.maybe_start(i, now)
+                for i in action[1]:
+                    self.posted[i] += 1
+                    self.maybe_start(i, now)
             elif kind in (_COMPUTE, _MERGE) and (duration := action[1]) > 0:
                 ev_kind = "compute" if kind == _COMPUTE else "merge"
                 self.events[r].append(Event(ev_kind, action[3], action[2], now, now + duration))
@@ -521,8 +516,7 @@ def simulate_cached(
     p = plan.world_size
     engine = _EventEngine(plan.transfers, p, plan.num_rounds, shape, hardware, Pass.FORWARD)
     finish, _, events = engine.run([engine._cached_program(plan, shards, r) for r in range(p)])
-    busy = _busy_s(events, "compute", "merge")
-    return max(finish), busy, engine.busiest()[2], _timeline(events)
+    return max(finish), _busy_s(events, "compute", "merge"), engine.busiest()[2], _timeline(events)
 
 
 # -- vectorised engine -------------------------------------------------------------------------
@@ -692,9 +686,8 @@ class _Network:
         if not self.ring:
             ranks = torch.arange(p)
             seconds = self.down_totals / self._pair_cap(ranks, (ranks - 1) % p)
-            index = ranks * p + (ranks - 1) % p
-            j = int(torch.argmin(torch.where(seconds == seconds.max(), index, p * p)))
-            down = (float(seconds[j]), int(index[j]), float(self.down_totals[j]))
+            j = int(torch.argmax(seconds))  # the first of equals: the smallest pair index
+            down = (float(seconds[j]), j * p + (j - 1) % p, float(self.down_totals[j]))
             best = max(down, self.other_best, key=lambda c: (c[0], -c[1]))
             name = str(Resource(ResourceKind.LINK, divmod(best[1], p)))
             candidates.append((name, best[2], best[0]))
@@ -1027,10 +1020,8 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     finish, step_start, events = engine.run([engine._actions(sched, r) for r in range(p)])
     exposed = exposed_transfers(sched)
     busiest_name, busiest_bytes, busiest_s = engine.busiest(exposed)
-    exposed_s = 0.0
-    for tr in exposed:
-        rt = transfer_route(hardware, sched, tr)
-        exposed_s = max(exposed_s, tr.num_bytes(shape) / rt.flow_cap_bytes_per_s + rt.latency_s)
+    routes = [(tr.num_bytes(shape), transfer_route(hardware, sched, tr)) for tr in exposed]
+    exposed_s = max((n / rt.flow_cap_bytes_per_s + rt.latency_s for n, rt in routes), default=0.0)
     travel_bytes, return_bytes = max_sent(sched.transfers, p, shape)
     return PassResult(
         strategy=sched.strategy,
@@ -1113,8 +1104,7 @@ def simulate_pass(
                 "schedule lends its last pair (Note [Borrowed last pair] in "
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
-    plan = ring_plan(strategy, pass_, **call)
-    return _simulate_vectorised(plan, layout, causal, shape, hardware)
+    return _simulate_vectorised(ring_plan(strategy, pass_, **call), layout, causal, shape, hardware)
 
 
 def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
