@@ -14,6 +14,7 @@ from oracle import (
     make_inputs,
     oracle_with_grads,
     owned_positions,
+    padded_rows,
     sharded_positions,
     visible_mask,
 )
@@ -426,9 +427,7 @@ def test_auto_prices_uneven_shards_by_the_rows_every_rank_holds() -> None:
     handed the same call on every rank: the padded rows of the sharding, not the rank's own
     count (which gave ranks different picks, and an odd zigzag count raised on one rank
     while the others went on)."""
-    padded = tokenring.make_sharding(
-        layout="zigzag", world_size=3, seq_len=UNEVEN_SEQ_LEN, cu_seqlens=UNEVEN_DOCS
-    ).seq_local
+    _, padded = padded_rows("zigzag", 0, 3, UNEVEN_SEQ_LEN, UNEVEN_DOCS)  # the same on every rank
     found = tokenring.launch(_uneven_auto, world_size=3, timeout_s=300)
     assert sorted(f["held"] for f in found) == [7, 8, 9]
     assert len({f["pick"] for f in found}) == 1, found
