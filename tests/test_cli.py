@@ -94,6 +94,8 @@ BAD = [
     (["bench", "--heads", "4", "--kv-heads", "3"], ["--kv-heads must divide --heads", "3"]),
     (["bench", "--strategies", "hybrid", "--world-size", "3"], ["--strategies hybrid", "3"]),
     (["bench", "--strategies", "hybrid", "--hybrid-inner", "3"], ["--strategies hybrid", "3"]),
+    (["bench", "--strategies", "ring", "--last-pair", "lend"], ["--last-pair", "token_ring"]),
+    (["bench", "--strategies", "ring", "--hybrid-inner", "4"], ["--hybrid-inner", "hybrid"]),
     (["bench", "--mode", "decode", "--new", "0"], ["--new", "'0'"]),
     (["bench", "--mode", "decode", "--cached", "-1"], ["--cached", "'-1'"]),
     (["bench", "--mode", "decode", "--cached", "x"], ["--cached", "'x'"]),
@@ -117,7 +119,18 @@ BAD = [
     (["simulate", "--plot", f"{MISSING}/c.png"], ["--plot", "does not exist"]),
     (["simulate", "--timeline", f"{MISSING}/t.png"], ["--timeline", "does not exist"]),
     (["simulate", "--timeline", "t.png", "--world-size", "128"], ["--timeline", "128"]),
-    (["simulate", "--timeline", "t.png", "--mode", "vectorised"], ["--timeline"]),
+    (["simulate", "--timeline", "t.png", "--mode", "vectorised"], ["--timeline", "vectorised"]),
+    (["simulate", "--hybrid-inner", "4"], ["--hybrid-inner", "--strategies hybrid"]),
+    (["simulate", "--hybrid-outer", "ring"], ["--hybrid-outer", "--strategies hybrid"]),
+    (["simulate", "--strategies", "ring", "--splits", "3"], ["--splits", "token_ring", "ring"]),
+    (
+        [
+            *("simulate", "--strategies", "hybrid", "--hybrid-inner", "2"),
+            *("--hybrid-outer", "ring", "--splits", "3"),
+        ],
+        ["--splits", "bidir_token_ring"],
+    ),
+    (["simulate", "--strategies", "ring", "--lend-last-pair"], ["--lend-last-pair", "token_ring"]),
     (
         ["simulate", "--mode", "event", "--world-size", "20000", "--seq", "1048576"],
         ["--mode event"],

@@ -54,6 +54,7 @@ from tokenring.cli.models import (
     DTYPES,
     TOLERANCE,
     add_hybrid_arguments,
+    check_read,
     models_from_args,
 )
 from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
@@ -1264,12 +1265,17 @@ _MODES_OF_FLAG: dict[str, tuple[str, ...]] = {
 }
 
 
+def _defaults() -> argparse.Namespace:
+    """Every option of ``tokenring bench`` at its default."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
 def _check_flags_of_mode(args: argparse.Namespace) -> None:
     """No option is dropped: one that ``--mode`` does not read, given a value other than its
     default, raises naming the modes that read it; so does --topology without --link."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    defaults = parser.parse_args([])
+    defaults = _defaults()
     for name, modes in _MODES_OF_FLAG.items():
         if args.mode not in modes and getattr(args, name) != getattr(defaults, name):
             flag = "--" + name.replace("_", "-")
@@ -1290,6 +1296,13 @@ def check_args(args: argparse.Namespace) -> None:
         _MODE_MODULES[args.mode].check_args(args)
         return
     config = config_from_args(args)
+    names = [s.value for s in config.strategies]
+    if args.last_pair != "return":
+        check_read("--last-pair", names, [Strategy.TOKEN_RING.value])
+    defaults = _defaults()
+    hybrid_options = (args.hybrid_inner, args.hybrid_outer)
+    if hybrid_options != (defaults.hybrid_inner, defaults.hybrid_outer):
+        check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])
     world = ranks.world_size_of(args)
     for name, model, causal, strategy in config.cases():  # what the ranks build first
         try:

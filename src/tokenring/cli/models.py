@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = [
     "TOLERANCE",
     "KnownModel",
     "add_hybrid_arguments",
+    "check_read",
     "models_from_args",
 ]
 
@@ -81,3 +83,13 @@ def add_hybrid_arguments(group: ArgumentAdder, **inner: Any) -> None:
     group.add_argument(
         "--hybrid-outer", default=Strategy.TOKEN_RING.value, choices=rings, help=outer_help
     )
+
+
+def check_read(flag: str, strategies: Sequence[str], readers: Sequence[str]) -> None:
+    """ValueError unless one of ``strategies`` (values) reads ``flag``: an option that changes
+    only strategies the run leaves out would be dropped without a word."""
+    if not set(strategies) & set(readers):
+        raise ValueError(
+            f"{flag} changes only --strategies {' or '.join(readers)}; got --strategies "
+            f"{','.join(strategies)}"
+        )

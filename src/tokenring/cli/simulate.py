@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenring.cli import int_at_least, mem_available_bytes, output_path
 from tokenring.cli.console import progress, rich_modules
-from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments
+from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments, check_read
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import AttentionShape, Strategy
@@ -281,13 +281,25 @@ def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
     cfg = _config(args)
+    pass_q = [s.value for s in (Strategy.TOKEN_RING, Strategy.BIDIR_TOKEN_RING)]
+    if args.hybrid_inner is not None or args.hybrid_outer != Strategy.TOKEN_RING.value:
+        check_read("--hybrid-inner/--hybrid-outer", args.strategies, [Strategy.HYBRID.value])
+    if args.splits != 2:  # the hybrid's outer ring slices too when it passes Q
+        hybrid = [Strategy.HYBRID.value] if args.hybrid_outer in pass_q else []
+        check_read("--splits", args.strategies, pass_q + hybrid)
+    if args.lend_last_pair:
+        check_read("--lend-last-pair", args.strategies, [Strategy.TOKEN_RING.value])
     if args.timeline or args.trace:
         first = args.world_size[0]
         if args.mode == "vectorised" or (args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE):
+            why = (
+                "--mode vectorised"
+                if args.mode == "vectorised"
+                else f"--world-size {first} > {EVENT_MAX_WORLD_SIZE} under --mode auto"
+            )
             raise ValueError(
-                f"--timeline and --trace need the event engine (--world-size {first} > "
-                f"{EVENT_MAX_WORLD_SIZE} or --mode vectorised); use --mode event or a smaller "
-                "first --world-size"
+                f"--timeline and --trace need the event engine; got {why}: use --mode event or "
+                "a smaller first --world-size"
             )
     # The event engine's memory grows with P^2 and every result keeps its timeline; the
     # vectorised engine's is linear in P (Note [Vectorised engine]).
