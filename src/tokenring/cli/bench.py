@@ -866,39 +866,54 @@ def add_predictions(
     splits = last_block_splits_for(per_rank[0]["comm_path"])  # what the run's calls took
     for indices in report.group_by(range(len(rows)), lambda i: _group_key(rows[i])):
         group = [rows[i] for i in indices]
-        first = group[0]
         fwd_rate, bwd_rate = _kernel_rates([r["rows"][i] for r in per_rank for i in indices])
         hardware = _hardware(
             fwd_rate, bwd_rate, probes, config.dtype, topology, backend, host_computes
         )
-        sharding = make_sharding(layout=first["layout"], world_size=world_size, seq_len=config.seq)
+        sharding = make_sharding(
+            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
+        )
         seq_local = sharding.seq_local  # S / P, or the padded buffer of uneven shards
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):  # at its own FLOP/s
-            result = simulate(
-                row["strategy"],
-                passes="both" if first["pass"] == "fwd+bwd" else "forward",
-                hybrid=config.hybrid,
-                layout=first["layout"],
-                causal=first["causal"],
-                world_size=world_size,
-                seq_local=seq_local,
-                shape=config.models[first["model"]],
-                hardware=dataclasses.replace(
-                    hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
-                ),
-                lend_last_pair=config.lends,
-                last_block_splits=splits,
-            )
-            row["model_ms"] = 1e3 * result.call_s
-            row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
-            row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
+        _add_model_times(group, own_rates, config, hardware, world_size, seq_local, splits)
         _add_planner_pick(group, config, hardware, world_size, seq_local, splits)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
             row["calibration"] = dict(calibration)
     return rows
+
+
+def _add_model_times(
+    group: list[dict[str, Any]],
+    own_rates: list[tuple[float, float]],
+    config: BenchConfig,
+    hardware: Hardware,
+    world_size: int,
+    seq_local: int,
+    last_block_splits: int,
+) -> None:
+    """Add the simulator's prediction of each row of one group, at the row's own FLOP/s."""
+    first = group[0]
+    for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
+        result = simulate(
+            row["strategy"],
+            passes="both" if first["pass"] == "fwd+bwd" else "forward",
+            hybrid=config.hybrid,
+            layout=first["layout"],
+            causal=first["causal"],
+            world_size=world_size,
+            seq_local=seq_local,
+            shape=config.models[first["model"]],
+            hardware=dataclasses.replace(
+                hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
+            ),
+            lend_last_pair=config.lends,
+            last_block_splits=last_block_splits,
+        )
+        row["model_ms"] = 1e3 * result.call_s
+        row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
+        row["model_error_pct"] = 100 * (row["ms_median"] / row["model_ms"] - 1)
 
 
 def _add_planner_pick(
