@@ -32,6 +32,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
 )
 from transformers import (  # noqa: E402
+    AttentionInterface,
     AutoModelForCausalLM,
     Llama4TextConfig,
     LlamaConfig,
@@ -502,6 +503,59 @@ def test_one_rank_matches_sdpa_and_refuses_what_it_cannot_do() -> None:
     name = "cache" if hasattr(prefill, "cache") else "past_key_values"
     with pytest.raises(NotImplementedError, match="KV cache"):
         model(input_ids=input_ids[:, -2:], sequence_parallel=sp, **{name: getattr(prefill, name)})
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_attention_options_tokenring_cannot_honour_raise() -> None:
+    """An attention keyword that changes the scores (T5's position_bias, attention sinks)
+    raises instead of being dropped; None or False for it, and bookkeeping, pass."""
+    hf.register()
+    name = "tokenring"
+    attend = AttentionInterface()[name]
+    module = torch.nn.Module()
+    sp = hf.SequenceParallel()
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)  # (B, H, s, D)
+    k = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    fine = {"sinks": None, "output_attentions": False, "use_cache": True, "deterministic": True}
+    out, _ = attend(module, q, k, k, None, sequence_parallel=sp, **fine)
+    assert out.shape == (1, 8, 4, 8)
+    for option, value, named in (
+        ("position_bias", torch.zeros(1, 4, 8, 8), r"position_bias \(a tensor of shape"),
+        ("sinks", torch.zeros(4), "sinks"),
+        ("head_mask", torch.ones(4), "head_mask"),
+        ("attention_temperature", 0.5, "attention_temperature=0.5"),
+    ):
+        with pytest.raises(
+            NotImplementedError, match=f"does not support the attention option {named}"
+        ):
+            attend(module, q, k, k, None, sequence_parallel=sp, **{option: value})
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_position_ids_must_be_the_shards_up_to_an_offset() -> None:
+    """Documents packed in position_ids alone (transformers would mask them) raise; with
+    SequenceParallel(cu_seqlens=...) the same call matches one process, and a constant offset
+    (RoBERTa's positions) passes."""
+    hf.register()
+    state = initial_states()["gqa"]
+    sdpa = build_model("gqa", state, torch.float64, "sdpa")  # eager's softmax is float32
+    model = build_model("gqa", state, torch.float64, "tokenring")
+    input_ids, _ = make_batch(8)
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with pytest.raises(
+        NotImplementedError, match="token 4: got 0 where the shard holds position 4"
+    ):
+        model(input_ids=input_ids, position_ids=packed, sequence_parallel=hf.SequenceParallel())
+    sp = hf.SequenceParallel(layout="contiguous", seq_len=8, cu_seqlens=(0, 4, 8))
+    batch = hf.shard_batch(sp, input_ids)
+    assert torch.equal(batch.position_ids, packed)
+    got = model(input_ids=input_ids, position_ids=packed, sequence_parallel=sp).logits
+    want = sdpa(input_ids=input_ids, position_ids=packed).logits
+    assert (got - want).abs().max().item() <= FP64
+    shifted = torch.arange(8)[None] + 5  # every token 5 further: one offset
+    got = model(input_ids=input_ids, position_ids=shifted, sequence_parallel=hf.SequenceParallel())
+    want = sdpa(input_ids=input_ids, position_ids=shifted).logits
+    assert (got.logits - want).abs().max().item() <= FP64
 
 
 def test_shift_labels_is_global_and_stops_at_documents() -> None:

@@ -198,6 +198,52 @@ def test_check_model_catches_models_whose_attention_never_runs() -> None:
             hf.check_model(_models(name, torch.float32)[1])  # attention only: no error
 
 
+# models whose attention layers compute attention in their own code: attn_implementation=
+# "tokenring" set after loading is accepted by transformers and never runs, so each rank would
+# attend over its own shard alone (Bloom and GPT-Neo gave logits off by 0.003 and 0.09 on 2
+# ranks, silently); some (Falcon, GPT-Neo) raise KeyError when built with the name instead
+OWN_ATTENTION = (
+    ("bloom", {"hidden_size": 32, "n_layer": 1, "n_head": 4}),
+    ("gpt_neo", {"hidden_size": 32, "num_layers": 1, "num_heads": 4,
+                 "attention_types": [[["global"], 1]]}),
+    ("mpt", {"d_model": 32, "n_heads": 4, "n_layers": 1, "max_seq_len": 64}),
+    ("falcon", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4}),
+    ("xglm", {"d_model": 32, "num_layers": 1, "attention_heads": 4, "ffn_dim": 48}),
+)  # fmt: skip
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize(("name", "sizes"), OWN_ATTENTION, ids=[n for n, _ in OWN_ATTENTION])
+def test_check_model_refuses_a_model_that_computes_attention_itself(
+    name: str, sizes: dict[str, Any]
+) -> None:
+    if name not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    hf.register()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(name, vocab_size=64, **sizes)
+        model = AutoModelForCausalLM.from_config(config)  # set_attn_implementation("tokenring")
+    with pytest.raises(NotImplementedError, match="through transformers' AttentionInterface"):
+        hf.check_model(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(NotImplementedError, match="AttentionInterface"):
+        hf.all_reduce_gradients(hf.SequenceParallel(), model)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_check_model_passes_a_model_that_calls_attention_through_the_interface() -> None:
+    """BioGPT says _supports_attention_backend = False yet its attention goes through the
+    interface: the check reads the code, not the flag."""
+    if "biogpt" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no 'biogpt'")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model("biogpt", **COMMON)
+        hf.check_model(AutoModelForCausalLM.from_config(config))
+
+
 @pytest.mark.usefixtures("single_rank_group")
 def test_a_model_that_drops_sequence_parallel_raises_saying_so() -> None:
     # StableLM's decoder layers do not pass the forward's keyword arguments to attention

@@ -157,6 +157,17 @@ def run_trainer(state: dict[str, torch.Tensor], data: list[dict[str, torch.Tenso
             callbacks=[recorder],
         )
         trainer.train()
+        # what the Trainer would do besides the causal-LM loss raises, not dropped silently
+        smoothing = TrainingArguments(**{**args.to_dict(), "label_smoothing_factor": 0.1})
+        for extra, what in (
+            ({"args": smoothing}, "label smoothing"),
+            ({"args": args, "compute_loss_func": lambda *a, **k: 0.0}, "compute_loss_func"),
+            ({"args": args, "compute_metrics": lambda p: {}}, "compute_metrics"),
+        ):
+            with pytest.raises(NotImplementedError, match=what):
+                SequenceParallelTrainer(
+                    model=model, train_dataset=data, sequence_parallel=sp, **extra
+                )
     # a rank that passes something else: every rank of its group raises, naming it
     odd = mesh["sp"].get_local_rank() == 1
     bad: dict[str, Any] = {"input_ids": [1] if odd else torch.zeros(1)}

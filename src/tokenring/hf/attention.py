@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -413,15 +414,31 @@ def _unsupported_layers(config: Any) -> str | None:
 
 def check_model(model: torch.nn.Module) -> None:
     """Raise NotImplementedError if a layer of ``model`` mixes tokens other than by attention
-    (Note [Layers that mix tokens]): its shard would not see the rest of the sequence."""
+    (Note [Layers that mix tokens]), or if no module hands its attention to transformers'
+    ``AttentionInterface`` (Bloom, GPT-Neo, MPT, Falcon, XGLM: ``attn_implementation`` never
+    reaches tokenring there): a shard would not see the rest of the sequence."""
     config = getattr(model, "config", None)
     reason = _unsupported_layers(config)
     for path, module in model.named_modules() if reason is None else ():
         if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
             reason = f"its module {path!r} is a convolution over the sequence"
             break
+    if reason is None and not any(_routes_attention(m) for m in model.modules()):
+        reason = (
+            f"no module of {type(model).__name__} calls attention through transformers' "
+            "AttentionInterface (it computes attention in its own code, which would see this "
+            "rank's shard alone)"
+        )
     if reason is not None:
         _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
+
+
+def _routes_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward dispatches on transformers' ``ALL_ATTENTION_FUNCTIONS``
+    (the registry of ``attn_implementation`` names), read from its code's global names."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 def _refuse_layers(name: str, config: Any, reason: str) -> None:
@@ -438,6 +455,24 @@ def _refuse_layers(name: str, config: Any, reason: str) -> None:
 
 # local packing (flash-attention's varlen); ours is global: SequenceParallel(cu_seqlens=...)
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# what models hand every attention call besides the attention's own options: bookkeeping of
+# the forward and the loss (transformers' TransformersKwargs), none of it changes attention;
+# position_ids are checked against the shard (_check_positions). Any other keyword that is
+# set (not None, not False) is an option tokenring cannot honour: T5's position_bias, sinks
+_INERT_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "deterministic",
+        "num_items_in_batch",
+        "labels",
+        "shift_labels",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+    }
+)
 
 
 def _attention_forward(
@@ -479,6 +514,8 @@ def _attention_forward(
             "generate with tokenring.hf.generate)"
         )
     _check_options(name, module, kwargs)
+    if cache is None:
+        _check_positions(name, sp, kwargs.get("position_ids"), query.shape[2])
     if sp.hardware is not None and strategy != "auto" and cache is None:
         raise ValueError(
             f"SequenceParallel.hardware only chooses the strategy of "
@@ -521,6 +558,69 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     ):
         if unsupported:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
+    handled = {"dropout", "softcap", "s_aux", "output_attentions", *_PACKING_KWARGS}
+    for key, value in kwargs.items():
+        if key in handled or key in _INERT_KWARGS or value is None or value is False:
+            continue
+        shown = f" (a tensor of shape {tuple(value.shape)})" if hasattr(value, "shape") else ""
+        raise NotImplementedError(
+            f"attn_implementation={name!r} does not support the attention option "
+            + (f"{key}{shown}" if shown else f"{key}={value!r}")
+            + f" that {type(module).__name__} passes (tokenring attention would ignore it)"
+        )
+
+
+# id of a position_ids tensor -> (a weak reference to it, its _version) once _check_positions
+# passed it: every layer of a forward gets the same tensor, so it is read once (one host
+# sync); an entry goes with its tensor
+_POSITIONS_CHECKED: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+
+def _positions_checked(given: torch.Tensor) -> bool:
+    entry = _POSITIONS_CHECKED.get(id(given))
+    return entry is not None and entry[0]() is given and entry[1] == given._version
+
+
+def _remember_positions(given: torch.Tensor) -> None:
+    key = id(given)
+    forget = weakref.ref(given, lambda _: _POSITIONS_CHECKED.pop(key, None))
+    _POSITIONS_CHECKED[key] = (forget, given._version)
+
+
+def _check_positions(name: str, sp: SequenceParallel, given: Any, seq_local: int) -> None:
+    """Raise NotImplementedError unless ``given`` ``(B, s)`` position_ids are this rank's
+    positions under ``sp`` (``shard_batch``'s) up to one offset per row (RoBERTa's).
+    transformers reads restarts in position_ids as packed documents; the attention masks
+    documents from ``sp.cu_seqlens`` alone, so positions of other documents or another
+    shard would be silently ignored."""
+    if not isinstance(given, torch.Tensor) or given.dim() != 2 or seq_local < 2:
+        return  # (3, B, s) multimodal positions carry no documents
+    if _positions_checked(given):
+        return
+    comm = sp.communicator
+    seq_len = sp.seq_len if sp.seq_len is not None else seq_local * comm.world_size
+    expected = position_ids(
+        rank=comm.rank,
+        world_size=comm.world_size,
+        layout=sp.layout,
+        seq_len=seq_len,
+        cu_seqlens=sp.cu_seqlens,
+    ).to(given.device)  # (s,)
+    if expected.numel() != given.shape[1]:
+        return  # the attention call names the length this rank must hold
+    offset = given - expected  # (B, s)
+    if not bool((offset == offset[:, :1]).all()):
+        token = int((offset != offset[:, :1]).any(0).nonzero()[0])
+        raise NotImplementedError(
+            f"attn_implementation={name!r}: position_ids are not rank {comm.rank}'s positions "
+            f"under SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len="
+            f"{sp.seq_len}, cu_seqlens={sp.cu_seqlens}) (its token {token}: got "
+            f"{given[0, token].item()} where the shard holds position {expected[token].item()} "
+            "of its document, other tokens at another offset); packed documents need "
+            "SequenceParallel(seq_len=..., cu_seqlens=...), and position_ids from "
+            "tokenring.hf.shard_batch"
+        )
+    _remember_positions(given)
 
 
 def _fields(obj: Any) -> dict[str, Any]:

@@ -68,7 +68,8 @@ class SequenceParallelTrainer(Trainer):
         ValueError: sequence_parallel is not a SequenceParallel, or its group size does not
             divide the number of processes.
         NotImplementedError: a layer of the model mixes tokens other than by attention
-            (``tokenring.hf.check_model``).
+            (``tokenring.hf.check_model``); label smoothing, ``compute_loss_func`` or
+            ``compute_metrics`` (the loss is the causal-LM loss over the global sequence).
     """
 
     loss_is_scaled_for_ga = False  # a mean per micro-batch: Trainer divides by the GA steps
@@ -79,6 +80,16 @@ class SequenceParallelTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.model is not None:  # with model_init: each trial's model is not checked
             check_model(self.model)
+        for option, given in (
+            ("label smoothing (label_smoothing_factor)", self.label_smoother is not None),
+            ("compute_loss_func", self.compute_loss_func is not None),
+            (
+                "compute_metrics (prediction_step returns the loss alone)",
+                self.compute_metrics is not None,
+            ),
+        ):
+            if given:  # compute_loss and prediction_step would drop it
+                raise NotImplementedError(f"SequenceParallelTrainer does not support {option}")
         self.sequence_parallel = sequence_parallel
         sp_size = sequence_parallel.communicator.world_size
         num_processes = self.accelerator.num_processes
