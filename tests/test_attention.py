@@ -176,3 +176,20 @@ def test_matches_oracle_and_traffic_formula_on_one_rank(single_rank_group: None)
 def test_matches_oracle_and_traffic_formula(world_size: int) -> None:
     """One launch per world size; every strategy and the whole grid inside the ranks."""
     _assert_no_failures(tokenring.launch(run_grid, world_size=world_size, timeout_s=400))
+
+
+def test_module_rejects_return_lse(single_rank_group: None) -> None:
+    """The module's forward returns out only (its docstring): return_lse=True is refused at
+    build time, naming it, instead of failing (or returning a tuple) in forward."""
+    for value in (True, "no", 1):
+        with pytest.raises(ValueError, match=f"return_lse must be False.*; got {value!r}"):
+            tokenring.SequenceParallelAttention(strategy="ring", return_lse=value)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 8, dtype=torch.float64) for _ in range(3))
+    module = tokenring.SequenceParallelAttention(strategy="ring", causal=True, return_lse=False)
+    out = module(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=True
+    ).transpose(1, 2)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, ref)

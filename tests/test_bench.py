@@ -75,6 +75,19 @@ def test_bench_json_rows_cover_the_grid(capsys: pytest.CaptureFixture[str], tmp_
     assert "| hybrid 1x2 token_ring |" in text
 
 
+def test_bench_of_some_strategies_plans_among_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the hybrid in --strategies the planner is not handed the hybrid's spec (it
+    raises when its strategies leave the hybrid out) and picks among the rows run."""
+    argv = ["bench", *TINY, "--strategies", "token_ring,ring", "--causal", "yes", "--json"]
+    status = main([*argv, "--passes", "fwd", "--last-pair", "lend"])
+    assert status == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sorted(r["strategy"] for r in rows) == ["ring", "token_ring"]
+    assert {r["planner_pick"] for r in rows} <= {"ring", "token_ring"}
+    assert [r["last_pair"] for r in rows if r["strategy"] == "token_ring"] == ["lend"]
+
+
 def test_bench_table_and_failed_verification_exit(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["bench", *TINY, "--causal", "yes", "--passes", "fwd", "--tolerance", "0"])
     out = capsys.readouterr().out

@@ -799,3 +799,64 @@ def test_explain_cached_kernel_call_s_overrides_the_hardwares() -> None:
     )
     with pytest.raises(ValueError, match="kernel_call_s must be a finite number >= 0; got -1"):
         explain_cached(**case, hardware=hw, kernel_call_s=-1.0)
+
+
+def test_cache_rejects_a_group_with_rank_and_non_bool_or_bool_options(
+    single_rank_group: None,
+) -> None:
+    """group= with rank=/world_size= is refused (not the group silently dropped), flags must
+    be bools and sizes ints (True is not a size): each error names the argument and value."""
+    base: dict[str, Any] = {"num_layers": 1, "batch": 1, "heads_kv": 2, "head_dim": 4}
+    comm = tokenring.get_communicator(None)
+    for group in (comm, dist.group.WORLD):
+        for ranks in ({"rank": 0, "world_size": 1}, {"rank": 0}, {"world_size": 1}):
+            with pytest.raises(ValueError, match="group and rank/world_size") as info:
+                DistributedKVCache(**base, group=group, **ranks)
+            assert type(group).__name__ in str(info.value)
+            for name, value in ranks.items():
+                assert f"{name}={value}" in str(info.value)
+    for change, words in [
+        ({"zigzag_first_prefill": "no"}, "zigzag_first_prefill must be a bool; got 'no'"),
+        ({"zigzag_first_prefill": 0}, "zigzag_first_prefill must be a bool; got 0"),
+        ({"num_layers": True}, "num_layers must be an int >= 1; got True"),
+        ({"batch": True}, "batch must be an int >= 1; got True"),
+        ({"heads_kv": True}, "heads_kv must be an int >= 1; got True"),
+        ({"head_dim": True}, "head_dim must be an int >= 1; got True"),
+        ({"block_size": True}, "block_size must be an int >= 1; got True"),
+        ({"budget_bytes": True}, "budget_bytes must be >= 0 or None; got True"),
+        ({"budget_bytes": "8"}, "budget_bytes must be >= 0 or None; got '8'"),
+        ({"rank": True, "world_size": 2}, "rank must be in [0, world_size=2); got True"),
+        ({"rank": 0, "world_size": True}, "world_size must be an int >= 1; got True"),
+        ({"rank": 0, "world_size": 0}, "world_size must be an int >= 1; got 0"),
+    ]:
+        with pytest.raises(ValueError, match=_literal(words)):
+            DistributedKVCache(**{**base, **change})
+    # the valid forms still build: a group alone (attention runs on it), ranks alone
+    assert DistributedKVCache(**base, group=comm).comm is comm
+    assert DistributedKVCache(**base, rank=1, world_size=2).comm is None
+    # zigzag_first_prefill=False is honoured: a first prefill of 2P tokens stays block-cyclic
+    for flag in (True, False):
+        cache = DistributedKVCache(
+            **base, block_size=1, rank=0, world_size=2, zigzag_first_prefill=flag
+        )
+        step = cache.begin_step((4,))
+        assert step.zigzag is flag
+        # zigzag: rank 0 holds chunks 0 and 3 of 4; block-cyclic (bs=1): positions 0 and 2
+        assert step.new_positions[0][0].tolist() == ([0, 3] if flag else [0, 2])
+
+
+def test_begin_step_check_ranks_must_be_a_bool(single_rank_group: None) -> None:
+    """As cached_attn: check_ranks="no" is refused (not read as true), with or without a
+    group, and the cache is unchanged."""
+    base: dict[str, Any] = {"num_layers": 1, "batch": 1, "heads_kv": 2, "head_dim": 4}
+    for cache in (
+        DistributedKVCache(**base, rank=0, world_size=2),
+        DistributedKVCache(**base, group=tokenring.get_communicator(None)),
+    ):
+        for flag in ("no", 1, None):
+            with pytest.raises(
+                ValueError, match=_literal(f"check_ranks must be a bool; got {flag!r}")
+            ):
+                cache.begin_step((3,), check_ranks=flag)  # type: ignore[arg-type]
+            assert cache.step is None and cache.lengths == (0,)
+        assert cache.begin_step((3,), check_ranks=False).new == (3,)

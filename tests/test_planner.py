@@ -225,3 +225,43 @@ def test_calibrate_agrees_across_ranks() -> None:
     ):
         assert 0 < rate < float("inf")
     assert first.interconnect.latency_s >= 0
+
+
+def test_explain_takes_a_preset_name_for_hardware() -> None:
+    """A preset name means that preset (as explain_cached and sequence_parallel_attn take
+    it); an unknown name or a non-Hardware is a ValueError naming hardware."""
+    kw: dict[str, Any] = dict(heads_q=32, heads_kv=8, layout="zigzag", strategies=PAIR, **CALL)
+    for name in ("h100-nvswitch", "a100-nvswitch"):
+        plan = explain(hardware=name, **kw)
+        assert plan == explain(hardware=PRESETS[name], **kw)
+        assert plan.hardware == name
+    with pytest.raises(ValueError, match=r"hardware must be one of .*; got 'h100'"):
+        explain(hardware="h100", **kw)
+    for bad in (None, 3, {"name": "h100-nvswitch"}):
+        with pytest.raises(ValueError, match="hardware must be a Hardware or a preset name"):
+            explain(hardware=bad, **kw)
+
+
+def test_explain_flags_must_be_bools() -> None:
+    kw: dict[str, Any] = dict(heads_q=8, heads_kv=8, hardware=MESH, strategies=PAIR, **CALL)
+    for name, value in [("causal", "no"), ("causal", 1), ("training", "no"), ("training", None)]:
+        with pytest.raises(ValueError, match=f"{name} must be a bool; got {value!r}"):
+            explain(**{**kw, name: value})
+    # choose_strategy goes through explain: the same check
+    with pytest.raises(ValueError, match="training must be a bool; got 'no'"):
+        choose_strategy(**{**kw, "layout": "zigzag", "training": "no"})
+
+
+def test_explain_rejects_a_hybrid_its_strategies_leave_out() -> None:
+    """hybrid= is predicted only as the 'hybrid' candidate: explicit strategies without it
+    make the spec a no-op, so that is an error; strategies=None (every strategy) takes it."""
+    spec = HybridSpec(inner=1, outer_strategy="ring")
+    kw: dict[str, Any] = dict(heads_q=32, heads_kv=8, hardware=MESH, layout="zigzag", **CALL)
+    with pytest.raises(ValueError, match="strategies must include 'hybrid'") as info:
+        explain(strategies=PAIR, hybrid=spec, **kw)
+    assert "['token_ring', 'ring']" in str(info.value) and repr(spec) in str(info.value)
+    with pytest.raises(ValueError, match="hybrid must be a HybridSpec or None; got 2"):
+        explain(strategies=["hybrid"], hybrid=2, **kw)
+    everything = explain(hybrid=spec, **kw)
+    assert Strategy.HYBRID in {p.strategy for p in everything.predictions}
+    assert explain(strategies=[*PAIR, "hybrid"], hybrid=spec, **kw).pick is Strategy.RING

@@ -967,7 +967,12 @@ def allgather_kv_attn(
 
 class SequenceParallelAttention(torch.nn.Module):
     """``nn.Module``: ``forward(q, k, v) -> out`` with :func:`sequence_parallel_attn`'s
-    options fixed at build time."""
+    options fixed at build time.
+
+    Raises:
+        ValueError: ``return_lse`` other than False (forward returns ``out`` only; call
+            :func:`sequence_parallel_attn` for ``(out, lse)``).
+    """
 
     def __init__(
         self,
@@ -980,6 +985,12 @@ class SequenceParallelAttention(torch.nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
+        if options.get("return_lse", False) is not False:
+            raise ValueError(
+                "return_lse must be False for SequenceParallelAttention (forward returns out "
+                "only; call sequence_parallel_attn(..., return_lse=True) for (out, lse)); got "
+                f"{options['return_lse']!r}"
+            )
         self.strategy: Strategy | str = "auto" if strategy == "auto" else Strategy.parse(strategy)
         self.layout = Layout.parse(layout)
         self.causal = causal

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tokenring.api import _DTYPES, get_communicator
+from tokenring.core.layout import check_int
 from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CacheStep, place_new_tokens
 
@@ -82,6 +83,12 @@ def _ranks(
     group: Any, rank: int | None, world_size: int | None
 ) -> tuple[Communicator | None, int, int]:
     """The cache's communicator (None without a group), rank and world size."""
+    if group is not None and (rank is not None or world_size is not None):
+        raise ValueError(
+            "group and rank/world_size are exclusive: give group= (attention runs on it) or "
+            "rank= and world_size= (bookkeeping only), not both; got "
+            f"group={type(group).__name__}, rank={rank!r}, world_size={world_size!r}"
+        )
     if (rank is None) != (world_size is None):
         raise ValueError(
             f"rank and world_size must be given together; got rank={rank}, world_size={world_size}"
@@ -91,8 +98,9 @@ def _ranks(
         comm = get_communicator(group)
         rank, world_size = comm.rank, comm.world_size
     assert rank is not None and world_size is not None
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+    check_int("world_size", world_size, 1)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank!r}")
     return comm, rank, world_size
 
 
@@ -116,8 +124,9 @@ class DistributedKVCache:
             runs on the ordinary attention path).
 
     Raises:
-        ValueError: a size below 1, an unsupported dtype, rank outside [0, world_size), or
-            only one of rank / world_size.
+        ValueError: a size that is not an int >= 1 (bools are not sizes), an unsupported
+            dtype, rank outside [0, world_size), only one of rank / world_size, a group
+            together with rank / world_size, or a non-bool ``zigzag_first_prefill``.
     """
 
     def __init__(
@@ -143,14 +152,19 @@ class DistributedKVCache:
             ("head_dim", head_dim),
             ("block_size", block_size),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+            check_int(name, value, 1)
         if dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be one of float64, float32, bfloat16, float16; got {dtype}"
             )
-        if budget_bytes is not None and budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes}")
+        if budget_bytes is not None and (
+            isinstance(budget_bytes, bool)
+            or not isinstance(budget_bytes, int | float)
+            or not budget_bytes >= 0
+        ):
+            raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes!r}")
+        if not isinstance(zigzag_first_prefill, bool):
+            raise ValueError(f"zigzag_first_prefill must be a bool; got {zigzag_first_prefill!r}")
         self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
@@ -276,11 +290,14 @@ class DistributedKVCache:
             The step: positions per rank, packed-row counts (``CacheStep``).
 
         Raises:
-            ValueError: ``new`` is not B ints >= 0, or ranks passed different ``new``.
+            ValueError: ``new`` is not B ints >= 0, ranks passed different ``new``, or
+                ``check_ranks`` is not a bool.
             RuntimeError: a layer has not appended the previous step's K/V.
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
+        if not isinstance(check_ranks, bool):
+            raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
         validate = functools.partial(self._checked_placement, new)
         if self.comm is None:  # no group to agree over
             step = validate()[0]

@@ -943,7 +943,10 @@ def _add_planner_pick(
     )
     strategies = [row["strategy"] for row in group]
     plan = explain(
-        **plan_of, strategies=strategies, hybrid=config.hybrid, last_pair=config.last_pair
+        **plan_of,
+        strategies=strategies,
+        hybrid=config.hybrid if Strategy.HYBRID.value in strategies else None,
+        last_pair=config.last_pair,
     )
     planned = {p.strategy.value: 1e3 * p.total_s for p in plan.predictions}  # the candidates
     # against the measured fastest (Note [Verdicts within noise])

@@ -74,6 +74,7 @@ from tokenring.core.schedule import (
     piece_flops,
 )
 from tokenring.model.costmodel import (
+    PRESETS,
     CollectiveRouting,
     Hardware,
     Topology,
@@ -339,7 +340,7 @@ def explain(
     head_dim: int,
     dtype: str | torch.dtype,
     causal: bool,
-    hardware: Hardware,
+    hardware: Hardware | str,
     layout: Layout | str | None = None,
     training: bool = False,
     batch: int = 1,
@@ -354,13 +355,15 @@ def explain(
 
     Args:
         world_size, seq_local, heads_q, heads_kv, head_dim, dtype, causal, batch: the call.
-        hardware: a preset (``costmodel.PRESETS``), ``measured(...)`` or :func:`calibrate`'s.
+        hardware: a preset or its name (``costmodel.PRESETS``), ``measured(...)`` or
+            :func:`calibrate`'s.
         layout: the caller's layout; None compares every layout ``seq_local`` allows.
         training: also predict the backward pass (the pick minimises forward + backward).
         strategies: candidates (default: every ``Strategy``), kept in ``Strategy`` order.
         last_block_splits: as ``sequence_parallel_attn``.
         mode: simulator engine (``auto``, ``event``, ``vectorised``).
-        hybrid: the factorisation to predict ``Strategy.HYBRID`` with; None: skipped.
+        hybrid: the factorisation to predict ``Strategy.HYBRID`` with (``strategies`` must
+            include the hybrid); None: skipped.
         last_pair: TokenRing's last pair: ``"return"``, ``"lend"``
             (Note [Borrowed last pair]) or ``"auto"`` (the faster, as lends_last_pair says).
 
@@ -369,14 +372,27 @@ def explain(
 
     Raises:
         ValueError: non-positive sizes, heads_kv not dividing heads_q, an unknown strategy,
-            layout or ``last_pair``, a seq_local the layout cannot split, a dtype the
-            hardware has no FLOP/s for, or a ``hybrid`` that does not fit.
+            layout, ``last_pair`` or hardware preset, a non-bool ``causal`` or ``training``,
+            a seq_local the layout cannot split, a dtype the hardware has no FLOP/s for, or
+            a ``hybrid`` that does not fit or that ``strategies`` leaves out.
     """
     if last_pair not in _LENDS:
         raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
+    for name, flag in (("causal", causal), ("training", training)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool; got {flag!r}")
+    hardware = _hardware(hardware)
     shape = _call_shape(world_size, seq_local, heads_q, heads_kv, head_dim, dtype, batch, hardware)
     layouts, ordered = _candidates(layout, seq_local, strategies)
-    if hybrid is not None and Strategy.HYBRID in ordered:
+    if hybrid is not None:
+        if not isinstance(hybrid, HybridSpec):
+            raise ValueError(f"hybrid must be a HybridSpec or None; got {hybrid!r}")
+        if Strategy.HYBRID not in ordered:
+            raise ValueError(
+                "strategies must include 'hybrid' when hybrid= is given (the spec only "
+                f"prices that candidate); got strategies={[s.value for s in ordered]}, "
+                f"hybrid={hybrid!r}"
+            )
         hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     return _plan(
         world_size,
@@ -392,6 +408,18 @@ def explain(
         hybrid,
         last_pair,
     )
+
+
+def _hardware(hardware: Hardware | str) -> Hardware:
+    """``hardware`` itself, or the preset it names."""
+    if isinstance(hardware, str):
+        return preset(hardware)
+    if not isinstance(hardware, Hardware):
+        raise ValueError(
+            f"hardware must be a Hardware or a preset name (one of {sorted(PRESETS)}); got "
+            f"{hardware!r}"
+        )
+    return hardware
 
 
 def _call_shape(
@@ -437,7 +465,7 @@ def choose_strategy(
     causal: bool,
     layout: Layout | str,
     training: bool,
-    hardware: Hardware,
+    hardware: Hardware | str,
     batch: int = 1,
     last_block_splits: int = 2,
     strategies: Sequence[Strategy | str] | None = None,
@@ -469,7 +497,7 @@ def lends_last_pair(
     causal: bool,
     layout: Layout | str,
     training: bool,
-    hardware: Hardware,
+    hardware: Hardware | str,
     batch: int = 1,
     last_block_splits: int = 2,
 ) -> bool:
