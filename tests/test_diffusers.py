@@ -346,6 +346,22 @@ def test_unknown_placements_are_named() -> None:
         tr_diffusers.KVPlacement.parse("ring")
 
 
+@pytest.mark.usefixtures("single_rank_group")
+def test_cross_attn_checks_what_joint_attn_checks() -> None:
+    """softmax_scale and group are checked as sequence_parallel_attn checks them, also with
+    replicated K/V (which need no exchange): a bad scale made NaN or another answer."""
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    k = torch.randn(1, 6, 2, 8, dtype=torch.float64)
+    for scale in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+            tr_diffusers.cross_attn(q, k, k, kv="replicated", softmax_scale=scale)
+    with pytest.raises(ValueError, match="group must be a ProcessGroup"):
+        tr_diffusers.cross_attn(q, k, k, kv="replicated", group="not a group")
+    out = tr_diffusers.cross_attn(q, k, k, kv="replicated", softmax_scale=0.5)
+    want = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, k)), scale=0.5)
+    assert (out - want.transpose(1, 2)).abs().max().item() < 1e-12
+
+
 def test_dit_video_example_matches_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     import dit_video
 

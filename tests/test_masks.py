@@ -29,6 +29,7 @@ from oracle import (
     tolerance_failures,
     visible_mask,
 )
+from tokenring.core.masks import normalize_window
 
 CASES = [  # (seq_len, cu_seqlens, window (left, right), attention_chunk_size); right is
     # ignored when causal. Chunks of 4 from each document's start cut the documents and the
@@ -259,3 +260,14 @@ def test_odd_length_1001_every_strategy() -> None:
     per_rank = _per_rank(LONG_ODD_WORLD_SIZE)
     failures = [f"rank {r}: {f}" for r, found in enumerate(per_rank) for f in found["long odd"]]
     assert not failures, "\n".join(failures[:20])
+
+
+def test_window_size_takes_integers_only() -> None:
+    """A float window is not rounded (2.9 used to run as 2); ints of any kind pass."""
+    assert normalize_window(None, causal=False) == (-1, -1)
+    assert normalize_window(3, causal=True) == (3, 0)
+    assert normalize_window((torch.tensor(2), 1), causal=False) == (2, 1)
+    assert normalize_window(torch.tensor([4, -1]), causal=False) == (4, -1)
+    for bad in ((2.9, 0), 2.5, (2,), (True, 1), "ab", (-2, 0)):
+        with pytest.raises(ValueError, match="window_size must be"):
+            normalize_window(bad, causal=False)  # type: ignore[arg-type]

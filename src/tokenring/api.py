@@ -83,12 +83,7 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
     """
     if isinstance(group, Communicator):
         return group
-    group = _mesh_group(group)
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(
-            "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "
-            f"got {type(group).__name__}"
-        )
+    group = check_group(group)
     for cached in [c for c in _COMMUNICATORS.values() if not c.group_alive]:
         del _COMMUNICATORS[cached.group]
         cached.close()
@@ -103,6 +98,30 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
             raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
         comm.timeout = timedelta(seconds=timeout_s)
     return comm
+
+
+def check_group(group: GroupLike) -> dist.ProcessGroup | Communicator | None:
+    """``group`` as a process group (a 1-D DeviceMesh's) or the Communicator it is, without
+    building a communicator.
+
+    Raises:
+        ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
+    """
+    if isinstance(group, Communicator):
+        return group
+    group = _mesh_group(group)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "
+            f"got {type(group).__name__}"
+        )
+    return group
+
+
+def check_softmax_scale(softmax_scale: float | None) -> None:
+    """ValueError unless ``softmax_scale`` is None or a finite number > 0."""
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
 def _cached(group: dist.ProcessGroup | None) -> Communicator | None:
@@ -309,8 +328,7 @@ def _validate(
         raise ValueError(f"heads_kv must divide heads_q; got heads_q={hq}, heads_kv={hkv}")
     if b < 1 or d < 1:
         raise ValueError(f"batch and head_dim must be >= 1; got shape {tuple(q.shape)}")
-    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
+    check_softmax_scale(softmax_scale)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -66,7 +66,13 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
+from tokenring.api import (
+    GroupLike,
+    check_group,
+    check_softmax_scale,
+    get_communicator,
+    sequence_parallel_attn,
+)
 from tokenring.core.enums import parse_enum
 from tokenring.model.costmodel import Hardware
 from tokenring.runtime.comm import Communicator
@@ -232,10 +238,13 @@ def cross_attn(
         (their sum over the ranks is the gradient); of sharded K/V, complete.
 
     Raises:
-        ValueError: bad shapes, an unknown ``kv``, or no key at all.
+        ValueError: bad shapes, an unknown ``kv``, a softmax_scale that is not a finite
+            number > 0, a group that is not one, or no key at all.
     """
     placement = KVPlacement.parse(kv)
     _check_qkv(q, k, v, same_len=False)
+    check_softmax_scale(softmax_scale)
+    check_group(group)  # replicated K/V need no exchange, but a bad group is still an error
     if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
         raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
     if placement is KVPlacement.SHARDED:
