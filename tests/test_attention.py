@@ -193,3 +193,12 @@ def test_module_rejects_return_lse(single_rank_group: None) -> None:
     ).transpose(1, 2)
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, ref)
+
+
+def test_return_lse_must_be_a_bool(single_rank_group: None) -> None:
+    """A string is not a bool: return_lse="no" returned (out, lse), as "no" is truthy."""
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="return_lse must be a bool; got 'no'"):
+        tokenring.sequence_parallel_attn(q, q, q, return_lse="no")  # type: ignore[arg-type]
+    out, lse = tokenring.sequence_parallel_attn(q, q, q, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (1, 2, 4)

@@ -759,8 +759,11 @@ def sequence_parallel_attn(
             gradient).
         kernel: block kernel name or instance; None picks one for the device and dtype.
         last_block_splits: TokenRing returns its last block in this many slices, so the
-            first slices travel while the rest is computed. None: 2, or 1 where the
-            communicator moves messages through shared memory (Note [Last block slices]).
+            first slices travel while the rest is computed; at most one per K/V head (or per
+            query head with one K/V head, or per row of a single unmasked piece): a larger
+            value gives the same slices (Note [Last block by heads] in
+            tokenring.strategies.ring). None: 2, or 1 where the communicator moves messages
+            through shared memory (Note [Last block slices]).
         last_pair: TokenRing's last pair (Note [Borrowed last pair] in
             tokenring.strategies.ring): ``"return"``, ``"lend"`` or ``"auto"`` (the cost model
             decides on ``hardware``). None: ``"auto"`` with ``strategy="auto"``, else
@@ -791,6 +794,8 @@ def sequence_parallel_attn(
         RuntimeError: under torch.compile, a ProcessGroup not seen eagerly (call
             ``get_communicator(group)`` once first).
     """
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be a bool; got {return_lse!r}")
     values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group", "return_lse")}
     values["block_kernel"] = values.pop("kernel")  # the operator's name for it
     for name, x in (("q", q), ("k", k), ("v", v)):  # the operator takes only tensors

@@ -245,8 +245,9 @@ def hybrid_attn(
         for name, value in locals().items()
         if name not in ("q", "k", "v", "mesh", "return_lse", "check_ranks")
     }  # what _prepare validates
-    if not isinstance(check_ranks, bool):
-        raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
+    for name, flag in (("check_ranks", check_ranks), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool; got {flag!r}")
     out, lse = hybrid_attention(_agreed_plan(q, k, v, mesh, check_ranks, options), q, k, v)
     return (out, lse) if return_lse else out
 

@@ -375,8 +375,11 @@ def generate(
 
     Args:
         sp: a ``tokenring.hf.SequenceParallel`` (its group; ``hardware`` for ``"auto"``).
+            Its ``layout`` is not read: the prefill lays the prompt out itself (zigzag where
+            2P divides it, else block-cyclic).
         model: a transformers causal LM whose ``attn_implementation`` is a tokenring name
-            (``tokenring.hf.register()``).
+            (``tokenring.hf.register()``); which one does not matter here: every step runs
+            the cached plan that ``strategy`` picks, and the prefill pass-Q or pass-KV.
         input_ids: ``(B, S)`` prompts of equal length, the same on every rank.
         strategy, block_size, budget_bytes: of the :class:`ShardedKVCache`.
         gen_kwargs: ``model.generate``'s: greedy search and sampling (seed every rank alike);
