@@ -79,6 +79,20 @@ class _Growable:
         return self.data[: self.size]
 
 
+def _check_options(sizes: dict[str, int], dtype: torch.dtype, budget_bytes: Any) -> None:
+    """:class:`DistributedKVCache`'s ValueErrors for its sizes, dtype and budget."""
+    for name, value in sizes.items():
+        check_int(name, value, 1)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of float64, float32, bfloat16, float16; got {dtype}")
+    if budget_bytes is not None and (
+        isinstance(budget_bytes, bool)
+        or not isinstance(budget_bytes, int | float)
+        or not budget_bytes >= 0
+    ):
+        raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes!r}")
+
+
 def _ranks(
     group: Any, rank: int | None, world_size: int | None
 ) -> tuple[Communicator | None, int, int]:
@@ -145,24 +159,8 @@ class DistributedKVCache:
         world_size: int | None = None,
         zigzag_first_prefill: bool = True,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("batch", batch),
-            ("heads_kv", heads_kv),
-            ("head_dim", head_dim),
-            ("block_size", block_size),
-        ):
-            check_int(name, value, 1)
-        if dtype not in _DTYPES:
-            raise ValueError(
-                f"dtype must be one of float64, float32, bfloat16, float16; got {dtype}"
-            )
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool)
-            or not isinstance(budget_bytes, int | float)
-            or not budget_bytes >= 0
-        ):
-            raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes!r}")
+        sizes = dict(num_layers=num_layers, batch=batch, heads_kv=heads_kv, head_dim=head_dim)
+        _check_options(sizes | {"block_size": block_size}, dtype, budget_bytes)
         if not isinstance(zigzag_first_prefill, bool):
             raise ValueError(f"zigzag_first_prefill must be a bool; got {zigzag_first_prefill!r}")
         self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)

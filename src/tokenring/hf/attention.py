@@ -507,20 +507,9 @@ def _attention_forward(
             f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
             f"shape {tuple(attention_mask.shape)}"
         )
-    if cache is None and key.shape[2] != query.shape[2]:
-        raise NotImplementedError(
-            f"attn_implementation={name!r} takes no KV cache but tokenring.hf.generate's; got "
-            f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
-            "generate with tokenring.hf.generate)"
-        )
     _check_options(name, module, kwargs)
     if cache is None:
-        _check_positions(name, sp, kwargs.get("position_ids"), query.shape[2])
-    if sp.hardware is not None and strategy != "auto" and cache is None:
-        raise ValueError(
-            f"SequenceParallel.hardware only chooses the strategy of "
-            f"attn_implementation='tokenring_auto'; got it with {name!r}"
-        )
+        _check_sharded_call(name, strategy, sp, query, key, kwargs.get("position_ids"))
     mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
     if cache is not None:  # a step of tokenring.hf.generate
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
@@ -537,6 +526,25 @@ def _attention_forward(
     )
     assert isinstance(out, torch.Tensor)
     return out, None  # (B, s, Hq, D)
+
+
+def _check_sharded_call(
+    name: str, strategy: str, sp: SequenceParallel, query: Any, key: Any, positions: Any
+) -> None:
+    """What a call outside ``tokenring.hf.generate`` must not carry: a KV cache, position_ids
+    of another shard (:func:`_check_positions`), hardware without "auto"."""
+    if key.shape[2] != query.shape[2]:  # (B, H, s, D)
+        raise NotImplementedError(
+            f"attn_implementation={name!r} takes no KV cache but tokenring.hf.generate's; got "
+            f"{query.shape[2]} query and {key.shape[2]} key rows (pass use_cache=False, or "
+            "generate with tokenring.hf.generate)"
+        )
+    _check_positions(name, sp, positions, query.shape[2])
+    if sp.hardware is not None and strategy != "auto":
+        raise ValueError(
+            f"SequenceParallel.hardware only chooses the strategy of "
+            f"attn_implementation='tokenring_auto'; got it with {name!r}"
+        )
 
 
 def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

@@ -376,24 +376,11 @@ def explain(
             a seq_local the layout cannot split, a dtype the hardware has no FLOP/s for, or
             a ``hybrid`` that does not fit or that ``strategies`` leaves out.
     """
-    if last_pair not in _LENDS:
-        raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
-    for name, flag in (("causal", causal), ("training", training)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool; got {flag!r}")
-    hardware = _hardware(hardware)
+    hardware = _checked_options(hardware, last_pair=last_pair, causal=causal, training=training)
     shape = _call_shape(world_size, seq_local, heads_q, heads_kv, head_dim, dtype, batch, hardware)
     layouts, ordered = _candidates(layout, seq_local, strategies)
     if hybrid is not None:
-        if not isinstance(hybrid, HybridSpec):
-            raise ValueError(f"hybrid must be a HybridSpec or None; got {hybrid!r}")
-        if Strategy.HYBRID not in ordered:
-            raise ValueError(
-                "strategies must include 'hybrid' when hybrid= is given (the spec only "
-                f"prices that candidate); got strategies={[s.value for s in ordered]}, "
-                f"hybrid={hybrid!r}"
-            )
-        hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
+        _check_hybrid(hybrid, ordered, world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     return _plan(
         world_size,
         seq_local,
@@ -410,8 +397,30 @@ def explain(
     )
 
 
-def _hardware(hardware: Hardware | str) -> Hardware:
-    """``hardware`` itself, or the preset it names."""
+def _check_hybrid(
+    hybrid: HybridSpec, ordered: Sequence[Strategy], *, world_size: int, heads_q: int, heads_kv: int
+) -> None:
+    """ValueError unless ``hybrid`` is a spec that fits the call and one of ``ordered``."""
+    if not isinstance(hybrid, HybridSpec):
+        raise ValueError(f"hybrid must be a HybridSpec or None; got {hybrid!r}")
+    if Strategy.HYBRID not in ordered:
+        raise ValueError(
+            "strategies must include 'hybrid' when hybrid= is given (the spec only prices "
+            f"that candidate); got strategies={[s.value for s in ordered]}, hybrid={hybrid!r}"
+        )
+    hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
+
+
+def _checked_options(
+    hardware: Hardware | str, *, last_pair: str, causal: bool, training: bool
+) -> Hardware:
+    """:func:`explain`'s ValueErrors for its options; ``hardware`` itself, or the preset it
+    names."""
+    if last_pair not in _LENDS:
+        raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
+    for name, flag in (("causal", causal), ("training", training)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool; got {flag!r}")
     if isinstance(hardware, str):
         return preset(hardware)
     if not isinstance(hardware, Hardware):
