@@ -113,7 +113,7 @@ def run_ranks() -> dict[str, Any]:
             timestep=inputs["timestep"],
             img_ids=inputs["img_ids"][img],
             txt_ids=inputs["txt_ids"][keep],
-            joint_attention_kwargs={"text_seq_len": TEXT} if text == "replicated" else None,
+            joint_attention_kwargs={"text_seq_len": TEXT},  # sharded: the rows add up to it
         ).sample  # (B, s, 4)
         (out * inputs["weight"][:, img]).sum().backward()
         grads = grads_of(model)
@@ -124,7 +124,30 @@ def run_ranks() -> dict[str, Any]:
     result["cross"] = run_cross(comm)
     result["joint"] = run_joint(comm)
     result["refused"] = refusals()
+    misuses(comm, inputs)
     return result
+
+
+def misuses(comm: Any, inputs: dict[str, Any]) -> None:
+    """A caller's text placement that the ranks' inputs contradict raises on every rank: the
+    whole text on each rank under text="sharded" (each text key counted P times, 0.04 off),
+    and different num_text under replicated text (the bias on other keys, 0.2 off)."""
+    model = build_model()
+    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(text="sharded"))
+    img = contiguous_rows(inputs["hidden_states"].shape[1], comm.rank, comm.world_size)
+    with pytest.raises(ValueError, match=r"ranks' text rows added up .* got 12"):
+        model(
+            hidden_states=inputs["hidden_states"][:, img],
+            encoder_hidden_states=inputs["encoder_hidden_states"],  # all of it
+            pooled_projections=inputs["pooled_projections"],
+            timestep=inputs["timestep"],
+            img_ids=inputs["img_ids"][img],
+            txt_ids=inputs["txt_ids"],
+            joint_attention_kwargs={"text_seq_len": TEXT},
+        )
+    q = torch.randn(BATCH, 9, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="disagree on this replicated-text attention: num_text"):
+        tr_diffusers.joint_attn(q, q, q, num_text=5 - comm.rank % 2, text="replicated", group=comm)
 
 
 def cross_inputs() -> tuple[torch.Tensor, ...]:

@@ -164,7 +164,8 @@ def joint_attn(
 
     Raises:
         ValueError: bad shapes, ``num_text`` outside ``[0, t + s]``, or an unknown ``text``;
-            the ranks' local lengths differ (raised by the attention call, on every rank).
+            the ranks' local lengths differ (raised by the attention call, on every rank), or
+            with replicated text their ``num_text`` (on every rank).
     """
     placement = TextPlacement.parse(text)
     _check_qkv(q, k, v, same_len=True)
@@ -177,6 +178,9 @@ def joint_attn(
 
     options: dict[str, Any] = {"strategy": strategy, "hardware": hardware, "softmax_scale": scale}
     options |= {"group": comm, "causal": False, "layout": "contiguous"}
+    if placement is TextPlacement.REPLICATED and comm.world_size > 1:
+        # the bias below is applied to the first num_text keys of each rank: all the same T
+        comm.agreed(lambda: (None, {"num_text": num_text}), what="replicated-text attention")
     if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
         return cast(torch.Tensor, sequence_parallel_attn(q, k, v, **options))  # no return_lse
     # the bias channel (Note [Joint attention with replicated text]): E = 8 when 8 divides D
@@ -269,7 +273,8 @@ class FluxSequenceParallelProcessor:
     ``model.set_attn_processor(FluxSequenceParallelProcessor(group=...))``, then call the
     model on this rank's image shard (``hidden_states``, ``img_ids``) and the text (all of it,
     or with ``text="sharded"`` its shard). With replicated text pass
-    ``joint_attention_kwargs={"text_seq_len": T}`` for the single-stream blocks. Attention
+    ``joint_attention_kwargs={"text_seq_len": T}`` for the single-stream blocks; with sharded
+    text it is optional, and checks that the ranks' text rows add up to T. Attention
     masks, IP-adapter inputs and an attention other than diffusers' ``FluxAttention`` raise
     NotImplementedError.
     """
@@ -323,6 +328,8 @@ class FluxSequenceParallelProcessor:
             num_text = encoder_hidden_states.shape[1]
             if text_seq_len is not None and text is TextPlacement.REPLICATED:
                 _check_text_len(text_seq_len, num_text)
+            elif text_seq_len is not None:  # sharded: the ranks' text rows must add up to T
+                _check_sharded_text_len(text_seq_len, num_text, self.group)
             eq, ek, ev = _projections(attn, encoder_hidden_states, added=True)  # (B, t, H, D)
             query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
             key = torch.cat([ek, key], dim=1)
@@ -376,6 +383,21 @@ def _projections(attn: Any, x: torch.Tensor, *, added: bool) -> tuple[Any, Any, 
     norm_q, norm_k = (attn.norm_added_q, attn.norm_added_k) if added else (attn.norm_q, attn.norm_k)
     heads = (-1, attn.head_dim)
     return norm_q(q.unflatten(-1, heads)), norm_k(k.unflatten(-1, heads)), v.unflatten(-1, heads)
+
+
+def _check_sharded_text_len(text_seq_len: Any, num_text: int, group: GroupLike) -> None:
+    """With sharded text, ``text_seq_len`` is T: the ranks' text rows must add up to it (the
+    whole text on every rank would count each text key P times). A collective."""
+    if isinstance(text_seq_len, bool) or not isinstance(text_seq_len, int) or text_seq_len < 0:
+        raise ValueError(f"text_seq_len must be an int >= 0; got {text_seq_len!r}")
+    comm = get_communicator(group)
+    held = comm.all_gather_int(num_text, torch.device("cpu"), label="text rows per rank")
+    if sum(held) != text_seq_len:
+        raise ValueError(
+            f"text_seq_len must be the ranks' text rows added up with text='sharded' ({held} "
+            f"sum to {sum(held)}); got {text_seq_len} (a rank holding the whole text wants "
+            "text='replicated')"
+        )
 
 
 def _check_text_len(text_seq_len: Any, expected: int, *, at_most: bool = False) -> int:
