@@ -198,10 +198,10 @@ def test_check_model_catches_models_whose_attention_never_runs() -> None:
             hf.check_model(_models(name, torch.float32)[1])  # attention only: no error
 
 
-# models whose attention layers compute attention in their own code: attn_implementation=
-# "tokenring" set after loading is accepted by transformers and never runs, so each rank would
-# attend over its own shard alone (Bloom and GPT-Neo gave logits off by 0.003 and 0.09 on 2
-# ranks, silently); some (Falcon, GPT-Neo) raise KeyError when built with the name instead
+# models whose attention layers computed attention in their own code (transformers 5.24: all
+# five; 5.25 moved Falcon to the interface): attn_implementation="tokenring" set after loading
+# was accepted and never ran, so each rank attended over its own shard alone (Bloom and
+# GPT-Neo gave logits off by 0.003 and 0.09 on 2 ranks, silently)
 OWN_ATTENTION = (
     ("bloom", {"hidden_size": 32, "n_layer": 1, "n_head": 4}),
     ("gpt_neo", {"hidden_size": 32, "num_layers": 1, "num_heads": 4,
@@ -212,24 +212,55 @@ OWN_ATTENTION = (
 )  # fmt: skip
 
 
+def _reaches_tokenring(model: Any) -> bool | None:
+    """Whether a forward of ``model`` set to "tokenring" calls tokenring's attention (without
+    sequence_parallel= it then raises saying so); None: transformers refuses the name."""
+    try:
+        model.set_attn_implementation("tokenring")
+    except (KeyError, ValueError):
+        return None
+    try:
+        model(input_ids=_input_ids()[:, :8])
+    except ValueError as exc:
+        if "needs sequence_parallel=" in str(exc):
+            return True
+        raise
+    return False
+
+
 @pytest.mark.usefixtures("single_rank_group")
-@pytest.mark.parametrize(("name", "sizes"), OWN_ATTENTION, ids=[n for n, _ in OWN_ATTENTION])
-def test_check_model_refuses_a_model_that_computes_attention_itself(
-    name: str, sizes: dict[str, Any]
-) -> None:
-    if name not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+def test_check_model_refuses_exactly_the_models_whose_attention_never_reaches_tokenring() -> None:
     hf.register()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(name, vocab_size=64, **sizes)
-        model = AutoModelForCausalLM.from_config(config)  # set_attn_implementation("tokenring")
-    with pytest.raises(NotImplementedError, match="through transformers' AttentionInterface"):
-        hf.check_model(model)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    with pytest.raises(NotImplementedError, match="AttentionInterface"):
-        hf.all_reduce_gradients(hf.SequenceParallel(), model)
+    refused, reached = [], []
+    # BioGPT: _supports_attention_backend = False, yet it dispatches through the interface
+    control = ("biogpt", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4})
+    for name, sizes in (*OWN_ATTENTION, control):
+        if name not in CONFIG_MAPPING:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(name, vocab_size=64, **sizes)
+            )
+        try:
+            hf.check_model(model)
+            refuses = False
+        except NotImplementedError as exc:
+            assert "through transformers' AttentionInterface" in str(exc), (name, exc)
+            refuses = True
+        reaches = _reaches_tokenring(model)
+        if reaches is not None:
+            assert refuses == (not reaches), (name, refuses, reaches)
+        if reaches:
+            reached.append(name)
+        if refuses:
+            refused.append(name)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            with pytest.raises(NotImplementedError, match="AttentionInterface"):
+                hf.all_reduce_gradients(hf.SequenceParallel(), model)
+    assert refused, "none of the models computes attention itself in this transformers"
+    assert "biogpt" in reached or "biogpt" not in CONFIG_MAPPING
 
 
 @pytest.mark.usefixtures("single_rank_group")

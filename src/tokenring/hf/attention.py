@@ -415,8 +415,9 @@ def _unsupported_layers(config: Any) -> str | None:
 def check_model(model: torch.nn.Module) -> None:
     """Raise NotImplementedError if a layer of ``model`` mixes tokens other than by attention
     (Note [Layers that mix tokens]), or if no module hands its attention to transformers'
-    ``AttentionInterface`` (Bloom, GPT-Neo, MPT, Falcon, XGLM: ``attn_implementation`` never
-    reaches tokenring there): a shard would not see the rest of the sequence."""
+    ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo, MPT, Falcon, XGLM:
+    ``attn_implementation`` never reaches tokenring there): a shard would not see the rest of
+    the sequence."""
     config = getattr(model, "config", None)
     reason = _unsupported_layers(config)
     for path, module in model.named_modules() if reason is None else ():
