@@ -49,13 +49,20 @@ def _installed_torch() -> str:
         ) from None
 
 
+def _older_than(installed: str, floor: str) -> bool:
+    """Whether version ``installed`` ("2.13.0+cpu") is older than ``floor`` ("2.6") by its
+    major.minor, or unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", installed)
+    return match is None or tuple(int(x) for x in match.groups()) < tuple(
+        int(x) for x in floor.split(".")
+    )
+
+
 def _check_torch(installed: str | None = None) -> None:
     """Raise ImportError naming both versions when ``installed`` (default: the torch in use)
     is older than MIN_TORCH."""
     installed = _installed_torch() if installed is None else installed
-    match = re.match(r"(\d+)\.(\d+)", installed)
-    floor = tuple(int(x) for x in MIN_TORCH.split("."))
-    if match is None or tuple(int(x) for x in match.groups()) < floor:
+    if _older_than(installed, MIN_TORCH):
         raise ImportError(
             f"tokenring needs torch >= {MIN_TORCH}; torch {installed} is installed "
             f"(pip install 'torch>={MIN_TORCH}')"

@@ -1290,10 +1290,9 @@ def _defaults() -> argparse.Namespace:
     return parser.parse_args([])
 
 
-def _check_flags_of_mode(args: argparse.Namespace) -> None:
+def _check_flags_of_mode(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
     """No option is dropped: one that ``--mode`` does not read, given a value other than its
     default, raises naming the modes that read it; so does --topology without --link."""
-    defaults = _defaults()
     for name, modes in _MODES_OF_FLAG.items():
         if args.mode not in modes and getattr(args, name) != getattr(defaults, name):
             flag = "--" + name.replace("_", "-")
@@ -1309,15 +1308,15 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
-    _check_flags_of_mode(args)
+    defaults = _defaults()
+    _check_flags_of_mode(args, defaults)
     if args.mode != "attention":
         _MODE_MODULES[args.mode].check_args(args)
         return
     config = config_from_args(args)
     names = [s.value for s in config.strategies]
-    if args.last_pair != "return":
+    if args.last_pair != defaults.last_pair:
         check_read("--last-pair", names, [Strategy.TOKEN_RING.value])
-    defaults = _defaults()
     hybrid_options = (args.hybrid_inner, args.hybrid_outer)
     if hybrid_options != (defaults.hybrid_inner, defaults.hybrid_outer):
         check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])

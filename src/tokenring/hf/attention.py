@@ -50,7 +50,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import re
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tokenring import _older_than
 from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import (
     Layout,
@@ -100,9 +100,7 @@ MIN_TRANSFORMERS = "5.24"
 def _check_transformers(installed: str) -> None:
     """Raise ImportError naming both versions when ``installed`` is older than
     MIN_TRANSFORMERS."""
-    match = re.match(r"(\d+)\.(\d+)", installed)
-    floor = tuple(int(x) for x in MIN_TRANSFORMERS.split("."))
-    if match is None or tuple(int(x) for x in match.groups()) < floor:
+    if _older_than(installed, MIN_TRANSFORMERS):
         raise ImportError(
             f"tokenring.hf needs transformers >= {MIN_TRANSFORMERS}; transformers {installed} "
             f"is installed (pip install 'transformers>={MIN_TRANSFORMERS}'): older versions "
