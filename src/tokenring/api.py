@@ -124,6 +124,13 @@ def check_softmax_scale(softmax_scale: float | None) -> None:
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
+def check_flags(**flags: object) -> None:
+    """ValueError naming the first of ``flags`` (name -> value) that is not a bool."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool; got {flag!r}")
+
+
 def _cached(group: dist.ProcessGroup | None) -> Communicator | None:
     """The cached communicator of ``group`` (None: the default group), if any."""
     key = group if group is not None else dist.group.WORLD  # None: not initialised
@@ -217,16 +224,8 @@ def resolve_strategy(
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if last_block_splits is None:
         last_block_splits = last_block_splits_for(comm.path(q.device))
-    # layout as given: the planner checks it after the sizes and dtype
-    call = dict(
-        hardware=hardware,
-        causal=causal,
-        layout=layout,
-        last_block_splits=last_block_splits,
-        seq_len=seq_len,
-        cu_seqlens=cu_seqlens,
-    )
-    args = _planner_args(q, k, call, world_size=comm.world_size, training=training)
+    # the arguments by name; layout as given: the planner checks it after the sizes and dtype
+    args = _planner_args(q, k, locals(), world_size=comm.world_size, training=training)
     return planner.choose_strategy(**args, last_pair=last_pair)
 
 
@@ -369,8 +368,7 @@ def _prepare_call(
     block_kernel = select_kernel(
         q.device, q.dtype, options["block_kernel"], seq_local=sharding.seq_local
     )
-    softmax_scale = options["softmax_scale"]
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = options["softmax_scale"] or q.shape[-1] ** -0.5  # checked: None or > 0
     seq_len, seq_len_given = options["seq_len"], options["seq_len"] is not None
     signature: dict[str, Any] = {
         "batch": q.shape[0],
@@ -394,13 +392,8 @@ def _prepare_call(
         "kernel": block_kernel.name,
         "needs grad": any(options["requires_grad"]),  # inside the operator grad mode is off
     }
-    return _Call(
-        layout=layout,
-        sharding=sharding,
-        mask=mask,
-        kernel=block_kernel,
-        scale=scale,
-    ), signature
+    call = _Call(layout=layout, sharding=sharding, mask=mask, kernel=block_kernel, scale=scale)
+    return call, signature
 
 
 def _sharding(
@@ -432,9 +425,8 @@ def _bounds_digest(bounds: Sequence[int]) -> list[int]:
 def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
     """The strategy asked for ("auto" or a Strategy's value); checks the options that go
     with it."""
-    causal, last_block_splits = options["causal"], options["last_block_splits"]
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool; got {causal!r}")
+    last_block_splits = options["last_block_splits"]
+    check_flags(causal=options["causal"])
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
         raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
     if last_block_splits < 1:
@@ -598,12 +590,10 @@ def _attention_setup(
     out, lse, *residuals = output
     options = keyword_only_inputs
     # the backward runs the forward's strategy and last pair, without a second agreement
-    merged = _traced_options(options, q.device)
-    strategy = _strategy_of(q, k, merged)
-    last_pair = None
-    if strategy is Strategy.TOKEN_RING:
-        world_size = _rank_and_size(op.resolve_group(options["group"]))[1]
-        last_pair = "lend" if _lends_last_pair(strategy, q, k, merged, world_size) else "return"
+    merged, _, world_size = _traced(options, q.device)
+    strategy = _strategy_of(q, k, merged, world_size)
+    lend = _lends_last_pair(strategy, q, k, merged, world_size)
+    last_pair = ("lend" if lend else "return") if strategy is Strategy.TOKEN_RING else None
     ctx.options = {**options, "strategy": strategy.value, "last_pair": last_pair}
     # the registry holds objects weakly (Note [Handles] in tokenring.runtime.op)
     ctx.referents = [op.resolve_group(options["group"]), op.resolve_object(options["raw"])]
@@ -662,48 +652,40 @@ def _with_splits(
     return {**options, "last_block_splits": last_block_splits_for(path)}
 
 
-def _traced_options(options: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """An operator's options as its fake and its autograd setup see them: merged, with the
-    slice count of the communicator the forward built (never building one)."""
-    return _with_splits(_merged(options), _built(options["group"]), device)
-
-
-def _built(handle: str) -> Communicator | None:
-    """The communicator of an operator's group if one was built; never builds one."""
-    group = op.resolve_group(handle)
-    return group if isinstance(group, Communicator) else _cached(_mesh_group(group))
+def _traced(options: dict[str, Any], device: torch.device) -> tuple[dict[str, Any], int, int]:
+    """An operator's options as its fake and its autograd setup see them (merged, with the
+    slice count of the communicator the forward built, never building one), and this rank and
+    the world size of its group."""
+    group = op.resolve_group(options["group"])
+    built: Communicator | None = group
+    if isinstance(group, Communicator):
+        rank, world_size = group.rank, group.world_size
+    else:
+        built = _cached(_mesh_group(group))
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    return _with_splits(_merged(options), built, device), rank, world_size
 
 
 def _strategy_of(
-    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int | None = None
+    q: torch.Tensor, k: torch.Tensor, options: dict[str, Any], world_size: int
 ) -> Strategy:
-    """The strategy an operator call runs; pure (None ``world_size``: its group's)."""
+    """The strategy an operator call runs; pure."""
     if options["strategy"] != "auto":
         return Strategy.parse(options["strategy"])
     if options["hardware"] is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
-    if world_size is None:
-        world_size = _rank_and_size(op.resolve_group(options["group"]))[1]
     return planner.choose_strategy(
         **_planner_args(q, k, options, world_size=world_size),
         last_pair=_last_pair_policy(options),
     )
 
 
-def _rank_and_size(group: GroupLike) -> tuple[int, int]:
-    """This rank and the world size of ``group``, without building its communicator."""
-    if isinstance(group, Communicator):
-        return group.rank, group.world_size
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _residual_fields(
     q: torch.Tensor, k: torch.Tensor, options: dict[str, Any]
 ) -> list[op.FieldSpec]:
     """The residuals' shapes of an operator call (Note [Residuals] in tokenring.runtime.op)."""
-    options = _traced_options(options, q.device)
-    strategy = _strategy_of(q, k, options)
-    rank, world_size = _rank_and_size(op.resolve_group(options["group"]))
+    options, rank, world_size = _traced(options, q.device)
+    strategy = _strategy_of(q, k, options, world_size)
     sharding = _call_sharding(options, world_size)
     seq_local, padded = (
         (q.shape[1], False) if sharding is None else (sharding.seq_local, sharding.padded)
@@ -794,8 +776,7 @@ def sequence_parallel_attn(
         RuntimeError: under torch.compile, a ProcessGroup not seen eagerly (call
             ``get_communicator(group)`` once first).
     """
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"return_lse must be a bool; got {return_lse!r}")
+    check_flags(return_lse=return_lse)
     values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group", "return_lse")}
     values["block_kernel"] = values.pop("kernel")  # the operator's name for it
     for name, x in (("q", q), ("k", k), ("v", v)):  # the operator takes only tensors
@@ -882,8 +863,7 @@ def _plan(
     options = _merged(options)  # the values that are not of their primitive's type
     if backward:  # no second agreement; no second pick
         options = {**options, "check_ranks": False, "hardware": None}
-    if not isinstance(options["check_ranks"], bool):
-        raise ValueError(f"check_ranks must be a bool; got {options['check_ranks']!r}")
+    check_flags(check_ranks=options["check_ranks"])
     comm = get_communicator(op.resolve_group(options["group"]))
     options = _with_splits(options, comm, q.device)
 
@@ -916,10 +896,8 @@ def _planned(
             heads_q=q.shape[2],
             lend_last_pair=lend,
         )
-        schedules = (
-            _schedule(strategy, Pass.FORWARD, **key),
-            _schedule(strategy, Pass.BACKWARD, **key),
-        )
+        forward, backward = (_schedule(strategy, p, **key) for p in (Pass.FORWARD, Pass.BACKWARD))
+        schedules = (forward, backward)
     return op.Plan(
         strategy=strategy,
         comm=comm,
@@ -1024,16 +1002,9 @@ class SequenceParallelAttention(torch.nn.Module):
             op.remember_group(group)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        fixed = ("strategy", "causal", "softmax_scale", "group", "layout")
         out = sequence_parallel_attn(
-            q,
-            k,
-            v,
-            strategy=self.strategy,
-            causal=self.causal,
-            softmax_scale=self.softmax_scale,
-            group=self.group,
-            layout=self.layout,
-            **self.options,
+            q, k, v, **{n: getattr(self, n) for n in fixed}, **self.options
         )
         assert isinstance(out, torch.Tensor)
         return out

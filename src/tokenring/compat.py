@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
+from tokenring.api import GroupLike, check_flags, get_communicator, sequence_parallel_attn
 from tokenring.core.layout import Layout, check_int, make_sharding, normalize_cu_seqlens
 from tokenring.core.schedule import Strategy
 from tokenring.runtime.comm import Communicator
@@ -63,8 +63,6 @@ __all__ = [
     "ring_flash_attn_func",
     "zigzag_ring_flash_attn_func",
 ]
-
-WHAT = "attention call"  # the rank check of sequence_parallel_attn, which the shims join
 
 Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]
 
@@ -99,10 +97,7 @@ class _FlashOptions:
             raise NotImplementedError(f"softcap is not supported (pass 0.0); got {softcap}")
         if self.alibi_slopes is not None:
             raise NotImplementedError("alibi_slopes is not supported (pass None)")
-        for name in ("deterministic", "return_attn_probs"):
-            flag = getattr(self, name)
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool; got {flag!r}")
+        check_flags(deterministic=self.deterministic, return_attn_probs=self.return_attn_probs)
 
 
 def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -139,7 +134,7 @@ def _attend(
         flash.check()
         return check(), None  # no signature: the attention call's check compares them
 
-    options |= comm.agreed(validate, what=WHAT)
+    options |= comm.agreed(validate, what="attention call")  # sequence_parallel_attn's check
     causal, softmax_scale, window_size = call
     options |= {"strategy": strategy, "causal": causal, "softmax_scale": softmax_scale}
     options |= {"layout": layout, "window_size": window_size}
@@ -236,8 +231,7 @@ def llama3_flash_attn_prepare_cu_seqlens(
         raise ValueError(
             f"cu_seqlens must be a 1-D integer tensor; got {type(cu_seqlens).__name__}"
         )
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool; got {causal!r}")
+    check_flags(causal=causal)
     check_int("world_size", world_size, 1)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
@@ -419,8 +413,7 @@ def _llama3_local(
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
     max_seqlen_q, max_seqlen_k = max_seqlen
     _check_packed(q, k, v)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool; got {causal!r}")
+    check_flags(causal=causal)
     hkv = k.shape[1]
     if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int):
         raise ValueError(f"heads_k_stride must be an int dividing heads_kv; got {heads_k_stride!r}")

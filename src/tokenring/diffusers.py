@@ -341,11 +341,9 @@ class FluxSequenceParallelProcessor:
         if image_rotary_emb is not None:  # (cos, sin), each (t + s, D), from the local ids
             rotary: Any = image_rotary_emb  # diffusers annotates it as a 1-tuple
             query, key = (apply_rotary_emb(x, rotary, sequence_dim=1) for x in (query, key))
-        options: dict[str, Any] = {
-            "group": self.group,
-            "strategy": self.strategy,
-            "hardware": self.hardware,
-        }
+        options: dict[str, Any] = dict(
+            group=self.group, strategy=self.strategy, hardware=self.hardware
+        )
         out = joint_attn(query, key, value, num_text=num_text, text=text, **options)
         out = out.flatten(2, 3).to(query.dtype)  # (B, t + s, H, D) -> (B, t + s, C)
         if encoder_hidden_states is None:

@@ -34,7 +34,12 @@ from typing import Any
 
 import torch
 
-from tokenring.api import AUTO_NEEDS_HARDWARE, sequence_parallel_attn
+from tokenring.api import (
+    AUTO_NEEDS_HARDWARE,
+    check_flags,
+    check_softmax_scale,
+    sequence_parallel_attn,
+)
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import Payload, Strategy, Transfer
 from tokenring.kvcache import DistributedKVCache
@@ -329,8 +334,7 @@ def _validate(
         raise ValueError(
             f"q must be {cache.dtype} on {cache.device} like the cache; got {q.dtype} on {q.device}"
         )
-    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
+    check_softmax_scale(softmax_scale)
     return step
 
 
@@ -414,8 +418,7 @@ def cached_attn(
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
     assert cache.comm is not None
-    if not isinstance(check_ranks, bool):
-        raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
+    check_flags(check_ranks=check_ranks)
     validate = functools.partial(
         _call_signature, q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
     )
@@ -423,15 +426,10 @@ def cached_attn(
         validate, what="cached attention call", check_ranks=check_ranks
     )
     cache.append(layer, k, v)
-    out, lse = attend_cached(
-        q,
-        cache=cache,
-        layer=layer,
-        strategy=strategy,
-        softmax_scale=softmax_scale,
-        hardware=hardware,
-        kernel=block_kernel,
+    options: dict[str, Any] = dict(
+        softmax_scale=softmax_scale, hardware=hardware, kernel=block_kernel
     )
+    out, lse = attend_cached(q, cache=cache, layer=layer, strategy=strategy, **options)
     return (out, lse) if return_lse else out
 
 

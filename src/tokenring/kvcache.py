@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tokenring.api import _DTYPES, get_communicator
+from tokenring.api import _DTYPES, check_flags, get_communicator
 from tokenring.core.layout import check_int
 from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CacheStep, place_new_tokens
@@ -161,8 +161,7 @@ class DistributedKVCache:
     ) -> None:
         sizes = dict(num_layers=num_layers, batch=batch, heads_kv=heads_kv, head_dim=head_dim)
         _check_options(sizes | {"block_size": block_size}, dtype, budget_bytes)
-        if not isinstance(zigzag_first_prefill, bool):
-            raise ValueError(f"zigzag_first_prefill must be a bool; got {zigzag_first_prefill!r}")
+        check_flags(zigzag_first_prefill=zigzag_first_prefill)
         self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
@@ -294,8 +293,7 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        if not isinstance(check_ranks, bool):
-            raise ValueError(f"check_ranks must be a bool; got {check_ranks!r}")
+        check_flags(check_ranks=check_ranks)
         validate = functools.partial(self._checked_placement, new)
         if self.comm is None:  # no group to agree over
             step = validate()[0]

@@ -459,18 +459,8 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 # position_ids are checked against the shard (_check_positions). Any other keyword that is
 # set (not None, not False) is an option tokenring cannot honour: T5's position_bias, sinks
 _INERT_KWARGS = frozenset(
-    {
-        "position_ids",
-        "cache_position",
-        "use_cache",
-        "deterministic",
-        "num_items_in_batch",
-        "labels",
-        "shift_labels",
-        "output_hidden_states",
-        "output_router_logits",
-        "return_dict",
-    }
+    {"position_ids", "cache_position", "use_cache", "deterministic", "num_items_in_batch"}
+    | {"labels", "shift_labels", "output_hidden_states", "output_router_logits", "return_dict"}
 )
 
 
@@ -605,14 +595,7 @@ def _check_positions(name: str, sp: SequenceParallel, given: Any, seq_local: int
     if _positions_checked(given):
         return
     comm = sp.communicator
-    seq_len = sp.seq_len if sp.seq_len is not None else seq_local * comm.world_size
-    expected = position_ids(
-        rank=comm.rank,
-        world_size=comm.world_size,
-        layout=sp.layout,
-        seq_len=seq_len,
-        cu_seqlens=sp.cu_seqlens,
-    ).to(given.device)  # (s,)
+    expected = _sharding(sp, seq_local).doc_positions(comm.rank).to(given.device)  # (s,)
     if expected.numel() != given.shape[1]:
         return  # the attention call names the length this rank must hold
     offset = given - expected  # (B, s)
@@ -669,7 +652,8 @@ def _check_temperature_tuning(
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return
     floor_scale = int(module.floor_scale)  # type: ignore[arg-type]
-    seq_len, sharding = _sharding(sp, seq_local)
+    sharding = _sharding(sp, seq_local)
+    seq_len = sharding.seq_len
     if seq_len < floor_scale:  # every position, local or global, gets the scale of 1
         return
     for rank in range(sharding.world_size):
@@ -683,14 +667,13 @@ def _check_temperature_tuning(
             )
 
 
-def _sharding(sp: SequenceParallel, seq_local: int) -> tuple[int, Sharding]:
-    """S and the sharding of a call with ``seq_local`` rows on this rank."""
+def _sharding(sp: SequenceParallel, seq_local: int) -> Sharding:
+    """The sharding of a call with ``seq_local`` rows on this rank (None sp.seq_len: P * s)."""
     world_size = sp.communicator.world_size
     seq_len = sp.seq_len if sp.seq_len is not None else seq_local * world_size
-    sharding = make_sharding(
+    return make_sharding(
         layout=sp.layout, world_size=world_size, seq_len=seq_len, cu_seqlens=sp.cu_seqlens
     )
-    return seq_len, sharding
 
 
 def shift_labels(
@@ -960,7 +943,8 @@ def _labels_loss(
         raise ValueError(f"labels must have shape (batch={b}, seq); got {shape}")
     # the global (B, S) labels: labels, or every rank's shard of them gathered
     comm = sp.communicator
-    seq_len, sharding = _sharding(sp, logits.shape[1])
+    sharding = _sharding(sp, logits.shape[1])
+    seq_len = sharding.seq_len
     lengths = [labels.shape[1]]
     if comm.world_size > 1:
         lengths = comm.all_gather_int(labels.shape[1], logits.device, label="labels lengths")

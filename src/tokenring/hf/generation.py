@@ -336,9 +336,8 @@ _REFUSED_OPTIONS = {
 
 
 def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
-    base = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    if base is None:
-        base = GenerationConfig()
+    given = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    base = given or GenerationConfig()
     for option, (allowed, why) in _REFUSED_OPTIONS.items():
         value = gen_kwargs[option] if option in gen_kwargs else getattr(base, option, None)
         if value is None:
