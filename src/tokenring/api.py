@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -1003,11 +1003,8 @@ class SequenceParallelAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fixed = ("strategy", "causal", "softmax_scale", "group", "layout")
-        out = sequence_parallel_attn(
-            q, k, v, **{n: getattr(self, n) for n in fixed}, **self.options
-        )
-        assert isinstance(out, torch.Tensor)
-        return out
+        options = {name: getattr(self, name) for name in fixed} | self.options
+        return cast(torch.Tensor, sequence_parallel_attn(q, k, v, **options))
 
     def extra_repr(self) -> str:
         name = self.strategy if isinstance(self.strategy, str) else self.strategy.value

@@ -85,11 +85,6 @@ __all__ = [
     "joint_attn",
 ]
 
-DIFFUSERS_MISSING = (
-    "tokenring.diffusers needs diffusers for its processor: "
-    'pip install "tokenring-attention[diffusers]"'
-)
-
 
 class TextPlacement(enum.Enum):
     """Where the text part of a joint sequence lives (Note [Which text placement is cheaper])."""
@@ -310,7 +305,10 @@ class FluxSequenceParallelProcessor:
             from diffusers.models.embeddings import apply_rotary_emb
             from diffusers.models.transformers.transformer_flux import FluxAttention
         except ImportError as exc:
-            raise ImportError(DIFFUSERS_MISSING) from exc
+            raise ImportError(
+                "tokenring.diffusers needs diffusers for its processor: "
+                'pip install "tokenring-attention[diffusers]"'
+            ) from exc
         if not isinstance(attn, FluxAttention):  # another model's projections, norms, outputs
             raise NotImplementedError(
                 "FluxSequenceParallelProcessor runs diffusers' FluxAttention (Flux and the "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -261,9 +261,7 @@ def _decode_step(
     chosen = step_strategy(strategy, cache, heads_q=c.heads_q, hardware=hardware)
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = cached_attn(q, k, v, cache=cache, layer=layer, strategy=chosen)
-        assert isinstance(out, torch.Tensor)
-        return out
+        return cast(torch.Tensor, cached_attn(q, k, v, cache=cache, layer=layer, strategy=chosen))
 
     mine = step.new_positions[comm.rank]
     held = [seqs[b][p] for b, positions in enumerate(mine) for p in positions.tolist()]

@@ -54,7 +54,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -513,8 +513,7 @@ def _attention_forward(
         **_fields(sp),  # group, layout, seq_len, cu_seqlens, hardware
         **_fields(mask),  # causal, window_size, attention_chunk_size
     )
-    assert isinstance(out, torch.Tensor)
-    return out, None  # (B, s, Hq, D)
+    return cast(torch.Tensor, out), None  # (B, s, Hq, D)
 
 
 def _check_sharded_call(
