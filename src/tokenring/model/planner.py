@@ -608,7 +608,8 @@ def calibrate(
     device = torch.device(device)
     block = select_kernel(device, dtype, kernel)
     dims = AttentionShape(dtype=dtype_name(dtype), **sizes)
-    agreed = _measure(comm, block, dims, device, block_rows, probe_bytes, repeats)
+    local = _kernel_rates(block, dims, device, block_rows, repeats)
+    agreed = _measure(comm, local, device, probe_bytes, repeats)
     fwd, bwd, mem, link, two_way, latency, call_s = agreed
     topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
@@ -627,18 +628,13 @@ def calibrate(
 
 
 def _measure(
-    comm: Communicator,
-    block: BlockKernel,
-    dims: AttentionShape,
-    device: torch.device,
-    block_rows: int,
-    probe_bytes: int,
-    repeats: int,
+    comm: Communicator, mine: Sequence[float], device: torch.device, probe_bytes: int, repeats: int
 ) -> list[float]:
-    """The slowest rank's rates, the largest latency and call seconds: identical on every rank.
-    The one-way and two-way bytes/s to the ring neighbours (inf alone) and the latency (0
-    alone) leave the communicator's counter and timeline untouched."""
-    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
+    """The slowest rank's rates, the largest latency and call seconds (``mine``: this rank's
+    :func:`_kernel_rates`): identical on every rank. The one-way and two-way bytes/s to the
+    ring neighbours (inf alone) and the latency (0 alone) leave the communicator's counter and
+    timeline untouched."""
+    *local, call_s = mine
     link = two_way = float("inf")
     latency = 0.0
     if comm.world_size > 1:
