@@ -1134,9 +1134,8 @@ def strategy_schedule(
             f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
             f"seq_len={seq_len}"
         )
-    common: dict[str, Any] = dict(
-        layout=layout, causal=causal, world_size=world_size, heads_q=heads_q, heads_kv=heads_kv
-    )
+    common: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
+    common |= dict(heads_q=heads_q, heads_kv=heads_kv)
     if strategy.is_ring:
         common |= dict(last_block_splits=last_block_splits, lend_last_pair=lend_last_pair)
         return build_schedule(strategy, pass_, seq_local=seq_local, seq_len=seq_len, **common)
@@ -1162,11 +1161,8 @@ def strategy_schedule(
     return build_collective_schedule(strategy.value, pass_, seq_local=seq_local, **common)
 
 
-_PASSES = {
-    "forward": (Pass.FORWARD,),
-    "backward": (Pass.BACKWARD,),
-    "both": (Pass.FORWARD, Pass.BACKWARD),
-}
+_FORWARD, _BACKWARD = (Pass.FORWARD,), (Pass.BACKWARD,)
+_PASSES = {"forward": _FORWARD, "backward": _BACKWARD, "both": _FORWARD + _BACKWARD}
 
 
 def simulate(
