@@ -691,21 +691,12 @@ class _Backward(_RingPass):
             # own queries: their real out (Note [Backward from delta] in runtime.kernels)
             qh = _q_heads(piece, self.groups)
             out_p = rows_heads(self.out, piece.q_rows, qh) if q_owner == rank else None
+            tile: dict[str, Any] = {"causal": piece.causal, "scale": self.scale, "mask": mask}
+            targets = functools.partial(self.targets, piece, segment, step, q_owner)
             self.kernel.backward_into(
-                functools.partial(self.targets, piece, segment, step, q_owner),
-                do_p,
-                q_p,
-                k_p,
-                v_p,
-                lse_p,
-                delta_p,
-                causal=piece.causal,
-                scale=self.scale,
-                mask=mask,
-                poll=self.poll,
-                out=out_p,
+                targets, do_p, q_p, k_p, v_p, lse_p, delta_p, out=out_p, poll=self.poll, **tile
             )
-            del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p, blocks
+            del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p, blocks, tile
         done()
         holder = segment.pieces[0].kv_owner if segment.pieces else None
         if holder is not None:  # the borrowed pair is done: its dK/dV go home
