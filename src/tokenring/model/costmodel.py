@@ -89,6 +89,11 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0; got {value}")
 
 
+def _finite_non_negative(name: str, value: float) -> None:
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number >= 0; got {value}")
+
+
 # -- hardware ----------------------------------------------------------------------------------
 class CollectiveRouting(enum.Enum):
     """Which backend's collectives a machine runs. Both price alike; ``auto`` picks the
@@ -135,8 +140,7 @@ class Interconnect:
                 "port_bandwidth_bytes_per_s must be given for topology 'switch' (each device's "
                 "port is what its flows share); got None"
             )
-        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
-            raise ValueError(f"latency_s must be finite and >= 0; got {self.latency_s}")
+        _finite_non_negative("latency_s", self.latency_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,10 +175,7 @@ class Hardware:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
-        if not (self.kernel_call_s >= 0 and math.isfinite(self.kernel_call_s)):
-            raise ValueError(
-                f"kernel_call_s must be a finite number >= 0; got {self.kernel_call_s}"
-            )
+        _finite_non_negative("kernel_call_s", self.kernel_call_s)
         for name in ("forward_flops_per_s", "backward_flops_per_s", "memory_bandwidth_bytes_per_s"):
             _positive(name, getattr(self, name))
         if not self.dtypes:

@@ -116,17 +116,14 @@ class LabConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "topology", Topology.parse(self.topology))
-        ws = self.world_size
-        if isinstance(ws, bool) or not isinstance(ws, int) or not 2 <= ws <= _MAX_WORLD_SIZE:
+        if not (_is_int(ws := self.world_size) and 2 <= ws <= _MAX_WORLD_SIZE):
             raise ValueError(f"world_size must be an int in [2, {_MAX_WORLD_SIZE}]; got {ws!r}")
         rate = self.rate_bits_per_s
         if not (_is_number(rate) and math.isfinite(rate) and round(rate) >= 1):
             raise ValueError(f"rate_bits_per_s must be a finite number >= 1; got {rate!r}")
-        mtu = self.mtu
-        if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
+        if not (_is_int(mtu := self.mtu) and 576 <= mtu <= 65535):
             raise ValueError(f"mtu must be an int in [576, 65535]; got {mtu!r}")
-        latency = self.queue_latency_s
-        if not (_is_number(latency) and 0 < latency <= 10):
+        if not (_is_number(latency := self.queue_latency_s) and 0 < latency <= 10):
             raise ValueError(f"queue_latency_s must be in (0, 10] seconds; got {latency!r}")
         cc = self.congestion_control
         if not isinstance(cc, str) or not _CONGESTION_CONTROL_RE.fullmatch(cc):
@@ -144,6 +141,10 @@ class LabConfig:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _run(argv: Sequence[str], *, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -213,13 +214,10 @@ def _delete_namespaces(namespaces: Sequence[str]) -> list[str]:
     """End the processes inside (else a deleted namespace lives on), delete the namespaces;
     returns those that still exist."""
     _end_processes(lambda: _pids_inside(namespaces))
-    leftovers = []
     for ns in namespaces:
-        if os.path.exists(path := os.path.join(_NETNS_DIR, ns)):
+        if os.path.exists(os.path.join(_NETNS_DIR, ns)):
             _delete_namespace(ns)
-        if os.path.exists(path):
-            leftovers.append(ns)
-    return leftovers
+    return [ns for ns in namespaces if os.path.exists(os.path.join(_NETNS_DIR, ns))]
 
 
 def _delete_namespace(ns: str) -> None:
@@ -273,14 +271,12 @@ def lab_unavailable_reason() -> str | None:
     except RuntimeError as e:
         return f"netlab cannot create a network namespace: {e}"
     try:
-        _run(
-            ["ip", "-n", probe, "-batch", "-"],
-            stdin=(
-                f"link add {_IDENT_DEVICE} type ifb\n"
-                "link add pa type veth peer name pb\n"
-                f"link add {_BRIDGE} type bridge\n"
-            ),
+        devices = (
+            f"{_IDENT_DEVICE} type ifb",
+            "pa type veth peer name pb",
+            f"{_BRIDGE} type bridge",
         )
+        _run(["ip", "-n", probe, "-batch", "-"], stdin="".join(f"link add {d}\n" for d in devices))
         tbf = "root tbf rate 1000000bit burst 83968 latency 50ms"
         _run(["tc", "-n", probe, "qdisc", "replace", "dev", "pa", *tbf.split()])
         _run(["ip", "netns", "exec", probe, "sysctl", "-q", "-w", *_sysctls("reno", True)])
@@ -305,9 +301,7 @@ def _ring_next_hop(src: int, dst: int, world_size: int) -> int:
     """First rank after ``src`` on the shortest way round a ring to ``dst`` (ties: src + 1)."""
     assert src != dst
     forward = (dst - src) % world_size
-    if forward <= world_size - forward:
-        return (src + 1) % world_size
-    return (src - 1) % world_size
+    return (src + (1 if forward <= world_size - forward else -1)) % world_size
 
 
 def _route(config: LabConfig, addr: Sequence[str], src: int, dst: int) -> str:
@@ -464,7 +458,7 @@ class Lab:
     def register_pid(self, pid: int) -> None:
         """Remember a process started for the lab so that teardown ends it, even before it
         enters its namespace; its start time is kept, so a reused PID is never signalled."""
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        if not (_is_int(pid) and pid > 0):
             raise ValueError(f"pid must be a positive int; got {pid!r}")
         if (start := _process_start_time(pid)) is not None:  # None: gone, nothing to end
             self._pids[pid] = start
@@ -485,7 +479,7 @@ class Lab:
 
     def _check_rank(self, rank: int) -> int:
         p = self._config.world_size
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < p:
+        if not (_is_int(rank) and 0 <= rank < p):
             raise ValueError(f"rank must be an int in [0, {p}); got {rank!r}")
         return rank
 

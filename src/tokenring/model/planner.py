@@ -200,25 +200,17 @@ def _check_sizes(**sizes: int) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _plan(
-    world_size: int,
-    seq_local: int,
-    shape: AttentionShape,
-    causal: bool,
     layouts: tuple[Layout, ...],
-    training: bool,
-    hardware: Hardware,
     strategies: tuple[Strategy, ...],
-    last_block_splits: int,
-    mode: str,
     hybrid: HybridSpec | None,
     last_pair: str,
+    **call: Any,
 ) -> Plan:
-    """:func:`explain`'s comparison, cached per distinct input (Note [Choosing])."""
+    """:func:`explain`'s comparison of ``simulate(**call)`` per candidate, cached per distinct
+    input (Note [Choosing])."""
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
-    call: dict[str, Any] = dict(causal=causal, world_size=world_size, seq_local=seq_local)
-    call |= dict(shape=shape, hardware=hardware, last_block_splits=last_block_splits, mode=mode)
-    call["passes"] = "both" if training else "forward"
+    hardware = call["hardware"]
     for strategy in strategies:
         if strategy.is_collective and hardware.collectives not in _VALIDATED_ROUTINGS:
             skipped.append((strategy, _UNVALIDATED.format(routing=hardware.collectives.value)))
@@ -228,12 +220,12 @@ def _plan(
             continue
         spec = hybrid if strategy is Strategy.HYBRID else None
         lends = _LENDS[last_pair] if strategy is Strategy.TOKEN_RING else (False,)
-        predictions += _predict(strategy, layouts, lends, spec, call, skipped)
+        predictions += _predict(strategy, layouts, lends, skipped, hybrid=spec, **call)
     if not predictions:
         reasons = "; ".join(reason for _, reason in skipped)
         raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
     best = _fastest(predictions)
-    reason = _reason(best, predictions, shape, hardware, world_size, seq_local)
+    reason = _reason(best, predictions, call)
     _log.info("tokenring planner: %s", reason)
     for strategy, why in skipped:
         _log.info("tokenring planner: %s not predicted: %s", strategy.value, why)
@@ -244,7 +236,7 @@ def _plan(
         skipped=tuple(skipped),
         reason=reason,
         hardware=hardware.name,
-        world_size=world_size,
+        world_size=call["world_size"],
     )
 
 
@@ -252,19 +244,17 @@ def _predict(
     strategy: Strategy,
     layouts: tuple[Layout, ...],
     lends: tuple[bool, ...],
-    hybrid: HybridSpec | None,
-    call: dict[str, Any],
     skipped: list[tuple[Strategy, str]],
+    **call: Any,
 ) -> list[Prediction]:
-    """Per layout, the faster of ``strategy``'s variants; ``skipped``: the first reason for none."""
+    """Per layout, the faster of ``strategy``'s variants (``simulate(**call)`` lending TokenRing's
+    last pair or not); ``skipped``: the first reason for none."""
     predictions = []
     for layout in layouts:
         variants: list[Prediction] = []
         for lend in lends:
             try:
-                result = simulate(
-                    strategy, layout=layout, hybrid=hybrid, lend_last_pair=lend, **call
-                )
+                result = simulate(strategy, layout=layout, lend_last_pair=lend, **call)
             except NotImplementedError as exc:
                 if layout is layouts[0] and not variants:
                     skipped.append((strategy, str(exc)))
@@ -279,7 +269,7 @@ def _predict(
                     backward_s=sum((p.call_s for p in result.passes[1:]), 0.0),
                     bound_by="compute" if fwd.compute_s >= fwd.busiest_s else comm,
                     mode=fwd.mode,
-                    hybrid=hybrid,
+                    hybrid=call["hybrid"],
                     lends_last_pair=lend,
                 )
             )
@@ -300,15 +290,9 @@ def _fastest(predictions: Sequence[_P]) -> _P:
     return best
 
 
-def _reason(
-    best: Prediction,
-    predictions: list[Prediction],
-    shape: AttentionShape,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-) -> str:
-    """One sentence on why ``best`` is the pick."""
+def _reason(best: Prediction, predictions: list[Prediction], call: dict[str, Any]) -> str:
+    """One sentence on why ``best`` is the pick (``call``: the simulated call)."""
+    shape, hardware = call["shape"], call["hardware"]
     others = [p for p in predictions if p is not best and p.layout is best.layout]
     if others:
         runner = min(others, key=lambda p: p.total_s)
@@ -316,7 +300,8 @@ def _reason(
         reason = (
             f"{best.strategy.value} ({best.layout.value}) predicted {1e3 * best.total_s:.4g} ms"
             f" vs {runner.strategy.value} {1e3 * runner.total_s:.4g} ms ({ratio:.2f}x) on "
-            f"{hardware.name}, P={world_size}, s={seq_local}; {runner.strategy.value} is bound "
+            f"{hardware.name}, P={call['world_size']}, s={call['seq_local']}; "
+            f"{runner.strategy.value} is bound "
             f"by {runner.bound_by}; busiest-direction bytes per row: token_ring "
             f"{shape.row_bytes(Payload.OUT)}, ring {shape.row_bytes(Payload.KV)} "
             f"(Hq/(2*Hkv) = {shape.heads_q / (2 * shape.heads_kv):.2f})"
@@ -377,24 +362,17 @@ def explain(
             a ``hybrid`` that does not fit or that ``strategies`` leaves out.
     """
     hardware = _checked_options(hardware, last_pair=last_pair, causal=causal, training=training)
-    shape = _call_shape(world_size, seq_local, heads_q, heads_kv, head_dim, dtype, batch, hardware)
+    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
+    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
+    shape = AttentionShape(dtype=str(dtype), **sizes)
+    hardware.flops_per_s("forward", shape.dtype)
     layouts, ordered = _candidates(layout, seq_local, strategies)
     if hybrid is not None:
         _check_hybrid(hybrid, ordered, world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
-    return _plan(
-        world_size,
-        seq_local,
-        shape,
-        causal,
-        layouts,
-        training,
-        hardware,
-        ordered,
-        last_block_splits,
-        mode,
-        hybrid,
-        last_pair,
-    )
+    call = dict(causal=causal, world_size=world_size, seq_local=seq_local, shape=shape, mode=mode)
+    call |= dict(hardware=hardware, last_block_splits=last_block_splits)
+    call["passes"] = "both" if training else "forward"
+    return _plan(layouts, ordered, hybrid, last_pair, **call)
 
 
 def _check_hybrid(
@@ -429,24 +407,6 @@ def _checked_options(
             f"{hardware!r}"
         )
     return hardware
-
-
-def _call_shape(
-    world_size: int,
-    seq_local: int,
-    heads_q: int,
-    heads_kv: int,
-    head_dim: int,
-    dtype: str | torch.dtype,
-    batch: int,
-    hardware: Hardware,
-) -> AttentionShape:
-    """The call's shape, its sizes checked and its dtype one ``hardware`` has FLOP/s for."""
-    sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
-    _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
-    shape = AttentionShape(dtype=str(dtype), **sizes)
-    hardware.flops_per_s("forward", shape.dtype)
-    return shape
 
 
 def _candidates(
@@ -648,7 +608,8 @@ def calibrate(
     device = torch.device(device)
     block = select_kernel(device, dtype, kernel)
     dims = AttentionShape(dtype=dtype_name(dtype), **sizes)
-    agreed = _measure(comm, block, dims, device, block_rows, probe_bytes, repeats)
+    local = _kernel_rates(block, dims, device, block_rows, repeats)
+    agreed = _measure(comm, local, device, probe_bytes, repeats)
     fwd, bwd, mem, link, two_way, latency, call_s = agreed
     topo, port = _topology(topology, link, two_way, comm.world_size)
     return measured(
@@ -667,18 +628,13 @@ def calibrate(
 
 
 def _measure(
-    comm: Communicator,
-    block: BlockKernel,
-    dims: AttentionShape,
-    device: torch.device,
-    block_rows: int,
-    probe_bytes: int,
-    repeats: int,
+    comm: Communicator, mine: Sequence[float], device: torch.device, probe_bytes: int, repeats: int
 ) -> list[float]:
-    """The slowest rank's rates, the largest latency and call seconds: identical on every rank.
-    The one-way and two-way bytes/s to the ring neighbours (inf alone) and the latency (0
-    alone) leave the communicator's counter and timeline untouched."""
-    *local, call_s = _kernel_rates(block, dims, device, block_rows, repeats)
+    """The slowest rank's rates, the largest latency and call seconds (``mine``: this rank's
+    :func:`_kernel_rates`): identical on every rank. The one-way and two-way bytes/s to the
+    ring neighbours (inf alone) and the latency (0 alone) leave the communicator's counter and
+    timeline untouched."""
+    *local, call_s = mine
     link = two_way = float("inf")
     latency = 0.0
     if comm.world_size > 1:
@@ -806,18 +762,13 @@ def choose_cached_strategy(
     Raises:
         ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
     """
-    chosen = (
-        set(CachedStrategy) if candidates is None else set(map(CachedStrategy.parse, candidates))
-    )
+    chosen = set(map(CachedStrategy.parse, CachedStrategy if candidates is None else candidates))
     if not chosen:
         raise ValueError("candidates must name at least one strategy; got none")
     heads: dict[str, Any] = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
+    plans = [build_cached_plan(s, shards) for s in CachedStrategy if s in chosen]
     predictions = tuple(
-        predict_cached(
-            build_cached_plan(s, shards), shards, dtype=dtype, hardware=hardware, **heads
-        )
-        for s in CachedStrategy
-        if s in chosen
+        predict_cached(plan, shards, dtype=dtype, hardware=hardware, **heads) for plan in plans
     )
     best = _fastest(predictions)
     dims = AttentionShape(dtype=dtype_name(dtype), **heads)

@@ -57,6 +57,7 @@ byte totals are kept only for the links to r-1 (every other pair carries one win
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -206,6 +207,9 @@ def _add_bytes(num_rows: int, heads: int, dims: AttentionShape, *, pairs: int = 
 # -- event engine ------------------------------------------------------------------------------
 _STEP, _POST, _COMPUTE, _MERGE, _WAIT = range(5)
 _RESUME, _FLOW_DONE, _ARRIVE = range(3)
+# (_STEP, t), (_POST, flows), (_WAIT, flow), (_COMPUTE or _MERGE, seconds, t, label)
+_Action = tuple[Any, ...]
+_Compute = Callable[[Op], list[_Action]]
 
 
 class _EventEngine:
@@ -219,7 +223,7 @@ class _EventEngine:
         num_steps: int,
         dims: AttentionShape,
         hardware: Hardware,
-        pass_: Pass,
+        pass_: Pass = Pass.FORWARD,
     ) -> None:
         self.flops_per_s = hardware.flops_per_s(pass_, dims.dtype)
         self.world_size, self.dims, self.hw = world_size, dims, hardware
@@ -235,16 +239,13 @@ class _EventEngine:
         self.flow_res = [[self.res_index[res] for res, _ in rt.resources] for rt in flow_routes]
         self.flow_lat = [rt.latency_s for rt in flow_routes]
         self.flow_bytes = [float(tr.num_bytes(dims)) for tr in self.transfers]
-        # the run: per flow its posts, start, arrival, rate and bytes left; per rank its place
-        # in its program; the heap of pending events
+        # the run: per flow its posts (it starts at 2: both ends), start, arrival, bytes left,
+        # rate, last repricing and version; per rank its place in its program; pending events
         n = len(self.transfers)
-        self.posted = [0] * n  # ends that have posted the flow: it starts at 2
+        self.posted, self.version = [0] * n, [0] * n
         self.started: list[float | None] = [None] * n
         self.arrival: list[float | None] = [None] * n
-        self.remaining = list(self.flow_bytes)
-        self.rate = [0.0] * n
-        self.last = [0.0] * n
-        self.version = [0] * n
+        self.remaining, self.rate, self.last = list(self.flow_bytes), [0.0] * n, [0.0] * n
         self.active: list[set[int]] = [set() for _ in self.res_cap]
         self.pc = [0] * world_size
         self.waiting: dict[int, list[int]] = {}  # flow -> ranks blocked on its arrival
@@ -252,9 +253,8 @@ class _EventEngine:
         self.step_start = [[math.nan] * (num_steps + 1) for _ in range(world_size)]
         self.events: list[list[Event]] = [[] for _ in range(world_size)]
         self.heap: list[tuple[float, int, int, int, int]] = []
-        self.seq = 0
-        self.dirty: set[int] = set()
-        self.fresh: list[int] = []
+        self.seq = itertools.count()  # breaks ties in the heap: first pushed, first popped
+        self.dirty: set[int] = set()  # resources whose flows changed since the last repricing
 
     def busiest(self, exposed: Sequence[Transfer] = ()) -> tuple[str, int, float]:
         """(name, bytes, seconds) of the resource of most bytes / bandwidth, less ``exposed``."""
@@ -271,16 +271,11 @@ class _EventEngine:
         return max([("none", 0, 0.0), *candidates], key=lambda c: c[2])  # the first of equals
 
     def _program(
-        self,
-        ops: Sequence[Op],
-        r: int,
-        dims: AttentionShape,
-        ring_steps: range,
-        compute: Callable[[Op], list[tuple[Any, ...]]],
-    ) -> list[tuple[Any, ...]]:
+        self, ops: Sequence[Op], r: int, dims: AttentionShape, ring_steps: range, compute: _Compute
+    ) -> list[_Action]:
         """Rank ``r``'s actions for ``ops`` (Note [Replaying the rank program]): ``compute``
         prices a COMPUTE or DELTA; partials are merged or added on ``ring_steps`` only."""
-        prog: list[tuple[Any, ...]] = []
+        prog: list[_Action] = []
         for op in ops:
             kind = op.kind
             if kind in (OpKind.STEP, OpKind.END):
@@ -297,7 +292,7 @@ class _EventEngine:
                         prog.append(self._added(tr, dims))
         return prog
 
-    def _actions(self, sched: Schedule, r: int) -> list[tuple[Any, ...]]:
+    def _actions(self, sched: Schedule, r: int) -> list[_Action]:
         """The actions of rank ``r``'s ``program_of`` (Note [Replaying the rank program])."""
         mem = self.mem
         # the hybrid's outer ring merges its own heads (Note [Hybrid rank program])
@@ -311,12 +306,10 @@ class _EventEngine:
         ring_steps = range(1, n - 1) if hybrid else range(0 if sched.strategy.is_collective else n)
         share = 1.0  # a Ulysses rank's pieces cover only its query heads
         if sched.strategy is Strategy.ULYSSES:
-            heads = ulysses_heads(
-                world_size=sched.world_size, heads_q=dims.heads_q, heads_kv=dims.heads_kv
-            )
-            share = heads[r].num_q / dims.heads_q
+            heads = dict(heads_q=dims.heads_q, heads_kv=dims.heads_kv)
+            share = ulysses_heads(world_size=sched.world_size, **heads)[r].num_q / dims.heads_q
 
-        def compute(op: Op) -> list[tuple[Any, ...]]:
+        def compute(op: Op) -> list[_Action]:
             t = op.step
             if op.kind is OpKind.DELTA:
                 delta = _delta_bytes(inner * sched.seq_local, dims) / mem
@@ -335,7 +328,7 @@ class _EventEngine:
         program = program_of(sched, r, host_computes=self.hw.host_computes)
         return self._program(program, r, dims, ring_steps, compute)
 
-    def _added(self, tr: Transfer, dims: AttentionShape) -> tuple[Any, ...]:
+    def _added(self, tr: Transfer, dims: AttentionShape) -> _Action:
         """The merge or accumulation of a partial (out, dQ or dK/dV) once it has arrived."""
         heads = tr.heads[1] - tr.heads[0] if tr.heads is not None else None
         if tr.payload is Payload.OUT:
@@ -350,7 +343,7 @@ class _EventEngine:
     def _cached_program(self, plan: CachedPlan, shards: CachedShards, r: int) -> list[Any]:
         """The actions of rank ``r``'s ``cached_program`` (each partial merged as it returns)."""
 
-        def compute(op: Op) -> list[tuple[Any, ...]]:
+        def compute(op: Op) -> list[_Action]:
             o, j = plan.computes[r][op.step][op.index]
             actions = [(_COMPUTE, self._block_s(shards, o, j), op.step, "attn")]
             if plan.merges(r, o):
@@ -380,19 +373,16 @@ class _EventEngine:
         return roofline + calls * self.hw.kernel_call_s
 
     def push(self, time_s: float, kind: int, a: int, b: int = 0) -> None:
-        heapq.heappush(self.heap, (time_s, self.seq, kind, a, b))
-        self.seq += 1
+        heapq.heappush(self.heap, (time_s, next(self.seq), kind, a, b))
 
     def maybe_start(self, i: int, now: float) -> None:
         """Start flow ``i`` once both ends have posted it."""
         if self.posted[i] < 2:
             return
-        self.started[i] = now
-        self.last[i] = now
-        for res in self.flow_res[i]:
+        self.started[i] = self.last[i] = now
+        for res in self.flow_res[i]:  # every route has a resource: it is repriced with them
             self.active[res].add(i)
             self.dirty.add(res)
-        self.fresh.append(i)
 
     def advance(self, r: int, now: float) -> None:
         """Play rank ``r``'s program from where it stopped until it computes or waits."""
@@ -433,11 +423,8 @@ class _EventEngine:
     def reprice(self, now: float) -> None:
         """New rates for the flows whose resources changed (Note [Sharing bandwidth])."""
         active, remaining, rate = self.active, self.remaining, self.rate
-        touched = set(self.fresh)
-        for res in self.dirty:
-            touched.update(active[res])
+        touched = {i for res in self.dirty for i in active[res]}
         self.dirty.clear()
-        self.fresh.clear()
         for i in sorted(touched):  # all still moving bytes: finished flows left `active`
             remaining[i] -= rate[i] * (now - self.last[i])
             self.last[i] = now
@@ -456,38 +443,34 @@ class _EventEngine:
         else:
             self.arrive(i, now)
 
-    def run(
-        self, programs: list[list[tuple[Any, ...]]]
-    ) -> tuple[list[float], list[list[float]], list[list[Event]]]:
-        """Play every rank's program: per rank its end, its step starts and its events."""
+    def run(self, programs: list[list[_Action]]) -> None:
+        """Play every rank's program: per rank its ``finish``, ``step_start`` and ``events``."""
         self.programs = programs
         p, heap = self.world_size, self.heap
         for r in range(p):
             self.advance(r, 0.0)
-        now = 0.0
-        while True:
-            self.reprice(now)
-            if not heap:
-                break
+        self.reprice(0.0)
+        while heap:
             now = heap[0][0]
             horizon = now + 1e-12 + 1e-9 * now  # batch events this close (symmetric ranks)
             while heap and heap[0][0] <= horizon:
                 _, _, kind, a, b = heapq.heappop(heap)
                 if kind == _RESUME:
                     self.advance(a, now)
-                elif kind == _FLOW_DONE:
-                    if b == self.version[a]:
-                        self.flow_done(a, now)
-                else:
+                elif kind == _FLOW_DONE and b == self.version[a]:  # else repriced since
+                    self.flow_done(a, now)
+                elif kind == _ARRIVE:
                     self.arrive(a, now)
+            self.reprice(now)
         stuck = [r for r in range(p) if math.isnan(self.finish[r])]
         assert not stuck, f"simulation deadlocked on ranks {stuck}"
-        return self.finish, self.step_start, self.events
 
+    def busy_s(self, *kinds: str) -> float:
+        """The busiest rank's seconds in events of ``kinds``."""
+        return max(sum(ev.end_s - ev.start_s for ev in e if ev.kind in kinds) for e in self.events)
 
-def _busy_s(events: list[list[Event]], *kinds: str) -> float:
-    """The busiest rank's seconds in events of ``kinds``."""
-    return max(sum(ev.end_s - ev.start_s for ev in evs if ev.kind in kinds) for evs in events)
+    def timeline(self) -> tuple[tuple[Event, ...], ...]:
+        return tuple(tuple(sorted(e, key=lambda ev: (ev.start_s, ev.end_s))) for e in self.events)
 
 
 def max_sent(transfers: Sequence[Transfer], p: int, dims: AttentionShape) -> tuple[int, int]:
@@ -496,10 +479,6 @@ def max_sent(transfers: Sequence[Transfer], p: int, dims: AttentionShape) -> tup
     for tr in transfers:
         sent[tr.payload.flow][tr.src] += tr.num_bytes(dims)
     return max(sent[Flow.TRAVEL]), max(sent[Flow.RETURN])
-
-
-def _timeline(events: list[list[Event]]) -> tuple[tuple[Event, ...], ...]:
-    return tuple(tuple(sorted(evs, key=lambda ev: (ev.start_s, ev.end_s))) for evs in events)
 
 
 def simulate_cached(
@@ -513,10 +492,10 @@ def simulate_cached(
     Raises:
         ValueError: a dtype the hardware has no FLOP/s for.
     """
-    p = plan.world_size
-    engine = _EventEngine(plan.transfers, p, plan.num_rounds, shape, hardware, Pass.FORWARD)
-    finish, _, events = engine.run([engine._cached_program(plan, shards, r) for r in range(p)])
-    return max(finish), _busy_s(events, "compute", "merge"), engine.busiest()[2], _timeline(events)
+    engine = _EventEngine(plan.transfers, plan.world_size, plan.num_rounds, shape, hardware)
+    engine.run([engine._cached_program(plan, shards, r) for r in range(plan.world_size)])
+    compute_s = engine.busy_s("compute", "merge")
+    return max(engine.finish), compute_s, engine.busiest()[2], engine.timeline()
 
 
 # -- vectorised engine -------------------------------------------------------------------------
@@ -528,10 +507,11 @@ class _Network:
         self.p = p = world_size
         net = hardware.interconnect
         self.ring = net.topology is Topology.RING
-        self.link = net.link_bandwidth_bytes_per_s
-        self.lat = net.latency_s
-        self.dpn = hardware.devices_per_node
-        self.inter = hardware.inter
+        self.link, self.lat, self.dpn = net.link_bandwidth_bytes_per_s, net.latency_s, None
+        self.inter_link, self.inter_lat = self.link, self.lat
+        if (inter := hardware.inter) is not None:  # islands (Note [Topologies] in costmodel)
+            self.dpn, self.inter_link = hardware.devices_per_node, inter.link_bandwidth_bytes_per_s
+            self.inter_lat = inter.latency_s
         f64 = torch.float64
         # Only the pair (r, r - 1) carries flows of more than one window: no (P, P) table.
         self.down_totals = torch.zeros(p, dtype=f64)  # pair (r, r - 1)
@@ -542,7 +522,7 @@ class _Network:
         if (port := net.port_bandwidth_bytes_per_s) is not None:
             kinds = (ResourceKind.PORT_OUT, ResourceKind.PORT_IN)
             self.ports.append((False, port, torch.zeros(2, p, dtype=f64), 1, kinds))
-        if self.inter is not None and (nic := self.inter.port_bandwidth_bytes_per_s) is not None:
+        if inter is not None and (nic := inter.port_bandwidth_bytes_per_s) is not None:
             kinds = (ResourceKind.NIC_OUT, ResourceKind.NIC_IN)
             self.ports.append((True, nic, torch.zeros(2, p, dtype=f64), 3, kinds))
         self.hop_totals = torch.zeros(2, p, dtype=f64)  # [up, down] per origin rank
@@ -550,12 +530,15 @@ class _Network:
         self.work_before = torch.zeros(7, p, dtype=f64)
         self.best_start = torch.full((7, p), -math.inf, dtype=f64)
 
+    def _across(self, src: Tensor, dst: Tensor) -> Tensor:
+        """Whether each flow from ``src`` to ``dst`` runs between islands."""
+        if self.dpn is None:
+            return torch.zeros(src.shape, dtype=torch.bool)
+        return (src // self.dpn) != (dst // self.dpn)
+
     def _pair_cap(self, src: Tensor, dst: Tensor) -> Tensor:
         cap = torch.full(src.shape, self.link, dtype=torch.float64)
-        if self.inter is not None and self.dpn is not None:
-            across = (src // self.dpn) != (dst // self.dpn)
-            cap = torch.where(across, self.inter.link_bandwidth_bytes_per_s, cap)
-        return cap
+        return torch.where(self._across(src, dst), self.inter_link, cap)
 
     def price(self, x: Tensor, dst: Tensor, *, count: bool = True) -> tuple[Tensor, Tensor]:
         """Per flow ``(W, P, G)``: latency + its equal-share finish time in its window; per
@@ -567,11 +550,8 @@ class _Network:
         win = torch.arange(w_count).view(w_count, 1, 1).expand_as(dst)
         active = x > 0
         xa = torch.where(active, x, 0.0)
-        inter = torch.zeros_like(active)
-        lat = torch.full(x.shape, self.lat, dtype=torch.float64)
-        if self.dpn is not None and self.inter is not None:
-            inter = (src // self.dpn) != (dst // self.dpn)
-            lat = torch.where(inter, self.inter.latency_s, lat)
+        inter = self._across(src, dst)
+        lat = torch.where(inter, self.inter_lat, torch.full(x.shape, self.lat, dtype=torch.float64))
         # families: link to r-1, port out, port in, NIC out, NIC in, ring hop up, hop down
         work = torch.zeros(w_count, 7, p, dtype=torch.float64)
         worst = self._price_pairs(src, dst, xa, work, count)
@@ -928,13 +908,11 @@ def _step_durations(
     in window t + 1, the last step's in its own window or, exposed, in ``tail``."""
     k = col.segment_rows.shape[2]
     if t < col.q_owner.shape[0] - 1:
-        return {
-            "travel": dur[j, :, 0],
-            "returns": dur[j + 1, :, 1 : k + 1],
-            "dkv": dur[j + 1, :, -1],
-        }
-    late = torch.where(_last_segment(col, j), tail[:, :1], dur[j, :, k + 1 : 2 * k + 1])
-    return {"travel": dur[j, :, 0], "returns": late, "dkv": tail[:, 1]}
+        returns, dkv = dur[j + 1, :, 1 : k + 1], dur[j + 1, :, -1]
+    else:
+        returns = torch.where(_last_segment(col, j), tail[:, :1], dur[j, :, k + 1 : 2 * k + 1])
+        dkv = tail[:, 1]
+    return {"travel": dur[j, :, 0], "returns": returns, "dkv": dkv}
 
 
 def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) -> float:
@@ -1017,7 +995,8 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
     """
     p = sched.world_size
     engine = _EventEngine(sched.transfers, p, sched.num_steps, shape, hardware, sched.pass_)
-    finish, step_start, events = engine.run([engine._actions(sched, r) for r in range(p)])
+    engine.run([engine._actions(sched, r) for r in range(p)])
+    step_start = engine.step_start
     exposed = exposed_transfers(sched)
     busiest_name, busiest_bytes, busiest_s = engine.busiest(exposed)
     routes = [(tr.num_bytes(shape), transfer_route(hardware, sched, tr)) for tr in exposed]
@@ -1031,20 +1010,20 @@ def simulate_schedule(sched: Schedule, *, shape: AttentionShape, hardware: Hardw
         world_size=p,
         seq_local=sched.seq_local,
         mode="event",
-        call_s=max(finish),
+        call_s=max(engine.finish),
         step_s=tuple(
             max(step_start[r][t + 1] - step_start[r][t] for r in range(p))
             for t in range(sched.num_steps)
         ),
-        compute_s=_busy_s(events, "compute"),
-        merge_s=_busy_s(events, "merge"),
+        compute_s=engine.busy_s("compute"),
+        merge_s=engine.busy_s("merge"),
         busiest_resource=busiest_name,
         busiest_bytes=busiest_bytes,
         busiest_s=busiest_s,
         exposed_s=exposed_s,
         travel_bytes=travel_bytes,
         return_bytes=return_bytes,
-        timeline=_timeline(events),
+        timeline=engine.timeline(),
     )
 
 
@@ -1155,9 +1134,8 @@ def strategy_schedule(
             f"give exactly one of seq_local and seq_len; got seq_local={seq_local}, "
             f"seq_len={seq_len}"
         )
-    common: dict[str, Any] = dict(
-        layout=layout, causal=causal, world_size=world_size, heads_q=heads_q, heads_kv=heads_kv
-    )
+    common: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
+    common |= dict(heads_q=heads_q, heads_kv=heads_kv)
     if strategy.is_ring:
         common |= dict(last_block_splits=last_block_splits, lend_last_pair=lend_last_pair)
         return build_schedule(strategy, pass_, seq_local=seq_local, seq_len=seq_len, **common)
@@ -1183,11 +1161,8 @@ def strategy_schedule(
     return build_collective_schedule(strategy.value, pass_, seq_local=seq_local, **common)
 
 
-_PASSES = {
-    "forward": (Pass.FORWARD,),
-    "backward": (Pass.BACKWARD,),
-    "both": (Pass.FORWARD, Pass.BACKWARD),
-}
+_FORWARD, _BACKWARD = (Pass.FORWARD,), (Pass.BACKWARD,)
+_PASSES = {"forward": _FORWARD, "backward": _BACKWARD, "both": _FORWARD + _BACKWARD}
 
 
 def simulate(

@@ -25,7 +25,7 @@ import torch
 from tokenring.core.layout import Layout, Sharding, global_positions
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
-from tokenring.core.schedule import Pass, Payload, Piece, Schedule, Strategy, Transfer
+from tokenring.core.schedule import Pass, Payload, Piece, Strategy, Transfer
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.kernels import BlockKernel, PositionMask, accumulation_dtype
 from tokenring.runtime.program import Op
@@ -42,18 +42,10 @@ class _Collective(SchedulePass):
     """What the collectives' runners share beyond a ``SchedulePass``: ``masking``
     (Note [Collectives with masks]), P, s and the accumulation dtype."""
 
-    def __init__(
-        self,
-        sched: Schedule,
-        comm: Communicator,
-        kernel: BlockKernel,
-        inputs: tuple[torch.Tensor, ...],
-        *,
-        scale: float,
-        masking: _Masking | None,
-    ) -> None:
+    def __init__(self, *args: Any, masking: _Masking | None, **options: Any) -> None:
+        """As ``SchedulePass``, with ``masking``."""
         self.masking = masking
-        super().__init__(sched, comm, kernel, inputs, scale=scale)
+        super().__init__(*args, **options)
 
     def setup(self) -> None:
         self.p, self.s = self.comm.world_size, self.q.shape[1]

@@ -386,13 +386,12 @@ class PendingRecv:
         self._works: list[Any] = []  # one per frame, posted in frame order
         self._posted_s = time.perf_counter()
         self._result: list[torch.Tensor] | None = None
-        # what the backend fills: the frames, host buffers if staged, or with shared memory
-        # the header alone (``message`` is then the header; wait() makes the whole message)
-        self._wires = message.frames
+        # what the backend fills: the frames, or host buffers if staged; with shared memory
+        # nothing (``message`` is the header, which comes to this rank's inbox; wait() makes
+        # the whole message)
+        self._wires = [] if shared else message.frames
         self._shared = shared
         self._seq = -1  # shared: the message's number from its sender, set when posted
-        if shared:  # nothing to post: the message's header comes to this rank's inbox
-            self._wires = []
 
     def message(self) -> Message:
         """The received message, to pass on as it came (after :meth:`wait`): no copy."""
@@ -423,12 +422,9 @@ class PendingRecv:
                     if index == 0:  # the header frame: checked before waiting for the rest
                         self._check()
             self._result = _unpack(self._message, self._fields)
-            timeline = comm.timeline
-            if timeline is not None:
-                end_s = time.perf_counter()
-                event = Event("recv", tr.payload.value, tr.step, self._posted_s, end_s, tr.src)
-                event.num_bytes = self._message.num_bytes
-                timeline.events.append(event)
+            if comm.timeline is not None:
+                span = (self._posted_s, time.perf_counter(), tr.src, self._message.num_bytes)
+                comm.timeline.events.append(Event("recv", tr.payload.value, tr.step, *span))
         return self._result
 
     def _wait_shared(self) -> None:
@@ -515,9 +511,7 @@ class Communicator:
             )
         channels, control = self._own if self._own is not None else ({}, None)
         self._groups = {channel: channels.get(channel, base) for channel in CHANNELS}
-        self._control: dist.ProcessGroup | None = None
-        if self.world_size > 1:
-            self._control = control if control is not None else base
+        self._control = (control or base) if self.world_size > 1 else None
         self.counter = TrafficCounter()
         self.timeline: Timeline | None = None
         self._pending_sends: list[tuple[Any, Transfer]] = []
@@ -722,47 +716,38 @@ class Communicator:
                 shared.post(r, header, self.timeout.total_seconds())
             except RuntimeError as exc:
                 closed[r] = _first_line(exc).removeprefix(f"rank {self.rank}: ")
-        return functools.partial(self._wait_shared_swap, frames, seqs, silent, closed)
 
-    def _wait_shared_swap(
-        self,
-        frames: dict[int, torch.Tensor],
-        seqs: dict[int, int],
-        silent: list[int],
-        closed: dict[int, str],
-    ) -> tuple[list[int], dict[int, str]]:
-        """Wait for the frames of :meth:`_post_shared_swap` (numbered ``seqs``) and copy them."""
-        shared = self.shared
-        assert shared is not None
-        num_bytes = next(iter(frames.values())).numel()
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)
-        for r, frame in frames.items() if not closed else ():
-            try:
-                shared.wait(r, seqs[r], header, max(deadline - time.monotonic(), 0.01))
-            except TimeoutError:
-                silent.append(r)
-                continue
-            except ConnectionError as exc:
-                closed[r] = str(exc)
-                continue
-            magic, size, _, sender, _, *where = _read_header(header)
-            if (magic, size, sender) != (_EXCHANGE_MAGIC, num_bytes, r):
-                closed[r] = (
-                    f"rank {r} sent another message ({size} bytes from rank {sender}) where "
-                    f"this rank expected a {num_bytes}-byte exchange frame: it runs other code"
-                )
-                continue
-            try:
-                (view,) = shared.view(r, where, [num_bytes])
-            except RuntimeError as exc:  # sent, then exited: its segment went with it
-                closed[r] = shared.gone(r) or _first_line(exc).removeprefix(f"rank {self.rank}: ")
-                continue
-            frame.copy_(view)
-            del view  # consumed: the sender may write the segment again
-            if shared.gave_up(r):  # it sent, then gave up waiting (for this rank, maybe)
-                closed[r] = shared.gone(r) or ""
-        return silent, closed
+        def wait() -> tuple[list[int], dict[int, str]]:
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            for r, frame in frames.items() if not closed else ():
+                try:
+                    shared.wait(r, seqs[r], header, max(deadline - time.monotonic(), 0.01))
+                except TimeoutError:
+                    silent.append(r)
+                    continue
+                except ConnectionError as exc:
+                    closed[r] = str(exc)
+                    continue
+                magic, size, _, sender, _, *where = _read_header(header)
+                if (magic, size, sender) != (_EXCHANGE_MAGIC, num_bytes, r):
+                    closed[r] = (
+                        f"rank {r} sent another message ({size} bytes from rank {sender}) where "
+                        f"this rank expected a {num_bytes}-byte exchange frame: it runs other code"
+                    )
+                    continue
+                try:
+                    (view,) = shared.view(r, where, [num_bytes])
+                except RuntimeError as exc:  # sent, then exited: its segment went with it
+                    why = _first_line(exc).removeprefix(f"rank {self.rank}: ")
+                    closed[r] = shared.gone(r) or why
+                    continue
+                frame.copy_(view)
+                del view  # consumed: the sender may write the segment again
+                if shared.gave_up(r):  # it sent, then gave up waiting (for this rank, maybe)
+                    closed[r] = shared.gone(r) or ""
+            return silent, closed
+
+        return wait
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Every rank's picklable ``obj`` in group-rank order (``what``: for errors); two rounds
@@ -806,20 +791,17 @@ class Communicator:
         digest = hashlib.blake2b(data, digest_size=DIGEST_NUM_BYTES).digest()
         check = f"the {what} check"
         gather = self._post_gather(digest, what=check, frame_num_bytes=DIGEST_FRAME_NUM_BYTES)
-        return functools.partial(self._finish_agree, gather, digest, data, problem, what)
 
-    def _finish_agree(
-        self,
-        gather: Callable[[], list[bytes]],
-        digest: bytes,
-        data: bytes,
-        problem: Exception | None,
-        what: str,
-    ) -> None:
-        """The rest of :meth:`agree` once its digests are posted."""
-        digests = gather()
-        if problem is None and all(d == digest for d in digests):
-            return
+        def finish() -> None:
+            digests = gather()
+            if problem is not None or any(d != digest for d in digests):
+                self._disagreement(data, problem, what)
+
+        return finish
+
+    def _disagreement(self, data: bytes, problem: Exception | None, what: str) -> None:
+        """The rest of :meth:`agree` where a digest differs or a rank found a problem: every
+        rank's JSON row, then what raises."""
         if len(data) > AGREE_FRAME_NUM_BYTES - 8:  # an unusually long error or signature
             mine: dict[str, Any] = {"invalid": str(problem)[:1000]}
             if problem is None:
@@ -1036,10 +1018,9 @@ class Communicator:
         if self.shared is not None:
             self.shared.release_idle()
         if self._unchecked:
-            headers = torch.stack([h for _, h, _ in self._unchecked]).tolist()
-            checks = [(tr, n) for tr, _, n in self._unchecked]
-            self._unchecked.clear()
-            for (tr, expected), header in zip(checks, headers, strict=True):
+            unchecked, self._unchecked = self._unchecked, []
+            headers = torch.stack([h for _, h, _ in unchecked]).tolist()
+            for (tr, _, expected), header in zip(unchecked, headers, strict=True):
                 _check_header(self.rank, tr, header, *expected)
 
     def release_sends(self) -> None:
@@ -1093,14 +1074,11 @@ class Communicator:
         self, output: torch.Tensor, input: torch.Tensor, *, label: str
     ) -> PendingCollective:
         """Post ``dist.all_gather_into_tensor`` (rank j's at block j of dim 0). Not counted."""
-        self._check_open()
-        self.settle()
-        work = None
-        if self.world_size > 1:
-            work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
-        else:
+        post = functools.partial(dist.all_gather_into_tensor, output, input)
+        pending = self._collective("all-gather", label, post)
+        if self.world_size == 1:
             output.copy_(input.reshape(output.shape))
-        return PendingCollective(self, work, "all-gather", label)
+        return pending
 
     def all_gather(self, tensor: torch.Tensor, *, label: str) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype), in group-rank order. Not counted."""
@@ -1114,20 +1092,19 @@ class Communicator:
         self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, label: str
     ) -> PendingCollective:
         """Post ``dist.all_reduce`` of ``tensor`` in place. Not counted."""
-        self._check_open()
-        self.settle()
-        work = None
-        if self.world_size > 1:
-            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        return PendingCollective(self, work, "all-reduce", label)
+        return self._collective("all-reduce", label, functools.partial(dist.all_reduce, tensor, op))
 
     def barrier(self, *, label: str) -> None:
         """Wait until every rank of the group reached this barrier, for at most ``timeout``."""
+        self._collective("barrier", label, dist.barrier).wait()
+
+    def _collective(self, op: str, label: str, post: Callable[..., Any]) -> PendingCollective:
+        """``post(group=, async_op=True)``, the collective ``op``, once this communicator is
+        open and settled (a group of one: nothing)."""
         self._check_open()
         self.settle()
-        if self.world_size > 1:
-            work = dist.barrier(group=self.group, async_op=True)
-            PendingCollective(self, work, "barrier", label).wait()
+        work = post(group=self.group, async_op=True) if self.world_size > 1 else None
+        return PendingCollective(self, work, op, label)
 
     def describe_group(self) -> str:
         """The group in words, for error messages: its description and global ranks."""

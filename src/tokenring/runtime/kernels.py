@@ -143,11 +143,19 @@ def _dense(mask: Mask | None, q: Tensor, k: Tensor, causal: bool) -> Tensor | No
 
 
 class BlockKernel(abc.ABC):
-    """Attention of one block, forward and backward, with the log-sum-exp of each row."""
+    """Attention of one block, forward and backward, with the log-sum-exp of each row.
+
+    A kernel implements the hooks ``_forward`` and ``_backward``, which :meth:`forward` and
+    :meth:`backward` run once they checked the tile against ``tiles`` and counted the call in
+    ``ran[op]``; or it overrides :meth:`forward` and :meth:`backward`."""
 
     name: str = "abstract"
     takes_out: bool = False
     """Whether :meth:`backward` uses ``out`` (fused ops compute delta from it)."""
+    op = ""
+    """The operator's name in ``ran`` ("": a dispatcher; the operators it runs count)."""
+    tiles = "any"
+    """The tiles it takes: "any" (a mask or none), "unmasked", "masked" (a PositionMask)."""
 
     def __init__(self) -> None:
         self.ran: collections.Counter[str] = collections.Counter()
@@ -157,7 +165,6 @@ class BlockKernel(abc.ABC):
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this kernel runs for tensors on ``device`` with ``dtype``."""
 
-    @abc.abstractmethod
     def forward(
         self,
         q: Tensor,
@@ -182,8 +189,9 @@ class BlockKernel(abc.ABC):
         Returns:
             out ``(B, sq, Hq, D)`` in q's dtype, lse ``(B, Hq, sq)`` in the accumulation dtype.
         """
+        self._start(causal, mask)
+        return self._forward(_Call(q, k, v, causal, scale, mask))
 
-    @abc.abstractmethod
     def backward(
         self,
         dout: Tensor,
@@ -213,6 +221,26 @@ class BlockKernel(abc.ABC):
         Returns:
             dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``, in q's dtype.
         """
+        self._start(causal, mask)
+        return self._backward(_Call(q, k, v, causal, scale, mask), dout, lse, delta, out)
+
+    def _start(self, causal: bool, mask: Mask | None) -> None:
+        if self.tiles == "unmasked":
+            assert mask is None, "masked tiles go to the masked kernel"
+        elif self.tiles == "masked":
+            assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
+        if self.op:
+            self.ran[self.op] += 1
+
+    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of a checked call."""
+        raise NotImplementedError(f"{type(self).__name__} implements no forward")
+
+    def _backward(
+        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
+    ) -> Grads:
+        """:meth:`backward` of a checked call."""
+        raise NotImplementedError(f"{type(self).__name__} implements no backward")
 
     def backward_into(
         self,
@@ -266,65 +294,7 @@ class _Call(NamedTuple):
         return {"causal": self.causal, "scale": self.scale, "mask": self.mask}
 
 
-class _Op(BlockKernel):
-    """A kernel of one operator: :meth:`forward` and :meth:`backward` check the tile against
-    ``tiles``, count the call in ``ran[op]`` and run the ``_forward`` / ``_backward`` hooks."""
-
-    op = ""
-    """The operator's name in ``ran`` ("": a dispatcher; the operators it runs count)."""
-    tiles = "any"
-    """The tiles it takes: "any" (a mask or none), "unmasked", "masked" (a PositionMask)."""
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        self._start(causal, mask)
-        return self._forward(_Call(q, k, v, causal, scale, mask))
-
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        lse: Tensor,
-        delta: Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        mask: Mask | None = None,
-        out: Tensor | None = None,
-    ) -> Grads:
-        self._start(causal, mask)
-        return self._backward(_Call(q, k, v, causal, scale, mask), dout, lse, delta, out)
-
-    def _start(self, causal: bool, mask: Mask | None) -> None:
-        if self.tiles == "unmasked":
-            assert mask is None, "masked tiles go to the masked kernel"
-        elif self.tiles == "masked":
-            assert isinstance(mask, PositionMask) and not causal, "flex serves masked tiles"
-        if self.op:
-            self.ran[self.op] += 1
-
-    @abc.abstractmethod
-    def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
-        """:meth:`forward` of a checked call."""
-
-    @abc.abstractmethod
-    def _backward(
-        self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
-    ) -> Grads:
-        """:meth:`backward` of a checked call."""
-
-
-class ReferenceKernel(_Op):
+class ReferenceKernel(BlockKernel):
     """Plain torch matmuls in the accumulation dtype, materialising ``(B, Hq, sq, sk)``
     scores; any device and dtype."""
 
@@ -405,7 +375,7 @@ def _finite_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
     return out.masked_fill(torch.isneginf(out), 0.0).contiguous()
 
 
-class _CpuFlashOps(_Op):
+class _CpuFlashOps(BlockKernel):
     """PyTorch's fused CPU flash-attention ops on one tile (a masked one: an additive mask)."""
 
     name = "cpu_flash_op"
@@ -484,7 +454,7 @@ def _tile_class(
     return "masked", sub
 
 
-class TiledKernel(_Op):
+class TiledKernel(BlockKernel):
     """Any kernel, run tile by tile so a call's memory is bounded by its tile (Note [Kernel
     plan]).
 
@@ -727,7 +697,7 @@ def _reduce_kv(dx: Tensor, heads_kv: int) -> Tensor:
     return dx if hq == heads_kv else dx.view(b, heads_kv, hq // heads_kv, s, d).sum(2)
 
 
-class _SdpaOps(_Op):
+class _SdpaOps(BlockKernel):
     """One unmasked tile through the fused CUDA SDPA operator ``op`` (flash or efficient)."""
 
     name = "cuda_sdpa_op"
@@ -783,7 +753,7 @@ class _SdpaOps(_Op):
         return _bhsd(dq), _bhsd(_reduce_kv(dk, hkv)), _bhsd(_reduce_kv(dv, hkv))
 
 
-class _FlexOps(_Op):
+class _FlexOps(BlockKernel):
     """Masked tiles through FlexAttention (compiled on CUDA); the backward recomputes them.
 
     Note [Backward through autograd]
@@ -895,7 +865,7 @@ _FLASH_ATTN_PLAIN: dict[str, Any] = dict(
 )
 
 
-class _FlashAttnOps(_Op):
+class _FlashAttnOps(BlockKernel):
     """One unmasked fp16/bf16 tile through the flash-attn 2 package (GQA native)."""
 
     name = "flash_attn_op"
@@ -940,7 +910,7 @@ _CUDA_OPS: dict[str, Callable[[], BlockKernel]] = {
 """The operators :func:`plan_block` names on CUDA, by name."""
 
 
-class _CudaDispatch(_Op):
+class _CudaDispatch(BlockKernel):
     """Runs each tile with the operator :func:`plan_block` names for it."""
 
     name = "cuda_dispatch"

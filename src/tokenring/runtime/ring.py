@@ -271,14 +271,17 @@ def _rows_heads(acc: torch.Tensor, tr: Transfer) -> torch.Tensor:
     return rows if tr.heads is None else rows[:, :, tr.heads[0] : tr.heads[1]]
 
 
-def _lane_blocks(sched: Schedule, rank: int, tensors: list[torch.Tensor]) -> dict[int, _Held]:
-    """Each lane's block at step 0: the local shard restricted to the lane's heads and rows."""
+def _lane_blocks(
+    sched: Schedule, rank: int, tensors: list[torch.Tensor], *, is_kv: bool = True
+) -> dict[int, _Held]:
+    """Each lane's block at step 0: the local K/V (else query side) restricted to the lane's
+    rows and heads."""
     held = {}
     for index, lane in enumerate(sched.lanes):
-        rows = lane.kv_rows or (0, tensors[0].shape[1])
-        heads = slice(*lane.kv_heads) if lane.kv_heads else slice(None)
-        views = [x[:, rows[0] : rows[1], heads] for x in tensors]
-        held[index] = _Held(rank, rows, views, is_kv=True)
+        rows = (lane.kv_rows if is_kv else None) or (0, tensors[0].shape[1])
+        heads = lane.kv_heads if is_kv else lane.q_heads
+        views = [rows_heads(x, rows, slice(*heads) if heads else slice(None)) for x in tensors]
+        held[index] = _Held(rank, rows, views, is_kv=is_kv)
     return held
 
 
@@ -346,15 +349,8 @@ class _RingPass(SchedulePass):
 
     def hold(self, q_side: list[torch.Tensor]) -> None:
         """The blocks of step 0: ``q_side`` (pass-Q) or K/V (pass-KV), by lane."""
-        if not self.pass_q:
-            self.held = _lane_blocks(self.sched, self.rank, [self.k, self.v])
-            return
-        self.held = {}
-        for index, lane in enumerate(self.sched.lanes):  # this rank's rows, the lane's q heads
-            views = q_side
-            if lane.q_heads is not None:
-                views = [rows_heads(x, None, slice(*lane.q_heads)) for x in q_side]
-            self.held[index] = _Held(self.rank, (0, q_side[0].shape[1]), views)
+        tensors = q_side if self.pass_q else [self.k, self.v]
+        self.held = _lane_blocks(self.sched, self.rank, tensors, is_kv=not self.pass_q)
 
     def provide(self, tr: Transfer) -> Sequence[torch.Tensor] | Message:
         if tr.payload in (Payload.OUT, Payload.DQ, Payload.DKV):
@@ -691,21 +687,12 @@ class _Backward(_RingPass):
             # own queries: their real out (Note [Backward from delta] in runtime.kernels)
             qh = _q_heads(piece, self.groups)
             out_p = rows_heads(self.out, piece.q_rows, qh) if q_owner == rank else None
+            tile: dict[str, Any] = {"causal": piece.causal, "scale": self.scale, "mask": mask}
+            targets = functools.partial(self.targets, piece, segment, step, q_owner)
             self.kernel.backward_into(
-                functools.partial(self.targets, piece, segment, step, q_owner),
-                do_p,
-                q_p,
-                k_p,
-                v_p,
-                lse_p,
-                delta_p,
-                causal=piece.causal,
-                scale=self.scale,
-                mask=mask,
-                poll=self.poll,
-                out=out_p,
+                targets, do_p, q_p, k_p, v_p, lse_p, delta_p, out=out_p, poll=self.poll, **tile
             )
-            del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p, blocks
+            del q_p, do_p, lse_p, delta_p, k_p, v_p, mask, out_p, blocks, tile
         done()
         holder = segment.pieces[0].kv_owner if segment.pieces else None
         if holder is not None:  # the borrowed pair is done: its dK/dV go home
