@@ -443,30 +443,19 @@ class _Reference:
     def fold(self, x: torch.Tensor, a: int, e: int) -> torch.Tensor:
         """Global rows [a, e) of (B, S, Hq, D) as (B, Hkv, G * T, D) float64 (may be a view
         of float64 inputs: never written in place)."""
-        b, _, hq, d = x.shape
-        hkv, t = self.k.shape[1], e - a
-        return (
-            x[:, a:e]
-            .double()
-            .view(b, t, hkv, hq // hkv, d)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(b, hkv, hq // hkv * t, d)
-        )
+        by_kv_head = x[:, a:e].double().unflatten(2, (self.k.shape[1], -1))  # (B, T, Hkv, G, D)
+        return by_kv_head.permute(0, 2, 3, 1, 4).flatten(2, 3)
 
     def unfold(self, y: torch.Tensor, t: int) -> torch.Tensor:
         """(B, Hkv, G * T, D) -> (B, T, Hq, D)."""
-        b, hkv, _, d = y.shape
-        hq = self.q.shape[2]
-        return y.view(b, hkv, hq // hkv, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+        return y.unflatten(2, (-1, t)).permute(0, 3, 1, 2, 4).flatten(2, 3)
 
     def attend(self, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """probs (B, Hkv, G*T, K), out (B, Hkv, G*T, D), lse (B, Hkv, G*T) of rows [a, e)."""
-        b, seq, hq, _ = self.q.shape
-        hkv = self.k.shape[1]
-        keys = e if self.causal else seq
+        keys = e if self.causal else self.q.shape[1]
         scores = (self.fold(self.q, a, e) * self.scale) @ self.k[:, :, :keys].transpose(-1, -2)
         if self.causal:  # only the keys [a, e) can be ahead of a row of the tile
-            diagonal = scores.view(b, hkv, hq // hkv, e - a, keys)[..., a:e]
+            diagonal = scores.unflatten(2, (-1, e - a))[..., a:e]
             diagonal.masked_fill_(~_visible(torch.arange(a, e), torch.arange(a, e)), -math.inf)
         lse = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(lse.unsqueeze(-1)).exp_()
@@ -499,8 +488,8 @@ class _Reference:
                 continue
             do = self.fold(self.dout, a, e)
             delta = (do * out_t).sum(-1)  # (B, Hkv, G*T)
-            lse_all[..., a:e] = lse.view(b, hkv, -1, t)
-            delta_all[..., a:e] = delta.view(b, hkv, -1, t)
+            lse_all[..., a:e] = lse.unflatten(2, (-1, t))
+            delta_all[..., a:e] = delta.unflatten(2, (-1, t))
             if rows.numel():
                 dp = do @ self.v[:, :, :keys].transpose(-1, -2)
                 ds = probs.mul_(dp.sub_(delta.unsqueeze(-1)))
@@ -513,26 +502,24 @@ class _Reference:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """dk, dv ``(B, n, Hkv, D)`` of the keys at ``positions``: every query tile that can
         see them, with its rows' lse and delta from :meth:`my_rows`."""
-        b, seq, hq, d = self.q.shape
-        hkv, g, n = self.k.shape[1], hq // self.k.shape[1], positions.numel()
+        b, seq, hq, _ = self.q.shape
+        n = positions.numel()
         k_mine, v_mine = self.k[:, :, positions], self.v[:, :, positions]  # (B, Hkv, n, D)
-        dk = torch.zeros(b, hkv, n, d, dtype=torch.float64)
-        dv = torch.zeros_like(dk)
+        dk, dv = torch.zeros_like(k_mine), torch.zeros_like(v_mine)
         first = int(positions.min()) if self.causal and n else 0  # no earlier query sees my keys
         last = int(positions.max()) if n else 0
         tile = _tile_rows(b, hq, max(n, 1))
         for a in range(first, seq if n else 0, tile):
             e = min(seq, a + tile)
-            t = e - a
             qt, do = self.fold(self.q, a, e), self.fold(self.dout, a, e)
             scores = (qt * self.scale) @ k_mine.transpose(-1, -2)  # (B, Hkv, G*T, n)
             if self.causal and last > a:  # some of my keys are ahead of some rows of the tile
                 mask = ~_visible(torch.arange(a, e), positions)
-                scores.view(b, hkv, g, t, n).masked_fill_(mask, -math.inf)
-            lse = lse_all[..., a:e].reshape(b, hkv, g * t, 1)
+                scores.unflatten(2, (-1, e - a)).masked_fill_(mask, -math.inf)
+            lse = lse_all[..., a:e].flatten(2, 3).unsqueeze(-1)  # (B, Hkv, G*T, 1)
             probs = scores.sub_(lse).exp_()
             dv += probs.transpose(-1, -2) @ do
-            delta = delta_all[..., a:e].reshape(b, hkv, g * t, 1)
+            delta = delta_all[..., a:e].flatten(2, 3).unsqueeze(-1)
             ds = probs.mul_((do @ v_mine.transpose(-1, -2)).sub_(delta))
             dk += ds.transpose(-1, -2) @ qt * self.scale
         return dk.transpose(1, 2), dv.transpose(1, 2)
@@ -870,13 +857,18 @@ def add_predictions(
         hardware = _hardware(
             fwd_rate, bwd_rate, probes, config.dtype, topology, backend, host_computes
         )
-        sharding = make_sharding(
-            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
+        first = group[0]
+        sharding = make_sharding(layout=first["layout"], world_size=world_size, seq_len=config.seq)
+        run = dict(
+            world_size=world_size,
+            seq_local=sharding.seq_local,  # S / P, or the padded buffer of uneven shards
+            causal=first["causal"],
+            layout=first["layout"],
+            last_block_splits=splits,
         )
-        seq_local = sharding.seq_local  # S / P, or the padded buffer of uneven shards
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        _add_model_times(group, own_rates, config, hardware, world_size, seq_local, splits)
-        _add_planner_pick(group, config, hardware, world_size, seq_local, splits)
+        _add_model_times(group, own_rates, config, hardware, run)
+        _add_planner_pick(group, config, hardware, run)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
@@ -889,27 +881,22 @@ def _add_model_times(
     own_rates: list[tuple[float, float]],
     config: BenchConfig,
     hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-    last_block_splits: int,
+    run: dict[str, Any],
 ) -> None:
-    """Add the simulator's prediction of each row of one group, at the row's own FLOP/s."""
+    """Add the simulator's prediction of each row of one group (``run``: the keywords the
+    simulator and the planner share), at the row's own FLOP/s."""
     first = group[0]
     for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
         result = simulate(
             row["strategy"],
             passes="both" if first["pass"] == "fwd+bwd" else "forward",
             hybrid=config.hybrid,
-            layout=first["layout"],
-            causal=first["causal"],
-            world_size=world_size,
-            seq_local=seq_local,
             shape=config.models[first["model"]],
             hardware=dataclasses.replace(
                 hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
             ),
             lend_last_pair=config.lends,
-            last_block_splits=last_block_splits,
+            **run,
         )
         row["model_ms"] = 1e3 * result.call_s
         row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
@@ -917,29 +904,20 @@ def _add_model_times(
 
 
 def _add_planner_pick(
-    group: list[dict[str, Any]],
-    config: BenchConfig,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-    last_block_splits: int,
+    group: list[dict[str, Any]], config: BenchConfig, hardware: Hardware, run: dict[str, Any]
 ) -> None:
     """Add the planner's pick among one group's strategies, and its verdict, to each row."""
     first = group[0]
     shape = config.models[first["model"]]
     plan_of: dict[str, Any] = dict(
-        world_size=world_size,
-        seq_local=seq_local,
         heads_q=shape.heads_q,
         heads_kv=shape.heads_kv,
         head_dim=shape.head_dim,
         dtype=config.dtype,
-        causal=first["causal"],
         hardware=hardware,
-        layout=first["layout"],
         batch=config.batch,
         training=first["pass"] == "fwd+bwd",
-        last_block_splits=last_block_splits,
+        **run,
     )
     strategies = [row["strategy"] for row in group]
     plan = explain(
