@@ -41,6 +41,7 @@ from tokenring.cli import (
     finite_float_at_least,
     int_at_least,
     mem_available_bytes,
+    options,
     output_path,
     positive_seconds,
     ranks,
@@ -245,12 +246,11 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     down, up = (rank - 1) % world, (rank + 1) % world
     payload = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     spec: list[FieldSpec] = [((num_bytes,), torch.uint8)]
+    flows = ((Payload.Q, down, up), (Payload.OUT, up, down))  # (payload, to, from)
     times = []
     for i in range(_PROBE_ROUNDS):
-        sends = [(_probe_transfer(Payload.Q, rank, down, step=i), [payload])]
-        sends.append((_probe_transfer(Payload.OUT, rank, up, step=i), [payload]))
-        recvs = [(_probe_transfer(Payload.Q, up, rank, step=i), spec)]
-        recvs.append((_probe_transfer(Payload.OUT, down, rank, step=i), spec))
+        sends = [(_probe_transfer(p, rank, to, step=i), [payload]) for p, to, _ in flows]
+        recvs = [(_probe_transfer(p, src, rank, step=i), spec) for p, _, src in flows]
         comm.barrier(label="bench")
         start = time.perf_counter()
         for rec in comm.exchange(sends, recvs, device=device).values():
@@ -354,9 +354,8 @@ def _steady_step(events: list[Event], label: str, num_steps: int) -> float | Non
     diffs = [
         starts[t + 1] - starts[t] for t in range(num_steps - 1) if t in starts and t + 1 in starts
     ]
-    if not diffs:
-        return None
-    return statistics.median(diffs[1:] if len(diffs) > 2 else diffs)  # step 0 is local: skip it
+    # step 0 is local: skip it
+    return statistics.median(diffs[1:] if len(diffs) > 2 else diffs) if diffs else None
 
 
 _TILE_BYTES = 32 << 20
@@ -587,16 +586,15 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
     """Every (model, causal, strategy) of the run in row order, on this rank's inputs."""
     for name, model in config.models.items():
         q, k, v, dout = inputs = _global_inputs(config, model)
-        check = dict(scale=model.head_dim**-0.5, grads=config.grads)
+        check: dict[str, Any] = dict(scale=model.head_dim**-0.5, grads=config.grads)
         for causal in config.causal:
             layout = config.layout_for(causal)
             sharding = make_sharding(layout=layout, world_size=world, seq_len=config.seq)
             want = per_rank_reference(
                 q, k, v, dout, sharding.positions(rank), causal=causal, **check
             )
-            local = [
-                shard(x, rank=rank, world_size=world, layout=layout).to(device) for x in inputs
-            ]
+            where: dict[str, Any] = dict(rank=rank, world_size=world, layout=layout)
+            local = [shard(x, **where).to(device) for x in inputs]
             padded = _padded(sharding, rank, local)
             for strategy in config.strategies:
                 mine, reference, kernel_inputs = local, want, padded
@@ -1216,20 +1214,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         names = ", ".join(s.value for s in Strategy)
         strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
     config = BenchConfig(
-        batch=args.batch,
-        seq=args.seq,
+        **options(args, "batch", "seq", "dtype", "warmup", "iters", "tolerance", "last_pair"),
         models=models_from_args(args),
-        dtype=args.dtype,
         strategies=strategies,
         hybrid=HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer),
         causal={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal],
         layout=None if args.layout == "auto" else Layout.parse(args.layout),
         passes=passes,
-        warmup=args.warmup,
-        iters=args.iters,
         timeline_rows=args.plot is not None or args.trace is not None,
-        tolerance=args.tolerance,
-        last_pair=args.last_pair,
     )
     try:  # by default the hybrid only where it fits, and then said so
         config.check_world(ranks.world_size_of(args))

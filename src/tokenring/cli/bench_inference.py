@@ -33,6 +33,7 @@ from tokenring.cli import (
     check_heads,
     int_at_least,
     int_list,
+    options,
     ranks,
     report,
     split_list,
@@ -362,19 +363,13 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     check_heads(args)
     names = ", ".join(s.value for s in CachedStrategy)
     return InferenceBenchConfig(
-        mode=args.mode,
-        batch=args.batch,
+        **options(args, "mode", "batch", "dtype", "block_size", "warmup", "iters", "tolerance"),
         cached=int_list(args.cached, "--cached", 0),
         new=int_list(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
         models=models_from_args(args),
-        dtype=args.dtype,
         strategies=split_list(
             args.cached_strategies, "--cached-strategies", CachedStrategy.parse, names
         ),
-        block_size=args.block_size,
-        warmup=args.warmup,
-        iters=args.iters,
-        tolerance=args.tolerance,
     )
 
 
