@@ -146,10 +146,8 @@ class BenchConfig:
             raise ValueError(f"last_pair must be 'return' or 'lend'; got {self.last_pair!r}")
         if not self.models or not self.strategies or not self.causal or not self.passes:
             raise ValueError("models, strategies, causal and passes must each be non-empty")
-        shapes = {
-            n: dataclasses.replace(m, batch=self.batch, dtype=self.dtype)
-            for n, m in self.models.items()
-        }
+        run: dict[str, Any] = dict(batch=self.batch, dtype=self.dtype)
+        shapes = {n: dataclasses.replace(m, **run) for n, m in self.models.items()}
         object.__setattr__(self, "models", shapes)
 
     @property
@@ -162,9 +160,7 @@ class BenchConfig:
         return "fwd+bwd" in self.passes
 
     def layout_for(self, causal: bool) -> Layout:
-        if self.layout is not None:
-            return self.layout
-        return Layout.ZIGZAG if causal else Layout.CONTIGUOUS
+        return self.layout or (Layout.ZIGZAG if causal else Layout.CONTIGUOUS)
 
     def cases(self) -> Iterator[tuple[str, AttentionShape, bool, Strategy]]:
         """Every (model label, shape, causal, strategy) of the run, in row order."""
@@ -1042,13 +1038,8 @@ def _call_bytes(
     b, n, d = config.batch, sharding.seq_local, model.head_dim
     hq = heads_q = model.heads_q
     hkv = heads_kv = model.heads_kv
-    pieces = [
-        pc
-        for sc in scheds[: 2 if config.grads else 1]
-        for steps in sc.steps
-        for plan in steps
-        for pc in plan.pieces
-    ]
+    ran = scheds[: 2 if config.grads else 1]
+    pieces = [pc for sc in ran for steps in sc.steps for plan in steps for pc in plan.pieces]
     q_len = max((pc.q_rows[1] for pc in pieces), default=n)
     kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
     strategy = scheds[0].strategy

@@ -20,6 +20,7 @@ import itertools
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,11 +233,9 @@ def _case_rows(
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():
             sent[flow] += num
-        planned: dict[tuple[str, int], int] = {}  # bytes per (flow, dst) the counter must show
-        for tr in plan.transfers:
-            if tr.src == comm.rank:
-                key = (tr.payload.flow.value, tr.dst)
-                planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
+        planned: Counter[tuple[str, int]] = Counter()  # per (flow, dst): what the counter shows
+        for tr in (tr for tr in plan.transfers if tr.src == comm.rank):
+            planned[tr.payload.flow.value, tr.dst] += tr.num_bytes(dims)
         yield {
             "model": name,
             "cached": cached,
@@ -245,7 +244,7 @@ def _case_rows(
             "call_s": times,
             "sent_bytes": sent,
             "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
-            "bytes_match_plan": planned == dict(comm.counter.sent_bytes),
+            "bytes_match_plan": dict(planned) == dict(comm.counter.sent_bytes),
             "max_error": (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0,
             "model_s": predicted.total_s,
             "model_travel_bytes": predicted.travel_bytes,
