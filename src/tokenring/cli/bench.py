@@ -1018,8 +1018,7 @@ def estimate_rank_bytes(
             "run": 3 * b * n * (2 * hq + 2 * hkv) * d * elem + run,
             "process": _PROCESS_BYTES,
         }
-        if sum(parts.values()) > sum(best.values()):
-            best = parts
+        best = max(best, parts, key=lambda part: sum(part.values()))  # the first on a tie
     return best
 
 
@@ -1233,10 +1232,8 @@ def _parse_pass(text: str) -> str:
 _DECODE = tuple(bench_inference.MODES)
 # the modes that read each option; every other option is read by every mode
 _MODES_OF_FLAG: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(
-        ("seq", "layout", "passes", "hybrid_inner", "hybrid_outer", "last_pair"), ("attention",)
-    ),
-    **dict.fromkeys(("plot", "trace", "wide"), ("attention",)),
+    **dict.fromkeys(("seq", "layout", "passes", "hybrid_inner", "hybrid_outer"), ("attention",)),
+    **dict.fromkeys(("last_pair", "plot", "trace", "wide"), ("attention",)),
     **dict.fromkeys(("strategies", "causal"), ("attention", "memory")),
     **dict.fromkeys(("warmup", "iters", "tolerance", "link", "topology"), ("attention", *_DECODE)),
     **dict.fromkeys(("cached", "new", "cached_strategies", "block_size"), _DECODE),
