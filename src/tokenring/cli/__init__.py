@@ -35,6 +35,7 @@ __all__ = [
     "int_list",
     "main",
     "mem_available_bytes",
+    "options",
     "output_path",
     "positive_seconds",
     "rate_bits_per_s",
@@ -174,6 +175,11 @@ def split_list(text: str, flag: str, parse: Any, expected: str) -> tuple[Any, ..
         except ValueError:
             raise ValueError(f"{flag}: unknown {item!r}; expected any of {expected}") from None
     return tuple(out)
+
+
+def options(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The arguments of these names: a config's fields that its options set as they are."""
+    return {name: getattr(args, name) for name in names}
 
 
 def int_list(text: str, name: str, minimum: int) -> tuple[int, ...]:

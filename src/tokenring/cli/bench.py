@@ -41,6 +41,7 @@ from tokenring.cli import (
     finite_float_at_least,
     int_at_least,
     mem_available_bytes,
+    options,
     output_path,
     positive_seconds,
     ranks,
@@ -145,10 +146,8 @@ class BenchConfig:
             raise ValueError(f"last_pair must be 'return' or 'lend'; got {self.last_pair!r}")
         if not self.models or not self.strategies or not self.causal or not self.passes:
             raise ValueError("models, strategies, causal and passes must each be non-empty")
-        shapes = {
-            n: dataclasses.replace(m, batch=self.batch, dtype=self.dtype)
-            for n, m in self.models.items()
-        }
+        run: dict[str, Any] = dict(batch=self.batch, dtype=self.dtype)
+        shapes = {n: dataclasses.replace(m, **run) for n, m in self.models.items()}
         object.__setattr__(self, "models", shapes)
 
     @property
@@ -161,9 +160,7 @@ class BenchConfig:
         return "fwd+bwd" in self.passes
 
     def layout_for(self, causal: bool) -> Layout:
-        if self.layout is not None:
-            return self.layout
-        return Layout.ZIGZAG if causal else Layout.CONTIGUOUS
+        return self.layout or (Layout.ZIGZAG if causal else Layout.CONTIGUOUS)
 
     def cases(self) -> Iterator[tuple[str, AttentionShape, bool, Strategy]]:
         """Every (model label, shape, causal, strategy) of the run, in row order."""
@@ -245,12 +242,11 @@ def _probe_bandwidth(comm: Communicator, num_bytes: int, device: torch.device) -
     down, up = (rank - 1) % world, (rank + 1) % world
     payload = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     spec: list[FieldSpec] = [((num_bytes,), torch.uint8)]
+    flows = ((Payload.Q, down, up), (Payload.OUT, up, down))  # (payload, to, from)
     times = []
     for i in range(_PROBE_ROUNDS):
-        sends = [(_probe_transfer(Payload.Q, rank, down, step=i), [payload])]
-        sends.append((_probe_transfer(Payload.OUT, rank, up, step=i), [payload]))
-        recvs = [(_probe_transfer(Payload.Q, up, rank, step=i), spec)]
-        recvs.append((_probe_transfer(Payload.OUT, down, rank, step=i), spec))
+        sends = [(_probe_transfer(p, rank, to, step=i), [payload]) for p, to, _ in flows]
+        recvs = [(_probe_transfer(p, src, rank, step=i), spec) for p, _, src in flows]
         comm.barrier(label="bench")
         start = time.perf_counter()
         for rec in comm.exchange(sends, recvs, device=device).values():
@@ -354,9 +350,8 @@ def _steady_step(events: list[Event], label: str, num_steps: int) -> float | Non
     diffs = [
         starts[t + 1] - starts[t] for t in range(num_steps - 1) if t in starts and t + 1 in starts
     ]
-    if not diffs:
-        return None
-    return statistics.median(diffs[1:] if len(diffs) > 2 else diffs)  # step 0 is local: skip it
+    # step 0 is local: skip it
+    return statistics.median(diffs[1:] if len(diffs) > 2 else diffs) if diffs else None
 
 
 _TILE_BYTES = 32 << 20
@@ -443,30 +438,19 @@ class _Reference:
     def fold(self, x: torch.Tensor, a: int, e: int) -> torch.Tensor:
         """Global rows [a, e) of (B, S, Hq, D) as (B, Hkv, G * T, D) float64 (may be a view
         of float64 inputs: never written in place)."""
-        b, _, hq, d = x.shape
-        hkv, t = self.k.shape[1], e - a
-        return (
-            x[:, a:e]
-            .double()
-            .view(b, t, hkv, hq // hkv, d)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(b, hkv, hq // hkv * t, d)
-        )
+        by_kv_head = x[:, a:e].double().unflatten(2, (self.k.shape[1], -1))  # (B, T, Hkv, G, D)
+        return by_kv_head.permute(0, 2, 3, 1, 4).flatten(2, 3)
 
     def unfold(self, y: torch.Tensor, t: int) -> torch.Tensor:
         """(B, Hkv, G * T, D) -> (B, T, Hq, D)."""
-        b, hkv, _, d = y.shape
-        hq = self.q.shape[2]
-        return y.view(b, hkv, hq // hkv, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+        return y.unflatten(2, (-1, t)).permute(0, 3, 1, 2, 4).flatten(2, 3)
 
     def attend(self, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """probs (B, Hkv, G*T, K), out (B, Hkv, G*T, D), lse (B, Hkv, G*T) of rows [a, e)."""
-        b, seq, hq, _ = self.q.shape
-        hkv = self.k.shape[1]
-        keys = e if self.causal else seq
+        keys = e if self.causal else self.q.shape[1]
         scores = (self.fold(self.q, a, e) * self.scale) @ self.k[:, :, :keys].transpose(-1, -2)
         if self.causal:  # only the keys [a, e) can be ahead of a row of the tile
-            diagonal = scores.view(b, hkv, hq // hkv, e - a, keys)[..., a:e]
+            diagonal = scores.unflatten(2, (-1, e - a))[..., a:e]
             diagonal.masked_fill_(~_visible(torch.arange(a, e), torch.arange(a, e)), -math.inf)
         lse = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(lse.unsqueeze(-1)).exp_()
@@ -499,8 +483,8 @@ class _Reference:
                 continue
             do = self.fold(self.dout, a, e)
             delta = (do * out_t).sum(-1)  # (B, Hkv, G*T)
-            lse_all[..., a:e] = lse.view(b, hkv, -1, t)
-            delta_all[..., a:e] = delta.view(b, hkv, -1, t)
+            lse_all[..., a:e] = lse.unflatten(2, (-1, t))
+            delta_all[..., a:e] = delta.unflatten(2, (-1, t))
             if rows.numel():
                 dp = do @ self.v[:, :, :keys].transpose(-1, -2)
                 ds = probs.mul_(dp.sub_(delta.unsqueeze(-1)))
@@ -513,26 +497,24 @@ class _Reference:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """dk, dv ``(B, n, Hkv, D)`` of the keys at ``positions``: every query tile that can
         see them, with its rows' lse and delta from :meth:`my_rows`."""
-        b, seq, hq, d = self.q.shape
-        hkv, g, n = self.k.shape[1], hq // self.k.shape[1], positions.numel()
+        b, seq, hq, _ = self.q.shape
+        n = positions.numel()
         k_mine, v_mine = self.k[:, :, positions], self.v[:, :, positions]  # (B, Hkv, n, D)
-        dk = torch.zeros(b, hkv, n, d, dtype=torch.float64)
-        dv = torch.zeros_like(dk)
+        dk, dv = torch.zeros_like(k_mine), torch.zeros_like(v_mine)
         first = int(positions.min()) if self.causal and n else 0  # no earlier query sees my keys
         last = int(positions.max()) if n else 0
         tile = _tile_rows(b, hq, max(n, 1))
         for a in range(first, seq if n else 0, tile):
             e = min(seq, a + tile)
-            t = e - a
             qt, do = self.fold(self.q, a, e), self.fold(self.dout, a, e)
             scores = (qt * self.scale) @ k_mine.transpose(-1, -2)  # (B, Hkv, G*T, n)
             if self.causal and last > a:  # some of my keys are ahead of some rows of the tile
                 mask = ~_visible(torch.arange(a, e), positions)
-                scores.view(b, hkv, g, t, n).masked_fill_(mask, -math.inf)
-            lse = lse_all[..., a:e].reshape(b, hkv, g * t, 1)
+                scores.unflatten(2, (-1, e - a)).masked_fill_(mask, -math.inf)
+            lse = lse_all[..., a:e].flatten(2, 3).unsqueeze(-1)  # (B, Hkv, G*T, 1)
             probs = scores.sub_(lse).exp_()
             dv += probs.transpose(-1, -2) @ do
-            delta = delta_all[..., a:e].reshape(b, hkv, g * t, 1)
+            delta = delta_all[..., a:e].flatten(2, 3).unsqueeze(-1)
             ds = probs.mul_((do @ v_mine.transpose(-1, -2)).sub_(delta))
             dk += ds.transpose(-1, -2) @ qt * self.scale
         return dk.transpose(1, 2), dv.transpose(1, 2)
@@ -600,16 +582,15 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
     """Every (model, causal, strategy) of the run in row order, on this rank's inputs."""
     for name, model in config.models.items():
         q, k, v, dout = inputs = _global_inputs(config, model)
-        check = dict(scale=model.head_dim**-0.5, grads=config.grads)
+        check: dict[str, Any] = dict(scale=model.head_dim**-0.5, grads=config.grads)
         for causal in config.causal:
             layout = config.layout_for(causal)
             sharding = make_sharding(layout=layout, world_size=world, seq_len=config.seq)
             want = per_rank_reference(
                 q, k, v, dout, sharding.positions(rank), causal=causal, **check
             )
-            local = [
-                shard(x, rank=rank, world_size=world, layout=layout).to(device) for x in inputs
-            ]
+            where: dict[str, Any] = dict(rank=rank, world_size=world, layout=layout)
+            local = [shard(x, **where).to(device) for x in inputs]
             padded = _padded(sharding, rank, local)
             for strategy in config.strategies:
                 mine, reference, kernel_inputs = local, want, padded
@@ -870,13 +851,18 @@ def add_predictions(
         hardware = _hardware(
             fwd_rate, bwd_rate, probes, config.dtype, topology, backend, host_computes
         )
-        sharding = make_sharding(
-            layout=group[0]["layout"], world_size=world_size, seq_len=config.seq
+        first = group[0]
+        sharding = make_sharding(layout=first["layout"], world_size=world_size, seq_len=config.seq)
+        run = dict(
+            world_size=world_size,
+            seq_local=sharding.seq_local,  # S / P, or the padded buffer of uneven shards
+            causal=first["causal"],
+            layout=first["layout"],
+            last_block_splits=splits,
         )
-        seq_local = sharding.seq_local  # S / P, or the padded buffer of uneven shards
         own_rates = [_kernel_rates([r["rows"][i] for r in per_rank]) for i in indices]
-        _add_model_times(group, own_rates, config, hardware, world_size, seq_local, splits)
-        _add_planner_pick(group, config, hardware, world_size, seq_local, splits)
+        _add_model_times(group, own_rates, config, hardware, run)
+        _add_planner_pick(group, config, hardware, run)
         calibration = {"forward_flops_per_s": fwd_rate, "backward_flops_per_s": bwd_rate, **probes}
         for row, rates in zip(group, own_rates, strict=True):
             row["kernel_flops_per_s"] = rates
@@ -889,27 +875,22 @@ def _add_model_times(
     own_rates: list[tuple[float, float]],
     config: BenchConfig,
     hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-    last_block_splits: int,
+    run: dict[str, Any],
 ) -> None:
-    """Add the simulator's prediction of each row of one group, at the row's own FLOP/s."""
+    """Add the simulator's prediction of each row of one group (``run``: the keywords the
+    simulator and the planner share), at the row's own FLOP/s."""
     first = group[0]
     for row, (own_fwd, own_bwd) in zip(group, own_rates, strict=True):
         result = simulate(
             row["strategy"],
             passes="both" if first["pass"] == "fwd+bwd" else "forward",
             hybrid=config.hybrid,
-            layout=first["layout"],
-            causal=first["causal"],
-            world_size=world_size,
-            seq_local=seq_local,
             shape=config.models[first["model"]],
             hardware=dataclasses.replace(
                 hardware, forward_flops_per_s=own_fwd, backward_flops_per_s=own_bwd
             ),
             lend_last_pair=config.lends,
-            last_block_splits=last_block_splits,
+            **run,
         )
         row["model_ms"] = 1e3 * result.call_s
         row["model_step_fwd_ms"] = 1e3 * result.passes[0].steady_step_s
@@ -917,29 +898,20 @@ def _add_model_times(
 
 
 def _add_planner_pick(
-    group: list[dict[str, Any]],
-    config: BenchConfig,
-    hardware: Hardware,
-    world_size: int,
-    seq_local: int,
-    last_block_splits: int,
+    group: list[dict[str, Any]], config: BenchConfig, hardware: Hardware, run: dict[str, Any]
 ) -> None:
     """Add the planner's pick among one group's strategies, and its verdict, to each row."""
     first = group[0]
     shape = config.models[first["model"]]
     plan_of: dict[str, Any] = dict(
-        world_size=world_size,
-        seq_local=seq_local,
         heads_q=shape.heads_q,
         heads_kv=shape.heads_kv,
         head_dim=shape.head_dim,
         dtype=config.dtype,
-        causal=first["causal"],
         hardware=hardware,
-        layout=first["layout"],
         batch=config.batch,
         training=first["pass"] == "fwd+bwd",
-        last_block_splits=last_block_splits,
+        **run,
     )
     strategies = [row["strategy"] for row in group]
     plan = explain(
@@ -1046,8 +1018,7 @@ def estimate_rank_bytes(
             "run": 3 * b * n * (2 * hq + 2 * hkv) * d * elem + run,
             "process": _PROCESS_BYTES,
         }
-        if sum(parts.values()) > sum(best.values()):
-            best = parts
+        best = max(best, parts, key=lambda part: sum(part.values()))  # the first on a tie
     return best
 
 
@@ -1066,13 +1037,8 @@ def _call_bytes(
     b, n, d = config.batch, sharding.seq_local, model.head_dim
     hq = heads_q = model.heads_q
     hkv = heads_kv = model.heads_kv
-    pieces = [
-        pc
-        for sc in scheds[: 2 if config.grads else 1]
-        for steps in sc.steps
-        for plan in steps
-        for pc in plan.pieces
-    ]
+    ran = scheds[: 2 if config.grads else 1]
+    pieces = [pc for sc in ran for steps in sc.steps for plan in steps for pc in plan.pieces]
     q_len = max((pc.q_rows[1] for pc in pieces), default=n)
     kv_len = max((pc.kv_rows[1] for pc in pieces), default=n)
     strategy = scheds[0].strategy
@@ -1238,20 +1204,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         names = ", ".join(s.value for s in Strategy)
         strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
     config = BenchConfig(
-        batch=args.batch,
-        seq=args.seq,
+        **options(args, "batch", "seq", "dtype", "warmup", "iters", "tolerance", "last_pair"),
         models=models_from_args(args),
-        dtype=args.dtype,
         strategies=strategies,
         hybrid=HybridSpec(inner=args.hybrid_inner, outer_strategy=args.hybrid_outer),
         causal={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal],
         layout=None if args.layout == "auto" else Layout.parse(args.layout),
         passes=passes,
-        warmup=args.warmup,
-        iters=args.iters,
         timeline_rows=args.plot is not None or args.trace is not None,
-        tolerance=args.tolerance,
-        last_pair=args.last_pair,
     )
     try:  # by default the hybrid only where it fits, and then said so
         config.check_world(ranks.world_size_of(args))
@@ -1272,10 +1232,8 @@ def _parse_pass(text: str) -> str:
 _DECODE = tuple(bench_inference.MODES)
 # the modes that read each option; every other option is read by every mode
 _MODES_OF_FLAG: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(
-        ("seq", "layout", "passes", "hybrid_inner", "hybrid_outer", "last_pair"), ("attention",)
-    ),
-    **dict.fromkeys(("plot", "trace", "wide"), ("attention",)),
+    **dict.fromkeys(("seq", "layout", "passes", "hybrid_inner", "hybrid_outer"), ("attention",)),
+    **dict.fromkeys(("last_pair", "plot", "trace", "wide"), ("attention",)),
     **dict.fromkeys(("strategies", "causal"), ("attention", "memory")),
     **dict.fromkeys(("warmup", "iters", "tolerance", "link", "topology"), ("attention", *_DECODE)),
     **dict.fromkeys(("cached", "new", "cached_strategies", "block_size"), _DECODE),

@@ -20,6 +20,7 @@ import itertools
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from tokenring.cli import (
     check_heads,
     int_at_least,
     int_list,
+    options,
     ranks,
     report,
     split_list,
@@ -231,11 +233,9 @@ def _case_rows(
         sent = {f.value: 0 for f in Flow}
         for (flow, _peer), num in comm.counter.sent_bytes.items():
             sent[flow] += num
-        planned: dict[tuple[str, int], int] = {}  # bytes per (flow, dst) the counter must show
-        for tr in plan.transfers:
-            if tr.src == comm.rank:
-                key = (tr.payload.flow.value, tr.dst)
-                planned[key] = planned.get(key, 0) + tr.num_bytes(dims)
+        planned: Counter[tuple[str, int]] = Counter()  # per (flow, dst): what the counter shows
+        for tr in (tr for tr in plan.transfers if tr.src == comm.rank):
+            planned[tr.payload.flow.value, tr.dst] += tr.num_bytes(dims)
         yield {
             "model": name,
             "cached": cached,
@@ -244,7 +244,7 @@ def _case_rows(
             "call_s": times,
             "sent_bytes": sent,
             "pair_bytes": max(comm.counter.sent_bytes.values(), default=0),
-            "bytes_match_plan": planned == dict(comm.counter.sent_bytes),
+            "bytes_match_plan": dict(planned) == dict(comm.counter.sent_bytes),
             "max_error": (out.double().cpu() - want).abs().max().item() if out.numel() else 0.0,
             "model_s": predicted.total_s,
             "model_travel_bytes": predicted.travel_bytes,
@@ -289,7 +289,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
     results = []
     for index, first in enumerate(per_rank[0]["rows"]):
         rows = [r["rows"][index] for r in per_rank]
-        median_s = max(statistics.median(r["call_s"]) for r in rows)
+        median_s, model_s = max(statistics.median(r["call_s"]) for r in rows), first["model_s"]
         model = config.models[first["model"]]
         threshold = pass_q_threshold(
             heads_q=model.heads_q,
@@ -314,10 +314,8 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "return_bytes_per_rank": max(r["sent_bytes"]["return"] for r in rows),
                 "busiest_pair_bytes": max(r["pair_bytes"] for r in rows),
                 "bytes_match_plan": all(r["bytes_match_plan"] for r in rows),
-                "model_ms": 1e3 * first["model_s"],
-                "model_error_pct": 100 * (median_s / first["model_s"] - 1)
-                if first["model_s"] > 0
-                else None,
+                "model_ms": 1e3 * model_s,
+                "model_error_pct": 100 * (median_s / model_s - 1) if model_s > 0 else None,
                 "model_travel_bytes": first["model_travel_bytes"],
                 "model_return_bytes": first["model_return_bytes"],
                 "model_bound_by": first["model_bound_by"],
@@ -330,11 +328,10 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
     for group in report.group_by(results, _case_key):  # the measured fastest, to score the pick
         fastest = min(group, key=lambda r: r["ms_median"])
         picked = next((r for r in group if r["strategy"] == group[0]["auto_pick"]), None)
+        hit = picked is not None and picked["ms_median"] <= 1.1 * fastest["ms_median"]
         for row in group:
             row["fastest"] = fastest["strategy"]
-            row["pick_within_10pct"] = (
-                picked is not None and picked["ms_median"] <= 1.1 * fastest["ms_median"]
-            )
+            row["pick_within_10pct"] = hit
     return results
 
 
@@ -362,19 +359,13 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     check_heads(args)
     names = ", ".join(s.value for s in CachedStrategy)
     return InferenceBenchConfig(
-        mode=args.mode,
-        batch=args.batch,
+        **options(args, "mode", "batch", "dtype", "block_size", "warmup", "iters", "tolerance"),
         cached=int_list(args.cached, "--cached", 0),
         new=int_list(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
         models=models_from_args(args),
-        dtype=args.dtype,
         strategies=split_list(
             args.cached_strategies, "--cached-strategies", CachedStrategy.parse, names
         ),
-        block_size=args.block_size,
-        warmup=args.warmup,
-        iters=args.iters,
-        tolerance=args.tolerance,
     )
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.cli import ArgumentAdder, check_heads, int_list, ranks, split_list
+from tokenring.cli import ArgumentAdder, check_heads, int_list, options, ranks, split_list
 from tokenring.cli.models import DTYPES
 from tokenring.cli.report import write_records
 from tokenring.core.schedule import AttentionShape, Strategy
@@ -282,13 +282,11 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
         raise ValueError("--device cuda: CUDA is not available on this machine")
     try:
         return MemoryBenchConfig(
+            **options(args, "batch", "head_dim", "dtype"),
             seq_locals=seq_locals,
             strategies=strategies,
-            batch=args.batch,
             heads_q=args.heads if args.heads is not None else 8,
             heads_kv=args.kv_heads if args.kv_heads is not None else 8,
-            head_dim=args.head_dim,
-            dtype=args.dtype,
             causal=args.causal != "no",
             device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         )
@@ -316,12 +314,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "mode": "memory",
         "world_size": len(per_rank),
-        "batch": config.batch,
-        "heads_q": config.heads_q,
-        "heads_kv": config.heads_kv,
-        "head_dim": config.head_dim,
-        "dtype": config.dtype,
-        "causal": config.causal,
+        **{k: getattr(config, k) for k in ("batch", *_HEADS, "dtype", "causal")},
         "device": per_rank[0]["device"],
         "comm_path": per_rank[0]["comm_path"],
         "method": _METHODS["cuda" if per_rank[0]["device"].startswith("cuda") else "cpu"],

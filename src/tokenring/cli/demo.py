@@ -60,12 +60,8 @@ def run(args: argparse.Namespace) -> int:
         f"B=1 S={args.seq} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}",
         ["strategy", "fwd+bwd ms (median, max over ranks)", "max abs error vs fp64", "check"],
     )
-    for row in rows:
-        table.add_row(
-            row["strategy"],
-            f"{row['ms_median']:.1f}",
-            f"{row['max_error']:.2e}",
-            "ok" if row["verified"] else "WRONG",
-        )
+    for r in rows:
+        check = "ok" if r["verified"] else "WRONG"
+        table.add_row(r["strategy"], f"{r['ms_median']:.1f}", f"{r['max_error']:.2e}", check)
     print_table(table)
     return 0 if all(row["verified"] for row in rows) else 1

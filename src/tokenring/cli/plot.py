@@ -77,15 +77,9 @@ def draw_timeline_lanes(ax: Any, lanes: Sequence[Sequence[Event]], title: str) -
                 is_compute = ev.kind in ("compute", "merge") and row == "compute"
                 if not (is_compute or (ev.kind == "recv" and ev.label == row)):
                     continue
-                ax.barh(
-                    y,
-                    1e3 * (ev.end_s - ev.start_s),
-                    left=1e3 * ev.start_s,
-                    height=0.8,
-                    color=COLOURS.get(ev.label, _OTHER),
-                    edgecolor="black",
-                    linewidth=0.3,
-                )
+                colour = COLOURS.get(ev.label, _OTHER)
+                bar = dict(height=0.8, color=colour, edgecolor="black", linewidth=0.3)
+                ax.barh(y, 1e3 * (ev.end_s - ev.start_s), left=1e3 * ev.start_s, **bar)
                 drawn.add(ev.label)
                 if ev.kind == "compute":
                     ax.text(1e3 * ev.start_s, y, f" {ev.step}", va="center", fontsize=7)
@@ -115,15 +109,8 @@ def timeline_figure(panels: Sequence[Panel], title: str) -> Any:
     names = [name for name in COLOURS if name in drawn] + sorted(drawn - set(COLOURS))
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS.get(n, _OTHER)) for n in names]
     fig.suptitle(title, fontsize=10, y=0.995)
-    fig.legend(
-        handles,
-        names,
-        loc="upper center",
-        bbox_to_anchor=(0.5, 0.975),
-        fontsize=9,
-        ncol=max(1, len(names)),
-        frameon=False,
-    )
+    where = dict(loc="upper center", bbox_to_anchor=(0.5, 0.975), frameon=False)
+    fig.legend(handles, names, fontsize=9, ncol=max(1, len(names)), **where)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
 
@@ -190,16 +177,8 @@ def timeline_trace(panels: Sequence[Panel], *, gap_s: float = 1e-3) -> dict[str,
 def _complete(
     name: str, cat: str, pid: int, tid: int, start_s: float, end_s: float, args: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "name": name,
-        "cat": cat,
-        "ph": "X",
-        "pid": pid,
-        "tid": tid,
-        "ts": 1e6 * start_s,
-        "dur": 1e6 * (end_s - start_s),
-        "args": args,
-    }
+    span = {"ts": 1e6 * start_s, "dur": 1e6 * (end_s - start_s), "args": args}
+    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, **span}
 
 
 def _meta(name: str, pid: int, tid: int, value: Any, *, key: str = "name") -> dict[str, Any]:

@@ -289,18 +289,15 @@ def check_args(args: argparse.Namespace) -> None:
         check_read("--splits", args.strategies, pass_q + hybrid)
     if args.lend_last_pair:
         check_read("--lend-last-pair", args.strategies, [Strategy.TOKEN_RING.value])
-    if args.timeline or args.trace:
-        first = args.world_size[0]
-        if args.mode == "vectorised" or (args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE):
-            why = (
-                "--mode vectorised"
-                if args.mode == "vectorised"
-                else f"--world-size {first} > {EVENT_MAX_WORLD_SIZE} under --mode auto"
-            )
-            raise ValueError(
-                f"--timeline and --trace need the event engine; got {why}: use --mode event or "
-                "a smaller first --world-size"
-            )
+    first = args.world_size[0]
+    why = "--mode vectorised" if args.mode == "vectorised" else None
+    if args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE:
+        why = f"--world-size {first} > {EVENT_MAX_WORLD_SIZE} under --mode auto"
+    if (args.timeline or args.trace) and why:
+        raise ValueError(
+            f"--timeline and --trace need the event engine; got {why}: use --mode event or "
+            "a smaller first --world-size"
+        )
     # The event engine's memory grows with P^2 and every result keeps its timeline; the
     # vectorised engine's is linear in P (Note [Vectorised engine]).
     event_points = [
