@@ -88,6 +88,15 @@ def test_bench_of_some_strategies_plans_among_them(capsys: pytest.CaptureFixture
     assert [r["last_pair"] for r in rows if r["strategy"] == "token_ring"] == ["lend"]
 
 
+def test_bench_runs_ulysses_with_fewer_heads_than_ranks(capsys) -> None:
+    """A rank Ulysses gives no heads has no kernel calls to time (it once failed to build a
+    0-head shape in its compute-only run, after the ranks had launched)."""
+    argv = ["bench", *TINY, "--heads", "1", "--kv-heads", "1", "--strategies", "ulysses"]
+    assert main([*argv, "--causal", "no", "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert len(rows) == 2 and all(r["verified"] for r in rows)
+
+
 def test_bench_table_and_failed_verification_exit(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["bench", *TINY, "--causal", "yes", "--passes", "fwd", "--tolerance", "0"])
     out = capsys.readouterr().out

@@ -333,7 +333,8 @@ def _compute_operands(case: _Case, rank: int) -> Operands:
         world = case.scheds[0].world_size
         share = ulysses_heads(world_size=world, heads_q=heads_q, heads_kv=heads_kv)
         heads_q = heads_kv = share[rank].num_q
-        dims = dataclasses.replace(dims, heads_q=heads_q, heads_kv=heads_kv)
+        if heads_q:  # fewer heads than ranks: this rank has none, so no pieces to count
+            dims = dataclasses.replace(dims, heads_q=heads_q, heads_kv=heads_kv)
     q = case.kernel_inputs[0]
     gen = torch.Generator().manual_seed(rank)
     sizes = ((q_len, heads_q), (kv_len, heads_kv), (kv_len, heads_kv), (q_len, heads_q))
