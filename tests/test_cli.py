@@ -102,11 +102,18 @@ BAD = [
     (["bench", "--mode", "decode", "--cached-strategies", "x"], ["--cached-strategies", "'x'"]),
     (["bench", "--mode", "decode", "--block-size", "0"], ["--block-size"]),
     (["bench", "--mode", "nope"], ["--mode", "'nope'"]),
+    # memory mode writes no markdown page: refused rather than dropped
+    (["bench", "--mode", "memory", "--markdown", "t.md"], ["--markdown", "--mode memory"]),
+    # bidir_token_ring needs 2 query heads: refused before the ranks start
+    (["bench", "--mode", "memory", "--heads", "1", "--kv-heads", "1"], ["bidir_token_ring", "1"]),
+    # a hybrid factorisation given but not fitting: named, not "changes only --strategies hybrid"
+    (["bench", "--hybrid-inner", "3"], ["--hybrid-inner 3", "world_size=4"]),
     (["demo", "--world-size", "0"], ["--world-size", "'0'"]),
     (["demo", "--seq", "-1"], ["--seq", "'-1'"]),
     (["demo", "--iters", "0"], ["--iters"]),
     (["demo", "--heads", "8", "--kv-heads", "3"], ["--kv-heads must divide --heads"]),
     (["demo", "--timeout", "nan"], ["--timeout", "'nan'"]),
+    (["demo", "--heads", "1", "--kv-heads", "1"], ["--heads 1", "bidir_token_ring"]),
     (["simulate", "--world-size", "0"], ["--world-size", "'0'"]),
     (["simulate", "--world-size", "8", "0"], ["--world-size", "'0'"]),
     (["simulate", "--seq", "0"], ["--seq", "'0'"]),
@@ -131,6 +138,13 @@ BAD = [
         ["--splits", "bidir_token_ring"],
     ),
     (["simulate", "--strategies", "ring", "--lend-last-pair"], ["--lend-last-pair", "token_ring"]),
+    # nothing the simulator could predict: refused before simulating, not a late traceback
+    (
+        ["simulate", "--strategies", "hybrid", "--hybrid-inner", "2", "--world-size", "3"],
+        ["--strategies hybrid", "P=3", "inner=2"],
+    ),
+    (["simulate", "--strategies", "ulysses", "--mode", "vectorised"], ["ulysses", "vectorised"]),
+    (["simulate", "--strategies", "allgather_kv", "--world-size", "128"], ["allgather_kv", "128"]),
     (
         ["simulate", "--mode", "event", "--world-size", "20000", "--seq", "1048576"],
         ["--mode event"],
@@ -161,6 +175,19 @@ def test_an_unwritable_output_directory_is_refused(
     locked.mkdir(mode=0o500)
     line = _usage_error(["bench", "--out", str(locked / "rows.jsonl")], capsys)
     assert "--out" in line and "not writable" in line
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_ranks_start(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    nothing_starts: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bench draws --plot after every row has run: without matplotlib it must say so first."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    line = _usage_error(["bench", "--plot", str(tmp_path / "t.png")], capsys)
+    assert "--plot" in line and "matplotlib" in line
 
 
 def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_starts: None) -> None:

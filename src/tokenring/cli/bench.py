@@ -58,7 +58,7 @@ from tokenring.cli.models import (
     check_read,
     models_from_args,
 )
-from tokenring.cli.plot import bench_panels, plot_timelines, write_trace
+from tokenring.cli.plot import bench_panels, plot_timelines, pyplot, write_trace
 from tokenring.core.layout import Layout, Sharding, make_sharding, shard
 from tokenring.core.schedule import (
     AttentionShape,
@@ -175,6 +175,17 @@ class BenchConfig:
         if Strategy.HYBRID in self.strategies:
             for m in self.models.values():
                 self.hybrid.check(world_size=world_size, heads_q=m.heads_q, heads_kv=m.heads_kv)
+
+    def check_schedules(self, world_size: int) -> None:
+        """Raise ValueError naming the strategy and model whose schedules (what the ranks
+        build first) cannot be built on ``world_size`` ranks."""
+        for name, model, causal, strategy in self.cases():
+            try:
+                self.schedules(model, strategy, causal, world_size)
+            except (ValueError, NotImplementedError) as exc:
+                raise ValueError(
+                    f"{strategy.value} cannot run {name} on {world_size} ranks: {exc}"
+                ) from None
 
     def schedules(
         self, model: AttentionShape, strategy: Strategy, causal: bool, world_size: int
@@ -1166,7 +1177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out": "also append the JSON rows to this JSONL file",
         "--plot": "write a timeline PNG here (attention)",
         "--trace": "write the timelines as a Chrome/Perfetto trace JSON here (attention)",
-        "--markdown": "write the table as markdown here, with the command",
+        "--markdown": "write the table as markdown here, with the command (not memory)",
     }.items():
         add(flag, type=output_path, help=text)
 
@@ -1219,6 +1230,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     except ValueError as exc:
         if args.strategies is not None:
             raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
+        defaults = _defaults()
+        if (args.hybrid_inner, args.hybrid_outer) != (defaults.hybrid_inner, defaults.hybrid_outer):
+            raise ValueError(f"--hybrid-inner {args.hybrid_inner}: {exc}") from None
         print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
         config = dataclasses.replace(config, strategies=strategies[:-1])
     return config
@@ -1237,6 +1251,7 @@ _MODES_OF_FLAG: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("last_pair", "plot", "trace", "wide"), ("attention",)),
     **dict.fromkeys(("strategies", "causal"), ("attention", "memory")),
     **dict.fromkeys(("warmup", "iters", "tolerance", "link", "topology"), ("attention", *_DECODE)),
+    "markdown": ("attention", *_DECODE),
     **dict.fromkeys(("cached", "new", "cached_strategies", "block_size"), _DECODE),
     **dict.fromkeys(("seq_local", "device"), ("memory",)),
 }
@@ -1280,16 +1295,18 @@ def check_args(args: argparse.Namespace) -> None:
     if hybrid_options != (defaults.hybrid_inner, defaults.hybrid_outer):
         check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])
     world = ranks.world_size_of(args)
-    for name, model, causal, strategy in config.cases():  # what the ranks build first
-        try:
-            config.schedules(model, strategy, causal, world)
-        except (ValueError, NotImplementedError) as exc:
-            raise ValueError(
-                f"--strategies {strategy.value} cannot run {name} on {world} ranks: {exc}"
-            ) from None
+    try:
+        config.check_schedules(world)
+    except ValueError as exc:
+        raise ValueError(f"--strategies {exc}") from None
     if args.link is not None:
         ranks.check_lab(args, world)
         _check_link_time(config, args, world)
+    if args.plot is not None:  # drawn after every row has run
+        try:
+            pyplot()
+        except ImportError as exc:
+            raise ValueError(f"--plot {args.plot}: {exc}") from None
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if ranks.under_torchrun() else world
     backend = "nccl" if ranks.under_torchrun() and torch.cuda.is_available() else "gloo"
     check_memory(config, world, ranks_here, backend)

@@ -48,7 +48,8 @@ from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import ArgumentAdder, check_heads, int_list, options, ranks, split_list
 from tokenring.cli.models import DTYPES
 from tokenring.cli.report import write_records
-from tokenring.core.schedule import AttentionShape, Strategy
+from tokenring.core.schedule import AttentionShape, Pass, Strategy
+from tokenring.model.simulate import strategy_schedule
 from tokenring.runtime.shm import ENV_VAR as SHARED_MEMORY_ENV_VAR
 
 __all__ = [
@@ -296,7 +297,19 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
 
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; keeps the config on ``args``."""
-    args._config = config_from_args(args)
+    config = config_from_args(args)
+    world = ranks.world_size_of(args)
+    layout = "zigzag" if config.causal else "contiguous"
+    where: dict[str, Any] = dict(layout=layout, causal=config.causal, world_size=world)
+    where |= dict(seq_local=min(config.seq_locals), heads_q=config.heads_q)  # the tightest s
+    for strategy, pass_ in itertools.product(config.strategies, Pass):
+        try:  # what the ranks' calls build first
+            strategy_schedule(strategy, pass_, heads_kv=config.heads_kv, **where)
+        except (ValueError, NotImplementedError) as exc:
+            raise ValueError(
+                f"--mode memory: --strategies {strategy.value} cannot run on {world} ranks: {exc}"
+            ) from None
+    args._config = config
 
 
 def run(args: argparse.Namespace) -> int:

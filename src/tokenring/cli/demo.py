@@ -43,6 +43,10 @@ def check_args(args: argparse.Namespace) -> None:
         timeline_rows=False,
     )
     config.check_world(args.world_size)
+    try:
+        config.check_schedules(args.world_size)
+    except ValueError as exc:
+        raise ValueError(f"--heads {args.heads} --kv-heads {args.kv_heads}: {exc}") from None
     check_memory(config, args.world_size, args.world_size, "gloo")
     args._config = config
 

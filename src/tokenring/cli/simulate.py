@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -17,7 +18,14 @@ from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_fig
 from tokenring.core.layout import Layout
 from tokenring.core.schedule import AttentionShape, Strategy
 from tokenring.model.costmodel import PRESETS, Hardware
-from tokenring.model.simulate import _PASSES, EVENT_MAX_WORLD_SIZE, CallResult, PassResult, simulate
+from tokenring.model.simulate import (
+    _PASSES,
+    EVENT_MAX_WORLD_SIZE,
+    CallResult,
+    PassResult,
+    _engine,
+    simulate,
+)
 from tokenring.runtime.comm import Event
 from tokenring.strategies.hybrid import HybridSpec
 
@@ -277,6 +285,28 @@ _EVENT_BYTES_PER_CELL = 5 << 10
 transfers and the timeline's events (measured for a TokenRing forward pass)."""
 
 
+def _check_something_predictable(cfg: _Config, args: argparse.Namespace) -> None:
+    """Raise ValueError when no (strategy, world size) can be predicted for a reason known
+    before simulating: a hybrid that does not fit, an engine that cannot run the strategy
+    (one that can is predicted; one that cannot at some world sizes only gets a note)."""
+    reasons = []
+    for (world_size, _, _), name in itertools.product(cfg.points, args.strategies):
+        try:
+            if name == Strategy.HYBRID.value:
+                assert cfg.hybrid is not None
+                heads = dict(heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv)
+                cfg.hybrid.check(world_size=world_size, **heads)
+            _engine(args.mode, Strategy.parse(name), world_size)
+        except (ValueError, NotImplementedError) as exc:
+            reasons.append(f"{name} at P={world_size}: {exc}")
+        else:
+            return
+    raise ValueError(
+        f"--strategies {' '.join(args.strategies)} cannot be predicted at --world-size "
+        f"{' '.join(map(str, args.world_size))} under --mode {args.mode}: " + "; ".join(reasons)
+    )
+
+
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
@@ -289,6 +319,7 @@ def check_args(args: argparse.Namespace) -> None:
         check_read("--splits", args.strategies, pass_q + hybrid)
     if args.lend_last_pair:
         check_read("--lend-last-pair", args.strategies, [Strategy.TOKEN_RING.value])
+    _check_something_predictable(cfg, args)
     first = args.world_size[0]
     why = "--mode vectorised" if args.mode == "vectorised" else None
     if args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE:
