@@ -260,6 +260,24 @@ def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
         main([*argv, "--timeout", f"{seconds + 1:.0f}"])
 
 
+def test_a_decode_link_too_slow_for_its_calibration_is_refused(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode bench calibrates first: 3 timed probes and a warm-up of 8 MiB one way, then
+    both ways, round the ring: 2 x 4 x 8 MiB = 67108864 bytes over each link r -> r-1, 536.9 s
+    at 1 Mbit/s, whatever the rows (they once ran until --timeout killed the ranks)."""
+    monkeypatch.setattr("tokenring.cli.ranks.lab_unavailable_reason", lambda: None)
+    num_bytes = 2 * 4 * (8 << 20)
+    seconds = num_bytes * 8 / 1e6
+    argv = ["bench", "--mode", "decode", "--world-size", "2", "--cached", "8", "--new", "1"]
+    argv += ["--link", "1mbit"]
+    line = _usage_error([*argv, "--timeout", f"{seconds - 1:.0f}"], capsys)
+    assert f"{num_bytes / 1e6:.4g} MB" in line and "--link 1 Mbit/s" in line
+    assert f"{seconds:.4g} s" in line and "--timeout" in line
+    with pytest.raises(Started):  # one second more and the run may go ahead
+        main([*argv, "--timeout", f"{seconds + 1:.0f}"])
+
+
 # -- any sequence length (uneven shards) -------------------------------------------------------
 def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench's reference (the rank's rows only, in score tiles) against the test oracle (full

@@ -1118,18 +1118,12 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
     seconds = num_bytes / rate
     if seconds > args.timeout:
         raise ValueError(
-            f"--link {_rate_text(args.link)} cannot finish within --timeout {args.timeout:g} s: "
+            f"--link {report.rate_text(args.link)} cannot finish within "
+            f"--timeout {args.timeout:g} s: "
             f"the run moves at least {num_bytes / 1e6:.4g} MB over the busiest link "
             f"({args.topology}), {seconds:.4g} s at that rate; raise --link or --timeout, or "
             "run fewer rows or calls (--strategies, --passes, --causal, --iters, --warmup)"
         )
-
-
-def _rate_text(bits_per_s: float) -> str:
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits_per_s >= scale:
-            return f"{bits_per_s / scale:g} {unit}"
-    return f"{bits_per_s:g} bit/s"
 
 
 # -- CLI -----------------------------------------------------------------------------------------

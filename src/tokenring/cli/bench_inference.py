@@ -63,6 +63,9 @@ from tokenring.strategies.cached import (
 __all__ = ["InferenceBenchConfig", "add_arguments", "check_args", "run", "run_rank"]
 
 MODES = ("decode", "prefill-cached")
+_PROBE_BYTES, _PROBE_REPEATS = 8 << 20, 3
+"""The calibration's link probe: bytes per message and timed repeats (each probe adds one
+warm-up), one way then both ways round the ring."""
 _DEFAULT_NEW = {"decode": "1,16,128", "prefill-cached": "256,1024,4096"}
 
 
@@ -259,7 +262,8 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     comm = get_communicator()
     device = ranks.rank_device()
     dtype = DTYPES[config.dtype]
-    hardware = calibrate(comm, dtype=dtype, device=device)  # once, for every row
+    probe: dict[str, Any] = dict(probe_bytes=_PROBE_BYTES, repeats=_PROBE_REPEATS)
+    hardware = calibrate(comm, dtype=dtype, device=device, **probe)  # once, for every row
     kernel = select_kernel(device, dtype)
     rows = []
     for name, cached, new in itertools.product(config.models, config.cached, config.new):
@@ -375,7 +379,18 @@ def check_args(args: argparse.Namespace) -> None:
 
     config = config_from_args(args)
     if args.link is not None:
-        ranks.check_lab(args, ranks.world_size_of(args))
+        world = ranks.world_size_of(args)
+        ranks.check_lab(args, world)
+        # the calibration's probes alone cross each link r -> r-1 (1 + repeats) times each
+        num_bytes = 2 * (1 + _PROBE_REPEATS) * _PROBE_BYTES if world > 1 else 0
+        seconds = 8 * num_bytes / args.link
+        if seconds > args.timeout:
+            raise ValueError(
+                f"--link {report.rate_text(args.link)} cannot finish within "
+                f"--timeout {args.timeout:g} s: "
+                f"the calibration alone moves {num_bytes / 1e6:.4g} MB over each link, "
+                f"{seconds:.4g} s at that rate; raise --link or --timeout"
+            )
     args._config = config
 
 

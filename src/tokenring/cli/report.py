@@ -9,7 +9,15 @@ import statistics
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["call_ms", "cell", "group_by", "link_text", "write_markdown", "write_records"]
+__all__ = [
+    "call_ms",
+    "cell",
+    "group_by",
+    "link_text",
+    "rate_text",
+    "write_markdown",
+    "write_records",
+]
 
 T = TypeVar("T")
 
@@ -51,6 +59,14 @@ def link_text(lab: dict[str, Any] | None) -> str:
     if not lab:
         return "no link emulation"
     return f"{lab['topology']} {lab['rate_bits_per_s'] / 1e6:g} Mbit/s"
+
+
+def rate_text(bits_per_s: float) -> str:
+    """A ``--link`` rate as the error messages name it, e.g. ``100 Mbit/s``."""
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:g} {unit}"
+    return f"{bits_per_s:g} bit/s"
 
 
 def write_records(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
