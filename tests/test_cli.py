@@ -190,6 +190,18 @@ def test_a_plot_without_matplotlib_is_refused_before_the_ranks_start(
     assert "--plot" in line and "matplotlib" in line
 
 
+def test_a_world_size_that_torchrun_overrides_is_refused(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun the launcher's ranks are the run's: a --world-size other than theirs
+    would be dropped without a word (every mode)."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    for mode in ("attention", "decode", "memory"):
+        line = _usage_error(["bench", "--mode", mode, "--world-size", "3"], capsys)
+        assert "--world-size 3" in line and "torchrun" in line and "2 ranks" in line
+
+
 def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_starts: None) -> None:
     """The same flags with good values reach the launcher (the checks refuse only bad
     input): every command starts its ranks or simulation."""

@@ -1278,6 +1278,12 @@ def check_args(args: argparse.Namespace) -> None:
     keeps the checked config on ``args`` for :func:`run`."""
     defaults = _defaults()
     _check_flags_of_mode(args, defaults)
+    world = ranks.world_size_of(args)
+    if args.world_size not in (defaults.world_size, world):  # torchrun's differ
+        raise ValueError(
+            f"--world-size is the ranks bench spawns; got --world-size {args.world_size} under "
+            f"torchrun, whose run has {world} ranks: drop it or match it"
+        )
     if args.mode != "attention":
         _MODE_MODULES[args.mode].check_args(args)
         return
@@ -1288,7 +1294,6 @@ def check_args(args: argparse.Namespace) -> None:
     hybrid_options = (args.hybrid_inner, args.hybrid_outer)
     if hybrid_options != (defaults.hybrid_inner, defaults.hybrid_outer):
         check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])
-    world = ranks.world_size_of(args)
     try:
         config.check_schedules(world)
     except ValueError as exc:
