@@ -182,6 +182,23 @@ def _sim_row(strategy: str, seq: int, call_ms: float) -> dict[str, Any]:
     }
 
 
+def test_several_world_sizes_draw_one_line_per_strategy() -> None:
+    """Along P, one line per strategy: not broken where the layout rounds S down differently
+    per P (100 -> 96 at P = 4 and 8 for zigzag), nor where the hybrid's factorisation (P/inner
+    x inner) changes with P."""
+    rows = []
+    for world_size, seq in ((2, 100), (4, 96), (8, 96)):
+        rows.append({**_sim_row("ring", seq, world_size), "world_size": world_size})
+        if world_size >= 4:
+            hybrid = f"hybrid {world_size // 4}x4 token_ring"
+            rows.append({**_sim_row(hybrid, seq, world_size / 2), "world_size": world_size})
+    for row in rows:
+        row["seq_requested"] = 100
+    (ax,) = curves_figure(rows).axes
+    xs = {line.get_label(): list(line.get_xdata()) for line in ax.lines}
+    assert xs == {"hybrid (P/4)x4 token_ring (S=100)": [4, 8], "ring (S=100)": [2, 4, 8]}
+
+
 def test_one_length_draws_bars_relative_to_the_best() -> None:
     rows = [_sim_row("ring", 4096, 30.0), _sim_row("token_ring", 4096, 20.0)]
     rows.append(_sim_row("bidir_ring", 4096, 25.0))

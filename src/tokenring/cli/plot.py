@@ -217,7 +217,14 @@ def curves_figure(rows: Sequence[dict[str, Any]]) -> Any:
         fixed = "seq" if x_key == "world_size" else "world_size"
         groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for row in rows:
-            groups.setdefault((row["strategy"], row[fixed]), []).append(row)
+            name, at = row["strategy"], row[fixed]
+            if x_key == "world_size":  # one line through the S each P rounds down to
+                at = row.get("seq_requested", at)
+                if name.startswith("hybrid "):  # its P/inner x inner mesh grows with P
+                    _, mesh, outer = name.split()
+                    inner = mesh.split("x")[1]
+                    name = f"hybrid (P/{inner})x{inner} {outer}"
+            groups.setdefault((name, at), []).append(row)
         for (name, fixed_value), group in sorted(groups.items()):
             group.sort(key=lambda r: r[x_key])
             label = f"{name} ({'S' if fixed == 'seq' else 'P'}={fixed_value})"
