@@ -30,6 +30,7 @@ __all__ = [
     "HelpFormatter",
     "build_parser",
     "check_heads",
+    "check_unique",
     "finite_float_at_least",
     "int_at_least",
     "int_list",
@@ -174,7 +175,19 @@ def split_list(text: str, flag: str, parse: Any, expected: str) -> tuple[Any, ..
             out.append(parse(item))
         except ValueError:
             raise ValueError(f"{flag}: unknown {item!r}; expected any of {expected}") from None
-    return tuple(out)
+    return check_unique(flag, tuple(out))
+
+
+def check_unique(flag: str, values: Sequence[Any]) -> Any:
+    """``values`` when no two are equal; else ValueError naming the flag and the repeated one
+    (a repeat would run or print the same row twice)."""
+    seen: list[Any] = []
+    for value in values:
+        if value in seen:
+            shown = getattr(value, "value", value)
+            raise ValueError(f"{flag} lists {shown!r} more than once; got {list(values)!r}")
+        seen.append(value)
+    return values
 
 
 def options(args: argparse.Namespace, *names: str) -> dict[str, Any]:
@@ -190,7 +203,7 @@ def int_list(text: str, name: str, minimum: int) -> tuple[int, ...]:
         values = ()
     if not values or min(values) < minimum:
         raise ValueError(f"{name} must be comma-separated integers >= {minimum}; got {text!r}")
-    return values
+    return check_unique(name, values)
 
 
 def check_heads(args: argparse.Namespace) -> None:

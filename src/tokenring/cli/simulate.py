@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tokenring.cli import int_at_least, mem_available_bytes, output_path
+from tokenring.cli import check_unique, int_at_least, mem_available_bytes, output_path
 from tokenring.cli.console import progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments, check_read
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
@@ -306,6 +306,8 @@ def _check_something_predictable(cfg: _Config, args: argparse.Namespace) -> None
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
+    for flag in ("--seq", "--world-size", "--strategies"):
+        check_unique(flag, getattr(args, flag[2:].replace("-", "_")))
     cfg = _config(args)
     pass_q = [s.value for s in (Strategy.TOKEN_RING, Strategy.BIDIR_TOKEN_RING)]
     if args.hybrid_inner is not None or args.hybrid_outer != Strategy.TOKEN_RING.value:
