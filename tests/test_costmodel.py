@@ -851,6 +851,16 @@ def test_simulate_cli_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> N
         assert message in capsys.readouterr().err
 
 
+def test_simulate_cli_with_nothing_predicted_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """Whether TokenRing lends is known only from its schedule, which the vectorised engine
+    cannot price: the note and one error line, status 1 (it was a traceback)."""
+    argv = ["simulate", "--mode", "vectorised", "--strategies", "token_ring", "--lend-last-pair"]
+    assert main([*argv, "--world-size", "4", "--seq", "64", "--model", "llama3-8b"]) == 1
+    out, err = capsys.readouterr()
+    assert "token_ring at P=4 not predicted" in out and "lends its last pair" in out
+    assert err.strip() == "tokenring simulate: error: no strategy could be predicted"
+
+
 def test_1024_ranks_and_10m_tokens_take_seconds(capsys: pytest.CaptureFixture[str]) -> None:
     """CPU seconds on one thread (wall time on a shared 2-core box says little)."""
     threads = torch.get_num_threads()

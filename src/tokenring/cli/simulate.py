@@ -352,7 +352,10 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError: bad sizes (sequence lengths are rounded down to what the layout splits).
         ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
-        NotImplementedError: no requested strategy can be predicted at these world sizes.
+
+    No requested strategy predicted at these world sizes (what ``check_args`` cannot know before
+    building a schedule, e.g. a lent last pair under ``--mode vectorised``): the notes, then
+    status 1.
     """
     cfg: _Config = args._config
     if not args.json:
@@ -363,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:  # never drop a strategy silently
         print(note, file=sys.stderr if args.json else sys.stdout)
     if not rows:
-        raise NotImplementedError("no strategy could be predicted: " + "; ".join(notes))
+        print("tokenring simulate: error: no strategy could be predicted", file=sys.stderr)
+        return 1
     if args.json:
         for row in rows:
             print(json.dumps(row, sort_keys=True))
