@@ -170,6 +170,21 @@ def test_bench_in_the_lab_moves_the_counted_bytes_at_the_link_rate(capsys) -> No
     assert 0.8 * wire_s <= row["ms_median"] / 1e3 <= 2.0 * wire_s + 0.5
 
 
+@pytest.mark.lab
+@pytest.mark.skipif(lab_unavailable_reason() is not None, reason=str(lab_unavailable_reason()))
+def test_decode_bench_in_the_lab_prices_the_labs_topology(capsys) -> None:
+    """The calibration takes the lab's --topology as attention mode does (its probes can tell
+    a switch from a mesh, never a ring: the predictions were of a mesh)."""
+    argv = ["bench", "--mode", "decode", "--world-size", "3", "--cached", "37", "--new", "1"]
+    argv += ["--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--block-size", "4"]
+    argv += ["--iters", "1", "--warmup", "0", "--link", "1gbit", "--topology", "ring", "--json"]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert rows and {(r["lab"]["topology"], r["calibration"]["topology"]) for r in rows} == {
+        ("ring", "ring")
+    }
+
+
 def test_bench_under_torchrun_uses_the_launchers_ranks() -> None:
     """``torchrun ... -m tokenring bench``: no spawning of its own; rank 0 prints the rows."""
     import subprocess

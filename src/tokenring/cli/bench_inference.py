@@ -95,6 +95,9 @@ class InferenceBenchConfig:
     """Timed calls per row."""
     tolerance: float | None = None
     """Max abs error against float64; None: by dtype."""
+    topology: str | None = None
+    """The emulated links' topology (``--link``), which the calibration takes as it is; None:
+    the calibration's guess from its probes."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -263,6 +266,7 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
     device = ranks.rank_device()
     dtype = DTYPES[config.dtype]
     probe: dict[str, Any] = dict(probe_bytes=_PROBE_BYTES, repeats=_PROBE_REPEATS)
+    probe["topology"] = config.topology
     hardware = calibrate(comm, dtype=dtype, device=device, **probe)  # once, for every row
     kernel = select_kernel(device, dtype)
     rows = []
@@ -367,6 +371,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
         cached=int_list(args.cached, "--cached", 0),
         new=int_list(args.new or _DEFAULT_NEW[args.mode], "--new", 1),
         models=models_from_args(args),
+        topology=args.topology if args.link is not None else None,
         strategies=split_list(
             args.cached_strategies, "--cached-strategies", CachedStrategy.parse, names
         ),
