@@ -444,3 +444,17 @@ def test_piece_flops_counts_only_the_lane_heads() -> None:
     assert piece_flops(lane, dims, Pass.FORWARD) == 4 * 4 * 4 * 3 * 5
     diagonal = Piece((0, 3), (0, 3), True)
     assert piece_flops(diagonal, dims, Pass.BACKWARD) == 2.5 * 4 * 8 * 4 * (1 + 2 + 3)
+
+
+def test_attention_shape_holds_ints() -> None:
+    """Sizes are ints (any integer kind, stored as int); a float or a bool is refused, naming
+    the field, instead of turning bytes and FLOPs into fractions."""
+    import numpy as np
+
+    shape = AttentionShape(batch=np.int64(2), heads_q=np.int32(4), heads_kv=2, head_dim=8)
+    assert (type(shape.batch), type(shape.heads_q)) == (int, int)
+    assert shape == AttentionShape(batch=2, heads_q=4, heads_kv=2, head_dim=8)
+    for name, value in (("head_dim", 64.5), ("batch", 2.0), ("heads_kv", True)):
+        sizes: dict[str, Any] = {"batch": 1, "heads_q": 4, "heads_kv": 2, "head_dim": 8}
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1; got {value!r}"):
+            AttentionShape(**{**sizes, name: value})

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.layout import Layout, Run, Sharding, make_sharding
+from tokenring.core.layout import Layout, Run, Sharding, is_int, make_sharding
 from tokenring.core.masks import MaskKind, MaskSpec
 
 __all__ = [
@@ -155,8 +155,12 @@ class AttentionShape:
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not is_int(value):  # 64.5 would price fractional bytes and FLOPs
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+            object.__setattr__(self, name, int(value))
         if self.heads_q % self.heads_kv != 0:
             raise ValueError(
                 f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
