@@ -163,3 +163,17 @@ def test_document_boundaries_of_any_integer_kind() -> None:
     for cu in (np.array([0, 3, 8]), [torch.tensor(0), torch.tensor(3), torch.tensor(8)]):
         got = make_sharding(layout="zigzag", world_size=2, seq_len=8, cu_seqlens=cu)
         assert got == want
+
+
+@pytest.mark.parametrize("rank", [-1, 3, 1.0, True])
+def test_sharding_methods_name_a_rank_outside_the_group(rank: object) -> None:
+    """A Sharding's per-rank methods take ranks 0 .. P-1: -1 is not read as the last rank
+    (Python indexing) and 3 is not an IndexError from inside, as global_positions does."""
+    sharding = make_sharding(layout="zigzag", world_size=3, seq_len=10)
+    calls = [sharding.positions, sharding.doc_positions, sharding.padded_rows]
+    calls += [sharding.padded_positions, sharding.local_len]
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"rank must be in \[0, 3\); got {rank}"):
+            call(rank)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rank must be in"):
+        sharding.padding(rank, torch.device("cpu"))  # type: ignore[arg-type]

@@ -262,9 +262,13 @@ class Sharding:
     runs: tuple[tuple[Run, ...], ...]
     """Per rank, its runs in local order."""
 
+    def _runs(self, rank: int) -> tuple[Run, ...]:
+        """``rank``'s runs; ValueError naming a rank outside [0, P) (-1 is not the last)."""
+        return self.runs[_checked_rank(rank, self.world_size)]
+
     def local_len(self, rank: int) -> int:
         """Tokens rank ``rank`` holds (its caller-visible local length)."""
-        return sum(run.length for run in self.runs[rank])
+        return sum(run.length for run in self._runs(rank))
 
     @property
     def padded(self) -> bool:
@@ -277,16 +281,16 @@ class Sharding:
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global position of each token of ``rank`` in local order: ``(s_r,)`` int64."""
-        return _aranges((r.global_start, r.length) for r in self.runs[rank])
+        return _aranges((r.global_start, r.length) for r in self._runs(rank))
 
     def doc_positions(self, rank: int) -> torch.Tensor:
         """Position inside its document of each token of ``rank``: ``(s_r,)`` int64."""
         starts = self.cu_seqlens
-        return _aranges((r.global_start - starts[r.doc], r.length) for r in self.runs[rank])
+        return _aranges((r.global_start - starts[r.doc], r.length) for r in self._runs(rank))
 
     def padded_rows(self, rank: int) -> torch.Tensor:
         """Row of the padded local buffer of each token of ``rank``: ``(s_r,)`` int64."""
-        return _aranges((r.local_start, r.length) for r in self.runs[rank])
+        return _aranges((r.local_start, r.length) for r in self._runs(rank))
 
     def padded_positions(self, rank: int) -> torch.Tensor:
         """Global position held by each row of the padded buffer, -1 for padding:
