@@ -190,9 +190,7 @@ def build_schedule(
             ``BIDIR_TOKEN_RING`` with a single query head.
     """
     strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    length = global_length(world_size, seq_local, seq_len, layout)
+    length = global_length(world_size, seq_local, seq_len, layout)  # make_sharding checks P
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=length, cu_seqlens=cu_seqlens
     )
@@ -265,8 +263,7 @@ def _collective_schedule(
             f"strategy {strategy.value!r} supports neither documents, windows nor padded "
             "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
         )
-    p, s = sharding.world_size, sharding.seq_local
-    causal = bool(mask.causal)
+    p, s, causal = sharding.world_size, sharding.seq_local, bool(mask.causal)
     return _build_collective(strategy, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
 
 
