@@ -510,3 +510,13 @@ def test_many_documents_plan_in_linear_time() -> None:
     pieces = [pc for row in sched.steps for plan in row for pc in plan.pieces]
     flops = sum(piece_flops(pc, dims, Pass.FORWARD) for pc in pieces)
     assert flops == 4 * 4 * 1600 * 64 * 64  # every document against itself, on every head
+
+
+def test_build_schedule_refuses_the_hybrid() -> None:
+    """The hybrid's schedule needs its factorisation (build_hybrid_schedule); build_schedule
+    built a one-lane Ring schedule labelled 'hybrid' instead."""
+    with pytest.raises(ValueError, match="build_hybrid_schedule"):
+        build_schedule(
+            "hybrid", "forward", layout="zigzag", causal=True, world_size=2, seq_local=4,
+            heads_q=2, heads_kv=2,
+        )  # fmt: skip

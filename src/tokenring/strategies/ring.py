@@ -185,11 +185,17 @@ def build_schedule(
             bytes than their Q (Note [Borrowed last pair]).
 
     Raises:
-        ValueError: a bad argument (each named), or both or neither of seq_local and seq_len.
+        ValueError: a bad argument (each named), both or neither of seq_local and seq_len,
+            or the hybrid.
         NotImplementedError: documents, windows, chunks or padding with a collective strategy;
             ``BIDIR_TOKEN_RING`` with a single query head.
     """
     strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
+    if strategy is Strategy.HYBRID:
+        raise ValueError(
+            "strategy 'hybrid' needs its factorisation: use tokenring.strategies.hybrid."
+            "build_hybrid_schedule(pass_, spec=HybridSpec(inner=...), ...)"
+        )
     length = global_length(world_size, seq_local, seq_len, layout)  # make_sharding checks P
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=length, cu_seqlens=cu_seqlens
