@@ -520,3 +520,14 @@ def test_build_schedule_refuses_the_hybrid() -> None:
             "hybrid", "forward", layout="zigzag", causal=True, world_size=2, seq_local=4,
             heads_q=2, heads_kv=2,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "bidir_ring", "ulysses"])
+def test_build_schedule_checks_the_head_counts_it_is_given(strategy: str) -> None:
+    """Three query heads cannot share two K/V heads: refused (it built a schedule whose head
+    slices and lanes split groups that do not exist)."""
+    call: dict[str, Any] = dict(layout="zigzag", causal=True, world_size=2, seq_local=4)
+    with pytest.raises(ValueError, match=r"heads_kv must .*divide heads_q; got heads_q=3"):
+        build_schedule(strategy, "forward", heads_q=3, heads_kv=2, lend_last_pair=False, **call)
+    with pytest.raises(ValueError, match=r"heads_q must be an int >= 1 or None; got 2\.5"):
+        build_schedule(strategy, "forward", heads_q=2.5, heads_kv=1, **call)

@@ -104,7 +104,14 @@ from functools import cache, partial
 
 import torch
 
-from tokenring.core.layout import Layout, Sharding, global_length, make_sharding, validate_seq_local
+from tokenring.core.layout import (
+    Layout,
+    Sharding,
+    check_int,
+    global_length,
+    make_sharding,
+    validate_seq_local,
+)
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
@@ -195,6 +202,12 @@ def build_schedule(
         raise ValueError(
             "strategy 'hybrid' needs its factorisation: use tokenring.strategies.hybrid."
             "build_hybrid_schedule(pass_, spec=HybridSpec(inner=...), ...)"
+        )
+    for name, heads in (("heads_q", heads_q), ("heads_kv", heads_kv)):
+        check_int(name, heads, 1, optional=True)
+    if heads_q is not None and heads_kv is not None and heads_q % heads_kv:
+        raise ValueError(
+            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
         )
     length = global_length(world_size, seq_local, seq_len, layout)  # make_sharding checks P
     sharding = make_sharding(
