@@ -424,6 +424,10 @@ def test_last_block_split_and_slots() -> None:
         ({"seq_local": 5, "layout": "zigzag"}, "even"),
         ({"last_block_splits": 0}, "last_block_splits"),
         ({"layout": "spiral"}, "layout"),
+        # were a TypeError from inside, a schedule of one split, and a causal one
+        ({"last_block_splits": 2.5}, "last_block_splits must be an int >= 1; got 2.5"),
+        ({"last_block_splits": True}, "last_block_splits must be an int >= 1; got True"),
+        ({"causal": "no"}, "causal must be a bool; got 'no'"),
     ],
 )
 def test_bad_schedule_arguments(kwargs: dict, match: str) -> None:

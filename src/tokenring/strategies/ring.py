@@ -198,6 +198,8 @@ def build_schedule(
             ``BIDIR_TOKEN_RING`` with a single query head.
     """
     strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
     if strategy is Strategy.HYBRID:
         raise ValueError(
             "strategy 'hybrid' needs its factorisation: use tokenring.strategies.hybrid."
@@ -216,8 +218,7 @@ def build_schedule(
     docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
     window = normalize_window(window_size, causal=causal)
     mask = MaskSpec(causal, window, docs if len(docs) > 2 else None)
-    if last_block_splits < 1:
-        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    check_int("last_block_splits", last_block_splits, 1)
     if strategy.is_collective:
         return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
     return _ring_schedule(
