@@ -403,6 +403,18 @@ def test_hybrid_refuses_collective_outer_axis(single_rank_group: None) -> None:
         hybrid_mesh(2, 1)
 
 
+def test_bidirectional_tokenring_outer_axis_names_the_callers_head_count() -> None:
+    """An island's queries are heads_q / inner heads; bidir_token_ring needs two of them. The
+    refusal names the caller's heads_q and inner, not the per-island 1 (which the caller
+    never passed)."""
+    spec = HybridSpec(inner=2, outer_strategy="bidir_token_ring")
+    call = dict(spec=spec, layout="zigzag", causal=True, world_size=4, seq_local=4)
+    with pytest.raises(NotImplementedError, match=r"heads_q=2, inner=2") as info:
+        build_hybrid_schedule("forward", heads_q=2, heads_kv=2, **call)
+    assert "heads_q=1" not in str(info.value)
+    assert build_hybrid_schedule("forward", heads_q=4, heads_kv=2, **call).num_steps == 4
+
+
 def _outer_messages_per_split() -> dict[str, object]:
     """Messages the outer group's communicator counts for one TokenRing hybrid forward with
     ``last_block_splits`` left to the transport or given, its path, and the distance from

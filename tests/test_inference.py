@@ -254,6 +254,23 @@ def _literal(text: str) -> str:
     return re.escape(text)
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("cached", 1000.5), ("new", 1.5), ("block_size", 16.5), ("batch", 1.5), ("world_size", 4.0),
+     ("batch", True)],
+)  # fmt: skip
+def test_planning_sizes_must_be_ints(name: str, value: object) -> None:
+    """A fractional token count is no count: it is refused, naming it, not planned as a
+    rounded one (1.5 new tokens planned as 2) nor failing deep inside as a TypeError."""
+    sizes: dict[str, Any] = {"world_size": 4, "batch": 2, "cached": 1000, "new": 1}
+    with pytest.raises(ValueError, match=_literal(f"{name} must be an int >= ")):
+        uniform_shards(**{**sizes, name: value})
+    with pytest.raises(ValueError, match=_literal(f"{name} must be an int >= ")):
+        explain_cached(
+            **{**sizes, name: value}, heads_q=8, heads_kv=2, head_dim=64, hardware=_hardware()
+        )
+
+
 def test_attention_call_validation(single_rank_group: None) -> None:
     cache = DistributedKVCache(num_layers=2, batch=1, heads_kv=2, head_dim=4)
     q = torch.zeros(3, 4, 4)

@@ -48,6 +48,10 @@ def test_zigzag_balances_causal_work() -> None:
         ({"rank": 2, "world_size": 2, "seq_local": 4, "layout": "zigzag"}, "rank"),
         ({"rank": 0, "world_size": 2, "seq_local": 4, "layout": "diagonal"}, "layout"),
         ({"rank": 0, "world_size": 2, "seq_local": 0, "layout": "contiguous"}, "seq_local"),
+        # a fractional or boolean seq_local is named, not reported as the S it implies
+        ({"rank": 0, "world_size": 2, "seq_local": 2.5, "layout": "contiguous"}, "seq_local"),
+        ({"rank": 0, "world_size": 2, "seq_local": 4.0, "layout": "zigzag"}, "seq_local"),
+        ({"rank": 0, "world_size": 2, "seq_local": True, "layout": "contiguous"}, "seq_local"),
     ],
 )
 def test_bad_layout_arguments(kwargs: dict, match: str) -> None:
@@ -135,3 +139,41 @@ def test_unshard_rejects_bad_shards() -> None:
 def test_layout_helpers_reject_arguments_of_the_wrong_type(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call(torch.zeros(1, 8, 2, 4))
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens",
+    [[0, 4.7, 8], [0, 3.0, 8], [0, True, 8], [[0, 8]], "08", [0, None, 8]],
+)
+def test_document_boundaries_must_be_ints(cu_seqlens: object) -> None:
+    """A boundary that is not a whole number of tokens is refused, naming cu_seqlens, as a
+    float tensor is: 4.7 is not rounded to 4 (that would silently move a document)."""
+    x = torch.arange(8.0).view(1, 8, 1, 1)
+    with pytest.raises(ValueError, match=r"cu_seqlens must hold ints"):
+        shard(x, rank=0, world_size=2, layout="zigzag", cu_seqlens=cu_seqlens)
+    with pytest.raises(ValueError, match=r"cu_seqlens must hold ints"):
+        make_sharding(layout="contiguous", world_size=2, seq_len=8, cu_seqlens=cu_seqlens)
+
+
+def test_document_boundaries_of_any_integer_kind() -> None:
+    """Integer boundaries are read alike from a list, NumPy and 0-d tensors."""
+    import numpy as np
+
+    want = make_sharding(layout="zigzag", world_size=2, seq_len=8, cu_seqlens=[0, 3, 8])
+    for cu in (np.array([0, 3, 8]), [torch.tensor(0), torch.tensor(3), torch.tensor(8)]):
+        got = make_sharding(layout="zigzag", world_size=2, seq_len=8, cu_seqlens=cu)
+        assert got == want
+
+
+@pytest.mark.parametrize("rank", [-1, 3, 1.0, True])
+def test_sharding_methods_name_a_rank_outside_the_group(rank: object) -> None:
+    """A Sharding's per-rank methods take ranks 0 .. P-1: -1 is not read as the last rank
+    (Python indexing) and 3 is not an IndexError from inside, as global_positions does."""
+    sharding = make_sharding(layout="zigzag", world_size=3, seq_len=10)
+    calls = [sharding.positions, sharding.doc_positions, sharding.padded_rows]
+    calls += [sharding.padded_positions, sharding.local_len]
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"rank must be in \[0, 3\); got {rank}"):
+            call(rank)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rank must be in"):
+        sharding.padding(rank, torch.device("cpu"))  # type: ignore[arg-type]

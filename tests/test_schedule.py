@@ -424,6 +424,10 @@ def test_last_block_split_and_slots() -> None:
         ({"seq_local": 5, "layout": "zigzag"}, "even"),
         ({"last_block_splits": 0}, "last_block_splits"),
         ({"layout": "spiral"}, "layout"),
+        # were a TypeError from inside, a schedule of one split, and a causal one
+        ({"last_block_splits": 2.5}, "last_block_splits must be an int >= 1; got 2.5"),
+        ({"last_block_splits": True}, "last_block_splits must be an int >= 1; got True"),
+        ({"causal": "no"}, "causal must be a bool; got 'no'"),
     ],
 )
 def test_bad_schedule_arguments(kwargs: dict, match: str) -> None:
@@ -444,3 +448,90 @@ def test_piece_flops_counts_only_the_lane_heads() -> None:
     assert piece_flops(lane, dims, Pass.FORWARD) == 4 * 4 * 4 * 3 * 5
     diagonal = Piece((0, 3), (0, 3), True)
     assert piece_flops(diagonal, dims, Pass.BACKWARD) == 2.5 * 4 * 8 * 4 * (1 + 2 + 3)
+
+
+def test_attention_shape_holds_ints() -> None:
+    """Sizes are ints (any integer kind, stored as int); a float or a bool is refused, naming
+    the field, instead of turning bytes and FLOPs into fractions."""
+    import numpy as np
+
+    shape = AttentionShape(batch=np.int64(2), heads_q=np.int32(4), heads_kv=2, head_dim=8)
+    assert (type(shape.batch), type(shape.heads_q)) == (int, int)
+    assert shape == AttentionShape(batch=2, heads_q=4, heads_kv=2, head_dim=8)
+    for name, value in (("head_dim", 64.5), ("batch", 2.0), ("heads_kv", True)):
+        sizes: dict[str, Any] = {"batch": 1, "heads_q": 4, "heads_kv": 2, "head_dim": 8}
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1; got {value!r}"):
+            AttentionShape(**{**sizes, name: value})
+
+
+def _merge_pairwise(rects: list[Any]) -> list[Any]:
+    """The definition of merging full rectangles: join the first mergeable pair (sharing one
+    side and touching on the other, in sorted order), re-sort, repeat."""
+    rects = sorted(rects)
+    while True:
+        for i, j in itertools.combinations(range(len(rects)), 2):
+            (qa, ka), (qb, kb) = rects[i], rects[j]
+            if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
+                joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
+            elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
+                joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
+            else:
+                continue
+            rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
+            break
+        else:
+            return rects
+
+
+def test_full_rectangles_merge_as_defined() -> None:
+    """Grids, L shapes, strips and scattered cells merge exactly as the pairwise definition."""
+    import random
+
+    from tokenring.core.schedule import _merge_rectangles
+
+    rng = random.Random(5)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, 12), 4))
+        bands = list(itertools.pairwise([0, *cuts, 12]))
+        cells = [(q, k) for q in bands for k in bands if rng.random() < 0.6]
+        assert _merge_rectangles(cells) == _merge_pairwise(cells), cells
+
+
+def test_many_documents_plan_in_linear_time() -> None:
+    """A packed sequence of 1600 documents (zigzag, non-causal: 3200 full pieces a block)
+    plans in seconds: merging full pieces compared every pair of them after every merge
+    (21 s for this schedule)."""
+    import time
+
+    seq = 1600 * 64
+    start = time.perf_counter()
+    sched = build_schedule(
+        "token_ring", "forward", layout="zigzag", causal=False, world_size=4, seq_len=seq,
+        cu_seqlens=list(range(0, seq + 1, 64)), heads_q=4, heads_kv=2,
+    )  # fmt: skip
+    assert time.perf_counter() - start < 8.0
+    dims = AttentionShape(heads_q=4, heads_kv=2, head_dim=1)  # 4 FLOPs a pair and head
+    pieces = [pc for row in sched.steps for plan in row for pc in plan.pieces]
+    flops = sum(piece_flops(pc, dims, Pass.FORWARD) for pc in pieces)
+    assert flops == 4 * 4 * 1600 * 64 * 64  # every document against itself, on every head
+
+
+def test_build_schedule_refuses_the_hybrid() -> None:
+    """The hybrid's schedule needs its factorisation (build_hybrid_schedule); build_schedule
+    built a one-lane Ring schedule labelled 'hybrid' instead."""
+    with pytest.raises(ValueError, match="build_hybrid_schedule"):
+        build_schedule(
+            "hybrid", "forward", layout="zigzag", causal=True, world_size=2, seq_local=4,
+            heads_q=2, heads_kv=2,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring", "bidir_ring", "ulysses"])
+def test_build_schedule_checks_the_head_counts_it_is_given(strategy: str) -> None:
+    """Three query heads cannot share two K/V heads: refused (it built a schedule whose head
+    slices and lanes split groups that do not exist)."""
+    call: dict[str, Any] = dict(layout="zigzag", causal=True, world_size=2, seq_local=4)
+    with pytest.raises(ValueError, match=r"heads_kv must .*divide heads_q; got heads_q=3"):
+        build_schedule(strategy, "forward", heads_q=3, heads_kv=2, lend_last_pair=False, **call)
+    with pytest.raises(ValueError, match=r"heads_q must be an int >= 1 or None; got 2\.5"):
+        build_schedule(strategy, "forward", heads_q=2.5, heads_kv=1, **call)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,13 @@ def validate_seq_local(seq_local: int, layout: Layout, *, name: str = "seq_local
         raise ValueError(
             f"{name} must be even for layout 'zigzag' (two chunks per rank); got {seq_local}"
         )
+
+
+def is_int(x: object) -> bool:
+    """An integer (Python, NumPy or a 0-d integer tensor), not a bool."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.is_floating_point() and x.dtype is not torch.bool
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
@@ -155,6 +163,7 @@ def global_length(
             f"seq_len={seq_len}"
         )
     if seq_local is not None:
+        check_int("seq_local", seq_local, 1)
         name = "seq_local" if inner == 1 else "seq_local * inner (an outer shard)"
         validate_seq_local(seq_local * inner, layout, name=name)
         if world_size < 1:
@@ -253,9 +262,13 @@ class Sharding:
     runs: tuple[tuple[Run, ...], ...]
     """Per rank, its runs in local order."""
 
+    def _runs(self, rank: int) -> tuple[Run, ...]:
+        """``rank``'s runs; ValueError naming a rank outside [0, P) (-1 is not the last)."""
+        return self.runs[_checked_rank(rank, self.world_size)]
+
     def local_len(self, rank: int) -> int:
         """Tokens rank ``rank`` holds (its caller-visible local length)."""
-        return sum(run.length for run in self.runs[rank])
+        return sum(run.length for run in self._runs(rank))
 
     @property
     def padded(self) -> bool:
@@ -268,16 +281,16 @@ class Sharding:
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global position of each token of ``rank`` in local order: ``(s_r,)`` int64."""
-        return _aranges((r.global_start, r.length) for r in self.runs[rank])
+        return _aranges((r.global_start, r.length) for r in self._runs(rank))
 
     def doc_positions(self, rank: int) -> torch.Tensor:
         """Position inside its document of each token of ``rank``: ``(s_r,)`` int64."""
         starts = self.cu_seqlens
-        return _aranges((r.global_start - starts[r.doc], r.length) for r in self.runs[rank])
+        return _aranges((r.global_start - starts[r.doc], r.length) for r in self._runs(rank))
 
     def padded_rows(self, rank: int) -> torch.Tensor:
         """Row of the padded local buffer of each token of ``rank``: ``(s_r,)`` int64."""
-        return _aranges((r.local_start, r.length) for r in self.runs[rank])
+        return _aranges((r.local_start, r.length) for r in self._runs(rank))
 
     def padded_positions(self, rank: int) -> torch.Tensor:
         """Global position held by each row of the padded buffer, -1 for padding:
@@ -342,6 +355,10 @@ def normalize_cu_seqlens(
                 f"{tuple(cu_seqlens.shape)}"
             )
         cu_seqlens = cu_seqlens.tolist()
+    if isinstance(cu_seqlens, str) or not all(is_int(x) for x in cu_seqlens):
+        raise ValueError(  # a float is not a number of tokens: 4.7 is not rounded to 4
+            f"{name} must hold ints (a sequence or a 1-D integer tensor); got {cu_seqlens!r}"
+        )
     values = tuple(int(x) for x in cu_seqlens)
     if len(values) < 2 or values[0] != 0 or values[-1] != seq_len:
         raise ValueError(

@@ -34,14 +34,13 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tokenring.core.layout import Run, check_int
+from tokenring.core.layout import Run, check_int, is_int
 
 __all__ = ["MaskKind", "MaskSpec", "chunk_documents", "normalize_window"]
 
@@ -55,13 +54,6 @@ class MaskKind(enum.Enum):
     MASKED = "masked"
 
 
-def _is_int(x: object) -> bool:
-    """An integer (Python, NumPy or a 0-d integer tensor), not a bool."""
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not x.is_floating_point() and x.dtype is not torch.bool
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def normalize_window(window_size: Sequence[int] | int | None, *, causal: bool) -> tuple[int, int]:
     """flash-attention's ``window_size=(left, right)`` (-1: unbounded; an int w: (w, w)) as a
     checked tuple; ``causal`` forces right to 0."""
@@ -70,13 +62,13 @@ def normalize_window(window_size: Sequence[int] | int | None, *, causal: bool) -
         f"int w: (w, w)); got {window_size!r}"
     )
     sides: Any = (-1, -1) if window_size is None else window_size
-    if _is_int(sides):
+    if is_int(sides):
         sides = (sides, sides)
     try:
         window = list(sides)
     except TypeError:
         raise bad from None
-    if len(window) != 2 or not all(_is_int(x) and int(x) >= -1 for x in window):
+    if len(window) != 2 or not all(is_int(x) and int(x) >= -1 for x in window):
         raise bad  # a float is not a number of keys: 2.9 is not rounded to 2
     left, right = (int(x) for x in window)
     return (left, 0) if causal else (left, right)

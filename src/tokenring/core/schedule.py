@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.layout import Layout, Run, Sharding, make_sharding
+from tokenring.core.layout import Layout, Run, Sharding, is_int, make_sharding
 from tokenring.core.masks import MaskKind, MaskSpec
 
 __all__ = [
@@ -155,8 +155,12 @@ class AttentionShape:
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not is_int(value):  # 64.5 would price fractional bytes and FLOPs
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+            object.__setattr__(self, name, int(value))
         if self.heads_q % self.heads_kv != 0:
             raise ValueError(
                 f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
@@ -415,19 +419,30 @@ def _tiles(run: Run, tile: int) -> list[Run]:
 
 
 def _merge_rectangles(rects: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]:
-    """Merge (q rows, kv rows) rectangles that share one side and touch on the other."""
+    """Merge (q rows, kv rows) rectangles that share one side and touch on the other: the
+    first rectangle (sorted) that has a partner joins its first partner, until none has one.
+    Partners are looked up by the side they share and the end they touch, not pair by pair
+    (thousands of documents give thousands of rectangles)."""
     rects = sorted(rects)
     while True:
-        for i, j in itertools.combinations(range(len(rects)), 2):
-            (qa, ka), (qb, kb) = rects[i], rects[j]
-            if ka == kb and (qa[1] == qb[0] or qb[1] == qa[0]):
-                joined = ((min(qa[0], qb[0]), max(qa[1], qb[1])), ka)
-            elif qa == qb and (ka[1] == kb[0] or kb[1] == ka[0]):
-                joined = (qa, (min(ka[0], kb[0]), max(ka[1], kb[1])))
-            else:
-                continue
-            rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
-            break
+        ends: dict[tuple[object, ...], list[int]] = {}  # (shared side, its kind, end) -> indices
+        for index, (q, k) in enumerate(rects):
+            for key in ((k, "kv", "start", q[0]), (k, "kv", "stop", q[1])):
+                ends.setdefault(key, []).append(index)
+            for key in ((q, "q", "start", k[0]), (q, "q", "stop", k[1])):
+                ends.setdefault(key, []).append(index)
+        for i, (q, k) in enumerate(rects):
+            along_q = ends.get((k, "kv", "start", q[1]), []) + ends.get((k, "kv", "stop", q[0]), [])
+            along_k = ends.get((q, "q", "start", k[1]), []) + ends.get((q, "q", "stop", k[0]), [])
+            if along_q or along_k:  # every partner comes later: an earlier one would have won
+                j = min(along_q + along_k)
+                (qb, kb) = rects[j]
+                if j in along_q:
+                    joined = ((min(q[0], qb[0]), max(q[1], qb[1])), k)
+                else:
+                    joined = (q, (min(k[0], kb[0]), max(k[1], kb[1])))
+                rects = sorted([*rects[:i], *rects[i + 1 : j], *rects[j + 1 :], joined])
+                break
         else:
             return rects
 

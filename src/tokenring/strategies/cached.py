@@ -222,7 +222,7 @@ def uniform_shards(
     as ``DistributedKVCache`` does (for planning without a cache).
 
     Raises:
-        ValueError: a size below 0 (1 for world_size, batch, block_size).
+        ValueError: a size not an int, or below 0 (1 for world_size, batch, block_size).
     """
     for name, value, low in (
         ("world_size", world_size, 1),
@@ -231,6 +231,8 @@ def uniform_shards(
         ("new", new, 0),
         ("block_size", block_size, 1),
     ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
         if value < low:
             raise ValueError(f"{name} must be >= {low}; got {value}")
     place = partial(place_new_tokens, world_size=world_size, block_size=block_size, zigzag=False)

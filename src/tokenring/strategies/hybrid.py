@@ -214,11 +214,18 @@ def build_hybrid_schedule(
 
     Raises:
         ValueError: a factorisation that does not fit, or what ``build_schedule`` raises.
+        NotImplementedError: a ``bidir_token_ring`` outer axis with heads_q / inner < 2.
     """
     pass_ = Pass(pass_)
     spec.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
     p_in = spec.inner
     nq, nkv = heads_q // p_in, heads_kv // p_in
+    if spec.outer_strategy is Strategy.BIDIR_TOKEN_RING and nq < 2:
+        raise NotImplementedError(
+            "outer strategy 'bidir_token_ring' sends half of an island's heads_q / inner query "
+            f"heads each way and needs at least 2; got heads_q={heads_q}, inner={p_in} (use "
+            "'token_ring')"
+        )
     outer = build_schedule(
         spec.outer_strategy,
         pass_,

@@ -104,7 +104,14 @@ from functools import cache, partial
 
 import torch
 
-from tokenring.core.layout import Layout, Sharding, global_length, make_sharding, validate_seq_local
+from tokenring.core.layout import (
+    Layout,
+    Sharding,
+    check_int,
+    global_length,
+    make_sharding,
+    validate_seq_local,
+)
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
@@ -185,22 +192,33 @@ def build_schedule(
             bytes than their Q (Note [Borrowed last pair]).
 
     Raises:
-        ValueError: a bad argument (each named), or both or neither of seq_local and seq_len.
+        ValueError: a bad argument (each named), both or neither of seq_local and seq_len,
+            or the hybrid.
         NotImplementedError: documents, windows, chunks or padding with a collective strategy;
             ``BIDIR_TOKEN_RING`` with a single query head.
     """
     strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
-    length = global_length(world_size, seq_local, seq_len, layout)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if strategy is Strategy.HYBRID:
+        raise ValueError(
+            "strategy 'hybrid' needs its factorisation: use tokenring.strategies.hybrid."
+            "build_hybrid_schedule(pass_, spec=HybridSpec(inner=...), ...)"
+        )
+    for name, heads in (("heads_q", heads_q), ("heads_kv", heads_kv)):
+        check_int(name, heads, 1, optional=True)
+    if heads_q is not None and heads_kv is not None and heads_q % heads_kv:
+        raise ValueError(
+            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
+        )
+    length = global_length(world_size, seq_local, seq_len, layout)  # make_sharding checks P
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=length, cu_seqlens=cu_seqlens
     )
     docs = chunk_documents(sharding.cu_seqlens, attention_chunk_size)
     window = normalize_window(window_size, causal=causal)
     mask = MaskSpec(causal, window, docs if len(docs) > 2 else None)
-    if last_block_splits < 1:
-        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    check_int("last_block_splits", last_block_splits, 1)
     if strategy.is_collective:
         return _collective_schedule(strategy, pass_, sharding, mask, heads_q, heads_kv)
     return _ring_schedule(
@@ -265,8 +283,7 @@ def _collective_schedule(
             f"strategy {strategy.value!r} supports neither documents, windows nor padded "
             "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
         )
-    p, s = sharding.world_size, sharding.seq_local
-    causal = bool(mask.causal)
+    p, s, causal = sharding.world_size, sharding.seq_local, bool(mask.causal)
     return _build_collective(strategy, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
 
 
