@@ -111,10 +111,19 @@ def test_explain_returns_plain_data() -> None:
     assert data["layout"] == min(data["predictions"], key=lambda p: p["total_s"])["layout"]
 
 
-@pytest.mark.parametrize(("name", "value"), [("head_dim", 64.5), ("batch", 1.5), ("heads_q", True)])
-def test_explain_refuses_fractional_head_sizes(name: str, value: object) -> None:
-    """A fractional head size or batch is no size: refused naming it, not priced as one (the
-    prediction of head_dim=64.5 used to be a number)."""
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("head_dim", 64.5),
+        ("batch", 1.5),
+        ("heads_q", True),
+        ("seq_local", 1024.0),
+        ("world_size", 4.0),
+    ],
+)
+def test_explain_refuses_fractional_sizes(name: str, value: object) -> None:
+    """A fractional size is no size: refused naming it, not priced as one (the prediction of
+    head_dim=64.5 or seq_local=1024.0 used to be a number)."""
     sizes: dict[str, Any] = {"heads_q": 8, "heads_kv": 8, "batch": 1}
     with pytest.raises(ValueError, match=f"{name} must be an int >= 1; got {value!r}"):
         explain(hardware=MESH, **{**CALL, **sizes, name: value})
