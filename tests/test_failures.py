@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -133,6 +135,21 @@ def test_failed_rank_is_the_reported_root_cause_and_nobody_hangs() -> None:
     assert "boom: rank 1 broke before attention" in str(info.value)
     # Ranks 0 and 2 sit in a P2P wait with a 60 s timeout; the launcher must end them at once.
     assert time.monotonic() - start < 30
+
+
+def one_rank_is_killed() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does: no report, no traceback
+    dist.barrier()  # the peers: "Connection reset by peer" at once
+
+
+def test_a_killed_rank_is_named_not_the_peers_that_lost_their_connection() -> None:
+    # Before: its peers reported "Connection reset by peer" at once, while the launcher dated
+    # the kill when its next poll saw it, so a peer was named as the root cause.
+    with pytest.raises(LaunchError) as info:
+        tokenring.launch(one_rank_is_killed, world_size=3, timeout_s=60, pg_timeout_s=60)
+    assert info.value.failed_rank == 1
+    assert "rank 1 exited with signal SIGKILL without a result" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -390,6 +390,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _not_dead(proc: _Proc) -> bool:
+    """Whether a process ``poll`` finds running is not dead already: a zygote's child is reaped
+    by the fork server, whose report of its exit comes later (Linux; elsewhere: True)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"  # the state after the name
+    except OSError:  # reaped
+        return False
+
+
 def _read_outcome(workdir: str, rank: int) -> _Outcome | None:
     path = os.path.join(workdir, f"result{rank}.pkl")
     if not os.path.exists(path):
@@ -421,15 +433,17 @@ def _collect(
     first_failure: tuple[float, int, str] | None = None
     grace_until: float | None = None
     outcomes: dict[int, _Outcome] = {}
+    alive_at = dict.fromkeys((r.rank for r in ranks), time.time())  # wall clock, as ranks report
     while True:
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         running = [r for r in ranks if r.proc.poll() is None]
+        alive_at.update((r.rank, wall) for r in running if _not_dead(r.proc))
         for r in ranks:
             code = r.proc.poll()
             # A failed rank writes its outcome before it ends; read it while it still runs.
             if r.rank not in outcomes and (found := _read_outcome(workdir, r.rank)) is not None:
                 outcomes[r.rank] = found
-            candidate = _failure(r, code, outcomes.get(r.rank))
+            candidate = _failure(r, code, outcomes.get(r.rank), alive_at[r.rank])
             if candidate is not None:  # the earliest failure, by time
                 first_failure = min(first_failure or candidate, candidate)
                 # let peers report their own errors (to pick the earliest), then end them
@@ -467,9 +481,13 @@ def _collect(
     return results
 
 
-def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[float, int, str] | None:
+def _failure(
+    r: _Rank, code: int | None, outcome: _Outcome | None, alive_at: float
+) -> tuple[float, int, str] | None:
     """(when, rank, error) if rank ``r`` reported an error or exited without a result or with
-    an error status; else None."""
+    an error status; else None. A rank that died without reporting (killed, os._exit) is
+    dated by ``alive_at``, the last time it was seen running: its peers fail *after* it dies
+    (connection reset), often before the next poll sees it gone, and must not be named."""
     if outcome is not None and not outcome.ok:
         return outcome.failed_at_s, r.rank, outcome.error
     if code is None or (outcome is not None and code == 0):
@@ -480,8 +498,8 @@ def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[floa
     else:
         why = f"returned its result but then exited with {_exit_status(code)}"
     if not tail.strip():  # it failed before its log opened
-        return time.time(), r.rank, f"rank {r.rank} {why} and an empty log; {_EMPTY_LOG}"
-    return time.time(), r.rank, f"rank {r.rank} {why}; log tail:\n" + tail
+        return alive_at, r.rank, f"rank {r.rank} {why} and an empty log; {_EMPTY_LOG}"
+    return alive_at, r.rank, f"rank {r.rank} {why}; log tail:\n" + tail
 
 
 def _exit_status(code: int) -> str:
