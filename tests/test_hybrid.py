@@ -403,6 +403,21 @@ def test_hybrid_refuses_collective_outer_axis(single_rank_group: None) -> None:
         hybrid_mesh(2, 1)
 
 
+def _bidir_token_ring_with_one_head_per_inner_rank() -> str:
+    q = torch.randn(1, 4, 2, 8)
+    try:
+        hybrid_attn(q, q, q, mesh=hybrid_mesh(1, 2), outer_strategy="bidir_token_ring")
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_bidir_token_ring_outer_axis_names_the_heads_given_and_the_inner_size() -> None:
+    # Before: "needs heads_q >= 2; got heads_q=1" for 2 query heads given (1 per inner rank).
+    for message in tokenring.launch(_bidir_token_ring_with_one_head_per_inner_rank, world_size=2):
+        assert "needs Hq >= 2 * P_in; got Hq=2 with inner size P_in=2" in message, message
+
+
 def _outer_messages_per_split() -> dict[str, object]:
     """Messages the outer group's communicator counts for one TokenRing hybrid forward with
     ``last_block_splits`` left to the transport or given, its path, and the distance from

@@ -388,6 +388,12 @@ def _checked(
                 f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
                 f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
             )
+    if strategy is Strategy.BIDIR_TOKEN_RING and q.shape[2] < 2 * p_in:
+        raise NotImplementedError(
+            "outer_strategy 'bidir_token_ring' sends half of an inner rank's Hq / P_in query "
+            f"heads each way round the ring and needs Hq >= 2 * P_in; got Hq={q.shape[2]} with "
+            f"inner size P_in={p_in} (use 'token_ring')"
+        )
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool; got {causal!r}")
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
