@@ -205,7 +205,12 @@ def test_bad_inputs_name_argument_value_and_expectation() -> None:
         with pytest.raises(ValueError, match=_literal(words)):
             DistributedKVCache(**{**base, **change})
     cache = DistributedKVCache(**base)
-    for new, words in [((1,), "new must be 2 ints >= 0"), ((1, -1), "got (1, -1)")]:
+    for new, words in [
+        ((1,), "new must be 2 ints >= 0"),
+        ((1, -1), "got (1, -1)"),
+        ((True, 1), "got (True, 1)"),  # a bool is not a count
+        (3, "new must be 2 ints >= 0 (new tokens per sequence); got 3"),
+    ]:
         with pytest.raises(ValueError, match=_literal(words)):
             cache.begin_step(new)
     with pytest.raises(ValueError, match="no cache step has begun"):
@@ -214,11 +219,18 @@ def test_bad_inputs_name_argument_value_and_expectation() -> None:
     n = step.num_rows(0)
     for layer, k, words in [
         (1, torch.zeros(n, 2, 4), "layer must be in [0, 1); got 1"),
+        (0.0, torch.zeros(n, 2, 4), "layer must be in [0, 1); got 0.0"),
         (0, torch.zeros(n + 1, 2, 4), f"k must have shape (rows={n}, heads_kv=2, head_dim=4)"),
         (0, torch.zeros(n, 2, 4, dtype=torch.float64), "k must be torch.float32 on cpu"),
     ]:
         with pytest.raises(ValueError, match=_literal(words)):
             cache.append(layer, k, torch.zeros(n, 2, 4))
+    for rank in (-1, 2):  # before: -1 read the last rank's bytes, 2 an IndexError
+        for method in (cache.reserved_bytes, cache.used_bytes):
+            with pytest.raises(
+                ValueError, match=_literal(f"rank must be in [0, world_size=2); got {rank}")
+            ):
+                method(rank)
     with pytest.raises(ValueError, match="cache must be built with a process group"):
         cached_attn(
             torch.zeros(n, 4, 4), torch.zeros(n, 2, 4), torch.zeros(n, 2, 4), cache=cache, layer=0
@@ -269,6 +281,10 @@ def test_attention_call_validation(single_rank_group: None) -> None:
         ({"strategy": "ulysses"}, "strategy must be one of 'pass_q', 'pass_kv'"),
         ({"softmax_scale": -1.0}, "softmax_scale must be a finite number > 0 or None; got -1.0"),
         ({"kernel": "nope"}, "kernel must be one of"),
+        ({"layer": True}, "layer must be an int in [0, 2); got True"),
+        ({"return_lse": 1}, "return_lse must be a bool; got 1"),
+        # its merges run outside autograd: before, dq and dk came back wrong (not the oracle's)
+        ({"q": q.clone().requires_grad_()}, "cached_attn computes no gradients"),
     ]:
         args = {"q": q, "layer": 0, **kwargs}
         with pytest.raises(ValueError, match=_literal(words)):

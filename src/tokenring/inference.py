@@ -310,7 +310,7 @@ def _validate(
     step = cache.step
     if step is None:
         raise ValueError("no cache step has begun; call cache.begin_step(new) first")
-    if not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
         raise ValueError(f"layer must be an int in [0, {cache.num_layers}); got {layer!r}")
     if cache.appended(layer):
         raise ValueError(
@@ -351,6 +351,14 @@ def _call_signature(
 ) -> tuple[tuple[CachedStrategy | str, BlockKernel], dict[str, Any]]:
     """Check a :func:`cached_attn` call: (strategy or ``"auto"``, kernel) and the signature."""
     step = _validate(q, cache, layer, softmax_scale)
+    if torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
+    ):
+        raise ValueError(
+            "cached_attn computes no gradients (its plans merge partials outside autograd); got "
+            "q, k or v requiring grad with grad mode on: call it under torch.no_grad() or "
+            "torch.inference_mode(), or train with tokenring.sequence_parallel_attn"
+        )
     strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
     if hardware is not None and strategy != "auto":
         raise ValueError(
@@ -413,12 +421,13 @@ def cached_attn(
     Raises:
         ValueError: no step begun, a layer out of range or already run this step, shapes,
             dtype or device that do not match the cache and the step, an unknown strategy or
-            kernel, a bad softmax_scale, "auto" without hardware.
+            kernel, a bad softmax_scale, "auto" without hardware, a non-bool flag; q, k or v
+            requiring grad in grad mode (no gradients are computed).
     """
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
     assert cache.comm is not None
-    check_flags(check_ranks=check_ranks)
+    check_flags(check_ranks=check_ranks, return_lse=return_lse)
     validate = functools.partial(
         _call_signature, q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
     )

@@ -48,6 +48,11 @@ class KVCacheBudgetError(RuntimeError):
         self.need_bytes = need_bytes
 
 
+def _is_count(n: Any) -> bool:
+    """Whether ``n`` is an int >= 0 (a bool is not)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
@@ -220,6 +225,8 @@ class DistributedKVCache:
         return self.num_layers * held * self.token_bytes
 
     def _held(self, rank: int) -> list[int]:
+        if not _is_count(rank) or rank >= self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}); got {rank!r}")
         return [self._positions[b][rank].size for b in range(self.batch)]
 
     def allocated_bytes(self) -> int:
@@ -238,8 +245,8 @@ class DistributedKVCache:
     # -- steps -----------------------------------------------------------------------------------
     def _placement(self, new: Sequence[int]) -> CacheStep:
         """The step that places ``new``, its ``kv_positions`` not filled in yet."""
-        new = tuple(new)
-        if len(new) != self.batch or any(not isinstance(t, int) or t < 0 for t in new):
+        new = tuple(new) if isinstance(new, Sequence) else new
+        if not isinstance(new, tuple) or len(new) != self.batch or not all(map(_is_count, new)):
             raise ValueError(
                 f"new must be {self.batch} ints >= 0 (new tokens per sequence); got {new!r}"
             )
@@ -378,8 +385,8 @@ class DistributedKVCache:
         step = self._step
         if step is None:
             raise ValueError("no cache step has begun; call cache.begin_step(new) first")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer}")
+        if not _is_count(layer) or layer >= self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer!r}")
         if self._appended[layer]:
             raise ValueError(
                 f"layer {layer} has already appended the K/V of step {step.index}; call "
