@@ -174,6 +174,16 @@ def test_slow_peer_times_out_with_a_message_naming_the_cause(where: str, expecte
 def test_launch_rejects_main_module_functions_and_bad_sizes() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1; got 0"):
         tokenring.launch(one_rank_raises, world_size=0)
+    # before: 2.0 a TypeError once the temp dir existed, threads_per_rank=0 silently the
+    # default, -1 a failure inside every rank
+    for kwargs, words in [
+        ({"world_size": 2.0}, r"world_size must be >= 1; got 2.0 \(a float, not an int\)"),
+        ({"world_size": True}, r"world_size must be >= 1; got True \(a bool, not an int\)"),
+        ({"world_size": 2, "threads_per_rank": 0}, "threads_per_rank must be >= 1; got 0"),
+        ({"world_size": 2, "threads_per_rank": -1}, "threads_per_rank must be >= 1; got -1"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            tokenring.launch(one_rank_raises, **kwargs)
 
 
 def device_mesh_groups() -> tuple[float, str]:

@@ -166,13 +166,13 @@ def launch(
         Each rank's return value, in rank order.
 
     Raises:
-        ValueError: world_size < 1 or timeouts <= 0.
+        ValueError: world_size or threads_per_rank not an int >= 1, or timeouts <= 0.
         RuntimeError: called by a rank re-running the main script (it lacks the
             ``if __name__ == "__main__":`` guard).
         LaunchError: a rank raised or died (message: the first failing rank's traceback), or
             the deadline passed (message: which ranks had not finished, and their log tails).
     """
-    _check_launch(fn, world_size, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    _check_launch(fn, world_size, threads_per_rank, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
     ranks: list[_Rank] = []  # filled as they start, so that a signal mid-way ends those
     with _signals_end_the_run():
         workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
@@ -195,10 +195,17 @@ def launch(
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _check_launch(fn: Any, world_size: int, **timeouts_s: float) -> None:
+def _check_launch(fn: Any, world_size: int, threads: int | None, **timeouts_s: float) -> None:
     """:func:`launch`'s ValueErrors."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    for name, size in (("world_size", world_size), ("threads_per_rank", threads)):
+        if size is None and name == "threads_per_rank":
+            continue
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(
+                f"{name} must be >= 1; got {size!r} (a {type(size).__name__}, not an int)"
+            )
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1; got {size}")
     for name, value in timeouts_s.items():
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{name} must be a finite number > 0; got {value}")
