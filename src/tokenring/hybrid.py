@@ -43,7 +43,14 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import _bounds_digest, _validate, get_communicator, last_block_splits_for
-from tokenring.core.layout import Layout, Sharding, check_int, global_length, make_sharding
+from tokenring.core.layout import (
+    Layout,
+    Sharding,
+    _check_seq_dim,
+    check_int,
+    global_length,
+    make_sharding,
+)
 from tokenring.core.masks import chunk_documents, normalize_window
 from tokenring.core.schedule import Pass, Strategy
 from tokenring.runtime.hybrid import HybridPlan, hybrid_attention
@@ -178,6 +185,7 @@ def hybrid_shard(
     Returns:
         ``(B, s_r, H, D)``, contiguous.
     """
+    _check_seq_dim(x, seq_dim)
     index = hybrid_positions(
         outer_rank=outer_rank,
         inner_rank=inner_rank,
