@@ -30,7 +30,7 @@ from oracle import (
     visible_mask,
 )
 from tokenring.core.schedule import AttentionShape
-from tokenring.hybrid import hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
+from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
 
@@ -418,6 +418,30 @@ def test_bidir_token_ring_outer_axis_names_the_heads_given_and_the_inner_size() 
     # Before: "needs heads_q >= 2; got heads_q=1" for 2 query heads given (1 per inner rank).
     for message in tokenring.launch(_bidir_token_ring_with_one_head_per_inner_rank, world_size=2):
         assert "needs Hq >= 2 * P_in; got Hq=2 with inner size P_in=2" in message, message
+
+
+def _mesh_whose_outer_groups_mix_inner_ranks() -> str:
+    """Inner groups {0, 1}, {2, 3} but outer groups {0, 3}, {1, 2}: rank 0's outer ring
+    partner holds the other half of the heads."""
+    rank = dist.get_rank()
+    inner = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    outer = [dist.new_group([0, 3]), dist.new_group([1, 2])][rank in (1, 2)]
+    mesh = HybridMesh(outer=outer, inner=inner)
+    where = {"outer_rank": dist.get_rank(outer), "inner_rank": dist.get_rank(inner)}
+    q, k, v, _ = make_inputs(seed=1, batch=1, seq_global=16, heads_q=4, heads_kv=4, head_dim=8)
+    ref = oracle_with_grads(q, k, v, torch.zeros_like(q), causal=True, scale=8**-0.5)["out"]
+    part = functools.partial(hybrid_shard, **where, outer=2, inner=2, layout="zigzag")
+    try:
+        out = hybrid_attn(part(q), part(k), part(v), mesh=mesh, causal=True, layout="zigzag")
+    except ValueError as exc:
+        return str(exc)
+    return f"no error; distance from the oracle {float((out - part(ref)).abs().max()):.3g}"
+
+
+def test_a_mesh_whose_outer_groups_mix_inner_ranks_is_refused() -> None:
+    # Before: every rank returned, three of them up to 2.8 away from the oracle.
+    for message in tokenring.launch(_mesh_whose_outer_groups_mix_inner_ranks, world_size=4):
+        assert "inner rank (one per outer group): rank 0 has" in message, message
 
 
 def _outer_messages_per_split() -> dict[str, object]:

@@ -66,7 +66,9 @@ from tokenring.strategies.hybrid import (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HybridMesh:
-    """The two process groups of a 2-D sequence-parallel mesh."""
+    """The two process groups of a 2-D sequence-parallel mesh: every inner group holds ranks
+    of one outer rank, every outer group ranks of one inner rank (as a 2-D grid's rows and
+    columns; ``hybrid_attn`` checks it with ``check_ranks``)."""
 
     outer: dist.ProcessGroup
     """Across islands: the ring strategy runs here."""
@@ -276,9 +278,16 @@ def _agreed_plan(
         plan, signature = _prepare(q, k, v, mesh, **options)
     except (ValueError, NotImplementedError) as exc:
         problem = exc
-    for group in (mesh.inner, mesh.outer) if check_ranks else ():  # together: every rank
-        try:
-            get_communicator(group).agree(signature, problem, what="hybrid attention call")
+    # the mesh too: an outer ring must pair the ranks that hold the same heads (one inner rank
+    # per outer group, one outer rank per inner group), else it mixes heads silently
+    same = (
+        (mesh.inner, {"outer rank (one per inner group)": dist.get_rank(mesh.outer)}),
+        (mesh.outer, {"inner rank (one per outer group)": dist.get_rank(mesh.inner)}),
+    )
+    for group, rank in same if check_ranks else ():
+        mine = None if signature is None else signature | rank
+        try:  # together: every rank
+            get_communicator(group).agree(mine, problem, what="hybrid attention call")
         except ValueError as exc:  # the outer group learns it too
             problem, signature = problem or exc, None
     if problem is not None:
