@@ -285,6 +285,8 @@ def test_attention_call_validation(single_rank_group: None) -> None:
         ({"return_lse": 1}, "return_lse must be a bool; got 1"),
         # its merges run outside autograd: before, dq and dk came back wrong (not the oracle's)
         ({"q": q.clone().requires_grad_()}, "cached_attn computes no gradients"),
+        # before: raised after the append, so the layer could not run again this step
+        ({"strategy": "auto", "hardware": "h100-nvswitch"}, "has attention FLOP/s for float16"),
     ]:
         args = {"q": q, "layer": 0, **kwargs}
         with pytest.raises(ValueError, match=_literal(words)):

@@ -296,6 +296,25 @@ def step_strategy(
     )
 
 
+def _step_strategy_memo(
+    strategy: CachedStrategy | str,
+    cache: DistributedKVCache,
+    *,
+    heads_q: int,
+    hardware: Hardware | str | None,
+) -> CachedStrategy:
+    """:func:`step_strategy`, once per step (every layer reuses it)."""
+    key = (
+        "strategy",
+        str(strategy),
+        hardware if not isinstance(hardware, Hardware) else id(hardware),
+    )
+    if key not in cache.memo:
+        cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
+    chosen: CachedStrategy = cache.memo[key]
+    return chosen
+
+
 # -- the public call -----------------------------------------------------------------------------
 def _validate(
     q: torch.Tensor, cache: DistributedKVCache, layer: int, softmax_scale: float | None
@@ -369,6 +388,8 @@ def _call_signature(
     cache.check_append(layer, k, v)
     if hardware is None and strategy == "auto":  # after the arguments' own errors
         raise ValueError(AUTO_NEEDS_HARDWARE)
+    # before the append: a hardware that cannot price this call fails with the cache unchanged
+    _step_strategy_memo(strategy, cache, heads_q=q.shape[1], hardware=hardware)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     signature = {
         "step": step.index,
@@ -458,11 +479,7 @@ def attend_cached(
     assert step is not None and comm is not None and cache.appended(layer)
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    hardware_key = hardware if not isinstance(hardware, Hardware) else id(hardware)
-    key = ("strategy", str(strategy), hardware_key)
-    if key not in cache.memo:
-        cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
-    chosen: CachedStrategy = cache.memo[key]
+    chosen = _step_strategy_memo(strategy, cache, heads_q=heads_q, hardware=hardware)
     kv = [cache.shard(layer, s) for s in range(len(step.new))]  # per sequence
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
         b = len(kv)  # the training ring (pass_q: TokenRing, pass_kv: Ring)
