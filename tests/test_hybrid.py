@@ -480,3 +480,52 @@ def test_the_outer_ring_takes_the_transports_last_block_slices(shared_memory: st
         assert found["2"] == found["1"] + 1, (rank, found)
         assert found["None"] == found["1" if shared_memory == "1" else "2"], (rank, found)
         assert max(v for key, v in found.items() if key.endswith("error")) < 1e-10, found
+
+
+def _hybrid_on(device: str) -> list[str]:
+    """2 x 2 on one ``device`` (CUDA: tensors over gloo, staged): each outer strategy, any length
+    with documents, a window and chunks, float64 and bfloat16, forward and backward."""
+    outer_rank, inner_rank = divmod(dist.get_rank(), 2)
+    mesh = hybrid_mesh(2, 2)
+    failures = []
+    seq, docs, chunk = 26, [0, 9, 26], 4
+    for strategy, dtype in itertools.product(
+        ("token_ring", "ring", "bidir_ring", "bidir_token_ring"), (torch.float64, torch.bfloat16)
+    ):
+        q, k, v, dout = make_inputs(
+            seed=seq, batch=2, seq_global=seq, heads_q=8, heads_kv=4, head_dim=8
+        )
+        mask = visible_mask(seq, causal=True, cu_seqlens=docs, window=(3, 0), chunk=chunk)
+        ref = oracle_with_grads(q, k, v, dout, causal=True, scale=8**-0.5, mask=mask, dtype=dtype)
+        idx = torch.tensor(_positions("zigzag", outer_rank, inner_rank, 2, 2, seq, docs))
+        local = [x[:, idx].to(device, dtype).requires_grad_(True) for x in (q, k, v)]
+        out, lse = hybrid_attn(
+            *local, mesh=mesh, outer_strategy=strategy, causal=True, layout="zigzag",
+            return_lse=True, seq_len=seq, cu_seqlens=docs, window_size=(3, 0),
+            attention_chunk_size=chunk,
+        )  # fmt: skip
+        out.backward(dout[:, idx].to(device, dtype))
+        got = {"out": out.detach(), "lse": lse, "dq": local[0].grad}
+        got = {n: x.cpu() for n, x in (got | {"dk": local[1].grad, "dv": local[2].grad}).items()}
+        want = {n: ref[n][:, :, idx] if n == "lse" else ref[n][:, idx] for n in got}
+        failures += [
+            f"{strategy} {dtype}: {f}"
+            for f in tolerance_failures(
+                got,
+                want,
+                dtype=dtype,
+                inputs=(q, k, v, dout),
+                reference=ref,
+                causal=True,
+                scale=8**-0.5,
+                mask=mask,
+            )
+        ]
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hybrid_on_cuda_matches_oracle() -> None:
+    failures = tokenring.launch(_hybrid_on, "cuda", world_size=4, timeout_s=300, pg_timeout_s=120)
+    assert not any(failures), failures

@@ -878,3 +878,48 @@ def test_begin_step_check_ranks_must_be_a_bool(single_rank_group: None) -> None:
                 cache.begin_step((3,), check_ranks=flag)  # type: ignore[arg-type]
             assert cache.step is None and cache.lengths == (0,)
         assert cache.begin_step((3,), check_ranks=False).new == (3,)
+
+
+def _cached_attention_on(device: str) -> list[str]:
+    """Every strategy on a cache built with ``device`` (no index: the current one) against the
+    float64 oracle: a prompt not divisible by P, then decode steps, batch 2."""
+    rank = dist.get_rank()
+    failures = []
+    for strategy in STRATEGIES:
+        cache = DistributedKVCache(
+            num_layers=1, batch=2, heads_kv=2, head_dim=8, dtype=torch.float64, device=device
+        )
+        gen = torch.Generator().manual_seed(5)
+        seqs = [
+            [torch.randn(12, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2)]
+            for _ in range(2)
+        ]
+        refs = [full_attention(*(x[None] for x in s), causal=True, scale=8**-0.5) for s in seqs]
+        for new in ((7, 5), (1, 1), (1, 0), (3, 1)):
+            pos = cache.begin_step(new).new_positions[rank]
+            q, k, v = (
+                torch.cat([s[i][p] for s, p in zip(seqs, pos, strict=True)]) for i in range(3)
+            )
+            try:
+                out = cached_attn(
+                    *(x.to(cache.device) for x in (q, k, v)),
+                    cache=cache,
+                    layer=0,
+                    strategy=strategy,
+                )
+            except ValueError as exc:
+                failures.append(f"{strategy} {new}: {exc}")
+                break
+            want = torch.cat([r[0][0, p] for r, p in zip(refs, pos, strict=True)])
+            problem = _tolerance(out.cpu(), want, torch.float64, 0.0, "out")
+            if problem:
+                failures.append(f"{strategy} {new}: {problem}")
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cache_on_cuda_without_an_index_takes_cuda_tensors() -> None:
+    # Before: device="cuda" stayed cuda while every tensor is on cuda:0, so each call was refused.
+    failures = tokenring.launch(_cached_attention_on, "cuda", world_size=2, timeout_s=300)
+    assert not any(failures), failures

@@ -170,7 +170,8 @@ class DistributedKVCache:
         self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        # as tensors report it: "cuda" is cuda:<current device> (q.device must equal it)
+        self.dtype, self.device = dtype, torch.empty(0, device=device).device
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.zigzag_first_prefill = zigzag_first_prefill
