@@ -152,6 +152,22 @@ def test_a_killed_rank_is_named_not_the_peers_that_lost_their_connection() -> No
     assert "rank 1 exited with signal SIGKILL without a result" in str(info.value)
 
 
+def test_a_rank_whose_register_pid_raised_is_ended() -> None:
+    # Before: the rank started but was not yet in the list the launcher ends, so it lived on
+    # (waiting for its peers until the group's timeout).
+    pids: list[int] = []
+
+    def register(pid: int) -> None:
+        pids.append(pid)
+        raise RuntimeError("registry full")
+
+    with pytest.raises(RuntimeError, match="registry full"):
+        tokenring.launch(one_rank_raises, world_size=2, register_pid=register, pg_timeout_s=60)
+    (pid,) = pids
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 @pytest.mark.parametrize(
     ("where", "expected"),
     [

@@ -303,9 +303,9 @@ def _start(
                 proc = subprocess.Popen(
                     argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
+        ranks.append(_Rank(rank=rank, proc=proc, log_path=log_path))  # ended if what follows raises
         if register_pid is not None:
             register_pid(proc.pid)
-        ranks.append(_Rank(rank=rank, proc=proc, log_path=log_path))
 
 
 # Note [Rank start]
