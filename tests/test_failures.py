@@ -184,6 +184,8 @@ def test_slow_peer_times_out_with_a_message_naming_the_cause(where: str, expecte
         tokenring.launch(one_rank_too_slow, where, world_size=2, timeout_s=60, pg_timeout_s=3)
     assert info.value.failed_rank == 0
     assert expected in str(info.value)
+    # and the slow rank is named (before: only "a peer ... is slower")
+    assert "ranks [1] had not finished when ended\n--- rank 1 log tail ---" in str(info.value)
     assert time.monotonic() - start < 25  # the 3 s timeout fired; rank 1 still sleeping was ended
 
 

@@ -458,9 +458,11 @@ def _collect(
         if first_failure is not None and (not running or (grace_until and now > grace_until)):
             _end(ranks)
             _, rank, error = first_failure
+            quiet = [r for r in running if r.rank not in outcomes]  # e.g. a slow one
+            also = f"ranks {[r.rank for r in quiet]} had not finished when ended\n" if quiet else ""
             raise LaunchError(
                 f"rank {rank} failed first (root cause below); the other ranks were ended.\n"
-                f"--- rank {rank} ---\n{error}",
+                f"--- rank {rank} ---\n{error}{also}{_tails(quiet)}",
                 failed_rank=rank,
                 remote_traceback=error,
             )
@@ -468,13 +470,9 @@ def _collect(
             break
         if now > deadline:
             _end(ranks)
-            stuck = [r.rank for r in running]
-            tails = "\n".join(
-                f"--- rank {r.rank} log tail ---\n{_tail(r.log_path)}" for r in running
-            )
             raise LaunchError(
-                f"deadline of {timeout_s:.0f} s passed; ranks {stuck} had not finished and were "
-                f"killed\n{tails}",
+                f"deadline of {timeout_s:.0f} s passed; ranks {[r.rank for r in running]} had not "
+                f"finished and were killed\n{_tails(running)}",
                 failed_rank=None,
             )
         if poll is not None:
@@ -486,6 +484,10 @@ def _collect(
         assert outcome is not None and outcome.ok
         results.append(outcome.value)
     return results
+
+
+def _tails(ranks: Sequence[_Rank]) -> str:
+    return "\n".join(f"--- rank {r.rank} log tail ---\n{_tail(r.log_path)}" for r in ranks)
 
 
 def _failure(
