@@ -398,15 +398,17 @@ def _alive(pid: int) -> bool:
 
 
 def _not_dead(proc: _Proc) -> bool:
-    """Whether a process ``poll`` finds running is not dead already: a zygote's child is reaped
-    by the fork server, whose report of its exit comes later (Linux; elsewhere: True)."""
+    """Whether a process ``poll`` finds running is not dying or dead already (Linux; elsewhere:
+    True): a killed process closes its sockets (its peers fail) before it is a zombie, and a
+    zygote's child is reaped by the fork server, whose report of its exit comes later."""
     if not sys.platform.startswith("linux"):
         return True
     try:
         with open(f"/proc/{proc.pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"  # the state after the name
+            state, *_, flags = f.read().rpartition(b")")[2].split()[:7]  # fields 3 and 9
     except OSError:  # reaped
         return False
+    return state not in (b"Z", b"X") and not int(flags) & 0x4  # PF_EXITING: in do_exit
 
 
 def _read_outcome(workdir: str, rank: int) -> _Outcome | None:
