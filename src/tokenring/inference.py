@@ -130,16 +130,14 @@ class _PlanRunner(PassRunner):
             tensors = self.poster.pending.pop(tr).wait()
             if tr.payload is Payload.Q:
                 rows = [self.shards.q_rows[o] for o in tr.owners]
-                for o, block in zip(tr.owners, _split_rows(tensors[0], rows), strict=True):
+                for o, block in zip(tr.owners, tensors[0].split(rows), strict=True):
                     self.q_blocks[o] = block
             else:
                 (j,) = tr.owners
                 k, v = tensors
                 self.kv_packed[j] = (k, v)
                 sizes = self.shards.kv_seq_rows[j]
-                self.kv_blocks[j] = list(
-                    zip(_split_rows(k, sizes), _split_rows(v, sizes), strict=True)
-                )
+                self.kv_blocks[j] = list(zip(k.split(sizes), v.split(sizes), strict=True))
 
     # -- compute and merge ---------------------------------------------------------------------
     def _acc(self, owner: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,14 +199,10 @@ class _PlanRunner(PassRunner):
             assert isinstance(tr, CachedTransfer)
             out, lse = self.poster.pending.pop(tr).wait()
             sizes = [self.shards.q_rows[o] for o in tr.owners]
-            parts = zip(_split_rows(out, sizes), _split_rows(lse, sizes, dim=1), strict=True)
+            parts = zip(out.split(sizes), lse.split(sizes, dim=1), strict=True)
             for o, (part_out, part_lse) in zip(tr.owners, parts, strict=True):
                 rows = (0, part_out.shape[0])
                 merge_into(*self._acc(o), rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
-
-
-def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> list[Any]:
-    return list(torch.split(tensor, list(sizes), dim=dim))
 
 
 def run_cached_plan(
