@@ -923,3 +923,34 @@ def test_a_cache_on_cuda_without_an_index_takes_cuda_tensors() -> None:
     # Before: device="cuda" stayed cuda while every tensor is on cuda:0, so each call was refused.
     failures = tokenring.launch(_cached_attention_on, "cuda", world_size=2, timeout_s=300)
     assert not any(failures), failures
+
+
+def _caches_built_differently(change: dict[str, Any]) -> str:
+    options = {"num_layers": 1, "batch": 1, "heads_kv": 2, "head_dim": 8, "block_size": 2}
+    cache = DistributedKVCache(**(options | change if dist.get_rank() == 1 else options))
+    try:
+        cache.begin_step((12,))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        # before: each rank placed every rank's tokens by its own block size: answers 0.76 off
+        ({"block_size": 3}, "block_size: rank 0 has 2, rank 1 has 3"),
+        # before: one rank ran the ordinary path, the other the plan: a timeout
+        (
+            {"zigzag_first_prefill": False},
+            "zigzag_first_prefill: rank 0 has True, rank 1 has False",
+        ),
+        # before: only rank 1 would raise KVCacheBudgetError, and rank 0 wait for it
+        ({"budget_bytes": 10}, "budget_bytes: rank 0 has None, rank 1 has 10"),
+    ],
+)
+def test_ranks_whose_caches_differ_are_told_at_the_first_step(
+    change: dict[str, Any], words: str
+) -> None:
+    for message in tokenring.launch(_caches_built_differently, change, world_size=2):
+        assert words in message, message

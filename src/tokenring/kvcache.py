@@ -340,7 +340,11 @@ class DistributedKVCache:
                 f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
                 "every layer must run attention (or append) once per step"
             )
-        return step, {"new tokens": list(step.new), "step": self._num_steps}
+        # and the options every rank's placements and budget checks follow
+        names = ("num_layers", "heads_kv", "head_dim", "block_size", "budget_bytes")
+        options = {name: getattr(self, name) for name in names}
+        options |= {"dtype": str(self.dtype), "zigzag_first_prefill": self.zigzag_first_prefill}
+        return step, {"new tokens": list(step.new), "step": self._num_steps, **options}
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""
