@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -135,6 +137,37 @@ def test_failed_rank_is_the_reported_root_cause_and_nobody_hangs() -> None:
     assert time.monotonic() - start < 30
 
 
+def one_rank_is_killed() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does: no report, no traceback
+    dist.barrier()  # the peers: "Connection reset by peer" at once
+
+
+def test_a_killed_rank_is_named_not_the_peers_that_lost_their_connection() -> None:
+    # Before: its peers reported "Connection reset by peer" at once, while the launcher dated
+    # the kill when its next poll saw it, so a peer was named as the root cause.
+    with pytest.raises(LaunchError) as info:
+        tokenring.launch(one_rank_is_killed, world_size=3, timeout_s=60, pg_timeout_s=60)
+    assert info.value.failed_rank == 1
+    assert "rank 1 exited with signal SIGKILL without a result" in str(info.value)
+
+
+def test_a_rank_whose_register_pid_raised_is_ended() -> None:
+    # Before: the rank started but was not yet in the list the launcher ends, so it lived on
+    # (waiting for its peers until the group's timeout).
+    pids: list[int] = []
+
+    def register(pid: int) -> None:
+        pids.append(pid)
+        raise RuntimeError("registry full")
+
+    with pytest.raises(RuntimeError, match="registry full"):
+        tokenring.launch(one_rank_raises, world_size=2, register_pid=register, pg_timeout_s=60)
+    (pid,) = pids
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 @pytest.mark.parametrize(
     ("where", "expected"),
     [
@@ -151,12 +184,24 @@ def test_slow_peer_times_out_with_a_message_naming_the_cause(where: str, expecte
         tokenring.launch(one_rank_too_slow, where, world_size=2, timeout_s=60, pg_timeout_s=3)
     assert info.value.failed_rank == 0
     assert expected in str(info.value)
+    # and the slow rank is named (before: only "a peer ... is slower")
+    assert "ranks [1] had not finished when ended\n--- rank 1 log tail ---" in str(info.value)
     assert time.monotonic() - start < 25  # the 3 s timeout fired; rank 1 still sleeping was ended
 
 
 def test_launch_rejects_main_module_functions_and_bad_sizes() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1; got 0"):
         tokenring.launch(one_rank_raises, world_size=0)
+    # before: 2.0 a TypeError once the temp dir existed, threads_per_rank=0 silently the
+    # default, -1 a failure inside every rank
+    for kwargs, words in [
+        ({"world_size": 2.0}, r"world_size must be >= 1; got 2.0 \(a float, not an int\)"),
+        ({"world_size": True}, r"world_size must be >= 1; got True \(a bool, not an int\)"),
+        ({"world_size": 2, "threads_per_rank": 0}, "threads_per_rank must be >= 1; got 0"),
+        ({"world_size": 2, "threads_per_rank": -1}, "threads_per_rank must be >= 1; got -1"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            tokenring.launch(one_rank_raises, **kwargs)
 
 
 def device_mesh_groups() -> tuple[float, str]:

@@ -30,7 +30,7 @@ from oracle import (
     visible_mask,
 )
 from tokenring.core.schedule import AttentionShape
-from tokenring.hybrid import hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
+from tokenring.hybrid import HybridMesh, hybrid_attn, hybrid_mesh, hybrid_positions, hybrid_shard
 from tokenring.strategies.hybrid import HybridSpec, build_hybrid_schedule
 
 
@@ -401,6 +401,47 @@ def test_hybrid_refuses_collective_outer_axis(single_rank_group: None) -> None:
         hybrid_attn(q, q, q, mesh=mesh, outer_strategy="ulysses")
     with pytest.raises(ValueError, match="outer x inner must equal the world size 1"):
         hybrid_mesh(2, 1)
+    with pytest.raises(ValueError, match=r"seq_dim must be an int in \[-4, 4\) for x of shape"):
+        hybrid_shard(q, outer_rank=0, inner_rank=0, outer=1, inner=1, layout="zigzag", seq_dim=4)
+
+
+def _bidir_token_ring_with_one_head_per_inner_rank() -> str:
+    q = torch.randn(1, 4, 2, 8)
+    try:
+        hybrid_attn(q, q, q, mesh=hybrid_mesh(1, 2), outer_strategy="bidir_token_ring")
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_bidir_token_ring_outer_axis_names_the_heads_given_and_the_inner_size() -> None:
+    # Before: "needs heads_q >= 2; got heads_q=1" for 2 query heads given (1 per inner rank).
+    for message in tokenring.launch(_bidir_token_ring_with_one_head_per_inner_rank, world_size=2):
+        assert "needs Hq >= 2 * P_in; got Hq=2 with inner size P_in=2" in message, message
+
+
+def _mesh_whose_outer_groups_mix_inner_ranks() -> str:
+    """Inner groups {0, 1}, {2, 3} but outer groups {0, 3}, {1, 2}: rank 0's outer ring
+    partner holds the other half of the heads."""
+    rank = dist.get_rank()
+    inner = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    outer = [dist.new_group([0, 3]), dist.new_group([1, 2])][rank in (1, 2)]
+    mesh = HybridMesh(outer=outer, inner=inner)
+    where = {"outer_rank": dist.get_rank(outer), "inner_rank": dist.get_rank(inner)}
+    q, k, v, _ = make_inputs(seed=1, batch=1, seq_global=16, heads_q=4, heads_kv=4, head_dim=8)
+    ref = oracle_with_grads(q, k, v, torch.zeros_like(q), causal=True, scale=8**-0.5)["out"]
+    part = functools.partial(hybrid_shard, **where, outer=2, inner=2, layout="zigzag")
+    try:
+        out = hybrid_attn(part(q), part(k), part(v), mesh=mesh, causal=True, layout="zigzag")
+    except ValueError as exc:
+        return str(exc)
+    return f"no error; distance from the oracle {float((out - part(ref)).abs().max()):.3g}"
+
+
+def test_a_mesh_whose_outer_groups_mix_inner_ranks_is_refused() -> None:
+    # Before: every rank returned, three of them up to 2.8 away from the oracle.
+    for message in tokenring.launch(_mesh_whose_outer_groups_mix_inner_ranks, world_size=4):
+        assert "inner rank (one per outer group): rank 0 has" in message, message
 
 
 def test_bidirectional_tokenring_outer_axis_names_the_callers_head_count() -> None:
@@ -451,3 +492,52 @@ def test_the_outer_ring_takes_the_transports_last_block_slices(shared_memory: st
         assert found["2"] == found["1"] + 1, (rank, found)
         assert found["None"] == found["1" if shared_memory == "1" else "2"], (rank, found)
         assert max(v for key, v in found.items() if key.endswith("error")) < 1e-10, found
+
+
+def _hybrid_on(device: str) -> list[str]:
+    """2 x 2 on one ``device`` (CUDA: tensors over gloo, staged): each outer strategy, any length
+    with documents, a window and chunks, float64 and bfloat16, forward and backward."""
+    outer_rank, inner_rank = divmod(dist.get_rank(), 2)
+    mesh = hybrid_mesh(2, 2)
+    failures = []
+    seq, docs, chunk = 26, [0, 9, 26], 4
+    for strategy, dtype in itertools.product(
+        ("token_ring", "ring", "bidir_ring", "bidir_token_ring"), (torch.float64, torch.bfloat16)
+    ):
+        q, k, v, dout = make_inputs(
+            seed=seq, batch=2, seq_global=seq, heads_q=8, heads_kv=4, head_dim=8
+        )
+        mask = visible_mask(seq, causal=True, cu_seqlens=docs, window=(3, 0), chunk=chunk)
+        ref = oracle_with_grads(q, k, v, dout, causal=True, scale=8**-0.5, mask=mask, dtype=dtype)
+        idx = torch.tensor(_positions("zigzag", outer_rank, inner_rank, 2, 2, seq, docs))
+        local = [x[:, idx].to(device, dtype).requires_grad_(True) for x in (q, k, v)]
+        out, lse = hybrid_attn(
+            *local, mesh=mesh, outer_strategy=strategy, causal=True, layout="zigzag",
+            return_lse=True, seq_len=seq, cu_seqlens=docs, window_size=(3, 0),
+            attention_chunk_size=chunk,
+        )  # fmt: skip
+        out.backward(dout[:, idx].to(device, dtype))
+        got = {"out": out.detach(), "lse": lse, "dq": local[0].grad}
+        got = {n: x.cpu() for n, x in (got | {"dk": local[1].grad, "dv": local[2].grad}).items()}
+        want = {n: ref[n][:, :, idx] if n == "lse" else ref[n][:, idx] for n in got}
+        failures += [
+            f"{strategy} {dtype}: {f}"
+            for f in tolerance_failures(
+                got,
+                want,
+                dtype=dtype,
+                inputs=(q, k, v, dout),
+                reference=ref,
+                causal=True,
+                scale=8**-0.5,
+                mask=mask,
+            )
+        ]
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hybrid_on_cuda_matches_oracle() -> None:
+    failures = tokenring.launch(_hybrid_on, "cuda", world_size=4, timeout_s=300, pg_timeout_s=120)
+    assert not any(failures), failures

@@ -205,7 +205,12 @@ def test_bad_inputs_name_argument_value_and_expectation() -> None:
         with pytest.raises(ValueError, match=_literal(words)):
             DistributedKVCache(**{**base, **change})
     cache = DistributedKVCache(**base)
-    for new, words in [((1,), "new must be 2 ints >= 0"), ((1, -1), "got (1, -1)")]:
+    for new, words in [
+        ((1,), "new must be 2 ints >= 0"),
+        ((1, -1), "got (1, -1)"),
+        ((True, 1), "got (True, 1)"),  # a bool is not a count
+        (3, "new must be 2 ints >= 0 (new tokens per sequence); got 3"),
+    ]:
         with pytest.raises(ValueError, match=_literal(words)):
             cache.begin_step(new)
     with pytest.raises(ValueError, match="no cache step has begun"):
@@ -214,11 +219,18 @@ def test_bad_inputs_name_argument_value_and_expectation() -> None:
     n = step.num_rows(0)
     for layer, k, words in [
         (1, torch.zeros(n, 2, 4), "layer must be in [0, 1); got 1"),
+        (0.0, torch.zeros(n, 2, 4), "layer must be in [0, 1); got 0.0"),
         (0, torch.zeros(n + 1, 2, 4), f"k must have shape (rows={n}, heads_kv=2, head_dim=4)"),
         (0, torch.zeros(n, 2, 4, dtype=torch.float64), "k must be torch.float32 on cpu"),
     ]:
         with pytest.raises(ValueError, match=_literal(words)):
             cache.append(layer, k, torch.zeros(n, 2, 4))
+    for rank in (-1, 2):  # before: -1 read the last rank's bytes, 2 an IndexError
+        for method in (cache.reserved_bytes, cache.used_bytes):
+            with pytest.raises(
+                ValueError, match=_literal(f"rank must be in [0, world_size=2); got {rank}")
+            ):
+                method(rank)
     with pytest.raises(ValueError, match="cache must be built with a process group"):
         cached_attn(
             torch.zeros(n, 4, 4), torch.zeros(n, 2, 4), torch.zeros(n, 2, 4), cache=cache, layer=0
@@ -286,6 +298,12 @@ def test_attention_call_validation(single_rank_group: None) -> None:
         ({"strategy": "ulysses"}, "strategy must be one of 'pass_q', 'pass_kv'"),
         ({"softmax_scale": -1.0}, "softmax_scale must be a finite number > 0 or None; got -1.0"),
         ({"kernel": "nope"}, "kernel must be one of"),
+        ({"layer": True}, "layer must be an int in [0, 2); got True"),
+        ({"return_lse": 1}, "return_lse must be a bool; got 1"),
+        # its merges run outside autograd: before, dq and dk came back wrong (not the oracle's)
+        ({"q": q.clone().requires_grad_()}, "cached_attn computes no gradients"),
+        # before: raised after the append, so the layer could not run again this step
+        ({"strategy": "auto", "hardware": "h100-nvswitch"}, "has attention FLOP/s for float16"),
     ]:
         args = {"q": q, "layer": 0, **kwargs}
         with pytest.raises(ValueError, match=_literal(words)):
@@ -877,3 +895,79 @@ def test_begin_step_check_ranks_must_be_a_bool(single_rank_group: None) -> None:
                 cache.begin_step((3,), check_ranks=flag)  # type: ignore[arg-type]
             assert cache.step is None and cache.lengths == (0,)
         assert cache.begin_step((3,), check_ranks=False).new == (3,)
+
+
+def _cached_attention_on(device: str) -> list[str]:
+    """Every strategy on a cache built with ``device`` (no index: the current one) against the
+    float64 oracle: a prompt not divisible by P, then decode steps, batch 2."""
+    rank = dist.get_rank()
+    failures = []
+    for strategy in STRATEGIES:
+        cache = DistributedKVCache(
+            num_layers=1, batch=2, heads_kv=2, head_dim=8, dtype=torch.float64, device=device
+        )
+        gen = torch.Generator().manual_seed(5)
+        seqs = [
+            [torch.randn(12, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2)]
+            for _ in range(2)
+        ]
+        refs = [full_attention(*(x[None] for x in s), causal=True, scale=8**-0.5) for s in seqs]
+        for new in ((7, 5), (1, 1), (1, 0), (3, 1)):
+            pos = cache.begin_step(new).new_positions[rank]
+            q, k, v = (
+                torch.cat([s[i][p] for s, p in zip(seqs, pos, strict=True)]) for i in range(3)
+            )
+            try:
+                out = cached_attn(
+                    *(x.to(cache.device) for x in (q, k, v)),
+                    cache=cache,
+                    layer=0,
+                    strategy=strategy,
+                )
+            except ValueError as exc:
+                failures.append(f"{strategy} {new}: {exc}")
+                break
+            want = torch.cat([r[0][0, p] for r, p in zip(refs, pos, strict=True)])
+            problem = _tolerance(out.cpu(), want, torch.float64, 0.0, "out")
+            if problem:
+                failures.append(f"{strategy} {new}: {problem}")
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cache_on_cuda_without_an_index_takes_cuda_tensors() -> None:
+    # Before: device="cuda" stayed cuda while every tensor is on cuda:0, so each call was refused.
+    failures = tokenring.launch(_cached_attention_on, "cuda", world_size=2, timeout_s=300)
+    assert not any(failures), failures
+
+
+def _caches_built_differently(change: dict[str, Any]) -> str:
+    options = {"num_layers": 1, "batch": 1, "heads_kv": 2, "head_dim": 8, "block_size": 2}
+    cache = DistributedKVCache(**(options | change if dist.get_rank() == 1 else options))
+    try:
+        cache.begin_step((12,))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        # before: each rank placed every rank's tokens by its own block size: answers 0.76 off
+        ({"block_size": 3}, "block_size: rank 0 has 2, rank 1 has 3"),
+        # before: one rank ran the ordinary path, the other the plan: a timeout
+        (
+            {"zigzag_first_prefill": False},
+            "zigzag_first_prefill: rank 0 has True, rank 1 has False",
+        ),
+        # before: only rank 1 would raise KVCacheBudgetError, and rank 0 wait for it
+        ({"budget_bytes": 10}, "budget_bytes: rank 0 has None, rank 1 has 10"),
+    ],
+)
+def test_ranks_whose_caches_differ_are_told_at_the_first_step(
+    change: dict[str, Any], words: str
+) -> None:
+    for message in tokenring.launch(_caches_built_differently, change, world_size=2):
+        assert words in message, message

@@ -43,7 +43,14 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import _bounds_digest, _validate, get_communicator, last_block_splits_for
-from tokenring.core.layout import Layout, Sharding, check_int, global_length, make_sharding
+from tokenring.core.layout import (
+    Layout,
+    Sharding,
+    _check_seq_dim,
+    check_int,
+    global_length,
+    make_sharding,
+)
 from tokenring.core.masks import chunk_documents, normalize_window
 from tokenring.core.schedule import Pass, Strategy
 from tokenring.runtime.hybrid import HybridPlan, hybrid_attention
@@ -59,7 +66,9 @@ from tokenring.strategies.hybrid import (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HybridMesh:
-    """The two process groups of a 2-D sequence-parallel mesh."""
+    """The two process groups of a 2-D sequence-parallel mesh: every inner group holds ranks
+    of one outer rank, every outer group ranks of one inner rank (as a 2-D grid's rows and
+    columns; ``hybrid_attn`` checks it with ``check_ranks``)."""
 
     outer: dist.ProcessGroup
     """Across islands: the ring strategy runs here."""
@@ -178,6 +187,7 @@ def hybrid_shard(
     Returns:
         ``(B, s_r, H, D)``, contiguous.
     """
+    _check_seq_dim(x, seq_dim)
     index = hybrid_positions(
         outer_rank=outer_rank,
         inner_rank=inner_rank,
@@ -268,9 +278,16 @@ def _agreed_plan(
         plan, signature = _prepare(q, k, v, mesh, **options)
     except (ValueError, NotImplementedError) as exc:
         problem = exc
-    for group in (mesh.inner, mesh.outer) if check_ranks else ():  # together: every rank
-        try:
-            get_communicator(group).agree(signature, problem, what="hybrid attention call")
+    # the mesh too: an outer ring must pair the ranks that hold the same heads (one inner rank
+    # per outer group, one outer rank per inner group), else it mixes heads silently
+    same = (
+        (mesh.inner, {"outer rank (one per inner group)": dist.get_rank(mesh.outer)}),
+        (mesh.outer, {"inner rank (one per outer group)": dist.get_rank(mesh.inner)}),
+    )
+    for group, rank in same if check_ranks else ():
+        mine = None if signature is None else signature | rank
+        try:  # together: every rank
+            get_communicator(group).agree(mine, problem, what="hybrid attention call")
         except ValueError as exc:  # the outer group learns it too
             problem, signature = problem or exc, None
     if problem is not None:
@@ -388,6 +405,12 @@ def _checked(
                 f"{name} heads must be divisible by the inner size {p_in} for hybrid_attn; "
                 f"got shape {tuple(x.shape)} (ulysses_attn splits heads unevenly)"
             )
+    if strategy is Strategy.BIDIR_TOKEN_RING and q.shape[2] < 2 * p_in:
+        raise NotImplementedError(
+            "outer_strategy 'bidir_token_ring' sends half of an inner rank's Hq / P_in query "
+            f"heads each way round the ring and needs Hq >= 2 * P_in; got Hq={q.shape[2]} with "
+            f"inner size P_in={p_in} (use 'token_ring')"
+        )
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool; got {causal!r}")
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):

@@ -130,16 +130,14 @@ class _PlanRunner(PassRunner):
             tensors = self.poster.pending.pop(tr).wait()
             if tr.payload is Payload.Q:
                 rows = [self.shards.q_rows[o] for o in tr.owners]
-                for o, block in zip(tr.owners, _split_rows(tensors[0], rows), strict=True):
+                for o, block in zip(tr.owners, tensors[0].split(rows), strict=True):
                     self.q_blocks[o] = block
             else:
                 (j,) = tr.owners
                 k, v = tensors
                 self.kv_packed[j] = (k, v)
                 sizes = self.shards.kv_seq_rows[j]
-                self.kv_blocks[j] = list(
-                    zip(_split_rows(k, sizes), _split_rows(v, sizes), strict=True)
-                )
+                self.kv_blocks[j] = list(zip(k.split(sizes), v.split(sizes), strict=True))
 
     # -- compute and merge ---------------------------------------------------------------------
     def _acc(self, owner: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,14 +199,10 @@ class _PlanRunner(PassRunner):
             assert isinstance(tr, CachedTransfer)
             out, lse = self.poster.pending.pop(tr).wait()
             sizes = [self.shards.q_rows[o] for o in tr.owners]
-            parts = zip(_split_rows(out, sizes), _split_rows(lse, sizes, dim=1), strict=True)
+            parts = zip(out.split(sizes), lse.split(sizes, dim=1), strict=True)
             for o, (part_out, part_lse) in zip(tr.owners, parts, strict=True):
                 rows = (0, part_out.shape[0])
                 merge_into(*self._acc(o), rows, part_out.unsqueeze(0), part_lse.unsqueeze(0))
-
-
-def _split_rows(tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> list[Any]:
-    return list(torch.split(tensor, list(sizes), dim=dim))
 
 
 def run_cached_plan(
@@ -296,6 +290,25 @@ def step_strategy(
     )
 
 
+def _step_strategy_memo(
+    strategy: CachedStrategy | str,
+    cache: DistributedKVCache,
+    *,
+    heads_q: int,
+    hardware: Hardware | str | None,
+) -> CachedStrategy:
+    """:func:`step_strategy`, once per step (every layer reuses it)."""
+    key = (
+        "strategy",
+        str(strategy),
+        hardware if not isinstance(hardware, Hardware) else id(hardware),
+    )
+    if key not in cache.memo:
+        cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
+    chosen: CachedStrategy = cache.memo[key]
+    return chosen
+
+
 # -- the public call -----------------------------------------------------------------------------
 def _validate(
     q: torch.Tensor, cache: DistributedKVCache, layer: int, softmax_scale: float | None
@@ -310,7 +323,7 @@ def _validate(
     step = cache.step
     if step is None:
         raise ValueError("no cache step has begun; call cache.begin_step(new) first")
-    if not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cache.num_layers:
         raise ValueError(f"layer must be an int in [0, {cache.num_layers}); got {layer!r}")
     if cache.appended(layer):
         raise ValueError(
@@ -351,6 +364,14 @@ def _call_signature(
 ) -> tuple[tuple[CachedStrategy | str, BlockKernel], dict[str, Any]]:
     """Check a :func:`cached_attn` call: (strategy or ``"auto"``, kernel) and the signature."""
     step = _validate(q, cache, layer, softmax_scale)
+    if torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
+    ):
+        raise ValueError(
+            "cached_attn computes no gradients (its plans merge partials outside autograd); got "
+            "q, k or v requiring grad with grad mode on: call it under torch.no_grad() or "
+            "torch.inference_mode(), or train with tokenring.sequence_parallel_attn"
+        )
     strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
     if hardware is not None and strategy != "auto":
         raise ValueError(
@@ -361,6 +382,8 @@ def _call_signature(
     cache.check_append(layer, k, v)
     if hardware is None and strategy == "auto":  # after the arguments' own errors
         raise ValueError(AUTO_NEEDS_HARDWARE)
+    # before the append: a hardware that cannot price this call fails with the cache unchanged
+    _step_strategy_memo(strategy, cache, heads_q=q.shape[1], hardware=hardware)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     signature = {
         "step": step.index,
@@ -413,12 +436,13 @@ def cached_attn(
     Raises:
         ValueError: no step begun, a layer out of range or already run this step, shapes,
             dtype or device that do not match the cache and the step, an unknown strategy or
-            kernel, a bad softmax_scale, "auto" without hardware.
+            kernel, a bad softmax_scale, "auto" without hardware, a non-bool flag; q, k or v
+            requiring grad in grad mode (no gradients are computed).
     """
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
     assert cache.comm is not None
-    check_flags(check_ranks=check_ranks)
+    check_flags(check_ranks=check_ranks, return_lse=return_lse)
     validate = functools.partial(
         _call_signature, q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
     )
@@ -449,11 +473,7 @@ def attend_cached(
     assert step is not None and comm is not None and cache.appended(layer)
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    hardware_key = hardware if not isinstance(hardware, Hardware) else id(hardware)
-    key = ("strategy", str(strategy), hardware_key)
-    if key not in cache.memo:
-        cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
-    chosen: CachedStrategy = cache.memo[key]
+    chosen = _step_strategy_memo(strategy, cache, heads_q=heads_q, hardware=hardware)
     kv = [cache.shard(layer, s) for s in range(len(step.new))]  # per sequence
     if step.zigzag and chosen in (CachedStrategy.PASS_Q, CachedStrategy.PASS_KV):
         b = len(kv)  # the training ring (pass_q: TokenRing, pass_kv: Ring)

@@ -48,6 +48,11 @@ class KVCacheBudgetError(RuntimeError):
         self.need_bytes = need_bytes
 
 
+def _is_count(n: Any) -> bool:
+    """Whether ``n`` is an int >= 0 (a bool is not)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
@@ -165,7 +170,8 @@ class DistributedKVCache:
         self.comm, self.rank, self.world_size = _ranks(group, rank, world_size)
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        # as tensors report it: "cuda" is cuda:<current device> (q.device must equal it)
+        self.dtype, self.device = dtype, torch.empty(0, device=device).device
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.zigzag_first_prefill = zigzag_first_prefill
@@ -220,6 +226,8 @@ class DistributedKVCache:
         return self.num_layers * held * self.token_bytes
 
     def _held(self, rank: int) -> list[int]:
+        if not _is_count(rank) or rank >= self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}); got {rank!r}")
         return [self._positions[b][rank].size for b in range(self.batch)]
 
     def allocated_bytes(self) -> int:
@@ -238,8 +246,8 @@ class DistributedKVCache:
     # -- steps -----------------------------------------------------------------------------------
     def _placement(self, new: Sequence[int]) -> CacheStep:
         """The step that places ``new``, its ``kv_positions`` not filled in yet."""
-        new = tuple(new)
-        if len(new) != self.batch or any(not isinstance(t, int) or t < 0 for t in new):
+        new = tuple(new) if isinstance(new, Sequence) else new
+        if not isinstance(new, tuple) or len(new) != self.batch or not all(map(_is_count, new)):
             raise ValueError(
                 f"new must be {self.batch} ints >= 0 (new tokens per sequence); got {new!r}"
             )
@@ -332,7 +340,11 @@ class DistributedKVCache:
                 f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
                 "every layer must run attention (or append) once per step"
             )
-        return step, {"new tokens": list(step.new), "step": self._num_steps}
+        # and the options every rank's placements and budget checks follow
+        names = ("num_layers", "heads_kv", "head_dim", "block_size", "budget_bytes")
+        options = {name: getattr(self, name) for name in names}
+        options |= {"dtype": str(self.dtype), "zigzag_first_prefill": self.zigzag_first_prefill}
+        return step, {"new tokens": list(step.new), "step": self._num_steps, **options}
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""
@@ -378,8 +390,8 @@ class DistributedKVCache:
         step = self._step
         if step is None:
             raise ValueError("no cache step has begun; call cache.begin_step(new) first")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer}")
+        if not _is_count(layer) or layer >= self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer!r}")
         if self._appended[layer]:
             raise ValueError(
                 f"layer {layer} has already appended the K/V of step {step.index}; call "

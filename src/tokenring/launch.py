@@ -166,13 +166,13 @@ def launch(
         Each rank's return value, in rank order.
 
     Raises:
-        ValueError: world_size < 1 or timeouts <= 0.
+        ValueError: world_size or threads_per_rank not an int >= 1, or timeouts <= 0.
         RuntimeError: called by a rank re-running the main script (it lacks the
             ``if __name__ == "__main__":`` guard).
         LaunchError: a rank raised or died (message: the first failing rank's traceback), or
             the deadline passed (message: which ranks had not finished, and their log tails).
     """
-    _check_launch(fn, world_size, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    _check_launch(fn, world_size, threads_per_rank, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
     ranks: list[_Rank] = []  # filled as they start, so that a signal mid-way ends those
     with _signals_end_the_run():
         workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
@@ -195,10 +195,17 @@ def launch(
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _check_launch(fn: Any, world_size: int, **timeouts_s: float) -> None:
+def _check_launch(fn: Any, world_size: int, threads: int | None, **timeouts_s: float) -> None:
     """:func:`launch`'s ValueErrors."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    for name, size in (("world_size", world_size), ("threads_per_rank", threads)):
+        if size is None and name == "threads_per_rank":
+            continue
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(
+                f"{name} must be >= 1; got {size!r} (a {type(size).__name__}, not an int)"
+            )
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1; got {size}")
     for name, value in timeouts_s.items():
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{name} must be a finite number > 0; got {value}")
@@ -296,9 +303,9 @@ def _start(
                 proc = subprocess.Popen(
                     argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
+        ranks.append(_Rank(rank=rank, proc=proc, log_path=log_path))  # ended if what follows raises
         if register_pid is not None:
             register_pid(proc.pid)
-        ranks.append(_Rank(rank=rank, proc=proc, log_path=log_path))
 
 
 # Note [Rank start]
@@ -390,6 +397,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _not_dead(proc: _Proc) -> bool:
+    """Whether a process ``poll`` finds running is not dying or dead already (Linux; elsewhere:
+    True): a killed process closes its sockets (its peers fail) before it is a zombie, and a
+    zygote's child is reaped by the fork server, whose report of its exit comes later."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            state, *_, flags = f.read().rpartition(b")")[2].split()[:7]  # fields 3 and 9
+    except OSError:  # reaped
+        return False
+    return state not in (b"Z", b"X") and not int(flags) & 0x4  # PF_EXITING: in do_exit
+
+
 def _read_outcome(workdir: str, rank: int) -> _Outcome | None:
     path = os.path.join(workdir, f"result{rank}.pkl")
     if not os.path.exists(path):
@@ -421,15 +442,17 @@ def _collect(
     first_failure: tuple[float, int, str] | None = None
     grace_until: float | None = None
     outcomes: dict[int, _Outcome] = {}
+    alive_at = dict.fromkeys((r.rank for r in ranks), time.time())  # wall clock, as ranks report
     while True:
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         running = [r for r in ranks if r.proc.poll() is None]
+        alive_at.update((r.rank, wall) for r in running if _not_dead(r.proc))
         for r in ranks:
             code = r.proc.poll()
             # A failed rank writes its outcome before it ends; read it while it still runs.
             if r.rank not in outcomes and (found := _read_outcome(workdir, r.rank)) is not None:
                 outcomes[r.rank] = found
-            candidate = _failure(r, code, outcomes.get(r.rank))
+            candidate = _failure(r, code, outcomes.get(r.rank), alive_at[r.rank])
             if candidate is not None:  # the earliest failure, by time
                 first_failure = min(first_failure or candidate, candidate)
                 # let peers report their own errors (to pick the earliest), then end them
@@ -437,9 +460,11 @@ def _collect(
         if first_failure is not None and (not running or (grace_until and now > grace_until)):
             _end(ranks)
             _, rank, error = first_failure
+            quiet = [r for r in running if r.rank not in outcomes]  # e.g. a slow one
+            also = f"ranks {[r.rank for r in quiet]} had not finished when ended\n" if quiet else ""
             raise LaunchError(
                 f"rank {rank} failed first (root cause below); the other ranks were ended.\n"
-                f"--- rank {rank} ---\n{error}",
+                f"--- rank {rank} ---\n{error}{also}{_tails(quiet)}",
                 failed_rank=rank,
                 remote_traceback=error,
             )
@@ -447,13 +472,9 @@ def _collect(
             break
         if now > deadline:
             _end(ranks)
-            stuck = [r.rank for r in running]
-            tails = "\n".join(
-                f"--- rank {r.rank} log tail ---\n{_tail(r.log_path)}" for r in running
-            )
             raise LaunchError(
-                f"deadline of {timeout_s:.0f} s passed; ranks {stuck} had not finished and were "
-                f"killed\n{tails}",
+                f"deadline of {timeout_s:.0f} s passed; ranks {[r.rank for r in running]} had not "
+                f"finished and were killed\n{_tails(running)}",
                 failed_rank=None,
             )
         if poll is not None:
@@ -467,9 +488,17 @@ def _collect(
     return results
 
 
-def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[float, int, str] | None:
+def _tails(ranks: Sequence[_Rank]) -> str:
+    return "\n".join(f"--- rank {r.rank} log tail ---\n{_tail(r.log_path)}" for r in ranks)
+
+
+def _failure(
+    r: _Rank, code: int | None, outcome: _Outcome | None, alive_at: float
+) -> tuple[float, int, str] | None:
     """(when, rank, error) if rank ``r`` reported an error or exited without a result or with
-    an error status; else None."""
+    an error status; else None. A rank that died without reporting (killed, os._exit) is
+    dated by ``alive_at``, the last time it was seen running: its peers fail *after* it dies
+    (connection reset), often before the next poll sees it gone, and must not be named."""
     if outcome is not None and not outcome.ok:
         return outcome.failed_at_s, r.rank, outcome.error
     if code is None or (outcome is not None and code == 0):
@@ -480,8 +509,8 @@ def _failure(r: _Rank, code: int | None, outcome: _Outcome | None) -> tuple[floa
     else:
         why = f"returned its result but then exited with {_exit_status(code)}"
     if not tail.strip():  # it failed before its log opened
-        return time.time(), r.rank, f"rank {r.rank} {why} and an empty log; {_EMPTY_LOG}"
-    return time.time(), r.rank, f"rank {r.rank} {why}; log tail:\n" + tail
+        return alive_at, r.rank, f"rank {r.rank} {why} and an empty log; {_EMPTY_LOG}"
+    return alive_at, r.rank, f"rank {r.rank} {why}; log tail:\n" + tail
 
 
 def _exit_status(code: int) -> str:

@@ -78,8 +78,7 @@ def hybrid_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(B, s, Hq, D)`` and lse ``(B, Hq, s)`` of a planned call on this rank's q
     ``(B, s, Hq, D)`` and k, v ``(B, s, Hkv, D)``; differentiable in q, k and v (not lse)."""
-    out, lse = _HybridAttention.apply(q, k, v, plan)
-    return out, lse
+    return _HybridAttention.apply(q, k, v, plan)
 
 
 class _HybridAttention(torch.autograd.Function):
