@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import tokenring
-from oracle import make_inputs, oracle_with_grads, owned_positions
+from oracle import make_inputs, oracle_with_grads, owned_positions, tolerance_failures
 from tokenring.launch import LaunchError
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.shm import ENV_VAR, SharedMemoryLinks, make_inboxes, shm_wanted
@@ -97,6 +97,50 @@ def test_every_ring_strategy_gives_the_same_bits_through_shared_memory() -> None
     assert not problems, "\n".join(problems[:20])
 
 
+def _odd_sized_messages() -> list[str]:
+    """bf16 messages whose fields are odd numbers of elements (head dim 3, 3 rows a rank): a
+    field after one of them in the header frame must still be viewable as its dtype
+    (TokenRing's fp32 lse after its bf16 partial failed: 'storage_offset() must be divisible
+    by 4'); every strategy, both transports, against the oracle."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for shared_memory in (True, False):
+        comm = Communicator(shared_memory=shared_memory, timeout_s=60)
+        inputs = make_inputs(seed=7, batch=1, seq_global=6, heads_q=3, heads_kv=1, head_dim=3)
+        scale = 3**-0.5
+        idx = torch.tensor(owned_positions("contiguous", rank, world, 6))
+        want = oracle_with_grads(*inputs, causal=True, scale=scale, dtype=torch.bfloat16)
+        for strategy in (*P2P_STRATEGIES, "ulysses", "allgather_kv"):
+            local = [x[:, idx].to(torch.bfloat16).requires_grad_(True) for x in inputs[:3]]
+            out = tokenring.sequence_parallel_attn(
+                *local, strategy=strategy, causal=True, layout="contiguous", group=comm
+            )
+            out.backward(inputs[3][:, idx].to(torch.bfloat16))
+            got = dict(zip(("out", "dq", "dk", "dv"), [out, *(x.grad for x in local)], strict=True))
+            mine = {name: want[name][:, idx] for name in got}
+            case = f"rank {rank} {strategy} shared_memory={shared_memory}"
+            problems += [
+                f"{case}: {failure}"
+                for failure in tolerance_failures(
+                    got,
+                    mine,
+                    dtype=torch.bfloat16,
+                    inputs=inputs,
+                    reference=want,
+                    causal=True,
+                    scale=scale,
+                )
+            ]
+        comm.close()
+    return problems
+
+
+def test_odd_sized_bf16_messages_travel_on_both_transports() -> None:
+    per_rank = tokenring.launch(_odd_sized_messages, world_size=2, timeout_s=300)
+    problems = [p for rank in per_rank for p in rank]
+    assert not problems, "\n".join(problems[:20])
+
+
 def _segments_per_call(num_calls: int) -> dict[str, object]:
     """Segments made over repeated calls, and descriptors left after close."""
     comm = Communicator(shared_memory=True, timeout_s=60)
@@ -166,6 +210,22 @@ def _loopback(pid: int) -> tuple[SharedMemoryLinks, torch.Tensor]:
     os.close(fd)
     links = SharedMemoryLinks(1, [0, pid], inboxes, {1: inboxes})
     return links, torch.arange(64, dtype=torch.uint8)
+
+
+def test_frames_of_odd_sizes_keep_their_alignment_in_a_segment() -> None:
+    """A frame after one of an odd size starts where its dtype can be viewed (a 6-byte bf16
+    frame before an fp32 one made its view fail), and every frame holds what was written."""
+    links, header = _loopback(os.getpid())
+    odd = torch.tensor([1.5, 2.5, 3.5], dtype=torch.bfloat16)
+    frames = [[header, odd], [torch.arange(5.0)], [odd], [torch.arange(2, dtype=torch.float64)]]
+    sizes = [sum(t.numel() * t.element_size() for t in frame) for frame in frames]
+    got = links.view(1, links.write(1, frames), sizes)
+    for frame, parts in zip(got, frames, strict=True):
+        whole = torch.cat([t.reshape(-1).view(torch.uint8) for t in parts])
+        assert torch.equal(frame, whole)
+        assert torch.equal(
+            frame[-parts[-1].numel() * parts[-1].element_size() :].view(parts[-1].dtype), parts[-1]
+        )
 
 
 def _ended_pid() -> int:

@@ -140,7 +140,8 @@ class TrafficCounter:
 # Note [Message frames]
 # ~~~~~~~~~~~~~~~~~~~~~
 # A message of two fields or more is its header frame (the header, then the fields under
-# APART_MIN_BYTES back to back) and, after it, each field of APART_MIN_BYTES or more as a
+# APART_MIN_BYTES back to back, largest element size first, so each lies at a multiple of
+# its own) and, after it, each field of APART_MIN_BYTES or more as a
 # frame of its own, in field order, on the same channel (gloo and NCCL deliver a pair's
 # operations in order). Both ends derive the split from the fields' sizes alone. So a
 # contiguous tensor leaves without a copy: a kernel's partial out beside its lse, any rows of
@@ -291,22 +292,30 @@ def _blank(
     return Message(frames[0], tuple(frames[1:]))
 
 
+def _inline_order(dtypes: Sequence[torch.dtype], apart: Sequence[bool]) -> list[int]:
+    """The fields that travel in the header frame, in the order they lie there: by element
+    size, largest first (stable), so each starts at a multiple of its own element size after
+    the 64-byte header (an fp32 lse after a bf16 partial of an odd size could not be viewed)."""
+    inline = [i for i, own in enumerate(apart) if not own]
+    return sorted(inline, key=lambda i: -dtypes[i].itemsize)
+
+
 def _unpack(message: Message, fields: Sequence[FieldSpec]) -> list[torch.Tensor]:
-    """The tensors of a message (views of its frames)."""
-    out: list[torch.Tensor] = []
-    offset = HEADER_NUM_BYTES
-    apart = iter(message.apart)
+    """The tensors of a message (views of its frames), in field order."""
     sizes = _sizes(fields)
-    for (shape, dtype), num, own in zip(fields, sizes, _apart(sizes), strict=True):
-        if own:
-            frame = next(apart)
-            assert frame.numel() == num, "a frame's size differs from its field"
-        else:
-            frame = message.buffer[offset : offset + num]
-            offset += num
-        out.append(frame.view(dtype).view(shape))
+    apart = _apart(sizes)
+    frames: dict[int, torch.Tensor] = dict(
+        zip((i for i, own in enumerate(apart) if own), message.apart, strict=True)
+    )
+    offset = HEADER_NUM_BYTES
+    for i in _inline_order([dtype for _, dtype in fields], apart):
+        frames[i] = message.buffer[offset : offset + sizes[i]]
+        offset += sizes[i]
     assert offset == message.buffer.numel(), "receive buffer size differs from the fields"
-    assert next(apart, None) is None, "more frames than big fields"
+    out = []
+    for i, (shape, dtype) in enumerate(fields):
+        assert frames[i].numel() == sizes[i], "a frame's size differs from its field"
+        out.append(frames[i].view(dtype).view(shape))
     return out
 
 
@@ -709,7 +718,7 @@ class Communicator:
         seqs = {r: shared.expect(r) for r in frames}
         header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)  # post copies it
         for r in frames:
-            where = shared.write(r, [mine])
+            where = shared.write(r, [[mine]])
             fields = (_EXCHANGE_MAGIC, num_bytes, 0, self.rank, 0, *where)
             ctypes.memmove(header.data_ptr(), _HEADER_STRUCT.pack(*fields), HEADER_NUM_BYTES)
             try:
@@ -996,15 +1005,16 @@ class Communicator:
         assert self.shared is not None
         if isinstance(tensors, Message):
             message = _pack(tr, tensors)
-            header, parts = message.buffer[:HEADER_NUM_BYTES], message.frames
+            header, frames = message.buffer[:HEADER_NUM_BYTES], [[f] for f in message.frames]
         else:  # laid out as _pack lays it out, without packing it first
             sizes = [_nbytes(t) for t in tensors]
             header = torch.empty(HEADER_NUM_BYTES, dtype=torch.uint8)
             _write_header(header, tr, num_bytes, _layout(_frame_sizes(sizes)))
             apart = _apart(sizes)
-            inline = [t for t, own in zip(tensors, apart, strict=True) if not own]
-            parts = [header, *inline, *(t for t, own in zip(tensors, apart, strict=True) if own)]
-        where = self.shared.write(tr.dst, parts)
+            inline = [tensors[i] for i in _inline_order([t.dtype for t in tensors], apart)]
+            frames = [[header, *inline]]
+            frames += [[t] for t, own in zip(tensors, apart, strict=True) if own]
+        where = self.shared.write(tr.dst, frames)
         offset = header.data_ptr() + _HEADER_FIELDS * 8
         ctypes.memmove(offset, _SHM_FIELDS.pack(*where), _SHM_FIELDS.size)
         return header

@@ -69,6 +69,10 @@ __all__ = ["ENV_VAR", "SharedMemoryLinks", "make_inboxes", "open_inboxes", "shm_
 ENV_VAR = "TOKENRING_SHARED_MEMORY"
 # (last use written, last use consumed, retired by the sender) as int64, padded to a cache line
 _CONTROL_NUM_BYTES = 64
+FRAME_ALIGN = 64
+"""Each frame of a message starts at a multiple of this many bytes in its segment: a frame
+that follows one of an odd size (a bf16 partial of an odd head dim) would otherwise be read
+as a tensor at an address its dtype cannot have."""
 IDLE_NUM_BYTES = 64 << 20  # idle segments kept to write again, per communicator
 _MIN_CAPACITY = 1 << 20
 _USE = struct.Struct("<q")
@@ -200,6 +204,16 @@ class _Segment:
         return int(_USE.unpack_from(self.map, 8)[0])
 
 
+def _frame_starts(sizes: Sequence[int]) -> list[int]:
+    """Where frames of ``sizes`` bytes start in a segment: after its control block, each at
+    the next multiple of FRAME_ALIGN."""
+    starts, offset = [], _CONTROL_NUM_BYTES
+    for size in sizes:
+        starts.append(offset)
+        offset += -(-size // FRAME_ALIGN) * FRAME_ALIGN
+    return starts
+
+
 def _released(segment: _Segment, use_left: list[int]) -> None:
     """One frame of a use is no longer held; with its last the use is consumed, and the
     sender may write the segment again."""
@@ -278,22 +292,25 @@ class SharedMemoryLinks:
         self.num_written = self.num_viewed = 0  # messages through shared memory
         self._finalizer = weakref.finalize(self, _release, self._out)
 
-    def write(self, dst: int, parts: Sequence[torch.Tensor]) -> tuple[int, int, int]:
-        """Copy the bytes of ``parts`` (any dtype and strides) back to back into a free segment
-        to ``dst``; ``(fd + 1, index, use)`` for the header."""
-        sizes = [t.numel() * t.element_size() for t in parts]
-        num_bytes = sum(sizes)
+    def write(self, dst: int, frames: Sequence[Sequence[torch.Tensor]]) -> tuple[int, int, int]:
+        """Copy ``frames`` into a free segment to ``dst``, each frame's parts (any dtype and
+        strides) back to back from a ``FRAME_ALIGN``-byte boundary (so a frame's fields keep
+        the alignment a fresh tensor has); ``(fd + 1, index, use)`` for the header."""
+        sizes = [sum(t.numel() * t.element_size() for t in parts) for parts in frames]
+        starts = _frame_starts(sizes)
+        num_bytes = starts[-1] + sizes[-1] - _CONTROL_NUM_BYTES
         pool = self._out.setdefault(dst, [])
         segment = next((s for s in pool if s.capacity >= num_bytes and _idle(s)), None)
         if segment is None:
             self._num_made[dst] = index = self._num_made.get(dst, 0) + 1
             segment = self._make(dst, index, num_bytes)
             pool.append(segment)
-        offset = _CONTROL_NUM_BYTES
-        for part, size in zip(parts, sizes, strict=True):
-            target = segment.data[offset : offset + size]
-            target.view(part.dtype).view(part.shape).copy_(part)
-            offset += size
+        for parts, offset in zip(frames, starts, strict=True):
+            for part in parts:
+                size = part.numel() * part.element_size()
+                target = segment.data[offset : offset + size]
+                target.view(part.dtype).view(part.shape).copy_(part)
+                offset += size
         segment.written += 1
         _USE.pack_into(segment.map, 0, segment.written)
         self.num_written += 1
@@ -320,7 +337,8 @@ class SharedMemoryLinks:
 
     def view(self, src: int, where: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
         """Use ``where = (fd + 1, index, use)`` of ``src``'s segment as frames of ``sizes``
-        bytes (uint8, 1-D, back to back), without a copy; consumed once no tensor holds any.
+        bytes (uint8, 1-D, laid out as :meth:`write` lays them), without a copy; consumed once
+        no tensor holds any.
 
         Raises:
             RuntimeError: the segment cannot be mapped or holds another use (the sender
@@ -339,12 +357,12 @@ class SharedMemoryLinks:
             )
         segment.lent = True
         use_left = [use, len(sizes)]  # the use, and its frames still held
-        frames, offset = [], _CONTROL_NUM_BYTES
-        for size in sizes:  # a storage per frame, as a receive from a socket makes them
+        frames = []
+        for size, offset in zip(sizes, _frame_starts(sizes), strict=True):
+            # a storage per frame, as a receive from a socket makes them
             window = (ctypes.c_uint8 * size).from_buffer(segment.map, offset)
             weakref.finalize(window, _released, segment, use_left)
             frames.append(torch.frombuffer(window, dtype=torch.uint8))
-            offset += size
         self.num_viewed += 1
         return frames
 
