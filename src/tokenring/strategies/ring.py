@@ -198,19 +198,7 @@ def build_schedule(
             ``BIDIR_TOKEN_RING`` with a single query head.
     """
     strategy, pass_, layout = Strategy.parse(strategy), Pass(pass_), Layout.parse(layout)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool; got {causal!r}")
-    if strategy is Strategy.HYBRID:
-        raise ValueError(
-            "strategy 'hybrid' needs its factorisation: use tokenring.strategies.hybrid."
-            "build_hybrid_schedule(pass_, spec=HybridSpec(inner=...), ...)"
-        )
-    for name, heads in (("heads_q", heads_q), ("heads_kv", heads_kv)):
-        check_int(name, heads, 1, optional=True)
-    if heads_q is not None and heads_kv is not None and heads_q % heads_kv:
-        raise ValueError(
-            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
-        )
+    _check_call(strategy, causal, heads_q, heads_kv)
     length = global_length(world_size, seq_local, seq_len, layout)  # make_sharding checks P
     sharding = make_sharding(
         layout=layout, world_size=world_size, seq_len=length, cu_seqlens=cu_seqlens
@@ -224,6 +212,25 @@ def build_schedule(
     return _ring_schedule(
         strategy, pass_, sharding, mask, last_block_splits, heads_q, heads_kv, lend_last_pair
     )
+
+
+def _check_call(
+    strategy: Strategy, causal: bool, heads_q: int | None, heads_kv: int | None
+) -> None:
+    """:func:`build_schedule`'s checks of what it does not hand on to a checking builder."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool; got {causal!r}")
+    if strategy is Strategy.HYBRID:
+        raise ValueError(
+            "strategy 'hybrid' needs its factorisation: use tokenring.strategies.hybrid."
+            "build_hybrid_schedule(pass_, spec=HybridSpec(inner=...), ...)"
+        )
+    for name, heads in (("heads_q", heads_q), ("heads_kv", heads_kv)):
+        check_int(name, heads, 1, optional=True)
+    if heads_q is not None and heads_kv is not None and heads_q % heads_kv:
+        raise ValueError(
+            f"heads_kv must divide heads_q; got heads_q={heads_q}, heads_kv={heads_kv}"
+        )
 
 
 def _ring_schedule(
