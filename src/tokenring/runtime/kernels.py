@@ -190,6 +190,10 @@ class BlockKernel(abc.ABC):
             out ``(B, sq, Hq, D)`` in q's dtype, lse ``(B, Hq, sq)`` in the accumulation dtype.
         """
         self._start(causal, mask)
+        if q.shape[1] == 0 or k.shape[1] == 0:  # no pair (the fused CPU op dies of SIGFPE)
+            acc = accumulation_dtype(q.dtype)
+            lse = torch.full(_lse_shape(q), float("-inf"), dtype=acc, device=q.device)
+            return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
         return self._forward(_Call(q, k, v, causal, scale, mask))
 
     def backward(
@@ -222,6 +226,8 @@ class BlockKernel(abc.ABC):
             dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``, in q's dtype.
         """
         self._start(causal, mask)
+        if q.shape[1] == 0 or k.shape[1] == 0:  # no pair: no gradient
+            return _zeros_like(q), _zeros_like(k), _zeros_like(v)
         return self._backward(_Call(q, k, v, causal, scale, mask), dout, lse, delta, out)
 
     def _start(self, causal: bool, mask: Mask | None) -> None:
@@ -268,6 +274,15 @@ class BlockKernel(abc.ABC):
             poll()
         for acc, part in zip(grads() if callable(grads) else grads, parts, strict=True):
             acc += part
+
+
+def _lse_shape(q: Tensor) -> tuple[int, int, int]:
+    """``(B, Hq, sq)`` of a ``(B, sq, Hq, D)`` q."""
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _zeros_like(x: Tensor) -> Tensor:
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _bhsd(x: Tensor) -> Tensor:
