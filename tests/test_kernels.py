@@ -565,3 +565,20 @@ def test_blocks_with_no_rows_on_one_side(name: str) -> None:
     code = _EMPTY_BLOCKS.format(name=name)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr)
+
+
+@pytest.mark.parametrize(
+    ("cls", "arg"),
+    [
+        (CpuFlashKernel, "tile_rows"),
+        (CpuFlashKernel, "masked_tile_rows"),
+        (CudaFusedKernel, "tile_rows"),
+        (CudaFusedKernel, "masked_tile_rows"),
+        (TiledKernel, "tile_rows"),
+    ],
+)
+def test_tile_sizes_below_one_are_rejected_by_name(cls, arg: str) -> None:
+    """The error names the argument the caller gave (masked_tile_rows=0 was reported as
+    'tile_rows must be >= 1; got 0' while tile_rows was 1024)."""
+    with pytest.raises(ValueError, match=f"^{arg} must be >= 1; got 0$"):
+        cls(**{arg: 0})

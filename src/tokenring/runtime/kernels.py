@@ -494,8 +494,7 @@ class TiledKernel(BlockKernel):
         name: str = "tiled",
     ) -> None:
         super().__init__()
-        if tile_rows < 1:
-            raise ValueError(f"tile_rows must be >= 1; got {tile_rows}")
+        _check_tile_rows(tile_rows=tile_rows)
         self.inner = inner if inner is not None else ReferenceKernel()
         self.masked_inner = masked_inner if masked_inner is not None else self.inner
         self.ran = self.masked_inner.ran = self.inner.ran  # one count per operator, whoever runs it
@@ -606,6 +605,13 @@ class TiledKernel(BlockKernel):
                 del parts, dq, dk, dv
 
 
+def _check_tile_rows(**sizes: int) -> None:
+    """Raise a ValueError naming the first tile size below 1."""
+    for name, rows in sizes.items():
+        if rows < 1:
+            raise ValueError(f"{name} must be >= 1; got {rows}")
+
+
 class _Accumulate:
     """``target += part`` for one backward's tiles. A part in another dtype is cast into a
     buffer reused across the tiles first: the implicit cast would allocate a temporary per
@@ -631,6 +637,7 @@ class CpuFlashKernel(TiledKernel):
     run without a mask."""
 
     def __init__(self, *, tile_rows: int = 1024, masked_tile_rows: int = 1024) -> None:
+        _check_tile_rows(tile_rows=tile_rows, masked_tile_rows=masked_tile_rows)
         ops, finer = _CpuFlashOps(), min(masked_tile_rows, tile_rows)
         masked = TiledKernel(
             ops,
@@ -984,6 +991,7 @@ class CudaFusedKernel(TiledKernel):
         flash_attn: bool = False,
         capability: tuple[int, int] | None = None,
     ) -> None:
+        _check_tile_rows(tile_rows=tile_rows, masked_tile_rows=masked_tile_rows)
         if flash_attn:
             _flash_attn_ops()
         name = "flash_attn" if flash_attn else "cuda_sdpa"
