@@ -535,3 +535,50 @@ def test_cpu_tiles_grow_with_the_ranks_rows(single_rank_group: None, monkeypatch
         q, k, v = (torch.randn(1, seq, 1, 8, requires_grad=True) for _ in range(3))
         tokenring.token_ring_attn(q, k, v, causal=True).sum().backward()
         assert tiles and set(tiles) == {want}, (seq, sorted(set(tiles)))
+
+
+_EMPTY_BLOCKS = """
+import torch
+from tokenring.runtime.kernels import select_kernel
+kernel = select_kernel(torch.device("cpu"), torch.float32, "{name}")
+for sq, sk in ((0, 0), (0, 5), (5, 0)):
+    q, do = torch.randn(2, sq, 4, 8), torch.randn(2, sq, 4, 8)
+    k, v = torch.randn(2, sk, 2, 8), torch.randn(2, sk, 2, 8)
+    for causal in (False, True) if sq == sk else (False,):
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=0.3)
+        assert out.shape == q.shape and bool((out == 0).all()), (sq, sk)
+        assert lse.shape == (2, 4, sq) and bool(torch.isneginf(lse).all()), (sq, sk)
+        grads = kernel.backward(do, q, k, v, lse, lse, causal=causal, scale=0.3)
+        for g, x in zip(grads, (q, k, v), strict=True):
+            assert g.shape == x.shape and bool((g == 0).all()), (sq, sk)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", CPU_KERNELS)
+def test_blocks_with_no_rows_on_one_side(name: str) -> None:
+    """A block with 0 query or 0 key rows has no pair: out 0, lse -inf, gradients 0 (the
+    fused CPU op killed the process with SIGFPE). Run in a child: a crash fails the test."""
+    import subprocess
+    import sys
+
+    code = _EMPTY_BLOCKS.format(name=name)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr)
+
+
+@pytest.mark.parametrize(
+    ("cls", "arg"),
+    [
+        (CpuFlashKernel, "tile_rows"),
+        (CpuFlashKernel, "masked_tile_rows"),
+        (CudaFusedKernel, "tile_rows"),
+        (CudaFusedKernel, "masked_tile_rows"),
+        (TiledKernel, "tile_rows"),
+    ],
+)
+def test_tile_sizes_below_one_are_rejected_by_name(cls, arg: str) -> None:
+    """The error names the argument the caller gave (masked_tile_rows=0 was reported as
+    'tile_rows must be >= 1; got 0' while tile_rows was 1024)."""
+    with pytest.raises(ValueError, match=f"^{arg} must be >= 1; got 0$"):
+        cls(**{arg: 0})

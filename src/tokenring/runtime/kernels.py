@@ -190,6 +190,10 @@ class BlockKernel(abc.ABC):
             out ``(B, sq, Hq, D)`` in q's dtype, lse ``(B, Hq, sq)`` in the accumulation dtype.
         """
         self._start(causal, mask)
+        if q.shape[1] == 0 or k.shape[1] == 0:  # no pair (the fused CPU op dies of SIGFPE)
+            acc = accumulation_dtype(q.dtype)
+            lse = torch.full(_lse_shape(q), float("-inf"), dtype=acc, device=q.device)
+            return torch.zeros_like(q, memory_format=torch.contiguous_format), lse
         return self._forward(_Call(q, k, v, causal, scale, mask))
 
     def backward(
@@ -222,6 +226,8 @@ class BlockKernel(abc.ABC):
             dq ``(B, sq, Hq, D)``, dk and dv ``(B, sk, Hkv, D)``, in q's dtype.
         """
         self._start(causal, mask)
+        if q.shape[1] == 0 or k.shape[1] == 0:  # no pair: no gradient
+            return _zeros_like(q), _zeros_like(k), _zeros_like(v)
         return self._backward(_Call(q, k, v, causal, scale, mask), dout, lse, delta, out)
 
     def _start(self, causal: bool, mask: Mask | None) -> None:
@@ -268,6 +274,15 @@ class BlockKernel(abc.ABC):
             poll()
         for acc, part in zip(grads() if callable(grads) else grads, parts, strict=True):
             acc += part
+
+
+def _lse_shape(q: Tensor) -> tuple[int, int, int]:
+    """``(B, Hq, sq)`` of a ``(B, sq, Hq, D)`` q."""
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _zeros_like(x: Tensor) -> Tensor:
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _bhsd(x: Tensor) -> Tensor:
@@ -479,8 +494,7 @@ class TiledKernel(BlockKernel):
         name: str = "tiled",
     ) -> None:
         super().__init__()
-        if tile_rows < 1:
-            raise ValueError(f"tile_rows must be >= 1; got {tile_rows}")
+        _check_tile_rows(tile_rows=tile_rows)
         self.inner = inner if inner is not None else ReferenceKernel()
         self.masked_inner = masked_inner if masked_inner is not None else self.inner
         self.ran = self.masked_inner.ran = self.inner.ran  # one count per operator, whoever runs it
@@ -591,6 +605,13 @@ class TiledKernel(BlockKernel):
                 del parts, dq, dk, dv
 
 
+def _check_tile_rows(**sizes: int) -> None:
+    """Raise a ValueError naming the first tile size below 1."""
+    for name, rows in sizes.items():
+        if rows < 1:
+            raise ValueError(f"{name} must be >= 1; got {rows}")
+
+
 class _Accumulate:
     """``target += part`` for one backward's tiles. A part in another dtype is cast into a
     buffer reused across the tiles first: the implicit cast would allocate a temporary per
@@ -616,6 +637,7 @@ class CpuFlashKernel(TiledKernel):
     run without a mask."""
 
     def __init__(self, *, tile_rows: int = 1024, masked_tile_rows: int = 1024) -> None:
+        _check_tile_rows(tile_rows=tile_rows, masked_tile_rows=masked_tile_rows)
         ops, finer = _CpuFlashOps(), min(masked_tile_rows, tile_rows)
         masked = TiledKernel(
             ops,
@@ -969,6 +991,7 @@ class CudaFusedKernel(TiledKernel):
         flash_attn: bool = False,
         capability: tuple[int, int] | None = None,
     ) -> None:
+        _check_tile_rows(tile_rows=tile_rows, masked_tile_rows=masked_tile_rows)
         if flash_attn:
             _flash_attn_ops()
         name = "flash_attn" if flash_attn else "cuda_sdpa"
