@@ -584,30 +584,53 @@ def _remember_positions(given: torch.Tensor) -> None:
 
 
 def _check_positions(name: str, sp: SequenceParallel, given: Any, seq_local: int) -> None:
-    """Raise NotImplementedError unless ``given`` ``(B, s)`` position_ids are this rank's
-    positions under ``sp`` (``shard_batch``'s) up to one offset per row (RoBERTa's).
-    transformers reads restarts in position_ids as packed documents; the attention masks
-    documents from ``sp.cu_seqlens`` alone, so positions of other documents or another
-    shard would be silently ignored."""
-    if not isinstance(given, torch.Tensor) or given.dim() != 2 or seq_local < 2:
+    """Raise NotImplementedError, on every rank, unless ``given`` ``(B, s)`` position_ids are
+    each rank's positions under ``sp`` (``shard_batch``'s) up to one offset per row (RoBERTa's)
+    that is the same on every rank. transformers reads restarts in position_ids as packed
+    documents; the attention masks documents from ``sp.cu_seqlens`` alone, so positions of
+    other documents or another shard would be silently ignored (contiguous shards each counted
+    from 0 differ from the global positions by one offset per rank). One exchange of the
+    ranks' verdicts per new tensor, so every rank raises or none does."""
+    if not isinstance(given, torch.Tensor) or given.dim() != 2:
         return  # (3, B, s) multimodal positions carry no documents
     if _positions_checked(given):
         return
     comm = sp.communicator
     expected = _sharding(sp, seq_local).doc_positions(comm.rank).to(given.device)  # (s,)
-    if expected.numel() != given.shape[1]:
-        return  # the attention call names the length this rank must hold
-    offset = given - expected  # (B, s)
-    if not bool((offset == offset[:, :1]).all()):
-        token = int((offset != offset[:, :1]).any(0).nonzero()[0])
+    verdict: tuple[str, Any] = ("skip", None)  # the attention call names the length to hold
+    if expected.numel() == given.shape[1]:
+        offset = given - expected  # (B, s)
+        if bool((offset == offset[:, :1]).all()):
+            verdict = ("offsets", offset[:, 0].tolist())
+        else:
+            token = int((offset != offset[:, :1]).any(0).nonzero()[0])
+            verdict = ("token", (token, given[0, token].item(), expected[token].item()))
+    verdicts = [verdict]
+    if comm.world_size > 1:
+        verdicts = comm.all_gather_object(verdict, what=f"{name} position_ids check")
+    under = (
+        f"SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len={sp.seq_len}, "
+        f"cu_seqlens={sp.cu_seqlens})"
+    )
+    fix = (
+        "packed documents need SequenceParallel(seq_len=..., cu_seqlens=...), and position_ids "
+        "from tokenring.hf.shard_batch"
+    )
+    for rank, (kind, found) in enumerate(verdicts):
+        if kind == "token":
+            token, got, want = found
+            raise NotImplementedError(
+                f"attn_implementation={name!r}: position_ids are not rank {rank}'s positions "
+                f"under {under} (its token {token}: got {got} where the shard holds position "
+                f"{want} of its document, other tokens at another offset); {fix}"
+            )
+    offsets = {rank: found for rank, (kind, found) in enumerate(verdicts) if kind == "offsets"}
+    if len({tuple(found) for found in offsets.values()}) > 1:
         raise NotImplementedError(
-            f"attn_implementation={name!r}: position_ids are not rank {comm.rank}'s positions "
-            f"under SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len="
-            f"{sp.seq_len}, cu_seqlens={sp.cu_seqlens}) (its token {token}: got "
-            f"{given[0, token].item()} where the shard holds position {expected[token].item()} "
-            "of its document, other tokens at another offset); packed documents need "
-            "SequenceParallel(seq_len=..., cu_seqlens=...), and position_ids from "
-            "tokenring.hf.shard_batch"
+            f"attn_implementation={name!r}: position_ids differ from each rank's positions "
+            f"under {under} by another offset per rank (offsets of the rows, by rank: "
+            f"{offsets}); the offset must be the same on every rank (position_ids counted from "
+            f"0 on each rank's shard are not the global ones); {fix}"
         )
     _remember_positions(given)
 
