@@ -283,3 +283,20 @@ def test_a_model_that_drops_sequence_parallel_raises_saying_so() -> None:
     batch = hf.shard_batch(sp, _input_ids())
     with pytest.raises(ValueError, match="does not hand its forward's keyword arguments down"):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_router_load_balancing_loss_raises() -> None:
+    """A mixture of experts' aux_loss (added to the loss with labels) averages the routing over
+    the tokens it sees: on 2 ranks Mixtral's loss was 6.1639 on rank 0, 6.1641 on rank 1 and
+    6.1613 in one process, silently; output_router_logits=True now raises, False runs."""
+    _, model = _models("mixtral", torch.float32, num_local_experts=4, num_experts_per_tok=2)
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    with pytest.raises(NotImplementedError, match=r"output_router_logits=True.*aux_loss"):
+        model(**inputs, labels=_input_ids(), output_router_logits=True, sequence_parallel=sp)
+    model.config.output_router_logits = True
+    with pytest.raises(NotImplementedError, match="output_router_logits=True"):
+        model(**inputs, sequence_parallel=sp)
+    model(**inputs, output_router_logits=False, sequence_parallel=sp)

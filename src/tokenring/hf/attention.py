@@ -460,7 +460,7 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 # set (not None, not False) is an option tokenring cannot honour: T5's position_bias, sinks
 _INERT_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "deterministic", "num_items_in_batch"}
-    | {"labels", "shift_labels", "output_hidden_states", "output_router_logits", "return_dict"}
+    | {"labels", "shift_labels", "output_hidden_states", "return_dict"}
 )
 
 
@@ -545,6 +545,13 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     dropout = kwargs.get("dropout", 0.0)
     if dropout > 0:
         raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
+    if kwargs.get("output_router_logits"):
+        raise NotImplementedError(
+            f"attn_implementation={name!r} does not support output_router_logits=True: the "
+            "model's router load-balancing loss (aux_loss, added to the loss with labels) would "
+            "average over this rank's shard only; pass output_router_logits=False (or set "
+            "config.output_router_logits=False)"
+        )
     packing = " (local packing; pass SequenceParallel(cu_seqlens=...))"
     for option, unsupported in (
         ("softcap", kwargs.get("softcap") is not None),
@@ -554,7 +561,8 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     ):
         if unsupported:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
-    handled = {"dropout", "softcap", "s_aux", "output_attentions", *_PACKING_KWARGS}
+    handled = {"dropout", "output_router_logits", "softcap", "s_aux", "output_attentions"}
+    handled |= set(_PACKING_KWARGS)
     for key, value in kwargs.items():
         if key in handled or key in _INERT_KWARGS or value is None or value is False:
             continue
