@@ -300,3 +300,21 @@ def test_router_load_balancing_loss_raises() -> None:
     with pytest.raises(NotImplementedError, match="output_router_logits=True"):
         model(**inputs, sequence_parallel=sp)
     model(**inputs, output_router_logits=False, sequence_parallel=sp)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_alibi_raises_naming_it() -> None:
+    """Falcon with alibi=True added its bias to the mask our mask function had not
+    materialised: AttributeError deep in the model; now NotImplementedError naming ALiBi."""
+    if "falcon" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no 'falcon'")
+    hf.register()
+    sizes = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "alibi": True}
+    config = AutoConfig.for_model("falcon", vocab_size=64, **sizes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="tokenring")
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    with pytest.raises(NotImplementedError, match=r"ALiBi .*model_type 'falcon'"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)

@@ -249,6 +249,16 @@ def _global_mask(
             "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
             "the padded labels to ignore_index",
         )
+    alibi = (
+        getattr(config, "alibi", None),
+        getattr(getattr(config, "attn_config", None), "alibi", None),
+    )
+    if True in alibi:  # Falcon's config.alibi, MPT's config.attn_config.alibi
+        raise NotImplementedError(
+            f"ALiBi position biases (model_type {getattr(config, 'model_type', None)!r}, "
+            "alibi=True) are not supported by tokenring attention: the model adds them to "
+            "a mask it expects as a tensor"
+        )
     if mask_function is None:
         return None
     mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
