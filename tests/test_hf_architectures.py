@@ -318,3 +318,33 @@ def test_alibi_raises_naming_it() -> None:
     batch = hf.shard_batch(sp, _input_ids())
     with pytest.raises(NotImplementedError, match=r"ALiBi .*model_type 'falcon'"):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_forward_of_a_model_whose_attention_never_reaches_tokenring_raises() -> None:
+    """Bloom and XGLM built with attn_implementation="tokenring" ran a forward with
+    sequence_parallel= on each rank's shard alone (only check_model refused them); their mask
+    goes through our mask function, which now refuses them as check_model does (MPT: ALiBi)."""
+    hf.register()
+    checked = []
+    for name, sizes in OWN_ATTENTION:
+        if name not in CONFIG_MAPPING:
+            continue
+        config = AutoConfig.for_model(name, vocab_size=64, **sizes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="tokenring")
+            except (KeyError, ValueError):  # transformers refuses the name for this model
+                continue
+        try:
+            hf.check_model(model)
+            continue  # attention through the interface (Falcon in 5.25)
+        except NotImplementedError:
+            pass
+        sp = hf.SequenceParallel()
+        batch = hf.shard_batch(sp, _input_ids())
+        with pytest.raises(NotImplementedError, match=r"AttentionInterface|ALiBi"):
+            model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+        checked.append(name)
+    assert checked, "transformers builds none of the models with attn_implementation='tokenring'"

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -259,6 +260,13 @@ def _global_mask(
             "alibi=True) are not supported by tokenring attention: the model adds them to "
             "a mask it expects as a tensor"
         )
+    modeling = type(config).__module__.replace(".configuration_", ".modeling_")
+    if _module_routes_attention(modeling) is False:  # Bloom, MPT, XGLM: check_model's reason
+        reason = (
+            f"no module of {modeling} calls attention through transformers' AttentionInterface "
+            "(it computes attention in its own code, which would see this rank's shard alone)"
+        )
+        _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
     if mask_function is None:
         return None
     mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
@@ -442,12 +450,27 @@ def check_model(model: torch.nn.Module) -> None:
         _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
 
 
-def _routes_attention(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward dispatches on transformers' ``ALL_ATTENTION_FUNCTIONS``
-    (the registry of ``attn_implementation`` names), read from its code's global names."""
-    forward = getattr(type(module), "forward", None)
+def _routes_attention(module: torch.nn.Module | type) -> bool:
+    """Whether ``module``'s (or a module class's) forward dispatches on transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (the registry of ``attn_implementation`` names), read from its
+    code's global names."""
+    forward = getattr(module if isinstance(module, type) else type(module), "forward", None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+@functools.cache
+def _module_routes_attention(name: str) -> bool | None:
+    """Whether a module class of the loaded Python module ``name`` (a model's modeling file;
+    its classes and the ones it imports) routes attention (:func:`_routes_attention`); None
+    when no such module is loaded."""
+    found = sys.modules.get(name)
+    if found is None:
+        return None
+    return any(
+        isinstance(obj, type) and issubclass(obj, torch.nn.Module) and _routes_attention(obj)
+        for obj in vars(found).values()
+    )
 
 
 def _refuse_layers(name: str, config: Any, reason: str) -> None:
