@@ -298,6 +298,11 @@ def refusals() -> list[str]:
     with pytest.raises(NotImplementedError) as info:
         proc(other, x)
     messages.append(str(info.value))
+    # replicated text divided its key bias by the scale: ZeroDivisionError before the check
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError) as info:
+        tr_diffusers.joint_attn(q, q, q, num_text=2, text="replicated", softmax_scale=0.0)
+    messages.append(str(info.value))
     return messages
 
 
@@ -360,6 +365,7 @@ def test_flux_processor_matches_one_process(world_size: int) -> None:
         assert "text_seq_len" in res["refused"][1]
         assert "runs diffusers' FluxAttention" in res["refused"][2]
         assert res["refused"][2].endswith("got Attention")
+        assert "softmax_scale must be a finite number > 0" in res["refused"][3]
 
 
 def test_unknown_placements_are_named() -> None:

@@ -186,9 +186,15 @@ def refusals(sp: hf.SequenceParallel) -> list[str]:
         model_config("llama4_tt"), attn_implementation="tokenring"
     )
     gqa = AutoModelForCausalLM.from_config(model_config("gqa"), attn_implementation="tokenring")
+    # without position_ids each rank counts its shard from 0: contiguous shards are each one
+    # offset away from their global positions (another one per rank), zigzag ones are not
+    contiguous = hf.SequenceParallel(group=sp.group, layout="contiguous")
+    contiguous_ids = hf.shard_batch(contiguous, ids).input_ids
     for call in (
         lambda: tuned(**inputs, sequence_parallel=sp),
         lambda: gqa(**inputs, labels=ids, num_items_in_batch=5, sequence_parallel=sp),
+        lambda: gqa(input_ids=contiguous_ids, sequence_parallel=contiguous),
+        lambda: gqa(input_ids=batch.input_ids, sequence_parallel=sp),
     ):
         try:
             call()
@@ -354,6 +360,8 @@ def check_world(
             "attn_temperature_tuning" in res["refused"][0]
             and "wrong on rank" in res["refused"][0]
             and "num_items_in_batch is not supported" in res["refused"][1]
+            and "by another offset per rank" in res["refused"][2]
+            and "position_ids are not rank 0's positions" in res["refused"][3]
         ):
             failures.append(f"rank {rank} refusals: {res['refused']}")
     for rank, res in enumerate(per_rank):  # every rank reports the same global loss

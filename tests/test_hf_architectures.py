@@ -283,3 +283,68 @@ def test_a_model_that_drops_sequence_parallel_raises_saying_so() -> None:
     batch = hf.shard_batch(sp, _input_ids())
     with pytest.raises(ValueError, match="does not hand its forward's keyword arguments down"):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_router_load_balancing_loss_raises() -> None:
+    """A mixture of experts' aux_loss (added to the loss with labels) averages the routing over
+    the tokens it sees: on 2 ranks Mixtral's loss was 6.1639 on rank 0, 6.1641 on rank 1 and
+    6.1613 in one process, silently; output_router_logits=True now raises, False runs."""
+    _, model = _models("mixtral", torch.float32, num_local_experts=4, num_experts_per_tok=2)
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    with pytest.raises(NotImplementedError, match=r"output_router_logits=True.*aux_loss"):
+        model(**inputs, labels=_input_ids(), output_router_logits=True, sequence_parallel=sp)
+    model.config.output_router_logits = True
+    with pytest.raises(NotImplementedError, match="output_router_logits=True"):
+        model(**inputs, sequence_parallel=sp)
+    model(**inputs, output_router_logits=False, sequence_parallel=sp)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_alibi_raises_naming_it() -> None:
+    """Falcon with alibi=True added its bias to the mask our mask function had not
+    materialised: AttributeError deep in the model; now NotImplementedError naming ALiBi."""
+    if "falcon" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no 'falcon'")
+    hf.register()
+    sizes = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "alibi": True}
+    config = AutoConfig.for_model("falcon", vocab_size=64, **sizes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="tokenring")
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    with pytest.raises(NotImplementedError, match=r"ALiBi .*model_type 'falcon'"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_forward_of_a_model_whose_attention_never_reaches_tokenring_raises() -> None:
+    """Bloom and XGLM built with attn_implementation="tokenring" ran a forward with
+    sequence_parallel= on each rank's shard alone (only check_model refused them); their mask
+    goes through our mask function, which now refuses them as check_model does (MPT: ALiBi)."""
+    hf.register()
+    checked = []
+    for name, sizes in OWN_ATTENTION:
+        if name not in CONFIG_MAPPING:
+            continue
+        config = AutoConfig.for_model(name, vocab_size=64, **sizes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="tokenring")
+            except (KeyError, ValueError):  # transformers refuses the name for this model
+                continue
+        try:
+            hf.check_model(model)
+            continue  # attention through the interface (Falcon in 5.25)
+        except NotImplementedError:
+            pass
+        sp = hf.SequenceParallel()
+        batch = hf.shard_batch(sp, _input_ids())
+        with pytest.raises(NotImplementedError, match=r"AttentionInterface|ALiBi"):
+            model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+        checked.append(name)
+    assert checked, "transformers builds none of the models with attn_implementation='tokenring'"

@@ -158,12 +158,14 @@ def joint_attn(
         ``(B, t + s, H, D)`` in q's dtype: each row attended to all T + S keys.
 
     Raises:
-        ValueError: bad shapes, ``num_text`` outside ``[0, t + s]``, or an unknown ``text``;
+        ValueError: bad shapes, ``num_text`` outside ``[0, t + s]``, an unknown ``text``, or
+            a softmax_scale that is not a finite number > 0;
             the ranks' local lengths differ (raised by the attention call, on every rank), or
             with replicated text their ``num_text`` (on every rank).
     """
     placement = TextPlacement.parse(text)
     _check_qkv(q, k, v, same_len=True)
+    check_softmax_scale(softmax_scale)  # the replicated text's key bias divides by it
     if isinstance(num_text, bool) or not isinstance(num_text, int):
         raise ValueError(f"num_text must be an int; got {num_text!r}")
     if not 0 <= num_text <= q.shape[1]:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -249,6 +250,23 @@ def _global_mask(
             "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
             "the padded labels to ignore_index",
         )
+    alibi = (
+        getattr(config, "alibi", None),
+        getattr(getattr(config, "attn_config", None), "alibi", None),
+    )
+    if True in alibi:  # Falcon's config.alibi, MPT's config.attn_config.alibi
+        raise NotImplementedError(
+            f"ALiBi position biases (model_type {getattr(config, 'model_type', None)!r}, "
+            "alibi=True) are not supported by tokenring attention: the model adds them to "
+            "a mask it expects as a tensor"
+        )
+    modeling = type(config).__module__.replace(".configuration_", ".modeling_")
+    if _module_routes_attention(modeling) is False:  # Bloom, MPT, XGLM: check_model's reason
+        reason = (
+            f"no module of {modeling} calls attention through transformers' AttentionInterface "
+            "(it computes attention in its own code, which would see this rank's shard alone)"
+        )
+        _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
     if mask_function is None:
         return None
     mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
@@ -432,12 +450,27 @@ def check_model(model: torch.nn.Module) -> None:
         _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
 
 
-def _routes_attention(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward dispatches on transformers' ``ALL_ATTENTION_FUNCTIONS``
-    (the registry of ``attn_implementation`` names), read from its code's global names."""
-    forward = getattr(type(module), "forward", None)
+def _routes_attention(module: torch.nn.Module | type) -> bool:
+    """Whether ``module``'s (or a module class's) forward dispatches on transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (the registry of ``attn_implementation`` names), read from its
+    code's global names."""
+    forward = getattr(module if isinstance(module, type) else type(module), "forward", None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+@functools.cache
+def _module_routes_attention(name: str) -> bool | None:
+    """Whether a module class of the loaded Python module ``name`` (a model's modeling file;
+    its classes and the ones it imports) routes attention (:func:`_routes_attention`); None
+    when no such module is loaded."""
+    found = sys.modules.get(name)
+    if found is None:
+        return None
+    return any(
+        isinstance(obj, type) and issubclass(obj, torch.nn.Module) and _routes_attention(obj)
+        for obj in vars(found).values()
+    )
 
 
 def _refuse_layers(name: str, config: Any, reason: str) -> None:
@@ -460,7 +493,7 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 # set (not None, not False) is an option tokenring cannot honour: T5's position_bias, sinks
 _INERT_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "deterministic", "num_items_in_batch"}
-    | {"labels", "shift_labels", "output_hidden_states", "output_router_logits", "return_dict"}
+    | {"labels", "shift_labels", "output_hidden_states", "return_dict"}
 )
 
 
@@ -545,6 +578,13 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     dropout = kwargs.get("dropout", 0.0)
     if dropout > 0:
         raise NotImplementedError(f"attention dropout is not supported; got dropout={dropout}")
+    if kwargs.get("output_router_logits"):
+        raise NotImplementedError(
+            f"attn_implementation={name!r} does not support output_router_logits=True: the "
+            "model's router load-balancing loss (aux_loss, added to the loss with labels) would "
+            "average over this rank's shard only; pass output_router_logits=False (or set "
+            "config.output_router_logits=False)"
+        )
     packing = " (local packing; pass SequenceParallel(cu_seqlens=...))"
     for option, unsupported in (
         ("softcap", kwargs.get("softcap") is not None),
@@ -554,7 +594,8 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     ):
         if unsupported:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {option}")
-    handled = {"dropout", "softcap", "s_aux", "output_attentions", *_PACKING_KWARGS}
+    handled = {"dropout", "output_router_logits", "softcap", "s_aux", "output_attentions"}
+    handled |= set(_PACKING_KWARGS)
     for key, value in kwargs.items():
         if key in handled or key in _INERT_KWARGS or value is None or value is False:
             continue
@@ -584,30 +625,53 @@ def _remember_positions(given: torch.Tensor) -> None:
 
 
 def _check_positions(name: str, sp: SequenceParallel, given: Any, seq_local: int) -> None:
-    """Raise NotImplementedError unless ``given`` ``(B, s)`` position_ids are this rank's
-    positions under ``sp`` (``shard_batch``'s) up to one offset per row (RoBERTa's).
-    transformers reads restarts in position_ids as packed documents; the attention masks
-    documents from ``sp.cu_seqlens`` alone, so positions of other documents or another
-    shard would be silently ignored."""
-    if not isinstance(given, torch.Tensor) or given.dim() != 2 or seq_local < 2:
+    """Raise NotImplementedError, on every rank, unless ``given`` ``(B, s)`` position_ids are
+    each rank's positions under ``sp`` (``shard_batch``'s) up to one offset per row (RoBERTa's)
+    that is the same on every rank. transformers reads restarts in position_ids as packed
+    documents; the attention masks documents from ``sp.cu_seqlens`` alone, so positions of
+    other documents or another shard would be silently ignored (contiguous shards each counted
+    from 0 differ from the global positions by one offset per rank). One exchange of the
+    ranks' verdicts per new tensor, so every rank raises or none does."""
+    if not isinstance(given, torch.Tensor) or given.dim() != 2:
         return  # (3, B, s) multimodal positions carry no documents
     if _positions_checked(given):
         return
     comm = sp.communicator
     expected = _sharding(sp, seq_local).doc_positions(comm.rank).to(given.device)  # (s,)
-    if expected.numel() != given.shape[1]:
-        return  # the attention call names the length this rank must hold
-    offset = given - expected  # (B, s)
-    if not bool((offset == offset[:, :1]).all()):
-        token = int((offset != offset[:, :1]).any(0).nonzero()[0])
+    verdict: tuple[str, Any] = ("skip", None)  # the attention call names the length to hold
+    if expected.numel() == given.shape[1]:
+        offset = given - expected  # (B, s)
+        if bool((offset == offset[:, :1]).all()):
+            verdict = ("offsets", offset[:, 0].tolist())
+        else:
+            token = int((offset != offset[:, :1]).any(0).nonzero()[0])
+            verdict = ("token", (token, given[0, token].item(), expected[token].item()))
+    verdicts = [verdict]
+    if comm.world_size > 1:
+        verdicts = comm.all_gather_object(verdict, what=f"{name} position_ids check")
+    under = (
+        f"SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len={sp.seq_len}, "
+        f"cu_seqlens={sp.cu_seqlens})"
+    )
+    fix = (
+        "packed documents need SequenceParallel(seq_len=..., cu_seqlens=...), and position_ids "
+        "from tokenring.hf.shard_batch"
+    )
+    for rank, (kind, found) in enumerate(verdicts):
+        if kind == "token":
+            token, got, want = found
+            raise NotImplementedError(
+                f"attn_implementation={name!r}: position_ids are not rank {rank}'s positions "
+                f"under {under} (its token {token}: got {got} where the shard holds position "
+                f"{want} of its document, other tokens at another offset); {fix}"
+            )
+    offsets = {rank: found for rank, (kind, found) in enumerate(verdicts) if kind == "offsets"}
+    if len({tuple(found) for found in offsets.values()}) > 1:
         raise NotImplementedError(
-            f"attn_implementation={name!r}: position_ids are not rank {comm.rank}'s positions "
-            f"under SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len="
-            f"{sp.seq_len}, cu_seqlens={sp.cu_seqlens}) (its token {token}: got "
-            f"{given[0, token].item()} where the shard holds position {expected[token].item()} "
-            "of its document, other tokens at another offset); packed documents need "
-            "SequenceParallel(seq_len=..., cu_seqlens=...), and position_ids from "
-            "tokenring.hf.shard_batch"
+            f"attn_implementation={name!r}: position_ids differ from each rank's positions "
+            f"under {under} by another offset per rank (offsets of the rows, by rank: "
+            f"{offsets}); the offset must be the same on every rank (position_ids counted from "
+            f"0 on each rank's shard are not the global ones); {fix}"
         )
     _remember_positions(given)
 
