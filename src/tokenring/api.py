@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import math
 import struct
 import zlib
@@ -119,8 +120,10 @@ def check_group(group: GroupLike) -> dist.ProcessGroup | Communicator | None:
 
 
 def check_softmax_scale(softmax_scale: float | None) -> None:
-    """ValueError unless ``softmax_scale`` is None or a finite number > 0."""
-    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+    """ValueError unless ``softmax_scale`` is None or a finite number > 0 (not a bool)."""
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not (softmax_scale > 0 and math.isfinite(softmax_scale))
+    ):
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
@@ -426,7 +429,7 @@ def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
     """The strategy asked for ("auto" or a Strategy's value); checks the options that go
     with it."""
     last_block_splits = options["last_block_splits"]
-    check_flags(causal=options["causal"])
+    check_flags(causal=options["causal"], return_lse=options.get("return_lse", False))
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
         raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
     if last_block_splits < 1:
@@ -510,7 +513,7 @@ _OPTIONS_SCHEMA = (
     "str group, str strategy, bool causal, float? softmax_scale, str layout, "
     "str? block_kernel, int? last_block_splits, str? last_pair, bool check_ranks, "
     "str? hardware, int? seq_len, int[]? cu_seqlens, int[]? window_size, "
-    "int? attention_chunk_size, bool[] requires_grad, str? raw"
+    "int? attention_chunk_size, bool[] requires_grad, str? raw, bool return_lse=False"
 )
 
 
@@ -776,8 +779,8 @@ def sequence_parallel_attn(
         RuntimeError: under torch.compile, a ProcessGroup not seen eagerly (call
             ``get_communicator(group)`` once first).
     """
-    check_flags(return_lse=return_lse)
-    values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group", "return_lse")}
+    # return_lse is checked inside the operator, with the ranks' agreement, as every option
+    values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group")}
     values["block_kernel"] = values.pop("kernel")  # the operator's name for it
     for name, x in (("q", q), ("k", k), ("v", v)):  # the operator takes only tensors
         if not isinstance(x, torch.Tensor):
@@ -803,6 +806,7 @@ _PRIMITIVES: dict[str, tuple[type, Any]] = {
     "hardware": (str, None),
     "seq_len": (int, None),
     "attention_chunk_size": (int, None),
+    "return_lse": (bool, False),
 }
 
 
@@ -973,6 +977,7 @@ class SequenceParallelAttention(torch.nn.Module):
     Raises:
         ValueError: ``return_lse`` other than False (forward returns ``out`` only; call
             :func:`sequence_parallel_attn` for ``(out, lse)``).
+        TypeError: an option that :func:`sequence_parallel_attn` does not take.
     """
 
     def __init__(
@@ -986,6 +991,13 @@ class SequenceParallelAttention(torch.nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
+        known = inspect.signature(sequence_parallel_attn).parameters
+        unknown = sorted(name for name in options if name not in known or name in ("q", "k", "v"))
+        if unknown:
+            raise TypeError(
+                f"SequenceParallelAttention got options that sequence_parallel_attn does not "
+                f"take: {', '.join(unknown)}"
+            )
         if options.get("return_lse", False) is not False:
             raise ValueError(
                 "return_lse must be False for SequenceParallelAttention (forward returns out "

@@ -1,0 +1,65 @@
+"""Edge cases of the public entry points found by probing odd keyword values: each keyword
+takes effect or is rejected with a ValueError naming it, on every rank, never a hang.
+
+Legend: B batch, S global seq, H heads, D head dim, P world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+from oracle import full_attention, make_inputs
+
+
+def _one_rank_bad_return_lse() -> dict[str, Any]:
+    """Rank 1 passes return_lse=1, rank 0 a valid call; then both make a valid call."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    q, k, v, _ = make_inputs(seed=3, batch=1, seq_global=8, heads_q=2, heads_kv=2, head_dim=4)
+    s = 8 // world_size
+    mine = [x[:, rank * s : (rank + 1) * s] for x in (q, k, v)]
+    try:
+        return_lse: Any = 1 if rank == 1 else False
+        tokenring.sequence_parallel_attn(*mine, return_lse=return_lse)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    out = tokenring.sequence_parallel_attn(*mine, causal=True)  # the ranks are still in step
+    ref, _ = full_attention(q, k, v, causal=True, scale=4**-0.5)
+    torch.testing.assert_close(out, ref[:, rank * s : (rank + 1) * s], atol=1e-12, rtol=0)
+    return {"error": error}
+
+
+def test_return_lse_invalid_on_one_rank_raises_on_every_rank() -> None:
+    """return_lse was checked before the ranks' agreement: the rank with return_lse=1 raised
+    alone and the others waited for it until the group's timeout."""
+    results = tokenring.launch(_one_rank_bad_return_lse, world_size=2, timeout_s=120)
+    assert results[1]["error"] == "return_lse must be a bool; got 1"
+    assert results[0]["error"] is not None
+    assert "rank 1" in results[0]["error"] and "return_lse must be a bool" in results[0]["error"]
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_softmax_scale_bool_is_rejected(single_rank_group: None, scale: bool) -> None:
+    """softmax_scale=True ran with scale 1.0 (a bool is an int): a bool is not a scale."""
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(
+        ValueError, match=f"softmax_scale must be a finite number > 0 or None; got {scale}"
+    ):
+        tokenring.sequence_parallel_attn(q, q, q, softmax_scale=scale)
+
+
+def test_module_rejects_unknown_option_at_build(single_rank_group: None) -> None:
+    """A misspelt option (casual=True) was kept and failed with a TypeError at the first
+    forward, deep in the call; it is refused when the module is built, naming it (still a
+    TypeError)."""
+    with pytest.raises(TypeError, match="casual"):
+        tokenring.SequenceParallelAttention(strategy="ring", casual=True)
+    module = tokenring.SequenceParallelAttention(strategy="ring", kernel="reference", seq_len=8)
+    q, k, v, _ = make_inputs(seed=1, batch=1, seq_global=8, heads_q=2, heads_kv=1, head_dim=4)
+    ref, _ = full_attention(q, k, v, causal=False, scale=4**-0.5)
+    torch.testing.assert_close(module(q, k, v), ref, atol=1e-12, rtol=0)
