@@ -63,3 +63,29 @@ def test_module_rejects_unknown_option_at_build(single_rank_group: None) -> None
     q, k, v, _ = make_inputs(seed=1, batch=1, seq_global=8, heads_q=2, heads_kv=1, head_dim=4)
     ref, _ = full_attention(q, k, v, causal=False, scale=4**-0.5)
     torch.testing.assert_close(module(q, k, v), ref, atol=1e-12, rtol=0)
+
+
+def _one_rank_passes_none() -> dict[str, Any]:
+    """Rank 1 passes q=None (say, a rank with no tokens), rank 0 a valid call; then both
+    make a valid call."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    q, k, v, _ = make_inputs(seed=4, batch=1, seq_global=8, heads_q=2, heads_kv=1, head_dim=4)
+    s = 8 // world_size
+    mine = [x[:, rank * s : (rank + 1) * s] for x in (q, k, v)]
+    try:
+        tokenring.ring_attn(None if rank == 1 else mine[0], *mine[1:])
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    out = tokenring.ring_attn(*mine, causal=True)  # the ranks are still in step
+    ref, _ = full_attention(q, k, v, causal=True, scale=4**-0.5)
+    torch.testing.assert_close(out, ref[:, rank * s : (rank + 1) * s], atol=1e-12, rtol=0)
+    return {"error": error}
+
+
+def test_non_tensor_on_one_rank_raises_on_every_rank() -> None:
+    """q=None raised on its rank before the rank check: the others waited for it."""
+    results = tokenring.launch(_one_rank_passes_none, world_size=2, timeout_s=120)
+    assert results[1]["error"] == "q must be a torch.Tensor; got NoneType"
+    assert results[0]["error"] is not None
+    assert "rank 1" in results[0]["error"] and "q must be a torch.Tensor" in results[0]["error"]

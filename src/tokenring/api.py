@@ -782,15 +782,30 @@ def sequence_parallel_attn(
     # return_lse is checked inside the operator, with the ranks' agreement, as every option
     values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group")}
     values["block_kernel"] = values.pop("kernel")  # the operator's name for it
-    for name, x in (("q", q), ("k", k), ("v", v)):  # the operator takes only tensors
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    _check_tensors(q, k, v, group, check_ranks)
     options, record = _op_options(values)
     handle = _group_handle(group)
     requires_grad = [torch.is_grad_enabled() and x.requires_grad for x in (q, k, v)]
     out, lse, *_ = _attention(q, k, v, group=handle, requires_grad=requires_grad, **options)
     del record  # held through the call: the registry holds it weakly
     return (out, lse) if return_lse else out
+
+
+def _check_tensors(q: Any, k: Any, v: Any, group: GroupLike, check_ranks: object) -> None:
+    """ValueError unless q, k and v are tensors (the operator takes only tensors); the peers
+    learn it from the rank check (Note [Rank agreement]), so they do not wait for this rank."""
+    wrong = [(n, x) for n, x in (("q", q), ("k", k), ("v", v)) if not isinstance(x, torch.Tensor)]
+    if not wrong:
+        return
+    name, x = wrong[0]
+    problem = ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+
+    def fail() -> tuple[None, None]:
+        raise problem
+
+    if check_ranks is True and not torch.compiler.is_compiling():
+        get_communicator(group).agreed(fail, what="attention call")
+    raise problem
 
 
 # name -> (its primitive's type, the placeholder while the value travels in the raw record)
