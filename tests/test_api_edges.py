@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import full_attention, make_inputs
+from tokenring.tinylm import TinyCausalLM, TinyLMConfig, generate, generate_reference
 
 
 def _one_rank_bad_return_lse() -> dict[str, Any]:
@@ -89,3 +90,57 @@ def test_non_tensor_on_one_rank_raises_on_every_rank() -> None:
     assert results[1]["error"] == "q must be a torch.Tensor; got NoneType"
     assert results[0]["error"] is not None
     assert "rank 1" in results[0]["error"] and "q must be a torch.Tensor" in results[0]["error"]
+
+
+def _generate_with(case: str) -> dict[str, Any]:
+    """tinylm.generate where rank 1's prompts or max_new_tokens differ from rank 0's; then a
+    call where they agree, checked against generate_reference (one process, no cache)."""
+    rank = dist.get_rank()
+    model = TinyCausalLM(TinyLMConfig(), seed=0, dtype=torch.float64)
+    prompts, count = [[1, 2, 3, 4, 5]], 3
+    if case == "prompts" and rank == 1:
+        prompts = [[9, 8, 7, 6, 5]]
+    if case == "max_new_tokens" and rank == 1:
+        count = 4
+    try:
+        got = generate(model, prompts, count, strategy="pass_kv").tokens
+        error = None
+    except ValueError as exc:
+        got, error = None, str(exc)
+    same = generate(model, [[1, 2, 3]], 2, strategy="pass_kv").tokens
+    assert same == generate_reference(model, [[1, 2, 3]], 2)
+    return {"error": error, "tokens": got, "reference": generate_reference(model, prompts, count)}
+
+
+@pytest.mark.parametrize("case", ["prompts", "max_new_tokens"])
+def test_generate_ranks_that_differ_raise_on_every_rank(case: str) -> None:
+    """Other prompts on one rank gave it the tokens of rank 0's prompt (a silent wrong
+    answer); another max_new_tokens left the rank with fewer steps waiting for the other's
+    until the timeout. Both raise on every rank, naming the difference."""
+    results = tokenring.launch(_generate_with, case, world_size=2, timeout_s=120)
+    for result in results:
+        assert result["error"] is not None, result
+        assert "ranks disagree on this generate call" in result["error"]
+        assert case in result["error"]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "count", "message"),
+    [
+        ([[1, True]], 2, "prompt tokens must be ints in \\[0, 96\\); got \\[True\\]"),
+        ([[1, 2.0]], 2, "prompt tokens must be ints in \\[0, 96\\); got \\[2.0\\]"),
+        ([[1, 2]], True, "max_new_tokens must be an int >= 1; got True"),
+        ([[1, 2]], 2.5, "max_new_tokens must be an int >= 1; got 2.5"),
+        ([[1, 2]], 0, "max_new_tokens must be >= 1; got 0"),
+    ],
+)
+def test_generate_rejects_what_is_not_an_int(
+    single_rank_group: None, prompts: Any, count: Any, message: str
+) -> None:
+    """A float token failed deep in the model (an index of float type); max_new_tokens=True
+    ran one step, 2.5 failed in range()."""
+    model = TinyCausalLM(TinyLMConfig(), seed=0, dtype=torch.float64)
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompts, count, strategy="pass_kv")
+    with pytest.raises(ValueError, match=message):
+        generate_reference(model, prompts, count)
