@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -144,3 +145,38 @@ def test_generate_rejects_what_is_not_an_int(
         generate(model, prompts, count, strategy="pass_kv")
     with pytest.raises(ValueError, match=message):
         generate_reference(model, prompts, count)
+
+
+@pytest.mark.parametrize("timeout", [True, "x", np.float32(5.0), -1.0, float("inf")])
+def test_get_communicator_timeout_must_be_a_number(single_rank_group: None, timeout: Any) -> None:
+    """timeout_s=True set a timeout of 1 s; "x" and a numpy float32 failed with a TypeError
+    from a comparison or timedelta."""
+    with pytest.raises(ValueError, match="timeout_s must be a finite number > 0; got"):
+        tokenring.get_communicator(timeout_s=timeout)
+
+
+def test_get_communicator_sets_a_communicators_timeout(single_rank_group: None) -> None:
+    """timeout_s with a Communicator was ignored: "from now on" holds for it too."""
+    comm = tokenring.get_communicator()
+    before = comm.timeout
+    try:
+        assert tokenring.get_communicator(comm, timeout_s=7).timeout.total_seconds() == 7
+        assert comm.timeout.total_seconds() == 7
+    finally:
+        comm.timeout = before
+
+
+def test_resolve_strategy_auto_names_bad_arguments(single_rank_group: None) -> None:
+    """q of 3 dims failed with 'not enough values to unpack', q=None with an AttributeError;
+    each is a ValueError naming the argument."""
+    q = torch.randn(1, 8, 2, 4, dtype=torch.bfloat16)
+    comm = tokenring.get_communicator()
+    call = dict(causal=True, layout="contiguous", hardware="h200-nvswitch")
+    for bad, message in (
+        (dict(q=q[0], k=q, comm=comm), "q must have 4 dims"),
+        (dict(q=None, k=q, comm=comm), "q must be a torch.Tensor; got NoneType"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tokenring.resolve_strategy("auto", **bad, **call)
+    pick = tokenring.resolve_strategy("auto", q=q, k=q, comm=comm, **call)
+    assert isinstance(pick, tokenring.Strategy)

@@ -76,13 +76,22 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
 
     Args:
         timeout_s: the limit of any transfer or collective of it from now on (default 300 s
-            when it is built here).
+            when it is built here), a Communicator's too.
 
     Raises:
-        ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
+        ValueError: a DeviceMesh with more than one dimension, or an unsupported object;
+            timeout_s not a finite number > 0.
         RuntimeError: torch.distributed is not initialised.
     """
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not (timeout_s > 0 and math.isfinite(timeout_s))
+    ):
+        raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s!r}")
     if isinstance(group, Communicator):
+        if timeout_s is not None:
+            group.timeout = timedelta(seconds=timeout_s)
         return group
     group = check_group(group)
     for cached in [c for c in _COMMUNICATORS.values() if not c.group_alive]:
@@ -95,8 +104,6 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
         comm = Communicator(group, timeout_s=timeout_s if timeout_s is not None else 300.0)
         _COMMUNICATORS[comm.group] = comm
     elif timeout_s is not None:
-        if not (timeout_s > 0 and math.isfinite(timeout_s)):
-            raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
         comm.timeout = timedelta(seconds=timeout_s)
     return comm
 
@@ -217,12 +224,14 @@ def resolve_strategy(
             the padded rows every rank holds, so every rank picks the same.
 
     Raises:
-        ValueError: ``"auto"`` without ``hardware``.
+        ValueError: ``"auto"`` without ``hardware``; for ``"auto"``, q and k that
+            :func:`sequence_parallel_attn` refuses.
     """
     if strategy != "auto":
         return Strategy.parse(strategy)
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
+    _validate(q, k, k, None)  # the shapes priced (k as v: v does not change the pick)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if last_block_splits is None:
