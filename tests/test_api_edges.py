@@ -180,3 +180,22 @@ def test_resolve_strategy_auto_names_bad_arguments(single_rank_group: None) -> N
             tokenring.resolve_strategy("auto", **bad, **call)
     pick = tokenring.resolve_strategy("auto", q=q, k=q, comm=comm, **call)
     assert isinstance(pick, tokenring.Strategy)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("rope_base", 0.0, "rope_base must be a finite number > 0; got 0.0"),
+        ("rope_base", -1.0, "rope_base must be a finite number > 0; got -1.0"),
+        ("rope_base", float("nan"), "rope_base must be a finite number > 0; got nan"),
+        ("heads_q", 4.0, "heads_q must be an int >= 1; got 4.0"),
+        ("vocab_size", True, "vocab_size must be an int >= 1; got True"),
+        ("head_dim", 16.0, "head_dim must be even and >= 2 for RoPE; got 16.0"),
+    ],
+)
+def test_tiny_config_rejects_what_it_cannot_build(field: str, value: Any, message: str) -> None:
+    """rope_base 0, -1 or nan made every angle inf or nan (the model's logits nan, the
+    tokens meaningless but equal in generate and generate_reference); a float size failed in
+    torch.randn or was kept."""
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        TinyLMConfig(**{field: value})

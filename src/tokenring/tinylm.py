@@ -10,6 +10,7 @@ L layers, B sequences.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,14 +54,22 @@ class TinyLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "heads_q", "heads_kv", "mlp_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        rope_base = self.rope_base
+        if isinstance(rope_base, bool) or not (
+            isinstance(rope_base, int | float) and 0 < rope_base < math.inf
+        ):
+            raise ValueError(f"rope_base must be a finite number > 0; got {rope_base!r}")
         if self.heads_q % self.heads_kv:
             raise ValueError(
                 f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
                 f"heads_kv={self.heads_kv}"
             )
-        if self.head_dim < 2 or self.head_dim % 2:
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim must be even and >= 2 for RoPE; got {self.head_dim}")
 
 
