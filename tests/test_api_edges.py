@@ -199,3 +199,15 @@ def test_tiny_config_rejects_what_it_cannot_build(field: str, value: Any, messag
     torch.randn or was kept."""
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
         TinyLMConfig(**{field: value})
+
+
+def test_softmax_scale_that_requires_grad_is_rejected(single_rank_group: None) -> None:
+    """A 0-d scale tensor that requires grad got no gradient (None after backward) while the
+    call ran: refused, naming it. A plain 0-d tensor still works, as the oracle says."""
+    q, k, v, _ = make_inputs(seed=5, batch=1, seq_global=4, heads_q=2, heads_kv=2, head_dim=8)
+    scale = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"softmax_scale must be a number.*requires grad"):
+        tokenring.sequence_parallel_attn(q.requires_grad_(), k, v, softmax_scale=scale)
+    out = tokenring.sequence_parallel_attn(q, k, v, softmax_scale=scale.detach())
+    ref, _ = full_attention(q, k, v, causal=False, scale=0.3)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)

@@ -127,7 +127,13 @@ def check_group(group: GroupLike) -> dist.ProcessGroup | Communicator | None:
 
 
 def check_softmax_scale(softmax_scale: float | None) -> None:
-    """ValueError unless ``softmax_scale`` is None or a finite number > 0 (not a bool)."""
+    """ValueError unless ``softmax_scale`` is None or a finite number > 0 (not a bool, not a
+    tensor that requires grad: no gradient flows to it)."""
+    if isinstance(softmax_scale, torch.Tensor) and softmax_scale.requires_grad:
+        raise ValueError(
+            "softmax_scale must be a number: no gradient flows to it, so it may not be a tensor "
+            f"that requires grad; got {softmax_scale!r}"
+        )
     if softmax_scale is not None and (
         isinstance(softmax_scale, bool) or not (softmax_scale > 0 and math.isfinite(softmax_scale))
     ):
