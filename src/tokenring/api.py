@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import math
 import struct
 import zlib
@@ -75,13 +76,22 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
 
     Args:
         timeout_s: the limit of any transfer or collective of it from now on (default 300 s
-            when it is built here).
+            when it is built here), a Communicator's too.
 
     Raises:
-        ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
+        ValueError: a DeviceMesh with more than one dimension, or an unsupported object;
+            timeout_s not a finite number > 0.
         RuntimeError: torch.distributed is not initialised.
     """
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not (timeout_s > 0 and math.isfinite(timeout_s))
+    ):
+        raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s!r}")
     if isinstance(group, Communicator):
+        if timeout_s is not None:
+            group.timeout = timedelta(seconds=timeout_s)
         return group
     group = check_group(group)
     for cached in [c for c in _COMMUNICATORS.values() if not c.group_alive]:
@@ -94,8 +104,6 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
         comm = Communicator(group, timeout_s=timeout_s if timeout_s is not None else 300.0)
         _COMMUNICATORS[comm.group] = comm
     elif timeout_s is not None:
-        if not (timeout_s > 0 and math.isfinite(timeout_s)):
-            raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
         comm.timeout = timedelta(seconds=timeout_s)
     return comm
 
@@ -119,8 +127,16 @@ def check_group(group: GroupLike) -> dist.ProcessGroup | Communicator | None:
 
 
 def check_softmax_scale(softmax_scale: float | None) -> None:
-    """ValueError unless ``softmax_scale`` is None or a finite number > 0."""
-    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+    """ValueError unless ``softmax_scale`` is None or a finite number > 0 (not a bool, not a
+    tensor that requires grad: no gradient flows to it)."""
+    if isinstance(softmax_scale, torch.Tensor) and softmax_scale.requires_grad:
+        raise ValueError(
+            "softmax_scale must be a number: no gradient flows to it, so it may not be a tensor "
+            f"that requires grad; got {softmax_scale!r}"
+        )
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not (softmax_scale > 0 and math.isfinite(softmax_scale))
+    ):
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 
 
@@ -214,12 +230,14 @@ def resolve_strategy(
             the padded rows every rank holds, so every rank picks the same.
 
     Raises:
-        ValueError: ``"auto"`` without ``hardware``.
+        ValueError: ``"auto"`` without ``hardware``; for ``"auto"``, q and k that
+            :func:`sequence_parallel_attn` refuses.
     """
     if strategy != "auto":
         return Strategy.parse(strategy)
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
+    _validate(q, k, k, None)  # the shapes priced (k as v: v does not change the pick)
     if training is None:
         training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if last_block_splits is None:
@@ -426,7 +444,7 @@ def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
     """The strategy asked for ("auto" or a Strategy's value); checks the options that go
     with it."""
     last_block_splits = options["last_block_splits"]
-    check_flags(causal=options["causal"])
+    check_flags(causal=options["causal"], return_lse=options.get("return_lse", False))
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
         raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
     if last_block_splits < 1:
@@ -510,7 +528,7 @@ _OPTIONS_SCHEMA = (
     "str group, str strategy, bool causal, float? softmax_scale, str layout, "
     "str? block_kernel, int? last_block_splits, str? last_pair, bool check_ranks, "
     "str? hardware, int? seq_len, int[]? cu_seqlens, int[]? window_size, "
-    "int? attention_chunk_size, bool[] requires_grad, str? raw"
+    "int? attention_chunk_size, bool[] requires_grad, str? raw, bool return_lse=False"
 )
 
 
@@ -776,18 +794,33 @@ def sequence_parallel_attn(
         RuntimeError: under torch.compile, a ProcessGroup not seen eagerly (call
             ``get_communicator(group)`` once first).
     """
-    check_flags(return_lse=return_lse)
-    values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group", "return_lse")}
+    # return_lse is checked inside the operator, with the ranks' agreement, as every option
+    values = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "group")}
     values["block_kernel"] = values.pop("kernel")  # the operator's name for it
-    for name, x in (("q", q), ("k", k), ("v", v)):  # the operator takes only tensors
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    _check_tensors(q, k, v, group, check_ranks)
     options, record = _op_options(values)
     handle = _group_handle(group)
     requires_grad = [torch.is_grad_enabled() and x.requires_grad for x in (q, k, v)]
     out, lse, *_ = _attention(q, k, v, group=handle, requires_grad=requires_grad, **options)
     del record  # held through the call: the registry holds it weakly
     return (out, lse) if return_lse else out
+
+
+def _check_tensors(q: Any, k: Any, v: Any, group: GroupLike, check_ranks: object) -> None:
+    """ValueError unless q, k and v are tensors (the operator takes only tensors); the peers
+    learn it from the rank check (Note [Rank agreement]), so they do not wait for this rank."""
+    wrong = [(n, x) for n, x in (("q", q), ("k", k), ("v", v)) if not isinstance(x, torch.Tensor)]
+    if not wrong:
+        return
+    name, x = wrong[0]
+    problem = ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+
+    def fail() -> tuple[None, None]:
+        raise problem
+
+    if check_ranks is True and not torch.compiler.is_compiling():
+        get_communicator(group).agreed(fail, what="attention call")
+    raise problem
 
 
 # name -> (its primitive's type, the placeholder while the value travels in the raw record)
@@ -803,6 +836,7 @@ _PRIMITIVES: dict[str, tuple[type, Any]] = {
     "hardware": (str, None),
     "seq_len": (int, None),
     "attention_chunk_size": (int, None),
+    "return_lse": (bool, False),
 }
 
 
@@ -973,6 +1007,7 @@ class SequenceParallelAttention(torch.nn.Module):
     Raises:
         ValueError: ``return_lse`` other than False (forward returns ``out`` only; call
             :func:`sequence_parallel_attn` for ``(out, lse)``).
+        TypeError: an option that :func:`sequence_parallel_attn` does not take.
     """
 
     def __init__(
@@ -986,6 +1021,13 @@ class SequenceParallelAttention(torch.nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
+        known = inspect.signature(sequence_parallel_attn).parameters
+        unknown = sorted(name for name in options if name not in known or name in ("q", "k", "v"))
+        if unknown:
+            raise TypeError(
+                f"SequenceParallelAttention got options that sequence_parallel_attn does not "
+                f"take: {', '.join(unknown)}"
+            )
         if options.get("return_lse", False) is not False:
             raise ValueError(
                 "return_lse must be False for SequenceParallelAttention (forward returns out "

@@ -10,6 +10,8 @@ L layers, B sequences.
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -52,14 +54,22 @@ class TinyLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "heads_q", "heads_kv", "mlp_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        rope_base = self.rope_base
+        if isinstance(rope_base, bool) or not (
+            isinstance(rope_base, int | float) and 0 < rope_base < math.inf
+        ):
+            raise ValueError(f"rope_base must be a finite number > 0; got {rope_base!r}")
         if self.heads_q % self.heads_kv:
             raise ValueError(
                 f"heads_kv must divide heads_q; got heads_q={self.heads_q}, "
                 f"heads_kv={self.heads_kv}"
             )
-        if self.head_dim < 2 or self.head_dim % 2:
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim must be even and >= 2 for RoPE; got {self.head_dim}")
 
 
@@ -150,10 +160,13 @@ def _full_causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens: int) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError(f"prompts must be one or more non-empty token lists; got {prompts!r}")
-    for p in prompts:
-        bad = [t for t in p if not 0 <= t < vocab_size]
+    for p in prompts:  # an int: anything with __index__ but a bool
+        bad = [t for t in p if isinstance(t, bool) or not hasattr(type(t), "__index__")]
+        bad = bad or [t for t in p if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt tokens must be in [0, {vocab_size}); got {bad[:5]}")
+            raise ValueError(f"prompt tokens must be ints in [0, {vocab_size}); got {bad[:5]}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
 
@@ -218,13 +231,25 @@ def generate(
         The new tokens per prompt and the cache.
 
     Raises:
-        ValueError: empty prompts, tokens outside the vocabulary, max_new_tokens < 1.
+        ValueError: on every rank: empty prompts, tokens outside the vocabulary, max_new_tokens
+            not an int >= 1; ranks with other prompts, max_new_tokens, strategy or config.
         KVCacheBudgetError: a rank would exceed ``budget_bytes``.
     """
 
     c = model.config
-    _check_prompts(prompts, c.vocab_size, max_new_tokens)
     comm = get_communicator(group)
+
+    def validate() -> tuple[None, dict[str, Any]]:  # Note [Rank agreement] in tokenring.api
+        _check_prompts(prompts, c.vocab_size, max_new_tokens)
+        tokens = [[int(t) for t in p] for p in prompts]
+        return None, {
+            "prompts": [len(tokens), zlib.crc32(repr(tokens).encode())],
+            "max_new_tokens": max_new_tokens,
+            "strategy": str(getattr(strategy, "value", strategy)),
+            "config": repr(c),
+        }
+
+    comm.agreed(validate, what="generate call")
     device = model.embed.device
     cache = DistributedKVCache(
         num_layers=c.num_layers,
