@@ -155,6 +155,13 @@ def test_get_communicator_timeout_must_be_a_number(single_rank_group: None, time
         tokenring.get_communicator(timeout_s=timeout)
 
 
+@pytest.mark.parametrize("timeout", [True, "x", 0, float("nan")])
+def test_a_communicator_timeout_must_be_a_number(single_rank_group: None, timeout: Any) -> None:
+    """Communicator(timeout_s=True) built a communicator with a 1 s limit."""
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
+        tokenring.Communicator(timeout_s=timeout)
+
+
 def test_get_communicator_sets_a_communicators_timeout(single_rank_group: None) -> None:
     """timeout_s with a Communicator was ignored: "from now on" holds for it too."""
     comm = tokenring.get_communicator()

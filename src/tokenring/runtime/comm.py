@@ -498,8 +498,9 @@ class Communicator:
                 "torch.distributed is not initialized; call tokenring.init_distributed() or "
                 "torch.distributed.init_process_group() before building a Communicator"
             )
-        if not (isinstance(timeout_s, int | float) and 0 < timeout_s < 10**7):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s}")
+        number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+        if not (number and 0 < timeout_s < 10**7):  # True would be a 1 s limit
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s!r}")
         base = group if group is not None else dist.group.WORLD
         assert base is not None
         self.group = base
