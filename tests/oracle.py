@@ -49,7 +49,8 @@ def sharded_positions(
     if layout == "contiguous":
         return pieces(0, seq_len, world_size)[rank]
     assert layout == "zigzag"
-    bounds = cu_seqlens if cu_seqlens is not None else [0, seq_len]
+    # plain ints: a tensor's 0-d elements would be advanced in place by pieces' ``at += n``
+    bounds = [int(x) for x in cu_seqlens] if cu_seqlens is not None else [0, seq_len]
     early: list[int] = []
     late: list[int] = []
     for a, b in itertools.pairwise(bounds):
