@@ -18,15 +18,21 @@ from oracle import full_attention, make_inputs
 from tokenring.tinylm import TinyCausalLM, TinyLMConfig, generate, generate_reference
 
 
-def _one_rank_bad_return_lse() -> dict[str, Any]:
-    """Rank 1 passes return_lse=1, rank 0 a valid call; then both make a valid call."""
+def _one_rank_bad_call(bad: str) -> dict[str, Any]:
+    """Rank 1 makes a bad call (``bad``: "return_lse" = 1, or "q" = None, say a rank with no
+    tokens), rank 0 a valid one; then both make a valid call, checked against the oracle."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    q, k, v, _ = make_inputs(seed=3, batch=1, seq_global=8, heads_q=2, heads_kv=2, head_dim=4)
+    q, k, v, _ = make_inputs(seed=3, batch=1, seq_global=8, heads_q=2, heads_kv=1, head_dim=4)
     s = 8 // world_size
     mine = [x[:, rank * s : (rank + 1) * s] for x in (q, k, v)]
+    args: list[Any] = list(mine)
+    options: dict[str, Any] = {}
+    if rank == 1 and bad == "q":
+        args[0] = None
+    if bad == "return_lse":
+        options["return_lse"] = 1 if rank == 1 else False
     try:
-        return_lse: Any = 1 if rank == 1 else False
-        tokenring.sequence_parallel_attn(*mine, return_lse=return_lse)
+        tokenring.sequence_parallel_attn(*args, strategy="ring", **options)
         error = None
     except ValueError as exc:
         error = str(exc)
@@ -36,13 +42,20 @@ def _one_rank_bad_return_lse() -> dict[str, Any]:
     return {"error": error}
 
 
-def test_return_lse_invalid_on_one_rank_raises_on_every_rank() -> None:
-    """return_lse was checked before the ranks' agreement: the rank with return_lse=1 raised
-    alone and the others waited for it until the group's timeout."""
-    results = tokenring.launch(_one_rank_bad_return_lse, world_size=2, timeout_s=120)
-    assert results[1]["error"] == "return_lse must be a bool; got 1"
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("return_lse", "return_lse must be a bool; got 1"),
+        ("q", "q must be a torch.Tensor; got NoneType"),
+    ],
+)
+def test_a_bad_call_on_one_rank_raises_on_every_rank(bad: str, message: str) -> None:
+    """return_lse and q were checked before the ranks' agreement: the rank with the bad value
+    raised alone and the others waited for it until the group's timeout."""
+    results = tokenring.launch(_one_rank_bad_call, bad, world_size=2, timeout_s=120)
+    assert results[1]["error"] == message
     assert results[0]["error"] is not None
-    assert "rank 1" in results[0]["error"] and "return_lse must be a bool" in results[0]["error"]
+    assert "rank 1" in results[0]["error"] and message.split(";")[0] in results[0]["error"]
 
 
 @pytest.mark.parametrize("scale", [True, False])
@@ -65,32 +78,6 @@ def test_module_rejects_unknown_option_at_build(single_rank_group: None) -> None
     q, k, v, _ = make_inputs(seed=1, batch=1, seq_global=8, heads_q=2, heads_kv=1, head_dim=4)
     ref, _ = full_attention(q, k, v, causal=False, scale=4**-0.5)
     torch.testing.assert_close(module(q, k, v), ref, atol=1e-12, rtol=0)
-
-
-def _one_rank_passes_none() -> dict[str, Any]:
-    """Rank 1 passes q=None (say, a rank with no tokens), rank 0 a valid call; then both
-    make a valid call."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    q, k, v, _ = make_inputs(seed=4, batch=1, seq_global=8, heads_q=2, heads_kv=1, head_dim=4)
-    s = 8 // world_size
-    mine = [x[:, rank * s : (rank + 1) * s] for x in (q, k, v)]
-    try:
-        tokenring.ring_attn(None if rank == 1 else mine[0], *mine[1:])
-        error = None
-    except ValueError as exc:
-        error = str(exc)
-    out = tokenring.ring_attn(*mine, causal=True)  # the ranks are still in step
-    ref, _ = full_attention(q, k, v, causal=True, scale=4**-0.5)
-    torch.testing.assert_close(out, ref[:, rank * s : (rank + 1) * s], atol=1e-12, rtol=0)
-    return {"error": error}
-
-
-def test_non_tensor_on_one_rank_raises_on_every_rank() -> None:
-    """q=None raised on its rank before the rank check: the others waited for it."""
-    results = tokenring.launch(_one_rank_passes_none, world_size=2, timeout_s=120)
-    assert results[1]["error"] == "q must be a torch.Tensor; got NoneType"
-    assert results[0]["error"] is not None
-    assert "rank 1" in results[0]["error"] and "q must be a torch.Tensor" in results[0]["error"]
 
 
 def _generate_with(case: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 
 from tokenring.api import get_communicator
+from tokenring.core.layout import check_size
 from tokenring.inference import cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
@@ -54,11 +55,7 @@ class TinyLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "heads_q", "heads_kv", "mlp_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1; got {value}")
+            check_size(name, getattr(self, name), 1)
         rope_base = self.rope_base
         if isinstance(rope_base, bool) or not (
             isinstance(rope_base, int | float) and 0 < rope_base < math.inf
@@ -165,10 +162,7 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_to
         bad = bad or [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt tokens must be ints in [0, {vocab_size}); got {bad[:5]}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    check_size("max_new_tokens", max_new_tokens, 1)
 
 
 @torch.no_grad()

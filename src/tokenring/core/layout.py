@@ -102,6 +102,15 @@ def check_int(name: str, value: object, minimum: int, *, optional: bool = False)
         raise ValueError(f"{name} must be an int >= {minimum}{extra}; got {value!r}")
 
 
+def check_size(name: str, value: object, minimum: int) -> None:
+    """ValueError naming ``value`` unless it is an int (not a bool) >= ``minimum``: "must be an
+    int >= m" for another type, "must be >= m" for an int below it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+
+
 def _check_seq_dim(x: torch.Tensor, seq_dim: int, name: str = "x") -> None:
     dims = x.dim()
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or not -dims <= seq_dim < dims:

@@ -80,6 +80,7 @@ from functools import partial
 import torch
 
 from tokenring.core.enums import parse_enum
+from tokenring.core.layout import check_size
 from tokenring.core.schedule import Payload, Transfer
 
 __all__ = [
@@ -231,10 +232,7 @@ def uniform_shards(
         ("new", new, 0),
         ("block_size", block_size, 1),
     ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}; got {value}")
+        check_size(name, value, low)
     place = partial(place_new_tokens, world_size=world_size, block_size=block_size, zigzag=False)
     everything = place(cached=[0] * batch, new=[cached + new] * batch)  # placed alike
     return CachedShards(place(cached=[cached] * batch, new=[new] * batch), everything)
