@@ -52,12 +52,31 @@ def test_bad_tensors(single_rank_group: None, change, match: str) -> None:
         ({"softmax_scale": -1.0}, "softmax_scale must be a finite number > 0"),
         ({"kernel": "warp_drive"}, "kernel must be one of"),
         ({"last_block_splits": 0}, "last_block_splits must be >= 1; got 0"),
+        (
+            {"strategy": "ring", "last_block_splits": 2},
+            r"last_block_splits is read only by the pass-Q strategies \('token_ring', "
+            r"'bidir_token_ring'\) and 'auto'; got last_block_splits=2 with strategy='ring'",
+        ),
+        ({"strategy": "ulysses", "last_block_splits": 1}, "with strategy='ulysses'"),
+        ({"strategy": "bidir_ring", "last_block_splits": 3}, "with strategy='bidir_ring'"),
+        ({"strategy": "allgather_kv", "last_block_splits": 2}, "with strategy='allgather_kv'"),
         ({"group": "everyone"}, "group must be a ProcessGroup"),
     ],
 )
 def test_bad_options(single_rank_group: None, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         tokenring.sequence_parallel_attn(*_qkv(), **kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "bidir_token_ring", "ring", "ulysses"])
+def test_last_block_splits_is_taken_where_it_is_read(single_rank_group: None, strategy) -> None:
+    """A given last_block_splits runs with the pass-Q strategies (and is refused with the others,
+    above); left None it runs with every strategy."""
+    q, k, v = _qkv(hkv=4)
+    ref = tokenring.sequence_parallel_attn(q, k, v, strategy="allgather_kv", causal=True)
+    splits = {"last_block_splits": 3} if strategy in ("token_ring", "bidir_token_ring") else {}
+    out = tokenring.sequence_parallel_attn(q, k, v, strategy=strategy, causal=True, **splits)
+    torch.testing.assert_close(out, ref)
 
 
 def test_zigzag_needs_even_local_length(single_rank_group: None) -> None:

@@ -401,6 +401,14 @@ def test_hybrid_refuses_collective_outer_axis(single_rank_group: None) -> None:
         hybrid_attn(q, q, q, mesh=mesh, outer_strategy="ulysses")
     with pytest.raises(ValueError, match="outer x inner must equal the world size 1"):
         hybrid_mesh(2, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"last_block_splits is read only by the pass-Q outer strategies .* got "
+        r"last_block_splits=2 with outer_strategy='ring' \(leave it None\)",
+    ):
+        hybrid_attn(q, q, q, mesh=mesh, outer_strategy="ring", last_block_splits=2)
+    with pytest.raises(ValueError, match="last_block_splits must be >= 1; got 0"):
+        hybrid_attn(q, q, q, mesh=mesh, last_block_splits=0)
     with pytest.raises(ValueError, match=r"seq_dim must be an int in \[-4, 4\) for x of shape"):
         hybrid_shard(q, outer_rank=0, inner_rank=0, outer=1, inner=1, layout="zigzag", seq_dim=4)
 

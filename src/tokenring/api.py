@@ -366,12 +366,14 @@ def _prepare_call(
     *,
     comm: Communicator,
     options: dict[str, Any],
+    splits_given: bool,
 ) -> tuple[_Call, dict[str, Any]]:
-    """Validate one rank's call (``options``: the operator's, :func:`_merged`) and build the
+    """Validate one rank's call (``options``: the operator's, :func:`_merged`, with
+    ``last_block_splits`` resolved; ``splits_given``: the caller passed it) and build the
     signature the ranks compare (Note [Rank agreement]); no communication."""
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
-    requested = _requested_strategy(q, options)
+    requested = _requested_strategy(q, options, splits_given)
     sharding = _sharding(q, comm, layout, options["seq_len"], options["cu_seqlens"])
     window = normalize_window(options["window_size"], causal=options["causal"])
     mask_docs = chunk_documents(sharding.cu_seqlens, options["attention_chunk_size"])
@@ -440,9 +442,9 @@ def _bounds_digest(bounds: Sequence[int]) -> list[int]:
     return [len(bounds), zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))]
 
 
-def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
+def _requested_strategy(q: torch.Tensor, options: dict[str, Any], splits_given: bool) -> str:
     """The strategy asked for ("auto" or a Strategy's value); checks the options that go
-    with it."""
+    with it (a ``last_block_splits`` given only to a strategy that slices its last block)."""
     last_block_splits = options["last_block_splits"]
     check_flags(causal=options["causal"], return_lse=options.get("return_lse", False))
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
@@ -456,6 +458,12 @@ def _requested_strategy(q: torch.Tensor, options: dict[str, Any]) -> str:
             "strategy 'hybrid' runs on a 2-D mesh, not one group: call "
             "tokenring.hybrid_attn(q, k, v, mesh=tokenring.hybrid_mesh(outer, inner), "
             "outer_strategy=...) instead"
+        )
+    if splits_given and requested != "auto" and not Strategy(requested).passes_q:
+        raise ValueError(
+            f"last_block_splits is read only by the pass-Q strategies ('token_ring', "
+            f"'bidir_token_ring') and 'auto'; got last_block_splits={last_block_splits} with "
+            f"strategy={requested!r} (leave it None)"
         )
     if requested == Strategy.BIDIR_TOKEN_RING.value and q.shape[2] < 2:
         raise NotImplementedError(
@@ -899,9 +907,12 @@ def _plan(
         options = {**options, "check_ranks": False, "hardware": None}
     check_flags(check_ranks=options["check_ranks"])
     comm = get_communicator(op.resolve_group(options["group"]))
+    splits_given = options["last_block_splits"] is not None
     options = _with_splits(options, comm, q.device)
 
-    validate = functools.partial(_prepare_call, q, k, v, comm=comm, options=options)
+    validate = functools.partial(
+        _prepare_call, q, k, v, comm=comm, options=options, splits_given=splits_given
+    )
     check_ranks = options["check_ranks"]
     call = comm.agreed(validate, what="attention call", check_ranks=check_ranks, deferred=True)
     with comm.settled_on_error():

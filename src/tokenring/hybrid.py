@@ -317,9 +317,9 @@ def _prepare(
     communication."""
     p_in = mesh.inner_size
     outer = get_communicator(mesh.outer)
+    strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
     if last_block_splits is None:  # Note [Last block slices] in tokenring.api
         last_block_splits = last_block_splits_for(outer.path(q.device))
-    strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
     layout = Layout.parse(layout)
     window = normalize_window(window_size, causal=causal)
     chunk_documents((0, 1), attention_chunk_size)  # validates it
@@ -390,9 +390,10 @@ def _checked(
     outer_strategy: Strategy | str,
     causal: bool,
     softmax_scale: float | None,
-    last_block_splits: int,
+    last_block_splits: int | None,
 ) -> Strategy:
-    """The outer strategy, once it and the tensors, causal and last_block_splits are checked."""
+    """The outer strategy, once it and the tensors, causal and last_block_splits (None, or
+    an int >= 1 for a pass-Q outer strategy) are checked."""
     strategy = Strategy.parse(outer_strategy)
     if not strategy.is_ring:
         raise NotImplementedError(
@@ -413,8 +414,18 @@ def _checked(
         )
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool; got {causal!r}")
+    if last_block_splits is None:
+        return strategy
     if isinstance(last_block_splits, bool) or not isinstance(last_block_splits, int):
         raise ValueError(f"last_block_splits must be an int >= 1; got {last_block_splits!r}")
+    if last_block_splits < 1:
+        raise ValueError(f"last_block_splits must be >= 1; got {last_block_splits}")
+    if not strategy.passes_q:
+        raise ValueError(
+            f"last_block_splits is read only by the pass-Q outer strategies ('token_ring', "
+            f"'bidir_token_ring'); got last_block_splits={last_block_splits} with "
+            f"outer_strategy={strategy.value!r} (leave it None)"
+        )
     return strategy
 
 
