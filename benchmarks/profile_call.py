@@ -156,7 +156,7 @@ def agree_main(args: argparse.Namespace) -> dict[str, float]:
     )  # fmt: skip
     options, _record = _op_options(values)
     options = {**_merged(options), "requires_grad": [True] * 3}  # as the operator gets them
-    _call, signature = _prepare_call(q, q, q, comm=comm, options=options)
+    _call, signature = _prepare_call(q, q, q, comm=comm, options=options, splits_given=False)
     data = json.dumps({"signature": signature}, sort_keys=True).encode()
     times: dict[str, list[float]] = {w: [] for w in ("digest", "rows", "digest cpu", "rows cpu")}
     for _ in range(args.agree):

@@ -58,8 +58,10 @@ def draw(rng: random.Random, world_size: int, *, ring_only: bool = False) -> dic
     options: dict[str, Any] = {}
     if strategy in ("token_ring", "auto") and rng.random() < 0.5:
         options["last_pair"] = rng.choice(["return", "lend", "auto"])
-    if strategy in RING or strategy == "auto":
-        options["last_block_splits"] = rng.choice([None, 1, 2, 3])
+    if strategy in RING or strategy == "auto":  # drawn for every ring: the same draws as before
+        splits = rng.choice([None, 1, 2, 3])
+        if strategy in ("token_ring", "bidir_token_ring", "auto"):  # the others refuse it
+            options["last_block_splits"] = splits
     if rng.random() < 0.25:
         options["kernel"] = "reference"
     return {

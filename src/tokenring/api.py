@@ -771,7 +771,8 @@ def sequence_parallel_attn(
             query head with one K/V head, or per row of a single unmasked piece): a larger
             value gives the same slices (Note [Last block by heads] in
             tokenring.strategies.ring). None: 2, or 1 where the communicator moves messages
-            through shared memory (Note [Last block slices]).
+            through shared memory (Note [Last block slices]). Only the pass-Q strategies and
+            ``"auto"`` take an int; the others take only None.
         last_pair: TokenRing's last pair (Note [Borrowed last pair] in
             tokenring.strategies.ring): ``"return"``, ``"lend"`` or ``"auto"`` (the cost model
             decides on ``hardware``). None: ``"auto"`` with ``strategy="auto"``, else
@@ -907,7 +908,8 @@ def _plan(
         options = {**options, "check_ranks": False, "hardware": None}
     check_flags(check_ranks=options["check_ranks"])
     comm = get_communicator(op.resolve_group(options["group"]))
-    splits_given = options["last_block_splits"] is not None
+    # checked once, by the forward (the backward runs the strategy "auto" may have picked)
+    splits_given = options["last_block_splits"] is not None and not backward
     options = _with_splits(options, comm, q.device)
 
     validate = functools.partial(
