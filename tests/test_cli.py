@@ -115,6 +115,28 @@ BAD = [
     (["bench", "--mode", "memory", "--heads", "1", "--kv-heads", "1"], ["bidir_token_ring", "1"]),
     # a hybrid factorisation given but not fitting: named, not "changes only --strategies hybrid"
     (["bench", "--hybrid-inner", "3"], ["--hybrid-inner 3", "world_size=4"]),
+    # an option the run does not read is refused at any value, its default too (it was
+    # accepted and dropped when it equalled the default: --seq 1024 passed, --seq 8192 not)
+    (["bench", "--mode", "memory", "--seq", "1024"], ["--seq is for --mode attention"]),
+    (["bench", "--mode", "decode", "--passes", "fwd,fwd+bwd"], ["--passes", "attention"]),
+    (["bench", "--mode", "decode", "--layout", "auto"], ["--layout", "attention"]),
+    (["bench", "--mode", "decode", "--causal", "both"], ["--causal", "attention or memory"]),
+    (["bench", "--mode", "decode", "--last-pair", "return"], ["--last-pair", "attention"]),
+    (["bench", "--mode", "decode", "--hybrid-inner", "2"], ["--hybrid-inner", "attention"]),
+    (["bench", "--mode", "memory", "--hybrid-outer", "token_ring"], ["--hybrid-outer"]),
+    (["bench", "--mode", "memory", "--iters", "5"], ["--iters", "decode", "--mode memory"]),
+    (["bench", "--mode", "memory", "--warmup", "1"], ["--warmup", "--mode memory"]),
+    (["bench", "--mode", "memory", "--topology", "mesh"], ["--topology", "--mode memory"]),
+    (["bench", "--cached", "4096"], ["--cached is for --mode decode"]),
+    (["bench", "--block-size", "64"], ["--block-size is for --mode decode"]),
+    (["bench", "--seq-local", "4096,16384,65536"], ["--seq-local is for --mode memory"]),
+    (["bench", "--topology", "mesh"], ["--topology", "without --link"]),
+    (["bench", "--strategies", "ring", "--last-pair", "return"], ["--last-pair", "token_ring"]),
+    (["bench", "--strategies", "ring", "--hybrid-inner", "2"], ["--hybrid-inner", "hybrid"]),
+    (["bench", "--strategies", "ring", "--hybrid-outer", "token_ring"], ["--hybrid-outer"]),
+    (["bench", "--world-size", "3", "--hybrid-inner", "2"], ["--hybrid-inner 2", "world_size=3"]),
+    (["simulate", "--strategies", "ring", "--splits", "2"], ["--splits", "token_ring"]),
+    (["simulate", "--hybrid-outer", "token_ring"], ["--hybrid-outer", "--strategies hybrid"]),
     (["demo", "--world-size", "0"], ["--world-size", "'0'"]),
     (["demo", "--seq", "-1"], ["--seq", "'-1'"]),
     (["demo", "--iters", "0"], ["--iters"]),
@@ -207,6 +229,9 @@ def test_a_world_size_that_torchrun_overrides_is_refused(
     for mode in ("attention", "decode", "memory"):
         line = _usage_error(["bench", "--mode", mode, "--world-size", "3"], capsys)
         assert "--world-size 3" in line and "torchrun" in line and "2 ranks" in line
+    # bench's default world size is 4: given, it is as wrong as any other (it passed)
+    line = _usage_error(["bench", "--world-size", "4"], capsys)
+    assert "--world-size 4" in line and "2 ranks" in line
 
 
 def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_starts: None) -> None:
@@ -218,6 +243,23 @@ def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_star
         ["bench", "--mode", "decode", "--cached", "0,64", "--new", "1"],
         ["demo", "--seq", "33", "--world-size", "2"],
         ["simulate", "--world-size", "8", "4096", "--json", "--plot", str(tmp_path / "c.png")],
+    ):
+        with pytest.raises(Started):
+            main(argv)
+
+
+def test_an_option_given_at_its_default_reaches_the_run_that_reads_it(
+    nothing_starts: None,
+) -> None:
+    """Refusing an option the run does not read must not refuse one it does: each of these
+    names its default value and the run that reads it starts."""
+    for argv in (
+        ["bench", "--seq", "64", "--world-size", "2", "--passes", "fwd,fwd+bwd"],
+        ["bench", "--seq", "64", "--world-size", "2", "--last-pair", "return"],
+        ["bench", "--seq", "64", "--hybrid-inner", "2", "--hybrid-outer", "token_ring"],
+        ["bench", "--mode", "memory", "--world-size", "2", "--causal", "yes", "--seq-local", "8"],
+        ["bench", "--mode", "decode", "--cached", "64", "--new", "1", "--block-size", "64"],
+        ["simulate", "--strategies", "token_ring", "--splits", "2", "--world-size", "4"],
     ):
         with pytest.raises(Started):
             main(argv)

@@ -39,6 +39,7 @@ from tokenring.cli import (
     bench_memory,
     check_heads,
     finite_float_at_least,
+    given,
     int_at_least,
     mem_available_bytes,
     options,
@@ -1224,8 +1225,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     except ValueError as exc:
         if args.strategies is not None:
             raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
-        defaults = _defaults()
-        if (args.hybrid_inner, args.hybrid_outer) != (defaults.hybrid_inner, defaults.hybrid_outer):
+        if given(args, "hybrid_inner", "hybrid_outer"):
             raise ValueError(f"--hybrid-inner {args.hybrid_inner}: {exc}") from None
         print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
         config = dataclasses.replace(config, strategies=strategies[:-1])
@@ -1251,22 +1251,15 @@ _MODES_OF_FLAG: dict[str, tuple[str, ...]] = {
 }
 
 
-def _defaults() -> argparse.Namespace:
-    """Every option of ``tokenring bench`` at its default."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args([])
-
-
-def _check_flags_of_mode(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
-    """No option is dropped: one that ``--mode`` does not read, given a value other than its
-    default, raises naming the modes that read it; so does --topology without --link."""
+def _check_flags_of_mode(args: argparse.Namespace) -> None:
+    """No option is dropped: one given that ``--mode`` does not read (at any value, its default
+    too) raises naming the modes that read it; so does --topology without --link."""
     for name, modes in _MODES_OF_FLAG.items():
-        if args.mode not in modes and getattr(args, name) != getattr(defaults, name):
+        if args.mode not in modes and given(args, name):
             flag = "--" + name.replace("_", "-")
             names = modes[0] if len(modes) == 1 else f"{', '.join(modes[:-1])} or {modes[-1]}"
             raise ValueError(f"{flag} is for --mode {names}; got --mode {args.mode}")
-    if args.topology != defaults.topology and args.link is None:
+    if given(args, "topology") and args.link is None:
         raise ValueError(
             f"--topology is for the emulated links; got --topology {args.topology} without --link"
         )
@@ -1276,10 +1269,9 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
-    defaults = _defaults()
-    _check_flags_of_mode(args, defaults)
+    _check_flags_of_mode(args)
     world = ranks.world_size_of(args)
-    if args.world_size not in (defaults.world_size, world):  # torchrun's differ
+    if given(args, "world_size") and args.world_size != world:  # torchrun's differ
         raise ValueError(
             f"--world-size is the ranks bench spawns; got --world-size {args.world_size} under "
             f"torchrun, whose run has {world} ranks: drop it or match it"
@@ -1289,10 +1281,9 @@ def check_args(args: argparse.Namespace) -> None:
         return
     config = config_from_args(args)
     names = [s.value for s in config.strategies]
-    if args.last_pair != defaults.last_pair:
+    if given(args, "last_pair"):
         check_read("--last-pair", names, [Strategy.TOKEN_RING.value])
-    hybrid_options = (args.hybrid_inner, args.hybrid_outer)
-    if hybrid_options != (defaults.hybrid_inner, defaults.hybrid_outer):
+    if given(args, "hybrid_inner", "hybrid_outer"):
         check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])
     try:
         config.check_schedules(world)
