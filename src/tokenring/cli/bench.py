@@ -189,9 +189,17 @@ class BenchConfig:
                 ) from None
 
     def schedules(
-        self, model: AttentionShape, strategy: Strategy, causal: bool, world_size: int
+        self,
+        model: AttentionShape,
+        strategy: Strategy,
+        causal: bool,
+        world_size: int,
+        *,
+        last_block_splits: int = 2,
     ) -> list[Schedule]:
-        """The forward and backward schedules one row runs (what the library builds for it)."""
+        """The forward and backward schedules one row runs (what the library builds for it;
+        ``last_block_splits``: what the calls resolve on their communicator's path, so that the
+        compute-only run and the exposed tail are the call's)."""
         return [
             strategy_schedule(
                 strategy,
@@ -204,6 +212,7 @@ class BenchConfig:
                 heads_q=model.heads_q,
                 hybrid=self.hybrid,
                 lend_last_pair=self.lends,
+                last_block_splits=last_block_splits,
             )
             for p in (Pass.FORWARD, Pass.BACKWARD)
         ]
@@ -576,7 +585,8 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
     rows: list[RankRow] = []
-    for case in _cases(config, comm.rank, world, device):
+    splits = last_block_splits_for(comm.path(device))  # what the calls take (None given)
+    for case in _cases(config, comm.rank, world, device, splits):
         for pass_ in config.passes:
             rows.append(_measure_row(config, comm, case, pass_, mesh))
             ranks.row_done(progress_path)
@@ -591,8 +601,11 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     }
 
 
-def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> Iterator[_Case]:
-    """Every (model, causal, strategy) of the run in row order, on this rank's inputs."""
+def _cases(
+    config: BenchConfig, rank: int, world: int, device: torch.device, splits: int
+) -> Iterator[_Case]:
+    """Every (model, causal, strategy) of the run in row order, on this rank's inputs, with
+    the schedules of calls that slice TokenRing's last block in ``splits``."""
     for name, model in config.models.items():
         q, k, v, dout = inputs = _global_inputs(config, model)
         check: dict[str, Any] = dict(scale=model.head_dim**-0.5, grads=config.grads)
@@ -617,7 +630,9 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
                     causal=causal,
                     layout=layout,
                     strategy=strategy,
-                    scheds=config.schedules(model, strategy, causal, world),
+                    scheds=config.schedules(
+                        model, strategy, causal, world, last_block_splits=splits
+                    ),
                     local=mine,
                     reference=reference,
                     kernel_inputs=kernel_inputs,
