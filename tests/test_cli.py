@@ -136,6 +136,10 @@ BAD = [
     (["bench", "--strategies", "ring", "--hybrid-outer", "token_ring"], ["--hybrid-outer"]),
     (["bench", "--world-size", "3", "--hybrid-inner", "2"], ["--hybrid-inner 2", "world_size=3"]),
     (["simulate", "--strategies", "ring", "--splits", "2"], ["--splits", "token_ring"]),
+    # memory runs one mask (causal unless --causal no): both was accepted and ran only causal
+    (["bench", "--mode", "memory", "--causal", "both"], ["--causal both", "yes or no"]),
+    # --json prints rows instead of the table --wide widens: it was dropped
+    (["bench", "--wide", "--json"], ["--wide", "--json"]),
     (["simulate", "--hybrid-outer", "token_ring"], ["--hybrid-outer", "--strategies hybrid"]),
     (["demo", "--world-size", "0"], ["--world-size", "'0'"]),
     (["demo", "--seq", "-1"], ["--seq", "'-1'"]),

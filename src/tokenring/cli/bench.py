@@ -1202,7 +1202,7 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
         "--hybrid-inner fits)"
     )
     add("--strategies", help=strategies_help)
-    causal_help = "causal masks to run (memory: yes unless no)"
+    causal_help = "causal masks to run (memory: one, yes unless no)"
     add("--causal", choices=["both", "yes", "no"], default="both", help=causal_help)
     layout_help = "auto: zigzag when causal, contiguous otherwise"
     add("--layout", choices=["auto", "contiguous", "zigzag"], default="auto", help=layout_help)
@@ -1278,6 +1278,10 @@ def _check_flags_of_mode(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--topology is for the emulated links; got --topology {args.topology} without --link"
         )
+    if args.mode == "memory" and args.causal == "both" and given(args, "causal"):
+        raise ValueError("--causal both is for --mode attention; --mode memory runs yes or no")
+    if args.wide and args.json:
+        raise ValueError("--wide widens the terminal table, which --json replaces; got both")
 
 
 def check_args(args: argparse.Namespace) -> None:
