@@ -269,6 +269,30 @@ def test_an_option_given_at_its_default_reaches_the_run_that_reads_it(
             main(argv)
 
 
+def _strict_json(text: str) -> Any:
+    """json.loads that refuses what RFC 8259 has no word for (Infinity, -Infinity, NaN)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_records_are_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json and --out rows parse as JSON: a value that is not finite (one rank probes no
+    link, its bandwidth inf) is null, not Python's Infinity, which JSON parsers refuse."""
+    import argparse
+
+    from tokenring.cli.report import write_records
+
+    out = tmp_path / "rows.jsonl"
+    record = {"rate": float("inf"), "steps": [1.0, float("nan")], "cal": {"x": -float("inf")}}
+    write_records([record], argparse.Namespace(out=str(out), json=True))
+    want = {"rate": None, "steps": [1.0, None], "cal": {"x": None}}
+    assert _strict_json(capsys.readouterr().out) == want
+    assert _strict_json(out.read_text()) == want
+
+
 # -- size guards -------------------------------------------------------------------------------
 def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(
     capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch

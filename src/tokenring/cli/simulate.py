@@ -6,12 +6,18 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tokenring.cli import check_unique, given, int_at_least, mem_available_bytes, output_path
+from tokenring.cli import (
+    check_unique,
+    given,
+    int_at_least,
+    mem_available_bytes,
+    output_path,
+    report,
+)
 from tokenring.cli.console import progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments, check_read
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
@@ -370,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         for row in rows:
-            print(json.dumps(row, sort_keys=True))
+            print(report.json_line(row, sort_keys=True))
     else:
         _print_table(rows)
     if args.plot:
