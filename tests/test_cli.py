@@ -238,6 +238,29 @@ def test_a_world_size_that_torchrun_overrides_is_refused(
     assert "--world-size 4" in line and "2 ranks" in line
 
 
+def test_the_memory_bench_under_torchrun_needs_its_allocator_setting(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU peak memory is honest only with MALLOC_MMAP_THRESHOLD_=65536 set before the
+    process starts (Note [Measuring peak memory]): bench sets it for the ranks it spawns,
+    torchrun's ranks have what their launcher gave them, so it is checked before the process
+    group forms, not in every rank's first measurement."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Started
+
+    monkeypatch.setattr("tokenring.cli.ranks.collect_per_rank", refuse)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    argv = ["bench", "--mode", "memory", "--device", "cpu", "--seq-local", "8"]
+    line = _usage_error(argv, capsys)
+    assert "MALLOC_MMAP_THRESHOLD_=65536" in line and "torchrun" in line and "None" in line
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    with pytest.raises(Started):
+        main(argv)
+
+
 def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_starts: None) -> None:
     """The same flags with good values reach the launcher (the checks refuse only bad
     input): every command starts its ranks or simulation."""
