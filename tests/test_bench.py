@@ -131,6 +131,17 @@ def test_bench_table_and_failed_verification_exit(capsys: pytest.CaptureFixture[
     assert "token_ring" in out and "% bound" in out
 
 
+def test_bench_json_stdout_is_rows_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json: every stdout line is one JSON row (what `| jq` reads); the failed
+    verification goes to stderr (the note of no hybrid rows too: test_cli), status 1."""
+    argv = ["bench", *TINY, "--causal", "yes", "--passes", "fwd", "--tolerance", "0"]
+    assert main([*argv, "--strategies", "token_ring,ring", "--json"]) == 1
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [r["strategy"] for r in rows] == ["token_ring", "ring"]
+    assert "VERIFICATION FAILED for 2 row(s)" in captured.err
+
+
 def test_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         main(

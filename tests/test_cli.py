@@ -432,8 +432,10 @@ def test_bench_runs_any_sequence_length(capsys: pytest.CaptureFixture[str]) -> N
     argv += ["--head-dim", "8", "--warmup", "0", "--iters", "1", "--json", "--dtype", "float64"]
     argv += ["--passes", "fwd+bwd"]  # out and every gradient (forward-only: the test above)
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "no hybrid rows" in out  # 2 does not divide 3: said, not silently dropped
+    captured = capsys.readouterr()
+    out = captured.out
+    # 2 does not divide 3: said, not silently dropped (on stderr: --json's stdout is rows)
+    assert "no hybrid rows" in captured.err
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     strategies = [s.value for s in Strategy if s is not Strategy.HYBRID]
     assert sorted({r["strategy"] for r in rows}) == sorted(strategies)

@@ -1242,7 +1242,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
         if given(args, "hybrid_inner", "hybrid_outer"):
             raise ValueError(f"--hybrid-inner {args.hybrid_inner}: {exc}") from None
-        print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
+        report.note(f"bench: no hybrid rows ({exc}); see --hybrid-inner", args)
         config = dataclasses.replace(config, strategies=strategies[:-1])
     return config
 
@@ -1371,7 +1371,8 @@ def run(args: argparse.Namespace) -> int:
         write_trace(bench_panels(per_rank, config), args.trace)
     failed = [r for r in rows if not r["verified"]]
     if failed:
-        print(f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance; see max_error")
+        failure = f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance"
+        report.note(f"{failure}; see max_error", args)
         return 1
     return 0
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ __all__ = [
     "group_by",
     "json_line",
     "link_text",
+    "note",
     "rate_text",
     "write_markdown",
     "write_records",
@@ -97,6 +99,12 @@ def write_records(records: list[dict[str, Any]], args: argparse.Namespace) -> No
     if args.json:
         for rec in records:
             print(json_line(rec))
+
+
+def note(text: str, args: argparse.Namespace) -> None:
+    """Print a line that is not a row: on stderr under ``--json``, whose stdout is rows only
+    (one JSON object a line), else on stdout under the table."""
+    print(text, file=sys.stderr if args.json else sys.stdout)
 
 
 def write_markdown(
