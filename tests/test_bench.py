@@ -97,12 +97,49 @@ def test_bench_runs_ulysses_with_fewer_heads_than_ranks(capsys) -> None:
     assert len(rows) == 2 and all(r["verified"] for r in rows)
 
 
+def test_the_exposed_tail_is_the_last_message_the_call_sent() -> None:
+    """A row's exposed bytes (its bound's transfer nothing overlaps) are those of the last
+    return message its own call posted, as the call's timeline recorded it: on gloo's
+    shared memory TokenRing returns its last block in one slice, and the bound once took the
+    schedule of two (half the bytes) for every row."""
+    from tokenring.cli.bench import BenchConfig, run_rank
+    from tokenring.core.schedule import AttentionShape
+    from tokenring.launch import launch
+
+    config = BenchConfig(
+        seq=64,
+        models={"m": AttentionShape(heads_q=2, heads_kv=2, head_dim=8)},
+        strategies=(Strategy.TOKEN_RING, Strategy.BIDIR_TOKEN_RING),
+        causal=(True, False),
+        passes=("fwd",),
+        warmup=0,
+        iters=1,
+    )
+    per_rank = launch(run_rank, config, world_size=2, timeout_s=120)
+    for result in per_rank:
+        for row in result["rows"]:
+            returned = [ev for ev in row.events if ev.kind == "send" and ev.label == "out"]
+            last = max(returned, key=lambda ev: ev.start_s)
+            assert row.exposed_bytes == {last.peer: last.num_bytes}, (row.strategy, row.causal)
+
+
 def test_bench_table_and_failed_verification_exit(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["bench", *TINY, "--causal", "yes", "--passes", "fwd", "--tolerance", "0"])
     out = capsys.readouterr().out
     assert status == 1  # float32 can never match float64 exactly: every row is flagged
     assert "WRONG" in out and f"VERIFICATION FAILED for {len(Strategy)} row(s)" in out
     assert "token_ring" in out and "% bound" in out
+
+
+def test_bench_json_stdout_is_rows_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json: every stdout line is one JSON row (what `| jq` reads); the failed
+    verification goes to stderr (the note of no hybrid rows too: test_cli), status 1."""
+    argv = ["bench", *TINY, "--causal", "yes", "--passes", "fwd", "--tolerance", "0"]
+    assert main([*argv, "--strategies", "token_ring,ring", "--json"]) == 1
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert [r["strategy"] for r in rows] == ["token_ring", "ring"]
+    assert "VERIFICATION FAILED for 2 row(s)" in captured.err
 
 
 def test_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -115,6 +115,32 @@ BAD = [
     (["bench", "--mode", "memory", "--heads", "1", "--kv-heads", "1"], ["bidir_token_ring", "1"]),
     # a hybrid factorisation given but not fitting: named, not "changes only --strategies hybrid"
     (["bench", "--hybrid-inner", "3"], ["--hybrid-inner 3", "world_size=4"]),
+    # an option the run does not read is refused at any value, its default too (it was
+    # accepted and dropped when it equalled the default: --seq 1024 passed, --seq 8192 not)
+    (["bench", "--mode", "memory", "--seq", "1024"], ["--seq is for --mode attention"]),
+    (["bench", "--mode", "decode", "--passes", "fwd,fwd+bwd"], ["--passes", "attention"]),
+    (["bench", "--mode", "decode", "--layout", "auto"], ["--layout", "attention"]),
+    (["bench", "--mode", "decode", "--causal", "both"], ["--causal", "attention or memory"]),
+    (["bench", "--mode", "decode", "--last-pair", "return"], ["--last-pair", "attention"]),
+    (["bench", "--mode", "decode", "--hybrid-inner", "2"], ["--hybrid-inner", "attention"]),
+    (["bench", "--mode", "memory", "--hybrid-outer", "token_ring"], ["--hybrid-outer"]),
+    (["bench", "--mode", "memory", "--iters", "5"], ["--iters", "decode", "--mode memory"]),
+    (["bench", "--mode", "memory", "--warmup", "1"], ["--warmup", "--mode memory"]),
+    (["bench", "--mode", "memory", "--topology", "mesh"], ["--topology", "--mode memory"]),
+    (["bench", "--cached", "4096"], ["--cached is for --mode decode"]),
+    (["bench", "--block-size", "64"], ["--block-size is for --mode decode"]),
+    (["bench", "--seq-local", "4096,16384,65536"], ["--seq-local is for --mode memory"]),
+    (["bench", "--topology", "mesh"], ["--topology", "without --link"]),
+    (["bench", "--strategies", "ring", "--last-pair", "return"], ["--last-pair", "token_ring"]),
+    (["bench", "--strategies", "ring", "--hybrid-inner", "2"], ["--hybrid-inner", "hybrid"]),
+    (["bench", "--strategies", "ring", "--hybrid-outer", "token_ring"], ["--hybrid-outer"]),
+    (["bench", "--world-size", "3", "--hybrid-inner", "2"], ["--hybrid-inner 2", "world_size=3"]),
+    (["simulate", "--strategies", "ring", "--splits", "2"], ["--splits", "token_ring"]),
+    # memory runs one mask (causal unless --causal no): both was accepted and ran only causal
+    (["bench", "--mode", "memory", "--causal", "both"], ["--causal both", "yes or no"]),
+    # --json prints rows instead of the table --wide widens: it was dropped
+    (["bench", "--wide", "--json"], ["--wide", "--json"]),
+    (["simulate", "--hybrid-outer", "token_ring"], ["--hybrid-outer", "--strategies hybrid"]),
     (["demo", "--world-size", "0"], ["--world-size", "'0'"]),
     (["demo", "--seq", "-1"], ["--seq", "'-1'"]),
     (["demo", "--iters", "0"], ["--iters"]),
@@ -207,6 +233,32 @@ def test_a_world_size_that_torchrun_overrides_is_refused(
     for mode in ("attention", "decode", "memory"):
         line = _usage_error(["bench", "--mode", mode, "--world-size", "3"], capsys)
         assert "--world-size 3" in line and "torchrun" in line and "2 ranks" in line
+    # bench's default world size is 4: given, it is as wrong as any other (it passed)
+    line = _usage_error(["bench", "--world-size", "4"], capsys)
+    assert "--world-size 4" in line and "2 ranks" in line
+
+
+def test_the_memory_bench_under_torchrun_needs_its_allocator_setting(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU peak memory is honest only with MALLOC_MMAP_THRESHOLD_=65536 set before the
+    process starts (Note [Measuring peak memory]): bench sets it for the ranks it spawns,
+    torchrun's ranks have what their launcher gave them, so it is checked before the process
+    group forms, not in every rank's first measurement."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Started
+
+    monkeypatch.setattr("tokenring.cli.ranks.collect_per_rank", refuse)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    argv = ["bench", "--mode", "memory", "--device", "cpu", "--seq-local", "8"]
+    line = _usage_error(argv, capsys)
+    assert "MALLOC_MMAP_THRESHOLD_=65536" in line and "torchrun" in line and "None" in line
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    with pytest.raises(Started):
+        main(argv)
 
 
 def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_starts: None) -> None:
@@ -221,6 +273,47 @@ def test_the_checks_pass_good_input_to_the_launcher(tmp_path: Path, nothing_star
     ):
         with pytest.raises(Started):
             main(argv)
+
+
+def test_an_option_given_at_its_default_reaches_the_run_that_reads_it(
+    nothing_starts: None,
+) -> None:
+    """Refusing an option the run does not read must not refuse one it does: each of these
+    names its default value and the run that reads it starts."""
+    for argv in (
+        ["bench", "--seq", "64", "--world-size", "2", "--passes", "fwd,fwd+bwd"],
+        ["bench", "--seq", "64", "--world-size", "2", "--last-pair", "return"],
+        ["bench", "--seq", "64", "--hybrid-inner", "2", "--hybrid-outer", "token_ring"],
+        ["bench", "--mode", "memory", "--world-size", "2", "--causal", "yes", "--seq-local", "8"],
+        ["bench", "--mode", "decode", "--cached", "64", "--new", "1", "--block-size", "64"],
+        ["simulate", "--strategies", "token_ring", "--splits", "2", "--world-size", "4"],
+    ):
+        with pytest.raises(Started):
+            main(argv)
+
+
+def _strict_json(text: str) -> Any:
+    """json.loads that refuses what RFC 8259 has no word for (Infinity, -Infinity, NaN)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_records_are_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json and --out rows parse as JSON: a value that is not finite (one rank probes no
+    link, its bandwidth inf) is null, not Python's Infinity, which JSON parsers refuse."""
+    import argparse
+
+    from tokenring.cli.report import write_records
+
+    out = tmp_path / "rows.jsonl"
+    record = {"rate": float("inf"), "steps": [1.0, float("nan")], "cal": {"x": -float("inf")}}
+    write_records([record], argparse.Namespace(out=str(out), json=True))
+    want = {"rate": None, "steps": [1.0, None], "cal": {"x": None}}
+    assert _strict_json(capsys.readouterr().out) == want
+    assert _strict_json(out.read_text()) == want
 
 
 # -- size guards -------------------------------------------------------------------------------
@@ -339,8 +432,10 @@ def test_bench_runs_any_sequence_length(capsys: pytest.CaptureFixture[str]) -> N
     argv += ["--head-dim", "8", "--warmup", "0", "--iters", "1", "--json", "--dtype", "float64"]
     argv += ["--passes", "fwd+bwd"]  # out and every gradient (forward-only: the test above)
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "no hybrid rows" in out  # 2 does not divide 3: said, not silently dropped
+    captured = capsys.readouterr()
+    out = captured.out
+    # 2 does not divide 3: said, not silently dropped (on stderr: --json's stdout is rows)
+    assert "no hybrid rows" in captured.err
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     strategies = [s.value for s in Strategy if s is not Strategy.HYBRID]
     assert sorted({r["strategy"] for r in rows}) == sorted(strategies)

@@ -13,6 +13,12 @@ One argument alone is checked by the ``type=`` functions below (``int_at_least``
 ``output_path``, ...) while parsing; arguments together (a sequence the layout cannot
 split, a link too slow for the timeout, a run that cannot fit in memory) by the command's
 ``check_args(args)``, whose ``ValueError`` :func:`main` turns into the same one-line error.
+
+An option the run would not read (one for another ``--mode``, another strategy, or an
+output the run does not write) is such a mistake whatever its value: a check asks whether
+the user gave it (``given(args, name)``, from the words on the command line), never whether
+its value differs from the default, which let ``bench --mode memory --seq 1024`` (the
+default) through where ``--seq 4096`` was refused.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import importlib
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, Protocol
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "check_heads",
     "check_unique",
     "finite_float_at_least",
+    "given",
     "int_at_least",
     "int_list",
     "main",
@@ -216,6 +223,24 @@ def check_heads(args: argparse.Namespace) -> None:
         )
 
 
+def given(args: argparse.Namespace, *names: str) -> bool:
+    """Whether the command line gave any option of these names (dests), at whatever value
+    (Note [Bad input at the command line]); :func:`main` records them."""
+    return not args._given.isdisjoint(names)
+
+
+def _given_options(
+    parser: argparse.ArgumentParser, argv: Sequence[str], dests: Iterable[str]
+) -> frozenset[str]:
+    """The dests of the options ``argv`` sets on ``parser`` (a command's): parsed again into a
+    namespace that holds a marker for every dest, which argparse leaves where no word set it
+    (it fills defaults only into attributes a namespace lacks)."""
+    unset = object()
+    probe = argparse.Namespace(**dict.fromkeys(dests, unset))
+    parser.parse_args(argv, namespace=probe)
+    return frozenset(name for name, value in vars(probe).items() if value is not unset)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported and its options added (the others
     are listed by name and one-line help, which is all ``tokenring --help`` shows)."""
@@ -250,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((word for word in argv if not word.startswith("-")), None)
     parser = build_parser(command)
     args = parser.parse_args(argv)
+    rest = argv[argv.index(args.command) + 1 :]  # the words of the command's own parser
+    args._given = _given_options(args._parser, rest, vars(args))
     args.argv = argv  # so results can record the command that produced them
     check = getattr(args._module, "check_args", None)
     if check is not None:

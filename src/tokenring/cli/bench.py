@@ -39,6 +39,7 @@ from tokenring.cli import (
     bench_memory,
     check_heads,
     finite_float_at_least,
+    given,
     int_at_least,
     mem_available_bytes,
     options,
@@ -188,9 +189,17 @@ class BenchConfig:
                 ) from None
 
     def schedules(
-        self, model: AttentionShape, strategy: Strategy, causal: bool, world_size: int
+        self,
+        model: AttentionShape,
+        strategy: Strategy,
+        causal: bool,
+        world_size: int,
+        *,
+        last_block_splits: int = 2,
     ) -> list[Schedule]:
-        """The forward and backward schedules one row runs (what the library builds for it)."""
+        """The forward and backward schedules one row runs (what the library builds for it;
+        ``last_block_splits``: what the calls resolve on their communicator's path, so that the
+        compute-only run and the exposed tail are the call's)."""
         return [
             strategy_schedule(
                 strategy,
@@ -203,6 +212,7 @@ class BenchConfig:
                 heads_q=model.heads_q,
                 hybrid=self.hybrid,
                 lend_last_pair=self.lends,
+                last_block_splits=last_block_splits,
             )
             for p in (Pass.FORWARD, Pass.BACKWARD)
         ]
@@ -575,7 +585,8 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     bandwidth = _probe_bandwidth(comm, config.probe_bytes, device)
     memory_bandwidth = _probe_memory_bandwidth(comm, device)
     rows: list[RankRow] = []
-    for case in _cases(config, comm.rank, world, device):
+    splits = last_block_splits_for(comm.path(device))  # what the calls take (None given)
+    for case in _cases(config, comm.rank, world, device, splits):
         for pass_ in config.passes:
             rows.append(_measure_row(config, comm, case, pass_, mesh))
             ranks.row_done(progress_path)
@@ -590,8 +601,11 @@ def run_rank(config: BenchConfig, progress_path: str | None = None) -> dict[str,
     }
 
 
-def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> Iterator[_Case]:
-    """Every (model, causal, strategy) of the run in row order, on this rank's inputs."""
+def _cases(
+    config: BenchConfig, rank: int, world: int, device: torch.device, splits: int
+) -> Iterator[_Case]:
+    """Every (model, causal, strategy) of the run in row order, on this rank's inputs, with
+    the schedules of calls that slice TokenRing's last block in ``splits``."""
     for name, model in config.models.items():
         q, k, v, dout = inputs = _global_inputs(config, model)
         check: dict[str, Any] = dict(scale=model.head_dim**-0.5, grads=config.grads)
@@ -616,7 +630,9 @@ def _cases(config: BenchConfig, rank: int, world: int, device: torch.device) -> 
                     causal=causal,
                     layout=layout,
                     strategy=strategy,
-                    scheds=config.schedules(model, strategy, causal, world),
+                    scheds=config.schedules(
+                        model, strategy, causal, world, last_block_splits=splits
+                    ),
                     local=mine,
                     reference=reference,
                     kernel_inputs=kernel_inputs,
@@ -1186,7 +1202,7 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
         "--hybrid-inner fits)"
     )
     add("--strategies", help=strategies_help)
-    causal_help = "causal masks to run (memory: yes unless no)"
+    causal_help = "causal masks to run (memory: one, yes unless no)"
     add("--causal", choices=["both", "yes", "no"], default="both", help=causal_help)
     layout_help = "auto: zigzag when causal, contiguous otherwise"
     add("--layout", choices=["auto", "contiguous", "zigzag"], default="auto", help=layout_help)
@@ -1224,10 +1240,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     except ValueError as exc:
         if args.strategies is not None:
             raise ValueError(f"--strategies hybrid: {exc}; see --hybrid-inner") from None
-        defaults = _defaults()
-        if (args.hybrid_inner, args.hybrid_outer) != (defaults.hybrid_inner, defaults.hybrid_outer):
+        if given(args, "hybrid_inner", "hybrid_outer"):
             raise ValueError(f"--hybrid-inner {args.hybrid_inner}: {exc}") from None
-        print(f"bench: no hybrid rows ({exc}); see --hybrid-inner")
+        report.note(f"bench: no hybrid rows ({exc}); see --hybrid-inner", args)
         config = dataclasses.replace(config, strategies=strategies[:-1])
     return config
 
@@ -1251,35 +1266,31 @@ _MODES_OF_FLAG: dict[str, tuple[str, ...]] = {
 }
 
 
-def _defaults() -> argparse.Namespace:
-    """Every option of ``tokenring bench`` at its default."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args([])
-
-
-def _check_flags_of_mode(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
-    """No option is dropped: one that ``--mode`` does not read, given a value other than its
-    default, raises naming the modes that read it; so does --topology without --link."""
+def _check_flags_of_mode(args: argparse.Namespace) -> None:
+    """No option is dropped: one given that ``--mode`` does not read (at any value, its default
+    too) raises naming the modes that read it; so does --topology without --link."""
     for name, modes in _MODES_OF_FLAG.items():
-        if args.mode not in modes and getattr(args, name) != getattr(defaults, name):
+        if args.mode not in modes and given(args, name):
             flag = "--" + name.replace("_", "-")
             names = modes[0] if len(modes) == 1 else f"{', '.join(modes[:-1])} or {modes[-1]}"
             raise ValueError(f"{flag} is for --mode {names}; got --mode {args.mode}")
-    if args.topology != defaults.topology and args.link is None:
+    if given(args, "topology") and args.link is None:
         raise ValueError(
             f"--topology is for the emulated links; got --topology {args.topology} without --link"
         )
+    if args.mode == "memory" and args.causal == "both" and given(args, "causal"):
+        raise ValueError("--causal both is for --mode attention; --mode memory runs yes or no")
+    if args.wide and args.json:
+        raise ValueError("--wide widens the terminal table, which --json replaces; got both")
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
     keeps the checked config on ``args`` for :func:`run`."""
-    defaults = _defaults()
-    _check_flags_of_mode(args, defaults)
+    _check_flags_of_mode(args)
     world = ranks.world_size_of(args)
-    if args.world_size not in (defaults.world_size, world):  # torchrun's differ
+    if given(args, "world_size") and args.world_size != world:  # torchrun's differ
         raise ValueError(
             f"--world-size is the ranks bench spawns; got --world-size {args.world_size} under "
             f"torchrun, whose run has {world} ranks: drop it or match it"
@@ -1289,10 +1300,9 @@ def check_args(args: argparse.Namespace) -> None:
         return
     config = config_from_args(args)
     names = [s.value for s in config.strategies]
-    if args.last_pair != defaults.last_pair:
+    if given(args, "last_pair"):
         check_read("--last-pair", names, [Strategy.TOKEN_RING.value])
-    hybrid_options = (args.hybrid_inner, args.hybrid_outer)
-    if hybrid_options != (defaults.hybrid_inner, defaults.hybrid_outer):
+    if given(args, "hybrid_inner", "hybrid_outer"):
         check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])
     try:
         config.check_schedules(world)
@@ -1361,7 +1371,8 @@ def run(args: argparse.Namespace) -> int:
         write_trace(bench_panels(per_rank, config), args.trace)
     failed = [r for r in rows if not r["verified"]]
     if failed:
-        print(f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance; see max_error")
+        failure = f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance"
+        report.note(f"{failure}; see max_error", args)
         return 1
     return 0
 

@@ -442,9 +442,10 @@ def run(args: argparse.Namespace) -> int:
         )
         report.write_markdown(args.markdown, title, args.argv, note, [headers, *cells], lines)
     if not all(ok):
-        print(
+        report.note(
             f"VERIFICATION FAILED for {ok.count(False)} row(s): error above tolerance or bytes "
-            "different from the plan"
+            "different from the plan",
+            args,
         )
         return 1
     return 0

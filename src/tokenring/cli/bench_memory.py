@@ -299,6 +299,13 @@ def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; keeps the config on ``args``."""
     config = config_from_args(args)
     world = ranks.world_size_of(args)
+    if ranks.under_torchrun() and config.device == "cpu":  # this process is a rank
+        for name, value in MMAP_THRESHOLD_ENV.items():
+            if os.environ.get(name) != value:  # peak_memory would raise in every rank
+                raise ValueError(
+                    f"--mode memory on cpu under torchrun needs {name}={value} in the ranks' "
+                    f"environment (Note [Measuring peak memory]); got {os.environ.get(name)!r}"
+                )
     layout = "zigzag" if config.causal else "contiguous"
     where: dict[str, Any] = dict(layout=layout, causal=config.causal, world_size=world)
     where |= dict(seq_local=min(config.seq_locals), heads_q=config.heads_q)  # the tightest s

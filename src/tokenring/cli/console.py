@@ -42,7 +42,9 @@ def print_table(table: Any) -> None:
 
 
 def progress(total: int, description: str) -> Any:
-    """A rich Progress bar context manager; ``bar.advance(task)`` per unit of work."""
+    """A rich Progress bar context manager; ``bar.advance(task)`` per unit of work. On stderr:
+    stdout is the results' (``--json``: one row a line; off a terminal rich ends a bar with
+    an empty line)."""
     rich = rich_modules()
     bar = rich.progress.Progress(
         rich.progress.TextColumn("{task.description}"),
@@ -50,6 +52,7 @@ def progress(total: int, description: str) -> Any:
         rich.progress.TextColumn("{task.completed}/{task.total}"),
         rich.progress.TimeElapsedColumn(),
         transient=True,
+        console=rich.console.Console(stderr=True),
     )
     bar.add_task(description, total=total)
     return bar

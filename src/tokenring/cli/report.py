@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -13,7 +15,9 @@ __all__ = [
     "call_ms",
     "cell",
     "group_by",
+    "json_line",
     "link_text",
+    "note",
     "rate_text",
     "write_markdown",
     "write_records",
@@ -69,15 +73,38 @@ def rate_text(bits_per_s: float) -> str:
     return f"{bits_per_s:g} bit/s"
 
 
+def _json_value(value: Any) -> Any:
+    """``value`` with every float that is not finite as None: JSON has no Infinity or NaN
+    (one rank probes no link: its bandwidth is inf), and json.dumps would write them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def json_line(record: dict[str, Any], **options: Any) -> str:
+    """One record as strict JSON (non-finite floats as null)."""
+    return json.dumps(_json_value(record), allow_nan=False, **options)
+
+
 def write_records(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Append the records to ``--out`` (JSONL) and, with ``--json``, print one per line."""
     if args.out:
         with open(args.out, "a") as f:
             for rec in records:
-                f.write(json.dumps(rec) + "\n")
+                f.write(json_line(rec) + "\n")
     if args.json:
         for rec in records:
-            print(json.dumps(rec))
+            print(json_line(rec))
+
+
+def note(text: str, args: argparse.Namespace) -> None:
+    """Print a line that is not a row: on stderr under ``--json``, whose stdout is rows only
+    (one JSON object a line), else on stdout under the table."""
+    print(text, file=sys.stderr if args.json else sys.stdout)
 
 
 def write_markdown(

@@ -6,12 +6,18 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tokenring.cli import check_unique, int_at_least, mem_available_bytes, output_path
+from tokenring.cli import (
+    check_unique,
+    given,
+    int_at_least,
+    mem_available_bytes,
+    output_path,
+    report,
+)
 from tokenring.cli.console import progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments, check_read
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
@@ -310,12 +316,12 @@ def check_args(args: argparse.Namespace) -> None:
         check_unique(flag, getattr(args, flag[2:].replace("-", "_")))
     cfg = _config(args)
     pass_q = [s.value for s in (Strategy.TOKEN_RING, Strategy.BIDIR_TOKEN_RING)]
-    if args.hybrid_inner is not None or args.hybrid_outer != Strategy.TOKEN_RING.value:
+    if given(args, "hybrid_inner", "hybrid_outer"):
         check_read("--hybrid-inner/--hybrid-outer", args.strategies, [Strategy.HYBRID.value])
-    if args.splits != 2:  # the hybrid's outer ring slices too when it passes Q
+    if given(args, "splits"):  # the hybrid's outer ring slices too when it passes Q
         hybrid = [Strategy.HYBRID.value] if args.hybrid_outer in pass_q else []
         check_read("--splits", args.strategies, pass_q + hybrid)
-    if args.lend_last_pair:
+    if given(args, "lend_last_pair"):
         check_read("--lend-last-pair", args.strategies, [Strategy.TOKEN_RING.value])
     _check_something_predictable(cfg, args)
     first = args.world_size[0]
@@ -370,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         for row in rows:
-            print(json.dumps(row, sort_keys=True))
+            print(report.json_line(row, sort_keys=True))
     else:
         _print_table(rows)
     if args.plot:
