@@ -361,8 +361,10 @@ def _call_signature(
     softmax_scale: float | None,
     hardware: Hardware | str | None,
     kernel: str | BlockKernel | None,
+    return_lse: bool,
 ) -> tuple[tuple[CachedStrategy | str, BlockKernel], dict[str, Any]]:
     """Check a :func:`cached_attn` call: (strategy or ``"auto"``, kernel) and the signature."""
+    check_flags(return_lse=return_lse)  # here: a rank's bad flag reaches its peers at once
     step = _validate(q, cache, layer, softmax_scale)
     if torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
@@ -442,10 +444,9 @@ def cached_attn(
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
     assert cache.comm is not None
-    check_flags(check_ranks=check_ranks, return_lse=return_lse)
-    validate = functools.partial(
-        _call_signature, q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
-    )
+    check_flags(check_ranks=check_ranks)
+    args = (q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel, return_lse)
+    validate = functools.partial(_call_signature, *args)
     strategy, block_kernel = cache.comm.agreed(  # before appending: every rank or none
         validate, what="cached attention call", check_ranks=check_ranks
     )

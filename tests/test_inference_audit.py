@@ -1,0 +1,140 @@
+"""Audit of cached inference: corners the main grid (test_inference) does not reach, each
+against an independent oracle, and the faults of one rank.
+
+Oracles: float64 attention of each whole sequence (``oracle.full_attention``) indexed by global
+position; greedy decoding on one process (``tinylm.generate_reference``). A fault must raise a
+clear error on every rank, soon (well inside the process group's timeout), never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokenring
+from oracle import full_attention
+from tokenring.inference import cached_attn
+from tokenring.kvcache import DistributedKVCache
+from tokenring.model.costmodel import measured
+from tokenring.strategies.cached import CachedStrategy
+
+STRATEGIES = [s.value for s in CachedStrategy]
+PG_TIMEOUT_S = 30.0
+SOON_S = 10.0  # an agreed error arrives at once; a rank left waiting takes PG_TIMEOUT_S
+
+# Histories of steps (new tokens per sequence): empty shards (one token, then decode: ranks
+# that hold nothing yet), steps of 0 tokens, a sequence that waits, several tokens per decode
+# step, a zigzag prefill of a batch of 2, and a long run whose shards grow block by block.
+HISTORIES = [
+    [(1,), (1,), (1,), (1,)],
+    [(0,), (2,), (0,), (3,)],
+    [(0, 3), (2, 0), (1, 1), (3, 2)],
+    [(12, 12), (1, 1), (2, 2)],
+    [(3,), *[(1,)] * 20, (5,), (5,)],
+]
+HEADS = [(4, 1), (6, 2)]  # MQA, GQA
+
+
+def _hardware() -> Any:
+    return measured(
+        dtype="float64",
+        forward_flops_per_s=1e10,
+        backward_flops_per_s=1e10,
+        link_bandwidth_bytes_per_s=1e9,
+        memory_bandwidth_bytes_per_s=1e10,
+        latency_s=1e-5,
+    )
+
+
+def _corner_grid() -> list[str]:
+    """Every strategy over HISTORIES x HEADS, two layers, a softmax_scale that is not the
+    default, non-contiguous q and k: out and lse against float64 attention of the whole
+    sequence."""
+    rank = dist.get_rank()
+    failures = []
+    d, scale = 8, 0.37
+    for history, (hq, hkv), strategy in itertools.product(HISTORIES, HEADS, STRATEGIES):
+        batch = len(history[0])
+        gen = torch.Generator().manual_seed(3)
+        seqs = [
+            [torch.randn(sum(h[b] for h in history), h, d, generator=gen, dtype=torch.float64)
+             for h in (hq, hkv, hkv)]
+            for b in range(batch)
+        ]  # fmt: skip
+        refs = [full_attention(*(x[None] for x in s), causal=True, scale=scale) for s in seqs]
+        cache = DistributedKVCache(
+            num_layers=2, batch=batch, heads_kv=hkv, head_dim=d, dtype=torch.float64, block_size=2
+        )
+        for index, new in enumerate(history):
+            pos = cache.begin_step(new).new_positions[rank]
+            want = torch.cat([r[0][0, p] for r, p in zip(refs, pos, strict=True)])
+            want_lse = torch.cat([r[1][0, :, p] for r, p in zip(refs, pos, strict=True)], dim=1)
+            for layer in range(2):
+                q, k, v = (
+                    torch.cat([s[i][p] for s, p in zip(seqs, pos, strict=True)]) for i in range(3)
+                )
+                q, k = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k))
+                out, lse = cached_attn(
+                    q,
+                    k,
+                    v,
+                    cache=cache,
+                    layer=layer,
+                    strategy=strategy,
+                    softmax_scale=scale,
+                    return_lse=True,
+                )
+                err = max(
+                    (out - want).abs().max().item() if out.numel() else 0.0,
+                    (lse - want_lse).abs().max().item() if lse.numel() else 0.0,
+                )
+                if err > 1e-10 or out.shape != want.shape:
+                    label = f"{history} {hq}/{hkv} {strategy} step {index} layer {layer}"
+                    failures.append(f"{label}: {err:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_corners_match_float64_attention(world: int) -> None:
+    per_rank = tokenring.launch(_corner_grid, world_size=world, timeout_s=300)
+    failures = [f"rank {r}: {f}" for r, res in enumerate(per_rank) for f in res]
+    assert not failures, "\n".join(failures)
+
+
+# -- one rank's bad or different call --------------------------------------------------------
+def _timed(fn: Any) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # every rank reports what it saw
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def _one_rank_return_lse(flag: object) -> tuple[str, float]:
+    rank = dist.get_rank()
+    cache = DistributedKVCache(num_layers=1, batch=1, heads_kv=2, head_dim=8)
+    n = cache.begin_step((5,)).num_rows(rank)
+    q, kv = torch.randn(n, 4, 8), torch.randn(n, 2, 8)
+    return_lse = flag if rank == 1 else False
+    return _timed(
+        lambda: cached_attn(
+            q, kv, kv, cache=cache, layer=0, strategy="direct", return_lse=return_lse
+        )
+    )
+
+
+def test_one_rank_with_a_non_bool_return_lse_fails_every_rank_at_once() -> None:
+    # Before: rank 1 raised at once and rank 0 waited out the process group's timeout for
+    # a check rank 1 never joined ("rank(s) [1] did not arrive within 30 s").
+    results = tokenring.launch(
+        _one_rank_return_lse, 1, world_size=2, timeout_s=120, pg_timeout_s=PG_TIMEOUT_S
+    )
+    for rank, (message, elapsed_s) in enumerate(results):
+        assert "ValueError" in message and "return_lse must be a bool; got 1" in message, message
+        assert elapsed_s < SOON_S, (rank, elapsed_s, message)
