@@ -22,6 +22,7 @@ from tokenring.inference import cached_attn
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import measured
 from tokenring.strategies.cached import CachedStrategy
+from tokenring.tinylm import TinyCausalLM, TinyLMConfig, generate, generate_reference
 
 STRATEGIES = [s.value for s in CachedStrategy]
 PG_TIMEOUT_S = 30.0
@@ -138,3 +139,74 @@ def test_one_rank_with_a_non_bool_return_lse_fails_every_rank_at_once() -> None:
     for rank, (message, elapsed_s) in enumerate(results):
         assert "ValueError" in message and "return_lse must be a bool; got 1" in message, message
         assert elapsed_s < SOON_S, (rank, elapsed_s, message)
+
+
+# -- generate: its keywords and one rank's different call ------------------------------------
+def _tiny() -> TinyCausalLM:
+    return TinyCausalLM(TinyLMConfig(num_layers=1, dim=16, mlp_dim=16), seed=1, dtype=torch.float64)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8]]
+
+
+def test_generate_refuses_hardware_with_a_forced_strategy(single_rank_group: None) -> None:
+    # Before: accepted and dropped (even a preset name that does not exist).
+    for hardware in ("h100-nvswitch", "no-such-preset", _hardware()):
+        with pytest.raises(ValueError, match="hardware is only used with strategy='auto'"):
+            generate(_tiny(), PROMPTS, 1, strategy="pass_q", hardware=hardware)
+    # and an unknown strategy is named before anything is built
+    with pytest.raises(ValueError, match="strategy must be one of 'pass_q'"):
+        generate(_tiny(), PROMPTS, 1, strategy="ring")
+
+
+def _generate_one_rank_differs(change: str) -> tuple[str, float]:
+    rank = dist.get_rank()
+    model = _tiny()
+    options: dict[str, Any] = {"strategy": "auto", "hardware": _hardware(), "block_size": 4}
+    if rank == 1:
+        if change == "no hardware":  # rank 1 would calibrate (a collective) alone
+            options["hardware"] = None
+        elif change == "other hardware":
+            options["hardware"] = "h100-nvswitch"
+        elif change == "block_size":
+            options["block_size"] = 0
+        elif change == "budget_bytes":
+            options["budget_bytes"] = -1
+        elif change == "weights":
+            model = TinyCausalLM(
+                TinyLMConfig(num_layers=1, dim=16, mlp_dim=16), seed=2, dtype=torch.float64
+            )
+    return _timed(lambda: generate(model, PROMPTS, 2, **options))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        # before: "rank 1 sent another message (8388608 bytes ...)": calibrate on one rank
+        ("no hardware", "hardware: rank 0 has"),
+        # before: rank 1 raised alone after the first step; rank 0 timed out
+        ("other hardware", "hardware: rank 0 has"),
+        # before: rank 1 raised alone building its cache; rank 0 timed out
+        ("block_size", "block_size must be an int >= 1; got 0"),
+        ("budget_bytes", "budget_bytes must be >= 0 or None; got -1"),
+        # before: no error, and tokens that are neither rank's model's (a silent wrong answer)
+        ("weights", "weights: rank 0 has"),
+    ],
+)
+def test_generate_on_ranks_that_differ_fails_every_rank_at_once(change: str, words: str) -> None:
+    results = tokenring.launch(
+        _generate_one_rank_differs, change, world_size=2, timeout_s=120, pg_timeout_s=PG_TIMEOUT_S
+    )
+    for rank, (message, elapsed_s) in enumerate(results):
+        assert "ValueError" in message and words in message, (rank, message)
+        assert elapsed_s < SOON_S, (rank, elapsed_s, message)
+
+
+def _generate_same() -> list[list[int]]:
+    return generate(_tiny(), PROMPTS, 3, strategy="auto", hardware=_hardware()).tokens
+
+
+def test_generate_with_the_same_call_still_matches_one_process() -> None:
+    want = generate_reference(_tiny(), PROMPTS, 3)
+    for tokens in tokenring.launch(_generate_same, world_size=2, timeout_s=120):
+        assert tokens == want
