@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import full_attention
-from tokenring.inference import cached_attn
+from tokenring.inference import attend_cached, cached_attn, resolve_cached_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import measured
+from tokenring.runtime.kernels import select_kernel
 from tokenring.strategies.cached import CachedStrategy
 from tokenring.tinylm import TinyCausalLM, TinyLMConfig, generate, generate_reference
 
@@ -139,6 +140,38 @@ def test_one_rank_with_a_non_bool_return_lse_fails_every_rank_at_once() -> None:
     for rank, (message, elapsed_s) in enumerate(results):
         assert "ValueError" in message and "return_lse must be a bool; got 1" in message, message
         assert elapsed_s < SOON_S, (rank, elapsed_s, message)
+
+
+def test_hardware_with_a_forced_strategy_is_refused_by_every_entry_point(
+    single_rank_group: None,
+) -> None:
+    """cached_attn refused it; resolve_cached_strategy and attend_cached (public, the
+    benchmark's) returned the forced strategy and dropped the hardware, even a preset name
+    that does not exist."""
+    cache = DistributedKVCache(num_layers=1, batch=1, heads_kv=1, head_dim=4)
+    step = cache.begin_step((3,))
+    q, kv = torch.randn(3, 2, 4), torch.randn(3, 1, 4)
+    shape: dict[str, Any] = dict(heads_q=2, heads_kv=1, head_dim=4, dtype=torch.float32)
+    words = "hardware is only used with strategy='auto'; got hardware='no-such-preset'"
+    for strategy in STRATEGIES:
+        with pytest.raises(ValueError, match=words):
+            resolve_cached_strategy(
+                strategy,
+                step=step,
+                comm=tokenring.get_communicator(),
+                device=torch.device("cpu"),
+                hardware="no-such-preset",
+                **shape,
+            )
+    cache.append(0, kv, kv)
+    kernel = select_kernel(q.device, q.dtype, None)
+    with pytest.raises(ValueError, match=words):
+        attend_cached(
+            q, cache=cache, layer=0, strategy="tree", hardware="no-such-preset", kernel=kernel
+        )
+    out, _ = attend_cached(q, cache=cache, layer=0, strategy="tree", kernel=kernel)
+    want, _ = full_attention(q[None], kv[None], kv[None], causal=True, scale=0.5)
+    torch.testing.assert_close(out, want[0].float())
 
 
 # -- generate: its keywords and one rank's different call ------------------------------------

@@ -234,6 +234,16 @@ def run_cached_plan(
 
 
 # -- choosing ------------------------------------------------------------------------------------
+def check_hardware_use(strategy: CachedStrategy | str, hardware: Hardware | str | None) -> None:
+    """ValueError for a ``hardware`` given with a strategy other than ``"auto"`` (only
+    ``"auto"`` prices plans on it)."""
+    if hardware is not None and strategy != "auto":
+        raise ValueError(
+            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
+            f"strategy={strategy!r}"
+        )
+
+
 def resolve_cached_strategy(
     strategy: CachedStrategy | str,
     *,
@@ -252,9 +262,10 @@ def resolve_cached_strategy(
 
     Raises:
         ValueError: ``"auto"`` without ``hardware`` (Note [Calibration is passed in] in
-            tokenring.api).
+            tokenring.api), or ``hardware`` with another strategy (it would price nothing).
     """
     if strategy != "auto":
+        check_hardware_use(strategy, hardware)
         return CachedStrategy.parse(strategy)
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
@@ -375,11 +386,7 @@ def _call_signature(
             "torch.inference_mode(), or train with tokenring.sequence_parallel_attn"
         )
     strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
-    if hardware is not None and strategy != "auto":
-        raise ValueError(
-            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
-            f"strategy={strategy!r}"
-        )
+    check_hardware_use(strategy, hardware)
     block_kernel = select_kernel(q.device, q.dtype, kernel)
     cache.check_append(layer, k, v)
     if hardware is None and strategy == "auto":  # after the arguments' own errors

@@ -20,7 +20,7 @@ import torch
 
 from tokenring.api import get_communicator
 from tokenring.core.layout import check_size
-from tokenring.inference import cached_attn, step_strategy
+from tokenring.inference import cached_attn, check_hardware_use, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
@@ -250,11 +250,7 @@ def generate(
         _check_prompts(prompts, c.vocab_size, max_new_tokens)
         if strategy != "auto":
             CachedStrategy.parse(strategy)
-            if hardware is not None:  # as cached_attn: a forced strategy prices nothing
-                raise ValueError(
-                    f"hardware is only used with strategy='auto'; got hardware={hardware!r} "
-                    f"with strategy={strategy!r}"
-                )
+            check_hardware_use(strategy, hardware)
         cache = DistributedKVCache(
             num_layers=c.num_layers,
             batch=len(prompts),
