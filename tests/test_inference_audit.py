@@ -243,3 +243,42 @@ def test_generate_with_the_same_call_still_matches_one_process() -> None:
     want = generate_reference(_tiny(), PROMPTS, 3)
     for tokens in tokenring.launch(_generate_same, world_size=2, timeout_s=120):
         assert tokens == want
+
+
+# -- two caches on one group, called in another order on each rank ----------------------------
+def _two_caches_crossed(change: dict[str, Any], new_b: tuple[int, ...]) -> tuple[str, float]:
+    """Rank 0 runs cache A then B, rank 1 B then A; B differs from A by ``change`` and its
+    step by ``new_b``."""
+    rank = dist.get_rank()
+    options: dict[str, Any] = {"num_layers": 1, "batch": 1, "heads_kv": 2, "head_dim": 8}
+    caches = {"A": DistributedKVCache(**options), "B": DistributedKVCache(**(options | change))}
+    steps = {"A": caches["A"].begin_step((5,)), "B": caches["B"].begin_step(new_b)}
+
+    def run() -> None:
+        for name in "AB" if rank == 0 else "BA":
+            cache = caches[name]
+            n = steps[name].num_rows(rank)
+            q, kv = torch.randn(n, 4, cache.head_dim), torch.randn(n, 2, cache.head_dim)
+            cached_attn(q, kv, kv, cache=cache, layer=0, strategy="pass_q")
+
+    return _timed(run)
+
+
+@pytest.mark.parametrize(
+    ("change", "new_b", "words"),
+    [
+        # before: each rank's plan for a cache of other lengths: a timeout or a foreign message
+        ({}, (4,), "'lengths': [5]"),
+        ({"num_layers": 2}, (5,), "'num_layers': 1"),
+        ({"head_dim": 4}, (5,), "'head_dim': 8"),
+    ],
+)
+def test_ranks_that_call_different_caches_are_told(
+    change: dict[str, Any], new_b: tuple[int, ...], words: str
+) -> None:
+    results = tokenring.launch(
+        _two_caches_crossed, change, new_b, world_size=2, timeout_s=120, pg_timeout_s=PG_TIMEOUT_S
+    )
+    for rank, (message, elapsed_s) in enumerate(results):
+        assert "ranks disagree on this cached attention call: cache:" in message, (rank, message)
+        assert words in message and elapsed_s < SOON_S, (rank, elapsed_s, message)

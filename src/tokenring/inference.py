@@ -397,6 +397,14 @@ def _call_signature(
     signature = {
         "step": step.index,
         "layer": layer,
+        # which cache: ranks that call another cache here would mix shards of both
+        "cache": {
+            "num_layers": cache.num_layers,
+            "heads_kv": cache.heads_kv,
+            "head_dim": cache.head_dim,
+            "dtype": str(cache.dtype),
+            "lengths": list(cache.lengths),
+        },
         "heads_q": q.shape[1],
         "strategy": strategy if isinstance(strategy, str) else strategy.value,
         "hardware": None if hardware is None else repr(hardware),
