@@ -147,7 +147,7 @@ def test_hardware_with_a_forced_strategy_is_refused_by_every_entry_point(
 ) -> None:
     """cached_attn refused it; resolve_cached_strategy and attend_cached (public, the
     benchmark's) returned the forced strategy and dropped the hardware, even a preset name
-    that does not exist."""
+    that does not exist. attend_cached also checks softmax_scale as cached_attn does."""
     cache = DistributedKVCache(num_layers=1, batch=1, heads_kv=1, head_dim=4)
     step = cache.begin_step((3,))
     q, kv = torch.randn(3, 2, 4), torch.randn(3, 1, 4)
@@ -169,6 +169,11 @@ def test_hardware_with_a_forced_strategy_is_refused_by_every_entry_point(
         attend_cached(
             q, cache=cache, layer=0, strategy="tree", hardware="no-such-preset", kernel=kernel
         )
+    for scale in (-1.0, 0.0, float("nan")):  # before: computed with it (a negative scale)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+            attend_cached(
+                q, cache=cache, layer=0, strategy="tree", softmax_scale=scale, kernel=kernel
+            )
     out, _ = attend_cached(q, cache=cache, layer=0, strategy="tree", kernel=kernel)
     want, _ = full_attention(q[None], kv[None], kv[None], causal=True, scale=0.5)
     torch.testing.assert_close(out, want[0].float())

@@ -484,9 +484,14 @@ def attend_cached(
     kernel: BlockKernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`cached_attn` after the append (the benchmark repeats it). Returns ``(out, lse)``;
-    a zigzag first prefill with pass_q or pass_kv runs on the training ring."""
+    a zigzag first prefill with pass_q or pass_kv runs on the training ring.
+
+    Raises:
+        ValueError: a bad softmax_scale; hardware with a strategy other than ``"auto"``.
+    """
     step, comm = cache.step, cache.comm
     assert step is not None and comm is not None and cache.appended(layer)
+    check_softmax_scale(softmax_scale)  # cached_attn checked it; the benchmark calls this
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     chosen = _step_strategy_memo(strategy, cache, heads_q=heads_q, hardware=hardware)
