@@ -693,7 +693,7 @@ def _generation(prompts: list[list[int]], steps: int, strategy: str, budget: int
         prompts,
         steps,
         strategy=strategy,
-        hardware=_hardware(),
+        hardware=_hardware() if strategy == "auto" else None,  # a forced strategy refuses one
         block_size=BLOCK,
         budget_bytes=budget,
     )

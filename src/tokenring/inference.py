@@ -234,6 +234,16 @@ def run_cached_plan(
 
 
 # -- choosing ------------------------------------------------------------------------------------
+def check_hardware_use(strategy: CachedStrategy | str, hardware: Hardware | str | None) -> None:
+    """ValueError for a ``hardware`` given with a strategy other than ``"auto"`` (only
+    ``"auto"`` prices plans on it)."""
+    if hardware is not None and strategy != "auto":
+        raise ValueError(
+            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
+            f"strategy={strategy!r}"
+        )
+
+
 def resolve_cached_strategy(
     strategy: CachedStrategy | str,
     *,
@@ -252,9 +262,10 @@ def resolve_cached_strategy(
 
     Raises:
         ValueError: ``"auto"`` without ``hardware`` (Note [Calibration is passed in] in
-            tokenring.api).
+            tokenring.api), or ``hardware`` with another strategy (it would price nothing).
     """
     if strategy != "auto":
+        check_hardware_use(strategy, hardware)
         return CachedStrategy.parse(strategy)
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
@@ -361,8 +372,10 @@ def _call_signature(
     softmax_scale: float | None,
     hardware: Hardware | str | None,
     kernel: str | BlockKernel | None,
+    return_lse: bool,
 ) -> tuple[tuple[CachedStrategy | str, BlockKernel], dict[str, Any]]:
     """Check a :func:`cached_attn` call: (strategy or ``"auto"``, kernel) and the signature."""
+    check_flags(return_lse=return_lse)  # here: a rank's bad flag reaches its peers at once
     step = _validate(q, cache, layer, softmax_scale)
     if torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
@@ -373,11 +386,7 @@ def _call_signature(
             "torch.inference_mode(), or train with tokenring.sequence_parallel_attn"
         )
     strategy = strategy if strategy == "auto" else CachedStrategy.parse(strategy)
-    if hardware is not None and strategy != "auto":
-        raise ValueError(
-            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
-            f"strategy={strategy!r}"
-        )
+    check_hardware_use(strategy, hardware)
     block_kernel = select_kernel(q.device, q.dtype, kernel)
     cache.check_append(layer, k, v)
     if hardware is None and strategy == "auto":  # after the arguments' own errors
@@ -388,6 +397,14 @@ def _call_signature(
     signature = {
         "step": step.index,
         "layer": layer,
+        # which cache: ranks that call another cache here would mix shards of both
+        "cache": {
+            "num_layers": cache.num_layers,
+            "heads_kv": cache.heads_kv,
+            "head_dim": cache.head_dim,
+            "dtype": str(cache.dtype),
+            "lengths": list(cache.lengths),
+        },
         "heads_q": q.shape[1],
         "strategy": strategy if isinstance(strategy, str) else strategy.value,
         "hardware": None if hardware is None else repr(hardware),
@@ -442,10 +459,9 @@ def cached_attn(
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
     assert cache.comm is not None
-    check_flags(check_ranks=check_ranks, return_lse=return_lse)
-    validate = functools.partial(
-        _call_signature, q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel
-    )
+    check_flags(check_ranks=check_ranks)
+    args = (q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel, return_lse)
+    validate = functools.partial(_call_signature, *args)
     strategy, block_kernel = cache.comm.agreed(  # before appending: every rank or none
         validate, what="cached attention call", check_ranks=check_ranks
     )
@@ -468,9 +484,14 @@ def attend_cached(
     kernel: BlockKernel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`cached_attn` after the append (the benchmark repeats it). Returns ``(out, lse)``;
-    a zigzag first prefill with pass_q or pass_kv runs on the training ring."""
+    a zigzag first prefill with pass_q or pass_kv runs on the training ring.
+
+    Raises:
+        ValueError: a bad softmax_scale; hardware with a strategy other than ``"auto"``.
+    """
     step, comm = cache.step, cache.comm
     assert step is not None and comm is not None and cache.appended(layer)
+    check_softmax_scale(softmax_scale)  # cached_attn checked it; the benchmark calls this
     heads_q, head_dim = q.shape[1], q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     chosen = _step_strategy_memo(strategy, cache, heads_q=heads_q, hardware=hardware)

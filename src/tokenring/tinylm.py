@@ -20,7 +20,7 @@ import torch
 
 from tokenring.api import get_communicator
 from tokenring.core.layout import check_size
-from tokenring.inference import cached_attn, step_strategy
+from tokenring.inference import cached_attn, check_hardware_use, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
@@ -200,6 +200,16 @@ class Generation:
     """The attention strategy of each step (``" (zigzag)"``: on the ordinary path)."""
 
 
+def _weights_digest(model: TinyCausalLM) -> int:
+    """CRC-32 of every parameter's bytes: ranks whose weights differ would pick tokens from
+    different models (each sequence's next token comes from the rank that owns its last one)."""
+    crc = 0
+    for name, param in model.named_parameters():
+        data = param.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+        crc = zlib.crc32(data.numpy().tobytes(), zlib.crc32(name.encode(), crc))
+    return crc
+
+
 @torch.no_grad()
 def generate(
     model: TinyCausalLM,
@@ -226,36 +236,43 @@ def generate(
 
     Raises:
         ValueError: on every rank: empty prompts, tokens outside the vocabulary, max_new_tokens
-            not an int >= 1; ranks with other prompts, max_new_tokens, strategy or config.
+            not an int >= 1, an unknown strategy, hardware with a strategy other than "auto",
+            a bad block_size or budget_bytes; ranks with other prompts, max_new_tokens,
+            strategy, hardware, config or weights.
         KVCacheBudgetError: a rank would exceed ``budget_bytes``.
     """
 
     c = model.config
     comm = get_communicator(group)
+    device = model.embed.device
 
-    def validate() -> tuple[None, dict[str, Any]]:  # Note [Rank agreement] in tokenring.api
+    def validate() -> tuple[DistributedKVCache, dict[str, Any]]:  # Note [Rank agreement] in api
         _check_prompts(prompts, c.vocab_size, max_new_tokens)
+        if strategy != "auto":
+            CachedStrategy.parse(strategy)
+            check_hardware_use(strategy, hardware)
+        cache = DistributedKVCache(
+            num_layers=c.num_layers,
+            batch=len(prompts),
+            heads_kv=c.heads_kv,
+            head_dim=c.head_dim,
+            dtype=model.embed.dtype,
+            device=device,
+            block_size=block_size,
+            budget_bytes=budget_bytes,
+            group=comm,
+        )
         tokens = [[int(t) for t in p] for p in prompts]
-        return None, {
+        return cache, {
             "prompts": [len(tokens), zlib.crc32(repr(tokens).encode())],
             "max_new_tokens": max_new_tokens,
             "strategy": str(getattr(strategy, "value", strategy)),
+            "hardware": None if hardware is None else repr(hardware),
             "config": repr(c),
+            "weights": _weights_digest(model),
         }
 
-    comm.agreed(validate, what="generate call")
-    device = model.embed.device
-    cache = DistributedKVCache(
-        num_layers=c.num_layers,
-        batch=len(prompts),
-        heads_kv=c.heads_kv,
-        head_dim=c.head_dim,
-        dtype=model.embed.dtype,
-        device=device,
-        block_size=block_size,
-        budget_bytes=budget_bytes,
-        group=comm,
-    )
+    cache = comm.agreed(validate, what="generate call")
     if strategy == "auto" and hardware is None:  # once per call (Note [Calibration is passed in])
         hardware = calibrate(comm, dtype=model.embed.dtype, device=device)
     seqs = [list(p) for p in prompts]
