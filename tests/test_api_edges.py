@@ -176,6 +176,21 @@ def test_resolve_strategy_auto_names_bad_arguments(single_rank_group: None) -> N
     assert isinstance(pick, tokenring.Strategy)
 
 
+def test_resolve_strategy_refuses_hardware_with_a_fixed_strategy(single_rank_group: None) -> None:
+    """A fixed strategy returned itself and dropped hardware (even a name that is no preset),
+    where sequence_parallel_attn, cached_attn and resolve_cached_strategy refuse it."""
+    q = torch.randn(1, 8, 2, 4)
+    call = dict(q=q, k=q, causal=True, layout="contiguous", comm=tokenring.get_communicator())
+    for hardware in ("h200-nvswitch", "no-such-preset"):
+        with pytest.raises(
+            ValueError,
+            match=f"hardware is only used with strategy='auto'; got hardware='{hardware}' with "
+            "strategy='ring'",
+        ):
+            tokenring.resolve_strategy("ring", hardware=hardware, **call)
+    assert tokenring.resolve_strategy("ring", **call) is tokenring.Strategy.RING
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

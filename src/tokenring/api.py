@@ -230,11 +230,18 @@ def resolve_strategy(
             the padded rows every rank holds, so every rank picks the same.
 
     Raises:
-        ValueError: ``"auto"`` without ``hardware``; for ``"auto"``, q and k that
+        ValueError: ``"auto"`` without ``hardware``, or ``hardware`` with another strategy
+            (as :func:`sequence_parallel_attn`); for ``"auto"``, q and k that
             :func:`sequence_parallel_attn` refuses.
     """
     if strategy != "auto":
-        return Strategy.parse(strategy)
+        fixed = Strategy.parse(strategy)
+        if hardware is not None:
+            raise ValueError(
+                f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
+                f"strategy={fixed.value!r}"
+            )
+        return fixed
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
     _validate(q, k, k, None)  # the shapes priced (k as v: v does not change the pick)
