@@ -348,3 +348,51 @@ def test_a_forward_of_a_model_whose_attention_never_reaches_tokenring_raises() -
             model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
         checked.append(name)
     assert checked, "transformers builds none of the models with attn_implementation='tokenring'"
+
+
+# encoder-decoder models and their decoders alone: (model_type, AutoModel class name, sizes)
+ENCODER_DECODER = (
+    ("bart", "AutoModelForSeq2SeqLM", {"d_model": 32, "encoder_attention_heads": 4,
+                                       "decoder_attention_heads": 4}),
+    ("bart", "AutoModelForCausalLM", {"d_model": 32, "encoder_attention_heads": 4,
+                                      "decoder_attention_heads": 4}),
+    ("pegasus", "AutoModelForSeq2SeqLM", {"d_model": 32, "encoder_attention_heads": 4,
+                                          "decoder_attention_heads": 4}),
+    ("whisper", "AutoModelForSpeechSeq2Seq", {"d_model": 32, "encoder_attention_heads": 4,
+                                              "decoder_attention_heads": 4, "num_mel_bins": 8,
+                                              "max_source_positions": 8}),
+)  # fmt: skip
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize(
+    ("name", "auto", "sizes"), ENCODER_DECODER, ids=[f"{n}-{a}" for n, a, _ in ENCODER_DECODER]
+)
+def test_encoder_decoder_models_raise(name: str, auto: str, sizes: dict[str, Any]) -> None:
+    """BART, Pegasus and Whisper count their position embeddings over the rows they get (no
+    position_ids; BartForCausalLM drops them): on 2 ranks BART's, M2M-100's and Pegasus'
+    logits were 0.37, 0.36 and 0.34 off one process, silently, and Whisper's forward ran
+    with its encoder convolving over each shard. A forward and check_model now raise."""
+    if name not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    hf.register()
+    common = {"vocab_size": 64, "encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 48}
+    config = AutoConfig.for_model(
+        name, **common, decoder_ffn_dim=48, use_cache=False, pad_token_id=0, **sizes
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, auto).from_config(config, attn_implementation="tokenring")
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    inputs: dict[str, Any] = {"decoder_input_ids": batch.input_ids}
+    if name == "whisper":
+        inputs["input_features"] = torch.randn(2, 8, 16)
+    elif auto == "AutoModelForCausalLM":
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    else:
+        inputs["input_ids"] = batch.input_ids
+    with pytest.raises(NotImplementedError, match=f"encoder-decoder .*model_type '{name}'"):
+        model(**inputs, sequence_parallel=sp)
+    with pytest.raises(NotImplementedError, match=f"encoder-decoder .*model_type '{name}'"):
+        hf.check_model(model)

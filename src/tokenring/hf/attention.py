@@ -428,13 +428,32 @@ def _unsupported_layers(config: Any) -> str | None:
     return None
 
 
+def _refuse_encoder_decoder(name: str, config: Any) -> None:
+    """NotImplementedError for an encoder-decoder model or the decoder of one (its config
+    has ``is_encoder_decoder`` or ``decoder_layers``): BART, mBART, Pegasus, M2M-100, Marian
+    and Whisper count each position embedding over the rows they are given (they take no
+    position_ids, or drop them), so a shard gets positions 0..s-1 whatever its place in the
+    sequence; Whisper's encoder also convolves over it and T5 adds a relative bias."""
+    if not getattr(config, "is_encoder_decoder", False) and not hasattr(config, "decoder_layers"):
+        return
+    model = getattr(config, "model_type", None)
+    raise NotImplementedError(
+        f"attn_implementation={name!r} does not support encoder-decoder models or their "
+        f"decoders (model_type {model!r}): they count position embeddings over this rank's "
+        "shard alone (BART, Pegasus, M2M-100, Marian and Whisper take no position_ids), so "
+        "each rank's positions would silently restart at 0"
+    )
+
+
 def check_model(model: torch.nn.Module) -> None:
-    """Raise NotImplementedError if a layer of ``model`` mixes tokens other than by attention
-    (Note [Layers that mix tokens]), or if no module hands its attention to transformers'
-    ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo, MPT, Falcon, XGLM:
-    ``attn_implementation`` never reaches tokenring there): a shard would not see the rest of
-    the sequence."""
+    """Raise NotImplementedError for an encoder-decoder model or the decoder of one (BART,
+    Whisper, T5: positions counted over the shard), if a layer of ``model`` mixes tokens
+    other than by attention (Note [Layers that mix tokens]), or if no module hands its
+    attention to transformers' ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo,
+    MPT, Falcon, XGLM: ``attn_implementation`` never reaches tokenring there): a shard would
+    not see the rest of the sequence."""
     config = getattr(model, "config", None)
+    _refuse_encoder_decoder(getattr(config, "_attn_implementation", None) or "tokenring", config)
     reason = _unsupported_layers(config)
     for path, module in model.named_modules() if reason is None else ():
         if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
@@ -572,6 +591,7 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     """Raise NotImplementedError for a layer kind (Note [Layers that mix tokens]) or an
     attention option in ``kwargs`` the call cannot honour."""
     config = getattr(module, "config", None)
+    _refuse_encoder_decoder(name, config)
     reason = _unsupported_layers(config)
     if reason is not None:
         _refuse_layers(name, config, reason)
