@@ -556,6 +556,15 @@ def _attention_forward(
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
         return out, None  # (1, n, Hq, D)
     _check_temperature_tuning(module, sp, query.shape[2])
+    # DeepSeek's multi-head latent attention: V's head dim differs from Q's and K's. Zeros
+    # appended to V add zero output channels (dropped below); appended to Q and K, zero to
+    # every score (the scale stays the model's, or Q's own head dim's)
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if qk_dim != v_dim:
+        scaling = qk_dim**-0.5 if scaling is None else scaling
+        width = max(qk_dim, v_dim)
+        query, key = (F.pad(x, (0, width - qk_dim)) for x in (query, key))  # (B, H, s, width)
+        value = F.pad(value, (0, width - v_dim))
     out = sequence_parallel_attn(
         query.transpose(1, 2),  # (B, s, Hq, D)
         key.transpose(1, 2),  # (B, s, Hkv, D)
@@ -565,7 +574,7 @@ def _attention_forward(
         **_fields(sp),  # group, layout, seq_len, cu_seqlens, hardware
         **_fields(mask),  # causal, window_size, attention_chunk_size
     )
-    return cast(torch.Tensor, out), None  # (B, s, Hq, D)
+    return cast(torch.Tensor, out)[..., :v_dim], None  # (B, s, Hq, Dv)
 
 
 def _check_sharded_call(

@@ -303,6 +303,13 @@ class ShardedKVCache(Cache):
                 f"sequence of {total} tokens (a sliding window or a chunk runs only while the "
                 "whole sequence, prompt and new tokens, fits in it)"
             )
+        dims = (query.shape[-1], key.shape[-1], value.shape[-1])
+        if dims != (self.head_dim,) * 3:  # DeepSeek's latent attention: V of another width
+            raise NotImplementedError(
+                f"generation caches K and V of the config's head_dim={self.head_dim}; this layer "
+                f"gives query, key and value head dims {dims} (multi-head latent attention, "
+                "as in DeepSeek, is not supported by tokenring.hf.generate)"
+            )
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
             raise NotImplementedError(
