@@ -375,6 +375,24 @@ def test_unknown_placements_are_named() -> None:
         tr_diffusers.KVPlacement.parse("ring")
 
 
+def test_processor_options_are_checked_when_it_is_made() -> None:
+    """A bad strategy, hardware or group was accepted by the processor and raised only at the
+    model's first attention layer, mid-forward on every rank; now it raises when made."""
+    make = tr_diffusers.FluxSequenceParallelProcessor
+    with pytest.raises(ValueError, match=r"strategy must be one of .*got 'fastest'"):
+        make(strategy="fastest")
+    with pytest.raises(ValueError, match="strategy 'hybrid' runs on a 2-D mesh"):
+        make(strategy="hybrid")
+    with pytest.raises(ValueError, match="strategy='auto' needs hardware="):
+        make(strategy="auto")
+    with pytest.raises(ValueError, match="hardware is only used with strategy='auto'"):
+        make(hardware="h100")
+    with pytest.raises(ValueError, match="group must be a ProcessGroup"):
+        make(group="not a group")
+    assert make(strategy="auto", hardware="h100").strategy == "auto"
+    assert make(strategy="ring").strategy == "ring"
+
+
 @pytest.mark.usefixtures("single_rank_group")
 def test_cross_attn_checks_what_joint_attn_checks() -> None:
     """softmax_scale and group are checked as sequence_parallel_attn checks them, also with

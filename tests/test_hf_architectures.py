@@ -348,3 +348,123 @@ def test_a_forward_of_a_model_whose_attention_never_reaches_tokenring_raises() -
             model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
         checked.append(name)
     assert checked, "transformers builds none of the models with attn_implementation='tokenring'"
+
+
+# encoder-decoder models and their decoders alone: (model_type, AutoModel class name, sizes)
+ENCODER_DECODER = (
+    ("bart", "AutoModelForSeq2SeqLM", {"d_model": 32, "encoder_attention_heads": 4,
+                                       "decoder_attention_heads": 4}),
+    ("bart", "AutoModelForCausalLM", {"d_model": 32, "encoder_attention_heads": 4,
+                                      "decoder_attention_heads": 4}),
+    ("pegasus", "AutoModelForSeq2SeqLM", {"d_model": 32, "encoder_attention_heads": 4,
+                                          "decoder_attention_heads": 4}),
+    ("whisper", "AutoModelForSpeechSeq2Seq", {"d_model": 32, "encoder_attention_heads": 4,
+                                              "decoder_attention_heads": 4, "num_mel_bins": 8,
+                                              "max_source_positions": 8}),
+)  # fmt: skip
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize(
+    ("name", "auto", "sizes"), ENCODER_DECODER, ids=[f"{n}-{a}" for n, a, _ in ENCODER_DECODER]
+)
+def test_encoder_decoder_models_raise(name: str, auto: str, sizes: dict[str, Any]) -> None:
+    """BART, Pegasus and Whisper count their position embeddings over the rows they get (no
+    position_ids; BartForCausalLM drops them): on 2 ranks BART's, M2M-100's and Pegasus'
+    logits were 0.37, 0.36 and 0.34 off one process, silently, and Whisper's forward ran
+    with its encoder convolving over each shard. A forward and check_model now raise."""
+    if name not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {name!r}")
+    hf.register()
+    common = {"vocab_size": 64, "encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 48}
+    config = AutoConfig.for_model(
+        name, **common, decoder_ffn_dim=48, use_cache=False, pad_token_id=0, **sizes
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(transformers, auto).from_config(config, attn_implementation="tokenring")
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    inputs: dict[str, Any] = {"decoder_input_ids": batch.input_ids}
+    if name == "whisper":
+        inputs["input_features"] = torch.randn(2, 8, 16)
+    elif auto == "AutoModelForCausalLM":
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    else:
+        inputs["input_ids"] = batch.input_ids
+    with pytest.raises(NotImplementedError, match=f"encoder-decoder .*model_type '{name}'"):
+        model(**inputs, sequence_parallel=sp)
+    with pytest.raises(NotImplementedError, match=f"encoder-decoder .*model_type '{name}'"):
+        hf.check_model(model)
+
+
+# DeepSeek's multi-head latent attention: query and key heads of qk_nope + qk_rope = 12, value
+# heads of 8 or 16; dense MLPs (first_k_dense_replace) so that float64 runs on CPU
+LATENT = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 8,
+    "first_k_dense_replace": 2,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
+def _latent_model(v_head_dim: int, attn_implementation: str) -> Any:
+    config = AutoConfig.for_model("deepseek_v3", **COMMON | LATENT, v_head_dim=v_head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.double()
+
+
+def _latent_loss(logits: torch.Tensor, sp: hf.SequenceParallel | None) -> torch.Tensor:
+    """sum(logits * w) for fixed global weights w (B, S, V), this rank's rows of them."""
+    w = torch.randn(2, SEQ, COMMON["vocab_size"], generator=torch.Generator().manual_seed(1))
+    w = w.double() if sp is None else hf.attention._local(sp, w.double())
+    return (logits * w).sum()
+
+
+def rank_latent(v_head_dims: tuple[int, ...]) -> dict[int, Any]:
+    """Inside a rank: logits (gathered) and summed gradients of each latent-attention model."""
+    hf.register()
+    out: dict[int, Any] = {}
+    for v_head_dim in v_head_dims:
+        model = _latent_model(v_head_dim, "tokenring")
+        sp = hf.SequenceParallel()
+        batch = hf.shard_batch(sp, _input_ids())
+        logits = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
+        ).logits
+        _latent_loss(logits, sp).backward()
+        hf.all_reduce_gradients(sp, model)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        with pytest.raises(NotImplementedError, match="latent attention"), torch.no_grad():
+            hf.generate(sp, model, _input_ids()[:1, :8], max_new_tokens=2, use_cache=True)
+        out[v_head_dim] = (hf.gather_sequence(sp, logits), grads)
+    return out
+
+
+def test_latent_attention_matches_one_process() -> None:
+    """DeepSeek V3's value heads are narrower (8) or wider (16) than its query and key heads
+    (12): tokenring attention raised "k and v must have the same shape". It now pads the
+    narrower side with zeros (zero output channels, or zero added to every score) and matches
+    SDPA in one process, logits and every gradient; hf.generate raises naming it."""
+    if "deepseek_v3" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no 'deepseek_v3'")
+    per_rank = tokenring.launch(rank_latent, (8, 16), world_size=2, timeout_s=300)
+    for v_head_dim in (8, 16):
+        oracle = _latent_model(v_head_dim, "sdpa")
+        want = oracle(_input_ids()).logits
+        _latent_loss(want, None).backward()
+        for rank, res in enumerate(per_rank):
+            logits, grads = res[v_head_dim]
+            err = float((logits - want.detach()).abs().max())
+            assert err < FP64, f"v_head_dim={v_head_dim}: rank {rank} logits off by {err}"
+            for name, p in oracle.named_parameters():
+                if p.grad is not None:
+                    err = float((grads[name] - p.grad).abs().max())
+                    assert err < FP64, f"v_head_dim={v_head_dim}: rank {rank} {name} off by {err}"

@@ -299,3 +299,92 @@ def test_hybrid_mesh_from_a_device_mesh_needs_two_dims() -> None:
         tokenring.HybridMesh.from_device_mesh(mesh["outer"])
     with pytest.raises(ValueError, match="got str"):
         tokenring.HybridMesh.from_device_mesh("outer x inner")
+
+
+# -- windows the sequence fits in ------------------------------------------------------------
+
+WINDOW_PROMPT = 9  # odd: block-cyclic prefill over 2 ranks
+WINDOW_NEW = 4
+FITS = WINDOW_PROMPT + WINDOW_NEW - 1  # tokens of the last forward (the last new one is not fed)
+# (model_type, changes): Mistral's default sliding_window (4096), a window the last forward
+# just fits, Gemma 3's sliding layers between full ones, Llama 4's chunks the same
+WINDOWED = (
+    ("mistral", {}),
+    ("mistral", {"sliding_window": FITS}),
+    ("gemma3_text", {"sliding_window": FITS, "head_dim": 8}),
+    ("llama4_text", {"attention_chunk_size": FITS, "head_dim": 8, "no_rope_layers": [1, 1]}),
+)
+
+
+def windowed_model(name: str, changes: dict[str, Any], attn_implementation: str) -> Any:
+    config = transformers.AutoConfig.for_model(
+        name,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **changes,
+    )
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    with torch.no_grad():  # larger weights than the default init: the logits spread out
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def window_kwargs() -> dict[str, Any]:
+    return {
+        "max_new_tokens": WINDOW_NEW,
+        "min_new_tokens": WINDOW_NEW,  # no early end of sequence: every forward runs
+        "do_sample": False,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+        "pad_token_id": 0,
+    }
+
+
+def window_prompt() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, WINDOW_PROMPT), generator=torch.Generator().manual_seed(5))
+
+
+def run_windowed() -> dict[str, Any]:
+    hf.register()
+    out: dict[str, Any] = {}
+    for i, (name, changes) in enumerate(WINDOWED):
+        model = windowed_model(name, changes, "tokenring")
+        with torch.no_grad():
+            res = hf.generate(hf.SequenceParallel(), model, window_prompt(), **window_kwargs())
+        out[f"{i}"] = (res.sequences, torch.stack(res.logits, dim=1))
+    # one token less: the last forward's window masks its first key
+    model = windowed_model("mistral", {"sliding_window": FITS - 1}, "tokenring")
+    with pytest.raises(NotImplementedError) as info, torch.no_grad():
+        hf.generate(hf.SequenceParallel(), model, window_prompt(), **window_kwargs())
+    out["refused"] = str(info.value)
+    return out
+
+
+def test_generate_runs_a_window_the_sequence_fits_in() -> None:
+    """hf.generate refused every sliding window (Mistral's default 4096 too) and chunk,
+    though a window or chunk the whole sequence fits in masks no key: the same answer as
+    plain causal attention. It now runs them and matches the model's own generate in one
+    process (SDPA, its own sliding-window masks); the step whose sequence outgrows the window
+    raises on every rank, naming the length."""
+    per_rank = tokenring.launch(run_windowed, world_size=2, timeout_s=300)
+    for i, (name, changes) in enumerate(WINDOWED):
+        model = windowed_model(name, changes, "sdpa")
+        with torch.no_grad():
+            want = model.generate(window_prompt(), **window_kwargs())
+        for rank, res in enumerate(per_rank):
+            sequences, logits = res[f"{i}"]
+            assert want.sequences.shape[1] == WINDOW_PROMPT + WINDOW_NEW
+            assert torch.equal(sequences, want.sequences), (name, changes, rank)
+            torch.testing.assert_close(
+                logits, torch.stack(want.logits, dim=1), msg=f"{name} {changes} rank {rank}"
+            )
+    for res in per_rank:
+        assert f"window_size=({FITS - 2}, 0)" in res["refused"], res["refused"]
+        assert f"a sequence of {FITS} tokens" in res["refused"], res["refused"]

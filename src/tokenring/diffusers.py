@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenring.api import (
+    AUTO_NEEDS_HARDWARE,
     GroupLike,
     check_group,
     check_softmax_scale,
@@ -74,6 +75,7 @@ from tokenring.api import (
     sequence_parallel_attn,
 )
 from tokenring.core.enums import parse_enum
+from tokenring.core.schedule import Strategy
 from tokenring.model.costmodel import Hardware
 from tokenring.runtime.comm import Communicator
 
@@ -274,6 +276,10 @@ class FluxSequenceParallelProcessor:
     text it is optional, and checks that the ranks' text rows add up to T. Attention
     masks, IP-adapter inputs and an attention other than diffusers' ``FluxAttention`` raise
     NotImplementedError.
+
+    Raises:
+        ValueError: when made, an unknown ``text`` or ``strategy``, ``"hybrid"``, hardware
+            without ``"auto"`` or ``"auto"`` without hardware, or a group that is not one.
     """
 
     group: GroupLike = None
@@ -287,6 +293,22 @@ class FluxSequenceParallelProcessor:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", TextPlacement.parse(self.text))
+        check_group(self.group)  # here, not at the model's first attention layer
+        if self.strategy != "auto":
+            strategy = Strategy.parse(self.strategy).value
+            if strategy == Strategy.HYBRID.value:
+                raise ValueError(
+                    "strategy 'hybrid' runs on a 2-D mesh, not one group; "
+                    "FluxSequenceParallelProcessor takes a one-group strategy or 'auto'"
+                )
+            if self.hardware is not None:
+                raise ValueError(
+                    f"hardware is only used with strategy='auto'; got hardware="
+                    f"{self.hardware!r} with strategy={strategy!r}"
+                )
+            object.__setattr__(self, "strategy", strategy)
+        elif self.hardware is None:
+            raise ValueError(AUTO_NEEDS_HARDWARE)
 
     def __call__(
         self,

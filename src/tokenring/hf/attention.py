@@ -428,13 +428,32 @@ def _unsupported_layers(config: Any) -> str | None:
     return None
 
 
+def _refuse_encoder_decoder(name: str, config: Any) -> None:
+    """NotImplementedError for an encoder-decoder model or the decoder of one (its config
+    has ``is_encoder_decoder`` or ``decoder_layers``): BART, mBART, Pegasus, M2M-100, Marian
+    and Whisper count each position embedding over the rows they are given (they take no
+    position_ids, or drop them), so a shard gets positions 0..s-1 whatever its place in the
+    sequence; Whisper's encoder also convolves over it and T5 adds a relative bias."""
+    if not getattr(config, "is_encoder_decoder", False) and not hasattr(config, "decoder_layers"):
+        return
+    model = getattr(config, "model_type", None)
+    raise NotImplementedError(
+        f"attn_implementation={name!r} does not support encoder-decoder models or their "
+        f"decoders (model_type {model!r}): they count position embeddings over this rank's "
+        "shard alone (BART, Pegasus, M2M-100, Marian and Whisper take no position_ids), so "
+        "each rank's positions would silently restart at 0"
+    )
+
+
 def check_model(model: torch.nn.Module) -> None:
-    """Raise NotImplementedError if a layer of ``model`` mixes tokens other than by attention
-    (Note [Layers that mix tokens]), or if no module hands its attention to transformers'
-    ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo, MPT, Falcon, XGLM:
-    ``attn_implementation`` never reaches tokenring there): a shard would not see the rest of
-    the sequence."""
+    """Raise NotImplementedError for an encoder-decoder model or the decoder of one (BART,
+    Whisper, T5: positions counted over the shard), if a layer of ``model`` mixes tokens
+    other than by attention (Note [Layers that mix tokens]), or if no module hands its
+    attention to transformers' ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo,
+    MPT, Falcon, XGLM: ``attn_implementation`` never reaches tokenring there): a shard would
+    not see the rest of the sequence."""
     config = getattr(model, "config", None)
+    _refuse_encoder_decoder(getattr(config, "_attn_implementation", None) or "tokenring", config)
     reason = _unsupported_layers(config)
     for path, module in model.named_modules() if reason is None else ():
         if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
@@ -537,6 +556,15 @@ def _attention_forward(
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
         return out, None  # (1, n, Hq, D)
     _check_temperature_tuning(module, sp, query.shape[2])
+    # DeepSeek's multi-head latent attention: V's head dim differs from Q's and K's. Zeros
+    # appended to V add zero output channels (dropped below); appended to Q and K, zero to
+    # every score (the scale stays the model's, or Q's own head dim's)
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if qk_dim != v_dim:
+        scaling = qk_dim**-0.5 if scaling is None else scaling
+        width = max(qk_dim, v_dim)
+        query, key = (F.pad(x, (0, width - qk_dim)) for x in (query, key))  # (B, H, s, width)
+        value = F.pad(value, (0, width - v_dim))
     out = sequence_parallel_attn(
         query.transpose(1, 2),  # (B, s, Hq, D)
         key.transpose(1, 2),  # (B, s, Hkv, D)
@@ -546,7 +574,7 @@ def _attention_forward(
         **_fields(sp),  # group, layout, seq_len, cu_seqlens, hardware
         **_fields(mask),  # causal, window_size, attention_chunk_size
     )
-    return cast(torch.Tensor, out), None  # (B, s, Hq, D)
+    return cast(torch.Tensor, out)[..., :v_dim], None  # (B, s, Hq, Dv)
 
 
 def _check_sharded_call(
@@ -572,6 +600,7 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     """Raise NotImplementedError for a layer kind (Note [Layers that mix tokens]) or an
     attention option in ``kwargs`` the call cannot honour."""
     config = getattr(module, "config", None)
+    _refuse_encoder_decoder(name, config)
     reason = _unsupported_layers(config)
     if reason is not None:
         _refuse_layers(name, config, reason)

@@ -284,7 +284,8 @@ class ShardedKVCache(Cache):
         mask: _ModelMask = _PLAIN_CAUSAL,
     ) -> torch.Tensor:
         """One layer's attention of the step's new rows: ``(1, H, n, D)`` in, ``(1, n, Hq, D)``
-        out. Plain causal only (``mask``: the layer's)."""
+        out. Plain causal only (``mask``: the layer's; a sliding window or chunk that the
+        sequence so far fits in is the same)."""
         if getattr(module, "attn_temperature_tuning", False) and not getattr(
             module, "use_rope", True
         ):
@@ -292,11 +293,22 @@ class ShardedKVCache(Cache):
                 "attn_temperature_tuning (Llama 4's NoPE query scale) is not supported in "
                 "generation"
             )
-        if mask != _PLAIN_CAUSAL:
+        assert self.kv is not None
+        total = max(self.kv.lengths)  # tokens of each sequence, this step's included
+        if not _masks_nothing(mask, total):
             raise NotImplementedError(
                 f"generation runs plain causal attention over the KV cache; this layer asks for "
                 f"causal={mask.causal}, window_size={mask.window_size}, "
-                f"attention_chunk_size={mask.attention_chunk_size}"
+                f"attention_chunk_size={mask.attention_chunk_size}, which masks keys of a "
+                f"sequence of {total} tokens (a sliding window or a chunk runs only while the "
+                "whole sequence, prompt and new tokens, fits in it)"
+            )
+        dims = (query.shape[-1], key.shape[-1], value.shape[-1])
+        if dims != (self.head_dim,) * 3:  # DeepSeek's latent attention: V of another width
+            raise NotImplementedError(
+                f"generation caches K and V of the config's head_dim={self.head_dim}; this layer "
+                f"gives query, key and value head dims {dims} (multi-head latent attention, "
+                "as in DeepSeek, is not supported by tokenring.hf.generate)"
             )
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
@@ -304,7 +316,7 @@ class ShardedKVCache(Cache):
                 f"generation needs the attention module's layer_idx; {type(module).__name__} has "
                 f"{layer!r}"
             )
-        assert self.kv is not None and query.shape[0] == 1, "rows are packed into batch 1"
+        assert query.shape[0] == 1, "rows are packed into batch 1"
         rows = 0 if self._placeholder else query.shape[2]
         out = cached_attn(
             query[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hq, D)
@@ -319,6 +331,19 @@ class ShardedKVCache(Cache):
         if self._placeholder:
             out = query.new_zeros(1, query.shape[1], query.shape[3])  # (1, Hq, D)
         return out.unsqueeze(0)  # (1, n, Hq, D)
+
+
+def _masks_nothing(mask: _ModelMask, total: int) -> bool:
+    """Whether ``mask`` keeps every key of plain causal attention over positions ``0..total -
+    1``: a window ``(left, 0)`` with ``left >= total - 1`` (query i sees keys from ``i - left
+    <= 0``) or chunks of ``>= total`` tokens (all in the first) mask none."""
+    left, right = mask.window_size
+    return (
+        mask.causal
+        and right == 0
+        and (left == -1 or left >= total - 1)
+        and (mask.attention_chunk_size is None or mask.attention_chunk_size >= total)
+    )
 
 
 _REFUSED_OPTIONS = {
@@ -391,8 +416,9 @@ def generate(
         ValueError: a model without a tokenring attention, input_ids not 2-D, use_cache=False,
             sp with seq_len or cu_seqlens, or ranks whose token ids differ.
         NotImplementedError: an option of ``_REFUSED_OPTIONS``, a padding attention_mask, a
-            cache to continue from, a sliding window or chunked attention, or a layer that
-            mixes tokens other than by attention (``check_model``).
+            cache to continue from, a sliding window or chunked attention once the sequence
+            outgrows it (at that step, on every rank), or a layer that mixes tokens other
+            than by attention (``check_model``).
     """
     sp = as_sequence_parallel(sp, "sp")
     if sp.seq_len is not None or sp.cu_seqlens is not None:
