@@ -295,6 +295,12 @@ def _llama3_global_cu_seqlens(
         raise ValueError(
             "; ".join(f"rank {r} cannot run this attention call: {why}" for r, why in invalid)
         )
+    causals = [row["causal"] for row in rows]
+    if len(set(causals)) != 1:  # each rank would check the others' values with its own
+        differ = ", ".join(f"rank {r} has {c}" for r, c in enumerate(causals) if c != causals[0])
+        raise ValueError(
+            f"ranks disagree on this attention call: causal: rank 0 has {causals[0]}, {differ}"
+        )
     lengths = {row["length"] for row in rows}
     if len(lengths) != 1:
         raise ValueError(
@@ -441,7 +447,8 @@ def _llama3_local(
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, " of cu_seqlens_q")
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, " of cu_seqlens_k")
     start, stop = local_k_slice.start, local_k_slice.stop
-    return {"length": q.shape[0], "cu_q": cu_q, "cu_k": cu_k, "k_start": start, "k_stop": stop}
+    row = {"length": q.shape[0], "cu_q": cu_q, "cu_k": cu_k, "k_start": start, "k_stop": stop}
+    return row | {"causal": causal}
 
 
 def _check_max_seqlen(name: str, bound: object, bounds: Sequence[int], of: str = "") -> None:
