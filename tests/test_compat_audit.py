@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -51,3 +52,32 @@ def test_llama3_causal_that_differs_on_one_rank_raises_on_every_rank() -> None:
         assert kind == "ValueError", (rank, kind, message)
         assert "causal: rank 0 has True, rank 2 has False" in message, (rank, message)
         assert seconds < 10, (rank, seconds)
+
+
+def _padded(s: int = 4) -> list[torch.Tensor]:
+    return [torch.randn(1, s, h, 8, dtype=torch.float64) for h in (4, 2, 2)]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: compat.flash_attn_func(*_padded(), strategy="auto"),
+        lambda: compat.ring_flash_attn_func(*_padded(), strategy="auto"),
+        lambda: compat.zigzag_ring_flash_attn_func(*_padded(), strategy="auto"),
+        lambda: compat.flash_attn_varlen_func(
+            *(x[0] for x in _padded()), [0, 4], [0, 4], 4, 4, strategy="auto"
+        ),
+        lambda: compat.llama3_flash_attn_varlen_func(
+            *(x[0] for x in _padded()), [0, 4], [0, 4], 4, 4, 1, slice(0, 4), strategy="auto"
+        ),
+    ],
+)
+def test_strategy_auto_is_refused_naming_what_the_shims_lack(
+    single_rank_group: None, call: Callable[[], Any]
+) -> None:
+    """sequence_parallel_attn's "auto" needs hardware=, which no shim takes: the error must
+    not send the user to an argument the function rejects with a TypeError."""
+    with pytest.raises(ValueError, match="strategy='auto'") as info:
+        call()
+    assert "tokenring.sequence_parallel_attn" in str(info.value)
+    assert "hardware=" in str(info.value)

@@ -26,8 +26,10 @@ Returns: ``out``, or with ``return_attn_probs=True`` ``(out, softmax_lse, None)`
 is ``(B, Hq, s)`` (padded) or ``(Hq, t)`` (varlen), float32 (float64 for float64 inputs), the
 lse over the *global* sequence, without gradient. ``dropout_p != 0``, ``alibi_slopes`` and
 ``softcap > 0`` raise ``NotImplementedError``; ``deterministic`` is accepted (the backward is
-deterministic anyway). A rank whose arguments fail tells its peers through the attention
-call's rank check (Note [Rank agreement] in ``tokenring.api``), so no rank waits for it.
+deterministic anyway). ``strategy="auto"`` raises ``ValueError``: it needs ``hardware=``,
+which only :func:`tokenring.sequence_parallel_attn` takes. A rank whose arguments fail tells
+its peers through the attention call's rank check (Note [Rank agreement] in
+``tokenring.api``), so no rank waits for it.
 
 ``cu_seqlens`` of ``flash_attn_varlen_func`` are the *global* boundaries ``(0, ..., T)`` on
 every rank, with this rank's shard of the tokens (``tokenring.shard(x, ..., seq_dim=0,
@@ -132,6 +134,12 @@ def _attend(
 
     def validate() -> tuple[dict[str, Any], None]:
         flash.check()
+        if isinstance(strategy, str) and strategy == "auto":
+            raise ValueError(
+                "strategy='auto' needs hardware=, which these drop-in functions do not take: "
+                "name a strategy, or call tokenring.sequence_parallel_attn(q, k, v, "
+                "strategy='auto', hardware=...)"
+            )
         return check(), None  # no signature: the attention call's check compares them
 
     options |= comm.agreed(validate, what="attention call")  # sequence_parallel_attn's check
