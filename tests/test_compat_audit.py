@@ -13,6 +13,13 @@ import torch
 import torch.distributed as dist
 
 import tokenring
+from oracle import (
+    make_inputs,
+    oracle_with_grads,
+    sharded_positions,
+    tolerance_failures,
+    visible_mask,
+)
 from tokenring import compat
 
 
@@ -81,3 +88,74 @@ def test_strategy_auto_is_refused_naming_what_the_shims_lack(
         call()
     assert "tokenring.sequence_parallel_attn" in str(info.value)
     assert "hardware=" in str(info.value)
+
+
+def _call_shim(
+    name: str, causal: bool, window: tuple[int, int], dtype: torch.dtype, heads_kv: int
+) -> list[str]:
+    """One shim call on this rank against the float64 oracle of its global inputs, by the
+    tolerance rule of ../shared/STYLE.md (tests/oracle.py); the problems found."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    packed = "varlen" in name
+    total = 6 * world
+    bounds = [0, 5, total] if packed else [0, total]  # a document across rank 0's end
+    layout = "zigzag" if name.startswith("zigzag") else "contiguous"
+    q, k, v, dout = make_inputs(
+        seed=total, batch=1, seq_global=total, heads_q=4, heads_kv=heads_kv, head_dim=8
+    )
+    mask = visible_mask(total, causal=causal, cu_seqlens=bounds, window=window)
+    ref = oracle_with_grads(q, k, v, dout, causal=causal, scale=0.3, mask=mask, dtype=dtype)
+    idx = torch.tensor(sharded_positions(layout, rank, world, total, bounds))
+    leaves = [x[:, idx].to(dtype).requires_grad_(True) for x in (q, k, v)]
+    args: tuple[Any, ...] = ()
+    if name == "llama3_flash_attn_varlen_func":
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        prepared = compat.llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world)
+        args = (*prepared[:4], heads_kv, prepared[4])  # heads_k_stride: all heads at once
+    elif packed:
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        args = (cu, cu, total, total)
+    inputs = [x[0] for x in leaves] if packed else leaves
+    out, lse, _ = getattr(compat, name)(
+        *inputs, *args, softmax_scale=0.3, causal=causal, window_size=window,
+        return_attn_probs=True,
+    )  # fmt: skip
+    out.backward(dout[:, idx].to(dtype)[0] if packed else dout[:, idx].to(dtype))
+    got = {"out": out.detach(), "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad}
+    got |= {"dv": leaves[2].grad}
+    if packed:  # back to (B, s, H, D) and (B, H, s), as the oracle's rows
+        got["out"], got["lse"] = got["out"].unsqueeze(0), got["lse"].unsqueeze(0)
+    want = {n: ref[n][:, idx] for n in ("out", "dq", "dk", "dv")} | {"lse": ref["lse"][:, :, idx]}
+    return tolerance_failures(
+        got, want, dtype=dtype, inputs=(q, k, v, dout), reference=ref, causal=causal,
+        scale=0.3, mask=mask,
+    )  # fmt: skip
+
+
+SHIMS = [
+    "ring_flash_attn_func",
+    "zigzag_ring_flash_attn_func",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "llama3_flash_attn_varlen_func",
+]
+# what test_compat.py's grid leaves out: causal with a window, MQA, and the half dtypes
+AUDIT = [
+    *((name, True, (2, 1), torch.float64, 1) for name in SHIMS),
+    *((name, causal, (-1, -1), dtype, 1) for name in SHIMS for causal in (False, True)
+      for dtype in (torch.float16, torch.bfloat16, torch.float32)),
+]  # fmt: skip
+
+
+def audit_grid() -> list[str]:
+    failures = []
+    for name, causal, window, dtype, heads_kv in AUDIT:
+        what = f"{name} causal={causal} window={window} {dtype} heads_kv={heads_kv}"
+        failures += [f"{what}: {f}" for f in _call_shim(name, causal, window, dtype, heads_kv)]
+    return failures
+
+
+def test_shims_match_the_oracle_in_every_dtype_with_mqa_and_causal_windows() -> None:
+    per_rank = tokenring.launch(audit_grid, world_size=2, timeout_s=240)
+    failures = [f"rank {r}: {f}" for r, fails in enumerate(per_rank) for f in fails]
+    assert not failures, "\n".join(failures)
