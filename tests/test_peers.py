@@ -138,3 +138,59 @@ def test_peers_benchmark_runs_inside_the_lab(tmp_path) -> None:
             assert r["ok"] is True, r
         if r["impl"] == peers.PEER:
             assert r["max_error"]["out"] <= peers.TOLERANCE["float32"], r
+
+
+def shims_beside_the_originals() -> list[str]:
+    """On each rank: ring-flash-attention's own ring_flash_attn_func and
+    zigzag_ring_flash_attn_func (on the CPU stand-in) and tokenring.compat's, called alike
+    with ``return_attn_probs=True``; what differs in the returns' form or values. Forward
+    only: on float32 the originals' backward keeps writing the kernel's gradient buffers
+    into its sums (``dq = dq_buffer.to(torch.float32)`` does not copy; dk, dv alike), so
+    their gradients are off; test_compat.py checks ours against float64."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from oracle import make_inputs, sharded_positions
+    from tokenring import compat
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flash_attn_cpu.load_ring_flash_attn()
+    failures = []
+    for name, layout in (
+        ("ring_flash_attn_func", "contiguous"),
+        ("zigzag_ring_flash_attn_func", "zigzag"),  # the original refuses causal=False
+    ):
+        module = importlib.import_module(f"ring_flash_attn.{name.removesuffix('_func')}")
+        q, k, v, _ = make_inputs(
+            seed=7, batch=2, seq_global=8 * world, heads_q=2, heads_kv=2, head_dim=16
+        )
+        idx = torch.tensor(sharded_positions(layout, rank, world, 8 * world))
+        local = [x[:, idx].float() for x in (q, k, v)]
+        # dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+        # return_attn_probs, group: positionally, as the original's users may
+        args = (0.0, 0.3, True, (-1, -1), None, False, True, None)
+        theirs = getattr(module, name)(*local, *args)
+        ours = getattr(compat, name)(*local, *args)
+        if not isinstance(ours, tuple) or len(ours) != len(theirs) or ours[2] is not theirs[2]:
+            failures.append(f"{name}: returns {type(ours).__name__}, the original {theirs!r}")
+            continue
+        for what, a, b in zip(("out", "softmax_lse"), ours[:2], theirs[:2], strict=True):
+            if (a.shape, a.dtype) != (b.shape, b.dtype):
+                failures.append(f"{name}: {what} {a.shape} {a.dtype}, original {b.shape} {b.dtype}")
+            else:
+                err = (a - b).abs().max().item()
+                if err > 2e-6:
+                    failures.append(f"{name} rank {rank}: {what} differs by {err:.3g}")
+    return failures
+
+
+@needs_peer
+def test_shims_return_what_the_originals_return() -> None:
+    """The form (out, softmax_lse (B, H, s) float32, None) and values of ring-flash-attention's
+    own functions, on 2 gloo ranks."""
+    from tokenring import launch
+
+    per_rank = launch(shims_beside_the_originals, world_size=2, timeout_s=120)
+    failures = [f for fails in per_rank for f in fails]
+    assert not failures, "\n".join(failures)

@@ -26,8 +26,10 @@ Returns: ``out``, or with ``return_attn_probs=True`` ``(out, softmax_lse, None)`
 is ``(B, Hq, s)`` (padded) or ``(Hq, t)`` (varlen), float32 (float64 for float64 inputs), the
 lse over the *global* sequence, without gradient. ``dropout_p != 0``, ``alibi_slopes`` and
 ``softcap > 0`` raise ``NotImplementedError``; ``deterministic`` is accepted (the backward is
-deterministic anyway). A rank whose arguments fail tells its peers through the attention
-call's rank check (Note [Rank agreement] in ``tokenring.api``), so no rank waits for it.
+deterministic anyway). ``strategy="auto"`` raises ``ValueError``: it needs ``hardware=``,
+which only :func:`tokenring.sequence_parallel_attn` takes. A rank whose arguments fail tells
+its peers through the attention call's rank check (Note [Rank agreement] in
+``tokenring.api``), so no rank waits for it.
 
 ``cu_seqlens`` of ``flash_attn_varlen_func`` are the *global* boundaries ``(0, ..., T)`` on
 every rank, with this rank's shard of the tokens (``tokenring.shard(x, ..., seq_dim=0,
@@ -132,6 +134,12 @@ def _attend(
 
     def validate() -> tuple[dict[str, Any], None]:
         flash.check()
+        if isinstance(strategy, str) and strategy == "auto":
+            raise ValueError(
+                "strategy='auto' needs hardware=, which these drop-in functions do not take: "
+                "name a strategy, or call tokenring.sequence_parallel_attn(q, k, v, "
+                "strategy='auto', hardware=...)"
+            )
         return check(), None  # no signature: the attention call's check compares them
 
     options |= comm.agreed(validate, what="attention call")  # sequence_parallel_attn's check
@@ -295,6 +303,12 @@ def _llama3_global_cu_seqlens(
         raise ValueError(
             "; ".join(f"rank {r} cannot run this attention call: {why}" for r, why in invalid)
         )
+    causals = [row["causal"] for row in rows]
+    if len(set(causals)) != 1:  # each rank would check the others' values with its own
+        differ = ", ".join(f"rank {r} has {c}" for r, c in enumerate(causals) if c != causals[0])
+        raise ValueError(
+            f"ranks disagree on this attention call: causal: rank 0 has {causals[0]}, {differ}"
+        )
     lengths = {row["length"] for row in rows}
     if len(lengths) != 1:
         raise ValueError(
@@ -441,7 +455,8 @@ def _llama3_local(
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, " of cu_seqlens_q")
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, " of cu_seqlens_k")
     start, stop = local_k_slice.start, local_k_slice.stop
-    return {"length": q.shape[0], "cu_q": cu_q, "cu_k": cu_k, "k_start": start, "k_stop": stop}
+    row = {"length": q.shape[0], "cu_q": cu_q, "cu_k": cu_k, "k_start": start, "k_stop": stop}
+    return row | {"causal": causal}
 
 
 def _check_max_seqlen(name: str, bound: object, bounds: Sequence[int], of: str = "") -> None:
