@@ -43,6 +43,9 @@ class _Comm:
     def wait_sends(self) -> None:
         self.log.append(("wait_sends",))
 
+    def abandon(self, exc: BaseException) -> None:
+        self.log.append(("abandon", type(exc).__name__))
+
 
 class _Recorder(PassRunner):
     """Every runner op, logged; nothing computed."""
@@ -144,9 +147,12 @@ def test_an_op_the_runner_lacks_fails_naming_it() -> None:
     sched = build_schedule("ring", "forward", layout="contiguous", causal=False, world_size=2,
                            seq_local=2)  # fmt: skip
     runner = PassRunner()
-    runner.sched, runner.comm, runner.poster = sched, _Comm([]), _Poster([])  # type: ignore
+    comm = _Comm([])
+    runner.sched, runner.comm, runner.poster = sched, comm, _Poster([])  # type: ignore
     with pytest.raises(NotImplementedError, match=r"PassRunner has no OpKind\.COMPUTE"):
         execute((Op(kind=OpKind.STEP), Op(kind=OpKind.COMPUTE)), runner)
+    # the pass stopped midway: its communicator is told (Note [Abandoned calls])
+    assert comm.log == [("abandon", "NotImplementedError")]
 
 
 class _Work:

@@ -61,9 +61,12 @@ def _both_transports() -> list[str]:
                 for comm in (shared, sockets):
                     comm.counter.reset()
                     local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
+                    # read by the pass-Q strategies only (the others refuse it)
+                    pass_q = strategy in ("token_ring", "bidir_token_ring")
+                    splits = {"last_block_splits": 2} if pass_q else {}
                     out = tokenring.sequence_parallel_attn(
                         *local, strategy=strategy, causal=causal, layout=layout, group=comm,
-                        last_block_splits=2 if "token_ring" in strategy else None,
+                        **splits,
                     )  # fmt: skip
                     out.backward(dout[:, idx])
                     got = [out.detach(), *(x.grad for x in local)]

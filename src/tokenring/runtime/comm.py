@@ -183,6 +183,20 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 # communicator closed with a check pending is not pooled (its exchange may still be posted).
 # The backward, cache steps and the hybrid check before anything else, as before.
 #
+# Note [Abandoned calls]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Messages match in posting order, per pair (Note [Slots]). A call that stops midway on one
+# rank (its kernel raised, a receive failed or timed out, a header did not match) leaves
+# that order behind: its peers' messages of the call still come to it, and its own never
+# leave. A later call over the same communicator would take those for its own, and a header
+# cannot tell them apart when they name the same transfer: the same step of the same
+# strategy, other numbers. So any error out of a rank program (``execute``) marks the
+# communicator failed (``abandon``), and a failed communicator refuses every exchange and
+# rank check, naming the first failure; through shared memory its peers' waits on it fail
+# at once, naming this rank (``SharedMemoryLinks.give_up``), over gloo at their timeout.
+# Only the rank check's verdict is no failure: every rank raises it before any transfer.
+# Recovery is a new communicator, built on every rank.
+#
 # Note [Exchanges through shared memory]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # With the shared-memory transport (Note [Shared-memory transport] in tokenring.runtime.shm),
@@ -368,6 +382,14 @@ def _check_header(
         )
 
 
+class _PostFailed(Exception):
+    """Posting an operation with group rank ``peer`` failed with ``cause``."""
+
+    def __init__(self, peer: int, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.peer, self.cause = peer, cause
+
+
 def comm_path(backend: str, device: torch.device) -> str:
     """How messages of tensors on ``device`` travel: nccl, gloo or gloo-staged."""
     if backend == "gloo" and device.type == "cuda":
@@ -448,7 +470,11 @@ class PendingRecv:
         self._check()
         offset = header.data_ptr() + _HEADER_FIELDS * 8
         where = _SHM_FIELDS.unpack(ctypes.string_at(offset, _SHM_FIELDS.size))
-        frames = comm.shared.view(tr.src, where, self._frame_sizes)
+        try:
+            frames = comm.shared.view(tr.src, where, self._frame_sizes)
+        except RuntimeError as exc:  # sent, then exited: its segment went with it
+            gone = comm.shared.gone(tr.src)
+            raise comm._failed(tr, "receive", ConnectionError(gone) if gone else exc) from exc
         self._message = Message(frames[0], tuple(frames[1:]))
 
     def _check(self) -> None:
@@ -528,6 +554,7 @@ class Communicator:
         self._agreeing: Callable[[], None] | None = None  # Note [Deferred agreement]
         self._unchecked: list[tuple[Transfer, torch.Tensor, tuple[int, int]]] = []
         self._broken: str | None = None
+        self._verdict: BaseException | None = None  # the last deferred check's ValueError
         self.stage_through_host = stage_through_host
         self._copy_stream: Any = None
         self.shared: SharedMemoryLinks | None = None
@@ -628,11 +655,7 @@ class Communicator:
         self._check_open()
         if self.world_size == 1:
             return lambda: [data]
-        if self._broken is not None:
-            raise RuntimeError(
-                f"rank {self.rank}: this communicator failed earlier and cannot be used for "
-                f"{what}: {self._broken}"
-            )
+        self._check_usable(what)
         # row r: rank r's length (int64) then data; ctypes: tensor ops cost more than the swap
         table = torch.zeros(self.world_size, frame_num_bytes, dtype=torch.uint8)
         mine = table[self.rank]
@@ -895,6 +918,7 @@ class Communicator:
         """
         self._check_open()
         self.settle()
+        self._check_usable("transfers")
         pending: dict[Transfer, PendingRecv] = {}
         batches: dict[tuple[Flow, int], tuple[list[PendingRecv], list[Any]]] = {}
         for tr, f in recvs:
@@ -916,9 +940,12 @@ class Communicator:
             except Exception as exc:
                 self._break("posting transfers failed")
                 peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
+                with_whom = f"ranks {peers}"
+                if isinstance(exc, _PostFailed):  # the peer whose connection is closed
+                    with_whom, exc = f"rank {exc.peer}", exc.cause
                 raise RuntimeError(
                     f"rank {self.rank}: posting the {channel[0].value!r} transfers of step "
-                    f"{(sends or recvs)[0][0].step} with ranks {peers} failed (a peer failed or "
+                    f"{(sends or recvs)[0][0].step} with {with_whom} failed (a peer failed or "
                     f"exited): {_first_line(exc)}"
                 ) from exc
             if len(works) != len(ops):  # coalesced into one work (NCCL): all complete with it
@@ -971,11 +998,14 @@ class Communicator:
         self, ops: Sequence[tuple[bool, torch.Tensor, int]], group: dist.ProcessGroup
     ) -> list[Any]:
         """Post ``(is_send, tensor, group peer)`` in order on ``group``; their works."""
-        if self.backend == "gloo":
-            return [
-                group.send([t], peer, 0) if is_send else group.recv([t], peer, 0)
-                for is_send, t, peer in ops
-            ]
+        if self.backend == "gloo":  # posting fails at once where a peer's connection closed
+            works = []
+            for is_send, t, peer in ops:
+                try:
+                    works.append(group.send([t], peer, 0) if is_send else group.recv([t], peer, 0))
+                except Exception as exc:
+                    raise _PostFailed(peer, exc) from exc
+            return works
         p2p = [
             dist.P2POp(dist.isend if is_send else dist.irecv, t, group=group, group_peer=peer)
             for is_send, t, peer in ops
@@ -1153,12 +1183,41 @@ class Communicator:
         if all(_registered(g) for g in (*channels.values(), control)):
             _IDLE_GROUPS.setdefault(self._pool_key, []).append(own)
 
+    def abandon(self, exc: BaseException) -> None:
+        """A call stopped midway on this rank, raising ``exc``: mark this communicator failed
+        (Note [Abandoned calls]), unless ``exc`` is the rank check's verdict, which every
+        rank raises before any transfer of the call. A deferred check completes first, as in
+        :meth:`settled_on_error`, before the peers hear of the failure.
+
+        Raises:
+            ValueError: the deferred check's verdict (the ranks disagree), the cause to report.
+        """
+        if exc is self._verdict:
+            return
+        try:
+            self.settle()
+        except ValueError:
+            raise  # every rank raises it before any transfer: nothing is out of order
+        except RuntimeError:
+            pass  # a peer's view of this failure, or another: ``exc`` is the cause here
+        self._break(f"a call failed on this rank: {_first_line(exc)}")
+
     def _break(self, why: str) -> None:
         """Mark this communicator failed (its groups may hold unmatched operations; it is
-        never pooled) and tell the peers that wait on it through shared memory."""
-        self._broken = why
+        never pooled) and tell the peers that wait on it through shared memory. The first
+        reason stays: it is the root cause."""
+        self._broken = self._broken or why
         if self.shared is not None:
             self.shared.give_up()
+
+    def _check_usable(self, what: str) -> None:
+        """Raise if this communicator failed (Note [Abandoned calls])."""
+        if self._broken is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: this communicator failed earlier and cannot be used for "
+                f"{what}: {self._broken}; build a new one on every rank "
+                "(tokenring.close_communicators() drops the cached ones)"
+            )
 
     def _check_open(self) -> None:
         if self.closed:
@@ -1216,7 +1275,11 @@ class Communicator:
         """
         finish, self._agreeing = self._agreeing, None
         if finish is not None:
-            finish()
+            try:
+                finish()
+            except ValueError as exc:  # the ranks disagree: every rank raises, nothing sent
+                self._verdict = exc
+                raise
 
     @contextlib.contextmanager
     def settled_on_error(self) -> Iterator[None]:

@@ -37,6 +37,8 @@ class SendWaits(Protocol):
 
     def wait_sends(self) -> None: ...
 
+    def abandon(self, exc: BaseException) -> None: ...
+
 
 class PassRunner:
     """One pass of one strategy on one rank (Note [Rank program] in tokenring.runtime.program).
@@ -70,7 +72,16 @@ class PassRunner:
 
 def execute(program: Sequence[Op], runner: PassRunner) -> None:
     """Run ``program`` with ``runner``: POST, SENT and SENT_ALL here, every other op by the
-    runner's method of its name; one profiler range per step."""
+    runner's method of its name; one profiler range per step. An error on the way marks the
+    communicator failed (Note [Abandoned calls] in tokenring.runtime.comm) and propagates."""
+    try:
+        _execute(program, runner)
+    except BaseException as exc:
+        runner.comm.abandon(exc)
+        raise
+
+
+def _execute(program: Sequence[Op], runner: PassRunner) -> None:
     comm, poster = runner.comm, runner.poster
     methods = {
         OpKind.COMPUTE: runner.compute,

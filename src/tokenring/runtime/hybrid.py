@@ -196,6 +196,10 @@ class _HybridPass(PassRunner):
         self.plan.inner.wait_sent(inner)
         self.plan.outer.wait_sent(outer)
 
+    def abandon(self, exc: BaseException) -> None:
+        self.plan.inner.abandon(exc)
+        self.plan.outer.abandon(exc)
+
     def wait_sends(self) -> None:
         self.plan.inner.wait_sends()
         self.plan.outer.wait_sends()

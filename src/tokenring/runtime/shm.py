@@ -441,7 +441,8 @@ class SharedMemoryLinks:
     def gone(self, rank: int) -> str | None:
         """Why ``rank`` will not send or read any more messages, or None."""
         if self.gave_up(rank):
-            return f"rank {rank} is gone from this communicator (a transfer or check failed there)"
+            why = "a call, transfer or check failed there"
+            return f"rank {rank} is gone from this communicator ({why})"
         if not _alive(self.pids[rank]):
             return f"rank {rank} is gone (it exited or crashed)"
         return None
