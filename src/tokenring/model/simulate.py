@@ -29,6 +29,19 @@ resources, so an event updates only the flows sharing a resource with the one th
 ended. It never exceeds max-min and equals it when the flows on a resource are alike (the
 common case); otherwise only the overlap is pessimistic (the short flow ends first).
 
+Fair sharing makes the prediction monotone in bandwidth and sequence length (more bandwidth
+never slower, a longer sequence never faster: tests/test_model_audit.py) but not in FLOP/s or
+latency. TokenRing posts step t's Q at the step's start and step t-1's partial after its
+compute, both out of one port: the Q flies alone for one compute, then shares. A faster
+kernel starts the sharing sooner, and the Q, which the next step waits for, lands later
+(two equal flows of b bytes on bandwidth W: the Q lands at 2b/W - compute). So twice the
+FLOP/s can predict a slower pass: up to 4% (a100-nvswitch, P = 8, s = 256, MHA, backward),
+2% for bidir_token_ring on a10-pcie; a higher latency, which delays the next post the same
+way, up to 5-7% faster (h100-ib-islands, P = 16, s = 2048). With max-min sharing swapped in
+the FLOP/s cases come out the same to 0.1% and the latency ones 1.5-2% faster, so this is what
+fair-shared links do to this schedule (a list-scheduling anomaly), not an artefact of the
+sharing rule; a runtime that sent the Q first would not show it.
+
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine replays the
