@@ -89,6 +89,11 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0; got {value}")
 
 
+def _positive_finite(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):  # also rejects NaN
+        raise ValueError(f"{name} must be a finite number > 0; got {value}")
+
+
 def _finite_non_negative(name: str, value: float) -> None:
     if not (value >= 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a finite number >= 0; got {value}")
@@ -123,7 +128,8 @@ class Interconnect:
     topology: Topology
     """MESH, RING or SWITCH."""
     link_bandwidth_bytes_per_s: float
-    """Per direction: a direct link or RING hop, or the most one flow reaches (SWITCH)."""
+    """Per direction: a direct link or RING hop, or the most one flow reaches (SWITCH); inf
+    prices transfers as free (what ``planner.calibrate`` measures on one rank: no link)."""
     port_bandwidth_bytes_per_s: float | None = None
     """Per device and direction, shared by its flows (switch port, PCIe slot, NIC). Required
     for SWITCH; None on MESH/RING: no limit beyond the links."""
@@ -152,7 +158,8 @@ class Hardware:
     interconnect: Interconnect
     """Inside an island (the whole machine when ``devices_per_node`` is None)."""
     forward_flops_per_s: float
-    """Achieved FLOP/s of the block kernel, forward (FLOPs as ``piece_flops`` counts them)."""
+    """Achieved FLOP/s of the block kernel, forward (FLOPs as ``piece_flops`` counts them);
+    this and the other rates are finite and > 0."""
     backward_flops_per_s: float
     """Achieved FLOP/s of the block kernel, backward."""
     memory_bandwidth_bytes_per_s: float
@@ -176,8 +183,11 @@ class Hardware:
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
         _finite_non_negative("kernel_call_s", self.kernel_call_s)
+        # inf would price compute or merges as free (a link may be inf: Interconnect)
         for name in ("forward_flops_per_s", "backward_flops_per_s", "memory_bandwidth_bytes_per_s"):
-            _positive(name, getattr(self, name))
+            _positive_finite(name, getattr(self, name))
+        if not isinstance(self.host_computes, bool):  # "no" would be truthy: a CPU rank
+            raise ValueError(f"host_computes must be a bool; got {self.host_computes!r}")
         if not self.dtypes:
             raise ValueError("dtypes must name at least one dtype; got ()")
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
@@ -357,7 +367,8 @@ def measured(
         Others: see :class:`Hardware` and :class:`Interconnect`.
 
     Raises:
-        ValueError: a non-positive rate, or SWITCH without a port bandwidth.
+        ValueError: a non-positive or NaN rate (an infinite FLOP/s or memory bandwidth
+            too), a non-bool host_computes, or SWITCH without a port bandwidth.
     """
     return Hardware(
         name=name,

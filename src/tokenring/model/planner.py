@@ -61,7 +61,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from tokenring.core.layout import Layout
+from tokenring.core.layout import Layout, is_int
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import (
     AttentionShape,
@@ -193,7 +193,12 @@ class Plan:
 
 
 def _check_sizes(**sizes: int) -> None:
+    """ValueError naming the first size that is not an int >= 1. Checked before the cached
+    :func:`_plan`: 4.0 == 4 and True == 1 hash alike, so an unchecked float or bool would get
+    the cached plan of its int (or the simulator's error on a cold cache)."""
     for name, value in sizes.items():
+        if not is_int(value):
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1; got {value}")
 
@@ -399,6 +404,11 @@ def _checked_options(
     for name, flag in (("causal", causal), ("training", training)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool; got {flag!r}")
+    return _hardware(hardware)
+
+
+def _hardware(hardware: Hardware | str) -> Hardware:
+    """``hardware`` itself, or the preset it names; ValueError for anything else."""
     if isinstance(hardware, str):
         return preset(hardware)
     if not isinstance(hardware, Hardware):
@@ -409,10 +419,21 @@ def _checked_options(
     return hardware
 
 
+def _check_strategies(strategies: Sequence[Strategy | str] | None) -> None:
+    """ValueError for a lone name or Strategy where a sequence of them belongs ("ring" would be
+    read as the names 'r', 'i', 'n', 'g')."""
+    if isinstance(strategies, str | Strategy):
+        raise ValueError(
+            f"strategies must be a sequence of strategies or None; got {strategies!r} (use "
+            f"[{strategies!r}])"
+        )
+
+
 def _candidates(
     layout: Layout | str | None, seq_local: int, strategies: Sequence[Strategy | str] | None
 ) -> tuple[tuple[Layout, ...], tuple[Strategy, ...]]:
     """The layouts and strategies to predict, each in declaration order (Note [Choosing])."""
+    _check_strategies(strategies)
     if layout is None:
         layouts = tuple(m for m in Layout if m is not Layout.ZIGZAG or seq_local % 2 == 0)
     else:
@@ -451,7 +472,14 @@ def choose_strategy(
         ValueError: as :func:`explain`; candidates that leave nothing to pick.
     """
     call = {name: value for name, value in locals().items() if name != "strategies"}
-    candidates = [s for s in (strategies or Strategy) if Strategy.parse(s) is not Strategy.HYBRID]
+    _check_strategies(strategies)
+    given = list(Strategy if strategies is None else strategies)
+    candidates = [s for s in given if Strategy.parse(s) is not Strategy.HYBRID]
+    if not candidates:
+        raise ValueError(
+            "strategies must name at least one strategy other than 'hybrid' (auto never picks "
+            f"the hybrid); got {[Strategy.parse(s).value for s in given]}"
+        )
     return explain(**call, strategies=candidates).pick
 
 
@@ -810,7 +838,7 @@ def explain_cached(
         ValueError: as ``uniform_shards`` and :func:`choose_cached_strategy`, an unknown
             preset, or a negative ``kernel_call_s``.
     """
-    hw = preset(hardware) if isinstance(hardware, str) else hardware
+    hw = _hardware(hardware)
     if kernel_call_s is not None:
         hw = dataclasses.replace(hw, kernel_call_s=kernel_call_s)
     shards = uniform_shards(

@@ -29,6 +29,19 @@ resources, so an event updates only the flows sharing a resource with the one th
 ended. It never exceeds max-min and equals it when the flows on a resource are alike (the
 common case); otherwise only the overlap is pessimistic (the short flow ends first).
 
+Fair sharing makes the prediction monotone in bandwidth and sequence length (more bandwidth
+never slower, a longer sequence never faster: tests/test_model_audit.py) but not in FLOP/s or
+latency. TokenRing posts step t's Q at the step's start and step t-1's partial after its
+compute, both out of one port: the Q flies alone for one compute, then shares. A faster
+kernel starts the sharing sooner, and the Q, which the next step waits for, lands later
+(two equal flows of b bytes on bandwidth W: the Q lands at 2b/W - compute). So twice the
+FLOP/s can predict a slower pass: up to 4% (a100-nvswitch, P = 8, s = 256, MHA, backward),
+2% for bidir_token_ring on a10-pcie; a higher latency, which delays the next post the same
+way, up to 5-7% faster (h100-ib-islands, P = 16, s = 2048). With max-min sharing swapped in
+the FLOP/s cases come out the same to 0.1% and the latency ones 1.5-2% faster, so this is what
+fair-shared links do to this schedule (a list-scheduling anomaly), not an artefact of the
+sharing rule; a runtime that sent the Q first would not show it.
+
 Note [Vectorised engine]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine replays the
@@ -1065,18 +1078,21 @@ def simulate_pass(
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
 
     Raises:
-        ValueError: unknown strategy/layout/mode, a seq_local the layout cannot split, a
-            dtype the hardware has no FLOP/s for, or a hybrid without (a fitting) ``hybrid``.
+        ValueError: unknown strategy/pass/layout/mode, a seq_local the layout cannot split,
+            a dtype the hardware has no FLOP/s for, a hybrid without (a fitting) ``hybrid``,
+            a ``shape``, ``hardware`` or ``hybrid`` of the wrong type, a non-bool
+            ``lend_last_pair``.
         NotImplementedError: the vectorised engine (``mode``, or ``auto`` above
             EVENT_MAX_WORLD_SIZE) for a strategy not in VECTORISED_STRATEGIES, or for a
             TokenRing schedule that lends its last pair.
     """
     strategy = Strategy.parse(strategy)
-    pass_ = Pass(pass_)
+    pass_ = _parse_pass(pass_)
     layout = Layout.parse(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     validate_seq_local(seq_local, layout)
+    _check_types(shape=shape, hardware=hardware, hybrid=hybrid, lend_last_pair=lend_last_pair)
     mode = _engine(mode, strategy, world_size)
     hardware.flops_per_s(pass_, shape.dtype)  # a dtype it has FLOP/s for, before the schedule
     call: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
@@ -1096,6 +1112,32 @@ def simulate_pass(
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
     return _simulate_vectorised(ring_plan(strategy, pass_, **call), layout, causal, shape, hardware)
+
+
+def _parse_pass(pass_: Pass | str) -> Pass:
+    """``pass_`` as a Pass; ValueError naming the options."""
+    try:
+        return Pass(pass_)
+    except ValueError:
+        options = ", ".join(repr(p.value) for p in Pass)
+        raise ValueError(f"pass_ must be one of {options}; got {pass_!r}") from None
+
+
+def _check_types(
+    *, shape: object, hardware: object, hybrid: object, lend_last_pair: object
+) -> None:
+    """ValueError naming an argument of :func:`simulate_pass` that has the wrong type (a
+    truthy ``lend_last_pair="no"`` would lend)."""
+    if not isinstance(shape, AttentionShape):
+        raise ValueError(f"shape must be an AttentionShape; got {shape!r}")
+    if not isinstance(hardware, Hardware):
+        raise ValueError(
+            f"hardware must be a Hardware (costmodel.preset(name) for a preset); got {hardware!r}"
+        )
+    if hybrid is not None and not isinstance(hybrid, HybridSpec):
+        raise ValueError(f"hybrid must be a HybridSpec or None; got {hybrid!r}")
+    if not isinstance(lend_last_pair, bool):
+        raise ValueError(f"lend_last_pair must be a bool; got {lend_last_pair!r}")
 
 
 def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
