@@ -394,9 +394,9 @@ def test_a_decode_link_too_slow_for_its_calibration_is_refused(
 def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench's reference (the rank's rows only, in score tiles) against the test oracle (full
     attention in float64), for uneven shards, GQA, both layouts, one tile or 3 rows a tile."""
-    from tokenring.cli import bench
+    from tokenring.cli import bench, reference
 
-    whole_tiles = bench._tile_rows
+    whole_tiles = reference._tile_rows
     for seq, world, layout, causal in (
         (37, 3, "zigzag", True),
         (37, 4, "contiguous", False),
@@ -411,7 +411,7 @@ def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatc
         for rank in range(world):
             rows = torch.tensor(sharded_positions(layout, rank, world, seq), dtype=torch.long)
             for tiles in (whole_tiles, lambda *_: 3):
-                monkeypatch.setattr(bench, "_tile_rows", tiles)
+                monkeypatch.setattr(reference, "_tile_rows", tiles)
                 got = bench.per_rank_reference(
                     q, k, v, dout, rows, causal=causal, scale=0.3, grads=True
                 )
