@@ -450,3 +450,50 @@ def test_bench_runs_any_sequence_length(capsys: pytest.CaptureFixture[str]) -> N
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     assert len(rows) == 2 and {r["hybrid"] for r in rows} == {"1x2 token_ring"}
     assert all(r["verified"] and r["max_error"] <= 1e-9 for r in rows), rows
+
+
+# -- a run that fails after its ranks started ----------------------------------------------------
+def rank_one_raises(config: Any, progress_path: str | None = None) -> Any:
+    """A bench's rank function: rank 1 raises, rank 0 waits for it in a barrier."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    dist.barrier()
+
+
+def _run_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line of a command that started and failed: status 1, no traceback."""
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(f"tokenring {argv[0]}: error: "), err
+    assert not any("error:" in line for line in lines[:-1]), err
+    return lines[-1]
+
+
+SMALL_BENCH = ["bench", "--world-size", "2", "--seq", "16", "--heads", "2", "--kv-heads", "2"]
+SMALL_BENCH += ["--head-dim", "8", "--strategies", "ring", "--causal", "yes", "--passes", "fwd"]
+
+
+def test_a_failing_rank_is_one_line_naming_it_and_its_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that raises ends the command with status 1 and one line naming the rank that
+    failed first and its error (the launcher's traceback, with the rank's inside its message,
+    reached the user)."""
+    monkeypatch.setattr("tokenring.cli.bench.run_rank", rank_one_raises)
+    line = _run_error([*SMALL_BENCH, "--timeout", "120"], capsys)
+    assert "rank 1 failed first" in line and "ValueError: rank one refuses" in line, line
+    assert "rank_one_raises" in line, line  # where it was raised
+
+
+def test_a_run_past_its_timeout_is_one_line_with_the_timeout_as_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--timeout 2.5 that passes: status 1 and one line that names --timeout 2.5 (the
+    launcher said "deadline of 2 s")."""
+    line = _run_error([*SMALL_BENCH, "--iters", "1000000", "--timeout", "2.5"], capsys)
+    assert "deadline of 2.5 s passed" in line and "--timeout 2.5" in line, line
+    assert "ranks [0, 1] had not finished" in line, line

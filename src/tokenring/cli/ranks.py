@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
+from tokenring.cli import RunFailed
 from tokenring.cli.console import progress
-from tokenring.launch import init_distributed, launch
+from tokenring.launch import LaunchError, init_distributed, launch
 from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
 
 __all__ = [
@@ -131,7 +132,12 @@ def launch_with_progress(
     """Every rank's ``fn(config, progress_path)`` (a finished row appends a line to the progress
     file) on ``args.world_size`` spawned ranks behind a progress bar, inside the emulated lab
     with ``args.link`` (``args._lab`` describes it); ``rank_env(rank)``: a rank's extra
-    environment."""
+    environment.
+
+    Raises:
+        RunFailed: a rank failed (the one that failed first, and its error) or ``--timeout``
+            passed.
+    """
     with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp, ExitStack() as stack:
         progress_path = os.path.join(tmp, "progress")
         bar = stack.enter_context(progress(num_rows, title))
@@ -144,16 +150,21 @@ def launch_with_progress(
                 done = 0
             bar.update(bar.task_ids[0], completed=done)
 
-        return launch(
-            fn,
-            config,
-            progress_path,
-            world_size=args.world_size,
-            timeout_s=args.timeout,
-            pg_timeout_s=max(60.0, args.timeout / 4),
-            poll=poll,
-            **lab_options(stack, args, rank_env),
-        )
+        try:
+            return launch(
+                fn,
+                config,
+                progress_path,
+                world_size=args.world_size,
+                timeout_s=args.timeout,
+                pg_timeout_s=max(60.0, args.timeout / 4),
+                poll=poll,
+                **lab_options(stack, args, rank_env),
+            )
+        except LaunchError as exc:
+            if exc.failed_rank is None:  # the deadline
+                raise RunFailed(f"{exc.summary} (--timeout {args.timeout:g})") from exc
+            raise RunFailed(exc.summary) from exc
 
 
 def lab_options(
