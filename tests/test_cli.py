@@ -93,6 +93,9 @@ BAD = [
     (["bench", "--passes", "fwd,fwd"], ["--passes", "'fwd'", "more than once"]),
     (["bench", "--mode", "decode", "--cached", "64,64"], ["--cached", "64", "more than once"]),
     (["bench", "--mode", "memory", "--seq-local", "8,8"], ["--seq-local", "8", "more than"]),
+    # the flags, not the config's fields (seq_locals, strategy 'hybrid')
+    (["bench", "--mode", "memory", "--seq-local", "8,5"], ["--seq-local", "'8,5'", "even"]),
+    (["bench", "--mode", "memory", "--strategies", "ring,hybrid"], ["--strategies", "hybrid"]),
     (["simulate", "--world-size", "4", "8", "4"], ["--world-size", "4", "more than once"]),
     (["simulate", "--seq", "64", "64"], ["--seq", "64", "more than once"]),
     (["simulate", "--strategies", "ring", "ring"], ["--strategies", "'ring'", "more than"]),

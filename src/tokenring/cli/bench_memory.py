@@ -278,7 +278,18 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
     if args.strategies is not None:
         names = ", ".join(s.value for s in DEFAULT_STRATEGIES)
         strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
+        if Strategy.HYBRID in strategies:
+            raise ValueError(
+                "--strategies hybrid is not for --mode memory: it runs on a 2-D mesh, measure "
+                f"its parts (expected any of {names}); got --strategies {args.strategies}"
+            )
     seq_locals = int_list(args.seq_local, "--seq-local", 2)
+    odd = [s for s in seq_locals if s % 2]
+    if odd:
+        raise ValueError(
+            f"--seq-local must be even lengths >= 2 (tokens per rank); "
+            f"got {args.seq_local!r} ({', '.join(map(str, odd))} odd)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available on this machine")
     try:
