@@ -295,6 +295,35 @@ def test_an_option_given_at_its_default_reaches_the_run_that_reads_it(
             main(argv)
 
 
+def test_a_default_strategy_that_cannot_run_the_shape_is_dropped_with_a_note(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One query head: bidir_token_ring (two lanes of half the query heads each) cannot run.
+    Left to the default list it is dropped with a note, as the hybrid is (the run was refused
+    with "--strategies bidir_token_ring cannot run", a flag the user never gave); named in
+    --strategies it is refused."""
+    launched: list[Any] = []
+
+    def record(fn: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        launched.append(config)
+        raise Started
+
+    monkeypatch.setattr("tokenring.cli.ranks.launch", record)
+    argv = ["bench", "--seq", "64", "--heads", "1", "--kv-heads", "1", "--json"]
+    with pytest.raises(Started):
+        main(argv)
+    err = capsys.readouterr().err
+    assert "bench: no bidir_token_ring rows" in err and "heads_q=1" in err, err
+    assert "bench: no hybrid rows" in err, err
+    want = {s for s in Strategy if s not in (Strategy.BIDIR_TOKEN_RING, Strategy.HYBRID)}
+    assert set(launched[0].strategies) == want
+    line = _usage_error([*argv, "--strategies", "ring,bidir_token_ring"], capsys)
+    assert "--strategies bidir_token_ring cannot run" in line, line
+    # memory mode refuses its default list's too (its BAD case), without naming a flag not given
+    line = _usage_error(["bench", "--mode", "memory", "--heads", "1", "--kv-heads", "1"], capsys)
+    assert "the default strategy bidir_token_ring cannot run" in line, line
+
+
 def _strict_json(text: str) -> Any:
     """json.loads that refuses what RFC 8259 has no word for (Infinity, -Infinity, NaN)."""
 

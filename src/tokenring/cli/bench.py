@@ -1098,6 +1098,23 @@ def _check_flags_of_mode(args: argparse.Namespace) -> None:
         raise ValueError("--wide widens the terminal table, which --json replaces; got both")
 
 
+def _runnable_defaults(config: BenchConfig, world: int, args: argparse.Namespace) -> BenchConfig:
+    """``config`` without the strategies of the default list that cannot run one of its
+    models on ``world`` ranks, each left out with a note, as a hybrid that does not fit is (a
+    strategy named in --strategies is refused instead)."""
+    kept = []
+    for strategy in config.strategies:
+        try:
+            dataclasses.replace(config, strategies=(strategy,)).check_schedules(world)
+        except ValueError as exc:
+            report.note(f"bench: no {strategy.value} rows ({exc})", args)
+        else:
+            kept.append(strategy)
+    if not kept:
+        raise ValueError(f"no strategy can run the models on {world} ranks; see the notes above")
+    return dataclasses.replace(config, strategies=tuple(kept))
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
@@ -1118,6 +1135,8 @@ def check_args(args: argparse.Namespace) -> None:
         check_read("--last-pair", names, [Strategy.TOKEN_RING.value])
     if given(args, "hybrid_inner", "hybrid_outer"):
         check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])
+    if args.strategies is None:
+        config = _runnable_defaults(config, world, args)
     try:
         config.check_schedules(world)
     except ValueError as exc:

@@ -324,8 +324,9 @@ def check_args(args: argparse.Namespace) -> None:
         try:  # what the ranks' calls build first
             strategy_schedule(strategy, pass_, heads_kv=config.heads_kv, **where)
         except (ValueError, NotImplementedError) as exc:
+            named = "--strategies " if args.strategies is not None else "the default strategy "
             raise ValueError(
-                f"--mode memory: --strategies {strategy.value} cannot run on {world} ranks: {exc}"
+                f"--mode memory: {named}{strategy.value} cannot run on {world} ranks: {exc}"
             ) from None
     args._config = config
 
