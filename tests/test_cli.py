@@ -174,6 +174,9 @@ BAD = [
         ["--splits", "bidir_token_ring"],
     ),
     (["simulate", "--strategies", "ring", "--lend-last-pair"], ["--lend-last-pair", "token_ring"]),
+    # llama2-7b has 32 K/V heads: TokenRing's last block has at most 32 slices, one per K/V
+    # head (Note [Last block by heads]); a larger --splits gave the same prediction silently
+    (["simulate", "--strategies", "token_ring", "--splits", "100"], ["--splits 100", "32"]),
     # nothing the simulator could predict: refused before simulating, not a late traceback
     (
         ["simulate", "--strategies", "hybrid", "--hybrid-inner", "2", "--world-size", "3"],
@@ -322,6 +325,28 @@ def test_a_default_strategy_that_cannot_run_the_shape_is_dropped_with_a_note(
     # memory mode refuses its default list's too (its BAD case), without naming a flag not given
     line = _usage_error(["bench", "--mode", "memory", "--heads", "1", "--kv-heads", "1"], capsys)
     assert "the default strategy bidir_token_ring cannot run" in line, line
+
+
+def test_splits_beyond_what_a_strategy_slices_are_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """llama3-8b, 8 K/V heads: TokenRing slices its last block by K/V head, at most 8;
+    bidir_token_ring each lane's half, at most 4 (Note [Last block by heads]). --splits 8 takes
+    effect for the first and is cut to 4 for the second: said on stderr (it was silent), and
+    the rows are those of --splits 4 for bidir_token_ring."""
+
+    def rows(splits: int) -> dict[str, Any]:
+        argv = ["simulate", "--model", "llama3-8b", "--seq", "8192", "--world-size", "4"]
+        argv += ["--strategies", "token_ring", "bidir_token_ring", "--json"]
+        assert main([*argv, "--splits", str(splits)]) == 0
+        out = capsys.readouterr()
+        got = {r["strategy"]: r for r in map(json.loads, out.out.splitlines())}
+        return {"rows": got, "err": out.err}
+
+    eight, four = rows(8), rows(4)
+    assert "bidir_token_ring" in eight["err"] and "at most 4" in eight["err"], eight["err"]
+    assert "token_ring slices" not in eight["err"].replace("bidir_token_ring", ""), eight["err"]
+    assert "--splits" not in four["err"], four["err"]
+    assert eight["rows"]["bidir_token_ring"] == four["rows"]["bidir_token_ring"]
+    assert eight["rows"]["token_ring"] != four["rows"]["token_ring"]
 
 
 def _strict_json(text: str) -> Any:
