@@ -410,6 +410,26 @@ def test_the_memory_estimate_follows_the_ranks_on_this_machine(
     assert exit_info.value.code == 2
 
 
+def test_a_memory_bench_that_cannot_fit_is_refused_with_the_estimate(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--mode memory measures peaks at least as large as the inputs + outputs + gradients
+    (9 tensors of s rows, README "Memory"): s = 2^20 tokens per rank of 8 + 8 heads of 64 in
+    float32 hold 4 GiB a rank at the very least, so 4 ranks do not fit in 8 GiB: refused
+    naming --seq-local (it started the ranks, which ran out of memory)."""
+    monkeypatch.setattr("tokenring.cli.bench_memory.mem_available_bytes", lambda: 8 << 30)
+    argv = ["bench", "--mode", "memory", "--device", "cpu", "--seq-local", "4096,1048576"]
+    line = _usage_error(argv, capsys)
+    assert "--seq-local 1048576" in line and "4 ranks" in line, line
+    assert "MemAvailable is 8 GiB" in line, line
+    per_rank = float(line.split("needs about ")[1].split(" GiB")[0]) * 2**30
+    s = 1 << 20
+    assert per_rank >= s * (4 * 8 + 4 * 8) * 64 * 4 + s * 8 * 4, line
+    with pytest.raises(Started):  # the same run on a machine with room for it
+        monkeypatch.setattr("tokenring.cli.bench_memory.mem_available_bytes", lambda: 1 << 40)
+        main(argv)
+
+
 def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
     capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -45,7 +45,15 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.cli import ArgumentAdder, check_heads, int_list, options, ranks, split_list
+from tokenring.cli import (
+    ArgumentAdder,
+    check_heads,
+    int_list,
+    mem_available_bytes,
+    options,
+    ranks,
+    split_list,
+)
 from tokenring.cli.models import DTYPES
 from tokenring.cli.report import write_records
 from tokenring.core.schedule import AttentionShape, Pass, Strategy
@@ -57,6 +65,7 @@ __all__ = [
     "RANK_ENV",
     "MemoryBenchConfig",
     "PeakMemory",
+    "estimate_rank_bytes",
     "minimum_bytes",
     "peak_memory",
     "run_rank",
@@ -306,6 +315,21 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
         raise ValueError(f"--mode memory: {exc}") from None
 
 
+def estimate_rank_bytes(config: MemoryBenchConfig) -> dict[str, int]:
+    """About how many bytes one rank holds at its peak, by part, at the largest s:
+
+    - ``call``: what the measured call holds: the inputs, outputs and gradients
+      (:func:`minimum_bytes`) and what the strategy keeps beside them, at most as much again
+      (README "Memory"; measured up to 2.08x) and a quarter more for the others;
+    - ``process``: the interpreter, torch and the process group.
+
+    On CUDA ``call`` lives on the GPU.
+    """
+    shape: dict[str, Any] = {k: getattr(config, k) for k in ("batch", *_HEADS)}
+    minimum = minimum_bytes(**shape, seq_local=max(config.seq_locals), dtype=DTYPES[config.dtype])
+    return {"call": 5 * minimum // 2, "process": ranks.PROCESS_BYTES}
+
+
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before a rank starts; keeps the config on ``args``."""
     config = config_from_args(args)
@@ -328,6 +352,23 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--mode memory: {named}{strategy.value} cannot run on {world} ranks: {exc}"
             ) from None
+    on_gpu = config.device == "cuda"
+    per_gpu = 1  # spawned ranks share the GPUs: rank r on GPU r mod the count
+    if on_gpu and not ranks.under_torchrun():
+        per_gpu = -(-world // max(1, torch.cuda.device_count()))
+    ranks.check_rank_memory(
+        estimate_rank_bytes(config),
+        run=(
+            f"--mode memory at --seq-local {max(config.seq_locals)} --batch {config.batch} "
+            f"on {world} ranks"
+        ),
+        available=mem_available_bytes(),
+        ranks_here=ranks.ranks_here(args),
+        gpu_parts=("call",) if on_gpu else (),
+        ranks_per_gpu=per_gpu,
+        lower_host="Lower --seq-local, --batch or the number of ranks per machine",
+        lower_gpu="Lower --seq-local or --batch",
+    )
     args._config = config
 
 

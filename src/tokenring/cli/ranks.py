@@ -70,14 +70,16 @@ def check_rank_memory(
     available: int | None,
     ranks_here: int,
     gpu_parts: tuple[str, ...] = (),
+    ranks_per_gpu: int = 1,
     lower_host: str,
     lower_gpu: str = "",
 ) -> None:
     """Raise ValueError when ranks that hold about ``parts`` bytes each (a rank's peak, by
     part) cannot fit: the host parts of the ``ranks_here`` ranks on this machine against
-    ``available`` (MemAvailable; None: unknown, not checked), and the ``gpu_parts`` (with NCCL)
-    against the free memory of this rank's device. ``run`` names the flags of the run,
-    ``lower_host`` and ``lower_gpu`` say what to lower."""
+    ``available`` (MemAvailable; None: unknown, not checked), and the ``gpu_parts`` of
+    ``ranks_per_gpu`` ranks against the free memory of this rank's device (the first GPU
+    where bench spawns the ranks). ``run`` names the flags of the run, ``lower_host`` and
+    ``lower_gpu`` say what to lower."""
     host = sum(v for k, v in parts.items() if k not in gpu_parts)
     detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
     if available is not None and host * ranks_here > available:
@@ -89,9 +91,10 @@ def check_rank_memory(
     if gpu_parts and torch.cuda.is_available():
         gpu = sum(parts[k] for k in gpu_parts)
         free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
-        if gpu > free:
+        if gpu * ranks_per_gpu > free:
+            sharing = f" ({ranks_per_gpu} ranks per GPU)" if ranks_per_gpu > 1 else ""
             raise ValueError(
-                f"{run} needs about {gib(gpu)} of GPU memory per rank; the device has "
+                f"{run} needs about {gib(gpu)} of GPU memory per rank{sharing}; the device has "
                 f"{gib(free)} free. {lower_gpu}"
             )
 
