@@ -229,6 +229,21 @@ def test_a_plot_without_matplotlib_is_refused_before_the_ranks_start(
     assert "--plot" in line and "matplotlib" in line
 
 
+def test_a_simulate_picture_without_matplotlib_is_refused_before_simulating(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    nothing_starts: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """simulate --plot or --timeline without matplotlib: one line naming the flag, status 2
+    (it was an ImportError traceback from run, status 1)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    for flag in ("--plot", "--timeline"):
+        line = _usage_error(["simulate", flag, str(tmp_path / "c.png")], capsys)
+        assert flag in line and "matplotlib" in line, line
+
+
 def test_a_world_size_that_torchrun_overrides_is_refused(
     capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

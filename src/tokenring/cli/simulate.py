@@ -394,6 +394,13 @@ def check_args(args: argparse.Namespace) -> None:
     why = "--mode vectorised" if args.mode == "vectorised" else None
     if args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE:
         why = f"--world-size {first} > {EVENT_MAX_WORLD_SIZE} under --mode auto"
+    for flag in ("--plot", "--timeline"):  # drawn after simulating
+        path = getattr(args, flag[2:])
+        if path is not None:
+            try:
+                pyplot()
+            except ImportError as exc:
+                raise ValueError(f"{flag} {path}: {exc}") from None
     if (args.timeline or args.trace) and why:
         raise ValueError(
             f"--timeline and --trace need the event engine; got {why}: use --mode event or "
@@ -423,7 +430,8 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: bad sizes (sequence lengths are rounded down to what the layout splits).
-        ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
+        ImportError: rich (the table) missing, naming the extra (check_args refuses --plot and
+            --timeline without matplotlib).
 
     No requested strategy predicted at these world sizes (what ``check_args`` cannot know before
     building a schedule, e.g. a lent last pair under ``--mode vectorised``): the notes, then
@@ -432,8 +440,6 @@ def run(args: argparse.Namespace) -> int:
     cfg: _Config = args._config
     if not args.json:
         rich_modules()  # fail before any work when the table cannot be printed
-    if args.plot or args.timeline:
-        pyplot()
     rows, results, notes = _predict(cfg, args)
     for note in [*cfg.notes, *notes]:  # never drop a strategy or a value silently
         print(note, file=sys.stderr if args.json else sys.stdout)
