@@ -93,6 +93,9 @@ BAD = [
     (["bench", "--passes", "fwd,fwd"], ["--passes", "'fwd'", "more than once"]),
     (["bench", "--mode", "decode", "--cached", "64,64"], ["--cached", "64", "more than once"]),
     (["bench", "--mode", "memory", "--seq-local", "8,8"], ["--seq-local", "8", "more than"]),
+    # the flags, not the config's fields (seq_locals, strategy 'hybrid')
+    (["bench", "--mode", "memory", "--seq-local", "8,5"], ["--seq-local", "'8,5'", "even"]),
+    (["bench", "--mode", "memory", "--strategies", "ring,hybrid"], ["--strategies", "hybrid"]),
     (["simulate", "--world-size", "4", "8", "4"], ["--world-size", "4", "more than once"]),
     (["simulate", "--seq", "64", "64"], ["--seq", "64", "more than once"]),
     (["simulate", "--strategies", "ring", "ring"], ["--strategies", "'ring'", "more than"]),
@@ -171,6 +174,9 @@ BAD = [
         ["--splits", "bidir_token_ring"],
     ),
     (["simulate", "--strategies", "ring", "--lend-last-pair"], ["--lend-last-pair", "token_ring"]),
+    # llama2-7b has 32 K/V heads: TokenRing's last block has at most 32 slices, one per K/V
+    # head (Note [Last block by heads]); a larger --splits gave the same prediction silently
+    (["simulate", "--strategies", "token_ring", "--splits", "100"], ["--splits 100", "32"]),
     # nothing the simulator could predict: refused before simulating, not a late traceback
     (
         ["simulate", "--strategies", "hybrid", "--hybrid-inner", "2", "--world-size", "3"],
@@ -221,6 +227,21 @@ def test_a_plot_without_matplotlib_is_refused_before_the_ranks_start(
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     line = _usage_error(["bench", "--plot", str(tmp_path / "t.png")], capsys)
     assert "--plot" in line and "matplotlib" in line
+
+
+def test_a_simulate_picture_without_matplotlib_is_refused_before_simulating(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    nothing_starts: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """simulate --plot or --timeline without matplotlib: one line naming the flag, status 2
+    (it was an ImportError traceback from run, status 1)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    for flag in ("--plot", "--timeline"):
+        line = _usage_error(["simulate", flag, str(tmp_path / "c.png")], capsys)
+        assert flag in line and "matplotlib" in line, line
 
 
 def test_a_world_size_that_torchrun_overrides_is_refused(
@@ -292,6 +313,57 @@ def test_an_option_given_at_its_default_reaches_the_run_that_reads_it(
             main(argv)
 
 
+def test_a_default_strategy_that_cannot_run_the_shape_is_dropped_with_a_note(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One query head: bidir_token_ring (two lanes of half the query heads each) cannot run.
+    Left to the default list it is dropped with a note, as the hybrid is (the run was refused
+    with "--strategies bidir_token_ring cannot run", a flag the user never gave); named in
+    --strategies it is refused."""
+    launched: list[Any] = []
+
+    def record(fn: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        launched.append(config)
+        raise Started
+
+    monkeypatch.setattr("tokenring.cli.ranks.launch", record)
+    argv = ["bench", "--seq", "64", "--heads", "1", "--kv-heads", "1", "--json"]
+    with pytest.raises(Started):
+        main(argv)
+    err = capsys.readouterr().err
+    assert "bench: no bidir_token_ring rows" in err and "heads_q=1" in err, err
+    assert "bench: no hybrid rows" in err, err
+    want = {s for s in Strategy if s not in (Strategy.BIDIR_TOKEN_RING, Strategy.HYBRID)}
+    assert set(launched[0].strategies) == want
+    line = _usage_error([*argv, "--strategies", "ring,bidir_token_ring"], capsys)
+    assert "--strategies bidir_token_ring cannot run" in line, line
+    # memory mode refuses its default list's too (its BAD case), without naming a flag not given
+    line = _usage_error(["bench", "--mode", "memory", "--heads", "1", "--kv-heads", "1"], capsys)
+    assert "the default strategy bidir_token_ring cannot run" in line, line
+
+
+def test_splits_beyond_what_a_strategy_slices_are_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """llama3-8b, 8 K/V heads: TokenRing slices its last block by K/V head, at most 8;
+    bidir_token_ring each lane's half, at most 4 (Note [Last block by heads]). --splits 8 takes
+    effect for the first and is cut to 4 for the second: said on stderr (it was silent), and
+    the rows are those of --splits 4 for bidir_token_ring."""
+
+    def rows(splits: int) -> dict[str, Any]:
+        argv = ["simulate", "--model", "llama3-8b", "--seq", "8192", "--world-size", "4"]
+        argv += ["--strategies", "token_ring", "bidir_token_ring", "--json"]
+        assert main([*argv, "--splits", str(splits)]) == 0
+        out = capsys.readouterr()
+        got = {r["strategy"]: r for r in map(json.loads, out.out.splitlines())}
+        return {"rows": got, "err": out.err}
+
+    eight, four = rows(8), rows(4)
+    assert "bidir_token_ring" in eight["err"] and "at most 4" in eight["err"], eight["err"]
+    assert "token_ring slices" not in eight["err"].replace("bidir_token_ring", ""), eight["err"]
+    assert "--splits" not in four["err"], four["err"]
+    assert eight["rows"]["bidir_token_ring"] == four["rows"]["bidir_token_ring"]
+    assert eight["rows"]["token_ring"] != four["rows"]["token_ring"]
+
+
 def _strict_json(text: str) -> Any:
     """json.loads that refuses what RFC 8259 has no word for (Infinity, -Infinity, NaN)."""
 
@@ -353,6 +425,26 @@ def test_the_memory_estimate_follows_the_ranks_on_this_machine(
     assert exit_info.value.code == 2
 
 
+def test_a_memory_bench_that_cannot_fit_is_refused_with_the_estimate(
+    capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--mode memory measures peaks at least as large as the inputs + outputs + gradients
+    (9 tensors of s rows, README "Memory"): s = 2^20 tokens per rank of 8 + 8 heads of 64 in
+    float32 hold 4 GiB a rank at the very least, so 4 ranks do not fit in 8 GiB: refused
+    naming --seq-local (it started the ranks, which ran out of memory)."""
+    monkeypatch.setattr("tokenring.cli.bench_memory.mem_available_bytes", lambda: 8 << 30)
+    argv = ["bench", "--mode", "memory", "--device", "cpu", "--seq-local", "4096,1048576"]
+    line = _usage_error(argv, capsys)
+    assert "--seq-local 1048576" in line and "4 ranks" in line, line
+    assert "MemAvailable is 8 GiB" in line, line
+    per_rank = float(line.split("needs about ")[1].split(" GiB")[0]) * 2**30
+    s = 1 << 20
+    assert per_rank >= s * (4 * 8 + 4 * 8) * 64 * 4 + s * 8 * 4, line
+    with pytest.raises(Started):  # the same run on a machine with room for it
+        monkeypatch.setattr("tokenring.cli.bench_memory.mem_available_bytes", lambda: 1 << 40)
+        main(argv)
+
+
 def test_a_link_too_slow_for_the_timeout_is_refused_with_the_bytes(
     capsys: pytest.CaptureFixture[str], nothing_starts: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -394,9 +486,9 @@ def test_a_decode_link_too_slow_for_its_calibration_is_refused(
 def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
     """bench's reference (the rank's rows only, in score tiles) against the test oracle (full
     attention in float64), for uneven shards, GQA, both layouts, one tile or 3 rows a tile."""
-    from tokenring.cli import bench
+    from tokenring.cli import bench, reference
 
-    whole_tiles = bench._tile_rows
+    whole_tiles = reference._tile_rows
     for seq, world, layout, causal in (
         (37, 3, "zigzag", True),
         (37, 4, "contiguous", False),
@@ -411,7 +503,7 @@ def test_the_per_rank_reference_equals_the_oracle(monkeypatch: pytest.MonkeyPatc
         for rank in range(world):
             rows = torch.tensor(sharded_positions(layout, rank, world, seq), dtype=torch.long)
             for tiles in (whole_tiles, lambda *_: 3):
-                monkeypatch.setattr(bench, "_tile_rows", tiles)
+                monkeypatch.setattr(reference, "_tile_rows", tiles)
                 got = bench.per_rank_reference(
                     q, k, v, dout, rows, causal=causal, scale=0.3, grads=True
                 )
@@ -450,3 +542,50 @@ def test_bench_runs_any_sequence_length(capsys: pytest.CaptureFixture[str]) -> N
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     assert len(rows) == 2 and {r["hybrid"] for r in rows} == {"1x2 token_ring"}
     assert all(r["verified"] and r["max_error"] <= 1e-9 for r in rows), rows
+
+
+# -- a run that fails after its ranks started ----------------------------------------------------
+def rank_one_raises(config: Any, progress_path: str | None = None) -> Any:
+    """A bench's rank function: rank 1 raises, rank 0 waits for it in a barrier."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    dist.barrier()
+
+
+def _run_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line of a command that started and failed: status 1, no traceback."""
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(f"tokenring {argv[0]}: error: "), err
+    assert not any("error:" in line for line in lines[:-1]), err
+    return lines[-1]
+
+
+SMALL_BENCH = ["bench", "--world-size", "2", "--seq", "16", "--heads", "2", "--kv-heads", "2"]
+SMALL_BENCH += ["--head-dim", "8", "--strategies", "ring", "--causal", "yes", "--passes", "fwd"]
+
+
+def test_a_failing_rank_is_one_line_naming_it_and_its_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that raises ends the command with status 1 and one line naming the rank that
+    failed first and its error (the launcher's traceback, with the rank's inside its message,
+    reached the user)."""
+    monkeypatch.setattr("tokenring.cli.bench.run_rank", rank_one_raises)
+    line = _run_error([*SMALL_BENCH, "--timeout", "120"], capsys)
+    assert "rank 1 failed first" in line and "ValueError: rank one refuses" in line, line
+    assert "rank_one_raises" in line, line  # where it was raised
+
+
+def test_a_run_past_its_timeout_is_one_line_with_the_timeout_as_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--timeout 2.5 that passes: status 1 and one line that names --timeout 2.5 (the
+    launcher said "deadline of 2 s")."""
+    line = _run_error([*SMALL_BENCH, "--iters", "1000000", "--timeout", "2.5"], capsys)
+    assert "deadline of 2.5 s passed" in line and "--timeout 2.5" in line, line
+    assert "ranks [0, 1] had not finished" in line, line

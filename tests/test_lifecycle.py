@@ -575,3 +575,10 @@ def test_a_script_without_the_main_guard_is_named_not_an_empty_log(
     assert done.returncode != 0
     assert "launch was called while a new rank re-ran the main script" in done.stderr
     assert "without a result and an empty log; it failed before its log opened" in done.stderr
+
+
+def test_the_deadline_is_reported_as_given() -> None:
+    """timeout_s=0.5 was reported as "deadline of 0 s passed" (``:.0f``)."""
+    with pytest.raises(LaunchError, match=r"deadline of 0\.5 s passed; ranks \[0\]") as info:
+        tokenring.launch(sleep_long, world_size=1, timeout_s=0.5)
+    assert info.value.failed_rank is None

@@ -48,14 +48,28 @@ __all__ = ["LaunchError", "init_distributed", "launch"]
 
 
 class LaunchError(RuntimeError):
-    """A launched rank failed or the deadline passed; the message names the root cause."""
+    """A launched rank failed or the deadline passed; the message names the root cause.
+
+    Attributes:
+        failed_rank: the rank that failed first; None when the deadline passed.
+        remote_traceback: that rank's own error (its traceback, or how it ended and its log).
+        summary: the root cause in one line, e.g. ``rank 1 failed first: ValueError: ... (at
+            file.py:12 in fn)`` or ``deadline of 0.5 s passed; ranks [0] had not finished
+            and were killed`` (what a command line prints).
+    """
 
     def __init__(
-        self, message: str, *, failed_rank: int | None, remote_traceback: str = ""
+        self,
+        message: str,
+        *,
+        failed_rank: int | None,
+        remote_traceback: str = "",
+        summary: str = "",
     ) -> None:
         super().__init__(message)
         self.failed_rank = failed_rank
         self.remote_traceback = remote_traceback
+        self.summary = summary or message.splitlines()[0]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,6 +124,7 @@ class _Outcome:
     value: Any = None
     error: str = ""
     failed_at_s: float = 0.0
+    summary: str = ""  # the error in one line: "ValueError: ... (at file.py:12 in fn)"
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) -> Communicator:
@@ -439,7 +454,7 @@ def _collect(
     ranks: list[_Rank], workdir: str, timeout_s: float, poll: Callable[[], None] | None
 ) -> list[Any]:
     deadline = time.monotonic() + timeout_s
-    first_failure: tuple[float, int, str] | None = None
+    first_failure: tuple[float, int, str, str] | None = None
     grace_until: float | None = None
     outcomes: dict[int, _Outcome] = {}
     alive_at = dict.fromkeys((r.rank for r in ranks), time.time())  # wall clock, as ranks report
@@ -459,7 +474,7 @@ def _collect(
                 grace_until = grace_until or now + _REPORT_GRACE_S
         if first_failure is not None and (not running or (grace_until and now > grace_until)):
             _end(ranks)
-            _, rank, error = first_failure
+            _, rank, error, summary = first_failure
             quiet = [r for r in running if r.rank not in outcomes]  # e.g. a slow one
             also = f"ranks {[r.rank for r in quiet]} had not finished when ended\n" if quiet else ""
             raise LaunchError(
@@ -467,16 +482,17 @@ def _collect(
                 f"--- rank {rank} ---\n{error}{also}{_tails(quiet)}",
                 failed_rank=rank,
                 remote_traceback=error,
+                summary=f"rank {rank} failed first: {summary}",
             )
         if not running:
             break
         if now > deadline:
             _end(ranks)
-            raise LaunchError(
-                f"deadline of {timeout_s:.0f} s passed; ranks {[r.rank for r in running]} had not "
-                f"finished and were killed\n{_tails(running)}",
-                failed_rank=None,
+            summary = (
+                f"deadline of {timeout_s:g} s passed; ranks {[r.rank for r in running]} had not "
+                "finished and were killed"
             )
+            raise LaunchError(f"{summary}\n{_tails(running)}", failed_rank=None, summary=summary)
         if poll is not None:
             poll()
         time.sleep(0.02)
@@ -494,13 +510,14 @@ def _tails(ranks: Sequence[_Rank]) -> str:
 
 def _failure(
     r: _Rank, code: int | None, outcome: _Outcome | None, alive_at: float
-) -> tuple[float, int, str] | None:
-    """(when, rank, error) if rank ``r`` reported an error or exited without a result or with
-    an error status; else None. A rank that died without reporting (killed, os._exit) is
-    dated by ``alive_at``, the last time it was seen running: its peers fail *after* it dies
-    (connection reset), often before the next poll sees it gone, and must not be named."""
+) -> tuple[float, int, str, str] | None:
+    """(when, rank, error, the error in one line) if rank ``r`` reported an error or exited
+    without a result or with an error status; else None. A rank that died without reporting
+    (killed, os._exit) is dated by ``alive_at``, the last time it was seen running: its peers
+    fail *after* it dies (connection reset), often before the next poll sees it gone, and
+    must not be named."""
     if outcome is not None and not outcome.ok:
-        return outcome.failed_at_s, r.rank, outcome.error
+        return outcome.failed_at_s, r.rank, outcome.error, outcome.summary
     if code is None or (outcome is not None and code == 0):
         return None
     tail = _tail(r.log_path)
@@ -509,8 +526,15 @@ def _failure(
     else:
         why = f"returned its result but then exited with {_exit_status(code)}"
     if not tail.strip():  # it failed before its log opened
-        return alive_at, r.rank, f"rank {r.rank} {why} and an empty log; {_EMPTY_LOG}"
-    return alive_at, r.rank, f"rank {r.rank} {why}; log tail:\n" + tail
+        error = f"rank {r.rank} {why} and an empty log; {_EMPTY_LOG}"
+        return alive_at, r.rank, error, f"{why} and an empty log"
+    last = tail.strip().splitlines()[-1].strip()
+    return (
+        alive_at,
+        r.rank,
+        f"rank {r.rank} {why}; log tail:\n" + tail,
+        f"{why}; its log ends: {last}",
+    )
 
 
 def _exit_status(code: int) -> str:
@@ -536,9 +560,9 @@ def _worker(spec_path: str, rank: int) -> int:
     try:
         outcome = _Outcome(ok=True, value=_run_rank(spec, rank))
         data = pickle.dumps(outcome)  # inside the try: a result that does not pickle fails
-    except BaseException:
+    except BaseException as exc:
         error = f"rank {rank}: {traceback.format_exc()}"
-        outcome = _Outcome(ok=False, error=error, failed_at_s=time.time())
+        outcome = _Outcome(ok=False, error=error, failed_at_s=time.time(), summary=_summary(exc))
         data = pickle.dumps(outcome)
     result_path = os.path.join(spec.result_dir, f"result{rank}.pkl")
     with open(result_path + ".tmp", "wb") as f:
@@ -550,6 +574,18 @@ def _worker(spec_path: str, rank: int) -> int:
         sys.stderr.flush()
         os._exit(1)
     return 0
+
+
+def _summary(exc: BaseException) -> str:
+    """``exc`` in one line, with where it was raised: ``ValueError: ... (at file.py:12 in
+    fn)``."""
+    message = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return text
+    where = frames[-1]
+    return f"{text} (at {os.path.basename(where.filename)}:{where.lineno} in {where.name})"
 
 
 def _run_rank(spec: _Spec, rank: int) -> Any:

@@ -14,6 +14,10 @@ One argument alone is checked by the ``type=`` functions below (``int_at_least``
 split, a link too slow for the timeout, a run that cannot fit in memory) by the command's
 ``check_args(args)``, whose ``ValueError`` :func:`main` turns into the same one-line error.
 
+A run that fails after it started (a rank raised or died, ``--timeout`` passed) ends the same
+way with exit status 1: one line naming the root cause, the rank that failed first and its
+error where it was raised (``RunFailed``), not the launcher's traceback.
+
 An option the run would not read (one for another ``--mode``, another strategy, or an
 output the run does not write) is such a mistake whatever its value: a check asks whether
 the user gave it (``given(args, name)``, from the words on the command line), never whether
@@ -34,6 +38,7 @@ from typing import Any, NoReturn, Protocol
 __all__ = [
     "ArgumentAdder",
     "HelpFormatter",
+    "RunFailed",
     "build_parser",
     "check_heads",
     "check_unique",
@@ -56,6 +61,11 @@ COMMANDS: dict[str, str] = {
     "bench": "every strategy side by side: verified, timed, against its bound",
     "simulate": "predict every strategy's time on a described machine",
 }
+
+
+class RunFailed(Exception):
+    """A run that failed after it started; :func:`main` prints its message as one line and
+    returns 1 (Note [Bad input at the command line])."""
 
 
 class ArgumentAdder(Protocol):
@@ -269,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Raises:
         SystemExit: status 2 for bad arguments (one line on stderr), as argparse does.
+
+    A run that failed after it started (``RunFailed``): its one line on stderr, status 1.
     """
     argv = list(argv) if argv is not None else sys.argv[1:]
     # the top level has no options but --help: the first word that is not one names the command
@@ -284,7 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             check(args)
         except ValueError as exc:
             args._parser.error(str(exc))
-    return int(args._module.run(args))
+    try:
+        return int(args._module.run(args))
+    except RunFailed as exc:
+        print(f"{args._parser.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import math
-import os
 import statistics
 import textwrap
 import time
@@ -60,6 +58,7 @@ from tokenring.cli.models import (
     models_from_args,
 )
 from tokenring.cli.plot import bench_panels, plot_timelines, pyplot, write_trace
+from tokenring.cli.reference import per_rank_reference, tile_bytes
 from tokenring.core.layout import Layout, Sharding, make_sharding, shard
 from tokenring.core.schedule import (
     AttentionShape,
@@ -374,172 +373,6 @@ def _steady_step(events: list[Event], label: str, num_steps: int) -> float | Non
     ]
     # step 0 is local: skip it
     return statistics.median(diffs[1:] if len(diffs) > 2 else diffs) if diffs else None
-
-
-_TILE_BYTES = 32 << 20
-"""Size of one float64 score tile of the reference (Note [Per-rank reference])."""
-
-
-def _tile_rows(batch: int, heads_q: int, num_keys: int) -> int:
-    """Query rows per tile so that one (B, Hq, rows, keys) float64 tile is ~_TILE_BYTES."""
-    return max(1, _TILE_BYTES // max(1, batch * heads_q * num_keys * 8))
-
-
-def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
-    """Maximal ranges [start, stop) of consecutive global positions in ``positions``."""
-    runs: list[tuple[int, int]] = []
-    for pos in sorted(positions.tolist()):
-        if runs and runs[-1][1] == pos:
-            runs[-1] = (runs[-1][0], pos + 1)
-        else:
-            runs.append((pos, pos + 1))
-    return runs
-
-
-def per_rank_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dout: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    grads: bool,
-) -> list[torch.Tensor]:
-    """Full attention in float64 for the rows at ``positions`` only: [out, dq, dk, dv] of
-    those rows in local order, or [out] without ``grads``.
-
-    Note [Per-rank reference]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~
-    Every rank checks its own s of the S rows, so it needs neither full attention's global
-    results nor float64 copies of every input. Scores are made in tiles of at most
-    ``_TILE_BYTES`` (query rows x keys), never (S, S)::
-
-        out (and dq) of my rows   query tiles of my rows   x keys up to the tile's last row
-        lse, delta of all rows    every query tile         x keys up to the tile's last row
-        dk, dv of my rows         every query tile         x my keys
-
-    (non-causal: every key). dk and dv of a key sum over every query that sees it, with that
-    query's lse and delta = rowsum(dout * out): hence the pass over all rows (only with
-    gradients; it also gives my rows' out and dq). Memory: the global inputs, K and V in
-    float64, lse and delta of all rows, the rank's results and a tile. GQA: the G query
-    heads of a K/V head are folded into the tile's rows, so K/V are never repeated.
-
-    Args:
-        q, dout: ``(B, S, Hq, D)``; k, v: ``(B, S, Hkv, D)``: the global tensors.
-        positions: int64 ``(n,)``: global positions of the rank's rows, in local order.
-
-    Returns:
-        out, dq ``(B, n, Hq, D)``, dk, dv ``(B, n, Hkv, D)``, float64.
-    """
-    k64, v64 = (x.double().permute(0, 2, 1, 3) for x in (k, v))  # (B, Hkv, S, D)
-    ref = _Reference(q=q, k=k64, v=v64, dout=dout, causal=causal, scale=scale)
-    out, dq, lse_all, delta_all = ref.my_rows(positions, grads=grads)
-    if not grads:
-        return [out]
-    return [out, dq, *ref.my_keys(positions, lse_all, delta_all)]
-
-
-def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-    return key_pos.view(1, -1) <= query_pos.view(-1, 1)  # (T, K)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Reference:
-    """The global inputs of :func:`per_rank_reference` and its passes over them in tiles;
-    a tile of T rows is (B, Hkv, G * T, .) with the G query heads of a K/V head folded in."""
-
-    q: torch.Tensor  # (B, S, Hq, D)
-    k: torch.Tensor  # (B, Hkv, S, D) float64
-    v: torch.Tensor  # (B, Hkv, S, D) float64
-    dout: torch.Tensor  # (B, S, Hq, D)
-    causal: bool
-    scale: float
-
-    def fold(self, x: torch.Tensor, a: int, e: int) -> torch.Tensor:
-        """Global rows [a, e) of (B, S, Hq, D) as (B, Hkv, G * T, D) float64 (may be a view
-        of float64 inputs: never written in place)."""
-        by_kv_head = x[:, a:e].double().unflatten(2, (self.k.shape[1], -1))  # (B, T, Hkv, G, D)
-        return by_kv_head.permute(0, 2, 3, 1, 4).flatten(2, 3)
-
-    def unfold(self, y: torch.Tensor, t: int) -> torch.Tensor:
-        """(B, Hkv, G * T, D) -> (B, T, Hq, D)."""
-        return y.unflatten(2, (-1, t)).permute(0, 3, 1, 2, 4).flatten(2, 3)
-
-    def attend(self, a: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """probs (B, Hkv, G*T, K), out (B, Hkv, G*T, D), lse (B, Hkv, G*T) of rows [a, e)."""
-        keys = e if self.causal else self.q.shape[1]
-        scores = (self.fold(self.q, a, e) * self.scale) @ self.k[:, :, :keys].transpose(-1, -2)
-        if self.causal:  # only the keys [a, e) can be ahead of a row of the tile
-            diagonal = scores.unflatten(2, (-1, e - a))[..., a:e]
-            diagonal.masked_fill_(~_visible(torch.arange(a, e), torch.arange(a, e)), -math.inf)
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = scores.sub_(lse.unsqueeze(-1)).exp_()
-        return probs, probs @ self.v[:, :, :keys], lse, keys
-
-    def my_rows(
-        self, positions: torch.Tensor, *, grads: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """out, dq ``(B, n, Hq, D)`` of the rows at ``positions``; with ``grads`` also lse and
-        delta ``(B, Hkv, G, S)`` of every row (without: empty)."""
-        b, seq, hq, d = self.q.shape
-        hkv = self.k.shape[1]
-        n = positions.numel()
-        local = torch.full((seq,), -1, dtype=torch.long)  # global position -> local row
-        local[positions] = torch.arange(n)
-        out = torch.zeros(b, n, hq, d, dtype=torch.float64)
-        dq = torch.zeros_like(out)
-        tile = _tile_rows(b, hq, seq)
-        runs = [(0, seq)] if grads else _runs(positions)  # grads: every row's lse and delta
-        spans = [(a, min(e, a + tile)) for lo, e in runs for a in range(lo, e, tile)]
-        lse_all = torch.empty(b, hkv, hq // hkv, seq if grads else 0, dtype=torch.float64)
-        delta_all = torch.empty_like(lse_all)
-        for a, e in spans:
-            t = e - a
-            probs, out_t, lse, keys = self.attend(a, e)
-            rows = torch.nonzero(local[a:e] >= 0).flatten()
-            if rows.numel():
-                out[:, local[a:e][rows]] = self.unfold(out_t, t)[:, rows]
-            if not grads:
-                continue
-            do = self.fold(self.dout, a, e)
-            delta = (do * out_t).sum(-1)  # (B, Hkv, G*T)
-            lse_all[..., a:e] = lse.unflatten(2, (-1, t))
-            delta_all[..., a:e] = delta.unflatten(2, (-1, t))
-            if rows.numel():
-                dp = do @ self.v[:, :, :keys].transpose(-1, -2)
-                ds = probs.mul_(dp.sub_(delta.unsqueeze(-1)))
-                dq_t = self.unfold(ds @ self.k[:, :, :keys] * self.scale, t)  # (B, T, Hq, D)
-                dq[:, local[a:e][rows]] = dq_t[:, rows]
-        return out, dq, lse_all, delta_all
-
-    def my_keys(
-        self, positions: torch.Tensor, lse_all: torch.Tensor, delta_all: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """dk, dv ``(B, n, Hkv, D)`` of the keys at ``positions``: every query tile that can
-        see them, with its rows' lse and delta from :meth:`my_rows`."""
-        b, seq, hq, _ = self.q.shape
-        n = positions.numel()
-        k_mine, v_mine = self.k[:, :, positions], self.v[:, :, positions]  # (B, Hkv, n, D)
-        dk, dv = torch.zeros_like(k_mine), torch.zeros_like(v_mine)
-        first = int(positions.min()) if self.causal and n else 0  # no earlier query sees my keys
-        last = int(positions.max()) if n else 0
-        tile = _tile_rows(b, hq, max(n, 1))
-        for a in range(first, seq if n else 0, tile):
-            e = min(seq, a + tile)
-            qt, do = self.fold(self.q, a, e), self.fold(self.dout, a, e)
-            scores = (qt * self.scale) @ k_mine.transpose(-1, -2)  # (B, Hkv, G*T, n)
-            if self.causal and last > a:  # some of my keys are ahead of some rows of the tile
-                mask = ~_visible(torch.arange(a, e), positions)
-                scores.unflatten(2, (-1, e - a)).masked_fill_(mask, -math.inf)
-            lse = lse_all[..., a:e].flatten(2, 3).unsqueeze(-1)  # (B, Hkv, G*T, 1)
-            probs = scores.sub_(lse).exp_()
-            dv += probs.transpose(-1, -2) @ do
-            delta = delta_all[..., a:e].flatten(2, 3).unsqueeze(-1)
-            ds = probs.mul_((do @ v_mine.transpose(-1, -2)).sub_(delta))
-            dk += ds.transpose(-1, -2) @ qt * self.scale
-        return dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _exposed_bytes(sched: Schedule, dims: AttentionShape, rank: int) -> dict[int, int]:
@@ -998,14 +831,6 @@ def _kernel_rates(rank_rows: list[RankRow]) -> tuple[float, float]:
 
 
 # -- size guards (before any rank starts) -------------------------------------------------------
-_PROCESS_BYTES = 320 << 20
-"""What a rank holds before its first tensor: the interpreter, torch and a gloo group."""
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.3g} GiB"
-
-
 def estimate_rank_bytes(
     config: BenchConfig, world_size: int, *, backend: str = "gloo"
 ) -> dict[str, int]:
@@ -1014,7 +839,7 @@ def estimate_rank_bytes(
 
     - ``inputs``: the seeded global q, k, v, dout (every rank draws them all);
     - ``reference``: K and V in float64, lse and delta of every row, the rank's float64
-      results and one score tile (Note [Per-rank reference]);
+      results and one score tile (Note [Per-rank reference] in tokenring.cli.reference);
     - ``run``: the rank's shards, and what the strategy that needs the most holds in its
       calls, its kernel's blocks and its compute-only run (:func:`_call_bytes`);
     - ``process``: the interpreter, torch and the process group.
@@ -1029,7 +854,7 @@ def estimate_rank_bytes(
         layout = config.layout_for(causal)
         sharding = make_sharding(layout=layout, world_size=world_size, seq_len=seq)
         n = sharding.seq_local
-        tile = _tile_rows(b, hq, seq) * b * hq * seq * 8
+        tile = tile_bytes(b, hq, seq)
         reference = (
             2 * b * seq * hkv * d * 8  # K, V in float64
             + b * n * (2 * hq + 2 * hkv) * d * 8  # the rank's out, dq, dk, dv
@@ -1044,7 +869,7 @@ def estimate_rank_bytes(
             "reference": reference,
             # shards, padded copies, a call's inputs (cloned) with gradients and output
             "run": 3 * b * n * (2 * hq + 2 * hkv) * d * elem + run,
-            "process": _PROCESS_BYTES,
+            "process": ranks.PROCESS_BYTES,
         }
         best = max(best, parts, key=lambda part: sum(part.values()))  # the first on a tie
     return best
@@ -1091,28 +916,17 @@ def _call_bytes(
 
 def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend: str) -> None:
     """Raise ValueError when the ranks on this machine cannot fit (Note [Per-rank
-    reference]): host memory against MemAvailable; with NCCL the GPU part against the
-    device's free memory."""
-    parts = estimate_rank_bytes(config, world_size, backend=backend)
-    on_gpu = backend == "nccl"
-    host = sum(v for k, v in parts.items() if not (on_gpu and k == "run"))
-    detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
-    run = f"--seq {config.seq} --batch {config.batch} on {world_size} ranks"
-    available = mem_available_bytes()
-    if available is not None and host * ranks_here > available:
-        raise ValueError(
-            f"{run} needs about {_gib(host)} of host memory per rank ({detail}), "
-            f"{_gib(host * ranks_here)} for the {ranks_here} ranks on this machine; "
-            f"MemAvailable is {_gib(available)}. Lower --seq, --batch or the number of "
-            "ranks per machine"
-        )
-    if on_gpu and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
-        if parts["run"] > free:
-            raise ValueError(
-                f"{run} needs about {_gib(parts['run'])} of GPU memory per rank; the device "
-                f"has {_gib(free)} free. Lower --seq or --batch, or add ranks"
-            )
+    reference] in tokenring.cli.reference): host memory against MemAvailable; with NCCL the
+    GPU part against the device's free memory."""
+    ranks.check_rank_memory(
+        estimate_rank_bytes(config, world_size, backend=backend),
+        run=f"--seq {config.seq} --batch {config.batch} on {world_size} ranks",
+        available=mem_available_bytes(),
+        ranks_here=ranks_here,
+        gpu_parts=("run",) if backend == "nccl" else (),
+        lower_host="Lower --seq, --batch or the number of ranks per machine",
+        lower_gpu="Lower --seq or --batch, or add ranks",
+    )
 
 
 def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: int) -> None:
@@ -1284,6 +1098,23 @@ def _check_flags_of_mode(args: argparse.Namespace) -> None:
         raise ValueError("--wide widens the terminal table, which --json replaces; got both")
 
 
+def _runnable_defaults(config: BenchConfig, world: int, args: argparse.Namespace) -> BenchConfig:
+    """``config`` without the strategies of the default list that cannot run one of its
+    models on ``world`` ranks, each left out with a note, as a hybrid that does not fit is (a
+    strategy named in --strategies is refused instead)."""
+    kept = []
+    for strategy in config.strategies:
+        try:
+            dataclasses.replace(config, strategies=(strategy,)).check_schedules(world)
+        except ValueError as exc:
+            report.note(f"bench: no {strategy.value} rows ({exc})", args)
+        else:
+            kept.append(strategy)
+    if not kept:
+        raise ValueError(f"no strategy can run the models on {world} ranks; see the notes above")
+    return dataclasses.replace(config, strategies=tuple(kept))
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything about the arguments that can be known before a rank starts (Note [Bad
     input at the command line] in tokenring.cli). Raises ValueError naming the argument;
@@ -1304,6 +1135,8 @@ def check_args(args: argparse.Namespace) -> None:
         check_read("--last-pair", names, [Strategy.TOKEN_RING.value])
     if given(args, "hybrid_inner", "hybrid_outer"):
         check_read("--hybrid-inner/--hybrid-outer", names, [Strategy.HYBRID.value])
+    if args.strategies is None:
+        config = _runnable_defaults(config, world, args)
     try:
         config.check_schedules(world)
     except ValueError as exc:
@@ -1316,9 +1149,8 @@ def check_args(args: argparse.Namespace) -> None:
             pyplot()
         except ImportError as exc:
             raise ValueError(f"--plot {args.plot}: {exc}") from None
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if ranks.under_torchrun() else world
     backend = "nccl" if ranks.under_torchrun() and torch.cuda.is_available() else "gloo"
-    check_memory(config, world, ranks_here, backend)
+    check_memory(config, world, ranks.ranks_here(args), backend)
     args._config = config
 
 

@@ -34,6 +34,7 @@ from tokenring.cli import (
     check_heads,
     int_at_least,
     int_list,
+    mem_available_bytes,
     options,
     ranks,
     report,
@@ -41,6 +42,7 @@ from tokenring.cli import (
 )
 from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
+from tokenring.cli.reference import per_rank_reference, tile_bytes
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
 from tokenring.kvcache import DistributedKVCache
@@ -60,7 +62,14 @@ from tokenring.strategies.cached import (
     build_cached_plan,
 )
 
-__all__ = ["InferenceBenchConfig", "add_arguments", "check_args", "run", "run_rank"]
+__all__ = [
+    "InferenceBenchConfig",
+    "add_arguments",
+    "check_args",
+    "estimate_rank_bytes",
+    "run",
+    "run_rank",
+]
 
 MODES = ("decode", "prefill-cached")
 _PROBE_BYTES, _PROBE_REPEATS = 8 << 20, 3
@@ -120,15 +129,12 @@ def _oracle_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Float64 causal attention of the queries at ``positions`` of one sequence (global
-    ``q`` ``(S, Hq, D)``, ``k``/``v`` ``(S, Hkv, D)``): ``(len(positions), Hq, D)``."""
-    groups = q.shape[1] // k.shape[1]
-    qh = q[positions].double().transpose(0, 1)  # (Hq, t, D)
-    kh = k.double().repeat_interleave(groups, dim=1).transpose(0, 1)  # (Hq, S, D)
-    vh = v.double().repeat_interleave(groups, dim=1).transpose(0, 1)
-    scores = qh @ kh.transpose(-1, -2) * scale  # (Hq, t, S)
-    keys = torch.arange(k.shape[0])
-    scores = scores.masked_fill(keys.view(1, 1, -1) > positions.view(1, -1, 1), -math.inf)
-    return (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
+    ``q`` ``(S, Hq, D)``, ``k``/``v`` ``(S, Hkv, D)``): ``(len(positions), Hq, D)``, in score
+    tiles (Note [Per-rank reference] in tokenring.cli.reference), never (Hq, rows, S)."""
+    (out,) = per_rank_reference(
+        q[None], k[None], v[None], None, positions, causal=True, scale=scale, grads=False
+    )
+    return out[0]
 
 
 def _random_sequences(
@@ -347,6 +353,65 @@ def _case_key(row: dict[str, Any]) -> tuple[str, int, int]:
     return row["model"], row["cached"], row["new"]
 
 
+# -- size guard (before any rank starts) --------------------------------------------------------
+def _most_rows(num_tokens: int, world_size: int, block_size: int) -> int:
+    """At most how many of ``num_tokens`` consecutive positions one rank owns: block-cyclic
+    (Note [Placement] in tokenring.strategies.cached), one block more for a run that starts
+    inside a block."""
+    return min(num_tokens, (math.ceil(num_tokens / (block_size * world_size)) + 1) * block_size)
+
+
+def estimate_rank_bytes(
+    config: InferenceBenchConfig, world_size: int
+) -> tuple[dict[str, int], tuple[str, int, int]]:
+    """About how many bytes one rank of :func:`run_rank` holds at its peak, by part, for the
+    (model, C, T) that needs the most, and that case:
+
+    - ``inputs``: every sequence's seeded global q, k, v (every rank draws them all) and the
+      float64 draw of one of them;
+    - ``reference``: K and V of one sequence in float64, the float64 rows of the rank's new
+      tokens (and their error) and score tiles (:func:`_oracle_rows`);
+    - ``cache``: the rank's K/V shard, and a copy as it grows or is appended;
+    - ``run``: what the strategy that needs the most holds in its calls: every Q block (direct,
+      tree), accumulators and partials of every owner, three K/V shards (pass_kv: its own, a
+      visiting one, one in flight), a position mask, the kernel's tiles, the calibration's
+      probe messages;
+    - ``process``: the interpreter, torch and the process group.
+
+    With NCCL ``cache`` and ``run`` live on the GPU, the rest on the host.
+    """
+    elem = DTYPES[config.dtype].itemsize
+    acc = 8 if config.dtype == "float64" else 4
+    b, bs = config.batch, config.block_size
+    best: dict[str, int] = {}
+    worst = next(iter(config.models)), config.cached[0], config.new[0]
+    for (name, model), cached, new in itertools.product(
+        config.models.items(), config.cached, config.new
+    ):
+        hq, hkv, d = model.heads_q, model.heads_kv, model.head_dim
+        seq = cached + new
+        q_rows = _most_rows(new, world_size, bs)  # of one sequence
+        kv_rows = _most_rows(seq, world_size, bs)
+        tile = 4 * hq * min(q_rows, 1024) * min(kv_rows, 1024) * acc  # the kernel's
+        parts = {
+            "inputs": b * seq * (hq + 2 * hkv) * d * elem + seq * max(hq, hkv) * d * 8,
+            "reference": 2 * seq * hkv * d * 8
+            + 3 * b * q_rows * hq * d * 8
+            + 2 * tile_bytes(1, hq, seq),
+            "cache": 2 * b * kv_rows * 2 * hkv * d * elem,
+            "run": b * new * hq * d * elem  # every Q block
+            + 2 * b * new * hq * (d + 1) * acc  # accumulators, partials
+            + 3 * b * kv_rows * 2 * hkv * d * elem  # K/V shards
+            + q_rows * kv_rows  # a position mask (bool)
+            + tile
+            + 4 * _PROBE_BYTES,
+            "process": ranks.PROCESS_BYTES,
+        }
+        if sum(parts.values()) > sum(best.values()):
+            best, worst = parts, (name, cached, new)
+    return best, worst
+
+
 # -- CLI (hooked into tokenring bench) -----------------------------------------------------------
 def add_arguments(parser: ArgumentAdder) -> None:
     """The inference options of ``tokenring bench`` (``--mode`` selects them)."""
@@ -383,8 +448,8 @@ def check_args(args: argparse.Namespace) -> None:
     config on ``args`` for :func:`run`."""
 
     config = config_from_args(args)
+    world = ranks.world_size_of(args)
     if args.link is not None:
-        world = ranks.world_size_of(args)
         ranks.check_lab(args, world)
         # the calibration's probes alone cross each link r -> r-1 (1 + repeats) times each
         num_bytes = 2 * (1 + _PROBE_REPEATS) * _PROBE_BYTES if world > 1 else 0
@@ -396,6 +461,20 @@ def check_args(args: argparse.Namespace) -> None:
                 f"the calibration alone moves {num_bytes / 1e6:.4g} MB over each link, "
                 f"{seconds:.4g} s at that rate; raise --link or --timeout"
             )
+    parts, (name, cached, new) = estimate_rank_bytes(config, world)
+    on_gpu = ranks.under_torchrun() and torch.cuda.is_available()  # NCCL
+    ranks.check_rank_memory(
+        parts,
+        run=(
+            f"--mode {config.mode} at --cached {cached} --new {new} --batch {config.batch} "
+            f"({name}) on {world} ranks"
+        ),
+        available=mem_available_bytes(),
+        ranks_here=ranks.ranks_here(args),
+        gpu_parts=("cache", "run") if on_gpu else (),
+        lower_host="Lower --cached, --new, --batch or the number of ranks per machine",
+        lower_gpu="Lower --cached, --new or --batch, or add ranks",
+    )
     args._config = config
 
 

@@ -45,7 +45,15 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator, sequence_parallel_attn
-from tokenring.cli import ArgumentAdder, check_heads, int_list, options, ranks, split_list
+from tokenring.cli import (
+    ArgumentAdder,
+    check_heads,
+    int_list,
+    mem_available_bytes,
+    options,
+    ranks,
+    split_list,
+)
 from tokenring.cli.models import DTYPES
 from tokenring.cli.report import write_records
 from tokenring.core.schedule import AttentionShape, Pass, Strategy
@@ -57,6 +65,7 @@ __all__ = [
     "RANK_ENV",
     "MemoryBenchConfig",
     "PeakMemory",
+    "estimate_rank_bytes",
     "minimum_bytes",
     "peak_memory",
     "run_rank",
@@ -278,7 +287,18 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
     if args.strategies is not None:
         names = ", ".join(s.value for s in DEFAULT_STRATEGIES)
         strategies = split_list(args.strategies, "--strategies", Strategy.parse, names)
+        if Strategy.HYBRID in strategies:
+            raise ValueError(
+                "--strategies hybrid is not for --mode memory: it runs on a 2-D mesh, measure "
+                f"its parts (expected any of {names}); got --strategies {args.strategies}"
+            )
     seq_locals = int_list(args.seq_local, "--seq-local", 2)
+    odd = [s for s in seq_locals if s % 2]
+    if odd:
+        raise ValueError(
+            f"--seq-local must be even lengths >= 2 (tokens per rank); "
+            f"got {args.seq_local!r} ({', '.join(map(str, odd))} odd)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available on this machine")
     try:
@@ -293,6 +313,21 @@ def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
         )
     except ValueError as exc:
         raise ValueError(f"--mode memory: {exc}") from None
+
+
+def estimate_rank_bytes(config: MemoryBenchConfig) -> dict[str, int]:
+    """About how many bytes one rank holds at its peak, by part, at the largest s:
+
+    - ``call``: what the measured call holds: the inputs, outputs and gradients
+      (:func:`minimum_bytes`) and what the strategy keeps beside them, at most as much again
+      (README "Memory"; measured up to 2.08x) and a quarter more for the others;
+    - ``process``: the interpreter, torch and the process group.
+
+    On CUDA ``call`` lives on the GPU.
+    """
+    shape: dict[str, Any] = {k: getattr(config, k) for k in ("batch", *_HEADS)}
+    minimum = minimum_bytes(**shape, seq_local=max(config.seq_locals), dtype=DTYPES[config.dtype])
+    return {"call": 5 * minimum // 2, "process": ranks.PROCESS_BYTES}
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -313,9 +348,27 @@ def check_args(args: argparse.Namespace) -> None:
         try:  # what the ranks' calls build first
             strategy_schedule(strategy, pass_, heads_kv=config.heads_kv, **where)
         except (ValueError, NotImplementedError) as exc:
+            named = "--strategies " if args.strategies is not None else "the default strategy "
             raise ValueError(
-                f"--mode memory: --strategies {strategy.value} cannot run on {world} ranks: {exc}"
+                f"--mode memory: {named}{strategy.value} cannot run on {world} ranks: {exc}"
             ) from None
+    on_gpu = config.device == "cuda"
+    per_gpu = 1  # spawned ranks share the GPUs: rank r on GPU r mod the count
+    if on_gpu and not ranks.under_torchrun():
+        per_gpu = -(-world // max(1, torch.cuda.device_count()))
+    ranks.check_rank_memory(
+        estimate_rank_bytes(config),
+        run=(
+            f"--mode memory at --seq-local {max(config.seq_locals)} --batch {config.batch} "
+            f"on {world} ranks"
+        ),
+        available=mem_available_bytes(),
+        ranks_here=ranks.ranks_here(args),
+        gpu_parts=("call",) if on_gpu else (),
+        ranks_per_gpu=per_gpu,
+        lower_host="Lower --seq-local, --batch or the number of ranks per machine",
+        lower_gpu="Lower --seq-local or --batch",
+    )
     args._config = config
 
 

@@ -16,17 +16,22 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
+from tokenring.cli import RunFailed
 from tokenring.cli.console import progress
-from tokenring.launch import init_distributed, launch
+from tokenring.launch import LaunchError, init_distributed, launch
 from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
 
 __all__ = [
+    "PROCESS_BYTES",
     "check_lab",
+    "check_rank_memory",
     "collect_per_rank",
+    "gib",
     "git_sha",
     "lab_options",
     "launch_with_progress",
     "rank_device",
+    "ranks_here",
     "row_done",
     "under_torchrun",
     "world_size_of",
@@ -42,6 +47,56 @@ def under_torchrun() -> bool:
 def world_size_of(args: argparse.Namespace) -> int:
     """The ranks the run will have: torchrun's under torchrun, else --world-size."""
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else int(args.world_size)
+
+
+def ranks_here(args: argparse.Namespace) -> int:
+    """The run's ranks on this machine: torchrun's local ones under torchrun, else all."""
+    world = world_size_of(args)
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else world
+
+
+PROCESS_BYTES = 320 << 20
+"""What a rank holds before its first tensor: the interpreter, torch and a gloo group."""
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.3g} GiB"
+
+
+def check_rank_memory(
+    parts: dict[str, int],
+    *,
+    run: str,
+    available: int | None,
+    ranks_here: int,
+    gpu_parts: tuple[str, ...] = (),
+    ranks_per_gpu: int = 1,
+    lower_host: str,
+    lower_gpu: str = "",
+) -> None:
+    """Raise ValueError when ranks that hold about ``parts`` bytes each (a rank's peak, by
+    part) cannot fit: the host parts of the ``ranks_here`` ranks on this machine against
+    ``available`` (MemAvailable; None: unknown, not checked), and the ``gpu_parts`` of
+    ``ranks_per_gpu`` ranks against the free memory of this rank's device (the first GPU
+    where bench spawns the ranks). ``run`` names the flags of the run, ``lower_host`` and
+    ``lower_gpu`` say what to lower."""
+    host = sum(v for k, v in parts.items() if k not in gpu_parts)
+    detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    if available is not None and host * ranks_here > available:
+        raise ValueError(
+            f"{run} needs about {gib(host)} of host memory per rank ({detail}), "
+            f"{gib(host * ranks_here)} for the {ranks_here} ranks on this machine; "
+            f"MemAvailable is {gib(available)}. {lower_host}"
+        )
+    if gpu_parts and torch.cuda.is_available():
+        gpu = sum(parts[k] for k in gpu_parts)
+        free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
+        if gpu * ranks_per_gpu > free:
+            sharing = f" ({ranks_per_gpu} ranks per GPU)" if ranks_per_gpu > 1 else ""
+            raise ValueError(
+                f"{run} needs about {gib(gpu)} of GPU memory per rank{sharing}; the device has "
+                f"{gib(free)} free. {lower_gpu}"
+            )
 
 
 def check_lab(args: argparse.Namespace, world_size: int) -> None:
@@ -80,7 +135,12 @@ def launch_with_progress(
     """Every rank's ``fn(config, progress_path)`` (a finished row appends a line to the progress
     file) on ``args.world_size`` spawned ranks behind a progress bar, inside the emulated lab
     with ``args.link`` (``args._lab`` describes it); ``rank_env(rank)``: a rank's extra
-    environment."""
+    environment.
+
+    Raises:
+        RunFailed: a rank failed (the one that failed first, and its error) or ``--timeout``
+            passed.
+    """
     with tempfile.TemporaryDirectory(prefix="tokenring-bench-") as tmp, ExitStack() as stack:
         progress_path = os.path.join(tmp, "progress")
         bar = stack.enter_context(progress(num_rows, title))
@@ -93,16 +153,21 @@ def launch_with_progress(
                 done = 0
             bar.update(bar.task_ids[0], completed=done)
 
-        return launch(
-            fn,
-            config,
-            progress_path,
-            world_size=args.world_size,
-            timeout_s=args.timeout,
-            pg_timeout_s=max(60.0, args.timeout / 4),
-            poll=poll,
-            **lab_options(stack, args, rank_env),
-        )
+        try:
+            return launch(
+                fn,
+                config,
+                progress_path,
+                world_size=args.world_size,
+                timeout_s=args.timeout,
+                pg_timeout_s=max(60.0, args.timeout / 4),
+                poll=poll,
+                **lab_options(stack, args, rank_env),
+            )
+        except LaunchError as exc:
+            if exc.failed_rank is None:  # the deadline
+                raise RunFailed(f"{exc.summary} (--timeout {args.timeout:g})") from exc
+            raise RunFailed(exc.summary) from exc
 
 
 def lab_options(

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import itertools
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from tokenring.cli.console import progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments, check_read
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
-from tokenring.core.schedule import AttentionShape, Strategy
+from tokenring.core.schedule import AttentionShape, Pass, Strategy
 from tokenring.model.costmodel import PRESETS, Hardware
 from tokenring.model.simulate import (
     _PASSES,
@@ -31,6 +32,7 @@ from tokenring.model.simulate import (
     PassResult,
     _engine,
     simulate,
+    strategy_schedule,
 )
 from tokenring.runtime.comm import Event
 from tokenring.strategies.hybrid import HybridSpec
@@ -88,6 +90,7 @@ class _Config:
     causal: bool  # the model's
     points: tuple[tuple[int, int, int], ...]  # (P, S rounded down to what the layout splits, S)
     hybrid: HybridSpec | None = None  # when the hybrid is requested
+    notes: tuple[str, ...] = ()  # said before the rows: what the run changed of the request
 
 
 def _config(args: argparse.Namespace) -> _Config:
@@ -309,6 +312,66 @@ def _check_something_predictable(cfg: _Config, args: argparse.Namespace) -> None
     )
 
 
+def _last_block_slices(cfg: _Config, name: str, world_size: int, seq: int, splits: int) -> int:
+    """The most slices one lane's last block of ``name`` has with ``last_block_splits=splits``
+    (the library slices by K/V head, by query head with one K/V head, or by row of a single
+    unmasked piece, Note [Last block by heads]: fewer than asked where it runs out). Counted in
+    the forward schedule, at ``world_size`` or, beyond the event engine's sizes, at the
+    smallest the strategy runs on (the heads of a slice do not depend on P)."""
+    p = world_size
+    if p > EVENT_MAX_WORLD_SIZE:
+        p = 2 * cfg.hybrid.inner if cfg.hybrid is not None and name == "hybrid" else 2
+    sched = strategy_schedule(
+        name,
+        Pass.FORWARD,
+        layout=cfg.layout,
+        causal=cfg.causal,
+        world_size=p,
+        seq_local=seq // world_size,
+        heads_q=cfg.shape.heads_q,
+        heads_kv=cfg.shape.heads_kv,
+        last_block_splits=splits,
+        hybrid=cfg.hybrid,
+    )
+    per_lane: Counter[tuple[int, int, int]] = Counter()  # (rank, step, lane) -> segments
+    for steps in sched.steps:
+        for plan in steps:
+            for segment in plan.segments:
+                for lane in {piece.lane for piece in segment.pieces}:
+                    per_lane[plan.rank, plan.step, lane] += 1
+    return max(per_lane.values(), default=1)
+
+
+def _check_splits(cfg: _Config, args: argparse.Namespace, slicers: list[str]) -> tuple[str, ...]:
+    """Notes for the strategies that slice their last block in fewer than ``--splits`` slices
+    (a larger value gives the same slices); ValueError when none of them takes the value."""
+    most: dict[str, int] = {}
+    for name, (p, seq, _) in itertools.product(slicers, cfg.points):
+        try:  # a point the strategy cannot run is said elsewhere (a note, or refused)
+            n = _last_block_slices(cfg, name, p, seq, args.splits)
+        except (ValueError, NotImplementedError):
+            continue
+        most[name] = max(most.get(name, 0), n)
+    fewer = {name: n for name, n in most.items() if n < args.splits}
+    if not fewer:  # (or nothing predictable: refused by _check_something_predictable)
+        return ()
+    said = ", ".join(f"{name} {n}" for name, n in fewer.items())
+    why = (
+        f"{cfg.model} has {cfg.shape.heads_kv} K/V and {cfg.shape.heads_q} query heads; "
+        "the last block is sliced by head (Note [Last block by heads])"
+    )
+    if len(fewer) == len(most):
+        raise ValueError(
+            f"--splits {args.splits} is more slices than the last block has (at most: {said}; "
+            f"per lane of a two-way ring): {why}; a larger value gives the same slices"
+        )
+    return tuple(
+        f"--splits {args.splits}: {name} slices its last block in at most {n} (per lane), "
+        f"predicted with {n}; {why}"
+        for name, n in fewer.items()
+    )
+
+
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
@@ -324,10 +387,20 @@ def check_args(args: argparse.Namespace) -> None:
     if given(args, "lend_last_pair"):
         check_read("--lend-last-pair", args.strategies, [Strategy.TOKEN_RING.value])
     _check_something_predictable(cfg, args)
+    if given(args, "splits"):
+        slicers = [name for name in args.strategies if name in pass_q + hybrid]
+        cfg = dataclasses.replace(cfg, notes=_check_splits(cfg, args, slicers))
     first = args.world_size[0]
     why = "--mode vectorised" if args.mode == "vectorised" else None
     if args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE:
         why = f"--world-size {first} > {EVENT_MAX_WORLD_SIZE} under --mode auto"
+    for flag in ("--plot", "--timeline"):  # drawn after simulating
+        path = getattr(args, flag[2:])
+        if path is not None:
+            try:
+                pyplot()
+            except ImportError as exc:
+                raise ValueError(f"{flag} {path}: {exc}") from None
     if (args.timeline or args.trace) and why:
         raise ValueError(
             f"--timeline and --trace need the event engine; got {why}: use --mode event or "
@@ -357,7 +430,8 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: bad sizes (sequence lengths are rounded down to what the layout splits).
-        ImportError: rich (table) or matplotlib (--plot, --timeline) missing, naming the extra.
+        ImportError: rich (the table) missing, naming the extra (check_args refuses --plot and
+            --timeline without matplotlib).
 
     No requested strategy predicted at these world sizes (what ``check_args`` cannot know before
     building a schedule, e.g. a lent last pair under ``--mode vectorised``): the notes, then
@@ -366,10 +440,8 @@ def run(args: argparse.Namespace) -> int:
     cfg: _Config = args._config
     if not args.json:
         rich_modules()  # fail before any work when the table cannot be printed
-    if args.plot or args.timeline:
-        pyplot()
     rows, results, notes = _predict(cfg, args)
-    for note in notes:  # never drop a strategy silently
+    for note in [*cfg.notes, *notes]:  # never drop a strategy or a value silently
         print(note, file=sys.stderr if args.json else sys.stdout)
     if not rows:
         print("tokenring simulate: error: no strategy could be predicted", file=sys.stderr)
