@@ -1006,3 +1006,30 @@ def test_the_draws_cover_every_awkward_value() -> None:
     assert seen["dtype"] == {"float64", "float32", "bfloat16"}
     assert seen["last_pair"] == {None, "return", "lend", "auto"}
     assert seen["hardware"] == {None, *PRESETS}
+
+
+# -- keywords that must take effect or be refused ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"causal": "yes"}, "causal must be a bool; got 'yes'"),
+        ({"causal": 1}, "causal must be a bool; got 1"),
+        ({"last_block_splits": 2.5}, r"last_block_splits must be an int >= 1; got 2.5"),
+        ({"last_block_splits": True}, r"last_block_splits must be an int >= 1; got True"),
+        ({"heads_q": 0}, r"heads_q must be an int >= 1"),
+        ({"seq_local": 4.0}, r"seq_local must be an int >= 1; got 4.0"),
+    ],
+)
+def test_ring_plan_checks_its_arguments_as_build_schedule(kwargs: dict, match: str) -> None:
+    """``ring_plan`` (the vectorised simulator's columns) took causal="yes" as causal and
+    last_block_splits=2.5 as 2; it raises as ``build_schedule`` does."""
+    from tokenring.strategies.ring import ring_plan
+
+    call: dict[str, Any] = dict(
+        layout="zigzag", causal=True, world_size=4, seq_local=4, heads_q=4, heads_kv=2
+    )
+    for function in (build_schedule, ring_plan):
+        with pytest.raises(ValueError, match=match):
+            function("token_ring", "forward", **{**call, **kwargs})
