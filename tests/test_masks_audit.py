@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -1033,3 +1034,11 @@ def test_ring_plan_checks_its_arguments_as_build_schedule(kwargs: dict, match: s
     for function in (build_schedule, ring_plan):
         with pytest.raises(ValueError, match=match):
             function("token_ring", "forward", **{**call, **kwargs})
+
+
+@pytest.mark.parametrize(("rank", "shown"), [("1", "'1'"), (1.0, "1.0")])
+def test_a_rank_of_another_type_is_named_as_given(rank: object, shown: str) -> None:
+    """A rank in range but of the wrong type (a str) used to read "got 1", as if 1 were out
+    of [0, 4); the message shows the value as given."""
+    with pytest.raises(ValueError, match=re.escape(f"rank must be in [0, 4); got {shown}")):
+        tokenring.global_positions(rank=rank, world_size=4, layout="zigzag", seq_len=8)  # type: ignore[arg-type]
