@@ -156,7 +156,7 @@ def position_ids(
 def _checked_rank(rank: int, world_size: int) -> int:
     check_int("world_size", world_size, 1)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
+        raise ValueError(f"rank must be in [0, {world_size}); got {rank!r}")
     return rank
 
 

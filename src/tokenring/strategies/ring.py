@@ -692,10 +692,10 @@ def ring_plan(
         raise NotImplementedError(
             f"ring_plan covers 'token_ring' and 'ring'; got strategy {strategy.value!r}"
         )
-    if world_size < 1 or last_block_splits < 1:
-        raise ValueError(
-            f"world_size and last_block_splits must be >= 1; got {world_size}, {last_block_splits}"
-        )
+    _check_call(strategy, causal, heads_q, heads_kv)
+    check_int("world_size", world_size, 1)
+    check_int("last_block_splits", last_block_splits, 1)
+    check_int("seq_local", seq_local, 1)
     validate_seq_local(seq_local, layout)
     p, s = world_size, seq_local
     sharding = make_sharding(layout=layout, world_size=p, seq_len=p * s)
