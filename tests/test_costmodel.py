@@ -1080,3 +1080,119 @@ def test_simulate_cli_predicts_the_hybrid(capsys: pytest.CaptureFixture[str]) ->
         main(["simulate", "--strategies", "hybrid", "--json"])
     assert exit_info.value.code == 2
     assert "--hybrid-inner must be given" in capsys.readouterr().err
+
+
+# -- memory-bound work of the collectives ---------------------------------------------------------
+def _memory_only(memory_bytes_per_s: float = 1e9) -> Hardware:
+    """Kernels and links so fast that a call costs its memory-bound work alone."""
+    return Hardware(
+        name="memory-only",
+        interconnect=Interconnect(topology=Topology.MESH, link_bandwidth_bytes_per_s=1e21),
+        forward_flops_per_s=1e21,
+        backward_flops_per_s=1e21,
+        memory_bandwidth_bytes_per_s=memory_bytes_per_s,
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_allgather_kv_prices_the_merges_and_adds_its_runtime_does(world_size: int) -> None:
+    """All-gather K/V runs one kernel call per (own Q, owner's K/V) block and, like Ring,
+    merges each into its own rows at once (forward: ``merge_into``; backward: the dQ
+    accumulated into its own rows), and adds the P - 1 dK/dV partials that come home
+    (runtime.collective: ``_AllGatherForward.compute``, ``_AllGatherBackward.returns``).
+    Non-causal, contiguous, s rows per block, on memory bandwidth M alone, per rank:
+
+        forward    P merge_into of s rows:   P s B Hq (D (4a + e) + 6a) / M
+                   (scale the accumulator: read + write; add the part: read it, read + write
+                   the accumulator: D (4a + e); the lse: 6a per row and head)
+        backward   delta = rowsum(dout * out): s B Hq (2 D e + a)
+                   P dQ adds of s rows (read both, write one, in a): P s B Hq D 3a
+                   P - 1 dK/dV partials added: (P - 1) s B Hkv D 2 x 3a
+
+    Ring's forward merges the same blocks into the same rows and is priced the same."""
+    p, s, b = world_size, 8, 2
+    hq, hkv, d, e, a = 4, 2, 8, 2, 4
+    shape = AttentionShape(batch=b, heads_q=hq, heads_kv=hkv, head_dim=d, dtype="float16")
+    mem = 1e9
+    want = {
+        Pass.FORWARD: p * s * b * hq * (d * (4 * a + e) + 6 * a) / mem,
+        Pass.BACKWARD: (
+            s * b * hq * (2 * d * e + a)
+            + p * s * b * hq * d * 3 * a
+            + (p - 1) * s * b * hkv * d * 2 * 3 * a
+        )
+        / mem,
+    }
+    for strategy, pass_ in (*itertools.product(["allgather_kv"], Pass), ("ring", Pass.FORWARD)):
+        res = simulate_pass(
+            strategy,
+            pass_,
+            layout="contiguous",
+            causal=False,
+            world_size=p,
+            seq_local=s,
+            shape=shape,
+            hardware=_memory_only(mem),
+            mode="event",
+        )
+        assert res.call_s == pytest.approx(want[pass_], rel=1e-6), (strategy, pass_)
+        assert res.merge_s == pytest.approx(want[pass_], rel=1e-6), (strategy, pass_)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("layout_causal", [("contiguous", False), ("zigzag", True)])
+def test_ulysses_prices_the_joins_and_adds_its_runtime_does(
+    world_size: int, layout_causal: tuple[str, bool]
+) -> None:
+    """A Ulysses rank (runtime.collective ``_Ulysses``) merges no partials but copies: it
+    joins what the all-to-all brought (``torch.cat`` over the P sources: read + write),
+    reorders the gathered rows to global order and its results back to layout order where
+    causal and not contiguous (``index_select``: read + write), and joins what returns;
+    the backward casts dK/dV to the accumulation dtype and adds each rank's dK/dV share.
+    Per rank with nq = Hq / P, nkv = Hkv / P heads, S = P s gathered rows, 2x: read + write,
+    r = 2 where the rows are reordered (else 1), o = 1 where they are (else 0), on memory
+    bandwidth M alone::
+
+        forward    in:   r 2 S B (nq D e + 2 nkv D e)            q, k, v of my heads
+                   out:  o 2 S B nq (D e + a)                    out, lse to layout order
+                   back: 2 s B Hq (D e + a)                      out, lse of every head
+        backward   delta:  s B Hq (2 D e + a)
+                   in:     r 2 S B (nq (2 D e + 2a) + 2 nkv D e) q, dout, lse, delta, k, v
+                   cast:   2 S B nkv D (e + a)                   dk, dv: read e, write a
+                   out:    o 2 S B (nq D e + 2 nkv D a)          dq, dk, dv to layout order
+                   back:   2 s B Hq D e + s B Hkv D 2 x 3a       dq joined, dK/dV added"""
+    layout, causal = layout_causal
+    p, s, b = world_size, 8, 2
+    hq, hkv, d, e, a = 8, 4, 8, 2, 4
+    nq, nkv, seq = hq // p, hkv // p, p * s
+    shape = AttentionShape(batch=b, heads_q=hq, heads_kv=hkv, head_dim=d, dtype="float16")
+    mem = 1e9
+    r = 2 if causal and layout != "contiguous" and p > 1 else 1
+    o = r - 1
+    forward = (
+        r * 2 * seq * b * (nq * d * e + 2 * nkv * d * e)
+        + o * 2 * seq * b * nq * (d * e + a)
+        + 2 * s * b * hq * (d * e + a)
+    )
+    backward = (
+        s * b * hq * (2 * d * e + a)
+        + r * 2 * seq * b * (nq * (2 * d * e + 2 * a) + 2 * nkv * d * e)
+        + 2 * seq * b * nkv * d * (e + a)
+        + o * 2 * seq * b * (nq * d * e + 2 * nkv * d * a)
+        + 2 * s * b * hq * d * e
+        + s * b * hkv * d * 2 * 3 * a
+    )
+    for pass_, num_bytes in ((Pass.FORWARD, forward), (Pass.BACKWARD, backward)):
+        res = simulate_pass(
+            "ulysses",
+            pass_,
+            layout=layout,
+            causal=causal,
+            world_size=p,
+            seq_local=s,
+            shape=shape,
+            hardware=_memory_only(mem),
+            mode="event",
+        )
+        assert res.call_s == pytest.approx(num_bytes / mem, rel=1e-6), pass_
+        assert res.merge_s == pytest.approx(num_bytes / mem, rel=1e-6), pass_

@@ -283,3 +283,35 @@ def test_explain_rejects_a_hybrid_its_strategies_leave_out() -> None:
     everything = explain(hybrid=spec, **kw)
     assert Strategy.HYBRID in {p.strategy for p in everything.predictions}
     assert explain(strategies=[*PAIR, "hybrid"], hybrid=spec, **kw).pick is Strategy.RING
+
+
+def test_no_candidate_is_free_where_memory_traffic_costs() -> None:
+    """P = 1, kernels and links free, memory at M = 1 GB/s, gloo's routing (the collectives
+    are candidates): every strategy runs the same one block, and its runtime still moves
+    memory: every backward computes delta = rowsum(dout * out) (s B Hq (2 D e + a) bytes),
+    every forward merges or joins its output, at least writing out once (s B Hq D e bytes).
+    All-gather K/V merges and adds exactly as Ring
+    does (one block into its own rows), so the two tie. The collectives used to be priced at
+    zero here and won the pick for work the model did not count."""
+    s, hq, d, e, a, mem = 64, 8, 16, 2, 4, 1e9
+    hardware = Hardware(
+        name="memory-only",
+        interconnect=Interconnect(topology=Topology.MESH, link_bandwidth_bytes_per_s=1e21),
+        forward_flops_per_s=1e21,
+        backward_flops_per_s=1e21,
+        memory_bandwidth_bytes_per_s=mem,
+        collectives=CollectiveRouting.GLOO,
+    )
+    plan = explain(
+        world_size=1, seq_local=s, heads_q=hq, heads_kv=hq, head_dim=d, dtype="float16",
+        causal=True, layout="zigzag", hardware=hardware, training=True,
+    )  # fmt: skip
+    predictions = {p.strategy: p for p in plan.predictions}
+    assert {Strategy.ULYSSES, Strategy.ALLGATHER_KV} <= set(predictions)
+    delta_s, out_s = s * hq * (2 * d * e + a) / mem, s * hq * d * e / mem
+    for strategy, prediction in predictions.items():
+        assert prediction.forward_s >= out_s * (1 - 1e-9), strategy
+        assert prediction.backward_s >= delta_s * (1 - 1e-9), strategy
+    gathered, ring = predictions[Strategy.ALLGATHER_KV], predictions[Strategy.RING]
+    assert gathered.forward_s == pytest.approx(ring.forward_s, rel=1e-9)
+    assert gathered.backward_s == pytest.approx(ring.backward_s, rel=1e-9)

@@ -16,10 +16,33 @@ runs (``program_of``, Note [Rank program] in tokenring.runtime.program; ``cached
 A COMPUTE is its pieces' FLOPs over F (a Ulysses rank's over its head share; then the merge or
 dQ add of its own rows), a POST posts its transfers at this end, ARRIVE / SENT / SENT_ALL wait
 for theirs, PASS / RETURNS / HOME wait for each and add its merge or accumulation.
-Memory-bound work (DELTA, merges, adds: bytes over memory bandwidth, ``costmodel.merge_bytes``)
-is priced on the steps of a ring program only; the collectives' gathers and the hybrid's
-all-to-alls are waits. A transfer starts once both ends have posted it (a P2P send cannot
-progress before its receive is posted) and arrives ``latency`` after its last byte left.
+Memory-bound work (DELTA, merges, adds, copies: bytes over memory bandwidth,
+``costmodel.merge_bytes``) is priced where the runtime does it: on the steps of a ring program,
+on all-gather K/V's one step as on a ring's (each block merged into, or its dQ added to, the
+rank's own rows at once; the dK/dV partials added at RETURNS), and on a Ulysses rank's joins
+(Note [Ulysses memory work]); the hybrid's all-to-alls are waits. A transfer starts once both
+ends have posted it (a P2P send cannot progress before its receive is posted) and arrives
+``latency`` after its last byte left.
+
+Note [Ulysses memory work]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A Ulysses rank (``_Ulysses`` in tokenring.runtime.collective) merges no partials: it copies.
+With nq, nkv its heads, S = P s gathered rows and x2 for read + write, r = 2 where causal rows
+are reordered (a layout other than contiguous, P > 1), else 1::
+
+    op        forward                            backward
+    DELTA     -                                  delta = rowsum(dout * out)
+    ARRIVE    r x2 S (nq D e + 2 nkv D e):       r x2 S (nq (2 D e + 2 a) + 2 nkv D e):
+              q, k, v joined (torch.cat) and     q, dout, lse, delta, k, v likewise
+              put in global order
+    COMPUTE   the kernel; (r - 1) x2 S nq        the kernel; dk, dv cast to a (S nkv D (e + a)
+              (D e + a): out, lse back to        each, where e != a); (r - 1) x2 S (nq D e +
+              layout order                       2 nkv D a) back to layout order
+    RETURNS   x2 s Hq (D e + a): every rank's    x2 s Hq D e: dq joined; each rank's dK/dV
+              out and lse joined                 share added (as a ring's returned dK/dV)
+
+(x B rows each.) Not priced: the GQA head map of a share that does not line up with the
+groups (``expand_kv``), as the ring's zero-fills and final casts are not.
 
 Note [Sharing bandwidth]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -296,10 +319,17 @@ class _EventEngine:
         return max([("none", 0, 0.0), *candidates], key=lambda c: c[2])  # the first of equals
 
     def _program(
-        self, ops: Sequence[Op], r: int, dims: AttentionShape, ring_steps: range, compute: _Compute
+        self,
+        ops: Sequence[Op],
+        r: int,
+        dims: AttentionShape,
+        ring_steps: range,
+        compute: _Compute,
+        joins: _Compute | None = None,
     ) -> list[_Action]:
         """Rank ``r``'s actions for ``ops`` (Note [Replaying the rank program]): ``compute``
-        prices a COMPUTE or DELTA; partials are merged or added on ``ring_steps`` only."""
+        prices a COMPUTE or DELTA; partials are merged or added on ``ring_steps`` only;
+        ``joins`` prices what an op does with what it waited for (Note [Ulysses memory work])."""
         prog: list[_Action] = []
         for op in ops:
             kind = op.kind
@@ -315,6 +345,7 @@ class _EventEngine:
                     prog.append((_WAIT, self.fid[tr]))
                     if kind in (OpKind.PASS, OpKind.RETURNS, OpKind.HOME) and tr.step in ring_steps:
                         prog.append(self._added(tr, dims))
+                prog += joins(op) if joins is not None else []
         return prog
 
     def _actions(self, sched: Schedule, r: int) -> list[_Action]:
@@ -326,13 +357,13 @@ class _EventEngine:
             self.dims, heads_q=self.dims.heads_q // inner, heads_kv=self.dims.heads_kv // inner
         )
         forward = sched.pass_ is Pass.FORWARD
-        n = sched.num_steps  # merges and adds are priced on the steps of a ring program
-        hybrid = sched.strategy is Strategy.HYBRID
-        ring_steps = range(1, n - 1) if hybrid else range(0 if sched.strategy.is_collective else n)
-        share = 1.0  # a Ulysses rank's pieces cover only its query heads
         if sched.strategy is Strategy.ULYSSES:
-            heads = dict(heads_q=dims.heads_q, heads_kv=dims.heads_kv)
-            share = ulysses_heads(world_size=sched.world_size, **heads)[r].num_q / dims.heads_q
+            return self._ulysses(sched, r)
+        # merges and adds are priced on the steps of a ring program, and on all-gather K/V's
+        # one step, whose runtime merges and adds like a ring's (Note [Replaying the rank
+        # program]); the hybrid's all-to-alls are waits
+        n = sched.num_steps
+        ring_steps = range(1, n - 1) if sched.strategy is Strategy.HYBRID else range(n)
 
         def compute(op: Op) -> list[_Action]:
             t = op.step
@@ -341,7 +372,7 @@ class _EventEngine:
                 return [(_MERGE, delta, t, "delta")] if t in ring_steps else []
             plan = sched.steps[r][t]
             segment = plan.segments[op.index]
-            flops = share * sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+            flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
             label = "attn" if forward else "attn_bwd"
             actions = [(_COMPUTE, flops / self.flops_per_s, t, label)]
             if plan.q_owner == r and t in ring_steps:  # own rows merged (dQ added) at once
@@ -352,6 +383,49 @@ class _EventEngine:
 
         program = program_of(sched, r, host_computes=self.hw.host_computes)
         return self._program(program, r, dims, ring_steps, compute)
+
+    def _ulysses(self, sched: Schedule, r: int) -> list[_Action]:
+        """The actions of Ulysses rank ``r``'s ``program_of``: its kernel over its head share,
+        and the copies and adds of Note [Ulysses memory work]."""
+        dims, mem, p, s = self.dims, self.mem, sched.world_size, sched.seq_local
+        b, d, e, a = dims.batch, dims.head_dim, dims.elem_bytes, dims.acc_bytes
+        shares = ulysses_heads(world_size=p, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
+        nq, nkv, rows = shares[r].num_q, shares[r].num_kv, p * s * b  # gathered rows (x B)
+        forward = sched.pass_ is Pass.FORWARD
+        reordered = sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1
+        q_side = nq * d * e if forward else nq * (2 * d * e + 2 * a)  # q; or q, dout, lse, delta
+        gathered = rows * (q_side + 2 * nkv * d * e)  # (B, S, nq or nkv, D) fields, (B, nq, S)
+        if forward:
+            results = rows * nq * (d * e + a)  # out, lse
+            cast = 0
+        else:  # dq; dk, dv after the cast to the accumulation dtype
+            results = rows * (nq * d * e + 2 * nkv * d * a)
+            cast = 2 * rows * nkv * d * (e + a) if e != a else 0
+
+        def compute(op: Op) -> list[_Action]:
+            if op.kind is OpKind.DELTA:
+                return [(_MERGE, _delta_bytes(s, dims) / mem, 0, "delta")]
+            segment = sched.steps[r][0].segments[op.index]
+            flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+            seconds = flops * (nq / dims.heads_q) / self.flops_per_s  # pieces cover its heads
+            actions = [(_COMPUTE, seconds, 0, "attn" if forward else "attn_bwd")]
+            actions += [(_MERGE, cast / mem, 0, "cast")] if cast else []
+            actions += [(_MERGE, 2 * results / mem, 0, "reorder")] if reordered else []
+            return actions
+
+        def joins(op: Op) -> list[_Action]:
+            if op.kind is OpKind.ARRIVE and nq > 0:  # joined, then in global order
+                return [(_MERGE, 2 * gathered * (2 if reordered else 1) / mem, 0, "join")]
+            if op.kind is not OpKind.RETURNS:
+                return []
+            if forward:  # out and lse of every head joined
+                return [(_MERGE, 2 * s * b * dims.heads_q * (d * e + a) / mem, 0, "join")]
+            dkv = sum(_add_bytes(s, sh.num_kv, dims, pairs=2) for sh in shares if sh.num_q)
+            dq = 2 * s * b * dims.heads_q * d * e
+            return [(_MERGE, dq / mem, 0, "join"), (_MERGE, dkv / mem, 0, "dkv_add")]
+
+        program = program_of(sched, r, host_computes=self.hw.host_computes)
+        return self._program(program, r, dims, range(0), compute, joins)
 
     def _added(self, tr: Transfer, dims: AttentionShape) -> _Action:
         """The merge or accumulation of a partial (out, dQ or dK/dV) once it has arrived."""

@@ -93,6 +93,11 @@ slot); ``index`` is the segments computed before it, its send's ``after_segments
 so the forward has two rounds in flight and the backward one; a round without segments
 (causal) still waits for its K/V. The SENTs free each round's copies a round later.
 
+The event engine prices all-gather K/V's merges and adds as a ring step's (each COMPUTE
+merges into, or adds dQ to, the rank's own rows; RETURNS adds the dK/dV that came home) and
+Ulysses' copies where they happen: ARRIVE joins what came, RETURNS joins (backward: adds)
+what came back (Note [Ulysses memory work] in tokenring.model.simulate).
+
 Note [Hybrid rank program]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 The hybrid (Note [Hybrid schedule] in tokenring.strategies.hybrid) waits for all of an inner
