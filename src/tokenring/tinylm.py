@@ -10,6 +10,7 @@ L layers, B sequences.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from tokenring.inference import cached_attn, check_hardware_use, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
+from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CachedStrategy
 
 __all__ = ["Generation", "TinyCausalLM", "TinyLMConfig", "generate", "generate_reference"]
@@ -242,43 +244,58 @@ def generate(
         KVCacheBudgetError: a rank would exceed ``budget_bytes``.
     """
 
-    c = model.config
     comm = get_communicator(group)
-    device = model.embed.device
-
-    def validate() -> tuple[DistributedKVCache, dict[str, Any]]:  # Note [Rank agreement] in api
-        _check_prompts(prompts, c.vocab_size, max_new_tokens)
-        if strategy != "auto":
-            CachedStrategy.parse(strategy)
-            check_hardware_use(strategy, hardware)
-        cache = DistributedKVCache(
-            num_layers=c.num_layers,
-            batch=len(prompts),
-            heads_kv=c.heads_kv,
-            head_dim=c.head_dim,
-            dtype=model.embed.dtype,
-            device=device,
-            block_size=block_size,
-            budget_bytes=budget_bytes,
-            group=comm,
-        )
-        tokens = [[int(t) for t in p] for p in prompts]
-        return cache, {
-            "prompts": [len(tokens), zlib.crc32(repr(tokens).encode())],
-            "max_new_tokens": max_new_tokens,
-            "strategy": str(getattr(strategy, "value", strategy)),
-            "hardware": None if hardware is None else repr(hardware),
-            "config": repr(c),
-            "weights": _weights_digest(model),
-        }
-
+    validate = functools.partial(
+        _checked_call, model, prompts, max_new_tokens, comm, block_size=block_size,
+        budget_bytes=budget_bytes, strategy=strategy, hardware=hardware,
+    )  # fmt: skip
     cache = comm.agreed(validate, what="generate call")
     if strategy == "auto" and hardware is None:  # once per call (Note [Calibration is passed in])
-        hardware = calibrate(comm, dtype=model.embed.dtype, device=device)
+        hardware = calibrate(comm, dtype=model.embed.dtype, device=model.embed.device)
     seqs = [list(p) for p in prompts]
     used = [_decode_step(model, cache, seqs, strategy, hardware) for _ in range(max_new_tokens)]
     tokens = [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
     return Generation(tokens=tokens, cache=cache, strategies=used)
+
+
+def _checked_call(
+    model: TinyCausalLM,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    comm: Communicator,
+    *,
+    block_size: int,
+    budget_bytes: int | None,
+    strategy: CachedStrategy | str,
+    hardware: Hardware | str | None,
+) -> tuple[DistributedKVCache, dict[str, Any]]:
+    """:func:`generate`'s checks on this rank, its cache and the signature the ranks compare
+    (Note [Rank agreement] in tokenring.api)."""
+    c = model.config
+    _check_prompts(prompts, c.vocab_size, max_new_tokens)
+    if strategy != "auto":
+        CachedStrategy.parse(strategy)
+        check_hardware_use(strategy, hardware)
+    cache = DistributedKVCache(
+        num_layers=c.num_layers,
+        batch=len(prompts),
+        heads_kv=c.heads_kv,
+        head_dim=c.head_dim,
+        dtype=model.embed.dtype,
+        device=model.embed.device,
+        block_size=block_size,
+        budget_bytes=budget_bytes,
+        group=comm,
+    )
+    tokens = [[int(t) for t in p] for p in prompts]
+    return cache, {
+        "prompts": [len(tokens), zlib.crc32(repr(tokens).encode())],
+        "max_new_tokens": max_new_tokens,
+        "strategy": str(getattr(strategy, "value", strategy)),
+        "hardware": None if hardware is None else repr(hardware),
+        "config": repr(c),
+        "weights": _weights_digest(model),
+    }
 
 
 def _decode_step(
