@@ -340,29 +340,13 @@ class FluxSequenceParallelProcessor:
             )
         _refuse_inputs(attention_mask, ip_hidden_states, ip_adapter_masks)
         text = TextPlacement.parse(self.text)
-        query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
-        if encoder_hidden_states is not None:
-            if attn.added_kv_proj_dim is None:
-                raise NotImplementedError(
-                    "encoder_hidden_states given to an attention without added K/V "
-                    "projections (added_kv_proj_dim=None): not a Flux joint block"
-                )
-            num_text = encoder_hidden_states.shape[1]
-            if text_seq_len is not None and text is TextPlacement.REPLICATED:
-                _check_text_len(text_seq_len, num_text)
-            elif text_seq_len is not None:  # sharded: the ranks' text rows must add up to T
-                _check_sharded_text_len(text_seq_len, num_text, self.group)
-            eq, ek, ev = _projections(attn, encoder_hidden_states, added=True)  # (B, t, H, D)
-            query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
-            key = torch.cat([ek, key], dim=1)
-            value = torch.cat([ev, value], dim=1)
-        elif text is TextPlacement.SHARDED:
-            num_text = 0  # the local joint sequence is one block of the ring
-        else:  # text rows at the start of a single-stream block's local rows
-            num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
+        query, key, value, num_text = _joint_qkv(
+            attn, hidden_states, encoder_hidden_states, text, text_seq_len, self.group
+        )
         if image_rotary_emb is not None:  # (cos, sin), each (t + s, D), from the local ids
             rotary: Any = image_rotary_emb  # diffusers annotates it as a 1-tuple
-            query, key = (apply_rotary_emb(x, rotary, sequence_dim=1) for x in (query, key))
+            rotate: Any = apply_rotary_emb  # (its return type admits a tuple: not for these)
+            query, key = (rotate(x, rotary, sequence_dim=1) for x in (query, key))
         options: dict[str, Any] = dict(
             group=self.group, strategy=self.strategy, hardware=self.hardware
         )
@@ -373,6 +357,39 @@ class FluxSequenceParallelProcessor:
         text_out, image_out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)
         image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
         return image_out, attn.to_add_out(text_out.contiguous())
+
+
+def _joint_qkv(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    text: TextPlacement,
+    text_seq_len: int | None,
+    group: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The layer's query, key and value ``(B, t + s, H, D)``, text rows first, and the number
+    of text rows ``t`` among this rank's (checked against ``text_seq_len``)."""
+    query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
+    if encoder_hidden_states is not None:
+        if attn.added_kv_proj_dim is None:
+            raise NotImplementedError(
+                "encoder_hidden_states given to an attention without added K/V "
+                "projections (added_kv_proj_dim=None): not a Flux joint block"
+            )
+        num_text = encoder_hidden_states.shape[1]
+        if text_seq_len is not None and text is TextPlacement.REPLICATED:
+            _check_text_len(text_seq_len, num_text)
+        elif text_seq_len is not None:  # sharded: the ranks' text rows must add up to T
+            _check_sharded_text_len(text_seq_len, num_text, group)
+        eq, ek, ev = _projections(attn, encoder_hidden_states, added=True)  # (B, t, H, D)
+        query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
+        key = torch.cat([ek, key], dim=1)
+        value = torch.cat([ev, value], dim=1)
+    elif text is TextPlacement.SHARDED:
+        num_text = 0  # the local joint sequence is one block of the ring
+    else:  # text rows at the start of a single-stream block's local rows
+        num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
+    return query, key, value, num_text
 
 
 def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
