@@ -608,18 +608,13 @@ def test_vectorised_engine_agrees_with_the_event_engine(topology: Topology) -> N
         assert vec.timeline is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: the vectorised engine's windows start every flow together, so it "
-    "prices TokenRing's Q, which has a head start of one compute on the return that shares "
-    "its port, up to ~25% slower than the event engine on a preset (Note [Vectorised engine])",
-)
 def test_vectorised_engine_agrees_with_the_event_engine_on_h100_nvswitch() -> None:
     """The planner switches engine at P = 65 (EVENT_MAX_WORLD_SIZE), so the engines must
     price the same pass alike: on h100-nvswitch (one port per GPU, as fast as its link),
     TokenRing forward and backward, contiguous and zigzag, comm- and compute-bound, the
-    vectorised call within 3% of the event engine's, the oracle (P = 8, s = 512 contiguous
-    forward: 1.17x today; the issue's P = 64, s = 256: 1.12x)."""
+    vectorised call within 3% of the event engine's, the oracle. (Its windows started every
+    flow together, pricing TokenRing's Q, which has a head start of one compute on the
+    return that shares its port, 1.17x slower at P = 8, s = 512 contiguous forward.)"""
     hw = preset("h100-nvswitch")
     shape = AttentionShape(batch=1, heads_q=32, heads_kv=8, head_dim=128, dtype="bfloat16")
     for strategy, pass_, (layout, causal), seq_local in itertools.product(

@@ -71,31 +71,40 @@ For P > 64 the event engine's O(P^2) transfers get slow. The vectorised engine r
 same program with every rank at once: the ring schedule as columns (``ring_plan``;
 Note [Ring columns] in tokenring.strategies.ring), each step's ops in ``ring_step_order``, each
 op one tensor operation over ranks (:class:`_Replay`). Flows are grouped in *windows* instead of
-sharing bandwidth event by event: window t holds what flies during step t (travel of t,
-returns and accumulators posted in step t-1; on the last step its returns but each rank's
-last, which with Ring's last accumulators form the exposed tail). Window loads do not depend
-on timing, so a chunk's windows are priced at once::
+sharing bandwidth event by event: window t holds what flies during step t, its travel from the
+step's start (after the forward's first segment where the host computes) and each of its
+returns from its post (after its segment: ``_window_flows``), the accumulators of step t-1 from
+the start; on the last step each rank's last return and Ring's last accumulators form the
+exposed tail. A window's flows share each port, NIC and pair link with equal shares from their
+posts (``_shared_finish``: the event engine's rule, Note [Sharing bandwidth], on one resource
+at a time; the latest finish over a flow's resources). The window ends at a rank with its
+travel and accumulators or its compute and merges, the ring waiting for its slowest rank
+(``_price_windows``); the flows of a window that outlast it (returns posted late) then share
+the next window's resources from that end. Posts and loads do not depend on the replay's
+timing, so a chunk's windows are priced at once, and the many alike rows (rank, window) once.
 
-    duration = latency + max over its resources of min(load, flows_on_it * bytes) / bandwidth
+On a physical ring (Topology.RING) a flow crosses up to P/2 hops that it shares with other
+ranks' flows, which per-resource staggering does not capture: there window t holds the travel
+of t and the returns and accumulators of step t-1, all starting together::
+
+    duration = latency + max over its hops of min(load, flows_on_it * bytes) / bandwidth
 
 (the equal-share finish time if the window's flows started together: exact for the largest
-and smallest flow on a resource). Ring hops are loaded with range sums and read with range
-maxima (a sparse table): O(log P) per flow. Flows outlasting their window are caught by a
-drain bound: a resource with work L_w in window w is busy until at least
-max_w (start_w + sum_{v >= w} L_v).
+and smallest flow on a hop). Hops are loaded with range sums and read with range maxima (a
+sparse table): O(log P) per flow. (Staggering them too priced TokenRing's forward on the
+tests' 8-rank ring 0.70x the event engine's, against 0.79x so.) On every topology flows
+outlasting their window are caught by a drain bound: a resource with work L_w in window w is
+busy until at least max_w (start_w + sum_{v >= w} L_v).
 
-How well it agrees with the event engine (the oracle; tests/test_costmodel.py): Ring's
-forward to rounding, its backward within ~4%; TokenRing to rounding where compute-bound,
-but not where communication-bound. There a window's flows did not start together: TokenRing
-posts step t's Q at the step's start and the partial of that step's block after its compute,
-so on a shared port (SWITCH, port = link: the NVSwitch presets) the Q has a head start of one
-compute, and a partial posted at a step's end shares the next window instead. Starting them
-together prices the Q up to ~30% slower on h100-nvswitch (P = 64, s = 512 contiguous
-forward: 1.32x; bf16, D = 128, s = 128..4096), and up to 10-13% faster on a10-pcie's
-backward and h100-ib-islands' zigzag forward. On a physical ring whose partials share many
-hops it is up to ~21% faster (the tests' 8 ranks). The planner switches engines at P = 65,
-so its picks there carry this; an xfail test pins it
-(test_vectorised_engine_agrees_with_the_event_engine_on_h100_nvswitch).
+How well it agrees with the event engine (the oracle; tests/test_costmodel.py and, over the
+presets, P = 8..64, s = 128..4096, bf16, D = 128, MHA and GQA): Ring's forward to rounding,
+its backward within ~4%; TokenRing to rounding where compute-bound and where
+communication-bound 0.90-1.03x on h100-nvswitch, 0.95-1.07x on a10-pcie and 0.85-1.16x on
+h100-ib-islands. Starting every flow of a window together, as it did, was 0.98-1.32x,
+0.90-1.01x and 0.88-1.17x: it priced TokenRing's Q, which has a head start of one compute on
+the partial that shares its port, up to 1.32x slower on h100-nvswitch (P = 64, s = 512
+contiguous forward), which flipped the planner's pick to Ring between P = 64 and 65. On a
+physical ring whose partials share many hops it is up to ~21% faster (the tests' 8 ranks).
 
 Memory is linear in P: steps are walked in chunks of ``_CHUNK_CELLS // P`` columns (and the
 step after, whose window the chunk prices), the drain bound is a running max, and per-pair
@@ -636,75 +645,116 @@ class _Network:
         return (src // self.dpn) != (dst // self.dpn)
 
     def _pair_cap(self, src: Tensor, dst: Tensor) -> Tensor:
+        """Each pair's link (one number, 0-d, where there are no islands)."""
+        if self.dpn is None:
+            return torch.tensor(self.link, dtype=torch.float64)
         cap = torch.full(src.shape, self.link, dtype=torch.float64)
         return torch.where(self._across(src, dst), self.inter_link, cap)
 
-    def price(self, x: Tensor, dst: Tensor, *, count: bool = True) -> tuple[Tensor, Tensor]:
-        """Per flow ``(W, P, G)``: latency + its equal-share finish time in its window; per
-        window ``(W, 7, P)``: the seconds of work of each resource family (for :meth:`drain`).
-        ``x``: bytes (0: no flow) sent by rank r to ``dst``; ``count``: add them to the pass
-        totals (False for the exposed transfers)."""
+    def price(
+        self,
+        x: Tensor,
+        dst: Tensor,
+        *,
+        start: Tensor,
+        count: bool = True,
+        own: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Per flow ``(W, P, G)``: latency + the time from its start to its last byte, the
+        flows of its window sharing each resource equally from their starts (the latest
+        finish over its resources); per window ``(W, 7, P)``: the seconds of work of each
+        resource family (for :meth:`drain`). ``x``: bytes (0: no flow) sent by rank r to
+        ``dst``, ``start``: when, in seconds from the window's start; ``count``: add them to
+        the pass totals (False for the exposed transfers); ``own``: the window's own flows
+        (None: all), the others only share its resources. A ring's hops are priced as if
+        their flows started together (Note [Vectorised engine]: there every start is 0)."""
         w_count, p, _ = x.shape
         src = torch.arange(p).view(1, p, 1).expand_as(dst)
         win = torch.arange(w_count).view(w_count, 1, 1).expand_as(dst)
         active = x > 0
         xa = torch.where(active, x, 0.0)
+        xo = xa if own is None else torch.where(own, xa, 0.0)
         inter = self._across(src, dst)
         lat = torch.where(inter, self.inter_lat, torch.full(x.shape, self.lat, dtype=torch.float64))
         # families: link to r-1, port out, port in, NIC out, NIC in, ring hop up, hop down
         work = torch.zeros(w_count, 7, p, dtype=torch.float64)
-        worst = self._price_pairs(src, dst, xa, work, count)
-        worst = torch.maximum(worst, self._price_ports(win, dst, xa, inter, work, count))
+        pairs = self._price_pairs(win, src, dst, xa, xo, start, work, count)
+        finish = torch.maximum(start, pairs)
+        ports = self._price_ports(win, src, dst, xa, xo, start, inter, work, count)
+        finish = torch.maximum(finish, ports)
         hops = torch.ones(x.shape, dtype=torch.long)
         if self.ring:  # no islands on a ring (Hardware): every flow is intra
-            on_hops, hops = self._price_hops(win, src, dst, xa, work, count)
-            worst = torch.maximum(worst, on_hops)
-        return torch.where(active, worst + lat * hops, 0.0), work
+            hop_s, hops = self._price_hops(win, src, dst, xo, work, count)
+            finish = torch.maximum(finish, start + hop_s)
+        return torch.where(active, finish - start + lat * hops, 0.0), work
 
     def _price_pairs(
-        self, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
+        self,
+        win: Tensor,
+        src: Tensor,
+        dst: Tensor,
+        xa: Tensor,
+        xo: Tensor,
+        start: Tensor,
+        work: Tensor,
+        count: bool,
     ) -> Tensor:
-        """Per flow its seconds on its pair's link or path; fills family 0 of ``work``."""
+        """Per flow when its last byte leaves its pair's link or path (``xa``: every flow,
+        ``xo``: the window's own, which fill family 0 of ``work``)."""
         if self.ring:
             return torch.zeros(xa.shape, dtype=torch.float64)
-        active = xa > 0
-        n = active.to(torch.float64)
+        mine = xo > 0
         pair_cap = self._pair_cap(src, dst)
-        pair_load = torch.zeros(xa.shape, dtype=torch.float64)
-        pair_n = torch.zeros(xa.shape, dtype=torch.float64)
-        for g in range(xa.shape[2]):  # G is a handful of slots
-            same = dst == dst[:, :, g : g + 1]
-            pair_load += torch.where(same, xa[:, :, g : g + 1], 0.0)
-            pair_n += torch.where(same, n[:, :, g : g + 1], 0.0)
         down = dst == (src - 1) % self.p
-        work[:, 0] = torch.where(down, xa / pair_cap, 0.0).sum(-1)
+        work[:, 0] = torch.where(down, xo / pair_cap, 0.0).sum(-1)
         if count:
-            self.down_totals.index_add_(0, src[down], xa[down])
-            self._count_other_pairs(src[~down & active], dst[~down & active], xa[~down & active])
-        return torch.minimum(pair_load, pair_n * xa) / pair_cap
+            self.down_totals.index_add_(0, src[down], xo[down])
+            self._count_other_pairs(src[~down & mine], dst[~down & mine], xo[~down & mine])
+        g = xa.shape[-1]  # a pair's flows are in one row (same sender): its link is shared
+        begin, size, cap, label = (_rows(v, g) for v in (start, xa, pair_cap, (dst - src) % self.p))
+        finish = _shared_finish(begin, size, cap, torch.tensor(math.inf), label)
+        return finish.view(xa.shape)
 
     def _price_ports(
-        self, win: Tensor, dst: Tensor, xa: Tensor, inter: Tensor, work: Tensor, count: bool
+        self,
+        win: Tensor,
+        src: Tensor,
+        dst: Tensor,
+        xa: Tensor,
+        xo: Tensor,
+        start: Tensor,
+        inter: Tensor,
+        work: Tensor,
+        count: bool,
     ) -> Tensor:
-        """Per flow its seconds on its ports (intra) or NICs (inter); fills families 1 to 4."""
-        w_count, p, _ = xa.shape
-        n = (xa > 0).to(torch.float64)
-        worst = torch.zeros(xa.shape, dtype=torch.float64)
+        """Per flow when its last byte leaves its ports (intra) or NICs (inter), each flow
+        no faster than its link (``xa``: every flow, ``xo``: the window's own, which fill
+        families 1 to 4 of ``work``)."""
+        w_count, p, g = xa.shape
+        finish = torch.zeros(xa.shape, dtype=torch.float64)
+        flow_cap = self._pair_cap(src, dst)
+        by_dst = _grouped(win * p + dst, xa > 0)  # the flows into each port, as rows
+        index = by_dst[0]
+        into = [_table(v, by_dst) if v.dim() else v for v in (start, flow_cap)]
         for across, cap, totals, family, _ in self.ports:
             mask = inter if across else ~inter
-            xm, nm = xa * mask, n * mask
-            out_load, out_n = xm.sum(-1), nm.sum(-1)  # (W, P) by src
-            zeros = torch.zeros(w_count, p, dtype=torch.float64)
-            in_load = zeros.index_put((win, dst), xm, accumulate=True)
-            in_n = zeros.index_put((win, dst), nm, accumulate=True)
-            out_share = torch.minimum(out_load.unsqueeze(-1), out_n.unsqueeze(-1) * xa) / cap
-            in_share = torch.minimum(in_load[win, dst], in_n[win, dst] * xa) / cap
-            worst = torch.maximum(worst, torch.where(mask, torch.maximum(out_share, in_share), 0.0))
+            xm = xa * mask
+            rows = [_rows(v, g) for v in (start, xm, flow_cap)]
+            out_finish = _shared_finish(rows[0], rows[1], torch.tensor(cap), rows[2])
+            in_finish = _shared_finish(into[0], _table(xm, by_dst), torch.tensor(cap), into[1])
+            finish = torch.maximum(finish, out_finish.view(xa.shape))
+            flat = finish.view(-1)
+            flat[index] = torch.maximum(flat[index], in_finish[by_dst[1], by_dst[2]])
+            xm = xo * mask
+            out_load = xm.sum(-1)  # (W, P) by src
+            in_load = torch.zeros(w_count, p, dtype=torch.float64).index_put(
+                (win, dst), xm, accumulate=True
+            )
             work[:, family], work[:, family + 1] = out_load / cap, in_load / cap
             if count:
                 totals[0] += out_load.sum(0)
                 totals[1] += in_load.sum(0)
-        return worst
+        return finish
 
     def _price_hops(
         self, win: Tensor, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
@@ -812,6 +862,104 @@ def _range_max(values: Tensor, window: Tensor, start: Tensor, length: Tensor) ->
     return out
 
 
+def _shared_finish(
+    begin: Tensor, size: Tensor, cap: Tensor, flow_cap: Tensor, group: Tensor | None = None
+) -> Tensor:
+    """:func:`_played_finish` of the distinct rows only (``group`` ``(N, G)``: the flows of a
+    row with equal labels share the resource, None: all): a ring's ranks and windows repeat
+    a handful of rows (found by a hash of each row, checked exactly), and playing every row
+    took P = 1024's ``tokenring simulate`` from 2.5 to 12 CPU seconds."""
+    active = size > 0
+    if not bool(active.any()):
+        return begin.clone()
+    n, g = size.shape
+    parts = [torch.where(active, begin, 0.0), size]
+    parts += [v.expand(n, g).double() for v in (cap, flow_cap, group) if v is not None and v.dim()]
+    weights = torch.rand(
+        len(parts), g, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    key = sum(part @ w for part, w in zip(parts, weights, strict=True))
+    _, inverse = torch.unique(key, return_inverse=True)  # equal rows, equal keys
+    first = torch.full((int(inverse.max()) + 1,), n, dtype=torch.int64)
+    first = first.scatter_reduce(0, inverse, torch.arange(n), "amin")
+    if not all(torch.equal(part[first][inverse], part) for part in parts):
+        first, inverse = torch.arange(n), torch.arange(n)  # two rows' keys collided: play all
+    b, x, c, f = (v if v.dim() == 0 else v[first] for v in (parts[0], size, cap, flow_cap))
+    same = None if group is None else group[first].unsqueeze(-1) == group[first].unsqueeze(-2)
+    finish = _played_finish(b, x, c, f, same)[inverse]
+    return torch.where(active, finish, begin)
+
+
+def _played_finish(
+    begin: Tensor, size: Tensor, cap: Tensor, flow_cap: Tensor, same: Tensor | None = None
+) -> Tensor:
+    """When each flow's last byte leaves a resource it shares with other flows of its row
+    (``(N, G)``; ``same`` ``(N, G, G)``: which of them share it, None: all): from ``begin``
+    it moves at min(``flow_cap``, ``cap`` / flows moving), as the event engine shares
+    bandwidth (Note [Sharing bandwidth]) on this resource alone. A flow of ``size`` 0 is none
+    (its finish is its begin). Rows are played at once, one round per start or end: 2G."""
+    done = size <= 0
+    left, finish = size.clone(), begin.clone()
+    if not size.numel():
+        return finish
+    now = torch.where(done, math.inf, begin).amin(-1, keepdim=True)
+    for _ in range(4 * size.shape[-1] + 2):  # 2G events; ties that rounding splits take more
+        moving = (begin <= now) & ~done
+        waiting = (begin > now) & ~done
+        if not bool(waiting.any() or moving.any()):
+            break
+        shares = moving.unsqueeze(-2) if same is None else same & moving.unsqueeze(-2)
+        n = shares.sum(-1)
+        rate = torch.where(moving, torch.minimum(flow_cap, cap / n.clamp(min=1)), 0.0)
+        to_end = torch.where(moving, left / rate, math.inf).amin(-1, keepdim=True)
+        next_start = torch.where(waiting, begin, math.inf).amin(-1, keepdim=True)
+        starts = next_start - now <= to_end
+        dt = torch.where(starts, next_start - now, to_end)
+        left = left - rate * torch.where(torch.isinf(dt), 0.0, dt)
+        now = torch.where(starts, next_start, now + dt)  # exactly the next start
+        ended = moving & (left <= 1e-12 * size)
+        finish = torch.where(ended, now, finish)
+        done = done | ended
+    assert bool(done.all()), "shared-bandwidth rounds did not end every flow"
+    return finish
+
+
+def _grouped(key: Tensor, active: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """The ``active`` flows (flat indices) of ``(..., G)`` grouped by ``key`` as rows of a
+    table: (index, row, column, rows, columns). Where no two flows of a slot share a key
+    (a ring's flows of a slot go to distinct ranks), row = key and column = slot: no sort,
+    and alike rows for ``_shared_finish`` to merge."""
+    index = active.flatten().nonzero().squeeze(1)
+    g, flat = key.shape[-1], key.flatten()
+    slot = index % g
+    spots = torch.zeros(int(flat.max()) + 1 if flat.numel() else 0, g, dtype=torch.int64)
+    spots.index_put_((flat[index], slot), torch.ones_like(index), accumulate=True)
+    if not bool((spots > 1).any()):
+        return index, flat[index], slot, spots.shape[0], g
+    sorted_key, order = torch.sort(key.flatten()[index], stable=True)
+    index = index[order]
+    new = torch.ones(index.numel(), dtype=torch.bool)
+    new[1:] = sorted_key[1:] != sorted_key[:-1]
+    row = torch.cumsum(new, 0) - 1
+    first = torch.nonzero(new).squeeze(1)
+    column = torch.arange(index.numel()) - first[row]
+    width = int(column.max()) + 1 if index.numel() else 0
+    return index, row, column, first.numel(), width
+
+
+def _rows(values: Tensor, g: int) -> Tensor:
+    """``values`` ``(..., G)`` as rows ``(N, G)``; a 0-d tensor (one value for all) as is."""
+    return values.reshape(-1, g) if values.dim() else values
+
+
+def _table(values: Tensor, groups: tuple[Tensor, Tensor, Tensor, int, int]) -> Tensor:
+    """``values`` of the grouped flows as their rows (0 where a row has fewer)."""
+    index, row, column, rows, width = groups
+    out = torch.zeros(rows, width, dtype=torch.float64)
+    out[row, column] = values.flatten()[index].double()
+    return out
+
+
 _CHUNK_CELLS = 1 << 19  # (rank, step) cells the vectorised engine holds at once
 
 
@@ -864,14 +1012,31 @@ class _Replay:
         """Read a chunk's first ``num_steps`` columns: each segment's kernel and own merge
         (``work`` (P, T, K) seconds), and each step's segments and slots."""
         rows = col.segment_rows[:, :num_steps].double()  # (P, T, K)
-        kernel = col.segment_pairs[:, :num_steps] * self.kernel_per_pair
-        own = (col.q_owner[:, :num_steps] == self.ranks.unsqueeze(1)).unsqueeze(-1)
-        merge = torch.where(own, rows * self.own_merge_per_row, 0.0)
+        kernel, merge = self._segment_work(col, num_steps)
         self.kernel_s += kernel.sum((1, 2))
         self.memory_s += merge.sum((1, 2))
         self.work = kernel + merge
         self.num_segments = (rows > 0).sum(-1).amax(0).tolist()
         self.sends_dkv = (col.dkv_rows[:, :num_steps] > 0).any(0).tolist()
+
+    def _segment_work(self, col: RingColumns, num_steps: int) -> tuple[Tensor, Tensor]:
+        """(P, T, K) seconds of each segment's kernel and own merge (dQ add), T = num_steps."""
+        rows = col.segment_rows[:, :num_steps].double()
+        kernel = col.segment_pairs[:, :num_steps] * self.kernel_per_pair
+        own = (col.q_owner[:, :num_steps] == self.ranks.unsqueeze(1)).unsqueeze(-1)
+        return kernel, torch.where(own, rows * self.own_merge_per_row, 0.0)
+
+    def returned_merges(self, col: RingColumns) -> Tensor:
+        """(P, T) seconds each rank spends merging (adding) the partials returned to it
+        from each column of ``col`` (TokenRing; 0 for Ring)."""
+        cost = (col.return_rows * col.segment_heads).sum(-1).double()
+        cost = cost * self.return_merge_per_row_head * self.plan.strategy.passes_q
+        return torch.zeros_like(cost).scatter_add_(0, col.q_owner, cost)
+
+    def segment_work(self, col: RingColumns) -> Tensor:
+        """(P, T, K) seconds of each segment of every column of ``col``: COMPUTE t k."""
+        kernel, merge = self._segment_work(col, col.q_owner.shape[1])
+        return kernel + merge
 
     def step(self, t: int, col: RingColumns, j: int, dur: dict[str, Tensor]) -> None:
         """Step ``t`` (column ``j``); ``dur``: ``travel`` (P,), ``returns`` (P, K), ``dkv`` (P,)."""
@@ -965,9 +1130,50 @@ def _flow_bytes(
 
 
 def _window_flows(
+    plan: RingPlan,
+    col: RingColumns,
+    flows: tuple[Tensor, Tensor, Tensor],
+    posted: Tensor,
+    windows: range,
+    *,
+    computes_first: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The ``flows`` (``_flow_bytes``) of ``windows`` as ``(W, P, G)`` bytes, receivers and
+    starts (seconds from the window's start), and ``(P, 2)`` the exposed ones of the last
+    step. Slots: 0 the travel of step w, at the start (after segment 0 on step 0 where the
+    forward ``computes_first``: ``ring_step_order``); 1..K the returns of step w, each after
+    its segment (``posted[:, j, k]``: its step's work up to it), but on the last step each
+    rank's last; K+1 the accumulators of step w-1, posted as step w starts."""
+    p, first = plan.world_size, col.steps.start
+    travel, returns, dkv = flows
+    k = returns.shape[2]
+    x = torch.zeros(len(windows), p, k + 2, dtype=torch.float64)
+    start = torch.zeros_like(x)
+    dst = ((torch.arange(p) + plan.direction) % p).view(1, p, 1).repeat(len(windows), 1, k + 2)
+    for i, w in enumerate(windows):
+        j = w - first
+        x[i, :, 0], x[i, :, 1 : k + 1] = travel[:, j], returns[:, j]
+        start[i, :, 1 : k + 1] = posted[:, j]
+        dst[i, :, 1 : k + 1] = col.q_owner[:, j, None]
+        if j >= 1:
+            x[i, :, k + 1], dst[i, :, k + 1] = dkv[:, j - 1], col.dkv_dst[:, j - 1]
+    exposed = torch.zeros(p, 2, dtype=torch.float64)
+    if windows and windows.start == 0 and computes_first:
+        start[0, :, 0] = posted[:, 0, 0]
+    if windows and windows[-1] == p - 1:
+        j = p - 1 - first
+        last = _last_segment(col, j)  # (P, K): each rank's last return is exposed
+        x[-1, :, 1 : k + 1] = torch.where(last, 0.0, returns[:, j])
+        exposed[:, 0] = torch.where(last, returns[:, j], 0.0).sum(-1)
+        exposed[:, 1] = dkv[:, j]
+    return x, dst, start, exposed
+
+
+def _window_flows_together(
     plan: RingPlan, col: RingColumns, flows: tuple[Tensor, Tensor, Tensor], windows: range
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The ``flows`` (``_flow_bytes``) of ``windows`` as ``(W, P, G)`` bytes and receivers, and
+    """On a physical ring (Note [Vectorised engine]): the ``flows`` (``_flow_bytes``) of
+    ``windows`` as ``(W, P, G)`` bytes and receivers, all starting with their window, and
     ``(P, 2)`` the exposed ones of the last step. Slots: 0 the travel of step w, 1..K the
     returns of step w-1, K+1..2K those of the last step but each rank's last (window P-1),
     2K+1 the accumulators of step w-1."""
@@ -1000,16 +1206,55 @@ def _last_segment(col: RingColumns, j: int) -> Tensor:
     return torch.arange(col.segment_rows.shape[2]) == num - 1
 
 
+_Flows = tuple[Tensor, Tensor, Tensor]
+"""``(W, P, G)`` flows: bytes (0: none), receivers, starts in seconds from their window's."""
+
+
+def _price_windows(
+    net: _Network, flows: _Flows, step_work: Tensor, before: _Flows | None
+) -> tuple[Tensor, Tensor, _Flows]:
+    """Durations ``(W, P, G)`` and work ``(W, 7, P)`` of consecutive windows' ``flows``, each
+    window's sharing with those of the window before that are still in flight
+    (``before``: that of the first, None for window 0; the third value is the last's, for
+    the next call). A window ends at each rank with its travel, as priced alone, in and out,
+    or its ``step_work`` ``(W, P)`` (Note [Vectorised engine])."""
+    x, dst, start = flows
+    alone, _ = net.price(x, dst, start=start, count=False)
+    g = x.shape[-1]
+    ends = start + alone  # the travel and the accumulators end in their window:
+    confined = torch.maximum(ends[:, :, 0], ends[:, :, g - 1])
+    step = torch.maximum(confined, step_work).amax(-1, keepdim=True)  # the ring waits for all
+    ended = (x, dst, start - step.unsqueeze(-1))  # from the end of their window
+    if before is None:
+        before = tuple(torch.zeros_like(v[:1]) for v in flows)  # type: ignore[assignment]
+    assert before is not None
+    framed = [
+        torch.cat([torch.cat([b, e[:-1]]), v], -1)
+        for b, e, v in zip(before, ended, flows, strict=True)
+    ]
+    own = torch.zeros(framed[0].shape, dtype=torch.bool)
+    own[:, :, g:] = True
+    used = (framed[0] > 0).flatten(0, 1).any(0)  # price only the slots with flows
+    dur = torch.zeros_like(framed[0])
+    x_f, dst_f, start_f = (v[:, :, used] for v in framed)
+    dur[:, :, used], work = net.price(x_f, dst_f, start=start_f, own=own[:, :, used])
+    return dur[:, :, g:], work, tuple(v[-1:] for v in ended)  # type: ignore[return-value]
+
+
 def _step_durations(
-    dur: Tensor, tail: Tensor, col: RingColumns, t: int, j: int
+    dur: Tensor, tail: Tensor, col: RingColumns, t: int, j: int, *, together: bool
 ) -> dict[str, Tensor]:
-    """Durations of step t's flows (window t is ``dur[j]``): its returns and accumulators fly
-    in window t + 1, the last step's in its own window or, exposed, in ``tail``."""
+    """Durations of step t's flows (window t is ``dur[j]``): its travel and returns fly in
+    window t (its returns in window t + 1 if ``together``: ``_window_flows_together``), its
+    accumulators in window t + 1; the last step's last returns and accumulators, exposed,
+    in ``tail``."""
     k = col.segment_rows.shape[2]
-    if t < col.q_owner.shape[0] - 1:
-        returns, dkv = dur[j + 1, :, 1 : k + 1], dur[j + 1, :, -1]
+    returns = dur[j + together, :, 1 : k + 1] if t < col.q_owner.shape[0] - 1 else None
+    if returns is not None:
+        dkv = dur[j + 1, :, -1]
     else:
-        returns = torch.where(_last_segment(col, j), tail[:, :1], dur[j, :, k + 1 : 2 * k + 1])
+        left = dur[j, :, k + 1 : 2 * k + 1] if together else dur[j, :, 1 : k + 1]
+        returns = torch.where(_last_segment(col, j), tail[:, :1], left)
         dkv = tail[:, 1]
     return {"travel": dur[j, :, 0], "returns": returns, "dkv": dkv}
 
@@ -1024,6 +1269,35 @@ def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) ->
     return last_merge
 
 
+def _price_staggered(
+    plan: RingPlan,
+    hardware: Hardware,
+    net: _Network,
+    replay: _Replay,
+    col: RingColumns,
+    flows: tuple[Tensor, Tensor, Tensor],
+    windows: range,
+    before: _Flows | None,
+    merged_before: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, _Flows | None, Tensor]:
+    """A chunk's ``windows`` with each flow from its post (``_window_flows``,
+    ``_price_windows``): durations, work, the exposed tail's bytes, and for the next chunk
+    its last window's flows and the returns merged on its last step (``before`` and
+    ``merged_before``: this chunk's, from the chunk before)."""
+    c0 = col.steps.start
+    posted = replay.segment_work(col).cumsum(-1)  # (P, T, K): the work up to segment k
+    lead = hardware.host_computes and plan.pass_ is Pass.FORWARD
+    x, dst, start, tail_x = _window_flows(plan, col, flows, posted, windows, computes_first=lead)
+    merges = torch.cat([merged_before, replay.returned_merges(col)], 1)  # from c0 - 1
+    dur, work = torch.zeros_like(x), torch.zeros(0, 7, plan.world_size)
+    if windows:  # each window's work: its segments, the returns of two steps before merged
+        step_work = torch.stack(
+            [posted[:, w - c0, -1] + merges[:, w - c0 - 1] * (w >= 2) for w in windows]
+        )
+        dur, work, before = _price_windows(net, (x, dst, start), step_work, before)
+    return dur, work, tail_x, before, merges[:, -2:-1]
+
+
 def _simulate_vectorised(
     plan: RingPlan, layout: Layout, causal: bool, dims: AttentionShape, hardware: Hardware
 ) -> PassResult:
@@ -1034,19 +1308,29 @@ def _simulate_vectorised(
     chunk = max(1, _CHUNK_CELLS // p)
     travel_sent, return_sent = replay.zeros.clone(), replay.zeros.clone()
     last_window: Tensor | None = None  # durations of the previous chunk's last window
+    before: _Flows | None = None  # its flows, from its estimated end (_price_windows)
+    merged_before = torch.zeros(p, 1, dtype=torch.float64)  # returns merged, step c0 - 1
     tail, tail_work = torch.zeros(1, p, 2, dtype=torch.float64), torch.zeros(1, 7, p)
     for c0 in range(0, p, chunk):
         c1 = min(p, c0 + chunk)
         col = plan.columns(range(c0, min(p, c1 + 1)))  # and the step after: its window
         windows = range(0 if c0 == 0 else c0 + 1, min(p, c1 + 1))
         flows = _flow_bytes(plan, col, dims)
-        x, dst, tail_x = _window_flows(plan, col, flows, windows)
-        used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows: G costs O(G^2)
-        dur = torch.zeros_like(x)
-        dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used])
+        if net.ring:  # every flow of a window starts with it (Note [Vectorised engine])
+            x, dst, tail_x = _window_flows_together(plan, col, flows, windows)
+            used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows
+            dur = torch.zeros_like(x)
+            start = torch.zeros_like(x[:, :, used])
+            dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used], start=start)
+        else:
+            dur, work, tail_x, before, merged_before = _price_staggered(
+                plan, hardware, net, replay, col, flows, windows, before, merged_before
+            )
         if windows and windows[-1] == p - 1:  # and the exposed tail
             tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
-            tail, tail_work = net.price(tail_x.unsqueeze(0), tail_dst, count=False)
+            tail_x = tail_x.unsqueeze(0)
+            zeros = torch.zeros_like(tail_x)
+            tail, tail_work = net.price(tail_x, tail_dst, start=zeros, count=False)
         dur = dur if last_window is None else torch.cat([last_window, dur])
         last_window = dur[-1:]
         travel, returns, dkv = flows
@@ -1055,7 +1339,8 @@ def _simulate_vectorised(
         replay.load(col, c1 - c0)
         for t in range(c0, c1):
             j = t - c0  # dur[j]: window t
-            replay.step(t, col, j, _step_durations(dur, tail[0], col, t, j))
+            durations = _step_durations(dur, tail[0], col, t, j, together=net.ring)
+            replay.step(t, col, j, durations)
         if windows:  # the last chunk's may be priced already (the chunk before looked ahead)
             starts = replay.starts[windows.start :] + [float(replay.now.min())] * (c1 < p)
             net.add_windows(work, torch.tensor(starts, dtype=torch.float64))
