@@ -1298,6 +1298,26 @@ def _price_staggered(
     return dur, work, tail_x, before, merges[:, -2:-1]
 
 
+def _price_together(
+    net: _Network, plan: RingPlan, col: RingColumns, flows: _Flows, windows: range
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per flow its duration, per window its work, and the exposed tail's flows, with every
+    flow of a window starting with it (the physical ring: Note [Vectorised engine])."""
+    x, dst, tail_x = _window_flows_together(plan, col, flows, windows)
+    used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows
+    dur = torch.zeros_like(x)
+    start = torch.zeros_like(x[:, :, used])
+    dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used], start=start)
+    return dur, work, tail_x
+
+
+def _price_tail(net: _Network, col: RingColumns, tail_x: Tensor) -> tuple[Tensor, Tensor]:
+    """The exposed tail's durations and work: the last step's returns home, uncounted."""
+    tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
+    tail_x = tail_x.unsqueeze(0)
+    return net.price(tail_x, tail_dst, start=torch.zeros_like(tail_x), count=False)
+
+
 def _simulate_vectorised(
     plan: RingPlan, layout: Layout, causal: bool, dims: AttentionShape, hardware: Hardware
 ) -> PassResult:
@@ -1317,20 +1337,13 @@ def _simulate_vectorised(
         windows = range(0 if c0 == 0 else c0 + 1, min(p, c1 + 1))
         flows = _flow_bytes(plan, col, dims)
         if net.ring:  # every flow of a window starts with it (Note [Vectorised engine])
-            x, dst, tail_x = _window_flows_together(plan, col, flows, windows)
-            used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows
-            dur = torch.zeros_like(x)
-            start = torch.zeros_like(x[:, :, used])
-            dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used], start=start)
+            dur, work, tail_x = _price_together(net, plan, col, flows, windows)
         else:
             dur, work, tail_x, before, merged_before = _price_staggered(
                 plan, hardware, net, replay, col, flows, windows, before, merged_before
             )
         if windows and windows[-1] == p - 1:  # and the exposed tail
-            tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
-            tail_x = tail_x.unsqueeze(0)
-            zeros = torch.zeros_like(tail_x)
-            tail, tail_work = net.price(tail_x, tail_dst, start=zeros, count=False)
+            tail, tail_work = _price_tail(net, col, tail_x)
         dur = dur if last_window is None else torch.cat([last_window, dur])
         last_window = dur[-1:]
         travel, returns, dkv = flows
