@@ -15,6 +15,7 @@ import tokenring.cli.bench_inference
 import tokenring.cli.ranks
 import tokenring.launch  # noqa: F401  (sys.modules["tokenring.launch"] below)
 from oracle import full_attention
+from test_cli import _usage_error
 from tokenring.cli import bench_inference, main, reference
 from tokenring.strategies.cached import uniform_shards
 
@@ -30,15 +31,6 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(sys.modules["tokenring.launch"], "launch", refuse)
     monkeypatch.setattr("tokenring.cli.ranks.launch", refuse)
-
-
-def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2, argv
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def test_the_oracle_of_new_rows_equals_full_attention(monkeypatch: pytest.MonkeyPatch) -> None:

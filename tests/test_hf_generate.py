@@ -65,16 +65,20 @@ CASES = [
 ]
 
 
+# every tiny model here: 2 layers of 4 query and 2 K/V heads
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
 def model_config() -> Any:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    return LlamaConfig(**TINY)
 
 
 def initial_state() -> dict[str, torch.Tensor]:
@@ -317,17 +321,7 @@ WINDOWED = (
 
 
 def windowed_model(name: str, changes: dict[str, Any], attn_implementation: str) -> Any:
-    config = transformers.AutoConfig.for_model(
-        name,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **changes,
-    )
+    config = transformers.AutoConfig.for_model(name, **TINY, **changes)
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     with torch.no_grad():  # larger weights than the default init: the logits spread out

@@ -40,6 +40,7 @@ from oracle import (
     tolerance_failures,
     visible_mask,
 )
+from test_random_calls import call_keywords
 from tokenring.core.layout import make_sharding
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import AttentionShape, Pass, Payload, Schedule, Strategy
@@ -859,7 +860,7 @@ def calls_on_ranks(seed: int, strategies: tuple[str, ...], num_cases: int) -> li
             dtype=torch.int64,
         )
         attend = functools.partial(
-            tokenring.sequence_parallel_attn, strategy=case["strategy"], **_keywords(case),
+            tokenring.sequence_parallel_attn, strategy=case["strategy"], **call_keywords(case),
             **case["options"],
         )  # fmt: skip
         planned = case["strategy"] == "auto" or case["options"].get("last_pair") == "auto"
@@ -870,19 +871,6 @@ def calls_on_ranks(seed: int, strategies: tuple[str, ...], num_cases: int) -> li
             found = [f"raised {type(exc).__name__}: {exc}"]
         failures += [f"case {index} {case}: {f}" for f in found]
     return failures
-
-
-def _keywords(case: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "causal": case["causal"],
-        "layout": case["layout"],
-        "softmax_scale": case["scale"],
-        "seq_len": case["seq_len"] if case["pass_seq_len"] else None,
-        "cu_seqlens": case["docs"],
-        "window_size": case["window"],
-        "attention_chunk_size": case["chunk"],
-        "return_lse": True,
-    }
 
 
 def hybrid_calls_on_ranks(seed: int, outer: int, inner: int, num_cases: int) -> list[str]:
@@ -902,7 +890,7 @@ def hybrid_calls_on_ranks(seed: int, outer: int, inner: int, num_cases: int) -> 
             tokenring.hybrid_attn, mesh=mesh, outer_strategy=case["strategy"],
             last_block_splits=case["options"].get("last_block_splits"),
             kernel=case["options"].get("kernel"),
-            **{**_keywords(case), "seq_len": case["seq_len"]},  # hybrid shards need S
+            **{**call_keywords(case), "seq_len": case["seq_len"]},  # hybrid shards need S
         )  # fmt: skip
         dims = AttentionShape(
             batch=case["batch"], heads_q=case["heads_q"], heads_kv=case["heads_kv"],

@@ -142,8 +142,8 @@ def _check(
     )  # fmt: skip
 
 
-def _common(case: dict[str, Any]) -> dict[str, Any]:
-    """The keywords both entry points share."""
+def call_keywords(case: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of a drawn case that both entry points share (also test_masks_audit's)."""
     return {
         "causal": case["causal"],
         "layout": case["layout"],
@@ -172,7 +172,7 @@ def calls_on_ranks(seed: int, num_cases: int, dtype_name: str) -> list[tuple[int
         )
 
         attend = functools.partial(
-            tokenring.sequence_parallel_attn, strategy=case["strategy"], **_common(case),
+            tokenring.sequence_parallel_attn, strategy=case["strategy"], **call_keywords(case),
             **options,
         )  # fmt: skip
         found = _check(case, dtype, positions, attend)
@@ -195,7 +195,7 @@ def hybrid_calls_on_ranks(seed: int, num_cases: int, outer: int, inner: int) -> 
         attend = functools.partial(
             tokenring.hybrid_attn, mesh=mesh, outer_strategy=case["strategy"],
             last_block_splits=case["options"].get("last_block_splits"),
-            **{**_common(case), "seq_len": case["seq_len"]},  # hybrid shards need S
+            **{**call_keywords(case), "seq_len": case["seq_len"]},  # hybrid shards need S
         )  # fmt: skip
         found = _check(case, torch.float64, positions, attend)
         failures.append((index, [f"{case}: {f}" for f in found]))

@@ -201,6 +201,16 @@ AUTO_NEEDS_HARDWARE = (
 _schedule = functools.lru_cache(maxsize=256)(build_schedule)  # pure: one build per shape
 
 
+def check_hardware_use(strategy: Any, hardware: Hardware | str | None) -> None:
+    """ValueError for a ``hardware`` given with a strategy other than ``"auto"`` (only
+    ``"auto"`` prices on it): resolve_strategy's and the cached entry points' check."""
+    if hardware is not None and strategy != "auto":
+        raise ValueError(
+            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
+            f"strategy={strategy!r}"
+        )
+
+
 def resolve_strategy(
     strategy: Strategy | str,
     *,
@@ -236,11 +246,7 @@ def resolve_strategy(
     """
     if strategy != "auto":
         fixed = Strategy.parse(strategy)
-        if hardware is not None:
-            raise ValueError(
-                f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
-                f"strategy={fixed.value!r}"
-            )
+        check_hardware_use(fixed.value, hardware)
         return fixed
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)

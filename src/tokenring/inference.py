@@ -37,6 +37,7 @@ import torch
 from tokenring.api import (
     AUTO_NEEDS_HARDWARE,
     check_flags,
+    check_hardware_use,
     check_softmax_scale,
     sequence_parallel_attn,
 )
@@ -234,16 +235,6 @@ def run_cached_plan(
 
 
 # -- choosing ------------------------------------------------------------------------------------
-def check_hardware_use(strategy: CachedStrategy | str, hardware: Hardware | str | None) -> None:
-    """ValueError for a ``hardware`` given with a strategy other than ``"auto"`` (only
-    ``"auto"`` prices plans on it)."""
-    if hardware is not None and strategy != "auto":
-        raise ValueError(
-            f"hardware is only used with strategy='auto'; got hardware={hardware!r} with "
-            f"strategy={strategy!r}"
-        )
-
-
 def resolve_cached_strategy(
     strategy: CachedStrategy | str,
     *,

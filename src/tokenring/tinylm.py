@@ -19,9 +19,9 @@ from typing import Any, cast
 
 import torch
 
-from tokenring.api import get_communicator
+from tokenring.api import check_hardware_use, get_communicator
 from tokenring.core.layout import check_size
-from tokenring.inference import cached_attn, check_hardware_use, step_strategy
+from tokenring.inference import cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
