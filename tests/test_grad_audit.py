@@ -4,9 +4,10 @@ The table tests (test_attention, test_collective, test_masks, test_random_calls)
 and dv of contiguous leaves with ``out.backward(dout)``. This file checks how a user's graph
 reaches the operator: inputs that are views (transposed, strided), only some of q, k, v
 requiring grad, a backward run twice (``retain_graph``: the grads double), an upstream
-gradient that is strided or has zero or infinite rows, and block kernels cut into 2-row
-tiles, so that the stand-in out of Note [Backward from delta] and the tile accumulators run in
-every strategy. Every strategy (the pass-Q
+gradient that is strided or has zero or infinite rows, losses that use lse (Note [Gradient of
+lse] in tokenring.runtime.op: its gradient used to be dropped without a word, 0.7-2.3 off in
+dq and dk), and block kernels cut into 2-row tiles, so that the stand-in out of Note [Backward
+from delta] and the tile accumulators run in every strategy. Every strategy (the pass-Q
 options too), every dtype, both layouts, masks, GQA/MQA and batch 2, on 1 to 4 ranks; the
 cases of one world size run in one launch, each kind of case on some strategies (taken in
 turn, to stay fast).
@@ -250,8 +251,19 @@ def _label(case: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in case.items() if default.get(k) != v or k == "strategy")
 
 
-def _cases(name: str) -> list[dict[str, Any]]:
-    """The audit's cases of strategy ``name``: how autograd reaches the operator."""
+def _cases(name: str, *, lse: bool) -> list[dict[str, Any]]:
+    """The audit's cases of strategy ``name``: how autograd reaches the operator, or (``lse``)
+    losses that use lse (Note [Gradient of lse] in tokenring.runtime.op)."""
+    if lse:
+        return [
+            _case(strategy=name, lse_loss=True),
+            _case(strategy=name, lse_loss=True, dout="none"),  # lse alone: dout is None
+            _case(strategy=name, lse_loss=True, dout="zero_rows", kernel="tiles"),
+            _case(strategy=name, lse_loss=True, dtype="float32", kernel="tiles"),
+            _case(strategy=name, lse_loss=True, dtype="bfloat16", heads=(4, 1)),
+            _case(strategy=name, lse_loss=True, seq_len=11, docs=[0, 4, 11], grad="k"),
+            _case(strategy=name, lse_loss=True, layout="contiguous", window=(2, 1), causal=False),
+        ]
     return [
         _case(strategy=name, view="transposed", grad="qv"),
         _case(strategy=name, view="strided", dout="strided", layout="contiguous", causal=False),
@@ -264,12 +276,12 @@ def _cases(name: str) -> list[dict[str, Any]]:
     ]
 
 
-def _rotated(*, per_strategy: int, offset: int = 0) -> list[dict[str, Any]]:
+def _rotated(*, lse: bool, per_strategy: int, offset: int = 0) -> list[dict[str, Any]]:
     """``per_strategy`` cases of every strategy, the kinds taken in turn, so that the
     strategies together cover every kind of :func:`_cases` (kept short: one launch each)."""
     picked = []
     for i, name in enumerate(STRATEGIES):
-        kinds = _cases(name)
+        kinds = _cases(name, lse=lse)
         picked += [kinds[(per_strategy * i + j + offset) % len(kinds)] for j in range(per_strategy)]
     return picked
 
@@ -281,17 +293,19 @@ def _assert_clean(per_rank: list[list[list[str]]]) -> None:
 
 def test_gradients_on_one_rank(single_rank_group: None) -> None:
     """World size 1 in the pytest process: every strategy on its own block."""
-    _assert_clean([run_cases(_rotated(per_strategy=1, offset=3))])
+    cases = _rotated(lse=False, per_strategy=1, offset=3) + _rotated(lse=True, per_strategy=1)
+    _assert_clean([run_cases(cases)])
 
 
 def test_gradients_on_three_ranks() -> None:
     """Two cases of each kind on 3 ranks (odd: no power-of-two shortcut), one launch."""
-    cases = _rotated(per_strategy=2)
+    cases = _rotated(lse=False, per_strategy=2) + _rotated(lse=True, per_strategy=2)
     _assert_clean(tokenring.launch(run_cases, cases, world_size=3, timeout_s=300))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gradients_on_two_and_four_ranks(world_size: int) -> None:
     """A case per strategy (other kinds than on 3 ranks), one launch."""
-    cases = _rotated(per_strategy=1, offset=world_size)
+    cases = _rotated(lse=False, per_strategy=1, offset=world_size)
+    cases += _rotated(lse=True, per_strategy=1, offset=world_size)
     _assert_clean(tokenring.launch(run_cases, cases, world_size=world_size, timeout_s=300))
