@@ -591,7 +591,7 @@ def _attention_fake(
     "tokenring::attention_backward",
     mutates_args=(),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    f"Tensor[] residuals, *, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+    f"Tensor[] residuals, Tensor? dlse, *, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)",
 )
 @torch.compiler.disable
 def _attention_backward(
@@ -602,10 +602,11 @@ def _attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     residuals: list[torch.Tensor],
+    dlse: torch.Tensor | None,
     **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _plan(q, k, v, options, backward=True)
-    grads = op.backward(plan, dout, q, k, v, out, lse, residuals)
+    grads = op.backward(plan, dout, q, k, v, out, lse, residuals, dlse)
     dq, dk, dv = (x.contiguous() for x in grads)
     return dq, dk, dv
 
@@ -637,12 +638,17 @@ def _attention_setup(
     # the registry holds objects weakly (Note [Handles] in tokenring.runtime.op)
     ctx.referents = [op.resolve_group(options["group"]), op.resolve_object(options["raw"])]
     ctx.save_for_backward(q, k, v, out, lse, *residuals)
-    ctx.mark_non_differentiable(lse, *residuals)
+    # lse reaches the caller only with return_lse (Note [Gradient of lse] in runtime.op)
+    ctx.mark_non_differentiable(*([] if options.get("return_lse") else [lse]), *residuals)
+    ctx.set_materialize_grads(False)  # an output the loss does not use: None, not zeros
 
 
-def _attention_grad(ctx: Any, grads: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def _attention_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
     q, k, v, out, lse, *residuals = ctx.saved_tensors
-    return _attention_backward(grads[0], q, k, v, out, lse, residuals, **ctx.options)
+    dout, dlse = grads[0], grads[1]
+    if dout is None:  # the loss uses lse alone
+        dout = torch.zeros_like(out)
+    return _attention_backward(dout, q, k, v, out, lse, residuals, dlse, **ctx.options)
 
 
 _attention.register_autograd(_attention_grad, setup_context=_attention_setup)
@@ -776,8 +782,9 @@ def sequence_parallel_attn(
         softmax_scale: defaults to ``1 / sqrt(D)``.
         group: ProcessGroup, 1-D DeviceMesh, Communicator, or None (default group).
         layout: how the sequence is sharded: ``"contiguous"`` or ``"zigzag"``.
-        return_lse: also return lse ``(B, Hq, s)`` (float32; float64 for float64 inputs; no
-            gradient).
+        return_lse: also return lse ``(B, Hq, s)`` (float32; float64 for float64 inputs),
+            with its gradient: a loss may use it (Note [Gradient of lse] in
+            tokenring.runtime.op).
         kernel: block kernel name or instance; None picks one for the device and dtype.
         last_block_splits: TokenRing returns its last block in this many slices, so the
             first slices travel while the rest is computed; at most one per K/V head (or per

@@ -17,6 +17,23 @@ output (hidden from the caller)::
                                                   Note [Ulysses] and Note [All-gather K/V
                                                   rounds] in tokenring.strategies.collective)
 
+Note [Gradient of lse]
+~~~~~~~~~~~~~~~~~~~~~~
+lse_i = log sum_j exp(S_ij), so a loss that uses lse adds dlse_i * P_ij to dS_ij, and the
+backward becomes dS_ij = P_ij * (dout_i . v_j + dlse_i - delta_i). Every strategy and
+kernel computes dS = P * (dout' . v' - delta) for some (dout', v'), so an extra head channel
+carries the term: q and k get 0 there (the scores do not change), v gets 1, dout gets dlse and
+out 0 (delta does not change)::
+
+    dout'_i . v'_j = dout_i . v_j + dlse_i        dout'_i . out'_i = dout_i . out_i = delta_i
+
+dV' = P^T dout' has dV in its first D channels; dQ and dK are dS K' and dS^T Q', whose first D
+channels are dQ and dK. The extra channel's gradients are dropped. A backward with dlse thus
+runs with head dim D + 1 (D + 8 on CUDA where 8 divides D, so the fused kernels still take
+it) and moves that much more; a loss that does not use lse gets no dlse (the autograd node
+does not materialise it) and runs as before. dlse travels in dout's dtype, as dout does.
+``tokenring.diffusers`` uses the same kind of channel for its text bias.
+
 Legend: B batch, S global seq, s local seq, s_pad padded local seq, Hq query heads, Hkv kv
 heads, D head dim, P world size.
 """
@@ -231,10 +248,47 @@ def backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     residuals: Sequence[torch.Tensor],
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)`` of :func:`forward`'s call."""
+    """dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)`` of :func:`forward`'s call, for
+    upstream gradients ``dout`` ``(B, s, Hq, D)`` and ``dlse`` ``(B, Hq, s)`` (None: the loss
+    does not use lse; Note [Gradient of lse])."""
     if plan.padding.rows is not None:
         out, lse = residuals  # the padded buffer's
     dout, q, k, v = (plan.padding.pad(x).contiguous() for x in (dout, q, k, v))  # (B, s_pad, H, D)
+    head_dim = q.shape[3]
+    if dlse is not None:
+        dlse = plan.padding.pad(dlse.transpose(1, 2).unsqueeze(-1))  # (B, s_pad, Hq, 1)
+        dout, q, k, v, out = _lse_channel(dout, q, k, v, out, dlse)
     dq, dk, dv = _run(plan, Pass.BACKWARD, (dout, q, k, v, out, lse))
+    if dlse is not None:  # the extra channel's gradients go
+        dq, dk, dv = (x[..., :head_dim] for x in (dq, dk, dv))
     return plan.padding.unpad(dq), plan.padding.unpad(dk), plan.padding.unpad(dv)
+
+
+def _lse_channel(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dlse: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """dout, q, k, v and out ``(B, s, H, D + e)`` of Note [Gradient of lse], from ``dlse``
+    ``(B, s, Hq, 1)`` (e = 8 on CUDA where 8 divides D, else 1)."""
+    d = q.shape[3]
+    extra = 8 if q.device.type == "cuda" and d % 8 == 0 else 1
+
+    def widened(x: torch.Tensor, channel: torch.Tensor | float) -> torch.Tensor:
+        wide = x.new_zeros((*x.shape[:3], d + extra))
+        wide[..., :d] = x
+        wide[..., d : d + 1] = channel
+        return wide
+
+    return (
+        widened(dout, dlse.to(dout.dtype)),
+        widened(q, 0.0),
+        widened(k, 0.0),
+        widened(v, 1.0),
+        widened(out, 0.0),
+    )
