@@ -19,6 +19,7 @@ Legend: B batch, S global seq, Hq query heads, Hkv kv heads, D head dim, P world
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Any
 
@@ -309,3 +310,29 @@ def test_gradients_on_two_and_four_ranks(world_size: int) -> None:
     cases = _rotated(lse=False, per_strategy=1, offset=world_size)
     cases += _rotated(lse=True, per_strategy=1, offset=world_size)
     _assert_clean(tokenring.launch(run_cases, cases, world_size=world_size, timeout_s=300))
+
+
+def lse_used_on_rank_zero_only(strategy: str) -> tuple[str, float]:
+    """A backward whose loss uses lse on rank 0 only: (the error, its seconds)."""
+    q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, lse = tokenring.sequence_parallel_attn(
+        q, k, v, causal=True, strategy=strategy, return_lse=True
+    )
+    loss = out.sum() + (lse.sum() if dist.get_rank() == 0 else 0)
+    start = time.perf_counter()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error), time.perf_counter() - start
+    return "", time.perf_counter() - start
+
+
+@pytest.mark.parametrize("strategy", ["token_ring", "ring"])
+def test_lse_used_on_one_rank_fails_fast_on_every_rank(strategy: str) -> None:
+    """Only the ranks whose loss uses lse widen their backward (Note [Gradient of lse]): the
+    ranks then move messages of other sizes, which every rank's header check refuses at once
+    (no rank waits out the timeout)."""
+    per_rank = tokenring.launch(lse_used_on_rank_zero_only, strategy, world_size=2, timeout_s=60)
+    for rank, (error, seconds) in enumerate(per_rank):
+        assert error, f"rank {rank} ran a backward the other rank widened"
+        assert seconds < 10, f"rank {rank} failed after {seconds:.1f} s: {error}"

@@ -24,7 +24,8 @@ ring-flash-attention shim defaults to the algorithm it replaces, so the traffic 
 
 Returns: ``out``, or with ``return_attn_probs=True`` ``(out, softmax_lse, None)``; softmax_lse
 is ``(B, Hq, s)`` (padded) or ``(Hq, t)`` (varlen), float32 (float64 for float64 inputs), the
-lse over the *global* sequence, without gradient. ``dropout_p != 0``, ``alibi_slopes`` and
+lse over the *global* sequence, with its gradient (Note [Gradient of lse] in
+tokenring.runtime.op; flash-attn's own backward drops it). ``dropout_p != 0``, ``alibi_slopes`` and
 ``softcap > 0`` raise ``NotImplementedError``; ``deterministic`` is accepted (the backward is
 deterministic anyway). ``strategy="auto"`` raises ``ValueError``: it needs ``hardware=``,
 which only :func:`tokenring.sequence_parallel_attn` takes. A rank whose arguments fail tells
