@@ -118,7 +118,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -607,6 +607,23 @@ def simulate_cached(
 
 
 # -- vectorised engine -------------------------------------------------------------------------
+class _Batch(NamedTuple):
+    """The flows ``(W, P, G)`` of one :meth:`_Network.price` call: window, sender, receiver,
+    bytes of every flow (``xa``) and of the window's own (``xo``; 0: no flow), starts, whether
+    between islands; the ``(W, 7, P)`` work the resource families fill, and whether the bytes
+    count towards the pass totals (``counted``)."""
+
+    win: Tensor
+    src: Tensor
+    dst: Tensor
+    xa: Tensor
+    xo: Tensor
+    start: Tensor
+    inter: Tensor
+    work: Tensor
+    counted: bool
+
+
 class _Network:
     """Prices flows laid out as ``(W, P, G)`` tensors (window, sending rank, slot) on the
     resources of ``costmodel.route``; Note [Vectorised engine]."""
@@ -678,66 +695,45 @@ class _Network:
         lat = torch.where(inter, self.inter_lat, torch.full(x.shape, self.lat, dtype=torch.float64))
         # families: link to r-1, port out, port in, NIC out, NIC in, ring hop up, hop down
         work = torch.zeros(w_count, 7, p, dtype=torch.float64)
-        pairs = self._price_pairs(win, src, dst, xa, xo, start, work, count)
-        finish = torch.maximum(start, pairs)
-        ports = self._price_ports(win, src, dst, xa, xo, start, inter, work, count)
-        finish = torch.maximum(finish, ports)
+        flows = _Batch(win, src, dst, xa, xo, start, inter, work, count)
+        finish = torch.maximum(start, self._price_pairs(flows))
+        finish = torch.maximum(finish, self._price_ports(flows))
         hops = torch.ones(x.shape, dtype=torch.long)
         if self.ring:  # no islands on a ring (Hardware): every flow is intra
-            hop_s, hops = self._price_hops(win, src, dst, xo, work, count)
+            hop_s, hops = self._price_hops(flows)
             finish = torch.maximum(finish, start + hop_s)
         return torch.where(active, finish - start + lat * hops, 0.0), work
 
-    def _price_pairs(
-        self,
-        win: Tensor,
-        src: Tensor,
-        dst: Tensor,
-        xa: Tensor,
-        xo: Tensor,
-        start: Tensor,
-        work: Tensor,
-        count: bool,
-    ) -> Tensor:
-        """Per flow when its last byte leaves its pair's link or path (``xa``: every flow,
-        ``xo``: the window's own, which fill family 0 of ``work``)."""
+    def _price_pairs(self, b: _Batch) -> Tensor:
+        """Per flow when its last byte leaves its pair's link or path; fills family 0."""
         if self.ring:
-            return torch.zeros(xa.shape, dtype=torch.float64)
+            return torch.zeros(b.xa.shape, dtype=torch.float64)
+        src, dst, xo = b.src, b.dst, b.xo
         mine = xo > 0
         pair_cap = self._pair_cap(src, dst)
         down = dst == (src - 1) % self.p
-        work[:, 0] = torch.where(down, xo / pair_cap, 0.0).sum(-1)
-        if count:
+        b.work[:, 0] = torch.where(down, xo / pair_cap, 0.0).sum(-1)
+        if b.counted:
             self.down_totals.index_add_(0, src[down], xo[down])
             self._count_other_pairs(src[~down & mine], dst[~down & mine], xo[~down & mine])
-        g = xa.shape[-1]  # a pair's flows are in one row (same sender): its link is shared
-        begin, size, cap, label = (_rows(v, g) for v in (start, xa, pair_cap, (dst - src) % self.p))
+        g = b.xa.shape[-1]  # a pair's flows are in one row (same sender): its link is shared
+        rows = (_rows(v, g) for v in (b.start, b.xa, pair_cap, (dst - src) % self.p))
+        begin, size, cap, label = rows
         finish = _shared_finish(begin, size, cap, torch.tensor(math.inf), label)
-        return finish.view(xa.shape)
+        return finish.view(b.xa.shape)
 
-    def _price_ports(
-        self,
-        win: Tensor,
-        src: Tensor,
-        dst: Tensor,
-        xa: Tensor,
-        xo: Tensor,
-        start: Tensor,
-        inter: Tensor,
-        work: Tensor,
-        count: bool,
-    ) -> Tensor:
+    def _price_ports(self, b: _Batch) -> Tensor:
         """Per flow when its last byte leaves its ports (intra) or NICs (inter), each flow
-        no faster than its link (``xa``: every flow, ``xo``: the window's own, which fill
-        families 1 to 4 of ``work``)."""
+        no faster than its link; fills families 1 to 4."""
+        win, dst, xa, start = b.win, b.dst, b.xa, b.start
         w_count, p, g = xa.shape
         finish = torch.zeros(xa.shape, dtype=torch.float64)
-        flow_cap = self._pair_cap(src, dst)
+        flow_cap = self._pair_cap(b.src, dst)
         by_dst = _grouped(win * p + dst, xa > 0)  # the flows into each port, as rows
         index = by_dst[0]
         into = [_table(v, by_dst) if v.dim() else v for v in (start, flow_cap)]
         for across, cap, totals, family, _ in self.ports:
-            mask = inter if across else ~inter
+            mask = b.inter if across else ~b.inter
             xm = xa * mask
             rows = [_rows(v, g) for v in (start, xm, flow_cap)]
             out_finish = _shared_finish(rows[0], rows[1], torch.tensor(cap), rows[2])
@@ -745,25 +741,24 @@ class _Network:
             finish = torch.maximum(finish, out_finish.view(xa.shape))
             flat = finish.view(-1)
             flat[index] = torch.maximum(flat[index], in_finish[by_dst[1], by_dst[2]])
-            xm = xo * mask
+            xm = b.xo * mask
             out_load = xm.sum(-1)  # (W, P) by src
             in_load = torch.zeros(w_count, p, dtype=torch.float64).index_put(
                 (win, dst), xm, accumulate=True
             )
-            work[:, family], work[:, family + 1] = out_load / cap, in_load / cap
-            if count:
+            b.work[:, family], b.work[:, family + 1] = out_load / cap, in_load / cap
+            if b.counted:
                 totals[0] += out_load.sum(0)
                 totals[1] += in_load.sum(0)
         return finish
 
-    def _price_hops(
-        self, win: Tensor, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
-    ) -> tuple[Tensor, Tensor]:
-        """Per flow its seconds on its busiest ring hop and its hops (at least 1); fills
-        families 5 and 6."""
+    def _price_hops(self, b: _Batch) -> tuple[Tensor, Tensor]:
+        """Per flow its seconds on its busiest ring hop and its hops (at least 1), the
+        window's own flows only; fills families 5 and 6."""
+        win, src, xa = b.win, b.src, b.xo
         w_count, p, _ = xa.shape
         worst = torch.zeros(xa.shape, dtype=torch.float64)
-        forward = (dst - src) % p
+        forward = (b.dst - src) % p
         up = forward <= p - forward
         hops = torch.where(up, forward, p - forward)
         first = torch.where(up, src, (src - hops + 1) % p)  # origin of the first hop
@@ -774,8 +769,8 @@ class _Network:
             wi, st, h, xs = win[sel], first[sel], hops[sel], xa[sel]
             load = _range_add(w_count, p, wi, st, h, xs)  # (W, P) per hop origin
             flows = _range_add(w_count, p, wi, st, h, torch.ones_like(xs))
-            work[:, 5 + direction] = load / self.link
-            if count:
+            b.work[:, 5 + direction] = load / self.link
+            if b.counted:
                 self.hop_totals[direction] += load.sum(0)
             max_load = _range_max(torch.cat([load, load], 1), wi, st, h)
             max_flows = _range_max(torch.cat([flows, flows], 1), wi, st, h)
