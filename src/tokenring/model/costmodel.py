@@ -84,19 +84,12 @@ __all__ = [
 ]
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:  # also rejects NaN
-        raise ValueError(f"{name} must be > 0; got {value}")
-
-
-def _positive_finite(name: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):  # also rejects NaN
-        raise ValueError(f"{name} must be a finite number > 0; got {value}")
-
-
-def _finite_non_negative(name: str, value: float) -> None:
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number >= 0; got {value}")
+def _check_number(name: str, value: float, *, finite: bool = True, zero: bool = False) -> None:
+    """ValueError unless ``value`` is > 0 (>= 0 with ``zero``) and, with ``finite``, finite
+    (NaN never passes)."""
+    if not (value >= 0 if zero else value > 0) or (finite and not math.isfinite(value)):
+        what = "a finite number " if finite else ""
+        raise ValueError(f"{name} must be {what}{'>=' if zero else '>'} 0; got {value}")
 
 
 # -- hardware ----------------------------------------------------------------------------------
@@ -138,15 +131,15 @@ class Interconnect:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "topology", Topology.parse(self.topology))
-        _positive("link_bandwidth_bytes_per_s", self.link_bandwidth_bytes_per_s)
-        if self.port_bandwidth_bytes_per_s is not None:
-            _positive("port_bandwidth_bytes_per_s", self.port_bandwidth_bytes_per_s)
+        _check_number("link_bandwidth_bytes_per_s", self.link_bandwidth_bytes_per_s, finite=False)
+        if (port := self.port_bandwidth_bytes_per_s) is not None:
+            _check_number("port_bandwidth_bytes_per_s", port, finite=False)
         elif self.topology is Topology.SWITCH:
             raise ValueError(
                 "port_bandwidth_bytes_per_s must be given for topology 'switch' (each device's "
                 "port is what its flows share); got None"
             )
-        _finite_non_negative("latency_s", self.latency_s)
+        _check_number("latency_s", self.latency_s, zero=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,10 +175,10 @@ class Hardware:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
-        _finite_non_negative("kernel_call_s", self.kernel_call_s)
+        _check_number("kernel_call_s", self.kernel_call_s, zero=True)
         # inf would price compute or merges as free (a link may be inf: Interconnect)
         for name in ("forward_flops_per_s", "backward_flops_per_s", "memory_bandwidth_bytes_per_s"):
-            _positive_finite(name, getattr(self, name))
+            _check_number(name, getattr(self, name))
         if not isinstance(self.host_computes, bool):  # "no" would be truthy: a CPU rank
             raise ValueError(f"host_computes must be a bool; got {self.host_computes!r}")
         if not self.dtypes:

@@ -118,7 +118,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -607,6 +607,23 @@ def simulate_cached(
 
 
 # -- vectorised engine -------------------------------------------------------------------------
+class _Batch(NamedTuple):
+    """The flows ``(W, P, G)`` of one :meth:`_Network.price` call: window, sender, receiver,
+    bytes of every flow (``xa``) and of the window's own (``xo``; 0: no flow), starts, whether
+    between islands; the ``(W, 7, P)`` work the resource families fill, and whether the bytes
+    count towards the pass totals (``counted``)."""
+
+    win: Tensor
+    src: Tensor
+    dst: Tensor
+    xa: Tensor
+    xo: Tensor
+    start: Tensor
+    inter: Tensor
+    work: Tensor
+    counted: bool
+
+
 class _Network:
     """Prices flows laid out as ``(W, P, G)`` tensors (window, sending rank, slot) on the
     resources of ``costmodel.route``; Note [Vectorised engine]."""
@@ -678,66 +695,45 @@ class _Network:
         lat = torch.where(inter, self.inter_lat, torch.full(x.shape, self.lat, dtype=torch.float64))
         # families: link to r-1, port out, port in, NIC out, NIC in, ring hop up, hop down
         work = torch.zeros(w_count, 7, p, dtype=torch.float64)
-        pairs = self._price_pairs(win, src, dst, xa, xo, start, work, count)
-        finish = torch.maximum(start, pairs)
-        ports = self._price_ports(win, src, dst, xa, xo, start, inter, work, count)
-        finish = torch.maximum(finish, ports)
+        flows = _Batch(win, src, dst, xa, xo, start, inter, work, count)
+        finish = torch.maximum(start, self._price_pairs(flows))
+        finish = torch.maximum(finish, self._price_ports(flows))
         hops = torch.ones(x.shape, dtype=torch.long)
         if self.ring:  # no islands on a ring (Hardware): every flow is intra
-            hop_s, hops = self._price_hops(win, src, dst, xo, work, count)
+            hop_s, hops = self._price_hops(flows)
             finish = torch.maximum(finish, start + hop_s)
         return torch.where(active, finish - start + lat * hops, 0.0), work
 
-    def _price_pairs(
-        self,
-        win: Tensor,
-        src: Tensor,
-        dst: Tensor,
-        xa: Tensor,
-        xo: Tensor,
-        start: Tensor,
-        work: Tensor,
-        count: bool,
-    ) -> Tensor:
-        """Per flow when its last byte leaves its pair's link or path (``xa``: every flow,
-        ``xo``: the window's own, which fill family 0 of ``work``)."""
+    def _price_pairs(self, b: _Batch) -> Tensor:
+        """Per flow when its last byte leaves its pair's link or path; fills family 0."""
         if self.ring:
-            return torch.zeros(xa.shape, dtype=torch.float64)
+            return torch.zeros(b.xa.shape, dtype=torch.float64)
+        src, dst, xo = b.src, b.dst, b.xo
         mine = xo > 0
         pair_cap = self._pair_cap(src, dst)
         down = dst == (src - 1) % self.p
-        work[:, 0] = torch.where(down, xo / pair_cap, 0.0).sum(-1)
-        if count:
+        b.work[:, 0] = torch.where(down, xo / pair_cap, 0.0).sum(-1)
+        if b.counted:
             self.down_totals.index_add_(0, src[down], xo[down])
             self._count_other_pairs(src[~down & mine], dst[~down & mine], xo[~down & mine])
-        g = xa.shape[-1]  # a pair's flows are in one row (same sender): its link is shared
-        begin, size, cap, label = (_rows(v, g) for v in (start, xa, pair_cap, (dst - src) % self.p))
+        g = b.xa.shape[-1]  # a pair's flows are in one row (same sender): its link is shared
+        rows = (_rows(v, g) for v in (b.start, b.xa, pair_cap, (dst - src) % self.p))
+        begin, size, cap, label = rows
         finish = _shared_finish(begin, size, cap, torch.tensor(math.inf), label)
-        return finish.view(xa.shape)
+        return finish.view(b.xa.shape)
 
-    def _price_ports(
-        self,
-        win: Tensor,
-        src: Tensor,
-        dst: Tensor,
-        xa: Tensor,
-        xo: Tensor,
-        start: Tensor,
-        inter: Tensor,
-        work: Tensor,
-        count: bool,
-    ) -> Tensor:
+    def _price_ports(self, b: _Batch) -> Tensor:
         """Per flow when its last byte leaves its ports (intra) or NICs (inter), each flow
-        no faster than its link (``xa``: every flow, ``xo``: the window's own, which fill
-        families 1 to 4 of ``work``)."""
+        no faster than its link; fills families 1 to 4."""
+        win, dst, xa, start = b.win, b.dst, b.xa, b.start
         w_count, p, g = xa.shape
         finish = torch.zeros(xa.shape, dtype=torch.float64)
-        flow_cap = self._pair_cap(src, dst)
+        flow_cap = self._pair_cap(b.src, dst)
         by_dst = _grouped(win * p + dst, xa > 0)  # the flows into each port, as rows
         index = by_dst[0]
         into = [_table(v, by_dst) if v.dim() else v for v in (start, flow_cap)]
         for across, cap, totals, family, _ in self.ports:
-            mask = inter if across else ~inter
+            mask = b.inter if across else ~b.inter
             xm = xa * mask
             rows = [_rows(v, g) for v in (start, xm, flow_cap)]
             out_finish = _shared_finish(rows[0], rows[1], torch.tensor(cap), rows[2])
@@ -745,25 +741,24 @@ class _Network:
             finish = torch.maximum(finish, out_finish.view(xa.shape))
             flat = finish.view(-1)
             flat[index] = torch.maximum(flat[index], in_finish[by_dst[1], by_dst[2]])
-            xm = xo * mask
+            xm = b.xo * mask
             out_load = xm.sum(-1)  # (W, P) by src
             in_load = torch.zeros(w_count, p, dtype=torch.float64).index_put(
                 (win, dst), xm, accumulate=True
             )
-            work[:, family], work[:, family + 1] = out_load / cap, in_load / cap
-            if count:
+            b.work[:, family], b.work[:, family + 1] = out_load / cap, in_load / cap
+            if b.counted:
                 totals[0] += out_load.sum(0)
                 totals[1] += in_load.sum(0)
         return finish
 
-    def _price_hops(
-        self, win: Tensor, src: Tensor, dst: Tensor, xa: Tensor, work: Tensor, count: bool
-    ) -> tuple[Tensor, Tensor]:
-        """Per flow its seconds on its busiest ring hop and its hops (at least 1); fills
-        families 5 and 6."""
+    def _price_hops(self, b: _Batch) -> tuple[Tensor, Tensor]:
+        """Per flow its seconds on its busiest ring hop and its hops (at least 1), the
+        window's own flows only; fills families 5 and 6."""
+        win, src, xa = b.win, b.src, b.xo
         w_count, p, _ = xa.shape
         worst = torch.zeros(xa.shape, dtype=torch.float64)
-        forward = (dst - src) % p
+        forward = (b.dst - src) % p
         up = forward <= p - forward
         hops = torch.where(up, forward, p - forward)
         first = torch.where(up, src, (src - hops + 1) % p)  # origin of the first hop
@@ -774,8 +769,8 @@ class _Network:
             wi, st, h, xs = win[sel], first[sel], hops[sel], xa[sel]
             load = _range_add(w_count, p, wi, st, h, xs)  # (W, P) per hop origin
             flows = _range_add(w_count, p, wi, st, h, torch.ones_like(xs))
-            work[:, 5 + direction] = load / self.link
-            if count:
+            b.work[:, 5 + direction] = load / self.link
+            if b.counted:
                 self.hop_totals[direction] += load.sum(0)
             max_load = _range_max(torch.cat([load, load], 1), wi, st, h)
             max_flows = _range_max(torch.cat([flows, flows], 1), wi, st, h)
@@ -1011,16 +1006,16 @@ class _Replay:
     def load(self, col: RingColumns, num_steps: int) -> None:
         """Read a chunk's first ``num_steps`` columns: each segment's kernel and own merge
         (``work`` (P, T, K) seconds), and each step's segments and slots."""
-        rows = col.segment_rows[:, :num_steps].double()  # (P, T, K)
-        kernel, merge = self._segment_work(col, num_steps)
+        kernel, merge = self.segment_work(col, num_steps)
         self.kernel_s += kernel.sum((1, 2))
         self.memory_s += merge.sum((1, 2))
         self.work = kernel + merge
-        self.num_segments = (rows > 0).sum(-1).amax(0).tolist()
+        self.num_segments = (col.segment_rows[:, :num_steps] > 0).sum(-1).amax(0).tolist()
         self.sends_dkv = (col.dkv_rows[:, :num_steps] > 0).any(0).tolist()
 
-    def _segment_work(self, col: RingColumns, num_steps: int) -> tuple[Tensor, Tensor]:
-        """(P, T, K) seconds of each segment's kernel and own merge (dQ add), T = num_steps."""
+    def segment_work(self, col: RingColumns, num_steps: int | None = None) -> tuple[Tensor, Tensor]:
+        """(P, T, K) seconds of each segment's kernel and own merge (dQ add) over the first
+        ``num_steps`` columns (None: all): COMPUTE t k."""
         rows = col.segment_rows[:, :num_steps].double()
         kernel = col.segment_pairs[:, :num_steps] * self.kernel_per_pair
         own = (col.q_owner[:, :num_steps] == self.ranks.unsqueeze(1)).unsqueeze(-1)
@@ -1032,11 +1027,6 @@ class _Replay:
         cost = (col.return_rows * col.segment_heads).sum(-1).double()
         cost = cost * self.return_merge_per_row_head * self.plan.strategy.passes_q
         return torch.zeros_like(cost).scatter_add_(0, col.q_owner, cost)
-
-    def segment_work(self, col: RingColumns) -> Tensor:
-        """(P, T, K) seconds of each segment of every column of ``col``: COMPUTE t k."""
-        kernel, merge = self._segment_work(col, col.q_owner.shape[1])
-        return kernel + merge
 
     def step(self, t: int, col: RingColumns, j: int, dur: dict[str, Tensor]) -> None:
         """Step ``t`` (column ``j``); ``dur``: ``travel`` (P,), ``returns`` (P, K), ``dkv`` (P,)."""
@@ -1133,71 +1123,50 @@ def _window_flows(
     plan: RingPlan,
     col: RingColumns,
     flows: tuple[Tensor, Tensor, Tensor],
-    posted: Tensor,
     windows: range,
+    posted: Tensor | None = None,
     *,
-    computes_first: bool,
+    computes_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The ``flows`` (``_flow_bytes``) of ``windows`` as ``(W, P, G)`` bytes, receivers and
     starts (seconds from the window's start), and ``(P, 2)`` the exposed ones of the last
     step. Slots: 0 the travel of step w, at the start (after segment 0 on step 0 where the
     forward ``computes_first``: ``ring_step_order``); 1..K the returns of step w, each after
     its segment (``posted[:, j, k]``: its step's work up to it), but on the last step each
-    rank's last; K+1 the accumulators of step w-1, posted as step w starts."""
+    rank's last; K+1 the accumulators of step w-1, posted as step w starts.
+
+    Without ``posted``, on a physical ring (Note [Vectorised engine]), every flow starts with
+    its window and the slots are: 0 the travel of step w, 1..K the returns of step w-1,
+    K+1..2K those of the last step but each rank's last (window P-1), 2K+1 the accumulators
+    of step w-1."""
     p, first = plan.world_size, col.steps.start
     travel, returns, dkv = flows
     k = returns.shape[2]
-    x = torch.zeros(len(windows), p, k + 2, dtype=torch.float64)
+    together = posted is None
+    g = 2 * k + 2 if together else k + 2
+    x = torch.zeros(len(windows), p, g, dtype=torch.float64)
     start = torch.zeros_like(x)
-    dst = ((torch.arange(p) + plan.direction) % p).view(1, p, 1).repeat(len(windows), 1, k + 2)
+    dst = ((torch.arange(p) + plan.direction) % p).view(1, p, 1).repeat(len(windows), 1, g)
     for i, w in enumerate(windows):
         j = w - first
-        x[i, :, 0], x[i, :, 1 : k + 1] = travel[:, j], returns[:, j]
-        start[i, :, 1 : k + 1] = posted[:, j]
-        dst[i, :, 1 : k + 1] = col.q_owner[:, j, None]
+        x[i, :, 0] = travel[:, j]
+        if (jr := j - together) >= 0:  # the column whose returns fly in this window
+            x[i, :, 1 : k + 1], dst[i, :, 1 : k + 1] = returns[:, jr], col.q_owner[:, jr, None]
+        if posted is not None:
+            start[i, :, 1 : k + 1] = posted[:, j]
         if j >= 1:
-            x[i, :, k + 1], dst[i, :, k + 1] = dkv[:, j - 1], col.dkv_dst[:, j - 1]
+            x[i, :, -1], dst[i, :, -1] = dkv[:, j - 1], col.dkv_dst[:, j - 1]
     exposed = torch.zeros(p, 2, dtype=torch.float64)
-    if windows and windows.start == 0 and computes_first:
+    if windows and windows.start == 0 and computes_first and posted is not None:
         start[0, :, 0] = posted[:, 0, 0]
     if windows and windows[-1] == p - 1:
-        j = p - 1 - first
+        j, lo = p - 1 - first, 1 + k * together
         last = _last_segment(col, j)  # (P, K): each rank's last return is exposed
-        x[-1, :, 1 : k + 1] = torch.where(last, 0.0, returns[:, j])
+        x[-1, :, lo : lo + k] = torch.where(last, 0.0, returns[:, j])
+        dst[-1, :, lo : lo + k] = col.q_owner[:, j, None]
         exposed[:, 0] = torch.where(last, returns[:, j], 0.0).sum(-1)
         exposed[:, 1] = dkv[:, j]
     return x, dst, start, exposed
-
-
-def _window_flows_together(
-    plan: RingPlan, col: RingColumns, flows: tuple[Tensor, Tensor, Tensor], windows: range
-) -> tuple[Tensor, Tensor, Tensor]:
-    """On a physical ring (Note [Vectorised engine]): the ``flows`` (``_flow_bytes``) of
-    ``windows`` as ``(W, P, G)`` bytes and receivers, all starting with their window, and
-    ``(P, 2)`` the exposed ones of the last step. Slots: 0 the travel of step w, 1..K the
-    returns of step w-1, K+1..2K those of the last step but each rank's last (window P-1),
-    2K+1 the accumulators of step w-1."""
-    p, first = plan.world_size, col.steps.start
-    travel, returns, dkv = flows
-    k = returns.shape[2]
-    x = torch.zeros(len(windows), p, 2 * k + 2, dtype=torch.float64)
-    dst = ((torch.arange(p) + plan.direction) % p).view(1, p, 1).repeat(len(windows), 1, 2 * k + 2)
-    for i, w in enumerate(windows):
-        x[i, :, 0] = travel[:, w - first]
-        if 1 <= w <= p - 1 and w - 1 >= first:
-            j = w - 1 - first
-            x[i, :, 1 : k + 1], x[i, :, 2 * k + 1] = returns[:, j], dkv[:, j]
-            dst[i, :, 1 : k + 1] = col.q_owner[:, j, None]
-            dst[i, :, 2 * k + 1] = col.dkv_dst[:, j]
-    exposed = torch.zeros(p, 2, dtype=torch.float64)
-    if windows and windows[-1] == p - 1:
-        j = p - 1 - first
-        last = _last_segment(col, j)  # (P, K): each rank's last return is exposed
-        x[-1, :, k + 1 : 2 * k + 1] = torch.where(last, 0.0, returns[:, j])
-        dst[-1, :, k + 1 : 2 * k + 1] = col.q_owner[:, j, None]
-        exposed[:, 0] = torch.where(last, returns[:, j], 0.0).sum(-1)
-        exposed[:, 1] = dkv[:, j]
-    return x, dst, exposed
 
 
 def _last_segment(col: RingColumns, j: int) -> Tensor:
@@ -1208,6 +1177,19 @@ def _last_segment(col: RingColumns, j: int) -> Tensor:
 
 _Flows = tuple[Tensor, Tensor, Tensor]
 """``(W, P, G)`` flows: bytes (0: none), receivers, starts in seconds from their window's."""
+
+
+def _price_used(
+    net: _Network, x: Tensor, dst: Tensor, start: Tensor, own: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """:meth:`_Network.price` of the slots that hold a flow in some window (0 elsewhere)."""
+    used = (x > 0).flatten(0, 1).any(0)
+    dur = torch.zeros_like(x)
+    mine = None if own is None else own[:, :, used]
+    dur[:, :, used], work = net.price(
+        x[:, :, used], dst[:, :, used], start=start[:, :, used], own=mine
+    )
+    return dur, work
 
 
 def _price_windows(
@@ -1228,16 +1210,13 @@ def _price_windows(
     if before is None:
         before = tuple(torch.zeros_like(v[:1]) for v in flows)  # type: ignore[assignment]
     assert before is not None
-    framed = [
+    x, dst, start = (
         torch.cat([torch.cat([b, e[:-1]]), v], -1)
         for b, e, v in zip(before, ended, flows, strict=True)
-    ]
-    own = torch.zeros(framed[0].shape, dtype=torch.bool)
+    )
+    own = torch.zeros(x.shape, dtype=torch.bool)
     own[:, :, g:] = True
-    used = (framed[0] > 0).flatten(0, 1).any(0)  # price only the slots with flows
-    dur = torch.zeros_like(framed[0])
-    x_f, dst_f, start_f = (v[:, :, used] for v in framed)
-    dur[:, :, used], work = net.price(x_f, dst_f, start=start_f, own=own[:, :, used])
+    dur, work = _price_used(net, x, dst, start, own)
     return dur[:, :, g:], work, tuple(v[-1:] for v in ended)  # type: ignore[return-value]
 
 
@@ -1245,9 +1224,9 @@ def _step_durations(
     dur: Tensor, tail: Tensor, col: RingColumns, t: int, j: int, *, together: bool
 ) -> dict[str, Tensor]:
     """Durations of step t's flows (window t is ``dur[j]``): its travel and returns fly in
-    window t (its returns in window t + 1 if ``together``: ``_window_flows_together``), its
-    accumulators in window t + 1; the last step's last returns and accumulators, exposed,
-    in ``tail``."""
+    window t (its returns in window t + 1 if ``together``: ``_window_flows`` without
+    ``posted``), its accumulators in window t + 1; the last step's last returns and
+    accumulators, exposed, in ``tail``."""
     k = col.segment_rows.shape[2]
     returns = dur[j + together, :, 1 : k + 1] if t < col.q_owner.shape[0] - 1 else None
     if returns is not None:
@@ -1285,9 +1264,10 @@ def _price_staggered(
     its last window's flows and the returns merged on its last step (``before`` and
     ``merged_before``: this chunk's, from the chunk before)."""
     c0 = col.steps.start
-    posted = replay.segment_work(col).cumsum(-1)  # (P, T, K): the work up to segment k
+    kernel, merge = replay.segment_work(col)
+    posted = (kernel + merge).cumsum(-1)  # (P, T, K): the work up to segment k
     lead = hardware.host_computes and plan.pass_ is Pass.FORWARD
-    x, dst, start, tail_x = _window_flows(plan, col, flows, posted, windows, computes_first=lead)
+    x, dst, start, tail_x = _window_flows(plan, col, flows, windows, posted, computes_first=lead)
     merges = torch.cat([merged_before, replay.returned_merges(col)], 1)  # from c0 - 1
     dur, work = torch.zeros_like(x), torch.zeros(0, 7, plan.world_size)
     if windows:  # each window's work: its segments, the returns of two steps before merged
@@ -1303,12 +1283,8 @@ def _price_together(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per flow its duration, per window its work, and the exposed tail's flows, with every
     flow of a window starting with it (the physical ring: Note [Vectorised engine])."""
-    x, dst, tail_x = _window_flows_together(plan, col, flows, windows)
-    used = (x > 0).flatten(0, 1).any(0)  # price only the slots with flows
-    dur = torch.zeros_like(x)
-    start = torch.zeros_like(x[:, :, used])
-    dur[:, :, used], work = net.price(x[:, :, used], dst[:, :, used], start=start)
-    return dur, work, tail_x
+    x, dst, start, tail_x = _window_flows(plan, col, flows, windows)
+    return (*_price_used(net, x, dst, start), tail_x)
 
 
 def _price_tail(net: _Network, col: RingColumns, tail_x: Tensor) -> tuple[Tensor, Tensor]:
