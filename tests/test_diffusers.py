@@ -146,7 +146,7 @@ def misuses(comm: Any, inputs: dict[str, Any]) -> None:
             joint_attention_kwargs={"text_seq_len": TEXT},
         )
     q = torch.randn(BATCH, 9, 2, 8, dtype=torch.float64)
-    with pytest.raises(ValueError, match="disagree on this replicated-text attention: num_text"):
+    with pytest.raises(ValueError, match="disagree on this joint attention call: num_text"):
         tr_diffusers.joint_attn(q, q, q, num_text=5 - comm.rank % 2, text="replicated", group=comm)
 
 

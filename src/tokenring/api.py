@@ -11,6 +11,7 @@ import atexit
 import functools
 import inspect
 import math
+import numbers
 import struct
 import zlib
 from collections.abc import Sequence
@@ -135,7 +136,9 @@ def check_softmax_scale(softmax_scale: float | None) -> None:
             f"that requires grad; got {softmax_scale!r}"
         )
     if softmax_scale is not None and (
-        isinstance(softmax_scale, bool) or not (softmax_scale > 0 and math.isfinite(softmax_scale))
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, numbers.Real | torch.Tensor)  # "x" > 0: a TypeError
+        or not (softmax_scale > 0 and math.isfinite(softmax_scale))
     ):
         raise ValueError(f"softmax_scale must be a finite number > 0 or None; got {softmax_scale}")
 

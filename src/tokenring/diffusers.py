@@ -59,11 +59,13 @@ A ring step pairs equal blocks, so :func:`cross_attn` does not go round the ring
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tokenring.api import (
@@ -123,6 +125,12 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_len: b
         raise ValueError(
             f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}"
         )
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(
+                f"{name} must have q's dtype and device ({q.dtype} on {q.device}); got "
+                f"{x.dtype} on {x.device}"
+            )
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(
             f"k must be (B={q.shape[0]}, seq, heads dividing {q.shape[2]}, D={q.shape[3]}); "
@@ -160,11 +168,30 @@ def joint_attn(
         ``(B, t + s, H, D)`` in q's dtype: each row attended to all T + S keys.
 
     Raises:
-        ValueError: bad shapes, ``num_text`` outside ``[0, t + s]``, an unknown ``text``, or
-            a softmax_scale that is not a finite number > 0;
-            the ranks' local lengths differ (raised by the attention call, on every rank), or
-            with replicated text their ``num_text`` (on every rank).
+        ValueError: on every rank: a rank's bad shapes, dtypes, ``num_text`` outside
+            ``[0, t + s]``, unknown ``text`` or softmax_scale that is not a finite number > 0;
+            ranks that differ in ``text``, with replicated text in ``num_text``, or in their
+            local lengths (raised by the attention call).
     """
+    comm = get_communicator(group)
+    validate = functools.partial(_joint_checked, q, k, v, num_text, text, softmax_scale)
+    # every rank's placement (and replicated num_text) checked with the others' before the
+    # attention call's own check: a rank that fails here does not leave its peers waiting
+    placement = comm.agreed(validate, what="joint attention call", deferred=True)
+    options: dict[str, Any] = {"strategy": strategy, "hardware": hardware}
+    options["softmax_scale"] = softmax_scale
+    return _joint(q, k, v, num_text=num_text, text=placement, comm=comm, **options)
+
+
+def _joint_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_text: Any,
+    text: Any,
+    softmax_scale: float | None,
+) -> tuple[TextPlacement, dict[str, Any]]:
+    """:func:`joint_attn`'s own checks; the placement and what the ranks must agree on."""
     placement = TextPlacement.parse(text)
     _check_qkv(q, k, v, same_len=True)
     check_softmax_scale(softmax_scale)  # the replicated text's key bias divides by it
@@ -172,15 +199,28 @@ def joint_attn(
         raise ValueError(f"num_text must be an int; got {num_text!r}")
     if not 0 <= num_text <= q.shape[1]:
         raise ValueError(f"num_text must be in [0, {q.shape[1]}] (q.shape[1]); got {num_text}")
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    comm = get_communicator(group)
+    replicated = placement is TextPlacement.REPLICATED
+    # the bias is applied to the first num_text keys of each rank: all the same T
+    return placement, {"text": placement.value, "num_text": num_text if replicated else None}
 
+
+def _joint(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_text: int,
+    text: TextPlacement,
+    comm: Communicator,
+    strategy: str,
+    softmax_scale: float | None = None,
+    hardware: Hardware | str | None = None,
+) -> torch.Tensor:
+    """:func:`joint_attn` once the ranks agree on ``text`` (and replicated, ``num_text``)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     options: dict[str, Any] = {"strategy": strategy, "hardware": hardware, "softmax_scale": scale}
     options |= {"group": comm, "causal": False, "layout": "contiguous"}
-    if placement is TextPlacement.REPLICATED and comm.world_size > 1:
-        # the bias below is applied to the first num_text keys of each rank: all the same T
-        comm.agreed(lambda: (None, {"num_text": num_text}), what="replicated-text attention")
-    if placement is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
+    if text is TextPlacement.SHARDED or comm.world_size == 1 or num_text == 0:
         return cast(torch.Tensor, sequence_parallel_attn(q, k, v, **options))  # no return_lse
     # the bias channel (Note [Joint attention with replicated text]): E = 8 when 8 divides D
     b, n, d = q.shape[0], q.shape[1], q.shape[3]
@@ -241,17 +281,25 @@ def cross_attn(
         (their sum over the ranks is the gradient); of sharded K/V, complete.
 
     Raises:
-        ValueError: bad shapes, an unknown ``kv``, a softmax_scale that is not a finite
-            number > 0, a group that is not one, or no key at all.
+        ValueError: bad shapes or dtypes, an unknown ``kv``, a softmax_scale that is not a
+            finite number > 0, a group that is not one, or no key at all; with sharded K/V on
+            every rank, also where one rank's call is bad or the ranks' K/V differ in batch,
+            heads, head dim, dtype, device type or whether they need a gradient.
     """
-    placement = KVPlacement.parse(kv)
-    _check_qkv(q, k, v, same_len=False)
-    check_softmax_scale(softmax_scale)
-    check_group(group)  # replicated K/V need no exchange, but a bad group is still an error
-    if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
-        raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
-    if placement is KVPlacement.SHARDED:
+    validate = functools.partial(_cross_checked, q, k, v, kv, softmax_scale)
+    try:
+        placement = KVPlacement.parse(kv)
+    except ValueError:
+        if group is None and not dist.is_initialized():
+            raise
+        placement = KVPlacement.SHARDED  # peers may be gathering: validate raises it to all
+    if placement is KVPlacement.REPLICATED:
+        check_group(group)  # replicated K/V need no exchange, but a bad group is still an error
+        validate()
+    else:  # checks and K/V shapes agreed before the gather: a rank that differs would make
+        # the all-gather mismatch (abort, or hang in the backward's all-reduce)
         comm = get_communicator(group)
+        comm.agreed(validate, what="cross-attention call")
         lengths = comm.all_gather_int(k.shape[1], k.device, label="cross-attention K/V lengths")
         if sum(lengths) == 0:  # every rank raises: they all see the same lengths
             raise ValueError("k and v must hold at least one key on some rank; got none on any")
@@ -260,6 +308,29 @@ def cross_attn(
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, seq, D)
     out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, enable_gqa=True)
     return out.transpose(1, 2)  # (B, s, Hq, D)
+
+
+def _cross_checked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, softmax_scale: float | None
+) -> tuple[None, dict[str, Any]]:
+    """:func:`cross_attn`'s own checks; what the ranks' K/V must agree on (sharded K/V are
+    gathered, and their gradients all-reduced, over every rank)."""
+    placement = KVPlacement.parse(kv)
+    _check_qkv(q, k, v, same_len=False)
+    check_softmax_scale(softmax_scale)
+    if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
+        raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
+    grad = torch.is_grad_enabled()
+    return None, {
+        "kv": placement.value,
+        "batch": k.shape[0],
+        "heads_kv": k.shape[2],
+        "head_dim": k.shape[3],
+        "dtype": str(k.dtype),
+        "device type": k.device.type,
+        "k needs grad": grad and k.requires_grad,
+        "v needs grad": grad and v.requires_grad,
+    }
 
 
 # -- diffusers --------------------------------------------------------------------------------
@@ -333,24 +404,31 @@ class FluxSequenceParallelProcessor:
                 "tokenring.diffusers needs diffusers for its processor: "
                 'pip install "tokenring-attention[diffusers]"'
             ) from exc
-        if not isinstance(attn, FluxAttention):  # another model's projections, norms, outputs
-            raise NotImplementedError(
-                "FluxSequenceParallelProcessor runs diffusers' FluxAttention (Flux and the "
-                f"models built on its blocks); got {type(attn).__name__}"
-            )
-        _refuse_inputs(attention_mask, ip_hidden_states, ip_adapter_masks)
+        comm = get_communicator(self.group)
         text = TextPlacement.parse(self.text)
-        query, key, value, num_text = _joint_qkv(
-            attn, hidden_states, encoder_hidden_states, text, text_seq_len, self.group
+        validate = functools.partial(
+            _layer_checked,
+            attn if isinstance(attn, FluxAttention) else None,
+            type(attn).__name__,
+            hidden_states,
+            encoder_hidden_states,
+            text,
+            text_seq_len,
+            (attention_mask, ip_hidden_states, ip_adapter_masks),
         )
+        # every rank's checks, placement and text rows agreed before any collective: a rank
+        # that raised alone left the others waiting in the next exchange
+        num_text = comm.agreed(validate, what="Flux attention layer", deferred=True)
+        sharded = text is TextPlacement.SHARDED and encoder_hidden_states is not None
+        if sharded and text_seq_len is not None:  # the ranks' text rows must add up to T
+            _check_sharded_text_len(text_seq_len, num_text, comm)
+        query, key, value = _joint_qkv(attn, hidden_states, encoder_hidden_states)
         if image_rotary_emb is not None:  # (cos, sin), each (t + s, D), from the local ids
             rotary: Any = image_rotary_emb  # diffusers annotates it as a 1-tuple
             rotate: Any = apply_rotary_emb  # (its return type admits a tuple: not for these)
             query, key = (rotate(x, rotary, sequence_dim=1) for x in (query, key))
-        options: dict[str, Any] = dict(
-            group=self.group, strategy=self.strategy, hardware=self.hardware
-        )
-        out = joint_attn(query, key, value, num_text=num_text, text=text, **options)
+        options: dict[str, Any] = dict(comm=comm, strategy=self.strategy, hardware=self.hardware)
+        out = _joint(query, key, value, num_text=num_text, text=text, **options)
         out = out.flatten(2, 3).to(query.dtype)  # (B, t + s, H, D) -> (B, t + s, C)
         if encoder_hidden_states is None:
             return out
@@ -359,17 +437,23 @@ class FluxSequenceParallelProcessor:
         return image_out, attn.to_add_out(text_out.contiguous())
 
 
-def _joint_qkv(
+def _layer_checked(
     attn: Any,
+    attn_name: str,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor | None,
     text: TextPlacement,
-    text_seq_len: int | None,
-    group: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The layer's query, key and value ``(B, t + s, H, D)``, text rows first, and the number
-    of text rows ``t`` among this rank's (checked against ``text_seq_len``)."""
-    query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
+    text_seq_len: Any,
+    refused: tuple[Any, Any, Any],
+) -> tuple[int, dict[str, Any]]:
+    """One layer's checks (``attn``: None when not a ``FluxAttention``): the number of text
+    rows ``t`` among this rank's, and what the ranks must agree on."""
+    if attn is None:  # another model's projections, norms, outputs
+        raise NotImplementedError(
+            "FluxSequenceParallelProcessor runs diffusers' FluxAttention (Flux and the "
+            f"models built on its blocks); got {attn_name}"
+        )
+    _refuse_inputs(*refused)
     if encoder_hidden_states is not None:
         if attn.added_kv_proj_dim is None:
             raise NotImplementedError(
@@ -379,17 +463,32 @@ def _joint_qkv(
         num_text = encoder_hidden_states.shape[1]
         if text_seq_len is not None and text is TextPlacement.REPLICATED:
             _check_text_len(text_seq_len, num_text)
-        elif text_seq_len is not None:  # sharded: the ranks' text rows must add up to T
-            _check_sharded_text_len(text_seq_len, num_text, group)
-        eq, ek, ev = _projections(attn, encoder_hidden_states, added=True)  # (B, t, H, D)
-        query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
-        key = torch.cat([ek, key], dim=1)
-        value = torch.cat([ev, value], dim=1)
+        elif text_seq_len is not None:  # sharded: the rows add up to it (checked after)
+            _check_count(text_seq_len)
     elif text is TextPlacement.SHARDED:
         num_text = 0  # the local joint sequence is one block of the ring
     else:  # text rows at the start of a single-stream block's local rows
         num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
-    return query, key, value, num_text
+    return num_text, {
+        "text": text.value,
+        "block": "single-stream" if encoder_hidden_states is None else "joint",
+        "text_seq_len": text_seq_len,
+        # the replicated text's key bias needs the same T on every rank
+        "num_text": num_text if text is TextPlacement.REPLICATED else None,
+    }
+
+
+def _joint_qkv(
+    attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's query, key and value ``(B, t + s, H, D)``, text rows first."""
+    query, key, value = _projections(attn, hidden_states, added=False)  # (B, s, H, D)
+    if encoder_hidden_states is not None:
+        eq, ek, ev = _projections(attn, encoder_hidden_states, added=True)  # (B, t, H, D)
+        query = torch.cat([eq, query], dim=1)  # (B, t + s, H, D)
+        key = torch.cat([ek, key], dim=1)
+        value = torch.cat([ev, value], dim=1)
+    return query, key, value
 
 
 def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
@@ -422,12 +521,14 @@ def _projections(attn: Any, x: torch.Tensor, *, added: bool) -> tuple[Any, Any, 
     return norm_q(q.unflatten(-1, heads)), norm_k(k.unflatten(-1, heads)), v.unflatten(-1, heads)
 
 
-def _check_sharded_text_len(text_seq_len: Any, num_text: int, group: GroupLike) -> None:
-    """With sharded text, ``text_seq_len`` is T: the ranks' text rows must add up to it (the
-    whole text on every rank would count each text key P times). A collective."""
+def _check_count(text_seq_len: Any) -> None:
     if isinstance(text_seq_len, bool) or not isinstance(text_seq_len, int) or text_seq_len < 0:
         raise ValueError(f"text_seq_len must be an int >= 0; got {text_seq_len!r}")
-    comm = get_communicator(group)
+
+
+def _check_sharded_text_len(text_seq_len: int, num_text: int, comm: Communicator) -> None:
+    """With sharded text, ``text_seq_len`` is T: the ranks' text rows must add up to it (the
+    whole text on every rank would count each text key P times). A collective."""
     held = comm.all_gather_int(num_text, torch.device("cpu"), label="text rows per rank")
     if sum(held) != text_seq_len:
         raise ValueError(
@@ -446,8 +547,7 @@ def _check_text_len(text_seq_len: Any, expected: int, *, at_most: bool = False) 
             "block (the text rows are not told apart there): pass "
             "joint_attention_kwargs={'text_seq_len': T} to the model; got None"
         )
-    if isinstance(text_seq_len, bool) or not isinstance(text_seq_len, int) or text_seq_len < 0:
-        raise ValueError(f"text_seq_len must be an int >= 0; got {text_seq_len!r}")
+    _check_count(text_seq_len)
     if (text_seq_len > expected) if at_most else (text_seq_len != expected):
         want = f"at most the joint length {expected}" if at_most else f"{expected}"
         raise ValueError(

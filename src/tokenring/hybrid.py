@@ -247,18 +247,22 @@ def hybrid_attn(
     Raises:
         NotImplementedError: Hq or Hkv not divisible by the inner size; a collective strategy
             on the outer axis.
-        ValueError: a local length that is not this rank's share (see hybrid_shard); ranks
-            that disagree; as :func:`tokenring.sequence_parallel_attn`.
+        ValueError: a mesh that is not a HybridMesh; a local length that is not this rank's
+            share (see hybrid_shard); ranks that disagree; as
+            :func:`tokenring.sequence_parallel_attn` (with check_ranks, every rank raises).
     """
     options = {
         name: value
         for name, value in locals().items()
         if name not in ("q", "k", "v", "mesh", "return_lse", "check_ranks")
     }  # what _prepare validates
-    for name, flag in (("check_ranks", check_ranks), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool; got {flag!r}")
-    out, lse = hybrid_attention(_agreed_plan(q, k, v, mesh, check_ranks, options), q, k, v)
+    if not isinstance(mesh, HybridMesh):  # no groups to tell the peers on
+        raise ValueError(
+            "mesh must be a HybridMesh (tokenring.hybrid.hybrid_mesh, or "
+            f"HybridMesh.from_device_mesh for a 2-D DeviceMesh); got {type(mesh).__name__}"
+        )
+    flags = {"check_ranks": check_ranks, "return_lse": return_lse}
+    out, lse = hybrid_attention(_agreed_plan(q, k, v, mesh, flags, options), q, k, v)
     return (out, lse) if return_lse else out
 
 
@@ -267,27 +271,35 @@ def _agreed_plan(
     k: torch.Tensor,
     v: torch.Tensor,
     mesh: HybridMesh,
-    check_ranks: bool,
+    flags: dict[str, Any],
     options: dict[str, Any],
 ) -> HybridPlan:
-    """This rank's plan of the call, once the ranks agree (with ``check_ranks``)."""
+    """This rank's plan of the call, once the ranks agree (unless ``check_ranks`` is False;
+    one that is not a bool is an error the peers learn, as a bad ``return_lse``)."""
     plan: HybridPlan | None = None
     signature: dict[str, Any] | None = None
     problem: Exception | None = None
+    check_ranks = flags["check_ranks"] is not False
+    # built first, in one order on every rank: a communicator's first build makes process
+    # groups, which every rank must make in the same order (else they wait for each other)
+    communicators = {"outer": get_communicator(mesh.outer), "inner": get_communicator(mesh.inner)}
     try:
+        for name, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool; got {flag!r}")
         plan, signature = _prepare(q, k, v, mesh, **options)
     except (ValueError, NotImplementedError) as exc:
         problem = exc
     # the mesh too: an outer ring must pair the ranks that hold the same heads (one inner rank
     # per outer group, one outer rank per inner group), else it mixes heads silently
     same = (
-        (mesh.inner, {"outer rank (one per inner group)": dist.get_rank(mesh.outer)}),
-        (mesh.outer, {"inner rank (one per outer group)": dist.get_rank(mesh.inner)}),
+        ("inner", {"outer rank (one per inner group)": dist.get_rank(mesh.outer)}),
+        ("outer", {"inner rank (one per outer group)": dist.get_rank(mesh.inner)}),
     )
     for group, rank in same if check_ranks else ():
         mine = None if signature is None else signature | rank
         try:  # together: every rank
-            get_communicator(group).agree(mine, problem, what="hybrid attention call")
+            communicators[group].agree(mine, problem, what="hybrid attention call")
         except ValueError as exc:  # the outer group learns it too
             problem, signature = problem or exc, None
     if problem is not None:
