@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tokenring
-from oracle import make_inputs, oracle_with_grads, sharded_positions
+from oracle import full_attention, make_inputs, oracle_with_grads, sharded_positions
 from tokenring.hybrid import hybrid_attn, hybrid_mesh
 
 PG_TIMEOUT_S = 10.0  # a case that hangs fails within this, not the default 30 s
@@ -70,7 +70,35 @@ def _hybrid_ranks() -> dict[str, Any]:
     ]
     found["error"] = max(float(e.abs().max()) for e in errors)
     found["num_grads"] = len(errors) - 1
+    found["lse_loss_errors"] = _hybrid_lse_loss_errors(mesh, q, k, v, dout, idx=idx)
     return found
+
+
+def _hybrid_lse_loss_errors(
+    mesh: Any, *inputs: torch.Tensor, idx: torch.Tensor
+) -> dict[str, float]:
+    """A loss of out and lse, and one of lse alone (Note [Gradient of lse] in
+    tokenring.runtime.op; before: lse carried no gradient, its term was dropped): the largest
+    error of each gradient against float64 autograd."""
+    q, k, v, dout = inputs
+    dlse = torch.randn(
+        q.shape[0], q.shape[2], q.shape[1], generator=torch.Generator().manual_seed(9)
+    )
+    errors = {}
+    for name, with_out in (("out_and_lse", True), ("lse_alone", False)):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        ref_out, ref_lse = full_attention(*leaves, causal=True, scale=8**-0.5)
+        ref_loss = (ref_lse * dlse.double()).sum() + (ref_out * dout).sum() * with_out
+        want = torch.autograd.grad(ref_loss, leaves, allow_unused=True)
+        local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
+        out, lse = hybrid_attn(*local, mesh=mesh, causal=True, layout="zigzag", return_lse=True)
+        loss = (lse * dlse[:, :, idx]).sum() + ((out * dout[:, idx]).sum() if with_out else 0)
+        loss.backward()
+        for leaf, ref, grad in zip(local, want, ("dq", "dk", "dv"), strict=True):
+            expected = torch.zeros_like(leaf) if ref is None else ref[:, idx]
+            got = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            errors[f"{name} {grad}"] = float((got - expected).abs().max())
+    return errors
 
 
 def test_one_ranks_bad_hybrid_option_raises_on_every_rank() -> None:
@@ -82,6 +110,7 @@ def test_one_ranks_bad_hybrid_option_raises_on_every_rank() -> None:
         assert "check_ranks must be a bool; got 'yes'" in found["check_ranks"], (rank, found)
         assert "softmax_scale must be a finite number > 0 or None; got x" in found["softmax_scale"]
         assert found["num_grads"] == 3 and found["error"] < 1e-10, (rank, found)
+        assert max(found["lse_loss_errors"].values()) < 1e-10, (rank, found["lse_loss_errors"])
 
 
 @pytest.mark.usefixtures("single_rank_group")

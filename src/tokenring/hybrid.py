@@ -242,7 +242,8 @@ def hybrid_attn(
             ``last_block_splits``: what the outer group's communicator path takes).
 
     Returns:
-        out ``(B, s, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, s)``.
+        out ``(B, s, Hq, D)``, or ``(out, lse)`` with lse ``(B, Hq, s)``, which carries its
+        gradient (Note [Gradient of lse] in tokenring.runtime.op).
 
     Raises:
         NotImplementedError: Hq or Hkv not divisible by the inner size; a collective strategy

@@ -43,7 +43,7 @@ import torch
 from tokenring.core.schedule import AttentionShape, Pass, Payload, Transfer
 from tokenring.runtime.comm import Communicator, Message
 from tokenring.runtime.executor import PassRunner, execute
-from tokenring.runtime.kernels import BlockKernel
+from tokenring.runtime.kernels import BlockKernel, lse_channel_width, widen
 from tokenring.runtime.program import Op, program_of
 from tokenring.runtime.ring import (
     _Backward,
@@ -77,7 +77,8 @@ def hybrid_attention(
     plan: HybridPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(B, s, Hq, D)`` and lse ``(B, Hq, s)`` of a planned call on this rank's q
-    ``(B, s, Hq, D)`` and k, v ``(B, s, Hkv, D)``; differentiable in q, k and v (not lse)."""
+    ``(B, s, Hq, D)`` and k, v ``(B, s, Hkv, D)``; differentiable in q, k and v, through out and
+    lse (Note [Gradient of lse] in tokenring.runtime.op)."""
     return _HybridAttention.apply(q, k, v, plan)
 
 
@@ -92,17 +93,27 @@ class _HybridAttention(torch.autograd.Function):
         runner = _HybridPass(plan, plan.schedules[0], {Payload.Q: [q], Payload.KV: [k, v]})
         execute(program_of(runner.sched, runner.rank), runner)
         out, lse = runner.result
-        ctx.plan = plan
+        ctx.plan, ctx.out_like = plan, (out.shape, out.dtype, out.device)
         ctx.save_for_backward(*runner.saved)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # a loss without lse: dlse None, not zeros
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        if dout is None:  # the loss uses lse alone
+            shape, dtype, device = ctx.out_like
+            dout = torch.zeros(shape, dtype=dtype, device=device)
+        head_dim = dout.shape[3]
+        if dlse is not None:  # lse's channel travels with its heads (Note [Gradient of lse])
+            channel = dlse.transpose(1, 2).unsqueeze(-1).to(dout.dtype)  # (B, s, Hq, 1)
+            dout = widen(dout, lse_channel_width(dout), channel)  # (B, s, Hq, D + e)
         runner = _HybridPass(ctx.plan, ctx.plan.schedules[1], {Payload.Q: [dout]})
         runner.saved = ctx.saved_tensors
         execute(program_of(runner.sched, runner.rank), runner)
-        return (*runner.result, None)
+        dq, dk, dv = (x[..., :head_dim].contiguous() for x in runner.result)
+        return dq, dk, dv, None
 
 
 class _HybridPass(PassRunner):
@@ -215,7 +226,12 @@ class _HybridPass(PassRunner):
         """ARRIVE 0: the ring runner of this pass, on the gathered rows padded to s_pad."""
         padded = tuple(self.padding.pad(x).contiguous() for x in gathered)  # (B, s_pad, h, D)
         if self.sched.pass_ is Pass.BACKWARD:  # dout; q, k, v, out, lse of the forward
-            self.ring = _Backward(*self.ring_setup, padded + self.saved, scale=self.plan.scale)
+            q, k, v, out, lse = self.saved
+            width = padded[0].shape[3]
+            if width > q.shape[3]:  # dout carries lse's gradient (Note [Gradient of lse])
+                q, k, out, v = (*(widen(x, width, 0.0) for x in (q, k, out)), widen(v, width, 1.0))
+            saved = (q, k, v, out, lse)
+            self.ring = _Backward(*self.ring_setup, padded + saved, scale=self.plan.scale)
         else:
             self.saved = padded
             self.ring = _Forward(*self.ring_setup, self.saved, scale=self.plan.scale)

@@ -85,6 +85,24 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def lse_channel_width(x: Tensor) -> int:
+    """The head dim D + e of a backward that carries lse's gradient, for ``x`` ``(B, s, H, D)``
+    (Note [Gradient of lse] in tokenring.runtime.op): e = 8 on CUDA where 8 divides D, so the
+    fused kernels still take it, else 1."""
+    d = x.shape[3]
+    return d + (8 if x.device.type == "cuda" and d % 8 == 0 else 1)
+
+
+def widen(x: Tensor, width: int, channel: Tensor | float) -> Tensor:
+    """``x`` ``(B, s, H, D)`` as ``(B, s, H, width)``: ``channel`` in channel D, zeros after it
+    (Note [Gradient of lse] in tokenring.runtime.op)."""
+    d = x.shape[3]
+    wide = x.new_zeros((*x.shape[:3], width))
+    wide[..., :d] = x
+    wide[..., d : d + 1] = channel
+    return wide
+
+
 def row_delta(dout: Tensor, out: Tensor, acc: torch.dtype) -> Tensor:
     """delta = rowsum(dout * out) ``(B, Hq, s)`` in ``acc`` from ``(B, s, Hq, D)`` dout and
     out (Note [Backward from delta])."""

@@ -53,7 +53,7 @@ from tokenring.core.masks import MaskSpec
 from tokenring.core.schedule import Pass, Schedule, Strategy
 from tokenring.runtime.collective import collective_pass
 from tokenring.runtime.comm import Communicator, FieldSpec
-from tokenring.runtime.kernels import BlockKernel, accumulation_dtype
+from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, lse_channel_width, widen
 from tokenring.runtime.ring import run_backward, run_forward
 from tokenring.strategies.collective import ulysses_heads
 
@@ -258,37 +258,12 @@ def backward(
     dout, q, k, v = (plan.padding.pad(x).contiguous() for x in (dout, q, k, v))  # (B, s_pad, H, D)
     head_dim = q.shape[3]
     if dlse is not None:
+        width = lse_channel_width(q)
         dlse = plan.padding.pad(dlse.transpose(1, 2).unsqueeze(-1))  # (B, s_pad, Hq, 1)
-        dout, q, k, v, out = _lse_channel(dout, q, k, v, out, dlse)
+        dout = widen(dout, width, dlse.to(dout.dtype))  # (B, s_pad, Hq, D + e)
+        q, k, out = (widen(x, width, 0.0) for x in (q, k, out))
+        v = widen(v, width, 1.0)
     dq, dk, dv = _run(plan, Pass.BACKWARD, (dout, q, k, v, out, lse))
     if dlse is not None:  # the extra channel's gradients go
         dq, dk, dv = (x[..., :head_dim] for x in (dq, dk, dv))
     return plan.padding.unpad(dq), plan.padding.unpad(dk), plan.padding.unpad(dv)
-
-
-def _lse_channel(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    dlse: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
-    """dout, q, k, v and out ``(B, s, H, D + e)`` of Note [Gradient of lse], from ``dlse``
-    ``(B, s, Hq, 1)`` (e = 8 on CUDA where 8 divides D, else 1)."""
-    d = q.shape[3]
-    extra = 8 if q.device.type == "cuda" and d % 8 == 0 else 1
-
-    def widened(x: torch.Tensor, channel: torch.Tensor | float) -> torch.Tensor:
-        wide = x.new_zeros((*x.shape[:3], d + extra))
-        wide[..., :d] = x
-        wide[..., d : d + 1] = channel
-        return wide
-
-    return (
-        widened(dout, dlse.to(dout.dtype)),
-        widened(q, 0.0),
-        widened(k, 0.0),
-        widened(v, 1.0),
-        widened(out, 0.0),
-    )
