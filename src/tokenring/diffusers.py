@@ -29,10 +29,11 @@ that output channel is dropped)::
 
 so the result is exactly attention over T + S keys, forward and backward by
 ``sequence_parallel_attn`` (splitting the call and merging by lse would cost a backward with
-lse's gradient: Note [Gradient of lse] in tokenring.runtime.op). Costs: head dim D + 8 (bias and 7 zeros,
-keeping D % 8 == 0 for the fused GPU kernels; D + 1 otherwise) and the text in every
-travelling block. Gradients of replicated tensors are partial per rank (their sum is the
-gradient); in bf16/fp16 the rounded bias costs a logit error up to about log(P) * 2**-8.
+lse's gradient: Note [Gradient of lse] in tokenring.runtime.op). Costs: head dim D + 8
+(bias and 7 zeros, keeping D % 8 == 0 for the fused GPU kernels; D + 1 otherwise) and the
+text in every travelling block. Gradients of replicated tensors are partial per rank (their
+sum is the gradient); in bf16/fp16 the rounded bias costs a logit error up to about
+log(P) * 2**-8.
 
 Note [Which text placement is cheaper]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
