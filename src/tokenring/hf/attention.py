@@ -923,11 +923,14 @@ def causal_lm_loss(
     shift_labels: torch.Tensor,
     *,
     ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits`` ``(B, s, V)`` against ``shift_labels`` ``(B, s)`` (from
     :func:`shard_batch`), averaged over every counted token of every rank: the global mean on
     every rank (0 when no token counts), whose gradient is this rank's share (summed by
-    :func:`all_reduce_gradients`)."""
+    :func:`all_reduce_gradients`). With ``num_items_in_batch`` (transformers' count of the
+    labels of every micro-batch a step accumulates), the sum over every rank's tokens divided
+    by it instead (by 1 when it is 0)."""
     if logits.shape[:2] != shift_labels.shape:
         raise ValueError(
             f"logits (B, s, V) and shift_labels (B, s) must agree; got {tuple(logits.shape)} and "
@@ -947,6 +950,8 @@ def causal_lm_loss(
     if comm.world_size > 1:
         comm.all_reduce(totals, label="causal_lm_loss totals").wait()
     global_sum, num_tokens = totals.to(acc).unbind()
+    if num_items_in_batch is not None:
+        num_tokens = torch.as_tensor(num_items_in_batch).to(device=totals.device, dtype=acc)
     num_tokens = num_tokens.clamp(min=1)
     # the same value on every rank; the gradient only through this rank's local_sum
     return global_sum / num_tokens + (local_sum - local_sum.detach()) / num_tokens

@@ -6,20 +6,38 @@ Legend: N world size, dp data-parallel replicas, sp ranks per sequence-parallel 
 Note [Trainer ranks and gradient scale]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 N = dp x sp ranks form dp sequence-parallel groups of sp ranks (e.g. ``mesh["sp"]`` of a
-``("dp", "sp")`` mesh); the Trainer's DDP spans all N. Per step and group g::
+``("dp", "sp")`` mesh); the Trainer's DDP spans all N. The aim: the update transformers'
+Trainer makes over dp data-parallel processes fed the groups' first ranks' micro-batches.
+Per optimizer step of M accumulated micro-batches m, and group g, where S_gm is the summed
+token loss of micro-batch m over the group's tokens and C_g the labels counted in its M
+micro-batches (``labels[..., 1:] != -100``, transformers' count; with ``cu_seqlens`` the
+labels the loss sums)::
 
-    the loader          gives every rank its own batch
-    broadcast_batch     the group's first rank's batch on each of its ranks (the others' dropped)
+    the loader          gives every rank its own M micro-batches
+    _get_num_items_in_batch
+                        n: C_g counted on the group's first rank, agreed within g (the
+                        others' batches are dropped); average_tokens_across_devices:
+                        n = C = sum over g of C_g, and k = dp; else n = C_g, k = 1
+    broadcast_batch     the group's first rank's micro-batch on each of its ranks
     shard_batch         each rank's zigzag shard, labels shifted over the global sequence
-    causal_lm_loss      L_g, the token-weighted mean over the group's tokens; its value is the
-                        same on every rank of g, its gradient on rank r the share G_r, and
-                        sum over r in g of G_r = dL_g (the group's full gradient)
-    backward            of L_g + (sp - 1) (L_g - L_g.detach()): the value stays L_g (the term
-                        is exactly 0), the gradient becomes sp G_r
-    DDP average         1/N sum over all ranks sp G_r = 1/dp sum over g dL_g: the gradient of
-                        the mean over groups, what data parallelism over dp replicas computes
-    logged loss         the Trainer's mean over ranks of L_g = the mean over groups, the true
-                        loss (no factor of N or sp)
+    causal_lm_loss      k S_gm / n: the same value on every rank of g, its gradient on rank r
+                        the share G_rm, and sum over r in g of G_rm = k dS_gm / n
+    backward            of it + (sp - 1) (it - it.detach()) (data_parallel_loss): the value
+                        stays (the term is exactly 0), the gradient becomes sp G_rm
+    accumulate, DDP     1/N sum over ranks and m of sp G_rm = (k / dp) sum over g dS_g / n
+                        (S_g = sum over m of S_gm); averaged: dS / C with S = sum over g
+                        of S_g, the token mean over every group's micro-batches; else
+                        1/dp sum over g d(S_g / C_g): what transformers' Trainer computes
+                        over dp processes (its loss times the processes, its DDP average)
+    logged loss         the Trainer's mean over ranks of sum over m of k S_gm / n: S / C, or
+                        the mean over groups of S_g / C_g (no factor of N or sp)
+
+``loss_is_scaled_for_ga`` is then true (the loss is divided by n, not by M). transformers
+passes no n when the model takes no loss keyword arguments (``model_accepts_loss_kwargs``):
+then, as there, each micro-batch's loss is the group's token mean L_gm = S_gm / C_gm, the
+Trainer divides it by M, and the update is 1/dp sum over g 1/M sum over m dL_gm.
+``evaluate`` counts each batch alike (``prediction_step``): its loss is S / C of the batch,
+or the mean over groups of their token means, as transformers' evaluate.
 """
 
 from __future__ import annotations
@@ -39,6 +57,7 @@ from tokenring.hf.attention import (
     refuse_padding,
     register,
     shard_batch,
+    shift_labels,
 )
 
 try:
@@ -47,6 +66,19 @@ except ImportError as exc:  # pragma: no cover - tokenring.hf.register checks fi
     raise ImportError(
         "tokenring.hf.trainer needs transformers: pip install 'tokenring-attention[hf]'"
     ) from exc
+
+# the hooks of transformers' Trainer that the loss follows (Note [Trainer ranks and gradient
+# scale]): without one, the update would silently differ from transformers' own
+_HOOKS = ("_get_num_items_in_batch", "get_batch_samples", "loss_is_scaled_for_ga")
+_missing = [name for name in _HOOKS if not hasattr(Trainer, name)]
+if _missing:  # pragma: no cover - the hf extra's transformers has them
+    import transformers
+
+    raise ImportError(
+        f"tokenring.hf.trainer needs transformers' Trainer.{', Trainer.'.join(_missing)}, "
+        f"which transformers {transformers.__version__} lacks (pip install "
+        "'tokenring-attention[hf]')"
+    )
 
 __all__ = ["SequenceParallelTrainer"]
 
@@ -57,7 +89,15 @@ class SequenceParallelTrainer(Trainer):
     """A ``transformers.Trainer`` for causal LMs (with a tokenring ``attn_implementation``)
     whose sequences are sharded over ``sequence_parallel.group`` (Note [Trainer ranks and
     gradient scale]). Batches hold ``input_ids``, optionally ``labels`` (unshifted, ``-100``
-    where not counted) and an all-ones ``attention_mask``.
+    where not counted; without them, ``input_ids``) and an all-ones ``attention_mask``.
+
+    The update and the logged loss are those of transformers' ``Trainer`` over dp =
+    N / sp data-parallel processes fed each group's first rank's batches (the others' are
+    dropped), gradient accumulation included: the summed token loss divided by
+    ``num_items_in_batch``, the labels counted in the group's accumulated micro-batches
+    (summed over the dp groups with ``average_tokens_across_devices``), or, where
+    transformers passes no ``num_items_in_batch`` (a model without loss keyword arguments),
+    each micro-batch's token mean divided by the accumulation steps.
 
     Args:
         sequence_parallel: the group and layout; every rank's group has the same size, a
@@ -72,7 +112,8 @@ class SequenceParallelTrainer(Trainer):
             ``compute_metrics`` (the loss is the causal-LM loss over the global sequence).
     """
 
-    loss_is_scaled_for_ga = False  # a mean per micro-batch: Trainer divides by the GA steps
+    # set by compute_loss for training_step: True when the loss was divided by num_items
+    loss_is_scaled_for_ga: bool | None = None
 
     def __init__(self, *args: Any, sequence_parallel: SequenceParallel, **kwargs: Any) -> None:
         as_sequence_parallel(sequence_parallel)
@@ -107,9 +148,15 @@ class SequenceParallelTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        """The group's token-weighted mean loss, its gradient scaled for DDP's average
-        (Note [Trainer ranks and gradient scale]); ``num_items_in_batch`` is not needed."""
+        """The group's summed token loss over ``num_items_in_batch`` (from
+        :meth:`_get_num_items_in_batch`; None or a model without loss keyword arguments: the
+        group's token mean), its gradient scaled for DDP's average (Note [Trainer ranks and
+        gradient scale])."""
         sp = self.sequence_parallel
+        # transformers' rule (Trainer.compute_loss, training_step): the loss is divided by
+        # num_items_in_batch when the model takes loss keyword arguments and one is given
+        num_items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+        self.loss_is_scaled_for_ga = num_items is not None  # training_step reads it next
         extra = sorted(set(inputs) - _INPUTS)
         if extra:
             raise NotImplementedError(
@@ -130,8 +177,44 @@ class SequenceParallelTrainer(Trainer):
             use_cache=False,
         )
         assert local.shift_labels is not None
-        loss = data_parallel_loss(sp, causal_lm_loss(sp, outputs.logits, local.shift_labels))
+        loss = causal_lm_loss(sp, outputs.logits, local.shift_labels, num_items_in_batch=num_items)
+        if num_items is not None and self.args.average_tokens_across_devices:
+            # transformers multiplies by its processes, the dp replicas, to undo DDP's average
+            loss = loss * (self.accelerator.num_processes // sp.communicator.world_size)
+        loss = data_parallel_loss(sp, loss)
         return (loss, outputs) if return_outputs else loss
+
+    def _get_num_items_in_batch(
+        self, batch_samples: list[Any], device: torch.device
+    ) -> torch.Tensor | None:
+        """transformers' ``num_items_in_batch`` over the batches the group uses: the labels
+        counted in its first rank's micro-batches ``batch_samples``, the same on every rank
+        of the group, summed over the dp groups with ``average_tokens_across_devices``; None
+        where transformers passes none (no batches, or a model without loss keyword
+        arguments). Called by ``get_batch_samples`` and :meth:`prediction_step`."""
+        if not batch_samples or not self.model_accepts_loss_kwargs:
+            return None
+        sp = self.sequence_parallel
+        comm = sp.communicator
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        if comm.rank == 0:  # the other ranks' batches are dropped by broadcast_batch
+            try:
+                for batch in batch_samples:
+                    labels = batch.get("labels")
+                    labels = torch.as_tensor(batch["input_ids"] if labels is None else labels)
+                    # transformers counts labels[..., 1:] != -100: the labels the loss sums
+                    shifted = shift_labels(labels, cu_seqlens=sp.cu_seqlens)
+                    count += (shifted != -100).sum().to(device)
+            except (KeyError, TypeError, ValueError):
+                count.fill_(-1)  # a malformed batch: compute_loss raises it on every rank
+        if comm.world_size > 1:
+            comm.all_reduce(count, label="num_items_in_batch").wait()
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            counts = self.accelerator.gather(count)
+            # every rank of a group holds its count: the sum over ranks is sp times the sum
+            # over groups
+            count = counts.sum() // comm.world_size if counts.min() >= 0 else counts.min()
+        return None if count < 0 else count
 
     def prediction_step(
         self,
@@ -140,7 +223,10 @@ class SequenceParallelTrainer(Trainer):
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor, None, None]:
-        """The evaluation loss only (logits are per shard: ``tokenring.hf.gather_sequence``)."""
+        """The evaluation loss only (logits are per shard: ``tokenring.hf.gather_sequence``),
+        normalized as transformers' ``prediction_step`` does: by the batch's count
+        (:meth:`_get_num_items_in_batch`)."""
         with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
+            num_items = self._get_num_items_in_batch([inputs], self.args.device)
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items)
         return loss.detach(), None, None
