@@ -106,3 +106,45 @@ def test_subgroups_match_the_oracle_of_their_size() -> None:
     names = set(per_rank[0]) | set(per_rank[3])
     assert {"rank 0's first of two", "rank 0's second of two", "mesh['dp']"} <= names
     assert len(per_rank[0]) == 7 + 2 * per_rank[0]["unsorted"]  # every case ran
+
+
+def closed_and_rebuilt(num_steps: int, failing_step: int) -> list[str]:
+    """Halves [0, 1] and [2, 3] of a world of 4 call attention each step; after each step every
+    rank runs close_communicators(). At ``failing_step`` rank 1 raises before its call, so
+    rank 0's rank check times out: rank 0's communicator failed (its groups stay registered,
+    never pooled), rank 1's did not. Returns what went wrong on this rank."""
+    rank = dist.get_rank()
+    half = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    problems = []
+    for step in range(num_steps):
+        try:
+            tokenring.get_communicator(half, timeout_s=TIMEOUT_S)  # built on every rank
+            if step == failing_step and rank == 1:
+                raise RuntimeError("this rank's own code failed before its call")
+            error = _max_error(half, STRATEGIES[step % len(STRATEGIES)], seed=step)
+            if step == failing_step and rank == 0:
+                problems.append(f"step {step}: the call did not fail")
+            elif error > 1e-10:
+                problems.append(f"step {step}: out differs from the oracle by {error:.3g}")
+        except RuntimeError as exc:
+            if step != failing_step or rank not in (0, 1):
+                problems.append(f"step {step}: {' '.join(str(exc).split())[:300]}")
+        tokenring.close_communicators()
+        # rank 0 waits out the rank check while rank 1 is already rebuilding, whose pool
+        # agreement would give up at the same time: meet first
+        dist.barrier()
+    return problems
+
+
+def test_subgroup_communicators_are_built_again_after_close_communicators() -> None:
+    """Before: close_communicators() destroyed the channel groups of [0, 1]; the next ones
+    took their names back (torch names them by the number of groups a rank holds) and met
+    under the old store addresses: from the third step on, 'Connection refused', and each
+    call failed after the timeout. After a failure only the rank whose communicator did not
+    fail pooled (then destroyed) its groups, so the ranks held different numbers of groups
+    and named their new ones apart."""
+    per_rank = tokenring.launch(
+        closed_and_rebuilt, 6, 2, world_size=4, timeout_s=240, pg_timeout_s=30
+    )
+    problems = [f"rank {r}: {p}" for r, rank_problems in enumerate(per_rank) for p in rank_problems]
+    assert not problems, "\n".join(problems)

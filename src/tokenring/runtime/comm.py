@@ -58,6 +58,7 @@ __all__ = [
     "TrafficCounter",
     "clear_group_defaults",
     "destroy_idle_groups",
+    "forget_destroyed_groups",
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
@@ -1474,8 +1475,16 @@ def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
 # leave rank 0 in three groups and ranks 1 and 2 in two; a communicator over [0, 1] built
 # before one over [0, 2] adds five groups on ranks 0 and 1, not on rank 2. So the ranks swap
 # their numbers with the pool agreement (Note [Channel pool]) and each rank below the
-# highest first makes groups of itself alone (gloo, no peer) until it holds as
-# many; they live as pooled groups do, until destroy_idle_groups.
+# highest first makes groups of itself alone (gloo, no peer) until it holds as many.
+#
+# The number goes back when a group is destroyed, and a name comes back with it: the next
+# group over the same ranks would take the name of a live group ("already been created") or
+# of a destroyed one, whose old addresses the store still holds ("Connection refused", a
+# peer did not join). So while the world lives the library destroys none of its groups:
+# close_communicators pools every closed communicator's set (forget_destroyed_groups drops
+# only those destroy_process_group destroyed), the next communicator over the same ranks
+# takes it again, and destroy_idle_groups destroys them at exit (launch: before it destroys
+# the world).
 _FILLERS: list[dist.ProcessGroup] = []
 
 
@@ -1500,8 +1509,17 @@ def _registered_set(own: _OwnGroups) -> bool:
     return all(_registered(g) for g in (*channels.values(), control))
 
 
+def forget_destroyed_groups() -> None:
+    """Drop the pooled groups and fillers no longer registered (destroy_process_group ran),
+    so that freeing them joins their threads; destroy none (Note [Group names])."""
+    for key in list(_IDLE_GROUPS):
+        _IDLE_GROUPS[key] = [own for own in _IDLE_GROUPS[key] if _registered_set(own)]
+    _FILLERS[:] = [g for g in _FILLERS if _registered(g)]
+
+
 def destroy_idle_groups() -> None:
-    """Destroy the pooled process groups of closed communicators (Note [Channel pool])."""
+    """Destroy the pooled process groups of closed communicators (Note [Channel pool]) and
+    the fillers (Note [Group names]): at exit, or when the world is torn down."""
     pooled = [
         g for idle in _IDLE_GROUPS.values() for own in idle for g in (*own[0].values(), own[1])
     ]
