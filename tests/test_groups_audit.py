@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import tokenring
@@ -84,6 +85,19 @@ def subgroup_cases() -> dict[str, Any]:
     for dim in ("sp", "dp") if rank < 2 else ("dp", "sp"):
         _case(errors, f"mesh[{dim!r}]", mesh[dim], "bidir_token_ring")
     errors["unsorted"] = unsorted
+    # a rank outside a group, and a destroyed group: refused, saying which
+    outside = dist.new_group([0, 1])
+    gone = dist.new_group([0, 1, 2, 3])
+    dist.destroy_process_group(gone)
+    q = torch.zeros(1, 4, 2, 8)
+    for name, group in (("outside", outside), ("destroyed", gone)):
+        if name == "outside" and rank < 2:
+            continue
+        try:
+            tokenring.token_ring_attn(q, q, q, group=group)
+            errors[f"refused {name}"] = "no error"
+        except ValueError as exc:
+            errors[f"refused {name}"] = str(exc)
     return errors
 
 
@@ -96,6 +110,12 @@ def test_subgroups_match_the_oracle_of_their_size() -> None:
     apart from theirs (torch names them by the number of groups a rank holds), so building
     them waited out the timeout: "a peer did not join in time"."""
     per_rank = tokenring.launch(subgroup_cases, world_size=4, timeout_s=240, pg_timeout_s=30)
+    refused = {
+        (rank, name): errors.pop(name)
+        for rank, errors in enumerate(per_rank)
+        for name in list(errors)
+        if name.startswith("refused")
+    }
     failures = [
         f"rank {rank}, {name}: {error}"
         for rank, errors in enumerate(per_rank)
@@ -106,6 +126,14 @@ def test_subgroups_match_the_oracle_of_their_size() -> None:
     names = set(per_rank[0]) | set(per_rank[3])
     assert {"rank 0's first of two", "rank 0's second of two", "mesh['dp']"} <= names
     assert len(per_rank[0]) == 7 + 2 * per_rank[0]["unsorted"]  # every case ran
+    # before: "group must be a ProcessGroup, ...; got int" for what dist.new_group returned on
+    # ranks 2 and 3, and torch's "Group <...> is not registered" for the destroyed group
+    assert sorted(refused) == [(0, "refused destroyed"), (1, "refused destroyed")] + [
+        (r, f"refused {name}") for r in (2, 3) for name in ("destroyed", "outside")
+    ]
+    for (rank, name), message in refused.items():
+        words = "got a destroyed one" if "destroyed" in name else "NON_GROUP_MEMBER) on global"
+        assert "group must" in message and words in message, (rank, message)
 
 
 def closed_and_rebuilt(num_steps: int, failing_step: int) -> list[str]:

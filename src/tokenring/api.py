@@ -121,11 +121,18 @@ def check_group(group: GroupLike) -> dist.ProcessGroup | Communicator | None:
     building a communicator.
 
     Raises:
-        ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
+        ValueError: a DeviceMesh with more than one dimension, an unsupported object, or a
+            group this rank is not in.
     """
     if isinstance(group, Communicator):
         return group
     group = _mesh_group(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"group must contain this rank; got the group that dist.new_group returns on a rank "
+            f"outside its ranks (GroupMember.NON_GROUP_MEMBER) on global rank "
+            f"{dist.get_rank()}: call attention with a group only on its own ranks"
+        )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(
             "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "

@@ -508,7 +508,8 @@ class Communicator:
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: ``timeout_s`` is not a finite number of seconds > 0.
+        ValueError: ``timeout_s`` is not a finite number of seconds > 0; ``group`` is not a
+            ProcessGroup this rank is in, or was destroyed.
     """
 
     def __init__(
@@ -530,6 +531,13 @@ class Communicator:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s!r}")
         base = group if group is not None else dist.group.WORLD
         assert base is not None
+        if not isinstance(base, dist.ProcessGroup) or not _registered(base):
+            raise ValueError(
+                "group must be a live ProcessGroup that contains this rank; got "
+                + (f"{base!r}" if not isinstance(base, dist.ProcessGroup) else "a destroyed one")
+                + " (dist.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside it; "
+                "dist.destroy_process_group destroys one)"
+            )
         self.group = base
         self.rank = dist.get_rank(base)
         self.world_size = dist.get_world_size(base)
