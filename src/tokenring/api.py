@@ -28,7 +28,12 @@ from tokenring.core.schedule import Pass, Strategy
 from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, preset
 from tokenring.runtime import op
-from tokenring.runtime.comm import Communicator, clear_group_defaults, destroy_idle_groups
+from tokenring.runtime.comm import (
+    Communicator,
+    clear_group_defaults,
+    destroy_idle_groups,
+    forget_destroyed_groups,
+)
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
 from tokenring.strategies import build_schedule
 
@@ -66,6 +71,9 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 #        every call: ``group_alive`` is False);
 #     2. by close_communicators() (every entry; launch runs it before destroying its groups);
 #     3. at interpreter exit (atexit runs close_communicators).
+#
+# Released channel groups are pooled, never destroyed while the world lives (Note [Group
+# names] in tokenring.runtime.comm); at exit destroy_idle_groups destroys them.
 _COMMUNICATORS: dict[dist.ProcessGroup, Communicator] = {}
 
 GroupLike = Any  # ProcessGroup | DeviceMesh (1-D) | Communicator | None
@@ -114,11 +122,18 @@ def check_group(group: GroupLike) -> dist.ProcessGroup | Communicator | None:
     building a communicator.
 
     Raises:
-        ValueError: a DeviceMesh with more than one dimension, or an unsupported object.
+        ValueError: a DeviceMesh with more than one dimension, an unsupported object, or a
+            group this rank is not in.
     """
     if isinstance(group, Communicator):
         return group
     group = _mesh_group(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"group must contain this rank; got the group that dist.new_group returns on a rank "
+            f"outside its ranks (GroupMember.NON_GROUP_MEMBER) on global rank "
+            f"{dist.get_rank()}: call attention with a group only on its own ranks"
+        )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(
             "group must be a ProcessGroup, a 1-D DeviceMesh, a Communicator or None; "
@@ -157,19 +172,23 @@ def _cached(group: dist.ProcessGroup | None) -> Communicator | None:
 
 
 def close_communicators() -> None:
-    """Close and forget every communicator ``get_communicator`` built and destroy their
-    channel groups (never the caller's groups). Call it before ``destroy_process_group()``;
-    it also runs at exit (Note [Clean exit] in tokenring.launch).
+    """Close and forget every communicator ``get_communicator`` built (never the caller's
+    groups). Their channel groups wait for the next communicators over the same ranks; at exit
+    they are destroyed (Note [Group names] in tokenring.runtime.comm). Call it before
+    ``destroy_process_group()``; it also runs at exit (Note [Clean exit] in tokenring.launch).
     """
     cached = list(_COMMUNICATORS.values())
     _COMMUNICATORS.clear()
     for comm in cached:
         comm.close()
-    destroy_idle_groups()
+    forget_destroyed_groups()
     clear_group_defaults()
 
 
-atexit.register(close_communicators)
+@atexit.register
+def _close_at_exit() -> None:
+    close_communicators()
+    destroy_idle_groups()
 
 
 def _mesh_group(group: GroupLike) -> GroupLike:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import close_communicators, get_communicator
-from tokenring.runtime.comm import Communicator
+from tokenring.runtime.comm import Communicator, destroy_idle_groups
 
 __all__ = ["LaunchError", "init_distributed", "launch"]
 
@@ -615,6 +615,7 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     if dist.is_initialized() and spec.world_size > 1:
         get_communicator(None).barrier(label="end of launch")
     close_communicators()
+    destroy_idle_groups()  # the pooled channel groups (Note [Group names] in runtime.comm)
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

@@ -58,6 +58,7 @@ __all__ = [
     "TrafficCounter",
     "clear_group_defaults",
     "destroy_idle_groups",
+    "forget_destroyed_groups",
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
@@ -507,7 +508,8 @@ class Communicator:
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: ``timeout_s`` is not a finite number of seconds > 0.
+        ValueError: ``timeout_s`` is not a finite number of seconds > 0; ``group`` is not a
+            ProcessGroup this rank is in, or was destroyed.
     """
 
     def __init__(
@@ -529,6 +531,13 @@ class Communicator:
             raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s!r}")
         base = group if group is not None else dist.group.WORLD
         assert base is not None
+        if not isinstance(base, dist.ProcessGroup) or not _registered(base):
+            raise ValueError(
+                "group must be a live ProcessGroup that contains this rank; got "
+                + (f"{base!r}" if not isinstance(base, dist.ProcessGroup) else "a destroyed one")
+                + " (dist.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside it; "
+                "dist.destroy_process_group destroys one)"
+            )
         self.group = base
         self.rank = dist.get_rank(base)
         self.world_size = dist.get_world_size(base)
@@ -542,8 +551,8 @@ class Communicator:
         self._own: _OwnGroups | None = None
         if self.world_size > 1 and (separate_groups or self.backend != "gloo"):
             self._pool_key = (self.global_ranks, self.backend, timeout_s, separate_groups)
-            self._own = self._agreed_idle_groups(ranks, separate_groups)
-            self._own = self._own or self._make_groups(ranks, separate_groups)
+            self._own, num_live = self._agreed_idle_groups(ranks, separate_groups)
+            self._own = self._own or self._make_groups(ranks, separate_groups, num_live)
         channels, control = self._own if self._own is not None else ({}, None)
         self._groups = {channel: channels.get(channel, base) for channel in CHANNELS}
         self._control = (control or base) if self.world_size > 1 else None
@@ -592,9 +601,12 @@ class Communicator:
         [Shared-memory transport] in tokenring.runtime.shm)."""
         return self.shared is not None and device.type == "cpu"
 
-    def _agreed_idle_groups(self, ranks: list[int], separate_groups: bool) -> _OwnGroups | None:
+    def _agreed_idle_groups(
+        self, ranks: list[int], separate_groups: bool
+    ) -> tuple[_OwnGroups | None, int]:
         """The pooled groups every rank reuses, or None where every rank makes new ones (Note
-        [Channel pool]); a rank that does not come fails as :meth:`_new_group` does."""
+        [Channel pool]), and the most groups a rank holds (Note [Group names]); a rank that
+        does not come fails as :meth:`_new_group` does."""
         assert self._pool_key is not None
         try:
             return _take_agreed_groups(self._pool_key, self.rank, self.timeout)
@@ -604,7 +616,11 @@ class Communicator:
                 what = f"the {CHANNELS[0][0].value!r} process group of lane {CHANNELS[0][1]}"
             raise self._join_failed(what, ranks, exc) from exc
 
-    def _make_groups(self, ranks: list[int], separate_groups: bool) -> _OwnGroups:
+    def _make_groups(self, ranks: list[int], separate_groups: bool, num_live: int) -> _OwnGroups:
+        """New groups over ``ranks``, once this rank holds ``num_live`` groups, as many as the
+        rank that holds the most (Note [Group names])."""
+        if len(ranks) < dist.get_world_size():  # named after the count: use_local_synchronization
+            _hold_groups(num_live)
         channels: dict[tuple[Flow, int], dist.ProcessGroup] = {}
         for channel in CHANNELS if separate_groups else ():
             flow, lane = channel
@@ -618,6 +634,10 @@ class Communicator:
     def _new_group(
         self, ranks: list[int], name: str, what: str, backend: str | None = None
     ) -> dist.ProcessGroup:
+        # group rank i is ranks[i] as in ``group``, whose ranks need not be sorted (torch's
+        # new_group(sort_ranks=False)); new_group sorts unless told not to, and only a torch
+        # that knows sort_ranks can make an unsorted group
+        order: dict[str, Any] = {} if ranks == sorted(ranks) else {"sort_ranks": False}
         try:
             made = dist.new_group(
                 ranks=ranks,
@@ -626,6 +646,7 @@ class Communicator:
                 # Note [Channel pool]
                 use_local_synchronization=len(ranks) < dist.get_world_size(),
                 group_desc=f"tokenring_{name}",
+                **order,
             )
         except Exception as exc:
             raise self._join_failed(what, ranks, exc) from exc
@@ -1389,9 +1410,12 @@ def _set_name(own: _OwnGroups) -> str:
     return hashlib.blake2b("/".join(names).encode(), digest_size=8).hexdigest()
 
 
-def _take_agreed_groups(key: _PoolKey, rank: int, timeout: timedelta) -> _OwnGroups | None:
+def _take_agreed_groups(
+    key: _PoolKey, rank: int, timeout: timedelta
+) -> tuple[_OwnGroups | None, int]:
     """The pooled set for ``key`` that every rank of the group takes, or None where every rank
-    makes new groups (Note [Channel pool]); ``rank``: this rank's group rank.
+    makes new groups (Note [Channel pool]), and the most groups a rank of it holds (Note
+    [Group names]); ``rank``: this rank's group rank.
 
     Raises:
         _PoolAgreementFailed: a rank did not arrive within ``timeout``, or gave up waiting.
@@ -1404,7 +1428,7 @@ def _take_agreed_groups(key: _PoolKey, rank: int, timeout: timedelta) -> _OwnGro
     prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}/{timeout_s!r}/{separate}"
     keys = [f"{prefix}/{build}/{r}" for r in range(len(ranks))]
     store = dist.distributed_c10d._get_default_store()
-    store.set(keys[rank], ",".join(names))
+    store.set(keys[rank], f"{_num_live_groups()};" + ",".join(names))
     try:
         _wait_for(store, keys, timeout)
     except Exception as exc:
@@ -1426,12 +1450,13 @@ def _take_agreed_groups(key: _PoolKey, rank: int, timeout: timedelta) -> _OwnGro
             f"agreeing on pooled groups: rank(s) {gave_up} gave up waiting for this rank "
             f"after {timeout.total_seconds():g} s"
         )
-    held = [set(got.decode().split(",")) - {""} for got in lists]
+    rows = [got.decode().split(";", 1) for got in lists]  # live groups; pooled sets
+    held = [set(row[1].split(",")) - {""} for row in rows]
     common = set.intersection(*held)
-    newest = [name for name in lists[0].decode().split(",") if name in common][-1:]
+    newest = [name for name in rows[0][1].split(",") if name in common][-1:]
     by_name = dict(zip(names, idle, strict=True))
     _IDLE_GROUPS[key] = [by_name[name] for name in names if name in common - set(newest)]
-    return by_name[newest[0]] if newest else None
+    return (by_name[newest[0]] if newest else None), max(int(row[0]) for row in rows)
 
 
 def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
@@ -1448,17 +1473,67 @@ def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
         pause_s = min(2 * pause_s, 1e-3)
 
 
+# Note [Group names]
+# ~~~~~~~~~~~~~~~~~~
+# torch names a group made with use_local_synchronization (a communicator's groups over
+# fewer ranks than the world) after its ranks and the number of groups the calling rank
+# holds, and its ranks meet in the store under that name. Ranks that hold different numbers
+# of groups would wait under different names until the timeout, then blame each other
+# ("a peer did not join in time"): with world 3, groups [0, 1] and [0, 2] made on every rank
+# leave rank 0 in three groups and ranks 1 and 2 in two; a communicator over [0, 1] built
+# before one over [0, 2] adds five groups on ranks 0 and 1, not on rank 2. So the ranks swap
+# their numbers with the pool agreement (Note [Channel pool]) and each rank below the
+# highest first makes groups of itself alone (gloo, no peer) until it holds as many.
+#
+# The number goes back when a group is destroyed, and a name comes back with it: the next
+# group over the same ranks would take the name of a live group ("already been created") or
+# of a destroyed one, whose old addresses the store still holds ("Connection refused", a
+# peer did not join). So while the world lives the library destroys none of its groups:
+# close_communicators pools every closed communicator's set (forget_destroyed_groups drops
+# only those destroy_process_group destroyed), the next communicator over the same ranks
+# takes it again, and destroy_idle_groups destroys them at exit (launch: before it destroys
+# the world).
+_FILLERS: list[dist.ProcessGroup] = []
+
+
+def _num_live_groups() -> int:
+    """How many process groups this rank holds (Note [Group names])."""
+    return len(dist.distributed_c10d._world.pg_names)
+
+
+def _hold_groups(num_live: int) -> None:
+    """Make groups of this rank alone until it holds ``num_live`` (Note [Group names])."""
+    me = dist.get_rank()
+    while _num_live_groups() < num_live:
+        filler = dist.new_group(
+            [me], backend="gloo", use_local_synchronization=True, group_desc="tokenring_filler"
+        )
+        assert filler is not None
+        _FILLERS.append(filler)
+
+
 def _registered_set(own: _OwnGroups) -> bool:
     channels, control = own
     return all(_registered(g) for g in (*channels.values(), control))
 
 
+def forget_destroyed_groups() -> None:
+    """Drop the pooled groups and fillers no longer registered (destroy_process_group ran),
+    so that freeing them joins their threads; destroy none (Note [Group names])."""
+    for key in list(_IDLE_GROUPS):
+        _IDLE_GROUPS[key] = [own for own in _IDLE_GROUPS[key] if _registered_set(own)]
+    _FILLERS[:] = [g for g in _FILLERS if _registered(g)]
+
+
 def destroy_idle_groups() -> None:
-    """Destroy the pooled process groups of closed communicators (Note [Channel pool])."""
+    """Destroy the pooled process groups of closed communicators (Note [Channel pool]) and
+    the fillers (Note [Group names]): at exit, or when the world is torn down."""
     pooled = [
         g for idle in _IDLE_GROUPS.values() for own in idle for g in (*own[0].values(), own[1])
     ]
+    pooled += _FILLERS
     _IDLE_GROUPS.clear()
+    _FILLERS.clear()
     for group in {id(g): g for g in pooled}.values():
         if _registered(group):
             dist.destroy_process_group(group)
