@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))  # workers import test modules and the oracle
@@ -34,7 +35,8 @@ def single_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 # (tests/_zygote_preload.py): once, beside collection and the in-process tests. Python 3.11's
 # fork server ignores the sys.path it is sent, so this directory reaches it through
 # PYTHONPATH, set only while it starts. Without tokenring.launch's zygote (not Linux, or
-# renamed) nothing changes: ranks import the modules themselves, as before.
+# renamed) nothing changes: ranks import the modules themselves, as before; nor with CUDA,
+# where an import that probes the devices would leave the zygote unfit to fork CUDA ranks.
 _HEAVY_RANK_MODULES = frozenset(
     {"test_diffusers", "test_hf", "test_hf_architectures", "test_hf_generate", "test_hf_trainer"}
 )
@@ -57,7 +59,7 @@ def _start_zygote(test_modules: list[str]) -> None:
     launch = importlib.import_module("tokenring.launch")  # the package's `launch` is the function
     preload = getattr(launch, "_ZYGOTE_PRELOAD", None)
     can_fork = getattr(launch, "_zygote_can_fork", lambda: False)
-    if not isinstance(preload, list) or not can_fork():
+    if not isinstance(preload, list) or not can_fork() or torch.cuda.is_available():
         return
     here = os.path.dirname(os.path.abspath(__file__))
     saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "TOKENRING_TESTS_PRELOAD")}
