@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))  # workers import test modules and the oracle
@@ -23,3 +24,55 @@ def single_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+# Note [Zygote preload in tests]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forked rank imports the test module its function lives in (Note [Rank start] in
+# tokenring.launch). For the modules below that means transformers' or diffusers' models:
+# 1-5 s of CPU per rank, paid again by every rank of every launch. When one of them is
+# collected, the session starts the zygote at once with those modules imported
+# (tests/_zygote_preload.py): once, beside collection and the in-process tests. Python 3.11's
+# fork server ignores the sys.path it is sent, so this directory reaches it through
+# PYTHONPATH, set only while it starts. Without tokenring.launch's zygote (not Linux, or
+# renamed) nothing changes: ranks import the modules themselves, as before; nor with CUDA,
+# where an import that probes the devices would leave the zygote unfit to fork CUDA ranks.
+_HEAVY_RANK_MODULES = frozenset(
+    {"test_diffusers", "test_hf", "test_hf_architectures", "test_hf_generate", "test_hf_trainer"}
+)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    modules = {getattr(item, "module", None) for item in session.items}
+    wanted = sorted(_HEAVY_RANK_MODULES & {m.__name__ for m in modules if m is not None})
+    if wanted:
+        _start_zygote(wanted)
+
+
+def _start_zygote(test_modules: list[str]) -> None:
+    import importlib
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    launch = importlib.import_module("tokenring.launch")  # the package's `launch` is the function
+    preload = getattr(launch, "_ZYGOTE_PRELOAD", None)
+    can_fork = getattr(launch, "_zygote_can_fork", lambda: False)
+    if not isinstance(preload, list) or not can_fork() or torch.cuda.is_available():
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "TOKENRING_TESTS_PRELOAD")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
+    os.environ["TOKENRING_TESTS_PRELOAD"] = ",".join(test_modules)
+    try:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            [*preload, "_zygote_preload"]
+        )
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -9,6 +9,7 @@ Legend: B batch, S global seq, s local seq, H heads, D head dim, P world size.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -230,8 +231,8 @@ def _needed_rows(
     transposed mask) at least one token of rank b."""
     if not pos[a] or not pos[b]:
         return set()
-    block = visible[pos[a]][:, pos[b]]
-    return {rows[a][i] for i in range(len(pos[a])) if bool(block[i].any())}
+    seen = visible[pos[a]][:, pos[b]].any(dim=1).tolist()
+    return {rows[a][i] for i, sees in enumerate(seen) if sees}
 
 
 def _cover(rows: set[int]) -> int:
@@ -286,11 +287,14 @@ def expected_bytes(
         if num:
             total[(flow, src, dst)] = total.get((flow, src, dst), 0) + num
 
-    def q_needed(owner: int, r: int) -> set[int]:
-        return _needed_rows(visible, rows, pos, owner, r)
+    # each pair is asked for many times (once per hop that passes it): computed once
+    @functools.cache
+    def q_needed(owner: int, r: int) -> frozenset[int]:
+        return frozenset(_needed_rows(visible, rows, pos, owner, r))
 
-    def kv_needed(q_owner: int, owner: int) -> set[int]:
-        return _needed_rows(visible.T, rows, pos, owner, q_owner)
+    @functools.cache
+    def kv_needed(q_owner: int, owner: int) -> frozenset[int]:
+        return frozenset(_needed_rows(visible.T, rows, pos, owner, q_owner))
 
     if strategy == "bidir_token_ring":
         # Two rings on the query heads: those of kv heads [0, Hkv/2) go down, the rest up;
@@ -374,8 +378,8 @@ def _lent_pairs(
     backward: bool,
     heads_q: int,
     heads_kv: int,
-    q_needed: Callable[[int, int], set[int]],
-    kv_needed: Callable[[int, int], set[int]],
+    q_needed: Callable[[int, int], frozenset[int]],
+    kv_needed: Callable[[int, int], frozenset[int]],
 ) -> set[int]:
     """TokenRing: the ranks r whose last pair (the Q of owner r - 1 against r's K/V) is
     computed by the owner on r's K/V rows, sent to it in parts (one a step, steps 0 .. u-1;

@@ -680,10 +680,10 @@ def test_the_vectorised_engine_holds_a_chunk_of_steps_not_all(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No array the engine asks for or prices spans every step: (P, chunk) at most, chunk =
-    _CHUNK_CELLS // P (+1 for the step before the chunk); here P = 200 in chunks of 10."""
+    _CHUNK_CELLS // P (+1 for the step before the chunk); here P = 60 in chunks of 6."""
     import tokenring.model.simulate as simulate_module
 
-    p, chunk = 200, 10
+    p, chunk = 60, 6
     monkeypatch.setattr(simulate_module, "_CHUNK_CELLS", p * chunk)
     widest: list[int] = []
     original_columns = RingPlan.columns

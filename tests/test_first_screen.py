@@ -39,10 +39,10 @@ HEAVY = [
 ]
 
 
-def _modules_after(argv: list[str]) -> tuple[str, set[str]]:
-    """Run ``main(argv)`` in a fresh interpreter; its stdout and which HEAVY modules it
-    imported."""
-    code = (
+def _modules_after(*argvs: list[str]) -> list[tuple[str, set[str]]]:
+    """Run ``main(argv)`` for each argv, each in a fresh interpreter (all at once: they wait
+    on nothing but their imports); each one's stdout and which HEAVY modules it imported."""
+    codes = [
         "import json, sys\n"
         "from tokenring.cli import main\n"
         "try:\n"
@@ -50,25 +50,44 @@ def _modules_after(argv: list[str]) -> tuple[str, set[str]]:
         "except SystemExit:\n"
         "    pass\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    *text, loaded = done.stdout.splitlines()
-    return "\n".join(text), set(json.loads(loaded))
+        for argv in argvs
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for code in codes
+    ]
+    found = []
+    try:
+        for argv, proc in zip(argvs, procs, strict=True):
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"{argv}: exit code {proc.returncode}\n{err}"
+            *text, loaded = out.splitlines()
+            found.append(("\n".join(text), set(json.loads(loaded))))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    return found
 
 
 def test_help_imports_no_command_module() -> None:
     """``tokenring --help`` lists the commands without importing their modules; a command's
     help imports that command only (and the library, which loads on first use: Note [Lazy
     package] in tokenring)."""
-    text, loaded = _modules_after(["--help"])
+    top, simulate, bench = _modules_after(["--help"], ["simulate", "--help"], ["bench", "--help"])
+    text, loaded = top
     assert "bench" in text and "simulate" in text and "demo" in text
     assert loaded == set(), loaded
-    text, loaded = _modules_after(["simulate", "--help"])
+    text, loaded = simulate
     assert "--world-size" in text
     assert loaded == set(), loaded  # simulate's module is the library's (the planner's)
-    text, loaded = _modules_after(["bench", "--help"])
+    text, loaded = bench
     assert "--mode" in text
     assert "tokenring.cli.bench" in loaded and "tokenring.cli.demo" not in loaded
 

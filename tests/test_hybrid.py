@@ -488,14 +488,16 @@ def _outer_messages_per_split() -> dict[str, object]:
 
 
 @pytest.mark.parametrize("shared_memory", ["1", "0"])
-def test_the_outer_ring_takes_the_transports_last_block_slices(shared_memory: str) -> None:
+def test_the_outer_ring_takes_the_transports_last_block_slices(
+    shared_memory: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Note [Last block slices] in tokenring.api holds for ``hybrid_attn``'s outer ring: left
     to the transport, its last block returns whole through shared memory and in two slices
     over sockets (one message more); an int given is used; every result is the oracle's."""
-    env = {"TOKENRING_SHARED_MEMORY": shared_memory}
-    for rank, found in enumerate(tokenring.launch(
-        _outer_messages_per_split, world_size=2, rank_env=lambda rank: dict(env)
-    )):  # fmt: skip
+    # read when a communicator is made, so forked ranks take it from the launcher's
+    # environment (Note [Rank start] in tokenring.launch): no fresh interpreters
+    monkeypatch.setenv("TOKENRING_SHARED_MEMORY", shared_memory)
+    for rank, found in enumerate(tokenring.launch(_outer_messages_per_split, world_size=2)):
         assert found["path"] == ("gloo-shm" if shared_memory == "1" else "gloo"), found
         assert found["2"] == found["1"] + 1, (rank, found)
         assert found["None"] == found["1" if shared_memory == "1" else "2"], (rank, found)
