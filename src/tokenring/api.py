@@ -882,7 +882,7 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         if (name, type(value)) in (("strategy", Strategy), ("layout", Layout)):
             value = value.value
         if name in ("cu_seqlens", "window_size"):
-            ints = isinstance(value, list | tuple) and all(type(x) is int for x in value)
+            ints = isinstance(value, list | tuple) and all(_is_int64(x) for x in value)
             primitive = list(value) if ints else None  # a list or tuple of ints as a list
             if primitive is None and value is not None:
                 if torch.compiler.is_compiling() and isinstance(value, torch.Tensor):
@@ -895,7 +895,8 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
             options[name] = primitive
         else:
             kind, placeholder = _PRIMITIVES[name]
-            if type(value) is kind or (value is None and placeholder is None):
+            fits = _is_int64(value) if kind is int else type(value) is kind
+            if fits or (value is None and placeholder is None):
                 options[name] = value
             else:
                 raw[name] = value
@@ -906,6 +907,12 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
     record = op.Record(raw)
     return {**options, "raw": op.object_handle(record)}, record
+
+
+def _is_int64(value: object) -> bool:
+    """Whether ``value`` is a Python int the schema's ``int`` holds (int64; a larger one travels
+    in the raw record, so validation sees it as passed)."""
+    return type(value) is int and -(2**63) <= value < 2**63
 
 
 def _group_handle(group: GroupLike) -> str:
