@@ -150,6 +150,13 @@ def check_softmax_scale(softmax_scale: float | None) -> None:
             "softmax_scale must be a number: no gradient flows to it, so it may not be a tensor "
             f"that requires grad; got {softmax_scale!r}"
         )
+    if isinstance(softmax_scale, torch.Tensor) and (
+        softmax_scale.numel() != 1 or softmax_scale.is_complex()
+    ):  # its truth value would raise a RuntimeError, or compare complex numbers
+        raise ValueError(
+            "softmax_scale must be a finite number > 0 or None; got a tensor of "
+            f"{softmax_scale.numel()} elements of dtype {softmax_scale.dtype}"
+        )
     if softmax_scale is not None and (
         isinstance(softmax_scale, bool)
         or not isinstance(softmax_scale, numbers.Real | torch.Tensor)  # "x" > 0: a TypeError
@@ -375,6 +382,8 @@ def _validate(
             f"k must have shape (batch={b}, seq_local={s}, heads_kv, head_dim={d}) to match q; "
             f"got {tuple(k.shape)}"
         )
+    if hq < 1:
+        raise ValueError(f"q.shape[2] (heads_q) must be >= 1; got shape {tuple(q.shape)}")
     hkv = k.shape[2]
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"heads_kv must divide heads_q; got heads_q={hq}, heads_kv={hkv}")
@@ -406,6 +415,7 @@ def _prepare_call(
     """Validate one rank's call (``options``: the operator's, :func:`_merged`, with
     ``last_block_splits`` resolved; ``splits_given``: the caller passed it) and build the
     signature the ranks compare (Note [Rank agreement]); no communication."""
+    check_flags(check_ranks=options["check_ranks"])
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
     requested = _requested_strategy(q, options, splits_given)
@@ -858,20 +868,46 @@ def sequence_parallel_attn(
 
 
 def _check_tensors(q: Any, k: Any, v: Any, group: GroupLike, check_ranks: object) -> None:
-    """ValueError unless q, k and v are tensors (the operator takes only tensors); the peers
-    learn it from the rank check (Note [Rank agreement]), so they do not wait for this rank."""
-    wrong = [(n, x) for n, x in (("q", q), ("k", k), ("v", v)) if not isinstance(x, torch.Tensor)]
-    if not wrong:
+    """ValueError unless q, k and v are dense tensors with data (what the operator's real
+    implementation, which runs the rank check, takes); the peers learn it from the rank check
+    (Note [Rank agreement]), so they do not wait for this rank."""
+    found = _tensor_problem(q, k, v)
+    if found is None:
         return
-    name, x = wrong[0]
-    problem = ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    problem: ValueError = found
 
     def fail() -> tuple[None, None]:
         raise problem
 
-    if check_ranks is True and not torch.compiler.is_compiling():
+    if check_ranks is not False and not torch.compiler.is_compiling():
         get_communicator(group).agreed(fail, what="attention call")
     raise problem
+
+
+def _tensor_problem(q: Any, k: Any, v: Any) -> ValueError | None:
+    """Why q, k, v cannot reach the operator's real implementation: not tensors; sparse or
+    nested (the dispatcher would raise before the rank check); on the meta device (the fake
+    implementation would answer, or raise, without the rank check, while the peers wait in
+    it)."""
+    tensors = (("q", q), ("k", k), ("v", v))
+    for name, x in tensors:
+        if not isinstance(x, torch.Tensor):
+            return ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if x.is_nested or x.layout != torch.strided:
+            got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
+            return ValueError(f"{name} must be a dense (strided) tensor; got {got}")
+    meta = [name for name, x in tensors if x.device.type == "meta"]
+    if not meta or torch.compiler.is_compiling():
+        return None
+    try:
+        _validate(q, k, v, None)  # devices that differ: named as the operator names them
+    except ValueError as exc:
+        return exc
+    return ValueError(
+        f"{meta[0]} is on the meta device: an attention call exchanges its data with the "
+        "other ranks, so q, k and v must hold data (for shapes alone, trace under "
+        "torch.compile or FakeTensorMode)"
+    )
 
 
 # name -> (its primitive's type, the placeholder while the value travels in the raw record)
@@ -901,7 +937,7 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         if (name, type(value)) in (("strategy", Strategy), ("layout", Layout)):
             value = value.value
         if name in ("cu_seqlens", "window_size"):
-            ints = isinstance(value, list | tuple) and all(type(x) is int for x in value)
+            ints = isinstance(value, list | tuple) and all(_is_int64(x) for x in value)
             primitive = list(value) if ints else None  # a list or tuple of ints as a list
             if primitive is None and value is not None:
                 if torch.compiler.is_compiling() and isinstance(value, torch.Tensor):
@@ -914,7 +950,8 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
             options[name] = primitive
         else:
             kind, placeholder = _PRIMITIVES[name]
-            if type(value) is kind or (value is None and placeholder is None):
+            fits = _is_int64(value) if kind is int else type(value) is kind
+            if fits or (value is None and placeholder is None):
                 options[name] = value
             else:
                 raw[name] = value
@@ -925,6 +962,12 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
     record = op.Record(raw)
     return {**options, "raw": op.object_handle(record)}, record
+
+
+def _is_int64(value: object) -> bool:
+    """Whether ``value`` is a Python int the schema's ``int`` holds (int64; a larger one travels
+    in the raw record, so validation sees it as passed)."""
+    return type(value) is int and -(2**63) <= value < 2**63
 
 
 def _group_handle(group: GroupLike) -> str:
@@ -948,7 +991,6 @@ def _plan(
     options = _merged(options)  # the values that are not of their primitive's type
     if backward:  # no second agreement; no second pick
         options = {**options, "check_ranks": False, "hardware": None}
-    check_flags(check_ranks=options["check_ranks"])
     comm = get_communicator(op.resolve_group(options["group"]))
     # checked once, by the forward (the backward runs the strategy "auto" may have picked)
     splits_given = options["last_block_splits"] is not None and not backward
@@ -957,8 +999,17 @@ def _plan(
     validate = functools.partial(
         _prepare_call, q, k, v, comm=comm, options=options, splits_given=splits_given
     )
-    check_ranks = options["check_ranks"]
-    call = comm.agreed(validate, what="attention call", check_ranks=check_ranks, deferred=True)
+    # a check_ranks that is not a bool is checked by validate: its rank tells the others;
+    # so is every error of validate, whatever its type (a rank that raised alone would leave
+    # the others waiting in the rank check)
+    check_ranks = options["check_ranks"] is not False
+    call = comm.agreed(
+        validate,
+        what="attention call",
+        check_ranks=check_ranks,
+        errors=(Exception,),
+        deferred=True,
+    )
     with comm.settled_on_error():
         return _planned(q, k, options, comm, call)
 

@@ -364,11 +364,15 @@ def normalize_cu_seqlens(
                 f"{tuple(cu_seqlens.shape)}"
             )
         cu_seqlens = cu_seqlens.tolist()
-    if isinstance(cu_seqlens, str) or not all(is_int(x) for x in cu_seqlens):
+    try:  # a generator once, not consumed by the check
+        items = None if isinstance(cu_seqlens, str) else list(cu_seqlens)
+    except TypeError:  # not iterable
+        items = None
+    if items is None or not all(is_int(x) for x in items):
         raise ValueError(  # a float is not a number of tokens: 4.7 is not rounded to 4
             f"{name} must hold ints (a sequence or a 1-D integer tensor); got {cu_seqlens!r}"
         )
-    values = tuple(int(x) for x in cu_seqlens)
+    values = tuple(int(x) for x in items)
     if len(values) < 2 or values[0] != 0 or values[-1] != seq_len:
         raise ValueError(
             f"{name} must start at 0 and end at the global length {seq_len}; got {list(values)}"

@@ -44,6 +44,8 @@ from tokenring.core.layout import Run, check_int, is_int
 
 __all__ = ["MaskKind", "MaskSpec", "chunk_documents", "normalize_window"]
 
+_INT64_MAX = 2**63 - 1
+
 
 class MaskKind(enum.Enum):
     """How a (query run, key run) pair is computed; see Note [Mask classes]."""
@@ -176,10 +178,13 @@ class MaskSpec:
         ok = (i >= 0) & (j >= 0)
         if self.causal:
             ok &= j <= i
-        if self.window[0] >= 0:
-            ok &= j >= i - self.window[0]
-        if not self.causal and self.window[1] >= 0:
-            ok &= j <= i + self.window[1]
+        # as distances: i + right overflows int64 for a window near 2**63 (any side wider
+        # than int64 is unbounded for int64 positions)
+        left, right = (min(w, _INT64_MAX) for w in self.window)
+        if left >= 0:
+            ok &= i - j <= left
+        if not self.causal and right >= 0:
+            ok &= j - i <= right
         if self.cu_seqlens is not None and len(self.cu_seqlens) > 2:
             bounds = torch.tensor(self.cu_seqlens[1:-1], dtype=torch.int64, device=i.device)
             doc_q = torch.bucketize(i, bounds, right=True)

@@ -359,7 +359,10 @@ class ReferenceKernel(BlockKernel):
         b, sq, hq, d = q.shape
         scores = self._scores(call)
         lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G*sq)
-        probs = scores.sub_(lse.unsqueeze(-1)).exp_().nan_to_num_(0.0)  # in place
+        # a row that sees no key: lse -inf, taken as 0 so exp gives 0, not NaN (a NaN of
+        # the inputs stays NaN, as in plain attention)
+        finite = lse.masked_fill(torch.isneginf(lse), 0.0)
+        probs = scores.sub_(finite.unsqueeze(-1)).exp_()  # in place
         out = torch.matmul(probs, _bhsd(call.v).to(acc))  # (B, Hkv, G*sq, D)
         return _bhsd(out.view(b, hq, sq, d)).to(q.dtype), lse.view(b, hq, sq)
 
@@ -831,7 +834,7 @@ class _FlexOps(BlockKernel):
         q_pos, kv_pos = (x.to(q.device) for x in (mask.q_positions, mask.kv_positions))
         bounds = torch.tensor((spec.cu_seqlens or (0,))[1:-1], dtype=torch.int64).to(q.device)
         q_doc, kv_doc = (torch.bucketize(x, bounds, right=True) for x in (q_pos, kv_pos))
-        left, right = spec.window
+        left, right = (min(w, 2**63 - 1) for w in spec.window)  # as in MaskSpec.visible
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             # MaskSpec.visible, one pair at a time (FlexAttention evaluates it per element)
@@ -840,9 +843,9 @@ class _FlexOps(BlockKernel):
             if spec.causal:
                 ok = ok & (j <= i)
             if left >= 0:
-                ok = ok & (j >= i - left)
+                ok = ok & (i - j <= left)
             if not spec.causal and right >= 0:
-                ok = ok & (j <= i + right)
+                ok = ok & (j - i <= right)
             return ok
 
         block_mask = create_block_mask(
