@@ -300,11 +300,9 @@ def _step_strategy_memo(
     hardware: Hardware | str | None,
 ) -> CachedStrategy:
     """:func:`step_strategy`, once per step (every layer reuses it)."""
-    key = (
-        "strategy",
-        str(strategy),
-        hardware if not isinstance(hardware, Hardware) else id(hardware),
-    )
+    # by value, as the ranks agree on it: an id would outlive a freed hardware and hand its
+    # pick to the next one allocated at the same address
+    key = ("strategy", str(strategy), repr(hardware))
     if key not in cache.memo:
         cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
     chosen: CachedStrategy = cache.memo[key]
