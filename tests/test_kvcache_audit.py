@@ -100,8 +100,27 @@ def _hardware_per_layer() -> dict[str, Any]:
     return {"ran": ran, "planned": planned, "errors": errors}
 
 
+def _crossed_calls(change: dict[str, Any], history_b: list[int]) -> tuple[str, float]:
+    """Caches A (steps of 3 then 2 tokens) and B (``change``, steps ``history_b``) end at the
+    same step index and lengths; rank 0 then attends A's last step and rank 1 B's. Their
+    placements differ (block size, or how the tokens split into cached and new)."""
+    rank = dist.get_rank()
+    a, b = DistributedKVCache(**OPTIONS), DistributedKVCache(**(OPTIONS | change))
+    for new_a, new_b in zip((3, 2), history_b, strict=True):
+        a.begin_step((new_a,))
+        b.begin_step((new_b,))
+        if new_a != 2:
+            _attend(a)
+            _attend(b)
+    return _error(lambda: _attend(a if rank == 0 else b))
+
+
 def _all_cases() -> dict[str, Any]:
     return {
+        "calls": [
+            _crossed_calls({"block_size": 4}, [3, 2]),
+            _crossed_calls({}, [4, 1]),
+        ],
         "crossed": _crossed_lengths(),
         "batch": _batch_differs(),
         "hardware": _hardware_per_layer(),
@@ -127,4 +146,19 @@ def test_kvcache_cases_on_two_ranks() -> None:
         assert hardware["planned"] == ["pass_q", "pass_kv", "pass_q", "pass_kv"], hardware
         assert hardware["ran"][-1] == ["pass_kv", "pass_q"], hardware
         assert max(hardware["errors"]) < 1e-5, hardware
+        # Before: the same step index, layer and lengths passed the check; each rank ran the
+        # plan of its own cache's placement: a size mismatch or a wait for a message never sent.
+        for (message, elapsed_s), words in zip(
+            res["calls"],
+            [
+                "'block_size': 4",
+                "'new tokens': [1]",
+            ],
+            strict=True,
+        ):
+            assert "ranks disagree on this cached attention call: cache:" in message, (
+                rank,
+                message,
+            )
+            assert words in message and elapsed_s < SOON_S, (rank, elapsed_s, message)
     assert per_rank[0]["crossed"]["message"] == per_rank[1]["crossed"]["message"]

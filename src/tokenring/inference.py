@@ -386,13 +386,17 @@ def _call_signature(
     signature = {
         "step": step.index,
         "layer": layer,
-        # which cache: ranks that call another cache here would mix shards of both
+        # which cache: ranks that call another cache here would mix shards of both; and what
+        # its step's placement follows (Note [Placement]), so every rank's plan is the same
         "cache": {
             "num_layers": cache.num_layers,
             "heads_kv": cache.heads_kv,
             "head_dim": cache.head_dim,
             "dtype": str(cache.dtype),
+            "block_size": cache.block_size,
             "lengths": list(cache.lengths),
+            "new tokens": list(step.new),
+            "zigzag": step.zigzag,
         },
         "heads_q": q.shape[1],
         "strategy": strategy if isinstance(strategy, str) else strategy.value,
