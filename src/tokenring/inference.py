@@ -300,11 +300,9 @@ def _step_strategy_memo(
     hardware: Hardware | str | None,
 ) -> CachedStrategy:
     """:func:`step_strategy`, once per step (every layer reuses it)."""
-    key = (
-        "strategy",
-        str(strategy),
-        hardware if not isinstance(hardware, Hardware) else id(hardware),
-    )
+    # by value, as the ranks agree on it: an id would outlive a freed hardware and hand its
+    # pick to the next one allocated at the same address
+    key = ("strategy", str(strategy), repr(hardware))
     if key not in cache.memo:
         cache.memo[key] = step_strategy(strategy, cache, heads_q=heads_q, hardware=hardware)
     chosen: CachedStrategy = cache.memo[key]
@@ -388,13 +386,17 @@ def _call_signature(
     signature = {
         "step": step.index,
         "layer": layer,
-        # which cache: ranks that call another cache here would mix shards of both
+        # which cache: ranks that call another cache here would mix shards of both; and what
+        # its step's placement follows (Note [Placement]), so every rank's plan is the same
         "cache": {
             "num_layers": cache.num_layers,
             "heads_kv": cache.heads_kv,
             "head_dim": cache.head_dim,
             "dtype": str(cache.dtype),
+            "block_size": cache.block_size,
             "lengths": list(cache.lengths),
+            "new tokens": list(step.new),
+            "zigzag": step.zigzag,
         },
         "heads_q": q.shape[1],
         "strategy": strategy if isinstance(strategy, str) else strategy.value,

@@ -295,8 +295,8 @@ class DistributedKVCache:
             The step: positions per rank, packed-row counts (``CacheStep``).
 
         Raises:
-            ValueError: ``new`` is not B ints >= 0, ranks passed different ``new``, or
-                ``check_ranks`` is not a bool.
+            ValueError: ``new`` is not B ints >= 0, ranks passed different ``new`` or hold
+                caches of other options or lengths, or ``check_ranks`` is not a bool.
             RuntimeError: a layer has not appended the previous step's K/V.
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
@@ -340,11 +340,14 @@ class DistributedKVCache:
                 f"layers {missing} have not appended the K/V of step {self._num_steps - 1}; "
                 "every layer must run attention (or append) once per step"
             )
-        # and the options every rank's placements and budget checks follow
-        names = ("num_layers", "heads_kv", "head_dim", "block_size", "budget_bytes")
+        # and what every rank's placements and budget checks follow: the options and the
+        # tokens cached so far (two caches stepped in another order on each rank can agree on
+        # the step index and the new tokens, and still place them after other lengths)
+        names = ("num_layers", "batch", "heads_kv", "head_dim", "block_size", "budget_bytes")
         options = {name: getattr(self, name) for name in names}
         options |= {"dtype": str(self.dtype), "zigzag_first_prefill": self.zigzag_first_prefill}
-        return step, {"new tokens": list(step.new), "step": self._num_steps, **options}
+        state = {"new tokens": list(step.new), "cached tokens": list(self._lengths)}
+        return step, {**state, "step": self._num_steps, **options}
 
     def _check_budget(self, held: list[list[int]], new: tuple[int, ...]) -> None:
         """Raise if any rank would reserve more than the budget holding ``held[rank][seq]``."""
