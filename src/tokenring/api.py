@@ -415,6 +415,8 @@ def _prepare_call(
     """Validate one rank's call (``options``: the operator's, :func:`_merged`, with
     ``last_block_splits`` resolved; ``splits_given``: the caller passed it) and build the
     signature the ranks compare (Note [Rank agreement]); no communication."""
+    if op.UNSUPPORTED in options:  # Note [Values a graph cannot keep]
+        raise NotImplementedError(options[op.UNSUPPORTED])
     check_flags(check_ranks=options["check_ranks"])
     layout = Layout.parse(options["layout"])
     _validate(q, k, v, options["softmax_scale"])
@@ -851,7 +853,8 @@ def sequence_parallel_attn(
             seq_len does not give this rank; bad cu_seqlens, window_size,
             attention_chunk_size, strategy, layout, kernel or last_pair; "auto" without
             hardware, or hardware without "auto"; ranks that disagree.
-        NotImplementedError: under torch.compile, cu_seqlens as a tensor.
+        NotImplementedError: under torch.compile, an option given as a tensor or a NumPy
+            value (softmax_scale, cu_seqlens, window_size), on every rank.
         RuntimeError: under torch.compile, a ProcessGroup not seen eagerly (call
             ``get_communicator(group)`` once first).
     """
@@ -936,16 +939,14 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
     for name, value in values.items():
         if (name, type(value)) in (("strategy", Strategy), ("layout", Layout)):
             value = value.value
+        if name == "window_size" and _is_int64(value) and value >= -1:
+            # w means (w, w); as a list an int that dynamo traces as dynamic stays an input
+            # (in the record it cannot be a constant); a bad one is refused as it was passed
+            value = [value, value]
         if name in ("cu_seqlens", "window_size"):
             ints = isinstance(value, list | tuple) and all(_is_int64(x) for x in value)
             primitive = list(value) if ints else None  # a list or tuple of ints as a list
             if primitive is None and value is not None:
-                if torch.compiler.is_compiling() and isinstance(value, torch.Tensor):
-                    raise NotImplementedError(
-                        f"{name} as a tensor under torch.compile: its values decide the "
-                        "schedule and must be known while tracing; pass a list or tuple of "
-                        f"ints ({name}.tolist() outside the compiled function)"
-                    )
                 raw[name] = value
             options[name] = primitive
         else:
@@ -959,9 +960,32 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
     if not raw:
         return {**options, "raw": None}, None
     if torch.compiler.is_compiling():  # a record for the life of the graph
+        tensors = [name for name, value in raw.items() if _holds_tensor(value)]
+        if tensors:  # Note [Values a graph cannot keep]; dynamo cannot pass them on
+            raw = {op.UNSUPPORTED: op.graph_input_message(tensors[0])}
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
     record = op.Record(raw)
     return {**options, "raw": op.object_handle(record)}, record
+
+
+# Note [Values a graph cannot keep]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A value that travels in the raw record is baked into the compiled graph with the record
+# (Note [Handles] in tokenring.runtime.op), and dynamo guards on none of it. A tensor (or a
+# NumPy scalar, which dynamo traces as a tensor) is an input of the graph: a later call with
+# another value would run with the value the graph was traced with (seen: softmax_scale
+# torch.tensor(0.7), then 0.1: the answer of 0.7). So such a value is refused, and not while
+# tracing, on this rank alone (its peers would wait in the rank check until the timeout): the
+# record carries the refusal (``op.UNSUPPORTED``) and the operator raises it on every rank in
+# the rank check (Note [Rank agreement]). ``op.pinned_handle`` finds them among the values it is
+# given; a list or tuple that holds a tensor is found here, before dynamo (which cannot pass it
+# to ``pinned_handle`` as a constant) sees it.
+def _holds_tensor(value: object) -> bool:
+    """Whether ``value`` is a list or tuple that holds a tensor or a NumPy value (traced by
+    dynamo)."""
+    return isinstance(value, list | tuple) and any(
+        isinstance(x, torch.Tensor) or type(x).__module__ == "numpy" for x in value
+    )
 
 
 def _is_int64(value: object) -> bool:

@@ -59,10 +59,12 @@ from tokenring.strategies.collective import ulysses_heads
 
 __all__ = [
     "DEFAULT_GROUP",
+    "UNSUPPORTED",
     "Plan",
     "Record",
     "backward",
     "forward",
+    "graph_input_message",
     "group_handle",
     "object_handle",
     "pinned_handle",
@@ -121,9 +123,41 @@ class Record:
         self.values = values
 
 
+UNSUPPORTED = "unsupported under torch.compile"
+"""A record's entry in place of values a compiled graph cannot keep: why (Note [Values a graph
+cannot keep] in tokenring.api); the operator raises it in the rank check."""
+
+
+def graph_input_message(name: str) -> str:
+    """Why option ``name`` given as a tensor (or NumPy value) cannot be compiled, and what to
+    pass instead (Note [Values a graph cannot keep] in tokenring.api)."""
+    if name in ("cu_seqlens", "window_size"):
+        instead = f"a list or tuple of ints ({name}.tolist() outside the compiled function)"
+    elif name == "softmax_scale":
+        instead = "a Python float (float(softmax_scale) outside the compiled function)"
+    else:
+        instead = f"a Python value ({name}.item() outside the compiled function)"
+    return (
+        f"{name} as a tensor under torch.compile (a NumPy value is traced as one): the compiled "
+        f"graph would keep the value it was traced with and ignore a later one; pass {instead}"
+    )
+
+
+def _graph_input(value: Any) -> bool:
+    """Whether ``value`` is, or a list or tuple holds, a tensor or a NumPy value (dynamo hands
+    a NumPy value to :func:`pinned_handle` as a tensor)."""
+    items = value if isinstance(value, list | tuple) else [value]
+    return any(isinstance(x, torch.Tensor) or type(x).__module__ == "numpy" for x in items)
+
+
 @torch.compiler.assume_constant_result
 def pinned_handle(names: tuple[str, ...], *values: Any) -> str:
-    """A key for a :class:`Record` of ``names`` and ``values``, valid for the process's life."""
+    """A key for a :class:`Record` of ``names`` and ``values``, valid for the process's life.
+    Values that are inputs of the graph (tensors; NumPy values) are replaced by an
+    :data:`UNSUPPORTED` entry: the graph would keep their first value."""
+    inputs = [n for n, x in zip(names, values, strict=True) if _graph_input(x)]
+    if inputs:
+        names, values = (UNSUPPORTED,), (graph_input_message(inputs[0]),)
     record = Record(dict(zip(names, values, strict=True)))
     key = _key(record)
     _PINNED[key] = record
