@@ -37,7 +37,7 @@ from oracle import (
     tolerance_failures,
     visible_mask,
 )
-from tokenring.model.costmodel import measured
+from test_random_calls import _hardware  # the random calls' hardware for auto
 from tokenring.runtime.kernels import CpuFlashKernel, TiledKernel
 
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -52,16 +52,6 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "allgather_kv": {},
     "auto": {},
 }
-
-
-def _hardware(dtype: str) -> Any:
-    return measured(
-        forward_flops_per_s=1e9,
-        backward_flops_per_s=5e8,
-        link_bandwidth_bytes_per_s=1e8,
-        memory_bandwidth_bytes_per_s=1e10,
-        dtype=dtype,
-    )
 
 
 def _options(name: str, dtype: str) -> dict[str, Any]:

@@ -7,7 +7,6 @@ soon, with the cache unchanged; never a placement each rank derives from its own
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import full_attention
+from test_inference_audit import _timed as _error  # (message, seconds) of a call
 from tokenring.inference import cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import measured
@@ -22,15 +22,6 @@ from tokenring.model.costmodel import measured
 PG_TIMEOUT_S = 30.0
 SOON_S = 10.0  # an agreed error arrives at once; a rank left waiting takes PG_TIMEOUT_S
 OPTIONS: dict[str, Any] = dict(num_layers=1, batch=1, heads_kv=2, head_dim=8, block_size=2)
-
-
-def _error(fn: Any) -> tuple[str, float]:
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # every rank reports what it saw
-        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
-    return "no error", time.monotonic() - start
 
 
 def _attend(cache: DistributedKVCache, layer: int = 0) -> None:
