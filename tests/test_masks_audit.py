@@ -40,7 +40,7 @@ from oracle import (
     tolerance_failures,
     visible_mask,
 )
-from test_random_calls import call_keywords
+from test_random_calls import call_keywords, hybrid_positions
 from tokenring.core.layout import make_sharding
 from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import AttentionShape, Pass, Payload, Schedule, Strategy
@@ -883,9 +883,7 @@ def hybrid_calls_on_ranks(seed: int, outer: int, inner: int, num_cases: int) -> 
     for index in range(num_cases):
         case = draw_call(rng, outer, RING[index % len(RING)])
         case["heads_q"], case["heads_kv"] = case["heads_q"] * inner, case["heads_kv"] * inner
-        shard = sharded_positions(case["layout"], o, outer, case["seq_len"], case["docs"])
-        sizes = [len(shard) // inner + (j < len(shard) % inner) for j in range(inner)]
-        positions = torch.tensor(shard[sum(sizes[:i]) : sum(sizes[: i + 1])], dtype=torch.int64)
+        positions = hybrid_positions(case, o, i, outer, inner)
         attend = functools.partial(
             tokenring.hybrid_attn, mesh=mesh, outer_strategy=case["strategy"],
             last_block_splits=case["options"].get("last_block_splits"),

@@ -960,7 +960,8 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
     if not raw:
         return {**options, "raw": None}, None
     if torch.compiler.is_compiling():  # a record for the life of the graph
-        tensors = [name for name, value in raw.items() if _holds_tensor(value)]
+        # a list or tuple that holds one: dynamo cannot pass it to pinned_handle as a constant
+        tensors = [n for n, x in raw.items() if isinstance(x, list | tuple) and op.graph_input(x)]
         if tensors:  # Note [Values a graph cannot keep]; dynamo cannot pass them on
             raw = {op.UNSUPPORTED: op.graph_input_message(tensors[0])}
         return {**options, "raw": op.pinned_handle(tuple(raw), *raw.values())}, None
@@ -980,14 +981,6 @@ def _op_options(values: dict[str, Any]) -> tuple[dict[str, Any], op.Record | Non
 # the rank check (Note [Rank agreement]). ``op.pinned_handle`` finds them among the values it is
 # given; a list or tuple that holds a tensor is found here, before dynamo (which cannot pass it
 # to ``pinned_handle`` as a constant) sees it.
-def _holds_tensor(value: object) -> bool:
-    """Whether ``value`` is a list or tuple that holds a tensor or a NumPy value (traced by
-    dynamo)."""
-    return isinstance(value, list | tuple) and any(
-        isinstance(x, torch.Tensor) or type(x).__module__ == "numpy" for x in value
-    )
-
-
 def _is_int64(value: object) -> bool:
     """Whether ``value`` is a Python int the schema's ``int`` holds (int64; a larger one travels
     in the raw record, so validation sees it as passed)."""

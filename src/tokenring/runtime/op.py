@@ -64,6 +64,7 @@ __all__ = [
     "Record",
     "backward",
     "forward",
+    "graph_input",
     "graph_input_message",
     "group_handle",
     "object_handle",
@@ -143,7 +144,7 @@ def graph_input_message(name: str) -> str:
     )
 
 
-def _graph_input(value: Any) -> bool:
+def graph_input(value: Any) -> bool:
     """Whether ``value`` is, or a list or tuple holds, a tensor or a NumPy value (dynamo hands
     a NumPy value to :func:`pinned_handle` as a tensor)."""
     items = value if isinstance(value, list | tuple) else [value]
@@ -155,7 +156,7 @@ def pinned_handle(names: tuple[str, ...], *values: Any) -> str:
     """A key for a :class:`Record` of ``names`` and ``values``, valid for the process's life.
     Values that are inputs of the graph (tensors; NumPy values) are replaced by an
     :data:`UNSUPPORTED` entry: the graph would keep their first value."""
-    inputs = [n for n, x in zip(names, values, strict=True) if _graph_input(x)]
+    inputs = [n for n, x in zip(names, values, strict=True) if graph_input(x)]
     if inputs:
         names, values = (UNSUPPORTED,), (graph_input_message(inputs[0]),)
     record = Record(dict(zip(names, values, strict=True)))
