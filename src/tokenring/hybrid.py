@@ -301,7 +301,9 @@ def _agreed_plan(
         mine = None if signature is None else signature | rank
         try:  # together: every rank
             communicators[group].agree(mine, problem, what="hybrid attention call")
-        except ValueError as exc:  # the outer group learns it too
+        except (ValueError, NotImplementedError) as exc:  # the outer group learns it too
+            # (agree re-raises this rank's own problem, of either type: a group of one rank
+            # raises it without an exchange, and the outer group must still hear of it)
             problem, signature = problem or exc, None
     if problem is not None:
         raise problem
