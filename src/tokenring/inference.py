@@ -362,9 +362,12 @@ def _call_signature(
     hardware: Hardware | str | None,
     kernel: str | BlockKernel | None,
     return_lse: bool,
+    *,
+    check_ranks: bool = True,
 ) -> tuple[tuple[CachedStrategy | str, BlockKernel], dict[str, Any]]:
     """Check a :func:`cached_attn` call: (strategy or ``"auto"``, kernel) and the signature."""
-    check_flags(return_lse=return_lse)  # here: a rank's bad flag reaches its peers at once
+    # here: a rank's bad flag reaches its peers at once
+    check_flags(return_lse=return_lse, check_ranks=check_ranks)
     step = _validate(q, cache, layer, softmax_scale)
     if torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
@@ -452,11 +455,12 @@ def cached_attn(
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
     assert cache.comm is not None
-    check_flags(check_ranks=check_ranks)
     args = (q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel, return_lse)
-    validate = functools.partial(_call_signature, *args)
+    validate = functools.partial(_call_signature, *args, check_ranks=check_ranks)
+    # a check_ranks that is not a bool is validate's error: its rank tells the others (as
+    # sequence_parallel_attn's), who would otherwise wait for it in the rank check
     strategy, block_kernel = cache.comm.agreed(  # before appending: every rank or none
-        validate, what="cached attention call", check_ranks=check_ranks
+        validate, what="cached attention call", check_ranks=check_ranks is not False
     )
     cache.append(layer, k, v)
     options: dict[str, Any] = dict(

@@ -98,6 +98,17 @@ def _check_options(sizes: dict[str, int], dtype: torch.dtype, budget_bytes: Any)
         raise ValueError(f"budget_bytes must be >= 0 or None; got {budget_bytes!r}")
 
 
+def _checked_device(device: Any) -> torch.device:
+    """``device`` as a torch.device; ValueError naming it for what torch cannot parse."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device must be a torch.device, a device string ('cpu', 'cuda:0') or a device "
+            f"index; got {device!r} ({exc})"
+        ) from None
+
+
 def _ranks(
     group: Any, rank: int | None, world_size: int | None
 ) -> tuple[Communicator | None, int, int]:
@@ -145,7 +156,8 @@ class DistributedKVCache:
     Raises:
         ValueError: a size that is not an int >= 1 (bools are not sizes), an unsupported
             dtype, rank outside [0, world_size), only one of rank / world_size, a group
-            together with rank / world_size, or a non-bool ``zigzag_first_prefill``.
+            together with rank / world_size, a device torch cannot parse, or a non-bool
+            ``zigzag_first_prefill``.
     """
 
     def __init__(
@@ -171,7 +183,7 @@ class DistributedKVCache:
         self.num_layers, self.batch = num_layers, batch
         self.heads_kv, self.head_dim = heads_kv, head_dim
         # as tensors report it: "cuda" is cuda:<current device> (q.device must equal it)
-        self.dtype, self.device = dtype, torch.empty(0, device=device).device
+        self.dtype, self.device = dtype, torch.empty(0, device=_checked_device(device)).device
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.zigzag_first_prefill = zigzag_first_prefill
@@ -301,13 +313,14 @@ class DistributedKVCache:
             KVCacheBudgetError: a rank would reserve more than ``budget_bytes`` (on every
                 rank; the cache is unchanged).
         """
-        check_flags(check_ranks=check_ranks)
-        validate = functools.partial(self._checked_placement, new)
+        # a check_ranks that is not a bool is validate's error: its rank tells the others
+        validate = functools.partial(self._checked_placement, new, check_ranks)
         if self.comm is None:  # no group to agree over
             step = validate()[0]
         else:  # Note [Rank agreement] in tokenring.api
             what, errors = "cache step", (ValueError, RuntimeError)
-            step = self.comm.agreed(validate, what=what, check_ranks=check_ranks, errors=errors)
+            check = check_ranks is not False
+            step = self.comm.agreed(validate, what=what, check_ranks=check, errors=errors)
         placed = step.new_positions
         if self.budget_bytes is not None:
             held = [
@@ -331,8 +344,12 @@ class DistributedKVCache:
         self.memo.clear()
         return step
 
-    def _checked_placement(self, new: Sequence[int]) -> tuple[CacheStep, dict[str, Any]]:
-        """:meth:`_placement` of ``new`` (every layer appended the last step) and its signature."""
+    def _checked_placement(
+        self, new: Sequence[int], check_ranks: bool = True
+    ) -> tuple[CacheStep, dict[str, Any]]:
+        """:meth:`_placement` of ``new`` (every layer appended the last step) and its signature;
+        ``check_ranks`` is checked here, so a rank's bad flag reaches its peers."""
+        check_flags(check_ranks=check_ranks)
         step = self._placement(new)
         missing = [layer for layer, done in enumerate(self._appended) if not done]
         if missing:
