@@ -283,24 +283,27 @@ def cross_attn(
 
     Raises:
         ValueError: bad shapes or dtypes, an unknown ``kv``, a softmax_scale that is not a
-            finite number > 0, a group that is not one, or no key at all; with sharded K/V on
-            every rank, also where one rank's call is bad or the ranks' K/V differ in batch,
+            finite number > 0, a group that is not one, or no key at all; on every rank of a
+            group (replicated K/V too: one small exchange), also where one rank's call is bad
+            or the ranks differ in ``kv`` or, with sharded K/V, their K/V differ in batch,
             heads, head dim, dtype, device type or whether they need a gradient.
     """
     validate = functools.partial(_cross_checked, q, k, v, kv, softmax_scale)
-    try:
-        placement = KVPlacement.parse(kv)
-    except ValueError:
-        if group is None and not dist.is_initialized():
-            raise
-        placement = KVPlacement.SHARDED  # peers may be gathering: validate raises it to all
-    if placement is KVPlacement.REPLICATED:
-        check_group(group)  # replicated K/V need no exchange, but a bad group is still an error
+    if group is None and not dist.is_initialized():  # one process: nobody to agree with
         validate()
-    else:  # checks and K/V shapes agreed before the gather: a rank that differs would make
-        # the all-gather mismatch (abort, or hang in the backward's all-reduce)
-        comm = get_communicator(group)
+        placement = KVPlacement.parse(kv)
+        if placement is KVPlacement.SHARDED:
+            comm = get_communicator(group)  # raises: not initialised
+    else:
+        # every rank's checks and placement agreed, replicated K/V too (which need no
+        # exchange): a rank with sharded K/V would wait for its peers in the gather, and a
+        # rank's bad call would fail there alone (Note [Rank agreement] in tokenring.api);
+        # sharded K/V's shapes before the gather, which a rank that differs would make
+        # mismatch (abort, or hang in the backward's all-reduce)
+        comm = get_communicator(group)  # raises for a bad group, on this rank alone
         comm.agreed(validate, what="cross-attention call")
+        placement = KVPlacement.parse(kv)
+    if placement is KVPlacement.SHARDED:
         lengths = comm.all_gather_int(k.shape[1], k.device, label="cross-attention K/V lengths")
         if sum(lengths) == 0:  # every rank raises: they all see the same lengths
             raise ValueError("k and v must hold at least one key on some rank; got none on any")
@@ -321,6 +324,8 @@ def _cross_checked(
     check_softmax_scale(softmax_scale)
     if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
         raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
+    if placement is KVPlacement.REPLICATED:  # nothing gathered: only the placement
+        return None, {"kv": placement.value}
     grad = torch.is_grad_enabled()
     return None, {
         "kv": placement.value,
