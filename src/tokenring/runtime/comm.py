@@ -706,7 +706,8 @@ class Communicator:
                     parts.append(
                         f"rank(s) {silent} did not arrive within "
                         f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the "
-                        "call, or called something else)"
+                        "call, called something else, or skipped this check: check_ranks=False "
+                        "on it, not here)"
                     )
                 parts.extend(closed.values())
                 self._break(f"{what} failed")
@@ -800,6 +801,7 @@ class Communicator:
                     closed[r] = (
                         f"rank {r} sent another message ({size} bytes from rank {sender}) where "
                         f"this rank expected a {num_bytes}-byte exchange frame: it runs other code"
+                        " (or skipped this rank check: check_ranks=False on it, not here)"
                     )
                     continue
                 try:
@@ -851,9 +853,10 @@ class Communicator:
             if problem is not None:
                 raise problem
             return lambda: None
-        mine: dict[str, Any] = {"signature": signature}
+        # the call too: ranks in different calls (one skipped a check) are told so
+        mine: dict[str, Any] = {"signature": signature, "call": what}
         if signature is None:
-            mine = {"invalid": str(problem)}
+            mine = {"invalid": str(problem), "call": what}
         data = json.dumps(mine, sort_keys=True).encode()
         digest = hashlib.blake2b(data, digest_size=DIGEST_NUM_BYTES).digest()
         check = f"the {what} check"
@@ -870,11 +873,19 @@ class Communicator:
         """The rest of :meth:`agree` where a digest differs or a rank found a problem: every
         rank's JSON row, then what raises."""
         if len(data) > AGREE_FRAME_NUM_BYTES - 8:  # an unusually long error or signature
-            mine: dict[str, Any] = {"invalid": str(problem)[:1000]}
+            mine: dict[str, Any] = {"invalid": str(problem)[:1000], "call": what}
             if problem is None:
-                mine = {"signature": {"digest": zlib.crc32(data)}}
+                mine = {"signature": {"digest": zlib.crc32(data)}, "call": what}
             data = json.dumps(mine).encode()
         rows = [json.loads(b) for b in self.all_gather_bytes(data, what=f"the {what} check")]
+        calls = [row.get("call") for row in rows]
+        if any(call != what for call in calls):
+            raise ValueError(
+                "ranks are in different calls: "
+                + ", ".join(f"rank {r} in a {call}" for r, call in enumerate(calls))
+                + " (every rank must make the same calls, with the same check_ranks: a rank "
+                "that passed check_ranks=False skipped a check the others run)"
+            )
         if problem is not None:
             raise problem
         invalid = [(r, row["invalid"]) for r, row in enumerate(rows) if "invalid" in row]
