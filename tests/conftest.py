@@ -38,7 +38,8 @@ def single_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 # renamed) nothing changes: ranks import the modules themselves, as before; nor with CUDA,
 # where an import that probes the devices would leave the zygote unfit to fork CUDA ranks.
 _HEAVY_RANK_MODULES = frozenset(
-    {"test_diffusers", "test_hf", "test_hf_architectures", "test_hf_generate", "test_hf_trainer"}
+    {"test_diffusers", "test_hf", "test_hf_architectures", "test_hf_audit", "test_hf_generate"}
+    | {"test_hf_trainer"}
 )
 
 

@@ -18,8 +18,8 @@ Note [How a model call reaches the ring]
           position_ids=local_pos,       (1, s): global / in-document positions, for RoPE
           sequence_parallel=sp)         handed down to every attention call
       create_*_mask -> our mask function -> None for plain causal (a local causal mask is
-          wrong for a zigzag shard), else a _ModelMask read from transformers' mask_function
-          (Note [Model masks]), or NotImplementedError
+          wrong for a zigzag shard) unless the config has a sliding_window, else a _ModelMask
+          read from transformers' mask_function (Note [Model masks]), or NotImplementedError
       LlamaAttention -> our attention function -> sequence_parallel_attn(q, k, v, strategy
           from the name, mask from the _ModelMask or is_causal / sliding_window, rest from sp)
       labels= -> the model's loss function -> ours with sequence_parallel: labels shifted over
@@ -43,6 +43,13 @@ A shard cannot use transformers' ``mask_function`` (it is over local rows), so
                                       ignored: documents come from SequenceParallel.cu_seqlens
     or_masks(...) (or_mask_function, block_sequence_ids), and_mask_function of the model,
     anything else                     NotImplementedError naming it
+
+A plain causal mask is None, as transformers' SDPA mask is, except for a config with a
+``sliding_window``: then it is a _ModelMask too, so that a layer passing ``sliding_window=``
+with a plain causal mask (OLMoE's attention passes config.sliding_window, its mask has none)
+raises in the attention call. transformers' eager and SDPA attention follow the mask there,
+flash-attention the keyword; a None mask could not be told from no mask (the keyword alone,
+as flash-attention reads it) and the window was silently applied.
 """
 
 from __future__ import annotations
@@ -242,8 +249,9 @@ def _global_mask(
     config: Any = None,
     **_: Any,
 ) -> _ModelMask | None:
-    """The ``AttentionMaskInterface`` function: None for plain causal, else a
-    :class:`_ModelMask` (Note [Model masks]); a padding mask raises."""
+    """The ``AttentionMaskInterface`` function: None for plain causal (unless ``config`` has a
+    ``sliding_window``), else a :class:`_ModelMask` (Note [Model masks]); a padding mask
+    raises."""
     if attention_mask is not None and attention_mask.dim() == 2:
         refuse_padding(
             attention_mask,
@@ -270,7 +278,9 @@ def _global_mask(
     if mask_function is None:
         return None
     mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
-    return None if mask == _PLAIN_CAUSAL else mask
+    if mask == _PLAIN_CAUSAL and getattr(config, "sliding_window", None) is None:
+        return None
+    return mask
 
 
 @functools.lru_cache(maxsize=1)
@@ -731,7 +741,9 @@ def _layer_mask(
     if sliding_window is not None and window_size != attention_mask.window_size:
         raise NotImplementedError(
             f"the model's mask has window_size={attention_mask.window_size} but its attention "
-            f"passes sliding_window={sliding_window} (window_size={window_size})"
+            f"passes sliding_window={sliding_window} (window_size={window_size}): "
+            "transformers' eager and SDPA attention follow the mask, flash-attention the "
+            "sliding_window; tokenring attention cannot tell which one holds"
         )
     return attention_mask
 
