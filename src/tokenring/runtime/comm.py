@@ -56,6 +56,7 @@ __all__ = [
     "PendingRecv",
     "Timeline",
     "TrafficCounter",
+    "check_timeout_s",
     "clear_group_defaults",
     "destroy_idle_groups",
     "forget_destroyed_groups",
@@ -63,6 +64,27 @@ __all__ = [
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
 _T = TypeVar("_T")
+
+MAX_TIMEOUT_S = 1e7
+"""The longest timeout taken (about 115 days; check_timeout_s's message says 1e7): every wait
+the library issues must end."""
+
+
+def check_timeout_s(value: object, name: str = "timeout_s") -> float:
+    """``value`` as a timeout in seconds: an int or float (not a bool: True would be a 1 s
+    limit), > 0 and below MAX_TIMEOUT_S (so finite); the one check of every timeout the
+    library takes (the communicator's, ``init_distributed``'s, ``launch``'s).
+
+    Raises:
+        ValueError: naming ``name``, the value and what was expected.
+    """
+    # nan fails both comparisons
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < MAX_TIMEOUT_S:
+        return float(value)
+    raise ValueError(
+        f"{name} must be a finite number > 0; got {value!r} (a number of seconds below 1e7)"
+    )
+
 
 # (flow, lane), each with its own process group; lane 1: the bidirectional ring's other way
 CHANNELS: tuple[tuple[Flow, int], ...] = (
@@ -508,8 +530,9 @@ class Communicator:
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: ``timeout_s`` is not a finite number of seconds > 0; ``group`` is not a
-            ProcessGroup this rank is in, or was destroyed.
+        ValueError: ``timeout_s`` is not a number of seconds > 0 (below MAX_TIMEOUT_S);
+            ``separate_groups`` not a bool, ``stage_through_host`` or ``shared_memory`` not a
+            bool or None; ``group`` is not a ProcessGroup this rank is in, or was destroyed.
     """
 
     def __init__(
@@ -526,9 +549,16 @@ class Communicator:
                 "torch.distributed is not initialized; call tokenring.init_distributed() or "
                 "torch.distributed.init_process_group() before building a Communicator"
             )
-        number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-        if not (number and 0 < timeout_s < 10**7):  # True would be a 1 s limit
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s!r}")
+        check_timeout_s(timeout_s)
+        for name, flag in (
+            ("separate_groups", separate_groups),
+            ("stage_through_host", stage_through_host),
+            ("shared_memory", shared_memory),
+        ):
+            # a string is truthy: shared_memory="no" would turn the transport on
+            if not isinstance(flag, bool) and (flag is not None or name == "separate_groups"):
+                expected = "True or False" + (" or None" if name != "separate_groups" else "")
+                raise ValueError(f"{name} must be {expected}; got {flag!r}")
         base = group if group is not None else dist.group.WORLD
         assert base is not None
         if not isinstance(base, dist.ProcessGroup) or not _registered(base):
@@ -1166,8 +1196,28 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, label: str
     ) -> PendingCollective:
-        """Post ``dist.all_reduce`` of ``tensor`` in place. Not counted."""
-        return self._collective("all-reduce", label, functools.partial(dist.all_reduce, tensor, op))
+        """Post ``dist.all_reduce`` of ``tensor`` in place (any strides: one that is not
+        contiguous is reduced in a contiguous copy, written back by ``wait()``). Not counted.
+
+        Raises:
+            ValueError: ``tensor`` has elements that share memory (an expanded tensor).
+        """
+        shape, strides = tensor.shape, tensor.stride()
+        if any(stride == 0 and size > 1 for stride, size in zip(strides, shape, strict=True)):
+            raise ValueError(
+                f"tensor to all-reduce ({label!r}) must not have elements that share memory; "
+                f"got shape {tuple(shape)} with strides {strides} (an expanded "
+                "tensor: reduce tensor.contiguous())"
+            )
+        # gloo reduces numel() elements from data_ptr() in memory order: a slice took other
+        # elements and overwrote some outside it, and ranks whose strides differ (one
+        # transposed) would add different elements (silent wrong answers).
+        wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+        post = functools.partial(dist.all_reduce, wire, op)
+        pending = self._collective("all-reduce", label, post)
+        if wire is not tensor:
+            pending._copy_back = (wire, tensor)
+        return pending
 
     def barrier(self, *, label: str) -> None:
         """Wait until every rank of the group reached this barrier, for at most ``timeout``."""
@@ -1336,8 +1386,16 @@ class PendingCollective:
     def __init__(self, comm: Communicator, work: Any, op: str, label: str) -> None:
         self._comm, self._work, self._op, self._label = comm, work, op, label
         self._posted_s = time.perf_counter()
+        self._copy_back: tuple[torch.Tensor, torch.Tensor] | None = None  # (result, caller's)
 
     def wait(self) -> None:
+        self._wait()
+        if self._copy_back is not None:
+            result, target = self._copy_back
+            self._copy_back = None
+            target.copy_(result)
+
+    def _wait(self) -> None:
         if self._work is None:
             return
         comm = self._comm
