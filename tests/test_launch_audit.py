@@ -303,6 +303,21 @@ def _reductions_and_options() -> list[str]:
         except ValueError as exc:
             if words not in str(exc):
                 problems.append(f"rank {rank}: {kwargs}: {exc}")
+    # ranks whose timeouts differ waited under different store keys, each blaming the other
+    # at its own timeout ("rank(s) [1] did not arrive within 3 s"); 3 and 3.0 differed too
+    start = time.monotonic()
+    try:
+        Communicator(timeout_s=3 + rank)
+        problems.append(f"rank {rank}: timeouts 3 and 4 accepted")
+    except ValueError as exc:
+        words = "timeout_s must be the same on every rank of a communicator's group; got 3 on "
+        if words + "rank 0, 4 on rank 1" not in str(exc):
+            problems.append(f"rank {rank}: {exc}")
+    if time.monotonic() - start > 2.5:
+        problems.append(f"rank {rank}: differing timeouts took {time.monotonic() - start:.1f} s")
+    same = Communicator(timeout_s=3 if rank == 0 else 3.0)  # then builds go on as before
+    same.barrier(label="3 and 3.0")
+    same.close()
     # get_communicator took 1e8 for a communicator that refuses it when built
     comm = tokenring.get_communicator(None)
     try:

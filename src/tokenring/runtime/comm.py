@@ -549,7 +549,7 @@ class Communicator:
                 "torch.distributed is not initialized; call tokenring.init_distributed() or "
                 "torch.distributed.init_process_group() before building a Communicator"
             )
-        check_timeout_s(timeout_s)
+        timeout_s = check_timeout_s(timeout_s)  # a float: 3 and 3.0 are one pool key
         for name, flag in (
             ("separate_groups", separate_groups),
             ("stage_through_host", stage_through_host),
@@ -1433,8 +1433,10 @@ class PendingCollective:
 # the key (a digest of its groups' names: torch derives a group's store prefix from its
 # name, so the ranks of one set name it alike), oldest first, and swaps the list with the
 # other ranks through the default group's store (reachable before any new group exists,
-# whatever the backend), under a key of the pool key and this rank's count of builds over
-# it, within the communicator's timeout:
+# whatever the backend), under a key of the pool key but its timeout and this rank's count
+# of builds over that, within the communicator's timeout (each rank's timeout travels in its
+# entry: ranks whose timeouts differ raise ValueError naming them, instead of waiting under
+# different keys until each blamed the other for not arriving):
 #
 #   every rank holds the same sets (the normal path)  -> every rank takes the newest
 #   sets held by some ranks only                       -> dropped from the pool (not destroyed)
@@ -1452,7 +1454,9 @@ class PendingCollective:
 _PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
 _OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
 _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
-_NUM_BUILDS: dict[_PoolKey, int] = {}  # communicators built over each key on this rank
+# communicators built over each key but its timeout on this rank (ranks whose timeouts differ
+# meet under one store key, and learn it)
+_NUM_BUILDS: dict[tuple[tuple[int, ...], str, bool], int] = {}
 _GAVE_UP = "!"  # what a rank that timed out leaves in its entry
 _POLL_S = 0.005  # how long _wait_for polls before it waits
 
@@ -1477,16 +1481,20 @@ def _take_agreed_groups(
 
     Raises:
         _PoolAgreementFailed: a rank did not arrive within ``timeout``, or gave up waiting.
+        ValueError: the ranks' communicators have different timeouts (each rank's named).
     """
     ranks, backend, timeout_s, separate = key
     idle = [own for own in _IDLE_GROUPS.pop(key, []) if _registered_set(own)]
     # (groups destroyed by destroy_process_group() of everything are dropped)
     names = [_set_name(own) for own in idle]
-    build = _NUM_BUILDS[key] = _NUM_BUILDS.get(key, -1) + 1
-    prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}/{timeout_s!r}/{separate}"
+    counted = (ranks, backend, separate)
+    build = _NUM_BUILDS[counted] = _NUM_BUILDS.get(counted, -1) + 1
+    # Not keyed by the timeout: ranks whose timeouts differ waited under different keys and
+    # blamed each other ("did not arrive") at their timeouts; they meet and are told.
+    prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}/{separate}"
     keys = [f"{prefix}/{build}/{r}" for r in range(len(ranks))]
     store = dist.distributed_c10d._get_default_store()
-    store.set(keys[rank], f"{_num_live_groups()};" + ",".join(names))
+    store.set(keys[rank], f"{timeout_s!r};{_num_live_groups()};" + ",".join(names))
     try:
         _wait_for(store, keys, timeout)
     except Exception as exc:
@@ -1508,13 +1516,20 @@ def _take_agreed_groups(
             f"agreeing on pooled groups: rank(s) {gave_up} gave up waiting for this rank "
             f"after {timeout.total_seconds():g} s"
         )
-    rows = [got.decode().split(";", 1) for got in lists]  # live groups; pooled sets
-    held = [set(row[1].split(",")) - {""} for row in rows]
+    rows = [got.decode().split(";", 2) for got in lists]  # timeout; live groups; pooled sets
+    timeouts_s = [float(row[0]) for row in rows]
+    if any(t != timeouts_s[0] for t in timeouts_s):
+        _IDLE_GROUPS[key] = idle
+        raise ValueError(
+            "timeout_s must be the same on every rank of a communicator's group; got "
+            + ", ".join(f"{t:g} on rank {r}" for r, t in enumerate(timeouts_s))
+        )
+    held = [set(row[2].split(",")) - {""} for row in rows]
     common = set.intersection(*held)
-    newest = [name for name in rows[0][1].split(",") if name in common][-1:]
+    newest = [name for name in rows[0][2].split(",") if name in common][-1:]
     by_name = dict(zip(names, idle, strict=True))
     _IDLE_GROUPS[key] = [by_name[name] for name in names if name in common - set(newest)]
-    return (by_name[newest[0]] if newest else None), max(int(row[0]) for row in rows)
+    return (by_name[newest[0]] if newest else None), max(int(row[1]) for row in rows)
 
 
 def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
