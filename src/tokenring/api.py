@@ -30,6 +30,7 @@ from tokenring.model.costmodel import Hardware, preset
 from tokenring.runtime import op
 from tokenring.runtime.comm import (
     Communicator,
+    check_timeout_s,
     clear_group_defaults,
     destroy_idle_groups,
     forget_destroyed_groups,
@@ -89,15 +90,11 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
 
     Raises:
         ValueError: a DeviceMesh with more than one dimension, or an unsupported object;
-            timeout_s not a finite number > 0.
+            timeout_s not a number of seconds > 0 (below 1e7).
         RuntimeError: torch.distributed is not initialised.
     """
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, int | float)
-        or not (timeout_s > 0 and math.isfinite(timeout_s))
-    ):
-        raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s!r}")
+    if timeout_s is not None:
+        check_timeout_s(timeout_s)
     if isinstance(group, Communicator):
         if timeout_s is not None:
             group.timeout = timedelta(seconds=timeout_s)

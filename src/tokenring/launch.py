@@ -20,7 +20,6 @@ import atexit
 import contextlib
 import ctypes
 import gc
-import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import close_communicators, get_communicator
-from tokenring.runtime.comm import Communicator, destroy_idle_groups
+from tokenring.runtime.comm import Communicator, check_timeout_s, destroy_idle_groups
 
 __all__ = ["LaunchError", "init_distributed", "launch"]
 
@@ -80,7 +79,6 @@ class _Spec:
     world_size: int
     backend: str
     store_path: str
-    result_dir: str
     pg_timeout_s: float
     threads: int
 
@@ -127,27 +125,139 @@ class _Outcome:
     summary: str = ""  # the error in one line: "ValueError: ... (at file.py:12 in fn)"
 
 
-def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) -> Communicator:
-    """Initialise the default process group from the launcher's environment (torchrun), with
-    a timeout: NCCL when CUDA is available, else gloo, unless ``backend`` is given; the CUDA
-    device from LOCAL_RANK.
+def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> Communicator:
+    """Initialise the default process group from the launcher's environment (torchrun: RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), with a timeout: NCCL when CUDA is
+    available, else gloo, unless ``backend`` is given; the CUDA device from LOCAL_RANK.
+
+    Args:
+        backend: torch's name of one (``"gloo"``, ``"nccl"``) or device:backend pairs
+            (``"cpu:gloo,cuda:nccl"``); None: as above.
+        timeout_s: the default group's timeout and its communicator's (default 300 s).
 
     Returns:
         The default group's communicator (Note [Communicator cache] in tokenring.api), with
-        this timeout; when torch.distributed is initialised already, that communicator as it
-        is.
+        this timeout. When torch.distributed is initialised already: that communicator, its
+        timeout set to ``timeout_s`` when one is given.
+
+    Raises:
+        ValueError: ``timeout_s`` not a number of seconds > 0 (below 1e7); ``backend``
+            unknown or not available here (NCCL without a CUDA GPU), or, initialised already,
+            not the one running; an environment variable missing or not a valid value (named,
+            with its value). Nothing is initialised then.
     """
+    if timeout_s is not None:
+        check_timeout_s(timeout_s)
+    names = None if backend is None else _check_backend(backend)
     if dist.is_initialized():
-        return get_communicator(None)
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
+        running = str(dist.get_backend())
+        if names is not None and not set(names) <= set(_backend_names(running)):
+            raise ValueError(
+                f"backend {backend!r} was asked for, but torch.distributed is initialised "
+                f"already with {running!r}"
+            )
+        return get_communicator(None, timeout_s=timeout_s)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        names = [backend]
+    assert names is not None
+    local_rank = _launcher_env("nccl" in names)
+    if "nccl" in names:
+        torch.cuda.set_device(local_rank)
+    seconds = 300.0 if timeout_s is None else timeout_s
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=seconds))
+    return get_communicator(None, timeout_s=seconds)  # group=None calls run on it
 
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return get_communicator(None, timeout_s=timeout_s)  # group=None calls run on it
+
+_ENV_HINT = (
+    "init_distributed reads the launcher's environment: torchrun sets RANK, WORLD_SIZE, "
+    "LOCAL_RANK, MASTER_ADDR and MASTER_PORT (or initialise torch.distributed yourself first)"
+)
+
+
+def _env_int(name: str, low: int, high: int, expected: str, default: int | None = None) -> int:
+    """The environment variable ``name`` as an int in [low, high]; ``default`` when unset
+    (None: it must be set)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is not None:
+            return default
+        raise ValueError(f"environment variable {name} is not set; {_ENV_HINT}")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ValueError(f"environment variable {name} must be {expected}; got {name}={raw!r}")
+    return value
+
+
+def _launcher_env(cuda: bool) -> int:
+    """Check what env:// rendezvous reads before it waits on it (a rank outside the world
+    waited for a peer that never comes); this rank's LOCAL_RANK (0 when unset).
+
+    Raises:
+        ValueError: a variable missing or out of range, named with its value.
+    """
+    world_size = _env_int("WORLD_SIZE", 1, 2**31 - 1, "an int >= 1")
+    _env_int("RANK", 0, world_size - 1, f"an int in [0, WORLD_SIZE) = [0, {world_size})")
+    address = os.environ.get("MASTER_ADDR")
+    if address is None or not address.strip():
+        what = "is not set" if address is None else "is empty"
+        raise ValueError(f"environment variable MASTER_ADDR {what}; {_ENV_HINT}")
+    # port 0 lets rank 0 pick one, which no other rank could know
+    low = 0 if world_size == 1 else 1
+    _env_int("MASTER_PORT", low, 65535, f"a TCP port, an int in [{low}, 65535]")
+    expected = f"an int in [0, WORLD_SIZE) = [0, {world_size})"
+    local_rank = _env_int("LOCAL_RANK", 0, world_size - 1, expected, default=0)
+    if cuda and local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"environment variable LOCAL_RANK must name a visible CUDA device for NCCL, an int "
+            f"in [0, {torch.cuda.device_count()}); got LOCAL_RANK={local_rank} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    return local_rank
+
+
+def _backend_names(backend: str) -> list[str]:
+    """The backends in torch's spelling of one: ``"cpu:gloo,cuda:nccl"`` -> gloo, nccl."""
+    return [part.strip().rpartition(":")[2] for part in backend.lower().split(",")]
+
+
+def _check_backend(backend: object) -> list[str]:
+    """The backends ``backend`` names, once torch knows each and this machine can run it.
+
+    Raises:
+        ValueError: naming ``backend`` and what was expected.
+    """
+    known = [name for name in dist.Backend.backend_list if name != "undefined"]
+    if not isinstance(backend, str) or not backend.strip():
+        raise ValueError(f"backend must be one of {known} as a str; got {backend!r}")
+    names = _backend_names(backend)
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"backend must be one of {known}, or device:backend pairs such as "
+                f"'cpu:gloo,cuda:nccl'; got {backend!r}"
+            )
+    if "nccl" in names and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError(
+            f"backend {backend!r} needs a CUDA GPU and a torch built with NCCL; here "
+            f"torch.cuda.is_available() is {torch.cuda.is_available()} (torch "
+            f"{torch.__version__}); CPU ranks use 'gloo'"
+        )
+    built = {
+        "gloo": dist.is_gloo_available,
+        "mpi": dist.is_mpi_available,
+        "ucc": dist.is_ucc_available,
+        "xccl": getattr(dist, "is_xccl_available", lambda: True),
+    }
+    for name in names:
+        if name in built and not built[name]():
+            raise ValueError(
+                f"backend {backend!r}: this torch ({torch.__version__}) has no {name} built in"
+            )
+    return names
 
 
 def launch(
@@ -171,6 +281,7 @@ def launch(
     Args:
         timeout_s: outer deadline for the whole run; every worker is killed past it.
         pg_timeout_s: timeout of the process group (each collective or P2P wait).
+        backend: the process group's backend; ``"nccl"``: rank r on CUDA device r.
         threads_per_rank: torch intra-op threads per rank; default cpu_count // world_size.
         wrap_command: turns a worker's argv into the argv to start (e.g. ``ip netns exec``).
         rank_env: extra environment per rank (e.g. GLOO_SOCKET_IFNAME).
@@ -181,13 +292,15 @@ def launch(
         Each rank's return value, in rank order.
 
     Raises:
-        ValueError: world_size or threads_per_rank not an int >= 1, or timeouts <= 0.
+        ValueError: world_size or threads_per_rank not an int >= 1; a timeout not a number
+            of seconds > 0 (below 1e7); backend unknown or not available here (NCCL: one GPU
+            per rank); fn, args or kwargs that do not pickle (named).
         RuntimeError: called by a rank re-running the main script (it lacks the
             ``if __name__ == "__main__":`` guard).
         LaunchError: a rank raised or died (message: the first failing rank's traceback), or
             the deadline passed (message: which ranks had not finished, and their log tails).
     """
-    _check_launch(fn, world_size, threads_per_rank, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    _check_launch(fn, world_size, threads_per_rank, backend, timeout_s, pg_timeout_s)
     ranks: list[_Rank] = []  # filled as they start, so that a signal mid-way ends those
     with _signals_end_the_run():
         workdir = tempfile.mkdtemp(prefix="tokenring-launch-")
@@ -199,7 +312,6 @@ def launch(
                 world_size=world_size,
                 backend=backend,
                 store_path=os.path.join(workdir, "store"),
-                result_dir=workdir,
                 pg_timeout_s=pg_timeout_s,
                 threads=threads_per_rank or max(1, (os.cpu_count() or 1) // world_size),
             )
@@ -210,7 +322,14 @@ def launch(
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _check_launch(fn: Any, world_size: int, threads: int | None, **timeouts_s: float) -> None:
+def _check_launch(
+    fn: Any,
+    world_size: int,
+    threads: int | None,
+    backend: str,
+    timeout_s: float,
+    pg_timeout_s: float,
+) -> None:
     """:func:`launch`'s ValueErrors."""
     for name, size in (("world_size", world_size), ("threads_per_rank", threads)):
         if size is None and name == "threads_per_rank":
@@ -221,9 +340,14 @@ def _check_launch(fn: Any, world_size: int, threads: int | None, **timeouts_s: f
             )
         if size < 1:
             raise ValueError(f"{name} must be >= 1; got {size}")
-    for name, value in timeouts_s.items():
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a finite number > 0; got {value}")
+    check_timeout_s(timeout_s, "timeout_s")
+    check_timeout_s(pg_timeout_s, "pg_timeout_s")  # the ranks' communicators take it
+    if "nccl" in _check_backend(backend) and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"backend {backend!r} runs one rank per GPU; world_size={world_size} but "
+            f"{torch.cuda.device_count()} CUDA devices are visible (ranks that share a GPU run "
+            "over backend='gloo': Note [Staged path] in tokenring.runtime.comm)"
+        )
     if getattr(fn, "__module__", None) == "__main__":
         raise ValueError(
             f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "
@@ -297,8 +421,12 @@ def _start(
     ranks: list[_Rank],
 ) -> None:
     spec_path = os.path.join(workdir, "spec.pkl")
+    try:
+        data = pickle.dumps(spec)
+    except Exception as exc:
+        raise ValueError(_unpicklable(spec, exc)) from exc
     with open(spec_path, "wb") as f:
-        pickle.dump(spec, f)
+        f.write(data)
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in base_env:
@@ -323,6 +451,23 @@ def _start(
             register_pid(proc.pid)
 
 
+def _unpicklable(spec: _Spec, exc: Exception) -> str:
+    """Which of ``fn``, its args and kwargs does not pickle, for the error."""
+    parts = [("fn", spec.fn), *((f"args[{i}]", a) for i, a in enumerate(spec.args))]
+    parts += [(f"kwargs[{k!r}]", v) for k, v in spec.kwargs.items()]
+    culprit: tuple[str, Any] = ("fn, args and kwargs", None)
+    for part in parts:
+        try:
+            pickle.dumps(part[1])
+        except Exception as found:
+            culprit, exc = part, found
+            break
+    return (
+        f"launch's {culprit[0]} must pickle (every rank receives it; fn must be a module-level "
+        f"function); got {culprit[1]!r}: {type(exc).__name__}: {exc}"
+    )
+
+
 # Note [Rank start]
 # ~~~~~~~~~~~~~~~~~
 # A fresh interpreter spends seconds importing torch and the library, so a rank is forked
@@ -332,9 +477,10 @@ def _start(
 # environment and sys.path: variables read when a rank runs take effect, those read at
 # interpreter start (MALLOC_*, LD_PRELOAD, PYTHON*) are the zygote's. So a launch with
 # ``rank_env`` or ``wrap_command`` (a network namespace must exec the rank), or off Linux,
-# starts fresh interpreters. A forked rank ends with os._exit after its atexit handlers, so
-# finalisation never races a gloo thread (Note [Clean exit]). The zygote ends with the
-# launcher.
+# starts fresh interpreters. A rank, forked or fresh, ends with os._exit after its atexit
+# handlers, so finalisation never races a gloo thread (Note [Clean exit]) and a thread that
+# fn left running does not keep a rank that returned its result alive until the deadline.
+# The zygote ends with the launcher.
 _ZYGOTE_PRELOAD = ["tokenring.launch"]
 
 
@@ -395,6 +541,8 @@ def _forked_worker(
     code = 1
     try:
         code = _worker(spec_path, rank)
+    except BaseException:
+        traceback.print_exc()  # e.g. its result could not be written: into its log
     finally:
         atexit._run_exitfuncs()
         sys.stdout.flush()
@@ -431,7 +579,17 @@ def _read_outcome(workdir: str, rank: int) -> _Outcome | None:
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
-        outcome: _Outcome = pickle.load(f)
+        data = f.read()
+    try:
+        outcome: _Outcome = pickle.loads(data)
+    except Exception as exc:  # it pickled in the rank: a class or module the launcher lacks
+        return _Outcome(
+            ok=False,
+            error=f"rank {rank}: its result cannot be unpickled by the launcher:\n"
+            + traceback.format_exc(),
+            failed_at_s=time.time(),
+            summary=f"its result cannot be unpickled by the launcher: {_summary(exc)}",
+        )
     return outcome
 
 
@@ -555,16 +713,16 @@ def _end(ranks: Sequence[_Rank]) -> None:
 
 
 def _worker(spec_path: str, rank: int) -> int:
-    with open(spec_path, "rb") as f:
-        spec: _Spec = pickle.load(f)
-    try:
+    try:  # loading fn imports its module: that may fail here too
+        with open(spec_path, "rb") as f:
+            spec: _Spec = pickle.load(f)
         outcome = _Outcome(ok=True, value=_run_rank(spec, rank))
         data = pickle.dumps(outcome)  # inside the try: a result that does not pickle fails
     except BaseException as exc:
         error = f"rank {rank}: {traceback.format_exc()}"
         outcome = _Outcome(ok=False, error=error, failed_at_s=time.time(), summary=_summary(exc))
         data = pickle.dumps(outcome)
-    result_path = os.path.join(spec.result_dir, f"result{rank}.pkl")
+    result_path = os.path.join(os.path.dirname(spec_path), f"result{rank}.pkl")  # the workdir
     with open(result_path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(result_path + ".tmp", result_path)
@@ -578,8 +736,11 @@ def _worker(spec_path: str, rank: int) -> int:
 
 def _summary(exc: BaseException) -> str:
     """``exc`` in one line, with where it was raised: ``ValueError: ... (at file.py:12 in
-    fn)``."""
-    message = " ".join(str(exc).split())
+    fn)``; an exception whose ``str()`` raises is named with that error."""
+    try:
+        message = " ".join(str(exc).split())
+    except Exception as failed:  # unreported, the rank would end with an empty log
+        message = f"<str() raised {type(failed).__name__}: {failed}>"
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
@@ -593,6 +754,8 @@ def _run_rank(spec: _Spec, rank: int) -> Any:
     # the library is imported before the group exists (Note [Groups in default arguments]
     # in tokenring.runtime.comm)
     torch.set_num_threads(spec.threads)
+    if "nccl" in _backend_names(spec.backend):
+        torch.cuda.set_device(rank)  # NCCL refuses two ranks on one device
     store = dist.FileStore(spec.store_path, spec.world_size)
     store.set_timeout(timedelta(seconds=spec.pg_timeout_s))  # group creation waits too
     dist.init_process_group(
@@ -634,6 +797,16 @@ if sys.platform.startswith("linux"):
     libc.prctl(15, f"tokenring-r{sys.argv[2]}".encode()[:15], 0, 0, 0)
 if os.getppid() != int(sys.argv[3]):
     os._exit(1)
+import atexit, traceback
 from tokenring.launch import _worker
-sys.exit(_worker(sys.argv[1], int(sys.argv[2])))
+code = 1
+try:
+    code = _worker(sys.argv[1], int(sys.argv[2]))
+except BaseException:
+    traceback.print_exc()
+finally:  # as a forked rank ends: no wait for threads fn left running (Note [Rank start])
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 """

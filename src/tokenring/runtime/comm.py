@@ -56,6 +56,7 @@ __all__ = [
     "PendingRecv",
     "Timeline",
     "TrafficCounter",
+    "check_timeout_s",
     "clear_group_defaults",
     "destroy_idle_groups",
     "forget_destroyed_groups",
@@ -63,6 +64,27 @@ __all__ = [
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
 _T = TypeVar("_T")
+
+MAX_TIMEOUT_S = 1e7
+"""The longest timeout taken (about 115 days; check_timeout_s's message says 1e7): every wait
+the library issues must end."""
+
+
+def check_timeout_s(value: object, name: str = "timeout_s") -> float:
+    """``value`` as a timeout in seconds: an int or float (not a bool: True would be a 1 s
+    limit), > 0 and below MAX_TIMEOUT_S (so finite); the one check of every timeout the
+    library takes (the communicator's, ``init_distributed``'s, ``launch``'s).
+
+    Raises:
+        ValueError: naming ``name``, the value and what was expected.
+    """
+    # nan fails both comparisons
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < MAX_TIMEOUT_S:
+        return float(value)
+    raise ValueError(
+        f"{name} must be a finite number > 0; got {value!r} (a number of seconds below 1e7)"
+    )
+
 
 # (flow, lane), each with its own process group; lane 1: the bidirectional ring's other way
 CHANNELS: tuple[tuple[Flow, int], ...] = (
@@ -508,8 +530,9 @@ class Communicator:
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: ``timeout_s`` is not a finite number of seconds > 0; ``group`` is not a
-            ProcessGroup this rank is in, or was destroyed.
+        ValueError: ``timeout_s`` is not a number of seconds > 0 (below MAX_TIMEOUT_S);
+            ``separate_groups`` not a bool, ``stage_through_host`` or ``shared_memory`` not a
+            bool or None; ``group`` is not a ProcessGroup this rank is in, or was destroyed.
     """
 
     def __init__(
@@ -526,9 +549,16 @@ class Communicator:
                 "torch.distributed is not initialized; call tokenring.init_distributed() or "
                 "torch.distributed.init_process_group() before building a Communicator"
             )
-        number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-        if not (number and 0 < timeout_s < 10**7):  # True would be a 1 s limit
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s!r}")
+        timeout_s = check_timeout_s(timeout_s)  # a float: 3 and 3.0 are one pool key
+        for name, flag in (
+            ("separate_groups", separate_groups),
+            ("stage_through_host", stage_through_host),
+            ("shared_memory", shared_memory),
+        ):
+            # a string is truthy: shared_memory="no" would turn the transport on
+            if not isinstance(flag, bool) and (flag is not None or name == "separate_groups"):
+                expected = "True or False" + (" or None" if name != "separate_groups" else "")
+                raise ValueError(f"{name} must be {expected}; got {flag!r}")
         base = group if group is not None else dist.group.WORLD
         assert base is not None
         if not isinstance(base, dist.ProcessGroup) or not _registered(base):
@@ -1177,8 +1207,28 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, label: str
     ) -> PendingCollective:
-        """Post ``dist.all_reduce`` of ``tensor`` in place. Not counted."""
-        return self._collective("all-reduce", label, functools.partial(dist.all_reduce, tensor, op))
+        """Post ``dist.all_reduce`` of ``tensor`` in place (any strides: one that is not
+        contiguous is reduced in a contiguous copy, written back by ``wait()``). Not counted.
+
+        Raises:
+            ValueError: ``tensor`` has elements that share memory (an expanded tensor).
+        """
+        shape, strides = tensor.shape, tensor.stride()
+        if any(stride == 0 and size > 1 for stride, size in zip(strides, shape, strict=True)):
+            raise ValueError(
+                f"tensor to all-reduce ({label!r}) must not have elements that share memory; "
+                f"got shape {tuple(shape)} with strides {strides} (an expanded "
+                "tensor: reduce tensor.contiguous())"
+            )
+        # gloo reduces numel() elements from data_ptr() in memory order: a slice took other
+        # elements and overwrote some outside it, and ranks whose strides differ (one
+        # transposed) would add different elements (silent wrong answers).
+        wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+        post = functools.partial(dist.all_reduce, wire, op)
+        pending = self._collective("all-reduce", label, post)
+        if wire is not tensor:
+            pending._copy_back = (wire, tensor)
+        return pending
 
     def barrier(self, *, label: str) -> None:
         """Wait until every rank of the group reached this barrier, for at most ``timeout``."""
@@ -1347,8 +1397,16 @@ class PendingCollective:
     def __init__(self, comm: Communicator, work: Any, op: str, label: str) -> None:
         self._comm, self._work, self._op, self._label = comm, work, op, label
         self._posted_s = time.perf_counter()
+        self._copy_back: tuple[torch.Tensor, torch.Tensor] | None = None  # (result, caller's)
 
     def wait(self) -> None:
+        self._wait()
+        if self._copy_back is not None:
+            result, target = self._copy_back
+            self._copy_back = None
+            target.copy_(result)
+
+    def _wait(self) -> None:
         if self._work is None:
             return
         comm = self._comm
@@ -1386,8 +1444,10 @@ class PendingCollective:
 # the key (a digest of its groups' names: torch derives a group's store prefix from its
 # name, so the ranks of one set name it alike), oldest first, and swaps the list with the
 # other ranks through the default group's store (reachable before any new group exists,
-# whatever the backend), under a key of the pool key and this rank's count of builds over
-# it, within the communicator's timeout:
+# whatever the backend), under a key of the pool key but its timeout and this rank's count
+# of builds over that, within the communicator's timeout (each rank's timeout travels in its
+# entry: ranks whose timeouts differ raise ValueError naming them, instead of waiting under
+# different keys until each blamed the other for not arriving):
 #
 #   every rank holds the same sets (the normal path)  -> every rank takes the newest
 #   sets held by some ranks only                       -> dropped from the pool (not destroyed)
@@ -1405,7 +1465,9 @@ class PendingCollective:
 _PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
 _OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
 _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
-_NUM_BUILDS: dict[_PoolKey, int] = {}  # communicators built over each key on this rank
+# communicators built over each key but its timeout on this rank (ranks whose timeouts differ
+# meet under one store key, and learn it)
+_NUM_BUILDS: dict[tuple[tuple[int, ...], str, bool], int] = {}
 _GAVE_UP = "!"  # what a rank that timed out leaves in its entry
 _POLL_S = 0.005  # how long _wait_for polls before it waits
 
@@ -1430,16 +1492,20 @@ def _take_agreed_groups(
 
     Raises:
         _PoolAgreementFailed: a rank did not arrive within ``timeout``, or gave up waiting.
+        ValueError: the ranks' communicators have different timeouts (each rank's named).
     """
     ranks, backend, timeout_s, separate = key
     idle = [own for own in _IDLE_GROUPS.pop(key, []) if _registered_set(own)]
     # (groups destroyed by destroy_process_group() of everything are dropped)
     names = [_set_name(own) for own in idle]
-    build = _NUM_BUILDS[key] = _NUM_BUILDS.get(key, -1) + 1
-    prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}/{timeout_s!r}/{separate}"
+    counted = (ranks, backend, separate)
+    build = _NUM_BUILDS[counted] = _NUM_BUILDS.get(counted, -1) + 1
+    # Not keyed by the timeout: ranks whose timeouts differ waited under different keys and
+    # blamed each other ("did not arrive") at their timeouts; they meet and are told.
+    prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}/{separate}"
     keys = [f"{prefix}/{build}/{r}" for r in range(len(ranks))]
     store = dist.distributed_c10d._get_default_store()
-    store.set(keys[rank], f"{_num_live_groups()};" + ",".join(names))
+    store.set(keys[rank], f"{timeout_s!r};{_num_live_groups()};" + ",".join(names))
     try:
         _wait_for(store, keys, timeout)
     except Exception as exc:
@@ -1461,13 +1527,20 @@ def _take_agreed_groups(
             f"agreeing on pooled groups: rank(s) {gave_up} gave up waiting for this rank "
             f"after {timeout.total_seconds():g} s"
         )
-    rows = [got.decode().split(";", 1) for got in lists]  # live groups; pooled sets
-    held = [set(row[1].split(",")) - {""} for row in rows]
+    rows = [got.decode().split(";", 2) for got in lists]  # timeout; live groups; pooled sets
+    timeouts_s = [float(row[0]) for row in rows]
+    if any(t != timeouts_s[0] for t in timeouts_s):
+        _IDLE_GROUPS[key] = idle
+        raise ValueError(
+            "timeout_s must be the same on every rank of a communicator's group; got "
+            + ", ".join(f"{t:g} on rank {r}" for r, t in enumerate(timeouts_s))
+        )
+    held = [set(row[2].split(",")) - {""} for row in rows]
     common = set.intersection(*held)
-    newest = [name for name in rows[0][1].split(",") if name in common][-1:]
+    newest = [name for name in rows[0][2].split(",") if name in common][-1:]
     by_name = dict(zip(names, idle, strict=True))
     _IDLE_GROUPS[key] = [by_name[name] for name in names if name in common - set(newest)]
-    return (by_name[newest[0]] if newest else None), max(int(row[0]) for row in rows)
+    return (by_name[newest[0]] if newest else None), max(int(row[1]) for row in rows)
 
 
 def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
