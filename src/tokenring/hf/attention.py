@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 import sys
 import weakref
@@ -461,7 +462,13 @@ def check_model(model: torch.nn.Module) -> None:
     other than by attention (Note [Layers that mix tokens]), or if no module hands its
     attention to transformers' ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo,
     MPT, Falcon, XGLM: ``attn_implementation`` never reaches tokenring there): a shard would
-    not see the rest of the sequence."""
+    not see the rest of the sequence.
+
+    Raises:
+        ValueError: ``model`` is not a ``torch.nn.Module``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     config = getattr(model, "config", None)
     _refuse_encoder_decoder(getattr(config, "_attn_implementation", None) or "tokenring", config)
     reason = _unsupported_layers(config)
@@ -789,8 +796,10 @@ def shift_labels(
     """Next-token labels ``(B, S)`` over the global ``labels`` ``(B, S)``: ``out[:, t] =
     labels[:, t + 1]`` (shift *before* sharding), ``ignore_index`` at the end of the sequence
     and of every document."""
-    if labels.dim() != 2:
-        raise ValueError(f"labels must have shape (batch, seq); got {tuple(labels.shape)}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be a tensor of shape (batch, seq); got {shape}")
+    _check_ignore_index(ignore_index)
     out = torch.full_like(labels, ignore_index)
     out[:, :-1] = labels[:, 1:]
     if cu_seqlens is not None:
@@ -800,6 +809,11 @@ def shift_labels(
 
 
 _shift_global = shift_labels  # for the loss, whose transformers argument is named shift_labels
+
+
+def _check_ignore_index(ignore_index: object) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int; got {ignore_index!r}")
 
 
 def shard_batch(
@@ -816,15 +830,20 @@ def shard_batch(
         ValueError: input_ids not 2-D, labels of another shape, S != sp.seq_len, or uneven
             shards without sp.seq_len.
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (batch, seq); got {tuple(input_ids.shape)}")
+    sp = as_sequence_parallel(sp, "sp")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ValueError(f"input_ids must be a tensor of shape (batch, seq); got {shape}")
+    _check_ignore_index(ignore_index)
     seq_len = input_ids.shape[1]
     if sp.seq_len is not None and sp.seq_len != seq_len:
         raise ValueError(f"input_ids has {seq_len} tokens per row but sp.seq_len={sp.seq_len}")
-    if labels is not None and labels.shape != input_ids.shape:
+    if labels is not None and (
+        not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape
+    ):
         raise ValueError(
             f"labels must have the shape of input_ids {tuple(input_ids.shape)}; got "
-            f"{tuple(labels.shape)}"
+            f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels)}"
         )
     comm = sp.communicator
     rank, world_size, cu_seqlens = comm.rank, comm.world_size, sp.cu_seqlens
@@ -873,11 +892,16 @@ def broadcast_batch(
     Raises:
         ValueError: on every rank, when a value is not a tensor or the names differ.
     """
-    wrong = [
-        f"batch[{name!r}] must be a tensor; got {type(value).__name__}"
-        for name, value in batch.items()
-        if not isinstance(value, torch.Tensor)
-    ]
+    sp = as_sequence_parallel(sp, "sp")
+    if not isinstance(batch, Mapping):  # told to the peers below, as a tensor's error is
+        wrong = [f"batch must be a mapping of names to tensors; got {type(batch).__name__}"]
+        batch = {}
+    else:
+        wrong = [
+            f"batch[{name!r}] must be a tensor; got {type(value).__name__}"
+            for name, value in batch.items()
+            if not isinstance(value, torch.Tensor)
+        ]
     comm = sp.communicator
     if comm.world_size == 1:
         if wrong:
@@ -911,14 +935,40 @@ def broadcast_batch(
 
 def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) -> torch.Tensor:
     """Every rank's shard ``x`` ``(B, s, ...)`` (along ``seq_dim``) put back in global order
-    ``(B, S, ...)`` on every rank, without gradient."""
-    if not -x.dim() <= seq_dim < x.dim():
-        raise ValueError(f"seq_dim must be a dim of x (shape {tuple(x.shape)}); got {seq_dim}")
-    seq_dim %= x.dim()
+    ``(B, S, ...)`` on every rank, without gradient.
+
+    Raises:
+        ValueError: on every rank, when a rank's ``x`` is not a tensor or ``seq_dim`` not one
+            of its dims, or the ranks differ in ``seq_dim``, in ``x``'s other dims or dtype,
+            or in ``sp``'s sharding (the shards would not be pieces of one tensor).
+    """
+    sp = as_sequence_parallel(sp, "sp")
     comm = sp.communicator
+
+    def validate() -> tuple[int, dict[str, Any]]:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x must be a tensor; got {type(x).__name__}")
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise ValueError(f"seq_dim must be an int; got {seq_dim!r}")
+        if not -x.dim() <= seq_dim < x.dim():
+            raise ValueError(f"seq_dim must be a dim of x (shape {tuple(x.shape)}); got {seq_dim}")
+        dim = seq_dim % x.dim()
+        others = [n for d, n in enumerate(x.shape) if d != dim]
+        # the ranks' shards are gathered as raw bytes: they must be pieces of one tensor
+        return dim, {
+            "seq_dim": dim,
+            "x dims": x.dim(),
+            "x shape besides seq_dim": others,
+            "x dtype": str(x.dtype),
+            **_plan_signature(sp),
+        }
+
+    dim = comm.agreed(validate, what="gather_sequence call", deferred=True)
     x = x.detach().contiguous()
     if comm.world_size == 1:
+        comm.settle()
         return x
+    seq_dim = dim
     sizes = comm.all_gather_int(x.shape[seq_dim], x.device, label="gather_sequence lengths")
     padded_shape = list(x.shape)
     padded_shape[seq_dim] = max(sizes)
@@ -927,6 +977,38 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     gathered = comm.all_gather(padded, label="gather_sequence")
     shards = [g.narrow(seq_dim, 0, n) for g, n in zip(gathered, sizes, strict=True)]
     return unshard(shards, layout=sp.layout, seq_dim=seq_dim, cu_seqlens=sp.cu_seqlens)
+
+
+def _plan_signature(sp: SequenceParallel) -> dict[str, Any]:
+    """What the ranks' shards follow: the layout, S and the documents."""
+    cu = sp.cu_seqlens
+    return {
+        "layout": Layout.parse(sp.layout).value,
+        "seq_len": sp.seq_len,
+        "cu_seqlens": None if cu is None else [int(b) for b in cu],
+    }
+
+
+def _check_num_items(num_items_in_batch: object) -> int | None:
+    """``num_items_in_batch`` as an int (None stays None), or ValueError naming it."""
+    if num_items_in_batch is None:
+        return None
+    value = num_items_in_batch
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        found = value.item()  # a count: an integral value of any dtype
+        value = int(found) if float(found).is_integer() else found
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        shown = (
+            f"a tensor of shape {tuple(num_items_in_batch.shape)} and dtype "
+            f"{num_items_in_batch.dtype}"
+            if isinstance(num_items_in_batch, torch.Tensor)
+            else repr(num_items_in_batch)
+        )
+        raise ValueError(
+            "num_items_in_batch must be an int >= 0 (or a one-element tensor holding one) or None; "
+            f"got {shown}"
+        )
+    return value
 
 
 def causal_lm_loss(
@@ -942,12 +1024,30 @@ def causal_lm_loss(
     every rank (0 when no token counts), whose gradient is this rank's share (summed by
     :func:`all_reduce_gradients`). With ``num_items_in_batch`` (transformers' count of the
     labels of every micro-batch a step accumulates), the sum over every rank's tokens divided
-    by it instead (by 1 when it is 0)."""
-    if logits.shape[:2] != shift_labels.shape:
-        raise ValueError(
-            f"logits (B, s, V) and shift_labels (B, s) must agree; got {tuple(logits.shape)} and "
-            f"{tuple(shift_labels.shape)}"
-        )
+    by it instead (by 1 when it is 0).
+
+    Raises:
+        ValueError: on every rank, when a rank's logits and shift_labels do not agree, or
+            ignore_index or num_items_in_batch is not an int, or the ranks differ in them (the
+            sum over the ranks would mix the counts of different rules).
+    """
+    sp = as_sequence_parallel(sp, "sp")
+    comm = sp.communicator
+
+    def validate() -> tuple[int | None, dict[str, Any]]:
+        for name, value in (("logits", logits), ("shift_labels", shift_labels)):
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor; got {type(value).__name__}")
+        if logits.dim() != 3 or logits.shape[:2] != shift_labels.shape:
+            raise ValueError(
+                f"logits (B, s, V) and shift_labels (B, s) must agree; got "
+                f"{tuple(logits.shape)} and {tuple(shift_labels.shape)}"
+            )
+        _check_ignore_index(ignore_index)
+        items = _check_num_items(num_items_in_batch)
+        return items, {"ignore_index": ignore_index, "num_items_in_batch": items}
+
+    num_items = comm.agreed(validate, what="causal_lm_loss call", deferred=True)
     acc = torch.promote_types(logits.dtype, torch.float32)
     local_sum = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).to(acc),
@@ -958,12 +1058,13 @@ def causal_lm_loss(
     totals = torch.stack(
         [local_sum.detach().double(), (shift_labels != ignore_index).sum().double()]
     )
-    comm = sp.communicator
     if comm.world_size > 1:
         comm.all_reduce(totals, label="causal_lm_loss totals").wait()
+    else:
+        comm.settle()
     global_sum, num_tokens = totals.to(acc).unbind()
-    if num_items_in_batch is not None:
-        num_tokens = torch.as_tensor(num_items_in_batch).to(device=totals.device, dtype=acc)
+    if num_items is not None:
+        num_tokens = torch.tensor(num_items, device=totals.device, dtype=acc)
     num_tokens = num_tokens.clamp(min=1)
     # the same value on every rank; the gradient only through this rank's local_sum
     return global_sum / num_tokens + (local_sum - local_sum.detach()) / num_tokens
@@ -973,6 +1074,9 @@ def data_parallel_loss(sp: SequenceParallel, loss: torch.Tensor) -> torch.Tensor
     """``loss`` (a scalar from :func:`causal_lm_loss`) to back-propagate under DDP, FSDP or
     accelerate over every rank: the same value, the gradient times ``sp.group``'s size
     (Note [Trainer ranks and gradient scale] in tokenring.hf.trainer)."""
+    sp = as_sequence_parallel(sp, "sp")
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"loss must be a tensor; got {type(loss).__name__}")
     scale = sp.communicator.world_size
     return loss + (scale - 1) * (loss - loss.detach())  # the added term is exactly 0
 
@@ -986,12 +1090,33 @@ def all_reduce_gradients(
 
     Raises:
         NotImplementedError: given a model, as :func:`check_model`.
+        ValueError: on every rank, when a rank's ``parameters`` are not parameters, or the
+            ranks' gradients differ in number, shapes or dtypes (their sum would add one
+            parameter's gradient to another's, or abort the process in the backend).
     """
-    if isinstance(parameters, torch.nn.Module):
-        check_model(parameters)
-        parameters = parameters.parameters()
-    grads = [p.grad for p in parameters if p.grad is not None]
+    sp = as_sequence_parallel(sp, "sp")
     comm = sp.communicator
+
+    def validate() -> tuple[list[torch.Tensor], dict[str, Any]]:
+        params = parameters
+        if isinstance(params, torch.nn.Module):
+            check_model(params)
+            params = params.parameters()
+        if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+            raise ValueError(
+                "parameters must be a torch.nn.Module or an iterable of tensors; got "
+                f"{type(params).__name__}"
+            )
+        params = list(params)
+        wrong = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+        if wrong:
+            raise ValueError(f"parameters must be tensors; got a {wrong[0]}")
+        found = [p.grad for p in params if p.grad is not None]
+        shapes = [[str(g.dtype), *g.shape] for g in found]
+        digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:16]
+        return found, {"gradients": len(found), "gradients' shapes and dtypes sha1": digest}
+
+    grads = comm.agreed(validate, what="all_reduce_gradients call")
     if comm.world_size == 1 or not grads:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

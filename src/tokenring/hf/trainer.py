@@ -137,7 +137,7 @@ class SequenceParallelTrainer(Trainer):
         world = dist.get_world_size() if dist.is_initialized() else 1
         if num_processes != world or num_processes % sp_size:
             raise ValueError(
-                f"the sequence-parallel group size ({sp_size}) must divide the Trainer's "
+                f"sequence_parallel's group size ({sp_size}) must divide the Trainer's "
                 f"{num_processes} processes, which must be the whole world ({world} ranks)"
             )
 
