@@ -37,6 +37,7 @@ position 0) whose attention passes 0 rows to ``cached_attn`` and returns zeros.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -150,6 +151,7 @@ class ShardedKVCache(Cache):
                     f"{sequence_parallel.hardware!r} with strategy={strategy.value!r}"
                 )
         check_int("block_size", block_size, 1, optional=True)
+        check_int("budget_bytes", budget_bytes, 0, optional=True)
         text = (
             config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         )
@@ -177,6 +179,13 @@ class ShardedKVCache(Cache):
         """The cached strategy each step ran, in order (the prefill first)."""
         self._seen = 0
         self._placeholder = False  # this rank runs one placeholder row this step
+        self._written = False  # K/V appended: the cache's sizes are the layers' from now on
+        self.call_signature: dict[str, Any] = {}
+        """What the ranks' generate calls must agree on (:func:`generate`'s options), checked
+        with the first step's token ids."""
+        self.first_step_begun = False
+        """Whether the first step's rank check began: a rank that fails before it tells its
+        peers there (:func:`generate`)."""
         super().__init__(layers=[_ShardedLayer(self) for _ in range(self.num_layers)])
 
     @property
@@ -242,6 +251,9 @@ class ShardedKVCache(Cache):
     def _agree_on_ids(self, input_ids: torch.Tensor) -> None:
         """Check ``input_ids`` and that every rank holds the same ones, or every rank raises."""
 
+        first = self.kv is None
+        self.first_step_begun = True
+
         def validate() -> tuple[None, dict[str, Any]]:  # the signature: a digest of the ids
             if input_ids.dim() != 2 or input_ids.shape[1] < 1:
                 raise ValueError(
@@ -255,10 +267,12 @@ class ShardedKVCache(Cache):
                 )
             ids = input_ids.detach().to("cpu", torch.int64).contiguous()
             digest = hashlib.sha1(ids.numpy().tobytes()).hexdigest()
-            return None, {"shape": list(ids.shape), "cached": self._seen, "ids sha1": digest}
+            signature = {"shape": list(ids.shape), "cached": self._seen, "ids sha1": digest}
+            return None, signature | (self.call_signature if first else {})
 
+        what = FIRST_STEP if first else "generation step"
         try:
-            self.communicator.agreed(validate, what="generation step", errors=(ValueError,))
+            self.communicator.agreed(validate, what=what, errors=(ValueError,))
         except ValueError as exc:
             if "ids sha1" in str(exc):  # the ranks differ (no check's own error says this)
                 raise ValueError(
@@ -268,6 +282,41 @@ class ShardedKVCache(Cache):
                     f"{exc}"
                 ) from exc
             raise
+
+    def _fit(self, query: torch.Tensor, key: torch.Tensor, layer: int) -> None:
+        """Size the cache by the keys the layers give ``(1, Hkv, n, D)``, not the config's
+        fields: a config may carry a field its model ignores (a GPT-2 or OPT config given
+        ``num_key_value_heads`` or ``head_dim``), which sized the cache wrong. Before any K/V
+        is written the cache is remade at the layers' sizes (every rank runs every layer: all
+        remake it alike); afterwards a layer of other sizes raises."""
+        heads_q, heads_kv, head_dim = query.shape[1], key.shape[1], key.shape[-1]
+        if (heads_q, heads_kv, head_dim) == (self.heads_q, self.heads_kv, self.head_dim):
+            return
+        if self._written:
+            raise NotImplementedError(
+                f"layer {layer} gives {heads_q} query and {heads_kv} K/V heads of head dim "
+                f"{head_dim}; the cache holds {self.heads_kv} K/V heads of dim {self.head_dim} "
+                f"for {self.heads_q} query heads, from the layers before (layers of different "
+                "attention sizes are not supported by tokenring.hf.generate)"
+            )
+        old = self.kv
+        assert old is not None and old.step is not None
+        self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, head_dim
+        self.kv = DistributedKVCache(
+            num_layers=old.num_layers,
+            batch=old.batch,
+            heads_kv=heads_kv,
+            head_dim=head_dim,
+            dtype=old.dtype,
+            device=old.device,
+            block_size=old.block_size,
+            budget_bytes=old.budget_bytes,
+            group=self.communicator,
+        )
+        self.kv.begin_step(list(old.step.new), check_ranks=False)  # the same placement
+        self.strategies[-1] = step_strategy(
+            self.strategy, self.kv, heads_q=heads_q, hardware=self.hardware
+        )
 
     def end_step(self) -> None:
         assert self.kv is not None
@@ -303,18 +352,19 @@ class ShardedKVCache(Cache):
                 f"sequence of {total} tokens (a sliding window or a chunk runs only while the "
                 "whole sequence, prompt and new tokens, fits in it)"
             )
-        dims = (query.shape[-1], key.shape[-1], value.shape[-1])
-        if dims != (self.head_dim,) * 3:  # DeepSeek's latent attention: V of another width
-            raise NotImplementedError(
-                f"generation caches K and V of the config's head_dim={self.head_dim}; this layer "
-                f"gives query, key and value head dims {dims} (multi-head latent attention, "
-                "as in DeepSeek, is not supported by tokenring.hf.generate)"
-            )
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
             raise NotImplementedError(
                 f"generation needs the attention module's layer_idx; {type(module).__name__} has "
                 f"{layer!r}"
+            )
+        self._fit(query, key, layer)
+        dims = (query.shape[-1], key.shape[-1], value.shape[-1])
+        if dims != (self.head_dim,) * 3:  # DeepSeek's latent attention: V of another width
+            raise NotImplementedError(
+                f"generation caches K and V of head_dim={self.head_dim}; this layer gives query, "
+                f"key and value head dims {dims} (multi-head latent attention, as in DeepSeek, "
+                "is not supported by tokenring.hf.generate)"
             )
         assert query.shape[0] == 1, "rows are packed into batch 1"
         rows = 0 if self._placeholder else query.shape[2]
@@ -328,6 +378,7 @@ class ShardedKVCache(Cache):
             softmax_scale=scaling,
         )
         assert isinstance(out, torch.Tensor)
+        self._written = True
         if self._placeholder:
             out = query.new_zeros(1, query.shape[1], query.shape[3])  # (1, Hq, D)
         return out.unsqueeze(0)  # (1, n, Hq, D)
@@ -360,8 +411,38 @@ _REFUSED_OPTIONS = {
 """generate option -> (the only value that runs, why any other does not)."""
 
 
+_TOKEN_OPTIONS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
+
+
+def _check_token_ids(option: str, value: Any) -> None:
+    """ValueError naming ``option`` unless ``value`` is None, a token id (an int >= 0), a
+    list of them, or an integer tensor."""
+    if value is None:
+        return
+    if (
+        isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and value.dtype != torch.bool
+    ):
+        return
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(
+            f"{option} must be a token id (an int >= 0), a list of them or an integer tensor; "
+            f"got {value!r}"
+        )
+
+
 def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
-    given = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    config = gen_kwargs.get("generation_config")
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise ValueError(
+            "generation_config must be a transformers.GenerationConfig; got "
+            f"{type(config).__name__}"
+        )
+    for option in _TOKEN_OPTIONS:  # transformers fails on another type with no name
+        _check_token_ids(option, gen_kwargs.get(option))
+    given = config or getattr(model, "generation_config", None)
     base = given or GenerationConfig()
     for option, (allowed, why) in _REFUSED_OPTIONS.items():
         value = gen_kwargs[option] if option in gen_kwargs else getattr(base, option, None)
@@ -421,27 +502,86 @@ def generate(
             than by attention (``check_model``).
     """
     sp = as_sequence_parallel(sp, "sp")
-    if sp.seq_len is not None or sp.cu_seqlens is not None:
-        raise ValueError(
-            "generation places each step's tokens itself: pass a SequenceParallel without "
-            f"seq_len and cu_seqlens; got seq_len={sp.seq_len}, cu_seqlens={sp.cu_seqlens}"
+    comm = sp.communicator
+    cache: ShardedKVCache | None = None
+    try:
+        if sp.seq_len is not None or sp.cu_seqlens is not None:
+            raise ValueError(
+                "generation places each step's tokens itself: pass a SequenceParallel without "
+                f"seq_len and cu_seqlens; got seq_len={sp.seq_len}, cu_seqlens={sp.cu_seqlens}"
+            )
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                "model must run a tokenring attention (attn_implementation one of "
+                f"{sorted(ATTN_IMPLEMENTATIONS)}, after tokenring.hf.register()); got {impl!r}"
+            )
+        check_model(model)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+            raise ValueError(f"input_ids must be a (batch, seq) tensor; got {shape!r}")
+        _check_options(model, gen_kwargs)
+        cache = ShardedKVCache(
+            model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
         )
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            "model must run a tokenring attention (attn_implementation one of "
-            f"{sorted(ATTN_IMPLEMENTATIONS)}, after tokenring.hf.register()); got {impl!r}"
-        )
-    check_model(model)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
-        raise ValueError(f"input_ids must be a (batch, seq) tensor; got {shape!r}")
-    _check_options(model, gen_kwargs)
-    cache = ShardedKVCache(
-        model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
-    )
-    with _sharded_forward(model, cache):
-        return model.generate(input_ids, cache=cache, **gen_kwargs)
+        cache.call_signature = _call_signature(model, gen_kwargs, cache)
+        with _sharded_forward(model, cache):
+            return model.generate(input_ids, cache=cache, **gen_kwargs)
+    except Exception as exc:
+        if cache is None or not cache.first_step_begun:
+            # the peers wait in the first step's check: they learn this rank's error there
+            comm.agree(None, exc, what=FIRST_STEP)
+        raise
+
+
+FIRST_STEP = "generate call"
+"""The first step's rank check (Note [Generation options agreed])."""
+
+# Note [Generation options agreed]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every rank runs its own model.generate, so an option one rank alone was given changed that
+# rank alone: max_new_tokens or eos_token_id ended its loop early (its peers waited for it in
+# the next step), do_sample or temperature drew other tokens (the step check named the token
+# ids, not the option). generate's options, as transformers merges them (the generation
+# config's fields that differ from the defaults, then every keyword that is not one), travel
+# with the first step's token ids: one exchange, which names the option that differs. A rank
+# that fails before that check (its own refusal, or transformers' validation inside
+# model.generate) posts its error to the same check, so its peers raise at once, naming it.
+
+
+def _call_signature(
+    model: Any, gen_kwargs: dict[str, Any], cache: ShardedKVCache
+) -> dict[str, Any]:
+    """generate's options as the ranks must agree on them (Note [Generation options agreed])."""
+    given = gen_kwargs.get("generation_config")
+    base = copy.deepcopy(given if given is not None else model.generation_config)
+    if base is None:
+        base = GenerationConfig()
+    rest = base.update(**{k: v for k, v in gen_kwargs.items() if k != "generation_config"})
+    options = {name: _described(value) for name, value in base.to_diff_dict().items()}
+    options |= {name: _described(value) for name, value in rest.items()}
+    strategy = cache.strategy
+    options["strategy"] = strategy if isinstance(strategy, str) else strategy.value
+    options["block_size"] = cache.block_size
+    return options
+
+
+def _described(value: Any) -> Any:
+    """``value`` as JSON the ranks compare: a tensor by shape, dtype and digest, an object
+    that is neither by its type."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return repr(value)  # nan and inf too
+    if isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        digest = hashlib.sha1(data.numpy().tobytes()).hexdigest()[:16]
+        return {"tensor": list(value.shape), "dtype": str(value.dtype), "sha1": digest}
+    if isinstance(value, (list, tuple)):
+        return [_described(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _described(v) for k, v in value.items()}
+    return type(value).__qualname__
 
 
 @contextlib.contextmanager
