@@ -421,6 +421,7 @@ class FluxSequenceParallelProcessor:
             text,
             text_seq_len,
             (attention_mask, ip_hidden_states, ip_adapter_masks),
+            image_rotary_emb,
         )
         # every rank's checks, placement and text rows agreed before any collective: a rank
         # that raised alone left the others waiting in the next exchange
@@ -451,6 +452,7 @@ def _layer_checked(
     text: TextPlacement,
     text_seq_len: Any,
     refused: tuple[Any, Any, Any],
+    rotary: Any,
 ) -> tuple[int, dict[str, Any]]:
     """One layer's checks (``attn``: None when not a ``FluxAttention``): the number of text
     rows ``t`` among this rank's, and what the ranks must agree on."""
@@ -460,6 +462,17 @@ def _layer_checked(
             f"models built on its blocks); got {attn_name}"
         )
     _refuse_inputs(*refused)
+    for name, x in (
+        ("hidden_states", hidden_states),
+        ("encoder_hidden_states", encoder_hidden_states),
+    ):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 3):
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a tensor of shape (B, seq, C); got {shape}")
+    rows = hidden_states.shape[1] + (
+        0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+    )
+    _check_rotary(rotary, rows, attn.head_dim)
     if encoder_hidden_states is not None:
         if attn.added_kv_proj_dim is None:
             raise NotImplementedError(
@@ -481,7 +494,30 @@ def _layer_checked(
         "text_seq_len": text_seq_len,
         # the replicated text's key bias needs the same T on every rank
         "num_text": num_text if text is TextPlacement.REPLICATED else None,
+        # rotary embeddings on some ranks' rows only would attend rotated against plain
+        "image_rotary_emb": rotary is not None,
     }
+
+
+def _check_rotary(rotary: Any, rows: int, head_dim: int) -> None:
+    """``image_rotary_emb``: None, or ``(cos, sin)``, each ``(rows, head_dim)``: this rank's
+    joint rows, text first (made from its own ``txt_ids`` and ``img_ids``)."""
+    if rotary is None:
+        return
+    ok = isinstance(rotary, (tuple, list)) and len(rotary) == 2
+    if ok and all(
+        isinstance(x, torch.Tensor) and tuple(x.shape) == (rows, head_dim) for x in rotary
+    ):
+        return
+    shown = (
+        [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in rotary]
+        if ok
+        else type(rotary).__name__
+    )
+    raise ValueError(
+        f"image_rotary_emb must be (cos, sin), each of shape (rows={rows}, head_dim={head_dim}) "
+        f"for this rank's joint rows, text first; got {shown}"
+    )
 
 
 def _joint_qkv(
@@ -500,9 +536,14 @@ def _joint_qkv(
 def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
     """Raise for the inputs of ``FluxAttnProcessor`` the processor does not take."""
     if attention_mask is not None:
+        shown = (
+            f"a tensor of shape {tuple(attention_mask.shape)}"
+            if isinstance(attention_mask, torch.Tensor)
+            else f"a {type(attention_mask).__name__}"
+        )
         raise NotImplementedError(
-            "FluxSequenceParallelProcessor does not support attention_mask (got a tensor "
-            f"of shape {tuple(attention_mask.shape)}); Flux passes none"
+            f"FluxSequenceParallelProcessor does not support attention_mask (got {shown}); "
+            "Flux passes none"
         )
     if ip_hidden_states is not None or ip_adapter_masks is not None:  # else dropped silently
         raise NotImplementedError(
