@@ -166,14 +166,16 @@ def _row(
 
 
 def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
-    """Per payload, per step: the longest transfer of that step (start to arrival), in ms."""
+    """Per payload, per step: the longest transfer of that step (start to arrival), in ms. A
+    pass has ``len(step_s)`` steps, which is not the world size for the hybrid (its inner
+    all-to-alls' steps beside the outer ring's)."""
     if result.timeline is None:
         return None
     longest: dict[str, list[float]] = {}
     for events in result.timeline:
         for ev in events:
             if ev.kind == "send":
-                steps = longest.setdefault(ev.label, [0.0] * result.world_size)
+                steps = longest.setdefault(ev.label, [0.0] * len(result.step_s))
                 steps[ev.step] = max(steps[ev.step], 1e3 * (ev.end_s - ev.start_s))
     return longest
 
