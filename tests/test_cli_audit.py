@@ -7,16 +7,20 @@ errors the contracts promise (naming the argument, the value and what was expect
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import re
 from contextlib import redirect_stdout
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tokenring.cli import main
 from tokenring.cli.models import KNOWN_MODELS
-from tokenring.model.costmodel import PRESETS
+from tokenring.model.costmodel import PRESETS, load_kernel_rates, measured
 from tokenring.model.simulate import simulate
 from tokenring.strategies.hybrid import HybridSpec
 
@@ -69,3 +73,83 @@ def test_simulate_reports_the_hybrid_whose_steps_outnumber_its_ranks(
         ]
         longest = max(1e3 * (ev.end_s - ev.start_s) for ev in sends)
         assert max(per_step) == pytest.approx(longest, rel=1e-12)
+
+
+# -- hardware descriptions: every bad field named --------------------------------------------------
+RATES: dict[str, Any] = dict(
+    forward_flops_per_s=1e12,
+    backward_flops_per_s=1e12,
+    link_bandwidth_bytes_per_s=1e9,
+    memory_bandwidth_bytes_per_s=1e11,
+    dtype="bfloat16",
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("forward_flops_per_s", "1e12"),  # a str from a config file: TypeError '>' ... 'str'
+        ("forward_flops_per_s", None),
+        ("forward_flops_per_s", True),  # accepted: 1 FLOP/s
+        ("backward_flops_per_s", 1j),
+        ("memory_bandwidth_bytes_per_s", [1e11]),
+        ("link_bandwidth_bytes_per_s", "fast"),
+        ("link_bandwidth_bytes_per_s", False),
+        ("port_bandwidth_bytes_per_s", "22e9"),
+        ("latency_s", "1e-5"),
+        ("latency_s", True),  # accepted: one second per message
+        ("kernel_call_s", "0"),
+    ],
+)
+def test_measured_names_a_rate_that_is_not_a_number(field: str, value: object) -> None:
+    said = re.escape(repr(value))
+    with pytest.raises(ValueError, match=rf"^{field} must be a .*number.*; got {said}$"):
+        measured(**{**RATES, field: value})
+
+
+def test_measured_keeps_numpy_and_int_rates_as_floats() -> None:
+    """A NumPy or int rate is a number: kept, as a float (so the description prints and
+    compares as one)."""
+    hw = measured(**{**RATES, "forward_flops_per_s": np.float64(2e12), "latency_s": np.int64(0)})
+    assert type(hw.forward_flops_per_s) is float and hw.forward_flops_per_s == 2e12
+    assert type(hw.interconnect.latency_s) is float
+    assert hw == measured(**{**RATES, "forward_flops_per_s": 2e12})
+
+
+A10 = PRESETS["a10-pcie"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        # accepted, then an AttributeError deep in the simulator ('dict' has no 'topology')
+        (dict(interconnect={"topology": "mesh"}), ["interconnect must be an Interconnect"]),
+        (dict(interconnect=None), ["interconnect must be an Interconnect", "None"]),
+        (dict(devices_per_node=2, inter={"x": 1}), ["inter must be an Interconnect or None"]),
+        # 2.5 devices per island and True (1) were accepted
+        (dict(devices_per_node=2.5, inter=A10.interconnect), ["devices_per_node", "2.5"]),
+        (dict(devices_per_node=True, inter=A10.interconnect), ["devices_per_node", "True"]),
+        # a lone name was read letter by letter: "dtype must be one of ...; got 'b'"
+        (dict(dtypes="bfloat16"), ["dtypes must be a sequence", "'bfloat16'"]),
+        (dict(name=None), ["name must be a str", "None"]),
+        (dict(name=5), ["name must be a str", "5"]),
+    ],
+)
+def test_hardware_names_a_field_of_the_wrong_kind(fields: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(A10, **fields)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("bad", ["true", "Infinity", "NaN", "0", '"336"'])
+def test_kernel_rates_files_name_a_rate_that_is_not_a_finite_number(
+    bad: str, tmp_path: Path
+) -> None:
+    """``true`` read as 1 TFLOP/s and ``Infinity`` passed the file's check (then the preset
+    said ``forward_flops_per_s ... got inf`` without the file)."""
+    path = tmp_path / "rates.json"
+    full = '{"forward_tflops": ' + bad + ', "backward_tflops": 250}'
+    path.write_text('{"rates": {"bfloat16": {"full": ' + full + ', "causal": ' + full + "}}}")
+    with pytest.raises(ValueError, match=r"rates\['bfloat16'\]\['full'\] must give .*finite"):
+        load_kernel_rates(path)
