@@ -18,10 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tokenring.cli import main
+from tokenring.cli import bench_inference, main
 from tokenring.cli.models import KNOWN_MODELS
+from tokenring.core.schedule import AttentionShape
 from tokenring.model.costmodel import PRESETS, load_kernel_rates, measured
+from tokenring.model.planner import explain_cached
 from tokenring.model.simulate import simulate
+from tokenring.strategies.cached import CachedStrategy
 from tokenring.strategies.hybrid import HybridSpec
 
 
@@ -153,3 +156,49 @@ def test_kernel_rates_files_name_a_rate_that_is_not_a_finite_number(
     path.write_text('{"rates": {"bfloat16": {"full": ' + full + ', "causal": ' + full + "}}}")
     with pytest.raises(ValueError, match=r"rates\['bfloat16'\]\['full'\] must give .*finite"):
         load_kernel_rates(path)
+
+
+# -- explain_cached: its candidates ----------------------------------------------------------------
+CACHED: dict[str, Any] = dict(
+    world_size=2, cached=128, new=1, heads_q=8, heads_kv=8, head_dim=64, hardware="a10-pcie"
+)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "said"),
+    [
+        # a lone name was read letter by letter: "strategy must be one of ...; got 'p'"
+        ("pass_q", r"candidates must be a sequence of strategies or None; got 'pass_q'"),
+        (CachedStrategy.TREE, r"candidates must be a sequence .*; got <CachedStrategy\.TREE"),
+        # "strategy must be one of 'pass_q', ..., 'tree' or 'auto'; got 'auto'"
+        (["pass_q", "auto"], r"each of candidates must be one of 'pass_q', .*'tree'; got 'auto'$"),
+    ],
+)
+def test_explain_cached_names_candidates_that_are_not_a_list_of_strategies(
+    candidates: Any, said: str
+) -> None:
+    with pytest.raises(ValueError, match=said):
+        explain_cached(**CACHED, candidates=candidates)
+    assert explain_cached(**CACHED, candidates=["tree", "direct"]).pick in (
+        CachedStrategy.TREE,
+        CachedStrategy.DIRECT,
+    )
+
+
+# -- bench --mode decode: the pick it scores -------------------------------------------------------
+def test_decode_bench_picks_among_the_strategies_it_runs(single_rank_group: None) -> None:
+    """``--cached-strategies tree`` on one rank (every plan alike: auto's tie goes to pass_q):
+    the row said "auto picks pass_q; measured fastest tree; MISS", scoring a strategy it never
+    ran. The pick is now among the strategies run, as the attention bench's planner's is."""
+    config = bench_inference.InferenceBenchConfig(
+        mode="decode",
+        cached=(64,),
+        new=(1,),
+        models={"m": AttentionShape(heads_q=2, heads_kv=2, head_dim=8)},
+        strategies=(CachedStrategy.TREE,),
+        warmup=0,
+        iters=1,
+    )
+    (row,) = bench_inference.aggregate([bench_inference.run_rank(config)], config)
+    assert (row["strategy"], row["auto_pick"], row["fastest"]) == ("tree", "tree", "tree")
+    assert row["pick_within_10pct"] and row["verified"]
