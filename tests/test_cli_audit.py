@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from test_cli import _usage_error
 from tokenring.cli import bench_inference, main
 from tokenring.cli.models import KNOWN_MODELS
 from tokenring.core.schedule import AttentionShape
@@ -26,6 +27,7 @@ from tokenring.model.planner import explain_cached
 from tokenring.model.simulate import simulate
 from tokenring.strategies.cached import CachedStrategy
 from tokenring.strategies.hybrid import HybridSpec
+from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE
 
 
 def _simulate_rows(argv: list[str]) -> list[dict[str, Any]]:
@@ -202,3 +204,23 @@ def test_decode_bench_picks_among_the_strategies_it_runs(single_rank_group: None
     (row,) = bench_inference.aggregate([bench_inference.run_rank(config)], config)
     assert (row["strategy"], row["auto_pick"], row["fastest"]) == ("tree", "tree", "tree")
     assert row["pick_within_10pct"] and row["verified"]
+
+
+# -- simulate --lend-last-pair beyond the ranks that lend -----------------------------------------
+def test_simulate_says_where_lend_last_pair_cannot_lend(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """TokenRing lends its last pair up to LEND_MAX_WORLD_SIZE ranks (the runtime and the
+    simulator alike); at 128 ranks --lend-last-pair predicted the plain tail without a word,
+    the same numbers as without the flag. Refused where no world size lends; said in a note,
+    and in each row's ``lend_last_pair``, where some do."""
+    big = str(LEND_MAX_WORLD_SIZE + 1)  # 65: 520 tokens split into 130 zigzag chunks
+    argv = ["simulate", "--strategies", "token_ring", "--lend-last-pair", "--seq", "520"]
+    line = _usage_error([*argv, "--world-size", big], capsys)
+    assert "--lend-last-pair" in line and big in line and str(LEND_MAX_WORLD_SIZE) in line, line
+    rows = _simulate_rows([*argv[1:], "--world-size", "4", big])
+    assert [(r["world_size"], r["lend_last_pair"]) for r in rows] == [(4, True), (int(big), False)]
+    note = capsys.readouterr().err
+    assert f"--lend-last-pair: at --world-size {big}" in note, note
+    plain = _simulate_rows(["--strategies", "token_ring", "--seq", "520", "--world-size", "4"])
+    assert plain[0]["lend_last_pair"] is False and plain[0]["call_ms"] != rows[0]["call_ms"]

@@ -36,6 +36,7 @@ from tokenring.model.simulate import (
 )
 from tokenring.runtime.comm import Event
 from tokenring.strategies.hybrid import HybridSpec
+from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +158,7 @@ def _row(
         "return_gb_per_rank": sum(p.return_bytes for p in result.passes) / 1e9,
         "bound_ms": 1e3 * result.bound_s,
         "percent_of_bound": result.percent_of_bound,
+        "lend_last_pair": _lends_at(args, result.strategy.value, first.world_size),
         "bound_by": "compute"
         if first.compute_s >= first.busiest_s
         else f"comm ({first.busiest_resource})",
@@ -374,6 +376,33 @@ def _check_splits(cfg: _Config, args: argparse.Namespace, slicers: list[str]) ->
     )
 
 
+def _lends_at(args: argparse.Namespace, name: str, world_size: int) -> bool:
+    """Whether the row of ``name`` at ``world_size`` is predicted lending TokenRing's last pair
+    (the runtime lends up to LEND_MAX_WORLD_SIZE ranks: Note [Borrowed last pair])."""
+    lends = args.lend_last_pair and name == Strategy.TOKEN_RING.value
+    return lends and world_size <= LEND_MAX_WORLD_SIZE
+
+
+def _check_lending(args: argparse.Namespace) -> tuple[str, ...]:
+    """A note for the world sizes beyond those TokenRing lends its last pair at (predicted
+    with the plain tail); ValueError when that is every one of them."""
+    beyond = [p for p in args.world_size if p > LEND_MAX_WORLD_SIZE]
+    if not beyond:
+        return ()
+    why = (
+        f"TokenRing lends its last pair up to {LEND_MAX_WORLD_SIZE} ranks and returns it "
+        "beyond (Note [Borrowed last pair])"
+    )
+    if len(beyond) == len(args.world_size):
+        raise ValueError(
+            f"--lend-last-pair changes nothing at --world-size {' '.join(map(str, beyond))}: {why}"
+        )
+    return (
+        f"--lend-last-pair: at --world-size {' '.join(map(str, beyond))} predicted returning "
+        f"the last pair: {why}",
+    )
+
+
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
@@ -392,6 +421,8 @@ def check_args(args: argparse.Namespace) -> None:
     if given(args, "splits"):
         slicers = [name for name in args.strategies if name in pass_q + hybrid]
         cfg = dataclasses.replace(cfg, notes=_check_splits(cfg, args, slicers))
+    if args.lend_last_pair:
+        cfg = dataclasses.replace(cfg, notes=(*cfg.notes, *_check_lending(args)))
     first = args.world_size[0]
     why = "--mode vectorised" if args.mode == "vectorised" else None
     if args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE:
