@@ -18,13 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+import tokenring.cli as cli
 from test_cli import _usage_error
+from tokenring import get_communicator, launch
 from tokenring.cli import bench_inference, main
 from tokenring.cli.models import KNOWN_MODELS
 from tokenring.core.schedule import AttentionShape
 from tokenring.model.costmodel import PRESETS, load_kernel_rates, measured
 from tokenring.model.planner import explain_cached
 from tokenring.model.simulate import simulate
+from tokenring.runtime import comm
 from tokenring.strategies.cached import CachedStrategy
 from tokenring.strategies.hybrid import HybridSpec
 from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE
@@ -224,3 +227,43 @@ def test_simulate_says_where_lend_last_pair_cannot_lend(
     assert f"--lend-last-pair: at --world-size {big}" in note, note
     plain = _simulate_rows(["--strategies", "token_ring", "--seq", "520", "--world-size", "4"])
     assert plain[0]["lend_last_pair"] is False and plain[0]["call_ms"] != rows[0]["call_ms"]
+
+
+# -- sizes and timeouts beyond what the run can take ----------------------------------------------
+HUGE = str(10**400)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        # each ended in "OverflowError: int too large to convert to float", a traceback
+        (["simulate", "--world-size", "2", "--seq", HUGE], "--seq"),
+        (["simulate", "--world-size", "2", "--seq", "64", "--batch", HUGE], "--batch"),
+        (["bench", "--world-size", "2", "--seq", HUGE], "--seq"),
+        (["bench", "--world-size", "2", "--batch", HUGE], "--batch"),
+        (["bench", "--mode", "decode", "--cached", f"64,{HUGE}"], "--cached"),
+        # the ranks started, then each failed: "OverflowError: Python int too large to convert
+        # to C int" (1e300), "timeout_s must be a finite number of seconds > 0; got 2500000000.0"
+        (["demo", "--world-size", "2", "--timeout", "1e300"], "--timeout"),
+        (["bench", "--world-size", "2", "--timeout", "1e10"], "--timeout"),
+    ],
+)
+def test_sizes_and_timeouts_too_large_to_run_are_refused_before_anything_starts(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _usage_error(argv, capsys)
+    assert flag in line and ("2**63" in line or "1e+07" in line), line
+
+
+def test_the_cli_timeout_limit_is_the_communicators(single_rank_group: None) -> None:
+    """The CLI's limit is the communicator's (the CLI imports no torch for --help); launch and
+    get_communicator refuse a timeout beyond it before any rank or group uses it."""
+    assert cli.MAX_TIMEOUT_S == comm.MAX_TIMEOUT_S
+    with pytest.raises(ValueError, match=r"pg_timeout_s must be below 1e\+07 s"):
+        launch(_never_run, world_size=2, timeout_s=60, pg_timeout_s=2.5e9)
+    with pytest.raises(ValueError, match=r"timeout_s must be below 1e\+07 s; got 10000000000.0"):
+        get_communicator(timeout_s=1e10)
+
+
+def _never_run() -> None:
+    raise AssertionError("launch started a rank")

@@ -29,6 +29,7 @@ from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, preset
 from tokenring.runtime import op
 from tokenring.runtime.comm import (
+    MAX_TIMEOUT_S,
     Communicator,
     clear_group_defaults,
     destroy_idle_groups,
@@ -98,6 +99,8 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
         or not (timeout_s > 0 and math.isfinite(timeout_s))
     ):
         raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s!r}")
+    if timeout_s is not None and timeout_s >= MAX_TIMEOUT_S:  # as a Communicator's own
+        raise ValueError(f"timeout_s must be below {MAX_TIMEOUT_S:g} s; got {timeout_s!r}")
     if isinstance(group, Communicator):
         if timeout_s is not None:
             group.timeout = timedelta(seconds=timeout_s)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import close_communicators, get_communicator
-from tokenring.runtime.comm import Communicator, destroy_idle_groups
+from tokenring.runtime.comm import MAX_TIMEOUT_S, Communicator, destroy_idle_groups
 
 __all__ = ["LaunchError", "init_distributed", "launch"]
 
@@ -141,6 +141,8 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 300.0) ->
         return get_communicator(None)
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a finite number > 0; got {timeout_s}")
+    if timeout_s >= MAX_TIMEOUT_S:  # the communicator's limit, before the group exists
+        raise ValueError(f"timeout_s must be below {MAX_TIMEOUT_S:g} s; got {timeout_s}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -224,6 +226,12 @@ def _check_launch(fn: Any, world_size: int, threads: int | None, **timeouts_s: f
     for name, value in timeouts_s.items():
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{name} must be a finite number > 0; got {value}")
+    # each rank's communicator takes pg_timeout_s (a rank failed on it, after the start)
+    if timeouts_s["pg_timeout_s"] >= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"pg_timeout_s must be below {MAX_TIMEOUT_S:g} s (a communicator's limit); got "
+            f"{timeouts_s['pg_timeout_s']}"
+        )
     if getattr(fn, "__module__", None) == "__main__":
         raise ValueError(
             f"fn must be importable by the worker processes; got {fn!r} defined in __main__ "

@@ -49,6 +49,7 @@ from tokenring.runtime.shm import SharedMemoryLinks, make_inboxes, open_inboxes,
 
 __all__ = [
     "HEADER_NUM_BYTES",
+    "MAX_TIMEOUT_S",
     "Communicator",
     "Event",
     "Message",
@@ -62,6 +63,10 @@ __all__ = [
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
+
+MAX_TIMEOUT_S = 10**7
+"""A communicator's timeout is below this many seconds (about 115 days): every wait's
+deadline, and the process groups' timedelta, must stay within what the waits can take."""
 _T = TypeVar("_T")
 
 # (flow, lane), each with its own process group; lane 1: the bidirectional ring's other way
@@ -527,8 +532,11 @@ class Communicator:
                 "torch.distributed.init_process_group() before building a Communicator"
             )
         number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-        if not (number and 0 < timeout_s < 10**7):  # True would be a 1 s limit
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0; got {timeout_s!r}")
+        if not (number and 0 < timeout_s < MAX_TIMEOUT_S):  # True would be a 1 s limit
+            raise ValueError(
+                f"timeout_s must be a finite number of seconds > 0 and < {MAX_TIMEOUT_S:g}; "
+                f"got {timeout_s!r}"
+            )
         base = group if group is not None else dist.group.WORLD
         assert base is not None
         if not isinstance(base, dist.ProcessGroup) or not _registered(base):
