@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import tokenring
 import tokenring.cli as cli
 from test_cli import _usage_error
 from tokenring import get_communicator, launch
@@ -267,3 +268,19 @@ def test_the_cli_timeout_limit_is_the_communicators(single_rank_group: None) -> 
 
 def _never_run() -> None:
     raise AssertionError("launch started a rank")
+
+
+# -- explain: its plain data says what it priced ---------------------------------------------------
+def test_explain_as_dict_says_whether_token_ring_was_priced_lending() -> None:
+    """last_pair="lend" (or "auto" choosing to lend) prices TokenRing with its last pair lent,
+    a different time; ``as_dict`` (the JSON form) dropped which, so two plans of different
+    TokenRing times read alike apart from the number."""
+    kw: dict[str, Any] = dict(
+        world_size=4, seq_local=256, heads_q=8, heads_kv=8, head_dim=64, dtype="bfloat16"
+    )
+    kw |= dict(causal=True, layout="zigzag", hardware="a10-pcie", strategies=["token_ring"])
+    for last_pair, lends in (("lend", True), ("return", False)):
+        plan = tokenring.explain(**kw, last_pair=last_pair)
+        (data,) = json.loads(json.dumps(plan.as_dict()))["predictions"]
+        assert plan.predictions[0].lends_last_pair is lends
+        assert data["lends_last_pair"] is lends and data["total_s"] == plan.predictions[0].total_s

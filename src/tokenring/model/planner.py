@@ -187,6 +187,7 @@ class Plan:
                     "bound_by": p.bound_by,
                     "mode": p.mode,
                     "hybrid": p.hybrid.label(self.world_size) if p.hybrid else None,
+                    "lends_last_pair": p.lends_last_pair,
                 }
                 for p in self.predictions
             ],
