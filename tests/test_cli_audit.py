@@ -284,3 +284,15 @@ def test_explain_as_dict_says_whether_token_ring_was_priced_lending() -> None:
         (data,) = json.loads(json.dumps(plan.as_dict()))["predictions"]
         assert plan.predictions[0].lends_last_pair is lends
         assert data["lends_last_pair"] is lends and data["total_s"] == plan.predictions[0].total_s
+
+
+@pytest.mark.parametrize("world_size", ["100000", "99999999999999"])
+def test_simulate_refuses_a_vectorised_replay_of_hours(
+    world_size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The vectorised engine replays P^2 (rank, step) cells: --world-size 100000 ran for hours
+    (99999999999999: for ever) with nothing on the screen; refused before simulating, with the
+    estimate."""
+    argv = ["simulate", "--world-size", world_size, "--seq", str(2 * int(world_size))]
+    line = _usage_error(argv, capsys)
+    assert f"--world-size {world_size}" in line and "cells" in line and "at most" in line, line

@@ -28,6 +28,7 @@ from tokenring.model.costmodel import PRESETS, Hardware
 from tokenring.model.simulate import (
     _PASSES,
     EVENT_MAX_WORLD_SIZE,
+    VECTORISED_STRATEGIES,
     CallResult,
     PassResult,
     _engine,
@@ -289,6 +290,7 @@ def _timeline_panels(results: list[CallResult]) -> list[tuple[str, list[list[Eve
     return panels
 
 
+_VECTORISED = {s.value for s in VECTORISED_STRATEGIES}
 _EVENT_BYTES_PER_CELL = 5 << 10
 """Memory of the event engine per (rank, step) of one pass: the Schedule's pieces and
 transfers and the timeline's events (measured for a TokenRing forward pass)."""
@@ -455,7 +457,28 @@ def check_args(args: argparse.Namespace) -> None:
             f"{len(args.strategies)} strategies); MemAvailable is {available / 2**30:.3g} GiB. "
             "Use --mode auto or vectorised (memory linear in P) for large world sizes"
         )
+    _check_vectorised_work(cfg, args, passes)
     args._config = cfg
+
+
+_VECTORISED_MAX_CELLS = 1 << 28
+"""The most (rank, step) cells, over every vectorised point, strategy and pass, that a run may
+replay: the vectorised engine's time grows with P^2 (about 4 us per cell on two CPU cores,
+so ~20 minutes here); --world-size 100000 (1e10 cells) ran for hours with nothing to show."""
+
+
+def _check_vectorised_work(cfg: _Config, args: argparse.Namespace, passes: int) -> None:
+    """ValueError when the vectorised engine would replay more than _VECTORISED_MAX_CELLS."""
+    points = [p for p, _, _ in cfg.points if args.mode == "vectorised" or p > EVENT_MAX_WORLD_SIZE]
+    vectorised = [name for name in args.strategies if Strategy.parse(name).value in _VECTORISED]
+    cells = sum(p * p for p in points) * passes * len(vectorised)
+    if cells > _VECTORISED_MAX_CELLS:
+        raise ValueError(
+            f"--world-size {max(points)} is about {cells:.3g} (rank, step) cells for the "
+            f"vectorised engine ({', '.join(vectorised)}, {passes} pass(es), P^2 per world "
+            f"size); at most {_VECTORISED_MAX_CELLS:.3g} (~{_VECTORISED_MAX_CELLS >> 20}M, "
+            "minutes of replay): lower --world-size, or predict fewer sizes or strategies"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
