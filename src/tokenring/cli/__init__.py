@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, Protocol
 
 __all__ = [
+    "MAX_INT",
+    "MAX_TIMEOUT_S",
     "ArgumentAdder",
     "HelpFormatter",
     "RunFailed",
@@ -104,14 +106,36 @@ def _finite(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+MAX_INT = 2**63 - 1
+"""The largest size a flag takes (int64's): beyond it a size cannot index a tensor, and
+products of sizes overflowed floats (10**400 ended in an OverflowError traceback)."""
+MAX_TIMEOUT_S = 10**7
+"""``--timeout`` is below this, a communicator's limit (``tokenring.runtime.comm``, which this
+module does not import: ``tokenring --help`` imports no torch)."""
+
+
 def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``minimum``."""
-    return _checked(int, f"an integer >= {minimum}", lambda v: v >= minimum)
+    """An argparse ``type``: an integer >= ``minimum`` (and at most :data:`MAX_INT`)."""
+    at_least = _checked(int, f"an integer >= {minimum}", lambda v: v >= minimum)
+
+    def parse(text: str) -> int:
+        value = int(at_least(text))
+        if value > MAX_INT:
+            raise argparse.ArgumentTypeError(f"must be an integer <= 2**63 - 1; got {text!r}")
+        return value
+
+    return parse
 
 
 def positive_seconds(text: str) -> float:
-    """An argparse ``type``: a finite number of seconds > 0 (inf or nan: no deadline)."""
-    return float(_checked(_finite, "a finite number of seconds > 0", lambda v: v > 0)(text))
+    """An argparse ``type``: a finite number of seconds > 0 and below :data:`MAX_TIMEOUT_S`
+    (inf or nan: no deadline; 1e10 failed in every rank, after the start)."""
+    seconds = float(_checked(_finite, "a finite number of seconds > 0", lambda v: v > 0)(text))
+    if seconds >= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"must be below {MAX_TIMEOUT_S:g} seconds (a communicator's limit); got {text!r}"
+        )
+    return seconds
 
 
 def finite_float_at_least(minimum: float) -> Callable[[str], float]:
@@ -220,6 +244,8 @@ def int_list(text: str, name: str, minimum: int) -> tuple[int, ...]:
         values = ()
     if not values or min(values) < minimum:
         raise ValueError(f"{name} must be comma-separated integers >= {minimum}; got {text!r}")
+    if max(values) > MAX_INT:
+        raise ValueError(f"{name} must be comma-separated integers <= 2**63 - 1; got {text!r}")
     return check_unique(name, values)
 
 

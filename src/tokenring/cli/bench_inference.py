@@ -5,8 +5,9 @@ torchrun's), appends T new ones, and times the new tokens' attention (``tokenrin
 with every cached strategy, per model, C and T: ms per call (median, p10, p90; max over
 ranks), per decode step or per prefill chunk; bytes sent per flow (travel: Q or K/V; return:
 partials), checked against the plan on every rank; the simulator's prediction
-(``predict_cached``) on this run's own calibration and the strategy ``"auto"`` picks; the max
-error against float64 attention. One layer, forward only.
+(``predict_cached``) on this run's own calibration and the strategy ``"auto"`` picks among
+the strategies run (``--cached-strategies``); the max error against float64 attention. One
+layer, forward only.
 
 Legend: B sequences, C cached and T new tokens per sequence, Hq / Hkv heads, D head dim,
 P world size.
@@ -236,7 +237,11 @@ def _case_rows(
     )
     shards = CachedShards.from_step(step)
     shape: dict[str, Any] = {"heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": config.dtype}
-    pick = choose_cached_strategy(shards, **shape, hardware=hardware).pick
+    # among the rows run, as the attention bench's planner: a pick not run has no time to
+    # score (it read MISS against the fastest of the others)
+    pick = choose_cached_strategy(
+        shards, **shape, hardware=hardware, candidates=config.strategies
+    ).pick
     dims = dataclasses.replace(model, batch=1, dtype=dtype_name(q.dtype))
     for strategy in config.strategies:
         plan = build_cached_plan(strategy, shards)

@@ -28,6 +28,7 @@ from tokenring.model.costmodel import PRESETS, Hardware
 from tokenring.model.simulate import (
     _PASSES,
     EVENT_MAX_WORLD_SIZE,
+    VECTORISED_STRATEGIES,
     CallResult,
     PassResult,
     _engine,
@@ -36,6 +37,7 @@ from tokenring.model.simulate import (
 )
 from tokenring.runtime.comm import Event
 from tokenring.strategies.hybrid import HybridSpec
+from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +159,7 @@ def _row(
         "return_gb_per_rank": sum(p.return_bytes for p in result.passes) / 1e9,
         "bound_ms": 1e3 * result.bound_s,
         "percent_of_bound": result.percent_of_bound,
+        "lend_last_pair": _lends_at(args, result.strategy.value, first.world_size),
         "bound_by": "compute"
         if first.compute_s >= first.busiest_s
         else f"comm ({first.busiest_resource})",
@@ -166,14 +169,16 @@ def _row(
 
 
 def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
-    """Per payload, per step: the longest transfer of that step (start to arrival), in ms."""
+    """Per payload, per step: the longest transfer of that step (start to arrival), in ms. A
+    pass has ``len(step_s)`` steps, which is not the world size for the hybrid (its inner
+    all-to-alls' steps beside the outer ring's)."""
     if result.timeline is None:
         return None
     longest: dict[str, list[float]] = {}
     for events in result.timeline:
         for ev in events:
             if ev.kind == "send":
-                steps = longest.setdefault(ev.label, [0.0] * result.world_size)
+                steps = longest.setdefault(ev.label, [0.0] * len(result.step_s))
                 steps[ev.step] = max(steps[ev.step], 1e3 * (ev.end_s - ev.start_s))
     return longest
 
@@ -285,6 +290,7 @@ def _timeline_panels(results: list[CallResult]) -> list[tuple[str, list[list[Eve
     return panels
 
 
+_VECTORISED = {s.value for s in VECTORISED_STRATEGIES}
 _EVENT_BYTES_PER_CELL = 5 << 10
 """Memory of the event engine per (rank, step) of one pass: the Schedule's pieces and
 transfers and the timeline's events (measured for a TokenRing forward pass)."""
@@ -372,6 +378,33 @@ def _check_splits(cfg: _Config, args: argparse.Namespace, slicers: list[str]) ->
     )
 
 
+def _lends_at(args: argparse.Namespace, name: str, world_size: int) -> bool:
+    """Whether the row of ``name`` at ``world_size`` is predicted lending TokenRing's last pair
+    (the runtime lends up to LEND_MAX_WORLD_SIZE ranks: Note [Borrowed last pair])."""
+    lends = args.lend_last_pair and name == Strategy.TOKEN_RING.value
+    return lends and world_size <= LEND_MAX_WORLD_SIZE
+
+
+def _check_lending(args: argparse.Namespace) -> tuple[str, ...]:
+    """A note for the world sizes beyond those TokenRing lends its last pair at (predicted
+    with the plain tail); ValueError when that is every one of them."""
+    beyond = [p for p in args.world_size if p > LEND_MAX_WORLD_SIZE]
+    if not beyond:
+        return ()
+    why = (
+        f"TokenRing lends its last pair up to {LEND_MAX_WORLD_SIZE} ranks and returns it "
+        "beyond (Note [Borrowed last pair])"
+    )
+    if len(beyond) == len(args.world_size):
+        raise ValueError(
+            f"--lend-last-pair changes nothing at --world-size {' '.join(map(str, beyond))}: {why}"
+        )
+    return (
+        f"--lend-last-pair: at --world-size {' '.join(map(str, beyond))} predicted returning "
+        f"the last pair: {why}",
+    )
+
+
 def check_args(args: argparse.Namespace) -> None:
     """What can be checked before simulating; ValueError naming the argument (Note [Bad
     input at the command line] in tokenring.cli). Keeps the config on ``args`` for run."""
@@ -390,6 +423,8 @@ def check_args(args: argparse.Namespace) -> None:
     if given(args, "splits"):
         slicers = [name for name in args.strategies if name in pass_q + hybrid]
         cfg = dataclasses.replace(cfg, notes=_check_splits(cfg, args, slicers))
+    if args.lend_last_pair:
+        cfg = dataclasses.replace(cfg, notes=(*cfg.notes, *_check_lending(args)))
     first = args.world_size[0]
     why = "--mode vectorised" if args.mode == "vectorised" else None
     if args.mode == "auto" and first > EVENT_MAX_WORLD_SIZE:
@@ -422,7 +457,28 @@ def check_args(args: argparse.Namespace) -> None:
             f"{len(args.strategies)} strategies); MemAvailable is {available / 2**30:.3g} GiB. "
             "Use --mode auto or vectorised (memory linear in P) for large world sizes"
         )
+    _check_vectorised_work(cfg, args, passes)
     args._config = cfg
+
+
+_VECTORISED_MAX_CELLS = 1 << 28
+"""The most (rank, step) cells, over every vectorised point, strategy and pass, that a run may
+replay: the vectorised engine's time grows with P^2 (about 4 us per cell on two CPU cores,
+so ~20 minutes here); --world-size 100000 (1e10 cells) ran for hours with nothing to show."""
+
+
+def _check_vectorised_work(cfg: _Config, args: argparse.Namespace, passes: int) -> None:
+    """ValueError when the vectorised engine would replay more than _VECTORISED_MAX_CELLS."""
+    points = [p for p, _, _ in cfg.points if args.mode == "vectorised" or p > EVENT_MAX_WORLD_SIZE]
+    vectorised = [name for name in args.strategies if Strategy.parse(name).value in _VECTORISED]
+    cells = sum(p * p for p in points) * passes * len(vectorised)
+    if cells > _VECTORISED_MAX_CELLS:
+        raise ValueError(
+            f"--world-size {max(points)} is about {cells:.3g} (rank, step) cells for the "
+            f"vectorised engine ({', '.join(vectorised)}, {passes} pass(es), P^2 per world "
+            f"size); at most {_VECTORISED_MAX_CELLS:.3g} (~{_VECTORISED_MAX_CELLS >> 20}M, "
+            "minutes of replay): lower --world-size, or predict fewer sizes or strategies"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,6 +54,8 @@ import enum
 import itertools
 import json
 import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,7 @@ from typing import Any
 import torch
 
 from tokenring.core.enums import parse_enum
+from tokenring.core.layout import check_size
 from tokenring.core.schedule import AttentionShape, Flow, Pass, Schedule, Transfer, dtype_name
 from tokenring.model.netlab import Topology
 
@@ -84,12 +87,27 @@ __all__ = [
 ]
 
 
-def _check_number(name: str, value: float, *, finite: bool = True, zero: bool = False) -> None:
-    """ValueError unless ``value`` is > 0 (>= 0 with ``zero``) and, with ``finite``, finite
-    (NaN never passes)."""
-    if not (value >= 0 if zero else value > 0) or (finite and not math.isfinite(value)):
-        what = "a finite number " if finite else ""
-        raise ValueError(f"{name} must be {what}{'>=' if zero else '>'} 0; got {value}")
+def _check_number(name: str, value: object, *, finite: bool = True, zero: bool = False) -> float:
+    """``value`` as a float; ValueError unless it is a real number (an int, a float or a NumPy
+    scalar: not a bool, a str or a tensor) > 0 (>= 0 with ``zero``) and, with ``finite``,
+    finite (NaN never passes)."""
+    bound = f"{'>=' if zero else '>'} 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"{name} must be a {'finite ' if finite else ''}number {bound}; got {value!r}"
+        )
+    number = float(value)
+    if not (number >= 0 if zero else number > 0) or (finite and not math.isfinite(number)):
+        raise ValueError(
+            f"{name} must be {'a finite number ' if finite else ''}{bound}; got {number}"
+        )
+    return number
+
+
+def _set_number(obj: object, name: str, **bounds: bool) -> None:
+    """Check the field ``name`` of a frozen dataclass (:func:`_check_number`) and keep it as
+    a float (a NumPy or int rate prints and compares as one)."""
+    object.__setattr__(obj, name, _check_number(name, getattr(obj, name), **bounds))
 
 
 # -- hardware ----------------------------------------------------------------------------------
@@ -131,15 +149,15 @@ class Interconnect:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "topology", Topology.parse(self.topology))
-        _check_number("link_bandwidth_bytes_per_s", self.link_bandwidth_bytes_per_s, finite=False)
-        if (port := self.port_bandwidth_bytes_per_s) is not None:
-            _check_number("port_bandwidth_bytes_per_s", port, finite=False)
+        _set_number(self, "link_bandwidth_bytes_per_s", finite=False)
+        if self.port_bandwidth_bytes_per_s is not None:
+            _set_number(self, "port_bandwidth_bytes_per_s", finite=False)
         elif self.topology is Topology.SWITCH:
             raise ValueError(
                 "port_bandwidth_bytes_per_s must be given for topology 'switch' (each device's "
                 "port is what its flows share); got None"
             )
-        _check_number("latency_s", self.latency_s, zero=True)
+        _set_number(self, "latency_s", zero=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,13 +192,25 @@ class Hardware:
     (Note [Rank program] in tokenring.runtime.program)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a str; got {self.name!r}")
+        for field_name, optional in (("interconnect", False), ("inter", True)):
+            net = getattr(self, field_name)
+            if not (isinstance(net, Interconnect) or (optional and net is None)):
+                what = "an Interconnect or None" if optional else "an Interconnect"
+                raise ValueError(f"{field_name} must be {what}; got {net!r}")
         object.__setattr__(self, "collectives", CollectiveRouting.parse(self.collectives))
-        _check_number("kernel_call_s", self.kernel_call_s, zero=True)
+        _set_number(self, "kernel_call_s", zero=True)
         # inf would price compute or merges as free (a link may be inf: Interconnect)
         for name in ("forward_flops_per_s", "backward_flops_per_s", "memory_bandwidth_bytes_per_s"):
-            _check_number(name, getattr(self, name))
+            _set_number(self, name)
         if not isinstance(self.host_computes, bool):  # "no" would be truthy: a CPU rank
             raise ValueError(f"host_computes must be a bool; got {self.host_computes!r}")
+        if isinstance(self.dtypes, str) or not isinstance(self.dtypes, Sequence):
+            raise ValueError(  # a lone name would be read letter by letter
+                f"dtypes must be a sequence of dtype names; got {self.dtypes!r} (use "
+                f"({self.dtypes!r},))"
+            )
         if not self.dtypes:
             raise ValueError("dtypes must name at least one dtype; got ()")
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
@@ -190,8 +220,7 @@ class Hardware:
                 f"devices_per_node={self.devices_per_node}, inter={self.inter}"
             )
         if self.devices_per_node is not None and self.inter is not None:
-            if self.devices_per_node < 1:
-                raise ValueError(f"devices_per_node must be >= 1; got {self.devices_per_node}")
+            check_size("devices_per_node", self.devices_per_node, 1)
             if self.inter.topology is not Topology.SWITCH:
                 raise ValueError(
                     "inter.topology must be 'switch' (one NIC per device into a non-blocking "
@@ -269,14 +298,20 @@ def load_kernel_rates(path: str | Path) -> dict[str, Any]:
         for block in ("full", "causal"):
             entry = blocks.get(block) if isinstance(blocks, dict) else None
             if not isinstance(entry, dict) or not all(
-                isinstance(entry.get(key), int | float) and entry[key] > 0
-                for key in ("forward_tflops", "backward_tflops")
+                _is_rate(entry.get(key)) for key in ("forward_tflops", "backward_tflops")
             ):
                 raise ValueError(
                     f"{path}: rates[{dtype!r}][{block!r}] must give forward_tflops and "
-                    "backward_tflops > 0"
+                    f"backward_tflops as finite numbers > 0; got {entry!r}"
                 )
     return record
+
+
+def _is_rate(value: object) -> bool:
+    """A finite number > 0 (JSON's ``true`` and ``Infinity`` are not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and value > 0
 
 
 def _with_measured_rates(hardware: Hardware) -> Hardware:
@@ -284,7 +319,12 @@ def _with_measured_rates(hardware: Hardware) -> Hardware:
     path = KERNEL_RATES_DIR / f"{hardware.name}.json"
     if not path.exists():
         return hardware
-    full = load_kernel_rates(path)["rates"]["bfloat16"]["full"]
+    rates = load_kernel_rates(path)["rates"]
+    if "bfloat16" not in rates:
+        raise ValueError(
+            f"{path}: rates must have 'bfloat16' (the presets' dtype); got {list(rates)}"
+        )
+    full = rates["bfloat16"]["full"]
     return replace(
         hardware,
         forward_flops_per_s=full["forward_tflops"] * _TFLOPS,

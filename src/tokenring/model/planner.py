@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from tokenring.core.enums import parse_enum
 from tokenring.core.layout import Layout, is_int
 from tokenring.core.merge import merge_into
 from tokenring.core.schedule import (
@@ -186,6 +187,7 @@ class Plan:
                     "bound_by": p.bound_by,
                     "mode": p.mode,
                     "hybrid": p.hybrid.label(self.world_size) if p.hybrid else None,
+                    "lends_last_pair": p.lends_last_pair,
                 }
                 for p in self.predictions
             ],
@@ -419,12 +421,14 @@ def _hardware(hardware: Hardware | str) -> Hardware:
     return hardware
 
 
-def _check_strategies(strategies: Sequence[Strategy | str] | None) -> None:
-    """ValueError for a lone name or Strategy where a sequence of them belongs ("ring" would be
+def _check_strategies(
+    strategies: Sequence[Strategy | CachedStrategy | str] | None, name: str = "strategies"
+) -> None:
+    """ValueError for a lone name or strategy where a sequence of them belongs ("ring" would be
     read as the names 'r', 'i', 'n', 'g')."""
-    if isinstance(strategies, str | Strategy):
+    if isinstance(strategies, str | Strategy | CachedStrategy):
         raise ValueError(
-            f"strategies must be a sequence of strategies or None; got {strategies!r} (use "
+            f"{name} must be a sequence of strategies or None; got {strategies!r} (use "
             f"[{strategies!r}])"
         )
 
@@ -790,7 +794,9 @@ def choose_cached_strategy(
     Raises:
         ValueError: bad sizes, no candidates, or a dtype the hardware has no FLOP/s for.
     """
-    chosen = set(map(CachedStrategy.parse, CachedStrategy if candidates is None else candidates))
+    _check_strategies(candidates, "candidates")
+    given = CachedStrategy if candidates is None else candidates  # "auto" is not a candidate
+    chosen = {parse_enum(CachedStrategy, s, "each of candidates") for s in given}
     if not chosen:
         raise ValueError("candidates must name at least one strategy; got none")
     heads: dict[str, Any] = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)

@@ -49,6 +49,7 @@ from tokenring.runtime.shm import SharedMemoryLinks, make_inboxes, open_inboxes,
 
 __all__ = [
     "HEADER_NUM_BYTES",
+    "MAX_TIMEOUT_S",
     "Communicator",
     "Event",
     "Message",
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 FieldSpec = tuple[tuple[int, ...], torch.dtype]
+
 _T = TypeVar("_T")
 
 MAX_TIMEOUT_S = 1e7
