@@ -227,3 +227,132 @@ def test_architectures_on_two_ranks_match_one_process_or_raise() -> None:
                 bound = FLOAT32_NORMS if "norm" in name else FP64
                 err = float((grads[name] - p.grad).abs().max() / p.grad.abs().max())
                 assert err <= bound, f"{label}: rank {rank} {name} off by {err} (relative)"
+
+
+# -- position_ids a model never hands to attention ---------------------------------------------
+
+# (model_type, encoder): absolute position embeddings (BERT, RoBERTa, DistilBERT) or RoPE
+# computed outside attention (ModernBERT, GPTBigCode's learned ones, Persimmon): none hands
+# position_ids to its attention calls
+UNSEEN_POSITIONS = (
+    ("bert", True),
+    ("roberta", True),
+    ("distilbert", True),
+    ("modernbert", True),
+    ("gpt_bigcode", False),
+    ("persimmon", False),
+)
+
+
+def _no_dropout(model: Any) -> Any:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if hasattr(module, "dropout_prob"):
+            module.dropout_prob = 0.0
+    return model
+
+
+def rank_unseen_positions() -> dict[str, Any]:
+    """Inside a rank: each model called without position_ids (its error) and with
+    shard_batch's (its gathered logits); the base model alone; gradient checkpointing."""
+    import test_hf_architectures as arch
+
+    out: dict[str, Any] = {}
+    for name, encoder in UNSEEN_POSITIONS:
+        _, model = arch._models(name, torch.float64, encoder=encoder)
+        sp = hf.SequenceParallel(layout="contiguous" if encoder else "zigzag")
+        batch = hf.shard_batch(sp, arch._input_ids())
+        offset = model.config.pad_token_id + 1 if name == "roberta" else 0
+        with torch.no_grad():
+            try:
+                model(input_ids=batch.input_ids, sequence_parallel=sp)
+                out[name] = "no error"
+            except NotImplementedError as exc:
+                out[name] = str(exc)
+            logits = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids + offset,
+                sequence_parallel=sp,
+            ).logits
+        out[f"{name} logits"] = hf.gather_sequence(sp, logits)
+    # Persimmon's base model alone sets its position_ids local from cache_position: the
+    # shard's count from 0, checked as any tensor (zigzag: not rank 0's positions)
+    _, causal = arch._models("persimmon", torch.float64)
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, arch._input_ids())
+    with torch.no_grad():
+        try:
+            causal.model(input_ids=batch.input_ids, sequence_parallel=sp)
+            out["base"] = "no error"
+        except NotImplementedError as exc:
+            out["base"] = str(exc)
+        base = causal.model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
+        ).last_hidden_state
+        want = causal(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
+        ).logits
+        out["base matches"] = torch.equal(causal.lm_head(base), want)
+    # gradient checkpointing re-runs attention in the backward, under no model's forward
+    _, bert = arch._models("bert", torch.float64, encoder=True)
+    bert = _no_dropout(bert).train()
+    bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sp = hf.SequenceParallel(layout="contiguous")
+    batch = hf.shard_batch(sp, arch._input_ids())
+    logits = bert(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
+    ).logits
+    logits.sum().backward()
+    out["checkpointed"] = hf.gather_sequence(sp, logits)
+    return out
+
+
+def test_models_that_never_hand_position_ids_to_attention_need_them() -> None:
+    """BERT, RoBERTa, DistilBERT, ModernBERT, GPTBigCode and Persimmon count positions over
+    the shard they are given when called without position_ids, and hand none to attention:
+    on 2 ranks their logits were silently off one process (README said "Not detectable").
+    Every rank now raises naming position_ids (the outermost model forward's value is read,
+    Note [Positions the model was given]); with shard_batch's they match one process, and
+    so does a gradient-checkpointed BERT."""
+    import test_hf_architectures as arch
+
+    per_rank = tokenring.launch(rank_unseen_positions, world_size=2, timeout_s=300)
+    for name, encoder in UNSEEN_POSITIONS:
+        oracle, _ = arch._models(name, torch.float64, encoder=encoder)
+        with torch.no_grad():
+            want = oracle(arch._input_ids()).logits
+        for rank, got in enumerate(per_rank):
+            assert re.search(r"was given no position_ids on rank\(s\) \[0, 1\]", got[name]), (
+                f"{name}: rank {rank}: {got[name]}"
+            )
+            err = float((got[f"{name} logits"] - want).abs().max())
+            assert err <= FP64, f"{name}: rank {rank} logits off one process by {err}"
+    oracle, _ = arch._models("bert", torch.float64, encoder=True)
+    with torch.no_grad():
+        want = oracle(arch._input_ids()).logits
+    for rank, got in enumerate(per_rank):
+        assert "position_ids are not rank 0's positions" in got["base"], got["base"]
+        assert got["base matches"], f"rank {rank}: the base model with position_ids differs"
+        err = float((got["checkpointed"] - want).abs().max())
+        assert err <= FP64, f"rank {rank}: checkpointed BERT off one process by {err}"
+
+
+@pytest.mark.stress  # dynamo traces BERT for about 10 s
+@pytest.mark.usefixtures("single_rank_group")
+def test_unseen_positions_are_read_under_torch_compile() -> None:
+    """Under torch.compile(fullgraph=False) the graph breaks at the attention call, whose
+    frames still hold the head model's position_ids: none over documents raises, shard_batch's
+    give the eager logits."""
+    import test_hf_architectures as arch
+
+    _, model = arch._models("bert", torch.float64, encoder=True)
+    sp = hf.SequenceParallel(layout="contiguous", seq_len=SEQ, cu_seqlens=(0, 5, SEQ))
+    batch = hf.shard_batch(sp, arch._input_ids())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=False)
+    with pytest.raises(NotImplementedError, match="was given no position_ids"):
+        compiled(input_ids=batch.input_ids, sequence_parallel=sp)
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    got = compiled(**inputs, sequence_parallel=sp).logits
+    assert torch.equal(got, model(**inputs, sequence_parallel=sp).logits)

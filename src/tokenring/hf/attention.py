@@ -568,6 +568,9 @@ def _attention_forward(
     _check_options(name, module, kwargs)
     if cache is None:
         _check_sharded_call(name, strategy, sp, query, key, kwargs.get("position_ids"))
+        model = _model_positions()  # Note [Positions the model was given]
+        if model is not None:
+            _check_positions(name, sp, model[1], query.shape[2], given_to=model[0])
     mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
     if cache is not None:  # a step of tokenring.hf.generate
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
@@ -670,14 +673,23 @@ def _remember_positions(given: torch.Tensor) -> None:
     _POSITIONS_CHECKED[key] = (forget, given._version)
 
 
-def _check_positions(name: str, sp: SequenceParallel, given: Any, seq_local: int) -> None:
+def _check_positions(
+    name: str, sp: SequenceParallel, given: Any, seq_local: int, *, given_to: str = "attention"
+) -> None:
     """Raise NotImplementedError, on every rank, unless ``given`` ``(B, s)`` position_ids are
     each rank's positions under ``sp`` (``shard_batch``'s) up to one offset per row (RoBERTa's)
     that is the same on every rank. transformers reads restarts in position_ids as packed
     documents; the attention masks documents from ``sp.cu_seqlens`` alone, so positions of
     other documents or another shard would be silently ignored (contiguous shards each counted
     from 0 differ from the global positions by one offset per rank). One exchange of the
-    ranks' verdicts per new tensor, so every rank raises or none does."""
+    ranks' verdicts per new tensor, so every rank raises or none does.
+
+    ``given_to`` a model's class name: ``given`` is what its forward was given
+    (:func:`_model_positions`, Note [Positions the model was given]); None (or _NO_POSITIONS)
+    there raises too, unless the rank's own count from 0 is right (one rank, one document)."""
+    if given_to != "attention" and (given is None or given is _NO_POSITIONS):
+        _check_missing_positions(name, sp, given_to, given, seq_local)
+        return
     if not isinstance(given, torch.Tensor) or given.dim() != 2:
         return  # (3, B, s) multimodal positions carry no documents
     if _positions_checked(given):
@@ -692,9 +704,8 @@ def _check_positions(name: str, sp: SequenceParallel, given: Any, seq_local: int
         else:
             token = int((offset != offset[:, :1]).any(0).nonzero()[0])
             verdict = ("token", (token, given[0, token].item(), expected[token].item()))
-    verdicts = [verdict]
-    if comm.world_size > 1:
-        verdicts = comm.all_gather_object(verdict, what=f"{name} position_ids check")
+    verdicts = _exchange_verdicts(name, sp, verdict)
+    _raise_missing(name, sp, verdicts, seq_local)
     under = (
         f"SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len={sp.seq_len}, "
         f"cu_seqlens={sp.cu_seqlens})"
@@ -720,6 +731,132 @@ def _check_positions(name: str, sp: SequenceParallel, given: Any, seq_local: int
             f"0 on each rank's shard are not the global ones); {fix}"
         )
     _remember_positions(given)
+
+
+# Note [Positions the model was given]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A model that hands position_ids to its attention has them checked there (_check_positions).
+# One that does not (BERT, RoBERTa, DistilBERT, ModernBERT, GPTBigCode, Persimmon: absolute
+# embeddings or RoPE computed outside attention) counts its shard from 0 when it is given none
+# (its position buffer or cache_position), which no attention call could see. So each
+# attention call outside tokenring.hf.generate also reads what the *outermost* transformers
+# model forward on the Python stack was given: a frame running a ``forward`` of a class of its
+# ``self``, a PreTrainedModel (the head model: BertForMaskedLM, not BertModel, whose own
+# position_ids it hands down; a base model called alone may have set its local from
+# cache_position, which is then checked as any tensor is)::
+#
+#     position_ids a tensor       _check_positions (cached by tensor: once per forward)
+#     None, or no position_ids    raise on every rank (one exchange, as _check_positions'),
+#       (not a parameter, not in  unless one rank counting from 0 is right: one rank
+#       its **kwargs)             without documents
+#     no such frame               nothing: gradient checkpointing's recomputation in the
+#                                 backward (the forward was checked), a module of one's own
+#
+# Under torch.compile the attention call is not traced (the graph breaks at it), so the
+# frames are Python's; a frame dynamo rewrote keeps its locals.
+_NO_POSITIONS = object()
+"""What :func:`_model_positions` gives for a forward that takes no position_ids."""
+
+
+def _model_positions() -> tuple[str, Any] | None:
+    """``(class name, position_ids)`` of the outermost transformers model forward on the
+    stack (Note [Positions the model was given]), or None when there is none."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # not a transformers model
+        return None
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self" and "forward" in code.co_name:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, PreTrainedModel) and _is_forward(cast(Any, type(owner)), code):
+                found = (type(owner).__name__, _given_positions(frame.f_locals, code))
+        frame = frame.f_back  # type: ignore[assignment]
+    return found
+
+
+@functools.cache
+def _is_forward(cls: type, code: Any) -> bool:
+    """Whether ``code`` is a ``forward`` of ``cls`` or one of its bases (not a decorator's
+    wrapper, whose ``self`` is the model too), or dynamo's rewrite of one (same name, same
+    first line)."""
+    for base in cls.__mro__:
+        forward = vars(base).get("forward")
+        own = getattr(inspect.unwrap(forward), "__code__", None) if forward else None
+        if own is not None and (
+            own is code
+            or (own.co_filename == code.co_filename and own.co_firstlineno == code.co_firstlineno)
+        ):
+            return True
+    return False
+
+
+def _given_positions(local: Mapping[str, Any], code: Any) -> Any:
+    """The position_ids of a forward's frame: its local, or its ``**kwargs``' entry, or
+    _NO_POSITIONS when it has neither."""
+    if "position_ids" in code.co_varnames:
+        return local.get("position_ids")
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        extra = code.co_argcount + code.co_kwonlyargcount
+        extra += 1 if code.co_flags & inspect.CO_VARARGS else 0
+        kwargs = local.get(code.co_varnames[extra])
+        if isinstance(kwargs, Mapping) and "position_ids" in kwargs:
+            return kwargs["position_ids"]
+    return _NO_POSITIONS
+
+
+def _exchange_verdicts(
+    name: str, sp: SequenceParallel, verdict: tuple[str, Any]
+) -> list[tuple[str, Any]]:
+    """Every rank's position_ids verdict (one exchange; none on one rank)."""
+    comm = sp.communicator
+    if comm.world_size == 1:
+        return [verdict]
+    return list(comm.all_gather_object(verdict, what=f"{name} position_ids check"))
+
+
+def _check_missing_positions(
+    name: str, sp: SequenceParallel, model: str, given: Any, seq_local: int
+) -> None:
+    """A model forward given no position_ids (or taking none): raise on every rank unless the
+    rank's own count from 0 is its positions (one rank, one document)."""
+    comm = sp.communicator
+    if comm.world_size == 1:
+        counted = _sharding(sp, seq_local).doc_positions(0)
+        if torch.equal(counted, torch.arange(counted.numel(), device=counted.device)):
+            return
+    verdict = ("missing", (model, given is None))
+    _raise_missing(name, sp, _exchange_verdicts(name, sp, verdict), seq_local)
+
+
+def _raise_missing(
+    name: str, sp: SequenceParallel, verdicts: list[tuple[str, Any]], seq_local: int
+) -> None:
+    """NotImplementedError when a rank's model forward had no position_ids."""
+    missing = {rank: found for rank, (kind, found) in enumerate(verdicts) if kind == "missing"}
+    if not missing:
+        return
+    ranks = sorted(missing)
+    model, passed_none = missing[ranks[0]]
+    counts = (
+        "so each rank counts positions over its own shard (from 0 or the model's offset: its "
+        f"buffer or cache_position), not the shard's positions under SequenceParallel(layout="
+        f"{Layout.parse(sp.layout).value!r}, seq_len={sp.seq_len}, cu_seqlens={sp.cu_seqlens}):"
+        " its output would be silently wrong"
+    )
+    if not passed_none:
+        raise NotImplementedError(
+            f"attn_implementation={name!r}: {model}.forward takes no position_ids (rank(s) "
+            f"{ranks}), {counts}; this model cannot be split over the sequence"
+        )
+    raise NotImplementedError(
+        f"attn_implementation={name!r}: {model}.forward was given no position_ids on rank(s) "
+        f"{ranks}, {counts}; pass position_ids=batch.position_ids from "
+        "tokenring.hf.shard_batch (plus the model's own offset: RoBERTa counts from "
+        "pad_token_id + 1)"
+    )
 
 
 def _fields(obj: Any) -> dict[str, Any]:
