@@ -568,9 +568,6 @@ def _attention_forward(
     _check_options(name, module, kwargs)
     if cache is None:
         _check_sharded_call(name, strategy, sp, query, key, kwargs.get("position_ids"))
-        model = _model_positions()  # Note [Positions the model was given]
-        if model is not None:
-            _check_positions(name, sp, model[1], query.shape[2], given_to=model[0])
     mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
     if cache is not None:  # a step of tokenring.hf.generate
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
@@ -601,7 +598,8 @@ def _check_sharded_call(
     name: str, strategy: str, sp: SequenceParallel, query: Any, key: Any, positions: Any
 ) -> None:
     """What a call outside ``tokenring.hf.generate`` must not carry: a KV cache, position_ids
-    of another shard (:func:`_check_positions`), hardware without "auto"."""
+    of another shard (:func:`_check_positions`), a model forward given none (Note [Positions
+    the model was given]), hardware without "auto"."""
     if key.shape[2] != query.shape[2]:  # (B, H, s, D)
         raise NotImplementedError(
             f"attn_implementation={name!r} takes no KV cache but tokenring.hf.generate's; got "
@@ -609,6 +607,9 @@ def _check_sharded_call(
             "generate with tokenring.hf.generate)"
         )
     _check_positions(name, sp, positions, query.shape[2])
+    model = _model_positions()
+    if model is not None:
+        _check_positions(name, sp, model[1], query.shape[2], given_to=model[0])
     if sp.hardware is not None and strategy != "auto":
         raise ValueError(
             f"SequenceParallel.hardware only chooses the strategy of "

@@ -49,6 +49,7 @@ from tokenring.hf.attention import (
     _PLAIN_CAUSAL,
     ATTN_IMPLEMENTATIONS,
     MIN_TRANSFORMERS,
+    SequenceParallel,
     _check_transformers,
     _ModelMask,
     as_sequence_parallel,
@@ -465,6 +466,28 @@ def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
     refuse_padding(gen_kwargs.get("attention_mask"), hint)
 
 
+def _check_call(
+    sp: SequenceParallel, model: Any, input_ids: Any, gen_kwargs: dict[str, Any]
+) -> None:
+    """:func:`generate`'s arguments, checked on this rank (its Raises but the token ids)."""
+    if sp.seq_len is not None or sp.cu_seqlens is not None:
+        raise ValueError(
+            "generation places each step's tokens itself: pass a SequenceParallel without "
+            f"seq_len and cu_seqlens; got seq_len={sp.seq_len}, cu_seqlens={sp.cu_seqlens}"
+        )
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            "model must run a tokenring attention (attn_implementation one of "
+            f"{sorted(ATTN_IMPLEMENTATIONS)}, after tokenring.hf.register()); got {impl!r}"
+        )
+    check_model(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+        raise ValueError(f"input_ids must be a (batch, seq) tensor; got {shape!r}")
+    _check_options(model, gen_kwargs)
+
+
 def generate(
     sp: Any,
     model: Any,
@@ -505,22 +528,7 @@ def generate(
     comm = sp.communicator
     cache: ShardedKVCache | None = None
     try:
-        if sp.seq_len is not None or sp.cu_seqlens is not None:
-            raise ValueError(
-                "generation places each step's tokens itself: pass a SequenceParallel without "
-                f"seq_len and cu_seqlens; got seq_len={sp.seq_len}, cu_seqlens={sp.cu_seqlens}"
-            )
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        if impl not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(
-                "model must run a tokenring attention (attn_implementation one of "
-                f"{sorted(ATTN_IMPLEMENTATIONS)}, after tokenring.hf.register()); got {impl!r}"
-            )
-        check_model(model)
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
-            raise ValueError(f"input_ids must be a (batch, seq) tensor; got {shape!r}")
-        _check_options(model, gen_kwargs)
+        _check_call(sp, model, input_ids, gen_kwargs)
         cache = ShardedKVCache(
             model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
         )

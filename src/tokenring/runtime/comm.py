@@ -72,6 +72,45 @@ MAX_TIMEOUT_S = 1e7
 the library issues must end."""
 
 
+def _checked_group(
+    group: dist.ProcessGroup | None,
+    separate_groups: object,
+    stage_through_host: object,
+    shared_memory: object,
+) -> dist.ProcessGroup:
+    """The group a Communicator runs over (the default one for None), once torch.distributed
+    is initialised, the group is live and this rank's, and the flags are bools (or None).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: naming the flag or the group, its value and what was expected.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized; call tokenring.init_distributed() or "
+            "torch.distributed.init_process_group() before building a Communicator"
+        )
+    for name, flag in (
+        ("separate_groups", separate_groups),
+        ("stage_through_host", stage_through_host),
+        ("shared_memory", shared_memory),
+    ):
+        # a string is truthy: shared_memory="no" would turn the transport on
+        if not isinstance(flag, bool) and (flag is not None or name == "separate_groups"):
+            expected = "True or False" + (" or None" if name != "separate_groups" else "")
+            raise ValueError(f"{name} must be {expected}; got {flag!r}")
+    base = group if group is not None else dist.group.WORLD
+    assert base is not None
+    if not isinstance(base, dist.ProcessGroup) or not _registered(base):
+        raise ValueError(
+            "group must be a live ProcessGroup that contains this rank; got "
+            + (f"{base!r}" if not isinstance(base, dist.ProcessGroup) else "a destroyed one")
+            + " (dist.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside it; "
+            "dist.destroy_process_group destroys one)"
+        )
+    return base
+
+
 def check_timeout_s(value: object, name: str = "timeout_s") -> float:
     """``value`` as a timeout in seconds: an int or float (not a bool: True would be a 1 s
     limit), > 0 and below MAX_TIMEOUT_S (so finite); the one check of every timeout the
@@ -546,30 +585,8 @@ class Communicator:
         stage_through_host: bool | None = None,
         shared_memory: bool | None = None,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized; call tokenring.init_distributed() or "
-                "torch.distributed.init_process_group() before building a Communicator"
-            )
+        base = _checked_group(group, separate_groups, stage_through_host, shared_memory)
         timeout_s = check_timeout_s(timeout_s)  # a float: 3 and 3.0 are one pool key
-        for name, flag in (
-            ("separate_groups", separate_groups),
-            ("stage_through_host", stage_through_host),
-            ("shared_memory", shared_memory),
-        ):
-            # a string is truthy: shared_memory="no" would turn the transport on
-            if not isinstance(flag, bool) and (flag is not None or name == "separate_groups"):
-                expected = "True or False" + (" or None" if name != "separate_groups" else "")
-                raise ValueError(f"{name} must be {expected}; got {flag!r}")
-        base = group if group is not None else dist.group.WORLD
-        assert base is not None
-        if not isinstance(base, dist.ProcessGroup) or not _registered(base):
-            raise ValueError(
-                "group must be a live ProcessGroup that contains this rank; got "
-                + (f"{base!r}" if not isinstance(base, dist.ProcessGroup) else "a destroyed one")
-                + " (dist.new_group returns GroupMember.NON_GROUP_MEMBER on ranks outside it; "
-                "dist.destroy_process_group destroys one)"
-            )
         self.group = base
         self.rank = dist.get_rank(base)
         self.world_size = dist.get_world_size(base)
