@@ -32,7 +32,6 @@ import copy
 import dataclasses
 import inspect
 import itertools
-import re
 import tempfile
 import time
 import warnings
@@ -61,7 +60,14 @@ from transformers import (  # noqa: E402
 )
 
 from oracle import sharded_positions  # noqa: E402
-from test_keywords_audit import Dyn, Refused, Row, Skip, _hardware  # noqa: E402
+from test_keywords_audit import (  # noqa: E402
+    Dyn,
+    Refused,
+    Row,
+    Skip,
+    _hardware,
+    assert_rules_kept,
+)
 from tokenring import diffusers as tr_diffusers  # noqa: E402
 from tokenring import hf  # noqa: E402
 from tokenring.hf import generation  # noqa: E402
@@ -70,7 +76,6 @@ from tokenring.hf.trainer import SequenceParallelTrainer  # noqa: E402
 WORLD = 2
 SEQ, VOCAB, PROMPT = 16, 64, 8
 TIMEOUT_S = 3.0  # the communicators' timeout: a case that waits for it is a defect
-FAST_S = 2.0  # what "at once" means here
 TOL = 1e-10  # float64
 # transformers' Trainer computes and logs its evaluation loss in float32
 TOLERANCES = {"hf.trainer.SequenceParallelTrainer": 1e-6}
@@ -1022,61 +1027,6 @@ def test_generate_sizes_its_cache_by_the_layers_not_unused_config_fields(
         assert _distance(*got) <= TOL, f"rank {rank}: {got}"
 
 
-def _names_it(row: Row, message: str) -> bool:
-    """Whether ``message`` names the row's keyword as a word (kv, not heads_kv)."""
-    words = (row.keyword, *row.names)
-    return any(
-        re.search(rf"(?<![A-Za-z0-9_]){re.escape(w)}(?![A-Za-z0-9_])", message) for w in words
-    )
-
-
-def _check(case: Case, results: list[dict[str, Any]]) -> str | None:
-    """Why ``results`` break the rule of ``case``'s mode; None if they keep it."""
-    row = _row(case)
-    tol = TOLERANCES.get(case.entry, TOL)
-    slow = [r for r, x in enumerate(results) if x["elapsed_s"] > FAST_S]
-    if slow:
-        return f"slow on ranks {slow}: {results}"
-    raised = [not x["ok"] for x in results]
-    spec = getattr(row, case.mode)
-    if case.mode == "one":
-        if not any(raised):
-            bad = [x["err"] for x in results if x["err"] > tol]
-            return f"silently off the oracle: {results}" if bad else None
-        if not all(raised):
-            return f"only some ranks raised: {results}"
-        if isinstance(spec, Refused):
-            return None  # rank 1's refusal, told to the others
-        missing = [x for x in results if not _names_it(row, x["error"])]
-        return f"an error that does not name {row.keyword}: {missing}" if missing else None
-    if case.mode == "legal":
-        if isinstance(spec, Refused):
-            wrong = [x for x in results if x["ok"] or x["type"] != spec.error]
-            if wrong:
-                return f"expected {spec.error} on every rank: {results}"
-            missing = [x for x in results if not _names_it(row, x["error"])]
-            return f"an error that does not name {row.keyword}: {missing}" if missing else None
-        if any(raised):
-            return f"a legal value raised: {results}"
-        bad = [x["err"] for x in results if x["err"] > tol]
-        return f"off the oracle: {results}" if bad else None
-    if not all(raised):
-        return f"a bad value was accepted (or raised on some ranks only): {results}"
-    mine = results[1]
-    if mine["type"] not in ("ValueError", "TypeError", "NotImplementedError"):
-        return f"the bad rank raised {mine['type']}: {mine}"
-    if not _names_it(row, mine["error"]):
-        return f"the error does not name {row.keyword}: {mine}"
-    return None
-
-
 @pytest.mark.parametrize("mode", ["one", "legal", "bad"])
 def test_keywords(outcomes: dict[Case, list[dict[str, Any]]], mode: str) -> None:
-    failures = []
-    for case, results in outcomes.items():
-        if case.mode != mode:
-            continue
-        why = _check(case, results)
-        if why is not None:
-            failures.append(f"{case.entry}({case.keyword}=...): {why}")
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
+    assert_rules_kept(outcomes, mode, lambda case: (_row(case), TOLERANCES.get(case.entry, TOL)))

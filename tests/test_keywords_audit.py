@@ -850,17 +850,19 @@ def _names_it(row: Row, message: str) -> bool:
     )
 
 
-def _check(case: Case, results: list[dict[str, Any]]) -> str | None:
-    """Why ``results`` break the rule of ``case``'s mode; None if they keep it."""
-    row = _row(case)
+def broken_rule(
+    row: Row, mode: str, results: list[dict[str, Any]], tol: float = ORACLE_TOL
+) -> str | None:
+    """Why ``results`` (every rank's) break the rule of ``mode`` for ``row``; None if they
+    keep it (also test_hf_keywords_audit's rule)."""
     slow = [r for r, x in enumerate(results) if x["elapsed_s"] > FAST_S]
     if slow:
         return f"slow on ranks {slow}: {results}"
     raised = [not x["ok"] for x in results]
-    spec = getattr(row, case.mode)
-    if case.mode == "one":
+    spec = getattr(row, mode)
+    if mode == "one":
         if not any(raised):
-            bad = [x["err"] for x in results if x["err"] > ORACLE_TOL]
+            bad = [x["err"] for x in results if x["err"] > tol]
             return f"silently off the oracle: {results}" if bad else None
         if not all(raised):
             return f"only some ranks raised: {results}"
@@ -868,7 +870,7 @@ def _check(case: Case, results: list[dict[str, Any]]) -> str | None:
             return None  # rank 1's refusal, told to the others
         missing = [x for x in results if not _names_it(row, x["error"])]
         return f"an error that does not name {row.keyword}: {missing}" if missing else None
-    if case.mode == "legal":
+    if mode == "legal":
         if isinstance(spec, Refused):
             want = spec.error
             wrong = [x for x in results if x["ok"] or x["type"] != want]
@@ -886,7 +888,7 @@ def _check(case: Case, results: list[dict[str, Any]]) -> str | None:
             )
         if any(raised):
             return f"a legal value raised: {results}"
-        bad = [x["err"] for x in results if x["err"] > ORACLE_TOL]
+        bad = [x["err"] for x in results if x["err"] > tol]
         return f"off the oracle: {results}" if bad else None
     # bad
     if not all(raised):
@@ -901,11 +903,19 @@ def _check(case: Case, results: list[dict[str, Any]]) -> str | None:
 
 @pytest.mark.parametrize("mode", ["one", "legal", "bad"])
 def test_keywords(outcomes: dict[Case, list[dict[str, Any]]], mode: str) -> None:
+    assert_rules_kept(outcomes, mode, lambda case: (_row(case), ORACLE_TOL))
+
+
+def assert_rules_kept(
+    outcomes: dict[Any, list[dict[str, Any]]], mode: str, rule: Callable[[Any], tuple[Row, float]]
+) -> None:
+    """Every case of ``mode`` in ``outcomes`` keeps its rule (``rule``: its row, tolerance)."""
     failures = []
     for case, results in outcomes.items():
         if case.mode != mode:
             continue
-        why = _check(case, results)
+        row, tol = rule(case)
+        why = broken_rule(row, mode, results, tol)
         if why is not None:
             failures.append(f"{case.entry}({case.keyword}=...): {why}")
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
