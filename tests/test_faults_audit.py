@@ -7,6 +7,7 @@ Legend: B batch, S global seq, H heads, D head dim, P world size.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -141,8 +142,9 @@ def test_a_call_abandoned_midway_breaks_its_communicator(
 
 class _DyingKernel(ReferenceKernel):
     """The reference kernel; when armed, ends its process (``how``: "exit" is os._exit,
-    "kill" SIGKILL) at its first block of the pass ``fault`` after a message of that pass
-    arrived: midway, with transfers of the pass done and others posted."""
+    "kill" SIGKILL) at its first block of the pass ``fault`` after a receive of that pass was
+    posted (the counter counts receives when posted): midway, with transfers of the pass
+    posted, some of them possibly done."""
 
     def __init__(self, comm: Communicator, fault: str = "", how: str = "exit") -> None:
         super().__init__()
@@ -176,6 +178,8 @@ def _one_rank_dies(strategy: str, shared_memory: bool, fault: str, how: str, out
     idx = torch.tensor(owned_positions("zigzag", rank, comm.world_size, seq))
     local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
     comm.barrier(label="before the call")
+    if rank == 0:  # where rank 0 waits, in its log, should it not see the death in time
+        faulthandler.dump_traceback_later(10, exit=False)
     start = time.monotonic()
     try:
         out = tokenring.sequence_parallel_attn(
@@ -223,8 +227,8 @@ def test_a_rank_that_dies_midway_is_named_at_once_and_leaves_nothing(
         if info.value.failed_rank != 1:
             problems.append(f"{case}: the launcher named rank {info.value.failed_rank}")
         seen = out_dir / "rank0.txt"
-        if not seen.exists():
-            problems.append(f"{case}: rank 0 saw no error before it was ended")
+        if not seen.exists():  # the launcher's error holds rank 0's log (and its stack)
+            problems.append(f"{case}: rank 0 saw no error before it was ended: {info.value}")
             continue
         seconds, error = seen.read_text().split("\n", 1)
         if "rank 1" not in error or ("gone" not in error and "onnection" not in error):
