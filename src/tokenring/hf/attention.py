@@ -706,7 +706,7 @@ def _check_positions(
             token = int((offset != offset[:, :1]).any(0).nonzero()[0])
             verdict = ("token", (token, given[0, token].item(), expected[token].item()))
     verdicts = _exchange_verdicts(name, sp, verdict)
-    _raise_missing(name, sp, verdicts, seq_local)
+    _raise_missing(name, sp, verdicts)
     under = (
         f"SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len={sp.seq_len}, "
         f"cu_seqlens={sp.cu_seqlens})"
@@ -829,12 +829,10 @@ def _check_missing_positions(
         if torch.equal(counted, torch.arange(counted.numel(), device=counted.device)):
             return
     verdict = ("missing", (model, given is None))
-    _raise_missing(name, sp, _exchange_verdicts(name, sp, verdict), seq_local)
+    _raise_missing(name, sp, _exchange_verdicts(name, sp, verdict))
 
 
-def _raise_missing(
-    name: str, sp: SequenceParallel, verdicts: list[tuple[str, Any]], seq_local: int
-) -> None:
+def _raise_missing(name: str, sp: SequenceParallel, verdicts: list[tuple[str, Any]]) -> None:
     """NotImplementedError when a rank's model forward had no position_ids."""
     missing = {rank: found for rank, (kind, found) in enumerate(verdicts) if kind == "missing"}
     if not missing:
@@ -970,7 +968,11 @@ def shard_batch(
     """
     sp = as_sequence_parallel(sp, "sp")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        shape = (
+            tuple(input_ids.shape)
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
         raise ValueError(f"input_ids must be a tensor of shape (batch, seq); got {shape}")
     _check_ignore_index(ignore_index)
     seq_len = input_ids.shape[1]
@@ -981,7 +983,7 @@ def shard_batch(
     ):
         raise ValueError(
             f"labels must have the shape of input_ids {tuple(input_ids.shape)}; got "
-            f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels)}"
+            f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
         )
     comm = sp.communicator
     rank, world_size, cu_seqlens = comm.rank, comm.world_size, sp.cu_seqlens
