@@ -318,6 +318,23 @@ def _reductions_and_options() -> list[str]:
     same = Communicator(timeout_s=3 if rank == 0 else 3.0)  # then builds go on as before
     same.barrier(label="3 and 3.0")
     same.close()
+    # separate_groups on one rank only: the ranks waited under different keys (on gloo, the
+    # rank without separate groups did not wait at all) until the timeout
+    for separate in (True, False):
+        start = time.monotonic()
+        try:
+            Communicator(timeout_s=3, separate_groups=separate if rank == 0 else not separate)
+            problems.append(f"rank {rank}: separate_groups {separate} and not accepted")
+        except ValueError as exc:
+            words = "separate_groups must be the same on every rank of a communicator's group; "
+            if words + f"got {separate} on rank 0, {not separate} on rank 1" not in str(exc):
+                problems.append(f"rank {rank}: {exc}")
+        if time.monotonic() - start > 2.5:
+            problems.append(f"rank {rank}: separate_groups took {time.monotonic() - start:.1f} s")
+    for separate in (False, True):  # builds of either kind go on in step afterwards
+        same = Communicator(timeout_s=3, separate_groups=separate)
+        same.barrier(label=f"separate_groups={separate}")
+        same.close()
     # get_communicator took 1e8 for a communicator that refuses it when built
     comm = tokenring.get_communicator(None)
     try:

@@ -573,7 +573,8 @@ class Communicator:
         RuntimeError: torch.distributed is not initialized.
         ValueError: ``timeout_s`` is not a number of seconds > 0 (below MAX_TIMEOUT_S);
             ``separate_groups`` not a bool, ``stage_through_host`` or ``shared_memory`` not a
-            bool or None; ``group`` is not a ProcessGroup this rank is in, or was destroyed.
+            bool or None; ``group`` is not a ProcessGroup this rank is in, or was destroyed;
+            ``timeout_s`` or ``separate_groups`` differs between the ranks (every rank raises).
     """
 
     def __init__(
@@ -598,10 +599,13 @@ class Communicator:
         # (channels, control) made for this communicator or pooled (Note [Channel pool])
         self._pool_key: _PoolKey | None = None
         self._own: _OwnGroups | None = None
-        if self.world_size > 1 and (separate_groups or self.backend != "gloo"):
+        if self.world_size > 1:  # every rank agrees (on gloo without groups of its own too)
             self._pool_key = (self.global_ranks, self.backend, timeout_s, separate_groups)
             self._own, num_live = self._agreed_idle_groups(ranks, separate_groups)
-            self._own = self._own or self._make_groups(ranks, separate_groups, num_live)
+            if separate_groups or self.backend != "gloo":
+                self._own = self._own or self._make_groups(ranks, separate_groups, num_live)
+            else:  # gloo over ``group`` alone: nothing to pool
+                self._pool_key = None
         channels, control = self._own if self._own is not None else ({}, None)
         self._groups = {channel: channels.get(channel, base) for channel in CHANNELS}
         self._control = (control or base) if self.world_size > 1 else None
@@ -1463,10 +1467,12 @@ class PendingCollective:
 # the key (a digest of its groups' names: torch derives a group's store prefix from its
 # name, so the ranks of one set name it alike), oldest first, and swaps the list with the
 # other ranks through the default group's store (reachable before any new group exists,
-# whatever the backend), under a key of the pool key but its timeout and this rank's count
-# of builds over that, within the communicator's timeout (each rank's timeout travels in its
-# entry: ranks whose timeouts differ raise ValueError naming them, instead of waiting under
-# different keys until each blamed the other for not arriving):
+# whatever the backend), under a key of the ranks and backend and this rank's count of builds
+# over them, within the communicator's timeout (each rank's timeout and separate_groups travel
+# in its entry: ranks whose options differ raise ValueError naming them, instead of waiting
+# under different keys until each blamed the other for not arriving, or meeting a later build
+# of the other kind). A gloo communicator without separate groups pools nothing but agrees
+# all the same:
 #
 #   every rank holds the same sets (the normal path)  -> every rank takes the newest
 #   sets held by some ranks only                       -> dropped from the pool (not destroyed)
@@ -1484,9 +1490,9 @@ class PendingCollective:
 _PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
 _OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
 _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
-# communicators built over each key but its timeout on this rank (ranks whose timeouts differ
-# meet under one store key, and learn it)
-_NUM_BUILDS: dict[tuple[tuple[int, ...], str, bool], int] = {}
+# communicators built over each (ranks, backend) on this rank (ranks whose timeouts or
+# separate_groups differ meet under one store key, and learn it)
+_NUM_BUILDS: dict[tuple[tuple[int, ...], str], int] = {}
 _GAVE_UP = "!"  # what a rank that timed out leaves in its entry
 _POLL_S = 0.005  # how long _wait_for polls before it waits
 
@@ -1511,20 +1517,23 @@ def _take_agreed_groups(
 
     Raises:
         _PoolAgreementFailed: a rank did not arrive within ``timeout``, or gave up waiting.
-        ValueError: the ranks' communicators have different timeouts (each rank's named).
+        ValueError: the ranks' communicators have different timeouts or separate_groups
+            (each rank's named).
     """
     ranks, backend, timeout_s, separate = key
     idle = [own for own in _IDLE_GROUPS.pop(key, []) if _registered_set(own)]
     # (groups destroyed by destroy_process_group() of everything are dropped)
     names = [_set_name(own) for own in idle]
-    counted = (ranks, backend, separate)
+    counted = (ranks, backend)
     build = _NUM_BUILDS[counted] = _NUM_BUILDS.get(counted, -1) + 1
-    # Not keyed by the timeout: ranks whose timeouts differ waited under different keys and
-    # blamed each other ("did not arrive") at their timeouts; they meet and are told.
-    prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}/{separate}"
+    # Not keyed by the timeout or the channel layout: ranks whose timeouts or separate_groups
+    # differ waited under different keys and blamed each other ("did not arrive") at their
+    # timeouts; they meet and are told.
+    prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}"
     keys = [f"{prefix}/{build}/{r}" for r in range(len(ranks))]
     store = dist.distributed_c10d._get_default_store()
-    store.set(keys[rank], f"{timeout_s!r};{_num_live_groups()};" + ",".join(names))
+    entry = f"{timeout_s!r};{int(separate)};{_num_live_groups()};" + ",".join(names)
+    store.set(keys[rank], entry)
     try:
         _wait_for(store, keys, timeout)
     except Exception as exc:
@@ -1546,20 +1555,23 @@ def _take_agreed_groups(
             f"agreeing on pooled groups: rank(s) {gave_up} gave up waiting for this rank "
             f"after {timeout.total_seconds():g} s"
         )
-    rows = [got.decode().split(";", 2) for got in lists]  # timeout; live groups; pooled sets
-    timeouts_s = [float(row[0]) for row in rows]
-    if any(t != timeouts_s[0] for t in timeouts_s):
-        _IDLE_GROUPS[key] = idle
-        raise ValueError(
-            "timeout_s must be the same on every rank of a communicator's group; got "
-            + ", ".join(f"{t:g} on rank {r}" for r, t in enumerate(timeouts_s))
-        )
-    held = [set(row[2].split(",")) - {""} for row in rows]
+    # timeout; separate_groups; live groups; pooled sets
+    rows = [got.decode().split(";", 3) for got in lists]
+    timeouts = [f"{float(row[0]):g}" for row in rows]
+    separates = [str(row[1] == "1") for row in rows]
+    for name, values in (("timeout_s", timeouts), ("separate_groups", separates)):
+        if any(value != values[0] for value in values):
+            _IDLE_GROUPS[key] = idle
+            raise ValueError(
+                f"{name} must be the same on every rank of a communicator's group; got "
+                + ", ".join(f"{value} on rank {r}" for r, value in enumerate(values))
+            )
+    held = [set(row[3].split(",")) - {""} for row in rows]
     common = set.intersection(*held)
-    newest = [name for name in rows[0][2].split(",") if name in common][-1:]
+    newest = [name for name in rows[0][3].split(",") if name in common][-1:]
     by_name = dict(zip(names, idle, strict=True))
     _IDLE_GROUPS[key] = [by_name[name] for name in names if name in common - set(newest)]
-    return (by_name[newest[0]] if newest else None), max(int(row[1]) for row in rows)
+    return (by_name[newest[0]] if newest else None), max(int(row[2]) for row in rows)
 
 
 def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
