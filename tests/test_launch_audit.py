@@ -289,6 +289,21 @@ def _reductions_and_options() -> list[str]:
                 problems.append(f"{case}: {dtype} gave {x.tolist()}")
         empty = torch.zeros(0, 3).t()
         comm.all_reduce(empty, label="empty").wait()
+        # all_gather of other shapes or dtypes per rank: gloo aborted the process (SIGABRT)
+        for other in (
+            torch.zeros(2 + rank, 3),
+            torch.zeros(2, 3, dtype=[torch.float32, torch.int64][rank]),
+        ):
+            try:
+                comm.all_gather(other, label="odd")
+                problems.append(f"{case}: all_gather of {other.shape} {other.dtype} accepted")
+            except ValueError as exc:
+                words = "tensor to all-gather ('odd') must have the same shape and dtype on every"
+                if words not in str(exc) or "on rank 1" not in str(exc):
+                    problems.append(f"{case}: {exc}")
+        rows = comm.all_gather(torch.full((2, 3), float(rank)).t(), label="even")
+        if [row.tolist() for row in rows] != [[[r] * 2] * 3 for r in range(world)]:
+            problems.append(f"{case}: all_gather gave {rows}")
         comm.close()
     # options: a string is truthy, so shared_memory="no" turned the transport on
     for kwargs, words in [

@@ -247,7 +247,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, comm: Communicator, lengths: list[int]) -> torch.Tensor:
         longest = max(lengths)
         padded = F.pad(x, (0, 0, 0, 0, 0, longest - x.shape[1]))  # (B, max n_r, H, D)
-        blocks = comm.all_gather(padded, label="cross-attention K/V")
+        blocks = comm.all_gather(padded, label="cross-attention K/V", shapes_agreed=True)
         ctx.comm, ctx.lengths = comm, lengths
         return torch.cat([blk[:, :n] for blk, n in zip(blocks, lengths, strict=True)], dim=1)
 

@@ -1114,7 +1114,7 @@ def gather_sequence(sp: SequenceParallel, x: torch.Tensor, *, seq_dim: int = 1) 
     padded_shape[seq_dim] = max(sizes)
     padded = x.new_zeros(padded_shape)
     padded.narrow(seq_dim, 0, x.shape[seq_dim]).copy_(x)
-    gathered = comm.all_gather(padded, label="gather_sequence")
+    gathered = comm.all_gather(padded, label="gather_sequence", shapes_agreed=True)
     shards = [g.narrow(seq_dim, 0, n) for g, n in zip(gathered, sizes, strict=True)]
     return unshard(shards, layout=sp.layout, seq_dim=seq_dim, cu_seqlens=sp.cu_seqlens)
 

@@ -1219,8 +1219,28 @@ class Communicator:
             output.copy_(input.reshape(output.shape))
         return pending
 
-    def all_gather(self, tensor: torch.Tensor, *, label: str) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape and dtype), in group-rank order. Not counted."""
+    def all_gather(
+        self, tensor: torch.Tensor, *, label: str, shapes_agreed: bool = False
+    ) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype), in group-rank order. Not counted.
+
+        Args:
+            shapes_agreed: the caller knows every rank's ``tensor`` has this shape and dtype:
+                skip the check (one small exchange over the control group).
+
+        Raises:
+            ValueError: the ranks' shapes or dtypes differ (every rank raises, naming each
+                rank's); gloo would abort the process, NCCL read past the buffers.
+        """
+        if not shapes_agreed and self.world_size > 1:
+            mine = f"{tuple(tensor.shape)} {tensor.dtype}".encode()[: AGREE_FRAME_NUM_BYTES - 8]
+            rows = self.all_gather_bytes(mine, what=f"all-gather {label!r} shapes")
+            if any(row != rows[0] for row in rows):
+                raise ValueError(
+                    f"tensor to all-gather ({label!r}) must have the same shape and dtype on "
+                    "every rank; got "
+                    + ", ".join(f"{row.decode()} on rank {r}" for r, row in enumerate(rows))
+                )
         flat = tensor.contiguous().reshape(-1)
         gathered = flat.new_empty(self.world_size * flat.numel())  # rank j's at block j
         self.all_gather_into_tensor(gathered, flat, label=label).wait()
@@ -1411,7 +1431,7 @@ class Communicator:
     def all_gather_int(self, value: int, device: torch.device, *, label: str) -> list[int]:
         """Every rank's ``value``, in group-rank order (an int64 on ``device``). Not counted."""
         mine = torch.tensor([value], dtype=torch.int64, device=device)
-        return [int(x) for x in self.all_gather(mine, label=label)]
+        return [int(x) for x in self.all_gather(mine, label=label, shapes_agreed=True)]
 
 
 class PendingCollective:
