@@ -135,6 +135,29 @@ def test_init_distributed_refuses_a_bad_environment_before_it_waits() -> None:
     assert "backend must be one of" in refused[2]
 
 
+def test_nccl_ranks_without_local_rank_are_refused_where_they_would_share_gpu_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: LOCAL_RANK unset put every rank on GPU 0 (NCCL failed later with "Duplicate GPU
+    detected", or ranks shared a GPU). Checked with the visible device count faked: no GPU
+    here (the NCCL branch is exercised by scripts/device_check.sh on a GPU)."""
+    from tokenring.launch import _launcher_env
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for visible, cuda, expected in ((2, True, None), (1, True, 0), (2, False, 0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=visible: n)
+        if expected is None:
+            with pytest.raises(ValueError, match="LOCAL_RANK is not set; with NCCL, 2 ranks"):
+                _launcher_env(cuda)
+        else:  # one visible GPU (a launcher that sets CUDA_VISIBLE_DEVICES per rank), or gloo
+            assert _launcher_env(cuda) == expected
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _launcher_env(True) == 1
+
+
 # -- launch -----------------------------------------------------------------------------------
 
 

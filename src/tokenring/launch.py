@@ -128,7 +128,8 @@ class _Outcome:
 def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> Communicator:
     """Initialise the default process group from the launcher's environment (torchrun: RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), with a timeout: NCCL when CUDA is
-    available, else gloo, unless ``backend`` is given; the CUDA device from LOCAL_RANK.
+    available, else gloo, unless ``backend`` is given; the CUDA device from LOCAL_RANK (which
+    NCCL needs with several ranks and several visible GPUs).
 
     Args:
         backend: torch's name of one (``"gloo"``, ``"nccl"``) or device:backend pairs
@@ -194,7 +195,8 @@ def _env_int(name: str, low: int, high: int, expected: str, default: int | None 
 
 def _launcher_env(cuda: bool) -> int:
     """Check what env:// rendezvous reads before it waits on it (a rank outside the world
-    waited for a peer that never comes); this rank's LOCAL_RANK (0 when unset).
+    waited for a peer that never comes); this rank's LOCAL_RANK (0 when unset, which NCCL
+    allows only with one visible GPU or one rank).
 
     Raises:
         ValueError: a variable missing or out of range, named with its value.
@@ -209,6 +211,13 @@ def _launcher_env(cuda: bool) -> int:
     low = 0 if world_size == 1 else 1
     _env_int("MASTER_PORT", low, 65535, f"a TCP port, an int in [{low}, 65535]")
     expected = f"an int in [0, WORLD_SIZE) = [0, {world_size})"
+    if cuda and world_size > 1 and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
+        # every rank would take GPU 0 (NCCL fails later: "Duplicate GPU detected")
+        raise ValueError(
+            f"environment variable LOCAL_RANK is not set; with NCCL, {world_size} ranks and "
+            f"{torch.cuda.device_count()} visible CUDA devices it names this rank's GPU "
+            "(without it every rank would take GPU 0); " + _ENV_HINT
+        )
     local_rank = _env_int("LOCAL_RANK", 0, world_size - 1, expected, default=0)
     if cuda and local_rank >= torch.cuda.device_count():
         raise ValueError(
