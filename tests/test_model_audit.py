@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from typing import Any
 
 import pytest
@@ -143,6 +144,28 @@ def test_explain_cached_refuses_a_hardware_that_is_neither_name_nor_hardware() -
     assert explain_cached(hardware="h100-nvswitch", **kw) == explain_cached(
         hardware=PRESETS["h100-nvswitch"], **kw
     )
+
+
+def test_sizes_that_would_run_out_of_memory_or_for_weeks_are_refused_at_once() -> None:
+    """Before: explain_cached(cached=10**9) ran out of memory (every token's position kept);
+    explain/simulate_pass with mode="event" at 20000 ranks ran for days (the CLI guarded the
+    vectorised engine only). Each is refused within a second, naming the argument."""
+    kw: dict[str, Any] = dict(heads_q=8, heads_kv=2, head_dim=64, hardware="h100-nvswitch")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"batch \* \(cached \+ new\) must be at most 134217728"):
+        explain_cached(world_size=4, cached=10**9, new=1, **kw)
+    with pytest.raises(ValueError, match="got batch=2, cached=67108864, new=1"):
+        explain_cached(world_size=4, cached=2**26, new=1, batch=2, **kw)
+    event = "mode='event' replays every message of every rank: world_size=20000 is above"
+    with pytest.raises(ValueError, match=event):
+        explain(world_size=20000, seq_local=64, dtype="bfloat16", causal=True, mode="event", **kw)
+    shape = AttentionShape(heads_q=8, heads_kv=2, head_dim=64)
+    with pytest.raises(ValueError, match=event):
+        simulate_pass(
+            "ring", "forward", layout="contiguous", causal=True, world_size=20000, seq_local=64,
+            shape=shape, hardware=PRESETS["a10-pcie"], mode="event",
+        )  # fmt: skip
+    assert time.monotonic() - start < 5
 
 
 # -- the planner's numbers are the simulator's ----------------------------------------------------

@@ -168,6 +168,10 @@ __all__ = [
 EVENT_MAX_WORLD_SIZE = 64
 """mode="auto" runs the event engine up to this world size and the vectorised one above."""
 
+EVENT_LIMIT_WORLD_SIZE = 512
+"""The most ranks mode="event" takes (tens of minutes on 2 cores; world_size=20000 would run
+for weeks with nothing to show)."""
+
 VECTORISED_STRATEGIES = (Strategy.TOKEN_RING, Strategy.RING)
 """Strategies whose schedule ``ring_plan`` gives as columns; the event engine runs any."""
 
@@ -1426,7 +1430,8 @@ def simulate_pass(
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
 
     Raises:
-        ValueError: unknown strategy/pass/layout/mode, a seq_local the layout cannot split,
+        ValueError: unknown strategy/pass/layout/mode, mode="event" above
+            EVENT_LIMIT_WORLD_SIZE ranks, a seq_local the layout cannot split,
             a dtype the hardware has no FLOP/s for, a hybrid without (a fitting) ``hybrid``,
             a ``shape``, ``hardware`` or ``hybrid`` of the wrong type, a non-bool
             ``lend_last_pair``.
@@ -1494,6 +1499,12 @@ def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
         raise ValueError(f"mode must be one of 'auto', 'event', 'vectorised'; got {mode!r}")
     if mode == "auto":
         mode = "event" if world_size <= EVENT_MAX_WORLD_SIZE else "vectorised"
+    if mode == "event" and world_size > EVENT_LIMIT_WORLD_SIZE:
+        raise ValueError(
+            f"mode='event' replays every message of every rank: world_size={world_size} is "
+            f"above its limit of {EVENT_LIMIT_WORLD_SIZE} (its time grows as about P**3: 64 "
+            "ranks take seconds, 256 a few minutes); use mode='auto' or 'vectorised'"
+        )
     if mode == "vectorised" and strategy not in VECTORISED_STRATEGIES:
         raise NotImplementedError(
             f"the vectorised engine replays the columns of "

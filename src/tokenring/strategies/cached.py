@@ -216,6 +216,10 @@ class CachedShards:
         return cls(step.new_positions, step.kv_positions)
 
 
+UNIFORM_MAX_TOKENS = 1 << 27
+"""The most tokens :func:`uniform_shards` places (about 4 GB and 10 s to plan)."""
+
+
 def uniform_shards(
     *, world_size: int, batch: int, cached: int, new: int, block_size: int = 64
 ) -> CachedShards:
@@ -223,7 +227,8 @@ def uniform_shards(
     as ``DistributedKVCache`` does (for planning without a cache).
 
     Raises:
-        ValueError: a size not an int, or below 0 (1 for world_size, batch, block_size).
+        ValueError: a size not an int, or below 0 (1 for world_size, batch, block_size);
+            more than UNIFORM_MAX_TOKENS tokens in all.
     """
     for name, value, low in (
         ("world_size", world_size, 1),
@@ -233,6 +238,12 @@ def uniform_shards(
         ("block_size", block_size, 1),
     ):
         check_size(name, value, low)
+    if batch * (cached + new) > UNIFORM_MAX_TOKENS:
+        raise ValueError(
+            f"batch * (cached + new) must be at most {UNIFORM_MAX_TOKENS} (2**27) tokens to "
+            f"plan: the plans keep every token's position, ~28 bytes a token (cached=10**9 "
+            f"ran out of memory); got batch={batch}, cached={cached}, new={new}"
+        )
     place = partial(place_new_tokens, world_size=world_size, block_size=block_size, zigzag=False)
     everything = place(cached=[0] * batch, new=[cached + new] * batch)  # placed alike
     return CachedShards(place(cached=[cached] * batch, new=[new] * batch), everything)
