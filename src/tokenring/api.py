@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 
 from tokenring.core.layout import Layout, Sharding, make_sharding, validate_seq_local
@@ -366,7 +367,16 @@ def _validate(
             )
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
-            raise ValueError(f"{name}.dtype must equal q.dtype ({q.dtype}); got {x.dtype}")
+            autocast = torch.is_autocast_enabled(q.device.type)
+            raise ValueError(
+                f"{name}.dtype must equal q.dtype ({q.dtype}); got {x.dtype}"
+                + (
+                    " (torch.autocast does not cast them for this call: Note [Autocast] in "
+                    "tokenring.runtime.op)"
+                    if autocast
+                    else ""
+                )
+            )
         if x.device != q.device:
             raise ValueError(f"{name}.device must equal q.device ({q.device}); got {x.device}")
     if k.shape != v.shape:
@@ -385,7 +395,10 @@ def _validate(
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"heads_kv must divide heads_q; got heads_q={hq}, heads_kv={hkv}")
     if b < 1 or d < 1:
-        raise ValueError(f"batch and head_dim must be >= 1; got shape {tuple(q.shape)}")
+        raise ValueError(
+            f"q.shape[0] (batch) and q.shape[3] (head_dim) must be >= 1; got q.shape "
+            f"{tuple(q.shape)}"
+        )
     check_softmax_scale(softmax_scale)
 
 
@@ -597,7 +610,12 @@ def _attention(
     with plan.comm.settled_on_error():  # Note [Deferred agreement] in tokenring.runtime.comm
         out, lse, residuals = op.forward(plan, q, k, v)
         plan.comm.settle()  # done at its first transfer; here if it made none
-    return [out.contiguous(), lse.contiguous(), *residuals]
+    # tensors of their own, not views of a kernel's buffer (the CPU kernel's (B, Hq, s, D)
+    # transposed): autograd refuses an in-place change of an operator's output that is a view
+    # ("a view created inside a custom Function"), so out.mul_(2) used to raise at once for
+    # the ring strategies alone; now, as for the others and PyTorch's attention, it raises in
+    # the backward, which reads the saved out, and works where no backward follows
+    return [out.contiguous().detach(), lse.contiguous().detach(), *residuals]
 
 
 @_attention.register_fake
@@ -683,6 +701,23 @@ def _attention_grad(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[torch.T
 
 
 _attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def _no_double_backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
+    """The backward operator's own backward: refused, naming what is not supported (torch's
+    message told the caller to register an autograd formula for tokenring's operator)."""
+    raise NotImplementedError(
+        "tokenring's attention has no double backward: a gradient taken with "
+        "create_graph=True is right, but differentiating it again (a gradient penalty, "
+        "Hessian-vector products) is not supported"
+    )
+
+
+def _no_double_backward_setup(ctx: Any, inputs: Any, keyword_only_inputs: Any, output: Any) -> None:
+    pass
+
+
+_attention_backward.register_autograd(_no_double_backward, setup_context=_no_double_backward_setup)
 
 
 def _merged(options: dict[str, Any]) -> dict[str, Any]:
@@ -869,26 +904,34 @@ def sequence_parallel_attn(
 
 def _check_tensors(q: Any, k: Any, v: Any, group: GroupLike, check_ranks: object) -> None:
     """ValueError unless q, k and v are dense tensors with data (what the operator's real
-    implementation, which runs the rank check, takes); the peers learn it from the rank check
-    (Note [Rank agreement]), so they do not wait for this rank."""
+    implementation, which runs the rank check, takes), NotImplementedError for a dual one
+    (Note [Forward-mode AD]); the peers learn it from the rank check (Note [Rank agreement]),
+    so they do not wait for this rank."""
     found = _tensor_problem(q, k, v)
     if found is None:
         return
-    problem: ValueError = found
+    problem: Exception = found
 
     def fail() -> tuple[None, None]:
         raise problem
 
-    if check_ranks is not False and not torch.compiler.is_compiling():
+    transformed = _functorch_active()  # the exchange's own tensors would be wrapped
+    if check_ranks is not False and not torch.compiler.is_compiling() and not transformed:
         get_communicator(group).agreed(fail, what="attention call")
     raise problem
 
 
-def _tensor_problem(q: Any, k: Any, v: Any) -> ValueError | None:
+def _functorch_active() -> bool:
+    """Whether a torch.func transform (jvp, grad, vmap) is running (Note [Forward-mode AD])."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+def _tensor_problem(q: Any, k: Any, v: Any) -> ValueError | NotImplementedError | None:
     """Why q, k, v cannot reach the operator's real implementation: not tensors; sparse or
     nested (the dispatcher would raise before the rank check); on the meta device (the fake
     implementation would answer, or raise, without the rank check, while the peers wait in
-    it)."""
+    it); carrying a forward-mode tangent (Note [Forward-mode AD])."""
     tensors = (("q", q), ("k", k), ("v", v))
     for name, x in tensors:
         if not isinstance(x, torch.Tensor):
@@ -896,6 +939,14 @@ def _tensor_problem(q: Any, k: Any, v: Any) -> ValueError | None:
         if x.is_nested or x.layout != torch.strided:
             got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
             return ValueError(f"{name} must be a dense (strided) tensor; got {got}")
+    dual = [] if torch.compiler.is_compiling() else [n for n, x in tensors if _has_tangent(x)]
+    if dual:
+        return NotImplementedError(
+            f"{dual[0]} carries a forward-mode tangent (torch.autograd.forward_ad or "
+            "torch.func.jvp/jacfwd): tokenring's attention has no forward-mode derivative, and "
+            "its output would carry no tangent (a silent zero); use reverse mode "
+            "(backward() or torch.autograd.grad)"
+        )
     meta = [name for name, x in tensors if x.device.type == "meta"]
     if not meta or torch.compiler.is_compiling():
         return None
@@ -908,6 +959,21 @@ def _tensor_problem(q: Any, k: Any, v: Any) -> ValueError | None:
         "other ranks, so q, k and v must hold data (for shapes alone, trace under "
         "torch.compile or FakeTensorMode)"
     )
+
+
+# Note [Forward-mode AD]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# The operator registers a backward only (torch.library has no forward-mode rule for a custom
+# operator), and PyTorch runs it under forward-mode AD without a word: the output carries no
+# tangent, so torch.autograd.forward_ad's unpack_dual gave None and torch.func.jvp a tangent of
+# zeros, for any input tangent. A dual input is therefore refused (NotImplementedError, as
+# PyTorch's own attention kernels raise), on every rank through the rank check; inside a
+# torch.func transform the check's exchange cannot run (the transform wraps every tensor the
+# communicator makes: "Cannot access data pointer"), so each rank refuses on its own there,
+# and a rank that called without the transform waits for the others up to the timeout.
+def _has_tangent(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a dual tensor of the current forward-mode AD level."""
+    return fwAD.unpack_dual(x).tangent is not None
 
 
 # name -> (its primitive's type, the placeholder while the value travels in the raw record)

@@ -44,6 +44,12 @@ A shard cannot use transformers' ``mask_function`` (it is over local rows), so
     or_masks(...) (or_mask_function, block_sequence_ids), and_mask_function of the model,
     anything else                     NotImplementedError naming it
 
+A sliding window under 1 (no key at all: Qwen2-MoE's "no window", in a mask that none of its
+full-attention layers gets) becomes a _RefusedMask, raised by the attention call it reaches.
+The mask function also raises for a config the attention call would refuse (Note [Layers that
+mix tokens], encoder-decoder models): a model may read its mask before attention (DeepSeek
+V3.2's indexer slices it), and would fail on ours with a TypeError.
+
 A plain causal mask is None, as transformers' SDPA mask is, except for a config with a
 ``sliding_window``: then it is a _ModelMask too, so that a layer passing ``sliding_window=``
 with a plain causal mask (OLMoE's attention passes config.sliding_window, its mask has none)
@@ -243,16 +249,30 @@ _PLAIN_CAUSAL = _ModelMask(causal=True, window_size=(-1, 0), attention_chunk_siz
 """What the attention call does without a mask."""
 
 
+@dataclass(frozen=True, slots=True)
+class _RefusedMask:
+    """A mask the model built but tokenring attention cannot express, refused by the attention
+    call that receives it: a model may build a mask no layer uses (Qwen2-MoE builds a sliding
+    mask of window 0, its "no window", beside the causal one its full-attention layers get)."""
+
+    reason: str
+
+
+class _UnusableMask(NotImplementedError):
+    """:func:`_model_mask`'s error for a mask to refuse only where a layer uses it."""
+
+
 def _global_mask(
     *,
     mask_function: Any = None,
     attention_mask: torch.Tensor | None = None,
     config: Any = None,
     **_: Any,
-) -> _ModelMask | None:
+) -> _ModelMask | _RefusedMask | None:
     """The ``AttentionMaskInterface`` function: None for plain causal (unless ``config`` has a
-    ``sliding_window``), else a :class:`_ModelMask` (Note [Model masks]); a padding mask
-    raises."""
+    ``sliding_window``), else a :class:`_ModelMask` (Note [Model masks]), or a
+    :class:`_RefusedMask` for a window under 1; a padding mask, a model the attention call
+    would refuse (:func:`check_model`'s reasons but a Conv1d) raise."""
     if attention_mask is not None and attention_mask.dim() == 2:
         refuse_padding(
             attention_mask,
@@ -269,16 +289,25 @@ def _global_mask(
             "alibi=True) are not supported by tokenring attention: the model adds them to "
             "a mask it expects as a tensor"
         )
+    name = getattr(config, "_attn_implementation", None) or "tokenring"
+    # the layers' own checks (_check_options), here too: a model may use its mask before any
+    # attention call (DeepSeek V3.2's indexer slices it: a TypeError on ours)
+    _refuse_encoder_decoder(name, config)
+    reason = _unsupported_layers(config)
     modeling = type(config).__module__.replace(".configuration_", ".modeling_")
-    if _module_routes_attention(modeling) is False:  # Bloom, MPT, XGLM: check_model's reason
+    if reason is None and _module_routes_attention(modeling) is False:  # Bloom, MPT, XGLM
         reason = (
             f"no module of {modeling} calls attention through transformers' AttentionInterface "
             "(it computes attention in its own code, which would see this rank's shard alone)"
         )
-        _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
+    if reason is not None:
+        _refuse_layers(name, config, reason)
     if mask_function is None:
         return None
-    mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
+    try:
+        mask = _model_mask(mask_function, model=getattr(config, "model_type", None))
+    except _UnusableMask as exc:
+        return _RefusedMask(str(exc))
     if mask == _PLAIN_CAUSAL and getattr(config, "sliding_window", None) is None:
         return None
     return mask
@@ -346,8 +375,8 @@ def _model_mask(mask_function: Any, *, model: str | None = None) -> _ModelMask:
             causal = True
         elif kind in ("sliding", "sliding_bidirectional"):
             w = int(_closure(fn)["sliding_window"])
-            if w < 1:
-                raise NotImplementedError(f"sliding_window must be >= 1{where}; got {w}")
+            if w < 1:  # no key at all; refused where a layer uses it (_RefusedMask)
+                raise _UnusableMask(f"sliding_window must be >= 1{where}; got {w}")
             if kind == "sliding":  # keys i - w < j: w keys up to the query itself
                 left = min(left, w - 1)
             else:  # |i - j| <= w
@@ -538,7 +567,7 @@ def _attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: _ModelMask | torch.Tensor | None,
+    attention_mask: _ModelMask | _RefusedMask | torch.Tensor | None,
     *,
     strategy: str,
     name: str,
@@ -560,6 +589,11 @@ def _attention_forward(
             "to its attention layers (StableLM, for one) and cannot run sequence-parallel"
         )
     sp = as_sequence_parallel(sequence_parallel)
+    if isinstance(attention_mask, _RefusedMask):
+        raise NotImplementedError(
+            f"attn_implementation={name!r}: the mask of {type(module).__name__}: "
+            f"{attention_mask.reason}"
+        )
     if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
         raise NotImplementedError(
             f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
