@@ -233,3 +233,52 @@ def test_a_model_refused_before_its_first_attention_call(
     refused = f"cannot split model_type '{model_type}'.*({named})"
     with pytest.raises(NotImplementedError, match=refused):
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+
+
+# -- forwards that call no tokenring attention ------------------------------------------------
+
+# (model_type, config arguments, attn_implementation): Mamba's recurrence, FNet's Fourier
+# mixing, OpenAI GPT's attention in its own code, and a Llama built with SDPA but given
+# sequence_parallel=: no tokenring code ran in their forward, each rank computed over its own
+# shard (on 2 ranks Mamba's logits were 1.0-4.1 off one process, OpenAI GPT's 0.04-0.1),
+# silently (Note [A forward that calls no tokenring attention] in tokenring.hf.attention)
+NO_ATTENTION = (
+    ("mamba", dict(SMALL, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2,
+                   conv_kernel=4), "tokenring"),
+    ("fnet", dict(SMALL, hidden_size=32, num_hidden_layers=2, intermediate_size=48,
+                  pad_token_id=0), "tokenring"),
+    ("openai-gpt", dict(SMALL, n_positions=64, n_embd=32, n_layer=2, n_head=4), "tokenring"),
+    ("llama", LLAMA_LIKE, "sdpa"),
+)  # fmt: skip
+
+
+def rank_no_attention() -> dict[str, str]:
+    """Inside a rank: what each forward raised, or "ran" (and on one rank of its own, the
+    same forward with sequence_parallel= of that rank alone, which is exact)."""
+    hf.register()
+    out: dict[str, str] = {}
+    alone = torch.distributed.new_group([torch.distributed.get_rank()])
+    for model_type, sizes, implementation in NO_ATTENTION:
+        model = _model(model_type, sizes, implementation)
+        for key, sp in (("", hf.SequenceParallel()), (" alone", hf.SequenceParallel(group=alone))):
+            batch = hf.shard_batch(sp, _input_ids())
+            try:
+                model(input_ids=batch.input_ids, sequence_parallel=sp)
+                out[model_type + key] = "ran"
+            except NotImplementedError as exc:
+                out[model_type + key] = str(exc)
+    return out
+
+
+def test_a_forward_that_calls_no_tokenring_attention_raises_on_every_rank() -> None:
+    per_rank = tokenring.launch(rank_no_attention, world_size=2, timeout_s=300)
+    for rank, found in enumerate(per_rank):
+        for model_type, _, implementation in NO_ATTENTION:
+            said = found[model_type]
+            if implementation == "sdpa":
+                words = "LlamaForCausalLM ran its forward with sequence_parallel= but with "
+                assert words + "attn_implementation='sdpa'" in said, f"rank {rank}: {said}"
+            else:  # check_model's reason
+                words = f"attn_implementation='tokenring' cannot split model_type '{model_type}'"
+                assert words in said, f"rank {rank} {model_type}: {said}"
+            assert found[model_type + " alone"] == "ran", f"rank {rank} {model_type}: {said}"

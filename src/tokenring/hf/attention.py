@@ -60,6 +60,7 @@ as flash-attention reads it) and the window was silently applied.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -231,7 +232,73 @@ def register() -> tuple[str, ...]:
     for loss_type, loss_fn in list(losses.items()):
         if not isinstance(loss_fn, _SequenceParallelLoss):
             losses[loss_type] = _SequenceParallelLoss(loss_type, loss_fn)
+    model_class: Any = transformers.PreTrainedModel
+    if not getattr(model_class.__call__, "_tokenring_counts", False):
+        model_class.__call__ = _counting_call(model_class.__call__)
     return tuple(ATTN_IMPLEMENTATIONS)
+
+
+# Note [A forward that calls no tokenring attention]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A model whose forward takes **kwargs accepts sequence_parallel= whether or not it hands it
+# to an attention call. Mamba, RWKV, xLSTM (recurrences), FNet (Fourier mixing), OpenAI GPT,
+# DeBERTa, XLNet (attention in their own code), a hybrid without attention layers: no tokenring
+# code ran in their forward, so each rank computed over its own shard alone, silently (0.04 to
+# 19 off one process on 2 ranks), and neither the mask function nor the attention call could
+# see it. register() wraps transformers' PreTrainedModel.__call__: the outermost model call
+# given sequence_parallel= counts the tokenring attention calls it makes (a context variable);
+# none on more than one rank raises NotImplementedError after the forward, on every rank (each
+# runs the same model), with check_model's reason where it finds one. One rank computes the
+# whole sequence: nothing to refuse.
+_ATTENTION_CALLS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "tokenring_attention_calls", default=None
+)
+"""The tokenring attention calls of the outermost model call running with sequence_parallel=
+(Note [A forward that calls no tokenring attention]); None outside one."""
+
+
+def _counting_call(call: Any) -> Any:
+    """``call`` (a model's ``__call__``), counting its tokenring attention calls when given
+    ``sequence_parallel=`` (Note [A forward that calls no tokenring attention])."""
+
+    @functools.wraps(call)
+    def counted(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        sp = kwargs.get("sequence_parallel")
+        if sp is None or _ATTENTION_CALLS.get() is not None:
+            return call(model, *args, **kwargs)
+        calls = [0]
+        token = _ATTENTION_CALLS.set(calls)
+        try:
+            result = call(model, *args, **kwargs)
+        finally:
+            _ATTENTION_CALLS.reset(token)
+        if calls[0] == 0:
+            _refuse_no_attention(model, as_sequence_parallel(sp))
+        return result
+
+    counted._tokenring_counts = True  # type: ignore[attr-defined]
+    return counted
+
+
+def _refuse_no_attention(model: torch.nn.Module, sp: SequenceParallel) -> None:
+    """NotImplementedError for a forward given ``sp`` over several ranks that called no
+    tokenring attention (Note [A forward that calls no tokenring attention])."""
+    if sp.communicator.world_size == 1:
+        return
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise NotImplementedError(
+            f"{type(model).__name__} ran its forward with sequence_parallel= but with "
+            f"attn_implementation={name!r}, which attended over this rank's shard alone; build "
+            f"it with one of tokenring's: {sorted(ATTN_IMPLEMENTATIONS)}"
+        )
+    check_model(model)  # its reason, where it has one
+    raise NotImplementedError(
+        f"{type(model).__name__} ran its forward with sequence_parallel= but called no tokenring "
+        f"attention (attn_implementation={name!r}): its layers mix tokens in their own code "
+        "(a recurrence, a convolution, a Fourier transform or attention of its own), which "
+        "saw this rank's shard alone; it cannot run sequence-parallel"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -580,6 +647,9 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: ``(B, H, s, D)`` in, ``(B, s, Hq, D)`` out, no
     weights. Every argument reaches the attention call or raises."""
+    calls = _ATTENTION_CALLS.get()
+    if calls is not None:  # Note [A forward that calls no tokenring attention]
+        calls[0] += 1
     cache = sequence_parallel_cache
     if sequence_parallel is None:
         raise ValueError(
