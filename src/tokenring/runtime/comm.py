@@ -599,6 +599,7 @@ class Communicator:
         # (channels, control) made for this communicator or pooled (Note [Channel pool])
         self._pool_key: _PoolKey | None = None
         self._own: _OwnGroups | None = None
+        self._build_key: str | None = None  # Note [Failures through the store]
         if self.world_size > 1:  # every rank agrees (on gloo without groups of its own too)
             self._pool_key = (self.global_ranks, self.backend, timeout_s, separate_groups)
             self._own, num_live = self._agreed_idle_groups(ranks, separate_groups)
@@ -662,7 +663,10 @@ class Communicator:
         does not come fails as :meth:`_new_group` does."""
         assert self._pool_key is not None
         try:
-            return _take_agreed_groups(self._pool_key, self.rank, self.timeout)
+            own, num_live, self._build_key = _take_agreed_groups(
+                self._pool_key, self.rank, self.timeout
+            )
+            return own, num_live
         except _PoolAgreementFailed as exc:
             what = "the control (gloo) group"
             if separate_groups:
@@ -764,7 +768,12 @@ class Communicator:
                     )
                 parts.extend(closed.values())
                 self._break(f"{what} failed")
-                raise RuntimeError(f"rank {self.rank}: {what}: " + "; ".join(parts))
+                failed = self._failed_peers()
+                raise RuntimeError(
+                    (f"{failed}; so " if failed else "")
+                    + f"rank {self.rank}: {what}: "
+                    + "; ".join(parts)
+                )
             out = []
             for r in range(self.world_size):
                 start = table.data_ptr() + r * frame_num_bytes
@@ -1200,8 +1209,10 @@ class Communicator:
         communicator broken (its groups may hold unmatched operations)."""
         self._break(f"a {what} failed")
         peer = tr.src if what == "receive" else tr.dst
+        failed = self._failed_peers()
         return RuntimeError(
-            f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
+            (f"{failed}; so " if failed else "")
+            + f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
             f"{tr.owner} {'from' if what == 'receive' else 'to'} rank {peer} at step "
             f"{tr.step} failed (peer failed, mismatched, or slower than "
             f"{self.timeout.total_seconds():.0f} s): {exc}"
@@ -1337,7 +1348,26 @@ class Communicator:
             raise  # every rank raises it before any transfer: nothing is out of order
         except RuntimeError:
             pass  # a peer's view of this failure, or another: ``exc`` is the cause here
+        if self._build_key is not None and self._broken is None:  # the first failure, before
+            # the inboxes tell the peers
+            with contextlib.suppress(Exception):  # the store may be gone with the job
+                store = dist.distributed_c10d._get_default_store()
+                store.set(f"{self._build_key}/failed/{self.rank}", _first_line(exc)[:2000])
         self._break(f"a call failed on this rank: {_first_line(exc)}")
+
+    def _failed_peers(self) -> str:
+        """What peers that abandoned a call of this communicator said (Note [Failures through
+        the store]), as a sentence to append to a timeout's error, or ""."""
+        if self._build_key is None:
+            return ""
+        said = []
+        with contextlib.suppress(Exception):
+            store = dist.distributed_c10d._get_default_store()
+            for r in range(self.world_size):
+                key = f"{self._build_key}/failed/{r}"
+                if r != self.rank and store.check([key]):
+                    said.append(f"rank {r} failed first: {store.get(key).decode()}")
+        return "; ".join(said)
 
     def _break(self, why: str) -> None:
         """Mark this communicator failed (its groups may hold unmatched operations; it is
@@ -1457,8 +1487,10 @@ class PendingCollective:
             self._work.wait(comm.timeout)
         except Exception as exc:
             comm._break(f"the {self._op} {self._label!r} failed")
+            failed = comm._failed_peers()
             raise RuntimeError(
-                f"rank {comm.rank}: the {self._op} {self._label!r} over "
+                (f"{failed}; so " if failed else "")
+                + f"rank {comm.rank}: the {self._op} {self._label!r} over "
                 f"{comm.describe_group()} failed or did not complete within the "
                 f"communicator's timeout of {comm.timeout.total_seconds():g} s (a peer "
                 f"failed, was called with other arguments, or is slower): {exc}"
@@ -1507,6 +1539,17 @@ class PendingCollective:
 # entry given up, so a peer that comes later fails too and the counts of builds stay in
 # step. A rank deletes its entry of two builds ago: every peer has read it, as each wrote
 # its entry of the last build, which this rank read, only after reading that one.
+# Note [Failures through the store]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank whose call stops midway (its kernel raised) tells peers waiting on it through
+# shared memory at once (Note [Abandoned calls]), but not why ("rank 1 is gone"). Over
+# sockets a peer's posted receive can only time out: gloo wakes it for a closed socket, not
+# for a peer that lives on, and its message said "timed out". So the failing rank first writes
+# its error to the default group's store under the key its communicator's build agreed on
+# (Note [Channel pool]: the same on every rank), and a peer whose transfer, collective or
+# agreement of that communicator fails reads its peers' entries (a non-blocking check) and
+# puts "rank r failed first: ..." at the head of its error. Over sockets the wait is still
+# the timeout.
 _PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
 _OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
 _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
@@ -1530,10 +1573,11 @@ def _set_name(own: _OwnGroups) -> str:
 
 def _take_agreed_groups(
     key: _PoolKey, rank: int, timeout: timedelta
-) -> tuple[_OwnGroups | None, int]:
+) -> tuple[_OwnGroups | None, int, str]:
     """The pooled set for ``key`` that every rank of the group takes, or None where every rank
-    makes new groups (Note [Channel pool]), and the most groups a rank of it holds (Note
-    [Group names]); ``rank``: this rank's group rank.
+    makes new groups (Note [Channel pool]), the most groups a rank of it holds (Note [Group
+    names]) and a store key of this build, the same on every rank (Note [Failures through the
+    store]); ``rank``: this rank's group rank.
 
     Raises:
         _PoolAgreementFailed: a rank did not arrive within ``timeout``, or gave up waiting.
@@ -1591,7 +1635,8 @@ def _take_agreed_groups(
     newest = [name for name in rows[0][3].split(",") if name in common][-1:]
     by_name = dict(zip(names, idle, strict=True))
     _IDLE_GROUPS[key] = [by_name[name] for name in names if name in common - set(newest)]
-    return (by_name[newest[0]] if newest else None), max(int(row[2]) for row in rows)
+    num_live = max(int(row[2]) for row in rows)
+    return (by_name[newest[0]] if newest else None), num_live, f"{prefix}/{build}"
 
 
 def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
