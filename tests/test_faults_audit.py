@@ -176,6 +176,35 @@ class _DyingKernel(ReferenceKernel):
         return super()._backward(call, dout, lse, delta, out)
 
 
+def _peers_told_at_once() -> list[str]:
+    """3 ranks over gloo's sockets, a 60 s timeout: rank 1's kernel raises in the forward
+    or the backward of every strategy; every other rank must fail well before the
+    timeout, naming rank 1's error (Note [Failures through the store])."""
+    rank = dist.get_rank()
+    problems = []
+    for i, strategy in enumerate(STRATEGIES):  # each pass on half of them (to stay fast)
+        fault = ("forward", "backward")[i % 2]
+        comm = Communicator(timeout_s=60.0, shared_memory=False)
+        kernel = _RaisingKernel(fault if rank == 1 else "")
+        said, took_s = _outcome(strategy, comm, 1, kernel, True)
+        comm.close()
+        if rank == 1:
+            continue
+        case = f"rank {rank} {strategy} {fault}"
+        if took_s > AT_ONCE_S or "rank 1 failed first: boom" not in said:
+            problems.append(f"{case}: failed after {took_s:.1f} s with: {said[:300]}")
+    return problems
+
+
+def test_peers_of_a_call_failed_over_sockets_are_told_at_once_and_why() -> None:
+    """Before: over gloo's sockets the peers of a rank whose kernel raised waited out the
+    communicator's timeout (300 s by default) and then said only "Timed out waiting ...
+    for recv"; the rank between them and the failing one in a ring too."""
+    per_rank = tokenring.launch(_peers_told_at_once, world_size=3, timeout_s=240)
+    problems = [p for rank in per_rank for p in rank]
+    assert not problems, "\n".join(problems[:12])
+
+
 def _one_rank_dies(strategy: str, shared_memory: bool, fault: str, how: str, out_dir: str) -> None:
     """Rank 1 dies midway through ``fault``'s pass; rank 0 writes what it saw and when."""
     rank = dist.get_rank()

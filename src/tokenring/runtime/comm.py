@@ -1050,8 +1050,10 @@ class Communicator:
                 with_whom = f"ranks {peers}"
                 if isinstance(exc, _PostFailed):  # the peer whose connection is closed
                     with_whom, exc = f"rank {exc.peer}", exc.cause
+                failed = self._failed_peers()
                 raise RuntimeError(
-                    f"rank {self.rank}: posting the {channel[0].value!r} transfers of step "
+                    (f"{failed}; so " if failed else "")
+                    + f"rank {self.rank}: posting the {channel[0].value!r} transfers of step "
                     f"{(sends or recvs)[0][0].step} with {with_whom} failed (a peer failed or "
                     f"exited): {_first_line(exc)}"
                 ) from exc
@@ -1354,6 +1356,23 @@ class Communicator:
                 store = dist.distributed_c10d._get_default_store()
                 store.set(f"{self._build_key}/failed/{self.rank}", _first_line(exc)[:2000])
         self._break(f"a call failed on this rank: {_first_line(exc)}")
+        self._close_links()
+
+    def _close_links(self) -> None:
+        """Over gloo's sockets: close this rank's connections in the groups it made, so that
+        a peer blocked on one fails at once instead of at its timeout (Note [Failures through
+        the store]): a receive that times out closes its pair, here after 1 ms, on a tag no
+        message uses."""
+        if self.shared is not None or self.backend != "gloo" or self._own is None:
+            return
+        channels, control = self._own
+        groups = {id(g): g for g in (*channels.values(), control) if g is not None}
+        for group in groups.values():
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    with contextlib.suppress(Exception):  # the timeout that closes it
+                        work = group.recv([torch.zeros(1, dtype=torch.uint8)], peer, _CLOSE_TAG)
+                        work.wait(timedelta(milliseconds=1))
 
     def _failed_peers(self) -> str:
         """What peers that abandoned a call of this communicator said (Note [Failures through
@@ -1548,8 +1567,14 @@ class PendingCollective:
 # its error to the default group's store under the key its communicator's build agreed on
 # (Note [Channel pool]: the same on every rank), and a peer whose transfer, collective or
 # agreement of that communicator fails reads its peers' entries (a non-blocking check) and
-# puts "rank r failed first: ..." at the head of its error. Over sockets the wait is still
-# the timeout.
+# puts "rank r failed first: ..." at the head of its error. Over gloo's sockets it then
+# closes its connections in the groups it made (a receive on an unused tag that times out
+# after 1 ms closes its pair): a peer blocked on one fails at once ("Connection closed by
+# peer"), abandons its call and closes its own, so the failure crosses a ring of P ranks in
+# about P hops instead of a timeout each. NCCL peers still wait for the timeout.
+_CLOSE_TAG = 1 << 30
+"""The tag of :meth:`Communicator._close_links`' receives (every message uses tag 0)."""
+
 _PoolKey = tuple[tuple[int, ...], str, float, bool]  # ranks, backend, timeout_s, separate
 _OwnGroups = tuple[dict[tuple[Flow, int], dist.ProcessGroup], dist.ProcessGroup]  # + control
 _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
