@@ -10,7 +10,9 @@ entry points beside ``sequence_parallel_attn`` (the module, the flash-attn shims
 inference_mode, grads accumulating over two calls, ``torch.autograd.grad`` of one input, hooks,
 an output changed in place, create_graph (double backward), forward-mode AD (used to give a
 tangent of zeros without a word) and autocast (used to run the reference and tiled kernels'
-matmuls in bfloat16 for float32 inputs).
+matmuls in bfloat16 for float32 inputs). The entry points that run attention outside the
+training operator get autocast, forward-mode AD, no_grad and inference_mode too: hybrid_attn,
+cached_attn (every cached strategy), cross_attn, joint_attn and the llama3 shim.
 
 Oracle: float64 autograd of plain attention (``oracle.full_attention``) over the same graph
 built on the whole sequence; every rank's leaves are the global tensors, so the sum of the
@@ -22,6 +24,7 @@ Legend: B batch, S global seq, s local seq, T text tokens, H heads, D head dim, 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,9 +36,12 @@ import torch.distributed as dist
 import torch.utils.checkpoint as checkpoint
 
 import tokenring
-from oracle import full_attention, sharded_positions
+from oracle import full_attention, sharded_positions, visible_mask
 from test_random_calls import _hardware
 from tokenring import compat, diffusers
+from tokenring.hybrid import hybrid_attn, hybrid_mesh, hybrid_positions
+from tokenring.inference import cached_attn
+from tokenring.kvcache import DistributedKVCache
 
 B, H, D = 2, 2, 4
 STRATEGIES = ("token_ring", "ring", "bidir_ring", "bidir_token_ring", "ulysses", "allgather_kv")
@@ -373,6 +379,234 @@ def forward_ad_case(strategy: str) -> list[str]:
     return failures
 
 
+# -- the entry points beside the training operator -------------------------------------------
+
+
+def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
+    """float32 against the float64 oracle: assert_close's float32 tolerance (bfloat16 matmuls
+    are 1e-2 off), and in float32."""
+    if got.dtype != torch.float32:
+        return [f"{what}: came back as {got.dtype}, not float32"]
+    try:
+        torch.testing.assert_close(got, want.float())
+    except AssertionError as error:
+        return [f"{what}: {str(error).splitlines()[0]} (max {_off([got], [want.float()]):.2g})"]
+    return []
+
+
+def _refused_everywhere(
+    what: str, call: Callable[..., Any], q: torch.Tensor, *rest: torch.Tensor
+) -> list[str]:
+    """Forward-mode AD: ``call(q, *rest)`` with a dual q on rank 0 alone must raise on every
+    rank at once, naming forward mode: NotImplementedError on rank 0, the peers learn it."""
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.ones_like(q)) if rank == 0 else q
+        try:
+            out = call(dual, *rest)
+            tangent = fwAD.unpack_dual(out if isinstance(out, torch.Tensor) else out[0]).tangent
+            return [f"{what}: a dual input on rank 0 ran (tangent {tangent})"]
+        except (NotImplementedError, ValueError) as error:
+            wanted = NotImplementedError if rank == 0 else (NotImplementedError, ValueError)
+            if not isinstance(error, wanted) or "forward-mode" not in str(error):
+                return [f"{what}: unclear error {type(error).__name__}: {error}"]
+    seconds = time.perf_counter() - start
+    return [f"{what}: raised after {seconds:.1f} s"] if seconds > 10 else []
+
+
+def _jvp_refused(
+    what: str, call: Callable[..., Any], q: torch.Tensor, *rest: torch.Tensor
+) -> list[str]:
+    """torch.func.jvp in q on every rank raises NotImplementedError naming forward mode (it
+    raised 'Cannot access data pointer', or a tangent of nothing came back)."""
+    try:
+        _, tangent = torch.func.jvp(lambda x: call(x, *rest), (q,), (torch.ones_like(q),))
+        return [f"{what}: torch.func.jvp ran (|tangent| {float(tangent.abs().max())})"]
+    except Exception as error:
+        if not isinstance(error, NotImplementedError) or "forward-mode" not in str(error):
+            return [f"{what}: torch.func.jvp: {type(error).__name__}: {str(error)[:200]}"]
+    return []
+
+
+def hybrid_case() -> list[str]:
+    """hybrid_attn (its own autograd.Function and runner) on a (P, 1) mesh, and (1, 2) on two
+    ranks: float32 under autocast with the reference and tiled kernels (out 1e-2 off float64
+    attention on one rank; on two, the partials failed the header check: 136 payload bytes
+    where 144 were expected), gradients too; forward-mode AD refused (it gave torch's "You must
+    implement the jvp function" on the dual ranks alone, and under torch.func.jvp "Cannot access
+    data pointer"); no_grad and inference_mode."""
+    world = dist.get_world_size()
+    seq_len, heads = 4 * world, 2
+    values = _seeded([(B, seq_len, heads, 8)] * 4, seed=41)
+    ref = [x.clone().requires_grad_(True) for x in values[:3]]
+    ref_out, _ = full_attention(*ref, causal=True, scale=8**-0.5)
+    want = torch.autograd.grad((ref_out * values[3]).sum(), ref)
+    failures = []
+    for outer, inner in [(world, 1)] + ([(1, 2)] if world == 2 else []):
+        mesh = hybrid_mesh(outer, inner)
+        pos = hybrid_positions(
+            outer_rank=dist.get_rank(mesh.outer),
+            inner_rank=dist.get_rank(mesh.inner),
+            outer=outer,
+            inner=inner,
+            layout="zigzag",
+            seq_len=seq_len,
+        )
+        options: dict[str, Any] = {"mesh": mesh, "causal": True, "layout": "zigzag"}
+        label = f"hybrid_attn {outer}x{inner}"
+        for kernel in ("reference", "tiled"):
+            qkv = [x[:, pos].float().requires_grad_(True) for x in values[:3]]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = hybrid_attn(*qkv, kernel=kernel, **options)
+                (out * values[3][:, pos].float()).sum().backward()
+            failures += _close(f"{label} {kernel} under autocast: out", out, ref_out[:, pos])
+            for name, x, w in zip("qkv", qkv, want, strict=True):
+                assert x.grad is not None
+                failures += _close(f"{label} {kernel} under autocast: d{name}", x.grad, w[:, pos])
+        q, k, v = (x[:, pos].float() for x in values[:3])
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                out = hybrid_attn(q, k, v, **options)
+            failures += _close(f"{label} {mode.__name__}", out, ref_out[:, pos])
+        call = functools.partial(hybrid_attn, k=k, v=v, **options)
+        failures += _refused_everywhere(f"{label} forward AD", call, q)
+        failures += _jvp_refused(f"{label} jvp", call, q)
+    return failures
+
+
+def cached_case() -> list[str]:
+    """cached_attn, every strategy, on a prompt then one token: float32 under autocast with the
+    reference and tiled kernels, in no_grad and in inference_mode (out 6e-3 off float64
+    attention, returned as float32: the plans' kernel calls ran in bfloat16); a zigzag first
+    prefill (the training ring) too. Forward-mode AD refused on every rank (it failed inside
+    the plan, which left the communicator unusable for every later call); K/V of the wrong
+    dtype under autocast name autocast."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq_len, heads = 4 * world, 2
+    q_all, k_all, v_all = _seeded([(seq_len + 1, heads, 8)] * 3, seed=43)
+    ref_out, _ = full_attention(
+        *(x[None] for x in (q_all, k_all, v_all)), causal=True, scale=8**-0.5
+    )
+    failures = []
+
+    def new_cache(zigzag: bool = False) -> DistributedKVCache:
+        return DistributedKVCache(
+            num_layers=1, batch=1, heads_kv=heads, head_dim=8, block_size=2,
+            zigzag_first_prefill=zigzag,
+        )  # fmt: skip
+
+    def rows(cache: DistributedKVCache, new: int) -> tuple[torch.Tensor, ...]:
+        pos = cache.begin_step((new,)).positions(rank)
+        return pos, *(x[pos].float() for x in (q_all, k_all, v_all))
+
+    runs = [(s, kernel, False) for s in ("pass_q", "pass_kv", "direct", "tree")
+            for kernel in ("reference", "tiled")] + [("pass_q", "tiled", True)]  # fmt: skip
+    for i, (strategy, kernel, zigzag) in enumerate(runs):
+        cache = new_cache(zigzag)
+        mode = (torch.no_grad, torch.inference_mode)[i % 2]
+        label = f"cached_attn {strategy} {kernel}{' zigzag' if zigzag else ''} {mode.__name__}"
+        for new in (seq_len, 1) if zigzag else (seq_len - 1, 1):
+            pos, q, k, v = rows(cache, new)
+            with torch.autocast("cpu", dtype=torch.bfloat16), mode():
+                out = cached_attn(q, k, v, cache=cache, layer=0, strategy=strategy, kernel=kernel)
+            failures += _close(f"{label} under autocast, {new} new", out, ref_out[0, pos])
+    cache = new_cache()
+    pos, q, k, v = rows(cache, seq_len - 1)
+    options: dict[str, Any] = {"cache": cache, "layer": 0, "strategy": "direct"}
+    call = functools.partial(cached_attn, k=k, v=v, **options)
+    failures += _refused_everywhere("cached_attn forward AD", call, q)
+    failures += _jvp_refused("cached_attn jvp", call, q)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            cached_attn(q, k, v.bfloat16(), **options)  # a model's v under autocast
+        failures.append("cached_attn bfloat16 v with a float32 cache under autocast: ran")
+    except ValueError as error:
+        if "v must be torch.float32" not in str(error) or "autocast" not in str(error):
+            failures.append(f"cached_attn v of another dtype under autocast: {error}")
+    out = cached_attn(q, k, v, **options)  # the communicator still works, the layer runs
+    failures += _close("cached_attn after the refusals", out, ref_out[0, pos])
+    return failures
+
+
+def diffusers_case() -> list[str]:
+    """cross_attn (PyTorch's attention, called itself) and joint_attn: float32 under autocast
+    (cross_attn came back in bfloat16, 5e-3 off), no_grad and inference_mode; forward-mode
+    AD refused on every rank (cross_attn gave the fused kernel's error on the dual rank, and
+    under torch.func.jvp 'Cannot access data pointer')."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s, num_text, heads = 4, 3, 2
+    q_all, k_all, v_all = _seeded([(B, s * world, heads, 8)] * 3, seed=47)
+    text = _seeded([(B, num_text, heads, 8)] * 3, seed=48)
+    kv_all = _seeded([(B, 5, heads, 8)] * 2, seed=49)
+    mine = slice(rank * s, (rank + 1) * s)
+    kv_rows = slice(min(rank, 5), min(rank + 1, 5) if rank < world - 1 else 5)  # sharded K/V
+    q = q_all[:, mine].float()
+    cross_ref, _ = full_attention(q_all, *kv_all, causal=False, scale=8**-0.5)
+    joint_qkv = [torch.cat([t, x], dim=1) for t, x in zip(text, (q_all, k_all, v_all), strict=True)]
+    joint_ref, _ = full_attention(*joint_qkv, causal=False, scale=8**-0.5)
+    joint_rows = torch.cat([torch.arange(num_text), num_text + torch.arange(s * world)[mine]])
+    joint_in = [
+        torch.cat([t, x[:, mine]], dim=1).float()  # (B, T + s, H, D)
+        for t, x in zip(text, (q_all, k_all, v_all), strict=True)
+    ]
+    calls: dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...], torch.Tensor]] = {
+        "cross_attn replicated": (
+            lambda a, b, c: diffusers.cross_attn(a, b, c, kv="replicated"),
+            (q, *(x.float() for x in kv_all)),
+            cross_ref[:, mine],
+        ),
+        "cross_attn sharded": (
+            lambda a, b, c: diffusers.cross_attn(a, b, c, kv="sharded"),
+            (q, *(x[:, kv_rows].float() for x in kv_all)),
+            cross_ref[:, mine],
+        ),
+        "joint_attn replicated": (
+            lambda a, b, c: diffusers.joint_attn(a, b, c, num_text=num_text, text="replicated"),
+            tuple(joint_in),
+            joint_ref[:, joint_rows],
+        ),
+    }
+    failures = []
+    for name, (call, args, want) in calls.items():
+        leaves = [x.clone().requires_grad_(True) for x in args]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            failures += _close(f"{name} under autocast", call(*leaves), want)
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                failures += _close(f"{name} {mode.__name__}", call(*args), want)
+        first, *rest = args
+        failures += _refused_everywhere(f"{name} forward AD", call, first, *rest)
+        failures += _jvp_refused(f"{name} jvp", call, first, *rest)
+    return failures
+
+
+def llama3_case() -> list[str]:
+    """ring-flash-attention's llama3 shim (which exchanges the documents' boundaries before
+    the attention call): float32 under autocast; torch.func.jvp raised 'Cannot access data
+    pointer' in that exchange, and now NotImplementedError; a dual q on rank 0 alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = 4
+    q_all, k_all, v_all = _seeded([(s * world, H, D)] * 3, seed=53)
+    cu = torch.tensor([0, 3, s * world], dtype=torch.int32)
+    mask = visible_mask(s * world, causal=True, cu_seqlens=[0, 3, s * world])
+    qkv = (x[None] for x in (q_all, k_all, v_all))
+    ref_out, _ = full_attention(*qkv, causal=True, scale=D**-0.5, mask=mask)
+    local = compat.llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, world)
+    mine = slice(rank * s, (rank + 1) * s)
+    q, k, v = (x[mine].float() for x in (q_all, k_all, v_all))
+
+    def call(a: torch.Tensor) -> Any:
+        return compat.llama3_flash_attn_varlen_func(a, k, v, *local[:4], 1, local[4], causal=True)
+
+    failures = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        failures += _close("llama3 shim under autocast", call(q), ref_out[0, mine])
+    failures += _refused_everywhere("llama3 shim forward AD", call, q)
+    failures += _jvp_refused("llama3 shim jvp", call, q)
+    return failures
+
+
 def run_world(offset: int) -> list[str]:
     """Every case of this world size on this rank: its failures (``offset`` turns which
     strategy and entry point each graph gets)."""
@@ -397,6 +631,8 @@ def run_world(offset: int) -> list[str]:
         run(modes_case, strategy)
     run(autocast_case, STRATEGIES[offset % len(STRATEGIES)])
     run(forward_ad_case, STRATEGIES[(offset + 1) % len(STRATEGIES)])
+    for case in (hybrid_case, cached_case, diffusers_case, llama3_case):
+        run(case)
     return failures
 
 

@@ -367,15 +367,9 @@ def _validate(
             )
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
-            autocast = torch.is_autocast_enabled(q.device.type)
             raise ValueError(
                 f"{name}.dtype must equal q.dtype ({q.dtype}); got {x.dtype}"
-                + (
-                    " (torch.autocast does not cast them for this call: Note [Autocast] in "
-                    "tokenring.runtime.op)"
-                    if autocast
-                    else ""
-                )
+                + autocast_hint(q.device)
             )
         if x.device != q.device:
             raise ValueError(f"{name}.device must equal q.device ({q.device}); got {x.device}")
@@ -902,6 +896,17 @@ def sequence_parallel_attn(
     return (out, lse) if return_lse else out
 
 
+def autocast_hint(device: torch.device) -> str:
+    """What a dtype error adds under torch.autocast (the caller may not have chosen the dtypes:
+    a model's layers under autocast hand attention bfloat16 and float32 tensors); else ""."""
+    if not torch.is_autocast_enabled(device.type):
+        return ""
+    return (
+        " (torch.autocast does not cast them for tokenring's attention, which computes in its "
+        "inputs' dtype: Note [Autocast] in tokenring.runtime.executor)"
+    )
+
+
 def _check_tensors(q: Any, k: Any, v: Any, group: GroupLike, check_ranks: object) -> None:
     """ValueError unless q, k and v are dense tensors with data (what the operator's real
     implementation, which runs the rank check, takes), NotImplementedError for a dual one
@@ -939,14 +944,9 @@ def _tensor_problem(q: Any, k: Any, v: Any) -> ValueError | NotImplementedError 
         if x.is_nested or x.layout != torch.strided:
             got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
             return ValueError(f"{name} must be a dense (strided) tensor; got {got}")
-    dual = [] if torch.compiler.is_compiling() else [n for n, x in tensors if _has_tangent(x)]
-    if dual:
-        return NotImplementedError(
-            f"{dual[0]} carries a forward-mode tangent (torch.autograd.forward_ad or "
-            "torch.func.jvp/jacfwd): tokenring's attention has no forward-mode derivative, and "
-            "its output would carry no tangent (a silent zero); use reverse mode "
-            "(backward() or torch.autograd.grad)"
-        )
+    dual = _tangent_problem(dict(tensors))
+    if dual is not None:
+        return dual
     meta = [name for name, x in tensors if x.device.type == "meta"]
     if not meta or torch.compiler.is_compiling():
         return None
@@ -971,9 +971,44 @@ def _tensor_problem(q: Any, k: Any, v: Any) -> ValueError | NotImplementedError 
 # torch.func transform the check's exchange cannot run (the transform wraps every tensor the
 # communicator makes: "Cannot access data pointer"), so each rank refuses on its own there,
 # and a rank that called without the transform waits for the others up to the timeout.
+#
+# The other entry points that run attention (tokenring.hybrid_attn, cached_attn, joint_attn,
+# cross_attn) refuse a dual input alike with :func:`refuse_tangents`, in their own rank check
+# and, inside a transform, before it. They used to run: hybrid_attn gave torch's "You must
+# implement the jvp function" after its exchanges (on the dual ranks alone), and under
+# torch.func.jvp "Cannot access data pointer"; cached_attn failed inside its plan (the fused CPU
+# kernel has no forward-mode rule), which left its communicator unusable for every later call.
 def _has_tangent(x: torch.Tensor) -> bool:
     """Whether ``x`` is a dual tensor of the current forward-mode AD level."""
     return fwAD.unpack_dual(x).tangent is not None
+
+
+def _tangent_problem(tensors: dict[str, Any]) -> NotImplementedError | None:
+    """The error for the first of ``tensors`` (name -> tensor or None) that carries a
+    forward-mode tangent (Note [Forward-mode AD]); None if none does."""
+    if torch.compiler.is_compiling():
+        return None
+    dual = [n for n, x in tensors.items() if isinstance(x, torch.Tensor) and _has_tangent(x)]
+    if not dual:
+        return None
+    return NotImplementedError(
+        f"{dual[0]} carries a forward-mode tangent (torch.autograd.forward_ad or "
+        "torch.func.jvp/jacfwd): tokenring's attention has no forward-mode derivative, and "
+        "its output would carry no tangent (a silent zero); use reverse mode "
+        "(backward() or torch.autograd.grad)"
+    )
+
+
+def refuse_tangents(tensors: dict[str, Any], *, before_exchange: bool = False) -> None:
+    """NotImplementedError naming the first of ``tensors`` that carries a forward-mode tangent
+    (Note [Forward-mode AD]). An entry point calls it inside its rank check, so every rank
+    raises; and first with ``before_exchange``, which raises only inside a torch.func
+    transform, where that check's exchange cannot run (each rank raises on its own)."""
+    if before_exchange and not _functorch_active():
+        return
+    problem = _tangent_problem(tensors)
+    if problem is not None:
+        raise problem
 
 
 # name -> (its primitive's type, the placeholder while the value travels in the raw record)

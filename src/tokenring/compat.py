@@ -53,7 +53,13 @@ from typing import Any
 
 import torch
 
-from tokenring.api import GroupLike, check_flags, get_communicator, sequence_parallel_attn
+from tokenring.api import (
+    GroupLike,
+    check_flags,
+    get_communicator,
+    refuse_tangents,
+    sequence_parallel_attn,
+)
 from tokenring.core.layout import Layout, check_int, make_sharding, normalize_cu_seqlens
 from tokenring.core.schedule import Strategy
 from tokenring.runtime.comm import Communicator
@@ -399,6 +405,9 @@ def llama3_flash_attn_varlen_func(
         ValueError: on every rank: local values that do not fit together; ranks holding
             different numbers of tokens; and as :func:`tokenring.sequence_parallel_attn`.
     """
+    # inside a torch.func transform the boundaries' exchange cannot run (Note [Forward-mode
+    # AD] in tokenring.api): it raised "Cannot access data pointer"
+    refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)
     comm = get_communicator(group)
     flash = _FlashOptions(dropout_p, 0.0, alibi_slopes, deterministic, return_attn_probs)
     cu_seqlens, max_seqlen = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)

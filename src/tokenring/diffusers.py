@@ -75,12 +75,14 @@ from tokenring.api import (
     check_group,
     check_softmax_scale,
     get_communicator,
+    refuse_tangents,
     sequence_parallel_attn,
 )
 from tokenring.core.enums import parse_enum
 from tokenring.core.schedule import Strategy
 from tokenring.model.costmodel import Hardware
 from tokenring.runtime.comm import Communicator
+from tokenring.runtime.executor import outside_autocast
 
 __all__ = [
     "FluxSequenceParallelProcessor",
@@ -174,6 +176,7 @@ def joint_attn(
             ranks that differ in ``text``, with replicated text in ``num_text``, or in their
             local lengths (raised by the attention call).
     """
+    refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
     comm = get_communicator(group)
     validate = functools.partial(_joint_checked, q, k, v, num_text, text, softmax_scale)
     # every rank's placement (and replicated num_text) checked with the others' before the
@@ -195,6 +198,7 @@ def _joint_checked(
     """:func:`joint_attn`'s own checks; the placement and what the ranks must agree on."""
     placement = TextPlacement.parse(text)
     _check_qkv(q, k, v, same_len=True)
+    refuse_tangents({"q": q, "k": k, "v": v})  # Note [Forward-mode AD] in tokenring.api
     check_softmax_scale(softmax_scale)  # the replicated text's key bias divides by it
     if isinstance(num_text, bool) or not isinstance(num_text, int):
         raise ValueError(f"num_text must be an int; got {num_text!r}")
@@ -288,6 +292,7 @@ def cross_attn(
             or the ranks differ in ``kv`` or, with sharded K/V, their K/V differ in batch,
             heads, head dim, dtype, device type or whether they need a gradient.
     """
+    refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
     validate = functools.partial(_cross_checked, q, k, v, kv, softmax_scale)
     if group is None and not dist.is_initialized():  # one process: nobody to agree with
         validate()
@@ -310,7 +315,10 @@ def cross_attn(
         k = _GatherSequence.apply(k.contiguous(), comm, lengths)  # (B, Skv, Hkv, D)
         v = _GatherSequence.apply(v.contiguous(), comm, lengths)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, seq, D)
-    out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, enable_gqa=True)
+    # in q's dtype under autocast too, as every tokenring attention (Note [Autocast] in
+    # tokenring.runtime.executor): autocast ran it in bfloat16 and returned bfloat16
+    with outside_autocast():
+        out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, enable_gqa=True)
     return out.transpose(1, 2)  # (B, s, Hq, D)
 
 
@@ -321,6 +329,7 @@ def _cross_checked(
     gathered, and their gradients all-reduced, over every rank)."""
     placement = KVPlacement.parse(kv)
     _check_qkv(q, k, v, same_len=False)
+    refuse_tangents({"q": q, "k": k, "v": v})  # Note [Forward-mode AD] in tokenring.api
     check_softmax_scale(softmax_scale)
     if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
         raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")

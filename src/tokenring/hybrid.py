@@ -42,7 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenring.api import _bounds_digest, _validate, get_communicator, last_block_splits_for
+from tokenring.api import (
+    _bounds_digest,
+    _validate,
+    get_communicator,
+    last_block_splits_for,
+    refuse_tangents,
+)
 from tokenring.core.layout import (
     Layout,
     Sharding,
@@ -262,6 +268,7 @@ def hybrid_attn(
             "mesh must be a HybridMesh (tokenring.hybrid.hybrid_mesh, or "
             f"HybridMesh.from_device_mesh for a 2-D DeviceMesh); got {type(mesh).__name__}"
         )
+    refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
     flags = {"check_ranks": check_ranks, "return_lse": return_lse}
     out, lse = hybrid_attention(_agreed_plan(q, k, v, mesh, flags, options), q, k, v)
     return (out, lse) if return_lse else out
@@ -330,6 +337,7 @@ def _prepare(
 ) -> tuple[HybridPlan, dict[str, Any]]:
     """Validate and plan one rank's call; its signature (what the ranks compare). No
     communication."""
+    refuse_tangents({"q": q, "k": k, "v": v})  # Note [Forward-mode AD] in tokenring.api
     p_in = mesh.inner_size
     outer = get_communicator(mesh.outer)
     strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)

@@ -36,9 +36,11 @@ import torch
 
 from tokenring.api import (
     AUTO_NEEDS_HARDWARE,
+    autocast_hint,
     check_flags,
     check_hardware_use,
     check_softmax_scale,
+    refuse_tangents,
     sequence_parallel_attn,
 )
 from tokenring.core.merge import merge_into
@@ -345,7 +347,8 @@ def _validate(
         )
     if q.dtype != cache.dtype or q.device != cache.device:
         raise ValueError(
-            f"q must be {cache.dtype} on {cache.device} like the cache; got {q.dtype} on {q.device}"
+            f"q must be {cache.dtype} on {cache.device} like the cache; got {q.dtype} on "
+            f"{q.device}{autocast_hint(q.device)}"
         )
     check_softmax_scale(softmax_scale)
     return step
@@ -369,6 +372,7 @@ def _call_signature(
     # here: a rank's bad flag reaches its peers at once
     check_flags(return_lse=return_lse, check_ranks=check_ranks)
     step = _validate(q, cache, layer, softmax_scale)
+    refuse_tangents({"q": q, "k": k, "v": v})  # Note [Forward-mode AD] in tokenring.api
     if torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
     ):
@@ -455,6 +459,7 @@ def cached_attn(
     if not isinstance(cache, DistributedKVCache) or cache.comm is None:
         _validate(q, cache, layer, softmax_scale)  # raises: no group to agree over
     assert cache.comm is not None
+    refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
     args = (q, k, v, cache, layer, strategy, softmax_scale, hardware, kernel, return_lse)
     validate = functools.partial(_call_signature, *args, check_ranks=check_ranks)
     # a check_ranks that is not a bool is validate's error: its rank tells the others (as

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tokenring.api import _DTYPES, check_flags, get_communicator
+from tokenring.api import _DTYPES, autocast_hint, check_flags, get_communicator
 from tokenring.core.layout import check_int
 from tokenring.runtime.comm import Communicator
 from tokenring.strategies.cached import CacheStep, place_new_tokens
@@ -429,7 +429,7 @@ class DistributedKVCache:
             if x.dtype != self.dtype or x.device != self.device:
                 raise ValueError(
                     f"{name} must be {self.dtype} on {self.device} like the cache; got "
-                    f"{x.dtype} on {x.device}"
+                    f"{x.dtype} on {x.device}{autocast_hint(x.device)}"
                 )
         return step
 

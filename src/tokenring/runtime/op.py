@@ -34,19 +34,6 @@ it) and moves that much more; a loss that does not use lse gets no dlse (the aut
 does not materialise it) and runs as before. dlse travels in dout's dtype, as dout does.
 ``tokenring.diffusers`` uses the same kind of channel for its text bias.
 
-Note [Autocast]
-~~~~~~~~~~~~~~~
-The operator computes in its inputs' dtype (partials merging in the accumulation dtype) under
-``torch.autocast`` too: autocast has no rule for it, so it neither casts its inputs nor may
-reach inside. Without the guard in :func:`_run` autocast did reach inside, at the matmuls of the
-reference and tiled kernels (and CUDA's float64 and fallback tiles): float32 inputs under
-``torch.autocast("cpu", dtype=torch.bfloat16)`` were computed in bfloat16 and returned as
-float32 (out 1e-2 off float64 attention instead of 2e-7), while the fused CPU kernel stayed in
-float32, so the precision depended on the kernel; on 3 ranks the bidirectional TokenRing's
-partials then failed the header check (272 payload bytes where 288 were expected). Inputs of
-two dtypes (q from an autocast matmul, k in float32) raise ValueError as they do outside
-autocast, saying so.
-
 Legend: B batch, S global seq, s local seq, s_pad padded local seq, Hq query heads, Hkv kv
 heads, D head dim, P world size.
 """
@@ -266,12 +253,8 @@ def residual_fields(
 
 def _run(plan: Plan, pass_: Pass, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """One pass of ``plan`` on the padded ``inputs`` (forward q, k, v; backward dout, q, k, v,
-    out, lse): forward out and lse, backward dq, dk and dv; never under autocast (Note
-    [Autocast])."""
-    device_type = inputs[0].device.type
-    if torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return _run(plan, pass_, inputs)
+    out, lse): forward out and lse, backward dq, dk and dv; the rank program runs with
+    autocast off (Note [Autocast] in tokenring.runtime.executor)."""
     if plan.strategy.is_collective:
         names = ("causal", "scale", "layout", "comm", "kernel", "sharding", "mask")
         options = {name: getattr(plan, name) for name in names}
