@@ -356,3 +356,55 @@ def test_unseen_positions_are_read_under_torch_compile() -> None:
     inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
     got = compiled(**inputs, sequence_parallel=sp).logits
     assert torch.equal(got, model(**inputs, sequence_parallel=sp).logits)
+
+
+# -- training under torch.autocast --------------------------------------------------------------
+
+
+def _float32_llama(attn_implementation: str) -> Any:
+    return _model("llama", {}, attn_implementation).float().train()
+
+
+def rank_autocast() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Inside a rank: a float32 Llama trained under autocast(bfloat16) through tokenring."""
+    hf.register()
+    model = _float32_llama("tokenring")
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
+        ).logits  # (B, s, V)
+    (logits.float() * hf.attention._local(sp, _weights()).float()).sum().backward()
+    hf.all_reduce_gradients(sp, model)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return hf.gather_sequence(sp, logits.detach().float()), grads
+
+
+def test_a_model_under_autocast_runs_as_its_own_sdpa_does() -> None:
+    """Before: a float32 model under torch.autocast(bfloat16) hands attention float32 q and k
+    (after RoPE) beside a bfloat16 v, and tokenring refused the mix (its operator never
+    casts), where the model's own SDPA computes in bfloat16. Now the integration casts q, k, v
+    to the autocast dtype as SDPA does: logits and every gradient within the bfloat16 rule of
+    ../shared/STYLE.md (error against float64 at most twice the same model's in one process
+    under autocast with SDPA, plus one bfloat16 rounding step of the largest value)."""
+    per_rank = tokenring.launch(rank_autocast, world_size=2, timeout_s=240)
+    exact = _model("llama", {}, "sdpa").train()  # float64, the same weights
+    want = exact(input_ids=_input_ids()).logits
+    (want * _weights()).sum().backward()
+    plain = _float32_llama("sdpa")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same = plain(input_ids=_input_ids()).logits
+    (same.float() * _weights().float()).sum().backward()
+    step = 2.0**-8
+    want, same = want.detach(), same.detach()
+    for rank, (logits, grads) in enumerate(per_rank):
+        base = float((same.double() - want).abs().max())
+        err = float((logits.double() - want).abs().max())
+        assert err <= 2 * base + step * float(want.abs().max()), (rank, err, base)
+        for name, p in exact.named_parameters():
+            ref = dict(plain.named_parameters())[name].grad.double()
+            base = float((ref - p.grad).abs().max())
+            err = float((grads[name].double() - p.grad).abs().max())
+            bound = 2 * base + step * float(p.grad.abs().max())
+            assert err <= bound, f"rank {rank} {name}: {err} > {bound} (one process: {base})"

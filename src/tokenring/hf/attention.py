@@ -677,6 +677,11 @@ def _attention_forward(
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
         return out, None  # (1, n, Hq, D)
     _check_temperature_tuning(module, sp, query.shape[2])
+    if torch.is_autocast_enabled(query.device.type):
+        # as the model's own SDPA under autocast: q, k, v in the autocast dtype (RoPE hands
+        # attention float32 q and k beside a bfloat16 v); the operator itself never casts
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     # DeepSeek's multi-head latent attention: V's head dim differs from Q's and K's. Zeros
     # appended to V add zero output channels (dropped below); appended to Q and K, zero to
     # every score (the scale stays the model's, or Q's own head dim's)
