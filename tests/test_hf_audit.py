@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 import warnings
 from typing import Any
 
@@ -408,3 +409,42 @@ def test_a_model_under_autocast_runs_as_its_own_sdpa_does() -> None:
             err = float((grads[name].double() - p.grad).abs().max())
             bound = 2 * base + step * float(p.grad.abs().max())
             assert err <= bound, f"rank {rank} {name}: {err} > {bound} (one process: {base})"
+
+
+# -- position_ids checked once per forward on every rank alike --------------------------------
+
+
+def rank_reused_positions() -> list[str]:
+    """Inside a rank: three forwards; rank 0 passes one position_ids tensor to all of them,
+    rank 1 a new one each time (right in the second forward, off by one in the third)."""
+    hf.register()
+    model = _model("llama", {}, "tokenring")
+    sp = hf.SequenceParallel()
+    batch = hf.shard_batch(sp, _input_ids())
+    rank = torch.distributed.get_rank()
+    seen = []
+    for forward in range(3):
+        positions = batch.position_ids
+        if rank == 1:
+            positions = batch.position_ids.clone() + (1 if forward == 2 else 0)
+        start = time.monotonic()
+        try:
+            model(input_ids=batch.input_ids, position_ids=positions, sequence_parallel=sp)
+            seen.append("ran")
+        except NotImplementedError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+        if time.monotonic() - start > 5:
+            seen.append(f"forward {forward} took {time.monotonic() - start:.1f} s")
+    return seen
+
+
+def test_position_ids_reused_on_one_rank_are_checked_with_the_others() -> None:
+    """Before: a checked position_ids tensor was skipped for good (a module-level cache by
+    tensor), so rank 0 reusing its tensor skipped the exchange that rank 1, passing a new
+    one, waited in until the communicator's timeout (300 s). Now the check runs once per
+    tensor and model forward on every rank alike."""
+    per_rank = tokenring.launch(rank_reused_positions, world_size=2, timeout_s=120)
+    for rank, seen in enumerate(per_rank):
+        assert seen[:2] == ["ran", "ran"], (rank, seen)
+        assert len(seen) == 3, (rank, seen)
+        assert "position_ids differ from each rank's positions" in seen[2], (rank, seen)

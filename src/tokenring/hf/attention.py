@@ -66,7 +66,6 @@ import functools
 import hashlib
 import inspect
 import sys
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -246,15 +245,28 @@ def register() -> tuple[str, ...]:
 # code ran in their forward, so each rank computed over its own shard alone, silently (0.04 to
 # 19 off one process on 2 ranks), and neither the mask function nor the attention call could
 # see it. register() wraps transformers' PreTrainedModel.__call__: the outermost model call
-# given sequence_parallel= counts the tokenring attention calls it makes (a context variable);
-# none on more than one rank raises NotImplementedError after the forward, on every rank (each
-# runs the same model), with check_model's reason where it finds one. One rank computes the
-# whole sequence: nothing to refuse.
-_ATTENTION_CALLS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "tokenring_attention_calls", default=None
+# given sequence_parallel= counts the tokenring attention calls it makes (a _Forward in a
+# context variable); none on more than one rank raises NotImplementedError after the forward,
+# on every rank (each runs the same model), with check_model's reason where it finds one. One
+# rank computes the whole sequence: nothing to refuse. The same record keeps the position_ids
+# tensors checked in this forward (_check_positions: once per forward on every rank alike).
+@dataclass(slots=True)
+class _Forward:
+    """The outermost model call running with sequence_parallel= (Note [A forward that calls
+    no tokenring attention])."""
+
+    attention_calls: int = 0
+    positions_checked: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
+    """position_ids tensors that passed _check_positions, with their _version then."""
+
+    def checked(self, given: torch.Tensor) -> bool:
+        return any(t is given and v == given._version for t, v in self.positions_checked)
+
+
+_FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar(
+    "tokenring_forward", default=None
 )
-"""The tokenring attention calls of the outermost model call running with sequence_parallel=
-(Note [A forward that calls no tokenring attention]); None outside one."""
+"""The outermost model call running with sequence_parallel=; None outside one."""
 
 
 def _counting_call(call: Any) -> Any:
@@ -264,15 +276,15 @@ def _counting_call(call: Any) -> Any:
     @functools.wraps(call)
     def counted(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         sp = kwargs.get("sequence_parallel")
-        if sp is None or _ATTENTION_CALLS.get() is not None:
+        if sp is None or _FORWARD.get() is not None:
             return call(model, *args, **kwargs)
-        calls = [0]
-        token = _ATTENTION_CALLS.set(calls)
+        forward = _Forward()
+        token = _FORWARD.set(forward)
         try:
             result = call(model, *args, **kwargs)
         finally:
-            _ATTENTION_CALLS.reset(token)
-        if calls[0] == 0:
+            _FORWARD.reset(token)
+        if forward.attention_calls == 0:
             _refuse_no_attention(model, as_sequence_parallel(sp))
         return result
 
@@ -647,9 +659,9 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: ``(B, H, s, D)`` in, ``(B, s, Hq, D)`` out, no
     weights. Every argument reaches the attention call or raises."""
-    calls = _ATTENTION_CALLS.get()
-    if calls is not None:  # Note [A forward that calls no tokenring attention]
-        calls[0] += 1
+    forward = _FORWARD.get()
+    if forward is not None:  # Note [A forward that calls no tokenring attention]
+        forward.attention_calls += 1
     cache = sequence_parallel_cache
     if sequence_parallel is None:
         raise ValueError(
@@ -766,23 +778,6 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
         )
 
 
-# id of a position_ids tensor -> (a weak reference to it, its _version) once _check_positions
-# passed it: every layer of a forward gets the same tensor, so it is read once (one host
-# sync); an entry goes with its tensor
-_POSITIONS_CHECKED: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-
-
-def _positions_checked(given: torch.Tensor) -> bool:
-    entry = _POSITIONS_CHECKED.get(id(given))
-    return entry is not None and entry[0]() is given and entry[1] == given._version
-
-
-def _remember_positions(given: torch.Tensor) -> None:
-    key = id(given)
-    forget = weakref.ref(given, lambda _: _POSITIONS_CHECKED.pop(key, None))
-    _POSITIONS_CHECKED[key] = (forget, given._version)
-
-
 def _check_positions(
     name: str, sp: SequenceParallel, given: Any, seq_local: int, *, given_to: str = "attention"
 ) -> None:
@@ -792,7 +787,9 @@ def _check_positions(
     documents; the attention masks documents from ``sp.cu_seqlens`` alone, so positions of
     other documents or another shard would be silently ignored (contiguous shards each counted
     from 0 differ from the global positions by one offset per rank). One exchange of the
-    ranks' verdicts per new tensor, so every rank raises or none does.
+    ranks' verdicts per tensor and model forward (a tensor passed in this forward is not read
+    again: Note [A forward that calls no tokenring attention]; outside a model forward, every
+    call), so every rank raises or none does, and every rank exchanges alike.
 
     ``given_to`` a model's class name: ``given`` is what its forward was given
     (:func:`_model_positions`, Note [Positions the model was given]); None (or _NO_POSITIONS)
@@ -802,7 +799,8 @@ def _check_positions(
         return
     if not isinstance(given, torch.Tensor) or given.dim() != 2:
         return  # (3, B, s) multimodal positions carry no documents
-    if _positions_checked(given):
+    forward = _FORWARD.get()
+    if forward is not None and forward.checked(given):
         return
     comm = sp.communicator
     expected = _sharding(sp, seq_local).doc_positions(comm.rank).to(given.device)  # (s,)
@@ -840,7 +838,8 @@ def _check_positions(
             f"{offsets}); the offset must be the same on every rank (position_ids counted from "
             f"0 on each rank's shard are not the global ones); {fix}"
         )
-    _remember_positions(given)
+    if forward is not None:
+        forward.positions_checked.append((given, given._version))
 
 
 # Note [Positions the model was given]
@@ -855,7 +854,7 @@ def _check_positions(
 # position_ids it hands down; a base model called alone may have set its local from
 # cache_position, which is then checked as any tensor is)::
 #
-#     position_ids a tensor       _check_positions (cached by tensor: once per forward)
+#     position_ids a tensor       _check_positions (once per tensor and forward)
 #     None, or no position_ids    raise on every rank (one exchange, as _check_positions'),
 #       (not a parameter, not in  unless one rank counting from 0 is right: one rank
 #       its **kwargs)             without documents
