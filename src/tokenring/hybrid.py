@@ -337,7 +337,6 @@ def _prepare(
 ) -> tuple[HybridPlan, dict[str, Any]]:
     """Validate and plan one rank's call; its signature (what the ranks compare). No
     communication."""
-    refuse_tangents({"q": q, "k": k, "v": v})  # Note [Forward-mode AD] in tokenring.api
     p_in = mesh.inner_size
     outer = get_communicator(mesh.outer)
     strategy = _checked(q, k, v, p_in, outer_strategy, causal, softmax_scale, last_block_splits)
@@ -415,8 +414,9 @@ def _checked(
     softmax_scale: float | None,
     last_block_splits: int | None,
 ) -> Strategy:
-    """The outer strategy, once it and the tensors, causal and last_block_splits (None, or
-    an int >= 1 for a pass-Q outer strategy) are checked."""
+    """The outer strategy, once it and the tensors (no forward-mode tangent), causal and
+    last_block_splits (None, or an int >= 1 for a pass-Q outer strategy) are checked."""
+    refuse_tangents({"q": q, "k": k, "v": v})  # Note [Forward-mode AD] in tokenring.api
     strategy = Strategy.parse(outer_strategy)
     if not strategy.is_ring:
         raise NotImplementedError(

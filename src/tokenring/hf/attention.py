@@ -689,20 +689,8 @@ def _attention_forward(
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
         return out, None  # (1, n, Hq, D)
     _check_temperature_tuning(module, sp, query.shape[2])
-    if torch.is_autocast_enabled(query.device.type):
-        # as the model's own SDPA under autocast: q, k, v in the autocast dtype (RoPE hands
-        # attention float32 q and k beside a bfloat16 v); the operator itself never casts
-        dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = (x.to(dtype) for x in (query, key, value))
-    # DeepSeek's multi-head latent attention: V's head dim differs from Q's and K's. Zeros
-    # appended to V add zero output channels (dropped below); appended to Q and K, zero to
-    # every score (the scale stays the model's, or Q's own head dim's)
-    qk_dim, v_dim = query.shape[-1], value.shape[-1]
-    if qk_dim != v_dim:
-        scaling = qk_dim**-0.5 if scaling is None else scaling
-        width = max(qk_dim, v_dim)
-        query, key = (F.pad(x, (0, width - qk_dim)) for x in (query, key))  # (B, H, s, width)
-        value = F.pad(value, (0, width - v_dim))
+    v_dim = value.shape[-1]
+    query, key, value, scaling = _operator_inputs(query, key, value, scaling)
     out = sequence_parallel_attn(
         query.transpose(1, 2),  # (B, s, Hq, D)
         key.transpose(1, 2),  # (B, s, Hkv, D)
@@ -713,6 +701,28 @@ def _attention_forward(
         **_fields(mask),  # causal, window_size, attention_chunk_size
     )
     return cast(torch.Tensor, out)[..., :v_dim], None  # (B, s, Hq, Dv)
+
+
+def _operator_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
+    """``(B, H, s, D)`` q, k, v and the scale as the operator takes them: in the autocast
+    dtype under autocast, and of one head dim."""
+    if torch.is_autocast_enabled(query.device.type):
+        # as the model's own SDPA under autocast: q, k, v in the autocast dtype (RoPE hands
+        # attention float32 q and k beside a bfloat16 v); the operator itself never casts
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+    # DeepSeek's multi-head latent attention: V's head dim differs from Q's and K's. Zeros
+    # appended to V add zero output channels (dropped by the caller); appended to Q and K,
+    # zero to every score (the scale stays the model's, or Q's own head dim's)
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if qk_dim != v_dim:
+        scaling = qk_dim**-0.5 if scaling is None else scaling
+        width = max(qk_dim, v_dim)
+        query, key = (F.pad(x, (0, width - qk_dim)) for x in (query, key))  # (B, H, s, width)
+        value = F.pad(value, (0, width - v_dim))
+    return query, key, value, scaling
 
 
 def _check_sharded_call(
@@ -814,6 +824,16 @@ def _check_positions(
             verdict = ("token", (token, given[0, token].item(), expected[token].item()))
     verdicts = _exchange_verdicts(name, sp, verdict)
     _raise_missing(name, sp, verdicts)
+    _raise_wrong_positions(name, sp, verdicts)
+    if forward is not None:
+        forward.positions_checked.append((given, given._version))
+
+
+def _raise_wrong_positions(
+    name: str, sp: SequenceParallel, verdicts: list[tuple[str, Any]]
+) -> None:
+    """NotImplementedError when a rank's position_ids are not its positions up to one
+    offset per row, or the offsets differ between ranks (:func:`_check_positions`)."""
     under = (
         f"SequenceParallel(layout={Layout.parse(sp.layout).value!r}, seq_len={sp.seq_len}, "
         f"cu_seqlens={sp.cu_seqlens})"
@@ -838,8 +858,6 @@ def _check_positions(
             f"{offsets}); the offset must be the same on every rank (position_ids counted from "
             f"0 on each rank's shard are not the global ones); {fix}"
         )
-    if forward is not None:
-        forward.positions_checked.append((given, given._version))
 
 
 # Note [Positions the model was given]

@@ -1615,14 +1615,11 @@ def _take_agreed_groups(
     names = [_set_name(own) for own in idle]
     counted = (ranks, backend)
     build = _NUM_BUILDS[counted] = _NUM_BUILDS.get(counted, -1) + 1
-    # Not keyed by the timeout or the channel layout: ranks whose timeouts or separate_groups
-    # differ waited under different keys and blamed each other ("did not arrive") at their
-    # timeouts; they meet and are told.
+    # not keyed by the timeout or separate_groups: ranks that differ in them meet, and learn it
     prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}"
     keys = [f"{prefix}/{build}/{r}" for r in range(len(ranks))]
     store = dist.distributed_c10d._get_default_store()
-    entry = f"{timeout_s!r};{int(separate)};{_num_live_groups()};" + ",".join(names)
-    store.set(keys[rank], entry)
+    store.set(keys[rank], f"{timeout_s!r};{int(separate)};{_num_live_groups()};" + ",".join(names))
     try:
         _wait_for(store, keys, timeout)
     except Exception as exc:
@@ -1646,15 +1643,11 @@ def _take_agreed_groups(
         )
     # timeout; separate_groups; live groups; pooled sets
     rows = [got.decode().split(";", 3) for got in lists]
-    timeouts = [f"{float(row[0]):g}" for row in rows]
-    separates = [str(row[1] == "1") for row in rows]
-    for name, values in (("timeout_s", timeouts), ("separate_groups", separates)):
-        if any(value != values[0] for value in values):
-            _IDLE_GROUPS[key] = idle
-            raise ValueError(
-                f"{name} must be the same on every rank of a communicator's group; got "
-                + ", ".join(f"{value} on rank {r}" for r, value in enumerate(values))
-            )
+    try:
+        _check_same_options(rows)
+    except ValueError:
+        _IDLE_GROUPS[key] = idle
+        raise
     held = [set(row[3].split(",")) - {""} for row in rows]
     common = set.intersection(*held)
     newest = [name for name in rows[0][3].split(",") if name in common][-1:]
@@ -1662,6 +1655,19 @@ def _take_agreed_groups(
     _IDLE_GROUPS[key] = [by_name[name] for name in names if name in common - set(newest)]
     num_live = max(int(row[2]) for row in rows)
     return (by_name[newest[0]] if newest else None), num_live, f"{prefix}/{build}"
+
+
+def _check_same_options(rows: list[list[str]]) -> None:
+    """ValueError naming each rank's timeout_s or separate_groups (the first two fields of
+    the ranks' pool entries) when they differ."""
+    timeouts = [f"{float(row[0]):g}" for row in rows]
+    separates = [str(row[1] == "1") for row in rows]
+    for name, values in (("timeout_s", timeouts), ("separate_groups", separates)):
+        if any(value != values[0] for value in values):
+            raise ValueError(
+                f"{name} must be the same on every rank of a communicator's group; got "
+                + ", ".join(f"{value} on rank {r}" for r, value in enumerate(values))
+            )
 
 
 def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
