@@ -13,6 +13,7 @@ Legend: B batch, S global seq, V vocab, P world size.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -82,8 +83,8 @@ def _model(model_type: str, sizes: dict[str, Any], attn_implementation: str) -> 
     return model.double().eval()
 
 
-def _input_ids() -> torch.Tensor:
-    return torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+def _input_ids(seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
 
 
 def _output(out: Any) -> torch.Tensor:
@@ -282,3 +283,175 @@ def test_a_forward_that_calls_no_tokenring_attention_raises_on_every_rank() -> N
                 words = f"attn_implementation='tokenring' cannot split model_type '{model_type}'"
                 assert words in said, f"rank {rank} {model_type}: {said}"
             assert found[model_type + " alone"] == "ran", f"rank {rank} {model_type}: {said}"
+
+
+# -- the swept architectures under the settings the first sweep left out ---------------------
+
+# A second sweep ran every architecture that matches above on 2, 3 and 4 ranks, zigzag and
+# contiguous, odd lengths (seq_len=), packed documents of uneven lengths (one of a single
+# token, an empty one), batch 1, bfloat16 and float16: every one matched (a few to the
+# rounding of their own float32 routers and norms, as on zigzag). A sample of it, on 3 and 4
+# ranks: (P, model_type, layout, S, documents or None, dtype). Windows and latent attention
+# over documents longer than the window (EXAONE 4's window of 5, documents of 9 and 8),
+# learned positions restarting at every document (GPT-2, OPT's offset of 2), a bidirectional
+# encoder over documents (EuroBERT), odd lengths on both layouts, and bfloat16
+LAYOUTS = (
+    (3, "exaone4", "contiguous", 14, (0, 2, 11, 14), torch.float64),
+    (3, "exaone4", "zigzag", 14, (0, 8, 9, 14), torch.float64),
+    (3, "gpt2", "zigzag", 14, (0, 8, 9, 14), torch.float64),
+    (3, "opt", "contiguous", 13, (0, 3, 3, 13), torch.float64),
+    (3, "eurobert", "contiguous", 14, (0, 5, 14), torch.float64),
+    (3, "minicpm3", "zigzag", 13, None, torch.float64),
+    (3, "codegen", "contiguous", 13, None, torch.float64),
+    (3, "exaone4", "contiguous", 13, (0, 3, 10, 13), torch.bfloat16),
+    (4, "exaone4", "contiguous", 13, None, torch.float64),
+    (4, "jetmoe", "zigzag", 15, (0, 1, 7, 15), torch.float64),
+    (4, "biogpt", "zigzag", 16, None, torch.float64),
+    (4, "eurobert", "zigzag", 15, (0, 9, 15), torch.float64),
+)  # fmt: skip
+
+
+def _cases(world_size: int) -> list[tuple[Any, ...]]:
+    return [case for case in LAYOUTS if case[0] == world_size]
+
+
+def _swept(model_type: str, implementation: str, dtype: torch.dtype) -> Any:
+    sizes = _sizes(dict(SWEPT)[model_type])
+    return _model(model_type, sizes, implementation).to(dtype)
+
+
+def rank_layouts(world_size: int) -> list[Any]:
+    """Inside a rank: each case of ``world_size`` ranks' gathered output and summed gradients
+    (float64), or its error."""
+    hf.register()
+    out: list[Any] = []
+    for _, model_type, layout, seq, docs, dtype in _cases(world_size):
+        model = _swept(model_type, "tokenring", dtype)
+        sp = hf.SequenceParallel(layout=layout, seq_len=seq, cu_seqlens=docs)
+        batch = hf.shard_batch(sp, _input_ids(seq))
+        try:
+            got = _output(
+                model(
+                    input_ids=batch.input_ids,
+                    position_ids=batch.position_ids,
+                    sequence_parallel=sp,
+                )
+            )
+        except (NotImplementedError, ValueError) as exc:
+            out.append(str(exc))
+            continue
+        w = hf.attention._local(sp, _weights((2, seq, got.shape[-1])))
+        (got.double() * w).sum().backward()
+        hf.all_reduce_gradients(sp, model)
+        grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((hf.gather_sequence(sp, got.detach()).double(), grads))
+    return out
+
+
+def _one_process(
+    model_type: str, seq: int, docs: tuple[int, ...] | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The oracle: the model in one process, one forward per document (positions from 0),
+    outputs side by side; (B, S, ...) float64 and the parameters' gradients."""
+    model = _swept(model_type, "sdpa", dtype)
+    ids = _input_ids(seq)
+    bounds = docs if docs is not None else (0, seq)
+    pieces = [
+        _output(model(input_ids=ids[:, a:b], position_ids=torch.arange(b - a)[None]))
+        for a, b in itertools.pairwise(bounds)
+        if b > a
+    ]
+    out = torch.cat(pieces, 1).double()
+    (out * _weights(tuple(out.shape))).sum().backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+def _errors(
+    want: torch.Tensor, wgrads: dict[str, torch.Tensor], got: torch.Tensor, grads: dict[str, Any]
+) -> tuple[float, float]:
+    """|output error| and the largest gradient error relative to its parameter's (floored)."""
+    top = max(float(g.abs().max()) for g in wgrads.values())
+    gerr = max(
+        float((grads[n] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * top)
+        for n, g in wgrads.items()
+    )
+    return float((got - want).abs().max()), gerr
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_swept_architectures_match_one_process_on_other_layouts_documents_and_dtypes(
+    world_size: int,
+) -> None:
+    """Three and four ranks, both layouts, odd lengths, packed documents of uneven lengths (of
+    a single token, empty) with the models' own windows shorter than a document, and bfloat16
+    (twice the error of the same model in bfloat16 in one process plus one rounding step)."""
+    per_rank = tokenring.launch(rank_layouts, world_size, world_size=world_size, timeout_s=300)
+    for i, (_, model_type, layout, seq, docs, dtype) in enumerate(_cases(world_size)):
+        case = f"{model_type} {layout} S={seq} documents={docs} {dtype}"
+        want, wgrads = _one_process(model_type, seq, docs, torch.float64)
+        out_tol, grad_tol = FP64, FP64
+        if dtype != torch.float64:
+            same, sgrads = _one_process(model_type, seq, docs, dtype)
+            err, gerr = _errors(want, wgrads, same, sgrads)
+            step = torch.finfo(dtype).eps
+            out_tol, grad_tol = 2 * err + step * float(want.abs().max()), 2 * gerr + step
+        for rank, res in enumerate(per_rank):
+            assert not isinstance(res[i], str), f"{case}: rank {rank} raised {res[i]}"
+            err, gerr = _errors(want, wgrads, *res[i])
+            assert err <= out_tol, f"{case}: rank {rank} output off by {err} (tol {out_tol})"
+            assert gerr <= grad_tol, f"{case}: rank {rank} gradients off by {gerr} (relative)"
+
+
+# -- a rank without a token -------------------------------------------------------------------
+
+# (layout, S, documents): shardings that leave rank 1 of 2 without a token: one token on the
+# contiguous layout; on zigzag, documents of one token each (every document is zigzagged on
+# its own, and a document's first chunk is rank 0's). transformers' forward cannot run over no
+# tokens (IndexError in its packed-sequence detection, or a reshape of 0 elements); the other
+# rank waited for it in its first attention call for the process group's timeout, then raised
+# "rank(s) [1] did not arrive"
+EMPTY_RANK = (("contiguous", 1, None), ("zigzag", 3, (0, 1, 2, 3)))
+
+
+def rank_empty_shard() -> list[str]:
+    """Inside a rank: what shard_batch raised, and what the model's forward raised when given
+    shards cut by tokenring.shard (no shard_batch)."""
+    hf.register()
+    out: list[str] = []
+    model = _swept("gpt2", "tokenring", torch.float64)
+    for layout, seq, docs in EMPTY_RANK:
+        sp = hf.SequenceParallel(layout=layout, seq_len=seq, cu_seqlens=docs)
+        try:
+            hf.shard_batch(sp, _input_ids(seq))
+            out.append("shard_batch ran")
+        except ValueError as exc:
+            out.append(str(exc))
+        rank = torch.distributed.get_rank()
+        ids = tokenring.shard(_input_ids(seq), rank=rank, world_size=2, layout=layout,
+                              cu_seqlens=docs)  # fmt: skip
+        positions = tokenring.position_ids(
+            rank=rank, world_size=2, layout=layout, seq_len=seq, cu_seqlens=docs
+        )
+        try:
+            model(input_ids=ids, position_ids=positions[None], sequence_parallel=sp)
+            out.append("forward ran")
+        except Exception as exc:  # what it raised, whatever it is
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_a_sharding_that_leaves_a_rank_without_tokens_raises_on_every_rank() -> None:
+    per_rank = tokenring.launch(rank_empty_shard, world_size=2, timeout_s=120, pg_timeout_s=60)
+    for rank, said in enumerate(per_rank):
+        for (layout, seq, docs), (batch, forward) in zip(
+            EMPTY_RANK, zip(said[::2], said[1::2], strict=True), strict=True
+        ):
+            case = f"rank {rank}, layout={layout} seq_len={seq} cu_seqlens={docs}"
+            words = f"layout={layout!r}, seq_len={seq}"
+            assert words in batch and "leaves rank(s) [1] of 2 without a token" in batch, (
+                f"{case}: shard_batch: {batch}"
+            )
+            assert forward.startswith("ValueError: ") and words in forward, (
+                f"{case}: forward: {forward}"
+            )

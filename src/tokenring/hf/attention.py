@@ -250,6 +250,8 @@ def register() -> tuple[str, ...]:
 # on every rank (each runs the same model), with check_model's reason where it finds one. One
 # rank computes the whole sequence: nothing to refuse. The same record keeps the position_ids
 # tensors checked in this forward (_check_positions: once per forward on every rank alike).
+# Before the forward, the same wrapper refuses a sharding that leaves a rank without a token
+# (_refuse_empty_shards, from sp alone: every rank alike).
 @dataclass(slots=True)
 class _Forward:
     """The outermost model call running with sequence_parallel= (Note [A forward that calls
@@ -278,6 +280,7 @@ def _counting_call(call: Any) -> Any:
         sp = kwargs.get("sequence_parallel")
         if sp is None or _FORWARD.get() is not None:
             return call(model, *args, **kwargs)
+        _refuse_empty_shards(as_sequence_parallel(sp), f"{type(model).__name__}'s forward")
         forward = _Forward()
         token = _FORWARD.set(forward)
         try:
@@ -290,6 +293,38 @@ def _counting_call(call: Any) -> Any:
 
     counted._tokenring_counts = True  # type: ignore[attr-defined]
     return counted
+
+
+def _refuse_empty_shards(sp: SequenceParallel, what: str) -> None:
+    """ValueError naming ``what`` when ``sp``'s sharding leaves a rank without a token
+    (decided from ``sp`` and the world size alone: on every rank alike, before any exchange).
+
+    A transformers forward cannot run over no tokens (IndexError in its packed-sequence
+    detection, a reshape of 0 elements): that rank raised at once while the others waited for
+    it in their first attention call for the process group's timeout. ``seq_len`` None: S is
+    P * s, every rank holds s tokens."""
+    if sp.seq_len is None:
+        return
+    world_size = sp.communicator.world_size
+    sharding = make_sharding(
+        layout=sp.layout, world_size=world_size, seq_len=sp.seq_len, cu_seqlens=sp.cu_seqlens
+    )
+    tokens = [sharding.local_len(rank) for rank in range(world_size)]
+    empty = [rank for rank, count in enumerate(tokens) if count == 0]
+    if not empty:
+        return
+    layout = Layout.parse(sp.layout)
+    if sp.seq_len < world_size:
+        fix = f"seq_len must be at least the world size ({world_size})"
+    else:  # zigzag documents shorter than 2 * P go to the first ranks
+        fix = "layout='contiguous' gives every rank a token (or longer documents, fewer ranks)"
+    cu = None if sp.cu_seqlens is None else tuple(int(b) for b in sp.cu_seqlens)
+    raise ValueError(
+        f"{what}: SequenceParallel(layout={layout.value!r}, seq_len={sp.seq_len}, "
+        f"cu_seqlens={cu}) leaves rank(s) {empty} of {world_size} without a token (tokens per "
+        f"rank: {tokens}); a transformers model cannot run its forward over no tokens: "
+        f"{fix}"
+    )
 
 
 def _refuse_no_attention(model: torch.nn.Module, sp: SequenceParallel) -> None:
@@ -1089,8 +1124,8 @@ def shard_batch(
     and ``labels`` ``(B, S)`` (``ignore_index`` where not counted) or None.
 
     Raises:
-        ValueError: input_ids not 2-D, labels of another shape, S != sp.seq_len, or uneven
-            shards without sp.seq_len.
+        ValueError: input_ids not 2-D, labels of another shape, S != sp.seq_len, uneven
+            shards without sp.seq_len, or a rank left without a token.
     """
     sp = as_sequence_parallel(sp, "sp")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -1121,6 +1156,7 @@ def shard_batch(
             f"cut into {num_chunks} equal chunks; pass SequenceParallel(seq_len={seq_len}) for "
             "uneven shards"
         )
+    _refuse_empty_shards(sp, "shard_batch")
     positions = position_ids(
         rank=rank, world_size=world_size, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens
     )
