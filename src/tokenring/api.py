@@ -86,6 +86,7 @@ def get_communicator(group: GroupLike = None, *, timeout_s: float | None = None)
     as is) or None (the default group); built once per group (Note [Communicator cache]).
 
     Args:
+        group: ProcessGroup, 1-D DeviceMesh, Communicator, or None (default group).
         timeout_s: the limit of any transfer or collective of it from now on (default 300 s
             when it is built here), a Communicator's too.
 
@@ -257,6 +258,12 @@ def resolve_strategy(
     call's shape and ``hardware``, so every rank picks the same (logged once at INFO).
 
     Args:
+        strategy: a ``Strategy`` or its name, or ``"auto"``.
+        q, k: the call's ``(B, s, Hq, D)`` and ``(B, s, Hkv, D)`` shards (their shapes and
+            dtype are what ``"auto"`` prices).
+        causal, layout: the call's, as :func:`sequence_parallel_attn`.
+        comm: the call's communicator (its world size, and its path for
+            ``last_block_splits=None``).
         hardware: for ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
             passed in]).
         training: whether a backward follows; None: grad mode is on and q or k requires grad.
@@ -1176,7 +1183,11 @@ def token_ring_attn(
     """TokenRing (pass-Q): Q blocks travel the ring, partial (out, lse) return straight to
     their owner on the other direction (Note [TokenRing step table] in
     tokenring.strategies.ring; the loop is ``tokenring.runtime.ring.run_forward``). As
-    :func:`sequence_parallel_attn`."""
+    :func:`sequence_parallel_attn`.
+
+    Args:
+        q, k, v, options: as :func:`sequence_parallel_attn`, with this strategy fixed.
+    """
     return sequence_parallel_attn(q, k, v, strategy=Strategy.TOKEN_RING, **options)
 
 
@@ -1184,7 +1195,11 @@ def ring_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ring attention (pass-KV): K/V blocks travel, queries stay. As
-    :func:`sequence_parallel_attn`."""
+    :func:`sequence_parallel_attn`.
+
+    Args:
+        q, k, v, options: as :func:`sequence_parallel_attn`, with this strategy fixed.
+    """
     return sequence_parallel_attn(q, k, v, strategy=Strategy.RING, **options)
 
 
@@ -1192,7 +1207,11 @@ def bidir_ring_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pass-KV on two counter-rotating rings, each with half of the kv heads (one kv head: half
-    of the rows). As :func:`sequence_parallel_attn`."""
+    of the rows). As :func:`sequence_parallel_attn`.
+
+    Args:
+        q, k, v, options: as :func:`sequence_parallel_attn`, with this strategy fixed.
+    """
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_RING, **options)
 
 
@@ -1201,7 +1220,11 @@ def bidir_token_ring_attn(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pass-Q on two counter-rotating rings, each with half of the query heads
     (Note [Bidirectional TokenRing] in tokenring.strategies.ring). As
-    :func:`sequence_parallel_attn`; one query head raises NotImplementedError."""
+    :func:`sequence_parallel_attn`; one query head raises NotImplementedError.
+
+    Args:
+        q, k, v, options: as :func:`sequence_parallel_attn`, with this strategy fixed.
+    """
     return sequence_parallel_attn(q, k, v, strategy=Strategy.BIDIR_TOKEN_RING, **options)
 
 
@@ -1209,7 +1232,11 @@ def ulysses_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ulysses: all-to-all from sequence to head shards (uneven heads: ceil/floor shares),
-    local attention, all-to-all back. As :func:`sequence_parallel_attn`."""
+    local attention, all-to-all back. As :func:`sequence_parallel_attn`.
+
+    Args:
+        q, k, v, options: as :func:`sequence_parallel_attn`, with this strategy fixed.
+    """
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ULYSSES, **options)
 
 
@@ -1217,13 +1244,22 @@ def allgather_kv_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """All-gather K/V (Llama-3 style) while the local block computes; the backward
-    reduce-scatters dK/dV. As :func:`sequence_parallel_attn`."""
+    reduce-scatters dK/dV. As :func:`sequence_parallel_attn`.
+
+    Args:
+        q, k, v, options: as :func:`sequence_parallel_attn`, with this strategy fixed.
+    """
     return sequence_parallel_attn(q, k, v, strategy=Strategy.ALLGATHER_KV, **options)
 
 
 class SequenceParallelAttention(torch.nn.Module):
     """``nn.Module``: ``forward(q, k, v) -> out`` with :func:`sequence_parallel_attn`'s
     options fixed at build time.
+
+    Args:
+        strategy, causal, softmax_scale, group, layout: as :func:`sequence_parallel_attn`.
+        options: any other keyword of :func:`sequence_parallel_attn` (``return_lse`` only
+            False).
 
     Raises:
         ValueError: ``return_lse`` other than False (forward returns ``out`` only; call

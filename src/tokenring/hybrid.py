@@ -109,6 +109,11 @@ def hybrid_mesh(outer: int, inner: int, *, device_type: str = "cpu") -> HybridMe
     """The groups of the default group, rank = outer_rank * inner + inner_rank (inner ranks are
     neighbours, e.g. one node's GPUs). Collective.
 
+    Args:
+        outer, inner: the mesh's sizes; outer * inner is the world size.
+        device_type: of the ``DeviceMesh`` built over the default group (``"cpu"``,
+            ``"cuda"``).
+
     Raises:
         ValueError: outer * inner differs from the world size, or a size < 1.
     """
@@ -190,6 +195,15 @@ def hybrid_shard(
     unless ``P_out * P_in`` (zigzag: twice that) divides S and there are no documents,
     :func:`hybrid_attn` needs ``seq_len=S`` (and the same ``cu_seqlens``).
 
+    Args:
+        x: the global tensor.
+        outer_rank, inner_rank: this rank's place on the mesh (``outer_rank * inner +
+            inner_rank``, as :func:`hybrid_mesh` numbers the ranks).
+        outer, inner: the mesh's sizes.
+        layout: the outer axis' layout, as :func:`hybrid_attn`'s.
+        seq_dim: the sequence dimension of ``x``.
+        cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence.
+
     Returns:
         ``(B, s_r, H, D)``, contiguous.
     """
@@ -243,6 +257,7 @@ def hybrid_attn(
         check_ranks: agree on the call first, on the inner then the outer group.
         seq_len: the global length S when the ranks' lengths differ; None: S = P * s.
         cu_seqlens: document boundaries ``(0, ..., S)`` (needs seq_len).
+        causal, softmax_scale, return_lse: as :func:`tokenring.sequence_parallel_attn`.
         kernel, last_block_splits, window_size, attention_chunk_size: as
             :func:`tokenring.sequence_parallel_attn` (masks over global positions; None
             ``last_block_splits``: what the outer group's communicator path takes).

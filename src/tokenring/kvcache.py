@@ -39,7 +39,14 @@ __all__ = ["CacheStep", "DistributedKVCache", "KVCacheBudgetError", "place_new_t
 
 
 class KVCacheBudgetError(RuntimeError):
-    """A step would make a rank's cache exceed its ``budget_bytes``; raised on every rank."""
+    """A step would make a rank's cache exceed its ``budget_bytes``; raised on every rank.
+
+    Args:
+        message: the error's text.
+        rank: the rank whose cache would exceed its budget (kept as ``.rank``).
+        budget_bytes, need_bytes: that rank's budget and what the step needs (kept as
+            attributes of the same names).
+    """
 
     def __init__(self, message: str, *, rank: int, budget_bytes: int, need_bytes: int) -> None:
         super().__init__(message)

@@ -288,6 +288,9 @@ def launch(
     ``torch.distributed`` is initialised.
 
     Args:
+        fn: the function each rank runs (module-level, so that it pickles).
+        args, kwargs: its arguments, the same for every rank (they must pickle).
+        world_size: the number of ranks.
         timeout_s: outer deadline for the whole run; every worker is killed past it.
         pg_timeout_s: timeout of the process group (each collective or P2P wait).
         backend: the process group's backend; ``"nccl"``: rank r on CUDA device r.

@@ -130,7 +130,14 @@ def global_positions(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(s_r,)`` int64 global positions held by ``rank`` in local order, from ``seq_local``
-    (S = P * s) or ``seq_len`` (Note [Documents and padding]). RoPE: :func:`position_ids`."""
+    (S = P * s) or ``seq_len`` (Note [Documents and padding]). RoPE: :func:`position_ids`.
+
+    Args:
+        rank, world_size: this rank and P.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        seq_local, seq_len: exactly one: s (even shards, S = P * s) or the global S.
+        cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence.
+    """
     return make_sharding(
         layout=layout,
         world_size=world_size,
@@ -147,7 +154,14 @@ def position_ids(
     seq_len: int,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(s_r,)`` int64: each of ``rank``'s tokens' position in its document (RoPE)."""
+    """``(s_r,)`` int64: each of ``rank``'s tokens' position in its document (RoPE).
+
+    Args:
+        rank, world_size: this rank and P.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        seq_len: the global length S.
+        cu_seqlens: document boundaries ``(0, ..., S)``; None: one document.
+    """
     return make_sharding(
         layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
     ).doc_positions(_checked_rank(rank, world_size))
@@ -192,7 +206,15 @@ def shard(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rank``'s shard ``(B, s_r, H, D)`` (contiguous) of a global ``x`` ``(B, S, H, D)``
-    along ``seq_dim``, any S (Note [Documents and padding])."""
+    along ``seq_dim``, any S (Note [Documents and padding]).
+
+    Args:
+        x: the global tensor.
+        rank, world_size: this rank and P.
+        layout: ``"contiguous"`` or ``"zigzag"`` (per document when ``cu_seqlens`` is given).
+        seq_dim: the sequence dimension of ``x``.
+        cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence.
+    """
     _check_seq_dim(x, seq_dim)
     index = make_sharding(
         layout=layout, world_size=world_size, seq_len=x.shape[seq_dim], cu_seqlens=cu_seqlens
@@ -208,7 +230,12 @@ def unshard(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`shard`: ``shards``, one ``(B, s_r, H, D)`` per rank, as ``(B, S, H,
-    D)`` in global order (``cu_seqlens``: those given to :func:`shard`)."""
+    D)`` in global order (``cu_seqlens``: those given to :func:`shard`).
+
+    Args:
+        shards: every rank's shard, in rank order.
+        layout, seq_dim, cu_seqlens: those given to :func:`shard`.
+    """
     world_size = len(shards)
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank; got an empty sequence")
@@ -391,7 +418,14 @@ def make_sharding(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> Sharding:
     """The :class:`Sharding` of ``seq_len`` tokens; ValueError on world_size < 1, seq_len < 0
-    or malformed cu_seqlens."""
+    or malformed cu_seqlens.
+
+    Args:
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        world_size: P.
+        seq_len: the global length S.
+        cu_seqlens: document boundaries ``(0, ..., S)`` of a packed sequence.
+    """
     layout = Layout.parse(layout)
     check_int("world_size", world_size, 1)
     check_int("seq_len", seq_len, 0)

@@ -837,6 +837,14 @@ def explain_cached(
     cache places them) on ``hardware`` (a ``Hardware`` or a preset name).
 
     Args:
+        world_size: P, the ranks the cache is sharded over.
+        cached, new: tokens per sequence already cached, and added by this step.
+        heads_q, heads_kv, head_dim: Hq, Hkv, D of the attention.
+        hardware: a ``Hardware`` or a preset name (``costmodel.PRESETS``).
+        batch: B, the number of sequences.
+        dtype: of q, k, v and the cache.
+        block_size: the cache's placement block, in tokens.
+        candidates: the cached strategies to compare (default: every ``CachedStrategy``).
         kernel_call_s: the fixed cost of one kernel call, in place of the hardware's
             ``kernel_call_s``; None: the hardware's.
 
