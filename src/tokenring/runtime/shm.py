@@ -8,7 +8,7 @@ Note [Shared-memory transport]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 gloo moves every byte through the kernel's TCP stack even between processes on one host: on a
 2-core box, two ranks swapping 2-8 MiB messages through the communicator's socket path pay
-1.2-1.5 ms of CPU per MiB sent (packing, fresh receive buffers, the sender's write, the
+about 1.2 ms of CPU per MiB sent (packing, fresh receive buffers, the sender's write, the
 receiver's read, gloo's I/O threads) and 0.2 ms per swap however small; through shared memory
 0.1-0.2 ms per MiB and 0.13-0.15 ms (``benchmarks/transport.py``, ``results/transport.md``).
 When every rank of a group can map the others' files (each rank maps the others' inbox files
