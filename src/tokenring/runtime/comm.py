@@ -33,6 +33,7 @@ import os
 import pickle
 import secrets
 import struct
+import threading
 import time
 import types
 import zlib
@@ -517,6 +518,8 @@ class PendingRecv:
                     if index == 0:  # the header frame: checked before waiting for the rest
                         self._check()
             self._result = _unpack(self._message, self._fields)
+            comm._num_open -= 1
+            comm._maybe_release()
             if comm.timeline is not None:
                 span = (self._posted_s, time.perf_counter(), tr.src, self._message.num_bytes)
                 comm.timeline.events.append(Event("recv", tr.payload.value, tr.step, *span))
@@ -596,6 +599,12 @@ class Communicator:
         ranks = dist.get_process_group_ranks(base)
         self.global_ranks = tuple(ranks)  # for messages: the group may be destroyed later
         self._closed = False
+        # Note [One process, one thread at a time]
+        self._pid = os.getpid()
+        self._use_lock = threading.Lock()
+        self._user: int | None = None  # the thread whose operations are in progress
+        self._depth = 0  # entries of ``_user`` in progress
+        self._num_open = 0  # receives, gathers and collectives posted, not yet waited for
         # (channels, control) made for this communicator or pooled (Note [Channel pool])
         self._pool_key: _PoolKey | None = None
         self._own: _OwnGroups | None = None
@@ -738,6 +747,12 @@ class Communicator:
         self, data: bytes, *, what: str, frame_num_bytes: int
     ) -> Callable[[], list[bytes]]:
         """:meth:`all_gather_bytes`, posted: what waits for it and returns every rank's data."""
+        with self._in_use():
+            return self._post_gather_here(data, what=what, frame_num_bytes=frame_num_bytes)
+
+    def _post_gather_here(
+        self, data: bytes, *, what: str, frame_num_bytes: int
+    ) -> Callable[[], list[bytes]]:
         self.settle()
         if len(data) > frame_num_bytes - 8:
             raise ValueError(
@@ -754,9 +769,17 @@ class Communicator:
         ctypes.memmove(mine.data_ptr(), framed, len(framed))
         frames = {r: table[r] for r in range(self.world_size) if r != self.rank}
         swapped = self._post_swap(mine, frames)
+        self._num_open += 1
 
         def finish() -> list[bytes]:
-            silent, closed = swapped()
+            try:
+                silent, closed = swapped()
+            except BaseException as exc:  # interrupted while waiting: the swap is half done
+                self._interrupted(exc)
+                raise
+            finally:
+                self._num_open -= 1
+                self._maybe_release()
             if silent or closed:
                 parts = []
                 if silent:
@@ -1023,6 +1046,16 @@ class Communicator:
         Returns:
             The pending receives by transfer.
         """
+        with self._in_use():
+            return self._exchange(sends, recvs, device=device)
+
+    def _exchange(
+        self,
+        sends: Sequence[tuple[Transfer, Sequence[torch.Tensor] | Message]],
+        recvs: Sequence[tuple[Transfer, list[FieldSpec]]],
+        *,
+        device: torch.device,
+    ) -> dict[Transfer, PendingRecv]:
         self._check_open()
         self.settle()
         self._check_usable("transfers")
@@ -1095,6 +1128,7 @@ class Communicator:
         else:
             message.buffer[:HEADER_NUM_BYTES].zero_()
         rec = PendingRecv(self, tr, message, fields, shared=shared)
+        self._num_open += 1
         if self._staged(device):  # the host buffers the backend fills
             pin = device.type == "cuda"
             rec._wires = [
@@ -1165,6 +1199,7 @@ class Communicator:
         A deferred rank check completes first (Note [Deferred agreement])."""
         self.settle()
         self._wait_sends_if(lambda work, tr: True)
+        self._maybe_release()
         if self.shared is not None:
             self.shared.release_idle()
         if self._unchecked:
@@ -1293,10 +1328,12 @@ class Communicator:
     def _collective(self, op: str, label: str, post: Callable[..., Any]) -> PendingCollective:
         """``post(group=, async_op=True)``, the collective ``op``, once this communicator is
         open and settled (a group of one: nothing)."""
-        self._check_open()
-        self.settle()
-        work = post(group=self.group, async_op=True) if self.world_size > 1 else None
-        return PendingCollective(self, work, op, label)
+        with self._in_use():
+            self._check_open()
+            self.settle()
+            work = post(group=self.group, async_op=True) if self.world_size > 1 else None
+            self._num_open += work is not None
+            return PendingCollective(self, work, op, label)
 
     def describe_group(self) -> str:
         """The group in words, for error messages: its description and global ranks."""
@@ -1320,9 +1357,14 @@ class Communicator:
         if self.closed:
             return
         self._closed = True
+        if self._foreign() and self.shared is not None:  # the parent's segments and inboxes
+            self.shared.detach()
+            self.shared = None
         own, self._own = self._own, None
         self._groups, self._control = {}, None
         self._pending_sends.clear()
+        if self._foreign():  # the groups are the parent's: never pooled here
+            return
         if self._agreeing is not None:  # its exchange is still posted: never pooled
             self._agreeing = None
             self._broken = self._broken or "closed with a deferred rank check pending"
@@ -1350,13 +1392,94 @@ class Communicator:
             raise  # every rank raises it before any transfer: nothing is out of order
         except RuntimeError:
             pass  # a peer's view of this failure, or another: ``exc`` is the cause here
+        self._fail_now(exc)
+
+    def _fail_now(self, exc: BaseException) -> None:
+        """Mark this communicator failed by ``exc`` and tell the peers at once: its error in
+        the store, the inboxes, the sockets (Note [Failures through the store])."""
+        if self._foreign():  # Note [One process, one thread at a time]: the parent's
+            return
         if self._build_key is not None and self._broken is None:  # the first failure, before
             # the inboxes tell the peers
             with contextlib.suppress(Exception):  # the store may be gone with the job
                 store = dist.distributed_c10d._get_default_store()
-                store.set(f"{self._build_key}/failed/{self.rank}", _first_line(exc)[:2000])
+                why = _first_line(exc) if str(exc) else type(exc).__name__
+                store.set(f"{self._build_key}/failed/{self.rank}", why[:2000])
         self._break(f"a call failed on this rank: {_first_line(exc)}")
         self._close_links()
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """An operation of a call stopped on this rank by ``exc``: where it is no Exception
+        (KeyboardInterrupt, SystemExit), which no rank check exchanges, the peers go on with
+        the call, so this communicator fails (Note [Abandoned calls])."""
+        if not isinstance(exc, Exception):
+            self._fail_now(exc)
+
+    # Note [One process, one thread at a time]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Messages match in posting order per pair (Note [Slots]). Two threads of one rank whose
+    # calls overlap on one communicator interleave their messages in an order the peers do
+    # not share: over gloo's sockets two calls of the same shapes took each other's messages
+    # and returned wrong numbers without an error. So a communicator serves one thread at a
+    # time: the thread whose operation (a transfer, a rank check, a collective) is in
+    # progress holds it until everything it posted was waited for; another thread that posts
+    # meanwhile raises, and the communicator fails on every rank (its first user's call too:
+    # the peers may have paired either call with theirs). Calls one after another from any
+    # threads (a backward on autograd's thread) are fine.
+    #
+    # A process forked from a rank shares its sockets and shared memory: a child that used
+    # the communicator posted into the peers' inboxes as the rank, and the peers took its
+    # call for the parent's (wrong numbers on both sides). So a communicator refuses every
+    # operation in another process than the one that built it, and touches nothing shared
+    # there (not the inboxes, the store or the pool).
+
+    def _foreign(self) -> bool:
+        return os.getpid() != self._pid
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Hold this communicator for the calling thread while the block posts (Note [One
+        process, one thread at a time]).
+
+        Raises:
+            RuntimeError: called in another process than the one that built it, or while
+                another thread's operations are in progress (this communicator fails).
+        """
+        if self._foreign():
+            raise RuntimeError(
+                f"rank {self.rank}: this communicator was built in process {self._pid} and "
+                f"cannot be used in process {os.getpid()} (a fork shares its parent's "
+                "connections and shared memory: its messages would be taken for the "
+                "parent's); use it in the process that built it"
+            )
+        me = threading.get_ident()
+        with self._use_lock:
+            other = self._user if self._user != me and self._broken is None else None
+            if other is None:
+                self._user = me
+                self._depth += 1
+        if other is not None:
+            exc = RuntimeError(
+                f"rank {self.rank}: this communicator was used by two threads at once "
+                f"(thread {me} posted while thread {other}'s operations were in progress); "
+                "messages match in posting order, so one communicator serves one thread at "
+                "a time: give each thread its own communicator, or serialize the calls"
+            )
+            self._fail_now(exc)
+            raise exc
+        try:
+            yield
+        finally:
+            with self._use_lock:
+                self._depth -= 1
+            self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        """Let another thread use this communicator if nothing of its user is in progress."""
+        with self._use_lock:
+            idle = self._depth == 0 and self._num_open == 0 and self._agreeing is None
+            if idle and not self._pending_sends:
+                self._user = None
 
     def _close_links(self) -> None:
         """Over gloo's sockets: close this rank's connections in the groups it made, so that
@@ -1440,17 +1563,21 @@ class Communicator:
             As :meth:`agree`; with ``check_ranks=False``, this rank's error.
         """
         try:
-            result, signature = validate()
-        except errors as exc:
-            if check_ranks:
-                self.agree(None, exc, what=what)  # raises exc here; the peers learn it
+            try:
+                result, signature = validate()
+            except errors as exc:
+                if check_ranks:
+                    self.agree(None, exc, what=what)  # raises exc here; the peers learn it
+                raise
+            if check_ranks and signature is not None:
+                finish = self._post_agree(signature, None, what=what)
+                if deferred:
+                    self._agreeing = finish
+                else:
+                    finish()
+        except BaseException as exc:  # a KeyboardInterrupt: the peers may be in the call
+            self._interrupted(exc)
             raise
-        if check_ranks and signature is not None:
-            finish = self._post_agree(signature, None, what=what)
-            if deferred:
-                self._agreeing = finish
-            else:
-                finish()
         return result
 
     def settle(self) -> None:
@@ -1473,8 +1600,11 @@ class Communicator:
         disagree, that is the cause to report (the block's error chained to it)."""
         try:
             yield
-        except BaseException:
-            self.settle()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                self.settle()
+            else:  # a KeyboardInterrupt: the peers go on with the call (Note [Abandoned calls])
+                self.abandon(exc)
             raise
 
     def all_gather_int(self, value: int, device: torch.device, *, label: str) -> list[int]:
@@ -1504,6 +1634,8 @@ class PendingCollective:
         comm = self._comm
         try:
             self._work.wait(comm.timeout)
+            comm._num_open -= 1
+            comm._maybe_release()
         except Exception as exc:
             comm._break(f"the {self._op} {self._label!r} failed")
             failed = comm._failed_peers()
@@ -1619,7 +1751,8 @@ def _take_agreed_groups(
     prefix = "tokenring_pool/" + "_".join(map(str, ranks)) + f"/{backend}"
     keys = [f"{prefix}/{build}/{r}" for r in range(len(ranks))]
     store = dist.distributed_c10d._get_default_store()
-    store.set(keys[rank], f"{timeout_s!r};{int(separate)};{_num_live_groups()};" + ",".join(names))
+    counts = f"{_num_live_groups()};{_world().group_count}"
+    store.set(keys[rank], f"{timeout_s!r};{int(separate)};{counts};" + ",".join(names))
     try:
         _wait_for(store, keys, timeout)
     except Exception as exc:
@@ -1641,19 +1774,20 @@ def _take_agreed_groups(
             f"agreeing on pooled groups: rank(s) {gave_up} gave up waiting for this rank "
             f"after {timeout.total_seconds():g} s"
         )
-    # timeout; separate_groups; live groups; pooled sets
-    rows = [got.decode().split(";", 3) for got in lists]
+    # timeout; separate_groups; live groups; groups named by number; pooled sets
+    rows = [got.decode().split(";", 4) for got in lists]
     try:
         _check_same_options(rows)
     except ValueError:
         _IDLE_GROUPS[key] = idle
         raise
-    held = [set(row[3].split(",")) - {""} for row in rows]
+    held = [set(row[4].split(",")) - {""} for row in rows]
     common = set.intersection(*held)
-    newest = [name for name in rows[0][3].split(",") if name in common][-1:]
+    newest = [name for name in rows[0][4].split(",") if name in common][-1:]
     by_name = dict(zip(names, idle, strict=True))
     _IDLE_GROUPS[key] = [by_name[name] for name in names if name in common - set(newest)]
     num_live = max(int(row[2]) for row in rows)
+    _world().group_count = max(int(row[3]) for row in rows)  # Note [Group names]
     return (by_name[newest[0]] if newest else None), num_live, f"{prefix}/{build}"
 
 
@@ -1704,7 +1838,19 @@ def _wait_for(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
 # only those destroy_process_group destroyed), the next communicator over the same ranks
 # takes it again, and destroy_idle_groups destroys them at exit (launch: before it destroys
 # the world).
+#
+# A group over every rank of the world is named by a count instead, of the groups this rank
+# made so (``group_count``), and a new_group that failed counted too: a rank whose peer
+# raised between the pool agreement and new_group (a KeyboardInterrupt) counted one group
+# more than the peer, and every later communicator's groups met under different names
+# ("Connection refused", "Wait timeout"). So the ranks swap that count in the agreement as
+# well, and each takes the highest.
 _FILLERS: list[dist.ProcessGroup] = []
+
+
+def _world() -> Any:
+    """torch.distributed's record of this process's groups."""
+    return dist.distributed_c10d._world
 
 
 def _num_live_groups() -> int:

@@ -493,6 +493,21 @@ class SharedMemoryLinks:
         """Mapped segments whose last use tensors still hold."""
         return sum(segment.lent for segment in self._in.values())
 
+    def detach(self) -> None:
+        """Forget everything here without retiring a segment or marking a file: in a process
+        forked from the one whose links these are, whose segments and inboxes they share (Note
+        [One process, one thread at a time] in tokenring.runtime.comm)."""
+        self._finalizer.detach()
+        for pool in self._out.values():
+            for segment in pool:
+                if segment.fd >= 0:  # this process's copy of the descriptor
+                    os.close(segment.fd)
+        self._out.clear()
+        self._in.clear()
+        self._files.clear()
+        self._inboxes.clear()
+        self._outboxes.clear()
+
     def close(self) -> None:
         """Drop every mapping this object holds (tensors that still view a segment keep its
         memory) and retire the segments it wrote (those a receiver may still read once they
