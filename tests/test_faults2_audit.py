@@ -16,12 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 import tokenring
 import tokenring.api as api
-from oracle import make_inputs, oracle_with_grads, owned_positions
+from test_faults_audit import _attention_error, _RaisingKernel
 from tokenring.runtime.comm import Communicator
 
 TIMEOUT_S = 3.0  # the communicators' own
@@ -29,18 +28,9 @@ AT_ONCE_S = 2.0
 
 
 def _error(comm: Communicator, seed: int) -> float:
-    """Max error of out, dq, dk, dv of one causal zigzag TokenRing call against float64."""
-    rank, world = comm.rank, comm.world_size
-    seq = 8 * world
-    shape = {"batch": 1, "seq_global": seq, "heads_q": 4, "heads_kv": 2, "head_dim": 8}
-    q, k, v, dout = make_inputs(seed=seed, **shape)
-    want = oracle_with_grads(q, k, v, dout, causal=True, scale=8**-0.5)
-    idx = torch.tensor(owned_positions("zigzag", rank, world, seq))
-    local = [x[:, idx].clone().requires_grad_(True) for x in (q, k, v)]
-    out = tokenring.sequence_parallel_attn(*local, causal=True, layout="zigzag", group=comm)
-    out.backward(dout[:, idx])
-    got = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
-    return max((got[name] - want[name][:, idx]).abs().max().item() for name in got)
+    """Max error of out, dq, dk, dv of one causal zigzag TokenRing call against float64
+    (test_faults_audit's, with the reference kernel)."""
+    return _attention_error("token_ring", comm, seed, _RaisingKernel(), True)
 
 
 def _outcome(fn: Callable[[], object]) -> tuple[str, float]:

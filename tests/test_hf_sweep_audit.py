@@ -93,6 +93,12 @@ def _output(out: Any) -> torch.Tensor:
     return logits if logits is not None else out.last_hidden_state
 
 
+def _sharded_output(model: Any, batch: Any, sp: Any) -> torch.Tensor:
+    """The model's output on this rank's shard of the batch."""
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp)
+    return _output(out)
+
+
 def _weights(shape: tuple[int, ...]) -> torch.Tensor:
     """Fixed weights of the scalar sum(output * w) whose gradient is checked."""
     return torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -136,13 +142,7 @@ def rank_swept() -> dict[str, Any]:
         sp = hf.SequenceParallel()
         batch = hf.shard_batch(sp, _input_ids())
         try:
-            got = _output(
-                model(
-                    input_ids=batch.input_ids,
-                    position_ids=batch.position_ids,
-                    sequence_parallel=sp,
-                )
-            )
+            got = _sharded_output(model, batch, sp)
         except NotImplementedError as exc:
             out[model_type] = str(exc)
             continue
@@ -330,13 +330,7 @@ def rank_layouts(world_size: int) -> list[Any]:
         sp = hf.SequenceParallel(layout=layout, seq_len=seq, cu_seqlens=docs)
         batch = hf.shard_batch(sp, _input_ids(seq))
         try:
-            got = _output(
-                model(
-                    input_ids=batch.input_ids,
-                    position_ids=batch.position_ids,
-                    sequence_parallel=sp,
-                )
-            )
+            got = _sharded_output(model, batch, sp)
         except (NotImplementedError, ValueError) as exc:
             out.append(str(exc))
             continue
