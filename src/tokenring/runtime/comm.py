@@ -1401,7 +1401,7 @@ class Communicator:
             return
         if self._build_key is not None and self._broken is None:  # the first failure, before
             # the inboxes tell the peers
-            with contextlib.suppress(Exception):  # the store may be gone with the job
+            with contextlib.suppress(Exception), _STORE_LOCK:  # the store may be gone
                 store = dist.distributed_c10d._get_default_store()
                 why = _first_line(exc) if str(exc) else type(exc).__name__
                 store.set(f"{self._build_key}/failed/{self.rank}", why[:2000])
@@ -1497,17 +1497,18 @@ class Communicator:
                         work = group.recv([torch.zeros(1, dtype=torch.uint8)], peer, _CLOSE_TAG)
                         work.wait(timedelta(milliseconds=1))
 
-    def _failed_peers(self) -> str:
-        """What peers that abandoned a call of this communicator said (Note [Failures through
-        the store]), as a sentence to append to a timeout's error, or ""."""
+    def _failed_peers(self, *, with_own: bool = True) -> str:
+        """What ranks that abandoned a call of this communicator said (Note [Failures through
+        the store]; this rank's own entry too with ``with_own``: another thread of it failed
+        first), as a sentence to put before an error, or ""."""
         if self._build_key is None:
             return ""
         said = []
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), _STORE_LOCK:
             store = dist.distributed_c10d._get_default_store()
             for r in range(self.world_size):
                 key = f"{self._build_key}/failed/{r}"
-                if r != self.rank and store.check([key]):
+                if (r != self.rank or with_own) and store.check([key]):
                     said.append(f"rank {r} failed first: {store.get(key).decode()}")
         return "; ".join(said)
 
@@ -1522,10 +1523,11 @@ class Communicator:
     def _check_usable(self, what: str) -> None:
         """Raise if this communicator failed (Note [Abandoned calls])."""
         if self._broken is not None:
+            failed = self._failed_peers(with_own=False)  # a peer's root cause (own: above)
             raise RuntimeError(
                 f"rank {self.rank}: this communicator failed earlier and cannot be used for "
-                f"{what}: {self._broken}; build a new one on every rank "
-                "(tokenring.close_communicators() drops the cached ones)"
+                f"{what}: {self._broken}" + (f" ({failed})" if failed else "") + "; build a "
+                "new one on every rank (tokenring.close_communicators() drops the cached ones)"
             )
 
     def _check_open(self) -> None:
@@ -1704,6 +1706,10 @@ class PendingCollective:
 # after 1 ms closes its pair): a peer blocked on one fails at once ("Connection closed by
 # peer"), abandons its call and closes its own, so the failure crosses a ring of P ranks in
 # about P hops instead of a timeout each. NCCL peers still wait for the timeout.
+_STORE_LOCK = threading.Lock()
+"""Serialises this process's failure entries in the store (Note [Failures through the store]):
+threads of one rank may fail at once, and a store client is not made for concurrent use."""
+
 _CLOSE_TAG = 1 << 30
 """The tag of :meth:`Communicator._close_links`' receives (every message uses tag 0)."""
 
