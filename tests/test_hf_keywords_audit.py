@@ -33,7 +33,6 @@ import dataclasses
 import inspect
 import itertools
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -65,8 +64,10 @@ from test_keywords_audit import (  # noqa: E402
     Refused,
     Row,
     Skip,
+    _fresh,
     _hardware,
     assert_rules_kept,
+    timed_result,
 )
 from tokenring import diffusers as tr_diffusers  # noqa: E402
 from tokenring import hf  # noqa: E402
@@ -914,22 +915,7 @@ def _run_case(case: Case, ctx: Ctx) -> dict[str, Any]:
     runner = TABLES[case.entry][1]
     options, shape = _options(case, ctx)
     ctx.mode = case.mode
-    start = time.monotonic()
-    result: dict[str, Any] = {}
-    try:
-        got, want = runner(ctx, options, shape)
-        result.update(ok=True, err=_distance(got, want))
-    except Exception as exc:
-        result.update(ok=False, type=type(exc).__name__, error=str(exc)[:600])
-    result["elapsed_s"] = time.monotonic() - start
-    return result
-
-
-def _fresh(ctx: Ctx) -> None:
-    """After a case that left a communicator failed on some rank: new ones on every rank."""
-    tokenring.close_communicators()
-    tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
-    ctx.comm = tokenring.Communicator(None, timeout_s=TIMEOUT_S)
+    return timed_result(lambda: runner(ctx, options, shape), _distance)
 
 
 def _all_cases(cases: list[Case]) -> list[dict[str, Any]]:

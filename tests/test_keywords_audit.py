@@ -777,11 +777,19 @@ def _distance(got: Any, want: Any) -> float:
 def _run_case(case: Case, ctx: Ctx) -> dict[str, Any]:
     runner = TABLES[case.entry][1]
     options, shape = _options(case, ctx)
+    return timed_result(lambda: runner(ctx, options, shape), _distance)
+
+
+def timed_result(
+    run: Callable[[], tuple[Any, Any]], distance: Callable[[Any, Any], float]
+) -> dict[str, Any]:
+    """What a case did: ``ok`` with the ``distance`` of ``run()``'s (got, want), or the type
+    and text of its error; and how long it took."""
     start = time.monotonic()
     result: dict[str, Any] = {}
     try:
-        got, want = runner(ctx, options, shape)
-        result.update(ok=True, err=_distance(got, want))
+        got, want = run()
+        result.update(ok=True, err=distance(got, want))
     except Exception as exc:
         result.update(ok=False, type=type(exc).__name__, error=str(exc)[:600])
     result["elapsed_s"] = time.monotonic() - start

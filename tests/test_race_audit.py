@@ -132,6 +132,24 @@ def _inject(seed: int) -> list[str]:
     return seen
 
 
+def _backward_errors(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    local: list[torch.Tensor],
+    dout: torch.Tensor,
+    want: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+) -> dict[str, float]:
+    """Backward of ``out`` with this rank's ``rows`` of ``dout``; the errors of out, lse and
+    the gradients of the ``local`` q, k, v against the oracle's rows."""
+    out.backward(dout[:, rows])
+    got = {"out": out.detach(), "lse": lse, "dq": local[0].grad}
+    got |= {"dk": local[1].grad, "dv": local[2].grad}
+    mine = {name: want[name][:, rows] for name in ("out", "dq", "dk", "dv")}
+    mine["lse"] = want["lse"][:, :, rows]
+    return _errors(got, mine)
+
+
 def _errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
     errors = {}
     for name, x in got.items():
@@ -168,12 +186,7 @@ def _attend(
         *local, group=group, strategy=strategy, causal=causal, layout=layout,
         seq_len=seq if seq_len_given else None, return_lse=True, **options,
     )  # fmt: skip
-    out.backward(dout[:, rows])
-    got = {"out": out.detach(), "lse": lse, "dq": local[0].grad}
-    got |= {"dk": local[1].grad, "dv": local[2].grad}
-    mine = {name: want[name][:, rows] for name in ("out", "dq", "dk", "dv")}
-    mine["lse"] = want["lse"][:, :, rows]
-    return _errors(got, mine)
+    return _backward_errors(out, lse, local, dout, want, rows)
 
 
 def _hybrid(seed: int) -> dict[str, float]:
@@ -194,12 +207,7 @@ def _hybrid(seed: int) -> dict[str, float]:
         *local, mesh=tokenring.hybrid_mesh(2, 2), outer_strategy="token_ring", causal=True,
         layout="zigzag", seq_len=seq, return_lse=True,
     )  # fmt: skip
-    out.backward(dout[:, rows])
-    got = {"out": out.detach(), "lse": lse, "dq": local[0].grad}
-    got |= {"dk": local[1].grad, "dv": local[2].grad}
-    mine = {name: want[name][:, rows] for name in ("out", "dq", "dk", "dv")}
-    mine["lse"] = want["lse"][:, :, rows]
-    return _errors(got, mine)
+    return _backward_errors(out, lse, local, dout, want, rows)
 
 
 def race_ranks(seed: int, repeats: int) -> list[str]:
