@@ -368,7 +368,12 @@ def explain(
             a seq_local the layout cannot split, a dtype the hardware has no FLOP/s for, or
             a ``hybrid`` that does not fit or that ``strategies`` leaves out.
     """
-    hardware = _checked_options(hardware, last_pair=last_pair, causal=causal, training=training)
+    if last_pair not in _LENDS:
+        raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
+    for name, flag in (("causal", causal), ("training", training)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool; got {flag!r}")
+    hardware = _hardware(hardware)
     sizes = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=batch)
     _check_sizes(world_size=world_size, seq_local=seq_local, **sizes)
     shape = AttentionShape(dtype=str(dtype), **sizes)
@@ -394,19 +399,6 @@ def _check_hybrid(
             f"that candidate); got strategies={[s.value for s in ordered]}, hybrid={hybrid!r}"
         )
     hybrid.check(world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
-
-
-def _checked_options(
-    hardware: Hardware | str, *, last_pair: str, causal: bool, training: bool
-) -> Hardware:
-    """:func:`explain`'s ValueErrors for its options; ``hardware`` itself, or the preset it
-    names."""
-    if last_pair not in _LENDS:
-        raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
-    for name, flag in (("causal", causal), ("training", training)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool; got {flag!r}")
-    return _hardware(hardware)
 
 
 def _hardware(hardware: Hardware | str) -> Hardware:
@@ -692,9 +684,8 @@ def _topology(
     of Note [Calibration probe] from the one-way and two-way bytes/s."""
     if given is not None:
         topo = Topology.parse(given)
-        if topo is not Topology.SWITCH:
-            return topo, None
-        return topo, 2 * two_way if world_size > 1 else link
+        port = 2 * two_way if world_size > 1 else link
+        return topo, port if topo is Topology.SWITCH else None
     if world_size > 1 and two_way < 0.75 * link:
         return Topology.SWITCH, 2 * two_way
     return Topology.MESH, None

@@ -123,6 +123,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from tokenring.core.enums import parse_enum
 from tokenring.core.layout import Layout, make_sharding, validate_seq_local
 from tokenring.core.schedule import (
     AttentionShape,
@@ -260,8 +261,16 @@ def _delta_bytes(seq_local: int, dims: AttentionShape) -> int:
     return seq_local * dims.batch * dims.heads_q * row_head
 
 
-def _add_bytes(num_rows: int, heads: int, dims: AttentionShape, *, pairs: int = 1) -> int:
-    """``acc += part`` over ``pairs`` tensors in the accumulation dtype: read both, write one."""
+def _taken_bytes(
+    payload: Payload, num_rows: int, dims: AttentionShape, heads: int | None = None
+) -> int:
+    """Memory traffic of taking in a partial over ``num_rows`` rows and ``heads`` (None: all):
+    an ``out`` merged (``merge_bytes``); a dQ, or dK and dV, added (``acc += part`` in the
+    accumulation dtype: read both, write one)."""
+    if payload is Payload.OUT:
+        return merge_bytes(num_rows, dims, heads)
+    pairs = 1 if payload is Payload.DQ else 2
+    heads = heads or (dims.heads_q if pairs == 1 else dims.heads_kv)
     return num_rows * dims.batch * heads * dims.head_dim * pairs * 3 * dims.acc_bytes
 
 
@@ -363,15 +372,14 @@ class _EventEngine:
 
     def _actions(self, sched: Schedule, r: int) -> list[_Action]:
         """The actions of rank ``r``'s ``program_of`` (Note [Replaying the rank program])."""
-        mem = self.mem
+        if sched.strategy is Strategy.ULYSSES:
+            return self._ulysses(sched, r)
         # the hybrid's outer ring merges its own heads (Note [Hybrid rank program])
         inner = getattr(sched, "inner", 1)
         dims = replace(
             self.dims, heads_q=self.dims.heads_q // inner, heads_kv=self.dims.heads_kv // inner
         )
-        forward = sched.pass_ is Pass.FORWARD
-        if sched.strategy is Strategy.ULYSSES:
-            return self._ulysses(sched, r)
+        forward, mem = sched.pass_ is Pass.FORWARD, self.mem
         # merges and adds are priced on the steps of a ring program, and on all-gather K/V's
         # one step, whose runtime merges and adds like a ring's (Note [Replaying the rank
         # program]); the hybrid's all-to-alls are waits
@@ -386,11 +394,10 @@ class _EventEngine:
             plan = sched.steps[r][t]
             segment = plan.segments[op.index]
             flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
-            label = "attn" if forward else "attn_bwd"
-            actions = [(_COMPUTE, flops / self.flops_per_s, t, label)]
+            actions = [(_COMPUTE, flops / self.flops_per_s, t, "attn" if forward else "attn_bwd")]
             if plan.q_owner == r and t in ring_steps:  # own rows merged (dQ added) at once
                 rows = segment.q_rows[1] - segment.q_rows[0]
-                own = merge_bytes(rows, dims) if forward else _add_bytes(rows, dims.heads_q, dims)
+                own = _taken_bytes(Payload.OUT if forward else Payload.DQ, rows, dims)
                 actions.append((_MERGE, own / mem, t, "merge" if forward else "dq_add"))
             return actions
 
@@ -433,7 +440,7 @@ class _EventEngine:
                 return []
             if forward:  # out and lse of every head joined
                 return [(_MERGE, 2 * s * b * dims.heads_q * (d * e + a) / mem, 0, "join")]
-            dkv = sum(_add_bytes(s, sh.num_kv, dims, pairs=2) for sh in shares if sh.num_q)
+            dkv = sum(_taken_bytes(Payload.DKV, s, dims, sh.num_kv) for sh in shares if sh.num_q)
             dq = 2 * s * b * dims.heads_q * d * e
             return [(_MERGE, dq / mem, 0, "join"), (_MERGE, dkv / mem, 0, "dkv_add")]
 
@@ -443,14 +450,9 @@ class _EventEngine:
     def _added(self, tr: Transfer, dims: AttentionShape) -> _Action:
         """The merge or accumulation of a partial (out, dQ or dK/dV) once it has arrived."""
         heads = tr.heads[1] - tr.heads[0] if tr.heads is not None else None
-        if tr.payload is Payload.OUT:
-            cost, what = merge_bytes(tr.num_rows, dims, heads), "merge"
-        elif tr.payload is Payload.DQ:
-            cost, what = _add_bytes(tr.num_rows, heads or dims.heads_q, dims), "dq_add"
-        else:
-            pairs = heads or dims.heads_kv
-            cost, what = _add_bytes(tr.num_rows, pairs, dims, pairs=2), "dkv_add"
-        return (_MERGE, cost / self.mem, tr.step, what)
+        cost = _taken_bytes(tr.payload, tr.num_rows, dims, heads) / self.mem
+        what = {Payload.OUT: "merge", Payload.DQ: "dq_add"}.get(tr.payload, "dkv_add")
+        return (_MERGE, cost, tr.step, what)
 
     def _cached_program(self, plan: CachedPlan, shards: CachedShards, r: int) -> list[Any]:
         """The actions of rank ``r``'s ``cached_program`` (each partial merged as it returns)."""
@@ -975,11 +977,11 @@ class _Replay:
         self.up = (self.ranks + plan.direction) % p  # where the travelling blocks go
         scale = 4.0 * dims.batch * dims.head_dim * (2.5 if self.backward else 1.0)
         self.kernel_per_pair = scale / hardware.flops_per_s(plan.pass_, dims.dtype)
-        own = merge_bytes(1, dims) if not self.backward else _add_bytes(1, dims.heads_q, dims)
-        self.own_merge_per_row = own / mem
-        ret = _add_bytes(1, 1, dims) if self.backward else merge_bytes(1, dims, 1)
-        self.return_merge_per_row_head = ret / mem  # a returned partial's merge or dQ add
-        self.dkv_add = _add_bytes(plan.seq_local, dims.heads_kv, dims, pairs=2) / mem
+        partial = Payload.DQ if self.backward else Payload.OUT
+        self.own_merge_per_row = _taken_bytes(partial, 1, dims) / mem
+        # a returned partial's merge or dQ add
+        self.return_merge_per_row_head = _taken_bytes(partial, 1, dims, 1) / mem
+        self.dkv_add = _taken_bytes(Payload.DKV, plan.seq_local, dims) / mem
         zeros = torch.zeros(p, dtype=torch.float64)
         delta = _delta_bytes(plan.seq_local, dims) / mem if self.backward else 0.0
         self.now, self.kernel_s, self.memory_s = zeros + delta, zeros.clone(), zeros + delta
@@ -1212,8 +1214,7 @@ def _price_windows(
     step = torch.maximum(confined, step_work).amax(-1, keepdim=True)  # the ring waits for all
     ended = (x, dst, start - step.unsqueeze(-1))  # from the end of their window
     if before is None:
-        before = tuple(torch.zeros_like(v[:1]) for v in flows)  # type: ignore[assignment]
-    assert before is not None
+        before = (torch.zeros_like(x[:1]), torch.zeros_like(dst[:1]), torch.zeros_like(start[:1]))
     x, dst, start = (
         torch.cat([torch.cat([b, e[:-1]]), v], -1)
         for b, e, v in zip(before, ended, flows, strict=True)
@@ -1252,7 +1253,7 @@ def _last_merge_s(plan: RingPlan, col: RingColumns, replay: _Replay, c0: int) ->
     return last_merge
 
 
-def _price_staggered(
+def _price_chunk(
     plan: RingPlan,
     hardware: Hardware,
     net: _Network,
@@ -1263,10 +1264,14 @@ def _price_staggered(
     before: _Flows | None,
     merged_before: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, _Flows | None, Tensor]:
-    """A chunk's ``windows`` with each flow from its post (``_window_flows``,
-    ``_price_windows``): durations, work, the exposed tail's bytes, and for the next chunk
+    """A chunk's ``windows``: durations, work, the exposed tail's bytes, and for the next chunk
     its last window's flows and the returns merged on its last step (``before`` and
-    ``merged_before``: this chunk's, from the chunk before)."""
+    ``merged_before``: this chunk's, from the chunk before). Each flow starts at its post
+    (``_window_flows``, ``_price_windows``), or on a physical ring with its window
+    (Note [Vectorised engine])."""
+    if net.ring:
+        x, dst, start, tail_x = _window_flows(plan, col, flows, windows)
+        return (*_price_used(net, x, dst, start), tail_x, before, merged_before)
     c0 = col.steps.start
     kernel, merge = replay.segment_work(col)
     posted = (kernel + merge).cumsum(-1)  # (P, T, K): the work up to segment k
@@ -1280,22 +1285,6 @@ def _price_staggered(
         )
         dur, work, before = _price_windows(net, (x, dst, start), step_work, before)
     return dur, work, tail_x, before, merges[:, -2:-1]
-
-
-def _price_together(
-    net: _Network, plan: RingPlan, col: RingColumns, flows: _Flows, windows: range
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per flow its duration, per window its work, and the exposed tail's flows, with every
-    flow of a window starting with it (the physical ring: Note [Vectorised engine])."""
-    x, dst, start, tail_x = _window_flows(plan, col, flows, windows)
-    return (*_price_used(net, x, dst, start), tail_x)
-
-
-def _price_tail(net: _Network, col: RingColumns, tail_x: Tensor) -> tuple[Tensor, Tensor]:
-    """The exposed tail's durations and work: the last step's returns home, uncounted."""
-    tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
-    tail_x = tail_x.unsqueeze(0)
-    return net.price(tail_x, tail_dst, start=torch.zeros_like(tail_x), count=False)
 
 
 def _simulate_vectorised(
@@ -1316,14 +1305,15 @@ def _simulate_vectorised(
         col = plan.columns(range(c0, min(p, c1 + 1)))  # and the step after: its window
         windows = range(0 if c0 == 0 else c0 + 1, min(p, c1 + 1))
         flows = _flow_bytes(plan, col, dims)
-        if net.ring:  # every flow of a window starts with it (Note [Vectorised engine])
-            dur, work, tail_x = _price_together(net, plan, col, flows, windows)
-        else:
-            dur, work, tail_x, before, merged_before = _price_staggered(
-                plan, hardware, net, replay, col, flows, windows, before, merged_before
+        dur, work, tail_x, before, merged_before = _price_chunk(
+            plan, hardware, net, replay, col, flows, windows, before, merged_before
+        )
+        if windows and windows[-1] == p - 1:  # and the exposed tail: the last returns, uncounted
+            tail_dst = torch.stack([col.q_owner[:, -1], col.dkv_dst[:, -1]], 1).unsqueeze(0)
+            tail_x = tail_x.unsqueeze(0)
+            tail, tail_work = net.price(
+                tail_x, tail_dst, start=torch.zeros_like(tail_x), count=False
             )
-        if windows and windows[-1] == p - 1:  # and the exposed tail
-            tail, tail_work = _price_tail(net, col, tail_x)
         dur = dur if last_window is None else torch.cat([last_window, dur])
         last_window = dur[-1:]
         travel, returns, dkv = flows
@@ -1440,7 +1430,7 @@ def simulate_pass(
             TokenRing schedule that lends its last pair.
     """
     strategy = Strategy.parse(strategy)
-    pass_ = _parse_pass(pass_)
+    pass_ = parse_enum(Pass, pass_, "pass_")
     layout = Layout.parse(layout)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
@@ -1465,15 +1455,6 @@ def simulate_pass(
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
     return _simulate_vectorised(ring_plan(strategy, pass_, **call), layout, causal, shape, hardware)
-
-
-def _parse_pass(pass_: Pass | str) -> Pass:
-    """``pass_`` as a Pass; ValueError naming the options."""
-    try:
-        return Pass(pass_)
-    except ValueError:
-        options = ", ".join(repr(p.value) for p in Pass)
-        raise ValueError(f"pass_ must be one of {options}; got {pass_!r}") from None
 
 
 def _check_types(
