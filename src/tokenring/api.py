@@ -463,7 +463,9 @@ def _prepare_call(
         "hardware": None if options["hardware"] is None else repr(options["hardware"]),
         "softmax_scale": float(scale).hex(),
         "window_size": list(window),
-        "cu_seqlens": _bounds_digest(sharding.cu_seqlens),
+        # one document's bounds (0, S) say no more than seq_len / seq_local: their digest
+        # only listed a cu_seqlens nobody passed beside ranks' different local lengths
+        "cu_seqlens": _bounds_digest(sharding.cu_seqlens) if sharding.num_docs > 1 else None,
         "attention_chunk_size": options["attention_chunk_size"],
         "last_block_splits": options["last_block_splits"],
         "last_pair": options["last_pair"],

@@ -21,10 +21,11 @@ shard (s)]``, so the ring sees every text key P times::
     keys seen:   P copies of each text key, one copy of each image key
 
 P copies of a key with logit z weigh as one of logit z + log P, so one extra head channel
-biases each text key by -log P (q gets 1, a text key -log(P) / scale, an image key 0, v 0;
-that output channel is dropped)::
+biases each text key by -log P (q gets c, a text key -log(P) / (scale * c), an image key 0,
+v 0; that output channel is dropped; c = 2**m near sqrt(log(P) / scale), so that a small
+scale does not overflow float16, and the product is the same rounded bias as with c = 1)::
 
-    logit(q, k_text) = scale * (q . k + 1 * (-log P / scale)) = scale * q . k - log P
+    logit(q, k_text) = scale * (q . k + c * (-log P / (scale * c))) = scale * q . k - log P
     sum over the P copies: P * exp(scale * q . k - log P) = exp(scale * q . k)
 
 so the result is exactly attention over T + S keys, forward and backward by
@@ -119,6 +120,11 @@ class KVPlacement(enum.Enum):
         return parse_enum(cls, value, "kv")
 
 
+# The ring pairs equal blocks: ranks whose t + s differ (S, or sharded T, not divisible by P)
+# are named here, in the joint check, rather than by the attention call's seq_local
+ROWS_FIELD = "rows t + s (the same on every rank: S, and sharded T, split evenly)"
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_len: bool) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -172,13 +178,16 @@ def joint_attn(
 
     Raises:
         ValueError: on every rank: a rank's bad shapes, dtypes, ``num_text`` outside
-            ``[0, t + s]``, unknown ``text`` or softmax_scale that is not a finite number > 0;
-            ranks that differ in ``text``, with replicated text in ``num_text``, or in their
-            local lengths (raised by the attention call).
+            ``[0, t + s]``, unknown ``text`` or softmax_scale that is not a finite number > 0
+            (with replicated text, also one so small that the text keys' bias overflows q's
+            dtype); ranks that differ in ``text``, with replicated text in ``num_text``, or in
+            their rows t + s.
     """
     refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
     comm = get_communicator(group)
-    validate = functools.partial(_joint_checked, q, k, v, num_text, text, softmax_scale)
+    validate = functools.partial(
+        _joint_checked, q, k, v, num_text, text, softmax_scale, comm.world_size
+    )
     # every rank's placement (and replicated num_text) checked with the others' before the
     # attention call's own check: a rank that fails here does not leave its peers waiting
     placement = comm.agreed(validate, what="joint attention call", deferred=True)
@@ -194,6 +203,7 @@ def _joint_checked(
     num_text: Any,
     text: Any,
     softmax_scale: float | None,
+    world_size: int,
 ) -> tuple[TextPlacement, dict[str, Any]]:
     """:func:`joint_attn`'s own checks; the placement and what the ranks must agree on."""
     placement = TextPlacement.parse(text)
@@ -205,8 +215,11 @@ def _joint_checked(
     if not 0 <= num_text <= q.shape[1]:
         raise ValueError(f"num_text must be in [0, {q.shape[1]}] (q.shape[1]); got {num_text}")
     replicated = placement is TextPlacement.REPLICATED
+    if replicated and num_text and world_size > 1 and q.dtype.is_floating_point:
+        _check_bias_range(world_size, softmax_scale, q)
     # the bias is applied to the first num_text keys of each rank: all the same T
-    return placement, {"text": placement.value, "num_text": num_text if replicated else None}
+    signature = {"text": placement.value, "num_text": num_text if replicated else None}
+    return placement, signature | {ROWS_FIELD: q.shape[1]}
 
 
 def _joint(
@@ -230,10 +243,11 @@ def _joint(
     # the bias channel (Note [Joint attention with replicated text]): E = 8 when 8 divides D
     b, n, d = q.shape[0], q.shape[1], q.shape[3]
     extra = 8 if d % 8 == 0 else 1
+    q_unit, k_bias = _bias_factors(-math.log(comm.world_size) / scale)
     q_extra = q.new_zeros(b, n, q.shape[2], extra)  # (B, t + s, Hq, E)
-    q_extra[..., 0] = 1
+    q_extra[..., 0] = q_unit
     k_extra = k.new_zeros(b, n, k.shape[2], extra)  # (B, t + s, Hkv, E)
-    k_extra[:, :num_text, :, 0] = -math.log(comm.world_size) / scale
+    k_extra[:, :num_text, :, 0] = k_bias
     out = sequence_parallel_attn(
         torch.cat([q, q_extra], dim=-1),  # (B, t + s, Hq, D + E)
         torch.cat([k, k_extra], dim=-1),
@@ -241,6 +255,30 @@ def _joint(
         **options,
     )
     return cast(torch.Tensor, out)[..., :d]  # (B, t + s, Hq, D)
+
+
+def _bias_factors(bias: float) -> tuple[float, float]:
+    """``(2**m, bias / 2**m)``: the text keys' bias split between q's and k's extra channel by
+    a power of two, so that neither exceeds about sqrt(|bias|). Their product is the rounded
+    bias exactly (a power of two scales without rounding), the same as ``(1, bias)``, but a
+    small softmax_scale no longer overflows float16: bias = -log(2) / 1e-5 = -69315 was inf
+    there, which gave the text keys no weight at all (0.36 off on 2 ranks)."""
+    m = max(0, math.ceil(math.log2(abs(bias)) / 2)) if bias else 0
+    return 2.0**m, bias / 2.0**m
+
+
+def _check_bias_range(world_size: int, softmax_scale: float | None, q: torch.Tensor) -> None:
+    """ValueError where the replicated text's bias channel overflows q's dtype even split by
+    :func:`_bias_factors` (float16 with softmax_scale below about log(P) * 2**-32)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    factors = _bias_factors(-math.log(world_size) / scale)
+    if max(abs(x) for x in factors) > torch.finfo(q.dtype).max:
+        raise ValueError(
+            f"softmax_scale={softmax_scale!r} is too small for replicated text in {q.dtype} "
+            f"on {world_size} ranks: its key bias -log({world_size}) / scale = "
+            f"{-math.log(world_size) / scale:.3g} overflows {q.dtype}; pass a larger "
+            "softmax_scale, another dtype or text='sharded'"
+        )
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -289,8 +327,9 @@ def cross_attn(
         ValueError: bad shapes or dtypes, an unknown ``kv``, a softmax_scale that is not a
             finite number > 0, a group that is not one, or no key at all; on every rank of a
             group (replicated K/V too: one small exchange), also where one rank's call is bad
-            or the ranks differ in ``kv`` or, with sharded K/V, their K/V differ in batch,
-            heads, head dim, dtype, device type or whether they need a gradient.
+            or the ranks differ in ``kv`` or their K/V in batch, heads, head dim, dtype or
+            device type, and with replicated K/V in length, with sharded K/V in whether they
+            need a gradient.
     """
     refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
     validate = functools.partial(_cross_checked, q, k, v, kv, softmax_scale)
@@ -333,16 +372,19 @@ def _cross_checked(
     check_softmax_scale(softmax_scale)
     if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
         raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
-    if placement is KVPlacement.REPLICATED:  # nothing gathered: only the placement
-        return None, {"kv": placement.value}
-    grad = torch.is_grad_enabled()
-    return None, {
+    signature = {
         "kv": placement.value,
         "batch": k.shape[0],
         "heads_kv": k.shape[2],
         "head_dim": k.shape[3],
         "dtype": str(k.dtype),
         "device type": k.device.type,
+    }
+    if placement is KVPlacement.REPLICATED:  # nothing gathered: the same K/V on every rank
+        # (a rank passing its own part, or other K/V, attended to them alone, unnoticed)
+        return None, signature | {"Skv (replicated: every rank's K/V)": k.shape[1]}
+    grad = torch.is_grad_enabled()
+    return None, signature | {
         "k needs grad": grad and k.requires_grad,
         "v needs grad": grad and v.requires_grad,
     }
@@ -505,6 +547,7 @@ def _layer_checked(
         "num_text": num_text if text is TextPlacement.REPLICATED else None,
         # rotary embeddings on some ranks' rows only would attend rotated against plain
         "image_rotary_emb": rotary is not None,
+        ROWS_FIELD: rows,
     }
 
 
