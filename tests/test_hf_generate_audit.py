@@ -31,6 +31,7 @@ from transformers import (  # noqa: E402
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from tokenring import hf  # noqa: E402
 
@@ -93,6 +94,19 @@ class _SlowOnRank0(LogitsProcessor):
         return scores
 
 
+class _Collect(BaseStreamer):
+    """A streamer that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.tokens: list[list[int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.tokens.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
 def _timed(run: Callable[[], Any]) -> dict[str, Any]:
     start = time.monotonic()
     out: dict[str, Any] = {}
@@ -148,6 +162,10 @@ def run_cases() -> dict[str, Any]:
             lambda scale=scale: _generate(model, 0, max_new_tokens=2, guidance_scale=scale)
         )
     out["guidance oracle"] = _oracle(oracle, 0, max_new_tokens=2)
+    # a streamer on rank 0 alone (printing once): it changes no token
+    streamer = _Collect() if rank == 0 else None
+    out["streamer"] = _timed(lambda: _generate(model, 0, max_new_tokens=2, streamer=streamer))
+    out["streamed"] = None if streamer is None else streamer.tokens
     return out
 
 
@@ -206,3 +224,18 @@ def test_guidance_scale_is_refused_naming_it(ranks: list[dict[str, Any]]) -> Non
     for res in ranks:
         _raised_fast(res["guidance_scale 2"], "guidance_scale=2", "classifier-free guidance")
         assert torch.equal(res["guidance_scale 1"]["value"], res["guidance oracle"])
+
+
+def test_a_streamer_on_one_rank_alone_runs(ranks: list[dict[str, Any]]) -> None:
+    """A streamer is a side effect of one rank (rank 0 prints the tokens): it was compared
+    with the options ("streamer: rank 0 has _Collect, rank 1 has None") and every rank
+    raised. It changes no token: it is left out of the agreed options, and rank 0's streamer
+    gets the prompt and each new token."""
+    for res in ranks:
+        assert "value" in res["streamer"], res["streamer"]
+        assert torch.equal(res["streamer"]["value"], ranks[0]["streamer"]["value"])
+    sequences = ranks[0]["streamer"]["value"]
+    assert ranks[0]["streamed"][0] == sequences[:, :PROMPT].reshape(-1).tolist()
+    assert [t for step in ranks[0]["streamed"][1:] for t in step] == sequences[
+        :, PROMPT:
+    ].T.reshape(-1).tolist()

@@ -628,9 +628,14 @@ def _agreed_max_time(model: Any, gen_kwargs: dict[str, Any], comm: Communicator)
 # the next step), do_sample or temperature drew other tokens (the step check named the token
 # ids, not the option). generate's options, as transformers merges them (the generation
 # config's fields that differ from the defaults, then every keyword that is not one), travel
-# with the first step's token ids: one exchange, which names the option that differs. A rank
-# that fails before that check (its own refusal, or transformers' validation inside
-# model.generate) posts its error to the same check, so its peers raise at once, naming it.
+# with the first step's token ids: one exchange, which names the option that differs (all but
+# a streamer, which changes no token: one rank alone may print them). A rank that fails
+# before that check (its own refusal, or transformers' validation inside model.generate)
+# posts its error to the same check, so its peers raise at once, naming it.
+
+
+_RANK_LOCAL = frozenset({"streamer"})
+"""generate options that change no token: a rank may pass one alone (rank 0 prints)."""
 
 
 def _call_signature(
@@ -643,7 +648,7 @@ def _call_signature(
         base = GenerationConfig()
     rest = base.update(**{k: v for k, v in gen_kwargs.items() if k != "generation_config"})
     options = {name: _described(value) for name, value in base.to_diff_dict().items()}
-    options |= {name: _described(value) for name, value in rest.items()}
+    options |= {name: _described(v) for name, v in rest.items() if name not in _RANK_LOCAL}
     strategy = cache.strategy
     options["strategy"] = strategy if isinstance(strategy, str) else strategy.value
     options["block_size"] = cache.block_size
