@@ -523,6 +523,7 @@ def _gen_rows() -> list[Row]:
         Row("prompt_lookup_num_tokens", Refused(2), Refused(2), refused),
         Row("assistant_early_exit", Refused(1), Refused(1), refused),
         Row("custom_generate", Refused("x/y"), Refused("x/y"), refused),
+        Row("guidance_scale", Refused(2.0), Refused(2.0), refused),
         Row("cache_implementation", Refused("static"), Refused("static"), refused),
         Row("output_attentions", Refused(True), Refused(True), refused),
         Row("output_hidden_states", Refused(True), Refused(True), refused),

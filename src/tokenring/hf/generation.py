@@ -39,10 +39,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tokenring.core.layout import check_int
 from tokenring.hf.attention import (
@@ -65,7 +67,7 @@ from tokenring.strategies.cached import CachedStrategy, CacheStep
 
 try:
     import transformers
-    from transformers import Cache, GenerationConfig
+    from transformers import Cache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
     from transformers.cache_utils import CacheLayerMixin
 except ImportError as exc:  # pragma: no cover - tokenring.hf checks first
     raise ImportError(
@@ -249,10 +251,16 @@ class ShardedKVCache(Cache):
         self.strategies.append(chosen)
         return step
 
-    def _agree_on_ids(self, input_ids: torch.Tensor) -> None:
-        """Check ``input_ids`` and that every rank holds the same ones, or every rank raises."""
+    def finish(self, sequences: torch.Tensor) -> None:
+        """Check that every rank ended generate at the same step with the same
+        ``sequences``, or every rank raises (Note [Generation ends agreed]). Collective."""
+        self._agree_on_ids(sequences, finished=True)
 
-        first = self.kv is None
+    def _agree_on_ids(self, input_ids: torch.Tensor, *, finished: bool = False) -> None:
+        """Check ``input_ids`` (a step's new ids; ``finished``: generate's sequences) and that
+        every rank holds the same ones at the same point, or every rank raises."""
+
+        first = not self.first_step_begun
         self.first_step_begun = True
 
         def validate() -> tuple[None, dict[str, Any]]:  # the signature: a digest of the ids
@@ -261,20 +269,32 @@ class ShardedKVCache(Cache):
                     "input_ids must have shape (batch, new tokens >= 1); got "
                     f"{tuple(input_ids.shape)}"
                 )
-            if self.kv is not None and input_ids.shape[0] != self.kv.batch:
+            if not finished and self.kv is not None and input_ids.shape[0] != self.kv.batch:
                 raise ValueError(
                     f"the cache holds {self.kv.batch} sequences; got input_ids of batch "
                     f"{input_ids.shape[0]}"
                 )
             ids = input_ids.detach().to("cpu", torch.int64).contiguous()
             digest = hashlib.sha1(ids.numpy().tobytes()).hexdigest()
-            signature = {"shape": list(ids.shape), "cached": self._seen, "ids sha1": digest}
+            signature = {
+                "shape": list(ids.shape),
+                "cached": self._seen,
+                "ids sha1": digest,
+                "generation ended": finished,
+            }
             return None, signature | (self.call_signature if first else {})
 
         what = FIRST_STEP if first else "generation step"
         try:
             self.communicator.agreed(validate, what=what, errors=(ValueError,))
         except ValueError as exc:
+            if "generation ended" in str(exc):  # one rank's loop ended, another's went on
+                raise ValueError(
+                    "the ranks stopped generating at different steps: a stopping criterion "
+                    "decided differently on different ranks (stopping_criteria, stop_strings "
+                    "or a logits processor that ends sequences must decide alike on every "
+                    f"rank); {exc}"
+                ) from exc
             if "ids sha1" in str(exc):  # the ranks differ (no check's own error says this)
                 raise ValueError(
                     "the ranks hold different token ids at this generation step: every rank "
@@ -404,6 +424,10 @@ _REFUSED_OPTIONS = {
     "prompt_lookup_num_tokens": (None, "prompt lookup decoding: the cache cannot crop"),
     "assistant_early_exit": (None, "self-speculative decoding: the cache cannot crop"),
     "custom_generate": (None, "custom_generate"),
+    "guidance_scale": (
+        1,
+        "classifier-free guidance (guidance_scale): it runs the model outside generate's steps",
+    ),
     "cache_implementation": (None, "cache_implementation (generate uses a ShardedKVCache)"),
     "output_attentions": (False, "output_attentions (no attention weights are formed)"),
     "output_hidden_states": (False, "output_hidden_states (each rank holds its own rows only)"),
@@ -511,14 +535,17 @@ def generate(
         input_ids: ``(B, S)`` prompts of equal length, the same on every rank.
         strategy, block_size, budget_bytes: of the :class:`ShardedKVCache`.
         gen_kwargs: ``model.generate``'s: greedy search and sampling (seed every rank alike);
-            the options of ``_REFUSED_OPTIONS`` raise.
+            the options of ``_REFUSED_OPTIONS`` raise; ``max_time`` stops every rank at the
+            same step.
 
     Returns:
         What ``model.generate`` returns: ``(B, S + new)`` ids, or its output object.
 
     Raises:
         ValueError: a model without a tokenring attention, input_ids not 2-D, use_cache=False,
-            sp with seq_len or cu_seqlens, or ranks whose token ids differ.
+            sp with seq_len or cu_seqlens, ranks whose token ids differ (the sequences
+            returned too), or ranks that stopped at different steps (Note [Generation ends
+            agreed]).
         NotImplementedError: an option of ``_REFUSED_OPTIONS``, a padding attention_mask, a
             cache to continue from, a sliding window or chunked attention once the sequence
             outgrows it (at that step, on every rank), or a layer that mixes tokens other
@@ -533,8 +560,11 @@ def generate(
             model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
         )
         cache.call_signature = _call_signature(model, gen_kwargs, cache)
+        gen_kwargs = _agreed_max_time(model, gen_kwargs, comm)
         with _sharded_forward(model, cache):
-            return model.generate(input_ids, cache=cache, **gen_kwargs)
+            out = model.generate(input_ids, cache=cache, **gen_kwargs)
+        cache.finish(out if isinstance(out, torch.Tensor) else out.sequences)
+        return out
     except Exception as exc:
         if cache is None or not cache.first_step_begun:
             # the peers wait in the first step's check: they learn this rank's error there
@@ -545,6 +575,52 @@ def generate(
 FIRST_STEP = "generate call"
 """The first step's rank check (Note [Generation options agreed])."""
 
+# Note [Generation ends agreed]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each rank's model.generate decides on its own when to stop, and draws the last token on its
+# own: a token fed back is checked by the next step's id check, the last one never is. So
+# ranks seeded apart returned different sequences without a word, and a stopping criterion
+# that stopped one rank a step early returned there while its peers waited in the next step
+# (they raised "ranks are in different calls", naming the stopped rank's next call). Once
+# model.generate returns, every rank checks its sequences in the same check as the steps
+# (ShardedKVCache.finish: "generation ended" in the signature): a rank still stepping meets
+# an ended one there and every rank raises naming the stop; sequences that differ raise as
+# the ids of a step do. max_time, a stop by each rank's own clock, is decided alike: its
+# criterion (_AgreedMaxTime) stops every rank once any rank's clock passed it.
+
+
+class _AgreedMaxTime(StoppingCriteria):
+    """transformers' ``MaxTimeCriteria`` decided alike on every rank of ``comm``: every
+    sequence stops once any rank's clock passed ``max_time`` seconds since generate began (an
+    all-reduce per step)."""
+
+    def __init__(self, max_time: float, comm: Communicator) -> None:
+        self.max_time = max_time
+        self.comm = comm
+        self.start = time.time()
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        late = time.time() - self.start > self.max_time
+        flag = torch.tensor([int(late)], dtype=torch.int32, device=input_ids.device)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX, label="generate max_time").wait()
+        return torch.full(
+            (input_ids.shape[0],), bool(flag.item()), dtype=torch.bool, device=input_ids.device
+        )
+
+
+def _agreed_max_time(model: Any, gen_kwargs: dict[str, Any], comm: Communicator) -> dict[str, Any]:
+    """``gen_kwargs`` with max_time (a keyword's or the generation config's) replaced by an
+    :class:`_AgreedMaxTime` stopping criterion (Note [Generation ends agreed])."""
+    config = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    max_time = gen_kwargs.get("max_time", getattr(config, "max_time", None))
+    if isinstance(max_time, bool) or not isinstance(max_time, (int, float)):
+        return gen_kwargs  # None, or a value transformers refuses
+    given = gen_kwargs.get("stopping_criteria") or []
+    criteria = StoppingCriteriaList([*given, _AgreedMaxTime(float(max_time), comm)])
+    return gen_kwargs | {"max_time": None, "stopping_criteria": criteria}
+
+
 # Note [Generation options agreed]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Every rank runs its own model.generate, so an option one rank alone was given changed that
@@ -552,9 +628,14 @@ FIRST_STEP = "generate call"
 # the next step), do_sample or temperature drew other tokens (the step check named the token
 # ids, not the option). generate's options, as transformers merges them (the generation
 # config's fields that differ from the defaults, then every keyword that is not one), travel
-# with the first step's token ids: one exchange, which names the option that differs. A rank
-# that fails before that check (its own refusal, or transformers' validation inside
-# model.generate) posts its error to the same check, so its peers raise at once, naming it.
+# with the first step's token ids: one exchange, which names the option that differs (all but
+# a streamer, which changes no token: one rank alone may print them). A rank that fails
+# before that check (its own refusal, or transformers' validation inside model.generate)
+# posts its error to the same check, so its peers raise at once, naming it.
+
+
+_RANK_LOCAL = frozenset({"streamer"})
+"""generate options that change no token: a rank may pass one alone (rank 0 prints)."""
 
 
 def _call_signature(
@@ -567,7 +648,7 @@ def _call_signature(
         base = GenerationConfig()
     rest = base.update(**{k: v for k, v in gen_kwargs.items() if k != "generation_config"})
     options = {name: _described(value) for name, value in base.to_diff_dict().items()}
-    options |= {name: _described(value) for name, value in rest.items()}
+    options |= {name: _described(v) for name, v in rest.items() if name not in _RANK_LOCAL}
     strategy = cache.strategy
     options["strategy"] = strategy if isinstance(strategy, str) else strategy.value
     options["block_size"] = cache.block_size
