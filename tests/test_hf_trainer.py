@@ -4,7 +4,8 @@ one process on the full batch.
 One launch. Each rank trains the same float64 Llama for two SGD steps with the Hugging Face
 ``Trainer`` (DDP over the 4 ranks); the sequence-parallel groups are the ``"sp"`` dimension of
 a 2-D ``DeviceMesh``. The ranks record the batch their group's first rank loaded, the
-gradients after DDP (before the optimizer step) and the loss the Trainer logs. This process
+gradients after DDP (before the optimizer step) and the loss the Trainer logs; both ranks of
+a group load the same batches (the data is dealt over the groups). This process
 runs the same model with transformers' SDPA on the full batch of each step (both groups'
 sequences), takes the token mean of the cross-entropy with its own shift, and makes the same
 SGD step. Every sequence has the same number of counted labels, so the mean over the groups
@@ -46,7 +47,7 @@ from tokenring import hf  # noqa: E402
 
 VOCAB = 64
 SEQ_LEN = 16
-NUM_SEQS = 8  # one step: 4 ranks x 2 per device, of which the 2 groups' first ranks' count
+NUM_SEQS = 8  # two steps: 2 groups x 2 per device (both ranks of a group load the same)
 PER_DEVICE = 2
 STEPS = 2
 LR = 0.5
@@ -121,7 +122,7 @@ def run_trainer(state: dict[str, torch.Tensor], data: list[dict[str, torch.Tenso
 
     class RecordingTrainer(SequenceParallelTrainer):
         def compute_loss(self, model: Any, inputs: dict[str, Any], *args: Any, **kw: Any) -> Any:
-            seen.append(inputs["input_ids"].clone())  # this rank's, before the broadcast
+            seen.append(inputs["input_ids"].clone())  # what this rank's loader gave it
             return super().compute_loss(model, inputs, *args, **kw)
 
     # what torchrun sets, and accelerate reads (the process group is already up)
@@ -276,7 +277,14 @@ def test_trainer_dp_by_sp_matches_one_process() -> None:
     state = initial_state()
     data = dataset()
     per_rank = tokenring.launch(run_trainer, state, data, world_size=4, timeout_s=400)
-    # mesh ("dp", "sp") of 4 ranks: the groups are {0, 1} and {2, 3}; their first ranks' batches
+    # mesh ("dp", "sp") of 4 ranks: the groups are {0, 1} and {2, 3}; each group's ranks loaded
+    # the same batches, and the groups' batches of the two steps are 8 distinct rows (the data
+    # is dealt over the 2 groups: no row twice before the epoch is through)
+    for step in range(STEPS):
+        assert torch.equal(per_rank[0]["seen"][step], per_rank[1]["seen"][step]), step
+        assert torch.equal(per_rank[2]["seen"][step], per_rank[3]["seen"][step]), step
+    loaded = {tuple(row.tolist()) for r in (0, 2) for b in per_rank[r]["seen"] for row in b}
+    assert len(loaded) == STEPS * 2 * PER_DEVICE, len(loaded)
     by_ids = {tuple(row["input_ids"].tolist()): row["labels"] for row in data}
     batches, labels = [], []
     for step in range(STEPS):

@@ -1,5 +1,6 @@
 """tokenring.hf.trainer.SequenceParallelTrainer with gradient accumulation against
-transformers' own ``Trainer`` (Note [Trainer ranks and gradient scale]).
+transformers' own ``Trainer`` (Note [Trainer ranks and gradient scale], Note [Data over the
+groups]).
 
 Micro-batches with -100 prompt masks of different lengths count different numbers of labels,
 so a mean of micro-batch means differs from transformers' loss (the summed token loss over
@@ -8,16 +9,21 @@ with ``gradient_accumulation_steps=2``, sequential sampling and three cases:
 ``average_tokens_across_devices`` True and False, and a model without loss keyword
 arguments (transformers then passes no ``num_items_in_batch``: each micro-batch's mean over
 the accumulation steps). Each run records the micro-batches its ranks loaded, its parameters
-after the step, the loss it logged and ``evaluate``'s loss. The ranks also count a batch
-without labels (every next token counts) and one that the first rank alone gives malformed
-(no count on any rank, so compute_loss raises on each instead of a rank waiting).
+after the step, the loss it logged and ``evaluate``'s loss over an eval set whose last batch
+is partial (3 rows on dp = 1, 5 on dp = 2: accelerate pads the last batch and
+``gather_for_metrics`` cuts it). The ranks also count a batch without labels (every next
+token counts) and one that the first rank alone gives malformed (no count on any rank, so
+compute_loss raises on each instead of a rank waiting).
 
 - 2 ranks, sp = 2 (dp = 1): the oracle is transformers' plain ``Trainer`` in this one
-  process (SDPA) over the first rank's micro-batches.
+  process (SDPA) on the same datasets.
 - 4 ranks, dp = 2 x sp = 2: the oracle is transformers' plain ``Trainer`` on 2 processes
-  (DDP over gloo, in the 2-rank launch), its rank d fed group d's first rank's micro-batches:
-  transformers' own data parallelism (its count gathered over the processes, its loss times
-  the processes, DDP's average), nothing rebuilt by hand.
+  (DDP over gloo, in the 2-rank launch) on the same datasets: transformers' own data
+  parallelism (its loaders dealt over the processes, its count gathered over them, its loss
+  times the processes, DDP's average, its evaluation gather), nothing rebuilt by hand.
+
+Both ranks of a group load the same micro-batches, those the oracle's process of the same
+index loads (the dataset is dealt over the dp groups, not the N ranks).
 
 Float64 weights; transformers' loss is computed in float32 (PARAMS_ATOL says why): the
 parameters agree within 1e-6 (2e-8 measured), the logged and ``evaluate``'s loss within a
@@ -187,7 +193,8 @@ def run_ranks(
     plain: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
 ) -> dict[str, Any]:
     """Inside each rank: SequenceParallelTrainer on a (dp, sp) mesh for every case; then,
-    given ``plain``, transformers' Trainer on these ranks (DDP) for every case."""
+    given ``plain`` (train and eval rows), transformers' Trainer on these ranks (DDP) for
+    every case."""
     from torch.distributed.device_mesh import init_device_mesh
 
     # what torchrun sets, and accelerate reads (the process group is already up)
@@ -199,20 +206,6 @@ def run_ranks(
     out: dict[str, Any] = {"sp": {case: train(case, state, data, eval_data, sp) for case in CASES}}
     if plain is not None:
         out["plain"] = {case: train(case, state, *plain) for case in CASES}
-    return out
-
-
-def arrange(
-    first_ranks: list[dict[str, Any]], kind: str, num_batches: int
-) -> list[dict[str, torch.Tensor]]:
-    """Rows for a sequentially sampled Trainer over len(first_ranks) processes whose process
-    d loads the micro-batches first_ranks[d] recorded (accelerate deals out whole batches in
-    turn; the oracle's own record checks it)."""
-    out = []
-    for k in range(num_batches):
-        for res in first_ranks:
-            batch = res["seen"][kind][k]
-            out += [{name: t[i] for name, t in batch.items()} for i in range(PER_DEVICE)]
     return out
 
 
@@ -245,43 +238,38 @@ def errors(got: dict[str, Any], want: dict[str, Any]) -> dict[str, float]:
 
 def test_gradient_accumulation_matches_transformers_trainer() -> None:
     state = initial_state()
-    num_rows = 4 * PER_DEVICE * GA  # one step on 4 ranks
-    four = tokenring.launch(
-        run_ranks, state, rows(num_rows, 1), rows(4 * PER_DEVICE, 2), world_size=4, timeout_s=300
-    )
+    # one step: dp groups x PER_DEVICE x GA rows; the eval sets end in a partial batch
+    data4, eval4 = rows(2 * PER_DEVICE * GA, 1), rows(5, 2)
+    data2, eval2 = rows(PER_DEVICE * GA, 3), rows(3, 4)
+    four = tokenring.launch(run_ranks, state, data4, eval4, world_size=4, timeout_s=300)
+    # transformers' Trainer on 2 processes over the 4-rank launch's data
+    two = tokenring.launch(run_ranks, state, data2, eval2, (data4, eval4), world_size=2)
+    one_process = {case: train(case, state, data2, eval2) for case in CASES}
     # mesh ("dp", "sp") of 4 ranks: the groups are {0, 1} and {2, 3}
     groups = [four[0]["sp"][CASES[0]], four[2]["sp"][CASES[0]]]
-    plain = (arrange(groups, "train", GA), arrange(groups, "eval", 1))
-    two = tokenring.launch(
-        run_ranks, state, rows(num_rows // 2, 3), rows(2 * PER_DEVICE, 4), plain, world_size=2
-    )
     first = two[0]["sp"][CASES[0]]
-    one_process = {
-        case: train(case, state, arrange([first], "train", GA), arrange([first], "eval", 1))
-        for case in CASES
-    }
 
-    # the data discriminates: micro-batches, a group's ranks and the groups count differently
+    # the data discriminates: micro-batches and the groups count differently
     def group_count(res: dict[str, Any]) -> int:
         return sum(counted(b) for b in res["seen"]["train"])
 
     firsts = first["seen"]["train"]
     assert counted(firsts[0]) != counted(firsts[1])
-    assert group_count(first) != group_count(two[1]["sp"][CASES[0]])
     assert group_count(groups[0]) != group_count(groups[1])
-    assert group_count(groups[0]) != group_count(four[1]["sp"][CASES[0]])
 
     found: dict[str, dict[str, float]] = {}
     for case in CASES:
-        # dp = 1: the one-process Trainer fed the first rank's micro-batches
-        assert same_batches(one_process[case], first)
+        # dp = 1: both ranks loaded the one-process Trainer's batches, the whole eval set
         for rank, res in enumerate(two):
+            assert same_batches(res["sp"][case], one_process[case]), (case, rank)
             found[f"sp=2 {case} rank {rank}"] = errors(res["sp"][case], one_process[case])
-        # dp = 2: transformers' 2-process Trainer, its rank d fed group d's first rank's batches
+        eval_rows = sum(len(b["input_ids"]) for b in one_process[case]["seen"]["eval"])
+        assert eval_rows == len(eval2)
+        # dp = 2: transformers' 2-process Trainer; group d's ranks loaded its rank d's batches
         for d in range(2):
-            assert same_batches(two[d]["plain"][case], groups[d])
             assert max_diff(two[d]["plain"][case]["params"], two[0]["plain"][case]["params"]) == 0
         for rank, res in enumerate(four):
+            assert same_batches(res["sp"][case], two[rank // SP]["plain"][case]), (case, rank)
             found[f"dp=2 x sp=2 {case} rank {rank}"] = errors(
                 res["sp"][case], two[0]["plain"][case]
             )

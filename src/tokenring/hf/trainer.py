@@ -7,18 +7,20 @@ Note [Trainer ranks and gradient scale]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 N = dp x sp ranks form dp sequence-parallel groups of sp ranks (e.g. ``mesh["sp"]`` of a
 ``("dp", "sp")`` mesh); the Trainer's DDP spans all N. The aim: the update transformers'
-Trainer makes over dp data-parallel processes fed the groups' first ranks' micro-batches.
-Per optimizer step of M accumulated micro-batches m, and group g, where S_gm is the summed
-token loss of micro-batch m over the group's tokens and C_g the labels counted in its M
-micro-batches (``labels[..., 1:] != -100``, transformers' count; with ``cu_seqlens`` the
-labels the loss sums)::
+Trainer makes over dp data-parallel processes, its process g fed group g's micro-batches
+(Note [Data over the groups]: every rank of a group loads the same ones, the dataset dealt
+over the dp groups). Per optimizer step of M accumulated micro-batches m, and group g, where
+S_gm is the summed token loss of micro-batch m over the group's tokens and C_g the labels
+counted in its M micro-batches (``labels[..., 1:] != -100``, transformers' count; with
+``cu_seqlens`` the labels the loss sums)::
 
-    the loader          gives every rank its own M micro-batches
+    the loader          gives every rank of group g the group's M micro-batches
     _get_num_items_in_batch
-                        n: C_g counted on the group's first rank, agreed within g (the
-                        others' batches are dropped); average_tokens_across_devices:
+                        n: C_g counted on the group's first rank, agreed within g (its
+                        ranks hold the same batches); average_tokens_across_devices:
                         n = C = sum over g of C_g, and k = dp; else n = C_g, k = 1
-    broadcast_batch     the group's first rank's micro-batch on each of its ranks
+    _same_batch         checks that the group's ranks hold the same micro-batch (raises
+                        on each of them otherwise)
     shard_batch         each rank's zigzag shard, labels shifted over the global sequence
     causal_lm_loss      k S_gm / n: the same value on every rank of g, its gradient on rank r
                         the share G_rm, and sum over r in g of G_rm = k dS_gm / n
@@ -38,10 +40,38 @@ then, as there, each micro-batch's loss is the group's token mean L_gm = S_gm / 
 Trainer divides it by M, and the update is 1/dp sum over g 1/M sum over m dL_gm.
 ``evaluate`` counts each batch alike (``prediction_step``): its loss is S / C of the batch,
 or the mean over groups of their token means, as transformers' evaluate.
+
+Note [Data over the groups]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Context parallelism (Megatron, torchtitan) deals the data over the data-parallel ranks only:
+the ranks of a sequence-parallel group see the same batch. accelerate deals it over all N
+processes, so the Trainer's loaders are re-dealt over the dp groups: group g (the groups
+ordered by their lowest global rank; a ``("sp", "dp")`` mesh gives strided groups) takes
+process index g of dp. Then an epoch covers the dataset once, and ``evaluate`` scores every
+row: its loss is that of transformers' Trainer over dp processes. What this relies on, from
+transformers 5.x and accelerate 1.x:
+
+- ``Trainer._get_dataloader`` builds the train, eval and test loaders and returns
+  ``accelerator.prepare``'s loader; for a dataset with a length that is a ``DataLoaderShard``
+  whose ``BatchSamplerShard`` reads ``num_processes`` and ``process_index`` when iterated and
+  measured (``__iter__``, ``__len__``; the loader's ``total_batch_size``, hence
+  ``GradientState.remainder`` and ``end_of_dataloader``, from the same attributes).
+  transformers itself resets them for its ``BatchRebalanceSampler``. :meth:`_get_dataloader`
+  sets them to dp and g (dp = 1: also ``even_batches`` off, as for one process, which
+  accelerate does not wrap: a last partial batch stays partial); other loaders (an
+  ``IterableDataset``: accelerate dispatches or shards it over the N processes) and the
+  ``batch_rebalance`` sampler (dealt over N by transformers) raise ``NotImplementedError``.
+- ``evaluation_loop`` gathers each batch's ``losses.repeat(batch_size)`` with
+  ``self.gather_function`` (accelerate's ``gather_for_metrics``: all N processes in rank
+  order, the last batch cut to ``GradientState.remainder``), and resets it at its end.
+  :meth:`evaluation_loop` sets it to :meth:`_gather_for_metrics`, which keeps the groups'
+  first ranks' parts in group order before the cut: what dp processes gather. The sp copies
+  in rank order would count a group sp times and cut the wrong rows off the last batch.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -50,7 +80,6 @@ import torch.distributed as dist
 from tokenring.hf.attention import (
     SequenceParallel,
     as_sequence_parallel,
-    broadcast_batch,
     causal_lm_loss,
     check_model,
     data_parallel_loss,
@@ -91,13 +120,16 @@ class SequenceParallelTrainer(Trainer):
     gradient scale]). Batches hold ``input_ids``, optionally ``labels`` (unshifted, ``-100``
     where not counted; without them, ``input_ids``) and an all-ones ``attention_mask``.
 
-    The update and the logged loss are those of transformers' ``Trainer`` over dp =
-    N / sp data-parallel processes fed each group's first rank's batches (the others' are
-    dropped), gradient accumulation included: the summed token loss divided by
-    ``num_items_in_batch``, the labels counted in the group's accumulated micro-batches
-    (summed over the dp groups with ``average_tokens_across_devices``), or, where
-    transformers passes no ``num_items_in_batch`` (a model without loss keyword arguments),
-    each micro-batch's token mean divided by the accumulation steps.
+    The train, eval and test loaders deal the dataset over the dp = N / sp groups, not the
+    N ranks: every rank of a group loads the same batches (Note [Data over the groups]), so
+    an epoch covers the dataset once and ``evaluate`` scores every row. The update, the
+    logged loss and ``evaluate``'s loss are those of transformers' ``Trainer`` over dp
+    data-parallel processes, process g fed group g's batches, gradient accumulation
+    included: the summed token loss divided by ``num_items_in_batch``, the labels counted in
+    the group's accumulated micro-batches (summed over the dp groups with
+    ``average_tokens_across_devices``), or, where transformers passes no
+    ``num_items_in_batch`` (a model without loss keyword arguments), each micro-batch's token
+    mean divided by the accumulation steps.
 
     Args:
         sequence_parallel: the group and layout; every rank's group has the same size, a
@@ -106,14 +138,23 @@ class SequenceParallelTrainer(Trainer):
 
     Raises:
         ValueError: sequence_parallel is not a SequenceParallel, or its group size does not
-            divide the number of processes.
+            divide the number of processes, or the ranks' groups do not split the world
+            into groups of one size; in training or evaluation, on every rank of a group,
+            when its ranks were given different batches (a loader that deals them to each
+            rank).
         NotImplementedError: a layer of the model mixes tokens other than by attention
             (``tokenring.hf.check_model``); label smoothing, ``compute_loss_func`` or
-            ``compute_metrics`` (the loss is the causal-LM loss over the global sequence).
+            ``compute_metrics`` (the loss is the causal-LM loss over the global sequence);
+            the ``batch_rebalance`` sampling strategy; with sp > 1 and more than one
+            process, when a loader is made, a dataset without a length (accelerate deals an
+            ``IterableDataset`` over all processes).
     """
 
     # set by compute_loss for training_step: True when the loss was divided by num_items
     loss_is_scaled_for_ga: bool | None = None
+    # Note [Data over the groups]: (dp, this rank's group g, each group's first global rank
+    # in group order), or None when the loaders need no re-dealing (sp = 1 or one process)
+    _data_groups: tuple[int, int, tuple[int, ...]] | None = None
 
     def __init__(self, *args: Any, sequence_parallel: SequenceParallel, **kwargs: Any) -> None:
         as_sequence_parallel(sequence_parallel)
@@ -128,6 +169,11 @@ class SequenceParallelTrainer(Trainer):
                 "compute_metrics (prediction_step returns the loss alone)",
                 self.compute_metrics is not None,
             ),
+            (
+                "train_sampling_strategy='batch_rebalance' (it deals the batches over all "
+                "processes, not the sequence-parallel groups)",
+                self.args.train_sampling_strategy == "batch_rebalance",
+            ),
         ):
             if given:  # compute_loss and prediction_step would drop it
                 raise NotImplementedError(f"SequenceParallelTrainer does not support {option}")
@@ -140,6 +186,8 @@ class SequenceParallelTrainer(Trainer):
                 f"sequence_parallel's group size ({sp_size}) must divide the Trainer's "
                 f"{num_processes} processes, which must be the whole world ({world} ranks)"
             )
+        if sp_size > 1 and world > 1:
+            self._data_groups = _data_groups(sequence_parallel, world)
 
     def compute_loss(
         self,
@@ -166,9 +214,8 @@ class SequenceParallelTrainer(Trainer):
         refuse_padding(inputs.get("attention_mask"), hint)
         input_ids = inputs["input_ids"]
         labels = inputs.get("labels")
-        batch = broadcast_batch(
-            sp, {"input_ids": input_ids, "labels": input_ids if labels is None else labels}
-        )
+        batch = {"input_ids": input_ids, "labels": input_ids if labels is None else labels}
+        _same_batch(sp, batch)  # Note [Data over the groups]: the loaders give it to each
         local = shard_batch(sp, batch["input_ids"], batch["labels"])
         outputs = model(
             input_ids=local.input_ids,
@@ -187,8 +234,8 @@ class SequenceParallelTrainer(Trainer):
     def _get_num_items_in_batch(
         self, batch_samples: list[Any], device: torch.device
     ) -> torch.Tensor | None:
-        """transformers' ``num_items_in_batch`` over the batches the group uses: the labels
-        counted in its first rank's micro-batches ``batch_samples``, the same on every rank
+        """transformers' ``num_items_in_batch`` over the group's batches: the labels counted
+        in its micro-batches ``batch_samples`` (on its first rank), the same on every rank
         of the group, summed over the dp groups with ``average_tokens_across_devices``; None
         where transformers passes none (no batches, or a model without loss keyword
         arguments). Called by ``get_batch_samples`` and :meth:`prediction_step`."""
@@ -197,7 +244,7 @@ class SequenceParallelTrainer(Trainer):
         sp = self.sequence_parallel
         comm = sp.communicator
         count = torch.zeros((), dtype=torch.int64, device=device)
-        if comm.rank == 0:  # the other ranks' batches are dropped by broadcast_batch
+        if comm.rank == 0:  # the group's ranks hold the same batches (compute_loss checks)
             try:
                 for batch in batch_samples:
                     labels = batch.get("labels")
@@ -230,3 +277,119 @@ class SequenceParallelTrainer(Trainer):
             num_items = self._get_num_items_in_batch([inputs], self.args.device)
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items)
         return loss.detach(), None, None
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """transformers' total batch (logged, and its samples per second): the per-device
+        batch times the accumulation steps times dp, the groups (not the N ranks)."""
+        dp = args.world_size // self.sequence_parallel.communicator.world_size
+        return int(self._train_batch_size * args.gradient_accumulation_steps * dp)
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' loader (train, eval, test), dealt over the dp groups instead of the
+        N processes (Note [Data over the groups])."""
+        loader = super()._get_dataloader(*args, **kwargs)
+        if self._data_groups is None:
+            return loader
+        from accelerate.data_loader import BatchSamplerShard
+
+        dp, group, _ = self._data_groups
+        shards = [
+            s
+            for s in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None))
+            if isinstance(s, BatchSamplerShard)
+        ]
+        if not shards or shards[0].num_processes != self.accelerator.num_processes:
+            raise NotImplementedError(
+                "SequenceParallelTrainer deals the data over the sequence-parallel groups for "
+                "a dataset with a length (a map-style dataset, which accelerate's "
+                f"BatchSamplerShard splits); got a {type(loader).__name__} over a "
+                f"{type(loader.dataset).__name__} (an IterableDataset is dealt over all "
+                f"{self.accelerator.num_processes} processes)"
+            )
+        shards[0].num_processes = dp
+        shards[0].process_index = group
+        if dp == 1:  # one process: accelerate would not wrap, nor pad a last partial batch
+            shards[0].even_batches = False
+        return loader
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``evaluation_loop``, gathering over the dp groups
+        (:meth:`_gather_for_metrics`; Note [Data over the groups])."""
+        if self._data_groups is not None:
+            # evaluation_loop gathers with it, then resets it to gather_for_metrics
+            self.gather_function = self._gather_for_metrics
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_for_metrics(self, data: Any) -> Any:
+        """accelerate's ``gather_for_metrics`` over dp processes: the groups' first ranks'
+        ``data`` in group order (each rank of a group holds the same), the last batch cut
+        to the dataset's remainder."""
+        from accelerate.utils import gather_object, recursively_apply
+
+        assert self._data_groups is not None
+        _, _, firsts = self._data_groups
+        num = self.accelerator.num_processes
+        state = self.accelerator.gradient_state
+        cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+        if self.args.eval_use_gather_object:
+            parts = gather_object([data])  # one entry per process, in rank order
+            kept = [item for rank in firsts for item in parts[rank]]
+            return kept if cut is None else kept[:cut]
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            parts = t.split(t.shape[0] // num)  # accelerate's gather: equal parts
+            mine = torch.cat([parts[rank] for rank in firsts])
+            return mine if cut is None else mine[:cut]
+
+        return recursively_apply(keep, self.accelerator.gather(data))
+
+
+def _data_groups(sp: SequenceParallel, world: int) -> tuple[int, int, tuple[int, ...]]:
+    """(dp, this rank's group index, each group's first global rank) from every rank's
+    group (a collective over the world); ValueError on every rank unless the groups split
+    the world into groups of one size."""
+    mine = tuple(sp.communicator.global_ranks)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    groups = sorted(set(every), key=min)
+    sizes = {len(g) for g in groups}
+    covered = sorted(r for g in groups for r in g)
+    if len(sizes) != 1 or covered != list(range(world)):
+        raise ValueError(
+            "sequence_parallel's groups must split the world into groups of one size; got "
+            f"{every} by rank"
+        )
+    return len(groups), groups.index(mine), tuple(g[0] for g in groups)
+
+
+def _same_batch(sp: SequenceParallel, batch: dict[str, Any]) -> None:
+    """ValueError on every rank of the group unless each holds the same tensors (Note [Data
+    over the groups]): names, shapes, dtypes and a digest of the values."""
+    comm = sp.communicator
+    wrong = [
+        f"batch[{name!r}] must be a tensor; got {type(value).__name__}"
+        for name, value in batch.items()
+        if not isinstance(value, torch.Tensor)
+    ]
+    if comm.world_size == 1:
+        if wrong:
+            raise ValueError(wrong[0])
+        return
+    mine: dict[str, Any] = {"error": wrong[0]} if wrong else {}
+    if not wrong:
+        for name, t in sorted(batch.items()):
+            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            digest = hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
+            mine[name] = (tuple(t.shape), str(t.dtype), digest)
+    rows = comm.all_gather_object(mine, what="SequenceParallelTrainer batch")
+    errors = [f"rank {r}: {row['error']}" for r, row in enumerate(rows) if "error" in row]
+    if errors:
+        raise ValueError("; ".join(errors))
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        names = sorted({n for r in differ for n in rows[r] if rows[r].get(n) != rows[0].get(n)})
+        raise ValueError(
+            f"every rank of a sequence-parallel group must be given the same batch; ranks "
+            f"{differ} of the group differ from rank 0 in {names} (a data loader that deals "
+            "batches to each rank, not to the data-parallel groups?)"
+        )
