@@ -137,6 +137,9 @@ class SequenceParallelTrainer(Trainer):
         args, kwargs: ``Trainer``'s.
 
     Raises:
+        RuntimeError: in training, with more than one process, when the model is not
+            wrapped for data parallelism (transformers' Trainer does not wrap it after
+            ``evaluate`` or ``predict`` ran first on it).
         ValueError: sequence_parallel is not a SequenceParallel, or its group size does not
             divide the number of processes, or the ranks' groups do not split the world
             into groups of one size; in training or evaluation, on every rank of a group,
@@ -205,6 +208,21 @@ class SequenceParallelTrainer(Trainer):
         # num_items_in_batch when the model takes loss keyword arguments and one is given
         num_items = num_items_in_batch if self.model_accepts_loss_kwargs else None
         self.loss_is_scaled_for_ga = num_items is not None  # training_step reads it next
+        if (
+            model.training
+            and self.accelerator.num_processes > 1
+            and not self.is_fsdp_enabled  # FSDP2 shards the module in place
+            and self.accelerator.unwrap_model(model) is model
+        ):
+            # transformers 5.x: evaluate() before train() prepares the model for evaluation
+            # alone, and accelerate then never wraps it in DDP: the ranks would not average
+            # their gradients (each rank's is sp times its share), silently diverging
+            raise RuntimeError(
+                "SequenceParallelTrainer is training a model without DDP over its "
+                f"{self.accelerator.num_processes} processes (transformers does this after "
+                "evaluate() or predict() ran before train() on the same Trainer): train "
+                "first, or evaluate with another Trainer"
+            )
         extra = sorted(set(inputs) - _INPUTS)
         if extra:
             raise NotImplementedError(
