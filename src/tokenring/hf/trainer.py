@@ -77,6 +77,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenring.api import get_communicator
 from tokenring.hf.attention import (
     SequenceParallel,
     as_sequence_parallel,
@@ -367,8 +368,7 @@ def _data_groups(sp: SequenceParallel, world: int) -> tuple[int, int, tuple[int,
     group (a collective over the world); ValueError on every rank unless the groups split
     the world into groups of one size."""
     mine = tuple(sp.communicator.global_ranks)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine)
+    every = get_communicator(None).all_gather_object(mine, what="the sequence-parallel groups")
     groups = sorted(set(every), key=min)
     sizes = {len(g) for g in groups}
     covered = sorted(r for g in groups for r in g)
