@@ -8,6 +8,8 @@ agreed call, the pick runs what the planner priced, and its answer is the picked
   same out, lse and gradients, and the float64 oracle's, for each 1-D strategy (hardware
   descriptions chosen so that every one of them is picked) with GQA, batch 2, uneven shards,
   documents and a window.
+- cached_attn's zigzag first prefill prices TokenRing as it runs it (Note [Cached attention
+  call] in tokenring.inference).
 
 Legend: B batch, S global seq, s local seq, H heads, D head dim, P world size.
 """
@@ -31,8 +33,11 @@ from oracle import (
     sharded_positions,
     visible_mask,
 )
+from tokenring.api import last_block_splits_for
+from tokenring.inference import resolve_cached_strategy
 from tokenring.model import planner
 from tokenring.model.costmodel import Hardware, measured
+from tokenring.strategies.cached import CachedStrategy
 
 WORLD = 3
 TIMEOUT_S = 5.0  # the communicators': a case that waits for it is a defect
@@ -312,3 +317,57 @@ def test_resolve_strategy_prices_a_backward_for_v_alone() -> None:
     assert tokenring.resolve_strategy("auto", hardware=FLIP_HW, **kw) is forward
     with torch.no_grad():
         assert tokenring.resolve_strategy("auto", v=v, hardware=FLIP_HW, **kw) is forward
+
+
+def _zigzag_prefill_pick(hardware: Hardware, path: str, world_size: int, rows: int) -> Any:
+    """cached_attn's auto pick for a first prefill of ``rows`` tokens per rank (one sequence,
+    zigzag) through a communicator whose path is ``path``."""
+    cache = tokenring.DistributedKVCache(
+        num_layers=1, batch=1, heads_kv=4, head_dim=8, dtype=torch.bfloat16, device="cpu",
+        rank=0, world_size=world_size,
+    )  # fmt: skip
+    step = cache.plan_step([rows * world_size])
+    assert step.zigzag
+    comm: Any = types.SimpleNamespace(rank=0, world_size=world_size, path=lambda device: path)
+    return resolve_cached_strategy(
+        "auto", step=step, comm=comm, heads_q=4, heads_kv=4, head_dim=8, dtype=torch.bfloat16,
+        device=torch.device("cpu"), hardware=hardware,
+    )  # fmt: skip
+
+
+def test_cached_zigzag_prefill_prices_tokenring_as_it_runs_it() -> None:
+    """A zigzag first prefill runs TokenRing returning its last pair, in the slices of the
+    communicator's path (1 through shared memory, else 2). Its pick priced TokenRing lending
+    the pair and in 2 slices: pass_q where the run is slower than pass_kv by the model's own
+    numbers."""
+
+    def bf16(flops: float, link: float, latency_s: float) -> Hardware:
+        return measured(
+            forward_flops_per_s=flops, backward_flops_per_s=flops / 2,
+            link_bandwidth_bytes_per_s=link, memory_bandwidth_bytes_per_s=1e10,
+            dtype="bfloat16", latency_s=latency_s, collectives="gloo",
+        )  # fmt: skip
+
+    cases = [  # (hardware, path, P, rows per rank): where lending or the slices decide
+        (bf16(1e9, 1e7, 1e-4), "gloo", 4, 8),
+        (bf16(1e9, 1e8, 0.0), "gloo-shm", 2, 4),
+        (bf16(1e9, 1e8, 0.0), "gloo", 2, 4),
+    ]
+    decided = False
+    for hardware, path, world_size, rows in cases:
+        kw: dict[str, Any] = dict(
+            world_size=world_size, seq_local=rows, heads_q=4, heads_kv=4, head_dim=8,
+            dtype="bfloat16", causal=True, layout="zigzag", hardware=hardware,
+            strategies=("token_ring", "ring"),
+        )  # fmt: skip
+        splits = last_block_splits_for(path)
+        runs = planner.explain(last_pair="return", last_block_splits=splits, **kw).pick
+        old = planner.explain(**kw).pick  # lending allowed, 2 slices
+        decided |= runs is not old
+        want = (
+            CachedStrategy.PASS_Q
+            if runs is tokenring.Strategy.TOKEN_RING
+            else CachedStrategy.PASS_KV
+        )
+        assert _zigzag_prefill_pick(hardware, path, world_size, rows) is want, (path, world_size)
+    assert decided, "no case where pricing what runs changes the pick"

@@ -40,6 +40,7 @@ from tokenring.api import (
     check_flags,
     check_hardware_use,
     check_softmax_scale,
+    last_block_splits_for,
     refuse_tangents,
     sequence_parallel_attn,
 )
@@ -251,7 +252,9 @@ def resolve_cached_strategy(
 ) -> CachedStrategy:
     """``strategy`` itself, or for ``"auto"`` the cheapest simulated plan on ``hardware`` (a
     ``Hardware`` or a preset name); a zigzag first prefill asks the training planner, as it
-    runs on the ordinary path. Pure: no communication.
+    runs on the ordinary path, for TokenRing and Ring as :func:`attend_cached` runs them
+    (TokenRing returning its last pair, in the slices the communicator's path takes). Pure:
+    no communication.
 
     Raises:
         ValueError: ``"auto"`` without ``hardware`` (Note [Calibration is passed in] in
@@ -273,6 +276,10 @@ def resolve_cached_strategy(
             layout="zigzag",
             batch=len(step.new),
             strategies=("token_ring", "ring"),
+            # what attend_cached runs: the default last pair and slices (lending, or slices
+            # the run does not take, priced pass_q where the run is slower than pass_kv)
+            last_pair="return",
+            last_block_splits=last_block_splits_for(comm.path(device)),
         )
         return CachedStrategy.PASS_Q if plan.pick is Strategy.TOKEN_RING else CachedStrategy.PASS_KV
     return choose_cached_strategy(CachedShards.from_step(step), **shape).pick
