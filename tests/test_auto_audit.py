@@ -21,6 +21,7 @@ import time
 import types
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -34,9 +35,11 @@ from oracle import (
     visible_mask,
 )
 from tokenring.api import last_block_splits_for
+from tokenring.core.schedule import AttentionShape
 from tokenring.inference import resolve_cached_strategy
 from tokenring.model import planner
-from tokenring.model.costmodel import Hardware, measured
+from tokenring.model.costmodel import Hardware, measured, preset
+from tokenring.model.simulate import simulate_pass
 from tokenring.strategies.cached import CachedStrategy
 
 WORLD = 3
@@ -319,19 +322,27 @@ def test_resolve_strategy_prices_a_backward_for_v_alone() -> None:
         assert tokenring.resolve_strategy("auto", v=v, hardware=FLIP_HW, **kw) is forward
 
 
-def _zigzag_prefill_pick(hardware: Hardware, path: str, world_size: int, rows: int) -> Any:
-    """cached_attn's auto pick for a first prefill of ``rows`` tokens per rank (one sequence,
-    zigzag) through a communicator whose path is ``path``."""
+def _cached_pick(
+    hardware: Hardware | str,
+    path: str,
+    world_size: int,
+    new: int,
+    heads: tuple[int, int, int] = (4, 4, 8),
+    zigzag_first_prefill: bool = True,
+) -> Any:
+    """cached_attn's auto pick for a first prefill of ``new`` tokens (one sequence, bfloat16,
+    heads (Hq, Hkv, D)) through a communicator whose path is ``path``."""
+    hq, hkv, d = heads
     cache = tokenring.DistributedKVCache(
-        num_layers=1, batch=1, heads_kv=4, head_dim=8, dtype=torch.bfloat16, device="cpu",
-        rank=0, world_size=world_size,
+        num_layers=1, batch=1, heads_kv=hkv, head_dim=d, dtype=torch.bfloat16, device="cpu",
+        rank=0, world_size=world_size, zigzag_first_prefill=zigzag_first_prefill,
     )  # fmt: skip
-    step = cache.plan_step([rows * world_size])
-    assert step.zigzag
+    step = cache.plan_step([new])
+    assert step.zigzag is zigzag_first_prefill
     comm: Any = types.SimpleNamespace(rank=0, world_size=world_size, path=lambda device: path)
     return resolve_cached_strategy(
-        "auto", step=step, comm=comm, heads_q=4, heads_kv=4, head_dim=8, dtype=torch.bfloat16,
-        device=torch.device("cpu"), hardware=hardware,
+        "auto", step=step, comm=comm, heads_q=hq, heads_kv=hkv, head_dim=d,
+        dtype=torch.bfloat16, device=torch.device("cpu"), hardware=hardware,
     )  # fmt: skip
 
 
@@ -369,5 +380,31 @@ def test_cached_zigzag_prefill_prices_tokenring_as_it_runs_it() -> None:
             if runs is tokenring.Strategy.TOKEN_RING
             else CachedStrategy.PASS_KV
         )
-        assert _zigzag_prefill_pick(hardware, path, world_size, rows) is want, (path, world_size)
+        assert _cached_pick(hardware, path, world_size, rows * world_size) is want, path
     assert decided, "no case where pricing what runs changes the pick"
+
+
+def test_explain_cached_reports_the_pick_cached_attn_makes() -> None:
+    """A first prefill that 2P divides is placed in the zigzag layout and runs pass_q or pass_kv
+    on the ordinary path; explain_cached priced block-cyclic plans for it and reported their
+    pick (P = 4, 128 tokens, h100-nvswitch, 8/2 x 64: pass_q, where cached_attn ran
+    pass_kv). Now it prices what runs, with simulate_pass's numbers, and zigzag_first_prefill=
+    False (as the cache's) gives the block-cyclic pick."""
+    heads: dict[str, Any] = dict(heads_q=8, heads_kv=2, head_dim=64)
+    case: dict[str, Any] = dict(world_size=4, cached=0, new=128, hardware="h100-nvswitch", **heads)
+    choice = planner.explain_cached(**case)
+    assert choice.pick is _cached_pick("h100-nvswitch", "gloo", 4, 128, (8, 2, 64))
+    shape = AttentionShape(**heads, dtype="bfloat16")
+    for prediction, strategy in zip(choice.predictions, ("token_ring", "ring"), strict=True):
+        forward = simulate_pass(
+            strategy, "forward", layout="zigzag", causal=True, world_size=4, seq_local=32,
+            shape=shape, hardware=preset("h100-nvswitch"),
+        )  # fmt: skip
+        assert prediction.total_s == forward.call_s, strategy
+    plain = planner.explain_cached(**case, zigzag_first_prefill=False)
+    assert plain.pick is _cached_pick("h100-nvswitch", "gloo", 4, 128, (8, 2, 64), False)
+    assert {p.strategy for p in plain.predictions} == set(CachedStrategy)
+    with pytest.raises(ValueError, match="candidates cannot be chosen for a zigzag first"):
+        planner.explain_cached(**case, candidates=["direct"])
+    with pytest.raises(ValueError, match="zigzag_first_prefill must be a bool; got 'no'"):
+        planner.explain_cached(**case, zigzag_first_prefill="no")  # type: ignore[arg-type]
