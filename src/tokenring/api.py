@@ -253,6 +253,7 @@ def resolve_strategy(
     last_pair: str = "auto",
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> Strategy:
     """``strategy`` itself, or for ``"auto"`` the planner's pick: a pure function of the
     call's shape and ``hardware``, so every rank picks the same (logged once at INFO).
@@ -266,12 +267,15 @@ def resolve_strategy(
             ``last_block_splits=None``).
         hardware: for ``"auto"``: a ``Hardware`` or a preset name (Note [Calibration is
             passed in]).
-        training: whether a backward follows; None: grad mode is on and q or k requires grad.
+        training: whether a backward follows; None: grad mode is on and q, k or v (where
+            given) requires grad, as the call decides it (Note [Training is priced]).
         last_block_splits: as :func:`sequence_parallel_attn` (None: what the call would take
             through ``comm``).
         last_pair: how ``"auto"`` prices TokenRing (``tokenring.model.planner.explain``).
         seq_len, cu_seqlens: as :func:`sequence_parallel_attn`: uneven shards are priced by
             the padded rows every rank holds, so every rank picks the same.
+        v: the call's ``(B, s, Hkv, D)`` values, read only for ``training=None`` (a v that
+            requires grad makes the call run a backward).
 
     Raises:
         ValueError: ``"auto"`` without ``hardware``, or ``hardware`` with another strategy
@@ -284,9 +288,10 @@ def resolve_strategy(
         return fixed
     if hardware is None:
         raise ValueError(AUTO_NEEDS_HARDWARE)
-    _validate(q, k, k, None)  # the shapes priced (k as v: v does not change the pick)
+    _validate(q, k, k if v is None else v, None)  # the shapes priced (v's do not change it)
     if training is None:
-        training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        grads = (x is not None and x.requires_grad for x in (q, k, v))
+        training = torch.is_grad_enabled() and any(grads)
     if last_block_splits is None:
         last_block_splits = last_block_splits_for(comm.path(q.device))
     # the arguments by name; layout as given: the planner checks it after the sizes and dtype
@@ -304,7 +309,7 @@ def _planner_args(
 ) -> dict[str, Any]:
     """The planner's description of a call: q's and k's shapes, ``options``' hardware,
     causal, layout and last_block_splits, and their seq_len and cu_seqlens where given (None
-    ``training``: an operator's requires_grad)."""
+    ``training``: an operator's requires_grad, Note [Training is priced])."""
     batch, _, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
     sharding = _call_sharding(options, world_size)
     # the padded rows every rank holds, not this rank's tokens: uneven shards price the same
@@ -319,9 +324,19 @@ def _planner_args(
         dtype=q.dtype,
         hardware=preset(hardware) if isinstance(hardware, str) else hardware,
         world_size=world_size,
-        training=any(options["requires_grad"][:2]) if training is None else training,
+        training=any(options["requires_grad"]) if training is None else training,
         **call,
     )
+
+
+# Note [Training is priced]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# "auto" (and last_pair="auto") price the backward too when one follows: when any of q, k, v
+# requires grad in grad mode, the operator's backward runs (a v alone needs dv from every
+# rank). That is the signature's "needs grad", so ranks that agree on the call price the same
+# passes and pick the same. Pricing q and k alone once let rank 0 (q requiring grad) pick
+# bidir_token_ring and rank 1 (v alone) ring for the same agreed call: each waited for a
+# message the other never sent, until the communicator's timeout.
 
 
 def _call_sharding(options: dict[str, Any], world_size: int) -> Sharding | None:

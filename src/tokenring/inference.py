@@ -40,6 +40,7 @@ from tokenring.api import (
     check_flags,
     check_hardware_use,
     check_softmax_scale,
+    last_block_splits_for,
     refuse_tangents,
     sequence_parallel_attn,
 )
@@ -47,7 +48,7 @@ from tokenring.core.merge import merge_into
 from tokenring.core.schedule import Payload, Strategy, Transfer
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware, preset
-from tokenring.model.planner import choose_cached_strategy, explain
+from tokenring.model.planner import choose_cached_strategy, choose_zigzag_prefill
 from tokenring.runtime.comm import Communicator, FieldSpec
 from tokenring.runtime.executor import PassRunner, execute
 from tokenring.runtime.kernels import BlockKernel, accumulation_dtype, select_kernel
@@ -251,7 +252,9 @@ def resolve_cached_strategy(
 ) -> CachedStrategy:
     """``strategy`` itself, or for ``"auto"`` the cheapest simulated plan on ``hardware`` (a
     ``Hardware`` or a preset name); a zigzag first prefill asks the training planner, as it
-    runs on the ordinary path. Pure: no communication.
+    runs on the ordinary path, for TokenRing and Ring as :func:`attend_cached` runs them
+    (TokenRing returning its last pair, in the slices the communicator's path takes). Pure:
+    no communication.
 
     Raises:
         ValueError: ``"auto"`` without ``hardware`` (Note [Calibration is passed in] in
@@ -264,17 +267,15 @@ def resolve_cached_strategy(
         raise ValueError(AUTO_NEEDS_HARDWARE)
     shape: dict[str, Any] = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
     shape["hardware"] = preset(hardware) if isinstance(hardware, str) else hardware
-    if step.zigzag:
-        plan = explain(
+    if step.zigzag:  # what attend_cached runs: the default last pair and slices
+        b = len(step.new)
+        return choose_zigzag_prefill(
             **shape,
             world_size=step.world_size,
-            seq_local=step.num_rows(comm.rank) // len(step.new),
-            causal=True,
-            layout="zigzag",
-            batch=len(step.new),
-            strategies=("token_ring", "ring"),
-        )
-        return CachedStrategy.PASS_Q if plan.pick is Strategy.TOKEN_RING else CachedStrategy.PASS_KV
+            seq_local=step.num_rows(comm.rank) // b,
+            batch=b,
+            last_block_splits=last_block_splits_for(comm.path(device)),
+        ).pick
     return choose_cached_strategy(CachedShards.from_step(step), **shape).pick
 
 

@@ -83,7 +83,13 @@ from tokenring.model.costmodel import (
     merge_bytes,
     preset,
 )
-from tokenring.model.simulate import max_sent, simulate, simulate_cached
+from tokenring.model.simulate import (
+    max_sent,
+    simulate,
+    simulate_cached,
+    simulate_pass,
+    strategy_schedule,
+)
 from tokenring.runtime.comm import Communicator, TrafficCounter
 from tokenring.runtime.kernels import BlockKernel, row_delta, select_kernel
 from tokenring.strategies.cached import (
@@ -103,6 +109,7 @@ __all__ = [
     "calibrate",
     "choose_cached_strategy",
     "choose_strategy",
+    "choose_zigzag_prefill",
     "explain",
     "explain_cached",
     "lends_last_pair",
@@ -809,6 +816,68 @@ def choose_cached_strategy(
     return CachedChoice(pick=best.strategy, predictions=predictions, reason=reason)
 
 
+# the cached strategies of a zigzag first prefill and the ring strategy each runs as
+_ZIGZAG_PREFILL = (
+    (CachedStrategy.PASS_Q, Strategy.TOKEN_RING),
+    (CachedStrategy.PASS_KV, Strategy.RING),
+)
+
+
+def choose_zigzag_prefill(
+    *,
+    world_size: int,
+    seq_local: int,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: str | torch.dtype,
+    hardware: Hardware,
+    last_block_splits: int = 2,
+) -> CachedChoice:
+    """The pick for a first prefill the cache placed in the zigzag layout (B sequences of
+    ``world_size * seq_local`` tokens): it runs on the ordinary path (Note [Cached attention
+    call] in tokenring.inference), pass_q as TokenRing returning its last pair in
+    ``last_block_splits`` slices, pass_kv as Ring, causal, forward only; each is priced so
+    (ties: pass_q).
+
+    Raises:
+        ValueError: as :func:`explain`.
+    """
+    _check_sizes(world_size=world_size, seq_local=seq_local, batch=batch)
+    dims = AttentionShape(
+        heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype_name(dtype), batch=batch
+    )
+    call: dict[str, Any] = dict(
+        layout=Layout.ZIGZAG, causal=True, world_size=world_size, seq_local=seq_local
+    )
+    call["last_block_splits"] = last_block_splits
+    predictions = []
+    for cached, strategy in _ZIGZAG_PREFILL:
+        fwd = simulate_pass(strategy, Pass.FORWARD, shape=dims, hardware=hardware, **call)
+        heads: dict[str, Any] = dict(heads_q=heads_q, heads_kv=heads_kv)
+        sched = strategy_schedule(strategy, Pass.FORWARD, **heads, **call)
+        travel, returned = max_sent(sched.transfers, world_size, dims)
+        predictions.append(
+            CachedPrediction(
+                strategy=cached,
+                total_s=fwd.call_s,
+                compute_s=fwd.compute_s + fwd.merge_s,
+                wire_s=fwd.busiest_s,
+                travel_bytes=travel,
+                return_bytes=returned,
+            )
+        )
+    best = _fastest(predictions)
+    times = ", ".join(f"{p.strategy.value} {1e3 * p.total_s:.3g} ms" for p in predictions)
+    reason = (
+        f"{best.strategy.value} predicted fastest on {hardware.name} ({times}) for a zigzag "
+        f"first prefill, which runs on the ordinary path (pass_q: token_ring returning its "
+        f"last pair, pass_kv: ring); {best.strategy.value} is {best.bound_by}-bound"
+    )
+    return CachedChoice(pick=best.strategy, predictions=tuple(predictions), reason=reason)
+
+
 def explain_cached(
     *,
     world_size: int,
@@ -823,9 +892,11 @@ def explain_cached(
     block_size: int = 64,
     candidates: Sequence[CachedStrategy | str] | None = None,
     kernel_call_s: float | None = None,
+    zigzag_first_prefill: bool = True,
 ) -> CachedChoice:
-    """The pick for B sequences of ``cached`` tokens each adding ``new`` (block-cyclic, as the
-    cache places them) on ``hardware`` (a ``Hardware`` or a preset name).
+    """The pick for B sequences of ``cached`` tokens each adding ``new`` (placed as the cache
+    places them: block-cyclic, or a first prefill in the zigzag layout) on ``hardware`` (a
+    ``Hardware`` or a preset name), as ``cached_attn``'s ``"auto"`` picks it.
 
     Args:
         world_size: P, the ranks the cache is sharded over.
@@ -838,16 +909,33 @@ def explain_cached(
         candidates: the cached strategies to compare (default: every ``CachedStrategy``).
         kernel_call_s: the fixed cost of one kernel call, in place of the hardware's
             ``kernel_call_s``; None: the hardware's.
+        zigzag_first_prefill: as ``DistributedKVCache``'s: a first prefill (``cached=0``)
+            whose ``new`` 2P divides is placed in the zigzag layout and runs on the ordinary
+            path, pass_q or pass_kv (:func:`choose_zigzag_prefill`, 2 slices).
 
     Raises:
         ValueError: as ``uniform_shards`` and :func:`choose_cached_strategy`, an unknown
-            preset, or a negative ``kernel_call_s``.
+            preset, a negative ``kernel_call_s``, a non-bool ``zigzag_first_prefill``, or
+            ``candidates`` with a zigzag first prefill (it runs pass_q or pass_kv).
     """
     hw = _hardware(hardware)
     if kernel_call_s is not None:
         hw = dataclasses.replace(hw, kernel_call_s=kernel_call_s)
+    if not isinstance(zigzag_first_prefill, bool):
+        raise ValueError(f"zigzag_first_prefill must be a bool; got {zigzag_first_prefill!r}")
     shards = uniform_shards(
         world_size=world_size, batch=batch, cached=cached, new=new, block_size=block_size
     )
     heads = dict(heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim)
+    if zigzag_first_prefill and cached == 0 and new > 0 and new % (2 * world_size) == 0:
+        if candidates is not None:  # as the cache: this step runs pass_q or pass_kv
+            raise ValueError(
+                "candidates cannot be chosen for a zigzag first prefill (it runs pass_q or "
+                f"pass_kv on the ordinary path); got candidates={candidates!r} with cached=0, "
+                f"new={new}, world_size={world_size} (pass zigzag_first_prefill=False)"
+            )
+        return choose_zigzag_prefill(
+            world_size=world_size, seq_local=new // world_size, batch=batch, dtype=dtype,
+            hardware=hw, **heads,
+        )  # fmt: skip
     return choose_cached_strategy(shards, dtype=dtype, hardware=hw, candidates=candidates, **heads)
