@@ -1265,7 +1265,8 @@ class SequenceParallelAttention(torch.nn.Module):
 
     Raises:
         ValueError: ``return_lse`` other than False (forward returns ``out`` only; call
-            :func:`sequence_parallel_attn` for ``(out, lse)``).
+            :func:`sequence_parallel_attn` for ``(out, lse)``); ``group`` a DeviceMesh of
+            more than one dimension.
         TypeError: an option that :func:`sequence_parallel_attn` does not take.
     """
 
@@ -1299,8 +1300,11 @@ class SequenceParallelAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
         self.group = group
         self.options = options
-        if isinstance(group, dist.ProcessGroup):  # so a compiled forward can name it
-            op.remember_group(group)
+        # so that a compiled forward can name its group (Note [Handles] in runtime/op.py): a
+        # ProcessGroup or a 1-D DeviceMesh's (mesh["sp"]; a mesh of more dims raises here)
+        named = _mesh_group(group)
+        if isinstance(named, dist.ProcessGroup):
+            op.remember_group(named)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fixed = ("strategy", "causal", "softmax_scale", "group", "layout")
