@@ -8,6 +8,7 @@ Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world 
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import inspect
 import math
@@ -1305,6 +1306,16 @@ class SequenceParallelAttention(torch.nn.Module):
         named = _mesh_group(group)
         if isinstance(named, dist.ProcessGroup):
             op.remember_group(named)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelAttention:
+        # A copy (an EMA model: torch.optim.swa_utils.AveragedModel, copy.deepcopy(model))
+        # attends over the same group: a ProcessGroup or Communicator is a handle to the
+        # ranks, not state, and copying one raised "cannot pickle ProcessGroup".
+        memo.setdefault(id(self.group), self.group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fixed = ("strategy", "causal", "softmax_scale", "group", "layout")
