@@ -75,7 +75,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenring import _older_than
-from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
+from tokenring.api import (
+    GroupLike,
+    SequenceParallelAttention,
+    get_communicator,
+    sequence_parallel_attn,
+)
 from tokenring.core.layout import (
     Layout,
     Sharding,
@@ -604,8 +609,9 @@ def check_model(model: torch.nn.Module) -> None:
     Whisper, T5: positions counted over the shard), if a layer of ``model`` mixes tokens
     other than by attention (Note [Layers that mix tokens]), or if no module hands its
     attention to transformers' ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo,
-    MPT, Falcon, XGLM: ``attn_implementation`` never reaches tokenring there): a shard would
-    not see the rest of the sequence.
+    MPT, Falcon, XGLM: ``attn_implementation`` never reaches tokenring there) or is a
+    :class:`tokenring.SequenceParallelAttention`: a shard would not see the rest of the
+    sequence.
 
     Raises:
         ValueError: ``model`` is not a ``torch.nn.Module``.
@@ -619,11 +625,14 @@ def check_model(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
             reason = f"its module {path!r} is a convolution over the sequence"
             break
-    if reason is None and not any(_routes_attention(m) for m in model.modules()):
+    sharded = (SequenceParallelAttention,)  # a model of one's own (under DDP, say)
+    if reason is None and not any(
+        _routes_attention(m) or isinstance(m, sharded) for m in model.modules()
+    ):
         reason = (
             f"no module of {type(model).__name__} calls attention through transformers' "
-            "AttentionInterface (it computes attention in its own code, which would see this "
-            "rank's shard alone)"
+            "AttentionInterface or is a tokenring.SequenceParallelAttention (it computes "
+            "attention in its own code, which would see this rank's shard alone)"
         )
     if reason is not None:
         _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
