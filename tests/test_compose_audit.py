@@ -10,9 +10,13 @@ parameters after the steps against this process (1e-10):
       by sp as ``hf.data_parallel_loss`` scales it;
     - DDP with ``find_unused_parameters`` and two accumulated micro-batches, the first under
       ``no_sync()``;
-    - DDP over the dp group alone, the sp sum by ``hf.all_reduce_gradients``; the replicas run
-      different strategies on groups built differently (``dist.new_group`` for one, the
-      mesh's slice for the other: they never talk);
+    - DDP over the dp group alone, the sp sum by ``hf.all_reduce_gradients`` of the wrapped
+      block (before, ``check_model`` refused a model whose attention is a
+      ``SequenceParallelAttention``, saying its attention would see this rank's shard
+      alone); the replicas run different strategies on groups built differently
+      (``dist.new_group`` for one, the mesh's slice for the other: they never talk); an EMA
+      copy (``AveragedModel``: a deepcopy) attends over the same group (before: "cannot
+      pickle 'ProcessGroup' object");
     - FSDP2 (``fully_shard``, which runs on CPU and gloo in torch 2.13) as HSDP over the 2-D
       mesh;
     - ``torch.compile`` of the DDP-wrapped block. The defect: ``SequenceParallelAttention``
@@ -45,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 import tokenring
 from oracle import owned_positions
@@ -195,11 +200,16 @@ def block_case(
                 part = ((forward(x[rows_i]) - target[rows_i]) ** 2).sum() / (B * S * E)
                 (scale * part).backward()
             share += part.detach()
-        if wrap == "ddp_dp":
-            hf.all_reduce_gradients(hf.SequenceParallel(group=group), list(block.parameters()))
+        if wrap == "ddp_dp":  # the DDP-wrapped block: check_model finds its attention
+            hf.all_reduce_gradients(hf.SequenceParallel(group=group), model)
         dist.all_reduce(share)  # every rank's share: DP times the mean over the replicas
         losses.append(share.item() / DP)
         sgd(block)
+    if wrap == "ddp_dp":  # an EMA copy attends over the same group (a ProcessGroup on dp 0)
+        ema = AveragedModel(block)
+        assert ema.module.attn.group is group
+        x = block_data()[0][0][mine][:, rows]
+        torch.testing.assert_close(ema(x), block(x), rtol=0, atol=0)
     return losses, full_state(block)
 
 
