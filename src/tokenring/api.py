@@ -8,6 +8,7 @@ Legend: B batch, s local seq, Hq query heads, Hkv kv heads, D head dim, P world 
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import inspect
 import math
@@ -1280,7 +1281,8 @@ class SequenceParallelAttention(torch.nn.Module):
 
     Raises:
         ValueError: ``return_lse`` other than False (forward returns ``out`` only; call
-            :func:`sequence_parallel_attn` for ``(out, lse)``).
+            :func:`sequence_parallel_attn` for ``(out, lse)``); ``group`` a DeviceMesh of
+            more than one dimension.
         TypeError: an option that :func:`sequence_parallel_attn` does not take.
     """
 
@@ -1314,8 +1316,21 @@ class SequenceParallelAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
         self.group = group
         self.options = options
-        if isinstance(group, dist.ProcessGroup):  # so a compiled forward can name it
-            op.remember_group(group)
+        # so that a compiled forward can name its group (Note [Handles] in runtime/op.py): a
+        # ProcessGroup or a 1-D DeviceMesh's (mesh["sp"]; a mesh of more dims raises here)
+        named = _mesh_group(group)
+        if isinstance(named, dist.ProcessGroup):
+            op.remember_group(named)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallelAttention:
+        # A copy (an EMA model: torch.optim.swa_utils.AveragedModel, copy.deepcopy(model))
+        # attends over the same group: a ProcessGroup or Communicator is a handle to the
+        # ranks, not state, and copying one raised "cannot pickle ProcessGroup".
+        memo.setdefault(id(self.group), self.group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fixed = ("strategy", "causal", "softmax_scale", "group", "layout")

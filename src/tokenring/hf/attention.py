@@ -75,7 +75,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenring import _older_than
-from tokenring.api import GroupLike, get_communicator, sequence_parallel_attn
+from tokenring.api import (
+    GroupLike,
+    SequenceParallelAttention,
+    get_communicator,
+    sequence_parallel_attn,
+)
 from tokenring.core.layout import (
     Layout,
     Sharding,
@@ -604,8 +609,9 @@ def check_model(model: torch.nn.Module) -> None:
     Whisper, T5: positions counted over the shard), if a layer of ``model`` mixes tokens
     other than by attention (Note [Layers that mix tokens]), or if no module hands its
     attention to transformers' ``AttentionInterface`` (in transformers 5.24 Bloom, GPT-Neo,
-    MPT, Falcon, XGLM: ``attn_implementation`` never reaches tokenring there): a shard would
-    not see the rest of the sequence.
+    MPT, Falcon, XGLM: ``attn_implementation`` never reaches tokenring there) or is a
+    :class:`tokenring.SequenceParallelAttention`: a shard would not see the rest of the
+    sequence.
 
     Raises:
         ValueError: ``model`` is not a ``torch.nn.Module``.
@@ -619,11 +625,14 @@ def check_model(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
             reason = f"its module {path!r} is a convolution over the sequence"
             break
-    if reason is None and not any(_routes_attention(m) for m in model.modules()):
+    sharded = (SequenceParallelAttention,)  # a model of one's own (under DDP, say)
+    if reason is None and not any(
+        _routes_attention(m) or isinstance(m, sharded) for m in model.modules()
+    ):
         reason = (
             f"no module of {type(model).__name__} calls attention through transformers' "
-            "AttentionInterface (it computes attention in its own code, which would see this "
-            "rank's shard alone)"
+            "AttentionInterface or is a tokenring.SequenceParallelAttention (it computes "
+            "attention in its own code, which would see this rank's shard alone)"
         )
     if reason is not None:
         _refuse_layers(getattr(config, "_attn_implementation", None) or "tokenring", config, reason)
@@ -1389,34 +1398,41 @@ def all_reduce_gradients(
     """Sum every ``.grad`` over the group in place, in float32 or wider (with
     :func:`causal_lm_loss`, the full gradient; under DDP or FSDP, which average, use
     :func:`data_parallel_loss` instead). Every rank must hold the same parameters' gradients.
+    A DTensor gradient (FSDP2's ``fully_shard`` over the data-parallel ranks alone) is summed
+    as its local shard, which every rank of the group holds alike (Note [Sharded gradients]).
 
     Raises:
         NotImplementedError: given a model, as :func:`check_model`.
-        ValueError: on every rank, when a rank's ``parameters`` are not parameters, or the
-            ranks' gradients differ in number, shapes or dtypes (their sum would add one
-            parameter's gradient to another's, or abort the process in the backend).
+        ValueError: on every rank, when a rank's ``parameters`` are not parameters, the
+            ranks' gradients differ in number, shapes, dtypes or (DTensors) placements and
+            mesh coordinates (their sum would add one parameter's gradient to another's, or
+            abort the process in the backend), or a DTensor gradient is spread over ranks of
+            the group (Note [Sharded gradients]).
     """
     sp = as_sequence_parallel(sp, "sp")
     comm = sp.communicator
 
     def validate() -> tuple[list[torch.Tensor], dict[str, Any]]:
-        params = parameters
+        params: Any = parameters
         if isinstance(params, torch.nn.Module):
             check_model(params)
-            params = params.parameters()
-        if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+            params = params.named_parameters()
+        elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
             raise ValueError(
                 "parameters must be a torch.nn.Module or an iterable of tensors; got "
                 f"{type(params).__name__}"
             )
-        params = list(params)
-        wrong = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+        else:
+            params = ((f"parameters[{i}]", p) for i, p in enumerate(params))
+        named = list(params)
+        wrong = [type(p).__name__ for _, p in named if not isinstance(p, torch.Tensor)]
         if wrong:
             raise ValueError(f"parameters must be tensors; got a {wrong[0]}")
-        found = [p.grad for p in params if p.grad is not None]
-        shapes = [[str(g.dtype), *g.shape] for g in found]
+        found = [_local_gradient(name, p.grad, comm) for name, p in named if p.grad is not None]
+        shapes = [signature for _, signature in found]
         digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:16]
-        return found, {"gradients": len(found), "gradients' shapes and dtypes sha1": digest}
+        grads = [g for g, _ in found]
+        return grads, {"gradients": len(found), "gradients' shapes and dtypes sha1": digest}
 
     grads = comm.agreed(validate, what="all_reduce_gradients call")
     if comm.world_size == 1 or not grads:
@@ -1431,6 +1447,42 @@ def all_reduce_gradients(
         comm.all_reduce(flat, label=f"all_reduce_gradients {dtype}").wait()
         for g, summed in zip(group, flat.split([g.numel() for g in group]), strict=True):
             g.copy_(summed.view_as(g))
+
+
+# Note [Sharded gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# FSDP2 (torch.distributed.fsdp.fully_shard) leaves DTensor gradients, which the group's
+# collective cannot take ("c10d.allreduce_ does not have a sharding strategy"). Over the
+# data-parallel ranks alone (fully_shard(model, mesh=mesh["dp"])) the ranks of one
+# sequence-parallel group sit at the same place of their dp meshes, so each holds the same
+# rows of a parameter: the sum of their local shards is the sum of their shares, as for
+# plain tensors. The placements and the mesh coordinate join the gradients' signature, so
+# ranks holding other rows raise. A mesh that holds other ranks of the group
+# (fully_shard over the flattened dp x sp ranks, or HSDP over the 2-D mesh) has already
+# averaged their shares in the backward, and its shards are different rows on each: a sum
+# would add one parameter's rows to another's. That raises, naming the cure: back-propagate
+# data_parallel_loss and let FSDP average over every rank.
+def _local_gradient(name: str, grad: torch.Tensor, comm: Communicator) -> tuple[torch.Tensor, Any]:
+    """The tensor to sum for ``grad`` (a DTensor's local shard) and its signature."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad, [str(grad.dtype), *grad.shape]
+    mesh = grad.device_mesh
+    mesh_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    me = torch.distributed.get_rank()
+    shared = sorted(set(mesh_ranks) & set(comm.global_ranks) - {me})
+    if shared:
+        raise ValueError(
+            f"the gradient of {name} is a DTensor over global ranks {mesh_ranks}, which holds "
+            f"rank(s) {shared} of the sequence-parallel group besides this rank {me} (FSDP over "
+            "a mesh that includes the sp dimension: it already averaged their shares, and its "
+            "shards are different rows on each); back-propagate hf.data_parallel_loss(sp, loss) "
+            "and let FSDP average over every rank, or shard over the dp dimension alone"
+        )
+    local = grad.to_local()
+    placements = [str(p) for p in grad.placements]
+    return local, [str(local.dtype), *local.shape, placements, mesh.get_coordinate()]
 
 
 class _SequenceParallelLoss:
