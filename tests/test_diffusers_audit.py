@@ -243,6 +243,66 @@ def refused_together(comm: tokenring.Communicator) -> dict[str, str]:
     return messages
 
 
+def replicated_values(comm: tokenring.Communicator) -> dict[str, Any]:
+    """Inputs documented as the same on every rank given other values on one rank, at equal
+    lengths (the ranks agreed on shapes alone, and each attended to its own text: numbers
+    that match no attention); and values that differ by rounding alone, which still run."""
+    rank, world_size = comm.rank, comm.world_size
+    result: dict[str, Any] = {}
+
+    def refused(name: str, call: Any) -> None:
+        with pytest.raises(ValueError) as info:
+            call()
+        result[name] = str(info.value)
+
+    q, k, v, _ = joint_inputs(5, 12, torch.float64)
+    local = joint_rows("replicated", 5, 12, rank, world_size)
+    ql, kl, vl = (x[:, local].clone() for x in (q, k, v))
+    call = functools.partial(tr_diffusers.joint_attn, num_text=5, text="replicated", group=comm)
+    other = [x.clone() for x in (ql, kl, vl)]
+    if rank == 1:  # its own prompt: other text rows of the same length
+        gen = torch.Generator().manual_seed(9)
+        for x in other:
+            x[:, :5] = torch.randn(x[:, :5].shape, generator=gen, dtype=x.dtype)
+    refused("joint, own text", lambda: call(*other))
+    tiny = [x.clone() for x in (ql, kl, vl)]
+    if rank == 2:  # one text value 1e-9 off: far above float64 rounding
+        tiny[1][0, 3, 1, 2] += 1e-9
+    refused("joint, 1e-9 off", lambda: call(*tiny))
+    ulp = [x.clone() for x in (ql, kl, vl)]
+    if rank == 1:  # one ulp: what rounding leaves between the ranks' replicated outputs
+        ulp[0][1, 2, 3, 4] = torch.nextafter(ulp[0][1, 2, 3, 4], torch.tensor(9.0).double())
+    result["joint, one ulp"] = {"rows": local, "out": call(*ulp)}
+    # cross-attention: every rank's own K/V of the same length
+    kv = [x[:, :7].clone() for x in (k, v)]
+    if rank == 2:
+        kv[1] = kv[1].flip(1)  # the same rows, permuted
+    refused("cross, own K/V", lambda: tr_diffusers.cross_attn(q, *kv, kv="replicated", group=comm))
+    # the Flux processor: rank 1 given another prompt of the same length
+    model = build_model("flux", False)
+    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm))
+    inputs = model_inputs("flux", 6)
+    del inputs["weight"]
+    img = rows(IMAGE, rank, world_size)
+    inputs |= {"hidden_states": inputs["hidden_states"][:, img], "img_ids": inputs["img_ids"][img]}
+    prompt = inputs["encoder_hidden_states"]
+    if rank == 1:
+        prompt = torch.randn(prompt.shape, generator=torch.Generator().manual_seed(5)).double()
+    own = inputs | {"encoder_hidden_states": prompt}
+    refused("flux, own prompt", lambda: model(**own, joint_attention_kwargs={"text_seq_len": 6}))
+    # the default replicated mode given each rank's shard of the text, no text_seq_len, in a
+    # model without single-stream blocks (nothing else checks T there)
+    model = FluxTransformer2DModel(**(FLUX | {"num_single_layers": 0}), pooled_projection_dim=8)
+    model.double().set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm))
+    txt = rows(6, rank, world_size)
+    shard = inputs | {
+        "encoder_hidden_states": inputs["encoder_hidden_states"][:, txt],
+        "txt_ids": inputs["txt_ids"][txt],
+    }
+    refused("flux, text shards", lambda: model(**shard))
+    return result
+
+
 def run_ranks() -> dict[str, Any]:
     comm = tokenring.get_communicator()
     result: dict[str, Any] = {"flux": {}}
@@ -251,6 +311,7 @@ def run_ranks() -> dict[str, Any]:
     result["joint"] = joint_strategies(comm)
     result["float16"] = float16_small_scale(comm)
     result["refused"] = refused_together(comm)
+    result["values"] = replicated_values(comm)
     return result
 
 
@@ -321,3 +382,54 @@ def test_diffusers_on_three_ranks() -> None:
         lengths = refused["attention, lengths differ"]
         assert "seq_local: rank 0 has 4, rank 1 has 3" in lengths, lengths
         assert "cu_seqlens" not in lengths, lengths
+        check_replicated_values(res["values"])
+
+
+def check_replicated_values(got: dict[str, Any]) -> None:
+    """One rank's messages and output of replicated_values."""
+    text = "text rows of q, k, v (replicated: the same on every rank; a rank given its own "
+    for case, other in (("joint, own text", 1), ("joint, 1e-9 off", 2)):
+        message = got[case]
+        assert f"ranks disagree on this joint attention call: {text}" in message, message
+        assert f"rank {other} differs from rank 0" in message, message
+        assert "text='sharded'" in message, message
+    cross = got["cross, own K/V"]
+    assert "ranks disagree on this cross-attention call: k/v (replicated: the same" in cross
+    assert "rank 2 differs from rank 0" in cross and "kv='sharded'" in cross, cross
+    for case in ("flux, own prompt", "flux, text shards"):
+        message = got[case]
+        assert "ranks disagree on this Flux attention layer: text: encoder_hidden_states" in message
+        assert "differs from rank 0" in message and "text='sharded'" in message, message
+    # one ulp on rank 1 (rounding) runs: rank 1's text row within float64 rounding of exact
+    q, k, v, _ = joint_inputs(5, 12, torch.float64)
+    want = attention(q, k, v)
+    case = got["joint, one ulp"]
+    torch.testing.assert_close(case["out"], want[:, case["rows"]], rtol=0, atol=1e-10)
+
+
+def test_sketch_of_values() -> None:
+    """Note [Replicated values agreed by sketch]: the same values give the same sketch (any
+    strides, any threads); rounding stays within the tolerance; other values do not."""
+    from tokenring.core.sketch import replicated_rtol, sketch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 40, 3, 16, generator=gen)
+    rtol = replicated_rtol(x.dtype)
+    base = sketch(x, rtol=rtol)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert sketch(x.transpose(1, 2).contiguous().transpose(1, 2), rtol=rtol) == base
+    finally:
+        torch.set_num_threads(threads)
+    assert base.distance(sketch(x.double().float(), rtol=rtol)) == 0
+    ulp = x.clone()
+    ulp.view(-1)[::7] = torch.nextafter(ulp.view(-1)[::7], torch.tensor(9.0))  # rounding
+    assert 0 < base.distance(sketch(ulp, rtol=rtol)) <= rtol
+    for other in (x.flip(1), x[:, torch.randperm(40, generator=gen)], torch.randn_like(x)):
+        assert base.distance(sketch(other, rtol=rtol)) > 0.1
+    assert rtol == 256 * torch.finfo(torch.float32).eps
+    assert replicated_rtol(torch.bfloat16) == replicated_rtol(torch.float16) == 0.25
+    nan = x.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert base.distance(sketch(nan, rtol=rtol)) == float("inf")

@@ -81,6 +81,7 @@ from tokenring.api import (
 )
 from tokenring.core.enums import parse_enum
 from tokenring.core.schedule import Strategy
+from tokenring.core.sketch import Sketch, replicated_rtol, sketch
 from tokenring.model.costmodel import Hardware
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.executor import outside_autocast
@@ -123,6 +124,28 @@ class KVPlacement(enum.Enum):
 # The ring pairs equal blocks: ranks whose t + s differ (S, or sharded T, not divisible by P)
 # are named here, in the joint check, rather than by the attention call's seq_local
 ROWS_FIELD = "rows t + s (the same on every rank: S, and sharded T, split evenly)"
+# Replicated inputs ride in the rank check by a sketch of their values, compared up to rounding
+# (Note [Replicated values agreed by sketch] in tokenring.core.sketch); the field names the
+# argument and what to do
+_OWN_TEXT = (
+    "a rank given its own prompt or seed wants the same on every rank, its shard of the text "
+    "text='sharded'"
+)
+JOINT_TEXT_FIELD = f"text rows of q, k, v (replicated: the same on every rank; {_OWN_TEXT})"
+FLUX_TEXT_FIELD = (
+    "text: encoder_hidden_states, or hidden_states' first text_seq_len rows, and their "
+    f"image_rotary_emb rows (replicated: the same on every rank; {_OWN_TEXT})"
+)
+CROSS_KV_FIELD = (
+    "k/v (replicated: the same on every rank; a rank given its own K/V or seed wants the same "
+    "on every rank, its part of them kv='sharded')"
+)
+
+
+def _values_sketch(*tensors: torch.Tensor) -> Sketch:
+    """The tensors' values as a signature field the ranks compare up to rounding (Note
+    [Replicated values agreed by sketch] in tokenring.core.sketch)."""
+    return sketch(*tensors, rtol=replicated_rtol(tensors[0].dtype))
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_len: bool) -> None:
@@ -180,8 +203,10 @@ def joint_attn(
         ValueError: on every rank: a rank's bad shapes, dtypes, ``num_text`` outside
             ``[0, t + s]``, unknown ``text`` or softmax_scale that is not a finite number > 0
             (with replicated text, also one so small that the text keys' bias overflows q's
-            dtype); ranks that differ in ``text``, with replicated text in ``num_text``, or in
-            their rows t + s.
+            dtype); ranks that differ in ``text``, with replicated text in ``num_text`` or in
+            the values of the text rows of q, k, v beyond rounding (a sketch of them: Note
+            [Replicated values agreed by sketch] in tokenring.core.sketch), or in their rows
+            t + s.
     """
     refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
     comm = get_communicator(group)
@@ -218,7 +243,11 @@ def _joint_checked(
     if replicated and num_text and world_size > 1 and q.dtype.is_floating_point:
         _check_bias_range(world_size, softmax_scale, q)
     # the bias is applied to the first num_text keys of each rank: all the same T
-    signature = {"text": placement.value, "num_text": num_text if replicated else None}
+    signature: dict[str, Any] = {"text": placement.value}
+    signature["num_text"] = num_text if replicated else None
+    if replicated and num_text and world_size > 1:  # the same T rows, by value
+        text_rows = (x[:, :num_text] for x in (q, k, v))
+        signature[JOINT_TEXT_FIELD] = _values_sketch(*text_rows)
     return placement, signature | {ROWS_FIELD: q.shape[1]}
 
 
@@ -328,13 +357,13 @@ def cross_attn(
             finite number > 0, a group that is not one, or no key at all; on every rank of a
             group (replicated K/V too: one small exchange), also where one rank's call is bad
             or the ranks differ in ``kv`` or their K/V in batch, heads, head dim, dtype or
-            device type, and with replicated K/V in length, with sharded K/V in whether they
-            need a gradient.
+            device type, and with replicated K/V in length and in their values beyond
+            rounding (Note [Replicated values agreed by sketch] in tokenring.core.sketch),
+            with sharded K/V in whether they need a gradient.
     """
     refuse_tangents({"q": q, "k": k, "v": v}, before_exchange=True)  # Note [Forward-mode AD]
-    validate = functools.partial(_cross_checked, q, k, v, kv, softmax_scale)
     if group is None and not dist.is_initialized():  # one process: nobody to agree with
-        validate()
+        _cross_checked(q, k, v, kv, softmax_scale, 1)
         placement = KVPlacement.parse(kv)
         if placement is KVPlacement.SHARDED:
             comm = get_communicator(group)  # raises: not initialised
@@ -345,6 +374,7 @@ def cross_attn(
         # sharded K/V's shapes before the gather, which a rank that differs would make
         # mismatch (abort, or hang in the backward's all-reduce)
         comm = get_communicator(group)  # raises for a bad group, on this rank alone
+        validate = functools.partial(_cross_checked, q, k, v, kv, softmax_scale, comm.world_size)
         comm.agreed(validate, what="cross-attention call")
         placement = KVPlacement.parse(kv)
     if placement is KVPlacement.SHARDED:
@@ -362,7 +392,12 @@ def cross_attn(
 
 
 def _cross_checked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, softmax_scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: Any,
+    softmax_scale: float | None,
+    world_size: int,
 ) -> tuple[None, dict[str, Any]]:
     """:func:`cross_attn`'s own checks; what the ranks' K/V must agree on (sharded K/V are
     gathered, and their gradients all-reduced, over every rank)."""
@@ -372,7 +407,7 @@ def _cross_checked(
     check_softmax_scale(softmax_scale)
     if placement is KVPlacement.REPLICATED and k.shape[1] == 0:
         raise ValueError(f"k must hold at least one key; got shape {tuple(k.shape)}")
-    signature = {
+    signature: dict[str, Any] = {
         "kv": placement.value,
         "batch": k.shape[0],
         "heads_kv": k.shape[2],
@@ -381,8 +416,12 @@ def _cross_checked(
         "device type": k.device.type,
     }
     if placement is KVPlacement.REPLICATED:  # nothing gathered: the same K/V on every rank
-        # (a rank passing its own part, or other K/V, attended to them alone, unnoticed)
-        return None, signature | {"Skv (replicated: every rank's K/V)": k.shape[1]}
+        # (a rank passing its own part, or other K/V, attended to them alone, unnoticed):
+        # their length, and their values (Note [Replicated values agreed by sketch])
+        signature["Skv (replicated: every rank's K/V)"] = k.shape[1]
+        if world_size > 1:
+            signature[CROSS_KV_FIELD] = _values_sketch(k, v)
+        return None, signature
     grad = torch.is_grad_enabled()
     return None, signature | {
         "k needs grad": grad and k.requires_grad,
@@ -401,8 +440,11 @@ class FluxSequenceParallelProcessor:
     model on this rank's image shard (``hidden_states``, ``img_ids``) and the text (all of it,
     or with ``text="sharded"`` its shard). With replicated text pass
     ``joint_attention_kwargs={"text_seq_len": T}`` for the single-stream blocks; with sharded
-    text it is optional, and checks that the ranks' text rows add up to T. Attention
-    masks, IP-adapter inputs and an attention other than diffusers' ``FluxAttention`` raise
+    text it is optional, and checks that the ranks' text rows add up to T. With replicated
+    text, every layer checks that the ranks' text (and its rotary rows) is the same up to
+    rounding (Note [Replicated values agreed by sketch] in tokenring.core.sketch): a rank given
+    its own prompt, or its shard of the text, raises on every rank. Attention masks,
+    IP-adapter inputs and an attention other than diffusers' ``FluxAttention`` raise
     NotImplementedError.
 
     Raises:
@@ -473,6 +515,7 @@ class FluxSequenceParallelProcessor:
             text_seq_len,
             (attention_mask, ip_hidden_states, ip_adapter_masks),
             image_rotary_emb,
+            comm.world_size,
         )
         # every rank's checks, placement and text rows agreed before any collective: a rank
         # that raised alone left the others waiting in the next exchange
@@ -504,6 +547,7 @@ def _layer_checked(
     text_seq_len: Any,
     refused: tuple[Any, Any, Any],
     rotary: Any,
+    world_size: int,
 ) -> tuple[int, dict[str, Any]]:
     """One layer's checks (``attn``: None when not a ``FluxAttention``): the number of text
     rows ``t`` among this rank's, and what the ranks must agree on."""
@@ -539,7 +583,14 @@ def _layer_checked(
         num_text = 0  # the local joint sequence is one block of the ring
     else:  # text rows at the start of a single-stream block's local rows
         num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
-    return num_text, {
+    signature: dict[str, Any] = {}
+    if text is TextPlacement.REPLICATED and num_text and world_size > 1:  # by value too
+        text_rows = [hidden_states[:, :num_text]]
+        if encoder_hidden_states is not None:
+            text_rows = [encoder_hidden_states]
+        text_rows += [x[:num_text] for x in rotary or ()]  # the text rows' (cos, sin)
+        signature[FLUX_TEXT_FIELD] = _values_sketch(*text_rows)
+    return num_text, signature | {
         "text": text.value,
         "block": "single-stream" if encoder_hidden_states is None else "joint",
         "text_seq_len": text_seq_len,

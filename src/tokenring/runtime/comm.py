@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.core.schedule import Flow, Transfer
+from tokenring.core.sketch import SKETCH_NUM_VALUES, Sketch
 from tokenring.runtime.shm import SharedMemoryLinks, make_inboxes, open_inboxes, shm_wanted
 
 __all__ = [
@@ -220,7 +221,10 @@ _HEADER_FIELDS = 5
 APART_MIN_BYTES = 64 * 1024  # a field this big travels as a frame of its own
 AGREE_FRAME_NUM_BYTES = 4096  # one message of Communicator.all_gather_bytes
 DIGEST_NUM_BYTES = 16  # blake2b digest of a call's signature (Note [Agreement by digest])
-DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
+# then a signature's Sketch: its rtol (0: none) and K values (Note [Replicated values agreed by
+# sketch] in tokenring.core.sketch), in every frame: the same size for every call
+_SKETCH_STRUCT = struct.Struct(f"<{1 + SKETCH_NUM_VALUES}d")
+DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + _SKETCH_STRUCT.size
 
 # Note [Agreement by digest]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -231,6 +235,12 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 #   all digests equal, no problem here  -> done (the signatures are equal)
 #   any digest differs, or a problem    -> every rank exchanges the JSON rows (4 KiB frames)
 #                                          and raises naming the field, the value and the ranks
+#
+# A signature may hold one field whose value is a ``Sketch`` (values that must be the same on
+# every rank up to rounding: Note [Replicated values agreed by sketch] in
+# tokenring.core.sketch). Its K numbers travel in the digest frame beside the digest (which
+# covers only the field's name); with the digests equal, every rank compares every rank's
+# sketch with rank 0's, within rank 0's rtol, so all raise together, naming the field.
 #
 # Note [Deferred agreement]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -275,6 +285,21 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES
 # marks its inbox file (``SharedMemoryLinks.give_up``): its peers' waits on it fail at once,
 # naming it, and an exchange whose frame came from a rank that gave up fails too, as gloo's
 # closed sockets did. The probe that sets the transport up runs over gloo.
+
+
+def _compare_sketches(name: str, frames: list[bytes], what: str) -> None:
+    """ValueError, the same on every rank (each compares the same frames), where a rank's
+    sketch (Note [Agreement by digest]) is farther from rank 0's than rank 0's rtol."""
+    unpacked = [_SKETCH_STRUCT.unpack(f[DIGEST_NUM_BYTES:]) for f in frames]
+    first = Sketch(values=tuple(unpacked[0][1:]), rtol=unpacked[0][0])
+    for r, (_, *values) in enumerate(unpacked[1:], start=1):
+        distance = first.distance(Sketch(values=tuple(values), rtol=first.rtol))
+        if not distance <= first.rtol:
+            raise ValueError(
+                f"ranks disagree on this {what}: {name}: rank {r} differs from rank 0 (the "
+                f"distance of their values is {distance:.2g} of their norm, where rounding "
+                f"stays within {first.rtol:.2g})"
+            )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -942,15 +967,24 @@ class Communicator:
         mine: dict[str, Any] = {"signature": signature, "call": what}
         if signature is None:
             mine = {"invalid": str(problem), "call": what}
+        sketched = [(k, v) for k, v in (signature or {}).items() if isinstance(v, Sketch)]
+        if len(sketched) > 1:
+            raise TypeError(f"a signature holds one Sketch at most; got {len(sketched)}")
+        if signature is not None and sketched:  # the digest covers its name
+            mine["signature"] = signature | {sketched[0][0]: "compared by sketch"}
         data = json.dumps(mine, sort_keys=True).encode()
         digest = hashlib.blake2b(data, digest_size=DIGEST_NUM_BYTES).digest()
+        values = sketched[0][1] if sketched else Sketch(values=(0.0,) * SKETCH_NUM_VALUES, rtol=0)
+        frame = digest + _SKETCH_STRUCT.pack(values.rtol, *values.values)
         check = f"the {what} check"
-        gather = self._post_gather(digest, what=check, frame_num_bytes=DIGEST_FRAME_NUM_BYTES)
+        gather = self._post_gather(frame, what=check, frame_num_bytes=DIGEST_FRAME_NUM_BYTES)
 
         def finish() -> None:
-            digests = gather()
-            if problem is not None or any(d != digest for d in digests):
+            frames = gather()
+            if problem is not None or any(f[:DIGEST_NUM_BYTES] != digest for f in frames):
                 self._disagreement(data, problem, what)
+            if sketched:  # every rank has one: the digests are equal
+                _compare_sketches(sketched[0][0], frames, what)
 
         return finish
 
