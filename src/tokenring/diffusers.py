@@ -568,21 +568,7 @@ def _layer_checked(
         0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
     )
     _check_rotary(rotary, rows, attn.head_dim)
-    if encoder_hidden_states is not None:
-        if attn.added_kv_proj_dim is None:
-            raise NotImplementedError(
-                "encoder_hidden_states given to an attention without added K/V "
-                "projections (added_kv_proj_dim=None): not a Flux joint block"
-            )
-        num_text = encoder_hidden_states.shape[1]
-        if text_seq_len is not None and text is TextPlacement.REPLICATED:
-            _check_text_len(text_seq_len, num_text)
-        elif text_seq_len is not None:  # sharded: the rows add up to it (checked after)
-            _check_count(text_seq_len)
-    elif text is TextPlacement.SHARDED:
-        num_text = 0  # the local joint sequence is one block of the ring
-    else:  # text rows at the start of a single-stream block's local rows
-        num_text = _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
+    num_text = _text_rows(attn, hidden_states, encoder_hidden_states, text, text_seq_len)
     signature: dict[str, Any] = {}
     if text is TextPlacement.REPLICATED and num_text and world_size > 1:  # by value too
         text_rows = [hidden_states[:, :num_text]]
@@ -600,6 +586,32 @@ def _layer_checked(
         "image_rotary_emb": rotary is not None,
         ROWS_FIELD: rows,
     }
+
+
+def _text_rows(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    text: TextPlacement,
+    text_seq_len: Any,
+) -> int:
+    """The number of text rows among this rank's joint rows, ``text_seq_len`` checked."""
+    if encoder_hidden_states is not None:
+        if attn.added_kv_proj_dim is None:
+            raise NotImplementedError(
+                "encoder_hidden_states given to an attention without added K/V "
+                "projections (added_kv_proj_dim=None): not a Flux joint block"
+            )
+        num_text = int(encoder_hidden_states.shape[1])
+        if text_seq_len is not None and text is TextPlacement.REPLICATED:
+            _check_text_len(text_seq_len, num_text)
+        elif text_seq_len is not None:  # sharded: the rows add up to it (checked after)
+            _check_count(text_seq_len)
+        return num_text
+    if text is TextPlacement.SHARDED:
+        return 0  # the local joint sequence is one block of the ring
+    # text rows at the start of a single-stream block's local rows
+    return _check_text_len(text_seq_len, hidden_states.shape[1], at_most=True)
 
 
 def _check_rotary(rotary: Any, rows: int, head_dim: int) -> None:
