@@ -336,10 +336,9 @@ def _kernel_flops(
     if not _windowed(sched):
         return sum(piece_flops(pc, dims, sched.pass_) for pc in pieces)
     assert sched.sharding is not None and sched.mask is not None
-    positions = _padded_positions(sched.sharding)
+    positions, gathered = _padded_positions(sched)  # gathered (P * s,): rows in rank order
     collective = sched.strategy.is_collective
     if collective:  # q: a Ulysses rank's gathered rows, an all-gather rank's own
-        gathered = torch.cat(positions)  # (P * s,): rows in rank order
         own = positions[r] if sched.strategy is Strategy.ALLGATHER_KV else gathered
     plan = sched.steps[r][t]
     flops = 0.0
@@ -366,17 +365,15 @@ def _kernel_flops(
     return flops
 
 
-_POSITIONS: dict[Sharding, tuple[Tensor, ...]] = {}
-
-
-def _padded_positions(sharding: Sharding) -> tuple[Tensor, ...]:
-    """Each rank's padded positions (-1: padding), kept for the few shardings last priced."""
-    if sharding not in _POSITIONS:
-        if len(_POSITIONS) >= 8:
-            _POSITIONS.pop(next(iter(_POSITIONS)))
-        p = sharding.world_size
-        _POSITIONS[sharding] = tuple(sharding.padded_positions(r) for r in range(p))
-    return _POSITIONS[sharding]
+def _padded_positions(sched: Schedule) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Each rank's padded positions (-1: padding) and all of them in rank order (the rows a
+    collective gathers), kept in the schedule's memo while it lives."""
+    key = ("padded positions",)
+    if key not in sched._memo:
+        assert sched.sharding is not None
+        own = tuple(sched.sharding.padded_positions(r) for r in range(sched.world_size))
+        sched._memo[key] = (own, torch.cat(own))
+    return sched._memo[key]  # type: ignore[return-value]
 
 
 def _tile_pairs(mask: MaskSpec, q_pos: Tensor, kv_pos: Tensor, tile: int) -> int:
