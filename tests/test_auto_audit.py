@@ -179,6 +179,7 @@ PICK_CALLS: dict[str, dict[str, Any]] = {
             (1e9, 1e6, 0.0, "gloo", "mesh"),
             (1e9, 1e6, 0.0, "gloo", "switch"),
             (1e9, 1e6, 0.0, "direct", "switch"),
+            (1e9, 1e9, 0.0, "gloo", "mesh"),  # priced with its window: bidir_token_ring
         ],
     ),
 }  # fmt: skip
@@ -222,6 +223,7 @@ def _auto_against_direct() -> list[dict[str, Any]]:
                 world_size=world, seq_local=padded, heads_q=hq, heads_kv=hkv, head_dim=D,
                 dtype=torch.float64, causal=call["causal"], layout=call["layout"],
                 training=True, hardware=hardware, batch=batch, last_block_splits=2,
+                cu_seqlens=docs or [0, seq], window_size=window,  # the mask auto prices
             )  # fmt: skip
             pick = planner.choose_strategy(**priced)
             lend = pick is tokenring.Strategy.TOKEN_RING and planner.lends_last_pair(**priced)

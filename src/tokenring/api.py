@@ -255,6 +255,8 @@ def resolve_strategy(
     seq_len: int | None = None,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> Strategy:
     """``strategy`` itself, or for ``"auto"`` the planner's pick: a pure function of the
     call's shape and ``hardware``, so every rank picks the same (logged once at INFO).
@@ -277,6 +279,9 @@ def resolve_strategy(
             the padded rows every rank holds, so every rank picks the same.
         v: the call's ``(B, s, Hkv, D)`` values, read only for ``training=None`` (a v that
             requires grad makes the call run a backward).
+        window_size, attention_chunk_size: as :func:`sequence_parallel_attn`; with
+            documents they are the mask ``"auto"`` prices (Note [Pricing the mask] in
+            tokenring.model.planner).
 
     Raises:
         ValueError: ``"auto"`` without ``hardware``, or ``hardware`` with another strategy
@@ -309,8 +314,9 @@ def _planner_args(
     training: bool | None = None,
 ) -> dict[str, Any]:
     """The planner's description of a call: q's and k's shapes, ``options``' hardware,
-    causal, layout and last_block_splits, and their seq_len and cu_seqlens where given (None
-    ``training``: an operator's requires_grad, Note [Training is priced])."""
+    causal, layout and last_block_splits, their seq_len and cu_seqlens where given, and their
+    window_size and attention_chunk_size (None ``training``: an operator's requires_grad,
+    Note [Training is priced]; the mask: Note [Pricing the mask] in tokenring.model.planner)."""
     batch, _, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
     sharding = _call_sharding(options, world_size)
     # the padded rows every rank holds, not this rank's tokens: uneven shards price the same
@@ -319,6 +325,9 @@ def _planner_args(
     hardware = options["hardware"]
     call = {name: options[name] for name in ("causal", "layout", "last_block_splits")}
     shape = dict(batch=batch, seq_local=seq_local, heads_q=heads_q, heads_kv=int(k.shape[2]))
+    # the mask, all of it in the agreed signature: its documents end at S (padding included)
+    mask = {name: options.get(name) for name in ("window_size", "attention_chunk_size")}
+    mask["cu_seqlens"] = None if sharding is None else sharding.cu_seqlens
     return dict(
         shape,
         head_dim=head_dim,
@@ -327,6 +336,7 @@ def _planner_args(
         world_size=world_size,
         training=any(options["requires_grad"]) if training is None else training,
         **call,
+        **mask,
     )
 
 

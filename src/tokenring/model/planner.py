@@ -30,6 +30,20 @@ Note [Which candidates]
 - The hybrid needs its factorisation and a 2-D mesh (``tokenring.hybrid_attn``):
   :func:`explain` predicts it given a ``hybrid`` spec; :func:`choose_strategy` never picks it.
 
+Note [Pricing the mask]
+~~~~~~~~~~~~~~~~~~~~~~~
+A call's window, documents (``cu_seqlens``) and chunks are priced as each strategy runs them
+(Note [Masked calls] in tokenring.model.simulate): the rings on their masked schedules (blocks
+nobody sees are neither computed nor sent, rows trimmed to what is seen), Ulysses and
+all-gather K/V on their unchanged messages with the kernel tiles their mask leaves. So a
+sliding window of w << S prices each ring at its neighbours' blocks, not at S^2, and the pick
+can differ from the plain call's (tests/test_planner_masks.py). The plain call is priced,
+bit for bit as without the keywords, where the mask is plain (no window, one document:
+padding alone is not priced) and where the vectorised engine runs (world_size above
+EVENT_MAX_WORLD_SIZE with mode "auto", or mode "vectorised": its columns hold plain masks);
+the reason says which. The inputs are the call's agreed signature (window, documents' digest,
+chunk size, seq_len), so every rank prices the same call.
+
 Note [Calibration probe]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 All ranks run the same probe through the caller's ``Communicator``::
@@ -84,6 +98,9 @@ from tokenring.model.costmodel import (
     preset,
 )
 from tokenring.model.simulate import (
+    EVENT_MAX_WORLD_SIZE,
+    CallMask,
+    call_mask,
     max_sent,
     simulate,
     simulate_cached,
@@ -151,6 +168,10 @@ class Prediction:
     """The factorisation, for ``Strategy.HYBRID``."""
     lends_last_pair: bool = False
     """TokenRing: predicted with its last pair lent (Note [Borrowed last pair])."""
+    travel_bytes: int = 0
+    """Forward: the most bytes one rank sends on the travel flow (Q or K/V)."""
+    return_bytes: int = 0
+    """Forward: the most bytes one rank sends on the return flow (partials)."""
 
     @property
     def total_s(self) -> float:
@@ -195,6 +216,8 @@ class Plan:
                     "mode": p.mode,
                     "hybrid": p.hybrid.label(self.world_size) if p.hybrid else None,
                     "lends_last_pair": p.lends_last_pair,
+                    "travel_bytes": p.travel_bytes,
+                    "return_bytes": p.return_bytes,
                 }
                 for p in self.predictions
             ],
@@ -218,10 +241,11 @@ def _plan(
     strategies: tuple[Strategy, ...],
     hybrid: HybridSpec | None,
     last_pair: str,
+    mask_note: str = "",
     **call: Any,
 ) -> Plan:
     """:func:`explain`'s comparison of ``simulate(**call)`` per candidate, cached per distinct
-    input (Note [Choosing])."""
+    input (Note [Choosing]); ``mask_note``: how the call's mask was priced ("": none given)."""
     predictions = []
     skipped: list[tuple[Strategy, str]] = []
     hardware = call["hardware"]
@@ -239,7 +263,7 @@ def _plan(
         reasons = "; ".join(reason for _, reason in skipped)
         raise NotImplementedError(f"no candidate strategy can be predicted here: {reasons}")
     best = _fastest(predictions)
-    reason = _reason(best, predictions, call)
+    reason = _reason(best, predictions, call) + mask_note
     _log.info("tokenring planner: %s", reason)
     for strategy, why in skipped:
         _log.info("tokenring planner: %s not predicted: %s", strategy.value, why)
@@ -285,6 +309,8 @@ def _predict(
                     mode=fwd.mode,
                     hybrid=call["hybrid"],
                     lends_last_pair=lend,
+                    travel_bytes=fwd.travel_bytes,
+                    return_bytes=fwd.return_bytes,
                 )
             )
         if variants:
@@ -348,9 +374,12 @@ def explain(
     mode: str = "auto",
     hybrid: HybridSpec | None = None,
     last_pair: str = "auto",
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> Plan:
-    """Predict every candidate strategy (and layout) and pick the fastest; see Note [Choosing]
-    and Note [Which candidates].
+    """Predict every candidate strategy (and layout) and pick the fastest; see Note [Choosing],
+    Note [Which candidates] and Note [Pricing the mask].
 
     Args:
         world_size, seq_local, heads_q, heads_kv, head_dim, dtype, causal, batch: the call.
@@ -365,6 +394,10 @@ def explain(
             include the hybrid); None: skipped.
         last_pair: TokenRing's last pair: ``"return"``, ``"lend"``
             (Note [Borrowed last pair]) or ``"auto"`` (the faster, as lends_last_pair says).
+        window_size, attention_chunk_size, cu_seqlens: the call's mask, as
+            ``sequence_parallel_attn``'s (Note [Pricing the mask]); ``cu_seqlens`` ends at the
+            call's S, and the layout must shard it into ``seq_local`` (padded) rows per rank
+            (None ``layout``: the layouts that do are compared).
 
     Returns:
         A :class:`Plan`; logged once at INFO per distinct input.
@@ -372,8 +405,10 @@ def explain(
     Raises:
         ValueError: non-positive sizes, heads_kv not dividing heads_q, an unknown strategy,
             layout, ``last_pair`` or hardware preset, a non-bool ``causal`` or ``training``,
-            a seq_local the layout cannot split, a dtype the hardware has no FLOP/s for, or
-            a ``hybrid`` that does not fit or that ``strategies`` leaves out.
+            a seq_local the layout cannot split, a dtype the hardware has no FLOP/s for,
+            a ``hybrid`` that does not fit or that ``strategies`` leaves out, a bad
+            ``window_size``, ``attention_chunk_size`` or ``cu_seqlens``, or ``cu_seqlens``
+            that no candidate layout shards into ``seq_local`` rows per rank.
     """
     if last_pair not in _LENDS:
         raise ValueError(f"last_pair must be one of {LAST_PAIRS}; got {last_pair!r}")
@@ -388,10 +423,52 @@ def explain(
     layouts, ordered = _candidates(layout, seq_local, strategies)
     if hybrid is not None:
         _check_hybrid(hybrid, ordered, world_size=world_size, heads_q=heads_q, heads_kv=heads_kv)
+    masking = dict(
+        cu_seqlens=cu_seqlens, window_size=window_size, attention_chunk_size=attention_chunk_size
+    )
+    layouts, masked = _masked_layouts(layouts, causal, world_size, seq_local, masking)
     call = dict(causal=causal, world_size=world_size, seq_local=seq_local, shape=shape, mode=mode)
     call |= dict(hardware=hardware, last_block_splits=last_block_splits)
     call["passes"] = "both" if training else "forward"
-    return _plan(layouts, ordered, hybrid, last_pair, **call)
+    if masked is None:  # no window, at most one document: as before
+        return _plan(layouts, ordered, hybrid, last_pair, **call)
+    if mode == "event" or (mode == "auto" and world_size <= EVENT_MAX_WORLD_SIZE):
+        note = f"; priced with its mask ({masked.describe()})"
+        return _plan(layouts, ordered, hybrid, last_pair, note, **call, **masked.keywords)
+    note = (
+        f"; its mask ({masked.describe()}) not priced: the vectorised engine (mode "
+        f"{mode!r}, world_size={world_size}) replays plain masks (Note [Pricing the mask])"
+    )
+    return _plan(layouts, ordered, hybrid, last_pair, note, **call)
+
+
+def _masked_layouts(
+    layouts: tuple[Layout, ...],
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    masking: dict[str, Any],
+) -> tuple[tuple[Layout, ...], CallMask | None]:
+    """The layouts that shard the call's documents into ``seq_local`` rows per rank (all
+    without ``cu_seqlens``) and the call's mask (None: plain); ValueError (the first layout's)
+    where none does or the mask is bad."""
+    if all(value is None for value in masking.values()):
+        return layouts, None
+    kept: list[Layout] = []
+    masks: list[CallMask | None] = []
+    first_error: ValueError | None = None
+    for lay in layouts:
+        try:
+            masks.append(call_mask(layout=lay, causal=causal, world_size=world_size,
+                                   seq_local=seq_local, **masking))  # fmt: skip
+        except ValueError as exc:
+            first_error = first_error or exc
+            continue
+        kept.append(lay)
+    if not kept:
+        assert first_error is not None
+        raise first_error
+    return tuple(kept), masks[0]  # plain or not alike for every layout (same documents)
 
 
 def _check_hybrid(
@@ -463,6 +540,9 @@ def choose_strategy(
     last_block_splits: int = 2,
     strategies: Sequence[Strategy | str] | None = None,
     last_pair: str = "auto",
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> Strategy:
     """The strategy ``strategy="auto"`` runs: :func:`explain`'s pick for the caller's layout,
     never the hybrid. Deterministic given the same ``hardware`` on every rank.
@@ -470,6 +550,7 @@ def choose_strategy(
     Args:
         strategies: the candidates (default: every strategy).
         last_pair: how TokenRing is predicted (:func:`explain`).
+        window_size, attention_chunk_size, cu_seqlens: the call's mask (:func:`explain`).
 
     Raises:
         ValueError: as :func:`explain`; candidates that leave nothing to pick.
@@ -500,9 +581,13 @@ def lends_last_pair(
     hardware: Hardware | str,
     batch: int = 1,
     last_block_splits: int = 2,
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> bool:
     """Whether TokenRing should lend its last pair (Note [Borrowed last pair]), as
-    ``last_pair="auto"`` decides: True when predicted faster with it (ties: not lending).
+    ``last_pair="auto"`` decides: True when predicted faster with it (ties: not lending);
+    the mask as :func:`explain` prices it.
 
     Raises:
         ValueError: as :func:`explain`.

@@ -44,6 +44,27 @@ are reordered (a layout other than contiguous, P > 1), else 1::
 (x B rows each.) Not priced: the GQA head map of a share that does not line up with the
 groups (``expand_kv``), as the ring's zero-fills and final casts are not.
 
+Note [Masked calls]
+~~~~~~~~~~~~~~~~~~~
+A window or documents (``cu_seqlens``, chunks) are priced as the runtime runs them, on the
+event engine (the vectorised engine's columns hold plain masks only):
+
+    strategy            schedule played                     kernel work of a piece
+    rings (TokenRing,   ``build_schedule`` with the mask:    full / causal pieces: piece_flops;
+    Ring, bidir)        empty blocks dropped, rows trimmed   masked pieces: the tiles below
+    Ulysses,            the plain schedule of the padded     every piece: the tiles below
+    all-gather K/V      rows (the same bytes), the mask
+                        attached (``strategy_schedule``)
+
+A masked kernel call (Note [Collectives with masks] in tokenring.runtime.collective; a ring's
+masked piece likewise) runs in tiles of MASKED_TILE_ROWS x MASKED_TILE_ROWS from the call's
+first row and column (the default kernels' ``masked_tile_rows``; their larger outer tiles are
+multiples of it), skips a tile in which no query sees a key and computes any other whole, so a
+piece costs ``piece_flops`` x (rows of its non-empty tiles) / (its rows). Under a mask Ulysses
+keeps the gathered rows in rank order (no reordering copies). A kernel picked by name with
+other tiles (``tiled``, ``reference``) is priced as the default. A mask that is plain (no
+window, at most one document) prices the plain call: padding alone is not priced.
+
 Note [Sharing bandwidth]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 Not max-min fair sharing (a progressive-filling pass over every flow per event) but
@@ -124,12 +145,21 @@ import torch
 from torch import Tensor
 
 from tokenring.core.enums import parse_enum
-from tokenring.core.layout import Layout, make_sharding, validate_seq_local
+from tokenring.core.layout import (
+    Layout,
+    Sharding,
+    is_int,
+    make_sharding,
+    normalize_cu_seqlens,
+    validate_seq_local,
+)
+from tokenring.core.masks import MaskSpec, chunk_documents, normalize_window
 from tokenring.core.schedule import (
     AttentionShape,
     Flow,
     Pass,
     Payload,
+    Piece,
     Schedule,
     Strategy,
     Transfer,
@@ -155,9 +185,12 @@ from tokenring.strategies.ring import LEND_MAX_WORLD_SIZE, RingColumns, RingPlan
 
 __all__ = [
     "EVENT_MAX_WORLD_SIZE",
+    "MASKED_TILE_ROWS",
     "VECTORISED_STRATEGIES",
+    "CallMask",
     "CallResult",
     "PassResult",
+    "call_mask",
     "max_sent",
     "simulate",
     "simulate_cached",
@@ -272,6 +305,121 @@ def _taken_bytes(
     pairs = 1 if payload is Payload.DQ else 2
     heads = heads or (dims.heads_q if pairs == 1 else dims.heads_kv)
     return num_rows * dims.batch * heads * dims.head_dim * pairs * 3 * dims.acc_bytes
+
+
+# -- the kernel work of a masked collective ----------------------------------------------------
+MASKED_TILE_ROWS = 1024
+"""Rows of the tiles in which the default kernels compute a masked kernel call (both sides):
+``masked_tile_rows`` of ``CpuFlashKernel`` and ``CudaFusedKernel`` (Note [Masked calls])."""
+
+_VISIBLE_BATCH = 4096  # query runs compared against every kv tile at once
+
+
+def _masked_collective(sched: Schedule) -> bool:
+    """Whether ``sched`` is a collective's plain schedule run under a window or documents
+    (``strategy_schedule`` attaches them; Note [Collectives with masks] in
+    tokenring.runtime.collective)."""
+    return sched.strategy.is_collective and _windowed(sched)
+
+
+def _windowed(sched: Schedule) -> bool:
+    """Whether ``sched`` runs under a window or documents (Note [Masked calls])."""
+    return sched.mask is not None and not sched.mask.plain and sched.sharding is not None
+
+
+def _kernel_flops(
+    sched: Schedule, r: int, t: int, pieces: Sequence[Piece], dims: AttentionShape
+) -> float:
+    """The kernel FLOPs of rank ``r``'s ``pieces`` at step ``t`` of ``sched``: ``piece_flops``;
+    under a window or documents the masked pieces (every piece of a collective) by the tiles
+    their kernel computes (Note [Masked calls])."""
+    if not _windowed(sched):
+        return sum(piece_flops(pc, dims, sched.pass_) for pc in pieces)
+    assert sched.sharding is not None and sched.mask is not None
+    positions, gathered = _padded_positions(sched)  # gathered (P * s,): rows in rank order
+    collective = sched.strategy.is_collective
+    if collective:  # q: a Ulysses rank's gathered rows, an all-gather rank's own
+        own = positions[r] if sched.strategy is Strategy.ALLGATHER_KV else gathered
+    plan = sched.steps[r][t]
+    flops = 0.0
+    for pc in pieces:
+        if collective:
+            q_pos, kv_pos = own[slice(*pc.q_rows)], gathered[slice(*pc.kv_rows)]
+        elif pc.masked:  # whose rows meet, as the ring runtime finds them
+            q_owner = r if pc.kv_owner is not None else plan.lane_q_owner(pc.lane)
+            kv_owner = pc.kv_owner if pc.kv_owner is not None else plan.kv_owners[pc.lane]
+            q_pos = positions[q_owner][slice(*pc.q_rows)]
+            kv_pos = positions[kv_owner][slice(*pc.kv_rows)]
+        else:  # full or top-left causal: computed as priced without a mask
+            flops += piece_flops(pc, dims, sched.pass_)
+            continue
+        area = pc.num_q * pc.num_kv
+        if area == 0:
+            continue
+        if not collective and max(pc.num_q, pc.num_kv) <= MASKED_TILE_ROWS:
+            pairs = area  # one tile, and a ring's piece is trimmed to what some query sees
+        else:
+            pairs = _tile_pairs(sched.mask, q_pos, kv_pos, MASKED_TILE_ROWS)
+        whole = piece_flops(replace(pc, causal=False), dims, sched.pass_)  # its heads
+        flops += whole * pairs / area
+    return flops
+
+
+def _padded_positions(sched: Schedule) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Each rank's padded positions (-1: padding) and all of them in rank order (the rows a
+    collective gathers), kept in the schedule's memo while it lives."""
+    key = ("padded positions",)
+    if key not in sched._memo:
+        assert sched.sharding is not None
+        own = tuple(sched.sharding.padded_positions(r) for r in range(sched.world_size))
+        sched._memo[key] = (own, torch.cat(own))
+    return sched._memo[key]  # type: ignore[return-value]
+
+
+def _tile_pairs(mask: MaskSpec, q_pos: Tensor, kv_pos: Tensor, tile: int) -> int:
+    """The (query, key) pairs of the ``tile`` x ``tile`` tiles of a kernel call (rows at global
+    positions ``q_pos`` against ``kv_pos``, -1: padding) in which some query sees some key:
+    the tiles the kernel computes, each whole (Note [Masked calls])."""
+    n, m = q_pos.numel(), kv_pos.numel()
+    if n == 0 or m == 0:
+        return 0
+    big = 2**62  # an unbounded side: past every position, without int64 overflow
+    bounds = torch.tensor(mask.cu_seqlens or (0, big), dtype=torch.int64)
+    # the queries as runs of consecutive positions of one document within one tile
+    doc = torch.bucketize(q_pos, bounds[1:-1], right=True)
+    rows = torch.arange(n)
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = (rows[1:] % tile == 0) | (q_pos[1:] != q_pos[:-1] + 1) | (doc[1:] != doc[:-1])
+    first = starts.nonzero().flatten()
+    last = torch.cat([first[1:], torch.tensor([n])]) - 1
+    real = q_pos[first] >= 0
+    first, last = first[real], last[real]
+    if first.numel() == 0:
+        return 0
+    d = doc[first]
+    left = big if mask.window[0] < 0 else min(mask.window[0], big)
+    right = 0 if mask.causal else (big if mask.window[1] < 0 else min(mask.window[1], big))
+    # the keys each run sees: one range of positions inside its document
+    lo = torch.maximum(q_pos[first] - left, bounds[d])
+    hi = torch.minimum(q_pos[last] + right, bounds[d + 1] - 1)
+    # each kv tile's positions, sorted (a short last tile filled past every position)
+    kv_tiles = -(-m // tile)
+    filled = torch.full((kv_tiles * tile,), big, dtype=torch.int64)
+    filled[:m] = kv_pos
+    sorted_kv = filled.view(kv_tiles, tile).sort(dim=1).values
+    seen = torch.zeros(-(-n // tile), kv_tiles, dtype=torch.int64)
+    for a in range(0, first.numel(), _VISIBLE_BATCH):
+        part = slice(a, a + _VISIBLE_BATCH)
+        his = hi[part].unsqueeze(0).expand(kv_tiles, -1).contiguous()
+        los = lo[part].unsqueeze(0).expand(kv_tiles, -1).contiguous()
+        count = torch.searchsorted(sorted_kv, his, right=True)
+        count -= torch.searchsorted(sorted_kv, los, right=False)  # (kv tiles, runs)
+        seen.index_add_(0, first[part] // tile, (count > 0).long().T)
+    q_rows = torch.full((seen.shape[0],), tile, dtype=torch.int64)
+    q_rows[-1] = n - tile * (seen.shape[0] - 1)
+    kv_rows = torch.full((kv_tiles,), tile, dtype=torch.int64)
+    kv_rows[-1] = m - tile * (kv_tiles - 1)
+    return int(((seen > 0).long() * q_rows.unsqueeze(1) * kv_rows.unsqueeze(0)).sum())
 
 
 # -- event engine ------------------------------------------------------------------------------
@@ -393,7 +541,7 @@ class _EventEngine:
                 return [(_MERGE, delta, t, "delta")] if t in ring_steps else []
             plan = sched.steps[r][t]
             segment = plan.segments[op.index]
-            flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+            flops = _kernel_flops(sched, r, t, segment.pieces, dims)
             actions = [(_COMPUTE, flops / self.flops_per_s, t, "attn" if forward else "attn_bwd")]
             if plan.q_owner == r and t in ring_steps:  # own rows merged (dQ added) at once
                 rows = segment.q_rows[1] - segment.q_rows[0]
@@ -412,7 +560,9 @@ class _EventEngine:
         shares = ulysses_heads(world_size=p, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
         nq, nkv, rows = shares[r].num_q, shares[r].num_kv, p * s * b  # gathered rows (x B)
         forward = sched.pass_ is Pass.FORWARD
-        reordered = sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1
+        # under a mask the rows stay in rank order (Note [Collectives with masks])
+        masked = _masked_collective(sched)
+        reordered = sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1 and not masked
         q_side = nq * d * e if forward else nq * (2 * d * e + 2 * a)  # q; or q, dout, lse, delta
         gathered = rows * (q_side + 2 * nkv * d * e)  # (B, S, nq or nkv, D) fields, (B, nq, S)
         if forward:
@@ -426,7 +576,7 @@ class _EventEngine:
             if op.kind is OpKind.DELTA:
                 return [(_MERGE, _delta_bytes(s, dims) / mem, 0, "delta")]
             segment = sched.steps[r][0].segments[op.index]
-            flops = sum(piece_flops(pc, dims, sched.pass_) for pc in segment.pieces)
+            flops = _kernel_flops(sched, r, 0, segment.pieces, dims)
             seconds = flops * (nq / dims.heads_q) / self.flops_per_s  # pieces cover its heads
             actions = [(_COMPUTE, seconds, 0, "attn" if forward else "attn_bwd")]
             actions += [(_MERGE, cast / mem, 0, "cast")] if cast else []
@@ -1408,6 +1558,9 @@ def simulate_pass(
     mode: str = "auto",
     hybrid: HybridSpec | None = None,
     lend_last_pair: bool = False,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> PassResult:
     """Predict one pass of one strategy.
 
@@ -1418,16 +1571,23 @@ def simulate_pass(
         hardware: the machine (``costmodel.PRESETS`` or ``measured(...)``).
         mode: ``event``, ``vectorised``, or ``auto`` (event up to EVENT_MAX_WORLD_SIZE ranks).
         hybrid: inner size and outer strategy of ``Strategy.HYBRID`` (required for it).
+        cu_seqlens, window_size, attention_chunk_size: the call's mask, as
+            ``sequence_parallel_attn``'s (Note [Mask classes] in tokenring.core.masks);
+            ``cu_seqlens`` ends at S, which ``world_size`` ranks of ``seq_local`` padded rows
+            hold. A window or documents are priced as the runtime runs them (Note [Masked
+            calls]); none (or one document) prices the plain call, padding unpriced.
 
     Raises:
         ValueError: unknown strategy/pass/layout/mode, mode="event" above
             EVENT_LIMIT_WORLD_SIZE ranks, a seq_local the layout cannot split,
             a dtype the hardware has no FLOP/s for, a hybrid without (a fitting) ``hybrid``,
             a ``shape``, ``hardware`` or ``hybrid`` of the wrong type, a non-bool
-            ``lend_last_pair``.
+            ``lend_last_pair``; bad ``cu_seqlens``, ``window_size`` or
+            ``attention_chunk_size``, or documents the layout does not shard into
+            ``seq_local`` rows per rank.
         NotImplementedError: the vectorised engine (``mode``, or ``auto`` above
-            EVENT_MAX_WORLD_SIZE) for a strategy not in VECTORISED_STRATEGIES, or for a
-            TokenRing schedule that lends its last pair.
+            EVENT_MAX_WORLD_SIZE) for a strategy not in VECTORISED_STRATEGIES, for a
+            TokenRing schedule that lends its last pair, or for a window or documents.
     """
     strategy = Strategy.parse(strategy)
     pass_ = parse_enum(Pass, pass_, "pass_")
@@ -1436,11 +1596,27 @@ def simulate_pass(
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     validate_seq_local(seq_local, layout)
     _check_types(shape=shape, hardware=hardware, hybrid=hybrid, lend_last_pair=lend_last_pair)
+    masked = call_mask(
+        layout=layout, causal=causal, world_size=world_size, seq_local=seq_local,
+        cu_seqlens=cu_seqlens, window_size=window_size, attention_chunk_size=attention_chunk_size,
+    )  # fmt: skip
     mode = _engine(mode, strategy, world_size)
     hardware.flops_per_s(pass_, shape.dtype)  # a dtype it has FLOP/s for, before the schedule
     call: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
     call |= dict(seq_local=seq_local, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
     call["last_block_splits"] = last_block_splits
+    if masked is not None:  # Note [Masked calls]: the event engine, on the masked schedule
+        if mode != "event":
+            raise NotImplementedError(
+                "the vectorised engine replays the columns of a plain causal or full mask; a "
+                f"window or documents need the event engine (mode='event', up to "
+                f"{EVENT_LIMIT_WORLD_SIZE} ranks); got world_size={world_size}, mode={mode!r}"
+            )
+        call |= dict(seq_local=None, seq_len=masked.seq_len, **masked.keywords)
+        sched = strategy_schedule(
+            strategy, pass_, hybrid=hybrid, lend_last_pair=lend_last_pair, **call
+        )
+        return simulate_schedule(sched, shape=shape, hardware=hardware)
     lends = strategy is Strategy.TOKEN_RING and lend_last_pair
     if mode == "event" or (lends and world_size <= LEND_MAX_WORLD_SIZE):
         sched = strategy_schedule(
@@ -1455,6 +1631,102 @@ def simulate_pass(
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
     return _simulate_vectorised(ring_plan(strategy, pass_, **call), layout, causal, shape, hardware)
+
+
+@dataclass(frozen=True, slots=True)
+class CallMask:
+    """A call's window or documents as the schedule builders take them (:func:`call_mask`)."""
+
+    seq_len: int
+    """S: the tokens of the call (the ranks hold ``sharding.seq_local`` padded rows each)."""
+    sharding: Sharding
+    """The call's sharding of S, documents included."""
+    mask: MaskSpec
+    """Its mask (not plain: a window or documents)."""
+    cu_seqlens: tuple[int, ...] | None
+    window_size: tuple[int, int]
+    attention_chunk_size: int | None
+
+    @property
+    def keywords(self) -> dict[str, Any]:
+        """``cu_seqlens``, ``window_size``, ``attention_chunk_size`` for the builders."""
+        return dict(
+            cu_seqlens=self.cu_seqlens,
+            window_size=self.window_size,
+            attention_chunk_size=self.attention_chunk_size,
+        )
+
+    def describe(self) -> str:
+        """A few words: the window, the documents, the chunks."""
+        words = []
+        if self.window_size != (-1, -1) and self.window_size != (-1, 0):
+            words.append(f"window {self.window_size}")
+        if self.cu_seqlens is not None and len(self.cu_seqlens) > 2:
+            words.append(f"{len(self.cu_seqlens) - 1} documents")
+        if self.attention_chunk_size is not None:
+            words.append(f"chunks of {self.attention_chunk_size}")
+        return ", ".join(words) or "its mask"
+
+
+def call_mask(
+    *,
+    layout: Layout | str,
+    causal: bool,
+    world_size: int,
+    seq_local: int,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
+) -> CallMask | None:
+    """A call's mask, checked as ``sequence_parallel_attn`` checks it, or None where it is plain
+    (no window, at most one document: the call is priced as before; Note [Masked calls]).
+
+    Raises:
+        ValueError: a bad ``window_size``, ``attention_chunk_size`` or ``cu_seqlens`` (each
+            named, with its value), or documents that ``layout`` does not shard into
+            ``seq_local`` rows per rank.
+    """
+    layout = Layout.parse(layout)
+    window = normalize_window(window_size, causal=causal)
+    if attention_chunk_size is not None and not (
+        is_int(attention_chunk_size) and int(attention_chunk_size) >= 1
+    ):
+        raise ValueError(
+            f"attention_chunk_size must be an int >= 1 or None; got {attention_chunk_size!r}"
+        )
+    seq_len = world_size * seq_local
+    bounds = None
+    if cu_seqlens is not None:
+        try:  # its last value is S; normalize_cu_seqlens names what else is wrong
+            items = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+        except TypeError:
+            items = []
+        if items and is_int(items[-1]):
+            seq_len = int(items[-1])
+        bounds = normalize_cu_seqlens(cu_seqlens, seq_len)
+    sharding = make_sharding(
+        layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=bounds
+    )
+    if sharding.seq_local != seq_local:
+        raise ValueError(
+            f"cu_seqlens must describe the call whose {world_size} ranks hold seq_local="
+            f"{seq_local} rows each; got cu_seqlens ending at {seq_len} ({sharding.num_docs} "
+            f"documents), which layout '{layout.value}' shards into {sharding.seq_local} padded "
+            f"rows per rank"
+        )
+    chunk = None if attention_chunk_size is None else int(attention_chunk_size)
+    docs = chunk_documents(sharding.cu_seqlens, chunk)
+    mask = MaskSpec(causal, window, docs if len(docs) > 2 else None)
+    if mask.plain:
+        return None
+    return CallMask(
+        seq_len=seq_len,
+        sharding=sharding,
+        mask=mask,
+        cu_seqlens=None if bounds is None else sharding.cu_seqlens,
+        window_size=window,
+        attention_chunk_size=chunk,
+    )
 
 
 def _check_types(
@@ -1509,6 +1781,9 @@ def strategy_schedule(
     hybrid: HybridSpec | None = None,
     seq_len: int | None = None,
     lend_last_pair: bool = False,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> Schedule:
     """The schedule of one pass of any strategy (``build_schedule``, or the collective or
     hybrid builder): what the event engine plays and bench reads.
@@ -1516,6 +1791,10 @@ def strategy_schedule(
     Give ``seq_local`` (every rank holds s tokens) or ``seq_len`` (any S, as ``tokenring.shard``
     splits it: the collectives get the padded buffer they run on, the hybrid its padded outer
     shards split evenly over the inner ranks, approximate when P_in does not divide them).
+    ``cu_seqlens``, ``window_size``, ``attention_chunk_size``: the mask, as ``build_schedule``
+    (and the hybrid's builder) take it; a collective gets its plain schedule of the padded
+    rows with a window or documents attached as ``sharding`` and ``mask``, which is how its
+    runtime runs them (Note [Masked calls]).
 
     Raises:
         ValueError: as the builders; a hybrid without ``hybrid``; both or neither of
@@ -1530,11 +1809,27 @@ def strategy_schedule(
         )
     common: dict[str, Any] = dict(layout=layout, causal=causal, world_size=world_size)
     common |= dict(heads_q=heads_q, heads_kv=heads_kv)
+    masking: dict[str, Any] = dict(cu_seqlens=cu_seqlens, window_size=window_size)
+    masking["attention_chunk_size"] = attention_chunk_size
+    given = any(value is not None for value in masking.values())
     if strategy.is_ring:
         common |= dict(last_block_splits=last_block_splits, lend_last_pair=lend_last_pair)
-        return build_schedule(strategy, pass_, seq_local=seq_local, seq_len=seq_len, **common)
+        return build_schedule(
+            strategy, pass_, seq_local=seq_local, seq_len=seq_len, **common, **masking
+        )
+    if strategy is Strategy.HYBRID and given:  # the builder takes the mask and seq_len
+        if hybrid is None:
+            raise ValueError(_NO_HYBRID)
+        return build_hybrid_schedule(
+            pass_, spec=hybrid, last_block_splits=last_block_splits, seq_local=seq_local,
+            seq_len=seq_len, **common, **masking,
+        )  # fmt: skip
+    sharding = None
     if seq_len is not None and strategy is not Strategy.HYBRID:  # the padded buffer
-        seq_local = make_sharding(layout=layout, world_size=world_size, seq_len=seq_len).seq_local
+        sharding = make_sharding(
+            layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+        )
+        seq_local = sharding.seq_local
     elif seq_len is not None:  # about 1/P_in of a padded outer shard, as the layout splits it
         inner = hybrid.inner if hybrid is not None else 1
         outer_size = max(1, world_size // inner)
@@ -1545,14 +1840,27 @@ def strategy_schedule(
     assert seq_local is not None
     if strategy is Strategy.HYBRID:
         if hybrid is None:
-            raise ValueError(
-                "hybrid must give the inner size and outer strategy for strategy 'hybrid' "
-                "(a tokenring.strategies.hybrid.HybridSpec); got None"
-            )
+            raise ValueError(_NO_HYBRID)
         return build_hybrid_schedule(
             pass_, spec=hybrid, last_block_splits=last_block_splits, seq_local=seq_local, **common
         )
-    return build_collective_schedule(strategy.value, pass_, seq_local=seq_local, **common)
+    sched = build_collective_schedule(strategy.value, pass_, seq_local=seq_local, **common)
+    if not given:
+        return sched
+    if masking["cu_seqlens"] is None and seq_len is not None:  # S, padding included
+        masking["cu_seqlens"] = (0, seq_len)
+    masked = call_mask(
+        layout=layout, causal=causal, world_size=world_size, seq_local=seq_local, **masking
+    )
+    if masked is None:  # plain: as without the keywords
+        return sched
+    return replace(sched, sharding=masked.sharding, mask=masked.mask)
+
+
+_NO_HYBRID = (
+    "hybrid must give the inner size and outer strategy for strategy 'hybrid' "
+    "(a tokenring.strategies.hybrid.HybridSpec); got None"
+)
 
 
 _FORWARD, _BACKWARD = (Pass.FORWARD,), (Pass.BACKWARD,)
@@ -1573,6 +1881,9 @@ def simulate(
     mode: str = "auto",
     hybrid: HybridSpec | None = None,
     lend_last_pair: bool = False,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
+    window_size: Sequence[int] | int | None = None,
+    attention_chunk_size: int | None = None,
 ) -> CallResult:
     """Predict a call: ``passes`` is ``forward``, ``backward`` or ``both`` (training).
 
