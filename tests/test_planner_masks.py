@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import tokenring
+from tokenring import api
 from oracle import (
     expected_bytes,
     make_inputs,
@@ -278,3 +279,19 @@ def test_auto_runs_the_masked_pick_and_matches_the_oracle() -> None:
         assert [f["pick"] for f in mine] == [f["pick"] for f in found[0]], found
         for f in mine:
             assert f["error"] < 1e-10, f
+
+
+def test_auto_prices_a_batch_by_its_padded_rows_not_its_documents() -> None:
+    """Documents change with every packed batch: auto's planning input (and so its cached
+    plan) is the same for two batches whose documents differ but whose padded rows agree,
+    while the window reaches it (Note [Pricing the mask])."""
+    q, k = torch.zeros(1, 32, 4, 4), torch.zeros(1, 32, 2, 4)
+    base = dict(hardware=FLIP_HW, causal=True, layout="contiguous", last_block_splits=2)
+    base |= dict(window_size=(4, 0), attention_chunk_size=None, requires_grad=(True,) * 3)
+    args = [
+        api._planner_args(q, k, base | dict(seq_len=96, cu_seqlens=docs), world_size=3)
+        for docs in ([0, 40, 96], [0, 7, 50, 96], None)
+    ]
+    assert args[0] == args[1] == args[2], args
+    assert args[0]["window_size"] == (4, 0) and args[0]["seq_local"] == 32
+    assert "cu_seqlens" not in args[0] or args[0]["cu_seqlens"] is None

@@ -314,9 +314,10 @@ def _planner_args(
     training: bool | None = None,
 ) -> dict[str, Any]:
     """The planner's description of a call: q's and k's shapes, ``options``' hardware,
-    causal, layout and last_block_splits, their seq_len and cu_seqlens where given, and their
-    window_size and attention_chunk_size (None ``training``: an operator's requires_grad,
-    Note [Training is priced]; the mask: Note [Pricing the mask] in tokenring.model.planner)."""
+    causal, layout and last_block_splits, the padded rows of their seq_len and cu_seqlens
+    where given, and their window_size and attention_chunk_size (None ``training``: an
+    operator's requires_grad, Note [Training is priced]; the mask: Note [Pricing the mask] in
+    tokenring.model.planner)."""
     batch, _, heads_q, head_dim = (int(x) for x in q.shape)  # traced: specialises
     sharding = _call_sharding(options, world_size)
     # the padded rows every rank holds, not this rank's tokens: uneven shards price the same
@@ -325,9 +326,9 @@ def _planner_args(
     hardware = options["hardware"]
     call = {name: options[name] for name in ("causal", "layout", "last_block_splits")}
     shape = dict(batch=batch, seq_local=seq_local, heads_q=heads_q, heads_kv=int(k.shape[2]))
-    # the mask, all of it in the agreed signature: its documents end at S (padding included)
+    # the mask's window and chunks (in the agreed signature); not its documents, which change
+    # with every batch (Note [Pricing the mask] in tokenring.model.planner)
     mask = {name: options.get(name) for name in ("window_size", "attention_chunk_size")}
-    mask["cu_seqlens"] = None if sharding is None else sharding.cu_seqlens
     return dict(
         shape,
         head_dim=head_dim,
