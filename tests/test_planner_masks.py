@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 import tokenring
-from tokenring import api
 from oracle import (
     expected_bytes,
     make_inputs,
@@ -32,6 +31,7 @@ from oracle import (
     sharded_positions,
     visible_mask,
 )
+from tokenring import api
 from tokenring.core.masks import MaskSpec
 from tokenring.core.schedule import AttentionShape, Pass, Strategy
 from tokenring.model import planner
