@@ -1606,12 +1606,7 @@ def simulate_pass(
     call |= dict(seq_local=seq_local, heads_q=shape.heads_q, heads_kv=shape.heads_kv)
     call["last_block_splits"] = last_block_splits
     if masked is not None:  # Note [Masked calls]: the event engine, on the masked schedule
-        if mode != "event":
-            raise NotImplementedError(
-                "the vectorised engine replays the columns of a plain causal or full mask; a "
-                f"window or documents need the event engine (mode='event', up to "
-                f"{EVENT_LIMIT_WORLD_SIZE} ranks); got world_size={world_size}, mode={mode!r}"
-            )
+        _check_masked_engine(mode, world_size)
         call |= dict(seq_local=None, seq_len=masked.seq_len, **masked.keywords)
         sched = strategy_schedule(
             strategy, pass_, hybrid=hybrid, lend_last_pair=lend_last_pair, **call
@@ -1631,6 +1626,16 @@ def simulate_pass(
                 "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
             )
     return _simulate_vectorised(ring_plan(strategy, pass_, **call), layout, causal, shape, hardware)
+
+
+def _check_masked_engine(mode: str, world_size: int) -> None:
+    """NotImplementedError unless the event engine prices a masked call (Note [Masked calls])."""
+    if mode != "event":
+        raise NotImplementedError(
+            "the vectorised engine replays the columns of a plain causal or full mask; a "
+            f"window or documents need the event engine (mode='event', up to "
+            f"{EVENT_LIMIT_WORLD_SIZE} ranks); got world_size={world_size}, mode={mode!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -1824,19 +1829,8 @@ def strategy_schedule(
             pass_, spec=hybrid, last_block_splits=last_block_splits, seq_local=seq_local,
             seq_len=seq_len, **common, **masking,
         )  # fmt: skip
-    sharding = None
-    if seq_len is not None and strategy is not Strategy.HYBRID:  # the padded buffer
-        sharding = make_sharding(
-            layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-        )
-        seq_local = sharding.seq_local
-    elif seq_len is not None:  # about 1/P_in of a padded outer shard, as the layout splits it
-        inner = hybrid.inner if hybrid is not None else 1
-        outer_size = max(1, world_size // inner)
-        outer = make_sharding(layout=layout, world_size=outer_size, seq_len=seq_len)
-        seq_local = -(-outer.seq_local // inner)
-        if Layout.parse(layout) is Layout.ZIGZAG and inner * seq_local % 2:
-            seq_local += 1
+    if seq_len is not None:
+        seq_local = _rows_of(strategy, layout, world_size, seq_len, cu_seqlens, hybrid)
     assert seq_local is not None
     if strategy is Strategy.HYBRID:
         if hybrid is None:
@@ -1855,6 +1849,26 @@ def strategy_schedule(
     if masked is None:  # plain: as without the keywords
         return sched
     return replace(sched, sharding=masked.sharding, mask=masked.mask)
+
+
+def _rows_of(
+    strategy: Strategy,
+    layout: Layout | str,
+    world_size: int,
+    seq_len: int,
+    cu_seqlens: Sequence[int] | Tensor | None,
+    hybrid: HybridSpec | None,
+) -> int:
+    """The rows each rank holds of S = ``seq_len`` tokens: a collective's padded buffer, or
+    about 1/P_in of the hybrid's padded outer shard, as the layout splits it."""
+    if strategy is not Strategy.HYBRID:
+        return make_sharding(
+            layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
+        ).seq_local
+    inner = hybrid.inner if hybrid is not None else 1
+    outer = make_sharding(layout=layout, world_size=max(1, world_size // inner), seq_len=seq_len)
+    rows = -(-outer.seq_local // inner)
+    return rows + 1 if Layout.parse(layout) is Layout.ZIGZAG and inner * rows % 2 else rows
 
 
 _NO_HYBRID = (
