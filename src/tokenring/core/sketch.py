@@ -27,11 +27,25 @@ that differ by less than that (a few ulps: rounding, by design; a small part of 
 half precision). The sketch travels in the agreement's digest frame (Note [Agreement by
 digest] in tokenring.runtime.comm): no extra exchange.
 
-Cost: one pass converting to float64 and a (m, W) @ (W, K) matmul on the tensor's device; the
-host reads K numbers, which on a GPU waits for the work queued before it (a synchronisation:
-the host stops running ahead of the GPU at that call). On a loaded 2-core CPU, float32
-(1, 512, 24, 128): 2.5-5 ms; joint_attn sketches the text rows of q, k and v, 15 ms of a
-250 ms call on 2 ranks (T = 512, 512 image tokens per rank).
+Cost: one pass converting to float64, a few elementwise passes (Note [Non-finite values in a
+sketch]) and a (2, m, W) @ (W, K) matmul on the tensor's device; the host reads 2K numbers,
+which on a GPU waits for the work queued before it (a synchronisation: the host stops running
+ahead of the GPU at that call). On a loaded 2-core CPU, float32 (1, 512, 24, 128): 2.5-5 ms;
+joint_attn sketches the text rows of q, k and v, 15 ms of a 250 ms call on 2 ranks (T = 512,
+512 image tokens per rank). Under ``torch.compile`` it runs eagerly (a graph break, as the
+agreement's exchange is one).
+
+Note [Non-finite values in a sketch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A NaN or inf in the projection makes every one of its K sums NaN or inf, which compare unequal
+even where every rank holds the same values: ranks given the same text holding a NaN (a
+diverged model) raised "ranks disagree", where a single process returns NaN as attention does.
+So the non-finite values are projected apart, as codes (NaN 1, -inf 2, +inf 4: exact small
+integers, so their sums are exact) compared exactly, and the finite values with those as 0
+within the tolerance: the same NaN on every rank agrees, a NaN on one rank alone (or at
+another place, or an inf for a NaN) differs. The signs are +-2**-64, so that float64 values
+near its largest (1e308; their sums overflowed to inf, or inf - inf = NaN) stay finite; a power
+of two scales without rounding (values below about 2**-1000 lose bits: far below rounding).
 """
 
 from __future__ import annotations
@@ -55,13 +69,18 @@ class Sketch:
     agreed by sketch]), not exactly: rank 0's ``rtol`` decides."""
 
     values: tuple[float, ...]
-    """K numbers: the projection of the values."""
+    """K numbers: the projection of the finite values (the others as 0)."""
     rtol: float
     """Ranks agree where their sketches are within ``rtol`` of the larger one's norm."""
+    nonfinite: tuple[float, ...] = (0.0,) * SKETCH_NUM_VALUES
+    """K numbers: the projection of the non-finite values' codes (NaN 1, -inf 2, +inf 4),
+    compared exactly (Note [Non-finite values in a sketch])."""
 
     def distance(self, other: Sketch) -> float:
-        """``|self - other| / max(|self|, |other|)``: 0 for two zero sketches, inf where one
-        is not finite and the other is, or both are not finite and differ."""
+        """``|self - other| / max(|self|, |other|)``: 0 for two zero sketches; inf where the
+        non-finite values differ (in place or kind), or a sketch is not finite."""
+        if self.nonfinite != other.nonfinite:
+            return math.inf
         if self.values == other.values:
             return 0.0
         finite = [all(math.isfinite(x) for x in s.values) for s in (self, other)]
@@ -93,9 +112,11 @@ def _signs(seed: int, count: int) -> list[float]:
 
 @functools.cache
 def _column_signs_on_host() -> torch.Tensor:
-    """b for each tensor: ``(tensors, W, K)`` float64."""
+    """b for each tensor: ``(tensors, W, K)`` float64, +-2**-64 (Note [Non-finite values in a
+    sketch]: a power of two scales exactly, and float64 values near its largest do not
+    overflow the sums)."""
     count = _MAX_TENSORS * ROW_VALUES * SKETCH_NUM_VALUES
-    signs = torch.tensor(_signs(0x746F6B656E72696E, count), dtype=torch.float64)
+    signs = torch.tensor(_signs(0x746F6B656E72696E, count), dtype=torch.float64) * 2.0**-64
     return signs.view(_MAX_TENSORS, ROW_VALUES, SKETCH_NUM_VALUES)
 
 
@@ -113,12 +134,14 @@ def _row_signs(rows: int, index: int, device: torch.device) -> torch.Tensor:
     return 1.0 - 2.0 * ((h >> 11) & 1).to(torch.float64)
 
 
+@torch.compiler.disable  # a host read (dynamo traced _signs' loop for minutes, then broke)
 def sketch(*tensors: torch.Tensor, rtol: float) -> Sketch:
     """The sketch of ``tensors``' values in float64 (Note [Replicated values agreed by
-    sketch]), computed on their devices; synchronises with a GPU (the host reads K numbers)."""
+    sketch]), computed on their devices; synchronises with a GPU (the host reads 2K numbers).
+    Runs eagerly under ``torch.compile``."""
     if len(tensors) > _MAX_TENSORS:
         raise ValueError(f"at most {_MAX_TENSORS} tensors; got {len(tensors)}")
-    total = torch.zeros(SKETCH_NUM_VALUES, dtype=torch.float64)
+    total = torch.zeros(2, SKETCH_NUM_VALUES, dtype=torch.float64)  # values, non-finite codes
     for index, x in enumerate(tensors):
         x = x.detach()
         if x.is_complex():
@@ -131,6 +154,11 @@ def sketch(*tensors: torch.Tensor, rtol: float) -> Sketch:
         padded = torch.empty(rows * ROW_VALUES, dtype=torch.float64, device=device)
         padded[:n].view(x.shape).copy_(x)  # any strides
         padded[n:].zero_()
-        per_row = padded.view(rows, ROW_VALUES) @ _column_signs(device)[index]  # (m, K)
-        total += (per_row * _row_signs(rows, index, device)).sum(dim=0).cpu()
-    return Sketch(values=tuple(total.tolist()), rtol=rtol)
+        # Note [Non-finite values in a sketch]: their codes apart, the values as 0
+        finite = torch.isfinite(padded)
+        codes = torch.where(torch.isnan(padded), 1.0, torch.sign(padded) + 3.0)
+        parts = torch.stack([torch.where(finite, padded, 0.0), torch.where(finite, 0.0, codes)])
+        per_row = parts.view(2, rows, ROW_VALUES) @ _column_signs(device)[index]  # (2, m, K)
+        total += (per_row * _row_signs(rows, index, device)).sum(dim=1).cpu()
+    values, nonfinite = (tuple(row) for row in total.tolist())
+    return Sketch(values=values, rtol=rtol, nonfinite=nonfinite)

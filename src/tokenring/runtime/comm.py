@@ -221,9 +221,9 @@ _HEADER_FIELDS = 5
 APART_MIN_BYTES = 64 * 1024  # a field this big travels as a frame of its own
 AGREE_FRAME_NUM_BYTES = 4096  # one message of Communicator.all_gather_bytes
 DIGEST_NUM_BYTES = 16  # blake2b digest of a call's signature (Note [Agreement by digest])
-# then a signature's Sketch: its rtol (0: none) and K values (Note [Replicated values agreed by
-# sketch] in tokenring.core.sketch), in every frame: the same size for every call
-_SKETCH_STRUCT = struct.Struct(f"<{1 + SKETCH_NUM_VALUES}d")
+# then a signature's Sketch: its rtol (0: none), K values and K non-finite codes (Note [Replicated
+# values agreed by sketch] in tokenring.core.sketch), in every frame: the same size for every call
+_SKETCH_STRUCT = struct.Struct(f"<{1 + 2 * SKETCH_NUM_VALUES}d")
 DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + _SKETCH_STRUCT.size
 
 # Note [Agreement by digest]
@@ -290,10 +290,19 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + _SKETCH_STRUCT.size
 def _compare_sketches(name: str, frames: list[bytes], what: str) -> None:
     """ValueError, the same on every rank (each compares the same frames), where a rank's
     sketch (Note [Agreement by digest]) is farther from rank 0's than rank 0's rtol."""
-    unpacked = [_SKETCH_STRUCT.unpack(f[DIGEST_NUM_BYTES:]) for f in frames]
-    first = Sketch(values=tuple(unpacked[0][1:]), rtol=unpacked[0][0])
-    for r, (_, *values) in enumerate(unpacked[1:], start=1):
-        distance = first.distance(Sketch(values=tuple(values), rtol=first.rtol))
+    k = SKETCH_NUM_VALUES
+    sketches = [
+        Sketch(values=tuple(u[1 : 1 + k]), rtol=u[0], nonfinite=tuple(u[1 + k :]))
+        for u in (_SKETCH_STRUCT.unpack(f[DIGEST_NUM_BYTES:]) for f in frames)
+    ]
+    first = sketches[0]
+    for r, other in enumerate(sketches[1:], start=1):
+        distance = first.distance(other)
+        if other.nonfinite != first.nonfinite:
+            raise ValueError(
+                f"ranks disagree on this {what}: {name}: rank {r} differs from rank 0 in its "
+                "NaN or inf values (their places or kinds)"
+            )
         if not distance <= first.rtol:
             raise ValueError(
                 f"ranks disagree on this {what}: {name}: rank {r} differs from rank 0 (the "
@@ -975,7 +984,7 @@ class Communicator:
         data = json.dumps(mine, sort_keys=True).encode()
         digest = hashlib.blake2b(data, digest_size=DIGEST_NUM_BYTES).digest()
         values = sketched[0][1] if sketched else Sketch(values=(0.0,) * SKETCH_NUM_VALUES, rtol=0)
-        frame = digest + _SKETCH_STRUCT.pack(values.rtol, *values.values)
+        frame = digest + _SKETCH_STRUCT.pack(values.rtol, *values.values, *values.nonfinite)
         check = f"the {what} check"
         gather = self._post_gather(frame, what=check, frame_num_bytes=DIGEST_FRAME_NUM_BYTES)
 
