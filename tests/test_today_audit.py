@@ -9,6 +9,8 @@
 - ``torch.compile`` of a function that sketches (joint_attn, cross_attn): dynamo traced the
   signs' 65536-step Python loop for minutes (a compiled joint_attn on 2 ranks did not finish
   in 300 s); it runs eagerly now.
+- A NaN query row seeing fewer than 16 keys per block (PyTorch's fused CPU op returns out 0
+  and lse 0 there): the rings returned 0 for it where attention returns NaN.
 
 One 2-rank launch; float64 against attention over the whole sequence in one process.
 """
@@ -27,6 +29,7 @@ from tokenring import diffusers as tr_diffusers
 from tokenring.core.sketch import replicated_rtol, sketch
 
 T, IMAGE, HEADS, D = 3, 4, 2, 8  # text rows, image rows per rank
+NAN_STRATEGIES = ("token_ring", "ring", "bidir_ring", "allgather_kv", "ulysses")
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,13 @@ def _inputs(world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _local(x: torch.Tensor, rank: int) -> torch.Tensor:
     """This rank's joint rows: all the text, then its image shard."""
     return torch.cat([x[:, :T], x[:, T + rank * IMAGE : T + (rank + 1) * IMAGE]], dim=1)
+
+
+def _nan_image(q: torch.Tensor) -> torch.Tensor:
+    """q with a NaN in rank 0's second image row (batch 0, head 0)."""
+    out = q.clone()
+    out[0, T + 1, 0, 0] = float("nan")
+    return out
 
 
 def _outcome(fn: Any) -> Any:
@@ -79,6 +89,13 @@ def _ranks() -> dict[str, Any]:
             lambda: tr_diffusers.cross_attn(kv_q, inf_k, v[:, :5], kv="replicated", group=comm)
         ),
     }
+    for strategy in NAN_STRATEGIES:  # blocks of 4 keys: the CPU op's NaN rows (kernels.py)
+        local = (x[:, T + rank * IMAGE : T + (rank + 1) * IMAGE] for x in (_nan_image(q), k, v))
+        result[f"nan {strategy}"] = _outcome(
+            lambda local=tuple(local), strategy=strategy: tokenring.sequence_parallel_attn(
+                *local, strategy=strategy, layout="contiguous", group=comm
+            )
+        )
     start = time.monotonic()
     compiled = torch.compile(joint)
     result["compiled"] = _outcome(lambda: compiled(q, k, v))
@@ -95,11 +112,16 @@ def test_non_finite_and_huge_replicated_values_on_two_ranks() -> None:
         nan_q[0, 0, 0, 0] = float("nan")
         want = _local(_attention(nan_q, k, v), rank)
         assert isinstance(got["nan alike"], torch.Tensor), got["nan alike"]
-        # the NaN query's own row and head (one process: NaN) left out: the ring's kernels
-        # return 0 there (reported, not in this audit's area)
-        kept = torch.ones_like(want, dtype=torch.bool)
-        kept[0, 0, 0] = False
-        torch.testing.assert_close(got["nan alike"][kept], want[kept], rtol=0, atol=1e-10)
+        assert want[0, 0, 0].isnan().all()  # the NaN query's own row and head, as attention
+        torch.testing.assert_close(got["nan alike"], want, rtol=0, atol=1e-10, equal_nan=True)
+        image = slice(T, T + 2 * IMAGE)
+        want = _attention(*(x[:, image] for x in (_nan_image(q), k, v)))
+        want = want[:, rank * IMAGE : (rank + 1) * IMAGE]
+        assert want[0, 1, 0].isnan().all() == (rank == 0)
+        for strategy in NAN_STRATEGIES:  # the ring strategies returned 0 for the NaN row
+            found = got[f"nan {strategy}"]
+            assert isinstance(found, torch.Tensor), (strategy, found)
+            torch.testing.assert_close(found, want, rtol=0, atol=1e-10, equal_nan=True)
         huge_v = v.clone()
         huge_v[:, :T] *= 1e300
         assert isinstance(got["huge alike"], torch.Tensor), got["huge alike"]

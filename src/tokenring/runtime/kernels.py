@@ -52,6 +52,7 @@ import abc
 import collections
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeAlias
@@ -411,6 +412,13 @@ def _finite_lse(lse: Tensor, dtype: torch.dtype) -> Tensor:
     return out.masked_fill(torch.isneginf(out), 0.0).contiguous()
 
 
+# PyTorch's fused CPU op returns out 0 and lse 0 for a query row holding a NaN when it sees
+# fewer than 16 keys (torch 2.13, every dtype; 8 in float64): a finite partial that the merge
+# weighs in, hiding the NaN that plain attention (and the op with more keys) returns. The
+# kernel restores NaN there below this many keys (a margin over 16; the check reads q once).
+_FEW_KEYS = 32
+
+
 class _CpuFlashOps(BlockKernel):
     """PyTorch's fused CPU flash-attention ops on one tile (a masked one: an additive mask)."""
 
@@ -440,6 +448,10 @@ class _CpuFlashOps(BlockKernel):
         lse = lse.to(accumulation_dtype(q.dtype))
         if visible is not None:  # the op reports lse 0 for a row that sees no key
             lse = lse.masked_fill(~visible.any(-1), float("-inf"))
+        if call.k.shape[1] < _FEW_KEYS:  # a NaN query row: (0, 0) from the op, not NaN
+            nan_rows = qkv[0].isnan().any(-1)  # (B, Hq, sq)
+            out = out.masked_fill(nan_rows.unsqueeze(-1), math.nan)
+            lse = lse.masked_fill(nan_rows, math.nan)
         return _bhsd(out), lse
 
     def _backward(
