@@ -352,7 +352,10 @@ class SequenceParallelTrainer(Trainer):
         cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
         if self.args.eval_use_gather_object:
             parts = gather_object([data])  # one entry per process, in rank order
-            kept = [item for rank in firsts for item in parts[rank]]
+            if len(firsts) == 1:  # one process: gather_object returns the object itself
+                kept = parts[firsts[0]]
+            else:  # over processes: their objects' items, concatenated in a list
+                kept = [item for rank in firsts for item in parts[rank]]
             return kept if cut is None else kept[:cut]
 
         def keep(t: torch.Tensor) -> torch.Tensor:
