@@ -53,7 +53,7 @@ def _case(case: str, out_dir: str) -> None:
         elif rank == 3:
             options["seq_len"] = S + 8  # a seq_len whose share is not this rank's length
     elif case == "frozen" and rank == 2:
-        time.sleep(8)  # frozen before the call (the others give up after 3 s)
+        _frozen_until_the_others_gave_up(out_dir, [0, 1, 3])  # they give up after 3 s
     elif case == "dead" and rank == 2:
         os._exit(0)  # died before the call
     start = time.monotonic()
@@ -65,6 +65,18 @@ def _case(case: str, out_dir: str) -> None:
         result.update(ok=False, type=type(exc).__name__, error=str(exc))
     result["elapsed_s"] = time.monotonic() - start
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
+def _frozen_until_the_others_gave_up(out_dir: str, others: list[int]) -> None:
+    """Sleep until every rank of ``others`` has written its result (it gave up: 3 s) and then
+    0.5 s more, as it leaves for the launch's end (before: a fixed 8 s sleep, most of it
+    waited out after they had given up); 60 s at most."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(Path(out_dir, f"{r}.json").exists() for r in others):
+            time.sleep(0.5)
+            return
+        time.sleep(0.05)
 
 
 def _cases(cases: list[str], out_dir: str) -> None:

@@ -259,7 +259,7 @@ def test_communicators_go_with_their_groups() -> None:
 # -- item: collectives are bounded by the communicator's timeout ------------------------------
 
 
-def late_rank(strategy: str) -> None:
+def late_rank(strategy: str, marker: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Every rank builds the communicators first (that makes their groups, with all of them).
     if strategy == "hybrid":  # the inner all-to-all, on a 1 x 2 mesh
@@ -270,7 +270,11 @@ def late_rank(strategy: str) -> None:
         comm = tokenring.Communicator(timeout_s=2)
     local, _ = _local_inputs(rank, world)
     if rank == 1:
-        time.sleep(60)  # frozen before the call
+        # frozen before the call until rank 0 has failed and ended (60 s at most); then it
+        # returns, which spares the launcher's grace for its report (3 s)
+        _wait_for(lambda: Path(marker).exists(), 60, "rank 0 to fail")
+        _wait_for(lambda: not _running(int(Path(marker).read_text() or 0)), 60, "rank 0 to end")
+        return
     start = time.monotonic()
     try:
         if strategy == "hybrid":
@@ -278,6 +282,8 @@ def late_rank(strategy: str) -> None:
         else:
             tokenring.ulysses_attn(*local[:3], causal=True, group=comm, check_ranks=False)
     except RuntimeError as exc:
+        Path(marker + ".tmp").write_text(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
         raise RuntimeError(f"failed after {time.monotonic() - start:.1f} s: {exc}") from None
 
 
@@ -290,14 +296,18 @@ _MESSAGE_TIMEOUT = (
 
 
 @pytest.mark.parametrize("strategy", ["ulysses", "hybrid"])
-def test_collective_times_out_with_the_communicator_not_the_group(strategy: str) -> None:
+def test_collective_times_out_with_the_communicator_not_the_group(
+    strategy: str, tmp_path: Path
+) -> None:
+    marker = str(tmp_path / "rank0-failed")
     with pytest.raises(LaunchError) as info:
-        tokenring.launch(late_rank, strategy, world_size=2, timeout_s=120, pg_timeout_s=90)
+        args = (strategy, marker)
+        tokenring.launch(late_rank, *args, world_size=2, timeout_s=120, pg_timeout_s=90)
     assert info.value.failed_rank == 0
     message = str(info.value)
     match = re.search(rf"failed after ([0-9.]+) s: rank 0: {_MESSAGE_TIMEOUT}", message)
     assert match is not None, message
-    # The communicator's 2 s, not the group's 90 s (nor rank 1's 60 s sleep).
+    # The communicator's 2 s, not the group's 90 s (nor rank 1's wait, up to 60 s).
     assert 2.0 <= float(match[1]) < 15.0, message
 
 
