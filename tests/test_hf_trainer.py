@@ -37,12 +37,11 @@ pytest.importorskip(
     "accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)"
 )
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    LlamaConfig,
     TrainerCallback,
     TrainingArguments,
 )
 
+from tiny_llama import llama_config, model_of, perturbed_state  # noqa: E402
 from tokenring import hf  # noqa: E402
 
 VOCAB = 64
@@ -55,34 +54,15 @@ IGNORE = -100
 FP64 = 1e-10
 
 
-def model_config() -> Any:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        use_cache=False,
-    )
+MODEL_CONFIG = llama_config(VOCAB, hidden=32, layers=2, heads=4, kv_heads=2)
 
 
 def initial_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(model_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return {k: v.double() for k, v in model.state_dict().items()}
+    return perturbed_state(MODEL_CONFIG, seed=3, scale=0.1)
 
 
-def build_model(state: dict[str, torch.Tensor], attn_implementation: str) -> Any:
-    model = AutoModelForCausalLM.from_config(
-        model_config(), attn_implementation=attn_implementation
-    )
-    model.load_state_dict(state)
-    return model.double()
+def build_model(state: dict[str, torch.Tensor], attn: str) -> Any:
+    return model_of(MODEL_CONFIG, state, attn)
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:

@@ -47,8 +47,9 @@ transformers = pytest.importorskip(
 pytest.importorskip(
     "accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)"
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
 
+from tiny_llama import llama_config, model_of, perturbed_state  # noqa: E402
 from tokenring import hf  # noqa: E402
 
 VOCAB = 32
@@ -64,34 +65,15 @@ LOSS_RTOL = 1e-9  # float64 throughout
 PARAMS_ATOL = 1e-9
 
 
-def model_config() -> Any:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        use_cache=False,
-    )
+MODEL_CONFIG = llama_config(VOCAB)
 
 
 def initial_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(9)
-    model = AutoModelForCausalLM.from_config(model_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return {k: v.double() for k, v in model.state_dict().items()}
+    return perturbed_state(MODEL_CONFIG, seed=9, scale=0.2)
 
 
-def build_model(state: dict[str, torch.Tensor], attn_implementation: str) -> Any:
-    model = AutoModelForCausalLM.from_config(
-        model_config(), attn_implementation=attn_implementation
-    )
-    model.load_state_dict(state)
-    return model.double()
+def build_model(state: dict[str, torch.Tensor], attn: str) -> Any:
+    return model_of(MODEL_CONFIG, state, attn)
 
 
 def rows(num_rows: int, seed: int) -> list[dict[str, torch.Tensor]]:

@@ -49,13 +49,12 @@ pytest.importorskip(
     "accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)"
 )
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    LlamaConfig,
     Trainer,
     TrainerCallback,
     TrainingArguments,
 )
 
+from tiny_llama import llama_config, model_of, perturbed_state  # noqa: E402
 from tokenring import hf  # noqa: E402
 
 VOCAB = 32
@@ -74,26 +73,11 @@ LOSS_RTOL = 1e-6
 CASES = ("tokens averaged", "per device", "no loss kwargs")
 
 
-def model_config() -> Any:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        use_cache=False,
-    )
+MODEL_CONFIG = llama_config(VOCAB)
 
 
 def initial_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(model_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return {k: v.double() for k, v in model.state_dict().items()}
+    return perturbed_state(MODEL_CONFIG, seed=7, scale=0.2)
 
 
 def rows(num_rows: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -137,11 +121,7 @@ def train(
             seen["train" if model.training else "eval"].append(kept)
             return super().compute_loss(model, inputs, *a, **kw)
 
-    model = AutoModelForCausalLM.from_config(
-        model_config(), attn_implementation="sdpa" if sp is None else "tokenring"
-    )
-    model.load_state_dict(state)
-    model = model.double()
+    model = model_of(MODEL_CONFIG, state, "sdpa" if sp is None else "tokenring")
     if case == "no loss kwargs":
         model.accepts_loss_kwargs = False  # transformers then counts no num_items_in_batch
     recorder = Recorder()
