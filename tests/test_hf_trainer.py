@@ -41,7 +41,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from tiny_llama import llama_config, model_of, perturbed_state  # noqa: E402
+from tiny_llama import llama_config, model_of, perturbed_state, sgd_args  # noqa: E402
 from tokenring import hf  # noqa: E402
 
 VOCAB = 64
@@ -114,21 +114,8 @@ def run_trainer(state: dict[str, torch.Tensor], data: list[dict[str, torch.Tenso
     model = build_model(state, "tokenring")
     recorder = Recorder()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=PER_DEVICE,
-            max_steps=STEPS,
-            learning_rate=LR,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-            seed=0,
+        args = sgd_args(
+            out, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS, learning_rate=LR
         )
         trainer = RecordingTrainer(
             model=model,

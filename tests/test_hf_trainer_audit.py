@@ -49,7 +49,7 @@ pytest.importorskip(
 )
 from transformers import TrainingArguments  # noqa: E402
 
-from tiny_llama import llama_config, model_of, perturbed_state  # noqa: E402
+from tiny_llama import labelled_rows, llama_config, model_of, perturbed_state, sgd_args  # noqa: E402
 from tokenring import hf  # noqa: E402
 
 VOCAB = 32
@@ -77,16 +77,7 @@ def build_model(state: dict[str, torch.Tensor], attn: str) -> Any:
 
 
 def rows(num_rows: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """Distinct rows whose first 1..7 labels are -100 (different counts per row)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(num_rows):
-        ids = torch.randint(0, VOCAB, (SEQ_LEN,), generator=gen)
-        ids[0] = i  # tells the rows apart
-        labels = ids.clone()
-        labels[: int(torch.randint(1, SEQ_LEN, (1,), generator=gen))] = IGNORE
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return labelled_rows(num_rows, seed, vocab=VOCAB, seq_len=SEQ_LEN)
 
 
 # -- inside the ranks ----------------------------------------------------------------------
@@ -120,23 +111,13 @@ def run_ranks(
         sp = hf.SequenceParallel(group=mesh["sp"])
         seen.clear()
         with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(
-                output_dir=tmp,
+            args = sgd_args(
+                tmp,
                 per_device_train_batch_size=BATCH,
                 per_device_eval_batch_size=BATCH,
                 gradient_accumulation_steps=GA,
                 num_train_epochs=1,
                 learning_rate=LR,
-                optim="sgd",
-                lr_scheduler_type="constant",
-                weight_decay=0.0,
-                max_grad_norm=0.0,
-                logging_steps=1,
-                save_strategy="no",
-                report_to=[],
-                use_cpu=True,
-                disable_tqdm=True,
-                seed=0,
             )
             evaluator = Recording(
                 model=build_model(state, "tokenring"), args=args, sequence_parallel=sp

@@ -51,10 +51,9 @@ pytest.importorskip(
 from transformers import (  # noqa: E402
     Trainer,
     TrainerCallback,
-    TrainingArguments,
 )
 
-from tiny_llama import llama_config, model_of, perturbed_state  # noqa: E402
+from tiny_llama import labelled_rows, llama_config, model_of, perturbed_state, sgd_args  # noqa: E402
 from tokenring import hf  # noqa: E402
 
 VOCAB = 32
@@ -81,15 +80,7 @@ def initial_state() -> dict[str, torch.Tensor]:
 
 
 def rows(num_rows: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """Rows whose first 1..7 labels are -100 (a prompt mask of random length)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(num_rows):
-        ids = torch.randint(0, VOCAB, (SEQ_LEN,), generator=gen)
-        labels = ids.clone()
-        labels[: int(torch.randint(1, SEQ_LEN, (1,), generator=gen))] = IGNORE
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return labelled_rows(num_rows, seed, vocab=VOCAB, seq_len=SEQ_LEN, numbered=False)
 
 
 class Recorder(TrainerCallback):
@@ -126,8 +117,8 @@ def train(
         model.accepts_loss_kwargs = False  # transformers then counts no num_items_in_batch
     recorder = Recorder()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
+        args = sgd_args(
+            out,
             per_device_train_batch_size=PER_DEVICE,
             per_device_eval_batch_size=PER_DEVICE,
             gradient_accumulation_steps=GA,
@@ -135,16 +126,6 @@ def train(
             train_sampling_strategy="sequential",
             max_steps=1,
             learning_rate=LR,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-            seed=0,
         )
         extra = {} if sp is None else {"sequence_parallel": sp}
         trainer = Recording(

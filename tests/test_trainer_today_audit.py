@@ -37,9 +37,9 @@ transformers = pytest.importorskip(
 pytest.importorskip(
     "accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)"
 )
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer  # noqa: E402
 
-from tiny_llama import llama_config, model_of, perturbed_state  # noqa: E402
+from tiny_llama import labelled_rows, llama_config, model_of, perturbed_state, sgd_args  # noqa: E402
 from tokenring import hf  # noqa: E402
 
 VOCAB = 32
@@ -60,41 +60,16 @@ def build_model(state: dict[str, torch.Tensor], attn: str) -> Any:
 
 
 def rows(num_rows: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(num_rows):
-        ids = torch.randint(0, VOCAB, (SEQ_LEN,), generator=gen)
-        ids[0] = i  # tells the rows apart
-        labels = ids.clone()
-        labels[: int(torch.randint(1, SEQ_LEN, (1,), generator=gen))] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return labelled_rows(num_rows, seed, vocab=VOCAB, seq_len=SEQ_LEN)
 
 
 TRAIN, EVAL, TEST = rows(11, 1), rows(5, 2), rows(7, 3)
 
 
 def make_args(out_dir: str, **kw: Any) -> Any:
-    base: dict[str, Any] = dict(
-        output_dir=out_dir,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        gradient_accumulation_steps=2,
-        num_train_epochs=2,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    base.update(kw)
-    return TrainingArguments(**base)
+    base: dict[str, Any] = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2)
+    base |= dict(gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=0.5)
+    return sgd_args(out_dir, **(base | kw))
 
 
 def scenarios(state: dict[str, torch.Tensor], sp: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
 
 def llama_config(
@@ -42,3 +42,29 @@ def model_of(config: Any, state: dict[str, torch.Tensor], attn_implementation: s
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model.load_state_dict(state)
     return model.double()
+
+
+def sgd_args(output_dir: str, **options: Any) -> Any:
+    """transformers' TrainingArguments of plain SGD at a constant rate (no decay, no clipping),
+    every step logged, nothing saved or reported, on CPU; ``options`` add to or override."""
+    base: dict[str, Any] = dict(output_dir=output_dir, optim="sgd", lr_scheduler_type="constant")
+    base |= dict(weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no")
+    base |= dict(report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    return TrainingArguments(**(base | options))
+
+
+def labelled_rows(
+    num_rows: int, seed: int, *, vocab: int, seq_len: int, numbered: bool = True
+) -> list[dict[str, torch.Tensor]]:
+    """Rows whose first 1..seq_len-1 labels are -100 (a prompt mask of random length, so the
+    rows count different labels); ``numbered``: token 0 of row i is i (tells them apart)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num_rows):
+        ids = torch.randint(0, vocab, (seq_len,), generator=gen)
+        if numbered:
+            ids[0] = i
+        labels = ids.clone()
+        labels[: int(torch.randint(1, seq_len, (1,), generator=gen))] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
