@@ -47,8 +47,12 @@ def _steps_with_a_failure(num_steps: int, failing_step: int) -> list[str]:
     rank = dist.get_rank()
     problems: list[str] = []
     for step in range(num_steps):
+        # Rank 1 raises outside any call, so rank 0 learns of it only at its rank check's
+        # timeout; rank 1 is by then waiting in the next build's agreement. That wait must
+        # outlast rank 0's timeout, or the rebuild raced it (a fresh-clone CI run lost).
+        timeout_s = TIMEOUT_S if step == failing_step else 5 * TIMEOUT_S
         try:
-            comm = Communicator(timeout_s=TIMEOUT_S)
+            comm = Communicator(timeout_s=timeout_s)
         except RuntimeError as exc:
             problems.append(f"step {step}: building the communicator failed: {exc}")
             continue
