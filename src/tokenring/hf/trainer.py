@@ -385,32 +385,23 @@ def _data_groups(sp: SequenceParallel, world: int) -> tuple[int, int, tuple[int,
 
 def _same_batch(sp: SequenceParallel, batch: dict[str, Any]) -> None:
     """ValueError on every rank of the group unless each holds the same tensors (Note [Data
-    over the groups]): names, shapes, dtypes and a digest of the values."""
-    comm = sp.communicator
-    wrong = [
-        f"batch[{name!r}] must be a tensor; got {type(value).__name__}"
-        for name, value in batch.items()
-        if not isinstance(value, torch.Tensor)
-    ]
-    if comm.world_size == 1:
-        if wrong:
-            raise ValueError(wrong[0])
-        return
-    mine: dict[str, Any] = {"error": wrong[0]} if wrong else {}
-    if not wrong:
+    over the groups]): names, shapes, dtypes and a digest of the values, in the group's rank
+    agreement."""
+
+    def validate() -> tuple[None, dict[str, Any]]:
+        signature: dict[str, Any] = {"batch names": sorted(batch)}
         for name, t in sorted(batch.items()):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"batch[{name!r}] must be a tensor; got {type(t).__name__}")
             raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             digest = hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
-            mine[name] = (tuple(t.shape), str(t.dtype), digest)
-    rows = comm.all_gather_object(mine, what="SequenceParallelTrainer batch")
-    errors = [f"rank {r}: {row['error']}" for r, row in enumerate(rows) if "error" in row]
-    if errors:
-        raise ValueError("; ".join(errors))
-    differ = [r for r, row in enumerate(rows) if row != rows[0]]
-    if differ:
-        names = sorted({n for r in differ for n in rows[r] if rows[r].get(n) != rows[0].get(n)})
-        raise ValueError(
-            f"every rank of a sequence-parallel group must be given the same batch; ranks "
-            f"{differ} of the group differ from rank 0 in {names} (a data loader that deals "
-            "batches to each rank, not to the data-parallel groups?)"
-        )
+            signature[f"batch[{name!r}] ({_SAME_BATCH})"] = (tuple(t.shape), str(t.dtype), digest)
+        return None, signature
+
+    sp.communicator.agreed(validate, what="SequenceParallelTrainer batch")
+
+
+_SAME_BATCH = (
+    "every rank of a sequence-parallel group must be given the same batch: a data loader that "
+    "deals batches to each rank, not to the data-parallel groups?"
+)
