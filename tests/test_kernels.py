@@ -489,22 +489,54 @@ def test_backward_through_autograd_gives_the_global_gradients() -> None:
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
 
 
-def test_flex_forward_matches_reference_on_cpu() -> None:
+# the masked classes, and a causal window over padding and a two-sided window over documents:
+# every branch of the FlexAttention mask function
+_FLEX_CASES = [
+    *_MASK_CASES[2:],
+    ("causal window", True, (4, 0), None, 3),
+    ("window documents", False, (3, 2), (0, 9, 20), 0),
+]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("case", _FLEX_CASES, ids=[c[0] for c in _FLEX_CASES])
+def test_flex_forward_matches_reference_on_cpu(case) -> None:
     """FlexAttention (eager on the CPU: the math of the CUDA path, not its memory) with a
-    position mask gives the reference's out and lse, -inf for rows that see nothing."""
+    position mask gives the reference's out and lse, -inf for rows that see nothing. (Its
+    backward runs on CUDA only; its math is
+    test_backward_through_autograd_gives_the_global_gradients.)"""
     flex = kernels._FlexOps()
     if not flex.supports(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no FlexAttention")
-    _, mask, visible = _case(*_MASK_CASES[4], sq=20, sk=20)  # padding rows
+    causal, mask, visible = _case(*case, sq=20, sk=20)
     q, k, v, _ = _inputs(20, 20, 4, 2, torch.float32, seed=9)
-    out, lse = flex.forward(q, k, v, causal=False, scale=0.3, mask=mask)
+    out, lse = flex.forward(q, k, v, causal=causal, scale=0.3, mask=mask)
     want_out, want_lse, _ = _float64_block(
-        q, k, v, torch.zeros_like(q), causal=False, scale=0.3, visible=visible
+        q, k, v, torch.zeros_like(q), causal=causal, scale=0.3, visible=visible
     )
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     seen = torch.isfinite(want_lse)
     torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", [kernels.SDPA_FLASH, kernels.SDPA_EFFICIENT])
+def test_cuda_sdpa_calls_fit_the_operators_schemas(op: str) -> None:
+    """The CUDA SDPA operators' calls (forward and backward, GQA, rows not a multiple of the
+    efficient op's 32) on meta tensors: PyTorch's meta kernels check the arguments against
+    each operator's schema and give the output shapes, so a call that a torch release no
+    longer fits fails here, not on a GPU's first run."""
+    kernel = kernels._SdpaOps(op)
+    b, sq, sk, hq, hkv, d = 2, 37, 53, 4, 2, 64
+    q = torch.empty(b, sq, hq, d, device="meta", dtype=torch.float16)
+    k, v = (torch.empty(b, sk, hkv, d, device="meta", dtype=torch.float16) for _ in range(2))
+    for causal in (False, True):
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=0.125, mask=None)
+        assert (out.shape, out.dtype) == (q.shape, q.dtype)
+        assert (lse.shape, lse.dtype) == ((b, hq, sq), torch.float32)
+        delta = torch.empty(b, hq, sq, device="meta")
+        grads = kernel.backward(out, q, k, v, lse, delta, causal=causal, scale=0.125, out=out)
+        assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
 
 
 def test_cpu_tiles_grow_with_the_ranks_rows(single_rank_group: None, monkeypatch) -> None:

@@ -828,10 +828,15 @@ class _FlexOps(BlockKernel):
         super().__init__()
         self._flex: Callable[..., Any] | None = None
         self._compiled: Any = None
+        self._aux: Any = None  # flex_attention's AuxRequest, where this torch has it
         with contextlib.suppress(ImportError):
             from torch.nn.attention.flex_attention import flex_attention
 
             self._flex = flex_attention
+        with contextlib.suppress(ImportError):
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            self._aux = AuxRequest
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self._flex is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -869,7 +874,12 @@ class _FlexOps(BlockKernel):
                 self._compiled = torch.compile(self._flex, dynamic=True)
             fn = self._compiled
         qkv, gqa = (_bhsd(q), _bhsd(k), _bhsd(v)), q.shape[2] != k.shape[2]
-        out, lse = fn(*qkv, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+        options = {"block_mask": block_mask, "scale": scale, "enable_gqa": gqa}
+        if self._aux is None:  # torch < 2.9: return_lse (deprecated since, to be removed)
+            out, lse = fn(*qkv, **options, return_lse=True)
+        else:
+            out, aux = fn(*qkv, **options, return_aux=self._aux(lse=True))
+            lse = aux.lse
         return out, lse  # (B, Hq, sq, D), (B, Hq, sq) float32
 
     def _forward(self, call: _Call) -> tuple[Tensor, Tensor]:
