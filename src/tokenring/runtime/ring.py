@@ -572,7 +572,7 @@ class _Backward(_RingPass):
         self.current_step, self.settled = 0, False
         self.blocking = False  # gloo: works report completion only when waited for
         self.lane_grads: dict[int, list[torch.Tensor]] = {}  # the lanes' dK/dV accumulators
-        self.dkv_in: dict[int, list[PendingRecv]] = {}  # those that followed the blocks here
+        self.dkv_in: dict[int, PendingRecv] = {}  # the one that followed each lane's block here
 
     def delta(self, op: Op) -> None:
         """DELTA: delta, and the blocks this rank holds."""
@@ -601,20 +601,22 @@ class _Backward(_RingPass):
         self.current_step, self.settled = step, False
         self.blocking = self.q.device.type == "cpu"
         self.lane_grads, self.dkv_in = {}, {}
-        for tr in passing:  # the accumulators that followed each block here
-            self.dkv_in.setdefault(tr.lane, []).append(self.poster.pending.pop(tr))
+        for tr in passing:  # one per lane: a lane's block has one kv owner per step
+            assert tr.lane not in self.dkv_in, "one accumulator follows a lane's block"
+            self.dkv_in[tr.lane] = self.poster.pending.pop(tr)
 
     def add_arrived(self, *, block: bool) -> None:
-        """Take the arrived dK/dV accumulators (all if ``block``) into each lane's first."""
-        for lane, recs in self.dkv_in.items():
-            for rec in [r for r in recs if block or r.ready()]:
-                if lane not in self.lane_grads:  # it becomes the accumulator: no copy
-                    self.lane_grads[lane] = rec.wait()
-                    self.lane_messages[lane] = rec.message()
-                else:
-                    for grad, arrived in zip(self.lane_grads[lane], rec.wait(), strict=True):
-                        grad += arrived
-                recs.remove(rec)
+        """Take the arrived dK/dV accumulators (all if ``block``) as their lanes'. One that
+        arrives after the step's first tile (CUDA: only what has arrived is taken) is added
+        into the accumulator those tiles began."""
+        for lane, rec in [(lane, rec) for lane, rec in self.dkv_in.items() if block or rec.ready()]:
+            if lane not in self.lane_grads:  # it becomes the accumulator: no copy
+                self.lane_grads[lane] = rec.wait()
+                self.lane_messages[lane] = rec.message()
+            else:
+                for grad, arrived in zip(self.lane_grads[lane], rec.wait(), strict=True):
+                    grad += arrived
+            del self.dkv_in[lane]
 
     def poll(self) -> None:
         """Between tiles: settle what was sent and received one step ago."""
