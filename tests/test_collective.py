@@ -35,8 +35,8 @@ from oracle import (
     tolerance_failures,
 )
 from tokenring.core.layout import Layout
-from tokenring.core.schedule import AttentionShape
-from tokenring.runtime.collective import collective_forward
+from tokenring.core.schedule import AttentionShape, Pass
+from tokenring.runtime.collective import collective_pass
 from tokenring.runtime.kernels import select_kernel
 from tokenring.strategies.collective import build_collective_schedule, ulysses_heads
 
@@ -321,9 +321,10 @@ def test_bad_arguments_raise_naming_them() -> None:
             heads_kv=2,
         )
     with pytest.raises(ValueError, match="strategy_name must be one of"):
-        collective_forward(
+        collective_pass(
             "ring",
-            *(torch.zeros(1, 2, 1, 4) for _ in range(3)),
+            Pass.FORWARD,
+            tuple(torch.zeros(1, 2, 1, 4) for _ in range(3)),
             causal=False,
             scale=1.0,
             layout=Layout.CONTIGUOUS,

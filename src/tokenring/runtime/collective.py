@@ -32,7 +32,7 @@ from tokenring.runtime.program import Op
 from tokenring.runtime.ring import SchedulePass, kv_message, kv_rows, rows_heads
 from tokenring.strategies.collective import Rows, _build, parse_collective, ulysses_heads
 
-__all__ = ["collective_forward", "collective_pass"]
+__all__ = ["collective_pass"]
 
 
 # -- the runners ---------------------------------------------------------------------------
@@ -361,48 +361,7 @@ _RUNNERS: dict[Strategy, tuple[type[_Collective], type[_Collective]]] = {
 }  # forward, backward
 
 
-# -- entry points (joined by residuals, Note [Residuals] in tokenring.runtime.op: none) -------
-
-
-def collective_forward(
-    strategy_name: Strategy | str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    layout: Layout | str,
-    comm: Communicator,
-    kernel: BlockKernel,
-    sharding: Sharding | None = None,
-    mask: MaskSpec | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Ulysses or all-gather K/V attention over this rank's shard, without autograd; the
-    inputs are validated by the caller (``tokenring.api``).
-
-    Args:
-        strategy_name: ``"ulysses"`` (Note [Ulysses]) or ``"allgather_kv"``
-            (Note [All-gather K/V]).
-        q: ``(B, s, Hq, D)``; k, v: ``(B, s, Hkv, D)``: this rank's shards.
-        causal, scale, layout: the causal flag (global positions), softmax scale and layout.
-        comm, kernel: the group's communicator (it counts every message) and block kernel.
-        sharding, mask: with padding, documents or a window: q, k, v are the padded buffers
-            of ``sharding`` (Note [Collectives with masks]).
-
-    Returns:
-        out ``(B, s, Hq, D)`` in q's dtype, lse ``(B, Hq, s)`` in the accumulation dtype,
-        and the residuals of the backward (none: it gathers q, k, v, out and lse again).
-
-    Raises:
-        ValueError: an unknown ``strategy_name`` or layout.
-        RuntimeError: a collective failed or outlasted ``comm.timeout`` (names this rank).
-    """
-    out, lse = collective_pass(
-        strategy_name, Pass.FORWARD, (q, k, v), causal=causal, scale=scale, layout=layout,
-        comm=comm, kernel=kernel, sharding=sharding, mask=mask,
-    )  # fmt: skip
-    return out, lse, []
+# -- entry point (joined by residuals, Note [Residuals] in tokenring.runtime.op: none) --------
 
 
 def collective_pass(
@@ -418,16 +377,28 @@ def collective_pass(
     sharding: Sharding | None = None,
     mask: MaskSpec | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """One pass of :func:`collective_forward`'s call on this rank's program.
+    """One pass of Ulysses or all-gather K/V attention on this rank's program, without
+    autograd; the inputs are validated by the caller (``tokenring.api``).
 
     Args:
-        inputs: forward q, k, v; backward dout ``(B, s, Hq, D)`` and the forward's q, k, v,
-            out and lse.
-        Others: as in :func:`collective_forward`; the same in both passes.
+        strategy_name: ``"ulysses"`` (Note [Ulysses]) or ``"allgather_kv"``
+            (Note [All-gather K/V]).
+        inputs: forward q ``(B, s, Hq, D)``, k, v ``(B, s, Hkv, D)``: this rank's shards;
+            backward dout ``(B, s, Hq, D)`` and the forward's q, k, v, out and lse (the
+            backward gathers them again: no residuals).
+        causal, scale, layout: the causal flag (global positions), softmax scale and layout.
+        comm, kernel: the group's communicator (it counts every message) and block kernel.
+        sharding, mask: with padding, documents or a window: q, k, v are the padded buffers
+            of ``sharding`` (Note [Collectives with masks]); the same in both passes.
 
     Returns:
-        Forward out and lse as :func:`collective_forward`; backward dq ``(B, s, Hq, D)``, dk
-        and dv ``(B, s, Hkv, D)``, in q's dtype.
+        Forward out ``(B, s, Hq, D)`` in q's dtype and lse ``(B, Hq, s)`` in the
+        accumulation dtype; backward dq ``(B, s, Hq, D)``, dk and dv ``(B, s, Hkv, D)``, in
+        q's dtype.
+
+    Raises:
+        ValueError: an unknown ``strategy_name`` or layout.
+        RuntimeError: a collective failed or outlasted ``comm.timeout`` (names this rank).
     """
     strategy = parse_collective(strategy_name)
     inputs = tuple(x.contiguous() for x in inputs)
