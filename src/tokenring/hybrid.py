@@ -117,10 +117,10 @@ def hybrid_mesh(outer: int, inner: int, *, device_type: str = "cpu") -> HybridMe
     Raises:
         ValueError: outer * inner differs from the world size, or a size < 1.
     """
-    world = dist.get_world_size()
     for name, size in (("outer", outer), ("inner", inner)):
         if isinstance(size, bool) or not isinstance(size, int):
             raise ValueError(f"{name} must be an int; got {size!r}")
+    world = dist.get_world_size()
     if outer < 1 or inner < 1 or outer * inner != world:
         raise ValueError(
             f"outer x inner must equal the world size {world} with both >= 1; got {outer} x {inner}"

@@ -287,8 +287,9 @@ def _collective_schedule(
         )
     if sharding.padded or not mask.plain:
         raise NotImplementedError(
-            f"strategy {strategy.value!r} supports neither documents, windows nor padded "
-            "shards yet; use a ring strategy (token_ring, ring, bidir_ring)"
+            f"build_schedule gives strategy {strategy.value!r} only its plain schedule (no "
+            "documents, windows, chunks or padded shards); "
+            "tokenring.model.simulate.strategy_schedule attaches the mask its runtime applies"
         )
     p, s, causal = sharding.world_size, sharding.seq_local, bool(mask.causal)
     return _build_collective(strategy, pass_, sharding.layout, causal, p, s, heads_q, heads_kv)
