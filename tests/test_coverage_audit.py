@@ -7,6 +7,9 @@ checked against the float64 oracle or the documented error.
   ``strategy_schedule`` run them); ``hybrid_mesh("2", 1)`` outside a process group raised
   torch's "Default process group has not been initialized" instead of naming ``outer``.
 - Cross-attention in one process without a process group: against float64 attention.
+- Calls bad on one rank or on all (ranks holding different numbers of packed tokens in the
+  llama3 shim, one rank's heads_k_stride, sharded cross-attention K/V with no key anywhere):
+  every rank raises at once, the bad rank naming its argument.
 - Pass-KV backward on a GPU takes only the dK/dV accumulators that have arrived at a step's
   first tile (Note [Buffers in flight] in tokenring.runtime.ring); one that arrives later is
   added into the accumulator the step's tiles already wrote (``_Backward.add_arrived``). On
@@ -19,6 +22,7 @@ Legend: B batch, S global seq, Hq / Hkv heads, D head dim, P world size.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +32,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import full_attention, make_inputs, oracle_with_grads, sharded_positions, visible_mask
-from tokenring import diffusers, hybrid, tinylm
+from tokenring import compat, diffusers, hybrid, tinylm
 from tokenring.core import layout as layouts
 from tokenring.core.schedule import AttentionShape, dtype_name
 from tokenring.runtime import ring
@@ -89,6 +93,46 @@ def _late_arrival_ranks() -> list[str]:
     comm.close()
     if not late[0]:
         problems.append(f"rank {rank}: no accumulator arrived after the step's first tile")
+    return problems + _rank_errors()
+
+
+def _rank_errors() -> list[str]:
+    """Inside a rank: calls that are bad on one rank or on all; every rank must raise at once
+    (no timeout), the bad rank naming its argument. The problems, as lines."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hq, d = 2, 8
+
+    def llama3(length: int, stride: Any = 1) -> Any:
+        q = torch.zeros(length, hq, d)
+        cu_q = torch.tensor([0, length])
+        cu_k = torch.tensor([0, length * (rank + 1)])
+        return compat.llama3_flash_attn_varlen_func(
+            q, q, q, cu_q, cu_k, length, length * world, stride, slice(0, length * (rank + 1))
+        )
+
+    calls: list[tuple[str, Callable[[], object], tuple[str, ...]]] = [
+        ("llama3 lengths", lambda: llama3(4 if rank == 0 else 3),
+         ("same number of tokens", str([4] + [3] * (world - 1)))),
+        ("llama3 heads_k_stride", lambda: llama3(4, "1" if rank == 1 else 1),
+         ("heads_k_stride", "'1'") if rank == 1 else ("rank 1 cannot run", "heads_k_stride")),
+        ("cross sharded no keys", lambda: diffusers.cross_attn(
+            torch.zeros(1, 3, hq, d), *(torch.zeros(1, 0, hq, d),) * 2, kv="sharded"),
+         ("k and v must hold at least one key", "none on any")),
+    ]  # fmt: skip
+    problems = []
+    for what, call, parts in calls:
+        start = time.perf_counter()
+        try:
+            call()
+            problems.append(f"rank {rank} {what}: no error")
+            continue
+        except ValueError as exc:
+            message = str(exc)
+        if time.perf_counter() - start > 5:
+            problems.append(f"rank {rank} {what}: raised after a wait: {message}")
+        missing = [part for part in parts if part not in message]
+        if missing:
+            problems.append(f"rank {rank} {what}: {message!r} lacks {missing}")
     return problems
 
 
