@@ -1,0 +1,118 @@
+"""Audit of statements the rest of the suite never ran (second part): each reached here and
+checked against an independent oracle or the documented error.
+
+- The simulator's islands (``Hardware.devices_per_node`` / ``inter``) in the vectorised
+  engine: islands of one device each price exactly as a machine wired by ``inter`` alone, one
+  island of every rank exactly as no islands (both engines); Ring's forward over two islands
+  with free compute is (P - 1) x (inter latency + K/V bytes / inter link), by hand; on the
+  h100-ib-islands preset the vectorised engine within the range its Note states of the event
+  engine, the busiest resource and bytes exactly.
+Legend: B batch, S global seq, P world size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from tokenring.core.schedule import AttentionShape
+from tokenring.model.costmodel import PRESETS, Hardware, Interconnect
+from tokenring.model.simulate import simulate_pass
+
+GQA = AttentionShape(batch=1, heads_q=8, heads_kv=2, head_dim=64, dtype="bfloat16")
+INTRA = Interconnect(
+    topology="switch", link_bandwidth_bytes_per_s=2e9, port_bandwidth_bytes_per_s=3e9,
+    latency_s=2e-6,
+)  # fmt: skip
+INTER = Interconnect(
+    topology="switch", link_bandwidth_bytes_per_s=1e8, port_bandwidth_bytes_per_s=1.5e8,
+    latency_s=9e-6,
+)  # fmt: skip
+
+
+def _machine(net: Interconnect, **islands: Any) -> Hardware:
+    return Hardware(
+        name="islands-test", interconnect=net, forward_flops_per_s=1e12,
+        backward_flops_per_s=0.8e12, memory_bandwidth_bytes_per_s=1e11, **islands,
+    )  # fmt: skip
+
+
+def _priced(result: Any) -> tuple[Any, ...]:
+    """What a pass prices; a NIC named as the port it stands for."""
+    name = result.busiest_resource.replace("nic_", "port_")
+    return (result.call_s, result.step_s, result.exposed_s, name, result.busiest_bytes,
+            result.busiest_s, result.travel_bytes, result.return_bytes)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["event", "vectorised"])
+def test_islands_of_one_device_or_of_all_price_as_no_islands(mode: str) -> None:
+    """P = 6. devices_per_node=1: every flow runs between islands, so the machine is ``inter``
+    alone; devices_per_node=6: none does, so it is ``interconnect`` alone. Exactly equal."""
+    for strategy, pass_, (layout, causal) in itertools.product(
+        ("token_ring", "ring"), ("forward", "backward"), (("zigzag", True), ("contiguous", False))
+    ):
+        kw: dict[str, Any] = dict(layout=layout, causal=causal, world_size=6, seq_local=256)
+        kw |= dict(shape=GQA, mode=mode)
+        case = (strategy, pass_, layout)
+        alone = simulate_pass(strategy, pass_, hardware=_machine(INTER), **kw)
+        apart = simulate_pass(
+            strategy, pass_, hardware=_machine(INTRA, devices_per_node=1, inter=INTER), **kw
+        )
+        assert _priced(apart) == _priced(alone), case
+        inside = simulate_pass(strategy, pass_, hardware=_machine(INTRA), **kw)
+        together = simulate_pass(
+            strategy, pass_, hardware=_machine(INTRA, devices_per_node=6, inter=INTER), **kw
+        )
+        assert _priced(together) == _priced(inside), case
+
+
+@pytest.mark.parametrize("mode", ["event", "vectorised"])
+def test_ring_forward_over_two_islands_by_hand(mode: str) -> None:
+    """P = 4 as 2 islands of 2, MHA, non-causal contiguous, compute and memory free: each of
+    Ring's 3 sends moves K and V (b = 2 s H D e bytes) to r - 1, and the pairs (2, 1) and
+    (0, 3) cross islands, so every step is latency_inter + b / link_inter; the busiest
+    resource is link 0->3 with 3 b bytes."""
+    mha = AttentionShape(batch=1, heads_q=4, heads_kv=4, head_dim=64, dtype="bfloat16")
+    s, lat, link = 256, 5e-6, 1e9
+    hw = Hardware(
+        name="two-islands",
+        interconnect=Interconnect(topology="mesh", link_bandwidth_bytes_per_s=4e9, latency_s=1e-6),
+        devices_per_node=2,
+        inter=Interconnect(
+            topology="switch", link_bandwidth_bytes_per_s=link, port_bandwidth_bytes_per_s=link,
+            latency_s=lat,
+        ),
+        forward_flops_per_s=1e20, backward_flops_per_s=1e20, memory_bandwidth_bytes_per_s=1e20,
+    )  # fmt: skip
+    got = simulate_pass(
+        "ring", "forward", layout="contiguous", causal=False, world_size=4, seq_local=s,
+        shape=mha, hardware=hw, mode=mode,
+    )  # fmt: skip
+    b = 2 * s * 4 * 64 * 2
+    assert got.call_s == pytest.approx(3 * (lat + b / link), rel=1e-9)
+    assert got.step_s[:3] == pytest.approx([lat + b / link] * 3, rel=1e-9)
+    assert (got.busiest_resource, got.busiest_bytes) == ("link0->3", 3 * b)
+
+
+def test_vectorised_engine_on_islands_agrees_with_the_event_engine() -> None:
+    """h100-ib-islands, P = 16 (2 islands), 32/8 GQA: Ring within 2% of the event engine
+    (the oracle), TokenRing within the 0.85-1.16x its Note states, and both the same busiest
+    resource and bytes, and the same travel and return bytes."""
+    hw = PRESETS["h100-ib-islands"]
+    shape = AttentionShape(batch=1, heads_q=32, heads_kv=8, head_dim=128, dtype="bfloat16")
+    for strategy, pass_, (layout, causal) in itertools.product(
+        ("token_ring", "ring"), ("forward", "backward"), (("contiguous", False), ("zigzag", True))
+    ):
+        kw: dict[str, Any] = dict(layout=layout, causal=causal, world_size=16, seq_local=1024)
+        event, vec = (
+            simulate_pass(strategy, pass_, shape=shape, hardware=hw, mode=mode, **kw)
+            for mode in ("event", "vectorised")
+        )
+        case = (strategy, pass_, layout)
+        low, high = (0.98, 1.02) if strategy == "ring" else (0.85, 1.16)
+        assert low <= vec.call_s / event.call_s <= high, (case, vec.call_s / event.call_s)
+        assert vec.busiest_resource == event.busiest_resource, case
+        assert vec.busiest_s == pytest.approx(event.busiest_s, rel=1e-9), case
+        assert (vec.travel_bytes, vec.return_bytes) == (event.travel_bytes, event.return_bytes)
