@@ -7,16 +7,27 @@ checked against an independent oracle or the documented error.
   with free compute is (P - 1) x (inter latency + K/V bytes / inter link), by hand; on the
   h100-ib-islands preset the vectorised engine within the range its Note states of the event
   engine, the busiest resource and bytes exactly.
+- transformers: a model whose forward takes position_ids through ``**kwargs`` (a wrapper
+  model) is checked with what its kwargs hold (before: the entry was read, never run by a
+  test; given none it said "takes no position_ids ... cannot be split"); labels that are bad
+  on one rank (the labels loss raised on that rank alone, the others waited out the
+  communicator's timeout); the hf helpers' errors on one rank reach every rank at once.
+
 Legend: B batch, S global seq, P world size.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
+import tokenring
 from tokenring.core.schedule import AttentionShape
 from tokenring.model.costmodel import PRESETS, Hardware, Interconnect
 from tokenring.model.simulate import simulate_pass
@@ -116,3 +127,123 @@ def test_vectorised_engine_on_islands_agrees_with_the_event_engine() -> None:
         assert vec.busiest_resource == event.busiest_resource, case
         assert vec.busiest_s == pytest.approx(event.busiest_s, rel=1e-9), case
         assert (vec.travel_bytes, vec.return_bytes) == (event.travel_bytes, event.return_bytes)
+
+
+# -- transformers ---------------------------------------------------------------------------------
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
+)
+from tokenring import hf  # noqa: E402
+
+
+def _wrapped_bert() -> tuple[Any, Any]:
+    """BERT (which hands attention no position_ids) with SDPA, and the same weights with
+    tokenring attention inside a PreTrainedModel whose forward takes ``**kwargs`` only."""
+    import test_hf_architectures as arch
+
+    oracle, bert = arch._models("bert", torch.float64, encoder=True)
+
+    class Wrapper(transformers.PreTrainedModel):  # type: ignore[misc]
+        config_class = type(bert.config)
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__(inner.config)
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+            return self.inner(input_ids=input_ids, **kwargs)
+
+    return oracle, Wrapper(bert).double().eval()
+
+
+def _raised(call: Callable[[], object]) -> tuple[str, float]:
+    start = time.perf_counter()
+    try:
+        call()
+        message = "no error"
+    except (ValueError, NotImplementedError) as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    return message, time.perf_counter() - start
+
+
+def rank_hf() -> dict[str, Any]:
+    """Inside a rank: the wrapped BERT given position_ids in its kwargs, none, and off by one
+    on rank 1; calls bad on rank 1 only (each: its message and seconds)."""
+    import test_hf_architectures as arch
+
+    rank = dist.get_rank()
+    _, model = _wrapped_bert()
+    sp = hf.SequenceParallel(layout="contiguous")
+    ids = arch._input_ids()  # (B, S)
+    batch = hf.shard_batch(sp, ids)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                       sequence_parallel=sp).logits  # fmt: skip
+        out["gathered"] = hf.gather_sequence(sp, logits)
+        out["none"] = _raised(lambda: model(input_ids=batch.input_ids, sequence_parallel=sp))
+        off = batch.position_ids + rank
+        out["off"] = _raised(
+            lambda: model(input_ids=batch.input_ids, position_ids=off, sequence_parallel=sp)
+        )
+    hf.register()
+    _, llama = arch._models("llama", torch.float64)
+    bad = rank == 1
+    calls: dict[str, Callable[[], object]] = {
+        "labels 1-D": lambda: llama(
+            input_ids=batch.input_ids, position_ids=batch.position_ids,
+            labels=ids[0] if bad else ids, sequence_parallel=sp,
+        ),
+        "labels batch": lambda: llama(
+            input_ids=batch.input_ids, position_ids=batch.position_ids,
+            labels=ids.repeat(2, 1) if bad else ids, sequence_parallel=sp,
+        ),
+        "seq_dim": lambda: hf.gather_sequence(sp, batch.input_ids, seq_dim="1" if bad else 1),
+        "logits": lambda: hf.causal_lm_loss(sp, "logits" if bad else logits, batch.input_ids),
+        "parameters": lambda: hf.all_reduce_gradients(sp, [torch.zeros(2), 3] if bad else []),
+        "batch": lambda: hf.broadcast_batch(sp, "ids" if bad else {"ids": ids}),
+    }  # fmt: skip
+    with torch.no_grad():
+        for what, call in calls.items():
+            out[what] = _raised(call)
+    return out
+
+
+# what each rank's error names: (rank 1's, the others')
+ONE_BAD_RANK = {
+    "labels 1-D": ("labels must have shape (batch=2, seq); got (16,)", "rank 1 cannot run"),
+    "labels batch": ("labels must have shape (batch=2, seq); got (4, 16)", "rank 1 cannot run"),
+    "seq_dim": ("seq_dim must be an int; got '1'", "rank 1 cannot run"),
+    "logits": ("logits must be a tensor; got str", "rank 1 cannot run"),
+    "parameters": ("parameters must be tensors; got parameters[1]=3", "rank 1 cannot run"),
+    "batch": ("rank 1: batch must be a mapping of names to tensors; got str",) * 2,
+}
+
+
+def test_hf_positions_through_kwargs_and_errors_of_one_rank() -> None:
+    """2 ranks. A model forward taking position_ids through ``**kwargs``: given shard_batch's,
+    its logits are BERT's own SDPA in one process within 1e-10; given none, every rank says it
+    was given none (it said the forward takes none and the model cannot be split); off by one
+    on rank 1, every rank names the offsets. Labels of a wrong shape on rank 1 only: rank 1
+    raised, rank 0 waited out the communicator's timeout (300 s) in the labels' length
+    exchange; now both raise at once. The other helpers' one-rank errors likewise."""
+    import test_hf_architectures as arch
+
+    per_rank = tokenring.launch(rank_hf, world_size=2, timeout_s=240)
+    oracle, _ = _wrapped_bert()
+    with torch.no_grad():
+        want = oracle(arch._input_ids()).logits  # (B, S, V)
+    for rank, got in enumerate(per_rank):
+        err = float((got["gathered"] - want).abs().max())
+        assert err <= 1e-10, f"rank {rank}: logits off one process by {err}"
+        message, _ = got["none"]
+        assert "Wrapper.forward was given no position_ids on rank(s) [0, 1]" in message, message
+        message, _ = got["off"]
+        assert "offsets of the rows, by rank: {0: [0], 1: [1]}" in message, message
+        for what, names in ONE_BAD_RANK.items():
+            message, seconds = got[what]
+            want_part = names[0] if rank == 1 else names[1]
+            assert message.startswith("ValueError") and want_part in message, (rank, message)
+            assert names[0] in message, (rank, what, message)
+            assert seconds < 5, f"rank {rank} {what}: raised after {seconds:.1f} s"

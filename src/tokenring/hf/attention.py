@@ -917,9 +917,10 @@ def _raise_wrong_positions(
 # cache_position, which is then checked as any tensor is)::
 #
 #     position_ids a tensor       _check_positions (once per tensor and forward)
-#     None, or no position_ids    raise on every rank (one exchange, as _check_positions'),
-#       (not a parameter, not in  unless one rank counting from 0 is right: one rank
-#       its **kwargs)             without documents
+#     None (not given, as a       raise on every rank (one exchange, as _check_positions'),
+#       parameter or in its       unless one rank counting from 0 is right: one rank
+#       **kwargs), or no way to   without documents; the error says which of the two
+#       take them
 #     no such frame               nothing: gradient checkpointing's recomputation in the
 #                                 backward (the forward was checked), a module of one's own
 #
@@ -965,16 +966,16 @@ def _is_forward(cls: type, code: Any) -> bool:
 
 
 def _given_positions(local: Mapping[str, Any], code: Any) -> Any:
-    """The position_ids of a forward's frame: its local, or its ``**kwargs``' entry, or
-    _NO_POSITIONS when it has neither."""
+    """The position_ids of a forward's frame: its local, or its ``**kwargs``' entry (None
+    when they hold none: it takes them, it was given none), or _NO_POSITIONS when it takes
+    neither."""
     if "position_ids" in code.co_varnames:
         return local.get("position_ids")
     if code.co_flags & inspect.CO_VARKEYWORDS:
         extra = code.co_argcount + code.co_kwonlyargcount
         extra += 1 if code.co_flags & inspect.CO_VARARGS else 0
         kwargs = local.get(code.co_varnames[extra])
-        if isinstance(kwargs, Mapping) and "position_ids" in kwargs:
-            return kwargs["position_ids"]
+        return kwargs.get("position_ids") if isinstance(kwargs, Mapping) else None
     return _NO_POSITIONS
 
 
@@ -1425,9 +1426,10 @@ def all_reduce_gradients(
         else:
             params = ((f"parameters[{i}]", p) for i, p in enumerate(params))
         named = list(params)
-        wrong = [type(p).__name__ for _, p in named if not isinstance(p, torch.Tensor)]
+        wrong = [(n, p) for n, p in named if not isinstance(p, torch.Tensor)]
         if wrong:
-            raise ValueError(f"parameters must be tensors; got a {wrong[0]}")
+            name, value = wrong[0]
+            raise ValueError(f"parameters must be tensors; got {name}={value!r}")
         found = [_local_gradient(name, p.grad, comm) for name, p in named if p.grad is not None]
         shapes = [signature for _, signature in found]
         digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:16]
@@ -1518,19 +1520,26 @@ def _labels_loss(
 ) -> torch.Tensor:
     """``model(..., labels=..., sequence_parallel=sp).loss``: labels shifted globally."""
     sp = as_sequence_parallel(sp)
-    if num_items_in_batch is not None:
-        raise NotImplementedError(
-            "num_items_in_batch is not supported with sequence_parallel: the loss already is the "
-            "mean over every rank's counted tokens (scale it yourself for gradient accumulation)"
-        )
+    comm = sp.communicator
     b = logits.shape[0]
+
+    def validate() -> tuple[None, dict[str, Any]]:  # on every rank: a bad one raises on all
+        if num_items_in_batch is not None:
+            raise NotImplementedError(
+                "num_items_in_batch is not supported with sequence_parallel: the loss already is "
+                "the mean over every rank's counted tokens (scale it yourself for gradient "
+                "accumulation)"
+            )
+        if shift_labels is None and (labels is None or labels.dim() != 2 or labels.shape[0] != b):
+            shape = None if labels is None else tuple(labels.shape)
+            raise ValueError(f"labels must have shape (batch={b}, seq); got {shape}")
+        return None, {"shifted": shift_labels is not None}
+
+    comm.agreed(validate, what="labels loss", deferred=True)
     if shift_labels is not None:
         return causal_lm_loss(sp, logits, shift_labels, ignore_index=ignore_index)
-    if labels is None or labels.dim() != 2 or labels.shape[0] != b:
-        shape = None if labels is None else tuple(labels.shape)
-        raise ValueError(f"labels must have shape (batch={b}, seq); got {shape}")
+    assert labels is not None
     # the global (B, S) labels: labels, or every rank's shard of them gathered
-    comm = sp.communicator
     sharding = _sharding(sp, logits.shape[1])
     seq_len = sharding.seq_len
     lengths = [labels.shape[1]]
