@@ -12,6 +12,8 @@ checked against an independent oracle or the documented error.
   test; given none it said "takes no position_ids ... cannot be split"); labels that are bad
   on one rank (the labels loss raised on that rank alone, the others waited out the
   communicator's timeout); the hf helpers' errors on one rank reach every rank at once.
+- ``MaskSpec.classify`` and ``trim`` of pairs that see nothing (empty runs, other
+  documents: the schedule builder classifies only trimmed runs) against visibility pair by pair.
 
 Legend: B batch, S global seq, P world size.
 """
@@ -247,3 +249,47 @@ def test_hf_positions_through_kwargs_and_errors_of_one_rank() -> None:
             assert message.startswith("ValueError") and want_part in message, (rank, message)
             assert names[0] in message, (rank, what, message)
             assert seconds < 5, f"rank {rank} {what}: raised after {seconds:.1f} s"
+
+
+# -- mask classes ---------------------------------------------------------------------------------
+
+
+def test_mask_classify_and_trim_match_brute_force() -> None:
+    """``MaskSpec.classify`` and ``trim`` on every pair of short runs (empty ones, other
+    documents and pairs no query reaches included: their branches never ran, the schedule
+    builder only classifies trimmed runs) against visibility written out pair by pair."""
+    from tokenring.core.layout import Run
+    from tokenring.core.masks import MaskKind, MaskSpec
+
+    runs = [(start, length) for start in range(0, 7, 2) for length in range(4)]
+    for causal, window, (qa, ql), (ka, kl), kv_doc in itertools.product(
+        (True, False), ((-1, -1), (2, 0), (1, 3), (0, 0)), runs, runs, (0, 1)
+    ):
+        mask = MaskSpec(causal=causal, window=window)
+        left, right = window[0], 0 if causal else window[1]
+
+        pairs = [(i, j) for i in range(qa, qa + ql) for j in range(ka, ka + kl)]
+        vis = [
+            (i, j)
+            for i, j in pairs
+            if kv_doc == 0 and (left < 0 or i - j <= left) and (right < 0 or j - i <= right)
+        ]
+        q_run, kv_run = Run(10, ql, qa, 0), Run(20, kl, ka, kv_doc)
+        case = (causal, window, (qa, ql), (ka, kl), kv_doc)
+        if not vis:
+            assert mask.trim(q_run, kv_run) is None, case
+            assert mask.classify(q_run, kv_run) is MaskKind.EMPTY, case
+            continue
+        qs, ks = sorted({i for i, _ in vis}), sorted({j for _, j in vis})
+        want_trim = (
+            Run(10 + qs[0] - qa, qs[-1] - qs[0] + 1, qs[0], 0),
+            Run(20 + ks[0] - ka, ks[-1] - ks[0] + 1, ks[0], kv_doc),
+        )
+        assert mask.trim(q_run, kv_run) == want_trim, case
+        if len(vis) == len(pairs):
+            want = MaskKind.FULL
+        elif (qa, ql) == (ka, kl) and set(vis) == {(i, j) for i, j in pairs if j <= i}:
+            want = MaskKind.CAUSAL
+        else:
+            want = MaskKind.MASKED
+        assert mask.classify(q_run, kv_run) is want, case
