@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import make_inputs, oracle_with_grads, sharded_positions, visible_mask
-from tokenring.runtime.kernels import CpuFlashKernel, row_delta
+from tokenring.runtime.kernels import CpuFlashKernel, _stand_in_out, row_delta
 
 
 def one_key_bound(dtype: torch.dtype) -> float:
@@ -76,3 +76,18 @@ def test_one_key_per_query_in_bf16_on_ranks() -> None:
     attention's do (before: dk 0.0125 off)."""
     for rank, failures in enumerate(tokenring.launch(_one_key_per_query_on_ranks, world_size=2)):
         assert not failures, f"rank {rank}: {failures}"
+
+
+def test_a_stand_in_past_the_dtype_range_takes_the_proportional_form() -> None:
+    """fp16 rows whose delta / max |dout| leaves the range (out near 65504, dout equal across D)
+    keep the proportional stand-in, finite and with the row sums."""
+    dout = torch.full((1, 3, 2, 4), 1e-3, dtype=torch.float16)  # (B, sq, H, D)
+    out = torch.full((1, 3, 2, 4), 6e4, dtype=torch.float16)
+    out[:, 0] = 1.0  # a row whose sparse stand-in fits
+    delta = row_delta(dout, out, torch.float32)  # (B, H, sq)
+    stand_in = _stand_in_out(dout, delta).transpose(1, 2)  # (B, sq, H, D)
+    assert torch.isfinite(stand_in).all()
+    torch.testing.assert_close(row_delta(dout, stand_in, torch.float32), delta, rtol=2e-3, atol=0)
+    nonzero = (stand_in != 0).sum(-1)  # (B, sq, H)
+    assert (nonzero[:, 0] <= 2).all()  # the sparse form where it fits
+    assert (nonzero[:, 1:] == 4).all()  # the proportional one where it does not
