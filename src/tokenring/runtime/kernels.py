@@ -23,9 +23,10 @@ off by about eps^2 |delta|. The proportional form dout * delta / |dout|^2 (|out'
 Cauchy-Schwarz), rounded entry by entry, was off by about eps |delta|: with Ulysses in bf16 and
 one key per query (dq = dk = 0 exactly) dk came out 0.0125 where plain bf16 attention gives
 3e-7. A row whose out'_j1 (at most sqrt(D) |out|) leaves the dtype's range still takes the
-proportional form. A caller that holds the real out (its own queries) passes it (``out=``);
-:class:`TiledKernel` builds the stand-in once per q tile that meets several kv tiles.
-FlexAttention uses Note [Backward through autograd].
+proportional form, and so do float32 and float64, whose rounding (2^-24 or less) is not worth
+the sparse form's extra passes. A caller that holds the real out (its own queries) passes it
+(``out=``); :class:`TiledKernel` builds the stand-in once per q tile that meets several kv
+tiles. FlexAttention uses Note [Backward through autograd].
 
 Note [Kernel plan]
 ~~~~~~~~~~~~~~~~~~
@@ -402,23 +403,23 @@ def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
     """out' ``(B, Hq, sq, D)`` of Note [Backward from delta], in dout's dtype."""
     acc, dtype = delta.dtype, dout.dtype
     want = _bhsd(delta).unsqueeze(-1)  # (B, sq, Hq, 1)
-    size = dout.abs()  # (B, sq, Hq, D)
-    first = size.argmax(-1, keepdim=True)  # (B, sq, Hq, 1): the largest |dout| of a row
-    d1 = dout.gather(-1, first).to(acc)
-    a = _rounded_ratio(want, d1, dtype)  # delta / dout_j1, rounded into dtype
-    out = torch.zeros_like(dout, memory_format=torch.contiguous_format).scatter_(-1, first, a)
-    if dout.shape[-1] > 1:  # the rounding's residual, exact in acc, through the second largest
-        second = size.scatter_(-1, first, -1.0).argmax(-1, keepdim=True)
-        d2 = dout.gather(-1, second).to(acc)
-        out.scatter_(-1, second, _rounded_ratio(want - d1 * a.to(acc), d2, dtype))
-    del size
-    # a row with an entry past dtype's range (|delta| / max |dout| <= sqrt(D) |out|) takes
-    # the proportional form dout * delta / |dout|^2 instead (|out'| <= |out|: Cauchy-Schwarz)
-    fits = torch.isfinite(out).all(-1, keepdim=True)  # (B, sq, Hq, 1)
     norm2 = torch.linalg.vector_norm(dout, dim=-1, keepdim=True, dtype=acc).square_()
     ratio = torch.where(norm2 > 0, want / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
-    proportional = torch.mul(dout, ratio, out=torch.empty_like(out))  # rounded once into dtype
-    return _bhsd(torch.where(fits, out, proportional, out=out))
+    if torch.finfo(dtype).bits > 16 or dout.shape[-1] == 1:  # rounding by 2^-24 or less
+        return _bhsd(torch.mul(dout, ratio, out=torch.empty_like(dout)))  # proportional
+    size = dout.abs()  # (B, sq, Hq, D)
+    first = size.max(-1, keepdim=True).indices  # (B, sq, Hq, 1): the largest |dout| of a row
+    second = size.scatter_(-1, first, -1).max(-1, keepdim=True).indices  # the second largest
+    del size
+    d1, d2 = dout.gather(-1, first).to(acc), dout.gather(-1, second).to(acc)
+    a = _rounded_ratio(want, d1, dtype)  # delta / dout_j1, rounded into dtype
+    b = _rounded_ratio(want - d1 * a.to(acc), d2, dtype)  # the residual, exact in acc
+    # a row with an entry past dtype's range (|delta| / max |dout| <= sqrt(D) |out|) takes
+    # the proportional form dout * delta / |dout|^2 instead (|out'| <= |out|: Cauchy-Schwarz)
+    fits = torch.isfinite(a) & torch.isfinite(b)
+    out = torch.zeros_like(dout, memory_format=torch.contiguous_format)
+    out.scatter_(-1, first, a.masked_fill(~fits, 0)).scatter_(-1, second, b.masked_fill(~fits, 0))
+    return _bhsd(out.addcmul_(dout, ratio.masked_fill(fits, 0.0)))
 
 
 def _rounded_ratio(num: Tensor, den: Tensor, dtype: torch.dtype) -> Tensor:
