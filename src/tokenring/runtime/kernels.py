@@ -12,13 +12,21 @@ Note [Backward from delta]
 The block backward needs P = exp(S - lse) with the *global* lse and delta = rowsum(dout * out)
 with the *global* out. TokenRing ships delta (one number per row and head) instead of out.
 Fused backward ops take ``out`` and compute delta themselves, so they get a stand-in out' with
-the same row sums against dout::
+the same row sums against dout. out' is in q's dtype, so it must carry delta through that
+rounding: it is zero but in the row's two largest |dout| entries j1, j2::
 
-    out' = dout * delta / |dout|^2      (0 where |dout| = 0, where delta is 0 too)
+    out'_j1 = rnd(delta / dout_j1)      out'_j2 = rnd((delta - dout_j1 * out'_j1) / dout_j2)
 
-rowsum(dout * out') = delta, and |out'| <= |out| (Cauchy-Schwarz). A caller that holds the
-real out (its own queries) passes it (``out=``); :class:`TiledKernel` builds the stand-in once
-per q tile that meets several kv tiles. FlexAttention uses Note [Backward through autograd].
+(rnd: rounding into q's dtype; 0 where dout is 0, where delta is 0 too). The op sums
+dout * out' in float32, where a product of two bf16 or fp16 numbers is exact, so its delta is
+off by about eps^2 |delta|. The proportional form dout * delta / |dout|^2 (|out'| <= |out| by
+Cauchy-Schwarz), rounded entry by entry, was off by about eps |delta|: with Ulysses in bf16 and
+one key per query (dq = dk = 0 exactly) dk came out 0.0125 where plain bf16 attention gives
+3e-7. A row whose out'_j1 (at most sqrt(D) |out|) leaves the dtype's range still takes the
+proportional form, and so do float32 and float64, whose rounding (2^-24 or less) is not worth
+the sparse form's extra passes. A caller that holds the real out (its own queries) passes it
+(``out=``); :class:`TiledKernel` builds the stand-in once per q tile that meets several kv
+tiles. FlexAttention uses Note [Backward through autograd].
 
 Note [Kernel plan]
 ~~~~~~~~~~~~~~~~~~
@@ -393,12 +401,30 @@ class ReferenceKernel(BlockKernel):
 
 def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
     """out' ``(B, Hq, sq, D)`` of Note [Backward from delta], in dout's dtype."""
-    acc = delta.dtype
-    # both passes walk dout in memory order; the product is rounded once into dout's dtype
-    norm2 = torch.linalg.vector_norm(dout, dim=-1, dtype=acc).square_()  # (B, sq, Hq)
-    ratio = torch.where(norm2 > 0, _bhsd(delta) / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
-    out = torch.empty_like(dout, memory_format=torch.contiguous_format)
-    return _bhsd(torch.mul(dout, ratio.unsqueeze(-1), out=out))
+    acc, dtype = delta.dtype, dout.dtype
+    want = _bhsd(delta).unsqueeze(-1)  # (B, sq, Hq, 1)
+    norm2 = torch.linalg.vector_norm(dout, dim=-1, keepdim=True, dtype=acc).square_()
+    ratio = torch.where(norm2 > 0, want / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
+    if torch.finfo(dtype).bits > 16 or dout.shape[-1] == 1:  # rounding by 2^-24 or less
+        return _bhsd(torch.mul(dout, ratio, out=torch.empty_like(dout)))  # proportional
+    size = dout.abs()  # (B, sq, Hq, D)
+    first = size.max(-1, keepdim=True).indices  # (B, sq, Hq, 1): the largest |dout| of a row
+    second = size.scatter_(-1, first, -1).max(-1, keepdim=True).indices  # the second largest
+    del size
+    d1, d2 = dout.gather(-1, first).to(acc), dout.gather(-1, second).to(acc)
+    a = _rounded_ratio(want, d1, dtype)  # delta / dout_j1, rounded into dtype
+    b = _rounded_ratio(want - d1 * a.to(acc), d2, dtype)  # the residual, exact in acc
+    # a row with an entry past dtype's range (|delta| / max |dout| <= sqrt(D) |out|) takes
+    # the proportional form dout * delta / |dout|^2 instead (|out'| <= |out|: Cauchy-Schwarz)
+    fits = torch.isfinite(a) & torch.isfinite(b)
+    out = torch.zeros_like(dout, memory_format=torch.contiguous_format)
+    out.scatter_(-1, first, a.masked_fill(~fits, 0)).scatter_(-1, second, b.masked_fill(~fits, 0))
+    return _bhsd(out.addcmul_(dout, ratio.masked_fill(fits, 0.0)))
+
+
+def _rounded_ratio(num: Tensor, den: Tensor, dtype: torch.dtype) -> Tensor:
+    """num / den rounded into ``dtype`` (0 where den is 0; inf where it leaves the range)."""
+    return torch.where(den != 0, num / den.where(den != 0, 1.0), 0.0).to(dtype)
 
 
 def _out_of(out: Tensor | None, dout: Tensor, delta: Tensor) -> Tensor:
