@@ -403,10 +403,13 @@ def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
     """out' ``(B, Hq, sq, D)`` of Note [Backward from delta], in dout's dtype."""
     acc, dtype = delta.dtype, dout.dtype
     want = _bhsd(delta).unsqueeze(-1)  # (B, sq, Hq, 1)
-    norm2 = torch.linalg.vector_norm(dout, dim=-1, keepdim=True, dtype=acc).square_()
-    ratio = torch.where(norm2 > 0, want / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
+
+    def ratio() -> Tensor:  # (B, sq, Hq, 1): the proportional form's delta / |dout|^2
+        norm2 = torch.linalg.vector_norm(dout, dim=-1, keepdim=True, dtype=acc).square_()
+        return torch.where(norm2 > 0, want / norm2.clamp_min(torch.finfo(acc).tiny), 0.0)
+
     if torch.finfo(dtype).bits > 16 or dout.shape[-1] == 1:  # rounding by 2^-24 or less
-        return _bhsd(torch.mul(dout, ratio, out=torch.empty_like(dout)))  # proportional
+        return _bhsd(torch.mul(dout, ratio(), out=torch.empty_like(dout)))  # proportional
     size = dout.abs()  # (B, sq, Hq, D)
     first = size.max(-1, keepdim=True).indices  # (B, sq, Hq, 1): the largest |dout| of a row
     second = size.scatter_(-1, first, -1).max(-1, keepdim=True).indices  # the second largest
@@ -419,7 +422,11 @@ def _stand_in_out(dout: Tensor, delta: Tensor) -> Tensor:
     fits = torch.isfinite(a) & torch.isfinite(b)
     out = torch.zeros_like(dout, memory_format=torch.contiguous_format)
     out.scatter_(-1, first, a.masked_fill(~fits, 0)).scatter_(-1, second, b.masked_fill(~fits, 0))
-    return _bhsd(out.addcmul_(dout, ratio.masked_fill(fits, 0.0)))
+    # on the CPU the check is free and every row fitting (all but extreme fp16 rows) skips a
+    # pass over out; on a GPU it would synchronise, so the pass runs (adding zeros)
+    if dout.device.type != "cpu" or not bool(fits.all()):
+        out.addcmul_(dout, ratio().masked_fill(fits, 0.0))
+    return _bhsd(out)
 
 
 def _rounded_ratio(num: Tensor, den: Tensor, dtype: torch.dtype) -> Tensor:
