@@ -1,0 +1,346 @@
+"""Audit of statements the rest of the suite never ran (third part): each reached here and
+checked against an independent oracle (transformers' own generate, model and caches in this
+process) or the documented error.
+
+- ``tokenring.hf.generate`` in a world of one rank: options that are dicts (sequence_bias) or
+  tensors (eos_token_id), num_return_sequences with sampling, a model without a generation
+  config: the tokens (or the error) of transformers' generate. The ShardedKVCache's layers
+  answer as a DynamicCache's after the same call.
+- What generate and its cache refuse. One was a silently wrong answer: the cache that
+  generate returns, handed back to the model to go on decoding (the DynamicCache way), was
+  taken (its layers checked only that a step had ever begun) and each layer attended over
+  the new token alone: logits off transformers' by 7.3 (max |logit| 6.1). Now a model call
+  outside generate's steps raises. Two misled: a logits processor that runs the model
+  (classifier-free guidance's) was told "generate passes the model's inputs by keyword;
+  got positional ones"; position_ids of other positions did not say which.
+- The transformers attention, mask and loss functions refuse what they cannot express,
+  naming it; the helpers over one rank hand back their inputs.
+
+Legend: B batch, S global seq, P world size.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
+)
+from transformers.generation.logits_process import (  # noqa: E402
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
+
+from tokenring import hf  # noqa: E402
+
+
+def _error(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except Exception as exc:  # the type is part of what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _sequences(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+# -- tokenring.hf.generate in one process ---------------------------------------------------------
+
+# (name, generate's options): each run by hf.generate and by transformers' generate, seeded alike
+GENERATE_CASES: dict[str, dict[str, Any]] = {
+    "sequence_bias (a dict option)": dict(max_new_tokens=3, sequence_bias={(5,): 50.0}),
+    "eos_token_id a tensor": dict(max_new_tokens=4, eos_token_id=torch.tensor([20])),
+    "num_return_sequences": dict(
+        max_new_tokens=2, do_sample=True, temperature=3.0, top_k=0, num_return_sequences=2
+    ),
+}
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_generate_in_one_process_against_transformers() -> None:
+    """Tokens identical to transformers' generate of the same float64 weights with SDPA."""
+    from test_hf_generate_audit import _models, _prompt
+
+    hf.register()
+    model, oracle = _models()
+    for name, options in GENERATE_CASES.items():
+        torch.manual_seed(5)
+        with torch.no_grad():
+            got = _sequences(
+                hf.generate(hf.SequenceParallel(), model, _prompt(), strategy="pass_kv", **options)
+            )
+        torch.manual_seed(5)
+        with torch.no_grad():
+            want = oracle.generate(_prompt(), **options)
+        assert torch.equal(got, want), (name, got, want)
+    # no generation config: transformers' own error, as its generate raises it
+    bare, bare_oracle = copy.deepcopy(model), copy.deepcopy(oracle)
+    bare.generation_config = bare_oracle.generation_config = None
+    want_error = _error(lambda: bare_oracle.generate(_prompt(), max_new_tokens=1))
+    assert want_error.startswith("AttributeError"), want_error
+    got_error = _error(
+        lambda: hf.generate(
+            hf.SequenceParallel(), bare, _prompt(), strategy="pass_kv", max_new_tokens=1
+        )
+    )
+    assert got_error == want_error
+
+
+def _patched(model: Any, layer: int, **attributes: Any) -> Any:
+    """A copy of ``model`` whose ``layer``'s attention module has ``attributes`` set."""
+    model = copy.deepcopy(model)
+    for name, value in attributes.items():
+        setattr(model.model.layers[layer].self_attn, name, value)
+    return model
+
+
+def _wider_kv(model: Any, layer: int) -> Any:
+    """A copy of ``model`` whose ``layer`` projects twice the K/V heads of the config."""
+    model = copy.deepcopy(model)
+    attn = model.model.layers[layer].self_attn
+    for name in ("k_proj", "v_proj"):
+        old = getattr(attn, name)
+        setattr(attn, name, torch.nn.Linear(old.in_features, 2 * old.out_features).double())
+    return model
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_generate_refusals_name_the_cause() -> None:
+    """What generate and its cache refuse, each naming the option or value and what runs."""
+    import test_hf_generate as tiny
+    from test_hf_generate_audit import _models, _prompt
+
+    hf.register()
+    model, oracle = _models()  # 1 layer
+    deep = tiny.build_model(tiny.initial_state(), "tokenring").double()  # 2 layers
+
+    def run(m: Any, **options: Any) -> Callable[[], object]:
+        sp = hf.SequenceParallel()
+        return lambda: hf.generate(
+            sp, m, _prompt(), strategy="pass_kv", max_new_tokens=2, **options
+        )
+
+    cfg = UnbatchedClassifierFreeGuidanceLogitsProcessor(2.0, model)
+    shifted = torch.arange(3, 3 + _prompt().shape[1]).repeat(2, 1)
+    with torch.no_grad():
+        out = hf.generate(hf.SequenceParallel(), model, _prompt(), strategy="pass_kv",
+                          max_new_tokens=2, return_dict_in_generate=True)  # fmt: skip
+    cache = out.past_key_values
+    sp = hf.SequenceParallel(layout="contiguous")
+    cases: dict[str, tuple[Callable[[], object], str]] = {
+        "a logits processor runs the model": (
+            run(model, logits_processor=[cfg]),
+            "NotImplementedError: the model ran inside tokenring.hf.generate outside generate's "
+            "own steps (a logits processor",
+        ),
+        "position_ids of other positions": (
+            run(model, position_ids=shifted),
+            "NotImplementedError: position_ids other than the token positions are not supported"
+            " by tokenring.hf.generate (it derives each rank's positions); got position_ids "
+            "[3, 4, 5, 6, 7, 8, 9] for tokens at [0, 1, 2, 3, 4, 5, 6]",
+        ),
+        "layer 1 of other K/V heads": (
+            run(_wider_kv(deep, 1)),
+            "NotImplementedError: layer 1 gives 4 query and 4 K/V heads of head dim 8; the cache"
+            " holds 2 K/V heads",
+        ),
+        "NoPE temperature tuning": (
+            run(_patched(model, 0, attn_temperature_tuning=True, use_rope=False)),
+            "NotImplementedError: attn_temperature_tuning (Llama 4's NoPE query scale) is not "
+            "supported in generation",
+        ),
+        "no layer_idx": (  # the layer's Cache.update indexes the layers by it first
+            run(_patched(model, 0, layer_idx=None)),
+            _error(lambda: _patched(oracle, 0, layer_idx=None).generate(_prompt())),
+        ),
+        "the cache outside generate": (
+            lambda: model(
+                input_ids=out.sequences[:, -1:], past_key_values=cache, sequence_parallel=sp
+            ),
+            "ValueError: a ShardedKVCache runs inside tokenring.hf.generate (which places each "
+            "step's tokens on the ranks); got a model call outside generate's steps",
+        ),
+        "a step of 1-D ids": (
+            lambda: cache.begin_step(_prompt()[0], dtype=torch.float64, device=torch.device("cpu")),
+            "ValueError: input_ids must have shape (batch, new tokens >= 1); got (7,)",
+        ),
+        "a step of another batch": (
+            lambda: cache.begin_step(
+                _prompt()[:1], dtype=torch.float64, device=torch.device("cpu")
+            ),
+            "ValueError: the cache holds 2 sequences; got input_ids of batch 1",
+        ),
+        "batch_repeat_interleave": (
+            lambda: cache.batch_repeat_interleave(2),
+            "NotImplementedError: repeating the cache's batch is not supported by tokenring's "
+            "ShardedKVCache",
+        ),
+        "batch_select_indices": (
+            lambda: cache.batch_select_indices(torch.tensor([0])),
+            "NotImplementedError: selecting from the cache's batch is not supported",
+        ),
+        "reset": (
+            lambda: cache.reset(),
+            "NotImplementedError: resetting the cache (make a new one)",
+        ),
+    }
+    with torch.no_grad():
+        for name, (call, want) in cases.items():
+            got = _error(call)
+            assert got.startswith(want), (name, got)
+    # the layers answer as a DynamicCache's after the same call (transformers' own)
+    with torch.no_grad():
+        dynamic = oracle.generate(_prompt(), max_new_tokens=2, return_dict_in_generate=True)
+    ours, theirs = cache.layers[0], dynamic.past_key_values.layers[0]
+    for ask in (
+        lambda layer: layer.get_seq_length(),
+        lambda layer: layer.get_mask_sizes(3),
+        lambda layer: layer.get_max_length(),
+    ):
+        assert ask(ours) == ask(theirs)
+    assert cache.get_max_length() == dynamic.past_key_values.get_max_length() == -1
+    fresh = hf.ShardedKVCache(model.config, hf.SequenceParallel()).layers[0]
+    fresh.lazy_initialization(torch.zeros(1), torch.zeros(1))
+    assert fresh.is_initialized
+
+
+# -- transformers attention and helpers in one process -------------------------------------------
+
+
+def _llama(vocab: int = 32, **changes: Any) -> Any:
+    """The tiny float64 Llama (2 query heads, 1 K/V head) with tokenring attention, and with
+    SDPA, same weights."""
+    from tiny_llama import llama_config, model_of, perturbed_state
+
+    config = llama_config(vocab, layers=1)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    state = perturbed_state(config, seed=3, scale=0.3)
+    return tuple(model_of(copy.deepcopy(config), state, impl) for impl in ("tokenring", "sdpa"))
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_hf_refusals_and_one_rank_helpers() -> None:
+    """The attention function, mask function and loss refuse what they cannot run, naming
+    it; the helpers of one rank are the identity (against the inputs themselves)."""
+    from transformers import LlamaForQuestionAnswering
+    from transformers import masking_utils as mu
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tokenring.model.costmodel import PRESETS
+
+    hf.register()
+    model, sdpa = _llama()
+    attention, mask = (
+        ALL_ATTENTION_FUNCTIONS["tokenring"],
+        ALL_MASK_ATTENTION_FUNCTIONS["tokenring"],
+    )
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    sp = hf.SequenceParallel(layout="contiguous")
+    q = torch.randn(2, 2, 8, 8, dtype=torch.float64)  # (B, H, s, D)
+    layer = model.model.layers[0].self_attn
+    conv_layer = copy.deepcopy(layer)
+    conv_layer.config = copy.deepcopy(model.config)
+    conv_layer.config.layer_types = ["conv"]
+    nowhere = type("Config", (type(model.config),), {"__module__": "nowhere.configuration_x"})()
+    no_padding = torch.zeros(1, dtype=torch.int64)
+    chunks = mu.and_masks(mu.chunked_overlay(4, no_padding), mu.chunked_overlay(8, no_padding))
+    padded = mu.and_masks(mu.causal_mask_function, mu.padding_mask_function(torch.ones(2, 8) > 0))
+    dropout, _ = _llama(attention_dropout=0.25)
+    qa = LlamaForQuestionAnswering(model.config).double()
+    cases: dict[str, tuple[Callable[[], object], str]] = {
+        "a prepared mask tensor": (
+            lambda: attention(layer, q, q, q, torch.zeros(1, 1, 8, 8), sequence_parallel=sp),
+            "NotImplementedError: attn_implementation='tokenring' does not take a prepared "
+            "attention mask; got one of shape (1, 1, 8, 8)",
+        ),
+        "a layer whose config has conv layers": (
+            lambda: attention(conv_layer, q, q, q, None, sequence_parallel=sp),
+            "NotImplementedError: attn_implementation='tokenring' cannot split model_type "
+            "'llama' over the sequence: its layer_types include ['conv']",
+        ),
+        "state-space fields": (
+            lambda: hf.check_model(_llama(mamba_d_state=4)[0]),
+            "NotImplementedError: attn_implementation='tokenring' cannot split model_type "
+            "'llama' over the sequence: it has state-space blocks (mamba_d_state)",
+        ),
+        "chunks of two sizes": (
+            lambda: mask(mask_function=chunks, config=model.config),
+            "NotImplementedError: the model's mask (model_type 'llama') asks for chunks of "
+            "several sizes at once: [4, 8]",
+        ),
+        "chunks after left padding": (
+            lambda: mask(
+                mask_function=mu.chunked_overlay(4, torch.tensor([1])), config=model.config
+            ),
+            "NotImplementedError: chunked attention with left padding (model_type 'llama') is "
+            "not supported",
+        ),
+        "a padding piece": (
+            lambda: mask(mask_function=padded, config=model.config),
+            "NotImplementedError: a padding attention_mask (model_type 'llama') is not "
+            "supported by tokenring attention",
+        ),
+        "attention dropout in training": (
+            lambda: dropout.train()(input_ids=ids, sequence_parallel=sp),
+            "NotImplementedError: attention dropout is not supported; got dropout=0.25",
+        ),
+        "hardware without tokenring_auto": (
+            lambda: model(
+                input_ids=ids,
+                sequence_parallel=hf.SequenceParallel(
+                    layout="contiguous", hardware=PRESETS["h100-nvswitch"]
+                ),
+            ),
+            "ValueError: SequenceParallel.hardware only chooses the strategy of "
+            "attn_implementation='tokenring_auto'; got it with 'tokenring'",
+        ),
+        "a question-answering loss": (
+            lambda: qa(
+                input_ids=ids,
+                start_positions=ids[:, 0],
+                end_positions=ids[:, 1],
+                sequence_parallel=sp,
+            ),
+            "NotImplementedError: transformers' ForQuestionAnswering loss under "
+            "sequence_parallel would average over this rank's shard only",
+        ),
+        "labels of another length": (
+            lambda: model(input_ids=ids, labels=ids[:, :7], sequence_parallel=sp),
+            "ValueError: labels must be every rank's shard (lengths [8]) or the global labels "
+            "(length 8 on every rank); got lengths [7] over the ranks",
+        ),
+    }
+    with torch.no_grad():
+        for name, (call, want) in cases.items():
+            got = _error(call)
+            assert got.startswith(want), (name, got)
+    # the mask function for no mask piece, of a model whose modeling module is not loaded:
+    # plain causal (None), as transformers' own causal mask
+    assert mask(mask_function=None, config=nowhere) is None
+    # one rank: the helpers hand back what they were given
+    x = torch.randn(2, 8, 3, dtype=torch.float64)
+    assert torch.equal(hf.gather_sequence(sp, x), x)
+    batch = {"ids": ids, "labels": ids + 1}
+    got_batch = hf.broadcast_batch(sp, batch)
+    assert got_batch.keys() == batch.keys() and all(
+        torch.equal(got_batch[k], batch[k]) for k in batch
+    )
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.arange(3.0)
+    hf.all_reduce_gradients(sp, [weight])
+    assert torch.equal(weight.grad, torch.arange(3.0))
+    # and the model over one rank is the model (the labels loss too)
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=ids, sequence_parallel=sp)
+        want = sdpa(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-10)
+    # transformers' loss casts the logits to float32; ours keeps float64
+    torch.testing.assert_close(got.loss, want.loss.double(), rtol=0, atol=1e-6)
