@@ -15,6 +15,14 @@ process) or the documented error.
   got positional ones"; position_ids of other positions did not say which.
 - The transformers attention, mask and loss functions refuse what they cannot express,
   naming it; the helpers over one rank hand back their inputs.
+- Three ranks: SequenceParallelTrainer over groups of two sizes ([0, 1] and [2]) raised on
+  ranks 0 and 1 only (their size did not divide the world) while rank 2 made its Trainer
+  and waited for them (6 s, the communicator's timeout); inputs bad on rank 1 alone (an
+  extra input, a padding mask, a list) raised there while the others waited out the
+  timeout in the batch check. Every rank now raises at once, naming the cause. A model
+  whose attention never ran and a model forward without position_ids raise on every rank.
+- The Flux processor and joint_attn name a bad text_seq_len, num_text, or text given to a
+  single-stream block.
 
 Legend: B batch, S global seq, P world size.
 """
@@ -242,7 +250,7 @@ def test_hf_refusals_and_one_rank_helpers() -> None:
         ALL_ATTENTION_FUNCTIONS["tokenring"],
         ALL_MASK_ATTENTION_FUNCTIONS["tokenring"],
     )
-    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     sp = hf.SequenceParallel(layout="contiguous")
     q = torch.randn(2, 2, 8, 8, dtype=torch.float64)  # (B, H, s, D)
     layer = model.model.layers[0].self_attn
@@ -314,8 +322,8 @@ def test_hf_refusals_and_one_rank_helpers() -> None:
         ),
         "labels of another length": (
             lambda: model(input_ids=ids, labels=ids[:, :7], sequence_parallel=sp),
-            "ValueError: labels must be every rank's shard (lengths [8]) or the global labels "
-            "(length 8 on every rank); got lengths [7] over the ranks",
+            "ValueError: labels must be every rank's shard (lengths [9]) or the global labels "
+            "(length 9 on every rank); got lengths [7] over the ranks",
         ),
     }
     with torch.no_grad():
@@ -344,3 +352,185 @@ def test_hf_refusals_and_one_rank_helpers() -> None:
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-10)
     # transformers' loss casts the logits to float32; ours keeps float64
     torch.testing.assert_close(got.loss, want.loss.double(), rtol=0, atol=1e-6)
+
+
+# -- three ranks ----------------------------------------------------------------------------------
+
+TIMEOUT_S = 6.0  # the communicators' timeout: a case that waits for it is a defect
+FAST_S = 3.0
+
+
+def _timed_error(call: Callable[[], object]) -> tuple[str, float]:
+    import time
+
+    import tokenring
+
+    start = time.monotonic()
+    message = _error(call)
+    if message != "no error":  # a failed check leaves the communicators failed: new ones
+        tokenring.close_communicators()
+        tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
+    return message, time.monotonic() - start
+
+
+def rank_cases() -> dict[str, tuple[str, float]]:
+    """Inside a rank (P = 3): each case's error and seconds."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import PreTrainedModel
+
+    import tokenring
+    from tiny_llama import sgd_args
+    from tokenring.hf.trainer import SequenceParallelTrainer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world))
+    tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
+    hf.register()
+    model, _ = _llama()
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    sp = hf.SequenceParallel(layout="contiguous")
+    local = hf.shard_batch(sp, ids)
+    out: dict[str, tuple[str, float]] = {}
+    # groups of two sizes: [0, 1] and [2]
+    pair, alone = dist.new_group([0, 1]), dist.new_group([2])
+    uneven = hf.SequenceParallel(group=pair if rank < 2 else alone)
+    with tempfile.TemporaryDirectory() as tmp:
+        out["groups of two sizes"] = _timed_error(
+            lambda: SequenceParallelTrainer(
+                model=model, args=sgd_args(tmp), sequence_parallel=uneven
+            )
+        )
+        trainer = SequenceParallelTrainer(model=model, args=sgd_args(tmp), sequence_parallel=sp)
+    inputs: dict[str, Any] = {"input_ids": ids, "labels": ids}
+    odd = {**inputs, "token_type_ids": ids} if rank == 1 else inputs
+    padded = {**inputs, "attention_mask": (ids > 3).long()} if rank == 1 else inputs
+    listed = {"input_ids": ids.tolist()} if rank == 1 else inputs
+    model.eval()
+    for name, batch in (("extra input", odd), ("padding", padded), ("a list", listed)):
+        out[name] = _timed_error(lambda b=batch: trainer.prediction_step(model, b, True))
+
+    # a model whose attention modules skip attention (its class still routes it)
+    skipping = copy.deepcopy(model)
+    for layer in skipping.model.layers:
+        layer.self_attn.forward = lambda hidden_states, **_: (torch.zeros_like(hidden_states), None)
+
+    class Wrapper(PreTrainedModel):  # type: ignore[misc]
+        """A model whose forward takes no position_ids (nor **kwargs), through a helper."""
+
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__(inner.config)
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor, sequence_parallel: Any = None) -> Any:
+            return self.forward_inner(input_ids, sequence_parallel)
+
+        def forward_inner(self, input_ids: torch.Tensor, sequence_parallel: Any) -> Any:
+            return self.inner(input_ids=input_ids, sequence_parallel=sequence_parallel)
+
+    import test_hf_architectures as arch
+
+    _, bert = arch._models("bert", torch.float64, encoder=True)  # hands attention no positions
+    wrapped = Wrapper(bert)
+    bert_ids = arch._input_ids()[:, :9]
+    with torch.no_grad():
+        out["no attention ran"] = _timed_error(
+            lambda: skipping(input_ids=local.input_ids, position_ids=local.position_ids,
+                             sequence_parallel=sp)
+        )  # fmt: skip
+        out["a forward without position_ids"] = _timed_error(
+            lambda: wrapped(hf.shard_batch(sp, bert_ids).input_ids, sequence_parallel=sp)
+        )
+    return out
+
+
+# case -> what every rank's error starts with
+THREE_RANKS = {
+    "groups of two sizes": "ValueError: sequence_parallel's groups must split the world into "
+    "groups of one size; got [(0, 1), (0, 1), (2,)] by rank",
+    "no attention ran": "NotImplementedError: LlamaForCausalLM ran its forward with "
+    "sequence_parallel= but called no tokenring attention (attn_implementation='tokenring')",
+    "a forward without position_ids": "NotImplementedError: attn_implementation='tokenring': "
+    "Wrapper.forward takes no position_ids (rank(s) [0, 1, 2])",
+}
+# case bad on rank 1 alone -> (rank 1's error type, what every rank's error names)
+RANK_1 = {
+    "extra input": (
+        "NotImplementedError",
+        "SequenceParallelTrainer takes input_ids, labels and attention_mask; got "
+        "['input_ids', 'labels', 'token_type_ids']",
+    ),
+    "padding": (
+        "NotImplementedError",
+        "a padding attention_mask is not supported under sequence parallelism",
+    ),
+    "a list": ("ValueError", "batch['input_ids'] must be a tensor; got list"),
+}
+
+
+def test_three_ranks_raise_together_naming_the_cause() -> None:
+    """P = 3. Trainer groups of two sizes ([0, 1] and [2]): ranks 0 and 1 raised, rank 2 made
+    its Trainer (its first collective would wait for them). Inputs bad on rank 1 alone
+    (another input, a padding mask, a list): rank 1 raised at once and ranks 0 and 2 waited
+    out the communicator's timeout in the batch check. A model whose attention never ran, a model
+    forward that takes no position_ids: every rank raises. All within FAST_S."""
+    import tokenring
+
+    per_rank = tokenring.launch(rank_cases, world_size=3, timeout_s=120)
+    for rank, got in enumerate(per_rank):
+        for case, want in THREE_RANKS.items():
+            message, seconds = got[case]
+            assert message.startswith(want), (rank, message)
+            assert seconds < FAST_S, (rank, case, seconds)
+        for case, (kind, names) in RANK_1.items():
+            message, seconds = got[case]
+            start = kind if rank == 1 else "ValueError: rank 1 cannot run"
+            assert message.startswith(start) and names in message, (rank, message)
+            assert seconds < FAST_S, (rank, case, seconds)
+
+
+# -- diffusers in one process ---------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_diffusers_refusals_name_the_argument() -> None:
+    """The Flux processor and joint_attn refuse, naming the argument, its value and what was
+    expected (the tiny Flux of test_diffusers: text of 3 rows)."""
+    pytest.importorskip("diffusers", reason="diffusers is not installed")
+    from test_diffusers import build_model
+    from tokenring import diffusers as tr_diffusers
+
+    model = build_model()
+    proc = tr_diffusers.FluxSequenceParallelProcessor()
+    joint, single = model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn
+    x, text = torch.randn(1, 4, 16), torch.randn(1, 3, 16)
+    q = torch.randn(1, 4, 2, 8)
+    cases: dict[str, tuple[Callable[[], object], str]] = {
+        "text given to a single-stream block": (
+            lambda: proc(single, x, encoder_hidden_states=text),
+            "NotImplementedError: encoder_hidden_states given to an attention without added "
+            "K/V projections (added_kv_proj_dim=None): not a Flux joint block",
+        ),
+        "text_seq_len of another length": (
+            lambda: proc(joint, x, encoder_hidden_states=text, text_seq_len=4),
+            "ValueError: text_seq_len must be 3 (the text rows this rank holds); got 4",
+        ),
+        "text_seq_len past the joint rows": (
+            lambda: proc(single, x, text_seq_len=5),
+            "ValueError: text_seq_len must be at most the joint length 4 (the text rows this "
+            "rank holds); got 5",
+        ),
+        "num_text a string": (
+            lambda: tr_diffusers.joint_attn(q, q, q, num_text="2", text="replicated"),
+            "ValueError: num_text must be an int; got '2'",
+        ),
+    }
+    with torch.no_grad():
+        for name, (call, want) in cases.items():
+            got = _error(call)
+            assert got.startswith(want), (name, got)
