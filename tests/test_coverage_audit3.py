@@ -22,7 +22,8 @@ process) or the documented error.
   timeout in the batch check. Every rank now raises at once, naming the cause. A model
   whose attention never ran and a model forward without position_ids raise on every rank.
 - The Flux processor and joint_attn name a bad text_seq_len, num_text, or text given to a
-  single-stream block.
+  single-stream block; the flash-attention shims and cached_attn their bad arguments.
+- SequenceParallelTrainer over one process deals the data as transformers' Trainer does.
 
 Legend: B batch, S global seq, P world size.
 """
@@ -345,6 +346,27 @@ def test_hf_refusals_and_one_rank_helpers() -> None:
     weight.grad = torch.arange(3.0)
     hf.all_reduce_gradients(sp, [weight])
     assert torch.equal(weight.grad, torch.arange(3.0))
+    # the Trainer over one process deals the data as transformers' own Trainer does
+    import tempfile
+
+    from tiny_llama import labelled_rows, sgd_args
+    from tokenring.hf.trainer import SequenceParallelTrainer
+
+    rows = labelled_rows(5, 0, vocab=32, seq_len=8)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = sgd_args(tmp, per_device_train_batch_size=2)
+        loaders = [
+            kind(model=model, args=args, train_dataset=rows, **extra).get_train_dataloader()
+            for kind, extra in (
+                (SequenceParallelTrainer, {"sequence_parallel": sp}),
+                (transformers.Trainer, {}),
+            )
+        ]
+    torch.manual_seed(0)
+    ours = [batch["input_ids"] for batch in loaders[0]]
+    torch.manual_seed(0)
+    theirs = [batch["input_ids"] for batch in loaders[1]]
+    assert len(ours) == 3 and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     # and the model over one rank is the model (the labels loss too)
     with torch.no_grad():
         got = model(input_ids=ids, labels=ids, sequence_parallel=sp)
@@ -534,3 +556,62 @@ def test_diffusers_refusals_name_the_argument() -> None:
         for name, (call, want) in cases.items():
             got = _error(call)
             assert got.startswith(want), (name, got)
+
+
+# -- errors of one process ------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_shim_and_cache_errors_name_the_argument() -> None:
+    """The flash-attention shims and cached_attn: each error names its argument, the value
+    and what was expected."""
+    import tokenring
+    from tokenring import compat, inference
+
+    q = torch.randn(4, 2, 8, dtype=torch.float64)  # (tokens, H, D)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    llama3 = compat.llama3_flash_attn_varlen_func
+    cache = tokenring.DistributedKVCache(
+        num_layers=1, batch=1, heads_kv=2, head_dim=8, dtype=torch.float64,
+        device=torch.device("cpu"), block_size=4,
+    )  # fmt: skip
+    cache.begin_step([4])
+    cases: dict[str, tuple[Callable[[], object], str]] = {
+        "dropout_p a string": (
+            lambda: compat.ring_flash_attn_func(q[None], q[None], q[None], dropout_p="0"),
+            "ValueError: dropout_p must be a number in [0, 1]; got '0'",
+        ),
+        "k of other tokens": (
+            lambda: llama3(q, q[:3], q[:3], cu, cu, 2, 2, 1, slice(0, 4)),
+            "ValueError: q, k and v must hold the same tokens (self-attention); got "
+            "q.shape[0]=4, k.shape[0]=3, v.shape[0]=3",
+        ),
+        "cu_seqlens_k of fewer entries": (
+            lambda: llama3(q, q, q, cu, cu[::2], 2, 2, 1, slice(0, 4)),
+            "ValueError: cu_seqlens_k must have as many entries as cu_seqlens_q (3); got [0, 4]",
+        ),
+        "a 4-D q": (
+            lambda: inference.cached_attn(q[None], q, q, cache=cache, layer=0, strategy="direct"),
+            "ValueError: q must be a (rows, heads_q, head_dim) tensor; got (1, 4, 2, 8)",
+        ),
+        "auto without hardware": (
+            lambda: inference.cached_attn(q, q, q, cache=cache, layer=0, strategy="auto"),
+            "ValueError: " + inference.AUTO_NEEDS_HARDWARE,
+        ),
+        "auto without hardware, resolved": (
+            lambda: inference.resolve_cached_strategy(
+                "auto",
+                step=cache.step,
+                comm=cache.comm,
+                heads_q=2,
+                heads_kv=2,
+                head_dim=8,
+                dtype=torch.float64,
+                device=torch.device("cpu"),
+            ),
+            "ValueError: " + inference.AUTO_NEEDS_HARDWARE,
+        ),
+    }
+    for name, (call, want) in cases.items():
+        got = _error(call)
+        assert got.startswith(want), (name, got)
