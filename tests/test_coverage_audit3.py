@@ -563,7 +563,8 @@ def test_diffusers_refusals_name_the_argument() -> None:
 
 @pytest.mark.usefixtures("single_rank_group")
 def test_shim_and_cache_errors_name_the_argument() -> None:
-    """The flash-attention shims and cached_attn: each error names its argument, the value
+    """The flash-attention shims, cached_attn, hybrid_attn and sequence_parallel_attn: each
+    error names its argument, the value
     and what was expected."""
     import tokenring
     from tokenring import compat, inference
@@ -576,7 +577,43 @@ def test_shim_and_cache_errors_name_the_argument() -> None:
         device=torch.device("cpu"), block_size=4,
     )  # fmt: skip
     cache.begin_step([4])
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tokenring.hybrid import hybrid_positions
+
+    mesh = tokenring.HybridMesh.from_device_mesh(
+        init_device_mesh("cpu", (1, 1), mesh_dim_names=("outer", "inner"))
+    )
+    x = q[None]  # (B, S, H, D)
+    place = dict(outer=2, inner=1, layout="contiguous")
     cases: dict[str, tuple[Callable[[], object], str]] = {
+        "bidir_token_ring of one query head": (
+            lambda: tokenring.sequence_parallel_attn(
+                x[:, :, :1], x[:, :, :1], x[:, :, :1], strategy="bidir_token_ring"
+            ),
+            "NotImplementedError: strategy 'bidir_token_ring' sends half of the query heads each "
+            "way round the ring and needs heads_q >= 2; got q.shape[2]=1",
+        ),
+        "hybrid: outer_rank past outer": (
+            lambda: hybrid_positions(outer_rank=2, inner_rank=0, seq_local=4, **place),
+            "ValueError: need 0 <= outer_rank < outer and 0 <= inner_rank < inner; got "
+            "outer_rank=2, outer=2, inner_rank=0, inner=1",
+        ),
+        "hybrid: cu_seqlens with seq_local": (
+            lambda: hybrid_positions(
+                outer_rank=0, inner_rank=0, seq_local=4, cu_seqlens=[0, 8], **place
+            ),
+            "ValueError: cu_seqlens needs seq_len (the global length it ends at)",
+        ),
+        "hybrid: last_block_splits a string": (
+            lambda: tokenring.hybrid_attn(x, x, x, mesh=mesh, last_block_splits="2"),
+            "ValueError: last_block_splits must be an int >= 1; got '2'",
+        ),
+        "hybrid: q longer than its share": (
+            lambda: tokenring.hybrid_attn(x, x, x, mesh=mesh, seq_len=3),
+            "ValueError: q.shape[1] must be 3 on outer rank 0, inner rank 0: its share of "
+            "seq_len=3 (see tokenring.hybrid_shard); got 4",
+        ),
         "dropout_p a string": (
             lambda: compat.ring_flash_attn_func(q[None], q[None], q[None], dropout_p="0"),
             "ValueError: dropout_p must be a number in [0, 1]; got '0'",
