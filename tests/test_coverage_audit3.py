@@ -24,6 +24,7 @@ process) or the documented error.
 - The Flux processor and joint_attn name a bad text_seq_len, num_text, or text given to a
   single-stream block; the flash-attention shims and cached_attn their bad arguments.
 - SequenceParallelTrainer over one process deals the data as transformers' Trainer does.
+- The cost model, planner and simulator name their bad arguments (a pure table).
 
 Legend: B batch, S global seq, P world size.
 """
@@ -564,8 +565,7 @@ def test_diffusers_refusals_name_the_argument() -> None:
 @pytest.mark.usefixtures("single_rank_group")
 def test_shim_and_cache_errors_name_the_argument() -> None:
     """The flash-attention shims, cached_attn, hybrid_attn and sequence_parallel_attn: each
-    error names its argument, the value
-    and what was expected."""
+    error names its argument, the value and what was expected."""
     import tokenring
     from tokenring import compat, inference
 
@@ -651,4 +651,74 @@ def test_shim_and_cache_errors_name_the_argument() -> None:
     }
     for name, (call, want) in cases.items():
         got = _error(call)
+        assert got.startswith(want), (name, got)
+
+
+# -- the cost model, planner and simulator (pure) -------------------------------------------------
+
+
+def test_model_errors_name_the_argument(tmp_path: Any) -> None:
+    """Validation branches of the cost model, planner and simulator that never ran."""
+    import dataclasses
+    import json
+
+    from tokenring.core.schedule import AttentionShape
+    from tokenring.model import costmodel, planner, simulate
+
+    hw = costmodel.PRESETS["h100-nvswitch"]
+    shape = AttentionShape(batch=1, heads_q=4, heads_kv=2, head_dim=64, dtype="bfloat16")
+    call: dict[str, Any] = dict(world_size=4, seq_local=256, heads_q=4, heads_kv=2, head_dim=64)
+    call |= dict(dtype="bfloat16", causal=True, hardware=hw)
+    run: dict[str, Any] = dict(layout="zigzag", causal=True, seq_local=256, shape=shape)
+    run["hardware"] = hw
+    net = dict(link_bandwidth_bytes_per_s=1e9, latency_s=1e-6)
+    mesh, ring = (costmodel.Interconnect(topology=t, **net) for t in ("mesh", "ring"))
+    switch = costmodel.Interconnect(topology="switch", port_bandwidth_bytes_per_s=1e9, **net)
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"rates": {}}))
+    cases: dict[str, tuple[Callable[[], object], str]] = {
+        "no strategies": (
+            lambda: planner.explain(**call, strategies=[]),
+            "ValueError: strategies must name at least one strategy; got none",
+        ),
+        "last_pair": (
+            lambda: planner.explain(**call, last_pair="x"),
+            "ValueError: last_pair must be one of ('return', 'lend', 'auto'); got 'x'",
+        ),
+        "world_size 0": (
+            lambda: simulate.simulate_pass("ring", "forward", world_size=0, **run),
+            "ValueError: world_size must be >= 1; got 0",
+        ),
+        "mode": (
+            lambda: simulate.simulate_pass("ring", "forward", world_size=4, mode="fast", **run),
+            "ValueError: mode must be one of 'auto', 'event', 'vectorised'; got 'fast'",
+        ),
+        "passes": (
+            lambda: simulate.simulate("ring", passes="all", world_size=4, **run),
+            "ValueError: passes must be one of ['backward', 'both', 'forward']; got 'all'",
+        ),
+        "no dtypes": (
+            lambda: dataclasses.replace(hw, dtypes=()),
+            "ValueError: dtypes must name at least one dtype; got ()",
+        ),
+        "islands joined by a mesh": (
+            lambda: dataclasses.replace(hw, devices_per_node=2, inter=mesh),
+            "ValueError: inter.topology must be 'switch' (one NIC per device into a "
+            "non-blocking fabric); got 'mesh'",
+        ),
+        "rings inside islands": (
+            lambda: dataclasses.replace(hw, interconnect=ring, devices_per_node=2, inter=switch),
+            "ValueError: interconnect.topology 'ring' inside islands is not modelled",
+        ),
+        "rates without rates": (
+            lambda: costmodel.load_kernel_rates(rates),
+            f"ValueError: {rates}: expected a JSON object with non-empty 'rates'",
+        ),
+        "route past the world": (
+            lambda: costmodel.route(hw, 0, 5, 4),
+            "ValueError: dst must be in [0, 4); got 5",
+        ),
+    }
+    for name, (make, want) in cases.items():
+        got = _error(make)
         assert got.startswith(want), (name, got)
