@@ -24,7 +24,8 @@ process) or the documented error.
 - The Flux processor and joint_attn name a bad text_seq_len, num_text, or text given to a
   single-stream block; the flash-attention shims and cached_attn their bad arguments.
 - SequenceParallelTrainer over one process deals the data as transformers' Trainer does.
-- The cost model, planner and simulator name their bad arguments (a pure table).
+- The cost model, planner and simulator name their bad arguments (a pure table); launch
+  refuses a backend this torch lacks and a function in __main__, and runs from a thread.
 
 Legend: B batch, S global seq, P world size.
 """
@@ -722,3 +723,49 @@ def test_model_errors_name_the_argument(tmp_path: Any) -> None:
     for name, (make, want) in cases.items():
         got = _error(make)
         assert got.startswith(want), (name, got)
+
+
+# -- launch ---------------------------------------------------------------------------------------
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+def test_launch_errors_and_a_launch_from_another_thread() -> None:
+    """A backend this torch lacks and a function defined in __main__ are refused before any
+    rank starts; a launch from a thread other than the main one (no signal handlers there)
+    runs and returns the ranks' results."""
+    import threading
+
+    import torch.distributed as dist
+
+    import tokenring
+
+    def in_main() -> int:
+        return 1
+
+    in_main.__module__ = "__main__"
+    cases: dict[str, tuple[Callable[[], object], str]] = {
+        "fn in __main__": (
+            lambda: tokenring.launch(in_main, world_size=1),
+            "ValueError: fn must be importable by the worker processes; got <function",
+        ),
+    }
+    if not dist.is_mpi_available():
+        cases["mpi"] = (
+            lambda: tokenring.launch(_double, 1, world_size=1, backend="mpi"),
+            f"ValueError: backend 'mpi': this torch ({torch.__version__}) has no mpi built in",
+        )
+    for name, (call, want) in cases.items():
+        got = _error(call)
+        assert got.startswith(want), (name, got)
+    results: list[Any] = []
+
+    def run() -> None:
+        results.append(tokenring.launch(_double, 21, world_size=1))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=120)
+    assert results == [[42]]
