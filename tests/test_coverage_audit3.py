@@ -18,9 +18,10 @@ process) or the documented error.
 - Three ranks: SequenceParallelTrainer over groups of two sizes ([0, 1] and [2]) raised on
   ranks 0 and 1 only (their size did not divide the world) while rank 2 made its Trainer
   and waited for them (6 s, the communicator's timeout); inputs bad on rank 1 alone (an
-  extra input, a padding mask, a list) raised there while the others waited out the
-  timeout in the batch check. Every rank now raises at once, naming the cause. A model
-  whose attention never ran and a model forward without position_ids raise on every rank.
+  extra input, a padding mask) raised there while the others waited out the timeout in the
+  batch check. Every rank now raises at once, naming the cause (a list for input_ids did
+  already). A model whose attention never ran and a model forward without position_ids
+  raise on every rank.
 - The Flux processor and joint_attn name a bad text_seq_len, num_text, or text given to a
   single-stream block; the flash-attention shims and cached_attn their bad arguments.
 - SequenceParallelTrainer over one process deals the data as transformers' Trainer does.
@@ -500,9 +501,10 @@ RANK_1 = {
 def test_three_ranks_raise_together_naming_the_cause() -> None:
     """P = 3. Trainer groups of two sizes ([0, 1] and [2]): ranks 0 and 1 raised, rank 2 made
     its Trainer (its first collective would wait for them). Inputs bad on rank 1 alone
-    (another input, a padding mask, a list): rank 1 raised at once and ranks 0 and 2 waited
-    out the communicator's timeout in the batch check. A model whose attention never ran, a model
-    forward that takes no position_ids: every rank raises. All within FAST_S."""
+    (another input, a padding mask): rank 1 raised at once and ranks 0 and 2 waited out the
+    communicator's timeout in the batch check (a list for input_ids raised on every rank
+    already). A model whose attention never ran, a model forward that takes no position_ids:
+    every rank raises. All within FAST_S."""
     import tokenring
 
     per_rank = tokenring.launch(rank_cases, world_size=3, timeout_s=120)
