@@ -933,10 +933,8 @@ _NO_POSITIONS = object()
 def _model_positions() -> tuple[str, Any] | None:
     """``(class name, position_ids)`` of the outermost transformers model forward on the
     stack (Note [Positions the model was given]), or None when there is none."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # not a transformers model
-        return None
+    from transformers import PreTrainedModel  # loaded: only transformers calls attention
+
     found = None
     frame = sys._getframe(1)
     while frame is not None:

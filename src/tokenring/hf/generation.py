@@ -98,10 +98,11 @@ class _ShardedLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.owner.kv is None or self.owner.kv.step is None:
+        if not self.owner._in_step:  # its K/V never reach a call outside generate's steps
             raise ValueError(
                 "a ShardedKVCache runs inside tokenring.hf.generate (which places each step's "
-                "tokens on the ranks); got a model call outside it"
+                "tokens on the ranks); got a model call outside generate's steps (to continue "
+                "from a generate call, run generate again on its sequences)"
             )
         self.is_initialized = True
         return key_states, value_states
@@ -182,6 +183,9 @@ class ShardedKVCache(Cache):
         """The cached strategy each step ran, in order (the prefill first)."""
         self._seen = 0
         self._placeholder = False  # this rank runs one placeholder row this step
+        # a step of generate runs (begin_step to end_step): a model call outside one would
+        # attend over its new tokens alone (the cached K/V live in self.kv), so update refuses
+        self._in_step = False
         self._written = False  # K/V appended: the cache's sizes are the layers' from now on
         self.call_signature: dict[str, Any] = {}
         """What the ranks' generate calls must agree on (:func:`generate`'s options), checked
@@ -249,6 +253,7 @@ class ShardedKVCache(Cache):
         step = self.kv.begin_step([num_new] * batch, check_ranks=False)  # agreed above
         chosen = step_strategy(self.strategy, self.kv, heads_q=self.heads_q, hardware=self.hardware)
         self.strategies.append(chosen)
+        self._in_step = True
         return step
 
     def finish(self, sequences: torch.Tensor) -> None:
@@ -342,6 +347,7 @@ class ShardedKVCache(Cache):
     def end_step(self) -> None:
         assert self.kv is not None
         self._seen = self.kv.lengths[0]
+        self._in_step = False
 
     def attention(
         self,
@@ -373,12 +379,8 @@ class ShardedKVCache(Cache):
                 f"sequence of {total} tokens (a sliding window or a chunk runs only while the "
                 "whole sequence, prompt and new tokens, fits in it)"
             )
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise NotImplementedError(
-                f"generation needs the attention module's layer_idx; {type(module).__name__} has "
-                f"{layer!r}"
-            )
+        layer = module.layer_idx
+        assert isinstance(layer, int), "the layer's Cache.update indexed the layers by it"
         self._fit(query, key, layer)
         dims = (query.shape[-1], key.shape[-1], value.shape[-1])
         if dims != (self.head_dim,) * 3:  # DeepSeek's latent attention: V of another width
@@ -715,6 +717,7 @@ def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[
     try:
         yield
     finally:
+        cache._in_step = False  # a step that raised never ended
         for handle in handles:
             handle.remove()
 
@@ -723,14 +726,16 @@ def _step_input_ids(
     cache: ShardedKVCache, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> torch.Tensor:
     """The checked global input ids ``(B, T)`` of a step; pops the mask and position ids."""
-    if args:
-        raise ValueError("generate passes the model's inputs by keyword; got positional ones")
     given = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-    if given is not cache:
-        raise ValueError("the model was called without its ShardedKVCache inside generate")
-    for option in ("output_attentions", "output_hidden_states"):
-        if kwargs.get(option):
-            raise NotImplementedError(f"tokenring.hf.generate does not support {option}")
+    if args or given is not cache:  # generate's own steps pass its cache, by keyword
+        got = f"{len(args)} positional input(s)" if args else f"cache={type(given).__name__}"
+        got = "no cache" if not args and given is None else got
+        raise NotImplementedError(
+            "the model ran inside tokenring.hf.generate outside generate's own steps (a logits "
+            "processor or stopping criterion that calls the model, as classifier-free "
+            "guidance's does), which tokenring.hf.generate does not support; got a call with "
+            f"{got} (generate's steps pass its ShardedKVCache, by keyword)"
+        )
     input_ids = kwargs.get("input_ids")
     if input_ids is None:
         raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
@@ -741,7 +746,9 @@ def _step_input_ids(
     if positions is not None and not bool((positions == want).all()):
         raise NotImplementedError(
             "position_ids other than the token positions are not supported by "
-            "tokenring.hf.generate (it derives each rank's positions)"
+            "tokenring.hf.generate (it derives each rank's positions); got position_ids "
+            f"{positions.reshape(-1, positions.shape[-1])[0].tolist()} for tokens at "
+            f"{want.tolist()}"
         )
     return input_ids
 

@@ -141,11 +141,10 @@ class SequenceParallelTrainer(Trainer):
         RuntimeError: in training, with more than one process, when the model is not
             wrapped for data parallelism (transformers' Trainer does not wrap it after
             ``evaluate`` or ``predict`` ran first on it).
-        ValueError: sequence_parallel is not a SequenceParallel, or its group size does not
-            divide the number of processes, or the ranks' groups do not split the world
-            into groups of one size; in training or evaluation, on every rank of a group,
-            when its ranks were given different batches (a loader that deals them to each
-            rank).
+        ValueError: sequence_parallel is not a SequenceParallel, or the ranks' groups do not
+            split the world into groups of one size (on every rank); in training or
+            evaluation, on every rank of a group, when its ranks were given different batches
+            (a loader that deals them to each rank).
         NotImplementedError: a layer of the model mixes tokens other than by attention
             (``tokenring.hf.check_model``); label smoothing, ``compute_loss_func`` or
             ``compute_metrics`` (the loss is the causal-LM loss over the global sequence);
@@ -185,13 +184,13 @@ class SequenceParallelTrainer(Trainer):
         sp_size = sequence_parallel.communicator.world_size
         num_processes = self.accelerator.num_processes
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if num_processes != world or num_processes % sp_size:
+        if num_processes != world:
             raise ValueError(
-                f"sequence_parallel's group size ({sp_size}) must divide the Trainer's "
-                f"{num_processes} processes, which must be the whole world ({world} ranks)"
+                f"the Trainer's {num_processes} processes must be the whole world ({world} ranks)"
             )
-        if sp_size > 1 and world > 1:
-            self._data_groups = _data_groups(sequence_parallel, world)
+        if world > 1:  # on every rank: one whose group is of another size raises with the rest
+            groups = _data_groups(sequence_parallel, world)
+            self._data_groups = groups if sp_size > 1 else None
 
     def compute_loss(
         self,
@@ -224,17 +223,7 @@ class SequenceParallelTrainer(Trainer):
                 "evaluate() or predict() ran before train() on the same Trainer): train "
                 "first, or evaluate with another Trainer"
             )
-        extra = sorted(set(inputs) - _INPUTS)
-        if extra:
-            raise NotImplementedError(
-                f"SequenceParallelTrainer takes input_ids, labels and attention_mask; got {extra}"
-            )
-        hint = "pad at the end and set the padded labels to -100, or pack the sequences"
-        refuse_padding(inputs.get("attention_mask"), hint)
-        input_ids = inputs["input_ids"]
-        labels = inputs.get("labels")
-        batch = {"input_ids": input_ids, "labels": input_ids if labels is None else labels}
-        _same_batch(sp, batch)  # Note [Data over the groups]: the loaders give it to each
+        batch = _same_batch(sp, inputs)  # Note [Data over the groups]: the loaders give it
         local = shard_batch(sp, batch["input_ids"], batch["labels"])
         outputs = model(
             input_ids=local.input_ids,
@@ -383,12 +372,23 @@ def _data_groups(sp: SequenceParallel, world: int) -> tuple[int, int, tuple[int,
     return len(groups), groups.index(mine), tuple(g[0] for g in groups)
 
 
-def _same_batch(sp: SequenceParallel, batch: dict[str, Any]) -> None:
-    """ValueError on every rank of the group unless each holds the same tensors (Note [Data
-    over the groups]): names, shapes, dtypes and a digest of the values, in the group's rank
-    agreement."""
+def _same_batch(sp: SequenceParallel, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``{"input_ids", "labels"}`` of compute_loss's ``inputs`` (labels: the ids when none);
+    on every rank of the group at once, NotImplementedError for other inputs or a padding
+    mask, ValueError unless each rank holds the same tensors (Note [Data over the groups]):
+    names, shapes, dtypes and a digest of the values, in the group's rank agreement."""
 
-    def validate() -> tuple[None, dict[str, Any]]:
+    def validate() -> tuple[dict[str, Any], dict[str, Any]]:
+        extra = sorted(set(inputs) - _INPUTS)
+        if extra or "input_ids" not in inputs:
+            raise NotImplementedError(
+                "SequenceParallelTrainer takes input_ids, labels and attention_mask; got "
+                f"{sorted(inputs)}"
+            )
+        hint = "pad at the end and set the padded labels to -100, or pack the sequences"
+        refuse_padding(inputs.get("attention_mask"), hint)
+        ids, labels = inputs["input_ids"], inputs.get("labels")
+        batch = {"input_ids": ids, "labels": ids if labels is None else labels}
         signature: dict[str, Any] = {"batch names": sorted(batch)}
         for name, t in sorted(batch.items()):
             if not isinstance(t, torch.Tensor):
@@ -396,9 +396,9 @@ def _same_batch(sp: SequenceParallel, batch: dict[str, Any]) -> None:
             raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             digest = hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
             signature[f"batch[{name!r}] ({_SAME_BATCH})"] = (tuple(t.shape), str(t.dtype), digest)
-        return None, signature
+        return batch, signature
 
-    sp.communicator.agreed(validate, what="SequenceParallelTrainer batch")
+    return sp.communicator.agreed(validate, what="SequenceParallelTrainer batch")
 
 
 _SAME_BATCH = (
