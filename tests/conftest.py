@@ -12,6 +12,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))  # workers import test modules and the oracle
 
+# Note [One intra-op thread in the pytest process]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The in-process tests call thousands of ops on tensors of a few hundred elements. With
+# torch's default of one thread per core, some CPU kernels (softmax, the autograd engine's)
+# open a parallel region even then, and each one waits for the second thread to be
+# scheduled: on a 2-core box shared with other work a (2, 4, 6, 6) softmax took 1.1 ms with
+# 2 threads and 6 us with 1 (test_attention's one-rank grid: 8.1 s -> 1.8 s). Launched ranks
+# set their own count (threads_per_rank in tokenring.launch); tests that are about threads
+# set theirs (test_sketch_of_values).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def single_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:

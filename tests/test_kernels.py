@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tokenring
 from tokenring.core.masks import MaskSpec
 from tokenring.core.merge import merge_into
 from tokenring.runtime import kernels
@@ -543,8 +544,6 @@ def test_cpu_tiles_grow_with_the_ranks_rows(single_rank_group: None, monkeypatch
     """Note [Kernel plan]: the CPU flash kernel a call picks cuts its backward into 2048-row
     tiles where a rank holds at least 4096 rows and into 1024-row tiles below (a tile's
     gradients stay within half a rank's rows); a kernel given by instance keeps its own T."""
-    import tokenring
-
     assert [kernels.cpu_tile_rows(s) for s in (None, 1024, 4095, 4096, 65536)] == [
         1024, 1024, 1024, 2048, 2048,
     ]  # fmt: skip
@@ -569,34 +568,29 @@ def test_cpu_tiles_grow_with_the_ranks_rows(single_rank_group: None, monkeypatch
         assert tiles and set(tiles) == {want}, (seq, sorted(set(tiles)))
 
 
-_EMPTY_BLOCKS = """
-import torch
-from tokenring.runtime.kernels import select_kernel
-kernel = select_kernel(torch.device("cpu"), torch.float32, "{name}")
-for sq, sk in ((0, 0), (0, 5), (5, 0)):
-    q, do = torch.randn(2, sq, 4, 8), torch.randn(2, sq, 4, 8)
-    k, v = torch.randn(2, sk, 2, 8), torch.randn(2, sk, 2, 8)
-    for causal in (False, True) if sq == sk else (False,):
-        out, lse = kernel.forward(q, k, v, causal=causal, scale=0.3)
-        assert out.shape == q.shape and bool((out == 0).all()), (sq, sk)
-        assert lse.shape == (2, 4, sq) and bool(torch.isneginf(lse).all()), (sq, sk)
-        grads = kernel.backward(do, q, k, v, lse, lse, causal=causal, scale=0.3)
-        for g, x in zip(grads, (q, k, v), strict=True):
-            assert g.shape == x.shape and bool((g == 0).all()), (sq, sk)
-print("ok")
-"""
+def empty_blocks(name: str) -> str:
+    """The checks of :func:`test_blocks_with_no_rows_on_one_side`, in a launched rank."""
+    kernel = select_kernel(torch.device("cpu"), torch.float32, name)
+    for sq, sk in ((0, 0), (0, 5), (5, 0)):
+        q, do = torch.randn(2, sq, 4, 8), torch.randn(2, sq, 4, 8)
+        k, v = torch.randn(2, sk, 2, 8), torch.randn(2, sk, 2, 8)
+        for causal in (False, True) if sq == sk else (False,):
+            out, lse = kernel.forward(q, k, v, causal=causal, scale=0.3)
+            assert out.shape == q.shape and bool((out == 0).all()), (sq, sk)
+            assert lse.shape == (2, 4, sq) and bool(torch.isneginf(lse).all()), (sq, sk)
+            grads = kernel.backward(do, q, k, v, lse, lse, causal=causal, scale=0.3)
+            for g, x in zip(grads, (q, k, v), strict=True):
+                assert g.shape == x.shape and bool((g == 0).all()), (sq, sk)
+    return "ok"
 
 
 @pytest.mark.parametrize("name", CPU_KERNELS)
 def test_blocks_with_no_rows_on_one_side(name: str) -> None:
     """A block with 0 query or 0 key rows has no pair: out 0, lse -inf, gradients 0 (the
-    fused CPU op killed the process with SIGFPE). Run in a child: a crash fails the test."""
-    import subprocess
-    import sys
-
-    code = _EMPTY_BLOCKS.format(name=name)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr)
+    fused CPU op killed the process with SIGFPE). Run in a launched rank, a child forked
+    from the warm zygote (no interpreter to start): a crash, as a failed check, fails the
+    launch with the rank's signal or traceback."""
+    assert tokenring.launch(empty_blocks, name, world_size=1, timeout_s=120) == ["ok"]
 
 
 @pytest.mark.parametrize(
