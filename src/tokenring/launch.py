@@ -754,10 +754,7 @@ def _summary(exc: BaseException) -> str:
     except Exception as failed:  # unreported, the rank would end with an empty log
         message = f"<str() raised {type(failed).__name__}: {failed}>"
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return text
-    where = frames[-1]
+    where = traceback.extract_tb(exc.__traceback__)[-1]  # a caught exception: a frame at least
     return f"{text} (at {os.path.basename(where.filename)}:{where.lineno} in {where.name})"
 
 

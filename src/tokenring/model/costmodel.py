@@ -315,15 +315,10 @@ def _is_rate(value: object) -> bool:
 
 
 def _with_measured_rates(hardware: Hardware) -> Hardware:
-    """``hardware`` with its measured bfloat16 full-block rates, if KERNEL_RATES_DIR has them."""
+    """``hardware`` with its measured bfloat16 full-block rates (KERNEL_RATES_DIR ships them)."""
     path = KERNEL_RATES_DIR / f"{hardware.name}.json"
-    if not path.exists():
-        return hardware
     rates = load_kernel_rates(path)["rates"]
-    if "bfloat16" not in rates:
-        raise ValueError(
-            f"{path}: rates must have 'bfloat16' (the presets' dtype); got {list(rates)}"
-        )
+    assert "bfloat16" in rates, f"{path}: the presets' dtype"
     full = rates["bfloat16"]["full"]
     return replace(
         hardware,
@@ -351,7 +346,8 @@ PRESETS: dict[str, Hardware] = {
         _preset("a100-nvswitch", _switch(240, 240, 8e-6), 220, 180, 0.85 * 2039),
         _H100_NVSWITCH,
         # 8x H200: NVLink 4 as the H100, HBM3e 4.8 TB/s at 85%; compute as measured by
-        # scripts/device_check.sh (kernel_rates/h200-nvswitch.json), else the H100's estimate.
+        # scripts/device_check.sh (kernel_rates/h200-nvswitch.json, shipped; it replaces the
+        # H100's estimate given here).
         _with_measured_rates(
             _preset("h200-nvswitch", _H100_NVSWITCH.interconnect, 500, 400, 0.85 * 4800)
         ),

@@ -353,9 +353,7 @@ def _kernel_flops(
         else:  # full or top-left causal: computed as priced without a mask
             flops += piece_flops(pc, dims, sched.pass_)
             continue
-        area = pc.num_q * pc.num_kv
-        if area == 0:
-            continue
+        area = pc.num_q * pc.num_kv  # > 0: pieces are trimmed runs, or whole rows
         if not collective and max(pc.num_q, pc.num_kv) <= MASKED_TILE_ROWS:
             pairs = area  # one tile, and a ring's piece is trimmed to what some query sees
         else:
@@ -381,8 +379,6 @@ def _tile_pairs(mask: MaskSpec, q_pos: Tensor, kv_pos: Tensor, tile: int) -> int
     positions ``q_pos`` against ``kv_pos``, -1: padding) in which some query sees some key:
     the tiles the kernel computes, each whole (Note [Masked calls])."""
     n, m = q_pos.numel(), kv_pos.numel()
-    if n == 0 or m == 0:
-        return 0
     big = 2**62  # an unbounded side: past every position, without int64 overflow
     bounds = torch.tensor(mask.cu_seqlens or (0, big), dtype=torch.int64)
     # the queries as runs of consecutive positions of one document within one tile
@@ -393,9 +389,7 @@ def _tile_pairs(mask: MaskSpec, q_pos: Tensor, kv_pos: Tensor, tile: int) -> int
     first = starts.nonzero().flatten()
     last = torch.cat([first[1:], torch.tensor([n])]) - 1
     real = q_pos[first] >= 0
-    first, last = first[real], last[real]
-    if first.numel() == 0:
-        return 0
+    first, last = first[real], last[real]  # none: the loop below sees no run, 0 pairs
     d = doc[first]
     left = big if mask.window[0] < 0 else min(mask.window[0], big)
     right = 0 if mask.causal else (big if mask.window[1] < 0 else min(mask.window[1], big))
@@ -1051,8 +1045,6 @@ def _played_finish(
     (its finish is its begin). Rows are played at once, one round per start or end: 2G."""
     done = size <= 0
     left, finish = size.clone(), begin.clone()
-    if not size.numel():
-        return finish
     now = torch.where(done, math.inf, begin).amin(-1, keepdim=True)
     for _ in range(4 * size.shape[-1] + 2):  # 2G events; ties that rounding splits take more
         moving = (begin <= now) & ~done
