@@ -256,15 +256,26 @@ def register() -> tuple[str, ...]:
 # rank computes the whole sequence: nothing to refuse. The same record keeps the position_ids
 # tensors checked in this forward (_check_positions: once per forward on every rank alike).
 # Before the forward, the same wrapper refuses a sharding that leaves a rank without a token
-# (_refuse_empty_shards, from sp alone: every rank alike).
+# (_refuse_empty_shards, from sp alone: every rank alike). The record also carries sp to the
+# mask function, which transformers calls without it (Note [Padding on one rank's shard]),
+# and after the forward the outputs are checked for values pooled over the sequence (Note
+# [Outputs that pool over the sequence]).
 @dataclass(slots=True)
 class _Forward:
     """The outermost model call running with sequence_parallel= (Note [A forward that calls
     no tokenring attention])."""
 
+    sp: SequenceParallel
+    cached: bool = False
+    """A step of tokenring.hf.generate (sequence_parallel_cache=): its hooks own the mask and
+    the logits."""
     attention_calls: int = 0
+    seq_local: int | None = None
+    """s: the query rows of the forward's first tokenring attention call."""
     positions_checked: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
     """position_ids tensors that passed _check_positions, with their _version then."""
+    masks_checked: list[Any] = dataclasses.field(default_factory=list)
+    """attention_mask values (None too) whose padding the ranks agreed on in this forward."""
 
     def checked(self, given: torch.Tensor) -> bool:
         return any(t is given and v == given._version for t, v in self.positions_checked)
@@ -285,15 +296,18 @@ def _counting_call(call: Any) -> Any:
         sp = kwargs.get("sequence_parallel")
         if sp is None or _FORWARD.get() is not None:
             return call(model, *args, **kwargs)
-        _refuse_empty_shards(as_sequence_parallel(sp), f"{type(model).__name__}'s forward")
-        forward = _Forward()
+        sp = as_sequence_parallel(sp)
+        _refuse_empty_shards(sp, f"{type(model).__name__}'s forward")
+        forward = _Forward(sp=sp, cached=kwargs.get("sequence_parallel_cache") is not None)
         token = _FORWARD.set(forward)
         try:
             result = call(model, *args, **kwargs)
         finally:
             _FORWARD.reset(token)
         if forward.attention_calls == 0:
-            _refuse_no_attention(model, as_sequence_parallel(sp))
+            _refuse_no_attention(model, sp)
+        elif not forward.cached and forward.seq_local is not None:
+            _refuse_pooled_outputs(model, sp, result, forward.seq_local)
         return result
 
     counted._tokenring_counts = True  # type: ignore[attr-defined]
@@ -330,6 +344,57 @@ def _refuse_empty_shards(sp: SequenceParallel, what: str) -> None:
         f"rank: {tokens}); a transformers model cannot run its forward over no tokens: "
         f"{fix}"
     )
+
+
+# Note [Outputs that pool over the sequence]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A sequence-parallel forward's outputs are per-token shards (B, s, ...), gathered with
+# gather_sequence. A head that reduces over the sequence sees this rank's shard alone:
+#
+#     XForSequenceClassification (decoder)   logits (B, L) of the last non-pad token of
+#                                            each rank's shard (rank 1 of 2: 1.67 off)
+#     BERT-style pooler_output, ...ForSequenceClassification and ...ForMultipleChoice on
+#       encoders                             the first token of each rank's shard (0.42 off)
+#     logits_to_keep=k (k > 0)               the last k rows of each rank's shard
+#
+# Each rank's value differed and none raised. After the outermost forward, a ``logits`` of
+# fewer than 3 dims or another row count than the attention calls' s, a ``pooler_output``,
+# or any other top-level tensor output with dims but not s rows (tuples alike: return_dict=
+# False) raises NotImplementedError on every rank (the output shapes and s follow from the
+# model and the sharding: every rank alike). The loss is global (the causal-LM loss) or
+# refused (other losses); hidden states are each rank's shard. tokenring.hf.generate's steps
+# keep their own rows (its hooks gather them) and are not checked.
+_GLOBAL_OUTPUTS = frozenset({"loss", "aux_loss"})
+
+
+def _refuse_pooled_outputs(
+    model: torch.nn.Module, sp: SequenceParallel, result: Any, seq_local: int
+) -> None:
+    """NotImplementedError naming the first output of ``result`` that is not a per-token
+    shard of ``seq_local`` rows (Note [Outputs that pool over the sequence])."""
+    if sp.communicator.world_size == 1:
+        return
+    if isinstance(result, Mapping):
+        fields = [(str(k), v) for k, v in result.items()]
+    elif isinstance(result, tuple):
+        fields = [(f"output[{i}] (return_dict=False)", v) for i, v in enumerate(result)]
+    else:
+        return
+    for name, value in fields:
+        if not isinstance(value, torch.Tensor) or name in _GLOBAL_OUTPUTS:
+            continue
+        per_token = value.dim() >= 2 and value.shape[1] == seq_local
+        if name == "logits":
+            per_token = per_token and value.dim() >= 3
+        if name == "pooler_output" or (value.dim() > 0 and not per_token):
+            raise NotImplementedError(
+                f"{type(model).__name__}'s output {name} of shape {tuple(value.shape)} is not "
+                f"each rank's per-token shard of {seq_local} rows: it pools over the sequence "
+                "(a classification head's last or first token, a pooler_output, "
+                "logits_to_keep), which saw this rank's shard alone; under sequence_parallel= "
+                "take the per-token outputs (AutoModel, add_pooling_layer=False, "
+                "logits_to_keep=0) and pool over hf.gather_sequence's global sequence"
+            )
 
 
 def _refuse_no_attention(model: torch.nn.Module, sp: SequenceParallel) -> None:
@@ -392,12 +457,7 @@ def _global_mask(
     ``sliding_window``), else a :class:`_ModelMask` (Note [Model masks]), or a
     :class:`_RefusedMask` for a window under 1; a padding mask, a model the attention call
     would refuse (:func:`check_model`'s reasons but a Conv1d) raise."""
-    if attention_mask is not None and attention_mask.dim() == 2:
-        refuse_padding(
-            attention_mask,
-            "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
-            "the padded labels to ignore_index",
-        )
+    _refuse_padding_on_every_rank(attention_mask)
     alibi = (
         getattr(config, "alibi", None),
         getattr(getattr(config, "attn_config", None), "alibi", None),
@@ -430,6 +490,40 @@ def _global_mask(
     if mask == _PLAIN_CAUSAL and getattr(config, "sliding_window", None) is None:
         return None
     return mask
+
+
+# Note [Padding on one rank's shard]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A padding attention_mask is refused, but its zeros may lie in one rank's shard alone (right
+# padding on the last rank of contiguous shards, left padding on the first). That rank raised
+# in the mask function, before any attention call, while the others went on into their first
+# attention call: its rank check waited out the communicator's timeout, or paired with the
+# raising rank's next forward. transformers calls the mask function without the forward's
+# keywords, so the padding verdict travels through the record of the outermost forward
+# (_Forward.sp): the ranks agree on it once per attention_mask value (None included) and
+# forward, before the first layer, and every rank raises. tokenring.hf.generate's steps take
+# the mask off before the model runs (and refuse it themselves); they exchange nothing here.
+_PADDING_HINT = (
+    "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
+    "the padded labels to ignore_index"
+)
+
+
+def _refuse_padding_on_every_rank(attention_mask: Any) -> None:
+    """NotImplementedError for a 2-D padding ``attention_mask`` with zeros: on every rank
+    when a forward with sequence_parallel= is running (Note [Padding on one rank's shard])."""
+
+    def validate() -> tuple[None, dict[str, Any]]:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            refuse_padding(attention_mask, _PADDING_HINT)
+        return None, {"padding attention_mask": False}
+
+    forward = _FORWARD.get()
+    if forward is None or forward.cached or any(m is attention_mask for m in forward.masks_checked):
+        validate()
+        return
+    forward.sp.communicator.agreed(validate, what="attention_mask check")
+    forward.masks_checked.append(attention_mask)
 
 
 @functools.lru_cache(maxsize=1)
@@ -706,6 +800,8 @@ def _attention_forward(
     forward = _FORWARD.get()
     if forward is not None:  # Note [A forward that calls no tokenring attention]
         forward.attention_calls += 1
+        if forward.seq_local is None:
+            forward.seq_local = query.shape[2]  # (B, H, s, D)
     cache = sequence_parallel_cache
     if sequence_parallel is None:
         raise ValueError(
