@@ -136,6 +136,14 @@ FLUX_TEXT_FIELD = (
     "text: encoder_hidden_states, or hidden_states' first text_seq_len rows, and their "
     f"image_rotary_emb rows (replicated: the same on every rank; {_OWN_TEXT})"
 )
+# The ranks' attention calls pair up in order: a rank at another layer (a cache hook that skips
+# blocks by each rank's own tokens, such as diffusers' FirstBlockCache) or with other weights
+# attended with its peers' tokens of another layer, unnoticed while the shapes agree
+LAYER_FIELD = (
+    "layer (the signs of its query projection's first 32 weights: every rank at the same "
+    "attention layer, with the same weights; a cache hook that skips blocks by each rank's own "
+    "tokens, such as diffusers' FirstBlockCache, or a model built from another seed breaks it)"
+)
 CROSS_KV_FIELD = (
     "k/v (replicated: the same on every rank; a rank given its own K/V or seed wants the same "
     "on every rank, its part of them kv='sharded')"
@@ -443,7 +451,9 @@ class FluxSequenceParallelProcessor:
     text it is optional, and checks that the ranks' text rows add up to T. With replicated
     text, every layer checks that the ranks' text (and its rotary rows) is the same up to
     rounding (Note [Replicated values agreed by sketch] in tokenring.core.sketch): a rank given
-    its own prompt, or its shard of the text, raises on every rank. Attention masks,
+    its own prompt, or its shard of the text, raises on every rank; every layer also checks
+    that the ranks are at the same layer, with the same weights (a cache hook that skips
+    blocks on some ranks only, a model from another seed). Attention masks,
     IP-adapter inputs and an attention other than diffusers' ``FluxAttention`` raise
     NotImplementedError.
 
@@ -570,6 +580,8 @@ def _layer_checked(
     _check_rotary(rotary, rows, attn.head_dim)
     num_text = _text_rows(attn, hidden_states, encoder_hidden_states, text, text_seq_len)
     signature: dict[str, Any] = {}
+    if world_size > 1:  # which layer, by its weights: the ranks' calls pair up in order
+        signature[LAYER_FIELD] = _layer_signs(attn)
     if text is TextPlacement.REPLICATED and num_text and world_size > 1:  # by value too
         text_rows = [hidden_states[:, :num_text]]
         if encoder_hidden_states is not None:
@@ -646,6 +658,19 @@ def _joint_qkv(
         key = torch.cat([ek, key], dim=1)
         value = torch.cat([ev, value], dim=1)
     return query, key, value
+
+
+def _layer_signs(attn: Any) -> str | None:
+    """The layer by the signs of the first 32 weights of the projection ``_projections`` makes
+    q with (``to_qkv`` stacks q's rows first: the same fused or not), as hex: other layers'
+    (random at init, trained apart) differ, rounding does not flip a sign. None for weights
+    not materialised here (on the meta device until an offloading hook moves them)."""
+    fused = getattr(attn, "fused_projections", False)
+    weight = (attn.to_qkv if fused else attn.to_q).weight
+    if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or weight.dim() != 2:
+        return None
+    signs = (weight.detach()[0, :32] > 0).tolist()
+    return hex(sum(int(bit) << i for i, bit in enumerate(signs)))
 
 
 def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
