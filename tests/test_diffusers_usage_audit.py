@@ -199,3 +199,36 @@ def test_diffusers_usage() -> None:
     assert got["lora-like"].keys() == want_grads.keys()
     for name, g in want_grads.items():
         torch.testing.assert_close(got["lora-like"][name], g, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_layer_signs_are_read_once_per_version_of_the_weight() -> None:
+    """The layer check's signs are read from the weight once per version of it (on a GPU the
+    read synchronises): an in-place update (an optimizer step) is read again, another weight
+    too; the value is the signs of the query projection's first 32 weights."""
+    torch.manual_seed(0)
+    attn = torch.nn.Module()
+    attn.to_q = torch.nn.Linear(40, 8)
+    weight = attn.to_q.weight
+
+    def want() -> str:
+        return hex(sum(int(w > 0) << i for i, w in enumerate(weight[0, :32].tolist())))
+
+    first = tr_diffusers._layer_signs(attn)
+    assert first == want()
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> Any:
+        if self.dtype == torch.bool:  # the signs (the oracle reads floats)
+            reads.append(self.shape)
+        return real_tolist(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", counted)
+        assert tr_diffusers._layer_signs(attn) == first and not reads  # cached
+        with torch.no_grad():
+            weight.neg_()  # a new version
+        assert tr_diffusers._layer_signs(attn) == want() != first and len(reads) == 1
+        attn.to_q = torch.nn.Linear(40, 8)  # another weight
+        weight = attn.to_q.weight
+        assert tr_diffusers._layer_signs(attn) == want() and len(reads) == 2

@@ -669,8 +669,16 @@ def _layer_signs(attn: Any) -> str | None:
     weight = (attn.to_qkv if fused else attn.to_q).weight
     if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or weight.dim() != 2:
         return None
+    # read once per version of the weight (an optimizer step bumps it): on a GPU the read
+    # synchronises, which every layer of every denoising step would pay
+    version = None if weight.is_inference() else weight._version
+    cached = getattr(attn, "_tokenring_layer_signs", None)
+    if version is not None and cached is not None and cached[0] is weight and cached[1] == version:
+        return cached[2]
     signs = (weight.detach()[0, :32] > 0).tolist()
-    return hex(sum(int(bit) << i for i, bit in enumerate(signs)))
+    value = hex(sum(int(bit) << i for i, bit in enumerate(signs)))
+    attn._tokenring_layer_signs = (weight, version, value)
+    return value
 
 
 def _refuse_inputs(attention_mask: Any, ip_hidden_states: Any, ip_adapter_masks: Any) -> None:
