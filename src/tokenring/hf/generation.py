@@ -69,6 +69,7 @@ try:
     import transformers
     from transformers import Cache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
     from transformers.cache_utils import CacheLayerMixin
+    from transformers.generation.configuration_utils import GenerationMode
 except ImportError as exc:  # pragma: no cover - tokenring.hf checks first
     raise ImportError(
         f"tokenring.hf.generate needs transformers >= {MIN_TRANSFORMERS}: "
@@ -438,6 +439,21 @@ _REFUSED_OPTIONS = {
 """generate option -> (the only value that runs, why any other does not)."""
 
 
+_REFUSED_MODES = {
+    GenerationMode.CONTRASTIVE_SEARCH: "contrastive search (penalty_alpha > 0 with top_k > 1)",
+    GenerationMode.DOLA_GENERATION: "DoLa decoding (dola_layers)",
+    GenerationMode.GROUP_BEAM_SEARCH: "group beam search (num_beam_groups > 1)",
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: "constrained beam search (force_words_ids)",
+    GenerationMode.ASSISTED_GENERATION: "assisted decoding (use_mtp): the cache cannot crop",
+    GenerationMode.BEAM_SEARCH: "beam search (num_beams > 1)",
+    GenerationMode.BEAM_SAMPLE: "beam search (num_beams > 1)",
+}
+"""transformers' generation modes other than greedy search and sampling. Those that transformers
+moved to Hub repositories (contrastive, DoLa, group and constrained beam search) asked for
+``trust_remote_code=True`` and then ran that code over the sharded cache: refused whatever
+``trust_remote_code`` says."""
+
+
 _TOKEN_OPTIONS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
 
 
@@ -490,6 +506,13 @@ def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
             )
     hint = "generate prompts of different lengths in separate calls"
     refuse_padding(gen_kwargs.get("attention_mask"), hint)
+    merged = copy.deepcopy(base)
+    merged.update(**{k: v for k, v in gen_kwargs.items() if k != "generation_config"})
+    mode = merged.get_generation_mode(gen_kwargs.get("assistant_model"))
+    if mode in _REFUSED_MODES:  # the options above name most; transformers' mode the rest
+        raise NotImplementedError(
+            f"tokenring.hf.generate runs greedy search and sampling; got {_REFUSED_MODES[mode]}"
+        )
 
 
 def _check_call(
@@ -548,7 +571,8 @@ def generate(
             sp with seq_len or cu_seqlens, ranks whose token ids differ (the sequences
             returned too), or ranks that stopped at different steps (Note [Generation ends
             agreed]).
-        NotImplementedError: an option of ``_REFUSED_OPTIONS``, a padding attention_mask, a
+        NotImplementedError: an option of ``_REFUSED_OPTIONS`` or a generation mode of
+            ``_REFUSED_MODES`` (contrastive search, DoLa, ...), a padding attention_mask, a
             cache to continue from, a sliding window or chunked attention once the sequence
             outgrows it (at that step, on every rank), or a layer that mixes tokens other
             than by attention (``check_model``).
@@ -563,7 +587,7 @@ def generate(
         )
         cache.call_signature = _call_signature(model, gen_kwargs, cache)
         gen_kwargs = _agreed_max_time(model, gen_kwargs, comm)
-        with _sharded_forward(model, cache):
+        with _sharded_forward(model, cache, _padding_hint(model, gen_kwargs)):
             out = model.generate(input_ids, cache=cache, **gen_kwargs)
         cache.finish(out if isinstance(out, torch.Tensor) else out.sequences)
         return out
@@ -633,7 +657,10 @@ def _agreed_max_time(model: Any, gen_kwargs: dict[str, Any], comm: Communicator)
 # with the first step's token ids: one exchange, which names the option that differs (all but
 # a streamer, which changes no token: one rank alone may print them). A rank that fails
 # before that check (its own refusal, or transformers' validation inside model.generate)
-# posts its error to the same check, so its peers raise at once, naming it.
+# posts its error to the same check, so its peers raise at once, naming it. The cache's
+# budget_bytes and sp.hardware travel too: the step after the check plans and reserves from
+# them without a word between the ranks, so a rank given its own budget or hardware raised
+# there alone while its peers waited in the first attention for the timeout.
 
 
 _RANK_LOCAL = frozenset({"streamer"})
@@ -654,6 +681,11 @@ def _call_signature(
     strategy = cache.strategy
     options["strategy"] = strategy if isinstance(strategy, str) else strategy.value
     options["block_size"] = cache.block_size
+    options["budget_bytes"] = cache.budget_bytes
+    hardware = cache.sequence_parallel.hardware  # None: calibrated alike by every rank
+    options["hardware"] = (
+        hardware if hardware is None or isinstance(hardware, str) else repr(hardware)
+    )
     return options
 
 
@@ -675,15 +707,33 @@ def _described(value: Any) -> Any:
     return type(value).__qualname__
 
 
+def _padding_hint(model: Any, gen_kwargs: dict[str, Any]) -> str:
+    """What a padding mask that reaches the model means: without an ``attention_mask`` given,
+    transformers derived it from the pad token in the prompt."""
+    hint = "generate prompts of different lengths in separate calls"
+    if gen_kwargs.get("attention_mask") is not None:
+        return hint
+    config = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    pad = gen_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+    return (
+        f"no attention_mask was given: transformers derived one from pad_token_id={pad!r}, "
+        "which input_ids hold (pass attention_mask=torch.ones_like(input_ids) where those "
+        f"tokens are not padding, or {hint})"
+    )
+
+
 @contextlib.contextmanager
-def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[None]:
-    """Hook ``model``'s forward (Note [Generation under sequence parallelism])."""
+def _sharded_forward(
+    model: torch.nn.Module, cache: ShardedKVCache, padding_hint: str = ""
+) -> Iterator[None]:
+    """Hook ``model``'s forward (Note [Generation under sequence parallelism]);
+    ``padding_hint`` ends the error for a padding mask."""
     state: dict[str, Any] = {}
 
     def before(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:  # module: the PreTrainedModel
-        input_ids = _step_input_ids(cache, args, kwargs)
+        input_ids = _step_input_ids(cache, args, kwargs, padding_hint)
         step = cache.begin_step(input_ids, dtype=module.dtype, device=input_ids.device)
         local_ids, keep, ends = _local_rows(step, cache.communicator.rank, input_ids)
         state.update(batch=input_ids.shape[0], ends=ends)
@@ -723,7 +773,7 @@ def _sharded_forward(model: torch.nn.Module, cache: ShardedKVCache) -> Iterator[
 
 
 def _step_input_ids(
-    cache: ShardedKVCache, args: tuple[Any, ...], kwargs: dict[str, Any]
+    cache: ShardedKVCache, args: tuple[Any, ...], kwargs: dict[str, Any], padding_hint: str = ""
 ) -> torch.Tensor:
     """The checked global input ids ``(B, T)`` of a step; pops the mask and position ids."""
     given = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
@@ -739,7 +789,7 @@ def _step_input_ids(
     input_ids = kwargs.get("input_ids")
     if input_ids is None:
         raise NotImplementedError("tokenring.hf.generate needs input_ids (not inputs_embeds)")
-    refuse_padding(kwargs.pop("attention_mask", None))
+    refuse_padding(kwargs.pop("attention_mask", None), padding_hint)
     past = cache.get_seq_length()
     positions = kwargs.pop("position_ids", None)
     want = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
