@@ -9,9 +9,7 @@ each rank's process.
 
 from __future__ import annotations
 
-import copy
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,53 +23,33 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
 )
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    LlamaConfig,
     LogitsProcessor,
     StoppingCriteria,
     StoppingCriteriaList,
 )
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from tiny_llama import (  # noqa: E402
+    GENERATE_PROMPT,
+    GENERATE_VOCAB,
+    generate_models,
+    generate_prompt,
+    timed,
+)
 from tokenring import hf  # noqa: E402
 
 WORLD = 2
-VOCAB, PROMPT = 64, 7
+VOCAB, PROMPT = GENERATE_VOCAB, GENERATE_PROMPT
 TIMEOUT_S = 5.0  # the communicators' timeout: a case that waits for it is a defect
 FAST_S = 3.0  # every rank must raise well within it
 
 
 def _models() -> tuple[Any, Any]:
-    """The tokenring Llama and the same weights with SDPA, float64."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    models = []
-    for impl in ("tokenring", "sdpa"):
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(
-                copy.deepcopy(config), attn_implementation=impl
-            )
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-        models.append(model.double().eval())
-    return models[0], models[1]
+    return generate_models(layers=1)
 
 
 def _prompt() -> torch.Tensor:
-    return torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    return generate_prompt()
 
 
 class _StopAt(StoppingCriteria):
@@ -108,16 +86,7 @@ class _Collect(BaseStreamer):
 
 
 def _timed(run: Callable[[], Any]) -> dict[str, Any]:
-    start = time.monotonic()
-    out: dict[str, Any] = {}
-    try:
-        out["value"] = run()
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        tokenring.close_communicators()  # a failed check leaves them failed: new ones
-        tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
-    out["elapsed_s"] = time.monotonic() - start
-    return out
+    return timed(run, TIMEOUT_S)
 
 
 def _generate(model: Any, seed: int, **options: Any) -> Any:

@@ -1,12 +1,19 @@
-"""A tiny float64 Llama for the Trainer tests: its config, a perturbed initial state (so that
-the gradients are not those of an initialisation's symmetries), and a model of that state."""
+"""A tiny float64 Llama for the Trainer and generate tests: its config, a perturbed initial state
+(so that the gradients are not those of an initialisation's symmetries), a model of that state,
+and the generate tests' pair of models (tokenring and SDPA), prompt and timed call."""
 
 from __future__ import annotations
 
+import copy
+import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+import tokenring
 
 
 def llama_config(
@@ -67,4 +74,58 @@ def labelled_rows(
         labels = ids.clone()
         labels[: int(torch.randint(1, seq_len, (1,), generator=gen))] = -100
         out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+GENERATE_VOCAB, GENERATE_PROMPT = 64, 7
+
+
+def generate_models(layers: int) -> tuple[Any, Any]:
+    """The tokenring Llama of the generate tests (GQA 4/2, pad token 0, no bos/eos) and the
+    same weights with SDPA, float64, in eval mode."""
+    config = LlamaConfig(
+        vocab_size=GENERATE_VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    models = []
+    for impl in ("tokenring", "sdpa"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation=impl
+            )
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        models.append(model.double().eval())
+    return models[0], models[1]
+
+
+def generate_prompt() -> torch.Tensor:
+    """Two prompts of GENERATE_PROMPT tokens (none of them the pad token 0)."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(3, GENERATE_VOCAB, (2, GENERATE_PROMPT), generator=gen)
+
+
+def timed(run: Callable[[], Any], timeout_s: float) -> dict[str, Any]:
+    """``run()``'s value or error and its time; after an error the default group gets a new
+    communicator (of ``timeout_s``): a failed check leaves the old one failed."""
+    start = time.monotonic()
+    out: dict[str, Any] = {}
+    try:
+        out["value"] = run()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        tokenring.close_communicators()
+        tokenring.get_communicator(None, timeout_s=timeout_s)
+    out["elapsed_s"] = time.monotonic() - start
     return out
