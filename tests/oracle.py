@@ -531,3 +531,13 @@ def tolerance_failures(
                 f"{name}: {errors[name]:.3g} > bound {bound:.3g} (plain {plain[name]:.3g})"
             )
     return failures
+
+
+def error_of(call: Any) -> str:
+    """What ``call()`` raised, as ``"Type: message"`` (the type is part of what tests check),
+    or ``"no error"``."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

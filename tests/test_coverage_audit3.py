@@ -47,15 +47,9 @@ from transformers.generation.logits_process import (  # noqa: E402
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
+from oracle import error_of  # noqa: E402
+from tiny_llama import generate_models, generate_prompt  # noqa: E402
 from tokenring import hf  # noqa: E402
-
-
-def _error(call: Callable[[], object]) -> str:
-    try:
-        call()
-    except Exception as exc:  # the type is part of what is checked
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _sequences(out: Any) -> torch.Tensor:
@@ -77,28 +71,28 @@ GENERATE_CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.usefixtures("single_rank_group")
 def test_generate_in_one_process_against_transformers() -> None:
     """Tokens identical to transformers' generate of the same float64 weights with SDPA."""
-    from test_hf_generate_audit import _models, _prompt
-
     hf.register()
-    model, oracle = _models()
+    model, oracle = generate_models(layers=1)
     for name, options in GENERATE_CASES.items():
         torch.manual_seed(5)
         with torch.no_grad():
             got = _sequences(
-                hf.generate(hf.SequenceParallel(), model, _prompt(), strategy="pass_kv", **options)
+                hf.generate(
+                    hf.SequenceParallel(), model, generate_prompt(), strategy="pass_kv", **options
+                )
             )
         torch.manual_seed(5)
         with torch.no_grad():
-            want = oracle.generate(_prompt(), **options)
+            want = oracle.generate(generate_prompt(), **options)
         assert torch.equal(got, want), (name, got, want)
     # no generation config: transformers' own error, as its generate raises it
     bare, bare_oracle = copy.deepcopy(model), copy.deepcopy(oracle)
     bare.generation_config = bare_oracle.generation_config = None
-    want_error = _error(lambda: bare_oracle.generate(_prompt(), max_new_tokens=1))
+    want_error = error_of(lambda: bare_oracle.generate(generate_prompt(), max_new_tokens=1))
     assert want_error.startswith("AttributeError"), want_error
-    got_error = _error(
+    got_error = error_of(
         lambda: hf.generate(
-            hf.SequenceParallel(), bare, _prompt(), strategy="pass_kv", max_new_tokens=1
+            hf.SequenceParallel(), bare, generate_prompt(), strategy="pass_kv", max_new_tokens=1
         )
     )
     assert got_error == want_error
@@ -126,22 +120,21 @@ def _wider_kv(model: Any, layer: int) -> Any:
 def test_generate_refusals_name_the_cause() -> None:
     """What generate and its cache refuse, each naming the option or value and what runs."""
     import test_hf_generate as tiny
-    from test_hf_generate_audit import _models, _prompt
 
     hf.register()
-    model, oracle = _models()  # 1 layer
+    model, oracle = generate_models(layers=1)  # 1 layer
     deep = tiny.build_model(tiny.initial_state(), "tokenring").double()  # 2 layers
 
     def run(m: Any, **options: Any) -> Callable[[], object]:
         sp = hf.SequenceParallel()
         return lambda: hf.generate(
-            sp, m, _prompt(), strategy="pass_kv", max_new_tokens=2, **options
+            sp, m, generate_prompt(), strategy="pass_kv", max_new_tokens=2, **options
         )
 
     cfg = UnbatchedClassifierFreeGuidanceLogitsProcessor(2.0, model)
-    shifted = torch.arange(3, 3 + _prompt().shape[1]).repeat(2, 1)
+    shifted = torch.arange(3, 3 + generate_prompt().shape[1]).repeat(2, 1)
     with torch.no_grad():
-        out = hf.generate(hf.SequenceParallel(), model, _prompt(), strategy="pass_kv",
+        out = hf.generate(hf.SequenceParallel(), model, generate_prompt(), strategy="pass_kv",
                           max_new_tokens=2, return_dict_in_generate=True)  # fmt: skip
     cache = out.past_key_values
     sp = hf.SequenceParallel(layout="contiguous")
@@ -169,7 +162,7 @@ def test_generate_refusals_name_the_cause() -> None:
         ),
         "no layer_idx": (  # the layer's Cache.update indexes the layers by it first
             run(_patched(model, 0, layer_idx=None)),
-            _error(lambda: _patched(oracle, 0, layer_idx=None).generate(_prompt())),
+            error_of(lambda: _patched(oracle, 0, layer_idx=None).generate(generate_prompt())),
         ),
         "the cache outside generate": (
             lambda: model(
@@ -179,12 +172,14 @@ def test_generate_refusals_name_the_cause() -> None:
             "step's tokens on the ranks); got a model call outside generate's steps",
         ),
         "a step of 1-D ids": (
-            lambda: cache.begin_step(_prompt()[0], dtype=torch.float64, device=torch.device("cpu")),
+            lambda: cache.begin_step(
+                generate_prompt()[0], dtype=torch.float64, device=torch.device("cpu")
+            ),
             "ValueError: input_ids must have shape (batch, new tokens >= 1); got (7,)",
         ),
         "a step of another batch": (
             lambda: cache.begin_step(
-                _prompt()[:1], dtype=torch.float64, device=torch.device("cpu")
+                generate_prompt()[:1], dtype=torch.float64, device=torch.device("cpu")
             ),
             "ValueError: the cache holds 2 sequences; got input_ids of batch 1",
         ),
@@ -204,11 +199,11 @@ def test_generate_refusals_name_the_cause() -> None:
     }
     with torch.no_grad():
         for name, (call, want) in cases.items():
-            got = _error(call)
+            got = error_of(call)
             assert got.startswith(want), (name, got)
     # the layers answer as a DynamicCache's after the same call (transformers' own)
     with torch.no_grad():
-        dynamic = oracle.generate(_prompt(), max_new_tokens=2, return_dict_in_generate=True)
+        dynamic = oracle.generate(generate_prompt(), max_new_tokens=2, return_dict_in_generate=True)
     ours, theirs = cache.layers[0], dynamic.past_key_values.layers[0]
     for ask in (
         lambda layer: layer.get_seq_length(),
@@ -332,7 +327,7 @@ def test_hf_refusals_and_one_rank_helpers() -> None:
     }
     with torch.no_grad():
         for name, (call, want) in cases.items():
-            got = _error(call)
+            got = error_of(call)
             assert got.startswith(want), (name, got)
     # the mask function for no mask piece, of a model whose modeling module is not loaded:
     # plain causal (None), as transformers' own causal mask
@@ -391,7 +386,7 @@ def _timed_error(call: Callable[[], object]) -> tuple[str, float]:
     import tokenring
 
     start = time.monotonic()
-    message = _error(call)
+    message = error_of(call)
     if message != "no error":  # a failed check leaves the communicators failed: new ones
         tokenring.close_communicators()
         tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
@@ -558,7 +553,7 @@ def test_diffusers_refusals_name_the_argument() -> None:
     }
     with torch.no_grad():
         for name, (call, want) in cases.items():
-            got = _error(call)
+            got = error_of(call)
             assert got.startswith(want), (name, got)
 
 
@@ -653,7 +648,7 @@ def test_shim_and_cache_errors_name_the_argument() -> None:
         ),
     }
     for name, (call, want) in cases.items():
-        got = _error(call)
+        got = error_of(call)
         assert got.startswith(want), (name, got)
 
 
@@ -723,7 +718,7 @@ def test_model_errors_name_the_argument(tmp_path: Any) -> None:
         ),
     }
     for name, (make, want) in cases.items():
-        got = _error(make)
+        got = error_of(make)
         assert got.startswith(want), (name, got)
 
 
@@ -760,7 +755,7 @@ def test_launch_errors_and_a_launch_from_another_thread() -> None:
             f"ValueError: backend 'mpi': this torch ({torch.__version__}) has no mpi built in",
         )
     for name, (call, want) in cases.items():
-        got = _error(call)
+        got = error_of(call)
         assert got.startswith(want), (name, got)
     results: list[Any] = []
 

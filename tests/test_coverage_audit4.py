@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tokenring
 import tokenring.api  # registers torch.ops.tokenring.*
-from oracle import full_attention, visible_mask
+from oracle import error_of, full_attention, visible_mask
 from tokenring.cli import main
 from tokenring.core.schedule import AttentionShape
 from tokenring.core.sketch import Sketch, replicated_rtol, sketch
@@ -52,14 +52,6 @@ from tokenring.runtime import op
 from tokenring.strategies.hybrid import HybridSpec
 
 SEQ = 8
-
-
-def _error(call: Callable[[], object]) -> str:
-    try:
-        call()
-    except Exception as exc:  # the type is part of what is checked
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _qkv() -> list[torch.Tensor]:
@@ -88,7 +80,7 @@ def test_fake_tensors_meta_device_and_shapes(single_rank_group: None) -> None:
         out, lse = tokenring.sequence_parallel_attn(fq, fk, fv, strategy="ring", return_lse=True)
         assert (out.shape, lse.shape, lse.dtype) == (q.shape, (1, 2, SEQ), torch.float64)
         meta_k = torch.empty(k.shape, dtype=k.dtype, device="meta")
-        got = _error(lambda: tokenring.ring_attn(fq, meta_k, fv))
+        got = error_of(lambda: tokenring.ring_attn(fq, meta_k, fv))
         assert got == "ValueError: k.device must equal q.device (cpu); got meta", got
         # a 3-D q: the fake answers (the operator raises when it runs, on every rank)
         assert tokenring.ring_attn(fq[0], fk[0], fv[0]).shape == (SEQ, 2, 4)
@@ -96,9 +88,9 @@ def test_fake_tensors_meta_device_and_shapes(single_rank_group: None) -> None:
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return tokenring.ring_attn(q, k, v)
 
-    got = _error(lambda: _compile(attend)(q[0], k[0], v[0]))
+    got = error_of(lambda: _compile(attend)(q[0], k[0], v[0]))
     assert got.startswith("ValueError: q must have 4 dims") and "(8, 2, 4)" in got, got
-    got = _error(lambda: _compile(attend)(q, k.to("meta"), v))
+    got = error_of(lambda: _compile(attend)(q, k.to("meta"), v))
     assert "k.device must equal q.device (cpu); got meta" in got, got
 
 
@@ -110,7 +102,7 @@ def test_a_tensor_option_under_compile_names_it(single_rank_group: None, name: s
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: Any) -> torch.Tensor:
         return tokenring.sequence_parallel_attn(q, k, v, strategy=strategy, **{name: x})
 
-    got = _error(lambda: _compile(attend)(q, k, v, torch.tensor(SEQ if name == "seq_len" else 2)))
+    got = error_of(lambda: _compile(attend)(q, k, v, torch.tensor(SEQ if name == "seq_len" else 2)))
     assert got.startswith(f"NotImplementedError: {name} as a tensor under torch.compile"), got
     assert f"pass a Python value ({name}.item() outside the compiled function)" in got, got
 
@@ -127,7 +119,7 @@ def test_stale_handle_world_group_and_int_window(single_rank_group: None) -> Non
         hardware=None, seq_len=None, cu_seqlens=None, window_size=None,
         attention_chunk_size=None, requires_grad=[False] * 3, raw=None,
     )  # fmt: skip
-    got = _error(lambda: torch.ops.tokenring.attention(q, k, v, **options))
+    got = error_of(lambda: torch.ops.tokenring.attention(q, k, v, **options))
     assert got.startswith(f"RuntimeError: {handle} was passed to tokenring's attention"), got
 
     def world(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -203,14 +195,14 @@ MODEL_ERRORS: list[tuple[Callable[[], object], str, list[str]]] = [
 @pytest.mark.parametrize("index", range(len(MODEL_ERRORS)))
 def test_model_errors_name_their_argument(index: int) -> None:
     call, start, fragments = MODEL_ERRORS[index]
-    got = _error(call)
+    got = error_of(call)
     assert got.startswith(start), got
     for fragment in fragments:
         assert fragment in got, (fragment, got)
 
 
 def test_calibrate_names_heads_that_do_not_divide(single_rank_group: None) -> None:
-    got = _error(lambda: planner.calibrate(tokenring.get_communicator(), heads_q=8, heads_kv=3))
+    got = error_of(lambda: planner.calibrate(tokenring.get_communicator(), heads_q=8, heads_kv=3))
     assert got == "ValueError: heads_kv must divide heads_q; got heads_q=8, heads_kv=3", got
 
 
@@ -258,7 +250,9 @@ def _exit_three_after_returning() -> int:
 
 
 def test_a_rank_that_exits_badly_after_its_result_is_named() -> None:
-    got = _error(lambda: tokenring.launch(_exit_three_after_returning, world_size=1, timeout_s=60))
+    got = error_of(
+        lambda: tokenring.launch(_exit_three_after_returning, world_size=1, timeout_s=60)
+    )
     assert "rank 0 returned its result but then exited with code 3" in got, got
 
 

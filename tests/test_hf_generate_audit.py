@@ -10,7 +10,6 @@ each rank's process.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,6 +33,7 @@ from tiny_llama import (  # noqa: E402
     GENERATE_VOCAB,
     generate_models,
     generate_prompt,
+    raised_fast,
     timed,
 )
 from tokenring import hf  # noqa: E402
@@ -42,14 +42,6 @@ WORLD = 2
 VOCAB, PROMPT = GENERATE_VOCAB, GENERATE_PROMPT
 TIMEOUT_S = 5.0  # the communicators' timeout: a case that waits for it is a defect
 FAST_S = 3.0  # every rank must raise well within it
-
-
-def _models() -> tuple[Any, Any]:
-    return generate_models(layers=1)
-
-
-def _prompt() -> torch.Tensor:
-    return generate_prompt()
 
 
 class _StopAt(StoppingCriteria):
@@ -85,55 +77,60 @@ class _Collect(BaseStreamer):
         pass
 
 
-def _timed(run: Callable[[], Any]) -> dict[str, Any]:
-    return timed(run, TIMEOUT_S)
-
-
 def _generate(model: Any, seed: int, **options: Any) -> Any:
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = hf.generate(hf.SequenceParallel(), model, _prompt(), strategy="pass_kv", **options)
+        out = hf.generate(
+            hf.SequenceParallel(), model, generate_prompt(), strategy="pass_kv", **options
+        )
     return out if isinstance(out, torch.Tensor) else out.sequences
 
 
 def _oracle(model: Any, seed: int, **options: Any) -> torch.Tensor:
     torch.manual_seed(seed)
     with torch.no_grad():
-        return model.generate(_prompt(), **options)
+        return model.generate(generate_prompt(), **options)
 
 
 def run_cases() -> dict[str, Any]:
     hf.register()
     tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
     rank = dist.get_rank()
-    model, oracle = _models()
+    model, oracle = generate_models(layers=1)
     sample = {"do_sample": True, "temperature": 5.0, "top_k": 0}
     out: dict[str, Any] = {}
     # the last token is drawn and never fed back: no step's id check sees it
-    out["seeded alike"] = _timed(lambda: _generate(model, 3, max_new_tokens=1, **sample))
+    out["seeded alike"] = timed(TIMEOUT_S, lambda: _generate(model, 3, max_new_tokens=1, **sample))
     out["seeded alike oracle"] = _oracle(oracle, 3, max_new_tokens=1, **sample)
-    out["seeded apart"] = _timed(lambda: _generate(model, 3 + rank, max_new_tokens=1, **sample))
+    out["seeded apart"] = timed(
+        TIMEOUT_S, lambda: _generate(model, 3 + rank, max_new_tokens=1, **sample)
+    )
     # a stopping criterion that stops rank 0 a step before rank 1
     stop = StoppingCriteriaList([_StopAt(PROMPT + 2 + rank)])
-    out["stops apart"] = _timed(
-        lambda: _generate(model, 0, max_new_tokens=4, do_sample=False, stopping_criteria=stop)
+    out["stops apart"] = timed(
+        TIMEOUT_S,
+        lambda: _generate(model, 0, max_new_tokens=4, do_sample=False, stopping_criteria=stop),
     )
-    out["after stops apart"] = _timed(lambda: _generate(model, 0, max_new_tokens=3))
+    out["after stops apart"] = timed(TIMEOUT_S, lambda: _generate(model, 0, max_new_tokens=3))
     # max_time: rank 0's clock passes it after the prefill, rank 1's never would
     slow = [_SlowOnRank0()]
-    out["max_time"] = _timed(
-        lambda: _generate(model, 0, max_new_tokens=5, max_time=0.3, logits_processor=slow)
+    out["max_time"] = timed(
+        TIMEOUT_S,
+        lambda: _generate(model, 0, max_new_tokens=5, max_time=0.3, logits_processor=slow),
     )
     out["max_time oracle"] = _oracle(oracle, 0, max_new_tokens=5, do_sample=False)
     # classifier-free guidance runs the model itself, outside generate's steps
     for scale in (2, 1):
-        out[f"guidance_scale {scale}"] = _timed(
-            lambda scale=scale: _generate(model, 0, max_new_tokens=2, guidance_scale=scale)
+        out[f"guidance_scale {scale}"] = timed(
+            TIMEOUT_S,
+            lambda scale=scale: _generate(model, 0, max_new_tokens=2, guidance_scale=scale),
         )
     out["guidance oracle"] = _oracle(oracle, 0, max_new_tokens=2)
     # a streamer on rank 0 alone (printing once): it changes no token
     streamer = _Collect() if rank == 0 else None
-    out["streamer"] = _timed(lambda: _generate(model, 0, max_new_tokens=2, streamer=streamer))
+    out["streamer"] = timed(
+        TIMEOUT_S, lambda: _generate(model, 0, max_new_tokens=2, streamer=streamer)
+    )
     out["streamed"] = None if streamer is None else streamer.tokens
     return out
 
@@ -141,13 +138,6 @@ def run_cases() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     return tokenring.launch(run_cases, world_size=WORLD, timeout_s=120)
-
-
-def _raised_fast(res: dict[str, Any], *words: str) -> None:
-    assert "error" in res, res
-    assert res["elapsed_s"] < FAST_S, res
-    for word in words:
-        assert word in res["error"], (word, res["error"])
 
 
 def test_a_last_token_drawn_apart_raises_on_every_rank(ranks: list[dict[str, Any]]) -> None:
@@ -158,7 +148,7 @@ def test_a_last_token_drawn_apart_raises_on_every_rank(ranks: list[dict[str, Any
     return the oracle's tokens."""
     for res in ranks:
         assert torch.equal(res["seeded alike"]["value"], res["seeded alike oracle"])
-        _raised_fast(res["seeded apart"], "different token ids", "manual_seed")
+        raised_fast(res["seeded apart"], FAST_S, "different token ids", "manual_seed")
 
 
 def test_ranks_that_stop_at_different_steps_raise_on_every_rank(
@@ -169,7 +159,7 @@ def test_ranks_that_stop_at_different_steps_raise_on_every_rank(
     generate call (rank 0's next one, which then failed in turn). Now both raise in the same
     call, naming the stop, and the next call runs."""
     for res in ranks:
-        _raised_fast(res["stops apart"], "stopped generating at different steps", "stopping")
+        raised_fast(res["stops apart"], FAST_S, "stopped generating at different steps", "stopping")
         assert "value" in res["after stops apart"], res["after stops apart"]
 
 
@@ -191,7 +181,7 @@ def test_guidance_scale_is_refused_naming_it(ranks: list[dict[str, Any]]) -> Non
     option. It is refused up front, naming guidance_scale; guidance_scale=1 (no guidance)
     runs."""
     for res in ranks:
-        _raised_fast(res["guidance_scale 2"], "guidance_scale=2", "classifier-free guidance")
+        raised_fast(res["guidance_scale 2"], FAST_S, "guidance_scale=2", "classifier-free guidance")
         assert torch.equal(res["guidance_scale 1"]["value"], res["guidance oracle"])
 
 

@@ -9,7 +9,6 @@ each rank's process, or the documented refusal.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from tiny_llama import (  # noqa: E402
     GENERATE_VOCAB,
     generate_models,
     generate_prompt,
+    raised_fast,
     timed,
 )
 from tokenring import hf  # noqa: E402
@@ -37,30 +37,18 @@ TIMEOUT_S = 5.0  # the communicators' timeout: a case that waits for it is a def
 FAST_S = 3.0  # every rank must raise well within it
 
 
-def _models() -> tuple[Any, Any]:
-    return generate_models(layers=2)
-
-
-def _prompt() -> torch.Tensor:
-    return generate_prompt()
-
-
-def _timed(run: Callable[[], Any]) -> dict[str, Any]:
-    return timed(run, TIMEOUT_S)
-
-
 def _generate(model: Any, prompt: torch.Tensor, sp: Any = None, **options: Any) -> dict[str, Any]:
     sp = hf.SequenceParallel() if sp is None else sp
     with torch.no_grad():
-        return _timed(lambda: hf.generate(sp, model, prompt, do_sample=False, **options))
+        return timed(TIMEOUT_S, lambda: hf.generate(sp, model, prompt, do_sample=False, **options))
 
 
 def run_cases() -> dict[str, Any]:
     hf.register()
     tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
     rank = dist.get_rank()
-    model, oracle = _models()
-    prompt = _prompt()
+    model, oracle = generate_models(layers=2)
+    prompt = generate_prompt()
     out: dict[str, Any] = {}
     # modes transformers moved to the Hub: it asks for trust_remote_code, then runs that code
     for name, options in {
@@ -100,13 +88,6 @@ def ranks() -> list[dict[str, Any]]:
     return tokenring.launch(run_cases, world_size=WORLD, timeout_s=120)
 
 
-def _raised_fast(res: dict[str, Any], *words: str) -> None:
-    assert "error" in res, res
-    assert res["elapsed_s"] < FAST_S, res
-    for word in words:
-        assert word in res["error"], (word, res["error"])
-
-
 def test_modes_moved_to_the_hub_are_refused_naming_the_option(
     ranks: list[dict[str, Any]],
 ) -> None:
@@ -118,10 +99,12 @@ def test_modes_moved_to_the_hub_are_refused_naming_the_option(
     naming its option, whatever trust_remote_code says."""
     for res in ranks:
         for trust in (False, True):
-            _raised_fast(res[f"contrastive trust={trust}"], "NotImplementedError", "penalty_alpha")
-            _raised_fast(res[f"dola trust={trust}"], "NotImplementedError", "dola_layers")
-            _raised_fast(
-                res[f"constrained trust={trust}"], "NotImplementedError", "force_words_ids"
+            raised_fast(
+                res[f"contrastive trust={trust}"], FAST_S, "NotImplementedError", "penalty_alpha"
+            )
+            raised_fast(res[f"dola trust={trust}"], FAST_S, "NotImplementedError", "dola_layers")
+            raised_fast(
+                res[f"constrained trust={trust}"], FAST_S, "NotImplementedError", "force_words_ids"
             )
 
 
@@ -131,7 +114,7 @@ def test_a_prompt_holding_the_pad_token_names_it(ranks: list[dict[str, Any]]) ->
     naming a mask the user never passed. It now names pad_token_id and the way out (a mask
     of ones when the token is not padding), which runs and matches the oracle."""
     for res in ranks:
-        _raised_fast(res["pad token"], "pad_token_id=0", "attention_mask=torch.ones_like")
+        raised_fast(res["pad token"], FAST_S, "pad_token_id=0", "attention_mask=torch.ones_like")
         assert torch.equal(res["pad token, mask of ones"]["value"], res["pad token oracle"])
 
 
@@ -142,6 +125,6 @@ def test_cache_options_of_one_rank_raise_on_every_rank(ranks: list[dict[str, Any
     raised (no float64 FLOP/s) and rank 0 waited ("rank 1 is gone"). Neither option was
     compared with the others; both are now, and every rank raises at once naming it."""
     for res in ranks:
-        _raised_fast(res["budget one rank"], "budget_bytes")
-        _raised_fast(res["hardware one rank"], "hardware")
+        raised_fast(res["budget one rank"], FAST_S, "budget_bytes")
+        raised_fast(res["hardware one rank"], FAST_S, "hardware")
         assert torch.equal(res["after"]["value"], res["oracle"])

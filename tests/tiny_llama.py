@@ -116,7 +116,7 @@ def generate_prompt() -> torch.Tensor:
     return torch.randint(3, GENERATE_VOCAB, (2, GENERATE_PROMPT), generator=gen)
 
 
-def timed(run: Callable[[], Any], timeout_s: float) -> dict[str, Any]:
+def timed(timeout_s: float, run: Callable[[], Any]) -> dict[str, Any]:
     """``run()``'s value or error and its time; after an error the default group gets a new
     communicator (of ``timeout_s``): a failed check leaves the old one failed."""
     start = time.monotonic()
@@ -129,3 +129,11 @@ def timed(run: Callable[[], Any], timeout_s: float) -> dict[str, Any]:
         tokenring.get_communicator(None, timeout_s=timeout_s)
     out["elapsed_s"] = time.monotonic() - start
     return out
+
+
+def raised_fast(res: dict[str, Any], fast_s: float, *words: str) -> None:
+    """``res`` (of :func:`timed`) is an error naming every one of ``words``, within ``fast_s``."""
+    assert "error" in res, res
+    assert res["elapsed_s"] < fast_s, res
+    for word in words:
+        assert word in res["error"], (word, res["error"])

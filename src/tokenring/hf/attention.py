@@ -503,7 +503,7 @@ def _global_mask(
 # (_Forward.sp): the ranks agree on it once per attention_mask value (None included) and
 # forward, before the first layer, and every rank raises. tokenring.hf.generate's steps take
 # the mask off before the model runs (and refuse it themselves); they exchange nothing here.
-_PADDING_HINT = (
+PADDING_HINT = (
     "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
     "the padded labels to ignore_index"
 )
@@ -515,7 +515,7 @@ def _refuse_padding_on_every_rank(attention_mask: Any) -> None:
 
     def validate() -> tuple[None, dict[str, Any]]:
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            refuse_padding(attention_mask, _PADDING_HINT)
+            refuse_padding(attention_mask, PADDING_HINT)
         return None, {"padding attention_mask": False}
 
     forward = _FORWARD.get()

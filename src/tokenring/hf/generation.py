@@ -454,6 +454,7 @@ moved to Hub repositories (contrastive, DoLa, group and constrained beam search)
 ``trust_remote_code`` says."""
 
 
+_SEPARATE_CALLS = "generate prompts of different lengths in separate calls"
 _TOKEN_OPTIONS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
 
 
@@ -504,8 +505,7 @@ def _check_options(model: Any, gen_kwargs: dict[str, Any]) -> None:
                 f"continuing from a cache ({name}=...) is not supported; tokenring.hf.generate "
                 "makes a ShardedKVCache per call"
             )
-    hint = "generate prompts of different lengths in separate calls"
-    refuse_padding(gen_kwargs.get("attention_mask"), hint)
+    refuse_padding(gen_kwargs.get("attention_mask"), _SEPARATE_CALLS)
     merged = copy.deepcopy(base)
     merged.update(**{k: v for k, v in gen_kwargs.items() if k != "generation_config"})
     mode = merged.get_generation_mode(gen_kwargs.get("assistant_model"))
@@ -710,15 +710,14 @@ def _described(value: Any) -> Any:
 def _padding_hint(model: Any, gen_kwargs: dict[str, Any]) -> str:
     """What a padding mask that reaches the model means: without an ``attention_mask`` given,
     transformers derived it from the pad token in the prompt."""
-    hint = "generate prompts of different lengths in separate calls"
     if gen_kwargs.get("attention_mask") is not None:
-        return hint
+        return _SEPARATE_CALLS
     config = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
     pad = gen_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
     return (
         f"no attention_mask was given: transformers derived one from pad_token_id={pad!r}, "
         "which input_ids hold (pass attention_mask=torch.ones_like(input_ids) where those "
-        f"tokens are not padding, or {hint})"
+        f"tokens are not padding, or {_SEPARATE_CALLS})"
     )
 
 

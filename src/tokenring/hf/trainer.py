@@ -79,6 +79,7 @@ import torch.distributed as dist
 
 from tokenring.api import get_communicator
 from tokenring.hf.attention import (
+    PADDING_HINT,
     SequenceParallel,
     as_sequence_parallel,
     causal_lm_loss,
@@ -385,8 +386,7 @@ def _same_batch(sp: SequenceParallel, inputs: dict[str, Any]) -> dict[str, Any]:
                 "SequenceParallelTrainer takes input_ids, labels and attention_mask; got "
                 f"{sorted(inputs)}"
             )
-        hint = "pad at the end and set the padded labels to -100, or pack the sequences"
-        refuse_padding(inputs.get("attention_mask"), hint)
+        refuse_padding(inputs.get("attention_mask"), PADDING_HINT)
         ids, labels = inputs["input_ids"], inputs.get("labels")
         batch = {"input_ids": ids, "labels": ids if labels is None else labels}
         signature: dict[str, Any] = {"batch names": sorted(batch)}

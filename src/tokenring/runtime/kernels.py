@@ -863,13 +863,10 @@ class _FlexOps(BlockKernel):
         self._compiled: Any = None
         self._aux: Any = None  # flex_attention's AuxRequest, where this torch has it
         with contextlib.suppress(ImportError):
-            from torch.nn.attention.flex_attention import flex_attention
+            from torch.nn.attention import flex_attention
 
-            self._flex = flex_attention
-        with contextlib.suppress(ImportError):
-            from torch.nn.attention.flex_attention import AuxRequest
-
-            self._aux = AuxRequest
+            self._flex = flex_attention.flex_attention
+            self._aux = getattr(flex_attention, "AuxRequest", None)
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return self._flex is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
