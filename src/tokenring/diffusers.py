@@ -62,8 +62,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import math
-from dataclasses import dataclass
+import struct
+import sys
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -81,7 +84,7 @@ from tokenring.api import (
 )
 from tokenring.core.enums import parse_enum
 from tokenring.core.schedule import Strategy
-from tokenring.core.sketch import Sketch, replicated_rtol, sketch
+from tokenring.core.sketch import SKETCH_NUM_VALUES, Sketch, replicated_rtol, sketch
 from tokenring.model.costmodel import Hardware
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.executor import outside_autocast
@@ -144,6 +147,21 @@ LAYER_FIELD = (
     "attention layer, with the same weights; a cache hook that skips blocks by each rank's own "
     "tokens, such as diffusers' FirstBlockCache, or a model built from another seed breaks it)"
 )
+# Which attention layer of the model, by its name there (Note [The Flux model's own check]):
+# layers with the same query weights (zero-initialised, LoRA-like frozen copies) have the same
+# signs, and ranks at two of them went on unnoticed
+LAYER_NAME_FIELD = (
+    "layer name (every rank at the same attention layer of the model; a cache hook that skips "
+    "blocks by each rank's own tokens, such as diffusers' FirstBlockCache, breaks it)"
+)
+# The model call's replicated inputs (Note [The Flux model's own check]); named "model call"
+# to sort after the layer fields in a disagreement's message
+CONDITIONING = ("timestep", "guidance", "pooled_projections")
+CONDITIONING_FIELD = (
+    "model call: timestep, guidance, pooled_projections (the same on every rank: each rank "
+    "runs the same denoising step of the same prompt)"
+)
+CONDITIONING_SHAPES_FIELD = "model call: shapes of timestep, guidance, pooled_projections"
 CROSS_KV_FIELD = (
     "k/v (replicated: the same on every rank; a rank given its own K/V or seed wants the same "
     "on every rank, its part of them kv='sharded')"
@@ -439,6 +457,180 @@ def _cross_checked(
 
 # -- diffusers --------------------------------------------------------------------------------
 
+# Note [The Flux model's own check]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A processor sees one attention layer, but three mistakes live at the model and gave numbers
+# that match no model, with no error:
+#
+#   mistake                                   what the ranks did                off 1 process
+#   the processor on some layers only         the others attend to this rank's  0.10
+#   (block.attn.set_processor(...))           shard alone
+#   text="sharded", one rank given another    nothing replicated reaches the    0.08-0.9
+#   timestep / guidance / pooled_projections  attention: each its own step
+#   ranks at different layers whose query     the layer check by weight signs   (another
+#   weights agree (zero-init, frozen copies)  saw the same signs                layer's tokens)
+#
+# (tests/test_diffusers_audit3.py's tiny float64 Flux, 2 ranks.)
+# So the model holds a forward pre-hook (installed at the processor's first call: diffusers'
+# set_attn_processor tells the processor nothing, so it finds the model whose call it is in
+# from the caller's frames, ``Module._call_impl``'s, and checks that call with its arguments
+# there). Per model call it names every attention layer (its name in the model rides in each
+# layer's check: LAYER_NAME_FIELD) and leaves one pending check on the layers: the layers
+# without the processor, and the timestep, guidance and pooled_projections. The first layer
+# with the processor takes it into its own rank check, so the model adds no exchange (a
+# separate one would pair, on a rank that a cache hook sent to the next call early, with its
+# peer's layer check: "ranks are in different calls", naming no layer). That layer's check
+# completes before its attention (not deferred: one wait per model call, none per layer), so
+# that where the conditioning differs one more exchange of a sketch per argument names it.
+# With replicated text that sketch's place holds the text's (one per check): the text rows
+# reaching the attention are modulated by the conditioning, so a rank given another timestep
+# raises there, naming the text. Not checked: a model called through ``model.forward`` (no
+# hooks run) or one whose processor is only ever called outside a model call.
+
+
+@dataclass(eq=False)
+class _ModelCheck:
+    """The model call's pending check (Note [The Flux model's own check])."""
+
+    model: str
+    """The model's class name."""
+    layers: int
+    """Its attention layers."""
+    missing: list[str]
+    """The names of those without a FluxSequenceParallelProcessor."""
+    conditioning: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    """The call's replicated inputs among CONDITIONING that its forward takes."""
+    pending: bool = True
+    """Not yet taken by a layer's check."""
+
+
+@functools.cache
+def _forward_signature(cls: Any) -> inspect.Signature:
+    """The model class's forward signature (its arguments bound by name per call)."""
+    return inspect.signature(cls.forward)
+
+
+def _model_pre_hook(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Name the model's attention layers and leave the call's check on them (Note [The Flux
+    model's own check]); nothing where no layer has the processor (one process again)."""
+    layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "set_processor")]
+    carriers = [
+        isinstance(getattr(m, "processor", None), FluxSequenceParallelProcessor) for _, m in layers
+    ]
+    check = None
+    if any(carriers):
+        missing = [n for (n, _), has in zip(layers, carriers, strict=True) if not has]
+        check = _ModelCheck(type(model).__name__, len(layers), missing)
+        forward: inspect.Signature = _forward_signature(cast(Any, type(model)))
+        try:
+            bound = forward.bind_partial(model, *args, **kwargs)
+        except TypeError:  # the model's own call raises for it
+            bound = None
+        if bound is not None:
+            for name in CONDITIONING:
+                if name in forward.parameters:
+                    x = bound.arguments.get(name)
+                    check.conditioning[name] = x if isinstance(x, torch.Tensor) else None
+    prefix = type(model).__name__
+    for name, m in layers:
+        m._tokenring_layer = f"{prefix}.{name}"
+        m._tokenring_call = check
+
+
+@torch.compiler.disable  # reads the caller's frames
+def _bind_model(attn: Any) -> None:
+    """Find the model call ``attn`` runs in (the nearest ``Module._call_impl`` frame of a
+    diffusers model holding it), hook the model and check this call (Note [The Flux model's
+    own check]). Nothing where there is none (the processor called on its own)."""
+    call = torch.nn.Module._call_impl.__code__
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is call:
+            local = frame.f_locals
+            model: Any = local.get("self")
+            if (
+                model is not attn
+                and isinstance(model, torch.nn.Module)
+                and hasattr(model, "attn_processors")
+                and any(m is attn for m in model.modules())
+            ):
+                if not getattr(model, "_tokenring_hooked", False):
+                    model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)
+                    setattr(model, "_tokenring_hooked", True)  # noqa: B010 (a Module's attribute)
+                _model_pre_hook(model, tuple(local.get("args", ())), dict(local.get("kwargs", {})))
+                return
+        frame = frame.f_back
+
+
+def _take_model_check(attn: Any) -> _ModelCheck | None:
+    """The model call's check where this is its first layer with the processor, else None."""
+    if not hasattr(attn, "_tokenring_call"):  # the first call: the model is not hooked yet
+        _bind_model(attn)
+    check = getattr(attn, "_tokenring_call", None)
+    if check is None or not check.pending:
+        return None
+    check.pending = False
+    return check
+
+
+def _model_signature(check: _ModelCheck, world_size: int, sketch_free: bool) -> dict[str, Any]:
+    """The model call's check (raises where layers lack the processor), as signature fields."""
+    if check.missing:
+        shown = ", ".join(check.missing[:8]) + (
+            f" and {len(check.missing) - 8} more" if len(check.missing) > 8 else ""
+        )
+        raise ValueError(
+            f"FluxSequenceParallelProcessor is set on {check.layers - len(check.missing)} of "
+            f"the {check.layers} attention layers of this {check.model}; {shown} would attend "
+            "to this rank's tokens alone: set it on every layer with "
+            "model.set_attn_processor(FluxSequenceParallelProcessor(...))"
+        )
+    if world_size == 1:
+        return {}
+    shapes = {n: None if x is None else list(x.shape) for n, x in check.conditioning.items()}
+    signature: dict[str, Any] = {CONDITIONING_SHAPES_FIELD: shapes}
+    tensors = [x for x in check.conditioning.values() if x is not None and x.numel()]
+    if sketch_free and tensors:
+        rtol = max(replicated_rtol(x.dtype) for x in tensors)
+        signature[CONDITIONING_FIELD] = sketch(*tensors, rtol=rtol)
+    return signature
+
+
+_SKETCHES = struct.Struct(f"<{len(CONDITIONING) * (1 + 2 * SKETCH_NUM_VALUES)}d")
+
+
+def _name_conditioning(check: _ModelCheck, comm: Communicator, cause: ValueError) -> None:
+    """Where the ranks' conditioning sketch differed (every rank sees the same): exchange one
+    sketch per argument and raise naming those that differ."""
+    sketches, none = [], Sketch((0.0,) * SKETCH_NUM_VALUES, rtol=0.0)
+    for name in CONDITIONING:
+        x = check.conditioning.get(name)
+        s = _values_sketch(x) if x is not None and x.numel() else none
+        sketches += [s.rtol, *s.values, *s.nonfinite]
+    mine = _SKETCHES.pack(*sketches)
+    gathered = comm.all_gather_bytes(mine, what="the Flux model call's conditioning")
+    rows = [_SKETCHES.unpack(b) for b in gathered]
+    k, diffs = SKETCH_NUM_VALUES, []
+    for i, name in enumerate(CONDITIONING):
+        at = i * (1 + 2 * k)
+
+        def of(row: tuple[float, ...], at: int = at) -> Sketch:
+            return Sketch(row[at + 1 : at + 1 + k], row[at], row[at + 1 + k : at + 1 + 2 * k])
+
+        first = of(rows[0])
+        for r, row in enumerate(rows[1:], start=1):
+            distance = first.distance(of(row))
+            if not distance <= first.rtol:
+                diffs.append(
+                    f"{name} (the same on every rank: each rank runs the same denoising step "
+                    f"of the same prompt): rank {r} differs from rank 0 (the distance of their "
+                    f"values is {distance:.2g} of their norm, where rounding stays within "
+                    f"{first.rtol:.2g})"
+                )
+                break
+    if diffs:
+        raise ValueError("ranks disagree on this Flux model call: " + "; ".join(diffs)) from cause
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FluxSequenceParallelProcessor:
@@ -452,8 +644,11 @@ class FluxSequenceParallelProcessor:
     text, every layer checks that the ranks' text (and its rotary rows) is the same up to
     rounding (Note [Replicated values agreed by sketch] in tokenring.core.sketch): a rank given
     its own prompt, or its shard of the text, raises on every rank; every layer also checks
-    that the ranks are at the same layer, with the same weights (a cache hook that skips
-    blocks on some ranks only, a model from another seed). Attention masks,
+    that the ranks are at the same layer (by its name in the model), with the same weights (a
+    cache hook that skips blocks on some ranks only, a model from another seed). Each model
+    call's first layer also checks that every attention layer of the model has the processor
+    and that the ranks' ``timestep``, ``guidance`` and ``pooled_projections`` agree (Note [The
+    Flux model's own check]: the processor hooks its model at its first call). Attention masks,
     IP-adapter inputs and an attention other than diffusers' ``FluxAttention`` raise
     NotImplementedError.
 
@@ -515,9 +710,12 @@ class FluxSequenceParallelProcessor:
             ) from exc
         comm = get_communicator(self.group)
         text = TextPlacement.parse(self.text)
+        flux = isinstance(attn, FluxAttention)
+        check = _take_model_check(attn) if flux else None  # Note [The Flux model's own check]
         validate = functools.partial(
             _layer_checked,
-            attn if isinstance(attn, FluxAttention) else None,
+            check,
+            attn if flux else None,
             type(attn).__name__,
             hidden_states,
             encoder_hidden_states,
@@ -528,8 +726,15 @@ class FluxSequenceParallelProcessor:
             comm.world_size,
         )
         # every rank's checks, placement and text rows agreed before any collective: a rank
-        # that raised alone left the others waiting in the next exchange
-        num_text = comm.agreed(validate, what="Flux attention layer", deferred=True)
+        # that raised alone left the others waiting in the next exchange; the model call's
+        # first, before its attention (Note [The Flux model's own check])
+        what = "Flux attention layer"
+        try:
+            num_text = comm.agreed(validate, what=what, deferred=check is None)
+        except ValueError as exc:
+            if check is not None and f"{what}: {CONDITIONING_FIELD}: rank" in str(exc):
+                _name_conditioning(check, comm, exc)
+            raise
         sharded = text is TextPlacement.SHARDED and encoder_hidden_states is not None
         if sharded and text_seq_len is not None:  # the ranks' text rows must add up to T
             _check_sharded_text_len(text_seq_len, num_text, comm)
@@ -549,6 +754,7 @@ class FluxSequenceParallelProcessor:
 
 
 def _layer_checked(
+    check: _ModelCheck | None,
     attn: Any,
     attn_name: str,
     hidden_states: torch.Tensor,
@@ -559,8 +765,9 @@ def _layer_checked(
     rotary: Any,
     world_size: int,
 ) -> tuple[int, dict[str, Any]]:
-    """One layer's checks (``attn``: None when not a ``FluxAttention``): the number of text
-    rows ``t`` among this rank's, and what the ranks must agree on."""
+    """One layer's checks (``attn``: None when not a ``FluxAttention``; ``check``: the model
+    call's, at its first layer with the processor): the number of text rows ``t`` among this
+    rank's, and what the ranks must agree on."""
     if attn is None:  # another model's projections, norms, outputs
         raise NotImplementedError(
             "FluxSequenceParallelProcessor runs diffusers' FluxAttention (Flux and the "
@@ -580,9 +787,13 @@ def _layer_checked(
     _check_rotary(rotary, rows, attn.head_dim)
     num_text = _text_rows(attn, hidden_states, encoder_hidden_states, text, text_seq_len)
     signature: dict[str, Any] = {}
-    if world_size > 1:  # which layer, by its weights: the ranks' calls pair up in order
+    if world_size > 1:  # which layer, by its weights and name: the ranks' calls pair up in order
         signature[LAYER_FIELD] = _layer_signs(attn)
-    if text is TextPlacement.REPLICATED and num_text and world_size > 1:  # by value too
+        signature[LAYER_NAME_FIELD] = getattr(attn, "_tokenring_layer", None)
+    text_sketched = text is TextPlacement.REPLICATED and num_text and world_size > 1
+    if check is not None:  # one sketch per check: the text's, where it has one
+        signature |= _model_signature(check, world_size, sketch_free=not text_sketched)
+    if text_sketched:  # by value too
         text_rows = [hidden_states[:, :num_text]]
         if encoder_hidden_states is not None:
             text_rows = [encoder_hidden_states]

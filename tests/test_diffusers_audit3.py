@@ -1,0 +1,212 @@
+"""FluxSequenceParallelProcessor where the model, not one attention layer, is misused: 2 ranks.
+
+One launch. Inside the ranks a tiny random float64 ``FluxTransformer2DModel`` (two blocks of
+each kind), against the same model in one process (diffusers' own processor):
+
+- the processor set on some attention layers only (``block.attn.set_processor``): the other
+  layers attended to this rank's shard alone, no error (0.10 off the one-process model with
+  sharded text; with replicated text a misleading error about the text). Now
+  every rank raises at the model call, naming the layers without it; so does a model whose
+  processor was replaced on one layer after a call that ran (that call matches one process);
+- with ``text="sharded"`` one rank given another ``timestep``, ``guidance`` or
+  ``pooled_projections`` than its peers (nothing replicated reaches the attention there): no
+  error, 0.67, 0.90 and 0.077 off. Now every rank raises naming the argument;
+- every attention layer with the same query-projection weights (LoRA-like frozen copies, or
+  zero-initialised layers): the layer check by weight signs saw the same signs at every layer,
+  so ranks at different layers (diffusers' FirstBlockCache skipping blocks on one rank only)
+  exchanged tokens of different layers, until a joint block met a single-stream one ("block:
+  rank 0 has joint, rank 1 has single-stream", naming no cause). Now the layer's name in the
+  model rides in the check and every rank raises at the first layer they differ in, naming
+  both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import tokenring
+
+pytest.importorskip(
+    "diffusers", reason="diffusers is not installed (pip install 'tokenring-attention[diffusers]')"
+)
+from diffusers import FluxTransformer2DModel
+from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+from tokenring import diffusers as tr_diffusers
+
+WORLD_SIZE = 2
+IMAGE = 24
+TEXT = 6  # divisible by 2: sharded text
+FLUX = {
+    "patch_size": 1,
+    "in_channels": 4,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 8,
+    "pooled_projection_dim": 8,
+    "axes_dims_rope": (2, 2, 4),
+}
+
+
+def build_model(guidance: bool = False) -> FluxTransformer2DModel:
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**FLUX, guidance_embeds=guidance)
+    with torch.no_grad():  # break symmetric inits (zeros, ones) so every path is exercised
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.double()
+
+
+def model_inputs(guidance: bool = False) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    f64 = torch.float64
+    inputs = {
+        "hidden_states": torch.randn(2, IMAGE, 4, generator=gen, dtype=f64),  # (B, S, 4)
+        "encoder_hidden_states": torch.randn(2, TEXT, 8, generator=gen, dtype=f64),
+        "pooled_projections": torch.randn(2, 8, generator=gen, dtype=f64),
+        "timestep": torch.rand(2, generator=gen, dtype=f64),
+        "img_ids": torch.randn(IMAGE, 3, generator=gen, dtype=f64),  # distinct positions
+        "txt_ids": torch.randn(TEXT, 3, generator=gen, dtype=f64),
+    }
+    if guidance:
+        inputs["guidance"] = torch.tensor([3.5, 2.0], dtype=f64)
+    return inputs
+
+
+def rows(n: int, rank: int) -> slice:
+    return slice(rank * n // WORLD_SIZE, (rank + 1) * n // WORLD_SIZE)
+
+
+def local_inputs(inputs: dict[str, Any], rank: int, text: str) -> dict[str, Any]:
+    img = rows(IMAGE, rank)
+    mine = inputs | {"hidden_states": inputs["hidden_states"][:, img]}
+    mine["img_ids"] = inputs["img_ids"][img]
+    if text == "sharded":
+        mine["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, rows(TEXT, rank)]
+        mine["txt_ids"] = inputs["txt_ids"][rows(TEXT, rank)]
+    return mine | {"joint_attention_kwargs": {"text_seq_len": TEXT}}
+
+
+def attempt(comm: tokenring.Communicator, model: Any, mine: dict[str, Any]) -> Any:
+    """The gathered output (B, S, 4), or the error's message."""
+    try:
+        with torch.no_grad():
+            out = model(**mine).sample  # (B, s, 4)
+    except ValueError as exc:
+        return str(exc)
+    return torch.cat(comm.all_gather(out.contiguous(), label="test output"), dim=1)
+
+
+def some_layers(comm: tokenring.Communicator, text: str) -> Any:
+    """The processor on the first joint block and the last single-stream block only."""
+    model = build_model()
+    processor = tr_diffusers.FluxSequenceParallelProcessor(group=comm, text=text)
+    model.transformer_blocks[0].attn.set_processor(processor)
+    model.single_transformer_blocks[1].attn.set_processor(processor)
+    return attempt(comm, model, local_inputs(model_inputs(), comm.rank, text))
+
+
+def replaced_later(comm: tokenring.Communicator) -> tuple[Any, Any]:
+    """On every layer, one call; then diffusers' own processor on one layer again."""
+    model = build_model()
+    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm))
+    mine = local_inputs(model_inputs(), comm.rank, "replicated")
+    first = attempt(comm, model, mine)
+    model.single_transformer_blocks[0].attn.set_processor(FluxAttnProcessor())
+    return first, attempt(comm, model, mine)
+
+
+def other_conditioning(comm: tokenring.Communicator, name: str) -> Any:
+    """Text sharded, rank 1 given another ``name`` than rank 0."""
+    guidance = name == "guidance"
+    model = build_model(guidance=guidance)
+    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm, text="sharded"))
+    mine = local_inputs(model_inputs(guidance=guidance), comm.rank, "sharded")
+    if comm.rank == 1:
+        mine[name] = mine[name] + 0.25
+    return attempt(comm, model, mine)
+
+
+def copied_query_weights(comm: tokenring.Communicator) -> list[str]:
+    """Every attention layer's query projection a copy of the first's; FirstBlockCache skips
+    the remaining blocks on rank 0 only at the second step (as in
+    tests/test_diffusers_usage_audit.py). What each step did."""
+    model = build_model()
+    layers = [b.attn for b in (*model.transformer_blocks, *model.single_transformer_blocks)]
+    with torch.no_grad():
+        for attn in layers[1:]:
+            attn.to_q.weight.copy_(layers[0].to_q.weight)
+    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm, text="sharded"))
+    apply_first_block_cache(model, FirstBlockCacheConfig(threshold=0.02))
+    mine = local_inputs(model_inputs(), comm.rank, "sharded")
+    log = []
+    with torch.no_grad(), model.cache_context("cond"):
+        for step in range(3):
+            if comm.rank == 1:
+                mine["hidden_states"] = mine["hidden_states"] + 0.05 * step
+            try:
+                model(**mine)
+            except ValueError as exc:
+                return [*log, str(exc)]
+            log.append("ran")
+    return log
+
+
+def run_ranks() -> dict[str, Any]:
+    comm = tokenring.get_communicator()
+    return {
+        **{f"some layers, {text}": some_layers(comm, text) for text in ("sharded", "replicated")},
+        "replaced later": replaced_later(comm),
+        **{name: other_conditioning(comm, name) for name in CONDITIONING},
+        "copied query weights": copied_query_weights(comm),
+    }
+
+
+CONDITIONING = ("timestep", "guidance", "pooled_projections")
+
+
+def one_process(guidance: bool = False) -> torch.Tensor:
+    model = build_model(guidance=guidance)
+    with torch.no_grad():
+        return model(**model_inputs(guidance=guidance)).sample
+
+
+def refused(got: Any, want: torch.Tensor, *, what: str) -> str:
+    """The message, where the ranks raised; else fail with the output's distance from one
+    process."""
+    if isinstance(got, torch.Tensor):
+        pytest.fail(f"{what}: no error; {(got - want).abs().max().item():.3g} off one process")
+    return str(got)
+
+
+def test_model_level_misuse_raises_on_every_rank() -> None:
+    per_rank = tokenring.launch(run_ranks, world_size=WORLD_SIZE, timeout_s=120)
+    want = one_process()
+    want_guidance = one_process(guidance=True)
+    for rank, got in enumerate(per_rank):
+        for text in ("sharded", "replicated"):
+            message = refused(got[f"some layers, {text}"], want, what=f"2 of 4 layers, {text}")
+            assert "set on 2 of the 4 attention layers" in message, (rank, text, message)
+            assert "transformer_blocks.1.attn" in message, (rank, text, message)
+            assert "single_transformer_blocks.0.attn" in message, (rank, text, message)
+        first, then = got["replaced later"]
+        torch.testing.assert_close(first, want, rtol=0, atol=1e-10)
+        message = refused(then, want, what="diffusers' processor on one layer again")
+        assert "set on 3 of the 4 attention layers" in message, (rank, message)
+        assert "single_transformer_blocks.0.attn" in message, (rank, message)
+        for name in CONDITIONING:
+            oracle = want_guidance if name == "guidance" else want
+            message = refused(got[name], oracle, what=f"another {name} on rank 1")
+            assert "ranks disagree on this Flux model call" in message, (rank, name, message)
+            assert f"{name} (" in message and "rank 1 differs" in message, (rank, name, message)
+        log = got["copied query weights"]
+        assert log[:-1] == ["ran"] * (2 - rank), (rank, log)
+        assert "layer name" in log[-1], (rank, log)
+        assert "rank 0 has FluxTransformer2DModel.transformer_blocks.0.attn" in log[-1], log
+        assert "rank 1 has FluxTransformer2DModel.transformer_blocks.1.attn" in log[-1], log
