@@ -527,6 +527,7 @@ def _gen_rows() -> list[Row]:
         Row("cache_implementation", Refused("static"), Refused("static"), refused),
         Row("output_attentions", Refused(True), Refused(True), refused),
         Row("output_hidden_states", Refused(True), Refused(True), refused),
+        Row("synced_gpus", Refused(True), Refused(True), refused),
         Row(
             "inputs_embeds",
             Refused(Dyn(lambda ctx: torch.zeros(1, PROMPT, 32, dtype=torch.float64))),

@@ -415,6 +415,10 @@ def _call_signature(
     return (strategy, block_kernel), signature
 
 
+CACHED_CALL = "cached attention call"
+"""The rank check that opens every :func:`cached_attn` call, by its name in messages."""
+
+
 def cached_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -466,7 +470,7 @@ def cached_attn(
     # a check_ranks that is not a bool is validate's error: its rank tells the others (as
     # sequence_parallel_attn's), who would otherwise wait for it in the rank check
     strategy, block_kernel = cache.comm.agreed(  # before appending: every rank or none
-        validate, what="cached attention call", check_ranks=check_ranks is not False
+        validate, what=CACHED_CALL, check_ranks=check_ranks is not False
     )
     cache.append(layer, k, v)
     options: dict[str, Any] = dict(

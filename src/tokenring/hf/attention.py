@@ -259,7 +259,8 @@ def register() -> tuple[str, ...]:
 # (_refuse_empty_shards, from sp alone: every rank alike). The record also carries sp to the
 # mask function, which transformers calls without it (Note [Padding on one rank's shard]),
 # and after the forward the outputs are checked for values pooled over the sequence (Note
-# [Outputs that pool over the sequence]).
+# [Outputs that pool over the sequence]). Its first tokenring attention call runs the
+# forward's one rank check (Note [The forward's rank check]).
 @dataclass(slots=True)
 class _Forward:
     """The outermost model call running with sequence_parallel= (Note [A forward that calls
@@ -274,10 +275,12 @@ class _Forward:
     """s: the query rows of the forward's first tokenring attention call."""
     positions_checked: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
     """position_ids tensors that passed _check_positions, with their _version then."""
-    masks_checked: list[Any] = dataclasses.field(default_factory=list)
-    """attention_mask values (None too) whose padding the ranks agreed on in this forward."""
+    logits_to_keep: Any = 0
+    """The model call's logits_to_keep keyword (Note [Outputs that pool over the sequence])."""
+    checked: bool = False
+    """The forward's rank check ran (Note [The forward's rank check])."""
 
-    def checked(self, given: torch.Tensor) -> bool:
+    def positions_passed(self, given: torch.Tensor) -> bool:
         return any(t is given and v == given._version for t, v in self.positions_checked)
 
 
@@ -298,7 +301,11 @@ def _counting_call(call: Any) -> Any:
             return call(model, *args, **kwargs)
         sp = as_sequence_parallel(sp)
         _refuse_empty_shards(sp, f"{type(model).__name__}'s forward")
-        forward = _Forward(sp=sp, cached=kwargs.get("sequence_parallel_cache") is not None)
+        forward = _Forward(
+            sp=sp,
+            cached=kwargs.get("sequence_parallel_cache") is not None,
+            logits_to_keep=kwargs.get("logits_to_keep", 0),
+        )
         token = _FORWARD.set(forward)
         try:
             result = call(model, *args, **kwargs)
@@ -361,9 +368,14 @@ def _refuse_empty_shards(sp: SequenceParallel, what: str) -> None:
 # fewer than 3 dims or another row count than the attention calls' s, a ``pooler_output``,
 # or any other top-level tensor output with dims but not s rows (tuples alike: return_dict=
 # False) raises NotImplementedError on every rank (the output shapes and s follow from the
-# model and the sharding: every rank alike). The loss is global (the causal-LM loss) or
-# refused (other losses); hidden states are each rank's shard. tokenring.hf.generate's steps
-# keep their own rows (its hooks gather them) and are not checked.
+# model and the sharding: every rank alike). logits_to_keep is decided from the option, not
+# from the rows it left: with uneven shards a rank holding exactly k rows passed the row
+# check while its peers raised. It is refused in the forward's rank check (Note [The
+# forward's rank check]) when k is below some rank's shard length (k >= every rank's s
+# keeps every row: per-token), negative, or a tensor of row indices, on every rank at once.
+# The loss is global (the causal-LM loss) or refused (other losses); hidden states are each
+# rank's shard. tokenring.hf.generate's steps keep their own rows (its hooks gather them)
+# and are not checked.
 _GLOBAL_OUTPUTS = frozenset({"loss", "aux_loss"})
 
 
@@ -499,10 +511,11 @@ def _global_mask(
 # in the mask function, before any attention call, while the others went on into their first
 # attention call: its rank check waited out the communicator's timeout, or paired with the
 # raising rank's next forward. transformers calls the mask function without the forward's
-# keywords, so the padding verdict travels through the record of the outermost forward
-# (_Forward.sp): the ranks agree on it once per attention_mask value (None included) and
-# forward, before the first layer, and every rank raises. tokenring.hf.generate's steps take
-# the mask off before the model runs (and refuse it themselves); they exchange nothing here.
+# keywords, so the verdict travels through the record of the outermost forward (_Forward.sp):
+# a rank whose mask function finds padding posts its error to the forward's rank check and
+# raises; its peers meet it there, in their first attention call (Note [The forward's rank
+# check]). tokenring.hf.generate's steps take the mask off before the model runs (and refuse
+# it themselves); they exchange nothing here.
 PADDING_HINT = (
     "pack the sequences (SequenceParallel(cu_seqlens=...)) or pad at the end and set "
     "the padded labels to ignore_index"
@@ -510,20 +523,88 @@ PADDING_HINT = (
 
 
 def _refuse_padding_on_every_rank(attention_mask: Any) -> None:
-    """NotImplementedError for a 2-D padding ``attention_mask`` with zeros: on every rank
-    when a forward with sequence_parallel= is running (Note [Padding on one rank's shard])."""
+    """NotImplementedError for a padding ``attention_mask`` with zeros, or a tensor that is
+    not a 2-D padding mask: on every rank when a forward with sequence_parallel= is running
+    (Note [Padding on one rank's shard])."""
+    forward = _FORWARD.get()
+    try:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+            raise NotImplementedError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} is not a 2-D (batch, "
+                "seq) padding mask, the only kind tokenring attention reads (a 4-D mask is "
+                "refused as a prepared mask)"
+            )
+        if attention_mask is not None:
+            refuse_padding(attention_mask, PADDING_HINT)
+    except NotImplementedError as exc:
+        if forward is not None and not forward.cached and not forward.checked:
+            forward.checked = True
+            forward.sp.communicator.agree(None, exc, what=FORWARD_CHECK)  # raises exc
+        raise
+
+
+# Note [The forward's rank check]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# One exchange per outermost model forward given sequence_parallel= over several ranks,
+# posted by its first tokenring attention call before that call's own checks (position_ids,
+# the attention call's): the first exchange of the forward on every rank, whatever path its
+# mask took::
+#
+#     padding in the mask function          that rank posts its error here and raises (it
+#                                           never reaches attention)
+#     a prepared mask (a 4-D tensor, a      transformers hands it to the layers as is (no
+#       BlockMask) reaches attention        mask function runs): posted here, refused
+#     logits_to_keep (in the signature)     refused here unless it keeps every rank's rows
+#                                           (Note [Outputs that pool over the sequence])
+#
+# A prepared mask on one rank used to raise in that rank's attention call with nothing
+# exchanged, while its peers waited out the timeout in the mask function's padding exchange;
+# ranks given different logits_to_keep, or uneven shards one of which held exactly k rows,
+# raised on some ranks after the forward while the others returned. tokenring.hf.generate's
+# steps (cached) have their own checks; one rank has nothing to agree with.
+FORWARD_CHECK = "model forward check"
+
+
+def _check_forward(name: str, forward: _Forward, attention_mask: Any, seq_local: int) -> None:
+    """The forward's rank check (Note [The forward's rank check]): raises on every rank for
+    a prepared ``attention_mask`` on any rank, a logits_to_keep that pools, or ranks given
+    different logits_to_keep."""
+    forward.checked = True
 
     def validate() -> tuple[None, dict[str, Any]]:
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            refuse_padding(attention_mask, PADDING_HINT)
-        return None, {"padding attention_mask": False}
+        if attention_mask is not None and not isinstance(
+            attention_mask, (_ModelMask, _RefusedMask)
+        ):
+            raise NotImplementedError(_prepared_mask(name, attention_mask))
+        return None, {"logits_to_keep": _kept_logits(forward, seq_local)}
 
-    forward = _FORWARD.get()
-    if forward is None or forward.cached or any(m is attention_mask for m in forward.masks_checked):
-        validate()
-        return
-    forward.sp.communicator.agreed(validate, what="attention_mask check")
-    forward.masks_checked.append(attention_mask)
+    forward.sp.communicator.agreed(validate, what=FORWARD_CHECK)
+
+
+def _prepared_mask(name: str, attention_mask: Any) -> str:
+    return (
+        f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
+        f"shape {tuple(getattr(attention_mask, 'shape', ()))} ({type(attention_mask).__name__})"
+    )
+
+
+def _kept_logits(forward: _Forward, seq_local: int) -> Any:
+    """The forward's logits_to_keep as the ranks compare it; NotImplementedError unless it
+    keeps every row of every rank's shard (0, or k >= the longest shard)."""
+    keep = forward.logits_to_keep
+    if keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and keep == 0):
+        return 0
+    sharding = _sharding(forward.sp, seq_local)
+    longest = max(sharding.local_len(rank) for rank in range(sharding.world_size))
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep >= longest:
+        return keep  # every row of every shard
+    shown = f"a tensor of shape {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else keep
+    raise NotImplementedError(
+        f"logits_to_keep={shown} keeps rows of each rank's shard (shards of up to {longest} "
+        "rows), not of the sequence: it pools over the sequence, which saw this rank's shard "
+        "alone; under sequence_parallel= pass logits_to_keep=0 and take the rows from "
+        "hf.gather_sequence's global sequence"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -811,16 +892,20 @@ def _attention_forward(
             "to its attention layers (StableLM, for one) and cannot run sequence-parallel"
         )
     sp = as_sequence_parallel(sequence_parallel)
+    if (
+        forward is not None
+        and not forward.cached
+        and not forward.checked
+        and forward.sp.communicator.world_size > 1
+    ):
+        _check_forward(name, forward, attention_mask, query.shape[2])
     if isinstance(attention_mask, _RefusedMask):
         raise NotImplementedError(
             f"attn_implementation={name!r}: the mask of {type(module).__name__}: "
             f"{attention_mask.reason}"
         )
     if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
-        raise NotImplementedError(
-            f"attn_implementation={name!r} does not take a prepared attention mask; got one of "
-            f"shape {tuple(attention_mask.shape)}"
-        )
+        raise NotImplementedError(_prepared_mask(name, attention_mask))
     _check_options(name, module, kwargs)
     if cache is None:
         _check_sharded_call(name, strategy, sp, query, key, kwargs.get("position_ids"))
@@ -950,7 +1035,7 @@ def _check_positions(
     if not isinstance(given, torch.Tensor) or given.dim() != 2:
         return  # (3, B, s) multimodal positions carry no documents
     forward = _FORWARD.get()
-    if forward is not None and forward.checked(given):
+    if forward is not None and forward.positions_passed(given):
         return
     comm = sp.communicator
     expected = _sharding(sp, seq_local).doc_positions(comm.rank).to(given.device)  # (s,)

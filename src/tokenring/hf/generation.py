@@ -58,7 +58,7 @@ from tokenring.hf.attention import (
     check_model,
     refuse_padding,
 )
-from tokenring.inference import cached_attn, step_strategy
+from tokenring.inference import CACHED_CALL, cached_attn, step_strategy
 from tokenring.kvcache import DistributedKVCache
 from tokenring.model.costmodel import Hardware
 from tokenring.model.planner import calibrate
@@ -194,6 +194,14 @@ class ShardedKVCache(Cache):
         self.first_step_begun = False
         """Whether the first step's rank check began: a rank that fails before it tells its
         peers there (:func:`generate`)."""
+        self.exchanging = False
+        """An exchange of a step is in progress, or raised: its failure reaches every rank
+        (Note [A step that fails on one rank])."""
+        self.peers_next: str | None = None
+        """The rank check the peers meet next, where this rank's failure is posted; None: they
+        may be in a transfer or collective (Note [A step that fails on one rank])."""
+        self.max_time: _AgreedMaxTime | None = None
+        """The criterion that all-reduces between the steps, if generate has one."""
         super().__init__(layers=[_ShardedLayer(self) for _ in range(self.num_layers)])
 
     @property
@@ -229,12 +237,35 @@ class ShardedKVCache(Cache):
     def reset(self) -> None:
         raise self._unsupported("resetting the cache (make a new one)")
 
+    @contextlib.contextmanager
+    def exchange(self, peers_next: str | None = None) -> Iterator[None]:
+        """Mark an exchange of every rank (Note [A step that fails on one rank]): in progress
+        while the block runs, and still after it raised; ``peers_next`` after it returned."""
+        self.exchanging = True
+        yield
+        self.exchanging = False
+        self.peers_next = peers_next
+
+    def fail(self, exc: Exception) -> None:
+        """Tell the peers that this rank's generate failed with ``exc`` outside an exchange
+        (Note [A step that fails on one rank]): at the rank check they meet next, where it
+        raises ``exc``, or by failing the communicator."""
+        if self.exchanging:
+            return
+        if self.peers_next == MAX_TIME and self.max_time is not None:
+            self.max_time.stop_every_rank()  # then they meet generate's last check
+        if self.peers_next is not None:
+            self.communicator.agree(None, exc, what=self.peers_next)  # raises exc
+        else:
+            self.communicator.abandon(exc)
+
     def begin_step(
         self, input_ids: torch.Tensor, *, dtype: torch.dtype, device: torch.device
     ) -> CacheStep:
         """Steps 1 to 3 of Note [Generation under sequence parallelism]. Collective."""
         comm = self.communicator
-        self._agree_on_ids(input_ids)
+        with self.exchange():
+            self._agree_on_ids(input_ids)
         batch, num_new = input_ids.shape
         if self.kv is None:
             block_size = self.block_size or min(64, -(-num_new // comm.world_size))
@@ -250,17 +281,20 @@ class ShardedKVCache(Cache):
                 group=comm,
             )
             if self.strategy == "auto" and self.hardware is None:  # once per cache
-                self.hardware = calibrate(comm, dtype=dtype, device=device)
+                with self.exchange():
+                    self.hardware = calibrate(comm, dtype=dtype, device=device)
         step = self.kv.begin_step([num_new] * batch, check_ranks=False)  # agreed above
         chosen = step_strategy(self.strategy, self.kv, heads_q=self.heads_q, hardware=self.hardware)
         self.strategies.append(chosen)
         self._in_step = True
+        self.peers_next = CACHED_CALL  # the first layer's
         return step
 
     def finish(self, sequences: torch.Tensor) -> None:
         """Check that every rank ended generate at the same step with the same
         ``sequences``, or every rank raises (Note [Generation ends agreed]). Collective."""
-        self._agree_on_ids(sequences, finished=True)
+        with self.exchange():
+            self._agree_on_ids(sequences, finished=True)
 
     def _agree_on_ids(self, input_ids: torch.Tensor, *, finished: bool = False) -> None:
         """Check ``input_ids`` (a step's new ids; ``finished``: generate's sequences) and that
@@ -290,7 +324,7 @@ class ShardedKVCache(Cache):
             }
             return None, signature | (self.call_signature if first else {})
 
-        what = FIRST_STEP if first else "generation step"
+        what = FIRST_STEP if first else STEP_CHECK
         try:
             self.communicator.agreed(validate, what=what, errors=(ValueError,))
         except ValueError as exc:
@@ -392,15 +426,18 @@ class ShardedKVCache(Cache):
             )
         assert query.shape[0] == 1, "rows are packed into batch 1"
         rows = 0 if self._placeholder else query.shape[2]
-        out = cached_attn(
-            query[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hq, D)
-            key[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hkv, D)
-            value[0, :, :rows].transpose(0, 1).contiguous(),
-            cache=self.kv,
-            layer=layer,
-            strategy=self.strategies[-1],
-            softmax_scale=scaling,
-        )
+        # after the last layer the peers go on to the logits' all-reduce
+        peers_next = CACHED_CALL if layer < self.num_layers - 1 else None
+        with self.exchange(peers_next):
+            out = cached_attn(
+                query[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hq, D)
+                key[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hkv, D)
+                value[0, :, :rows].transpose(0, 1).contiguous(),
+                cache=self.kv,
+                layer=layer,
+                strategy=self.strategies[-1],
+                softmax_scale=scaling,
+            )
         assert isinstance(out, torch.Tensor)
         self._written = True
         if self._placeholder:
@@ -435,6 +472,11 @@ _REFUSED_OPTIONS = {
     "output_attentions": (False, "output_attentions (no attention weights are formed)"),
     "output_hidden_states": (False, "output_hidden_states (each rank holds its own rows only)"),
     "inputs_embeds": (None, "inputs_embeds (pass input_ids)"),
+    "synced_gpus": (
+        False,
+        "synced_gpus=True (the ranks of sp.group run every step alike already; its all-reduce "
+        "over the default group between the steps is outside tokenring's rank checks)",
+    ),
 }
 """generate option -> (the only value that runs, why any other does not)."""
 
@@ -586,7 +628,7 @@ def generate(
             model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
         )
         cache.call_signature = _call_signature(model, gen_kwargs, cache)
-        gen_kwargs = _agreed_max_time(model, gen_kwargs, comm)
+        gen_kwargs = _agreed_max_time(model, gen_kwargs, cache)
         with _sharded_forward(model, cache, _padding_hint(model, gen_kwargs)):
             out = model.generate(input_ids, cache=cache, **gen_kwargs)
         cache.finish(out if isinstance(out, torch.Tensor) else out.sequences)
@@ -595,11 +637,44 @@ def generate(
         if cache is None or not cache.first_step_begun:
             # the peers wait in the first step's check: they learn this rank's error there
             comm.agree(None, exc, what=FIRST_STEP)
+        else:  # Note [A step that fails on one rank]
+            cache.fail(exc)
         raise
 
 
 FIRST_STEP = "generate call"
 """The first step's rank check (Note [Generation options agreed])."""
+STEP_CHECK = "generation step"
+"""The rank check of every later step, and of the sequences generate returns."""
+MAX_TIME = "generate max_time"
+"""The all-reduce of _AgreedMaxTime between the steps."""
+
+# Note [A step that fails on one rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Between the rank checks every rank runs code of its own: transformers' logits processors
+# and stopping criteria (a user's, prefix_allowed_tokens_fn), the step's input preparation,
+# the model's layers. One that raised on one rank alone left its peers waiting out the
+# timeout in the next step's check or in the step's first cached attention call. Each rank's
+# ShardedKVCache knows where its peers wait next, from the exchanges it has made::
+#
+#     after the logits' all-reduce            the next step's check (or generate's last,
+#       (or max_time's, between the steps)    of the sequences): "generation step"
+#     after the logits' all-reduce, with      max_time's all-reduce: the failing rank takes
+#       max_time's still to come              part with FAILED, which stops every rank's
+#                                             generate, then "generation step" (the last)
+#     after the step's check and placement,   the next layer's cached_attn check: "cached
+#       or a layer's cached_attn but the last   attention call"
+#     after the last layer's cached_attn      the logits' all-reduce: none known
+#
+# A rank whose generate raises outside an exchange (ShardedKVCache.exchange) posts its error
+# to the check its peers meet next, so every rank raises at once naming it ("rank r cannot
+# run this generation step: ..."). Where none is known it fails the communicator
+# (Communicator.abandon): its peers' transfers and checks end at once naming it (Note
+# [Failures through the store] in tokenring.runtime.comm), but a collective (the logits'
+# all-reduce) waits for its timeout. An error of an exchange reached every rank already.
+# transformers' synced_gpus adds an all-reduce over the default group between the steps,
+# outside tokenring's checks: a failing rank could not reach its peers there, and the ranks of
+# sp.group step alike anyway, so it is refused.
 
 # Note [Generation ends agreed]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -616,26 +691,45 @@ FIRST_STEP = "generate call"
 
 
 class _AgreedMaxTime(StoppingCriteria):
-    """transformers' ``MaxTimeCriteria`` decided alike on every rank of ``comm``: every
-    sequence stops once any rank's clock passed ``max_time`` seconds since generate began (an
-    all-reduce per step)."""
+    """transformers' ``MaxTimeCriteria`` decided alike on every rank of ``cache``'s group:
+    every sequence stops once any rank's clock passed ``max_time`` seconds since generate
+    began (an all-reduce per step)."""
 
-    def __init__(self, max_time: float, comm: Communicator) -> None:
+    FAILED = 2
+    """The flag of a rank that failed before this step's all-reduce: every rank stops too,
+    and meets its error in generate's last check (Note [A step that fails on one rank])."""
+
+    def __init__(self, max_time: float, cache: ShardedKVCache) -> None:
         self.max_time = max_time
-        self.comm = comm
+        self.cache = cache
         self.start = time.time()
+        cache.max_time = self
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         late = time.time() - self.start > self.max_time
-        flag = torch.tensor([int(late)], dtype=torch.int32, device=input_ids.device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX, label="generate max_time").wait()
+        flag = self._all_reduce(int(late), input_ids.device)
         return torch.full(
-            (input_ids.shape[0],), bool(flag.item()), dtype=torch.bool, device=input_ids.device
+            (input_ids.shape[0],), flag > 0, dtype=torch.bool, device=input_ids.device
         )
 
+    def stop_every_rank(self) -> None:
+        """This rank's generate failed before the all-reduce: take part with FAILED."""
+        assert self.cache.kv is not None, "a step ran before"
+        self._all_reduce(self.FAILED, self.cache.kv.device)
 
-def _agreed_max_time(model: Any, gen_kwargs: dict[str, Any], comm: Communicator) -> dict[str, Any]:
+    def _all_reduce(self, flag: int, device: torch.device) -> int:
+        """The largest ``flag`` over the ranks."""
+        wire = torch.tensor([flag], dtype=torch.int32, device=device)
+        comm = self.cache.communicator
+        if comm.world_size > 1:
+            with self.cache.exchange(STEP_CHECK):
+                comm.all_reduce(wire, op=dist.ReduceOp.MAX, label=MAX_TIME).wait()
+        return int(wire.item())
+
+
+def _agreed_max_time(
+    model: Any, gen_kwargs: dict[str, Any], cache: ShardedKVCache
+) -> dict[str, Any]:
     """``gen_kwargs`` with max_time (a keyword's or the generation config's) replaced by an
     :class:`_AgreedMaxTime` stopping criterion (Note [Generation ends agreed])."""
     config = gen_kwargs.get("generation_config") or getattr(model, "generation_config", None)
@@ -643,7 +737,7 @@ def _agreed_max_time(model: Any, gen_kwargs: dict[str, Any], comm: Communicator)
     if isinstance(max_time, bool) or not isinstance(max_time, (int, float)):
         return gen_kwargs  # None, or a value transformers refuses
     given = gen_kwargs.get("stopping_criteria") or []
-    criteria = StoppingCriteriaList([*given, _AgreedMaxTime(float(max_time), comm)])
+    criteria = StoppingCriteriaList([*given, _AgreedMaxTime(float(max_time), cache)])
     return gen_kwargs | {"max_time": None, "stopping_criteria": criteria}
 
 
@@ -755,7 +849,8 @@ def _sharded_forward(
         full = logits.new_zeros(state["batch"], logits.shape[-1])  # (B, V)
         for i, b in enumerate(state["ends"]):
             full[b] = logits[0, i]
-        cache.communicator.all_reduce(full, label="generate logits").wait()
+        with cache.exchange(MAX_TIME if cache.max_time else STEP_CHECK):
+            cache.communicator.all_reduce(full, label="generate logits").wait()
         output["logits"] = full.unsqueeze(1)  # (B, 1, V)
         return output
 
