@@ -315,13 +315,6 @@ MASKED_TILE_ROWS = 1024
 _VISIBLE_BATCH = 4096  # query runs compared against every kv tile at once
 
 
-def _masked_collective(sched: Schedule) -> bool:
-    """Whether ``sched`` is a collective's plain schedule run under a window or documents
-    (``strategy_schedule`` attaches them; Note [Collectives with masks] in
-    tokenring.runtime.collective)."""
-    return sched.strategy.is_collective and _windowed(sched)
-
-
 def _windowed(sched: Schedule) -> bool:
     """Whether ``sched`` runs under a window or documents (Note [Masked calls])."""
     return sched.mask is not None and not sched.mask.plain and sched.sharding is not None
@@ -554,8 +547,9 @@ class _EventEngine:
         shares = ulysses_heads(world_size=p, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
         nq, nkv, rows = shares[r].num_q, shares[r].num_kv, p * s * b  # gathered rows (x B)
         forward = sched.pass_ is Pass.FORWARD
-        # under a mask the rows stay in rank order (Note [Collectives with masks])
-        masked = _masked_collective(sched)
+        # under a window or documents (``strategy_schedule`` attaches them to the plain
+        # schedule) the rows stay in rank order (Note [Collectives with masks])
+        masked = _windowed(sched)
         reordered = sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1 and not masked
         q_side = nq * d * e if forward else nq * (2 * d * e + 2 * a)  # q; or q, dout, lse, delta
         gathered = rows * (q_side + 2 * nkv * d * e)  # (B, S, nq or nkv, D) fields, (B, nq, S)
@@ -1860,11 +1854,8 @@ def _hybrid_rows(
     return rows + 1 if Layout.parse(layout) is Layout.ZIGZAG and inner * rows % 2 else rows
 
 
-_PASSES = {
-    "forward": (Pass.FORWARD,),
-    "backward": (Pass.BACKWARD,),
-    "both": (Pass.FORWARD, Pass.BACKWARD),
-}
+_FORWARD, _BACKWARD = (Pass.FORWARD,), (Pass.BACKWARD,)
+_PASSES = {"forward": _FORWARD, "backward": _BACKWARD, "both": _FORWARD + _BACKWARD}
 
 
 def simulate(
