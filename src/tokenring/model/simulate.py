@@ -1647,11 +1647,8 @@ class CallMask:
     @property
     def keywords(self) -> dict[str, Any]:
         """``cu_seqlens``, ``window_size``, ``attention_chunk_size`` for the builders."""
-        return dict(
-            cu_seqlens=self.cu_seqlens,
-            window_size=self.window_size,
-            attention_chunk_size=self.attention_chunk_size,
-        )
+        names = ("cu_seqlens", "window_size", "attention_chunk_size")
+        return {name: getattr(self, name) for name in names}
 
     def describe(self) -> str:
         """A few words: the window, the documents, the chunks."""

@@ -505,10 +505,7 @@ class PendingRecv:
         *,
         shared: bool = False,
     ) -> None:
-        self.transfer = transfer
-        self._comm = comm
-        self._message = message
-        self._fields = fields
+        self.transfer, self._comm, self._message, self._fields = transfer, comm, message, fields
         self._frame_sizes = _frame_sizes(_sizes(fields))  # what the header must announce
         self._works: list[Any] = []  # one per frame, posted in frame order
         self._posted_s = time.perf_counter()
