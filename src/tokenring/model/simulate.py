@@ -315,13 +315,6 @@ MASKED_TILE_ROWS = 1024
 _VISIBLE_BATCH = 4096  # query runs compared against every kv tile at once
 
 
-def _masked_collective(sched: Schedule) -> bool:
-    """Whether ``sched`` is a collective's plain schedule run under a window or documents
-    (``strategy_schedule`` attaches them; Note [Collectives with masks] in
-    tokenring.runtime.collective)."""
-    return sched.strategy.is_collective and _windowed(sched)
-
-
 def _windowed(sched: Schedule) -> bool:
     """Whether ``sched`` runs under a window or documents (Note [Masked calls])."""
     return sched.mask is not None and not sched.mask.plain and sched.sharding is not None
@@ -554,8 +547,9 @@ class _EventEngine:
         shares = ulysses_heads(world_size=p, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
         nq, nkv, rows = shares[r].num_q, shares[r].num_kv, p * s * b  # gathered rows (x B)
         forward = sched.pass_ is Pass.FORWARD
-        # under a mask the rows stay in rank order (Note [Collectives with masks])
-        masked = _masked_collective(sched)
+        # under a window or documents (``strategy_schedule`` attaches them to the plain
+        # schedule) the rows stay in rank order (Note [Collectives with masks])
+        masked = _windowed(sched)
         reordered = sched.causal and sched.layout is not Layout.CONTIGUOUS and p > 1 and not masked
         q_side = nq * d * e if forward else nq * (2 * d * e + 2 * a)  # q; or q, dout, lse, delta
         gathered = rows * (q_side + 2 * nkv * d * e)  # (B, S, nq or nkv, D) fields, (B, nq, S)
@@ -1176,6 +1170,14 @@ class _Replay:
         cost = cost * self.return_merge_per_row_head * self.plan.strategy.passes_q
         return torch.zeros_like(cost).scatter_add_(0, col.q_owner, cost)
 
+    def run(
+        self, col: RingColumns, steps: range, dur: Tensor, tail: Tensor, *, together: bool
+    ) -> None:
+        """Replay a chunk's ``steps`` (``dur[j]``, ``tail``: as ``_step_durations`` takes them)."""
+        self.load(col, len(steps))
+        for j, t in enumerate(steps):
+            self.step(t, col, j, _step_durations(dur, tail, col, t, j, together=together))
+
     def step(self, t: int, col: RingColumns, j: int, dur: dict[str, Tensor]) -> None:
         """Step ``t`` (column ``j``); ``dur``: ``travel`` (P,), ``returns`` (P, K), ``dkv`` (P,)."""
         self.starts.append(float(self.now.min()))
@@ -1461,11 +1463,7 @@ def _simulate_vectorised(
         travel, returns, dkv = flows
         travel_sent += travel[:, : c1 - c0].sum(1)
         return_sent += returns[:, : c1 - c0].sum((1, 2)) + dkv[:, : c1 - c0].sum(1)
-        replay.load(col, c1 - c0)
-        for t in range(c0, c1):
-            j = t - c0  # dur[j]: window t
-            durations = _step_durations(dur, tail[0], col, t, j, together=net.ring)
-            replay.step(t, col, j, durations)
+        replay.run(col, range(c0, c1), dur, tail[0], together=net.ring)
         if windows:  # the last chunk's may be priced already (the chunk before looked ahead)
             starts = replay.starts[windows.start :] + [float(replay.now.min())] * (c1 < p)
             net.add_windows(work, torch.tensor(starts, dtype=torch.float64))
@@ -1600,10 +1598,6 @@ def simulate_pass(
     if masked is not None:  # Note [Masked calls]: the event engine, on the masked schedule
         _check_masked_engine(mode, world_size)
         call |= dict(seq_local=None, seq_len=masked.seq_len, **masked.keywords)
-        sched = strategy_schedule(
-            strategy, pass_, hybrid=hybrid, lend_last_pair=lend_last_pair, **call
-        )
-        return simulate_schedule(sched, shape=shape, hardware=hardware)
     lends = strategy is Strategy.TOKEN_RING and lend_last_pair
     if mode == "event" or (lends and world_size <= LEND_MAX_WORLD_SIZE):
         sched = strategy_schedule(
@@ -1611,12 +1605,7 @@ def simulate_pass(
         )
         if mode == "event":
             return simulate_schedule(sched, shape=shape, hardware=hardware)
-        if any(tr.payload is Payload.KV for tr in sched.transfers):  # it lends its last pair
-            raise NotImplementedError(
-                "the vectorised engine's columns have TokenRing's plain tail, and this "
-                "schedule lends its last pair (Note [Borrowed last pair] in "
-                "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
-            )
+        _check_plain_tail(sched)
     return _simulate_vectorised(ring_plan(strategy, pass_, **call), layout, causal, shape, hardware)
 
 
@@ -1627,6 +1616,17 @@ def _check_masked_engine(mode: str, world_size: int) -> None:
             "the vectorised engine replays the columns of a plain causal or full mask; a "
             f"window or documents need the event engine (mode='event', up to "
             f"{EVENT_LIMIT_WORLD_SIZE} ranks); got world_size={world_size}, mode={mode!r}"
+        )
+
+
+def _check_plain_tail(sched: Schedule) -> None:
+    """NotImplementedError where TokenRing's ``sched`` lends its last pair, which the
+    vectorised engine's columns do not."""
+    if any(tr.payload is Payload.KV for tr in sched.transfers):
+        raise NotImplementedError(
+            "the vectorised engine's columns have TokenRing's plain tail, and this "
+            "schedule lends its last pair (Note [Borrowed last pair] in "
+            "tokenring.strategies.ring): use mode='event', or lend_last_pair=False"
         )
 
 
@@ -1647,11 +1647,8 @@ class CallMask:
     @property
     def keywords(self) -> dict[str, Any]:
         """``cu_seqlens``, ``window_size``, ``attention_chunk_size`` for the builders."""
-        return dict(
-            cu_seqlens=self.cu_seqlens,
-            window_size=self.window_size,
-            attention_chunk_size=self.attention_chunk_size,
-        )
+        names = ("cu_seqlens", "window_size", "attention_chunk_size")
+        return {name: getattr(self, name) for name in names}
 
     def describe(self) -> str:
         """A few words: the window, the documents, the chunks."""
@@ -1731,16 +1728,14 @@ def _check_types(
 ) -> None:
     """ValueError naming an argument of :func:`simulate_pass` that has the wrong type (a
     truthy ``lend_last_pair="no"`` would lend)."""
-    if not isinstance(shape, AttentionShape):
-        raise ValueError(f"shape must be an AttentionShape; got {shape!r}")
-    if not isinstance(hardware, Hardware):
-        raise ValueError(
-            f"hardware must be a Hardware (costmodel.preset(name) for a preset); got {hardware!r}"
-        )
-    if hybrid is not None and not isinstance(hybrid, HybridSpec):
-        raise ValueError(f"hybrid must be a HybridSpec or None; got {hybrid!r}")
-    if not isinstance(lend_last_pair, bool):
-        raise ValueError(f"lend_last_pair must be a bool; got {lend_last_pair!r}")
+    for name, value, kind, expected in (
+        ("shape", shape, AttentionShape, "an AttentionShape"),
+        ("hardware", hardware, Hardware, "a Hardware (costmodel.preset(name) for a preset)"),
+        ("hybrid", hybrid, HybridSpec | None, "a HybridSpec or None"),
+        ("lend_last_pair", lend_last_pair, bool, "a bool"),
+    ):
+        if not isinstance(value, kind):
+            raise ValueError(f"{name} must be {expected}; got {value!r}")
 
 
 def _engine(mode: str, strategy: Strategy, world_size: int) -> str:
@@ -1814,22 +1809,24 @@ def strategy_schedule(
         return build_schedule(
             strategy, pass_, seq_local=seq_local, seq_len=seq_len, **common, **masking
         )
-    if strategy is Strategy.HYBRID and given:  # the builder takes the mask and seq_len
+    if strategy is Strategy.HYBRID:  # its builder takes a mask with seq_len
+        if seq_len is not None and not given:
+            seq_local, seq_len = _hybrid_rows(layout, world_size, seq_len, hybrid), None
         if hybrid is None:
-            raise ValueError(_NO_HYBRID)
+            raise ValueError(
+                "hybrid must give the inner size and outer strategy for strategy 'hybrid' "
+                "(a tokenring.strategies.hybrid.HybridSpec); got None"
+            )
         return build_hybrid_schedule(
             pass_, spec=hybrid, last_block_splits=last_block_splits, seq_local=seq_local,
             seq_len=seq_len, **common, **masking,
         )  # fmt: skip
-    if seq_len is not None:
-        seq_local = _rows_of(strategy, layout, world_size, seq_len, cu_seqlens, hybrid)
-    assert seq_local is not None
-    if strategy is Strategy.HYBRID:
-        if hybrid is None:
-            raise ValueError(_NO_HYBRID)
-        return build_hybrid_schedule(
-            pass_, spec=hybrid, last_block_splits=last_block_splits, seq_local=seq_local, **common
+    if seq_len is not None:  # the collective's padded buffer
+        sharding = make_sharding(
+            layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
         )
+        seq_local = sharding.seq_local
+    assert seq_local is not None
     sched = build_collective_schedule(strategy.value, pass_, seq_local=seq_local, **common)
     if not given:
         return sched
@@ -1843,30 +1840,15 @@ def strategy_schedule(
     return replace(sched, sharding=masked.sharding, mask=masked.mask)
 
 
-def _rows_of(
-    strategy: Strategy,
-    layout: Layout | str,
-    world_size: int,
-    seq_len: int,
-    cu_seqlens: Sequence[int] | Tensor | None,
-    hybrid: HybridSpec | None,
+def _hybrid_rows(
+    layout: Layout | str, world_size: int, seq_len: int, hybrid: HybridSpec | None
 ) -> int:
-    """The rows each rank holds of S = ``seq_len`` tokens: a collective's padded buffer, or
-    about 1/P_in of the hybrid's padded outer shard, as the layout splits it."""
-    if strategy is not Strategy.HYBRID:
-        return make_sharding(
-            layout=layout, world_size=world_size, seq_len=seq_len, cu_seqlens=cu_seqlens
-        ).seq_local
+    """The rows each hybrid rank holds of S = ``seq_len`` tokens: about 1/P_in of its padded
+    outer shard, as the layout splits it."""
     inner = hybrid.inner if hybrid is not None else 1
     outer = make_sharding(layout=layout, world_size=max(1, world_size // inner), seq_len=seq_len)
     rows = -(-outer.seq_local // inner)
     return rows + 1 if Layout.parse(layout) is Layout.ZIGZAG and inner * rows % 2 else rows
-
-
-_NO_HYBRID = (
-    "hybrid must give the inner size and outer strategy for strategy 'hybrid' "
-    "(a tokenring.strategies.hybrid.HybridSpec); got None"
-)
 
 
 _FORWARD, _BACKWARD = (Pass.FORWARD,), (Pass.BACKWARD,)

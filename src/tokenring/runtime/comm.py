@@ -130,11 +130,8 @@ def check_timeout_s(value: object, name: str = "timeout_s") -> float:
 
 
 # (flow, lane), each with its own process group; lane 1: the bidirectional ring's other way
-CHANNELS: tuple[tuple[Flow, int], ...] = (
-    (Flow.TRAVEL, 0),
-    (Flow.RETURN, 0),
-    (Flow.TRAVEL, 1),
-    (Flow.RETURN, 1),
+CHANNELS: tuple[tuple[Flow, int], ...] = tuple(
+    (flow, lane) for lane in (0, 1) for flow in (Flow.TRAVEL, Flow.RETURN)
 )
 
 
@@ -508,10 +505,7 @@ class PendingRecv:
         *,
         shared: bool = False,
     ) -> None:
-        self.transfer = transfer
-        self._comm = comm
-        self._message = message
-        self._fields = fields
+        self.transfer, self._comm, self._message, self._fields = transfer, comm, message, fields
         self._frame_sizes = _frame_sizes(_sizes(fields))  # what the header must announce
         self._works: list[Any] = []  # one per frame, posted in frame order
         self._posted_s = time.perf_counter()
@@ -782,63 +776,53 @@ class Communicator:
     ) -> Callable[[], list[bytes]]:
         """:meth:`all_gather_bytes`, posted: what waits for it and returns every rank's data."""
         with self._in_use():
-            return self._post_gather_here(data, what=what, frame_num_bytes=frame_num_bytes)
-
-    def _post_gather_here(
-        self, data: bytes, *, what: str, frame_num_bytes: int
-    ) -> Callable[[], list[bytes]]:
-        self.settle()
-        if len(data) > frame_num_bytes - 8:
-            raise ValueError(
-                f"data for {what} must be at most {frame_num_bytes - 8} bytes; got {len(data)}"
-            )
-        self._check_open()
-        if self.world_size == 1:
-            return lambda: [data]
-        self._check_usable(what)
-        # row r: rank r's length (int64) then data; ctypes: tensor ops cost more than the swap
-        table = torch.zeros(self.world_size, frame_num_bytes, dtype=torch.uint8)
-        mine = table[self.rank]
-        framed = struct.pack("<q", len(data)) + data
-        ctypes.memmove(mine.data_ptr(), framed, len(framed))
-        frames = {r: table[r] for r in range(self.world_size) if r != self.rank}
-        swapped = self._post_swap(mine, frames)
-        self._num_open += 1
-
-        def finish() -> list[bytes]:
-            try:
-                silent, closed = swapped()
-            except BaseException as exc:  # interrupted while waiting: the swap is half done
-                self._interrupted(exc)
-                raise
-            finally:
-                self._num_open -= 1
-                self._maybe_release()
-            if silent or closed:
-                parts = []
-                if silent:
-                    parts.append(
-                        f"rank(s) {silent} did not arrive within "
-                        f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the "
-                        "call, called something else, or skipped this check: check_ranks=False "
-                        "on it, not here)"
-                    )
-                parts.extend(closed.values())
-                self._break(f"{what} failed")
-                failed = self._failed_peers()
-                raise RuntimeError(
-                    (f"{failed}; so " if failed else "")
-                    + f"rank {self.rank}: {what}: "
-                    + "; ".join(parts)
+            self.settle()
+            if len(data) > frame_num_bytes - 8:
+                raise ValueError(
+                    f"data for {what} must be at most {frame_num_bytes - 8} bytes; got {len(data)}"
                 )
-            out = []
-            for r in range(self.world_size):
-                start = table.data_ptr() + r * frame_num_bytes
-                (num,) = struct.unpack("<q", ctypes.string_at(start, 8))
-                out.append(ctypes.string_at(start + 8, min(max(num, 0), frame_num_bytes - 8)))
-            return out
+            self._check_open()
+            if self.world_size == 1:
+                return lambda: [data]
+            self._check_usable(what)
+            # row r: rank r's length (int64) then data; ctypes: tensor ops cost more than the swap
+            table = torch.zeros(self.world_size, frame_num_bytes, dtype=torch.uint8)
+            mine = table[self.rank]
+            framed = struct.pack("<q", len(data)) + data
+            ctypes.memmove(mine.data_ptr(), framed, len(framed))
+            frames = {r: table[r] for r in range(self.world_size) if r != self.rank}
+            swapped = self._post_swap(mine, frames)
+            self._num_open += 1
 
-        return finish
+            def finish() -> list[bytes]:
+                try:
+                    silent, closed = swapped()
+                except BaseException as exc:  # interrupted while waiting: the swap is half done
+                    self._interrupted(exc)
+                    raise
+                finally:
+                    self._num_open -= 1
+                    self._maybe_release()
+                if silent or closed:
+                    parts = []
+                    if silent:
+                        parts.append(
+                            f"rank(s) {silent} did not arrive within "
+                            f"{self.timeout.total_seconds():g} s (frozen, slow, failed before the "
+                            "call, called something else, or skipped this check: check_ranks=False "
+                            "on it, not here)"
+                        )
+                    parts.extend(closed.values())
+                    message = f"rank {self.rank}: {what}: " + "; ".join(parts)
+                    raise self._failure(f"{what} failed", message)
+                out = []
+                for r in range(self.world_size):
+                    start = table.data_ptr() + r * frame_num_bytes
+                    (num,) = struct.unpack("<q", ctypes.string_at(start, 8))
+                    out.append(ctypes.string_at(start + 8, min(max(num, 0), frame_num_bytes - 8)))
+                return out
+
+            return finish
 
     def _post_swap(
         self, mine: torch.Tensor, frames: dict[int, torch.Tensor]
@@ -1090,57 +1074,46 @@ class Communicator:
             The pending receives by transfer.
         """
         with self._in_use():
-            return self._exchange(sends, recvs, device=device)
-
-    def _exchange(
-        self,
-        sends: Sequence[tuple[Transfer, Sequence[torch.Tensor] | Message]],
-        recvs: Sequence[tuple[Transfer, list[FieldSpec]]],
-        *,
-        device: torch.device,
-    ) -> dict[Transfer, PendingRecv]:
-        self._check_open()
-        self.settle()
-        self._check_usable("transfers")
-        pending: dict[Transfer, PendingRecv] = {}
-        batches: dict[tuple[Flow, int], tuple[list[PendingRecv], list[Any]]] = {}
-        for tr, f in recvs:
-            pending[tr] = rec = self._recv(tr, f, device)
-            batches.setdefault(_channel(tr), ([], []))[0].append(rec)
-        for tr, x in sends:
-            batches.setdefault(_channel(tr), ([], []))[1].append((tr, self._send(tr, x)))
-        for channel in CHANNELS:  # the same order on every rank
-            if channel not in batches:
-                continue
-            recv_list, sending = batches[channel]
-            if self._uses_shm(device):  # numbered and posted in this order on both ends
-                self._post_shared(recv_list, sending)
-                continue
-            ops = [(False, wire, rec.transfer.src) for rec in recv_list for wire in rec._wires]
-            ops += [(True, wire, tr.dst) for tr, wires in sending for wire in wires]
-            try:
-                works = self._post(ops, self._groups[channel])
-            except Exception as exc:
-                self._break("posting transfers failed")
-                peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
-                with_whom = f"ranks {peers}"
-                if isinstance(exc, _PostFailed):  # the peer whose connection is closed
-                    with_whom, exc = f"rank {exc.peer}", exc.cause
-                failed = self._failed_peers()
-                raise RuntimeError(
-                    (f"{failed}; so " if failed else "")
-                    + f"rank {self.rank}: posting the {channel[0].value!r} transfers of step "
-                    f"{(sends or recvs)[0][0].step} with {with_whom} failed (a peer failed or "
-                    f"exited): {_first_line(exc)}"
-                ) from exc
-            if len(works) != len(ops):  # coalesced into one work (NCCL): all complete with it
-                works = [works[-1] if works else None] * len(ops)
-            by_op = iter(works)
-            for rec in recv_list:
-                rec._works = [next(by_op) for _ in rec._wires]
-            for tr, wires in sending:
-                self._pending_sends.extend((next(by_op), tr) for _ in wires)
-        return pending
+            self._check_open()
+            self.settle()
+            self._check_usable("transfers")
+            pending: dict[Transfer, PendingRecv] = {}
+            batches: dict[tuple[Flow, int], tuple[list[PendingRecv], list[Any]]] = {}
+            for tr, f in recvs:
+                pending[tr] = rec = self._recv(tr, f, device)
+                batches.setdefault(_channel(tr), ([], []))[0].append(rec)
+            for tr, x in sends:
+                batches.setdefault(_channel(tr), ([], []))[1].append((tr, self._send(tr, x)))
+            for channel in CHANNELS:  # the same order on every rank
+                if channel not in batches:
+                    continue
+                recv_list, sending = batches[channel]
+                if self._uses_shm(device):  # numbered and posted in this order on both ends
+                    self._post_shared(recv_list, sending)
+                    continue
+                ops = [(False, wire, rec.transfer.src) for rec in recv_list for wire in rec._wires]
+                ops += [(True, wire, tr.dst) for tr, wires in sending for wire in wires]
+                try:
+                    works = self._post(ops, self._groups[channel])
+                except Exception as exc:
+                    peers = sorted({tr.src for tr, _ in recvs} | {tr.dst for tr, _ in sends})
+                    with_whom = f"ranks {peers}"
+                    if isinstance(exc, _PostFailed):  # the peer whose connection is closed
+                        with_whom, exc = f"rank {exc.peer}", exc.cause
+                    raise self._failure(
+                        "posting transfers failed",
+                        f"rank {self.rank}: posting the {channel[0].value!r} transfers of step "
+                        f"{(sends or recvs)[0][0].step} with {with_whom} failed (a peer failed or "
+                        f"exited): {_first_line(exc)}",
+                    ) from exc
+                if len(works) != len(ops):  # coalesced into one work (NCCL): all complete with it
+                    works = [works[-1] if works else None] * len(ops)
+                by_op = iter(works)
+                for rec in recv_list:
+                    rec._works = [next(by_op) for _ in rec._wires]
+                for tr, wires in sending:
+                    self._pending_sends.extend((next(by_op), tr) for _ in wires)
+            return pending
 
     def _post_shared(
         self, recv_list: list[PendingRecv], sending: list[tuple[Transfer, list[torch.Tensor]]]
@@ -1287,16 +1260,21 @@ class Communicator:
     def _failed(self, tr: Transfer, what: str, exc: Exception) -> RuntimeError:
         """The error of a failed ``what`` ("send", "receive") of ``tr``; marks this
         communicator broken (its groups may hold unmatched operations)."""
-        self._break(f"a {what} failed")
         peer = tr.src if what == "receive" else tr.dst
-        failed = self._failed_peers()
-        return RuntimeError(
-            (f"{failed}; so " if failed else "")
-            + f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
+        return self._failure(
+            f"a {what} failed",
+            f"rank {self.rank}: {what} of {tr.payload.value!r} rows {tr.rows} of owner "
             f"{tr.owner} {'from' if what == 'receive' else 'to'} rank {peer} at step "
             f"{tr.step} failed (peer failed, mismatched, or slower than "
-            f"{self.timeout.total_seconds():.0f} s): {exc}"
+            f"{self.timeout.total_seconds():.0f} s): {exc}",
         )
+
+    def _failure(self, why: str, message: str) -> RuntimeError:
+        """Mark this communicator failed for ``why`` (:meth:`_break`); ``message``, after what
+        the peers that failed first said (Note [Failures through the store])."""
+        self._break(why)
+        failed = self._failed_peers()
+        return RuntimeError((f"{failed}; so " if failed else "") + message)
 
     # -- collectives: posted async on ``group``, waited for at most ``timeout`` --------------
 
@@ -1667,35 +1645,28 @@ class PendingCollective:
         self._copy_back: tuple[torch.Tensor, torch.Tensor] | None = None  # (result, caller's)
 
     def wait(self) -> None:
-        self._wait()
+        comm = self._comm
+        if self._work is not None:
+            try:
+                self._work.wait(comm.timeout)
+                comm._num_open -= 1
+                comm._maybe_release()
+            except Exception as exc:
+                raise comm._failure(
+                    f"the {self._op} {self._label!r} failed",
+                    f"rank {comm.rank}: the {self._op} {self._label!r} over "
+                    f"{comm.describe_group()} failed or did not complete within the "
+                    f"communicator's timeout of {comm.timeout.total_seconds():g} s (a peer "
+                    f"failed, was called with other arguments, or is slower): {exc}",
+                ) from exc
+            self._work = None
+            if comm.timeline is not None:
+                event = Event("recv", self._label, 0, self._posted_s, time.perf_counter())
+                comm.timeline.events.append(event)
         if self._copy_back is not None:
             result, target = self._copy_back
             self._copy_back = None
             target.copy_(result)
-
-    def _wait(self) -> None:
-        if self._work is None:
-            return
-        comm = self._comm
-        try:
-            self._work.wait(comm.timeout)
-            comm._num_open -= 1
-            comm._maybe_release()
-        except Exception as exc:
-            comm._break(f"the {self._op} {self._label!r} failed")
-            failed = comm._failed_peers()
-            raise RuntimeError(
-                (f"{failed}; so " if failed else "")
-                + f"rank {comm.rank}: the {self._op} {self._label!r} over "
-                f"{comm.describe_group()} failed or did not complete within the "
-                f"communicator's timeout of {comm.timeout.total_seconds():g} s (a peer "
-                f"failed, was called with other arguments, or is slower): {exc}"
-            ) from exc
-        self._work = None
-        if comm.timeline is not None:
-            comm.timeline.events.append(
-                Event("recv", self._label, 0, self._posted_s, time.perf_counter())
-            )
 
 
 # Note [Channel pool]
