@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import full_attention, sharded_positions
+from tokenring.core.sketch import replicated_rtol, sketch
 from tokenring.launch import LaunchError
 
 S, H, D = 64, 4, 16
@@ -494,3 +495,49 @@ def test_repeated_calls_agree_by_digest_and_still_name_a_differing_option(
         # the check completes before the call's first transfer (Note [Deferred agreement])
         assert bad["messages"] == 0 < calls[0]["messages"], bad
         assert bad["elapsed_s"] < 2.5  # the agreement, not a timeout (3 s)
+
+
+def _sketched(cases: list[tuple[float, float, float]], shared_memory: bool) -> list[str]:
+    """One check per case: a signature of three sketched fields (Note [Agreement by digest])
+    whose values rank 1 moves by the case's amounts, beside a plain field; what each raised.
+    Then a signature of more sketches than a frame carries."""
+    rank = dist.get_rank()
+    comm = tokenring.Communicator(None, timeout_s=20, shared_memory=shared_memory)
+    base = torch.arange(1.0, 65.0, dtype=torch.float64).view(4, 16)
+    outcomes = []
+    for case in [*cases, None]:
+        names = "abcde" if case is None else "abc"
+        shifts = case or (0.0,) * 5
+        signature: dict[str, Any] = {"plain": 1}
+        for i, (name, shift) in enumerate(zip(names, shifts, strict=False)):
+            x = base * (i + 1) + (shift if rank == 1 else 0.0)
+            signature[f"field {name}"] = sketch(x, rtol=replicated_rtol(x.dtype))
+        try:
+            comm.agreed(lambda sig=signature: (None, sig), what="test call")
+            outcomes.append("ok")
+        except (ValueError, TypeError) as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    comm.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["sockets", "shared_memory"])
+def test_a_check_compares_several_sketched_fields_and_names_each_that_differs(
+    shared_memory: bool,
+) -> None:
+    """Up to MAX_SKETCHES sketched fields ride in one check (a Flux model call's timestep,
+    guidance and pooled projections beside its text): each is compared on its own, within
+    rounding, and the error names exactly those that differ, on every rank."""
+    from tokenring.runtime.comm import MAX_SKETCHES
+
+    cases = [(0.0, 0.0, 0.0), (1e-13, 0.0, 0.0), (0.0, 0.5, 0.0), (2.0, 0.0, 0.5)]
+    assert MAX_SKETCHES == 4  # the last signature (5 sketches) is one too many
+    results = tokenring.launch(_sketched, cases, shared_memory, world_size=2, timeout_s=120)
+    assert results[0] == results[1], results
+    ok, rounding, middle, outer, too_many = results[0]
+    assert ok == "ok" and rounding == "ok", results[0]  # rounding-sized differences agree
+    assert middle.startswith("ValueError: ranks disagree on this test call: field b: rank 1")
+    assert "field a" not in middle and "field c" not in middle, middle
+    assert outer.startswith("ValueError: ranks disagree on this test call: field a: rank 1")
+    assert "; field c: rank 1 differs" in outer and "field b" not in outer, outer
+    assert too_many == "TypeError: a signature holds 4 Sketches at most; got 5", too_many

@@ -10,7 +10,9 @@ each kind), against the same model in one process (diffusers' own processor):
   processor was replaced on one layer after a call that ran (that call matches one process);
 - with ``text="sharded"`` one rank given another ``timestep``, ``guidance`` or
   ``pooled_projections`` than its peers (nothing replicated reaches the attention there): no
-  error, 0.67, 0.90 and 0.077 off. Now every rank raises naming the argument;
+  error, 0.67, 0.90 and 0.077 off. Now every rank raises naming the argument (each rides as
+  a sketch of its own in the first layer's check); with replicated text too (it raised naming
+  the text rows alone);
 - every attention layer with the same query-projection weights (LoRA-like frozen copies, or
   zero-initialised layers): the layer check by weight signs saw the same signs at every layer,
   so ranks at different layers (diffusers' FirstBlockCache skipping blocks on one rank only)
@@ -22,6 +24,7 @@ each kind), against the same model in one process (diffusers' own processor):
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -122,12 +125,12 @@ def replaced_later(comm: tokenring.Communicator) -> tuple[Any, Any]:
     return first, attempt(comm, model, mine)
 
 
-def other_conditioning(comm: tokenring.Communicator, name: str) -> Any:
-    """Text sharded, rank 1 given another ``name`` than rank 0."""
+def other_conditioning(comm: tokenring.Communicator, name: str, text: str) -> Any:
+    """Rank 1 given another ``name`` than rank 0."""
     guidance = name == "guidance"
     model = build_model(guidance=guidance)
-    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm, text="sharded"))
-    mine = local_inputs(model_inputs(guidance=guidance), comm.rank, "sharded")
+    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm, text=text))
+    mine = local_inputs(model_inputs(guidance=guidance), comm.rank, text)
     if comm.rank == 1:
         mine[name] = mine[name] + 0.25
     return attempt(comm, model, mine)
@@ -163,7 +166,11 @@ def run_ranks() -> dict[str, Any]:
     return {
         **{f"some layers, {text}": some_layers(comm, text) for text in ("sharded", "replicated")},
         "replaced later": replaced_later(comm),
-        **{name: other_conditioning(comm, name) for name in CONDITIONING},
+        **{
+            f"{name}, {text}": other_conditioning(comm, name, text)
+            for name in CONDITIONING
+            for text in ("sharded", "replicated")
+        },
         "copied query weights": copied_query_weights(comm),
     }
 
@@ -200,11 +207,16 @@ def test_model_level_misuse_raises_on_every_rank() -> None:
         message = refused(then, want, what="diffusers' processor on one layer again")
         assert "set on 3 of the 4 attention layers" in message, (rank, message)
         assert "single_transformer_blocks.0.attn" in message, (rank, message)
-        for name in CONDITIONING:
+        for name, text in itertools.product(CONDITIONING, ("sharded", "replicated")):
             oracle = want_guidance if name == "guidance" else want
-            message = refused(got[name], oracle, what=f"another {name} on rank 1")
-            assert "ranks disagree on this Flux model call" in message, (rank, name, message)
-            assert f"{name} (" in message and "rank 1 differs" in message, (rank, name, message)
+            case = f"{name}, {text}"
+            message = refused(got[case], oracle, what=f"another {name} on rank 1, {text} text")
+            # named as an argument of the model call, in the first layer's check
+            assert "ranks disagree on this Flux attention layer" in message, (rank, case, message)
+            assert f"model call: {name} (" in message, (rank, case, message)
+            assert "rank 1 differs" in message, (rank, case, message)
+            for other in set(CONDITIONING) - {name}:  # the others agree
+                assert f"model call: {other} (" not in message, (rank, case, message)
         log = got["copied query weights"]
         assert log[:-1] == ["ran"] * (2 - rank), (rank, log)
         assert "layer name" in log[-1], (rank, log)

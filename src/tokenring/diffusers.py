@@ -64,7 +64,6 @@ import enum
 import functools
 import inspect
 import math
-import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -84,7 +83,7 @@ from tokenring.api import (
 )
 from tokenring.core.enums import parse_enum
 from tokenring.core.schedule import Strategy
-from tokenring.core.sketch import SKETCH_NUM_VALUES, Sketch, replicated_rtol, sketch
+from tokenring.core.sketch import Sketch, replicated_rtol, sketch
 from tokenring.model.costmodel import Hardware
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.executor import outside_autocast
@@ -154,12 +153,12 @@ LAYER_NAME_FIELD = (
     "layer name (every rank at the same attention layer of the model; a cache hook that skips "
     "blocks by each rank's own tokens, such as diffusers' FirstBlockCache, breaks it)"
 )
-# The model call's replicated inputs (Note [The Flux model's own check]); named "model call"
-# to sort after the layer fields in a disagreement's message
+# The model call's replicated inputs (Note [The Flux model's own check]), each a field of its
+# own; named "model call" to sort after the layer fields in a disagreement's message
 CONDITIONING = ("timestep", "guidance", "pooled_projections")
 CONDITIONING_FIELD = (
-    "model call: timestep, guidance, pooled_projections (the same on every rank: each rank "
-    "runs the same denoising step of the same prompt)"
+    "model call: {} (the same on every rank: each rank runs the same denoising step of the "
+    "same prompt)"
 )
 CONDITIONING_SHAPES_FIELD = "model call: shapes of timestep, guidance, pooled_projections"
 CROSS_KV_FIELD = (
@@ -479,13 +478,12 @@ def _cross_checked(
 # without the processor, and the timestep, guidance and pooled_projections. The first layer
 # with the processor takes it into its own rank check, so the model adds no exchange (a
 # separate one would pair, on a rank that a cache hook sent to the next call early, with its
-# peer's layer check: "ranks are in different calls", naming no layer). That layer's check
-# completes before its attention (not deferred: one wait per model call, none per layer), so
-# that where the conditioning differs one more exchange of a sketch per argument names it.
-# With replicated text that sketch's place holds the text's (one per check): the text rows
-# reaching the attention are modulated by the conditioning, so a rank given another timestep
-# raises there, naming the text. Not checked: a model called through ``model.forward`` (no
-# hooks run) or one whose processor is only ever called outside a model call.
+# peer's layer check: "ranks are in different calls", naming no layer). Each of the three
+# rides as a sketch of its own (Note [Agreement by digest] in tokenring.runtime.comm), so a
+# disagreement names the argument (with replicated text the text too: its rows reaching the
+# attention are modulated by the conditioning). Not checked: a model called through
+# ``model.forward`` (no hooks run) or one whose processor is only ever called outside a model
+# call.
 
 
 @dataclass(eq=False)
@@ -573,7 +571,7 @@ def _take_model_check(attn: Any) -> _ModelCheck | None:
     return check
 
 
-def _model_signature(check: _ModelCheck, world_size: int, sketch_free: bool) -> dict[str, Any]:
+def _model_signature(check: _ModelCheck, world_size: int) -> dict[str, Any]:
     """The model call's check (raises where layers lack the processor), as signature fields."""
     if check.missing:
         shown = ", ".join(check.missing[:8]) + (
@@ -589,47 +587,10 @@ def _model_signature(check: _ModelCheck, world_size: int, sketch_free: bool) -> 
         return {}
     shapes = {n: None if x is None else list(x.shape) for n, x in check.conditioning.items()}
     signature: dict[str, Any] = {CONDITIONING_SHAPES_FIELD: shapes}
-    tensors = [x for x in check.conditioning.values() if x is not None and x.numel()]
-    if sketch_free and tensors:
-        rtol = max(replicated_rtol(x.dtype) for x in tensors)
-        signature[CONDITIONING_FIELD] = sketch(*tensors, rtol=rtol)
+    for name, x in check.conditioning.items():
+        if x is not None and x.numel():
+            signature[CONDITIONING_FIELD.format(name)] = _values_sketch(x)
     return signature
-
-
-_SKETCHES = struct.Struct(f"<{len(CONDITIONING) * (1 + 2 * SKETCH_NUM_VALUES)}d")
-
-
-def _name_conditioning(check: _ModelCheck, comm: Communicator, cause: ValueError) -> None:
-    """Where the ranks' conditioning sketch differed (every rank sees the same): exchange one
-    sketch per argument and raise naming those that differ."""
-    sketches, none = [], Sketch((0.0,) * SKETCH_NUM_VALUES, rtol=0.0)
-    for name in CONDITIONING:
-        x = check.conditioning.get(name)
-        s = _values_sketch(x) if x is not None and x.numel() else none
-        sketches += [s.rtol, *s.values, *s.nonfinite]
-    mine = _SKETCHES.pack(*sketches)
-    gathered = comm.all_gather_bytes(mine, what="the Flux model call's conditioning")
-    rows = [_SKETCHES.unpack(b) for b in gathered]
-    k, diffs = SKETCH_NUM_VALUES, []
-    for i, name in enumerate(CONDITIONING):
-        at = i * (1 + 2 * k)
-
-        def of(row: tuple[float, ...], at: int = at) -> Sketch:
-            return Sketch(row[at + 1 : at + 1 + k], row[at], row[at + 1 + k : at + 1 + 2 * k])
-
-        first = of(rows[0])
-        for r, row in enumerate(rows[1:], start=1):
-            distance = first.distance(of(row))
-            if not distance <= first.rtol:
-                diffs.append(
-                    f"{name} (the same on every rank: each rank runs the same denoising step "
-                    f"of the same prompt): rank {r} differs from rank 0 (the distance of their "
-                    f"values is {distance:.2g} of their norm, where rounding stays within "
-                    f"{first.rtol:.2g})"
-                )
-                break
-    if diffs:
-        raise ValueError("ranks disagree on this Flux model call: " + "; ".join(diffs)) from cause
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -726,15 +687,9 @@ class FluxSequenceParallelProcessor:
             comm.world_size,
         )
         # every rank's checks, placement and text rows agreed before any collective: a rank
-        # that raised alone left the others waiting in the next exchange; the model call's
-        # first, before its attention (Note [The Flux model's own check])
-        what = "Flux attention layer"
-        try:
-            num_text = comm.agreed(validate, what=what, deferred=check is None)
-        except ValueError as exc:
-            if check is not None and f"{what}: {CONDITIONING_FIELD}: rank" in str(exc):
-                _name_conditioning(check, comm, exc)
-            raise
+        # that raised alone left the others waiting in the next exchange (the model call's
+        # first layer also the model's: Note [The Flux model's own check])
+        num_text = comm.agreed(validate, what="Flux attention layer", deferred=True)
         sharded = text is TextPlacement.SHARDED and encoder_hidden_states is not None
         if sharded and text_seq_len is not None:  # the ranks' text rows must add up to T
             _check_sharded_text_len(text_seq_len, num_text, comm)
@@ -791,8 +746,8 @@ def _layer_checked(
         signature[LAYER_FIELD] = _layer_signs(attn)
         signature[LAYER_NAME_FIELD] = getattr(attn, "_tokenring_layer", None)
     text_sketched = text is TextPlacement.REPLICATED and num_text and world_size > 1
-    if check is not None:  # one sketch per check: the text's, where it has one
-        signature |= _model_signature(check, world_size, sketch_free=not text_sketched)
+    if check is not None:
+        signature |= _model_signature(check, world_size)
     if text_sketched:  # by value too
         text_rows = [hidden_states[:, :num_text]]
         if encoder_hidden_states is not None:

@@ -218,10 +218,13 @@ _HEADER_FIELDS = 5
 APART_MIN_BYTES = 64 * 1024  # a field this big travels as a frame of its own
 AGREE_FRAME_NUM_BYTES = 4096  # one message of Communicator.all_gather_bytes
 DIGEST_NUM_BYTES = 16  # blake2b digest of a call's signature (Note [Agreement by digest])
-# then a signature's Sketch: its rtol (0: none), K values and K non-finite codes (Note [Replicated
-# values agreed by sketch] in tokenring.core.sketch), in every frame: the same size for every call
+# then a signature's Sketches, in its fields' order: each its rtol (0: none), K values and K
+# non-finite codes (Note [Replicated values agreed by sketch] in tokenring.core.sketch), in every
+# frame MAX_SKETCHES of them (unused ones zero): the same size for every call
+MAX_SKETCHES = 4
 _SKETCH_STRUCT = struct.Struct(f"<{1 + 2 * SKETCH_NUM_VALUES}d")
-DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + _SKETCH_STRUCT.size
+_NO_SKETCH = Sketch(values=(0.0,) * SKETCH_NUM_VALUES, rtol=0.0)
+DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + MAX_SKETCHES * _SKETCH_STRUCT.size
 
 # Note [Agreement by digest]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -233,11 +236,12 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + _SKETCH_STRUCT.size
 #   any digest differs, or a problem    -> every rank exchanges the JSON rows (4 KiB frames)
 #                                          and raises naming the field, the value and the ranks
 #
-# A signature may hold one field whose value is a ``Sketch`` (values that must be the same on
-# every rank up to rounding: Note [Replicated values agreed by sketch] in
-# tokenring.core.sketch). Its K numbers travel in the digest frame beside the digest (which
-# covers only the field's name); with the digests equal, every rank compares every rank's
-# sketch with rank 0's, within rank 0's rtol, so all raise together, naming the field.
+# A signature may hold up to MAX_SKETCHES fields whose values are ``Sketch``es (values that must
+# be the same on every rank up to rounding: Note [Replicated values agreed by sketch] in
+# tokenring.core.sketch). Their numbers travel in the digest frame beside the digest (which
+# covers only the fields' names); with the digests equal, every rank compares every rank's
+# sketches with rank 0's, each within rank 0's rtol, so all raise together, naming every field
+# that differs (a Flux model call's timestep, guidance and pooled projections are three).
 #
 # Note [Deferred agreement]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -284,28 +288,36 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + _SKETCH_STRUCT.size
 # closed sockets did. The probe that sets the transport up runs over gloo.
 
 
-def _compare_sketches(name: str, frames: list[bytes], what: str) -> None:
-    """ValueError, the same on every rank (each compares the same frames), where a rank's
-    sketch (Note [Agreement by digest]) is farther from rank 0's than rank 0's rtol."""
-    k = SKETCH_NUM_VALUES
-    sketches = [
-        Sketch(values=tuple(u[1 : 1 + k]), rtol=u[0], nonfinite=tuple(u[1 + k :]))
-        for u in (_SKETCH_STRUCT.unpack(f[DIGEST_NUM_BYTES:]) for f in frames)
-    ]
-    first = sketches[0]
-    for r, other in enumerate(sketches[1:], start=1):
-        distance = first.distance(other)
-        if other.nonfinite != first.nonfinite:
-            raise ValueError(
-                f"ranks disagree on this {what}: {name}: rank {r} differs from rank 0 in its "
-                "NaN or inf values (their places or kinds)"
-            )
-        if not distance <= first.rtol:
-            raise ValueError(
-                f"ranks disagree on this {what}: {name}: rank {r} differs from rank 0 (the "
-                f"distance of their values is {distance:.2g} of their norm, where rounding "
-                f"stays within {first.rtol:.2g})"
-            )
+def _compare_sketches(names: list[str], frames: list[bytes], what: str) -> None:
+    """ValueError, the same on every rank (each compares the same frames), naming each field
+    of ``names`` where a rank's sketch (Note [Agreement by digest]) is farther from rank 0's
+    than rank 0's rtol."""
+    k, size = SKETCH_NUM_VALUES, _SKETCH_STRUCT.size
+    diffs = []
+    for i, name in enumerate(names):
+        at = DIGEST_NUM_BYTES + i * size
+        sketches = [
+            Sketch(values=tuple(u[1 : 1 + k]), rtol=u[0], nonfinite=tuple(u[1 + k :]))
+            for u in (_SKETCH_STRUCT.unpack(f[at : at + size]) for f in frames)
+        ]
+        first = sketches[0]
+        for r, other in enumerate(sketches[1:], start=1):
+            distance = first.distance(other)
+            if other.nonfinite != first.nonfinite:
+                diffs.append(
+                    f"{name}: rank {r} differs from rank 0 in its NaN or inf values (their "
+                    "places or kinds)"
+                )
+                break
+            if not distance <= first.rtol:
+                diffs.append(
+                    f"{name}: rank {r} differs from rank 0 (the distance of their values is "
+                    f"{distance:.2g} of their norm, where rounding stays within "
+                    f"{first.rtol:.2g})"
+                )
+                break
+    if diffs:
+        raise ValueError(f"ranks disagree on this {what}: " + "; ".join(diffs))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -960,15 +972,19 @@ class Communicator:
         mine: dict[str, Any] = {"signature": signature, "call": what}
         if signature is None:
             mine = {"invalid": str(problem), "call": what}
-        sketched = [(k, v) for k, v in (signature or {}).items() if isinstance(v, Sketch)]
-        if len(sketched) > 1:
-            raise TypeError(f"a signature holds one Sketch at most; got {len(sketched)}")
-        if signature is not None and sketched:  # the digest covers its name
-            mine["signature"] = signature | {sketched[0][0]: "compared by sketch"}
+        sketched = sorted((k, v) for k, v in (signature or {}).items() if isinstance(v, Sketch))
+        if len(sketched) > MAX_SKETCHES:
+            raise TypeError(
+                f"a signature holds {MAX_SKETCHES} Sketches at most; got {len(sketched)}"
+            )
+        if signature is not None and sketched:  # the digest covers their names
+            mine["signature"] = signature | {name: "compared by sketch" for name, _ in sketched}
         data = json.dumps(mine, sort_keys=True).encode()
         digest = hashlib.blake2b(data, digest_size=DIGEST_NUM_BYTES).digest()
-        values = sketched[0][1] if sketched else Sketch(values=(0.0,) * SKETCH_NUM_VALUES, rtol=0)
-        frame = digest + _SKETCH_STRUCT.pack(values.rtol, *values.values, *values.nonfinite)
+        sketches = [v for _, v in sketched] + [_NO_SKETCH] * (MAX_SKETCHES - len(sketched))
+        frame = digest + b"".join(
+            _SKETCH_STRUCT.pack(v.rtol, *v.values, *v.nonfinite) for v in sketches
+        )
         check = f"the {what} check"
         gather = self._post_gather(frame, what=check, frame_num_bytes=DIGEST_FRAME_NUM_BYTES)
 
@@ -976,8 +992,8 @@ class Communicator:
             frames = gather()
             if problem is not None or any(f[:DIGEST_NUM_BYTES] != digest for f in frames):
                 self._disagreement(data, problem, what)
-            if sketched:  # every rank has one: the digests are equal
-                _compare_sketches(sketched[0][0], frames, what)
+            if sketched:  # every rank has the same fields: the digests are equal
+                _compare_sketches([name for name, _ in sketched], frames, what)
 
         return finish
 
