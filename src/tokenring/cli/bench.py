@@ -52,9 +52,9 @@ from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import (
     BENCH_MODELS,
     DTYPES,
-    TOLERANCE,
     add_hybrid_arguments,
     check_read,
+    checked,
     models_from_args,
 )
 from tokenring.cli.plot import bench_panels, plot_timelines, pyplot, write_trace
@@ -624,7 +624,6 @@ def _timed_calls(
 def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[str, Any]]:
     """One dict per row: max over ranks of each rank's statistic, the bound and its %."""
     bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
-    tol = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
     results = []
     for index, first in enumerate(per_rank[0]["rows"]):
         rows: list[RankRow] = [r["rows"][index] for r in per_rank]
@@ -641,7 +640,6 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
         steps_fwd = [r.step_fwd_s for r in rows if r.step_fwd_s is not None]
         steps_bwd = [r.step_bwd_s for r in rows if r.step_bwd_s is not None]
         travel, back = (max(r.sent_bytes[flow] for r in rows) for flow in ("travel", "return"))
-        error = max(r.max_error for r in rows)
         is_hybrid = first.strategy == Strategy.HYBRID.value
         results.append(
             {
@@ -667,9 +665,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "ms_compute_only": 1e3 * compute_only,
                 "ms_bound": 1e3 * bound_s,
                 "pct_of_bound": 100 * bound_s / median_s,
-                "max_error": error,
-                "tolerance": tol,
-                "verified": error <= tol,
+                **checked((r.max_error for r in rows), config.dtype, config.tolerance),
                 "kernel": ",".join(sorted({r.kernel for r in rows})),
             }
         )

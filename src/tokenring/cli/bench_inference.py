@@ -41,7 +41,7 @@ from tokenring.cli import (
     split_list,
 )
 from tokenring.cli.console import make_table, print_table
-from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
+from tokenring.cli.models import BENCH_MODELS, DTYPES, checked, models_from_args
 from tokenring.cli.reference import per_rank_reference, tile_bytes
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
@@ -303,7 +303,6 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
 
 def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> list[dict[str, Any]]:
     """One dict per row: the max over ranks of each rank's statistic."""
-    tolerance = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
     results = []
     for rows in zip(*(r["rows"] for r in per_rank), strict=True):
         first = rows[0]
@@ -316,7 +315,6 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
             elem_bytes=DTYPES[config.dtype].itemsize,
             acc_bytes=8 if config.dtype == "float64" else 4,
         )
-        error = max(r["max_error"] for r in rows)
         results.append(
             {
                 "mode": config.mode,
@@ -338,9 +336,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "model_return_bytes": first["model_return_bytes"],
                 "model_bound_by": first["model_bound_by"],
                 "auto_pick": first["pick"],
-                "max_error": error,
-                "tolerance": tolerance,
-                "verified": error <= tolerance,
+                **checked((r["max_error"] for r in rows), config.dtype, config.tolerance),
             }
         )
     for group in report.group_by(results, _case_key):  # the measured fastest, to score the pick

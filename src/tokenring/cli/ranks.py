@@ -225,22 +225,15 @@ def rank_device() -> torch.device:
 
 
 def collect_per_rank(
-    fn: Any,
-    config: Any,
-    args: argparse.Namespace,
-    *,
-    num_rows: int,
-    title: str,
-    rank_env: Callable[[int], dict[str, str]] | None = None,
+    fn: Any, config: Any, args: argparse.Namespace, **spawn: Any
 ) -> list[Any] | None:
     """Every rank's ``fn(config)``: under torchrun this process is one rank (rank 0 gets the
-    gathered results, the others None), else :func:`launch_with_progress` spawns the ranks.
-    Sets ``args._lab`` (None outside the lab)."""
+    gathered results, the others None), else :func:`launch_with_progress` spawns the ranks
+    (``spawn``: its ``num_rows``, ``title`` and ``rank_env``). Sets ``args._lab`` (None
+    outside the lab)."""
     args._lab = None
     if not under_torchrun():
-        return launch_with_progress(
-            fn, config, num_rows=num_rows, title=title, args=args, rank_env=rank_env
-        )
+        return launch_with_progress(fn, config, args=args, **spawn)
     init_distributed(timeout_s=args.timeout)
     try:
         mine = fn(config)
