@@ -52,9 +52,9 @@ from tokenring.cli.console import make_table, print_table
 from tokenring.cli.models import (
     BENCH_MODELS,
     DTYPES,
-    TOLERANCE,
     add_hybrid_arguments,
     check_read,
+    checked,
     models_from_args,
 )
 from tokenring.cli.plot import bench_panels, plot_timelines, pyplot, write_trace
@@ -624,7 +624,6 @@ def _timed_calls(
 def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[str, Any]]:
     """One dict per row: max over ranks of each rank's statistic, the bound and its %."""
     bandwidth = min(r["bandwidth_bytes_per_s"] for r in per_rank)
-    tol = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
     results = []
     for index, first in enumerate(per_rank[0]["rows"]):
         rows: list[RankRow] = [r["rows"][index] for r in per_rank]
@@ -641,7 +640,6 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
         steps_fwd = [r.step_fwd_s for r in rows if r.step_fwd_s is not None]
         steps_bwd = [r.step_bwd_s for r in rows if r.step_bwd_s is not None]
         travel, back = (max(r.sent_bytes[flow] for r in rows) for flow in ("travel", "return"))
-        error = max(r.max_error for r in rows)
         is_hybrid = first.strategy == Strategy.HYBRID.value
         results.append(
             {
@@ -667,9 +665,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: BenchConfig) -> list[dict[
                 "ms_compute_only": 1e3 * compute_only,
                 "ms_bound": 1e3 * bound_s,
                 "pct_of_bound": 100 * bound_s / median_s,
-                "max_error": error,
-                "tolerance": tol,
-                "verified": error <= tol,
+                **checked((r.max_error for r in rows), config.dtype, config.tolerance),
                 "kernel": ",".join(sorted({r.kernel for r in rows})),
             }
         )
@@ -930,10 +926,9 @@ def check_memory(config: BenchConfig, world_size: int, ranks_here: int, backend:
 
 
 def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: int) -> None:
-    """Raise ValueError when the busiest emulated link's bytes (every call's and the probe's)
-    over the ``--link`` rate, a lower bound on the run's time, exceed ``--timeout``."""
-    rate = args.link / 8  # bytes/s
-    probes = {"link_bytes_per_s": rate, "memory_bytes_per_s": 1.0}
+    """:func:`ranks.check_link_time` of the busiest emulated link's bytes, every call's and
+    the probe's."""
+    probes = {"link_bytes_per_s": args.link / 8, "memory_bytes_per_s": 1.0}
     hardware = _hardware(1.0, 1.0, probes, config.dtype, args.topology, "gloo")  # network only
     calls = config.warmup + config.iters
     # the probe: _PROBE_ROUNDS rounds of probe_bytes each way on each ring link (a port sends both)
@@ -945,15 +940,9 @@ def _check_link_time(config: BenchConfig, args: argparse.Namespace, world_size: 
         busiest = [max(resource_bytes(sc, dims, hardware).values(), default=0) for sc in scheds]
         for pass_ in config.passes:
             num_bytes += calls * (busiest[0] + (busiest[1] if pass_ == "fwd+bwd" else 0))
-    seconds = num_bytes / rate
-    if seconds > args.timeout:
-        raise ValueError(
-            f"--link {report.rate_text(args.link)} cannot finish within "
-            f"--timeout {args.timeout:g} s: "
-            f"the run moves at least {num_bytes / 1e6:.4g} MB over the busiest link "
-            f"({args.topology}), {seconds:.4g} s at that rate; raise --link or --timeout, or "
-            "run fewer rows or calls (--strategies, --passes, --causal, --iters, --warmup)"
-        )
+    moved = f"the run moves at least {{MB}} over the busiest link ({args.topology})"
+    fewer = ", or run fewer rows or calls (--strategies, --passes, --causal, --iters, --warmup)"
+    ranks.check_link_time(args, world_size, num_bytes, moved, fewer)
 
 
 # -- CLI -----------------------------------------------------------------------------------------
@@ -1033,7 +1022,6 @@ def _add_attention_arguments(attention: ArgumentAdder) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The run the arguments describe, with hybrid rows where they fit. Raises ValueError
     naming the flag that is wrong."""
-    check_heads(args)
     passes = split_list(args.passes, "--passes", _parse_pass, ", ".join(PASSES))
     strategies = tuple(Strategy)
     if args.strategies is not None:
@@ -1126,6 +1114,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"--world-size is the ranks bench spawns; got --world-size {args.world_size} under "
             f"torchrun, whose run has {world} ranks: drop it or match it"
         )
+    check_heads(args)
     if args.mode != "attention":
         _MODE_MODULES[args.mode].check_args(args)
         return
@@ -1142,7 +1131,6 @@ def check_args(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise ValueError(f"--strategies {exc}") from None
     if args.link is not None:
-        ranks.check_lab(args, world)
         _check_link_time(config, args, world)
     if args.plot is not None:  # drawn after every row has run
         try:
@@ -1191,9 +1179,9 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         table = [[title for _, title, _ in _MD_COLUMNS]]
         for row in rows:
-            shown = {**row, "strategy": _strategy_label(row)}
-            shown["busiest_link_MB"] = row["busiest_link_bytes"] / 1e6
-            table.append([report.cell(shown.get(k), fmt) for k, _, fmt in _MD_COLUMNS])
+            mb = row["busiest_link_bytes"] / 1e6
+            shown = {**row, "strategy": _strategy_label(row), "busiest_link_MB": mb}
+            table.append(report.cells(shown, _MD_COLUMNS))
         note = report.timing_note(settings)
         lines = _planner_lines(rows)
         report.write_markdown(args.markdown, _title(settings), args.argv, note, table, lines)
@@ -1201,12 +1189,8 @@ def run(args: argparse.Namespace) -> int:
         plot_timelines(per_rank, config, args.plot, title=_title(settings))
     if args.trace:
         write_trace(bench_panels(per_rank, config), args.trace)
-    failed = [r for r in rows if not r["verified"]]
-    if failed:
-        failure = f"VERIFICATION FAILED for {len(failed)} row(s): error above tolerance"
-        report.note(f"{failure}; see max_error", args)
-        return 1
-    return 0
+    verified = [r["verified"] for r in rows]
+    return report.exit_status(verified, "error above tolerance; see max_error", args)
 
 
 def _title(settings: dict[str, Any]) -> str:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from tokenring.api import get_communicator
 from tokenring.cli import (
     ArgumentAdder,
-    check_heads,
     int_at_least,
     int_list,
     mem_available_bytes,
@@ -42,7 +41,7 @@ from tokenring.cli import (
     split_list,
 )
 from tokenring.cli.console import make_table, print_table
-from tokenring.cli.models import BENCH_MODELS, DTYPES, TOLERANCE, models_from_args
+from tokenring.cli.models import BENCH_MODELS, DTYPES, checked, models_from_args
 from tokenring.cli.reference import per_rank_reference, tile_bytes
 from tokenring.core.schedule import AttentionShape, Flow, dtype_name
 from tokenring.inference import attend_cached
@@ -304,10 +303,9 @@ def run_rank(config: InferenceBenchConfig, progress_path: str | None = None) -> 
 
 def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> list[dict[str, Any]]:
     """One dict per row: the max over ranks of each rank's statistic."""
-    tolerance = config.tolerance if config.tolerance is not None else TOLERANCE[config.dtype]
     results = []
-    for index, first in enumerate(per_rank[0]["rows"]):
-        rows = [r["rows"][index] for r in per_rank]
+    for rows in zip(*(r["rows"] for r in per_rank), strict=True):
+        first = rows[0]
         median_s, model_s = max(statistics.median(r["call_s"]) for r in rows), first["model_s"]
         model = config.models[first["model"]]
         threshold = pass_q_threshold(
@@ -317,7 +315,6 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
             elem_bytes=DTYPES[config.dtype].itemsize,
             acc_bytes=8 if config.dtype == "float64" else 4,
         )
-        error = max(r["max_error"] for r in rows)
         results.append(
             {
                 "mode": config.mode,
@@ -339,9 +336,7 @@ def aggregate(per_rank: list[dict[str, Any]], config: InferenceBenchConfig) -> l
                 "model_return_bytes": first["model_return_bytes"],
                 "model_bound_by": first["model_bound_by"],
                 "auto_pick": first["pick"],
-                "max_error": error,
-                "tolerance": tolerance,
-                "verified": error <= tolerance,
+                **checked((r["max_error"] for r in rows), config.dtype, config.tolerance),
             }
         )
     for group in report.group_by(results, _case_key):  # the measured fastest, to score the pick
@@ -434,7 +429,6 @@ def add_arguments(parser: ArgumentAdder) -> None:
 
 def config_from_args(args: argparse.Namespace) -> InferenceBenchConfig:
     """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
-    check_heads(args)
     names = ", ".join(s.value for s in CachedStrategy)
     return InferenceBenchConfig(
         **options(args, "mode", "batch", "dtype", "block_size", "warmup", "iters", "tolerance"),
@@ -455,17 +449,10 @@ def check_args(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     world = ranks.world_size_of(args)
     if args.link is not None:
-        ranks.check_lab(args, world)
         # the calibration's probes alone cross each link r -> r-1 (1 + repeats) times each
         num_bytes = 2 * (1 + _PROBE_REPEATS) * _PROBE_BYTES if world > 1 else 0
-        seconds = 8 * num_bytes / args.link
-        if seconds > args.timeout:
-            raise ValueError(
-                f"--link {report.rate_text(args.link)} cannot finish within "
-                f"--timeout {args.timeout:g} s: "
-                f"the calibration alone moves {num_bytes / 1e6:.4g} MB over each link, "
-                f"{seconds:.4g} s at that rate; raise --link or --timeout"
-            )
+        moved = "the calibration alone moves {MB} over each link"
+        ranks.check_link_time(args, world, num_bytes, moved)
     parts, (name, cached, new) = estimate_rank_bytes(config, world)
     on_gpu = ranks.under_torchrun() and torch.cuda.is_available()  # NCCL
     ranks.check_rank_memory(
@@ -525,14 +512,8 @@ def run(args: argparse.Namespace) -> int:
             "(equal to the plan's on every rank in every row).",
         )
         report.write_markdown(args.markdown, title, args.argv, note, [headers, *cells], lines)
-    if not all(ok):
-        report.note(
-            f"VERIFICATION FAILED for {ok.count(False)} row(s): error above tolerance or bytes "
-            "different from the plan",
-            args,
-        )
-        return 1
-    return 0
+    why = "error above tolerance or bytes different from the plan"
+    return report.exit_status(ok, why, args)
 
 
 def _title(settings: dict[str, Any], config: InferenceBenchConfig) -> str:
@@ -569,10 +550,8 @@ _COLUMNS = [
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
-    shown = {**row}
-    for flow in ("travel", "return"):
-        shown[f"{flow}_MB_per_rank"] = row[f"{flow}_bytes_per_rank"] / 1e6
-    return [report.cell(shown.get(key), fmt) for key, _, fmt in _COLUMNS]
+    mb = {f"{f}_MB_per_rank": row[f"{f}_bytes_per_rank"] / 1e6 for f in ("travel", "return")}
+    return report.cells({**row, **mb}, _COLUMNS)
 
 
 def _pick_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -47,7 +47,6 @@ import torch.distributed as dist
 from tokenring.api import get_communicator, sequence_parallel_attn
 from tokenring.cli import (
     ArgumentAdder,
-    check_heads,
     int_list,
     mem_available_bytes,
     options,
@@ -280,9 +279,8 @@ def add_arguments(parser: ArgumentAdder) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
-    """The run the arguments describe. Raises ValueError naming the flag that is wrong."""
-
-    check_heads(args)
+    """The run the arguments describe (its heads checked by ``bench``'s ``check_args``).
+    Raises ValueError naming the flag that is wrong."""
     strategies: tuple[Strategy, ...] = DEFAULT_STRATEGIES
     if args.strategies is not None:
         names = ", ".join(s.value for s in DEFAULT_STRATEGIES)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 __all__ = ["make_table", "print_table", "progress", "rich_modules"]
@@ -22,11 +22,12 @@ def rich_modules() -> Any:
     return rich
 
 
-def make_table(title: str, columns: Sequence[str]) -> Any:
-    """A rich Table with these column headers (put units in the names)."""
+def make_table(title: str, columns: Sequence[str], *, right: Collection[str] = ()) -> Any:
+    """A rich Table with these column headers (put units in the names), those in ``right``
+    right-justified."""
     table = rich_modules().table.Table(title=title)
     for column in columns:
-        table.add_column(column, overflow="fold")
+        table.add_column(column, overflow="fold", justify="right" if column in right else "left")
     return table
 
 

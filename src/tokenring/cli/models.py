@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ __all__ = [
     "KnownModel",
     "add_hybrid_arguments",
     "check_read",
+    "checked",
     "models_from_args",
 ]
 
@@ -34,6 +35,14 @@ DTYPES = {
 """The benches' input dtypes, by ``--dtype`` name."""
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 """Max abs error against float64 for a bench row to pass, by dtype name (``--tolerance``)."""
+
+
+def checked(errors: Iterable[float], dtype: str, tolerance: float | None) -> dict[str, Any]:
+    """A row's ``max_error`` over its ranks, its ``tolerance`` (by dtype where None) and
+    whether the error is within it (``verified``)."""
+    error, tol = max(errors), TOLERANCE[dtype] if tolerance is None else tolerance
+    return {"max_error": error, "tolerance": tol, "verified": error <= tol}
+
 
 # Llama2-7B has 32 heads of 128 and Llama3-8B 32 query / 8 kv heads of 128; the benches keep
 # their head ratios at a size two CPU cores run in about a minute.

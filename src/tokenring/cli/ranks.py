@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
-from tokenring.cli import RunFailed
+from tokenring.cli import RunFailed, report
 from tokenring.cli.console import progress
 from tokenring.launch import LaunchError, init_distributed, launch
 from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
@@ -24,6 +24,7 @@ from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_rea
 __all__ = [
     "PROCESS_BYTES",
     "check_lab",
+    "check_link_time",
     "check_rank_memory",
     "collect_per_rank",
     "gib",
@@ -111,6 +112,23 @@ def check_lab(args: argparse.Namespace, world_size: int) -> None:
     reason = lab_unavailable_reason()
     if reason is not None:
         raise ValueError(f"--link needs the emulated-interconnect lab: {reason}")
+
+
+def check_link_time(
+    args: argparse.Namespace, world_size: int, num_bytes: float, moved: str, fewer: str = ""
+) -> None:
+    """Raise ValueError when ``--link`` cannot be emulated here (:func:`check_lab`) or when
+    ``num_bytes`` over one link at its rate, a lower bound on the run's time, exceed
+    ``--timeout``; ``moved`` says which bytes over which link (``{MB}``: their size), ``fewer``
+    what else to lower."""
+    check_lab(args, world_size)
+    seconds = 8 * num_bytes / args.link
+    if seconds > args.timeout:
+        raise ValueError(
+            f"--link {report.rate_text(args.link)} cannot finish within --timeout "
+            f"{args.timeout:g} s: {moved.format(MB=f'{num_bytes / 1e6:.4g} MB')}, "
+            f"{seconds:.4g} s at that rate; raise --link or --timeout{fewer}"
+        )
 
 
 def git_sha() -> str:
@@ -207,22 +225,15 @@ def rank_device() -> torch.device:
 
 
 def collect_per_rank(
-    fn: Any,
-    config: Any,
-    args: argparse.Namespace,
-    *,
-    num_rows: int,
-    title: str,
-    rank_env: Callable[[int], dict[str, str]] | None = None,
+    fn: Any, config: Any, args: argparse.Namespace, **spawn: Any
 ) -> list[Any] | None:
     """Every rank's ``fn(config)``: under torchrun this process is one rank (rank 0 gets the
-    gathered results, the others None), else :func:`launch_with_progress` spawns the ranks.
-    Sets ``args._lab`` (None outside the lab)."""
+    gathered results, the others None), else :func:`launch_with_progress` spawns the ranks
+    (``spawn``: its ``num_rows``, ``title`` and ``rank_env``). Sets ``args._lab`` (None
+    outside the lab)."""
     args._lab = None
     if not under_torchrun():
-        return launch_with_progress(
-            fn, config, num_rows=num_rows, title=title, args=args, rank_env=rank_env
-        )
+        return launch_with_progress(fn, config, args=args, **spawn)
     init_distributed(timeout_s=args.timeout)
     try:
         mine = fn(config)

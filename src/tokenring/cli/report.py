@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 __all__ = [
     "call_ms",
     "cell",
+    "cells",
+    "exit_status",
     "group_by",
     "json_line",
     "link_text",
@@ -48,6 +50,11 @@ def cell(value: Any, fmt: str = "{}") -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return fmt.format(value)
+
+
+def cells(row: dict[str, Any], columns: Iterable[tuple[str, str, str]]) -> list[str]:
+    """The cells of ``row`` under ``columns``: (row key, header, format) each."""
+    return [cell(row.get(key), fmt) for key, _, fmt in columns]
 
 
 def group_by(items: Iterable[T], key: Callable[[T], Hashable]) -> list[list[T]]:
@@ -105,6 +112,14 @@ def note(text: str, args: argparse.Namespace) -> None:
     """Print a line that is not a row: on stderr under ``--json``, whose stdout is rows only
     (one JSON object a line), else on stdout under the table."""
     print(text, file=sys.stderr if args.json else sys.stdout)
+
+
+def exit_status(ok: list[bool], why: str, args: argparse.Namespace) -> int:
+    """0 when every row is ``ok``; else 1, with a note counting the rows that are not."""
+    if all(ok):
+        return 0
+    note(f"VERIFICATION FAILED for {ok.count(False)} row(s): {why}", args)
+    return 1
 
 
 def write_markdown(

@@ -19,7 +19,7 @@ from tokenring.cli import (
     output_path,
     report,
 )
-from tokenring.cli.console import progress, rich_modules
+from tokenring.cli.console import make_table, print_table, progress, rich_modules
 from tokenring.cli.models import KNOWN_MODELS, add_hybrid_arguments, check_read
 from tokenring.cli.plot import curves_figure, pyplot, timeline_figure, write_figure, write_trace
 from tokenring.core.layout import Layout
@@ -223,47 +223,44 @@ def _predict(
     return rows, results, notes
 
 
+_COLUMNS = [
+    ("strategy", "strategy", "{}"),
+    ("world_size", "P", "{}"),
+    ("seq", "S (tokens)", "{}"),
+    ("call_ms", "call (ms)", "{:.4g}"),
+    ("steady_step_ms", "steady step (ms)", "{:.4g}"),
+    ("compute_only_ms", "compute only (ms)", "{:.4g}"),
+    ("merge_ms", "merges (ms)", "{:.3g}"),
+    ("gb", "travel / return (GB/rank)", "{}"),
+    ("bound_ms", "bound (ms)", "{:.4g}"),
+    ("percent_of_bound", "% of bound", "{:.1f}"),
+    ("bound_by", "bound by", "{}"),
+]
+"""(row key, header, format) of the table's columns (``report.cell``)."""
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    rich = rich_modules()
     first = rows[0]
     engines = ", ".join(sorted({r["mode"] for r in rows}))
-    table = rich.table.Table(
-        title=(
-            f"{first['model']} on {first['hardware']}: {first['dtype']}, {first['layout']}, "
-            f"causal={first['causal']}, pass={first['pass']}, engine={engines}"
-        )
+    title = (
+        f"{first['model']} on {first['hardware']}: {first['dtype']}, {first['layout']}, "
+        f"causal={first['causal']}, pass={first['pass']}, engine={engines}"
     )
-    columns = [
-        ("strategy", "strategy", "{}"),
-        ("P", "world_size", "{}"),
-        ("S (tokens)", "seq", "{}"),
-        ("call (ms)", "call_ms", "{:.4g}"),
-        ("steady step (ms)", "steady_step_ms", "{:.4g}"),
-        ("compute only (ms)", "compute_only_ms", "{:.4g}"),
-        ("merges (ms)", "merge_ms", "{:.3g}"),
-        ("travel / return (GB/rank)", "gb", "{}"),
-        ("bound (ms)", "bound_ms", "{:.4g}"),
-        ("% of bound", "percent_of_bound", "{:.1f}"),
-        ("bound by", "bound_by", "{}"),
-    ]
-    for title, _, _ in columns:
-        table.add_column(title, justify="left" if title in ("strategy", "bound by") else "right")
+    headers = [header for _, header, _ in _COLUMNS]
+    table = make_table(title, headers, right=headers[1:-1])
     for row in rows:
         gb = f"{row['travel_gb_per_rank']:.3g} / {row['return_gb_per_rank']:.3g}"
-        table.add_row(*(fmt.format(gb if key == "gb" else row[key]) for _, key, fmt in columns))
-    console = rich.console.Console()
-    if not console.is_terminal:
-        console = rich.console.Console(width=max(console.width, 150))
-    console.print(table)
+        table.add_row(*report.cells({**row, "gb": gb}, _COLUMNS))
+    print_table(table)
     rounded = sorted({(r["seq_requested"], r["seq"], r["world_size"]) for r in rows})
     for requested, seq, world_size in rounded:
         if requested != seq:
-            console.print(
+            print(
                 f"S={requested} rounded down to {seq}, a multiple the layout "
                 f"'{first['layout']}' splits over {world_size} ranks"
             )
     if any(r["mode"] == "vectorised" for r in rows):
-        console.print(
+        print(
             "engine 'vectorised': the rank programs, every rank at once "
             f"(P > {EVENT_MAX_WORLD_SIZE} or --mode vectorised), no per-event timeline"
         )
