@@ -154,6 +154,7 @@ def _generate_cases(out: dict[str, Any]) -> None:
     for name, module in (
         ("before the first layer", layers[0]),  # peers: the first cached_attn check
         ("between the layers", layers[1]),  # peers: the second layer's
+        ("after the last layer", model.model.norm),  # peers: the logits' all-reduce
     ):
         handle = _hook_raising(module, 1, 2)  # the second step
         try:
@@ -208,7 +209,8 @@ def test_logits_to_keep_is_decided_from_the_option(ranks: list[dict[str, Any]]) 
 def test_generate_failing_on_one_rank_raises_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     """A logits processor, stopping criterion, prefix_allowed_tokens_fn or forward hook that
     raised on rank 1 alone at the second step: ranks 0 and 2 waited out the 5 s timeout in
-    the next rank check (or in a transfer, or the logits' all-reduce). Each now raises on
+    the next rank check (or in a transfer, or, for a hook on the final norm, in the logits'
+    all-reduce). Each now raises on
     every rank at once, naming rank 1's error; generate runs and matches transformers'
     afterwards."""
     for rank, res in enumerate(ranks):
@@ -219,6 +221,7 @@ def test_generate_failing_on_one_rank_raises_on_every_rank(ranks: list[dict[str,
             ("prefix_allowed_tokens_fn", ("prefix_allowed_tokens_fn failed on rank 1",)),
             ("hook before the first layer", ("a hook failed on rank 1",)),
             ("hook between the layers", ("a hook failed on rank 1",)),
+            ("hook after the last layer", ("a hook failed on rank 1",)),
         ):
             raised_fast(res[case], FAST_S, *words)
             assert rank == 1 or "rank 1" in res[case]["error"], (case, res[case])

@@ -426,8 +426,8 @@ class ShardedKVCache(Cache):
             )
         assert query.shape[0] == 1, "rows are packed into batch 1"
         rows = 0 if self._placeholder else query.shape[2]
-        # after the last layer the peers go on to the logits' all-reduce
-        peers_next = CACHED_CALL if layer < self.num_layers - 1 else None
+        # after the last layer the peers go on to the check before the logits' all-reduce
+        peers_next = CACHED_CALL if layer < self.num_layers - 1 else LOGITS_CHECK
         with self.exchange(peers_next):
             out = cached_attn(
                 query[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hq, D)
@@ -648,6 +648,8 @@ STEP_CHECK = "generation step"
 """The rank check of every later step, and of the sequences generate returns."""
 MAX_TIME = "generate max_time"
 """The all-reduce of _AgreedMaxTime between the steps."""
+LOGITS_CHECK = "generate logits"
+"""The rank check before the logits' all-reduce (Note [A step that fails on one rank])."""
 
 # Note [A step that fails on one rank]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -664,14 +666,18 @@ MAX_TIME = "generate max_time"
 #                                             generate, then "generation step" (the last)
 #     after the step's check and placement,   the next layer's cached_attn check: "cached
 #       or a layer's cached_attn but the last   attention call"
-#     after the last layer's cached_attn      the logits' all-reduce: none known
+#     after the last layer's cached_attn      the check before the logits' all-reduce:
+#                                             "generate logits"
 #
 # A rank whose generate raises outside an exchange (ShardedKVCache.exchange) posts its error
 # to the check its peers meet next, so every rank raises at once naming it ("rank r cannot
-# run this generation step: ..."). Where none is known it fails the communicator
+# run this generate logits: ..."). The logits' check is there for that alone (a hook on the
+# final norm or the LM head that raised on one rank left its peers in the all-reduce, which
+# waited for its timeout): one digest exchange per step, beside the step's and the layers'.
+# Where no check is known (before the first step's) it fails the communicator
 # (Communicator.abandon): its peers' transfers and checks end at once naming it (Note
-# [Failures through the store] in tokenring.runtime.comm), but a collective (the logits'
-# all-reduce) waits for its timeout. An error of an exchange reached every rank already.
+# [Failures through the store] in tokenring.runtime.comm). An error of an exchange reached
+# every rank already.
 # transformers' synced_gpus adds an all-reduce over the default group between the steps,
 # outside tokenring's checks: a failing rank could not reach its peers there, and the ranks of
 # sp.group step alike anyway, so it is refused.
@@ -850,6 +856,9 @@ def _sharded_forward(
         for i, b in enumerate(state["ends"]):
             full[b] = logits[0, i]
         with cache.exchange(MAX_TIME if cache.max_time else STEP_CHECK):
+            # where a rank that failed after the last layer posts its error (Note [A step
+            # that fails on one rank]): every rank raises it before the all-reduce
+            cache.communicator.agree({}, None, what=LOGITS_CHECK)
             cache.communicator.all_reduce(full, label="generate logits").wait()
         output["logits"] = full.unsqueeze(1)  # (B, 1, V)
         return output
