@@ -227,6 +227,7 @@ def _schedules(spec: HybridSpec, **options: Any) -> tuple[HybridSchedule, Hybrid
     return forward, backward
 
 
+@torch.compiler.disable  # not compiled yet: runs eagerly after a graph break (README)
 def hybrid_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -279,6 +279,10 @@ class _Forward:
     """The model call's logits_to_keep keyword (Note [Outputs that pool over the sequence])."""
     checked: bool = False
     """The forward's rank check ran (Note [The forward's rank check])."""
+    labels: bool = False
+    """The model call was given ``labels=`` (Note [A loss the model computes itself])."""
+    global_losses: int = 0
+    """Losses of ``LOSS_MAPPING`` that ran under this forward with ``sequence_parallel=``."""
 
     def positions_passed(self, given: torch.Tensor) -> bool:
         return any(t is given and v == given._version for t, v in self.positions_checked)
@@ -305,6 +309,7 @@ def _counting_call(call: Any) -> Any:
             sp=sp,
             cached=kwargs.get("sequence_parallel_cache") is not None,
             logits_to_keep=kwargs.get("logits_to_keep", 0),
+            labels=kwargs.get("labels") is not None,
         )
         token = _FORWARD.set(forward)
         try:
@@ -315,6 +320,7 @@ def _counting_call(call: Any) -> Any:
             _refuse_no_attention(model, sp)
         elif not forward.cached and forward.seq_local is not None:
             _refuse_pooled_outputs(model, sp, result, forward.seq_local)
+            _refuse_own_loss(model, sp, forward, result)
         return result
 
     counted._tokenring_counts = True  # type: ignore[attr-defined]
@@ -556,6 +562,9 @@ def _refuse_padding_on_every_rank(attention_mask: Any) -> None:
 #       BlockMask) reaches attention        mask function runs): posted here, refused
 #     logits_to_keep (in the signature)     refused here unless it keeps every rank's rows
 #                                           (Note [Outputs that pool over the sequence])
+#     whether labels= was given (in the     so that a loss the model computes itself is
+#       signature)                          refused on every rank alike (Note [A loss the
+#                                           model computes itself])
 #
 # A prepared mask on one rank used to raise in that rank's attention call with nothing
 # exchanged, while its peers waited out the timeout in the mask function's padding exchange;
@@ -576,7 +585,7 @@ def _check_forward(name: str, forward: _Forward, attention_mask: Any, seq_local:
             attention_mask, (_ModelMask, _RefusedMask)
         ):
             raise NotImplementedError(_prepared_mask(name, attention_mask))
-        return None, {"logits_to_keep": _kept_logits(forward, seq_local)}
+        return None, {"logits_to_keep": _kept_logits(forward, seq_local), "labels": forward.labels}
 
     forward.sp.communicator.agreed(validate, what=FORWARD_CHECK)
 
@@ -1678,6 +1687,9 @@ class _SequenceParallelLoss:
         sp = kwargs.pop("sequence_parallel", None)
         if sp is None:
             return self.original(*args, **kwargs)
+        forward = _FORWARD.get()
+        if forward is not None:
+            forward.global_losses += 1
         if self.loss_type != "ForCausalLM":
             raise NotImplementedError(
                 f"transformers' {self.loss_type} loss under sequence_parallel would average over "
@@ -1685,6 +1697,44 @@ class _SequenceParallelLoss:
                 "tokenring.hf.causal_lm_loss)"
             )
         return _labels_loss(sp, *args, **kwargs)
+
+
+# Note [A loss the model computes itself]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# register() wraps LOSS_MAPPING, which a model reaches through self.loss_function(...,
+# **kwargs): given sequence_parallel= the causal-LM loss is global and the others raise. Many
+# heads compute their loss in their own code instead (BertForMaskedLM's and
+# BertForTokenClassification's CrossEntropyLoss(), a loss_function called without the
+# forward's kwargs): given this rank's shard of the labels, each rank returned the mean over
+# its own shard (BERT masked LM on 2 ranks: 4.1755 and 4.2285 against 4.2020 in one process),
+# without an error. So the outermost forward given labels= and sequence_parallel= over
+# several ranks whose output holds a loss while no wrapped loss ran with sequence_parallel=
+# raises NotImplementedError after its forward. Whether labels were given is part of the
+# forward's rank check (Note [The forward's rank check]), so the ranks decide alike: the
+# same model and the same labels keyword.
+
+
+def _refuse_own_loss(
+    model: torch.nn.Module, sp: SequenceParallel, forward: _Forward, result: Any
+) -> None:
+    """NotImplementedError when the forward was given ``labels=`` and returned a loss that no
+    wrapped loss computed over the group (Note [A loss the model computes itself])."""
+    if not forward.labels or forward.global_losses or sp.communicator.world_size == 1:
+        return
+    if isinstance(result, Mapping):
+        loss = result.get("loss")
+    elif isinstance(result, tuple) and result:
+        loss = result[0]  # return_dict=False: the loss comes first when there is one
+    else:
+        return
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        return
+    raise NotImplementedError(
+        f"{type(model).__name__} computed its loss from labels= in its own code, over this "
+        "rank's shard alone (not through transformers' loss functions, which tokenring.hf "
+        "makes global); under sequence_parallel= call it without labels= and compute the loss "
+        "from the logits over the group (for a causal LM: tokenring.hf.causal_lm_loss)"
+    )
 
 
 def _labels_loss(
