@@ -28,6 +28,7 @@ import ctypes
 import functools
 import gc
 import hashlib
+import inspect
 import json
 import os
 import pickle
@@ -1735,6 +1736,25 @@ _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
 _NUM_BUILDS: dict[tuple[tuple[int, ...], str], int] = {}
 _GAVE_UP = "!"  # what a rank that timed out leaves in its entry
 _POLL_S = 0.005  # how long _wait_for polls before it waits
+
+
+# Note [Communication runs eagerly]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The integrations call the communicator from code a user's torch.compile traces: the
+# transformers attention function's rank checks, the mask function's, generate's forward
+# hooks under model.compile(), the Flux processor's checks. dynamo traced into the exchanges
+# themselves, shared memory and sockets included: a 2-layer Llama's first compiled forward
+# compiled 209 frames (12 s with backend="eager", 22 graphs of a few ops), recompiled more of
+# them at the second and third calls, and guarded compiled code on values in shared memory
+# (a peer's message counter, a file descriptor) that change under it. Nothing there is a
+# tensor program: every public method of Communicator, PendingRecv and PendingCollective
+# runs eagerly (torch.compiler.disable: a graph break at the call, nothing traced inside).
+# The attention operator's own implementation is opaque to dynamo already (Note [The
+# attention operator] in tokenring.api).
+for _cls in (Communicator, PendingRecv, PendingCollective):
+    for _name, _fn in list(vars(_cls).items()):
+        if inspect.isfunction(_fn) and (_name == "__init__" or not _name.startswith("_")):
+            setattr(_cls, _name, torch.compiler.disable(_fn))
 
 
 class _PoolAgreementFailed(RuntimeError):
