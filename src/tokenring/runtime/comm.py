@@ -28,7 +28,6 @@ import ctypes
 import functools
 import gc
 import hashlib
-import inspect
 import json
 import os
 import pickle
@@ -1747,14 +1746,26 @@ _POLL_S = 0.005  # how long _wait_for polls before it waits
 # compiled 209 frames (12 s with backend="eager", 22 graphs of a few ops), recompiled more of
 # them at the second and third calls, and guarded compiled code on values in shared memory
 # (a peer's message counter, a file descriptor) that change under it. Nothing there is a
-# tensor program: every public method of Communicator, PendingRecv and PendingCollective
-# runs eagerly (torch.compiler.disable: a graph break at the call, nothing traced inside).
-# The attention operator's own implementation is opaque to dynamo already (Note [The
-# attention operator] in tokenring.api).
-for _cls in (Communicator, PendingRecv, PendingCollective):
-    for _name, _fn in list(vars(_cls).items()):
-        if inspect.isfunction(_fn) and (_name == "__init__" or not _name.startswith("_")):
-            setattr(_cls, _name, torch.compiler.disable(_fn))
+# tensor program: the building of a communicator and every exchange that code outside the
+# attention operator calls (the checks and collectives) run eagerly (torch.compiler.disable:
+# a graph break at the call, nothing traced inside). The point-to-point path (exchange,
+# PendingRecv) runs only inside the attention operator's implementation, which is opaque to
+# dynamo already (Note [The attention operator] in tokenring.api).
+_EAGER_METHODS = (
+    "__init__",
+    "agree",
+    "agreed",
+    "all_gather",
+    "all_gather_bytes",
+    "all_gather_int",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+)
+for _name in _EAGER_METHODS:
+    setattr(Communicator, _name, torch.compiler.disable(vars(Communicator)[_name]))
+PendingCollective.wait = torch.compiler.disable(PendingCollective.wait)  # type: ignore[method-assign]
 
 
 class _PoolAgreementFailed(RuntimeError):
