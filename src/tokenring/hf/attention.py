@@ -301,30 +301,77 @@ def _counting_call(call: Any) -> Any:
     @functools.wraps(call)
     def counted(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         sp = kwargs.get("sequence_parallel")
-        if sp is None or _FORWARD.get() is not None:
+        begun = None if sp is None else _begin_forward(model, sp, kwargs)
+        if begun is None:  # no sequence_parallel=, or inside the outermost model call
             return call(model, *args, **kwargs)
-        sp = as_sequence_parallel(sp)
-        _refuse_empty_shards(sp, f"{type(model).__name__}'s forward")
-        forward = _Forward(
-            sp=sp,
-            cached=kwargs.get("sequence_parallel_cache") is not None,
-            logits_to_keep=kwargs.get("logits_to_keep", 0),
-            labels=kwargs.get("labels") is not None,
-        )
-        token = _FORWARD.set(forward)
+        forward, token = begun
         try:
             result = call(model, *args, **kwargs)
         finally:
-            _FORWARD.reset(token)
-        if forward.attention_calls == 0:
-            _refuse_no_attention(model, sp)
-        elif not forward.cached and forward.seq_local is not None:
-            _refuse_pooled_outputs(model, sp, result, forward.seq_local)
-            _refuse_own_loss(model, sp, forward, result)
+            _end_forward(token)
+        _check_outputs(model, forward, result)
         return result
 
     counted._tokenring_counts = True  # type: ignore[attr-defined]
     return counted
+
+
+# Note [The attention function under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What tokenring.hf adds to a model call is host code: the forward's record (_Forward, in a
+# context variable), the rank checks (exchanges), the mask analysis, reading the callers'
+# frames. Under torch.compile dynamo traced it, breaking the graph at each context-variable
+# read, frame walk and exchange: a 2-layer Llama's first compiled forward compiled 209 frames
+# (12 s with backend="eager"), recompiled some at the second and third calls (the second
+# layer's attention met the forward's check done: a guard on _Forward.checked), and guarded
+# code on the record's fields. So the attention function, the mask function and the model
+# call's bookkeeping run eagerly (torch.compiler.disable): the graph breaks at each of them
+# and nothing of theirs is traced (40 frames, 3 s, nothing compiled at the second call); the
+# layers around them compile. fullgraph=True raises naming this. The communicator runs
+# eagerly wherever it is called from (Note [Communication runs eagerly] in
+# tokenring.runtime.comm).
+_EAGER = (
+    "tokenring.hf runs its rank checks, mask analysis and attention call eagerly (the graph "
+    "breaks at the model call given sequence_parallel= and at each attention layer): compile "
+    "with fullgraph=False (Note [The attention function under torch.compile])"
+)
+
+
+@torch.compiler.disable(reason=_EAGER)
+def _begin_forward(
+    model: torch.nn.Module, sp: Any, kwargs: dict[str, Any]
+) -> tuple[_Forward, contextvars.Token[_Forward | None]] | None:
+    """The record of the outermost model call given ``sp`` and its context token, or None
+    inside one (Note [A forward that calls no tokenring attention])."""
+    if _FORWARD.get() is not None:
+        return None
+    sp = as_sequence_parallel(sp)
+    _refuse_empty_shards(sp, f"{type(model).__name__}'s forward")
+    forward = _Forward(
+        sp=sp,
+        cached=kwargs.get("sequence_parallel_cache") is not None,
+        logits_to_keep=kwargs.get("logits_to_keep", 0),
+        labels=kwargs.get("labels") is not None,
+    )
+    return forward, _FORWARD.set(forward)
+
+
+@torch.compiler.disable(reason=_EAGER)
+def _end_forward(token: contextvars.Token[_Forward | None]) -> None:
+    _FORWARD.reset(token)
+
+
+@torch.compiler.disable(reason=_EAGER)
+def _check_outputs(model: torch.nn.Module, forward: _Forward, result: Any) -> None:
+    """After the outermost model call: no tokenring attention, outputs pooled over the
+    sequence, or a loss the model computed itself, raise (Notes [A forward that calls no
+    tokenring attention], [Outputs that pool over the sequence], [A loss the model computes
+    itself])."""
+    if forward.attention_calls == 0:
+        _refuse_no_attention(model, forward.sp)
+    elif not forward.cached and forward.seq_local is not None:
+        _refuse_pooled_outputs(model, forward.sp, result, forward.seq_local)
+        _refuse_own_loss(model, forward.sp, forward, result)
 
 
 def _refuse_empty_shards(sp: SequenceParallel, what: str) -> None:
@@ -464,6 +511,7 @@ class _UnusableMask(NotImplementedError):
     """:func:`_model_mask`'s error for a mask to refuse only where a layer uses it."""
 
 
+@torch.compiler.disable(reason=_EAGER)
 def _global_mask(
     *,
     mask_function: Any = None,
@@ -869,6 +917,7 @@ _INERT_KWARGS = frozenset(
 )
 
 
+@torch.compiler.disable(reason=_EAGER)
 def _attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -1114,8 +1163,9 @@ def _raise_wrong_positions(
 #     no such frame               nothing: gradient checkpointing's recomputation in the
 #                                 backward (the forward was checked), a module of one's own
 #
-# Under torch.compile the attention call is not traced (the graph breaks at it), so the
-# frames are Python's; a frame dynamo rewrote keeps its locals.
+# Under torch.compile the attention call is not traced (the graph breaks at it: Note [The
+# attention function under torch.compile]), so the frames are Python's; a frame dynamo
+# rewrote keeps its locals.
 _NO_POSITIONS = object()
 """What :func:`_model_positions` gives for a forward that takes no position_ids."""
 

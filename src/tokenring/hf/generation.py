@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from tokenring.core.layout import check_int
 from tokenring.hf.attention import (
+    _EAGER,
     _PLAIN_CAUSAL,
     ATTN_IMPLEMENTATIONS,
     MIN_TRANSFORMERS,
@@ -599,6 +600,8 @@ def generate(
         model: a transformers causal LM whose ``attn_implementation`` is a tokenring name
             (``tokenring.hf.register()``); which one does not matter here: every step runs
             the cached plan that ``strategy`` picks, and the prefill pass-Q or pass-KV.
+            ``model.compile()`` compiles the steps; ``torch.compile(model)`` generates through
+            its original module, uncompiled, as transformers' ``generate`` on it does.
         input_ids: ``(B, S)`` prompts of equal length, the same on every rank.
         strategy, block_size, budget_bytes: of the :class:`ShardedKVCache`.
         gen_kwargs: ``model.generate``'s: greedy search and sampling (seed every rank alike);
@@ -623,6 +626,7 @@ def generate(
     comm = sp.communicator
     cache: ShardedKVCache | None = None
     try:
+        model = _generating_module(model)
         _check_call(sp, model, input_ids, gen_kwargs)
         cache = ShardedKVCache(
             model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
@@ -640,6 +644,17 @@ def generate(
         else:  # Note [A step that fails on one rank]
             cache.fail(exc)
         raise
+
+
+def _generating_module(model: Any) -> Any:
+    """The module whose forward ``model.generate`` calls, which the steps hook: the module
+    itself, or the one under ``torch.compile``'s wrapper (an ``OptimizedModule`` hands
+    ``generate`` to its original module, which calls its own forward, uncompiled: as
+    transformers' generate on it). Hooked on the wrapper, the steps never ran their hooks
+    and the model's first layer raised that it ran outside generate's steps."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 FIRST_STEP = "generate call"
@@ -829,6 +844,10 @@ def _sharded_forward(
     ``padding_hint`` ends the error for a padding mask."""
     state: dict[str, Any] = {}
 
+    # host code: placement, the step's checks and exchanges; under model.compile() dynamo
+    # traced it, recompiling per step kind until its recompile limit (Note [The attention
+    # function under torch.compile] in tokenring.hf.attention)
+    @torch.compiler.disable(reason=_EAGER)
     def before(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:  # module: the PreTrainedModel
@@ -847,6 +866,7 @@ def _sharded_forward(
         kwargs["sequence_parallel_cache"] = cache
         return args, kwargs
 
+    @torch.compiler.disable(reason=_EAGER)
     def after(
         module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:

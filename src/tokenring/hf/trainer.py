@@ -213,7 +213,7 @@ class SequenceParallelTrainer(Trainer):
             model.training
             and self.accelerator.num_processes > 1
             and not self.is_fsdp_enabled  # FSDP2 shards the module in place
-            and self.accelerator.unwrap_model(model) is model
+            and not _data_parallel(self.accelerator, model)
         ):
             # transformers 5.x: evaluate() before train() prepares the model for evaluation
             # alone, and accelerate then never wraps it in DDP: the ranks would not average
@@ -354,6 +354,26 @@ class SequenceParallelTrainer(Trainer):
             return mine if cut is None else mine[:cut]
 
         return recursively_apply(keep, self.accelerator.gather(data))
+
+
+def _data_parallel(accelerator: Any, model: torch.nn.Module) -> bool:
+    """Whether ``model``, as the Trainer runs it, holds a data-parallel wrapper (DDP) under
+    torch.compile's wrapper, if any (accelerate compiles last: ``torch.compile(DDP(model))``).
+
+    accelerate's ``unwrap_model`` keeps a compiled wrapper by default by pointing its
+    ``_orig_mod`` at the bare model: asked of ``torch.compile(DDP(model))`` (TrainingArguments'
+    ``torch_compile=True``), it took DDP out of the Trainer's model and returned that model
+    itself, which then read as never wrapped. Unwrapped without the compiled wrapper it
+    changes nothing."""
+    bare = accelerator.unwrap_model(model, keep_torch_compile=False)
+    inner: Any = model
+    while True:  # torch.compile's OptimizedModule, or accelerate's regional compile
+        if isinstance(inner, torch._dynamo.eval_frame.OptimizedModule):
+            inner = inner._orig_mod
+        elif "_orig_mod" in vars(inner):
+            inner = vars(inner)["_orig_mod"]
+        else:
+            return bare is not inner
 
 
 def _data_groups(sp: SequenceParallel, world: int) -> tuple[int, int, tuple[int, ...]]:

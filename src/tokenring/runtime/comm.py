@@ -1753,6 +1753,37 @@ _GAVE_UP = "!"  # what a rank that timed out leaves in its entry
 _POLL_S = 0.005  # how long _wait_for polls before it waits
 
 
+# Note [Communication runs eagerly]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The integrations call the communicator from code a user's torch.compile traces: the
+# transformers attention function's rank checks, the mask function's, generate's forward
+# hooks under model.compile(), the Flux processor's checks. dynamo traced into the exchanges
+# themselves, shared memory and sockets included: a 2-layer Llama's first compiled forward
+# compiled 209 frames (12 s with backend="eager", 22 graphs of a few ops), recompiled more of
+# them at the second and third calls, and guarded compiled code on values in shared memory
+# (a peer's message counter, a file descriptor) that change under it. Nothing there is a
+# tensor program: the building of a communicator and every exchange that code outside the
+# attention operator calls (the checks and collectives) run eagerly (torch.compiler.disable:
+# a graph break at the call, nothing traced inside). The point-to-point path (exchange,
+# PendingRecv) runs only inside the attention operator's implementation, which is opaque to
+# dynamo already (Note [The attention operator] in tokenring.api).
+_EAGER_METHODS = (
+    "__init__",
+    "agree",
+    "agreed",
+    "all_gather",
+    "all_gather_bytes",
+    "all_gather_int",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+)
+for _name in _EAGER_METHODS:
+    setattr(Communicator, _name, torch.compiler.disable(vars(Communicator)[_name]))
+PendingCollective.wait = torch.compiler.disable(PendingCollective.wait)  # type: ignore[method-assign]
+
+
 class _PoolAgreementFailed(RuntimeError):
     """A rank did not come to agree on pooled groups (Note [Channel pool])."""
 
