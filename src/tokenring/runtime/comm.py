@@ -288,6 +288,25 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + MAX_SKETCHES * _SKETCH_STRUCT.si
 # closed sockets did. The probe that sets the transport up runs over gloo.
 
 
+# Note [Communication runs eagerly]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The integrations call the communicator from code a user's torch.compile traces: the
+# transformers attention function's rank checks, the mask function's, generate's forward
+# hooks under model.compile(), the Flux processor's checks. dynamo traced into the exchanges
+# themselves, shared memory and sockets included: a 2-layer Llama's first compiled forward
+# compiled 209 frames (12 s with backend="eager", 22 graphs of a few ops), recompiled more of
+# them at the second and third calls, and guarded compiled code on values in shared memory
+# (a peer's message counter, a file descriptor) that change under it. Nothing there is a
+# tensor program: the building of a communicator and every exchange that code outside the
+# attention operator calls (the checks and collectives) run eagerly (torch.compiler.disable:
+# a graph break at the call, nothing traced inside). The point-to-point path (exchange,
+# PendingRecv) runs only inside the attention operator's implementation, which is opaque to
+# dynamo already (Note [The attention operator] in tokenring.api).
+_eager = torch.compiler.disable(reason="tokenring communicates eagerly")
+"""A communicator method that runs eagerly under torch.compile (Note [Communication runs
+eagerly])."""
+
+
 def _compare_sketches(names: list[str], frames: list[bytes], what: str) -> None:
     """ValueError, the same on every rank (each compares the same frames), naming each field
     of ``names`` where a rank's sketch (Note [Agreement by digest]) is farther from rank 0's
@@ -620,6 +639,7 @@ class Communicator:
             ``timeout_s`` or ``separate_groups`` differs between the ranks (every rank raises).
     """
 
+    @_eager
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
@@ -766,6 +786,7 @@ class Communicator:
         )
 
     # -- agreement ---------------------------------------------------------------------------
+    @_eager
     def all_gather_bytes(
         self, data: bytes, *, what: str, frame_num_bytes: int = AGREE_FRAME_NUM_BYTES
     ) -> list[bytes]:
@@ -933,6 +954,7 @@ class Communicator:
 
         return wait
 
+    @_eager
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Every rank's picklable ``obj`` in group-rank order (``what``: for errors); two rounds
         of :meth:`all_gather_bytes`, the sizes then the pickles. Not counted."""
@@ -942,6 +964,7 @@ class Communicator:
         gathered = self.all_gather_bytes(data, what=what, frame_num_bytes=frame_num_bytes)
         return [pickle.loads(blob) for blob in gathered]
 
+    @_eager
     def agree(
         self, signature: dict[str, Any] | None, problem: Exception | None, *, what: str
     ) -> None:
@@ -1294,6 +1317,7 @@ class Communicator:
 
     # -- collectives: posted async on ``group``, waited for at most ``timeout`` --------------
 
+    @_eager
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, *, label: str
     ) -> PendingCollective:
@@ -1304,6 +1328,7 @@ class Communicator:
             output.copy_(input.reshape(output.shape))
         return pending
 
+    @_eager
     def all_gather(
         self, tensor: torch.Tensor, *, label: str, shapes_agreed: bool = False
     ) -> list[torch.Tensor]:
@@ -1332,6 +1357,7 @@ class Communicator:
         blocks = gathered.view(self.world_size, flat.numel()).unbind(0)
         return [block.view(tensor.shape) for block in blocks]
 
+    @_eager
     def all_reduce(
         self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, label: str
     ) -> PendingCollective:
@@ -1358,6 +1384,7 @@ class Communicator:
             pending._copy_back = (wire, tensor)
         return pending
 
+    @_eager
     def barrier(self, *, label: str) -> None:
         """Wait until every rank of the group reached this barrier, for at most ``timeout``."""
         self._collective("barrier", label, dist.barrier).wait()
@@ -1576,6 +1603,7 @@ class Communicator:
             )
 
     # -- checked calls -----------------------------------------------------------------------
+    @_eager
     def agreed(
         self,
         validate: Callable[[], tuple[_T, dict[str, Any] | None]],
@@ -1646,6 +1674,7 @@ class Communicator:
                 self.abandon(exc)
             raise
 
+    @_eager
     def all_gather_int(self, value: int, device: torch.device, *, label: str) -> list[int]:
         """Every rank's ``value``, in group-rank order (an int64 on ``device``). Not counted."""
         mine = torch.tensor([value], dtype=torch.int64, device=device)
@@ -1660,6 +1689,7 @@ class PendingCollective:
         self._posted_s = time.perf_counter()
         self._copy_back: tuple[torch.Tensor, torch.Tensor] | None = None  # (result, caller's)
 
+    @_eager
     def wait(self) -> None:
         comm = self._comm
         if self._work is not None:
@@ -1751,37 +1781,6 @@ _IDLE_GROUPS: dict[_PoolKey, list[_OwnGroups]] = {}
 _NUM_BUILDS: dict[tuple[tuple[int, ...], str], int] = {}
 _GAVE_UP = "!"  # what a rank that timed out leaves in its entry
 _POLL_S = 0.005  # how long _wait_for polls before it waits
-
-
-# Note [Communication runs eagerly]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The integrations call the communicator from code a user's torch.compile traces: the
-# transformers attention function's rank checks, the mask function's, generate's forward
-# hooks under model.compile(), the Flux processor's checks. dynamo traced into the exchanges
-# themselves, shared memory and sockets included: a 2-layer Llama's first compiled forward
-# compiled 209 frames (12 s with backend="eager", 22 graphs of a few ops), recompiled more of
-# them at the second and third calls, and guarded compiled code on values in shared memory
-# (a peer's message counter, a file descriptor) that change under it. Nothing there is a
-# tensor program: the building of a communicator and every exchange that code outside the
-# attention operator calls (the checks and collectives) run eagerly (torch.compiler.disable:
-# a graph break at the call, nothing traced inside). The point-to-point path (exchange,
-# PendingRecv) runs only inside the attention operator's implementation, which is opaque to
-# dynamo already (Note [The attention operator] in tokenring.api).
-_EAGER_METHODS = (
-    "__init__",
-    "agree",
-    "agreed",
-    "all_gather",
-    "all_gather_bytes",
-    "all_gather_int",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "barrier",
-)
-for _name in _EAGER_METHODS:
-    setattr(Communicator, _name, torch.compiler.disable(vars(Communicator)[_name]))
-PendingCollective.wait = torch.compiler.disable(PendingCollective.wait)  # type: ignore[method-assign]
 
 
 class _PoolAgreementFailed(RuntimeError):
