@@ -239,6 +239,9 @@ def register() -> tuple[str, ...]:
     model_class: Any = transformers.PreTrainedModel
     if not getattr(model_class.__call__, "_tokenring_counts", False):
         model_class.__call__ = _counting_call(model_class.__call__)
+    output_class: Any = transformers.utils.ModelOutput
+    if not getattr(output_class.to_tuple, "_tokenring_names", False):
+        output_class.to_tuple = _naming_to_tuple(output_class.to_tuple)
     return tuple(ATTN_IMPLEMENTATIONS)
 
 
@@ -279,10 +282,15 @@ class _Forward:
     """The model call's logits_to_keep keyword (Note [Outputs that pool over the sequence])."""
     checked: bool = False
     """The forward's rank check ran (Note [The forward's rank check])."""
-    labels: bool = False
-    """The model call was given ``labels=`` (Note [A loss the model computes itself])."""
-    global_losses: int = 0
-    """Losses of ``LOSS_MAPPING`` that ran under this forward with ``sequence_parallel=``."""
+    labels: tuple[str, ...] = ()
+    """The label keywords the model call was given (:func:`_label_keywords`; Note [A loss the
+    model computes itself])."""
+    global_losses: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
+    """What the losses of ``LOSS_MAPPING`` that ran under this forward with
+    ``sequence_parallel=`` returned, with its _version then."""
+    tuple_names: tuple[tuple[Any, ...], tuple[str, ...]] | None = None
+    """The last ModelOutput turned into a tuple during the forward (return_dict=False) and its
+    field names (Note [Outputs that pool over the sequence])."""
 
     def positions_passed(self, given: torch.Tensor) -> bool:
         return any(t is given and v == given._version for t, v in self.positions_checked)
@@ -351,7 +359,7 @@ def _begin_forward(
         sp=sp,
         cached=kwargs.get("sequence_parallel_cache") is not None,
         logits_to_keep=kwargs.get("logits_to_keep", 0),
-        labels=kwargs.get("labels") is not None,
+        labels=_label_keywords(kwargs),
     )
     return forward, _FORWARD.set(forward)
 
@@ -370,8 +378,58 @@ def _check_outputs(model: torch.nn.Module, forward: _Forward, result: Any) -> No
     if forward.attention_calls == 0:
         _refuse_no_attention(model, forward.sp)
     elif not forward.cached and forward.seq_local is not None:
-        _refuse_pooled_outputs(model, forward.sp, result, forward.seq_local)
-        _refuse_own_loss(model, forward.sp, forward, result)
+        fields = _output_fields(forward, result)
+        _refuse_pooled_outputs(model, forward.sp, fields, forward.seq_local)
+        _refuse_own_loss(model, forward.sp, forward, fields)
+
+
+def _naming_to_tuple(to_tuple: Any) -> Any:
+    """``ModelOutput.to_tuple`` that records, during a forward given ``sequence_parallel=``,
+    the tuple it made and its field names (Note [Outputs that pool over the sequence])."""
+
+    @functools.wraps(to_tuple)
+    def named(output: Any) -> Any:
+        values = to_tuple(output)
+        if torch.compiler.is_compiling():  # any model's compiled forward (fullgraph too):
+            return values  # nothing recorded, so a 2-D entry of the tuple raises as unnamed
+        forward = _FORWARD.get()
+        if forward is not None:
+            forward.tuple_names = (values, tuple(str(k) for k in output))
+        return values
+
+    named._tokenring_names = True  # type: ignore[attr-defined]
+    return named
+
+
+# transformers' own rule for a model's label keywords (transformers.utils.find_labels, which
+# the Trainer reads for label_names): every keyword with "label" in its name, and a question-
+# answering head's span positions
+_SPAN_LABELS = ("start_positions", "end_positions")
+
+
+def _is_label(keyword: str) -> bool:
+    return "label" in keyword or keyword in _SPAN_LABELS
+
+
+def _label_keywords(kwargs: Mapping[str, Any]) -> tuple[str, ...]:
+    """The label keywords given (not None) in a model call's ``kwargs``, sorted."""
+    return tuple(sorted(k for k, v in kwargs.items() if v is not None and _is_label(k)))
+
+
+def _output_fields(forward: _Forward, result: Any) -> list[tuple[str, Any]]:
+    """``result``'s top-level fields, named: a ModelOutput's (or a dict's) keys, a tuple's
+    from the ModelOutput it was made of (return_dict=False), else ``output[i]``."""
+    if isinstance(result, Mapping):
+        return [(str(k), v) for k, v in result.items()]
+    if not isinstance(result, tuple):
+        return []
+    made = forward.tuple_names
+    if made is not None and made[0] is result:
+        return list(zip(made[1], result, strict=True))
+    return [(_UNNAMED.format(i), v) for i, v in enumerate(result)]
+
+
+_UNNAMED = "output[{}] (return_dict=False)"
 
 
 def _refuse_empty_shards(sp: SequenceParallel, what: str) -> None:
@@ -414,51 +472,56 @@ def _refuse_empty_shards(sp: SequenceParallel, what: str) -> None:
 #     XForSequenceClassification (decoder)   logits (B, L) of the last non-pad token of
 #                                            each rank's shard (rank 1 of 2: 1.67 off)
 #     BERT-style pooler_output, ...ForSequenceClassification and ...ForMultipleChoice on
-#       encoders                             the first token of each rank's shard (0.42 off)
+#       encoders, BertForPreTraining's       the first token of each rank's shard (0.42 off;
+#       seq_relationship_logits (B, 2)       seq_relationship_logits 0.008 to 0.012)
 #     logits_to_keep=k (k > 0)               the last k rows of each rank's shard
 #
-# Each rank's value differed and none raised. After the outermost forward, a ``logits`` of
-# fewer than 3 dims or another row count than the attention calls' s, a ``pooler_output``,
-# or any other top-level tensor output with dims but not s rows (tuples alike: return_dict=
-# False) raises NotImplementedError on every rank (the output shapes and s follow from the
-# model and the sharding: every rank alike). logits_to_keep is decided from the option, not
-# from the rows it left: with uneven shards a rank holding exactly k rows passed the row
-# check while its peers raised. It is refused in the forward's rank check (Note [The
-# forward's rank check]) when k is below some rank's shard length (k >= every rank's s
+# Each rank's value differed and none raised. A pooled output's row count is a constant of the
+# model (2, L, C), which may equal s: on every rank (shards of 2 rows: seq_relationship_logits
+# passed as per-token, silently) or on some ranks alone (uneven shards of 3, 2 and 2 rows:
+# rank 0 raised, ranks 1 and 2 returned). So after the outermost forward every top-level
+# tensor output with dims is per-token only if it has 3 or more dims and s rows (B, s, ...),
+# or is a question-answering head's span scores (start_logits, end_logits: (B, s)); any other
+# 2-D output (B, X) cannot be told from a pooled one by its shape and raises, as does
+# pooler_output: NotImplementedError on every rank (the rule reads the names and the dims,
+# which are every rank's alike). A tuple (return_dict=False) takes its names from the
+# ModelOutput it was made of (register() wraps ModelOutput.to_tuple to record them); a tuple
+# the model built itself is unnamed, and its 2-D entries raise. logits_to_keep is decided from
+# the option, not from the rows it left: with uneven shards a rank holding exactly k rows
+# passed the row check while its peers raised. It is refused in the forward's rank check (Note
+# [The forward's rank check]) when k is below some rank's shard length (k >= every rank's s
 # keeps every row: per-token), negative, or a tensor of row indices, on every rank at once.
-# The loss is global (the causal-LM loss) or refused (other losses); hidden states are each
-# rank's shard. tokenring.hf.generate's steps keep their own rows (its hooks gather them)
-# and are not checked.
-_GLOBAL_OUTPUTS = frozenset({"loss", "aux_loss"})
+# Losses are global (the causal-LM loss) or refused (Note [A loss the model computes
+# itself]); hidden states are each rank's shard. tokenring.hf.generate's steps keep their own
+# rows (its hooks gather them) and are not checked.
+_SPAN_OUTPUTS = frozenset({"start_logits", "end_logits"})
+
+
+def _is_loss(name: str) -> bool:
+    return name in ("loss", _UNNAMED.format(0)) or name.endswith("_loss")
 
 
 def _refuse_pooled_outputs(
-    model: torch.nn.Module, sp: SequenceParallel, result: Any, seq_local: int
+    model: torch.nn.Module, sp: SequenceParallel, fields: list[tuple[str, Any]], seq_local: int
 ) -> None:
-    """NotImplementedError naming the first output of ``result`` that is not a per-token
+    """NotImplementedError naming the first output of ``fields`` that is not a per-token
     shard of ``seq_local`` rows (Note [Outputs that pool over the sequence])."""
     if sp.communicator.world_size == 1:
         return
-    if isinstance(result, Mapping):
-        fields = [(str(k), v) for k, v in result.items()]
-    elif isinstance(result, tuple):
-        fields = [(f"output[{i}] (return_dict=False)", v) for i, v in enumerate(result)]
-    else:
-        return
     for name, value in fields:
-        if not isinstance(value, torch.Tensor) or name in _GLOBAL_OUTPUTS:
+        if not isinstance(value, torch.Tensor) or (value.dim() == 0 and _is_loss(name)):
             continue
-        per_token = value.dim() >= 2 and value.shape[1] == seq_local
-        if name == "logits":
-            per_token = per_token and value.dim() >= 3
+        rows = value.dim() >= 2 and value.shape[1] == seq_local
+        per_token = rows and (value.dim() >= 3 or name in _SPAN_OUTPUTS)
         if name == "pooler_output" or (value.dim() > 0 and not per_token):
             raise NotImplementedError(
                 f"{type(model).__name__}'s output {name} of shape {tuple(value.shape)} is not "
-                f"each rank's per-token shard of {seq_local} rows: it pools over the sequence "
-                "(a classification head's last or first token, a pooler_output, "
-                "logits_to_keep), which saw this rank's shard alone; under sequence_parallel= "
-                "take the per-token outputs (AutoModel, add_pooling_layer=False, "
-                "logits_to_keep=0) and pool over hf.gather_sequence's global sequence"
+                f"each rank's per-token shard (B, {seq_local}, ...): it pools over the "
+                "sequence (a classification head's last or first token, a pooler_output, "
+                "logits_to_keep), which saw this rank's shard alone, or its shape cannot tell "
+                "it from such an output; under sequence_parallel= take the per-token outputs "
+                "(AutoModel, add_pooling_layer=False, logits_to_keep=0) and pool over "
+                "hf.gather_sequence's global sequence"
             )
 
 
@@ -610,30 +673,56 @@ def _refuse_padding_on_every_rank(attention_mask: Any) -> None:
 #       BlockMask) reaches attention        mask function runs): posted here, refused
 #     logits_to_keep (in the signature)     refused here unless it keeps every rank's rows
 #                                           (Note [Outputs that pool over the sequence])
-#     whether labels= was given (in the     so that a loss the model computes itself is
+#     the mask refused by the mask          posted here (a config's verdict: every rank
+#       function (_RefusedMask)             alike, unless the ranks differ)
+#     the first call's attention options    posted here: output_attentions=True, dropout,
+#       (_check_options)                    an attention option it cannot honour
+#     the label keywords given (in the      so that a loss the model computes itself is
 #       signature)                          refused on every rank alike (Note [A loss the
 #                                           model computes itself])
 #
 # A prepared mask on one rank used to raise in that rank's attention call with nothing
 # exchanged, while its peers waited out the timeout in the mask function's padding exchange;
+# output_attentions=True on one rank alike (its peers waited in their position_ids check);
 # ranks given different logits_to_keep, or uneven shards one of which held exactly k rows,
-# raised on some ranks after the forward while the others returned. tokenring.hf.generate's
-# steps (cached) have their own checks; one rank has nothing to agree with.
+# raised on some ranks after the forward while the others returned; start_positions= on one
+# rank raised there in the loss while its peers returned. The forward's keywords reach every
+# layer alike, so the first call's options stand for the forward's; each call still checks
+# its own. tokenring.hf.generate's steps (cached) have their own checks; one rank has
+# nothing to agree with.
 FORWARD_CHECK = "model forward check"
 
 
-def _check_forward(name: str, forward: _Forward, attention_mask: Any, seq_local: int) -> None:
+def _check_forward(
+    name: str,
+    forward: _Forward,
+    module: torch.nn.Module,
+    attention_mask: Any,
+    options: dict[str, Any],
+    seq_local: int,
+) -> None:
     """The forward's rank check (Note [The forward's rank check]): raises on every rank for
-    a prepared ``attention_mask`` on any rank, a logits_to_keep that pools, or ranks given
-    different logits_to_keep."""
+    a prepared or refused ``attention_mask``, or attention ``options`` the first call cannot
+    honour, on any rank, a logits_to_keep that pools, or ranks given different logits_to_keep
+    or label keywords."""
     forward.checked = True
 
     def validate() -> tuple[None, dict[str, Any]]:
-        if attention_mask is not None and not isinstance(
-            attention_mask, (_ModelMask, _RefusedMask)
-        ):
+        if isinstance(attention_mask, _RefusedMask):
+            raise NotImplementedError(
+                f"attn_implementation={name!r}: the mask of {type(module).__name__}: "
+                f"{attention_mask.reason}"
+            )
+        if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
             raise NotImplementedError(_prepared_mask(name, attention_mask))
-        return None, {"logits_to_keep": _kept_logits(forward, seq_local), "labels": forward.labels}
+        _check_options(name, module, options)
+        keep = _kept_logits(forward, seq_local)
+        labels = "labels" in forward.labels  # named first where the ranks differ in it
+        return None, {
+            "logits_to_keep": keep,
+            "labels": labels,
+            "label keywords": list(forward.labels),
+        }
 
     forward.sp.communicator.agreed(validate, what=FORWARD_CHECK)
 
@@ -956,7 +1045,7 @@ def _attention_forward(
         and not forward.checked
         and forward.sp.communicator.world_size > 1
     ):
-        _check_forward(name, forward, attention_mask, query.shape[2])
+        _check_forward(name, forward, module, attention_mask, kwargs, query.shape[2])
     if isinstance(attention_mask, _RefusedMask):
         raise NotImplementedError(
             f"attn_implementation={name!r}: the mask of {type(module).__name__}: "
@@ -1062,6 +1151,8 @@ def _check_options(name: str, module: torch.nn.Module, kwargs: dict[str, Any]) -
     handled |= set(_PACKING_KWARGS)
     for key, value in kwargs.items():
         if key in handled or key in _INERT_KWARGS or value is None or value is False:
+            continue
+        if _is_label(key):  # Note [A loss the model computes itself]
             continue
         shown = f" (a tensor of shape {tuple(value.shape)})" if hasattr(value, "shape") else ""
         raise NotImplementedError(
@@ -1737,16 +1828,17 @@ class _SequenceParallelLoss:
         sp = kwargs.pop("sequence_parallel", None)
         if sp is None:
             return self.original(*args, **kwargs)
-        forward = _FORWARD.get()
-        if forward is not None:
-            forward.global_losses += 1
         if self.loss_type != "ForCausalLM":
             raise NotImplementedError(
                 f"transformers' {self.loss_type} loss under sequence_parallel would average over "
                 "this rank's shard only; compute the loss from the logits (for a causal LM: "
                 "tokenring.hf.causal_lm_loss)"
             )
-        return _labels_loss(sp, *args, **kwargs)
+        loss = _labels_loss(sp, *args, **kwargs)
+        forward = _FORWARD.get()
+        if forward is not None:  # Note [A loss the model computes itself]
+            forward.global_losses.append((loss, loss._version))
+        return loss
 
 
 # Note [A loss the model computes itself]
@@ -1754,36 +1846,46 @@ class _SequenceParallelLoss:
 # register() wraps LOSS_MAPPING, which a model reaches through self.loss_function(...,
 # **kwargs): given sequence_parallel= the causal-LM loss is global and the others raise. Many
 # heads compute their loss in their own code instead (BertForMaskedLM's and
-# BertForTokenClassification's CrossEntropyLoss(), a loss_function called without the
-# forward's kwargs): given this rank's shard of the labels, each rank returned the mean over
-# its own shard (BERT masked LM on 2 ranks: 4.1755 and 4.2285 against 4.2020 in one process),
-# without an error. So the outermost forward given labels= and sequence_parallel= over
-# several ranks whose output holds a loss while no wrapped loss ran with sequence_parallel=
-# raises NotImplementedError after its forward. Whether labels were given is part of the
-# forward's rank check (Note [The forward's rank check]), so the ranks decide alike: the
-# same model and the same labels keyword.
+# BertForTokenClassification's CrossEntropyLoss(), BertForQuestionAnswering's over the span
+# positions, GPT2DoubleHeadsModel's mc_loss, a loss_function called without the forward's
+# kwargs): each rank returned the loss over its own shard (BERT masked LM on 2 ranks: 4.1755
+# and 4.2285 against 4.2020 in one process; BERT question answering, its positions clamped
+# to the shard's length, nan on every rank), without an error. So after the outermost forward
+# given sequence_parallel= over several ranks, a loss in its output raises
+# NotImplementedError, on every rank, unless it is the very tensor a wrapped loss returned
+# under this forward, unchanged since (``loss += coef * aux_loss``, a local term added in
+# place, changes its _version): a scalar ``loss`` (or a tuple's first entry, return_dict=
+# False) and every ``*_loss`` output. The label keywords given (transformers' own rule,
+# _label_keywords: "label" in the name, start_positions, end_positions) are part of the
+# forward's rank check (Note [The forward's rank check]), so the ranks decide alike: the same
+# model given the same label keywords returns the same losses. Label keywords reach the
+# attention call as forward bookkeeping (_check_options lets them pass).
 
 
 def _refuse_own_loss(
-    model: torch.nn.Module, sp: SequenceParallel, forward: _Forward, result: Any
+    model: torch.nn.Module, sp: SequenceParallel, forward: _Forward, fields: list[tuple[str, Any]]
 ) -> None:
-    """NotImplementedError when the forward was given ``labels=`` and returned a loss that no
-    wrapped loss computed over the group (Note [A loss the model computes itself])."""
-    if not forward.labels or forward.global_losses or sp.communicator.world_size == 1:
+    """NotImplementedError naming the losses in ``fields`` that no wrapped loss computed over
+    the group (Note [A loss the model computes itself])."""
+    if sp.communicator.world_size == 1:
         return
-    if isinstance(result, Mapping):
-        loss = result.get("loss")
-    elif isinstance(result, tuple) and result:
-        loss = result[0]  # return_dict=False: the loss comes first when there is one
-    else:
+    own = [
+        name
+        for name, value in fields
+        if isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and _is_loss(name)
+        and not any(value is t and value._version == v for t, v in forward.global_losses)
+    ]
+    if not own:
         return
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-        return
+    given = ", ".join(f"{k}=" for k in forward.labels) or "no label keyword"
     raise NotImplementedError(
-        f"{type(model).__name__} computed its loss from labels= in its own code, over this "
-        "rank's shard alone (not through transformers' loss functions, which tokenring.hf "
-        "makes global); under sequence_parallel= call it without labels= and compute the loss "
-        "from the logits over the group (for a causal LM: tokenring.hf.causal_lm_loss)"
+        f"{type(model).__name__} computed its loss from labels= in its own code (its output "
+        f"{', '.join(own)}, given {given}), over this rank's shard alone (not through "
+        "transformers' loss functions, which tokenring.hf makes global for a causal LM); under "
+        "sequence_parallel= call it without label keywords and compute the loss from the "
+        "per-token outputs over the group (for a causal LM: tokenring.hf.causal_lm_loss)"
     )
 
 
