@@ -220,3 +220,28 @@ def test_output_attentions_on_one_rank_raises_on_every_rank(
             raised_fast(res[at + name], FAST_S, "output_attentions")
 
     _each(ranks, check)
+
+
+def test_any_model_still_compiles_fullgraph_with_return_dict_false() -> None:
+    """register() wraps transformers' ModelOutput.to_tuple for every model, to name the
+    entries of a sequence-parallel forward's tuple. The wrapper read a context variable,
+    which dynamo cannot trace: once hf.register() had run, any model compiled with
+    fullgraph=True and return_dict=False failed to compile, tokenring or not. While dynamo
+    compiles it now records nothing; the compiled tuple equals the eager one."""
+    hf.register()
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForQuestionAnswering(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        got, want = (
+            compiled(input_ids=ids, return_dict=False),
+            model(input_ids=ids, return_dict=False),
+        )
+    assert len(got) == len(want) == 2
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
