@@ -38,7 +38,6 @@ import inspect
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +54,7 @@ pytest.importorskip(
     "diffusers", reason="diffusers is not installed (pip install 'tokenring-attention[diffusers]')"
 )
 
-from test_diffusers_audit3 import build_model, local_inputs, model_inputs  # noqa: E402
+from tiny_flux import TEXT, build_model, local_inputs, model_inputs  # noqa: E402
 from tiny_llama import (  # noqa: E402
     generate_models,
     generate_prompt,
@@ -63,7 +62,9 @@ from tiny_llama import (  # noqa: E402
     llama_config,
     model_of,
     perturbed_state,
+    raised_fast,
     sgd_args,
+    timed,
 )
 from tokenring import diffusers as tr_diffusers  # noqa: E402
 from tokenring import hf  # noqa: E402
@@ -72,21 +73,6 @@ WORLD, S, V = 2, 8, 32
 TIMEOUT_S = 60.0
 FAST_S = 20.0  # a fault raises on every rank well within the timeout (rank 0 recompiles)
 FP64 = 1e-10
-
-
-def _outcome(run: Callable[[], Any]) -> dict[str, Any]:
-    """``run()``'s value or error, and its time; after an error the default group gets a new
-    communicator (a failed check leaves the old one failed)."""
-    start = time.monotonic()
-    out: dict[str, Any] = {}
-    try:
-        out["value"] = run()
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        tokenring.close_communicators()
-        tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
-    out["elapsed_s"] = time.monotonic() - start
-    return out
 
 
 def _compiled_tokenring_code() -> list[str]:
@@ -141,19 +127,24 @@ def _llama_cases(out: dict[str, Any]) -> None:
 
     for call in range(3):
         counters.clear()
-        out[f"call {call}"] = _outcome(train_step())
+        out[f"call {call}"] = timed(TIMEOUT_S, train_step())
         out[f"frames at call {call}"] = dict(counters["frames"])
     out["compiled tokenring code"] = _compiled_tokenring_code()
-    out["logits_to_keep on rank 0"] = _outcome(train_step(logits_to_keep=1 if rank == 0 else 0))
+    out["logits_to_keep on rank 0"] = timed(
+        TIMEOUT_S, train_step(logits_to_keep=1 if rank == 0 else 0)
+    )
     prepared = torch.ones(2, 1, S // WORLD, S // WORLD, dtype=torch.bool)  # (B, 1, s, s)
-    out["4-D mask on rank 0"] = _outcome(train_step(attention_mask=prepared if rank == 0 else None))
-    out["call after"] = _outcome(train_step())
+    out["4-D mask on rank 0"] = timed(
+        TIMEOUT_S, train_step(attention_mask=prepared if rank == 0 else None)
+    )
+    out["call after"] = timed(TIMEOUT_S, train_step())
     torch._dynamo.reset()
     full = torch.compile(model, backend="eager", fullgraph=True)
-    out["fullgraph"] = _outcome(
+    out["fullgraph"] = timed(
+        TIMEOUT_S,
         lambda: full(
             input_ids=batch.input_ids, position_ids=batch.position_ids, sequence_parallel=sp
-        )
+        ),
     )
 
 
@@ -163,7 +154,8 @@ def _generate_case(out: dict[str, Any]) -> None:
     with torch.no_grad():
         want = oracle.generate(prompt, max_new_tokens=4, do_sample=False)
         compiled = torch.compile(model, backend="eager")
-        got = _outcome(
+        got = timed(
+            TIMEOUT_S,
             lambda: hf.generate(
                 hf.SequenceParallel(),
                 compiled,
@@ -171,7 +163,7 @@ def _generate_case(out: dict[str, Any]) -> None:
                 strategy="pass_kv",
                 do_sample=False,
                 max_new_tokens=4,
-            )
+            ),
         )
     out["generate"] = got
     out["generate oracle"] = want
@@ -198,7 +190,7 @@ def _trainer_case(out: dict[str, Any]) -> None:
                 train_dataset=data,
                 sequence_parallel=hf.SequenceParallel(),
             )
-            res = _outcome(trainer.train)
+            res = timed(TIMEOUT_S, trainer.train)
             res["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             out[f"trainer compiled={compiled}"] = res
 
@@ -212,7 +204,7 @@ def _flux_cases(out: dict[str, Any]) -> None:
     model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm, text="sharded"))
     torch._dynamo.reset()
     run = torch.compile(model, backend="eager") if comm.rank == 0 else model
-    mine = local_inputs(model_inputs(), comm.rank, "sharded")
+    mine = local_inputs(model_inputs(), comm.rank, "sharded", text_seq_len=TEXT)
 
     def call(inputs: dict[str, Any]) -> Callable[[], float]:
         def go() -> float:
@@ -223,13 +215,13 @@ def _flux_cases(out: dict[str, Any]) -> None:
 
         return go
 
-    out["flux 0"] = _outcome(call(mine))
-    out["flux 1"] = _outcome(call(mine))
+    out["flux 0"] = timed(TIMEOUT_S, call(mine))
+    out["flux 1"] = timed(TIMEOUT_S, call(mine))
     other = mine | {"timestep": mine["timestep"] + 0.25} if comm.rank == 1 else mine
-    out["flux timestep on rank 1"] = _outcome(call(other))
+    out["flux timestep on rank 1"] = timed(TIMEOUT_S, call(other))
     comm = tokenring.get_communicator(None, timeout_s=TIMEOUT_S)  # after a failed check
     model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm, text="sharded"))
-    out["flux after"] = _outcome(call(mine))
+    out["flux after"] = timed(TIMEOUT_S, call(mine))
 
 
 def run_cases() -> dict[str, Any]:
@@ -246,13 +238,6 @@ def run_cases() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     return tokenring.launch(run_cases, world_size=WORLD, timeout_s=300)
-
-
-def _raised_fast(res: dict[str, Any], *words: str) -> None:
-    assert "error" in res, res
-    assert res["elapsed_s"] < FAST_S, res
-    for word in words:
-        assert word in res["error"], (word, res["error"])
 
 
 def test_a_compiled_llama_matches_one_process_call_after_call(ranks: list[dict[str, Any]]) -> None:
@@ -273,8 +258,8 @@ def test_no_tokenring_code_is_compiled_nor_recompiled(ranks: list[dict[str, Any]
 
 def test_a_bad_option_on_the_compiled_rank_fails_every_rank(ranks: list[dict[str, Any]]) -> None:
     for res in ranks:
-        _raised_fast(res["logits_to_keep on rank 0"], "logits_to_keep=1")
-        _raised_fast(res["4-D mask on rank 0"], "prepared attention mask", "(2, 1, 4, 4)")
+        raised_fast(res["logits_to_keep on rank 0"], FAST_S, "logits_to_keep=1")
+        raised_fast(res["4-D mask on rank 0"], FAST_S, "prepared attention mask", "(2, 1, 4, 4)")
 
 
 def test_fullgraph_names_what_breaks_the_graph(ranks: list[dict[str, Any]]) -> None:
@@ -305,4 +290,4 @@ def test_the_flux_model_check_under_compile(ranks: list[dict[str, Any]]) -> None
     for res in ranks:
         for name in ("flux 0", "flux 1", "flux after"):
             assert res[name].get("value", 1.0) < FP64, (name, res[name])
-        _raised_fast(res["flux timestep on rank 1"], "timestep", "rank 1 differs")
+        raised_fast(res["flux timestep on rank 1"], FAST_S, "timestep", "rank 1 differs")

@@ -35,65 +35,16 @@ import tokenring
 pytest.importorskip(
     "diffusers", reason="diffusers is not installed (pip install 'tokenring-attention[diffusers]')"
 )
-from diffusers import FluxTransformer2DModel
 from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
+import tiny_flux
+from tiny_flux import TEXT, WORLD_SIZE, build_model, model_inputs
 from tokenring import diffusers as tr_diffusers
-
-WORLD_SIZE = 2
-IMAGE = 24
-TEXT = 6  # divisible by 2: sharded text
-FLUX = {
-    "patch_size": 1,
-    "in_channels": 4,
-    "num_layers": 2,
-    "num_single_layers": 2,
-    "attention_head_dim": 8,
-    "num_attention_heads": 2,
-    "joint_attention_dim": 8,
-    "pooled_projection_dim": 8,
-    "axes_dims_rope": (2, 2, 4),
-}
-
-
-def build_model(guidance: bool = False) -> FluxTransformer2DModel:
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(**FLUX, guidance_embeds=guidance)
-    with torch.no_grad():  # break symmetric inits (zeros, ones) so every path is exercised
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.double()
-
-
-def model_inputs(guidance: bool = False) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(1)
-    f64 = torch.float64
-    inputs = {
-        "hidden_states": torch.randn(2, IMAGE, 4, generator=gen, dtype=f64),  # (B, S, 4)
-        "encoder_hidden_states": torch.randn(2, TEXT, 8, generator=gen, dtype=f64),
-        "pooled_projections": torch.randn(2, 8, generator=gen, dtype=f64),
-        "timestep": torch.rand(2, generator=gen, dtype=f64),
-        "img_ids": torch.randn(IMAGE, 3, generator=gen, dtype=f64),  # distinct positions
-        "txt_ids": torch.randn(TEXT, 3, generator=gen, dtype=f64),
-    }
-    if guidance:
-        inputs["guidance"] = torch.tensor([3.5, 2.0], dtype=f64)
-    return inputs
-
-
-def rows(n: int, rank: int) -> slice:
-    return slice(rank * n // WORLD_SIZE, (rank + 1) * n // WORLD_SIZE)
 
 
 def local_inputs(inputs: dict[str, Any], rank: int, text: str) -> dict[str, Any]:
-    img = rows(IMAGE, rank)
-    mine = inputs | {"hidden_states": inputs["hidden_states"][:, img]}
-    mine["img_ids"] = inputs["img_ids"][img]
-    if text == "sharded":
-        mine["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, rows(TEXT, rank)]
-        mine["txt_ids"] = inputs["txt_ids"][rows(TEXT, rank)]
-    return mine | {"joint_attention_kwargs": {"text_seq_len": TEXT}}
+    return tiny_flux.local_inputs(inputs, rank, text, text_seq_len=TEXT)
 
 
 def attempt(comm: tokenring.Communicator, model: Any, mine: dict[str, Any]) -> Any:

@@ -29,34 +29,10 @@ import tokenring
 pytest.importorskip(
     "diffusers", reason="diffusers is not installed (pip install 'tokenring-attention[diffusers]')"
 )
-from diffusers import FluxTransformer2DModel
 from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 
+from tiny_flux import IMAGE, TEXT, WORLD_SIZE, build_model, local_inputs, rows
 from tokenring import diffusers as tr_diffusers
-
-WORLD_SIZE = 2
-IMAGE = 24
-TEXT = 6  # divisible by 2: sharded text
-FLUX = {
-    "patch_size": 1,
-    "in_channels": 4,
-    "num_layers": 2,
-    "num_single_layers": 2,
-    "attention_head_dim": 8,
-    "num_attention_heads": 2,
-    "joint_attention_dim": 8,
-    "pooled_projection_dim": 8,
-    "axes_dims_rope": (2, 2, 4),
-}
-
-
-def build_model(guidance: bool = False, seed: int = 0) -> FluxTransformer2DModel:
-    torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**FLUX, guidance_embeds=guidance)
-    with torch.no_grad():  # break symmetric inits (zeros, ones) so every path is exercised
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.double()
 
 
 def model_inputs(num_text: int = TEXT) -> dict[str, torch.Tensor]:
@@ -72,22 +48,6 @@ def model_inputs(num_text: int = TEXT) -> dict[str, torch.Tensor]:
         "guidance": torch.tensor([3.5, 2.0], dtype=f64),
         "weight": torch.randn(2, IMAGE, 4, generator=gen, dtype=f64),  # loss weights
     }
-
-
-def rows(n: int, rank: int, world_size: int) -> slice:
-    """Rank's contiguous rows of n (n divisible by world_size here)."""
-    return slice(rank * n // world_size, (rank + 1) * n // world_size)
-
-
-def local_inputs(inputs: dict[str, torch.Tensor], rank: int, text: str) -> dict[str, Any]:
-    img = rows(IMAGE, rank, WORLD_SIZE)
-    mine = inputs | {"hidden_states": inputs["hidden_states"][:, img]}
-    mine["img_ids"] = inputs["img_ids"][img]
-    if text == "sharded":
-        txt = rows(inputs["txt_ids"].shape[0], rank, WORLD_SIZE)
-        mine["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, txt]
-        mine["txt_ids"] = inputs["txt_ids"][txt]
-    return mine
 
 
 def first_block_cache(comm: tokenring.Communicator) -> list[str]:

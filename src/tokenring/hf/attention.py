@@ -708,13 +708,7 @@ def _check_forward(
     forward.checked = True
 
     def validate() -> tuple[None, dict[str, Any]]:
-        if isinstance(attention_mask, _RefusedMask):
-            raise NotImplementedError(
-                f"attn_implementation={name!r}: the mask of {type(module).__name__}: "
-                f"{attention_mask.reason}"
-            )
-        if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
-            raise NotImplementedError(_prepared_mask(name, attention_mask))
+        _refuse_mask(name, module, attention_mask)
         _check_options(name, module, options)
         keep = _kept_logits(forward, seq_local)
         labels = "labels" in forward.labels  # named first where the ranks differ in it
@@ -725,6 +719,19 @@ def _check_forward(
         }
 
     forward.sp.communicator.agreed(validate, what=FORWARD_CHECK)
+
+
+def _refuse_mask(name: str, module: Any, attention_mask: Any) -> _ModelMask | None:
+    """``attention_mask`` as the mask function gave it; NotImplementedError for one it
+    refused or a prepared one (the attention takes only what the mask function gives)."""
+    if isinstance(attention_mask, _RefusedMask):
+        raise NotImplementedError(
+            f"attn_implementation={name!r}: the mask of {type(module).__name__}: "
+            f"{attention_mask.reason}"
+        )
+    if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
+        raise NotImplementedError(_prepared_mask(name, attention_mask))
+    return attention_mask
 
 
 def _prepared_mask(name: str, attention_mask: Any) -> str:
@@ -1046,17 +1053,11 @@ def _attention_forward(
         and forward.sp.communicator.world_size > 1
     ):
         _check_forward(name, forward, module, attention_mask, kwargs, query.shape[2])
-    if isinstance(attention_mask, _RefusedMask):
-        raise NotImplementedError(
-            f"attn_implementation={name!r}: the mask of {type(module).__name__}: "
-            f"{attention_mask.reason}"
-        )
-    if attention_mask is not None and not isinstance(attention_mask, _ModelMask):
-        raise NotImplementedError(_prepared_mask(name, attention_mask))
+    model_mask = _refuse_mask(name, module, attention_mask)
     _check_options(name, module, kwargs)
     if cache is None:
         _check_sharded_call(name, strategy, sp, query, key, kwargs.get("position_ids"))
-    mask = _layer_mask(module, attention_mask, is_causal, sliding_window)
+    mask = _layer_mask(module, model_mask, is_causal, sliding_window)
     if cache is not None:  # a step of tokenring.hf.generate
         out = cache.attention(module, query, key, value, scaling=scaling, mask=mask)
         return out, None  # (1, n, Hq, D)
