@@ -30,7 +30,7 @@ import tokenring
 pytest.importorskip(
     "diffusers", reason="diffusers is not installed (pip install 'tokenring-attention[diffusers]')"
 )
-from test_diffusers_audit3 import build_model, local_inputs, model_inputs
+from tiny_flux import TEXT, build_model, local_inputs, model_inputs
 from tokenring import diffusers as tr_diffusers
 
 WORLD = 2
@@ -58,7 +58,7 @@ def _flux_half(comm: tokenring.Communicator, dtype: torch.dtype) -> dict[str, An
         model.set_attn_processor(
             tr_diffusers.FluxSequenceParallelProcessor(group=comm, text="sharded")
         )
-        mine = local_inputs(_cast(inputs, dtype), comm.rank, "sharded")
+        mine = local_inputs(_cast(inputs, dtype), comm.rank, "sharded", text_seq_len=TEXT)
         changes = {"same": mine, "timestep": mine | {"timestep": mine["timestep"] * 0.9}}
         if guidance:  # 3.5 and 2.0 in model_inputs
             changes = {"guidance": mine | {"guidance": mine["guidance"] * 0.9}}
