@@ -500,14 +500,15 @@ def test_repeated_calls_agree_by_digest_and_still_name_a_differing_option(
 def _sketched(cases: list[tuple[float, float, float]], shared_memory: bool) -> list[str]:
     """One check per case: a signature of three sketched fields (Note [Agreement by digest])
     whose values rank 1 moves by the case's amounts, beside a plain field; what each raised.
-    Then a signature of more sketches than a frame carries."""
+    Then a signature of more sketches than a frame carries, on every rank and on rank 1
+    alone."""
     rank = dist.get_rank()
     comm = tokenring.Communicator(None, timeout_s=20, shared_memory=shared_memory)
     base = torch.arange(1.0, 65.0, dtype=torch.float64).view(4, 16)
     outcomes = []
-    for case in [*cases, None]:
-        names = "abcde" if case is None else "abc"
-        shifts = case or (0.0,) * 5
+    for case in [*cases, None, "rank 1"]:
+        names = "abcde" if case is None or (case == "rank 1" and rank == 1) else "abc"
+        shifts = (0.0,) * 5 if case is None or isinstance(case, str) else case
         signature: dict[str, Any] = {"plain": 1}
         for i, (name, shift) in enumerate(zip(names, shifts, strict=False)):
             x = base * (i + 1) + (shift if rank == 1 else 0.0)
@@ -533,11 +534,14 @@ def test_a_check_compares_several_sketched_fields_and_names_each_that_differs(
     cases = [(0.0, 0.0, 0.0), (1e-13, 0.0, 0.0), (0.0, 0.5, 0.0), (2.0, 0.0, 0.5)]
     assert MAX_SKETCHES == 4  # the last signature (5 sketches) is one too many
     results = tokenring.launch(_sketched, cases, shared_memory, world_size=2, timeout_s=120)
-    assert results[0] == results[1], results
-    ok, rounding, middle, outer, too_many = results[0]
+    assert results[1][:-1] == results[0][:-1], results
+    ok, rounding, middle, outer, too_many, on_rank_1 = results[0]
     assert ok == "ok" and rounding == "ok", results[0]  # rounding-sized differences agree
     assert middle.startswith("ValueError: ranks disagree on this test call: field b: rank 1")
     assert "field a" not in middle and "field c" not in middle, middle
     assert outer.startswith("ValueError: ranks disagree on this test call: field a: rank 1")
     assert "; field c: rank 1 differs" in outer and "field b" not in outer, outer
     assert too_many == "TypeError: a signature holds 4 Sketches at most; got 5", too_many
+    # rank 1's alone: it raises its own, its peer learns it in the check (it waited before)
+    assert results[1][-1] == too_many, results[1]
+    assert on_rank_1 == f"ValueError: rank 1 cannot run this test call: {too_many[11:]}"

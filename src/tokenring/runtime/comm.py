@@ -992,14 +992,15 @@ class Communicator:
                 raise problem
             return lambda: None
         # the call too: ranks in different calls (one skipped a check) are told so
+        sketched = sorted((k, v) for k, v in (signature or {}).items() if isinstance(v, Sketch))
+        if len(sketched) > MAX_SKETCHES:  # a problem the peers learn, not a raise here alone
+            problem = TypeError(
+                f"a signature holds {MAX_SKETCHES} Sketches at most; got {len(sketched)}"
+            )
+            signature, sketched = None, []
         mine: dict[str, Any] = {"signature": signature, "call": what}
         if signature is None:
             mine = {"invalid": str(problem), "call": what}
-        sketched = sorted((k, v) for k, v in (signature or {}).items() if isinstance(v, Sketch))
-        if len(sketched) > MAX_SKETCHES:
-            raise TypeError(
-                f"a signature holds {MAX_SKETCHES} Sketches at most; got {len(sketched)}"
-            )
         if signature is not None and sketched:  # the digest covers their names
             mine["signature"] = signature | {name: "compared by sketch" for name, _ in sketched}
         data = json.dumps(mine, sort_keys=True).encode()
