@@ -52,6 +52,23 @@ at s = 4096 takes 1-8% (bf16) and 3-6% (fp32) less in 2048-row tiles than in 102
 (``benchmarks/backward_tiles.py``). A tile's dq, dk and dv are held beside the accumulators, so
 T stays at most s / 2: at s = 2048, 2048-row tiles took Ulysses and all-gather K/V from 1.91x
 and 1.96x of the minimum memory to 2.04x and 2.02x (``tokenring bench --mode memory``).
+
+Note [Partials in float32]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A strategy adds the gradients of many blocks into float32 accumulators (dq over the kv
+blocks a query row meets, dK/dV over the query blocks): :meth:`BlockKernel.backward_into`.
+Each block's gradients rounded into q's dtype first cost one rounding per block where plain
+attention rounds once. For float16 that rounding is absolute below 2^-14 (subnormals, step
+2^-24): with q, k, v and dout of magnitude 1e-2, dq is ~1e-6 and every block added about as
+much error as plain attention's whole result, growing with P (one process adding P blocks:
+0.9, 1.7, 2.8, 3.9x the bound of ../shared/STYLE.md at P = 2, 4, 8, 16; Ring at P = 8 on gloo:
+2.6x). The CPU op therefore computes float16 blocks in float32 when they are accumulated
+(exact inputs; :meth:`BlockKernel.accumulated_backward`): at most 0.5x the bound at any P,
+and faster here (a 1024-row block, D = 64: 41 ms against 48 ms). bfloat16 keeps its own op:
+float32's exponent range (no subnormals at these magnitudes, at most 0.9x the bound up to
+P = 64) and the op runs natively (30 ms against 43 ms). A block's dq that returns to its
+owner (TokenRing) travels in q's dtype (the cost model's message), rounded once per visited
+rank. CUDA ops return q's dtype (their fp32 accumulation is inside the op).
 """
 
 from __future__ import annotations
@@ -294,13 +311,34 @@ class BlockKernel(abc.ABC):
         """:meth:`backward` added into ``grads = (dq, dk, dv)`` (any float dtype), or into
         what ``grads()`` returns, called after the first tile; ``poll`` runs after each tile
         (Note [Buffers in flight] in tokenring.runtime.ring)."""
-        parts = self.backward(
+        parts = self.accumulated_backward(
             dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
         )
         if poll is not None:
             poll()
         for acc, part in zip(grads() if callable(grads) else grads, parts, strict=True):
             acc += part
+
+    def accumulated_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
+        """:meth:`backward` for a caller that adds the gradients into accumulation-dtype
+        buffers: in q's dtype, or in the accumulation dtype where the kernel computes them
+        there (Note [Partials in float32])."""
+        return self.backward(
+            dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
+        )
 
 
 def _lse_shape(q: Tensor) -> tuple[int, int, int]:
@@ -500,6 +538,29 @@ class _CpuFlashOps(BlockKernel):
         r = _named(bwd, *args, lse_op, 0.0, call.causal, attn_mask=bias, scale=call.scale)
         return _bhsd(r["grad_query"]), _bhsd(r["grad_key"]), _bhsd(r["grad_value"])
 
+    def accumulated_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
+        """float16 blocks in float32, their gradients left there (Note [Partials in
+        float32]); other dtypes as :meth:`backward`."""
+        if q.dtype == torch.float16:
+            dout, q, k, v = (x.float() for x in (dout, q, k, v))
+            out = None if out is None else out.float()
+        return self.backward(
+            dout, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, out=out
+        )
+
 
 # -- the tiles ---------------------------------------------------------------------------------
 
@@ -619,15 +680,52 @@ class TiledKernel(BlockKernel):
     def _backward(
         self, call: _Call, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None
     ) -> Grads:
+        dq, dk, dv = self._grads(call, dout, lse, delta, out, accumulated=False)
+        return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)
+
+    def accumulated_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Mask | None = None,
+        out: Tensor | None = None,
+    ) -> Grads:
+        """As :meth:`backward`, the tiles' gradients left in the dtype they were added in
+        (Note [Partials in float32])."""
+        if q.shape[1] == 0 or k.shape[1] == 0:  # no pair: no gradient
+            return _zeros_like(q), _zeros_like(k), _zeros_like(v)
+        call = _Call(q, k, v, causal, scale, mask)
+        return self._grads(call, dout, lse, delta, out, accumulated=True)
+
+    def _grads(
+        self,
+        call: _Call,
+        dout: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        out: Tensor | None,
+        *,
+        accumulated: bool,
+    ) -> Grads:
+        """The piece's gradients: one tile's from its kernel (its ``accumulated_backward``
+        if ``accumulated``), else the tiles' added in the accumulation dtype."""
         q, k, v = call.q, call.k, call.v
         sq, sk = q.shape[1], k.shape[1]
         if sq <= self.tile_rows and sk <= self._backward_kv_tile(sq, call.causal):  # one tile
             kernel = self._kernel(_kind(call.causal, call.mask))
-            return kernel.backward(dout, q, k, v, lse, delta, out=out, **call.options())
+            run = kernel.accumulated_backward if accumulated else kernel.backward
+            return run(dout, q, k, v, lse, delta, out=out, **call.options())
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         self.backward_into((dq, dk, dv), dout, q, k, v, lse, delta, out=out, **call.options())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv
 
     def backward_into(
         self,
@@ -658,7 +756,8 @@ class TiledKernel(BlockKernel):
             for (ka, kb), kind, sub in row:
                 kv = (k[:, ka:kb], v[:, ka:kb])
                 tile: dict[str, Any] = {"causal": kind == "causal", "scale": scale, "mask": sub}
-                parts = self._kernel(kind).backward(*q_side, *kv, *stats, out=out_t, **tile)
+                kernel = self._kernel(kind)
+                parts = kernel.accumulated_backward(*q_side, *kv, *stats, out=out_t, **tile)
                 if poll is not None:
                     poll()
                 if targets is None:
