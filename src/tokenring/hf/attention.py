@@ -891,6 +891,9 @@ def _unsupported_piece(
 #                                                recurrent, indexed_attention, ...)
 #     config fields mamba_* or ssm_*, or        state-space blocks in every layer (Falcon-H1,
 #       state_size with conv_kernel              Jamba, Bamba, Mamba): raise
+#     config.trigram_input (MobileBERT's        embeddings that concatenate each token's with
+#       default)                                 its neighbours' (a width-3 convolution in
+#                                                tensor code, no Conv1d): raise
 #     a torch.nn.Conv1d of kernel > 1           raises (check_model only: it sees the modules)
 #
 # The attention function checks its module's config on every call; check_model (run by the
@@ -912,6 +915,11 @@ def _unsupported_layers(config: Any) -> str | None:
     ssm = sorted(name for name in fields if name.startswith(("mamba_", "ssm_")))
     if ssm or {"state_size", "conv_kernel"} <= fields:
         return f"it has state-space blocks ({', '.join(ssm[:2] or ['state_size', 'conv_kernel'])})"
+    if getattr(config, "trigram_input", False):
+        return (
+            "its embeddings concatenate each token's embedding with its two neighbours' "
+            "(trigram_input=True, a convolution of width 3 over the sequence)"
+        )
     return None
 
 
