@@ -1115,6 +1115,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"torchrun, whose run has {world} ranks: drop it or match it"
         )
     check_heads(args)
+    ranks.check_rank_count(args)  # before any check that builds a P^2 schedule
     if args.mode != "attention":
         _MODE_MODULES[args.mode].check_args(args)
         return
