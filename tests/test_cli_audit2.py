@@ -4,11 +4,99 @@ work; the simulator's table says what bounds every pass."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import tokenring.cli.bench
+import tokenring.cli.bench_inference
 from tokenring.cli import main
+
+TINY = ["--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]
+TIMING = ["--warmup", "0", "--iters", "1"]
+# the ranks' functions as imported (a rank imports this module afresh, unpatched)
+_RUN_RANK = tokenring.cli.bench.run_rank
+_RUN_CACHED_RANK = tokenring.cli.bench_inference.run_rank
+
+
+# -- a wrong attention in the ranks: the verification must catch it ------------------------------
+def _scaled(attend: Any, only: str | None = None) -> Any:
+    """``attend`` with its output 1% too large (for ``strategy=only``, or every call)."""
+
+    def wrong(*args: Any, **kwargs: Any) -> Any:
+        result = attend(*args, **kwargs)
+        if only is not None and kwargs.get("strategy") != only:
+            return result
+        if isinstance(result, tuple):  # attend_cached: (out, lse)
+            return (result[0] * 1.01, *result[1:])
+        return result * 1.01
+
+    return wrong
+
+
+def _ring_one_percent_off(config: Any, progress_path: str | None = None) -> Any:
+    """bench's rank with Ring's output (and so its gradients) 1% off."""
+    bench = tokenring.cli.bench
+    bench.sequence_parallel_attn = _scaled(bench.sequence_parallel_attn, only=bench.Strategy.RING)
+    return _RUN_RANK(config, progress_path)
+
+
+def _cached_one_percent_off(config: Any, progress_path: str | None = None) -> Any:
+    """bench --mode decode's rank with every cached attention 1% off."""
+    module = tokenring.cli.bench_inference
+    module.attend_cached = _scaled(module.attend_cached)
+    return _RUN_CACHED_RANK(config, progress_path)
+
+
+def test_bench_fails_a_strategy_whose_rank_answers_one_percent_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Ring's ranks return out * 1.01: its rows (forward, and the gradients it scales) are
+    WRONG in the table, the JSON and the markdown page, the others ok, and the status is 1."""
+    bench = tokenring.cli.bench
+    monkeypatch.setattr(bench, "run_rank", _ring_one_percent_off)
+    md, out = tmp_path / "t.md", tmp_path / "rows.jsonl"
+    argv = ["bench", *TINY, *TIMING, "--seq", "12", "--causal", "yes"]
+    argv += ["--strategies", "token_ring,ring", "--markdown", str(md), "--out", str(out)]
+    assert main(argv) == 1
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["strategy"], r["pass"]): r["verified"] for r in rows} == {
+        ("token_ring", "fwd"): True,
+        ("token_ring", "fwd+bwd"): True,
+        ("ring", "fwd"): False,
+        ("ring", "fwd+bwd"): False,
+    }
+    assert all(r["max_error"] > 1e-3 for r in rows if r["strategy"] == "ring")
+    table = [line for line in printed.splitlines() if line.startswith("│")]
+    assert [("WRONG" in line, "ring" in line.split("│")[3].split()) for line in table] == [
+        (False, False),
+        (False, False),
+        (True, True),
+        (True, True),
+    ]
+    assert "VERIFICATION FAILED for 2 row(s)" in printed
+    page = md.read_text()  # the page published from the run says which rows are wrong
+    page_rows = [line for line in page.splitlines() if line.startswith("| 2:1x8 ")]
+    assert [line.split(" | ")[-1] for line in page_rows] == ["ok |", "ok |", "WRONG |", "WRONG |"]
+    assert "VERIFICATION FAILED for 2 row(s)" in page
+
+
+def test_decode_bench_fails_a_cached_attention_one_percent_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    module = tokenring.cli.bench_inference
+    monkeypatch.setattr(module, "run_rank", _cached_one_percent_off)
+    md = tmp_path / "d.md"
+    argv = ["bench", "--mode", "decode", *TINY, *TIMING, "--cached", "9", "--new", "1"]
+    argv += ["--block-size", "4", "--cached-strategies", "pass_q,pass_kv", "--markdown", str(md)]
+    assert main(argv) == 1
+    printed = capsys.readouterr().out
+    assert printed.count("WRONG") == 2 and "VERIFICATION FAILED for 2 row(s)" in printed
+    page = md.read_text()
+    assert page.count("| WRONG |") == 2 and "VERIFICATION FAILED for 2 row(s)" in page
 
 
 # -- sizes refused before any work ----------------------------------------------------------------
