@@ -137,3 +137,47 @@ def test_more_ranks_than_the_machine_holds_are_refused_before_any_schedule(
     line = _usage_error(argv, capsys)
     assert "--world-size 99999" in line and "MemAvailable is 64 GiB" in line, line
     assert "0.312 GiB each" in line, line
+
+
+# -- tokenring simulate against the library it wraps ----------------------------------------------
+def test_simulate_rows_are_the_librarys_and_say_what_bounds_each_pass(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--pass both``: every number of a row is ``tokenring.model.simulate``'s for the same
+    inputs, and ``bound_by`` names what bounds each pass (TokenRing's forward is comm-bound,
+    its backward compute-bound on llama3-8b, P = 4, S = 4096: the row said "comm" alone,
+    from the forward, beside a bound that sums both passes)."""
+    import dataclasses
+
+    from tokenring.cli.models import KNOWN_MODELS
+    from tokenring.model.costmodel import PRESETS
+    from tokenring.model.simulate import simulate
+
+    argv = ["simulate", "--model", "llama3-8b", "--seq", "4096", "--world-size", "4"]
+    assert main([*argv, "--pass", "both", "--json"]) == 0
+    rows = {r["strategy"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    model = KNOWN_MODELS["llama3-8b"]
+    shape = dataclasses.replace(model.shape, batch=1, dtype="bfloat16")
+    for name in ("token_ring", "ring"):
+        want = simulate(
+            name,
+            passes="both",
+            layout="zigzag",
+            causal=True,
+            world_size=4,
+            seq_local=1024,
+            shape=shape,
+            hardware=PRESETS["h100-nvswitch"],
+        )
+        row = rows[name]
+        assert row["call_ms"] == pytest.approx(1e3 * want.call_s, rel=1e-12)
+        assert row["bound_ms"] == pytest.approx(1e3 * want.bound_s, rel=1e-12)
+        compute = sum(p.compute_s for p in want.passes)
+        assert row["compute_only_ms"] == pytest.approx(1e3 * compute, rel=1e-12)
+        said = [
+            "compute" if p.compute_s >= p.busiest_s else f"comm ({p.busiest_resource})"
+            for p in want.passes
+        ]
+        assert len(set(said)) == (2 if name == "token_ring" else 1), said
+        expected = said[0] if len(set(said)) == 1 else f"forward {said[0]}, backward {said[1]}"
+        assert row["bound_by"] == expected
