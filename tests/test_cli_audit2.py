@@ -4,15 +4,21 @@ work; the simulator's table says what bounds every pass."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import tokenring.cli
 import tokenring.cli.bench
 import tokenring.cli.bench_inference
 from tokenring.cli import main
+from tokenring.cli.models import KNOWN_MODELS
+from tokenring.model.costmodel import PRESETS
+from tokenring.model.simulate import simulate
 
 TINY = ["--world-size", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]
 TIMING = ["--warmup", "0", "--iters", "1"]
@@ -147,12 +153,6 @@ def test_simulate_rows_are_the_librarys_and_say_what_bounds_each_pass(
     inputs, and ``bound_by`` names what bounds each pass (TokenRing's forward is comm-bound,
     its backward compute-bound on llama3-8b, P = 4, S = 4096: the row said "comm" alone,
     from the forward, beside a bound that sums both passes)."""
-    import dataclasses
-
-    from tokenring.cli.models import KNOWN_MODELS
-    from tokenring.model.costmodel import PRESETS
-    from tokenring.model.simulate import simulate
-
     argv = ["simulate", "--model", "llama3-8b", "--seq", "4096", "--world-size", "4"]
     assert main([*argv, "--pass", "both", "--json"]) == 0
     rows = {r["strategy"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
@@ -181,3 +181,63 @@ def test_simulate_rows_are_the_librarys_and_say_what_bounds_each_pass(
         assert len(set(said)) == (2 if name == "token_ring" else 1), said
         expected = said[0] if len(set(said)) == 1 else f"forward {said[0]}, backward {said[1]}"
         assert row["bound_by"] == expected
+
+
+# -- output files ---------------------------------------------------------------------------------
+def _refuse_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    def started(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the command started")
+
+    monkeypatch.setattr("tokenring.cli.ranks.launch", started)
+    monkeypatch.setattr("tokenring.cli.simulate.simulate", started)
+
+
+def test_two_outputs_naming_one_file_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each output option writes its own file; naming one file twice left only the later
+    (``--out t --markdown t``: the markdown page where the JSON rows were appended)."""
+    _refuse_to_start(monkeypatch)
+    same, other = str(tmp_path / "t"), str(tmp_path / ".." / tmp_path.name / "t")
+    for argv in (
+        ["bench", "--out", same, "--markdown", same],
+        ["bench", "--plot", same, "--trace", other],
+        ["simulate", "--plot", same, "--timeline", same],
+        ["simulate", "--timeline", same, "--trace", other],
+    ):
+        line = _usage_error(argv, capsys)
+        assert f"{argv[1]} {argv[2]!r} and {argv[3]} {argv[4]!r} name the same file" in line
+
+
+def test_an_output_path_under_a_file_or_unwritable_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A path under a file was said to be under a directory that 'does not exist'; '' and
+    unwritable files and directories (os.access, as for a user who is not root) are named."""
+    _refuse_to_start(monkeypatch)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    line = _usage_error(["bench", "--out", str(afile / "rows.jsonl")], capsys)
+    assert "argument --out" in line and f"{str(afile)!r} is a file, not a directory" in line
+    line = _usage_error(["simulate", "--trace", ""], capsys)
+    assert "argument --trace: must be a file path; got ''" in line
+    monkeypatch.setattr("tokenring.cli.os.access", lambda *args: False)
+    line = _usage_error(["bench", "--markdown", str(afile)], capsys)
+    assert f"argument --markdown: file {str(afile)!r} is not writable" in line
+    line = _usage_error(["simulate", "--plot", str(tmp_path / "new.png")], capsys)
+    assert f"argument --plot: directory {str(tmp_path)!r} is not writable" in line
+
+
+def test_mem_available_is_none_where_proc_meminfo_cannot_be_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unreadable(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError("/proc/meminfo")
+
+    monkeypatch.setattr(tokenring.cli, "open", unreadable, raising=False)
+    assert tokenring.cli.mem_available_bytes() is None
+    for text in ("MemTotal: 1 kB\n", "MemAvailable: lots kB\n"):
+        monkeypatch.setattr(tokenring.cli, "open", lambda *a, t=text, **k: io.StringIO(t))
+        assert tokenring.cli.mem_available_bytes() is None
+    monkeypatch.setattr(tokenring.cli, "open", lambda *a, **k: io.StringIO("MemAvailable: 3 kB"))
+    assert tokenring.cli.mem_available_bytes() == 3 * 1024
