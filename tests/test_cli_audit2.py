@@ -241,3 +241,39 @@ def test_mem_available_is_none_where_proc_meminfo_cannot_be_read(
         assert tokenring.cli.mem_available_bytes() is None
     monkeypatch.setattr(tokenring.cli, "open", lambda *a, **k: io.StringIO("MemAvailable: 3 kB"))
     assert tokenring.cli.mem_available_bytes() == 3 * 1024
+
+
+def test_simulate_table_says_what_it_rounded_and_which_engine_ran(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Under the table: a sequence rounded down to what the layout splits (the row shows the
+    rounded S), and the vectorised engine beyond the event engine's world sizes; --json
+    keeps both S."""
+    argv = ["simulate", "--seq", "7", "--world-size", "4", "--layout", "contiguous"]
+    assert main([*argv, "--strategies", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert "S=7 rounded down to 4, a multiple the layout 'contiguous' splits over 4 ranks" in out
+    assert main([*argv, "--strategies", "ring", "--json"]) == 0
+    (row,) = map(json.loads, capsys.readouterr().out.splitlines())
+    assert (row["seq"], row["seq_requested"], row["mode"]) == (4, 7, "event")
+    argv = ["simulate", "--seq", "1000", "--world-size", "100", "--strategies", "token_ring"]
+    assert main([*argv, "--splits", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "engine 'vectorised'" in out and "P > 64" in out
+
+
+# -- --link: refused where the lab cannot run it (the lab itself needs root and netns) -----------
+def test_link_is_refused_under_torchrun_and_without_the_lab(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _refuse_to_start(monkeypatch)
+    monkeypatch.setattr("tokenring.cli.ranks.lab_unavailable_reason", lambda: "needs root")
+    for mode in ("attention", "decode"):
+        line = _usage_error(["bench", "--mode", mode, *TINY, "--link", "100mbit"], capsys)
+        assert "--link needs the emulated-interconnect lab: needs root" in line, line
+    line = _usage_error(["bench", *TINY[2:], "--world-size", "1", "--link", "1gbit"], capsys)
+    assert "--link with --world-size 1" in line and "[2, 250]" in line, line
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    line = _usage_error(["bench", *TINY[2:], "--link", "100mbit"], capsys)
+    assert "--link emulates links between ranks bench spawns; not under torchrun" in line
