@@ -151,6 +151,10 @@ def output_path(text: str) -> str:
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"must be a file path; got the directory {text!r}")
     parent = os.path.dirname(os.path.abspath(text))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(
+            f"{parent!r} is a file, not a directory (for {text!r}); got a path under a file"
+        )
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(
             f"directory {parent!r} does not exist (for {text!r}); create it first"
@@ -300,6 +304,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_outputs_apart(args: argparse.Namespace) -> None:
+    """Raise ValueError when two output options (``type=output_path``) name the same file:
+    each writes its own, and the later one overwrote the earlier (``--out t --markdown t``
+    left the page where the JSON rows were appended; ``--plot t --trace t`` the trace)."""
+    seen: dict[str, str] = {}  # real path -> "--flag 'path'"
+    for action in args._parser._actions:
+        path = getattr(args, action.dest, None)
+        if action.type is not output_path or path is None:
+            continue
+        given_as = f"{max(action.option_strings, key=len)} {path!r}"
+        first = seen.setdefault(os.path.realpath(path), given_as)
+        if first != given_as:
+            raise ValueError(f"{first} and {given_as} name the same file; each writes its own")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status instead of exiting.
 
@@ -317,11 +336,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args._given = _given_options(args._parser, rest, vars(args))
     args.argv = argv  # so results can record the command that produced them
     check = getattr(args._module, "check_args", None)
-    if check is not None:
-        try:
+    try:
+        _check_outputs_apart(args)
+        if check is not None:
             check(args)
-        except ValueError as exc:
-            args._parser.error(str(exc))
+    except ValueError as exc:
+        args._parser.error(str(exc))
     try:
         return int(args._module.run(args))
     except RunFailed as exc:

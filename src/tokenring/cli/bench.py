@@ -1115,6 +1115,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"torchrun, whose run has {world} ranks: drop it or match it"
         )
     check_heads(args)
+    ranks.check_rank_count(args)  # before any check that builds a P^2 schedule
     if args.mode != "attention":
         _MODE_MODULES[args.mode].check_args(args)
         return
@@ -1176,21 +1177,23 @@ def run(args: argparse.Namespace) -> int:
     report.write_records([{**settings, **row, "shape": models[row["model"]]} for row in rows], args)
     if not args.json:
         _print_table(rows, settings, wide=args.wide)
-    if args.markdown:
+    verified = [r["verified"] for r in rows]
+    why = "error above tolerance; see max_error"
+    if args.markdown:  # with the check of every row, as the terminal table
         table = [[title for _, title, _ in _MD_COLUMNS]]
         for row in rows:
             mb = row["busiest_link_bytes"] / 1e6
-            shown = {**row, "strategy": _strategy_label(row), "busiest_link_MB": mb}
+            check = report.check_cell(row["verified"])
+            shown = {**row, "strategy": _strategy_label(row), "busiest_link_MB": mb, "check": check}
             table.append(report.cells(shown, _MD_COLUMNS))
         note = report.timing_note(settings)
-        lines = _planner_lines(rows)
+        lines = [*_planner_lines(rows), *report.failed_line(verified, why)]
         report.write_markdown(args.markdown, _title(settings), args.argv, note, table, lines)
     if args.plot:
         plot_timelines(per_rank, config, args.plot, title=_title(settings))
     if args.trace:
         write_trace(bench_panels(per_rank, config), args.trace)
-    verified = [r["verified"] for r in rows]
-    return report.exit_status(verified, "error above tolerance; see max_error", args)
+    return report.exit_status(verified, why, args)
 
 
 def _title(settings: dict[str, Any]) -> str:
@@ -1357,5 +1360,6 @@ _MD_COLUMNS = [
     ("last_pair", "last pair", "{}"),
     ("auto_last_pair", "auto last pair", "{}"),
     ("max_error", "max err", "{:.1e}"),
+    ("check", "check", "{}"),
 ]
 """(row key, header, format) of the markdown table's columns (``report.cell``)."""

@@ -498,6 +498,7 @@ def run(args: argparse.Namespace) -> int:
     headers = [unit if key == "ms_median" else title for key, title, _ in _COLUMNS]
     title, cells, lines = _title(settings, config), [_cells(row) for row in rows], _pick_lines(rows)
     ok = [row["verified"] and row["bytes_match_plan"] for row in rows]
+    why = "error above tolerance or bytes different from the plan"
     if not args.json:
         table = make_table("tokenring bench " + title, [*headers, "check"])
         for row_cells, row_ok in zip(cells, ok, strict=True):
@@ -505,14 +506,16 @@ def run(args: argparse.Namespace) -> int:
         print_table(table)
         for line in lines:
             print(line)
-    if args.markdown:
+    if args.markdown:  # with the check of every row, as the terminal table
         note = report.timing_note(
             settings,
             " One attention layer, forward; bytes are what the busiest rank sent on each flow "
             "(equal to the plan's on every rank in every row).",
         )
-        report.write_markdown(args.markdown, title, args.argv, note, [headers, *cells], lines)
-    why = "error above tolerance or bytes different from the plan"
+        checked = [[*c, report.check_cell(row_ok)] for c, row_ok in zip(cells, ok, strict=True)]
+        table_md = [[*headers, "check"], *checked]
+        end = [*lines, *report.failed_line(ok, why)]
+        report.write_markdown(args.markdown, title, args.argv, note, table_md, end)
     return report.exit_status(ok, why, args)
 
 

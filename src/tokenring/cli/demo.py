@@ -12,7 +12,7 @@ import argparse
 from tokenring.cli import check_heads, int_at_least, positive_seconds
 from tokenring.cli.bench import BenchConfig, aggregate, check_memory, run_rank
 from tokenring.cli.console import make_table, print_table
-from tokenring.cli.ranks import launch_with_progress
+from tokenring.cli.ranks import check_rank_count, launch_with_progress
 from tokenring.core.schedule import AttentionShape
 
 __all__ = ["add_arguments", "check_args", "run"]
@@ -33,6 +33,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the argument for a run that cannot start; keeps the config on
     ``args`` for :func:`run`."""
     check_heads(args)
+    check_rank_count(args)  # before the P^2 schedules below
     model = AttentionShape(heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim)
     config = BenchConfig(
         seq=args.seq,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tokenring.api import get_communicator
-from tokenring.cli import RunFailed, report
+from tokenring.cli import RunFailed, mem_available_bytes, report
 from tokenring.cli.console import progress
 from tokenring.launch import LaunchError, init_distributed, launch
 from tokenring.model.netlab import Lab, LabConfig, Topology, lab_unavailable_reason
@@ -25,6 +25,7 @@ __all__ = [
     "PROCESS_BYTES",
     "check_lab",
     "check_link_time",
+    "check_rank_count",
     "check_rank_memory",
     "collect_per_rank",
     "gib",
@@ -98,6 +99,22 @@ def check_rank_memory(
                 f"{run} needs about {gib(gpu)} of GPU memory per rank{sharing}; the device has "
                 f"{gib(free)} free. {lower_gpu}"
             )
+
+
+def check_rank_count(args: argparse.Namespace) -> None:
+    """Raise ValueError when the ranks on this machine cannot start at all: each holds
+    :data:`PROCESS_BYTES` before its first tensor. Checked before anything that grows with
+    the world size (a schedule has P^2 cells: ``--world-size 99999`` was killed for memory
+    building them in the check, before the estimate that would have refused it)."""
+    here, available = ranks_here(args), mem_available_bytes()
+    if available is not None and here * PROCESS_BYTES > available:
+        world = world_size_of(args)
+        raise ValueError(
+            f"--world-size {world}: the {here} ranks on this machine need at least "
+            f"{gib(here * PROCESS_BYTES)} before any tensor ({gib(PROCESS_BYTES)} each: the "
+            f"interpreter, torch and a process group); MemAvailable is {gib(available)}. "
+            "Lower --world-size"
+        )
 
 
 def check_lab(args: argparse.Namespace, world_size: int) -> None:

@@ -15,7 +15,9 @@ __all__ = [
     "call_ms",
     "cell",
     "cells",
+    "check_cell",
     "exit_status",
+    "failed_line",
     "group_by",
     "json_line",
     "link_text",
@@ -114,12 +116,22 @@ def note(text: str, args: argparse.Namespace) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout)
 
 
+def failed_line(ok: list[bool], why: str) -> list[str]:
+    """The line counting the rows that are not ``ok`` (none when every row is): what the
+    terminal and the markdown page say under the table."""
+    return [] if all(ok) else [f"VERIFICATION FAILED for {ok.count(False)} row(s): {why}"]
+
+
+def check_cell(ok: bool) -> str:
+    """A row's ``check`` cell in the markdown page (the terminal's is red)."""
+    return "ok" if ok else "WRONG"
+
+
 def exit_status(ok: list[bool], why: str, args: argparse.Namespace) -> int:
     """0 when every row is ``ok``; else 1, with a note counting the rows that are not."""
-    if all(ok):
-        return 0
-    note(f"VERIFICATION FAILED for {ok.count(False)} row(s): {why}", args)
-    return 1
+    for line in failed_line(ok, why):
+        note(line, args)
+    return 0 if all(ok) else 1
 
 
 def write_markdown(

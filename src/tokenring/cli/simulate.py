@@ -160,12 +160,24 @@ def _row(
         "bound_ms": 1e3 * result.bound_s,
         "percent_of_bound": result.percent_of_bound,
         "lend_last_pair": _lends_at(args, result.strategy.value, first.world_size),
-        "bound_by": "compute"
-        if first.compute_s >= first.busiest_s
-        else f"comm ({first.busiest_resource})",
+        "bound_by": _bound_by(result),
         "step_ms": [1e3 * x for x in first.step_s],
         "transfer_ms": _transfer_ms(first),
     }
+
+
+def _bound_by(result: CallResult) -> str:
+    """What bounds each pass of the call (``bound_ms`` is the sum of the passes' bounds): one
+    word when every pass says the same, else each pass's (``--pass both``: a comm-bound
+    forward and a compute-bound backward were said "comm" from the forward alone)."""
+
+    def one(p: PassResult) -> str:
+        return "compute" if p.compute_s >= p.busiest_s else f"comm ({p.busiest_resource})"
+
+    said = [one(p) for p in result.passes]
+    if len(set(said)) == 1:
+        return said[0]
+    return ", ".join(f"{p.pass_.value} {word}" for p, word in zip(result.passes, said, strict=True))
 
 
 def _transfer_ms(result: PassResult) -> dict[str, list[float]] | None:
