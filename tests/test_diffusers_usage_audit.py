@@ -31,23 +31,14 @@ pytest.importorskip(
 )
 from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 
+import tiny_flux
 from tiny_flux import IMAGE, TEXT, WORLD_SIZE, build_model, local_inputs, rows
 from tokenring import diffusers as tr_diffusers
 
 
 def model_inputs(num_text: int = TEXT) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    f64 = torch.float64
-    return {
-        "hidden_states": torch.randn(2, IMAGE, 4, generator=gen, dtype=f64),  # (B, S, 4)
-        "encoder_hidden_states": torch.randn(2, num_text, 8, generator=gen, dtype=f64),
-        "pooled_projections": torch.randn(2, 8, generator=gen, dtype=f64),
-        "timestep": torch.rand(2, generator=gen, dtype=f64),
-        "img_ids": torch.randn(IMAGE, 3, generator=gen, dtype=f64),  # distinct positions
-        "txt_ids": torch.randn(num_text, 3, generator=gen, dtype=f64),
-        "guidance": torch.tensor([3.5, 2.0], dtype=f64),
-        "weight": torch.randn(2, IMAGE, 4, generator=gen, dtype=f64),  # loss weights
-    }
+    """tiny_flux's inputs with guidance and loss weights (B, S, 4)."""
+    return tiny_flux.model_inputs(guidance=True, num_text=num_text, weight=True)
 
 
 def first_block_cache(comm: tokenring.Communicator) -> list[str]:

@@ -42,21 +42,25 @@ def rows(n: int, rank: int, world_size: int = WORLD_SIZE) -> slice:
     return slice(rank * n // world_size, (rank + 1) * n // world_size)
 
 
-def model_inputs(guidance: bool = False) -> dict[str, Any]:
+def model_inputs(
+    guidance: bool = False, num_text: int = TEXT, weight: bool = False
+) -> dict[str, Any]:
     """Seeded float64 inputs of the whole sequence; ``guidance`` for a guidance-embedding
-    model."""
+    model, ``weight`` adds per-entry loss weights (B, S, 4), drawn last."""
     gen = torch.Generator().manual_seed(1)
     f64 = torch.float64
     inputs = {
         "hidden_states": torch.randn(2, IMAGE, 4, generator=gen, dtype=f64),  # (B, S, 4)
-        "encoder_hidden_states": torch.randn(2, TEXT, 8, generator=gen, dtype=f64),
+        "encoder_hidden_states": torch.randn(2, num_text, 8, generator=gen, dtype=f64),
         "pooled_projections": torch.randn(2, 8, generator=gen, dtype=f64),
         "timestep": torch.rand(2, generator=gen, dtype=f64),
         "img_ids": torch.randn(IMAGE, 3, generator=gen, dtype=f64),  # distinct positions
-        "txt_ids": torch.randn(TEXT, 3, generator=gen, dtype=f64),
+        "txt_ids": torch.randn(num_text, 3, generator=gen, dtype=f64),
     }
     if guidance:
         inputs["guidance"] = torch.tensor([3.5, 2.0], dtype=f64)
+    if weight:
+        inputs["weight"] = torch.randn(2, IMAGE, 4, generator=gen, dtype=f64)
     return inputs
 
 
