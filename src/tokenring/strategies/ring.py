@@ -430,16 +430,23 @@ class _Ring:
         for index, lane in enumerate(self.lanes):
             heads = lane.q_heads if self.strategy.passes_q else lane.kv_heads
             send = partial(Transfer, payload=travel, after_segments=0, heads=heads, lane=index)
+            # need[t][r]: the hull of the rows computed on the block rank r sends at step t,
+            # at steps t + 1 ... p - 1 by the ranks ahead; one hull per step, not per
+            # (step, rank ahead): O(P^2), where the union over the ranks ahead was O(P^3)
+            need: list[list[Rows | None]] = [[None] * p for _ in range(p)]
+            for t in range(p - 2, -1, -1):
+                for r in range(p):
+                    ahead = (r + lane.direction) % p
+                    computed = [
+                        piece.kv_rows if travel is Payload.KV else piece.q_rows
+                        for piece in steps[ahead][t + 1].pieces
+                        if piece.lane == index and piece.kv_owner is None
+                    ]
+                    later = need[t + 1][ahead]
+                    need[t][r] = _union(computed if later is None else [*computed, later])
             for r in range(p):
                 for t in range(p - 1):
-                    rows = _union(
-                        [
-                            piece.kv_rows if travel is Payload.KV else piece.q_rows
-                            for ahead in range(1, p - t)
-                            for piece in steps[(r + lane.direction * ahead) % p][t + ahead].pieces
-                            if piece.lane == index and piece.kv_owner is None
-                        ]
-                    )
+                    rows = need[t][r]
                     if rows is not None:
                         dst, owner = (r + lane.direction) % p, lane.visitor(r, t, p)
                         transfers.append(send(src=r, dst=dst, owner=owner, rows=rows, step=t))
