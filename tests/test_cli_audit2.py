@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,34 @@ def test_more_ranks_than_the_machine_holds_are_refused_before_any_schedule(
     assert "0.312 GiB each" in line, line
 
 
+class _Launched(Exception):
+    pass
+
+
+def test_bench_builds_each_schedule_once_before_its_ranks_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default strategies' check, the schedule check and the memory guard each built every
+    (strategy, pass, causal, model) schedule of the run: three P^2 builds, ~35 s at --world-size 60
+    before a rank started. Now each is built once."""
+    built: Counter[tuple[Any, ...]] = Counter()
+    real = tokenring.cli.bench.strategy_schedule
+
+    def counted(strategy: Any, pass_: Any, **kwargs: Any) -> Any:
+        built[strategy, pass_, kwargs["causal"], kwargs["heads_q"], kwargs["heads_kv"]] += 1
+        return real(strategy, pass_, **kwargs)
+
+    def launched(*args: Any, **kwargs: Any) -> Any:
+        raise _Launched
+
+    monkeypatch.setattr("tokenring.cli.bench.strategy_schedule", counted)
+    monkeypatch.setattr("tokenring.cli.ranks.launch", launched)
+    tokenring.cli.bench._schedule.cache_clear()
+    with pytest.raises(_Launched):
+        main(["bench", "--world-size", "3", "--seq", "24"])
+    assert len(built) >= 8 and set(built.values()) == {1}, built
+
+
 # -- tokenring simulate against the library it wraps ----------------------------------------------
 def test_simulate_rows_are_the_librarys_and_say_what_bounds_each_pass(
     capsys: pytest.CaptureFixture[str],
@@ -181,6 +210,20 @@ def test_simulate_rows_are_the_librarys_and_say_what_bounds_each_pass(
         assert len(set(said)) == (2 if name == "token_ring" else 1), said
         expected = said[0] if len(set(said)) == 1 else f"forward {said[0]}, backward {said[1]}"
         assert row["bound_by"] == expected
+        # each pass's own: these were the forward's alone for the whole call
+        for p in want.passes:
+            key = p.pass_.value
+            assert row["steady_step_ms"][key] == pytest.approx(1e3 * p.steady_step_s, rel=1e-12)
+            assert row["busiest_resource"][key] == p.busiest_resource
+            assert row["step_ms"][key] == pytest.approx([1e3 * x for x in p.step_s], rel=1e-12)
+            assert set(row["transfer_ms"][key]) == {tr.label for tr in _sends(p)}
+    fwd, bwd = (rows["token_ring"]["steady_step_ms"][k] for k in ("forward", "backward"))
+    assert main([*argv, "--pass", "both"]) == 0
+    assert f"{fwd:.4g} / {bwd:.4g}" in capsys.readouterr().out
+
+
+def _sends(p: Any) -> list[Any]:
+    return [ev for events in p.timeline for ev in events if ev.kind == "send"]
 
 
 # -- output files ---------------------------------------------------------------------------------
