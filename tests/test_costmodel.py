@@ -874,14 +874,31 @@ def test_simulate_cli_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> N
         assert message in capsys.readouterr().err
 
 
-def test_simulate_cli_with_nothing_predicted_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_cli_with_nothing_predicted_says_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Whether TokenRing lends is known only from its schedule, which the vectorised engine
-    cannot price: the note and one error line, status 1 (it was a traceback)."""
-    argv = ["simulate", "--mode", "vectorised", "--strategies", "token_ring", "--lend-last-pair"]
-    assert main([*argv, "--world-size", "4", "--seq", "64", "--model", "llama3-8b"]) == 1
+    cannot price: refused with the reason before anything is simulated, status 2 (it was a
+    traceback, then a note and status 1 after simulating every other request). Beside a
+    strategy the engine prices, the note and the other rows, status 0."""
+
+    def simulated(*args: object, **kwargs: object) -> None:
+        raise AssertionError("simulated")
+
+    argv = ["simulate", "--mode", "vectorised", "--lend-last-pair", "--world-size", "4"]
+    argv += ["--seq", "64", "--model", "llama3-8b", "--strategies", "token_ring"]
+    with monkeypatch.context() as patch:
+        patch.setattr("tokenring.cli.simulate.simulate", simulated)
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--strategies token_ring cannot be predicted at --world-size 4" in err, err
+    assert "lends its last pair" in err, err
+    assert main([*argv, "ring", "--json"]) == 0
     out, err = capsys.readouterr()
-    assert "token_ring at P=4 not predicted" in out and "lends its last pair" in out
-    assert err.strip() == "tokenring simulate: error: no strategy could be predicted"
+    assert "token_ring at P=4 not predicted" in err and "lends its last pair" in err, err
+    assert [json.loads(line)["strategy"] for line in out.splitlines()] == ["ring"]
 
 
 def test_1024_ranks_and_10m_tokens_take_seconds(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from tokenring.model.simulate import (
     VECTORISED_STRATEGIES,
     CallResult,
     PassResult,
+    _check_plain_tail,
     _engine,
     simulate,
     strategy_schedule,
@@ -149,10 +151,10 @@ def _row(
         "pass": args.passes,
         "mode": first.mode,
         "call_ms": 1e3 * result.call_s,
-        "steady_step_ms": 1e3 * first.steady_step_s,
+        "steady_step_ms": _per_pass(result, lambda p: 1e3 * p.steady_step_s),
         "compute_only_ms": 1e3 * sum(p.compute_s for p in result.passes),
         "merge_ms": 1e3 * sum(p.merge_s for p in result.passes),
-        "busiest_resource": first.busiest_resource,
+        "busiest_resource": _per_pass(result, lambda p: p.busiest_resource),
         "busiest_gb": sum(p.busiest_bytes for p in result.passes) / 1e9,
         "exposed_ms": 1e3 * sum(p.exposed_s for p in result.passes),
         "travel_gb_per_rank": sum(p.travel_bytes for p in result.passes) / 1e9,
@@ -161,9 +163,17 @@ def _row(
         "percent_of_bound": result.percent_of_bound,
         "lend_last_pair": _lends_at(args, result.strategy.value, first.world_size),
         "bound_by": _bound_by(result),
-        "step_ms": [1e3 * x for x in first.step_s],
-        "transfer_ms": _transfer_ms(first),
+        "step_ms": _per_pass(result, lambda p: [1e3 * x for x in p.step_s]),
+        "transfer_ms": _per_pass(result, _transfer_ms),
     }
+
+
+def _per_pass(result: CallResult, value: Callable[[PassResult], Any]) -> Any:
+    """``value`` of the call's one pass, or ``{pass: value}`` for each of its passes
+    (``--pass both``: the forward's alone was given for the whole call)."""
+    if len(result.passes) == 1:
+        return value(result.passes[0])
+    return {p.pass_.value: value(p) for p in result.passes}
 
 
 def _bound_by(result: CallResult) -> str:
@@ -240,7 +250,7 @@ _COLUMNS = [
     ("world_size", "P", "{}"),
     ("seq", "S (tokens)", "{}"),
     ("call_ms", "call (ms)", "{:.4g}"),
-    ("steady_step_ms", "steady step (ms)", "{:.4g}"),
+    ("steady", "steady step (ms)", "{}"),
     ("compute_only_ms", "compute only (ms)", "{:.4g}"),
     ("merge_ms", "merges (ms)", "{:.3g}"),
     ("gb", "travel / return (GB/rank)", "{}"),
@@ -262,7 +272,10 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     table = make_table(title, headers, right=headers[1:-1])
     for row in rows:
         gb = f"{row['travel_gb_per_rank']:.3g} / {row['return_gb_per_rank']:.3g}"
-        table.add_row(*report.cells({**row, "gb": gb}, _COLUMNS))
+        steady = row["steady_step_ms"]  # --pass both: forward / backward
+        each = steady.values() if isinstance(steady, dict) else [steady]
+        steady = " / ".join(f"{ms:.4g}" for ms in each)
+        table.add_row(*report.cells({**row, "gb": gb, "steady": steady}, _COLUMNS))
     print_table(table)
     rounded = sorted({(r["seq_requested"], r["seq"], r["world_size"]) for r in rows})
     for requested, seq, world_size in rounded:
@@ -316,7 +329,8 @@ def _check_something_predictable(cfg: _Config, args: argparse.Namespace) -> None
                 assert cfg.hybrid is not None
                 heads = dict(heads_q=cfg.shape.heads_q, heads_kv=cfg.shape.heads_kv)
                 cfg.hybrid.check(world_size=world_size, **heads)
-            _engine(args.mode, Strategy.parse(name), world_size)
+            if _engine(args.mode, Strategy.parse(name), world_size) == "vectorised":
+                _check_vectorised_lending(cfg, args, name, world_size)
         except (ValueError, NotImplementedError) as exc:
             reasons.append(f"{name} at P={world_size}: {exc}")
         else:
@@ -325,6 +339,29 @@ def _check_something_predictable(cfg: _Config, args: argparse.Namespace) -> None
         f"--strategies {' '.join(args.strategies)} cannot be predicted at --world-size "
         f"{' '.join(map(str, args.world_size))} under --mode {args.mode}: " + "; ".join(reasons)
     )
+
+
+def _check_vectorised_lending(
+    cfg: _Config, args: argparse.Namespace, name: str, world_size: int
+) -> None:
+    """NotImplementedError where the vectorised engine would be asked for a TokenRing that
+    lends its last pair (whether it lends is the schedule's choice, by heads: Note [Borrowed
+    last pair]); found here, so that the run is refused before simulating anything."""
+    if _lends_at(args, name, world_size):
+        _check_plain_tail(
+            strategy_schedule(
+                name,
+                Pass.FORWARD,
+                layout=cfg.layout,
+                causal=cfg.causal,
+                world_size=world_size,
+                seq_local=max(1, cfg.points[0][1] // world_size),
+                heads_q=cfg.shape.heads_q,
+                heads_kv=cfg.shape.heads_kv,
+                last_block_splits=args.splits,
+                lend_last_pair=True,
+            )
+        )
 
 
 def _last_block_slices(cfg: _Config, name: str, world_size: int, seq: int, splits: int) -> int:
@@ -498,9 +535,9 @@ def run(args: argparse.Namespace) -> int:
         ImportError: rich (the table) missing, naming the extra (check_args refuses --plot and
             --timeline without matplotlib).
 
-    No requested strategy predicted at these world sizes (what ``check_args`` cannot know before
-    building a schedule, e.g. a lent last pair under ``--mode vectorised``): the notes, then
-    status 1.
+    No requested strategy predicted at these world sizes (``check_args`` refuses what it can
+    know before simulating, a lent last pair under ``--mode vectorised`` included): the notes,
+    then status 1.
     """
     cfg: _Config = args._config
     if not args.json:
