@@ -309,7 +309,7 @@ def _counting_call(call: Any) -> Any:
     @functools.wraps(call)
     def counted(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         sp = kwargs.get("sequence_parallel")
-        begun = None if sp is None else _begin_forward(model, sp, kwargs)
+        begun = None if sp is None else _begin_forward(model, sp, args, kwargs)
         if begun is None:  # no sequence_parallel=, or inside the outermost model call
             return call(model, *args, **kwargs)
         forward, token = begun
@@ -347,7 +347,7 @@ _EAGER = (
 
 @torch.compiler.disable(reason=_EAGER)
 def _begin_forward(
-    model: torch.nn.Module, sp: Any, kwargs: dict[str, Any]
+    model: torch.nn.Module, sp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[_Forward, contextvars.Token[_Forward | None]] | None:
     """The record of the outermost model call given ``sp`` and its context token, or None
     inside one (Note [A forward that calls no tokenring attention])."""
@@ -355,13 +355,39 @@ def _begin_forward(
         return None
     sp = as_sequence_parallel(sp)
     _refuse_empty_shards(sp, f"{type(model).__name__}'s forward")
+    given = _call_arguments(model, args, kwargs)
     forward = _Forward(
         sp=sp,
-        cached=kwargs.get("sequence_parallel_cache") is not None,
-        logits_to_keep=kwargs.get("logits_to_keep", 0),
-        labels=_label_keywords(kwargs),
+        cached=given.get("sequence_parallel_cache") is not None,
+        logits_to_keep=given.get("logits_to_keep", 0),
+        labels=_label_keywords(given),
     )
     return forward, _FORWARD.set(forward)
+
+
+def _call_arguments(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """A model call's arguments by name: ``args`` bound to its forward's parameters, beside
+    ``kwargs``. A label or logits_to_keep passed by position (``BertForMaskedLM(ids, mask,
+    ..., labels)``) was read from the keywords alone: the forward's rank check never saw it,
+    so one rank computed a loss its peers did not (Note [The forward's rank check]). A
+    signature that cannot bind them leaves them unnamed (the forward raises its own
+    TypeError)."""
+    if not args:
+        return kwargs
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return kwargs
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named |= value
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            named[name] = value
+    return named
 
 
 @torch.compiler.disable(reason=_EAGER)
@@ -377,10 +403,36 @@ def _check_outputs(model: torch.nn.Module, forward: _Forward, result: Any) -> No
     itself])."""
     if forward.attention_calls == 0:
         _refuse_no_attention(model, forward.sp)
-    elif not forward.cached and forward.seq_local is not None:
-        fields = _output_fields(forward, result)
-        _refuse_pooled_outputs(model, forward.sp, fields, forward.seq_local)
+        return
+    comm = forward.sp.communicator
+    seq_local = forward.seq_local
+    if forward.cached or seq_local is None or comm.world_size == 1:
+        return
+    fields = _output_fields(forward, result)
+
+    def validate() -> tuple[None, dict[str, Any]]:  # Note [The outputs' rank check]
+        _refuse_pooled_outputs(model, forward.sp, fields, seq_local)
         _refuse_own_loss(model, forward.sp, forward, fields)
+        tensors = [(name, v.dim()) for name, v in fields if isinstance(v, torch.Tensor)]
+        return None, {"outputs (name, dims)": tensors}
+
+    comm.agreed(validate, what=OUTPUTS_CHECK)
+
+
+# Note [The outputs' rank check]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward's outputs are checked after it returns (Notes [Outputs that pool over the
+# sequence], [A loss the model computes itself]), and what each rank finds may differ: a
+# pooled (B, C, X) output passes as per-token on a rank whose shard holds C rows and raises
+# on the others (uneven shards); a head that computes a loss from input_ids alone (a
+# mask token in some ranks' shards only, no label keyword to compare before) returns one on
+# some ranks. Such a rank raised after its forward while its peers returned their outputs
+# (or met it later, in another call's check, for the timeout). So after the outermost
+# forward over several ranks (not tokenring.hf.generate's steps), every rank posts its
+# verdict and its tensor outputs' names and dims to one exchange: every rank raises the
+# first rank's error, or the outputs that differ, or returns. One small exchange per forward,
+# beside the forward's rank check and the attention calls'.
+OUTPUTS_CHECK = "model forward outputs check"
 
 
 def _naming_to_tuple(to_tuple: Any) -> Any:
@@ -481,16 +533,24 @@ def _refuse_empty_shards(sp: SequenceParallel, what: str) -> None:
 # passed as per-token, silently) or on some ranks alone (uneven shards of 3, 2 and 2 rows:
 # rank 0 raised, ranks 1 and 2 returned). So after the outermost forward every top-level
 # tensor output with dims is per-token only if it has 3 or more dims and s rows (B, s, ...),
-# or is a question-answering head's span scores (start_logits, end_logits: (B, s)); any other
-# 2-D output (B, X) cannot be told from a pooled one by its shape and raises, as does
+# or is a question-answering head's span scores (start_logits, end_logits: (B, s), 2-D only:
+# SplinterForPreTraining's (B, Q, s) scores each question token of this rank's shard); any
+# other 2-D output (B, X) cannot be told from a pooled one by its shape and raises, as does
 # pooler_output: NotImplementedError on every rank (the rule reads the names and the dims,
-# which are every rank's alike). A tuple (return_dict=False) takes its names from the
-# ModelOutput it was made of (register() wraps ModelOutput.to_tuple to record them); a tuple
-# the model built itself is unnamed, and its 2-D entries raise. logits_to_keep is decided from
-# the option, not from the rows it left: with uneven shards a rank holding exactly k rows
-# passed the row check while its peers raised. It is refused in the forward's rank check (Note
-# [The forward's rank check]) when k is below some rank's shard length (k >= every rank's s
-# keeps every row: per-token), negative, or a tensor of row indices, on every rank at once.
+# which are every rank's alike). A 3-D output's rows are compared with each rank's s, which
+# uneven shards make differ: the verdicts are exchanged (Note [The outputs' rank check]). A
+# pooled 3-D output of a name no rule knows, whose row count equals every rank's s (even
+# shards), cannot be told from a per-token one and passes: the real transformers heads with
+# 3-D outputs that are not per-token (LUKE's entity states, Perceiver's latents, XLNet's
+# num_predict rows, Funnel's pooled rows) call no tokenring attention and are refused for
+# that, and Splinter's are refused by their masks (or by the span rule). A tuple
+# (return_dict=False) takes its names from the ModelOutput it was made of (register() wraps
+# ModelOutput.to_tuple to record them); a tuple the model built itself is unnamed, and its 2-D
+# entries raise. logits_to_keep is decided from the option, not from the rows it left: with
+# uneven shards a rank holding exactly k rows passed the row check while its peers raised. It
+# is refused in the forward's rank check (Note [The forward's rank check]) when k is below some
+# rank's shard length (k >= every rank's s keeps every row: per-token), negative, or a tensor
+# of row indices, on every rank at once.
 # Losses are global (the causal-LM loss) or refused (Note [A loss the model computes
 # itself]); hidden states are each rank's shard. tokenring.hf.generate's steps keep their own
 # rows (its hooks gather them) and are not checked.
@@ -512,7 +572,10 @@ def _refuse_pooled_outputs(
         if not isinstance(value, torch.Tensor) or (value.dim() == 0 and _is_loss(name)):
             continue
         rows = value.dim() >= 2 and value.shape[1] == seq_local
-        per_token = rows and (value.dim() >= 3 or name in _SPAN_OUTPUTS)
+        # span scores are (B, s); a 3-D start_logits (SplinterForPreTraining's (B, Q, s),
+        # scores of each question token gathered from this rank's shard) is not per-token
+        span = name in _SPAN_OUTPUTS
+        per_token = rows and (value.dim() == 2 if span else value.dim() >= 3)
         if name == "pooler_output" or (value.dim() > 0 and not per_token):
             raise NotImplementedError(
                 f"{type(model).__name__}'s output {name} of shape {tuple(value.shape)} is not "
@@ -678,8 +741,8 @@ def _refuse_padding_on_every_rank(attention_mask: Any) -> None:
 #     the first call's attention options    posted here: output_attentions=True, dropout,
 #       (_check_options)                    an attention option it cannot honour
 #     the label keywords given (in the      so that a loss the model computes itself is
-#       signature)                          refused on every rank alike (Note [A loss the
-#                                           model computes itself])
+#       signature; by keyword or by         refused on every rank alike (Note [A loss the
+#       position: _call_arguments)          model computes itself])
 #
 # A prepared mask on one rank used to raise in that rank's attention call with nothing
 # exchanged, while its peers waited out the timeout in the mask function's padding exchange;
@@ -1893,8 +1956,9 @@ def _refuse_own_loss(
         f"{type(model).__name__} computed its loss from labels= in its own code (its output "
         f"{', '.join(own)}, given {given}), over this rank's shard alone (not through "
         "transformers' loss functions, which tokenring.hf makes global for a causal LM); under "
-        "sequence_parallel= call it without label keywords and compute the loss from the "
-        "per-token outputs over the group (for a causal LM: tokenring.hf.causal_lm_loss)"
+        "sequence_parallel= call it without label keywords (a loss it computes without any: "
+        "take it out of the model) and compute the loss from the per-token outputs over the "
+        "group (for a causal LM: tokenring.hf.causal_lm_loss)"
     )
 
 

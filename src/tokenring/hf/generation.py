@@ -55,6 +55,7 @@ from tokenring.hf.attention import (
     SequenceParallel,
     _check_transformers,
     _ModelMask,
+    _routes_attention,
     as_sequence_parallel,
     check_model,
     refuse_padding,
@@ -203,6 +204,9 @@ class ShardedKVCache(Cache):
         may be in a transfer or collective (Note [A step that fails on one rank])."""
         self.max_time: _AgreedMaxTime | None = None
         """The criterion that all-reduces between the steps, if generate has one."""
+        self.attention_layers: tuple[int, ...] = tuple(range(self.num_layers))
+        """The layer indices that run attention, in order (:func:`generate` reads them from
+        the model: Note [Layers without attention]); the K/V cache holds these alone."""
         super().__init__(layers=[_ShardedLayer(self) for _ in range(self.num_layers)])
 
     @property
@@ -271,7 +275,7 @@ class ShardedKVCache(Cache):
         if self.kv is None:
             block_size = self.block_size or min(64, -(-num_new // comm.world_size))
             self.kv = DistributedKVCache(
-                num_layers=self.num_layers,
+                num_layers=len(self.attention_layers),
                 batch=batch,
                 heads_kv=self.heads_kv,
                 head_dim=self.head_dim,
@@ -356,7 +360,8 @@ class ShardedKVCache(Cache):
             return
         if self._written:
             raise NotImplementedError(
-                f"layer {layer} gives {heads_q} query and {heads_kv} K/V heads of head dim "
+                f"layer {self.attention_layers[layer]} gives {heads_q} query and {heads_kv} K/V "
+                f"heads of head dim "
                 f"{head_dim}; the cache holds {self.heads_kv} K/V heads of dim {self.head_dim} "
                 f"for {self.heads_q} query heads, from the layers before (layers of different "
                 "attention sizes are not supported by tokenring.hf.generate)"
@@ -415,8 +420,16 @@ class ShardedKVCache(Cache):
                 f"sequence of {total} tokens (a sliding window or a chunk runs only while the "
                 "whole sequence, prompt and new tokens, fits in it)"
             )
-        layer = module.layer_idx
-        assert isinstance(layer, int), "the layer's Cache.update indexed the layers by it"
+        layer_idx = module.layer_idx
+        assert isinstance(layer_idx, int), "the layer's Cache.update indexed the layers by it"
+        if layer_idx not in self.attention_layers:  # every rank runs the same model
+            raise NotImplementedError(
+                f"layer {layer_idx} ran attention, but the model's attention layers are "
+                f"{list(self.attention_layers)} (Note [Layers without attention] in "
+                "tokenring.hf.generation): a model whose layers call attention other than "
+                "through their modules' layer_idx is not supported by tokenring.hf.generate"
+            )
+        layer = self.attention_layers.index(layer_idx)  # its layer of self.kv
         self._fit(query, key, layer)
         dims = (query.shape[-1], key.shape[-1], value.shape[-1])
         if dims != (self.head_dim,) * 3:  # DeepSeek's latent attention: V of another width
@@ -427,8 +440,9 @@ class ShardedKVCache(Cache):
             )
         assert query.shape[0] == 1, "rows are packed into batch 1"
         rows = 0 if self._placeholder else query.shape[2]
-        # after the last layer the peers go on to the check before the logits' all-reduce
-        peers_next = CACHED_CALL if layer < self.num_layers - 1 else LOGITS_CHECK
+        # after the last attention layer the peers go on to the check before the logits'
+        # all-reduce (Note [Layers without attention])
+        peers_next = CACHED_CALL if layer < len(self.attention_layers) - 1 else LOGITS_CHECK
         with self.exchange(peers_next):
             out = cached_attn(
                 query[0, :, :rows].transpose(0, 1).contiguous(),  # (n, Hq, D)
@@ -631,6 +645,8 @@ def generate(
         cache = ShardedKVCache(
             model.config, sp, strategy=strategy, block_size=block_size, budget_bytes=budget_bytes
         )
+        cache.attention_layers = _attention_layers(model, cache.num_layers)
+        gen_kwargs = _without_synced_gpus(sp, model, gen_kwargs)
         cache.call_signature = _call_signature(model, gen_kwargs, cache)
         gen_kwargs = _agreed_max_time(model, gen_kwargs, cache)
         with _sharded_forward(model, cache, _padding_hint(model, gen_kwargs)):
@@ -644,6 +660,80 @@ def generate(
         else:  # Note [A step that fails on one rank]
             cache.fail(exc)
         raise
+
+
+# Note [Layers without attention]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A model's config counts its layers (num_hidden_layers), not its attention calls: a layer may
+# mix no tokens at all (an MLP-only block between attention blocks, as DeciLM / Nemotron-NAS
+# layers without attention), and check_model lets it pass. The cache held a K/V shard for
+# every layer and took the layer of num_hidden_layers - 1 for the last attention call: the
+# second step raised "layers [2] have not appended the K/V" on every rank (no such model could
+# generate), and a rank failing after the last attention call in the first step posted its
+# error to the next layer's cached_attn check while its peers waited in the logits' one. So
+# generate reads the layer indices of the attention modules (those routing through
+# transformers' AttentionInterface) of the model's decoder: the cache holds those layers alone
+# and the last of them hands over to the logits' check. Without any such module found, every
+# layer counts.
+def _attention_layers(model: Any, num_layers: int) -> tuple[int, ...]:
+    """The ``layer_idx`` of each attention module of ``model``'s decoder, sorted (Note
+    [Layers without attention]); every layer when none is found or one is out of range."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = model
+    if callable(get_decoder):
+        with contextlib.suppress(Exception):  # a model without a decoder of its own
+            decoder = get_decoder() or model
+    found = {
+        module.layer_idx
+        for module in decoder.modules()
+        if _routes_attention(module) and isinstance(getattr(module, "layer_idx", None), int)
+    }
+    if not found or not all(0 <= i < num_layers for i in found):
+        return tuple(range(num_layers))
+    return tuple(sorted(found))
+
+
+# Note [Generation under FSDP or ZeRO-3]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers' generate turns synced_gpus on by default for a model under FSDP (FSDP1's
+# wrapper, or transformers' own FSDP2) or with DeepSpeed ZeRO-3 over several processes: every
+# step all-reduces "this rank finished" over the default group, so that ranks whose sequences
+# ended early keep running the forward their sharded parameters' all-gathers need. That
+# all-reduce lies outside tokenring's rank checks (Note [A step that fails on one rank]): a
+# rank failing between the steps left its peers in it for the default group's timeout. An
+# explicit synced_gpus=True is refused; its default is decided here, alike on every rank:
+#
+#     sp.group spans the default group     synced_gpus=False: every rank of the world is a
+#                                          rank of sp.group, which steps alike (the step check
+#                                          compares the ids, Note [Generation ends agreed]
+#                                          the end): each runs the same forwards, what
+#                                          synced_gpus ensures
+#     ranks outside sp.group (other data-  NotImplementedError: their generate calls end at
+#       parallel replicas)                 their own steps, so sharded parameters need
+#                                          synced_gpus, whose all-reduce tokenring cannot check
+def _without_synced_gpus(sp: SequenceParallel, model: Any, gen_kwargs: dict[str, Any]) -> dict:
+    """``gen_kwargs`` with synced_gpus=False where transformers would turn it on and every
+    rank of the default group is one of ``sp.group``'s; NotImplementedError where others are
+    (Note [Generation under FSDP or ZeRO-3])."""
+    if gen_kwargs.get("synced_gpus") is not None or not dist.is_initialized():
+        return gen_kwargs  # True is refused by _check_options; False runs as given
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    world_size = dist.get_world_size()
+    if world_size == 1 or not (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)):
+        return gen_kwargs
+    group_size = sp.communicator.world_size
+    if group_size != world_size:
+        raise NotImplementedError(
+            f"tokenring.hf.generate of a model under FSDP or DeepSpeed ZeRO-3 over a sp.group of "
+            f"{group_size} of the {world_size} ranks: transformers would pass synced_gpus=True "
+            "(its all-reduce over every rank between the steps keeps the other groups' "
+            "forwards going for the sharded parameters), which lies outside tokenring's rank "
+            "checks; generate over a sp.group of every rank, or with the parameters gathered "
+            "(a model that is not sharded)"
+        )
+    return gen_kwargs | {"synced_gpus": False}
 
 
 def _generating_module(model: Any) -> Any:
