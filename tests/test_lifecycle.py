@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -259,15 +260,20 @@ def test_communicators_go_with_their_groups() -> None:
 # -- item: collectives are bounded by the communicator's timeout ------------------------------
 
 
+COLLECTIVE_TIMEOUT_S = 1.0  # the communicators' in late_rank; the group's is 90 s
+
+
 def late_rank(strategy: str, marker: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    # Every rank builds the communicators first (that makes their groups, with all of them).
+    # Every rank builds the communicators first (that makes their groups, with all of them),
+    # with a timeout long enough for ranks that start apart; then the call's short one.
     if strategy == "hybrid":  # the inner all-to-all, on a 1 x 2 mesh
         mesh = tokenring.hybrid_mesh(1, world)
-        tokenring.get_communicator(mesh.inner, timeout_s=2)
-        tokenring.get_communicator(mesh.outer, timeout_s=2)
+        comms = [tokenring.get_communicator(g, timeout_s=30) for g in (mesh.inner, mesh.outer)]
     else:
-        comm = tokenring.Communicator(timeout_s=2)
+        comms = [comm := tokenring.Communicator(timeout_s=30)]
+    for built in comms:
+        built.timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     local, _ = _local_inputs(rank, world)
     if rank == 1:
         # frozen before the call until rank 0 has failed and ended (60 s at most); then it
@@ -291,7 +297,7 @@ def late_rank(strategy: str, marker: str) -> None:
 # they wait for
 _MESSAGE_TIMEOUT = (
     r"receive of 'q' rows \(0, [0-9]+\) of owner 1 from rank 1 at step 0 failed \(peer "
-    r"failed, mismatched, or slower than 2 s\)"
+    rf"failed, mismatched, or slower than {COLLECTIVE_TIMEOUT_S:g} s\)"
 )
 
 
@@ -307,8 +313,8 @@ def test_collective_times_out_with_the_communicator_not_the_group(
     message = str(info.value)
     match = re.search(rf"failed after ([0-9.]+) s: rank 0: {_MESSAGE_TIMEOUT}", message)
     assert match is not None, message
-    # The communicator's 2 s, not the group's 90 s (nor rank 1's wait, up to 60 s).
-    assert 2.0 <= float(match[1]) < 15.0, message
+    # The communicator's 1 s, not the group's 90 s (nor rank 1's wait, up to 60 s).
+    assert COLLECTIVE_TIMEOUT_S <= float(match[1]) < 15.0, message
 
 
 # -- item: clean exit after the collective strategies -----------------------------------------
