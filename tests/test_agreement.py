@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from tokenring.core.sketch import replicated_rtol, sketch
 from tokenring.launch import LaunchError
 
 S, H, D = 64, 4, 16
+FROZEN_WAIT_S = 1.5  # the timeout of the ranks that wait for a frozen one
 
 
 def _case(case: str, out_dir: str) -> None:
@@ -54,7 +56,10 @@ def _case(case: str, out_dir: str) -> None:
         elif rank == 3:
             options["seq_len"] = S + 8  # a seq_len whose share is not this rank's length
     elif case == "frozen" and rank == 2:
-        _frozen_until_the_others_gave_up(out_dir, [0, 1, 3])  # they give up after 3 s
+        _frozen_until_the_others_gave_up(out_dir, [0, 1, 3])  # they give up after 1.5 s
+    elif case == "frozen":  # the ranks that wait for it: a shorter timeout, to wait less;
+        # rank 2 keeps 3 s, so that it learning at once stays apart from its own timeout
+        comm.timeout = timedelta(seconds=FROZEN_WAIT_S)
     elif case == "dead" and rank == 2:
         os._exit(0)  # died before the call
     start = time.monotonic()
@@ -158,9 +163,9 @@ def _short_message(case: str, shared_memory: bool = False) -> str:
     """Rank 0 sends a message that differs from what rank 1 posted a receive for."""
     from tokenring.core.schedule import Payload, Transfer
 
-    # "other layout" over sockets leaves the sender's last frame unmatched: its send times out
-    timeout_s = 3 if case == "other layout" else 10
-    comm = tokenring.Communicator(None, timeout_s=timeout_s, shared_memory=shared_memory)
+    comm = tokenring.Communicator(None, timeout_s=10, shared_memory=shared_memory)
+    if case == "other layout":  # over sockets the sender's last frame is left unmatched: its
+        comm.timeout = timedelta(seconds=1)  # send times out (built with 10 s, as ranks arrive)
     assert comm.path(torch.device("cpu")) == ("gloo-shm" if shared_memory else "gloo")
     expected = Transfer(
         payload=Payload.Q, src=0, dst=1, owner=0, rows=(0, 8), step=0, after_segments=0
@@ -267,8 +272,8 @@ def test_a_frozen_rank_is_named_within_the_library_timeout(tmp_path: Path) -> No
     results = _run("frozen", tmp_path)
     for rank in (0, 1, 3):
         r = results[rank]
-        assert not r["ok"] and "rank(s) [2] did not arrive within 3 s" in r["error"], r
-        assert 2.5 < r["elapsed_s"] < 6  # the library's 3 s, not the group's 60 s
+        assert not r["ok"] and "rank(s) [2] did not arrive within 1.5 s" in r["error"], r
+        assert 1.0 < r["elapsed_s"] < 4.5  # the library's 1.5 s, not the group's 60 s
     # When rank 2 wakes up, the others have given up and exited: it learns so at once.
     assert not results[2]["ok"] and "gone" in results[2]["error"], results[2]
     assert results[2]["elapsed_s"] < 2.5

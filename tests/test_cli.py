@@ -584,8 +584,8 @@ def test_a_failing_rank_is_one_line_naming_it_and_its_error(
 def test_a_run_past_its_timeout_is_one_line_with_the_timeout_as_given(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """--timeout 2.5 that passes: status 1 and one line that names --timeout 2.5 (the
-    launcher said "deadline of 2 s")."""
-    line = _run_error([*SMALL_BENCH, "--iters", "1000000", "--timeout", "2.5"], capsys)
-    assert "deadline of 2.5 s passed" in line and "--timeout 2.5" in line, line
+    """--timeout 1.5 that passes: status 1 and one line that names --timeout 1.5 (the
+    launcher said "deadline of 2 s" for 2.5)."""
+    line = _run_error([*SMALL_BENCH, "--iters", "1000000", "--timeout", "1.5"], capsys)
+    assert "deadline of 1.5 s passed" in line and "--timeout 1.5" in line, line
     assert "ranks [0, 1] had not finished" in line, line

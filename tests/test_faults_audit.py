@@ -8,6 +8,7 @@ Legend: B batch, S global seq, H heads, D head dim, P world size.
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import os
 import signal
 import sys
@@ -134,18 +135,25 @@ def _abandoned_calls(shared_memory: bool, fault: str, check_ranks: bool) -> list
     return problems
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "sockets"])
-@pytest.mark.parametrize("check_ranks", [True, False], ids=["checked", "unchecked"])
-@pytest.mark.parametrize("fault", ["forward", "backward"])
-def test_a_call_abandoned_midway_breaks_its_communicator(
-    shared_memory: bool, check_ranks: bool, fault: str
-) -> None:
+def _every_abandoned_call() -> list[str]:
+    """_abandoned_calls for each transport, pass and check_ranks, one after the other."""
+    problems = []
+    for shared_memory, fault, check_ranks in itertools.product(
+        (True, False), ("forward", "backward"), (True, False)
+    ):
+        found = _abandoned_calls(shared_memory, fault, check_ranks)
+        problems += [f"{p} ({'checked' if check_ranks else 'unchecked'})" for p in found]
+    return problems
+
+
+def test_a_call_abandoned_midway_breaks_its_communicator() -> None:
     """Before: a rank whose kernel raised left its peers' messages of that call in its inbox
     (or gloo's queue); its next call took them for its own and, with check_ranks=False,
     returned a wrong answer without an error, as did its peers, which took that next call's
-    messages for the failed call's. With checks the peers blamed "different schedules"."""
-    args = (shared_memory, fault, check_ranks)
-    per_rank = tokenring.launch(_abandoned_calls, *args, world_size=2, timeout_s=240)
+    messages for the failed call's. With checks the peers blamed "different schedules".
+    Every strategy, both transports, both passes, with and without the rank check: one
+    launch (each case names its rank, strategy, transport, pass and check)."""
+    per_rank = tokenring.launch(_every_abandoned_call, world_size=2, timeout_s=240)
     problems = [p for rank in per_rank for p in rank]
     assert not problems, "\n".join(problems[:12])
 

@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -259,15 +261,20 @@ def test_communicators_go_with_their_groups() -> None:
 # -- item: collectives are bounded by the communicator's timeout ------------------------------
 
 
+COLLECTIVE_TIMEOUT_S = 1.0  # the communicators' in late_rank; the group's is 90 s
+
+
 def late_rank(strategy: str, marker: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    # Every rank builds the communicators first (that makes their groups, with all of them).
+    # Every rank builds the communicators first (that makes their groups, with all of them),
+    # with a timeout long enough for ranks that start apart; then the call's short one.
     if strategy == "hybrid":  # the inner all-to-all, on a 1 x 2 mesh
         mesh = tokenring.hybrid_mesh(1, world)
-        tokenring.get_communicator(mesh.inner, timeout_s=2)
-        tokenring.get_communicator(mesh.outer, timeout_s=2)
+        comms = [tokenring.get_communicator(g, timeout_s=30) for g in (mesh.inner, mesh.outer)]
     else:
-        comm = tokenring.Communicator(timeout_s=2)
+        comms = [comm := tokenring.Communicator(timeout_s=30)]
+    for built in comms:
+        built.timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     local, _ = _local_inputs(rank, world)
     if rank == 1:
         # frozen before the call until rank 0 has failed and ended (60 s at most); then it
@@ -291,7 +298,7 @@ def late_rank(strategy: str, marker: str) -> None:
 # they wait for
 _MESSAGE_TIMEOUT = (
     r"receive of 'q' rows \(0, [0-9]+\) of owner 1 from rank 1 at step 0 failed \(peer "
-    r"failed, mismatched, or slower than 2 s\)"
+    rf"failed, mismatched, or slower than {COLLECTIVE_TIMEOUT_S:g} s\)"
 )
 
 
@@ -307,8 +314,8 @@ def test_collective_times_out_with_the_communicator_not_the_group(
     message = str(info.value)
     match = re.search(rf"failed after ([0-9.]+) s: rank 0: {_MESSAGE_TIMEOUT}", message)
     assert match is not None, message
-    # The communicator's 2 s, not the group's 90 s (nor rank 1's wait, up to 60 s).
-    assert 2.0 <= float(match[1]) < 15.0, message
+    # The communicator's 1 s, not the group's 90 s (nor rank 1's wait, up to 60 s).
+    assert COLLECTIVE_TIMEOUT_S <= float(match[1]) < 15.0, message
 
 
 # -- item: clean exit after the collective strategies -----------------------------------------
@@ -454,23 +461,55 @@ def _lab_namespaces(owner_pid: int) -> list[str]:
     return [name for name in names if name.startswith(f"tokenring-{owner_pid}-")]
 
 
-@pytest.mark.parametrize("link", [None, pytest.param("1gbit", marks=pytest.mark.lab)])
-def test_sigterm_to_bench_ends_ranks_and_removes_temp_files(
-    tmp_path: Path, link: str | None
-) -> None:
-    # Before: without the lab the ranks (in sessions of their own) kept computing and both
-    # temp dirs stayed; with the lab, whose handler ended the process, the dirs stayed.
-    if link is not None and (reason := lab_unavailable_reason()) is not None:
-        pytest.skip(reason)
-    tmp = tmp_path / "tmp"
-    extra = ("--link", link) if link else ()
-    proc = subprocess.Popen(
+def _start_bench(tmp: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         _bench_argv(*extra),
         env=_env(tmp),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _start_launcher(tmp: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _LAUNCHER_SCRIPT], env=_env(tmp), text=True)
+
+
+@pytest.fixture(scope="module")
+def started_launchers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[subprocess.Popen[str], Path]]]:
+    """The bench that test_sigterm_to_bench_ends_ranks_and_removes_temp_files[None] ends and
+    the launcher that test_ranks_die_with_a_killed_launcher kills, started together: each
+    waits on nothing but its interpreters' imports (a few seconds of one core), so on 2 cores
+    the two start in the time of one. Each test does the rest with its own; what a test did
+    not end is killed here, with its ranks."""
+    tmp = {name: tmp_path_factory.mktemp(name) / "tmp" for name in ("bench", "launcher")}
+    procs = {"bench": _start_bench(tmp["bench"]), "launcher": _start_launcher(tmp["launcher"])}
+    try:
+        yield {name: (proc, tmp[name]) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            ranks = _rank_pids(proc.pid)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+            _kill_leftovers(ranks)
+
+
+@pytest.mark.parametrize("link", [None, pytest.param("1gbit", marks=pytest.mark.lab)])
+def test_sigterm_to_bench_ends_ranks_and_removes_temp_files(
+    tmp_path: Path, link: str | None, request: pytest.FixtureRequest
+) -> None:
+    # Before: without the lab the ranks (in sessions of their own) kept computing and both
+    # temp dirs stayed; with the lab, whose handler ended the process, the dirs stayed.
+    if link is not None and (reason := lab_unavailable_reason()) is not None:
+        pytest.skip(reason)
+    if link is None:
+        proc, tmp = request.getfixturevalue("started_launchers")["bench"]
+    else:
+        tmp = tmp_path / "tmp"
+        proc = _start_bench(tmp, "--link", link)
     ranks: list[int] = []
     try:
         _wait_for(lambda: len(_rank_pids(proc.pid)) == 2, 120, "the bench to start 2 ranks")
@@ -502,9 +541,11 @@ tokenring.launch(test_lifecycle.sleep_long, world_size=2, timeout_s=900)
 """
 
 
-def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
+def test_ranks_die_with_a_killed_launcher(
+    started_launchers: dict[str, tuple[subprocess.Popen[str], Path]],
+) -> None:
     # Before: SIGKILL of the launcher left both ranks running (for the 600 s sleep).
-    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER_SCRIPT], env=_env(tmp_path / "tmp"))
+    proc, _ = started_launchers["launcher"]
     ranks: list[int] = []
     try:
         _wait_for(lambda: len(_rank_pids(proc.pid)) == 2, 120, "the launcher to start 2 ranks")
