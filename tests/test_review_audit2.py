@@ -28,7 +28,14 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
 )
 
-from tiny_llama import llama_config, model_of, perturbed_state, raised_fast  # noqa: E402
+from tiny_llama import (  # noqa: E402
+    generate_models,
+    generate_prompt,
+    llama_config,
+    model_of,
+    perturbed_state,
+    raised_fast,
+)
 from tokenring import hf  # noqa: E402
 
 WORLD, S, V = 2, 8, 32
@@ -73,6 +80,29 @@ class _Sum(transformers.LlamaForCausalLM):
         out = super().forward(**kwargs)
         out.logits = out.logits + self.second(**kwargs).logits
         return out
+
+
+class _LoggedAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """A model's attention class with a forward of its own that hands over to the base's
+    (to log or wrap it): its code names no ALL_ATTENTION_FUNCTIONS, the base's does."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return super().forward(*args, **kwargs)
+
+
+def _generate_cases(out: dict[str, Any]) -> None:
+    """hf.generate of a Llama whose second layer's attention is a _LoggedAttention."""
+    model, oracle = generate_models(layers=2)
+    logged = _LoggedAttention(model.config, layer_idx=1)
+    logged.load_state_dict(model.model.layers[1].self_attn.state_dict())
+    model.model.layers[1].self_attn = logged.double()
+    prompt = generate_prompt()
+    with torch.no_grad():
+        options = dict(strategy="pass_kv", do_sample=False, max_new_tokens=4)
+        out["generate, a subclassed attention"] = _timed(
+            lambda: hf.generate(hf.SequenceParallel(), model, prompt, **options)
+        )
+        out["generate oracle"] = oracle.generate(prompt, max_new_tokens=4, do_sample=False)
 
 
 def run_cases() -> dict[str, Any]:
@@ -133,6 +163,7 @@ def run_cases() -> dict[str, Any]:
         out["no tokenring attention"] = _timed(error(sdpa))
     finally:
         handle.remove()
+    _generate_cases(out)
     return out
 
 
@@ -177,3 +208,15 @@ def test_nested_and_refused_forwards_that_fail_on_one_rank(ranks: list[dict[str,
         assert res["no tokenring attention"]["elapsed_s"] < FAST_S, res["no tokenring attention"]
     raised_fast(ranks[1]["no tokenring attention"], FAST_S, "a hook failed on rank 1")
     raised_fast(ranks[0]["no tokenring attention"], FAST_S, "attn_implementation='sdpa'")
+
+
+def test_generate_with_an_attention_class_of_ones_own(ranks: list[dict[str, Any]]) -> None:
+    """A layer whose attention is a subclass of the model's with a forward that calls the
+    base's: generate read the attention layers from the forwards' code (Note [Layers without
+    attention]) and found layer 0 alone, so every rank raised "layer 1 ran attention, but the
+    model's attention layers are [0]" where the model generated before that change. A forward
+    that hands over to its base's now counts as the base's: transformers' tokens."""
+    for res in ranks:
+        got = res["generate, a subclassed attention"]
+        assert "value" in got, got
+        assert torch.equal(got["value"], res["generate oracle"]), (got, res["generate oracle"])

@@ -1103,10 +1103,22 @@ def check_model(model: torch.nn.Module) -> None:
 def _routes_attention(module: torch.nn.Module | type) -> bool:
     """Whether ``module``'s (or a module class's) forward dispatches on transformers'
     ``ALL_ATTENTION_FUNCTIONS`` (the registry of ``attn_implementation`` names), read from its
-    code's global names."""
-    forward = getattr(module if isinstance(module, type) else type(module), "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+    code's global names, or hands over to a base class's forward that does (``super().forward``:
+    a subclass of a model's attention class that logs or wraps it routes through the base's;
+    tokenring.hf.generate reads the attention layers by this rule: Note [Layers without
+    attention] in tokenring.hf.generation)."""
+    for cls in (module if isinstance(module, type) else type(module)).__mro__:
+        forward = vars(cls).get("forward")
+        if forward is None:
+            continue
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        if code is None:
+            return False
+        if "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+            return True
+        if not {"super", "forward"} <= set(code.co_names):
+            return False  # a forward of its own, which does not call the base's
+    return False
 
 
 @functools.cache
