@@ -56,7 +56,7 @@ _HEAVY_RANK_MODULES = frozenset(
     | {"test_coverage_audit3", "test_hf_usage_audit", "test_diffusers_usage_audit"}
     | {"test_hf_generate_usage_audit", "test_diffusers_audit3", "test_hf_audit3"}
     | {"test_readme_snippets", "test_compile_audit2", "test_hf_heads_audit"}
-    | {"test_review_audit", "test_hf_left_audit"}
+    | {"test_review_audit", "test_hf_left_audit", "test_review_audit2"}
 )
 
 

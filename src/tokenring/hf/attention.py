@@ -60,6 +60,7 @@ as flash-attention reads it) and the window was silently applied.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -69,7 +70,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.nn.functional as F
@@ -314,9 +315,13 @@ def _counting_call(call: Any) -> Any:
             return call(model, *args, **kwargs)
         forward, token = begun
         try:
-            result = call(model, *args, **kwargs)
-        finally:
-            _end_forward(token)
+            try:
+                result = call(model, *args, **kwargs)
+            finally:
+                _end_forward(token)
+        except Exception as exc:  # Note [A forward that fails on one rank]
+            _post_failure(forward, exc)
+            raise
         _check_outputs(model, forward, result)
         return result
 
@@ -417,6 +422,52 @@ def _check_outputs(model: torch.nn.Module, forward: _Forward, result: Any) -> No
         return None, {"outputs (name, dims)": tensors}
 
     comm.agreed(validate, what=OUTPUTS_CHECK)
+
+
+@torch.compiler.disable(reason=_EAGER)
+def _post_failure(forward: _Forward, exc: Exception) -> None:
+    """Tell the peers that this rank's outermost forward raised ``exc``, at the rank check
+    they meet next (Note [A forward that fails on one rank]); the caller raises ``exc``."""
+    comm = forward.sp.communicator
+    if forward.cached or comm.world_size == 1 or comm.raised_on_every_rank(exc):
+        return  # generate's steps: ShardedKVCache.fail
+    what = OUTPUTS_CHECK if forward.checked else FORWARD_CHECK
+    # raises exc (or "ranks are in different calls", naming it, where the peers were in a
+    # later attention call's check), or after the timeout: exc is the error to report
+    with contextlib.suppress(Exception):
+        comm.agree(None, exc, what=what)
+
+
+# Note [A forward that fails on one rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The ranks' forwards run code of their own between the exchanges: the embeddings, the
+# layers' norms and MLPs, the final norm, the head, a loss, a user's forward hook. One that
+# raised on one rank alone left its peers waiting for the timeout (300 s by default) in the
+# exchange they met next, with an error naming no cause ("rank(s) [1] did not arrive"): the
+# forward's rank check before the first attention call, the next attention call's check, and
+# after the last one the outputs' rank check (Note [The outputs' rank check]; before it
+# existed they returned, and the failing rank alone raised). The failing rank knows where its
+# peers meet it next, from the exchanges it has made::
+#
+#     before the forward's rank check          the forward's rank check (FORWARD_CHECK): the
+#       (_Forward.checked unset)               first exchange of every forward, whatever path
+#                                              it takes (Note [The forward's rank check]); a
+#                                              forward that makes no tokenring attention call
+#                                              refuses itself there too
+#     after it                                 the outputs' rank check (OUTPUTS_CHECK), or, where
+#                                              it failed between the attention calls, the next
+#                                              one's check: "ranks are in different calls"
+#                                              on every rank, naming the failure
+#
+# So it posts its error there (Communicator.agree) and raises it: every rank raises at once,
+# naming it ("rank 1 cannot run this model forward outputs check: ..."). An error every rank
+# raised in a rank check (a verdict), or of a failed communicator, reached the peers already
+# and is not posted again (Note [Errors every rank raised] in tokenring.runtime.comm); an
+# error raised alike by every rank's own code is posted by each, and the ranks meet in the
+# check: the communicator stays usable. tokenring.hf.generate's steps have their own protocol
+# (Note [A step that fails on one rank] in tokenring.hf.generation). Not reached: peers in a
+# collective of another library (FSDP's all-gathers, a user's all_reduce in the forward); the
+# failing rank then raises after the communicator's timeout.
 
 
 # Note [The outputs' rank check]
@@ -590,9 +641,21 @@ def _refuse_pooled_outputs(
 
 def _refuse_no_attention(model: torch.nn.Module, sp: SequenceParallel) -> None:
     """NotImplementedError for a forward given ``sp`` over several ranks that called no
-    tokenring attention (Note [A forward that calls no tokenring attention])."""
+    tokenring attention (Note [A forward that calls no tokenring attention]), on every rank
+    through the forward's rank check, where a peer whose forward failed posts its error
+    (Note [A forward that fails on one rank])."""
     if sp.communicator.world_size == 1:
         return
+
+    def validate() -> tuple[None, None]:
+        _no_attention_reason(model)
+
+    sp.communicator.agreed(validate, what=FORWARD_CHECK)
+
+
+def _no_attention_reason(model: torch.nn.Module) -> NoReturn:
+    """Raise _refuse_no_attention's NotImplementedError, with check_model's reason where it
+    finds one."""
     name = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if name not in ATTN_IMPLEMENTATIONS:
         raise NotImplementedError(
@@ -1040,10 +1103,22 @@ def check_model(model: torch.nn.Module) -> None:
 def _routes_attention(module: torch.nn.Module | type) -> bool:
     """Whether ``module``'s (or a module class's) forward dispatches on transformers'
     ``ALL_ATTENTION_FUNCTIONS`` (the registry of ``attn_implementation`` names), read from its
-    code's global names."""
-    forward = getattr(module if isinstance(module, type) else type(module), "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+    code's global names, or hands over to a base class's forward that does (``super().forward``:
+    a subclass of a model's attention class that logs or wraps it routes through the base's;
+    tokenring.hf.generate reads the attention layers by this rule: Note [Layers without
+    attention] in tokenring.hf.generation)."""
+    for cls in (module if isinstance(module, type) else type(module)).__mro__:
+        forward = vars(cls).get("forward")
+        if forward is None:
+            continue
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        if code is None:
+            return False
+        if "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+            return True
+        if not {"super", "forward"} <= set(code.co_names):
+            return False  # a forward of its own, which does not call the base's
+    return False
 
 
 @functools.cache

@@ -672,7 +672,9 @@ def generate(
 # generate), and a rank failing after the last attention call in the first step posted its
 # error to the next layer's cached_attn check while its peers waited in the logits' one. So
 # generate reads the layer indices of the attention modules (those routing through
-# transformers' AttentionInterface) of the model's decoder: the cache holds those layers alone
+# transformers' AttentionInterface, in their forward or in a base class's forward that theirs
+# calls: a subclass that logs or wraps the model's attention was left out, and generate
+# refused a model it ran before) of the model's decoder: the cache holds those layers alone
 # and the last of them hands over to the logits' check. Without any such module found, every
 # layer counts.
 def _attention_layers(model: Any, num_layers: int) -> tuple[int, ...]:

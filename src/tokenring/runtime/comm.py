@@ -259,6 +259,18 @@ DIGEST_FRAME_NUM_BYTES = 8 + DIGEST_NUM_BYTES + MAX_SKETCHES * _SKETCH_STRUCT.si
 # communicator closed with a check pending is not pooled (its exchange may still be posted).
 # The backward, cache steps and the hybrid check before anything else, as before.
 #
+# Note [Errors every rank raised]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank check that raises raises on every rank (the verdict: a rank's problem, or the ranks
+# disagree), so the code around it must not tell the peers again: they are not waiting for
+# anything. Each such error is marked (_EVERY_RANK) as it leaves the check;
+# ``raised_on_every_rank`` finds the mark on an error or on the errors it was raised from or
+# while handling (a model's code may wrap it), and counts a failed communicator too (its
+# peers learn of the failure at once, or in their next exchange). An error without either is
+# this rank's alone: its peers wait somewhere for it (Note [A forward that fails on one
+# rank] in tokenring.hf.attention).
+_EVERY_RANK = "_tokenring_raised_on_every_rank"
+
 # Note [Abandoned calls]
 # ~~~~~~~~~~~~~~~~~~~~~~
 # Messages match in posting order, per pair (Note [Slots]). A call that stops midway on one
@@ -1014,12 +1026,32 @@ class Communicator:
 
         def finish() -> None:
             frames = gather()
-            if problem is not None or any(f[:DIGEST_NUM_BYTES] != digest for f in frames):
-                self._disagreement(data, problem, what)
-            if sketched:  # every rank has the same fields: the digests are equal
-                _compare_sketches([name for name, _ in sketched], frames, what)
+            try:
+                if problem is not None or any(f[:DIGEST_NUM_BYTES] != digest for f in frames):
+                    self._disagreement(data, problem, what)
+                if sketched:  # every rank has the same fields: the digests are equal
+                    _compare_sketches([name for name, _ in sketched], frames, what)
+            except Exception as exc:  # every rank raises here: Note [Errors every rank raised]
+                setattr(exc, _EVERY_RANK, True)
+                raise
 
         return finish
+
+    def raised_on_every_rank(self, exc: BaseException) -> bool:
+        """Whether every rank of this communicator knows of ``exc`` already: it, or an error
+        it was raised from or while handling, is a rank check's verdict (which every rank
+        raised), or this communicator failed (its peers learn it at once or in their next
+        exchange). Otherwise ``exc`` is this rank's alone (Note [Errors every rank raised])."""
+        if self._broken is not None:
+            return True
+        seen: set[int] = set()
+        chained: BaseException | None = exc
+        while chained is not None and id(chained) not in seen:
+            if getattr(chained, _EVERY_RANK, False):
+                return True
+            seen.add(id(chained))
+            chained = chained.__cause__ or chained.__context__
+        return False
 
     def _disagreement(self, data: bytes, problem: Exception | None, what: str) -> None:
         """The rest of :meth:`agree` where a digest differs or a rank found a problem: every
@@ -1032,8 +1064,16 @@ class Communicator:
         rows = [json.loads(b) for b in self.all_gather_bytes(data, what=f"the {what} check")]
         calls = [row.get("call") for row in rows]
         if any(call != what for call in calls):
+            # a rank that failed posts its error to the check it expects its peers in next
+            # (Note [A forward that fails on one rank] in tokenring.hf.attention): the cause
+            failed = [
+                f"rank {r} failed: {row['invalid']}; "
+                for r, row in enumerate(rows)
+                if "invalid" in row
+            ]
             raise ValueError(
-                "ranks are in different calls: "
+                "".join(failed)
+                + "ranks are in different calls: "
                 + ", ".join(f"rank {r} in a {call}" for r, call in enumerate(calls))
                 + " (every rank must make the same calls, with the same check_ranks: a rank "
                 "that passed check_ranks=False skipped a check the others run)"
