@@ -163,8 +163,40 @@ def run_cases() -> dict[str, Any]:
         out["no tokenring attention"] = _timed(error(sdpa))
     finally:
         handle.remove()
+    _foreign_collective_case(model, error, out)
     _generate_cases(out)
     return out
+
+
+def _foreign_collective_case(model: Any, error: Callable[..., Any], out: dict[str, Any]) -> None:
+    """Rank 1's final norm raises while rank 0's waits in an all-reduce of another group (a
+    collective of another library, as FSDP's all-gathers), which rank 1 joins once its
+    forward has raised."""
+    foreign = dist.new_group([0, 1], backend="gloo")
+    tokenring.runtime.comm.TELL_WITHIN_S = 1.0  # below the communicators' 4 s timeout
+
+    def hook(*_: Any) -> None:
+        if dist.get_rank() == 1:
+            raise RuntimeError("a hook failed on rank 1")
+        dist.all_reduce(torch.zeros(1), group=foreign)
+
+    handle = model.model.norm.register_forward_pre_hook(hook)
+    try:
+        run = error(model)
+        if dist.get_rank() == 1:
+
+            def run_then_release() -> Any:
+                try:
+                    return run()
+                finally:
+                    dist.all_reduce(torch.zeros(1), group=foreign)
+
+            out["foreign collective"] = _timed(run_then_release)
+        else:
+            out["foreign collective"] = _timed(run)
+    finally:
+        handle.remove()
+        tokenring.runtime.comm.TELL_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +240,16 @@ def test_nested_and_refused_forwards_that_fail_on_one_rank(ranks: list[dict[str,
         assert res["no tokenring attention"]["elapsed_s"] < FAST_S, res["no tokenring attention"]
     raised_fast(ranks[1]["no tokenring attention"], FAST_S, "a hook failed on rank 1")
     raised_fast(ranks[0]["no tokenring attention"], FAST_S, "attn_implementation='sdpa'")
+
+
+def test_a_failure_whose_peer_waits_in_another_collective(ranks: list[dict[str, Any]]) -> None:
+    """Rank 1 fails while rank 0 waits in another library's collective (which rank 1 joins
+    after raising): rank 1 waited for rank 0 at the outputs' rank check for the whole 4 s
+    timeout before raising its own error; it now waits Communicator.tell's bound (1 s here),
+    and rank 0, reaching the check after, raises naming rank 1's error."""
+    raised_fast(ranks[1]["foreign collective"], FAST_S, "a hook failed on rank 1")
+    got = ranks[0]["foreign collective"]
+    assert "a hook failed on rank 1" in got.get("error", ""), got
 
 
 def test_generate_with_an_attention_class_of_ones_own(ranks: list[dict[str, Any]]) -> None:

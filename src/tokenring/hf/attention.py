@@ -60,7 +60,6 @@ as flash-attention reads it) and the window was silently applied.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -431,11 +430,7 @@ def _post_failure(forward: _Forward, exc: Exception) -> None:
     comm = forward.sp.communicator
     if forward.cached or comm.world_size == 1 or comm.raised_on_every_rank(exc):
         return  # generate's steps: ShardedKVCache.fail
-    what = OUTPUTS_CHECK if forward.checked else FORWARD_CHECK
-    # raises exc (or "ranks are in different calls", naming it, where the peers were in a
-    # later attention call's check), or after the timeout: exc is the error to report
-    with contextlib.suppress(Exception):
-        comm.agree(None, exc, what=what)
+    comm.tell(exc, what=OUTPUTS_CHECK if forward.checked else FORWARD_CHECK)
 
 
 # Note [A forward that fails on one rank]
@@ -467,7 +462,9 @@ def _post_failure(forward: _Forward, exc: Exception) -> None:
 # check: the communicator stays usable. tokenring.hf.generate's steps have their own protocol
 # (Note [A step that fails on one rank] in tokenring.hf.generation). Not reached: peers in a
 # collective of another library (FSDP's all-gathers, a user's all_reduce in the forward); the
-# failing rank then raises after the communicator's timeout.
+# failing rank waits for them at most TELL_WITHIN_S (10 s: Communicator.tell), then raises
+# with its communicator failed and its error in the store (a peer that reaches the check
+# later reads it there), where before it waited out the communicator's timeout.
 
 
 # Note [The outputs' rank check]

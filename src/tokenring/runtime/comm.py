@@ -1504,14 +1504,43 @@ class Communicator:
         the store, the inboxes, the sockets (Note [Failures through the store])."""
         if self._foreign():  # Note [One process, one thread at a time]: the parent's
             return
-        if self._build_key is not None and self._broken is None:  # the first failure, before
-            # the inboxes tell the peers
+        if self._broken is None:  # the first failure, before the inboxes tell the peers
+            self._store_failure(exc)
+        self._break(f"a call failed on this rank: {_first_line(exc)}")
+        self._close_links()
+
+    def _store_failure(self, exc: BaseException) -> None:
+        """``exc`` as this rank's entry in the store (Note [Failures through the store])."""
+        if self._build_key is not None:
             with contextlib.suppress(Exception), _STORE_LOCK:  # the store may be gone
                 store = dist.distributed_c10d._get_default_store()
                 why = _first_line(exc) if str(exc) else type(exc).__name__
                 store.set(f"{self._build_key}/failed/{self.rank}", why[:2000])
-        self._break(f"a call failed on this rank: {_first_line(exc)}")
-        self._close_links()
+
+    @_eager
+    def tell(self, exc: Exception, *, what: str, within_s: float | None = None) -> None:
+        """Tell the peers that this rank's own code raised ``exc`` (no operation of this
+        communicator did), at the ``what`` rank check they meet next: its problem there
+        (:meth:`agree`), every rank raising it. Waits for them at most ``within_s`` (default
+        TELL_WITHIN_S; the timeout where shorter): peers held in a collective of another
+        library (FSDP's all-gathers) never come, and this rank's error should not wait out
+        the timeout for them. Past it, this communicator fails with ``exc`` as its cause in
+        the store, which peers that reach the check later read (Note [Failures through the
+        store]). The caller raises ``exc``."""
+        if self.world_size == 1 or self._foreign():
+            return
+        saved = self.timeout
+        wait = TELL_WITHIN_S if within_s is None else within_s
+        self.timeout = min(saved, timedelta(seconds=wait))
+        try:
+            self.agree(None, exc, what=what)
+        except Exception as got:
+            if got is exc or self._broken is None:
+                return  # the peers met it: ``exc`` here, "ranks are in different calls" there
+            self._store_failure(exc)  # no peer came, or one failed: ``exc`` is the cause
+            self._close_links()
+        finally:
+            self.timeout = saved
 
     def _interrupted(self, exc: BaseException) -> None:
         """An operation of a call stopped on this rank by ``exc``: where it is no Exception
@@ -1807,6 +1836,9 @@ class PendingCollective:
 # after 1 ms closes its pair): a peer blocked on one fails at once ("Connection closed by
 # peer"), abandons its call and closes its own, so the failure crosses a ring of P ranks in
 # about P hops instead of a timeout each. NCCL peers still wait for the timeout.
+TELL_WITHIN_S = 10.0
+"""How long :meth:`Communicator.tell` waits for the peers at the check they meet next: the
+compute between two of a model's rank checks (a layer, the head), with room to spare."""
 _STORE_LOCK = threading.Lock()
 """Serialises this process's failure entries in the store (Note [Failures through the store]):
 threads of one rank may fail at once, and a store client is not made for concurrent use."""
