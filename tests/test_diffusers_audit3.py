@@ -20,11 +20,15 @@ each kind), against the same model in one process (diffusers' own processor):
   rank 0 has joint, rank 1 has single-stream", naming no cause). Now the layer's name in the
   model rides in the check and every rank raises at the first layer they differ in, naming
   both.
+- a forward pre-hook raising on rank 1 alone, between the attention layers: rank 0 waited
+  out the timeout in the next layer's check, naming no cause. Now every rank raises at once
+  naming it (after the last layer: rank 0 at its next call's first layer).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -112,6 +116,37 @@ def copied_query_weights(comm: tokenring.Communicator) -> list[str]:
     return log
 
 
+FAILED_AT = ("transformer_blocks.1", "single_transformer_blocks.1", "norm_out")
+FAST_S = 2.5  # far below the 4 s timeout the failure cases run with
+
+
+def failed_on_one_rank(comm: tokenring.Communicator, where: str) -> list[tuple[str, float]]:
+    """A forward pre-hook on the model's ``where`` raising on rank 1, from the model's second
+    call (its first installs the processor's hooks); up to two calls, each one's message (or
+    "returned") and time."""
+    model = build_model()
+    model.set_attn_processor(tr_diffusers.FluxSequenceParallelProcessor(group=comm))
+    mine = local_inputs(model_inputs(), comm.rank, "replicated")
+    attempt(comm, model, mine)
+
+    def hook(*_: Any) -> None:
+        if comm.rank == 1:
+            raise RuntimeError("a hook failed on rank 1")
+
+    model.get_submodule(where).register_forward_pre_hook(hook)
+    log: list[tuple[str, float]] = []
+    for _ in range(2):  # after the last layer, rank 0 meets rank 1 in its next call
+        start = time.monotonic()
+        try:
+            with torch.no_grad():
+                model(**mine)
+        except Exception as exc:
+            log.append((str(exc), time.monotonic() - start))
+            break
+        log.append(("returned", time.monotonic() - start))
+    return log
+
+
 def run_ranks() -> dict[str, Any]:
     comm = tokenring.get_communicator()
     return {
@@ -123,6 +158,12 @@ def run_ranks() -> dict[str, Any]:
             for text in ("sharded", "replicated")
         },
         "copied query weights": copied_query_weights(comm),
+        **{  # last: with a timeout a wait for the peer would show
+            f"failed at {where}": failed_on_one_rank(
+                tokenring.get_communicator(None, timeout_s=4.0), where
+            )
+            for where in FAILED_AT
+        },
     }
 
 
@@ -173,3 +214,12 @@ def test_model_level_misuse_raises_on_every_rank() -> None:
         assert "layer name" in log[-1], (rank, log)
         assert "rank 0 has FluxTransformer2DModel.transformer_blocks.0.attn" in log[-1], log
         assert "rank 1 has FluxTransformer2DModel.transformer_blocks.1.attn" in log[-1], log
+        # Note [A Flux model call that fails on one rank]: rank 0 waited out the 4 s timeout
+        # in the next layer's check ("rank(s) [1] did not arrive"); after the last layer it
+        # returned, and met rank 1 in its next call's first layer
+        for where in FAILED_AT:
+            log = got[f"failed at {where}"]
+            message, elapsed = log[-1]
+            assert "a hook failed on rank 1" in message and elapsed < FAST_S, (rank, where, log)
+            returned = 1 if where == "norm_out" and rank == 0 else 0
+            assert [m for m, _ in log[:-1]] == ["returned"] * returned, (rank, where, log)

@@ -490,6 +490,23 @@ def _cross_checked(
 # ``model.forward`` (no hooks run) or one whose processor is only ever called outside a model
 # call.
 
+# Note [A Flux model call that fails on one rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Between its attention layers a model runs code of its own (embeddings, norms, MLPs, the
+# output projection, a user's hook): one that raised on one rank left its peers waiting out the
+# timeout in the next layer's check, "rank(s) [1] did not arrive", naming no cause (a hook on
+# the second joint block of the tiny Flux, 2 ranks, 4 s timeout: 4.0 s). So the model also
+# holds a forward hook that runs when its forward raises (``always_call``): an error of this
+# rank's own (not a rank check's verdict, nor of a failed communicator: Note [Errors every
+# rank raised] in tokenring.runtime.comm) is told to the peers at the check they meet next
+# (Communicator.tell; the next layer's, or after the last layer the next model call's first),
+# and every rank raises naming it. The model's first call is not covered: the hooks are
+# installed by its first attention layer, and torch reads a module's hooks as its call starts.
+
+
+LAYER_CHECK = "Flux attention layer"
+"""The rank check of each attention layer of FluxSequenceParallelProcessor."""
+
 
 @dataclass(eq=False)
 class _ModelCheck:
@@ -559,10 +576,33 @@ def _bind_model(attn: Any) -> None:
             ):
                 if not getattr(model, "_tokenring_hooked", False):
                     model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True)
+                    model.register_forward_hook(_model_failed_hook, always_call=True)
                     setattr(model, "_tokenring_hooked", True)  # noqa: B010 (a Module's attribute)
                 _model_pre_hook(model, tuple(local.get("args", ())), dict(local.get("kwargs", {})))
                 return
         frame = frame.f_back
+
+
+@torch.compiler.disable  # a failure's path (hooks do not run under compile on one)
+def _model_failed_hook(model: Any, args: Any, result: Any) -> None:
+    """Where the model's forward raised on this rank alone, tell the peers (Note [A Flux
+    model call that fails on one rank]); nothing where it returned."""
+    exc = sys.exc_info()[1]
+    if not isinstance(exc, Exception):  # returned (or KeyboardInterrupt: not exchanged)
+        return
+    processor = next(
+        (
+            m.processor
+            for m in model.modules()
+            if isinstance(getattr(m, "processor", None), FluxSequenceParallelProcessor)
+        ),
+        None,
+    )
+    if processor is None:
+        return
+    comm = get_communicator(processor.group)
+    if not comm.raised_on_every_rank(exc):
+        comm.tell(exc, what=LAYER_CHECK)
 
 
 def _take_model_check(attn: Any) -> _ModelCheck | None:
@@ -700,7 +740,7 @@ class FluxSequenceParallelProcessor:
         # every rank's checks, placement and text rows agreed before any collective: a rank
         # that raised alone left the others waiting in the next exchange (the model call's
         # first layer also the model's: Note [The Flux model's own check])
-        num_text = comm.agreed(validate, what="Flux attention layer", deferred=True)
+        num_text = comm.agreed(validate, what=LAYER_CHECK, deferred=True)
         sharded = text is TextPlacement.SHARDED and encoder_hidden_states is not None
         if sharded and text_seq_len is not None:  # the ranks' text rows must add up to T
             _check_sharded_text_len(text_seq_len, num_text, comm)
