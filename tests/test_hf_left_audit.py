@@ -31,10 +31,12 @@ from transformers.modeling_outputs import CausalLMOutput  # noqa: E402
 from tiny_llama import (  # noqa: E402
     generate_models,
     generate_prompt,
+    labelled_rows,
     llama_config,
     model_of,
     perturbed_state,
     raised_fast,
+    sgd_args,
     timed,
 )
 from tokenring import hf  # noqa: E402
@@ -207,6 +209,35 @@ def _fsdp_cases(out: dict[str, Any]) -> None:
         out["fsdp oracle"] = oracle.generate(prompt, max_new_tokens=4, do_sample=False)
 
 
+def _training_step_cases(out: dict[str, Any]) -> None:
+    """SequenceParallelTrainer (DDP over the 2 ranks) whose second layer's MLP backward
+    raises on rank 1 alone (DDP's reducer is left mid-backward: the Trainer is not reused)."""
+    import os
+    import tempfile
+
+    from tokenring.hf.trainer import SequenceParallelTrainer
+
+    rank = dist.get_rank()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    os.environ.update(LOCAL_WORLD_SIZE=str(WORLD))
+    config = llama_config(V, layers=2)
+    model = model_of(config, perturbed_state(config, seed=3, scale=0.2), "tokenring")
+
+    def hook(*_: Any) -> None:
+        if rank == 1:
+            raise RuntimeError("a backward hook failed on rank 1")
+
+    handle = model.model.layers[1].mlp.register_full_backward_hook(hook)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = sgd_args(tmp, per_device_train_batch_size=2, max_steps=1)
+        rows = labelled_rows(4, 1, vocab=V, seq_len=S)
+        trainer = SequenceParallelTrainer(
+            model=model, args=args, train_dataset=rows, sequence_parallel=hf.SequenceParallel()
+        )
+        out["training step"] = timed(TIMEOUT_S, trainer.train)
+        handle.remove()
+
+
 def run_cases() -> dict[str, Any]:
     hf.register()
     tokenring.get_communicator(None, timeout_s=TIMEOUT_S)
@@ -215,6 +246,7 @@ def run_cases() -> dict[str, Any]:
     _outputs_cases(out)
     _generate_cases(out)
     _fsdp_cases(out)
+    _training_step_cases(out)
     return out
 
 
@@ -280,3 +312,12 @@ def test_generate_under_fsdp(ranks: list[dict[str, Any]]) -> None:
         for case in ("fsdp", "fsdp synced_gpus=False"):
             assert torch.equal(res[case]["value"], oracle), res[case]
         raised_fast(res["fsdp, sp of one rank"], FAST_S, "FSDP", "synced_gpus=True")
+
+
+def test_a_training_step_that_fails_on_one_rank(ranks: list[dict[str, Any]]) -> None:
+    """A backward hook raising on rank 1 alone inside SequenceParallelTrainer: rank 0 waited
+    out the 4 s timeout in the attention backward's receive, its error naming no cause
+    ("no message within 4 s"). training_step now tells the peers (Note [A training step that
+    fails on one rank]): every rank raises at once naming it."""
+    for res in ranks:
+        raised_fast(res["training step"], FAST_S, "a backward hook failed on rank 1")

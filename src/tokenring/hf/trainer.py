@@ -116,6 +116,19 @@ __all__ = ["SequenceParallelTrainer"]
 _INPUTS = frozenset({"input_ids", "labels", "attention_mask"})
 
 
+# Note [A training step that fails on one rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward that raises on one rank is told to its peers by tokenring.hf's forward wrapper
+# (Note [A forward that fails on one rank] in tokenring.hf.attention); a backward has no such
+# wrapper: a layer's backward hook, a NaN check or an allocation that failed on one rank left
+# its peers waiting out the timeout in the next attention backward's transfer ("receive of
+# 'q_grad' ... no message within 4 s", 2 ranks, a 4 s timeout), naming no cause. The Trainer
+# owns the step, so training_step tells the peers of an error of this rank's own
+# (Communicator.tell: at the check they meet next, waiting for them at most TELL_WITHIN_S), and
+# every rank raises naming it.
+TRAINING_STEP = "training step"
+
+
 class SequenceParallelTrainer(Trainer):
     """A ``transformers.Trainer`` for causal LMs (with a tokenring ``attn_implementation``)
     whose sequences are sharded over ``sequence_parallel.group`` (Note [Trainer ranks and
@@ -271,6 +284,19 @@ class SequenceParallelTrainer(Trainer):
             # over groups
             count = counts.sum() // comm.world_size if counts.min() >= 0 else counts.min()
         return None if count < 0 else count
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """``Trainer.training_step``; where it raises on this rank alone, the peers are told
+        (Note [A training step that fails on one rank])."""
+        try:
+            return super().training_step(model, inputs, *args, **kwargs)
+        except Exception as exc:
+            comm = self.sequence_parallel.communicator
+            if not comm.raised_on_every_rank(exc):
+                comm.tell(exc, what=TRAINING_STEP)
+            raise
 
     def prediction_step(
         self,

@@ -620,7 +620,7 @@ class PendingRecv:
         sizes = self._frame_sizes
         expected = (sum(sizes) - HEADER_NUM_BYTES, _layout(sizes))
         if buffer.device.type == "cpu":
-            _check_header(self._comm.rank, self.transfer, _read_header(buffer), *expected)
+            self._comm._checked_header(self.transfer, _read_header(buffer), expected)
         else:  # checked in wait_sends, once per call: no host sync inside the step loop
             # a copy: the buffer's header slot may carry this block on (Message)
             header = buffer[:HEADER_NUM_BYTES].view(torch.int64).clone()
@@ -1302,7 +1302,17 @@ class Communicator:
             unchecked, self._unchecked = self._unchecked, []
             headers = torch.stack([h for _, h, _ in unchecked]).tolist()
             for (tr, _, expected), header in zip(unchecked, headers, strict=True):
-                _check_header(self.rank, tr, header, *expected)
+                self._checked_header(tr, header, expected)
+
+    def _checked_header(self, tr: Transfer, header: list[int], expected: tuple[int, int]) -> None:
+        """:func:`_check_header`; a message that is not ``tr``'s fails this communicator, its
+        error after what a peer that failed first said (Note [Failures through the store]:
+        one that told its peers of an error of its own, Communicator.tell, may have sent a
+        check's message where this rank waits for a transfer's)."""
+        try:
+            _check_header(self.rank, tr, header, *expected)
+        except RuntimeError as exc:
+            raise self._failure("a receive failed", str(exc)) from None
 
     def release_sends(self) -> None:
         """Forget the sends that have completed (their buffers may be freed); never blocks."""
@@ -1509,13 +1519,18 @@ class Communicator:
         self._break(f"a call failed on this rank: {_first_line(exc)}")
         self._close_links()
 
-    def _store_failure(self, exc: BaseException) -> None:
-        """``exc`` as this rank's entry in the store (Note [Failures through the store])."""
+    def _store_failure(self, exc: BaseException | None) -> None:
+        """``exc`` as this rank's entry in the store, None: no entry (Note [Failures through
+        the store])."""
         if self._build_key is not None:
             with contextlib.suppress(Exception), _STORE_LOCK:  # the store may be gone
                 store = dist.distributed_c10d._get_default_store()
+                key = f"{self._build_key}/failed/{self.rank}"
+                if exc is None:
+                    store.delete_key(key)
+                    return
                 why = _first_line(exc) if str(exc) else type(exc).__name__
-                store.set(f"{self._build_key}/failed/{self.rank}", why[:2000])
+                store.set(key, why[:2000])
 
     @_eager
     def tell(self, exc: Exception, *, what: str, within_s: float | None = None) -> None:
@@ -1532,13 +1547,16 @@ class Communicator:
         saved = self.timeout
         wait = TELL_WITHIN_S if within_s is None else within_s
         self.timeout = min(saved, timedelta(seconds=wait))
+        # in the store first: a peer whose transfer takes the check's message for its own
+        # fails at once, and starts its error with ``exc`` from there
+        self._store_failure(exc)
         try:
             self.agree(None, exc, what=what)
         except Exception as got:
-            if got is exc or self._broken is None:
-                return  # the peers met it: ``exc`` here, "ranks are in different calls" there
-            self._store_failure(exc)  # no peer came, or one failed: ``exc`` is the cause
-            self._close_links()
+            if got is exc or self._broken is None:  # the peers met it: ``exc`` here,
+                self._store_failure(None)  # "ranks are in different calls" there
+                return
+            self._close_links()  # no peer came, or one failed: ``exc`` is the cause
         finally:
             self.timeout = saved
 
