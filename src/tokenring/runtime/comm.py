@@ -1305,13 +1305,15 @@ class Communicator:
                 self._checked_header(tr, header, expected)
 
     def _checked_header(self, tr: Transfer, header: list[int], expected: tuple[int, int]) -> None:
-        """:func:`_check_header`; a message that is not ``tr``'s fails this communicator, its
-        error after what a peer that failed first said (Note [Failures through the store]:
-        one that told its peers of an error of its own, Communicator.tell, may have sent a
-        check's message where this rank waits for a transfer's)."""
+        """:func:`_check_header`; where a peer failed first, a message that is not ``tr``'s
+        fails this communicator, its error after what that peer said (Note [Failures through
+        the store]: one that told its peers of an error of its own, Communicator.tell, may
+        have sent a check's message where this rank waits for a transfer's)."""
         try:
             _check_header(self.rank, tr, header, *expected)
         except RuntimeError as exc:
+            if not self._failed_peers():
+                raise  # this rank's finding: its call is abandoned, its error in the store
             raise self._failure("a receive failed", str(exc)) from None
 
     def release_sends(self) -> None:
