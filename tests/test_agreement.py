@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -227,21 +228,39 @@ def test_a_receive_checks_the_bytes_that_arrived() -> None:
         assert want in got, (case, got)
 
 
+FRAME_CASES = {
+    "same, framed": "equal",
+    "other layout": "the message's fields have other sizes than this rank expected",
+}
+
+
+@pytest.fixture(scope="module")
+def waiting_launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Any]]:
+    """The launches that mostly wait, all at once: the frozen rank's (its peers wait out
+    1.5 s, it sleeps until they gave up) and the frames' over each transport (over sockets a
+    send waits out its timeout). Each test reads its own launch's outcome."""
+    tmp = tmp_path_factory.mktemp("frozen")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures: dict[str, Future[Any]] = {"frozen": pool.submit(_run, "frozen", tmp)}
+        for shared_memory in (False, True):
+            futures[f"frames shared_memory={shared_memory}"] = pool.submit(
+                tokenring.launch, _short_messages, list(FRAME_CASES), shared_memory,
+                world_size=2, timeout_s=60,
+            )  # fmt: skip
+    return futures
+
+
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["sockets", "shared memory"])
-def test_a_receive_checks_the_sizes_of_its_frames(shared_memory: bool) -> None:
+def test_a_receive_checks_the_sizes_of_its_frames(
+    shared_memory: bool, waiting_launches: dict[str, Future[Any]]
+) -> None:
     """A message whose big fields travel as frames of their own (Note [Message frames] in
     tokenring.runtime.comm) arrives whole; the same bytes in other frames raise, from the
     header frame, before the receiver waits for the rest. Over sockets the sender's frame that
     nobody receives fails its send within the timeout; through shared memory only the header
     travels over gloo, so the send completes. One launch; the mismatch last."""
-    expected = {
-        "same, framed": "equal",
-        "other layout": "the message's fields have other sizes than this rank expected",
-    }
-    sender, messages = tokenring.launch(
-        _short_messages, list(expected), shared_memory, world_size=2, timeout_s=60
-    )
-    for (case, want), got in zip(expected.items(), messages, strict=True):
+    sender, messages = waiting_launches[f"frames shared_memory={shared_memory}"].result()
+    for (case, want), got in zip(FRAME_CASES.items(), messages, strict=True):
         assert want in got, (case, got)
     assert sender[0] == "sent"
     if shared_memory:
@@ -268,8 +287,10 @@ def test_bad_input_on_some_ranks_fails_everywhere_within_seconds(raising_cases: 
                 assert f"rank {other} cannot run this attention call: {why}" in r["error"]
 
 
-def test_a_frozen_rank_is_named_within_the_library_timeout(tmp_path: Path) -> None:
-    results = _run("frozen", tmp_path)
+def test_a_frozen_rank_is_named_within_the_library_timeout(
+    waiting_launches: dict[str, Future[Any]],
+) -> None:
+    results = waiting_launches["frozen"].result()
     for rank in (0, 1, 3):
         r = results[rank]
         assert not r["ok"] and "rank(s) [2] did not arrive within 1.5 s" in r["error"], r

@@ -73,8 +73,10 @@ def _case(shared_memory: bool, fault: str) -> tuple[dict[str, tuple[str, float]]
         return Communicator(timeout_s=timeout_s, shared_memory=shared_memory)
 
     if fault == "build":  # between the pool agreement and dist.new_group
-        with _Interrupt(Communicator, "_make_groups"):  # (a timeout no pooled set has)
-            seen["build"] = _outcome(lambda: build(1.25))
+        # a timeout no pooled set has; rank 0's new_group waits in whole seconds (0.5 and
+        # 0.75 s: 1 s; 1 and 1.25 s: 2 s), the pool agreement before it all of 0.75 s
+        with _Interrupt(Communicator, "_make_groups"):
+            seen["build"] = _outcome(lambda: build(0.75))
     elif fault in ("check", "planning"):  # in the rank check; after it, before any transfer
         comm = build()
         where = (Communicator, "_post_agree") if fault == "check" else (api, "_planned")
@@ -141,6 +143,10 @@ def _boundary_faults() -> list[str]:
             said = {name: s for name, (s, _) in seen.items()}
             if fault == "build" and rank == 0 and "did not join" not in said["build"]:
                 problems.append(f"{case}: rank 0's build did not fail: {said['build'][:200]}")
+            # interrupted past the pool agreement (rank 0 then waits in new_group), not failed
+            # in it: both say "did not join" on rank 0
+            if fault == "build" and rank == 1 and "^C in _make_groups" not in said["build"]:
+                problems.append(f"{case}: rank 1's build said {said['build'][:200]}")
             if fault in ("check", "planning"):
                 want = "KeyboardInterrupt" if rank == 1 else "rank 1 failed first: ^C in"
                 if want not in said["call"]:

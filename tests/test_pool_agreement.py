@@ -11,6 +11,7 @@ Legend: B batch, S global seq, H heads, D head dim, P world size.
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from tokenring.runtime import comm as comm_module
 from tokenring.runtime.comm import Communicator
 
 TIMEOUT_S = 2.0  # the communicators' own; the launch's process group waits longer
+FAILING_CALL_TIMEOUT_S = 1.0  # the failing step's call, on a communicator built with TIMEOUT_S
 SEQ_LOCAL = 4
 
 
@@ -56,6 +58,8 @@ def _steps_with_a_failure(num_steps: int, failing_step: int) -> list[str]:
         except RuntimeError as exc:
             problems.append(f"step {step}: building the communicator failed: {exc}")
             continue
+        if step == failing_step:  # its pool key keeps 2 s; rank 0's check waits out 1 s
+            comm.timeout = timedelta(seconds=FAILING_CALL_TIMEOUT_S)
         with contextlib.closing(comm):
             try:
                 if step == failing_step and rank == 1:

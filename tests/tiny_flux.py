@@ -27,10 +27,14 @@ FLUX = {
 }
 
 
-def build_model(guidance: bool = False, seed: int = 0) -> FluxTransformer2DModel:
-    """The model of ``seed``, its weights spread wider than the default init."""
+def build_model(
+    guidance: bool = False, seed: int = 0, num_blocks: int = 2
+) -> FluxTransformer2DModel:
+    """The model of ``seed``, its weights spread wider than the default init; ``num_blocks``
+    double-stream and as many single-stream blocks."""
     torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**FLUX, guidance_embeds=guidance)
+    blocks = dict(num_layers=num_blocks, num_single_layers=num_blocks)
+    model = FluxTransformer2DModel(**(FLUX | blocks), guidance_embeds=guidance)
     with torch.no_grad():  # break symmetric inits (zeros, ones) so every path is exercised
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
