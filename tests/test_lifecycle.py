@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import make_inputs, oracle_with_grads
+from processes import running
 from tokenring.launch import LaunchError
 from tokenring.model.netlab import lab_unavailable_reason
 
@@ -72,15 +73,6 @@ def _thread_names() -> list[str]:
     return names
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (ended, waiting for its parent to reap it) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
 def _rank_pids(launcher_pid: int) -> list[int]:
     """PIDs of the ranks ``tokenring.launch`` started from ``launcher_pid``: its descendants
     named ``tokenring-rN`` (a fresh interpreter is the launcher's child, a forked rank the
@@ -115,7 +107,7 @@ def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 
 def _kill_leftovers(pids: list[int]) -> None:
     for pid in pids:
-        if _running(pid):
+        if running(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -281,7 +273,7 @@ def late_rank(strategy: str, marker: str) -> None:
         # frozen before the call until rank 0 has failed and ended (60 s at most); then it
         # returns, which spares the launcher's grace for its report (3 s)
         _wait_for(lambda: Path(marker).exists(), 60, "rank 0 to fail")
-        _wait_for(lambda: not _running(int(Path(marker).read_text() or 0)), 60, "rank 0 to end")
+        _wait_for(lambda: not running(int(Path(marker).read_text() or 0)), 60, "rank 0 to end")
         return
     start = time.monotonic()
     try:
@@ -544,7 +536,7 @@ def test_sigterm_to_bench_ends_ranks_and_removes_temp_files(
         assert proc.returncode == 128 + signal.SIGTERM, err
         # the kernel kills them at once; 30 s leaves room for a loaded box (10 s failed once
         # with other test runs beside it), far below the ranks' 600 s sleep
-        _wait_for(lambda: not any(_running(pid) for pid in ranks), 30, f"ranks {ranks} to end")
+        _wait_for(lambda: not any(running(pid) for pid in ranks), 30, f"ranks {ranks} to end")
         assert not list(tmp.iterdir()), f"left behind: {list(tmp.iterdir())}"
         assert not _lab_namespaces(proc.pid)
     finally:
@@ -577,7 +569,7 @@ def test_ranks_die_with_a_killed_launcher(
         proc.wait(timeout=10)
         # the kernel kills them at once; 30 s leaves room for a loaded box (10 s failed once
         # with other test runs beside it), far below the ranks' 600 s sleep
-        _wait_for(lambda: not any(_running(pid) for pid in ranks), 30, f"ranks {ranks} to end")
+        _wait_for(lambda: not any(running(pid) for pid in ranks), 30, f"ranks {ranks} to end")
     finally:
         if proc.poll() is None:
             proc.kill()

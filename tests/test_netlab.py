@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 import tokenring.model.netlab as netlab_module
+from processes import running
 from tokenring.model.netlab import (
     Lab,
     LabConfig,
@@ -51,15 +52,6 @@ def _existing_namespaces() -> set[str]:
         ["ip", "netns", "list"], capture_output=True, text=True, timeout=10, check=True
     ).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (ended, waiting for its parent to reap it) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 # -- pure tests ------------------------------------------------------------------------------
@@ -419,7 +411,7 @@ class TestLab:
                 proc.kill()
                 proc.wait(timeout=10)
                 for pid in started["pids"]:
-                    if _running(pid):
+                    if running(pid):
                         os.kill(pid, signal.SIGKILL)
                 for name in set(started["names"]) & _existing_namespaces():
                     subprocess.run(["ip", "netns", "del", name], timeout=10, check=False)
@@ -433,7 +425,7 @@ class TestLab:
         assert not names & _existing_namespaces()
         # Both sleeps were ended, registered or not.
         deadline = time.monotonic() + 5
-        while any(_running(pid) for pid in started["pids"]):
+        while any(running(pid) for pid in started["pids"]):
             assert time.monotonic() < deadline, f"still running: {started['pids']}"
             time.sleep(0.05)
 
@@ -468,7 +460,7 @@ class TestLab:
             proc.kill()
             proc.wait(timeout=10)
             assert names <= _existing_namespaces()
-            assert _running(started["pid"])
+            assert running(started["pid"])
             config = LabConfig(world_size=2, rate_bits_per_s=RATE_BITS_PER_S, topology="mesh")
             with (
                 pytest.warns(RuntimeWarning, match="owner process is gone") as caught,
@@ -478,14 +470,14 @@ class TestLab:
                 assert set(lab.namespaces) <= _existing_namespaces()  # its own lab is built
             assert all(name in str(caught[0].message) for name in names)
             deadline = time.monotonic() + 5
-            while _running(started["pid"]):
+            while running(started["pid"]):
                 assert time.monotonic() < deadline, "the process inside the stale lab runs on"
                 time.sleep(0.05)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
-            if started["pid"] and _running(started["pid"]):
+            if started["pid"] and running(started["pid"]):
                 os.kill(started["pid"], signal.SIGKILL)
             for name in set(started["names"]) & _existing_namespaces():
                 subprocess.run(["ip", "netns", "del", name], timeout=10, check=False)

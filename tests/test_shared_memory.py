@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import tokenring
 from oracle import make_inputs, oracle_with_grads, owned_positions, tolerance_failures
+from processes import running
 from tokenring.launch import LaunchError
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.shm import ENV_VAR, SharedMemoryLinks, make_inboxes, shm_wanted
@@ -341,15 +342,6 @@ def test_exchanges_of_bytes_go_through_the_inboxes() -> None:
             assert "runs other code" in str(got["mismatch"]), (rank, got["mismatch"])
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs: neither gone nor a zombie (ended, not yet reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
 def _sender_exits_after_sending(out_file: str) -> None:
     """Rank 1 posts its exchange frame and exits at once; rank 0 then finds the frame in its
     inbox but the segment gone with its sender, and writes what it raised."""
@@ -359,7 +351,7 @@ def _sender_exits_after_sending(out_file: str) -> None:
     if dist.get_rank() == 1:
         comm._post_gather(b"sent", what="an exchange", frame_num_bytes=64)
         os._exit(0)
-    while _running(pids[1]):  # until rank 1 has exited (a zombie has closed its files)
+    while running(pids[1]):  # until rank 1 has exited (a zombie has closed its files)
         time.sleep(0.01)
     start = time.monotonic()
     try:
