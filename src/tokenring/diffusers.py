@@ -66,6 +66,7 @@ import inspect
 import math
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -588,8 +589,8 @@ def _model_failed_hook(model: Any, args: Any, result: Any) -> None:
     """Where the model's forward raised on this rank alone, tell the peers (Note [A Flux
     model call that fails on one rank]); nothing where it returned."""
     exc = sys.exc_info()[1]
-    if not isinstance(exc, Exception):  # returned (or KeyboardInterrupt: not exchanged)
-        return
+    if not isinstance(exc, Exception) or not _raised_by_call(model, exc):
+        return  # returned (or KeyboardInterrupt: not exchanged)
     processor = next(
         (
             m.processor
@@ -603,6 +604,23 @@ def _model_failed_hook(model: Any, args: Any, result: Any) -> None:
     comm = get_communicator(processor.group)
     if not comm.raised_on_every_rank(exc):
         comm.tell(exc, what=LAYER_CHECK)
+
+
+def _raised_by_call(model: Any, exc: Exception) -> bool:
+    """Whether ``exc`` is the error of the model call whose always-called forward hook runs
+    now. torch runs such a hook after a forward that returned too, where ``sys.exc_info()`` is
+    whatever its caller handles (a model call inside an ``except`` block, a retry after a
+    failed call): that error is not this call's. A call's own error was caught by the nearest
+    frame of this model's ``Module._call_impl``, which runs the hook from its handler: the
+    error's traceback starts at that frame (after a forward that returned, the nearest frame of
+    the model is the closure that runs the forward and its hooks)."""
+    tb = exc.__traceback__
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and tb is not None:
+        if frame.f_locals.get("self") is model:
+            return frame is tb.tb_frame
+        frame = frame.f_back
+    return False
 
 
 def _take_model_check(attn: Any) -> _ModelCheck | None:
