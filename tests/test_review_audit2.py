@@ -173,6 +173,7 @@ def _foreign_collective_case(model: Any, error: Callable[..., Any], out: dict[st
     collective of another library, as FSDP's all-gathers), which rank 1 joins once its
     forward has raised."""
     foreign = dist.new_group([0, 1], backend="gloo")
+    saved = tokenring.runtime.comm.TELL_WITHIN_S
     tokenring.runtime.comm.TELL_WITHIN_S = 1.0  # below the communicators' 4 s timeout
 
     def hook(*_: Any) -> None:
@@ -196,7 +197,7 @@ def _foreign_collective_case(model: Any, error: Callable[..., Any], out: dict[st
             out["foreign collective"] = _timed(run)
     finally:
         handle.remove()
-        tokenring.runtime.comm.TELL_WITHIN_S = 10.0
+        tokenring.runtime.comm.TELL_WITHIN_S = saved
 
 
 @pytest.fixture(scope="module")

@@ -462,7 +462,7 @@ def _post_failure(forward: _Forward, exc: Exception) -> None:
 # check: the communicator stays usable. tokenring.hf.generate's steps have their own protocol
 # (Note [A step that fails on one rank] in tokenring.hf.generation). Not reached: peers in a
 # collective of another library (FSDP's all-gathers, a user's all_reduce in the forward); the
-# failing rank waits for them at most TELL_WITHIN_S (10 s: Communicator.tell), then raises
+# failing rank waits for them at most TELL_WITHIN_S (1 s: Communicator.tell), then raises
 # with its communicator failed and its error in the store (a peer that reaches the check
 # later reads it there), where before it waited out the communicator's timeout.
 

@@ -1856,9 +1856,14 @@ class PendingCollective:
 # after 1 ms closes its pair): a peer blocked on one fails at once ("Connection closed by
 # peer"), abandons its call and closes its own, so the failure crosses a ring of P ranks in
 # about P hops instead of a timeout each. NCCL peers still wait for the timeout.
-TELL_WITHIN_S = 10.0
+TELL_WITHIN_S = 1.0
 """How long :meth:`Communicator.tell` waits for the peers at the check they meet next: the
-compute between two of a model's rank checks (a layer, the head), with room to spare."""
+compute between two of a model's rank checks (a layer, the head) with room to spare. A peer
+held in a transfer's receive instead (over gloo's sockets the check's message cannot reach it)
+learns when the teller stops waiting and closes its links; one that comes later finds the
+error in the store. So it is short: the price of missing a slow peer is only a communicator
+failed on every rank (rebuilt by the next ``get_communicator`` after
+``close_communicators()``) instead of one that stays usable."""
 _STORE_LOCK = threading.Lock()
 """Serialises this process's failure entries in the store (Note [Failures through the store]):
 threads of one rank may fail at once, and a store client is not made for concurrent use."""
