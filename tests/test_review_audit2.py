@@ -217,6 +217,8 @@ def test_a_forward_that_fails_on_one_rank_fails_fast_on_every_rank(
     peers meet next: every rank raises at once naming it."""
     for res in ranks:
         raised_fast(res[f"{where} (1,)"], FAST_S, "a hook failed on rank 1")
+        # not the check_ranks hint of ranks in different calls: rank 1 said why
+        assert "check_ranks=False" not in res[f"{where} (1,)"]["error"], res[f"{where} (1,)"]
 
 
 @pytest.mark.parametrize("where", ["embeddings", "second layer", "final norm", "lm_head"])

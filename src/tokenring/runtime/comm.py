@@ -1071,12 +1071,17 @@ class Communicator:
                 for r, row in enumerate(rows)
                 if "invalid" in row
             ]
+            hint = (  # a rank that failed says why it is elsewhere
+                ""
+                if failed
+                else " (every rank must make the same calls, with the same check_ranks: a "
+                "rank that passed check_ranks=False skipped a check the others run)"
+            )
             raise ValueError(
                 "".join(failed)
                 + "ranks are in different calls: "
                 + ", ".join(f"rank {r} in a {call}" for r, call in enumerate(calls))
-                + " (every rank must make the same calls, with the same check_ranks: a rank "
-                "that passed check_ranks=False skipped a check the others run)"
+                + hint
             )
         if problem is not None:
             raise problem
