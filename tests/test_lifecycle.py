@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 import tokenring
+from common import running
 from oracle import make_inputs, oracle_with_grads
-from processes import running
 from tokenring.launch import LaunchError
 from tokenring.model.netlab import lab_unavailable_reason
 

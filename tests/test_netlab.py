@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import tokenring.model.netlab as netlab_module
-from processes import running
+from common import running
 from tokenring.model.netlab import (
     Lab,
     LabConfig,

@@ -14,7 +14,6 @@ Legend: B batch, S global seq, s local seq, V vocab, P world size.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import tokenring
+from common import outcome
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'tokenring-attention[hf]')"
@@ -57,13 +57,7 @@ def _timed(run: Callable[[], Any]) -> dict[str, Any]:
     """``run()``'s value or error and its time; then, once every rank is done, a new
     communicator on every rank if one rank's failed (tiny_llama.timed rebuilds it on the
     raising ranks alone, which waits for a peer that returned)."""
-    start = time.monotonic()
-    out: dict[str, Any] = {}
-    try:
-        out["value"] = run()
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["elapsed_s"] = time.monotonic() - start
+    out = outcome(run)
     failed = [None] * WORLD
     dist.all_gather_object(failed, tokenring.get_communicator(None)._broken is not None)
     if any(failed):

@@ -12,13 +12,13 @@ Legend: B = 2 batch, S image tokens, P world size.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
 
 import tokenring
+from common import outcome
 
 pytest.importorskip(
     "diffusers", reason="diffusers is not installed (pip install 'tokenring-attention[diffusers]')"
@@ -32,17 +32,6 @@ TIMEOUT_S = 4.0  # the communicators' timeout: a case that waits for it is a def
 FAST_S = 2.5
 
 
-def _outcome(run: Any) -> dict[str, Any]:
-    start = time.monotonic()
-    out: dict[str, Any] = {}
-    try:
-        out["value"] = run()
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["elapsed_s"] = time.monotonic() - start
-    return out
-
-
 def _flux_in_an_except_block(comm: tokenring.Communicator, out: dict[str, Any]) -> None:
     """Rank 0 calls the model (its second call: the first installs the hooks) inside an
     ``except`` block of its own, rank 1 outside any; then a third call on both."""
@@ -54,7 +43,7 @@ def _flux_in_an_except_block(comm: tokenring.Communicator, out: dict[str, Any]) 
         with torch.no_grad():
             return comm_gather(comm, model(**mine).sample)  # (B, S, 4)
 
-    out["flux first"] = _outcome(call)
+    out["flux first"] = outcome(call)
 
     def retried() -> torch.Tensor:
         if comm.rank != 0:
@@ -64,8 +53,8 @@ def _flux_in_an_except_block(comm: tokenring.Communicator, out: dict[str, Any]) 
         except KeyError:
             return call()  # the model's forward returns
 
-    out["flux in an except block"] = _outcome(retried)
-    out["flux after"] = _outcome(call)
+    out["flux in an except block"] = outcome(retried)
+    out["flux after"] = outcome(call)
 
 
 def comm_gather(comm: tokenring.Communicator, local: torch.Tensor) -> torch.Tensor:
@@ -89,11 +78,11 @@ def _told_in_a_transfer(shared_memory: bool, out: dict[str, Any]) -> None:
         # transfer's receive: rank 0 hears of it when rank 1 stops waiting (within_s)
         within_s = None if shared_memory else 0.5
         told = RuntimeError("told by rank 1")
-        out[name] = _outcome(lambda: comm.tell(told, what="step", within_s=within_s))
+        out[name] = outcome(lambda: comm.tell(told, what="step", within_s=within_s))
     else:
         q = torch.randn(1, 4, 2, 8, dtype=torch.float64)  # (B, s, H, D)
         run = lambda: tokenring.ring_attn(q, q, q, group=comm, check_ranks=False)  # noqa: E731
-        out[name] = _outcome(run)
+        out[name] = outcome(run)
     out[name]["broken"] = comm._broken is not None
     dist.barrier()
     again = tokenring.Communicator(
@@ -101,7 +90,7 @@ def _told_in_a_transfer(shared_memory: bool, out: dict[str, Any]) -> None:
     )
     out[name]["new, failed peers"] = again._failed_peers()
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
-    out[name]["new"] = _outcome(lambda: tokenring.ring_attn(q, q, q, group=again))
+    out[name]["new"] = outcome(lambda: tokenring.ring_attn(q, q, q, group=again))
 
 
 def run_cases() -> dict[str, Any]:

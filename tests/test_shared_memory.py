@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import tokenring
+from common import running
 from oracle import make_inputs, oracle_with_grads, owned_positions, tolerance_failures
-from processes import running
 from tokenring.launch import LaunchError
 from tokenring.runtime.comm import Communicator
 from tokenring.runtime.shm import ENV_VAR, SharedMemoryLinks, make_inboxes, shm_wanted

@@ -5,7 +5,6 @@ and the generate tests' pair of models (tokenring and SDPA), prompt and timed ca
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
 import tokenring
+from common import outcome
 
 
 def llama_config(
@@ -119,16 +119,16 @@ def generate_prompt() -> torch.Tensor:
 def timed(timeout_s: float, run: Callable[[], Any]) -> dict[str, Any]:
     """``run()``'s value or error and its time; after an error the default group gets a new
     communicator (of ``timeout_s``): a failed check leaves the old one failed."""
-    start = time.monotonic()
-    out: dict[str, Any] = {}
-    try:
-        out["value"] = run()
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        tokenring.close_communicators()
-        tokenring.get_communicator(None, timeout_s=timeout_s)
-    out["elapsed_s"] = time.monotonic() - start
-    return out
+
+    def then_rebuild() -> Any:
+        try:
+            return run()
+        except Exception:
+            tokenring.close_communicators()
+            tokenring.get_communicator(None, timeout_s=timeout_s)
+            raise
+
+    return outcome(then_rebuild)
 
 
 def raised_fast(res: dict[str, Any], fast_s: float, *words: str) -> None:
